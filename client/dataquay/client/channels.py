@@ -1,0 +1,71 @@
+"""Every gRPC channel and server option dataquay sets, in one place.
+
+Defaults are gRPC's unless a comment says why not.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+MiB = 1 << 20
+
+#: Largest message either side accepts. Reads are chunked to READ_CHUNK_BYTES,
+#: so this only has to hold one chunk plus the largest single sample.
+MAX_MESSAGE_BYTES = 256 * MiB
+
+#: Target payload per streamed read message: big enough that the 50-100 us cost
+#: of a message is small, small enough that the first samples arrive early.
+READ_CHUNK_BYTES = 4 * MiB
+
+
+def channel_options() -> list[tuple[str, int | str]]:
+    """Options for every channel a client or a peer daemon opens."""
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        # Detect a dead peer within seconds even when no call is in flight.
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # Fail fast and let the caller fall back to another tier instead of
+        # queueing behind a reconnect back-off of up to two minutes.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+        ("grpc.enable_retries", 0),
+    ]
+
+
+def server_options() -> list[tuple[str, int | str]]:
+    """Options for the daemon's and the directory's servers."""
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        # Clients ping every 10 s (above); allow that without a GOAWAY.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        # Two processes must never share a port by accident.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def default_socket_path() -> Path:
+    """The daemon's unix socket when neither flag nor env names one."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "dataquay" / "dataquay.sock"
+    return Path(f"/tmp/dataquay-{os.getuid()}") / "dataquay.sock"
+
+
+def grpc_target(address: str) -> str:
+    """A gRPC target for ``address``: a socket path, ``unix:PATH`` or ``HOST:PORT``."""
+    if address.startswith("unix:"):
+        return address
+    if address.startswith("/") or address.startswith("."):
+        return "unix:" + str(Path(address).absolute())
+    return address
+
+
+def daemon_address() -> str:
+    """The local daemon's address: DATAQUAY_ADDR, else the default socket."""
+    return os.environ.get("DATAQUAY_ADDR") or str(default_socket_path())

@@ -1,0 +1,35 @@
+"""Errors a dataquay user can act on.
+
+Every dataquay exception derives from :class:`DataquayError`, so one ``except``
+clause catches them all; subclasses say which part failed and why.
+"""
+
+from __future__ import annotations
+
+
+class DataquayError(Exception):
+    """Root of every error raised by dataquay."""
+
+
+class ManifestError(DataquayError):
+    """A manifest is malformed, or a dataset root cannot be turned into one."""
+
+
+class UnknownDatasetError(DataquayError, LookupError):
+    """A dataset name that no registry knows."""
+
+
+class SampleIdError(DataquayError, IndexError):
+    """A sample id outside 0..N-1 of its dataset."""
+
+
+class PfsReadError(DataquayError, OSError):
+    """A sample could not be read from the parallel file system."""
+
+
+class CorruptValueError(DataquayError):
+    """A cached value whose checksum does not match its bytes."""
+
+
+class DaemonUnavailableError(DataquayError, ConnectionError):
+    """The local daemon cannot be reached."""

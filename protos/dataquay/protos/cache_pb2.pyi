@@ -1,0 +1,238 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_LOCAL: _ClassVar[Tier]
+    TIER_PEER: _ClassVar[Tier]
+    TIER_PFS: _ClassVar[Tier]
+
+class DatasetFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FORMAT_UNSPECIFIED: _ClassVar[DatasetFormat]
+    FORMAT_FILES: _ClassVar[DatasetFormat]
+    FORMAT_TAR: _ClassVar[DatasetFormat]
+    FORMAT_NPY: _ClassVar[DatasetFormat]
+TIER_UNSPECIFIED: Tier
+TIER_LOCAL: Tier
+TIER_PEER: Tier
+TIER_PFS: Tier
+FORMAT_UNSPECIFIED: DatasetFormat
+FORMAT_FILES: DatasetFormat
+FORMAT_TAR: DatasetFormat
+FORMAT_NPY: DatasetFormat
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoReply(_message.Message):
+    __slots__ = ("node", "version", "cache_path", "max_batch", "cache_capacity", "tcp_address", "pid")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_PATH_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    TCP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    version: str
+    cache_path: str
+    max_batch: int
+    cache_capacity: int
+    tcp_address: str
+    pid: int
+    def __init__(self, node: _Optional[str] = ..., version: _Optional[str] = ..., cache_path: _Optional[str] = ..., max_batch: _Optional[int] = ..., cache_capacity: _Optional[int] = ..., tcp_address: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class ReadRequest(_message.Message):
+    __slots__ = ("dataset", "ids")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dataset: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Sample(_message.Message):
+    __slots__ = ("id", "tier", "data", "checksum")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    tier: Tier
+    data: bytes
+    checksum: int
+    def __init__(self, id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class ReadChunk(_message.Message):
+    __slots__ = ("samples",)
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[Sample]
+    def __init__(self, samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
+
+class AddDatasetRequest(_message.Message):
+    __slots__ = ("name", "root", "format", "replace", "tar_member_samples")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    TAR_MEMBER_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    root: str
+    format: DatasetFormat
+    replace: bool
+    tar_member_samples: bool
+    def __init__(self, name: _Optional[str] = ..., root: _Optional[str] = ..., format: _Optional[_Union[DatasetFormat, str]] = ..., replace: _Optional[bool] = ..., tar_member_samples: _Optional[bool] = ...) -> None: ...
+
+class SampleSizeStats(_message.Message):
+    __slots__ = ("min", "max", "mean", "median")
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_FIELD_NUMBER: _ClassVar[int]
+    min: int
+    max: int
+    mean: float
+    median: int
+    def __init__(self, min: _Optional[int] = ..., max: _Optional[int] = ..., mean: _Optional[float] = ..., median: _Optional[int] = ...) -> None: ...
+
+class DatasetInfo(_message.Message):
+    __slots__ = ("name", "root", "format", "num_samples", "total_bytes", "sample_size", "manifest_id", "cache_db", "manifest_bytes", "cached_samples", "cached_bytes", "created_unix")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_DB_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    root: str
+    format: DatasetFormat
+    num_samples: int
+    total_bytes: int
+    sample_size: SampleSizeStats
+    manifest_id: str
+    cache_db: str
+    manifest_bytes: int
+    cached_samples: int
+    cached_bytes: int
+    created_unix: float
+    def __init__(self, name: _Optional[str] = ..., root: _Optional[str] = ..., format: _Optional[_Union[DatasetFormat, str]] = ..., num_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sample_size: _Optional[_Union[SampleSizeStats, _Mapping]] = ..., manifest_id: _Optional[str] = ..., cache_db: _Optional[str] = ..., manifest_bytes: _Optional[int] = ..., cached_samples: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
+
+class ListDatasetsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListDatasetsReply(_message.Message):
+    __slots__ = ("datasets",)
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    datasets: _containers.RepeatedCompositeFieldContainer[DatasetInfo]
+    def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
+
+class GetDatasetRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ManifestChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class DropDatasetRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DropDatasetReply(_message.Message):
+    __slots__ = ("freed_samples",)
+    FREED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    freed_samples: int
+    def __init__(self, freed_samples: _Optional[int] = ...) -> None: ...
+
+class StageRequest(_message.Message):
+    __slots__ = ("dataset", "seed")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    seed: int
+    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class StageProgress(_message.Message):
+    __slots__ = ("dataset", "total_samples", "done_samples", "skipped_samples", "total_bytes", "done_bytes", "read_bytes", "elapsed_seconds", "finished", "cache_full", "error")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DONE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FULL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    total_samples: int
+    done_samples: int
+    skipped_samples: int
+    total_bytes: int
+    done_bytes: int
+    read_bytes: int
+    elapsed_seconds: float
+    finished: bool
+    cache_full: bool
+    error: str
+    def __init__(self, dataset: _Optional[str] = ..., total_samples: _Optional[int] = ..., done_samples: _Optional[int] = ..., skipped_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., done_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., cache_full: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierCount(_message.Message):
+    __slots__ = ("tier", "samples", "bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    samples: int
+    bytes: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    READS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    PFS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PFS_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_REPAIRED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FULL_FIELD_NUMBER: _ClassVar[int]
+    INSERTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    reads: _containers.RepeatedCompositeFieldContainer[TierCount]
+    cache_used_bytes: int
+    cache_capacity_bytes: int
+    cache_entries: int
+    pfs_bytes: int
+    pfs_errors: int
+    corrupt_repaired: int
+    cache_full: bool
+    inserts_dropped: int
+    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ...) -> None: ...
