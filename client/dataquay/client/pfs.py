@@ -1,0 +1,275 @@
+"""Reading samples straight from the parallel file system.
+
+Two callers share this module: the client, when its daemon is gone and it
+must serve itself, and the daemon's reader pool, which splits one plan across
+threads under a bandwidth cap. Both want the same thing from a PFS: few, large
+requests. :func:`plan_reads` is the pure half (which byte ranges to fetch for a
+batch of ids); :class:`PfsReader` is the I/O half (fetch one range, cut it into
+samples).
+
+Paths come only from a manifest, whose reader already refuses ``..`` and
+absolute paths. The final component is opened with ``O_NOFOLLOW`` so that a
+sample file swapped for a symlink after registration is refused, not followed.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import io
+import os
+import tarfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dataquay.client.errors import PfsReadError, SampleIdError
+from dataquay.client.manifest import Manifest
+from dataquay.client.records import frame_members
+
+DEFAULT_MAX_RANGE_BYTES = 8 << 20
+DEFAULT_MAX_GAP = 64 << 10
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def tar_member_key(name: str) -> tuple[str, str] | None:
+    """WebDataset's split of a tar member name into (sample key, extension).
+
+    The key is the name up to the first "." of its last path component, the
+    extension is the rest (``"a/b.seg.png"`` -> ``("a/b", "seg.png")``).
+    Members with no such dot (``"README"``, ``".hidden"``) belong to no sample,
+    as in WebDataset; the manifest builder and the reader both skip them, so a
+    grouped sample's bytes mean the same thing on both sides.
+    """
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    if dot <= slash:
+        return None
+    return name[:dot], name[dot + 1 :]
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class ReadRange:
+    """One contiguous read: ``length`` bytes at ``offset`` of path ``path_index``.
+
+    ``ids`` are the samples it covers, unique and in file order. Compared by
+    identity: an array field has no single truth value to compare on.
+    """
+
+    path_index: int
+    offset: int
+    length: int
+    ids: np.ndarray
+
+
+class PfsRangeError(PfsReadError):
+    """A range read failed; ``sample_ids`` lists every sample of that range.
+
+    The message names the first sample that is actually affected. Callers
+    that read ranges (the daemon's pool) retry the listed samples one by one,
+    so a single bad file does not fail its neighbours.
+    """
+
+    def __init__(self, message: str, sample_ids: Sequence[int]) -> None:
+        super().__init__(message)
+        self.sample_ids: tuple[int, ...] = tuple(sample_ids)
+
+
+def plan_reads(
+    manifest: Manifest,
+    ids: np.ndarray | Sequence[int],
+    *,
+    max_range_bytes: int = DEFAULT_MAX_RANGE_BYTES,
+    max_gap: int = DEFAULT_MAX_GAP,
+) -> list[ReadRange]:
+    """Groups the samples ``ids`` into as few ranges as the limits allow.
+
+    Samples of one file are sorted by offset; the next sample joins the current
+    range when it starts at most ``max_gap`` bytes after the previous one ends
+    (reading a small hole is cheaper than another request) and the range stays
+    within ``max_range_bytes`` (bounding memory per read and keeping work
+    shareable between threads). A sample larger than that limit is a range of
+    its own. Repeated ids are planned once.
+
+    Raises:
+        SampleIdError: an id outside 0..N-1.
+    """
+    wanted = np.unique(np.asarray(ids, dtype=np.int64).ravel())
+    n = manifest.num_samples
+    if wanted.size and (wanted[0] < 0 or wanted[-1] >= n):
+        bad = int(wanted[0] if wanted[0] < 0 else wanted[-1])
+        raise SampleIdError(f"sample {bad} not in manifest (N={n})")
+    paths = manifest.sample_path[wanted]
+    starts = manifest.sample_offset[wanted].astype(np.int64)
+    order = np.lexsort((starts, paths))
+    wanted, paths, starts = wanted[order], paths[order], starts[order]
+    ends = starts + manifest.sample_length[wanted].astype(np.int64)
+
+    breaks = np.ones(wanted.size, dtype=bool)
+    breaks[1:] = (paths[1:] != paths[:-1]) | (starts[1:] - ends[:-1] > max_gap)
+    seg_first = np.flatnonzero(breaks)
+    if not seg_first.size:
+        return []
+    seg_stop = np.append(seg_first[1:], wanted.size)
+    seg_span = np.maximum.reduceat(ends, seg_first) - starts[seg_first]
+
+    ranges: list[ReadRange] = []
+    for first, stop, span in zip(seg_first.tolist(), seg_stop.tolist(), seg_span.tolist()):
+        path = int(paths[first])
+        if span <= max_range_bytes:
+            ranges.append(ReadRange(path, int(starts[first]), span, wanted[first:stop]))
+            continue
+        i = first
+        while i < stop:
+            j = max(_first_above(ends, i, stop, int(starts[i]) + max_range_bytes), i + 1)
+            end = int(ends[i:j].max())
+            ranges.append(ReadRange(path, int(starts[i]), end - int(starts[i]), wanted[i:j]))
+            i = j
+    return ranges
+
+
+def _first_above(values: np.ndarray, lo: int, hi: int, limit: int) -> int:
+    """First index in lo..hi-1 whose value exceeds ``limit``, else ``hi``.
+
+    Searches in doubling windows so that the cost follows the range found,
+    not the segment searched: a segment can hold a million small records.
+    """
+    step = 256
+    while lo < hi:
+        hits = np.flatnonzero(values[lo : min(lo + step, hi)] > limit)
+        if hits.size:
+            return lo + int(hits[0])
+        lo += step
+        step *= 2
+    return hi
+
+
+class PfsReader:
+    """Reads a dataset's samples from the files its manifest names.
+
+    Stateless apart from a small cache of resolved paths, so one reader can be
+    shared by many threads; ``os.pread`` releases the GIL.
+    """
+
+    def __init__(self, manifest: Manifest, dataset: str) -> None:
+        self._manifest = manifest
+        self._dataset = dataset
+        self._grouped = manifest.format == "tar" and manifest.tar_grouped
+        self._offsets = manifest.sample_offset
+        self._lengths = manifest.sample_length
+        root = manifest.root
+        self._prefix = root if root.endswith("/") else root + "/"
+        self._path = functools.lru_cache(maxsize=4096)(self._resolve)
+
+    def _resolve(self, path_index: int) -> str:
+        return self._prefix + self._manifest.path(path_index)
+
+    def read(self, ids: np.ndarray | Sequence[int]) -> list[bytes]:
+        """The bytes of every id, in request order (repeated ids included).
+
+        Raises:
+            PfsRangeError: a file is missing, unreadable or shorter than the
+                manifest says.
+            SampleIdError: an id outside 0..N-1.
+            ManifestError: the manifest names a path that would leave its root.
+        """
+        flat = np.asarray(ids, dtype=np.int64).ravel()
+        got: dict[int, bytes] = {}
+        for r in plan_reads(self._manifest, flat):
+            got.update(self.read_range(r))
+        return [got[i] for i in flat.tolist()]
+
+    def read_range(self, r: ReadRange) -> dict[int, bytes]:
+        """Reads one planned range with one ``pread`` and cuts it into samples.
+
+        ``r`` must come from :func:`plan_reads` on this reader's manifest.
+
+        Raises:
+            PfsRangeError: as :meth:`read`.
+        """
+        path = self._path(r.path_index)
+        data = self._pread(path, r)
+        ids = r.ids.tolist()
+        if len(ids) == 1:
+            i = ids[0]
+            start = int(self._offsets[i]) - r.offset
+            out = {i: data[start : start + int(self._lengths[i])]}
+        else:
+            starts = (self._offsets[r.ids].astype(np.int64) - r.offset).tolist()
+            lengths = self._lengths[r.ids].tolist()
+            out = {i: data[s : s + n] for i, s, n in zip(ids, starts, lengths)}
+        if self._grouped:
+            return {i: self._unpack_group(i, raw, path, r) for i, raw in out.items()}
+        return out
+
+    def _pread(self, path: str, r: ReadRange) -> bytes:
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except OSError as exc:
+            raise self._error(r, r.ids, path, _reason(exc)) from exc
+        try:
+            data = os.pread(fd, r.length, r.offset)
+            if len(data) < r.length:
+                data = _pread_rest(fd, r, data)
+        except OSError as exc:
+            raise self._error(r, r.ids, path, _reason(exc)) from exc
+        finally:
+            os.close(fd)
+        if len(data) < r.length:
+            ends = self._offsets[r.ids] + self._lengths[r.ids]
+            short = r.ids[ends > r.offset + len(data)]
+            reason = f"truncated: expected {r.length} bytes at offset {r.offset}, got {len(data)}"
+            raise self._error(r, short, path, reason)
+        return data
+
+    def _unpack_group(self, sample_id: int, raw: bytes, path: str, r: ReadRange) -> bytes:
+        """Frames the members of one grouped tar sample, in archive order.
+
+        The range ends at the last member's data, not at the archive's next
+        512-byte block, so iteration stops there instead of asking tarfile for
+        a header that was never read.
+        """
+        members: list[tuple[str, memoryview]] = []
+        view = memoryview(raw)
+        try:
+            with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
+                while (info := tar.next()) is not None:
+                    end = info.offset_data + info.size
+                    if end > len(raw):
+                        raise tarfile.ReadError(f"member {info.name!r} runs past the sample")
+                    key = tar_member_key(info.name)
+                    if info.isreg() and key is not None:
+                        members.append((key[1], view[info.offset_data : end]))
+                    if end >= len(raw):
+                        break
+        except tarfile.TarError as exc:
+            offset = int(self._offsets[sample_id])
+            reason = f"cannot parse tar members at offset {offset}: {exc}"
+            raise self._error(r, [sample_id], path, reason) from exc
+        return frame_members(members)
+
+    def _error(
+        self, r: ReadRange, affected: np.ndarray | Sequence[int], path: str, reason: str
+    ) -> PfsRangeError:
+        first = int(affected[0]) if len(affected) else int(r.ids[0])
+        message = f"sample {first} of {self._dataset!r}: cannot read {path}: {reason}"
+        return PfsRangeError(message, r.ids.tolist())
+
+
+def _pread_rest(fd: int, r: ReadRange, head: bytes) -> bytes:
+    """Finishes a short read; stops early only at the end of the file."""
+    chunks, got = [head], len(head)
+    while got < r.length:
+        more = os.pread(fd, r.length - got, r.offset + got)
+        if not more:
+            break
+        chunks.append(more)
+        got += len(more)
+    return b"".join(chunks)
+
+
+def _reason(exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return "is a symbolic link (refused)"
+    return exc.strerror or str(exc)

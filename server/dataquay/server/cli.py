@@ -1,0 +1,247 @@
+"""``dataquay``: the command line of the daemon, its datasets and its tools.
+
+Exit codes: 0 success, 1 the operation failed (one line on stderr says why),
+2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import grpc
+
+from dataquay.client.channels import channel_options, daemon_address, grpc_target
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import cache_pb2_grpc
+from dataquay.server.config import DaemonConfig
+from dataquay.server.errors import DataquayError
+from dataquay.server.sizes import format_bytes
+
+FORMATS = {"files": pb.FORMAT_FILES, "tar": pb.FORMAT_TAR, "npy": pb.FORMAT_NPY}
+FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
+TIER_NAMES = {pb.TIER_LOCAL: "local", pb.TIER_PEER: "peer", pb.TIER_PFS: "pfs"}
+
+
+class CliError(Exception):
+    """Ends the command with exit code 1 and this one-line message."""
+
+
+# ----------------------------------------------------------------- plumbing
+
+
+@contextmanager
+def _daemon(args: argparse.Namespace) -> Iterator[cache_pb2_grpc.CacheStub]:
+    """A stub for the daemon at --addr; RPC errors become one-line messages."""
+    address = args.addr or daemon_address()
+    channel = grpc.insecure_channel(grpc_target(address), options=channel_options())
+    try:
+        yield cache_pb2_grpc.CacheStub(channel)
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            raise CliError(f"no daemon answers at {address} (is `dataquay serve` running? set DATAQUAY_ADDR)") from None
+        raise CliError(exc.details() or exc.code().name) from None
+    finally:
+        channel.close()
+
+
+def _add_addr(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--addr", help="daemon address: socket path or HOST:PORT [env DATAQUAY_ADDR]")
+
+
+def _print_table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> None:
+    cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+# ----------------------------------------------------------------- commands
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from dataquay.server.daemon import serve
+    from dataquay.server.logs import setup_logging
+    from dataquay.server.loops import loop_factory
+
+    config = DaemonConfig.from_sources(vars(args))
+    setup_logging(config.log_level, config.log_format)
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(serve(config))
+
+
+def cmd_dataset_add(args: argparse.Namespace) -> None:
+    fmt = FORMATS[args.format] if args.format else pb.FORMAT_UNSPECIFIED
+    with _daemon(args) as stub:
+        info = stub.AddDataset(
+            pb.AddDatasetRequest(
+                name=args.name, root=args.root, format=fmt, replace=args.replace,
+                tar_member_samples=args.tar_member_samples,
+            )
+        )
+    print(
+        f"registered {info.name!r}: {info.num_samples} samples, {format_bytes(info.total_bytes)}, "
+        f"format {FORMAT_NAMES[info.format]}, root {info.root}"
+    )
+
+
+def cmd_dataset_ls(args: argparse.Namespace) -> None:
+    with _daemon(args) as stub:
+        reply = stub.ListDatasets(pb.ListDatasetsRequest())
+    rows = [
+        (
+            d.name, FORMAT_NAMES[d.format], d.num_samples, format_bytes(d.total_bytes),
+            f"{100 * d.cached_samples / max(d.num_samples, 1):.0f}%", d.root,
+        )
+        for d in reply.datasets
+    ]
+    _print_table(rows, ("NAME", "FORMAT", "SAMPLES", "SIZE", "CACHED", "ROOT"))
+
+
+def cmd_dataset_show(args: argparse.Namespace) -> None:
+    with _daemon(args) as stub:
+        d = stub.GetDataset(pb.GetDatasetRequest(name=args.name))
+    s = d.sample_size
+    for key, value in (
+        ("name", d.name),
+        ("root", d.root),
+        ("format", FORMAT_NAMES[d.format]),
+        ("samples", d.num_samples),
+        ("bytes", f"{d.total_bytes} ({format_bytes(d.total_bytes)})"),
+        ("sample size", f"min {s.min}  median {s.median}  mean {s.mean:.0f}  max {s.max}"),
+        ("cached", f"{d.cached_samples} samples, {format_bytes(d.cached_bytes)}"),
+        ("manifest", f"{d.manifest_id} ({format_bytes(d.manifest_bytes)})"),
+    ):
+        print(f"{key:<12} {value}")
+
+
+def cmd_dataset_drop(args: argparse.Namespace) -> None:
+    with _daemon(args) as stub:
+        reply = stub.DropDataset(pb.DropDatasetRequest(name=args.name))
+    print(f"dropped {args.name!r}: freed {reply.freed_samples} cached samples")
+
+
+def cmd_stage(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    last = None
+    with _daemon(args) as stub:
+        progress = stub.Stage(pb.StageRequest(dataset=args.name, seed=args.seed))
+        bar = None
+        for last in progress:
+            if bar is None:
+                bar = tqdm(
+                    total=last.total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+                    desc=f"staging {args.name}", disable=args.quiet, file=sys.stderr,
+                    mininterval=0.5 if sys.stderr.isatty() else 10,
+                )
+            bar.set_postfix_str(f"{last.done_samples}/{last.total_samples} samples", refresh=False)
+            bar.update(last.done_bytes - bar.n)
+        if bar is not None:
+            bar.close()
+    if last is None:
+        raise CliError("staging ended without a report")
+    if last.error:
+        raise CliError(f"staging {args.name!r} failed: {last.error}")
+    rate = last.read_bytes / last.elapsed_seconds if last.elapsed_seconds else 0.0
+    print(
+        f"staged {args.name!r}: {last.done_samples}/{last.total_samples} samples cached "
+        f"({last.done_samples - last.skipped_samples} read, {last.skipped_samples} already cached), "
+        f"{format_bytes(last.read_bytes)} from the PFS in {last.elapsed_seconds:.1f} s "
+        f"({format_bytes(rate)}/s)" + ("; cache full, the rest will be read from the PFS" if last.cache_full else "")
+    )
+
+
+def cmd_status(args: argparse.Namespace) -> None:
+    with _daemon(args) as stub:
+        stats = stub.Stats(pb.StatsRequest())
+    reads = {TIER_NAMES[t.tier]: t for t in stats.reads}
+    total = sum(t.samples for t in stats.reads) or 1
+    print(f"node {stats.node}: cache {format_bytes(stats.cache_used_bytes)} of "
+          f"{format_bytes(stats.cache_capacity_bytes)}, {stats.cache_entries} entries"
+          + (" (full)" if stats.cache_full else ""))
+    _print_table(
+        [(tier, t.samples, f"{100 * t.samples / total:.1f}%", format_bytes(t.bytes)) for tier, t in reads.items()],
+        ("TIER", "SAMPLES", "SHARE", "BYTES"),
+    )
+    print(f"pfs read {format_bytes(stats.pfs_bytes)}, {stats.pfs_errors} errors, "
+          f"{stats.corrupt_repaired} corrupt values repaired")
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from dataquay.server.demo import run_demo
+
+    run_demo(samples=args.samples, epochs=args.epochs)
+
+
+# ------------------------------------------------------------------ parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dataquay", description="Stage training data next to the GPUs.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run this node's daemon")
+    DaemonConfig.add_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    dataset = sub.add_parser("dataset", help="register, list, inspect and drop datasets")
+    dsub = dataset.add_subparsers(dest="action", required=True, metavar="ACTION")
+    add = dsub.add_parser("add", help="register a dataset that lives under ROOT")
+    add.add_argument("name")
+    add.add_argument("root")
+    add.add_argument("--format", choices=sorted(FORMATS), help="default: detected from the files")
+    add.add_argument("--replace", action="store_true", help="replace a dataset of the same name")
+    add.add_argument(
+        "--tar-member-samples", action="store_true",
+        help="tar: one sample per member instead of one per basename group",
+    )
+    add.set_defaults(func=cmd_dataset_add)
+    ls = dsub.add_parser("ls", help="list datasets")
+    ls.set_defaults(func=cmd_dataset_ls)
+    show = dsub.add_parser("show", help="size, format and sample statistics of a dataset")
+    show.add_argument("name")
+    show.set_defaults(func=cmd_dataset_show)
+    drop = dsub.add_parser("drop", help="unregister a dataset and free its cache")
+    drop.add_argument("name")
+    drop.set_defaults(func=cmd_dataset_drop)
+    for p in (add, ls, show, drop):
+        _add_addr(p)
+
+    stage = sub.add_parser("stage", help="copy a dataset from the PFS into the cache")
+    stage.add_argument("name")
+    stage.add_argument("--seed", type=int, default=0, help="the job's shuffle seed (sets the staging order)")
+    stage.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_addr(stage)
+    stage.set_defaults(func=cmd_stage)
+
+    status = sub.add_parser("status", help="cache fill and reads by tier")
+    _add_addr(status)
+    status.set_defaults(func=cmd_status)
+
+    demo = sub.add_parser("demo", help="a local daemon, a synthetic dataset, a few epochs, a report")
+    demo.add_argument("--samples", type=int, default=4000)
+    demo.add_argument("--epochs", type=int, default=3)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], None] = args.func
+    try:
+        func(args)
+    except (CliError, DataquayError) as exc:
+        print(f"dataquay: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

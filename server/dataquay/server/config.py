@@ -1,0 +1,119 @@
+"""The daemon's configuration: one frozen object whose field names are the flags.
+
+Every field ``cache_dir`` is the flag ``--cache-dir`` and the environment
+variable ``DATAQUAY_CACHE_DIR``; a flag beats the environment, which beats the
+default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from socket import gethostname
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from dataquay.client.channels import default_socket_path
+from dataquay.server.errors import ConfigError
+from dataquay.server.sizes import parse_size
+
+ENV_PREFIX = "DATAQUAY_"
+
+
+def _home_dir(kind: str, fallback: str) -> Path:
+    return Path(os.environ.get(kind) or Path.home() / fallback) / "dataquay"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError("must be positive")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError("must be a port number 0-65535")
+    return value
+
+
+def _option(default: Any, help: str, parse: Callable[[str], Any] = str, **extra: Any) -> Any:
+    meta = {"help": help, "parse": parse, **extra}
+    if callable(default) and not isinstance(default, type):
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Everything ``dataquay serve`` needs to run one node's daemon."""
+
+    socket: Path = _option(default_socket_path, "unix socket for local clients", Path)
+    listen: str = _option(
+        "127.0.0.1:7070", "TCP HOST:PORT for peers and remote tools; port 0 picks a free port"
+    )
+    cache_dir: Path = _option(
+        lambda: _home_dir("XDG_CACHE_HOME", ".cache") / "cache",
+        "directory of the LMDB cache; put it on the node-local SSD",
+        Path,
+    )
+    cache_size: int = _option(
+        0, "cache capacity (e.g. 200G); 0 = 80%% of the cache file system's space", parse_size
+    )
+    state_dir: Path = _option(
+        lambda: _home_dir("XDG_STATE_HOME", ".local/state"),
+        "directory for the dataset registry and manifests",
+        Path,
+    )
+    pfs_threads: int = _option(8, "threads reading the parallel file system", _positive_int)
+    pfs_bandwidth: int = _option(
+        0, "cap on PFS reads in bytes/s (e.g. 500M); 0 = uncapped", lambda s: parse_size(s, "rate")
+    )
+    metrics_host: str = _option("0.0.0.0", "address of the Prometheus /metrics endpoint")
+    metrics_port: int = _option(9470, "port of the Prometheus endpoint; 0 picks a free port", _port)
+    max_batch: int = _option(4096, "most sample ids one read request may carry", _positive_int)
+    node_name: str = _option(gethostname, "this node's name in the cluster")
+    ready_file: Path | None = _option(
+        None, "write a JSON file with the bound addresses once serving", Path
+    )
+    log_level: str = _option("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
+    log_format: str = _option("text", "text or json", choices=("text", "json"))
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Adds one flag per field; unset flags stay None so the env can fill them."""
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            env = ENV_PREFIX + f.name.upper()
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                default=None,
+                choices=f.metadata.get("choices"),
+                help=f"{f.metadata['help']} [env {env}]",
+            )
+
+    @classmethod
+    def from_sources(cls, flags: Mapping[str, str | None], env: Mapping[str, str] = os.environ) -> DaemonConfig:
+        """Builds the config from flag values and the environment, naming any bad value."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = flags.get(f.name)
+            source = "--" + f.name.replace("_", "-")
+            if raw is None:
+                raw = env.get(ENV_PREFIX + f.name.upper())
+                source = ENV_PREFIX + f.name.upper()
+            if raw is None:
+                continue
+            choices = f.metadata.get("choices")
+            if choices and raw not in choices:
+                raise ConfigError(f"{source}: {raw!r} is not one of {', '.join(choices)}")
+            try:
+                values[f.name] = f.metadata["parse"](raw)
+            except (ValueError, ConfigError) as exc:
+                raise ConfigError(f"{source}: bad value {raw!r}: {exc}") from None
+        return cls(**values)
+

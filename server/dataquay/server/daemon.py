@@ -1,0 +1,291 @@
+"""The node daemon: owns the cache, the PFS readers, staging and the gRPC server.
+
+Lifecycle (after uvicorn and dask's Server): ``start()`` is idempotent and, if
+any step fails, closes what it opened and raises with the cause chained;
+``async with Daemon(...)`` starts and closes. Shutdown is staged: health goes
+NOT_SERVING, the server stops accepting and lets in-flight calls finish within
+a grace period, background work is cancelled, queued cache writes are committed
+and the environment is synced and closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import stat
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from prometheus_client import start_http_server
+
+from dataquay.client.channels import server_options
+from dataquay.protos import cache_pb2_grpc
+from dataquay.server import __version__
+from dataquay.server.config import DaemonConfig
+from dataquay.server.errors import StartupError
+from dataquay.server.manifest_build import build_manifest
+from dataquay.server.metrics import DaemonMetrics, LiveState
+from dataquay.server.pfs_pool import PfsPool
+from dataquay.server.reads import ReadService
+from dataquay.server.registry import Registry
+from dataquay.server.servicer import CacheServicer
+from dataquay.server.stager import Stager
+from dataquay.server.store import Store
+from dataquay.server.tasks import TaskGroup
+
+log = logging.getLogger("dataquay.daemon")
+
+SERVICE_NAME = "dataquay.v1.Cache"
+
+
+class Daemon:
+    """One node's daemon; see the module docstring for its lifecycle."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.version = __version__
+        self.pid = os.getpid()
+        self.store = Store(config.cache_dir, config.cache_size)
+        self.registry = Registry(config.state_dir)
+        self.pfs = PfsPool(config.pfs_threads, config.pfs_bandwidth)
+        self.metrics = DaemonMetrics(self.live_state)
+        self.reads = ReadService(self.registry, self.store, self.pfs, self.metrics, config.max_batch)
+        self.stager = Stager(self.registry, self.store, self.pfs)
+        self.tasks = TaskGroup()
+        self.health = HealthServicer()
+        self.tcp_address = ""
+        self.metrics_port = 0
+        self._server: grpc.aio.Server | None = None
+        self._metrics_http: object | None = None
+        self._started = False
+        self._stop_requested = asyncio.Event()
+        self._builds = asyncio.Semaphore(1)
+
+    async def __aenter__(self) -> Daemon:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        try:
+            self.store.open()
+            self.registry.load()
+            for name in self.registry.names():
+                await self.store.open_dataset(self.registry.get(name).record.cache_db)
+            self._start_metrics()
+            await self._start_server()
+        except BaseException:
+            await self.close()
+            raise
+        self.tasks.spawn(self.store.run_writer(), "cache-writer")
+        self.tasks.spawn(self.store.run_syncer(), "cache-syncer")
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self._write_ready_file()
+        log.info(
+            "serving",
+            extra={"fields": {"node": self.config.node_name, "socket": str(self.config.socket),
+                              "tcp": self.tcp_address, "metrics_port": self.metrics_port,
+                              "cache_dir": str(self.store.path), "capacity_bytes": self.store.capacity}},
+        )
+
+    def _start_metrics(self) -> None:
+        try:
+            server, _thread = start_http_server(
+                self.config.metrics_port, addr=self.config.metrics_host, registry=self.metrics.registry
+            )
+        except OSError as exc:
+            raise StartupError(
+                f"cannot serve metrics on {self.config.metrics_host}:{self.config.metrics_port}: {exc.strerror}"
+            ) from exc
+        self._metrics_http = server
+        self.metrics_port = server.server_port
+
+    async def _start_server(self) -> None:
+        server = grpc.aio.server(options=server_options())
+        cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self._server = server
+        sock = Path(self.config.socket)
+        _claim_socket_path(sock)
+        try:
+            bound = server.add_insecure_port(f"unix:{sock}")
+        except RuntimeError as exc:
+            raise StartupError(f"cannot listen on socket {sock}: {exc}") from exc
+        if not bound:
+            raise StartupError(f"cannot listen on socket {sock}")
+        host, _, port = self.config.listen.rpartition(":")
+        _check_port_free(host, port)
+        try:
+            tcp_port = server.add_insecure_port(self.config.listen)
+        except RuntimeError as exc:
+            raise StartupError(f"cannot listen on {self.config.listen}: port taken or address not local") from exc
+        if not tcp_port:
+            raise StartupError(f"cannot listen on {self.config.listen}: port taken or address not local")
+        self.tcp_address = f"{host or '0.0.0.0'}:{tcp_port}"
+        await server.start()
+        os.chmod(sock, 0o660)
+
+    def _write_ready_file(self) -> None:
+        if self.config.ready_file is None:
+            return
+        path = Path(self.config.ready_file)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "pid": self.pid,
+                    "node": self.config.node_name,
+                    "socket": str(self.config.socket),
+                    "tcp": self.tcp_address,
+                    "metrics_port": self.metrics_port,
+                    "cache_dir": str(self.store.path),
+                }
+            )
+        )
+        os.replace(tmp, path)
+
+    def request_stop(self) -> None:
+        """Asks ``serve_until_stopped`` to return; safe from a signal handler."""
+        self._stop_requested.set()
+
+    async def serve_until_stopped(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        await self._stop_requested.wait()
+        log.info("stopping", extra={"fields": {"node": self.config.node_name}})
+
+    async def close(self, grace: float = 10.0) -> None:
+        """Staged shutdown; safe to call twice and after a failed start."""
+        if not self._started:
+            return
+        self._started = False
+        await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace)
+        await self.tasks.close()
+        if self.store.is_open:
+            await self._drain_writes()
+            self.store.close()
+        self.pfs.close()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()  # type: ignore[attr-defined]
+        Path(self.config.socket).unlink(missing_ok=True)
+
+    async def _drain_writes(self) -> None:
+        """Commits what is still queued (the writer task is gone by now)."""
+        writer = asyncio.get_running_loop().create_task(self.store.run_writer())
+        try:
+            await asyncio.wait_for(self.store.flush(), timeout=30)
+        except TimeoutError:
+            log.warning("dropped queued cache writes at shutdown")
+        finally:
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
+
+    # ------------------------------------------------------------- handlers
+
+    async def add_dataset(
+        self, name: str, root: str, fmt: str | None, replace: bool, tar_grouped: bool
+    ) -> str:
+        """Builds the manifest of ``root`` off the loop and registers it as ``name``."""
+        self.registry.check_free(name, replace)
+        async with self._builds:
+            writer = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: build_manifest(root, fmt, tar_grouped=tar_grouped)
+            )
+            entry, previous = self.registry.add(name, writer, replace)
+        if previous is not None and previous.record.cache_db != entry.record.cache_db:
+            await self.store.drop_dataset(previous.record.cache_db)
+        log.info(
+            "dataset registered",
+            extra={"fields": {"dataset": name, "samples": entry.manifest.num_samples, "format": entry.record.format}},
+        )
+        return name
+
+    async def drop_dataset(self, name: str) -> int:
+        entry = self.registry.drop(name)
+        freed = await self.store.drop_dataset(entry.record.cache_db)
+        log.info("dataset dropped", extra={"fields": {"dataset": name, "freed_samples": freed}})
+        return freed
+
+    def live_state(self) -> LiveState:
+        if not self.store.is_open:
+            used, entries = 0, 0
+        else:
+            used, entries = self.store.usage()
+        return LiveState(
+            cache_used_bytes=used,
+            cache_capacity_bytes=self.store.capacity,
+            cache_entries=entries,
+            cache_full=self.store.full,
+            corrupt_repaired=self.store.corrupt_repaired,
+            inserts_dropped=self.store.inserts_dropped,
+            pfs_bytes=self.pfs.bytes_read,
+            pfs_errors=self.pfs.errors,
+            staging={
+                name: (p.done_samples, p.total_samples, p.done_bytes, p.total_bytes)
+                for name, p in self.stager.runs.items()
+            },
+        )
+
+
+def _check_port_free(host: str, port: str) -> None:
+    """Fails with a clear message before gRPC would fail with a vague one."""
+    if not port.isdigit():
+        raise StartupError(f"bad listen address {host}:{port}: expected HOST:PORT")
+    if int(port) == 0:
+        return
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    probe = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host.strip("[]") or "0.0.0.0", int(port)))
+    except OSError as exc:
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    finally:
+        probe.close()
+
+
+def _claim_socket_path(path: Path) -> None:
+    """Makes ``path`` free for a new socket; refuses if a live daemon is on it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StartupError(f"cannot create socket dir {path.parent}: {exc.strerror}") from exc
+    if not path.exists():
+        return
+    if not stat.S_ISSOCK(path.stat().st_mode):
+        raise StartupError(f"socket path {path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()
+        return
+    finally:
+        probe.close()
+    raise StartupError(f"another daemon is serving on socket {path}")
+
+
+async def serve(config: DaemonConfig) -> None:
+    """Runs a daemon until SIGTERM or SIGINT."""
+    async with Daemon(config) as daemon:
+        await daemon.serve_until_stopped()

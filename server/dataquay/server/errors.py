@@ -1,0 +1,43 @@
+"""Errors of the daemon and its CLI, rooted in :class:`DataquayError`.
+
+The client's errors (unknown dataset, bad sample id, PFS read failure) are the
+same objects on both sides, so they are re-exported here.
+"""
+
+from __future__ import annotations
+
+from dataquay.client.errors import (
+    DataquayError,
+    ManifestError,
+    PfsReadError,
+    SampleIdError,
+    UnknownDatasetError,
+)
+
+__all__ = [
+    "BatchTooLargeError",
+    "ConfigError",
+    "DataquayError",
+    "DatasetExistsError",
+    "ManifestError",
+    "PfsReadError",
+    "SampleIdError",
+    "StartupError",
+    "UnknownDatasetError",
+]
+
+
+class ConfigError(DataquayError, ValueError):
+    """A flag, environment variable or config value that cannot be used."""
+
+
+class StartupError(DataquayError):
+    """The daemon could not start (directory not writable, port taken, ...)."""
+
+
+class DatasetExistsError(DataquayError):
+    """A dataset name that is already registered (use --replace)."""
+
+
+class BatchTooLargeError(DataquayError, ValueError):
+    """A request with more ids than the daemon's --max-batch."""

@@ -1,0 +1,119 @@
+"""Prometheus metrics of one daemon.
+
+Events (reads, bytes, latencies) are plain counters and histograms; state
+(cache fill, staging progress) is read live by one collector at scrape time, so
+it can never drift from the truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+TIERS = ("local", "peer", "pfs")
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+@dataclass(frozen=True)
+class LiveState:
+    """A snapshot of the daemon's state for the collector."""
+
+    cache_used_bytes: int
+    cache_capacity_bytes: int
+    cache_entries: int
+    cache_full: bool
+    corrupt_repaired: int
+    inserts_dropped: int
+    pfs_bytes: int
+    pfs_errors: int
+    staging: dict[str, tuple[int, int, int, int]]  # dataset -> (done, total, done_bytes, total_bytes)
+
+
+class _StateCollector(Collector):
+    def __init__(self, snapshot: Callable[[], LiveState]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._snapshot()
+        yield GaugeMetricFamily("dataquay_cache_bytes", "Bytes of the LMDB map in use", value=state.cache_used_bytes)
+        yield GaugeMetricFamily(
+            "dataquay_cache_capacity_bytes", "Configured cache capacity", value=state.cache_capacity_bytes
+        )
+        yield GaugeMetricFamily("dataquay_cache_entries", "Samples held in the cache", value=state.cache_entries)
+        yield GaugeMetricFamily(
+            "dataquay_cache_full", "1 when the cache stopped inserting at capacity", value=int(state.cache_full)
+        )
+        yield CounterMetricFamily(
+            "dataquay_cache_corrupt_repaired",
+            "Cached values that failed their checksum and were re-read from the PFS",
+            value=state.corrupt_repaired,
+        )
+        yield CounterMetricFamily(
+            "dataquay_cache_inserts_dropped",
+            "Samples not inserted because the cache was full or its write queue was",
+            value=state.inserts_dropped,
+        )
+        yield CounterMetricFamily("dataquay_pfs_read_bytes", "Bytes read from the PFS", value=state.pfs_bytes)
+        yield CounterMetricFamily("dataquay_pfs_errors", "Failed PFS reads", value=state.pfs_errors)
+        done = GaugeMetricFamily(
+            "dataquay_staging_samples", "Samples of a dataset cached by staging so far", labels=["dataset"]
+        )
+        total = GaugeMetricFamily(
+            "dataquay_staging_total_samples", "Samples a staging run must cache", labels=["dataset"]
+        )
+        done_bytes = GaugeMetricFamily(
+            "dataquay_staging_bytes", "Bytes of a dataset cached by staging so far", labels=["dataset"]
+        )
+        total_bytes = GaugeMetricFamily(
+            "dataquay_staging_total_bytes", "Bytes a staging run must cache", labels=["dataset"]
+        )
+        for dataset, (d, t, db, tb) in state.staging.items():
+            done.add_metric([dataset], d)
+            total.add_metric([dataset], t)
+            done_bytes.add_metric([dataset], db)
+            total_bytes.add_metric([dataset], tb)
+        yield from (done, total, done_bytes, total_bytes)
+
+
+class DaemonMetrics:
+    """The daemon's metric objects, in a registry of their own."""
+
+    def __init__(self, snapshot: Callable[[], LiveState]) -> None:
+        self.registry = CollectorRegistry()
+        self.reads = Counter(
+            "dataquay_reads", "Samples served, by tier", ["tier"], registry=self.registry
+        )
+        self.read_bytes = Counter(
+            "dataquay_read_bytes", "Payload bytes served, by tier", ["tier"], registry=self.registry
+        )
+        self.request_seconds = Histogram(
+            "dataquay_request_seconds",
+            "Time to serve a request, by method",
+            ["method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        for tier in TIERS:
+            self.reads.labels(tier)
+            self.read_bytes.labels(tier)
+        self.registry.register(_StateCollector(snapshot))
+
+    def count_read(self, tier: str, samples: int, nbytes: int) -> None:
+        self.reads.labels(tier).inc(samples)
+        self.read_bytes.labels(tier).inc(nbytes)
+
+    def tier_totals(self) -> dict[str, tuple[int, int]]:
+        """(samples, bytes) served per tier since start."""
+        value = self.registry.get_sample_value
+        return {
+            tier: (
+                int(value("dataquay_reads_total", {"tier": tier}) or 0),
+                int(value("dataquay_read_bytes_total", {"tier": tier}) or 0),
+            )
+            for tier in TIERS
+        }

@@ -1,0 +1,40 @@
+"""A thread-safe token bucket that caps bytes per second.
+
+PFS reads run in a thread pool, so the limiter blocks the calling thread, not
+the event loop. Capping at the source is what lets staging be polite to a PFS
+that other jobs share.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class TokenBucket:
+    """Admits ``rate`` bytes per second on average, with bursts up to ``burst``."""
+
+    def __init__(self, rate: float, burst: float | None = None) -> None:
+        if rate <= 0:
+            raise ValueError("rate must be positive")
+        self.rate = float(rate)
+        # A tenth of a second of burst keeps the cap tight over short windows.
+        self.burst = float(burst if burst is not None else rate / 10)
+        self._tokens = self.burst
+        self._stamp = time.monotonic()
+        self._lock = threading.Lock()
+
+    def acquire(self, amount: int) -> None:
+        """Blocks until ``amount`` bytes may pass.
+
+        A request larger than the burst is admitted by going into debt, so big
+        ranges are not starved; later callers then wait the debt off.
+        """
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+            self._stamp = now
+            self._tokens -= amount
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait > 0:
+            time.sleep(wait)

@@ -1,0 +1,99 @@
+"""Serving a batch of sample ids: cache first, the PFS for the rest.
+
+A miss read from the PFS is handed to the store's writer without waiting, so
+the reply never waits for an LMDB commit. A cached value whose checksum fails
+is served from the PFS and rewritten (repaired) in the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from dataquay.client.channels import READ_CHUNK_BYTES
+from dataquay.client.records import checksum, encode_value
+from dataquay.server.errors import BatchTooLargeError, SampleIdError
+from dataquay.server.metrics import DaemonMetrics
+from dataquay.server.pfs_pool import PfsPool
+from dataquay.server.registry import Registry
+from dataquay.server.store import PendingWrite, Store
+
+
+@dataclass(frozen=True)
+class Served:
+    """One sample of a reply."""
+
+    sample_id: int
+    tier: str
+    data: bytes
+    checksum: int
+
+
+class ReadService:
+    """Resolves read requests against the node's tiers."""
+
+    def __init__(
+        self, registry: Registry, store: Store, pfs: PfsPool, metrics: DaemonMetrics, max_batch: int
+    ) -> None:
+        self.registry = registry
+        self.store = store
+        self.pfs = pfs
+        self.metrics = metrics
+        self.max_batch = max_batch
+
+    def validate(self, dataset: str, ids: np.ndarray) -> None:
+        """Raises for an unknown dataset, a batch over the limit or an id out of range."""
+        entry = self.registry.get(dataset)
+        if len(ids) > self.max_batch:
+            raise BatchTooLargeError(
+                f"batch of {len(ids)} ids exceeds the limit of {self.max_batch} (--max-batch)"
+            )
+        n = entry.manifest.num_samples
+        if len(ids) and int(ids.max()) >= n:
+            bad = int(ids[ids >= n][0])
+            raise SampleIdError(f"sample id {bad} out of range for dataset {dataset!r} (N={n})")
+
+    async def read(self, dataset: str, ids: np.ndarray) -> list[Served]:
+        """The samples of ``ids`` in request order; raises PfsReadError if one is unreadable."""
+        self.validate(dataset, ids)
+        entry = self.registry.get(dataset)
+        db = entry.record.cache_db
+        await self.store.open_dataset(db)
+        cached, corrupt = self.store.get_many(db, ids.tolist())
+        miss_positions = [i for i, value in enumerate(cached) if value is None]
+        from_pfs: dict[int, bytes] = {}
+        if miss_positions:
+            miss_ids = np.unique(ids[miss_positions])
+            from_pfs = await self.pfs.read(dataset, entry.manifest, miss_ids)
+            repair = set(corrupt)
+            for sample_id, payload in from_pfs.items():
+                self.store.offer(PendingWrite(db.encode(), sample_id, encode_value(payload), sample_id in repair))
+        out: list[Served] = []
+        local_bytes = pfs_bytes = 0
+        for sample_id, value in zip(ids.tolist(), cached):
+            if value is None:
+                payload = from_pfs[sample_id]
+                out.append(Served(sample_id, "pfs", payload, checksum(payload)))
+                pfs_bytes += len(payload)
+            else:
+                out.append(Served(sample_id, "local", value, checksum(value)))
+                local_bytes += len(value)
+        self.metrics.count_read("local", len(ids) - len(miss_positions), local_bytes)
+        self.metrics.count_read("pfs", len(miss_positions), pfs_bytes)
+        return out
+
+
+def chunked(samples: list[Served], limit: int = READ_CHUNK_BYTES) -> Iterator[list[Served]]:
+    """Splits a reply into messages of about ``limit`` bytes (at least one sample each)."""
+    chunk: list[Served] = []
+    size = 0
+    for sample in samples:
+        if chunk and size + len(sample.data) > limit:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(sample)
+        size += len(sample.data)
+    if chunk:
+        yield chunk

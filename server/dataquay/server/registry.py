@@ -1,0 +1,142 @@
+"""The node's dataset registry: names, manifests and their cache sub-databases.
+
+Layout under the state dir::
+
+    datasets/<name>/manifest.dq   the binary manifest
+    datasets/<name>/dataset.json  name, root, format, manifest id, cache db, created
+
+Manifests are memory-mapped, so a registered million-sample dataset costs page
+cache, not daemon heap. Files are written to a temporary name and renamed, so a
+crash never leaves a half-written entry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dataquay.client.manifest import Manifest, ManifestWriter
+from dataquay.server.errors import DatasetExistsError, ManifestError, StartupError, UnknownDatasetError
+
+log = logging.getLogger("dataquay.registry")
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_dataset_name(name: str) -> str:
+    """``name`` if it can name a dataset (a file name and an LMDB key)."""
+    if not _NAME.match(name):
+        raise ManifestError(
+            f"bad dataset name {name!r}: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class DatasetRecord:
+    """What the registry knows of one dataset besides its manifest."""
+
+    name: str
+    root: str
+    format: str
+    manifest_id: str
+    cache_db: str
+    created: float
+
+
+@dataclass(frozen=True)
+class Registered:
+    record: DatasetRecord
+    manifest: Manifest
+
+
+class Registry:
+    """Datasets registered on this daemon, loaded at start-up."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.root = Path(state_dir) / "datasets"
+        self._datasets: dict[str, Registered] = {}
+
+    def load(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StartupError(f"state dir {self.root.parent} cannot be created: {exc.strerror}") from exc
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise StartupError(f"state dir {self.root.parent} is not writable")
+        for entry in sorted(self.root.iterdir()):
+            info = entry / "dataset.json"
+            if not info.is_file():
+                continue
+            try:
+                record = DatasetRecord(**json.loads(info.read_text()))
+                self._datasets[record.name] = Registered(record, _map_manifest(entry / "manifest.dq"))
+            except (OSError, ValueError, TypeError, ManifestError) as exc:
+                log.error("skipping a broken registry entry", extra={"fields": {"path": str(entry), "error": str(exc)}})
+
+    def get(self, name: str) -> Registered:
+        try:
+            return self._datasets[name]
+        except KeyError:
+            known = ", ".join(sorted(self._datasets)) or "none"
+            raise UnknownDatasetError(f"unknown dataset {name!r} (registered: {known})") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._datasets)
+
+    def check_free(self, name: str, replace: bool) -> None:
+        """Raises unless ``name`` may be (re)registered."""
+        check_dataset_name(name)
+        if name in self._datasets and not replace:
+            raise DatasetExistsError(f"dataset {name!r} is already registered (use --replace)")
+
+    def add(self, name: str, writer: ManifestWriter, replace: bool) -> tuple[Registered, Registered | None]:
+        """Registers ``name``; returns the new entry and the one it replaced."""
+        self.check_free(name, replace)
+        directory = self.root / name
+        directory.mkdir(exist_ok=True)
+        manifest_path = directory / "manifest.dq"
+        tmp = manifest_path.with_suffix(".tmp")
+        with open(tmp, "wb") as out:
+            writer.write(out)
+        manifest = _map_manifest(tmp)
+        record = DatasetRecord(
+            name=name,
+            root=manifest.root,
+            format=manifest.format,
+            manifest_id=manifest.manifest_id,
+            cache_db=f"ds:{name}:{manifest.manifest_id[:16]}",
+            created=time.time(),
+        )
+        os.replace(tmp, manifest_path)
+        info_tmp = directory / "dataset.json.tmp"
+        info_tmp.write_text(json.dumps(asdict(record), indent=1))
+        os.replace(info_tmp, directory / "dataset.json")
+        previous = self._datasets.get(name)
+        self._datasets[name] = Registered(record, manifest)
+        return self._datasets[name], previous
+
+    def drop(self, name: str) -> Registered:
+        entry = self.get(name)
+        directory = self.root / name
+        (directory / "dataset.json").unlink(missing_ok=True)
+        (directory / "manifest.dq").unlink(missing_ok=True)
+        directory.rmdir()
+        del self._datasets[name]
+        return entry
+
+
+def _map_manifest(path: Path) -> Manifest:
+    try:
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:
+        raise ManifestError(f"cannot map manifest {path}: {exc}") from exc
+    return Manifest(memoryview(mapped))

@@ -1,0 +1,190 @@
+"""The gRPC face of the daemon: parse, call a plain handler, map errors to codes.
+
+Only this module knows gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import cache_pb2_grpc
+from dataquay.server.errors import (
+    BatchTooLargeError,
+    DataquayError,
+    DatasetExistsError,
+    ManifestError,
+    PfsReadError,
+    SampleIdError,
+    UnknownDatasetError,
+)
+from dataquay.server.reads import chunked
+
+if TYPE_CHECKING:
+    from dataquay.server.daemon import Daemon
+
+_STATUS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (UnknownDatasetError, grpc.StatusCode.NOT_FOUND),
+    (SampleIdError, grpc.StatusCode.INVALID_ARGUMENT),
+    (BatchTooLargeError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ManifestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (DatasetExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (PfsReadError, grpc.StatusCode.DATA_LOSS),
+    (DataquayError, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+TIER_TO_PROTO = {"local": pb.TIER_LOCAL, "peer": pb.TIER_PEER, "pfs": pb.TIER_PFS}
+FORMAT_TO_PROTO = {"files": pb.FORMAT_FILES, "tar": pb.FORMAT_TAR, "npy": pb.FORMAT_NPY}
+FORMAT_FROM_PROTO = {v: k for k, v in FORMAT_TO_PROTO.items()}
+
+
+def status_for(exc: Exception) -> grpc.StatusCode:
+    for kind, code in _STATUS:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+@asynccontextmanager
+async def _status_on_error(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Ends the call with the domain error's status code and its own message."""
+    try:
+        yield
+    except DataquayError as exc:
+        await context.abort(status_for(exc), str(exc))
+
+
+class CacheServicer(cache_pb2_grpc.CacheServicer):
+    """dataquay.v1.Cache over one :class:`Daemon`."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self._latency = daemon.metrics.request_seconds
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
+        d = self.daemon
+        return pb.InfoReply(
+            node=d.config.node_name,
+            version=d.version,
+            cache_path=str(d.store.path),
+            max_batch=d.config.max_batch,
+            cache_capacity=d.store.capacity,
+            tcp_address=d.tcp_address,
+            pid=d.pid,
+        )
+
+    async def Read(self, request: pb.ReadRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReadChunk]:
+        started = time.perf_counter()
+        ids = np.fromiter(request.ids, dtype=np.int64, count=len(request.ids))
+        async with _status_on_error(context):
+            served = await self.daemon.reads.read(request.dataset, ids)
+        for chunk in chunked(served):
+            yield pb.ReadChunk(
+                samples=[
+                    pb.Sample(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], data=s.data, checksum=s.checksum)
+                    for s in chunk
+                ]
+            )
+        self._latency.labels("Read").observe(time.perf_counter() - started)
+
+    async def AddDataset(self, request: pb.AddDatasetRequest, context: grpc.aio.ServicerContext) -> pb.DatasetInfo:
+        fmt = FORMAT_FROM_PROTO.get(request.format)
+        async with _status_on_error(context):
+            name = await self.daemon.add_dataset(
+                request.name, request.root, fmt, request.replace, not request.tar_member_samples
+            )
+            return self.dataset_info(name)
+
+    async def ListDatasets(
+        self, request: pb.ListDatasetsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListDatasetsReply:
+        return pb.ListDatasetsReply(datasets=[self.dataset_info(n) for n in self.daemon.registry.names()])
+
+    async def GetDataset(self, request: pb.GetDatasetRequest, context: grpc.aio.ServicerContext) -> pb.DatasetInfo:
+        async with _status_on_error(context):
+            return self.dataset_info(request.name)
+
+    async def GetManifest(
+        self, request: pb.GetDatasetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ManifestChunk]:
+        async with _status_on_error(context):
+            data = self.daemon.registry.get(request.name).manifest.data
+        step = 4 << 20
+        for start in range(0, len(data), step):
+            yield pb.ManifestChunk(data=bytes(data[start : start + step]))
+
+    async def DropDataset(
+        self, request: pb.DropDatasetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DropDatasetReply:
+        async with _status_on_error(context):
+            freed = await self.daemon.drop_dataset(request.name)
+        return pb.DropDatasetReply(freed_samples=freed)
+
+    async def Stage(self, request: pb.StageRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StageProgress]:
+        async with _status_on_error(context):
+            progress = self.daemon.stager.start(request.dataset, request.seed, self.daemon.tasks.spawn)
+        while True:
+            await self.daemon.stager.wait(request.dataset, timeout=0.5)
+            yield pb.StageProgress(
+                dataset=progress.dataset,
+                total_samples=progress.total_samples,
+                done_samples=progress.done_samples,
+                skipped_samples=progress.skipped_samples,
+                total_bytes=progress.total_bytes,
+                done_bytes=progress.done_bytes,
+                read_bytes=progress.read_bytes,
+                elapsed_seconds=progress.elapsed,
+                finished=progress.finished,
+                cache_full=progress.cache_full,
+                error=progress.error,
+            )
+            if progress.finished:
+                return
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
+        d = self.daemon
+        state = d.live_state()
+        return pb.StatsReply(
+            node=d.config.node_name,
+            reads=[
+                pb.TierCount(tier=TIER_TO_PROTO[tier], samples=samples, bytes=nbytes)
+                for tier, (samples, nbytes) in d.metrics.tier_totals().items()
+            ],
+            cache_used_bytes=state.cache_used_bytes,
+            cache_capacity_bytes=state.cache_capacity_bytes,
+            cache_entries=state.cache_entries,
+            pfs_bytes=state.pfs_bytes,
+            pfs_errors=state.pfs_errors,
+            corrupt_repaired=state.corrupt_repaired,
+            cache_full=state.cache_full,
+            inserts_dropped=state.inserts_dropped,
+        )
+
+    def dataset_info(self, name: str) -> pb.DatasetInfo:
+        entry = self.daemon.registry.get(name)
+        manifest, record = entry.manifest, entry.record
+        stats = manifest.size_stats()
+        entries, cached_bytes = self.daemon.store.dataset_usage(record.cache_db)
+        return pb.DatasetInfo(
+            name=record.name,
+            root=record.root,
+            format=FORMAT_TO_PROTO[record.format],
+            num_samples=manifest.num_samples,
+            total_bytes=manifest.total_bytes,
+            sample_size=pb.SampleSizeStats(
+                min=int(stats["min"]), max=int(stats["max"]), mean=stats["mean"], median=int(stats["median"])
+            ),
+            manifest_id=record.manifest_id,
+            cache_db=record.cache_db,
+            manifest_bytes=len(manifest.data),
+            cached_samples=entries,
+            cached_bytes=cached_bytes,
+            created_unix=record.created,
+        )
+

@@ -1,0 +1,44 @@
+"""Human-readable sizes, rates and durations for flags and config values.
+
+K, M, G, T and KiB..TiB are powers of 1024 (as in Slurm's --mem); KB, MB, GB and
+TB are powers of 1000. A bare number is bytes.
+"""
+
+from __future__ import annotations
+
+import re
+
+from dataquay.server.errors import ConfigError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|)\s*$")
+_SECONDS = {"ms": 0.001, "s": 1.0, "": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """Bytes in ``text`` ("200G", "512MiB", "1.5TB", "4096")."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ConfigError(f"bad {what} {text!r}: expected a number with an optional unit like 200G or 512MiB")
+    number, prefix, suffix = match.groups()
+    decimal = suffix.lower() == "b" and prefix != ""
+    base = 1000 if decimal else 1024
+    return int(float(number) * base ** _POWERS[prefix.lower()])
+
+
+def parse_duration(text: str, what: str = "duration") -> float:
+    """Seconds in ``text`` ("2s", "500ms", "5m", "1h", "3")."""
+    match = _DURATION.match(str(text))
+    if not match:
+        raise ConfigError(f"bad {what} {text!r}: expected a number with an optional unit like 2s or 5m")
+    return float(match.group(1)) * _SECONDS[match.group(2)]
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 ("1.5 GiB")."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,160 @@
+"""Staging: copying a dataset's samples from the PFS into the node's cache.
+
+Staging reads in the order the job's first epoch will consume the samples, so
+a job that starts before staging ends finds its first steps cached. For tar and
+npy datasets it keeps reads large: contiguous ranges are read whole, ordered by
+the earliest first-epoch position of any sample they hold. Already cached
+samples are skipped, so staging again, or after a crash, resumes.
+
+One run per dataset at a time; a second request joins the running one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dataquay.client.manifest import Manifest
+from dataquay.client.pfs import ReadRange, plan_reads
+from dataquay.client.placement import epoch_permutation
+from dataquay.client.records import encode_value
+from dataquay.server.pfs_pool import PfsPool
+from dataquay.server.registry import Registry
+from dataquay.server.store import PendingWrite, Store
+from dataquay.server.tasks import Spawn
+
+log = logging.getLogger("dataquay.stager")
+
+
+@dataclass
+class StagingProgress:
+    """Progress of one staging run; updated by the run, read by anyone."""
+
+    dataset: str
+    total_samples: int
+    total_bytes: int
+    done_samples: int = 0
+    done_bytes: int = 0
+    skipped_samples: int = 0
+    read_bytes: int = 0
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+    error: str = ""
+    cache_full: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.ended is not None
+
+    @property
+    def elapsed(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+    def found_cached(self, samples: int, nbytes: int) -> None:
+        self.skipped_samples += samples
+        self.done_samples += samples
+        self.done_bytes += nbytes
+
+    def staged(self, samples: int, nbytes: int) -> None:
+        self.done_samples += samples
+        self.done_bytes += nbytes
+        self.read_bytes += nbytes
+
+    def end(self, error: str = "") -> None:
+        self.error = error
+        self.ended = time.monotonic()
+
+
+def staging_ranges(manifest: Manifest, ids: np.ndarray, seed: int) -> list[ReadRange]:
+    """The PFS ranges holding ``ids``, ordered by first-epoch position.
+
+    A range's position is that of its earliest sample in epoch 0 of a job with
+    ``seed``; for the files format every range is one sample, so the order is
+    exactly the epoch's.
+    """
+    if not len(ids):
+        return []
+    position = np.empty(manifest.num_samples, dtype=np.int64)
+    position[epoch_permutation(manifest.num_samples, seed, 0)] = np.arange(manifest.num_samples)
+    ranges = plan_reads(manifest, ids)
+    first = np.array([position[r.ids].min() for r in ranges])
+    return [ranges[i] for i in np.argsort(first, kind="stable")]
+
+
+class Stager:
+    """Runs staging in the background and keeps the last run's progress per dataset."""
+
+    def __init__(self, registry: Registry, store: Store, pfs: PfsPool) -> None:
+        self.registry = registry
+        self.store = store
+        self.pfs = pfs
+        self.runs: dict[str, StagingProgress] = {}
+        self._done: dict[str, asyncio.Event] = {}
+
+    def start(self, dataset: str, seed: int, spawn: Spawn) -> StagingProgress:
+        """Starts staging ``dataset`` unless a run is going; returns its progress."""
+        current = self.runs.get(dataset)
+        if current is not None and not current.finished:
+            return current
+        manifest = self.registry.get(dataset).manifest
+        progress = StagingProgress(dataset, manifest.num_samples, manifest.total_bytes)
+        self.runs[dataset] = progress
+        self._done[dataset] = asyncio.Event()
+        spawn(self._run(dataset, seed, progress), f"stage-{dataset}")
+        return progress
+
+    async def wait(self, dataset: str, timeout: float) -> None:
+        """Returns when the dataset's run ends or ``timeout`` passes."""
+        try:
+            await asyncio.wait_for(self._done[dataset].wait(), timeout)
+        except TimeoutError:
+            pass
+
+    async def _run(self, dataset: str, seed: int, progress: StagingProgress) -> None:
+        entry = self.registry.get(dataset)
+        manifest, db = entry.manifest, entry.record.cache_db
+        log.info("staging started", extra={"fields": {"dataset": dataset, "samples": manifest.num_samples}})
+        try:
+            await self.store.open_dataset(db)
+            ids = np.arange(manifest.num_samples, dtype=np.int64)
+            cached = await self._cached_mask(db, ids)
+            progress.found_cached(int(cached.sum()), int(manifest.sample_length[cached].sum()))
+            ranges = staging_ranges(manifest, ids[~cached], seed)
+            name = db.encode()
+            async for payloads in self.pfs.stream(dataset, manifest, ranges):
+                for sample_id, payload in payloads.items():
+                    await self.store.put(PendingWrite(name, sample_id, encode_value(payload)))
+                progress.staged(len(payloads), sum(len(p) for p in payloads.values()))
+                if self.store.full:
+                    progress.cache_full = True
+                    break
+            await self.store.flush()
+            if self.store.full:
+                cached = await self._cached_mask(db, ids)
+                progress.cache_full = True
+                progress.done_samples = int(cached.sum())
+                progress.done_bytes = int(manifest.sample_length[cached].sum())
+            progress.end()
+            log.info(
+                "staging finished",
+                extra={"fields": {"dataset": dataset, "seconds": round(progress.elapsed, 2),
+                                  "read_bytes": progress.read_bytes, "cache_full": progress.cache_full}},
+            )
+        except Exception as exc:  # reported to the caller through the progress stream
+            progress.end(str(exc))
+            log.error("staging failed", extra={"fields": {"dataset": dataset, "error": str(exc)}})
+        finally:
+            self._done[dataset].set()
+
+    async def _cached_mask(self, db: str, ids: np.ndarray, step: int = 65536) -> np.ndarray:
+        """Which ids are cached, checked in slices so the loop keeps serving."""
+        parts = []
+        for start in range(0, len(ids), step):
+            parts.append(self.store.cached_mask(db, ids[start : start + step]))
+            await asyncio.sleep(0)
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+

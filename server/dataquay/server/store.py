@@ -1,0 +1,363 @@
+"""The node's cache: one LMDB environment, one named sub-database per dataset.
+
+Policy ("MinIO"): a sample is inserted once and never evicted for capacity.
+When the map reaches the configured capacity the store stops inserting and
+misses keep being served from the PFS; dropping a dataset frees its pages.
+
+Threading: LMDB allows one writer. All writes go through one writer task that
+batches queued values into large transactions run in a dedicated thread. The
+daemon's own reads are short and run on the event-loop thread, so the map can
+be grown from that thread at a moment when no transaction is open in this
+process, which is what LMDB requires. Clients in other processes read the same
+environment read-only and pick up a grown map by themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from dataquay.client.records import CHECKSUM_BYTES, decode_value, sample_key
+from dataquay.server.errors import StartupError
+
+log = logging.getLogger("dataquay.store")
+
+MiB = 1 << 20
+_META_DB = b"__meta__"
+#: Named sub-databases: one per registered dataset (replaced ones are dropped).
+MAX_DATASETS = 1024
+#: Reader slots shared by the daemon and every client process on the node.
+MAX_READERS = 4096
+_INITIAL_MAP = 256 * MiB
+_BATCH_ITEMS = 4096
+_BATCH_BYTES = 64 * MiB
+_QUEUE_BYTES = 256 * MiB
+
+
+@dataclass(frozen=True)
+class PendingWrite:
+    """One value waiting for the writer: ``value`` is already checksum-framed."""
+
+    db: bytes
+    sample_id: int
+    value: bytes
+    repair: bool = False
+
+
+class Store:
+    """LMDB cache with a single batched writer and the MinIO capacity policy."""
+
+    def __init__(self, path: Path, capacity: int) -> None:
+        self.path = Path(path)
+        self.capacity = capacity
+        self.full = False
+        self.inserts_dropped = 0
+        self.corrupt_repaired = 0
+        self._env: lmdb.Environment | None = None
+        self._dbs: dict[bytes, lmdb._Database] = {}
+        self._payload_bytes: dict[bytes, int] = {}
+        self._queue: list[PendingWrite] = []
+        self._queued_bytes = 0
+        self._has_work = asyncio.Event()
+        self._has_room = asyncio.Event()
+        self._has_room.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="dataquay-lmdb-writer")
+        self._write_lock = asyncio.Lock()
+        self._dirty = False
+
+    # ----------------------------------------------------------- lifecycle
+
+    def open(self) -> None:
+        """Opens (or creates) the environment; a killed daemon's cache is reused as is."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StartupError(f"cache dir {self.path} cannot be created: {exc.strerror}") from exc
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            raise StartupError(f"cache dir {self.path} is not writable")
+        data_file = self.path / "data.mdb"
+        existing = data_file.stat().st_size if data_file.exists() else 0
+        if not self.capacity:
+            free = shutil.disk_usage(self.path).free
+            self.capacity = int((free + existing) * 0.8)
+        map_size = max(existing, min(self.capacity, _INITIAL_MAP))
+        try:
+            self._env = lmdb.open(
+                str(self.path),
+                map_size=map_size,
+                max_dbs=MAX_DATASETS + 1,
+                max_readers=MAX_READERS,
+                # Durability comes from the PFS, not from fsync: a killed process
+                # loses nothing (the page cache holds every commit), and the
+                # periodic sync below bounds what a node crash can lose.
+                sync=False,
+                metasync=False,
+                readahead=True,
+                meminit=False,
+            )
+            meta = self._env.open_db(_META_DB)
+            with self._env.begin(db=meta) as txn:
+                for key, value in txn.cursor():
+                    self._payload_bytes[bytes(key)] = int.from_bytes(value, "little")
+            self._meta = meta
+        except lmdb.Error as exc:
+            raise StartupError(f"cannot open the LMDB cache in {self.path}: {exc}") from exc
+        if existing >= self.capacity:
+            self._mark_full()
+
+    def close(self) -> None:
+        """Syncs and closes; queued writes must have been flushed before."""
+        self._writer.shutdown(wait=True)
+        if self._env is not None:
+            self._env.sync(True)
+            self._env.close()
+            self._env = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._env is not None
+
+    @property
+    def env(self) -> lmdb.Environment:
+        if self._env is None:
+            raise RuntimeError("store is not open")
+        return self._env
+
+    # ------------------------------------------------------------- datasets
+
+    async def open_dataset(self, db: str) -> None:
+        """Creates the dataset's sub-database if needed (in the writer thread)."""
+        name = db.encode()
+        if name in self._dbs:
+            return
+        async with self._write_lock:
+            handle = await asyncio.get_running_loop().run_in_executor(
+                self._writer, lambda: self.env.open_db(name)
+            )
+        self._dbs[name] = handle
+
+    async def drop_dataset(self, db: str) -> int:
+        """Deletes the dataset's cached samples; returns how many there were."""
+        name = db.encode()
+        self._queue = [w for w in self._queue if w.db != name]
+        self._queued_bytes = sum(len(w.value) for w in self._queue)
+        if name not in self._dbs:
+            exists = await asyncio.get_running_loop().run_in_executor(
+                self._writer, self._db_exists, name
+            )
+            if not exists:
+                return 0
+            await self.open_dataset(db)
+        handle = self._dbs.pop(name)
+
+        def drop() -> int:
+            with self.env.begin(write=True) as txn:
+                entries = int(txn.stat(handle)["entries"])
+                txn.drop(handle, delete=True)
+                txn.delete(name, db=self._meta)
+            return entries
+
+        async with self._write_lock:
+            entries = await asyncio.get_running_loop().run_in_executor(self._writer, drop)
+        self._payload_bytes.pop(name, None)
+        self.full = False
+        return entries
+
+    def _db_exists(self, name: bytes) -> bool:
+        with self.env.begin() as txn:
+            return txn.get(name) is not None
+
+    # ---------------------------------------------------------------- reads
+
+    def get_many(self, db: str, ids: Sequence[int]) -> tuple[list[bytes | None], list[int]]:
+        """Verified payloads for ``ids`` (None for misses) and the ids found corrupt."""
+        handle = self._dbs.get(db.encode())
+        if handle is None:
+            return [None] * len(ids), []
+        out: list[bytes | None] = []
+        corrupt: list[int] = []
+        with self.env.begin(db=handle, buffers=True) as txn:
+            get = txn.get
+            for sample_id in ids:
+                value = get(sample_key(sample_id))
+                if value is None:
+                    out.append(None)
+                    continue
+                payload = decode_value(value)
+                if payload is None:
+                    corrupt.append(sample_id)
+                    out.append(None)
+                else:
+                    out.append(bytes(payload))
+        return out, corrupt
+
+    def cached_mask(self, db: str, ids: np.ndarray) -> np.ndarray:
+        """Which of ``ids`` are in the cache (a key lookup, no value is read)."""
+        handle = self._dbs.get(db.encode())
+        mask = np.zeros(len(ids), dtype=bool)
+        if handle is None:
+            return mask
+        with self.env.begin(db=handle, buffers=True) as txn:
+            cursor = txn.cursor()
+            for i, sample_id in enumerate(ids.tolist()):
+                mask[i] = cursor.set_key(sample_key(sample_id))
+        return mask
+
+    def dataset_usage(self, db: str) -> tuple[int, int]:
+        """(entries, payload bytes) cached for a dataset."""
+        handle = self._dbs.get(db.encode())
+        if handle is None:
+            return 0, 0
+        with self.env.begin() as txn:
+            entries = int(txn.stat(handle)["entries"])
+        return entries, self._payload_bytes.get(db.encode(), 0)
+
+    def usage(self) -> tuple[int, int]:
+        """(bytes of the map in use, entries over all datasets)."""
+        info = self.env.info()
+        used = (info["last_pgno"] + 1) * self.env.stat()["psize"]
+        with self.env.begin() as txn:
+            entries = sum(int(txn.stat(h)["entries"]) for h in self._dbs.values())
+        return used, entries
+
+    # --------------------------------------------------------------- writes
+
+    def offer(self, write: PendingWrite) -> bool:
+        """Queues a write without waiting; False (and counted) when it cannot be taken.
+
+        Reads use this: a request is never slowed down to wait for the cache.
+        """
+        if (self.full and not write.repair) or self._queued_bytes >= _QUEUE_BYTES:
+            self.inserts_dropped += 1
+            return False
+        self._enqueue(write)
+        return True
+
+    async def put(self, write: PendingWrite) -> None:
+        """Queues a write, waiting while the queue is full (staging back-pressure)."""
+        while self._queued_bytes >= _QUEUE_BYTES:
+            await self._has_room.wait()
+        if self.full and not write.repair:
+            self.inserts_dropped += 1
+            return
+        self._enqueue(write)
+
+    def _enqueue(self, write: PendingWrite) -> None:
+        self._queue.append(write)
+        self._queued_bytes += len(write.value)
+        self._idle.clear()
+        self._has_work.set()
+        if self._queued_bytes >= _QUEUE_BYTES:
+            self._has_room.clear()
+
+    async def flush(self) -> None:
+        """Returns once everything queued before the call is committed."""
+        await self._idle.wait()
+
+    async def run_writer(self) -> None:
+        """The single writer: commits queued values in large transactions, forever."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._has_work.wait()
+            async with self._write_lock:
+                batch = self._take_batch()
+                if not self._queue:
+                    self._has_work.clear()
+                if self._queued_bytes < _QUEUE_BYTES:
+                    self._has_room.set()
+                try:
+                    await self._commit_growing(loop, batch)
+                finally:
+                    if not self._queue:
+                        self._idle.set()
+
+    async def run_syncer(self, interval: float = 5.0) -> None:
+        """Flushes committed pages to disk now and then, bounding a node crash's loss."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval)
+            if self._dirty:
+                self._dirty = False
+                async with self._write_lock:
+                    await loop.run_in_executor(self._writer, self.env.sync, True)
+
+    def _take_batch(self) -> list[PendingWrite]:
+        size = 0
+        count = 0
+        for write in self._queue:
+            if count >= _BATCH_ITEMS or (count and size + len(write.value) > _BATCH_BYTES):
+                break
+            size += len(write.value)
+            count += 1
+        batch, self._queue = self._queue[:count], self._queue[count:]
+        self._queued_bytes -= size
+        return batch
+
+    async def _commit_growing(self, loop: asyncio.AbstractEventLoop, batch: list[PendingWrite]) -> None:
+        """Commits ``batch``, growing the map as needed; at capacity, commits what fits."""
+        batch = [w for w in batch if w.db in self._dbs]
+        while batch:
+            try:
+                await loop.run_in_executor(self._writer, self._commit, batch)
+                return
+            except lmdb.MapFullError:
+                if self._grow():
+                    continue
+                if len(batch) == 1:
+                    self._mark_full()
+                    self.inserts_dropped += 1
+                    return
+                half = len(batch) // 2
+                await self._commit_growing(loop, batch[:half])
+                batch = [w for w in batch[half:] if w.repair] if self.full else batch[half:]
+
+    def _grow(self) -> bool:
+        """Doubles the map up to the capacity; runs on the loop thread (no open txn)."""
+        current = self.env.info()["map_size"]
+        if current >= self.capacity:
+            return False
+        new_size = min(self.capacity, current * 2)
+        self.env.set_mapsize(new_size)
+        log.debug("grew the cache map", extra={"fields": {"map_bytes": new_size}})
+        return True
+
+    def _mark_full(self) -> None:
+        if not self.full:
+            self.full = True
+            log.warning(
+                "cache is full: no more inserts, misses are served from the PFS",
+                extra={"fields": {"capacity_bytes": self.capacity}},
+            )
+
+    def _commit(self, batch: Iterable[PendingWrite]) -> None:
+        added: dict[bytes, int] = defaultdict(int)
+        repaired = 0
+        with self.env.begin(write=True) as txn:
+            for write in batch:
+                handle = self._dbs[write.db]
+                inserted = txn.put(
+                    sample_key(write.sample_id), write.value, db=handle, overwrite=write.repair
+                )
+                if write.repair:
+                    repaired += 1
+                elif inserted:
+                    added[write.db] += len(write.value) - CHECKSUM_BYTES
+            for name, delta in added.items():
+                total = self._payload_bytes.get(name, 0) + delta
+                txn.put(name, total.to_bytes(8, "little"), db=self._meta)
+        for name, delta in added.items():
+            self._payload_bytes[name] = self._payload_bytes.get(name, 0) + delta
+        self.corrupt_repaired += repaired
+        self._dirty = True

@@ -1,0 +1,260 @@
+"""The daemon end to end over its gRPC API: real processes, LMDB and files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from dataquay.client.channels import channel_options, grpc_target
+from dataquay.client.records import checksum
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import cache_pb2_grpc
+from dataquay.server.launch import DaemonProcess
+
+
+def make_files(root: Path, n: int, size: int = 3000, seed: int = 0) -> list[bytes]:
+    """n files in two class folders; returns their bytes in id order."""
+    rng = np.random.default_rng(seed)
+    payloads = []
+    for i in range(n):
+        folder = root / f"class{i % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        data = rng.integers(0, 256, size + i % 7, dtype=np.uint8).tobytes()
+        (folder / f"{i:05d}.bin").write_bytes(data)
+        payloads.append(data)
+    # ids follow the sorted walk: class0's files, then class1's
+    return [payloads[i] for i in range(0, n, 2)] + [payloads[i] for i in range(1, n, 2)]
+
+
+def stub_for(daemon: DaemonProcess) -> cache_pb2_grpc.CacheStub:
+    channel = grpc.insecure_channel(grpc_target(daemon.address), options=channel_options())
+    return cache_pb2_grpc.CacheStub(channel)
+
+
+def read(stub: cache_pb2_grpc.CacheStub, dataset: str, ids: list[int]) -> list[pb.Sample]:
+    return [s for chunk in stub.Read(pb.ReadRequest(dataset=dataset, ids=ids)) for s in chunk.samples]
+
+
+def stage(stub: cache_pb2_grpc.CacheStub, dataset: str) -> pb.StageProgress:
+    *_, last = stub.Stage(pb.StageRequest(dataset=dataset))
+    return last
+
+
+def stats(stub: cache_pb2_grpc.CacheStub) -> pb.StatsReply:
+    return stub.Stats(pb.StatsRequest())
+
+
+@pytest.fixture
+def pfs(tmp_path: Path) -> tuple[Path, list[bytes]]:
+    root = tmp_path / "pfs" / "imgs"
+    return root, make_files(root, 60)
+
+
+def add(stub: cache_pb2_grpc.CacheStub, root: Path, name: str = "imgs") -> pb.DatasetInfo:
+    return stub.AddDataset(pb.AddDatasetRequest(name=name, root=str(root)))
+
+
+def test_reads_come_from_pfs_then_from_cache_with_exact_bytes(daemon: DaemonProcess, pfs: tuple[Path, list[bytes]]) -> None:
+    root, payloads = pfs
+    stub = stub_for(daemon)
+    info = add(stub, root)
+    assert info.num_samples == len(payloads)
+    assert info.total_bytes == sum(map(len, payloads))
+
+    ids = list(range(len(payloads)))[::-1]
+    first = read(stub, "imgs", ids)
+    assert [s.id for s in first] == ids
+    assert [s.data for s in first] == [payloads[i] for i in ids]
+    assert all(s.tier == pb.TIER_PFS and s.checksum == checksum(s.data) for s in first)
+
+    stage(stub, "imgs")  # flushes the inserts the reads queued
+    second = read(stub, "imgs", ids + ids[:5])
+    assert [s.data for s in second] == [payloads[i] for i in ids + ids[:5]]
+    assert {s.tier for s in second} == {pb.TIER_LOCAL}
+    reads = {t.tier: t.samples for t in stats(stub).reads}
+    assert reads[pb.TIER_PFS] == len(payloads)
+    assert reads[pb.TIER_LOCAL] == len(payloads) + 5
+
+
+def test_stage_caches_everything_and_a_second_stage_reads_nothing(
+    daemon: DaemonProcess, pfs: tuple[Path, list[bytes]]
+) -> None:
+    root, payloads = pfs
+    stub = stub_for(daemon)
+    add(stub, root)
+    first = stage(stub, "imgs")
+    assert first.finished and not first.error
+    assert first.done_samples == len(payloads) and first.skipped_samples == 0
+    assert first.read_bytes == sum(map(len, payloads))
+    second = stage(stub, "imgs")
+    assert second.skipped_samples == len(payloads) and second.read_bytes == 0
+    assert stats(stub).cache_entries == len(payloads)
+    assert stats(stub).pfs_bytes == sum(map(len, payloads))
+
+
+def test_bad_requests_get_clear_status_codes_and_the_daemon_keeps_serving(
+    start_daemon: Callable[..., DaemonProcess], pfs: tuple[Path, list[bytes]]
+) -> None:
+    root, payloads = pfs
+    stub = stub_for(start_daemon("--max-batch", "16"))
+    add(stub, root)
+    cases = [
+        (lambda: read(stub, "nope", [0]), grpc.StatusCode.NOT_FOUND, "unknown dataset 'nope'"),
+        (lambda: read(stub, "imgs", [1, 60]), grpc.StatusCode.INVALID_ARGUMENT, "sample id 60 out of range for dataset 'imgs' (N=60)"),
+        (lambda: read(stub, "imgs", list(range(17))), grpc.StatusCode.INVALID_ARGUMENT, "batch of 17 ids exceeds the limit of 16"),
+        (lambda: stage(stub, "nope"), grpc.StatusCode.NOT_FOUND, "unknown dataset"),
+        (lambda: add(stub, root), grpc.StatusCode.ALREADY_EXISTS, "already registered"),
+        (lambda: add(stub, root / "missing", "other"), grpc.StatusCode.INVALID_ARGUMENT, "missing"),
+        (lambda: add(stub, root, "../evil"), grpc.StatusCode.INVALID_ARGUMENT, "bad dataset name"),
+        (lambda: stub.GetDataset(pb.GetDatasetRequest(name="nope")), grpc.StatusCode.NOT_FOUND, "nope"),
+    ]
+    for call, code, message in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == code
+        assert message in err.value.details()
+        assert [s.data for s in read(stub, "imgs", [3])] == [payloads[3]]
+
+
+def test_full_cache_stops_inserting_and_keeps_serving_correct_bytes(
+    start_daemon: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    root = tmp_path / "big"
+    payloads = make_files(root, 40, size=100_000)
+    stub = stub_for(start_daemon("--cache-size", "1M"))
+    add(stub, root, "big")
+    progress = stage(stub, "big")
+    assert progress.cache_full and not progress.error
+    s = stats(stub)
+    assert s.cache_full and 0 < s.cache_entries < len(payloads)
+    samples = read(stub, "big", list(range(40)))
+    assert [x.data for x in samples] == payloads
+    tiers = [x.tier for x in samples]
+    assert tiers.count(pb.TIER_LOCAL) == s.cache_entries
+    assert tiers.count(pb.TIER_PFS) == len(payloads) - s.cache_entries
+
+
+def test_corrupt_cached_value_is_detected_served_from_pfs_and_repaired(
+    start_daemon: Callable[..., DaemonProcess], pfs: tuple[Path, list[bytes]]
+) -> None:
+    root, payloads = pfs
+    daemon = start_daemon()
+    stub = stub_for(daemon)
+    add(stub, root)
+    stage(stub, "imgs")
+    assert daemon.stop() == 0
+
+    data_file = daemon.cache_dir / "data.mdb"
+    raw = bytearray(data_file.read_bytes())
+    at = raw.find(payloads[7][:64])
+    assert at > 0
+    raw[at + 10] ^= 0xFF
+    data_file.write_bytes(raw)
+
+    daemon.start()
+    stub = stub_for(daemon)
+    first = read(stub, "imgs", [7])[0]
+    assert first.data == payloads[7] and first.tier == pb.TIER_PFS
+    stage(stub, "imgs")  # waits for the queued repair to commit
+    assert stats(stub).corrupt_repaired == 1
+    again = read(stub, "imgs", [7])[0]
+    assert again.data == payloads[7] and again.tier == pb.TIER_LOCAL
+
+
+def test_sigkilled_daemon_restarts_on_its_cache_with_every_entry(
+    start_daemon: Callable[..., DaemonProcess], pfs: tuple[Path, list[bytes]]
+) -> None:
+    root, payloads = pfs
+    daemon = start_daemon()
+    stub = stub_for(daemon)
+    add(stub, root)
+    stage(stub, "imgs")
+    daemon.kill()
+    daemon.start()
+    stub = stub_for(daemon)
+    assert stats(stub).cache_entries == len(payloads)
+    samples = read(stub, "imgs", list(range(len(payloads))))
+    assert [s.data for s in samples] == payloads
+    assert {s.tier for s in samples} == {pb.TIER_LOCAL}
+
+
+def test_sigterm_finishes_and_exits_zero(daemon: DaemonProcess) -> None:
+    daemon.signal(signal.SIGTERM)
+    assert daemon.process is not None and daemon.process.wait(30) == 0
+    assert not daemon.socket.exists()
+
+
+def test_drop_frees_the_cache_and_unregisters(daemon: DaemonProcess, pfs: tuple[Path, list[bytes]]) -> None:
+    root, payloads = pfs
+    stub = stub_for(daemon)
+    add(stub, root)
+    stage(stub, "imgs")
+    reply = stub.DropDataset(pb.DropDatasetRequest(name="imgs"))
+    assert reply.freed_samples == len(payloads)
+    assert stats(stub).cache_entries == 0
+    assert not stub.ListDatasets(pb.ListDatasetsRequest()).datasets
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dataquay.server.cli", *args],
+        capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--cache-size", "lots"], "bad size 'lots'"),
+        (["--cache-dir", "/dev/null/cache"], "cache dir /dev/null/cache cannot be created"),
+        (["--pfs-threads", "0"], "--pfs-threads: bad value '0'"),
+    ],
+)
+def test_serve_config_errors_exit_nonzero_with_one_line(tmp_path: Path, flags: list[str], message: str) -> None:
+    result = run_cli(
+        "serve", "--socket", str(tmp_path / "s.sock"), "--listen", "127.0.0.1:0", "--metrics-port", "0",
+        "--state-dir", str(tmp_path / "state"), "--cache-dir", str(tmp_path / "cache"), *flags,
+    )
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dataquay: error:") and message in lines[0]
+
+
+def test_serve_refuses_a_taken_port(daemon: DaemonProcess, tmp_path: Path) -> None:
+    assert daemon.ready is not None
+    result = run_cli(
+        "serve", "--socket", str(tmp_path / "s.sock"), "--listen", daemon.ready["tcp"], "--metrics-port", "0",
+        "--state-dir", str(tmp_path / "state"), "--cache-dir", str(tmp_path / "cache"),
+    )
+    assert result.returncode == 1
+    assert "cannot listen on" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_cli_dataset_commands(daemon: DaemonProcess, pfs: tuple[Path, list[bytes]]) -> None:
+    root, payloads = pfs
+    env = {"DATAQUAY_ADDR": daemon.address}
+    added = run_cli("dataset", "add", "imgs", str(root), env=env)
+    assert added.returncode == 0, added.stderr
+    assert "60 samples" in added.stdout
+    again = run_cli("dataset", "add", "imgs", str(root), env=env)
+    assert again.returncode == 1 and "already registered" in again.stderr
+    missing = run_cli("dataset", "add", "x", str(root / "nope"), env=env)
+    assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) == 1
+    staged = run_cli("stage", "imgs", "--quiet", env=env)
+    assert staged.returncode == 0, staged.stderr
+    assert "60/60 samples cached" in staged.stdout
+    shown = run_cli("dataset", "show", "imgs", env=env)
+    assert "samples      60" in shown.stdout and "cached       60 samples" in shown.stdout
+    assert "imgs" in run_cli("dataset", "ls", env=env).stdout
+    dropped = run_cli("dataset", "drop", "imgs", env=env)
+    assert dropped.returncode == 0 and "freed 60" in dropped.stdout
+    nodaemon = run_cli("dataset", "ls", env={"DATAQUAY_ADDR": str(root / "none.sock")})
+    assert nodaemon.returncode == 1 and "no daemon answers" in nodaemon.stderr
