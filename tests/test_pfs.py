@@ -69,7 +69,8 @@ def test_grouped_tar_round_trip_matches_tarfile_extraction(tmp_path: Path) -> No
     expected = []
     for shard in sorted((tmp_path / "shards").glob("*.tar")):
         with tarfile.open(shard) as tar:
-            key, members = None, []
+            key: str | None = None
+            members: list[tuple[str, bytes]] = []
             for info in tar.getmembers():
                 match = WEBDATASET_KEY.match(info.name)
                 if not info.isreg() or match is None:
@@ -104,7 +105,8 @@ def test_npy_round_trip(tmp_path: Path) -> None:
     m = manifest_of(tmp_path)
     records = np.concatenate([np.load(p) for p in sorted(tmp_path.glob("*.npy"))])
     assert read_all(m) == [r.tobytes() for r in records]
-    decoded = np.frombuffer(read_all(m)[17], dtype=m.header["npy_dtype"]).reshape(m.header["npy_shape"])
+    decoded = np.frombuffer(read_all(m)[17], dtype=m.header["npy_dtype"])
+    decoded = decoded.reshape(m.header["npy_shape"])
     np.testing.assert_array_equal(decoded, records[17])
 
 
@@ -141,7 +143,9 @@ def test_deleted_file_names_dataset_id_and_path(tmp_path: Path) -> None:
     gone.unlink()
     with pytest.raises(PfsReadError) as caught:
         PfsReader(m, "imnet").read([1, 4])
-    assert str(caught.value) == f"sample 4 of 'imnet': cannot read {gone}: No such file or directory"
+    assert str(caught.value) == (
+        f"sample 4 of 'imnet': cannot read {gone}: No such file or directory"
+    )
     assert isinstance(caught.value, PfsRangeError)
     assert caught.value.sample_ids == (4,)
 
@@ -161,6 +165,16 @@ def test_truncated_file_is_an_error_naming_the_first_short_sample(tmp_path: Path
     )
     assert caught.value.sample_ids == tuple(range(10))
     assert PfsReader(m, "sim").read([0, 7])
+
+
+def test_file_replaced_by_a_folder_is_an_error(tmp_path: Path) -> None:
+    make_files_dataset(tmp_path, 3, classes=1)
+    m = manifest_of(tmp_path)
+    victim = tmp_path / m.location(2).path
+    victim.unlink()
+    victim.mkdir()
+    with pytest.raises(PfsReadError, match=f"sample 2 of 'ds': cannot read {victim}: Is a directory"):
+        PfsReader(m, "ds").read([0, 2])
 
 
 def test_file_replaced_by_a_symlink_is_refused(tmp_path: Path) -> None:
@@ -220,9 +234,11 @@ sizes = st.integers(0, 5000)
 limits = {"max_range_bytes": st.integers(1, 20_000), "max_gap": st.integers(0, 3000)}
 
 
-@settings(max_examples=150)
+@settings(max_examples=100)
 @given(
-    layout=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 50_000), sizes), min_size=1, max_size=60),
+    layout=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 50_000), sizes), min_size=1, max_size=60
+    ),
     picks=st.lists(st.integers(0, 10**6), max_size=80),
     max_range_bytes=limits["max_range_bytes"],
     max_gap=limits["max_gap"],
@@ -232,11 +248,13 @@ def test_plan_covers_each_id_once_within_limits_for_any_layout(
 ) -> None:
     m = manifest_from(layout, 3)
     ids = [p % len(layout) for p in picks]
-    ranges = plan_reads(m, np.array(ids, dtype=np.int64), max_range_bytes=max_range_bytes, max_gap=max_gap)
+    ranges = plan_reads(
+        m, np.array(ids, dtype=np.int64), max_range_bytes=max_range_bytes, max_gap=max_gap
+    )
     check_plan(m, ids, ranges, max_range_bytes)
 
 
-@settings(max_examples=150)
+@settings(max_examples=100)
 @given(
     files=st.lists(
         st.lists(st.tuples(st.integers(0, 4000), st.integers(1, 5000)), min_size=1, max_size=30),

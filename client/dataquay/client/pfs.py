@@ -95,9 +95,12 @@ def plan_reads(
     Raises:
         SampleIdError: an id outside 0..N-1.
     """
-    wanted = np.unique(np.asarray(ids, dtype=np.int64).ravel())
+    wanted = np.sort(np.asarray(ids, dtype=np.int64).ravel())
+    if not wanted.size:
+        return []
+    wanted = wanted[np.append(True, wanted[1:] != wanted[:-1])]
     n = manifest.num_samples
-    if wanted.size and (wanted[0] < 0 or wanted[-1] >= n):
+    if wanted[0] < 0 or wanted[-1] >= n:
         bad = int(wanted[0] if wanted[0] < 0 else wanted[-1])
         raise SampleIdError(f"sample {bad} not in manifest (N={n})")
     paths = manifest.sample_path[wanted]
@@ -109,22 +112,27 @@ def plan_reads(
     breaks = np.ones(wanted.size, dtype=bool)
     breaks[1:] = (paths[1:] != paths[:-1]) | (starts[1:] - ends[:-1] > max_gap)
     seg_first = np.flatnonzero(breaks)
-    if not seg_first.size:
-        return []
     seg_stop = np.append(seg_first[1:], wanted.size)
-    seg_span = np.maximum.reduceat(ends, seg_first) - starts[seg_first]
+    seg_start = starts[seg_first]
+    seg_span = np.maximum.reduceat(ends, seg_first) - seg_start
 
     ranges: list[ReadRange] = []
-    for first, stop, span in zip(seg_first.tolist(), seg_stop.tolist(), seg_span.tolist()):
-        path = int(paths[first])
+    for first, stop, path, start, span in zip(
+        seg_first.tolist(),
+        seg_stop.tolist(),
+        paths[seg_first].tolist(),
+        seg_start.tolist(),
+        seg_span.tolist(),
+    ):
         if span <= max_range_bytes:
-            ranges.append(ReadRange(path, int(starts[first]), span, wanted[first:stop]))
+            ranges.append(ReadRange(path, start, span, wanted[first:stop]))
             continue
         i = first
         while i < stop:
-            j = max(_first_above(ends, i, stop, int(starts[i]) + max_range_bytes), i + 1)
+            start = int(starts[i])
+            j = max(_first_above(ends, i, stop, start + max_range_bytes), i + 1)
             end = int(ends[i:j].max())
-            ranges.append(ReadRange(path, int(starts[i]), end - int(starts[i]), wanted[i:j]))
+            ranges.append(ReadRange(path, start, end - start, wanted[i:j]))
             i = j
     return ranges
 
@@ -252,8 +260,7 @@ class PfsReader:
     def _error(
         self, r: ReadRange, affected: np.ndarray | Sequence[int], path: str, reason: str
     ) -> PfsRangeError:
-        first = int(affected[0]) if len(affected) else int(r.ids[0])
-        message = f"sample {first} of {self._dataset!r}: cannot read {path}: {reason}"
+        message = f"sample {int(affected[0])} of {self._dataset!r}: cannot read {path}: {reason}"
         return PfsRangeError(message, r.ids.tolist())
 
 

@@ -38,6 +38,7 @@ from dataquay.client.manifest import FORMATS, ManifestWriter
 from dataquay.client.pfs import tar_member_key
 
 _EXTENSIONS = {"tar": ".tar", "npy": ".npy"}
+_FORMAT_OF_EXTENSION = {ext: fmt for fmt, ext in _EXTENSIONS.items()}
 
 
 def build_manifest(
@@ -74,26 +75,25 @@ def build_manifest(
 
 
 def detect_format(root: str | os.PathLike[str]) -> str:
-    """"tar" when every file under ``root`` is a .tar, "npy" when every one is
-    a .npy, else "files".
+    """The format that the files under ``root`` suggest.
 
-    Stops at the first file that rules out both, so a large ImageFolder tree
-    is not walked twice.
+    "tar" when every file is a .tar, "npy" when every file is a .npy, else
+    "files". Stops at the first file that settles it, so a large ImageFolder
+    tree is not walked twice.
 
     Raises:
         ManifestError: as :func:`build_manifest`, or when ``root`` has no files.
     """
     real_root = _real_root(root)
-    candidates = set(_EXTENSIONS)
-    seen = False
-    for entry in _walk(real_root):
-        seen = True
-        candidates = {f for f in candidates if entry.rel.endswith(_EXTENSIONS[f])}
-        if not candidates:
+    detected: str | None = None
+    for f in _walk(real_root):
+        fmt = _FORMAT_OF_EXTENSION.get(os.path.splitext(f.rel)[1], "files")
+        if fmt == "files" or detected not in (None, fmt):
             return "files"
-    if not seen:
+        detected = fmt
+    if detected is None:
         raise ManifestError(f"no samples under {real_root}")
-    return candidates.pop() if len(candidates) == 1 else "files"
+    return detected
 
 
 def _real_root(root: str | os.PathLike[str]) -> str:
@@ -271,7 +271,7 @@ def _tar_members(tar: tarfile.TarFile, path: str, size: int) -> Iterator[tarfile
     first block that is not a header; anything there but zeros is reported.
     """
     while (info := tar.next()) is not None:
-        tar.members.clear()
+        tar.members.clear()  # type: ignore[attr-defined]  # typeshed omits it
         if info.issparse():
             raise ManifestError(f"tar shard {path}: member {info.name!r} is sparse")
         if not info.isreg():
