@@ -258,3 +258,39 @@ def test_cli_dataset_commands(daemon: DaemonProcess, pfs: tuple[Path, list[bytes
     assert dropped.returncode == 0 and "freed 60" in dropped.stdout
     nodaemon = run_cli("dataset", "ls", env={"DATAQUAY_ADDR": str(root / "none.sock")})
     assert nodaemon.returncode == 1 and "no daemon answers" in nodaemon.stderr
+
+
+def test_payloads_go_through_the_callers_shared_memory_when_it_names_a_segment(
+    daemon: DaemonProcess, pfs: tuple[Path, list[bytes]]
+) -> None:
+    import mmap
+
+    root, payloads = pfs
+    stub = stub_for(daemon)
+    add(stub, root)
+    name = f"dataquay-{os.getpid()}-test"
+    size = 64 * 1024
+    path = Path("/dev/shm") / name
+    with open(path, "wb+") as f:
+        f.truncate(size)
+        segment = mmap.mmap(f.fileno(), size)
+    try:
+        ids = [5, 0, 59, 5]
+        reply = [s for c in stub.Read(pb.ReadRequest(dataset="imgs", ids=ids, shm_name=name, shm_size=size)) for s in c.samples]
+        assert all(s.in_shm and not s.data for s in reply)
+        got = [bytes(segment[s.shm_offset : s.shm_offset + s.length]) for s in reply]
+        assert got == [payloads[i] for i in ids]
+        assert all(s.checksum == checksum(g) for s, g in zip(reply, got))
+
+        many = list(range(30))  # 30 x ~3 KB does not fit in 64 KiB: the rest comes inline
+        reply = [s for c in stub.Read(pb.ReadRequest(dataset="imgs", ids=many, shm_name=name, shm_size=size)) for s in c.samples]
+        assert any(s.in_shm for s in reply) and any(not s.in_shm for s in reply)
+        got = [bytes(segment[s.shm_offset : s.shm_offset + s.length]) if s.in_shm else s.data for s in reply]
+        assert got == [payloads[i] for i in many]
+
+        for bad in ("../etc/passwd", "dataquay-1-nope", "other-1-x"):
+            reply = [s for c in stub.Read(pb.ReadRequest(dataset="imgs", ids=[1], shm_name=bad, shm_size=size)) for s in c.samples]
+            assert not reply[0].in_shm and reply[0].data == payloads[1]
+    finally:
+        segment.close()
+        path.unlink()

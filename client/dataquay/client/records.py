@@ -38,9 +38,14 @@ def sample_key(sample_id: int) -> bytes:
     return sample_id.to_bytes(8, "big")
 
 
-def encode_value(payload: bytes | memoryview) -> bytes:
-    """Cache value for ``payload``: its checksum, then the bytes."""
-    return _CHECKSUM.pack(checksum(payload)) + payload
+def encode_value(payload: bytes | memoryview, digest: int | None = None) -> bytes:
+    """Cache value for ``payload``: its checksum (``digest`` if known), then the bytes."""
+    return _CHECKSUM.pack(checksum(payload) if digest is None else digest) + payload
+
+
+def stored_checksum(value: bytes | memoryview) -> int:
+    """The checksum a cache value carries in its header."""
+    return int(_CHECKSUM.unpack_from(value)[0])
 
 
 def decode_value(value: bytes | memoryview, verify: bool = True) -> memoryview | None:

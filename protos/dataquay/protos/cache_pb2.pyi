@@ -52,24 +52,34 @@ class InfoReply(_message.Message):
     def __init__(self, node: _Optional[str] = ..., version: _Optional[str] = ..., cache_path: _Optional[str] = ..., max_batch: _Optional[int] = ..., cache_capacity: _Optional[int] = ..., tcp_address: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
-    __slots__ = ("dataset", "ids")
+    __slots__ = ("dataset", "ids", "shm_name", "shm_size")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_SIZE_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, dataset: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    shm_name: str
+    shm_size: int
+    def __init__(self, dataset: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("id", "tier", "data", "checksum")
+    __slots__ = ("id", "tier", "data", "checksum", "in_shm", "shm_offset", "length")
     ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    IN_SHM_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     id: int
     tier: Tier
     data: bytes
     checksum: int
-    def __init__(self, id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
+    in_shm: bool
+    shm_offset: int
+    length: int
+    def __init__(self, id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., in_shm: _Optional[bool] = ..., shm_offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class ReadChunk(_message.Message):
     __slots__ = ("samples",)

@@ -63,12 +63,14 @@ def _print_table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> Non
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    from dataquay.client.malloc import tune_malloc
     from dataquay.server.daemon import serve
     from dataquay.server.logs import setup_logging
     from dataquay.server.loops import loop_factory
 
     config = DaemonConfig.from_sources(vars(args))
     setup_logging(config.log_level, config.log_format)
+    tune_malloc()
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(serve(config))
 

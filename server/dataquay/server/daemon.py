@@ -36,6 +36,7 @@ from dataquay.server.pfs_pool import PfsPool
 from dataquay.server.reads import ReadService
 from dataquay.server.registry import Registry
 from dataquay.server.servicer import CacheServicer
+from dataquay.server.shm import ShmSegments
 from dataquay.server.stager import Stager
 from dataquay.server.store import Store
 from dataquay.server.tasks import TaskGroup
@@ -59,6 +60,7 @@ class Daemon:
         self.reads = ReadService(self.registry, self.store, self.pfs, self.metrics, config.max_batch)
         self.stager = Stager(self.registry, self.store, self.pfs)
         self.tasks = TaskGroup()
+        self.shm = ShmSegments()
         self.health = HealthServicer()
         self.tcp_address = ""
         self.metrics_port = 0
@@ -95,6 +97,7 @@ class Daemon:
             raise
         self.tasks.spawn(self.store.run_writer(), "cache-writer")
         self.tasks.spawn(self.store.run_syncer(), "cache-syncer")
+        self.tasks.spawn(self._reap_segments(), "shm-reaper")
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self._write_ready_file()
@@ -185,9 +188,15 @@ class Daemon:
             await self._drain_writes()
             self.store.close()
         self.pfs.close()
+        self.shm.close()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()  # type: ignore[attr-defined]
         Path(self.config.socket).unlink(missing_ok=True)
+
+    async def _reap_segments(self, interval: float = 10.0) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            self.shm.reap()
 
     async def _drain_writes(self) -> None:
         """Commits what is still queued (the writer task is gone by now)."""

@@ -18,6 +18,11 @@ from dataquay.client.pfs import PfsReader, ReadRange, plan_reads
 from dataquay.server.ratelimit import TokenBucket
 
 
+#: A thread hop costs tens of microseconds and GIL churn: small batches stay in
+#: one thread, large ones spread over the pool.
+_MIN_GROUP_BYTES = 1 << 20
+
+
 class PfsPool:
     """Reads samples from the PFS in ``threads`` threads, capped at ``bandwidth`` B/s."""
 
@@ -57,7 +62,8 @@ class PfsPool:
         reader = self.reader(dataset, manifest)
         ranges = plan_reads(manifest, ids)
         loop = asyncio.get_running_loop()
-        groups = _split(ranges, self.threads)
+        total = sum(r.length for r in ranges)
+        groups = _split(ranges, min(self.threads, 1 + total // _MIN_GROUP_BYTES))
         results = await asyncio.gather(
             *(loop.run_in_executor(self._executor, self._read_ranges, reader, g) for g in groups)
         )

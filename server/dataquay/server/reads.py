@@ -7,8 +7,9 @@ is served from the PFS and rewritten (repaired) in the same way.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -19,6 +20,8 @@ from dataquay.server.metrics import DaemonMetrics
 from dataquay.server.pfs_pool import PfsPool
 from dataquay.server.registry import Registry
 from dataquay.server.store import PendingWrite, Store
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -62,38 +65,42 @@ class ReadService:
         db = entry.record.cache_db
         await self.store.open_dataset(db)
         cached, corrupt = self.store.get_many(db, ids.tolist())
-        miss_positions = [i for i, value in enumerate(cached) if value is None]
-        from_pfs: dict[int, bytes] = {}
+        miss_positions = [i for i, hit in enumerate(cached) if hit is None]
+        from_pfs: dict[int, tuple[bytes, int]] = {}
         if miss_positions:
             miss_ids = np.unique(ids[miss_positions])
-            from_pfs = await self.pfs.read(dataset, entry.manifest, miss_ids)
+            payloads = await self.pfs.read(dataset, entry.manifest, miss_ids)
             repair = set(corrupt)
-            for sample_id, payload in from_pfs.items():
-                self.store.offer(PendingWrite(db.encode(), sample_id, encode_value(payload), sample_id in repair))
+            name = db.encode()
+            for sample_id, payload in payloads.items():
+                digest = checksum(payload)
+                from_pfs[sample_id] = (payload, digest)
+                self.store.offer(PendingWrite(name, sample_id, encode_value(payload, digest), sample_id in repair))
         out: list[Served] = []
         local_bytes = pfs_bytes = 0
-        for sample_id, value in zip(ids.tolist(), cached):
-            if value is None:
-                payload = from_pfs[sample_id]
-                out.append(Served(sample_id, "pfs", payload, checksum(payload)))
+        for sample_id, hit in zip(ids.tolist(), cached):
+            if hit is None:
+                payload, digest = from_pfs[sample_id]
+                out.append(Served(sample_id, "pfs", payload, digest))
                 pfs_bytes += len(payload)
             else:
-                out.append(Served(sample_id, "local", value, checksum(value)))
-                local_bytes += len(value)
+                out.append(Served(sample_id, "local", *hit))
+                local_bytes += len(hit[0])
         self.metrics.count_read("local", len(ids) - len(miss_positions), local_bytes)
         self.metrics.count_read("pfs", len(miss_positions), pfs_bytes)
         return out
 
 
-def chunked(samples: list[Served], limit: int = READ_CHUNK_BYTES) -> Iterator[list[Served]]:
-    """Splits a reply into messages of about ``limit`` bytes (at least one sample each)."""
-    chunk: list[Served] = []
+def chunked(items: list[T], size_of: Callable[[T], int], limit: int = READ_CHUNK_BYTES) -> Iterator[list[T]]:
+    """Splits a reply into messages of about ``limit`` bytes (at least one item each)."""
+    chunk: list[T] = []
     size = 0
-    for sample in samples:
-        if chunk and size + len(sample.data) > limit:
+    for item in items:
+        n = size_of(item)
+        if chunk and size + n > limit:
             yield chunk
             chunk, size = [], 0
-        chunk.append(sample)
-        size += len(sample.data)
+        chunk.append(item)
+        size += n
     if chunk:
         yield chunk

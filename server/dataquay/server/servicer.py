@@ -6,6 +6,7 @@ Only this module knows gRPC status codes.
 from __future__ import annotations
 
 import time
+from itertools import repeat
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -25,6 +26,7 @@ from dataquay.server.errors import (
     UnknownDatasetError,
 )
 from dataquay.server.reads import chunked
+from dataquay.server.shm import place
 
 if TYPE_CHECKING:
     from dataquay.server.daemon import Daemon
@@ -84,13 +86,22 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         ids = np.fromiter(request.ids, dtype=np.int64, count=len(request.ids))
         async with _status_on_error(context):
             served = await self.daemon.reads.read(request.dataset, ids)
-        for chunk in chunked(served):
-            yield pb.ReadChunk(
-                samples=[
-                    pb.Sample(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], data=s.data, checksum=s.checksum)
-                    for s in chunk
-                ]
-            )
+        segment = self.daemon.shm.get(request.shm_name, request.shm_size) if request.shm_name else None
+        samples = []
+        offsets = place((len(s.data) for s in served), request.shm_size) if segment else repeat(None)
+        for s, offset in zip(served, offsets):
+            tier = TIER_TO_PROTO[s.tier]
+            if offset is None:
+                samples.append(pb.Sample(id=s.sample_id, tier=tier, data=s.data, checksum=s.checksum))
+            else:
+                assert segment is not None
+                segment[offset : offset + len(s.data)] = s.data
+                samples.append(
+                    pb.Sample(id=s.sample_id, tier=tier, checksum=s.checksum, in_shm=True,
+                              shm_offset=offset, length=len(s.data))
+                )
+        for chunk in chunked(samples, lambda sample: len(sample.data)):
+            yield pb.ReadChunk(samples=chunk)
         self._latency.labels("Read").observe(time.perf_counter() - started)
 
     async def AddDataset(self, request: pb.AddDatasetRequest, context: grpc.aio.ServicerContext) -> pb.DatasetInfo:

@@ -1,0 +1,82 @@
+"""Shared plumbing for the benchmarks: datasets, daemons, timing, reports.
+
+Every figure is a ratio against a baseline measured in the same run on the same
+data, so the machine's speed cancels out; each number is the median of
+``REPEATS`` timed runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from dataquay.client.channels import channel_options, grpc_target
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import cache_pb2_grpc
+from dataquay.server.launch import DaemonProcess
+
+REPEATS = 3
+KiB = 1 << 10
+MiB = 1 << 20
+SIZES = {"4KiB": 4 * KiB, "110KiB": 110 * KiB, "1MiB": MiB}
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def median_rate(run: Callable[[], int], repeats: int = REPEATS) -> float:
+    """Median over ``repeats`` of (units ``run`` returns) / seconds it took."""
+    rates = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        units = run()
+        rates.append(units / (time.perf_counter() - started))
+    return statistics.median(rates)
+
+
+def stub(daemon: DaemonProcess) -> cache_pb2_grpc.CacheStub:
+    channel = grpc.insecure_channel(grpc_target(daemon.address), options=channel_options())
+    return cache_pb2_grpc.CacheStub(channel)
+
+
+def register(daemon: DaemonProcess, name: str, root: Path, replace: bool = False) -> pb.DatasetInfo:
+    return stub(daemon).AddDataset(pb.AddDatasetRequest(name=name, root=str(root), replace=replace))
+
+
+def stage(daemon: DaemonProcess, name: str) -> pb.StageProgress:
+    *_, last = stub(daemon).Stage(pb.StageRequest(dataset=name))
+    if last.error:
+        raise RuntimeError(f"staging {name} failed: {last.error}")
+    return last
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    return f"{os.cpu_count()} cores {cpu}, Python {platform.python_version()}, {platform.system()} {platform.release()}"
+
+
+def report(name: str, rows: list[dict[str, object]], columns: list[str]) -> None:
+    """Prints a table and writes it as JSON under bench/results/."""
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for row in rows:
+        print("  ".join(_fmt(row.get(c)).ljust(w) for c, w in zip(columns, widths)))
+    RESULTS.mkdir(exist_ok=True)
+    out = {"benchmark": name, "machine": machine(), "argv": sys.argv, "rows": rows}
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1))
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:,.2f}" if value < 100 else f"{value:,.0f}"
+    return "" if value is None else str(value)
+
+
+def progress(message: str) -> None:
+    print(f"  .. {message}", file=sys.stderr, flush=True)
