@@ -62,8 +62,10 @@ def machine() -> str:
 
 
 def report(name: str, rows: list[dict[str, object]], columns: list[str]) -> None:
-    """Prints a table and writes it as JSON under bench/results/."""
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    """Prints a table and writes it as JSON under bench/results/ (if it has rows)."""
+    if not rows:
+        return
+    widths = [max([len(c), *(len(_fmt(r.get(c))) for r in rows)]) for c in columns]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     for row in rows:
         print("  ".join(_fmt(row.get(c)).ljust(w) for c, w in zip(columns, widths)))

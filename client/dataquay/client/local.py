@@ -42,7 +42,8 @@ from dataquay.client.records import CHECKSUM_BYTES, checksum
 
 log = logging.getLogger("dataquay.client")
 
-#: Named sub-databases this process can open; the daemon keeps one per dataset.
+#: Named sub-databases this process can open: as many as the daemon has (one
+#: per dataset, plus its own metadata).
 MAX_DBS = 1025
 #: A sub-database that did not exist is looked up again at most this often.
 DB_RETRY_SECONDS = 1.0
@@ -99,7 +100,6 @@ class LocalCache:
         self.path = Path(path)
         self._reset_process_state()
         self._closed = False
-        self._corrupt = 0
         self._env: lmdb.Environment | None = self._open()
         _caches.add(self)
 
@@ -113,6 +113,7 @@ class LocalCache:
         self._dbs: dict[str, lmdb._Database] = {}
         self._db_retry: dict[str, float] = {}
         self._disabled: str | None = None
+        self._corrupt = 0
 
     def _open(self) -> lmdb.Environment:
         try:
@@ -152,29 +153,33 @@ class LocalCache:
         txn, pid = begun
         out: list[bytes | None] = []
         append = out.append
+        get = txn.get
+        header, digest, skip, copy = _header, checksum, CHECKSUM_BYTES, memoryview.tobytes
         bad = 0
         try:
-            get = txn.get
             if verify:
                 for key in keys:
                     value = get(key)
                     if value is None:
                         append(None)
                         continue
-                    payload = value[CHECKSUM_BYTES:]
+                    payload = value[skip:]
                     try:
-                        ok = _header(value)[0] == checksum(payload)
+                        ok = header(value)[0] == digest(payload)
                     except struct.error:
                         ok = False
                     if ok:
-                        append(bytes(payload))
+                        append(copy(payload))
                     else:
                         bad += 1
                         append(None)
             else:
                 for key in keys:
                     value = get(key)
-                    append(None if value is None else bytes(value[CHECKSUM_BYTES:]))
+                    append(None if value is None else copy(value[skip:]))
+        except lmdb.Error as exc:
+            self._failed(db, exc)
+            return [None] * len(keys)
         finally:
             self._end(txn, pid, bad)
         return out
@@ -199,31 +204,41 @@ class LocalCache:
         txn, pid = begun
         out: list[memoryview | None] = []
         append = out.append
+        get = txn.get
+        header, digest, skip = _header, checksum, CHECKSUM_BYTES
         bad = 0
         try:
-            get = txn.get
-            for key in keys:
-                value = get(key)
-                if value is None:
-                    append(None)
-                    continue
-                payload = value[CHECKSUM_BYTES:]
+            try:
                 if verify:
-                    try:
-                        ok = _header(value)[0] == checksum(payload)
-                    except struct.error:
-                        ok = False
-                    if not ok:
-                        bad += 1
-                        append(None)
-                        continue
-                append(payload)
+                    for key in keys:
+                        value = get(key)
+                        if value is None:
+                            append(None)
+                            continue
+                        payload = value[skip:]
+                        try:
+                            ok = header(value)[0] == digest(payload)
+                        except struct.error:
+                            ok = False
+                        if ok:
+                            append(payload)
+                        else:
+                            bad += 1
+                            append(None)
+                else:
+                    for key in keys:
+                        value = get(key)
+                        append(None if value is None else value[skip:])
+            except lmdb.Error as exc:
+                self._failed(db, exc)
+                out[:] = [None] * len(keys)
             yield out
         finally:
+            release = memoryview.release
             for view in out:
                 if view is not None:
                     try:
-                        view.release()
+                        release(view)
                     except BufferError:
                         pass
             self._end(txn, pid, bad, held=True)
@@ -240,7 +255,7 @@ class LocalCache:
 
     # ------------------------------------------------------- transactions
 
-    def _begin(self, db: str, held: bool = False) -> tuple[lmdb.Transaction, int] | None:
+    def _begin(self, db: str, held: bool = False) -> tuple[lmdb.Transaction[memoryview], int] | None:
         """A read transaction on ``db`` and the process it belongs to, or None
         when this process cannot read the cache or ``db`` does not exist.
 
@@ -265,17 +280,21 @@ class LocalCache:
                 if handle is None:
                     return None
             try:
-                txn = env.begin(db=handle, buffers=True)
-            except lmdb.MapResizedError:
-                if not self._adopt_map_size(env):
-                    return None
-                txn = env.begin(db=handle, buffers=True)
+                try:
+                    txn = env.begin(db=handle, buffers=True)
+                except lmdb.MapResizedError:
+                    if not self._adopt_map_size(env):
+                        return None
+                    txn = env.begin(db=handle, buffers=True)
+            except lmdb.Error as exc:
+                self._failed(db, exc)
+                return None
             self._active += 1
             if held:
                 self._mine.held = getattr(self._mine, "held", 0) + 1
             return txn, self._pid
 
-    def _end(self, txn: lmdb.Transaction, pid: int, bad: int, held: bool = False) -> None:
+    def _end(self, txn: lmdb.Transaction[memoryview], pid: int, bad: int, held: bool = False) -> None:
         with self._lock:
             if pid != self._pid:
                 # Begun by the parent before a fork: ending it here would
@@ -289,6 +308,11 @@ class LocalCache:
             self._corrupt += bad
             if not self._active:
                 self._idle.notify_all()
+
+    def _failed(self, db: str, exc: lmdb.Error) -> None:
+        """A read that LMDB refused: served as misses; the handle is opened afresh."""
+        log.warning("local cache %s: reading %s failed, serving it through the daemon: %s", self.path, db, exc)
+        self._dbs.pop(db, None)
 
     def _adopt_map_size(self, env: lmdb.Environment) -> bool:
         """Remaps to the size the daemon grew the map to, if nothing is reading."""
@@ -330,8 +354,10 @@ class LocalCache:
 
     def _disable(self, reason: str) -> None:
         self._disabled = reason
-        log.warning("local cache %s unavailable in process %d, reading through the daemon: %s",
-                    self.path, os.getpid(), reason)
+        log.warning(
+            "local cache %s unavailable in process %d, reading through the daemon: %s",
+            self.path, os.getpid(), reason,
+        )
 
     # --------------------------------------------------------------- fork
 

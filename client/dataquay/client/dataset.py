@@ -1,0 +1,214 @@
+"""A registered dataset as a read-only sequence of samples (bytes).
+
+Reads try the node's LMDB first, in this process and without an RPC; all the
+misses of a call then go to the daemon together (split only where a request
+would exceed the daemon's batch limit), and the results come back in request
+order. Decoding is the caller's business: a sample is the bytes it was on the
+PFS.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, overload
+
+import numpy as np
+
+from dataquay.client.errors import SampleIdError
+from dataquay.client.manifest import Manifest
+from dataquay.client.sampler import Sampler
+from dataquay.protos import cache_pb2 as pb
+
+if TYPE_CHECKING:
+    from dataquay.client.client import Client
+
+#: Samples fetched per request when iterating over a whole dataset.
+ITER_BATCH = 256
+
+
+class Dataset(Sequence[bytes]):
+    """A dataset of ``len(ds)`` samples with ids 0..N-1; open it with
+    :meth:`Client.dataset`.
+
+    Indexing follows list semantics (``ds[-1]`` is the last sample, slices
+    give lists). Local values are checked against their checksum unless the
+    client was made with ``verify=False``; one that fails is read through the
+    daemon, which also repairs it.
+
+    Safe to use from several threads, from forked children (DataLoader
+    workers) and, pickled, from spawned ones: each process opens its own
+    connection and LMDB handle on first use.
+    """
+
+    def __init__(self, client: Client, info: pb.DatasetInfo, manifest: Manifest) -> None:
+        self._bind(client, info, manifest)
+
+    def _bind(self, client: Client, info: pb.DatasetInfo, manifest: Manifest) -> None:
+        self._client = client
+        self._info = info
+        self._manifest = manifest
+        self._name = info.name
+        self._db = info.cache_db
+        self._len = manifest.num_samples
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "client": self._client,
+            "info": self._info.SerializeToString(),
+            "manifest": bytes(self._manifest.data),
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._bind(state["client"], pb.DatasetInfo.FromString(state["info"]), Manifest(state["manifest"]))
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def info(self) -> pb.DatasetInfo:
+        """The daemon's description of the dataset when it was opened."""
+        return self._info
+
+    @property
+    def manifest(self) -> Manifest:
+        """Where every sample lives on the PFS (also what the client falls back to)."""
+        return self._manifest
+
+    @property
+    def client(self) -> Client:
+        return self._client
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[bytes]: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | list[bytes]:
+        """One sample by index (negative counts from the end), or a list for a slice.
+
+        Raises:
+            SampleIdError: the index is out of range (an IndexError).
+        """
+        if isinstance(index, slice):
+            return self.get_batch(np.arange(*index.indices(self._len)))
+        return self._fetch([self._index(index)])[0]
+
+    def get_batch(self, ids: Sequence[int] | np.ndarray) -> list[bytes]:
+        """The samples of ``ids`` (sample ids 0..N-1, repeats allowed), in that order.
+
+        Local hits cost no RPC; every miss goes to the daemon in one Read.
+
+        Raises:
+            SampleIdError: an id is outside 0..N-1.
+            TypeError: the ids are not integers.
+            PfsReadError: a sample could not be read from the PFS.
+        """
+        return self._fetch(self._check_ids(ids))
+
+    @contextmanager
+    def views(self, ids: Sequence[int] | np.ndarray) -> Iterator[list[memoryview]]:
+        """Like :meth:`get_batch`, but local hits are views into the cache, not copies.
+
+        For decoders that read from a buffer (``np.frombuffer``, image
+        libraries): they skip one copy of every sample. The views are valid
+        only inside the ``with`` block and are released when it ends (misses,
+        which arrive as bytes, too), so copy what must outlive it.
+        """
+        started = time.perf_counter()
+        checked = self._check_ids(ids)
+        local = self._client._local_cache()
+        if local is None:
+            fetched = self._remote(checked)
+            self._client._waited(time.perf_counter() - started)
+            yield [memoryview(value) for value in fetched]
+            return
+        with local.views(self._db, checked, self._client.verify) as found:
+            out: list[Any] = found
+            if self._count_hits(out):
+                positions = [i for i, view in enumerate(out) if view is None]
+                for i, value in zip(positions, self._remote(checked[positions])):
+                    out[i] = memoryview(value)
+            self._client._waited(time.perf_counter() - started)
+            yield out
+
+    def label(self, index: int) -> str | None:
+        """The sample's label from the manifest (files: its class folder), or None."""
+        return self._manifest.label(self._index(index))
+
+    def sampler(
+        self,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+    ) -> Sampler:
+        """A :class:`Sampler` over this dataset's ids; see there for the arguments."""
+        return Sampler(
+            self._len, rank=rank, world_size=world_size, seed=seed, shuffle=shuffle, drop_last=drop_last
+        )
+
+    def __iter__(self) -> Iterator[bytes]:
+        for start in range(0, self._len, ITER_BATCH):
+            yield from self.get_batch(np.arange(start, min(start + ITER_BATCH, self._len)))
+
+    def __repr__(self) -> str:
+        return f"Dataset({self._name!r}, N={self._len}, node={self._client.info.node!r})"
+
+    # ---------------------------------------------------------- internals
+
+    def _index(self, index: int) -> int:
+        i = operator.index(index)
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise SampleIdError(f"index {index} out of range for dataset {self._name!r} (N={self._len})")
+        return i
+
+    def _check_ids(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        arr = np.asarray(ids).ravel()
+        if not arr.size:
+            return np.empty(0, dtype=np.int64)
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"sample ids must be integers, not {arr.dtype}")
+        low, high = arr.min(), arr.max()
+        if low < 0 or high >= self._len:
+            bad = int(low if low < 0 else high)
+            raise SampleIdError(f"sample id {bad} out of range for dataset {self._name!r} (N={self._len})")
+        return arr.astype(np.int64, copy=False)
+
+    def _fetch(self, ids: list[int] | np.ndarray) -> list[bytes]:
+        started = time.perf_counter()
+        local = self._client._local_cache()
+        if local is None:
+            out = self._remote(np.asarray(ids, dtype=np.int64))
+        else:
+            found: list[Any] = local.get_many(self._db, ids, self._client.verify)
+            if self._count_hits(found):
+                positions = [i for i, value in enumerate(found) if value is None]
+                for i, value in zip(positions, self._remote(np.asarray(ids, dtype=np.int64)[positions])):
+                    found[i] = value
+            out = found
+        self._client._waited(time.perf_counter() - started)
+        return out
+
+    def _count_hits(self, found: list[Any]) -> int:
+        """Records the local hits among ``found``; returns the number of misses."""
+        misses = found.count(None)
+        hits = len(found) - misses
+        if hits:
+            nbytes = sum(map(len, filter(None, found) if misses else found))
+            self._client._record("local", hits, nbytes)
+        return misses
+
+    def _remote(self, ids: np.ndarray) -> list[bytes]:
+        return self._client._read_remote(self, ids) if len(ids) else []

@@ -1,0 +1,69 @@
+"""PyTorch adapters: a map-style Dataset and a Sampler over dataquay's.
+
+Optional: the rest of dataquay never imports torch. DataLoader workers are
+safe with either start method: forked workers open their own connection and
+LMDB handle on first use, and spawned ones receive a pickled dataset that
+reconnects lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+try:
+    import torch.utils.data
+except ImportError as exc:
+    raise ImportError("dataquay.client.torch needs PyTorch: pip install dataquay[torch]") from exc
+
+from dataquay.client.dataset import Dataset
+from dataquay.client.sampler import Sampler
+
+
+class TorchDataset(torch.utils.data.Dataset):
+    """A dataquay :class:`Dataset` as a map-style torch dataset.
+
+    Args:
+        dataset: an open dataquay dataset.
+        transform: applied to each sample's bytes (decode, augment); the
+            samples are returned as bytes without one.
+
+    DataLoader fetches a whole batch through ``__getitems__`` (torch 2.1+),
+    so the batch's misses go to the daemon in one request.
+    """
+
+    def __init__(self, dataset: Dataset, transform: Callable[[bytes], Any] | None = None) -> None:
+        self.dataset = dataset
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        sample = self.dataset[index]
+        return sample if self.transform is None else self.transform(sample)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        samples = self.dataset.get_batch(indices)
+        if self.transform is None:
+            return samples
+        return [self.transform(sample) for sample in samples]
+
+
+class TorchSampler(torch.utils.data.Sampler):
+    """A dataquay :class:`Sampler` (from :meth:`Dataset.sampler`) as a torch sampler.
+
+    Call :meth:`set_epoch` before each epoch, as with DistributedSampler.
+    """
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
