@@ -15,7 +15,7 @@ another thread is inside a call, so a fork waits for this process's calls in
 flight (at most :data:`FORK_WAIT_SECONDS`) and holds new ones back until it
 is done. gRPC's own fork support (GRPC_ENABLE_FORK_SUPPORT) is not needed
 and is best left off: with it, children forked while a call is in flight
-hang.
+hang, or (with the wait above) the fork stalls for the whole wait.
 """
 
 from __future__ import annotations
@@ -100,14 +100,11 @@ class _Counters:
         self.bytes = dict.fromkeys(TIERS, 0)
         self.wait = 0.0
 
-    def add(self, tier: str, samples: int, nbytes: int) -> None:
+    def add(self, tier: str, samples: int, nbytes: int, wait: float = 0.0) -> None:
         with self._lock:
             self.samples[tier] += samples
             self.bytes[tier] += nbytes
-
-    def waited(self, seconds: float) -> None:
-        with self._lock:
-            self.wait += seconds
+            self.wait += wait
 
     def snapshot(self) -> tuple[dict[str, int], dict[str, int], float]:
         with self._lock:
@@ -309,11 +306,9 @@ class Client:
                 break
         return out
 
-    def _record(self, tier: str, samples: int, nbytes: int) -> None:
-        self._counters.add(tier, samples, nbytes)
-
-    def _waited(self, seconds: float) -> None:
-        self._counters.waited(seconds)
+    def _served(self, local_hits: int, local_bytes: int, started: float) -> None:
+        """Counts a call's local hits and the time since ``started`` as data wait."""
+        self._counters.add("local", local_hits, local_bytes, time.perf_counter() - started)
 
     # ---------------------------------------------------------- internals
 
@@ -371,7 +366,7 @@ class Client:
     def _daemon_up(self) -> None:
         if self._down_reason is not None:
             self._down_reason = None
-            log.warning("dataquay daemon at %s answers again; misses go through it", self.address)
+            log.info("dataquay daemon at %s answers again; misses go through it", self.address)
             # A restarted daemon may run with other limits.
             self._info = self._call("Info", lambda stub: stub.Info(pb.InfoRequest(), timeout=self.timeout))
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import operator
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import numpy as np
 
 from dataquay.client.errors import SampleIdError
+from dataquay.client.local import Found, sample_keys
 from dataquay.client.manifest import Manifest
 from dataquay.client.sampler import Sampler
 from dataquay.protos import cache_pb2 as pb
@@ -111,7 +112,7 @@ class Dataset(Sequence[bytes]):
             TypeError: the ids are not integers.
             PfsReadError: a sample could not be read from the PFS.
         """
-        return self._fetch(self._check_ids(ids))
+        return self._fetch(ids)
 
     @contextmanager
     def views(self, ids: Sequence[int] | np.ndarray) -> Iterator[list[memoryview]]:
@@ -123,21 +124,19 @@ class Dataset(Sequence[bytes]):
         which arrive as bytes, too), so copy what must outlive it.
         """
         started = time.perf_counter()
-        checked = self._check_ids(ids)
         local = self._client._local_cache()
         if local is None:
-            fetched = self._remote(checked)
-            self._client._waited(time.perf_counter() - started)
+            fetched = self._remote(self._check_ids(ids))
+            self._client._served(0, 0, started)
             yield [memoryview(value) for value in fetched]
             return
-        with local.views(self._db, checked, self._client.verify) as found:
-            out: list[Any] = found
-            if self._count_hits(out):
-                positions = [i for i, view in enumerate(out) if view is None]
-                for i, value in zip(positions, self._remote(checked[positions])):
-                    out[i] = memoryview(value)
-            self._client._waited(time.perf_counter() - started)
-            yield out
+        with local.views(self._db, self._keys(ids), self._client.verify) as found:
+            hits, nbytes = self._hits(found)
+            if found.misses:
+                for i, value in self._missing(found, ids):
+                    found[i] = memoryview(value)
+            self._client._served(hits, nbytes, started)
+            yield cast("list[memoryview]", found)  # no None left
 
     def label(self, index: int) -> str | None:
         """The sample's label from the manifest (files: its class folder), or None."""
@@ -186,29 +185,45 @@ class Dataset(Sequence[bytes]):
             raise SampleIdError(f"sample id {bad} out of range for dataset {self._name!r} (N={self._len})")
         return arr.astype(np.int64, copy=False)
 
-    def _fetch(self, ids: list[int] | np.ndarray) -> list[bytes]:
+    def _keys(self, ids: Sequence[int] | np.ndarray) -> list[bytes]:
+        try:
+            return sample_keys(ids)
+        except SampleIdError:
+            self._check_ids(ids)  # the same error, worded for this dataset
+            raise
+
+    def _fetch(self, ids: Sequence[int] | np.ndarray) -> list[bytes]:
+        """Local lookups, then one remote read of the misses.
+
+        Ids are range-checked only on the miss path: an id outside 0..N-1 can
+        never be a local hit, so every batch that holds one gets there.
+        """
         started = time.perf_counter()
         local = self._client._local_cache()
         if local is None:
-            out = self._remote(np.asarray(ids, dtype=np.int64))
-        else:
-            found: list[Any] = local.get_many(self._db, ids, self._client.verify)
-            if self._count_hits(found):
-                positions = [i for i, value in enumerate(found) if value is None]
-                for i, value in zip(positions, self._remote(np.asarray(ids, dtype=np.int64)[positions])):
-                    found[i] = value
-            out = found
-        self._client._waited(time.perf_counter() - started)
-        return out
+            out = self._remote(self._check_ids(ids))
+            self._client._served(0, 0, started)
+            return out
+        found = local.get_many(self._db, self._keys(ids), self._client.verify)
+        hits, nbytes = self._hits(found)
+        if found.misses:
+            for i, value in self._missing(found, ids):
+                found[i] = value
+        self._client._served(hits, nbytes, started)
+        return cast("list[bytes]", found)  # no None left
 
-    def _count_hits(self, found: list[Any]) -> int:
-        """Records the local hits among ``found``; returns the number of misses."""
-        misses = found.count(None)
-        hits = len(found) - misses
-        if hits:
-            nbytes = sum(map(len, filter(None, found) if misses else found))
-            self._client._record("local", hits, nbytes)
-        return misses
+    @staticmethod
+    def _hits(found: Found[bytes] | Found[memoryview]) -> tuple[int, int]:
+        hits = len(found) - found.misses
+        if not hits:
+            return 0, 0
+        payloads: Iterable[Any] = filter(None, found) if found.misses else found
+        return hits, sum(map(len, payloads))
+
+    def _missing(self, found: list[Any], ids: Sequence[int] | np.ndarray) -> Iterator[tuple[int, bytes]]:
+        """(position, bytes) for each None in ``found``, read remotely in one go."""
+        positions = [i for i, value in enumerate(found) if value is None]
+        return zip(positions, self._remote(self._check_ids(ids)[positions]))
 
     def _remote(self, ids: np.ndarray) -> list[bytes]:
         return self._client._read_remote(self, ids) if len(ids) else []

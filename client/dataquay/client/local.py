@@ -33,6 +33,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import lmdb
 import numpy as np
@@ -51,6 +52,7 @@ DB_RETRY_SECONDS = 1.0
 #: the local tier in the child.
 FORK_WAIT_SECONDS = 1.0
 
+_T = TypeVar("_T")
 _header = struct.Struct("<Q").unpack_from
 # Environments a forked child inherited while the parent was reading: never
 # used, never closed here, kept alive so that nothing finalises them.
@@ -84,6 +86,20 @@ def _as_keys(keys_or_ids: Sequence[bytes] | np.ndarray | Sequence[int]) -> Seque
     if keys_or_ids and isinstance(keys_or_ids[0], bytes):
         return keys_or_ids  # type: ignore[return-value]
     return sample_keys(keys_or_ids)  # type: ignore[arg-type]
+
+
+class Found(list[_T | None]):
+    """Lookups in request order, None for each miss, and how many missed.
+
+    The count saves callers a scan for None (slow on memoryviews, whose
+    comparison with None goes through a failed buffer request).
+    """
+
+    misses: int = 0
+
+    def set_all_missing(self, count: int) -> None:
+        self[:] = [None] * count
+        self.misses = count
 
 
 class LocalCache:
@@ -133,7 +149,7 @@ class LocalCache:
 
     def get_many(
         self, db: str, keys_or_ids: Sequence[bytes] | np.ndarray | Sequence[int], verify: bool = True
-    ) -> list[bytes | None]:
+    ) -> Found[bytes]:
         """Payloads of many samples from one read transaction, in request order.
 
         None marks a miss: not cached, or (with ``verify``) a value whose
@@ -147,39 +163,38 @@ class LocalCache:
             verify: check each value's xxh3 against its header.
         """
         keys = _as_keys(keys_or_ids)
+        out: Found[bytes] = Found()
         begun = self._begin(db)
         if begun is None:
-            return [None] * len(keys)
+            out.set_all_missing(len(keys))
+            return out
         txn, pid = begun
-        out: list[bytes | None] = []
         append = out.append
         get = txn.get
         header, digest, skip, copy = _header, checksum, CHECKSUM_BYTES, memoryview.tobytes
-        bad = 0
+        absent = bad = 0
         try:
-            if verify:
-                for key in keys:
-                    value = get(key)
-                    if value is None:
-                        append(None)
-                        continue
-                    payload = value[skip:]
+            for key in keys:
+                value = get(key)
+                if value is None:
+                    absent += 1
+                    append(None)
+                    continue
+                payload = value[skip:]
+                if verify:
                     try:
                         ok = header(value)[0] == digest(payload)
                     except struct.error:
                         ok = False
-                    if ok:
-                        append(copy(payload))
-                    else:
+                    if not ok:
                         bad += 1
                         append(None)
-            else:
-                for key in keys:
-                    value = get(key)
-                    append(None if value is None else copy(value[skip:]))
+                        continue
+                append(copy(payload))
+            out.misses = absent + bad
         except lmdb.Error as exc:
             self._failed(db, exc)
-            return [None] * len(keys)
+            out.set_all_missing(len(keys))
         finally:
             self._end(txn, pid, bad)
         return out
@@ -187,51 +202,51 @@ class LocalCache:
     @contextmanager
     def views(
         self, db: str, keys_or_ids: Sequence[bytes] | np.ndarray | Sequence[int], verify: bool = True
-    ) -> Iterator[list[memoryview | None]]:
+    ) -> Iterator[Found[memoryview]]:
         """Like :meth:`get_many`, without copying: memoryviews into the map.
 
         The views are valid only inside the ``with`` block (the read
-        transaction ends with it) and are released on exit, so a view kept
-        by mistake raises instead of showing bytes the daemon may reuse. One
-        that still has an export (a numpy array made from it, say) cannot be
-        released and must not be used after the block either.
+        transaction ends with it). Every view in the list when the block
+        ends is released, so one kept by mistake raises instead of showing
+        bytes the daemon may reuse; one that still has an export (a numpy
+        array made from it, say) cannot be released and must not be used
+        after the block either.
         """
         keys = _as_keys(keys_or_ids)
+        out: Found[memoryview] = Found()
         begun = self._begin(db, held=True)
         if begun is None:
-            yield [None] * len(keys)
+            out.set_all_missing(len(keys))
+            yield out
             return
         txn, pid = begun
-        out: list[memoryview | None] = []
         append = out.append
         get = txn.get
         header, digest, skip = _header, checksum, CHECKSUM_BYTES
-        bad = 0
+        absent = bad = 0
         try:
             try:
-                if verify:
-                    for key in keys:
-                        value = get(key)
-                        if value is None:
-                            append(None)
-                            continue
-                        payload = value[skip:]
+                for key in keys:
+                    value = get(key)
+                    if value is None:
+                        absent += 1
+                        append(None)
+                        continue
+                    payload = value[skip:]
+                    if verify:
                         try:
                             ok = header(value)[0] == digest(payload)
                         except struct.error:
                             ok = False
-                        if ok:
-                            append(payload)
-                        else:
+                        if not ok:
                             bad += 1
                             append(None)
-                else:
-                    for key in keys:
-                        value = get(key)
-                        append(None if value is None else value[skip:])
+                            continue
+                    append(payload)
+                out.misses = absent + bad
             except lmdb.Error as exc:
                 self._failed(db, exc)
-                out[:] = [None] * len(keys)
+                out.set_all_missing(len(keys))
             yield out
         finally:
             release = memoryview.release
@@ -311,7 +326,9 @@ class LocalCache:
 
     def _failed(self, db: str, exc: lmdb.Error) -> None:
         """A read that LMDB refused: served as misses; the handle is opened afresh."""
-        log.warning("local cache %s: reading %s failed, serving it through the daemon: %s", self.path, db, exc)
+        log.warning(
+            "local cache %s: reading %s failed, serving it through the daemon: %s", self.path, db, exc
+        )
         self._dbs.pop(db, None)
 
     def _adopt_map_size(self, env: lmdb.Environment) -> bool:
