@@ -58,6 +58,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dq-bench-stage-") as tmp:
         base = Path(tmp)
         for label, size in SIZES.items():
+            if label not in os.environ.get("BENCH_SIZES", label).split(","):
+                continue
             count = DATASET_BYTES // size
             progress(f"staging {label}: {count} files")
             root = make_files_dataset(base / f"pfs-{label}", count, sizes=(size,))

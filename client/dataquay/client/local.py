@@ -88,6 +88,15 @@ def _as_keys(keys_or_ids: Sequence[bytes] | np.ndarray | Sequence[int]) -> Seque
     return sample_keys(keys_or_ids)  # type: ignore[arg-type]
 
 
+def _lookup(txn: lmdb.Transaction[memoryview], keys: Sequence[bytes]) -> list[memoryview | None]:
+    """Values of ``keys`` in order, None where absent: one C call for the batch."""
+    found = txn.cursor().getmulti(keys)
+    if len(found) == len(keys):
+        return [value for _, value in found]
+    present = {bytes(key): value for key, value in found}
+    return [present.get(key) for key in keys]
+
+
 class Found(list[_T | None]):
     """Lookups in request order, None for each miss, and how many missed.
 
@@ -170,12 +179,10 @@ class LocalCache:
             return out
         txn, pid = begun
         append = out.append
-        get = txn.get
         header, digest, skip, copy = _header, checksum, CHECKSUM_BYTES, memoryview.tobytes
         absent = bad = 0
         try:
-            for key in keys:
-                value = get(key)
+            for value in _lookup(txn, keys):
                 if value is None:
                     absent += 1
                     append(None)

@@ -1,0 +1,114 @@
+"""Shared-memory segments through which the daemon hands over payloads.
+
+The client owns its segments: it creates one under /dev/shm, names it in a
+Read, and copies each payload out at the offset the reply gives (verifying its
+checksum). Once the daemon has mapped a segment, its file is unlinked, so a
+client that dies leaves nothing behind: the daemon drops its own mapping when
+it sees the process gone. A daemon that cannot use a segment (another host,
+another user, a restart) just answers inline, and the client then makes a new
+one next time.
+
+One segment serves one call at a time; a process has as many as it has
+concurrent calls, each created on first need.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+log = logging.getLogger("dataquay.client")
+
+SHM_DIR = Path("/dev/shm")
+#: Bytes of one segment (DATAQUAY_SHM_BYTES); samples beyond it come inline.
+#: Pages are only allocated as a reply touches them.
+DEFAULT_SEGMENT_BYTES = 64 << 20
+
+
+class Segment:
+    """One mapped segment; ``name`` is what a ReadRequest carries."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.name = f"dataquay-{os.getpid()}-{secrets.token_hex(8)}"
+        self.path = SHM_DIR / self.name
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size)
+            self.closed = False
+        except OSError:
+            self.path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        self.linked = True
+
+    def daemon_mapped(self) -> None:
+        """The daemon holds its own mapping now: the name is no longer needed."""
+        if self.linked:
+            self.path.unlink(missing_ok=True)
+            self.linked = False
+
+    def close(self) -> None:
+        if self.linked:
+            self.path.unlink(missing_ok=True)
+            self.linked = False
+        self.map.close()
+        self.closed = True
+
+
+class SegmentPool:
+    """The segments of this process, handed out one per call."""
+
+    def __init__(self, size: int | None = None) -> None:
+        self.size = size or int(os.environ.get("DATAQUAY_SHM_BYTES", DEFAULT_SEGMENT_BYTES))
+        self._lock = threading.Lock()
+        self._free: list[Segment] = []
+        self._pid = os.getpid()
+        self._broken = self.size <= 0 or not SHM_DIR.is_dir()
+
+    @contextmanager
+    def segment(self) -> Iterator[Segment | None]:
+        """A segment for one call, or None where shared memory cannot be used."""
+        seg = self._take()
+        try:
+            yield seg
+        finally:
+            if seg is not None and not seg.closed:
+                with self._lock:
+                    if self._pid == os.getpid():
+                        self._free.append(seg)
+
+    def discard(self, seg: Segment) -> None:
+        """Drops a segment the daemon could not use (it answered inline)."""
+        seg.close()
+
+    def close(self) -> None:
+        with self._lock:
+            segments, self._free = self._free, []
+        if self._pid == os.getpid():
+            for seg in segments:
+                seg.close()
+
+    def _take(self) -> Segment | None:
+        with self._lock:
+            if self._pid != os.getpid():
+                # A forked child: the parent's segments are the parent's.
+                self._pid, self._free = os.getpid(), []
+            if self._broken:
+                return None
+            if self._free:
+                return self._free.pop()
+        try:
+            return Segment(self.size)
+        except OSError as exc:
+            log.warning("shared memory unavailable (%s); samples come through the socket", exc)
+            self._broken = True
+            return None
