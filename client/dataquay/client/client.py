@@ -302,7 +302,7 @@ class Client:
                 out += self._read_pfs(dataset, ids[start:])
                 break
             try:
-                out += self._read_daemon(dataset.name, ids[start : start + step])
+                out += self._read_daemon(dataset.name, dataset.manifest.manifest_id, ids[start : start + step])
             except DaemonUnavailableError as exc:
                 self._daemon_down(exc)
                 out += self._read_pfs(dataset, ids[start:])
@@ -315,16 +315,16 @@ class Client:
 
     # ---------------------------------------------------------- internals
 
-    def _read_daemon(self, dataset: str, ids: np.ndarray) -> list[bytes]:
+    def _read_daemon(self, dataset: str, manifest_id: str, ids: np.ndarray) -> list[bytes]:
         """Samples from the daemon, payloads through shared memory where it can.
 
         A payload whose checksum fails is asked for once more inline before
         the read fails: a segment is never trusted over the bytes themselves.
         """
         with self._segments.segment() as seg:
-            out, bad = self._read_daemon_once(dataset, ids, seg)
+            out, bad = self._read_daemon_once(dataset, manifest_id, ids, seg)
         if bad:
-            again, still_bad = self._read_daemon_once(dataset, ids[bad], None)
+            again, still_bad = self._read_daemon_once(dataset, manifest_id, ids[bad], None)
             if still_bad:
                 want = int(ids[bad][still_bad[0]])
                 raise CorruptValueError(f"sample {want} of {dataset!r} arrived with a bad checksum")
@@ -333,10 +333,10 @@ class Client:
         return out
 
     def _read_daemon_once(
-        self, dataset: str, ids: np.ndarray, seg: Segment | None
+        self, dataset: str, manifest_id: str, ids: np.ndarray, seg: Segment | None
     ) -> tuple[list[bytes], list[int]]:
         """(samples in order, positions whose checksum failed)."""
-        request = pb.ReadRequest(dataset=dataset, ids=ids.tolist())
+        request = pb.ReadRequest(dataset=dataset, ids=ids.tolist(), manifest_id=manifest_id)
         if seg is not None:
             request.shm_name, request.shm_size = seg.name, seg.size
 

@@ -97,6 +97,32 @@ def _lookup(txn: lmdb.Transaction[memoryview], keys: Sequence[bytes]) -> list[me
     return [present.get(key) for key in keys]
 
 
+def _verified(values: list[memoryview | None], verify: bool) -> tuple[list[memoryview | None], int, int]:
+    """Payload views of cache values (None for a miss or, with ``verify``, a
+    value whose checksum fails), how many were absent and how many failed."""
+    out: list[memoryview | None] = []
+    append = out.append
+    header, digest, skip = _header, checksum, CHECKSUM_BYTES
+    absent = bad = 0
+    for value in values:
+        if value is None:
+            absent += 1
+            append(None)
+            continue
+        payload = value[skip:]
+        if verify:
+            try:
+                ok = header(value)[0] == digest(payload)
+            except struct.error:
+                ok = False
+            if not ok:
+                bad += 1
+                append(None)
+                continue
+        append(payload)
+    return out, absent, bad
+
+
 class Found(list[_T | None]):
     """Lookups in request order, None for each miss, and how many missed.
 
@@ -178,26 +204,11 @@ class LocalCache:
             out.set_all_missing(len(keys))
             return out
         txn, pid = begun
-        append = out.append
-        header, digest, skip, copy = _header, checksum, CHECKSUM_BYTES, memoryview.tobytes
-        absent = bad = 0
+        bad = 0
         try:
-            for value in _lookup(txn, keys):
-                if value is None:
-                    absent += 1
-                    append(None)
-                    continue
-                payload = value[skip:]
-                if verify:
-                    try:
-                        ok = header(value)[0] == digest(payload)
-                    except struct.error:
-                        ok = False
-                    if not ok:
-                        bad += 1
-                        append(None)
-                        continue
-                append(copy(payload))
+            payloads, absent, bad = _verified(_lookup(txn, keys), verify)
+            copy = memoryview.tobytes
+            out.extend([None if p is None else copy(p) for p in payloads])
             out.misses = absent + bad
         except lmdb.Error as exc:
             self._failed(db, exc)
@@ -227,29 +238,11 @@ class LocalCache:
             yield out
             return
         txn, pid = begun
-        append = out.append
-        get = txn.get
-        header, digest, skip = _header, checksum, CHECKSUM_BYTES
-        absent = bad = 0
+        bad = 0
         try:
             try:
-                for key in keys:
-                    value = get(key)
-                    if value is None:
-                        absent += 1
-                        append(None)
-                        continue
-                    payload = value[skip:]
-                    if verify:
-                        try:
-                            ok = header(value)[0] == digest(payload)
-                        except struct.error:
-                            ok = False
-                        if not ok:
-                            bad += 1
-                            append(None)
-                            continue
-                    append(payload)
+                payloads, absent, bad = _verified(_lookup(txn, keys), verify)
+                out.extend(payloads)
                 out.misses = absent + bad
             except lmdb.Error as exc:
                 self._failed(db, exc)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dataquay.client import connect
+from dataquay.client import Dataset, Sampler, connect
 from dataquay.client.malloc import tune_malloc
 from dataquay.server.cli import main as cli_main
 from dataquay.server.launch import DaemonProcess
@@ -36,7 +36,7 @@ class EpochReport:
     wait: float
 
 
-def _train_epoch(ds, sampler, epoch: int) -> EpochReport:  # type: ignore[no-untyped-def]
+def _train_epoch(ds: Dataset, sampler: Sampler, epoch: int) -> EpochReport:
     client = ds.client
     before = client.stats()
     sampler.set_epoch(epoch)
@@ -53,7 +53,7 @@ def _train_epoch(ds, sampler, epoch: int) -> EpochReport:  # type: ignore[no-unt
     return EpochReport(epoch, len(ids), tiers, nbytes, wall, after.data_wait_seconds - before.data_wait_seconds)
 
 
-def _direct_epoch(ds, sampler) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+def _direct_epoch(ds: Dataset, sampler: Sampler) -> tuple[float, float]:
     """The same epoch read straight from the files: (wall, wait) seconds."""
     manifest = ds.manifest
     paths = [f"{manifest.root}/{manifest.location(i).path}" for i in range(len(manifest))]
@@ -93,7 +93,7 @@ def run_demo(samples: int = 4000, epochs: int = 3) -> None:
             sampler = ds.sampler(rank=0, world_size=1, seed=42)
             print(f"training: batches of {BATCH}, {COMPUTE_SECONDS * 1e3:.0f} ms of simulated compute per batch\n")
             header = ("epoch", "samples", "local", "daemon", "pfs", "wall s", "samples/s", "MB/s", "data-wait s", "stall %")
-            rows = []
+            rows: list[tuple[object, ...]] = []
             for epoch in range(epochs):
                 r = _train_epoch(ds, sampler, epoch)
                 daemon_served = r.tiers["daemon-local"] + r.tiers["peer"]

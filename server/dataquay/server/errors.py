@@ -19,6 +19,7 @@ __all__ = [
     "ConfigError",
     "DataquayError",
     "DatasetExistsError",
+    "DatasetReplacedError",
     "ManifestError",
     "PfsReadError",
     "SampleIdError",
@@ -37,6 +38,10 @@ class StartupError(DataquayError):
 
 class DatasetExistsError(DataquayError):
     """A dataset name that is already registered (use --replace)."""
+
+
+class DatasetReplacedError(DataquayError):
+    """A read for a version of a dataset that was replaced since it was opened."""
 
 
 class BatchTooLargeError(DataquayError, ValueError):

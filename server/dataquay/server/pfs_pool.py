@@ -8,6 +8,7 @@ pool, and every range passes the token bucket before it is read.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,9 +19,12 @@ from dataquay.client.pfs import PfsReader, ReadRange, plan_reads
 from dataquay.server.ratelimit import TokenBucket
 
 
-#: A thread hop costs tens of microseconds and GIL churn: small batches stay in
-#: one thread, large ones spread over the pool.
-_MIN_GROUP_BYTES = 1 << 20
+#: Each thread of a request should get at least this much work: a hop to a
+#: thread costs tens of microseconds and GIL churn, which only pays off when
+#: the reads themselves wait (a PFS's open and read latency, a cold disk).
+_GROUP_SECONDS = 0.002
+#: Weight of the newest observation in the per-range read time estimate.
+_EWMA_WEIGHT = 0.2
 
 
 class PfsPool:
@@ -33,6 +37,9 @@ class PfsPool:
         self._readers: dict[str, PfsReader] = {}
         self.bytes_read = 0
         self.errors = 0
+        # Seconds one planned range takes to read; starts pessimistic (a
+        # network PFS) so that the first requests spread over the pool.
+        self.range_seconds = 0.001
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -46,6 +53,7 @@ class PfsPool:
 
     def _read_ranges(self, reader: PfsReader, ranges: Sequence[ReadRange]) -> dict[int, bytes]:
         out: dict[int, bytes] = {}
+        started = time.perf_counter()
         for r in ranges:
             if self._bucket is not None:
                 self._bucket.acquire(r.length)
@@ -55,6 +63,9 @@ class PfsPool:
                 self.errors += 1
                 raise
             self.bytes_read += r.length
+        if ranges:
+            per_range = (time.perf_counter() - started) / len(ranges)
+            self.range_seconds += _EWMA_WEIGHT * (per_range - self.range_seconds)
         return out
 
     async def read(self, dataset: str, manifest: Manifest, ids: np.ndarray) -> dict[int, bytes]:
@@ -62,8 +73,8 @@ class PfsPool:
         reader = self.reader(dataset, manifest)
         ranges = plan_reads(manifest, ids)
         loop = asyncio.get_running_loop()
-        total = sum(r.length for r in ranges)
-        groups = _split(ranges, min(self.threads, 1 + total // _MIN_GROUP_BYTES))
+        expected = self.range_seconds * len(ranges)
+        groups = _split(ranges, min(self.threads, 1 + int(expected / _GROUP_SECONDS)))
         results = await asyncio.gather(
             *(loop.run_in_executor(self._executor, self._read_ranges, reader, g) for g in groups)
         )

@@ -15,7 +15,7 @@ import numpy as np
 
 from dataquay.client.channels import READ_CHUNK_BYTES
 from dataquay.client.records import checksum, encode_value
-from dataquay.server.errors import BatchTooLargeError, SampleIdError
+from dataquay.server.errors import BatchTooLargeError, DatasetReplacedError, SampleIdError
 from dataquay.server.metrics import DaemonMetrics
 from dataquay.server.pfs_pool import PfsPool
 from dataquay.server.registry import Registry
@@ -46,9 +46,11 @@ class ReadService:
         self.metrics = metrics
         self.max_batch = max_batch
 
-    def validate(self, dataset: str, ids: np.ndarray) -> None:
-        """Raises for an unknown dataset, a batch over the limit or an id out of range."""
+    def validate(self, dataset: str, ids: np.ndarray, manifest_id: str = "") -> None:
+        """Raises for an unknown or replaced dataset, a batch over the limit or an id out of range."""
         entry = self.registry.get(dataset)
+        if manifest_id and manifest_id != entry.record.manifest_id:
+            raise DatasetReplacedError(f"dataset {dataset!r} was replaced since it was opened; open it again")
         if len(ids) > self.max_batch:
             raise BatchTooLargeError(
                 f"batch of {len(ids)} ids exceeds the limit of {self.max_batch} (--max-batch)"
@@ -58,9 +60,9 @@ class ReadService:
             bad = int(ids[ids >= n][0])
             raise SampleIdError(f"sample id {bad} out of range for dataset {dataset!r} (N={n})")
 
-    async def read(self, dataset: str, ids: np.ndarray) -> list[Served]:
+    async def read(self, dataset: str, ids: np.ndarray, manifest_id: str = "") -> list[Served]:
         """The samples of ``ids`` in request order; raises PfsReadError if one is unreadable."""
-        self.validate(dataset, ids)
+        self.validate(dataset, ids, manifest_id)
         entry = self.registry.get(dataset)
         db = entry.record.cache_db
         await self.store.open_dataset(db)

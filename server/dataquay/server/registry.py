@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dataquay.client.manifest import Manifest, ManifestWriter
-from dataquay.server.errors import DatasetExistsError, ManifestError, StartupError, UnknownDatasetError
+from dataquay.server.dirs import ensure_writable_dir
+from dataquay.server.errors import DatasetExistsError, ManifestError, UnknownDatasetError
 
 log = logging.getLogger("dataquay.registry")
 
@@ -65,12 +66,8 @@ class Registry:
         self._datasets: dict[str, Registered] = {}
 
     def load(self) -> None:
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StartupError(f"state dir {self.root.parent} cannot be created: {exc.strerror}") from exc
-        if not os.access(self.root, os.W_OK | os.X_OK):
-            raise StartupError(f"state dir {self.root.parent} is not writable")
+        ensure_writable_dir(self.root.parent, "state dir")
+        self.root.mkdir(exist_ok=True)
         for entry in sorted(self.root.iterdir()):
             info = entry / "dataset.json"
             if not info.is_file():

@@ -85,7 +85,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         started = time.perf_counter()
         ids = np.fromiter(request.ids, dtype=np.int64, count=len(request.ids))
         async with _status_on_error(context):
-            served = await self.daemon.reads.read(request.dataset, ids)
+            served = await self.daemon.reads.read(request.dataset, ids, request.manifest_id)
         segment = self.daemon.shm.get(request.shm_name, request.shm_size) if request.shm_name else None
         samples = []
         offsets = place((len(s.data) for s in served), request.shm_size) if segment else repeat(None)

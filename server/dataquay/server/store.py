@@ -29,6 +29,7 @@ import lmdb
 import numpy as np
 
 from dataquay.client.records import CHECKSUM_BYTES, decode_value, sample_key, stored_checksum
+from dataquay.server.dirs import ensure_writable_dir
 from dataquay.server.errors import StartupError
 
 log = logging.getLogger("dataquay.store")
@@ -60,7 +61,7 @@ class Store:
     """LMDB cache with a single batched writer and the MinIO capacity policy."""
 
     def __init__(self, path: Path, capacity: int) -> None:
-        self.path = Path(path)
+        self.path = Path(path).absolute()
         self.capacity = capacity
         self.full = False
         self.inserts_dropped = 0
@@ -85,12 +86,7 @@ class Store:
 
     def open(self) -> None:
         """Opens (or creates) the environment; a killed daemon's cache is reused as is."""
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StartupError(f"cache dir {self.path} cannot be created: {exc.strerror}") from exc
-        if not os.access(self.path, os.W_OK | os.X_OK):
-            raise StartupError(f"cache dir {self.path} is not writable")
+        ensure_writable_dir(self.path, "cache dir")
         data_file = self.path / "data.mdb"
         existing = data_file.stat().st_size if data_file.exists() else 0
         if not self.capacity:

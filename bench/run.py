@@ -1,0 +1,31 @@
+"""Runs every benchmark of the single-node read path: `make bench`.
+
+Each prints its table and writes bench/results/<name>.json; BENCHMARKS.md
+records a run with the machine it ran on.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import memory  # noqa: E402
+import reads  # noqa: E402
+import staging  # noqa: E402
+from common import machine  # noqa: E402
+
+
+def main() -> None:
+    print(f"machine: {machine()}\n")
+    for name, run in (("reads", reads.main), ("staging", staging.main), ("memory", memory.main)):
+        started = time.perf_counter()
+        print(f"== {name}")
+        run()
+        print(f"   ({time.perf_counter() - started:.0f} s)\n")
+
+
+if __name__ == "__main__":
+    main()

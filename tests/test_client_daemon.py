@@ -1,0 +1,452 @@
+"""The client against a real daemon: misses through shared memory, every
+format, a map that grows under a reader, datasets replaced or dropped while
+open, forked DataLoader-style workers and bad input."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+import dataquay.client as dq
+from dataquay.client.channels import channel_options, grpc_target
+from dataquay.client.errors import DataquayError, UnknownDatasetError
+from dataquay.client.pfs import PfsReader
+from dataquay.client.records import checksum, frame_members
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import cache_pb2_grpc
+from dataquay.server import synthetic
+from dataquay.server.launch import DaemonProcess
+
+MiB = 1 << 20
+SHM_DIR = Path("/dev/shm")
+
+
+# ------------------------------------------------------------------ helpers
+
+
+@contextmanager
+def cache_stub(daemon: DaemonProcess) -> Iterator[cache_pb2_grpc.CacheStub]:
+    with grpc.insecure_channel(grpc_target(daemon.address), options=channel_options()) as channel:
+        yield cache_pb2_grpc.CacheStub(channel)
+
+
+def add(daemon: DaemonProcess, name: str, root: Path, *, replace: bool = False) -> pb.DatasetInfo:
+    with cache_stub(daemon) as stub:
+        return stub.AddDataset(pb.AddDatasetRequest(name=name, root=str(root), replace=replace))
+
+
+def stage(daemon: DaemonProcess, name: str) -> pb.StageProgress:
+    with cache_stub(daemon) as stub:
+        *_, last = stub.Stage(pb.StageRequest(dataset=name))
+    assert last.finished and not last.error and not last.cache_full
+    return last
+
+
+def daemon_stats(daemon: DaemonProcess) -> pb.StatsReply:
+    with cache_stub(daemon) as stub:
+        return stub.Stats(pb.StatsRequest())
+
+
+def cached_samples(daemon: DaemonProcess, name: str) -> int:
+    with cache_stub(daemon) as stub:
+        return stub.GetDataset(pb.GetDatasetRequest(name=name)).cached_samples
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dataquay.server.cli", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def files_bytes(seed: int, ids: Sequence[int], sizes: Sequence[int]) -> list[bytes]:
+    """What make_files_dataset wrote for ``ids``."""
+    return [synthetic.sample_bytes(seed, i, sizes[i % len(sizes)]) for i in ids]
+
+
+def tiers_read(client: dq.Client, read: Callable[[], list[bytes]]) -> tuple[list[bytes], dict[str, int]]:
+    """What ``read`` returned and how many samples each tier served it."""
+    before = client.stats().samples
+    out = read()
+    after = client.stats().samples
+    return out, {tier: after[tier] - before[tier] for tier in after}
+
+
+def read_locally(client: dq.Client, ds: dq.Dataset, ids: Sequence[int]) -> list[bytes]:
+    """``ds.get_batch(ids)`` once every sample of it is a local hit.
+
+    A client that looked for a dataset's sub-database before the daemon made
+    it looks again only after about a second.
+    """
+    deadline = time.monotonic() + 10
+    while True:
+        out, tiers = tiers_read(client, lambda: ds.get_batch(ids))
+        if tiers["local"] == len(ids):
+            return out
+        assert time.monotonic() < deadline, f"staged samples of {ds.name!r} never came from the local cache"
+        time.sleep(0.05)
+
+
+def shm_files() -> set[str]:
+    return {p.name for p in SHM_DIR.glob(f"dataquay-{os.getpid()}-*")}
+
+
+def shm_mappings(pid: int) -> dict[str, bool]:
+    """Segments of this process mapped by ``pid``: name -> whether its file is unlinked."""
+    out: dict[str, bool] = {}
+    prefix = f"/dev/shm/dataquay-{os.getpid()}-"
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        at = line.find(prefix)
+        if at >= 0:
+            path = line[at:]
+            out[path.split()[0].rsplit("/", 1)[1]] = path.endswith("(deleted)")
+    return out
+
+
+@pytest.fixture
+def client(daemon: DaemonProcess) -> Iterator[dq.Client]:
+    with dq.connect(daemon.address, timeout=5) as c:
+        yield c
+
+
+# ------------------------------------------------------ 1. shared memory
+
+SHM_SIZES = (3000, 70_000, 17, 250_000)
+
+
+def test_misses_come_through_shared_memory_and_leave_no_segment_file(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+) -> None:
+    synthetic.make_files_dataset(tmp_path / "imgs", 40, sizes=SHM_SIZES, seed=3)
+    add(daemon, "imgs", tmp_path / "imgs")
+    ds = client.dataset("imgs")
+    files_before = shm_files()
+
+    ids = [39, 0, 7, 7, 12, 3, 38]
+    got, tiers = tiers_read(client, lambda: ds.get_batch(ids))
+    assert got == files_bytes(3, ids, SHM_SIZES)
+    assert tiers["pfs"] == len(ids) and tiers["local"] == 0 and tiers["fallback"] == 0
+
+    assert shm_files() - files_before == set(), "the client left its segment's file in /dev/shm"
+    # The segment was used: both processes still map it, and its file is gone.
+    mine = shm_mappings(os.getpid())
+    assert daemon.process is not None
+    used = set(mine) & set(shm_mappings(daemon.process.pid))
+    assert used and all(mine[name] for name in used)
+
+    more = list(range(20, 30))
+    assert ds.get_batch(more) == files_bytes(3, more, SHM_SIZES)
+    assert shm_files() - files_before == set()
+
+
+def test_batches_larger_than_the_segment_come_back_exact_and_in_order(
+    daemon: DaemonProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sizes = (100_000, 23_000, 300_000, 5)  # one sample alone is larger than the segment
+    synthetic.make_files_dataset(tmp_path / "big", 48, sizes=sizes, seed=4)
+    add(daemon, "big", tmp_path / "big")
+    monkeypatch.setenv("DATAQUAY_SHM_BYTES", "65536")
+    files_before = shm_files()
+    with dq.connect(daemon.address, timeout=5) as client:
+        ds = client.dataset("big")
+        ids = list(range(47, -1, -1)) + [2, 1, 2]  # ~5 MB, more than one streamed message
+        got, tiers = tiers_read(client, lambda: ds.get_batch(ids))
+        assert got == files_bytes(4, ids, sizes)
+        assert tiers["pfs"] == len(ids)
+        assert shm_files() - files_before == set()
+        small = [1, 3, 5, 3]  # fits the segment whole
+        assert ds.get_batch(small) == files_bytes(4, small, sizes)
+        assert shm_files() - files_before == set()
+
+
+# ------------------------------------------------------------ 2. formats
+
+
+def make_format(fmt: str, root: Path) -> Callable[[int], bytes]:
+    """Writes a small dataset of ``fmt`` under ``root``; returns sample id -> its bytes."""
+    sizes = (100, 5000, 70_000, 1)
+    if fmt == "files":
+        synthetic.make_files_dataset(root, 30, sizes=sizes, classes=3, seed=5)
+        return lambda i: synthetic.sample_bytes(5, i, sizes[i % len(sizes)])
+    if fmt == "tar":
+        synthetic.make_tar_dataset(root, 30, samples_per_shard=8, sizes=sizes, classes=3, seed=5)
+        return lambda i: frame_members(
+            [("bin", synthetic.sample_bytes(5, i, sizes[i % len(sizes)])), ("cls", str(i * 3 // 30).encode())]
+        )
+    synthetic.make_npy_dataset(root, 50, record_shape=(7, 3), dtype="float32", files=3, seed=5)
+    records = np.concatenate([np.load(path) for path in sorted(root.glob("*.npy"))])
+    return lambda i: records[i].tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["files", "tar", "npy"])
+def test_every_format_reads_the_same_bytes_as_the_pfs_cached_or_not(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path, fmt: str
+) -> None:
+    truth = make_format(fmt, tmp_path / fmt)
+    info = add(daemon, fmt, tmp_path / fmt)
+    assert info.format == {"files": pb.FORMAT_FILES, "tar": pb.FORMAT_TAR, "npy": pb.FORMAT_NPY}[fmt]
+    ds = client.dataset(fmt)
+    n = len(ds)
+    pfs = PfsReader(ds.manifest, fmt)
+    ids = np.random.default_rng(0).permutation(n).tolist() + [0, n - 1, 0]
+    want = pfs.read(ids)
+    assert want == [truth(i) for i in ids]
+
+    uncached, tiers = tiers_read(client, lambda: ds.get_batch(ids))
+    assert uncached == want
+    assert tiers["pfs"] == len(ids) and tiers["local"] == 0
+
+    stage(daemon, fmt)
+    assert read_locally(client, ds, ids) == want
+    assert ds[n - 1] == truth(n - 1) and list(ds) == pfs.read(range(n))
+
+
+# ---------------------------------------------------- 3. a growing map
+
+
+def test_the_daemon_grows_its_map_while_a_client_reads_and_every_byte_stays_exact(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+) -> None:
+    a_sizes, a_n = (256 * 1024,), 160  # 40 MiB
+    b_sizes, b_n = (MiB,), 300  # 300 MiB: past the daemon's initial map of 256 MiB
+    synthetic.make_files_dataset(tmp_path / "a", a_n, sizes=a_sizes, seed=10)
+    synthetic.make_files_dataset(tmp_path / "b", b_n, sizes=b_sizes, seed=11)
+    add(daemon, "a", tmp_path / "a")
+    stage(daemon, "a")
+    a = client.dataset("a")
+    want_a = files_bytes(10, range(a_n), a_sizes)
+    assert read_locally(client, a, list(range(0, a_n, 5))) == want_a[::5]
+    assert daemon_stats(daemon).cache_used_bytes < 256 * MiB
+
+    # A reader keeps going through the map while staging B makes it grow.
+    staging_done = threading.Event()
+    problems: list[str] = []
+    passes = [0]
+
+    def keep_reading() -> None:
+        try:
+            while True:
+                for start in range(0, a_n, 32):
+                    ids = list(range(start, min(start + 32, a_n)))
+                    if a.get_batch(ids) != want_a[start : start + 32]:
+                        problems.append(f"wrong bytes in A[{start}:{start + 32}]")
+                passes[0] += 1
+                if staging_done.is_set():
+                    return
+        except Exception as exc:  # reported by the test thread
+            problems.append(repr(exc))
+
+    reader = threading.Thread(target=keep_reading)
+    reader.start()
+    try:
+        add(daemon, "b", tmp_path / "b")
+        stage(daemon, "b")
+    finally:
+        staging_done.set()
+        reader.join(60)
+    assert not reader.is_alive() and not problems and passes[0] >= 1
+    assert daemon_stats(daemon).cache_used_bytes > 256 * MiB
+
+    b = client.dataset("b")
+    before = client.stats().samples
+    for start in range(0, a_n, 40):
+        ids = list(range(start, min(start + 40, a_n)))
+        assert a.get_batch(ids) == want_a[start : start + 40]
+    for start in range(0, b_n, 25):
+        ids = list(range(start, min(start + 25, b_n)))
+        assert b.get_batch(ids) == files_bytes(11, ids, b_sizes), f"wrong bytes in B[{start}:{start + 25}]"
+    after = client.stats().samples
+    served = {tier: after[tier] - before[tier] for tier in after}
+    assert sum(served.values()) == a_n + b_n
+    assert served["fallback"] == 0 and served["pfs"] == 0
+    assert served["local"] >= 0.9 * (a_n + b_n), served
+
+
+# ------------------------------------------ 4. replaced while open
+
+V_SIZES = (2000, 9000, 40)
+
+
+@pytest.fixture
+def versions(tmp_path: Path) -> tuple[Path, Path]:
+    """Two versions of one dataset: same shape, different bytes."""
+    v1 = synthetic.make_files_dataset(tmp_path / "v1", 24, sizes=V_SIZES, seed=21)
+    v2 = synthetic.make_files_dataset(tmp_path / "v2", 24, sizes=V_SIZES, seed=22)
+    return v1, v2
+
+
+def test_a_replaced_dataset_opened_again_serves_the_new_content(
+    daemon: DaemonProcess, client: dq.Client, versions: tuple[Path, Path]
+) -> None:
+    v1, v2 = versions
+    ids = list(range(24))
+    add(daemon, "ds", v1)
+    stage(daemon, "ds")
+    old = client.dataset("ds")
+    assert read_locally(client, old, ids[:12]) == files_bytes(21, ids[:12], V_SIZES)
+
+    replaced = run_cli("dataset", "add", "ds", str(v2), "--replace", "--addr", daemon.address)
+    assert replaced.returncode == 0, replaced.stderr
+
+    new = client.dataset("ds")
+    assert new.manifest.manifest_id != old.manifest.manifest_id and new.manifest.root == str(v2)
+    assert new.get_batch(ids[::-1]) == files_bytes(22, ids[::-1], V_SIZES)
+    stage(daemon, "ds")
+    assert read_locally(client, new, ids) == files_bytes(22, ids, V_SIZES)
+    with dq.connect(daemon.address, timeout=5) as other:
+        assert other.dataset("ds").get_batch([5, 0]) == files_bytes(22, [5, 0], V_SIZES)
+
+
+def test_a_dataset_open_before_a_replace_never_returns_the_new_content(
+    daemon: DaemonProcess, client: dq.Client, versions: tuple[Path, Path]
+) -> None:
+    v1, v2 = versions
+    add(daemon, "ds", v1)
+    stage(daemon, "ds")
+    old = client.dataset("ds")
+    assert read_locally(client, old, [0, 1, 2]) == files_bytes(21, [0, 1, 2], V_SIZES)
+
+    add(daemon, "ds", v2, replace=True)
+    stale = files_bytes(22, range(24), V_SIZES)
+    for i in range(24):
+        try:
+            got = old[i]
+        except DataquayError:
+            continue  # refusing is fine
+        assert checksum(got) != checksum(stale[i]), f"the Dataset opened on v1 returned sample {i} of v2"
+        assert checksum(got) == checksum(files_bytes(21, [i], V_SIZES)[0])
+
+
+# --------------------------------------------- 5. dropped while open
+
+
+def test_reads_of_a_dropped_dataset_fail_clearly_or_stay_correct(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+) -> None:
+    sizes = (4000, 600)
+    synthetic.make_files_dataset(tmp_path / "gone", 30, sizes=sizes, seed=31)
+    synthetic.make_files_dataset(tmp_path / "kept", 10, sizes=sizes, seed=32)
+    add(daemon, "gone", tmp_path / "gone")
+    add(daemon, "kept", tmp_path / "kept")
+    stage(daemon, "gone")
+    ds = client.dataset("gone")
+    want = files_bytes(31, range(30), sizes)
+    assert read_locally(client, ds, list(range(10))) == want[:10]
+
+    with cache_stub(daemon) as stub:
+        assert stub.DropDataset(pb.DropDatasetRequest(name="gone")).freed_samples == 30
+
+    started = time.monotonic()
+    failures = 0
+    for ids in ([0], [5, 1], list(range(30)), [29, 29]):
+        try:
+            got = ds.get_batch(ids)
+        except UnknownDatasetError as exc:
+            assert "gone" in str(exc)
+            failures += 1
+        else:
+            assert got == [want[i] for i in ids]
+    try:
+        assert ds[3] == want[3]
+    except UnknownDatasetError:
+        failures += 1
+    assert time.monotonic() - started < 10
+    with pytest.raises(UnknownDatasetError, match="gone"):
+        client.dataset("gone")
+
+    kept = client.dataset("kept")
+    assert kept.get_batch([9, 0]) == files_bytes(32, [9, 0], sizes)
+    assert [d.name for d in client.datasets()] == ["kept"]
+
+
+# --------------------------------------------------- 6. forked workers
+
+
+def _worker(ds: dq.Dataset, worker: int, ids: list[int], out: multiprocessing.Queue) -> None:
+    before = ds.client.stats().samples
+    got = ds.get_batch(ids)
+    after = ds.client.stats().samples
+    out.put((worker, [checksum(x) for x in got], {t: after[t] - before[t] for t in after}))
+
+
+def test_forked_workers_read_their_slices_of_cached_and_uncached_ids(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+) -> None:
+    sizes = (3000, 12_000, 70)
+    n, cached_n = 60, 30
+    synthetic.make_files_dataset(tmp_path / "imgs", n, sizes=sizes, seed=41)
+    add(daemon, "imgs", tmp_path / "imgs")
+    ds = client.dataset("imgs")
+    want = files_bytes(41, range(n), sizes)
+    assert ds.get_batch(range(cached_n)) == want[:cached_n]  # the daemon caches these
+    deadline = time.monotonic() + 10
+    while cached_samples(daemon, "imgs") < cached_n:
+        assert time.monotonic() < deadline, "the daemon never cached the samples it read"
+        time.sleep(0.05)
+
+    ctx = multiprocessing.get_context("fork")
+    out: multiprocessing.Queue = ctx.Queue()
+    slices = {k: list(range(k, n, 3))[::-1] for k in range(3)}  # half cached, half not
+    workers = [ctx.Process(target=_worker, args=(ds, k, ids, out)) for k, ids in slices.items()]
+    for w in workers:
+        w.start()
+    results = {worker: (sums, tiers) for worker, sums, tiers in (out.get(timeout=60) for _ in workers)}
+    for w in workers:
+        w.join(30)
+        assert w.exitcode == 0
+
+    for k, ids in slices.items():
+        sums, tiers = results[k]
+        assert sums == [checksum(want[i]) for i in ids], f"worker {k} read wrong bytes"
+        assert tiers["local"] == sum(i < cached_n for i in ids)
+        assert tiers["pfs"] == sum(i >= cached_n for i in ids)
+    assert ds.get_batch([n - 1, 0]) == [want[n - 1], want[0]]
+
+
+# ------------------------------------------------------- 7. bad input
+
+
+def test_bad_input_raises_clearly_and_the_client_keeps_serving(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+) -> None:
+    sizes = (1500, 800)
+    synthetic.make_files_dataset(tmp_path / "imgs", 20, sizes=sizes, seed=51)
+    add(daemon, "imgs", tmp_path / "imgs")
+    stage(daemon, "imgs")
+    ds = client.dataset("imgs")
+    want = files_bytes(51, range(20), sizes)
+
+    def still_serves() -> None:
+        assert ds.get_batch([3, 19, 3]) == [want[3], want[19], want[3]]
+        assert ds[-1] == want[19]
+        assert daemon_stats(daemon).cache_entries == 20
+
+    with pytest.raises(IndexError) as err:
+        ds[20]
+    assert "20" in str(err.value) and "N=20" in str(err.value) and "'imgs'" in str(err.value)
+    still_serves()
+    with pytest.raises(IndexError, match=r"-21 .*'imgs' \(N=20\)"):
+        ds[-21]
+    still_serves()
+    with pytest.raises(IndexError, match=r"-1 .*'imgs'"):
+        ds.get_batch([0, -1])
+    still_serves()
+    with pytest.raises(IndexError, match=r"20 .*'imgs' \(N=20\)"):
+        ds.get_batch([1, 20])
+    still_serves()
+    assert ds.get_batch([]) == [] and ds.get_batch(np.array([], dtype=np.int64)) == []
+    still_serves()
+    with pytest.raises(UnknownDatasetError, match="nope"):
+        client.dataset("nope")
+    still_serves()
+    assert client.dataset("imgs").get_batch([7]) == [want[7]]
