@@ -20,7 +20,8 @@ class TokenBucket:
         self.rate = float(rate)
         # A tenth of a second of burst keeps the cap tight over short windows.
         self.burst = float(burst if burst is not None else rate / 10)
-        self._tokens = self.burst
+        # Start empty: a run's average then never exceeds the rate, however short.
+        self._tokens = 0.0
         self._stamp = time.monotonic()
         self._lock = threading.Lock()
 

@@ -1,0 +1,59 @@
+"""Small pure pieces of the daemon: sizes, durations, the rate limiter, chunking."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from dataquay.server.errors import ConfigError
+from dataquay.server.ratelimit import TokenBucket
+from dataquay.server.reads import chunked
+from dataquay.server.shm import ALIGN, place
+from dataquay.server.sizes import format_bytes, parse_duration, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("4096", 4096), ("200G", 200 << 30), ("512MiB", 512 << 20), ("1.5TB", 1_500_000_000_000),
+     ("10k", 10 << 10), ("7 KB", 7000), ("1b", 1)],
+)
+def test_sizes_accept_binary_and_decimal_units(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1G", "1X", "G"])
+def test_bad_sizes_name_the_value(text: str) -> None:
+    with pytest.raises(ConfigError, match="bad size"):
+        parse_size(text)
+
+
+def test_durations_and_byte_formatting() -> None:
+    assert parse_duration("2s") == 2 and parse_duration("5m") == 300 and parse_duration("250ms") == 0.25
+    with pytest.raises(ConfigError):
+        parse_duration("soon")
+    assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.5 KiB"
+
+
+def test_token_bucket_never_admits_more_than_its_rate() -> None:
+    bucket = TokenBucket(rate=1_000_000)
+    started = time.monotonic()
+    threads = [threading.Thread(target=bucket.acquire, args=(50_000,)) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.monotonic() - started >= 0.3 * 0.99
+
+
+def test_chunked_keeps_order_and_puts_an_oversized_item_alone() -> None:
+    items = [10, 10, 50, 10, 10, 10]
+    chunks = list(chunked(items, lambda x: x, limit=25))
+    assert [x for c in chunks for x in c] == items
+    assert [50] in chunks and all(sum(c) <= 25 or len(c) == 1 for c in chunks)
+
+
+def test_shm_placement_aligns_and_skips_what_does_not_fit() -> None:
+    offsets = list(place([100, 5000, 30, 10], capacity=4096))
+    assert offsets == [0, None, ALIGN * 2, ALIGN * 3]
