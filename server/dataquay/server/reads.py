@@ -14,7 +14,7 @@ from typing import TypeVar
 import numpy as np
 
 from dataquay.client.channels import READ_CHUNK_BYTES
-from dataquay.client.records import checksum, encode_value
+from dataquay.client.records import CHECKSUM_BYTES, stored_checksum
 from dataquay.server.errors import BatchTooLargeError, DatasetReplacedError, SampleIdError
 from dataquay.server.metrics import DaemonMetrics
 from dataquay.server.pfs_pool import PfsPool
@@ -30,7 +30,7 @@ class Served:
 
     sample_id: int
     tier: str
-    data: bytes
+    data: bytes | memoryview
     checksum: int
 
 
@@ -68,16 +68,15 @@ class ReadService:
         await self.store.open_dataset(db)
         cached, corrupt = self.store.get_many(db, ids.tolist())
         miss_positions = [i for i, hit in enumerate(cached) if hit is None]
-        from_pfs: dict[int, tuple[bytes, int]] = {}
+        from_pfs: dict[int, tuple[memoryview, int]] = {}
         if miss_positions:
             miss_ids = np.unique(ids[miss_positions])
-            payloads = await self.pfs.read(dataset, entry.manifest, miss_ids)
+            values = await self.pfs.read(dataset, entry.manifest, miss_ids)
             repair = set(corrupt)
             name = db.encode()
-            for sample_id, payload in payloads.items():
-                digest = checksum(payload)
-                from_pfs[sample_id] = (payload, digest)
-                self.store.offer(PendingWrite(name, sample_id, encode_value(payload, digest), sample_id in repair))
+            for sample_id, value in values.items():
+                from_pfs[sample_id] = (memoryview(value)[CHECKSUM_BYTES:], stored_checksum(value))
+                self.store.offer(PendingWrite(name, sample_id, value, sample_id in repair))
         out: list[Served] = []
         local_bytes = pfs_bytes = 0
         for sample_id, hit in zip(ids.tolist(), cached):

@@ -92,7 +92,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         for s, offset in zip(served, offsets):
             tier = TIER_TO_PROTO[s.tier]
             if offset is None:
-                samples.append(pb.Sample(id=s.sample_id, tier=tier, data=s.data, checksum=s.checksum))
+                samples.append(pb.Sample(id=s.sample_id, tier=tier, data=bytes(s.data), checksum=s.checksum))
             else:
                 assert segment is not None
                 segment[offset : offset + len(s.data)] = s.data

@@ -21,7 +21,7 @@ import numpy as np
 from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import ReadRange, plan_reads
 from dataquay.client.placement import epoch_permutation
-from dataquay.client.records import encode_value
+from dataquay.client.records import CHECKSUM_BYTES
 from dataquay.server.pfs_pool import PfsPool
 from dataquay.server.registry import Registry
 from dataquay.server.store import PendingWrite, Store
@@ -125,10 +125,10 @@ class Stager:
             progress.found_cached(int(cached.sum()), int(manifest.sample_length[cached].sum()))
             ranges = staging_ranges(manifest, ids[~cached], seed)
             name = db.encode()
-            async for payloads in self.pfs.stream(dataset, manifest, ranges):
-                for sample_id, payload in payloads.items():
-                    await self.store.put(PendingWrite(name, sample_id, encode_value(payload)))
-                progress.staged(len(payloads), sum(len(p) for p in payloads.values()))
+            async for values in self.pfs.stream(dataset, manifest, ranges):
+                for sample_id, value in values.items():
+                    await self.store.put(PendingWrite(name, sample_id, value))
+                progress.staged(len(values), sum(len(v) for v in values.values()) - CHECKSUM_BYTES * len(values))
                 if self.store.full:
                     progress.cache_full = True
                     break

@@ -279,6 +279,7 @@ class Store:
                     self._has_room.set()
                 try:
                     await self._commit_growing(loop, batch)
+                    self._grow_ahead()
                 finally:
                     if not self._queue:
                         self._idle.set()
@@ -322,6 +323,13 @@ class Store:
                 half = len(batch) // 2
                 await self._commit_growing(loop, batch[:half])
                 batch = [w for w in batch[half:] if w.repair] if self.full else batch[half:]
+
+    def _grow_ahead(self) -> None:
+        """Grows the map before it fills, so no large transaction is redone."""
+        info = self.env.info()
+        used = (info["last_pgno"] + 1) * self.env.stat()["psize"]
+        if used > info["map_size"] // 2:
+            self._grow()
 
     def _grow(self) -> bool:
         """Doubles the map up to the capacity; runs on the loop thread (no open txn)."""
