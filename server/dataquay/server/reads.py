@@ -18,7 +18,7 @@ from dataquay.client.records import CHECKSUM_BYTES, stored_checksum
 from dataquay.server.errors import BatchTooLargeError, DatasetReplacedError, SampleIdError
 from dataquay.server.metrics import DaemonMetrics
 from dataquay.server.pfs_pool import PfsPool
-from dataquay.server.registry import Registry
+from dataquay.server.registry import Registered, Registry
 from dataquay.server.store import PendingWrite, Store
 
 T = TypeVar("T")
@@ -46,8 +46,9 @@ class ReadService:
         self.metrics = metrics
         self.max_batch = max_batch
 
-    def validate(self, dataset: str, ids: np.ndarray, manifest_id: str = "") -> None:
-        """Raises for an unknown or replaced dataset, a batch over the limit or an id out of range."""
+    def validate(self, dataset: str, ids: np.ndarray, manifest_id: str = "") -> Registered:
+        """The dataset's entry; raises for an unknown or replaced dataset, a batch
+        over the limit or an id out of range."""
         entry = self.registry.get(dataset)
         if manifest_id and manifest_id != entry.record.manifest_id:
             raise DatasetReplacedError(f"dataset {dataset!r} was replaced since it was opened; open it again")
@@ -59,11 +60,11 @@ class ReadService:
         if len(ids) and int(ids.max()) >= n:
             bad = int(ids[ids >= n][0])
             raise SampleIdError(f"sample id {bad} out of range for dataset {dataset!r} (N={n})")
+        return entry
 
     async def read(self, dataset: str, ids: np.ndarray, manifest_id: str = "") -> list[Served]:
         """The samples of ``ids`` in request order; raises PfsReadError if one is unreadable."""
-        self.validate(dataset, ids, manifest_id)
-        entry = self.registry.get(dataset)
+        entry = self.validate(dataset, ids, manifest_id)
         db = entry.record.cache_db
         await self.store.open_dataset(db)
         cached, corrupt = self.store.get_many(db, ids.tolist())
