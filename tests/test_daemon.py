@@ -299,3 +299,33 @@ def test_payloads_go_through_the_callers_shared_memory_when_it_names_a_segment(
     finally:
         segment.close()
         path.unlink()
+
+
+def test_staging_interrupted_by_sigterm_resumes_where_it_stopped(
+    start_daemon: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    import threading
+    import time
+
+    root = tmp_path / "slow"
+    payloads = make_files(root, 60, size=100_000)
+    daemon = start_daemon("--pfs-bandwidth", "2M", "--pfs-threads", "2")
+    stub = stub_for(daemon)
+    add(stub, root, "slow")
+    reports: list[pb.StageProgress] = []
+    watcher = threading.Thread(target=lambda: reports.extend(stub.Stage(pb.StageRequest(dataset="slow"))))
+    watcher.start()
+    time.sleep(1.0)
+    stopped = time.monotonic()
+    assert daemon.stop() == 0
+    assert time.monotonic() - stopped < 5, "shutdown waited for staging"
+    watcher.join(10)
+    assert reports and "shutting down" in reports[-1].error
+    assert 0 < reports[-1].done_samples < len(payloads)
+
+    daemon.start()
+    stub = stub_for(daemon)
+    resumed = stage(stub, "slow")
+    assert not resumed.error and resumed.done_samples == len(payloads)
+    assert resumed.skipped_samples > 0
+    assert [s.data for s in read(stub, "slow", list(range(60)))] == payloads

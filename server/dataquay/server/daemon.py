@@ -181,9 +181,11 @@ class Daemon:
             return
         self._started = False
         await self.health.enter_graceful_shutdown()
+        # Background work first, so that Stage streams end (staging is
+        # resumable) instead of holding the server for the whole grace period.
+        await self.tasks.close()
         if self._server is not None:
             await self._server.stop(grace)
-        await self.tasks.close()
         if self.store.is_open:
             await self._drain_writes()
             self.store.close()

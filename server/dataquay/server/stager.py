@@ -144,6 +144,9 @@ class Stager:
                 extra={"fields": {"dataset": dataset, "seconds": round(progress.elapsed, 2),
                                   "read_bytes": progress.read_bytes, "cache_full": progress.cache_full}},
             )
+        except asyncio.CancelledError:
+            progress.end("the daemon is shutting down; stage again to resume")
+            raise
         except Exception as exc:  # reported to the caller through the progress stream
             progress.end(str(exc))
             log.error("staging failed", extra={"fields": {"dataset": dataset, "error": str(exc)}})
