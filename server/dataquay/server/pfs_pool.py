@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -20,12 +21,15 @@ from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import PfsReader, ReadRange, plan_reads
 from dataquay.client.records import encode_value
 from dataquay.server.ratelimit import TokenBucket
+from dataquay.server.tasks import STAGING_NICENESS, lower_thread_priority
 
 
 #: Each thread of a request should get at least this much work: a hop to a
 #: thread costs tens of microseconds and GIL churn, which only pays off when
 #: the reads themselves wait (a PFS's open and read latency, a cold disk).
 _GROUP_SECONDS = 0.002
+#: Most ranges one staging job reads in a row.
+_STREAM_JOB_RANGES = 64
 #: Weight of the newest observation in the per-range read time estimate.
 _EWMA_WEIGHT = 0.2
 
@@ -36,6 +40,12 @@ class PfsPool:
     def __init__(self, threads: int, bandwidth: int = 0) -> None:
         self.threads = threads
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="dataquay-pfs")
+        # Staging reads are background work, below the cache writer they feed
+        # and below reads that a trainer is waiting for.
+        self._staging = ThreadPoolExecutor(
+            threads, thread_name_prefix="dataquay-stage",
+            initializer=lower_thread_priority, initargs=(STAGING_NICENESS,),
+        )
         self._bucket = TokenBucket(bandwidth) if bandwidth else None
         self._readers: dict[str, PfsReader] = {}
         self.bytes_read = 0
@@ -46,6 +56,7 @@ class PfsPool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._staging.shutdown(wait=True, cancel_futures=True)
 
     def reader(self, dataset: str, manifest: Manifest) -> PfsReader:
         key = f"{dataset}:{manifest.manifest_id}"
@@ -90,28 +101,41 @@ class PfsPool:
         return merged
 
     async def stream(
-        self, dataset: str, manifest: Manifest, ranges: Sequence[ReadRange]
+        self,
+        dataset: str,
+        manifest: Manifest,
+        ranges: Sequence[ReadRange],
+        backlog: Callable[[], float],
     ) -> AsyncIterator[dict[int, bytes]]:
-        """Reads ``ranges`` in order, a few jobs per thread in flight (staging).
+        """Reads ``ranges`` in order for staging, only as fast as they are consumed.
 
-        A job holds as many consecutive ranges as take about ``_GROUP_SECONDS``
-        to read, by the running estimate: one 1 MiB range, or dozens of small
-        files, so that thread hops stay a small part of the work.
+        Ranges go to the threads in jobs of several consecutive ranges (up to
+        ``_STREAM_JOB_RANGES``), so thread hops stay a small part of the work
+        even for small files. How many jobs are in flight follows
+        ``backlog()``, the fill (0 to 1) of the queue the results go to: it
+        doubles while the queue is nearly empty (the writer waits for reads)
+        and halves once the reads run ahead. From a slow PFS that means every
+        thread; from a fast one, a thread or two, since more would only take
+        the CPU (and the GIL) from the writer they feed.
         """
         reader = self.reader(dataset, manifest)
         loop = asyncio.get_running_loop()
-        window = 2 * self.threads
-        pending: list[asyncio.Future[dict[int, bytes]]] = []
-        start = 0
-        while start < len(ranges):
-            per_job = max(1, int(_GROUP_SECONDS / max(self.range_seconds, 1e-6)))
+        most = 2 * self.threads
+        window = 2
+        pending: deque[asyncio.Future[dict[int, bytes]]] = deque()
+        per_job = max(1, min(_STREAM_JOB_RANGES, len(ranges) // (4 * self.threads)))
+        for start in range(0, len(ranges), per_job):
             job = ranges[start : start + per_job]
-            start += len(job)
-            pending.append(loop.run_in_executor(self._executor, self._read_ranges, reader, job))
-            if len(pending) >= window:
-                yield await pending.pop(0)
-        for future in pending:
-            yield await future
+            pending.append(loop.run_in_executor(self._staging, self._read_ranges, reader, job))
+            while len(pending) >= window:
+                yield await pending.popleft()
+                fill = backlog()
+                if fill < 0.05:
+                    window = min(most, window * 2)
+                elif fill > 0.15:
+                    window = max(1, window // 2)
+        while pending:
+            yield await pending.popleft()
 
 
 def _split(ranges: Sequence[ReadRange], parts: int) -> list[list[ReadRange]]:

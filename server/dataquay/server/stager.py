@@ -125,7 +125,7 @@ class Stager:
             progress.found_cached(int(cached.sum()), int(manifest.sample_length[cached].sum()))
             ranges = staging_ranges(manifest, ids[~cached], seed)
             name = db.encode()
-            async for values in self.pfs.stream(dataset, manifest, ranges):
+            async for values in self.pfs.stream(dataset, manifest, ranges, self.store.backlog):
                 for sample_id, value in values.items():
                     await self.store.put(PendingWrite(name, sample_id, value))
                 progress.staged(len(values), sum(len(v) for v in values.values()) - CHECKSUM_BYTES * len(values))

@@ -18,7 +18,6 @@ import asyncio
 import logging
 import os
 import shutil
-import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ import numpy as np
 from dataquay.client.records import CHECKSUM_BYTES, decode_value, sample_key, stored_checksum
 from dataquay.server.dirs import ensure_writable_dir
 from dataquay.server.errors import StartupError
+from dataquay.server.tasks import WRITER_NICENESS, lower_thread_priority
 
 log = logging.getLogger("dataquay.store")
 
@@ -44,7 +44,6 @@ _INITIAL_MAP = 256 * MiB
 _BATCH_ITEMS = 4096
 _BATCH_BYTES = 64 * MiB
 _QUEUE_BYTES = 256 * MiB
-_WRITER_NICENESS = 10
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,8 @@ class Store:
         self._idle = asyncio.Event()
         self._idle.set()
         self._writer = ThreadPoolExecutor(
-            1, thread_name_prefix="dataquay-lmdb-writer", initializer=_lower_thread_priority
+            1, thread_name_prefix="dataquay-lmdb-writer",
+            initializer=lower_thread_priority, initargs=(WRITER_NICENESS,),
         )
         self._write_lock = asyncio.Lock()
         self._dirty = False
@@ -234,6 +234,10 @@ class Store:
 
     # --------------------------------------------------------------- writes
 
+    def backlog(self) -> float:
+        """How full the write queue is, 0 to 1."""
+        return min(1.0, self._queued_bytes / _QUEUE_BYTES)
+
     def offer(self, write: PendingWrite) -> bool:
         """Queues a write without waiting; False (and counted) when it cannot be taken.
 
@@ -380,15 +384,3 @@ class Store:
         self.corrupt_repaired += repaired
         self._dirty = True
 
-
-def _lower_thread_priority() -> None:
-    """Lets reads win the CPU over cache inserts.
-
-    Inserting costs more CPU than serving (about 0.5 GB/s per core in LMDB), so
-    under load the writer runs when reads leave a core idle; its queue is
-    bounded, and what it cannot take is simply read from the PFS again later.
-    """
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WRITER_NICENESS)
-    except OSError:
-        log.debug("cannot lower the cache writer's priority")
