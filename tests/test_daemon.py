@@ -259,6 +259,8 @@ def test_cli_dataset_commands(daemon: DaemonProcess, pfs: tuple[Path, list[bytes
     shown = run_cli("dataset", "show", "imgs", env=env)
     assert "samples      60" in shown.stdout and "cached       60 samples" in shown.stdout
     assert "imgs" in run_cli("dataset", "ls", env=env).stdout
+    status = run_cli("status", env=env)
+    assert status.returncode == 0 and "60 entries" in status.stdout and "pfs" in status.stdout
     dropped = run_cli("dataset", "drop", "imgs", env=env)
     assert dropped.returncode == 0 and "freed 60" in dropped.stdout
     nodaemon = run_cli("dataset", "ls", env={"DATAQUAY_ADDR": str(root / "none.sock")})
