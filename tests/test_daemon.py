@@ -331,3 +331,35 @@ def test_staging_interrupted_by_sigterm_resumes_where_it_stopped(
     assert not resumed.error and resumed.done_samples == len(payloads)
     assert resumed.skipped_samples > 0
     assert [s.data for s in read(stub, "slow", list(range(60)))] == payloads
+
+
+def test_staging_skips_samples_the_pfs_will_not_give_and_names_them(
+    daemon: DaemonProcess, pfs: tuple[Path, list[bytes]]
+) -> None:
+    root, payloads = pfs
+    stub = stub_for(daemon)
+    info = add(stub, root)
+    files = sorted(root.rglob("*.bin"), key=lambda p: (p.parent.name, p.name))
+    files[7].unlink()
+    files[40].write_bytes(b"short")
+
+    progress = stage(stub, "imgs")
+    assert not progress.error and progress.finished
+    assert progress.failed_samples == 2
+    assert progress.done_samples == info.num_samples - 2
+    assert any(
+        f"sample {i} of 'imgs': cannot read {files[i]}" in progress.first_failure for i in (7, 40)
+    )
+
+    good = [i for i in range(len(payloads)) if i not in (7, 40)]
+    assert [s.data for s in read(stub, "imgs", good)] == [payloads[i] for i in good]
+    for bad, reason in ((7, "No such file"), (40, "truncated")):
+        with pytest.raises(grpc.RpcError) as err:
+            read(stub, "imgs", [bad])
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS
+        assert f"sample {bad} of 'imgs'" in err.value.details() and reason in err.value.details()
+
+    cli = run_cli("stage", "imgs", "--quiet", env={"DATAQUAY_ADDR": daemon.address})
+    assert cli.returncode == 1
+    assert "58/60 samples cached" in cli.stdout
+    assert cli.stderr.count("\n") == 1 and "2 samples of 'imgs' could not be read" in cli.stderr

@@ -186,7 +186,7 @@ class StageRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class StageProgress(_message.Message):
-    __slots__ = ("dataset", "total_samples", "done_samples", "skipped_samples", "total_bytes", "done_bytes", "read_bytes", "elapsed_seconds", "finished", "cache_full", "error")
+    __slots__ = ("dataset", "total_samples", "done_samples", "skipped_samples", "total_bytes", "done_bytes", "read_bytes", "elapsed_seconds", "finished", "cache_full", "error", "failed_samples", "first_failure")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     DONE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,8 @@ class StageProgress(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     CACHE_FULL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    FAILED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FAILURE_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     total_samples: int
     done_samples: int
@@ -209,7 +211,9 @@ class StageProgress(_message.Message):
     finished: bool
     cache_full: bool
     error: str
-    def __init__(self, dataset: _Optional[str] = ..., total_samples: _Optional[int] = ..., done_samples: _Optional[int] = ..., skipped_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., done_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., cache_full: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    failed_samples: int
+    first_failure: str
+    def __init__(self, dataset: _Optional[str] = ..., total_samples: _Optional[int] = ..., done_samples: _Optional[int] = ..., skipped_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., done_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., cache_full: _Optional[bool] = ..., error: _Optional[str] = ..., failed_samples: _Optional[int] = ..., first_failure: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -155,6 +155,11 @@ def cmd_stage(args: argparse.Namespace) -> None:
         f"{format_bytes(last.read_bytes)} from the PFS in {last.elapsed_seconds:.1f} s "
         f"({format_bytes(rate)}/s)" + ("; cache full, the rest will be read from the PFS" if last.cache_full else "")
     )
+    if last.failed_samples:
+        raise CliError(
+            f"{last.failed_samples} samples of {args.name!r} could not be read from the PFS and were "
+            f"skipped; the first: {last.first_failure}"
+        )
 
 
 def cmd_status(args: argparse.Namespace) -> None:

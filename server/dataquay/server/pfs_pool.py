@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from dataquay.client.manifest import Manifest
-from dataquay.client.pfs import PfsReader, ReadRange, plan_reads
+from dataquay.client.errors import PfsReadError
+from dataquay.client.pfs import PfsRangeError, PfsReader, ReadRange, plan_reads
 from dataquay.client.records import encode_value
 from dataquay.server.ratelimit import TokenBucket
 from dataquay.server.tasks import STAGING_NICENESS, lower_thread_priority
@@ -100,14 +101,35 @@ class PfsPool:
             merged.update(part)
         return merged
 
+    def _read_ranges_skipping(
+        self, reader: PfsReader, manifest: Manifest, ranges: Sequence[ReadRange]
+    ) -> tuple[dict[int, bytes], list[str]]:
+        """Like ``_read_ranges``, but a range that fails is retried sample by
+        sample and the samples that still fail are skipped: (values, failures)."""
+        out: dict[int, bytes] = {}
+        failures: list[str] = []
+        for r in ranges:
+            try:
+                out.update(self._read_ranges(reader, [r]))
+            except PfsRangeError:
+                for sample_id in r.ids.tolist():
+                    try:
+                        out.update(self._read_ranges(reader, plan_reads(manifest, np.array([sample_id]))))
+                    except PfsReadError as exc:
+                        failures.append(str(exc))
+        return out, failures
+
     async def stream(
         self,
         dataset: str,
         manifest: Manifest,
         ranges: Sequence[ReadRange],
         backlog: Callable[[], float],
-    ) -> AsyncIterator[dict[int, bytes]]:
+    ) -> AsyncIterator[tuple[dict[int, bytes], list[str]]]:
         """Reads ``ranges`` in order for staging, only as fast as they are consumed.
+
+        Yields (cache values by id, failures): a sample the PFS will not give
+        is skipped and described, so one bad file does not stop a staging run.
 
         Ranges go to the threads in jobs of several consecutive ranges (up to
         ``_STREAM_JOB_RANGES``), so thread hops stay a small part of the work
@@ -122,11 +144,11 @@ class PfsPool:
         loop = asyncio.get_running_loop()
         most = 2 * self.threads
         window = 2
-        pending: deque[asyncio.Future[dict[int, bytes]]] = deque()
+        pending: deque[asyncio.Future[tuple[dict[int, bytes], list[str]]]] = deque()
         per_job = max(1, min(_STREAM_JOB_RANGES, len(ranges) // (4 * self.threads)))
         for start in range(0, len(ranges), per_job):
             job = ranges[start : start + per_job]
-            pending.append(loop.run_in_executor(self._staging, self._read_ranges, reader, job))
+            pending.append(loop.run_in_executor(self._staging, self._read_ranges_skipping, reader, manifest, job))
             while len(pending) >= window:
                 yield await pending.popleft()
                 fill = backlog()

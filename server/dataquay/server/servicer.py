@@ -154,6 +154,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 finished=progress.finished,
                 cache_full=progress.cache_full,
                 error=progress.error,
+                failed_samples=progress.failed_samples,
+                first_failure=progress.first_failure,
             )
             if progress.finished:
                 return

@@ -45,6 +45,8 @@ class StagingProgress:
     ended: float | None = None
     error: str = ""
     cache_full: bool = False
+    failed_samples: int = 0
+    first_failure: str = ""
 
     @property
     def finished(self) -> bool:
@@ -63,6 +65,11 @@ class StagingProgress:
         self.done_samples += samples
         self.done_bytes += nbytes
         self.read_bytes += nbytes
+
+    def failed(self, failures: list[str]) -> None:
+        if failures and not self.failed_samples:
+            self.first_failure = failures[0]
+        self.failed_samples += len(failures)
 
     def end(self, error: str = "") -> None:
         self.error = error
@@ -125,7 +132,8 @@ class Stager:
             progress.found_cached(int(cached.sum()), int(manifest.sample_length[cached].sum()))
             ranges = staging_ranges(manifest, ids[~cached], seed)
             name = db.encode()
-            async for values in self.pfs.stream(dataset, manifest, ranges, self.store.backlog):
+            async for values, failures in self.pfs.stream(dataset, manifest, ranges, self.store.backlog):
+                progress.failed(failures)
                 for sample_id, value in values.items():
                     await self.store.put(PendingWrite(name, sample_id, value))
                 progress.staged(len(values), sum(len(v) for v in values.values()) - CHECKSUM_BYTES * len(values))
@@ -142,8 +150,15 @@ class Stager:
             log.info(
                 "staging finished",
                 extra={"fields": {"dataset": dataset, "seconds": round(progress.elapsed, 2),
-                                  "read_bytes": progress.read_bytes, "cache_full": progress.cache_full}},
+                                  "read_bytes": progress.read_bytes, "cache_full": progress.cache_full,
+                                  "failed_samples": progress.failed_samples}},
             )
+            if progress.failed_samples:
+                log.warning(
+                    "staging skipped samples the PFS would not give",
+                    extra={"fields": {"dataset": dataset, "failed_samples": progress.failed_samples,
+                                      "first": progress.first_failure}},
+                )
         except asyncio.CancelledError:
             progress.end("the daemon is shutting down; stage again to resume")
             raise
