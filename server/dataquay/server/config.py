@@ -27,17 +27,15 @@ def _home_dir(kind: str, fallback: str) -> Path:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise ValueError("must be positive")
-    return value
+    if not text.strip().isdigit() or int(text) <= 0:
+        raise ValueError("expected a whole number above 0")
+    return int(text)
 
 
 def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise ValueError("must be a port number 0-65535")
-    return value
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise ValueError("expected a port number 0-65535")
+    return int(text)
 
 
 def _option(default: Any, help: str, parse: Callable[[str], Any] = str, **extra: Any) -> Any:
@@ -113,7 +111,9 @@ class DaemonConfig:
                 raise ConfigError(f"{source}: {raw!r} is not one of {', '.join(choices)}")
             try:
                 values[f.name] = f.metadata["parse"](raw)
-            except (ValueError, ConfigError) as exc:
+            except ConfigError as exc:
+                raise ConfigError(f"{source}: {exc}") from None
+            except ValueError as exc:
                 raise ConfigError(f"{source}: bad value {raw!r}: {exc}") from None
         return cls(**values)
 
