@@ -6,7 +6,6 @@ Only this module knows gRPC status codes.
 from __future__ import annotations
 
 import time
-from itertools import repeat
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -26,7 +25,7 @@ from dataquay.server.errors import (
     UnknownDatasetError,
 )
 from dataquay.server.reads import chunked
-from dataquay.server.shm import place
+from dataquay.server.shm import write_payloads
 
 if TYPE_CHECKING:
     from dataquay.server.daemon import Daemon
@@ -87,19 +86,14 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         async with _status_on_error(context):
             served = await self.daemon.reads.read(request.dataset, ids, request.manifest_id)
         segment = self.daemon.shm.get(request.shm_name, request.shm_size) if request.shm_name else None
-        samples = []
-        offsets = place((len(s.data) for s in served), request.shm_size) if segment else repeat(None)
-        for s, offset in zip(served, offsets):
-            tier = TIER_TO_PROTO[s.tier]
-            if offset is None:
-                samples.append(pb.Sample(id=s.sample_id, tier=tier, data=bytes(s.data), checksum=s.checksum))
-            else:
-                assert segment is not None
-                segment[offset : offset + len(s.data)] = s.data
-                samples.append(
-                    pb.Sample(id=s.sample_id, tier=tier, checksum=s.checksum, in_shm=True,
-                              shm_offset=offset, length=len(s.data))
-                )
+        offsets = write_payloads(segment, [s.data for s in served])
+        samples = [
+            pb.Sample(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], data=bytes(s.data), checksum=s.checksum)
+            if offset is None
+            else pb.Sample(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], checksum=s.checksum, in_shm=True,
+                           shm_offset=offset, length=len(s.data))
+            for s, offset in zip(served, offsets)
+        ]
         for chunk in chunked(samples, lambda sample: len(sample.data)):
             yield pb.ReadChunk(samples=chunk)
         self._latency.labels("Read").observe(time.perf_counter() - started)

@@ -19,7 +19,7 @@ import os
 import re
 import stat
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
@@ -82,6 +82,18 @@ class ShmSegments:
 
 def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
+
+
+def write_payloads(segment: mmap.mmap | None, payloads: Sequence[bytes | memoryview]) -> list[int | None]:
+    """Copies payloads into ``segment`` where they fit: their offsets, None
+    for each that must go inline (all of them without a segment)."""
+    if segment is None:
+        return [None] * len(payloads)
+    offsets = list(place((len(p) for p in payloads), len(segment)))
+    for payload, offset in zip(payloads, offsets):
+        if offset is not None:
+            segment[offset : offset + len(payload)] = payload
+    return offsets
 
 
 def place(payload_sizes: Iterable[int], capacity: int) -> Iterator[int | None]:

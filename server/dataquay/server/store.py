@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
