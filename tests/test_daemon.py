@@ -62,6 +62,14 @@ def add(stub: cache_pb2_grpc.CacheStub, root: Path, name: str = "imgs") -> pb.Da
     return stub.AddDataset(pb.AddDatasetRequest(name=name, root=str(root)))
 
 
+def staged(daemon: DaemonProcess, root: Path) -> cache_pb2_grpc.CacheStub:
+    """Registers ``root`` as "imgs" on ``daemon`` and stages it."""
+    stub = stub_for(daemon)
+    add(stub, root)
+    stage(stub, "imgs")
+    return stub
+
+
 def test_reads_come_from_pfs_then_from_cache_with_exact_bytes(daemon: DaemonProcess, pfs: tuple[Path, list[bytes]]) -> None:
     root, payloads = pfs
     stub = stub_for(daemon)
@@ -152,9 +160,7 @@ def test_corrupt_cached_value_is_detected_served_from_pfs_and_repaired(
 ) -> None:
     root, payloads = pfs
     daemon = start_daemon()
-    stub = stub_for(daemon)
-    add(stub, root)
-    stage(stub, "imgs")
+    staged(daemon, root)
     assert daemon.stop() == 0
 
     data_file = daemon.cache_dir / "data.mdb"
@@ -179,9 +185,7 @@ def test_sigkilled_daemon_restarts_on_its_cache_with_every_entry(
 ) -> None:
     root, payloads = pfs
     daemon = start_daemon()
-    stub = stub_for(daemon)
-    add(stub, root)
-    stage(stub, "imgs")
+    staged(daemon, root)
     daemon.kill()
     daemon.start()
     stub = stub_for(daemon)
@@ -199,9 +203,7 @@ def test_sigterm_finishes_and_exits_zero(daemon: DaemonProcess) -> None:
 
 def test_drop_frees_the_cache_and_unregisters(daemon: DaemonProcess, pfs: tuple[Path, list[bytes]]) -> None:
     root, payloads = pfs
-    stub = stub_for(daemon)
-    add(stub, root)
-    stage(stub, "imgs")
+    stub = staged(daemon, root)
     reply = stub.DropDataset(pb.DropDatasetRequest(name="imgs"))
     assert reply.freed_samples == len(payloads)
     assert stats(stub).cache_entries == 0
