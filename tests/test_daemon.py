@@ -123,6 +123,8 @@ def test_bad_requests_get_clear_status_codes_and_the_daemon_keeps_serving(
         (lambda: add(stub, root / "missing", "other"), grpc.StatusCode.INVALID_ARGUMENT, "missing"),
         (lambda: add(stub, root, "../evil"), grpc.StatusCode.INVALID_ARGUMENT, "bad dataset name"),
         (lambda: stub.GetDataset(pb.GetDatasetRequest(name="nope")), grpc.StatusCode.NOT_FOUND, "nope"),
+        (lambda: list(stub.GetManifest(pb.GetDatasetRequest(name="nope"))), grpc.StatusCode.NOT_FOUND, "nope"),
+        (lambda: stub.DropDataset(pb.DropDatasetRequest(name="nope")), grpc.StatusCode.NOT_FOUND, "nope"),
         (
             lambda: list(stub.Read(pb.ReadRequest(dataset="imgs", ids=[0], manifest_id="0" * 32))),
             grpc.StatusCode.FAILED_PRECONDITION,
