@@ -367,3 +367,29 @@ def test_staging_skips_samples_the_pfs_will_not_give_and_names_them(
     assert cli.returncode == 1
     assert "58/60 samples cached" in cli.stdout
     assert cli.stderr.count("\n") == 1 and "2 samples of 'imgs' could not be read" in cli.stderr
+
+
+def test_metrics_endpoint_exports_reads_cache_and_pfs_figures(
+    daemon: DaemonProcess, pfs: tuple[Path, list[bytes]]
+) -> None:
+    import urllib.request
+
+    root, payloads = pfs
+    stub = staged(daemon, root)
+    read(stub, "imgs", [0, 1, 2])
+    with urllib.request.urlopen(daemon.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    values = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    total = float(sum(map(len, payloads)))
+    assert values['dataquay_reads_total{tier="local"}'] == 3
+    assert values['dataquay_read_bytes_total{tier="local"}'] == sum(map(len, payloads[:3]))
+    assert values["dataquay_pfs_read_bytes_total"] == total
+    assert values["dataquay_pfs_errors_total"] == 0
+    assert values["dataquay_cache_entries"] == len(payloads)
+    assert 0 < values["dataquay_cache_bytes"] <= values["dataquay_cache_capacity_bytes"]
+    assert values['dataquay_staging_samples{dataset="imgs"}'] == len(payloads)
+    assert values['dataquay_request_seconds_count{method="Read"}'] == 1
