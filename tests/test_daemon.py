@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -274,8 +278,6 @@ def test_cli_dataset_commands(daemon: DaemonProcess, pfs: tuple[Path, list[bytes
 def test_payloads_go_through_the_callers_shared_memory_when_it_names_a_segment(
     daemon: DaemonProcess, pfs: tuple[Path, list[bytes]]
 ) -> None:
-    import mmap
-
     root, payloads = pfs
     stub = stub_for(daemon)
     add(stub, root)
@@ -310,9 +312,6 @@ def test_payloads_go_through_the_callers_shared_memory_when_it_names_a_segment(
 def test_staging_interrupted_by_sigterm_resumes_where_it_stopped(
     start_daemon: Callable[..., DaemonProcess], tmp_path: Path
 ) -> None:
-    import threading
-    import time
-
     root = tmp_path / "slow"
     payloads = make_files(root, 60, size=100_000)
     daemon = start_daemon("--pfs-bandwidth", "2M", "--pfs-threads", "2")
@@ -372,8 +371,6 @@ def test_staging_skips_samples_the_pfs_will_not_give_and_names_them(
 def test_metrics_endpoint_exports_reads_cache_and_pfs_figures(
     daemon: DaemonProcess, pfs: tuple[Path, list[bytes]]
 ) -> None:
-    import urllib.request
-
     root, payloads = pfs
     stub = staged(daemon, root)
     read(stub, "imgs", [0, 1, 2])

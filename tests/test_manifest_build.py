@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 import tarfile
 import time
@@ -13,9 +12,10 @@ import numpy as np
 import pytest
 
 from dataquay.client.errors import ManifestError
-from dataquay.client.manifest import Manifest
+from dataquay.client.manifest import Manifest, ManifestWriter
 from dataquay.server.manifest_build import build_manifest, detect_format
 from dataquay.server.synthetic import make_files_dataset, make_npy_dataset, make_tar_dataset
+from tar_shards import write_tar
 
 
 def manifest_of(root: Path, fmt: str | None = None, **kwargs: bool) -> Manifest:
@@ -29,20 +29,6 @@ def paths_of(m: Manifest) -> list[str]:
 def touch(path: Path, data: bytes = b"x") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
-    return path
-
-
-def write_tar(path: Path, members: list[tuple[str, bytes | None]]) -> Path:
-    """A shard whose members are files, or folders where data is None."""
-    with tarfile.open(path, "w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            if data is None:
-                info.type = tarfile.DIRTYPE
-                tar.addfile(info)
-            else:
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
     return path
 
 
@@ -320,17 +306,23 @@ def test_million_record_npy_manifest_builds_fast(tmp_path: Path) -> None:
     assert writer.num_samples == 1_000_000
 
 
+def build_traced(root: Path) -> tuple[ManifestWriter, int]:
+    """The manifest writer of ``root`` and the peak bytes traced while building it."""
+    tracemalloc.start()
+    try:
+        writer = build_manifest(root)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return writer, peak
+
+
 def test_npy_manifest_memory_stays_under_200_bytes_per_record(tmp_path: Path) -> None:
     """Traced on a quarter million: tracing slows each append tenfold, and the
     cost per record does not depend on how many there are."""
     n = 250_000
     make_npy_dataset(tmp_path, n, record_shape=(2,), dtype="uint8", files=3)
-    tracemalloc.start()
-    try:
-        writer = build_manifest(tmp_path)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    writer, peak = build_traced(tmp_path)
     assert writer.num_samples == n
     assert peak / n < 200
 
@@ -342,11 +334,6 @@ def test_files_manifest_memory_stays_under_200_bytes_per_file(tmp_path: Path) ->
         folder.mkdir()
         for i in range(c, n, 4):
             (folder / f"ILSVRC2012_val_{i:08d}.JPEG").touch()
-    tracemalloc.start()
-    try:
-        writer = build_manifest(tmp_path)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    writer, peak = build_traced(tmp_path)
     assert writer.num_samples == n
     assert peak / n < 200

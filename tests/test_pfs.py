@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import tarfile
@@ -24,6 +23,7 @@ from dataquay.server.synthetic import (
     make_tar_dataset,
     sample_bytes,
 )
+from tar_shards import write_tar
 
 WEBDATASET_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 
@@ -49,21 +49,16 @@ def test_files_round_trip(tmp_path: Path) -> None:
 def test_grouped_tar_round_trip_matches_tarfile_extraction(tmp_path: Path) -> None:
     make_tar_dataset(tmp_path / "shards", 25, samples_per_shard=10, sizes=(10, 5000))
     long_name = "deep/" + "x" * 120
-    with tarfile.open(tmp_path / "shards/zz_odd.tar", "w") as tar:
-        for name, data in [
+    write_tar(
+        tmp_path / "shards/zz_odd.tar",
+        [
             ("deep/", None),
             (f"{long_name}.jpg", b"J" * 513),
             ("deep/NOTES", b"not a sample member"),
             (f"{long_name}.seg.png", b"P" * 7),
             ("y.cls", b""),
-        ]:
-            info = tarfile.TarInfo(name)
-            if data is None:
-                info.type = tarfile.DIRTYPE
-                tar.addfile(info)
-            else:
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+        ],
+    )
     m = manifest_of(tmp_path)
     assert m.num_samples == 27
     expected = []
