@@ -57,3 +57,15 @@ def test_chunked_keeps_order_and_puts_an_oversized_item_alone() -> None:
 def test_shm_placement_aligns_and_skips_what_does_not_fit() -> None:
     offsets = list(place([100, 5000, 30, 10], capacity=4096))
     assert offsets == [0, None, ALIGN * 2, ALIGN * 3]
+
+
+def test_grouped_tar_framing_round_trips_and_rejects_truncation() -> None:
+    from dataquay.client.records import frame_members, unframe_members
+
+    value = frame_members([("jpg", b"\xff\xd8" * 300), ("cls", b"7"), ("json", b"")])
+    members = unframe_members(value)
+    assert {k: bytes(v) for k, v in members.items()} == {"jpg": b"\xff\xd8" * 300, "cls": b"7", "json": b""}
+    with pytest.raises(ValueError, match="truncated in member 'jpg'"):
+        unframe_members(value[:100])
+    with pytest.raises(ValueError, match="not a grouped sample"):
+        unframe_members(b"plain bytes")
