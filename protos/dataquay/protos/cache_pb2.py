@@ -22,57 +22,60 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from dataquay.protos import jobs_pb2 as dataquay_dot_protos_dot_jobs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64\x61taquay/protos/cache.proto\x12\x0b\x64\x61taquay.v1\"\r\n\x0bInfoRequest\"\x8b\x01\n\tInfoReply\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\ncache_path\x18\x03 \x01(\t\x12\x11\n\tmax_batch\x18\x04 \x01(\r\x12\x16\n\x0e\x63\x61\x63he_capacity\x18\x05 \x01(\x04\x12\x13\n\x0btcp_address\x18\x06 \x01(\t\x12\x0b\n\x03pid\x18\x07 \x01(\r\"d\n\x0bReadRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\x04\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x10\n\x08shm_size\x18\x04 \x01(\x04\x12\x13\n\x0bmanifest_id\x18\x05 \x01(\t\"\x89\x01\n\x06Sample\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x1f\n\x04tier\x18\x02 \x01(\x0e\x32\x11.dataquay.v1.Tier\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x06\x12\x0e\n\x06in_shm\x18\x05 \x01(\x08\x12\x12\n\nshm_offset\x18\x06 \x01(\x04\x12\x0e\n\x06length\x18\x07 \x01(\x04\"1\n\tReadChunk\x12$\n\x07samples\x18\x01 \x03(\x0b\x32\x13.dataquay.v1.Sample\"\x88\x01\n\x11\x41\x64\x64\x44\x61tasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12*\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x1a.dataquay.v1.DatasetFormat\x12\x0f\n\x07replace\x18\x04 \x01(\x08\x12\x1a\n\x12tar_member_samples\x18\x05 \x01(\x08\"I\n\x0fSampleSizeStats\x12\x0b\n\x03min\x18\x01 \x01(\x04\x12\x0b\n\x03max\x18\x02 \x01(\x04\x12\x0c\n\x04mean\x18\x03 \x01(\x01\x12\x0e\n\x06median\x18\x04 \x01(\x04\"\xb5\x02\n\x0b\x44\x61tasetInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12*\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x1a.dataquay.v1.DatasetFormat\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x31\n\x0bsample_size\x18\x06 \x01(\x0b\x32\x1c.dataquay.v1.SampleSizeStats\x12\x13\n\x0bmanifest_id\x18\x07 \x01(\t\x12\x10\n\x08\x63\x61\x63he_db\x18\x08 \x01(\t\x12\x16\n\x0emanifest_bytes\x18\t \x01(\x04\x12\x16\n\x0e\x63\x61\x63hed_samples\x18\n \x01(\x04\x12\x14\n\x0c\x63\x61\x63hed_bytes\x18\x0b \x01(\x04\x12\x14\n\x0c\x63reated_unix\x18\x0c \x01(\x01\"\x15\n\x13ListDatasetsRequest\"?\n\x11ListDatasetsReply\x12*\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x18.dataquay.v1.DatasetInfo\"!\n\x11GetDatasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1d\n\rManifestChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\"\n\x12\x44ropDatasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\")\n\x10\x44ropDatasetReply\x12\x15\n\rfreed_samples\x18\x01 \x01(\x04\"-\n\x0cStageRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x04\"\xa0\x02\n\rStageProgress\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x15\n\rtotal_samples\x18\x02 \x01(\x04\x12\x14\n\x0c\x64one_samples\x18\x03 \x01(\x04\x12\x17\n\x0fskipped_samples\x18\x04 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x12\n\ndone_bytes\x18\x06 \x01(\x04\x12\x12\n\nread_bytes\x18\x07 \x01(\x04\x12\x17\n\x0f\x65lapsed_seconds\x18\x08 \x01(\x01\x12\x10\n\x08\x66inished\x18\t \x01(\x08\x12\x12\n\ncache_full\x18\n \x01(\x08\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x16\n\x0e\x66\x61iled_samples\x18\x0c \x01(\x04\x12\x15\n\rfirst_failure\x18\r \x01(\t\"\x0e\n\x0cStatsRequest\"L\n\tTierCount\x12\x1f\n\x04tier\x18\x01 \x01(\x0e\x32\x11.dataquay.v1.Tier\x12\x0f\n\x07samples\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\xfe\x01\n\nStatsReply\x12\x0c\n\x04node\x18\x01 \x01(\t\x12%\n\x05reads\x18\x02 \x03(\x0b\x32\x16.dataquay.v1.TierCount\x12\x18\n\x10\x63\x61\x63he_used_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14\x63\x61\x63he_capacity_bytes\x18\x04 \x01(\x04\x12\x15\n\rcache_entries\x18\x05 \x01(\x04\x12\x11\n\tpfs_bytes\x18\x06 \x01(\x04\x12\x12\n\npfs_errors\x18\x07 \x01(\x04\x12\x18\n\x10\x63orrupt_repaired\x18\x08 \x01(\x04\x12\x12\n\ncache_full\x18\t \x01(\x08\x12\x17\n\x0finserts_dropped\x18\n \x01(\x04*I\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0e\n\nTIER_LOCAL\x10\x01\x12\r\n\tTIER_PEER\x10\x02\x12\x0c\n\x08TIER_PFS\x10\x03*Y\n\rDatasetFormat\x12\x16\n\x12\x46ORMAT_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x46ORMAT_FILES\x10\x01\x12\x0e\n\nFORMAT_TAR\x10\x02\x12\x0e\n\nFORMAT_NPY\x10\x03\x32\xfa\x04\n\x05\x43\x61\x63he\x12\x38\n\x04Info\x12\x18.dataquay.v1.InfoRequest\x1a\x16.dataquay.v1.InfoReply\x12:\n\x04Read\x12\x18.dataquay.v1.ReadRequest\x1a\x16.dataquay.v1.ReadChunk0\x01\x12\x46\n\nAddDataset\x12\x1e.dataquay.v1.AddDatasetRequest\x1a\x18.dataquay.v1.DatasetInfo\x12P\n\x0cListDatasets\x12 .dataquay.v1.ListDatasetsRequest\x1a\x1e.dataquay.v1.ListDatasetsReply\x12\x46\n\nGetDataset\x12\x1e.dataquay.v1.GetDatasetRequest\x1a\x18.dataquay.v1.DatasetInfo\x12K\n\x0bGetManifest\x12\x1e.dataquay.v1.GetDatasetRequest\x1a\x1a.dataquay.v1.ManifestChunk0\x01\x12M\n\x0b\x44ropDataset\x12\x1f.dataquay.v1.DropDatasetRequest\x1a\x1d.dataquay.v1.DropDatasetReply\x12@\n\x05Stage\x12\x19.dataquay.v1.StageRequest\x1a\x1a.dataquay.v1.StageProgress0\x01\x12;\n\x05Stats\x12\x19.dataquay.v1.StatsRequest\x1a\x17.dataquay.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64\x61taquay/protos/cache.proto\x12\x0b\x64\x61taquay.v1\x1a\x1a\x64\x61taquay/protos/jobs.proto\"\r\n\x0bInfoRequest\"\xb7\x01\n\tInfoReply\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\ncache_path\x18\x03 \x01(\t\x12\x11\n\tmax_batch\x18\x04 \x01(\r\x12\x16\n\x0e\x63\x61\x63he_capacity\x18\x05 \x01(\x04\x12\x13\n\x0btcp_address\x18\x06 \x01(\t\x12\x0b\n\x03pid\x18\x07 \x01(\r\x12\x11\n\tdirectory\x18\x08 \x01(\t\x12\x17\n\x0fmetrics_address\x18\t \x01(\t\"\x7f\n\x0bReadRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\x04\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x10\n\x08shm_size\x18\x04 \x01(\x04\x12\x13\n\x0bmanifest_id\x18\x05 \x01(\t\x12\x0b\n\x03job\x18\x06 \x01(\t\x12\x0c\n\x04peer\x18\x07 \x01(\x08\"\x9a\x01\n\x06Sample\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x1f\n\x04tier\x18\x02 \x01(\x0e\x32\x11.dataquay.v1.Tier\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x06\x12\x0e\n\x06in_shm\x18\x05 \x01(\x08\x12\x12\n\nshm_offset\x18\x06 \x01(\x04\x12\x0e\n\x06length\x18\x07 \x01(\x04\x12\x0f\n\x07missing\x18\x08 \x01(\x08\"1\n\tReadChunk\x12$\n\x07samples\x18\x01 \x03(\x0b\x32\x13.dataquay.v1.Sample\"\x88\x01\n\x11\x41\x64\x64\x44\x61tasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12*\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x1a.dataquay.v1.DatasetFormat\x12\x0f\n\x07replace\x18\x04 \x01(\x08\x12\x1a\n\x12tar_member_samples\x18\x05 \x01(\x08\"I\n\x0fSampleSizeStats\x12\x0b\n\x03min\x18\x01 \x01(\x04\x12\x0b\n\x03max\x18\x02 \x01(\x04\x12\x0c\n\x04mean\x18\x03 \x01(\x01\x12\x0e\n\x06median\x18\x04 \x01(\x04\"\xb5\x02\n\x0b\x44\x61tasetInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12*\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x1a.dataquay.v1.DatasetFormat\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x31\n\x0bsample_size\x18\x06 \x01(\x0b\x32\x1c.dataquay.v1.SampleSizeStats\x12\x13\n\x0bmanifest_id\x18\x07 \x01(\t\x12\x10\n\x08\x63\x61\x63he_db\x18\x08 \x01(\t\x12\x16\n\x0emanifest_bytes\x18\t \x01(\x04\x12\x16\n\x0e\x63\x61\x63hed_samples\x18\n \x01(\x04\x12\x14\n\x0c\x63\x61\x63hed_bytes\x18\x0b \x01(\x04\x12\x14\n\x0c\x63reated_unix\x18\x0c \x01(\x01\"\x15\n\x13ListDatasetsRequest\"?\n\x11ListDatasetsReply\x12*\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x18.dataquay.v1.DatasetInfo\"!\n\x11GetDatasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1d\n\rManifestChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\"\n\x12\x44ropDatasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\")\n\x10\x44ropDatasetReply\x12\x15\n\rfreed_samples\x18\x01 \x01(\x04\":\n\x0cStageRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x0b\n\x03job\x18\x03 \x01(\t\"\xae\x02\n\rStageProgress\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x15\n\rtotal_samples\x18\x02 \x01(\x04\x12\x14\n\x0c\x64one_samples\x18\x03 \x01(\x04\x12\x17\n\x0fskipped_samples\x18\x04 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x12\n\ndone_bytes\x18\x06 \x01(\x04\x12\x12\n\nread_bytes\x18\x07 \x01(\x04\x12\x17\n\x0f\x65lapsed_seconds\x18\x08 \x01(\x01\x12\x10\n\x08\x66inished\x18\t \x01(\x08\x12\x12\n\ncache_full\x18\n \x01(\x08\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x16\n\x0e\x66\x61iled_samples\x18\x0c \x01(\x04\x12\x15\n\rfirst_failure\x18\r \x01(\t\x12\x0c\n\x04node\x18\x0e \x01(\t\"\x0e\n\x0cStatsRequest\"L\n\tTierCount\x12\x1f\n\x04tier\x18\x01 \x01(\x0e\x32\x11.dataquay.v1.Tier\x12\x0f\n\x07samples\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\xd3\x02\n\nStatsReply\x12\x0c\n\x04node\x18\x01 \x01(\t\x12%\n\x05reads\x18\x02 \x03(\x0b\x32\x16.dataquay.v1.TierCount\x12\x18\n\x10\x63\x61\x63he_used_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14\x63\x61\x63he_capacity_bytes\x18\x04 \x01(\x04\x12\x15\n\rcache_entries\x18\x05 \x01(\x04\x12\x11\n\tpfs_bytes\x18\x06 \x01(\x04\x12\x12\n\npfs_errors\x18\x07 \x01(\x04\x12\x18\n\x10\x63orrupt_repaired\x18\x08 \x01(\x04\x12\x12\n\ncache_full\x18\t \x01(\x08\x12\x17\n\x0finserts_dropped\x18\n \x01(\x04\x12+\n\x07staging\x18\x0b \x03(\x0b\x32\x1a.dataquay.v1.StageProgress\x12&\n\x05peers\x18\x0c \x03(\x0b\x32\x17.dataquay.v1.PeerHealth\"]\n\nPeerHealth\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07suspect\x18\x02 \x01(\x08\x12\x10\n\x08\x66\x61ilures\x18\x03 \x01(\x04\x12\x0f\n\x07samples\x18\x04 \x01(\x04\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04*I\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0e\n\nTIER_LOCAL\x10\x01\x12\r\n\tTIER_PEER\x10\x02\x12\x0c\n\x08TIER_PFS\x10\x03*Y\n\rDatasetFormat\x12\x16\n\x12\x46ORMAT_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x46ORMAT_FILES\x10\x01\x12\x0e\n\nFORMAT_TAR\x10\x02\x12\x0e\n\nFORMAT_NPY\x10\x03\x32\xf6\x05\n\x05\x43\x61\x63he\x12\x38\n\x04Info\x12\x18.dataquay.v1.InfoRequest\x1a\x16.dataquay.v1.InfoReply\x12:\n\x04Read\x12\x18.dataquay.v1.ReadRequest\x1a\x16.dataquay.v1.ReadChunk0\x01\x12\x46\n\nAddDataset\x12\x1e.dataquay.v1.AddDatasetRequest\x1a\x18.dataquay.v1.DatasetInfo\x12P\n\x0cListDatasets\x12 .dataquay.v1.ListDatasetsRequest\x1a\x1e.dataquay.v1.ListDatasetsReply\x12\x46\n\nGetDataset\x12\x1e.dataquay.v1.GetDatasetRequest\x1a\x18.dataquay.v1.DatasetInfo\x12K\n\x0bGetManifest\x12\x1e.dataquay.v1.GetDatasetRequest\x1a\x1a.dataquay.v1.ManifestChunk0\x01\x12M\n\x0b\x44ropDataset\x12\x1f.dataquay.v1.DropDatasetRequest\x1a\x1d.dataquay.v1.DropDatasetReply\x12@\n\x05Stage\x12\x19.dataquay.v1.StageRequest\x1a\x1a.dataquay.v1.StageProgress0\x01\x12;\n\x05Stats\x12\x19.dataquay.v1.StatsRequest\x1a\x17.dataquay.v1.StatsReply\x12\x38\n\x07JoinJob\x12\x1b.dataquay.v1.JoinJobRequest\x1a\x10.dataquay.v1.Job\x12@\n\x0bReportEpoch\x12\x1f.dataquay.v1.ReportEpochRequest\x1a\x10.dataquay.v1.Jobb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dataquay.protos.cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1942
-  _globals['_TIER']._serialized_end=2015
-  _globals['_DATASETFORMAT']._serialized_start=2017
-  _globals['_DATASETFORMAT']._serialized_end=2106
-  _globals['_INFOREQUEST']._serialized_start=44
-  _globals['_INFOREQUEST']._serialized_end=57
-  _globals['_INFOREPLY']._serialized_start=60
-  _globals['_INFOREPLY']._serialized_end=199
-  _globals['_READREQUEST']._serialized_start=201
-  _globals['_READREQUEST']._serialized_end=301
-  _globals['_SAMPLE']._serialized_start=304
-  _globals['_SAMPLE']._serialized_end=441
-  _globals['_READCHUNK']._serialized_start=443
-  _globals['_READCHUNK']._serialized_end=492
-  _globals['_ADDDATASETREQUEST']._serialized_start=495
-  _globals['_ADDDATASETREQUEST']._serialized_end=631
-  _globals['_SAMPLESIZESTATS']._serialized_start=633
-  _globals['_SAMPLESIZESTATS']._serialized_end=706
-  _globals['_DATASETINFO']._serialized_start=709
-  _globals['_DATASETINFO']._serialized_end=1018
-  _globals['_LISTDATASETSREQUEST']._serialized_start=1020
-  _globals['_LISTDATASETSREQUEST']._serialized_end=1041
-  _globals['_LISTDATASETSREPLY']._serialized_start=1043
-  _globals['_LISTDATASETSREPLY']._serialized_end=1106
-  _globals['_GETDATASETREQUEST']._serialized_start=1108
-  _globals['_GETDATASETREQUEST']._serialized_end=1141
-  _globals['_MANIFESTCHUNK']._serialized_start=1143
-  _globals['_MANIFESTCHUNK']._serialized_end=1172
-  _globals['_DROPDATASETREQUEST']._serialized_start=1174
-  _globals['_DROPDATASETREQUEST']._serialized_end=1208
-  _globals['_DROPDATASETREPLY']._serialized_start=1210
-  _globals['_DROPDATASETREPLY']._serialized_end=1251
-  _globals['_STAGEREQUEST']._serialized_start=1253
-  _globals['_STAGEREQUEST']._serialized_end=1298
-  _globals['_STAGEPROGRESS']._serialized_start=1301
-  _globals['_STAGEPROGRESS']._serialized_end=1589
-  _globals['_STATSREQUEST']._serialized_start=1591
-  _globals['_STATSREQUEST']._serialized_end=1605
-  _globals['_TIERCOUNT']._serialized_start=1607
-  _globals['_TIERCOUNT']._serialized_end=1683
-  _globals['_STATSREPLY']._serialized_start=1686
-  _globals['_STATSREPLY']._serialized_end=1940
-  _globals['_CACHE']._serialized_start=2109
-  _globals['_CACHE']._serialized_end=2743
+  _globals['_TIER']._serialized_start=2265
+  _globals['_TIER']._serialized_end=2338
+  _globals['_DATASETFORMAT']._serialized_start=2340
+  _globals['_DATASETFORMAT']._serialized_end=2429
+  _globals['_INFOREQUEST']._serialized_start=72
+  _globals['_INFOREQUEST']._serialized_end=85
+  _globals['_INFOREPLY']._serialized_start=88
+  _globals['_INFOREPLY']._serialized_end=271
+  _globals['_READREQUEST']._serialized_start=273
+  _globals['_READREQUEST']._serialized_end=400
+  _globals['_SAMPLE']._serialized_start=403
+  _globals['_SAMPLE']._serialized_end=557
+  _globals['_READCHUNK']._serialized_start=559
+  _globals['_READCHUNK']._serialized_end=608
+  _globals['_ADDDATASETREQUEST']._serialized_start=611
+  _globals['_ADDDATASETREQUEST']._serialized_end=747
+  _globals['_SAMPLESIZESTATS']._serialized_start=749
+  _globals['_SAMPLESIZESTATS']._serialized_end=822
+  _globals['_DATASETINFO']._serialized_start=825
+  _globals['_DATASETINFO']._serialized_end=1134
+  _globals['_LISTDATASETSREQUEST']._serialized_start=1136
+  _globals['_LISTDATASETSREQUEST']._serialized_end=1157
+  _globals['_LISTDATASETSREPLY']._serialized_start=1159
+  _globals['_LISTDATASETSREPLY']._serialized_end=1222
+  _globals['_GETDATASETREQUEST']._serialized_start=1224
+  _globals['_GETDATASETREQUEST']._serialized_end=1257
+  _globals['_MANIFESTCHUNK']._serialized_start=1259
+  _globals['_MANIFESTCHUNK']._serialized_end=1288
+  _globals['_DROPDATASETREQUEST']._serialized_start=1290
+  _globals['_DROPDATASETREQUEST']._serialized_end=1324
+  _globals['_DROPDATASETREPLY']._serialized_start=1326
+  _globals['_DROPDATASETREPLY']._serialized_end=1367
+  _globals['_STAGEREQUEST']._serialized_start=1369
+  _globals['_STAGEREQUEST']._serialized_end=1427
+  _globals['_STAGEPROGRESS']._serialized_start=1430
+  _globals['_STAGEPROGRESS']._serialized_end=1732
+  _globals['_STATSREQUEST']._serialized_start=1734
+  _globals['_STATSREQUEST']._serialized_end=1748
+  _globals['_TIERCOUNT']._serialized_start=1750
+  _globals['_TIERCOUNT']._serialized_end=1826
+  _globals['_STATSREPLY']._serialized_start=1829
+  _globals['_STATSREPLY']._serialized_end=2168
+  _globals['_PEERHEALTH']._serialized_start=2170
+  _globals['_PEERHEALTH']._serialized_end=2263
+  _globals['_CACHE']._serialized_start=2432
+  _globals['_CACHE']._serialized_end=3190
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from dataquay.protos import jobs_pb2 as _jobs_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -34,7 +35,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("node", "version", "cache_path", "max_batch", "cache_capacity", "tcp_address", "pid")
+    __slots__ = ("node", "version", "cache_path", "max_batch", "cache_capacity", "tcp_address", "pid", "directory", "metrics_address")
     NODE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CACHE_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +43,8 @@ class InfoReply(_message.Message):
     CACHE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     TCP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node: str
     version: str
     cache_path: str
@@ -49,24 +52,30 @@ class InfoReply(_message.Message):
     cache_capacity: int
     tcp_address: str
     pid: int
-    def __init__(self, node: _Optional[str] = ..., version: _Optional[str] = ..., cache_path: _Optional[str] = ..., max_batch: _Optional[int] = ..., cache_capacity: _Optional[int] = ..., tcp_address: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    directory: str
+    metrics_address: str
+    def __init__(self, node: _Optional[str] = ..., version: _Optional[str] = ..., cache_path: _Optional[str] = ..., max_batch: _Optional[int] = ..., cache_capacity: _Optional[int] = ..., tcp_address: _Optional[str] = ..., pid: _Optional[int] = ..., directory: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
-    __slots__ = ("dataset", "ids", "shm_name", "shm_size", "manifest_id")
+    __slots__ = ("dataset", "ids", "shm_name", "shm_size", "manifest_id", "job", "peer")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_SIZE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     ids: _containers.RepeatedScalarFieldContainer[int]
     shm_name: str
     shm_size: int
     manifest_id: str
-    def __init__(self, dataset: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., manifest_id: _Optional[str] = ...) -> None: ...
+    job: str
+    peer: bool
+    def __init__(self, dataset: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., manifest_id: _Optional[str] = ..., job: _Optional[str] = ..., peer: _Optional[bool] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("id", "tier", "data", "checksum", "in_shm", "shm_offset", "length")
+    __slots__ = ("id", "tier", "data", "checksum", "in_shm", "shm_offset", "length", "missing")
     ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +83,7 @@ class Sample(_message.Message):
     IN_SHM_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
     id: int
     tier: Tier
     data: bytes
@@ -81,7 +91,8 @@ class Sample(_message.Message):
     in_shm: bool
     shm_offset: int
     length: int
-    def __init__(self, id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., in_shm: _Optional[bool] = ..., shm_offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    missing: bool
+    def __init__(self, id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., in_shm: _Optional[bool] = ..., shm_offset: _Optional[int] = ..., length: _Optional[int] = ..., missing: _Optional[bool] = ...) -> None: ...
 
 class ReadChunk(_message.Message):
     __slots__ = ("samples",)
@@ -178,15 +189,17 @@ class DropDatasetReply(_message.Message):
     def __init__(self, freed_samples: _Optional[int] = ...) -> None: ...
 
 class StageRequest(_message.Message):
-    __slots__ = ("dataset", "seed")
+    __slots__ = ("dataset", "seed", "job")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     seed: int
-    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+    job: str
+    def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., job: _Optional[str] = ...) -> None: ...
 
 class StageProgress(_message.Message):
-    __slots__ = ("dataset", "total_samples", "done_samples", "skipped_samples", "total_bytes", "done_bytes", "read_bytes", "elapsed_seconds", "finished", "cache_full", "error", "failed_samples", "first_failure")
+    __slots__ = ("dataset", "total_samples", "done_samples", "skipped_samples", "total_bytes", "done_bytes", "read_bytes", "elapsed_seconds", "finished", "cache_full", "error", "failed_samples", "first_failure", "node")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     DONE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +213,7 @@ class StageProgress(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FAILED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     FIRST_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     total_samples: int
     done_samples: int
@@ -213,7 +227,8 @@ class StageProgress(_message.Message):
     error: str
     failed_samples: int
     first_failure: str
-    def __init__(self, dataset: _Optional[str] = ..., total_samples: _Optional[int] = ..., done_samples: _Optional[int] = ..., skipped_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., done_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., cache_full: _Optional[bool] = ..., error: _Optional[str] = ..., failed_samples: _Optional[int] = ..., first_failure: _Optional[str] = ...) -> None: ...
+    node: str
+    def __init__(self, dataset: _Optional[str] = ..., total_samples: _Optional[int] = ..., done_samples: _Optional[int] = ..., skipped_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., done_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., cache_full: _Optional[bool] = ..., error: _Optional[str] = ..., failed_samples: _Optional[int] = ..., first_failure: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -230,7 +245,7 @@ class TierCount(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped")
+    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers")
     NODE_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
     CACHE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +256,8 @@ class StatsReply(_message.Message):
     CORRUPT_REPAIRED_FIELD_NUMBER: _ClassVar[int]
     CACHE_FULL_FIELD_NUMBER: _ClassVar[int]
     INSERTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    STAGING_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     node: str
     reads: _containers.RepeatedCompositeFieldContainer[TierCount]
     cache_used_bytes: int
@@ -251,4 +268,20 @@ class StatsReply(_message.Message):
     corrupt_repaired: int
     cache_full: bool
     inserts_dropped: int
-    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ...) -> None: ...
+    staging: _containers.RepeatedCompositeFieldContainer[StageProgress]
+    peers: _containers.RepeatedCompositeFieldContainer[PeerHealth]
+    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ...) -> None: ...
+
+class PeerHealth(_message.Message):
+    __slots__ = ("node", "suspect", "failures", "samples", "bytes")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    suspect: bool
+    failures: int
+    samples: int
+    bytes: int
+    def __init__(self, node: _Optional[str] = ..., suspect: _Optional[bool] = ..., failures: _Optional[int] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...

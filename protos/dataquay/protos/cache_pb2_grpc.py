@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from dataquay.protos import cache_pb2 as dataquay_dot_protos_dot_cache__pb2
+from dataquay.protos import jobs_pb2 as dataquay_dot_protos_dot_jobs__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -79,6 +80,16 @@ class CacheStub:
                 request_serializer=dataquay_dot_protos_dot_cache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=dataquay_dot_protos_dot_cache__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.JoinJob = channel.unary_unary(
+                '/dataquay.v1.Cache/JoinJob',
+                request_serializer=dataquay_dot_protos_dot_jobs__pb2.JoinJobRequest.SerializeToString,
+                response_deserializer=dataquay_dot_protos_dot_jobs__pb2.Job.FromString,
+                _registered_method=True)
+        self.ReportEpoch = channel.unary_unary(
+                '/dataquay.v1.Cache/ReportEpoch',
+                request_serializer=dataquay_dot_protos_dot_jobs__pb2.ReportEpochRequest.SerializeToString,
+                response_deserializer=dataquay_dot_protos_dot_jobs__pb2.Job.FromString,
+                _registered_method=True)
 
 
 class CacheServicer:
@@ -144,6 +155,19 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinJob(self, request, context):
+        """Jobs, relayed to the directory: a trainer talks to its own daemon only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportEpoch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -191,6 +215,16 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=dataquay_dot_protos_dot_cache__pb2.StatsRequest.FromString,
                     response_serializer=dataquay_dot_protos_dot_cache__pb2.StatsReply.SerializeToString,
+            ),
+            'JoinJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinJob,
+                    request_deserializer=dataquay_dot_protos_dot_jobs__pb2.JoinJobRequest.FromString,
+                    response_serializer=dataquay_dot_protos_dot_jobs__pb2.Job.SerializeToString,
+            ),
+            'ReportEpoch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportEpoch,
+                    request_deserializer=dataquay_dot_protos_dot_jobs__pb2.ReportEpochRequest.FromString,
+                    response_serializer=dataquay_dot_protos_dot_jobs__pb2.Job.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -436,6 +470,60 @@ class Cache:
             '/dataquay.v1.Cache/Stats',
             dataquay_dot_protos_dot_cache__pb2.StatsRequest.SerializeToString,
             dataquay_dot_protos_dot_cache__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dataquay.v1.Cache/JoinJob',
+            dataquay_dot_protos_dot_jobs__pb2.JoinJobRequest.SerializeToString,
+            dataquay_dot_protos_dot_jobs__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportEpoch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dataquay.v1.Cache/ReportEpoch',
+            dataquay_dot_protos_dot_jobs__pb2.ReportEpochRequest.SerializeToString,
+            dataquay_dot_protos_dot_jobs__pb2.Job.FromString,
             options,
             channel_credentials,
             insecure,

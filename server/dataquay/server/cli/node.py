@@ -1,65 +1,19 @@
-"""``dataquay``: the command line of the daemon, its datasets and its tools.
-
-Exit codes: 0 success, 1 the operation failed (one line on stderr says why),
-2 bad usage.
-"""
+"""Commands of one node: serve its daemon, manage datasets, stage, status, demo."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 
-import grpc
-
-from dataquay.client.channels import channel_options, daemon_address, grpc_target
 from dataquay.protos import cache_pb2 as pb
-from dataquay.protos import cache_pb2_grpc
+from dataquay.server.cli.common import CliError, add_addr, daemon_stub, print_table
 from dataquay.server.config import DaemonConfig
-from dataquay.server.errors import DataquayError
 from dataquay.server.sizes import format_bytes
 
 FORMATS = {"files": pb.FORMAT_FILES, "tar": pb.FORMAT_TAR, "npy": pb.FORMAT_NPY}
 FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
 TIER_NAMES = {pb.TIER_LOCAL: "local", pb.TIER_PEER: "peer", pb.TIER_PFS: "pfs"}
-
-
-class CliError(Exception):
-    """Ends the command with exit code 1 and this one-line message."""
-
-
-# ----------------------------------------------------------------- plumbing
-
-
-@contextmanager
-def _daemon(args: argparse.Namespace) -> Iterator[cache_pb2_grpc.CacheStub]:
-    """A stub for the daemon at --addr; RPC errors become one-line messages."""
-    address = args.addr or daemon_address()
-    channel = grpc.insecure_channel(grpc_target(address), options=channel_options())
-    try:
-        yield cache_pb2_grpc.CacheStub(channel)
-    except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            raise CliError(f"no daemon answers at {address} (is `dataquay serve` running? set DATAQUAY_ADDR)") from None
-        raise CliError(exc.details() or exc.code().name) from None
-    finally:
-        channel.close()
-
-
-def _add_addr(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--addr", help="daemon address: socket path or HOST:PORT [env DATAQUAY_ADDR]")
-
-
-def _print_table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> None:
-    cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    for row in cells:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-
-
-# ----------------------------------------------------------------- commands
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -77,7 +31,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def cmd_dataset_add(args: argparse.Namespace) -> None:
     fmt = FORMATS[args.format] if args.format else pb.FORMAT_UNSPECIFIED
-    with _daemon(args) as stub:
+    with daemon_stub(args) as stub:
         info = stub.AddDataset(
             pb.AddDatasetRequest(
                 name=args.name, root=args.root, format=fmt, replace=args.replace,
@@ -91,7 +45,7 @@ def cmd_dataset_add(args: argparse.Namespace) -> None:
 
 
 def cmd_dataset_ls(args: argparse.Namespace) -> None:
-    with _daemon(args) as stub:
+    with daemon_stub(args) as stub:
         reply = stub.ListDatasets(pb.ListDatasetsRequest())
     rows = [
         (
@@ -100,11 +54,11 @@ def cmd_dataset_ls(args: argparse.Namespace) -> None:
         )
         for d in reply.datasets
     ]
-    _print_table(rows, ("NAME", "FORMAT", "SAMPLES", "SIZE", "CACHED", "ROOT"))
+    print_table(rows, ("NAME", "FORMAT", "SAMPLES", "SIZE", "CACHED", "ROOT"))
 
 
 def cmd_dataset_show(args: argparse.Namespace) -> None:
-    with _daemon(args) as stub:
+    with daemon_stub(args) as stub:
         d = stub.GetDataset(pb.GetDatasetRequest(name=args.name))
     s = d.sample_size
     for key, value in (
@@ -121,7 +75,7 @@ def cmd_dataset_show(args: argparse.Namespace) -> None:
 
 
 def cmd_dataset_drop(args: argparse.Namespace) -> None:
-    with _daemon(args) as stub:
+    with daemon_stub(args) as stub:
         reply = stub.DropDataset(pb.DropDatasetRequest(name=args.name))
     print(f"dropped {args.name!r}: freed {reply.freed_samples} cached samples")
 
@@ -130,7 +84,7 @@ def cmd_stage(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     last = None
-    with _daemon(args) as stub:
+    with daemon_stub(args) as stub:
         progress = stub.Stage(pb.StageRequest(dataset=args.name, seed=args.seed))
         bar = None
         for last in progress:
@@ -163,14 +117,14 @@ def cmd_stage(args: argparse.Namespace) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> None:
-    with _daemon(args) as stub:
+    with daemon_stub(args) as stub:
         stats = stub.Stats(pb.StatsRequest())
     reads = {TIER_NAMES[t.tier]: t for t in stats.reads}
     total = sum(t.samples for t in stats.reads) or 1
     print(f"node {stats.node}: cache {format_bytes(stats.cache_used_bytes)} of "
           f"{format_bytes(stats.cache_capacity_bytes)}, {stats.cache_entries} entries"
           + (" (full)" if stats.cache_full else ""))
-    _print_table(
+    print_table(
         [(tier, t.samples, f"{100 * t.samples / total:.1f}%", format_bytes(t.bytes)) for tier, t in reads.items()],
         ("TIER", "SAMPLES", "SHARE", "BYTES"),
     )
@@ -184,13 +138,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     run_demo(samples=args.samples, epochs=args.epochs)
 
 
-# ------------------------------------------------------------------ parser
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dataquay", description="Stage training data next to the GPUs.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = sub.add_parser("serve", help="run this node's daemon")
     DaemonConfig.add_arguments(serve)
     serve.set_defaults(func=cmd_serve)
@@ -216,39 +164,20 @@ def build_parser() -> argparse.ArgumentParser:
     drop.add_argument("name")
     drop.set_defaults(func=cmd_dataset_drop)
     for p in (add, ls, show, drop):
-        _add_addr(p)
+        add_addr(p)
 
     stage = sub.add_parser("stage", help="copy a dataset from the PFS into the cache")
     stage.add_argument("name")
     stage.add_argument("--seed", type=int, default=0, help="the job's shuffle seed (sets the staging order)")
     stage.add_argument("--quiet", action="store_true", help="no progress bar")
-    _add_addr(stage)
+    add_addr(stage)
     stage.set_defaults(func=cmd_stage)
 
     status = sub.add_parser("status", help="cache fill and reads by tier")
-    _add_addr(status)
+    add_addr(status)
     status.set_defaults(func=cmd_status)
 
     demo = sub.add_parser("demo", help="a local daemon, a synthetic dataset, a few epochs, a report")
     demo.add_argument("--samples", type=int, default=4000)
     demo.add_argument("--epochs", type=int, default=3)
     demo.set_defaults(func=cmd_demo)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    func: Callable[[argparse.Namespace], None] = args.func
-    try:
-        func(args)
-    except (CliError, DataquayError) as exc:
-        print(f"dataquay: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,42 @@
+"""``dataquay``: the command line of the daemon, the directory, datasets, jobs
+and local clusters.
+
+Each module of this package adds one group of commands to the parser.
+
+Exit codes: 0 success, 1 the operation failed (one line on stderr says why),
+2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from dataquay.server.cli import node
+from dataquay.server.cli.common import CliError
+from dataquay.server.errors import DataquayError
+
+COMMAND_GROUPS = (node,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dataquay", description="Stage training data next to the GPUs.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for group in COMMAND_GROUPS:
+        group.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], None] = args.func
+    try:
+        func(args)
+    except (CliError, DataquayError) as exc:
+        print(f"dataquay: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

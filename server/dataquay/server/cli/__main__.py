@@ -1,0 +1,5 @@
+import sys
+
+from dataquay.server.cli import main
+
+sys.exit(main())

@@ -1,0 +1,77 @@
+"""What every command module shares: the error that ends a command, stubs for
+the daemon and the directory, and plain tables."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import grpc
+
+from dataquay.client.channels import channel_options, daemon_address, grpc_target
+from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
+
+DIRECTORY_ENV = "DATAQUAY_DIRECTORY"
+
+
+class CliError(Exception):
+    """Ends the command with exit code 1 and this one-line message."""
+
+
+@contextmanager
+def rpc_errors(what: str, address: str, hint: str) -> Iterator[None]:
+    """Turns a gRPC error into a one-line :class:`CliError`."""
+    try:
+        yield
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            raise CliError(f"no {what} answers at {address} ({hint})") from None
+        raise CliError(exc.details() or exc.code().name) from None
+
+
+@contextmanager
+def daemon_stub(args: argparse.Namespace) -> Iterator[cache_pb2_grpc.CacheStub]:
+    """A stub for the daemon at --addr; RPC errors become one-line messages."""
+    address = args.addr or daemon_address()
+    channel = grpc.insecure_channel(grpc_target(address), options=channel_options())
+    try:
+        with rpc_errors("daemon", address, "is `dataquay serve` running? set DATAQUAY_ADDR"):
+            yield cache_pb2_grpc.CacheStub(channel)
+    finally:
+        channel.close()
+
+
+def directory_address(args: argparse.Namespace) -> str | None:
+    """--directory, else DATAQUAY_DIRECTORY, else None (no cluster)."""
+    return getattr(args, "directory", None) or os.environ.get(DIRECTORY_ENV) or None
+
+
+@contextmanager
+def directory_stub(args: argparse.Namespace) -> Iterator[directory_pb2_grpc.DirectoryStub]:
+    """A stub for the directory at --directory; RPC errors become one-line messages."""
+    address = directory_address(args)
+    if address is None:
+        raise CliError(f"no directory given: pass --directory HOST:PORT or set {DIRECTORY_ENV}")
+    channel = grpc.insecure_channel(grpc_target(address), options=channel_options())
+    try:
+        with rpc_errors("directory", address, "is `dataquay directory` running there?"):
+            yield directory_pb2_grpc.DirectoryStub(channel)
+    finally:
+        channel.close()
+
+
+def add_addr(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--addr", help="daemon address: socket path or HOST:PORT [env DATAQUAY_ADDR]")
+
+
+def add_directory(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--directory", help=f"directory HOST:PORT [env {DIRECTORY_ENV}]")
+
+
+def print_table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> None:
+    cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())

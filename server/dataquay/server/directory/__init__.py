@@ -1,0 +1,1 @@
+"""The directory service: membership with leases, the dataset registry and job records."""
