@@ -7,7 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from dataquay.server.cluster import LocalCluster
 from dataquay.server.launch import DaemonProcess
+
+#: Directory settings for cluster tests: a dead node is listed down within a second or so.
+FAST_LEASES = ("--lease-seconds", "1", "--heartbeat-seconds", "0.2")
 
 
 @pytest.fixture
@@ -28,3 +32,21 @@ def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
 @pytest.fixture
 def daemon(start_daemon: Callable[..., DaemonProcess]) -> DaemonProcess:
     return start_daemon()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
+    """Starts local clusters (a directory and N daemons) under tmp_path; every
+    process of each is stopped after the test."""
+    started: list[LocalCluster] = []
+
+    def start(
+        nodes: int = 4, *, daemon_args: tuple[str, ...] = (), directory_args: tuple[str, ...] = FAST_LEASES
+    ) -> LocalCluster:
+        local = LocalCluster(tmp_path / f"cluster{len(started)}", nodes, daemon_args, directory_args)
+        started.append(local)
+        return local.start()
+
+    yield start
+    for local in started:
+        local.down()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,9 +16,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataquay.client.placement import (
+    MODES,
+    PARTITIONS,
+    JobPlan,
     epoch_order,
     epoch_permutation,
+    initial_owners,
+    node_of_rank,
+    owned_ids,
+    owners,
     rank_indices,
+    rank_length,
+    rank_order,
     rank_split,
     samples_per_rank,
 )
@@ -113,3 +124,217 @@ def test_invalid_rank_or_world_size_is_refused(rank: int, world: int) -> None:
         rank_split(np.arange(4), rank, world)
     with pytest.raises(ValueError, match="rank|world size"):
         rank_indices(4, rank, world, seed=0, epoch=0)
+
+
+# ------------------------------------------------------------------ cluster jobs
+
+nodes = st.integers(min_value=1, max_value=1024)
+large_sizes = st.integers(min_value=1, max_value=10**6)
+
+
+def random_groups(num_samples: int, num_groups: int, skew: float, seed: int) -> np.ndarray:
+    """Group ids 0..num_groups-1 of uneven sizes (the larger ``skew``, the more uneven)."""
+    rng = np.random.default_rng(seed)
+    weights = rng.pareto(skew, num_groups) + 1.0 if skew else np.ones(num_groups)
+    return rng.choice(num_groups, size=num_samples, p=weights / weights.sum()).astype(np.int32)
+
+
+@settings(max_examples=30, deadline=None)
+@given(large_sizes, nodes, seeds)
+def test_sample_partition_cuts_balanced_blocks(n: int, m: int, seed: int) -> None:
+    owner = initial_owners(n, m, seed)
+    assert owner.dtype == np.int32 and owner.shape == (n,)
+    assert 0 <= owner.min() and owner.max() < m
+    loads = np.bincount(owner, minlength=m)
+    assert loads.max() - loads.min() <= 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(large_sizes, nodes, st.integers(min_value=1, max_value=20_000), st.sampled_from([0.0, 1.5, 0.5]), seeds)
+def test_shard_partition_never_splits_a_group_and_balances_within_the_largest(
+    n: int, m: int, num_groups: int, skew: float, seed: int
+) -> None:
+    groups = random_groups(n, min(num_groups, n), skew, seed)
+    owner = initial_owners(n, m, seed, "shard", groups)
+    assert owner.dtype == np.int32 and 0 <= owner.min() and owner.max() < m
+    order = np.argsort(groups, kind="stable")
+    starts = np.r_[True, groups[order][1:] != groups[order][:-1]]
+    first_owner_of_group = np.maximum.accumulate(np.where(starts, np.arange(n), 0))
+    assert np.array_equal(owner[order], owner[order][first_owner_of_group])
+    loads = np.bincount(owner, minlength=m)
+    assert loads.max() - loads.min() <= np.bincount(groups).max()
+
+
+@st.composite
+def job_plans(draw: st.DrawFn, max_samples: int, max_nodes: int, max_g: int, modes: list[str]) -> JobPlan:
+    n = draw(st.integers(min_value=1, max_value=max_samples))
+    partition = draw(st.sampled_from(PARTITIONS))
+    return JobPlan(
+        num_samples=n,
+        num_nodes=draw(st.integers(min_value=1, max_value=max_nodes)),
+        ranks_per_node=draw(st.integers(min_value=1, max_value=max_g)),
+        seed=draw(seeds),
+        mode=draw(st.sampled_from(modes)),
+        q=draw(st.floats(min_value=0.0, max_value=1.0)),
+        drop_last=draw(st.booleans()),
+        partition=partition,
+        groups=random_groups(n, draw(st.integers(min_value=1, max_value=n)), 1.5, 0) if partition == "shard" else None,
+    )
+
+
+def all_rank_orders(plan: JobPlan, epoch: int) -> list[np.ndarray]:
+    return [rank_order(plan, epoch, r) for r in range(plan.world_size)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(job_plans(5000, 32, 8, sorted(MODES)), epochs)
+def test_every_mode_reads_each_sample_once_per_epoch_with_equal_rank_counts(plan: JobPlan, epoch: int) -> None:
+    parts = all_rank_orders(plan, epoch)
+    assert all(len(p) == rank_length(plan) and p.dtype == np.int64 for p in parts)
+    counts = np.bincount(np.concatenate(parts), minlength=plan.num_samples)
+    assert len(counts) == plan.num_samples
+    if plan.drop_last:
+        assert counts.max(initial=0) <= 1
+    else:
+        assert counts.min() >= 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(job_plans(5000, 32, 8, ["global"]), epochs)
+def test_global_mode_drops_or_pads_only_the_uneven_tail(plan: JobPlan, epoch: int) -> None:
+    n, world = plan.num_samples, plan.world_size
+    read = np.concatenate(all_rank_orders(plan, epoch))
+    if plan.drop_last:
+        assert len(read) == len(np.unique(read)) == n - n % world
+    else:
+        assert len(read) == world * -(-n // world) and len(np.unique(read)) == n
+
+
+@settings(max_examples=25, deadline=None)
+@given(job_plans(10**6, 1024, 8, ["global"]), epochs, st.data())
+def test_global_mode_is_the_single_node_sampler_over_the_whole_world(
+    plan: JobPlan, epoch: int, data: st.DataObject
+) -> None:
+    rank = data.draw(st.integers(min_value=0, max_value=plan.world_size - 1))
+    expected = rank_indices(
+        plan.num_samples, rank, plan.world_size, seed=plan.seed, epoch=epoch, drop_last=plan.drop_last
+    )
+    got = rank_order(plan, epoch, rank)
+    assert got.dtype == np.int64 and np.array_equal(got, expected)
+    assert node_of_rank(plan, rank) == rank // plan.ranks_per_node
+
+
+def test_global_mode_keeps_the_initial_owners_every_epoch() -> None:
+    groups = np.arange(10_000, dtype=np.int32) // 37
+    for partition in PARTITIONS:
+        plan = JobPlan(10_000, 7, 2, seed=5, partition=partition, groups=groups)
+        first = owners(plan, 0)
+        assert np.array_equal(first, initial_owners(10_000, 7, 5, partition, groups))
+        assert np.array_equal(owners(plan, 9), first)
+        assert np.array_equal(owners(plan, 9, previous=first), first)
+        owned = [owned_ids(first, node) for node in range(7)]
+        assert all(np.all(np.diff(ids) > 0) for ids in owned)
+        assert np.array_equal(np.sort(np.concatenate(owned)), np.arange(10_000))
+
+
+def test_seeds_give_other_partitions() -> None:
+    groups = np.arange(100_000, dtype=np.int32) // 100
+    for partition in PARTITIONS:
+        one = initial_owners(100_000, 16, 1, partition, groups)
+        assert not np.array_equal(one, initial_owners(100_000, 16, 2, partition, groups))
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+def test_a_million_samples_over_1024_nodes(partition: str) -> None:
+    n, m, g = 10**6, 1024, 4
+    groups = random_groups(n, 10_000, 1.5, 0)
+    plan = JobPlan(n, m, g, seed=3, partition=partition, groups=groups)
+    loads = np.bincount(owners(plan, 0), minlength=m)
+    assert loads.sum() == n
+    assert loads.max() - loads.min() <= (1 if partition == "sample" else np.bincount(groups).max())
+    for rank in (0, 1, plan.world_size - 1):
+        assert len(rank_order(plan, 2, rank)) == rank_length(plan) == -(-n // plan.world_size)
+
+
+def fingerprints(plans: list[dict[str, Any]]) -> list[str]:
+    """A hash of the owners and of some ranks' orders of each plan."""
+    out = []
+    for fields in plans:
+        plan = JobPlan(**fields, groups=random_groups(fields["num_samples"], 10_000, 1.5, 0))
+        digest = hashlib.sha256(owners(plan, 1).tobytes())
+        for rank in (0, plan.world_size // 2, plan.world_size - 1):
+            digest.update(rank_order(plan, 1, rank).tobytes())
+        out.append(digest.hexdigest())
+    return out
+
+
+def test_every_process_computes_the_same_owners_and_orders() -> None:
+    plans = [
+        {"num_samples": 10**6, "num_nodes": 1024, "ranks_per_node": 2, "seed": 7, "partition": "sample"},
+        {"num_samples": 10**6, "num_nodes": 1024, "ranks_per_node": 2, "seed": 7, "partition": "shard"},
+        {"num_samples": 12_345, "num_nodes": 5, "ranks_per_node": 3, "seed": 2**40, "drop_last": True},
+    ]
+    script = (
+        "import json, sys\n"
+        "from test_placement import fingerprints\n"
+        "print(json.dumps(fingerprints(json.loads(sys.argv[1]))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(plans)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])},
+    ).stdout
+    assert json.loads(out) == fingerprints(plans)
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"mode": "sideways"}, "mode"),
+        ({"partition": "stripe"}, "partition"),
+        ({"num_samples": -1}, "num_samples"),
+        ({"num_nodes": 0}, "num_nodes"),
+        ({"ranks_per_node": -1}, "ranks_per_node"),
+        ({"seed": -2}, "seed"),
+        ({"q": 1.5}, "q"),
+        ({"partition": "shard"}, "shard partition needs the group"),
+        ({"partition": "shard", "groups": np.zeros(3, dtype=np.int32)}, "one group per sample"),
+        ({"partition": "shard", "groups": np.full(10, -1)}, "negative"),
+    ],
+)
+def test_a_bad_plan_field_is_named(fields: dict[str, Any], named: str) -> None:
+    base = {"num_samples": 10, "num_nodes": 2, "ranks_per_node": 1, "seed": 0}
+    with pytest.raises(ValueError, match=named):
+        JobPlan(**{**base, **fields})
+
+
+def test_bad_partition_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="at least one node"):
+        initial_owners(10, 0, 0)
+    with pytest.raises(ValueError, match="partition must be one of sample, shard"):
+        initial_owners(10, 2, 0, "stripe")
+    with pytest.raises(ValueError, match="Manifest.shard_groups"):
+        initial_owners(10, 2, 0, "shard")
+    plan = JobPlan(10, 2, 2, seed=0)
+    with pytest.raises(ValueError, match="rank 4 is not in 0..3"):
+        rank_order(plan, 0, 4)
+    with pytest.raises(ValueError, match="epoch"):
+        owners(plan, -1)
+    with pytest.raises(ValueError, match="previous owners have 3 entries for 10 samples"):
+        owners(plan, 1, previous=np.zeros(3, dtype=np.int32))
+
+
+def test_plans_compare_and_hash_by_their_settings() -> None:
+    groups = np.zeros(4, dtype=np.int32)
+    assert JobPlan(4, 2, 1, 0, partition="shard", groups=groups) == JobPlan(
+        4, 2, 1, 0, partition="shard", groups=groups.copy()
+    )
+    assert hash(JobPlan(4, 2, 1, 0)) == hash(JobPlan(4, 2, 1, 0))
+    assert JobPlan(4, 2, 1, 0) != JobPlan(4, 2, 1, 1)
+    assert JobPlan(4, 2, 3, 0).world_size == 6
+
+
+def test_large_seeds_do_not_alias_other_epochs() -> None:
+    assert not np.array_equal(epoch_permutation(1000, 2**32 + 5, 0), epoch_permutation(1000, 5, 1))

@@ -11,6 +11,11 @@
         for start in range(0, len(ids), 256):
             batch = ds.get_batch(ids[start : start + 256])
 
+In a cluster job, every rank names the job (or DATAQUAY_JOB does) and reads
+the orders of the job's placement; the rest of the loop is the same::
+
+    sampler = ds.sampler(job="resnet-run-7", mode="global")
+
 PyTorch adapters live in :mod:`dataquay.client.torch` (optional).
 """
 
@@ -20,12 +25,14 @@ from dataquay.client.errors import (
     CorruptValueError,
     DaemonUnavailableError,
     DataquayError,
+    JobMismatchError,
     ManifestError,
     PfsReadError,
     SampleIdError,
     UnknownDatasetError,
+    UnknownJobError,
 )
-from dataquay.client.sampler import Sampler
+from dataquay.client.sampler import JobSampler, Sampler
 
 __all__ = [
     "Client",
@@ -34,10 +41,13 @@ __all__ = [
     "DaemonUnavailableError",
     "DataquayError",
     "Dataset",
+    "JobMismatchError",
+    "JobSampler",
     "ManifestError",
     "PfsReadError",
     "SampleIdError",
     "Sampler",
     "UnknownDatasetError",
+    "UnknownJobError",
     "connect",
 ]

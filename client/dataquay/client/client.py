@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -37,9 +37,11 @@ from dataquay.client.errors import (
     CorruptValueError,
     DaemonUnavailableError,
     DataquayError,
+    JobMismatchError,
     PfsReadError,
     SampleIdError,
     UnknownDatasetError,
+    UnknownJobError,
 )
 from dataquay.client.local import LocalCache
 from dataquay.client.manifest import Manifest
@@ -47,6 +49,7 @@ from dataquay.client.records import checksum
 from dataquay.client.shm import Segment, SegmentPool
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
+from dataquay.protos import jobs_pb2 as jpb
 
 if TYPE_CHECKING:
     from dataquay.client.dataset import Dataset
@@ -249,6 +252,42 @@ class Client:
         )
         return list(reply.datasets)
 
+    def join_job(self, spec: jpb.JobSpec, must_exist: bool = False) -> jpb.Job:
+        """Creates the cluster job ``spec`` names, or joins it; the daemon asks the directory.
+
+        Settings left unset in ``spec`` take the job's values (see
+        :func:`dataquay.client.jobs.job_spec`). Returns the job with every
+        setting filled in.
+
+        Raises:
+            JobMismatchError: a setting of ``spec`` differs from the job's;
+                the message names it.
+            UnknownJobError: ``must_exist`` and there is no such job.
+            UnknownDatasetError: the job's dataset is not registered.
+            DaemonUnavailableError: the daemon cannot be reached.
+        """
+        request = jpb.JoinJobRequest(spec=spec, must_exist=must_exist)
+        errors = {
+            grpc.StatusCode.NOT_FOUND: UnknownJobError if must_exist else UnknownDatasetError,
+            grpc.StatusCode.FAILED_PRECONDITION: JobMismatchError,
+        }
+        return self._call("JoinJob", lambda stub: stub.JoinJob(request, timeout=self.timeout), errors)
+
+    def report_epoch(self, job_id: str, epoch: int) -> None:
+        """Tells the job, through the daemon, that this rank entered ``epoch``.
+
+        Best effort: daemons use a job's epoch to prepare the next one early,
+        but training must not stop because the directory is unreachable, so
+        a failure is logged at debug level and otherwise ignored.
+        """
+        if time.monotonic() < self._down_until:
+            return
+        request = jpb.ReportEpochRequest(job_id=job_id, epoch=epoch)
+        try:
+            self._call("ReportEpoch", lambda stub: stub.ReportEpoch(request, timeout=self.timeout))
+        except DataquayError as exc:
+            log.debug("epoch %d of job %r not reported: %s", epoch, job_id, exc)
+
     def stats(self) -> ClientStats:
         """Counters of this process since it started using the client."""
         samples, nbytes, wait = self._counters.snapshot()
@@ -302,7 +341,7 @@ class Client:
                 out += self._read_pfs(dataset, ids[start:])
                 break
             try:
-                out += self._read_daemon(dataset.name, dataset.manifest.manifest_id, ids[start : start + step])
+                out += self._read_daemon(dataset, ids[start : start + step])
             except DaemonUnavailableError as exc:
                 self._daemon_down(exc)
                 out += self._read_pfs(dataset, ids[start:])
@@ -315,28 +354,30 @@ class Client:
 
     # ---------------------------------------------------------- internals
 
-    def _read_daemon(self, dataset: str, manifest_id: str, ids: np.ndarray) -> list[bytes]:
+    def _read_daemon(self, dataset: Dataset, ids: np.ndarray) -> list[bytes]:
         """Samples from the daemon, payloads through shared memory where it can.
 
         A payload whose checksum fails is asked for once more inline before
         the read fails: a segment is never trusted over the bytes themselves.
         """
         with self._segments.segment() as seg:
-            out, bad = self._read_daemon_once(dataset, manifest_id, ids, seg)
+            out, bad = self._read_daemon_once(dataset, ids, seg)
         if bad:
-            again, still_bad = self._read_daemon_once(dataset, manifest_id, ids[bad], None)
+            again, still_bad = self._read_daemon_once(dataset, ids[bad], None)
             if still_bad:
                 want = int(ids[bad][still_bad[0]])
-                raise CorruptValueError(f"sample {want} of {dataset!r} arrived with a bad checksum")
+                raise CorruptValueError(f"sample {want} of {dataset.name!r} arrived with a bad checksum")
             for position, value in zip(bad, again):
                 out[position] = value
         return out
 
     def _read_daemon_once(
-        self, dataset: str, manifest_id: str, ids: np.ndarray, seg: Segment | None
+        self, dataset: Dataset, ids: np.ndarray, seg: Segment | None
     ) -> tuple[list[bytes], list[int]]:
         """(samples in order, positions whose checksum failed)."""
-        request = pb.ReadRequest(dataset=dataset, ids=ids.tolist(), manifest_id=manifest_id)
+        request = pb.ReadRequest(
+            dataset=dataset.name, ids=ids.tolist(), manifest_id=dataset.manifest.manifest_id, job=dataset.job or ""
+        )
         if seg is not None:
             request.shm_name, request.shm_size = seg.name, seg.size
 
@@ -349,7 +390,7 @@ class Client:
         samples = self._call("Read", read)
         self._daemon_up()
         if len(samples) != len(ids):
-            raise DataquayError(f"the daemon sent {len(samples)} samples of {dataset!r} for {len(ids)} ids")
+            raise DataquayError(f"the daemon sent {len(samples)} samples of {dataset.name!r} for {len(ids)} ids")
         out: list[bytes] = []
         bad: list[int] = []
         tiers = dict.fromkeys(TIERS, 0)
@@ -357,7 +398,7 @@ class Client:
         used_segment = False
         for position, (want, sample) in enumerate(zip(ids.tolist(), samples)):
             if sample.id != want:
-                raise DataquayError(f"the daemon sent sample {sample.id} of {dataset!r} where {want} was due")
+                raise DataquayError(f"the daemon sent sample {sample.id} of {dataset.name!r} where {want} was due")
             if sample.in_shm and seg is not None:
                 data = seg.map[sample.shm_offset : sample.shm_offset + sample.length]
                 used_segment = True
@@ -426,17 +467,30 @@ class Client:
             assert self._stub is not None
             return self._stub
 
-    def _call(self, what: str, call: Callable[[cache_pb2_grpc.CacheStub], _T]) -> _T:
-        """Runs one RPC (a stream consumed whole) and maps its status to our errors."""
+    def _call(
+        self,
+        what: str,
+        call: Callable[[cache_pb2_grpc.CacheStub], _T],
+        errors: Mapping[grpc.StatusCode, type[DataquayError]] | None = None,
+    ) -> _T:
+        """Runs one RPC (a stream consumed whole) and maps its status to our errors.
+
+        ``errors`` maps the codes whose meaning depends on the call (NOT_FOUND
+        of a job or of a dataset) to the error to raise.
+        """
         stub = self._channel_stub()
         try:
             with self._gate:
                 return call(stub)
         except grpc.RpcError as exc:
-            raise self._error(what, exc) from None
+            raise self._error(what, exc, errors or {}) from None
 
-    def _error(self, what: str, exc: grpc.RpcError) -> DataquayError:
+    def _error(
+        self, what: str, exc: grpc.RpcError, errors: Mapping[grpc.StatusCode, type[DataquayError]]
+    ) -> DataquayError:
         code, details = exc.code(), exc.details()
+        if code in errors:
+            return errors[code](details)
         if code in _UNREACHABLE:
             return DaemonUnavailableError(
                 f"dataquay daemon at {self.address} is unreachable ({code.name}: {details}); "

@@ -5,10 +5,14 @@ misses of a call then go to the daemon together (split only where a request
 would exceed the daemon's batch limit), and the results come back in request
 order. Decoding is the caller's business: a sample is the bytes it was on the
 PFS.
+
+A dataset bound to a cluster job (by :meth:`Dataset.sampler` with a job) names
+the job in its reads, so the daemon sends misses to the samples' owners.
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -17,14 +21,19 @@ from typing import TYPE_CHECKING, Any, cast, overload
 
 import numpy as np
 
+from dataquay.client import env
 from dataquay.client.errors import SampleIdError
+from dataquay.client.jobs import job_plan, job_spec, join
 from dataquay.client.local import Found, sample_keys
 from dataquay.client.manifest import Manifest
-from dataquay.client.sampler import Sampler
+from dataquay.client.sampler import JobSampler, Sampler
 from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import jobs_pb2 as jpb
 
 if TYPE_CHECKING:
     from dataquay.client.client import Client
+
+log = logging.getLogger("dataquay.client")
 
 #: Samples fetched per request when iterating over a whole dataset.
 ITER_BATCH = 256
@@ -45,25 +54,28 @@ class Dataset(Sequence[bytes]):
     """
 
     def __init__(self, client: Client, info: pb.DatasetInfo, manifest: Manifest) -> None:
-        self._bind(client, info, manifest)
+        self._bind(client, info, manifest, None)
 
-    def _bind(self, client: Client, info: pb.DatasetInfo, manifest: Manifest) -> None:
+    def _bind(self, client: Client, info: pb.DatasetInfo, manifest: Manifest, job: str | None) -> None:
         self._client = client
         self._info = info
         self._manifest = manifest
         self._name = info.name
         self._db = info.cache_db
         self._len = manifest.num_samples
+        self._job = job
 
     def __getstate__(self) -> dict[str, Any]:
         return {
             "client": self._client,
             "info": self._info.SerializeToString(),
             "manifest": bytes(self._manifest.data),
+            "job": self._job,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._bind(state["client"], pb.DatasetInfo.FromString(state["info"]), Manifest(state["manifest"]))
+        info = pb.DatasetInfo.FromString(state["info"])
+        self._bind(state["client"], info, Manifest(state["manifest"]), state["job"])
 
     @property
     def name(self) -> str:
@@ -82,6 +94,11 @@ class Dataset(Sequence[bytes]):
     @property
     def client(self) -> Client:
         return self._client
+
+    @property
+    def job(self) -> str | None:
+        """The cluster job this dataset reads for (set by :meth:`sampler`), or None."""
+        return self._job
 
     def __len__(self) -> int:
         return self._len
@@ -145,15 +162,68 @@ class Dataset(Sequence[bytes]):
     def sampler(
         self,
         *,
+        job: str | None = None,
+        mode: str | None = None,
+        q: float | None = None,
+        seed: int | None = None,
+        drop_last: bool | None = None,
+        nodes: Sequence[str] | None = None,
+        partition: str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
-        seed: int = 0,
         shuffle: bool = True,
-        drop_last: bool = False,
     ) -> Sampler:
-        """A :class:`Sampler` over this dataset's ids; see there for the arguments."""
+        """The ids this rank reads, epoch by epoch.
+
+        Without a job (``job`` None and DATAQUAY_JOB unset), a :class:`Sampler`
+        over one job-wide order (seed 0 and padding unless given). With one,
+        this rank joins the cluster job through its daemon (creating it, with
+        these settings, if it is new) and gets a :class:`JobSampler` that
+        follows the job's placement; this dataset's reads then name the job,
+        so misses go to the samples' owners. Settings left None take the
+        job's values; a given one that differs from them is refused.
+
+        Args:
+            job: the cluster job id; default DATAQUAY_JOB.
+            mode: placement mode of a new job (``global``).
+            q: fraction of its samples a node exchanges per epoch (``partial``).
+            seed: the shuffle seed (default 0).
+            drop_last: drop the tail that does not divide evenly instead of
+                padding it with repeated ids (default False).
+            nodes: the job's node names, in rank order (default: every live
+                node, by name).
+            partition: ``sample`` or ``shard`` (whole files per node).
+            rank: this process's rank; default from the environment (RANK, ...).
+            world_size: ranks in the job; default from the environment.
+            shuffle: False reads ids in order (evaluation; no job).
+
+        Raises:
+            ValueError: job settings without a job, ``shuffle=False`` with one,
+                a rank or world size that does not fit the job, or a dataset
+                already bound to another job.
+            JobMismatchError: a setting differs from the job's, or the
+                dataset was replaced since the job began.
+        """
+        job_id = job if job is not None else env.job_id()
+        if job_id is not None:
+            if not shuffle:
+                raise ValueError(f"job {job_id!r} shuffles by its placement; shuffle=False needs no job")
+            spec = job_spec(
+                job_id, self._name, mode=mode, q=q, seed=seed, drop_last=drop_last, nodes=nodes,
+                ranks_per_node=env.local_world_size(), partition=partition,
+            )
+            return self._join(spec, rank, world_size)
+        named = [name for name, value in (("mode", mode), ("q", q), ("nodes", nodes), ("partition", partition))
+                 if value is not None]
+        if named:
+            raise ValueError(f"{', '.join(named)} apply to cluster jobs: pass job= or set DATAQUAY_JOB")
         return Sampler(
-            self._len, rank=rank, world_size=world_size, seed=seed, shuffle=shuffle, drop_last=drop_last
+            self._len,
+            rank=rank,
+            world_size=world_size,
+            seed=0 if seed is None else seed,
+            shuffle=shuffle,
+            drop_last=bool(drop_last),
         )
 
     def __iter__(self) -> Iterator[bytes]:
@@ -164,6 +234,30 @@ class Dataset(Sequence[bytes]):
         return f"Dataset({self._name!r}, N={self._len}, node={self._client.info.node!r})"
 
     # ---------------------------------------------------------- internals
+
+    def _join(self, spec: jpb.JobSpec, rank: int | None, world_size: int | None) -> JobSampler:
+        """Joins the job of ``spec`` as this rank and binds the dataset's reads to it."""
+        if self._job not in (None, spec.job_id):
+            raise ValueError(
+                f"dataset {self._name!r} reads for job {self._job!r}; "
+                f"open it again with client.dataset({self._name!r}) to read for job {spec.job_id!r}"
+            )
+        where = env.topology()
+        rank = where.rank if rank is None else rank
+        world_size = where.world_size if world_size is None else world_size
+        joined = join(self._client, spec, world_size)
+        sampler = JobSampler(
+            joined, job_plan(joined, self._manifest), rank=rank, world_size=world_size, reporter=self._client
+        )
+        self._job = spec.job_id
+        placed_on, runs_on = joined.spec.nodes[sampler.node], self._client.info.node
+        if placed_on != runs_on:
+            log.warning(
+                "rank %d runs on node %r but job %r places it on %r (rank // %d ranks per node): its reads "
+                "are right but not local; start the ranks in the order of the job's nodes",
+                rank, runs_on, spec.job_id, placed_on, sampler.plan.ranks_per_node,
+            )
+        return sampler
 
     def _index(self, index: int) -> int:
         i = operator.index(index)

@@ -3,6 +3,7 @@
 torchrun and most launchers export RANK, WORLD_SIZE, LOCAL_RANK and
 LOCAL_WORLD_SIZE; under plain ``srun`` only Slurm's variables exist, so they
 are the fallback. A process started by neither is rank 0 of 1.
+DATAQUAY_JOB names the dataquay cluster job a process trains in.
 """
 
 from __future__ import annotations
@@ -53,3 +54,23 @@ def topology(environ: Mapping[str, str] | None = None) -> Topology:
     """
     env = os.environ if environ is None else environ
     return Topology(*(_read(env, field) for field in _SOURCES))
+
+
+def local_world_size(environ: Mapping[str, str] | None = None) -> int | None:
+    """Ranks on this node when the launcher says (LOCAL_WORLD_SIZE, SLURM_NTASKS_PER_NODE), else None.
+
+    Unlike :func:`topology`, which defaults to 1, this tells "not said" apart,
+    so a job's ranks per node are set only from what the launcher knows.
+
+    Raises:
+        ValueError: a variable is set but is not a non-negative integer.
+    """
+    env = os.environ if environ is None else environ
+    names, _ = _SOURCES["local_world_size"]
+    return _read(env, "local_world_size") if any(env.get(name, "").strip() for name in names) else None
+
+
+def job_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """The job this process trains in, from DATAQUAY_JOB (None when unset or empty)."""
+    env = os.environ if environ is None else environ
+    return env.get("DATAQUAY_JOB", "").strip() or None

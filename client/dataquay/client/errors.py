@@ -33,3 +33,12 @@ class CorruptValueError(DataquayError):
 
 class DaemonUnavailableError(DataquayError, ConnectionError):
     """The local daemon cannot be reached."""
+
+
+class UnknownJobError(DataquayError, LookupError):
+    """A job id that the directory does not know."""
+
+
+class JobMismatchError(DataquayError):
+    """A job that does not fit what a rank brings: a setting that differs from the
+    job's (the message names it), or a dataset replaced since the job began."""

@@ -184,6 +184,19 @@ class Manifest:
         start, end = int(self._label_offsets[index]), int(self._label_offsets[index + 1])
         return self._label_blob[start:end].tobytes().decode()
 
+    def shard_groups(self) -> np.ndarray:
+        """The group of every sample for the ``shard`` partition (int32).
+
+        A group is what a node should read from the PFS whole: tar and npy
+        samples group by their file (shard), files samples by their label
+        (class folder). A files sample without a label is a group of its own,
+        numbered after the labels so that it shares a group with nothing.
+        """
+        if self.format != "files":
+            return self.sample_path.astype(np.int32)
+        labels = self.sample_label.astype(np.int32)
+        return np.where(labels >= 0, labels, self.num_labels + self.sample_path.astype(np.int32))
+
     def location(self, sample_id: int) -> SampleLocation:
         return SampleLocation(
             self.path(int(self.sample_path[sample_id])),

@@ -2,17 +2,28 @@
 
 A thin stateful wrapper over :mod:`dataquay.client.placement`: it holds the
 job's settings and the current epoch, and takes rank and world size from the
-launcher's environment when they are not given.
+launcher's environment when they are not given. :class:`JobSampler` does the
+same for a rank of a cluster job, whose orders follow the job's placement.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 import numpy as np
 
 from dataquay.client.env import topology
-from dataquay.client.placement import rank_indices, samples_per_rank
+from dataquay.client.placement import (
+    JobPlan,
+    node_of_rank,
+    owners,
+    rank_indices,
+    rank_length,
+    rank_order,
+    samples_per_rank,
+)
+from dataquay.protos import jobs_pb2 as jpb
 
 
 class Sampler:
@@ -99,4 +110,85 @@ class Sampler:
         return (
             f"Sampler(num_samples={self.num_samples}, rank={self.rank}, world_size={self.world_size}, "
             f"seed={self.seed}, shuffle={self.shuffle}, drop_last={self.drop_last}, epoch={self.epoch})"
+        )
+
+
+class EpochReporter(Protocol):
+    """Whoever tells a job which epoch its ranks are in (a :class:`~dataquay.client.Client`)."""
+
+    def report_epoch(self, job_id: str, epoch: int) -> None: ...
+
+
+class JobSampler(Sampler):
+    """The ids one rank of a cluster job reads; from :meth:`Dataset.sampler` with a job.
+
+    A :class:`Sampler` (same use, DistributedSampler's contract) whose orders
+    come from the job's placement mode, so every rank and daemon of the job
+    agrees on them, and whose :meth:`set_epoch` also tells the job the epoch,
+    so the daemons can prepare the next one.
+
+    Args:
+        job: the job as the directory returned it (every setting filled in).
+        plan: its placement plan (:func:`dataquay.client.jobs.job_plan`).
+        rank: this process's rank in the job.
+        world_size: ranks this process was started with; must be the job's.
+        reporter: reports each epoch (best effort); None reports nothing.
+
+    Raises:
+        ValueError: ``world_size`` is not the job's nodes times ranks per
+            node, or ``rank`` is outside the job's world.
+    """
+
+    def __init__(
+        self,
+        job: jpb.Job,
+        plan: JobPlan,
+        *,
+        rank: int,
+        world_size: int,
+        reporter: EpochReporter | None = None,
+    ) -> None:
+        world = (
+            f"{plan.world_size} = {plan.num_nodes} nodes x {plan.ranks_per_node} ranks per node "
+            f"of job {job.spec.job_id!r}"
+        )
+        if world_size != plan.world_size:
+            raise ValueError(f"world size {world_size} does not match the job's {world}; start that many ranks")
+        if not 0 <= rank < plan.world_size:
+            raise ValueError(f"rank {rank} is outside the world: world size {world}")
+        super().__init__(
+            plan.num_samples, rank=rank, world_size=world_size, seed=plan.seed, drop_last=plan.drop_last
+        )
+        self.job = job
+        self.plan = plan
+        #: The node (0..M-1) this rank runs on, as the job places it.
+        self.node = node_of_rank(plan, rank)
+        self._reporter = reporter
+
+    @property
+    def job_id(self) -> str:
+        return self.job.spec.job_id
+
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch to read and reports it to the job (best effort)."""
+        super().set_epoch(epoch)
+        if self._reporter is not None:
+            self._reporter.report_epoch(self.job_id, epoch)
+
+    def indices(self) -> np.ndarray:
+        """This rank's ids for the current epoch, in reading order (int64)."""
+        return rank_order(self.plan, self.epoch, self.rank)
+
+    def owners(self, epoch: int | None = None) -> np.ndarray:
+        """The node that owns each sample in ``epoch`` (default: the current one), int32."""
+        return owners(self.plan, self.epoch if epoch is None else epoch)
+
+    def __len__(self) -> int:
+        return rank_length(self.plan)
+
+    def __repr__(self) -> str:
+        return (
+            f"JobSampler(job={self.job_id!r}, mode={self.plan.mode!r}, rank={self.rank}, "
+            f"world_size={self.world_size}, node={self.node}, num_samples={self.num_samples}, "
+            f"epoch={self.epoch})"
         )

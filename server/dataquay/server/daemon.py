@@ -27,11 +27,15 @@ from prometheus_client import start_http_server
 
 from dataquay.client.channels import server_options
 from dataquay.protos import cache_pb2_grpc
+from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server import __version__
 from dataquay.server.config import DaemonConfig
+from dataquay.server.datasets import Datasets
 from dataquay.server.errors import StartupError
-from dataquay.server.manifest_build import build_manifest
+from dataquay.server.jobs import Placements
+from dataquay.server.membership import DirectoryLink
 from dataquay.server.metrics import DaemonMetrics, LiveState
+from dataquay.server.peers import Peers
 from dataquay.server.pfs_pool import PfsPool
 from dataquay.server.reads import ReadService
 from dataquay.server.registry import Registry
@@ -57,7 +61,17 @@ class Daemon:
         self.registry = Registry(config.state_dir)
         self.pfs = PfsPool(config.pfs_threads, config.pfs_bandwidth)
         self.metrics = DaemonMetrics(self.live_state)
-        self.reads = ReadService(self.registry, self.store, self.pfs, self.metrics, config.max_batch)
+        self.link = (
+            DirectoryLink(config.directory, self.node_info, self._usage, self._datasets_changed)
+            if config.directory
+            else None
+        )
+        self.datasets = Datasets(self.registry, self.store, self.link)
+        self.peers = Peers(config.peer_timeout)
+        self.placements = Placements(self.link, config.node_name) if self.link is not None else None
+        self.reads = ReadService(
+            self.datasets, self.store, self.pfs, self.metrics, config.max_batch, self.peers, self.placements
+        )
         self.stager = Stager(self.registry, self.store, self.pfs)
         self.tasks = TaskGroup()
         self.shm = ShmSegments()
@@ -68,7 +82,6 @@ class Daemon:
         self._metrics_http: object | None = None
         self._started = False
         self._stop_requested = asyncio.Event()
-        self._builds = asyncio.Semaphore(1)
 
     async def __aenter__(self) -> Daemon:
         await self.start()
@@ -98,6 +111,8 @@ class Daemon:
         self.tasks.spawn(self.store.run_writer(), "cache-writer")
         self.tasks.spawn(self.store.run_syncer(), "cache-syncer")
         self.tasks.spawn(self._reap_segments(), "shm-reaper")
+        if self.link is not None:
+            self.tasks.spawn(self.link.run(), "directory-link")
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self._write_ready_file()
@@ -141,7 +156,7 @@ class Daemon:
             raise StartupError(f"cannot listen on {self.config.listen}: port taken or address not local") from exc
         if not tcp_port:
             raise StartupError(f"cannot listen on {self.config.listen}: port taken or address not local")
-        self.tcp_address = f"{host or '0.0.0.0'}:{tcp_port}"
+        self.tcp_address = f"{_advertised_host(host)}:{tcp_port}"
         await server.start()
         os.chmod(sock, 0o660)
 
@@ -158,7 +173,9 @@ class Daemon:
                     "socket": str(self.config.socket),
                     "tcp": self.tcp_address,
                     "metrics_port": self.metrics_port,
+                    "metrics_address": self.metrics_address,
                     "cache_dir": str(self.store.path),
+                    "directory": self.config.directory,
                 }
             )
         )
@@ -189,6 +206,9 @@ class Daemon:
         if self.store.is_open:
             await self._drain_writes()
             self.store.close()
+        await self.peers.close()
+        if self.link is not None:
+            await self.link.close()
         self.pfs.close()
         self.shm.close()
         if self._metrics_http is not None:
@@ -211,37 +231,31 @@ class Daemon:
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
 
-    # ------------------------------------------------------------- handlers
+    # ------------------------------------------------------------- cluster
 
-    async def add_dataset(
-        self, name: str, root: str, fmt: str | None, replace: bool, tar_grouped: bool
-    ) -> str:
-        """Builds the manifest of ``root`` off the loop and registers it as ``name``."""
-        self.registry.check_free(name, replace)
-        async with self._builds:
-            writer = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: build_manifest(root, fmt, tar_grouped=tar_grouped)
-            )
-            entry, previous = self.registry.add(name, writer, replace)
-        if previous is not None and previous.record.cache_db != entry.record.cache_db:
-            await self.store.drop_dataset(previous.record.cache_db)
-        log.info(
-            "dataset registered",
-            extra={"fields": {"dataset": name, "samples": entry.manifest.num_samples, "format": entry.record.format}},
+    @property
+    def metrics_address(self) -> str:
+        return f"{_advertised_host(self.config.metrics_host)}:{self.metrics_port}"
+
+    def node_info(self) -> jpb.NodeInfo:
+        """This node as the directory lists it."""
+        return jpb.NodeInfo(
+            name=self.config.node_name,
+            tcp_address=self.tcp_address,
+            metrics_address=self.metrics_address,
+            cache_capacity=self.store.capacity,
+            pid=self.pid,
+            version=self.version,
         )
-        return name
 
-    async def drop_dataset(self, name: str) -> int:
-        entry = self.registry.drop(name)
-        freed = await self.store.drop_dataset(entry.record.cache_db)
-        log.info("dataset dropped", extra={"fields": {"dataset": name, "freed_samples": freed}})
-        return freed
+    def _usage(self) -> tuple[int, int]:
+        return self.store.usage() if self.store.is_open else (0, 0)
+
+    async def _datasets_changed(self) -> None:
+        await self.datasets.sync()
 
     def live_state(self) -> LiveState:
-        if not self.store.is_open:
-            used, entries = 0, 0
-        else:
-            used, entries = self.store.usage()
+        used, entries = self._usage()
         return LiveState(
             cache_used_bytes=used,
             cache_capacity_bytes=self.store.capacity,
@@ -255,7 +269,14 @@ class Daemon:
                 name: (p.done_samples, p.total_samples, p.done_bytes, p.total_bytes)
                 for name, p in self.stager.runs.items()
             },
+            peers={peer.node: (peer.suspect, peer.failures) for peer in self.peers.health()},
         )
+
+
+def _advertised_host(host: str) -> str:
+    """The name other nodes reach a listener by: the host name for a wildcard bind."""
+    host = host.strip("[]")
+    return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
 
 
 def _check_port_free(host: str, port: str) -> None:

@@ -1,122 +1,155 @@
-"""``dataquay demo``: a daemon, a synthetic dataset on a stand-in PFS, staging,
-a few epochs of a simulated training loop, and a report.
+"""``dataquay demo``: a 4-node cluster on this machine, a synthetic dataset on a
+stand-in PFS, staging for a job, a few epochs of 8 training ranks in separate
+processes, and a report.
 
-Everything lives in a temporary directory that is removed at the end.
+It shows the partitioned cache at work: after staging, the PFS is not read
+again; a rank finds about 1/4 of its samples in its own node's cache and gets
+the other 3/4 from the peers that staged them. Every sample's bytes are
+checked against the files. Everything lives in a temporary directory that is
+removed at the end, and every process started is stopped.
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
+import grpc
 import numpy as np
 
-from dataquay.client import Dataset, Sampler, connect
+from dataquay.client import connect
+from dataquay.client.channels import channel_options
 from dataquay.client.malloc import tune_malloc
+from dataquay.client.pfs import PfsReader
+from dataquay.client.records import checksum
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import cache_pb2_grpc
 from dataquay.server.cli import main as cli_main
-from dataquay.server.launch import DaemonProcess
+from dataquay.server.cluster import LocalCluster
+from dataquay.server.errors import DataquayError
+from dataquay.server.ranks import RankEpoch, RankGroup
 from dataquay.server.sizes import format_bytes
 from dataquay.server.synthetic import make_files_dataset
 
 SIZES = (4 << 10, 16 << 10, 64 << 10, 110 << 10, 256 << 10)
+NODES = 4
+RANKS_PER_NODE = 2
 BATCH = 64
+SEED = 42
+JOB = "demo-job"
 #: Simulated GPU time per batch: enough that a cached epoch is compute-bound.
 COMPUTE_SECONDS = 0.002
+HEADER = ("epoch", "samples", "local", "peer", "pfs", "wall s", "samples/s", "MB/s", "data-wait s", "stall %")
+WIDTHS = (6, 8, 6, 6, 6, 7, 10, 7, 12, 8)
 
 
-@dataclass
-class EpochReport:
-    epoch: int
-    samples: int
-    tiers: dict[str, int]
-    nbytes: int
-    wall: float
-    wait: float
+def _row(cells: Sequence[object]) -> str:
+    return "  ".join(str(c).rjust(w) for c, w in zip(cells, WIDTHS))
 
 
-def _train_epoch(ds: Dataset, sampler: Sampler, epoch: int) -> EpochReport:
-    client = ds.client
-    before = client.stats()
-    sampler.set_epoch(epoch)
-    ids = np.fromiter(sampler, dtype=np.int64)
-    started = time.perf_counter()
-    nbytes = 0
-    for start in range(0, len(ids), BATCH):
-        batch = ds.get_batch(ids[start : start + BATCH])
-        nbytes += sum(map(len, batch))
-        time.sleep(COMPUTE_SECONDS)
-    wall = time.perf_counter() - started
-    after = client.stats()
-    tiers = {t: after.samples[t] - before.samples[t] for t in after.samples}
-    return EpochReport(epoch, len(ids), tiers, nbytes, wall, after.data_wait_seconds - before.data_wait_seconds)
+def _cli(*argv: str) -> None:
+    """Runs a dataquay command as a user would type it, and shows it."""
+    print(f"$ dataquay {' '.join(argv)}", flush=True)
+    if cli_main(list(argv)):
+        raise SystemExit(1)
 
 
-def _direct_epoch(ds: Dataset, sampler: Sampler) -> tuple[float, float]:
-    """The same epoch read straight from the files: (wall, wait) seconds."""
-    manifest = ds.manifest
-    paths = [f"{manifest.root}/{manifest.location(i).path}" for i in range(len(manifest))]
-    sampler.set_epoch(0)
-    ids = list(sampler)
-    started = time.perf_counter()
-    wait = 0.0
-    for start in range(0, len(ids), BATCH):
-        t0 = time.perf_counter()
-        for i in ids[start : start + BATCH]:
-            with open(paths[i], "rb") as f:
-                f.read()
-        wait += time.perf_counter() - t0
-        time.sleep(COMPUTE_SECONDS)
-    return time.perf_counter() - started, wait
+def _expected_checksums(address: str, dataset: str) -> np.ndarray:
+    """Checksum of every sample as the files hold it, read once, directly."""
+    with connect(address) as client:
+        manifest = client.dataset(dataset).manifest
+    ids = np.arange(manifest.num_samples)
+    reader = PfsReader(manifest, dataset)
+    return np.array([checksum(s) for start in range(0, len(ids), 512)
+                     for s in reader.read(ids[start : start + 512])], dtype=np.uint64)
+
+
+def _pfs_bytes(cluster: LocalCluster) -> int:
+    """Bytes every daemon of the cluster has read from the PFS so far."""
+    total = 0
+    for daemon in cluster.daemons:
+        assert daemon.ready is not None
+        with grpc.insecure_channel(daemon.ready["tcp"], options=channel_options()) as channel:
+            total += cache_pb2_grpc.CacheStub(channel).Stats(pb.StatsRequest(), timeout=10).pfs_bytes
+    return int(total)
+
+
+def _check(epoch: object, results: list[RankEpoch], expected: np.ndarray) -> None:
+    """Every sample read exactly once, each with the bytes the files hold."""
+    ids = np.concatenate([np.asarray(r.ids, dtype=np.int64) for r in results])
+    sums = np.concatenate([np.asarray(r.checksums, dtype=np.uint64) for r in results])
+    if len(np.unique(ids)) != len(expected):
+        raise DataquayError(f"epoch {epoch}: the ranks read {len(np.unique(ids))} distinct samples of {len(expected)}")
+    wrong = np.flatnonzero(sums != expected[ids])
+    if len(wrong):
+        raise DataquayError(f"epoch {epoch}: sample {ids[wrong[0]]} arrived with bytes that differ from its file")
+
+
+def _report(epoch: object, results: list[RankEpoch], tiers: Sequence[str]) -> str:
+    samples = sum(len(r.ids) for r in results)
+    wall = max(r.wall_seconds for r in results)
+    wait = sum(r.wait_seconds for r in results) / len(results)
+    stall = sum(r.wait_seconds for r in results) / sum(r.wall_seconds for r in results)
+
+    def share(*names: str) -> str:
+        return f"{100 * sum(r.samples.get(n, 0) for r in results for n in names) / samples:.0f}%"
+
+    return _row((
+        epoch, samples, *(share(*t.split("+")) if t else "" for t in tiers),
+        f"{wall:.2f}", f"{samples / wall:,.0f}", f"{sum(r.nbytes for r in results) / wall / 1e6:,.0f}",
+        f"{wait:.3f}", f"{100 * stall:.1f}",
+    ))
 
 
 def run_demo(samples: int = 4000, epochs: int = 3) -> None:
     tune_malloc()
+    world = NODES * RANKS_PER_NODE
+    samples -= samples % world  # every rank the same count, no padding: exactly-once is checkable
     with tempfile.TemporaryDirectory(prefix="dataquay-demo-") as tmp:
         base = Path(tmp)
-        print(f"dataquay demo: one node, {samples} samples of {len(SIZES)} sizes, {epochs} epochs\n")
+        print(
+            f"dataquay demo: a {NODES}-node cluster on this machine, {samples} samples of {len(SIZES)} sizes, "
+            f"{world} training ranks ({RANKS_PER_NODE} per node), {epochs} epochs of global shuffling\n"
+        )
         root = make_files_dataset(base / "pfs" / "demo", samples, sizes=SIZES, classes=10)
         total = sum(SIZES[i % len(SIZES)] for i in range(samples))
-        print(f"PFS      {root}  ({samples} files in 10 class folders, {format_bytes(total)})")
-        daemon = DaemonProcess(base / "node0").start()
-        try:
-            assert daemon.ready is not None
-            print(f"daemon   pid {daemon.ready['pid']}, socket {daemon.address}")
-            print(f"metrics  {daemon.metrics_url}\n")
-            addr = ["--addr", daemon.address]
-            if cli_main(["dataset", "add", "demo", str(root), *addr]) or cli_main(["stage", "demo", *addr]):
-                raise SystemExit(1)
-            print()
-            client = connect(daemon.address)
-            ds = client.dataset("demo")
-            sampler = ds.sampler(rank=0, world_size=1, seed=42)
-            print(f"training: batches of {BATCH}, {COMPUTE_SECONDS * 1e3:.0f} ms of simulated compute per batch\n")
-            header = ("epoch", "samples", "local", "daemon", "pfs", "wall s", "samples/s", "MB/s", "data-wait s", "stall %")
-            rows: list[tuple[object, ...]] = []
-            for epoch in range(epochs):
-                r = _train_epoch(ds, sampler, epoch)
-                daemon_served = r.tiers["daemon-local"] + r.tiers["peer"]
-                pfs = r.tiers["pfs"] + r.tiers["fallback"]
-                rows.append((
-                    r.epoch, r.samples, f"{100 * r.tiers['local'] / r.samples:.0f}%",
-                    f"{100 * daemon_served / r.samples:.0f}%", f"{100 * pfs / r.samples:.0f}%",
-                    f"{r.wall:.2f}", f"{r.samples / r.wall:,.0f}", f"{r.nbytes / r.wall / 1e6:,.0f}",
-                    f"{r.wait:.3f}", f"{100 * r.wait / r.wall:.1f}",
-                ))
-            wall, wait = _direct_epoch(ds, sampler)
-            rows.append((
-                "direct", samples, "", "", "100%", f"{wall:.2f}", f"{samples / wall:,.0f}",
-                f"{total / wall / 1e6:,.0f}", f"{wait:.3f}", f"{100 * wait / wall:.1f}",
-            ))
-            widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-            for row in (header, *rows):
-                print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+        print(f"PFS        {root}  ({samples} files in 10 class folders, {format_bytes(total)})")
+        started = time.perf_counter()
+        print(f"cluster    starting a directory and {NODES} daemons ...", end=" ", flush=True)
+        with LocalCluster(base / "cluster", NODES) as cluster:
+            print(f"up in {time.perf_counter() - started:.1f} s")
+            print(f"           directory {cluster.directory_address}, service discovery {cluster.sd_url}")
+            print(f"           per-node env files: {cluster.env_path()}, {cluster.base_dir}/node-<i>.env\n")
+            _cli("dataset", "add", "demo", str(root), "--addr", cluster.daemons[0].address)
+            _cli("stage", "demo", "--job", JOB, "--mode", "global", "--seed", str(SEED),
+                 "--ranks-per-node", str(RANKS_PER_NODE), "--directory", cluster.directory_address)
+            expected = _expected_checksums(cluster.daemons[0].address, "demo")
+            staged_pfs = _pfs_bytes(cluster)
             print(
-                "\n'direct' is the same epoch read straight from the files. Here the files sit in\n"
-                "this machine's page cache; on a shared PFS every one of those reads crosses the\n"
-                "network, which is the load the cache takes off it from the first epoch on."
+                f"\ntraining: {world} rank processes, each with its node's env and RANK/WORLD_SIZE/LOCAL_RANK, "
+                f"reading its\nJobSampler's ids in batches of {BATCH} with {COMPUTE_SECONDS * 1e3:.0f} ms of "
+                "simulated compute per batch; every sample's bytes checked\n"
             )
-            client.close()
-        finally:
-            daemon.stop()
+            envs = [cluster.rank_env(rank, RANKS_PER_NODE, JOB) for rank in range(world)]
+            print(f"starting {world} ranks ...", end=" ", flush=True)
+            with RankGroup(envs, "demo", base / "ranks", batch=BATCH, compute_seconds=COMPUTE_SECONDS) as ranks:
+                print("joined the job\n")
+                print(_row(HEADER))
+                for epoch in range(epochs):
+                    results = ranks.epoch(epoch)
+                    _check(epoch, results, expected)
+                    print(_report(epoch, results, ("local+daemon-local", "peer", "pfs+fallback")), flush=True)
+                training_pfs = _pfs_bytes(cluster) - staged_pfs
+                results = ranks.epoch(max(epochs - 1, 0), direct=True)
+                _check("direct", results, expected)
+                print(_report("direct", results, ("", "", "direct")))
+        print(
+            f"\nDuring training the daemons read {format_bytes(training_pfs)} from the PFS (staging read "
+            f"{format_bytes(staged_pfs)} once).\n"
+            "'local' is the rank's own node's cache (read in-process, no RPC); 'peer' came from the\n"
+            "node that staged the sample. 'direct' is one epoch read straight from the files, as a trainer\n"
+            "without dataquay would: here they sit in this machine's page cache, while on a shared PFS each\n"
+            "of those reads crosses the network, every epoch, from every node."
+        )

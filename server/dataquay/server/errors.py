@@ -20,11 +20,17 @@ __all__ = [
     "DataquayError",
     "DatasetExistsError",
     "DatasetReplacedError",
+    "DirectoryUnavailableError",
+    "InvalidRequestError",
+    "JobMismatchError",
     "ManifestError",
+    "NoLiveNodesError",
     "PfsReadError",
     "SampleIdError",
+    "StandaloneError",
     "StartupError",
     "UnknownDatasetError",
+    "UnknownJobError",
 ]
 
 
@@ -46,3 +52,27 @@ class DatasetReplacedError(DataquayError):
 
 class BatchTooLargeError(DataquayError, ValueError):
     """A request with more ids than the daemon's --max-batch."""
+
+
+class InvalidRequestError(DataquayError, ValueError):
+    """A request whose arguments cannot be served (relayed from the directory)."""
+
+
+class DirectoryUnavailableError(DataquayError, ConnectionError):
+    """The directory does not answer and this node has no copy of what was asked."""
+
+
+class UnknownJobError(DataquayError, LookupError):
+    """A job id the directory has no record of."""
+
+
+class JobMismatchError(DataquayError):
+    """A join whose settings differ from those of the job it names."""
+
+
+class NoLiveNodesError(DataquayError):
+    """A job that would run on all live nodes while none is up."""
+
+
+class StandaloneError(DataquayError):
+    """A cluster operation (jobs, peers) asked of a daemon that has no directory."""

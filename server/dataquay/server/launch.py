@@ -1,7 +1,8 @@
-"""Starting daemons as child processes: for the demo, the benchmarks and tests.
+"""Starting daemons and directories as child processes: for the demo, local
+clusters, the benchmarks and tests.
 
-Each daemon gets its own directory (socket, cache, state, logs) and ports chosen
-by the OS; the daemon reports what it bound in a ready file, which is how the
+Each server gets its own directory (socket, cache, state, logs) and ports chosen
+by the OS; the server reports what it bound in a ready file, which is how the
 launcher knows it is serving.
 """
 
@@ -16,73 +17,60 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from dataquay.server.errors import StartupError
 
 
 @dataclass
-class DaemonProcess:
-    """A daemon running in a child process, rooted at ``home``."""
+class ServerProcess:
+    """A dataquay server in a child process, rooted at ``home``: what the
+    daemon and the directory launchers share. Subclasses name the server and
+    its command line."""
+
+    #: The server in messages and in its log file's name.
+    kind: ClassVar[str] = "server"
 
     home: Path
     extra_args: tuple[str, ...] = ()
     process: subprocess.Popen[bytes] | None = None
     ready: dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        socket = self.home / "dataquay.sock"
-        # Unix socket paths are limited to 107 bytes; deep temp dirs exceed it.
-        if len(str(socket)) > 100:
-            socket = Path(tempfile.mkdtemp(prefix="dq-")) / "dataquay.sock"
-        self.socket = socket
-
-    @property
-    def address(self) -> str:
-        """What DATAQUAY_ADDR should be for a client on this node."""
-        return str(self.socket)
-
-    @property
-    def cache_dir(self) -> Path:
-        return self.home / "cache"
+    #: Detach from this process's session, so that the server outlives it
+    #: and a Ctrl-C in its terminal does not reach the server.
+    start_new_session: bool = False
 
     @property
     def log_path(self) -> Path:
-        return self.home / "daemon.log"
+        return self.home / f"{self.kind}.log"
 
     @property
-    def metrics_url(self) -> str:
-        assert self.ready is not None
-        return f"http://127.0.0.1:{self.ready['metrics_port']}/metrics"
+    def ready_file(self) -> Path:
+        return self.home / "ready.json"
 
-    def start(self, timeout: float = 30.0) -> DaemonProcess:
-        """Starts the daemon and waits until it serves; raises with its log if it cannot."""
+    def command(self) -> list[str]:
+        """The ``dataquay`` arguments that start the server, before ``extra_args``."""
+        raise NotImplementedError
+
+    def start(self, timeout: float = 30.0) -> Self:
+        """Starts the server and waits until it serves; raises with its log if it cannot."""
         self.home.mkdir(parents=True, exist_ok=True)
-        ready_file = self.home / "ready.json"
-        ready_file.unlink(missing_ok=True)
-        args = [
-            sys.executable, "-m", "dataquay.server.cli", "serve",
-            "--socket", str(self.socket),
-            "--listen", "127.0.0.1:0",
-            "--cache-dir", str(self.cache_dir),
-            "--state-dir", str(self.home / "state"),
-            "--metrics-host", "127.0.0.1",
-            "--metrics-port", "0",
-            "--ready-file", str(ready_file),
-            *self.extra_args,
-        ]
+        self.ready_file.unlink(missing_ok=True)
+        args = [sys.executable, "-m", "dataquay.server.cli", *self.command(), *self.extra_args]
         log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=self.start_new_session,
+        )
         log.close()
         deadline = time.monotonic() + timeout
-        while not ready_file.exists():
+        while not self.ready_file.exists():
             if self.process.poll() is not None:
-                raise StartupError(f"daemon in {self.home} exited: {self.log_tail()}")
+                raise StartupError(f"{self.kind} in {self.home} exited: {self.log_tail()}")
             if time.monotonic() > deadline:
                 self.kill()
-                raise StartupError(f"daemon in {self.home} not ready after {timeout:.0f} s: {self.log_tail()}")
+                raise StartupError(f"{self.kind} in {self.home} not ready after {timeout:.0f} s: {self.log_tail()}")
             time.sleep(0.02)
-        self.ready = json.loads(ready_file.read_text())
+        self.ready = json.loads(self.ready_file.read_text())
         return self
 
     def log_tail(self, lines: int = 5) -> str:
@@ -112,3 +100,79 @@ class DaemonProcess:
     def signal(self, sig: int) -> None:
         assert self.process is not None
         os.kill(self.process.pid, sig)
+
+
+@dataclass
+class DaemonProcess(ServerProcess):
+    """A daemon running in a child process, rooted at ``home``."""
+
+    kind: ClassVar[str] = "daemon"
+
+    #: Where the unix socket goes; default ``home/dataquay.sock``.
+    socket_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        socket = self.socket_path or self.home / "dataquay.sock"
+        # Unix socket paths are limited to 107 bytes; deep temp dirs exceed it.
+        if len(str(socket)) > 100:
+            socket = Path(tempfile.mkdtemp(prefix="dq-")) / "dataquay.sock"
+        self.socket = socket
+
+    @property
+    def address(self) -> str:
+        """What DATAQUAY_ADDR should be for a client on this node."""
+        return str(self.socket)
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.home / "cache"
+
+    @property
+    def metrics_url(self) -> str:
+        assert self.ready is not None
+        return f"http://127.0.0.1:{self.ready['metrics_port']}/metrics"
+
+    def command(self) -> list[str]:
+        return [
+            "serve",
+            "--socket", str(self.socket),
+            "--listen", "127.0.0.1:0",
+            "--cache-dir", str(self.cache_dir),
+            "--state-dir", str(self.home / "state"),
+            "--metrics-host", "127.0.0.1",
+            "--metrics-port", "0",
+            "--ready-file", str(self.ready_file),
+        ]
+
+
+@dataclass
+class DirectoryProcess(ServerProcess):
+    """A directory running in a child process, rooted at ``home``."""
+
+    kind: ClassVar[str] = "directory"
+
+    @property
+    def address(self) -> str:
+        """The directory's HOST:PORT, for ``--directory``."""
+        assert self.ready is not None, "directory not started"
+        return f"127.0.0.1:{str(self.ready['tcp']).rpartition(':')[2]}"
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of /sd, /metrics and /healthz."""
+        assert self.ready is not None, "directory not started"
+        return f"http://127.0.0.1:{self.ready['http_port']}"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.home / "state"
+
+    def command(self) -> list[str]:
+        return [
+            "directory",
+            "--listen", "127.0.0.1:0",
+            "--http-host", "127.0.0.1",
+            "--http-port", "0",
+            "--state-dir", str(self.state_dir),
+            "--ready-file", str(self.ready_file),
+        ]

@@ -32,6 +32,7 @@ class LiveState:
     pfs_bytes: int
     pfs_errors: int
     staging: dict[str, tuple[int, int, int, int]]  # dataset -> (done, total, done_bytes, total_bytes)
+    peers: dict[str, tuple[bool, int]]  # node -> (suspect, failed batches)
 
 
 class _StateCollector(Collector):
@@ -78,6 +79,16 @@ class _StateCollector(Collector):
             done_bytes.add_metric([dataset], db)
             total_bytes.add_metric([dataset], tb)
         yield from (done, total, done_bytes, total_bytes)
+        suspect = GaugeMetricFamily(
+            "dataquay_peer_suspect", "1 while a peer is set aside after a failure", labels=["peer"]
+        )
+        failures = CounterMetricFamily(
+            "dataquay_peer_failures", "Batches a peer failed to deliver in time", labels=["peer"]
+        )
+        for peer, (is_suspect, failed) in state.peers.items():
+            suspect.add_metric([peer], int(is_suspect))
+            failures.add_metric([peer], failed)
+        yield from (suspect, failures)
 
 
 class DaemonMetrics:
@@ -98,6 +109,13 @@ class DaemonMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.peer_served = Counter(
+            "dataquay_peer_served", "Samples this daemon served to other daemons", registry=self.registry
+        )
+        self.peer_served_bytes = Counter(
+            "dataquay_peer_served_bytes", "Payload bytes this daemon served to other daemons",
+            registry=self.registry,
+        )
         for tier in TIERS:
             self.reads.labels(tier)
             self.read_bytes.labels(tier)
@@ -106,6 +124,10 @@ class DaemonMetrics:
     def count_read(self, tier: str, samples: int, nbytes: int) -> None:
         self.reads.labels(tier).inc(samples)
         self.read_bytes.labels(tier).inc(nbytes)
+
+    def count_peer_served(self, samples: int, nbytes: int) -> None:
+        self.peer_served.inc(samples)
+        self.peer_served_bytes.inc(nbytes)
 
     def tier_totals(self) -> dict[str, tuple[int, int]]:
         """(samples, bytes) served per tier since start."""

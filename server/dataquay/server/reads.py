@@ -1,12 +1,22 @@
-"""Serving a batch of sample ids: cache first, the PFS for the rest.
+"""Serving a batch of sample ids: own cache, then the owners' caches, then the PFS.
 
-A miss read from the PFS is handed to the store's writer without waiting, so
-the reply never waits for an LMDB commit. A cached value whose checksum fails
-is served from the PFS and rewritten (repaired) in the same way.
+A read for a job (``job`` set) sends the misses to the daemons that own them
+in that job, one batched stream per owner, all at once; what an owner does not
+hold, or cannot deliver in time, comes from the PFS. A read from a peer
+(``peer`` set) is answered from this cache alone, its misses flagged, so that
+two daemons never bounce a request between them.
+
+A sample read from the PFS is cached only by its owner (every sample when the
+read is for no job): the owner keeps it, everyone else asks the owner. It is
+handed to the store's writer without waiting, so the reply never waits for an
+LMDB commit. A cached value whose checksum fails is served from the PFS and
+rewritten (repaired) the same way.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -15,13 +25,21 @@ import numpy as np
 
 from dataquay.client.channels import READ_CHUNK_BYTES
 from dataquay.client.records import CHECKSUM_BYTES, stored_checksum
-from dataquay.server.errors import BatchTooLargeError, DatasetReplacedError, SampleIdError
+from dataquay.server.datasets import Datasets
+from dataquay.server.errors import BatchTooLargeError, DatasetReplacedError, DirectoryUnavailableError, SampleIdError
+from dataquay.server.jobs import Placement, Placements
 from dataquay.server.metrics import DaemonMetrics
+from dataquay.server.peers import Peers
 from dataquay.server.pfs_pool import PfsPool
-from dataquay.server.registry import Registered, Registry
+from dataquay.server.registry import Registered
 from dataquay.server.store import PendingWrite, Store
 
 T = TypeVar("T")
+
+log = logging.getLogger("dataquay.reads")
+
+#: Tier of a sample a peer was asked for and does not hold.
+MISSING = "missing"
 
 
 @dataclass(frozen=True)
@@ -38,58 +56,125 @@ class ReadService:
     """Resolves read requests against the node's tiers."""
 
     def __init__(
-        self, registry: Registry, store: Store, pfs: PfsPool, metrics: DaemonMetrics, max_batch: int
+        self,
+        datasets: Datasets,
+        store: Store,
+        pfs: PfsPool,
+        metrics: DaemonMetrics,
+        max_batch: int,
+        peers: Peers | None = None,
+        placements: Placements | None = None,
     ) -> None:
-        self.registry = registry
+        self.datasets = datasets
         self.store = store
         self.pfs = pfs
         self.metrics = metrics
         self.max_batch = max_batch
+        self.peers = peers
+        self.placements = placements
 
-    def validate(self, dataset: str, ids: np.ndarray, manifest_id: str = "") -> Registered:
+    async def entry(self, dataset: str, ids: np.ndarray, manifest_id: str = "") -> Registered:
         """The dataset's entry; raises for an unknown or replaced dataset, a batch
         over the limit or an id out of range."""
-        entry = self.registry.get(dataset)
-        if manifest_id and manifest_id != entry.record.manifest_id:
-            raise DatasetReplacedError(f"dataset {dataset!r} was replaced since it was opened; open it again")
         if len(ids) > self.max_batch:
             raise BatchTooLargeError(
                 f"batch of {len(ids)} ids exceeds the limit of {self.max_batch} (--max-batch)"
             )
+        entry = await self.datasets.entry(dataset)
+        if manifest_id and manifest_id != entry.record.manifest_id:
+            raise DatasetReplacedError(f"dataset {dataset!r} was replaced since it was opened; open it again")
         n = entry.manifest.num_samples
-        if len(ids) and int(ids.max()) >= n:
-            bad = int(ids[ids >= n][0])
+        if len(ids) and (int(ids.max()) >= n or int(ids.min()) < 0):
+            bad = int(ids[(ids >= n) | (ids < 0)][0])
             raise SampleIdError(f"sample id {bad} out of range for dataset {dataset!r} (N={n})")
         return entry
 
-    async def read(self, dataset: str, ids: np.ndarray, manifest_id: str = "") -> list[Served]:
+    async def read(
+        self, dataset: str, ids: np.ndarray, manifest_id: str = "", job: str = "", peer: bool = False
+    ) -> list[Served]:
         """The samples of ``ids`` in request order; raises PfsReadError if one is unreadable."""
-        entry = self.validate(dataset, ids, manifest_id)
+        entry = await self.entry(dataset, ids, manifest_id)
         db = entry.record.cache_db
         await self.store.open_dataset(db)
         cached, corrupt = self.store.get_many(db, ids.tolist())
-        miss_positions = [i for i, hit in enumerate(cached) if hit is None]
-        from_pfs: dict[int, tuple[memoryview, int]] = {}
-        if miss_positions:
-            miss_ids = np.unique(ids[miss_positions])
-            values = await self.pfs.read(dataset, entry.manifest, miss_ids)
-            repair = set(corrupt)
-            name = db.encode()
+        if peer:
+            return self._answer_peer(ids, cached)
+        fetched: dict[int, tuple[str, bytes | memoryview, int]] = {}
+        misses = np.unique(ids[[i for i, hit in enumerate(cached) if hit is None]])
+        placement = await self._placement(job, entry) if job and len(misses) else None
+        if placement is not None:
+            fetched = await self._from_owners(entry, placement, misses)
+            misses = misses[~np.isin(misses, np.fromiter(fetched, np.int64, len(fetched)))]
+        if len(misses):
+            values = await self.pfs.read(dataset, entry.manifest, misses)
+            keep = misses if placement is None else misses[placement.owners[misses] == placement.node_index]
+            keep_set, repair, name = set(keep.tolist()), set(corrupt), db.encode()
             for sample_id, value in values.items():
-                from_pfs[sample_id] = (memoryview(value)[CHECKSUM_BYTES:], stored_checksum(value))
-                self.store.offer(PendingWrite(name, sample_id, value, sample_id in repair))
+                fetched[sample_id] = ("pfs", memoryview(value)[CHECKSUM_BYTES:], stored_checksum(value))
+                if sample_id in keep_set:
+                    self.store.offer(PendingWrite(name, sample_id, value, sample_id in repair))
+        return self._in_order(ids, cached, fetched)
+
+    def _answer_peer(self, ids: np.ndarray, cached: list[tuple[bytes, int] | None]) -> list[Served]:
+        out = [
+            Served(sample_id, MISSING, b"", 0) if hit is None else Served(sample_id, "local", *hit)
+            for sample_id, hit in zip(ids.tolist(), cached)
+        ]
+        served = [s for s in out if s.tier != MISSING]
+        self.metrics.count_peer_served(len(served), sum(len(s.data) for s in served))
+        return out
+
+    async def _placement(self, job: str, entry: Registered) -> Placement | None:
+        """The job's placement; None (serve from here and the PFS) when the
+        directory is down and this node has never seen the job."""
+        if self.placements is None:
+            return None
+        try:
+            return await self.placements.placement(job, entry)
+        except DirectoryUnavailableError:
+            log.warning("job unknown here and the directory is down; reading misses from the PFS",
+                        extra={"fields": {"job": job}})
+            return None
+
+    async def _from_owners(
+        self, entry: Registered, placement: Placement, misses: np.ndarray
+    ) -> dict[int, tuple[str, bytes | memoryview, int]]:
+        """What the owners of ``misses`` hold, fetched from all of them at once."""
+        assert self.peers is not None and self.placements is not None
+        owner_of = placement.owners[misses]
+        calls = []
+        for index in np.unique(owner_of).tolist():
+            node = placement.nodes[index]
+            if index == placement.node_index or self.placements.link.is_down(node):
+                continue
+            address = await self.placements.link.address_of(node)
+            ids = misses[owner_of == index]
+            calls.append(
+                self.peers.fetch(node, address, entry.record.name, entry.record.manifest_id, ids.tolist(),
+                                 int(entry.manifest.sample_length[ids].sum()))
+            )
+        out: dict[int, tuple[str, bytes | memoryview, int]] = {}
+        for got in await asyncio.gather(*calls):
+            for sample_id, (data, digest) in got.items():
+                out[sample_id] = ("peer", data, digest)
+        return out
+
+    def _in_order(
+        self,
+        ids: np.ndarray,
+        cached: list[tuple[bytes, int] | None],
+        fetched: dict[int, tuple[str, bytes | memoryview, int]],
+    ) -> list[Served]:
         out: list[Served] = []
-        local_bytes = pfs_bytes = 0
+        counts = {"local": [0, 0], "peer": [0, 0], "pfs": [0, 0]}
         for sample_id, hit in zip(ids.tolist(), cached):
-            if hit is None:
-                payload, digest = from_pfs[sample_id]
-                out.append(Served(sample_id, "pfs", payload, digest))
-                pfs_bytes += len(payload)
-            else:
-                out.append(Served(sample_id, "local", *hit))
-                local_bytes += len(hit[0])
-        self.metrics.count_read("local", len(ids) - len(miss_positions), local_bytes)
-        self.metrics.count_read("pfs", len(miss_positions), pfs_bytes)
+            served = Served(sample_id, "local", *hit) if hit is not None else Served(sample_id, *fetched[sample_id])
+            out.append(served)
+            count = counts[served.tier]
+            count[0] += 1
+            count[1] += len(served.data)
+        for tier, (samples, nbytes) in counts.items():
+            self.metrics.count_read(tier, samples, nbytes)
         return out
 
 

@@ -94,15 +94,21 @@ class Registry:
         if name in self._datasets and not replace:
             raise DatasetExistsError(f"dataset {name!r} is already registered (use --replace)")
 
-    def add(self, name: str, writer: ManifestWriter, replace: bool) -> tuple[Registered, Registered | None]:
-        """Registers ``name``; returns the new entry and the one it replaced."""
+    def add(
+        self, name: str, manifest_source: ManifestWriter | bytes, replace: bool
+    ) -> tuple[Registered, Registered | None]:
+        """Registers ``name`` from a manifest being built or one built elsewhere
+        (the directory's); returns the new entry and the one it replaced."""
         self.check_free(name, replace)
         directory = self.root / name
         directory.mkdir(exist_ok=True)
         manifest_path = directory / "manifest.dq"
         tmp = manifest_path.with_suffix(".tmp")
         with open(tmp, "wb") as out:
-            writer.write(out)
+            if isinstance(manifest_source, bytes):
+                out.write(manifest_source)
+            else:
+                manifest_source.write(out)
         manifest = _map_manifest(tmp)
         record = DatasetRecord(
             name=name,

@@ -15,23 +15,34 @@ import numpy as np
 
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
+from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import (
     BatchTooLargeError,
     DataquayError,
     DatasetExistsError,
+    DirectoryUnavailableError,
+    InvalidRequestError,
     ManifestError,
     PfsReadError,
     SampleIdError,
+    StandaloneError,
     UnknownDatasetError,
+    UnknownJobError,
 )
-from dataquay.server.reads import chunked
+from dataquay.server.jobs import Placements
+from dataquay.server.membership import DirectoryLink
+from dataquay.server.reads import MISSING, chunked
 from dataquay.server.shm import write_payloads
+from dataquay.server.stager import StagingProgress
 
 if TYPE_CHECKING:
     from dataquay.server.daemon import Daemon
 
 _STATUS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (UnknownDatasetError, grpc.StatusCode.NOT_FOUND),
+    (UnknownJobError, grpc.StatusCode.NOT_FOUND),
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (DirectoryUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (SampleIdError, grpc.StatusCode.INVALID_ARGUMENT),
     (BatchTooLargeError, grpc.StatusCode.INVALID_ARGUMENT),
     (ManifestError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -78,17 +89,23 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             cache_capacity=d.store.capacity,
             tcp_address=d.tcp_address,
             pid=d.pid,
+            directory=d.config.directory,
+            metrics_address=d.metrics_address,
         )
 
     async def Read(self, request: pb.ReadRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReadChunk]:
         started = time.perf_counter()
         ids = np.fromiter(request.ids, dtype=np.int64, count=len(request.ids))
         async with _status_on_error(context):
-            served = await self.daemon.reads.read(request.dataset, ids, request.manifest_id)
+            served = await self.daemon.reads.read(
+                request.dataset, ids, request.manifest_id, request.job, request.peer
+            )
         segment = self.daemon.shm.get(request.shm_name, request.shm_size) if request.shm_name else None
         offsets = write_payloads(segment, [s.data for s in served])
         samples = [
-            pb.Sample(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], data=bytes(s.data), checksum=s.checksum)
+            pb.Sample(id=s.sample_id, missing=True)
+            if s.tier == MISSING
+            else pb.Sample(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], data=bytes(s.data), checksum=s.checksum)
             if offset is None
             else pb.Sample(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], checksum=s.checksum, in_shm=True,
                            shm_offset=offset, length=len(s.data))
@@ -99,27 +116,27 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self._latency.labels("Read").observe(time.perf_counter() - started)
 
     async def AddDataset(self, request: pb.AddDatasetRequest, context: grpc.aio.ServicerContext) -> pb.DatasetInfo:
-        fmt = FORMAT_FROM_PROTO.get(request.format)
         async with _status_on_error(context):
-            name = await self.daemon.add_dataset(
-                request.name, request.root, fmt, request.replace, not request.tar_member_samples
-            )
-            return self.dataset_info(name)
+            entry = await self.daemon.datasets.add(request, FORMAT_FROM_PROTO.get(request.format))
+            return self.dataset_info(entry.record.name)
 
     async def ListDatasets(
         self, request: pb.ListDatasetsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListDatasetsReply:
-        return pb.ListDatasetsReply(datasets=[self.dataset_info(n) for n in self.daemon.registry.names()])
+        async with _status_on_error(context):
+            infos = [self.dataset_info((await self.daemon.datasets.entry(n)).record.name)
+                     for n in await self.daemon.datasets.names()]
+        return pb.ListDatasetsReply(datasets=infos)
 
     async def GetDataset(self, request: pb.GetDatasetRequest, context: grpc.aio.ServicerContext) -> pb.DatasetInfo:
         async with _status_on_error(context):
-            return self.dataset_info(request.name)
+            return self.dataset_info((await self.daemon.datasets.entry(request.name)).record.name)
 
     async def GetManifest(
         self, request: pb.GetDatasetRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ManifestChunk]:
         async with _status_on_error(context):
-            data = self.daemon.registry.get(request.name).manifest.data
+            data = (await self.daemon.datasets.entry(request.name)).manifest.data
         step = 4 << 20
         for start in range(0, len(data), step):
             yield pb.ManifestChunk(data=bytes(data[start : start + step]))
@@ -128,31 +145,41 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self, request: pb.DropDatasetRequest, context: grpc.aio.ServicerContext
     ) -> pb.DropDatasetReply:
         async with _status_on_error(context):
-            freed = await self.daemon.drop_dataset(request.name)
+            freed = await self.daemon.datasets.drop(request.name)
         return pb.DropDatasetReply(freed_samples=freed)
 
     async def Stage(self, request: pb.StageRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StageProgress]:
+        d = self.daemon
         async with _status_on_error(context):
-            progress = self.daemon.stager.start(request.dataset, request.seed, self.daemon.tasks.spawn)
+            entry = await d.datasets.entry(request.dataset)
+            seed, ids = request.seed, None
+            if request.job:
+                placement = await self._placements().placement(request.job, entry, epoch=0)
+                seed, ids = placement.job.spec.seed, placement.owned()
+            progress = d.stager.start(request.dataset, seed, d.tasks.spawn, ids)
         while True:
-            await self.daemon.stager.wait(request.dataset, timeout=0.5)
-            yield pb.StageProgress(
-                dataset=progress.dataset,
-                total_samples=progress.total_samples,
-                done_samples=progress.done_samples,
-                skipped_samples=progress.skipped_samples,
-                total_bytes=progress.total_bytes,
-                done_bytes=progress.done_bytes,
-                read_bytes=progress.read_bytes,
-                elapsed_seconds=progress.elapsed,
-                finished=progress.finished,
-                cache_full=progress.cache_full,
-                error=progress.error,
-                failed_samples=progress.failed_samples,
-                first_failure=progress.first_failure,
-            )
+            await d.stager.wait(request.dataset, timeout=0.5)
+            yield self._progress(progress)
             if progress.finished:
                 return
+
+    def _progress(self, progress: StagingProgress) -> pb.StageProgress:
+        return pb.StageProgress(
+            dataset=progress.dataset,
+            total_samples=progress.total_samples,
+            done_samples=progress.done_samples,
+            skipped_samples=progress.skipped_samples,
+            total_bytes=progress.total_bytes,
+            done_bytes=progress.done_bytes,
+            read_bytes=progress.read_bytes,
+            elapsed_seconds=progress.elapsed,
+            finished=progress.finished,
+            cache_full=progress.cache_full,
+            error=progress.error,
+            failed_samples=progress.failed_samples,
+            first_failure=progress.first_failure,
+            node=self.daemon.config.node_name,
+        )
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
         d = self.daemon
@@ -171,7 +198,33 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             corrupt_repaired=state.corrupt_repaired,
             cache_full=state.cache_full,
             inserts_dropped=state.inserts_dropped,
+            staging=[self._progress(p) for p in d.stager.runs.values()],
+            peers=[
+                pb.PeerHealth(node=p.node, suspect=p.suspect, failures=p.failures, samples=p.samples, bytes=p.bytes)
+                for p in d.peers.health()
+            ],
         )
+
+    async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
+        async with _status_on_error(context):
+            return await self._link().join_job(request)
+
+    async def ReportEpoch(self, request: jpb.ReportEpochRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
+        async with _status_on_error(context):
+            relayed = jpb.ReportEpochRequest(
+                job_id=request.job_id, epoch=request.epoch, node=self.daemon.config.node_name
+            )
+            return await self._link().report_epoch(relayed)
+
+    def _link(self) -> DirectoryLink:
+        if self.daemon.link is None:
+            raise StandaloneError("this daemon runs without a directory (--directory); jobs need one")
+        return self.daemon.link
+
+    def _placements(self) -> Placements:
+        if self.daemon.placements is None:
+            raise StandaloneError("this daemon runs without a directory (--directory); jobs need one")
+        return self.daemon.placements
 
     def dataset_info(self, name: str) -> pb.DatasetInfo:
         entry = self.daemon.registry.get(name)

@@ -102,16 +102,19 @@ class Stager:
         self.runs: dict[str, StagingProgress] = {}
         self._done: dict[str, asyncio.Event] = {}
 
-    def start(self, dataset: str, seed: int, spawn: Spawn) -> StagingProgress:
-        """Starts staging ``dataset`` unless a run is going; returns its progress."""
+    def start(self, dataset: str, seed: int, spawn: Spawn, ids: np.ndarray | None = None) -> StagingProgress:
+        """Starts staging ``ids`` of ``dataset`` (default: all) unless a run is
+        going; returns its progress."""
         current = self.runs.get(dataset)
         if current is not None and not current.finished:
             return current
         manifest = self.registry.get(dataset).manifest
-        progress = StagingProgress(dataset, manifest.num_samples, manifest.total_bytes)
+        if ids is None:
+            ids = np.arange(manifest.num_samples, dtype=np.int64)
+        progress = StagingProgress(dataset, len(ids), int(manifest.sample_length[ids].sum()))
         self.runs[dataset] = progress
         self._done[dataset] = asyncio.Event()
-        spawn(self._run(dataset, seed, progress), f"stage-{dataset}")
+        spawn(self._run(dataset, seed, ids, progress), f"stage-{dataset}")
         return progress
 
     async def wait(self, dataset: str, timeout: float) -> None:
@@ -121,15 +124,14 @@ class Stager:
         except TimeoutError:
             pass
 
-    async def _run(self, dataset: str, seed: int, progress: StagingProgress) -> None:
+    async def _run(self, dataset: str, seed: int, ids: np.ndarray, progress: StagingProgress) -> None:
         entry = self.registry.get(dataset)
         manifest, db = entry.manifest, entry.record.cache_db
-        log.info("staging started", extra={"fields": {"dataset": dataset, "samples": manifest.num_samples}})
+        log.info("staging started", extra={"fields": {"dataset": dataset, "samples": len(ids)}})
         try:
             await self.store.open_dataset(db)
-            ids = np.arange(manifest.num_samples, dtype=np.int64)
             cached = await self._cached_mask(db, ids)
-            progress.found_cached(int(cached.sum()), int(manifest.sample_length[cached].sum()))
+            progress.found_cached(int(cached.sum()), int(manifest.sample_length[ids[cached]].sum()))
             ranges = staging_ranges(manifest, ids[~cached], seed)
             name = db.encode()
             async for values, failures in self.pfs.stream(dataset, manifest, ranges, self.store.backlog):
@@ -145,7 +147,7 @@ class Stager:
                 cached = await self._cached_mask(db, ids)
                 progress.cache_full = True
                 progress.done_samples = int(cached.sum())
-                progress.done_bytes = int(manifest.sample_length[cached].sum())
+                progress.done_bytes = int(manifest.sample_length[ids[cached]].sum())
             progress.end()
             log.info(
                 "staging finished",

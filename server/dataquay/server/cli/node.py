@@ -7,7 +7,8 @@ import asyncio
 import sys
 
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.cli.common import CliError, add_addr, daemon_stub, print_table
+from dataquay.server.cli import fanout
+from dataquay.server.cli.common import CliError, add_addr, add_directory, daemon_stub, print_table
 from dataquay.server.config import DaemonConfig
 from dataquay.server.sizes import format_bytes
 
@@ -83,9 +84,16 @@ def cmd_dataset_drop(args: argparse.Namespace) -> None:
 def cmd_stage(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
+    if args.job:
+        fanout.stage_job(args)
+        return
+    given = [f"--{flag.replace('_', '-')}" for flag in (*fanout.JOB_FLAGS, "directory")
+             if flag != "seed" and getattr(args, flag) is not None]
+    if given:
+        raise CliError(f"{', '.join(given)}: only with --job JOB (cluster staging)")
     last = None
     with daemon_stub(args) as stub:
-        progress = stub.Stage(pb.StageRequest(dataset=args.name, seed=args.seed))
+        progress = stub.Stage(pb.StageRequest(dataset=args.name, seed=args.seed or 0))
         bar = None
         for last in progress:
             if bar is None:
@@ -117,6 +125,9 @@ def cmd_stage(args: argparse.Namespace) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> None:
+    if fanout.wants_cluster_status(args):
+        fanout.cluster_status(args)
+        return
     with daemon_stub(args) as stub:
         stats = stub.Stats(pb.StatsRequest())
     reads = {TIER_NAMES[t.tier]: t for t in stats.reads}
@@ -166,15 +177,26 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     for p in (add, ls, show, drop):
         add_addr(p)
 
-    stage = sub.add_parser("stage", help="copy a dataset from the PFS into the cache")
+    stage = sub.add_parser(
+        "stage", help="copy a dataset from the PFS into the cache; with --job, each node of the job its share"
+    )
     stage.add_argument("name")
-    stage.add_argument("--seed", type=int, default=0, help="the job's shuffle seed (sets the staging order)")
+    stage.add_argument("--seed", type=int, help="the job's shuffle seed (sets the staging order; default 0)")
     stage.add_argument("--quiet", action="store_true", help="no progress bar")
+    cluster = stage.add_argument_group("cluster staging: create or join a job, stage on all its nodes")
+    cluster.add_argument("--job", help="job id; stages on every node of the job at once")
+    cluster.add_argument("--mode", choices=("global", "local", "partial", "locality"), help="shuffle mode (default global)")
+    cluster.add_argument("--q", type=float, help="fraction exchanged per epoch in partial mode (0 < Q <= 1)")
+    cluster.add_argument("--nodes", help="comma-separated node names in job order (default: all live nodes)")
+    cluster.add_argument("--ranks-per-node", type=int, help="ranks per node (default: set by the first rank)")
+    cluster.add_argument("--partition", choices=("sample", "shard"), help="initial partition (default sample)")
+    add_directory(stage)
     add_addr(stage)
     stage.set_defaults(func=cmd_stage)
 
-    status = sub.add_parser("status", help="cache fill and reads by tier")
+    status = sub.add_parser("status", help="cache fill and reads by tier; with a directory, of every node and job")
     add_addr(status)
+    add_directory(status)
     status.set_defaults(func=cmd_status)
 
     demo = sub.add_parser("demo", help="a local daemon, a synthetic dataset, a few epochs, a report")

@@ -1,0 +1,121 @@
+"""A cluster job as a rank sees it: the spec it joins with, the plan it reads by.
+
+The directory keeps only a job's settings. Every rank and every daemon turns
+the job record into the same :class:`~dataquay.client.placement.JobPlan` and
+computes placement from it, so nobody asks anybody where a sample lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from dataquay.client.errors import DataquayError, JobMismatchError
+from dataquay.client.manifest import Manifest
+from dataquay.client.placement import MODES, PARTITIONS, JobPlan
+from dataquay.protos import jobs_pb2 as jpb
+
+if TYPE_CHECKING:
+    from dataquay.client.client import Client
+
+
+def job_spec(
+    job_id: str,
+    dataset: str,
+    *,
+    mode: str | None = None,
+    q: float | None = None,
+    seed: int | None = None,
+    drop_last: bool | None = None,
+    nodes: Sequence[str] | None = None,
+    ranks_per_node: int | None = None,
+    partition: str | None = None,
+) -> jpb.JobSpec:
+    """The spec a rank joins ``job_id`` with; only the settings given are set.
+
+    An unset setting takes the job's value (or the default, when this rank
+    creates the job); a set one must equal the job's, or the join fails with
+    :class:`JobMismatchError`. Ranks that name nothing join whatever job runs.
+
+    Raises:
+        ValueError: an empty job id, or an unknown mode or partition.
+    """
+    if not job_id:
+        raise ValueError("a job id must not be empty")
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if partition is not None and partition not in PARTITIONS:
+        raise ValueError(f"partition must be one of {', '.join(PARTITIONS)}, not {partition!r}")
+    spec = jpb.JobSpec(job_id=job_id, dataset=dataset, nodes=nodes or ())
+    settings = {
+        "mode": mode,
+        "q": q,
+        "seed": seed,
+        "drop_last": drop_last,
+        "ranks_per_node": ranks_per_node,
+        "partition": partition,
+    }
+    for name, value in settings.items():
+        if value is not None:
+            setattr(spec, name, value)
+    return spec
+
+
+def job_plan(job: jpb.Job, manifest: Manifest) -> JobPlan:
+    """The placement plan of ``job`` over the dataset that ``manifest`` describes.
+
+    Works before any rank set the job's ranks per node: ownership (what a
+    daemon stages and serves) does not depend on them.
+
+    Raises:
+        JobMismatchError: the dataset was replaced since the job was created,
+            so the job's orders would address other samples.
+        ValueError: a setting out of range.
+    """
+    spec = job.spec
+    if job.manifest_id != manifest.manifest_id:
+        raise JobMismatchError(
+            f"dataset {spec.dataset!r} was replaced since job {spec.job_id!r} started; "
+            "start a new job (another job id) to train on its new content"
+        )
+    return JobPlan(
+        num_samples=manifest.num_samples,
+        num_nodes=len(spec.nodes),
+        ranks_per_node=spec.ranks_per_node,
+        seed=spec.seed,
+        mode=spec.mode,
+        q=spec.q,
+        drop_last=spec.drop_last,
+        partition=spec.partition,
+        groups=manifest.shard_groups() if spec.partition == "shard" else None,
+    )
+
+
+def join(client: Client, spec: jpb.JobSpec, world_size: int) -> jpb.Job:
+    """Joins the job of ``spec``, setting its ranks per node if nobody has.
+
+    A job's ranks per node (g) come from the first rank that knows them
+    (LOCAL_WORLD_SIZE in ``spec``). When no rank did, g is the world size
+    over the job's nodes, which must divide evenly: ranks fill nodes g at a
+    time, and a node with fewer ranks would break the equal split.
+
+    Raises:
+        ValueError: ``world_size`` does not divide over the job's nodes.
+        JobMismatchError: a setting of ``spec`` differs from the job's.
+        DataquayError: the job lists no nodes.
+    """
+    job = client.join_job(spec)
+    if job.spec.ranks_per_node:
+        return job
+    nodes = len(job.spec.nodes)
+    if not nodes:
+        raise DataquayError(f"job {spec.job_id!r} lists no nodes; are the daemons registered with the directory?")
+    if world_size % nodes:
+        raise ValueError(
+            f"world size {world_size} does not divide over the {nodes} nodes of job {spec.job_id!r}; "
+            "run the same number of ranks on every node, or set LOCAL_WORLD_SIZE"
+        )
+    with_g = jpb.JobSpec()
+    with_g.CopyFrom(spec)
+    with_g.ranks_per_node = world_size // nodes
+    return client.join_job(with_g, must_exist=True)

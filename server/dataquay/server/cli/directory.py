@@ -1,0 +1,83 @@
+"""Commands of the cluster: serve the directory, list, inspect and drop jobs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.cli.common import add_directory, directory_stub, print_table
+from dataquay.server.config import DirectoryConfig
+
+
+def cmd_directory(args: argparse.Namespace) -> None:
+    from dataquay.server.directory.server import serve_directory
+    from dataquay.server.logs import setup_logging
+    from dataquay.server.loops import loop_factory
+
+    config = DirectoryConfig.from_sources(vars(args))
+    setup_logging(config.log_level, config.log_format)
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(serve_directory(config))
+
+
+def cmd_job_ls(args: argparse.Namespace) -> None:
+    with directory_stub(args) as stub:
+        reply = stub.ListJobs(jpb.ListJobsRequest())
+    rows = [
+        (j.spec.job_id, j.spec.dataset, j.spec.mode, f"{j.spec.q:g}", j.spec.seed, len(j.spec.nodes),
+         j.spec.ranks_per_node or "-", j.epoch)
+        for j in reply.jobs
+    ]
+    print_table(rows, ("JOB", "DATASET", "MODE", "Q", "SEED", "NODES", "RANKS/NODE", "EPOCH"))
+
+
+def cmd_job_show(args: argparse.Namespace) -> None:
+    with directory_stub(args) as stub:
+        job = stub.GetJob(jpb.GetJobRequest(job_id=args.job_id))
+    s = job.spec
+    created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.created_unix))
+    for key, value in (
+        ("job", s.job_id),
+        ("dataset", s.dataset),
+        ("manifest", job.manifest_id),
+        ("samples", job.num_samples),
+        ("mode", s.mode),
+        ("q", f"{s.q:g}"),
+        ("seed", s.seed),
+        ("drop last", "yes" if s.drop_last else "no (pad by repeating)"),
+        ("partition", s.partition),
+        ("ranks/node", s.ranks_per_node or "not known yet (set by the first join)"),
+        ("epoch", job.epoch),
+        ("created", created),
+        ("nodes", f"{len(s.nodes)}, in node-rank order:"),
+    ):
+        print(f"{key:<12} {value}")
+    for index, node in enumerate(s.nodes):
+        print(f"  {index:>5}  {node}")
+
+
+def cmd_job_drop(args: argparse.Namespace) -> None:
+    with directory_stub(args) as stub:
+        stub.DropJob(jpb.DropJobRequest(job_id=args.job_id))
+    print(f"dropped job {args.job_id!r}")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    directory = sub.add_parser("directory", help="run the cluster's directory service")
+    DirectoryConfig.add_arguments(directory)
+    directory.set_defaults(func=cmd_directory)
+
+    job = sub.add_parser("job", help="list, inspect and drop the directory's job records")
+    jsub = job.add_subparsers(dest="action", required=True, metavar="ACTION")
+    ls = jsub.add_parser("ls", help="list jobs")
+    ls.set_defaults(func=cmd_job_ls)
+    show = jsub.add_parser("show", help="every setting of a job and its node list in rank order")
+    show.add_argument("job_id", metavar="ID")
+    show.set_defaults(func=cmd_job_show)
+    drop = jsub.add_parser("drop", help="forget a job record (its daemons keep their caches)")
+    drop.add_argument("job_id", metavar="ID")
+    drop.set_defaults(func=cmd_job_drop)
+    for p in (ls, show, drop):
+        add_directory(p)

@@ -1,0 +1,473 @@
+"""A whole dataquay cluster on one machine: a directory and N daemons on loopback.
+
+The demo, the tests and the benchmarks need several nodes without a batch
+system; ``dataquay cluster up`` gives a user the same to try jobs by hand.
+Every process binds ports the OS picks, and each node keeps its cache, state,
+socket, ready file and log under ``base_dir/node-<i>/``, so that clusters in
+different directories never collide.
+
+What a process of the cluster needs to know is written as environment files a
+shell can source (``cluster.env``, ``node-<i>.env``); where the processes are
+is written to ``cluster.json``, so that ``dataquay cluster down`` in a later
+shell, or :meth:`LocalCluster.load` in another process, can stop them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from dataquay.client.channels import channel_options
+from dataquay.protos import directory_pb2 as dpb
+from dataquay.protos import directory_pb2_grpc
+from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.errors import DataquayError
+from dataquay.server.launch import DaemonProcess, DirectoryProcess, ServerProcess
+
+CLUSTER_FILE = "cluster.json"
+CLUSTER_ENV = "cluster.env"
+#: Longest unix socket path we place under base_dir (the limit is 107 bytes).
+_MAX_SOCKET_PATH = 100
+_POLL_SECONDS = 0.05
+
+
+class ClusterError(DataquayError):
+    """A local cluster that cannot be started, found or stopped as asked."""
+
+
+def node_name(index: int) -> str:
+    """The name of node ``index`` in a local cluster."""
+    return f"node-{index}"
+
+
+@dataclass(frozen=True)
+class _Pid:
+    """A process of the cluster, found again by pid (possibly from another process).
+
+    ``marker`` is an argument only this process has on its command line (its
+    ready file): a pid that the OS gave to some other program since is never
+    signalled.
+    """
+
+    pid: int
+    marker: str
+    popen: subprocess.Popen[bytes] | None = None
+
+    def running(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return _pid_running(self.pid, self.marker)
+
+    def send(self, sig: int) -> None:
+        if self.running():
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _pid_running(pid: int, marker: str) -> bool:
+    """Whether ``pid`` is a live (not zombie) process whose command line holds ``marker``."""
+    proc = Path("/proc") / str(pid)
+    if Path("/proc/self").exists():
+        try:
+            state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            return False
+        return state not in ("Z", "X") and marker.encode() in cmdline
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+    return True
+
+
+def _terminate(pids: list[_Pid], timeout: float) -> None:
+    """SIGTERM all, wait up to ``timeout`` for them to exit, SIGKILL the rest."""
+    for p in pids:
+        p.send(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while any(p.running() for p in pids) and time.monotonic() < deadline:
+        time.sleep(_POLL_SECONDS)
+    for p in pids:
+        p.send(signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while any(p.running() for p in pids) and time.monotonic() < deadline:
+        time.sleep(_POLL_SECONDS)
+
+
+def write_env_file(path: Path, values: Mapping[str, str], comment: str) -> None:
+    """Writes ``KEY=VALUE`` lines, values quoted for a POSIX shell, atomically."""
+    lines = [f"# {line}" for line in comment.splitlines()]
+    lines += [f"{key}={shlex.quote(value)}" for key, value in values.items()]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """The variables of a file :func:`write_env_file` wrote (or any plain KEY=VALUE file)."""
+    values: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, _, raw = line.partition("=")
+        tokens = shlex.split(raw)
+        values[key.removeprefix("export ").strip()] = tokens[0] if tokens else ""
+    return values
+
+
+@dataclass
+class LocalCluster:
+    """A directory and ``nodes`` daemons on 127.0.0.1, rooted at ``base_dir``.
+
+    As a context manager it starts the cluster and stops every process on
+    exit (tests, the demo, benchmarks). ``detached=True`` starts the
+    processes in sessions of their own, so that they outlive the process
+    that started them (``dataquay cluster up``); :meth:`load` finds them
+    again and :meth:`down` stops them.
+
+    Args:
+        base_dir: where every node's files, the env files and cluster.json go.
+        nodes: how many daemons.
+        daemon_args: extra ``dataquay serve`` flags for every daemon
+            (``--cache-size 1G``, ``--pfs-bandwidth 200M``).
+        directory_args: extra ``dataquay directory`` flags
+            (``--lease-seconds 2``).
+        detached: let the processes outlive this one.
+    """
+
+    base_dir: Path
+    nodes: int = 4
+    daemon_args: tuple[str, ...] = ()
+    directory_args: tuple[str, ...] = ()
+    detached: bool = False
+    directory: DirectoryProcess | None = field(default=None, init=False)
+    daemons: list[DaemonProcess] = field(default_factory=list, init=False)
+    #: Short directory for the sockets when base_dir is too deep for one.
+    socket_dir: Path | None = field(default=None, init=False)
+    _adopted: list[_Pid] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        self.base_dir = Path(self.base_dir).absolute()
+        if self.nodes < 1:
+            raise ClusterError(f"a cluster needs at least 1 node, not {self.nodes}")
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self, timeout: float = 60.0) -> LocalCluster:
+        """Starts the directory, then every daemon, and waits until the
+        directory lists all of them as up.
+
+        Raises:
+            StartupError: a process did not start.
+            ClusterError: a node never came up at the directory.
+
+        Either way, everything started so far is stopped again.
+        """
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory = DirectoryProcess(
+                self.base_dir / "directory", self.directory_args, start_new_session=self.detached
+            ).start(timeout)
+            self.daemons = [self._daemon(i) for i in range(self.nodes)]
+            with ThreadPoolExecutor(self.nodes) as pool:
+                failures = [f.exception() for f in [pool.submit(d.start, timeout) for d in self.daemons]]
+            self._save()
+            for exc in failures:
+                if exc is not None:
+                    raise exc
+            self.wait_for_nodes(up=[node_name(i) for i in range(self.nodes)], timeout=timeout)
+            self._write_env_files()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def down(self, timeout: float = 30.0) -> None:
+        """Stops every process of the cluster (SIGTERM, then SIGKILL after
+        ``timeout``) and removes the files that point at them.
+
+        Works on a cluster whose processes are partly or wholly gone already.
+        Caches, state and logs stay, so a cluster started again in the same
+        directory finds its caches full.
+        """
+        _terminate(self._pids(), timeout)
+        for daemon in self.daemons:
+            if daemon.process is not None:
+                daemon.process.wait()
+        if self.directory is not None and self.directory.process is not None:
+            self.directory.process.wait()
+        for name in (CLUSTER_FILE, CLUSTER_ENV, *(f"{node_name(i)}.env" for i in range(self.nodes))):
+            (self.base_dir / name).unlink(missing_ok=True)
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.down()
+
+    @classmethod
+    def load(cls, base_dir: Path) -> LocalCluster | None:
+        """The cluster that ``cluster.json`` under ``base_dir`` describes, or
+        None when there is none. Its processes may be running or long gone:
+        see :meth:`running`.
+
+        Raises:
+            ClusterError: cluster.json exists but cannot be read.
+        """
+        path = Path(base_dir).absolute() / CLUSTER_FILE
+        try:
+            record = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise ClusterError(f"cannot read {path}: {exc}") from None
+        try:
+            cluster = cls(
+                Path(base_dir), len(record["daemons"]), tuple(record["daemon_args"]),
+                tuple(record["directory_args"]), detached=True,
+            )
+            cluster.socket_dir = Path(record["socket_dir"]) if record["socket_dir"] else None
+            cluster.directory = DirectoryProcess(cluster.base_dir / "directory", cluster.directory_args)
+            cluster.directory.ready = record["directory"]
+            cluster._adopted.append(_Pid(record["directory"]["pid"], record["directory"]["ready_file"]))
+            for i, ready in enumerate(record["daemons"]):
+                daemon = cluster._daemon(i)
+                daemon.ready = ready
+                cluster.daemons.append(daemon)
+                cluster._adopted.append(_Pid(ready["pid"], ready["ready_file"]))
+        except (KeyError, TypeError) as exc:
+            raise ClusterError(f"{path} is not a cluster record ({exc!r} missing or wrong)") from None
+        return cluster
+
+    def running(self) -> list[int]:
+        """Pids of the cluster's processes that still run."""
+        return [p.pid for p in self._pids() if p.running()]
+
+    # ------------------------------------------------------------- nodes
+
+    def kill_node(self, index: int) -> None:
+        """SIGKILLs node ``index``'s daemon: the crash case."""
+        self._kill(self.daemons[index])
+
+    def restart_node(self, index: int, timeout: float = 30.0) -> DaemonProcess:
+        """Starts node ``index``'s daemon again on its cache, socket and ports
+        (after :meth:`kill_node`, or stops it first), as a rebooted node would
+        come back."""
+        old = self.daemons[index]
+        self._stop(old, timeout)
+        assert old.ready is not None
+        port = old.ready["tcp"].rpartition(":")[2]
+        daemon = self._daemon(
+            index, "--listen", f"127.0.0.1:{port}", "--metrics-port", str(old.ready["metrics_port"])
+        )
+        self.daemons[index] = daemon
+        daemon.start(timeout)
+        self._save()
+        return daemon
+
+    def kill_directory(self) -> None:
+        """SIGKILLs the directory: the crash case."""
+        assert self.directory is not None, "cluster not started"
+        self._kill(self.directory)
+
+    def restart_directory(self, timeout: float = 30.0) -> DirectoryProcess:
+        """Starts the directory again on its state and ports (after
+        :meth:`kill_directory`, or stops it first), where the daemons look for it."""
+        old = self.directory
+        assert old is not None and old.ready is not None, "cluster not started"
+        self._stop(old, timeout)
+        port = str(old.ready["tcp"]).rpartition(":")[2]
+        self.directory = DirectoryProcess(
+            old.home,
+            (*self.directory_args, "--listen", f"127.0.0.1:{port}", "--http-port", str(old.ready["http_port"])),
+            start_new_session=self.detached,
+        ).start(timeout)
+        self._save()
+        return self.directory
+
+    def wait_for_nodes(
+        self, *, up: Sequence[str] = (), down: Sequence[str] = (), timeout: float = 60.0
+    ) -> list[jpb.NodeStatus]:
+        """Waits until the directory lists every node of ``up`` as up and every
+        node of ``down`` as down; returns its list.
+
+        Raises:
+            ClusterError: not so within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        states: dict[str, int] = {}
+        with grpc.insecure_channel(self.directory_address, options=channel_options()) as channel:
+            stub = directory_pb2_grpc.DirectoryStub(channel)
+            while True:
+                try:
+                    nodes = list(stub.ListNodes(dpb.ListNodesRequest(), timeout=5.0).nodes)
+                    states = {n.info.name: n.state for n in nodes}
+                    if all(states.get(n) == jpb.NODE_UP for n in up) and all(
+                        states.get(n) == jpb.NODE_DOWN for n in down
+                    ):
+                        return nodes
+                except grpc.RpcError as exc:
+                    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        raise
+                if time.monotonic() > deadline:
+                    shown = ", ".join(f"{n} {jpb.NodeState.Name(s)}" for n, s in sorted(states.items()))
+                    raise ClusterError(
+                        f"the directory at {self.directory_address} does not list "
+                        f"{'up: ' + ', '.join(up) if up else ''}{' down: ' + ', '.join(down) if down else ''} "
+                        f"after {timeout:.0f} s (it lists: {shown or 'nothing'}); "
+                        f"node logs under {self.base_dir}: {self._log_tails()}"
+                    )
+                time.sleep(_POLL_SECONDS * 2)
+
+    # ------------------------------------------------------------- where
+
+    @property
+    def directory_address(self) -> str:
+        """HOST:PORT of the directory's gRPC service."""
+        assert self.directory is not None, "cluster not started"
+        return self.directory.address
+
+    @property
+    def sd_url(self) -> str:
+        """Prometheus HTTP service discovery of the cluster's daemons."""
+        assert self.directory is not None, "cluster not started"
+        return f"{self.directory.http_url}/sd"
+
+    def cluster_env(self) -> dict[str, str]:
+        """What every process of the cluster needs (cluster.env)."""
+        return {
+            "DATAQUAY_DIRECTORY": self.directory_address,
+            "DATAQUAY_SD_URL": self.sd_url,
+            "DATAQUAY_CLUSTER_DIR": str(self.base_dir),
+            "DATAQUAY_NODES": str(self.nodes),
+        }
+
+    def node_only_env(self, index: int) -> dict[str, str]:
+        """What a process on node ``index`` needs on top of :meth:`cluster_env` (node-<i>.env)."""
+        daemon = self.daemons[index]
+        return {
+            "DATAQUAY_ADDR": daemon.address,
+            "DATAQUAY_METRICS_URL": daemon.metrics_url,
+            "DATAQUAY_NODE_NAME": node_name(index),
+            "DATAQUAY_DIRECTORY": self.directory_address,
+        }
+
+    def node_env(self, index: int) -> dict[str, str]:
+        """Every variable a trainer on node ``index`` needs: cluster.env and node-<i>.env."""
+        return {**self.cluster_env(), **self.node_only_env(index)}
+
+    def rank_env(self, rank: int, ranks_per_node: int, job: str) -> dict[str, str]:
+        """What a launcher (torchrun, srun) would give rank ``rank`` of ``job``
+        with ``ranks_per_node`` ranks on each node, ranks filling nodes in order."""
+        return {
+            **self.node_env(rank // ranks_per_node),
+            "DATAQUAY_JOB": job,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(ranks_per_node * self.nodes),
+            "LOCAL_RANK": str(rank % ranks_per_node),
+            "LOCAL_WORLD_SIZE": str(ranks_per_node),
+        }
+
+    def env_path(self, index: int | None = None) -> Path:
+        """cluster.env, or node ``index``'s env file."""
+        return self.base_dir / (CLUSTER_ENV if index is None else f"{node_name(index)}.env")
+
+    # ---------------------------------------------------------- internals
+
+    def _daemon(self, index: int, *more_args: str) -> DaemonProcess:
+        home = self.base_dir / node_name(index)
+        socket = home / "dataquay.sock"
+        if len(str(socket)) > _MAX_SOCKET_PATH:
+            if self.socket_dir is None:
+                self.socket_dir = Path(tempfile.mkdtemp(prefix="dq-cluster-"))
+            socket = self.socket_dir / f"{node_name(index)}.sock"
+        return DaemonProcess(
+            home,
+            ("--directory", self.directory_address, "--node-name", node_name(index),
+             *self.daemon_args, *more_args),
+            socket_path=socket,
+            start_new_session=self.detached,
+        )
+
+    def _pids(self) -> list[_Pid]:
+        """Every process of the cluster: the ones this object started, and
+        the ones a loaded cluster.json names."""
+        pids = list(self._adopted)
+        procs = [self.directory, *self.daemons]
+        for proc in procs:
+            if proc is not None and proc.process is not None:
+                pids.append(_Pid(proc.process.pid, str(proc.ready_file), proc.process))
+        return pids
+
+    def _pid_of(self, server: ServerProcess) -> _Pid:
+        marker = str(server.ready_file)
+        for pid in self._pids():
+            if pid.marker == marker:
+                return pid
+        raise ClusterError(f"{server.home} of the cluster in {self.base_dir} was never started")
+
+    def _kill(self, server: ServerProcess) -> None:
+        pid = self._pid_of(server)
+        pid.send(signal.SIGKILL)
+        _terminate([pid], 5.0)
+
+    def _stop(self, server: ServerProcess, timeout: float) -> None:
+        """Stops ``server`` if it runs and forgets it, so it can be started afresh."""
+        _terminate([self._pid_of(server)], timeout)
+        self._adopted = [p for p in self._adopted if p.marker != str(server.ready_file)]
+
+    def _save(self) -> None:
+        assert self.directory is not None and self.directory.ready is not None
+        record: dict[str, Any] = {
+            "nodes": self.nodes,
+            "daemon_args": list(self.daemon_args),
+            "directory_args": list(self.directory_args),
+            "socket_dir": str(self.socket_dir) if self.socket_dir else "",
+            "directory": {**self.directory.ready, "ready_file": str(self.directory.ready_file)},
+            "daemons": [
+                {**(d.ready or {"pid": d.process.pid if d.process else 0}), "ready_file": str(d.ready_file)}
+                for d in self.daemons
+            ],
+        }
+        tmp = self.base_dir / (CLUSTER_FILE + ".tmp")
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, self.base_dir / CLUSTER_FILE)
+
+    def _write_env_files(self) -> None:
+        how = "source with: set -a; . {path}; set +a"
+        write_env_file(
+            self.env_path(), self.cluster_env(),
+            f"dataquay local cluster of {self.nodes} nodes in {self.base_dir}\n" + how.format(path=self.env_path()),
+        )
+        for i in range(self.nodes):
+            write_env_file(
+                self.env_path(i), self.node_only_env(i),
+                f"{node_name(i)} of the dataquay local cluster in {self.base_dir}\n" + how.format(path=self.env_path(i)),
+            )
+
+    def _log_tails(self) -> str:
+        return "; ".join(f"{node_name(i)}: {d.log_tail(2)}" for i, d in enumerate(self.daemons)) or "(none)"

@@ -1,0 +1,115 @@
+"""The datasets a daemon serves: its own registry, or the directory's.
+
+A standalone daemon builds manifests itself and keeps them in its registry. A
+daemon in a cluster relays additions and drops to the directory, which builds
+each manifest once, and keeps a copy of every manifest it has used in its
+registry: fetched on first use, refreshed when the directory's registry
+changes, and still there while the directory is down. A dataset dropped or
+replaced at the directory is dropped here too, freeing its cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from dataquay.protos import cache_pb2 as pb
+from dataquay.server.errors import DirectoryUnavailableError, UnknownDatasetError
+from dataquay.server.manifest_build import build_manifest
+from dataquay.server.membership import DirectoryLink
+from dataquay.server.registry import Registered, Registry
+from dataquay.server.store import Store
+
+log = logging.getLogger("dataquay.datasets")
+
+
+class Datasets:
+    """Resolves dataset names to registered manifests and their cache sub-databases."""
+
+    def __init__(self, registry: Registry, store: Store, link: DirectoryLink | None = None) -> None:
+        self.registry = registry
+        self.store = store
+        self.link = link
+        self._builds = asyncio.Semaphore(1)
+        self._fetches: dict[str, asyncio.Future[Registered]] = {}
+
+    async def entry(self, name: str) -> Registered:
+        """The dataset's entry, fetched from the directory on first use.
+
+        Raises:
+            UnknownDatasetError: neither this node nor the directory knows it.
+        """
+        try:
+            return self.registry.get(name)
+        except UnknownDatasetError:
+            if self.link is None:
+                raise
+        pending = self._fetches.get(name)
+        if pending is None:
+            pending = self._fetches[name] = asyncio.ensure_future(self._fetch(name))
+            pending.add_done_callback(lambda _: self._fetches.pop(name, None))
+        return await asyncio.shield(pending)
+
+    async def _fetch(self, name: str) -> Registered:
+        assert self.link is not None
+        info, manifest = await self.link.dataset(name)
+        entry, previous = self.registry.add(name, manifest, replace=True)
+        await self._dropped(previous, entry)
+        await self.store.open_dataset(entry.record.cache_db)
+        log.info("dataset fetched from the directory", extra={"fields": {"dataset": name, "samples": info.num_samples}})
+        return entry
+
+    async def add(self, request: pb.AddDatasetRequest, fmt: str | None) -> Registered:
+        """Registers a dataset: at the directory when there is one, else here."""
+        if self.link is not None:
+            await self.link.add_dataset(request)
+            self._fetches.pop(request.name, None)
+            return await self._fetch(request.name)
+        self.registry.check_free(request.name, request.replace)
+        async with self._builds:
+            writer = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: build_manifest(request.root, fmt, tar_grouped=not request.tar_member_samples)
+            )
+            entry, previous = self.registry.add(request.name, writer, request.replace)
+        await self._dropped(previous, entry)
+        log.info(
+            "dataset registered",
+            extra={"fields": {"dataset": request.name, "samples": entry.manifest.num_samples,
+                              "format": entry.record.format}},
+        )
+        return entry
+
+    async def drop(self, name: str) -> int:
+        """Unregisters the dataset (at the directory too) and frees its cache here."""
+        if self.link is not None:
+            await self.link.drop_dataset(name)
+            if name not in self.registry.names():
+                return 0
+        return await self._drop_here(name)
+
+    async def names(self) -> list[str]:
+        """Every dataset name: the directory's list, or this node's while it is down."""
+        if self.link is not None:
+            try:
+                return sorted(info.name for info in await self.link.datasets())
+            except DirectoryUnavailableError:
+                pass
+        return self.registry.names()
+
+    async def sync(self) -> None:
+        """Drops the copies of datasets the directory dropped or replaced."""
+        assert self.link is not None
+        current = {info.name: info.manifest_id for info in await self.link.datasets()}
+        for name in self.registry.names():
+            if current.get(name) != self.registry.get(name).record.manifest_id:
+                await self._drop_here(name)
+
+    async def _drop_here(self, name: str) -> int:
+        entry = self.registry.drop(name)
+        freed = await self.store.drop_dataset(entry.record.cache_db)
+        log.info("dataset dropped", extra={"fields": {"dataset": name, "freed_samples": freed}})
+        return freed
+
+    async def _dropped(self, previous: Registered | None, entry: Registered) -> None:
+        if previous is not None and previous.record.cache_db != entry.record.cache_db:
+            await self.store.drop_dataset(previous.record.cache_db)

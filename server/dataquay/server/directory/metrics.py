@@ -1,0 +1,43 @@
+"""Prometheus metrics of the directory itself.
+
+Everything is read from the live state at scrape time by one collector, so
+the heartbeat handler pays for no metric update of its own: the state already
+counts heartbeats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dataquay.server.directory.state import DirectoryState
+
+
+class _DirectoryCollector(Collector):
+    def __init__(self, state: Callable[[], DirectoryState], datasets: Callable[[], int]) -> None:
+        self._state = state
+        self._datasets = datasets
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state()
+        up, down = state.node_counts()
+        nodes = GaugeMetricFamily("dataquay_directory_nodes", "Registered nodes, by lease state", labels=["state"])
+        nodes.add_metric(["up"], up)
+        nodes.add_metric(["down"], down)
+        yield nodes
+        yield CounterMetricFamily(
+            "dataquay_directory_heartbeats", "Heartbeats received, from known and unknown nodes",
+            value=state.heartbeats,
+        )
+        yield GaugeMetricFamily("dataquay_directory_jobs", "Job records", value=len(state.jobs()))
+        yield GaugeMetricFamily("dataquay_directory_datasets", "Registered datasets", value=self._datasets())
+
+
+def directory_metrics(state: Callable[[], DirectoryState], datasets: Callable[[], int]) -> CollectorRegistry:
+    """A registry of the directory's metrics, read live from ``state``."""
+    registry = CollectorRegistry()
+    registry.register(_DirectoryCollector(state, datasets))
+    return registry

@@ -1,0 +1,311 @@
+"""The directory server: the state machine of :mod:`.state` plus its I/O.
+
+Lifecycle as the daemon's: ``start()`` is idempotent and closes what it
+opened if a step fails; ``async with DirectoryServer(...)`` starts and closes;
+shutdown is staged (health NOT_SERVING, background work cancelled, in-flight
+calls drained within a grace period, state written a last time).
+
+Persistence: ``directory.json`` under the state dir holds nodes, jobs and
+versions; the dataset registry keeps its own files beside it. Every change of
+membership, jobs or datasets is written (temporary file, then rename, so a
+crash leaves the old or the new state, never half of one) before the call that
+made it returns; calls that change the state within a few milliseconds share
+one write, so a thousand daemons registering at once cost tens of writes, not
+a thousand. Heartbeats are not written; a node that comes back up
+by heartbeating is written by the next lease check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from dataquay.client.channels import server_options
+from dataquay.protos import directory_pb2_grpc
+from dataquay.server.config import DirectoryConfig
+from dataquay.server.daemon import _check_port_free
+from dataquay.server.directory.metrics import directory_metrics
+from dataquay.server.directory.sd_http import HttpEndpoints
+from dataquay.server.directory.service import DirectoryServicer
+from dataquay.server.directory.state import (
+    Beat,
+    Change,
+    DatasetFacts,
+    DirectoryState,
+    Job,
+    JoinRequest,
+    NodeInfo,
+)
+from dataquay.server.dirs import ensure_writable_dir
+from dataquay.server.errors import StartupError
+from dataquay.server.manifest_build import build_manifest
+from dataquay.server.registry import Registered, Registry
+from dataquay.server.tasks import TaskGroup
+
+log = logging.getLogger("dataquay.directory")
+
+SERVICE_NAME = "dataquay.v1.Directory"
+STATE_FILE = "directory.json"
+#: How long a change waits for others to share its write.
+GROUP_WRITE_SECONDS = 0.005
+
+
+class DirectoryServer:
+    """The cluster's directory; see the module docstring for its lifecycle."""
+
+    def __init__(self, config: DirectoryConfig) -> None:
+        self.config = config
+        self.pid = os.getpid()
+        self.state = DirectoryState(config.lease_seconds)
+        self.registry = Registry(config.state_dir)
+        self.health = HealthServicer()
+        self.tasks = TaskGroup()
+        self.metrics = directory_metrics(lambda: self.state, lambda: len(self.registry.names()))
+        self.http = HttpEndpoints(lambda: self.state.up_nodes(), self.metrics, lambda: self._serving)
+        self.tcp_address = ""
+        self.http_port = 0
+        self._server: grpc.aio.Server | None = None
+        self._started = False
+        self._serving = False
+        self._saved_revision = 0
+        self._pending_write: asyncio.Future[None] | None = None
+        self._stop_requested = asyncio.Event()
+        self._builds = asyncio.Semaphore(1)
+
+    async def __aenter__(self) -> DirectoryServer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.config.state_dir) / STATE_FILE
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        try:
+            self._load()
+            self.http_port = await self.http.start(self.config.http_host, self.config.http_port)
+            await self._start_server()
+        except BaseException:
+            await self.close()
+            raise
+        self.tasks.spawn(self._check_leases(), "lease-expiry")
+        self._serving = True
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self._write_ready_file()
+        up, down = self.state.node_counts()
+        log.info(
+            "serving",
+            extra={"fields": {
+                "tcp": self.tcp_address, "http_port": self.http_port, "state_dir": str(self.config.state_dir),
+                "nodes_up": up, "nodes_down": down, "jobs": len(self.state.jobs()),
+                "datasets": len(self.registry.names()),
+            }},
+        )
+
+    def _load(self) -> None:
+        ensure_writable_dir(Path(self.config.state_dir), "state dir")
+        self.registry.load()
+        try:
+            doc = json.loads(self.state_path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"cannot read the directory's state {self.state_path}: {exc}") from exc
+        try:
+            self.state = DirectoryState.from_json(doc, self.config.lease_seconds, time.time())
+        except ValueError as exc:
+            raise StartupError(
+                f"cannot use the directory's state {self.state_path}: {exc}; move it away to start empty"
+            ) from exc
+
+    async def _start_server(self) -> None:
+        server = grpc.aio.server(options=server_options())
+        directory_pb2_grpc.add_DirectoryServicer_to_server(DirectoryServicer(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self._server = server
+        host, _, port = self.config.listen.rpartition(":")
+        _check_port_free(host, port)
+        try:
+            tcp_port = server.add_insecure_port(self.config.listen)
+        except RuntimeError as exc:
+            raise StartupError(f"cannot listen on {self.config.listen}: port taken or address not local") from exc
+        if not tcp_port:
+            raise StartupError(f"cannot listen on {self.config.listen}: port taken or address not local")
+        self.tcp_address = f"{host or '0.0.0.0'}:{tcp_port}"
+        await server.start()
+
+    def _write_ready_file(self) -> None:
+        if self.config.ready_file is None:
+            return
+        path = Path(self.config.ready_file)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps({"pid": self.pid, "tcp": self.tcp_address, "http_port": self.http_port}))
+        os.replace(tmp, path)
+
+    def request_stop(self) -> None:
+        """Asks ``serve_until_stopped`` to return; safe from a signal handler."""
+        self._stop_requested.set()
+
+    async def serve_until_stopped(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        await self._stop_requested.wait()
+        log.info("stopping")
+
+    async def close(self, grace: float = 10.0) -> None:
+        """Staged shutdown; safe to call twice and after a failed start."""
+        if not self._started:
+            return
+        self._started = False
+        self._serving = False
+        await self.health.enter_graceful_shutdown()
+        await self.tasks.close()
+        if self._server is not None:
+            await self._server.stop(grace)
+        await self.http.close()
+        self._save()
+
+    async def _check_leases(self) -> None:
+        """Marks silent nodes down and writes what heartbeats changed."""
+        interval = min(1.0, self.config.lease_seconds / 4)
+        while True:
+            await asyncio.sleep(interval)
+            for name in self.state.expire(time.time()):
+                log.info("node down", extra={"fields": {"node": name, "lease_seconds": self.config.lease_seconds}})
+            self._save()
+
+    async def _persist(self) -> None:
+        """Returns once the state as of now is written, sharing the write with
+        every call that changes the state before it runs."""
+        if self._pending_write is None:
+            loop = asyncio.get_running_loop()
+            self._pending_write = loop.create_future()
+            loop.call_later(GROUP_WRITE_SECONDS, self._write_pending)
+        await asyncio.shield(self._pending_write)
+
+    def _write_pending(self) -> None:
+        pending, self._pending_write = self._pending_write, None
+        self._save()
+        if pending is not None:
+            pending.set_result(None)
+
+    def _save(self) -> None:
+        """Writes the state if it changed since the last write; a failed write
+        is logged and retried by the next lease check."""
+        if self.state.revision == self._saved_revision:
+            return
+        revision = self.state.revision
+        tmp = self.state_path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(self.state.to_json()))
+            os.replace(tmp, self.state_path)
+        except OSError as exc:
+            log.error("cannot write the directory's state", extra={"fields": {"path": str(self.state_path),
+                                                                               "error": str(exc)}})
+            return
+        self._saved_revision = revision
+
+    # ------------------------------------------------------------- handlers
+
+    async def register_node(self, info: NodeInfo) -> None:
+        registration = self.state.register(info, time.time())
+        fields = {"node": info.name, "tcp": info.tcp_address, "metrics": info.metrics_address}
+        if registration.change is Change.JOINED:
+            log.info("node registered", extra={"fields": fields})
+        elif registration.change is Change.UP:
+            log.info("node up", extra={"fields": fields})
+        previous = registration.previous
+        if registration.change is Change.RENEWED and previous and previous.tcp_address != info.tcp_address:
+            log.warning(
+                "a live node's name registered from another address; two daemons may share a node name",
+                extra={"fields": {**fields, "previous_tcp": previous.tcp_address}},
+            )
+        await self._persist()
+
+    def heartbeat(self, name: str, cache_used_bytes: int, cache_entries: int) -> Beat:
+        beat = self.state.heartbeat(name, cache_used_bytes, cache_entries, time.time())
+        if beat.came_up:
+            log.info("node up", extra={"fields": {"node": name}})
+        return beat
+
+    async def add_dataset(
+        self, name: str, root: str, fmt: str | None, replace: bool, tar_grouped: bool
+    ) -> Registered:
+        """Builds the manifest of ``root`` off the loop and registers it as ``name``."""
+        self.registry.check_free(name, replace)
+        async with self._builds:
+            writer = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: build_manifest(root, fmt, tar_grouped=tar_grouped)
+            )
+            entry, _previous = self.registry.add(name, writer, replace)
+        self.state.datasets_changed()
+        await self._persist()
+        log.info(
+            "dataset registered",
+            extra={"fields": {"dataset": name, "samples": entry.manifest.num_samples, "format": entry.record.format,
+                              "manifest_id": entry.record.manifest_id}},
+        )
+        return entry
+
+    async def drop_dataset(self, name: str) -> None:
+        self.registry.drop(name)
+        self.state.datasets_changed()
+        await self._persist()
+        log.info("dataset dropped", extra={"fields": {"dataset": name}})
+
+    async def join_job(self, request: JoinRequest) -> Job:
+        job, created = self.state.join(request, self._dataset_facts, time.time())
+        if created:
+            spec = job.spec
+            log.info(
+                "job created",
+                extra={"fields": {"job": spec.job_id, "dataset": spec.dataset, "mode": spec.mode, "q": spec.q,
+                                  "seed": spec.seed, "nodes": len(spec.nodes)}},
+            )
+        await self._persist()
+        return job
+
+    def _dataset_facts(self, name: str) -> DatasetFacts:
+        entry = self.registry.get(name)
+        return DatasetFacts(entry.record.manifest_id, entry.manifest.num_samples)
+
+    async def drop_job(self, job_id: str) -> None:
+        self.state.drop_job(job_id)
+        await self._persist()
+        log.info("job dropped", extra={"fields": {"job": job_id}})
+
+    async def report_epoch(self, job_id: str, epoch: int, node: str) -> Job:
+        before = self.state.get_job(job_id).epoch
+        job = self.state.report_epoch(job_id, epoch)
+        if job.epoch > before:
+            await self._persist()
+            log.info("job epoch", extra={"fields": {"job": job_id, "epoch": job.epoch, "node": node}})
+        return job
+
+
+async def serve_directory(config: DirectoryConfig) -> None:
+    """Runs the directory until SIGTERM or SIGINT."""
+    async with DirectoryServer(config) as server:
+        await server.serve_until_stopped()

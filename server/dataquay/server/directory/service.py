@@ -1,0 +1,265 @@
+"""The gRPC face of the directory: parse, call a plain handler, map errors to codes.
+
+Only this module knows gRPC status codes and message types; the server and
+the state machine speak in dataclasses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+from urllib.parse import unquote
+
+import grpc
+
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import directory_pb2 as dpb
+from dataquay.protos import directory_pb2_grpc
+from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.directory.state import Job, JoinRequest, Node, NodeInfo, Versions
+from dataquay.server.errors import (
+    DataquayError,
+    DatasetExistsError,
+    InvalidRequestError,
+    JobMismatchError,
+    ManifestError,
+    NoLiveNodesError,
+    UnknownDatasetError,
+    UnknownJobError,
+)
+from dataquay.server.registry import Registered
+from dataquay.server.servicer import FORMAT_FROM_PROTO, FORMAT_TO_PROTO
+
+if TYPE_CHECKING:
+    from dataquay.server.directory.server import DirectoryServer
+
+_STATUS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (UnknownDatasetError, grpc.StatusCode.NOT_FOUND),
+    (UnknownJobError, grpc.StatusCode.NOT_FOUND),
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ManifestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (DatasetExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (JobMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (NoLiveNodesError, grpc.StatusCode.FAILED_PRECONDITION),
+    (DataquayError, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+#: Hosts a daemon may bind to that no other machine can connect to.
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+#: Manifest bytes per streamed message.
+MANIFEST_CHUNK_BYTES = 4 << 20
+
+#: Longest error message sent back: messages quote the caller's input, and
+#: gRPC refuses a status whose details exceed its metadata limit (16 KiB).
+MAX_DETAILS_CHARS = 2000
+
+
+def status_for(exc: Exception) -> grpc.StatusCode:
+    for kind, code in _STATUS:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+@asynccontextmanager
+async def _status_on_error(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Ends the call with the domain error's status code and its own message."""
+    try:
+        yield
+    except DataquayError as exc:
+        message = str(exc)
+        if len(message) > MAX_DETAILS_CHARS:
+            message = message[: MAX_DETAILS_CHARS - 3] + "..."
+        await context.abort(status_for(exc), message)
+
+
+class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
+    """dataquay.v1.Directory over one :class:`DirectoryServer`."""
+
+    def __init__(self, server: DirectoryServer) -> None:
+        self.server = server
+        self._versions: tuple[Versions, dpb.Versions] = (Versions(), dpb.Versions())
+
+    # ---------------------------------------------------------------- nodes
+
+    async def RegisterNode(
+        self, request: dpb.RegisterNodeRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.RegisterNodeReply:
+        n, peer = request.node, context.peer()
+        info = NodeInfo(
+            name=n.name,
+            tcp_address=reachable(n.tcp_address, peer),
+            metrics_address=reachable(n.metrics_address, peer) if n.metrics_address else "",
+            cache_capacity=n.cache_capacity,
+            pid=n.pid,
+            version=n.version,
+        )
+        async with _status_on_error(context):
+            await self.server.register_node(info)
+        config = self.server.config
+        return dpb.RegisterNodeReply(
+            lease_seconds=config.lease_seconds, heartbeat_seconds=config.heartbeat_seconds,
+            versions=self._versions_proto(),
+        )
+
+    async def Heartbeat(self, request: dpb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> dpb.HeartbeatReply:
+        beat = self.server.heartbeat(request.name, request.cache_used_bytes, request.cache_entries)
+        return dpb.HeartbeatReply(known=beat.known, versions=self._versions_proto())
+
+    async def ListNodes(self, request: dpb.ListNodesRequest, context: grpc.aio.ServicerContext) -> dpb.ListNodesReply:
+        return dpb.ListNodesReply(
+            nodes=[node_status(n) for n in self.server.state.nodes()], versions=self._versions_proto()
+        )
+
+    def _versions_proto(self) -> dpb.Versions:
+        """The versions as a message, rebuilt only when they changed (heartbeats are hot)."""
+        versions = self.server.state.versions
+        if versions is not self._versions[0]:
+            self._versions = (
+                versions, dpb.Versions(nodes=versions.nodes, datasets=versions.datasets, jobs=versions.jobs)
+            )
+        return self._versions[1]
+
+    # ------------------------------------------------------------- datasets
+
+    async def AddDataset(self, request: pb.AddDatasetRequest, context: grpc.aio.ServicerContext) -> pb.DatasetInfo:
+        fmt = FORMAT_FROM_PROTO.get(request.format)
+        async with _status_on_error(context):
+            entry = await self.server.add_dataset(
+                request.name, request.root, fmt, request.replace, not request.tar_member_samples
+            )
+        return dataset_info(entry)
+
+    async def ListDatasets(
+        self, request: pb.ListDatasetsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListDatasetsReply:
+        registry = self.server.registry
+        return pb.ListDatasetsReply(datasets=[dataset_info(registry.get(n)) for n in registry.names()])
+
+    async def GetDataset(self, request: pb.GetDatasetRequest, context: grpc.aio.ServicerContext) -> pb.DatasetInfo:
+        async with _status_on_error(context):
+            entry = self.server.registry.get(request.name)
+        return dataset_info(entry)
+
+    async def GetManifest(
+        self, request: pb.GetDatasetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ManifestChunk]:
+        async with _status_on_error(context):
+            data = self.server.registry.get(request.name).manifest.data
+        for start in range(0, len(data), MANIFEST_CHUNK_BYTES):
+            yield pb.ManifestChunk(data=bytes(data[start : start + MANIFEST_CHUNK_BYTES]))
+
+    async def DropDataset(
+        self, request: pb.DropDatasetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DropDatasetReply:
+        async with _status_on_error(context):
+            await self.server.drop_dataset(request.name)
+        return pb.DropDatasetReply(freed_samples=0)
+
+    # ----------------------------------------------------------------- jobs
+
+    async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
+        async with _status_on_error(context):
+            job = await self.server.join_job(join_request(request))
+        return job_proto(job)
+
+    async def GetJob(self, request: jpb.GetJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
+        async with _status_on_error(context):
+            job = self.server.state.get_job(request.job_id)
+        return job_proto(job)
+
+    async def ListJobs(self, request: jpb.ListJobsRequest, context: grpc.aio.ServicerContext) -> jpb.ListJobsReply:
+        return jpb.ListJobsReply(jobs=[job_proto(j) for j in self.server.state.jobs()])
+
+    async def DropJob(self, request: jpb.DropJobRequest, context: grpc.aio.ServicerContext) -> jpb.DropJobReply:
+        async with _status_on_error(context):
+            await self.server.drop_job(request.job_id)
+        return jpb.DropJobReply()
+
+    async def ReportEpoch(self, request: jpb.ReportEpochRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
+        async with _status_on_error(context):
+            job = await self.server.report_epoch(request.job_id, request.epoch, request.node)
+        return job_proto(job)
+
+
+def reachable(address: str, peer: str) -> str:
+    """``address`` with a wildcard host (``0.0.0.0:9470``) replaced by the IP the
+    call came from, so that peers and Prometheus get an address they can use.
+
+    ``peer`` is gRPC's ``ipv4:10.0.0.7:51234`` or ``ipv6:[fe80::1]:51234``
+    (percent-encoded by some gRPC versions); other callers leave it unchanged.
+    """
+    host, sep, port = address.rpartition(":")
+    kind, _, where = unquote(peer).partition(":")
+    if not sep or host not in _WILDCARD_HOSTS or kind not in ("ipv4", "ipv6"):
+        return address
+    return f"{where.rpartition(':')[0]}:{port}"
+
+
+def node_status(node: Node) -> jpb.NodeStatus:
+    i = node.info
+    return jpb.NodeStatus(
+        info=jpb.NodeInfo(
+            name=i.name, tcp_address=i.tcp_address, metrics_address=i.metrics_address,
+            cache_capacity=i.cache_capacity, pid=i.pid, version=i.version,
+        ),
+        state=jpb.NODE_UP if node.up else jpb.NODE_DOWN,
+        registered_unix=node.registered,
+        last_heartbeat_unix=node.last_heartbeat,
+        cache_used_bytes=node.cache_used_bytes,
+        cache_entries=node.cache_entries,
+    )
+
+
+def join_request(request: jpb.JoinJobRequest) -> JoinRequest:
+    """The settings the caller named; proto3 ``optional`` tells unset from zero."""
+    s = request.spec
+    return JoinRequest(
+        job_id=s.job_id,
+        dataset=s.dataset or None,
+        mode=s.mode if s.HasField("mode") else None,
+        q=s.q if s.HasField("q") else None,
+        seed=s.seed if s.HasField("seed") else None,
+        drop_last=s.drop_last if s.HasField("drop_last") else None,
+        nodes=tuple(s.nodes) or None,
+        ranks_per_node=s.ranks_per_node if s.HasField("ranks_per_node") else None,
+        partition=s.partition if s.HasField("partition") else None,
+        must_exist=request.must_exist,
+    )
+
+
+def job_proto(job: Job) -> jpb.Job:
+    s = job.spec
+    return jpb.Job(
+        spec=jpb.JobSpec(
+            job_id=s.job_id, dataset=s.dataset, mode=s.mode, q=s.q, seed=s.seed, drop_last=s.drop_last,
+            nodes=s.nodes, ranks_per_node=s.ranks_per_node, partition=s.partition,
+        ),
+        manifest_id=job.manifest_id,
+        num_samples=job.num_samples,
+        epoch=job.epoch,
+        created_unix=job.created,
+    )
+
+
+def dataset_info(entry: Registered) -> pb.DatasetInfo:
+    """The registry entry as DatasetInfo; the directory caches nothing, so the
+    cached_* fields stay 0."""
+    manifest, record = entry.manifest, entry.record
+    stats = manifest.size_stats()
+    return pb.DatasetInfo(
+        name=record.name,
+        root=record.root,
+        format=FORMAT_TO_PROTO[record.format],
+        num_samples=manifest.num_samples,
+        total_bytes=manifest.total_bytes,
+        sample_size=pb.SampleSizeStats(
+            min=int(stats["min"]), max=int(stats["max"]), mean=stats["mean"], median=int(stats["median"])
+        ),
+        manifest_id=record.manifest_id,
+        cache_db=record.cache_db,
+        manifest_bytes=len(manifest.data),
+        created_unix=record.created,
+    )

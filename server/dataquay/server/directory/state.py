@@ -1,0 +1,424 @@
+"""What the directory knows, as a sans-IO state machine: nodes and their
+leases, job records and the version counters daemons poll.
+
+No sockets, no clock, no files: every method that depends on time takes
+``now`` (seconds, the caller's clock), and persistence is :meth:`to_json` /
+:meth:`from_json`, so tests drive it step by step. The server owns the I/O:
+it calls :meth:`DirectoryState.expire` from a periodic task, writes the state
+whenever :attr:`DirectoryState.revision` moved, and logs the transitions the
+methods return.
+
+A heartbeat must stay O(1) however many nodes there are (a thousand nodes
+every two seconds): leases of live nodes sit in an ordered dict in the order
+they end, because every lease has the same length; a heartbeat moves its node
+to the end, and expiry pops expired leases from the front.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any, NamedTuple
+
+from dataquay.client.placement import MODES, PARTITIONS
+from dataquay.server.errors import (
+    InvalidRequestError,
+    JobMismatchError,
+    NoLiveNodesError,
+    UnknownJobError,
+)
+
+#: Version of the persisted document; a newer directory reads older ones.
+STATE_FORMAT = 1
+
+_JOB_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+_ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What a daemon says about itself when it registers."""
+
+    name: str
+    tcp_address: str
+    metrics_address: str = ""
+    cache_capacity: int = 0
+    pid: int = 0
+    version: str = ""
+
+
+@dataclass
+class Node:
+    """A registered node; ``up`` while its lease runs."""
+
+    info: NodeInfo
+    registered: float
+    last_heartbeat: float
+    up: bool = True
+    cache_used_bytes: int = 0
+    cache_entries: int = 0
+
+
+@dataclass(frozen=True)
+class Versions:
+    """Counters that move when nodes, datasets or jobs change, so that daemons
+    polling them refetch only what changed."""
+
+    nodes: int = 0
+    datasets: int = 0
+    jobs: int = 0
+
+
+class Change(enum.Enum):
+    """What a registration did to the node's membership."""
+
+    JOINED = "joined"    # a name never seen before
+    UP = "up"            # a node that was down is back
+    RENEWED = "renewed"  # a live node registered again (a restart)
+
+
+class Registration(NamedTuple):
+    change: Change
+    previous: NodeInfo | None
+
+
+class Beat(NamedTuple):
+    known: bool    # False: the name is not registered; the daemon must register
+    came_up: bool  # the node was down and is up again
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A job's settings, every one filled in."""
+
+    job_id: str
+    dataset: str
+    mode: str = "global"
+    q: float = 0.0
+    seed: int = 0
+    drop_last: bool = False
+    nodes: tuple[str, ...] = ()
+    ranks_per_node: int = 0
+    partition: str = "sample"
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """A join: the job id and whichever settings the caller named.
+
+    None is "not named": the job's value applies. ``ranks_per_node`` 0 is "not
+    known yet": it is not compared, and the first join naming a value above 0
+    fixes the job's.
+    """
+
+    job_id: str
+    dataset: str | None = None
+    mode: str | None = None
+    q: float | None = None
+    seed: int | None = None
+    drop_last: bool | None = None
+    nodes: tuple[str, ...] | None = None
+    ranks_per_node: int | None = None
+    partition: str | None = None
+    must_exist: bool = False
+
+
+@dataclass(frozen=True)
+class DatasetFacts:
+    """What a job records of its dataset when it is created."""
+
+    manifest_id: str
+    num_samples: int
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job record. ``epoch`` is the highest epoch any node reported."""
+
+    spec: JobSpec
+    manifest_id: str
+    num_samples: int
+    epoch: int = 0
+    created: float = 0.0
+
+
+#: Settings a join may name, compared with the job's in this order.
+_COMPARED = ("dataset", "mode", "q", "seed", "drop_last", "partition", "nodes", "ranks_per_node")
+
+
+class DirectoryState:
+    """Nodes, leases, jobs and versions; see the module docstring."""
+
+    def __init__(self, lease_seconds: float) -> None:
+        self.lease_seconds = lease_seconds
+        self.versions = Versions()
+        #: Moves on every change that must reach the disk.
+        self.revision = 0
+        self.heartbeats = 0
+        self._nodes: dict[str, Node] = {}
+        self._leases: OrderedDict[str, float] = OrderedDict()
+        self._jobs: dict[str, Job] = {}
+
+    # ---------------------------------------------------------------- nodes
+
+    def register(self, info: NodeInfo, now: float) -> Registration:
+        """Adds or refreshes a node and starts its lease.
+
+        Raises:
+            InvalidRequestError: a name or address that peers could not use.
+        """
+        _check_node(info)
+        node = self._nodes.get(info.name)
+        if node is None:
+            change, previous = Change.JOINED, None
+            self._nodes[info.name] = Node(info, registered=now, last_heartbeat=now)
+        else:
+            change, previous = (Change.RENEWED if node.up else Change.UP), node.info
+            node.info, node.registered, node.last_heartbeat, node.up = info, now, now, True
+        self._renew(info.name, now)
+        self._bump(nodes=1)
+        return Registration(change, previous)
+
+    def heartbeat(self, name: str, cache_used_bytes: int, cache_entries: int, now: float) -> Beat:
+        """Renews a lease in O(1); a node that was down comes back up."""
+        self.heartbeats += 1
+        node = self._nodes.get(name)
+        if node is None:
+            return Beat(known=False, came_up=False)
+        node.last_heartbeat = now
+        node.cache_used_bytes = cache_used_bytes
+        node.cache_entries = cache_entries
+        self._renew(name, now)
+        if node.up:
+            return Beat(known=True, came_up=False)
+        node.up = True
+        self._bump(nodes=1)
+        return Beat(known=True, came_up=True)
+
+    def expire(self, now: float) -> list[str]:
+        """Marks nodes whose lease ended before ``now`` down; returns their names."""
+        expired = []
+        while self._leases:
+            name, until = next(iter(self._leases.items()))
+            if until > now:
+                break
+            del self._leases[name]
+            self._nodes[name].up = False
+            expired.append(name)
+        if expired:
+            self._bump(nodes=1)
+        return expired
+
+    def _renew(self, name: str, now: float) -> None:
+        self._leases[name] = now + self.lease_seconds
+        self._leases.move_to_end(name)
+
+    def nodes(self) -> list[Node]:
+        """Every registered node, up or down, sorted by name."""
+        return [self._nodes[name] for name in sorted(self._nodes)]
+
+    def up_nodes(self) -> list[Node]:
+        """Nodes whose lease runs, sorted by name."""
+        return [self._nodes[name] for name in sorted(self._leases)]
+
+    def node_counts(self) -> tuple[int, int]:
+        """(up, down)."""
+        return len(self._leases), len(self._nodes) - len(self._leases)
+
+    # ------------------------------------------------------------- datasets
+
+    def datasets_changed(self) -> None:
+        """Records that a dataset was added, replaced or dropped (the registry
+        itself lives in its own files)."""
+        self._bump(datasets=1)
+
+    # ----------------------------------------------------------------- jobs
+
+    def join(self, request: JoinRequest, dataset: Callable[[str], DatasetFacts], now: float) -> tuple[Job, bool]:
+        """Creates the job or joins it; returns the record and whether it was created.
+
+        Args:
+            request: the job id and the settings the caller named.
+            dataset: looks a registered dataset up by name; raises
+                UnknownDatasetError for an unknown one. Called only to create.
+            now: the creation time recorded in a new job.
+
+        Raises:
+            InvalidRequestError: a bad job id, mode, partition, q or node list.
+            JobMismatchError: the job exists with a different setting.
+            UnknownJobError: ``must_exist`` and there is no such job.
+            NoLiveNodesError: the job would run on all live nodes and none is up.
+        """
+        job_id = request.job_id
+        if not _JOB_ID.match(job_id):
+            raise InvalidRequestError(
+                f"bad job id {job_id!r}: use 1-128 letters, digits, '.', '_' or '-'"
+            )
+        job = self._jobs.get(job_id)
+        if job is not None:
+            return self._join_existing(job, request), False
+        if request.must_exist:
+            raise UnknownJobError(f"no job {job_id!r} (the first rank to join creates it)")
+        if not request.dataset:
+            raise InvalidRequestError(f"job {job_id!r} does not exist; name its dataset to create it")
+        named = {k: v for k, v in asdict(request).items() if v is not None and k in _COMPARED}
+        spec = JobSpec(**{**named, "job_id": job_id, "nodes": ()})
+        _check_settings(spec)
+        facts = dataset(spec.dataset)
+        spec = replace(spec, nodes=self._job_nodes(job_id, request.nodes))
+        job = Job(spec, facts.manifest_id, facts.num_samples, epoch=0, created=now)
+        self._jobs[job_id] = job
+        self._bump(jobs=1)
+        return job, True
+
+    def _join_existing(self, job: Job, request: JoinRequest) -> Job:
+        for name in _COMPARED:
+            asked, have = getattr(request, name), getattr(job.spec, name)
+            if asked is None or asked == have:
+                continue
+            if name == "ranks_per_node" and (asked == 0 or have == 0):
+                continue
+            raise JobMismatchError(
+                f"job {job.spec.job_id!r} exists with {name} {_show(have)}; this join asked for {_show(asked)}"
+            )
+        if job.spec.ranks_per_node == 0 and request.ranks_per_node:
+            job = replace(job, spec=replace(job.spec, ranks_per_node=request.ranks_per_node))
+            self._jobs[job.spec.job_id] = job
+            self._bump(jobs=1)
+        return job
+
+    def _job_nodes(self, job_id: str, named: tuple[str, ...] | None) -> tuple[str, ...]:
+        if not named:
+            live = tuple(sorted(self._leases))
+            if not live:
+                raise NoLiveNodesError(
+                    f"job {job_id!r} would run on all live nodes, and none is up; "
+                    "start the daemons or name the job's nodes"
+                )
+            return live
+        repeated = sorted({n for n in named if named.count(n) > 1})
+        if repeated:
+            raise InvalidRequestError(f"job {job_id!r} names node(s) more than once: {', '.join(repeated)}")
+        unknown = [n for n in named if n not in self._nodes]
+        if unknown:
+            raise InvalidRequestError(
+                f"job {job_id!r} names node(s) no daemon registered: {', '.join(unknown)} "
+                f"({len(self._nodes)} registered)"
+            )
+        return tuple(named)
+
+    def get_job(self, job_id: str) -> Job:
+        """Raises UnknownJobError."""
+        try:
+            return self._jobs[job_id]
+        except KeyError:
+            known = ", ".join(sorted(self._jobs)[:10]) or "none"
+            raise UnknownJobError(f"no job {job_id!r} (jobs: {known})") from None
+
+    def jobs(self) -> list[Job]:
+        """Every job, sorted by id."""
+        return [self._jobs[job_id] for job_id in sorted(self._jobs)]
+
+    def drop_job(self, job_id: str) -> Job:
+        job = self.get_job(job_id)
+        del self._jobs[job_id]
+        self._bump(jobs=1)
+        return job
+
+    def report_epoch(self, job_id: str, epoch: int) -> Job:
+        """Raises the job's epoch to ``epoch``; an older report changes nothing."""
+        job = self.get_job(job_id)
+        if epoch > job.epoch:
+            job = self._jobs[job_id] = replace(job, epoch=epoch)
+            self.revision += 1
+        return job
+
+    # ---------------------------------------------------------- persistence
+
+    def _bump(self, nodes: int = 0, datasets: int = 0, jobs: int = 0) -> None:
+        v = self.versions
+        self.versions = Versions(v.nodes + nodes, v.datasets + datasets, v.jobs + jobs)
+        self.revision += 1
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able document of everything but leases and heartbeat counts.
+
+        Built from the objects' ``__dict__`` rather than ``asdict``, which deep
+        copies: a thousand nodes are written in about 10 ms.
+        """
+        return {
+            "format": STATE_FORMAT,
+            "versions": asdict(self.versions),
+            "nodes": [{**vars(n), "info": vars(n.info)} for n in self._nodes.values()],
+            "jobs": [{**asdict(job), "spec": {**asdict(job.spec), "nodes": list(job.spec.nodes)}}
+                     for job in self.jobs()],
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], lease_seconds: float, now: float) -> DirectoryState:
+        """The state a directory restarted at ``now`` resumes from.
+
+        Nodes that were up get a fresh lease from ``now``, so a restart does
+        not mark a running job's nodes down; every version moves (and the
+        revision, so the moved versions are written), so daemons refetch
+        whatever may have changed while the directory was away.
+
+        Raises:
+            ValueError: a document this version cannot read.
+        """
+        if doc.get("format") != STATE_FORMAT:
+            raise ValueError(f"state format {doc.get('format')!r}, expected {STATE_FORMAT}")
+        state = cls(lease_seconds)
+        try:
+            for raw in doc["nodes"]:
+                node = Node(**{**raw, "info": NodeInfo(**raw["info"])})
+                state._nodes[node.info.name] = node
+                if node.up:
+                    state._renew(node.info.name, now)
+            for raw in doc["jobs"]:
+                spec = JobSpec(**{**raw["spec"], "nodes": tuple(raw["spec"]["nodes"])})
+                state._jobs[spec.job_id] = Job(**{**raw, "spec": spec})
+            v = Versions(**doc["versions"])
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed state: {exc!r}") from None
+        state.versions = v
+        state._bump(nodes=1, datasets=1, jobs=1)
+        return state
+
+
+def _check_node(info: NodeInfo) -> None:
+    if not _NODE_NAME.match(info.name):
+        raise InvalidRequestError(
+            f"bad node name {info.name!r}: use 1-255 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    if not _ADDRESS.match(info.tcp_address):
+        raise InvalidRequestError(f"node {info.name!r}: bad tcp address {info.tcp_address!r}, expected HOST:PORT")
+    if info.metrics_address and not _ADDRESS.match(info.metrics_address):
+        raise InvalidRequestError(
+            f"node {info.name!r}: bad metrics address {info.metrics_address!r}, expected HOST:PORT"
+        )
+
+
+def _check_settings(spec: JobSpec) -> None:
+    if spec.mode not in MODES:
+        raise InvalidRequestError(f"job {spec.job_id!r}: unknown mode {spec.mode!r} (modes: {', '.join(MODES)})")
+    if spec.partition not in PARTITIONS:
+        raise InvalidRequestError(
+            f"job {spec.job_id!r}: unknown partition {spec.partition!r} (partitions: {', '.join(PARTITIONS)})"
+        )
+    if not (math.isfinite(spec.q) and 0.0 <= spec.q <= 1.0):
+        raise InvalidRequestError(f"job {spec.job_id!r}: q {spec.q} is not in [0, 1]")
+
+
+def _show(value: object) -> str:
+    """A setting as a mismatch message shows it; long node lists are cut."""
+    if isinstance(value, tuple):
+        head = ", ".join(value[:6])
+        return f"[{head}{', ...' if len(value) > 6 else ''}] ({len(value)} nodes)"
+    return repr(value)

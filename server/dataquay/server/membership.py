@@ -1,0 +1,231 @@
+"""The daemon's link to the directory: registration, heartbeats and what it knows.
+
+The daemon keeps its own copy of what it learned (live nodes and their
+addresses, the jobs it serves, the manifests of datasets), so that running jobs
+keep reading while the directory is down. Heartbeat replies carry version
+numbers; nodes, jobs and datasets are fetched again only when theirs changed.
+A directory that does not answer is retried with a growing back-off and logged
+once per outage, not once per attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+
+from dataquay.client.channels import channel_options, grpc_target
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import directory_pb2 as dpb
+from dataquay.protos import directory_pb2_grpc
+from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.errors import (
+    DataquayError,
+    DatasetExistsError,
+    DirectoryUnavailableError,
+    InvalidRequestError,
+    JobMismatchError,
+    UnknownDatasetError,
+    UnknownJobError,
+)
+
+log = logging.getLogger("dataquay.membership")
+
+T = TypeVar("T")
+
+#: First and longest wait between attempts to reach the directory.
+RETRY_SECONDS = (0.5, 30.0)
+#: Deadline of one call to the directory.
+CALL_TIMEOUT_SECONDS = 10.0
+
+
+def _relayed(exc: grpc.aio.AioRpcError, not_found: type[DataquayError] = UnknownJobError) -> DataquayError:
+    """The directory's answer as the domain error the servicer maps back to a code."""
+    code, details = exc.code(), exc.details() or exc.code().name
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return DirectoryUnavailableError(f"the directory does not answer: {details}")
+    kind: type[DataquayError] = {
+        grpc.StatusCode.NOT_FOUND: not_found,
+        grpc.StatusCode.FAILED_PRECONDITION: JobMismatchError,
+        grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+        grpc.StatusCode.ALREADY_EXISTS: DatasetExistsError,
+    }.get(code, DataquayError)
+    return kind(details)
+
+
+class DirectoryLink:
+    """Registers this node, renews its lease and keeps the cluster view fresh.
+
+    Args:
+        address: the directory's HOST:PORT.
+        node_info: this node's registration, read when (re)registering.
+        usage: (cache bytes used, entries) for heartbeats.
+        datasets_changed: awaited when the directory's dataset registry
+            changed (a dataset added, replaced or dropped).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        node_info: Callable[[], jpb.NodeInfo],
+        usage: Callable[[], tuple[int, int]],
+        datasets_changed: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.address = address
+        self._node_info = node_info
+        self._usage = usage
+        self._datasets_changed = datasets_changed
+        self._channel = grpc.aio.insecure_channel(grpc_target(address), options=channel_options())
+        self.stub = directory_pb2_grpc.DirectoryStub(self._channel)
+        self.nodes: dict[str, jpb.NodeStatus] = {}
+        self.jobs: dict[str, jpb.Job] = {}
+        self.reachable = False
+        self.registered = asyncio.Event()
+        self._versions = dpb.Versions()
+        self._heartbeat_seconds = 2.0
+        self._looked_up: dict[str, float] = {}
+
+    # ------------------------------------------------------------ background
+
+    async def run(self) -> None:
+        """Registers, then heartbeats until cancelled, riding out directory outages."""
+        delay = RETRY_SECONDS[0]
+        while True:
+            try:
+                if not self.registered.is_set():
+                    await self._register()
+                reply = await self.stub.Heartbeat(self._heartbeat(), timeout=CALL_TIMEOUT_SECONDS)
+                if not reply.known:
+                    log.info("the directory lost this node; registering again")
+                    self.registered.clear()
+                    continue
+                self._reached()
+                await self._sync(reply.versions)
+                delay = RETRY_SECONDS[0]
+                await asyncio.sleep(self._heartbeat_seconds)
+            except grpc.aio.AioRpcError as exc:
+                if self.reachable or delay == RETRY_SECONDS[0]:
+                    log.warning(
+                        "directory unreachable; serving with what this node knows",
+                        extra={"fields": {"directory": self.address, "code": exc.code().name}},
+                    )
+                self.reachable = False
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_SECONDS[1])
+
+    async def _register(self) -> None:
+        reply = await self.stub.RegisterNode(
+            dpb.RegisterNodeRequest(node=self._node_info()), timeout=CALL_TIMEOUT_SECONDS
+        )
+        self._heartbeat_seconds = reply.heartbeat_seconds or self._heartbeat_seconds
+        self._reached()
+        await self._sync(reply.versions, force=True)
+        self.registered.set()
+        log.info("registered with the directory", extra={"fields": {"directory": self.address}})
+
+    def _heartbeat(self) -> dpb.HeartbeatRequest:
+        used, entries = self._usage()
+        return dpb.HeartbeatRequest(name=self._node_info().name, cache_used_bytes=used, cache_entries=entries)
+
+    def _reached(self) -> None:
+        if not self.reachable:
+            if self.registered.is_set():
+                log.info("directory reachable again", extra={"fields": {"directory": self.address}})
+            self.reachable = True
+
+    async def _sync(self, versions: dpb.Versions, force: bool = False) -> None:
+        if force or versions.nodes != self._versions.nodes:
+            await self._list_nodes()
+        if force or versions.jobs != self._versions.jobs:
+            jobs = await self.stub.ListJobs(jpb.ListJobsRequest(), timeout=CALL_TIMEOUT_SECONDS)
+            self.jobs = {j.spec.job_id: j for j in jobs.jobs}
+        if force or versions.datasets != self._versions.datasets:
+            await self._datasets_changed()
+        self._versions = versions
+
+    # --------------------------------------------------------------- lookups
+
+    async def address_of(self, node: str) -> str:
+        """The node's TCP address, or "" when the directory does not list it.
+
+        A node that registered since the last listing is looked up at once
+        (at most once a second per name), not at the next heartbeat.
+        """
+        now = time.monotonic()
+        if node not in self.nodes and now - self._looked_up.get(node, 0.0) >= 1.0:
+            self._looked_up[node] = now
+            try:
+                await self._list_nodes()
+            except grpc.aio.AioRpcError:
+                pass
+        status = self.nodes.get(node)
+        return status.info.tcp_address if status is not None else ""
+
+    def is_down(self, node: str) -> bool:
+        """Whether the directory last listed the node as down (lease expired)."""
+        status = self.nodes.get(node)
+        return status is not None and status.state == jpb.NODE_DOWN
+
+    async def _list_nodes(self) -> None:
+        reply = await self.stub.ListNodes(dpb.ListNodesRequest(), timeout=CALL_TIMEOUT_SECONDS)
+        self.nodes = {n.info.name: n for n in reply.nodes}
+
+    async def job(self, job_id: str) -> jpb.Job:
+        """The job's record: the copy this node keeps, else the directory's."""
+        kept = self.jobs.get(job_id)
+        if kept is not None:
+            return kept
+        job = await self._call(self.stub.GetJob(jpb.GetJobRequest(job_id=job_id), timeout=CALL_TIMEOUT_SECONDS))
+        self.jobs[job_id] = job
+        return job
+
+    async def join_job(self, request: jpb.JoinJobRequest) -> jpb.Job:
+        job = await self._call(self.stub.JoinJob(request, timeout=CALL_TIMEOUT_SECONDS))
+        self.jobs[job.spec.job_id] = job
+        return job
+
+    async def report_epoch(self, request: jpb.ReportEpochRequest) -> jpb.Job:
+        job = await self._call(self.stub.ReportEpoch(request, timeout=CALL_TIMEOUT_SECONDS))
+        self.jobs[job.spec.job_id] = job
+        return job
+
+    async def dataset(self, name: str) -> tuple[pb.DatasetInfo, bytes]:
+        """The dataset's record and manifest bytes, from the directory."""
+        request = pb.GetDatasetRequest(name=name)
+        info = await self._call(self.stub.GetDataset(request, timeout=CALL_TIMEOUT_SECONDS), UnknownDatasetError)
+        chunks: list[bytes] = []
+        try:
+            async for chunk in self.stub.GetManifest(request, timeout=10 * CALL_TIMEOUT_SECONDS):
+                chunks.append(chunk.data)
+        except grpc.aio.AioRpcError as exc:
+            raise _relayed(exc, UnknownDatasetError) from None
+        return info, b"".join(chunks)
+
+    async def datasets(self) -> list[pb.DatasetInfo]:
+        reply = await self._call(
+            self.stub.ListDatasets(pb.ListDatasetsRequest(), timeout=CALL_TIMEOUT_SECONDS), UnknownDatasetError
+        )
+        return list(reply.datasets)
+
+    async def add_dataset(self, request: pb.AddDatasetRequest) -> pb.DatasetInfo:
+        # Building a manifest walks the whole root on the PFS: no short deadline.
+        return await self._call(self.stub.AddDataset(request), UnknownDatasetError)
+
+    async def drop_dataset(self, name: str) -> None:
+        await self._call(
+            self.stub.DropDataset(pb.DropDatasetRequest(name=name), timeout=CALL_TIMEOUT_SECONDS),
+            UnknownDatasetError,
+        )
+
+    async def _call(self, call: Awaitable[T], not_found: type[DataquayError] = UnknownJobError) -> T:
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            raise _relayed(exc, not_found) from None
+
+    async def close(self) -> None:
+        await self._channel.close()

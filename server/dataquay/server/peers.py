@@ -1,0 +1,139 @@
+"""Batched reads from the daemons that own samples: one stream per peer per batch.
+
+A peer is asked only for what its own cache holds (``ReadRequest.peer``); it
+flags the rest as missing, and the asking daemon reads those from the PFS.
+Every payload's checksum is checked on arrival. A peer that fails or misses
+its deadline is set aside (suspect) and its samples come from the PFS until a
+back-off passes; the back-off doubles with each failure in a row, so a dead
+node costs one timeout per back-off period, not one per batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from dataquay.client.channels import channel_options, grpc_target
+from dataquay.client.records import checksum
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import cache_pb2_grpc
+
+log = logging.getLogger("dataquay.peers")
+
+#: First and longest time a failed peer is set aside.
+BACKOFF_SECONDS = (1.0, 30.0)
+#: The slowest transfer rate a healthy peer is allowed: a batch's deadline is
+#: the peer timeout plus its bytes at this rate, so large batches are not cut off.
+SLOWEST_PEER_BYTES_PER_SECOND = 100e6
+
+
+@dataclass
+class PeerHealth:
+    """What this daemon saw of one peer."""
+
+    node: str
+    failures: int = 0
+    failures_in_a_row: int = 0
+    suspect_until: float = 0.0
+    samples: int = 0
+    bytes: int = 0
+    bad_checksums: int = 0
+
+    @property
+    def suspect(self) -> bool:
+        return time.monotonic() < self.suspect_until
+
+
+class Peers:
+    """Channels to the other daemons and their health, keyed by node name."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, cache_pb2_grpc.CacheStub] = {}
+        self._addresses: dict[str, str] = {}
+        self._health: dict[str, PeerHealth] = {}
+
+    def health(self) -> list[PeerHealth]:
+        return [self._health[node] for node in sorted(self._health)]
+
+    def is_suspect(self, node: str) -> bool:
+        health = self._health.get(node)
+        return health is not None and health.suspect
+
+    async def fetch(
+        self, node: str, address: str, dataset: str, manifest_id: str, ids: Sequence[int], nbytes: int
+    ) -> dict[int, tuple[bytes, int]]:
+        """The samples of ``ids`` (``nbytes`` in all) that ``node`` holds: id -> (payload, checksum).
+
+        Never raises for a peer's failure: what did not arrive intact is
+        simply absent from the result, for the caller to read elsewhere.
+        """
+        health = self._health.setdefault(node, PeerHealth(node))
+        if health.suspect or not address:
+            return {}
+        request = pb.ReadRequest(dataset=dataset, ids=ids, manifest_id=manifest_id, peer=True)
+        out: dict[int, tuple[bytes, int]] = {}
+        received = 0
+        deadline = self.timeout + nbytes / SLOWEST_PEER_BYTES_PER_SECOND
+        try:
+            stub = await self._stub(node, address)
+            async for chunk in stub.Read(request, timeout=deadline):
+                for sample in chunk.samples:
+                    if sample.missing:
+                        continue
+                    if checksum(sample.data) != sample.checksum:
+                        health.bad_checksums += 1
+                        continue
+                    out[sample.id] = (sample.data, sample.checksum)
+                    received += len(sample.data)
+        except grpc.aio.AioRpcError as exc:
+            await self._failed(health, address, exc)
+            return {}
+        if health.failures_in_a_row:
+            log.info("peer answers again", extra={"fields": {"peer": node, "address": address}})
+            health.failures_in_a_row = 0
+        health.samples += len(out)
+        health.bytes += received
+        return out
+
+    async def _failed(self, health: PeerHealth, address: str, exc: grpc.aio.AioRpcError) -> None:
+        health.failures += 1
+        health.failures_in_a_row += 1
+        first, longest = BACKOFF_SECONDS
+        backoff = min(first * 2 ** (health.failures_in_a_row - 1), longest)
+        health.suspect_until = time.monotonic() + backoff
+        log.warning(
+            "peer read failed; its samples come from the PFS for a while",
+            extra={"fields": {"peer": health.node, "address": address, "code": exc.code().name,
+                              "error": exc.details(), "retry_in_s": backoff}},
+        )
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            await self._forget(health.node)
+
+    async def _stub(self, node: str, address: str) -> cache_pb2_grpc.CacheStub:
+        if node in self._addresses and self._addresses[node] != address:
+            await self._forget(node)  # restarted on another port
+        channel = self._channels.get(node)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(grpc_target(address), options=channel_options())
+            self._channels[node] = channel
+            self._stubs[node] = cache_pb2_grpc.CacheStub(channel)
+            self._addresses[node] = address
+        return self._stubs[node]
+
+    async def _forget(self, node: str) -> None:
+        """Drops the channel, so a restarted peer (maybe on a new port) is dialled afresh."""
+        channel = self._channels.pop(node, None)
+        self._stubs.pop(node, None)
+        self._addresses.pop(node, None)
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        for node in list(self._channels):
+            await self._forget(node)

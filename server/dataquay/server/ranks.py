@@ -1,0 +1,286 @@
+"""Simulated training ranks of a cluster job, one process each, as torchrun
+would start them: what the demo and the cluster tests run.
+
+A rank process (``python -m dataquay.server.ranks``) takes everything from its
+environment, like a real trainer: its node's daemon (DATAQUAY_ADDR), the job
+(DATAQUAY_JOB) and its place in the job (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE). It joins the job through its daemon and then obeys one
+command per line on stdin: read an epoch of its sampler's ids in batches, or
+read the same ids straight from the PFS for comparison. It answers one JSON
+line per command on stdout with what it read (ids and their checksums), where
+the samples came from and how long it waited for them.
+
+:class:`RankGroup` is the launcher's side: it starts the ranks, releases
+every epoch to all of them at once (a barrier, so epochs are timed as a
+job's), and can stop them all in the middle of an epoch to let a test break
+something there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TextIO
+
+from dataquay.server.errors import DataquayError
+
+#: Marks the protocol's lines on a rank's stdout, so that stray prints cannot confuse it.
+_PREFIX = "dq-rank "
+
+
+class RankError(DataquayError):
+    """A rank process failed, or did not answer in time."""
+
+
+@dataclass(frozen=True)
+class RankEpoch:
+    """What one rank read in one epoch (or in the direct-from-PFS pass)."""
+
+    rank: int
+    node: str
+    epoch: int
+    ids: list[int]
+    checksums: list[int]
+    #: Samples and bytes by client tier (local, daemon-local, peer, pfs, fallback).
+    samples: dict[str, int]
+    bytes: dict[str, int]
+    wall_seconds: float
+    wait_seconds: float
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+# --------------------------------------------------------------- the rank
+
+
+def _say(out: TextIO, **event: Any) -> None:
+    out.write(_PREFIX + json.dumps(event) + "\n")
+    out.flush()
+
+
+def _rank_main(dataset: str, batch: int, compute_seconds: float) -> None:
+    """Joins the job, then runs commands from stdin until it closes."""
+    from dataquay.client import connect
+    from dataquay.client.pfs import PfsReader
+    from dataquay.client.records import checksum
+
+    out = sys.stdout
+    client = connect()
+    try:
+        ds = client.dataset(dataset)
+        sampler = ds.sampler()
+        _say(out, event="joined", node=client.info.node)
+        for line in sys.stdin:
+            command = json.loads(line)
+            sampler.set_epoch(command["epoch"])
+            ids = sampler.indices()
+            pfs = PfsReader(ds.manifest, dataset) if command["direct"] else None
+            pause_at = len(ids) // 2 if command["pause_mid"] else -1
+            before = client.stats()
+            started = time.perf_counter()
+            paused = 0.0
+            sums: list[int] = []
+            nbytes = 0
+            wait = 0.0
+            for start in range(0, len(ids), batch):
+                if start <= pause_at < start + batch:
+                    t0 = time.perf_counter()
+                    _say(out, event="mid")
+                    sys.stdin.readline()
+                    paused += time.perf_counter() - t0
+                chunk = ids[start : start + batch]
+                if pfs is None:
+                    samples = ds.get_batch(chunk)
+                else:
+                    t0 = time.perf_counter()
+                    samples = pfs.read(chunk)
+                    wait += time.perf_counter() - t0
+                sums += [checksum(s) for s in samples]
+                nbytes += sum(map(len, samples))
+                time.sleep(compute_seconds)
+            wall = time.perf_counter() - started - paused
+            after = client.stats()
+            if pfs is not None:
+                tiers, sizes = {"direct": len(ids)}, {"direct": nbytes}
+            else:
+                tiers = {t: after.samples[t] - before.samples[t] for t in after.samples}
+                sizes = {t: after.bytes[t] - before.bytes[t] for t in after.bytes}
+                wait = after.data_wait_seconds - before.data_wait_seconds
+            _say(
+                out, event="epoch", epoch=command["epoch"], ids=ids.tolist(), checksums=sums,
+                samples=tiers, bytes=sizes, wall=wall, wait=wait,
+            )
+    finally:
+        client.close()
+
+
+# ------------------------------------------------------------ the launcher
+
+
+class RankGroup:
+    """Rank processes of one job, driven epoch by epoch.
+
+    Args:
+        envs: one environment per rank, in rank order (on top of this
+            process's): its node's variables and RANK, WORLD_SIZE, ...
+        dataset: the dataset every rank reads.
+        log_dir: where each rank's stderr goes (``rank-<r>.log``).
+        batch: ids per read.
+        compute_seconds: simulated GPU time per batch.
+        timeout: seconds any one step may take before the group gives up.
+    """
+
+    def __init__(
+        self,
+        envs: Sequence[Mapping[str, str]],
+        dataset: str,
+        log_dir: Path,
+        *,
+        batch: int = 64,
+        compute_seconds: float = 0.0,
+        timeout: float = 120.0,
+    ) -> None:
+        self._envs = [dict(e) for e in envs]
+        self._args = [
+            sys.executable, "-m", "dataquay.server.ranks", dataset, str(batch), str(compute_seconds),
+        ]
+        self._log_dir = log_dir
+        self._timeout = timeout
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._buffers: list[bytes] = []
+        #: Node each rank's daemon names, once the ranks joined.
+        self.nodes: list[str] = []
+
+    def start(self) -> RankGroup:
+        """Starts every rank and waits until all joined the job."""
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for rank, env in enumerate(self._envs):
+                with open(self._log_path(rank), "ab") as log:
+                    self._procs.append(subprocess.Popen(
+                        self._args, env={**os.environ, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                        stderr=log,
+                    ))
+                self._buffers.append(b"")
+            self.nodes = [event["node"] for event in self._gather("joined")]
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def epoch(self, epoch: int, *, mid: Callable[[], None] | None = None, direct: bool = False) -> list[RankEpoch]:
+        """Runs ``epoch`` on every rank at once; returns what each read, by rank.
+
+        Args:
+            mid: called once every rank has read half its ids (and waits),
+                before they go on: a test breaks something mid-epoch here.
+            direct: read the epoch's ids straight from the PFS instead, as a
+                trainer without dataquay would.
+        """
+        self._send({"epoch": epoch, "pause_mid": mid is not None, "direct": direct})
+        if mid is not None:
+            self._gather("mid")
+            mid()
+            self._send({})
+        return [
+            RankEpoch(
+                rank, self.nodes[rank], e["epoch"], e["ids"], e["checksums"], e["samples"], e["bytes"],
+                e["wall"], e["wait"],
+            )
+            for rank, e in enumerate(self._gather("epoch"))
+        ]
+
+    def close(self) -> None:
+        """Ends every rank: EOF on its stdin, then SIGKILL after a grace period."""
+        for proc in self._procs:
+            if proc.stdin is not None and not proc.stdin.closed:
+                try:
+                    proc.stdin.close()
+                except BrokenPipeError:
+                    pass
+        deadline = time.monotonic() + 10.0
+        for proc in self._procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+    def __enter__(self) -> RankGroup:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # ---------------------------------------------------------- internals
+
+    def _log_path(self, rank: int) -> Path:
+        return self._log_dir / f"rank-{rank}.log"
+
+    def _send(self, command: Mapping[str, Any]) -> None:
+        line = (json.dumps(command) + "\n").encode()
+        for rank, proc in enumerate(self._procs):
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(line)
+                proc.stdin.flush()
+            except BrokenPipeError:
+                raise self._failed(rank, "exited") from None
+
+    def _gather(self, event: str) -> list[dict[str, Any]]:
+        """The next protocol line of every rank, which must be ``event``."""
+        deadline = time.monotonic() + self._timeout
+        answers = []
+        for rank in range(len(self._procs)):
+            answer = self._next(rank, deadline)
+            if answer.get("event") != event:
+                raise self._failed(rank, f"said {answer.get('event')!r} where {event!r} was due")
+            answers.append(answer)
+        return answers
+
+    def _next(self, rank: int, deadline: float) -> dict[str, Any]:
+        proc = self._procs[rank]
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        while True:
+            line, sep, rest = self._buffers[rank].partition(b"\n")
+            if sep:
+                self._buffers[rank] = rest
+                text = line.decode(errors="replace")
+                if text.startswith(_PREFIX):
+                    answer: dict[str, Any] = json.loads(text[len(_PREFIX):])
+                    return answer
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                raise self._failed(rank, f"did not answer within {self._timeout:.0f} s")
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                proc.wait()
+                raise self._failed(rank, f"exited with code {proc.returncode}")
+            self._buffers[rank] += chunk
+
+    def _failed(self, rank: int, what: str) -> RankError:
+        try:
+            tail = " | ".join(self._log_path(rank).read_text(errors="replace").strip().splitlines()[-5:])
+        except OSError:
+            tail = "(no log)"
+        return RankError(f"rank {rank} {what}; its log {self._log_path(rank)}: {tail or '(empty)'}")
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))

@@ -1,0 +1,402 @@
+"""The directory end to end: real `dataquay directory` processes, fake daemons
+that are just gRPC calls, real dataset files."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from dataquay.client.channels import channel_options
+from dataquay.client.manifest import Manifest
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import directory_pb2 as dpb
+from dataquay.protos import directory_pb2_grpc
+from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.config import DaemonConfig, DirectoryConfig
+from dataquay.server.launch import DirectoryProcess
+from dataquay.server.manifest_build import build_manifest
+from dataquay.server.synthetic import make_files_dataset
+
+Stub = directory_pb2_grpc.DirectoryStub
+
+
+@pytest.fixture
+def start_directory(tmp_path: Path) -> Iterator[Callable[..., DirectoryProcess]]:
+    """Starts directories rooted at tmp_path/directory; all are killed after the test."""
+    started: list[DirectoryProcess] = []
+
+    def start(*extra_args: str) -> DirectoryProcess:
+        directory = DirectoryProcess(tmp_path / "directory", tuple(extra_args)).start()
+        started.append(directory)
+        return directory
+
+    yield start
+    for directory in started:
+        directory.kill()
+
+
+@pytest.fixture
+def directory(start_directory: Callable[..., DirectoryProcess]) -> DirectoryProcess:
+    return start_directory()
+
+
+@pytest.fixture
+def stub_for() -> Iterator[Callable[[DirectoryProcess], Stub]]:
+    channels: list[grpc.Channel] = []
+
+    def make(directory: DirectoryProcess) -> Stub:
+        channels.append(grpc.insecure_channel(directory.address, options=channel_options()))
+        return Stub(channels[-1])
+
+    yield make
+    for channel in channels:
+        channel.close()
+
+
+@pytest.fixture
+def imgs(tmp_path: Path) -> Path:
+    return make_files_dataset(tmp_path / "pfs" / "imgs", 40, sizes=(100, 300), classes=2)
+
+
+def register(stub: Stub, name: str, port: int = 7000) -> dpb.RegisterNodeReply:
+    node = jpb.NodeInfo(
+        name=name, tcp_address=f"127.0.0.1:{port}", metrics_address=f"127.0.0.1:{port + 1000}",
+        cache_capacity=1 << 30, pid=1234, version="test",
+    )
+    return stub.RegisterNode(dpb.RegisterNodeRequest(node=node))
+
+
+def nodes(stub: Stub) -> dict[str, int]:
+    return {n.info.name: n.state for n in stub.ListNodes(dpb.ListNodesRequest()).nodes}
+
+
+def join(stub: Stub, job: str = "j1", must_exist: bool = False, **fields: object) -> jpb.Job:
+    return stub.JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=job, **fields), must_exist=must_exist))
+
+
+def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value
+
+
+def http_get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dataquay.server.cli", *args],
+        capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})},
+    )
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_nodes_register_heartbeat_and_are_listed_by_name(directory: DirectoryProcess, stub_for: Callable[..., Stub]) -> None:
+    stub = stub_for(directory)
+    first = register(stub, "n1")
+    assert first.lease_seconds == 10 and first.heartbeat_seconds == 2
+    second = register(stub, "n0", port=7002)
+    assert second.versions.nodes > first.versions.nodes
+    beat = stub.Heartbeat(dpb.HeartbeatRequest(name="n0", cache_used_bytes=5000, cache_entries=7))
+    assert beat.known and beat.versions == second.versions
+    assert not stub.Heartbeat(dpb.HeartbeatRequest(name="stranger")).known
+    listed = stub.ListNodes(dpb.ListNodesRequest())
+    assert [n.info.name for n in listed.nodes] == ["n0", "n1"]
+    n0 = listed.nodes[0]
+    assert n0.state == jpb.NODE_UP and n0.cache_used_bytes == 5000 and n0.cache_entries == 7
+    assert (n0.info.tcp_address, n0.info.metrics_address, n0.info.cache_capacity, n0.info.version) == (
+        "127.0.0.1:7002", "127.0.0.1:8002", 1 << 30, "test"
+    )
+    assert n0.last_heartbeat_unix >= n0.registered_unix > 0
+
+
+def test_a_wildcard_address_becomes_the_address_the_node_called_from(
+    directory: DirectoryProcess, stub_for: Callable[..., Stub]
+) -> None:
+    stub = stub_for(directory)
+    node = jpb.NodeInfo(name="n0", tcp_address="0.0.0.0:7070", metrics_address="[::]:9470")
+    stub.RegisterNode(dpb.RegisterNodeRequest(node=node))
+    info = stub.ListNodes(dpb.ListNodesRequest()).nodes[0].info
+    assert (info.tcp_address, info.metrics_address) == ("127.0.0.1:7070", "127.0.0.1:9470")
+
+
+def test_a_silent_node_goes_down_leaves_service_discovery_and_comes_back_on_heartbeat(
+    start_directory: Callable[..., DirectoryProcess], stub_for: Callable[..., Stub]
+) -> None:
+    directory = start_directory("--lease-seconds", "1", "--heartbeat-seconds", "0.2")
+    stub = stub_for(directory)
+    register(stub, "alive", port=7000)
+    version = register(stub, "silent", port=7100).versions.nodes
+    status, body = http_get(directory.http_url + "/sd")
+    assert status == 200 and {g["labels"]["dataquay_node"] for g in json.loads(body)} == {"alive", "silent"}
+
+    def silent_is_down() -> bool:
+        stub.Heartbeat(dpb.HeartbeatRequest(name="alive"))
+        return nodes(stub)["silent"] == jpb.NODE_DOWN
+
+    wait_for(silent_is_down)
+    assert nodes(stub) == {"alive": jpb.NODE_UP, "silent": jpb.NODE_DOWN}
+    assert json.loads(http_get(directory.http_url + "/sd")[1]) == [
+        {"targets": ["127.0.0.1:8000"], "labels": {"dataquay_node": "alive", "__meta_dataquay_state": "up"}}
+    ]
+    metrics = http_get(directory.http_url + "/metrics")[1].decode()
+    assert 'dataquay_directory_nodes{state="up"} 1.0' in metrics
+    assert 'dataquay_directory_nodes{state="down"} 1.0' in metrics
+
+    beat = stub.Heartbeat(dpb.HeartbeatRequest(name="silent"))
+    assert beat.known and beat.versions.nodes == version + 2
+    assert nodes(stub) == {"alive": jpb.NODE_UP, "silent": jpb.NODE_UP}
+    assert len(json.loads(http_get(directory.http_url + "/sd")[1])) == 2
+    assert directory.stop() == 0
+    log = directory.log_path.read_text()
+    assert log.count("node down node=silent") == 1 and log.count("node up node=silent") == 1
+    assert "node down node=alive" not in log
+
+
+def test_datasets_are_registered_once_at_the_directory(
+    directory: DirectoryProcess, stub_for: Callable[..., Stub], imgs: Path
+) -> None:
+    stub = stub_for(directory)
+    version = register(stub, "n0").versions.datasets
+    info = stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))
+    assert info.num_samples == 40 and info.format == pb.FORMAT_FILES
+    assert info.cached_samples == 0 and info.cached_bytes == 0
+    assert stub.Heartbeat(dpb.HeartbeatRequest(name="n0")).versions.datasets == version + 1
+    assert [d.name for d in stub.ListDatasets(pb.ListDatasetsRequest()).datasets] == ["imgs"]
+    assert stub.GetDataset(pb.GetDatasetRequest(name="imgs")) == info
+
+    built = io.BytesIO()
+    build_manifest(imgs).write(built)
+    local = Manifest(built.getvalue())
+    fetched = Manifest(b"".join(c.data for c in stub.GetManifest(pb.GetDatasetRequest(name="imgs"))))
+    assert fetched.manifest_id == info.manifest_id and len(fetched.data) == info.manifest_bytes
+    assert len(fetched.data) == len(local.data)  # the bytes differ only in the build time
+    assert [fetched.path(i) for i in range(fetched.num_paths)] == [local.path(i) for i in range(local.num_paths)]
+    assert (fetched.sample_offset.tolist(), fetched.sample_length.tolist()) == (
+        local.sample_offset.tolist(), local.sample_length.tolist()
+    )
+
+    again = rpc_error(lambda: stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs))))
+    assert again.code() == grpc.StatusCode.ALREADY_EXISTS
+    missing = rpc_error(lambda: stub.GetManifest(pb.GetDatasetRequest(name="nope")).next())
+    assert missing.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in missing.details()
+
+    assert stub.DropDataset(pb.DropDatasetRequest(name="imgs")).freed_samples == 0
+    assert not stub.ListDatasets(pb.ListDatasetsRequest()).datasets
+    assert rpc_error(lambda: stub.GetDataset(pb.GetDatasetRequest(name="imgs"))).code() == grpc.StatusCode.NOT_FOUND
+    assert stub.Heartbeat(dpb.HeartbeatRequest(name="n0")).versions.datasets == version + 2
+
+
+def test_jobs_are_created_by_the_first_join_and_refuse_other_settings(
+    directory: DirectoryProcess, stub_for: Callable[..., Stub], imgs: Path
+) -> None:
+    stub = stub_for(directory)
+    for name in ("n2", "n0", "n1"):
+        register(stub, name)
+    info = stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))
+    jobs_version = stub.Heartbeat(dpb.HeartbeatRequest(name="n0")).versions.jobs
+
+    created = join(stub, dataset="imgs", seed=5)
+    assert list(created.spec.nodes) == ["n0", "n1", "n2"]
+    assert (created.spec.mode, created.spec.q, created.spec.partition, created.spec.ranks_per_node) == (
+        "global", 0.0, "sample", 0
+    )
+    assert (created.manifest_id, created.num_samples, created.epoch) == (info.manifest_id, 40, 0)
+    assert stub.Heartbeat(dpb.HeartbeatRequest(name="n0")).versions.jobs == jobs_version + 1
+
+    joined = join(stub, must_exist=True, ranks_per_node=4)
+    assert joined.spec.seed == 5 and joined.spec.ranks_per_node == 4
+    assert join(stub, dataset="imgs", seed=5, mode="global", drop_last=False) == joined
+
+    mismatch = rpc_error(lambda: join(stub, dataset="imgs", seed=6))
+    assert mismatch.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert mismatch.details() == "job 'j1' exists with seed 5; this join asked for 6"
+    assert "drop_last" in rpc_error(lambda: join(stub, drop_last=True)).details()
+    assert "ranks_per_node 4" in rpc_error(lambda: join(stub, ranks_per_node=2)).details()
+
+    for call, code, words in [
+        (lambda: join(stub, "j2", must_exist=True), grpc.StatusCode.NOT_FOUND, "no job 'j2'"),
+        (lambda: join(stub, "j2", dataset="nope"), grpc.StatusCode.NOT_FOUND, "unknown dataset 'nope'"),
+        (lambda: join(stub, "j2", dataset="imgs", mode="shuffle"), grpc.StatusCode.INVALID_ARGUMENT,
+         "unknown mode 'shuffle'"),
+        (lambda: join(stub, "j2", dataset="imgs", nodes=["n0", "n7", "n9"]), grpc.StatusCode.INVALID_ARGUMENT,
+         "n7, n9"),
+        (lambda: join(stub, "j 2", dataset="imgs"), grpc.StatusCode.INVALID_ARGUMENT, "bad job id 'j 2'"),
+        (lambda: join(stub, "j2", dataset="imgs", q=2.0), grpc.StatusCode.INVALID_ARGUMENT, "q 2.0"),
+    ]:
+        error = rpc_error(call)
+        assert error.code() == code and words in error.details(), error.details()
+
+    explicit = join(stub, "j2", dataset="imgs", nodes=["n2", "n0"])
+    assert list(explicit.spec.nodes) == ["n2", "n0"]
+    assert stub.ReportEpoch(jpb.ReportEpochRequest(job_id="j1", epoch=3, node="n1")).epoch == 3
+    assert stub.ReportEpoch(jpb.ReportEpochRequest(job_id="j1", epoch=1, node="n0")).epoch == 3
+    assert stub.GetJob(jpb.GetJobRequest(job_id="j1")).epoch == 3
+    error = rpc_error(lambda: stub.ReportEpoch(jpb.ReportEpochRequest(job_id="j9", epoch=1)))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert [j.spec.job_id for j in stub.ListJobs(jpb.ListJobsRequest()).jobs] == ["j1", "j2"]
+
+    stub.DropJob(jpb.DropJobRequest(job_id="j1"))
+    assert rpc_error(lambda: stub.GetJob(jpb.GetJobRequest(job_id="j1"))).code() == grpc.StatusCode.NOT_FOUND
+    assert rpc_error(lambda: stub.DropJob(jpb.DropJobRequest(job_id="j1"))).code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_job_on_all_live_nodes_is_refused_while_none_is_up(
+    directory: DirectoryProcess, stub_for: Callable[..., Stub], imgs: Path
+) -> None:
+    stub = stub_for(directory)
+    stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))
+    error = rpc_error(lambda: join(stub, dataset="imgs"))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "none is up" in error.details()
+
+
+def test_nodes_jobs_and_datasets_survive_a_kill_and_a_restart(
+    start_directory: Callable[..., DirectoryProcess], stub_for: Callable[..., Stub], imgs: Path
+) -> None:
+    first = start_directory()
+    stub = stub_for(first)
+    register(stub, "n0")
+    register(stub, "n1")
+    stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))
+    job = join(stub, dataset="imgs", seed=9, ranks_per_node=2)
+    job = stub.ReportEpoch(jpb.ReportEpochRequest(job_id="j1", epoch=2))
+    manifest = b"".join(c.data for c in stub.GetManifest(pb.GetDatasetRequest(name="imgs")))
+    versions = stub.Heartbeat(dpb.HeartbeatRequest(name="n0")).versions
+    first.kill()
+
+    second = start_directory()
+    stub = stub_for(second)
+    assert nodes(stub) == {"n0": jpb.NODE_UP, "n1": jpb.NODE_UP}
+    assert stub.GetJob(jpb.GetJobRequest(job_id="j1")) == job
+    assert b"".join(c.data for c in stub.GetManifest(pb.GetDatasetRequest(name="imgs"))) == manifest
+    beat = stub.Heartbeat(dpb.HeartbeatRequest(name="n1"))
+    assert beat.known
+    assert (beat.versions.nodes, beat.versions.datasets, beat.versions.jobs) > (
+        versions.nodes, versions.datasets, versions.jobs
+    )
+    assert second.stop() == 0
+    assert json.loads((second.state_dir / "directory.json").read_text())["jobs"][0]["epoch"] == 2
+
+
+def test_bad_input_is_refused_and_the_directory_keeps_serving(
+    directory: DirectoryProcess, stub_for: Callable[..., Stub], tmp_path: Path
+) -> None:
+    stub = stub_for(directory)
+    bad_nodes = [jpb.NodeInfo(), jpb.NodeInfo(name="n0"), jpb.NodeInfo(name="../x", tcp_address="h:1"),
+                 jpb.NodeInfo(name="n0", tcp_address="h:1", metrics_address="h"), jpb.NodeInfo(name="x" * 100_000)]
+    for node in bad_nodes:
+        error = rpc_error(lambda: stub.RegisterNode(dpb.RegisterNodeRequest(node=node)))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for request in [pb.AddDatasetRequest(), pb.AddDatasetRequest(name="../up", root=str(tmp_path)),
+                    pb.AddDatasetRequest(name="x", root=str(tmp_path / "missing"))]:
+        error = rpc_error(lambda: stub.AddDataset(request))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details()
+    assert not stub.Heartbeat(dpb.HeartbeatRequest(name="")).known
+    assert rpc_error(lambda: join(stub, "")).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert rpc_error(lambda: stub.DropDataset(pb.DropDatasetRequest())).code() == grpc.StatusCode.NOT_FOUND
+
+    port = int(directory.address.rpartition(":")[2])
+    for junk in (b"\x00" * 1000, b"GET / HTTP/1.1\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(junk)
+    http_port = int(directory.http_url.rpartition(":")[2])
+    for junk in (b"garbage\r\n\r\n", b"GET /sd HTTP/1.1\r\nX: " + b"y" * 100_000, b"POST /sd HTTP/1.1\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", http_port), timeout=5) as sock:
+            sock.sendall(junk)
+            sock.recv(1024)
+    assert http_get(directory.http_url + "/nowhere")[0] == 404
+
+    assert http_get(directory.http_url + "/healthz") == (200, b"ok\n")
+    register(stub, "n0")
+    assert nodes(stub) == {"n0": jpb.NODE_UP}
+
+
+def test_job_commands_list_show_and_drop(
+    directory: DirectoryProcess, stub_for: Callable[..., Stub], imgs: Path
+) -> None:
+    stub = stub_for(directory)
+    register(stub, "n0")
+    register(stub, "n1")
+    stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))
+    join(stub, dataset="imgs", seed=7, q=0.25, ranks_per_node=4)
+    stub.ReportEpoch(jpb.ReportEpochRequest(job_id="j1", epoch=3))
+    env = {"DATAQUAY_DIRECTORY": directory.address}
+
+    listed = run_cli("job", "ls", env=env)
+    assert listed.returncode == 0, listed.stderr
+    header, row = listed.stdout.splitlines()
+    assert header.split() == ["JOB", "DATASET", "MODE", "Q", "SEED", "NODES", "RANKS/NODE", "EPOCH"]
+    assert row.split() == ["j1", "imgs", "global", "0.25", "7", "2", "4", "3"]
+
+    shown = run_cli("job", "show", "j1", "--directory", directory.address)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert "seed         7" in lines and "samples      40" in lines and "epoch        3" in lines
+    assert lines[-2:] == ["      0  n0", "      1  n1"]
+
+    assert run_cli("job", "drop", "j1", env=env).stdout.strip() == "dropped job 'j1'"
+    for args in (("show", "j1"), ("drop", "j1")):
+        result = run_cli("job", *args, env=env)
+        assert result.returncode == 1 and result.stderr.count("\n") == 1 and "no job 'j1'" in result.stderr
+    assert run_cli("job", "ls", env=env).stdout.splitlines()[1:] == []
+
+    nowhere = run_cli("job", "ls", env={"DATAQUAY_DIRECTORY": "127.0.0.1:1"})
+    assert nowhere.returncode == 1 and "no directory answers at 127.0.0.1:1" in nowhere.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--lease-seconds", "2", "--heartbeat-seconds", "2"], {}, "--heartbeat-seconds (2) must be below"),
+        ([], {"DATAQUAY_DIRECTORY_HTTP_PORT": "http"}, "DATAQUAY_DIRECTORY_HTTP_PORT: bad value 'http'"),
+        (["--listen", "127.0.0.1:x", "--http-host", "127.0.0.1", "--http-port", "0"], {}, "bad listen address"),
+    ],
+)
+def test_directory_config_errors_exit_nonzero_with_one_line(
+    tmp_path: Path, args: list[str], env: dict[str, str], message: str
+) -> None:
+    result = run_cli("directory", "--state-dir", str(tmp_path), *args, env=env)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
+
+
+def test_directory_settings_come_from_their_own_environment_variables() -> None:
+    env = {"DATAQUAY_LISTEN": "10.0.0.1:7070", "DATAQUAY_DIRECTORY_LISTEN": "10.0.0.2:7071",
+           "DATAQUAY_DIRECTORY_LEASE_SECONDS": "30", "DATAQUAY_DIRECTORY": "10.0.0.2:7071"}
+    directory = DirectoryConfig.from_sources({}, env)
+    assert directory.listen == "10.0.0.2:7071" and directory.lease_seconds == 30.0
+    assert directory.state_dir.name == "directory"
+    daemon = DaemonConfig.from_sources({}, env)
+    assert daemon.listen == "10.0.0.1:7070"
+
+
+def test_sigterm_stops_the_directory_cleanly(directory: DirectoryProcess) -> None:
+    assert http_get(directory.http_url + "/healthz")[0] == 200
+    directory.signal(signal.SIGTERM)
+    assert directory.stop() == 0
+    assert "stopping" in directory.log_tail()

@@ -1,0 +1,220 @@
+"""The directory's state machine without sockets: leases, versions, job joins
+and persistence, driven step by step with an explicit clock."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dataquay.server.directory.state import (
+    Change,
+    DatasetFacts,
+    DirectoryState,
+    JoinRequest,
+    NodeInfo,
+    Versions,
+)
+from dataquay.server.errors import (
+    InvalidRequestError,
+    JobMismatchError,
+    NoLiveNodesError,
+    UnknownDatasetError,
+    UnknownJobError,
+)
+
+LEASE = 10.0
+
+
+def info(name: str) -> NodeInfo:
+    return NodeInfo(name=name, tcp_address=f"10.0.0.{len(name)}:7070", metrics_address=f"10.0.0.{len(name)}:9470")
+
+
+def facts(name: str) -> DatasetFacts:
+    if name != "imgs":
+        raise UnknownDatasetError(f"unknown dataset {name!r}")
+    return DatasetFacts(manifest_id="m1", num_samples=100)
+
+
+def cluster(*names: str, now: float = 0.0) -> DirectoryState:
+    state = DirectoryState(LEASE)
+    for name in names:
+        state.register(info(name), now)
+    return state
+
+
+def up_names(state: DirectoryState) -> list[str]:
+    return [n.info.name for n in state.up_nodes()]
+
+
+def test_a_lease_ends_without_heartbeats_and_a_heartbeat_brings_the_node_back() -> None:
+    state = cluster("b", "a")
+    assert up_names(state) == ["a", "b"] and state.versions.nodes == 2
+    assert state.heartbeat("a", 5, 1, now=8.0) == (True, False)
+    assert state.expire(now=9.0) == []
+    assert state.expire(now=10.0) == ["b"]
+    assert up_names(state) == ["a"] and state.node_counts() == (1, 1)
+    assert state.versions.nodes == 3
+    assert state.heartbeat("b", 0, 0, now=11.0) == (True, True)
+    assert up_names(state) == ["a", "b"] and state.versions.nodes == 4
+    assert state.expire(now=18.0) == ["a"]
+    node_a = state.nodes()[0]
+    assert not node_a.up and node_a.cache_used_bytes == 5 and node_a.last_heartbeat == 8.0
+
+
+def test_heartbeats_move_no_version_and_unknown_names_are_told_to_register() -> None:
+    state = cluster("a")
+    before, revision = state.versions, state.revision
+    for t in range(1, 50):
+        assert state.heartbeat("a", t, t, now=float(t)).known
+    assert state.versions is before and state.revision == revision
+    assert state.heartbeat("ghost", 0, 0, now=50.0) == (False, False)
+    assert state.heartbeats == 50
+
+
+def test_registration_reports_what_changed() -> None:
+    state = cluster("a")
+    assert state.register(info("b"), 1.0).change is Change.JOINED
+    again = state.register(NodeInfo("a", "10.9.9.9:7070"), 2.0)
+    assert again.change is Change.RENEWED and again.previous == info("a")
+    state.expire(now=100.0)
+    assert state.register(info("a"), 101.0).change is Change.UP
+    assert up_names(state) == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("node", "message"),
+    [
+        (NodeInfo("", "h:1"), "bad node name ''"),
+        (NodeInfo("a b", "h:1"), "bad node name 'a b'"),
+        (NodeInfo("a", "nohost"), "bad tcp address 'nohost'"),
+        (NodeInfo("a", "h:1", metrics_address="h:port"), "bad metrics address 'h:port'"),
+    ],
+)
+def test_unusable_registrations_are_refused_with_the_reason(node: NodeInfo, message: str) -> None:
+    state = DirectoryState(LEASE)
+    with pytest.raises(InvalidRequestError, match=message):
+        state.register(node, 0.0)
+    assert state.nodes() == [] and state.versions == Versions()
+
+
+def test_a_new_job_takes_defaults_and_all_live_nodes_by_name() -> None:
+    state = cluster("n2", "n0", "n1")
+    state.expire(now=LEASE)
+    state.register(info("n1"), LEASE)
+    state.register(info("n0"), LEASE)
+    jobs_version = state.versions.jobs
+    job, created = state.join(JoinRequest("j1", dataset="imgs"), facts, now=LEASE + 1)
+    assert created and state.versions.jobs == jobs_version + 1
+    spec = job.spec
+    assert (spec.mode, spec.q, spec.seed, spec.drop_last, spec.partition, spec.ranks_per_node) == (
+        "global", 0.0, 0, False, "sample", 0
+    )
+    assert spec.nodes == ("n0", "n1")
+    assert (job.manifest_id, job.num_samples, job.epoch, job.created) == ("m1", 100, 0, LEASE + 1)
+
+
+def test_a_join_with_other_settings_is_refused_naming_the_field() -> None:
+    state = cluster("a", "b")
+    state.join(JoinRequest("j1", dataset="imgs", mode="global", seed=7, nodes=("b", "a")), facts, 0.0)
+    with pytest.raises(JobMismatchError, match="job 'j1' exists with mode 'global'; this join asked for 'partial'"):
+        state.join(JoinRequest("j1", mode="partial"), facts, 1.0)
+    with pytest.raises(JobMismatchError, match="exists with seed 7; this join asked for 8"):
+        state.join(JoinRequest("j1", dataset="imgs", seed=8), facts, 1.0)
+    with pytest.raises(JobMismatchError, match=r"exists with nodes \[b, a\] \(2 nodes\)"):
+        state.join(JoinRequest("j1", nodes=("a", "b")), facts, 1.0)
+    with pytest.raises(JobMismatchError, match="exists with dataset 'imgs'"):
+        state.join(JoinRequest("j1", dataset="other"), facts, 1.0)
+    job, created = state.join(JoinRequest("j1", seed=7, nodes=("b", "a")), facts, 1.0)
+    assert not created and job.spec.seed == 7
+
+
+def test_the_first_join_that_knows_ranks_per_node_fixes_it() -> None:
+    state = cluster("a")
+    state.join(JoinRequest("j1", dataset="imgs"), facts, 0.0)
+    version = state.versions.jobs
+    job, _ = state.join(JoinRequest("j1", ranks_per_node=0), facts, 1.0)
+    assert job.spec.ranks_per_node == 0 and state.versions.jobs == version
+    job, _ = state.join(JoinRequest("j1", ranks_per_node=4), facts, 1.0)
+    assert job.spec.ranks_per_node == 4 and state.versions.jobs == version + 1
+    assert state.join(JoinRequest("j1", ranks_per_node=0), facts, 1.0)[0].spec.ranks_per_node == 4
+    with pytest.raises(JobMismatchError, match="ranks_per_node 4; this join asked for 8"):
+        state.join(JoinRequest("j1", ranks_per_node=8), facts, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("request_", "error", "message"),
+    [
+        (JoinRequest("j/1", dataset="imgs"), InvalidRequestError, "bad job id 'j/1'"),
+        (JoinRequest("x" * 129, dataset="imgs"), InvalidRequestError, "bad job id"),
+        (JoinRequest("j1"), InvalidRequestError, "name its dataset to create it"),
+        (JoinRequest("j1", dataset="imgs", must_exist=True), UnknownJobError, "no job 'j1'"),
+        (JoinRequest("j1", dataset="nope"), UnknownDatasetError, "unknown dataset 'nope'"),
+        (JoinRequest("j1", dataset="imgs", mode="random"), InvalidRequestError, "unknown mode 'random'"),
+        (JoinRequest("j1", dataset="imgs", partition="rows"), InvalidRequestError, "unknown partition 'rows'"),
+        (JoinRequest("j1", dataset="imgs", q=1.5), InvalidRequestError, r"q 1.5 is not in \[0, 1\]"),
+        (JoinRequest("j1", dataset="imgs", q=float("nan")), InvalidRequestError, "q nan"),
+        (JoinRequest("j1", dataset="imgs", nodes=("a", "x", "y")), InvalidRequestError, "registered: x, y"),
+        (JoinRequest("j1", dataset="imgs", nodes=("a", "a")), InvalidRequestError, "more than once: a"),
+    ],
+)
+def test_bad_joins_are_refused_and_create_nothing(
+    request_: JoinRequest, error: type[Exception], message: str
+) -> None:
+    state = cluster("a")
+    revision = state.revision
+    with pytest.raises(error, match=message):
+        state.join(request_, facts, 0.0)
+    assert state.jobs() == [] and state.revision == revision
+
+
+def test_a_job_on_all_live_nodes_needs_one_up() -> None:
+    state = cluster("a")
+    state.expire(now=LEASE)
+    with pytest.raises(NoLiveNodesError, match="none is up"):
+        state.join(JoinRequest("j1", dataset="imgs"), facts, LEASE)
+    job, _ = state.join(JoinRequest("j1", dataset="imgs", nodes=("a",)), facts, LEASE)
+    assert job.spec.nodes == ("a",)
+
+
+def test_epochs_only_go_up_and_dropped_jobs_are_gone() -> None:
+    state = cluster("a")
+    state.join(JoinRequest("j1", dataset="imgs"), facts, 0.0)
+    version = state.versions
+    assert state.report_epoch("j1", 3).epoch == 3
+    assert state.report_epoch("j1", 2).epoch == 3
+    assert state.versions == version
+    with pytest.raises(UnknownJobError, match="no job 'j2'"):
+        state.report_epoch("j2", 1)
+    state.drop_job("j1")
+    assert state.versions.jobs == version.jobs + 1
+    with pytest.raises(UnknownJobError, match=r"no job 'j1' \(jobs: none\)"):
+        state.get_job("j1")
+
+
+def test_state_survives_a_json_round_trip_and_live_nodes_get_a_fresh_lease() -> None:
+    state = cluster("a", "b", "c")
+    state.heartbeat("a", 10, 2, now=5.0)
+    state.expire(now=LEASE)  # b and c down
+    state.register(info("c"), LEASE)
+    state.join(JoinRequest("j1", dataset="imgs", mode="global", seed=3, ranks_per_node=2), facts, 1.0)
+    state.report_epoch("j1", 4)
+    state.datasets_changed()
+    doc = json.loads(json.dumps(state.to_json()))
+
+    restarted = DirectoryState.from_json(doc, LEASE, now=1000.0)
+    assert [(n.info, n.up, n.cache_used_bytes) for n in restarted.nodes()] == [
+        (n.info, n.up, n.cache_used_bytes) for n in state.nodes()
+    ]
+    assert restarted.jobs() == state.jobs()
+    old, new = state.versions, restarted.versions
+    assert (new.nodes, new.datasets, new.jobs) == (old.nodes + 1, old.datasets + 1, old.jobs + 1)
+    assert restarted.expire(now=1000.0 + LEASE - 0.1) == []
+    assert restarted.expire(now=1000.0 + LEASE) == ["a", "c"]
+
+
+def test_a_document_of_another_format_is_refused() -> None:
+    with pytest.raises(ValueError, match="state format 99"):
+        DirectoryState.from_json({"format": 99}, LEASE, 0.0)
+    with pytest.raises(ValueError, match="malformed state"):
+        DirectoryState.from_json({"format": 1, "nodes": [{"info": {}}]}, LEASE, 0.0)
