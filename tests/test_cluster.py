@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import urllib.request
@@ -53,7 +54,8 @@ def test_cluster_up_writes_env_files_and_down_stops_every_process(tmp_path: Path
     up = run_cli("cluster", "up", "--nodes", str(NODES), "--base-dir", str(base), "--cache-size", "64M")
     try:
         assert up.returncode == 0, up.stderr
-        assert f"source {base}/cluster.env" in up.stdout and f"dataquay cluster down --base-dir {base}" in up.stdout
+        assert f"source {shlex.quote(str(base / 'cluster.env'))}" in up.stdout
+        assert f"dataquay cluster down --base-dir {shlex.quote(str(base))}" in up.stdout
         record = json.loads((base / "cluster.json").read_text())
         pids = [record["directory"]["pid"], *(d["pid"] for d in record["daemons"])]
         assert all(running(pid) for pid in pids)  # outlived `cluster up`

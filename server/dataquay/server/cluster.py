@@ -92,9 +92,7 @@ def _pid_running(pid: int, marker: str) -> bool:
         return state not in ("Z", "X") and marker.encode() in cmdline
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+    except OSError:  # gone, or another user's: not ours either way
         return False
     return True
 
@@ -183,6 +181,8 @@ class LocalCluster:
 
         Either way, everything started so far is stopped again.
         """
+        if self.directory is not None:
+            return self
         self.base_dir.mkdir(parents=True, exist_ok=True)
         try:
             self.directory = DirectoryProcess(
@@ -458,15 +458,17 @@ class LocalCluster:
         os.replace(tmp, self.base_dir / CLUSTER_FILE)
 
     def _write_env_files(self) -> None:
-        how = "source with: set -a; . {path}; set +a"
+        def how(path: Path) -> str:
+            return f"\nsource with: set -a; . {shlex.quote(str(path))}; set +a"
+
         write_env_file(
             self.env_path(), self.cluster_env(),
-            f"dataquay local cluster of {self.nodes} nodes in {self.base_dir}\n" + how.format(path=self.env_path()),
+            f"dataquay local cluster of {self.nodes} nodes in {self.base_dir}" + how(self.env_path()),
         )
         for i in range(self.nodes):
             write_env_file(
                 self.env_path(i), self.node_only_env(i),
-                f"{node_name(i)} of the dataquay local cluster in {self.base_dir}\n" + how.format(path=self.env_path(i)),
+                f"{node_name(i)} of the dataquay local cluster in {self.base_dir}" + how(self.env_path(i)),
             )
 
     def _log_tails(self) -> str:

@@ -15,8 +15,6 @@ import json
 import logging
 import os
 import signal
-import socket
-import stat
 from pathlib import Path
 from types import TracebackType
 
@@ -33,6 +31,7 @@ from dataquay.server.config import DaemonConfig
 from dataquay.server.datasets import Datasets
 from dataquay.server.errors import StartupError
 from dataquay.server.jobs import Placements
+from dataquay.server.listen import advertised_host, bind_tcp, claim_socket_path
 from dataquay.server.membership import DirectoryLink
 from dataquay.server.metrics import DaemonMetrics, LiveState
 from dataquay.server.peers import Peers
@@ -141,22 +140,14 @@ class Daemon:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self._server = server
         sock = Path(self.config.socket)
-        _claim_socket_path(sock)
+        claim_socket_path(sock)
         try:
             bound = server.add_insecure_port(f"unix:{sock}")
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on socket {sock}: {exc}") from exc
         if not bound:
             raise StartupError(f"cannot listen on socket {sock}")
-        host, _, port = self.config.listen.rpartition(":")
-        _check_port_free(host, port)
-        try:
-            tcp_port = server.add_insecure_port(self.config.listen)
-        except RuntimeError as exc:
-            raise StartupError(f"cannot listen on {self.config.listen}: port taken or address not local") from exc
-        if not tcp_port:
-            raise StartupError(f"cannot listen on {self.config.listen}: port taken or address not local")
-        self.tcp_address = f"{_advertised_host(host)}:{tcp_port}"
+        self.tcp_address = bind_tcp(server, self.config.listen)
         await server.start()
         os.chmod(sock, 0o660)
 
@@ -235,7 +226,7 @@ class Daemon:
 
     @property
     def metrics_address(self) -> str:
-        return f"{_advertised_host(self.config.metrics_host)}:{self.metrics_port}"
+        return f"{advertised_host(self.config.metrics_host)}:{self.metrics_port}"
 
     def node_info(self) -> jpb.NodeInfo:
         """This node as the directory lists it."""
@@ -271,50 +262,6 @@ class Daemon:
             },
             peers={peer.node: (peer.suspect, peer.failures) for peer in self.peers.health()},
         )
-
-
-def _advertised_host(host: str) -> str:
-    """The name other nodes reach a listener by: the host name for a wildcard bind."""
-    host = host.strip("[]")
-    return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
-
-
-def _check_port_free(host: str, port: str) -> None:
-    """Fails with a clear message before gRPC would fail with a vague one."""
-    if not port.isdigit():
-        raise StartupError(f"bad listen address {host}:{port}: expected HOST:PORT")
-    if int(port) == 0:
-        return
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-    probe = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((host.strip("[]") or "0.0.0.0", int(port)))
-    except OSError as exc:
-        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
-    finally:
-        probe.close()
-
-
-def _claim_socket_path(path: Path) -> None:
-    """Makes ``path`` free for a new socket; refuses if a live daemon is on it."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StartupError(f"cannot create socket dir {path.parent}: {exc.strerror}") from exc
-    if not path.exists():
-        return
-    if not stat.S_ISSOCK(path.stat().st_mode):
-        raise StartupError(f"socket path {path} exists and is not a socket")
-    probe = socket.socket(socket.AF_UNIX)
-    try:
-        probe.connect(str(path))
-    except OSError:
-        path.unlink()
-        return
-    finally:
-        probe.close()
-    raise StartupError(f"another daemon is serving on socket {path}")
 
 
 async def serve(config: DaemonConfig) -> None:

@@ -106,7 +106,7 @@ def _report(epoch: object, results: list[RankEpoch], tiers: Sequence[str]) -> st
 def run_demo(samples: int = 4000, epochs: int = 3) -> None:
     tune_malloc()
     world = NODES * RANKS_PER_NODE
-    samples -= samples % world  # every rank the same count, no padding: exactly-once is checkable
+    samples = max(samples - samples % world, world)  # no padding: exactly-once is checkable
     with tempfile.TemporaryDirectory(prefix="dataquay-demo-") as tmp:
         base = Path(tmp)
         print(

@@ -1,17 +1,20 @@
 """Errors of the daemon and its CLI, rooted in :class:`DataquayError`.
 
-The client's errors (unknown dataset, bad sample id, PFS read failure) are the
-same objects on both sides, so they are re-exported here.
+The client's errors (unknown dataset or job, bad sample id, PFS read failure,
+a job's settings that differ) are the same objects on both sides, so they are
+re-exported here.
 """
 
 from __future__ import annotations
 
 from dataquay.client.errors import (
     DataquayError,
+    JobMismatchError,
     ManifestError,
     PfsReadError,
     SampleIdError,
     UnknownDatasetError,
+    UnknownJobError,
 )
 
 __all__ = [
@@ -60,14 +63,6 @@ class InvalidRequestError(DataquayError, ValueError):
 
 class DirectoryUnavailableError(DataquayError, ConnectionError):
     """The directory does not answer and this node has no copy of what was asked."""
-
-
-class UnknownJobError(DataquayError, LookupError):
-    """A job id the directory has no record of."""
-
-
-class JobMismatchError(DataquayError):
-    """A join whose settings differ from those of the job it names."""
 
 
 class NoLiveNodesError(DataquayError):

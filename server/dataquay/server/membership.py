@@ -28,7 +28,6 @@ from dataquay.server.errors import (
     DatasetExistsError,
     DirectoryUnavailableError,
     InvalidRequestError,
-    JobMismatchError,
     UnknownDatasetError,
     UnknownJobError,
 )
@@ -50,7 +49,6 @@ def _relayed(exc: grpc.aio.AioRpcError, not_found: type[DataquayError] = Unknown
         return DirectoryUnavailableError(f"the directory does not answer: {details}")
     kind: type[DataquayError] = {
         grpc.StatusCode.NOT_FOUND: not_found,
-        grpc.StatusCode.FAILED_PRECONDITION: JobMismatchError,
         grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
         grpc.StatusCode.ALREADY_EXISTS: DatasetExistsError,
     }.get(code, DataquayError)
@@ -98,15 +96,9 @@ class DirectoryLink:
             try:
                 if not self.registered.is_set():
                     await self._register()
-                reply = await self.stub.Heartbeat(self._heartbeat(), timeout=CALL_TIMEOUT_SECONDS)
-                if not reply.known:
-                    log.info("the directory lost this node; registering again")
-                    self.registered.clear()
-                    continue
-                self._reached()
-                await self._sync(reply.versions)
                 delay = RETRY_SECONDS[0]
-                await asyncio.sleep(self._heartbeat_seconds)
+                await self._beat()
+                await asyncio.sleep(delay)  # the directory ended the stream: it is stopping, or forgot us
             except grpc.aio.AioRpcError as exc:
                 if self.reachable or delay == RETRY_SECONDS[0]:
                     log.warning(
@@ -116,6 +108,29 @@ class DirectoryLink:
                 self.reachable = False
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_SECONDS[1])
+
+    async def _beat(self) -> None:
+        """One heartbeat stream, until it breaks or the directory forgets this node."""
+        call = self.stub.HeartbeatStream()
+
+        async def send() -> None:
+            while True:
+                await call.write(self._heartbeat())
+                await asyncio.sleep(self._heartbeat_seconds)
+
+        sender = asyncio.get_running_loop().create_task(send(), name="heartbeats")
+        try:
+            async for reply in call:
+                if not reply.known:
+                    log.info("the directory lost this node; registering again")
+                    self.registered.clear()
+                    return
+                self._reached()
+                await self._sync(reply.versions)
+        finally:
+            sender.cancel()
+            call.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
 
     async def _register(self) -> None:
         reply = await self.stub.RegisterNode(

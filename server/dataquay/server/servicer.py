@@ -1,13 +1,10 @@
-"""The gRPC face of the daemon: parse, call a plain handler, map errors to codes.
-
-Only this module knows gRPC status codes.
-"""
+"""The gRPC face of the daemon: parse, call a plain handler, map errors to codes
+(through :mod:`dataquay.server.status`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 import grpc
@@ -16,60 +13,21 @@ import numpy as np
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.errors import (
-    BatchTooLargeError,
-    DataquayError,
-    DatasetExistsError,
-    DirectoryUnavailableError,
-    InvalidRequestError,
-    ManifestError,
-    PfsReadError,
-    SampleIdError,
-    StandaloneError,
-    UnknownDatasetError,
-    UnknownJobError,
-)
+from dataquay.server.errors import StandaloneError
 from dataquay.server.jobs import Placements
 from dataquay.server.membership import DirectoryLink
 from dataquay.server.reads import MISSING, chunked
+from dataquay.server.registry import Registered
 from dataquay.server.shm import write_payloads
 from dataquay.server.stager import StagingProgress
+from dataquay.server.status import status_on_error
 
 if TYPE_CHECKING:
     from dataquay.server.daemon import Daemon
 
-_STATUS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
-    (UnknownDatasetError, grpc.StatusCode.NOT_FOUND),
-    (UnknownJobError, grpc.StatusCode.NOT_FOUND),
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (DirectoryUnavailableError, grpc.StatusCode.UNAVAILABLE),
-    (SampleIdError, grpc.StatusCode.INVALID_ARGUMENT),
-    (BatchTooLargeError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ManifestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (DatasetExistsError, grpc.StatusCode.ALREADY_EXISTS),
-    (PfsReadError, grpc.StatusCode.DATA_LOSS),
-    (DataquayError, grpc.StatusCode.FAILED_PRECONDITION),
-)
-
 TIER_TO_PROTO = {"local": pb.TIER_LOCAL, "peer": pb.TIER_PEER, "pfs": pb.TIER_PFS}
 FORMAT_TO_PROTO = {"files": pb.FORMAT_FILES, "tar": pb.FORMAT_TAR, "npy": pb.FORMAT_NPY}
 FORMAT_FROM_PROTO = {v: k for k, v in FORMAT_TO_PROTO.items()}
-
-
-def status_for(exc: Exception) -> grpc.StatusCode:
-    for kind, code in _STATUS:
-        if isinstance(exc, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
-
-
-@asynccontextmanager
-async def _status_on_error(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-    """Ends the call with the domain error's status code and its own message."""
-    try:
-        yield
-    except DataquayError as exc:
-        await context.abort(status_for(exc), str(exc))
 
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
@@ -96,7 +54,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     async def Read(self, request: pb.ReadRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReadChunk]:
         started = time.perf_counter()
         ids = np.fromiter(request.ids, dtype=np.int64, count=len(request.ids))
-        async with _status_on_error(context):
+        async with status_on_error(context):
             served = await self.daemon.reads.read(
                 request.dataset, ids, request.manifest_id, request.job, request.peer
             )
@@ -116,26 +74,26 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self._latency.labels("Read").observe(time.perf_counter() - started)
 
     async def AddDataset(self, request: pb.AddDatasetRequest, context: grpc.aio.ServicerContext) -> pb.DatasetInfo:
-        async with _status_on_error(context):
+        async with status_on_error(context):
             entry = await self.daemon.datasets.add(request, FORMAT_FROM_PROTO.get(request.format))
             return self.dataset_info(entry.record.name)
 
     async def ListDatasets(
         self, request: pb.ListDatasetsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListDatasetsReply:
-        async with _status_on_error(context):
+        async with status_on_error(context):
             infos = [self.dataset_info((await self.daemon.datasets.entry(n)).record.name)
                      for n in await self.daemon.datasets.names()]
         return pb.ListDatasetsReply(datasets=infos)
 
     async def GetDataset(self, request: pb.GetDatasetRequest, context: grpc.aio.ServicerContext) -> pb.DatasetInfo:
-        async with _status_on_error(context):
+        async with status_on_error(context):
             return self.dataset_info((await self.daemon.datasets.entry(request.name)).record.name)
 
     async def GetManifest(
         self, request: pb.GetDatasetRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ManifestChunk]:
-        async with _status_on_error(context):
+        async with status_on_error(context):
             data = (await self.daemon.datasets.entry(request.name)).manifest.data
         step = 4 << 20
         for start in range(0, len(data), step):
@@ -144,13 +102,13 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     async def DropDataset(
         self, request: pb.DropDatasetRequest, context: grpc.aio.ServicerContext
     ) -> pb.DropDatasetReply:
-        async with _status_on_error(context):
+        async with status_on_error(context):
             freed = await self.daemon.datasets.drop(request.name)
         return pb.DropDatasetReply(freed_samples=freed)
 
     async def Stage(self, request: pb.StageRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StageProgress]:
         d = self.daemon
-        async with _status_on_error(context):
+        async with status_on_error(context):
             entry = await d.datasets.entry(request.dataset)
             seed, ids = request.seed, None
             if request.job:
@@ -206,11 +164,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         )
 
     async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
-        async with _status_on_error(context):
+        async with status_on_error(context):
             return await self._link().join_job(request)
 
     async def ReportEpoch(self, request: jpb.ReportEpochRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
-        async with _status_on_error(context):
+        async with status_on_error(context):
             relayed = jpb.ReportEpochRequest(
                 job_id=request.job_id, epoch=request.epoch, node=self.daemon.config.node_name
             )
@@ -228,23 +186,27 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
     def dataset_info(self, name: str) -> pb.DatasetInfo:
         entry = self.daemon.registry.get(name)
-        manifest, record = entry.manifest, entry.record
-        stats = manifest.size_stats()
-        entries, cached_bytes = self.daemon.store.dataset_usage(record.cache_db)
-        return pb.DatasetInfo(
-            name=record.name,
-            root=record.root,
-            format=FORMAT_TO_PROTO[record.format],
-            num_samples=manifest.num_samples,
-            total_bytes=manifest.total_bytes,
-            sample_size=pb.SampleSizeStats(
-                min=int(stats["min"]), max=int(stats["max"]), mean=stats["mean"], median=int(stats["median"])
-            ),
-            manifest_id=record.manifest_id,
-            cache_db=record.cache_db,
-            manifest_bytes=len(manifest.data),
-            cached_samples=entries,
-            cached_bytes=cached_bytes,
-            created_unix=record.created,
-        )
+        entries, cached_bytes = self.daemon.store.dataset_usage(entry.record.cache_db)
+        return dataset_info(entry, entries, cached_bytes)
 
+
+def dataset_info(entry: Registered, cached_samples: int = 0, cached_bytes: int = 0) -> pb.DatasetInfo:
+    """A registry entry as the API describes it (the directory caches nothing: zeros)."""
+    manifest, record = entry.manifest, entry.record
+    stats = manifest.size_stats()
+    return pb.DatasetInfo(
+        name=record.name,
+        root=record.root,
+        format=FORMAT_TO_PROTO[record.format],
+        num_samples=manifest.num_samples,
+        total_bytes=manifest.total_bytes,
+        sample_size=pb.SampleSizeStats(
+            min=int(stats["min"]), max=int(stats["max"]), mean=stats["mean"], median=int(stats["median"])
+        ),
+        manifest_id=record.manifest_id,
+        cache_db=record.cache_db,
+        manifest_bytes=len(manifest.data),
+        cached_samples=cached_samples,
+        cached_bytes=cached_bytes,
+        created_unix=record.created,
+    )

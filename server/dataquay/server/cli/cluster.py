@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -15,8 +16,6 @@ def cmd_up(args: argparse.Namespace) -> None:
     from dataquay.server.cluster import LocalCluster, node_name
 
     base = Path(args.base_dir).absolute()
-    if args.nodes < 1:
-        raise CliError(f"--nodes must be at least 1, not {args.nodes}")
     existing = LocalCluster.load(base)
     if existing is not None:
         if existing.running():
@@ -48,12 +47,13 @@ def cmd_up(args: argparse.Namespace) -> None:
         rows.append((node_name(i), daemon.ready["pid"], daemon.ready["tcp"], daemon.metrics_url, daemon.home))
     print(f"cluster of {args.nodes} nodes up in {base}\n")
     print_table(rows, ("PROCESS", "PID", "ADDRESS", "HTTP", "HOME (log, cache, state)"))
+    quoted = shlex.quote(str(base))
     print(
         f"\nuse node 0 from a shell (set -a exports what the files set):\n"
-        f"  set -a; source {cluster.env_path()}; source {cluster.env_path(0)}; set +a\n"
+        f"  set -a; source {shlex.quote(str(cluster.env_path()))}; source {shlex.quote(str(cluster.env_path(0)))}; set +a\n"
         f"  dataquay dataset add NAME ROOT && dataquay stage NAME --job JOB && dataquay status\n"
         f"stop it:\n"
-        f"  dataquay cluster down --base-dir {base}"
+        f"  dataquay cluster down --base-dir {quoted}"
     )
 
 

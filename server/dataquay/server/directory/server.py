@@ -33,7 +33,7 @@ from grpc_health.v1._async import HealthServicer
 from dataquay.client.channels import server_options
 from dataquay.protos import directory_pb2_grpc
 from dataquay.server.config import DirectoryConfig
-from dataquay.server.daemon import _check_port_free
+from dataquay.server.listen import bind_tcp
 from dataquay.server.directory.metrics import directory_metrics
 from dataquay.server.directory.sd_http import HttpEndpoints
 from dataquay.server.directory.service import DirectoryServicer
@@ -144,15 +144,7 @@ class DirectoryServer:
         directory_pb2_grpc.add_DirectoryServicer_to_server(DirectoryServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self._server = server
-        host, _, port = self.config.listen.rpartition(":")
-        _check_port_free(host, port)
-        try:
-            tcp_port = server.add_insecure_port(self.config.listen)
-        except RuntimeError as exc:
-            raise StartupError(f"cannot listen on {self.config.listen}: port taken or address not local") from exc
-        if not tcp_port:
-            raise StartupError(f"cannot listen on {self.config.listen}: port taken or address not local")
-        self.tcp_address = f"{host or '0.0.0.0'}:{tcp_port}"
+        self.tcp_address = bind_tcp(server, self.config.listen)
         await server.start()
 
     def _write_ready_file(self) -> None:

@@ -7,7 +7,6 @@ the state machine speak in dataclasses.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
@@ -18,62 +17,17 @@ from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.directory.state import Job, JoinRequest, Node, NodeInfo, Versions
-from dataquay.server.errors import (
-    DataquayError,
-    DatasetExistsError,
-    InvalidRequestError,
-    JobMismatchError,
-    ManifestError,
-    NoLiveNodesError,
-    UnknownDatasetError,
-    UnknownJobError,
-)
-from dataquay.server.registry import Registered
-from dataquay.server.servicer import FORMAT_FROM_PROTO, FORMAT_TO_PROTO
+from dataquay.server.status import status_on_error
+from dataquay.server.servicer import FORMAT_FROM_PROTO, dataset_info
 
 if TYPE_CHECKING:
     from dataquay.server.directory.server import DirectoryServer
-
-_STATUS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
-    (UnknownDatasetError, grpc.StatusCode.NOT_FOUND),
-    (UnknownJobError, grpc.StatusCode.NOT_FOUND),
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ManifestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (DatasetExistsError, grpc.StatusCode.ALREADY_EXISTS),
-    (JobMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
-    (NoLiveNodesError, grpc.StatusCode.FAILED_PRECONDITION),
-    (DataquayError, grpc.StatusCode.FAILED_PRECONDITION),
-)
 
 #: Hosts a daemon may bind to that no other machine can connect to.
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 #: Manifest bytes per streamed message.
 MANIFEST_CHUNK_BYTES = 4 << 20
-
-#: Longest error message sent back: messages quote the caller's input, and
-#: gRPC refuses a status whose details exceed its metadata limit (16 KiB).
-MAX_DETAILS_CHARS = 2000
-
-
-def status_for(exc: Exception) -> grpc.StatusCode:
-    for kind, code in _STATUS:
-        if isinstance(exc, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
-
-
-@asynccontextmanager
-async def _status_on_error(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-    """Ends the call with the domain error's status code and its own message."""
-    try:
-        yield
-    except DataquayError as exc:
-        message = str(exc)
-        if len(message) > MAX_DETAILS_CHARS:
-            message = message[: MAX_DETAILS_CHARS - 3] + "..."
-        await context.abort(status_for(exc), message)
-
 
 class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
     """dataquay.v1.Directory over one :class:`DirectoryServer`."""
@@ -96,7 +50,7 @@ class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
             pid=n.pid,
             version=n.version,
         )
-        async with _status_on_error(context):
+        async with status_on_error(context):
             await self.server.register_node(info)
         config = self.server.config
         return dpb.RegisterNodeReply(
@@ -107,6 +61,17 @@ class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
     async def Heartbeat(self, request: dpb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> dpb.HeartbeatReply:
         beat = self.server.heartbeat(request.name, request.cache_used_bytes, request.cache_entries)
         return dpb.HeartbeatReply(known=beat.known, versions=self._versions_proto())
+
+    async def HeartbeatStream(
+        self, requests: AsyncIterator[dpb.HeartbeatRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[dpb.HeartbeatReply]:
+        answered: tuple[bool, dpb.Versions] | None = None
+        async for request in requests:
+            beat = self.server.heartbeat(request.name, request.cache_used_bytes, request.cache_entries)
+            versions = self._versions_proto()
+            if answered is None or answered[0] != beat.known or answered[1] is not versions:
+                answered = (beat.known, versions)
+                yield dpb.HeartbeatReply(known=beat.known, versions=versions)
 
     async def ListNodes(self, request: dpb.ListNodesRequest, context: grpc.aio.ServicerContext) -> dpb.ListNodesReply:
         return dpb.ListNodesReply(
@@ -126,7 +91,7 @@ class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
 
     async def AddDataset(self, request: pb.AddDatasetRequest, context: grpc.aio.ServicerContext) -> pb.DatasetInfo:
         fmt = FORMAT_FROM_PROTO.get(request.format)
-        async with _status_on_error(context):
+        async with status_on_error(context):
             entry = await self.server.add_dataset(
                 request.name, request.root, fmt, request.replace, not request.tar_member_samples
             )
@@ -139,14 +104,14 @@ class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
         return pb.ListDatasetsReply(datasets=[dataset_info(registry.get(n)) for n in registry.names()])
 
     async def GetDataset(self, request: pb.GetDatasetRequest, context: grpc.aio.ServicerContext) -> pb.DatasetInfo:
-        async with _status_on_error(context):
+        async with status_on_error(context):
             entry = self.server.registry.get(request.name)
         return dataset_info(entry)
 
     async def GetManifest(
         self, request: pb.GetDatasetRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ManifestChunk]:
-        async with _status_on_error(context):
+        async with status_on_error(context):
             data = self.server.registry.get(request.name).manifest.data
         for start in range(0, len(data), MANIFEST_CHUNK_BYTES):
             yield pb.ManifestChunk(data=bytes(data[start : start + MANIFEST_CHUNK_BYTES]))
@@ -154,19 +119,19 @@ class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
     async def DropDataset(
         self, request: pb.DropDatasetRequest, context: grpc.aio.ServicerContext
     ) -> pb.DropDatasetReply:
-        async with _status_on_error(context):
+        async with status_on_error(context):
             await self.server.drop_dataset(request.name)
         return pb.DropDatasetReply(freed_samples=0)
 
     # ----------------------------------------------------------------- jobs
 
     async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
-        async with _status_on_error(context):
+        async with status_on_error(context):
             job = await self.server.join_job(join_request(request))
         return job_proto(job)
 
     async def GetJob(self, request: jpb.GetJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
-        async with _status_on_error(context):
+        async with status_on_error(context):
             job = self.server.state.get_job(request.job_id)
         return job_proto(job)
 
@@ -174,12 +139,12 @@ class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
         return jpb.ListJobsReply(jobs=[job_proto(j) for j in self.server.state.jobs()])
 
     async def DropJob(self, request: jpb.DropJobRequest, context: grpc.aio.ServicerContext) -> jpb.DropJobReply:
-        async with _status_on_error(context):
+        async with status_on_error(context):
             await self.server.drop_job(request.job_id)
         return jpb.DropJobReply()
 
     async def ReportEpoch(self, request: jpb.ReportEpochRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
-        async with _status_on_error(context):
+        async with status_on_error(context):
             job = await self.server.report_epoch(request.job_id, request.epoch, request.node)
         return job_proto(job)
 
@@ -241,25 +206,4 @@ def job_proto(job: Job) -> jpb.Job:
         num_samples=job.num_samples,
         epoch=job.epoch,
         created_unix=job.created,
-    )
-
-
-def dataset_info(entry: Registered) -> pb.DatasetInfo:
-    """The registry entry as DatasetInfo; the directory caches nothing, so the
-    cached_* fields stay 0."""
-    manifest, record = entry.manifest, entry.record
-    stats = manifest.size_stats()
-    return pb.DatasetInfo(
-        name=record.name,
-        root=record.root,
-        format=FORMAT_TO_PROTO[record.format],
-        num_samples=manifest.num_samples,
-        total_bytes=manifest.total_bytes,
-        sample_size=pb.SampleSizeStats(
-            min=int(stats["min"]), max=int(stats["max"]), mean=stats["mean"], median=int(stats["median"])
-        ),
-        manifest_id=record.manifest_id,
-        cache_db=record.cache_db,
-        manifest_bytes=len(manifest.data),
-        created_unix=record.created,
     )
