@@ -25,29 +25,30 @@ The issue's target: under 10% of one core.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import numpy as np
 
 from common import REPEATS, progress, report
-from dataquay.client.channels import channel_options
+from dataquay.client.channels import channel_options, server_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.launch import DirectoryProcess
 
-NODES = int(os.environ.get("BENCH_NODES", 1024))
+NODES = int(os.environ.get("BENCH_NODES", "1024"))
 #: "node": a connection per simulated node, as daemons have; "generator": all
 #: nodes of a generator share one (for the analysis in BENCHMARKS.md).
 CONNECTIONS = os.environ.get("BENCH_CONNECTIONS", "node")
@@ -55,7 +56,7 @@ CONNECTIONS = os.environ.get("BENCH_CONNECTIONS", "node")
 KEEPALIVE = os.environ.get("BENCH_KEEPALIVE", "1") != "0"
 GENERATORS = 2
 RAMP_SECONDS = 5.0
-WARMUP_SECONDS = 10.0
+WARMUP_SECONDS = 20.0
 WINDOW_SECONDS = 10.0
 TARGET_PERCENT = 10.0
 CALL_TIMEOUT_SECONDS = 10.0
@@ -147,16 +148,24 @@ async def _generate(first: int, count: int, address: str, out: Path) -> None:
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of process ``pid`` (all its threads), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return _stat_seconds(Path(f"/proc/{pid}/stat"))
+
+
+def thread_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of ``pid``, summed by thread name."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            out[name] = out.get(name, 0.0) + _stat_seconds(task / "stat")
+        except OSError:
+            continue  # the thread ended
+    return out
+
+
+def _stat_seconds(path: Path) -> float:
+    fields = path.read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / _TICKS
-
-
-def _heartbeats_counter(directory: DirectoryProcess) -> float:
-    text = urllib.request.urlopen(directory.http_url + "/metrics", timeout=10).read().decode()
-    for line in text.splitlines():
-        if line.startswith("dataquay_directory_heartbeats_total "):
-            return float(line.split()[1])
-    raise RuntimeError("the directory exports no heartbeat counter")
 
 
 def _list_nodes(address: str) -> dpb.ListNodesReply:
@@ -164,109 +173,174 @@ def _list_nodes(address: str) -> dpb.ListNodesReply:
         return directory_pb2_grpc.DirectoryStub(channel).ListNodes(dpb.ListNodesRequest(), timeout=30)
 
 
+# ----------------------------------------------------------------- baseline
+
+
+class _BareServicer(directory_pb2_grpc.DirectoryServicer):
+    """The directory's node calls answered with constants: gRPC's own cost."""
+
+    def __init__(self) -> None:
+        self.registered = dpb.RegisterNodeReply(lease_seconds=10.0, heartbeat_seconds=2.0)
+        self.beat = dpb.HeartbeatReply(known=True)
+
+    async def RegisterNode(self, request, context):  # type: ignore[no-untyped-def]
+        return self.registered
+
+    async def Heartbeat(self, request, context):  # type: ignore[no-untyped-def]
+        return self.beat
+
+    async def ListNodes(self, request, context):  # type: ignore[no-untyped-def]
+        return dpb.ListNodesReply()
+
+    async def ListJobs(self, request, context):  # type: ignore[no-untyped-def]
+        return jpb.ListJobsReply()
+
+    async def ListDatasets(self, request, context):  # type: ignore[no-untyped-def]
+        return pb.ListDatasetsReply()
+
+
+async def _serve_bare(ready_file: Path) -> None:
+    server = grpc.aio.server(options=server_options())
+    directory_pb2_grpc.add_DirectoryServicer_to_server(_BareServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ready_file.with_suffix(".tmp").write_text(json.dumps({"port": port}))
+    os.replace(ready_file.with_suffix(".tmp"), ready_file)
+    await stop.wait()
+    await server.stop(1)
+
+
+# ---------------------------------------------------------------- the bench
+
+
+def load(pid: int, address: str, base: Path, tag: str) -> dict[str, object]:
+    """Runs the simulated nodes against the server ``pid`` at ``address``; its CPU and their view."""
+    progress(f"{tag}: registering {NODES} nodes from {GENERATORS} generator processes")
+    per = NODES // GENERATORS
+    generators: list[subprocess.Popen[str]] = []
+    try:
+        boot_cpu, boot_wall = cpu_seconds(pid), time.monotonic()
+        for g in range(GENERATORS):
+            generators.append(subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--generate", str(g * per), str(per), address,
+                 str(base / f"{tag}-generator-{g}.json")],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            ))
+        for generator in generators:
+            assert generator.stdout is not None
+            line = generator.stdout.readline()
+            if not line.startswith("registered"):
+                raise RuntimeError(f"a generator failed to register its nodes: {line!r}")
+        registered_s = time.monotonic() - boot_wall
+        time.sleep(WARMUP_SECONDS)
+        boot_cpu = cpu_seconds(pid) - boot_cpu
+
+        before = _list_nodes(address)
+        progress(f"{tag}: {REPEATS} windows of {WINDOW_SECONDS:.0f} s")
+
+        def mark() -> tuple[float, float, float, dict[str, float], float]:
+            return (time.time(), time.monotonic(), cpu_seconds(pid), thread_seconds(pid),
+                    sum(cpu_seconds(g.pid) for g in generators))
+
+        marks = [mark()]
+        for _ in range(REPEATS):
+            time.sleep(WINDOW_SECONDS)
+            marks.append(mark())
+        after = _list_nodes(address)
+        for generator in generators:
+            assert generator.stdin is not None
+            generator.stdin.close()
+        for generator in generators:
+            generator.wait(60)
+        logs = [json.loads((base / f"{tag}-generator-{g}.json").read_text()) for g in range(GENERATORS)]
+    finally:
+        for generator in generators:
+            if generator.poll() is None:
+                generator.kill()
+                generator.wait()
+
+    start, end = marks[0][0], marks[-1][0]
+    span = marks[-1][1] - marks[0][1]
+    beats = [b for log in logs for b in log["beats"] if start <= b[0] < end]
+    latencies = np.array([b[1] for b in beats]) * 1e3
+    windows = [100 * (b[2] - a[2]) / (b[1] - a[1]) for a, b in itertools.pairwise(marks)]
+    threads = {name: 100 * (marks[-1][3].get(name, 0.0) - marks[0][3].get(name, 0.0)) / span
+               for name in marks[-1][3]}
+    listed = {n.info.name: n.state for n in after.nodes}
+    return {
+        "cpu_pct": statistics.median(windows),
+        "cpu_pct_windows": [round(w, 2) for w in windows],
+        "cpu_pct_by_thread": {k: round(v, 2) for k, v in sorted(threads.items(), key=lambda kv: -kv[1]) if v},
+        "heartbeats_per_s": len(beats) / (end - start),
+        "p50_ms": float(np.percentile(latencies, 50)),
+        "p99_ms": float(np.percentile(latencies, 99)),
+        "max_ms": float(latencies.max()),
+        "nodes_up_end": sum(1 for i in range(NODES) if listed.get(f"sim-{i:05d}") == jpb.NODE_UP),
+        "node_changes": after.versions.nodes - before.versions.nodes,
+        "errors": sum(len(log["errors"]) for log in logs),
+        "reregistered": sum(len(log["reregistered"]) for log in logs),
+        "list_nodes_in_windows": sum(1 for log in logs for t in log["list_nodes"] if start <= t < end),
+        "generators_cpu_pct": 100 * (marks[-1][4] - marks[0][4]) / span,
+        "boot_s": registered_s,
+        "boot_cpu_s": boot_cpu,
+    }
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dq-bench-directory-") as tmp:
         base = Path(tmp)
         directory = DirectoryProcess(base / "directory").start()
-        pid = directory.process.pid  # type: ignore[union-attr]
-        generators: list[subprocess.Popen[str]] = []
         try:
+            pid = directory.process.pid  # type: ignore[union-attr]
             progress(f"idle directory, {WINDOW_SECONDS:.0f} s")
             cpu0, wall0 = cpu_seconds(pid), time.monotonic()
             time.sleep(WINDOW_SECONDS)
             idle_pct = 100 * (cpu_seconds(pid) - cpu0) / (time.monotonic() - wall0)
-
-            progress(f"registering {NODES} nodes from {GENERATORS} generator processes")
-            per = NODES // GENERATORS
-            boot_cpu, boot_wall = cpu_seconds(pid), time.monotonic()
-            for g in range(GENERATORS):
-                generators.append(subprocess.Popen(
-                    [sys.executable, str(Path(__file__).resolve()), "--generate", str(g * per), str(per),
-                     directory.address, str(base / f"generator-{g}.json")],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                ))
-            for generator in generators:
-                assert generator.stdout is not None
-                line = generator.stdout.readline()
-                if not line.startswith("registered"):
-                    raise RuntimeError(f"a generator failed to register its nodes: {line!r}")
-            registered_s = time.monotonic() - boot_wall
-            time.sleep(WARMUP_SECONDS)
-            boot_cpu = cpu_seconds(pid) - boot_cpu
-
-            before = _list_nodes(directory.address)
-            progress(f"{REPEATS} windows of {WINDOW_SECONDS:.0f} s")
-            marks = [(time.time(), time.monotonic(), cpu_seconds(pid), _heartbeats_counter(directory),
-                      [cpu_seconds(g.pid) for g in generators])]
-            for _ in range(REPEATS):
-                time.sleep(WINDOW_SECONDS)
-                marks.append((time.time(), time.monotonic(), cpu_seconds(pid), _heartbeats_counter(directory),
-                              [cpu_seconds(g.pid) for g in generators]))
-            after = _list_nodes(directory.address)
-
-            for generator in generators:
-                assert generator.stdin is not None
-                generator.stdin.close()
-            for generator in generators:
-                generator.wait(60)
-            logs = [json.loads((base / f"generator-{g}.json").read_text()) for g in range(GENERATORS)]
+            loaded = load(pid, directory.address, base, "directory")
         finally:
-            for generator in generators:
-                if generator.poll() is None:
-                    generator.kill()
-                    generator.wait()
             directory.stop()
 
-    names = {f"sim-{i:05d}" for i in range(NODES)}
-    listed = {n.info.name: n.state for n in after.nodes}
-    up = sum(1 for name in names if listed.get(name) == jpb.NODE_UP)
-    assert up == NODES, f"only {up} of {NODES} nodes are UP at the end"
-    assert after.versions.nodes == before.versions.nodes, "a node went down or came back during the windows"
+        ready = base / "bare-ready.json"
+        bare = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--bare-server", str(ready)],
+                                stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while not ready.exists():
+                if bare.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the bare gRPC server did not start")
+                time.sleep(0.05)
+            floor = load(bare.pid, f"127.0.0.1:{json.loads(ready.read_text())['port']}", base, "bare")
+        finally:
+            bare.terminate()
+            bare.wait(30)
 
-    start, end = marks[0][0], marks[-1][0]
-    beats = [b for log in logs for b in log["beats"] if start <= b[0] < end]
-    latencies = np.array([b[1] for b in beats]) * 1e3
-    errors = [e for log in logs for e in log["errors"]]
-    reregistered = sum(len(log["reregistered"]) for log in logs)
-    list_nodes_in_windows = sum(1 for log in logs for t in log["list_nodes"] if start <= t < end)
-    windows = [
-        (100 * (b[2] - a[2]) / (b[1] - a[1]), (b[3] - a[3]) / (b[1] - a[1]),
-         100 * (sum(b[4]) - sum(a[4])) / (b[1] - a[1]))
-        for a, b in zip(marks, marks[1:])
-    ]
-    span = marks[-1][1] - marks[0][1]
-    row: dict[str, object] = {
-        "nodes": NODES,
-        "connections": CONNECTIONS,
-        "keepalive": KEEPALIVE,
-        "heartbeat_s": 2.0,
-        "windows_s": f"{REPEATS} x {WINDOW_SECONDS:.0f}",
-        "idle_cpu_pct": idle_pct,
-        "cpu_pct": statistics.median(w[0] for w in windows),
-        "cpu_pct_span": 100 * (marks[-1][2] - marks[0][2]) / span,
-        "cpu_pct_windows": [round(w[0], 2) for w in windows],
-        "target_pct": TARGET_PERCENT,
-        "heartbeats_per_s": len(beats) / (end - start),
-        "directory_counted_per_s": statistics.median(w[1] for w in windows),
-        "expected_per_s": NODES / 2.0,
-        "p50_ms": float(np.percentile(latencies, 50)),
-        "p99_ms": float(np.percentile(latencies, 99)),
-        "max_ms": float(latencies.max()),
-        "nodes_up_end": up,
-        "errors": len(errors),
-        "reregistered": reregistered,
-        "list_nodes_in_windows": list_nodes_in_windows,
-        "generators_cpu_pct": statistics.median(w[2] for w in windows),
-        "boot_s": registered_s,
-        "boot_cpu_s": boot_cpu,
-    }
+    rows: list[dict[str, object]] = []
+    for server, result in (("directory", loaded), ("bare grpc.aio", floor)):
+        rows.append({
+            "server": server,
+            "nodes": NODES,
+            "connections": CONNECTIONS,
+            "keepalive": KEEPALIVE,
+            "windows_s": f"{REPEATS} x {WINDOW_SECONDS:.0f}",
+            "idle_cpu_pct": idle_pct if server == "directory" else None,
+            **result,
+            "vs_bare": result["cpu_pct"] / floor["cpu_pct"],  # type: ignore[operator]
+            "target_pct": TARGET_PERCENT,
+            "expected_per_s": NODES / 2.0,
+        })
     report(
         "directory_load",
-        [row],
-        ["nodes", "windows_s", "idle_cpu_pct", "cpu_pct", "cpu_pct_span", "target_pct", "heartbeats_per_s",
-         "directory_counted_per_s", "expected_per_s", "p50_ms", "p99_ms", "max_ms", "nodes_up_end", "errors",
+        rows,
+        ["server", "nodes", "idle_cpu_pct", "cpu_pct", "vs_bare", "target_pct", "heartbeats_per_s", "expected_per_s",
+         "p50_ms", "p99_ms", "max_ms", "nodes_up_end", "node_changes", "errors", "list_nodes_in_windows",
          "generators_cpu_pct", "boot_s", "boot_cpu_s"],
     )
+    assert loaded["nodes_up_end"] == NODES, f"only {loaded['nodes_up_end']} of {NODES} nodes are UP at the end"
+    assert not loaded["node_changes"], "nodes went down or came back during the windows"
 
 
 if __name__ == "__main__":
@@ -275,5 +349,10 @@ if __name__ == "__main__":
 
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
             runner.run(_generate(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5])))
+    elif len(sys.argv) == 3 and sys.argv[1] == "--bare-server":
+        from dataquay.server.loops import loop_factory
+
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            runner.run(_serve_bare(Path(sys.argv[2])))
     else:
         main()

@@ -157,7 +157,7 @@ def _read_seconds(daemon: DaemonProcess) -> tuple[float, float]:
     text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
     found = {}
     for kind in ("sum", "count"):
-        match = re.search(rf'^dataquay_request_seconds_{kind}\{{method="Read"\}} (\S+)$', text, re.M)
+        match = re.search(rf'^dataquay_request_seconds_{kind}\{{method="Read"\}} (\S+)$', text, re.MULTILINE)
         found[kind] = float(match.group(1)) if match else 0.0
     return found["sum"], found["count"]
 
@@ -335,10 +335,7 @@ def main() -> None:
                     hops.append(hop)
         finally:
             for process in [*daemons, directory]:
-                try:
-                    process.stop()
-                except Exception:
-                    process.kill()
+                process.kill()
     report(
         "peer_hits",
         rows,

@@ -20,7 +20,7 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.launch import DaemonProcess, DirectoryProcess
-from dataquay.server.synthetic import make_files_dataset, sample_bytes
+from dataquay.server.synthetic import make_files_dataset, make_npy_dataset, sample_bytes
 
 N = 90
 SIZE = 3000
@@ -192,3 +192,24 @@ def test_job_errors_get_clear_status_codes(
             join(cache_pb2_grpc.CacheStub(channel))
     assert no_directory.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "--directory" in no_directory.value.details()
+
+
+def test_shard_partition_stages_whole_files_and_serves_them_to_peers(cluster: Cluster, tmp_path: Path) -> None:
+    root = make_npy_dataset(tmp_path / "pfs" / "frames", 120, record_shape=(32,), files=6)
+    records = np.concatenate([np.load(path) for path in sorted(root.glob("*.npy"))])
+    stubs = cluster.stubs
+    stubs[0].AddDataset(pb.AddDatasetRequest(name="frames", root=str(root)))
+    job = stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id="s1", dataset="frames", partition="shard")))
+    manifest = Manifest(b"".join(c.data for c in stubs[0].GetManifest(pb.GetDatasetRequest(name="frames"))))
+    owner = owners(job_plan(job, manifest), 0)
+    files = manifest.shard_groups()
+    for group in np.unique(files):
+        assert len(set(owner[files == group].tolist())) == 1, "a file was split between nodes"
+
+    for m, stub in enumerate(stubs):
+        *_, last = stub.Stage(pb.StageRequest(dataset="frames", job="s1"))
+        assert last.done_samples == int((owner == m).sum()) and not last.error
+    ids = list(range(120))
+    samples = [s for chunk in stubs[2].Read(pb.ReadRequest(dataset="frames", ids=ids, job="s1")) for s in chunk.samples]
+    assert [s.data for s in samples] == [records[i].tobytes() for i in ids]
+    assert {s.tier for s in samples} <= {pb.TIER_LOCAL, pb.TIER_PEER}

@@ -56,6 +56,7 @@ class Peers:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, cache_pb2_grpc.CacheStub] = {}
         self._addresses: dict[str, str] = {}
+        self._retired: list[grpc.aio.Channel] = []
         self._health: dict[str, PeerHealth] = {}
 
     def health(self) -> list[PeerHealth]:
@@ -81,7 +82,7 @@ class Peers:
         received = 0
         deadline = self.timeout + nbytes / SLOWEST_PEER_BYTES_PER_SECOND
         try:
-            stub = await self._stub(node, address)
+            stub = self._stub(node, address)
             async for chunk in stub.Read(request, timeout=deadline):
                 for sample in chunk.samples:
                     if sample.missing:
@@ -92,7 +93,7 @@ class Peers:
                     out[sample.id] = (sample.data, sample.checksum)
                     received += len(sample.data)
         except grpc.aio.AioRpcError as exc:
-            await self._failed(health, address, exc)
+            self._failed(health, address, exc)
             return {}
         if health.failures_in_a_row:
             log.info("peer answers again", extra={"fields": {"peer": node, "address": address}})
@@ -101,7 +102,7 @@ class Peers:
         health.bytes += received
         return out
 
-    async def _failed(self, health: PeerHealth, address: str, exc: grpc.aio.AioRpcError) -> None:
+    def _failed(self, health: PeerHealth, address: str, exc: grpc.aio.AioRpcError) -> None:
         health.failures += 1
         health.failures_in_a_row += 1
         first, longest = BACKOFF_SECONDS
@@ -112,12 +113,12 @@ class Peers:
             extra={"fields": {"peer": health.node, "address": address, "code": exc.code().name,
                               "error": exc.details(), "retry_in_s": backoff}},
         )
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            await self._forget(health.node)
 
-    async def _stub(self, node: str, address: str) -> cache_pb2_grpc.CacheStub:
+    def _stub(self, node: str, address: str) -> cache_pb2_grpc.CacheStub:
+        # A channel reconnects by itself when its peer comes back. It is never
+        # closed while in use: closing cancels every call in flight on it.
         if node in self._addresses and self._addresses[node] != address:
-            await self._forget(node)  # restarted on another port
+            self._retired.append(self._channels.pop(node))  # restarted on another port
         channel = self._channels.get(node)
         if channel is None:
             channel = grpc.aio.insecure_channel(grpc_target(address), options=channel_options())
@@ -126,14 +127,8 @@ class Peers:
             self._addresses[node] = address
         return self._stubs[node]
 
-    async def _forget(self, node: str) -> None:
-        """Drops the channel, so a restarted peer (maybe on a new port) is dialled afresh."""
-        channel = self._channels.pop(node, None)
-        self._stubs.pop(node, None)
-        self._addresses.pop(node, None)
-        if channel is not None:
-            await channel.close()
-
     async def close(self) -> None:
-        for node in list(self._channels):
-            await self._forget(node)
+        for channel in [*self._channels.values(), *self._retired]:
+            await channel.close()
+        self._channels.clear()
+        self._retired.clear()

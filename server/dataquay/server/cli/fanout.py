@@ -23,6 +23,7 @@ import grpc
 from tqdm import tqdm
 
 from dataquay.client.channels import channel_options
+from dataquay.client.jobs import job_spec
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import directory_pb2 as dpb
@@ -57,23 +58,17 @@ def _rpc_reason(exc: grpc.RpcError) -> str:
 # ------------------------------------------------------------------ stage
 
 
-def job_spec(args: argparse.Namespace) -> jpb.JobSpec:
+def _job_spec(args: argparse.Namespace) -> jpb.JobSpec:
     """The JobSpec of ``stage --job``: only the settings the user gave are set,
     so that joining an existing job never contradicts it by accident."""
-    spec = jpb.JobSpec(job_id=args.job, dataset=args.name)
-    if args.mode is not None:
-        spec.mode = args.mode
-    if args.q is not None:
-        spec.q = args.q
-    if args.seed is not None:
-        spec.seed = args.seed
-    if args.nodes is not None:
-        spec.nodes.extend(n.strip() for n in args.nodes.split(",") if n.strip())
-    if args.ranks_per_node is not None:
-        spec.ranks_per_node = args.ranks_per_node
-    if args.partition is not None:
-        spec.partition = args.partition
-    return spec
+    nodes = [n.strip() for n in args.nodes.split(",") if n.strip()] if args.nodes is not None else None
+    try:
+        return job_spec(
+            args.job, args.name, mode=args.mode, q=args.q, seed=args.seed, nodes=nodes,
+            ranks_per_node=args.ranks_per_node, partition=args.partition,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
 
 
 @dataclass
@@ -184,7 +179,7 @@ def stage_job(args: argparse.Namespace) -> None:
     """``dataquay stage NAME --job ID``: join (or create) the job at the
     directory, then stage each node's share on every node of the job at once."""
     with directory_stub(args) as directory:
-        job = directory.JoinJob(jpb.JoinJobRequest(spec=job_spec(args)))
+        job = directory.JoinJob(jpb.JoinJobRequest(spec=_job_spec(args)))
         listed = {n.info.name: n for n in directory.ListNodes(dpb.ListNodesRequest()).nodes}
     nodes = [_NodeStaging(name) for name in job.spec.nodes]
     if not nodes:
