@@ -400,3 +400,22 @@ def test_sigterm_stops_the_directory_cleanly(directory: DirectoryProcess) -> Non
     directory.signal(signal.SIGTERM)
     assert directory.stop() == 0
     assert "stopping" in directory.log_tail()
+
+
+def test_heartbeat_datagrams_renew_the_lease_and_garbage_is_ignored(
+    directory: DirectoryProcess, stub_for: Callable[..., Stub]
+) -> None:
+    stub = stub_for(directory)
+    registered = register(stub, "n0")
+    host, _, port = directory.address.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        udp.settimeout(5)
+        udp.connect((host, int(port)))
+        udp.send(b"\xff not a heartbeat")
+        udp.send(dpb.HeartbeatRequest(name="n0", cache_used_bytes=123, cache_entries=4).SerializeToString())
+        reply = dpb.HeartbeatReply.FromString(udp.recv(65536))
+        assert reply.known and reply.versions == registered.versions
+        udp.send(dpb.HeartbeatRequest(name="stranger").SerializeToString())
+        assert not dpb.HeartbeatReply.FromString(udp.recv(65536)).known
+    n0 = stub.ListNodes(dpb.ListNodesRequest()).nodes[0]
+    assert n0.cache_used_bytes == 123 and n0.cache_entries == 4

@@ -114,6 +114,8 @@ def test_each_node_stages_what_it_owns_and_misses_come_from_the_owners(
         assert tiers[pb.TIER_PEER] == N - int((owner == m).sum())
         assert tiers[pb.TIER_PFS] == 0
         assert {p.node for p in s.peers} == set(NODES) - {NODES[m]}
+    for daemon in cluster.daemons:
+        assert "renewing the lease by RPC" not in daemon.log_path.read_text(), "heartbeat datagrams were lost"
 
 
 def test_a_peer_serves_only_its_cache_and_flags_the_rest(

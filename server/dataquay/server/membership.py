@@ -23,6 +23,7 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.directory.beats import HeartbeatSender
 from dataquay.server.errors import (
     DataquayError,
     DatasetExistsError,
@@ -40,6 +41,9 @@ T = TypeVar("T")
 RETRY_SECONDS = (0.5, 30.0)
 #: Deadline of one call to the directory.
 CALL_TIMEOUT_SECONDS = 10.0
+#: How long a heartbeat datagram waits for its answer before the beat is
+#: repeated by RPC.
+DATAGRAM_WAIT_SECONDS = 0.5
 
 
 def _relayed(exc: grpc.aio.AioRpcError, not_found: type[DataquayError] = UnknownJobError) -> DataquayError:
@@ -86,6 +90,7 @@ class DirectoryLink:
         self._versions = dpb.Versions()
         self._heartbeat_seconds = 2.0
         self._looked_up: dict[str, float] = {}
+        self._beats_by_rpc = False
 
     # ------------------------------------------------------------ background
 
@@ -98,39 +103,50 @@ class DirectoryLink:
                     await self._register()
                 delay = RETRY_SECONDS[0]
                 await self._beat()
-                await asyncio.sleep(delay)  # the directory ended the stream: it is stopping, or forgot us
-            except grpc.aio.AioRpcError as exc:
+            except (grpc.aio.AioRpcError, OSError) as exc:
                 if self.reachable or delay == RETRY_SECONDS[0]:
+                    reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                     log.warning(
                         "directory unreachable; serving with what this node knows",
-                        extra={"fields": {"directory": self.address, "code": exc.code().name}},
+                        extra={"fields": {"directory": self.address, "error": reason}},
                     )
                 self.reachable = False
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_SECONDS[1])
+            except Exception:  # a bug here must not silence the node for good
+                log.exception("directory link failed; retrying")
+                self.registered.clear()
+                await asyncio.sleep(RETRY_SECONDS[1])
 
     async def _beat(self) -> None:
-        """One heartbeat stream, until it breaks or the directory forgets this node."""
-        call = self.stub.HeartbeatStream()
+        """Heartbeats until the directory forgets this node.
 
-        async def send() -> None:
-            while True:
-                await call.write(self._heartbeat())
-                await asyncio.sleep(self._heartbeat_seconds)
-
-        sender = asyncio.get_running_loop().create_task(send(), name="heartbeats")
+        Beats go as datagrams (see :mod:`dataquay.server.directory.beats`);
+        one that goes unanswered is repeated through the Heartbeat RPC, whose
+        failure (the directory down) ends the loop with an RpcError.
+        """
+        sender = await HeartbeatSender.connect(self.address)
         try:
-            async for reply in call:
+            while True:
+                started = time.monotonic()
+                request = self._heartbeat()
+                reply = await sender.beat(request, timeout=DATAGRAM_WAIT_SECONDS)
+                by_rpc = reply is None
+                if reply is None:
+                    reply = await self.stub.Heartbeat(request, timeout=CALL_TIMEOUT_SECONDS)
+                    if not self._beats_by_rpc:
+                        log.warning("heartbeat datagrams go unanswered (UDP blocked?); renewing the lease by RPC",
+                                    extra={"fields": {"directory": self.address}})
+                self._beats_by_rpc = by_rpc
                 if not reply.known:
                     log.info("the directory lost this node; registering again")
                     self.registered.clear()
                     return
                 self._reached()
                 await self._sync(reply.versions)
+                await asyncio.sleep(max(0.0, self._heartbeat_seconds - (time.monotonic() - started)))
         finally:
-            sender.cancel()
-            call.cancel()
-            await asyncio.gather(sender, return_exceptions=True)
+            sender.close()
 
     async def _register(self) -> None:
         reply = await self.stub.RegisterNode(

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 
+from dataquay.client.placement import MODES
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.cli import fanout
 from dataquay.server.cli.common import CliError, add_addr, add_directory, daemon_stub, print_table
@@ -185,7 +186,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     stage.add_argument("--quiet", action="store_true", help="no progress bar")
     cluster = stage.add_argument_group("cluster staging: create or join a job, stage on all its nodes")
     cluster.add_argument("--job", help="job id; stages on every node of the job at once")
-    cluster.add_argument("--mode", choices=("global", "local", "partial", "locality"), help="shuffle mode (default global)")
+    cluster.add_argument("--mode", choices=sorted(MODES), help="shuffle mode (default global)")
     cluster.add_argument("--q", type=float, help="fraction exchanged per epoch in partial mode (0 < Q <= 1)")
     cluster.add_argument("--nodes", help="comma-separated node names in job order (default: all live nodes)")
     cluster.add_argument("--ranks-per-node", type=int, help="ranks per node (default: set by the first rank)")

@@ -13,6 +13,9 @@ made it returns; calls that change the state within a few milliseconds share
 one write, so a thousand daemons registering at once cost tens of writes, not
 a thousand. Heartbeats are not written; a node that comes back up
 by heartbeating is written by the next lease check.
+
+Heartbeats arrive as UDP datagrams on the gRPC port's number (see
+:mod:`.beats`), or through the Heartbeat RPC.
 """
 
 from __future__ import annotations
@@ -31,20 +34,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from dataquay.client.channels import server_options
+from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.server.config import DirectoryConfig
 from dataquay.server.listen import bind_tcp
+from dataquay.server.directory.beats import open_heartbeats
 from dataquay.server.directory.metrics import directory_metrics
 from dataquay.server.directory.sd_http import HttpEndpoints
 from dataquay.server.directory.service import DirectoryServicer
 from dataquay.server.directory.state import (
-    Beat,
     Change,
     DatasetFacts,
     DirectoryState,
     Job,
     JoinRequest,
     NodeInfo,
+    Versions,
 )
 from dataquay.server.dirs import ensure_writable_dir
 from dataquay.server.errors import StartupError
@@ -75,6 +80,8 @@ class DirectoryServer:
         self.tcp_address = ""
         self.http_port = 0
         self._server: grpc.aio.Server | None = None
+        self._beats: asyncio.DatagramTransport | None = None
+        self._versions: tuple[Versions, dpb.Versions] = (Versions(), dpb.Versions())
         self._started = False
         self._serving = False
         self._saved_revision = 0
@@ -146,6 +153,11 @@ class DirectoryServer:
         self._server = server
         self.tcp_address = bind_tcp(server, self.config.listen)
         await server.start()
+        host = self.config.listen.rpartition(":")[0]
+        try:
+            self._beats = await open_heartbeats(f"{host}:{self.tcp_address.rpartition(':')[2]}", self.heartbeat_reply)
+        except OSError as exc:
+            raise StartupError(f"cannot receive heartbeats on UDP {self.tcp_address}: {exc.strerror}") from exc
 
     def _write_ready_file(self) -> None:
         if self.config.ready_file is None:
@@ -174,6 +186,8 @@ class DirectoryServer:
         self._serving = False
         await self.health.enter_graceful_shutdown()
         await self.tasks.close()
+        if self._beats is not None:
+            self._beats.close()
         if self._server is not None:
             await self._server.stop(grace)
         await self.http.close()
@@ -236,11 +250,21 @@ class DirectoryServer:
             )
         await self._persist()
 
-    def heartbeat(self, name: str, cache_used_bytes: int, cache_entries: int) -> Beat:
-        beat = self.state.heartbeat(name, cache_used_bytes, cache_entries, time.time())
+    def heartbeat_reply(self, request: dpb.HeartbeatRequest) -> dpb.HeartbeatReply:
+        """Renews the node's lease; the answer to a beat by RPC or datagram."""
+        beat = self.state.heartbeat(request.name, request.cache_used_bytes, request.cache_entries, time.time())
         if beat.came_up:
-            log.info("node up", extra={"fields": {"node": name}})
-        return beat
+            log.info("node up", extra={"fields": {"node": request.name}})
+        return dpb.HeartbeatReply(known=beat.known, versions=self.versions_proto())
+
+    def versions_proto(self) -> dpb.Versions:
+        """The versions as a message, rebuilt only when they changed (heartbeats are hot)."""
+        versions = self.state.versions
+        if versions is not self._versions[0]:
+            self._versions = (
+                versions, dpb.Versions(nodes=versions.nodes, datasets=versions.datasets, jobs=versions.jobs)
+            )
+        return self._versions[1]
 
     async def add_dataset(
         self, name: str, root: str, fmt: str | None, replace: bool, tar_grouped: bool

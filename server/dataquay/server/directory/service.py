@@ -16,7 +16,7 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.directory.state import Job, JoinRequest, Node, NodeInfo, Versions
+from dataquay.server.directory.state import Job, JoinRequest, Node, NodeInfo
 from dataquay.server.status import status_on_error
 from dataquay.server.servicer import FORMAT_FROM_PROTO, dataset_info
 
@@ -34,7 +34,6 @@ class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
 
     def __init__(self, server: DirectoryServer) -> None:
         self.server = server
-        self._versions: tuple[Versions, dpb.Versions] = (Versions(), dpb.Versions())
 
     # ---------------------------------------------------------------- nodes
 
@@ -55,37 +54,16 @@ class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
         config = self.server.config
         return dpb.RegisterNodeReply(
             lease_seconds=config.lease_seconds, heartbeat_seconds=config.heartbeat_seconds,
-            versions=self._versions_proto(),
+            versions=self.server.versions_proto(),
         )
 
     async def Heartbeat(self, request: dpb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> dpb.HeartbeatReply:
-        beat = self.server.heartbeat(request.name, request.cache_used_bytes, request.cache_entries)
-        return dpb.HeartbeatReply(known=beat.known, versions=self._versions_proto())
-
-    async def HeartbeatStream(
-        self, requests: AsyncIterator[dpb.HeartbeatRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[dpb.HeartbeatReply]:
-        answered: tuple[bool, dpb.Versions] | None = None
-        async for request in requests:
-            beat = self.server.heartbeat(request.name, request.cache_used_bytes, request.cache_entries)
-            versions = self._versions_proto()
-            if answered is None or answered[0] != beat.known or answered[1] is not versions:
-                answered = (beat.known, versions)
-                yield dpb.HeartbeatReply(known=beat.known, versions=versions)
+        return self.server.heartbeat_reply(request)
 
     async def ListNodes(self, request: dpb.ListNodesRequest, context: grpc.aio.ServicerContext) -> dpb.ListNodesReply:
         return dpb.ListNodesReply(
-            nodes=[node_status(n) for n in self.server.state.nodes()], versions=self._versions_proto()
+            nodes=[node_status(n) for n in self.server.state.nodes()], versions=self.server.versions_proto()
         )
-
-    def _versions_proto(self) -> dpb.Versions:
-        """The versions as a message, rebuilt only when they changed (heartbeats are hot)."""
-        versions = self.server.state.versions
-        if versions is not self._versions[0]:
-            self._versions = (
-                versions, dpb.Versions(nodes=versions.nodes, datasets=versions.datasets, jobs=versions.jobs)
-            )
-        return self._versions[1]
 
     # ------------------------------------------------------------- datasets
 
