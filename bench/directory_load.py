@@ -1,25 +1,45 @@
-"""The directory's CPU with 1,024 nodes heartbeating, against its own idle CPU.
+"""The directory's CPU with 1,024 nodes heartbeating, against a bare server.
 
-A real directory process (``dataquay directory``, default lease 10 s and
-heartbeat 2 s) and ``GENERATORS`` load-generator processes (this file with
-``--generate``), never the same process. Each simulated node does what a
-daemon's DirectoryLink does: its own TCP connection (gRPC channel with the
-daemon's options, keepalive pings included), RegisterNode at a random moment
-of a ``RAMP_SECONDS`` boot ramp, then a Heartbeat every heartbeat_seconds
-(the reply's value) with +-10% jitter, and ListNodes / ListJobs /
-ListDatasets whenever a reply's versions say they changed (so the boot ramp
-has the daemons' refetch storm; steady state has none).
+A real directory process (``dataquay directory``, heartbeat 2 s, lease 10 s)
+and ``GENERATORS`` load-generator processes (this file with ``--generate``),
+never the same process. Each simulated node does what a daemon's
+DirectoryLink does: its own gRPC channel to the directory (one TCP
+connection, the daemons' channel options, keepalive pings included) and its
+own UDP socket; RegisterNode at a random moment of a ``RAMP_SECONDS`` boot
+ramp; then a beat every heartbeat_seconds (the registration reply's value,
++-10% jitter) sent as a datagram by the daemons' own HeartbeatSender, and
+repeated through the Heartbeat RPC when no answer comes within
+DATAGRAM_WAIT_SECONDS; and ListNodes / ListJobs / ListDatasets whenever an
+answer's versions moved, so the boot ramp has the daemons' refetch storm and
+steady state has none. ``BENCH_HEARTBEAT=unary`` sends every beat through
+the RPC (the protocol before datagrams).
 
-Measured: the directory process's CPU (utime + stime from /proc/PID/stat)
-over ``REPEATS`` consecutive windows of ``WINDOW_SECONDS``, after all nodes
-registered and ``WARMUP_SECONDS`` passed, divided by wall time: % of one
-core, median of the windows (and the whole span). Against: the same
-directory's CPU over one window with no node registered, measured first. The
-generators count heartbeat replies by wall-clock time and time each call, so
-the heartbeats/s and the p50/p99 latency are of the same windows; at the end
-ListNodes must show every simulated node UP, and the node-set version must
-not have moved during the windows (no node went down and came back).
-The issue's target: under 10% of one core.
+Measured: the server process's CPU (utime + stime from /proc/PID/stat, all
+threads) over ``REPEATS`` consecutive windows of ``WINDOW_SECONDS``, once
+all nodes registered, at least ``WARMUP_SECONDS`` passed and no node
+refetched or failed a call for ``SETTLED_SECONDS``, divided by wall time:
+% of one core, median of the windows. Heartbeats/s: answered beats in the
+windows as the generators saw them, and beats the directory counted (its
+/metrics); beat latency: send to answer, p50 and p99 over the windows. At
+the end ListNodes must show every simulated node UP, the node-set version
+must not have moved during the windows (no node went down and came back),
+and no call may have failed in them. The issue's target: under 10% of one
+core.
+
+Baseline, same run, same load: a bare server in a process of its own (this
+file with ``--bare-server``): grpc.aio with the directory's server options
+and the directory's datagram endpoint on the same port, on uvloop, answering
+everything with constants, i.e. what the transports alone cost. Reported
+also: CPU by thread (Python vs gRPC's event-engine threads), and the boot:
+seconds until all nodes had registered and until the refetches settled, the
+server's CPU seconds from the first registration to the windows (the
+refetch storm), and the calls that failed during it.
+
+Knobs for the analysis in BENCHMARKS.md (results then go to
+``directory_load-<variant>.json``): BENCH_NODES, BENCH_HEARTBEAT_SECONDS
+(the lease is five heartbeats, at least 10 s), BENCH_HEARTBEAT=unary,
+BENCH_CONNECTIONS=generator (one gRPC connection per generator process),
+BENCH_KEEPALIVE=0.
 """
 
 from __future__ import annotations
@@ -34,8 +54,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -46,17 +71,27 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.directory.beats import HeartbeatSender, open_heartbeats
 from dataquay.server.launch import DirectoryProcess
+from dataquay.server.membership import DATAGRAM_WAIT_SECONDS
 
 NODES = int(os.environ.get("BENCH_NODES", "1024"))
+HEARTBEAT_SECONDS = float(os.environ.get("BENCH_HEARTBEAT_SECONDS", "2"))
+LEASE_SECONDS = max(10.0, 5 * HEARTBEAT_SECONDS)
+#: "udp": datagrams with the RPC as fallback, as daemons do; "unary": the RPC only.
+HEARTBEAT = os.environ.get("BENCH_HEARTBEAT", "udp")
 #: "node": a connection per simulated node, as daemons have; "generator": all
-#: nodes of a generator share one (for the analysis in BENCHMARKS.md).
+#: nodes of a generator process share one.
 CONNECTIONS = os.environ.get("BENCH_CONNECTIONS", "node")
-#: "0" drops the daemons' keepalive pings (for the analysis).
+#: "0" drops the daemons' keepalive pings.
 KEEPALIVE = os.environ.get("BENCH_KEEPALIVE", "1") != "0"
 GENERATORS = 2
 RAMP_SECONDS = 5.0
-WARMUP_SECONDS = 20.0
+WARMUP_SECONDS = 10.0
+#: The windows start once no node refetched or failed for this long ...
+SETTLED_SECONDS = 5.0
+#: ... which must happen within this.
+MAX_WARMUP_SECONDS = 300.0
 WINDOW_SECONDS = 10.0
 TARGET_PERCENT = 10.0
 CALL_TIMEOUT_SECONDS = 10.0
@@ -69,21 +104,53 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 class _Node:
     """One simulated daemon's directory traffic."""
 
-    def __init__(self, index: int, channel: grpc.aio.Channel, log: dict[str, list]) -> None:  # type: ignore[type-arg]
+    def __init__(self, index: int, channel: grpc.aio.Channel, address: str, log: dict[str, Any]) -> None:
         self.name = f"sim-{index:05d}"
         self.info = jpb.NodeInfo(
             name=self.name, tcp_address=f"127.0.0.1:{20000 + index}", metrics_address=f"127.0.0.1:{40000 + index}",
             cache_capacity=1 << 40, pid=os.getpid(), version="bench",
         )
+        self.beat = dpb.HeartbeatRequest(name=self.name, cache_used_bytes=1 << 30, cache_entries=10_000)
         self.stub = directory_pb2_grpc.DirectoryStub(channel)
+        self.address = address
         self.versions = dpb.Versions()
         self.log = log
-        self.period = 2.0
+        self.period = HEARTBEAT_SECONDS
+
+    async def run(self, registered: asyncio.Queue[None]) -> None:
+        await asyncio.sleep(random.uniform(0, RAMP_SECONDS))
+        sender = await HeartbeatSender.connect(self.address) if HEARTBEAT == "udp" else None
+        await self.register()
+        registered.put_nowait(None)
+        while True:
+            try:
+                await asyncio.sleep(self.period * random.uniform(0.9, 1.1))
+                started = time.perf_counter()
+                reply = await sender.beat(self.beat, DATAGRAM_WAIT_SECONDS) if sender is not None else None
+                by_rpc = reply is None
+                if reply is None:
+                    reply = await self.stub.Heartbeat(self.beat, timeout=CALL_TIMEOUT_SECONDS)
+                self.log["beats"].append([time.time(), time.perf_counter() - started, by_rpc])
+                if not reply.known:
+                    self.log["reregistered"].append(time.time())
+                    await self.register()
+                    continue
+                await self.sync(reply.versions)
+            except grpc.aio.AioRpcError as exc:
+                self.log["errors"].append([time.time(), "Heartbeat or a refetch", exc.code().name])
 
     async def register(self) -> None:
-        reply = await self.stub.RegisterNode(dpb.RegisterNodeRequest(node=self.info), timeout=CALL_TIMEOUT_SECONDS)
-        self.period = reply.heartbeat_seconds or self.period
-        await self.sync(reply.versions, force=True)
+        while True:
+            try:
+                reply = await self.stub.RegisterNode(
+                    dpb.RegisterNodeRequest(node=self.info), timeout=CALL_TIMEOUT_SECONDS
+                )
+                self.period = reply.heartbeat_seconds or self.period
+                await self.sync(reply.versions, force=True)
+                return
+            except grpc.aio.AioRpcError as exc:
+                self.log["errors"].append([time.time(), "RegisterNode", exc.code().name])
+                await asyncio.sleep(0.5)
 
     async def sync(self, versions: dpb.Versions, force: bool = False) -> None:
         if force or versions.nodes != self.versions.nodes:
@@ -95,46 +162,30 @@ class _Node:
             await self.stub.ListDatasets(pb.ListDatasetsRequest(), timeout=CALL_TIMEOUT_SECONDS)
         self.versions = versions
 
-    async def run(self, registered: asyncio.Queue[None]) -> None:
-        await asyncio.sleep(random.uniform(0, RAMP_SECONDS))
-        while True:
-            try:
-                await self.register()
-                break
-            except grpc.aio.AioRpcError as exc:
-                self.log["errors"].append([time.time(), "RegisterNode", exc.code().name])
-                await asyncio.sleep(0.5)
-        registered.put_nowait(None)
-        request = dpb.HeartbeatRequest(name=self.name, cache_used_bytes=1 << 30, cache_entries=10_000)
-        while True:
-            await asyncio.sleep(self.period * random.uniform(0.9, 1.1))
-            started = time.perf_counter()
-            try:
-                reply = await self.stub.Heartbeat(request, timeout=CALL_TIMEOUT_SECONDS)
-                self.log["beats"].append([time.time(), time.perf_counter() - started, reply.versions.nodes])
-                if not reply.known:
-                    self.log["reregistered"].append(time.time())
-                    await self.register()
-                    continue
-                await self.sync(reply.versions)
-            except grpc.aio.AioRpcError as exc:
-                self.log["errors"].append([time.time(), "Heartbeat", exc.code().name])
-
 
 async def _generate(first: int, count: int, address: str, out: Path) -> None:
-    log: dict[str, list] = {"beats": [], "errors": [], "reregistered": [], "list_nodes": []}  # type: ignore[type-arg]
+    log: dict[str, Any] = {"beats": [], "errors": [], "reregistered": [], "list_nodes": []}
     options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]  # a connection per channel
     if not KEEPALIVE:
         options = [(k, v) for k, v in options if not k.startswith("grpc.keepalive")]
-    channels = [grpc.aio.insecure_channel(address, options=options)
-                for _ in range(count if CONNECTIONS == "node" else 1)]
-    nodes = [_Node(i, channels[(i - first) % len(channels)], log) for i in range(first, first + count)]
+    channels = [
+        grpc.aio.insecure_channel(address, options=options) for _ in range(count if CONNECTIONS == "node" else 1)
+    ]
+    nodes = [_Node(i, channels[(i - first) % len(channels)], address, log) for i in range(first, first + count)]
     registered: asyncio.Queue[None] = asyncio.Queue()
     tasks = [asyncio.create_task(node.run(registered)) for node in nodes]
     for _ in nodes:
         await registered.get()
     print(f"registered {count}", flush=True)
+
+    async def report_refetches() -> None:
+        while True:
+            print(f"refetches {len(log['list_nodes'])} {len(log['errors'])}", flush=True)
+            await asyncio.sleep(1.0)
+
+    reporter = asyncio.create_task(report_refetches())
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
+    reporter.cancel()
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -143,7 +194,51 @@ async def _generate(first: int, count: int, address: str, out: Path) -> None:
     out.write_text(json.dumps(log))
 
 
-# ---------------------------------------------------------------- the bench
+# ------------------------------------------------------------------ baseline
+
+
+class _BareServicer(directory_pb2_grpc.DirectoryServicer):
+    """The directory's node calls answered with constants: the transport's own cost."""
+
+    def __init__(self) -> None:
+        self.registered = dpb.RegisterNodeReply(lease_seconds=LEASE_SECONDS, heartbeat_seconds=HEARTBEAT_SECONDS)
+        self.beat = dpb.HeartbeatReply(known=True)
+
+    async def RegisterNode(self, request, context):  # type: ignore[no-untyped-def]
+        return self.registered
+
+    async def Heartbeat(self, request, context):  # type: ignore[no-untyped-def]
+        return self.beat
+
+    async def ListNodes(self, request, context):  # type: ignore[no-untyped-def]
+        return dpb.ListNodesReply()
+
+    async def ListJobs(self, request, context):  # type: ignore[no-untyped-def]
+        return jpb.ListJobsReply()
+
+    async def ListDatasets(self, request, context):  # type: ignore[no-untyped-def]
+        return pb.ListDatasetsReply()
+
+
+async def _serve_bare(ready_file: Path) -> None:
+    servicer = _BareServicer()
+    server = grpc.aio.server(options=server_options())
+    directory_pb2_grpc.add_DirectoryServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    beats = await open_heartbeats(f"127.0.0.1:{port}", lambda request: servicer.beat)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ready_file.with_suffix(".tmp").write_text(json.dumps({"port": port}))
+    os.replace(ready_file.with_suffix(".tmp"), ready_file)
+    await stop.wait()
+    beats.close()
+    await server.stop(1)
+
+
+# ----------------------------------------------------------------- the bench
 
 
 def cpu_seconds(pid: int) -> float:
@@ -173,52 +268,42 @@ def _list_nodes(address: str) -> dpb.ListNodesReply:
         return directory_pb2_grpc.DirectoryStub(channel).ListNodes(dpb.ListNodesRequest(), timeout=30)
 
 
-# ----------------------------------------------------------------- baseline
+def _heartbeats_counted(directory: DirectoryProcess) -> Callable[[], float]:
+    def counted() -> float:
+        text = urllib.request.urlopen(directory.http_url + "/metrics", timeout=10).read().decode()
+        for line in text.splitlines():
+            if line.startswith("dataquay_directory_heartbeats_total "):
+                return float(line.split()[1])
+        raise RuntimeError("the directory exports no heartbeat counter")
+
+    return counted
 
 
-class _BareServicer(directory_pb2_grpc.DirectoryServicer):
-    """The directory's node calls answered with constants: gRPC's own cost."""
+def _settle(generators: list[subprocess.Popen[str]]) -> float:
+    """Waits until the generators' nodes made no ListNodes call and met no
+    error for SETTLED_SECONDS (and WARMUP_SECONDS passed); returns when the
+    last one happened (monotonic clock)."""
+    counts: dict[int, str] = {}
+    changed = [time.monotonic()]
 
-    def __init__(self) -> None:
-        self.registered = dpb.RegisterNodeReply(lease_seconds=10.0, heartbeat_seconds=2.0)
-        self.beat = dpb.HeartbeatReply(known=True)
+    def follow(index: int, stream: Any) -> None:
+        for line in stream:
+            if line != counts.get(index):
+                counts[index] = line
+                changed[0] = time.monotonic()
 
-    async def RegisterNode(self, request, context):  # type: ignore[no-untyped-def]
-        return self.registered
-
-    async def Heartbeat(self, request, context):  # type: ignore[no-untyped-def]
-        return self.beat
-
-    async def ListNodes(self, request, context):  # type: ignore[no-untyped-def]
-        return dpb.ListNodesReply()
-
-    async def ListJobs(self, request, context):  # type: ignore[no-untyped-def]
-        return jpb.ListJobsReply()
-
-    async def ListDatasets(self, request, context):  # type: ignore[no-untyped-def]
-        return pb.ListDatasetsReply()
-
-
-async def _serve_bare(ready_file: Path) -> None:
-    server = grpc.aio.server(options=server_options())
-    directory_pb2_grpc.add_DirectoryServicer_to_server(_BareServicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    ready_file.with_suffix(".tmp").write_text(json.dumps({"port": port}))
-    os.replace(ready_file.with_suffix(".tmp"), ready_file)
-    await stop.wait()
-    await server.stop(1)
+    for index, generator in enumerate(generators):
+        threading.Thread(target=follow, args=(index, generator.stdout), daemon=True).start()
+    started = time.monotonic()
+    while time.monotonic() - started < WARMUP_SECONDS or time.monotonic() - changed[0] < SETTLED_SECONDS:
+        if time.monotonic() - started > MAX_WARMUP_SECONDS:
+            raise RuntimeError(f"the nodes' refetches did not settle within {MAX_WARMUP_SECONDS:.0f} s")
+        time.sleep(0.5)
+    return changed[0]
 
 
-# ---------------------------------------------------------------- the bench
-
-
-def load(pid: int, address: str, base: Path, tag: str) -> dict[str, object]:
-    """Runs the simulated nodes against the server ``pid`` at ``address``; its CPU and their view."""
+def load(pid: int, address: str, base: Path, tag: str, counted: Callable[[], float] | None) -> dict[str, object]:
+    """Runs the simulated nodes against the server ``pid`` at ``address``: its CPU and their view."""
     progress(f"{tag}: registering {NODES} nodes from {GENERATORS} generator processes")
     per = NODES // GENERATORS
     generators: list[subprocess.Popen[str]] = []
@@ -236,20 +321,20 @@ def load(pid: int, address: str, base: Path, tag: str) -> dict[str, object]:
             if not line.startswith("registered"):
                 raise RuntimeError(f"a generator failed to register its nodes: {line!r}")
         registered_s = time.monotonic() - boot_wall
-        time.sleep(WARMUP_SECONDS)
+        settled_s = _settle(generators) - boot_wall
         boot_cpu = cpu_seconds(pid) - boot_cpu
 
-        before = _list_nodes(address)
         progress(f"{tag}: {REPEATS} windows of {WINDOW_SECONDS:.0f} s")
-
-        def mark() -> tuple[float, float, float, dict[str, float], float]:
-            return (time.time(), time.monotonic(), cpu_seconds(pid), thread_seconds(pid),
-                    sum(cpu_seconds(g.pid) for g in generators))
-
-        marks = [mark()]
-        for _ in range(REPEATS):
-            time.sleep(WINDOW_SECONDS)
-            marks.append(mark())
+        before = _list_nodes(address)
+        marks: list[dict[str, Any]] = []
+        for window in range(REPEATS + 1):
+            if window:
+                time.sleep(WINDOW_SECONDS)
+            marks.append({
+                "time": time.time(), "clock": time.monotonic(), "cpu": cpu_seconds(pid),
+                "threads": thread_seconds(pid), "generators": sum(cpu_seconds(g.pid) for g in generators),
+                "counted": counted() if counted else 0.0,
+            })
         after = _list_nodes(address)
         for generator in generators:
             assert generator.stdin is not None
@@ -263,29 +348,41 @@ def load(pid: int, address: str, base: Path, tag: str) -> dict[str, object]:
                 generator.kill()
                 generator.wait()
 
-    start, end = marks[0][0], marks[-1][0]
-    span = marks[-1][1] - marks[0][1]
-    beats = [b for log in logs for b in log["beats"] if start <= b[0] < end]
+    first, last = marks[0], marks[-1]
+    span = last["clock"] - first["clock"]
+    beats = [b for log in logs for b in log["beats"] if first["time"] <= b[0] < last["time"]]
     latencies = np.array([b[1] for b in beats]) * 1e3
-    windows = [100 * (b[2] - a[2]) / (b[1] - a[1]) for a, b in itertools.pairwise(marks)]
-    threads = {name: 100 * (marks[-1][3].get(name, 0.0) - marks[0][3].get(name, 0.0)) / span
-               for name in marks[-1][3]}
+    windows = [100 * (b["cpu"] - a["cpu"]) / (b["clock"] - a["clock"]) for a, b in itertools.pairwise(marks)]
+    threads = {
+        name: 100 * (last["threads"].get(name, 0.0) - first["threads"].get(name, 0.0)) / span
+        for name in last["threads"]
+    }
     listed = {n.info.name: n.state for n in after.nodes}
     return {
         "cpu_pct": statistics.median(windows),
         "cpu_pct_windows": [round(w, 2) for w in windows],
         "cpu_pct_by_thread": {k: round(v, 2) for k, v in sorted(threads.items(), key=lambda kv: -kv[1]) if v},
-        "heartbeats_per_s": len(beats) / (end - start),
+        "cpu_ms_per_beat": 1e3 * (last["cpu"] - first["cpu"]) / max(len(beats), 1),
+        "heartbeats_per_s": len(beats) / (last["time"] - first["time"]),
+        "beats_by_rpc": sum(1 for b in beats if b[2]),
+        "directory_counted_per_s": (last["counted"] - first["counted"]) / span if counted else None,
         "p50_ms": float(np.percentile(latencies, 50)),
         "p99_ms": float(np.percentile(latencies, 99)),
         "max_ms": float(latencies.max()),
         "nodes_up_end": sum(1 for i in range(NODES) if listed.get(f"sim-{i:05d}") == jpb.NODE_UP),
         "node_changes": after.versions.nodes - before.versions.nodes,
-        "errors": sum(len(log["errors"]) for log in logs),
+        "errors": sum(1 for log in logs for t, *_ in log["errors"] if first["time"] <= t < last["time"]),
+        "boot_errors": dict(Counter(
+            f"{call} {code}" for log in logs for t, call, code in log["errors"] if t < first["time"]
+        )),
         "reregistered": sum(len(log["reregistered"]) for log in logs),
-        "list_nodes_in_windows": sum(1 for log in logs for t in log["list_nodes"] if start <= t < end),
-        "generators_cpu_pct": 100 * (marks[-1][4] - marks[0][4]) / span,
+        "boot_list_nodes": sum(1 for log in logs for t in log["list_nodes"] if t < first["time"]),
+        "list_nodes_in_windows": sum(
+            1 for log in logs for t in log["list_nodes"] if first["time"] <= t < last["time"]
+        ),
+        "generators_cpu_pct": 100 * (last["generators"] - first["generators"]) / span,
         "boot_s": registered_s,
+        "settled_s": settled_s,
         "boot_cpu_s": boot_cpu,
     }
 
@@ -293,27 +390,29 @@ def load(pid: int, address: str, base: Path, tag: str) -> dict[str, object]:
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dq-bench-directory-") as tmp:
         base = Path(tmp)
-        directory = DirectoryProcess(base / "directory").start()
+        flags = ("--heartbeat-seconds", str(HEARTBEAT_SECONDS), "--lease-seconds", str(LEASE_SECONDS))
+        directory = DirectoryProcess(base / "directory", flags).start()
         try:
             pid = directory.process.pid  # type: ignore[union-attr]
             progress(f"idle directory, {WINDOW_SECONDS:.0f} s")
             cpu0, wall0 = cpu_seconds(pid), time.monotonic()
             time.sleep(WINDOW_SECONDS)
             idle_pct = 100 * (cpu_seconds(pid) - cpu0) / (time.monotonic() - wall0)
-            loaded = load(pid, directory.address, base, "directory")
+            loaded = load(pid, directory.address, base, "directory", _heartbeats_counted(directory))
         finally:
             directory.stop()
 
         ready = base / "bare-ready.json"
-        bare = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--bare-server", str(ready)],
-                                stdin=subprocess.DEVNULL)
+        bare = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--bare-server", str(ready)], stdin=subprocess.DEVNULL
+        )
         try:
             deadline = time.monotonic() + 60
             while not ready.exists():
                 if bare.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("the bare gRPC server did not start")
                 time.sleep(0.05)
-            floor = load(bare.pid, f"127.0.0.1:{json.loads(ready.read_text())['port']}", base, "bare")
+            floor = load(bare.pid, f"127.0.0.1:{json.loads(ready.read_text())['port']}", base, "bare", None)
         finally:
             bare.terminate()
             bare.wait(30)
@@ -323,6 +422,9 @@ def main() -> None:
         rows.append({
             "server": server,
             "nodes": NODES,
+            "heartbeat": HEARTBEAT,
+            "heartbeat_s": HEARTBEAT_SECONDS,
+            "lease_s": LEASE_SECONDS,
             "connections": CONNECTIONS,
             "keepalive": KEEPALIVE,
             "windows_s": f"{REPEATS} x {WINDOW_SECONDS:.0f}",
@@ -330,17 +432,28 @@ def main() -> None:
             **result,
             "vs_bare": result["cpu_pct"] / floor["cpu_pct"],  # type: ignore[operator]
             "target_pct": TARGET_PERCENT,
-            "expected_per_s": NODES / 2.0,
+            "expected_per_s": NODES / HEARTBEAT_SECONDS,
         })
+    variant = "".join(
+        f"-{key}{value}"
+        for key, value, default in (
+            ("nodes", NODES, 1024), ("hb", f"{HEARTBEAT_SECONDS:g}", "2"), ("", HEARTBEAT, "udp"),
+            ("conn-", CONNECTIONS, "node"), ("keepalive", int(KEEPALIVE), 1),
+        )
+        if value != default
+    )
     report(
-        "directory_load",
+        f"directory_load{variant}",
         rows,
-        ["server", "nodes", "idle_cpu_pct", "cpu_pct", "vs_bare", "target_pct", "heartbeats_per_s", "expected_per_s",
-         "p50_ms", "p99_ms", "max_ms", "nodes_up_end", "node_changes", "errors", "list_nodes_in_windows",
-         "generators_cpu_pct", "boot_s", "boot_cpu_s"],
+        ["server", "nodes", "heartbeat", "heartbeat_s", "idle_cpu_pct", "cpu_pct", "vs_bare", "target_pct",
+         "cpu_ms_per_beat", "heartbeats_per_s", "directory_counted_per_s", "expected_per_s", "beats_by_rpc",
+         "p50_ms", "p99_ms",
+         "max_ms", "nodes_up_end", "node_changes", "errors", "generators_cpu_pct", "boot_s", "settled_s",
+         "boot_cpu_s", "boot_list_nodes"],
     )
     assert loaded["nodes_up_end"] == NODES, f"only {loaded['nodes_up_end']} of {NODES} nodes are UP at the end"
     assert not loaded["node_changes"], "nodes went down or came back during the windows"
+    assert not loaded["errors"], f"{loaded['errors']} calls to the directory failed during the windows"
 
 
 if __name__ == "__main__":

@@ -18,10 +18,9 @@ Measured in one run, on the same ids and batches:
   come inline in the unix-socket stream.
 - baseline: a plain grpc.aio server in a process of its own (this file with
   ``--baseline-server``; uvloop and glibc tuning as in the daemon), holding
-  the same payloads in memory, streams each
-  batch as ReadChunk messages of about READ_CHUNK_BYTES (what the daemon
-  sends) to a synchronous client in this process over TCP loopback: one
-  stream per batch, no checksum checked.
+  the same payloads in memory, streams each batch as ReadChunk messages of
+  about READ_CHUNK_BYTES (what the daemon sends) to a synchronous client in
+  this process over TCP loopback: one stream per batch, no checksum checked.
 - hop 1 alone: this process asks n1 directly over TCP for the same batches
   with ``peer=True`` (what n0 does), no checksum checked: the first hop with
   the daemon's own serving, without the second.
@@ -30,7 +29,7 @@ Measured in one run, on the same ids and batches:
 - direct: this process reading the same files with ``open().read()`` (page
   cache), for context.
 
-Rates are samples/s and payload GB/s; each is the median of REPEATS timed
+Rates are samples/s and payload GB/s (10^9 bytes); each is the median of REPEATS timed
 runs, the variants interleaved round by round. The ratios put the two peer
 variants against the baseline; the issue's target is >= 0.5. The daemons'
 own Read latency (their /metrics histograms) over the peer-shm runs splits a
@@ -73,7 +72,7 @@ from dataquay.server.synthetic import make_files_dataset, sample_bytes
 BATCH = 64
 DATASET_BYTES = 256 * MiB
 #: Reads of each n1-owned id per timed run.
-PASSES = 2
+PASSES = 4
 SIZES = {"110KiB": 110 * 1024, "1MiB": MiB}
 NODES = ("n0", "n1")
 TARGET = 0.5
@@ -122,7 +121,8 @@ async def _serve_baseline(paths_file: Path, ready_file: Path) -> None:
 @contextmanager
 def baseline_server(home: Path, listing: list[tuple[int, str]]) -> Iterator[str]:
     """The baseline server in a child process; yields its HOST:PORT."""
-    paths_file, ready_file = home / "baseline-paths.json", home / "baseline-ready.json"
+    home.mkdir(parents=True, exist_ok=True)
+    paths_file, ready_file = home / "paths.json", home / "ready.json"
     paths_file.write_text(json.dumps(listing))
     process = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), "--baseline-server", str(paths_file), str(ready_file)],
@@ -167,7 +167,7 @@ def _median(values: list[float]) -> float:
 
 
 def bench_size(
-    directory: DirectoryProcess, daemons: list[DaemonProcess], base: Path, label: str, size: int
+    daemons: list[DaemonProcess], base: Path, label: str, size: int
 ) -> tuple[dict[str, object], dict[str, object]]:
     count = DATASET_BYTES // size
     progress(f"{label}: {count} samples, staged over {len(daemons)} nodes")
@@ -214,43 +214,49 @@ def bench_size(
     peer_channel, peer_stub = _stub(n1_tcp)
     manifest_id = shm_ds.manifest.manifest_id
 
-    def hop1() -> None:
+    def hop1() -> int:
         for b in batches:
             request = pb.ReadRequest(dataset=label, ids=b.tolist(), manifest_id=manifest_id, peer=True)
             got = [s.data for chunk in peer_stub.Read(request) for s in chunk.samples]
             assert len(got) == BATCH
+        return total
 
-    def hop2() -> None:
+    def hop2() -> int:
         for b in local_batches:
             shm_client._read_daemon(shm_ds, b)
+        return len(local_batches) * BATCH
 
-    def direct() -> None:
+    def direct() -> int:
         for b in batches:
             for i in b.tolist():
                 with open(paths[i], "rb") as f:
                     f.read()
+        return total
 
     listing = [(i, paths[i]) for i in remote.tolist()]
-    with baseline_server(base, listing) as address:
+    with baseline_server(base / f"baseline-{label}", listing) as address:
         base_channel, base_stub = _stub(address)
 
-        def baseline() -> None:
+        def baseline() -> int:
             for b in batches:
                 got = [s.data for chunk in base_stub.Read(pb.ReadRequest(ids=b.tolist())) for s in chunk.samples]
                 assert len(got) == BATCH
+            return total
 
         first = [s.data for c in base_stub.Read(pb.ReadRequest(ids=batches[0][:4].tolist())) for s in c.samples]
         assert first == [sample_bytes(0, i, size) for i in batches[0][:4].tolist()], "baseline sent wrong bytes"
 
-        def peer_shm() -> None:
+        def peer_shm() -> int:
             for b in batches:
                 shm_ds.get_batch(b)
+            return total
 
-        def peer_inline() -> None:
+        def peer_inline() -> int:
             for b in batches:
                 inline_ds.get_batch(b)
+            return total
 
-        runs: dict[str, Callable[[], None]] = {
+        runs: dict[str, Callable[[], int]] = {
             "direct": direct, "baseline": baseline, "hop1": hop1, "hop2": hop2,
             "peer_shm": peer_shm, "peer_inline": peer_inline,
         }
@@ -265,8 +271,8 @@ def bench_size(
                 if name == "peer_shm":
                     marks = [_read_seconds(d) for d in daemons]
                 started = time.perf_counter()
-                run()
-                rates[name].append(total / (time.perf_counter() - started))
+                samples = run()
+                rates[name].append(samples / (time.perf_counter() - started))
                 if name == "peer_shm":
                     for node, daemon, (s0, c0) in zip(NODES, daemons, marks):
                         s1, c1 = _read_seconds(daemon)
@@ -330,7 +336,7 @@ def main() -> None:
                 )
             for label, size in SIZES.items():
                 if label in wanted:
-                    row, hop = bench_size(directory, daemons, base, label, size)
+                    row, hop = bench_size(daemons, base, label, size)
                     rows.append(row)
                     hops.append(hop)
         finally:

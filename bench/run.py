@@ -1,4 +1,4 @@
-"""Runs every benchmark of the single-node read path: `make bench`.
+"""Runs every benchmark: the single-node read path and the cluster figures: `make bench`.
 
 Each prints its table and writes bench/results/<name>.json; BENCHMARKS.md
 records a run with the machine it ran on.
@@ -12,7 +12,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import directory_load  # noqa: E402
 import memory  # noqa: E402
+import peers  # noqa: E402
+import placement  # noqa: E402
 import reads  # noqa: E402
 import staging  # noqa: E402
 from common import machine  # noqa: E402
@@ -20,7 +23,15 @@ from common import machine  # noqa: E402
 
 def main() -> None:
     print(f"machine: {machine()}\n")
-    for name, run in (("reads", reads.main), ("staging", staging.main), ("memory", memory.main)):
+    benchmarks = (
+        ("reads", reads.main),
+        ("staging", staging.main),
+        ("memory", memory.main),
+        ("placement", placement.main),
+        ("peers", peers.main),
+        ("directory_load", directory_load.main),
+    )
+    for name, run in benchmarks:
         started = time.perf_counter()
         print(f"== {name}")
         run()

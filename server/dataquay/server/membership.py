@@ -89,6 +89,7 @@ class DirectoryLink:
         self.registered = asyncio.Event()
         self._versions = dpb.Versions()
         self._heartbeat_seconds = 2.0
+        self._lease_seconds = 2 * RETRY_SECONDS[1]
         self._looked_up: dict[str, float] = {}
         self._beats_by_rpc = False
 
@@ -112,7 +113,9 @@ class DirectoryLink:
                     )
                 self.reachable = False
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_SECONDS[1])
+                # Within half a lease, so that a restarted directory hears
+                # from this node before it would mark it down.
+                delay = min(delay * 2, RETRY_SECONDS[1], self._lease_seconds / 2)
             except Exception:  # a bug here must not silence the node for good
                 log.exception("directory link failed; retrying")
                 self.registered.clear()
@@ -153,6 +156,7 @@ class DirectoryLink:
             dpb.RegisterNodeRequest(node=self._node_info()), timeout=CALL_TIMEOUT_SECONDS
         )
         self._heartbeat_seconds = reply.heartbeat_seconds or self._heartbeat_seconds
+        self._lease_seconds = reply.lease_seconds or self._lease_seconds
         self._reached()
         await self._sync(reply.versions, force=True)
         self.registered.set()
