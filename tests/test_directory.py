@@ -25,6 +25,9 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.cli import build_parser
+from dataquay.server.cli import fanout
+from dataquay.server.cli import main as cli_main
 from dataquay.server.config import DaemonConfig, DirectoryConfig
 from dataquay.server.launch import DirectoryProcess
 from dataquay.server.manifest_build import build_manifest
@@ -247,18 +250,24 @@ def test_jobs_are_created_by_the_first_join_and_refuse_other_settings(
          "n7, n9"),
         (lambda: join(stub, "j 2", dataset="imgs"), grpc.StatusCode.INVALID_ARGUMENT, "bad job id 'j 2'"),
         (lambda: join(stub, "j2", dataset="imgs", q=2.0), grpc.StatusCode.INVALID_ARGUMENT, "q 2.0"),
+        (lambda: join(stub, "j2", dataset="imgs", mode="partial"), grpc.StatusCode.INVALID_ARGUMENT,
+         "q must be in (0, 1] for mode partial"),
+        (lambda: join(stub, "j2", dataset="imgs", mode="locality"), grpc.StatusCode.INVALID_ARGUMENT,
+         "batch_size must be at least 1 for mode locality"),
     ]:
         error = rpc_error(call)
         assert error.code() == code and words in error.details(), error.details()
 
     explicit = join(stub, "j2", dataset="imgs", nodes=["n2", "n0"])
+    assert join(stub, "j3", dataset="imgs", mode="locality", batch_size=16).spec.batch_size == 16
+    assert join(stub, "j3", batch_size=16).spec.mode == "locality"
     assert list(explicit.spec.nodes) == ["n2", "n0"]
     assert stub.ReportEpoch(jpb.ReportEpochRequest(job_id="j1", epoch=3, node="n1")).epoch == 3
     assert stub.ReportEpoch(jpb.ReportEpochRequest(job_id="j1", epoch=1, node="n0")).epoch == 3
     assert stub.GetJob(jpb.GetJobRequest(job_id="j1")).epoch == 3
     error = rpc_error(lambda: stub.ReportEpoch(jpb.ReportEpochRequest(job_id="j9", epoch=1)))
     assert error.code() == grpc.StatusCode.NOT_FOUND
-    assert [j.spec.job_id for j in stub.ListJobs(jpb.ListJobsRequest()).jobs] == ["j1", "j2"]
+    assert [j.spec.job_id for j in stub.ListJobs(jpb.ListJobsRequest()).jobs] == ["j1", "j2", "j3"]
 
     stub.DropJob(jpb.DropJobRequest(job_id="j1"))
     assert rpc_error(lambda: stub.GetJob(jpb.GetJobRequest(job_id="j1"))).code() == grpc.StatusCode.NOT_FOUND
@@ -419,3 +428,12 @@ def test_heartbeat_datagrams_renew_the_lease_and_garbage_is_ignored(
         assert not dpb.HeartbeatReply.FromString(udp.recv(65536)).known
     n0 = stub.ListNodes(dpb.ListNodesRequest()).nodes[0]
     assert n0.cache_used_bytes == 123 and n0.cache_entries == 4
+
+
+def test_stage_passes_the_batch_size_only_with_a_job(capsys: pytest.CaptureFixture[str]) -> None:
+    parse = build_parser().parse_args
+    spec = fanout._job_spec(parse(["stage", "imgs", "--job", "j1", "--mode", "locality", "--batch-size", "32"]))
+    assert (spec.mode, spec.batch_size) == ("locality", 32)
+    assert not fanout._job_spec(parse(["stage", "imgs", "--job", "j1"])).HasField("batch_size")
+    assert cli_main(["stage", "imgs", "--batch-size", "32"]) == 1
+    assert "--batch-size: only with --job JOB" in capsys.readouterr().err

@@ -107,8 +107,8 @@ def test_a_new_job_takes_defaults_and_all_live_nodes_by_name() -> None:
     job, created = state.join(JoinRequest("j1", dataset="imgs"), facts, now=LEASE + 1)
     assert created and state.versions.jobs == jobs_version + 1
     spec = job.spec
-    assert (spec.mode, spec.q, spec.seed, spec.drop_last, spec.partition, spec.ranks_per_node) == (
-        "global", 0.0, 0, False, "sample", 0
+    assert (spec.mode, spec.q, spec.seed, spec.drop_last, spec.partition, spec.ranks_per_node, spec.batch_size) == (
+        "global", 0.0, 0, False, "sample", 0, 0
     )
     assert spec.nodes == ("n0", "n1")
     assert (job.manifest_id, job.num_samples, job.epoch, job.created) == ("m1", 100, 0, LEASE + 1)
@@ -154,6 +154,10 @@ def test_the_first_join_that_knows_ranks_per_node_fixes_it() -> None:
         (JoinRequest("j1", dataset="imgs", partition="rows"), InvalidRequestError, "unknown partition 'rows'"),
         (JoinRequest("j1", dataset="imgs", q=1.5), InvalidRequestError, r"q 1.5 is not in \[0, 1\]"),
         (JoinRequest("j1", dataset="imgs", q=float("nan")), InvalidRequestError, "q nan"),
+        (JoinRequest("j1", dataset="imgs", mode="partial"), InvalidRequestError,
+         r"job 'j1': q must be in \(0, 1\] for mode partial"),
+        (JoinRequest("j1", dataset="imgs", mode="locality", batch_size=0), InvalidRequestError,
+         "job 'j1': batch_size must be at least 1 for mode locality"),
         (JoinRequest("j1", dataset="imgs", nodes=("a", "x", "y")), InvalidRequestError, "registered: x, y"),
         (JoinRequest("j1", dataset="imgs", nodes=("a", "a")), InvalidRequestError, "more than once: a"),
     ],
@@ -211,6 +215,21 @@ def test_state_survives_a_json_round_trip_and_live_nodes_get_a_fresh_lease() -> 
     assert (new.nodes, new.datasets, new.jobs) == (old.nodes + 1, old.datasets + 1, old.jobs + 1)
     assert restarted.expire(now=1000.0 + LEASE - 0.1) == []
     assert restarted.expire(now=1000.0 + LEASE) == ["a", "c"]
+
+
+def test_the_batch_size_is_a_job_setting_and_old_state_files_have_none() -> None:
+    state = cluster("a")
+    job, _ = state.join(JoinRequest("j1", dataset="imgs", mode="locality", batch_size=32), facts, 0.0)
+    assert job.spec.batch_size == 32
+    assert state.join(JoinRequest("j1", batch_size=32), facts, 1.0)[0] == job
+    with pytest.raises(JobMismatchError, match="exists with batch_size 32; this join asked for 16"):
+        state.join(JoinRequest("j1", batch_size=16), facts, 1.0)
+    state.join(JoinRequest("j2", dataset="imgs", mode="partial", q=0.25), facts, 0.0)
+    doc = json.loads(json.dumps(state.to_json()))
+    del doc["jobs"][1]["spec"]["batch_size"]
+    restarted = DirectoryState.from_json(doc, LEASE, now=10.0)
+    assert restarted.get_job("j1").spec.batch_size == 32
+    assert restarted.get_job("j2").spec.batch_size == 0
 
 
 def test_a_document_of_another_format_is_refused() -> None:

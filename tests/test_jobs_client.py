@@ -23,12 +23,12 @@ from dataquay.client.errors import (
 )
 from dataquay.client.jobs import job_plan, job_spec, join
 from dataquay.client.manifest import Manifest, ManifestWriter
-from dataquay.client.placement import JobPlan, owners, rank_order
+from dataquay.client.placement import JobPlan, owners, rank_length, rank_order
 from dataquay.client.sampler import JobSampler, Sampler
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
 
-_OPTIONAL = ("mode", "q", "seed", "drop_last", "ranks_per_node", "partition")
+_OPTIONAL = ("mode", "q", "seed", "drop_last", "ranks_per_node", "partition", "batch_size")
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
         "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "DATAQUAY_JOB")
 
@@ -90,10 +90,10 @@ def test_job_spec_sets_only_the_settings_given_even_when_falsy() -> None:
     assert [f for f in _OPTIONAL if spec.HasField(f)] == ["q", "seed", "drop_last"]
     assert list(spec.nodes) == ["b", "a"]
     full = job_spec("run-1", "imnet", mode="global", q=0.5, seed=3, drop_last=True, ranks_per_node=8,
-                    partition="shard")
+                    partition="shard", batch_size=32)
     assert all(full.HasField(f) for f in _OPTIONAL)
-    assert (full.mode, full.q, full.seed, full.drop_last, full.ranks_per_node, full.partition) == (
-        "global", 0.5, 3, True, 8, "shard")
+    assert (full.mode, full.q, full.seed, full.drop_last, full.ranks_per_node, full.partition, full.batch_size) == (
+        "global", 0.5, 3, True, 8, "shard", 32)
 
 
 @pytest.mark.parametrize(
@@ -118,6 +118,30 @@ def test_job_plan_follows_the_job_record() -> None:
     by_shard = owners(sharded, 0)
     for shard in range(4):
         assert len(set(by_shard[shard * 25 : (shard + 1) * 25].tolist())) == 1
+
+
+def test_job_plan_carries_the_batch_size_that_locality_needs() -> None:
+    manifest = tar_manifest()
+    plan = job_plan(job_record(manifest, mode="locality", batch_size=8), manifest)
+    assert plan == JobPlan(100, 2, 2, seed=11, mode="locality", batch_size=8)
+    with pytest.raises(ValueError, match="batch_size must be at least 1 for mode locality"):
+        job_plan(job_record(manifest, mode="locality"), manifest)
+
+
+@pytest.mark.parametrize(
+    "settings", [{"mode": "global"}, {"mode": "local"}, {"mode": "partial", "q": 0.5},
+                 {"mode": "locality", "batch_size": 3}],
+)
+def test_job_sampler_follows_every_mode_epoch_by_epoch(settings: dict[str, Any]) -> None:
+    manifest = tar_manifest()
+    job = job_record(manifest, **settings)
+    plan = job_plan(job, manifest)
+    sampler = JobSampler(job, plan, rank=3, world_size=4)
+    for epoch in (0, 1, 2, 4, 3):
+        sampler.set_epoch(epoch)
+        assert np.array_equal(sampler.owners(), owners(plan, epoch))
+        assert np.array_equal(sampler.indices(), rank_order(plan, epoch, 3))
+        assert len(sampler) == rank_length(plan) == len(sampler.indices())
 
 
 def test_job_plan_refuses_a_dataset_replaced_since_the_job_began() -> None:
@@ -216,6 +240,8 @@ def test_dataset_sampler_without_a_job_is_the_plain_sampler() -> None:
     assert ds.job is None
     with pytest.raises(ValueError, match="mode, partition apply to cluster jobs: pass job= or set DATAQUAY_JOB"):
         ds.sampler(mode="global", partition="shard")
+    with pytest.raises(ValueError, match="batch_size apply to cluster jobs"):
+        ds.sampler(batch_size=32)
 
 
 def test_dataset_sampler_joins_the_job_from_the_environment_and_binds_the_dataset(

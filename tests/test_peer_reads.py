@@ -215,3 +215,21 @@ def test_shard_partition_stages_whole_files_and_serves_them_to_peers(cluster: Cl
     samples = [s for chunk in stubs[2].Read(pb.ReadRequest(dataset="frames", ids=ids, job="s1")) for s in chunk.samples]
     assert [s.data for s in samples] == [records[i].tobytes() for i in ids]
     assert {s.tier for s in samples} <= {pb.TIER_LOCAL, pb.TIER_PEER}
+
+
+def test_a_partial_job_serves_the_right_bytes_after_owners_move(
+    cluster: Cluster, payloads: list[bytes], tmp_path: Path
+) -> None:
+    stubs = cluster.stubs
+    stubs[0].AddDataset(pb.AddDatasetRequest(name="imgs", root=str(tmp_path / "pfs" / "imgs")))
+    job = join(stubs[0], job="p1", mode="partial", q=0.5, ranks_per_node=1)
+    for stub in stubs:
+        stage(stub, job="p1")
+    manifest = Manifest(b"".join(c.data for c in stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
+    plan = job_plan(job, manifest)
+    assert (owners(plan, 1) != owners(plan, 0)).any()
+    stubs[0].ReportEpoch(jpb.ReportEpochRequest(job_id="p1", epoch=1))
+    samples = read(stubs[0], list(range(N)), job="p1")
+    assert [s.data for s in samples] == payloads
+    kept = (owners(plan, 0) == 0) & (owners(plan, 1) == 0)
+    assert all(s.tier == pb.TIER_LOCAL for s in samples if kept[s.id])

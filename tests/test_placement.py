@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -19,9 +20,13 @@ from dataquay.client.placement import (
     MODES,
     PARTITIONS,
     JobPlan,
+    _exchange_picks,
+    check_mode_settings,
     epoch_order,
     epoch_permutation,
     initial_owners,
+    locality_balance,
+    moves,
     node_of_rank,
     owned_ids,
     owners,
@@ -129,6 +134,8 @@ def test_invalid_rank_or_world_size_is_refused(rank: int, world: int) -> None:
 # ------------------------------------------------------------------ cluster jobs
 
 nodes = st.integers(min_value=1, max_value=1024)
+#: Few epochs: ``partial`` replays every exchange since epoch 0.
+job_epochs = st.integers(min_value=0, max_value=12)
 large_sizes = st.integers(min_value=1, max_value=10**6)
 
 
@@ -169,25 +176,28 @@ def test_shard_partition_never_splits_a_group_and_balances_within_the_largest(
 def job_plans(draw: st.DrawFn, max_samples: int, max_nodes: int, max_g: int, modes: list[str]) -> JobPlan:
     n = draw(st.integers(min_value=1, max_value=max_samples))
     partition = draw(st.sampled_from(PARTITIONS))
+    mode = draw(st.sampled_from(modes))
     return JobPlan(
         num_samples=n,
         num_nodes=draw(st.integers(min_value=1, max_value=max_nodes)),
         ranks_per_node=draw(st.integers(min_value=1, max_value=max_g)),
         seed=draw(seeds),
-        mode=draw(st.sampled_from(modes)),
-        q=draw(st.floats(min_value=0.0, max_value=1.0)),
+        mode=mode,
+        q=draw(st.floats(min_value=0.0, max_value=1.0, exclude_min=mode == "partial")),
         drop_last=draw(st.booleans()),
         partition=partition,
         groups=random_groups(n, draw(st.integers(min_value=1, max_value=n)), 1.5, 0) if partition == "shard" else None,
+        batch_size=draw(st.integers(min_value=1, max_value=16)),
     )
 
 
 def all_rank_orders(plan: JobPlan, epoch: int) -> list[np.ndarray]:
-    return [rank_order(plan, epoch, r) for r in range(plan.world_size)]
+    epoch_owners = owners(plan, epoch)
+    return [rank_order(plan, epoch, r, epoch_owners) for r in range(plan.world_size)]
 
 
-@settings(max_examples=40, deadline=None)
-@given(job_plans(5000, 32, 8, sorted(MODES)), epochs)
+@settings(max_examples=60, deadline=None)
+@given(job_plans(5000, 32, 8, sorted(MODES)), job_epochs)
 def test_every_mode_reads_each_sample_once_per_epoch_with_equal_rank_counts(plan: JobPlan, epoch: int) -> None:
     parts = all_rank_orders(plan, epoch)
     assert all(len(p) == rank_length(plan) and p.dtype == np.int64 for p in parts)
@@ -224,17 +234,110 @@ def test_global_mode_is_the_single_node_sampler_over_the_whole_world(
     assert node_of_rank(plan, rank) == rank // plan.ranks_per_node
 
 
-def test_global_mode_keeps_the_initial_owners_every_epoch() -> None:
+@pytest.mark.parametrize("mode", ["global", "local", "locality"])
+def test_modes_that_never_move_bytes_keep_the_initial_owners_every_epoch(mode: str) -> None:
     groups = np.arange(10_000, dtype=np.int32) // 37
     for partition in PARTITIONS:
-        plan = JobPlan(10_000, 7, 2, seed=5, partition=partition, groups=groups)
+        plan = JobPlan(10_000, 7, 2, seed=5, mode=mode, partition=partition, groups=groups, batch_size=4)
         first = owners(plan, 0)
         assert np.array_equal(first, initial_owners(10_000, 7, 5, partition, groups))
         assert np.array_equal(owners(plan, 9), first)
         assert np.array_equal(owners(plan, 9, previous=first), first)
+        assert len(moves(plan, 9).ids) == 0
         owned = [owned_ids(first, node) for node in range(7)]
         assert all(np.all(np.diff(ids) > 0) for ids in owned)
         assert np.array_equal(np.sort(np.concatenate(owned)), np.arange(10_000))
+
+
+@settings(max_examples=40, deadline=None)
+@given(job_plans(3000, 16, 4, sorted(MODES)), st.integers(min_value=1, max_value=8))
+def test_owners_stepped_from_the_previous_epoch_equal_the_replay(plan: JobPlan, epoch: int) -> None:
+    stepped = owners(plan, 0)
+    for e in range(1, epoch + 1):
+        stepped = owners(plan, e, previous=stepped)
+    assert stepped.dtype == np.int32 and np.array_equal(stepped, owners(plan, epoch))
+    last = plan.world_size - 1
+    assert np.array_equal(rank_order(plan, epoch, last, stepped), rank_order(plan, epoch, last))
+
+
+@settings(max_examples=40, deadline=None)
+@given(job_plans(5000, 32, 4, ["partial"]), st.integers(min_value=1, max_value=12))
+def test_partial_mode_trades_round_q_of_each_node_and_keeps_node_counts(plan: JobPlan, epoch: int) -> None:
+    m = plan.num_nodes
+    before = owners(plan, epoch - 1)
+    loads = np.bincount(before, minlength=m)
+    picks, given = _exchange_picks(plan, epoch, before)
+    assert np.array_equal(given, np.rint(plan.q * loads))  # rint rounds half to even, as round() does
+    assert len(np.unique(picks)) == len(picks)
+    assert np.array_equal(np.bincount(before[picks], minlength=m), given)
+    after = owners(plan, epoch, previous=before)
+    assert np.array_equal(np.bincount(after, minlength=m), loads)
+    assert np.array_equal(np.bincount(after[picks], minlength=m), given)
+    moved = moves(plan, epoch, previous=before)
+    assert np.array_equal(moved.ids, np.flatnonzero(before != after))
+    assert np.array_equal(moved.sources, before[moved.ids]) and np.array_equal(moved.targets, after[moved.ids])
+    assert np.isin(moved.ids, picks).all()
+    sent, received = np.bincount(moved.sources, minlength=m), np.bincount(moved.targets, minlength=m)
+    assert np.array_equal(sent, received) and np.all(sent <= given)
+
+
+def test_partial_mode_with_q_1_reshuffles_every_owner() -> None:
+    plan = JobPlan(50_000, 8, 1, seed=4, mode="partial", q=1.0)
+    before, after = owners(plan, 0), owners(plan, 1)
+    assert np.array_equal(np.bincount(after), np.bincount(before))
+    # A full reshuffle keeps a sample on its node with probability 1/M.
+    assert abs(np.mean(before == after) - 1 / 8) < 0.01
+
+
+@settings(max_examples=40, deadline=None)
+@given(job_plans(5000, 32, 4, ["local", "partial"]), job_epochs)
+def test_local_and_partial_ranks_read_what_their_node_owns(plan: JobPlan, epoch: int) -> None:
+    g = plan.ranks_per_node
+    epoch_owners = owners(plan, epoch)
+    loads = np.bincount(epoch_owners, minlength=plan.num_nodes)
+    assert rank_length(plan) == (loads.min() // g if plan.drop_last else -(-loads.max() // g))
+    for rank in range(plan.world_size):
+        node = rank // g
+        read = rank_order(plan, epoch, rank, epoch_owners)
+        if loads[node]:
+            assert np.all(epoch_owners[read] == node)
+
+
+@settings(max_examples=40, deadline=None)
+@given(job_plans(5000, 16, 4, ["locality"]), job_epochs)
+def test_locality_mode_splits_the_global_batches_where_their_bytes_are(plan: JobPlan, epoch: int) -> None:
+    n, m, g, b = plan.num_samples, plan.num_nodes, plan.ranks_per_node, plan.batch_size
+    width = plan.world_size * b
+    steps = np.stack(all_rank_orders(plan, epoch)).reshape(plan.world_size, -1, b)
+    num_batches = steps.shape[1]
+    assert num_batches == (n // width if plan.drop_last else -(-n // width))
+    batches = steps.transpose(1, 0, 2).reshape(num_batches, width)  # rank-major: node m holds g*b in a row
+    expected = np.resize(epoch_permutation(n, plan.seed, epoch), num_batches * width).reshape(num_batches, width)
+    assert np.array_equal(np.sort(batches, axis=1), np.sort(expected, axis=1))
+    full = n // width
+    global_steps = np.stack(all_rank_orders(dataclasses.replace(plan, mode="global"), epoch))
+    global_batches = global_steps[:, : full * b].reshape(plan.world_size, full, b).transpose(1, 0, 2)
+    assert np.array_equal(np.sort(batches[:full], axis=1), np.sort(global_batches.reshape(full, width), axis=1))
+
+    epoch_owners = owners(plan, epoch)
+    balance = locality_balance(plan, epoch)
+    assert len(balance.transfers) == num_batches and np.all(balance.transfers <= m - 1)
+    owned = np.bincount(
+        (np.arange(num_batches)[:, None] * m + epoch_owners[expected]).ravel(), minlength=num_batches * m
+    ).reshape(num_batches, m)
+    deficits = np.maximum(g * b - owned, 0).sum(axis=1)
+    foreign = (epoch_owners[batches] != np.repeat(np.arange(m), g * b)).sum(axis=1)
+    assert np.array_equal(balance.moved, deficits) and np.array_equal(foreign, deficits)
+    assert np.allclose(balance.imbalance, deficits * 100 / width)
+
+
+def test_locality_mode_over_a_million_samples_and_64_nodes() -> None:
+    plan = JobPlan(10**6, 64, 4, seed=2, mode="locality", batch_size=16)
+    balance = locality_balance(plan, 3)
+    assert len(balance.transfers) == -(-(10**6) // (64 * 4 * 16)) and balance.transfers.max() <= 63
+    assert balance.imbalance.mean() < 20
+    for rank in (0, plan.world_size - 1):
+        assert len(rank_order(plan, 3, rank)) == rank_length(plan) == len(balance.transfers) * 16
 
 
 def test_seeds_give_other_partitions() -> None:
@@ -262,6 +365,7 @@ def fingerprints(plans: list[dict[str, Any]]) -> list[str]:
     for fields in plans:
         plan = JobPlan(**fields, groups=random_groups(fields["num_samples"], 10_000, 1.5, 0))
         digest = hashlib.sha256(owners(plan, 1).tobytes())
+        digest.update(moves(plan, 1).ids.tobytes())
         for rank in (0, plan.world_size // 2, plan.world_size - 1):
             digest.update(rank_order(plan, 1, rank).tobytes())
         out.append(digest.hexdigest())
@@ -273,6 +377,9 @@ def test_every_process_computes_the_same_owners_and_orders() -> None:
         {"num_samples": 10**6, "num_nodes": 1024, "ranks_per_node": 2, "seed": 7, "partition": "sample"},
         {"num_samples": 10**6, "num_nodes": 1024, "ranks_per_node": 2, "seed": 7, "partition": "shard"},
         {"num_samples": 12_345, "num_nodes": 5, "ranks_per_node": 3, "seed": 2**40, "drop_last": True},
+        {"num_samples": 10**5, "num_nodes": 64, "ranks_per_node": 2, "seed": 7, "mode": "local", "partition": "shard"},
+        {"num_samples": 10**5, "num_nodes": 64, "ranks_per_node": 2, "seed": 7, "mode": "partial", "q": 0.3},
+        {"num_samples": 10**5, "num_nodes": 64, "ranks_per_node": 2, "seed": 7, "mode": "locality", "batch_size": 8},
     ]
     script = (
         "import json, sys\n"
@@ -299,6 +406,9 @@ def test_every_process_computes_the_same_owners_and_orders() -> None:
         ({"ranks_per_node": -1}, "ranks_per_node"),
         ({"seed": -2}, "seed"),
         ({"q": 1.5}, "q"),
+        ({"mode": "partial"}, r"q must be in \(0, 1\] for mode partial"),
+        ({"mode": "locality"}, "batch_size must be at least 1 for mode locality"),
+        ({"batch_size": -1}, "batch_size must not be negative"),
         ({"partition": "shard"}, "shard partition needs the group"),
         ({"partition": "shard", "groups": np.zeros(3, dtype=np.int32)}, "one group per sample"),
         ({"partition": "shard", "groups": np.full(10, -1)}, "negative"),
@@ -308,6 +418,15 @@ def test_a_bad_plan_field_is_named(fields: dict[str, Any], named: str) -> None:
     base = {"num_samples": 10, "num_nodes": 2, "ranks_per_node": 1, "seed": 0}
     with pytest.raises(ValueError, match=named):
         JobPlan(**{**base, **fields})
+
+
+def test_mode_settings_are_checked_before_any_plan_exists() -> None:
+    check_mode_settings("partial", 1.0, 0)
+    check_mode_settings("locality", 0.0, 1)
+    with pytest.raises(ValueError, match="mode must be one of global, local, partial, locality"):
+        check_mode_settings("sideways", 0.0, 0)
+    with pytest.raises(ValueError, match="q must be in"):
+        check_mode_settings("partial", 0.0, 0)
 
 
 def test_bad_partition_arguments_are_refused() -> None:

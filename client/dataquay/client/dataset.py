@@ -169,6 +169,7 @@ class Dataset(Sequence[bytes]):
         drop_last: bool | None = None,
         nodes: Sequence[str] | None = None,
         partition: str | None = None,
+        batch_size: int | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         shuffle: bool = True,
@@ -193,6 +194,8 @@ class Dataset(Sequence[bytes]):
             nodes: the job's node names, in rank order (default: every live
                 node, by name).
             partition: ``sample`` or ``shard`` (whole files per node).
+            batch_size: ids per rank per step; ``locality`` needs it to
+                split whole global batches (of world size x batch_size).
             rank: this process's rank; default from the environment (RANK, ...).
             world_size: ranks in the job; default from the environment.
             shuffle: False reads ids in order (evaluation; no job).
@@ -210,11 +213,11 @@ class Dataset(Sequence[bytes]):
                 raise ValueError(f"job {job_id!r} shuffles by its placement; shuffle=False needs no job")
             spec = job_spec(
                 job_id, self._name, mode=mode, q=q, seed=seed, drop_last=drop_last, nodes=nodes,
-                ranks_per_node=env.local_world_size(), partition=partition,
+                ranks_per_node=env.local_world_size(), partition=partition, batch_size=batch_size,
             )
             return self._join(spec, rank, world_size)
-        named = [name for name, value in (("mode", mode), ("q", q), ("nodes", nodes), ("partition", partition))
-                 if value is not None]
+        cluster = (("mode", mode), ("q", q), ("nodes", nodes), ("partition", partition), ("batch_size", batch_size))
+        named = [name for name, value in cluster if value is not None]
         if named:
             raise ValueError(f"{', '.join(named)} apply to cluster jobs: pass job= or set DATAQUAY_JOB")
         return Sampler(

@@ -30,6 +30,7 @@ def job_spec(
     nodes: Sequence[str] | None = None,
     ranks_per_node: int | None = None,
     partition: str | None = None,
+    batch_size: int | None = None,
 ) -> jpb.JobSpec:
     """The spec a rank joins ``job_id`` with; only the settings given are set.
 
@@ -54,6 +55,7 @@ def job_spec(
         "drop_last": drop_last,
         "ranks_per_node": ranks_per_node,
         "partition": partition,
+        "batch_size": batch_size,
     }
     for name, value in settings.items():
         if value is not None:
@@ -88,6 +90,7 @@ def job_plan(job: jpb.Job, manifest: Manifest) -> JobPlan:
         drop_last=spec.drop_last,
         partition=spec.partition,
         groups=manifest.shard_groups() if spec.partition == "shard" else None,
+        batch_size=spec.batch_size,
     )
 
 

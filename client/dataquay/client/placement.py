@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -32,6 +32,9 @@ import numpy as np
 # epoch permutation's [seed, epoch].
 _INITIAL_SAMPLES_KEY = 0x5143_0001
 _INITIAL_GROUPS_KEY = 0x5143_0002
+_NODE_ORDER_KEY = 0x5143_0003
+_EXCHANGE_PICKS_KEY = 0x5143_0004
+_EXCHANGE_POOL_KEY = 0x5143_0005
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
@@ -203,11 +206,14 @@ class JobPlan:
             joined to say: ownership needs no ranks, only rank orders do.
         seed: the job's shuffle seed.
         mode: a key of :data:`MODES`.
-        q: the fraction of its samples a node exchanges per epoch (``partial``).
+        q: the fraction of its samples a node exchanges per epoch (``partial``,
+            which needs 0 < q <= 1).
         drop_last: drop the tail that does not divide over the ranks instead
             of padding it with repeated ids.
         partition: a key of :data:`PARTITIONS`.
         groups: the group of every sample, for the ``shard`` partition.
+        batch_size: b, the ids each rank reads per step; ``locality`` splits
+            global batches of W * b and needs b >= 1, other modes ignore it.
 
     Raises:
         ValueError: a field outside its range, named in the message.
@@ -222,10 +228,9 @@ class JobPlan:
     drop_last: bool = False
     partition: str = "sample"
     groups: np.ndarray | None = field(default=None, compare=False, repr=False)
+    batch_size: int = 0
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {', '.join(PARTITIONS)}, not {self.partition!r}")
         if self.num_samples < 0:
@@ -238,6 +243,9 @@ class JobPlan:
             raise ValueError(f"seed must not be negative, not {self.seed}")
         if not 0.0 <= self.q <= 1.0:
             raise ValueError(f"q must be in [0, 1], not {self.q}")
+        if self.batch_size < 0:
+            raise ValueError(f"batch_size must not be negative, not {self.batch_size}")
+        check_mode_settings(self.mode, self.q, self.batch_size)
         if self.partition == "shard":
             object.__setattr__(self, "groups", _check_groups(self.groups, self.num_samples))
 
@@ -256,6 +264,14 @@ class Mode(Protocol):
     epoch e-1's: callers that keep the current owner array (daemons) pass it as
     ``previous``, others get a replay from the initial partition.
     """
+
+    #: Whether epoch e's owners derive from epoch e-1's, so that a caller
+    #: stepping through epochs should keep them (see :func:`owners`).
+    owners_move: bool
+
+    def check_settings(self, q: float, batch_size: int) -> None:
+        """Raises ValueError, naming the field, for a setting this mode cannot run with."""
+        ...
 
     def owners(self, plan: JobPlan, epoch: int, previous: np.ndarray | None) -> np.ndarray:
         """The node holding each sample in ``epoch`` (int32, one per sample).
@@ -285,6 +301,11 @@ class _Global:
     hits (a partitioned cache).
     """
 
+    owners_move = False
+
+    def check_settings(self, q: float, batch_size: int) -> None:
+        pass
+
     def owners(self, plan: JobPlan, epoch: int, previous: np.ndarray | None) -> np.ndarray:
         return initial_owners(plan.num_samples, plan.num_nodes, plan.seed, plan.partition, plan.groups)
 
@@ -296,8 +317,112 @@ class _Global:
         return samples_per_rank(plan.num_samples, plan.world_size, plan.drop_last)
 
 
+class _Local:
+    """Ownership never changes; each node deals a fresh permutation of what it owns.
+
+    No sample ever crosses the network after staging, at the price of a
+    shuffle that never mixes nodes. Every rank reads :meth:`rank_length` ids:
+    node loads differ (by one with ``sample``, by up to a shard with
+    ``shard``), so a node pads by repeating its own permutation up to the
+    largest node's share, or with ``drop_last`` cuts to the smallest node's
+    (with uneven shards that can drop much: prefer padding there). A node
+    that owns nothing pads from the epoch's global permutation.
+    """
+
+    owners_move = False
+
+    def check_settings(self, q: float, batch_size: int) -> None:
+        pass
+
+    def owners(self, plan: JobPlan, epoch: int, previous: np.ndarray | None) -> np.ndarray:
+        return initial_owners(plan.num_samples, plan.num_nodes, plan.seed, plan.partition, plan.groups)
+
+    def rank_order(self, plan: JobPlan, epoch: int, rank: int, epoch_owners: np.ndarray | None) -> np.ndarray:
+        if epoch_owners is None:
+            epoch_owners = self.owners(plan, epoch, None)
+        return _deal_within_node(plan, epoch, rank, epoch_owners)
+
+    def rank_length(self, plan: JobPlan) -> int:
+        return _node_share(plan, np.bincount(self.owners(plan, 0, None), minlength=plan.num_nodes))
+
+
+class _Partial(_Local):
+    """Before each epoch every node trades a fraction ``q`` of what it owns.
+
+    Node m gives away round(q * owned) of its samples, picked at random (key
+    seed, epoch, m); the pooled picks are permuted (key seed, epoch) and dealt
+    back in node order, each node receiving as many as it gave, so node loads
+    never change and ranks read their node's owned set as in ``local``.
+    ``q`` = 1 is a full global reshuffle of the owners.
+    """
+
+    owners_move = True
+
+    def check_settings(self, q: float, batch_size: int) -> None:
+        if not 0.0 < q <= 1.0:
+            raise ValueError(f"q must be in (0, 1] for mode partial (the fraction exchanged per epoch), not {q}")
+
+    def owners(self, plan: JobPlan, epoch: int, previous: np.ndarray | None) -> np.ndarray:
+        if epoch == 0 or previous is None:
+            current, first = super().owners(plan, 0, None), 1
+        else:
+            current, first = previous, epoch
+        for step in range(first, epoch + 1):
+            current = _exchange(plan, step, current)
+        return current
+
+
+class _Locality:
+    """Global batches in mode ``global``'s order, each split where its bytes are.
+
+    Node m takes the samples of a global batch (W * b ids) that it owns since
+    the initial partition; a greedy balancer (:func:`locality_balance`) moves
+    the surplus of over-full nodes to under-full ones until every node has
+    g * b, and each of its ranks reads b of them per step. The batch, and so
+    the gradient, is the one ``global`` would use; only the imbalance crosses
+    the network. A last partial batch is dropped with ``drop_last``, else
+    completed by repeating the epoch's order from its start, as ``global`` pads.
+    """
+
+    owners_move = False
+
+    def check_settings(self, q: float, batch_size: int) -> None:
+        if batch_size < 1:
+            raise ValueError(
+                f"batch_size must be at least 1 for mode locality (the per-rank batch), not {batch_size}"
+            )
+
+    def owners(self, plan: JobPlan, epoch: int, previous: np.ndarray | None) -> np.ndarray:
+        return initial_owners(plan.num_samples, plan.num_nodes, plan.seed, plan.partition, plan.groups)
+
+    def rank_order(self, plan: JobPlan, epoch: int, rank: int, epoch_owners: np.ndarray | None) -> np.ndarray:
+        if epoch_owners is None:
+            epoch_owners = self.owners(plan, epoch, None)
+        node, local = divmod(rank, plan.ranks_per_node)
+        return _locality_node(plan, epoch, epoch_owners, node)[:, local :: plan.ranks_per_node].ravel()
+
+    def rank_length(self, plan: JobPlan) -> int:
+        return _global_batches(plan) * plan.batch_size
+
+
 #: The placement modes by name, as a job's ``mode`` names them.
-MODES: dict[str, Mode] = {"global": _Global()}
+MODES: dict[str, Mode] = {"global": _Global(), "local": _Local(), "partial": _Partial(), "locality": _Locality()}
+
+
+def check_mode_settings(mode: str, q: float, batch_size: int) -> None:
+    """Refuses settings that ``mode`` cannot run with, before any plan exists.
+
+    The directory calls it when a job is created, so that a job every rank
+    would fail to plan is never recorded.
+
+    Raises:
+        ValueError: an unknown mode, or a setting it needs out of range
+            (``q`` for partial, ``batch_size`` for locality), named.
+    """
+    chosen = MODES.get(mode)
+    if chosen is None:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    chosen.check_settings(q, batch_size)
 
 
 def owners(plan: JobPlan, epoch: int, previous: np.ndarray | None = None) -> np.ndarray:
@@ -356,6 +481,224 @@ def node_of_rank(plan: JobPlan, rank: int) -> int:
 def owned_ids(epoch_owners: np.ndarray, node: int) -> np.ndarray:
     """The ids ``node`` owns in an owner array from :func:`owners`, ascending (int64)."""
     return np.flatnonzero(np.asarray(epoch_owners) == node).astype(np.int64, copy=False)
+
+
+class Moves(NamedTuple):
+    """Samples whose owner changes from one epoch to the next, ascending by id."""
+
+    ids: np.ndarray  #: int64 sample ids
+    sources: np.ndarray  #: int32 owner in the epoch before
+    targets: np.ndarray  #: int32 owner in the epoch
+
+
+def moves(plan: JobPlan, epoch: int, previous: np.ndarray | None = None) -> Moves:
+    """What the exchange before ``epoch`` ships: every sample whose owner changes.
+
+    Empty for epoch 0 and for modes whose ownership never moves; for
+    ``partial``, node m sends at most round(q * owned) samples (some of its
+    picks may be dealt back to itself).
+
+    Args:
+        plan: the job.
+        epoch: 0 or more.
+        previous: the owners of ``epoch - 1``, if the caller keeps them.
+
+    Raises:
+        ValueError: a negative epoch, or ``previous`` of the wrong length.
+    """
+    _check_epoch(epoch)
+    if epoch == 0:
+        before = after = owners(plan, 0)
+    else:
+        before = owners(plan, epoch - 1) if previous is None else np.asarray(previous)
+        after = owners(plan, epoch, before)
+    ids = np.flatnonzero(before != after).astype(np.int64, copy=False)
+    return Moves(ids, before[ids].astype(np.int32, copy=False), after[ids].astype(np.int32, copy=False))
+
+
+class BatchBalance(NamedTuple):
+    """What ``locality``'s balancer does to each global batch of an epoch."""
+
+    transfers: np.ndarray  #: int64 (source, target) node pairs per batch, at most M-1
+    moved: np.ndarray  #: int64 samples that cross the network per batch (the sum of deficits)
+    imbalance: np.ndarray  #: float64 ``moved`` as a percentage of the global batch W * b
+
+
+def locality_balance(plan: JobPlan, epoch: int) -> BatchBalance:
+    """The network cost of each global batch of ``epoch`` under mode ``locality``.
+
+    For simulators and the exchange engine: the split itself is
+    :func:`rank_order`'s. Describes ``plan``'s batch size whatever its mode.
+
+    Raises:
+        ValueError: a negative epoch, ranks per node not known yet, or no
+            batch size.
+    """
+    _check_epoch(epoch)
+    _check_ranks_known(plan)
+    MODES["locality"].check_settings(plan.q, plan.batch_size)
+    counts = _batch_counts(plan, epoch, owners(plan, epoch))[2]
+    batch, _, _, amount = _greedy_transfers(counts, plan.ranks_per_node * plan.batch_size)
+    num_batches = len(counts)
+    moved = np.bincount(batch, weights=amount, minlength=num_batches).astype(np.int64)
+    return BatchBalance(
+        np.bincount(batch, minlength=num_batches).astype(np.int64),
+        moved,
+        moved * 100.0 / (plan.world_size * plan.batch_size),
+    )
+
+
+def _node_share(plan: JobPlan, loads: np.ndarray) -> int:
+    """Ids per rank when each node deals what it owns: the largest node's share
+    padded, or with ``drop_last`` the smallest node's, so all ranks step alike."""
+    g = plan.ranks_per_node
+    if plan.drop_last:
+        return int(loads.min()) // g
+    return -(-int(loads.max()) // g)
+
+
+def _deal_within_node(plan: JobPlan, epoch: int, rank: int, epoch_owners: np.ndarray) -> np.ndarray:
+    """Rank ``rank``'s share of its node's permuted owned set, as ``local`` deals it.
+
+    A node that owns nothing (fewer samples or shards than nodes) pads from
+    the epoch's global permutation, reading from peers, so its ranks step too.
+    """
+    node, local = divmod(rank, plan.ranks_per_node)
+    length = _node_share(plan, np.bincount(epoch_owners, minlength=plan.num_nodes))
+    owned = owned_ids(epoch_owners, node)
+    if len(owned):
+        order = _generator(plan.seed, _NODE_ORDER_KEY, epoch, node).permutation(owned)
+    else:
+        order = epoch_permutation(plan.num_samples, plan.seed, epoch)
+    return np.resize(order, length * plan.ranks_per_node)[local :: plan.ranks_per_node]
+
+
+def _exchange_picks(plan: JobPlan, epoch: int, previous: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The samples ``partial`` pools before ``epoch``, node by node, and how many each node gave.
+
+    A stable sort by owner lists each node's ids in ascending order (a radix
+    sort for 16-bit keys, so O(N)); node m picks round(q * owned) of them with
+    its own keyed generator, so its picks do not depend on any other node's.
+    """
+    by_node = previous.astype(np.uint16) if plan.num_nodes <= 1 << 16 else previous
+    grouped = np.argsort(by_node, kind="stable")
+    loads = np.bincount(previous, minlength=plan.num_nodes)
+    starts = np.cumsum(loads) - loads
+    given = np.rint(plan.q * loads).astype(np.int64)
+    picks = [
+        starts[node] + _generator(plan.seed, _EXCHANGE_PICKS_KEY, epoch, node).choice(
+            int(loads[node]), int(given[node]), replace=False
+        )
+        for node in np.flatnonzero(given).tolist()
+    ]
+    return (grouped[np.concatenate(picks)] if picks else np.empty(0, dtype=np.int64)), given
+
+
+def _exchange(plan: JobPlan, epoch: int, previous: np.ndarray) -> np.ndarray:
+    """``partial``'s owners of ``epoch`` from those of ``epoch - 1``, in O(N):
+    the pooled picks, permuted, dealt back in node order, as many as each gave."""
+    pool, given = _exchange_picks(plan, epoch, previous)
+    current = previous.astype(np.int32, copy=True)
+    current[_generator(plan.seed, _EXCHANGE_POOL_KEY, epoch).permutation(pool)] = np.repeat(
+        np.arange(plan.num_nodes, dtype=np.int32), given
+    )
+    return current
+
+
+def _global_batches(plan: JobPlan) -> int:
+    """Global batches of W * b per epoch: the partial last one dropped or padded."""
+    global_batch = plan.world_size * plan.batch_size
+    if plan.drop_last:
+        return plan.num_samples // global_batch
+    return -(-plan.num_samples // global_batch)
+
+
+def _batch_counts(plan: JobPlan, epoch: int, epoch_owners: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The epoch's ids in global batch order (padded or cut to whole batches),
+    each id's (batch, owner) as one key, batch * M + owner, and how many of
+    each batch every node owns (batches x nodes)."""
+    num_batches, width = _global_batches(plan), plan.world_size * plan.batch_size
+    order = np.resize(epoch_permutation(plan.num_samples, plan.seed, epoch), num_batches * width)
+    key = np.arange(len(order), dtype=np.int64) // width * plan.num_nodes
+    key += epoch_owners[order]
+    counts = np.bincount(key, minlength=num_batches * plan.num_nodes).reshape(num_batches, plan.num_nodes)
+    return order, key, counts
+
+
+def _greedy_transfers(counts: np.ndarray, target: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The balancer's transfers, all batches at once: (batch, source, target node, amount).
+
+    Each round pairs, in every batch not yet even, the node of largest surplus
+    with the node of largest deficit (lowest node on ties) and moves
+    min(surplus, deficit); each move evens one of the two, so a batch needs at
+    most M-1 rounds. Transfers come out ordered by round, then batch.
+    """
+    surplus = counts.astype(np.int64) - target
+    active = np.flatnonzero(surplus.any(axis=1))
+    rounds: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    while len(active):
+        rows = surplus[active]
+        source, sink = rows.argmax(axis=1), rows.argmin(axis=1)
+        picked = np.arange(len(active))
+        amount = np.minimum(rows[picked, source], -rows[picked, sink])
+        surplus[active, source] -= amount
+        surplus[active, sink] += amount
+        rounds.append((active, source, sink, amount))
+        active = active[surplus[active].any(axis=1)]
+    if not rounds:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty, empty
+    batch, source, sink, amount = (np.concatenate(parts).astype(np.int64) for parts in zip(*rounds))
+    return batch, source, sink, amount
+
+
+def _within_groups(groups: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Exclusive running sums of ``sizes`` restarted at each new value of ``groups`` (sorted)."""
+    before = np.cumsum(sizes) - sizes
+    starts = np.flatnonzero(np.diff(groups, prepend=-1))
+    return before - np.repeat(before[starts], np.diff(np.append(starts, len(groups))))
+
+
+def _locality_node(plan: JobPlan, epoch: int, epoch_owners: np.ndarray, node: int) -> np.ndarray:
+    """``node``'s share of every global batch of ``epoch`` (batches x g*b ids).
+
+    A node keeps the first g*b of its samples in batch order and gives the
+    rest, in order, to its transfers in the order the balancer made them; a
+    receiver appends what it receives, in the same order, after its own. Only
+    the groups that send to ``node`` are sorted, so one node costs O(N).
+    """
+    num_nodes, share = plan.num_nodes, plan.ranks_per_node * plan.batch_size
+    order, key, counts = _batch_counts(plan, epoch, epoch_owners)
+    own = counts[:, node]
+    slots = np.empty((len(counts), share), dtype=np.int64)
+    mine = np.flatnonzero(key % num_nodes == node)
+    batch_of_mine = mine // (plan.world_size * plan.batch_size)
+    place = np.arange(len(mine)) - np.repeat(np.cumsum(own) - own, own)
+    kept = place < share
+    slots[batch_of_mine[kept], place[kept]] = order[mine[kept]]
+
+    batch, source, sink, amount = _greedy_transfers(counts, share)
+    sender = batch * num_nodes + source
+    by_sender = np.argsort(sender, kind="stable")
+    given_before = np.empty_like(amount)
+    given_before[by_sender] = _within_groups(sender[by_sender], amount[by_sender])
+    into = np.flatnonzero(sink == node)
+    into = into[np.argsort(batch[into], kind="stable")]
+    size = amount[into]
+    received_before = _within_groups(batch[into], size)
+
+    wanted = np.zeros(len(counts) * num_nodes, dtype=bool)
+    wanted[sender[into]] = True
+    from_senders = np.flatnonzero(wanted[key])
+    from_senders = from_senders[np.argsort(key[from_senders], kind="stable")]
+    groups = np.flatnonzero(wanted)
+    group_first = np.cumsum(counts.ravel()[groups]) - counts.ravel()[groups]
+    first = group_first[np.searchsorted(groups, sender[into])] + share + given_before[into]
+    step = np.arange(int(size.sum()), dtype=np.int64) - np.repeat(np.cumsum(size) - size, size)
+    slots[np.repeat(batch[into], size), np.repeat(own[batch[into]] + received_before, size) + step] = order[
+        from_senders[np.repeat(first, size) + step]
+    ]
+    return slots
 
 
 def _check_ranks_known(plan: JobPlan) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from dataquay.client.env import topology
 from dataquay.client.placement import (
+    MODES,
     JobPlan,
     node_of_rank,
     owners,
@@ -164,6 +165,10 @@ class JobSampler(Sampler):
         #: The node (0..M-1) this rank runs on, as the job places it.
         self.node = node_of_rank(plan, rank)
         self._reporter = reporter
+        # The last (epoch, owners) computed, where owners move: the next
+        # epoch's then take one exchange step instead of a replay from epoch 0.
+        self._owners: tuple[int, np.ndarray] | None = None
+        self._length: int | None = None
 
     @property
     def job_id(self) -> str:
@@ -177,14 +182,31 @@ class JobSampler(Sampler):
 
     def indices(self) -> np.ndarray:
         """This rank's ids for the current epoch, in reading order (int64)."""
-        return rank_order(self.plan, self.epoch, self.rank)
+        epoch_owners = self.owners() if MODES[self.plan.mode].owners_move else None
+        return rank_order(self.plan, self.epoch, self.rank, epoch_owners)
 
     def owners(self, epoch: int | None = None) -> np.ndarray:
-        """The node that owns each sample in ``epoch`` (default: the current one), int32."""
-        return owners(self.plan, self.epoch if epoch is None else epoch)
+        """The node that owns each sample in ``epoch`` (default: the current one), int32.
+
+        Epochs read in order cost one exchange step each in mode ``partial``,
+        whose owners the sampler keeps (read-only) for the next step.
+        """
+        epoch = self.epoch if epoch is None else epoch
+        cached = self._owners
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
+        previous = cached[1] if cached is not None and cached[0] == epoch - 1 else None
+        current = owners(self.plan, epoch, previous)
+        if MODES[self.plan.mode].owners_move:
+            current.flags.writeable = False  # the next epoch steps from it
+            self._owners = (epoch, current)
+        return current
 
     def __len__(self) -> int:
-        return rank_length(self.plan)
+        # The same every epoch, and an O(N) computation in the node-local modes.
+        if self._length is None:
+            self._length = rank_length(self.plan)
+        return self._length
 
     def __repr__(self) -> str:
         return (

@@ -67,8 +67,11 @@ class Placements:
         plan = job_plan(job, entry.manifest)
         nodes = list(job.spec.nodes)
         index = nodes.index(self.node_name) if self.node_name in nodes else -1
-        # Off the loop: a permutation of 10^7 ids takes a good part of a second.
-        owner = await asyncio.get_running_loop().run_in_executor(None, owners, plan, epoch)
+        before = self._kept.get((job_id, entry.record.manifest_id, epoch - 1))
+        previous = before.owners if before is not None and before.job.created_unix == job.created_unix else None
+        # Off the loop: a permutation of 10^7 ids takes a good part of a second,
+        # and modes whose owners move step from the previous epoch's.
+        owner = await asyncio.get_running_loop().run_in_executor(None, owners, plan, epoch, previous)
         kept = self._kept[key] = Placement(job, owner, index)
         while len(self._kept) > KEPT_EPOCHS:
             del self._kept[next(iter(self._kept))]

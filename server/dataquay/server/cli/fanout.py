@@ -36,7 +36,7 @@ STATS_TIMEOUT_SECONDS = 3.0
 #: How often `stage --job` prints a progress line when stderr is not a terminal.
 LINE_SECONDS = 10.0
 #: Job settings that `stage --job` passes to JoinJob only when given.
-JOB_FLAGS = ("mode", "q", "seed", "nodes", "ranks_per_node", "partition")
+JOB_FLAGS = ("mode", "q", "seed", "nodes", "ranks_per_node", "partition", "batch_size")
 _TIERS = ((pb.TIER_LOCAL, "LOCAL"), (pb.TIER_PEER, "PEER"), (pb.TIER_PFS, "PFS"))
 
 
@@ -65,7 +65,7 @@ def _job_spec(args: argparse.Namespace) -> jpb.JobSpec:
     try:
         return job_spec(
             args.job, args.name, mode=args.mode, q=args.q, seed=args.seed, nodes=nodes,
-            ranks_per_node=args.ranks_per_node, partition=args.partition,
+            ranks_per_node=args.ranks_per_node, partition=args.partition, batch_size=args.batch_size,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None

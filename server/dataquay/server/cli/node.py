@@ -191,6 +191,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cluster.add_argument("--nodes", help="comma-separated node names in job order (default: all live nodes)")
     cluster.add_argument("--ranks-per-node", type=int, help="ranks per node (default: set by the first rank)")
     cluster.add_argument("--partition", choices=("sample", "shard"), help="initial partition (default sample)")
+    cluster.add_argument(
+        "--batch-size", type=int, help="ids per rank per step; locality mode needs it to split global batches"
+    )
     add_directory(stage)
     add_addr(stage)
     stage.set_defaults(func=cmd_stage)

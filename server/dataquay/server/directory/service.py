@@ -169,6 +169,7 @@ def join_request(request: jpb.JoinJobRequest) -> JoinRequest:
         nodes=tuple(s.nodes) or None,
         ranks_per_node=s.ranks_per_node if s.HasField("ranks_per_node") else None,
         partition=s.partition if s.HasField("partition") else None,
+        batch_size=s.batch_size if s.HasField("batch_size") else None,
         must_exist=request.must_exist,
     )
 
@@ -178,7 +179,7 @@ def job_proto(job: Job) -> jpb.Job:
     return jpb.Job(
         spec=jpb.JobSpec(
             job_id=s.job_id, dataset=s.dataset, mode=s.mode, q=s.q, seed=s.seed, drop_last=s.drop_last,
-            nodes=s.nodes, ranks_per_node=s.ranks_per_node, partition=s.partition,
+            nodes=s.nodes, ranks_per_node=s.ranks_per_node, partition=s.partition, batch_size=s.batch_size,
         ),
         manifest_id=job.manifest_id,
         num_samples=job.num_samples,

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
-from dataquay.client.placement import MODES, PARTITIONS
+from dataquay.client.placement import MODES, PARTITIONS, check_mode_settings
 from dataquay.server.errors import (
     InvalidRequestError,
     JobMismatchError,
@@ -105,6 +105,7 @@ class JobSpec:
     nodes: tuple[str, ...] = ()
     ranks_per_node: int = 0
     partition: str = "sample"
+    batch_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ class JoinRequest:
     nodes: tuple[str, ...] | None = None
     ranks_per_node: int | None = None
     partition: str | None = None
+    batch_size: int | None = None
     must_exist: bool = False
 
 
@@ -148,7 +150,7 @@ class Job:
 
 
 #: Settings a join may name, compared with the job's in this order.
-_COMPARED = ("dataset", "mode", "q", "seed", "drop_last", "partition", "nodes", "ranks_per_node")
+_COMPARED = ("dataset", "mode", "q", "seed", "drop_last", "partition", "batch_size", "nodes", "ranks_per_node")
 
 
 class DirectoryState:
@@ -249,7 +251,8 @@ class DirectoryState:
             now: the creation time recorded in a new job.
 
         Raises:
-            InvalidRequestError: a bad job id, mode, partition, q or node list.
+            InvalidRequestError: a bad job id, mode, partition, q, batch size
+                or node list.
             JobMismatchError: the job exists with a different setting.
             UnknownJobError: ``must_exist`` and there is no such job.
             NoLiveNodesError: the job would run on all live nodes and none is up.
@@ -414,6 +417,10 @@ def _check_settings(spec: JobSpec) -> None:
         )
     if not (math.isfinite(spec.q) and 0.0 <= spec.q <= 1.0):
         raise InvalidRequestError(f"job {spec.job_id!r}: q {spec.q} is not in [0, 1]")
+    try:
+        check_mode_settings(spec.mode, spec.q, spec.batch_size)
+    except ValueError as exc:
+        raise InvalidRequestError(f"job {spec.job_id!r}: {exc}") from None
 
 
 def _show(value: object) -> str:
