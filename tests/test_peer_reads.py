@@ -123,6 +123,8 @@ def test_a_peer_serves_only_its_cache_and_flags_the_rest(
 ) -> None:
     job = registered(cluster, tmp_path)
     stubs = cluster.stubs
+    listed = stubs[2].ListDatasets(pb.ListDatasetsRequest()).datasets
+    assert [(d.name, d.num_samples, d.cached_samples) for d in listed] == [("imgs", N, 0)]
     owner = owner_of(stubs[0], job)
     stage(stubs[1])
     samples = read(stubs[1], list(range(N)), peer=True)

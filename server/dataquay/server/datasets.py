@@ -87,14 +87,17 @@ class Datasets:
                 return 0
         return await self._drop_here(name)
 
-    async def names(self) -> list[str]:
-        """Every dataset name: the directory's list, or this node's while it is down."""
-        if self.link is not None:
-            try:
-                return sorted(info.name for info in await self.link.datasets())
-            except DirectoryUnavailableError:
-                pass
-        return self.registry.names()
+    async def listed(self) -> list[pb.DatasetInfo] | None:
+        """The directory's datasets, or None when standalone or the directory is down.
+
+        Listing fetches no manifest: a node copies one when it first serves it.
+        """
+        if self.link is None:
+            return None
+        try:
+            return await self.link.datasets()
+        except DirectoryUnavailableError:
+            return None
 
     async def sync(self) -> None:
         """Drops the copies of datasets the directory dropped or replaced."""

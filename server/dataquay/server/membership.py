@@ -104,7 +104,7 @@ class DirectoryLink:
                     await self._register()
                 delay = RETRY_SECONDS[0]
                 await self._beat()
-            except (grpc.aio.AioRpcError, OSError) as exc:
+            except (grpc.aio.AioRpcError, OSError, DataquayError) as exc:
                 if self.reachable or delay == RETRY_SECONDS[0]:
                     reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                     log.warning(

@@ -81,10 +81,14 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     async def ListDatasets(
         self, request: pb.ListDatasetsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListDatasetsReply:
-        async with status_on_error(context):
-            infos = [self.dataset_info((await self.daemon.datasets.entry(n)).record.name)
-                     for n in await self.daemon.datasets.names()]
-        return pb.ListDatasetsReply(datasets=infos)
+        registry = self.daemon.registry
+        listed = await self.daemon.datasets.listed()
+        if listed is None:
+            return pb.ListDatasetsReply(datasets=[self.dataset_info(n) for n in registry.names()])
+        held = {n: registry.get(n).record.manifest_id for n in registry.names()}
+        return pb.ListDatasetsReply(
+            datasets=[self.dataset_info(i.name) if held.get(i.name) == i.manifest_id else i for i in listed]
+        )
 
     async def GetDataset(self, request: pb.GetDatasetRequest, context: grpc.aio.ServicerContext) -> pb.DatasetInfo:
         async with status_on_error(context):
