@@ -1,0 +1,214 @@
+"""``dataquay simulate``: what a mode and Q cost a job, epoch by epoch, before it runs.
+
+The model is :mod:`dataquay.server.simulate`'s; this module parses the flags,
+reports progress on stderr and prints a table or one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from dataquay.client.placement import MODES, JobPlan
+from dataquay.server.cli.common import CliError, print_table
+from dataquay.server.simulate import Estimate, EpochTraffic, Rates, Scenario, Spread, estimate, simulate, spread
+from dataquay.server.sizes import format_bytes, parse_size
+
+#: Simulations that run longer than this report each epoch on stderr.
+PROGRESS_AFTER_S = 2.0
+
+# The fields that the model's ValueErrors name, and the flags that set them.
+_FLAGS = {
+    "num_samples": "--samples",
+    "num_nodes": "--nodes",
+    "ranks_per_node": "--ranks-per-node",
+    "batch_size": "--per-rank-batch",
+    "seed": "--seed",
+    "mode": "--mode",
+    "q": "--q",
+    "sample_bytes": "--sample-bytes",
+    "cache_bytes": "--cache-bytes",
+    "train_rate": "--train-rate",
+    "pfs_bandwidth": "--pfs-bandwidth",
+    "network_bandwidth": "--network-bandwidth",
+}
+_RATE_FLAGS = ("train_rate", "pfs_bandwidth", "network_bandwidth")
+
+
+def _flag_error(exc: ValueError) -> CliError:
+    """The model's message with the field it names replaced by its flag."""
+    field, _, rest = str(exc).partition(" ")
+    return CliError(f"{_FLAGS[field]} {rest}" if field in _FLAGS else str(exc))
+
+
+def _bandwidth(text: str, flag: str) -> int:
+    return parse_size(text.removesuffix("/s"), flag)
+
+
+def _inputs(args: argparse.Namespace) -> tuple[Scenario, Rates | None]:
+    given = [name for name in _RATE_FLAGS if getattr(args, name) is not None]
+    if given and len(given) < len(_RATE_FLAGS):
+        missing = ", ".join(_FLAGS[name] for name in _RATE_FLAGS if name not in given)
+        raise CliError(f"the estimate needs --train-rate, --pfs-bandwidth and --network-bandwidth: missing {missing}")
+    if args.epochs < 1:
+        raise CliError(f"--epochs must be at least 1, not {args.epochs}")
+    try:
+        plan = JobPlan(
+            num_samples=args.samples,
+            num_nodes=args.nodes,
+            ranks_per_node=args.ranks_per_node,
+            seed=args.seed,
+            mode=args.mode,
+            q=0.0 if args.q is None else args.q,
+            batch_size=args.per_rank_batch,
+        )
+        scenario = Scenario(
+            plan,
+            parse_size(args.sample_bytes, "--sample-bytes"),
+            None if args.cache_bytes is None else parse_size(args.cache_bytes, "--cache-bytes"),
+        )
+        rates = None
+        if given:
+            rates = Rates(
+                args.train_rate,
+                _bandwidth(args.pfs_bandwidth, "--pfs-bandwidth"),
+                _bandwidth(args.network_bandwidth, "--network-bandwidth"),
+            )
+    except ValueError as exc:
+        raise _flag_error(exc) from None
+    return scenario, rates
+
+
+def _spread_json(s: Spread) -> dict[str, float]:
+    return {"min": s.min, "median": s.median, "max": s.max, "mean": s.mean, "balance": s.balance}
+
+
+def _epoch_json(scenario: Scenario, traffic: EpochTraffic, est: Estimate | None) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "epoch": traffic.epoch,
+        "network_bytes": traffic.network_bytes,
+        "network_percent": 100.0 * traffic.network_bytes / scenario.dataset_bytes,
+        "pfs_bytes": traffic.pfs_bytes,
+        "sent_bytes_per_node": _spread_json(spread(traffic.sent)),
+        "received_bytes_per_node": _spread_json(spread(traffic.received)),
+    }
+    if traffic.balance is not None:
+        median, p90 = np.percentile(traffic.balance.imbalance, [50, 90]).tolist()
+        entry["imbalance_percent"] = {"median": median, "p90": p90}
+        transfers = traffic.balance.transfers
+        entry["transfers_per_batch"] = {"mean": float(transfers.mean()), "max": int(transfers.max())}
+    if est is not None:
+        entry["estimate_s"] = {
+            "training": est.training, "pfs": est.pfs, "network": est.network, "epoch": est.epoch, "spill": est.spill,
+        }
+    return entry
+
+
+def _warnings(scenario: Scenario, epochs: list[dict[str, Any]]) -> list[str]:
+    """One line per ``partial`` exchange that does not fit into the epoch before it."""
+    lines = []
+    for entry in epochs:
+        est = entry.get("estimate_s")
+        if est is not None and est["spill"] > 0:
+            e = entry["epoch"]
+            lines.append(
+                f"the exchange before epoch {e} takes {est['network']:.2f} s but epoch {e - 1} trains for only "
+                f"{est['training']:.2f} s ({scenario.iterations} iterations per epoch): {est['spill']:.2f} s "
+                f"spill into epoch {e} as peer reads; a lower --q or a faster network hides it"
+            )
+    return lines
+
+
+def _row(entry: dict[str, Any]) -> list[object]:
+    sent, received = entry["sent_bytes_per_node"], entry["received_bytes_per_node"]
+    row: list[object] = [
+        entry["epoch"],
+        format_bytes(entry["network_bytes"]),
+        f"{entry['network_percent']:.2f}",
+        format_bytes(entry["pfs_bytes"]),
+        " / ".join(format_bytes(sent[k]) for k in ("min", "median", "max")),
+        " / ".join(format_bytes(received[k]) for k in ("min", "median", "max")),
+        f"{max(sent['balance'], received['balance']):.2f}",
+    ]
+    if "imbalance_percent" in entry:
+        imbalance, transfers = entry["imbalance_percent"], entry["transfers_per_batch"]
+        row += [f"{imbalance['median']:.2f}", f"{imbalance['p90']:.2f}", f"{transfers['mean']:.1f}", transfers["max"]]
+    if "estimate_s" in entry:
+        est = entry["estimate_s"]
+        row += [f"{est[k]:.2f}" for k in ("training", "pfs", "network", "epoch")]
+    return row
+
+
+def _print_report(scenario: Scenario, epochs: list[dict[str, Any]]) -> None:
+    plan = scenario.plan
+    setting = f"q {plan.q:g}" if plan.mode == "partial" else f"batch {plan.batch_size} per rank"
+    print(
+        f"mode {plan.mode} ({setting}): {plan.num_nodes:,} nodes x {plan.ranks_per_node} ranks, "
+        f"{plan.num_samples:,} samples of {format_bytes(scenario.sample_bytes)} "
+        f"({format_bytes(scenario.dataset_bytes)}), {scenario.iterations:,} iterations per epoch\n"
+    )
+    header = ["EPOCH", "NETWORK", "% DATA", "PFS", "SEND/NODE min/med/max", "RECV/NODE min/med/max", "BALANCE"]
+    if "imbalance_percent" in epochs[0]:
+        header += ["IMB MED %", "IMB P90 %", "XFER MEAN", "XFER MAX"]
+    if "estimate_s" in epochs[0]:
+        header += ["TRAIN s", "PFS s", "NET s", "EPOCH s"]
+    print_table([_row(entry) for entry in epochs], header)
+
+
+def cmd_simulate(args: argparse.Namespace) -> None:
+    scenario, rates = _inputs(args)
+    epochs = []
+    started = last = time.monotonic()
+    for traffic in simulate(scenario, args.epochs):
+        epochs.append(_epoch_json(scenario, traffic, None if rates is None else estimate(scenario, traffic, rates)))
+        now = time.monotonic()
+        if now - started > PROGRESS_AFTER_S:
+            print(f"simulated epoch {traffic.epoch + 1}/{args.epochs} in {now - last:.1f} s", file=sys.stderr, flush=True)
+        last = now
+    warnings = _warnings(scenario, epochs)
+    if args.json:
+        inputs = {name: getattr(args, name) for name in ("nodes", "ranks_per_node", "samples", "per_rank_batch",
+                                                         "mode", "q", "seed", "epochs")}
+        inputs.update(sample_bytes=scenario.sample_bytes, cache_bytes=scenario.cache_bytes)
+        inputs.update({name: getattr(rates, name) if rates else None for name in _RATE_FLAGS})
+        document = {
+            "inputs": inputs,
+            "dataset_bytes": scenario.dataset_bytes,
+            "iterations_per_epoch": scenario.iterations,
+            "epochs": epochs,
+            "warnings": warnings,
+        }
+        print(json.dumps(document, indent=2))
+    else:
+        _print_report(scenario, epochs)
+    for line in warnings:
+        print(f"warning: {line}", file=sys.stderr)
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="bytes over the network and from the PFS per epoch for a mode and Q, by running placement",
+        description="Runs the real placement of a job's sizes and reports, per epoch, the bytes over the network "
+        "and from the PFS, how evenly nodes send and receive, and (with all three rates) an epoch-time estimate.",
+    )
+    p.add_argument("--nodes", type=int, required=True, help="nodes M (one daemon and cache each)")
+    p.add_argument("--samples", type=int, required=True, help="samples N in the dataset")
+    p.add_argument("--sample-bytes", required=True, help="size of each sample (e.g. 110K)")
+    p.add_argument("--per-rank-batch", type=int, required=True, help="samples each rank reads per step (b)")
+    p.add_argument("--ranks-per-node", type=int, required=True, help="ranks per node (g, usually the GPUs)")
+    p.add_argument("--mode", required=True, help=f"placement mode: {', '.join(MODES)}")
+    p.add_argument("--q", type=float, help="fraction each node exchanges per epoch (mode partial, 0 < q <= 1)")
+    p.add_argument("--epochs", type=int, default=3, help="epochs to simulate, staging epoch 0 included (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="the job's shuffle seed (default 0)")
+    p.add_argument("--cache-bytes", help="cache capacity per node (e.g. 200G); default: all a node owns fits")
+    p.add_argument("--train-rate", type=float, help="samples per second one node trains on (for the estimate)")
+    p.add_argument("--pfs-bandwidth", help="PFS bytes/s for the whole job, e.g. 20G (for the estimate)")
+    p.add_argument("--network-bandwidth", help="bytes/s each node sends and receives, e.g. 12G (for the estimate)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.set_defaults(func=cmd_simulate)

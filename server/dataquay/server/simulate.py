@@ -1,0 +1,308 @@
+"""What a job's placement costs, epoch by epoch, before it spends allocation hours.
+
+``dataquay simulate`` runs the real placement code (:mod:`dataquay.client.placement`)
+on a job's sizes and counts the bytes each node sends, receives and reads from
+the PFS. The model:
+
+- Every sample is ``sample_bytes`` long; a node's cache holds
+  ``cache_bytes // sample_bytes`` samples (all it owns when no capacity is
+  given). Store overhead is ignored.
+- Epoch 0 stages: each node reads its initial owned set from the PFS once
+  (N * S bytes in all). Later epochs read from the PFS only what a node owns
+  beyond its capacity: the cache inserts once and never evicts (MinIO), so the
+  same excess misses every epoch. The owner reads its misses and serves them,
+  so capacity changes PFS bytes, not network bytes.
+- Network bytes of epoch e are the exchange before e (``partial``: every
+  sample of :func:`~dataquay.client.placement.moves`, sent by its old owner to
+  its new one) plus the epoch's reads from peers: ``global`` ranks read their
+  slice of the epoch's permutation, and every id their node does not own comes
+  from its owner; ``locality`` moves each global batch's imbalance (a node
+  sends its surplus and receives its deficit); ``local`` and ``partial`` read
+  only what their node owns.
+- The estimate (:func:`estimate`) takes per-node training, aggregate PFS and
+  per-node network rates. Reads of ``global`` and ``locality`` sit on the
+  critical path, so an epoch lasts as long as its slowest term. The exchange
+  before epoch e of ``partial`` runs during epoch e-1's training; what does not
+  fit there spills into epoch e as peer reads, which is where a partial
+  exchange stops being free (few iterations per epoch at large scale).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from dataquay.client.placement import (
+    MODES,
+    BatchBalance,
+    JobPlan,
+    epoch_permutation,
+    locality_balance,
+    moves,
+    owners,
+    rank_length,
+)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A job to simulate: its plan and the bytes behind each sample.
+
+    Attributes:
+        plan: the job; needs ranks per node and a per-rank batch size.
+        sample_bytes: S, the size of every sample.
+        cache_bytes: each node's cache capacity; None holds all a node owns.
+
+    Raises:
+        ValueError: a field outside its range, named in the message.
+    """
+
+    plan: JobPlan
+    sample_bytes: int
+    cache_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        plan = self.plan
+        if plan.num_samples < plan.num_nodes:
+            raise ValueError(f"num_samples must be at least one per node ({plan.num_nodes}), not {plan.num_samples}")
+        if plan.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be at least 1, not {plan.ranks_per_node}")
+        if plan.batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, not {plan.batch_size}")
+        if self.sample_bytes < 1:
+            raise ValueError(f"sample_bytes must be at least 1, not {self.sample_bytes}")
+        if self.cache_bytes is not None and self.cache_bytes < 0:
+            raise ValueError(f"cache_bytes must not be negative, not {self.cache_bytes}")
+
+    @property
+    def dataset_bytes(self) -> int:
+        """N * S."""
+        return self.plan.num_samples * self.sample_bytes
+
+    @cached_property
+    def ids_per_rank(self) -> int:
+        """Ids each rank reads per epoch, padding included (kept: some modes
+        derive it from the initial partition)."""
+        return rank_length(self.plan)
+
+    @property
+    def iterations(self) -> int:
+        """Steps per epoch: the ids each rank reads over its per-rank batch."""
+        return -(-self.ids_per_rank // self.plan.batch_size)
+
+    @property
+    def node_samples(self) -> int:
+        """Ids each node consumes per epoch, padding included."""
+        return self.ids_per_rank * self.plan.ranks_per_node
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The speeds an epoch-time estimate needs.
+
+    Attributes:
+        train_rate: samples per second one node's GPUs consume.
+        pfs_bandwidth: bytes per second the PFS delivers to the whole job.
+        network_bandwidth: bytes per second one node sends, and receives.
+
+    Raises:
+        ValueError: a rate that is not positive, named in the message.
+    """
+
+    train_rate: float
+    pfs_bandwidth: float
+    network_bandwidth: float
+
+    def __post_init__(self) -> None:
+        for name in ("train_rate", "pfs_bandwidth", "network_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EpochTraffic:
+    """The bytes one epoch moves; per-node arrays are indexed by node rank.
+
+    Attributes:
+        epoch: 0 is the staging epoch.
+        sent: bytes each node sends to peers (int64).
+        received: bytes each node receives from peers (int64).
+        pfs_bytes: bytes the job reads from the PFS.
+        balance: ``locality``'s per-batch balancing, None for other modes.
+    """
+
+    epoch: int
+    sent: np.ndarray
+    received: np.ndarray
+    pfs_bytes: int
+    balance: BatchBalance | None
+
+    @property
+    def network_bytes(self) -> int:
+        """Bytes that cross the network (each counted once, at its sender)."""
+        return int(self.sent.sum())
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How a per-node quantity spreads over the nodes.
+
+    Attributes:
+        min: the least loaded node's value.
+        median: the typical node's.
+        max: the busiest node's, which sets the pace.
+        mean: the total over the node count.
+        balance: max / mean; 1.0 is perfectly even (and when nothing moves).
+    """
+
+    min: float
+    median: float
+    max: float
+    mean: float
+    balance: float
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One epoch's time, by term (seconds).
+
+    Attributes:
+        training: the node's share of the epoch at the training rate.
+        pfs: the epoch's PFS bytes at the PFS bandwidth.
+        network: the busiest node's sent or received bytes at the network rate.
+        epoch: the estimate of the whole epoch (see the module docstring).
+        spill: seconds of ``partial``'s exchange before this epoch that do
+            not fit into the previous epoch's training; 0 for modes whose
+            network traffic is reads, already on the critical path.
+    """
+
+    training: float
+    pfs: float
+    network: float
+    epoch: float
+    spill: float
+
+
+def spread(values: np.ndarray) -> Spread:
+    """The min, median, max, mean and max/mean balance of ``values``."""
+    mean = float(values.mean())
+    return Spread(
+        float(values.min()),
+        float(np.median(values)),
+        float(values.max()),
+        mean,
+        float(values.max()) / mean if mean else 1.0,
+    )
+
+
+def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
+    """The traffic of epochs 0..epochs-1, one at a time.
+
+    Keeps the current owners between epochs, so each ``partial`` epoch costs
+    one exchange step rather than a replay from epoch 0.
+
+    Raises:
+        ValueError: fewer than one epoch.
+    """
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, not {epochs}")
+    plan, size = scenario.plan, scenario.sample_bytes
+    current = owners(plan, 0)
+    excess = _excess_samples(scenario, current)
+    reads = _PEER_READS[plan.mode]
+    for epoch in range(epochs):
+        sent = np.zeros(plan.num_nodes, dtype=np.int64)
+        received = np.zeros(plan.num_nodes, dtype=np.int64)
+        if epoch and MODES[plan.mode].owners_move:
+            shipped = moves(plan, epoch, current)
+            sent += np.bincount(shipped.sources, minlength=plan.num_nodes)
+            received += np.bincount(shipped.targets, minlength=plan.num_nodes)
+            current = current.copy()
+            current[shipped.ids] = shipped.targets
+        read_sent, read_received, balance = reads(plan, epoch, current)
+        sent += read_sent
+        received += read_received
+        pfs = plan.num_samples if epoch == 0 else excess
+        yield EpochTraffic(epoch, sent * size, received * size, pfs * size, balance)
+
+
+def estimate(scenario: Scenario, traffic: EpochTraffic, rates: Rates) -> Estimate:
+    """The time of ``traffic``'s epoch at ``rates`` (see the module docstring)."""
+    training = scenario.node_samples / rates.train_rate
+    pfs = traffic.pfs_bytes / rates.pfs_bandwidth
+    network = max(int(traffic.sent.max()), int(traffic.received.max())) / rates.network_bandwidth
+    if MODES[scenario.plan.mode].owners_move:
+        spill = max(0.0, network - training)
+        return Estimate(training, pfs, network, max(training, pfs) + spill, spill)
+    return Estimate(training, pfs, network, max(training, pfs, network), 0.0)
+
+
+def _excess_samples(scenario: Scenario, epoch_owners: np.ndarray) -> int:
+    """Samples the nodes own beyond their capacity: read from the PFS every epoch.
+
+    Node loads never change (``partial`` trades as many as it takes), so the
+    initial partition's loads hold for every epoch.
+    """
+    if scenario.cache_bytes is None:
+        return 0
+    capacity = scenario.cache_bytes // scenario.sample_bytes
+    loads = np.bincount(epoch_owners, minlength=scenario.plan.num_nodes)
+    return int(np.maximum(loads - capacity, 0).sum())
+
+
+_Reads = tuple[np.ndarray, np.ndarray, BatchBalance | None]
+
+
+def _no_peer_reads(plan: JobPlan, epoch: int, epoch_owners: np.ndarray) -> _Reads:
+    """``local`` and ``partial`` ranks read only their node's owned set."""
+    none = np.zeros(plan.num_nodes, dtype=np.int64)
+    return none, none, None
+
+
+def _global_reads(plan: JobPlan, epoch: int, epoch_owners: np.ndarray) -> _Reads:
+    """Samples per node that ``global`` ranks read from, and serve to, peers.
+
+    Rank r reads positions r, r + W, ... of the (padded) epoch permutation, so
+    position i is read on node (i % W) // g: no per-rank orders needed.
+    """
+    world = plan.world_size
+    order = np.resize(epoch_permutation(plan.num_samples, plan.seed, epoch), rank_length(plan) * world)
+    reader = (np.arange(len(order), dtype=np.int64) % world) // plan.ranks_per_node
+    holder = epoch_owners[order]
+    remote = holder != reader
+    return (
+        np.bincount(holder[remote], minlength=plan.num_nodes).astype(np.int64),
+        np.bincount(reader[remote], minlength=plan.num_nodes).astype(np.int64),
+        None,
+    )
+
+
+def _locality_reads(plan: JobPlan, epoch: int, epoch_owners: np.ndarray) -> _Reads:
+    """Samples per node that ``locality``'s balancer moves, and its per-batch figures.
+
+    The balancer only pairs a node that has a surplus with one that has a
+    deficit, so each node sends its surplus and receives its deficit in every
+    global batch.
+    """
+    width = plan.world_size * plan.batch_size
+    batches = rank_length(plan) // plan.batch_size
+    order = np.resize(epoch_permutation(plan.num_samples, plan.seed, epoch), batches * width)
+    key = np.arange(len(order), dtype=np.int64) // width * plan.num_nodes + epoch_owners[order]
+    counts = np.bincount(key, minlength=batches * plan.num_nodes).reshape(batches, plan.num_nodes)
+    surplus = counts - plan.ranks_per_node * plan.batch_size
+    return (
+        np.maximum(surplus, 0).sum(axis=0).astype(np.int64),
+        np.maximum(-surplus, 0).sum(axis=0).astype(np.int64),
+        locality_balance(plan, epoch),
+    )
+
+
+_PEER_READS: dict[str, Callable[[JobPlan, int, np.ndarray], _Reads]] = {
+    "global": _global_reads,
+    "local": _no_peer_reads,
+    "partial": _no_peer_reads,
+    "locality": _locality_reads,
+}

@@ -1,0 +1,141 @@
+"""``dataquay simulate`` counts what the real placement moves, epoch by epoch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dataquay.client.placement import JobPlan, locality_balance, moves, owners
+from dataquay.server.cli import main
+from dataquay.server.simulate import Rates, Scenario, estimate, simulate, spread
+
+NODES, RANKS_PER_NODE, SAMPLES, SAMPLE_BYTES, BATCH = 16, 4, 20_000, 1000, 8
+
+
+def scenario(mode: str, q: float = 0.0, cache_bytes: int | None = None) -> Scenario:
+    plan = JobPlan(SAMPLES, NODES, RANKS_PER_NODE, seed=7, mode=mode, q=q, batch_size=BATCH)
+    return Scenario(plan, SAMPLE_BYTES, cache_bytes)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dataquay.server.cli", "simulate", *args], capture_output=True, text=True, timeout=90
+    )
+
+
+def cli_args(mode: str, *extra: str) -> list[str]:
+    return [
+        "--nodes", str(NODES), "--samples", str(SAMPLES), "--sample-bytes", "1000",
+        "--per-rank-batch", str(BATCH), "--ranks-per-node", str(RANKS_PER_NODE), "--mode", mode, *extra,
+    ]
+
+
+def test_local_moves_nothing_after_staging_reads_the_dataset_once() -> None:
+    epochs = list(simulate(scenario("local"), 3))
+    assert [e.network_bytes for e in epochs] == [0, 0, 0]
+    assert [e.pfs_bytes for e in epochs] == [SAMPLES * SAMPLE_BYTES, 0, 0]
+
+
+def test_partial_moves_exactly_the_exchange_about_q_of_the_dataset() -> None:
+    sc = scenario("partial", q=0.1)
+    epochs = list(simulate(sc, 4))
+    assert epochs[0].network_bytes == 0
+    previous = owners(sc.plan, 0)
+    for traffic in epochs[1:]:
+        shipped = moves(sc.plan, traffic.epoch, previous)
+        assert traffic.network_bytes == len(shipped.ids) * SAMPLE_BYTES
+        assert traffic.network_bytes / sc.dataset_bytes == pytest.approx(0.1 * (NODES - 1) / NODES, abs=0.01)
+        assert np.array_equal(traffic.sent, np.bincount(shipped.sources, minlength=NODES) * SAMPLE_BYTES)
+        assert np.array_equal(traffic.received, np.bincount(shipped.targets, minlength=NODES) * SAMPLE_BYTES)
+        previous = owners(sc.plan, traffic.epoch, previous)
+
+
+def test_global_reads_about_all_but_a_node_share_from_peers() -> None:
+    sc = scenario("global")
+    for traffic in simulate(sc, 2):
+        assert traffic.network_bytes / sc.dataset_bytes == pytest.approx((NODES - 1) / NODES, abs=0.02)
+        assert traffic.sent.sum() == traffic.received.sum()
+        assert spread(traffic.received).balance < 1.2
+
+
+def test_locality_moves_each_batch_imbalance_within_bounds() -> None:
+    sc = scenario("locality")
+    for traffic in simulate(sc, 2):
+        balance = traffic.balance
+        assert balance is not None
+        assert traffic.network_bytes == int(locality_balance(sc.plan, traffic.epoch).moved.sum()) * SAMPLE_BYTES
+        assert traffic.received.sum() == traffic.network_bytes
+        assert 0 <= np.percentile(balance.imbalance, 50) <= np.percentile(balance.imbalance, 90) <= 100
+        assert balance.transfers.max() <= NODES - 1
+
+
+def test_capacity_below_a_node_share_reads_the_excess_from_the_pfs_every_epoch() -> None:
+    share = SAMPLES // NODES
+    epochs = list(simulate(scenario("partial", q=0.2, cache_bytes=(share - 100) * SAMPLE_BYTES), 3))
+    assert [e.pfs_bytes for e in epochs] == [SAMPLES * SAMPLE_BYTES] + [NODES * 100 * SAMPLE_BYTES] * 2
+
+
+def test_an_exchange_slower_than_training_spills_into_the_next_epoch() -> None:
+    sc = scenario("partial", q=0.5)
+    traffic = list(simulate(sc, 2))[1]
+    slow = estimate(sc, traffic, Rates(train_rate=1e9, pfs_bandwidth=1e9, network_bandwidth=1e6))
+    assert slow.spill == pytest.approx(slow.network - slow.training) and slow.spill > 0
+    fast = estimate(sc, traffic, Rates(train_rate=10.0, pfs_bandwidth=1e9, network_bandwidth=1e9))
+    assert fast.spill == 0 and fast.epoch == fast.training
+
+
+def test_json_has_the_inputs_and_one_entry_per_epoch() -> None:
+    out = run_cli(*cli_args("locality", "--epochs", "3", "--json"))
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["inputs"]["mode"] == "locality" and doc["inputs"]["sample_bytes"] == 1000
+    assert [e["epoch"] for e in doc["epochs"]] == [0, 1, 2]
+    assert doc["epochs"][0]["pfs_bytes"] == SAMPLES * 1000
+    assert all(0 <= e["imbalance_percent"]["median"] <= e["imbalance_percent"]["p90"] <= 100 for e in doc["epochs"])
+    assert all(e["transfers_per_batch"]["max"] <= NODES - 1 for e in doc["epochs"])
+
+
+def test_table_warns_when_the_exchange_cannot_hide_inside_an_epoch() -> None:
+    rates = ["--train-rate", "1e9", "--pfs-bandwidth", "10G", "--network-bandwidth", "1M/s"]
+    out = run_cli(*cli_args("partial", "--q", "0.5", "--epochs", "2", *rates))
+    assert out.returncode == 0, out.stderr
+    assert "EPOCH s" in out.stdout
+    warnings = [line for line in out.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "epoch 1" in warnings[0] and "iterations per epoch" in warnings[0]
+
+
+@pytest.mark.parametrize(
+    ("change", "flag"),
+    [
+        (("--mode", "sideways"), "--mode"),
+        (("--mode", "partial", "--q", "1.5"), "--q"),
+        (("--mode", "partial"), "--q"),
+        (("--per-rank-batch", "0"), "--per-rank-batch"),
+        (("--nodes", "0"), "--nodes"),
+        (("--samples", "0"), "--samples"),
+        (("--sample-bytes", "big"), "--sample-bytes"),
+        (("--train-rate", "100"), "--pfs-bandwidth"),
+    ],
+)
+def test_bad_settings_exit_1_with_one_line_naming_the_flag(
+    change: tuple[str, ...], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", *cli_args("global"), *change]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.splitlines()) == 1 and flag in out.err
+
+
+def test_an_unknown_mode_fails_from_the_command_line_too() -> None:
+    out = run_cli(*cli_args("sideways"))
+    assert out.returncode == 1
+    assert out.stderr.startswith("dataquay: error: --mode must be one of") and len(out.stderr.splitlines()) == 1
+
+
+def test_a_flag_that_is_not_a_number_is_bad_usage() -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", *cli_args("global"), "--nodes", "many"])
+    assert exit_.value.code == 2
