@@ -3,6 +3,7 @@ plan it derives from the job record, and the sampler it reads by."""
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 import re
@@ -224,6 +225,36 @@ def test_job_sampler_pickles_with_its_job_plan_and_epoch() -> None:
     assert (copy.job, copy.plan, copy.epoch, copy.node) == (job, sampler.plan, 2, 1)
     assert np.array_equal(copy.indices(), sampler.indices())
     assert np.array_equal(copy.owners(), sampler.owners())
+
+
+@pytest.mark.parametrize("settings", [{"mode": "global"}, {"mode": "partial", "q": 0.5}])
+def test_a_restarted_job_sampler_resumes_the_epoch_in_the_jobs_order(settings: dict[str, Any]) -> None:
+    manifest = tar_manifest()
+    job = job_record(manifest, **settings)
+    plan = job_plan(job, manifest)
+    sampler = JobSampler(job, plan, rank=3, world_size=4)
+    sampler.set_epoch(3)
+    ids = iter(sampler)
+    head = [next(ids) for _ in range(7)]
+    state = json.loads(json.dumps(sampler.state_dict()))
+    assert (state["job"], state["epoch"], state["position"]) == ("run-1", 3, 7)
+    reporter = FakeClient(job)
+    restarted = JobSampler(job, plan, rank=3, world_size=4, reporter=reporter)
+    restarted.load_state_dict(state)
+    restarted.set_epoch(3)
+    assert head + list(restarted) == rank_order(plan, 3, 3).tolist()
+    restarted.set_epoch(4)
+    assert list(restarted) == rank_order(plan, 4, 3).tolist()
+    assert reporter.reported == [("run-1", 3), ("run-1", 4)]
+
+
+def test_a_job_sampler_refuses_the_state_of_another_job() -> None:
+    manifest = tar_manifest()
+    job, other = job_record(manifest), job_record(manifest, job_id="run-2")
+    state = JobSampler(job, job_plan(job, manifest), rank=0, world_size=4).state_dict()
+    sampler = JobSampler(other, job_plan(other, manifest), rank=0, world_size=4)
+    with pytest.raises(ValueError, match=re.escape("saved with job='run-1' but this sampler has job='run-2'")):
+        sampler.load_state_dict(state)
 
 
 def dataset(client: FakeClient, manifest: Manifest) -> Dataset:

@@ -3,6 +3,8 @@ DistributedSampler contract across ranks and epochs."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
 
 import pytest
@@ -83,3 +85,86 @@ def test_drop_last_and_no_shuffle() -> None:
     assert [list(s) for s in ranks] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert all(len(s) == 2 for s in ranks)
     assert list(Sampler(0, rank=0, world_size=2)) == []
+
+
+def test_a_restarted_sampler_resumes_the_epoch_where_it_stopped_in_the_same_order() -> None:
+    settings = {"rank": 1, "world_size": 4, "seed": 7}
+    whole = Sampler(103, **settings)
+    whole.set_epoch(2)
+    sampler = Sampler(103, **settings)
+    sampler.set_epoch(2)
+    ids = iter(sampler)
+    head = [next(ids) for _ in range(10)]
+    state = json.loads(json.dumps(sampler.state_dict()))
+    assert state == {"epoch": 2, "position": 10, "num_samples": 103, "world_size": 4, "rank": 1, "seed": 7,
+                     "shuffle": 1, "drop_last": 0}
+    restarted = Sampler(103, **settings)
+    restarted.load_state_dict(state)
+    restarted.set_epoch(2)
+    tail = list(restarted)
+    assert head + tail == list(whole)
+    assert (len(restarted), len(tail)) == (26, 16)
+    assert restarted.state_dict()["position"] == 0
+    restarted.set_epoch(3)
+    whole.set_epoch(3)
+    assert list(restarted) == list(whole)
+
+
+def test_a_restore_without_set_epoch_resumes_and_is_consumed_by_one_iteration() -> None:
+    sampler = Sampler(50, rank=0, world_size=2, seed=1)
+    sampler.load_state_dict({**sampler.state_dict(), "epoch": 4, "position": 20})
+    assert list(sampler) == sampler.indices().tolist()[20:]
+    assert list(sampler) == sampler.indices().tolist()
+    sampler.load_state_dict({**sampler.state_dict(), "position": 5})
+    iter(sampler)
+    sampler.set_epoch(4)
+    assert list(sampler) == sampler.indices().tolist()
+    sampler.load_state_dict({**sampler.state_dict(), "position": 5})
+    sampler.set_epoch(5)
+    assert list(sampler) == sampler.indices().tolist()
+
+
+@pytest.mark.parametrize(
+    ("other", "message"),
+    [({"num_samples": 104}, "saved with num_samples=103 but this sampler has num_samples=104"),
+     ({"world_size": 8}, "saved with world_size=4 but this sampler has world_size=8"),
+     ({"rank": 2}, "saved with rank=1 but this sampler has rank=2"),
+     ({"seed": 8}, "saved with seed=7 but this sampler has seed=8"),
+     ({"shuffle": False}, "saved with shuffle=1 but this sampler has shuffle=0"),
+     ({"drop_last": True}, "saved with drop_last=0 but this sampler has drop_last=1")],
+)
+def test_a_state_from_a_sampler_with_another_order_is_refused_naming_the_field(
+    other: dict[str, int], message: str
+) -> None:
+    settings = {"num_samples": 103, "rank": 1, "world_size": 4, "seed": 7, **other}
+    sampler = Sampler(**settings)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sampler.load_state_dict(Sampler(103, rank=1, world_size=4, seed=7).state_dict())
+    assert (sampler.epoch, sampler.position) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [({"seed": None}, "sampler state has no 'seed'"),
+     ({"epoch": -1}, "non-negative int epoch, not -1"),
+     ({"position": "3"}, "non-negative int position, not '3'"),
+     ({"position": 27}, "position 27 is past the 26 ids of rank 1's epoch")],
+)
+def test_a_malformed_state_is_refused(change: dict[str, object], message: str) -> None:
+    sampler = Sampler(103, rank=1, world_size=4, seed=7)
+    state = {k: v for k, v in {**sampler.state_dict(), **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sampler.load_state_dict(state)
+
+
+def test_torch_sampler_forwards_the_cursor_that_stateful_dataloader_saves() -> None:
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed: the adapter needs it")
+    from dataquay.client.torch import TorchSampler
+
+    sampler = TorchSampler(Sampler(20, rank=0, world_size=1))
+    ids = iter(sampler)
+    head = [next(ids) for _ in range(5)]
+    restarted = TorchSampler(Sampler(20, rank=0, world_size=1))
+    restarted.load_state_dict(sampler.state_dict())
+    assert head + list(restarted) == list(Sampler(20, rank=0, world_size=1))

@@ -1,15 +1,17 @@
 """Which sample ids this rank reads, epoch by epoch.
 
 A thin stateful wrapper over :mod:`dataquay.client.placement`: it holds the
-job's settings and the current epoch, and takes rank and world size from the
-launcher's environment when they are not given. :class:`JobSampler` does the
-same for a rank of a cluster job, whose orders follow the job's placement.
+job's settings and a cursor (epoch, position), and takes rank and world size
+from the launcher's environment when they are not given. :class:`JobSampler`
+does the same for a rank of a cluster job, whose orders follow the job's
+placement. The cursor is what a checkpoint saves (:meth:`Sampler.state_dict`):
+the order itself is recomputed, so a restarted job reads the same ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -45,6 +47,13 @@ class Sampler:
         drop_last: drop the tail that does not divide evenly instead of
             padding it with repeated ids.
 
+    Iteration moves a cursor: :attr:`position` counts the ids of the current
+    epoch that iteration has yielded, so :meth:`state_dict` can save it and a
+    restarted job's :meth:`load_state_dict` resume there (torchdata's
+    StatefulDataLoader calls both when the sampler has them). ``len()`` stays
+    an epoch's full length, as DistributedSampler's does; an iteration resumed
+    at ``position`` yields the remaining ``len(sampler) - position`` ids.
+
     Raises:
         ValueError: a negative size or seed, or a rank outside 0..world_size-1.
     """
@@ -78,16 +87,82 @@ class Sampler:
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.epoch = 0
+        #: Ids of the current epoch yielded by iteration; 0 again once an
+        #: epoch's iteration completes.
+        self.position = 0
+        # A restored position that the next iteration starts from.
+        self._resuming = False
 
     def set_epoch(self, epoch: int) -> None:
-        """Selects the epoch whose order the next iteration yields.
+        """Selects the epoch whose order the next iteration yields, from its start.
 
         Call it with the same value on every rank before each epoch, or every
-        epoch repeats epoch 0's order.
+        epoch repeats epoch 0's order. After :meth:`load_state_dict`, setting
+        the restored epoch keeps the restored position until an iteration
+        has started from it, so the usual ``set_epoch(epoch)`` then ``for``
+        loop resumes mid-epoch; any other epoch, or the same one again later,
+        starts at 0.
         """
         if epoch < 0:
             raise ValueError(f"epoch must not be negative, not {epoch}")
+        if not (self._resuming and epoch == self.epoch):
+            self.position = 0
+            self._resuming = False
         self.epoch = epoch
+
+    def state_dict(self) -> dict[str, int | str]:
+        """The cursor a checkpoint saves: ``epoch``, ``position`` and this sampler's identity.
+
+        The identity (``num_samples``, ``world_size``, ``rank``, ``seed``,
+        ``shuffle``, ``drop_last``, as ints) lets :meth:`load_state_dict`
+        refuse a restore whose order would differ. Plain ints and strings, so
+        it survives json as well as ``torch.save``. A state saved after an
+        epoch's iteration completed reads position 0 of that epoch: the
+        trainer's next :meth:`set_epoch` starts the next one.
+        """
+        return {"epoch": self.epoch, "position": self.position, **self._identity()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resumes at a cursor from :meth:`state_dict` of a sampler built with the same settings.
+
+        The next iteration yields the saved epoch's order from ``position``
+        on; the epochs after it start at 0.
+
+        Raises:
+            ValueError: a field is missing, an identity field differs from
+                this sampler's (named in the message), or the cursor is not
+                inside an epoch of this rank.
+        """
+        for field, mine in self._identity().items():
+            if field not in state:
+                raise ValueError(f"sampler state has no {field!r}; pass a dict from state_dict()")
+            if state[field] != mine:
+                raise ValueError(
+                    f"sampler state was saved with {field}={state[field]!r} but this sampler has "
+                    f"{field}={mine!r}; restore it into a sampler built with the same settings"
+                )
+        for field in ("epoch", "position"):
+            if not isinstance(state.get(field), int) or state[field] < 0:
+                raise ValueError(f"sampler state needs a non-negative int {field}, not {state.get(field)!r}")
+        if state["position"] > len(self):
+            raise ValueError(
+                f"sampler state position {state['position']} is past the {len(self)} ids of "
+                f"rank {self.rank}'s epoch"
+            )
+        self.epoch = state["epoch"]
+        self.position = state["position"]
+        self._resuming = True
+
+    def _identity(self) -> dict[str, int | str]:
+        """The settings that fix this rank's order: a state saved under others is refused."""
+        return {
+            "num_samples": self.num_samples,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "seed": self.seed,
+            "shuffle": int(self.shuffle),
+            "drop_last": int(self.drop_last),
+        }
 
     def indices(self) -> np.ndarray:
         """This rank's ids for the current epoch, in reading order (int64)."""
@@ -102,7 +177,15 @@ class Sampler:
         )
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.indices().tolist())
+        self.position = self.position if self._resuming else 0
+        self._resuming = False
+        return self._advance(self.indices()[self.position :].tolist())
+
+    def _advance(self, ids: list[int]) -> Iterator[int]:
+        for i in ids:
+            self.position += 1
+            yield i
+        self.position = 0
 
     def __len__(self) -> int:
         return samples_per_rank(self.num_samples, self.world_size, self.drop_last)
@@ -126,7 +209,9 @@ class JobSampler(Sampler):
     A :class:`Sampler` (same use, DistributedSampler's contract) whose orders
     come from the job's placement mode, so every rank and daemon of the job
     agrees on them, and whose :meth:`set_epoch` also tells the job the epoch,
-    so the daemons can prepare the next one.
+    so the daemons can prepare the next one. Its :meth:`state_dict` also
+    names the job (``job``, the one string): another job's order may differ
+    even where its sizes and seed match, so its state is refused.
 
     Args:
         job: the job as the directory returned it (every setting filled in).
@@ -179,6 +264,9 @@ class JobSampler(Sampler):
         super().set_epoch(epoch)
         if self._reporter is not None:
             self._reporter.report_epoch(self.job_id, epoch)
+
+    def _identity(self) -> dict[str, int | str]:
+        return {**super()._identity(), "job": self.job_id}
 
     def indices(self) -> np.ndarray:
         """This rank's ids for the current epoch, in reading order (int64)."""

@@ -8,7 +8,7 @@ reconnects lazily.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 try:
@@ -54,6 +54,9 @@ class TorchSampler(torch.utils.data.Sampler):
     """A dataquay :class:`Sampler` (from :meth:`Dataset.sampler`) as a torch sampler.
 
     Call :meth:`set_epoch` before each epoch, as with DistributedSampler.
+    Its :meth:`state_dict` and :meth:`load_state_dict` are the wrapped
+    sampler's, so torchdata's StatefulDataLoader, which calls them when a
+    sampler has them, checkpoints and resumes the dataquay cursor.
     """
 
     def __init__(self, sampler: Sampler) -> None:
@@ -61,6 +64,12 @@ class TorchSampler(torch.utils.data.Sampler):
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, int | str]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.sampler)
