@@ -11,12 +11,9 @@ and the environment is synced and closed.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import signal
 from pathlib import Path
-from types import TracebackType
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -31,6 +28,7 @@ from dataquay.server.config import DaemonConfig
 from dataquay.server.datasets import Datasets
 from dataquay.server.errors import StartupError
 from dataquay.server.jobs import Placements
+from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.listen import advertised_host, bind_tcp, claim_socket_path
 from dataquay.server.membership import DirectoryLink
 from dataquay.server.metrics import DaemonMetrics, LiveState
@@ -49,10 +47,13 @@ log = logging.getLogger("dataquay.daemon")
 SERVICE_NAME = "dataquay.v1.Cache"
 
 
-class Daemon:
+class Daemon(ServerLifecycle):
     """One node's daemon; see the module docstring for its lifecycle."""
 
+    log = log
+
     def __init__(self, config: DaemonConfig) -> None:
+        super().__init__()
         self.config = config
         self.version = __version__
         self.pid = os.getpid()
@@ -80,16 +81,6 @@ class Daemon:
         self._server: grpc.aio.Server | None = None
         self._metrics_http: object | None = None
         self._started = False
-        self._stop_requested = asyncio.Event()
-
-    async def __aenter__(self) -> Daemon:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -114,7 +105,16 @@ class Daemon:
             self.tasks.spawn(self.link.run(), "directory-link")
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        self._write_ready_file()
+        write_ready_file(self.config.ready_file, {
+            "pid": self.pid,
+            "node": self.config.node_name,
+            "socket": str(self.config.socket),
+            "tcp": self.tcp_address,
+            "metrics_port": self.metrics_port,
+            "metrics_address": self.metrics_address,
+            "cache_dir": str(self.store.path),
+            "directory": self.config.directory,
+        })
         log.info(
             "serving",
             extra={"fields": {"node": self.config.node_name, "socket": str(self.config.socket),
@@ -150,38 +150,6 @@ class Daemon:
         self.tcp_address = bind_tcp(server, self.config.listen)
         await server.start()
         os.chmod(sock, 0o660)
-
-    def _write_ready_file(self) -> None:
-        if self.config.ready_file is None:
-            return
-        path = Path(self.config.ready_file)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(
-            json.dumps(
-                {
-                    "pid": self.pid,
-                    "node": self.config.node_name,
-                    "socket": str(self.config.socket),
-                    "tcp": self.tcp_address,
-                    "metrics_port": self.metrics_port,
-                    "metrics_address": self.metrics_address,
-                    "cache_dir": str(self.store.path),
-                    "directory": self.config.directory,
-                }
-            )
-        )
-        os.replace(tmp, path)
-
-    def request_stop(self) -> None:
-        """Asks ``serve_until_stopped`` to return; safe from a signal handler."""
-        self._stop_requested.set()
-
-    async def serve_until_stopped(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
-        await self._stop_requested.wait()
-        log.info("stopping", extra={"fields": {"node": self.config.node_name}})
 
     async def close(self, grace: float = 10.0) -> None:
         """Staged shutdown; safe to call twice and after a failed start."""

@@ -24,10 +24,8 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import time
 from pathlib import Path
-from types import TracebackType
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -37,6 +35,7 @@ from dataquay.client.channels import server_options
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.server.config import DirectoryConfig
+from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.listen import bind_tcp
 from dataquay.server.directory.beats import open_heartbeats
 from dataquay.server.directory.metrics import directory_metrics
@@ -65,10 +64,13 @@ STATE_FILE = "directory.json"
 GROUP_WRITE_SECONDS = 0.005
 
 
-class DirectoryServer:
+class DirectoryServer(ServerLifecycle):
     """The cluster's directory; see the module docstring for its lifecycle."""
 
+    log = log
+
     def __init__(self, config: DirectoryConfig) -> None:
+        super().__init__()
         self.config = config
         self.pid = os.getpid()
         self.state = DirectoryState(config.lease_seconds)
@@ -86,17 +88,7 @@ class DirectoryServer:
         self._serving = False
         self._saved_revision = 0
         self._pending_write: asyncio.Future[None] | None = None
-        self._stop_requested = asyncio.Event()
         self._builds = asyncio.Semaphore(1)
-
-    async def __aenter__(self) -> DirectoryServer:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
 
     @property
     def state_path(self) -> Path:
@@ -119,7 +111,9 @@ class DirectoryServer:
         self._serving = True
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        self._write_ready_file()
+        write_ready_file(
+            self.config.ready_file, {"pid": self.pid, "tcp": self.tcp_address, "http_port": self.http_port}
+        )
         up, down = self.state.node_counts()
         log.info(
             "serving",
@@ -158,25 +152,6 @@ class DirectoryServer:
             self._beats = await open_heartbeats(f"{host}:{self.tcp_address.rpartition(':')[2]}", self.heartbeat_reply)
         except OSError as exc:
             raise StartupError(f"cannot receive heartbeats on UDP {self.tcp_address}: {exc.strerror}") from exc
-
-    def _write_ready_file(self) -> None:
-        if self.config.ready_file is None:
-            return
-        path = Path(self.config.ready_file)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps({"pid": self.pid, "tcp": self.tcp_address, "http_port": self.http_port}))
-        os.replace(tmp, path)
-
-    def request_stop(self) -> None:
-        """Asks ``serve_until_stopped`` to return; safe from a signal handler."""
-        self._stop_requested.set()
-
-    async def serve_until_stopped(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
-        await self._stop_requested.wait()
-        log.info("stopping")
 
     async def close(self, grace: float = 10.0) -> None:
         """Staged shutdown; safe to call twice and after a failed start."""
