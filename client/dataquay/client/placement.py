@@ -293,13 +293,8 @@ class Mode(Protocol):
         ...
 
 
-class _Global:
-    """One global permutation per epoch, dealt over all ranks; bytes never move.
-
-    The training maths of a single-node DistributedSampler with the job's world
-    size, while the initial partition spreads the bytes: most reads are peer
-    hits (a partitioned cache).
-    """
+class _StaticOwners:
+    """Modes whose bytes stay where the initial partition put them."""
 
     owners_move = False
 
@@ -309,6 +304,15 @@ class _Global:
     def owners(self, plan: JobPlan, epoch: int, previous: np.ndarray | None) -> np.ndarray:
         return initial_owners(plan.num_samples, plan.num_nodes, plan.seed, plan.partition, plan.groups)
 
+
+class _Global(_StaticOwners):
+    """One global permutation per epoch, dealt over all ranks; bytes never move.
+
+    The training maths of a single-node DistributedSampler with the job's world
+    size, while the initial partition spreads the bytes: most reads are peer
+    hits (a partitioned cache).
+    """
+
     def rank_order(self, plan: JobPlan, epoch: int, rank: int, epoch_owners: np.ndarray | None) -> np.ndarray:
         order = epoch_permutation(plan.num_samples, plan.seed, epoch)
         return rank_split(order, rank, plan.world_size, plan.drop_last)
@@ -317,7 +321,7 @@ class _Global:
         return samples_per_rank(plan.num_samples, plan.world_size, plan.drop_last)
 
 
-class _Local:
+class _Local(_StaticOwners):
     """Ownership never changes; each node deals a fresh permutation of what it owns.
 
     No sample ever crosses the network after staging, at the price of a
@@ -328,14 +332,6 @@ class _Local:
     (with uneven shards that can drop much: prefer padding there). A node
     that owns nothing pads from the epoch's global permutation.
     """
-
-    owners_move = False
-
-    def check_settings(self, q: float, batch_size: int) -> None:
-        pass
-
-    def owners(self, plan: JobPlan, epoch: int, previous: np.ndarray | None) -> np.ndarray:
-        return initial_owners(plan.num_samples, plan.num_nodes, plan.seed, plan.partition, plan.groups)
 
     def rank_order(self, plan: JobPlan, epoch: int, rank: int, epoch_owners: np.ndarray | None) -> np.ndarray:
         if epoch_owners is None:
@@ -372,7 +368,7 @@ class _Partial(_Local):
         return current
 
 
-class _Locality:
+class _Locality(_StaticOwners):
     """Global batches in mode ``global``'s order, each split where its bytes are.
 
     Node m takes the samples of a global batch (W * b ids) that it owns since
@@ -384,16 +380,11 @@ class _Locality:
     completed by repeating the epoch's order from its start, as ``global`` pads.
     """
 
-    owners_move = False
-
     def check_settings(self, q: float, batch_size: int) -> None:
         if batch_size < 1:
             raise ValueError(
                 f"batch_size must be at least 1 for mode locality (the per-rank batch), not {batch_size}"
             )
-
-    def owners(self, plan: JobPlan, epoch: int, previous: np.ndarray | None) -> np.ndarray:
-        return initial_owners(plan.num_samples, plan.num_nodes, plan.seed, plan.partition, plan.groups)
 
     def rank_order(self, plan: JobPlan, epoch: int, rank: int, epoch_owners: np.ndarray | None) -> np.ndarray:
         if epoch_owners is None:
