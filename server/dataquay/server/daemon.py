@@ -228,7 +228,7 @@ class Daemon(ServerLifecycle):
                 name: (p.done_samples, p.total_samples, p.done_bytes, p.total_bytes)
                 for name, p in self.stager.runs.items()
             },
-            peers={peer.node: (peer.suspect, peer.failures) for peer in self.peers.health()},
+            peers={p.node: (p.suspect, p.failures, p.bad_checksums) for p in self.peers.health()},
         )
 
 

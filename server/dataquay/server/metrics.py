@@ -32,7 +32,7 @@ class LiveState:
     pfs_bytes: int
     pfs_errors: int
     staging: dict[str, tuple[int, int, int, int]]  # dataset -> (done, total, done_bytes, total_bytes)
-    peers: dict[str, tuple[bool, int]]  # node -> (suspect, failed batches)
+    peers: dict[str, tuple[bool, int, int]]  # node -> (suspect, failed batches, bad checksums)
 
 
 class _StateCollector(Collector):
@@ -85,10 +85,15 @@ class _StateCollector(Collector):
         failures = CounterMetricFamily(
             "dataquay_peer_failures", "Batches a peer failed to deliver in time", labels=["peer"]
         )
-        for peer, (is_suspect, failed) in state.peers.items():
+        bad = CounterMetricFamily(
+            "dataquay_peer_bad_checksums", "Samples from a peer whose checksum failed (read again elsewhere)",
+            labels=["peer"],
+        )
+        for peer, (is_suspect, failed, corrupt) in state.peers.items():
             suspect.add_metric([peer], int(is_suspect))
             failures.add_metric([peer], failed)
-        yield from (suspect, failures)
+            bad.add_metric([peer], corrupt)
+        yield from (suspect, failures, bad)
 
 
 class DaemonMetrics:

@@ -62,10 +62,6 @@ class Peers:
     def health(self) -> list[PeerHealth]:
         return [self._health[node] for node in sorted(self._health)]
 
-    def is_suspect(self, node: str) -> bool:
-        health = self._health.get(node)
-        return health is not None and health.suspect
-
     async def fetch(
         self, node: str, address: str, dataset: str, manifest_id: str, ids: Sequence[int], nbytes: int
     ) -> dict[int, tuple[bytes, int]]:
