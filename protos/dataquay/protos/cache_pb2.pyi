@@ -245,7 +245,7 @@ class TierCount(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers")
+    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples")
     NODE_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
     CACHE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,10 @@ class StatsReply(_message.Message):
     INSERTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     STAGING_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGES_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_RECEIVED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_OWNER_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     node: str
     reads: _containers.RepeatedCompositeFieldContainer[TierCount]
     cache_used_bytes: int
@@ -270,7 +274,11 @@ class StatsReply(_message.Message):
     inserts_dropped: int
     staging: _containers.RepeatedCompositeFieldContainer[StageProgress]
     peers: _containers.RepeatedCompositeFieldContainer[PeerHealth]
-    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ...) -> None: ...
+    exchanges: _containers.RepeatedCompositeFieldContainer[ExchangeProgress]
+    exchange_received_samples: int
+    exchange_received_bytes: int
+    previous_owner_samples: int
+    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ...) -> None: ...
 
 class PeerHealth(_message.Message):
     __slots__ = ("node", "suspect", "failures", "samples", "bytes")
@@ -285,3 +293,61 @@ class PeerHealth(_message.Message):
     samples: int
     bytes: int
     def __init__(self, node: _Optional[str] = ..., suspect: _Optional[bool] = ..., failures: _Optional[int] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class ExchangeOffer(_message.Message):
+    __slots__ = ("job", "dataset", "manifest_id", "epoch", "sender", "ids")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    dataset: str
+    manifest_id: str
+    epoch: int
+    sender: str
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., dataset: _Optional[str] = ..., manifest_id: _Optional[str] = ..., epoch: _Optional[int] = ..., sender: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExchangeMessage(_message.Message):
+    __slots__ = ("offer", "samples")
+    OFFER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    offer: ExchangeOffer
+    samples: _containers.RepeatedCompositeFieldContainer[Sample]
+    def __init__(self, offer: _Optional[_Union[ExchangeOffer, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
+
+class ExchangeReply(_message.Message):
+    __slots__ = ("held",)
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    held: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, held: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExchangeProgress(_message.Message):
+    __slots__ = ("job", "epoch", "total_samples", "total_bytes", "delivered_samples", "delivered_bytes", "sent_bytes", "unavailable_samples", "refused_samples", "elapsed_seconds", "finished", "error")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    epoch: int
+    total_samples: int
+    total_bytes: int
+    delivered_samples: int
+    delivered_bytes: int
+    sent_bytes: int
+    unavailable_samples: int
+    refused_samples: int
+    elapsed_seconds: float
+    finished: bool
+    error: str
+    def __init__(self, job: _Optional[str] = ..., epoch: _Optional[int] = ..., total_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., delivered_samples: _Optional[int] = ..., delivered_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., unavailable_samples: _Optional[int] = ..., refused_samples: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...

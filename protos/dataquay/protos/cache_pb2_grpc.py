@@ -90,6 +90,11 @@ class CacheStub:
                 request_serializer=dataquay_dot_protos_dot_jobs__pb2.ReportEpochRequest.SerializeToString,
                 response_deserializer=dataquay_dot_protos_dot_jobs__pb2.Job.FromString,
                 _registered_method=True)
+        self.Exchange = channel.stream_stream(
+                '/dataquay.v1.Cache/Exchange',
+                request_serializer=dataquay_dot_protos_dot_cache__pb2.ExchangeMessage.SerializeToString,
+                response_deserializer=dataquay_dot_protos_dot_cache__pb2.ExchangeReply.FromString,
+                _registered_method=True)
 
 
 class CacheServicer:
@@ -168,6 +173,16 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Exchange(self, request_iterator, context):
+        """The per-epoch exchange, daemon to daemon: the sender offers the samples
+        the receiver owns from the offer's epoch on; the receiver answers with
+        those it already holds, then, once per message of samples, with the ids
+        its cache has committed. Ids never acknowledged stay with the sender.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -225,6 +240,11 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.ReportEpoch,
                     request_deserializer=dataquay_dot_protos_dot_jobs__pb2.ReportEpochRequest.FromString,
                     response_serializer=dataquay_dot_protos_dot_jobs__pb2.Job.SerializeToString,
+            ),
+            'Exchange': grpc.stream_stream_rpc_method_handler(
+                    servicer.Exchange,
+                    request_deserializer=dataquay_dot_protos_dot_cache__pb2.ExchangeMessage.FromString,
+                    response_serializer=dataquay_dot_protos_dot_cache__pb2.ExchangeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -524,6 +544,33 @@ class Cache:
             '/dataquay.v1.Cache/ReportEpoch',
             dataquay_dot_protos_dot_jobs__pb2.ReportEpochRequest.SerializeToString,
             dataquay_dot_protos_dot_jobs__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exchange(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dataquay.v1.Cache/Exchange',
+            dataquay_dot_protos_dot_cache__pb2.ExchangeMessage.SerializeToString,
+            dataquay_dot_protos_dot_cache__pb2.ExchangeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError("expected a fraction from 0 to 1")
+    return value
+
+
 def _port(text: str) -> int:
     if not text.strip().isdigit() or int(text) > 65535:
         raise ValueError("expected a port number 0-65535")
@@ -131,6 +138,18 @@ class DaemonConfig(FlagConfig):
     directory: str = _option("", "HOST:PORT of the directory service; empty runs this node standalone")
     peer_timeout: float = _option(
         5.0, "seconds a peer may take to answer a batch before its samples come from the PFS", _positive_float
+    )
+    exchange_bandwidth: int = _option(
+        0,
+        "cap on the per-epoch exchange this node sends, in bytes/s (e.g. 200M), so that training reads "
+        "keep the network; 0 = uncapped",
+        lambda s: parse_size(s, "rate"),
+    )
+    spare_copies_fill: float = _option(
+        0.5,
+        "cache fill (0-1) below which samples given away in an exchange are kept as spare copies, so a "
+        "later epoch that hands them back moves nothing; 0 deletes them once delivered",
+        _fraction,
     )
     ready_file: Path | None = _option(
         None, "write a JSON file with the bound addresses once serving", Path

@@ -27,11 +27,12 @@ from dataquay.server import __version__
 from dataquay.server.config import DaemonConfig
 from dataquay.server.datasets import Datasets
 from dataquay.server.errors import StartupError
+from dataquay.server.exchange import ExchangeReceiver, ExchangeRun, Exchanges
 from dataquay.server.jobs import Placements
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.listen import advertised_host, bind_tcp, claim_socket_path
 from dataquay.server.membership import DirectoryLink
-from dataquay.server.metrics import DaemonMetrics, LiveState
+from dataquay.server.metrics import DaemonMetrics, ExchangeState, LiveState
 from dataquay.server.peers import Peers
 from dataquay.server.pfs_pool import PfsPool
 from dataquay.server.reads import ReadService
@@ -68,12 +69,22 @@ class Daemon(ServerLifecycle):
         )
         self.datasets = Datasets(self.registry, self.store, self.link)
         self.peers = Peers(config.peer_timeout)
-        self.placements = Placements(self.link, config.node_name) if self.link is not None else None
+        self.placements = (
+            Placements(self.link, config.node_name, config.state_dir) if self.link is not None else None
+        )
         self.reads = ReadService(
             self.datasets, self.store, self.pfs, self.metrics, config.max_batch, self.peers, self.placements
         )
         self.stager = Stager(self.registry, self.store, self.pfs)
         self.tasks = TaskGroup()
+        self.exchanges: Exchanges | None = None
+        self.receiver: ExchangeReceiver | None = None
+        if self.link is not None and self.placements is not None:
+            self.receiver = ExchangeReceiver(self.store, self.datasets, self.placements)
+            self.exchanges = Exchanges(
+                config.node_name, self.store, self.datasets, self.placements, self.link, self.peers,
+                self.receiver, self.tasks.spawn, config.exchange_bandwidth, config.spare_copies_fill,
+            )
         self.shm = ShmSegments()
         self.health = HealthServicer()
         self.tcp_address = ""
@@ -103,6 +114,7 @@ class Daemon(ServerLifecycle):
         self.tasks.spawn(self._reap_segments(), "shm-reaper")
         if self.link is not None:
             self.tasks.spawn(self.link.run(), "directory-link")
+            self.tasks.spawn(self._resume_exchanges(), "exchange-resume")
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         write_ready_file(self.config.ready_file, {
@@ -174,6 +186,15 @@ class Daemon(ServerLifecycle):
             self._metrics_http.shutdown()  # type: ignore[attr-defined]
         Path(self.config.socket).unlink(missing_ok=True)
 
+    async def _resume_exchanges(self) -> None:
+        """After a restart, redo this node's part of the current exchanges."""
+        assert self.link is not None and self.exchanges is not None
+        await self.link.registered.wait()
+        name = self.config.node_name
+        self.exchanges.resume(
+            [(job_id, int(job.epoch)) for job_id, job in self.link.jobs.items() if name in job.spec.nodes]
+        )
+
     async def _reap_segments(self, interval: float = 10.0) -> None:
         while True:
             await asyncio.sleep(interval)
@@ -229,6 +250,12 @@ class Daemon(ServerLifecycle):
                 for name, p in self.stager.runs.items()
             },
             peers={p.node: (p.suspect, p.failures, p.bad_checksums) for p in self.peers.health()},
+            exchanges={run.job: exchange_state(run) for run in self.exchanges.progress()} if self.exchanges else {},
+            exchange_sent=(self.exchanges.sent_samples, self.exchanges.sent_bytes) if self.exchanges else (0, 0),
+            exchange_received=(
+                (self.receiver.received_samples, self.receiver.received_bytes) if self.receiver else (0, 0)
+            ),
+            previous_owner_samples=self.reads.previous_owner_samples,
         )
 
 
@@ -236,3 +263,15 @@ async def serve(config: DaemonConfig) -> None:
     """Runs a daemon until SIGTERM or SIGINT."""
     async with Daemon(config) as daemon:
         await daemon.serve_until_stopped()
+
+
+def exchange_state(run: ExchangeRun) -> ExchangeState:
+    done = run.progress()
+    return ExchangeState(
+        epoch=run.epoch,
+        total_samples=done.total_samples,
+        total_bytes=done.total_bytes,
+        delivered_samples=done.delivered_samples,
+        delivered_bytes=done.delivered_bytes,
+        finished=run.finished,
+    )

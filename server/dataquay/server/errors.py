@@ -24,6 +24,7 @@ __all__ = [
     "DatasetExistsError",
     "DatasetReplacedError",
     "DirectoryUnavailableError",
+    "ExchangeRefusedError",
     "InvalidRequestError",
     "JobMismatchError",
     "ManifestError",
@@ -63,6 +64,11 @@ class InvalidRequestError(DataquayError, ValueError):
 
 class DirectoryUnavailableError(DataquayError, ConnectionError):
     """The directory does not answer and this node has no copy of what was asked."""
+
+
+class ExchangeRefusedError(DataquayError):
+    """An exchange offer this node must not accept: ids it does not own in the
+    offer's epoch, or a dataset version the job does not use."""
 
 
 class NoLiveNodesError(DataquayError):

@@ -4,24 +4,32 @@ Ownership is never looked up: it follows from the job's settings (kept by the
 directory, copied here) through the pure functions of
 :mod:`dataquay.client.placement`. An epoch's owner array costs one
 permutation of N ids, so it is computed once per (job, dataset version, epoch)
-and kept.
+and kept. In modes whose owners move, epoch e derives from epoch e-1: those
+arrays are also saved under the state dir, so that a restarted daemon steps on
+from the last one instead of replaying every epoch since the first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from dataquay.client.jobs import job_plan
-from dataquay.client.placement import owned_ids, owners
+from dataquay.client.placement import MODES, JobPlan, owned_ids, owners
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.membership import DirectoryLink
 from dataquay.server.registry import Registered
 
-#: Owner arrays kept; a daemon serves few jobs at a time.
+log = logging.getLogger("dataquay.jobs")
+
+#: Owner arrays kept in memory; a daemon serves few jobs at a time.
 KEPT_EPOCHS = 8
+#: Owner arrays kept on disk per job (moving modes only).
+SAVED_EPOCHS = 3
 
 
 @dataclass(frozen=True)
@@ -29,12 +37,18 @@ class Placement:
     """One epoch of a job, seen from one node."""
 
     job: jpb.Job
+    epoch: int
     owners: np.ndarray  # node index in job.spec.nodes, per sample id
     node_index: int     # this node's index in the job, -1 when it is not in it
 
     @property
     def nodes(self) -> list[str]:
         return list(self.job.spec.nodes)
+
+    @property
+    def owners_move(self) -> bool:
+        """Whether samples change owner between epochs (an exchange ships them)."""
+        return MODES[self.job.spec.mode].owners_move
 
     def owned(self) -> np.ndarray:
         """The ids this node owns, sorted."""
@@ -44,11 +58,18 @@ class Placement:
 
 
 class Placements:
-    """Owner arrays of the jobs this daemon serves, computed on first use."""
+    """Owner arrays of the jobs this daemon serves, computed on first use.
 
-    def __init__(self, link: DirectoryLink, node_name: str) -> None:
+    Args:
+        link: the directory, for the jobs' settings.
+        node_name: this node, to find its index in a job.
+        state_dir: where owner arrays of moving modes are saved (None: memory only).
+    """
+
+    def __init__(self, link: DirectoryLink, node_name: str, state_dir: Path | None = None) -> None:
         self.link = link
         self.node_name = node_name
+        self.saved_dir = state_dir / "placements" if state_dir is not None else None
         self._kept: dict[tuple[str, str, int], Placement] = {}
 
     async def placement(self, job_id: str, entry: Registered, epoch: int | None = None) -> Placement:
@@ -67,12 +88,68 @@ class Placements:
         plan = job_plan(job, entry.manifest)
         nodes = list(job.spec.nodes)
         index = nodes.index(self.node_name) if self.node_name in nodes else -1
-        before = self._kept.get((job_id, entry.record.manifest_id, epoch - 1))
-        previous = before.owners if before is not None and before.job.created_unix == job.created_unix else None
-        # Off the loop: a permutation of 10^7 ids takes a good part of a second,
-        # and modes whose owners move step from the previous epoch's.
-        owner = await asyncio.get_running_loop().run_in_executor(None, owners, plan, epoch, previous)
-        kept = self._kept[key] = Placement(job, owner, index)
+        loop = asyncio.get_running_loop()
+        # Off the loop: a permutation of 10^7 ids takes a good part of a second.
+        if MODES[plan.mode].owners_move:
+            owner = await loop.run_in_executor(None, self._stepped, job, plan, epoch)
+        else:
+            owner = await loop.run_in_executor(None, owners, plan, epoch, None)
+        kept = self._kept[key] = Placement(job, epoch, owner, index)
         while len(self._kept) > KEPT_EPOCHS:
             del self._kept[next(iter(self._kept))]
         return kept
+
+    def _stepped(self, job: jpb.Job, plan: JobPlan, epoch: int) -> np.ndarray:
+        """Epoch ``epoch``'s owners, stepped from the nearest earlier epoch kept or saved."""
+        start, current = self._nearest(job, epoch)
+        if start == epoch and current is not None:
+            return current
+        for step in range(start + 1, epoch + 1):
+            current = owners(plan, step, current)
+        assert current is not None
+        self._save(job, epoch, current)
+        return current
+
+    def _nearest(self, job: jpb.Job, epoch: int) -> tuple[int, np.ndarray | None]:
+        """The latest epoch up to ``epoch`` whose owners are in memory or on disk; (-1, None) if none."""
+        for earlier in range(epoch, -1, -1):
+            kept = self._kept.get((job.spec.job_id, job.manifest_id, earlier))
+            if kept is not None and kept.job.created_unix == job.created_unix:
+                return earlier, kept.owners
+            saved = self._load(job, earlier)
+            if saved is not None:
+                return earlier, saved
+        return -1, None
+
+    def _path(self, job: jpb.Job, epoch: int) -> Path | None:
+        if self.saved_dir is None:
+            return None
+        created = int(job.created_unix * 1e6)
+        return self.saved_dir / job.spec.job_id / f"{job.manifest_id[:16]}-{created}-{epoch}.npy"
+
+    def _load(self, job: jpb.Job, epoch: int) -> np.ndarray | None:
+        path = self._path(job, epoch)
+        if path is None or not path.exists():
+            return None
+        try:
+            loaded = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring an unreadable saved placement", extra={"fields": {"path": str(path), "error": str(exc)}})
+            return None
+        return loaded if loaded.shape == (job.num_samples,) else None
+
+    def _save(self, job: jpb.Job, epoch: int, epoch_owners: np.ndarray) -> None:
+        path = self._path(job, epoch)
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(".tmp.npy")
+            np.save(partial, epoch_owners, allow_pickle=False)
+            partial.replace(path)
+            saved = sorted(path.parent.glob("*.npy"), key=lambda p: p.stat().st_mtime)
+            for old in saved[:-SAVED_EPOCHS]:
+                old.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("cannot save a placement; a restart will replay epochs",
+                        extra={"fields": {"path": str(path), "error": str(exc)}})

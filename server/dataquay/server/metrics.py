@@ -33,6 +33,20 @@ class LiveState:
     pfs_errors: int
     staging: dict[str, tuple[int, int, int, int]]  # dataset -> (done, total, done_bytes, total_bytes)
     peers: dict[str, tuple[bool, int, int]]  # node -> (suspect, failed batches, bad checksums)
+    exchanges: dict[str, ExchangeState]  # job -> its latest exchange, sending side
+    exchange_sent: tuple[int, int]  # (samples, bytes) other nodes committed from this one
+    exchange_received: tuple[int, int]  # (samples, bytes) committed from other nodes' exchanges
+    previous_owner_samples: int
+
+
+@dataclass(frozen=True)
+class ExchangeState:
+    epoch: int
+    total_samples: int
+    total_bytes: int
+    delivered_samples: int
+    delivered_bytes: int
+    finished: bool
 
 
 class _StateCollector(Collector):
@@ -94,6 +108,48 @@ class _StateCollector(Collector):
             failures.add_metric([peer], failed)
             bad.add_metric([peer], corrupt)
         yield from (suspect, failures, bad)
+        yield from _exchange_metrics(state)
+
+
+def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
+    families = {
+        "epoch": GaugeMetricFamily(
+            "dataquay_exchange_epoch", "The epoch a job's latest exchange prepares", labels=["job"]),
+        "total_samples": GaugeMetricFamily(
+            "dataquay_exchange_total_samples", "Samples this node gives away in the exchange", labels=["job"]),
+        "total_bytes": GaugeMetricFamily(
+            "dataquay_exchange_total_bytes", "Bytes this node gives away in the exchange", labels=["job"]),
+        "delivered_samples": GaugeMetricFamily(
+            "dataquay_exchange_delivered_samples", "Samples the receivers acknowledged", labels=["job"]),
+        "delivered_bytes": GaugeMetricFamily(
+            "dataquay_exchange_delivered_bytes", "Bytes the receivers acknowledged", labels=["job"]),
+        "finished": GaugeMetricFamily(
+            "dataquay_exchange_finished", "1 once the exchange has nothing left to send", labels=["job"]),
+    }
+    for job, run in state.exchanges.items():
+        for name, family in families.items():
+            family.add_metric([job], float(getattr(run, name)))
+    yield from families.values()
+    samples, nbytes = state.exchange_sent
+    yield CounterMetricFamily(
+        "dataquay_exchange_sent_samples", "Samples sent in exchanges and committed by their receivers", value=samples
+    )
+    yield CounterMetricFamily(
+        "dataquay_exchange_sent_bytes", "Payload bytes sent in exchanges and committed by their receivers",
+        value=nbytes,
+    )
+    samples, nbytes = state.exchange_received
+    yield CounterMetricFamily(
+        "dataquay_exchange_received_samples", "Samples committed from other nodes' exchanges", value=samples
+    )
+    yield CounterMetricFamily(
+        "dataquay_exchange_received_bytes", "Payload bytes committed from other nodes' exchanges", value=nbytes
+    )
+    yield CounterMetricFamily(
+        "dataquay_reads_previous_owner",
+        "Samples read from their owner of the epoch before (exchange not done yet)",
+        value=state.previous_owner_samples,
+    )
 
 
 class DaemonMetrics:

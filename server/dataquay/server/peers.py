@@ -78,7 +78,7 @@ class Peers:
         received = 0
         deadline = self.timeout + nbytes / SLOWEST_PEER_BYTES_PER_SECOND
         try:
-            stub = self._stub(node, address)
+            stub = self.stub(node, address)
             async for chunk in stub.Read(request, timeout=deadline):
                 for sample in chunk.samples:
                     if sample.missing:
@@ -110,7 +110,7 @@ class Peers:
                               "error": exc.details(), "retry_in_s": backoff}},
         )
 
-    def _stub(self, node: str, address: str) -> cache_pb2_grpc.CacheStub:
+    def stub(self, node: str, address: str) -> cache_pb2_grpc.CacheStub:
         # A channel reconnects by itself when its peer comes back. It is never
         # closed while in use: closing cancels every call in flight on it.
         if node in self._addresses and self._addresses[node] != address:

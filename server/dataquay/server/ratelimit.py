@@ -1,8 +1,10 @@
 """A thread-safe token bucket that caps bytes per second.
 
-PFS reads run in a thread pool, so the limiter blocks the calling thread, not
-the event loop. Capping at the source is what lets staging be polite to a PFS
-that other jobs share.
+PFS reads run in a thread pool and block their thread in
+:meth:`TokenBucket.acquire`; the exchange, on the event loop, sleeps what
+:meth:`TokenBucket.reserve` says. Capping at the source is what lets staging be
+polite to a PFS that other jobs share, and the exchange to a network that
+training reads need.
 """
 
 from __future__ import annotations
@@ -26,16 +28,21 @@ class TokenBucket:
         self._lock = threading.Lock()
 
     def acquire(self, amount: int) -> None:
-        """Blocks until ``amount`` bytes may pass.
+        """Blocks the calling thread until ``amount`` bytes may pass (see :meth:`reserve`)."""
+        wait = self.reserve(amount)
+        if wait > 0:
+            time.sleep(wait)
+
+    def reserve(self, amount: int) -> float:
+        """Takes ``amount`` bytes now; returns how long the caller must wait before sending them.
 
         A request larger than the burst is admitted by going into debt, so big
-        ranges are not starved; later callers then wait the debt off.
+        ranges are not starved; later callers then wait the debt off. Async
+        callers sleep the returned time on their loop instead of blocking it.
         """
         with self._lock:
             now = time.monotonic()
             self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
             self._stamp = now
             self._tokens -= amount
-            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
-        if wait > 0:
-            time.sleep(wait)
+            return -self._tokens / self.rate if self._tokens < 0 else 0.0

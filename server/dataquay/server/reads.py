@@ -1,13 +1,16 @@
 """Serving a batch of sample ids: own cache, then the owners' caches, then the PFS.
 
 A read for a job (``job`` set) sends the misses to the daemons that own them
-in that job, one batched stream per owner, all at once; what an owner does not
-hold, or cannot deliver in time, comes from the PFS. A read from a peer
+in that job, one batched stream per owner, all at once. In modes whose owners
+move, what the owner does not hold yet (its exchange has not delivered it) is
+asked of the sample's owner in the epoch before. What no daemon delivers in
+time comes from the PFS. A read from a peer
 (``peer`` set) is answered from this cache alone, its misses flagged, so that
 two daemons never bounce a request between them.
 
-A sample read from the PFS is cached only by its owner (every sample when the
-read is for no job): the owner keeps it, everyone else asks the owner. It is
+A sample read from the PFS or from its previous owner is cached only by its
+owner (every PFS read when the read is for no job): the owner keeps it,
+everyone else asks the owner. It is
 handed to the store's writer without waiting, so the reply never waits for an
 LMDB commit. A cached value whose checksum fails is served from the PFS and
 rewritten (repaired) the same way.
@@ -24,7 +27,7 @@ from typing import TypeVar
 import numpy as np
 
 from dataquay.client.channels import READ_CHUNK_BYTES
-from dataquay.client.records import CHECKSUM_BYTES, stored_checksum
+from dataquay.client.records import CHECKSUM_BYTES, encode_value, stored_checksum
 from dataquay.server.datasets import Datasets
 from dataquay.server.errors import BatchTooLargeError, DatasetReplacedError, DirectoryUnavailableError, SampleIdError
 from dataquay.server.jobs import Placement, Placements
@@ -72,6 +75,7 @@ class ReadService:
         self.max_batch = max_batch
         self.peers = peers
         self.placements = placements
+        self.previous_owner_samples = 0
 
     async def entry(self, dataset: str, ids: np.ndarray, manifest_id: str = "") -> Registered:
         """The dataset's entry; raises for an unknown or replaced dataset, a batch
@@ -103,7 +107,10 @@ class ReadService:
         misses = np.unique(ids[[i for i, hit in enumerate(cached) if hit is None]])
         placement = await self._placement(job, entry) if job and len(misses) else None
         if placement is not None:
-            fetched = await self._from_owners(entry, placement, misses)
+            fetched = await self._from_owners(entry, placement, placement.owners, misses)
+            misses = misses[~np.isin(misses, np.fromiter(fetched, np.int64, len(fetched)))]
+        if placement is not None and placement.owners_move and placement.epoch > 0 and len(misses):
+            fetched.update(await self._from_previous_owners(entry, placement, misses))
             misses = misses[~np.isin(misses, np.fromiter(fetched, np.int64, len(fetched)))]
         if len(misses):
             values = await self.pfs.read(dataset, entry.manifest, misses)
@@ -136,12 +143,28 @@ class ReadService:
                         extra={"fields": {"job": job}})
             return None
 
-    async def _from_owners(
+    async def _from_previous_owners(
         self, entry: Registered, placement: Placement, misses: np.ndarray
     ) -> dict[int, tuple[str, bytes | memoryview, int]]:
-        """What the owners of ``misses`` hold, fetched from all of them at once."""
+        """What the epoch-before owners of ``misses`` hold (transfers not done yet);
+        those this node owns now are cached, which completes their transfer."""
+        assert self.placements is not None
+        before = await self.placements.placement(placement.job.spec.job_id, entry, placement.epoch - 1)
+        moved = misses[before.owners[misses] != placement.owners[misses]]
+        fetched = await self._from_owners(entry, placement, before.owners, moved)
+        self.previous_owner_samples += len(fetched)
+        name = entry.record.cache_db.encode()
+        for sample_id, (_tier, data, digest) in fetched.items():
+            if placement.owners[sample_id] == placement.node_index:
+                self.store.offer(PendingWrite(name, sample_id, encode_value(data, digest)))
+        return fetched
+
+    async def _from_owners(
+        self, entry: Registered, placement: Placement, epoch_owners: np.ndarray, misses: np.ndarray
+    ) -> dict[int, tuple[str, bytes | memoryview, int]]:
+        """What the owners of ``misses`` (in ``epoch_owners``) hold, fetched from all of them at once."""
         assert self.peers is not None and self.placements is not None
-        owner_of = placement.owners[misses]
+        owner_of = epoch_owners[misses]
         calls = []
         for index in np.unique(owner_of).tolist():
             node = placement.nodes[index]

@@ -14,6 +14,7 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import StandaloneError
+from dataquay.server.exchange import ExchangeRun
 from dataquay.server.jobs import Placements
 from dataquay.server.membership import DirectoryLink
 from dataquay.server.reads import MISSING, chunked
@@ -165,6 +166,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 pb.PeerHealth(node=p.node, suspect=p.suspect, failures=p.failures, samples=p.samples, bytes=p.bytes)
                 for p in d.peers.health()
             ],
+            exchanges=[exchange_progress(run) for run in d.exchanges.progress()] if d.exchanges else [],
+            exchange_received_samples=d.receiver.received_samples if d.receiver else 0,
+            exchange_received_bytes=d.receiver.received_bytes if d.receiver else 0,
+            previous_owner_samples=d.reads.previous_owner_samples,
         )
 
     async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
@@ -176,7 +181,19 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             relayed = jpb.ReportEpochRequest(
                 job_id=request.job_id, epoch=request.epoch, node=self.daemon.config.node_name
             )
-            return await self._link().report_epoch(relayed)
+            job = await self._link().report_epoch(relayed)
+        if self.daemon.exchanges is not None:
+            self.daemon.exchanges.epoch_started(request.job_id, request.epoch)
+        return job
+
+    async def Exchange(
+        self, request_iterator: AsyncIterator[pb.ExchangeMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ExchangeReply]:
+        async with status_on_error(context):
+            if self.daemon.receiver is None:
+                raise StandaloneError("this daemon runs without a directory (--directory); exchanges need one")
+            async for reply in self.daemon.receiver.receive(request_iterator):
+                yield reply
 
     def _link(self) -> DirectoryLink:
         if self.daemon.link is None:
@@ -213,4 +230,22 @@ def dataset_info(entry: Registered, cached_samples: int = 0, cached_bytes: int =
         cached_samples=cached_samples,
         cached_bytes=cached_bytes,
         created_unix=record.created,
+    )
+
+
+def exchange_progress(run: ExchangeRun) -> pb.ExchangeProgress:
+    done = run.progress()
+    return pb.ExchangeProgress(
+        job=run.job,
+        epoch=run.epoch,
+        total_samples=done.total_samples,
+        total_bytes=done.total_bytes,
+        delivered_samples=done.delivered_samples,
+        delivered_bytes=done.delivered_bytes,
+        sent_bytes=done.sent_bytes,
+        unavailable_samples=done.unavailable_samples,
+        refused_samples=done.refused_samples,
+        elapsed_seconds=run.elapsed,
+        finished=run.finished,
+        error=run.error,
     )

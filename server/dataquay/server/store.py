@@ -80,6 +80,11 @@ class Store:
         )
         self._write_lock = asyncio.Lock()
         self._dirty = False
+        # Writes are numbered as queued; the writer advances _resolved past
+        # each one it committed (or dropped), which is what committed() awaits.
+        self._queued_count = 0
+        self._resolved = 0
+        self._resolved_moved = asyncio.Event()
 
     # ----------------------------------------------------------- lifecycle
 
@@ -150,7 +155,9 @@ class Store:
     async def drop_dataset(self, db: str) -> int:
         """Deletes the dataset's cached samples; returns how many there were."""
         name = db.encode()
-        self._queue = [w for w in self._queue if w.db != name]
+        kept = [w for w in self._queue if w.db != name]
+        self._resolve(len(self._queue) - len(kept))
+        self._queue = kept
         self._queued_bytes = sum(len(w.value) for w in self._queue)
         if name not in self._dbs:
             exists = await asyncio.get_running_loop().run_in_executor(
@@ -257,7 +264,55 @@ class Store:
             return
         self._enqueue(write)
 
+    async def put_all(self, writes: Iterable[PendingWrite]) -> int:
+        """Queues ``writes`` like :meth:`put`; returns a ticket for :meth:`committed`."""
+        for write in writes:
+            await self.put(write)
+        return self._queued_count
+
+    async def committed(self, ticket: int) -> None:
+        """Returns once the writer has committed everything queued up to ``ticket``.
+
+        What the cache could not take (at capacity) is dropped, not waited
+        for: callers that must know check :meth:`cached_mask` afterwards.
+        """
+        while self._resolved < ticket:
+            self._resolved_moved.clear()
+            await self._resolved_moved.wait()
+
+    async def discard(self, db: str, ids: np.ndarray) -> int:
+        """Deletes ``ids`` from a dataset's cache (samples this node gave away);
+        returns how many were there."""
+        name = db.encode()
+        handle = self._dbs.get(name)
+        if handle is None or not len(ids):
+            return 0
+
+        def delete() -> int:
+            removed = freed = 0
+            with self.env.begin(write=True, db=handle) as txn:
+                for sample_id in ids.tolist():
+                    key = sample_key(sample_id)
+                    value = txn.pop(key)
+                    if value is not None:
+                        removed += 1
+                        freed += len(value) - CHECKSUM_BYTES
+                total = max(0, self._payload_bytes.get(name, 0) - freed)
+                txn.put(name, total.to_bytes(8, "little"), db=self._meta)
+            self._payload_bytes[name] = total
+            return removed
+
+        async with self._write_lock:
+            removed = await asyncio.get_running_loop().run_in_executor(self._writer, delete)
+        self._dirty = True
+        return removed
+
+    def _resolve(self, count: int) -> None:
+        self._resolved += count
+        self._resolved_moved.set()
+
     def _enqueue(self, write: PendingWrite) -> None:
+        self._queued_count += 1
         self._queue.append(write)
         self._queued_bytes += len(write.value)
         self._idle.clear()
@@ -284,6 +339,7 @@ class Store:
                     await self._commit_growing(loop, batch)
                     self._grow_ahead()
                 finally:
+                    self._resolve(len(batch))
                     if not self._queue:
                         self._idle.set()
 

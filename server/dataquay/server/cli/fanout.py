@@ -282,6 +282,36 @@ def cluster_status(args: argparse.Namespace) -> None:
     if jobs:
         print()
         print_table([_job_row(j, stats) for j in jobs], ("JOB", "DATASET", "MODE", "EPOCH", "NODES", "STAGED"))
+    print_exchanges([(name, reply) for name, reply in stats.items() if reply is not None])
+
+
+def print_exchanges(stats: list[tuple[str, pb.StatsReply]]) -> None:
+    """One row per node and job whose owners move: the sending side of its latest exchange."""
+    rows = [exchange_row(name, x) for name, reply in stats for x in reply.exchanges]
+    if rows:
+        print()
+        print_table(rows, ("NODE", "JOB", "INTO EPOCH", "SAMPLES", "BYTES", "RATE", "ETA", "STATE"))
+    received = sum(reply.exchange_received_bytes for _, reply in stats)
+    previous = sum(reply.previous_owner_samples for _, reply in stats)
+    if rows or received or previous:
+        print(f"exchange received {format_bytes(received)}; "
+              f"{previous} samples read from their previous owner (exchange not done yet)")
+
+
+def exchange_row(node: str, x: pb.ExchangeProgress) -> tuple[object, ...]:
+    rate = x.sent_bytes / x.elapsed_seconds if x.elapsed_seconds > 0 else 0.0
+    left = x.total_bytes - x.delivered_bytes
+    if x.finished:
+        eta, state = "-", "done" if not x.error else f"done; {x.error}"
+    else:
+        eta = f"{left / rate:.0f}s" if rate > 0 else "?"
+        state = "running" if not x.error else f"retrying; {x.error}"
+    unsent = x.unavailable_samples + x.refused_samples
+    samples = f"{x.delivered_samples}/{x.total_samples}" + (f" ({unsent} not sent)" if unsent else "")
+    return (
+        node, x.job, x.epoch, samples,
+        f"{format_bytes(x.delivered_bytes)}/{format_bytes(x.total_bytes)}", f"{format_bytes(rate)}/s", eta, state,
+    )
 
 
 def _node_row(node: jpb.NodeStatus, stats: pb.StatsReply | None) -> tuple[object, ...]:

@@ -142,6 +142,7 @@ def cmd_status(args: argparse.Namespace) -> None:
     )
     print(f"pfs read {format_bytes(stats.pfs_bytes)}, {stats.pfs_errors} errors, "
           f"{stats.corrupt_repaired} corrupt values repaired")
+    fanout.print_exchanges([(stats.node, stats)])
 
 
 def cmd_demo(args: argparse.Namespace) -> None:

@@ -1,0 +1,11 @@
+"""The per-epoch exchange between daemons (modes whose owners move).
+
+:mod:`.outbox` is the ledger of one node's give-aways (no I/O), :mod:`.sender`
+ships them when the job enters an epoch, :mod:`.receiver` commits what others
+ship to this node. See DESIGN.md, "The per-epoch exchange".
+"""
+
+from dataquay.server.exchange.receiver import ExchangeReceiver
+from dataquay.server.exchange.sender import Exchanges, ExchangeRun
+
+__all__ = ["ExchangeReceiver", "ExchangeRun", "Exchanges"]

@@ -1,0 +1,125 @@
+"""The receiving side of the per-epoch exchange: check, commit, acknowledge.
+
+An offer is accepted only for ids this node owns in the offer's epoch, as its
+own placement computes it, so a sender with a wrong view of the job cannot
+fill this cache with samples nobody will ask it for. Payloads are checked
+against their checksums, committed in the store's large transactions, and
+acknowledged only once committed: an acknowledgement is what allows the
+sender to delete its copy. Reading the next message overlaps the commit of the
+previous one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import numpy as np
+
+from dataquay.client.records import checksum, encode_value
+from dataquay.protos import cache_pb2 as pb
+from dataquay.server.datasets import Datasets
+from dataquay.server.errors import DatasetReplacedError, ExchangeRefusedError, InvalidRequestError, SampleIdError
+from dataquay.server.jobs import Placements
+from dataquay.server.registry import Registered
+from dataquay.server.store import PendingWrite, Store
+
+log = logging.getLogger("dataquay.exchange")
+
+class ExchangeReceiver:
+    """Takes the samples other daemons hand to this node."""
+
+    def __init__(self, store: Store, datasets: Datasets, placements: Placements) -> None:
+        self.store = store
+        self.datasets = datasets
+        self.placements = placements
+        self.received_samples = 0
+        self.received_bytes = 0
+        self.bad_checksums = 0
+        #: Highest epoch offered to this node, per job: the sender drops
+        #: nothing this node owns up to it (see Exchanges._drop_given_away).
+        self.offered_epochs: dict[str, int] = {}
+        #: Held while answering "already held" and while dropping given-away
+        #: samples, so a sample is never acknowledged and then deleted.
+        self.holding = asyncio.Lock()
+
+    async def receive(self, messages: AsyncIterator[pb.ExchangeMessage]) -> AsyncIterator[pb.ExchangeReply]:
+        """Answers one exchange stream (see the Exchange RPC in cache.proto).
+
+        Raises:
+            InvalidRequestError: the stream does not start with an offer.
+            ExchangeRefusedError: the offer names ids this node does not own then.
+        """
+        first = await anext(aiter(messages), None)
+        if first is None or not first.HasField("offer"):
+            raise InvalidRequestError("an exchange stream must start with an offer")
+        offer = first.offer
+        entry, offered = await self._accept(offer)
+        db, sizes = entry.record.cache_db, entry.manifest.sample_length
+        async with self.holding:
+            self.offered_epochs[offer.job] = max(self.offered_epochs.get(offer.job, 0), int(offer.epoch))
+            held = offered[self.store.cached_mask(db, offered)]
+        yield pb.ExchangeReply(held=held.tolist())
+
+        # Unbounded: the store's queue and the sender's window bound it.
+        commits: asyncio.Queue[tuple[list[int], int] | None] = asyncio.Queue()
+        reader = asyncio.create_task(self._take_in(messages, db, set(offered.tolist()), commits))
+        try:
+            while (queued := await commits.get()) is not None:
+                ids, ticket = queued
+                await self.store.committed(ticket)
+                stored = np.asarray(ids, dtype=np.int64)
+                stored = stored[self.store.cached_mask(db, stored)]
+                self.received_samples += len(stored)
+                self.received_bytes += int(sizes[stored].sum())
+                yield pb.ExchangeReply(held=stored.tolist())
+            await reader
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+    async def _accept(self, offer: pb.ExchangeOffer) -> tuple[Registered, np.ndarray]:
+        entry = await self.datasets.entry(offer.dataset)
+        if offer.manifest_id and offer.manifest_id != entry.record.manifest_id:
+            raise DatasetReplacedError(
+                f"exchange for another version of dataset {offer.dataset!r} than this node has"
+            )
+        ids = np.fromiter(offer.ids, dtype=np.int64, count=len(offer.ids))
+        n = entry.manifest.num_samples
+        if len(ids) and int(ids.max()) >= n:
+            raise SampleIdError(f"offered sample id {int(ids.max())} out of range for dataset {offer.dataset!r} (N={n})")
+        placement = await self.placements.placement(offer.job, entry, int(offer.epoch))
+        foreign = int((placement.owners[ids] != placement.node_index).sum())
+        if foreign:
+            raise ExchangeRefusedError(
+                f"{foreign} of {len(ids)} offered ids are not owned by this node in epoch {offer.epoch} "
+                f"of job {offer.job!r}"
+            )
+        await self.store.open_dataset(entry.record.cache_db)
+        return entry, ids
+
+    async def _take_in(
+        self,
+        messages: AsyncIterator[pb.ExchangeMessage],
+        db: str,
+        offered: set[int],
+        commits: asyncio.Queue[tuple[list[int], int] | None],
+    ) -> None:
+        """Checks each message's samples and queues them for the writer; the
+        ids and the writer's ticket go on to be acknowledged once committed."""
+        name = db.encode()
+        try:
+            async for message in messages:
+                writes = []
+                for sample in message.samples:
+                    if sample.id not in offered:
+                        raise InvalidRequestError(f"sample {sample.id} was not in the exchange offer")
+                    if checksum(sample.data) != sample.checksum:
+                        self.bad_checksums += 1
+                        continue
+                    writes.append(PendingWrite(name, sample.id, encode_value(sample.data, sample.checksum)))
+                ticket = await self.store.put_all(writes)
+                commits.put_nowait(([w.sample_id for w in writes], ticket))
+        finally:
+            commits.put_nowait(None)

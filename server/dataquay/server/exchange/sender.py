@@ -1,0 +1,317 @@
+"""The sending side of the per-epoch exchange.
+
+When this node's trainers enter epoch e of a job whose owners move (the first
+``ReportEpoch`` from the node is enough), the daemon starts shipping, in the
+background, the samples it gives away in epoch e+1 to their new owners: one
+bidirectional stream per receiver (a few receivers at a time), a window of
+chunks in flight, payloads with their checksums, the whole capped by
+``--exchange-bandwidth``. The receiver acknowledges a chunk once its cache has
+committed it.
+
+A sample is deleted here only when its receiver acknowledged it and this
+node's epoch e is over (its trainers entered e+1), and only while the cache is
+fuller than ``--spare-copies-fill``: below that, given-away samples stay as
+spare copies, and a later epoch that hands one back moves nothing (the
+receiver says it already holds it). Nothing waits on the exchange: a trainer
+that reaches e+1 first reads what has not arrived from its previous owner.
+
+A killed daemon redoes its part after restart: the offer's first reply lists
+what the receiver already holds, so nothing is sent twice and nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from dataquay.client.placement import MODES
+from dataquay.protos import cache_pb2 as pb
+from dataquay.server.datasets import Datasets
+from dataquay.server.errors import DataquayError
+from dataquay.server.exchange.receiver import ExchangeReceiver
+from dataquay.server.exchange.outbox import PENDING, REFUSED, UNAVAILABLE, Outbox, OutboxProgress
+from dataquay.server.jobs import Placement, Placements
+from dataquay.server.membership import DirectoryLink
+from dataquay.server.peers import Peers
+from dataquay.server.ratelimit import TokenBucket
+from dataquay.server.registry import Registered
+from dataquay.server.store import Store
+from dataquay.server.tasks import Spawn
+
+log = logging.getLogger("dataquay.exchange")
+
+CHUNK_BYTES = 4 << 20
+CHUNK_ITEMS = 2048
+#: Chunks sent and not yet acknowledged, per stream.
+WINDOW = 4
+#: Ids one offer (one stream) may name; more go in later streams.
+OFFER_IDS = 1 << 16
+#: Receivers streamed to at once.
+PARALLEL_RECEIVERS = 4
+RETRY_SECONDS = (0.5, 30.0)
+#: Receiver errors worth another try; any other means the receiver will not take them.
+RETRYABLE = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN,
+})
+
+
+@dataclass
+class ExchangeRun:
+    """This node's sending side of one job's exchange into ``epoch``."""
+
+    job: str
+    epoch: int
+    outbox: Outbox
+    started: float = field(default_factory=time.monotonic)
+    ended: float = 0.0
+    finished: bool = False
+    error: str = ""
+
+    def progress(self) -> OutboxProgress:
+        return self.outbox.progress()
+
+    @property
+    def elapsed(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+
+class Exchanges:
+    """Starts, runs and reports this node's exchanges.
+
+    Args:
+        node_name: this node.
+        spawn: starts a background task owned by the daemon.
+        bandwidth: cap on bytes sent per second, over all exchanges; 0 = none.
+        spare_copies_fill: cache fill below which given-away samples are kept.
+    """
+
+    def __init__(
+        self,
+        node_name: str,
+        store: Store,
+        datasets: Datasets,
+        placements: Placements,
+        link: DirectoryLink,
+        peers: Peers,
+        receiver: ExchangeReceiver,
+        spawn: Spawn,
+        bandwidth: int = 0,
+        spare_copies_fill: float = 0.5,
+    ) -> None:
+        self.node_name = node_name
+        self.store = store
+        self.datasets = datasets
+        self.placements = placements
+        self.link = link
+        self.peers = peers
+        self.receiver = receiver
+        self.spawn = spawn
+        self.bucket = TokenBucket(bandwidth, burst=max(bandwidth / 10, CHUNK_BYTES)) if bandwidth else None
+        self.spare_copies_fill = spare_copies_fill
+        self.runs: dict[tuple[str, int], ExchangeRun] = {}
+        self._tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._epochs: dict[str, int] = {}
+        self._epoch_moved = asyncio.Event()
+        self.sent_samples = 0
+        self.sent_bytes = 0
+
+    def epoch_started(self, job_id: str, epoch: int) -> None:
+        """This node's trainers entered ``epoch``: prepare ``epoch + 1``.
+
+        An exchange for an earlier epoch that is still shipping is given up:
+        every sample it had left has been read, and so cached, by its owner
+        during the epoch that needed it.
+        """
+        if epoch <= self._epochs.get(job_id, -1):
+            return
+        self._epochs[job_id] = epoch
+        self._epoch_moved.set()
+        for (job, target), task in list(self._tasks.items()):
+            run = self.runs.get((job, target))
+            if job == job_id and target < epoch and run is not None and not run.finished:
+                task.cancel()
+        key = (job_id, epoch + 1)
+        if key not in self._tasks:
+            task = self.spawn(self._run(job_id, epoch + 1), f"exchange-{job_id}-{epoch + 1}")
+            self._tasks[key] = task
+            task.add_done_callback(lambda _task: self._tasks.pop(key, None))
+
+    def resume(self, jobs: list[tuple[str, int]]) -> None:
+        """After a restart: redo the exchange of each (job, current epoch) this node is in."""
+        for job_id, epoch in jobs:
+            self.epoch_started(job_id, epoch)
+
+    def progress(self) -> list[ExchangeRun]:
+        """The latest run of each job."""
+        latest: dict[str, ExchangeRun] = {}
+        for run in self.runs.values():
+            if run.job not in latest or run.epoch > latest[run.job].epoch:
+                latest[run.job] = run
+        return [latest[job] for job in sorted(latest)]
+
+    # ------------------------------------------------------------ one run
+
+    async def _run(self, job_id: str, epoch: int) -> None:
+        try:
+            await self._exchange(job_id, epoch)
+        except DataquayError as exc:
+            log.warning("exchange not run; its samples will be read from their previous owners",
+                        extra={"fields": {"job": job_id, "epoch": epoch, "error": str(exc)}})
+
+    async def _exchange(self, job_id: str, epoch: int) -> None:
+        job = await self.link.job(job_id)
+        if not MODES[job.spec.mode].owners_move:
+            return
+        entry = await self.datasets.entry(job.spec.dataset)
+        if entry.record.manifest_id != job.manifest_id:
+            log.warning("not exchanging: the job runs on another version of its dataset",
+                        extra={"fields": {"job": job_id, "dataset": job.spec.dataset}})
+            return
+        before = await self.placements.placement(job_id, entry, epoch - 1)
+        after = await self.placements.placement(job_id, entry, epoch)
+        if after.node_index < 0:
+            return
+        me = after.node_index
+        give = np.flatnonzero((before.owners == me) & (after.owners != me))
+        run = ExchangeRun(job_id, epoch, Outbox(give, after.owners[give], entry.manifest.sample_length[give]))
+        self.runs[(job_id, epoch)] = run
+        for old in [key for key in self.runs if key[0] == job_id and key[1] < epoch - 1]:
+            del self.runs[old]
+        log.info("exchange started", extra={"fields": {
+            "job": job_id, "epoch": epoch, "samples": len(give), "bytes": run.progress().total_bytes}})
+        limit = asyncio.Semaphore(PARALLEL_RECEIVERS)
+        await asyncio.gather(*(
+            self._ship_to(run, entry, after, receiver, limit) for receiver in run.outbox.receivers_left()
+        ))
+        run.finished, run.ended = True, time.monotonic()
+        done = run.progress()
+        log.info("exchange finished", extra={"fields": {
+            "job": job_id, "epoch": epoch, "delivered": done.delivered_samples, "sent_bytes": done.sent_bytes,
+            "unavailable": done.unavailable_samples, "refused": done.refused_samples,
+            "seconds": round(run.elapsed, 3)}})
+        await self._until_epoch(job_id, epoch)
+        await self._drop_given_away(entry, run)
+
+    async def _until_epoch(self, job_id: str, epoch: int) -> None:
+        while self._epochs.get(job_id, -1) < epoch:
+            self._epoch_moved.clear()
+            await self._epoch_moved.wait()
+
+    async def _drop_given_away(self, entry: Registered, run: ExchangeRun) -> None:
+        """Deletes what ``run`` delivered, unless the cache has room for spare
+        copies; never a sample this node owns again in an epoch already
+        started or offered to it (a sample handed back is acknowledged as held)."""
+        used, _ = self.store.usage()
+        if self.store.capacity and used < self.spare_copies_fill * self.store.capacity:
+            return
+        async with self.receiver.holding:
+            horizon = max(self._epochs.get(run.job, 0) + 1, self.receiver.offered_epochs.get(run.job, 0))
+            drop = run.outbox.delivered_ids()
+            for epoch in range(run.epoch, horizon + 1):
+                placement = await self.placements.placement(run.job, entry, epoch)
+                drop = drop[placement.owners[drop] != placement.node_index]
+            removed = await self.store.discard(entry.record.cache_db, drop)
+        log.info("dropped samples given away", extra={"fields": {"job": run.job, "epoch": run.epoch,
+                                                                  "samples": removed}})
+
+    async def _ship_to(
+        self, run: ExchangeRun, entry: Registered, after: Placement, receiver: int, limit: asyncio.Semaphore
+    ) -> None:
+        """Everything ``run`` gives ``receiver``, retried with back-off while it is unreachable."""
+        node = after.nodes[receiver]
+        delay = RETRY_SECONDS[0]
+        while len(run.outbox.pending(receiver)):
+            try:
+                async with limit:
+                    await self._stream(run, entry, node, receiver)
+                delay = RETRY_SECONDS[0]
+                if run.error.startswith(f"{node}:"):
+                    run.error = ""
+                continue
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE:
+                    run.error = f"{node}: {exc.code().name}: {exc.details()}"
+                    log.warning("receiver refused the exchange; its samples stay here",
+                                extra={"fields": {"job": run.job, "epoch": run.epoch, "peer": node,
+                                                  "code": exc.code().name, "error": exc.details()}})
+                    run.outbox.unsettled(run.outbox.pending(receiver), REFUSED)
+                    return
+                run.error = f"{node}: {exc.code().name}"
+            except DataquayError as exc:
+                run.error = f"{node}: {exc}"
+            except asyncio.InvalidStateError:  # written to after the receiver ended the call
+                run.error = f"{node}: the stream ended"
+            log.info("exchange stream to a peer failed; retrying",
+                     extra={"fields": {"job": run.job, "epoch": run.epoch, "peer": node, "error": run.error,
+                                       "retry_in_s": delay}})
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_SECONDS[1])
+
+    async def _stream(self, run: ExchangeRun, entry: Registered, node: str, receiver: int) -> None:
+        """One stream: an offer of up to OFFER_IDS pending ids, then their payloads."""
+        address = await self.link.address_of(node)
+        if not address or self.link.is_down(node):
+            raise DataquayError(f"node {node} is not reachable (down or unknown to the directory)")
+        outbox, db = run.outbox, entry.record.cache_db
+        offered = outbox.pending(receiver)[:OFFER_IDS]
+        call = self.peers.stub(node, address).Exchange()
+        in_flight: deque[np.ndarray] = deque()
+        window = asyncio.Semaphore(WINDOW)
+
+        async def take_acks() -> None:
+            try:
+                while (reply := await call.read()) is not grpc.aio.EOF:
+                    chunk = in_flight.popleft()
+                    self.sent_bytes += outbox.delivered(reply.held)
+                    self.sent_samples += len(reply.held)
+                    outbox.unsettled(np.setdiff1d(chunk, np.asarray(reply.held, dtype=np.int64)), REFUSED)
+                    window.release()
+            finally:
+                for _ in range(WINDOW):  # wake the sending loop, which then sees the stream is over
+                    window.release()
+
+        acks: asyncio.Task[None] | None = None
+        try:
+            await call.write(pb.ExchangeMessage(offer=pb.ExchangeOffer(
+                job=run.job, dataset=entry.record.name, manifest_id=entry.record.manifest_id,
+                epoch=run.epoch, sender=self.node_name, ids=offered.tolist())))
+            first = await call.read()
+            if first is grpc.aio.EOF:
+                raise DataquayError(f"node {node} ended the exchange stream without answering")
+            outbox.delivered(first.held, sent=False)
+            acks = asyncio.get_running_loop().create_task(take_acks())
+            while True:
+                await window.acquire()
+                if acks.done():
+                    await acks
+                    raise DataquayError(f"node {node} ended the exchange stream early")
+                ids = outbox.take(receiver, CHUNK_BYTES, CHUNK_ITEMS, upto=int(offered[-1]))
+                if not len(ids):
+                    break
+                values, _corrupt = self.store.get_many(db, ids.tolist())
+                samples = [pb.Sample(id=i, data=v[0], checksum=v[1]) for i, v in zip(ids.tolist(), values) if v]
+                absent = ids[[v is None for v in values]]
+                outbox.unsettled(absent, UNAVAILABLE)
+                if not samples:
+                    window.release()
+                    continue
+                if self.bucket is not None:
+                    await asyncio.sleep(self.bucket.reserve(sum(len(s.data) for s in samples)))
+                in_flight.append(np.fromiter((s.id for s in samples), np.int64, len(samples)))
+                await call.write(pb.ExchangeMessage(samples=samples))
+            await call.done_writing()
+            await acks
+        finally:
+            if acks is not None:
+                acks.cancel()
+                await asyncio.gather(acks, return_exceptions=True)
+            for chunk in in_flight:
+                outbox.unsettled(chunk, PENDING)
+            call.cancel()

@@ -1,0 +1,303 @@
+"""The per-epoch exchange between real daemons: what moves, what it costs, what
+a trainer sees while it runs, and a daemon killed in the middle of it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from dataquay.client.channels import channel_options
+from dataquay.client.jobs import job_plan
+from dataquay.client.manifest import Manifest
+from dataquay.client.placement import locality_balance, owners
+from dataquay.client.records import checksum
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import cache_pb2_grpc
+from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.cli import main as cli_main
+from dataquay.server.cluster import LocalCluster
+from dataquay.server.ranks import RankEpoch, RankGroup
+from dataquay.server.sizes import format_bytes
+from dataquay.server.synthetic import make_files_dataset, sample_bytes
+
+NODES = 4
+SAMPLES = 480
+SIZES = (2000, 3100, 4500)
+JOB = "x1"
+
+
+def sample_payload(i: int) -> bytes:
+    return sample_bytes(0, i, SIZES[i % len(SIZES)])
+
+
+class Nodes:
+    """Stubs of a local cluster's daemons."""
+
+    def __init__(self, local: LocalCluster) -> None:
+        self.local = local
+        self._channels: list[grpc.Channel] = []
+        self.stubs = [self._stub(i) for i in range(len(local.daemons))]
+
+    def _stub(self, index: int) -> cache_pb2_grpc.CacheStub:
+        ready = self.local.daemons[index].ready
+        assert ready is not None
+        channel = grpc.insecure_channel(ready["tcp"], options=channel_options())
+        self._channels.append(channel)
+        return cache_pb2_grpc.CacheStub(channel)
+
+    def refresh(self, index: int) -> None:
+        self.stubs[index] = self._stub(index)
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+    def stats(self) -> list[pb.StatsReply]:
+        return [stub.Stats(pb.StatsRequest(), timeout=10) for stub in self.stubs]
+
+    def report(self, epoch: int) -> None:
+        for stub in self.stubs:
+            stub.ReportEpoch(jpb.ReportEpochRequest(job_id=JOB, epoch=epoch), timeout=10)
+
+    def wait_exchanged(self, epoch: int, timeout: float = 60.0) -> list[pb.ExchangeProgress]:
+        """Each node's exchange into ``epoch``, once all have finished."""
+        deadline = time.monotonic() + timeout
+        while True:
+            runs = [next((x for x in s.exchanges if x.job == JOB and x.epoch == epoch), None) for s in self.stats()]
+            if all(r is not None and r.finished for r in runs):
+                return [r for r in runs if r is not None]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"exchange into epoch {epoch} did not finish: {runs}")
+            time.sleep(0.1)
+
+    def holds(self, index: int, ids: np.ndarray) -> np.ndarray:
+        """Which of ``ids`` node ``index`` has in its cache (a peer read flags the rest)."""
+        request = pb.ReadRequest(dataset="imgs", ids=ids.tolist(), peer=True)
+        got = {s.id: not s.missing for chunk in self.stubs[index].Read(request) for s in chunk.samples}
+        return np.array([got[i] for i in ids.tolist()], dtype=bool)
+
+
+def partial_cluster(
+    cluster: Callable[..., LocalCluster], tmp_path: Path, *daemon_args: str, q: float = 0.5
+) -> tuple[Nodes, np.ndarray]:
+    """4 daemons, dataset "imgs" staged for a partial job; returns the job's
+    owner arrays for epochs 0-3."""
+    local = cluster(NODES, daemon_args=daemon_args)
+    root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
+    assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
+    assert cli_main([
+        "stage", "imgs", "--job", JOB, "--mode", "partial", "--q", str(q), "--ranks-per-node", "2", "--quiet",
+        "--directory", local.directory_address,
+    ]) == 0
+    nodes = Nodes(local)
+    manifest = Manifest(b"".join(c.data for c in nodes.stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
+    job = nodes.stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=JOB), must_exist=True))
+    plan = job_plan(job, manifest)
+    epochs = [owners(plan, 0)]
+    for epoch in range(1, 4):
+        epochs.append(owners(plan, epoch, epochs[-1]))
+    return nodes, np.stack(epochs)
+
+
+@pytest.fixture
+def sizes() -> np.ndarray:
+    return np.array([SIZES[i % len(SIZES)] for i in range(SAMPLES)], dtype=np.int64)
+
+
+def test_the_exchange_moves_exactly_what_changes_owner_and_the_next_epoch_is_local(
+    cluster: Callable[..., LocalCluster], tmp_path: Path, sizes: np.ndarray, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nodes, epoch_owners = partial_cluster(cluster, tmp_path, "--spare-copies-fill", "0")
+    try:
+        nodes.report(0)
+        runs = nodes.wait_exchanged(1)
+        before, after = epoch_owners[0], epoch_owners[1]
+        for m, run in enumerate(runs):
+            given = (before == m) & (after != m)
+            assert run.total_samples == run.delivered_samples == given.sum()
+            assert run.sent_bytes == run.delivered_bytes == sizes[given].sum()
+            assert run.unavailable_samples == run.refused_samples == 0
+        for m in range(NODES):
+            assert nodes.holds(m, np.flatnonzero(after == m)).all()
+        stats = nodes.stats()
+        assert sum(s.exchange_received_bytes for s in stats) == sizes[before != after].sum()
+        capsys.readouterr()
+        assert cli_main(["status", "--directory", nodes.local.directory_address]) == 0
+        status = capsys.readouterr().out
+        for m, run in enumerate(runs):
+            assert f"node-{m}  x1   1           {run.delivered_samples}/{run.total_samples}" in status
+        assert f"exchange received {format_bytes(sizes[before != after].sum())}" in status
+
+        nodes.report(1)  # epoch 0 is over: given-away samples may go
+        pfs_before = [s.pfs_bytes for s in stats]
+        for m, stub in enumerate(nodes.stubs):
+            ids = np.flatnonzero(after == m)
+            request = pb.ReadRequest(dataset="imgs", ids=ids.tolist(), job=JOB)
+            samples = [s for chunk in stub.Read(request) for s in chunk.samples]
+            assert [s.data for s in samples] == [sample_payload(i) for i in ids.tolist()]
+            assert {s.tier for s in samples} == {pb.TIER_LOCAL}
+        assert [s.pfs_bytes for s in nodes.stats()] == pfs_before
+        # Entering epoch 1 also started the exchange into epoch 2, which may
+        # hand some of them back.
+        gone = [np.flatnonzero((before == m) & (after != m) & (epoch_owners[2] != m)) for m in range(NODES)]
+        deadline = time.monotonic() + 10
+        while any(nodes.holds(m, gone[m]).any() for m in range(NODES)):
+            assert time.monotonic() < deadline, "given-away samples were not dropped"
+            time.sleep(0.1)
+    finally:
+        nodes.close()
+
+
+def test_a_sample_not_yet_exchanged_comes_from_its_previous_owner_and_stays(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    # A bandwidth cap of 1 byte/s keeps the exchange from getting anywhere.
+    nodes, epoch_owners = partial_cluster(cluster, tmp_path, "--exchange-bandwidth", "1")
+    try:
+        nodes.report(1)
+        before, after = epoch_owners[0], epoch_owners[1]
+        incoming = np.flatnonzero((after == 0) & (before != 0))
+        assert not nodes.holds(0, incoming).any()
+        pfs_before = [s.pfs_bytes for s in nodes.stats()]
+        request = pb.ReadRequest(dataset="imgs", ids=incoming.tolist(), job=JOB)
+        samples = [s for chunk in nodes.stubs[0].Read(request) for s in chunk.samples]
+        assert [s.data for s in samples] == [sample_payload(i) for i in incoming.tolist()]
+        assert {s.tier for s in samples} == {pb.TIER_PEER}
+        stats = nodes.stats()
+        assert stats[0].previous_owner_samples == len(incoming)
+        assert [s.pfs_bytes for s in stats] == pfs_before
+        deadline = time.monotonic() + 10
+        while not nodes.holds(0, incoming).all():
+            assert time.monotonic() < deadline, "samples read from their previous owner were not cached"
+            time.sleep(0.1)
+    finally:
+        nodes.close()
+
+
+def test_offers_the_receiver_does_not_own_are_refused_and_it_keeps_serving(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    nodes, epoch_owners = partial_cluster(cluster, tmp_path)
+    try:
+        foreign = np.flatnonzero(epoch_owners[1] != 0)[:5]
+        offer = pb.ExchangeOffer(job=JOB, dataset="imgs", epoch=1, sender="node-1", ids=foreign.tolist())
+        with pytest.raises(grpc.RpcError) as refused:
+            list(nodes.stubs[0].Exchange(iter([pb.ExchangeMessage(offer=offer)]), timeout=10))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "5 of 5 offered ids are not owned by this node in epoch 1" in refused.value.details()
+
+        with pytest.raises(grpc.RpcError) as no_offer:
+            list(nodes.stubs[0].Exchange(iter([pb.ExchangeMessage()]), timeout=10))
+        assert no_offer.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        mine = np.flatnonzero((epoch_owners[1] == 0) & (epoch_owners[0] != 0))[:3]
+        offer = pb.ExchangeOffer(job=JOB, dataset="imgs", epoch=1, sender="node-1", ids=mine.tolist())
+        bad = pb.Sample(id=int(mine[0]), data=b"not the bytes", checksum=checksum(b"other bytes"))
+        good = pb.Sample(id=int(mine[1]), data=sample_payload(int(mine[1])),
+                         checksum=checksum(sample_payload(int(mine[1]))))
+        replies = list(nodes.stubs[0].Exchange(iter([
+            pb.ExchangeMessage(offer=offer), pb.ExchangeMessage(samples=[bad, good]),
+        ]), timeout=10))
+        assert [list(r.held) for r in replies] == [[], [int(mine[1])]]
+        assert nodes.holds(0, mine).tolist() == [False, True, False]
+        assert nodes.stats()[0].node == "node-0"
+    finally:
+        nodes.close()
+
+
+
+def test_a_daemon_killed_mid_exchange_redoes_its_part_and_nothing_is_lost(
+    cluster: Callable[..., LocalCluster], tmp_path: Path, sizes: np.ndarray
+) -> None:
+    # About 150 KB per node at 40 KB/s: the exchange takes a few seconds.
+    nodes, epoch_owners = partial_cluster(cluster, tmp_path, "--exchange-bandwidth", "40K")
+    try:
+        nodes.report(0)
+        time.sleep(1.0)
+        delivered = [x.delivered_samples for s in nodes.stats() for x in s.exchanges]
+        assert len(delivered) == NODES and 0 < sum(delivered) < (epoch_owners[0] != epoch_owners[1]).sum()
+        nodes.local.kill_node(1)
+        nodes.local.restart_node(1)
+        nodes.refresh(1)
+        runs = nodes.wait_exchanged(1)
+        before, after = epoch_owners[0], epoch_owners[1]
+        for m, run in enumerate(runs):
+            given = (before == m) & (after != m)
+            assert run.total_samples == run.delivered_samples == given.sum()
+            assert run.unavailable_samples == run.refused_samples == 0
+        pfs_before = [s.pfs_bytes for s in nodes.stats()]
+        nodes.report(1)
+        for m, stub in enumerate(nodes.stubs):
+            ids = np.flatnonzero(after == m)
+            request = pb.ReadRequest(dataset="imgs", ids=ids.tolist(), job=JOB)
+            samples = [s for chunk in stub.Read(request) for s in chunk.samples]
+            assert [s.data for s in samples] == [sample_payload(i) for i in ids.tolist()]
+            assert {s.tier for s in samples} == {pb.TIER_LOCAL}
+        assert [s.pfs_bytes for s in nodes.stats()] == pfs_before
+    finally:
+        nodes.close()
+
+
+# ------------------------------------------------- 8 ranks, 3 epochs, each mode
+
+MODE_ARGS = {
+    "partial": ("--mode", "partial", "--q", "0.25"),
+    "local": ("--mode", "local"),
+    "locality": ("--mode", "locality", "--batch-size", "12"),  # 8 x 12 divides 480: no padding
+}
+
+
+def rank_group(local: LocalCluster, tmp_path: Path) -> RankGroup:
+    envs = [local.rank_env(r, 2, JOB) for r in range(NODES * 2)]
+    return RankGroup(envs, "imgs", tmp_path / "ranks", batch=16, timeout=60)
+
+
+def assert_every_sample_once_and_intact(results: list[RankEpoch]) -> None:
+    ids = np.concatenate([r.ids for r in results]).astype(np.int64)
+    sums = np.concatenate([np.asarray(r.checksums, dtype=np.uint64) for r in results])
+    assert sorted(ids.tolist()) == list(range(SAMPLES))
+    assert sums.tolist() == [checksum(sample_payload(i)) for i in ids.tolist()]
+
+
+@pytest.mark.parametrize("mode", MODE_ARGS)
+def test_eight_ranks_read_every_sample_once_per_epoch_in_each_mode(
+    cluster: Callable[..., LocalCluster], tmp_path: Path, mode: str
+) -> None:
+    local = cluster(NODES)
+    root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
+    assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
+    assert cli_main([
+        "stage", "imgs", "--job", JOB, *MODE_ARGS[mode], "--ranks-per-node", "2", "--quiet",
+        "--directory", local.directory_address,
+    ]) == 0
+    nodes = Nodes(local)
+    manifest = Manifest(b"".join(c.data for c in nodes.stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
+    plan = job_plan(nodes.stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=JOB), must_exist=True)),
+                    manifest)
+    epoch_owners = owners(plan, 0)
+    try:
+        with rank_group(local, tmp_path) as group:
+            for epoch in range(3):
+                results = group.epoch(epoch)
+                assert_every_sample_once_and_intact(results)
+                assert [len(r.ids) for r in results] == [SAMPLES // 8] * 8
+                counts = {t: sum(r.samples[t] for r in results) for t in results[0].samples}
+                assert counts["pfs"] == counts["fallback"] == 0
+                if mode == "locality":
+                    assert counts["peer"] == locality_balance(plan, epoch).moved.sum()
+                else:  # each rank reads what its node owns
+                    assert counts["local"] == SAMPLES
+                    for r, result in enumerate(results):
+                        assert (epoch_owners[result.ids] == r // 2).all()
+                if mode == "partial":
+                    nodes.wait_exchanged(epoch + 1)
+                    epoch_owners = owners(plan, epoch + 1, epoch_owners)
+                    for m in range(NODES):
+                        assert nodes.holds(m, np.flatnonzero(epoch_owners == m)).all()
+    finally:
+        nodes.close()

@@ -1,0 +1,102 @@
+"""The exchange's ledger and the daemon's saved owner arrays: pure parts, no daemon."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dataquay.client.jobs import job_plan, job_spec
+from dataquay.client.placement import owners
+from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.exchange.outbox import PENDING, REFUSED, UNAVAILABLE, Outbox
+from dataquay.server.jobs import Placements
+from dataquay.server.manifest_build import build_manifest
+from dataquay.server.registry import Registry
+from dataquay.server.synthetic import make_files_dataset
+
+
+def outbox() -> Outbox:
+    ids = np.array([9, 3, 7, 1, 5, 2])
+    receivers = np.array([1, 2, 1, 2, 1, 2])
+    sizes = np.array([10, 20, 30, 40, 50, 60])
+    return Outbox(ids, receivers, sizes)
+
+
+def test_take_hands_out_each_receivers_ids_in_order_within_the_byte_budget() -> None:
+    box = outbox()
+    assert box.receivers_left() == [1, 2]
+    assert box.take(1, max_bytes=40, max_items=10).tolist() == [5]  # 50 bytes: over, but one always goes
+    assert box.take(1, max_bytes=35, max_items=10).tolist() == [7]
+    assert box.take(1, max_bytes=100, max_items=10).tolist() == [9]
+    assert box.take(1, max_bytes=100, max_items=10).tolist() == []
+    assert box.take(2, max_bytes=1000, max_items=2, upto=3).tolist() == [1, 2]
+    assert box.take(2, max_bytes=1000, max_items=5, upto=2).tolist() == []
+    assert box.pending(2).tolist() == [3]
+
+
+def test_only_acknowledged_ids_count_as_delivered_and_a_broken_stream_gives_back_the_rest() -> None:
+    box = outbox()
+    held_before = box.delivered([1], sent=False)
+    assert held_before == 0
+    chunk = box.take(2, max_bytes=1000, max_items=10)
+    assert chunk.tolist() == [2, 3]
+    assert box.delivered([2]) == 60
+    box.unsettled(chunk, PENDING)  # the stream broke: 3 goes back, 2 stays delivered
+    assert box.pending(2).tolist() == [3]
+    progress = box.progress()
+    assert (progress.delivered_samples, progress.delivered_bytes, progress.sent_bytes) == (2, 100, 60)
+    assert not progress.settled
+    box.take(2, 1000, 10)
+    box.unsettled([3], REFUSED)
+    box.unsettled(box.take(1, 1000, 10), UNAVAILABLE)
+    progress = box.progress()
+    assert progress.settled and (progress.refused_samples, progress.unavailable_samples) == (1, 3)
+    assert box.delivered_ids().tolist() == [1, 2]
+
+
+def test_ids_delivered_twice_count_once_and_unknown_ids_are_ignored() -> None:
+    box = outbox()
+    box.take(1, 1000, 10)
+    assert box.delivered([5, 7, 5, 1234]) == 80
+    assert box.delivered([7]) == 0
+    assert box.progress().delivered_samples == 2
+
+
+class Link:
+    """The directory's record of one job, as :class:`Placements` reads it."""
+
+    def __init__(self, job: jpb.Job) -> None:
+        self.record = job
+
+    async def job(self, job_id: str) -> jpb.Job:
+        return self.record
+
+
+@pytest.mark.parametrize("epoch", [3, 6])
+def test_a_restarted_daemon_steps_on_from_saved_owners_instead_of_replaying(tmp_path: Path, epoch: int) -> None:
+    root = make_files_dataset(tmp_path / "pfs", 300, sizes=(100,))
+    registry = Registry(tmp_path / "state")
+    registry.load()
+    entry, _ = registry.add("imgs", build_manifest(root), replace=False)
+    spec = job_spec("j", "imgs", mode="partial", q=0.3, nodes=["a", "b", "c"], seed=11, partition="sample")
+    job = jpb.Job(spec=spec, manifest_id=entry.manifest.manifest_id, num_samples=300, epoch=epoch,
+                  created_unix=1.5)
+    expected = owners(job_plan(job, entry.manifest), epoch)
+
+    first = Placements(Link(job), "b", tmp_path / "state")  # type: ignore[arg-type]
+    placement = asyncio.run(first.placement("j", entry))
+    assert np.array_equal(placement.owners, expected) and placement.node_index == 1
+    saved = list((tmp_path / "state" / "placements" / "j").glob("*.npy"))
+    assert len(saved) == 1 and np.array_equal(np.load(saved[0]), expected)
+
+    # Garbage in the saved epoch's place would show if it were not used.
+    tampered = expected.copy()
+    tampered[:] = 2
+    np.save(saved[0], tampered)
+    restarted = Placements(Link(job), "b", tmp_path / "state")  # type: ignore[arg-type]
+    assert np.array_equal(asyncio.run(restarted.placement("j", entry)).owners, tampered)
+    following = asyncio.run(restarted.placement("j", entry, epoch + 1)).owners
+    assert np.array_equal(following, owners(job_plan(job, entry.manifest), epoch + 1, tampered))
