@@ -14,7 +14,7 @@ import pytest
 from dataquay.client.channels import channel_options
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
-from dataquay.client.placement import locality_balance, owners
+from dataquay.client.placement import locality_balance, locality_node_steps, owners
 from dataquay.client.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
@@ -299,5 +299,53 @@ def test_eight_ranks_read_every_sample_once_per_epoch_in_each_mode(
                     epoch_owners = owners(plan, epoch + 1, epoch_owners)
                     for m in range(NODES):
                         assert nodes.holds(m, np.flatnonzero(epoch_owners == m)).all()
+    finally:
+        nodes.close()
+
+
+def test_locality_fetches_the_next_steps_transfers_before_the_ranks_ask(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    local = cluster(NODES)
+    root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
+    assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
+    assert cli_main([
+        "stage", "imgs", "--job", JOB, *MODE_ARGS["locality"], "--ranks-per-node", "2", "--quiet",
+        "--directory", local.directory_address,
+    ]) == 0
+    nodes = Nodes(local)
+    try:
+        manifest = Manifest(b"".join(c.data for c in nodes.stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
+        job = nodes.stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=JOB), must_exist=True))
+        plan = job_plan(job, manifest)
+        steps = locality_node_steps(plan, 0, 0)
+        foreign = owners(plan, 0)[steps] != 0
+
+        def read_step(step: int) -> list[pb.Sample]:
+            request = pb.ReadRequest(dataset="imgs", ids=steps[step].tolist(), job=JOB)
+            return [s for chunk in nodes.stubs[0].Read(request) for s in chunk.samples]
+
+        def peer_samples() -> int:
+            return sum(p.samples for p in nodes.stats()[0].peers)
+
+        # The first read of an epoch plans it; a read once it is planned
+        # fetches the transfers of the 4 steps after the furthest one read.
+        ahead = int(foreign[1:5].sum())
+        assert ahead > 0
+        reads = 0
+        deadline = time.monotonic() + 10
+        while peer_samples() < reads * foreign[0].sum() + ahead or reads == 0:
+            assert time.monotonic() < deadline, "the next steps' transfers were not fetched"
+            read_step(0)
+            reads += 1
+            time.sleep(0.1)
+        fetched = peer_samples()
+        for step in range(1, 5):
+            samples = read_step(step)
+            assert [s.data for s in samples] == [sample_payload(i) for i in steps[step].tolist()]
+            assert [s.tier == pb.TIER_PEER for s in samples] == foreign[step].tolist()
+        stats = nodes.stats()[0]
+        assert stats.prefetched_samples == ahead
+        assert sum(p.samples for p in stats.peers) == fetched  # no step asked a peer itself
     finally:
         nodes.close()

@@ -507,6 +507,25 @@ def moves(plan: JobPlan, epoch: int, previous: np.ndarray | None = None) -> Move
     return Moves(ids, before[ids].astype(np.int32, copy=False), after[ids].astype(np.int32, copy=False))
 
 
+def locality_node_steps(plan: JobPlan, epoch: int, node: int) -> np.ndarray:
+    """What ``node``'s ranks read at each step of ``epoch`` in mode ``locality``
+    (steps x g*b ids; rank g*node + r reads columns r, r+g, ...).
+
+    For a daemon that fetches the samples its ranks will need from other
+    nodes a few steps ahead of them.
+
+    Raises:
+        ValueError: a negative epoch, ranks per node not known yet, no batch
+            size, or a node outside 0..M-1.
+    """
+    _check_epoch(epoch)
+    _check_ranks_known(plan)
+    MODES["locality"].check_settings(plan.q, plan.batch_size)
+    if not 0 <= node < plan.num_nodes:
+        raise ValueError(f"node must be in 0..{plan.num_nodes - 1}, not {node}")
+    return _locality_node(plan, epoch, owners(plan, epoch), node)
+
+
 class BatchBalance(NamedTuple):
     """What ``locality``'s balancer does to each global batch of an epoch."""
 

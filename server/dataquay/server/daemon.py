@@ -72,11 +72,12 @@ class Daemon(ServerLifecycle):
         self.placements = (
             Placements(self.link, config.node_name, config.state_dir) if self.link is not None else None
         )
+        self.tasks = TaskGroup()
         self.reads = ReadService(
-            self.datasets, self.store, self.pfs, self.metrics, config.max_batch, self.peers, self.placements
+            self.datasets, self.store, self.pfs, self.metrics, config.max_batch, self.peers, self.placements,
+            self.tasks.spawn,
         )
         self.stager = Stager(self.registry, self.store, self.pfs)
-        self.tasks = TaskGroup()
         self.exchanges: Exchanges | None = None
         self.receiver: ExchangeReceiver | None = None
         if self.link is not None and self.placements is not None:
@@ -256,6 +257,7 @@ class Daemon(ServerLifecycle):
                 (self.receiver.received_samples, self.receiver.received_bytes) if self.receiver else (0, 0)
             ),
             previous_owner_samples=self.reads.previous_owner_samples,
+            prefetched_samples=self.reads.prefetcher.served if self.reads.prefetcher else 0,
         )
 
 

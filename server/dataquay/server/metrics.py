@@ -37,6 +37,7 @@ class LiveState:
     exchange_sent: tuple[int, int]  # (samples, bytes) other nodes committed from this one
     exchange_received: tuple[int, int]  # (samples, bytes) committed from other nodes' exchanges
     previous_owner_samples: int
+    prefetched_samples: int
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,11 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
         "dataquay_reads_previous_owner",
         "Samples read from their owner of the epoch before (exchange not done yet)",
         value=state.previous_owner_samples,
+    )
+    yield CounterMetricFamily(
+        "dataquay_reads_prefetched",
+        "Samples of locality jobs served from transfers fetched ahead of the ranks",
+        value=state.prefetched_samples,
     )
 
 

@@ -3,8 +3,10 @@
 A read for a job (``job`` set) sends the misses to the daemons that own them
 in that job, one batched stream per owner, all at once. In modes whose owners
 move, what the owner does not hold yet (its exchange has not delivered it) is
-asked of the sample's owner in the epoch before. What no daemon delivers in
-time comes from the PFS. A read from a peer
+asked of the sample's owner in the epoch before. In mode ``locality`` the
+samples this node's ranks will need from other nodes in the next steps are
+fetched ahead of them (:mod:`dataquay.server.prefetch`). What no daemon
+delivers in time comes from the PFS. A read from a peer
 (``peer`` set) is answered from this cache alone, its misses flagged, so that
 two daemons never bounce a request between them.
 
@@ -34,8 +36,10 @@ from dataquay.server.jobs import Placement, Placements
 from dataquay.server.metrics import DaemonMetrics
 from dataquay.server.peers import Peers
 from dataquay.server.pfs_pool import PfsPool
+from dataquay.server.prefetch import TransferPrefetcher
 from dataquay.server.registry import Registered
 from dataquay.server.store import PendingWrite, Store
+from dataquay.server.tasks import Spawn
 
 T = TypeVar("T")
 
@@ -67,6 +71,7 @@ class ReadService:
         max_batch: int,
         peers: Peers | None = None,
         placements: Placements | None = None,
+        spawn: Spawn | None = None,
     ) -> None:
         self.datasets = datasets
         self.store = store
@@ -76,6 +81,9 @@ class ReadService:
         self.peers = peers
         self.placements = placements
         self.previous_owner_samples = 0
+        self.prefetcher = (
+            TransferPrefetcher(self._fetch_transfers, spawn) if spawn is not None and placements is not None else None
+        )
 
     async def entry(self, dataset: str, ids: np.ndarray, manifest_id: str = "") -> Registered:
         """The dataset's entry; raises for an unknown or replaced dataset, a batch
@@ -105,13 +113,17 @@ class ReadService:
             return self._answer_peer(ids, cached)
         fetched: dict[int, tuple[str, bytes | memoryview, int]] = {}
         misses = np.unique(ids[[i for i, hit in enumerate(cached) if hit is None]])
-        placement = await self._placement(job, entry) if job and len(misses) else None
-        if placement is not None:
-            fetched = await self._from_owners(entry, placement, placement.owners, misses)
-            misses = misses[~np.isin(misses, np.fromiter(fetched, np.int64, len(fetched)))]
+        placement = await self._placement(job, entry) if job else None
+        if placement is not None and self.prefetcher is not None and placement.job.spec.mode == "locality":
+            self.prefetcher.ahead(entry, placement, ids)
+            fetched = self.prefetcher.take(job, placement.epoch, misses)
+            misses = _not_in(misses, fetched)
+        if placement is not None and len(misses):
+            fetched.update(await self._from_owners(entry, placement, placement.owners, misses))
+            misses = _not_in(misses, fetched)
         if placement is not None and placement.owners_move and placement.epoch > 0 and len(misses):
             fetched.update(await self._from_previous_owners(entry, placement, misses))
-            misses = misses[~np.isin(misses, np.fromiter(fetched, np.int64, len(fetched)))]
+            misses = _not_in(misses, fetched)
         if len(misses):
             values = await self.pfs.read(dataset, entry.manifest, misses)
             keep = misses if placement is None else misses[placement.owners[misses] == placement.node_index]
@@ -142,6 +154,11 @@ class ReadService:
             log.warning("job unknown here and the directory is down; reading misses from the PFS",
                         extra={"fields": {"job": job}})
             return None
+
+    async def _fetch_transfers(
+        self, entry: Registered, placement: Placement, ids: np.ndarray
+    ) -> dict[int, tuple[str, bytes | memoryview, int]]:
+        return await self._from_owners(entry, placement, placement.owners, ids)
 
     async def _from_previous_owners(
         self, entry: Registered, placement: Placement, misses: np.ndarray
@@ -199,6 +216,10 @@ class ReadService:
         for tier, (samples, nbytes) in counts.items():
             self.metrics.count_read(tier, samples, nbytes)
         return out
+
+
+def _not_in(ids: np.ndarray, fetched: dict[int, tuple[str, bytes | memoryview, int]]) -> np.ndarray:
+    return ids[~np.isin(ids, np.fromiter(fetched, np.int64, len(fetched)))]
 
 
 def chunked(items: list[T], size_of: Callable[[T], int], limit: int = READ_CHUNK_BYTES) -> Iterator[list[T]]:

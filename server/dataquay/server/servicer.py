@@ -170,6 +170,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             exchange_received_samples=d.receiver.received_samples if d.receiver else 0,
             exchange_received_bytes=d.receiver.received_bytes if d.receiver else 0,
             previous_owner_samples=d.reads.previous_owner_samples,
+            prefetched_samples=d.reads.prefetcher.served if d.reads.prefetcher else 0,
         )
 
     async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
