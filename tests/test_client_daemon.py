@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -450,3 +451,37 @@ def test_bad_input_raises_clearly_and_the_client_keeps_serving(
         client.dataset("nope")
     still_serves()
     assert client.dataset("imgs").get_batch([7]) == [want[7]]
+
+
+# ------------------------------------------------------ client counters
+
+
+def test_trainers_report_their_local_hits_and_data_wait_to_the_node(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    synthetic.make_files_dataset(tmp_path / "imgs", 30, sizes=(1000,))
+    add(daemon, "imgs", tmp_path / "imgs")
+    stage(daemon, "imgs")
+    with dq.connect(daemon.address, timeout=5) as first, dq.connect(daemon.address, timeout=5) as second:
+        read_locally(first, first.dataset("imgs"), list(range(30)))
+        ds = second.dataset("imgs")
+        read_locally(second, ds, list(range(10)))
+        second.report_stats()
+        second.report_stats()  # cumulative: a repeated report adds nothing
+        stats = daemon_stats(daemon)
+        assert stats.clients == 1
+        assert {r.tier: r.samples for r in stats.client_reads}["local"] == second.stats().samples["local"]
+        expected = {t: first.stats().samples[t] + second.stats().samples[t] for t in first.stats().samples}
+        expected_wait = first.stats().data_wait_seconds + second.stats().data_wait_seconds
+    stats = daemon_stats(daemon)  # both reported again as they closed
+    assert stats.clients == 2
+    assert {r.tier: r.samples for r in stats.client_reads} == expected
+    assert {r.tier: r.bytes for r in stats.client_reads}["local"] == 1000 * expected["local"]
+    assert stats.client_data_wait_seconds == pytest.approx(expected_wait)
+    metrics = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+    assert f'dataquay_client_reads_total{{tier="local"}} {float(expected["local"])}' in metrics
+    assert "dataquay_client_data_wait_seconds_total" in metrics
+
+    with cache_stub(daemon) as stub, pytest.raises(grpc.RpcError) as unnamed:
+        stub.ReportClientStats(pb.ClientStatsReport())
+    assert unnamed.value.code() == grpc.StatusCode.INVALID_ARGUMENT

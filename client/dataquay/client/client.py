@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 import weakref
@@ -59,6 +60,8 @@ log = logging.getLogger("dataquay.client")
 
 #: While the daemon is unreachable, it is tried again this often.
 RETRY_DAEMON_SECONDS = 5.0
+#: How often a client reports its counters to its daemon (and at set_epoch and close).
+STATS_REPORT_SECONDS = 10.0
 #: Deadline of one Read; a daemon that takes longer is treated as gone.
 READ_TIMEOUT_SECONDS = 120.0
 #: How long a fork waits for this process's calls in flight.
@@ -204,6 +207,8 @@ class Client:
         self._lock = threading.Lock()
         self._gate = _CallGate()
         self._counters = _Counters()
+        self._client_id = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._reported_at = time.monotonic()
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -282,11 +287,33 @@ class Client:
         """
         if time.monotonic() < self._down_until:
             return
+        self.report_stats()
         request = jpb.ReportEpochRequest(job_id=job_id, epoch=epoch)
         try:
             self._call("ReportEpoch", lambda stub: stub.ReportEpoch(request, timeout=self.timeout))
         except DataquayError as exc:
             log.debug("epoch %d of job %r not reported: %s", epoch, job_id, exc)
+
+    def report_stats(self) -> None:
+        """Sends this process's counters to the daemon, so the node's metrics
+        count the local hits and the data wait that never reached it.
+
+        Best effort, like :meth:`report_epoch`; done every
+        STATS_REPORT_SECONDS while reading, at every epoch and at close.
+        """
+        self._reported_at = time.monotonic()
+        if self._closed or self._reported_at < self._down_until:
+            return
+        samples, nbytes, wait = self._counters.snapshot()
+        request = pb.ClientStatsReport(
+            client=self._client_id,
+            reads=[pb.ClientReads(tier=t, samples=samples[t], bytes=nbytes[t]) for t in TIERS],
+            data_wait_seconds=wait,
+        )
+        try:
+            self._call("ReportClientStats", lambda stub: stub.ReportClientStats(request, timeout=self.timeout))
+        except DataquayError as exc:
+            log.debug("counters not reported: %s", exc)
 
     def stats(self) -> ClientStats:
         """Counters of this process since it started using the client."""
@@ -300,6 +327,8 @@ class Client:
         The local cache is shared by the clients of this process and closes
         when the last of them lets it go.
         """
+        if not self._closed and self._channel is not None and self._pid == os.getpid():
+            self.report_stats()
         with self._lock:
             self._closed = True
             if self._channel is not None and self._pid == os.getpid():
@@ -351,6 +380,8 @@ class Client:
     def _served(self, local_hits: int, local_bytes: int, started: float) -> None:
         """Counts a call's local hits and the time since ``started`` as data wait."""
         self._counters.add("local", local_hits, local_bytes, time.perf_counter() - started)
+        if time.monotonic() - self._reported_at >= STATS_REPORT_SECONDS:
+            self.report_stats()
 
     # ---------------------------------------------------------- internals
 

@@ -245,7 +245,7 @@ class TierCount(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples")
+    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients")
     NODE_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
     CACHE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,9 @@ class StatsReply(_message.Message):
     EXCHANGE_RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_OWNER_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     PREFETCHED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_READS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_DATA_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
     node: str
     reads: _containers.RepeatedCompositeFieldContainer[TierCount]
     cache_used_bytes: int
@@ -280,7 +283,10 @@ class StatsReply(_message.Message):
     exchange_received_bytes: int
     previous_owner_samples: int
     prefetched_samples: int
-    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ...) -> None: ...
+    client_reads: _containers.RepeatedCompositeFieldContainer[ClientReads]
+    client_data_wait_seconds: float
+    clients: int
+    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ...) -> None: ...
 
 class PeerHealth(_message.Message):
     __slots__ = ("node", "suspect", "failures", "samples", "bytes")
@@ -353,3 +359,27 @@ class ExchangeProgress(_message.Message):
     finished: bool
     error: str
     def __init__(self, job: _Optional[str] = ..., epoch: _Optional[int] = ..., total_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., delivered_samples: _Optional[int] = ..., delivered_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., unavailable_samples: _Optional[int] = ..., refused_samples: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ClientReads(_message.Message):
+    __slots__ = ("tier", "samples", "bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    samples: int
+    bytes: int
+    def __init__(self, tier: _Optional[str] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class ClientStatsReport(_message.Message):
+    __slots__ = ("client", "reads", "data_wait_seconds")
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    READS_FIELD_NUMBER: _ClassVar[int]
+    DATA_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    client: str
+    reads: _containers.RepeatedCompositeFieldContainer[ClientReads]
+    data_wait_seconds: float
+    def __init__(self, client: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., data_wait_seconds: _Optional[float] = ...) -> None: ...
+
+class ClientStatsReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -95,6 +95,11 @@ class CacheStub:
                 request_serializer=dataquay_dot_protos_dot_cache__pb2.ExchangeMessage.SerializeToString,
                 response_deserializer=dataquay_dot_protos_dot_cache__pb2.ExchangeReply.FromString,
                 _registered_method=True)
+        self.ReportClientStats = channel.unary_unary(
+                '/dataquay.v1.Cache/ReportClientStats',
+                request_serializer=dataquay_dot_protos_dot_cache__pb2.ClientStatsReport.SerializeToString,
+                response_deserializer=dataquay_dot_protos_dot_cache__pb2.ClientStatsReply.FromString,
+                _registered_method=True)
 
 
 class CacheServicer:
@@ -183,6 +188,16 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportClientStats(self, request, context):
+        """A trainer's own counters: the reads it served from the LMDB map itself
+        and the time it waited for data, so that the node's metrics cover what
+        never reached the daemon. Cumulative per client process; the daemon
+        adds what is new since that client's last report.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -245,6 +260,11 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.Exchange,
                     request_deserializer=dataquay_dot_protos_dot_cache__pb2.ExchangeMessage.FromString,
                     response_serializer=dataquay_dot_protos_dot_cache__pb2.ExchangeReply.SerializeToString,
+            ),
+            'ReportClientStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportClientStats,
+                    request_deserializer=dataquay_dot_protos_dot_cache__pb2.ClientStatsReport.FromString,
+                    response_serializer=dataquay_dot_protos_dot_cache__pb2.ClientStatsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -571,6 +591,33 @@ class Cache:
             '/dataquay.v1.Cache/Exchange',
             dataquay_dot_protos_dot_cache__pb2.ExchangeMessage.SerializeToString,
             dataquay_dot_protos_dot_cache__pb2.ExchangeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportClientStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dataquay.v1.Cache/ReportClientStats',
+            dataquay_dot_protos_dot_cache__pb2.ClientStatsReport.SerializeToString,
+            dataquay_dot_protos_dot_cache__pb2.ClientStatsReply.FromString,
             options,
             channel_credentials,
             insecure,

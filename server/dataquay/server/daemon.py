@@ -25,6 +25,7 @@ from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server import __version__
 from dataquay.server.config import DaemonConfig
+from dataquay.server.client_stats import ClientStatsBook
 from dataquay.server.datasets import Datasets
 from dataquay.server.errors import StartupError
 from dataquay.server.exchange import ExchangeReceiver, ExchangeRun, Exchanges
@@ -87,6 +88,7 @@ class Daemon(ServerLifecycle):
                 self.receiver, self.tasks.spawn, config.exchange_bandwidth, config.spare_copies_fill,
             )
         self.shm = ShmSegments()
+        self.client_stats = ClientStatsBook()
         self.health = HealthServicer()
         self.tcp_address = ""
         self.metrics_port = 0
@@ -258,6 +260,9 @@ class Daemon(ServerLifecycle):
             ),
             previous_owner_samples=self.reads.previous_owner_samples,
             prefetched_samples=self.reads.prefetcher.served if self.reads.prefetcher else 0,
+            client_reads={tier: (samples, nbytes) for tier, (samples, nbytes) in self.client_stats.reads.items()},
+            client_data_wait_seconds=self.client_stats.data_wait_seconds,
+            clients=self.client_stats.clients,
         )
 
 

@@ -38,6 +38,9 @@ class LiveState:
     exchange_received: tuple[int, int]  # (samples, bytes) committed from other nodes' exchanges
     previous_owner_samples: int
     prefetched_samples: int
+    client_reads: dict[str, tuple[int, int]]  # client tier -> (samples, bytes), as trainers reported
+    client_data_wait_seconds: float
+    clients: int
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,26 @@ class _StateCollector(Collector):
             bad.add_metric([peer], corrupt)
         yield from (suspect, failures, bad)
         yield from _exchange_metrics(state)
+        yield from _client_metrics(state)
+
+
+def _client_metrics(state: LiveState) -> Iterator[Metric]:
+    reads = CounterMetricFamily(
+        "dataquay_client_reads", "Samples the node's trainers read, by the tier their client counted", labels=["tier"]
+    )
+    read_bytes = CounterMetricFamily(
+        "dataquay_client_read_bytes", "Payload bytes the node's trainers read, by client tier", labels=["tier"]
+    )
+    for tier, (samples, nbytes) in sorted(state.client_reads.items()):
+        reads.add_metric([tier], samples)
+        read_bytes.add_metric([tier], nbytes)
+    yield from (reads, read_bytes)
+    yield CounterMetricFamily(
+        "dataquay_client_data_wait_seconds",
+        "Seconds the node's trainers spent waiting for data (inside get_batch and item reads)",
+        value=state.client_data_wait_seconds,
+    )
+    yield GaugeMetricFamily("dataquay_clients", "Trainer processes that reported to this daemon", value=state.clients)
 
 
 def _exchange_metrics(state: LiveState) -> Iterator[Metric]:

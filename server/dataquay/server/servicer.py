@@ -171,6 +171,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             exchange_received_bytes=d.receiver.received_bytes if d.receiver else 0,
             previous_owner_samples=d.reads.previous_owner_samples,
             prefetched_samples=d.reads.prefetcher.served if d.reads.prefetcher else 0,
+            client_reads=[pb.ClientReads(tier=tier, samples=samples, bytes=nbytes)
+                          for tier, (samples, nbytes) in sorted(d.client_stats.reads.items())],
+            client_data_wait_seconds=d.client_stats.data_wait_seconds,
+            clients=d.client_stats.clients,
         )
 
     async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
@@ -186,6 +190,15 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         if self.daemon.exchanges is not None:
             self.daemon.exchanges.epoch_started(request.job_id, request.epoch)
         return job
+
+    async def ReportClientStats(
+        self, request: pb.ClientStatsReport, context: grpc.aio.ServicerContext
+    ) -> pb.ClientStatsReply:
+        if not request.client:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a client stats report must name its client")
+        reads = {r.tier: (r.samples, r.bytes) for r in request.reads}
+        self.daemon.client_stats.report(request.client, reads, max(0.0, request.data_wait_seconds))
+        return pb.ClientStatsReply()
 
     async def Exchange(
         self, request_iterator: AsyncIterator[pb.ExchangeMessage], context: grpc.aio.ServicerContext

@@ -1,0 +1,57 @@
+"""What the node's trainers report of their own reads and waits.
+
+A client serves local hits from the LMDB map in its own process, so the daemon
+never sees them; clients report their cumulative counters now and then, and
+this book adds what is new since each client's last report. Cumulative
+reports make a lost or repeated report harmless. A client not heard from
+for a day is forgotten, which bounds the book on a long-lived node.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+#: Clients not heard from for this long are forgotten.
+FORGET_SECONDS = 86400.0
+
+Counts = dict[str, tuple[int, int]]  # tier -> (samples, bytes)
+
+
+@dataclass
+class _Client:
+    reads: Counts
+    wait: float
+    seen: float
+
+
+@dataclass
+class ClientStatsBook:
+    """Node totals over every client that reported."""
+
+    reads: dict[str, list[int]] = field(default_factory=dict)  # tier -> [samples, bytes]
+    data_wait_seconds: float = 0.0
+    _clients: dict[str, _Client] = field(default_factory=dict)
+
+    def report(self, client: str, reads: Counts, wait: float, now: float | None = None) -> None:
+        """Adds what ``client``'s cumulative counters grew by since its last report."""
+        now = time.monotonic() if now is None else now
+        last = self._clients.get(client)
+        base_reads, base_wait = (last.reads, last.wait) if last is not None else ({}, 0.0)
+        for tier, (samples, nbytes) in reads.items():
+            old_samples, old_bytes = base_reads.get(tier, (0, 0))
+            total = self.reads.setdefault(tier, [0, 0])
+            total[0] += max(0, samples - old_samples)
+            total[1] += max(0, nbytes - old_bytes)
+        self.data_wait_seconds += max(0.0, wait - base_wait)
+        self._clients[client] = _Client(dict(reads), wait, now)
+        self._forget(now)
+
+    @property
+    def clients(self) -> int:
+        return len(self._clients)
+
+    def _forget(self, now: float) -> None:
+        stale = [name for name, c in self._clients.items() if now - c.seen > FORGET_SECONDS]
+        for name in stale:
+            del self._clients[name]
