@@ -13,6 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import directory_load  # noqa: E402
+import exchange  # noqa: E402
 import memory  # noqa: E402
 import peers  # noqa: E402
 import placement  # noqa: E402
@@ -29,6 +30,7 @@ def main() -> None:
         ("memory", memory.main),
         ("placement", placement.main),
         ("peers", peers.main),
+        ("exchange", exchange.main),
         ("directory_load", directory_load.main),
     )
     for name, run in benchmarks:

@@ -1,10 +1,12 @@
 """``dataquay demo``: a 4-node cluster on this machine, a synthetic dataset on a
 stand-in PFS, staging for a job, a few epochs of 8 training ranks in separate
-processes, and a report.
+processes under global and then partial shuffling, and a report.
 
 It shows the partitioned cache at work: after staging, the PFS is not read
-again; a rank finds about 1/4 of its samples in its own node's cache and gets
-the other 3/4 from the peers that staged them. Every sample's bytes are
+again; under global shuffling a rank finds about 1/4 of its samples in its own
+node's cache and gets the other 3/4 from the peers that staged them; under
+partial shuffling every read is local and the daemons exchange a fraction of
+their samples between epochs. Every sample's bytes are
 checked against the files. Everything lives in a temporary directory that is
 removed at the end, and every process started is stopped.
 """
@@ -39,6 +41,8 @@ RANKS_PER_NODE = 2
 BATCH = 64
 SEED = 42
 JOB = "demo-job"
+PARTIAL_JOB = "demo-partial"
+PARTIAL_Q = 0.25
 #: Simulated GPU time per batch: enough that a cached epoch is compute-bound.
 COMPUTE_SECONDS = 0.002
 HEADER = ("epoch", "samples", "local", "peer", "pfs", "wall s", "samples/s", "MB/s", "data-wait s", "stall %")
@@ -103,6 +107,44 @@ def _report(epoch: object, results: list[RankEpoch], tiers: Sequence[str]) -> st
     ))
 
 
+def _exchanged(cluster: LocalCluster, job: str, epoch: int, timeout: float = 60.0) -> int:
+    """Bytes the cluster's exchange into ``epoch`` sent, once every node finished it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        runs = []
+        for daemon in cluster.daemons:
+            assert daemon.ready is not None
+            with grpc.insecure_channel(daemon.ready["tcp"], options=channel_options()) as channel:
+                stats = cache_pb2_grpc.CacheStub(channel).Stats(pb.StatsRequest(), timeout=10)
+            runs.append(next((r for r in stats.exchanges if r.job == job and r.epoch == epoch), None))
+        if all(r is not None and r.finished for r in runs) or time.monotonic() > deadline:
+            return sum(r.sent_bytes for r in runs if r is not None)
+        time.sleep(0.1)
+
+
+def _train(
+    cluster: LocalCluster, base: Path, job: str, epochs: int, expected: np.ndarray, exchange: bool = False
+) -> None:
+    """Runs ``epochs`` epochs of the job's 8 ranks, checks every sample, prints a row per epoch."""
+    world = NODES * RANKS_PER_NODE
+    envs = [cluster.rank_env(rank, RANKS_PER_NODE, job) for rank in range(world)]
+    print(f"starting {world} ranks ...", end=" ", flush=True)
+    with RankGroup(envs, "demo", base / f"ranks-{job}", batch=BATCH, compute_seconds=COMPUTE_SECONDS) as ranks:
+        print("joined the job\n")
+        print(_row(HEADER) + ("  exchanged for next epoch" if exchange else ""))
+        for epoch in range(epochs):
+            results = ranks.epoch(epoch)
+            _check(epoch, results, expected)
+            row = _report(epoch, results, ("local+daemon-local", "peer", "pfs+fallback"))
+            if exchange:
+                row += f"  {format_bytes(_exchanged(cluster, job, epoch + 1)):>25}"
+            print(row, flush=True)
+        if not exchange:
+            results = ranks.epoch(max(epochs - 1, 0), direct=True)
+            _check("direct", results, expected)
+            print(_report("direct", results, ("", "", "direct")))
+
+
 def run_demo(samples: int = 4000, epochs: int = 3) -> None:
     tune_malloc()
     world = NODES * RANKS_PER_NODE
@@ -111,7 +153,8 @@ def run_demo(samples: int = 4000, epochs: int = 3) -> None:
         base = Path(tmp)
         print(
             f"dataquay demo: a {NODES}-node cluster on this machine, {samples} samples of {len(SIZES)} sizes, "
-            f"{world} training ranks ({RANKS_PER_NODE} per node), {epochs} epochs of global shuffling\n"
+            f"{world} training ranks ({RANKS_PER_NODE} per node), {epochs} epochs of global shuffling, then "
+            f"{epochs} of partial shuffling (Q = {PARTIAL_Q})\n"
         )
         root = make_files_dataset(base / "pfs" / "demo", samples, sizes=SIZES, classes=10)
         total = sum(SIZES[i % len(SIZES)] for i in range(samples))
@@ -132,24 +175,24 @@ def run_demo(samples: int = 4000, epochs: int = 3) -> None:
                 f"reading its\nJobSampler's ids in batches of {BATCH} with {COMPUTE_SECONDS * 1e3:.0f} ms of "
                 "simulated compute per batch; every sample's bytes checked\n"
             )
-            envs = [cluster.rank_env(rank, RANKS_PER_NODE, JOB) for rank in range(world)]
-            print(f"starting {world} ranks ...", end=" ", flush=True)
-            with RankGroup(envs, "demo", base / "ranks", batch=BATCH, compute_seconds=COMPUTE_SECONDS) as ranks:
-                print("joined the job\n")
-                print(_row(HEADER))
-                for epoch in range(epochs):
-                    results = ranks.epoch(epoch)
-                    _check(epoch, results, expected)
-                    print(_report(epoch, results, ("local+daemon-local", "peer", "pfs+fallback")), flush=True)
-                training_pfs = _pfs_bytes(cluster) - staged_pfs
-                results = ranks.epoch(max(epochs - 1, 0), direct=True)
-                _check("direct", results, expected)
-                print(_report("direct", results, ("", "", "direct")))
+            _train(cluster, base, JOB, epochs, expected)
+            print(
+                f"\n'local' is the rank's own node's cache (read in-process, no RPC); 'peer' came from the\n"
+                "node that staged the sample. 'direct' is one epoch read straight from the files, as a trainer\n"
+                "without dataquay would: here they sit in this machine's page cache, while on a shared PFS each\n"
+                "of those reads crosses the network, every epoch, from every node.\n\n"
+                f"Partial shuffling: each rank reads what its node owns, and between epochs the daemons\n"
+                f"exchange a fraction Q = {PARTIAL_Q} of their samples in the background.\n"
+            )
+            _cli("stage", "demo", "--job", PARTIAL_JOB, "--mode", "partial", "--q", str(PARTIAL_Q),
+                 "--seed", str(SEED), "--ranks-per-node", str(RANKS_PER_NODE), "--quiet",
+                 "--directory", cluster.directory_address)
+            print()
+            _train(cluster, base, PARTIAL_JOB, epochs, expected, exchange=True)
+            training_pfs = _pfs_bytes(cluster) - staged_pfs
+            print()
+            _cli("status", "--directory", cluster.directory_address)
         print(
             f"\nDuring training the daemons read {format_bytes(training_pfs)} from the PFS (staging read "
-            f"{format_bytes(staged_pfs)} once).\n"
-            "'local' is the rank's own node's cache (read in-process, no RPC); 'peer' came from the\n"
-            "node that staged the sample. 'direct' is one epoch read straight from the files, as a trainer\n"
-            "without dataquay would: here they sit in this machine's page cache, while on a shared PFS each\n"
-            "of those reads crosses the network, every epoch, from every node."
+            f"{format_bytes(staged_pfs)} once)."
         )

@@ -37,7 +37,6 @@ STATS_TIMEOUT_SECONDS = 3.0
 LINE_SECONDS = 10.0
 #: Job settings that `stage --job` passes to JoinJob only when given.
 JOB_FLAGS = ("mode", "q", "seed", "nodes", "ranks_per_node", "partition", "batch_size")
-_TIERS = ((pb.TIER_LOCAL, "LOCAL"), (pb.TIER_PEER, "PEER"), (pb.TIER_PFS, "PFS"))
 
 
 @contextmanager
@@ -278,7 +277,7 @@ def cluster_status(args: argparse.Namespace) -> None:
     up = sum(n.state == jpb.NODE_UP for n in nodes)
     print(f"directory {address}: {len(nodes)} nodes, {up} up; {len(jobs)} jobs\n")
     print_table([_node_row(n, stats[n.info.name]) for n in nodes],
-                ("NODE", "STATE", "CACHE", "ENTRIES", "LOCAL", "PEER", "PFS", "PFS BYTES"))
+                ("NODE", "STATE", "CACHE", "ENTRIES", "LOCAL", "PEER", "PFS", "PFS BYTES", "DATA WAIT"))
     if jobs:
         print()
         print_table([_job_row(j, stats) for j in jobs], ("JOB", "DATASET", "MODE", "EPOCH", "NODES", "STAGED"))
@@ -318,12 +317,15 @@ def _node_row(node: jpb.NodeStatus, stats: pb.StatsReply | None) -> tuple[object
     name = node.info.name
     if stats is None:
         state = "down" if node.state != jpb.NODE_UP else "unreachable"
-        return (name, state, "-", "-", "-", "-", "-", "-")
+        return (name, state, "-", "-", "-", "-", "-", "-", "-")
     reads = {t.tier: t.samples for t in stats.reads}
+    # Trainers serve their local hits in-process and report them to the daemon.
+    in_process = {r.tier: r.samples for r in stats.client_reads}.get("local", 0)
     cache = f"{format_bytes(stats.cache_used_bytes)} / {format_bytes(stats.cache_capacity_bytes)}"
     return (
         name, "up", cache + (" (full)" if stats.cache_full else ""), stats.cache_entries,
-        *(reads.get(tier, 0) for tier, _ in _TIERS), format_bytes(stats.pfs_bytes),
+        reads.get(pb.TIER_LOCAL, 0) + in_process, reads.get(pb.TIER_PEER, 0), reads.get(pb.TIER_PFS, 0),
+        format_bytes(stats.pfs_bytes), f"{stats.client_data_wait_seconds:.1f}s",
     )
 
 
