@@ -1,28 +1,39 @@
 """Configuration of the daemon and the directory: frozen objects whose field
 names are the flags.
 
-Every field ``cache_dir`` is the flag ``--cache-dir`` and the environment
-variable ``DATAQUAY_CACHE_DIR``; a flag beats the environment, which beats the
-default. The directory's variables carry their own prefix
-(``DATAQUAY_DIRECTORY_LISTEN``), so that a daemon and a directory started from
-the same job script do not read each other's settings.
+Every field ``cache_dir`` is the flag ``--cache-dir``, the environment variable
+``DATAQUAY_CACHE_DIR`` and the key ``cache_dir`` in the ``[daemon]`` table of
+the config file. A flag beats the environment, which beats the file, which
+beats the default. The directory's variables carry their own prefix
+(``DATAQUAY_DIRECTORY_LISTEN``) and its keys their own table
+(``[directory]``), so that a daemon and a directory started from the same job
+script or the same file do not read each other's settings.
+
+The file is TOML, one for both services: ``--config PATH``, else
+``DATAQUAY_CONFIG``, else :data:`DEFAULT_CONFIG_FILE` when it exists.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 import os
-from socket import gethostname
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
+from socket import gethostname
 from typing import Any, ClassVar, Self
 
 from dataquay.client.channels import default_socket_path
 from dataquay.server.errors import ConfigError
-from dataquay.server.sizes import parse_size
+from dataquay.server.sizes import QuantityError, parse_duration, parse_size
 
 ENV_PREFIX = "DATAQUAY_"
+#: The config file both services read when neither --config nor DATAQUAY_CONFIG names one.
+DEFAULT_CONFIG_FILE = Path("/etc/dataquay/dataquay.toml")
+CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
 
 
 def _home_dir(kind: str, fallback: str) -> Path:
@@ -35,17 +46,21 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError("expected a number above 0")
-    return value
+def _positive_duration(text: str) -> float:
+    seconds = parse_duration(text)
+    if not seconds > 0:
+        raise ValueError("expected a duration above 0, like 2s or 500ms")
+    return seconds
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
+    expected = "expected a fraction from 0 to 1"
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(expected) from None
     if not 0.0 <= value <= 1.0:
-        raise ValueError("expected a fraction from 0 to 1")
+        raise ValueError(expected)
     return value
 
 
@@ -62,15 +77,147 @@ def _option(default: Any, help: str, parse: Callable[[str], Any] = str, **extra:
     return field(default=default, metadata=meta)
 
 
+def _closest(word: str, known: Iterable[str]) -> str | None:
+    """The known name a mistyped one most likely meant (``cache-size`` is
+    ``cache_size``), or None when none is close."""
+    known = list(known)
+    underscored = word.replace("-", "_")
+    if underscored in known:
+        return underscored
+    close = difflib.get_close_matches(word, known, n=1)
+    return close[0] if close else None
+
+
+def _toml_literal(value: object) -> str:
+    """``value`` as it would be written in the file, for messages that quote it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _parse(f: Field[Any], raw: str) -> Any:
+    """The field's value from its text; raises ValueError saying what was expected."""
+    choices = f.metadata.get("choices")
+    if choices and raw not in choices:
+        raise ValueError(f"expected one of {', '.join(choices)}")
+    return f.metadata["parse"](raw)
+
+
+def _from_text(f: Field[Any], raw: str, where: str) -> Any:
+    """Parses a flag or an environment variable, naming it in the error."""
+    try:
+        return _parse(f, raw)
+    except QuantityError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"{where}: bad value {raw!r}: {exc}") from None
+
+
+def _from_file(f: Field[Any], value: object, where: str) -> Any:
+    """Parses a value of the config file, quoting it as written there.
+
+    TOML values are typed: text fields (paths, addresses, names) take strings;
+    fields whose default is a number (sizes, counts, seconds, fractions) take
+    numbers as well, so ``pfs_threads = 16`` and ``cache_size = "200G"`` both work.
+    """
+    numeric = isinstance(f.default, int | float)
+    try:
+        if isinstance(value, str):
+            return _parse(f, value)
+        if numeric and isinstance(value, int | float) and not isinstance(value, bool):
+            return _parse(f, repr(value))
+        raise ValueError("expected a number or a string" if numeric else "expected a string")
+    except QuantityError as exc:
+        reason = exc.expected
+    except ValueError as exc:
+        reason = str(exc)
+    raise ConfigError(f"{where} = {_toml_literal(value)}: {reason}")
+
+
+def add_config_argument(parser: argparse.ArgumentParser) -> None:
+    """Adds ``--config PATH``, the file that fills what no flag or variable sets."""
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        help=f"TOML config file (default {DEFAULT_CONFIG_FILE}, if it exists) [env {CONFIG_FILE_ENV}]",
+    )
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """A parsed config file: one table of settings per service.
+
+    Table and key names are checked against every service when the file is
+    loaded, so a typo anywhere in it stops whichever service reads it first;
+    values are checked by the service that uses them (``dataquay config show``
+    checks both).
+    """
+
+    path: Path
+    #: What named the file: "--config", "DATAQUAY_CONFIG" or "default".
+    origin: str
+    tables: Mapping[str, Mapping[str, Any]]
+
+    @classmethod
+    def find(cls, flag: str | None, env: Mapping[str, str] = os.environ) -> ConfigFile | None:
+        """The file named by ``--config``, else by DATAQUAY_CONFIG (either must
+        exist), else the default file if it exists, else None."""
+        for origin, named in (("--config", flag), (CONFIG_FILE_ENV, env.get(CONFIG_FILE_ENV))):
+            if named:
+                path = Path(named)
+                if not path.exists():
+                    raise ConfigError(f"config file {path} (from {origin}) does not exist")
+                return cls.load(path, origin)
+        if DEFAULT_CONFIG_FILE.exists():
+            return cls.load(DEFAULT_CONFIG_FILE, "default")
+        return None
+
+    @classmethod
+    def load(cls, path: Path, origin: str) -> ConfigFile:
+        """Reads and checks ``path``; every error names the file."""
+        try:
+            document = tomllib.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read the config file: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: the config file is not UTF-8 text") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+        sections = {service.section: service for service in SERVICES}
+        tables = " or ".join(f"[{name}]" for name in sections)
+        for name, table in document.items():
+            if not isinstance(table, dict):
+                raise ConfigError(
+                    f"{path}: {name} = {_toml_literal(table)} is outside a table; settings go under {tables}"
+                )
+            if name not in sections:
+                meant = _closest(name, sections)
+                hint = f"; did you mean [{meant}]?" if meant else f"; expected {tables}"
+                raise ConfigError(f"{path}: unknown table [{name}]{hint}")
+            known = [f.name for f in fields(sections[name])]
+            for key in table:
+                if key not in known:
+                    meant = _closest(key, known)
+                    hint = f"; did you mean {meant}?" if meant else ""
+                    raise ConfigError(f"{path}: unknown key {key} in [{name}]{hint}")
+        return cls(path, origin, document)
+
+
 @dataclass(frozen=True)
 class FlagConfig:
-    """Flags and environment variables for the fields of a config dataclass."""
+    """Flags, environment variables and a config file table for the fields of
+    a config dataclass."""
 
     env_prefix: ClassVar[str] = ENV_PREFIX
+    #: The service's table in the config file.
+    section: ClassVar[str]
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Adds one flag per field; unset flags stay None so the env can fill them."""
+        """Adds one flag per field and --config; unset flags stay None so the
+        environment and the file can fill them."""
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
             env = cls.env_prefix + f.name.upper()
@@ -81,36 +228,60 @@ class FlagConfig:
                 choices=f.metadata.get("choices"),
                 help=f"{f.metadata['help']} [env {env}]",
             )
+        add_config_argument(parser)
 
     @classmethod
-    def from_sources(cls, flags: Mapping[str, str | None], env: Mapping[str, str] = os.environ) -> Self:
-        """Builds the config from flag values and the environment, naming any bad value."""
+    def from_sources(
+        cls,
+        flags: Mapping[str, str | None],
+        env: Mapping[str, str] = os.environ,
+        file: ConfigFile | None = None,
+    ) -> Self:
+        """Builds the config from flag values, the environment and the config
+        file, naming any bad value and where it came from."""
+        return cls.resolve(flags, env, file)[0]
+
+    @classmethod
+    def resolve(
+        cls,
+        flags: Mapping[str, str | None],
+        env: Mapping[str, str] = os.environ,
+        file: ConfigFile | None = None,
+    ) -> tuple[Self, dict[str, str]]:
+        """The config and, per field, where its value came from: "flag --x",
+        "env DATAQUAY_X", "file PATH" or "default"."""
+        table = file.tables.get(cls.section, {}) if file is not None else {}
         values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
         for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            variable = cls.env_prefix + f.name.upper()
             raw = flags.get(f.name)
-            source = "--" + f.name.replace("_", "-")
-            if raw is None:
-                raw = env.get(cls.env_prefix + f.name.upper())
-                source = cls.env_prefix + f.name.upper()
-            if raw is None:
-                continue
-            choices = f.metadata.get("choices")
-            if choices and raw not in choices:
-                raise ConfigError(f"{source}: {raw!r} is not one of {', '.join(choices)}")
-            try:
-                values[f.name] = f.metadata["parse"](raw)
-            except ConfigError as exc:
-                raise ConfigError(f"{source}: {exc}") from None
-            except ValueError as exc:
-                raise ConfigError(f"{source}: bad value {raw!r}: {exc}") from None
-        return cls(**values)
+            if raw is not None:
+                values[f.name] = _from_text(f, raw, flag)
+                sources[f.name] = f"flag {flag}"
+            elif (raw := env.get(variable)) is not None:
+                values[f.name] = _from_text(f, raw, variable)
+                sources[f.name] = f"env {variable}"
+            elif file is not None and f.name in table:
+                values[f.name] = _from_file(f, table[f.name], f"{file.path}: [{cls.section}] {f.name}")
+                sources[f.name] = f"file {file.path}"
+            else:
+                sources[f.name] = "default"
+        return cls(**values), sources
 
 
 @dataclass(frozen=True)
 class DaemonConfig(FlagConfig):
     """Everything ``dataquay serve`` needs to run one node's daemon."""
 
+    section: ClassVar[str] = "daemon"
+
     socket: Path = _option(default_socket_path, "unix socket for local clients", Path)
+    socket_group: str = _option(
+        "", "group of the unix socket (mode 0660): the users of this group may read through this daemon; "
+        "empty keeps the daemon's own group"
+    )
     listen: str = _option(
         "127.0.0.1:7070", "TCP HOST:PORT for peers and remote tools; port 0 picks a free port"
     )
@@ -137,7 +308,10 @@ class DaemonConfig(FlagConfig):
     node_name: str = _option(gethostname, "this node's name in the cluster")
     directory: str = _option("", "HOST:PORT of the directory service; empty runs this node standalone")
     peer_timeout: float = _option(
-        5.0, "seconds a peer may take to answer a batch before its samples come from the PFS", _positive_float
+        5.0,
+        "time a peer may take to answer a batch before its samples come from the PFS (e.g. 5s, 500ms; "
+        "a bare number is seconds)",
+        _positive_duration,
     )
     exchange_bandwidth: int = _option(
         0,
@@ -151,6 +325,15 @@ class DaemonConfig(FlagConfig):
         "later epoch that hands them back moves nothing; 0 deletes them once delivered",
         _fraction,
     )
+    token_file: Path | None = _option(
+        None, "file holding the cluster token (owner-readable only): every call must carry it", Path
+    )
+    tls_cert: Path | None = _option(None, "PEM certificate: TLS on the TCP port (needs --tls-key)", Path)
+    tls_key: Path | None = _option(None, "PEM private key of --tls-cert", Path)
+    tls_ca: Path | None = _option(
+        None, "PEM CA that signed the cluster's certificates: verifies the servers this one calls and, with "
+        "--tls-cert, requires callers to present a certificate too (mutual TLS)", Path
+    )
     ready_file: Path | None = _option(
         None, "write a JSON file with the bound addresses once serving", Path
     )
@@ -163,6 +346,7 @@ class DirectoryConfig(FlagConfig):
     """Everything ``dataquay directory`` needs to run the cluster's directory."""
 
     env_prefix: ClassVar[str] = ENV_PREFIX + "DIRECTORY_"
+    section: ClassVar[str] = "directory"
 
     listen: str = _option(
         "127.0.0.1:7071", "TCP HOST:PORT daemons and tools connect to; port 0 picks a free port"
@@ -175,10 +359,23 @@ class DirectoryConfig(FlagConfig):
     http_host: str = _option("0.0.0.0", "address of the HTTP endpoints /sd, /metrics and /healthz")
     http_port: int = _option(9471, "port of the HTTP endpoints; 0 picks a free port", _port)
     lease_seconds: float = _option(
-        10.0, "seconds without a heartbeat after which a node is marked down", _positive_float
+        10.0,
+        "time without a heartbeat after which a node is marked down (e.g. 10s, 1m; a bare number is seconds)",
+        _positive_duration,
     )
     heartbeat_seconds: float = _option(
-        2.0, "how often daemons are told to renew their lease; below --lease-seconds", _positive_float
+        2.0,
+        "how often daemons are told to renew their lease (e.g. 2s, 500ms); below --lease-seconds",
+        _positive_duration,
+    )
+    token_file: Path | None = _option(
+        None, "file holding the cluster token (owner-readable only): every call must carry it", Path
+    )
+    tls_cert: Path | None = _option(None, "PEM certificate: TLS on the TCP port (needs --tls-key)", Path)
+    tls_key: Path | None = _option(None, "PEM private key of --tls-cert", Path)
+    tls_ca: Path | None = _option(
+        None, "PEM CA that signed the cluster's certificates: verifies the servers this one calls and, with "
+        "--tls-cert, requires callers to present a certificate too (mutual TLS)", Path
     )
     ready_file: Path | None = _option(
         None, "write a JSON file with the bound addresses once serving", Path
@@ -193,3 +390,6 @@ class DirectoryConfig(FlagConfig):
                 f"({self.lease_seconds:g}), or every node is marked down between two heartbeats"
             )
 
+
+#: The services that read the config file, each from its own table.
+SERVICES: tuple[type[FlagConfig], ...] = (DaemonConfig, DirectoryConfig)

@@ -1,7 +1,8 @@
 """Human-readable sizes, rates and durations for flags and config values.
 
 K, M, G, T and KiB..TiB are powers of 1024 (as in Slurm's --mem); KB, MB, GB and
-TB are powers of 1000. A bare number is bytes.
+TB are powers of 1000. A bare number is bytes. Durations take ms, s, m or h; a
+bare number is seconds.
 """
 
 from __future__ import annotations
@@ -10,19 +11,36 @@ import re
 
 from dataquay.server.errors import ConfigError
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
-_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?b?)|b?)\s*$", re.IGNORECASE)
+_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|)\s*$")
 _SECONDS = {"ms": 0.001, "s": 1.0, "": 1.0, "m": 60.0, "h": 3600.0}
+
+SIZE_EXPECTED = "expected a size like 200G or 512MiB"
+DURATION_EXPECTED = "expected a duration like 2s, 500ms or 5m"
+
+
+class QuantityError(ConfigError):
+    """A size or a duration that does not parse.
+
+    Keeps what was expected apart from the message, so that a config file can
+    report it next to the key and the value as written there.
+    """
+
+    def __init__(self, what: str, text: str, expected: str) -> None:
+        super().__init__(f"bad {what} {text!r}: {expected}")
+        self.expected = expected
 
 
 def parse_size(text: str, what: str = "size") -> int:
     """Bytes in ``text`` ("200G", "512MiB", "1.5TB", "4096")."""
     match = _SIZE.match(str(text))
     if not match:
-        raise ConfigError(f"bad {what} {text!r}: expected a number with an optional unit like 200G or 512MiB")
+        raise QuantityError(what, text, SIZE_EXPECTED)
     number, prefix, suffix = match.groups()
-    decimal = suffix.lower() == "b" and prefix != ""
+    if prefix is None:
+        return int(float(number))
+    decimal = suffix.lower() == "b"
     base = 1000 if decimal else 1024
     return int(float(number) * base ** _POWERS[prefix.lower()])
 
@@ -31,7 +49,7 @@ def parse_duration(text: str, what: str = "duration") -> float:
     """Seconds in ``text`` ("2s", "500ms", "5m", "1h", "3")."""
     match = _DURATION.match(str(text))
     if not match:
-        raise ConfigError(f"bad {what} {text!r}: expected a number with an optional unit like 2s or 5m")
+        raise QuantityError(what, text, DURATION_EXPECTED)
     return float(match.group(1)) * _SECONDS[match.group(2)]
 
 

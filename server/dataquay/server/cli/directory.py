@@ -8,7 +8,7 @@ import time
 
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.cli.common import add_directory, directory_stub, print_table
-from dataquay.server.config import DirectoryConfig
+from dataquay.server.config import ConfigFile, DirectoryConfig
 
 
 def cmd_directory(args: argparse.Namespace) -> None:
@@ -16,7 +16,7 @@ def cmd_directory(args: argparse.Namespace) -> None:
     from dataquay.server.logs import setup_logging
     from dataquay.server.loops import loop_factory
 
-    config = DirectoryConfig.from_sources(vars(args))
+    config = DirectoryConfig.from_sources(vars(args), file=ConfigFile.find(args.config))
     setup_logging(config.log_level, config.log_format)
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(serve_directory(config))
