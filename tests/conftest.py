@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dataquay.server.cluster import LocalCluster
+from dataquay.server.cluster import LocalCluster, TlsFiles
 from dataquay.server.launch import DaemonProcess
 
 #: Directory settings for cluster tests: a dead node is listed down within a second or so.
@@ -41,9 +41,16 @@ def cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
     started: list[LocalCluster] = []
 
     def start(
-        nodes: int = 4, *, daemon_args: tuple[str, ...] = (), directory_args: tuple[str, ...] = FAST_LEASES
+        nodes: int = 4,
+        *,
+        daemon_args: tuple[str, ...] = (),
+        directory_args: tuple[str, ...] = FAST_LEASES,
+        token_file: Path | None = None,
+        tls: TlsFiles | None = None,
     ) -> LocalCluster:
-        local = LocalCluster(tmp_path / f"cluster{len(started)}", nodes, daemon_args, directory_args)
+        local = LocalCluster(
+            tmp_path / f"cluster{len(started)}", nodes, daemon_args, directory_args, token_file=token_file, tls=tls
+        )
         started.append(local)
         return local.start()
 

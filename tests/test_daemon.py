@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import grp
 import mmap
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -229,6 +231,9 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
         (["--cache-size", "lots"], "bad size 'lots'"),
         (["--cache-dir", "/dev/null/cache"], "cache dir /dev/null/cache cannot be created"),
         (["--pfs-threads", "0"], "--pfs-threads: bad value '0'"),
+        (["--socket-group", "no-such-group-here"], "to group 'no-such-group-here'"),
+        (["--token-file", "/nonexistent/token"], "cannot read the token file /nonexistent/token"),
+        (["--tls-cert", "/nonexistent/cert.pem"], "a TLS certificate needs its key"),
     ],
 )
 def test_serve_config_errors_exit_nonzero_with_one_line(tmp_path: Path, flags: list[str], message: str) -> None:
@@ -239,6 +244,13 @@ def test_serve_config_errors_exit_nonzero_with_one_line(tmp_path: Path, flags: l
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dataquay: error:") and message in lines[0]
+
+
+def test_the_socket_is_for_its_owner_and_group_only(start_daemon: Callable[..., DaemonProcess]) -> None:
+    group = grp.getgrgid(os.getgid()).gr_name
+    daemon = start_daemon("--socket-group", group)
+    mode = os.stat(daemon.socket)
+    assert stat.S_IMODE(mode.st_mode) == 0o660 and mode.st_gid == os.getgid()
 
 
 def test_serve_refuses_a_taken_port(daemon: DaemonProcess, tmp_path: Path) -> None:
@@ -320,7 +332,10 @@ def test_staging_interrupted_by_sigterm_resumes_where_it_stopped(
     reports: list[pb.StageProgress] = []
     watcher = threading.Thread(target=lambda: reports.extend(stub.Stage(pb.StageRequest(dataset="slow"))))
     watcher.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 20
+    while not reports or reports[-1].done_samples == 0:
+        assert time.monotonic() < deadline, "staging made no progress"
+        time.sleep(0.05)
     stopped = time.monotonic()
     assert daemon.stop() == 0
     assert time.monotonic() - stopped < 5, "shutdown waited for staging"

@@ -3,6 +3,9 @@ a trainer sees while it runs, and a daemon killed in the middle of it."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -132,6 +135,21 @@ def test_the_exchange_moves_exactly_what_changes_owner_and_the_next_epoch_is_loc
         for m, run in enumerate(runs):
             assert f"node-{m}  x1   1           {run.delivered_samples}/{run.total_samples}" in status
         assert f"exchange received {format_bytes(sizes[before != after].sum())}" in status
+        assert cli_main(["status", "--directory", nodes.local.directory_address, "--json"]) == 0
+        document = json.loads(capsys.readouterr().out)
+        assert [n["info"]["name"] for n in document["nodes"]] == [f"node-{m}" for m in range(NODES)]
+        assert [int(n["stats"]["exchanges"][0]["delivered_samples"]) for n in document["nodes"]] == [
+            run.delivered_samples for run in runs
+        ]
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "dataquay.server.cli", "status", "--directory", nodes.local.directory_address,
+             "--watch", "0.2", "--json"], stdout=subprocess.PIPE, text=True,
+        )
+        with watch:
+            assert watch.stdout is not None
+            snapshots = [json.loads(watch.stdout.readline()) for _ in range(2)]
+            watch.kill()
+        assert all(len(snapshot["nodes"]) == NODES for snapshot in snapshots)
 
         nodes.report(1)  # epoch 0 is over: given-away samples may go
         pfs_before = [s.pfs_bytes for s in stats]

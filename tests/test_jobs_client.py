@@ -337,6 +337,9 @@ class _RefusingStub:
     def ReportEpoch(self, request: jpb.ReportEpochRequest, timeout: float) -> jpb.Job:
         raise self.refusal
 
+    def ReportClientStats(self, request: object, timeout: float) -> None:
+        raise self.refusal
+
 
 def unconnected_client(address: str = "unix:/nonexistent/dataquay.sock") -> Client:
     """A client as a spawned worker unpickles it: it connects on first use."""

@@ -183,6 +183,17 @@ def test_file_replaced_by_a_symlink_is_refused(tmp_path: Path) -> None:
         PfsReader(m, "ds").read([0])
 
 
+def test_a_folder_swapped_for_a_link_out_of_the_root_is_refused(tmp_path: Path) -> None:
+    make_files_dataset(tmp_path / "root", 2, classes=1)
+    m = manifest_of(tmp_path / "root")
+    folder = (tmp_path / "root" / m.location(0).path).parent
+    outside = tmp_path / "outside"
+    folder.rename(outside)
+    folder.symlink_to(outside)
+    with pytest.raises(PfsReadError, match=f"sample 0 of 'ds': .* resolves to {outside}/.*, outside the dataset's root"):
+        PfsReader(m, "ds").read([0])
+
+
 def test_crafted_path_leaving_the_root_is_refused(tmp_path: Path) -> None:
     writer = ManifestWriter(str(tmp_path), "files")
     writer.add_sample(writer.add_path("ab/passwd"), 0, 10)

@@ -47,6 +47,7 @@ from dataquay.client.errors import (
 from dataquay.client.local import LocalCache
 from dataquay.client.manifest import Manifest
 from dataquay.client.records import checksum
+from dataquay.client.security import Credentials
 from dataquay.client.shm import Segment, SegmentPool
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
@@ -197,6 +198,7 @@ class Client:
         self._local_opened = False
         self._pfs: dict[tuple[str, str], PfsReader] = {}
         self._segments = SegmentPool()
+        self._credentials = Credentials.from_env()
         self._reset_process_state()
         _clients.add(self)
 
@@ -492,7 +494,7 @@ class Client:
                     # never share a connection with its parent.
                     ("grpc.use_local_subchannel_pool", 1),
                 ]
-                self._channel = grpc.insecure_channel(self._target, options=options)
+                self._channel = self._credentials.channel(self.address, options)
                 self._stub = cache_pb2_grpc.CacheStub(self._channel)
                 self._pid = pid
             assert self._stub is not None

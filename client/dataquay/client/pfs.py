@@ -217,6 +217,10 @@ class PfsReader:
         except OSError as exc:
             raise self._error(r, r.ids, path, _reason(exc)) from exc
         try:
+            opened = _opened_path(fd)
+            if opened is not None and not opened.startswith(self._prefix):
+                # A folder of the root was swapped for a link after registration.
+                raise self._error(r, r.ids, path, f"it resolves to {opened}, outside the dataset's root")
             data = os.pread(fd, r.length, r.offset)
             if len(data) < r.length:
                 data = _pread_rest(fd, r, data)
@@ -262,6 +266,14 @@ class PfsReader:
     ) -> PfsRangeError:
         message = f"sample {int(affected[0])} of {self._dataset!r}: cannot read {path}: {reason}"
         return PfsRangeError(message, r.ids.tolist())
+
+
+def _opened_path(fd: int) -> str | None:
+    """The real path of an open file (Linux /proc); None where it cannot be told."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
 
 
 def _pread_rest(fd: int, r: ReadRange, head: bytes) -> bytes:

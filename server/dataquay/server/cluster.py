@@ -27,11 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
 from dataquay.client.channels import channel_options
+from dataquay.client.security import Credentials
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -133,6 +134,14 @@ def read_env_file(path: Path) -> dict[str, str]:
     return values
 
 
+class TlsFiles(NamedTuple):
+    """PEM files of a cluster's mutual TLS: the CA, and a certificate and key it signed."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
 @dataclass
 class LocalCluster:
     """A directory and ``nodes`` daemons on 127.0.0.1, rooted at ``base_dir``.
@@ -151,6 +160,10 @@ class LocalCluster:
         directory_args: extra ``dataquay directory`` flags
             (``--lease-seconds 2``).
         detached: let the processes outlive this one.
+        token_file: the cluster token every process requires and presents
+            (cluster.env names it for clients); None runs without one.
+        tls: CA, certificate and key (PEM files) for mutual TLS between every
+            process of the cluster and its clients; None runs plaintext.
     """
 
     base_dir: Path
@@ -158,6 +171,8 @@ class LocalCluster:
     daemon_args: tuple[str, ...] = ()
     directory_args: tuple[str, ...] = ()
     detached: bool = False
+    token_file: Path | None = None
+    tls: TlsFiles | None = None
     directory: DirectoryProcess | None = field(default=None, init=False)
     daemons: list[DaemonProcess] = field(default_factory=list, init=False)
     #: Short directory for the sockets when base_dir is too deep for one.
@@ -186,7 +201,8 @@ class LocalCluster:
         self.base_dir.mkdir(parents=True, exist_ok=True)
         try:
             self.directory = DirectoryProcess(
-                self.base_dir / "directory", self.directory_args, start_new_session=self.detached
+                self.base_dir / "directory", (*self.directory_args, *self._security_args),
+                start_new_session=self.detached,
             ).start(timeout)
             self.daemons = [self._daemon(i) for i in range(self.nodes)]
             with ThreadPoolExecutor(self.nodes) as pool:
@@ -249,6 +265,8 @@ class LocalCluster:
             cluster = cls(
                 Path(base_dir), len(record["daemons"]), tuple(record["daemon_args"]),
                 tuple(record["directory_args"]), detached=True,
+                token_file=Path(record["token_file"]) if record.get("token_file") else None,
+                tls=TlsFiles(*map(Path, record["tls"])) if record.get("tls") else None,
             )
             cluster.socket_dir = Path(record["socket_dir"]) if record["socket_dir"] else None
             cluster.directory = DirectoryProcess(cluster.base_dir / "directory", cluster.directory_args)
@@ -303,7 +321,8 @@ class LocalCluster:
         port = str(old.ready["tcp"]).rpartition(":")[2]
         self.directory = DirectoryProcess(
             old.home,
-            (*self.directory_args, "--listen", f"127.0.0.1:{port}", "--http-port", str(old.ready["http_port"])),
+            (*self.directory_args, *self._security_args, "--listen", f"127.0.0.1:{port}",
+             "--http-port", str(old.ready["http_port"])),
             start_new_session=self.detached,
         ).start(timeout)
         self._save()
@@ -320,7 +339,7 @@ class LocalCluster:
         """
         deadline = time.monotonic() + timeout
         states: dict[str, int] = {}
-        with grpc.insecure_channel(self.directory_address, options=channel_options()) as channel:
+        with self.credentials().channel(self.directory_address, channel_options()) as channel:
             stub = directory_pb2_grpc.DirectoryStub(channel)
             while True:
                 try:
@@ -364,7 +383,16 @@ class LocalCluster:
             "DATAQUAY_SD_URL": self.sd_url,
             "DATAQUAY_CLUSTER_DIR": str(self.base_dir),
             "DATAQUAY_NODES": str(self.nodes),
+            **({"DATAQUAY_TOKEN_FILE": str(self.token_file)} if self.token_file else {}),
+            **({"DATAQUAY_TLS_CA": str(self.tls.ca), "DATAQUAY_TLS_CERT": str(self.tls.cert),
+                "DATAQUAY_TLS_KEY": str(self.tls.key)} if self.tls else {}),
         }
+
+    def credentials(self) -> Credentials:
+        """What a client of this cluster presents (the env files say the same)."""
+        if self.tls is None:
+            return Credentials.from_files(self.token_file)
+        return Credentials.from_files(self.token_file, self.tls.ca, self.tls.cert, self.tls.key)
 
     def node_only_env(self, index: int) -> dict[str, str]:
         """What a process on node ``index`` needs on top of :meth:`cluster_env` (node-<i>.env)."""
@@ -408,10 +436,18 @@ class LocalCluster:
         return DaemonProcess(
             home,
             ("--directory", self.directory_address, "--node-name", node_name(index),
-             *self.daemon_args, *more_args),
+             *self.daemon_args, *self._security_args, *more_args),
             socket_path=socket,
             start_new_session=self.detached,
         )
+
+    @property
+    def _security_args(self) -> tuple[str, ...]:
+        """The flags every server of the cluster gets for its token and TLS."""
+        token = ("--token-file", str(self.token_file)) if self.token_file else ()
+        if self.tls is None:
+            return token
+        return (*token, "--tls-ca", str(self.tls.ca), "--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key))
 
     def _pids(self) -> list[_Pid]:
         """Every process of the cluster: the ones this object started, and
@@ -447,6 +483,8 @@ class LocalCluster:
             "daemon_args": list(self.daemon_args),
             "directory_args": list(self.directory_args),
             "socket_dir": str(self.socket_dir) if self.socket_dir else "",
+            "token_file": str(self.token_file) if self.token_file else "",
+            "tls": [str(p) for p in self.tls] if self.tls else [],
             "directory": {**self.directory.ready, "ready_file": str(self.directory.ready_file)},
             "daemons": [
                 {**(d.ready or {"pid": d.process.pid if d.process else 0}), "ready_file": str(d.ready_file)}

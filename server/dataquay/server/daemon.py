@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import grpc
@@ -20,10 +21,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import start_http_server
 
-from dataquay.client.channels import server_options
+from dataquay.client.security import Credentials
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server import __version__
+from dataquay.server.auth import new_server, server_tls
 from dataquay.server.config import DaemonConfig
 from dataquay.server.client_stats import ClientStatsBook
 from dataquay.server.datasets import Datasets
@@ -63,13 +65,14 @@ class Daemon(ServerLifecycle):
         self.registry = Registry(config.state_dir)
         self.pfs = PfsPool(config.pfs_threads, config.pfs_bandwidth)
         self.metrics = DaemonMetrics(self.live_state)
+        self.credentials = Credentials.from_files(config.token_file, config.tls_ca, config.tls_cert, config.tls_key)
         self.link = (
-            DirectoryLink(config.directory, self.node_info, self._usage, self._datasets_changed)
+            DirectoryLink(config.directory, self.node_info, self._usage, self._datasets_changed, self.credentials)
             if config.directory
             else None
         )
         self.datasets = Datasets(self.registry, self.store, self.link)
-        self.peers = Peers(config.peer_timeout)
+        self.peers = Peers(config.peer_timeout, self.credentials)
         self.placements = (
             Placements(self.link, config.node_name, config.state_dir) if self.link is not None else None
         )
@@ -150,7 +153,7 @@ class Daemon(ServerLifecycle):
         self.metrics_port = server.server_port
 
     async def _start_server(self) -> None:
-        server = grpc.aio.server(options=server_options())
+        server = new_server(self.credentials)
         cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self._server = server
@@ -162,9 +165,14 @@ class Daemon(ServerLifecycle):
             raise StartupError(f"cannot listen on socket {sock}: {exc}") from exc
         if not bound:
             raise StartupError(f"cannot listen on socket {sock}")
-        self.tcp_address = bind_tcp(server, self.config.listen)
+        self.tcp_address = bind_tcp(server, self.config.listen, server_tls(self.credentials))
         await server.start()
         os.chmod(sock, 0o660)
+        if self.config.socket_group:
+            try:
+                shutil.chown(sock, group=self.config.socket_group)
+            except (LookupError, OSError) as exc:
+                raise StartupError(f"cannot give socket {sock} to group {self.config.socket_group!r}: {exc}") from exc
 
     async def close(self, grace: float = 10.0) -> None:
         """Staged shutdown; safe to call twice and after a failed start."""

@@ -20,13 +20,13 @@ def advertised_host(host: str) -> str:
     return socket.gethostname() if host in _WILDCARD_HOSTS else host
 
 
-def bind_tcp(server: grpc.aio.Server, listen: str) -> str:
-    """Adds ``listen`` (HOST:PORT, port 0 picks one) to ``server``; returns the
-    address to advertise."""
+def bind_tcp(server: grpc.aio.Server, listen: str, tls: grpc.ServerCredentials | None = None) -> str:
+    """Adds ``listen`` (HOST:PORT, port 0 picks one) to ``server``, with TLS
+    when given; returns the address to advertise."""
     host, _, port = listen.rpartition(":")
     check_port_free(host, port)
     try:
-        bound = server.add_insecure_port(listen)
+        bound = server.add_secure_port(listen, tls) if tls is not None else server.add_insecure_port(listen)
     except RuntimeError as exc:
         raise StartupError(f"cannot listen on {listen}: port taken or address not local") from exc
     if not bound:

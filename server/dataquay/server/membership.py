@@ -18,7 +18,8 @@ from typing import TypeVar
 
 import grpc
 
-from dataquay.client.channels import channel_options, grpc_target
+from dataquay.client.channels import channel_options
+from dataquay.client.security import Credentials
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
@@ -68,6 +69,7 @@ class DirectoryLink:
         usage: (cache bytes used, entries) for heartbeats.
         datasets_changed: awaited when the directory's dataset registry
             changed (a dataset added, replaced or dropped).
+        credentials: the cluster token and TLS material for the directory.
     """
 
     def __init__(
@@ -76,12 +78,14 @@ class DirectoryLink:
         node_info: Callable[[], jpb.NodeInfo],
         usage: Callable[[], tuple[int, int]],
         datasets_changed: Callable[[], Awaitable[None]],
+        credentials: Credentials = Credentials(),
     ) -> None:
         self.address = address
+        self.credentials = credentials
         self._node_info = node_info
         self._usage = usage
         self._datasets_changed = datasets_changed
-        self._channel = grpc.aio.insecure_channel(grpc_target(address), options=channel_options())
+        self._channel = credentials.aio_channel(address, channel_options())
         self.stub = directory_pb2_grpc.DirectoryStub(self._channel)
         self.nodes: dict[str, jpb.NodeStatus] = {}
         self.jobs: dict[str, jpb.Job] = {}
@@ -128,7 +132,7 @@ class DirectoryLink:
         one that goes unanswered is repeated through the Heartbeat RPC, whose
         failure (the directory down) ends the loop with an RpcError.
         """
-        sender = await HeartbeatSender.connect(self.address)
+        sender = await HeartbeatSender.connect(self.address, self.credentials.token)
         try:
             while True:
                 started = time.monotonic()

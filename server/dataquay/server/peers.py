@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from dataquay.client.channels import channel_options, grpc_target
+from dataquay.client.channels import channel_options
 from dataquay.client.records import checksum
+from dataquay.client.security import Credentials
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 
@@ -51,8 +52,9 @@ class PeerHealth:
 class Peers:
     """Channels to the other daemons and their health, keyed by node name."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, credentials: Credentials = Credentials()) -> None:
         self.timeout = timeout
+        self.credentials = credentials
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, cache_pb2_grpc.CacheStub] = {}
         self._addresses: dict[str, str] = {}
@@ -117,7 +119,7 @@ class Peers:
             self._retired.append(self._channels.pop(node))  # restarted on another port
         channel = self._channels.get(node)
         if channel is None:
-            channel = grpc.aio.insecure_channel(grpc_target(address), options=channel_options())
+            channel = self.credentials.aio_channel(address, channel_options())
             self._channels[node] = channel
             self._stubs[node] = cache_pb2_grpc.CacheStub(channel)
             self._addresses[node] = address

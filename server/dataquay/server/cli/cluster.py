@@ -13,6 +13,7 @@ DEFAULT_BASE_DIR = Path("dataquay-cluster")
 
 
 def cmd_up(args: argparse.Namespace) -> None:
+    from dataquay.server.auth import new_token_file
     from dataquay.server.cluster import LocalCluster, node_name
 
     base = Path(args.base_dir).absolute()
@@ -35,7 +36,11 @@ def cmd_up(args: argparse.Namespace) -> None:
         if value is not None:
             directory_args += ["--" + flag.replace("_", "-"), value]
     print(f"starting a directory and {args.nodes} daemons in {base} ...", file=sys.stderr, flush=True)
-    cluster = LocalCluster(base, args.nodes, tuple(daemon_args), tuple(directory_args), detached=True)
+    # A cluster of its own token: other users' processes on this machine cannot talk to it.
+    token = new_token_file(base / "token", force=True)
+    cluster = LocalCluster(
+        base, args.nodes, tuple(daemon_args), tuple(directory_args), detached=True, token_file=token
+    )
     cluster.start(timeout=args.timeout)
     assert cluster.directory is not None and cluster.directory.ready is not None
     rows: list[tuple[object, ...]] = [

@@ -10,7 +10,8 @@ from contextlib import contextmanager
 
 import grpc
 
-from dataquay.client.channels import channel_options, daemon_address, grpc_target
+from dataquay.client.channels import channel_options, daemon_address
+from dataquay.client.security import Credentials, CredentialsError
 from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 
 DIRECTORY_ENV = "DATAQUAY_DIRECTORY"
@@ -28,14 +29,28 @@ def rpc_errors(what: str, address: str, hint: str) -> Iterator[None]:
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             raise CliError(f"no {what} answers at {address} ({hint})") from None
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise CliError(
+                f"the {what} at {address} refused the call: {exc.details()} (set DATAQUAY_TOKEN_FILE)"
+            ) from None
         raise CliError(exc.details() or exc.code().name) from None
+
+
+def open_channel(address: str) -> grpc.Channel:
+    """A channel to a daemon or the directory with the credentials the
+    environment names (DATAQUAY_TOKEN_FILE, DATAQUAY_TLS_*)."""
+    try:
+        credentials = Credentials.from_env()
+    except CredentialsError as exc:
+        raise CliError(str(exc)) from None
+    return credentials.channel(address, channel_options())
 
 
 @contextmanager
 def daemon_stub(args: argparse.Namespace) -> Iterator[cache_pb2_grpc.CacheStub]:
     """A stub for the daemon at --addr; RPC errors become one-line messages."""
     address = args.addr or daemon_address()
-    channel = grpc.insecure_channel(grpc_target(address), options=channel_options())
+    channel = open_channel(address)
     try:
         with rpc_errors("daemon", address, "is `dataquay serve` running? set DATAQUAY_ADDR"):
             yield cache_pb2_grpc.CacheStub(channel)
@@ -54,7 +69,7 @@ def directory_stub(args: argparse.Namespace) -> Iterator[directory_pb2_grpc.Dire
     address = directory_address(args)
     if address is None:
         raise CliError(f"no directory given: pass --directory HOST:PORT or set {DIRECTORY_ENV}")
-    channel = grpc.insecure_channel(grpc_target(address), options=channel_options())
+    channel = open_channel(address)
     try:
         with rpc_errors("directory", address, "is `dataquay directory` running there?"):
             yield directory_pb2_grpc.DirectoryStub(channel)

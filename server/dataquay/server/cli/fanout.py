@@ -20,15 +20,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.json_format import MessageToDict
 from tqdm import tqdm
 
-from dataquay.client.channels import channel_options
 from dataquay.client.jobs import job_spec
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.cli.common import CliError, directory_address, directory_stub, print_table
+from dataquay.server.cli.common import CliError, directory_address, directory_stub, open_channel, print_table
 from dataquay.server.sizes import format_bytes
 
 #: Deadline of one node's Stats in `status`: a node slower than this shows as unreachable.
@@ -41,7 +41,7 @@ JOB_FLAGS = ("mode", "q", "seed", "nodes", "ranks_per_node", "partition", "batch
 
 @contextmanager
 def _node_stub(address: str) -> Iterator[cache_pb2_grpc.CacheStub]:
-    channel = grpc.insecure_channel(address, options=channel_options())
+    channel = open_channel(address)
     try:
         yield cache_pb2_grpc.CacheStub(channel)
     finally:
@@ -266,22 +266,61 @@ def _stats(node: jpb.NodeStatus) -> pb.StatsReply | None:
         return None
 
 
-def cluster_status(args: argparse.Namespace) -> None:
-    """``dataquay status`` with a directory: one table of nodes, one of jobs."""
-    address = directory_address(args)
+@dataclass
+class ClusterSnapshot:
+    """What ``dataquay status`` shows of a cluster at one moment."""
+
+    directory: str
+    nodes: list[jpb.NodeStatus]
+    jobs: list[jpb.Job]
+    stats: dict[str, pb.StatsReply | None]
+    taken: float = field(default_factory=time.monotonic)
+
+
+def cluster_snapshot(args: argparse.Namespace) -> ClusterSnapshot:
+    """The directory's nodes and jobs, and every live node's Stats, fetched in parallel."""
     with directory_stub(args) as directory:
         nodes = list(directory.ListNodes(dpb.ListNodesRequest()).nodes)
         jobs = list(directory.ListJobs(jpb.ListJobsRequest()).jobs)
     with ThreadPoolExecutor(max(len(nodes), 1)) as pool:
         stats = dict(zip((n.info.name for n in nodes), pool.map(_stats, nodes)))
-    up = sum(n.state == jpb.NODE_UP for n in nodes)
-    print(f"directory {address}: {len(nodes)} nodes, {up} up; {len(jobs)} jobs\n")
-    print_table([_node_row(n, stats[n.info.name]) for n in nodes],
-                ("NODE", "STATE", "CACHE", "ENTRIES", "LOCAL", "PEER", "PFS", "PFS BYTES", "DATA WAIT"))
-    if jobs:
+    return ClusterSnapshot(directory_address(args) or "", nodes, jobs, stats)
+
+
+def cluster_json(snapshot: ClusterSnapshot) -> dict[str, Any]:
+    """The snapshot as one JSON document (``status --json``)."""
+    def as_dict(message: Any) -> dict[str, Any]:
+        return MessageToDict(message, preserving_proto_field_name=True)
+
+    return {
+        "directory": snapshot.directory,
+        "nodes": [
+            {**as_dict(n), "stats": as_dict(s) if (s := snapshot.stats[n.info.name]) is not None else None}
+            for n in snapshot.nodes
+        ],
+        "jobs": [as_dict(j) for j in snapshot.jobs],
+    }
+
+
+def print_cluster(snapshot: ClusterSnapshot, before: ClusterSnapshot | None = None) -> None:
+    """``dataquay status`` with a directory: nodes, jobs and exchanges; with the
+    snapshot ``before`` (``--watch``), PFS throughput since then too."""
+    up = sum(n.state == jpb.NODE_UP for n in snapshot.nodes)
+    print(f"directory {snapshot.directory}: {len(snapshot.nodes)} nodes, {up} up; {len(snapshot.jobs)} jobs\n")
+    columns = ["NODE", "STATE", "CACHE", "ENTRIES", "LOCAL", "PEER", "PFS", "HIT %", "PFS BYTES", "DATA WAIT"]
+    rows = [list(_node_row(n, snapshot.stats[n.info.name])) for n in snapshot.nodes]
+    if before is not None:
+        columns.append("PFS MB/s")
+        seconds = max(snapshot.taken - before.taken, 1e-9)
+        for row, node in zip(rows, snapshot.nodes):
+            now, then = snapshot.stats[node.info.name], before.stats.get(node.info.name)
+            row.append(f"{(now.pfs_bytes - then.pfs_bytes) / seconds / 1e6:.1f}" if now and then else "-")
+    print_table([tuple(r) for r in rows], tuple(columns))
+    if snapshot.jobs:
         print()
-        print_table([_job_row(j, stats) for j in jobs], ("JOB", "DATASET", "MODE", "EPOCH", "NODES", "STAGED"))
-    print_exchanges([(name, reply) for name, reply in stats.items() if reply is not None])
+        print_table([_job_row(j, snapshot.stats) for j in snapshot.jobs],
+                    ("JOB", "DATASET", "MODE", "EPOCH", "NODES", "STAGED"))
+    print_exchanges([(name, reply) for name, reply in snapshot.stats.items() if reply is not None])
 
 
 def print_exchanges(stats: list[tuple[str, pb.StatsReply]]) -> None:
@@ -317,14 +356,15 @@ def _node_row(node: jpb.NodeStatus, stats: pb.StatsReply | None) -> tuple[object
     name = node.info.name
     if stats is None:
         state = "down" if node.state != jpb.NODE_UP else "unreachable"
-        return (name, state, "-", "-", "-", "-", "-", "-", "-")
+        return (name, state, "-", "-", "-", "-", "-", "-", "-", "-")
     reads = {t.tier: t.samples for t in stats.reads}
     # Trainers serve their local hits in-process and report them to the daemon.
     in_process = {r.tier: r.samples for r in stats.client_reads}.get("local", 0)
+    local, peer, pfs = reads.get(pb.TIER_LOCAL, 0) + in_process, reads.get(pb.TIER_PEER, 0), reads.get(pb.TIER_PFS, 0)
+    hit = f"{100 * local / (local + peer + pfs):.1f}" if local + peer + pfs else "-"
     cache = f"{format_bytes(stats.cache_used_bytes)} / {format_bytes(stats.cache_capacity_bytes)}"
     return (
-        name, "up", cache + (" (full)" if stats.cache_full else ""), stats.cache_entries,
-        reads.get(pb.TIER_LOCAL, 0) + in_process, reads.get(pb.TIER_PEER, 0), reads.get(pb.TIER_PFS, 0),
+        name, "up", cache + (" (full)" if stats.cache_full else ""), stats.cache_entries, local, peer, pfs, hit,
         format_bytes(stats.pfs_bytes), f"{stats.client_data_wait_seconds:.1f}s",
     )
 

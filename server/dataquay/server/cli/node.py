@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import json
 import sys
+import time
+from collections.abc import Callable
+
+from google.protobuf.json_format import MessageToDict
 
 from dataquay.client.placement import MODES
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.cli import fanout
 from dataquay.server.cli.common import CliError, add_addr, add_directory, daemon_stub, print_table
-from dataquay.server.config import DaemonConfig
+from dataquay.server.config import ConfigFile, DaemonConfig
 from dataquay.server.sizes import format_bytes
 
 FORMATS = {"files": pb.FORMAT_FILES, "tar": pb.FORMAT_TAR, "npy": pb.FORMAT_NPY}
@@ -24,7 +30,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from dataquay.server.logs import setup_logging
     from dataquay.server.loops import loop_factory
 
-    config = DaemonConfig.from_sources(vars(args))
+    config = DaemonConfig.from_sources(vars(args), file=ConfigFile.find(args.config))
     setup_logging(config.log_level, config.log_format)
     tune_malloc()
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
@@ -126,11 +132,31 @@ def cmd_stage(args: argparse.Namespace) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> None:
-    if fanout.wants_cluster_status(args):
-        fanout.cluster_status(args)
-        return
-    with daemon_stub(args) as stub:
-        stats = stub.Stats(pb.StatsRequest())
+    cluster = fanout.wants_cluster_status(args)
+    before: fanout.ClusterSnapshot | None = None
+    while True:
+        if cluster:
+            snapshot = fanout.cluster_snapshot(args)
+            shown: Callable[[], None] = functools.partial(fanout.print_cluster, snapshot, before)
+            document: Callable[[], object] = functools.partial(fanout.cluster_json, snapshot)
+            before = snapshot
+        else:
+            with daemon_stub(args) as stub:
+                stats = stub.Stats(pb.StatsRequest())
+            shown = functools.partial(_print_node_status, stats)
+            document = functools.partial(MessageToDict, stats, preserving_proto_field_name=True)
+        if args.watch and sys.stdout.isatty():
+            print("\x1b[2J\x1b[H", end="")
+        if args.json:
+            print(json.dumps(document(), indent=None if args.watch else 2), flush=True)
+        else:
+            shown()
+        if not args.watch:
+            return
+        time.sleep(args.watch)
+
+
+def _print_node_status(stats: pb.StatsReply) -> None:
     reads = {TIER_NAMES[t.tier]: t for t in stats.reads}
     total = sum(t.samples for t in stats.reads) or 1
     print(f"node {stats.node}: cache {format_bytes(stats.cache_used_bytes)} of "
@@ -202,6 +228,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     status = sub.add_parser("status", help="cache fill and reads by tier; with a directory, of every node and job")
     add_addr(status)
     add_directory(status)
+    status.add_argument("--json", action="store_true", help="one JSON document (one per line with --watch)")
+    status.add_argument(
+        "--watch", type=float, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
+        help="show it again every SECONDS (default 2) until interrupted; adds PFS throughput",
+    )
     status.set_defaults(func=cmd_status)
 
     demo = sub.add_parser("demo", help="a local daemon, a synthetic dataset, a few epochs, a report")

@@ -31,9 +31,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from dataquay.client.channels import server_options
+from dataquay.client.security import Credentials
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
+from dataquay.server.auth import new_server, server_tls
 from dataquay.server.config import DirectoryConfig
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.listen import bind_tcp
@@ -76,6 +77,7 @@ class DirectoryServer(ServerLifecycle):
         self.state = DirectoryState(config.lease_seconds)
         self.registry = Registry(config.state_dir)
         self.health = HealthServicer()
+        self.credentials = Credentials.from_files(config.token_file, config.tls_ca, config.tls_cert, config.tls_key)
         self.tasks = TaskGroup()
         self.metrics = directory_metrics(lambda: self.state, lambda: len(self.registry.names()))
         self.http = HttpEndpoints(lambda: self.state.up_nodes(), self.metrics, lambda: self._serving)
@@ -141,15 +143,16 @@ class DirectoryServer(ServerLifecycle):
             ) from exc
 
     async def _start_server(self) -> None:
-        server = grpc.aio.server(options=server_options())
+        server = new_server(self.credentials)
         directory_pb2_grpc.add_DirectoryServicer_to_server(DirectoryServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self._server = server
-        self.tcp_address = bind_tcp(server, self.config.listen)
+        self.tcp_address = bind_tcp(server, self.config.listen, server_tls(self.credentials))
         await server.start()
         host = self.config.listen.rpartition(":")[0]
+        beats_address = f"{host}:{self.tcp_address.rpartition(':')[2]}"
         try:
-            self._beats = await open_heartbeats(f"{host}:{self.tcp_address.rpartition(':')[2]}", self.heartbeat_reply)
+            self._beats = await open_heartbeats(beats_address, self.heartbeat_reply, self.credentials.token)
         except OSError as exc:
             raise StartupError(f"cannot receive heartbeats on UDP {self.tcp_address}: {exc.strerror}") from exc
 

@@ -1,0 +1,206 @@
+"""How a party proves it belongs to the cluster: a token on every call, and TLS on TCP.
+
+Every RPC to a daemon or the directory carries the cluster token in its
+metadata (``authorization: Bearer <token>``); the servers refuse calls
+without it. The token lives in a file only its owner can read, like an ssh
+key, named by ``DATAQUAY_TOKEN_FILE`` (a trainer's environment) or the
+services' ``--token-file``. Over TCP, channels use TLS when a CA is given
+(``DATAQUAY_TLS_CA``), presenting a certificate of their own when one is given
+too (``DATAQUAY_TLS_CERT`` and ``DATAQUAY_TLS_KEY``, for mutual TLS). Unix
+sockets stay plaintext: the socket file's permissions guard them.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from dataquay.client.channels import grpc_target
+from dataquay.client.errors import DataquayError
+
+METADATA_KEY = "authorization"
+#: Bytes of randomness in a new token (hex-encoded in its file).
+TOKEN_BYTES = 32
+
+
+class CredentialsError(DataquayError):
+    """A token or certificate file that cannot be used (missing, unreadable, too open)."""
+
+
+def read_token(path: str | os.PathLike[str]) -> str:
+    """The token in ``path``, refusing a file that others than its owner may read.
+
+    Raises:
+        CredentialsError: naming the file and what is wrong with it.
+    """
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text().strip()
+    except OSError as exc:
+        raise CredentialsError(f"cannot read the token file {path}: {exc.strerror}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise CredentialsError(
+            f"the token file {path} is readable by others than its owner; chmod 600 {path}"
+        )
+    if len(text) < TOKEN_BYTES or not text.isascii() or not text.isprintable() or " " in text:
+        raise CredentialsError(f"the token file {path} holds no valid token (make one with `dataquay token new`)")
+    return text
+
+
+def _read_pem(path: str | os.PathLike[str], what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise CredentialsError(f"cannot read the TLS {what} {path}: {exc.strerror}") from None
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What a channel presents: the token, and TLS material for TCP.
+
+    ``ca`` verifies servers; ``cert`` and ``key`` are this party's own (a
+    server's, or a client's for mutual TLS).
+    """
+
+    token: str = ""
+    ca: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+
+    @classmethod
+    def from_files(
+        cls,
+        token_file: str | os.PathLike[str] | None = None,
+        ca: str | os.PathLike[str] | None = None,
+        cert: str | os.PathLike[str] | None = None,
+        key: str | os.PathLike[str] | None = None,
+    ) -> Credentials:
+        """Reads the files that are named; raises CredentialsError for one that cannot be used."""
+        if bool(cert) != bool(key):
+            raise CredentialsError("a TLS certificate needs its key and a key its certificate")
+        return cls(
+            token=read_token(token_file) if token_file else "",
+            ca=_read_pem(ca, "CA") if ca else None,
+            cert=_read_pem(cert, "certificate") if cert else None,
+            key=_read_pem(key, "key") if key else None,
+        )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Credentials:
+        """A trainer's or a tool's credentials: DATAQUAY_TOKEN_FILE and DATAQUAY_TLS_{CA,CERT,KEY}."""
+        return cls.from_files(
+            env.get("DATAQUAY_TOKEN_FILE") or None,
+            env.get("DATAQUAY_TLS_CA") or None,
+            env.get("DATAQUAY_TLS_CERT") or None,
+            env.get("DATAQUAY_TLS_KEY") or None,
+        )
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((METADATA_KEY, f"Bearer {self.token}"),) if self.token else ()
+
+    def _tls(self, target: str) -> grpc.ChannelCredentials | None:
+        if target.startswith("unix:") or self.ca is None:
+            return None
+        return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
+
+    def channel(self, address: str, options: list[tuple[str, Any]]) -> grpc.Channel:
+        """A blocking channel to ``address`` (socket path or HOST:PORT) that sends these credentials."""
+        target = grpc_target(address)
+        tls = self._tls(target)
+        channel = (
+            grpc.secure_channel(target, tls, options=options) if tls is not None
+            else grpc.insecure_channel(target, options=options)
+        )
+        if not self.token:
+            return channel
+        return grpc.intercept_channel(channel, _TokenInterceptor(self.metadata))
+
+    def aio_channel(self, address: str, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
+        """An asyncio channel to ``address`` that sends these credentials (daemons' peers, the directory)."""
+        target = grpc_target(address)
+        tls = self._tls(target)
+        interceptors = [
+            interceptor(self.metadata) for interceptor in _AIO_INTERCEPTORS
+        ] if self.token else None
+        if tls is not None:
+            return grpc.aio.secure_channel(target, tls, options=options, interceptors=interceptors)
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+
+
+class _ClientCallDetails(grpc.ClientCallDetails):
+    _fields = ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+
+    def __init__(self, **fields: Any) -> None:
+        for name in self._fields:
+            setattr(self, name, fields.get(name))
+
+
+class _TokenInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the token to every call of a blocking channel."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        fields = {name: getattr(details, name, None) for name in _ClientCallDetails._fields}
+        fields["metadata"] = [*(fields.get("metadata") or ()), *self._metadata]
+        return _ClientCallDetails(**fields)
+
+    def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Callable[..., Any], details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Callable[..., Any], details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+
+class _AioTokenMixin:
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._metadata)
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
+
+
+class _AioUnaryUnary(_AioTokenMixin, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _AioUnaryStream(_AioTokenMixin, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _AioStreamUnary(_AioTokenMixin, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Callable[..., Any], details: Any, requests: Any) -> Any:
+        return await continuation(self._details(details), requests)
+
+
+class _AioStreamStream(_AioTokenMixin, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Callable[..., Any], details: Any, requests: Any) -> Any:
+        return await continuation(self._details(details), requests)
+
+
+_AIO_INTERCEPTORS = (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)
