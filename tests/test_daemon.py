@@ -405,3 +405,32 @@ def test_metrics_endpoint_exports_reads_cache_and_pfs_figures(
     assert 0 < values["dataquay_cache_bytes"] <= values["dataquay_cache_capacity_bytes"]
     assert values['dataquay_staging_samples{dataset="imgs"}'] == len(payloads)
     assert values['dataquay_request_seconds_count{method="Read"}'] == 1
+
+
+def test_a_host_over_its_calls_in_flight_is_refused_and_local_clients_are_not(
+    start_daemon: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    make_files(tmp_path / "slow", 20)
+    daemon = start_daemon("--max-calls-per-peer", "2", "--pfs-bandwidth", "1K")  # staging takes a minute
+    assert daemon.ready is not None
+    add(stub_for(daemon), tmp_path / "slow", "slow")
+    with grpc.insecure_channel(daemon.ready["tcp"], options=channel_options()) as channel:
+        stub = cache_pb2_grpc.CacheStub(channel)
+        held = [stub.Stage(pb.StageRequest(dataset="slow")) for _ in range(2)]
+        for call in held:
+            next(call)  # both streams are open and in flight
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Info(pb.InfoRequest(), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "too many calls in flight from this host (at most 2)" in refused.value.details()
+        assert stub_for(daemon).Info(pb.InfoRequest(), timeout=5).node  # the unix socket is not capped
+        for call in held:
+            call.cancel()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert stub.Info(pb.InfoRequest(), timeout=5).node
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                time.sleep(0.05)

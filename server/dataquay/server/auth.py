@@ -24,6 +24,7 @@ import grpc
 
 from dataquay.client.channels import server_options
 from dataquay.client.security import METADATA_KEY, TOKEN_BYTES, Credentials, CredentialsError
+from dataquay.server.limits import PeerCallLimit
 
 log = logging.getLogger("dataquay.auth")
 
@@ -67,10 +68,15 @@ def server_tls(credentials: Credentials) -> grpc.ServerCredentials | None:
     )
 
 
-def new_server(credentials: Credentials) -> grpc.aio.Server:
-    """A gRPC server that refuses calls without the cluster token, when there is one."""
-    interceptors = [TokenCheck(credentials.token)] if credentials.token else None
-    return grpc.aio.server(options=server_options(), interceptors=interceptors)
+def new_server(credentials: Credentials, calls_per_peer: int = 0) -> grpc.aio.Server:
+    """A gRPC server that refuses calls without the cluster token, when there
+    is one, and a TCP host's calls beyond ``calls_per_peer`` in flight (0: no cap)."""
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if credentials.token:
+        interceptors.append(TokenCheck(credentials.token))
+    if calls_per_peer:
+        interceptors.append(PeerCallLimit(calls_per_peer))
+    return grpc.aio.server(options=server_options(), interceptors=interceptors or None)
 
 
 def sign(token: str, payload: bytes) -> bytes:

@@ -305,6 +305,9 @@ class DaemonConfig(FlagConfig):
     metrics_host: str = _option("0.0.0.0", "address of the Prometheus /metrics endpoint")
     metrics_port: int = _option(9470, "port of the Prometheus endpoint; 0 picks a free port", _port)
     max_batch: int = _option(4096, "most sample ids one read request may carry", _positive_int)
+    max_calls_per_peer: int = _option(
+        256, "most calls one remote host may have in flight; more are refused (RESOURCE_EXHAUSTED)", _positive_int
+    )
     node_name: str = _option(gethostname, "this node's name in the cluster")
     directory: str = _option("", "HOST:PORT of the directory service; empty runs this node standalone")
     peer_timeout: float = _option(

@@ -153,7 +153,7 @@ class Daemon(ServerLifecycle):
         self.metrics_port = server.server_port
 
     async def _start_server(self) -> None:
-        server = new_server(self.credentials)
+        server = new_server(self.credentials, self.config.max_calls_per_peer)
         cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self._server = server
