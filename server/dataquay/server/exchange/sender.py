@@ -182,7 +182,9 @@ class Exchanges:
         give = np.flatnonzero((before.owners == me) & (after.owners != me))
         run = ExchangeRun(job_id, epoch, Outbox(give, after.owners[give], entry.manifest.sample_length[give]))
         self.runs[(job_id, epoch)] = run
-        for old in [key for key in self.runs if key[0] == job_id and key[1] < epoch - 1]:
+        # Keep the last two runs of each job the directory still lists: the
+        # metrics' job label stays bounded.
+        for old in [k for k in self.runs if (k[0] == job_id and k[1] < epoch - 1) or k[0] not in self.link.jobs]:
             del self.runs[old]
         log.info("exchange started", extra={"fields": {
             "job": job_id, "epoch": epoch, "samples": len(give), "bytes": run.progress().total_bytes}})
