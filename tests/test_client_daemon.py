@@ -21,7 +21,7 @@ import pytest
 
 import dataquay.client as dq
 from dataquay.client.channels import channel_options, grpc_target
-from dataquay.client.errors import DataquayError, UnknownDatasetError
+from dataquay.client.errors import DataquayError, PfsReadError, UnknownDatasetError
 from dataquay.client.pfs import PfsReader
 from dataquay.client.records import checksum, frame_members
 from dataquay.protos import cache_pb2 as pb
@@ -485,3 +485,43 @@ def test_trainers_report_their_local_hits_and_data_wait_to_the_node(
     with cache_stub(daemon) as stub, pytest.raises(grpc.RpcError) as unnamed:
         stub.ReportClientStats(pb.ClientStatsReport())
     assert unnamed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_batches_read_ahead_give_the_same_bytes_keep_the_cursor_and_stop_cleanly(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+) -> None:
+    synthetic.make_files_dataset(tmp_path / "imgs", 50, sizes=(1500, 2500))
+    add(daemon, "imgs", tmp_path / "imgs")
+    ds = client.dataset("imgs")
+    sampler = ds.sampler(seed=3)
+    order = sampler.indices().tolist()
+    expected = files_bytes(0, order, (1500, 2500))
+    for prefetch in (0, 1, 3):
+        batches = list(ds.batches(sampler, 16, prefetch=prefetch))
+        assert [len(b) for b in batches] == [16, 16, 16, 2]
+        assert [s for b in batches for s in b] == expected
+        assert sampler.position == 0
+
+    threads = threading.active_count()
+    reader = ds.batches(sampler, 16, prefetch=2)
+    next(reader)
+    next(reader)
+    assert sampler.state_dict()["position"] == 32
+    reader.close()  # the training loop stopped early: the read-ahead thread goes too
+    assert threading.active_count() == threads
+
+    resumed = ds.sampler(seed=3)
+    resumed.load_state_dict(sampler.state_dict())
+    resumed.set_epoch(0)
+    assert [s for b in ds.batches(resumed, 16) for s in b] == expected[32:]
+
+    synthetic.make_files_dataset(tmp_path / "uncached", 50, sizes=(1500, 2500))
+    add(daemon, "uncached", tmp_path / "uncached")
+    fresh = client.dataset("uncached")
+    (tmp_path / "uncached" / fresh.manifest.location(order[40]).path).unlink()
+    got = []
+    with pytest.raises(PfsReadError, match=f"sample {order[40]} of 'uncached'"):
+        for batch in fresh.batches(fresh.sampler(seed=3), 16, prefetch=2):
+            got.append(batch)
+    assert [s for b in got for s in b] == expected[:32]  # every batch before the broken one
+    assert client.stats().data_wait_seconds > 0

@@ -209,6 +209,7 @@ class Client:
         self._lock = threading.Lock()
         self._gate = _CallGate()
         self._counters = _Counters()
+        self._thread = threading.local()
         self._client_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._reported_at = time.monotonic()
 
@@ -317,6 +318,10 @@ class Client:
         except DataquayError as exc:
             log.debug("counters not reported: %s", exc)
 
+    def _waited(self, seconds: float) -> None:
+        """Counts time a reader of prefetched batches waited for one."""
+        self._counters.add("local", 0, 0, seconds)
+
     def stats(self) -> ClientStats:
         """Counters of this process since it started using the client."""
         samples, nbytes, wait = self._counters.snapshot()
@@ -380,8 +385,10 @@ class Client:
         return out
 
     def _served(self, local_hits: int, local_bytes: int, started: float) -> None:
-        """Counts a call's local hits and the time since ``started`` as data wait."""
-        self._counters.add("local", local_hits, local_bytes, time.perf_counter() - started)
+        """Counts a call's local hits and the time since ``started`` as data
+        wait, unless a prefetch thread made the call (its reader's wait counts)."""
+        prefetching = getattr(self._thread, "prefetching", False)
+        self._counters.add("local", local_hits, local_bytes, 0.0 if prefetching else time.perf_counter() - started)
         if time.monotonic() - self._reported_at >= STATS_REPORT_SECONDS:
             self.report_stats()
 

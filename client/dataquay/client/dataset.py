@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import operator
+import queue
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -229,6 +231,36 @@ class Dataset(Sequence[bytes]):
             drop_last=bool(drop_last),
         )
 
+    def batches(self, sampler: Sampler, batch_size: int, *, prefetch: int = 2) -> Iterator[list[bytes]]:
+        """The samples of the sampler's current epoch, ``batch_size`` at a time
+        (the last batch may be shorter), read ``prefetch`` batches ahead.
+
+        A background thread reads the next batches while the caller trains on
+        this one, so peer and PFS latency overlap with compute; the time the
+        caller still waits for a batch is its data wait (:meth:`Client.stats`).
+        ``prefetch=0`` reads each batch when it is asked for. The sampler's
+        cursor moves with the batches handed out, so a checkpoint taken
+        between two of them resumes at the next.
+
+        Raises:
+            ValueError: ``batch_size`` below 1 or ``prefetch`` below 0.
+            PfsReadError: as :meth:`get_batch`, when its batch is reached.
+        """
+        if batch_size < 1 or prefetch < 0:
+            raise ValueError(f"batch_size must be at least 1 and prefetch at least 0, not {batch_size}, {prefetch}")
+        ids = sampler.remaining()
+        chunks = [ids[start : start + batch_size] for start in range(0, len(ids), batch_size)]
+        prefetcher = _Prefetcher(self, chunks, prefetch) if prefetch else None
+        try:
+            for chunk in chunks:
+                batch = self.get_batch(chunk) if prefetcher is None else prefetcher.next_batch()
+                sampler.position += len(chunk)
+                yield batch
+            sampler.position = 0
+        finally:
+            if prefetcher is not None:
+                prefetcher.close()
+
     def __iter__(self) -> Iterator[bytes]:
         for start in range(0, self._len, ITER_BATCH):
             yield from self.get_batch(np.arange(start, min(start + ITER_BATCH, self._len)))
@@ -324,3 +356,46 @@ class Dataset(Sequence[bytes]):
 
     def _remote(self, ids: np.ndarray) -> list[bytes]:
         return self._client._read_remote(self, ids) if len(ids) else []
+
+
+class _Prefetcher:
+    """Reads batches in a thread of its own, at most ``depth`` ahead of the reader."""
+
+    _END = object()
+
+    def __init__(self, dataset: Dataset, chunks: list[np.ndarray], depth: int) -> None:
+        self._dataset = dataset
+        self._chunks = chunks
+        self._ready: queue.Queue[object] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dataquay-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        client = self._dataset.client
+        client._thread.prefetching = True
+        for chunk in self._chunks:
+            try:
+                item: object = self._dataset.get_batch(chunk)
+            except Exception as exc:  # handed to the reader, who raises it at this batch
+                item = exc
+            while not self._stop.is_set():
+                try:
+                    self._ready.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if self._stop.is_set() or isinstance(item, Exception):
+                return
+
+    def next_batch(self) -> list[bytes]:
+        started = time.perf_counter()
+        item = self._ready.get()
+        self._dataset.client._waited(time.perf_counter() - started)
+        if isinstance(item, Exception):
+            raise item
+        return cast("list[bytes]", item)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()

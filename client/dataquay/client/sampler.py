@@ -177,9 +177,15 @@ class Sampler:
         )
 
     def __iter__(self) -> Iterator[int]:
+        return self._advance(self.remaining().tolist())
+
+    def remaining(self) -> np.ndarray:
+        """Starts an iteration of the current epoch: the ids from the cursor on
+        (from a restored cursor after :meth:`load_state_dict`, else from 0).
+        A caller that reads them itself moves :attr:`position` as it goes."""
         self.position = self.position if self._resuming else 0
         self._resuming = False
-        return self._advance(self.indices()[self.position :].tolist())
+        return self.indices()[self.position :]
 
     def _advance(self, ids: list[int]) -> Iterator[int]:
         for i in ids:
