@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench proto lint typecheck clean
+.PHONY: demo test test-all tools bench proto lint typecheck clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,14 +16,25 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/dataquay demo
 
-test: $(STAMP)
+test: $(STAMP) tools
 	$(BIN)/python -m pytest -q
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python bench/run.py
+
+# The deploy tests verify the systemd units and lint the Slurm scripts with
+# these tools. As root on a Debian-like machine (CI) they are installed here;
+# elsewhere, or if that fails, those tests skip and say why.
+tools:
+	@command -v systemd-analyze >/dev/null && command -v shellcheck >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    timeout 300 sh -c 'apt-get update -qq && apt-get install -y -qq --no-install-recommends systemd shellcheck' \
+	    >/dev/null 2>&1; } || \
+	  echo "systemd-analyze or shellcheck missing: the deploy tests that need them will skip"
 
 proto: $(STAMP)
 	$(BIN)/python protos/generate.py

@@ -12,6 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import cache_policy  # noqa: E402
 import directory_load  # noqa: E402
 import exchange  # noqa: E402
 import memory  # noqa: E402
@@ -19,7 +20,8 @@ import peers  # noqa: E402
 import placement  # noqa: E402
 import reads  # noqa: E402
 import staging  # noqa: E402
-from common import machine  # noqa: E402
+from common import RESULTS, machine  # noqa: E402
+from dataquay.server import benchmark  # noqa: E402
 
 
 def main() -> None:
@@ -31,6 +33,8 @@ def main() -> None:
         ("placement", placement.main),
         ("peers", peers.main),
         ("exchange", exchange.main),
+        ("stall", lambda: benchmark.main(quick=False, out_dir=RESULTS)),
+        ("cache_policy", lambda: cache_policy.main([])),
         ("directory_load", directory_load.main),
     )
     for name, run in benchmarks:

@@ -31,7 +31,7 @@ from dataquay.protos import cache_pb2_grpc
 from dataquay.server.cli import main as cli_main
 from dataquay.server.cluster import LocalCluster
 from dataquay.server.errors import DataquayError
-from dataquay.server.ranks import RankEpoch, RankGroup
+from dataquay.server.ranks import Direct, RankEpoch, RankGroup
 from dataquay.server.sizes import format_bytes
 from dataquay.server.synthetic import make_files_dataset
 
@@ -140,7 +140,7 @@ def _train(
                 row += f"  {format_bytes(_exchanged(cluster, job, epoch + 1)):>25}"
             print(row, flush=True)
         if not exchange:
-            results = ranks.epoch(max(epochs - 1, 0), direct=True)
+            results = ranks.epoch(max(epochs - 1, 0), direct=Direct())
             _check("direct", results, expected)
             print(_report("direct", results, ("", "", "direct")))
 

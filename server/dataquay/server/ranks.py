@@ -18,8 +18,11 @@ something there.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import threading
+from collections import OrderedDict
 import select
 import subprocess
 import sys
@@ -71,8 +74,6 @@ def _say(out: TextIO, **event: Any) -> None:
 def _rank_main(dataset: str, batch: int, compute_seconds: float) -> None:
     """Joins the job, then runs commands from stdin until it closes."""
     from dataquay.client import connect
-    from dataquay.client.pfs import PfsReader
-    from dataquay.client.records import checksum
 
     out = sys.stdout
     client = connect()
@@ -83,45 +84,157 @@ def _rank_main(dataset: str, batch: int, compute_seconds: float) -> None:
         for line in sys.stdin:
             command = json.loads(line)
             sampler.set_epoch(command["epoch"])
-            ids = sampler.indices()
-            pfs = PfsReader(ds.manifest, dataset) if command["direct"] else None
-            pause_at = len(ids) // 2 if command["pause_mid"] else -1
+            direct = Direct(**command["direct"]) if command["direct"] is not None else None
+            pause_at = len(sampler) // 2 if command["pause_mid"] else -1
+
+            def pause() -> float:
+                started = time.perf_counter()
+                _say(out, event="mid")
+                sys.stdin.readline()
+                return time.perf_counter() - started
+
             before = client.stats()
             started = time.perf_counter()
-            paused = 0.0
-            sums: list[int] = []
-            nbytes = 0
-            wait = 0.0
-            for start in range(0, len(ids), batch):
-                if start <= pause_at < start + batch:
-                    t0 = time.perf_counter()
-                    _say(out, event="mid")
-                    sys.stdin.readline()
-                    paused += time.perf_counter() - t0
-                chunk = ids[start : start + batch]
-                if pfs is None:
-                    samples = ds.get_batch(chunk)
-                else:
-                    t0 = time.perf_counter()
-                    samples = pfs.read(chunk)
-                    wait += time.perf_counter() - t0
-                sums += [checksum(s) for s in samples]
-                nbytes += sum(map(len, samples))
-                time.sleep(compute_seconds)
-            wall = time.perf_counter() - started - paused
-            after = client.stats()
-            if pfs is not None:
-                tiers, sizes = {"direct": len(ids)}, {"direct": nbytes}
-            else:
+            if direct is None:
+                ids, sums, nbytes, paused = _read_through_dataquay(
+                    ds, sampler, batch, compute_seconds, command["prefetch"], pause_at, pause
+                )
+                after = client.stats()
                 tiers = {t: after.samples[t] - before.samples[t] for t in after.samples}
                 sizes = {t: after.bytes[t] - before.bytes[t] for t in after.bytes}
                 wait = after.data_wait_seconds - before.data_wait_seconds
+            else:
+                ids, sums, nbytes, wait, tiers, sizes = _read_direct(ds, sampler, batch, compute_seconds, direct)
+                paused = 0.0
+            wall = time.perf_counter() - started - paused
             _say(
-                out, event="epoch", epoch=command["epoch"], ids=ids.tolist(), checksums=sums,
+                out, event="epoch", epoch=command["epoch"], ids=ids, checksums=sums,
                 samples=tiers, bytes=sizes, wall=wall, wait=wait,
             )
     finally:
         client.close()
+
+
+def _read_through_dataquay(
+    ds: Any, sampler: Any, batch: int, compute_seconds: float, prefetch: int, pause_at: int,
+    pause: Callable[[], float],
+) -> tuple[list[int], list[int], int, float]:
+    """One epoch of the sampler through the client: (ids, checksums, bytes, seconds paused)."""
+    from dataquay.client.records import checksum
+
+    ids = sampler.indices().tolist()
+    sums: list[int] = []
+    nbytes = 0
+    paused = 0.0
+    for start, samples in zip(range(0, len(ids), batch), ds.batches(sampler, batch, prefetch=prefetch)):
+        if start <= pause_at < start + batch:
+            paused += pause()
+        sums += [checksum(s) for s in samples]
+        nbytes += sum(map(len, samples))
+        time.sleep(compute_seconds)
+    return ids, sums, nbytes, paused
+
+
+def _read_direct(
+    ds: Any, sampler: Any, batch: int, compute_seconds: float, direct: Direct
+) -> tuple[list[int], list[int], int, float, dict[str, int], dict[str, int]]:
+    """One epoch read straight from the files, as a plain DataLoader would:
+    ``direct.workers`` batches in flight, each worker reading its whole batch,
+    through this rank's share of the PFS and an optional page-cache stand-in.
+    Returns (ids, checksums, bytes, data wait, samples and bytes per tier)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dataquay.client.pfs import PfsReader
+    from dataquay.client.records import checksum
+    from dataquay.server.ratelimit import TokenBucket
+
+    reader = PfsReader(ds.manifest, ds.name)
+    bucket = TokenBucket(direct.bytes_per_second) if direct.bytes_per_second else None
+    cache = PageCache(direct.page_cache_bytes)
+    ids = sampler.indices().tolist()
+    counts = {"direct": [0, 0], "page-cache": [0, 0]}
+    counting = threading.Lock()
+
+    def read(chunk: list[int]) -> list[bytes]:
+        out, misses = cache.get(chunk)
+        if misses:
+            nbytes = int(ds.manifest.sample_length[misses].sum())
+            if bucket is not None:
+                bucket.acquire(nbytes)
+            for i, data in zip(misses, reader.read(misses)):
+                out[i] = data
+            cache.put({i: out[i] for i in misses})
+        missed = set(misses)
+        hits = [i for i in chunk if i not in missed]
+        with counting:
+            for tier, part in (("direct", misses), ("page-cache", hits)):
+                counts[tier][0] += len(part)
+                counts[tier][1] += int(ds.manifest.sample_length[part].sum()) if part else 0
+        return [out[i] for i in chunk]
+
+    sums: list[int] = []
+    nbytes = 0
+    wait = 0.0
+    chunks = [ids[start : start + batch] for start in range(0, len(ids), batch)]
+    with ThreadPoolExecutor(max(1, direct.workers)) as pool:
+        pending = [pool.submit(read, chunk) for chunk in chunks[: direct.workers]]
+        for index in range(len(chunks)):
+            started = time.perf_counter()
+            samples = pending[index].result()
+            wait += time.perf_counter() - started
+            if index + direct.workers < len(chunks):
+                pending.append(pool.submit(read, chunks[index + direct.workers]))
+            sums += [checksum(s) for s in samples]
+            nbytes += sum(map(len, samples))
+            time.sleep(compute_seconds)
+    return (ids, sums, nbytes, wait, {t: c[0] for t, c in counts.items()}, {t: c[1] for t, c in counts.items()})
+
+
+class PageCache:
+    """Least recently used whole samples up to a byte budget: the OS page cache
+    of a machine whose memory is smaller than the dataset, made explicit."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._held: OrderedDict[int, bytes] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, ids: list[int]) -> tuple[dict[int, bytes], list[int]]:
+        """The held samples of ``ids`` (now the most recently used), and the ids it lacks."""
+        found: dict[int, bytes] = {}
+        with self._lock:
+            for i in ids:
+                data = self._held.get(i)
+                if data is not None:
+                    self._held.move_to_end(i)
+                    found[i] = data
+        return found, [i for i in ids if i not in found]
+
+    def put(self, samples: dict[int, bytes]) -> None:
+        if not self.budget:
+            return
+        with self._lock:
+            for i, data in samples.items():
+                if i in self._held or len(data) > self.budget:
+                    continue
+                while self._bytes + len(data) > self.budget:
+                    _, dropped = self._held.popitem(last=False)
+                    self._bytes -= len(dropped)
+                self._held[i] = data
+                self._bytes += len(data)
+
+
+@dataclass(frozen=True)
+class Direct:
+    """How a rank reads an epoch without dataquay (see :meth:`RankGroup.epoch`)."""
+
+    #: This rank's share of the PFS bandwidth, bytes/s; 0 = uncapped.
+    bytes_per_second: float = 0.0
+    #: Batches read at once, like DataLoader workers.
+    workers: int = 1
+    #: Budget of the page-cache stand-in; 0 = none (every read hits the PFS).
+    page_cache_bytes: int = 0
 
 
 # ------------------------------------------------------------ the launcher
@@ -178,16 +291,28 @@ class RankGroup:
             raise
         return self
 
-    def epoch(self, epoch: int, *, mid: Callable[[], None] | None = None, direct: bool = False) -> list[RankEpoch]:
-        """Runs ``epoch`` on every rank at once; returns what each read, by rank.
+    def epoch(
+        self,
+        epoch: int,
+        *,
+        mid: Callable[[], None] | None = None,
+        direct: Direct | None = None,
+        prefetch: int = 0,
+    ) -> list[RankEpoch]:
+        """Runs one epoch on every rank at once; returns what each read.
 
         Args:
-            mid: called once every rank has read half its ids (and waits),
+            epoch: the epoch to read.
+            mid: called once every rank has read half its ids and waits
                 before they go on: a test breaks something mid-epoch here.
             direct: read the epoch's ids straight from the PFS instead, as a
-                trainer without dataquay would.
+                trainer without dataquay would (tiers ``direct`` and
+                ``page-cache``).
+            prefetch: batches the client reads ahead of the rank (``ds.batches``).
         """
-        self._send({"epoch": epoch, "pause_mid": mid is not None, "direct": direct})
+        command = {"epoch": epoch, "pause_mid": mid is not None, "prefetch": prefetch,
+                   "direct": dataclasses.asdict(direct) if direct is not None else None}
+        self._send(command)
         if mid is not None:
             self._gather("mid")
             mid()

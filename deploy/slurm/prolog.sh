@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# Slurm Prolog (slurm.conf: Prolog=/opt/dataquay/deploy/slurm/prolog.sh,
+# PrologFlags=Alloc): on every node of the allocation, start a dataquay daemon
+# as the job's user; on the first node, start the job's directory first and,
+# once every node's daemon is up, stage the job's dataset on all of them.
+#
+# The dataset comes from DATAQUAY_DATASET (and DATAQUAY_DATASET_ROOT to
+# register it), set in /etc/dataquay/slurm.env or by the job comment:
+#   sbatch --comment "dataquay.dataset=imagenet dataquay.dataset_root=/lustre/imagenet/train dataquay.seed=42" ...
+# Trainers find the daemon through the env file this script writes (see
+# task-prolog.sh and README.md). Running it twice starts nothing twice.
+#
+# A daemon that cannot start fails the prolog (Slurm then drains the node); a
+# dataset that cannot be staged is logged and the job runs, reading what is
+# not cached from the PFS, unless DATAQUAY_STAGE_REQUIRED=1.
+set -euo pipefail
+# Slurm runs prologs with no search path.
+PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin${PATH:+:$PATH}
+export PATH
+
+here=$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")
+# shellcheck source=SCRIPTDIR/dataquay-slurm.sh
+. "$here/dataquay-slurm.sh"
+
+# Registers the dataset at the directory unless it is there already.
+register_dataset() {
+    local name=$1 root=$2
+    if "${DQ_AS_USER[@]}" "$DQ_BIN" dataset show "$name" --addr "$DQ_SOCKET" >/dev/null 2>&1; then
+        dq_log "dataset $name is registered already"
+        return 0
+    fi
+    local args=(dataset add "$name" "$root" --addr "$DQ_SOCKET")
+    if [[ -n "${DATAQUAY_DATASET_FORMAT:-}" ]]; then
+        args+=(--format "$DATAQUAY_DATASET_FORMAT")
+    fi
+    dq_log "registering dataset $name from $root"
+    "${DQ_AS_USER[@]}" "$DQ_BIN" "${args[@]}" >>"$DQ_LOG_FILE" 2>&1
+}
+
+# Waits until the directory lists every node of the allocation as up.
+wait_for_nodes() {
+    local directory=$1 waited=0 up node missing
+    while :; do
+        up=$("${DQ_AS_USER[@]}" "$DQ_BIN" status --directory "$directory" 2>/dev/null |
+            awk '/^NODE +STATE/ { table = 1; next } table && NF == 0 { exit } table && $2 == "up" { print $1 }' ||
+            true)
+        missing=()
+        for node in "${DQ_NODES[@]}"; do
+            grep -qxF -- "$node" <<<"$up" || missing+=("$node")
+        done
+        [[ ${#missing[@]} -eq 0 ]] && return 0
+        if ((waited >= DQ_NODES_TIMEOUT)); then
+            dq_log "error: nodes not up at the directory after ${DQ_NODES_TIMEOUT}s: ${missing[*]}"
+            return 1
+        fi
+        sleep 1
+        waited=$((waited + 1))
+    done
+}
+
+stage_dataset() {
+    local directory=$1 name=$2
+    if [[ -n "${DATAQUAY_DATASET_ROOT:-}" ]]; then
+        register_dataset "$name" "$DATAQUAY_DATASET_ROOT" || {
+            dq_log "error: cannot register dataset $name from $DATAQUAY_DATASET_ROOT (see $DQ_LOG_FILE)"
+            return 1
+        }
+    fi
+    wait_for_nodes "$directory" || return 1
+    local nodes
+    nodes=$(IFS=,; printf '%s' "${DQ_NODES[*]}")
+    local args=(stage "$name" --job "$DQ_JOB" --nodes "$nodes" --directory "$directory" --quiet)
+    local setting flag
+    for setting in seed mode q partition batch_size ranks_per_node; do
+        flag=DATAQUAY_${setting^^}
+        if [[ -n "${!flag:-}" ]]; then
+            args+=("--${setting//_/-}" "${!flag}")
+        fi
+    done
+    dq_log "staging $name for job $DQ_JOB on ${#DQ_NODES[@]} nodes"
+    if ! "${DQ_AS_USER[@]}" "$DQ_BIN" "${args[@]}" >>"$DQ_LOG_FILE" 2>&1; then
+        dq_log "error: staging $name failed: $(tail -n 1 "$DQ_LOG_FILE")"
+        return 1
+    fi
+    dq_log "staged $name: $(tail -n 1 "$DQ_LOG_FILE")"
+}
+
+# The trainers' settings, written by the job's user into the job's directory.
+write_env_file() {
+    local directory=$1 var content
+    content=$(
+        printf '# dataquay for Slurm job %s on %s; source with: set -a; . %q; set +a\n' \
+            "$SLURM_JOB_ID" "$DQ_NODE" "$DQ_ENV_FILE"
+        printf 'DATAQUAY_ADDR=%q\n' "$DQ_SOCKET"
+        printf 'DATAQUAY_DIRECTORY=%q\n' "$directory"
+        printf 'DATAQUAY_JOB=%q\n' "$DQ_JOB"
+        for var in DATAQUAY_TOKEN_FILE DATAQUAY_DATASET DATAQUAY_SEED DATAQUAY_MODE DATAQUAY_Q; do
+            if [[ -n "${!var:-}" ]]; then
+                printf '%s=%q\n' "$var" "${!var}"
+            fi
+        done
+    )
+    # shellcheck disable=SC2016 # expanded by sh
+    "${DQ_AS_USER[@]}" sh -c 'cat >"$1.tmp" && mv -f "$1.tmp" "$1"' write-env "$DQ_ENV_FILE" <<<"$content"
+}
+
+main() {
+    dq_setup prolog
+    dq_comment_settings
+    dq_own_dir "$DQ_BASE"
+    dq_own_dir "$DQ_LOG_DIR"
+    dq_own_dir "$DQ_BASE/users"
+    dq_own_dir "$DQ_USER_DIR"
+    # One prolog at a time per job and node.
+    exec 8>"$DQ_JOB_LOCK"
+    flock -w 600 8 || dq_die "another $DQ_SCRIPT of the job holds $DQ_JOB_LOCK"
+
+    # The user's cache, unless another of the user's jobs on this node holds it.
+    local cache state holder
+    exec 7>"$DQ_USER_DIR/.lock"
+    flock -w 600 7 || dq_die "another job holds $DQ_USER_DIR/.lock"
+    holder=$(dq_cache_holder)
+    if [[ -z "$holder" || "$holder" == "$SLURM_JOB_ID" ]]; then
+        printf '%s\n' "$SLURM_JOB_ID" >"$DQ_CLAIM"
+        cache=$DQ_USER_DIR/cache
+        state=$DQ_USER_DIR/state
+        dq_user_dir "$cache"
+        dq_user_dir "$state"
+    else
+        dq_log "job $holder holds $DQ_USER_DIR/cache: this job gets a private cache"
+        cache=$DQ_JOB_DIR/cache
+        state=$DQ_JOB_DIR/state
+    fi
+    flock -u 7
+    dq_user_dir "$DQ_JOB_DIR"
+
+    # The cluster token, when the site names one (a file the job's user can
+    # read, the same on every node); the CLI calls below read the variable.
+    local token=()
+    if [[ -n "${DATAQUAY_TOKEN_FILE:-}" ]]; then
+        token=(--token-file "$DATAQUAY_TOKEN_FILE")
+    fi
+
+    local directory
+    if [[ "$DQ_NODE" == "$DQ_FIRST" ]]; then
+        dq_start directory "$DQ_DIRECTORY_READY" "$DQ_DIRECTORY_PID" "$DQ_LOG_DIR/job-$SLURM_JOB_ID.directory.log" \
+            directory --listen "$DQ_DIRECTORY_LISTEN" --state-dir "$DQ_JOB_DIR/directory" \
+            --http-port "${DATAQUAY_DIRECTORY_HTTP_PORT:-0}" "${token[@]}"
+        directory=$(dq_json_field "$DQ_DIRECTORY_READY" tcp)
+        [[ -n "$directory" ]] || dq_die "no address in $DQ_DIRECTORY_READY"
+    else
+        [[ "${DQ_DIRECTORY_LISTEN##*:}" != 0 ]] ||
+            dq_die "DATAQUAY_DIRECTORY_LISTEN=$DQ_DIRECTORY_LISTEN: other nodes need a fixed port"
+        directory=$DQ_FIRST:${DQ_DIRECTORY_LISTEN##*:}
+    fi
+
+    dq_start daemon "$DQ_DAEMON_READY" "$DQ_DAEMON_PID" "$DQ_LOG_DIR/job-$SLURM_JOB_ID.daemon.log" \
+        serve --socket "$DQ_SOCKET" --listen "${DATAQUAY_LISTEN:-0.0.0.0:0}" \
+        --metrics-port "${DATAQUAY_METRICS_PORT:-0}" --cache-dir "$cache" --state-dir "$state" \
+        --node-name "$DQ_NODE" --directory "$directory" "${token[@]}"
+    write_env_file "$directory"
+
+    if [[ "$DQ_NODE" == "$DQ_FIRST" && -n "${DATAQUAY_DATASET:-}" ]]; then
+        if ! stage_dataset "$directory" "$DATAQUAY_DATASET" && [[ "${DATAQUAY_STAGE_REQUIRED:-0}" == 1 ]]; then
+            exit 1
+        fi
+    fi
+}
+
+main "$@"

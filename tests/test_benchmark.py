@@ -1,0 +1,33 @@
+"""The data-stall benchmark's own parts: its page-cache stand-in, and (slow) a
+whole quick run whose figures must show what the benchmark claims."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dataquay.server.benchmark import run_benchmark
+from dataquay.server.ranks import PageCache
+
+
+def test_the_page_cache_stand_in_keeps_the_most_recent_samples_within_its_budget() -> None:
+    cache = PageCache(budget=10)
+    cache.put({1: b"aaaa", 2: b"bbbb"})
+    assert cache.get([1, 3]) == ({1: b"aaaa"}, [3])  # 1 is now the most recent
+    cache.put({3: b"cccc"})  # over budget: 2, the least recent, goes
+    assert cache.get([1, 2, 3]) == ({1: b"aaaa", 3: b"cccc"}, [2])
+    cache.put({4: b"x" * 11})  # larger than the budget: never held, evicts nothing
+    assert cache.get([1, 3, 4]) == ({1: b"aaaa", 3: b"cccc"}, [4])
+    assert PageCache(budget=0).get([1]) == ({}, [1])
+
+
+@pytest.mark.slow
+def test_a_quick_run_shows_dataquay_without_stalls_and_the_pfs_bound_baseline_with_them(tmp_path: Path) -> None:
+    rows = run_benchmark(samples=768, epochs=2, out_dir=tmp_path, progress=False)
+    by = {(r.system, r.epoch): r for r in rows}
+    assert by[("direct", 1)].stall_pct > 40 and by[("direct", 1)].pfs_mb > 0
+    for mode in ("dataquay partial q=0.1", "dataquay local"):
+        assert by[(mode, 1)].pfs_mb == 0 and by[(mode, 1)].peer_mb == 0
+    assert json.loads((tmp_path / "stall.json").read_text())["rows"]
