@@ -501,6 +501,9 @@ def test_batches_read_ahead_give_the_same_bytes_keep_the_cursor_and_stop_cleanly
         assert [len(b) for b in batches] == [16, 16, 16, 2]
         assert [s for b in batches for s in b] == expected
         assert sampler.position == 0
+    epochs = client.stats().epochs
+    assert [(e.epoch, e.batches) for e in epochs] == [(0, 4)] * 3
+    assert all(0 < e.data_wait_seconds <= e.wall_seconds and 0 < e.stall_percent <= 100 for e in epochs)
 
     threads = threading.active_count()
     reader = ds.batches(sampler, 16, prefetch=2)

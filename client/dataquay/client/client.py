@@ -20,6 +20,7 @@ hang, or (with the wait above) the fork stalls for the whole wait.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import secrets
@@ -61,6 +62,8 @@ log = logging.getLogger("dataquay.client")
 
 #: While the daemon is unreachable, it is tried again this often.
 RETRY_DAEMON_SECONDS = 5.0
+#: Epochs :meth:`Client.stats` remembers.
+EPOCHS_KEPT = 100
 #: How often a client reports its counters to its daemon (and at set_epoch and close).
 STATS_REPORT_SECONDS = 10.0
 #: Deadline of one Read; a daemon that takes longer is treated as gone.
@@ -99,6 +102,24 @@ class ClientStats:
     data_wait_seconds: float
     #: Local values that failed checksum verification (served via the daemon).
     corrupt_local: int
+    #: The epochs read through :meth:`Dataset.batches`, oldest first (the last
+    #: EPOCHS_KEPT): how long each took and how much of it was data wait.
+    epochs: tuple[EpochWait, ...] = ()
+
+
+@dataclass(frozen=True)
+class EpochWait:
+    """One pass of ``Dataset.batches`` over a sampler's epoch."""
+
+    epoch: int
+    batches: int
+    wall_seconds: float
+    data_wait_seconds: float
+
+    @property
+    def stall_percent(self) -> float:
+        """Share of the epoch's wall time spent waiting for data."""
+        return 100 * self.data_wait_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
 
 class _Counters:
@@ -209,6 +230,7 @@ class Client:
         self._lock = threading.Lock()
         self._gate = _CallGate()
         self._counters = _Counters()
+        self._epochs: collections.deque[EpochWait] = collections.deque(maxlen=EPOCHS_KEPT)
         self._thread = threading.local()
         self._client_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._reported_at = time.monotonic()
@@ -326,7 +348,10 @@ class Client:
         """Counters of this process since it started using the client."""
         samples, nbytes, wait = self._counters.snapshot()
         local = self._local
-        return ClientStats(samples, nbytes, wait, local.corrupt if local is not None else 0)
+        return ClientStats(samples, nbytes, wait, local.corrupt if local is not None else 0, tuple(self._epochs))
+
+    def _epoch_read(self, record: EpochWait) -> None:
+        self._epochs.append(record)
 
     def close(self) -> None:
         """Closes the channel; the client is unusable after.

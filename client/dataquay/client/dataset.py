@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, cast, overload
 import numpy as np
 
 from dataquay.client import env
+from dataquay.client.client import EpochWait
 from dataquay.client.errors import SampleIdError
 from dataquay.client.jobs import job_plan, job_spec, join
 from dataquay.client.local import Found, sample_keys
@@ -238,7 +239,8 @@ class Dataset(Sequence[bytes]):
         A background thread reads the next batches while the caller trains on
         this one, so peer and PFS latency overlap with compute; the time the
         caller still waits for a batch is its data wait (:meth:`Client.stats`).
-        ``prefetch=0`` reads each batch when it is asked for. The sampler's
+        ``prefetch=0`` reads each batch when it is asked for. A pass that
+        ends is recorded in ``Client.stats().epochs``. The sampler's
         cursor moves with the batches handed out, so a checkpoint taken
         between two of them resumes at the next.
 
@@ -251,12 +253,17 @@ class Dataset(Sequence[bytes]):
         ids = sampler.remaining()
         chunks = [ids[start : start + batch_size] for start in range(0, len(ids), batch_size)]
         prefetcher = _Prefetcher(self, chunks, prefetch) if prefetch else None
+        started, waited = time.perf_counter(), self._client.stats().data_wait_seconds
         try:
             for chunk in chunks:
                 batch = self.get_batch(chunk) if prefetcher is None else prefetcher.next_batch()
                 sampler.position += len(chunk)
                 yield batch
             sampler.position = 0
+            self._client._epoch_read(EpochWait(
+                sampler.epoch, len(chunks), time.perf_counter() - started,
+                self._client.stats().data_wait_seconds - waited,
+            ))
         finally:
             if prefetcher is not None:
                 prefetcher.close()
