@@ -40,7 +40,7 @@ proto: $(STAMP)
 	$(BIN)/python protos/generate.py
 
 typecheck: $(STAMP)
-	$(BIN)/python -m mypy client/dataquay/client server/dataquay/server
+	$(BIN)/python -m mypy client/dataquay/client client/dataquay/analyze server/dataquay/server
 
 clean:
 	rm -rf $(VENV) build *.egg-info

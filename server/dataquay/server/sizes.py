@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from dataquay.client.units import format_bytes as format_bytes  # re-exported: the server formats with it
 from dataquay.server.errors import ConfigError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?b?)|b?)\s*$", re.IGNORECASE)
@@ -53,10 +54,3 @@ def parse_duration(text: str, what: str = "duration") -> float:
     return float(match.group(1)) * _SECONDS[match.group(2)]
 
 
-def format_bytes(n: float) -> str:
-    """``n`` bytes in the largest binary unit that keeps it >= 1 ("1.5 GiB")."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")

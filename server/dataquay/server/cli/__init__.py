@@ -13,11 +13,11 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from dataquay.server.cli import bench, cluster, config, directory, node, simulate, token
+from dataquay.server.cli import analyze, bench, cluster, config, directory, node, simulate, token
 from dataquay.server.cli.common import CliError
 from dataquay.server.errors import DataquayError
 
-COMMAND_GROUPS = (node, directory, cluster, config, token, simulate, bench)
+COMMAND_GROUPS = (node, directory, cluster, config, token, simulate, analyze, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
