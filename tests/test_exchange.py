@@ -78,6 +78,20 @@ class Nodes:
                 raise AssertionError(f"exchange into epoch {epoch} did not finish: {runs}")
             time.sleep(0.1)
 
+    def read(self, index: int, ids: np.ndarray) -> list[pb.Sample]:
+        """``ids`` read for the job through node ``index``, their bytes checked."""
+        request = pb.ReadRequest(dataset="imgs", ids=ids.tolist(), job=JOB)
+        samples = [s for chunk in self.stubs[index].Read(request) for s in chunk.samples]
+        assert [s.data for s in samples] == [sample_payload(i) for i in ids.tolist()]
+        return samples
+
+    def wait_until_held(self, index: int, ids: np.ndarray, held: bool = True, timeout: float = 10.0) -> None:
+        """Waits until node ``index`` holds all of ``ids`` (or, with ``held`` False, none)."""
+        deadline = time.monotonic() + timeout
+        while not (self.holds(index, ids).all() if held else not self.holds(index, ids).any()):
+            assert time.monotonic() < deadline, f"node {index} {'lacks' if held else 'still holds'} some of {ids}"
+            time.sleep(0.1)
+
     def holds(self, index: int, ids: np.ndarray) -> np.ndarray:
         """Which of ``ids`` node ``index`` has in its cache (a peer read flags the rest)."""
         request = pb.ReadRequest(dataset="imgs", ids=ids.tolist(), peer=True)
@@ -153,20 +167,13 @@ def test_the_exchange_moves_exactly_what_changes_owner_and_the_next_epoch_is_loc
 
         nodes.report(1)  # epoch 0 is over: given-away samples may go
         pfs_before = [s.pfs_bytes for s in stats]
-        for m, stub in enumerate(nodes.stubs):
-            ids = np.flatnonzero(after == m)
-            request = pb.ReadRequest(dataset="imgs", ids=ids.tolist(), job=JOB)
-            samples = [s for chunk in stub.Read(request) for s in chunk.samples]
-            assert [s.data for s in samples] == [sample_payload(i) for i in ids.tolist()]
-            assert {s.tier for s in samples} == {pb.TIER_LOCAL}
+        for m in range(NODES):
+            assert {s.tier for s in nodes.read(m, np.flatnonzero(after == m))} == {pb.TIER_LOCAL}
         assert [s.pfs_bytes for s in nodes.stats()] == pfs_before
         # Entering epoch 1 also started the exchange into epoch 2, which may
         # hand some of them back.
-        gone = [np.flatnonzero((before == m) & (after != m) & (epoch_owners[2] != m)) for m in range(NODES)]
-        deadline = time.monotonic() + 10
-        while any(nodes.holds(m, gone[m]).any() for m in range(NODES)):
-            assert time.monotonic() < deadline, "given-away samples were not dropped"
-            time.sleep(0.1)
+        for m in range(NODES):
+            nodes.wait_until_held(m, np.flatnonzero((before == m) & (after != m) & (epoch_owners[2] != m)), False)
     finally:
         nodes.close()
 
@@ -182,17 +189,11 @@ def test_a_sample_not_yet_exchanged_comes_from_its_previous_owner_and_stays(
         incoming = np.flatnonzero((after == 0) & (before != 0))
         assert not nodes.holds(0, incoming).any()
         pfs_before = [s.pfs_bytes for s in nodes.stats()]
-        request = pb.ReadRequest(dataset="imgs", ids=incoming.tolist(), job=JOB)
-        samples = [s for chunk in nodes.stubs[0].Read(request) for s in chunk.samples]
-        assert [s.data for s in samples] == [sample_payload(i) for i in incoming.tolist()]
-        assert {s.tier for s in samples} == {pb.TIER_PEER}
+        assert {s.tier for s in nodes.read(0, incoming)} == {pb.TIER_PEER}
         stats = nodes.stats()
         assert stats[0].previous_owner_samples == len(incoming)
         assert [s.pfs_bytes for s in stats] == pfs_before
-        deadline = time.monotonic() + 10
-        while not nodes.holds(0, incoming).all():
-            assert time.monotonic() < deadline, "samples read from their previous owner were not cached"
-            time.sleep(0.1)
+        nodes.wait_until_held(0, incoming)  # read from its previous owner, and now cached here
     finally:
         nodes.close()
 
@@ -250,12 +251,8 @@ def test_a_daemon_killed_mid_exchange_redoes_its_part_and_nothing_is_lost(
             assert run.unavailable_samples == run.refused_samples == 0
         pfs_before = [s.pfs_bytes for s in nodes.stats()]
         nodes.report(1)
-        for m, stub in enumerate(nodes.stubs):
-            ids = np.flatnonzero(after == m)
-            request = pb.ReadRequest(dataset="imgs", ids=ids.tolist(), job=JOB)
-            samples = [s for chunk in stub.Read(request) for s in chunk.samples]
-            assert [s.data for s in samples] == [sample_payload(i) for i in ids.tolist()]
-            assert {s.tier for s in samples} == {pb.TIER_LOCAL}
+        for m in range(NODES):
+            assert {s.tier for s in nodes.read(m, np.flatnonzero(after == m))} == {pb.TIER_LOCAL}
         assert [s.pfs_bytes for s in nodes.stats()] == pfs_before
     finally:
         nodes.close()

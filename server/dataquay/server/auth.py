@@ -24,6 +24,7 @@ import grpc
 
 from dataquay.client.channels import server_options
 from dataquay.client.security import METADATA_KEY, TOKEN_BYTES, Credentials, CredentialsError
+from dataquay.server.handlers import reshaped
 from dataquay.server.limits import PeerCallLimit
 
 log = logging.getLogger("dataquay.auth")
@@ -133,16 +134,8 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # makes this an async generator, as streaming handlers are
 
-    codecs = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(unary, **codecs)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(stream, **codecs)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(unary, **codecs)
-    return grpc.stream_stream_rpc_method_handler(stream, **codecs)
+    return reshaped(handler, lambda _behavior: unary, lambda _behavior: streaming)

@@ -272,7 +272,28 @@ class FlagConfig:
 
 
 @dataclass(frozen=True)
-class DaemonConfig(FlagConfig):
+class ServerConfig(FlagConfig):
+    """What the daemon and the directory both take: their credentials, the
+    ready file and logging."""
+
+    token_file: Path | None = _option(
+        None, "file holding the cluster token (owner-readable only): every call must carry it", Path
+    )
+    tls_cert: Path | None = _option(None, "PEM certificate: TLS on the TCP port (needs --tls-key)", Path)
+    tls_key: Path | None = _option(None, "PEM private key of --tls-cert", Path)
+    tls_ca: Path | None = _option(
+        None, "PEM CA that signed the cluster's certificates: verifies the servers this one calls and, with "
+        "--tls-cert, requires callers to present a certificate too (mutual TLS)", Path
+    )
+    ready_file: Path | None = _option(
+        None, "write a JSON file with the bound addresses once serving", Path
+    )
+    log_level: str = _option("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
+    log_format: str = _option("text", "text or json", choices=("text", "json"))
+
+
+@dataclass(frozen=True)
+class DaemonConfig(ServerConfig):
     """Everything ``dataquay serve`` needs to run one node's daemon."""
 
     section: ClassVar[str] = "daemon"
@@ -328,24 +349,10 @@ class DaemonConfig(FlagConfig):
         "later epoch that hands them back moves nothing; 0 deletes them once delivered",
         _fraction,
     )
-    token_file: Path | None = _option(
-        None, "file holding the cluster token (owner-readable only): every call must carry it", Path
-    )
-    tls_cert: Path | None = _option(None, "PEM certificate: TLS on the TCP port (needs --tls-key)", Path)
-    tls_key: Path | None = _option(None, "PEM private key of --tls-cert", Path)
-    tls_ca: Path | None = _option(
-        None, "PEM CA that signed the cluster's certificates: verifies the servers this one calls and, with "
-        "--tls-cert, requires callers to present a certificate too (mutual TLS)", Path
-    )
-    ready_file: Path | None = _option(
-        None, "write a JSON file with the bound addresses once serving", Path
-    )
-    log_level: str = _option("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
-    log_format: str = _option("text", "text or json", choices=("text", "json"))
 
 
 @dataclass(frozen=True)
-class DirectoryConfig(FlagConfig):
+class DirectoryConfig(ServerConfig):
     """Everything ``dataquay directory`` needs to run the cluster's directory."""
 
     env_prefix: ClassVar[str] = ENV_PREFIX + "DIRECTORY_"
@@ -371,20 +378,6 @@ class DirectoryConfig(FlagConfig):
         "how often daemons are told to renew their lease (e.g. 2s, 500ms); below --lease-seconds",
         _positive_duration,
     )
-    token_file: Path | None = _option(
-        None, "file holding the cluster token (owner-readable only): every call must carry it", Path
-    )
-    tls_cert: Path | None = _option(None, "PEM certificate: TLS on the TCP port (needs --tls-key)", Path)
-    tls_key: Path | None = _option(None, "PEM private key of --tls-cert", Path)
-    tls_ca: Path | None = _option(
-        None, "PEM CA that signed the cluster's certificates: verifies the servers this one calls and, with "
-        "--tls-cert, requires callers to present a certificate too (mutual TLS)", Path
-    )
-    ready_file: Path | None = _option(
-        None, "write a JSON file with the bound addresses once serving", Path
-    )
-    log_level: str = _option("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
-    log_format: str = _option("text", "text or json", choices=("text", "json"))
 
     def __post_init__(self) -> None:
         if self.heartbeat_seconds >= self.lease_seconds:

@@ -15,6 +15,8 @@ from typing import Any
 
 import grpc
 
+from dataquay.server.handlers import reshaped
+
 
 class PeerCallLimit(grpc.aio.ServerInterceptor):
     """Refuses a TCP peer's call while it already has ``limit`` in flight."""
@@ -80,12 +82,4 @@ def _counted(handler: grpc.RpcMethodHandler, limit: PeerCallLimit) -> grpc.RpcMe
                 limit.leave(host)
         return call
 
-    codecs = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **codecs)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), **codecs)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **codecs)
-    return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), **codecs)
+    return reshaped(handler, unary, stream)
