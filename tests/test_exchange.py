@@ -17,7 +17,7 @@ import pytest
 from dataquay.client.channels import channel_options
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
-from dataquay.client.placement import locality_balance, locality_node_steps, owners
+from dataquay.client.placement import locality_balance, node_steps, owners
 from dataquay.client.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
@@ -318,14 +318,15 @@ def test_eight_ranks_read_every_sample_once_per_epoch_in_each_mode(
         nodes.close()
 
 
-def test_locality_fetches_the_next_steps_transfers_before_the_ranks_ask(
-    cluster: Callable[..., LocalCluster], tmp_path: Path
+@pytest.mark.parametrize("mode", ["locality", "global"])
+def test_the_next_steps_transfers_are_fetched_before_the_ranks_ask(
+    cluster: Callable[..., LocalCluster], tmp_path: Path, mode: str
 ) -> None:
     local = cluster(NODES)
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
     assert cli_main([
-        "stage", "imgs", "--job", JOB, *MODE_ARGS["locality"], "--ranks-per-node", "2", "--quiet",
+        "stage", "imgs", "--job", JOB, "--mode", mode, "--batch-size", "12", "--ranks-per-node", "2", "--quiet",
         "--directory", local.directory_address,
     ]) == 0
     nodes = Nodes(local)
@@ -333,8 +334,8 @@ def test_locality_fetches_the_next_steps_transfers_before_the_ranks_ask(
         manifest = Manifest(b"".join(c.data for c in nodes.stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
         job = nodes.stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=JOB), must_exist=True))
         plan = job_plan(job, manifest)
-        steps = locality_node_steps(plan, 0, 0)
-        foreign = owners(plan, 0)[steps] != 0
+        steps = node_steps(plan, 0, 0)
+        foreign = [owners(plan, 0)[step] != 0 for step in steps]
 
         def read_step(step: int) -> list[pb.Sample]:
             request = pb.ReadRequest(dataset="imgs", ids=steps[step].tolist(), job=JOB)
@@ -345,7 +346,7 @@ def test_locality_fetches_the_next_steps_transfers_before_the_ranks_ask(
 
         # The first read of an epoch plans it; a read once it is planned
         # fetches the transfers of the 4 steps after the furthest one read.
-        ahead = int(foreign[1:5].sum())
+        ahead = sum(int(f.sum()) for f in foreign[1:5])
         assert ahead > 0
         reads = 0
         deadline = time.monotonic() + 10

@@ -28,6 +28,7 @@ from dataquay.client.placement import (
     locality_balance,
     moves,
     node_of_rank,
+    node_steps,
     owned_ids,
     owners,
     rank_indices,
@@ -457,3 +458,21 @@ def test_plans_compare_and_hash_by_their_settings() -> None:
 
 def test_large_seeds_do_not_alias_other_epochs() -> None:
     assert not np.array_equal(epoch_permutation(1000, 2**32 + 5, 0), epoch_permutation(1000, 5, 1))
+
+
+@pytest.mark.parametrize("mode", ["global", "locality", "local"])
+def test_node_steps_are_what_the_nodes_ranks_read_step_by_step(mode: str) -> None:
+    plan = JobPlan(1000, 3, 2, seed=7, mode=mode, batch_size=8)
+    per_rank = [rank_order(plan, 1, rank) for rank in range(plan.world_size)]
+    for node in range(plan.num_nodes):
+        steps = node_steps(plan, 1, node)
+        assert len(steps) == -(-rank_length(plan) // 8)
+        ranks = per_rank[2 * node : 2 * node + 2]
+        for index, step in enumerate(steps):
+            start = 8 * index
+            if mode == "locality":  # rank g*node + r reads columns r, r+g, ... of its node's step
+                assert sorted(step.tolist()) == sorted(np.concatenate([r[start : start + 8] for r in ranks]).tolist())
+            else:
+                assert step.tolist() == np.concatenate([r[start : start + 8] for r in ranks]).tolist()
+    with pytest.raises(ValueError, match="batch_size must be at least 1"):
+        node_steps(JobPlan(100, 2, 1, seed=0), 0, 0)

@@ -507,9 +507,9 @@ def moves(plan: JobPlan, epoch: int, previous: np.ndarray | None = None) -> Move
     return Moves(ids, before[ids].astype(np.int32, copy=False), after[ids].astype(np.int32, copy=False))
 
 
-def locality_node_steps(plan: JobPlan, epoch: int, node: int) -> np.ndarray:
-    """What ``node``'s ranks read at each step of ``epoch`` in mode ``locality``
-    (steps x g*b ids; rank g*node + r reads columns r, r+g, ...).
+def node_steps(plan: JobPlan, epoch: int, node: int) -> list[np.ndarray]:
+    """What ``node``'s ranks read at each step of ``epoch``: per step, the
+    ``plan.batch_size`` ids of each of its ranks, rank after rank (int64).
 
     For a daemon that fetches the samples its ranks will need from other
     nodes a few steps ahead of them.
@@ -523,7 +523,13 @@ def locality_node_steps(plan: JobPlan, epoch: int, node: int) -> np.ndarray:
     MODES["locality"].check_settings(plan.q, plan.batch_size)
     if not 0 <= node < plan.num_nodes:
         raise ValueError(f"node must be in 0..{plan.num_nodes - 1}, not {node}")
-    return _locality_node(plan, epoch, owners(plan, epoch), node)
+    epoch_owners = owners(plan, epoch)
+    if plan.mode == "locality":
+        return list(_locality_node(plan, epoch, epoch_owners, node))
+    g, b = plan.ranks_per_node, plan.batch_size
+    orders = [rank_order(plan, epoch, rank, epoch_owners) for rank in range(node * g, (node + 1) * g)]
+    return [np.concatenate([order[start : start + b] for order in orders])
+            for start in range(0, rank_length(plan), b)]
 
 
 class BatchBalance(NamedTuple):

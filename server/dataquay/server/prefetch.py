@@ -1,12 +1,13 @@
-"""Fetching, ahead of the ranks, the samples a ``locality`` job moves between nodes.
+"""Fetching, ahead of the ranks, the samples they will read from other nodes.
 
-In mode ``locality`` a node's ranks read at every step a few samples that
-other nodes own (the global batch's imbalance). Their order is known in
-advance (:func:`dataquay.client.placement.locality_node_steps`), so the daemon
-fetches the next ``depth`` steps' transfers from their owners while the ranks
-are still on the current one, and keeps them in memory until they are read:
-they are not this node's to cache. How far the ranks got is the step of the
-latest id they asked for.
+In modes ``global`` and ``locality`` a node's ranks read at every step
+samples that other nodes own (most of them under ``global``, the global
+batch's imbalance under ``locality``). Their order is known in advance
+(:func:`dataquay.client.placement.node_steps`, given the job's batch size), so
+the daemon fetches the next ``depth`` steps' transfers from their owners while
+the ranks are still on the current one, and keeps them in memory until they
+are read: they are not this node's to cache. How far the ranks got is the
+step of the latest id they asked for.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dataquay.client.jobs import job_plan
-from dataquay.client.placement import locality_node_steps
+from dataquay.client.placement import node_steps
 from dataquay.server.jobs import Placement
 from dataquay.server.registry import Registered
 from dataquay.server.tasks import Spawn
@@ -46,8 +47,13 @@ class _Epoch:
     held: Fetched = field(default_factory=dict)
 
 
+#: Modes whose ranks read from other nodes at every step.
+PREFETCHED_MODES = frozenset({"global", "locality"})
+
+
 class TransferPrefetcher:
-    """Holds the next steps' transfers of the ``locality`` jobs this node serves.
+    """Holds the next steps' transfers of the jobs this node serves (in
+    :data:`PREFETCHED_MODES`, with a batch size).
 
     Args:
         fetch: gets ids from their owners (the read path's own peer fetch).
@@ -99,13 +105,13 @@ class TransferPrefetcher:
         try:
             plan = job_plan(placement.job, entry.manifest)
             steps = await asyncio.get_running_loop().run_in_executor(
-                None, locality_node_steps, plan, placement.epoch, placement.node_index
+                None, node_steps, plan, placement.epoch, placement.node_index
             )
         finally:
             self._planning.discard((job_id, placement.epoch))
         step_of = np.full(plan.num_samples, -1, dtype=np.int64)
-        step_of[steps] = np.arange(len(steps))[:, None]
-        foreign = placement.owners[steps] != placement.node_index
+        step_of[np.concatenate(steps)] = np.repeat(np.arange(len(steps)), [len(step) for step in steps])
+        foreign = [placement.owners[step] != placement.node_index for step in steps]
         old = self._epochs.get(job_id)
         if old is not None:
             if old.epoch >= placement.epoch:

@@ -3,10 +3,11 @@
 A read for a job (``job`` set) sends the misses to the daemons that own them
 in that job, one batched stream per owner, all at once. In modes whose owners
 move, what the owner does not hold yet (its exchange has not delivered it) is
-asked of the sample's owner in the epoch before. In mode ``locality`` the
-samples this node's ranks will need from other nodes in the next steps are
-fetched ahead of them (:mod:`dataquay.server.prefetch`). What no daemon
-delivers in time comes from the PFS. A read from a peer
+asked of the sample's owner in the epoch before. In modes ``global`` and
+``locality`` (when the job has a batch size) the samples this node's ranks
+will need from other nodes in the next steps are fetched ahead of them
+(:mod:`dataquay.server.prefetch`). What no daemon delivers in time comes from
+the PFS. A read from a peer
 (``peer`` set) is answered from this cache alone, its misses flagged, so that
 two daemons never bounce a request between them.
 
@@ -36,7 +37,7 @@ from dataquay.server.jobs import Placement, Placements
 from dataquay.server.metrics import DaemonMetrics
 from dataquay.server.peers import Peers
 from dataquay.server.pfs_pool import PfsPool
-from dataquay.server.prefetch import TransferPrefetcher
+from dataquay.server.prefetch import PREFETCHED_MODES, TransferPrefetcher
 from dataquay.server.registry import Registered
 from dataquay.server.store import PendingWrite, Store
 from dataquay.server.tasks import Spawn
@@ -114,7 +115,7 @@ class ReadService:
         fetched: dict[int, tuple[str, bytes | memoryview, int]] = {}
         misses = np.unique(ids[[i for i, hit in enumerate(cached) if hit is None]])
         placement = await self._placement(job, entry) if job else None
-        if placement is not None and self.prefetcher is not None and placement.job.spec.mode == "locality":
+        if placement is not None and self.prefetcher is not None and _prefetched(placement):
             self.prefetcher.ahead(entry, placement, ids)
             fetched = self.prefetcher.take(job, placement.epoch, misses)
             misses = _not_in(misses, fetched)
@@ -216,6 +217,11 @@ class ReadService:
         for tier, (samples, nbytes) in counts.items():
             self.metrics.count_read(tier, samples, nbytes)
         return out
+
+
+def _prefetched(placement: Placement) -> bool:
+    spec = placement.job.spec
+    return spec.mode in PREFETCHED_MODES and spec.batch_size > 0 and spec.ranks_per_node > 0
 
 
 def _not_in(ids: np.ndarray, fetched: dict[int, tuple[str, bytes | memoryview, int]]) -> np.ndarray:
