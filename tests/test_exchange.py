@@ -99,18 +99,24 @@ class Nodes:
         return np.array([got[i] for i in ids.tolist()], dtype=bool)
 
 
+def staged(cluster: Callable[..., LocalCluster], tmp_path: Path, job_args: list[str], *daemon_args: str) -> LocalCluster:
+    """4 daemons with dataset "imgs" registered and staged for job JOB (2 ranks per node)."""
+    local = cluster(NODES, daemon_args=daemon_args)
+    root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
+    assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
+    assert cli_main([
+        "stage", "imgs", "--job", JOB, *job_args, "--ranks-per-node", "2", "--quiet",
+        "--directory", local.directory_address,
+    ]) == 0
+    return local
+
+
 def partial_cluster(
     cluster: Callable[..., LocalCluster], tmp_path: Path, *daemon_args: str, q: float = 0.5
 ) -> tuple[Nodes, np.ndarray]:
     """4 daemons, dataset "imgs" staged for a partial job; returns the job's
     owner arrays for epochs 0-3."""
-    local = cluster(NODES, daemon_args=daemon_args)
-    root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
-    assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
-    assert cli_main([
-        "stage", "imgs", "--job", JOB, "--mode", "partial", "--q", str(q), "--ranks-per-node", "2", "--quiet",
-        "--directory", local.directory_address,
-    ]) == 0
+    local = staged(cluster, tmp_path, ["--mode", "partial", "--q", str(q)], *daemon_args)
     nodes = Nodes(local)
     manifest = Manifest(b"".join(c.data for c in nodes.stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
     job = nodes.stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=JOB), must_exist=True))
@@ -283,13 +289,7 @@ def assert_every_sample_once_and_intact(results: list[RankEpoch]) -> None:
 def test_eight_ranks_read_every_sample_once_per_epoch_in_each_mode(
     cluster: Callable[..., LocalCluster], tmp_path: Path, mode: str
 ) -> None:
-    local = cluster(NODES)
-    root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
-    assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
-    assert cli_main([
-        "stage", "imgs", "--job", JOB, *MODE_ARGS[mode], "--ranks-per-node", "2", "--quiet",
-        "--directory", local.directory_address,
-    ]) == 0
+    local = staged(cluster, tmp_path, list(MODE_ARGS[mode]))
     nodes = Nodes(local)
     manifest = Manifest(b"".join(c.data for c in nodes.stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
     plan = job_plan(nodes.stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=JOB), must_exist=True)),
@@ -322,13 +322,7 @@ def test_eight_ranks_read_every_sample_once_per_epoch_in_each_mode(
 def test_the_next_steps_transfers_are_fetched_before_the_ranks_ask(
     cluster: Callable[..., LocalCluster], tmp_path: Path, mode: str
 ) -> None:
-    local = cluster(NODES)
-    root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
-    assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
-    assert cli_main([
-        "stage", "imgs", "--job", JOB, "--mode", mode, "--batch-size", "12", "--ranks-per-node", "2", "--quiet",
-        "--directory", local.directory_address,
-    ]) == 0
+    local = staged(cluster, tmp_path, ["--mode", mode, "--batch-size", "12"])
     nodes = Nodes(local)
     try:
         manifest = Manifest(b"".join(c.data for c in nodes.stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
