@@ -198,13 +198,15 @@ class Daemon(ServerLifecycle):
         Path(self.config.socket).unlink(missing_ok=True)
 
     async def _resume_exchanges(self) -> None:
-        """After a restart, redo this node's part of the current exchanges."""
+        """After a restart, redo this node's part of the current exchanges
+        (of jobs whose trainers began an epoch: the first exchange waits for them)."""
         assert self.link is not None and self.exchanges is not None
         await self.link.registered.wait()
         name = self.config.node_name
-        self.exchanges.resume(
-            [(job_id, int(job.epoch)) for job_id, job in self.link.jobs.items() if name in job.spec.nodes]
-        )
+        self.exchanges.resume([
+            (job_id, int(job.epoch)) for job_id, job in self.link.jobs.items()
+            if job.started and name in job.spec.nodes
+        ])
 
     async def _reap_segments(self, interval: float = 10.0) -> None:
         while True:

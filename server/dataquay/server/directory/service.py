@@ -185,4 +185,5 @@ def job_proto(job: Job) -> jpb.Job:
         num_samples=job.num_samples,
         epoch=job.epoch,
         created_unix=job.created,
+        started=job.started,
     )

@@ -140,13 +140,15 @@ class DatasetFacts:
 
 @dataclass(frozen=True)
 class Job:
-    """A job record. ``epoch`` is the highest epoch any node reported."""
+    """A job record. ``epoch`` is the highest epoch any node reported;
+    ``started`` says whether one did (so that epoch 0 has begun)."""
 
     spec: JobSpec
     manifest_id: str
     num_samples: int
     epoch: int = 0
     created: float = 0.0
+    started: bool = False
 
 
 #: Settings a join may name, compared with the job's in this order.
@@ -336,8 +338,8 @@ class DirectoryState:
     def report_epoch(self, job_id: str, epoch: int) -> Job:
         """Raises the job's epoch to ``epoch``; an older report changes nothing."""
         job = self.get_job(job_id)
-        if epoch > job.epoch:
-            job = self._jobs[job_id] = replace(job, epoch=epoch)
+        if epoch > job.epoch or not job.started:
+            job = self._jobs[job_id] = replace(job, epoch=max(epoch, job.epoch), started=True)
             self.revision += 1
         return job
 

@@ -113,7 +113,9 @@ class Exchanges:
         self.peers = peers
         self.receiver = receiver
         self.spawn = spawn
-        self.bucket = TokenBucket(bandwidth, burst=max(bandwidth / 10, CHUNK_BYTES)) if bandwidth else None
+        # A tenth of a second of burst: a bucket that filled while no exchange
+        # ran would otherwise let a whole chunk pass above the cap.
+        self.bucket = TokenBucket(bandwidth) if bandwidth else None
         self.spare_copies_fill = spare_copies_fill
         self.runs: dict[tuple[str, int], ExchangeRun] = {}
         self._tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
