@@ -204,6 +204,11 @@ class DirectoryLink:
         status = self.nodes.get(node)
         return status.info.tcp_address if status is not None else ""
 
+    def registered_at(self, node: str) -> float:
+        """When the node's daemon last registered, as the directory listed it (0 if unlisted)."""
+        status = self.nodes.get(node)
+        return status.registered_unix if status is not None else 0.0
+
     def is_down(self, node: str) -> bool:
         """Whether the directory last listed the node as down (lease expired)."""
         status = self.nodes.get(node)

@@ -5,7 +5,8 @@ flags the rest as missing, and the asking daemon reads those from the PFS.
 Every payload's checksum is checked on arrival. A peer that fails or misses
 its deadline is set aside (suspect) and its samples come from the PFS until a
 back-off passes; the back-off doubles with each failure in a row, so a dead
-node costs one timeout per back-off period, not one per batch.
+node costs one timeout per back-off period, not one per batch. A peer that
+registered again since it failed (a restarted daemon) is trusted at once.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class PeerHealth:
     failures: int = 0
     failures_in_a_row: int = 0
     suspect_until: float = 0.0
+    failed_at: float = 0.0
+    #: When the peer's daemon registered with the directory, as last seen.
+    registered: float = 0.0
     samples: int = 0
     bytes: int = 0
     bad_checksums: int = 0
@@ -65,20 +69,26 @@ class Peers:
         return [self._health[node] for node in sorted(self._health)]
 
     async def fetch(
-        self, node: str, address: str, dataset: str, manifest_id: str, ids: Sequence[int], nbytes: int
+        self, node: str, address: str, dataset: str, manifest_id: str, ids: Sequence[int], nbytes: int,
+        registered: float = 0.0,
     ) -> dict[int, tuple[bytes, int]]:
         """The samples of ``ids`` (``nbytes`` in all) that ``node`` holds: id -> (payload, checksum).
 
-        Never raises for a peer's failure: what did not arrive intact is
-        simply absent from the result, for the caller to read elsewhere.
+        ``registered`` is when the directory says the peer's daemon
+        registered. Never raises for a peer's failure: what did not arrive
+        intact is simply absent from the result, for the caller to read elsewhere.
         """
         health = self._health.setdefault(node, PeerHealth(node))
+        if registered > health.registered:
+            health.registered = registered
+            health.suspect_until = 0.0
         if health.suspect or not address:
             return {}
         request = pb.ReadRequest(dataset=dataset, ids=ids, manifest_id=manifest_id, peer=True)
         out: dict[int, tuple[bytes, int]] = {}
         received = 0
         deadline = self.timeout + nbytes / SLOWEST_PEER_BYTES_PER_SECOND
+        started = time.monotonic()
         try:
             stub = self.stub(node, address)
             async for chunk in stub.Read(request, timeout=deadline):
@@ -91,7 +101,7 @@ class Peers:
                     out[sample.id] = (sample.data, sample.checksum)
                     received += len(sample.data)
         except grpc.aio.AioRpcError as exc:
-            self._failed(health, address, exc)
+            self._failed(health, address, exc, started)
             return {}
         if health.failures_in_a_row:
             log.info("peer answers again", extra={"fields": {"peer": node, "address": address}})
@@ -100,8 +110,11 @@ class Peers:
         health.bytes += received
         return out
 
-    def _failed(self, health: PeerHealth, address: str, exc: grpc.aio.AioRpcError) -> None:
+    def _failed(self, health: PeerHealth, address: str, exc: grpc.aio.AioRpcError, started: float) -> None:
         health.failures += 1
+        if started < health.failed_at:
+            return  # in flight when an earlier call failed: the same outage
+        health.failed_at = time.monotonic()
         health.failures_in_a_row += 1
         first, longest = BACKOFF_SECONDS
         backoff = min(first * 2 ** (health.failures_in_a_row - 1), longest)

@@ -7,7 +7,9 @@ batch's imbalance under ``locality``). Their order is known in advance
 the daemon fetches the next ``depth`` steps' transfers from their owners while
 the ranks are still on the current one, and keeps them in memory until they
 are read: they are not this node's to cache. How far the ranks got is the
-step of the latest id they asked for.
+step of the latest id they asked for. Once they ask for the last steps of an
+epoch, the first steps of the next one are fetched too, so that a new epoch
+does not start by waiting for its peers.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 
 from dataquay.client.jobs import job_plan
 from dataquay.client.placement import node_steps
+from dataquay.server.errors import DataquayError
 from dataquay.server.jobs import Placement
 from dataquay.server.registry import Registered
 from dataquay.server.tasks import Spawn
@@ -29,6 +32,8 @@ log = logging.getLogger("dataquay.prefetch")
 
 Fetched = dict[int, tuple[str, bytes | memoryview, int]]
 Fetch = Callable[[Registered, Placement, np.ndarray], Awaitable[Fetched]]
+#: The placement of a job (by id) over a dataset in a given epoch.
+PlacementOf = Callable[[str, Registered, int], Awaitable[Placement]]
 
 #: Steps fetched ahead of the furthest step read.
 DEPTH = 4
@@ -43,7 +48,7 @@ class _Epoch:
     epoch: int
     incoming: list[np.ndarray]  # per step: ids this node's ranks read that other nodes own
     step_of: np.ndarray         # per sample id: the step this node's ranks read it at, -1 if none
-    next_step: int = 1          # first step not requested yet (step 0 is read on demand)
+    next_step: int = 1          # first step not requested yet
     held: Fetched = field(default_factory=dict)
 
 
@@ -57,23 +62,28 @@ class TransferPrefetcher:
 
     Args:
         fetch: gets ids from their owners (the read path's own peer fetch).
+        placement_of: the job's placement in another epoch (for the next one).
         spawn: runs a background task owned by the daemon.
     """
 
-    def __init__(self, fetch: Fetch, spawn: Spawn, depth: int = DEPTH, max_bytes: int = MAX_BYTES) -> None:
+    def __init__(
+        self, fetch: Fetch, placement_of: PlacementOf, spawn: Spawn, depth: int = DEPTH, max_bytes: int = MAX_BYTES
+    ) -> None:
         self.fetch = fetch
+        self.placement_of = placement_of
         self.spawn = spawn
         self.depth = depth
         self.max_bytes = max_bytes
         self.served = 0
-        self._epochs: dict[str, _Epoch] = {}
+        #: Per job, the epochs planned: the one its ranks read and the next.
+        self._epochs: dict[str, dict[int, _Epoch]] = {}
         self._planning: set[tuple[str, int]] = set()
         self._held_bytes = 0
 
     def take(self, job_id: str, epoch: int, ids: np.ndarray) -> Fetched:
         """The prefetched samples among ``ids``, handed over (they leave the buffer)."""
-        state = self._epochs.get(job_id)
-        if state is None or state.epoch != epoch or not state.held:
+        state = self._epochs.get(job_id, {}).get(epoch)
+        if state is None or not state.held:
             return {}
         out = {i: state.held.pop(i) for i in ids.tolist() if i in state.held}
         self._held_bytes -= sum(len(data) for _, data, _ in out.values())
@@ -83,45 +93,73 @@ class TransferPrefetcher:
     def ahead(self, entry: Registered, placement: Placement, ids: np.ndarray) -> None:
         """Notes that this node's ranks read ``ids`` and starts fetching what
         they need in the next steps; returns at once."""
-        job_id = placement.job.spec.job_id
-        state = self._epochs.get(job_id)
-        if state is None or state.epoch != placement.epoch:
-            key = (job_id, placement.epoch)
-            if key not in self._planning and (state is None or state.epoch < placement.epoch):
-                self._planning.add(key)
-                self.spawn(self._plan(entry, placement), f"prefetch-plan-{job_id}-{placement.epoch}")
+        job_id, epoch = placement.job.spec.job_id, placement.epoch
+        state = self._epochs.get(job_id, {}).get(epoch)
+        if state is None:
+            self._plan_soon(entry, placement)
             return
         reached = int(state.step_of[ids].max()) if len(ids) else -1
-        first, last = max(state.next_step, reached + 1), min(reached + self.depth, len(state.incoming) - 1)
+        last = self._fetch_steps(entry, placement, state, reached + self.depth)
+        beyond = reached + self.depth - (len(state.incoming) - 1)
+        if last == len(state.incoming) - 1 and beyond > 0:
+            upcoming = self._epochs.get(job_id, {}).get(epoch + 1)
+            if upcoming is not None:
+                self._fetch_steps(entry, placement, upcoming, beyond - 1)
+            elif (job_id, epoch + 1) not in self._planning:
+                self.spawn(self._plan_next(entry, placement, beyond), f"prefetch-next-{job_id}-{epoch + 1}")
+
+    def _plan_soon(self, entry: Registered, placement: Placement, then_steps: int = 0) -> None:
+        job_id, epoch = placement.job.spec.job_id, placement.epoch
+        if (job_id, epoch) not in self._planning and epoch > max(self._epochs.get(job_id, {}), default=-1):
+            self._planning.add((job_id, epoch))
+            self.spawn(self._plan(entry, placement, then_steps), f"prefetch-plan-{job_id}-{epoch}")
+
+    def _fetch_steps(self, entry: Registered, placement: Placement, state: _Epoch, upto: int) -> int:
+        """Starts fetching the steps of ``state`` not asked for yet, up to
+        ``upto``; returns the last step now asked for (-1 if none)."""
+        first, last = state.next_step, min(upto, len(state.incoming) - 1)
         if first > last or self._held_bytes >= self.max_bytes:
-            return
+            return state.next_step - 1
         state.next_step = last + 1
         wanted = np.concatenate(state.incoming[first : last + 1])
         if len(wanted):
-            self.spawn(self._get(entry, placement, state, wanted), f"prefetch-{job_id}-{placement.epoch}-{first}")
+            job_id = placement.job.spec.job_id
+            self.spawn(self._get(entry, placement, state, wanted), f"prefetch-{job_id}-{state.epoch}-{first}")
+        return last
 
-    async def _plan(self, entry: Registered, placement: Placement) -> None:
-        job_id = placement.job.spec.job_id
+    async def _plan_next(self, entry: Registered, current: Placement, steps: int) -> None:
+        job_id = current.job.spec.job_id
+        try:
+            upcoming = await self.placement_of(job_id, entry, current.epoch + 1)
+        except DataquayError:
+            return  # the next epoch is read on demand
+        self._plan_soon(entry, upcoming, steps)
+
+    async def _plan(self, entry: Registered, placement: Placement, then_steps: int) -> None:
+        job_id, epoch = placement.job.spec.job_id, placement.epoch
         try:
             plan = job_plan(placement.job, entry.manifest)
             steps = await asyncio.get_running_loop().run_in_executor(
-                None, node_steps, plan, placement.epoch, placement.node_index
+                None, node_steps, plan, epoch, placement.node_index
             )
         finally:
-            self._planning.discard((job_id, placement.epoch))
+            self._planning.discard((job_id, epoch))
         step_of = np.full(plan.num_samples, -1, dtype=np.int64)
         step_of[np.concatenate(steps)] = np.repeat(np.arange(len(steps)), [len(step) for step in steps])
         foreign = [placement.owners[step] != placement.node_index for step in steps]
-        old = self._epochs.get(job_id)
-        if old is not None:
-            if old.epoch >= placement.epoch:
-                return
-            self._held_bytes -= sum(len(data) for _, data, _ in old.held.values())
-        self._epochs[job_id] = _Epoch(placement.epoch, [row[mask] for row, mask in zip(steps, foreign)], step_of)
+        incoming = [row[mask] for row, mask in zip(steps, foreign)]
+        # Step 0 of an epoch its ranks already read is read on demand.
+        state = _Epoch(epoch, incoming, step_of, next_step=0 if then_steps else 1)
+        planned = self._epochs.setdefault(job_id, {})
+        planned[epoch] = state
+        for old in sorted(planned)[:-2]:
+            self._held_bytes -= sum(len(data) for _, data, _ in planned.pop(old).held.values())
+        if then_steps:
+            self._fetch_steps(entry, placement, state, then_steps - 1)
 
     async def _get(self, entry: Registered, placement: Placement, state: _Epoch, ids: np.ndarray) -> None:
         got = await self.fetch(entry, placement, ids)
-        if self._epochs.get(placement.job.spec.job_id) is not state:
-            return  # the job moved on to another epoch meanwhile
+        if self._epochs.get(placement.job.spec.job_id, {}).get(state.epoch) is not state:
+            return  # the job moved on meanwhile
         state.held.update(got)
         self._held_bytes += sum(len(data) for _, data, _ in got.values())

@@ -83,7 +83,8 @@ class ReadService:
         self.placements = placements
         self.previous_owner_samples = 0
         self.prefetcher = (
-            TransferPrefetcher(self._fetch_transfers, spawn) if spawn is not None and placements is not None else None
+            TransferPrefetcher(self._fetch_transfers, placements.placement, spawn)
+            if spawn is not None and placements is not None else None
         )
 
     async def entry(self, dataset: str, ids: np.ndarray, manifest_id: str = "") -> Registered:
@@ -107,6 +108,7 @@ class ReadService:
     ) -> list[Served]:
         """The samples of ``ids`` in request order; raises PfsReadError if one is unreadable."""
         entry = await self.entry(dataset, ids, manifest_id)
+        ids = ids.astype(np.int64, copy=False)
         db = entry.record.cache_db
         await self.store.open_dataset(db)
         cached, corrupt = self.store.get_many(db, ids.tolist())
@@ -192,7 +194,8 @@ class ReadService:
             ids = misses[owner_of == index]
             calls.append(
                 self.peers.fetch(node, address, entry.record.name, entry.record.manifest_id, ids.tolist(),
-                                 int(entry.manifest.sample_length[ids].sum()))
+                                 int(entry.manifest.sample_length[ids].sum()),
+                                 self.placements.link.registered_at(node))
             )
         out: dict[int, tuple[str, bytes | memoryview, int]] = {}
         for got in await asyncio.gather(*calls):
