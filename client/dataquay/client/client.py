@@ -60,8 +60,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dataquay.client")
 
-#: While the daemon is unreachable, it is tried again this often.
-RETRY_DAEMON_SECONDS = 5.0
+#: While the daemon is unreachable, it is tried again this often, with a call
+#: that must answer within PROBE_SECONDS: a daemon that hangs costs its
+#: trainers that much per retry, not a read's whole deadline.
+RETRY_DAEMON_SECONDS = 2.0
+PROBE_SECONDS = 0.5
 #: Epochs :meth:`Client.stats` remembers.
 EPOCHS_KEPT = 100
 #: How often a client reports its counters to its daemon (and at set_epoch and close).
@@ -398,7 +401,7 @@ class Client:
         out: list[bytes] = []
         step = self._info.max_batch or len(ids)
         for start in range(0, len(ids), step):
-            if time.monotonic() < self._down_until:
+            if not self._daemon_back():
                 out += self._read_pfs(dataset, ids[start:])
                 break
             try:
@@ -504,6 +507,20 @@ class Client:
             )
         self._down_reason = str(exc)
         self._down_until = time.monotonic() + RETRY_DAEMON_SECONDS
+
+    def _daemon_back(self) -> bool:
+        """Whether reads may go to the daemon: it was not found unreachable,
+        or it answers a quick call once its retry time has come."""
+        if self._down_reason is None:
+            return True
+        if time.monotonic() < self._down_until:
+            return False
+        try:
+            self._call("Info", lambda stub: stub.Info(pb.InfoRequest(), timeout=PROBE_SECONDS))
+        except DataquayError:
+            self._down_until = time.monotonic() + RETRY_DAEMON_SECONDS
+            return False
+        return True
 
     def _daemon_up(self) -> None:
         if self._down_reason is not None:

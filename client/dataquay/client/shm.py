@@ -4,7 +4,8 @@ The client owns its segments: it creates one under /dev/shm, names it in a
 Read, and copies each payload out at the offset the reply gives (verifying its
 checksum). Once the daemon has mapped a segment, its file is unlinked, so a
 client that dies leaves nothing behind: the daemon drops its own mapping when
-it sees the process gone. A daemon that cannot use a segment (another host,
+it sees the process gone. A client killed before that point leaves a name,
+which the daemon's reaper or the next client of the same user removes. A daemon that cannot use a segment (another host,
 another user, a restart) just answers inline, and the client then makes a new
 one next time.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import re
 import secrets
 import threading
 from collections.abc import Iterator
@@ -26,9 +28,40 @@ from pathlib import Path
 log = logging.getLogger("dataquay.client")
 
 SHM_DIR = Path("/dev/shm")
+_NAME = re.compile(r"^dataquay-(\d{1,10})-[A-Za-z0-9_]{1,32}$")
 #: Bytes of one segment (DATAQUAY_SHM_BYTES); samples beyond it come inline.
 #: Pages are only allocated as a reply touches them.
 DEFAULT_SEGMENT_BYTES = 64 << 20
+
+
+def segment_pid(name: str) -> int | None:
+    """The process that created segment ``name``, or None if it is not a segment name."""
+    match = _NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def process_alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
+def remove_stale_segments() -> int:
+    """Unlinks this user's segments whose process has exited; returns how many."""
+    removed = 0
+    try:
+        entries = list(os.scandir(SHM_DIR))
+    except OSError:
+        return 0
+    uid = os.getuid()
+    for entry in entries:
+        pid = segment_pid(entry.name)
+        try:
+            if pid is None or process_alive(pid) or entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            os.unlink(entry.path)
+            removed += 1
+        except OSError:
+            continue  # gone meanwhile
+    return removed
 
 
 class Segment:
@@ -73,6 +106,8 @@ class SegmentPool:
         self._free: list[Segment] = []
         self._pid = os.getpid()
         self._broken = self.size <= 0 or not SHM_DIR.is_dir()
+        if not self._broken:
+            remove_stale_segments()
 
     @contextmanager
     def segment(self) -> Iterator[Segment | None]:

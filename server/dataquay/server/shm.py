@@ -9,21 +9,20 @@ never turn into a wrong sample.
 
 Segments are named ``dataquay-<pid>-<token>``. The daemon keeps a bounded set
 of mappings and drops those whose process has exited, since a mapping keeps
-the segment's memory alive after the client unlinked it.
+the segment's memory alive after the client unlinked it; it unlinks the names
+that clients of its own user died before unlinking.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import re
 import stat
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
 
-SHM_DIR = Path("/dev/shm")
-_NAME = re.compile(r"^dataquay-(\d{1,10})-[A-Za-z0-9_]{1,32}$")
+from dataquay.client.shm import SHM_DIR, process_alive, remove_stale_segments, segment_pid
+
 #: Payload offsets are aligned so that numpy can view them without copying.
 ALIGN = 64
 _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -38,7 +37,7 @@ class ShmSegments:
 
     def get(self, name: str, size: int) -> mmap.mmap | None:
         """The mapping of segment ``name`` (at least ``size`` bytes), or None if unusable."""
-        if not _NAME.match(name) or size <= 0:
+        if segment_pid(name) is None or size <= 0:
             return None
         mapped = self._maps.get(name)
         if mapped is not None and len(mapped) >= size:
@@ -64,10 +63,12 @@ class ShmSegments:
         return mapped
 
     def reap(self) -> int:
-        """Unmaps the segments of processes that exited; returns how many."""
-        dead = [n for n in self._maps if not _alive(int(_NAME.match(n).group(1)))]  # type: ignore[union-attr]
+        """Unmaps the segments of processes that exited, and unlinks the names
+        such processes of this user left; returns how many were unmapped."""
+        dead = [n for n in self._maps if not process_alive(segment_pid(n) or 0)]
         for name in dead:
             self._forget(name)
+        remove_stale_segments()
         return len(dead)
 
     def close(self) -> None:
@@ -78,10 +79,6 @@ class ShmSegments:
         mapped = self._maps.pop(name, None)
         if mapped is not None:
             mapped.close()
-
-
-def _alive(pid: int) -> bool:
-    return Path(f"/proc/{pid}").exists()
 
 
 def write_payloads(segment: mmap.mmap | None, payloads: Sequence[bytes | memoryview]) -> list[int | None]:
