@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all tools bench proto lint typecheck clean
+.PHONY: demo test test-all faults tools bench proto lint typecheck clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,12 @@ test: $(STAMP) tools
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''
+
+# The fault-injection suite alone, and its table for RELIABILITY.md.
+faults: $(STAMP)
+	rm -f bench/results/faults.jsonl
+	DATAQUAY_FAULT_REPORT=bench/results/faults.jsonl $(BIN)/python -m pytest -q tests/faults
+	$(BIN)/python tests/faults/report.py bench/results/faults.jsonl
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'

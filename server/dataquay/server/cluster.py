@@ -134,6 +134,17 @@ def read_env_file(path: Path) -> dict[str, str]:
     return values
 
 
+class NodeHost(NamedTuple):
+    """Where a daemon of a local cluster runs when not on the cluster's own
+    address: in a network namespace, say, so that a test can cut its link."""
+
+    #: The address it listens on and the other processes reach it by.
+    address: str
+    #: What its command line runs under (``ip netns exec NAME``); the ranks
+    #: of the node run under it too.
+    prefix: tuple[str, ...] = ()
+
+
 class TlsFiles(NamedTuple):
     """PEM files of a cluster's mutual TLS: the CA, and a certificate and key it signed."""
 
@@ -144,7 +155,8 @@ class TlsFiles(NamedTuple):
 
 @dataclass
 class LocalCluster:
-    """A directory and ``nodes`` daemons on 127.0.0.1, rooted at ``base_dir``.
+    """A directory and ``nodes`` daemons on one address (127.0.0.1 unless
+    told otherwise), rooted at ``base_dir``.
 
     As a context manager it starts the cluster and stops every process on
     exit (tests, the demo, benchmarks). ``detached=True`` starts the
@@ -164,6 +176,8 @@ class LocalCluster:
             (cluster.env names it for clients); None runs without one.
         tls: CA, certificate and key (PEM files) for mutual TLS between every
             process of the cluster and its clients; None runs plaintext.
+        host: the address every server listens on and is reached by.
+        node_hosts: nodes (by index) that run elsewhere than ``host``.
     """
 
     base_dir: Path
@@ -173,6 +187,8 @@ class LocalCluster:
     detached: bool = False
     token_file: Path | None = None
     tls: TlsFiles | None = None
+    host: str = "127.0.0.1"
+    node_hosts: Mapping[int, NodeHost] = field(default_factory=dict)
     directory: DirectoryProcess | None = field(default=None, init=False)
     daemons: list[DaemonProcess] = field(default_factory=list, init=False)
     #: Short directory for the sockets when base_dir is too deep for one.
@@ -202,7 +218,7 @@ class LocalCluster:
         try:
             self.directory = DirectoryProcess(
                 self.base_dir / "directory", (*self.directory_args, *self._security_args),
-                start_new_session=self.detached,
+                start_new_session=self.detached, host=self.host,
             ).start(timeout)
             self.daemons = [self._daemon(i) for i in range(self.nodes)]
             with ThreadPoolExecutor(self.nodes) as pool:
@@ -267,9 +283,13 @@ class LocalCluster:
                 tuple(record["directory_args"]), detached=True,
                 token_file=Path(record["token_file"]) if record.get("token_file") else None,
                 tls=TlsFiles(*map(Path, record["tls"])) if record.get("tls") else None,
+                host=record.get("host", "127.0.0.1"),
+                node_hosts={int(i): NodeHost(a, tuple(p)) for i, (a, p) in record.get("node_hosts", {}).items()},
             )
             cluster.socket_dir = Path(record["socket_dir"]) if record["socket_dir"] else None
-            cluster.directory = DirectoryProcess(cluster.base_dir / "directory", cluster.directory_args)
+            cluster.directory = DirectoryProcess(
+                cluster.base_dir / "directory", cluster.directory_args, host=cluster.host
+            )
             cluster.directory.ready = record["directory"]
             cluster._adopted.append(_Pid(record["directory"]["pid"], record["directory"]["ready_file"]))
             for i, ready in enumerate(record["daemons"]):
@@ -300,7 +320,7 @@ class LocalCluster:
         assert old.ready is not None
         port = old.ready["tcp"].rpartition(":")[2]
         daemon = self._daemon(
-            index, "--listen", f"127.0.0.1:{port}", "--metrics-port", str(old.ready["metrics_port"])
+            index, "--listen", f"{old.host}:{port}", "--metrics-port", str(old.ready["metrics_port"])
         )
         self.daemons[index] = daemon
         daemon.start(timeout)
@@ -321,9 +341,9 @@ class LocalCluster:
         port = str(old.ready["tcp"]).rpartition(":")[2]
         self.directory = DirectoryProcess(
             old.home,
-            (*self.directory_args, *self._security_args, "--listen", f"127.0.0.1:{port}",
+            (*self.directory_args, *self._security_args, "--listen", f"{old.host}:{port}",
              "--http-port", str(old.ready["http_port"])),
-            start_new_session=self.detached,
+            start_new_session=self.detached, host=old.host,
         ).start(timeout)
         self._save()
         return self.directory
@@ -433,12 +453,15 @@ class LocalCluster:
             if self.socket_dir is None:
                 self.socket_dir = Path(tempfile.mkdtemp(prefix="dq-cluster-"))
             socket = self.socket_dir / f"{node_name(index)}.sock"
+        elsewhere = self.node_hosts.get(index)
         return DaemonProcess(
             home,
             ("--directory", self.directory_address, "--node-name", node_name(index),
              *self.daemon_args, *self._security_args, *more_args),
             socket_path=socket,
             start_new_session=self.detached,
+            host=elsewhere.address if elsewhere else self.host,
+            prefix=elsewhere.prefix if elsewhere else (),
         )
 
     @property
@@ -485,6 +508,8 @@ class LocalCluster:
             "socket_dir": str(self.socket_dir) if self.socket_dir else "",
             "token_file": str(self.token_file) if self.token_file else "",
             "tls": [str(p) for p in self.tls] if self.tls else [],
+            "host": self.host,
+            "node_hosts": {str(i): [h.address, list(h.prefix)] for i, h in self.node_hosts.items()},
             "directory": {**self.directory.ready, "ready_file": str(self.directory.ready_file)},
             "daemons": [
                 {**(d.ready or {"pid": d.process.pid if d.process else 0}), "ready_file": str(d.ready_file)}

@@ -38,6 +38,13 @@ class ServerProcess:
     #: Detach from this process's session, so that the server outlives it
     #: and a Ctrl-C in its terminal does not reach the server.
     start_new_session: bool = False
+    #: The address it listens on and other processes reach it by: loopback,
+    #: or an interface's address when the servers are spread over network
+    #: namespaces.
+    host: str = "127.0.0.1"
+    #: What its command line runs under, e.g. ``ip netns exec NAME`` to put
+    #: it in a network namespace of its own.
+    prefix: tuple[str, ...] = ()
 
     @property
     def log_path(self) -> Path:
@@ -55,7 +62,7 @@ class ServerProcess:
         """Starts the server and waits until it serves; raises with its log if it cannot."""
         self.home.mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
-        args = [sys.executable, "-m", "dataquay.server.cli", *self.command(), *self.extra_args]
+        args = [*self.prefix, sys.executable, "-m", "dataquay.server.cli", *self.command(), *self.extra_args]
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -130,16 +137,16 @@ class DaemonProcess(ServerProcess):
     @property
     def metrics_url(self) -> str:
         assert self.ready is not None
-        return f"http://127.0.0.1:{self.ready['metrics_port']}/metrics"
+        return f"http://{self.host}:{self.ready['metrics_port']}/metrics"
 
     def command(self) -> list[str]:
         return [
             "serve",
             "--socket", str(self.socket),
-            "--listen", "127.0.0.1:0",
+            "--listen", f"{self.host}:0",
             "--cache-dir", str(self.cache_dir),
             "--state-dir", str(self.home / "state"),
-            "--metrics-host", "127.0.0.1",
+            "--metrics-host", self.host,
             "--metrics-port", "0",
             "--ready-file", str(self.ready_file),
         ]
@@ -155,13 +162,13 @@ class DirectoryProcess(ServerProcess):
     def address(self) -> str:
         """The directory's HOST:PORT, for ``--directory``."""
         assert self.ready is not None, "directory not started"
-        return f"127.0.0.1:{str(self.ready['tcp']).rpartition(':')[2]}"
+        return f"{self.host}:{str(self.ready['tcp']).rpartition(':')[2]}"
 
     @property
     def http_url(self) -> str:
         """Base URL of /sd, /metrics and /healthz."""
         assert self.ready is not None, "directory not started"
-        return f"http://127.0.0.1:{self.ready['http_port']}"
+        return f"http://{self.host}:{self.ready['http_port']}"
 
     @property
     def state_dir(self) -> Path:
@@ -170,8 +177,8 @@ class DirectoryProcess(ServerProcess):
     def command(self) -> list[str]:
         return [
             "directory",
-            "--listen", "127.0.0.1:0",
-            "--http-host", "127.0.0.1",
+            "--listen", f"{self.host}:0",
+            "--http-host", self.host,
             "--http-port", "0",
             "--state-dir", str(self.state_dir),
             "--ready-file", str(self.ready_file),

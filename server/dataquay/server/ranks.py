@@ -251,6 +251,8 @@ class RankGroup:
         batch: ids per read.
         compute_seconds: simulated GPU time per batch.
         timeout: seconds any one step may take before the group gives up.
+        prefixes: per rank, what its command line runs under (``ip netns
+            exec NAME`` for a rank whose node is in a network namespace).
     """
 
     def __init__(
@@ -262,8 +264,10 @@ class RankGroup:
         batch: int = 64,
         compute_seconds: float = 0.0,
         timeout: float = 120.0,
+        prefixes: Sequence[Sequence[str]] | None = None,
     ) -> None:
         self._envs = [dict(e) for e in envs]
+        self._prefixes = [list(p) for p in prefixes] if prefixes is not None else [[] for _ in envs]
         self._args = [
             sys.executable, "-m", "dataquay.server.ranks", dataset, str(batch), str(compute_seconds),
         ]
@@ -281,8 +285,8 @@ class RankGroup:
             for rank, env in enumerate(self._envs):
                 with open(self._log_path(rank), "ab") as log:
                     self._procs.append(subprocess.Popen(
-                        self._args, env={**os.environ, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                        stderr=log,
+                        [*self._prefixes[rank], *self._args], env={**os.environ, **env}, stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, stderr=log,
                     ))
                 self._buffers.append(b"")
             self.nodes = [event["node"] for event in self._gather("joined")]

@@ -1,0 +1,180 @@
+"""A training job on a 4-node loopback cluster that a fault scenario breaks,
+and the record each scenario leaves of how it went.
+
+Set DATAQUAY_FAULT_REPORT to a file name and each scenario appends one JSON
+line to it: what was broken, what happened, how long recovery took, and the
+samples each tier served per epoch (RELIABILITY.md is built from it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+import xxhash
+from checker import epoch_problems, pfs_digests, tier_counts
+
+from dataquay.client.channels import channel_options
+from dataquay.client.placement import JobPlan, owners, rank_order
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
+from dataquay.protos import directory_pb2 as dpb
+from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.cluster import LocalCluster, node_name
+from dataquay.server.ranks import RankEpoch, RankGroup
+from dataquay.server.synthetic import make_files_dataset
+
+NODES = 4
+RANKS_PER_NODE = 2
+SAMPLES = 480  # divides over 8 ranks: no padding, so every id is read exactly once
+SIZES = (2000, 3100, 4500)
+DATASET = "imgs"
+JOB = "faults"
+SEED = 7
+#: Job settings per mode; ``partial`` moves a quarter of every node's samples each epoch.
+MODES: dict[str, tuple[str, ...]] = {
+    "global": ("--mode", "global"),
+    "partial": ("--mode", "partial", "--q", "0.25"),
+    "local": ("--mode", "local"),
+}
+
+
+@dataclass
+class FaultJob:
+    """A 4-node cluster, the dataset "imgs" registered on it, and job "faults"
+    of 8 ranks (2 per node) in one mode; see the ``fault_job`` fixture."""
+
+    local: LocalCluster
+    root: Path
+    mode: str
+    work_dir: Path
+    #: xxh3 of every file, hashed before any fault touched the PFS.
+    digests: np.ndarray
+    #: Per epoch: samples by tier, summed over ranks.
+    tiers: list[dict[str, int]] = field(default_factory=list)
+
+    @property
+    def plan(self) -> JobPlan:
+        mode_args = dict(zip(MODES[self.mode][::2], MODES[self.mode][1::2]))
+        return JobPlan(
+            num_samples=SAMPLES, num_nodes=NODES, ranks_per_node=RANKS_PER_NODE, seed=SEED, mode=self.mode,
+            q=float(mode_args.get("--q", 0.0)),
+        )
+
+    def stage_command(self) -> list[str]:
+        """The CLI that creates the job and stages each node's share of it."""
+        return [
+            sys.executable, "-m", "dataquay.server.cli", "stage", DATASET, "--job", JOB, *MODES[self.mode],
+            "--seed", str(SEED), "--ranks-per-node", str(RANKS_PER_NODE), "--quiet",
+            "--directory", self.local.directory_address,
+        ]
+
+    def stage(self) -> subprocess.CompletedProcess[str]:
+        """Stages the job; fails the test unless every node staged its share."""
+        done = subprocess.run(self.stage_command(), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done
+
+    def ranks(self, batch: int = 16) -> RankGroup:
+        """The job's ranks, each where its node's daemon runs (its network namespace, if any)."""
+        ranks = range(NODES * RANKS_PER_NODE)
+        envs = [self.local.rank_env(r, RANKS_PER_NODE, JOB) for r in ranks]
+        prefixes = [self.local.daemons[r // RANKS_PER_NODE].prefix for r in ranks]
+        return RankGroup(envs, DATASET, self.work_dir / "ranks", batch=batch, timeout=90, prefixes=prefixes)
+
+    def check(self, epoch: int, results: Sequence[RankEpoch]) -> None:
+        """Fails the test on any wrong, missing or duplicated sample; keeps the tiers."""
+        orders = [rank_order(self.plan, epoch, rank) for rank in range(NODES * RANKS_PER_NODE)]
+        problems = epoch_problems(epoch, results, orders, self.digests)
+        assert not problems, "\n".join(problems)
+        self.tiers.append(tier_counts(results))
+
+    def run_epochs(
+        self, group: RankGroup, epochs: int = 3, mid: dict[int, Callable[[], None]] | None = None
+    ) -> None:
+        """Runs and checks ``epochs`` epochs; ``mid[e]`` breaks something halfway through epoch e."""
+        for epoch in range(epochs):
+            self.check(epoch, group.epoch(epoch, mid=(mid or {}).get(epoch)))
+
+    def stats(self, index: int) -> pb.StatsReply:
+        ready = self.local.daemons[index].ready
+        assert ready is not None
+        with grpc.insecure_channel(ready["tcp"], options=channel_options()) as channel:
+            reply: pb.StatsReply = cache_pb2_grpc.CacheStub(channel).Stats(pb.StatsRequest(), timeout=10)
+            return reply
+
+    def exchanged(self, epoch: int) -> bool:
+        """Whether every node's exchange into ``epoch`` finished."""
+        runs = [next((x for x in self.stats(m).exchanges if x.job == JOB and x.epoch == epoch), None)
+                for m in range(NODES)]
+        return all(run is not None and run.finished for run in runs)
+
+    def read_tiers(self, through: int, ids: Sequence[int]) -> list[str]:
+        """Where node ``through``'s daemon gets ``ids`` from when its ranks miss
+        them in this job (local, peer, pfs), asked over its unix socket as they would."""
+        request = pb.ReadRequest(dataset=DATASET, ids=ids, job=JOB)
+        with self.local.credentials().channel(self.local.daemons[through].address, channel_options()) as channel:
+            chunks = cache_pb2_grpc.CacheStub(channel).Read(request, timeout=30)
+            return [pb.Tier.Name(s.tier).removeprefix("TIER_").lower() for c in chunks for s in c.samples]
+
+    def listed_up(self) -> set[str]:
+        """The nodes the directory lists as up."""
+        local = self.local
+        with local.credentials().channel(local.directory_address, channel_options()) as channel:
+            reply = directory_pb2_grpc.DirectoryStub(channel).ListNodes(dpb.ListNodesRequest(), timeout=10)
+        return {n.info.name for n in reply.nodes if n.state == jpb.NODE_UP}
+
+    def rejoined(self, node: int, epoch: int = 0) -> bool:
+        """Whether the cluster is whole again after a fault of ``node``: the
+        directory lists every node up, ``node`` reads a sample of every other
+        node as a peer hit, and every other node one of ``node``'s (owners
+        of ``epoch``)."""
+        if self.listed_up() != {node_name(i) for i in range(NODES)}:
+            return False
+        held = owners(self.plan, epoch)
+        sample = {j: int(np.flatnonzero(held == j)[0]) for j in range(NODES)}
+        pairs = [(node, j) for j in range(NODES) if j != node] + [(i, node) for i in range(NODES) if i != node]
+        return all(self.read_tiers(i, [sample[j]]) == ["peer"] for i, j in pairs)
+
+    def report(self, scenario: str, outcome: str, recovery_seconds: float | None, **more: object) -> None:
+        """Appends this scenario's record to DATAQUAY_FAULT_REPORT, if set."""
+        path = os.environ.get("DATAQUAY_FAULT_REPORT")
+        if not path:
+            return
+        record = {
+            "scenario": scenario, "mode": self.mode, "outcome": outcome,
+            "recovery_seconds": None if recovery_seconds is None else round(recovery_seconds, 2),
+            "tiers": self.tiers, **more,
+        }
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(json.dumps(record) + "\n")
+
+
+def make_fault_job(local: LocalCluster, work_dir: Path, mode: str) -> FaultJob:
+    """Writes the dataset's files, hashes them and registers them with the cluster."""
+    root = make_files_dataset(work_dir / "pfs", SAMPLES, sizes=SIZES)
+    added = subprocess.run(
+        [sys.executable, "-m", "dataquay.server.cli", "dataset", "add", DATASET, str(root),
+         "--addr", local.daemons[0].address],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert added.returncode == 0, added.stderr
+    return FaultJob(local, root, mode, work_dir, pfs_digests(root))
+
+
+def seconds_until(condition: Callable[[], bool], timeout: float = 60.0, poll: float = 0.05) -> float:
+    """Seconds until ``condition()`` holds; fails the test after ``timeout``."""
+    started = time.monotonic()
+    while not condition():
+        elapsed = time.monotonic() - started
+        assert elapsed < timeout, f"not so after {timeout:.0f} s"
+        time.sleep(poll)
+    return time.monotonic() - started

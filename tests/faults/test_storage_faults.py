@@ -1,0 +1,52 @@
+"""The cache's disk goes wrong under a job: a value corrupted on disk, and a
+cache far too small for its node's share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from faultjob import NODES, SAMPLES, FaultJob
+
+from dataquay.client.placement import owners
+
+
+def test_a_value_corrupted_on_disk_is_caught_served_from_the_pfs_and_repaired(
+    fault_job: Callable[..., FaultJob],
+) -> None:
+    job = fault_job("local")
+    job.stage()
+    victim = int(next(i for i in range(SAMPLES) if owners(job.plan, 0)[i] == 1))
+    payload = (job.root / f"class_{victim * 10 // SAMPLES:03d}" / f"{victim:08d}.bin").read_bytes()
+    data_file = job.local.daemons[1].cache_dir / "data.mdb"
+    with open(data_file, "r+b") as disk:
+        raw = disk.read()
+        at = raw.find(payload[:256])
+        assert at > 0 and raw.find(payload[:256], at + 1) < 0
+        disk.seek(at + 100)
+        disk.write(bytes([raw[at + 100] ^ 0xFF]))  # the daemon and the clients see it through their maps
+
+    with job.ranks() as group:
+        job.run_epochs(group)
+    # Epoch 0 read the sample from the PFS; the repaired copy served epochs 1 and 2.
+    assert job.tiers[0] == {"local": SAMPLES - 1, "pfs": 1}
+    assert job.tiers[1] == job.tiers[2] == {"local": SAMPLES}
+    assert job.stats(1).corrupt_repaired == 1
+    job.report("a value corrupted on disk", "checksum mismatch: read from the PFS, repaired in place", 0.0,
+               corrupt_repaired=1)
+
+
+def test_a_cache_too_small_for_its_share_serves_the_rest_from_the_pfs_every_epoch(
+    fault_job: Callable[..., FaultJob],
+) -> None:
+    # A node's share is about 380 KB; its cache holds about a third of it.
+    job = fault_job("partial", daemon_args=("--cache-size", "128K"))
+    job.stage()
+    held = [job.stats(m).cache_entries for m in range(NODES)]
+    assert all(job.stats(m).cache_full for m in range(NODES))
+    assert all(0 < n < SAMPLES // NODES for n in held)
+    with job.ranks() as group:
+        job.run_epochs(group)
+    for tiers in job.tiers:
+        assert tiers.get("local", 0) <= sum(held) and tiers.get("pfs", 0) >= SAMPLES - sum(held)
+    job.report("cache disk too small for its share (--cache-size 128K)", "correct bytes; the overflow read from "
+               "the PFS every epoch", None, cached=sum(held))
