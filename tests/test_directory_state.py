@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from dataquay.client.placement import MAX_EPOCH
 from dataquay.server.directory.state import (
     Change,
     DatasetFacts,
@@ -185,9 +186,13 @@ def test_epochs_only_go_up_and_dropped_jobs_are_gone() -> None:
     state = cluster("a")
     state.join(JoinRequest("j1", dataset="imgs"), facts, 0.0)
     version = state.versions
+    assert not state.get_job("j1").started
+    assert state.report_epoch("j1", 0).started
     assert state.report_epoch("j1", 3).epoch == 3
     assert state.report_epoch("j1", 2).epoch == 3
     assert state.versions == version
+    with pytest.raises(InvalidRequestError, match=f"epoch {MAX_EPOCH + 1} is beyond the last one"):
+        state.report_epoch("j1", MAX_EPOCH + 1)
     with pytest.raises(UnknownJobError, match="no job 'j2'"):
         state.report_epoch("j2", 1)
     state.drop_job("j1")

@@ -66,6 +66,14 @@ def check_relative_path(rel: str) -> str:
     return rel
 
 
+def _text(raw: np.ndarray, what: str, index: int) -> str:
+    """Entry ``index`` of a path or label table as text."""
+    try:
+        return raw.tobytes().decode()
+    except UnicodeDecodeError:
+        raise ManifestError(f"manifest {what} {index} is not UTF-8 text") from None
+
+
 @dataclass(frozen=True)
 class SampleLocation:
     """Where one sample's bytes are: ``length`` bytes at ``offset`` of ``path``."""
@@ -93,7 +101,7 @@ class Manifest:
                 if offset < 0 or offset + count * item > len(view):
                     raise ManifestError(f"manifest array {name} runs past the end")
                 arrays[name] = np.frombuffer(view, dtype=dtype, count=count, offset=offset)
-        except (KeyError, TypeError, ValueError, struct.error) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError, struct.error) as exc:
             raise ManifestError(f"malformed manifest header: {exc}") from exc
         self._data = view
         self.sample_path: np.ndarray = arrays["sample_path"]
@@ -111,6 +119,9 @@ class Manifest:
         n = self.num_samples
         if not (len(self.sample_offset) == len(self.sample_length) == len(self.sample_label) == n):
             raise ManifestError("manifest sample arrays differ in length")
+        for key in ("root", "format"):
+            if not isinstance(self.header.get(key), str):
+                raise ManifestError(f"manifest header has no {key}")
         if self.format not in FORMATS:
             raise ManifestError(f"unknown manifest format {self.format!r}")
         for offsets, blob, what in (
@@ -174,7 +185,7 @@ class Manifest:
     def path(self, index: int) -> str:
         """Relative path number ``index`` of the path table, checked to stay inside root."""
         start, end = int(self._path_offsets[index]), int(self._path_offsets[index + 1])
-        return check_relative_path(self._path_blob[start:end].tobytes().decode())
+        return check_relative_path(_text(self._path_blob[start:end], "path", index))
 
     def label(self, sample_id: int) -> str | None:
         """The sample's label string (files: its folder), or None."""
@@ -182,7 +193,7 @@ class Manifest:
         if index < 0:
             return None
         start, end = int(self._label_offsets[index]), int(self._label_offsets[index + 1])
-        return self._label_blob[start:end].tobytes().decode()
+        return _text(self._label_blob[start:end], "label", index)
 
     def shard_groups(self) -> np.ndarray:
         """The group of every sample for the ``shard`` partition (int32).

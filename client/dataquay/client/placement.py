@@ -30,6 +30,10 @@ import numpy as np
 
 # Keys of the kinds of draw, far above any epoch, so that no key can equal an
 # epoch permutation's [seed, epoch].
+#: The last epoch a job may reach. Moving placements are stepped epoch by
+#: epoch, so an absurd epoch would stall whoever computes its owners.
+MAX_EPOCH = 100_000
+
 _INITIAL_SAMPLES_KEY = 0x5143_0001
 _INITIAL_GROUPS_KEY = 0x5143_0002
 _NODE_ORDER_KEY = 0x5143_0003

@@ -24,7 +24,7 @@ import grpc
 
 from dataquay.client.channels import server_options
 from dataquay.client.security import METADATA_KEY, TOKEN_BYTES, Credentials, CredentialsError
-from dataquay.server.handlers import reshaped
+from dataquay.server.handlers import RequestParsing, reshaped
 from dataquay.server.limits import PeerCallLimit
 
 log = logging.getLogger("dataquay.auth")
@@ -54,6 +54,8 @@ def new_token_file(path: str | os.PathLike[str], force: bool = False) -> Path:
         raise CredentialsError(f"{path} exists; pass --force to replace its token") from None
     except OSError as exc:
         raise CredentialsError(f"cannot write the token file {path}: {exc.strerror}") from None
+    except ValueError as exc:  # a path with a NUL character
+        raise CredentialsError(f"cannot write the token file {str(path)!r}: {exc}") from None
     return path
 
 
@@ -71,13 +73,15 @@ def server_tls(credentials: Credentials) -> grpc.ServerCredentials | None:
 
 def new_server(credentials: Credentials, calls_per_peer: int = 0) -> grpc.aio.Server:
     """A gRPC server that refuses calls without the cluster token, when there
-    is one, and a TCP host's calls beyond ``calls_per_peer`` in flight (0: no cap)."""
+    is one, a TCP host's calls beyond ``calls_per_peer`` in flight (0: no cap)
+    and malformed requests."""
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if credentials.token:
         interceptors.append(TokenCheck(credentials.token))
     if calls_per_peer:
         interceptors.append(PeerCallLimit(calls_per_peer))
-    return grpc.aio.server(options=server_options(), interceptors=interceptors or None)
+    interceptors.append(RequestParsing())
+    return grpc.aio.server(options=server_options(), interceptors=interceptors)
 
 
 def sign(token: str, payload: bytes) -> bytes:

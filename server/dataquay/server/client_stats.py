@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 #: Clients not heard from for this long are forgotten.
 FORGET_SECONDS = 86400.0
+#: Largest count the API carries (uint64): totals stop there, so that one
+#: bogus report cannot make the node's Stats unanswerable.
+MAX_COUNT = 2**64 - 1
 
 Counts = dict[str, tuple[int, int]]  # tier -> (samples, bytes)
 
@@ -41,8 +44,8 @@ class ClientStatsBook:
         for tier, (samples, nbytes) in reads.items():
             old_samples, old_bytes = base_reads.get(tier, (0, 0))
             total = self.reads.setdefault(tier, [0, 0])
-            total[0] += max(0, samples - old_samples)
-            total[1] += max(0, nbytes - old_bytes)
+            total[0] = min(MAX_COUNT, total[0] + max(0, samples - old_samples))
+            total[1] = min(MAX_COUNT, total[1] + max(0, nbytes - old_bytes))
         self.data_wait_seconds += max(0.0, wait - base_wait)
         self._clients[client] = _Client(dict(reads), wait, now)
         self._forget(now)

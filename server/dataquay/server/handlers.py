@@ -1,4 +1,5 @@
-"""Rebuilding a gRPC method handler around other behavior, in the same shape.
+"""Rebuilding a gRPC method handler around other behavior, in the same shape;
+and parsing requests where a malformed one can be refused with a status.
 
 Server interceptors that refuse or count calls (:mod:`dataquay.server.auth`,
 :mod:`dataquay.server.limits`) wrap a method's behavior; gRPC wants the
@@ -8,10 +9,12 @@ the method's own (de)serializers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 Behavior = Callable[..., Any]
 
@@ -32,3 +35,77 @@ def reshaped(
     if handler.stream_unary is not None:
         return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **codecs)
     return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **codecs)
+
+
+class RequestParsing(grpc.aio.ServerInterceptor):
+    """Parses requests in the handler, where a malformed one can still be
+    answered: bytes that are not the method's message end the call with
+    INVALID_ARGUMENT, where gRPC itself would answer UNKNOWN and log a traceback.
+
+    Install it last, so that it wraps the methods themselves and the
+    interceptors before it see the raw bytes.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        return _parsing(handler)
+
+
+def _parsing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """``handler`` taking raw bytes and parsing them itself, in the same shape."""
+    parse = handler.request_deserializer
+
+    async def parsed(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return parse(raw)
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}")
+
+    async def each_parsed(raw_messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for raw in raw_messages:
+            yield await parsed(raw, context)
+
+    async def answered(result: Any) -> AsyncIterator[Any]:
+        """The items of a streaming method, whether it yields them or writes them itself."""
+        if inspect.isasyncgen(result):
+            async for item in result:
+                yield item
+        else:
+            await result
+
+    def unary_in(behavior: Behavior) -> Behavior:
+        async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            return await behavior(await parsed(raw, context), context)
+        return call
+
+    def unary_in_stream_out(behavior: Behavior) -> Behavior:
+        async def call(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for item in answered(behavior(await parsed(raw, context), context)):
+                yield item
+        return call
+
+    def stream_in(behavior: Behavior) -> Behavior:
+        async def call(raw_messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+            return await behavior(each_parsed(raw_messages, context), context)
+        return call
+
+    def stream_in_stream_out(behavior: Behavior) -> Behavior:
+        async def call(raw_messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for item in answered(behavior(each_parsed(raw_messages, context), context)):
+                yield item
+        return call
+
+    codecs = {"request_deserializer": None, "response_serializer": handler.response_serializer}
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(unary_in(handler.unary_unary), **codecs)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(unary_in_stream_out(handler.unary_stream), **codecs)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(stream_in(handler.stream_unary), **codecs)
+    return grpc.stream_stream_rpc_method_handler(stream_in_stream_out(handler.stream_stream), **codecs)

@@ -97,6 +97,10 @@ def detect_format(root: str | os.PathLike[str]) -> str:
 
 
 def _real_root(root: str | os.PathLike[str]) -> str:
+    if not os.fspath(root):
+        raise ManifestError("no dataset root given")
+    if "\0" in os.fspath(root):
+        raise ManifestError(f"dataset root {root!r} contains a NUL character")
     path = os.path.realpath(root)
     if not os.path.exists(path):
         raise ManifestError(f"dataset root {root} does not exist")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
+from dataquay.client.client import TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -54,7 +56,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
     async def Read(self, request: pb.ReadRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReadChunk]:
         started = time.perf_counter()
-        ids = np.fromiter(request.ids, dtype=np.int64, count=len(request.ids))
+        # uint64 as on the wire: ids past int64 are refused as out of range, not overflowed.
+        ids = np.fromiter(request.ids, dtype=np.uint64, count=len(request.ids))
         async with status_on_error(context):
             served = await self.daemon.reads.read(
                 request.dataset, ids, request.manifest_id, request.job, request.peer
@@ -196,6 +199,13 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     ) -> pb.ClientStatsReply:
         if not request.client:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a client stats report must name its client")
+        if not math.isfinite(request.data_wait_seconds):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"data_wait_seconds {request.data_wait_seconds} is not a finite number of seconds")
+        unknown = sorted({r.tier for r in request.reads} - set(TIERS))
+        if unknown:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"unknown client tier {unknown[0]!r}; tiers are {', '.join(TIERS)}")
         reads = {r.tier: (r.samples, r.bytes) for r in request.reads}
         self.daemon.client_stats.report(request.client, reads, max(0.0, request.data_wait_seconds))
         return pb.ClientStatsReply()

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import functools
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -177,6 +178,28 @@ def cmd_demo(args: argparse.Namespace) -> None:
     run_demo(samples=args.samples, epochs=args.epochs)
 
 
+def _seed(text: str) -> int:
+    """A shuffle seed as the API carries it: a whole number that fits 64 bits unsigned."""
+    try:
+        seed = int(text)
+    except ValueError:
+        seed = -1
+    if not 0 <= seed < 1 << 64:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a seed from 0 to 2**64-1")
+    return seed
+
+
+def _interval(text: str) -> float:
+    """Seconds between two refreshes of `status --watch`."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return seconds
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = sub.add_parser("serve", help="run this node's daemon")
     DaemonConfig.add_arguments(serve)
@@ -209,7 +232,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "stage", help="copy a dataset from the PFS into the cache; with --job, each node of the job its share"
     )
     stage.add_argument("name")
-    stage.add_argument("--seed", type=int, help="the job's shuffle seed (sets the staging order; default 0)")
+    stage.add_argument("--seed", type=_seed, help="the job's shuffle seed (sets the staging order; default 0)")
     stage.add_argument("--quiet", action="store_true", help="no progress bar")
     cluster = stage.add_argument_group("cluster staging: create or join a job, stage on all its nodes")
     cluster.add_argument("--job", help="job id; stages on every node of the job at once")
@@ -230,7 +253,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_directory(status)
     status.add_argument("--json", action="store_true", help="one JSON document (one per line with --watch)")
     status.add_argument(
-        "--watch", type=float, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
+        "--watch", type=_interval, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
         help="show it again every SECONDS (default 2) until interrupted; adds PFS throughput",
     )
     status.set_defaults(func=cmd_status)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
-from dataquay.client.placement import MODES, PARTITIONS, check_mode_settings
+from dataquay.client.placement import MAX_EPOCH, MODES, PARTITIONS, check_mode_settings
 from dataquay.server.errors import (
     InvalidRequestError,
     JobMismatchError,
@@ -337,6 +337,8 @@ class DirectoryState:
 
     def report_epoch(self, job_id: str, epoch: int) -> Job:
         """Raises the job's epoch to ``epoch``; an older report changes nothing."""
+        if epoch > MAX_EPOCH:
+            raise InvalidRequestError(f"epoch {epoch} is beyond the last one a job may reach ({MAX_EPOCH})")
         job = self.get_job(job_id)
         if epoch > job.epoch or not job.started:
             job = self._jobs[job_id] = replace(job, epoch=max(epoch, job.epoch), started=True)

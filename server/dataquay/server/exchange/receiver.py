@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
+from dataquay.client.placement import MAX_EPOCH
 from dataquay.client.records import checksum, encode_value
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.datasets import Datasets
@@ -85,10 +86,17 @@ class ExchangeReceiver:
             raise DatasetReplacedError(
                 f"exchange for another version of dataset {offer.dataset!r} than this node has"
             )
-        ids = np.fromiter(offer.ids, dtype=np.int64, count=len(offer.ids))
+        ids = np.fromiter(offer.ids, dtype=np.uint64, count=len(offer.ids))
         n = entry.manifest.num_samples
         if len(ids) and int(ids.max()) >= n:
-            raise SampleIdError(f"offered sample id {int(ids.max())} out of range for dataset {offer.dataset!r} (N={n})")
+            raise SampleIdError(
+                f"offered sample id {int(ids.max())} out of range for dataset {offer.dataset!r} (N={n})"
+            )
+        ids = ids.astype(np.int64)
+        if offer.epoch > MAX_EPOCH:
+            raise InvalidRequestError(
+                f"offered epoch {offer.epoch} is beyond the last one a job may reach ({MAX_EPOCH})"
+            )
         placement = await self.placements.placement(offer.job, entry, int(offer.epoch))
         foreign = int((placement.owners[ids] != placement.node_index).sum())
         if foreign:
