@@ -18,7 +18,7 @@ from dataquay.client.channels import channel_options
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import locality_balance, node_steps, owners
-from dataquay.client.records import checksum
+from dataquay.client.records import checksum, encode_value
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -222,9 +222,8 @@ def test_offers_the_receiver_does_not_own_are_refused_and_it_keeps_serving(
 
         mine = np.flatnonzero((epoch_owners[1] == 0) & (epoch_owners[0] != 0))[:3]
         offer = pb.ExchangeOffer(job=JOB, dataset="imgs", epoch=1, sender="node-1", ids=mine.tolist())
-        bad = pb.Sample(id=int(mine[0]), data=b"not the bytes", checksum=checksum(b"other bytes"))
-        good = pb.Sample(id=int(mine[1]), data=sample_payload(int(mine[1])),
-                         checksum=checksum(sample_payload(int(mine[1]))))
+        bad = pb.Sample(id=int(mine[0]), value=encode_value(b"not the bytes", checksum(b"other bytes")))
+        good = pb.Sample(id=int(mine[1]), value=encode_value(sample_payload(int(mine[1]))))
         replies = list(nodes.stubs[0].Exchange(iter([
             pb.ExchangeMessage(offer=offer), pb.ExchangeMessage(samples=[bad, good]),
         ]), timeout=10))

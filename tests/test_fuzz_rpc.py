@@ -157,7 +157,10 @@ def roots(draw: st.DrawFn, real_root: Path) -> str:
 
 def cache_requests(real_root: Path) -> st.SearchStrategy[tuple[str, Message | list[Message]]]:
     """(method name, request) for every Cache method."""
-    samples = st.lists(st.builds(pb.Sample, id=uint64, data=st.binary(max_size=64), checksum=uint64), max_size=4)
+    samples = st.lists(
+        st.builds(pb.Sample, id=uint64, data=st.binary(max_size=64), checksum=uint64, value=st.binary(max_size=64)),
+        max_size=4,
+    )
     offer = st.builds(
         pb.ExchangeOffer, job=job_ids, dataset=st.one_of(st.just("ex"), dataset_names),
         manifest_id=st.text(max_size=40), epoch=st.one_of(st.integers(0, 3), uint64), sender=odd_text,

@@ -75,7 +75,7 @@ class ReadRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., manifest_id: _Optional[str] = ..., job: _Optional[str] = ..., peer: _Optional[bool] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("id", "tier", "data", "checksum", "in_shm", "shm_offset", "length", "missing")
+    __slots__ = ("id", "tier", "data", "checksum", "in_shm", "shm_offset", "length", "missing", "value")
     ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class Sample(_message.Message):
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
     id: int
     tier: Tier
     data: bytes
@@ -92,7 +93,8 @@ class Sample(_message.Message):
     shm_offset: int
     length: int
     missing: bool
-    def __init__(self, id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., in_shm: _Optional[bool] = ..., shm_offset: _Optional[int] = ..., length: _Optional[int] = ..., missing: _Optional[bool] = ...) -> None: ...
+    value: bytes
+    def __init__(self, id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., in_shm: _Optional[bool] = ..., shm_offset: _Optional[int] = ..., length: _Optional[int] = ..., missing: _Optional[bool] = ..., value: _Optional[bytes] = ...) -> None: ...
 
 class ReadChunk(_message.Message):
     __slots__ = ("samples",)

@@ -187,6 +187,20 @@ class Store:
 
     # ---------------------------------------------------------------- reads
 
+    def get_values(self, db: str, ids: Sequence[int]) -> list[bytes | None]:
+        """The stored value (checksum, then payload) of each id whose checksum
+        holds, None for misses and corrupt values: what the exchange ships."""
+        handle = self._dbs.get(db.encode())
+        if handle is None:
+            return [None] * len(ids)
+        out: list[bytes | None] = []
+        with self.env.begin(db=handle, buffers=True) as txn:
+            get = txn.get
+            for sample_id in ids:
+                value = get(sample_key(sample_id))
+                out.append(None if value is None or decode_value(value) is None else bytes(value))
+        return out
+
     def get_many(self, db: str, ids: Sequence[int]) -> tuple[list[tuple[bytes, int] | None], list[int]]:
         """(payload, checksum) of each id, None for misses; and the ids found corrupt."""
         handle = self._dbs.get(db.encode())

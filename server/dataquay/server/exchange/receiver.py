@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from dataquay.client.placement import MAX_EPOCH
-from dataquay.client.records import checksum, encode_value
+from dataquay.client.records import decode_value
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.datasets import Datasets
 from dataquay.server.errors import DatasetReplacedError, ExchangeRefusedError, InvalidRequestError, SampleIdError
@@ -123,10 +123,10 @@ class ExchangeReceiver:
                 for sample in message.samples:
                     if sample.id not in offered:
                         raise InvalidRequestError(f"sample {sample.id} was not in the exchange offer")
-                    if checksum(sample.data) != sample.checksum:
+                    if decode_value(sample.value) is None:
                         self.bad_checksums += 1
                         continue
-                    writes.append(PendingWrite(name, sample.id, encode_value(sample.data, sample.checksum)))
+                    writes.append(PendingWrite(name, sample.id, sample.value))
                 ticket = await self.store.put_all(writes)
                 commits.put_nowait(([w.sample_id for w in writes], ticket))
         finally:

@@ -31,6 +31,7 @@ import grpc
 import numpy as np
 
 from dataquay.client.placement import MODES
+from dataquay.client.records import CHECKSUM_BYTES
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.datasets import Datasets
 from dataquay.server.errors import DataquayError
@@ -299,15 +300,15 @@ class Exchanges:
                 ids = outbox.take(receiver, CHUNK_BYTES, CHUNK_ITEMS, upto=int(offered[-1]))
                 if not len(ids):
                     break
-                values, _corrupt = self.store.get_many(db, ids.tolist())
-                samples = [pb.Sample(id=i, data=v[0], checksum=v[1]) for i, v in zip(ids.tolist(), values) if v]
+                values = self.store.get_values(db, ids.tolist())
+                samples = [pb.Sample(id=i, value=v) for i, v in zip(ids.tolist(), values) if v is not None]
                 absent = ids[[v is None for v in values]]
                 outbox.unsettled(absent, UNAVAILABLE)
                 if not samples:
                     window.release()
                     continue
                 if self.bucket is not None:
-                    await asyncio.sleep(self.bucket.reserve(sum(len(s.data) for s in samples)))
+                    await asyncio.sleep(self.bucket.reserve(sum(len(s.value) - CHECKSUM_BYTES for s in samples)))
                 in_flight.append(np.fromiter((s.id for s in samples), np.int64, len(samples)))
                 await call.write(pb.ExchangeMessage(samples=samples))
             await call.done_writing()
