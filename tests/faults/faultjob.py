@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import xxhash
 from checker import epoch_problems, pfs_digests, tier_counts
 
 from dataquay.client.channels import channel_options
@@ -45,6 +45,18 @@ MODES: dict[str, tuple[str, ...]] = {
     "partial": ("--mode", "partial", "--q", "0.25"),
     "local": ("--mode", "local"),
 }
+
+
+@dataclass(frozen=True)
+class Outage:
+    """How a job went through a node's outage (see :meth:`FaultJob.run_outage`)."""
+
+    #: What the ranks read in the epoch of the outage.
+    during: list[RankEpoch]
+    #: From the cut until the directory listed the node down.
+    listed_down_seconds: float
+    #: From the mend until the cluster read as before (:meth:`FaultJob.rejoined`).
+    recovery_seconds: float
 
 
 @dataclass
@@ -103,6 +115,47 @@ class FaultJob:
         """Runs and checks ``epochs`` epochs; ``mid[e]`` breaks something halfway through epoch e."""
         for epoch in range(epochs):
             self.check(epoch, group.epoch(epoch, mid=(mid or {}).get(epoch)))
+
+    def run_outage(
+        self, group: RankGroup, node: int, cut: Callable[[], None], mend: Callable[[], None], seconds: float
+    ) -> Outage:
+        """Epoch 0; then halfway through epoch 1 ``cut()`` cuts ``node`` off and
+        the ranks read on while, ``seconds`` later, ``mend()`` brings it back;
+        once it rejoined, epoch 2. Every epoch is checked."""
+        name = node_name(node)
+        listed_down: list[float] = []
+        mended: list[float] = []
+        problems: list[str] = []
+
+        def hold(cut_at: float) -> None:
+            try:
+                listed_down.append(seconds_until(lambda: name not in self.listed_up(), timeout=seconds))
+            except AssertionError as exc:
+                problems.append(f"the directory still lists {name} up {seconds:.0f} s after it was cut off: {exc}")
+            finally:
+                time.sleep(max(0.0, cut_at + seconds - time.monotonic()))
+                mend()
+                mended.append(time.monotonic())
+
+        holder = threading.Thread(target=lambda: hold(time.monotonic()))
+
+        def start_outage() -> None:
+            cut()
+            holder.start()
+
+        try:
+            self.check(0, group.epoch(0))
+            during = group.epoch(1, mid=start_outage)
+            self.check(1, during)
+            holder.join()
+            assert not problems, problems
+            seconds_until(lambda: self.rejoined(node), timeout=30)
+            recovery = time.monotonic() - mended[0]
+            self.check(2, group.epoch(2))
+        finally:
+            if holder.is_alive():
+                holder.join()
+        return Outage(during, listed_down[0], recovery)
 
     def stats(self, index: int) -> pb.StatsReply:
         ready = self.local.daemons[index].ready

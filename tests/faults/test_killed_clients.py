@@ -17,7 +17,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
-import pytest
 import xxhash
 from checker import pfs_digests
 from faultjob import DATASET, JOB, NODES, RANKS_PER_NODE, SAMPLES, FaultJob, seconds_until

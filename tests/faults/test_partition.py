@@ -16,14 +16,12 @@ import os
 import random
 import secrets
 import subprocess
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from faultjob import NODES, RANKS_PER_NODE, SAMPLES, make_fault_job, seconds_until
+from faultjob import NODES, RANKS_PER_NODE, SAMPLES, make_fault_job
 
 from dataquay.server.cluster import LocalCluster, NodeHost
 
@@ -112,11 +110,6 @@ def test_a_partitioned_node_is_read_around_listed_down_and_rejoins(link: Link, t
         tmp_path / "cluster", NODES, ("--peer-timeout", str(PEER_TIMEOUT_SECONDS)), LEASES,
         host=link.host_address, node_hosts={CUT: NodeHost(link.far_address, link.prefix)},
     )
-    name = f"node-{CUT}"
-    listed_down: list[float] = []
-    restored: list[float] = []
-    problems: list[str] = []
-
     try:
         local.start()
         daemon = local.daemons[CUT]
@@ -124,55 +117,30 @@ def test_a_partitioned_node_is_read_around_listed_down_and_rejoins(link: Link, t
         assert daemon.process is not None and in_other_netns(daemon.process.pid)
         job = make_fault_job(local, tmp_path, "global")
         job.stage()
-
-        def hold_cut(cut_at: float) -> None:
-            """Keeps the link down for CUT_SECONDS, noting when the directory lists the node down."""
-            try:
-                listed_down.append(seconds_until(lambda: name not in job.listed_up(), timeout=CUT_SECONDS))
-            except AssertionError as exc:
-                problems.append(f"the directory still lists {name} up after {CUT_SECONDS:.0f} s cut off: {exc}")
-            finally:
-                time.sleep(max(0.0, cut_at + CUT_SECONDS - time.monotonic()))
-                link.set(up=True)
-                restored.append(time.monotonic())
-
-        holder = threading.Thread(target=lambda: hold_cut(time.monotonic()))
-
-        def cut() -> None:
-            link.set(up=False)
-            holder.start()
-
         try:
             with job.ranks() as group:
                 assert group.nodes == [f"node-{r // RANKS_PER_NODE}" for r in range(NODES * RANKS_PER_NODE)]
-                job.check(0, group.epoch(0))
-                partitioned = group.epoch(1, mid=cut)
-                job.check(1, partitioned)
-                holder.join()
-                assert not problems, problems
-                recovered = seconds_until(lambda: job.rejoined(CUT), timeout=30)
-                recovery = time.monotonic() - restored[0]
-                job.check(2, group.epoch(2))
+                outage = job.run_outage(
+                    group, CUT, lambda: link.set(up=False), lambda: link.set(up=True), CUT_SECONDS
+                )
         finally:
-            if holder.is_alive():
-                holder.join()
             link.set(up=True)
     finally:
         local.down()
 
-    own = [r for r in partitioned if r.rank // RANKS_PER_NODE == CUT]
-    others = [r for r in partitioned if r.rank // RANKS_PER_NODE != CUT]
+    own = [r for r in outage.during if r.rank // RANKS_PER_NODE == CUT]
+    others = [r for r in outage.during if r.rank // RANKS_PER_NODE != CUT]
     # Both sides read what sits across the cut from the PFS, each through its
     # own daemon: no trainer lost its daemon, so none fell back.
     assert sum(r.samples.get("pfs", 0) for r in others) > 0, [r.samples for r in others]
     assert sum(r.samples.get("pfs", 0) for r in own) > 0, [r.samples for r in own]
-    assert all(r.samples.get("fallback", 0) == 0 for r in partitioned), [r.samples for r in partitioned]
+    assert all(r.samples.get("fallback", 0) == 0 for r in outage.during), [r.samples for r in outage.during]
     for epoch in (0, 2):
         assert set(job.tiers[epoch]) == {"local", "peer"}, job.tiers[epoch]
         assert sum(job.tiers[epoch].values()) == SAMPLES
     job.report(
         "network partition of one node mid-epoch (veth down 3 s)", "both sides read across the cut from the PFS "
         "through their own daemons; the node was listed down, then up; all peer hits again once it answered",
-        recovery, peer_timeout_seconds=PEER_TIMEOUT_SECONDS, cut_seconds=CUT_SECONDS,
-        listed_down_after_seconds=round(listed_down[0], 2), rejoin_poll_seconds=round(recovered, 2),
+        outage.recovery_seconds, peer_timeout_seconds=PEER_TIMEOUT_SECONDS, cut_seconds=CUT_SECONDS,
+        listed_down_after_seconds=round(outage.listed_down_seconds, 2),
     )
