@@ -45,7 +45,7 @@ MAX_BYTES = 256 << 20
 class _Epoch:
     """One job's epoch as this node's ranks walk it."""
 
-    epoch: int
+    placement: Placement
     incoming: list[np.ndarray]  # per step: ids this node's ranks read that other nodes own
     step_of: np.ndarray         # per sample id: the step this node's ranks read it at, -1 if none
     next_step: int = 1          # first step not requested yet
@@ -99,12 +99,12 @@ class TransferPrefetcher:
             self._plan_soon(entry, placement)
             return
         reached = int(state.step_of[ids].max()) if len(ids) else -1
-        last = self._fetch_steps(entry, placement, state, reached + self.depth)
+        last = self._fetch_steps(entry, state, reached + 1, reached + self.depth)
         beyond = reached + self.depth - (len(state.incoming) - 1)
         if last == len(state.incoming) - 1 and beyond > 0:
             upcoming = self._epochs.get(job_id, {}).get(epoch + 1)
             if upcoming is not None:
-                self._fetch_steps(entry, placement, upcoming, beyond - 1)
+                self._fetch_steps(entry, upcoming, 0, beyond - 1)
             elif (job_id, epoch + 1) not in self._planning:
                 self.spawn(self._plan_next(entry, placement, beyond), f"prefetch-next-{job_id}-{epoch + 1}")
 
@@ -114,17 +114,17 @@ class TransferPrefetcher:
             self._planning.add((job_id, epoch))
             self.spawn(self._plan(entry, placement, then_steps), f"prefetch-plan-{job_id}-{epoch}")
 
-    def _fetch_steps(self, entry: Registered, placement: Placement, state: _Epoch, upto: int) -> int:
-        """Starts fetching the steps of ``state`` not asked for yet, up to
-        ``upto``; returns the last step now asked for (-1 if none)."""
-        first, last = state.next_step, min(upto, len(state.incoming) - 1)
+    def _fetch_steps(self, entry: Registered, state: _Epoch, after: int, upto: int) -> int:
+        """Starts fetching the steps of ``state`` from ``after`` to ``upto`` not
+        asked for yet; returns the last step asked for so far."""
+        first, last = max(state.next_step, after), min(upto, len(state.incoming) - 1)
         if first > last or self._held_bytes >= self.max_bytes:
             return state.next_step - 1
         state.next_step = last + 1
         wanted = np.concatenate(state.incoming[first : last + 1])
         if len(wanted):
-            job_id = placement.job.spec.job_id
-            self.spawn(self._get(entry, placement, state, wanted), f"prefetch-{job_id}-{state.epoch}-{first}")
+            job_id, epoch = state.placement.job.spec.job_id, state.placement.epoch
+            self.spawn(self._get(entry, state, wanted), f"prefetch-{job_id}-{epoch}-{first}")
         return last
 
     async def _plan_next(self, entry: Registered, current: Placement, steps: int) -> None:
@@ -149,17 +149,18 @@ class TransferPrefetcher:
         foreign = [placement.owners[step] != placement.node_index for step in steps]
         incoming = [row[mask] for row, mask in zip(steps, foreign)]
         # Step 0 of an epoch its ranks already read is read on demand.
-        state = _Epoch(epoch, incoming, step_of, next_step=0 if then_steps else 1)
+        state = _Epoch(placement, incoming, step_of, next_step=0 if then_steps else 1)
         planned = self._epochs.setdefault(job_id, {})
         planned[epoch] = state
         for old in sorted(planned)[:-2]:
             self._held_bytes -= sum(len(data) for _, data, _ in planned.pop(old).held.values())
         if then_steps:
-            self._fetch_steps(entry, placement, state, then_steps - 1)
+            self._fetch_steps(entry, state, 0, then_steps - 1)
 
-    async def _get(self, entry: Registered, placement: Placement, state: _Epoch, ids: np.ndarray) -> None:
+    async def _get(self, entry: Registered, state: _Epoch, ids: np.ndarray) -> None:
+        placement = state.placement
         got = await self.fetch(entry, placement, ids)
-        if self._epochs.get(placement.job.spec.job_id, {}).get(state.epoch) is not state:
+        if self._epochs.get(placement.job.spec.job_id, {}).get(placement.epoch) is not state:
             return  # the job moved on meanwhile
         state.held.update(got)
         self._held_bytes += sum(len(data) for _, data, _ in got.values())
