@@ -23,10 +23,13 @@ def reshaped(
     handler: grpc.RpcMethodHandler,
     unary: Callable[[Behavior], Behavior],
     streaming: Callable[[Behavior], Behavior],
+    *,
+    raw_requests: bool = False,
 ) -> grpc.RpcMethodHandler:
     """``handler`` with its behavior passed through ``unary`` (for methods that
-    answer once) or ``streaming`` (for methods that stream their answer)."""
-    codecs = {"request_deserializer": handler.request_deserializer,
+    answer once) or ``streaming`` (for methods that stream their answer).
+    With ``raw_requests`` the new behavior gets the request bytes unparsed."""
+    codecs = {"request_deserializer": None if raw_requests else handler.request_deserializer,
               "response_serializer": handler.response_serializer}
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **codecs)
@@ -71,6 +74,10 @@ def _parsing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         async for raw in raw_messages:
             yield await parsed(raw, context)
 
+    async def requests(raw: bytes | AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+        """The request parsed, or for a method that streams its requests, the stream of them parsed."""
+        return await parsed(raw, context) if isinstance(raw, bytes) else each_parsed(raw, context)
+
     async def answered(result: Any) -> AsyncIterator[Any]:
         """The items of a streaming method, whether it yields them or writes them itself."""
         if inspect.isasyncgen(result):
@@ -79,33 +86,15 @@ def _parsing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         else:
             await result
 
-    def unary_in(behavior: Behavior) -> Behavior:
-        async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-            return await behavior(await parsed(raw, context), context)
+    def unary(behavior: Behavior) -> Behavior:
+        async def call(raw: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await behavior(await requests(raw, context), context)
         return call
 
-    def unary_in_stream_out(behavior: Behavior) -> Behavior:
-        async def call(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async for item in answered(behavior(await parsed(raw, context), context)):
+    def streaming(behavior: Behavior) -> Behavior:
+        async def call(raw: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for item in answered(behavior(await requests(raw, context), context)):
                 yield item
         return call
 
-    def stream_in(behavior: Behavior) -> Behavior:
-        async def call(raw_messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
-            return await behavior(each_parsed(raw_messages, context), context)
-        return call
-
-    def stream_in_stream_out(behavior: Behavior) -> Behavior:
-        async def call(raw_messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async for item in answered(behavior(each_parsed(raw_messages, context), context)):
-                yield item
-        return call
-
-    codecs = {"request_deserializer": None, "response_serializer": handler.response_serializer}
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(unary_in(handler.unary_unary), **codecs)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(unary_in_stream_out(handler.unary_stream), **codecs)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(stream_in(handler.stream_unary), **codecs)
-    return grpc.stream_stream_rpc_method_handler(stream_in_stream_out(handler.stream_stream), **codecs)
+    return reshaped(handler, unary, streaming, raw_requests=True)
