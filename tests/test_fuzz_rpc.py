@@ -155,6 +155,24 @@ def roots(draw: st.DrawFn, real_root: Path) -> str:
     ))
 
 
+def shared_methods(real_root: Path) -> list[st.SearchStrategy[tuple[str, Message]]]:
+    """(method name, request) for the methods the daemon and the directory both have."""
+    return [
+        st.tuples(st.just("AddDataset"), st.builds(
+            pb.AddDatasetRequest, name=free_names, root=roots(real_root),
+            format=st.integers(-2**31, 2**31 - 1), replace=st.booleans(), tar_member_samples=st.booleans(),
+        )),
+        st.tuples(st.just("ListDatasets"), st.just(pb.ListDatasetsRequest())),
+        st.tuples(st.just("GetDataset"), st.builds(pb.GetDatasetRequest, name=dataset_names)),
+        st.tuples(st.just("GetManifest"), st.builds(pb.GetDatasetRequest, name=dataset_names)),
+        st.tuples(st.just("DropDataset"), st.builds(pb.DropDatasetRequest, name=free_names)),
+        st.tuples(st.just("JoinJob"), st.builds(jpb.JoinJobRequest, spec=job_specs, must_exist=st.booleans())),
+        st.tuples(st.just("ReportEpoch"), st.builds(
+            jpb.ReportEpochRequest, job_id=job_ids, epoch=uint64, node=odd_text
+        )),
+    ]
+
+
 def cache_requests(real_root: Path) -> st.SearchStrategy[tuple[str, Message | list[Message]]]:
     """(method name, request) for every Cache method."""
     samples = st.lists(
@@ -176,20 +194,9 @@ def cache_requests(real_root: Path) -> st.SearchStrategy[tuple[str, Message | li
             shm_name=st.one_of(st.just(""), st.sampled_from(["dataquay-1-x", "../../etc/passwd"]), odd_text),
             shm_size=uint64, manifest_id=st.text(max_size=40), job=job_ids, peer=st.booleans(),
         )),
-        st.tuples(st.just("AddDataset"), st.builds(
-            pb.AddDatasetRequest, name=free_names, root=roots(real_root),
-            format=st.integers(-2**31, 2**31 - 1), replace=st.booleans(), tar_member_samples=st.booleans(),
-        )),
-        st.tuples(st.just("ListDatasets"), st.just(pb.ListDatasetsRequest())),
-        st.tuples(st.just("GetDataset"), st.builds(pb.GetDatasetRequest, name=dataset_names)),
-        st.tuples(st.just("GetManifest"), st.builds(pb.GetDatasetRequest, name=dataset_names)),
-        st.tuples(st.just("DropDataset"), st.builds(pb.DropDatasetRequest, name=free_names)),
+        *shared_methods(real_root),
         st.tuples(st.just("Stage"), st.builds(pb.StageRequest, dataset=dataset_names, seed=uint64, job=job_ids)),
         st.tuples(st.just("Stats"), st.just(pb.StatsRequest())),
-        st.tuples(st.just("JoinJob"), st.builds(jpb.JoinJobRequest, spec=job_specs, must_exist=st.booleans())),
-        st.tuples(st.just("ReportEpoch"), st.builds(
-            jpb.ReportEpochRequest, job_id=job_ids, epoch=uint64, node=odd_text
-        )),
         st.tuples(st.just("ReportClientStats"), st.builds(
             pb.ClientStatsReport, client=odd_text,
             reads=st.lists(st.builds(pb.ClientReads, tier=st.text(max_size=12), samples=uint64, bytes=uint64),
@@ -213,21 +220,10 @@ def directory_requests(real_root: Path) -> st.SearchStrategy[tuple[str, Message 
             dpb.HeartbeatRequest, name=odd_text, cache_used_bytes=uint64, cache_entries=uint64
         )),
         st.tuples(st.just("ListNodes"), st.just(dpb.ListNodesRequest())),
-        st.tuples(st.just("AddDataset"), st.builds(
-            pb.AddDatasetRequest, name=free_names, root=roots(real_root),
-            format=st.integers(-2**31, 2**31 - 1), replace=st.booleans(), tar_member_samples=st.booleans(),
-        )),
-        st.tuples(st.just("ListDatasets"), st.just(pb.ListDatasetsRequest())),
-        st.tuples(st.just("GetDataset"), st.builds(pb.GetDatasetRequest, name=dataset_names)),
-        st.tuples(st.just("GetManifest"), st.builds(pb.GetDatasetRequest, name=dataset_names)),
-        st.tuples(st.just("DropDataset"), st.builds(pb.DropDatasetRequest, name=free_names)),
-        st.tuples(st.just("JoinJob"), st.builds(jpb.JoinJobRequest, spec=job_specs, must_exist=st.booleans())),
+        *shared_methods(real_root),
         st.tuples(st.just("GetJob"), st.builds(jpb.GetJobRequest, job_id=job_ids)),
         st.tuples(st.just("ListJobs"), st.just(jpb.ListJobsRequest())),
         st.tuples(st.just("DropJob"), st.builds(jpb.DropJobRequest, job_id=job_ids.filter(lambda j: j != "fz"))),
-        st.tuples(st.just("ReportEpoch"), st.builds(
-            jpb.ReportEpochRequest, job_id=job_ids, epoch=uint64, node=odd_text
-        )),
     )
 
 
