@@ -516,18 +516,20 @@ class Client:
         if time.monotonic() < self._down_until:
             return False
         try:
-            self._call("Info", lambda stub: stub.Info(pb.InfoRequest(), timeout=PROBE_SECONDS))
+            info = self._call("Info", lambda stub: stub.Info(pb.InfoRequest(), timeout=PROBE_SECONDS))
         except DataquayError:
             self._down_until = time.monotonic() + RETRY_DAEMON_SECONDS
             return False
+        self._daemon_up(info)
         return True
 
-    def _daemon_up(self) -> None:
+    def _daemon_up(self, info: pb.InfoReply | None = None) -> None:
+        """Marks the daemon reachable again; ``info`` is its answer to Info, if just asked."""
         if self._down_reason is not None:
             self._down_reason = None
             log.info("dataquay daemon at %s answers again; misses go through it", self.address)
             # A restarted daemon may run with other limits.
-            self._info = self._call("Info", lambda stub: stub.Info(pb.InfoRequest(), timeout=self.timeout))
+            self._info = info or self._call("Info", lambda stub: stub.Info(pb.InfoRequest(), timeout=self.timeout))
 
     def _channel_stub(self) -> cache_pb2_grpc.CacheStub:
         pid = os.getpid()
