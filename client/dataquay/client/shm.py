@@ -5,9 +5,9 @@ Read, and copies each payload out at the offset the reply gives (verifying its
 checksum). Once the daemon has mapped a segment, its file is unlinked, so a
 client that dies leaves nothing behind: the daemon drops its own mapping when
 it sees the process gone. A client killed before that point leaves a name,
-which the daemon's reaper or the next client of the same user removes. A daemon that cannot use a segment (another host,
-another user, a restart) just answers inline, and the client then makes a new
-one next time.
+which the daemon's reaper or the next client of the same user removes. A
+daemon that cannot use a segment (another host, another user, a restart) just
+answers inline, and the client then makes a new one next time.
 
 One segment serves one call at a time; a process has as many as it has
 concurrent calls, each created on first need.
@@ -44,13 +44,12 @@ def process_alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
-def remove_stale_segments() -> int:
-    """Unlinks this user's segments whose process has exited; returns how many."""
-    removed = 0
+def remove_stale_segments() -> None:
+    """Unlinks this user's segments whose process has exited."""
     try:
         entries = list(os.scandir(SHM_DIR))
     except OSError:
-        return 0
+        return
     uid = os.getuid()
     for entry in entries:
         pid = segment_pid(entry.name)
@@ -58,10 +57,8 @@ def remove_stale_segments() -> int:
             if pid is None or process_alive(pid) or entry.stat(follow_symlinks=False).st_uid != uid:
                 continue
             os.unlink(entry.path)
-            removed += 1
         except OSError:
             continue  # gone meanwhile
-    return removed
 
 
 class Segment:
