@@ -24,7 +24,6 @@ LMDB's rules shape this module:
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import struct
 import threading
@@ -38,6 +37,7 @@ from typing import TypeVar
 import lmdb
 import numpy as np
 
+from dataquay.client import _records
 from dataquay.client.errors import DataquayError, SampleIdError
 from dataquay.client.records import CHECKSUM_BYTES, checksum
 
@@ -72,12 +72,10 @@ def sample_keys(ids: np.ndarray | Sequence[int]) -> list[bytes]:
             raise TypeError(f"sample ids must be integers, not {ids.dtype}")
         ids = ids.ravel().tolist()
     try:
-        return [i.to_bytes(8, "big") for i in ids]
+        return _records.sample_keys(ids)
     except OverflowError:
         bad = min(ids) if min(ids) < 0 else max(ids)
         raise SampleIdError(f"sample id {bad} is not in 0..2**64-1") from None
-    except AttributeError:
-        return [operator.index(i).to_bytes(8, "big") for i in ids]
 
 
 def _as_keys(keys_or_ids: Sequence[bytes] | np.ndarray | Sequence[int]) -> Sequence[bytes]:
@@ -89,17 +87,17 @@ def _as_keys(keys_or_ids: Sequence[bytes] | np.ndarray | Sequence[int]) -> Seque
 
 
 def _lookup(txn: lmdb.Transaction[memoryview], keys: Sequence[bytes]) -> list[memoryview | None]:
-    """Values of ``keys`` in order, None where absent: one C call for the batch."""
-    found = txn.cursor().getmulti(keys)
-    if len(found) == len(keys):
-        return [value for _, value in found]
-    present = {bytes(key): value for key, value in found}
-    return [present.get(key) for key in keys]
+    """Values of ``keys`` in order, None where absent.
+
+    One ``get`` per key: py-lmdb's batched ``getmulti`` costs more per key.
+    """
+    return list(map(txn.get, keys))
 
 
 def _verified(values: list[memoryview | None], verify: bool) -> tuple[list[memoryview | None], int, int]:
-    """Payload views of cache values (None for a miss or, with ``verify``, a
-    value whose checksum fails), how many were absent and how many failed."""
+    """Payload views of cache values (None for a miss, a value shorter than
+    its header or, with ``verify``, one whose checksum fails), how many were
+    absent and how many failed; :func:`_records.payload_copies` without the copy."""
     out: list[memoryview | None] = []
     append = out.append
     header, digest, skip = _header, checksum, CHECKSUM_BYTES
@@ -110,15 +108,10 @@ def _verified(values: list[memoryview | None], verify: bool) -> tuple[list[memor
             append(None)
             continue
         payload = value[skip:]
-        if verify:
-            try:
-                ok = header(value)[0] == digest(payload)
-            except struct.error:
-                ok = False
-            if not ok:
-                bad += 1
-                append(None)
-                continue
+        if len(value) < skip or verify and header(value)[0] != digest(payload):
+            bad += 1
+            append(None)
+            continue
         append(payload)
     return out, absent, bad
 
@@ -206,9 +199,8 @@ class LocalCache:
         txn, pid = begun
         bad = 0
         try:
-            payloads, absent, bad = _verified(_lookup(txn, keys), verify)
-            copy = memoryview.tobytes
-            out.extend([None if p is None else copy(p) for p in payloads])
+            payloads, absent, bad = _records.payload_copies(_lookup(txn, keys), verify)
+            out.extend(payloads)
             out.misses = absent + bad
         except lmdb.Error as exc:
             self._failed(db, exc)

@@ -1,0 +1,181 @@
+/*
+ * The per-sample loops of a local hit, in C: at 4 KiB a sample, building its
+ * key and checking and copying its value cost as much in Python bytecode as
+ * the LMDB lookup itself. The layouts are those of records.py:
+ *
+ *     key   = sample id, 8 bytes big-endian
+ *     value = [xxh3-64 of payload, 8 bytes little-endian][payload]
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef DATAQUAY_XXH_X86_DISPATCH
+/* XXH3_64bits picks SSE2, AVX2 or AVX-512 at run time, as the xxhash
+ * package's build does: a wheel must not assume the build machine's ISA. */
+#include "xxhash.h"
+#include "xxh_x86dispatch.h"
+#else
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+#endif
+
+#define KEY_BYTES 8
+#define CHECKSUM_BYTES 8
+/* Payloads at least this large are hashed and copied without the GIL, so
+ * other reader threads (DataLoader threads, a prefetcher) run meanwhile. */
+#define RELEASE_GIL_BYTES (64 * 1024)
+
+PyDoc_STRVAR(sample_keys_doc,
+"sample_keys(ids, /) -> list[bytes]\n\n"
+"LMDB keys of a sequence of int ids.\n\n"
+"Raises TypeError for an item that is not an integer and OverflowError for\n"
+"one outside 0..2**64-1.");
+
+static PyObject *
+sample_keys(PyObject *module, PyObject *ids)
+{
+    PyObject *seq = PySequence_Fast(ids, "sample ids must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *keys = PyList_New(count);
+    if (keys == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *index = PyNumber_Index(items[i]);
+        if (index == NULL)
+            goto fail;
+        unsigned long long id = PyLong_AsUnsignedLongLong(index);
+        Py_DECREF(index);
+        if (id == (unsigned long long)-1 && PyErr_Occurred())
+            goto fail;
+        PyObject *key = PyBytes_FromStringAndSize(NULL, KEY_BYTES);
+        if (key == NULL)
+            goto fail;
+        unsigned char *out = (unsigned char *)PyBytes_AS_STRING(key);
+        for (int b = KEY_BYTES - 1; b >= 0; b--, id >>= 8)
+            out[b] = (unsigned char)id;
+        PyList_SET_ITEM(keys, i, key);
+    }
+    Py_DECREF(seq);
+    return keys;
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(keys);
+    return NULL;
+}
+
+/* The copy is hashed, not the source: it is still in the CPU cache, while
+ * the source is a page of the map that is read only this once. */
+static int
+copy_intact(char *target, const unsigned char *source, size_t size, int verify, uint64_t stored)
+{
+    memcpy(target, source, size);
+    return !verify || XXH3_64bits(target, size) == stored;
+}
+
+/* Copies one value's payload into a new bytes object and checks it (when
+ * verify). Returns the bytes, Py_None (new reference) when the value is
+ * corrupt, or NULL with an exception set. */
+static PyObject *
+payload_copy(const unsigned char *value, Py_ssize_t length, int verify)
+{
+    if (length < CHECKSUM_BYTES)
+        Py_RETURN_NONE;
+    Py_ssize_t size = length - CHECKSUM_BYTES;
+    PyObject *payload = PyBytes_FromStringAndSize(NULL, size);
+    if (payload == NULL)
+        return NULL;
+    char *target = PyBytes_AS_STRING(payload);
+    uint64_t stored = 0;
+    for (int b = CHECKSUM_BYTES - 1; b >= 0; b--)
+        stored = (stored << 8) | value[b];
+    int intact;
+    if (size >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        intact = copy_intact(target, value + CHECKSUM_BYTES, (size_t)size, verify, stored);
+        Py_END_ALLOW_THREADS
+    } else {
+        intact = copy_intact(target, value + CHECKSUM_BYTES, (size_t)size, verify, stored);
+    }
+    if (!intact) {
+        Py_DECREF(payload);
+        Py_RETURN_NONE;
+    }
+    return payload;
+}
+
+PyDoc_STRVAR(payload_copies_doc,
+"payload_copies(values, verify, /) -> (list[bytes | None], absent, corrupt)\n\n"
+"Payloads of cache values (buffers, or None for a key that was not found),\n"
+"copied out of the map in order. A value shorter than its header, or with\n"
+"verify one whose xxh3 differs from its header, becomes None and is counted\n"
+"as corrupt; a None value stays None and is counted as absent.");
+
+static PyObject *
+payload_copies(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "payload_copies() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    int verify = PyObject_IsTrue(args[1]);
+    if (verify < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "values must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *payloads = PyList_New(count);
+    if (payloads == NULL)
+        goto fail;
+    Py_ssize_t absent = 0, corrupt = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *payload;
+        if (items[i] == Py_None) {
+            absent++;
+            payload = Py_NewRef(Py_None);
+        } else {
+            Py_buffer view;
+            if (PyObject_GetBuffer(items[i], &view, PyBUF_SIMPLE) < 0)
+                goto fail;
+            payload = payload_copy(view.buf, view.len, verify);
+            PyBuffer_Release(&view);
+            if (payload == NULL)
+                goto fail;
+            if (payload == Py_None)
+                corrupt++;
+        }
+        PyList_SET_ITEM(payloads, i, payload);
+    }
+    Py_DECREF(seq);
+    return Py_BuildValue("(Nnn)", payloads, absent, corrupt);
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(payloads);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"sample_keys", sample_keys, METH_O, sample_keys_doc},
+    {"payload_copies", (PyCFunction)(void (*)(void))payload_copies, METH_FASTCALL, payload_copies_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef records_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "dataquay.client._records",
+    .m_doc = "C loops over the key and value layouts of dataquay.client.records.",
+    .m_size = 0,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC
+PyInit__records(void)
+{
+    return PyModuleDef_Init(&records_module);
+}
