@@ -18,7 +18,7 @@ import pytest
 from dataquay.client import _records, local
 from dataquay.client.errors import DataquayError, SampleIdError
 from dataquay.client.local import LocalCache, sample_keys
-from dataquay.client.records import encode_value, sample_key
+from dataquay.client.records import checksum, encode_value, sample_key
 
 DB = "ds:test"
 
@@ -76,6 +76,9 @@ def test_sample_keys_match_the_record_format_and_reject_bad_ids() -> None:
 
 def test_the_c_read_loop_checks_and_copies_as_records_lays_values_out() -> None:
     big = payload(3, 300_000)  # large enough to be hashed without the GIL
+    for framed in (b"", b"x", payload(1), big):  # the vendored xxHash agrees with the xxhash package
+        assert encode_value(framed) == checksum(framed).to_bytes(8, "little") + framed
+    assert encode_value(memoryview(big), 7) == (7).to_bytes(8, "little") + big
     flipped = bytearray(encode_value(payload(2)))
     flipped[-1] ^= 0x80
     values = [encode_value(payload(1)), None, bytes(flipped), b"short", encode_value(b""), memoryview(encode_value(big))]

@@ -1,7 +1,9 @@
 /*
  * The per-sample loops of a local hit, in C: at 4 KiB a sample, building its
  * key and checking and copying its value cost as much in Python bytecode as
- * the LMDB lookup itself. The layouts are those of records.py:
+ * the LMDB lookup itself. And the framing of a value read from the PFS, which
+ * copies and hashes it without holding the GIL, so that reader threads leave
+ * it to the cache writer. The layouts are those of records.py:
  *
  *     key   = sample id, 8 bytes big-endian
  *     value = [xxh3-64 of payload, 8 bytes little-endian][payload]
@@ -160,9 +162,54 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(encode_value_doc,
+"encode_value(payload, digest=None, /) -> bytes\n\n"
+"The cache value of a payload: its xxh3-64 (digest, when the caller has it)\n"
+"little-endian, then the payload.");
+
+static PyObject *
+encode_value(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "encode_value() takes 1 or 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    int hash = nargs < 2 || args[1] == Py_None;
+    uint64_t digest = 0;
+    if (!hash) {
+        digest = PyLong_AsUnsignedLongLong(args[1]);
+        if (digest == (uint64_t)-1 && PyErr_Occurred())
+            return NULL;
+    }
+    Py_buffer payload;
+    if (PyObject_GetBuffer(args[0], &payload, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *value = PyBytes_FromStringAndSize(NULL, payload.len + CHECKSUM_BYTES);
+    if (value != NULL) {
+        unsigned char *target = (unsigned char *)PyBytes_AS_STRING(value);
+        size_t size = (size_t)payload.len;
+        if (size >= RELEASE_GIL_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            memcpy(target + CHECKSUM_BYTES, payload.buf, size);
+            if (hash)
+                digest = XXH3_64bits(target + CHECKSUM_BYTES, size);
+            Py_END_ALLOW_THREADS
+        } else {
+            memcpy(target + CHECKSUM_BYTES, payload.buf, size);
+            if (hash)
+                digest = XXH3_64bits(target + CHECKSUM_BYTES, size);
+        }
+        for (int b = 0; b < CHECKSUM_BYTES; b++, digest >>= 8)
+            target[b] = (unsigned char)digest;
+    }
+    PyBuffer_Release(&payload);
+    return value;
+}
+
 static PyMethodDef methods[] = {
     {"sample_keys", sample_keys, METH_O, sample_keys_doc},
     {"payload_copies", (PyCFunction)(void (*)(void))payload_copies, METH_FASTCALL, payload_copies_doc},
+    {"encode_value", (PyCFunction)(void (*)(void))encode_value, METH_FASTCALL, encode_value_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -23,6 +23,8 @@ from collections.abc import Iterable
 
 import xxhash
 
+from dataquay.client import _records
+
 CHECKSUM_BYTES = 8
 _CHECKSUM = struct.Struct("<Q")
 _GROUP_MAGIC = b"DQS1"
@@ -39,8 +41,11 @@ def sample_key(sample_id: int) -> bytes:
 
 
 def encode_value(payload: bytes | memoryview, digest: int | None = None) -> bytes:
-    """Cache value for ``payload``: its checksum (``digest`` if known), then the bytes."""
-    return _CHECKSUM.pack(checksum(payload) if digest is None else digest) + payload
+    """Cache value for ``payload``: its checksum (``digest`` if known), then the bytes.
+
+    Large payloads are copied and hashed without the GIL.
+    """
+    return _records.encode_value(payload, digest)
 
 
 def stored_checksum(value: bytes | memoryview) -> int:
