@@ -3,6 +3,7 @@ cache far too small for its node's share."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from faultjob import NODES, SAMPLES, FaultJob
@@ -20,10 +21,14 @@ def test_a_value_corrupted_on_disk_is_caught_served_from_the_pfs_and_repaired(
     data_file = job.local.daemons[1].cache_dir / "data.mdb"
     with open(data_file, "r+b") as disk:
         raw = disk.read()
-        at = raw.find(payload[:256])
-        assert at > 0 and raw.find(payload[:256], at + 1) < 0
-        disk.seek(at + 100)
-        disk.write(bytes([raw[at + 100] ^ 0xFF]))  # the daemon and the clients see it through their maps
+        # Besides the live value, pages an earlier transaction copied may hold
+        # a stale one: every copy is flipped (the daemon and the clients see
+        # it through their maps).
+        copies = [m.start() for m in re.finditer(re.escape(payload[:256]), raw)]
+        assert copies
+        for at in copies:
+            disk.seek(at + 100)
+            disk.write(bytes([raw[at + 100] ^ 0xFF]))
 
     with job.ranks() as group:
         job.run_epochs(group)
