@@ -16,6 +16,7 @@ import cache_policy  # noqa: E402
 import directory_load  # noqa: E402
 import exchange  # noqa: E402
 import memory  # noqa: E402
+import miss_bound  # noqa: E402
 import peers  # noqa: E402
 import placement  # noqa: E402
 import reads  # noqa: E402
@@ -28,6 +29,7 @@ def main() -> None:
     print(f"machine: {machine()}\n")
     benchmarks = (
         ("reads", reads.main),
+        ("miss_bound", miss_bound.main),
         ("staging", staging.main),
         ("memory", memory.main),
         ("placement", placement.main),
