@@ -1,4 +1,5 @@
-"""The one compiled part: the local-hit loops of dataquay.client._records.
+"""The one compiled part: dataquay.client._records, the per-sample loops of
+local hits and the framing of cache values.
 
 Everything else is declared in pyproject.toml; setuptools reads extension
 modules from here (its pyproject.toml form is still experimental). xxHash is

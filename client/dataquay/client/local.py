@@ -108,7 +108,7 @@ def _verified(values: list[memoryview | None], verify: bool) -> tuple[list[memor
             append(None)
             continue
         payload = value[skip:]
-        if len(value) < skip or verify and header(value)[0] != digest(payload):
+        if len(value) < skip or (verify and header(value)[0] != digest(payload)):
             bad += 1
             append(None)
             continue
