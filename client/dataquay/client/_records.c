@@ -127,7 +127,9 @@ payload_copies(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int verify = PyObject_IsTrue(args[1]);
     if (verify < 0)
         return NULL;
-    PyObject *seq = PySequence_Fast(args[0], "values must be a sequence");
+    /* A tuple, not the caller's list: the GIL is released while large values
+     * are copied, and a list could be resized meanwhile. */
+    PyObject *seq = PySequence_Tuple(args[0]);
     if (seq == NULL)
         return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
