@@ -10,11 +10,8 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -29,16 +26,6 @@ KiB = 1 << 10
 MiB = 1 << 20
 SIZES = {"4KiB": 4 * KiB, "110KiB": 110 * KiB, "1MiB": MiB}
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def median_rate(run: Callable[[], int], repeats: int = REPEATS) -> float:
-    """Median over ``repeats`` of (units ``run`` returns) / seconds it took."""
-    rates = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        units = run()
-        rates.append(units / (time.perf_counter() - started))
-    return statistics.median(rates)
 
 
 def stub(daemon: DaemonProcess) -> cache_pb2_grpc.CacheStub:
