@@ -48,16 +48,16 @@ from typing import Self
 
 import lmdb
 import numpy as np
-
 from common import RESULTS, KiB, MiB, progress, register, report, stub
+
 from dataquay.client import connect
 from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import PfsReader
 from dataquay.client.records import CHECKSUM_BYTES
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
-from dataquay.server.launch import DaemonProcess
-from dataquay.server.synthetic import make_files_dataset
+from dataquay.server.tools.processes import DaemonProcess
+from dataquay.server.tools.synthetic import make_files_dataset
 
 SAMPLE_BYTES = 64 * KiB
 EPOCHS = 5

@@ -19,7 +19,7 @@ import grpc
 from dataquay.client.channels import channel_options, grpc_target
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
-from dataquay.server.launch import DaemonProcess
+from dataquay.server.tools.processes import DaemonProcess
 
 REPEATS = 3
 KiB = 1 << 10

@@ -64,16 +64,16 @@ from typing import Any
 
 import grpc
 import numpy as np
-
 from common import REPEATS, progress, report
+
 from dataquay.client.channels import channel_options, server_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.directory.beats import HeartbeatSender, open_heartbeats
-from dataquay.server.launch import DirectoryProcess
-from dataquay.server.membership import DATAGRAM_WAIT_SECONDS
+from dataquay.server.node.directory_link import DATAGRAM_WAIT_SECONDS
+from dataquay.server.tools.processes import DirectoryProcess
 
 NODES = int(os.environ.get("BENCH_NODES", "1024"))
 HEARTBEAT_SECONDS = float(os.environ.get("BENCH_HEARTBEAT_SECONDS", "2"))

@@ -39,8 +39,8 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-
 from common import REPEATS, MiB, progress, report
+
 from dataquay.client.channels import channel_options
 from dataquay.client.jobs import job_plan
 from dataquay.client.malloc import tune_malloc
@@ -49,9 +49,9 @@ from dataquay.client.placement import owners
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.cluster import LocalCluster
-from dataquay.server.ranks import RankGroup
-from dataquay.server.synthetic import make_files_dataset, sample_bytes
+from dataquay.server.tools.local_cluster import LocalCluster
+from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
+from dataquay.server.tools.trainers import RankGroup
 
 BATCH = 64
 DATASET_BYTES = 256 * MiB

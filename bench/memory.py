@@ -11,11 +11,11 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
 from common import progress, register, report, stub
+
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.launch import DaemonProcess
-from dataquay.server.synthetic import make_npy_dataset
+from dataquay.server.tools.processes import DaemonProcess
+from dataquay.server.tools.synthetic import make_npy_dataset
 
 SAMPLES = 1_000_000
 

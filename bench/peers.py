@@ -56,8 +56,8 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-
 from common import REPEATS, MiB, progress, report
+
 from dataquay.client import connect
 from dataquay.client.channels import READ_CHUNK_BYTES, channel_options, grpc_target, server_options
 from dataquay.client.malloc import tune_malloc
@@ -65,9 +65,9 @@ from dataquay.client.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.launch import DaemonProcess, DirectoryProcess
-from dataquay.server.reads import chunked
-from dataquay.server.synthetic import make_files_dataset, sample_bytes
+from dataquay.server.node.reads import chunked
+from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
+from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 
 BATCH = 64
 DATASET_BYTES = 256 * MiB

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import lmdb
 import numpy as np
-
 from common import REPEATS, SIZES, MiB, back_free_memory, progress, register, report, stage, stub
+
 from dataquay.client import connect
 from dataquay.client.malloc import tune_malloc
 from dataquay.client.records import checksum, sample_key
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.launch import DaemonProcess
-from dataquay.server.synthetic import make_files_dataset
+from dataquay.server.tools.processes import DaemonProcess
+from dataquay.server.tools.synthetic import make_files_dataset
 
 BATCH = 64
 LOCAL_BYTES = 256 * MiB

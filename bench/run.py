@@ -22,7 +22,8 @@ import placement  # noqa: E402
 import reads  # noqa: E402
 import staging  # noqa: E402
 from common import RESULTS, machine  # noqa: E402
-from dataquay.server import benchmark  # noqa: E402
+
+from dataquay.server.tools import data_stall  # noqa: E402
 
 
 def main() -> None:
@@ -35,7 +36,7 @@ def main() -> None:
         ("placement", placement.main),
         ("peers", peers.main),
         ("exchange", exchange.main),
-        ("stall", lambda: benchmark.main(quick=False, out_dir=RESULTS)),
+        ("stall", lambda: data_stall.main(quick=False, out_dir=RESULTS)),
         ("cache_policy", lambda: cache_policy.main([])),
         ("directory_load", directory_load.main),
     )

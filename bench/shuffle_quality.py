@@ -464,7 +464,7 @@ def run_all(
     split: Split, seeds: int, settings: Settings, modes: Sequence[tuple[str, float | None]] = MODES
 ) -> list[RunResult]:
     """Every (partition, mode, seed) on one 4-node loopback cluster in a temporary directory."""
-    from dataquay.server.cluster import LocalCluster
+    from dataquay.server.tools.local_cluster import LocalCluster
 
     results: list[RunResult] = []
     with tempfile.TemporaryDirectory(prefix="dataquay-shuffle-quality-") as tmp:

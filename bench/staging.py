@@ -18,13 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lmdb
+from common import REPEATS, SIZES, MiB, back_free_memory, progress, register, report, stage, stub
 
-from common import REPEATS, MiB, SIZES, back_free_memory, progress, register, report, stage, stub
 from dataquay.client.malloc import tune_malloc
 from dataquay.client.records import encode_value, sample_key
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.launch import DaemonProcess
-from dataquay.server.synthetic import make_files_dataset
+from dataquay.server.tools.processes import DaemonProcess
+from dataquay.server.tools.synthetic import make_files_dataset
 
 #: Enough for the daemon's steady state to dominate a run: its first 100 MiB
 #: or so are slower while a fresh process's heap and map warm up.

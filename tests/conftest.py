@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dataquay.server.cluster import LocalCluster, TlsFiles
-from dataquay.server.launch import DaemonProcess
+from dataquay.server.tools.local_cluster import LocalCluster, TlsFiles
+from dataquay.server.tools.processes import DaemonProcess
 
 #: Directory settings for cluster tests: a dead node is listed down within a second or so.
 FAST_LEASES = ("--lease-seconds", "1", "--heartbeat-seconds", "0.2")

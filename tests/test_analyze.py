@@ -37,8 +37,8 @@ from dataquay.client.errors import UnknownDatasetError
 from dataquay.server.cli import analyze
 from dataquay.server.cli import main as cli_main
 from dataquay.server.cli.common import CliError
-from dataquay.server.launch import DaemonProcess
-from dataquay.server.synthetic import make_files_dataset
+from dataquay.server.tools.processes import DaemonProcess
+from dataquay.server.tools.synthetic import make_files_dataset
 
 READ_S, PREP_S, STEP_S = 0.040, 0.020, 0.010
 STEPS, WARMUP = 15, 1

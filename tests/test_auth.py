@@ -21,8 +21,8 @@ from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.auth import new_token_file, sign, verified
 from dataquay.server.cli import main as cli_main
-from dataquay.server.cluster import LocalCluster, TlsFiles
-from dataquay.server.synthetic import make_files_dataset, sample_bytes
+from dataquay.server.tools.local_cluster import LocalCluster, TlsFiles
+from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 
 SERVICES = [("dataquay.v1.Cache", pb), ("dataquay.v1.Directory", dpb)]
 METHODS = [

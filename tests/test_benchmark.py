@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dataquay.server.benchmark import run_benchmark
-from dataquay.server.ranks import PageCache
+from dataquay.server.tools.data_stall import run_benchmark
+from dataquay.server.tools.trainers import PageCache
 
 
 def test_the_page_cache_stand_in_keeps_the_most_recent_samples_within_its_budget() -> None:

@@ -26,8 +26,8 @@ from dataquay.client.pfs import PfsReader
 from dataquay.client.records import checksum, frame_members
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
-from dataquay.server import synthetic
-from dataquay.server.launch import DaemonProcess
+from dataquay.server.tools import synthetic
+from dataquay.server.tools.processes import DaemonProcess
 
 MiB = 1 << 20
 SHM_DIR = Path("/dev/shm")

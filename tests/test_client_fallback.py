@@ -26,7 +26,7 @@ from dataquay.client.channels import channel_options, grpc_target
 from dataquay.client.manifest import Manifest, ManifestWriter
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
-from dataquay.server.launch import DaemonProcess
+from dataquay.server.tools.processes import DaemonProcess
 
 
 def make_files(root: Path, n: int, size: int = 2000) -> None:

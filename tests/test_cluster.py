@@ -20,13 +20,12 @@ import pytest
 from dataquay.client.channels import channel_options
 from dataquay.client.records import checksum
 from dataquay.protos import cache_pb2 as pb
-from dataquay.protos import cache_pb2_grpc
-from dataquay.protos import directory_pb2_grpc
+from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.cli import main as cli_main
-from dataquay.server.cluster import LocalCluster, read_env_file
-from dataquay.server.ranks import RankEpoch, RankGroup
-from dataquay.server.synthetic import make_files_dataset, sample_bytes
+from dataquay.server.tools.local_cluster import LocalCluster, read_env_file
+from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
+from dataquay.server.tools.trainers import RankEpoch, RankGroup
 
 NODES = 4
 RANKS_PER_NODE = 2

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import fields
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import grpc
@@ -21,8 +21,8 @@ from dataquay.server import config as config_module
 from dataquay.server.cli import main
 from dataquay.server.config import ConfigFile, DaemonConfig, DirectoryConfig
 from dataquay.server.errors import ConfigError
-from dataquay.server.launch import DaemonProcess
 from dataquay.server.sizes import parse_duration, parse_size
+from dataquay.server.tools.processes import DaemonProcess
 
 
 @pytest.fixture(autouse=True)

@@ -23,7 +23,7 @@ from dataquay.client.channels import channel_options, grpc_target
 from dataquay.client.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
-from dataquay.server.launch import DaemonProcess
+from dataquay.server.tools.processes import DaemonProcess
 
 
 def make_files(root: Path, n: int, size: int = 3000, seed: int = 0) -> list[bytes]:

@@ -28,10 +28,10 @@ import pytest
 
 from dataquay.client.client import TIERS
 from dataquay.server.auth import new_token_file
-from dataquay.server.cluster import read_env_file
 from dataquay.server.config import DaemonConfig, DirectoryConfig
-from dataquay.server.launch import DaemonProcess, DirectoryProcess
-from dataquay.server.synthetic import make_files_dataset
+from dataquay.server.tools.local_cluster import read_env_file
+from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
+from dataquay.server.tools.synthetic import make_files_dataset
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 SYSTEMD = DEPLOY / "systemd"

@@ -25,13 +25,12 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.cli import build_parser
-from dataquay.server.cli import fanout
+from dataquay.server.cli import build_parser, fanout
 from dataquay.server.cli import main as cli_main
 from dataquay.server.config import DaemonConfig, DirectoryConfig
-from dataquay.server.launch import DirectoryProcess
 from dataquay.server.manifest_build import build_manifest
-from dataquay.server.synthetic import make_files_dataset
+from dataquay.server.tools.processes import DirectoryProcess
+from dataquay.server.tools.synthetic import make_files_dataset
 
 Stub = directory_pb2_grpc.DirectoryStub
 

@@ -23,10 +23,10 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.cli import main as cli_main
-from dataquay.server.cluster import LocalCluster
-from dataquay.server.ranks import RankEpoch, RankGroup
 from dataquay.server.sizes import format_bytes
-from dataquay.server.synthetic import make_files_dataset, sample_bytes
+from dataquay.server.tools.local_cluster import LocalCluster
+from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
+from dataquay.server.tools.trainers import RankEpoch, RankGroup
 
 NODES = 4
 SAMPLES = 480

@@ -11,11 +11,11 @@ import pytest
 from dataquay.client.jobs import job_plan, job_spec
 from dataquay.client.placement import owners
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.exchange.outbox import PENDING, REFUSED, UNAVAILABLE, Outbox
-from dataquay.server.jobs import Placements
 from dataquay.server.manifest_build import build_manifest
+from dataquay.server.node.exchange.outbox import PENDING, REFUSED, UNAVAILABLE, Outbox
+from dataquay.server.node.placements import Placements
 from dataquay.server.registry import Registry
-from dataquay.server.synthetic import make_files_dataset
+from dataquay.server.tools.synthetic import make_files_dataset
 
 
 def outbox() -> Outbox:

@@ -27,9 +27,9 @@ from dataquay.server import config as config_module
 from dataquay.server.cli import main
 from dataquay.server.config import SERVICES, ConfigFile, DaemonConfig, DirectoryConfig
 from dataquay.server.errors import ConfigError
-from dataquay.server.launch import DaemonProcess, DirectoryProcess
 from dataquay.server.manifest_build import build_manifest
-from dataquay.server.synthetic import make_files_dataset
+from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
+from dataquay.server.tools.synthetic import make_files_dataset
 
 FUZZ = settings(
     max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]

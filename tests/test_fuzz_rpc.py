@@ -20,12 +20,11 @@ from hypothesis import strategies as st
 from dataquay.client.channels import channel_options, grpc_target
 from dataquay.client.records import checksum
 from dataquay.protos import cache_pb2 as pb
-from dataquay.protos import cache_pb2_grpc
+from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 from dataquay.protos import directory_pb2 as dpb
-from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.launch import DaemonProcess, DirectoryProcess, ServerProcess
-from dataquay.server.synthetic import make_files_dataset, sample_bytes
+from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess, ServerProcess
+from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 
 NUM_SAMPLES = 24
 SIZES = (64, 700, 3000)

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from dataquay.server.cli import build_parser
-from dataquay.server.launch import DaemonProcess
-from dataquay.server.loadgen import (
+from dataquay.server.tools.loadgen import (
     TRANSPORTS,
     LoadResult,
     LoadSettings,
@@ -21,7 +20,8 @@ from dataquay.server.loadgen import (
     register_and_stage,
     run_load,
 )
-from dataquay.server.synthetic import make_files_dataset
+from dataquay.server.tools.processes import DaemonProcess
+from dataquay.server.tools.synthetic import make_files_dataset
 
 SAMPLES = 1024
 SIZES = (1 << 10, 8 << 10, 32 << 10)
@@ -86,7 +86,7 @@ def test_bytes_that_differ_from_the_pfs_files_are_counted_as_errors_not_verified
 
 def test_file_checksums_follow_the_manifest_id_order(tmp_path: Path) -> None:
     from dataquay.client.records import checksum
-    from dataquay.server.synthetic import sample_bytes
+    from dataquay.server.tools.synthetic import sample_bytes
 
     root = make_files_dataset(tmp_path / "pfs", 25, sizes=(100, 300), classes=3)
     (root / ".DS_Store").write_bytes(b"not a sample")

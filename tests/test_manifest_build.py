@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tar_shards import write_tar
 
 from dataquay.client.errors import ManifestError
 from dataquay.client.manifest import Manifest, ManifestWriter
 from dataquay.server.manifest_build import build_manifest, detect_format
-from dataquay.server.synthetic import make_files_dataset, make_npy_dataset, make_tar_dataset
-from tar_shards import write_tar
+from dataquay.server.tools.synthetic import make_files_dataset, make_npy_dataset, make_tar_dataset
 
 
 def manifest_of(root: Path, fmt: str | None = None, **kwargs: bool) -> Manifest:

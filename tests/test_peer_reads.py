@@ -19,8 +19,8 @@ from dataquay.client.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.launch import DaemonProcess, DirectoryProcess
-from dataquay.server.synthetic import make_files_dataset, make_npy_dataset, sample_bytes
+from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
+from dataquay.server.tools.synthetic import make_files_dataset, make_npy_dataset, sample_bytes
 
 N = 90
 SIZE = 3000

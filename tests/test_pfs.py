@@ -11,19 +11,19 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tar_shards import write_tar
 
 from dataquay.client.errors import ManifestError, PfsReadError, SampleIdError
 from dataquay.client.manifest import Manifest, ManifestWriter
 from dataquay.client.pfs import PfsRangeError, PfsReader, ReadRange, plan_reads
 from dataquay.client.records import frame_members
 from dataquay.server.manifest_build import build_manifest
-from dataquay.server.synthetic import (
+from dataquay.server.tools.synthetic import (
     make_files_dataset,
     make_npy_dataset,
     make_tar_dataset,
     sample_bytes,
 )
-from tar_shards import write_tar
 
 WEBDATASET_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 

@@ -14,8 +14,8 @@ import pytest
 
 from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import PfsReader
-from dataquay.server.cluster import LocalCluster
 from dataquay.server.manifest_build import build_manifest
+from dataquay.server.tools.local_cluster import LocalCluster
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "shuffle_quality.py"
 

@@ -11,7 +11,7 @@ import pytest
 
 from dataquay.client.placement import JobPlan, locality_balance, moves, owners
 from dataquay.server.cli import main
-from dataquay.server.simulate import Rates, Scenario, estimate, simulate, spread
+from dataquay.server.tools.simulate import Rates, Scenario, estimate, simulate, spread
 
 NODES, RANKS_PER_NODE, SAMPLES, SAMPLE_BYTES, BATCH = 16, 4, 20_000, 1000, 8
 

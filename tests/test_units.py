@@ -8,9 +8,9 @@ import time
 import pytest
 
 from dataquay.server.errors import ConfigError
+from dataquay.server.node.reads import chunked
+from dataquay.server.node.shm import ALIGN, place
 from dataquay.server.ratelimit import TokenBucket
-from dataquay.server.reads import chunked
-from dataquay.server.shm import ALIGN, place
 from dataquay.server.sizes import format_bytes, parse_duration, parse_size
 
 

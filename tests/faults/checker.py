@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from dataquay.server.ranks import RankEpoch
+from dataquay.server.tools.trainers import RankEpoch
 
 
 def pfs_files(root: Path) -> list[Path]:

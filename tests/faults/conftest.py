@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from faultjob import NODES, FaultJob, make_fault_job
 
-from dataquay.server.cluster import LocalCluster
+from dataquay.server.tools.local_cluster import LocalCluster
 
 
 @pytest.fixture

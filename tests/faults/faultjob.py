@@ -28,9 +28,9 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.cluster import LocalCluster, node_name
-from dataquay.server.ranks import RankEpoch, RankGroup
-from dataquay.server.synthetic import make_files_dataset
+from dataquay.server.tools.local_cluster import LocalCluster, node_name
+from dataquay.server.tools.synthetic import make_files_dataset
+from dataquay.server.tools.trainers import RankEpoch, RankGroup
 
 NODES = 4
 RANKS_PER_NODE = 2

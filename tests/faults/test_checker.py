@@ -9,7 +9,7 @@ import numpy as np
 import xxhash
 from checker import epoch_problems, pfs_digests, pfs_files
 
-from dataquay.server.ranks import RankEpoch
+from dataquay.server.tools.trainers import RankEpoch
 
 
 def files(root: Path, count: int) -> list[bytes]:

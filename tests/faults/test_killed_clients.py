@@ -23,8 +23,8 @@ from faultjob import DATASET, JOB, NODES, RANKS_PER_NODE, SAMPLES, FaultJob, sec
 
 import dataquay.client as dq
 from dataquay.client.dataset import Dataset
-from dataquay.server.launch import DaemonProcess
-from dataquay.server.synthetic import make_files_dataset
+from dataquay.server.tools.processes import DaemonProcess
+from dataquay.server.tools.synthetic import make_files_dataset
 
 #: A dataset no job stages: every first read of it is a PFS read at the daemon's cap.
 BIG = "big"

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from faultjob import NODES, RANKS_PER_NODE, SAMPLES, make_fault_job
 
-from dataquay.server.cluster import LocalCluster, NodeHost
+from dataquay.server.tools.local_cluster import LocalCluster, NodeHost
 
 PEER_TIMEOUT_SECONDS = 0.5
 #: Daemons are listed down a second after their last heartbeat.

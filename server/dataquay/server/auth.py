@@ -24,7 +24,7 @@ import grpc
 
 from dataquay.client.channels import server_options
 from dataquay.client.security import METADATA_KEY, TOKEN_BYTES, Credentials, CredentialsError
-from dataquay.server.handlers import RequestParsing, reshaped
+from dataquay.server.interceptors import RequestParsing, reshaped
 from dataquay.server.limits import PeerCallLimit
 
 log = logging.getLogger("dataquay.auth")

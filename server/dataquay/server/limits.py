@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from dataquay.server.handlers import reshaped
+from dataquay.server.interceptors import reshaped
 
 
 class PeerCallLimit(grpc.aio.ServerInterceptor):

@@ -1,5 +1,5 @@
-"""``dataquay bench``: the data-stall benchmark of :mod:`dataquay.server.benchmark`,
-and ``dataquay bench load``, the load run of :mod:`dataquay.server.loadgen`."""
+"""``dataquay bench``: the data-stall benchmark of :mod:`dataquay.server.tools.data_stall`,
+and ``dataquay bench load``, the load run of :mod:`dataquay.server.tools.loadgen`."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from pathlib import Path
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from dataquay.server.benchmark import main
+    from dataquay.server.tools.data_stall import main
 
     main(args.quick, Path(args.out))
 
 
 def cmd_load(args: argparse.Namespace) -> None:
-    from dataquay.server.loadgen import bench_load, format_summary
+    from dataquay.server.tools.loadgen import bench_load, format_summary
 
     result, staged = bench_load(
         args.seconds, args.processes, args.threads, args.batch, samples=args.samples, cached=args.cached,

@@ -14,7 +14,7 @@ DEFAULT_BASE_DIR = Path("dataquay-cluster")
 
 def cmd_up(args: argparse.Namespace) -> None:
     from dataquay.server.auth import new_token_file
-    from dataquay.server.cluster import LocalCluster, node_name
+    from dataquay.server.tools.local_cluster import LocalCluster, node_name
 
     base = Path(args.base_dir).absolute()
     existing = LocalCluster.load(base)
@@ -63,7 +63,7 @@ def cmd_up(args: argparse.Namespace) -> None:
 
 
 def cmd_down(args: argparse.Namespace) -> None:
-    from dataquay.server.cluster import LocalCluster
+    from dataquay.server.tools.local_cluster import LocalCluster
 
     base = Path(args.base_dir).absolute()
     cluster = LocalCluster.load(base)

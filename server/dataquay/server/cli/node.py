@@ -27,9 +27,9 @@ TIER_NAMES = {pb.TIER_LOCAL: "local", pb.TIER_PEER: "peer", pb.TIER_PFS: "pfs"}
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from dataquay.client.malloc import tune_malloc
-    from dataquay.server.daemon import serve
     from dataquay.server.logs import setup_logging
     from dataquay.server.loops import loop_factory
+    from dataquay.server.node.daemon import serve
 
     config = DaemonConfig.from_sources(vars(args), file=ConfigFile.find(args.config))
     setup_logging(config.log_level, config.log_format)
@@ -173,7 +173,7 @@ def _print_node_status(stats: pb.StatsReply) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from dataquay.server.demo import run_demo
+    from dataquay.server.tools.demo import run_demo
 
     run_demo(samples=args.samples, epochs=args.epochs)
 

@@ -1,6 +1,6 @@
 """``dataquay simulate``: what a mode and Q cost a job, epoch by epoch, before it runs.
 
-The model is :mod:`dataquay.server.simulate`'s; this module parses the flags,
+The model is :mod:`dataquay.server.tools.simulate`'s; this module parses the flags,
 reports progress on stderr and prints a table or one JSON document.
 """
 
@@ -16,8 +16,8 @@ import numpy as np
 
 from dataquay.client.placement import MODES, JobPlan
 from dataquay.server.cli.common import CliError, print_table
-from dataquay.server.simulate import Estimate, EpochTraffic, Rates, Scenario, Spread, estimate, simulate, spread
 from dataquay.server.sizes import format_bytes, parse_size
+from dataquay.server.tools.simulate import EpochTraffic, Estimate, Rates, Scenario, Spread, estimate, simulate, spread
 
 #: Simulations that run longer than this report each epoch on stderr.
 PROGRESS_AFTER_S = 2.0

@@ -36,12 +36,10 @@ from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.server.auth import new_server, server_tls
 from dataquay.server.config import DirectoryConfig
-from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
-from dataquay.server.listen import bind_tcp
 from dataquay.server.directory.beats import open_heartbeats
 from dataquay.server.directory.metrics import directory_metrics
 from dataquay.server.directory.sd_http import HttpEndpoints
-from dataquay.server.directory.service import DirectoryServicer
+from dataquay.server.directory.servicer import DirectoryServicer
 from dataquay.server.directory.state import (
     Change,
     DatasetFacts,
@@ -53,9 +51,11 @@ from dataquay.server.directory.state import (
 )
 from dataquay.server.dirs import ensure_writable_dir
 from dataquay.server.errors import StartupError
+from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
+from dataquay.server.listen import bind_tcp
 from dataquay.server.manifest_build import build_manifest
 from dataquay.server.registry import Registered, Registry
-from dataquay.server.tasks import TaskGroup
+from dataquay.server.task_group import TaskGroup
 
 log = logging.getLogger("dataquay.directory")
 

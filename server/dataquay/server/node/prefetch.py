@@ -24,9 +24,9 @@ import numpy as np
 from dataquay.client.jobs import job_plan
 from dataquay.client.placement import node_steps
 from dataquay.server.errors import DataquayError
-from dataquay.server.jobs import Placement
+from dataquay.server.node.placements import Placement
 from dataquay.server.registry import Registered
-from dataquay.server.tasks import Spawn
+from dataquay.server.task_group import Spawn
 
 log = logging.getLogger("dataquay.prefetch")
 

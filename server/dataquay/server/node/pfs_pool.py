@@ -17,13 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from dataquay.client.manifest import Manifest
 from dataquay.client.errors import PfsReadError
+from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import PfsRangeError, PfsReader, ReadRange, plan_reads
 from dataquay.client.records import encode_value
 from dataquay.server.ratelimit import TokenBucket
-from dataquay.server.tasks import STAGING_NICENESS, lower_thread_priority
-
+from dataquay.server.task_group import STAGING_NICENESS, lower_thread_priority
 
 #: Each thread of a request should get at least this much work: a hop to a
 #: thread costs tens of microseconds and GIL churn, which only pays off when

@@ -5,7 +5,7 @@ ships them when the job enters an epoch, :mod:`.receiver` commits what others
 ship to this node. See DESIGN.md, "The per-epoch exchange".
 """
 
-from dataquay.server.exchange.receiver import ExchangeReceiver
-from dataquay.server.exchange.sender import Exchanges, ExchangeRun
+from dataquay.server.node.exchange.receiver import ExchangeReceiver
+from dataquay.server.node.exchange.sender import ExchangeRun, Exchanges
 
 __all__ = ["ExchangeReceiver", "ExchangeRun", "Exchanges"]

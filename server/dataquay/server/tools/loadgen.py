@@ -13,7 +13,7 @@ reads. Each payload's xxh3 is checked against checksums the caller computed
 from the PFS files itself, never against what the daemon claims.
 
 Clients are threads of worker processes (``python -m
-dataquay.server.loadgen``), each thread with a channel (connection) of its
+dataquay.server.tools.loadgen``), each thread with a channel (connection) of its
 own. Workers import and connect first and then start together on the
 parent's word, so start-up never counts in the figures. The parent samples
 the daemon's resident memory once a second: a leak shows as growth after the
@@ -375,7 +375,7 @@ class _Workers:
             for index, plan in enumerate(self._plans):
                 with open(self._log_path(index), "w") as log:
                     proc = subprocess.Popen(
-                        [sys.executable, "-m", "dataquay.server.loadgen"], stdin=subprocess.PIPE,
+                        [sys.executable, "-m", "dataquay.server.tools.loadgen"], stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE, stderr=log, text=True,
                     )
                 self._procs.append(proc)
@@ -679,8 +679,8 @@ def bench_load(
     Writes ``load.json`` to ``out_dir`` when given. Returns the result and
     what staging cached.
     """
-    from dataquay.server.launch import DaemonProcess
-    from dataquay.server.synthetic import make_files_dataset
+    from dataquay.server.tools.processes import DaemonProcess
+    from dataquay.server.tools.synthetic import make_files_dataset
 
     if not 0 < cached <= 1:
         raise LoadError(f"the cached share of the dataset must be in (0, 1], not {cached}")

@@ -17,8 +17,8 @@ from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.directory.state import Job, JoinRequest, Node, NodeInfo
+from dataquay.server.proto_maps import FORMAT_FROM_PROTO, dataset_info
 from dataquay.server.status import status_on_error
-from dataquay.server.servicer import FORMAT_FROM_PROTO, dataset_info
 
 if TYPE_CHECKING:
     from dataquay.server.directory.server import DirectoryServer

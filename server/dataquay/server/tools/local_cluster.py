@@ -37,7 +37,7 @@ from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import DataquayError
-from dataquay.server.launch import DaemonProcess, DirectoryProcess, ServerProcess
+from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess, ServerProcess
 
 CLUSTER_FILE = "cluster.json"
 CLUSTER_ENV = "cluster.env"

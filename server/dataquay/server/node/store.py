@@ -29,7 +29,7 @@ import numpy as np
 from dataquay.client.records import CHECKSUM_BYTES, decode_value, sample_key, stored_checksum
 from dataquay.server.dirs import ensure_writable_dir
 from dataquay.server.errors import StartupError
-from dataquay.server.tasks import WRITER_NICENESS, lower_thread_priority
+from dataquay.server.task_group import WRITER_NICENESS, lower_thread_priority
 
 log = logging.getLogger("dataquay.store")
 

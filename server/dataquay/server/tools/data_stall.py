@@ -38,9 +38,9 @@ from dataquay.client.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.cli import main as cli_main
-from dataquay.server.cluster import LocalCluster
-from dataquay.server.ranks import Direct, RankEpoch, RankGroup
-from dataquay.server.synthetic import make_files_dataset
+from dataquay.server.tools.local_cluster import LocalCluster
+from dataquay.server.tools.synthetic import make_files_dataset
+from dataquay.server.tools.trainers import Direct, RankEpoch, RankGroup
 
 NODES = 4
 RANKS_PER_NODE = 2

@@ -1,7 +1,7 @@
 """Simulated training ranks of a cluster job, one process each, as torchrun
 would start them: what the demo and the cluster tests run.
 
-A rank process (``python -m dataquay.server.ranks``) takes everything from its
+A rank process (``python -m dataquay.server.tools.trainers``) takes everything from its
 environment, like a real trainer: its node's daemon (DATAQUAY_ADDR), the job
 (DATAQUAY_JOB) and its place in the job (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE). It joins the job through its daemon and then obeys one
@@ -21,12 +21,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import threading
-from collections import OrderedDict
 import select
 import subprocess
 import sys
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,7 +269,7 @@ class RankGroup:
         self._envs = [dict(e) for e in envs]
         self._prefixes = [list(p) for p in prefixes] if prefixes is not None else [[] for _ in envs]
         self._args = [
-            sys.executable, "-m", "dataquay.server.ranks", dataset, str(batch), str(compute_seconds),
+            sys.executable, "-m", "dataquay.server.tools.trainers", dataset, str(batch), str(compute_seconds),
         ]
         self._log_dir = log_dir
         self._timeout = timeout

@@ -20,11 +20,11 @@ import numpy as np
 from dataquay.client.placement import MAX_EPOCH
 from dataquay.client.records import decode_value
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.datasets import Datasets
 from dataquay.server.errors import DatasetReplacedError, ExchangeRefusedError, InvalidRequestError, SampleIdError
-from dataquay.server.jobs import Placements
+from dataquay.server.node.datasets import Datasets
+from dataquay.server.node.placements import Placements
+from dataquay.server.node.store import PendingWrite, Store
 from dataquay.server.registry import Registered
-from dataquay.server.store import PendingWrite, Store
 
 log = logging.getLogger("dataquay.exchange")
 

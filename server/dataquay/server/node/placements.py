@@ -21,7 +21,7 @@ import numpy as np
 from dataquay.client.jobs import job_plan
 from dataquay.client.placement import MODES, JobPlan, owned_ids, owners
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.membership import DirectoryLink
+from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.registry import Registered
 
 log = logging.getLogger("dataquay.jobs")

@@ -16,21 +16,19 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import StandaloneError
-from dataquay.server.exchange import ExchangeRun
-from dataquay.server.jobs import Placements
-from dataquay.server.membership import DirectoryLink
-from dataquay.server.reads import MISSING, chunked
-from dataquay.server.registry import Registered
-from dataquay.server.shm import write_payloads
-from dataquay.server.stager import StagingProgress
+from dataquay.server.node.directory_link import DirectoryLink
+from dataquay.server.node.exchange import ExchangeRun
+from dataquay.server.node.placements import Placements
+from dataquay.server.node.reads import MISSING, chunked
+from dataquay.server.node.shm import write_payloads
+from dataquay.server.node.stager import StagingProgress
+from dataquay.server.proto_maps import FORMAT_FROM_PROTO, dataset_info
 from dataquay.server.status import status_on_error
 
 if TYPE_CHECKING:
-    from dataquay.server.daemon import Daemon
+    from dataquay.server.node.daemon import Daemon
 
 TIER_TO_PROTO = {"local": pb.TIER_LOCAL, "peer": pb.TIER_PEER, "pfs": pb.TIER_PFS}
-FORMAT_TO_PROTO = {"files": pb.FORMAT_FILES, "tar": pb.FORMAT_TAR, "npy": pb.FORMAT_NPY}
-FORMAT_FROM_PROTO = {v: k for k, v in FORMAT_TO_PROTO.items()}
 
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
@@ -233,28 +231,6 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         entry = self.daemon.registry.get(name)
         entries, cached_bytes = self.daemon.store.dataset_usage(entry.record.cache_db)
         return dataset_info(entry, entries, cached_bytes)
-
-
-def dataset_info(entry: Registered, cached_samples: int = 0, cached_bytes: int = 0) -> pb.DatasetInfo:
-    """A registry entry as the API describes it (the directory caches nothing: zeros)."""
-    manifest, record = entry.manifest, entry.record
-    stats = manifest.size_stats()
-    return pb.DatasetInfo(
-        name=record.name,
-        root=record.root,
-        format=FORMAT_TO_PROTO[record.format],
-        num_samples=manifest.num_samples,
-        total_bytes=manifest.total_bytes,
-        sample_size=pb.SampleSizeStats(
-            min=int(stats["min"]), max=int(stats["max"]), mean=stats["mean"], median=int(stats["median"])
-        ),
-        manifest_id=record.manifest_id,
-        cache_db=record.cache_db,
-        manifest_bytes=len(manifest.data),
-        cached_samples=cached_samples,
-        cached_bytes=cached_bytes,
-        created_unix=record.created,
-    )
 
 
 def exchange_progress(run: ExchangeRun) -> pb.ExchangeProgress:

@@ -22,10 +22,10 @@ from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import ReadRange, plan_reads
 from dataquay.client.placement import epoch_permutation
 from dataquay.client.records import CHECKSUM_BYTES
-from dataquay.server.pfs_pool import PfsPool
+from dataquay.server.node.pfs_pool import PfsPool
+from dataquay.server.node.store import PendingWrite, Store
 from dataquay.server.registry import Registry
-from dataquay.server.store import PendingWrite, Store
-from dataquay.server.tasks import Spawn
+from dataquay.server.task_group import Spawn
 
 log = logging.getLogger("dataquay.stager")
 

@@ -6,7 +6,7 @@ move, what the owner does not hold yet (its exchange has not delivered it) is
 asked of the sample's owner in the epoch before. In modes ``global`` and
 ``locality`` (when the job has a batch size) the samples this node's ranks
 will need from other nodes in the next steps are fetched ahead of them
-(:mod:`dataquay.server.prefetch`). What no daemon delivers in time comes from
+(:mod:`dataquay.server.node.prefetch`). What no daemon delivers in time comes from
 the PFS. A read from a peer
 (``peer`` set) is answered from this cache alone, its misses flagged, so that
 two daemons never bounce a request between them.
@@ -31,16 +31,16 @@ import numpy as np
 
 from dataquay.client.channels import READ_CHUNK_BYTES
 from dataquay.client.records import CHECKSUM_BYTES, encode_value, stored_checksum
-from dataquay.server.datasets import Datasets
 from dataquay.server.errors import BatchTooLargeError, DatasetReplacedError, DirectoryUnavailableError, SampleIdError
-from dataquay.server.jobs import Placement, Placements
-from dataquay.server.metrics import DaemonMetrics
-from dataquay.server.peers import Peers
-from dataquay.server.pfs_pool import PfsPool
-from dataquay.server.prefetch import PREFETCHED_MODES, TransferPrefetcher
+from dataquay.server.node.datasets import Datasets
+from dataquay.server.node.metrics import DaemonMetrics
+from dataquay.server.node.peers import Peers
+from dataquay.server.node.pfs_pool import PfsPool
+from dataquay.server.node.placements import Placement, Placements
+from dataquay.server.node.prefetch import PREFETCHED_MODES, TransferPrefetcher
+from dataquay.server.node.store import PendingWrite, Store
 from dataquay.server.registry import Registered
-from dataquay.server.store import PendingWrite, Store
-from dataquay.server.tasks import Spawn
+from dataquay.server.task_group import Spawn
 
 T = TypeVar("T")
 

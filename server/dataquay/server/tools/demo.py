@@ -29,11 +29,11 @@ from dataquay.client.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.cli import main as cli_main
-from dataquay.server.cluster import LocalCluster
 from dataquay.server.errors import DataquayError
-from dataquay.server.ranks import Direct, RankEpoch, RankGroup
 from dataquay.server.sizes import format_bytes
-from dataquay.server.synthetic import make_files_dataset
+from dataquay.server.tools.local_cluster import LocalCluster
+from dataquay.server.tools.synthetic import make_files_dataset
+from dataquay.server.tools.trainers import Direct, RankEpoch, RankGroup
 
 SIZES = (4 << 10, 16 << 10, 64 << 10, 110 << 10, 256 << 10)
 NODES = 4

@@ -33,17 +33,17 @@ import numpy as np
 from dataquay.client.placement import MODES
 from dataquay.client.records import CHECKSUM_BYTES
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.datasets import Datasets
 from dataquay.server.errors import DataquayError
-from dataquay.server.exchange.receiver import ExchangeReceiver
-from dataquay.server.exchange.outbox import PENDING, REFUSED, UNAVAILABLE, Outbox, OutboxProgress
-from dataquay.server.jobs import Placement, Placements
-from dataquay.server.membership import DirectoryLink
-from dataquay.server.peers import Peers
+from dataquay.server.node.datasets import Datasets
+from dataquay.server.node.directory_link import DirectoryLink
+from dataquay.server.node.exchange.outbox import PENDING, REFUSED, UNAVAILABLE, Outbox, OutboxProgress
+from dataquay.server.node.exchange.receiver import ExchangeReceiver
+from dataquay.server.node.peers import Peers
+from dataquay.server.node.placements import Placement, Placements
+from dataquay.server.node.store import Store
 from dataquay.server.ratelimit import TokenBucket
 from dataquay.server.registry import Registered
-from dataquay.server.store import Store
-from dataquay.server.tasks import Spawn
+from dataquay.server.task_group import Spawn
 
 log = logging.getLogger("dataquay.exchange")
 

@@ -16,9 +16,9 @@ import logging
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DirectoryUnavailableError, UnknownDatasetError
 from dataquay.server.manifest_build import build_manifest
-from dataquay.server.membership import DirectoryLink
+from dataquay.server.node.directory_link import DirectoryLink
+from dataquay.server.node.store import Store
 from dataquay.server.registry import Registered, Registry
-from dataquay.server.store import Store
 
 log = logging.getLogger("dataquay.datasets")
 

@@ -27,24 +27,24 @@ from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server import __version__
 from dataquay.server.auth import new_server, server_tls
 from dataquay.server.config import DaemonConfig
-from dataquay.server.client_stats import ClientStatsBook
-from dataquay.server.datasets import Datasets
 from dataquay.server.errors import StartupError
-from dataquay.server.exchange import ExchangeReceiver, ExchangeRun, Exchanges
-from dataquay.server.jobs import Placements
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.listen import advertised_host, bind_tcp, claim_socket_path
-from dataquay.server.membership import DirectoryLink
-from dataquay.server.metrics import DaemonMetrics, ExchangeState, LiveState
-from dataquay.server.peers import Peers
-from dataquay.server.pfs_pool import PfsPool
-from dataquay.server.reads import ReadService
+from dataquay.server.node.client_stats import ClientStatsBook
+from dataquay.server.node.datasets import Datasets
+from dataquay.server.node.directory_link import DirectoryLink
+from dataquay.server.node.exchange import ExchangeReceiver, ExchangeRun, Exchanges
+from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState
+from dataquay.server.node.peers import Peers
+from dataquay.server.node.pfs_pool import PfsPool
+from dataquay.server.node.placements import Placements
+from dataquay.server.node.reads import ReadService
+from dataquay.server.node.servicer import CacheServicer
+from dataquay.server.node.shm import ShmSegments
+from dataquay.server.node.stager import Stager
+from dataquay.server.node.store import Store
 from dataquay.server.registry import Registry
-from dataquay.server.servicer import CacheServicer
-from dataquay.server.shm import ShmSegments
-from dataquay.server.stager import Stager
-from dataquay.server.store import Store
-from dataquay.server.tasks import TaskGroup
+from dataquay.server.task_group import TaskGroup
 
 log = logging.getLogger("dataquay.daemon")
 

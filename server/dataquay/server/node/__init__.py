@@ -1,0 +1,1 @@
+"""The daemon that runs on every compute node: cache, reads, staging, exchange."""
