@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -203,10 +204,32 @@ def test_sigkilled_daemon_restarts_on_its_cache_with_every_entry(
     assert {s.tier for s in samples} == {pb.TIER_LOCAL}
 
 
-def test_sigterm_finishes_and_exits_zero(daemon: DaemonProcess) -> None:
-    daemon.signal(signal.SIGTERM)
+def test_sigterm_drains_reads_in_flight_commits_their_writes_and_exits_zero(
+    start_daemon: Callable[..., DaemonProcess], pfs: tuple[Path, list[bytes]]
+) -> None:
+    root, payloads = pfs
+    # About 180 KB of misses at 60 KB/s: the reads are still at the PFS for seconds.
+    daemon = start_daemon("--pfs-bandwidth", "60K")
+    stub = stub_for(daemon)
+    add(stub, root)
+    half = len(payloads) // 2
+    with ThreadPoolExecutor(2) as pool:
+        calls = [pool.submit(read, stub, "imgs", ids) for ids in (list(range(half)), list(range(half, len(payloads))))]
+        deadline = time.monotonic() + 20
+        while stats(stub).pfs_bytes == 0:
+            assert time.monotonic() < deadline, "the reads never reached the PFS"
+            time.sleep(0.02)
+        assert not any(call.done() for call in calls)
+        daemon.signal(signal.SIGTERM)
+        samples = [s for call in calls for s in call.result(timeout=30)]
+    assert [s.data for s in samples] == payloads
+    assert [s.checksum for s in samples] == [checksum(p) for p in payloads]
+    assert {s.tier for s in samples} == {pb.TIER_PFS}
     assert daemon.process is not None and daemon.process.wait(30) == 0
     assert not daemon.socket.exists()
+
+    daemon.start()
+    assert stats(stub_for(daemon)).cache_entries == len(payloads)
 
 
 def test_drop_frees_the_cache_and_unregisters(daemon: DaemonProcess, pfs: tuple[Path, list[bytes]]) -> None:

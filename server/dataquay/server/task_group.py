@@ -24,9 +24,18 @@ class TaskGroup:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Runs ``coro`` until it ends or the group closes; its failure is logged."""
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._finished)
+        return task
+
+    def spawn_awaited(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Like :meth:`spawn`, for a task whose result callers await: its failure
+        is theirs to report, so it is not logged here too."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         return task
 
     def _finished(self, task: asyncio.Task[Any]) -> None:

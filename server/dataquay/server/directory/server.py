@@ -2,8 +2,10 @@
 
 Lifecycle as the daemon's: ``start()`` is idempotent and closes what it
 opened if a step fails; ``async with DirectoryServer(...)`` starts and closes;
-shutdown is staged (health NOT_SERVING, background work cancelled, in-flight
-calls drained within a grace period, state written a last time).
+shutdown is staged: health NOT_SERVING, the server stops accepting and drains
+in-flight calls within a grace period while heartbeats and the lease check go
+on (a node must not expire for the drain's sake), then background work is
+cancelled, heartbeats and HTTP stop and the state is written a last time.
 
 Persistence: ``directory.json`` under the state dir holds nodes, jobs and
 versions; the dataset registry keeps its own files beside it. Every change of
@@ -163,11 +165,11 @@ class DirectoryServer(ServerLifecycle):
         self._started = False
         self._serving = False
         await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace)
         await self.tasks.close()
         if self._beats is not None:
             self._beats.close()
-        if self._server is not None:
-            await self._server.stop(grace)
         await self.http.close()
         self._save()
 

@@ -3,9 +3,12 @@
 Lifecycle (after uvicorn and dask's Server): ``start()`` is idempotent and, if
 any step fails, closes what it opened and raises with the cause chained;
 ``async with Daemon(...)`` starts and closes. Shutdown is staged: health goes
-NOT_SERVING, the server stops accepting and lets in-flight calls finish within
-a grace period, background work is cancelled, queued cache writes are committed
-and the environment is synced and closed.
+NOT_SERVING and staging stops (it resumes when asked again); the server stops
+accepting and lets in-flight calls finish within a grace period, with every
+background task still running for them (reads wait on prefetches and dataset
+fetches, incoming exchanges on the cache writer); then the background work is
+cancelled, the writes still queued are committed, the writer is stopped and
+the environment synced and closed.
 """
 
 from __future__ import annotations
@@ -71,12 +74,15 @@ class Daemon(ServerLifecycle):
             if config.directory
             else None
         )
-        self.datasets = Datasets(self.registry, self.store, self.link)
+        self.tasks = TaskGroup()
+        # The writer and the syncer outlive the other background tasks: what
+        # those queued is committed before the writer stops.
+        self.store_tasks = TaskGroup()
+        self.datasets = Datasets(self.registry, self.store, self.tasks, self.link)
         self.peers = Peers(config.peer_timeout, self.credentials)
         self.placements = (
             Placements(self.link, config.node_name, config.state_dir) if self.link is not None else None
         )
-        self.tasks = TaskGroup()
         self.reads = ReadService(
             self.datasets, self.store, self.pfs, self.metrics, config.max_batch, self.peers, self.placements,
             self.tasks.spawn,
@@ -115,8 +121,8 @@ class Daemon(ServerLifecycle):
         except BaseException:
             await self.close()
             raise
-        self.tasks.spawn(self.store.run_writer(), "cache-writer")
-        self.tasks.spawn(self.store.run_syncer(), "cache-syncer")
+        self.store_tasks.spawn(self.store.run_writer(), "cache-writer")
+        self.store_tasks.spawn(self.store.run_syncer(), "cache-syncer")
         self.tasks.spawn(self._reap_segments(), "shm-reaper")
         if self.link is not None:
             self.tasks.spawn(self.link.run(), "directory-link")
@@ -180,13 +186,14 @@ class Daemon(ServerLifecycle):
             return
         self._started = False
         await self.health.enter_graceful_shutdown()
-        # Background work first, so that Stage streams end (staging is
-        # resumable) instead of holding the server for the whole grace period.
-        await self.tasks.close()
+        await self.stager.close()
         if self._server is not None:
             await self._server.stop(grace)
+        await self.tasks.close()
         if self.store.is_open:
-            await self._drain_writes()
+            await self._commit_queued()
+        await self.store_tasks.close()
+        if self.store.is_open:
             self.store.close()
         await self.peers.close()
         if self.link is not None:
@@ -213,16 +220,12 @@ class Daemon(ServerLifecycle):
             await asyncio.sleep(interval)
             self.shm.reap()
 
-    async def _drain_writes(self) -> None:
-        """Commits what is still queued (the writer task is gone by now)."""
-        writer = asyncio.get_running_loop().create_task(self.store.run_writer())
+    async def _commit_queued(self, timeout: float = 30.0) -> None:
+        """Waits for the writer to commit what is queued; nothing queues more by now."""
         try:
-            await asyncio.wait_for(self.store.flush(), timeout=30)
+            await asyncio.wait_for(self.store.flush(), timeout)
         except TimeoutError:
             log.warning("dropped queued cache writes at shutdown")
-        finally:
-            writer.cancel()
-            await asyncio.gather(writer, return_exceptions=True)
 
     # ------------------------------------------------------------- cluster
 

@@ -19,6 +19,7 @@ from dataquay.server.manifest_build import build_manifest
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.store import Store
 from dataquay.server.registry import Registered, Registry
+from dataquay.server.task_group import TaskGroup
 
 log = logging.getLogger("dataquay.datasets")
 
@@ -26,9 +27,10 @@ log = logging.getLogger("dataquay.datasets")
 class Datasets:
     """Resolves dataset names to registered manifests and their cache sub-databases."""
 
-    def __init__(self, registry: Registry, store: Store, link: DirectoryLink | None = None) -> None:
+    def __init__(self, registry: Registry, store: Store, tasks: TaskGroup, link: DirectoryLink | None = None) -> None:
         self.registry = registry
         self.store = store
+        self.tasks = tasks
         self.link = link
         self._builds = asyncio.Semaphore(1)
         self._fetches: dict[str, asyncio.Future[Registered]] = {}
@@ -46,7 +48,7 @@ class Datasets:
                 raise
         pending = self._fetches.get(name)
         if pending is None:
-            pending = self._fetches[name] = asyncio.ensure_future(self._fetch(name))
+            pending = self._fetches[name] = self.tasks.spawn_awaited(self._fetch(name), f"fetch-{name}")
             pending.add_done_callback(lambda _: self._fetches.pop(name, None))
         return await asyncio.shield(pending)
 

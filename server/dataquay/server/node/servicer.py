@@ -120,7 +120,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             if request.job:
                 placement = await self._placements().placement(request.job, entry, epoch=0)
                 seed, ids = placement.job.spec.seed, placement.owned()
-            progress = d.stager.start(request.dataset, seed, d.tasks.spawn, ids)
+            progress = d.stager.start(request.dataset, seed, ids)
         while True:
             await d.stager.wait(request.dataset, timeout=0.5)
             yield self._progress(progress)

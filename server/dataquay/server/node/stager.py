@@ -25,9 +25,12 @@ from dataquay.client.records import CHECKSUM_BYTES
 from dataquay.server.node.pfs_pool import PfsPool
 from dataquay.server.node.store import PendingWrite, Store
 from dataquay.server.registry import Registry
-from dataquay.server.task_group import Spawn
+from dataquay.server.task_group import TaskGroup
 
 log = logging.getLogger("dataquay.stager")
+
+#: What a run stopped by the daemon's shutdown reports.
+SHUTTING_DOWN = "the daemon is shutting down; stage again to resume"
 
 
 @dataclass
@@ -93,7 +96,12 @@ def staging_ranges(manifest: Manifest, ids: np.ndarray, seed: int) -> list[ReadR
 
 
 class Stager:
-    """Runs staging in the background and keeps the last run's progress per dataset."""
+    """Runs staging in the background and keeps the last run's progress per dataset.
+
+    Its runs are a task group of their own: the daemon ends them before it
+    drains in-flight calls, so that the Stage streams watching them end
+    instead of holding the drain for its whole grace period.
+    """
 
     def __init__(self, registry: Registry, store: Store, pfs: PfsPool) -> None:
         self.registry = registry
@@ -101,10 +109,12 @@ class Stager:
         self.pfs = pfs
         self.runs: dict[str, StagingProgress] = {}
         self._done: dict[str, asyncio.Event] = {}
+        self._tasks = TaskGroup()
+        self._closed = False
 
-    def start(self, dataset: str, seed: int, spawn: Spawn, ids: np.ndarray | None = None) -> StagingProgress:
+    def start(self, dataset: str, seed: int, ids: np.ndarray | None = None) -> StagingProgress:
         """Starts staging ``ids`` of ``dataset`` (default: all) unless a run is
-        going; returns its progress."""
+        going; returns its progress, already ended once the stager is closed."""
         current = self.runs.get(dataset)
         if current is not None and not current.finished:
             return current
@@ -114,8 +124,17 @@ class Stager:
         progress = StagingProgress(dataset, len(ids), int(manifest.sample_length[ids].sum()))
         self.runs[dataset] = progress
         self._done[dataset] = asyncio.Event()
-        spawn(self._run(dataset, seed, ids, progress), f"stage-{dataset}")
+        if self._closed:
+            progress.end(SHUTTING_DOWN)
+            self._done[dataset].set()
+        else:
+            self._tasks.spawn(self._run(dataset, seed, ids, progress), f"stage-{dataset}")
         return progress
+
+    async def close(self) -> None:
+        """Ends the runs (staging resumes where it stopped when asked again) and starts no more."""
+        self._closed = True
+        await self._tasks.close()
 
     async def wait(self, dataset: str, timeout: float) -> None:
         """Returns when the dataset's run ends or ``timeout`` passes."""
@@ -162,7 +181,7 @@ class Stager:
                                       "first": progress.first_failure}},
                 )
         except asyncio.CancelledError:
-            progress.end("the daemon is shutting down; stage again to resume")
+            progress.end(SHUTTING_DOWN)
             raise
         except Exception as exc:  # reported to the caller through the progress stream
             progress.end(str(exc))
