@@ -420,8 +420,8 @@ def test_metrics_endpoint_exports_reads_cache_and_pfs_figures(
         if line and not line.startswith("#")
     }
     total = float(sum(map(len, payloads)))
-    assert values['dataquay_reads_total{tier="local"}'] == 3
-    assert values['dataquay_read_bytes_total{tier="local"}'] == sum(map(len, payloads[:3]))
+    assert values['dataquay_reads_total{tier="cache"}'] == 3
+    assert values['dataquay_read_bytes_total{tier="cache"}'] == sum(map(len, payloads[:3]))
     assert values["dataquay_pfs_read_bytes_total"] == total
     assert values["dataquay_pfs_errors_total"] == 0
     assert values["dataquay_cache_entries"] == len(payloads)

@@ -22,7 +22,7 @@ from dataquay.server.sizes import format_bytes
 
 FORMATS = {"files": pb.FORMAT_FILES, "tar": pb.FORMAT_TAR, "npy": pb.FORMAT_NPY}
 FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
-TIER_NAMES = {pb.TIER_LOCAL: "local", pb.TIER_PEER: "peer", pb.TIER_PFS: "pfs"}
+TIER_NAMES = {pb.TIER_LOCAL: "cache", pb.TIER_PEER: "peer", pb.TIER_PFS: "pfs"}
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

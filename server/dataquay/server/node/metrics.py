@@ -14,7 +14,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-TIERS = ("local", "peer", "pfs")
+#: Where this daemon served a sample from: its own cache, another daemon's, the PFS.
+#: Not the clients' tiers (``dataquay_client_reads``), where ``local`` is a
+#: trainer's own read of the cache and ``daemon-local`` one through this daemon.
+TIERS = ("cache", "peer", "pfs")
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 

@@ -139,7 +139,7 @@ class ReadService:
 
     def _answer_peer(self, ids: np.ndarray, cached: list[tuple[bytes, int] | None]) -> list[Served]:
         out = [
-            Served(sample_id, MISSING, b"", 0) if hit is None else Served(sample_id, "local", *hit)
+            Served(sample_id, MISSING, b"", 0) if hit is None else Served(sample_id, "cache", *hit)
             for sample_id, hit in zip(ids.tolist(), cached)
         ]
         served = [s for s in out if s.tier != MISSING]
@@ -210,9 +210,9 @@ class ReadService:
         fetched: dict[int, tuple[str, bytes | memoryview, int]],
     ) -> list[Served]:
         out: list[Served] = []
-        counts = {"local": [0, 0], "peer": [0, 0], "pfs": [0, 0]}
+        counts = {"cache": [0, 0], "peer": [0, 0], "pfs": [0, 0]}
         for sample_id, hit in zip(ids.tolist(), cached):
-            served = Served(sample_id, "local", *hit) if hit is not None else Served(sample_id, *fetched[sample_id])
+            served = Served(sample_id, "cache", *hit) if hit is not None else Served(sample_id, *fetched[sample_id])
             out.append(served)
             count = counts[served.tier]
             count[0] += 1

@@ -28,7 +28,7 @@ from dataquay.server.status import status_on_error
 if TYPE_CHECKING:
     from dataquay.server.node.daemon import Daemon
 
-TIER_TO_PROTO = {"local": pb.TIER_LOCAL, "peer": pb.TIER_PEER, "pfs": pb.TIER_PFS}
+TIER_TO_PROTO = {"cache": pb.TIER_LOCAL, "peer": pb.TIER_PEER, "pfs": pb.TIER_PFS}
 
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
