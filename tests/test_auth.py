@@ -170,8 +170,9 @@ def test_a_cluster_with_mutual_tls_works_and_refuses_plaintext(
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     no_client_cert = Credentials.from_files(ca=pem.ca)
     with no_client_cert.channel(str(ready["tcp"]), channel_options()) as anonymous:
-        with pytest.raises(grpc.RpcError):
+        with pytest.raises(grpc.RpcError) as refused:
             pb_stub(anonymous).Info(pb.InfoRequest(), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
 
 
 def pb_stub(channel: grpc.Channel) -> object:
