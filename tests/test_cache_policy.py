@@ -3,14 +3,11 @@ the comparison with the daemon's insert-once cache says nothing."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-from cache_policy import LruCache, expected_lru_hit_fraction  # noqa: E402
+from dataquay.server.tools.lru_baseline import LruCache, expected_lru_hit_fraction
 
 
 def _value(sample_id: int, size: int) -> bytes:
