@@ -24,7 +24,7 @@ Measured in one run, on the same ids and batches:
 - hop 1 alone: this process asks n1 directly over TCP for the same batches
   with ``peer=True`` (what n0 does), no checksum checked: the first hop with
   the daemon's own serving, without the second.
-- hop 2 alone: the client's own daemon path (``Client._read_daemon``, shared
+- hop 2 alone: the client's own daemon path (``RemoteReader._read_daemon``, shared
   memory) over batches of ids that n0 holds: the second hop without a peer.
 - direct: this process reading the same files with ``open().read()`` (page
   cache), for context.
@@ -223,7 +223,7 @@ def bench_size(
 
     def hop2() -> int:
         for b in local_batches:
-            shm_client._read_daemon(shm_ds, b)
+            shm_client.remote._read_daemon(shm_ds, b)
         return len(local_batches) * BATCH
 
     def direct() -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from dataquay.client.client import TIERS
+from dataquay.client.stats import TIERS
 from dataquay.server.auth import new_token_file
 from dataquay.server.config import DaemonConfig, DirectoryConfig
 from dataquay.server.tools.local_cluster import read_env_file

@@ -15,6 +15,7 @@ import pytest
 
 from dataquay.client import env
 from dataquay.client.client import Client
+from dataquay.client.connection import DaemonConnection
 from dataquay.client.dataset import Dataset
 from dataquay.client.errors import (
     DaemonUnavailableError,
@@ -23,9 +24,12 @@ from dataquay.client.errors import (
     UnknownJobError,
 )
 from dataquay.client.jobs import job_plan, job_spec, join
+from dataquay.client.local import SharedLocalCache
 from dataquay.client.manifest import Manifest, ManifestWriter
 from dataquay.client.placement import JobPlan, owners, rank_length, rank_order
+from dataquay.client.remote import RemoteReader
 from dataquay.client.sampler import JobSampler, Sampler
+from dataquay.client.stats import ReadStats
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
 
@@ -81,6 +85,20 @@ class FakeClient:
 
     def report_epoch(self, job_id: str, epoch: int) -> None:
         self.reported.append((job_id, epoch))
+
+    # What a dataset reads through; these tests read no samples, and a fake
+    # client pickles without them.
+    @property
+    def local_cache(self) -> SharedLocalCache:
+        return SharedLocalCache(lambda: "")
+
+    @property
+    def read_stats(self) -> ReadStats:
+        return ReadStats()
+
+    @property
+    def remote(self) -> RemoteReader:
+        return RemoteReader(DaemonConnection("unix:/nonexistent/dataquay.sock"), ReadStats(), timeout=1.0, verify=True)
 
 
 def test_job_spec_sets_only_the_settings_given_even_when_falsy() -> None:
@@ -258,7 +276,8 @@ def test_a_job_sampler_refuses_the_state_of_another_job() -> None:
 
 
 def dataset(client: FakeClient, manifest: Manifest) -> Dataset:
-    return Dataset(client, pb.DatasetInfo(name="imnet"), manifest)
+    return Dataset(client, pb.DatasetInfo(name="imnet"), manifest,
+                   local=client.local_cache, remote=client.remote, stats=client.read_stats)
 
 
 def test_dataset_sampler_without_a_job_is_the_plain_sampler() -> None:
@@ -358,7 +377,8 @@ def test_join_job_refusals_become_errors_a_user_can_catch(
     monkeypatch: pytest.MonkeyPatch, code: grpc.StatusCode, must_exist: bool, error: type[Exception]
 ) -> None:
     client = unconnected_client()
-    monkeypatch.setattr(client, "_channel_stub", lambda: _RefusingStub(code, "job 'run-1' has seed=1, not 2"))
+    refusing = _RefusingStub(code, "job 'run-1' has seed=1, not 2")
+    monkeypatch.setattr(client._connection, "_channel_stub", lambda: refusing)
     with pytest.raises(error, match="job 'run-1' has seed=1"):
         client.join_job(job_spec("run-1", "imnet", seed=2), must_exist=must_exist)
     client.report_epoch("run-1", 3)  # best effort: never raises

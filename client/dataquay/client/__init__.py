@@ -19,7 +19,7 @@ the orders of the job's placement; the rest of the loop is the same::
 PyTorch adapters live in :mod:`dataquay.client.torch` (optional).
 """
 
-from dataquay.client.client import Client, ClientStats, connect
+from dataquay.client.client import Client, connect
 from dataquay.client.dataset import Dataset
 from dataquay.client.errors import (
     CorruptValueError,
@@ -33,6 +33,7 @@ from dataquay.client.errors import (
     UnknownJobError,
 )
 from dataquay.client.sampler import JobSampler, Sampler
+from dataquay.client.stats import ClientStats
 
 __all__ = [
     "Client",

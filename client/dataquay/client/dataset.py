@@ -17,24 +17,25 @@ import operator
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast, overload
 
 import numpy as np
 
 from dataquay.client import env
-from dataquay.client.client import EpochWait
 from dataquay.client.errors import SampleIdError
 from dataquay.client.jobs import job_plan, job_spec, join
-from dataquay.client.local import Found, sample_keys
+from dataquay.client.local import Found, SharedLocalCache, sample_keys
 from dataquay.client.manifest import Manifest
 from dataquay.client.sampler import JobSampler, Sampler
+from dataquay.client.stats import EpochWait, ReadStats
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
 
 if TYPE_CHECKING:
     from dataquay.client.client import Client
+    from dataquay.client.remote import RemoteReader
 
 log = logging.getLogger("dataquay.client")
 
@@ -56,11 +57,32 @@ class Dataset(Sequence[bytes]):
     connection and LMDB handle on first use.
     """
 
-    def __init__(self, client: Client, info: pb.DatasetInfo, manifest: Manifest) -> None:
-        self._bind(client, info, manifest, None)
+    def __init__(
+        self,
+        client: Client,
+        info: pb.DatasetInfo,
+        manifest: Manifest,
+        *,
+        local: SharedLocalCache,
+        remote: RemoteReader,
+        stats: ReadStats,
+    ) -> None:
+        self._bind(client, info, manifest, None, local, remote, stats)
 
-    def _bind(self, client: Client, info: pb.DatasetInfo, manifest: Manifest, job: str | None) -> None:
+    def _bind(
+        self,
+        client: Client,
+        info: pb.DatasetInfo,
+        manifest: Manifest,
+        job: str | None,
+        local: SharedLocalCache,
+        remote: RemoteReader,
+        stats: ReadStats,
+    ) -> None:
         self._client = client
+        self._local = local
+        self._remote = remote
+        self._stats = stats
         self._info = info
         self._manifest = manifest
         self._name = info.name
@@ -77,8 +99,12 @@ class Dataset(Sequence[bytes]):
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        client: Client = state["client"]
         info = pb.DatasetInfo.FromString(state["info"])
-        self._bind(state["client"], info, Manifest(state["manifest"]), state["job"])
+        self._bind(
+            client, info, Manifest(state["manifest"]), state["job"],
+            client.local_cache, client.remote, client.read_stats,
+        )
 
     @property
     def name(self) -> str:
@@ -144,10 +170,10 @@ class Dataset(Sequence[bytes]):
         which arrive as bytes, too), so copy what must outlive it.
         """
         started = time.perf_counter()
-        local = self._client._local_cache()
+        local = self._local.get()
         if local is None:
-            fetched = self._remote(self._check_ids(ids))
-            self._client._served(0, 0, started)
+            fetched = self._read_remote(self._check_ids(ids))
+            self._served(0, 0, started)
             yield [memoryview(value) for value in fetched]
             return
         with local.views(self._db, self._keys(ids), self._client.verify) as found:
@@ -155,7 +181,7 @@ class Dataset(Sequence[bytes]):
             if found.misses:
                 for i, value in self._missing(found, ids):
                     found[i] = memoryview(value)
-            self._client._served(hits, nbytes, started)
+            self._served(hits, nbytes, started)
             yield cast("list[memoryview]", found)  # no None left
 
     def label(self, index: int) -> str | None:
@@ -252,17 +278,16 @@ class Dataset(Sequence[bytes]):
             raise ValueError(f"batch_size must be at least 1 and prefetch at least 0, not {batch_size}, {prefetch}")
         ids = sampler.remaining()
         chunks = [ids[start : start + batch_size] for start in range(0, len(ids), batch_size)]
-        prefetcher = _Prefetcher(self, chunks, prefetch) if prefetch else None
-        started, waited = time.perf_counter(), self._client.stats().data_wait_seconds
+        prefetcher = _Prefetcher(self.get_batch, self._stats, chunks, prefetch) if prefetch else None
+        started, waited = time.perf_counter(), self._stats.data_wait_seconds
         try:
             for chunk in chunks:
                 batch = self.get_batch(chunk) if prefetcher is None else prefetcher.next_batch()
                 sampler.position += len(chunk)
                 yield batch
             sampler.position = 0
-            self._client._epoch_read(EpochWait(
-                sampler.epoch, len(chunks), time.perf_counter() - started,
-                self._client.stats().data_wait_seconds - waited,
+            self._stats.epoch_read(EpochWait(
+                sampler.epoch, len(chunks), time.perf_counter() - started, self._stats.data_wait_seconds - waited,
             ))
         finally:
             if prefetcher is not None:
@@ -335,17 +360,17 @@ class Dataset(Sequence[bytes]):
         never be a local hit, so every batch that holds one gets there.
         """
         started = time.perf_counter()
-        local = self._client._local_cache()
+        local = self._local.get()
         if local is None:
-            out = self._remote(self._check_ids(ids))
-            self._client._served(0, 0, started)
+            out = self._read_remote(self._check_ids(ids))
+            self._served(0, 0, started)
             return out
         found = local.get_many(self._db, self._keys(ids), self._client.verify)
         hits, nbytes = self._hits(found)
         if found.misses:
             for i, value in self._missing(found, ids):
                 found[i] = value
-        self._client._served(hits, nbytes, started)
+        self._served(hits, nbytes, started)
         return cast("list[bytes]", found)  # no None left
 
     @staticmethod
@@ -359,19 +384,26 @@ class Dataset(Sequence[bytes]):
     def _missing(self, found: list[Any], ids: Sequence[int] | np.ndarray) -> Iterator[tuple[int, bytes]]:
         """(position, bytes) for each None in ``found``, read remotely in one go."""
         positions = [i for i, value in enumerate(found) if value is None]
-        return zip(positions, self._remote(self._check_ids(ids)[positions]))
+        return zip(positions, self._read_remote(self._check_ids(ids)[positions]))
 
-    def _remote(self, ids: np.ndarray) -> list[bytes]:
-        return self._client._read_remote(self, ids) if len(ids) else []
+    def _read_remote(self, ids: np.ndarray) -> list[bytes]:
+        return self._remote.read(self, ids) if len(ids) else []
+
+    def _served(self, local_hits: int, local_bytes: int, started: float) -> None:
+        """Counts a call's local hits and data wait; reports the counters when a report is due."""
+        self._stats.served(local_hits, local_bytes, started)
+        if self._stats.report_due():
+            self._client.report_stats()
 
 
 class _Prefetcher:
     """Reads batches in a thread of its own, at most ``depth`` ahead of the reader."""
 
-    _END = object()
-
-    def __init__(self, dataset: Dataset, chunks: list[np.ndarray], depth: int) -> None:
-        self._dataset = dataset
+    def __init__(
+        self, read: Callable[[np.ndarray], list[bytes]], stats: ReadStats, chunks: list[np.ndarray], depth: int
+    ) -> None:
+        self._read = read
+        self._stats = stats
         self._chunks = chunks
         self._ready: queue.Queue[object] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
@@ -379,11 +411,10 @@ class _Prefetcher:
         self._thread.start()
 
     def _run(self) -> None:
-        client = self._dataset.client
-        client._thread.prefetching = True
+        self._stats.prefetching()
         for chunk in self._chunks:
             try:
-                item: object = self._dataset.get_batch(chunk)
+                item: object = self._read(chunk)
             except Exception as exc:  # handed to the reader, who raises it at this batch
                 item = exc
             while not self._stop.is_set():
@@ -398,7 +429,7 @@ class _Prefetcher:
     def next_batch(self) -> list[bytes]:
         started = time.perf_counter()
         item = self._ready.get()
-        self._dataset.client._waited(time.perf_counter() - started)
+        self._stats.waited(time.perf_counter() - started)
         if isinstance(item, Exception):
             raise item
         return cast("list[bytes]", item)

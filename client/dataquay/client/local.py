@@ -29,7 +29,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
@@ -58,6 +58,8 @@ _header = struct.Struct("<Q").unpack_from
 # used, never closed here, kept alive so that nothing finalises them.
 _inherited: list[object] = []
 _caches: weakref.WeakSet[LocalCache] = weakref.WeakSet()
+_shared_caches: weakref.WeakValueDictionary[str, LocalCache] = weakref.WeakValueDictionary()
+_shared_lock = threading.Lock()
 
 
 def sample_keys(ids: np.ndarray | Sequence[int]) -> list[bytes]:
@@ -416,13 +418,72 @@ class LocalCache:
         self.close()
 
 
+class SharedLocalCache:
+    """A client's way to the daemon's LMDB: opened on first use and shared with
+    the other clients of this process, since LMDB allows one open of an
+    environment per process.
+
+    Args:
+        path: where the daemon keeps its cache, asked at the first use (a
+            client learns it from the daemon); empty when it cannot be read here.
+    """
+
+    def __init__(self, path: Callable[[], str]) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+        self._cache: LocalCache | None = None
+        self._opened = False
+
+    def get(self) -> LocalCache | None:
+        """The cache, opened on first use; None when it cannot be read here."""
+        if not self._opened:
+            with self._lock:
+                if not self._opened and (path := self._path()):
+                    try:
+                        self._cache = _shared(path)
+                    except DataquayError as exc:
+                        log.warning("reading every sample through the daemon: %s", exc)
+                self._opened = True
+        return self._cache
+
+    @property
+    def corrupt(self) -> int:
+        """Local values that failed checksum verification in this process."""
+        cache = self._cache
+        return cache.corrupt if cache is not None else 0
+
+    def release(self) -> None:
+        """Lets the cache go for good; it closes when no client of this process holds it."""
+        with self._lock:
+            self._cache = None
+
+    def after_fork_in_child(self) -> None:
+        """A new lock: the parent's may have been held by a thread that does not exist here."""
+        self._lock = threading.Lock()
+
+
+def _shared(path: str) -> LocalCache:
+    key = os.path.realpath(path)
+    with _shared_lock:
+        cache = _shared_caches.get(key)
+        if cache is None:
+            cache = _shared_caches[key] = LocalCache(path)
+        return cache
+
+
 def _each_cache(method: str) -> None:
     for cache in list(_caches):
         getattr(cache, method)()
 
 
+def _after_fork_in_child() -> None:
+    global _shared_lock
+    _shared_lock = threading.Lock()
+    _each_cache("_after_fork_in_child")
+
+
 os.register_at_fork(
     before=lambda: _each_cache("_before_fork"),
     after_in_parent=lambda: _each_cache("_after_fork_in_parent"),
-    after_in_child=lambda: _each_cache("_after_fork_in_child"),
+    after_in_child=_after_fork_in_child,
 )

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from dataquay.client.client import TIERS
+from dataquay.client.stats import TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

@@ -1,0 +1,203 @@
+"""Reads of the samples a trainer's local cache lacks: from the daemon, or from the PFS.
+
+Every miss of a batch goes to the daemon in one streamed Read, payloads
+through a shared memory segment where the daemon can map it. A training loop
+never fails because its daemon died: the reader logs one warning, reads from
+the PFS itself (by the dataset's manifest), and tries the daemon again every
+:data:`RETRY_DAEMON_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dataquay.client.connection import DaemonConnection
+from dataquay.client.errors import CorruptValueError, DaemonUnavailableError, DataquayError
+from dataquay.client.records import checksum
+from dataquay.client.shm import Segment, SegmentPool
+from dataquay.client.stats import TIERS, ReadStats
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import cache_pb2_grpc
+
+if TYPE_CHECKING:
+    from dataquay.client.dataset import Dataset
+    from dataquay.client.pfs import PfsReader
+
+log = logging.getLogger("dataquay.client")
+
+#: While the daemon is unreachable, it is tried again this often, with a call
+#: that must answer within PROBE_SECONDS: a daemon that hangs costs its
+#: trainers that much per retry, not a read's whole deadline.
+RETRY_DAEMON_SECONDS = 2.0
+PROBE_SECONDS = 0.5
+#: Deadline of one Read; a daemon that takes longer is treated as gone.
+READ_TIMEOUT_SECONDS = 120.0
+
+_TIER_NAMES = {pb.TIER_LOCAL: "daemon-local", pb.TIER_PEER: "peer", pb.TIER_PFS: "pfs"}
+
+
+class RemoteReader:
+    """Reads misses through ``connection`` and counts them into ``stats``.
+
+    Thread-safe. Whether the daemon is down is shared with forked children:
+    they start by trying it again when its retry time has come.
+
+    Args:
+        connection: the channel to the daemon.
+        stats: the counters each read's tier goes to.
+        timeout: deadline of the Info call that refreshes :attr:`info`.
+        verify: check the checksum of every sample read.
+    """
+
+    def __init__(self, connection: DaemonConnection, stats: ReadStats, *, timeout: float, verify: bool) -> None:
+        self._connection = connection
+        self._stats = stats
+        self._timeout = timeout
+        self._verify = verify
+        #: The daemon's latest Info answer; a restarted daemon's replaces it.
+        self.info = pb.InfoReply()
+        self._down_until = 0.0
+        self._down_reason: str | None = None
+        self._pfs: dict[tuple[str, str], PfsReader] = {}
+        self._segments = SegmentPool()
+
+    @property
+    def daemon_down(self) -> bool:
+        """Whether the daemon was found unreachable and its retry time has not come."""
+        return time.monotonic() < self._down_until
+
+    def read(self, dataset: Dataset, ids: np.ndarray) -> list[bytes]:
+        """Samples the local cache lacks, in order: from the daemon, or from the
+        PFS while the daemon is unreachable."""
+        out: list[bytes] = []
+        step = self.info.max_batch or len(ids)
+        for start in range(0, len(ids), step):
+            if not self._daemon_back():
+                out += self._read_pfs(dataset, ids[start:])
+                break
+            try:
+                out += self._read_daemon(dataset, ids[start : start + step])
+            except DaemonUnavailableError as exc:
+                self._daemon_down(exc)
+                out += self._read_pfs(dataset, ids[start:])
+                break
+        return out
+
+    def close(self) -> None:
+        """Removes this process's shared memory segments."""
+        self._segments.close()
+
+    def _read_daemon(self, dataset: Dataset, ids: np.ndarray) -> list[bytes]:
+        """Samples from the daemon, payloads through shared memory where it can.
+
+        A payload whose checksum fails is asked for once more inline before
+        the read fails: a segment is never trusted over the bytes themselves.
+        """
+        with self._segments.segment() as seg:
+            out, bad = self._read_daemon_once(dataset, ids, seg)
+        if bad:
+            again, still_bad = self._read_daemon_once(dataset, ids[bad], None)
+            if still_bad:
+                want = int(ids[bad][still_bad[0]])
+                raise CorruptValueError(f"sample {want} of {dataset.name!r} arrived with a bad checksum")
+            for position, value in zip(bad, again):
+                out[position] = value
+        return out
+
+    def _read_daemon_once(
+        self, dataset: Dataset, ids: np.ndarray, seg: Segment | None
+    ) -> tuple[list[bytes], list[int]]:
+        """(samples in order, positions whose checksum failed)."""
+        request = pb.ReadRequest(
+            dataset=dataset.name, ids=ids.tolist(), manifest_id=dataset.manifest.manifest_id, job=dataset.job or ""
+        )
+        if seg is not None:
+            request.shm_name, request.shm_size = seg.name, seg.size
+
+        def read(stub: cache_pb2_grpc.CacheStub) -> list[pb.Sample]:
+            samples: list[pb.Sample] = []
+            for chunk in stub.Read(request, timeout=READ_TIMEOUT_SECONDS):
+                samples.extend(chunk.samples)
+            return samples
+
+        samples = self._connection.call("Read", read)
+        self._daemon_up()
+        if len(samples) != len(ids):
+            raise DataquayError(f"the daemon sent {len(samples)} samples of {dataset.name!r} for {len(ids)} ids")
+        out: list[bytes] = []
+        bad: list[int] = []
+        tiers = dict.fromkeys(TIERS, 0)
+        sizes = dict.fromkeys(TIERS, 0)
+        used_segment = False
+        for position, (want, sample) in enumerate(zip(ids.tolist(), samples)):
+            if sample.id != want:
+                raise DataquayError(f"the daemon sent sample {sample.id} of {dataset.name!r} where {want} was due")
+            if sample.in_shm and seg is not None:
+                data = seg.map[sample.shm_offset : sample.shm_offset + sample.length]
+                used_segment = True
+            else:
+                data = sample.data
+            if self._verify and checksum(data) != sample.checksum:
+                bad.append(position)
+            tier = _TIER_NAMES.get(sample.tier, "daemon-local")
+            tiers[tier] += 1
+            sizes[tier] += len(data)
+            out.append(data)
+        if seg is not None:
+            if used_segment:
+                seg.daemon_mapped()
+            elif seg.linked:
+                self._segments.discard(seg)
+        for tier, count in tiers.items():
+            if count:
+                self._stats.add(tier, count, sizes[tier])
+        return out, bad
+
+    def _read_pfs(self, dataset: Dataset, ids: np.ndarray) -> list[bytes]:
+        from dataquay.client.pfs import PfsReader
+
+        key = (dataset.name, dataset.manifest.manifest_id)
+        reader = self._pfs.get(key)
+        if reader is None:
+            reader = self._pfs[key] = PfsReader(dataset.manifest, dataset.name)
+        out = reader.read(ids)
+        self._stats.add("fallback", len(out), sum(map(len, out)))
+        return out
+
+    def _daemon_down(self, exc: DaemonUnavailableError) -> None:
+        if self._down_reason is None:
+            log.warning(
+                "%s; reading misses from the PFS and trying the daemon again every %.0f s",
+                exc, RETRY_DAEMON_SECONDS,
+            )
+        self._down_reason = str(exc)
+        self._down_until = time.monotonic() + RETRY_DAEMON_SECONDS
+
+    def _daemon_back(self) -> bool:
+        """Whether reads may go to the daemon: it was not found unreachable,
+        or it answers a quick call once its retry time has come."""
+        if self._down_reason is None:
+            return True
+        if time.monotonic() < self._down_until:
+            return False
+        try:
+            info = self._connection.call("Info", lambda stub: stub.Info(pb.InfoRequest(), timeout=PROBE_SECONDS))
+        except DataquayError:
+            self._down_until = time.monotonic() + RETRY_DAEMON_SECONDS
+            return False
+        self._daemon_up(info)
+        return True
+
+    def _daemon_up(self, info: pb.InfoReply | None = None) -> None:
+        """Marks the daemon reachable again; ``info`` is its answer to Info, if just asked."""
+        if self._down_reason is not None:
+            self._down_reason = None
+            log.info("dataquay daemon at %s answers again; misses go through it", self._connection.address)
+            # A restarted daemon may run with other limits.
+            self.info = info or self._connection.call(
+                "Info", lambda stub: stub.Info(pb.InfoRequest(), timeout=self._timeout)
+            )

@@ -1,0 +1,143 @@
+"""What a trainer process read through its client, by tier, and how long it waited.
+
+The counters are this process's own: a forked DataLoader worker starts from
+zero under a client id of its own, so the daemon, which sums what every
+client reports, counts each read once.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+
+from dataquay.protos import cache_pb2 as pb
+
+#: Epochs :meth:`Client.stats` remembers.
+EPOCHS_KEPT = 100
+#: How often a client reports its counters to its daemon (and at set_epoch and close).
+STATS_REPORT_SECONDS = 10.0
+#: Where samples came from, as :meth:`Client.stats` counts them.
+TIERS = ("local", "daemon-local", "peer", "pfs", "fallback")
+
+
+@dataclass(frozen=True)
+class ClientStats:
+    """What this process has read through its client, by tier.
+
+    Tiers: ``local`` (own LMDB, no RPC), ``daemon-local`` (the daemon's cache),
+    ``peer`` (another daemon), ``pfs`` (the daemon read the PFS), ``fallback``
+    (this process read the PFS because the daemon was unreachable).
+    """
+
+    samples: dict[str, int]
+    bytes: dict[str, int]
+    #: Seconds spent inside get_batch, item access and views: the time a
+    #: training loop waited for data.
+    data_wait_seconds: float
+    #: Local values that failed checksum verification (served via the daemon).
+    corrupt_local: int
+    #: The epochs read through :meth:`Dataset.batches`, oldest first (the last
+    #: EPOCHS_KEPT): how long each took and how much of it was data wait.
+    epochs: tuple[EpochWait, ...] = ()
+
+
+@dataclass(frozen=True)
+class EpochWait:
+    """One pass of ``Dataset.batches`` over a sampler's epoch."""
+
+    epoch: int
+    batches: int
+    wall_seconds: float
+    data_wait_seconds: float
+
+    @property
+    def stall_percent(self) -> float:
+        """Share of the epoch's wall time spent waiting for data."""
+        return 100 * self.data_wait_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+
+class ReadStats:
+    """This process's read counters, shared by a client and its datasets.
+
+    Thread-safe. The object lives as long as its client; a forked child
+    resets it in place (:meth:`after_fork_in_child`), so the datasets that
+    hold it count into the child's own counters.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._samples = dict.fromkeys(TIERS, 0)
+        self._bytes = dict.fromkeys(TIERS, 0)
+        self._wait = 0.0
+        self._epochs: collections.deque[EpochWait] = collections.deque(maxlen=EPOCHS_KEPT)
+        self._thread = threading.local()
+        self._client_id = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._reported_at = time.monotonic()
+
+    def add(self, tier: str, samples: int, nbytes: int, wait: float = 0.0) -> None:
+        """Counts ``samples`` of ``nbytes`` read from ``tier`` and ``wait`` seconds of data wait."""
+        with self._lock:
+            self._samples[tier] += samples
+            self._bytes[tier] += nbytes
+            self._wait += wait
+
+    def served(self, local_hits: int, local_bytes: int, started: float) -> None:
+        """Counts a call's local hits and the time since ``started`` as data
+        wait, unless a prefetch thread made the call (its reader's wait counts)."""
+        prefetching = getattr(self._thread, "prefetching", False)
+        self.add("local", local_hits, local_bytes, 0.0 if prefetching else time.perf_counter() - started)
+
+    def prefetching(self) -> None:
+        """Marks the calling thread as a prefetcher, whose calls are no data wait."""
+        self._thread.prefetching = True
+
+    def waited(self, seconds: float) -> None:
+        """Counts time a reader of prefetched batches waited for one."""
+        self.add("local", 0, 0, seconds)
+
+    def epoch_read(self, record: EpochWait) -> None:
+        """Remembers one pass of ``Dataset.batches`` (the last EPOCHS_KEPT)."""
+        self._epochs.append(record)
+
+    @property
+    def data_wait_seconds(self) -> float:
+        """The data wait counted so far."""
+        with self._lock:
+            return self._wait
+
+    def snapshot(self, corrupt_local: int) -> ClientStats:
+        """The counters as they stand, with the local cache's count of corrupt values."""
+        with self._lock:
+            samples, nbytes, wait = dict(self._samples), dict(self._bytes), self._wait
+        return ClientStats(samples, nbytes, wait, corrupt_local, tuple(self._epochs))
+
+    def report_due(self) -> bool:
+        """Whether STATS_REPORT_SECONDS have passed since the last report."""
+        return time.monotonic() - self._reported_at >= STATS_REPORT_SECONDS
+
+    def report(self) -> pb.ClientStatsReport:
+        """The counters as the daemon takes them; the next report is due
+        STATS_REPORT_SECONDS from now."""
+        self._reported_at = time.monotonic()
+        with self._lock:
+            samples, nbytes, wait = dict(self._samples), dict(self._bytes), self._wait
+        return pb.ClientStatsReport(
+            client=self._client_id,
+            reads=[pb.ClientReads(tier=t, samples=samples[t], bytes=nbytes[t]) for t in TIERS],
+            data_wait_seconds=wait,
+        )
+
+    def after_fork_in_child(self) -> None:
+        """Starts the child's counters from zero under a client id of its own.
+
+        Single-threaded here; the lock may have been held by a thread that
+        does not exist in this process.
+        """
+        self._reset()
