@@ -20,7 +20,6 @@ from dataquay.client.placement import (
     MODES,
     PARTITIONS,
     JobPlan,
-    _exchange_picks,
     check_mode_settings,
     epoch_order,
     epoch_permutation,
@@ -37,6 +36,7 @@ from dataquay.client.placement import (
     rank_split,
     samples_per_rank,
 )
+from dataquay.client.placement.modes import _exchange_picks
 
 sizes = st.integers(min_value=0, max_value=700)
 worlds = st.integers(min_value=1, max_value=17)

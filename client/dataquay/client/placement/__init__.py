@@ -1,0 +1,66 @@
+"""Who reads what, computed: pure functions of (seed, epoch, sizes), no I/O.
+
+Every process of a job computes the same orders from the same arguments, so no
+party ever has to ask another where a sample goes.
+
+A job's epoch plan has two steps: an order of sample ids (:mod:`.orders`'
+keyed permutations), then a split of that order over ranks (:func:`rank_split`).
+The cluster modes replace the first step with per-node orders over owned
+samples; the split keeps DistributedSampler's contract, because synchronous
+SGD deadlocks when ranks disagree on the number of steps.
+
+A cluster job (:class:`JobPlan`, :mod:`.plan`) adds ownership: which node's
+cache holds each sample. Its initial partition (:func:`initial_owners`,
+:mod:`.partition`) is cut once; a mode of :data:`MODES` (:mod:`.modes`, with
+``locality``'s batch balancer in :mod:`.balance`) then says who owns what in
+each epoch and what each rank reads, which the parties ask through
+:mod:`.epochs`.
+"""
+
+from dataquay.client.placement.epochs import (
+    BatchBalance,
+    Moves,
+    locality_balance,
+    moves,
+    node_of_rank,
+    node_steps,
+    owners,
+    rank_length,
+    rank_order,
+)
+from dataquay.client.placement.modes import MODES, Mode, check_mode_settings, owned_ids
+from dataquay.client.placement.orders import (
+    MAX_EPOCH,
+    epoch_order,
+    epoch_permutation,
+    rank_indices,
+    rank_split,
+    samples_per_rank,
+)
+from dataquay.client.placement.partition import PARTITIONS, initial_owners
+from dataquay.client.placement.plan import JobPlan
+
+__all__ = [
+    "MAX_EPOCH",
+    "MODES",
+    "PARTITIONS",
+    "BatchBalance",
+    "JobPlan",
+    "Mode",
+    "Moves",
+    "check_mode_settings",
+    "epoch_order",
+    "epoch_permutation",
+    "initial_owners",
+    "locality_balance",
+    "moves",
+    "node_of_rank",
+    "node_steps",
+    "owned_ids",
+    "owners",
+    "rank_indices",
+    "rank_length",
+    "rank_order",
+    "rank_split",
+    "samples_per_rank",
+]

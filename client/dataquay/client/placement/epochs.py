@@ -1,0 +1,159 @@
+"""What the parties of a job ask of an epoch: owners, rank orders, moves, steps, balance.
+
+Each answer validates its arguments and asks the job's mode
+(:data:`~dataquay.client.placement.modes.MODES`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from dataquay.client.placement.balance import batch_counts, greedy_transfers, locality_node
+from dataquay.client.placement.modes import MODES
+from dataquay.client.placement.orders import check_epoch
+from dataquay.client.placement.plan import JobPlan, check_rank, check_ranks_known
+
+
+def owners(plan: JobPlan, epoch: int, previous: np.ndarray | None = None) -> np.ndarray:
+    """The node (0..M-1) that owns each sample of ``plan`` in ``epoch`` (int32).
+
+    Args:
+        plan: the job.
+        epoch: 0 or more.
+        previous: the owners of ``epoch - 1``, if the caller keeps them; modes
+            whose ownership moves then need one step instead of a replay.
+
+    Raises:
+        ValueError: a negative epoch, or ``previous`` of the wrong length.
+    """
+    check_epoch(epoch)
+    if previous is not None and len(previous) != plan.num_samples:
+        raise ValueError(f"previous owners have {len(previous)} entries for {plan.num_samples} samples")
+    return MODES[plan.mode].owners(plan, epoch, previous)
+
+
+def rank_order(plan: JobPlan, epoch: int, rank: int, epoch_owners: np.ndarray | None = None) -> np.ndarray:
+    """The ids rank ``rank`` of ``plan`` reads in ``epoch``, in reading order (int64).
+
+    Every rank gets :func:`rank_length` ids. ``epoch_owners`` (this epoch's
+    :func:`owners`) saves their computation in modes that need them.
+
+    Raises:
+        ValueError: a negative epoch, a rank outside 0..world_size-1, or
+            ranks per node not known yet.
+    """
+    check_epoch(epoch)
+    check_rank(plan, rank)
+    return MODES[plan.mode].rank_order(plan, epoch, rank, epoch_owners)
+
+
+def rank_length(plan: JobPlan) -> int:
+    """How many ids every rank of ``plan`` reads per epoch.
+
+    Raises:
+        ValueError: the plan's ranks per node are not known yet.
+    """
+    check_ranks_known(plan)
+    return MODES[plan.mode].rank_length(plan)
+
+
+def node_of_rank(plan: JobPlan, rank: int) -> int:
+    """The node (0..M-1) rank ``rank`` runs on: ranks fill nodes g at a time.
+
+    Raises:
+        ValueError: a rank outside 0..world_size-1, or ranks per node not known yet.
+    """
+    check_rank(plan, rank)
+    return rank // plan.ranks_per_node
+
+
+class Moves(NamedTuple):
+    """Samples whose owner changes from one epoch to the next, ascending by id."""
+
+    ids: np.ndarray  #: int64 sample ids
+    sources: np.ndarray  #: int32 owner in the epoch before
+    targets: np.ndarray  #: int32 owner in the epoch
+
+
+def moves(plan: JobPlan, epoch: int, previous: np.ndarray | None = None) -> Moves:
+    """What the exchange before ``epoch`` ships: every sample whose owner changes.
+
+    Empty for epoch 0 and for modes whose ownership never moves; for
+    ``partial``, node m sends at most round(q * owned) samples (some of its
+    picks may be dealt back to itself).
+
+    Args:
+        plan: the job.
+        epoch: 0 or more.
+        previous: the owners of ``epoch - 1``, if the caller keeps them.
+
+    Raises:
+        ValueError: a negative epoch, or ``previous`` of the wrong length.
+    """
+    check_epoch(epoch)
+    if epoch == 0:
+        before = after = owners(plan, 0)
+    else:
+        before = owners(plan, epoch - 1) if previous is None else np.asarray(previous)
+        after = owners(plan, epoch, before)
+    ids = np.flatnonzero(before != after).astype(np.int64, copy=False)
+    return Moves(ids, before[ids].astype(np.int32, copy=False), after[ids].astype(np.int32, copy=False))
+
+
+def node_steps(plan: JobPlan, epoch: int, node: int) -> list[np.ndarray]:
+    """What ``node``'s ranks read at each step of ``epoch``: per step, the
+    ``plan.batch_size`` ids of each of its ranks, rank after rank (int64).
+
+    For a daemon that fetches the samples its ranks will need from other
+    nodes a few steps ahead of them.
+
+    Raises:
+        ValueError: a negative epoch, ranks per node not known yet, no batch
+            size, or a node outside 0..M-1.
+    """
+    check_epoch(epoch)
+    check_ranks_known(plan)
+    MODES["locality"].check_settings(plan.q, plan.batch_size)
+    if not 0 <= node < plan.num_nodes:
+        raise ValueError(f"node must be in 0..{plan.num_nodes - 1}, not {node}")
+    epoch_owners = owners(plan, epoch)
+    if plan.mode == "locality":
+        return list(locality_node(plan, epoch, epoch_owners, node))
+    g, b = plan.ranks_per_node, plan.batch_size
+    orders = [rank_order(plan, epoch, rank, epoch_owners) for rank in range(node * g, (node + 1) * g)]
+    return [np.concatenate([order[start : start + b] for order in orders])
+            for start in range(0, rank_length(plan), b)]
+
+
+class BatchBalance(NamedTuple):
+    """What ``locality``'s balancer does to each global batch of an epoch."""
+
+    transfers: np.ndarray  #: int64 (source, target) node pairs per batch, at most M-1
+    moved: np.ndarray  #: int64 samples that cross the network per batch (the sum of deficits)
+    imbalance: np.ndarray  #: float64 ``moved`` as a percentage of the global batch W * b
+
+
+def locality_balance(plan: JobPlan, epoch: int) -> BatchBalance:
+    """The network cost of each global batch of ``epoch`` under mode ``locality``.
+
+    For simulators and the exchange engine: the split itself is
+    :func:`rank_order`'s. Describes ``plan``'s batch size whatever its mode.
+
+    Raises:
+        ValueError: a negative epoch, ranks per node not known yet, or no
+            batch size.
+    """
+    check_epoch(epoch)
+    check_ranks_known(plan)
+    MODES["locality"].check_settings(plan.q, plan.batch_size)
+    counts = batch_counts(plan, epoch, owners(plan, epoch))[2]
+    batch, _, _, amount = greedy_transfers(counts, plan.ranks_per_node * plan.batch_size)
+    num_batches = len(counts)
+    moved = np.bincount(batch, weights=amount, minlength=num_batches).astype(np.int64)
+    return BatchBalance(
+        np.bincount(batch, minlength=num_batches).astype(np.int64),
+        moved,
+        moved * 100.0 / (plan.world_size * plan.batch_size),
+    )
