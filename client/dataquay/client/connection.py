@@ -22,14 +22,9 @@ from typing import TypeVar
 import grpc
 
 from dataquay.client.channels import channel_options
-from dataquay.client.errors import (
-    DaemonUnavailableError,
-    DataquayError,
-    PfsReadError,
-    SampleIdError,
-    UnknownDatasetError,
-)
+from dataquay.client.errors import DaemonUnavailableError, DataquayError
 from dataquay.client.security import Credentials
+from dataquay.client.status_codes import error_from_rpc
 from dataquay.protos import cache_pb2_grpc
 
 log = logging.getLogger("dataquay.client")
@@ -157,20 +152,12 @@ class DaemonConnection:
         self, what: str, exc: grpc.RpcError, errors: Mapping[grpc.StatusCode, type[DataquayError]]
     ) -> DataquayError:
         code, details = exc.code(), exc.details()
-        if code in errors:
-            return errors[code](details)
         if code in _UNREACHABLE:
             return DaemonUnavailableError(
                 f"dataquay daemon at {self.address} is unreachable ({code.name}: {details}); "
                 "is `dataquay serve` running there, and does DATAQUAY_ADDR name its socket?"
             )
-        if code == grpc.StatusCode.NOT_FOUND:
-            return UnknownDatasetError(details)
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            return SampleIdError(details) if what == "Read" else DataquayError(details)
-        if code == grpc.StatusCode.DATA_LOSS:
-            return PfsReadError(details)
-        return DataquayError(f"{what} failed: {code.name}: {details}")
+        return error_from_rpc(exc, errors) or DataquayError(f"{what} failed: {code.name}: {details}")
 
     # --------------------------------------------------------------- fork
 

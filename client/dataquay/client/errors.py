@@ -42,3 +42,37 @@ class UnknownJobError(DataquayError, LookupError):
 class JobMismatchError(DataquayError):
     """A job that does not fit what a rank brings: a setting that differs from the
     job's (the message names it), or a dataset replaced since the job began."""
+
+
+class InvalidRequestError(DataquayError, ValueError):
+    """A request whose arguments cannot be served: a job's settings no job can
+    have, an epoch out of range, an exchange offer out of order."""
+
+
+class BatchTooLargeError(DataquayError, ValueError):
+    """A request with more ids than the daemon's --max-batch."""
+
+
+class DatasetExistsError(DataquayError):
+    """A dataset name that is already registered (use --replace)."""
+
+
+class DatasetReplacedError(DataquayError):
+    """A read for a version of a dataset that was replaced since it was opened."""
+
+
+class DirectoryUnavailableError(DataquayError, ConnectionError):
+    """The directory does not answer and the daemon has no copy of what was asked."""
+
+
+class NoLiveNodesError(DataquayError):
+    """A job that would run on all live nodes while none is up."""
+
+
+class StandaloneError(DataquayError):
+    """A cluster operation (jobs, peers) asked of a daemon that has no directory."""
+
+
+class ExchangeRefusedError(DataquayError):
+    """An exchange offer a node must not accept: ids it does not own in the
+    offer's epoch, or a dataset version the job does not use."""

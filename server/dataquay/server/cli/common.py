@@ -12,6 +12,7 @@ import grpc
 
 from dataquay.client.channels import channel_options, daemon_address
 from dataquay.client.security import Credentials, CredentialsError
+from dataquay.client.status_codes import error_from_rpc
 from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 
 DIRECTORY_ENV = "DATAQUAY_DIRECTORY"
@@ -23,7 +24,7 @@ class CliError(Exception):
 
 @contextmanager
 def rpc_errors(what: str, address: str, hint: str) -> Iterator[None]:
-    """Turns a gRPC error into a one-line :class:`CliError`."""
+    """Turns a gRPC error into the domain error the server raised, else a one-line :class:`CliError`."""
     try:
         yield
     except grpc.RpcError as exc:
@@ -33,7 +34,7 @@ def rpc_errors(what: str, address: str, hint: str) -> Iterator[None]:
             raise CliError(
                 f"the {what} at {address} refused the call: {exc.details()} (set DATAQUAY_TOKEN_FILE)"
             ) from None
-        raise CliError(exc.details() or exc.code().name) from None
+        raise error_from_rpc(exc) or CliError(exc.details() or exc.code().name) from None
 
 
 def open_channel(address: str) -> grpc.Channel:

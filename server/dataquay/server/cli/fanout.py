@@ -24,6 +24,7 @@ from google.protobuf.json_format import MessageToDict
 from tqdm import tqdm
 
 from dataquay.client.jobs import job_spec
+from dataquay.client.status_codes import UNREACHABLE
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import directory_pb2 as dpb
@@ -49,7 +50,7 @@ def _node_stub(address: str) -> Iterator[cache_pb2_grpc.CacheStub]:
 
 
 def _rpc_reason(exc: grpc.RpcError) -> str:
-    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+    if exc.code() in UNREACHABLE:
         return "unreachable"
     return exc.details() or exc.code().name
 

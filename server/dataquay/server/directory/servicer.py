@@ -18,7 +18,7 @@ from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.directory.state import Job, JoinRequest, Node, NodeInfo
 from dataquay.server.proto_maps import FORMAT_FROM_PROTO, dataset_info
-from dataquay.server.status import status_on_error
+from dataquay.server.servicer_errors import status_on_error
 
 if TYPE_CHECKING:
     from dataquay.server.directory.server import DirectoryServer

@@ -20,19 +20,13 @@ import grpc
 
 from dataquay.client.channels import channel_options
 from dataquay.client.security import Credentials
+from dataquay.client.status_codes import UNREACHABLE, error_from_rpc
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.directory.beats import HeartbeatSender
-from dataquay.server.errors import (
-    DataquayError,
-    DatasetExistsError,
-    DirectoryUnavailableError,
-    InvalidRequestError,
-    UnknownDatasetError,
-    UnknownJobError,
-)
+from dataquay.server.errors import DataquayError, DirectoryUnavailableError
 
 log = logging.getLogger("dataquay.membership")
 
@@ -47,17 +41,12 @@ CALL_TIMEOUT_SECONDS = 10.0
 DATAGRAM_WAIT_SECONDS = 0.5
 
 
-def _relayed(exc: grpc.aio.AioRpcError, not_found: type[DataquayError] = UnknownJobError) -> DataquayError:
-    """The directory's answer as the domain error the servicer maps back to a code."""
-    code, details = exc.code(), exc.details() or exc.code().name
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+def _relayed(exc: grpc.aio.AioRpcError) -> DataquayError:
+    """The directory's answer as the domain error it raised, which the servicer relays with its class."""
+    details = exc.details() or exc.code().name
+    if exc.code() in UNREACHABLE:
         return DirectoryUnavailableError(f"the directory does not answer: {details}")
-    kind: type[DataquayError] = {
-        grpc.StatusCode.NOT_FOUND: not_found,
-        grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
-        grpc.StatusCode.ALREADY_EXISTS: DatasetExistsError,
-    }.get(code, DataquayError)
-    return kind(details)
+    return error_from_rpc(exc) or DataquayError(details)
 
 
 class DirectoryLink:
@@ -240,36 +229,31 @@ class DirectoryLink:
     async def dataset(self, name: str) -> tuple[pb.DatasetInfo, bytes]:
         """The dataset's record and manifest bytes, from the directory."""
         request = pb.GetDatasetRequest(name=name)
-        info = await self._call(self.stub.GetDataset(request, timeout=CALL_TIMEOUT_SECONDS), UnknownDatasetError)
+        info = await self._call(self.stub.GetDataset(request, timeout=CALL_TIMEOUT_SECONDS))
         chunks: list[bytes] = []
         try:
             async for chunk in self.stub.GetManifest(request, timeout=10 * CALL_TIMEOUT_SECONDS):
                 chunks.append(chunk.data)
         except grpc.aio.AioRpcError as exc:
-            raise _relayed(exc, UnknownDatasetError) from None
+            raise _relayed(exc) from None
         return info, b"".join(chunks)
 
     async def datasets(self) -> list[pb.DatasetInfo]:
-        reply = await self._call(
-            self.stub.ListDatasets(pb.ListDatasetsRequest(), timeout=CALL_TIMEOUT_SECONDS), UnknownDatasetError
-        )
+        reply = await self._call(self.stub.ListDatasets(pb.ListDatasetsRequest(), timeout=CALL_TIMEOUT_SECONDS))
         return list(reply.datasets)
 
     async def add_dataset(self, request: pb.AddDatasetRequest) -> pb.DatasetInfo:
         # Building a manifest walks the whole root on the PFS: no short deadline.
-        return await self._call(self.stub.AddDataset(request), UnknownDatasetError)
+        return await self._call(self.stub.AddDataset(request))
 
     async def drop_dataset(self, name: str) -> None:
-        await self._call(
-            self.stub.DropDataset(pb.DropDatasetRequest(name=name), timeout=CALL_TIMEOUT_SECONDS),
-            UnknownDatasetError,
-        )
+        await self._call(self.stub.DropDataset(pb.DropDatasetRequest(name=name), timeout=CALL_TIMEOUT_SECONDS))
 
-    async def _call(self, call: Awaitable[T], not_found: type[DataquayError] = UnknownJobError) -> T:
+    async def _call(self, call: Awaitable[T]) -> T:
         try:
             return await call
         except grpc.aio.AioRpcError as exc:
-            raise _relayed(exc, not_found) from None
+            raise _relayed(exc) from None
 
     async def close(self) -> None:
         await self._channel.close()

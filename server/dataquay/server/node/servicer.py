@@ -1,5 +1,5 @@
 """The gRPC face of the daemon: parse, call a plain handler, map errors to codes
-(through :mod:`dataquay.server.status`)."""
+(through :mod:`dataquay.server.servicer_errors`)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from dataquay.server.node.reads import MISSING, chunked
 from dataquay.server.node.shm import write_payloads
 from dataquay.server.node.stager import StagingProgress
 from dataquay.server.proto_maps import FORMAT_FROM_PROTO, dataset_info
-from dataquay.server.status import status_on_error
+from dataquay.server.servicer_errors import status_on_error
 
 if TYPE_CHECKING:
     from dataquay.server.node.daemon import Daemon

@@ -33,6 +33,7 @@ import grpc
 
 from dataquay.client.channels import channel_options
 from dataquay.client.security import Credentials
+from dataquay.client.status_codes import UNREACHABLE
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -370,7 +371,7 @@ class LocalCluster:
                     ):
                         return nodes
                 except grpc.RpcError as exc:
-                    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    if exc.code() not in UNREACHABLE:
                         raise
                 if time.monotonic() > deadline:
                     shown = ", ".join(f"{n} {jpb.NodeState.Name(s)}" for n, s in sorted(states.items()))

@@ -32,6 +32,7 @@ import numpy as np
 
 from dataquay.client.placement import MODES
 from dataquay.client.records import CHECKSUM_BYTES
+from dataquay.client.status_codes import UNREACHABLE
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.datasets import Datasets
@@ -57,10 +58,9 @@ OFFER_IDS = 1 << 16
 PARALLEL_RECEIVERS = 4
 RETRY_SECONDS = (0.5, 30.0)
 #: Receiver errors worth another try; any other means the receiver will not take them.
-RETRYABLE = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN,
-})
+RETRYABLE = UNREACHABLE | {
+    grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN,
+}
 
 
 @dataclass
