@@ -25,7 +25,7 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.cli import build_parser, fanout
+from dataquay.server.cli import build_parser, stage
 from dataquay.server.cli import main as cli_main
 from dataquay.server.config import DaemonConfig, DirectoryConfig
 from dataquay.server.manifest_build import build_manifest
@@ -431,8 +431,8 @@ def test_heartbeat_datagrams_renew_the_lease_and_garbage_is_ignored(
 
 def test_stage_passes_the_batch_size_only_with_a_job(capsys: pytest.CaptureFixture[str]) -> None:
     parse = build_parser().parse_args
-    spec = fanout._job_spec(parse(["stage", "imgs", "--job", "j1", "--mode", "locality", "--batch-size", "32"]))
+    spec = stage._job_spec(parse(["stage", "imgs", "--job", "j1", "--mode", "locality", "--batch-size", "32"]))
     assert (spec.mode, spec.batch_size) == ("locality", 32)
-    assert not fanout._job_spec(parse(["stage", "imgs", "--job", "j1"])).HasField("batch_size")
+    assert not stage._job_spec(parse(["stage", "imgs", "--job", "j1"])).HasField("batch_size")
     assert cli_main(["stage", "imgs", "--batch-size", "32"]) == 1
     assert "--batch-size: only with --job JOB" in capsys.readouterr().err

@@ -59,6 +59,17 @@ def daemon_stub(args: argparse.Namespace) -> Iterator[cache_pb2_grpc.CacheStub]:
         channel.close()
 
 
+@contextmanager
+def node_stub(address: str) -> Iterator[cache_pb2_grpc.CacheStub]:
+    """A stub for the daemon at ``address``; its RPC errors pass through, for
+    commands that word each node's failure themselves."""
+    channel = open_channel(address)
+    try:
+        yield cache_pb2_grpc.CacheStub(channel)
+    finally:
+        channel.close()
+
+
 def directory_address(args: argparse.Namespace) -> str | None:
     """--directory, else DATAQUAY_DIRECTORY, else None (no cluster)."""
     return getattr(args, "directory", None) or os.environ.get(DIRECTORY_ENV) or None

@@ -15,8 +15,9 @@ from google.protobuf.json_format import MessageToDict
 
 from dataquay.client.placement import MODES
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.cli import fanout
+from dataquay.server.cli import cluster_status
 from dataquay.server.cli.common import CliError, add_addr, add_directory, daemon_stub, print_table
+from dataquay.server.cli.stage import JOB_FLAGS, stage_job
 from dataquay.server.config import ConfigFile, DaemonConfig
 from dataquay.server.sizes import format_bytes
 
@@ -93,9 +94,9 @@ def cmd_stage(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     if args.job:
-        fanout.stage_job(args)
+        stage_job(args)
         return
-    given = [f"--{flag.replace('_', '-')}" for flag in (*fanout.JOB_FLAGS, "directory")
+    given = [f"--{flag.replace('_', '-')}" for flag in (*JOB_FLAGS, "directory")
              if flag != "seed" and getattr(args, flag) is not None]
     if given:
         raise CliError(f"{', '.join(given)}: only with --job JOB (cluster staging)")
@@ -133,13 +134,13 @@ def cmd_stage(args: argparse.Namespace) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> None:
-    cluster = fanout.wants_cluster_status(args)
-    before: fanout.ClusterSnapshot | None = None
+    cluster = cluster_status.wants_cluster_status(args)
+    before: cluster_status.ClusterSnapshot | None = None
     while True:
         if cluster:
-            snapshot = fanout.cluster_snapshot(args)
-            shown: Callable[[], None] = functools.partial(fanout.print_cluster, snapshot, before)
-            document: Callable[[], object] = functools.partial(fanout.cluster_json, snapshot)
+            snapshot = cluster_status.cluster_snapshot(args)
+            shown: Callable[[], None] = functools.partial(cluster_status.print_cluster, snapshot, before)
+            document: Callable[[], object] = functools.partial(cluster_status.cluster_json, snapshot)
             before = snapshot
         else:
             with daemon_stub(args) as stub:
@@ -169,7 +170,7 @@ def _print_node_status(stats: pb.StatsReply) -> None:
     )
     print(f"pfs read {format_bytes(stats.pfs_bytes)}, {stats.pfs_errors} errors, "
           f"{stats.corrupt_repaired} corrupt values repaired")
-    fanout.print_exchanges([(stats.node, stats)])
+    cluster_status.print_exchanges([(stats.node, stats)])
 
 
 def cmd_demo(args: argparse.Namespace) -> None:

@@ -1,9 +1,9 @@
-"""Commands that talk to every node of a cluster at once: staging a job's
-dataset on all its nodes, and the cluster's status.
+"""``dataquay stage NAME --job ID``: staging a job's dataset on every node of
+the job at once.
 
-The directory says which nodes exist and where; every node is then asked
-directly and concurrently, so that one slow or dead node neither serialises
-nor stops the others.
+The directory says which nodes the job runs on and where they are; every node
+is then asked directly and concurrently, so that one slow or dead node neither
+serialises nor stops the others.
 """
 
 from __future__ import annotations
@@ -13,49 +13,31 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 from tqdm import tqdm
 
 from dataquay.client.jobs import job_spec
 from dataquay.client.status_codes import UNREACHABLE
 from dataquay.protos import cache_pb2 as pb
-from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.cli.common import CliError, directory_address, directory_stub, open_channel, print_table
+from dataquay.server.cli.common import CliError, directory_stub, node_stub, print_table
 from dataquay.server.sizes import format_bytes
 
-#: Deadline of one node's Stats in `status`: a node slower than this shows as unreachable.
-STATS_TIMEOUT_SECONDS = 3.0
 #: How often `stage --job` prints a progress line when stderr is not a terminal.
 LINE_SECONDS = 10.0
 #: Job settings that `stage --job` passes to JoinJob only when given.
 JOB_FLAGS = ("mode", "q", "seed", "nodes", "ranks_per_node", "partition", "batch_size")
 
 
-@contextmanager
-def _node_stub(address: str) -> Iterator[cache_pb2_grpc.CacheStub]:
-    channel = open_channel(address)
-    try:
-        yield cache_pb2_grpc.CacheStub(channel)
-    finally:
-        channel.close()
-
-
 def _rpc_reason(exc: grpc.RpcError) -> str:
     if exc.code() in UNREACHABLE:
         return "unreachable"
     return exc.details() or exc.code().name
-
-
-# ------------------------------------------------------------------ stage
 
 
 def _job_spec(args: argparse.Namespace) -> jpb.JobSpec:
@@ -100,7 +82,7 @@ def _stage_on(node: _NodeStaging, request: pb.StageRequest, events: queue.Queue[
     """Streams one node's progress into ``events`` until its staging ends; the
     last event is ``(node, True)``."""
     try:
-        with _node_stub(node.address) as stub:
+        with node_stub(node.address) as stub:
             stream = stub.Stage(request)
             node.call = stream
             for progress in stream:
@@ -244,145 +226,3 @@ def _report_staging(args: argparse.Namespace, job: jpb.Job, nodes: Sequence[_Nod
             f"staging {args.name!r} failed on {len(failed)} of {len(nodes)} nodes: "
             + "; ".join(f"{n.name} ({n.failed})" for n in failed)
         )
-
-
-# ----------------------------------------------------------------- status
-
-
-def wants_cluster_status(args: argparse.Namespace) -> bool:
-    """Cluster view with --directory, or with DATAQUAY_DIRECTORY unless --addr names one node."""
-    if args.directory:
-        return True
-    return not args.addr and directory_address(args) is not None
-
-
-def _stats(node: jpb.NodeStatus) -> pb.StatsReply | None:
-    if node.state != jpb.NODE_UP:
-        return None
-    try:
-        with _node_stub(node.info.tcp_address) as stub:
-            reply: pb.StatsReply = stub.Stats(pb.StatsRequest(), timeout=STATS_TIMEOUT_SECONDS)
-            return reply
-    except grpc.RpcError:
-        return None
-
-
-@dataclass
-class ClusterSnapshot:
-    """What ``dataquay status`` shows of a cluster at one moment."""
-
-    directory: str
-    nodes: list[jpb.NodeStatus]
-    jobs: list[jpb.Job]
-    stats: dict[str, pb.StatsReply | None]
-    taken: float = field(default_factory=time.monotonic)
-
-
-def cluster_snapshot(args: argparse.Namespace) -> ClusterSnapshot:
-    """The directory's nodes and jobs, and every live node's Stats, fetched in parallel."""
-    with directory_stub(args) as directory:
-        nodes = list(directory.ListNodes(dpb.ListNodesRequest()).nodes)
-        jobs = list(directory.ListJobs(jpb.ListJobsRequest()).jobs)
-    with ThreadPoolExecutor(max(len(nodes), 1)) as pool:
-        stats = dict(zip((n.info.name for n in nodes), pool.map(_stats, nodes)))
-    return ClusterSnapshot(directory_address(args) or "", nodes, jobs, stats)
-
-
-def cluster_json(snapshot: ClusterSnapshot) -> dict[str, Any]:
-    """The snapshot as one JSON document (``status --json``)."""
-    def as_dict(message: Any) -> dict[str, Any]:
-        return MessageToDict(message, preserving_proto_field_name=True)
-
-    return {
-        "directory": snapshot.directory,
-        "nodes": [
-            {**as_dict(n), "stats": as_dict(s) if (s := snapshot.stats[n.info.name]) is not None else None}
-            for n in snapshot.nodes
-        ],
-        "jobs": [as_dict(j) for j in snapshot.jobs],
-    }
-
-
-def print_cluster(snapshot: ClusterSnapshot, before: ClusterSnapshot | None = None) -> None:
-    """``dataquay status`` with a directory: nodes, jobs and exchanges; with the
-    snapshot ``before`` (``--watch``), PFS throughput since then too."""
-    up = sum(n.state == jpb.NODE_UP for n in snapshot.nodes)
-    print(f"directory {snapshot.directory}: {len(snapshot.nodes)} nodes, {up} up; {len(snapshot.jobs)} jobs\n")
-    columns = ["NODE", "STATE", "CACHE", "ENTRIES", "LOCAL", "PEER", "PFS", "HIT %", "PFS BYTES", "DATA WAIT"]
-    rows = [list(_node_row(n, snapshot.stats[n.info.name])) for n in snapshot.nodes]
-    if before is not None:
-        columns.append("PFS MB/s")
-        seconds = max(snapshot.taken - before.taken, 1e-9)
-        for row, node in zip(rows, snapshot.nodes):
-            now, then = snapshot.stats[node.info.name], before.stats.get(node.info.name)
-            row.append(f"{(now.pfs_bytes - then.pfs_bytes) / seconds / 1e6:.1f}" if now and then else "-")
-    print_table([tuple(r) for r in rows], tuple(columns))
-    if snapshot.jobs:
-        print()
-        print_table([_job_row(j, snapshot.stats) for j in snapshot.jobs],
-                    ("JOB", "DATASET", "MODE", "EPOCH", "NODES", "STAGED"))
-    print_exchanges([(name, reply) for name, reply in snapshot.stats.items() if reply is not None])
-
-
-def print_exchanges(stats: list[tuple[str, pb.StatsReply]]) -> None:
-    """One row per node and job whose owners move: the sending side of its latest exchange."""
-    rows = [exchange_row(name, x) for name, reply in stats for x in reply.exchanges]
-    if rows:
-        print()
-        print_table(rows, ("NODE", "JOB", "INTO EPOCH", "SAMPLES", "BYTES", "RATE", "ETA", "STATE"))
-    received = sum(reply.exchange_received_bytes for _, reply in stats)
-    previous = sum(reply.previous_owner_samples for _, reply in stats)
-    if rows or received or previous:
-        print(f"exchange received {format_bytes(received)}; "
-              f"{previous} samples read from their previous owner (exchange not done yet)")
-
-
-def exchange_row(node: str, x: pb.ExchangeProgress) -> tuple[object, ...]:
-    rate = x.sent_bytes / x.elapsed_seconds if x.elapsed_seconds > 0 else 0.0
-    left = x.total_bytes - x.delivered_bytes
-    if x.finished:
-        eta, state = "-", "done" if not x.error else f"done; {x.error}"
-    else:
-        eta = f"{left / rate:.0f}s" if rate > 0 else "?"
-        state = "running" if not x.error else f"retrying; {x.error}"
-    unsent = x.unavailable_samples + x.refused_samples
-    samples = f"{x.delivered_samples}/{x.total_samples}" + (f" ({unsent} not sent)" if unsent else "")
-    return (
-        node, x.job, x.epoch, samples,
-        f"{format_bytes(x.delivered_bytes)}/{format_bytes(x.total_bytes)}", f"{format_bytes(rate)}/s", eta, state,
-    )
-
-
-def _node_row(node: jpb.NodeStatus, stats: pb.StatsReply | None) -> tuple[object, ...]:
-    name = node.info.name
-    if stats is None:
-        state = "down" if node.state != jpb.NODE_UP else "unreachable"
-        return (name, state, "-", "-", "-", "-", "-", "-", "-", "-")
-    reads = {t.tier: t.samples for t in stats.reads}
-    # Trainers serve their local hits in-process and report them to the daemon.
-    in_process = {r.tier: r.samples for r in stats.client_reads}.get("local", 0)
-    local, peer, pfs = reads.get(pb.TIER_LOCAL, 0) + in_process, reads.get(pb.TIER_PEER, 0), reads.get(pb.TIER_PFS, 0)
-    hit = f"{100 * local / (local + peer + pfs):.1f}" if local + peer + pfs else "-"
-    cache = f"{format_bytes(stats.cache_used_bytes)} / {format_bytes(stats.cache_capacity_bytes)}"
-    return (
-        name, "up", cache + (" (full)" if stats.cache_full else ""), stats.cache_entries, local, peer, pfs, hit,
-        format_bytes(stats.pfs_bytes), f"{stats.client_data_wait_seconds:.1f}s",
-    )
-
-
-def _job_row(job: jpb.Job, stats: dict[str, pb.StatsReply | None]) -> tuple[object, ...]:
-    spec = job.spec
-    mode = f"{spec.mode} q={spec.q:g}" if spec.mode == "partial" else spec.mode
-    done = 0
-    reported = False
-    missing = [name for name in spec.nodes if stats.get(name) is None]
-    for name in spec.nodes:
-        reply = stats.get(name)
-        for progress in reply.staging if reply is not None else ():
-            if progress.dataset == spec.dataset:
-                done += progress.done_samples
-                reported = True
-    staged = f"{min(100.0, 100 * done / max(job.num_samples, 1)):.0f}%" if reported else "-"
-    if missing:
-        staged += f" ({len(missing)} nodes unreachable)"
-    return (spec.job_id, spec.dataset, mode, job.epoch, len(spec.nodes), staged)
