@@ -30,15 +30,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 
 from dataquay.client.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
-from dataquay.server.cli import main as cli_main
 from dataquay.server.tools.local_cluster import LocalCluster
+from dataquay.server.tools.processes import run_command
 from dataquay.server.tools.synthetic import make_files_dataset
 from dataquay.server.tools.trainers import Direct, RankEpoch, RankGroup
 
@@ -98,7 +97,7 @@ def run_benchmark(samples: int, epochs: int, out_dir: Path, progress: bool = Tru
         root = make_files_dataset(base / "pfs", samples, sizes=SIZES)
         cap = f"{int(PFS_BYTES_PER_SECOND / NODES)}"
         with LocalCluster(base / "cluster", NODES, ("--pfs-bandwidth", cap)) as cluster:
-            _quiet(cli_main, ["dataset", "add", "bench", str(root), "--addr", cluster.daemons[0].address])
+            _run("dataset", "add", "bench", str(root), "--addr", cluster.daemons[0].address)
             for system in SYSTEMS:
                 if progress:
                     print(f"  .. {system.name}: {epochs} epochs", flush=True)
@@ -120,8 +119,8 @@ def _run_system(
         settings = ["--mode", system.mode, "--batch-size", str(BATCH)]
         if system.mode == "partial":
             settings += ["--q", str(Q)]
-        _quiet(cli_main, ["stage", "bench", "--job", job, *settings, "--ranks-per-node", str(RANKS_PER_NODE),
-                          "--quiet", "--directory", cluster.directory_address])
+        _run("stage", "bench", "--job", job, *settings, "--ranks-per-node", str(RANKS_PER_NODE),
+             "--quiet", "--directory", cluster.directory_address)
     world = NODES * RANKS_PER_NODE
     envs = [cluster.rank_env(rank, RANKS_PER_NODE, job) for rank in range(world)]
     direct = Direct(PFS_BYTES_PER_SECOND / world, DIRECT_WORKERS, total // (2 * world) if system.page_cache else 0)
@@ -168,8 +167,8 @@ def _exchange_bytes(cluster: LocalCluster) -> int:
     return total
 
 
-def _quiet(run: Any, argv: list[str]) -> None:
-    if run(argv):
+def _run(*argv: str) -> None:
+    if run_command(*argv):
         raise SystemExit(f"dataquay {' '.join(argv)} failed")
 
 

@@ -28,10 +28,10 @@ from dataquay.client.pfs import PfsReader
 from dataquay.client.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
-from dataquay.server.cli import main as cli_main
 from dataquay.server.errors import DataquayError
 from dataquay.server.sizes import format_bytes
 from dataquay.server.tools.local_cluster import LocalCluster
+from dataquay.server.tools.processes import run_command
 from dataquay.server.tools.synthetic import make_files_dataset
 from dataquay.server.tools.trainers import Direct, RankEpoch, RankGroup
 
@@ -56,7 +56,7 @@ def _row(cells: Sequence[object]) -> str:
 def _cli(*argv: str) -> None:
     """Runs a dataquay command as a user would type it, and shows it."""
     print(f"$ dataquay {' '.join(argv)}", flush=True)
-    if cli_main(list(argv)):
+    if run_command(*argv):
         raise SystemExit(1)
 
 

@@ -183,3 +183,15 @@ class DirectoryProcess(ServerProcess):
             "--state-dir", str(self.state_dir),
             "--ready-file", str(self.ready_file),
         ]
+
+
+def run_command(*argv: str) -> int:
+    """Runs ``dataquay ARGV`` in a process of its own, as a user would type it,
+    its output on this process's; returns its exit code.
+
+    The tools sit on top of the CLI rather than import it: a command run here
+    reads the same environment and prints the same lines as in a shell.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return subprocess.run([sys.executable, "-m", "dataquay.server.cli", *argv]).returncode
