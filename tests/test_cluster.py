@@ -23,7 +23,8 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.cli import main as cli_main
-from dataquay.server.tools.local_cluster import LocalCluster, read_env_file
+from dataquay.server.tools.env_files import read_env_file
+from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 from dataquay.server.tools.trainers import RankEpoch, RankGroup
 

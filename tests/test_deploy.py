@@ -29,7 +29,7 @@ import pytest
 from dataquay.client.stats import TIERS
 from dataquay.server.auth import new_token_file
 from dataquay.server.config import DaemonConfig, DirectoryConfig
-from dataquay.server.tools.local_cluster import read_env_file
+from dataquay.server.tools.env_files import read_env_file
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 from dataquay.server.tools.synthetic import make_files_dataset
 

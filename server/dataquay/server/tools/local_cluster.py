@@ -19,7 +19,6 @@ import os
 import shlex
 import shutil
 import signal
-import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -38,13 +37,14 @@ from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import DataquayError
+from dataquay.server.tools.env_files import write_env_file
+from dataquay.server.tools.pids import POLL_SECONDS, ClusterPid, terminate
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess, ServerProcess
 
 CLUSTER_FILE = "cluster.json"
 CLUSTER_ENV = "cluster.env"
 #: Longest unix socket path we place under base_dir (the limit is 107 bytes).
 _MAX_SOCKET_PATH = 100
-_POLL_SECONDS = 0.05
 
 
 class ClusterError(DataquayError):
@@ -54,85 +54,6 @@ class ClusterError(DataquayError):
 def node_name(index: int) -> str:
     """The name of node ``index`` in a local cluster."""
     return f"node-{index}"
-
-
-@dataclass(frozen=True)
-class _Pid:
-    """A process of the cluster, found again by pid (possibly from another process).
-
-    ``marker`` is an argument only this process has on its command line (its
-    ready file): a pid that the OS gave to some other program since is never
-    signalled.
-    """
-
-    pid: int
-    marker: str
-    popen: subprocess.Popen[bytes] | None = None
-
-    def running(self) -> bool:
-        if self.popen is not None:
-            return self.popen.poll() is None
-        return _pid_running(self.pid, self.marker)
-
-    def send(self, sig: int) -> None:
-        if self.running():
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-
-def _pid_running(pid: int, marker: str) -> bool:
-    """Whether ``pid`` is a live (not zombie) process whose command line holds ``marker``."""
-    proc = Path("/proc") / str(pid)
-    if Path("/proc/self").exists():
-        try:
-            state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError):
-            return False
-        return state not in ("Z", "X") and marker.encode() in cmdline
-    try:
-        os.kill(pid, 0)
-    except OSError:  # gone, or another user's: not ours either way
-        return False
-    return True
-
-
-def _terminate(pids: list[_Pid], timeout: float) -> None:
-    """SIGTERM all, wait up to ``timeout`` for them to exit, SIGKILL the rest."""
-    for p in pids:
-        p.send(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while any(p.running() for p in pids) and time.monotonic() < deadline:
-        time.sleep(_POLL_SECONDS)
-    for p in pids:
-        p.send(signal.SIGKILL)
-    deadline = time.monotonic() + 5.0
-    while any(p.running() for p in pids) and time.monotonic() < deadline:
-        time.sleep(_POLL_SECONDS)
-
-
-def write_env_file(path: Path, values: Mapping[str, str], comment: str) -> None:
-    """Writes ``KEY=VALUE`` lines, values quoted for a POSIX shell, atomically."""
-    lines = [f"# {line}" for line in comment.splitlines()]
-    lines += [f"{key}={shlex.quote(value)}" for key, value in values.items()]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    """The variables of a file :func:`write_env_file` wrote (or any plain KEY=VALUE file)."""
-    values: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, _, raw = line.partition("=")
-        tokens = shlex.split(raw)
-        values[key.removeprefix("export ").strip()] = tokens[0] if tokens else ""
-    return values
 
 
 class NodeHost(NamedTuple):
@@ -194,7 +115,7 @@ class LocalCluster:
     daemons: list[DaemonProcess] = field(default_factory=list, init=False)
     #: Short directory for the sockets when base_dir is too deep for one.
     socket_dir: Path | None = field(default=None, init=False)
-    _adopted: list[_Pid] = field(default_factory=list, init=False)
+    _adopted: list[ClusterPid] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         self.base_dir = Path(self.base_dir).absolute()
@@ -243,7 +164,7 @@ class LocalCluster:
         Caches, state and logs stay, so a cluster started again in the same
         directory finds its caches full.
         """
-        _terminate(self._pids(), timeout)
+        terminate(self._pids(), timeout)
         for daemon in self.daemons:
             if daemon.process is not None:
                 daemon.process.wait()
@@ -292,12 +213,12 @@ class LocalCluster:
                 cluster.base_dir / "directory", cluster.directory_args, host=cluster.host
             )
             cluster.directory.ready = record["directory"]
-            cluster._adopted.append(_Pid(record["directory"]["pid"], record["directory"]["ready_file"]))
+            cluster._adopted.append(ClusterPid(record["directory"]["pid"], record["directory"]["ready_file"]))
             for i, ready in enumerate(record["daemons"]):
                 daemon = cluster._daemon(i)
                 daemon.ready = ready
                 cluster.daemons.append(daemon)
-                cluster._adopted.append(_Pid(ready["pid"], ready["ready_file"]))
+                cluster._adopted.append(ClusterPid(ready["pid"], ready["ready_file"]))
         except (KeyError, TypeError) as exc:
             raise ClusterError(f"{path} is not a cluster record ({exc!r} missing or wrong)") from None
         return cluster
@@ -381,7 +302,7 @@ class LocalCluster:
                         f"after {timeout:.0f} s (it lists: {shown or 'nothing'}); "
                         f"node logs under {self.base_dir}: {self._log_tails()}"
                     )
-                time.sleep(_POLL_SECONDS * 2)
+                time.sleep(POLL_SECONDS * 2)
 
     # ------------------------------------------------------------- where
 
@@ -473,17 +394,17 @@ class LocalCluster:
             return token
         return (*token, "--tls-ca", str(self.tls.ca), "--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key))
 
-    def _pids(self) -> list[_Pid]:
+    def _pids(self) -> list[ClusterPid]:
         """Every process of the cluster: the ones this object started, and
         the ones a loaded cluster.json names."""
         pids = list(self._adopted)
         procs = [self.directory, *self.daemons]
         for proc in procs:
             if proc is not None and proc.process is not None:
-                pids.append(_Pid(proc.process.pid, str(proc.ready_file), proc.process))
+                pids.append(ClusterPid(proc.process.pid, str(proc.ready_file), proc.process))
         return pids
 
-    def _pid_of(self, server: ServerProcess) -> _Pid:
+    def _pid_of(self, server: ServerProcess) -> ClusterPid:
         marker = str(server.ready_file)
         for pid in self._pids():
             if pid.marker == marker:
@@ -493,11 +414,11 @@ class LocalCluster:
     def _kill(self, server: ServerProcess) -> None:
         pid = self._pid_of(server)
         pid.send(signal.SIGKILL)
-        _terminate([pid], 5.0)
+        terminate([pid], 5.0)
 
     def _stop(self, server: ServerProcess, timeout: float) -> None:
         """Stops ``server`` if it runs and forgets it, so it can be started afresh."""
-        _terminate([self._pid_of(server)], timeout)
+        terminate([self._pid_of(server)], timeout)
         self._adopted = [p for p in self._adopted if p.marker != str(server.ready_file)]
 
     def _save(self) -> None:
