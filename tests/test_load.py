@@ -11,15 +11,9 @@ import numpy as np
 import pytest
 
 from dataquay.server.cli import build_parser
-from dataquay.server.tools.loadgen import (
-    TRANSPORTS,
-    LoadResult,
-    LoadSettings,
-    file_checksums,
-    partial_cache_size,
-    register_and_stage,
-    run_load,
-)
+from dataquay.server.tools.load_results import LoadResult
+from dataquay.server.tools.load_worker import TRANSPORTS
+from dataquay.server.tools.loadgen import LoadSettings, file_checksums, partial_cache_size, register_and_stage, run_load
 from dataquay.server.tools.processes import DaemonProcess
 from dataquay.server.tools.synthetic import make_files_dataset
 

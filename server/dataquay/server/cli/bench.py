@@ -14,7 +14,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_load(args: argparse.Namespace) -> None:
-    from dataquay.server.tools.loadgen import bench_load, format_summary
+    from dataquay.server.tools.load_results import format_summary
+    from dataquay.server.tools.loadgen import bench_load
 
     result, staged = bench_load(
         args.seconds, args.processes, args.threads, args.batch, samples=args.samples, cached=args.cached,

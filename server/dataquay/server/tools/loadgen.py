@@ -12,17 +12,15 @@ uniformly from the whole dataset, so with a cache smaller than the dataset
 reads. Each payload's xxh3 is checked against checksums the caller computed
 from the PFS files itself, never against what the daemon claims.
 
-Clients are threads of worker processes (``python -m
-dataquay.server.tools.loadgen``), each thread with a channel (connection) of its
-own. Workers import and connect first and then start together on the
-parent's word, so start-up never counts in the figures. The parent samples
+Clients are threads of worker processes (:mod:`dataquay.server.tools.load_worker`),
+each thread with a channel (connection) of its own. Workers import and
+connect first and then start together on the parent's word, so start-up never counts in the figures. The parent samples
 the daemon's resident memory once a second: a leak shows as growth after the
 warm-up.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import platform
@@ -34,36 +32,25 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, Self
 
-import grpc
 import numpy as np
 
 from dataquay.client.channels import channel_options
 from dataquay.client.records import checksum
 from dataquay.client.security import Credentials
-from dataquay.client.shm import SHM_DIR, Segment
+from dataquay.client.shm import SHM_DIR
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.errors import DataquayError
+from dataquay.server.tools.load_results import LoadResult, MiB, RssSample, figures, growth
+from dataquay.server.tools.load_worker import EVENT_PREFIX, READ_TIMEOUT_SECONDS, READY_TIMEOUT_SECONDS, TRANSPORTS
 
-#: How the clients call: the client's miss path (unix socket, payloads in
-#: shared memory), the unix socket inline, and TCP as a remote caller.
-TRANSPORTS = ("shm", "unix", "tcp")
-#: Deadline of one Read: a reply slower than this counts as an error.
-READ_TIMEOUT_SECONDS = 30.0
-#: Pause of a client after a failed call, so a dead daemon is not spun on.
-ERROR_PAUSE_SECONDS = 0.05
-#: How long workers may take to import, connect and say they are ready.
-READY_TIMEOUT_SECONDS = 60.0
 #: Dataset of ``dataquay bench load``: sizes from a thumbnail to an ImageNet JPEG.
 BENCH_SIZES = (4 << 10, 16 << 10, 64 << 10, 110 << 10)
 LMDB_PAGE = 4096
-MiB = 1 << 20
-_PREFIX = "dq-load "
-_TIER_NAMES = {pb.TIER_LOCAL: "local", pb.TIER_PEER: "peer", pb.TIER_PFS: "pfs"}
 
 
 class LoadError(DataquayError):
@@ -103,68 +90,6 @@ class LoadSettings:
     @property
     def warmup(self) -> float:
         return self.warmup_seconds if self.warmup_seconds is not None else min(10.0, self.seconds / 5)
-
-
-@dataclass(frozen=True)
-class Figures:
-    """Counts, batch latency and throughput of a group of clients."""
-
-    clients: int
-    batches: int
-    #: Samples received; ``verified`` of them had the right id and bytes.
-    samples: int
-    verified: int
-    bytes: int
-    p50_ms: float
-    p99_ms: float
-    max_ms: float
-    samples_per_s: float
-    mb_per_s: float
-
-
-@dataclass(frozen=True)
-class RssSample:
-    """The daemon's resident memory at ``t`` seconds into the run, in bytes."""
-
-    t: float
-    vm_rss: int
-    rss_anon: int
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    """One run: its figures in total and per transport, its errors by kind,
-    where the samples came from, and the daemon's memory over time."""
-
-    dataset: str
-    num_samples: int
-    processes: int
-    threads: int
-    batch: int
-    #: Wall time from the start signal until the last client stopped.
-    seconds: float
-    total: Figures
-    by_transport: dict[str, Figures]
-    #: Samples by the tier the daemon served them from (local, peer, pfs).
-    tiers: dict[str, int]
-    errors: dict[str, int]
-    #: The first message of each kind of error.
-    error_examples: dict[str, str]
-    warmup_seconds: float
-    rss: list[RssSample]
-    #: Growth after the warm-up: the median of the last quarter of the samples
-    #: taken between the warm-up and the end of the run's duration, minus the
-    #: median of the first quarter. Medians, because the bytes of the batches
-    #: in flight swing single samples by tens of MiB; 0 without samples.
-    rss_anon_growth: int
-    vm_rss_growth: int
-
-    @property
-    def error_count(self) -> int:
-        return sum(self.errors.values())
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # ------------------------------------------------------------ the caller's side
@@ -309,35 +234,14 @@ def _result(
         tiers.update(report["tiers"])
         for transport, counts in report["transports"].items():
             groups.setdefault(transport, []).append(counts)
-    by_transport = {t: _figures(groups[t], seconds) for t in TRANSPORTS if t in groups}
-    total = _figures([c for t in groups for c in groups[t]], seconds)
+    by_transport = {t: figures(groups[t], seconds) for t in TRANSPORTS if t in groups}
+    total = figures([c for t in groups for c in groups[t]], seconds)
     steady = [s for s in rss if settings.warmup <= s.t <= settings.seconds]
     return LoadResult(
         dataset=settings.dataset, num_samples=info.num_samples, processes=settings.processes,
         threads=settings.threads, batch=settings.batch, seconds=seconds, total=total, by_transport=by_transport,
         tiers=dict(tiers), errors=dict(errors), error_examples=examples, warmup_seconds=settings.warmup, rss=rss,
-        rss_anon_growth=_growth([s.rss_anon for s in steady]), vm_rss_growth=_growth([s.vm_rss for s in steady]),
-    )
-
-
-def _growth(values: list[int]) -> int:
-    if not values:
-        return 0
-    quarter = max(1, len(values) // 4)
-    return int(np.median(values[-quarter:]) - np.median(values[:quarter]))
-
-
-def _figures(counts: list[dict[str, Any]], seconds: float) -> Figures:
-    latencies = np.concatenate(
-        [np.frombuffer(base64.b64decode(c["latencies"]), dtype=np.float32) for c in counts] or [np.zeros(0, np.float32)]
-    )
-    p50, p99, top = (np.percentile(latencies, [50, 99, 100]) * 1e3).tolist() if len(latencies) else (0.0, 0.0, 0.0)
-    samples = sum(c["samples"] for c in counts)
-    nbytes = sum(c["bytes"] for c in counts)
-    return Figures(
-        clients=sum(c["clients"] for c in counts), batches=sum(c["batches"] for c in counts), samples=samples,
-        verified=sum(c["verified"] for c in counts), bytes=nbytes, p50_ms=p50, p99_ms=p99, max_ms=top,
-        samples_per_s=samples / seconds if seconds else 0.0, mb_per_s=nbytes / 1e6 / seconds if seconds else 0.0,
+        rss_anon_growth=growth([s.rss_anon for s in steady]), vm_rss_growth=growth([s.vm_rss for s in steady]),
     )
 
 
@@ -375,7 +279,7 @@ class _Workers:
             for index, plan in enumerate(self._plans):
                 with open(self._log_path(index), "w") as log:
                     proc = subprocess.Popen(
-                        [sys.executable, "-m", "dataquay.server.tools.loadgen"], stdin=subprocess.PIPE,
+                        [sys.executable, "-m", "dataquay.server.tools.load_worker"], stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE, stderr=log, text=True,
                     )
                 self._procs.append(proc)
@@ -457,9 +361,9 @@ class _Workers:
 
     def _read(self, index: int, stdout: IO[str]) -> None:
         for line in stdout:
-            if not line.startswith(_PREFIX):
+            if not line.startswith(EVENT_PREFIX):
                 continue
-            event = json.loads(line[len(_PREFIX):])
+            event = json.loads(line[len(EVENT_PREFIX):])
             if event["event"] == "ready":
                 self._ready[index].set()
             elif event["event"] == "tick":
@@ -486,150 +390,6 @@ def _open_stub(address: str) -> Iterator[cache_pb2_grpc.CacheStub]:
 
 def _round_up(n: int, step: int) -> int:
     return (n + step - 1) // step * step
-
-
-# ------------------------------------------------------------- the workers' side
-
-
-class _LoadClient:
-    """One client: a thread with its own channel, reading random batches until the deadline."""
-
-    def __init__(self, plan: dict[str, Any], index: int, expected: np.ndarray) -> None:
-        self.plan = plan
-        self.transport: str = plan["transports"][index]
-        self.expected = expected
-        self.rng = np.random.default_rng((plan["seed"], plan["worker"], index))
-        address = plan["tcp"] if self.transport == "tcp" and plan["tcp"] else plan["socket"]
-        options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
-        self.channel = Credentials.from_env().channel(address, options)
-        self.stub = cache_pb2_grpc.CacheStub(self.channel)
-        self.segment = Segment(plan["shm_bytes"]) if self.transport == "shm" else None
-        self.batches = self.samples = self.verified = self.bytes = 0
-        self.latencies: list[float] = []
-        self.tiers: Counter[str] = Counter()
-        self.errors: Counter[str] = Counter()
-        self.examples: dict[str, str] = {}
-
-    def connect(self) -> None:
-        self.stub.Info(pb.InfoRequest(), timeout=READY_TIMEOUT_SECONDS, wait_for_ready=True)
-
-    def run(self, deadline: float) -> None:
-        try:
-            while time.monotonic() < deadline:
-                self._one_batch()
-        except Exception as exc:  # counted: a client that crashes is an error of the run, not of the worker
-            self._error(f"client crashed: {type(exc).__name__}", str(exc))
-
-    def _one_batch(self) -> None:
-        plan = self.plan
-        ids = self.rng.integers(0, plan["num_samples"], plan["batch"])
-        request = pb.ReadRequest(dataset=plan["dataset"], ids=ids.tolist(), manifest_id=plan["manifest_id"])
-        if self.segment is not None:
-            request.shm_name, request.shm_size = self.segment.name, self.segment.size
-        started = time.perf_counter()
-        try:
-            samples = [s for chunk in self.stub.Read(request, timeout=READ_TIMEOUT_SECONDS) for s in chunk.samples]
-        except grpc.RpcError as exc:
-            self._error(f"rpc {exc.code().name}", str(exc.details()))
-            time.sleep(ERROR_PAUSE_SECONDS)
-            return
-        self.latencies.append(time.perf_counter() - started)
-        self.batches += 1
-        self.samples += len(samples)
-        self._verify(ids.tolist(), samples)
-
-    def _verify(self, ids: list[int], samples: list[pb.Sample]) -> None:
-        if len(samples) != len(ids):
-            self._error("wrong sample count", f"{len(samples)} samples for {len(ids)} ids")
-            return
-        in_shm = False
-        for want, sample in zip(ids, samples):
-            if sample.id != want:
-                self._error("wrong id", f"sample {sample.id} where {want} was due")
-                continue
-            if sample.in_shm:
-                if self.segment is None or sample.shm_offset + sample.length > self.segment.size:
-                    self._error("bad shm offset", f"sample {want} at {sample.shm_offset}+{sample.length}")
-                    continue
-                data = self.segment.map[sample.shm_offset : sample.shm_offset + sample.length]
-                in_shm = True
-            else:
-                data = sample.data
-            digest, truth = checksum(data), int(self.expected[want])
-            if digest != truth:
-                self._error("wrong bytes", f"sample {want}: xxh3 {digest:#018x}, the PFS file's {truth:#018x}")
-            elif sample.checksum != digest:
-                self._error("wrong checksum field", f"sample {want}: {sample.checksum:#018x} for {digest:#018x}")
-            else:
-                self.verified += 1
-                self.bytes += len(data)
-                self.tiers[_TIER_NAMES.get(sample.tier, "unspecified")] += 1
-        if in_shm and self.segment is not None:
-            self.segment.daemon_mapped()
-
-    def _error(self, kind: str, message: str) -> None:
-        self.errors[kind] += 1
-        self.examples.setdefault(kind, message)
-
-    def close(self) -> None:
-        self.channel.close()
-        if self.segment is not None:
-            self.segment.close()
-
-
-def _say(event: dict[str, Any]) -> None:
-    sys.stdout.write(_PREFIX + json.dumps(event) + "\n")
-    sys.stdout.flush()
-
-
-def _worker_main() -> None:
-    """A worker process: reads its plan from stdin, connects, says ready,
-    runs its clients from "go" until the deadline, reports and exits."""
-    plan = json.loads(sys.stdin.readline())
-    expected = np.load(plan["checksums"], mmap_mode="r")
-    clients: list[_LoadClient] = []
-    try:
-        for index in range(len(plan["transports"])):
-            clients.append(_LoadClient(plan, index, expected))
-        for client in clients:
-            client.connect()
-        _say({"event": "ready"})
-        if sys.stdin.readline().strip() != "go":
-            return
-        started = time.monotonic()
-        deadline = started + plan["seconds"]
-        threads = [threading.Thread(target=c.run, args=(deadline,), daemon=True) for c in clients]
-        for thread in threads:
-            thread.start()
-        while alive := [thread for thread in threads if thread.is_alive()]:
-            alive[0].join(1.0)
-            _say({"event": "tick", "samples": sum(c.samples for c in clients),
-                  "errors": sum(sum(c.errors.values()) for c in clients)})
-        _say({"event": "done", **_report(clients, time.monotonic() - started)})
-    finally:
-        for client in clients:
-            client.close()
-
-
-def _report(clients: Sequence[_LoadClient], wall: float) -> dict[str, Any]:
-    transports: dict[str, dict[str, Any]] = {}
-    for transport in dict.fromkeys(c.transport for c in clients):
-        mine = [c for c in clients if c.transport == transport]
-        latencies = np.array([x for c in mine for x in c.latencies], dtype=np.float32)
-        transports[transport] = {
-            "clients": len(mine), "batches": sum(c.batches for c in mine), "samples": sum(c.samples for c in mine),
-            "verified": sum(c.verified for c in mine), "bytes": sum(c.bytes for c in mine),
-            "latencies": base64.b64encode(latencies.tobytes()).decode(),
-        }
-    errors: Counter[str] = Counter()
-    tiers: Counter[str] = Counter()
-    examples: dict[str, str] = {}
-    for client in clients:
-        errors.update(client.errors)
-        tiers.update(client.tiers)
-        for kind, message in client.examples.items():
-            examples.setdefault(kind, message)
-    return {"wall": wall, "transports": transports, "errors": dict(errors), "examples": examples, "tiers": dict(tiers)}
 
 
 # ------------------------------------------------------------ dataquay bench load
@@ -710,40 +470,5 @@ def bench_load(
     return result, staged
 
 
-def format_summary(result: LoadResult) -> str:
-    """One table (a row per transport and one for all clients), then errors,
-    tiers and the daemon's memory, for a terminal."""
-    header = ("transport", "clients", "batches", "samples", "verified", "p50 ms", "p99 ms", "max ms", "samples/s",
-              "MB/s")
-    rows = [
-        (name, f.clients, f.batches, f.samples, f.verified, f"{f.p50_ms:.1f}", f"{f.p99_ms:.1f}", f"{f.max_ms:.1f}",
-         f"{f.samples_per_s:,.0f}", f"{f.mb_per_s:,.1f}")
-        for name, f in [*result.by_transport.items(), ("all", result.total)]
-    ]
-    cells = [list(map(str, header)), *[[str(c) for c in row] for row in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
-    errors = ", ".join(f"{kind} x{n} (first: {result.error_examples.get(kind, '')})"
-                       for kind, n in sorted(result.errors.items()))
-    served = sum(result.tiers.values()) or 1
-    lines.append(f"{result.processes} processes x {result.threads} threads, batches of {result.batch}, "
-                 f"{result.seconds:.1f} s")
-    lines.append(f"errors: {errors or 'none'}")
-    lines.append("served from: " + ", ".join(f"{t} {100 * n / served:.0f}%" for t, n in sorted(result.tiers.items())))
-    if result.rss:
-        first, last = result.rss[0], result.rss[-1]
-        lines.append(
-            f"daemon RSS: {first.vm_rss / MiB:.1f} -> {last.vm_rss / MiB:.1f} MiB "
-            f"(anon {first.rss_anon / MiB:.1f} -> {last.rss_anon / MiB:.1f} MiB); growth after the "
-            f"{result.warmup_seconds:.0f} s warm-up {result.vm_rss_growth / MiB:+.1f} MiB "
-            f"(anon {result.rss_anon_growth / MiB:+.1f} MiB), medians of its first and last quarter"
-        )
-    return "\n".join(lines)
-
-
 def _machine() -> str:
     return f"{os.cpu_count()} cores {platform.machine()}, Python {platform.python_version()}, {platform.system()}"
-
-
-if __name__ == "__main__":
-    _worker_main()
