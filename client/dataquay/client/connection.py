@@ -24,7 +24,7 @@ import grpc
 from dataquay.client.channels import channel_options
 from dataquay.client.errors import DaemonUnavailableError, DataquayError
 from dataquay.client.security import Credentials
-from dataquay.client.status_codes import error_from_rpc
+from dataquay.client.status_codes import UNREACHABLE, error_from_rpc
 from dataquay.protos import cache_pb2_grpc
 
 log = logging.getLogger("dataquay.client")
@@ -32,7 +32,6 @@ log = logging.getLogger("dataquay.client")
 #: How long a fork waits for this process's calls in flight.
 FORK_WAIT_SECONDS = 10.0
 
-_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 _T = TypeVar("_T")
 
 # Channels a forked child inherited: never used or closed there (closing could
@@ -152,7 +151,7 @@ class DaemonConnection:
         self, what: str, exc: grpc.RpcError, errors: Mapping[grpc.StatusCode, type[DataquayError]]
     ) -> DataquayError:
         code, details = exc.code(), exc.details()
-        if code in _UNREACHABLE:
+        if code in UNREACHABLE:
             return DaemonUnavailableError(
                 f"dataquay daemon at {self.address} is unreachable ({code.name}: {details}); "
                 "is `dataquay serve` running there, and does DATAQUAY_ADDR name its socket?"
