@@ -42,7 +42,7 @@ def _assert_served_right_with_flat_memory(result: LoadResult, seconds: float) ->
     assert total.clients == 64 and set(result.by_transport) == set(TRANSPORTS)
     assert total.samples > 0 and total.verified == total.samples
     assert all(f.verified > 0 for f in result.by_transport.values())
-    assert result.tiers.get("local", 0) > 0 and result.tiers.get("pfs", 0) > 0
+    assert result.tiers.get("cache", 0) > 0 and result.tiers.get("pfs", 0) > 0
     assert 0 < total.p50_ms <= total.p99_ms <= total.max_ms
     assert total.samples_per_s > 0 and total.mb_per_s > 0
     assert len([s for s in result.rss if s.t >= result.warmup_seconds]) >= seconds / 2

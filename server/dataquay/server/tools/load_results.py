@@ -53,7 +53,7 @@ class LoadResult:
     seconds: float
     total: Figures
     by_transport: dict[str, Figures]
-    #: Samples by the tier the daemon served them from (local, peer, pfs).
+    #: Samples by the tier the daemon served them from (cache, peer, pfs).
     tiers: dict[str, int]
     errors: dict[str, int]
     #: The first message of each kind of error.

@@ -40,7 +40,7 @@ ERROR_PAUSE_SECONDS = 0.05
 READY_TIMEOUT_SECONDS = 60.0
 #: What starts a worker's event lines on stdout.
 EVENT_PREFIX = "dq-load "
-_TIER_NAMES = {pb.TIER_LOCAL: "local", pb.TIER_PEER: "peer", pb.TIER_PFS: "pfs"}
+_TIER_NAMES = {pb.TIER_LOCAL: "cache", pb.TIER_PEER: "peer", pb.TIER_PFS: "pfs"}
 
 
 class _LoadClient:
