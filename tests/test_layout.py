@@ -1,0 +1,205 @@
+"""The shape of the code: imports point one way.
+
+A cycle among modules means neither can be read, tested or moved without the
+other, and a function-level import only hides one; the directory must work
+without the daemon's code (it is deployed apart from it). Imports under
+``if TYPE_CHECKING:`` are for annotations only and do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import deque
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+#: The roots pyproject's package-dir names, each holding a part of the dataquay namespace.
+ROOTS = ("protos", "client", "server")
+DIRECTORY = "dataquay.server.directory"
+NODE = "dataquay.server.node"
+
+Graph = dict[str, set[str]]
+
+
+def module_files() -> dict[str, Path | None]:
+    """Every dataquay module, by dotted name: its source, or None for a compiled
+    extension (known by its stub), which imports no dataquay module."""
+    modules: dict[str, Path | None] = {}
+    for root in ROOTS:
+        for path in sorted((REPO / root / "dataquay").rglob("*.py*")):
+            if path.suffix not in (".py", ".pyi"):
+                continue
+            parts = path.relative_to(REPO / root).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            if path.suffix == ".py":
+                modules[name] = path
+            else:
+                modules.setdefault(name, None)
+    return modules
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement at any depth (functions too), but not under ``if TYPE_CHECKING:``."""
+    if isinstance(node, ast.If) and _is_type_checking(node.test):
+        children: list[ast.AST] = list(node.orelse)
+    else:
+        children = list(ast.iter_child_nodes(node))
+    for child in children:
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
+        else:
+            yield from _imports(child)
+
+
+def imported_modules(name: str, path: Path, modules: dict[str, Path | None]) -> set[str]:
+    """The dataquay modules that module ``name`` imports: ``from a import b`` counts
+    as importing ``a.b`` when that is a module, else ``a``."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for statement in _imports(ast.parse(path.read_text(), str(path))):
+        if isinstance(statement, ast.Import):
+            targets = [alias.name for alias in statement.names]
+        else:
+            base = statement.module or ""
+            if statement.level:
+                anchor = package.split(".")[: len(package.split(".")) - statement.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in statement.names
+            ]
+        found |= {target for target in targets if target in modules and target != name}
+    return found
+
+
+@cache
+def import_graph() -> Graph:
+    modules = module_files()
+    return {name: imported_modules(name, path, modules) if path else set() for name, path in modules.items()}
+
+
+def strongly_connected(graph: Graph) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(start: str) -> None:
+        # Iterative, so that a long import chain cannot hit the recursion limit.
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            for target in edges:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                    break
+                if target in on_stack:
+                    low[node] = min(low[node], index[target])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(components)
+
+
+def shortest_path(graph: Graph, start: str, goal: set[str], within: set[str] | None = None) -> list[str]:
+    """The shortest import chain from ``start`` to a module in ``goal`` (empty if none)."""
+    came_from: dict[str, str | None] = {start: None}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for target in sorted(graph[node]):
+            if within is not None and target not in within:
+                continue
+            if target in goal:
+                path = [target, node]
+                while (previous := came_from[path[-1]]) is not None:
+                    path.append(previous)
+                return path[::-1]
+            if target not in came_from:
+                came_from[target] = node
+                queue.append(target)
+    return []
+
+
+def describe_cycle(graph: Graph, component: list[str]) -> str:
+    """One cycle through the component's first module, and all its members."""
+    members = set(component)
+    cycle = shortest_path(graph, component[0], {component[0]}, members)
+    return " -> ".join(cycle) + (f"  (component: {', '.join(component)})" if len(component) > len(cycle) - 1 else "")
+
+
+def test_the_graph_sees_modules_and_their_imports() -> None:
+    graph = import_graph()
+    assert {"dataquay.protos.cache_pb2", "dataquay.client.manifest", "dataquay.server.node.daemon"} <= set(graph)
+    assert "dataquay.server.node.store" in graph["dataquay.server.node.daemon"]
+
+
+def test_imports_in_functions_count_and_those_for_type_checking_do_not() -> None:
+    source = """
+import a
+if TYPE_CHECKING:
+    import b
+else:
+    import c
+if typing.TYPE_CHECKING:
+    import d
+def f():
+    from e import g
+"""
+    found = [alias.name if isinstance(s, ast.Import) else s.module for s in _imports(ast.parse(source))
+             for alias in s.names]
+    assert found == ["a", "c", "e"]
+
+
+def test_strongly_connected_finds_cycles_and_only_cycles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
+    assert strongly_connected(graph) == [["a", "b", "c"], ["d", "e"]]
+    assert describe_cycle(graph, ["a", "b", "c"]) == "a -> b -> c -> a"
+
+
+def test_no_import_cycles_among_dataquay_modules() -> None:
+    graph = import_graph()
+    cycles = [describe_cycle(graph, component) for component in strongly_connected(graph)]
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_directory_imports_nothing_of_the_daemon() -> None:
+    graph = import_graph()
+    node = {name for name in graph if name == NODE or name.startswith(NODE + ".")}
+    chains = [
+        " -> ".join(chain)
+        for name in sorted(graph)
+        if name == DIRECTORY or name.startswith(DIRECTORY + ".")
+        if (chain := shortest_path(graph, name, node))
+    ]
+    assert not chains, "the directory reaches the daemon's code:\n" + "\n".join(chains)
