@@ -9,9 +9,11 @@ without the daemon's code (it is deployed apart from it). Imports under
 from __future__ import annotations
 
 import ast
+import tomllib
 from collections import deque
 from collections.abc import Iterator
 from functools import cache
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -19,6 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 ROOTS = ("protos", "client", "server")
 DIRECTORY = "dataquay.server.directory"
 NODE = "dataquay.server.node"
+TOOLS = "dataquay.server.tools"
+CLI = "dataquay.server.cli"
 
 Graph = dict[str, set[str]]
 
@@ -85,52 +89,6 @@ def import_graph() -> Graph:
     return {name: imported_modules(name, path, modules) if path else set() for name, path in modules.items()}
 
 
-def strongly_connected(graph: Graph) -> list[list[str]]:
-    """Tarjan's strongly connected components of more than one module."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    components: list[list[str]] = []
-
-    def visit(start: str) -> None:
-        # Iterative, so that a long import chain cannot hit the recursion limit.
-        work = [(start, iter(sorted(graph[start])))]
-        index[start] = low[start] = len(index)
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            node, edges = work[-1]
-            for target in edges:
-                if target not in index:
-                    index[target] = low[target] = len(index)
-                    stack.append(target)
-                    on_stack.add(target)
-                    work.append((target, iter(sorted(graph[target]))))
-                    break
-                if target in on_stack:
-                    low[node] = min(low[node], index[target])
-            else:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
-                if low[node] == index[node]:
-                    component = []
-                    while True:
-                        member = stack.pop()
-                        on_stack.discard(member)
-                        component.append(member)
-                        if member == node:
-                            break
-                    if len(component) > 1:
-                        components.append(sorted(component))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return sorted(components)
-
-
 def shortest_path(graph: Graph, start: str, goal: set[str], within: set[str] | None = None) -> list[str]:
     """The shortest import chain from ``start`` to a module in ``goal`` (empty if none)."""
     came_from: dict[str, str | None] = {start: None}
@@ -149,13 +107,6 @@ def shortest_path(graph: Graph, start: str, goal: set[str], within: set[str] | N
                 came_from[target] = node
                 queue.append(target)
     return []
-
-
-def describe_cycle(graph: Graph, component: list[str]) -> str:
-    """One cycle through the component's first module, and all its members."""
-    members = set(component)
-    cycle = shortest_path(graph, component[0], {component[0]}, members)
-    return " -> ".join(cycle) + (f"  (component: {', '.join(component)})" if len(component) > len(cycle) - 1 else "")
 
 
 def test_the_graph_sees_modules_and_their_imports() -> None:
@@ -181,25 +132,41 @@ def f():
     assert found == ["a", "c", "e"]
 
 
-def test_strongly_connected_finds_cycles_and_only_cycles() -> None:
-    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
-    assert strongly_connected(graph) == [["a", "b", "c"], ["d", "e"]]
-    assert describe_cycle(graph, ["a", "b", "c"]) == "a -> b -> c -> a"
-
-
 def test_no_import_cycles_among_dataquay_modules() -> None:
-    graph = import_graph()
-    cycles = [describe_cycle(graph, component) for component in strongly_connected(graph)]
-    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+    try:
+        TopologicalSorter(import_graph()).prepare()
+    except CycleError as exc:
+        raise AssertionError("import cycle: " + " -> ".join(reversed(exc.args[1]))) from None
+
+
+def _inside(graph: Graph, *packages: str) -> set[str]:
+    return {name for name in graph if any(name == p or name.startswith(p + ".") for p in packages)}
 
 
 def test_the_directory_imports_nothing_of_the_daemon() -> None:
     graph = import_graph()
-    node = {name for name in graph if name == NODE or name.startswith(NODE + ".")}
+    node = _inside(graph, NODE)
     chains = [
-        " -> ".join(chain)
-        for name in sorted(graph)
-        if name == DIRECTORY or name.startswith(DIRECTORY + ".")
-        if (chain := shortest_path(graph, name, node))
+        " -> ".join(chain) for name in sorted(_inside(graph, DIRECTORY)) if (chain := shortest_path(graph, name, node))
     ]
     assert not chains, "the directory reaches the daemon's code:\n" + "\n".join(chains)
+
+
+def test_only_the_cli_uses_the_tools_and_nothing_uses_the_cli() -> None:
+    graph = import_graph()
+    tools, cli = _inside(graph, TOOLS), _inside(graph, CLI)
+    below = sorted(set(graph) - tools - cli)
+    chains = [
+        " -> ".join(chain) for name in below if (chain := shortest_path(graph, name, tools | cli))
+    ] + [f"{name} -> {target}" for name in sorted(tools) for target in sorted(graph[name] & cli)]
+    assert not chains, "imports that point down at tools/ or cli/:\n" + "\n".join(chains)
+
+
+def test_every_package_is_in_the_wheel() -> None:
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {
+        ".".join(init.parent.relative_to(REPO / root).parts)
+        for root in ROOTS
+        for init in (REPO / root / "dataquay").rglob("__init__.py")
+    }
+    assert packages == listed
