@@ -244,7 +244,7 @@ def test_jobs_are_created_by_the_first_join_and_refuse_other_settings(
         (lambda: join(stub, "j2", must_exist=True), grpc.StatusCode.NOT_FOUND, "no job 'j2'"),
         (lambda: join(stub, "j2", dataset="nope"), grpc.StatusCode.NOT_FOUND, "unknown dataset 'nope'"),
         (lambda: join(stub, "j2", dataset="imgs", mode="shuffle"), grpc.StatusCode.INVALID_ARGUMENT,
-         "unknown mode 'shuffle'"),
+         "mode must be one of global, local, partial, locality, not 'shuffle'"),
         (lambda: join(stub, "j2", dataset="imgs", nodes=["n0", "n7", "n9"]), grpc.StatusCode.INVALID_ARGUMENT,
          "n7, n9"),
         (lambda: join(stub, "j 2", dataset="imgs"), grpc.StatusCode.INVALID_ARGUMENT, "bad job id 'j 2'"),

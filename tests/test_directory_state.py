@@ -4,9 +4,11 @@ and persistence, driven step by step with an explicit clock."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
+from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import MAX_EPOCH
 from dataquay.server.directory.state import (
     Change,
@@ -35,6 +37,11 @@ def facts(name: str) -> DatasetFacts:
     if name != "imgs":
         raise UnknownDatasetError(f"unknown dataset {name!r}")
     return DatasetFacts(manifest_id="m1", num_samples=100)
+
+
+def join_request(job_id: str, must_exist: bool = False, **named: Any) -> JoinRequest:
+    """A join naming the settings given, as the servicer parses one."""
+    return JoinRequest(JobSettings(job_id, **named), frozenset(named), must_exist)
 
 
 def cluster(*names: str, now: float = 0.0) -> DirectoryState:
@@ -105,7 +112,7 @@ def test_a_new_job_takes_defaults_and_all_live_nodes_by_name() -> None:
     state.register(info("n1"), LEASE)
     state.register(info("n0"), LEASE)
     jobs_version = state.versions.jobs
-    job, created = state.join(JoinRequest("j1", dataset="imgs"), facts, now=LEASE + 1)
+    job, created = state.join(join_request("j1", dataset="imgs"), facts, now=LEASE + 1)
     assert created and state.versions.jobs == jobs_version + 1
     spec = job.spec
     assert (spec.mode, spec.q, spec.seed, spec.drop_last, spec.partition, spec.ranks_per_node, spec.batch_size) == (
@@ -117,50 +124,51 @@ def test_a_new_job_takes_defaults_and_all_live_nodes_by_name() -> None:
 
 def test_a_join_with_other_settings_is_refused_naming_the_field() -> None:
     state = cluster("a", "b")
-    state.join(JoinRequest("j1", dataset="imgs", mode="global", seed=7, nodes=("b", "a")), facts, 0.0)
+    state.join(join_request("j1", dataset="imgs", mode="global", seed=7, nodes=("b", "a")), facts, 0.0)
     with pytest.raises(JobMismatchError, match="job 'j1' exists with mode 'global'; this join asked for 'partial'"):
-        state.join(JoinRequest("j1", mode="partial"), facts, 1.0)
+        state.join(join_request("j1", mode="partial"), facts, 1.0)
     with pytest.raises(JobMismatchError, match="exists with seed 7; this join asked for 8"):
-        state.join(JoinRequest("j1", dataset="imgs", seed=8), facts, 1.0)
+        state.join(join_request("j1", dataset="imgs", seed=8), facts, 1.0)
     with pytest.raises(JobMismatchError, match=r"exists with nodes \[b, a\] \(2 nodes\)"):
-        state.join(JoinRequest("j1", nodes=("a", "b")), facts, 1.0)
+        state.join(join_request("j1", nodes=("a", "b")), facts, 1.0)
     with pytest.raises(JobMismatchError, match="exists with dataset 'imgs'"):
-        state.join(JoinRequest("j1", dataset="other"), facts, 1.0)
-    job, created = state.join(JoinRequest("j1", seed=7, nodes=("b", "a")), facts, 1.0)
+        state.join(join_request("j1", dataset="other"), facts, 1.0)
+    job, created = state.join(join_request("j1", seed=7, nodes=("b", "a")), facts, 1.0)
     assert not created and job.spec.seed == 7
 
 
 def test_the_first_join_that_knows_ranks_per_node_fixes_it() -> None:
     state = cluster("a")
-    state.join(JoinRequest("j1", dataset="imgs"), facts, 0.0)
+    state.join(join_request("j1", dataset="imgs"), facts, 0.0)
     version = state.versions.jobs
-    job, _ = state.join(JoinRequest("j1", ranks_per_node=0), facts, 1.0)
+    job, _ = state.join(join_request("j1", ranks_per_node=0), facts, 1.0)
     assert job.spec.ranks_per_node == 0 and state.versions.jobs == version
-    job, _ = state.join(JoinRequest("j1", ranks_per_node=4), facts, 1.0)
+    job, _ = state.join(join_request("j1", ranks_per_node=4), facts, 1.0)
     assert job.spec.ranks_per_node == 4 and state.versions.jobs == version + 1
-    assert state.join(JoinRequest("j1", ranks_per_node=0), facts, 1.0)[0].spec.ranks_per_node == 4
+    assert state.join(join_request("j1", ranks_per_node=0), facts, 1.0)[0].spec.ranks_per_node == 4
     with pytest.raises(JobMismatchError, match="ranks_per_node 4; this join asked for 8"):
-        state.join(JoinRequest("j1", ranks_per_node=8), facts, 1.0)
+        state.join(join_request("j1", ranks_per_node=8), facts, 1.0)
 
 
 @pytest.mark.parametrize(
     ("request_", "error", "message"),
     [
-        (JoinRequest("j/1", dataset="imgs"), InvalidRequestError, "bad job id 'j/1'"),
-        (JoinRequest("x" * 129, dataset="imgs"), InvalidRequestError, "bad job id"),
-        (JoinRequest("j1"), InvalidRequestError, "name its dataset to create it"),
-        (JoinRequest("j1", dataset="imgs", must_exist=True), UnknownJobError, "no job 'j1'"),
-        (JoinRequest("j1", dataset="nope"), UnknownDatasetError, "unknown dataset 'nope'"),
-        (JoinRequest("j1", dataset="imgs", mode="random"), InvalidRequestError, "unknown mode 'random'"),
-        (JoinRequest("j1", dataset="imgs", partition="rows"), InvalidRequestError, "unknown partition 'rows'"),
-        (JoinRequest("j1", dataset="imgs", q=1.5), InvalidRequestError, r"q 1.5 is not in \[0, 1\]"),
-        (JoinRequest("j1", dataset="imgs", q=float("nan")), InvalidRequestError, "q nan"),
-        (JoinRequest("j1", dataset="imgs", mode="partial"), InvalidRequestError,
+        (join_request("j/1", dataset="imgs"), InvalidRequestError, "bad job id 'j/1'"),
+        (join_request("x" * 129, dataset="imgs"), InvalidRequestError, "bad job id"),
+        (join_request("j1"), InvalidRequestError, "name its dataset to create it"),
+        (join_request("j1", dataset="imgs", must_exist=True), UnknownJobError, "no job 'j1'"),
+        (join_request("j1", dataset="nope"), UnknownDatasetError, "unknown dataset 'nope'"),
+        (join_request("j1", dataset="imgs", mode="random"), InvalidRequestError, "mode must be one of .*, not 'random'"),
+        (join_request("j1", dataset="imgs", partition="rows"), InvalidRequestError,
+         "partition must be one of sample, shard, not 'rows'"),
+        (join_request("j1", dataset="imgs", q=1.5), InvalidRequestError, r"q 1.5 is not in \[0, 1\]"),
+        (join_request("j1", dataset="imgs", q=float("nan")), InvalidRequestError, "q nan"),
+        (join_request("j1", dataset="imgs", mode="partial"), InvalidRequestError,
          r"job 'j1': q must be in \(0, 1\] for mode partial"),
-        (JoinRequest("j1", dataset="imgs", mode="locality", batch_size=0), InvalidRequestError,
+        (join_request("j1", dataset="imgs", mode="locality", batch_size=0), InvalidRequestError,
          "job 'j1': batch_size must be at least 1 for mode locality"),
-        (JoinRequest("j1", dataset="imgs", nodes=("a", "x", "y")), InvalidRequestError, "registered: x, y"),
-        (JoinRequest("j1", dataset="imgs", nodes=("a", "a")), InvalidRequestError, "more than once: a"),
+        (join_request("j1", dataset="imgs", nodes=("a", "x", "y")), InvalidRequestError, "registered: x, y"),
+        (join_request("j1", dataset="imgs", nodes=("a", "a")), InvalidRequestError, "more than once: a"),
     ],
 )
 def test_bad_joins_are_refused_and_create_nothing(
@@ -177,14 +185,14 @@ def test_a_job_on_all_live_nodes_needs_one_up() -> None:
     state = cluster("a")
     state.expire(now=LEASE)
     with pytest.raises(NoLiveNodesError, match="none is up"):
-        state.join(JoinRequest("j1", dataset="imgs"), facts, LEASE)
-    job, _ = state.join(JoinRequest("j1", dataset="imgs", nodes=("a",)), facts, LEASE)
+        state.join(join_request("j1", dataset="imgs"), facts, LEASE)
+    job, _ = state.join(join_request("j1", dataset="imgs", nodes=("a",)), facts, LEASE)
     assert job.spec.nodes == ("a",)
 
 
 def test_epochs_only_go_up_and_dropped_jobs_are_gone() -> None:
     state = cluster("a")
-    state.join(JoinRequest("j1", dataset="imgs"), facts, 0.0)
+    state.join(join_request("j1", dataset="imgs"), facts, 0.0)
     version = state.versions
     assert not state.get_job("j1").started
     assert state.report_epoch("j1", 0).started
@@ -206,7 +214,7 @@ def test_state_survives_a_json_round_trip_and_live_nodes_get_a_fresh_lease() -> 
     state.heartbeat("a", 10, 2, now=5.0)
     state.expire(now=LEASE)  # b and c down
     state.register(info("c"), LEASE)
-    state.join(JoinRequest("j1", dataset="imgs", mode="global", seed=3, ranks_per_node=2), facts, 1.0)
+    state.join(join_request("j1", dataset="imgs", mode="global", seed=3, ranks_per_node=2), facts, 1.0)
     state.report_epoch("j1", 4)
     state.datasets_changed()
     doc = json.loads(json.dumps(state.to_json()))
@@ -224,17 +232,38 @@ def test_state_survives_a_json_round_trip_and_live_nodes_get_a_fresh_lease() -> 
 
 def test_the_batch_size_is_a_job_setting_and_old_state_files_have_none() -> None:
     state = cluster("a")
-    job, _ = state.join(JoinRequest("j1", dataset="imgs", mode="locality", batch_size=32), facts, 0.0)
+    job, _ = state.join(join_request("j1", dataset="imgs", mode="locality", batch_size=32), facts, 0.0)
     assert job.spec.batch_size == 32
-    assert state.join(JoinRequest("j1", batch_size=32), facts, 1.0)[0] == job
+    assert state.join(join_request("j1", batch_size=32), facts, 1.0)[0] == job
     with pytest.raises(JobMismatchError, match="exists with batch_size 32; this join asked for 16"):
-        state.join(JoinRequest("j1", batch_size=16), facts, 1.0)
-    state.join(JoinRequest("j2", dataset="imgs", mode="partial", q=0.25), facts, 0.0)
+        state.join(join_request("j1", batch_size=16), facts, 1.0)
+    state.join(join_request("j2", dataset="imgs", mode="partial", q=0.25), facts, 0.0)
     doc = json.loads(json.dumps(state.to_json()))
     del doc["jobs"][1]["spec"]["batch_size"]
     restarted = DirectoryState.from_json(doc, LEASE, now=10.0)
     assert restarted.get_job("j1").spec.batch_size == 32
     assert restarted.get_job("j2").spec.batch_size == 0
+
+
+#: A state file as the directory wrote it before the settings had a type of their own.
+WRITTEN_BEFORE = {
+    "format": 1,
+    "versions": {"nodes": 1, "datasets": 0, "jobs": 1},
+    "nodes": [{"info": {"name": "a", "tcp_address": "10.0.0.1:7070", "metrics_address": "", "cache_capacity": 0,
+                        "pid": 0, "version": ""},
+               "registered": 0.0, "last_heartbeat": 0.0, "up": True, "cache_used_bytes": 0, "cache_entries": 0}],
+    "jobs": [{"spec": {"job_id": "j1", "dataset": "imgs", "mode": "partial", "q": 0.25, "seed": 3, "drop_last": True,
+                       "nodes": ["a"], "ranks_per_node": 2, "partition": "shard", "batch_size": 8},
+              "manifest_id": "m1", "num_samples": 100, "epoch": 0, "created": 1.0, "started": False}],
+}
+
+
+def test_a_state_file_written_before_reads_back_and_is_written_the_same() -> None:
+    restarted = DirectoryState.from_json(WRITTEN_BEFORE, LEASE, now=5.0)
+    job = restarted.get_job("j1")
+    assert job.spec == JobSettings("j1", "imgs", mode="partial", q=0.25, seed=3, drop_last=True, partition="shard",
+                                   batch_size=8, nodes=("a",), ranks_per_node=2)
+    assert restarted.to_json()["jobs"] == WRITTEN_BEFORE["jobs"]
 
 
 def test_a_document_of_another_format_is_refused() -> None:

@@ -12,6 +12,7 @@ from urllib.parse import unquote
 
 import grpc
 
+from dataquay.client.job_settings import JobSettings, named_settings
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
@@ -158,29 +159,13 @@ def node_status(node: Node) -> jpb.NodeStatus:
 
 def join_request(request: jpb.JoinJobRequest) -> JoinRequest:
     """The settings the caller named; proto3 ``optional`` tells unset from zero."""
-    s = request.spec
-    return JoinRequest(
-        job_id=s.job_id,
-        dataset=s.dataset or None,
-        mode=s.mode if s.HasField("mode") else None,
-        q=s.q if s.HasField("q") else None,
-        seed=s.seed if s.HasField("seed") else None,
-        drop_last=s.drop_last if s.HasField("drop_last") else None,
-        nodes=tuple(s.nodes) or None,
-        ranks_per_node=s.ranks_per_node if s.HasField("ranks_per_node") else None,
-        partition=s.partition if s.HasField("partition") else None,
-        batch_size=s.batch_size if s.HasField("batch_size") else None,
-        must_exist=request.must_exist,
-    )
+    spec = request.spec
+    return JoinRequest(JobSettings.from_proto(spec), named_settings(spec), request.must_exist)
 
 
 def job_proto(job: Job) -> jpb.Job:
-    s = job.spec
     return jpb.Job(
-        spec=jpb.JobSpec(
-            job_id=s.job_id, dataset=s.dataset, mode=s.mode, q=s.q, seed=s.seed, drop_last=s.drop_last,
-            nodes=s.nodes, ranks_per_node=s.ranks_per_node, partition=s.partition, batch_size=s.batch_size,
-        ),
+        spec=job.spec.to_proto(),
         manifest_id=job.manifest_id,
         num_samples=job.num_samples,
         epoch=job.epoch,

@@ -17,14 +17,14 @@ to the end, and expiry pops expired leases from the front.
 from __future__ import annotations
 
 import enum
-import math
 import re
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
-from dataquay.client.placement import MAX_EPOCH, MODES, PARTITIONS, check_mode_settings
+from dataquay.client.job_settings import SETTINGS, JobSettings
+from dataquay.client.placement import MAX_EPOCH
 from dataquay.server.errors import (
     InvalidRequestError,
     JobMismatchError,
@@ -93,40 +93,16 @@ class Beat(NamedTuple):
 
 
 @dataclass(frozen=True)
-class JobSpec:
-    """A job's settings, every one filled in."""
-
-    job_id: str
-    dataset: str
-    mode: str = "global"
-    q: float = 0.0
-    seed: int = 0
-    drop_last: bool = False
-    nodes: tuple[str, ...] = ()
-    ranks_per_node: int = 0
-    partition: str = "sample"
-    batch_size: int = 0
-
-
-@dataclass(frozen=True)
 class JoinRequest:
-    """A join: the job id and whichever settings the caller named.
+    """A join: the settings the caller named, over the defaults, and which it named.
 
-    None is "not named": the job's value applies. ``ranks_per_node`` 0 is "not
-    known yet": it is not compared, and the first join naming a value above 0
-    fixes the job's.
+    Unnamed settings are the job's. ``ranks_per_node`` 0 is "not known yet":
+    it is not compared, and the first join naming a value above 0 fixes the
+    job's.
     """
 
-    job_id: str
-    dataset: str | None = None
-    mode: str | None = None
-    q: float | None = None
-    seed: int | None = None
-    drop_last: bool | None = None
-    nodes: tuple[str, ...] | None = None
-    ranks_per_node: int | None = None
-    partition: str | None = None
-    batch_size: int | None = None
+    settings: JobSettings
+    named: frozenset[str] = frozenset()
     must_exist: bool = False
 
 
@@ -143,16 +119,12 @@ class Job:
     """A job record. ``epoch`` is the highest epoch any node reported;
     ``started`` says whether one did (so that epoch 0 has begun)."""
 
-    spec: JobSpec
+    spec: JobSettings
     manifest_id: str
     num_samples: int
     epoch: int = 0
     created: float = 0.0
     started: bool = False
-
-
-#: Settings a join may name, compared with the job's in this order.
-_COMPARED = ("dataset", "mode", "q", "seed", "drop_last", "partition", "batch_size", "nodes", "ranks_per_node")
 
 
 class DirectoryState:
@@ -259,7 +231,7 @@ class DirectoryState:
             UnknownJobError: ``must_exist`` and there is no such job.
             NoLiveNodesError: the job would run on all live nodes and none is up.
         """
-        job_id = request.job_id
+        job_id = request.settings.job_id
         if not _JOB_ID.match(job_id):
             raise InvalidRequestError(
                 f"bad job id {job_id!r}: use 1-128 letters, digits, '.', '_' or '-'"
@@ -269,35 +241,37 @@ class DirectoryState:
             return self._join_existing(job, request), False
         if request.must_exist:
             raise UnknownJobError(f"no job {job_id!r} (the first rank to join creates it)")
-        if not request.dataset:
+        spec = request.settings
+        if not spec.dataset:
             raise InvalidRequestError(f"job {job_id!r} does not exist; name its dataset to create it")
-        named = {k: v for k, v in asdict(request).items() if v is not None and k in _COMPARED}
-        spec = JobSpec(**{**named, "job_id": job_id, "nodes": ()})
-        _check_settings(spec)
+        try:
+            spec.check()
+        except ValueError as exc:
+            raise InvalidRequestError(f"job {job_id!r}: {exc}") from None
         facts = dataset(spec.dataset)
-        spec = replace(spec, nodes=self._job_nodes(job_id, request.nodes))
+        spec = replace(spec, nodes=self._job_nodes(job_id, spec.nodes))
         job = Job(spec, facts.manifest_id, facts.num_samples, epoch=0, created=now)
         self._jobs[job_id] = job
         self._bump(jobs=1)
         return job, True
 
     def _join_existing(self, job: Job, request: JoinRequest) -> Job:
-        for name in _COMPARED:
-            asked, have = getattr(request, name), getattr(job.spec, name)
-            if asked is None or asked == have:
+        for name in SETTINGS:
+            asked, have = getattr(request.settings, name), getattr(job.spec, name)
+            if name not in request.named or asked == have:
                 continue
             if name == "ranks_per_node" and (asked == 0 or have == 0):
                 continue
             raise JobMismatchError(
                 f"job {job.spec.job_id!r} exists with {name} {_show(have)}; this join asked for {_show(asked)}"
             )
-        if job.spec.ranks_per_node == 0 and request.ranks_per_node:
-            job = replace(job, spec=replace(job.spec, ranks_per_node=request.ranks_per_node))
+        if job.spec.ranks_per_node == 0 and request.settings.ranks_per_node:
+            job = replace(job, spec=replace(job.spec, ranks_per_node=request.settings.ranks_per_node))
             self._jobs[job.spec.job_id] = job
             self._bump(jobs=1)
         return job
 
-    def _job_nodes(self, job_id: str, named: tuple[str, ...] | None) -> tuple[str, ...]:
+    def _job_nodes(self, job_id: str, named: tuple[str, ...]) -> tuple[str, ...]:
         if not named:
             live = tuple(sorted(self._leases))
             if not live:
@@ -388,7 +362,7 @@ class DirectoryState:
                 if node.up:
                     state._renew(node.info.name, now)
             for raw in doc["jobs"]:
-                spec = JobSpec(**{**raw["spec"], "nodes": tuple(raw["spec"]["nodes"])})
+                spec = JobSettings(**raw["spec"])
                 state._jobs[spec.job_id] = Job(**{**raw, "spec": spec})
             v = Versions(**doc["versions"])
         except (KeyError, TypeError) as exc:
@@ -410,21 +384,6 @@ def _check_node(info: NodeInfo) -> None:
         raise InvalidRequestError(
             f"node {info.name!r}: bad metrics address {info.metrics_address!r}, expected HOST:PORT"
         )
-
-
-def _check_settings(spec: JobSpec) -> None:
-    if spec.mode not in MODES:
-        raise InvalidRequestError(f"job {spec.job_id!r}: unknown mode {spec.mode!r} (modes: {', '.join(MODES)})")
-    if spec.partition not in PARTITIONS:
-        raise InvalidRequestError(
-            f"job {spec.job_id!r}: unknown partition {spec.partition!r} (partitions: {', '.join(PARTITIONS)})"
-        )
-    if not (math.isfinite(spec.q) and 0.0 <= spec.q <= 1.0):
-        raise InvalidRequestError(f"job {spec.job_id!r}: q {spec.q} is not in [0, 1]")
-    try:
-        check_mode_settings(spec.mode, spec.q, spec.batch_size)
-    except ValueError as exc:
-        raise InvalidRequestError(f"job {spec.job_id!r}: {exc}") from None
 
 
 def _show(value: object) -> str:
