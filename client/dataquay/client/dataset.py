@@ -237,16 +237,15 @@ class Dataset(Sequence[bytes]):
                 dataset was replaced since the job began.
         """
         job_id = job if job is not None else env.job_id()
+        cluster = {"mode": mode, "q": q, "nodes": nodes, "partition": partition, "batch_size": batch_size}
         if job_id is not None:
             if not shuffle:
                 raise ValueError(f"job {job_id!r} shuffles by its placement; shuffle=False needs no job")
             spec = job_spec(
-                job_id, self._name, mode=mode, q=q, seed=seed, drop_last=drop_last, nodes=nodes,
-                ranks_per_node=env.local_world_size(), partition=partition, batch_size=batch_size,
+                job_id, self._name, seed=seed, drop_last=drop_last, ranks_per_node=env.local_world_size(), **cluster
             )
             return self._join(spec, rank, world_size)
-        cluster = (("mode", mode), ("q", q), ("nodes", nodes), ("partition", partition), ("batch_size", batch_size))
-        named = [name for name, value in cluster if value is not None]
+        named = [name for name, value in cluster.items() if value is not None]
         if named:
             raise ValueError(f"{', '.join(named)} apply to cluster jobs: pass job= or set DATAQUAY_JOB")
         return Sampler(

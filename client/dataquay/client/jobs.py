@@ -7,60 +7,40 @@ computes placement from it, so nobody asks anybody where a sample lives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dataquay.client.errors import DataquayError, JobMismatchError
+from dataquay.client.job_settings import JobSettings
 from dataquay.client.manifest import Manifest
-from dataquay.client.placement import MODES, PARTITIONS, JobPlan
+from dataquay.client.placement import JobPlan
 from dataquay.protos import jobs_pb2 as jpb
 
 if TYPE_CHECKING:
     from dataquay.client.client import Client
 
 
-def job_spec(
-    job_id: str,
-    dataset: str,
-    *,
-    mode: str | None = None,
-    q: float | None = None,
-    seed: int | None = None,
-    drop_last: bool | None = None,
-    nodes: Sequence[str] | None = None,
-    ranks_per_node: int | None = None,
-    partition: str | None = None,
-    batch_size: int | None = None,
-) -> jpb.JobSpec:
+def job_spec(job_id: str, dataset: str, **settings: Any) -> jpb.JobSpec:
     """The spec a rank joins ``job_id`` with; only the settings given are set.
 
     An unset setting takes the job's value (or the default, when this rank
     creates the job); a set one must equal the job's, or the join fails with
     :class:`JobMismatchError`. Ranks that name nothing join whatever job runs.
 
+    Args:
+        job_id: the job to join or create.
+        dataset: the dataset a new job reads; empty joins whatever it reads.
+        settings: fields of :class:`JobSettings`; None is "not given".
+
     Raises:
         ValueError: an empty job id, or an unknown mode or partition.
+        TypeError: a name that is no setting.
     """
     if not job_id:
         raise ValueError("a job id must not be empty")
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
-    if partition is not None and partition not in PARTITIONS:
-        raise ValueError(f"partition must be one of {', '.join(PARTITIONS)}, not {partition!r}")
-    spec = jpb.JobSpec(job_id=job_id, dataset=dataset, nodes=nodes or ())
-    settings = {
-        "mode": mode,
-        "q": q,
-        "seed": seed,
-        "drop_last": drop_last,
-        "ranks_per_node": ranks_per_node,
-        "partition": partition,
-        "batch_size": batch_size,
-    }
-    for name, value in settings.items():
-        if value is not None:
-            setattr(spec, name, value)
-    return spec
+    given = {name: value for name, value in settings.items() if value is not None}
+    named = JobSettings(job_id, dataset, **given)
+    named.check_names()
+    return named.to_proto(named=given.keys() | {"dataset"})
 
 
 def job_plan(job: jpb.Job, manifest: Manifest) -> JobPlan:

@@ -43,12 +43,11 @@ def _rpc_reason(exc: grpc.RpcError) -> str:
 def _job_spec(args: argparse.Namespace) -> jpb.JobSpec:
     """The JobSpec of ``stage --job``: only the settings the user gave are set,
     so that joining an existing job never contradicts it by accident."""
-    nodes = [n.strip() for n in args.nodes.split(",") if n.strip()] if args.nodes is not None else None
+    given = {flag: getattr(args, flag) for flag in JOB_FLAGS}
+    if args.nodes is not None:
+        given["nodes"] = [n.strip() for n in args.nodes.split(",") if n.strip()]
     try:
-        return job_spec(
-            args.job, args.name, mode=args.mode, q=args.q, seed=args.seed, nodes=nodes,
-            ranks_per_node=args.ranks_per_node, partition=args.partition, batch_size=args.batch_size,
-        )
+        return job_spec(args.job, args.name, **given)
     except ValueError as exc:
         raise CliError(str(exc)) from None
 
