@@ -24,6 +24,7 @@ from functools import partial
 import numpy as np
 
 from common import REPEATS, progress, report
+from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import (
     MODES,
     PARTITIONS,
@@ -68,25 +69,25 @@ def row(plan: JobPlan, groups: int | None) -> dict[str, object]:
     owners_s = median_seconds(partial(owners, plan, 2, before))
     order_s = median_seconds(partial(rank_order, plan, 2, last, after))
     transfers_s: float | None = None
-    if plan.mode == "global":
+    if plan.settings.mode == "global":
         read = rank_order(plan, 2, last, after)
-        network = float(np.mean(after[read] != last // plan.ranks_per_node)) * 100
-    elif plan.mode == "partial":
+        network = float(np.mean(after[read] != last // plan.settings.ranks_per_node)) * 100
+    elif plan.settings.mode == "partial":
         transfers_s = median_seconds(partial(moves, plan, 2, before))
         network = len(moves(plan, 2, before).ids) * 100 / plan.num_samples
-    elif plan.mode == "locality":
+    elif plan.settings.mode == "locality":
         transfers_s = median_seconds(partial(locality_balance, plan, 2))
         network = float(locality_balance(plan, 2).imbalance.mean())
     else:
         network = 0.0
     return {
-        "mode": plan.mode,
-        "partition": plan.partition,
+        "mode": plan.settings.mode,
+        "partition": plan.settings.partition,
         "N": plan.num_samples,
         "M": plan.num_nodes,
-        "g": plan.ranks_per_node,
-        "b": plan.batch_size if plan.mode == "locality" else None,
-        "q": plan.q if plan.mode == "partial" else None,
+        "g": plan.settings.ranks_per_node,
+        "b": plan.settings.batch_size if plan.settings.mode == "locality" else None,
+        "q": plan.settings.q if plan.settings.mode == "partial" else None,
         "groups": groups,
         "owners_s": owners_s,
         "rank_order_s": order_s,
@@ -103,11 +104,13 @@ def main() -> None:
     rows: list[dict[str, object]] = []
     for partition in PARTITIONS:
         progress(f"global, {partition} partition")
-        plan = JobPlan(NUM_SAMPLES, NUM_NODES, RANKS_PER_NODE, seed=1, partition=partition, groups=groups)
+        settings = JobSettings(seed=1, partition=partition, ranks_per_node=RANKS_PER_NODE)
+        plan = JobPlan(settings, NUM_SAMPLES, NUM_NODES, groups)
         rows.append(row(plan, NUM_GROUPS if partition == "shard" else None))
     for mode in [name for name in MODES if name != "global"]:
         progress(f"{mode}, sample partition")
-        plan = JobPlan(NUM_SAMPLES, NUM_NODES, RANKS_PER_NODE, seed=1, mode=mode, q=Q, batch_size=BATCH_SIZE)
+        settings = JobSettings(mode=mode, q=Q, seed=1, batch_size=BATCH_SIZE, ranks_per_node=RANKS_PER_NODE)
+        plan = JobPlan(settings, NUM_SAMPLES, NUM_NODES)
         rows.append(row(plan, None))
     report("placement", rows, COLUMNS)
 

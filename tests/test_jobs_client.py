@@ -23,6 +23,7 @@ from dataquay.client.errors import (
     UnknownDatasetError,
     UnknownJobError,
 )
+from dataquay.client.job_settings import JobSettings
 from dataquay.client.jobs import job_plan, job_spec, join
 from dataquay.client.local import SharedLocalCache
 from dataquay.client.manifest import Manifest, ManifestWriter
@@ -128,10 +129,11 @@ def test_job_spec_refuses_what_no_job_can_have(kwargs: dict[str, Any], message: 
 def test_job_plan_follows_the_job_record() -> None:
     manifest = tar_manifest()
     plan = job_plan(job_record(manifest, seed=5, drop_last=True), manifest)
-    assert plan == JobPlan(100, 2, 2, seed=5, drop_last=True)
+    assert plan == JobPlan(JobSettings("run-1", "imnet", seed=5, drop_last=True, nodes=("n0", "n1"), ranks_per_node=2),
+                           100, 2)
     assert plan.groups is None
     sharded = job_plan(job_record(manifest, partition="shard", nodes=["a", "b", "c"]), manifest)
-    assert sharded.num_nodes == 3 and sharded.partition == "shard"
+    assert sharded.num_nodes == 3 and sharded.settings.partition == "shard"
     assert sharded.groups is not None
     assert np.array_equal(sharded.groups, manifest.shard_groups())
     by_shard = owners(sharded, 0)
@@ -142,7 +144,10 @@ def test_job_plan_follows_the_job_record() -> None:
 def test_job_plan_carries_the_batch_size_that_locality_needs() -> None:
     manifest = tar_manifest()
     plan = job_plan(job_record(manifest, mode="locality", batch_size=8), manifest)
-    assert plan == JobPlan(100, 2, 2, seed=11, mode="locality", batch_size=8)
+    settings = JobSettings(
+        "run-1", "imnet", mode="locality", seed=11, batch_size=8, nodes=("n0", "n1"), ranks_per_node=2
+    )
+    assert plan == JobPlan(settings, 100, 2)
     with pytest.raises(ValueError, match="batch_size must be at least 1 for mode locality"):
         job_plan(job_record(manifest, mode="locality"), manifest)
 
@@ -306,7 +311,7 @@ def test_dataset_sampler_joins_the_job_from_the_environment_and_binds_the_datase
     ds = dataset(client, manifest)
     sampler = ds.sampler(seed=11)
     assert isinstance(sampler, JobSampler)
-    assert (sampler.rank, sampler.world_size, sampler.node, sampler.plan.ranks_per_node) == (5, 8, 1, 4)
+    assert (sampler.rank, sampler.world_size, sampler.node, sampler.plan.settings.ranks_per_node) == (5, 8, 1, 4)
     spec, must_exist = client.joins[0]
     assert (spec.job_id, spec.dataset, spec.seed, spec.ranks_per_node, must_exist) == ("run-1", "imnet", 11, 4, False)
     assert not spec.HasField("mode") and not spec.HasField("drop_last")

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import (
     MODES,
     PARTITIONS,
     JobPlan,
-    check_mode_settings,
     epoch_order,
     epoch_permutation,
     initial_owners,
@@ -173,22 +173,32 @@ def test_shard_partition_never_splits_a_group_and_balances_within_the_largest(
     assert loads.max() - loads.min() <= np.bincount(groups).max()
 
 
+def plan_of(
+    num_samples: int, num_nodes: int, ranks_per_node: int, seed: int, groups: np.ndarray | None = None, **settings: Any
+) -> JobPlan:
+    """A plan of these sizes and settings, the settings not given at their defaults."""
+    return JobPlan(JobSettings(seed=seed, ranks_per_node=ranks_per_node, **settings), num_samples, num_nodes, groups)
+
+
 @st.composite
 def job_plans(draw: st.DrawFn, max_samples: int, max_nodes: int, max_g: int, modes: list[str]) -> JobPlan:
     n = draw(st.integers(min_value=1, max_value=max_samples))
     partition = draw(st.sampled_from(PARTITIONS))
     mode = draw(st.sampled_from(modes))
-    return JobPlan(
-        num_samples=n,
-        num_nodes=draw(st.integers(min_value=1, max_value=max_nodes)),
-        ranks_per_node=draw(st.integers(min_value=1, max_value=max_g)),
-        seed=draw(seeds),
+    settings = JobSettings(
         mode=mode,
         q=draw(st.floats(min_value=0.0, max_value=1.0, exclude_min=mode == "partial")),
+        seed=draw(seeds),
         drop_last=draw(st.booleans()),
         partition=partition,
-        groups=random_groups(n, draw(st.integers(min_value=1, max_value=n)), 1.5, 0) if partition == "shard" else None,
         batch_size=draw(st.integers(min_value=1, max_value=16)),
+        ranks_per_node=draw(st.integers(min_value=1, max_value=max_g)),
+    )
+    return JobPlan(
+        settings,
+        num_samples=n,
+        num_nodes=draw(st.integers(min_value=1, max_value=max_nodes)),
+        groups=random_groups(n, draw(st.integers(min_value=1, max_value=n)), 1.5, 0) if partition == "shard" else None,
     )
 
 
@@ -204,7 +214,7 @@ def test_every_mode_reads_each_sample_once_per_epoch_with_equal_rank_counts(plan
     assert all(len(p) == rank_length(plan) and p.dtype == np.int64 for p in parts)
     counts = np.bincount(np.concatenate(parts), minlength=plan.num_samples)
     assert len(counts) == plan.num_samples
-    if plan.drop_last:
+    if plan.settings.drop_last:
         assert counts.max(initial=0) <= 1
     else:
         assert counts.min() >= 1
@@ -215,7 +225,7 @@ def test_every_mode_reads_each_sample_once_per_epoch_with_equal_rank_counts(plan
 def test_global_mode_drops_or_pads_only_the_uneven_tail(plan: JobPlan, epoch: int) -> None:
     n, world = plan.num_samples, plan.world_size
     read = np.concatenate(all_rank_orders(plan, epoch))
-    if plan.drop_last:
+    if plan.settings.drop_last:
         assert len(read) == len(np.unique(read)) == n - n % world
     else:
         assert len(read) == world * -(-n // world) and len(np.unique(read)) == n
@@ -228,18 +238,18 @@ def test_global_mode_is_the_single_node_sampler_over_the_whole_world(
 ) -> None:
     rank = data.draw(st.integers(min_value=0, max_value=plan.world_size - 1))
     expected = rank_indices(
-        plan.num_samples, rank, plan.world_size, seed=plan.seed, epoch=epoch, drop_last=plan.drop_last
+        plan.num_samples, rank, plan.world_size, seed=plan.settings.seed, epoch=epoch, drop_last=plan.settings.drop_last
     )
     got = rank_order(plan, epoch, rank)
     assert got.dtype == np.int64 and np.array_equal(got, expected)
-    assert node_of_rank(plan, rank) == rank // plan.ranks_per_node
+    assert node_of_rank(plan, rank) == rank // plan.settings.ranks_per_node
 
 
 @pytest.mark.parametrize("mode", ["global", "local", "locality"])
 def test_modes_that_never_move_bytes_keep_the_initial_owners_every_epoch(mode: str) -> None:
     groups = np.arange(10_000, dtype=np.int32) // 37
     for partition in PARTITIONS:
-        plan = JobPlan(10_000, 7, 2, seed=5, mode=mode, partition=partition, groups=groups, batch_size=4)
+        plan = plan_of(10_000, 7, 2, seed=5, mode=mode, partition=partition, groups=groups, batch_size=4)
         first = owners(plan, 0)
         assert np.array_equal(first, initial_owners(10_000, 7, 5, partition, groups))
         assert np.array_equal(owners(plan, 9), first)
@@ -268,7 +278,7 @@ def test_partial_mode_trades_round_q_of_each_node_and_keeps_node_counts(plan: Jo
     before = owners(plan, epoch - 1)
     loads = np.bincount(before, minlength=m)
     picks, given = _exchange_picks(plan, epoch, before)
-    assert np.array_equal(given, np.rint(plan.q * loads))  # rint rounds half to even, as round() does
+    assert np.array_equal(given, np.rint(plan.settings.q * loads))  # rint rounds half to even, as round() does
     assert len(np.unique(picks)) == len(picks)
     assert np.array_equal(np.bincount(before[picks], minlength=m), given)
     after = owners(plan, epoch, previous=before)
@@ -283,7 +293,7 @@ def test_partial_mode_trades_round_q_of_each_node_and_keeps_node_counts(plan: Jo
 
 
 def test_partial_mode_with_q_1_reshuffles_every_owner() -> None:
-    plan = JobPlan(50_000, 8, 1, seed=4, mode="partial", q=1.0)
+    plan = plan_of(50_000, 8, 1, seed=4, mode="partial", q=1.0)
     before, after = owners(plan, 0), owners(plan, 1)
     assert np.array_equal(np.bincount(after), np.bincount(before))
     # A full reshuffle keeps a sample on its node with probability 1/M.
@@ -293,10 +303,10 @@ def test_partial_mode_with_q_1_reshuffles_every_owner() -> None:
 @settings(max_examples=40, deadline=None)
 @given(job_plans(5000, 32, 4, ["local", "partial"]), job_epochs)
 def test_local_and_partial_ranks_read_what_their_node_owns(plan: JobPlan, epoch: int) -> None:
-    g = plan.ranks_per_node
+    g = plan.settings.ranks_per_node
     epoch_owners = owners(plan, epoch)
     loads = np.bincount(epoch_owners, minlength=plan.num_nodes)
-    assert rank_length(plan) == (loads.min() // g if plan.drop_last else -(-loads.max() // g))
+    assert rank_length(plan) == (loads.min() // g if plan.settings.drop_last else -(-loads.max() // g))
     for rank in range(plan.world_size):
         node = rank // g
         read = rank_order(plan, epoch, rank, epoch_owners)
@@ -307,16 +317,18 @@ def test_local_and_partial_ranks_read_what_their_node_owns(plan: JobPlan, epoch:
 @settings(max_examples=40, deadline=None)
 @given(job_plans(5000, 16, 4, ["locality"]), job_epochs)
 def test_locality_mode_splits_the_global_batches_where_their_bytes_are(plan: JobPlan, epoch: int) -> None:
-    n, m, g, b = plan.num_samples, plan.num_nodes, plan.ranks_per_node, plan.batch_size
+    n, m, g, b = plan.num_samples, plan.num_nodes, plan.settings.ranks_per_node, plan.settings.batch_size
     width = plan.world_size * b
     steps = np.stack(all_rank_orders(plan, epoch)).reshape(plan.world_size, -1, b)
     num_batches = steps.shape[1]
-    assert num_batches == (n // width if plan.drop_last else -(-n // width))
+    assert num_batches == (n // width if plan.settings.drop_last else -(-n // width))
     batches = steps.transpose(1, 0, 2).reshape(num_batches, width)  # rank-major: node m holds g*b in a row
-    expected = np.resize(epoch_permutation(n, plan.seed, epoch), num_batches * width).reshape(num_batches, width)
+    expected = np.resize(epoch_permutation(n, plan.settings.seed, epoch), num_batches * width)
+    expected = expected.reshape(num_batches, width)
     assert np.array_equal(np.sort(batches, axis=1), np.sort(expected, axis=1))
     full = n // width
-    global_steps = np.stack(all_rank_orders(dataclasses.replace(plan, mode="global"), epoch))
+    as_global = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, mode="global"))
+    global_steps = np.stack(all_rank_orders(as_global, epoch))
     global_batches = global_steps[:, : full * b].reshape(plan.world_size, full, b).transpose(1, 0, 2)
     assert np.array_equal(np.sort(batches[:full], axis=1), np.sort(global_batches.reshape(full, width), axis=1))
 
@@ -333,7 +345,7 @@ def test_locality_mode_splits_the_global_batches_where_their_bytes_are(plan: Job
 
 
 def test_locality_mode_over_a_million_samples_and_64_nodes() -> None:
-    plan = JobPlan(10**6, 64, 4, seed=2, mode="locality", batch_size=16)
+    plan = plan_of(10**6, 64, 4, seed=2, mode="locality", batch_size=16)
     balance = locality_balance(plan, 3)
     assert len(balance.transfers) == -(-(10**6) // (64 * 4 * 16)) and balance.transfers.max() <= 63
     assert balance.imbalance.mean() < 20
@@ -352,7 +364,7 @@ def test_seeds_give_other_partitions() -> None:
 def test_a_million_samples_over_1024_nodes(partition: str) -> None:
     n, m, g = 10**6, 1024, 4
     groups = random_groups(n, 10_000, 1.5, 0)
-    plan = JobPlan(n, m, g, seed=3, partition=partition, groups=groups)
+    plan = plan_of(n, m, g, seed=3, partition=partition, groups=groups)
     loads = np.bincount(owners(plan, 0), minlength=m)
     assert loads.sum() == n
     assert loads.max() - loads.min() <= (1 if partition == "sample" else np.bincount(groups).max())
@@ -364,7 +376,7 @@ def fingerprints(plans: list[dict[str, Any]]) -> list[str]:
     """A hash of the owners and of some ranks' orders of each plan."""
     out = []
     for fields in plans:
-        plan = JobPlan(**fields, groups=random_groups(fields["num_samples"], 10_000, 1.5, 0))
+        plan = plan_of(**fields, groups=random_groups(fields["num_samples"], 10_000, 1.5, 0))
         digest = hashlib.sha256(owners(plan, 1).tobytes())
         digest.update(moves(plan, 1).ids.tobytes())
         for rank in (0, plan.world_size // 2, plan.world_size - 1):
@@ -418,16 +430,16 @@ def test_every_process_computes_the_same_owners_and_orders() -> None:
 def test_a_bad_plan_field_is_named(fields: dict[str, Any], named: str) -> None:
     base = {"num_samples": 10, "num_nodes": 2, "ranks_per_node": 1, "seed": 0}
     with pytest.raises(ValueError, match=named):
-        JobPlan(**{**base, **fields})
+        plan_of(**{**base, **fields})
 
 
 def test_mode_settings_are_checked_before_any_plan_exists() -> None:
-    check_mode_settings("partial", 1.0, 0)
-    check_mode_settings("locality", 0.0, 1)
+    JobSettings(mode="partial", q=1.0).check()
+    JobSettings(mode="locality", batch_size=1).check()
     with pytest.raises(ValueError, match="mode must be one of global, local, partial, locality"):
-        check_mode_settings("sideways", 0.0, 0)
+        JobSettings(mode="sideways").check()
     with pytest.raises(ValueError, match="q must be in"):
-        check_mode_settings("partial", 0.0, 0)
+        JobSettings(mode="partial").check()
 
 
 def test_bad_partition_arguments_are_refused() -> None:
@@ -437,7 +449,7 @@ def test_bad_partition_arguments_are_refused() -> None:
         initial_owners(10, 2, 0, "stripe")
     with pytest.raises(ValueError, match="Manifest.shard_groups"):
         initial_owners(10, 2, 0, "shard")
-    plan = JobPlan(10, 2, 2, seed=0)
+    plan = plan_of(10, 2, 2, seed=0)
     with pytest.raises(ValueError, match="rank 4 is not in 0..3"):
         rank_order(plan, 0, 4)
     with pytest.raises(ValueError, match="epoch"):
@@ -448,12 +460,12 @@ def test_bad_partition_arguments_are_refused() -> None:
 
 def test_plans_compare_and_hash_by_their_settings() -> None:
     groups = np.zeros(4, dtype=np.int32)
-    assert JobPlan(4, 2, 1, 0, partition="shard", groups=groups) == JobPlan(
+    assert plan_of(4, 2, 1, 0, partition="shard", groups=groups) == plan_of(
         4, 2, 1, 0, partition="shard", groups=groups.copy()
     )
-    assert hash(JobPlan(4, 2, 1, 0)) == hash(JobPlan(4, 2, 1, 0))
-    assert JobPlan(4, 2, 1, 0) != JobPlan(4, 2, 1, 1)
-    assert JobPlan(4, 2, 3, 0).world_size == 6
+    assert hash(plan_of(4, 2, 1, 0)) == hash(plan_of(4, 2, 1, 0))
+    assert plan_of(4, 2, 1, 0) != plan_of(4, 2, 1, 1)
+    assert plan_of(4, 2, 3, 0).world_size == 6
 
 
 def test_large_seeds_do_not_alias_other_epochs() -> None:
@@ -462,7 +474,7 @@ def test_large_seeds_do_not_alias_other_epochs() -> None:
 
 @pytest.mark.parametrize("mode", ["global", "locality", "local"])
 def test_node_steps_are_what_the_nodes_ranks_read_step_by_step(mode: str) -> None:
-    plan = JobPlan(1000, 3, 2, seed=7, mode=mode, batch_size=8)
+    plan = plan_of(1000, 3, 2, seed=7, mode=mode, batch_size=8)
     per_rank = [rank_order(plan, 1, rank) for rank in range(plan.world_size)]
     for node in range(plan.num_nodes):
         steps = node_steps(plan, 1, node)
@@ -475,4 +487,4 @@ def test_node_steps_are_what_the_nodes_ranks_read_step_by_step(mode: str) -> Non
             else:
                 assert step.tolist() == np.concatenate([r[start : start + 8] for r in ranks]).tolist()
     with pytest.raises(ValueError, match="batch_size must be at least 1"):
-        node_steps(JobPlan(100, 2, 1, seed=0), 0, 0)
+        node_steps(plan_of(100, 2, 1, seed=0), 0, 0)

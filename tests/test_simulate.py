@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import JobPlan, locality_balance, moves, owners
 from dataquay.server.cli import main
 from dataquay.server.tools.simulate import Rates, Scenario, estimate, simulate, spread
@@ -17,7 +18,8 @@ NODES, RANKS_PER_NODE, SAMPLES, SAMPLE_BYTES, BATCH = 16, 4, 20_000, 1000, 8
 
 
 def scenario(mode: str, q: float = 0.0, cache_bytes: int | None = None) -> Scenario:
-    plan = JobPlan(SAMPLES, NODES, RANKS_PER_NODE, seed=7, mode=mode, q=q, batch_size=BATCH)
+    settings = JobSettings(mode=mode, q=q, seed=7, batch_size=BATCH, ranks_per_node=RANKS_PER_NODE)
+    plan = JobPlan(settings, SAMPLES, NODES)
     return Scenario(plan, SAMPLE_BYTES, cache_bytes)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from checker import epoch_problems, pfs_digests, tier_counts
 
 from dataquay.client.channels import channel_options
+from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import JobPlan, owners, rank_order
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
@@ -76,10 +77,9 @@ class FaultJob:
     @property
     def plan(self) -> JobPlan:
         mode_args = dict(zip(MODES[self.mode][::2], MODES[self.mode][1::2]))
-        return JobPlan(
-            num_samples=SAMPLES, num_nodes=NODES, ranks_per_node=RANKS_PER_NODE, seed=SEED, mode=self.mode,
-            q=float(mode_args.get("--q", 0.0)),
-        )
+        q = float(mode_args.get("--q", 0.0))
+        settings = JobSettings(mode=self.mode, q=q, seed=SEED, ranks_per_node=RANKS_PER_NODE)
+        return JobPlan(settings, SAMPLES, NODES)
 
     def stage_command(self) -> list[str]:
         """The CLI that creates the job and stages each node's share of it."""

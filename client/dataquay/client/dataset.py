@@ -321,7 +321,7 @@ class Dataset(Sequence[bytes]):
             log.warning(
                 "rank %d runs on node %r but job %r places it on %r (rank // %d ranks per node): its reads "
                 "are right but not local; start the ranks in the order of the job's nodes",
-                rank, runs_on, spec.job_id, placed_on, sampler.plan.ranks_per_node,
+                rank, runs_on, spec.job_id, placed_on, sampler.plan.settings.ranks_per_node,
             )
         return sampler
 

@@ -54,23 +54,17 @@ def job_plan(job: jpb.Job, manifest: Manifest) -> JobPlan:
             so the job's orders would address other samples.
         ValueError: a setting out of range.
     """
-    spec = job.spec
+    settings = JobSettings.from_proto(job.spec)
     if job.manifest_id != manifest.manifest_id:
         raise JobMismatchError(
-            f"dataset {spec.dataset!r} was replaced since job {spec.job_id!r} started; "
+            f"dataset {settings.dataset!r} was replaced since job {settings.job_id!r} started; "
             "start a new job (another job id) to train on its new content"
         )
     return JobPlan(
+        settings,
         num_samples=manifest.num_samples,
-        num_nodes=len(spec.nodes),
-        ranks_per_node=spec.ranks_per_node,
-        seed=spec.seed,
-        mode=spec.mode,
-        q=spec.q,
-        drop_last=spec.drop_last,
-        partition=spec.partition,
-        groups=manifest.shard_groups() if spec.partition == "shard" else None,
-        batch_size=spec.batch_size,
+        num_nodes=len(settings.nodes),
+        groups=manifest.shard_groups() if settings.partition == "shard" else None,
     )
 
 

@@ -241,7 +241,7 @@ class JobSampler(Sampler):
         reporter: EpochReporter | None = None,
     ) -> None:
         world = (
-            f"{plan.world_size} = {plan.num_nodes} nodes x {plan.ranks_per_node} ranks per node "
+            f"{plan.world_size} = {plan.num_nodes} nodes x {plan.settings.ranks_per_node} ranks per node "
             f"of job {job.spec.job_id!r}"
         )
         if world_size != plan.world_size:
@@ -249,7 +249,8 @@ class JobSampler(Sampler):
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank {rank} is outside the world: world size {world}")
         super().__init__(
-            plan.num_samples, rank=rank, world_size=world_size, seed=plan.seed, drop_last=plan.drop_last
+            plan.num_samples, rank=rank, world_size=world_size,
+            seed=plan.settings.seed, drop_last=plan.settings.drop_last,
         )
         self.job = job
         self.plan = plan
@@ -276,7 +277,7 @@ class JobSampler(Sampler):
 
     def indices(self) -> np.ndarray:
         """This rank's ids for the current epoch, in reading order (int64)."""
-        epoch_owners = self.owners() if MODES[self.plan.mode].owners_move else None
+        epoch_owners = self.owners() if MODES[self.plan.settings.mode].owners_move else None
         return rank_order(self.plan, self.epoch, self.rank, epoch_owners)
 
     def owners(self, epoch: int | None = None) -> np.ndarray:
@@ -291,7 +292,7 @@ class JobSampler(Sampler):
             return cached[1]
         previous = cached[1] if cached is not None and cached[0] == epoch - 1 else None
         current = owners(self.plan, epoch, previous)
-        if MODES[self.plan.mode].owners_move:
+        if MODES[self.plan.settings.mode].owners_move:
             current.flags.writeable = False  # the next epoch steps from it
             self._owners = (epoch, current)
         return current
@@ -304,7 +305,7 @@ class JobSampler(Sampler):
 
     def __repr__(self) -> str:
         return (
-            f"JobSampler(job={self.job_id!r}, mode={self.plan.mode!r}, rank={self.rank}, "
+            f"JobSampler(job={self.job_id!r}, mode={self.plan.settings.mode!r}, rank={self.rank}, "
             f"world_size={self.world_size}, node={self.node}, num_samples={self.num_samples}, "
             f"epoch={self.epoch})"
         )

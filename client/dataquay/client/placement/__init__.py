@@ -28,7 +28,7 @@ from dataquay.client.placement.epochs import (
     rank_length,
     rank_order,
 )
-from dataquay.client.placement.modes import MODES, Mode, check_mode_settings, owned_ids
+from dataquay.client.placement.modes import MODES, Mode, owned_ids
 from dataquay.client.placement.orders import (
     MAX_EPOCH,
     epoch_order,
@@ -48,7 +48,6 @@ __all__ = [
     "JobPlan",
     "Mode",
     "Moves",
-    "check_mode_settings",
     "epoch_order",
     "epoch_permutation",
     "initial_owners",

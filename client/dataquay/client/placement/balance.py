@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
 def global_batches(plan: JobPlan) -> int:
     """Global batches of W * b per epoch: the partial last one dropped or padded."""
-    global_batch = plan.world_size * plan.batch_size
-    if plan.drop_last:
+    global_batch = plan.world_size * plan.settings.batch_size
+    if plan.settings.drop_last:
         return plan.num_samples // global_batch
     return -(-plan.num_samples // global_batch)
 
@@ -29,8 +29,8 @@ def batch_counts(plan: JobPlan, epoch: int, epoch_owners: np.ndarray) -> tuple[n
     """The epoch's ids in global batch order (padded or cut to whole batches),
     each id's (batch, owner) as one key, batch * M + owner, and how many of
     each batch every node owns (batches x nodes)."""
-    num_batches, width = global_batches(plan), plan.world_size * plan.batch_size
-    order = np.resize(epoch_permutation(plan.num_samples, plan.seed, epoch), num_batches * width)
+    num_batches, width = global_batches(plan), plan.world_size * plan.settings.batch_size
+    order = np.resize(epoch_permutation(plan.num_samples, plan.settings.seed, epoch), num_batches * width)
     key = np.arange(len(order), dtype=np.int64) // width * plan.num_nodes
     key += epoch_owners[order]
     counts = np.bincount(key, minlength=num_batches * plan.num_nodes).reshape(num_batches, plan.num_nodes)
@@ -79,12 +79,12 @@ def locality_node(plan: JobPlan, epoch: int, epoch_owners: np.ndarray, node: int
     receiver appends what it receives, in the same order, after its own. Only
     the groups that send to ``node`` are sorted, so one node costs O(N).
     """
-    num_nodes, share = plan.num_nodes, plan.ranks_per_node * plan.batch_size
+    num_nodes, share = plan.num_nodes, plan.settings.ranks_per_node * plan.settings.batch_size
     order, key, counts = batch_counts(plan, epoch, epoch_owners)
     own = counts[:, node]
     slots = np.empty((len(counts), share), dtype=np.int64)
     mine = np.flatnonzero(key % num_nodes == node)
-    batch_of_mine = mine // (plan.world_size * plan.batch_size)
+    batch_of_mine = mine // (plan.world_size * plan.settings.batch_size)
     place = np.arange(len(mine)) - np.repeat(np.cumsum(own) - own, own)
     kept = place < share
     slots[batch_of_mine[kept], place[kept]] = order[mine[kept]]

@@ -31,7 +31,7 @@ def owners(plan: JobPlan, epoch: int, previous: np.ndarray | None = None) -> np.
     check_epoch(epoch)
     if previous is not None and len(previous) != plan.num_samples:
         raise ValueError(f"previous owners have {len(previous)} entries for {plan.num_samples} samples")
-    return MODES[plan.mode].owners(plan, epoch, previous)
+    return MODES[plan.settings.mode].owners(plan, epoch, previous)
 
 
 def rank_order(plan: JobPlan, epoch: int, rank: int, epoch_owners: np.ndarray | None = None) -> np.ndarray:
@@ -46,7 +46,7 @@ def rank_order(plan: JobPlan, epoch: int, rank: int, epoch_owners: np.ndarray | 
     """
     check_epoch(epoch)
     check_rank(plan, rank)
-    return MODES[plan.mode].rank_order(plan, epoch, rank, epoch_owners)
+    return MODES[plan.settings.mode].rank_order(plan, epoch, rank, epoch_owners)
 
 
 def rank_length(plan: JobPlan) -> int:
@@ -56,7 +56,7 @@ def rank_length(plan: JobPlan) -> int:
         ValueError: the plan's ranks per node are not known yet.
     """
     check_ranks_known(plan)
-    return MODES[plan.mode].rank_length(plan)
+    return MODES[plan.settings.mode].rank_length(plan)
 
 
 def node_of_rank(plan: JobPlan, rank: int) -> int:
@@ -66,7 +66,7 @@ def node_of_rank(plan: JobPlan, rank: int) -> int:
         ValueError: a rank outside 0..world_size-1, or ranks per node not known yet.
     """
     check_rank(plan, rank)
-    return rank // plan.ranks_per_node
+    return rank // plan.settings.ranks_per_node
 
 
 class Moves(NamedTuple):
@@ -104,7 +104,7 @@ def moves(plan: JobPlan, epoch: int, previous: np.ndarray | None = None) -> Move
 
 def node_steps(plan: JobPlan, epoch: int, node: int) -> list[np.ndarray]:
     """What ``node``'s ranks read at each step of ``epoch``: per step, the
-    ``plan.batch_size`` ids of each of its ranks, rank after rank (int64).
+    ``plan.settings.batch_size`` ids of each of its ranks, rank after rank (int64).
 
     For a daemon that fetches the samples its ranks will need from other
     nodes a few steps ahead of them.
@@ -115,13 +115,13 @@ def node_steps(plan: JobPlan, epoch: int, node: int) -> list[np.ndarray]:
     """
     check_epoch(epoch)
     check_ranks_known(plan)
-    MODES["locality"].check_settings(plan.q, plan.batch_size)
+    MODES["locality"].check_settings(plan.settings.q, plan.settings.batch_size)
     if not 0 <= node < plan.num_nodes:
         raise ValueError(f"node must be in 0..{plan.num_nodes - 1}, not {node}")
     epoch_owners = owners(plan, epoch)
-    if plan.mode == "locality":
+    if plan.settings.mode == "locality":
         return list(locality_node(plan, epoch, epoch_owners, node))
-    g, b = plan.ranks_per_node, plan.batch_size
+    g, b = plan.settings.ranks_per_node, plan.settings.batch_size
     orders = [rank_order(plan, epoch, rank, epoch_owners) for rank in range(node * g, (node + 1) * g)]
     return [np.concatenate([order[start : start + b] for order in orders])
             for start in range(0, rank_length(plan), b)]
@@ -147,13 +147,13 @@ def locality_balance(plan: JobPlan, epoch: int) -> BatchBalance:
     """
     check_epoch(epoch)
     check_ranks_known(plan)
-    MODES["locality"].check_settings(plan.q, plan.batch_size)
+    MODES["locality"].check_settings(plan.settings.q, plan.settings.batch_size)
     counts = batch_counts(plan, epoch, owners(plan, epoch))[2]
-    batch, _, _, amount = greedy_transfers(counts, plan.ranks_per_node * plan.batch_size)
+    batch, _, _, amount = greedy_transfers(counts, plan.settings.ranks_per_node * plan.settings.batch_size)
     num_batches = len(counts)
     moved = np.bincount(batch, weights=amount, minlength=num_batches).astype(np.int64)
     return BatchBalance(
         np.bincount(batch, minlength=num_batches).astype(np.int64),
         moved,
-        moved * 100.0 / (plan.world_size * plan.batch_size),
+        moved * 100.0 / (plan.world_size * plan.settings.batch_size),
     )

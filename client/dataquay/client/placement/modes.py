@@ -73,7 +73,8 @@ class _StaticOwners:
         pass
 
     def owners(self, plan: JobPlan, epoch: int, previous: np.ndarray | None) -> np.ndarray:
-        return initial_owners(plan.num_samples, plan.num_nodes, plan.seed, plan.partition, plan.groups)
+        settings = plan.settings
+        return initial_owners(plan.num_samples, plan.num_nodes, settings.seed, settings.partition, plan.groups)
 
 
 class _Global(_StaticOwners):
@@ -85,11 +86,11 @@ class _Global(_StaticOwners):
     """
 
     def rank_order(self, plan: JobPlan, epoch: int, rank: int, epoch_owners: np.ndarray | None) -> np.ndarray:
-        order = epoch_permutation(plan.num_samples, plan.seed, epoch)
-        return rank_split(order, rank, plan.world_size, plan.drop_last)
+        order = epoch_permutation(plan.num_samples, plan.settings.seed, epoch)
+        return rank_split(order, rank, plan.world_size, plan.settings.drop_last)
 
     def rank_length(self, plan: JobPlan) -> int:
-        return samples_per_rank(plan.num_samples, plan.world_size, plan.drop_last)
+        return samples_per_rank(plan.num_samples, plan.world_size, plan.settings.drop_last)
 
 
 class _Local(_StaticOwners):
@@ -160,31 +161,15 @@ class _Locality(_StaticOwners):
     def rank_order(self, plan: JobPlan, epoch: int, rank: int, epoch_owners: np.ndarray | None) -> np.ndarray:
         if epoch_owners is None:
             epoch_owners = self.owners(plan, epoch, None)
-        node, local = divmod(rank, plan.ranks_per_node)
-        return locality_node(plan, epoch, epoch_owners, node)[:, local :: plan.ranks_per_node].ravel()
+        node, local = divmod(rank, plan.settings.ranks_per_node)
+        return locality_node(plan, epoch, epoch_owners, node)[:, local :: plan.settings.ranks_per_node].ravel()
 
     def rank_length(self, plan: JobPlan) -> int:
-        return global_batches(plan) * plan.batch_size
+        return global_batches(plan) * plan.settings.batch_size
 
 
 #: The placement modes by name, as a job's ``mode`` names them.
 MODES: dict[str, Mode] = {"global": _Global(), "local": _Local(), "partial": _Partial(), "locality": _Locality()}
-
-
-def check_mode_settings(mode: str, q: float, batch_size: int) -> None:
-    """Refuses settings that ``mode`` cannot run with, before any plan exists.
-
-    The directory calls it when a job is created, so that a job every rank
-    would fail to plan is never recorded.
-
-    Raises:
-        ValueError: an unknown mode, or a setting it needs out of range
-            (``q`` for partial, ``batch_size`` for locality), named.
-    """
-    chosen = MODES.get(mode)
-    if chosen is None:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
-    chosen.check_settings(q, batch_size)
 
 
 def owned_ids(epoch_owners: np.ndarray, node: int) -> np.ndarray:
@@ -195,8 +180,8 @@ def owned_ids(epoch_owners: np.ndarray, node: int) -> np.ndarray:
 def _node_share(plan: JobPlan, loads: np.ndarray) -> int:
     """Ids per rank when each node deals what it owns: the largest node's share
     padded, or with ``drop_last`` the smallest node's, so all ranks step alike."""
-    g = plan.ranks_per_node
-    if plan.drop_last:
+    g = plan.settings.ranks_per_node
+    if plan.settings.drop_last:
         return int(loads.min()) // g
     return -(-int(loads.max()) // g)
 
@@ -207,14 +192,14 @@ def _deal_within_node(plan: JobPlan, epoch: int, rank: int, epoch_owners: np.nda
     A node that owns nothing (fewer samples or shards than nodes) pads from
     the epoch's global permutation, reading from peers, so its ranks step too.
     """
-    node, local = divmod(rank, plan.ranks_per_node)
+    node, local = divmod(rank, plan.settings.ranks_per_node)
     length = _node_share(plan, np.bincount(epoch_owners, minlength=plan.num_nodes))
     owned = owned_ids(epoch_owners, node)
     if len(owned):
-        order = keyed_generator(plan.seed, NODE_ORDER_KEY, epoch, node).permutation(owned)
+        order = keyed_generator(plan.settings.seed, NODE_ORDER_KEY, epoch, node).permutation(owned)
     else:
-        order = epoch_permutation(plan.num_samples, plan.seed, epoch)
-    return np.resize(order, length * plan.ranks_per_node)[local :: plan.ranks_per_node]
+        order = epoch_permutation(plan.num_samples, plan.settings.seed, epoch)
+    return np.resize(order, length * plan.settings.ranks_per_node)[local :: plan.settings.ranks_per_node]
 
 
 def _exchange_picks(plan: JobPlan, epoch: int, previous: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -228,9 +213,9 @@ def _exchange_picks(plan: JobPlan, epoch: int, previous: np.ndarray) -> tuple[np
     grouped = np.argsort(by_node, kind="stable")
     loads = np.bincount(previous, minlength=plan.num_nodes)
     starts = np.cumsum(loads) - loads
-    given = np.rint(plan.q * loads).astype(np.int64)
+    given = np.rint(plan.settings.q * loads).astype(np.int64)
     picks = [
-        starts[node] + keyed_generator(plan.seed, EXCHANGE_PICKS_KEY, epoch, node).choice(
+        starts[node] + keyed_generator(plan.settings.seed, EXCHANGE_PICKS_KEY, epoch, node).choice(
             int(loads[node]), int(given[node]), replace=False
         )
         for node in np.flatnonzero(given).tolist()
@@ -243,7 +228,7 @@ def _exchange(plan: JobPlan, epoch: int, previous: np.ndarray) -> np.ndarray:
     the pooled picks, permuted, dealt back in node order, as many as each gave."""
     pool, given = _exchange_picks(plan, epoch, previous)
     current = previous.astype(np.int32, copy=True)
-    current[keyed_generator(plan.seed, EXCHANGE_POOL_KEY, epoch).permutation(pool)] = np.repeat(
+    current[keyed_generator(plan.settings.seed, EXCHANGE_POOL_KEY, epoch).permutation(pool)] = np.repeat(
         np.arange(plan.num_nodes, dtype=np.int32), given
     )
     return current

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import MODES, JobPlan
 from dataquay.server.cli.common import CliError, print_table
 from dataquay.server.sizes import format_bytes, parse_size
@@ -58,15 +59,14 @@ def _inputs(args: argparse.Namespace) -> tuple[Scenario, Rates | None]:
     if args.epochs < 1:
         raise CliError(f"--epochs must be at least 1, not {args.epochs}")
     try:
-        plan = JobPlan(
-            num_samples=args.samples,
-            num_nodes=args.nodes,
-            ranks_per_node=args.ranks_per_node,
-            seed=args.seed,
+        settings = JobSettings(
             mode=args.mode,
             q=0.0 if args.q is None else args.q,
+            seed=args.seed,
             batch_size=args.per_rank_batch,
+            ranks_per_node=args.ranks_per_node,
         )
+        plan = JobPlan(settings, num_samples=args.samples, num_nodes=args.nodes)
         scenario = Scenario(
             plan,
             parse_size(args.sample_bytes, "--sample-bytes"),
@@ -145,10 +145,10 @@ def _row(entry: dict[str, Any]) -> list[object]:
 
 
 def _print_report(scenario: Scenario, epochs: list[dict[str, Any]]) -> None:
-    plan = scenario.plan
-    setting = f"q {plan.q:g}" if plan.mode == "partial" else f"batch {plan.batch_size} per rank"
+    plan, settings = scenario.plan, scenario.plan.settings
+    setting = f"q {settings.q:g}" if settings.mode == "partial" else f"batch {settings.batch_size} per rank"
     print(
-        f"mode {plan.mode} ({setting}): {plan.num_nodes:,} nodes x {plan.ranks_per_node} ranks, "
+        f"mode {settings.mode} ({setting}): {plan.num_nodes:,} nodes x {settings.ranks_per_node} ranks, "
         f"{plan.num_samples:,} samples of {format_bytes(scenario.sample_bytes)} "
         f"({format_bytes(scenario.dataset_bytes)}), {scenario.iterations:,} iterations per epoch\n"
     )

@@ -90,7 +90,7 @@ class Placements:
         index = nodes.index(self.node_name) if self.node_name in nodes else -1
         loop = asyncio.get_running_loop()
         # Off the loop: a permutation of 10^7 ids takes a good part of a second.
-        if MODES[plan.mode].owners_move:
+        if MODES[plan.settings.mode].owners_move:
             owner = await loop.run_in_executor(None, self._stepped, job, plan, epoch)
         else:
             owner = await loop.run_in_executor(None, owners, plan, epoch, None)

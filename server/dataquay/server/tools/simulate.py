@@ -68,10 +68,10 @@ class Scenario:
         plan = self.plan
         if plan.num_samples < plan.num_nodes:
             raise ValueError(f"num_samples must be at least one per node ({plan.num_nodes}), not {plan.num_samples}")
-        if plan.ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node must be at least 1, not {plan.ranks_per_node}")
-        if plan.batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, not {plan.batch_size}")
+        if plan.settings.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be at least 1, not {plan.settings.ranks_per_node}")
+        if plan.settings.batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, not {plan.settings.batch_size}")
         if self.sample_bytes < 1:
             raise ValueError(f"sample_bytes must be at least 1, not {self.sample_bytes}")
         if self.cache_bytes is not None and self.cache_bytes < 0:
@@ -91,12 +91,12 @@ class Scenario:
     @property
     def iterations(self) -> int:
         """Steps per epoch: the ids each rank reads over its per-rank batch."""
-        return -(-self.ids_per_rank // self.plan.batch_size)
+        return -(-self.ids_per_rank // self.plan.settings.batch_size)
 
     @property
     def node_samples(self) -> int:
         """Ids each node consumes per epoch, padding included."""
-        return self.ids_per_rank * self.plan.ranks_per_node
+        return self.ids_per_rank * self.plan.settings.ranks_per_node
 
 
 @dataclass(frozen=True)
@@ -212,11 +212,11 @@ def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
     plan, size = scenario.plan, scenario.sample_bytes
     current = owners(plan, 0)
     excess = _excess_samples(scenario, current)
-    reads = _PEER_READS[plan.mode]
+    reads = _PEER_READS[plan.settings.mode]
     for epoch in range(epochs):
         sent = np.zeros(plan.num_nodes, dtype=np.int64)
         received = np.zeros(plan.num_nodes, dtype=np.int64)
-        if epoch and MODES[plan.mode].owners_move:
+        if epoch and MODES[plan.settings.mode].owners_move:
             shipped = moves(plan, epoch, current)
             sent += np.bincount(shipped.sources, minlength=plan.num_nodes)
             received += np.bincount(shipped.targets, minlength=plan.num_nodes)
@@ -234,7 +234,7 @@ def estimate(scenario: Scenario, traffic: EpochTraffic, rates: Rates) -> Estimat
     training = scenario.node_samples / rates.train_rate
     pfs = traffic.pfs_bytes / rates.pfs_bandwidth
     network = max(int(traffic.sent.max()), int(traffic.received.max())) / rates.network_bandwidth
-    if MODES[scenario.plan.mode].owners_move:
+    if MODES[scenario.plan.settings.mode].owners_move:
         spill = max(0.0, network - training)
         return Estimate(training, pfs, network, max(training, pfs) + spill, spill)
     return Estimate(training, pfs, network, max(training, pfs, network), 0.0)
@@ -269,8 +269,8 @@ def _global_reads(plan: JobPlan, epoch: int, epoch_owners: np.ndarray) -> _Reads
     position i is read on node (i % W) // g: no per-rank orders needed.
     """
     world = plan.world_size
-    order = np.resize(epoch_permutation(plan.num_samples, plan.seed, epoch), rank_length(plan) * world)
-    reader = (np.arange(len(order), dtype=np.int64) % world) // plan.ranks_per_node
+    order = np.resize(epoch_permutation(plan.num_samples, plan.settings.seed, epoch), rank_length(plan) * world)
+    reader = (np.arange(len(order), dtype=np.int64) % world) // plan.settings.ranks_per_node
     holder = epoch_owners[order]
     remote = holder != reader
     return (
@@ -287,12 +287,12 @@ def _locality_reads(plan: JobPlan, epoch: int, epoch_owners: np.ndarray) -> _Rea
     deficit, so each node sends its surplus and receives its deficit in every
     global batch.
     """
-    width = plan.world_size * plan.batch_size
-    batches = rank_length(plan) // plan.batch_size
-    order = np.resize(epoch_permutation(plan.num_samples, plan.seed, epoch), batches * width)
+    width = plan.world_size * plan.settings.batch_size
+    batches = rank_length(plan) // plan.settings.batch_size
+    order = np.resize(epoch_permutation(plan.num_samples, plan.settings.seed, epoch), batches * width)
     key = np.arange(len(order), dtype=np.int64) // width * plan.num_nodes + epoch_owners[order]
     counts = np.bincount(key, minlength=batches * plan.num_nodes).reshape(batches, plan.num_nodes)
-    surplus = counts - plan.ranks_per_node * plan.batch_size
+    surplus = counts - plan.settings.ranks_per_node * plan.settings.batch_size
     return (
         np.maximum(surplus, 0).sum(axis=0).astype(np.int64),
         np.maximum(-surplus, 0).sum(axis=0).astype(np.int64),
