@@ -4,15 +4,16 @@ a trainer sees while it runs, and a daemon killed in the middle of it."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+from polling import wait_until
 
 from dataquay.client.channels import channel_options
 from dataquay.client.jobs import job_plan
@@ -63,20 +64,26 @@ class Nodes:
     def stats(self) -> list[pb.StatsReply]:
         return [stub.Stats(pb.StatsRequest(), timeout=10) for stub in self.stubs]
 
-    def report(self, epoch: int) -> None:
-        for stub in self.stubs:
-            stub.ReportEpoch(jpb.ReportEpochRequest(job_id=JOB, epoch=epoch), timeout=10)
+    def report(self, epoch: int, indexes: tuple[int, ...] = tuple(range(NODES))) -> None:
+        """The trainers of nodes ``indexes`` enter ``epoch``."""
+        for index in indexes:
+            self.stubs[index].ReportEpoch(jpb.ReportEpochRequest(job_id=JOB, epoch=epoch), timeout=10)
 
-    def wait_exchanged(self, epoch: int, timeout: float = 60.0) -> list[pb.ExchangeProgress]:
+    def exchange(self, index: int, epoch: int) -> pb.ExchangeProgress | None:
+        """Node ``index``'s exchange into ``epoch``, once it started."""
+        stats = self.stubs[index].Stats(pb.StatsRequest(), timeout=10)
+        return next((x for x in stats.exchanges if x.job == JOB and x.epoch == epoch), None)
+
+    def wait_exchanged(self, epoch: int) -> list[pb.ExchangeProgress]:
         """Each node's exchange into ``epoch``, once all have finished."""
-        deadline = time.monotonic() + timeout
-        while True:
-            runs = [next((x for x in s.exchanges if x.job == JOB and x.epoch == epoch), None) for s in self.stats()]
-            if all(r is not None and r.finished for r in runs):
-                return [r for r in runs if r is not None]
-            if time.monotonic() > deadline:
-                raise AssertionError(f"exchange into epoch {epoch} did not finish: {runs}")
-            time.sleep(0.1)
+        runs: list[pb.ExchangeProgress | None] = []
+
+        def finished() -> bool:
+            runs[:] = [self.exchange(m, epoch) for m in range(len(self.stubs))]
+            return all(r is not None and r.finished for r in runs)
+
+        wait_until(finished, f"every node finished its exchange into epoch {epoch}", poll=0.1)
+        return [r for r in runs if r is not None]
 
     def read(self, index: int, ids: np.ndarray) -> list[pb.Sample]:
         """``ids`` read for the job through node ``index``, their bytes checked."""
@@ -85,12 +92,12 @@ class Nodes:
         assert [s.data for s in samples] == [sample_payload(i) for i in ids.tolist()]
         return samples
 
-    def wait_until_held(self, index: int, ids: np.ndarray, held: bool = True, timeout: float = 10.0) -> None:
+    def wait_until_held(self, index: int, ids: np.ndarray, held: bool = True) -> None:
         """Waits until node ``index`` holds all of ``ids`` (or, with ``held`` False, none)."""
-        deadline = time.monotonic() + timeout
-        while not (self.holds(index, ids).all() if held else not self.holds(index, ids).any()):
-            assert time.monotonic() < deadline, f"node {index} {'lacks' if held else 'still holds'} some of {ids}"
-            time.sleep(0.1)
+        wait_until(
+            lambda: self.holds(index, ids).all() if held else not self.holds(index, ids).any(),
+            f"node {index} {'holds all' if held else 'holds none'} of {ids}", poll=0.1,
+        )
 
     def holds(self, index: int, ids: np.ndarray) -> np.ndarray:
         """Which of ``ids`` node ``index`` has in its cache (a peer read flags the rest)."""
@@ -234,26 +241,42 @@ def test_offers_the_receiver_does_not_own_are_refused_and_it_keeps_serving(
         nodes.close()
 
 
-
 def test_a_daemon_killed_mid_exchange_redoes_its_part_and_nothing_is_lost(
     cluster: Callable[..., LocalCluster], tmp_path: Path, sizes: np.ndarray
 ) -> None:
-    # About 150 KB per node at 40 KB/s: the exchange takes a few seconds.
-    nodes, epoch_owners = partial_cluster(cluster, tmp_path, "--exchange-bandwidth", "40K")
+    nodes, epoch_owners = partial_cluster(cluster, tmp_path)
+    before, after = epoch_owners[0], epoch_owners[1]
+    given = [(before == m) & (after != m) for m in range(NODES)]
+    to_stopped = [g & (after == 2) for g in given]
+    assert to_stopped[1].any() and (given[1] & ~to_stopped[1]).any()
+    # A stopped receiver answers no offer: every stream into node 2 waits
+    # there, so the others deliver exactly their shares for nodes 0, 1 and 3,
+    # and node 1 dies with part of its own share delivered and part not.
+    stopped = nodes.local.daemons[2]
     try:
-        nodes.report(0)
-        time.sleep(1.0)
-        delivered = [x.delivered_samples for s in nodes.stats() for x in s.exchanges]
-        assert len(delivered) == NODES and 0 < sum(delivered) < (epoch_owners[0] != epoch_owners[1]).sum()
-        nodes.local.kill_node(1)
+        stopped.signal(signal.SIGSTOP)
+        try:
+            nodes.report(0, (0, 1, 3))
+
+            def delivered_all_but_node_2s() -> bool:
+                runs = [nodes.exchange(m, 1) for m in (0, 1, 3)]
+                return [r.delivered_samples if r else -1 for r in runs] == [
+                    (given[m] & ~to_stopped[m]).sum() for m in (0, 1, 3)
+                ]
+
+            wait_until(delivered_all_but_node_2s, "nodes 0, 1 and 3 delivered all they give nodes other than 2")
+            nodes.local.kill_node(1)
+        finally:
+            stopped.signal(signal.SIGCONT)
+        nodes.report(0, (2,))
         nodes.local.restart_node(1)
         nodes.refresh(1)
         runs = nodes.wait_exchanged(1)
-        before, after = epoch_owners[0], epoch_owners[1]
         for m, run in enumerate(runs):
-            given = (before == m) & (after != m)
-            assert run.total_samples == run.delivered_samples == given.sum()
+            assert run.total_samples == run.delivered_samples == given[m].sum()
             assert run.unavailable_samples == run.refused_samples == 0
+        # Redone after the restart, node 1's run sent only what node 2 lacked.
+        assert runs[1].sent_bytes == sizes[to_stopped[1]].sum()
         pfs_before = [s.pfs_bytes for s in nodes.stats()]
         nodes.report(1)
         for m in range(NODES):
@@ -343,12 +366,16 @@ def test_the_next_steps_transfers_are_fetched_before_the_ranks_ask(
         ahead = sum(int(f.sum()) for f in foreign[1:5])
         assert ahead > 0
         reads = 0
-        deadline = time.monotonic() + 10
-        while peer_samples() < reads * foreign[0].sum() + ahead or reads == 0:
-            assert time.monotonic() < deadline, "the next steps' transfers were not fetched"
+
+        def read_until_fetched_ahead() -> bool:
+            nonlocal reads
+            if reads and peer_samples() >= reads * foreign[0].sum() + ahead:
+                return True
             read_step(0)
             reads += 1
-            time.sleep(0.1)
+            return False
+
+        wait_until(read_until_fetched_ahead, "the next steps' transfers were fetched", poll=0.1)
         fetched = peer_samples()
         for step in range(1, 5):
             samples = read_step(step)
@@ -360,10 +387,8 @@ def test_the_next_steps_transfers_are_fetched_before_the_ranks_ask(
         # steps' transfers as well; no step asked a peer itself.
         next_foreign = [owners(plan, 1)[step] != 0 for step in node_steps(plan, 1, 0)]
         ahead_next = sum(int(f.sum()) for f in next_foreign[:4])
-        deadline = time.monotonic() + 10
-        while peer_samples() < fetched + ahead_next:
-            assert time.monotonic() < deadline, "the next epoch's first transfers were not fetched"
-            time.sleep(0.1)
+        wait_until(lambda: peer_samples() >= fetched + ahead_next, "the next epoch's first transfers were fetched",
+                   poll=0.1)
         assert peer_samples() == fetched + ahead_next
     finally:
         nodes.close()
