@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import xxhash
 from checker import pfs_digests
-from faultjob import DATASET, JOB, NODES, RANKS_PER_NODE, SAMPLES, FaultJob, seconds_until
+from faultjob import DATASET, JOB, NODES, RANKS_PER_NODE, SAMPLES, FaultJob
+from polling import wait_until
 
 import dataquay.client as dq
 from dataquay.client.dataset import Dataset
@@ -32,8 +33,6 @@ BIG_SAMPLES = 24
 BIG_SIZE = 100_000
 #: The daemons' PFS cap: a get_batch of all of BIG takes over a second.
 PFS_CAP = ("--pfs-bandwidth", "2M")
-#: How long the daemon takes to unmap the segment of a process that exited (its reaper's period, and some).
-REAP_SECONDS = 12.0
 
 #: The killed client: reads one sample (so the daemon maps its segment and
 #: the client unlinks its name), says so, then reads the rest of BIG in one
@@ -114,7 +113,9 @@ def test_a_client_killed_mid_read_is_cleaned_up_and_the_job_reads_on(fault_job: 
     # Its segment's name was gone before the kill; the daemon's mapping goes
     # with its reaper.
     assert segment_files(killed[0]) == []
-    unmapped = seconds_until(lambda: not mapped_segments(daemon, killed[0]), timeout=REAP_SECONDS)
+    unmapped = wait_until(
+        lambda: not mapped_segments(daemon, killed[0]), "the daemon unmapped the killed client's segment"
+    )
     for epoch in range(3):
         assert set(job.tiers[epoch]) == {"local", "peer"} and sum(job.tiers[epoch].values()) == SAMPLES
     job.report(
@@ -132,7 +133,9 @@ def test_a_client_killed_in_its_first_read_leaves_no_segment_behind(
     # The daemon mapped the segment before the client could unlink its name:
     # its reaper unlinks the name with the mapping.
     try:
-        seconds_until(lambda: not segment_files(pid) and not mapped_segments(daemon, pid), timeout=REAP_SECONDS)
+        wait_until(
+            lambda: not segment_files(pid) and not mapped_segments(daemon, pid), "the segment's name and mapping are gone"
+        )
     finally:
         for name in segment_files(pid):
             (Path("/dev/shm") / name).unlink(missing_ok=True)

@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from faultjob import JOB, NODES, SAMPLES, FaultJob, seconds_until
+from faultjob import JOB, NODES, SAMPLES, FaultJob
+from polling import wait_until
 
 from dataquay.client.placement import owners
 from dataquay.protos import cache_pb2 as pb
@@ -36,14 +37,17 @@ def test_a_daemon_killed_mid_epoch_is_replaced_by_the_pfs_and_rejoins(
         job.local.wait_for_nodes(up=[f"node-{i}" for i in range(NODES)], timeout=30)
         # Recovered: its peers read its samples from it again, not from the PFS.
         for peer in range(3):
-            seconds_until(lambda: "pfs" not in job.read_tiers(peer, of_node_3), timeout=30, poll=0.1)
+            wait_until(
+                lambda: "pfs" not in job.read_tiers(peer, of_node_3), f"node {peer} reads node 3's samples from it",
+                poll=0.1,
+            )
         recovery.append(time.monotonic() - started)
 
     with job.ranks() as group:
         # Node 3's daemon dies halfway through epoch 1 and is restarted after it.
         job.check(0, group.epoch(0))
         if mode == "partial":
-            seconds_until(lambda: job.exchanged(1))
+            wait_until(lambda: job.exchanged(1), "the exchange into epoch 1 finished")
         job.check(1, group.epoch(1, mid=lambda: job.local.kill_node(3)))
         if mode == "global":
             # Its ranks' misses and the other nodes' reads of its samples go to the PFS.
@@ -68,7 +72,7 @@ def test_a_daemon_killed_during_staging_finishes_staging_after_a_restart(
     job = fault_job("partial", daemon_args=("--pfs-bandwidth", "100K"))
     staging = subprocess.Popen(job.stage_command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        seconds_until(lambda: job.stats(2).cache_entries > 0, timeout=30)
+        wait_until(lambda: job.stats(2).cache_entries > 0, "node 2 cached some of its share")
         job.local.kill_node(2)
         _, err = staging.communicate(timeout=60)
     finally:
@@ -87,7 +91,7 @@ def test_a_daemon_killed_during_staging_finishes_staging_after_a_restart(
         for epoch in range(3):
             if epoch:
                 # Samples still on their way to a new owner would be read from the old one.
-                seconds_until(lambda: job.exchanged(epoch))
+                wait_until(lambda: job.exchanged(epoch), f"the exchange into epoch {epoch} finished")
             job.check(epoch, group.epoch(epoch))
     assert all(tiers == {"local": SAMPLES} for tiers in job.tiers), job.tiers
     job.report("SIGKILL a daemon during staging", "restaging resumed from what it had cached; epochs all local",
@@ -97,9 +101,11 @@ def test_a_daemon_killed_during_staging_finishes_staging_after_a_restart(
 def test_a_daemon_killed_in_the_middle_of_the_exchange_redoes_its_part(
     fault_job: Callable[..., FaultJob],
 ) -> None:
-    # A node gives away about 30 samples (100 KB) per epoch: at 20 KB/s its
-    # exchange into epoch 1 is still running halfway through epoch 0.
-    job = fault_job("partial", daemon_args=("--exchange-bandwidth", "20K"))
+    # At 1 byte/s no exchange gets its first chunk out, however long half an
+    # epoch takes: node 1's is certain to be unfinished when it is killed. It
+    # comes back uncapped; the others' exchanges stay held, so epoch 1 reads
+    # what they had to give from its previous owner.
+    job = fault_job("partial", daemon_args=("--exchange-bandwidth", "1"))
     job.stage()
     recovery: list[float] = []
     redone: list[pb.ExchangeProgress] = []
@@ -113,11 +119,12 @@ def test_a_daemon_killed_in_the_middle_of_the_exchange_redoes_its_part(
 
     def kill_mid_exchange() -> None:
         before = exchange_into_1()
-        assert before is not None and before.delivered_samples < before.total_samples
+        assert before is not None and before.delivered_samples == 0 < before.total_samples
         job.local.kill_node(1)
         started = time.monotonic()
+        job.local.daemon_args = ()
         job.local.restart_node(1)
-        seconds_until(finished, timeout=60)
+        wait_until(finished, "node 1's redone exchange into epoch 1 finished")
         recovery.append(time.monotonic() - started)
         run = exchange_into_1()
         assert run is not None
