@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from polling import wait_until
 
 import dataquay.client as dq
 from dataquay.client.channels import channel_options, grpc_target
@@ -89,13 +90,15 @@ def read_locally(client: dq.Client, ds: dq.Dataset, ids: Sequence[int]) -> list[
     A client that looked for a dataset's sub-database before the daemon made
     it looks again only after about a second.
     """
-    deadline = time.monotonic() + 10
-    while True:
+    out: list[bytes] = []
+
+    def all_local() -> bool:
+        nonlocal out
         out, tiers = tiers_read(client, lambda: ds.get_batch(ids))
-        if tiers["local"] == len(ids):
-            return out
-        assert time.monotonic() < deadline, f"staged samples of {ds.name!r} never came from the local cache"
-        time.sleep(0.05)
+        return tiers["local"] == len(ids)
+
+    wait_until(all_local, f"staged samples of {ds.name!r} came from the local cache")
+    return out
 
 
 def shm_files() -> set[str]:
@@ -390,10 +393,7 @@ def test_forked_workers_read_their_slices_of_cached_and_uncached_ids(
     ds = client.dataset("imgs")
     want = files_bytes(41, range(n), sizes)
     assert ds.get_batch(range(cached_n)) == want[:cached_n]  # the daemon caches these
-    deadline = time.monotonic() + 10
-    while cached_samples(daemon, "imgs") < cached_n:
-        assert time.monotonic() < deadline, "the daemon never cached the samples it read"
-        time.sleep(0.05)
+    wait_until(lambda: cached_samples(daemon, "imgs") >= cached_n, "the daemon cached the samples it read")
 
     ctx = multiprocessing.get_context("fork")
     out: multiprocessing.Queue = ctx.Queue()

@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from polling import wait_until
 
 import dataquay.client as dq
 from dataquay.client.channels import channel_options, grpc_target
@@ -104,15 +105,16 @@ def test_batches_come_back_in_request_order_and_from_lmdb_once_staged(registered
     assert progress.finished and not progress.error
     staged = client.dataset("imgs")
     # A sub-db found missing is looked up again after about a second.
-    deadline = time.monotonic() + 10
-    while True:
+    everything: list[bytes] = []
+
+    def all_local() -> bool:
+        nonlocal everything
         before = client.stats().samples["local"]
         everything = staged.get_batch(np.arange(48)[::-1])
         assert everything == expected(ds.manifest, range(47, -1, -1))
-        if client.stats().samples["local"] - before == 48:
-            break
-        assert time.monotonic() < deadline, "staged samples never came from the local cache"
-        time.sleep(0.1)
+        return client.stats().samples["local"] - before == 48
+
+    wait_until(all_local, "staged samples came from the local cache", poll=0.1)
     assert staged[-1] == staged[47] and staged[2:5] == everything[45:42:-1]
     assert staged.label(0) == "class0"
     with staged.views([3, 4]) as views:
@@ -187,14 +189,12 @@ def test_killed_daemon_is_replaced_by_the_pfs_and_local_hits_keep_coming(
     ds = client.dataset("imgs")
     want = expected(ds.manifest, range(48))
     ds.get_batch(range(24))  # the daemon reads and caches these
-    deadline = time.monotonic() + 15
-    while True:
+    def first_half_local() -> bool:
         hits = client.stats().samples["local"]
         ds.get_batch(range(24))
-        if client.stats().samples["local"] - hits == 24:
-            break
-        assert time.monotonic() < deadline, "the daemon never cached the first half"
-        time.sleep(0.1)
+        return client.stats().samples["local"] - hits == 24
+
+    wait_until(first_half_local, "the daemon cached the first half", poll=0.1)
 
     daemon.kill()
     caplog.set_level(logging.WARNING, logger="dataquay.client")
