@@ -9,8 +9,8 @@ import pickle
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -133,17 +133,17 @@ def test_views_share_the_map_and_are_released_when_the_block_ends(env_path: Path
 def test_missing_sub_db_is_a_miss_until_the_daemon_creates_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(local, "DB_RETRY_SECONDS", 0.2)
+    # The cache's clock stands still unless moved: staging may take any time.
+    now = [0.0]
+    monkeypatch.setattr(local, "time", SimpleNamespace(monotonic=lambda: now[0]))
     path = tmp_path / "cache"
     stage(path, range(3), db="ds:other")
     with LocalCache(path) as cache:
         assert cache.get_many(DB, [0, 1]) == [None, None]
         stage(path, range(3))
-        # Not looked up again before the retry interval.
-        assert cache.get_many(DB, [0, 1]) == [None, None]
-        deadline = time.monotonic() + 5
-        while cache.get_many(DB, [0])[0] is None:
-            assert time.monotonic() < deadline
+        now[0] = local.DB_RETRY_SECONDS * 0.99
+        assert cache.get_many(DB, [0, 1]) == [None, None]  # not looked up again before the retry interval
+        now[0] = local.DB_RETRY_SECONDS
         assert cache.get_many(DB, [0, 1, 2]) == [payload(0), payload(1), payload(2)]
 
 

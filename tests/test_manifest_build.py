@@ -300,9 +300,10 @@ def test_truncated_npy_is_rejected(tmp_path: Path) -> None:
 
 def test_million_record_npy_manifest_builds_fast(tmp_path: Path) -> None:
     make_npy_dataset(tmp_path, 1_000_000, record_shape=(2,), dtype="uint8", files=3)
-    started = time.perf_counter()
+    # CPU time, not wall time: other processes on the machine do not count.
+    started = time.process_time()
     writer = build_manifest(tmp_path)
-    assert time.perf_counter() - started < 5
+    assert time.process_time() - started < 5
     assert writer.num_samples == 1_000_000
 
 
