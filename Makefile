@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all faults tools bench proto lint typecheck clean
+.PHONY: demo test test-repeat test-all faults tools bench proto lint typecheck clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,17 @@ demo: $(STAMP)
 
 test: $(STAMP) tools
 	$(BIN)/python -m pytest -q
+
+# The suite N times over, each run in a fresh temp dir and without pytest's
+# cache, to show it does not flake; stops at the first run that fails.
+N ?= 5
+test-repeat: $(STAMP) tools
+	@for i in $$(seq 1 $(N)); do \
+	  base=$$(mktemp -d) && echo "== run $$i of $(N) (temp dir $$base)" && \
+	  $(BIN)/python -m pytest -q -p no:cacheprovider --basetemp="$$base" || \
+	    { echo "run $$i of $(N) failed; its files are under $$base"; exit 1; }; \
+	  rm -rf "$$base"; \
+	done; echo "all $(N) runs passed"
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''
