@@ -1,10 +1,9 @@
-"""The files under deploy/: systemd units, the Slurm prolog and epilog, the
-Grafana dashboard.
+"""The Slurm prolog and epilog under deploy/slurm.
 
-The Slurm scripts run for real on this machine, as a one-node allocation named
+They run for real on this machine, as a one-node allocation named
 ``localhost``, against the project's ``dataquay`` executable, with every
-directory under a temporary one and every port picked by the OS. Checks that
-need an outside tool (systemd-analyze, shellcheck) skip when it is missing.
+directory under a temporary one and every port picked by the OS. The
+shellcheck lint skips when shellcheck is missing.
 """
 
 from __future__ import annotations
@@ -21,138 +20,21 @@ import sys
 import tempfile
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from dataquay.client.stats import TIERS
 from dataquay.server.auth import new_token_file
-from dataquay.server.config import DaemonConfig, DirectoryConfig
 from dataquay.server.tools.env_files import read_env_file
-from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 from dataquay.server.tools.synthetic import make_files_dataset
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-SYSTEMD = DEPLOY / "systemd"
-SLURM = DEPLOY / "slurm"
-DASHBOARD = DEPLOY / "grafana" / "dataquay.json"
-UNITS = ("dataquay.service", "dataquay-directory.service")
-#: Where the units expect dataquay (deploy/systemd/README.md installs it there).
-INSTALLED_BIN = "/opt/dataquay/bin/dataquay"
+SLURM = Path(__file__).resolve().parent.parent / "deploy" / "slurm"
 #: The project's console script, beside the interpreter running the tests.
 DATAQUAY_BIN = Path(sys.executable).with_name("dataquay")
 SHELL_SCRIPTS = ("dataquay-slurm.sh", "prolog.sh", "epilog.sh", "task-prolog.sh", "train.sbatch")
 
-#: Metrics the dashboard queries that no daemon or directory exports yet. Empty
-#: now; a name belongs here only while it is missing, and the dashboard test
-#: fails once it is exported, so that this list only ever shrinks.
-NOT_EXPORTED_YET: frozenset[str] = frozenset()
-#: Label values the dashboard selects on, by label: what the code can emit.
-LABEL_VALUES = {"tier": frozenset(TIERS), "state": frozenset({"up", "down"})}
-
 JOB_ID = "4242"
 NODE = "localhost"
-
-
-def _known_env_names() -> set[str]:
-    daemon = {DaemonConfig.env_prefix + f.name.upper() for f in fields(DaemonConfig)}
-    directory = {DirectoryConfig.env_prefix + f.name.upper() for f in fields(DirectoryConfig)}
-    return daemon | directory
-
-
-# ------------------------------------------------------------------- systemd
-
-
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
-def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
-    assert DATAQUAY_BIN.exists(), f"no dataquay console script at {DATAQUAY_BIN}: pip install -e ."
-    copies = []
-    for unit in UNITS:
-        text = (SYSTEMD / unit).read_text()
-        assert text.count(f"ExecStart={INSTALLED_BIN} ") == 1
-        # verify checks that ExecStart's binary exists: point it at this checkout's.
-        (tmp_path / unit).write_text(text.replace(INSTALLED_BIN, str(DATAQUAY_BIN)))
-        copies.append(str(tmp_path / unit))
-    result = subprocess.run(
-        ["systemd-analyze", "verify", *copies], capture_output=True, text=True, timeout=60
-    )
-    ours = [line for line in (result.stdout + result.stderr).splitlines() if "dataquay" in line]
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert ours == []
-
-
-def _unit_settings(unit: str) -> dict[str, list[str]]:
-    settings: dict[str, list[str]] = {}
-    for line in (SYSTEMD / unit).read_text().splitlines():
-        if line and not line.startswith(("#", "[")):
-            key, _, value = line.partition("=")
-            settings.setdefault(key, []).append(value)
-    return settings
-
-
-def test_daemon_unit_leaves_dev_shm_and_client_pids_visible() -> None:
-    daemon = _unit_settings("dataquay.service")
-    # The daemon writes into its clients' /dev/shm segments and looks up their
-    # pids under /proc: nothing may give it a /dev or /proc of its own.
-    hiding = ("PrivateDevices", "PrivateIPC", "ProtectProc", "ProcSubset", "InaccessiblePaths", "TemporaryFileSystem")
-    assert set(hiding) & set(daemon) == set()
-    assert daemon["User"] == ["dataquay"]
-    assert daemon["Restart"] == ["on-failure"]
-    assert daemon["NoNewPrivileges"] == ["yes"]
-    assert daemon["ProtectSystem"] == ["strict"]
-    assert daemon["ReadWritePaths"] == ["/var/cache/dataquay /var/lib/dataquay"]
-    assert daemon["EnvironmentFile"] == ["-/etc/dataquay/dataquay.env"]
-    assert int(daemon["LimitNOFILE"][0]) >= 65536
-    directory = _unit_settings("dataquay-directory.service")
-    assert directory["ExecStart"] == [f"{INSTALLED_BIN} directory"]
-    assert directory["ReadWritePaths"] == ["/var/lib/dataquay/directory"]
-    assert directory["EnvironmentFile"] == ["-/etc/dataquay/dataquay.env"]
-
-
-def test_env_file_sets_only_real_settings_and_units_put_defaults_where_they_may_write(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Every variable the example env file sets, or shows commented out, is a
-    setting whose example value parses; under each unit's environment, the
-    services' default paths lie in what the unit makes writable."""
-    active: dict[str, str] = {}
-    examples: dict[str, str] = {}
-    for line in (SYSTEMD / "dataquay.env").read_text().splitlines():
-        match = re.fullmatch(r"(#?)(DATAQUAY_[A-Z_]+)=(.*)", line)
-        if match:
-            (examples if match[1] else active)[match[2]] = match[3]
-    assert set(active) | set(examples) <= _known_env_names()
-    assert len(examples) > 15
-    for config in (DaemonConfig, DirectoryConfig):
-        config.from_sources({}, env={**active, **examples}, file=None)
-
-    def unit_env(unit: str) -> None:
-        for assignment in " ".join(_unit_settings(unit)["Environment"]).split():
-            name, _, value = assignment.partition("=")
-            assert not name.startswith("DATAQUAY_"), "a default here would beat dataquay.toml"
-            monkeypatch.setenv(name, value)
-
-    unit_env("dataquay.service")
-    daemon = DaemonConfig.from_sources({}, env=active, file=None)
-    assert (daemon.listen, daemon.metrics_port) == ("0.0.0.0:7070", 9470)
-    assert daemon.socket == Path("/run/dataquay/dataquay.sock")
-    settings = _unit_settings("dataquay.service")
-    assert settings["RuntimeDirectory"] == ["dataquay"]
-    writable = [Path(p) for p in settings["ReadWritePaths"][0].split()]
-    assert Path("/var/cache/dataquay") in writable and settings["CacheDirectory"] == ["dataquay"]
-    assert daemon.cache_dir == Path("/var/cache/dataquay/cache")
-    assert daemon.state_dir == Path("/var/lib/dataquay") in writable
-
-    unit_env("dataquay-directory.service")
-    directory = DirectoryConfig.from_sources({}, env=active, file=None)
-    assert directory.listen == "0.0.0.0:7071"
-    settings = _unit_settings("dataquay-directory.service")
-    assert settings["StateDirectory"] == ["dataquay/directory"]
-    assert directory.state_dir == Path("/var/lib/dataquay/directory") == Path(settings["ReadWritePaths"][0])
-
-
-# --------------------------------------------------------------------- slurm
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
@@ -443,117 +325,3 @@ def test_prolog_that_cannot_start_the_daemon_fails_in_one_line(slurm_dir: Path) 
     assert len(lines) == 1
     assert re.search(rf"job {JOB_ID} {NODE} prolog: error: directory exited at start: .*no-such-dataquay", lines[0])
     assert _processes_under(str(slurm_dir)) == []
-
-
-# ------------------------------------------------------------------- grafana
-
-
-_LABEL_LISTS = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
-_KEYWORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
-                       "unless", "offset"})
-
-
-def metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression reads."""
-    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
-    expr = re.sub(r"\{[^}]*\}", "", expr)
-    expr = re.sub(r"\[[^\]]*\]", "", expr)
-    expr = _LABEL_LISTS.sub("", expr)
-    names = set()
-    for match in re.finditer(r"(?<![\w$.])([a-zA-Z_:][\w:]*)\s*(\()?", expr):
-        if match[2] is None and match[1] not in _KEYWORDS:
-            names.add(match[1])
-    return names
-
-
-def dashboard_queries(dashboard: dict[str, object]) -> list[str]:
-    """Every PromQL expression of the dashboard: panel targets and variable queries."""
-    queries: list[str] = []
-
-    def walk(node: object) -> None:
-        if isinstance(node, dict):
-            if isinstance(node.get("expr"), str):
-                queries.append(node["expr"])
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(dashboard.get("panels", []))
-    for variable in dashboard["templating"]["list"]:  # type: ignore[index]
-        if variable["type"] == "query":
-            query = variable["query"]["query"] if isinstance(variable["query"], dict) else variable["query"]
-            inner = re.fullmatch(r"label_values\((.+),\s*\w+\)", query)
-            queries.append(inner[1] if inner else query)
-    return queries
-
-
-def exported_names(page: str) -> set[str]:
-    """Every series name a Prometheus text page exports, or declares by
-    HELP/TYPE (families whose labelled series appear only once there is traffic)."""
-    names = set()
-    for line in page.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split()
-            names.add(name)
-            if kind == "histogram":
-                names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
-            elif kind == "summary":
-                names |= {f"{name}_sum", f"{name}_count"}
-        elif line and not line.startswith("#"):
-            names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
-    return names
-
-
-def test_metric_names_parse_out_of_promql() -> None:
-    expr = (
-        'sum by (tier) (rate(dataquay_client_reads_total{tier=~"local|daemon-local",dataquay_node=~"$node"}'
-        '[$__rate_interval])) / ignoring(tier) group_left() clamp_min(sum(up{job="x"}), 1) '
-        "+ histogram_quantile(0.9, sum by (le, method) (rate(a_b_bucket[5m])))"
-    )
-    assert metric_names(expr) == {"dataquay_client_reads_total", "up", "a_b_bucket"}
-
-
-def test_dashboard_queries_only_metrics_a_daemon_or_directory_exports(tmp_path: Path) -> None:
-    dashboard = json.loads(DASHBOARD.read_text())
-    queries = dashboard_queries(dashboard)
-    used = set().union(*map(metric_names, queries))
-    assert len(queries) > 30 and len(used) > 25
-
-    daemon = DaemonProcess(tmp_path / "node")
-    directory = DirectoryProcess(tmp_path / "directory")
-    try:
-        daemon.start()
-        directory.start()
-        exported = exported_names(urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode())
-        exported |= exported_names(
-            urllib.request.urlopen(directory.http_url + "/metrics", timeout=10).read().decode()
-        )
-    finally:
-        daemon.kill()
-        directory.kill()
-
-    assert used - exported - NOT_EXPORTED_YET == set()
-    # Exported now: move it out of NOT_EXPORTED_YET.
-    assert NOT_EXPORTED_YET & exported == set()
-    for label, allowed in LABEL_VALUES.items():
-        selected = set()
-        for query in queries:
-            for values in re.findall(rf'\b{label}=~?"([^"]*)"', query):
-                selected |= set(values.split("|"))
-        assert selected and selected <= allowed, label
-
-
-def test_dashboard_panels_are_well_formed() -> None:
-    dashboard = json.loads(DASHBOARD.read_text())
-    panels = dashboard["panels"]
-    assert len({p["id"] for p in panels}) == len(panels)
-    variables = {v["name"] for v in dashboard["templating"]["list"]}
-    assert variables == {"datasource", "node"}
-    for panel in panels:
-        if panel["type"] == "row":
-            continue
-        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
-        assert panel["targets"] and all(t["expr"] for t in panel["targets"]), panel["title"]
-        assert panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24, panel["title"]
