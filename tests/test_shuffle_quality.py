@@ -17,11 +17,12 @@ from dataquay.client.pfs import PfsReader
 from dataquay.server.manifest_build import build_manifest
 from dataquay.server.tools.local_cluster import LocalCluster
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "shuffle_quality.py"
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("shuffle_quality", SCRIPT)
+def load_bench(name: str) -> ModuleType:
+    """bench/<name>.py, registered under its name: the experiment's modules import each other by it."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up by name
@@ -29,7 +30,9 @@ def load_script() -> ModuleType:
     return module
 
 
-sq = load_script()
+sq = load_bench("shuffle_quality_training")
+load_bench("shuffle_quality_report")
+script = load_bench("shuffle_quality")
 
 
 def synthetic_digits(per_class: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -173,7 +176,7 @@ def test_local_mode_on_label_sorted_shards_trains_through_the_cluster_with_skewe
     local = cluster(sq.NODES)
     clients = [connect(d.address) for d in local.daemons]
     try:
-        result = sq.run_one(
+        result = script.run_one(
             sq.RunSpec("shard", "local", None, seed=0), root, clients, local.directory_address, split,
             sq.Settings(epochs=2, batch_size=4, lr=0.5, sync_every=5),
         )
