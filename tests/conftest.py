@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+import dataquay.client as dq
 from dataquay.server.tools.local_cluster import LocalCluster, TlsFiles
 from dataquay.server.tools.processes import DaemonProcess
 
@@ -38,6 +39,12 @@ def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
 @pytest.fixture
 def daemon(start_daemon: Callable[..., DaemonProcess]) -> DaemonProcess:
     return start_daemon()
+
+
+@pytest.fixture
+def client(daemon: DaemonProcess) -> Iterator[dq.Client]:
+    with dq.connect(daemon.address, timeout=5) as c:
+        yield c
 
 
 @pytest.fixture

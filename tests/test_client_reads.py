@@ -1,32 +1,27 @@
-"""The client against a real daemon: misses through shared memory, every
-format, a map that grows under a reader, datasets replaced or dropped while
-open, forked DataLoader-style workers and bad input."""
+"""The client reading from a real daemon: misses through shared memory, every
+format, a map that grows under a reader, forked DataLoader-style workers, bad
+input, the counters trainers report and batches read ahead."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
-import subprocess
-import sys
 import threading
-import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+from one_daemon import add, cache_stub, daemon_stats, files_bytes, read_locally, stage, tiers_read
 from polling import wait_until
 
 import dataquay.client as dq
-from dataquay.client.channels import channel_options, grpc_target
-from dataquay.client.errors import DataquayError, PfsReadError, UnknownDatasetError
+from dataquay.client.errors import PfsReadError, UnknownDatasetError
 from dataquay.client.pfs import PfsReader
 from dataquay.client.records import checksum, frame_members
 from dataquay.protos import cache_pb2 as pb
-from dataquay.protos import cache_pb2_grpc
 from dataquay.server.tools import synthetic
 from dataquay.server.tools.processes import DaemonProcess
 
@@ -37,68 +32,9 @@ SHM_DIR = Path("/dev/shm")
 # ------------------------------------------------------------------ helpers
 
 
-@contextmanager
-def cache_stub(daemon: DaemonProcess) -> Iterator[cache_pb2_grpc.CacheStub]:
-    with grpc.insecure_channel(grpc_target(daemon.address), options=channel_options()) as channel:
-        yield cache_pb2_grpc.CacheStub(channel)
-
-
-def add(daemon: DaemonProcess, name: str, root: Path, *, replace: bool = False) -> pb.DatasetInfo:
-    with cache_stub(daemon) as stub:
-        return stub.AddDataset(pb.AddDatasetRequest(name=name, root=str(root), replace=replace))
-
-
-def stage(daemon: DaemonProcess, name: str) -> pb.StageProgress:
-    with cache_stub(daemon) as stub:
-        *_, last = stub.Stage(pb.StageRequest(dataset=name))
-    assert last.finished and not last.error and not last.cache_full
-    return last
-
-
-def daemon_stats(daemon: DaemonProcess) -> pb.StatsReply:
-    with cache_stub(daemon) as stub:
-        return stub.Stats(pb.StatsRequest())
-
-
 def cached_samples(daemon: DaemonProcess, name: str) -> int:
     with cache_stub(daemon) as stub:
         return stub.GetDataset(pb.GetDatasetRequest(name=name)).cached_samples
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dataquay.server.cli", *args], capture_output=True, text=True, timeout=60
-    )
-
-
-def files_bytes(seed: int, ids: Sequence[int], sizes: Sequence[int]) -> list[bytes]:
-    """What make_files_dataset wrote for ``ids``."""
-    return [synthetic.sample_bytes(seed, i, sizes[i % len(sizes)]) for i in ids]
-
-
-def tiers_read(client: dq.Client, read: Callable[[], list[bytes]]) -> tuple[list[bytes], dict[str, int]]:
-    """What ``read`` returned and how many samples each tier served it."""
-    before = client.stats().samples
-    out = read()
-    after = client.stats().samples
-    return out, {tier: after[tier] - before[tier] for tier in after}
-
-
-def read_locally(client: dq.Client, ds: dq.Dataset, ids: Sequence[int]) -> list[bytes]:
-    """``ds.get_batch(ids)`` once every sample of it is a local hit.
-
-    A client that looked for a dataset's sub-database before the daemon made
-    it looks again only after about a second.
-    """
-    out: list[bytes] = []
-
-    def all_local() -> bool:
-        nonlocal out
-        out, tiers = tiers_read(client, lambda: ds.get_batch(ids))
-        return tiers["local"] == len(ids)
-
-    wait_until(all_local, f"staged samples of {ds.name!r} came from the local cache")
-    return out
 
 
 def shm_files() -> set[str]:
@@ -115,12 +51,6 @@ def shm_mappings(pid: int) -> dict[str, bool]:
             path = line[at:]
             out[path.split()[0].rsplit("/", 1)[1]] = path.endswith("(deleted)")
     return out
-
-
-@pytest.fixture
-def client(daemon: DaemonProcess) -> Iterator[dq.Client]:
-    with dq.connect(daemon.address, timeout=5) as c:
-        yield c
 
 
 # ------------------------------------------------------ 1. shared memory
@@ -276,104 +206,7 @@ def test_the_daemon_grows_its_map_while_a_client_reads_and_every_byte_stays_exac
     assert served["local"] >= 0.9 * (a_n + b_n), served
 
 
-# ------------------------------------------ 4. replaced while open
-
-V_SIZES = (2000, 9000, 40)
-
-
-@pytest.fixture
-def versions(tmp_path: Path) -> tuple[Path, Path]:
-    """Two versions of one dataset: same shape, different bytes."""
-    v1 = synthetic.make_files_dataset(tmp_path / "v1", 24, sizes=V_SIZES, seed=21)
-    v2 = synthetic.make_files_dataset(tmp_path / "v2", 24, sizes=V_SIZES, seed=22)
-    return v1, v2
-
-
-def test_a_replaced_dataset_opened_again_serves_the_new_content(
-    daemon: DaemonProcess, client: dq.Client, versions: tuple[Path, Path]
-) -> None:
-    v1, v2 = versions
-    ids = list(range(24))
-    add(daemon, "ds", v1)
-    stage(daemon, "ds")
-    old = client.dataset("ds")
-    assert read_locally(client, old, ids[:12]) == files_bytes(21, ids[:12], V_SIZES)
-
-    replaced = run_cli("dataset", "add", "ds", str(v2), "--replace", "--addr", daemon.address)
-    assert replaced.returncode == 0, replaced.stderr
-
-    new = client.dataset("ds")
-    assert new.manifest.manifest_id != old.manifest.manifest_id and new.manifest.root == str(v2)
-    assert new.get_batch(ids[::-1]) == files_bytes(22, ids[::-1], V_SIZES)
-    stage(daemon, "ds")
-    assert read_locally(client, new, ids) == files_bytes(22, ids, V_SIZES)
-    with dq.connect(daemon.address, timeout=5) as other:
-        assert other.dataset("ds").get_batch([5, 0]) == files_bytes(22, [5, 0], V_SIZES)
-
-
-def test_a_dataset_open_before_a_replace_never_returns_the_new_content(
-    daemon: DaemonProcess, client: dq.Client, versions: tuple[Path, Path]
-) -> None:
-    v1, v2 = versions
-    add(daemon, "ds", v1)
-    stage(daemon, "ds")
-    old = client.dataset("ds")
-    assert read_locally(client, old, [0, 1, 2]) == files_bytes(21, [0, 1, 2], V_SIZES)
-
-    add(daemon, "ds", v2, replace=True)
-    stale = files_bytes(22, range(24), V_SIZES)
-    for i in range(24):
-        try:
-            got = old[i]
-        except DataquayError:
-            continue  # refusing is fine
-        assert checksum(got) != checksum(stale[i]), f"the Dataset opened on v1 returned sample {i} of v2"
-        assert checksum(got) == checksum(files_bytes(21, [i], V_SIZES)[0])
-
-
-# --------------------------------------------- 5. dropped while open
-
-
-def test_reads_of_a_dropped_dataset_fail_clearly_or_stay_correct(
-    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
-) -> None:
-    sizes = (4000, 600)
-    synthetic.make_files_dataset(tmp_path / "gone", 30, sizes=sizes, seed=31)
-    synthetic.make_files_dataset(tmp_path / "kept", 10, sizes=sizes, seed=32)
-    add(daemon, "gone", tmp_path / "gone")
-    add(daemon, "kept", tmp_path / "kept")
-    stage(daemon, "gone")
-    ds = client.dataset("gone")
-    want = files_bytes(31, range(30), sizes)
-    assert read_locally(client, ds, list(range(10))) == want[:10]
-
-    with cache_stub(daemon) as stub:
-        assert stub.DropDataset(pb.DropDatasetRequest(name="gone")).freed_samples == 30
-
-    started = time.monotonic()
-    failures = 0
-    for ids in ([0], [5, 1], list(range(30)), [29, 29]):
-        try:
-            got = ds.get_batch(ids)
-        except UnknownDatasetError as exc:
-            assert "gone" in str(exc)
-            failures += 1
-        else:
-            assert got == [want[i] for i in ids]
-    try:
-        assert ds[3] == want[3]
-    except UnknownDatasetError:
-        failures += 1
-    assert time.monotonic() - started < 10
-    with pytest.raises(UnknownDatasetError, match="gone"):
-        client.dataset("gone")
-
-    kept = client.dataset("kept")
-    assert kept.get_batch([9, 0]) == files_bytes(32, [9, 0], sizes)
-    assert [d.name for d in client.datasets()] == ["kept"]
-
-
-# --------------------------------------------------- 6. forked workers
+# --------------------------------------------------- 4. forked workers
 
 
 def _worker(ds: dq.Dataset, worker: int, ids: list[int], out: multiprocessing.Queue) -> None:
@@ -414,7 +247,7 @@ def test_forked_workers_read_their_slices_of_cached_and_uncached_ids(
     assert ds.get_batch([n - 1, 0]) == [want[n - 1], want[0]]
 
 
-# ------------------------------------------------------- 7. bad input
+# ------------------------------------------------------- 5. bad input
 
 
 def test_bad_input_raises_clearly_and_the_client_keeps_serving(
