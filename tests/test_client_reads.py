@@ -43,14 +43,25 @@ def shm_files() -> set[str]:
 
 def shm_mappings(pid: int) -> dict[str, bool]:
     """Segments of this process mapped by ``pid``: name -> whether its file is unlinked."""
-    out: dict[str, bool] = {}
     prefix = f"/dev/shm/dataquay-{os.getpid()}-"
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        at = line.find(prefix)
-        if at >= 0:
-            path = line[at:]
-            out[path.split()[0].rsplit("/", 1)[1]] = path.endswith("(deleted)")
-    return out
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return segment_names([line[line.find(prefix):] for line in lines if prefix in line])
+
+
+def shm_open_files(pid: int) -> dict[str, bool]:
+    """Segments of this process that ``pid`` holds open: name -> whether its file is unlinked."""
+    fds = Path(f"/proc/{pid}/fd")
+    targets = []
+    for fd in os.listdir(fds):
+        try:
+            targets.append(os.readlink(fds / fd))
+        except FileNotFoundError:
+            continue  # closed meanwhile
+    return segment_names([t for t in targets if t.startswith(f"/dev/shm/dataquay-{os.getpid()}-")])
+
+
+def segment_names(paths: list[str]) -> dict[str, bool]:
+    return {path.split()[0].rsplit("/", 1)[1]: path.endswith("(deleted)") for path in paths}
 
 
 # ------------------------------------------------------ 1. shared memory
@@ -72,10 +83,10 @@ def test_misses_come_through_shared_memory_and_leave_no_segment_file(
     assert tiers["pfs"] == len(ids) and tiers["local"] == 0 and tiers["fallback"] == 0
 
     assert shm_files() - files_before == set(), "the client left its segment's file in /dev/shm"
-    # The segment was used: both processes still map it, and its file is gone.
+    # The segment was used: the client maps it, the daemon holds it open, and its file is gone.
     mine = shm_mappings(os.getpid())
     assert daemon.process is not None
-    used = set(mine) & set(shm_mappings(daemon.process.pid))
+    used = set(mine) & set(shm_open_files(daemon.process.pid))
     assert used and all(mine[name] for name in used)
 
     more = list(range(20, 30))

@@ -348,6 +348,38 @@ def test_payloads_go_through_the_callers_shared_memory_when_it_names_a_segment(
         path.unlink()
 
 
+def test_a_segment_its_client_shrank_gets_inline_replies_and_the_daemon_serves_on(
+    daemon: DaemonProcess, pfs: tuple[Path, list[bytes]]
+) -> None:
+    root, payloads = pfs
+    stub = stub_for(daemon)
+    add(stub, root)
+    name = f"dataquay-{os.getpid()}-shrunk"
+    size = 64 * 1024
+    path = Path("/dev/shm") / name
+    path.write_bytes(b"")
+    os.truncate(path, size)
+
+    def read_via_segment(ids: list[int]) -> list[pb.Sample]:
+        request = pb.ReadRequest(dataset="imgs", ids=ids, shm_name=name, shm_size=size)
+        return [s for chunk in stub.Read(request) for s in chunk.samples]
+
+    try:
+        assert all(s.in_shm for s in read_via_segment([0, 1]))  # the daemon holds the segment now
+        ids = list(range(10))  # ~30 KB, past the first page
+        for shrunk_to in (4096, 0):
+            os.truncate(path, shrunk_to)
+            reply = read_via_segment(ids)
+            assert not any(s.in_shm for s in reply)
+            assert [s.data for s in reply] == [payloads[i] for i in ids]
+        assert daemon.process is not None and daemon.process.poll() is None, daemon.log_tail()
+        assert [s.data for s in read(stub, "imgs", [7, 59])] == [payloads[7], payloads[59]]
+        os.truncate(path, size)
+        assert all(s.in_shm for s in read_via_segment([3]))  # grown back: usable again
+    finally:
+        path.unlink()
+
+
 def test_staging_interrupted_by_sigterm_resumes_where_it_stopped(
     start_daemon: Callable[..., DaemonProcess], tmp_path: Path
 ) -> None:

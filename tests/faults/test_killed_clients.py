@@ -34,7 +34,7 @@ BIG_SIZE = 100_000
 #: The daemons' PFS cap: a get_batch of all of BIG takes over a second.
 PFS_CAP = ("--pfs-bandwidth", "2M")
 
-#: The killed client: reads one sample (so the daemon maps its segment and
+#: The killed client: reads one sample (so the daemon opens its segment and
 #: the client unlinks its name), says so, then reads the rest of BIG in one
 #: call that its SIGKILL interrupts. With ``--first`` it skips the warm-up.
 CLIENT = """
@@ -87,11 +87,17 @@ def segment_files(pid: int) -> list[str]:
     return [name for name in os.listdir("/dev/shm") if name.startswith(f"dataquay-{pid}-")]
 
 
-def mapped_segments(daemon: DaemonProcess, pid: int) -> list[str]:
-    """The daemon's mappings of segments of process ``pid``."""
+def open_segments(daemon: DaemonProcess, pid: int) -> list[str]:
+    """The segments of process ``pid`` that the daemon holds open."""
     assert daemon.process is not None
-    maps = Path(f"/proc/{daemon.process.pid}/maps").read_text()
-    return [line for line in maps.splitlines() if f"/dataquay-{pid}-" in line]
+    fds = Path(f"/proc/{daemon.process.pid}/fd")
+    targets = []
+    for fd in os.listdir(fds):
+        try:
+            targets.append(os.readlink(fds / fd))
+        except FileNotFoundError:
+            continue  # closed meanwhile
+    return [target for target in targets if f"/dataquay-{pid}-" in target]
 
 
 def test_a_client_killed_mid_read_is_cleaned_up_and_the_job_reads_on(fault_job: Callable[..., FaultJob]) -> None:
@@ -110,17 +116,17 @@ def test_a_client_killed_mid_read_is_cleaned_up_and_the_job_reads_on(fault_job: 
     with dq.connect(daemon.address) as client:
         got = client.dataset(BIG).get_batch(range(BIG_SAMPLES))
     assert [xxhash.xxh3_64_intdigest(x) for x in got] == want.tolist()
-    # Its segment's name was gone before the kill; the daemon's mapping goes
+    # Its segment's name was gone before the kill; the daemon's open file goes
     # with its reaper.
     assert segment_files(killed[0]) == []
-    unmapped = wait_until(
-        lambda: not mapped_segments(daemon, killed[0]), "the daemon unmapped the killed client's segment"
+    closed = wait_until(
+        lambda: not open_segments(daemon, killed[0]), "the daemon closed the killed client's segment"
     )
     for epoch in range(3):
         assert set(job.tiers[epoch]) == {"local", "peer"} and sum(job.tiers[epoch].values()) == SAMPLES
     job.report(
-        "SIGKILL a client mid-get_batch (warm segment)", "the daemon kept serving; segment unmapped by its reaper; "
-        "job exact", None, segment_unmapped_after_seconds=round(unmapped, 2),
+        "SIGKILL a client mid-get_batch (warm segment)", "the daemon kept serving; segment closed by its reaper; "
+        "job exact", None, segment_closed_after_seconds=round(closed, 2),
     )
 
 
@@ -130,11 +136,11 @@ def test_a_client_killed_in_its_first_read_leaves_no_segment_behind(
     daemon = start_daemon(*PFS_CAP)
     add_big(daemon.address, tmp_path / "big")
     pid = kill_mid_read(daemon.address, first=True)
-    # The daemon mapped the segment before the client could unlink its name:
-    # its reaper unlinks the name with the mapping.
+    # The daemon opened the segment before the client could unlink its name:
+    # its reaper unlinks the name and closes the segment.
     try:
         wait_until(
-            lambda: not segment_files(pid) and not mapped_segments(daemon, pid), "the segment's name and mapping are gone"
+            lambda: not segment_files(pid) and not open_segments(daemon, pid), "the segment's name and open file are gone"
         )
     finally:
         for name in segment_files(pid):

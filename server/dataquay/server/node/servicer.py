@@ -20,7 +20,6 @@ from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange import ExchangeRun
 from dataquay.server.node.placements import Placements
 from dataquay.server.node.reads import MISSING, chunked
-from dataquay.server.node.shm import write_payloads
 from dataquay.server.node.stager import StagingProgress
 from dataquay.server.proto_maps import FORMAT_FROM_PROTO, dataset_info
 from dataquay.server.servicer_errors import status_on_error
@@ -60,8 +59,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             served = await self.daemon.reads.read(
                 request.dataset, ids, request.manifest_id, request.job, request.peer
             )
-        segment = self.daemon.shm.get(request.shm_name, request.shm_size) if request.shm_name else None
-        offsets = write_payloads(segment, [s.data for s in served])
+        offsets = self.daemon.shm.write(request.shm_name, request.shm_size, [s.data for s in served])
         samples = [
             pb.Sample(id=s.sample_id, missing=True)
             if s.tier == MISSING

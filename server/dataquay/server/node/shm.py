@@ -8,14 +8,26 @@ copies each payload out and checks its xxh3, so a stale or foreign write can
 never turn into a wrong sample.
 
 Segments are named ``dataquay-<pid>-<token>``. The daemon keeps a bounded set
-of mappings and drops those whose process has exited, since a mapping keeps
-the segment's memory alive after the client unlinked it; it unlinks the names
-that clients of its own user died before unlinking.
+of open segments and drops those whose process has exited, since an open file
+keeps the segment's memory alive after the client unlinked it; it unlinks the
+names that clients of its own user died before unlinking.
+
+The daemon writes with ``pwrite`` on the segment's file, never through a
+mapping: a client may shrink its segment (ftruncate) at any time, or /dev/shm
+may be full, and a store into a mapping past the file's end or into a page
+tmpfs cannot allocate kills the whole daemon with SIGBUS, which Python cannot
+catch. ``pwrite`` fails with an error instead (ENOSPC), or extends a shrunk
+file. The segment's size is checked right before the writes so that one a
+client shrank is answered inline rather than grown back; a shrink between that
+check and a write just grows the file again, with no harm to the daemon.
+Measured on the 2-core development machine, ``pwrite`` copies 2-11 GB/s
+against 12-34 GB/s for a mapping (3 KB to 1 MiB payloads, warm pages): the
+same order, and far above what the socket carries.
 """
 
 from __future__ import annotations
 
-import mmap
+import logging
 import os
 import stat
 from collections import OrderedDict
@@ -23,74 +35,87 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from dataquay.client.shm import SHM_DIR, process_alive, remove_stale_segments, segment_pid
 
+log = logging.getLogger("dataquay.daemon")
+
 #: Payload offsets are aligned so that numpy can view them without copying.
 ALIGN = 64
 _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class ShmSegments:
-    """The client segments this daemon has mapped, least recently used first."""
+    """The client segments this daemon holds open, least recently used first."""
 
     def __init__(self, max_segments: int = 256) -> None:
         self.max_segments = max_segments
-        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._files: OrderedDict[str, int] = OrderedDict()
 
-    def get(self, name: str, size: int) -> mmap.mmap | None:
-        """The mapping of segment ``name`` (at least ``size`` bytes), or None if unusable."""
+    def get(self, name: str, size: int) -> int | None:
+        """The open file of segment ``name`` (at least ``size`` bytes when
+        opened), or None if unusable."""
         if segment_pid(name) is None or size <= 0:
             return None
-        mapped = self._maps.get(name)
-        if mapped is not None and len(mapped) >= size:
-            self._maps.move_to_end(name)
-            return mapped
+        fd = self._files.get(name)
+        if fd is not None:
+            self._files.move_to_end(name)
+            return fd
         try:
             fd = os.open(SHM_DIR / name, _OPEN_FLAGS)
         except OSError:
             return None
         try:
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size < size:
-                return None
-            mapped = mmap.mmap(fd, size)
         except OSError:
-            return None
-        finally:
+            info = None
+        if info is None or not stat.S_ISREG(info.st_mode) or info.st_size < size:
             os.close(fd)
-        self._forget(name)
-        self._maps[name] = mapped
-        while len(self._maps) > self.max_segments:
-            self._forget(next(iter(self._maps)))
-        return mapped
+            return None
+        self._files[name] = fd
+        while len(self._files) > self.max_segments:
+            self._forget(next(iter(self._files)))
+        return fd
+
+    def write(self, name: str, size: int, payloads: Sequence[bytes | memoryview]) -> list[int | None]:
+        """Copies payloads into segment ``name`` of ``size`` bytes where they
+        fit: their offsets, None for each that must go inline (all of them
+        when the segment is unusable, shrank or cannot take the bytes)."""
+        fd = self.get(name, size)
+        inline: list[int | None] = [None] * len(payloads)
+        if fd is None:
+            return inline
+        offsets = list(place((len(p) for p in payloads), size))
+        end = max((o + len(p) for p, o in zip(payloads, offsets) if o is not None), default=0)
+        try:
+            held = os.fstat(fd).st_size
+            if held < end:
+                log.warning("shared memory segment shrank; answering inline",
+                            extra={"fields": {"segment": name, "bytes": held, "needed": end}})
+                return inline
+            for payload, offset in zip(payloads, offsets):
+                if offset is not None and os.pwrite(fd, payload, offset) != len(payload):
+                    raise OSError(f"short write at offset {offset}")
+        except OSError as exc:
+            log.warning("cannot write to a shared memory segment; answering inline",
+                        extra={"fields": {"segment": name, "error": str(exc)}})
+            return inline
+        return offsets
 
     def reap(self) -> int:
-        """Unmaps the segments of processes that exited, and unlinks the names
-        such processes of this user left; returns how many were unmapped."""
-        dead = [n for n in self._maps if not process_alive(segment_pid(n) or 0)]
+        """Closes the segments of processes that exited, and unlinks the names
+        such processes of this user left; returns how many were closed."""
+        dead = [n for n in self._files if not process_alive(segment_pid(n) or 0)]
         for name in dead:
             self._forget(name)
         remove_stale_segments()
         return len(dead)
 
     def close(self) -> None:
-        for name in list(self._maps):
+        for name in list(self._files):
             self._forget(name)
 
     def _forget(self, name: str) -> None:
-        mapped = self._maps.pop(name, None)
-        if mapped is not None:
-            mapped.close()
-
-
-def write_payloads(segment: mmap.mmap | None, payloads: Sequence[bytes | memoryview]) -> list[int | None]:
-    """Copies payloads into ``segment`` where they fit: their offsets, None
-    for each that must go inline (all of them without a segment)."""
-    if segment is None:
-        return [None] * len(payloads)
-    offsets = list(place((len(p) for p in payloads), len(segment)))
-    for payload, offset in zip(payloads, offsets):
-        if offset is not None:
-            segment[offset : offset + len(payload)] = payload
-    return offsets
+        fd = self._files.pop(name, None)
+        if fd is not None:
+            os.close(fd)
 
 
 def place(payload_sizes: Iterable[int], capacity: int) -> Iterator[int | None]:
