@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import tarfile
 from pathlib import Path
 
@@ -168,8 +169,25 @@ def test_file_replaced_by_a_folder_is_an_error(tmp_path: Path) -> None:
     victim = tmp_path / m.location(2).path
     victim.unlink()
     victim.mkdir()
-    with pytest.raises(PfsReadError, match=f"sample 2 of 'ds': cannot read {victim}: Is a directory"):
+    with pytest.raises(PfsReadError, match=f"sample 2 of 'ds': cannot read {victim}: is a directory \\(refused\\)"):
         PfsReader(m, "ds").read([0, 2])
+
+
+def test_file_replaced_by_a_fifo_or_a_socket_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    make_files_dataset(tmp_path, 3, classes=1)
+    m = manifest_of(tmp_path)
+    fifo, sock = (tmp_path / m.location(i).path for i in (1, 2))
+    fifo.unlink()
+    os.mkfifo(fifo)
+    sock.unlink()
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(sock))
+        with pytest.raises(PfsReadError) as caught:
+            PfsReader(m, "ds").read([0, 1])
+        assert str(caught.value) == f"sample 1 of 'ds': cannot read {fifo}: is a FIFO (refused)"
+        with pytest.raises(PfsReadError, match=f"sample 2 of 'ds': cannot read {sock}: is a socket"):
+            PfsReader(m, "ds").read([2])
+    assert PfsReader(m, "ds").read([0]) == [(tmp_path / m.location(0).path).read_bytes()]
 
 
 def test_file_replaced_by_a_symlink_is_refused(tmp_path: Path) -> None:

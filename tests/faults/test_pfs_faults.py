@@ -29,7 +29,7 @@ def break_files(files: list[Path]) -> dict[int, str]:
     else:
         files[222].chmod(0)
     os.truncate(files[333], 100)
-    unreadable = "Is a directory" if os.geteuid() == 0 else "Permission denied"
+    unreadable = "is a directory (refused)" if os.geteuid() == 0 else "Permission denied"
     return {11: "No such file or directory", 222: unreadable, 333: "truncated"}
 
 

@@ -9,7 +9,10 @@ samples).
 
 Paths come only from a manifest, whose reader already refuses ``..`` and
 absolute paths. The final component is opened with ``O_NOFOLLOW`` so that a
-sample file swapped for a symlink after registration is refused, not followed.
+sample file swapped for a symlink after registration is refused, not followed,
+and with ``O_NONBLOCK`` so that a FIFO swapped in does not park the reading
+thread until some writer opens it; whatever is not a regular file (a FIFO, a
+device) is refused once opened, before a byte of it is read.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import errno
 import functools
 import io
 import os
+import stat
 import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +34,7 @@ from dataquay.client.records import frame_members
 
 DEFAULT_MAX_RANGE_BYTES = 8 << 20
 DEFAULT_MAX_GAP = 64 << 10
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def tar_member_key(name: str) -> tuple[str, str] | None:
@@ -217,6 +221,9 @@ class PfsReader:
         except OSError as exc:
             raise self._error(r, r.ids, path, _reason(exc)) from exc
         try:
+            kind = stat.S_IFMT(os.fstat(fd).st_mode)
+            if kind != stat.S_IFREG:
+                raise self._error(r, r.ids, path, f"is {_FILE_KINDS.get(kind, 'not a regular file')} (refused)")
             opened = _opened_path(fd)
             if opened is not None and not opened.startswith(self._prefix):
                 # A folder of the root was swapped for a link after registration.
@@ -224,6 +231,8 @@ class PfsReader:
             data = os.pread(fd, r.length, r.offset)
             if len(data) < r.length:
                 data = _pread_rest(fd, r, data)
+        except PfsRangeError:
+            raise
         except OSError as exc:
             raise self._error(r, r.ids, path, _reason(exc)) from exc
         finally:
@@ -288,7 +297,18 @@ def _pread_rest(fd: int, r: ReadRange, head: bytes) -> bytes:
     return b"".join(chunks)
 
 
+_FILE_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+}
+
+
 def _reason(exc: OSError) -> str:
     if exc.errno == errno.ELOOP:
         return "is a symbolic link (refused)"
+    if exc.errno == errno.ENXIO:
+        return "is a socket or a device without a driver (refused)"
     return exc.strerror or str(exc)

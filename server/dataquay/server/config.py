@@ -323,6 +323,12 @@ class DaemonConfig(ServerConfig):
     pfs_bandwidth: int = _option(
         0, "cap on PFS reads in bytes/s (e.g. 500M); 0 = uncapped", lambda s: parse_size(s, "rate")
     )
+    pfs_read_timeout: float = _option(
+        60.0,
+        "time a PFS read may make no progress before its batch fails with an error, instead of waiting on a "
+        "file system that does not answer (e.g. 60s, 2m; a bare number is seconds)",
+        _positive_duration,
+    )
     metrics_host: str = _option("0.0.0.0", "address of the Prometheus /metrics endpoint")
     metrics_port: int = _option(9470, "port of the Prometheus endpoint; 0 picks a free port", _port)
     max_batch: int = _option(4096, "most sample ids one read request may carry", _positive_int)

@@ -66,7 +66,7 @@ class Daemon(ServerLifecycle):
         self.pid = os.getpid()
         self.store = Store(config.cache_dir, config.cache_size)
         self.registry = Registry(config.state_dir)
-        self.pfs = PfsPool(config.pfs_threads, config.pfs_bandwidth)
+        self.pfs = PfsPool(config.pfs_threads, config.pfs_bandwidth, config.pfs_read_timeout)
         self.metrics = DaemonMetrics(self.live_state)
         self.credentials = Credentials.from_files(config.token_file, config.tls_ca, config.tls_cert, config.tls_key)
         self.link = (

@@ -5,15 +5,25 @@ files format, multi-MiB ranges for tar and npy), the ranges are spread over the
 pool, and every range passes the token bucket before it is read. The threads
 also frame each sample as a cache value (checksum + bytes), so that neither
 the event loop nor the cache writer spends time on it.
+
+A PFS can hang a read for good (an NFS server gone, a hard mount). Every wait
+on the threads is therefore bounded: when a call's reads make no progress
+(no range read, no thread taking up its work) for ``read_timeout`` seconds,
+the call fails with a :class:`PfsReadError` that says so, and the threads
+are daemon threads that nobody joins, so shutdown never waits on a read that
+will not return.
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -33,18 +43,91 @@ _STREAM_JOB_RANGES = 64
 #: Weight of the newest observation in the per-range read time estimate.
 _EWMA_WEIGHT = 0.2
 
+T = TypeVar("T")
+
+
+class DaemonThreadPool(Executor):
+    """A fixed pool of daemon threads that shutdown never joins unless asked.
+
+    ``ThreadPoolExecutor`` joins its threads at interpreter exit whatever
+    ``shutdown`` was told, so one thread stuck in a PFS read would hold the
+    daemon's exit forever; these threads simply end with the process.
+    """
+
+    def __init__(
+        self, threads: int, name: str, initializer: Callable[..., object] | None = None, initargs: tuple[Any, ...] = ()
+    ) -> None:
+        self._work: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._initializer, self._initargs = initializer, initargs
+        self._threads = [threading.Thread(target=self._run, name=f"{name}_{i}", daemon=True) for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._work.put((future, lambda: fn(*args, **kwargs)))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._closed = True
+        if cancel_futures:
+            while True:
+                try:
+                    item = self._work.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+        for _ in self._threads:
+            self._work.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
+
+    def _run(self) -> None:
+        if self._initializer is not None:
+            self._initializer(*self._initargs)
+        while (item := self._work.get()) is not None:
+            future, call = item
+            del item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # handed to the waiter
+                future.set_exception(exc)
+            del future, call
+
+
+class _Progress:
+    """When the reads of one call last moved: a thread took up its work or finished a range."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at = time.monotonic()
+
+    def mark(self) -> None:
+        self.at = time.monotonic()
+
 
 class PfsPool:
     """Reads samples from the PFS in ``threads`` threads, capped at ``bandwidth`` B/s."""
 
-    def __init__(self, threads: int, bandwidth: int = 0) -> None:
+    def __init__(self, threads: int, bandwidth: int = 0, read_timeout: float = 60.0) -> None:
         self.threads = threads
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="dataquay-pfs")
+        self.read_timeout = read_timeout
+        self._executor = DaemonThreadPool(threads, "dataquay-pfs")
         # Staging reads are background work, below the cache writer they feed
         # and below reads that a trainer is waiting for.
-        self._staging = ThreadPoolExecutor(
-            threads, thread_name_prefix="dataquay-stage",
-            initializer=lower_thread_priority, initargs=(STAGING_NICENESS,),
+        self._staging = DaemonThreadPool(
+            threads, "dataquay-stage", initializer=lower_thread_priority, initargs=(STAGING_NICENESS,)
         )
         self._bucket = TokenBucket(bandwidth) if bandwidth else None
         self._readers: dict[str, PfsReader] = {}
@@ -55,8 +138,9 @@ class PfsPool:
         self.range_seconds = 0.001
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        self._staging.shutdown(wait=True, cancel_futures=True)
+        """Drops queued reads; a read in progress ends with the process, unwaited."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._staging.shutdown(wait=False, cancel_futures=True)
 
     def reader(self, dataset: str, manifest: Manifest) -> PfsReader:
         key = f"{dataset}:{manifest.manifest_id}"
@@ -65,18 +149,21 @@ class PfsPool:
             reader = self._readers[key] = PfsReader(manifest, dataset)
         return reader
 
-    def _read_ranges(self, reader: PfsReader, ranges: Sequence[ReadRange]) -> dict[int, bytes]:
+    def _read_ranges(self, reader: PfsReader, ranges: Sequence[ReadRange], progress: _Progress) -> dict[int, bytes]:
         """Cache values (see ``records.encode_value``) of the ranges' samples, by id."""
         out: dict[int, bytes] = {}
         started = time.perf_counter()
+        progress.mark()
         for r in ranges:
             if self._bucket is not None:
                 self._bucket.acquire(r.length)
+                progress.mark()
             try:
                 payloads = reader.read_range(r)
             except OSError:
                 self.errors += 1
                 raise
+            progress.mark()
             for sample_id, payload in payloads.items():
                 out[sample_id] = encode_value(payload)
             self.bytes_read += r.length
@@ -92,16 +179,43 @@ class PfsPool:
         loop = asyncio.get_running_loop()
         expected = self.range_seconds * len(ranges)
         groups = _split(ranges, min(self.threads, 1 + int(expected / _GROUP_SECONDS)))
-        results = await asyncio.gather(
-            *(loop.run_in_executor(self._executor, self._read_ranges, reader, g) for g in groups)
+        progress = _Progress()
+        results = await self._bounded(
+            [loop.run_in_executor(self._executor, self._read_ranges, reader, g, progress) for g in groups],
+            progress, dataset, int(ids[0]) if len(ids) else None,
         )
         merged: dict[int, bytes] = {}
         for part in results:
             merged.update(part)
         return merged
 
+    async def _bounded(
+        self, futures: list[asyncio.Future[T]], progress: _Progress, dataset: str, first: int | None
+    ) -> list[T]:
+        """The results of ``futures``, in order; raises the first error among
+        them, or PfsReadError once they made no progress for ``read_timeout``
+        seconds. Either way the rest are cancelled: queued work is dropped, a
+        stuck read is left to its thread."""
+        pending: set[asyncio.Future[T]] = set(futures)
+        try:
+            while pending:
+                left = progress.at + self.read_timeout - time.monotonic()
+                if left <= 0:
+                    raise PfsReadError(
+                        f"PFS reads of {dataset!r} (from sample {first}) made no progress in "
+                        f"{self.read_timeout:g} s (--pfs-read-timeout): the file system does not answer"
+                    )
+                done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_EXCEPTION)
+                failed = [f.exception() for f in done if f.exception() is not None]
+                if failed:
+                    raise failed[0]  # type: ignore[misc]
+        finally:
+            for future in pending:
+                future.cancel()
+        return [f.result() for f in futures]
+
     def _read_ranges_skipping(
-        self, reader: PfsReader, manifest: Manifest, ranges: Sequence[ReadRange]
+        self, reader: PfsReader, manifest: Manifest, ranges: Sequence[ReadRange], progress: _Progress
     ) -> tuple[dict[int, bytes], list[str]]:
         """Like ``_read_ranges``, but a range that fails is retried sample by
         sample and the samples that still fail are skipped: (values, failures)."""
@@ -109,11 +223,11 @@ class PfsPool:
         failures: list[str] = []
         for r in ranges:
             try:
-                out.update(self._read_ranges(reader, [r]))
+                out.update(self._read_ranges(reader, [r], progress))
             except PfsRangeError:
                 for sample_id in r.ids.tolist():
                     try:
-                        out.update(self._read_ranges(reader, plan_reads(manifest, np.array([sample_id]))))
+                        out.update(self._read_ranges(reader, plan_reads(manifest, np.array([sample_id])), progress))
                     except PfsReadError as exc:
                         failures.append(str(exc))
         return out, failures
@@ -143,20 +257,34 @@ class PfsPool:
         loop = asyncio.get_running_loop()
         most = 2 * self.threads
         window = 2
-        pending: deque[asyncio.Future[tuple[dict[int, bytes], list[str]]]] = deque()
+        progress = _Progress()
+        # Each job in flight with its first sample, which a timeout names.
+        pending: deque[tuple[asyncio.Future[tuple[dict[int, bytes], list[str]]], int]] = deque()
         per_job = max(1, min(_STREAM_JOB_RANGES, len(ranges) // (4 * self.threads)))
+
+        async def next_job() -> tuple[dict[int, bytes], list[str]]:
+            job, first = pending.popleft()
+            try:
+                (result,) = await self._bounded([job], progress, dataset, first)
+            except BaseException:
+                for later, _ in pending:
+                    later.cancel()
+                raise
+            return result
+
         for start in range(0, len(ranges), per_job):
             job = ranges[start : start + per_job]
-            pending.append(loop.run_in_executor(self._staging, self._read_ranges_skipping, reader, manifest, job))
+            future = loop.run_in_executor(self._staging, self._read_ranges_skipping, reader, manifest, job, progress)
+            pending.append((future, int(job[0].ids[0])))
             while len(pending) >= window:
-                yield await pending.popleft()
+                yield await next_job()
                 fill = backlog()
                 if fill < 0.05:
                     window = min(most, window * 2)
                 elif fill > 0.15:
                     window = max(1, window // 2)
         while pending:
-            yield await pending.popleft()
+            yield await next_job()
 
 
 def _split(ranges: Sequence[ReadRange], parts: int) -> list[list[ReadRange]]:

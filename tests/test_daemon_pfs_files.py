@@ -1,0 +1,86 @@
+"""The daemon against PFS files that stop behaving after registration: a FIFO
+in a sample's place, a read that never returns."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from one_daemon import add, cache_stub, files_bytes
+
+import dataquay.client as dq
+from dataquay.client.errors import PfsReadError
+from dataquay.client.manifest import Manifest
+from dataquay.protos import cache_pb2 as pb
+from dataquay.server.manifest_build import build_manifest
+from dataquay.server.tools import synthetic
+from dataquay.server.tools.processes import DaemonProcess
+
+SIZES = (3000,)
+#: A deadline for calls that, unfixed, would wait on a parked thread forever.
+CALL_DEADLINE = 60.0
+
+
+def test_a_fifo_in_a_samples_place_fails_its_read_by_name_and_the_daemon_serves_on_and_stops(
+    start_daemon: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    daemon = start_daemon("--pfs-threads", "2")
+    root = synthetic.make_files_dataset(tmp_path / "imgs", 20, sizes=SIZES, classes=2, seed=1)
+    add(daemon, "imgs", root)
+    manifest = Manifest(build_manifest(root).to_bytes())
+    fifo = root / manifest.location(7).path
+    fifo.unlink()
+    os.mkfifo(fifo)
+
+    with cache_stub(daemon) as stub:
+        for _ in range(4):  # more reads than PFS threads: none of them stays parked
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.Read(pb.ReadRequest(dataset="imgs", ids=[6, 7]), timeout=CALL_DEADLINE))
+            assert caught.value.code() == grpc.StatusCode.DATA_LOSS
+            assert f"sample 7 of 'imgs': cannot read {fifo}: is a FIFO (refused)" in str(caught.value.details())
+    with dq.connect(daemon.address, timeout=5) as client:
+        ds = client.dataset("imgs")
+        with pytest.raises(PfsReadError, match="is a FIFO"):
+            ds.get_batch([7])
+        others = [i for i in range(20) if i != 7]
+        assert ds.get_batch(others) == files_bytes(1, others, SIZES)
+    assert daemon.stop(timeout=CALL_DEADLINE) == 0, daemon.log_tail()
+
+
+#: A process whose only PFS read never returns: the pool's wait gives up
+#: after its timeout, and the process still exits.
+STUCK_READ = """
+import asyncio, sys, threading
+import numpy as np
+from dataquay.client.errors import PfsReadError
+from dataquay.client.manifest import Manifest
+from dataquay.client.pfs import PfsReader
+from dataquay.server.manifest_build import build_manifest
+from dataquay.server.node.pfs_pool import PfsPool
+
+PfsReader.read_range = lambda self, r: threading.Event().wait()  # an NFS server that never answers
+pool = PfsPool(threads=2, read_timeout=0.2)
+manifest = Manifest(build_manifest(sys.argv[1]).to_bytes())
+try:
+    asyncio.run(pool.read("imgs", manifest, np.array([3, 4])))
+except PfsReadError as exc:
+    print(exc, flush=True)
+pool.close()
+"""
+
+
+def test_a_pfs_read_that_never_returns_fails_its_batch_and_does_not_hold_the_exit(tmp_path: Path) -> None:
+    root = synthetic.make_files_dataset(tmp_path / "imgs", 8, sizes=SIZES, classes=1)
+    done = subprocess.run(
+        [sys.executable, "-c", STUCK_READ, str(root)], capture_output=True, text=True, timeout=CALL_DEADLINE
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (
+        "PFS reads of 'imgs' (from sample 3) made no progress in 0.2 s (--pfs-read-timeout): "
+        "the file system does not answer\n"
+    )
