@@ -226,7 +226,9 @@ async def _serve_bare(ready_file: Path) -> None:
     directory_pb2_grpc.add_DirectoryServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    beats = await open_heartbeats(f"127.0.0.1:{port}", lambda request: servicer.beat)
+    beats = await open_heartbeats(
+        f"127.0.0.1:{port}", lambda request, sequence: servicer.beat, "", 2 * LEASE_SECONDS, Counter()
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -19,16 +20,20 @@ from pathlib import Path
 import grpc
 import pytest
 from polling import wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from dataquay.client.channels import channel_options
 from dataquay.client.manifest import Manifest
+from dataquay.client.security import Credentials, read_token
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.auth import new_token_file
 from dataquay.server.cli import build_parser, stage
 from dataquay.server.cli import main as cli_main
 from dataquay.server.config import DaemonConfig, DirectoryConfig
+from dataquay.server.directory.beats import HeartbeatSender, beat_datagram
 from dataquay.server.manifest_build import build_manifest
 from dataquay.server.tools.processes import DirectoryProcess
 from dataquay.server.tools.synthetic import make_files_dataset
@@ -421,17 +426,64 @@ def test_heartbeat_datagrams_renew_the_lease_and_garbage_is_ignored(
     stub = stub_for(directory)
     registered = register(stub, "n0")
     host, _, port = directory.address.rpartition(":")
+    sender = HeartbeatSender()
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
         udp.settimeout(5)
         udp.connect((host, int(port)))
         udp.send(b"\xff not a heartbeat")
-        udp.send(dpb.HeartbeatRequest(name="n0", cache_used_bytes=123, cache_entries=4).SerializeToString())
+        udp.send(dpb.HeartbeatRequest(name="n0").SerializeToString())  # unversioned, as daemons sent before
+        udp.send(sender.datagram(dpb.HeartbeatRequest(name="n0", cache_used_bytes=123, cache_entries=4)))
         reply = dpb.HeartbeatReply.FromString(udp.recv(65536))
         assert reply.known and reply.versions == registered.versions
-        udp.send(dpb.HeartbeatRequest(name="stranger").SerializeToString())
+        udp.send(sender.datagram(dpb.HeartbeatRequest(name="stranger")))
         assert not dpb.HeartbeatReply.FromString(udp.recv(65536)).known
     n0 = stub.ListNodes(dpb.ListNodesRequest()).nodes[0]
     assert n0.cache_used_bytes == 123 and n0.cache_entries == 4
+    assert refused_beats(directory) == {"signature": 0, "format": 2, "malformed": 0, "stale": 0, "replayed": 0}
+
+
+def refused_beats(directory: DirectoryProcess) -> dict[str, int]:
+    """The directory's count of refused heartbeat datagrams, by reason."""
+    metrics = http_get(directory.http_url + "/metrics")[1].decode()
+    return {
+        sample.labels["reason"]: int(sample.value)
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "dataquay_directory_heartbeats_refused"
+        for sample in family.samples
+    }
+
+
+def test_a_replayed_signed_beat_does_not_bring_a_down_node_back_up(
+    start_directory: Callable[..., DirectoryProcess], tmp_path: Path
+) -> None:
+    token_file = new_token_file(tmp_path / "token")
+    token = read_token(token_file)
+    directory = start_directory("--lease-seconds", "1", "--heartbeat-seconds", "0.2", "--token-file", str(token_file))
+    host, _, port = directory.address.rpartition(":")
+    with Credentials(token=token).channel(directory.address, channel_options()) as channel, socket.socket(
+        socket.AF_INET, socket.SOCK_DGRAM
+    ) as udp:
+        stub = Stub(channel)
+        register(stub, "n0")
+        udp.settimeout(10)
+        udp.connect((host, int(port)))
+        sender = HeartbeatSender(token)
+        captured = sender.datagram(dpb.HeartbeatRequest(name="n0"))
+        udp.send(captured)
+        assert dpb.HeartbeatReply.FromString(udp.recv(65536)).known
+
+        wait_until(lambda: nodes(stub)["n0"] == jpb.NODE_DOWN, "n0 is listed down")
+        udp.send(captured)
+        wait_until(lambda: refused_beats(directory)["replayed"] == 1, "the replay is counted")
+        old = beat_datagram(token, dpb.HeartbeatRequest(name="n0"), time.time_ns(), time.time_ns() - 3 * 10**9)
+        udp.send(old)
+        wait_until(lambda: refused_beats(directory)["stale"] == 1, "the beat sent 3 leases ago is counted")
+        assert nodes(stub)["n0"] == jpb.NODE_DOWN
+
+        udp.send(sender.datagram(dpb.HeartbeatRequest(name="n0")))
+        assert dpb.HeartbeatReply.FromString(udp.recv(65536)).known
+        assert nodes(stub)["n0"] == jpb.NODE_UP
+    assert refused_beats(directory) == {"signature": 0, "format": 0, "malformed": 0, "stale": 1, "replayed": 1}
 
 
 def test_stage_passes_the_batch_size_only_with_a_job(capsys: pytest.CaptureFixture[str]) -> None:

@@ -58,12 +58,12 @@ def up_names(state: DirectoryState) -> list[str]:
 def test_a_lease_ends_without_heartbeats_and_a_heartbeat_brings_the_node_back() -> None:
     state = cluster("b", "a")
     assert up_names(state) == ["a", "b"] and state.versions.nodes == 2
-    assert state.heartbeat("a", 5, 1, now=8.0) == (True, False)
+    assert state.heartbeat("a", 5, 1, now=8.0) == (True, False, False)
     assert state.expire(now=9.0) == []
     assert state.expire(now=10.0) == ["b"]
     assert up_names(state) == ["a"] and state.node_counts() == (1, 1)
     assert state.versions.nodes == 3
-    assert state.heartbeat("b", 0, 0, now=11.0) == (True, True)
+    assert state.heartbeat("b", 0, 0, now=11.0) == (True, True, False)
     assert up_names(state) == ["a", "b"] and state.versions.nodes == 4
     assert state.expire(now=18.0) == ["a"]
     node_a = state.nodes()[0]
@@ -76,8 +76,20 @@ def test_heartbeats_move_no_version_and_unknown_names_are_told_to_register() -> 
     for t in range(1, 50):
         assert state.heartbeat("a", t, t, now=float(t)).known
     assert state.versions is before and state.revision == revision
-    assert state.heartbeat("ghost", 0, 0, now=50.0) == (False, False)
+    assert state.heartbeat("ghost", 0, 0, now=50.0) == (False, False, False)
     assert state.heartbeats == 50
+
+
+def test_a_datagram_sequence_already_used_renews_nothing_until_the_node_registers_again() -> None:
+    state = cluster("a")
+    assert not state.heartbeat("a", 0, 0, 1.0, sequence=100).refused
+    state.expire(LEASE + 2.0)
+    replayed = state.heartbeat("a", 0, 0, LEASE + 3.0, sequence=100)
+    assert replayed.refused and not replayed.came_up and up_names(state) == []
+    assert state.heartbeat("a", 0, 0, LEASE + 3.0, sequence=101).came_up
+    assert not state.heartbeat("a", 0, 0, LEASE + 3.0).refused  # by RPC: no sequence to check
+    state.register(info("a"), LEASE + 4.0)
+    assert not state.heartbeat("a", 0, 0, LEASE + 4.0, sequence=5).refused  # a restart with its clock set back
 
 
 def test_registration_reports_what_changed() -> None:

@@ -2,24 +2,29 @@
 
 Everything is read from the live state at scrape time by one collector, so
 the heartbeat handler pays for no metric update of its own: the state already
-counts heartbeats.
+counts heartbeats, and the datagram endpoint counts the beats it refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dataquay.server.directory.beats import REFUSALS
 from dataquay.server.directory.state import DirectoryState
 
 
 class _DirectoryCollector(Collector):
-    def __init__(self, state: Callable[[], DirectoryState], datasets: Callable[[], int]) -> None:
+    def __init__(
+        self, state: Callable[[], DirectoryState], datasets: Callable[[], int],
+        beats_refused: Callable[[], Mapping[str, int]],
+    ) -> None:
         self._state = state
         self._datasets = datasets
+        self._beats_refused = beats_refused
 
     def collect(self) -> Iterator[Metric]:
         state = self._state()
@@ -32,12 +37,23 @@ class _DirectoryCollector(Collector):
             "dataquay_directory_heartbeats", "Heartbeats received, from known and unknown nodes",
             value=state.heartbeats,
         )
+        refused = CounterMetricFamily(
+            "dataquay_directory_heartbeats_refused",
+            "Heartbeat datagrams refused, by reason (signature, format, malformed, stale, replayed)",
+            labels=["reason"],
+        )
+        counts = self._beats_refused()
+        for reason in REFUSALS:
+            refused.add_metric([reason], counts.get(reason, 0))
+        yield refused
         yield GaugeMetricFamily("dataquay_directory_jobs", "Job records", value=len(state.jobs()))
         yield GaugeMetricFamily("dataquay_directory_datasets", "Registered datasets", value=self._datasets())
 
 
-def directory_metrics(state: Callable[[], DirectoryState], datasets: Callable[[], int]) -> CollectorRegistry:
-    """A registry of the directory's metrics, read live from ``state``."""
+def directory_metrics(
+    state: Callable[[], DirectoryState], datasets: Callable[[], int], beats_refused: Callable[[], Mapping[str, int]]
+) -> CollectorRegistry:
+    """A registry of the directory's metrics, read live from ``state`` and the refusal counts."""
     registry = CollectorRegistry()
-    registry.register(_DirectoryCollector(state, datasets))
+    registry.register(_DirectoryCollector(state, datasets, beats_refused))
     return registry

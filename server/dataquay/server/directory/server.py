@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from pathlib import Path
 
 import grpc
@@ -81,7 +82,11 @@ class DirectoryServer(ServerLifecycle):
         self.health = HealthServicer()
         self.credentials = Credentials.from_files(config.token_file, config.tls_ca, config.tls_cert, config.tls_key)
         self.tasks = TaskGroup()
-        self.metrics = directory_metrics(lambda: self.state, lambda: len(self.registry.names()))
+        #: Heartbeat datagrams refused, by reason (see :mod:`.beats`).
+        self.beats_refused: Counter[str] = Counter()
+        self.metrics = directory_metrics(
+            lambda: self.state, lambda: len(self.registry.names()), lambda: self.beats_refused
+        )
         self.http = HttpEndpoints(lambda: self.state.up_nodes(), self.metrics, lambda: self._serving)
         self.tcp_address = ""
         self.http_port = 0
@@ -154,7 +159,10 @@ class DirectoryServer(ServerLifecycle):
         host = self.config.listen.rpartition(":")[0]
         beats_address = f"{host}:{self.tcp_address.rpartition(':')[2]}"
         try:
-            self._beats = await open_heartbeats(beats_address, self.heartbeat_reply, self.credentials.token)
+            self._beats = await open_heartbeats(
+                beats_address, self.datagram_reply, self.credentials.token, 2 * self.config.lease_seconds,
+                self.beats_refused,
+            )
         except OSError as exc:
             raise StartupError(f"cannot receive heartbeats on UDP {self.tcp_address}: {exc.strerror}") from exc
 
@@ -231,8 +239,19 @@ class DirectoryServer(ServerLifecycle):
         await self._persist()
 
     def heartbeat_reply(self, request: dpb.HeartbeatRequest) -> dpb.HeartbeatReply:
-        """Renews the node's lease; the answer to a beat by RPC or datagram."""
-        beat = self.state.heartbeat(request.name, request.cache_used_bytes, request.cache_entries, time.time())
+        """Renews the node's lease; the answer to a beat by RPC."""
+        reply = self.datagram_reply(request, None)
+        assert reply is not None, "only datagrams are refused"
+        return reply
+
+    def datagram_reply(self, request: dpb.HeartbeatRequest, sequence: int | None) -> dpb.HeartbeatReply | None:
+        """Renews the node's lease; the answer to a beat, or None for a
+        datagram whose ``sequence`` the node already used (a replay)."""
+        beat = self.state.heartbeat(
+            request.name, request.cache_used_bytes, request.cache_entries, time.time(), sequence
+        )
+        if beat.refused:
+            return None
         if beat.came_up:
             log.info("node up", extra={"fields": {"node": request.name}})
         return dpb.HeartbeatReply(known=beat.known, versions=self.versions_proto())

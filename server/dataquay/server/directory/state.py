@@ -62,6 +62,8 @@ class Node:
     up: bool = True
     cache_used_bytes: int = 0
     cache_entries: int = 0
+    #: The highest datagram sequence accepted since the node registered.
+    beat_sequence: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class Registration(NamedTuple):
 class Beat(NamedTuple):
     known: bool    # False: the name is not registered; the daemon must register
     came_up: bool  # the node was down and is up again
+    refused: bool = False  # a datagram's sequence already seen: renewed nothing
 
 
 @dataclass(frozen=True)
@@ -156,14 +159,28 @@ class DirectoryState:
         else:
             change, previous = (Change.RENEWED if node.up else Change.UP), node.info
             node.info, node.registered, node.last_heartbeat, node.up = info, now, now, True
+            node.beat_sequence = 0
         self._renew(info.name, now)
         self._bump(nodes=1)
         return Registration(change, previous)
 
-    def heartbeat(self, name: str, cache_used_bytes: int, cache_entries: int, now: float) -> Beat:
-        """Renews a lease in O(1); a node that was down comes back up."""
-        self.heartbeats += 1
+    def heartbeat(
+        self, name: str, cache_used_bytes: int, cache_entries: int, now: float, sequence: int | None = None
+    ) -> Beat:
+        """Renews a lease in O(1); a node that was down comes back up.
+
+        A datagram's ``sequence`` must exceed every one accepted from the node
+        since it registered, or the beat is refused as a replay and renews
+        nothing. The mark starts again at each registration, so that a daemon
+        restarted with its clock set back is not refused. Beats by RPC carry
+        none: the channel authenticates them.
+        """
         node = self._nodes.get(name)
+        if node is not None and sequence is not None:
+            if sequence <= node.beat_sequence:
+                return Beat(known=True, came_up=False, refused=True)
+            node.beat_sequence = sequence
+        self.heartbeats += 1
         if node is None:
             return Beat(known=False, came_up=False)
         node.last_heartbeat = now
