@@ -22,7 +22,6 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from prometheus_client import start_http_server
 
 from dataquay.client.security import Credentials
 from dataquay.protos import cache_pb2_grpc
@@ -37,7 +36,7 @@ from dataquay.server.node.client_stats import ClientStatsBook
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange import ExchangeReceiver, ExchangeRun, Exchanges
-from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState
+from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState, MetricsServer
 from dataquay.server.node.peers import Peers
 from dataquay.server.node.pfs_pool import PfsPool
 from dataquay.server.node.placements import Placements
@@ -102,7 +101,7 @@ class Daemon(ServerLifecycle):
         self.tcp_address = ""
         self.metrics_port = 0
         self._server: grpc.aio.Server | None = None
-        self._metrics_http: object | None = None
+        self._metrics_http: MetricsServer | None = None
         self._started = False
 
     # ------------------------------------------------------------ lifecycle
@@ -148,9 +147,7 @@ class Daemon(ServerLifecycle):
 
     def _start_metrics(self) -> None:
         try:
-            server, _thread = start_http_server(
-                self.config.metrics_port, addr=self.config.metrics_host, registry=self.metrics.registry
-            )
+            server = MetricsServer(self.config.metrics_host, self.config.metrics_port, self.metrics.registry)
         except OSError as exc:
             raise StartupError(
                 f"cannot serve metrics on {self.config.metrics_host}:{self.config.metrics_port}: {exc.strerror}"
@@ -201,7 +198,7 @@ class Daemon(ServerLifecycle):
         self.pfs.close()
         self.shm.close()
         if self._metrics_http is not None:
-            self._metrics_http.shutdown()  # type: ignore[attr-defined]
+            self._metrics_http.close()
         Path(self.config.socket).unlink(missing_ok=True)
 
     async def _resume_exchanges(self) -> None:
