@@ -7,12 +7,15 @@ key, named by ``DATAQUAY_TOKEN_FILE`` (a trainer's environment) or the
 services' ``--token-file``. Over TCP, channels use TLS when a CA is given
 (``DATAQUAY_TLS_CA``), presenting a certificate of their own when one is given
 too (``DATAQUAY_TLS_CERT`` and ``DATAQUAY_TLS_KEY``, for mutual TLS). Unix
-sockets stay plaintext: the socket file's permissions guard them.
+sockets stay plaintext: the socket file's permissions guard them, and a
+client checks who owns the socket and its directory before it sends the
+token there (see :func:`check_daemon_socket`).
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,6 +28,9 @@ from dataquay.client.channels import grpc_target
 from dataquay.client.errors import DataquayError
 
 METADATA_KEY = "authorization"
+#: Names the user a system daemon runs as (``dataquay`` under systemd): a
+#: socket of that user is trusted like one of the client's own user or root's.
+DAEMON_USER_ENV = "DATAQUAY_DAEMON_USER"
 #: Bytes of randomness in a new token (hex-encoded in its file).
 TOKEN_BYTES = 32
 
@@ -52,6 +58,72 @@ def read_token(path: str | os.PathLike[str]) -> str:
     if len(text) < TOKEN_BYTES or not text.isascii() or not text.isprintable() or " " in text:
         raise CredentialsError(f"the token file {path} holds no valid token (make one with `dataquay token new`)")
     return text
+
+
+def trusted_socket_owners(env: Mapping[str, str] = os.environ) -> frozenset[int]:
+    """The uids whose daemon socket a client talks to: its own, root's, and
+    that of the user named by DATAQUAY_DAEMON_USER (a name or a uid)."""
+    uids = {os.geteuid(), 0}
+    name = env.get(DAEMON_USER_ENV, "").strip()
+    if name:
+        try:
+            uids.add(int(name) if name.isdigit() else pwd.getpwnam(name).pw_uid)
+        except KeyError:
+            raise CredentialsError(f"{DAEMON_USER_ENV}={name!r} names no user on this host") from None
+    return frozenset(uids)
+
+
+def socket_trust_problem(
+    path: str, sock: os.stat_result | None, directory: os.stat_result, trusted: frozenset[int]
+) -> str | None:
+    """Why the daemon socket at ``path`` (``sock`` None while it is missing)
+    must not be sent the token, or None when it may.
+
+    The socket must belong to a trusted user, and so must its directory,
+    which nobody else may write into (unless it is sticky, as /tmp is):
+    whoever can, can put a socket of their own in the daemon's place.
+    """
+    parent = os.path.dirname(path)
+    if directory.st_uid not in trusted:
+        return f"its directory {parent} belongs to {_foreign(directory.st_uid)}"
+    dir_mode = stat.S_IMODE(directory.st_mode)
+    if dir_mode & (stat.S_IWGRP | stat.S_IWOTH) and not dir_mode & stat.S_ISVTX:
+        return f"its directory {parent} (mode {dir_mode:04o}) is writable by other users"
+    if sock is not None and sock.st_uid not in trusted:
+        return f"it belongs to {_foreign(sock.st_uid)}"
+    return None
+
+
+def check_daemon_socket(path: str, env: Mapping[str, str] = os.environ) -> None:
+    """Refuses a daemon socket that another user could have put there.
+
+    A missing socket directory passes: there is nothing to connect to yet.
+
+    Raises:
+        CredentialsError: naming the socket, its owner and how to trust it.
+    """
+    try:
+        directory = os.stat(os.path.dirname(path) or ".")
+    except OSError:
+        return
+    try:
+        sock: os.stat_result | None = os.stat(path)
+    except OSError:
+        sock = None
+    problem = socket_trust_problem(path, sock, directory, trusted_socket_owners(env))
+    if problem is not None:
+        raise CredentialsError(f"refusing the daemon socket {path}: {problem}")
+
+
+def _foreign(uid: int) -> str:
+    try:
+        name = f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        name = f"uid {uid}"
+    return (
+        f"{name}, neither you nor root; if the node's daemon runs as that user, "
+        f"set {DAEMON_USER_ENV} to its name"
+    )
 
 
 def _read_pem(path: str | os.PathLike[str], what: str) -> bytes:
@@ -114,6 +186,7 @@ class Credentials:
     def channel(self, address: str, options: list[tuple[str, Any]]) -> grpc.Channel:
         """A blocking channel to ``address`` (socket path or HOST:PORT) that sends these credentials."""
         target = grpc_target(address)
+        _check_unix_target(target)
         tls = self._tls(target)
         channel = (
             grpc.secure_channel(target, tls, options=options) if tls is not None
@@ -126,6 +199,7 @@ class Credentials:
     def aio_channel(self, address: str, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
         """An asyncio channel to ``address`` that sends these credentials (daemons' peers, the directory)."""
         target = grpc_target(address)
+        _check_unix_target(target)
         tls = self._tls(target)
         interceptors = [
             interceptor(self.metadata) for interceptor in _AIO_INTERCEPTORS
@@ -133,6 +207,11 @@ class Credentials:
         if tls is not None:
             return grpc.aio.secure_channel(target, tls, options=options, interceptors=interceptors)
         return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+
+
+def _check_unix_target(target: str) -> None:
+    if target.startswith("unix:"):
+        check_daemon_socket(target.removeprefix("unix:").removeprefix("//"))
 
 
 class _ClientCallDetails(grpc.ClientCallDetails):

@@ -3,6 +3,8 @@ other nodes should be told."""
 
 from __future__ import annotations
 
+import os
+import pwd
 import socket
 import stat
 from pathlib import Path
@@ -51,12 +53,46 @@ def check_port_free(host: str, port: str) -> None:
         probe.close()
 
 
-def claim_socket_path(path: Path) -> None:
-    """Makes ``path`` free for a new socket; refuses if a live daemon is on it."""
+def check_socket_dir(directory: Path, uid: int | None = None) -> None:
+    """Refuses a socket directory that another user owns or may write into.
+
+    Whoever can write into the directory can put a socket of their own in
+    the daemon's place and collect the cluster token its clients send, so
+    the directory must belong to the daemon's user and be writable by it
+    alone, as a shared one in /tmp created by someone else is not.
+    """
+    uid = os.geteuid() if uid is None else uid
+    st = directory.stat()
+    owner, mode = st.st_uid, stat.S_IMODE(st.st_mode)
+    if owner != uid or mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise StartupError(
+            f"socket dir {directory} (owner {_user_name(owner)}, mode {mode:04o}) must be owned by "
+            f"{_user_name(uid)} and writable by it alone; remove it or pick another --socket"
+        )
+
+
+def _user_name(uid: int) -> str:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StartupError(f"cannot create socket dir {path.parent}: {exc.strerror}") from exc
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def claim_socket_path(path: Path, group_access: bool = False) -> None:
+    """Makes ``path`` free for a new socket; refuses if a live daemon is on it.
+
+    A missing socket directory is created 0700, or 0750 with ``group_access``
+    so that the socket's group can reach the socket inside it.
+    """
+    directory = path.parent
+    if not directory.exists():
+        try:
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            directory.mkdir()
+            directory.chmod(0o750 if group_access else 0o700)
+        except OSError as exc:
+            raise StartupError(f"cannot create socket dir {directory}: {exc.strerror}") from exc
+    check_socket_dir(directory)
     if not path.exists():
         return
     if not stat.S_ISSOCK(path.stat().st_mode):
