@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dataquay.client.manifest import Manifest, ManifestWriter
-from dataquay.server.dirs import ensure_writable_dir
+from dataquay.server.dirs import ensure_private_dir, private_dir, private_opener
 from dataquay.server.errors import DatasetExistsError, ManifestError, UnknownDatasetError
 
 log = logging.getLogger("dataquay.registry")
@@ -66,8 +66,8 @@ class Registry:
         self._datasets: dict[str, Registered] = {}
 
     def load(self) -> None:
-        ensure_writable_dir(self.root.parent, "state dir")
-        self.root.mkdir(exist_ok=True)
+        ensure_private_dir(self.root.parent, "state dir")
+        private_dir(self.root)
         for entry in sorted(self.root.iterdir()):
             info = entry / "dataset.json"
             if not info.is_file():
@@ -101,10 +101,10 @@ class Registry:
         (the directory's); returns the new entry and the one it replaced."""
         self.check_free(name, replace)
         directory = self.root / name
-        directory.mkdir(exist_ok=True)
+        private_dir(directory)
         manifest_path = directory / "manifest.dq"
         tmp = manifest_path.with_suffix(".tmp")
-        with open(tmp, "wb") as out:
+        with open(tmp, "wb", opener=private_opener) as out:
             if isinstance(manifest_source, bytes):
                 out.write(manifest_source)
             else:
@@ -120,7 +120,8 @@ class Registry:
         )
         os.replace(tmp, manifest_path)
         info_tmp = directory / "dataset.json.tmp"
-        info_tmp.write_text(json.dumps(asdict(record), indent=1))
+        with open(info_tmp, "w", opener=private_opener) as info:
+            info.write(json.dumps(asdict(record), indent=1))
         os.replace(info_tmp, directory / "dataset.json")
         previous = self._datasets.get(name)
         self._datasets[name] = Registered(record, manifest)

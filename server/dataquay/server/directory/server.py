@@ -52,7 +52,7 @@ from dataquay.server.directory.state import (
     NodeInfo,
     Versions,
 )
-from dataquay.server.dirs import ensure_writable_dir
+from dataquay.server.dirs import ensure_private_dir, private_opener
 from dataquay.server.errors import StartupError
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.listen import bind_tcp
@@ -134,7 +134,7 @@ class DirectoryServer(ServerLifecycle):
         )
 
     def _load(self) -> None:
-        ensure_writable_dir(Path(self.config.state_dir), "state dir")
+        ensure_private_dir(Path(self.config.state_dir), "state dir")
         self.registry.load()
         try:
             doc = json.loads(self.state_path.read_text())
@@ -213,7 +213,8 @@ class DirectoryServer(ServerLifecycle):
         revision = self.state.revision
         tmp = self.state_path.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps(self.state.to_json()))
+            with open(tmp, "w", opener=private_opener) as out:
+                out.write(json.dumps(self.state.to_json()))
             os.replace(tmp, self.state_path)
         except OSError as exc:
             log.error("cannot write the directory's state", extra={"fields": {"path": str(self.state_path),

@@ -21,6 +21,7 @@ import numpy as np
 from dataquay.client.jobs import job_plan
 from dataquay.client.placement import MODES, JobPlan, owned_ids, owners
 from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.dirs import private_dir, private_opener
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.registry import Registered
 
@@ -143,9 +144,10 @@ class Placements:
         if path is None:
             return
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(path.parent)
             partial = path.with_suffix(".tmp.npy")
-            np.save(partial, epoch_owners, allow_pickle=False)
+            with open(partial, "wb", opener=private_opener) as out:
+                np.save(out, epoch_owners, allow_pickle=False)
             partial.replace(path)
             saved = sorted(path.parent.glob("*.npy"), key=lambda p: p.stat().st_mtime)
             for old in saved[:-SAVED_EPOCHS]:

@@ -27,7 +27,7 @@ import lmdb
 import numpy as np
 
 from dataquay.client.records import CHECKSUM_BYTES, decode_value, sample_key, stored_checksum
-from dataquay.server.dirs import ensure_writable_dir
+from dataquay.server.dirs import FILE_MODE, close_to_others, ensure_private_dir
 from dataquay.server.errors import StartupError
 from dataquay.server.task_group import WRITER_NICENESS, lower_thread_priority
 
@@ -90,7 +90,7 @@ class Store:
 
     def open(self) -> None:
         """Opens (or creates) the environment; a killed daemon's cache is reused as is."""
-        ensure_writable_dir(self.path, "cache dir")
+        ensure_private_dir(self.path, "cache dir")
         data_file = self.path / "data.mdb"
         existing = data_file.stat().st_size if data_file.exists() else 0
         if not self.capacity:
@@ -110,7 +110,13 @@ class Store:
                 metasync=False,
                 readahead=True,
                 meminit=False,
+                mode=FILE_MODE,
             )
+            for name in ("data.mdb", "lock.mdb"):
+                if existing:
+                    close_to_others(self.path / name)
+                else:
+                    (self.path / name).chmod(FILE_MODE)
             meta = self._env.open_db(_META_DB)
             with self._env.begin(db=meta) as txn:
                 for key, value in txn.cursor():
