@@ -15,7 +15,10 @@ environment read-only and pick up a grown map by themselves.
 from __future__ import annotations
 
 import asyncio
+import errno
+import fcntl
 import logging
+import os
 import shutil
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -43,6 +46,8 @@ _INITIAL_MAP = 256 * MiB
 _BATCH_ITEMS = 4096
 _BATCH_BYTES = 64 * MiB
 _QUEUE_BYTES = 256 * MiB
+#: Held (flock) by the daemon that owns the cache dir, and holds its pid.
+LOCK_FILE = "daemon.lock"
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class Store:
         self.inserts_dropped = 0
         self.corrupt_repaired = 0
         self._env: lmdb.Environment | None = None
+        self._lock_fd: int | None = None
         self._dbs: dict[bytes, lmdb._Database] = {}
         self._payload_bytes: dict[bytes, int] = {}
         self._queue: list[PendingWrite] = []
@@ -91,6 +97,44 @@ class Store:
     def open(self) -> None:
         """Opens (or creates) the environment; a killed daemon's cache is reused as is."""
         ensure_private_dir(self.path, "cache dir")
+        self._lock()
+        try:
+            self._open_env()
+        except BaseException:
+            self._unlock()
+            raise
+
+    def _lock(self) -> None:
+        """Takes the cache dir for this process alone, for its life: a second
+        daemon on the same LMDB would resize the map under the first. The
+        kernel lets go of a killed daemon's lock, so a restart needs no cleanup."""
+        path = self.path / LOCK_FILE
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+        except OSError as exc:
+            raise StartupError(f"cannot open the lock file {path}: {exc.strerror}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise StartupError(f"cannot lock {path}: {exc.strerror}") from exc
+            raise StartupError(
+                f"cache dir {self.path} is in use by another daemon (pid {holder}); "
+                "stop it or give this one its own --cache-dir"
+            ) from None
+        os.fchmod(fd, FILE_MODE)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _open_env(self) -> None:
         data_file = self.path / "data.mdb"
         existing = data_file.stat().st_size if data_file.exists() else 0
         if not self.capacity:
@@ -134,6 +178,7 @@ class Store:
             self._env.sync(True)
             self._env.close()
             self._env = None
+        self._unlock()
 
     @property
     def is_open(self) -> bool:
