@@ -432,7 +432,7 @@ def test_staging_skips_samples_the_pfs_will_not_give_and_names_them(
 
     good = [i for i in range(len(payloads)) if i not in (7, 40)]
     assert [s.data for s in read(stub, "imgs", good)] == [payloads[i] for i in good]
-    for bad, reason in ((7, "No such file"), (40, "truncated")):
+    for bad, reason in ((7, "No such file"), (40, "changed since the dataset was registered")):
         with pytest.raises(grpc.RpcError) as err:
             read(stub, "imgs", [bad])
         assert err.value.code() == grpc.StatusCode.DATA_LOSS

@@ -338,3 +338,18 @@ def test_files_manifest_memory_stays_under_200_bytes_per_file(tmp_path: Path) ->
     writer, peak = build_traced(tmp_path)
     assert writer.num_samples == n
     assert peak / n < 200
+
+
+@pytest.mark.parametrize("fmt", ["files", "tar", "npy"])
+def test_every_file_records_its_size_and_mtime(tmp_path: Path, fmt: str) -> None:
+    if fmt == "files":
+        make_files_dataset(tmp_path, 6, sizes=(10, 20), classes=2)
+    elif fmt == "tar":
+        make_tar_dataset(tmp_path, 6, samples_per_shard=3)
+    else:
+        make_npy_dataset(tmp_path, 6, files=2)
+    m = manifest_of(tmp_path, fmt)
+    files = [tmp_path / m.path(p) for p in range(m.num_paths)]
+    assert m.header["version"] == 2
+    assert m.path_size.tolist() == [f.stat().st_size for f in files]
+    assert m.path_mtime_ns.tolist() == [f.stat().st_mtime_ns for f in files]

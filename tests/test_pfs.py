@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -31,6 +32,14 @@ WEBDATASET_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 
 def manifest_of(root: Path, fmt: str | None = None, **kwargs: bool) -> Manifest:
     return Manifest(build_manifest(root, fmt, **kwargs).to_bytes())
+
+
+def as_version1(data: bytes) -> bytes:
+    """``data`` as a manifest of format version 1 wrote it: no version, no file sizes or mtimes."""
+    header_len = int.from_bytes(data[8:12], "little")
+    header = json.loads(data[12 : 12 + header_len])
+    del header["version"], header["arrays"]["path_size"], header["arrays"]["path_mtime_ns"]
+    return data[:12] + json.dumps(header).encode().ljust(header_len) + data[12 + header_len :]
 
 
 def read_all(m: Manifest, name: str = "ds") -> list[bytes]:
@@ -146,9 +155,9 @@ def test_deleted_file_names_dataset_id_and_path(tmp_path: Path) -> None:
     assert caught.value.sample_ids == (4,)
 
 
-def test_truncated_file_is_an_error_naming_the_first_short_sample(tmp_path: Path) -> None:
+def test_truncated_file_of_a_version1_manifest_is_an_error_naming_the_first_short_sample(tmp_path: Path) -> None:
     make_npy_dataset(tmp_path, 10, record_shape=(25,), dtype="uint8", files=1)
-    m = manifest_of(tmp_path)
+    m = Manifest(as_version1(build_manifest(tmp_path).to_bytes()))
     path = tmp_path / "part_00000.npy"
     os.truncate(path, path.stat().st_size - 30)
     (whole,) = plan_reads(m, np.arange(10))
@@ -314,3 +323,38 @@ def test_plan_merges_every_neighbour_it_may(
         first_of_b = int(m.sample_length[b.ids[0]])
         assert gap >= 0
         assert gap > max_gap or b.offset + first_of_b - a.offset > max_range_bytes
+
+
+def test_a_file_changed_since_registration_is_refused_naming_the_change(tmp_path: Path) -> None:
+    make_npy_dataset(tmp_path, 10, record_shape=(25,), dtype="uint8", files=1)
+    m = manifest_of(tmp_path)
+    path = tmp_path / "part_00000.npy"
+    size = path.stat().st_size
+    os.truncate(path, size - 30)
+    with pytest.raises(PfsRangeError) as caught:
+        PfsReader(m, "sim").read([0])
+    assert str(caught.value) == (
+        f"sample 0 of 'sim': cannot read {path}: it changed since the dataset was registered "
+        f"(size {size - 30}, registered {size}); `dataquay dataset add sim {m.root} --replace` takes the new content"
+    )
+
+
+def test_a_version1_manifest_loads_and_reads_without_change_checks(tmp_path: Path) -> None:
+    make_files_dataset(tmp_path, 6, sizes=(100,), classes=2, seed=3)
+    built = manifest_of(tmp_path)
+    old = Manifest(as_version1(built.data.tobytes()))
+    assert "version" not in old.header
+    assert old.num_samples == 6 and [old.location(i) for i in range(6)] == [built.location(i) for i in range(6)]
+    assert old.path_size.tolist() == old.path_mtime_ns.tolist() == [-1] * 6
+    path = tmp_path / old.location(2).path
+    os.utime(path, ns=(0, 0))
+    assert read_all(old) == [sample_bytes(3, i, 100) for i in range(6)]
+    with pytest.raises(PfsReadError, match="changed since the dataset was registered"):
+        read_all(built)
+
+
+def test_a_manifest_of_an_unknown_version_is_refused(tmp_path: Path) -> None:
+    make_files_dataset(tmp_path, 2, sizes=(10,), classes=1)
+    data = build_manifest(tmp_path).to_bytes().replace(b'"version": 2', b'"version": 3', 1)
+    with pytest.raises(ManifestError, match="manifest version 3 is not one this dataquay reads"):
+        Manifest(data)

@@ -30,7 +30,7 @@ def break_files(files: list[Path]) -> dict[int, str]:
         files[222].chmod(0)
     os.truncate(files[333], 100)
     unreadable = "is a directory (refused)" if os.geteuid() == 0 else "Permission denied"
-    return {11: "No such file or directory", 222: unreadable, 333: "truncated"}
+    return {11: "No such file or directory", 222: unreadable, 333: "changed since the dataset was registered"}
 
 
 def test_broken_files_fail_their_own_reads_by_name_and_nothing_else(

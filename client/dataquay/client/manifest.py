@@ -15,8 +15,17 @@ It stays compact so that millions of samples cost tens of bytes each::
       path_blob      bytes
       label_offsets  u64[L+1] into label_blob
       label_blob     bytes
+      path_size      i64[P]   each file's size when the manifest was built
+      path_mtime_ns  i64[P]   each file's st_mtime_ns then
 
 All integers little-endian. Paths are relative, use "/" and never contain "..".
+
+The header's ``version`` is 2 since the per-file size and mtime arrays exist;
+the reader compares them with each file it opens, so a file that changed after
+registration is refused, never served as a prefix or a mix of old and new
+bytes. Version 1 manifests (no ``version`` key, no such arrays) still load:
+their files are not checked for changes. -1 in either array means "not
+recorded" (a manifest written by hand) and that file is not checked either.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import xxhash
 from dataquay.client.errors import ManifestError
 
 MAGIC = b"DQMANIF1"
+VERSION = 2
 FORMATS = ("files", "tar", "npy")
 _HEADER_LEN = struct.Struct("<I")
 _ARRAYS: tuple[tuple[str, str], ...] = (
@@ -49,7 +59,11 @@ _ARRAYS: tuple[tuple[str, str], ...] = (
     ("path_blob", "u1"),
     ("label_offsets", "<u8"),
     ("label_blob", "u1"),
+    ("path_size", "<i8"),
+    ("path_mtime_ns", "<i8"),
 )
+#: Arrays that version 1 manifests lack.
+_V2_ARRAYS = frozenset(("path_size", "path_mtime_ns"))
 
 
 def _align8(n: int) -> int:
@@ -94,8 +108,13 @@ class Manifest:
             (header_len,) = _HEADER_LEN.unpack_from(view, len(MAGIC))
             body = len(MAGIC) + _HEADER_LEN.size
             self.header: dict[str, Any] = json.loads(bytes(view[body : body + header_len]))
+            version = self.header.get("version", 1)
+            if version not in (1, VERSION):
+                raise ManifestError(f"manifest version {version!r} is not one this dataquay reads (1 or {VERSION})")
             arrays = {}
             for name, dtype in _ARRAYS:
+                if version == 1 and name in _V2_ARRAYS:
+                    continue
                 offset, count = self.header["arrays"][name]
                 item = np.dtype(dtype).itemsize
                 if offset < 0 or offset + count * item > len(view):
@@ -112,6 +131,9 @@ class Manifest:
         self._path_blob = arrays["path_blob"]
         self._label_offsets: np.ndarray = arrays["label_offsets"]
         self._label_blob = arrays["label_blob"]
+        unknown = np.full(max(self.num_paths, 0), -1, dtype=np.int64)
+        self.path_size: np.ndarray = arrays.get("path_size", unknown)
+        self.path_mtime_ns: np.ndarray = arrays.get("path_mtime_ns", unknown)
         self._validate()
         self.manifest_id = xxhash.xxh3_128_hexdigest(view)
 
@@ -132,6 +154,8 @@ class Manifest:
                 raise ManifestError(f"manifest {what} table is inconsistent")
             if np.any(np.diff(offsets.astype(np.int64)) < 0):
                 raise ManifestError(f"manifest {what} table is not ordered")
+        if not (len(self.path_size) == len(self.path_mtime_ns) == self.num_paths):
+            raise ManifestError("manifest file size or mtime table differs in length from the path table")
         if n and int(self.sample_path.max()) >= self.num_paths:
             raise ManifestError("manifest sample refers to a path that does not exist")
         if n and int(self.sample_label.max()) >= self.num_labels:
@@ -247,12 +271,21 @@ class ManifestWriter:
         self._path_blob = bytearray()
         self._label_offsets = array.array("Q", [0])
         self._label_blob = bytearray()
+        self._path_size = array.array("q")
+        self._path_mtime_ns = array.array("q")
         self._labels: dict[str, int] = {}
 
-    def add_path(self, rel: str) -> int:
-        """Registers a file relative to the root; returns its index."""
+    def add_path(self, rel: str, size: int = -1, mtime_ns: int = -1) -> int:
+        """Registers a file relative to the root; returns its index.
+
+        ``size`` and ``mtime_ns`` are the file's as it was read to build the
+        manifest: a reader refuses the file once either differs. -1 records
+        nothing, and that file is never checked.
+        """
         self._path_blob += check_relative_path(rel).encode()
         self._path_offsets.append(len(self._path_blob))
+        self._path_size.append(size)
+        self._path_mtime_ns.append(mtime_ns)
         return len(self._path_offsets) - 2
 
     def label_index(self, label: str) -> int:
@@ -283,7 +316,7 @@ class ManifestWriter:
         """Writes the manifest to a binary file object."""
         parts = list(self._parts())
         itemsizes = {name: np.dtype(dtype).itemsize for name, dtype in _ARRAYS}
-        header = {**self._header, "num_samples": self.num_samples, "created": time.time()}
+        header = {**self._header, "version": VERSION, "num_samples": self.num_samples, "created": time.time()}
         # The header holds the array offsets, which depend on the header's own
         # length: lay out with a placeholder, then pad the header to that size.
         header["arrays"] = {name: [0, 0] for name, _ in parts}

@@ -12,7 +12,11 @@ absolute paths. The final component is opened with ``O_NOFOLLOW`` so that a
 sample file swapped for a symlink after registration is refused, not followed,
 and with ``O_NONBLOCK`` so that a FIFO swapped in does not park the reading
 thread until some writer opens it; whatever is not a regular file (a FIFO, a
-device) is refused once opened, before a byte of it is read.
+device) is refused once opened, before a byte of it is read. The same
+``fstat`` compares the file's size and mtime with those the manifest recorded
+at registration: a file that changed since is refused, so that a sample is
+never served as a prefix of new content or as bytes the caches elsewhere do
+not hold. That costs nothing per sample: one open serves a whole range.
 """
 
 from __future__ import annotations
@@ -170,6 +174,8 @@ class PfsReader:
         self._grouped = manifest.format == "tar" and manifest.tar_grouped
         self._offsets = manifest.sample_offset
         self._lengths = manifest.sample_length
+        self._sizes = manifest.path_size
+        self._mtimes = manifest.path_mtime_ns
         root = manifest.root
         self._prefix = root if root.endswith("/") else root + "/"
         self._path = functools.lru_cache(maxsize=4096)(self._resolve)
@@ -181,8 +187,8 @@ class PfsReader:
         """The bytes of every id, in request order (repeated ids included).
 
         Raises:
-            PfsRangeError: a file is missing, unreadable or shorter than the
-                manifest says.
+            PfsRangeError: a file is missing, unreadable, shorter than the
+                manifest says, or changed since the manifest was built.
             SampleIdError: an id outside 0..N-1.
             ManifestError: the manifest names a path that would leave its root.
         """
@@ -221,9 +227,11 @@ class PfsReader:
         except OSError as exc:
             raise self._error(r, r.ids, path, _reason(exc)) from exc
         try:
-            kind = stat.S_IFMT(os.fstat(fd).st_mode)
+            st = os.fstat(fd)
+            kind = stat.S_IFMT(st.st_mode)
             if kind != stat.S_IFREG:
                 raise self._error(r, r.ids, path, f"is {_FILE_KINDS.get(kind, 'not a regular file')} (refused)")
+            self._check_unchanged(st, path, r)
             opened = _opened_path(fd)
             if opened is not None and not opened.startswith(self._prefix):
                 # A folder of the root was swapped for a link after registration.
@@ -243,6 +251,21 @@ class PfsReader:
             reason = f"truncated: expected {r.length} bytes at offset {r.offset}, got {len(data)}"
             raise self._error(r, short, path, reason)
         return data
+
+    def _check_unchanged(self, st: os.stat_result, path: str, r: ReadRange) -> None:
+        """Refuses a file whose size or mtime is not what the manifest recorded."""
+        size, mtime_ns = int(self._sizes[r.path_index]), int(self._mtimes[r.path_index])
+        if size >= 0 and st.st_size != size:
+            change = f"size {st.st_size}, registered {size}"
+        elif mtime_ns >= 0 and st.st_mtime_ns != mtime_ns:
+            change = f"mtime {st.st_mtime_ns} ns, registered {mtime_ns} ns"
+        else:
+            return
+        reason = (
+            f"it changed since the dataset was registered ({change}); "
+            f"`dataquay dataset add {self._dataset} {self._manifest.root} --replace` takes the new content"
+        )
+        raise self._error(r, r.ids, path, reason)
 
     def _unpack_group(self, sample_id: int, raw: bytes, path: str, r: ReadRange) -> bytes:
         """Frames the members of one grouped tar sample, in archive order.

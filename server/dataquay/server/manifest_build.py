@@ -207,19 +207,21 @@ def _follow(link: str, real_root: str) -> tuple[str, str | None]:
     return target, "skip"
 
 
-def _check_readable(path: str) -> int:
-    """Size of ``path``, opening it to prove it is readable.
+def _check_readable(path: str) -> os.stat_result:
+    """The status of ``path``, opening it to prove it is readable.
 
     Opening is the only test that tells the truth on a PFS: ``os.access``
     ignores root squash and some ACLs, and a dataset found unreadable at
-    registration beats one found unreadable mid-training.
+    registration beats one found unreadable mid-training. Its size and mtime
+    go into the manifest, taken before the file is parsed, so that a file
+    that changes while it is being described is refused when read.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
         raise ManifestError(f"cannot read {path}: {exc.strerror}") from exc
     try:
-        return os.fstat(fd).st_size
+        return os.fstat(fd)
     finally:
         os.close(fd)
 
@@ -232,8 +234,9 @@ def _label(rel: str) -> str | None:
 def _build_files(real_root: str) -> ManifestWriter:
     writer = ManifestWriter(real_root, "files")
     for f in _walk(real_root):
-        size = _check_readable(f.real)
-        writer.add_sample(writer.add_path(f.real_rel), 0, size, _label(f.rel))
+        st = _check_readable(f.real)
+        path_index = writer.add_path(f.real_rel, st.st_size, st.st_mtime_ns)
+        writer.add_sample(path_index, 0, st.st_size, _label(f.rel))
     return writer
 
 
@@ -251,11 +254,11 @@ def _matching(real_root: str, fmt: str) -> Iterator[_File]:
 def _build_tar(real_root: str, grouped: bool) -> ManifestWriter:
     writer = ManifestWriter(real_root, "tar", tar_grouped=grouped)
     for f in _matching(real_root, "tar"):
-        size = _check_readable(f.real)
-        path_index = writer.add_path(f.real_rel)
+        st = _check_readable(f.real)
+        path_index = writer.add_path(f.real_rel, st.st_size, st.st_mtime_ns)
         try:
             with tarfile.open(f.real, mode="r:") as tar:
-                members = _tar_members(tar, f.real, size)
+                members = _tar_members(tar, f.real, st.st_size)
                 if grouped:
                     for offset, length in _tar_groups(members, f.real):
                         writer.add_sample(path_index, offset, length)
@@ -316,9 +319,9 @@ def _tar_groups(members: Iterator[tarfile.TarInfo], path: str) -> Iterator[tuple
 
 def _build_npy(real_root: str) -> ManifestWriter:
     first: tuple[str, np.dtype, tuple[int, ...]] | None = None
-    files: list[tuple[str, int, int]] = []
+    files: list[tuple[str, os.stat_result, int, int]] = []
     for f in _matching(real_root, "npy"):
-        dtype, shape, data_offset = _npy_header(f.real)
+        st, dtype, shape, data_offset = _npy_header(f.real)
         if first is None:
             first = (f.real, dtype, shape[1:])
         elif (dtype, shape[1:]) != first[1:]:
@@ -328,7 +331,7 @@ def _build_npy(real_root: str) -> ManifestWriter:
                 else f"record shape {first[2]} vs {shape[1:]}"
             )
             raise ManifestError(f"{first[0]} and {f.real} differ: {what}")
-        files.append((f.real_rel, data_offset, shape[0]))
+        files.append((f.real_rel, st, data_offset, shape[0]))
     assert first is not None
     path, dtype, record_shape = first
     reclen = dtype.itemsize * int(np.prod(record_shape, dtype=np.int64))
@@ -341,16 +344,16 @@ def _build_npy(real_root: str) -> ManifestWriter:
         npy_shape=list(record_shape),
     )
     add = writer.add_sample
-    for rel, data_offset, count in files:
-        path_index = writer.add_path(rel)
+    for rel, st, data_offset, count in files:
+        path_index = writer.add_path(rel, st.st_size, st.st_mtime_ns)
         for offset in range(data_offset, data_offset + count * reclen, reclen):
             add(path_index, offset, reclen)
     return writer
 
 
-def _npy_header(path: str) -> tuple[np.dtype, tuple[int, ...], int]:
-    """(dtype, shape, offset of the data) of a .npy file, checked for records."""
-    size = _check_readable(path)
+def _npy_header(path: str) -> tuple[os.stat_result, np.dtype, tuple[int, ...], int]:
+    """(status, dtype, shape, offset of the data) of a .npy file, checked for records."""
+    st = _check_readable(path)
     try:
         with open(path, "rb") as fh:
             version = npy_format.read_magic(fh)
@@ -370,6 +373,6 @@ def _npy_header(path: str) -> tuple[np.dtype, tuple[int, ...], int]:
     if dtype.hasobject:
         raise ManifestError(f"{path} holds Python objects (dtype {dtype}), not fixed-size records")
     expected = data_offset + dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-    if size < expected:
-        raise ManifestError(f"{path} is truncated: {size} bytes, header needs {expected}")
-    return dtype, tuple(shape), data_offset
+    if st.st_size < expected:
+        raise ManifestError(f"{path} is truncated: {st.st_size} bytes, header needs {expected}")
+    return st, dtype, tuple(shape), data_offset
