@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import pickle
 import re
+import signal
 import socket
 import threading
 import time
@@ -209,6 +210,36 @@ def test_killed_daemon_is_replaced_by_the_pfs_and_local_hits_keep_coming(
     assert len(warnings) == 1 and daemon.address in warnings[0].getMessage()
     with pytest.raises(dq.DaemonUnavailableError):
         client.dataset("imgs")
+
+
+def test_a_stopped_daemon_is_read_around_after_the_batch_deadline_then_used_again(
+    registered: dq.Client, daemon: DaemonProcess
+) -> None:
+    # A hung daemon (SIGSTOP, swapping) keeps its socket: only a deadline
+    # tells it from a slow one. The batch's deadline is seconds, not minutes.
+    client = registered
+    ds = client.dataset("imgs")
+    want = expected(ds.manifest, range(48))
+    assert ds.get_batch(range(8)) == want[:8]
+    daemon.signal(signal.SIGSTOP)
+    try:
+        before = client.stats().samples
+        assert ds.get_batch(range(24, 48)) == want[24:]
+        after = client.stats().samples
+        assert after["fallback"] - before["fallback"] == 24 and after["pfs"] == before["pfs"]
+        assert client.remote.daemon_down
+        # Later batches go straight to the PFS, without waiting out a deadline each.
+        assert ds.get_batch(range(8, 24)) == want[8:24]
+        assert client.stats().samples["fallback"] - after["fallback"] == 16
+    finally:
+        daemon.signal(signal.SIGCONT)
+
+    def through_the_daemon() -> bool:
+        fallback = client.stats().samples["fallback"]
+        assert ds.get_batch(range(24, 48)) == want[24:]
+        return client.stats().samples["fallback"] == fallback
+
+    wait_until(through_the_daemon, "reads go through the daemon again after SIGCONT", poll=0.2)
 
 
 def test_fork_while_other_threads_are_calling_the_daemon(registered: dq.Client) -> None:

@@ -13,7 +13,7 @@ from faultjob import NODES, RANKS_PER_NODE, SAMPLES, FaultJob
 #: Kept short so that the stop outlasts it many times over.
 PEER_TIMEOUT_SECONDS = 0.5
 #: How long the daemon stays stopped: past its lease (1 s in these clusters)
-#: and the peer deadline, well short of the client's READ_TIMEOUT_SECONDS.
+#: and the peer deadline, well short of the client's READ_FLOOR_SECONDS.
 STOP_SECONDS = 3.0
 STOPPED = 3
 
@@ -36,7 +36,7 @@ def test_a_stopped_peer_is_read_around_then_used_again_after_sigcont(fault_job: 
     # The other nodes read the stopped node's samples from the PFS instead.
     assert sum(r.samples.get("pfs", 0) for r in others) > 0, [r.samples for r in others]
     # Its own ranks neither failed nor fell back: their misses waited in its
-    # socket until SIGCONT (a stop beyond READ_TIMEOUT_SECONDS would make them
+    # socket until SIGCONT (a stop beyond READ_FLOOR_SECONDS would make them
     # read the PFS themselves), and their local hits never needed it.
     for r in own:
         assert r.samples.get("fallback", 0) == 0 and r.wait_seconds >= STOP_SECONDS / 2, (r.rank, r.samples)

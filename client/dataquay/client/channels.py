@@ -18,6 +18,21 @@ MAX_MESSAGE_BYTES = 256 * MiB
 #: of a message is small, small enough that the first samples arrive early.
 READ_CHUNK_BYTES = 4 * MiB
 
+#: The slowest rate a healthy daemon is allowed to stream a batch at, to a
+#: trainer or to a peer daemon.
+SLOWEST_READ_BYTES_PER_SECOND = 100e6
+
+
+def batch_deadline(floor: float, nbytes: int) -> float:
+    """Deadline of a streamed Read of ``nbytes``: ``floor`` plus the bytes at
+    :data:`SLOWEST_READ_BYTES_PER_SECOND`.
+
+    A fixed deadline either cuts off large batches or lets a hung daemon
+    (stopped, swapping) hold its caller for minutes; one that grows with the
+    batch finds a hung daemon out within seconds and never a slow-but-alive one.
+    """
+    return floor + nbytes / SLOWEST_READ_BYTES_PER_SECOND
+
 
 def channel_options() -> list[tuple[str, int | str]]:
     """Options for every channel a client or a peer daemon opens."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from dataquay.client.channels import daemon_address
+from dataquay.client.channels import batch_deadline, daemon_address
 from dataquay.client.connection import DaemonConnection
 from dataquay.client.dataset import Dataset
 from dataquay.client.errors import (
@@ -30,7 +30,7 @@ from dataquay.client.errors import (
 )
 from dataquay.client.local import SharedLocalCache
 from dataquay.client.manifest import Manifest
-from dataquay.client.remote import READ_TIMEOUT_SECONDS, RemoteReader
+from dataquay.client.remote import RemoteReader
 from dataquay.client.stats import ClientStats, ReadStats
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
@@ -129,9 +129,9 @@ class Client:
         """
         request = pb.GetDatasetRequest(name=name)
         info = self._connection.call("GetDataset", lambda stub: stub.GetDataset(request, timeout=self.timeout))
+        deadline = batch_deadline(self.timeout, info.manifest_bytes)
         data = self._connection.call(
-            "GetManifest",
-            lambda stub: b"".join(c.data for c in stub.GetManifest(request, timeout=READ_TIMEOUT_SECONDS)),
+            "GetManifest", lambda stub: b"".join(c.data for c in stub.GetManifest(request, timeout=deadline))
         )
         manifest = Manifest(data)
         if manifest.num_samples != info.num_samples or manifest.manifest_id != info.manifest_id:

@@ -4,7 +4,9 @@ Every miss of a batch goes to the daemon in one streamed Read, payloads
 through a shared memory segment where the daemon can map it. A training loop
 never fails because its daemon died: the reader logs one warning, reads from
 the PFS itself (by the dataset's manifest), and tries the daemon again every
-:data:`RETRY_DAEMON_SECONDS`.
+:data:`RETRY_DAEMON_SECONDS`. A daemon that is alive but hung (stopped,
+swapping) is found out by a Read's deadline, which grows with the batch's
+bytes, and is then treated as down the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dataquay.client.channels import batch_deadline
 from dataquay.client.connection import DaemonConnection
 from dataquay.client.errors import CorruptValueError, DaemonUnavailableError, DataquayError
 from dataquay.client.records import checksum
@@ -34,8 +37,10 @@ log = logging.getLogger("dataquay.client")
 #: trainers that much per retry, not a read's whole deadline.
 RETRY_DAEMON_SECONDS = 2.0
 PROBE_SECONDS = 0.5
-#: Deadline of one Read; a daemon that takes longer is treated as gone.
-READ_TIMEOUT_SECONDS = 120.0
+#: Floor of a Read's deadline (see :func:`~dataquay.client.channels.batch_deadline`):
+#: twice a daemon's default peer deadline, so that a daemon waiting out a dead
+#: peer is not taken for a hung one. A daemon that misses it is treated as down.
+READ_FLOOR_SECONDS = 10.0
 
 _TIER_NAMES = {pb.TIER_LOCAL: "daemon-local", pb.TIER_PEER: "peer", pb.TIER_PFS: "pfs"}
 
@@ -98,7 +103,13 @@ class RemoteReader:
         the read fails: a segment is never trusted over the bytes themselves.
         """
         with self._segments.segment() as seg:
-            out, bad = self._read_daemon_once(dataset, ids, seg)
+            try:
+                out, bad = self._read_daemon_once(dataset, ids, seg)
+            except DaemonUnavailableError:
+                # A hung daemon may still write into it once it resumes.
+                if seg is not None:
+                    self._segments.discard(seg)
+                raise
         if bad:
             again, still_bad = self._read_daemon_once(dataset, ids[bad], None)
             if still_bad:
@@ -117,10 +128,11 @@ class RemoteReader:
         )
         if seg is not None:
             request.shm_name, request.shm_size = seg.name, seg.size
+        deadline = batch_deadline(READ_FLOOR_SECONDS, int(dataset.manifest.sample_length[ids].sum()))
 
         def read(stub: cache_pb2_grpc.CacheStub) -> list[pb.Sample]:
             samples: list[pb.Sample] = []
-            for chunk in stub.Read(request, timeout=READ_TIMEOUT_SECONDS):
+            for chunk in stub.Read(request, timeout=deadline):
                 samples.extend(chunk.samples)
             return samples
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from dataquay.client.channels import channel_options
+from dataquay.client.channels import batch_deadline, channel_options
 from dataquay.client.records import checksum
 from dataquay.client.security import Credentials
 from dataquay.protos import cache_pb2 as pb
@@ -28,9 +28,6 @@ log = logging.getLogger("dataquay.peers")
 
 #: First and longest time a failed peer is set aside.
 BACKOFF_SECONDS = (1.0, 30.0)
-#: The slowest transfer rate a healthy peer is allowed: a batch's deadline is
-#: the peer timeout plus its bytes at this rate, so large batches are not cut off.
-SLOWEST_PEER_BYTES_PER_SECOND = 100e6
 
 
 @dataclass
@@ -87,7 +84,7 @@ class Peers:
         request = pb.ReadRequest(dataset=dataset, ids=ids, manifest_id=manifest_id, peer=True)
         out: dict[int, tuple[bytes, int]] = {}
         received = 0
-        deadline = self.timeout + nbytes / SLOWEST_PEER_BYTES_PER_SECOND
+        deadline = batch_deadline(self.timeout, nbytes)
         started = time.monotonic()
         try:
             stub = self.stub(node, address)
