@@ -18,7 +18,10 @@ import numpy as np
 import pytest
 
 from dataquay.client.channels import channel_options
+from dataquay.client.jobs import job_plan
+from dataquay.client.manifest import Manifest
 from dataquay.client.records import checksum
+from dataquay.client.sampler import JobSampler
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -175,6 +178,32 @@ def test_global_epochs_read_every_sample_once_from_local_and_peer_caches(
     assert [s.pfs_bytes for s in stats] == pfs_after_staging
     assert sum(t.samples for s in stats for t in s.reads if t.tier == pb.TIER_PEER) == peer_samples
     assert sum(p.samples for s in stats for p in s.peers) == peer_samples
+
+
+def test_a_rank_whose_daemon_is_down_joins_through_the_directory_and_reads_its_epoch(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    local = cluster(2)
+    root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
+    assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[1].address]) == 0
+    assert cli_main([
+        "stage", "imgs", "--job", JOB, "--ranks-per-node", "1", "--quiet", "--directory", local.directory_address,
+    ]) == 0
+    local.kill_node(0)
+    job = get_job(local)
+    with grpc.insecure_channel(local.directory_address, options=channel_options()) as channel:
+        request = pb.GetDatasetRequest(name="imgs")
+        manifest = Manifest(b"".join(c.data for c in directory_pb2_grpc.DirectoryStub(channel).GetManifest(request)))
+    sampler = JobSampler(job, job_plan(job, manifest), rank=0, world_size=2)
+    sampler.set_epoch(0)
+    want = sampler.indices()
+
+    # Rank 0's DATAQUAY_ADDR names the dead daemon's socket; DATAQUAY_DIRECTORY is set.
+    with RankGroup([local.rank_env(0, 1, JOB)], "imgs", tmp_path / "ranks", batch=16, timeout=90) as group:
+        (result,) = group.epoch(0)
+    assert result.ids == want.tolist()
+    assert result.checksums == expected_checksums()[want].tolist()
+    assert result.samples["fallback"] == len(want) == SAMPLES // 2
 
 
 def test_daemon_killed_mid_epoch_serves_its_samples_from_pfs_and_is_listed_down(

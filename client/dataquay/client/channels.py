@@ -84,3 +84,8 @@ def grpc_target(address: str) -> str:
 def daemon_address() -> str:
     """The local daemon's address: DATAQUAY_ADDR, else the default socket."""
     return os.environ.get("DATAQUAY_ADDR") or str(default_socket_path())
+
+
+def directory_address() -> str | None:
+    """The directory's HOST:PORT from DATAQUAY_DIRECTORY, or None when unset."""
+    return os.environ.get("DATAQUAY_DIRECTORY", "").strip() or None

@@ -15,15 +15,18 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import grpc
 
-from dataquay.client.channels import batch_deadline, daemon_address
+from dataquay.client.channels import batch_deadline, channel_options, daemon_address, directory_address
 from dataquay.client.connection import DaemonConnection
 from dataquay.client.dataset import Dataset
 from dataquay.client.errors import (
+    DaemonUnavailableError,
     DataquayError,
+    DirectoryUnavailableError,
     JobMismatchError,
     UnknownDatasetError,
     UnknownJobError,
@@ -32,12 +35,16 @@ from dataquay.client.local import SharedLocalCache
 from dataquay.client.manifest import Manifest
 from dataquay.client.remote import RemoteReader
 from dataquay.client.stats import ClientStats, ReadStats
+from dataquay.client.status_codes import error_from_rpc
 from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 
 log = logging.getLogger("dataquay.client")
 
 _clients: weakref.WeakSet[Client] = weakref.WeakSet()
+
+_T = TypeVar("_T")
 
 
 def connect(address: str | None = None, *, timeout: float = 10.0, verify: bool = True) -> Client:
@@ -51,8 +58,13 @@ def connect(address: str | None = None, *, timeout: float = 10.0, verify: bool =
         verify: check the checksum of every sample read (cheap next to a
             read; off only to measure).
 
+    When no daemon answers but DATAQUAY_DIRECTORY names the directory, the
+    client starts with its daemon marked down: datasets and jobs come from
+    the directory, misses from the PFS, until the daemon answers.
+
     Raises:
-        DaemonUnavailableError: no daemon answered within ``timeout``.
+        DaemonUnavailableError: no daemon answered within ``timeout``, and
+            no directory is known.
     """
     return Client(address or daemon_address(), timeout=timeout, verify=verify)
 
@@ -70,6 +82,11 @@ class Client:
             self._remote.info = self._connection.call(
                 "Info", lambda stub: stub.Info(pb.InfoRequest(), timeout=timeout, wait_for_ready=True)
             )
+        except DaemonUnavailableError as exc:
+            if self._directory is None:
+                self.close()
+                raise
+            self._remote.mark_down(exc)
         except DataquayError:
             self.close()
             raise
@@ -80,6 +97,7 @@ class Client:
         self.timeout = timeout
         self.verify = verify
         self._connection = DaemonConnection(address)
+        self._directory = directory_address()
         self._stats = ReadStats()
         remote = self._remote = RemoteReader(self._connection, self._stats, timeout=timeout, verify=verify)
         self._local = SharedLocalCache(lambda: remote.info.cache_path)
@@ -124,13 +142,14 @@ class Client:
 
         Raises:
             UnknownDatasetError: the daemon knows no dataset ``name``.
-            DaemonUnavailableError: the daemon cannot be reached (a dataset
-                cannot be opened without it; reads of one already open can).
+            DaemonUnavailableError: the daemon cannot be reached and no
+                directory is known (reads of a dataset already open go on).
+            DirectoryUnavailableError: neither the daemon nor the directory answers.
         """
         request = pb.GetDatasetRequest(name=name)
-        info = self._connection.call("GetDataset", lambda stub: stub.GetDataset(request, timeout=self.timeout))
+        info: pb.DatasetInfo = self._ask("GetDataset", lambda stub: stub.GetDataset(request, timeout=self.timeout))
         deadline = batch_deadline(self.timeout, info.manifest_bytes)
-        data = self._connection.call(
+        data: bytes = self._ask(
             "GetManifest", lambda stub: b"".join(c.data for c in stub.GetManifest(request, timeout=deadline))
         )
         manifest = Manifest(data)
@@ -146,7 +165,8 @@ class Client:
         return list(reply.datasets)
 
     def join_job(self, spec: jpb.JobSpec, must_exist: bool = False) -> jpb.Job:
-        """Creates the cluster job ``spec`` names, or joins it; the daemon asks the directory.
+        """Creates the cluster job ``spec`` names, or joins it; the daemon asks the
+        directory (this client asks it itself while the daemon is down).
 
         Settings left unset in ``spec`` take the job's values (see
         :func:`dataquay.client.jobs.job_spec`). Returns the job with every
@@ -157,14 +177,44 @@ class Client:
                 the message names it.
             UnknownJobError: ``must_exist`` and there is no such job.
             UnknownDatasetError: the job's dataset is not registered.
-            DaemonUnavailableError: the daemon cannot be reached.
+            DaemonUnavailableError: the daemon cannot be reached and no
+                directory is known.
         """
         request = jpb.JoinJobRequest(spec=spec, must_exist=must_exist)
         errors = {
             grpc.StatusCode.NOT_FOUND: UnknownJobError if must_exist else UnknownDatasetError,
             grpc.StatusCode.FAILED_PRECONDITION: JobMismatchError,
         }
-        return self._connection.call("JoinJob", lambda stub: stub.JoinJob(request, timeout=self.timeout), errors)
+        job: jpb.Job = self._ask("JoinJob", lambda stub: stub.JoinJob(request, timeout=self.timeout), errors)
+        return job
+
+    def _ask(
+        self,
+        what: str,
+        call: Callable[[Any], _T],
+        errors: Mapping[grpc.StatusCode, type[DataquayError]] | None = None,
+    ) -> _T:
+        """Runs ``call`` on the daemon's stub, or on the directory's while the
+        daemon is down and DATAQUAY_DIRECTORY names one: both serve datasets
+        and joins alike, so a rank that starts while its daemon is down can
+        still open its dataset and join its job."""
+        if self._directory is None or not self._remote.daemon_down:
+            try:
+                return self._connection.call(what, call, errors)
+            except DaemonUnavailableError as exc:
+                if self._directory is None:
+                    raise
+                self._remote.mark_down(exc)
+        channel = self._connection.credentials.channel(self._directory, channel_options())
+        try:
+            return call(directory_pb2_grpc.DirectoryStub(channel))
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, errors) or DirectoryUnavailableError(
+                f"{what} failed: the daemon at {self.address} is down and the directory at {self._directory} "
+                f"does not answer ({exc.code().name}: {exc.details()})"
+            ) from None
+        finally:
+            channel.close()
 
     def report_epoch(self, job_id: str, epoch: int) -> None:
         """Tells the job, through the daemon, that this rank entered ``epoch``.

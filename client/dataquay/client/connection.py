@@ -81,7 +81,7 @@ class DaemonConnection:
     def __init__(self, address: str) -> None:
         self.address = address
         self._closed = False
-        self._credentials = Credentials.from_env()
+        self.credentials = Credentials.from_env()
         self._reset_process_state()
 
     def _reset_process_state(self) -> None:
@@ -141,7 +141,7 @@ class DaemonConnection:
                     # never share a connection with its parent.
                     ("grpc.use_local_subchannel_pool", 1),
                 ]
-                self._channel = self._credentials.channel(self.address, options)
+                self._channel = self.credentials.channel(self.address, options)
                 self._stub = cache_pb2_grpc.CacheStub(self._channel)
                 self._pid = pid
             assert self._stub is not None

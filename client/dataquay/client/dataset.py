@@ -317,7 +317,7 @@ class Dataset(Sequence[bytes]):
         )
         self._job = spec.job_id
         placed_on, runs_on = joined.spec.nodes[sampler.node], self._client.info.node
-        if placed_on != runs_on:
+        if runs_on and placed_on != runs_on:
             log.warning(
                 "rank %d runs on node %r but job %r places it on %r (rank // %d ranks per node): its reads "
                 "are right but not local; start the ranks in the order of the job's nodes",

@@ -87,7 +87,7 @@ class RemoteReader:
             try:
                 out += self._read_daemon(dataset, ids[start : start + step])
             except DaemonUnavailableError as exc:
-                self._daemon_down(exc)
+                self.mark_down(exc)
                 out += self._read_pfs(dataset, ids[start:])
                 break
         return out
@@ -180,7 +180,8 @@ class RemoteReader:
         self._stats.add("fallback", len(out), sum(map(len, out)))
         return out
 
-    def _daemon_down(self, exc: DaemonUnavailableError) -> None:
+    def mark_down(self, exc: DaemonUnavailableError) -> None:
+        """Reads go to the PFS until the daemon answers a probe; ``exc`` says why."""
         if self._down_reason is None:
             log.warning(
                 "%s; reading misses from the PFS and trying the daemon again every %.0f s",
