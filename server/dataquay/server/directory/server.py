@@ -9,12 +9,15 @@ cancelled, heartbeats and HTTP stop and the state is written a last time.
 
 Persistence: ``directory.json`` under the state dir holds nodes, jobs and
 versions; the dataset registry keeps its own files beside it. Every change of
-membership, jobs or datasets is written (temporary file, then rename, so a
-crash leaves the old or the new state, never half of one) before the call that
-made it returns; calls that change the state within a few milliseconds share
-one write, so a thousand daemons registering at once cost tens of writes, not
-a thousand. Heartbeats are not written; a node that comes back up
-by heartbeating is written by the next lease check.
+membership, jobs or datasets is written (temporary file, fsync, then rename,
+so a crash leaves the old or the new state, never half of one) before the call
+that made it returns. One background task writes: it takes a snapshot on the
+loop (a copy of the job table and the nodes' fields) and serialises and writes
+it in a thread, so that heartbeats are answered while a large state is
+written; the calls that change the state while a write runs share the next
+one, so a thousand daemons registering at once cost tens of writes, not a
+thousand. Heartbeats are not written; a node that comes back up by
+heartbeating is written by the next lease check.
 
 Heartbeats arrive as UDP datagrams on the gRPC port's number (see
 :mod:`.beats`), or through the Heartbeat RPC.
@@ -26,6 +29,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -50,6 +54,7 @@ from dataquay.server.directory.state import (
     Job,
     JoinRequest,
     NodeInfo,
+    StateSnapshot,
     Versions,
 )
 from dataquay.server.dirs import ensure_private_dir, private_opener
@@ -95,8 +100,12 @@ class DirectoryServer(ServerLifecycle):
         self._versions: tuple[Versions, dpb.Versions] = (Versions(), dpb.Versions())
         self._started = False
         self._serving = False
+        #: The revision on disk; only the thread that writes moves it, under the lock.
         self._saved_revision = 0
-        self._pending_write: asyncio.Future[None] | None = None
+        self._write_lock = threading.Lock()
+        self._dirty = asyncio.Event()
+        #: Resolved once a write that began after it was made is done.
+        self._next_write: asyncio.Future[None] | None = None
         self._builds = asyncio.Semaphore(1)
 
     @property
@@ -117,6 +126,7 @@ class DirectoryServer(ServerLifecycle):
             await self.close()
             raise
         self.tasks.spawn(self._check_leases(), "lease-expiry")
+        self.tasks.spawn(self._write_state(), "state-writer")
         self._serving = True
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -179,7 +189,7 @@ class DirectoryServer(ServerLifecycle):
         if self._beats is not None:
             self._beats.close()
         await self.http.close()
-        self._save()
+        await asyncio.get_running_loop().run_in_executor(None, self._write, self.state.snapshot())
 
     async def _check_leases(self) -> None:
         """Marks silent nodes down and writes what heartbeats changed."""
@@ -188,39 +198,54 @@ class DirectoryServer(ServerLifecycle):
             await asyncio.sleep(interval)
             for name in self.state.expire(time.time()):
                 log.info("node down", extra={"fields": {"node": name, "lease_seconds": self.config.lease_seconds}})
-            self._save()
+            if self.state.revision != self._saved_revision:
+                self._dirty.set()
 
     async def _persist(self) -> None:
-        """Returns once the state as of now is written, sharing the write with
-        every call that changes the state before it runs."""
-        if self._pending_write is None:
-            loop = asyncio.get_running_loop()
-            self._pending_write = loop.create_future()
-            loop.call_later(GROUP_WRITE_SECONDS, self._write_pending)
-        await asyncio.shield(self._pending_write)
+        """Returns once the state as of now is on disk, sharing the write with
+        every call that changes the state before the write begins."""
+        if self._next_write is None:
+            self._next_write = asyncio.get_running_loop().create_future()
+        waiter = self._next_write
+        self._dirty.set()
+        await asyncio.shield(waiter)
 
-    def _write_pending(self) -> None:
-        pending, self._pending_write = self._pending_write, None
-        self._save()
-        if pending is not None:
-            pending.set_result(None)
+    async def _write_state(self) -> None:
+        """Writes the state whenever it changed, one write at a time, off the loop.
 
-    def _save(self) -> None:
-        """Writes the state if it changed since the last write; a failed write
-        is logged and retried by the next lease check."""
-        if self.state.revision == self._saved_revision:
-            return
-        revision = self.state.revision
-        tmp = self.state_path.with_suffix(".tmp")
-        try:
-            with open(tmp, "w", opener=private_opener) as out:
-                out.write(json.dumps(self.state.to_json()))
-            os.replace(tmp, self.state_path)
-        except OSError as exc:
-            log.error("cannot write the directory's state", extra={"fields": {"path": str(self.state_path),
-                                                                               "error": str(exc)}})
-            return
-        self._saved_revision = revision
+        The snapshot is taken right after the waiters are taken, with no await
+        between, so that every waiter's change is in what is written.
+        """
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._dirty.wait()
+            await asyncio.sleep(GROUP_WRITE_SECONDS)
+            self._dirty.clear()
+            waiter, self._next_write = self._next_write, None
+            try:
+                await loop.run_in_executor(None, self._write, self.state.snapshot())
+            finally:
+                if waiter is not None:
+                    waiter.set_result(None)
+
+    def _write(self, snapshot: StateSnapshot) -> None:
+        """Writes ``snapshot`` unless a newer one is on disk; runs in a thread.
+        A failed write is logged and retried by the next lease check."""
+        with self._write_lock:
+            if snapshot.revision <= self._saved_revision:
+                return
+            tmp = self.state_path.with_suffix(".tmp")
+            try:
+                with open(tmp, "w", opener=private_opener) as out:
+                    out.write(json.dumps(snapshot.to_json()))
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(tmp, self.state_path)
+            except OSError as exc:
+                log.error("cannot write the directory's state", extra={"fields": {"path": str(self.state_path),
+                                                                                   "error": str(exc)}})
+                return
+            self._saved_revision = snapshot.revision
 
     # ------------------------------------------------------------- handlers
 
