@@ -247,7 +247,7 @@ class TierCount(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients")
+    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients", "cache_disk_full")
     NODE_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
     CACHE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +268,7 @@ class StatsReply(_message.Message):
     CLIENT_READS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_DATA_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_DISK_FULL_FIELD_NUMBER: _ClassVar[int]
     node: str
     reads: _containers.RepeatedCompositeFieldContainer[TierCount]
     cache_used_bytes: int
@@ -288,7 +289,8 @@ class StatsReply(_message.Message):
     client_reads: _containers.RepeatedCompositeFieldContainer[ClientReads]
     client_data_wait_seconds: float
     clients: int
-    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ...) -> None: ...
+    cache_disk_full: bool
+    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ...) -> None: ...
 
 class PeerHealth(_message.Message):
     __slots__ = ("node", "suspect", "failures", "samples", "bytes")

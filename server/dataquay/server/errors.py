@@ -28,6 +28,7 @@ from dataquay.client.errors import (
 
 __all__ = [
     "BatchTooLargeError",
+    "CacheWriterError",
     "ConfigError",
     "DataquayError",
     "DatasetExistsError",
@@ -53,3 +54,7 @@ class ConfigError(DataquayError, ValueError):
 
 class StartupError(DataquayError):
     """The daemon could not start (directory not writable, port taken, ...)."""
+
+
+class CacheWriterError(DataquayError):
+    """The cache's writer has stopped: what waits for it would wait forever."""

@@ -163,7 +163,8 @@ def _print_node_status(stats: pb.StatsReply) -> None:
     total = sum(t.samples for t in stats.reads) or 1
     print(f"node {stats.node}: cache {format_bytes(stats.cache_used_bytes)} of "
           f"{format_bytes(stats.cache_capacity_bytes)}, {stats.cache_entries} entries"
-          + (" (full)" if stats.cache_full else ""))
+          + (" (full: its file system has no space left)" if stats.cache_disk_full
+             else " (full)" if stats.cache_full else ""))
     print_table(
         [(tier, t.samples, f"{100 * t.samples / total:.1f}%", format_bytes(t.bytes)) for tier, t in reads.items()],
         ("TIER", "SAMPLES", "SHARE", "BYTES"),

@@ -254,6 +254,7 @@ class Daemon(ServerLifecycle):
             cache_capacity_bytes=self.store.capacity,
             cache_entries=entries,
             cache_full=self.store.full,
+            cache_disk_full=self.store.disk_full,
             corrupt_repaired=self.store.corrupt_repaired,
             inserts_dropped=self.store.inserts_dropped,
             pfs_bytes=self.pfs.bytes_read,

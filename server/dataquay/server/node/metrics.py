@@ -48,6 +48,7 @@ class LiveState:
     cache_capacity_bytes: int
     cache_entries: int
     cache_full: bool
+    cache_disk_full: bool
     corrupt_repaired: int
     inserts_dropped: int
     pfs_bytes: int
@@ -87,6 +88,11 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("dataquay_cache_entries", "Samples held in the cache", value=state.cache_entries)
         yield GaugeMetricFamily(
             "dataquay_cache_full", "1 when the cache stopped inserting at capacity", value=int(state.cache_full)
+        )
+        yield GaugeMetricFamily(
+            "dataquay_cache_disk_full",
+            "1 when the cache stopped inserting because its file system has no space left",
+            value=int(state.cache_disk_full),
         )
         yield CounterMetricFamily(
             "dataquay_cache_corrupt_repaired",

@@ -159,6 +159,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             pfs_errors=state.pfs_errors,
             corrupt_repaired=state.corrupt_repaired,
             cache_full=state.cache_full,
+            cache_disk_full=state.cache_disk_full,
             inserts_dropped=state.inserts_dropped,
             staging=[self._progress(p) for p in d.stager.runs.values()],
             peers=[

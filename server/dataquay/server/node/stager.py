@@ -25,6 +25,7 @@ from dataquay.client.records import CHECKSUM_BYTES
 from dataquay.server.node.pfs_pool import PfsPool
 from dataquay.server.node.store import PendingWrite, Store
 from dataquay.server.registry import Registry
+from dataquay.server.sizes import format_bytes
 from dataquay.server.task_group import TaskGroup
 
 log = logging.getLogger("dataquay.stager")
@@ -77,6 +78,25 @@ class StagingProgress:
     def end(self, error: str = "") -> None:
         self.error = error
         self.ended = time.monotonic()
+
+
+def _disk_full_error(store: Store, progress: StagingProgress) -> str:
+    """Why a run that filled the cache's file system failed: unlike a cache at
+    its configured capacity, that is not what the user asked for."""
+    return (
+        f"the cache file system ({store.path}) is full: {progress.done_samples}/{progress.total_samples} samples, "
+        f"{format_bytes(progress.done_bytes)} of {format_bytes(progress.total_bytes)}, fit; the rest is served "
+        "from the PFS. Free space there or drop a dataset, then stage again"
+    )
+
+
+def _write_error(store: Store, progress: StagingProgress) -> str:
+    """Why a run whose cache writes failed (not for lack of space) failed."""
+    return (
+        f"writing to the cache in {store.path} failed ({store.last_write_error}): "
+        f"{progress.done_samples}/{progress.total_samples} samples, {format_bytes(progress.done_bytes)} of "
+        f"{format_bytes(progress.total_bytes)}, are cached; the rest is served from the PFS. See the daemon's log"
+    )
 
 
 def staging_ranges(manifest: Manifest, ids: np.ndarray, seed: int) -> list[ReadRange]:
@@ -147,7 +167,9 @@ class Stager:
         entry = self.registry.get(dataset)
         manifest, db = entry.manifest, entry.record.cache_db
         log.info("staging started", extra={"fields": {"dataset": dataset, "samples": len(ids)}})
+        write_errors = self.store.write_errors
         try:
+            self.store.recheck_space()
             await self.store.open_dataset(db)
             cached = await self._cached_mask(db, ids)
             progress.found_cached(int(cached.sum()), int(manifest.sample_length[ids[cached]].sum()))
@@ -162,12 +184,16 @@ class Stager:
                     progress.cache_full = True
                     break
             await self.store.flush()
-            if self.store.full:
+            write_failed = self.store.write_errors > write_errors
+            if self.store.full or write_failed:
                 cached = await self._cached_mask(db, ids)
-                progress.cache_full = True
+                progress.cache_full = self.store.full
                 progress.done_samples = int(cached.sum())
                 progress.done_bytes = int(manifest.sample_length[ids[cached]].sum())
-            progress.end()
+            if write_failed:
+                progress.end(_write_error(self.store, progress))
+            else:
+                progress.end(_disk_full_error(self.store, progress) if self.store.disk_full else "")
             log.info(
                 "staging finished",
                 extra={"fields": {"dataset": dataset, "seconds": round(progress.elapsed, 2),

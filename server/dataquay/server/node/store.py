@@ -1,8 +1,10 @@
 """The node's cache: one LMDB environment, one named sub-database per dataset.
 
 Policy ("MinIO"): a sample is inserted once and never evicted for capacity.
-When the map reaches the configured capacity the store stops inserting and
-misses keep being served from the PFS; dropping a dataset frees its pages.
+When the map reaches the configured capacity, or the file system under it has
+no space left, the store stops inserting and misses keep being served from the
+PFS; dropping a dataset frees its pages. A full file system is re-checked now
+and then, since space there may come back from outside the cache.
 
 Threading: LMDB allows one writer. All writes go through one writer task that
 batches queued values into large transactions run in a dedicated thread. The
@@ -20,6 +22,7 @@ import fcntl
 import logging
 import os
 import shutil
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +34,7 @@ import numpy as np
 
 from dataquay.client.records import CHECKSUM_BYTES, decode_value, sample_key, stored_checksum
 from dataquay.server.dirs import FILE_MODE, close_to_others, ensure_private_dir
-from dataquay.server.errors import StartupError
+from dataquay.server.errors import CacheWriterError, StartupError
 from dataquay.server.task_group import WRITER_NICENESS, lower_thread_priority
 
 log = logging.getLogger("dataquay.store")
@@ -48,6 +51,11 @@ _BATCH_BYTES = 64 * MiB
 _QUEUE_BYTES = 256 * MiB
 #: Held (flock) by the daemon that owns the cache dir, and holds its pid.
 LOCK_FILE = "daemon.lock"
+#: Free space under which a failed commit is taken for a full file system,
+#: beyond the batch itself: LMDB also rewrites branch and free-list pages.
+_DISK_SLACK = 1 * MiB
+#: How long a full file system is left alone before its free space is looked at again.
+DISK_RETRY_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -67,8 +75,14 @@ class Store:
         self.path = Path(path).absolute()
         self.capacity = capacity
         self.full = False
+        #: Full because the file system had no space left, not at the map's capacity.
+        self.disk_full = False
         self.inserts_dropped = 0
         self.corrupt_repaired = 0
+        #: Batches the writer dropped for a failure other than a full map or disk.
+        self.write_errors = 0
+        self.last_write_error = ""
+        self._writer_stopped = False
         self._env: lmdb.Environment | None = None
         self._lock_fd: int | None = None
         self._dbs: dict[bytes, lmdb._Database] = {}
@@ -91,6 +105,7 @@ class Store:
         self._queued_count = 0
         self._resolved = 0
         self._resolved_moved = asyncio.Event()
+        self._disk_retry_at = 0.0
 
     # ----------------------------------------------------------- lifecycle
 
@@ -229,7 +244,7 @@ class Store:
         async with self._write_lock:
             entries = await asyncio.get_running_loop().run_in_executor(self._writer, drop)
         self._payload_bytes.pop(name, None)
-        self.full = False
+        self.full = self.disk_full = False
         return entries
 
     def _db_exists(self, name: bytes) -> bool:
@@ -314,7 +329,11 @@ class Store:
 
         Reads use this: a request is never slowed down to wait for the cache.
         """
-        if (self.full and not write.repair) or self._queued_bytes >= _QUEUE_BYTES:
+        if (
+            self._writer_stopped
+            or (self.full and not write.repair and not self._room_again())
+            or self._queued_bytes >= _QUEUE_BYTES
+        ):
             self.inserts_dropped += 1
             return False
         self._enqueue(write)
@@ -322,9 +341,11 @@ class Store:
 
     async def put(self, write: PendingWrite) -> None:
         """Queues a write, waiting while the queue is full (staging back-pressure)."""
+        self._check_writer()
         while self._queued_bytes >= _QUEUE_BYTES:
             await self._has_room.wait()
-        if self.full and not write.repair:
+            self._check_writer()
+        if self.full and not write.repair and not self._room_again():
             self.inserts_dropped += 1
             return
         self._enqueue(write)
@@ -342,6 +363,7 @@ class Store:
         for: callers that must know check :meth:`cached_mask` afterwards.
         """
         while self._resolved < ticket:
+            self._check_writer()
             self._resolved_moved.clear()
             await self._resolved_moved.wait()
 
@@ -372,6 +394,45 @@ class Store:
         self._dirty = True
         return removed
 
+    def recheck_space(self) -> None:
+        """Takes a full file system for having room again if it has free space
+        now, without waiting for the back-off: what an explicit request (a new
+        staging run) does, since the user may just have freed space."""
+        self._disk_retry_at = 0.0
+        if self.full:
+            self._room_again()
+
+    def _room_again(self) -> bool:
+        """Whether a cache full for lack of disk space may take writes again.
+
+        Space freed outside the cache (other files deleted) is seen here: at
+        most every :data:`DISK_RETRY_SECONDS`, a write offered to a full cache
+        looks at the file system's free space, and inserting resumes if there
+        is some. A commit that fails again marks the cache full again.
+        """
+        if not self.disk_full or time.monotonic() < self._disk_retry_at:
+            return False
+        self._disk_retry_at = time.monotonic() + DISK_RETRY_SECONDS
+        if self._free_space() < _DISK_SLACK:
+            return False
+        self.full = self.disk_full = False
+        log.info("the cache file system has room again: inserting resumes")
+        return True
+
+    def _free_space(self) -> int:
+        stat = os.statvfs(self.path)
+        return stat.f_bavail * stat.f_frsize
+
+    def _out_of_space(self, exc: lmdb.Error, batch: Sequence[PendingWrite]) -> bool:
+        """Whether a failed commit failed for lack of disk space. LMDB reports
+        a short write as EIO, not ENOSPC, so the free space decides too."""
+        if isinstance(exc, lmdb.DiskError):
+            return True
+        try:
+            return self._free_space() < sum(len(w.value) for w in batch) + _DISK_SLACK
+        except OSError:
+            return False
+
     def _resolve(self, count: int) -> None:
         self._resolved += count
         self._resolved_moved.set()
@@ -386,27 +447,58 @@ class Store:
             self._has_room.clear()
 
     async def flush(self) -> None:
-        """Returns once everything queued before the call is committed."""
+        """Returns once everything queued before the call is committed (or
+        dropped); raises :class:`CacheWriterError` if the writer has stopped."""
         await self._idle.wait()
+        if self._queue:
+            self._check_writer()
 
     async def run_writer(self) -> None:
-        """The single writer: commits queued values in large transactions, forever."""
+        """The single writer: commits queued values in large transactions, forever.
+
+        A batch that fails for a reason other than a full map or disk is
+        dropped, logged and counted in :attr:`write_errors`, and the writer
+        goes on: nothing waits on a writer that is gone. Should the writer
+        end all the same, everything waiting on it is woken and fails with
+        :class:`CacheWriterError`.
+        """
         loop = asyncio.get_running_loop()
-        while True:
-            await self._has_work.wait()
-            async with self._write_lock:
-                batch = self._take_batch()
-                if not self._queue:
-                    self._has_work.clear()
-                if self._queued_bytes < _QUEUE_BYTES:
-                    self._has_room.set()
-                try:
-                    await self._commit_growing(loop, batch)
-                    self._grow_ahead()
-                finally:
-                    self._resolve(len(batch))
+        try:
+            while True:
+                await self._has_work.wait()
+                async with self._write_lock:
+                    batch = self._take_batch()
                     if not self._queue:
-                        self._idle.set()
+                        self._has_work.clear()
+                    if self._queued_bytes < _QUEUE_BYTES:
+                        self._has_room.set()
+                    try:
+                        await self._commit_growing(loop, batch)
+                        self._grow_ahead()
+                    except Exception as exc:
+                        self._write_failed(exc, len(batch))
+                    finally:
+                        self._resolve(len(batch))
+                        if not self._queue:
+                            self._idle.set()
+        finally:
+            self._writer_stopped = True
+            self._idle.set()
+            self._has_room.set()
+            self._resolved_moved.set()
+
+    def _write_failed(self, exc: Exception, count: int) -> None:
+        self.write_errors += 1
+        self.last_write_error = str(exc) or type(exc).__name__
+        self.inserts_dropped += count
+        log.error(
+            "cache write failed: its values are dropped, misses are served from the PFS",
+            exc_info=exc, extra={"fields": {"cache_dir": str(self.path), "samples": count}},
+        )
+
+    def _check_writer(self) -> None:
+        if self._writer_stopped:
+            raise CacheWriterError(f"the cache writer of {self.path} has stopped; cache writes are not taken")
 
     async def run_syncer(self, interval: float = 5.0) -> None:
         """Flushes committed pages to disk now and then, bounding a node crash's loss."""
@@ -431,8 +523,13 @@ class Store:
         return batch
 
     async def _commit_growing(self, loop: asyncio.AbstractEventLoop, batch: list[PendingWrite]) -> None:
-        """Commits ``batch``, growing the map as needed; at capacity, commits what fits."""
+        """Commits ``batch``, growing the map as needed; when the map is at
+        capacity or the disk is full, commits what fits."""
         batch = [w for w in batch if w.db in self._dbs]
+        if self.full:
+            kept = [w for w in batch if w.repair]
+            self.inserts_dropped += len(batch) - len(kept)
+            batch = kept
         while batch:
             try:
                 await loop.run_in_executor(self._writer, self._commit, batch)
@@ -440,13 +537,18 @@ class Store:
             except lmdb.MapFullError:
                 if self._grow():
                     continue
-                if len(batch) == 1:
-                    self._mark_full()
-                    self.inserts_dropped += 1
-                    return
-                half = len(batch) // 2
-                await self._commit_growing(loop, batch[:half])
-                batch = [w for w in batch[half:] if w.repair] if self.full else batch[half:]
+                disk = False
+            except lmdb.Error as exc:
+                if not self._out_of_space(exc, batch):
+                    raise
+                disk = True
+            if len(batch) == 1:
+                self._mark_full(disk)
+                self.inserts_dropped += 1
+                return
+            half = len(batch) // 2
+            await self._commit_growing(loop, batch[:half])
+            batch = [w for w in batch[half:] if w.repair] if self.full else batch[half:]
 
     def _grow_ahead(self) -> None:
         """Grows the map before it fills, so no large transaction is redone."""
@@ -465,12 +567,15 @@ class Store:
         log.debug("grew the cache map", extra={"fields": {"map_bytes": new_size}})
         return True
 
-    def _mark_full(self) -> None:
+    def _mark_full(self, disk: bool = False) -> None:
+        if disk:
+            self._disk_retry_at = time.monotonic() + DISK_RETRY_SECONDS
         if not self.full:
-            self.full = True
+            self.full, self.disk_full = True, disk
             log.warning(
-                "cache is full: no more inserts, misses are served from the PFS",
-                extra={"fields": {"capacity_bytes": self.capacity}},
+                "cache file system is full: no more inserts until it has space, misses are served from the PFS"
+                if disk else "cache is full: no more inserts, misses are served from the PFS",
+                extra={"fields": {"capacity_bytes": self.capacity, "cache_dir": str(self.path)}},
             )
 
     def _commit(self, batch: Iterable[PendingWrite]) -> None:
