@@ -17,12 +17,9 @@ environment read-only and pick up a grown map by themselves.
 from __future__ import annotations
 
 import asyncio
-import errno
-import fcntl
 import logging
 import os
 import shutil
-import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +32,7 @@ import numpy as np
 from dataquay.client.records import CHECKSUM_BYTES, decode_value, sample_key, stored_checksum
 from dataquay.server.dirs import FILE_MODE, close_to_others, ensure_private_dir
 from dataquay.server.errors import CacheWriterError, StartupError
+from dataquay.server.node.cache_dir import FileSystemRoom, lock_cache_dir
 from dataquay.server.task_group import WRITER_NICENESS, lower_thread_priority
 
 log = logging.getLogger("dataquay.store")
@@ -49,13 +47,6 @@ _INITIAL_MAP = 256 * MiB
 _BATCH_ITEMS = 4096
 _BATCH_BYTES = 64 * MiB
 _QUEUE_BYTES = 256 * MiB
-#: Held (flock) by the daemon that owns the cache dir, and holds its pid.
-LOCK_FILE = "daemon.lock"
-#: Free space under which a failed commit is taken for a full file system,
-#: beyond the batch itself: LMDB also rewrites branch and free-list pages.
-_DISK_SLACK = 1 * MiB
-#: How long a full file system is left alone before its free space is looked at again.
-DISK_RETRY_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -105,44 +96,19 @@ class Store:
         self._queued_count = 0
         self._resolved = 0
         self._resolved_moved = asyncio.Event()
-        self._disk_retry_at = 0.0
+        self._room = FileSystemRoom(self.path)
 
     # ----------------------------------------------------------- lifecycle
 
     def open(self) -> None:
         """Opens (or creates) the environment; a killed daemon's cache is reused as is."""
         ensure_private_dir(self.path, "cache dir")
-        self._lock()
+        self._lock_fd = lock_cache_dir(self.path)
         try:
             self._open_env()
         except BaseException:
             self._unlock()
             raise
-
-    def _lock(self) -> None:
-        """Takes the cache dir for this process alone, for its life: a second
-        daemon on the same LMDB would resize the map under the first. The
-        kernel lets go of a killed daemon's lock, so a restart needs no cleanup."""
-        path = self.path / LOCK_FILE
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
-        except OSError as exc:
-            raise StartupError(f"cannot open the lock file {path}: {exc.strerror}") from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
-                raise StartupError(f"cannot lock {path}: {exc.strerror}") from exc
-            raise StartupError(
-                f"cache dir {self.path} is in use by another daemon (pid {holder}); "
-                "stop it or give this one its own --cache-dir"
-            ) from None
-        os.fchmod(fd, FILE_MODE)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:
@@ -398,40 +364,18 @@ class Store:
         """Takes a full file system for having room again if it has free space
         now, without waiting for the back-off: what an explicit request (a new
         staging run) does, since the user may just have freed space."""
-        self._disk_retry_at = 0.0
+        self._room.recheck_now()
         if self.full:
             self._room_again()
 
     def _room_again(self) -> bool:
-        """Whether a cache full for lack of disk space may take writes again.
-
-        Space freed outside the cache (other files deleted) is seen here: at
-        most every :data:`DISK_RETRY_SECONDS`, a write offered to a full cache
-        looks at the file system's free space, and inserting resumes if there
-        is some. A commit that fails again marks the cache full again.
-        """
-        if not self.disk_full or time.monotonic() < self._disk_retry_at:
-            return False
-        self._disk_retry_at = time.monotonic() + DISK_RETRY_SECONDS
-        if self._free_space() < _DISK_SLACK:
+        """Whether a cache full for lack of disk space may take writes again
+        (see :class:`FileSystemRoom`); a commit that fails again marks it full again."""
+        if not self.disk_full or not self._room.has_room_again():
             return False
         self.full = self.disk_full = False
         log.info("the cache file system has room again: inserting resumes")
         return True
-
-    def _free_space(self) -> int:
-        stat = os.statvfs(self.path)
-        return stat.f_bavail * stat.f_frsize
-
-    def _out_of_space(self, exc: lmdb.Error, batch: Sequence[PendingWrite]) -> bool:
-        """Whether a failed commit failed for lack of disk space. LMDB reports
-        a short write as EIO, not ENOSPC, so the free space decides too."""
-        if isinstance(exc, lmdb.DiskError):
-            return True
-        try:
-            return self._free_space() < sum(len(w.value) for w in batch) + _DISK_SLACK
-        except OSError:
-            return False
 
     def _resolve(self, count: int) -> None:
         self._resolved += count
@@ -539,7 +483,7 @@ class Store:
                     continue
                 disk = False
             except lmdb.Error as exc:
-                if not self._out_of_space(exc, batch):
+                if not self._room.failed_for_space(exc, sum(len(w.value) for w in batch)):
                     raise
                 disk = True
             if len(batch) == 1:
@@ -569,7 +513,7 @@ class Store:
 
     def _mark_full(self, disk: bool = False) -> None:
         if disk:
-            self._disk_retry_at = time.monotonic() + DISK_RETRY_SECONDS
+            self._room.back_off()
         if not self.full:
             self.full, self.disk_full = True, disk
             log.warning(
