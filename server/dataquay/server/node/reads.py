@@ -38,7 +38,8 @@ from dataquay.server.node.peers import Peers
 from dataquay.server.node.pfs_pool import PfsPool
 from dataquay.server.node.placements import Placement, Placements
 from dataquay.server.node.prefetch import PREFETCHED_MODES, TransferPrefetcher
-from dataquay.server.node.store import PendingWrite, Store
+from dataquay.server.node.store import Store
+from dataquay.server.node.write_queue import PendingWrite
 from dataquay.server.registry import Registered
 from dataquay.server.task_group import Spawn
 

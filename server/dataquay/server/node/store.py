@@ -23,7 +23,6 @@ import shutil
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
@@ -33,6 +32,7 @@ from dataquay.client.records import CHECKSUM_BYTES, decode_value, sample_key, st
 from dataquay.server.dirs import FILE_MODE, close_to_others, ensure_private_dir
 from dataquay.server.errors import CacheWriterError, StartupError
 from dataquay.server.node.cache_dir import FileSystemRoom, lock_cache_dir
+from dataquay.server.node.write_queue import PendingWrite, WriteQueue
 from dataquay.server.task_group import WRITER_NICENESS, lower_thread_priority
 
 log = logging.getLogger("dataquay.store")
@@ -44,19 +44,6 @@ MAX_DATASETS = 1024
 #: Reader slots shared by the daemon and every client process on the node.
 MAX_READERS = 4096
 _INITIAL_MAP = 256 * MiB
-_BATCH_ITEMS = 4096
-_BATCH_BYTES = 64 * MiB
-_QUEUE_BYTES = 256 * MiB
-
-
-@dataclass(frozen=True)
-class PendingWrite:
-    """One value waiting for the writer: ``value`` is already checksum-framed."""
-
-    db: bytes
-    sample_id: int
-    value: bytes
-    repair: bool = False
 
 
 class Store:
@@ -78,24 +65,13 @@ class Store:
         self._lock_fd: int | None = None
         self._dbs: dict[bytes, lmdb._Database] = {}
         self._payload_bytes: dict[bytes, int] = {}
-        self._queue: list[PendingWrite] = []
-        self._queued_bytes = 0
-        self._has_work = asyncio.Event()
-        self._has_room = asyncio.Event()
-        self._has_room.set()
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._queue = WriteQueue()
         self._writer = ThreadPoolExecutor(
             1, thread_name_prefix="dataquay-lmdb-writer",
             initializer=lower_thread_priority, initargs=(WRITER_NICENESS,),
         )
         self._write_lock = asyncio.Lock()
         self._dirty = False
-        # Writes are numbered as queued; the writer advances _resolved past
-        # each one it committed (or dropped), which is what committed() awaits.
-        self._queued_count = 0
-        self._resolved = 0
-        self._resolved_moved = asyncio.Event()
         self._room = FileSystemRoom(self.path)
 
     # ----------------------------------------------------------- lifecycle
@@ -187,10 +163,7 @@ class Store:
     async def drop_dataset(self, db: str) -> int:
         """Deletes the dataset's cached samples; returns how many there were."""
         name = db.encode()
-        kept = [w for w in self._queue if w.db != name]
-        self._resolve(len(self._queue) - len(kept))
-        self._queue = kept
-        self._queued_bytes = sum(len(w.value) for w in self._queue)
+        self._queue.drop(name)
         if name not in self._dbs:
             exists = await asyncio.get_running_loop().run_in_executor(
                 self._writer, self._db_exists, name
@@ -288,7 +261,7 @@ class Store:
 
     def backlog(self) -> float:
         """How full the write queue is, 0 to 1."""
-        return min(1.0, self._queued_bytes / _QUEUE_BYTES)
+        return self._queue.backlog()
 
     def offer(self, write: PendingWrite) -> bool:
         """Queues a write without waiting; False (and counted) when it cannot be taken.
@@ -298,29 +271,29 @@ class Store:
         if (
             self._writer_stopped
             or (self.full and not write.repair and not self._room_again())
-            or self._queued_bytes >= _QUEUE_BYTES
+            or self._queue.is_full
         ):
             self.inserts_dropped += 1
             return False
-        self._enqueue(write)
+        self._queue.push(write)
         return True
 
     async def put(self, write: PendingWrite) -> None:
         """Queues a write, waiting while the queue is full (staging back-pressure)."""
         self._check_writer()
-        while self._queued_bytes >= _QUEUE_BYTES:
-            await self._has_room.wait()
+        while self._queue.is_full:
+            await self._queue.wait_for_room()
             self._check_writer()
         if self.full and not write.repair and not self._room_again():
             self.inserts_dropped += 1
             return
-        self._enqueue(write)
+        self._queue.push(write)
 
     async def put_all(self, writes: Iterable[PendingWrite]) -> int:
         """Queues ``writes`` like :meth:`put`; returns a ticket for :meth:`committed`."""
         for write in writes:
             await self.put(write)
-        return self._queued_count
+        return self._queue.queued_count
 
     async def committed(self, ticket: int) -> None:
         """Returns once the writer has committed everything queued up to ``ticket``.
@@ -328,10 +301,9 @@ class Store:
         What the cache could not take (at capacity) is dropped, not waited
         for: callers that must know check :meth:`cached_mask` afterwards.
         """
-        while self._resolved < ticket:
+        while not self._queue.resolved(ticket):
             self._check_writer()
-            self._resolved_moved.clear()
-            await self._resolved_moved.wait()
+            await self._queue.wait_resolution()
 
     async def discard(self, db: str, ids: np.ndarray) -> int:
         """Deletes ``ids`` from a dataset's cache (samples this node gave away);
@@ -377,24 +349,11 @@ class Store:
         log.info("the cache file system has room again: inserting resumes")
         return True
 
-    def _resolve(self, count: int) -> None:
-        self._resolved += count
-        self._resolved_moved.set()
-
-    def _enqueue(self, write: PendingWrite) -> None:
-        self._queued_count += 1
-        self._queue.append(write)
-        self._queued_bytes += len(write.value)
-        self._idle.clear()
-        self._has_work.set()
-        if self._queued_bytes >= _QUEUE_BYTES:
-            self._has_room.clear()
-
     async def flush(self) -> None:
         """Returns once everything queued before the call is committed (or
         dropped); raises :class:`CacheWriterError` if the writer has stopped."""
-        await self._idle.wait()
-        if self._queue:
+        await self._queue.wait_idle()
+        if len(self._queue):
             self._check_writer()
 
     async def run_writer(self) -> None:
@@ -409,27 +368,19 @@ class Store:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                await self._has_work.wait()
+                await self._queue.wait_for_work()
                 async with self._write_lock:
-                    batch = self._take_batch()
-                    if not self._queue:
-                        self._has_work.clear()
-                    if self._queued_bytes < _QUEUE_BYTES:
-                        self._has_room.set()
+                    batch = self._queue.take_batch()
                     try:
                         await self._commit_growing(loop, batch)
                         self._grow_ahead()
                     except Exception as exc:
                         self._write_failed(exc, len(batch))
                     finally:
-                        self._resolve(len(batch))
-                        if not self._queue:
-                            self._idle.set()
+                        self._queue.resolve(len(batch))
         finally:
             self._writer_stopped = True
-            self._idle.set()
-            self._has_room.set()
-            self._resolved_moved.set()
+            self._queue.wake_all()
 
     def _write_failed(self, exc: Exception, count: int) -> None:
         self.write_errors += 1
@@ -453,18 +404,6 @@ class Store:
                 self._dirty = False
                 async with self._write_lock:
                     await loop.run_in_executor(self._writer, self.env.sync, True)
-
-    def _take_batch(self) -> list[PendingWrite]:
-        size = 0
-        count = 0
-        for write in self._queue:
-            if count >= _BATCH_ITEMS or (count and size + len(write.value) > _BATCH_BYTES):
-                break
-            size += len(write.value)
-            count += 1
-        batch, self._queue = self._queue[:count], self._queue[count:]
-        self._queued_bytes -= size
-        return batch
 
     async def _commit_growing(self, loop: asyncio.AbstractEventLoop, batch: list[PendingWrite]) -> None:
         """Commits ``batch``, growing the map as needed; when the map is at

@@ -23,7 +23,8 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DatasetReplacedError, ExchangeRefusedError, InvalidRequestError, SampleIdError
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.placements import Placements
-from dataquay.server.node.store import PendingWrite, Store
+from dataquay.server.node.store import Store
+from dataquay.server.node.write_queue import PendingWrite
 from dataquay.server.registry import Registered
 
 log = logging.getLogger("dataquay.exchange")

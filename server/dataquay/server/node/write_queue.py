@@ -1,0 +1,122 @@
+"""The values waiting for the cache writer: bounded in bytes, taken in large
+batches, and numbered so that a caller can wait until its writes are done."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+MiB = 1 << 20
+#: Most values, and bytes, that one write transaction takes.
+BATCH_ITEMS = 4096
+BATCH_BYTES = 64 * MiB
+#: Bytes queued at most: reads stop offering, staging waits (back-pressure).
+QUEUE_BYTES = 256 * MiB
+
+
+@dataclass(frozen=True)
+class PendingWrite:
+    """One value waiting for the writer: ``value`` is already checksum-framed."""
+
+    db: bytes
+    sample_id: int
+    value: bytes
+    repair: bool = False
+
+
+class WriteQueue:
+    """A FIFO of pending writes for one writer task.
+
+    Writes are numbered as they are queued (the number is a ticket); the
+    writer resolves each one it committed or dropped, in order, and
+    :meth:`wait_resolved` returns once a ticket's writes are resolved.
+    """
+
+    def __init__(self) -> None:
+        self._items: list[PendingWrite] = []
+        self.queued_bytes = 0
+        #: The ticket of the last write queued.
+        self.queued_count = 0
+        self._resolved = 0
+        self._has_work = asyncio.Event()
+        self._has_room = asyncio.Event()
+        self._has_room.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._resolved_moved = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def is_full(self) -> bool:
+        return self.queued_bytes >= QUEUE_BYTES
+
+    def backlog(self) -> float:
+        """How full the queue is, 0 to 1."""
+        return min(1.0, self.queued_bytes / QUEUE_BYTES)
+
+    def push(self, write: PendingWrite) -> None:
+        self.queued_count += 1
+        self._items.append(write)
+        self.queued_bytes += len(write.value)
+        self._idle.clear()
+        self._has_work.set()
+        if self.is_full:
+            self._has_room.clear()
+
+    def take_batch(self) -> list[PendingWrite]:
+        """The oldest writes, as many as one transaction takes."""
+        size = count = 0
+        for write in self._items:
+            if count >= BATCH_ITEMS or (count and size + len(write.value) > BATCH_BYTES):
+                break
+            size += len(write.value)
+            count += 1
+        batch, self._items = self._items[:count], self._items[count:]
+        self.queued_bytes -= size
+        if not self._items:
+            self._has_work.clear()
+        if not self.is_full:
+            self._has_room.set()
+        return batch
+
+    def resolve(self, count: int) -> None:
+        """Marks the next ``count`` writes as done (committed or dropped)."""
+        self._resolved += count
+        self._resolved_moved.set()
+        if not self._items:
+            self._idle.set()
+
+    def drop(self, db: bytes) -> None:
+        """Takes a dataset's writes out of the queue (resolving them): it is being dropped."""
+        kept = [w for w in self._items if w.db != db]
+        self._resolved += len(self._items) - len(kept)
+        self._resolved_moved.set()
+        self._items = kept
+        self.queued_bytes = sum(len(w.value) for w in kept)
+        if not self.is_full:
+            self._has_room.set()
+
+    async def wait_for_work(self) -> None:
+        await self._has_work.wait()
+
+    async def wait_for_room(self) -> None:
+        await self._has_room.wait()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    def resolved(self, ticket: int) -> bool:
+        return self._resolved >= ticket
+
+    async def wait_resolution(self) -> None:
+        """Returns once some write is resolved (or :meth:`wake_all` was called)."""
+        self._resolved_moved.clear()
+        await self._resolved_moved.wait()
+
+    def wake_all(self) -> None:
+        """Wakes everyone waiting on the queue: the writer is gone."""
+        self._idle.set()
+        self._has_room.set()
+        self._resolved_moved.set()
