@@ -6,7 +6,6 @@ import grp
 import mmap
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -25,7 +24,6 @@ from dataquay.client.channels import channel_options, grpc_target
 from dataquay.client.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
-from dataquay.server.node.metrics import MAX_CONNECTIONS
 from dataquay.server.tools.processes import DaemonProcess
 
 
@@ -466,37 +464,6 @@ def test_metrics_endpoint_exports_reads_cache_and_pfs_figures(
     assert 0 < values["dataquay_cache_bytes"] <= values["dataquay_cache_capacity_bytes"]
     assert values['dataquay_staging_samples{dataset="imgs"}'] == len(payloads)
     assert values['dataquay_request_seconds_count{method="Read"}'] == 1
-
-
-def metrics_connections(daemon: DaemonProcess, count: int) -> list[socket.socket]:
-    """``count`` TCP connections to the daemon's metrics port that send nothing."""
-    assert daemon.ready is not None
-    return [socket.create_connection((daemon.host, int(daemon.ready["metrics_port"])), timeout=60)
-            for _ in range(count)]
-
-
-def test_idle_metrics_connections_are_closed_and_scrapes_go_on_meanwhile(daemon: DaemonProcess) -> None:
-    idle = metrics_connections(daemon, MAX_CONNECTIONS // 2)
-    try:
-        with urllib.request.urlopen(daemon.metrics_url, timeout=10) as response:
-            assert response.status == 200 and b"dataquay_cache_entries" in response.read()
-        for connection in idle:
-            assert connection.recv(1) == b""  # closed by the daemon; never closed, recv times out
-    finally:
-        for connection in idle:
-            connection.close()
-
-
-def test_metrics_connections_beyond_the_limit_are_closed_at_once(daemon: DaemonProcess) -> None:
-    idle = metrics_connections(daemon, MAX_CONNECTIONS + 1)
-    try:
-        assert idle[-1].recv(1) == b""
-        idle[0].setblocking(False)
-        with pytest.raises(BlockingIOError):
-            idle[0].recv(1)  # still open: its idle timeout has not run out
-    finally:
-        for connection in idle:
-            connection.close()
 
 
 def test_a_host_over_its_calls_in_flight_is_refused_and_local_clients_are_not(
