@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 from one_daemon import add, cache_stub, daemon_stats, files_bytes, read_locally, stage, tiers_read
+from open_files import open_files
 from polling import wait_until
 
 import dataquay.client as dq
@@ -50,14 +51,8 @@ def shm_mappings(pid: int) -> dict[str, bool]:
 
 def shm_open_files(pid: int) -> dict[str, bool]:
     """Segments of this process that ``pid`` holds open: name -> whether its file is unlinked."""
-    fds = Path(f"/proc/{pid}/fd")
-    targets = []
-    for fd in os.listdir(fds):
-        try:
-            targets.append(os.readlink(fds / fd))
-        except FileNotFoundError:
-            continue  # closed meanwhile
-    return segment_names([t for t in targets if t.startswith(f"/dev/shm/dataquay-{os.getpid()}-")])
+    prefix = f"/dev/shm/dataquay-{os.getpid()}-"
+    return segment_names([target for target in open_files(pid) if target.startswith(prefix)])
 
 
 def segment_names(paths: list[str]) -> dict[str, bool]:

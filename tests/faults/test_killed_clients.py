@@ -20,6 +20,7 @@ import numpy as np
 import xxhash
 from checker import pfs_digests
 from faultjob import DATASET, JOB, NODES, RANKS_PER_NODE, SAMPLES, FaultJob
+from open_files import open_files
 from polling import wait_until
 
 import dataquay.client as dq
@@ -90,14 +91,7 @@ def segment_files(pid: int) -> list[str]:
 def open_segments(daemon: DaemonProcess, pid: int) -> list[str]:
     """The segments of process ``pid`` that the daemon holds open."""
     assert daemon.process is not None
-    fds = Path(f"/proc/{daemon.process.pid}/fd")
-    targets = []
-    for fd in os.listdir(fds):
-        try:
-            targets.append(os.readlink(fds / fd))
-        except FileNotFoundError:
-            continue  # closed meanwhile
-    return [target for target in targets if f"/dataquay-{pid}-" in target]
+    return [target for target in open_files(daemon.process.pid) if f"/dataquay-{pid}-" in target]
 
 
 def test_a_client_killed_mid_read_is_cleaned_up_and_the_job_reads_on(fault_job: Callable[..., FaultJob]) -> None:
