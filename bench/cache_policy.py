@@ -125,7 +125,7 @@ def wait_for_writer(cache: cache_pb2_grpc.CacheStub, timeout: float = 60.0) -> p
 
 def run_insert_once(root: Path, home: Path, setup: Setup, orders: list[np.ndarray]) -> InsertOnceRun:
     """The orders read through the client from a real daemon with a cold cache of ``setup.cache_bytes``."""
-    daemon = DaemonProcess(home, ("--cache-size", str(setup.cache_bytes))).start()
+    daemon = DaemonProcess(home, ("--cache-size", str(setup.cache_bytes)), dataset_roots=(root,)).start()
     try:
         register(daemon, DATASET, root)
         daemon_stub = stub(daemon)

@@ -393,7 +393,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dq-bench-directory-") as tmp:
         base = Path(tmp)
         flags = ("--heartbeat-seconds", str(HEARTBEAT_SECONDS), "--lease-seconds", str(LEASE_SECONDS))
-        directory = DirectoryProcess(base / "directory", flags).start()
+        directory = DirectoryProcess(base / "directory", flags, dataset_roots=(base,)).start()
         try:
             pid = directory.process.pid  # type: ignore[union-attr]
             progress(f"idle directory, {WINDOW_SECONDS:.0f} s")

@@ -95,7 +95,7 @@ def throughput(base: Path) -> list[dict[str, object]]:
     for label, size in SIZES.items():
         count = DATASET_BYTES // size
         root = make_files_dataset(base / "pfs" / label, count, sizes=(size,))
-        with LocalCluster(base / f"pair-{label}", 2) as local:
+        with LocalCluster(base / f"pair-{label}", 2, dataset_roots=(base,)) as local:
             channel, n0 = _stub(_tcp(local, 0))
             n0.AddDataset(pb.AddDatasetRequest(name=label, root=str(root)))
             progress(f"throughput {label}: staging {count} samples on node-0")
@@ -153,7 +153,7 @@ def throughput(base: Path) -> list[dict[str, object]]:
 def hidden_epochs(base: Path) -> list[dict[str, object]]:
     root = make_files_dataset(base / "pfs" / "epochs", EPOCH_SAMPLES, sizes=EPOCH_SIZES)
     rows = []
-    with LocalCluster(base / "four", 4, ("--spare-copies-fill", "0")) as local:
+    with LocalCluster(base / "four", 4, ("--spare-copies-fill", "0"), dataset_roots=(base,)) as local:
         stubs = [_stub(_tcp(local, i)) for i in range(4)]
         n0 = stubs[0][1]
         n0.AddDataset(pb.AddDatasetRequest(name="epochs", root=str(root)))

@@ -35,7 +35,7 @@ def main() -> None:
         base = Path(tmp)
         progress(f"writing {SAMPLES} npy records")
         root = make_npy_dataset(base / "pfs", SAMPLES, record_shape=(16,), dtype="float32", files=4)
-        daemon = DaemonProcess(base / "node").start()
+        daemon = DaemonProcess(base / "node", dataset_roots=(base,)).start()
         assert daemon.ready is not None
         pid = int(daemon.ready["pid"])
         rows.append({"state": "started", **_mib(rss(pid))})
@@ -49,7 +49,7 @@ def main() -> None:
         rows.append({"state": "after 4096 random reads", **_mib(rss(pid))})
         daemon.stop()
         # A fresh daemon loads the registry from disk at start-up.
-        daemon = DaemonProcess(base / "node").start()
+        daemon = DaemonProcess(base / "node", dataset_roots=(base,)).start()
         assert daemon.ready is not None
         rows.append({"state": "restarted with it registered", **_mib(rss(int(daemon.ready["pid"])))})
         daemon.stop()

@@ -327,12 +327,14 @@ def main() -> None:
     rows, hops = [], []
     with tempfile.TemporaryDirectory(prefix="dq-bench-peers-") as tmp:
         base = Path(tmp)
-        directory = DirectoryProcess(base / "directory").start()
+        directory = DirectoryProcess(base / "directory", dataset_roots=(base,)).start()
         daemons: list[DaemonProcess] = []
         try:
             for name in NODES:
                 daemons.append(
-                    DaemonProcess(base / name, ("--directory", directory.address, "--node-name", name)).start()
+                    DaemonProcess(
+                        base / name, ("--directory", directory.address, "--node-name", name), dataset_roots=(base,)
+                    ).start()
                 )
             for label, size in SIZES.items():
                 if label in wanted:

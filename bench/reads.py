@@ -181,7 +181,7 @@ def main() -> None:
                 continue
             count = LOCAL_BYTES // size
             progress(f"{label}: local hits over {count} cached samples")
-            daemon = DaemonProcess(base / f"node-{label}").start()
+            daemon = DaemonProcess(base / f"node-{label}", dataset_roots=(base,)).start()
             root = make_files_dataset(base / f"local-{label}", count, sizes=(size,))
             if "local" in parts:
                 local_rows.append(bench_local(daemon, root, count, label))

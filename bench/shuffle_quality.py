@@ -180,7 +180,7 @@ def run_all(
             "shard": write_label_sorted_shards(base / "pfs" / "digits-shards", split.train_x, split.train_y),
         }
         _progress(f"starting a {NODES}-node cluster under {base / 'cluster'}")
-        with LocalCluster(base / "cluster", NODES) as cluster, contextlib.ExitStack() as stack:
+        with LocalCluster(base / "cluster", NODES, dataset_roots=(base,)) as cluster, contextlib.ExitStack() as stack:
             clients = [stack.enter_context(connect(d.address)) for d in cluster.daemons]
             specs = [RunSpec(p, m, q, s) for p in PARTITIONS for m, q in modes for s in range(seeds)]
             for n, spec in enumerate(specs, 1):

@@ -96,7 +96,7 @@ def main() -> None:
                 """Stages into a new, empty cache; returns (bytes/s, cache bytes used)."""
                 node = base / f"node-{label}-{next(runs)}"
                 back_free_memory()
-                daemon = DaemonProcess(node, ("--pfs-threads", str(THREADS), *extra))
+                daemon = DaemonProcess(node, ("--pfs-threads", str(THREADS), *extra), dataset_roots=(base,))
                 daemon.start()
                 register(daemon, "d", root)
                 started = time.perf_counter()

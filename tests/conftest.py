@@ -21,13 +21,25 @@ settings.register_profile("dataquay", deadline=None)
 settings.load_profile("dataquay")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def dataset_roots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Allows every test's temp dirs as dataset roots to the servers that
+    tests start themselves (they inherit the environment); the fixtures
+    below name their own tmp_path instead."""
+    base = tmp_path_factory.getbasetemp()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DATAQUAY_DATASET_ROOTS", str(base))
+        patch.setenv("DATAQUAY_DIRECTORY_DATASET_ROOTS", str(base))
+        yield base
+
+
 @pytest.fixture
 def start_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
     """Starts daemons under tmp_path; every one is stopped after the test."""
     started: list[DaemonProcess] = []
 
     def start(*extra_args: str, name: str = "node0") -> DaemonProcess:
-        daemon = DaemonProcess(tmp_path / name, tuple(extra_args)).start()
+        daemon = DaemonProcess(tmp_path / name, tuple(extra_args), dataset_roots=(tmp_path,)).start()
         started.append(daemon)
         return daemon
 
@@ -62,7 +74,8 @@ def cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
         tls: TlsFiles | None = None,
     ) -> LocalCluster:
         local = LocalCluster(
-            tmp_path / f"cluster{len(started)}", nodes, daemon_args, directory_args, token_file=token_file, tls=tls
+            tmp_path / f"cluster{len(started)}", nodes, daemon_args, directory_args, token_file=token_file, tls=tls,
+            dataset_roots=(tmp_path,),
         )
         started.append(local)
         return local.start()

@@ -138,6 +138,9 @@ def _slurm_env(base: Path, **more: str) -> dict[str, str]:
         "DATAQUAY_METRICS_HOST": "127.0.0.1",
         "DATAQUAY_DIRECTORY_LISTEN": "127.0.0.1:0",
         "DATAQUAY_DIRECTORY_HTTP_HOST": "127.0.0.1",
+        # The site's PFS mount points, as slurm.env would name them.
+        "DATAQUAY_DATASET_ROOTS": str(base),
+        "DATAQUAY_DIRECTORY_DATASET_ROOTS": str(base),
         **more,
     }
 

@@ -70,7 +70,8 @@ def test_heartbeats_are_answered_while_the_state_is_written_and_a_join_waits_for
 
     async def scenario() -> None:
         config = DirectoryConfig(
-            listen="127.0.0.1:0", state_dir=tmp_path / "directory", http_host="127.0.0.1", http_port=0
+            listen="127.0.0.1:0", state_dir=tmp_path / "directory", http_host="127.0.0.1", http_port=0,
+            dataset_roots=(tmp_path,),
         )
         async with DirectoryServer(config) as server, grpc.aio.insecure_channel(
             server.tcp_address, options=channel_options()

@@ -46,6 +46,7 @@ ACCEPTED = frozenset({
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.OUT_OF_RANGE,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.PERMISSION_DENIED,
 })
 
 FUZZ = settings(

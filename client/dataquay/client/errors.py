@@ -57,6 +57,11 @@ class DatasetExistsError(DataquayError):
     """A dataset name that is already registered (use --replace)."""
 
 
+class RootNotAllowedError(DataquayError, PermissionError):
+    """A dataset root outside the server's --dataset-roots: the operator, not
+    a token holder, decides which directories the server reads for callers."""
+
+
 class DatasetReplacedError(DataquayError):
     """A read for a version of a dataset that was replaced since it was opened."""
 

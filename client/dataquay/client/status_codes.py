@@ -30,6 +30,7 @@ from dataquay.client.errors import (
     ManifestError,
     NoLiveNodesError,
     PfsReadError,
+    RootNotAllowedError,
     SampleIdError,
     StandaloneError,
     UnknownDatasetError,
@@ -47,6 +48,7 @@ ERROR_CODES: tuple[tuple[type[DataquayError], grpc.StatusCode], ...] = (
     (ManifestError, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (DatasetExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (RootNotAllowedError, grpc.StatusCode.PERMISSION_DENIED),
     (PfsReadError, grpc.StatusCode.DATA_LOSS),
     (DirectoryUnavailableError, grpc.StatusCode.UNAVAILABLE),
     # A state the caller must change first: a job's settings differ, no live

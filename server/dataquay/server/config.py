@@ -70,6 +70,10 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _paths(text: str) -> tuple[Path, ...]:
+    return tuple(Path(part) for part in text.split(os.pathsep) if part)
+
+
 def _option(default: Any, help: str, parse: Callable[[str], Any] = str, **extra: Any) -> Any:
     meta = {"help": help, "parse": parse, **extra}
     if callable(default) and not isinstance(default, type):
@@ -120,14 +124,20 @@ def _from_file(f: Field[Any], value: object, where: str) -> Any:
 
     TOML values are typed: text fields (paths, addresses, names) take strings;
     fields whose default is a number (sizes, counts, seconds, fractions) take
-    numbers as well, so ``pfs_threads = 16`` and ``cache_size = "200G"`` both work.
+    numbers as well, so ``pfs_threads = 16`` and ``cache_size = "200G"`` both work;
+    list fields take a list of strings (``dataset_roots = ["/lustre", "/gpfs"]``).
     """
     numeric = isinstance(f.default, int | float)
+    many = f.metadata.get("many", False)
     try:
+        if many and isinstance(value, list) and all(isinstance(item, str) for item in value):
+            return _parse(f, os.pathsep.join(value))
         if isinstance(value, str):
             return _parse(f, value)
         if numeric and isinstance(value, int | float) and not isinstance(value, bool):
             return _parse(f, repr(value))
+        if many:
+            raise ValueError("expected a list of strings")
         raise ValueError("expected a number or a string" if numeric else "expected a string")
     except QuantityError as exc:
         reason = exc.expected
@@ -284,6 +294,14 @@ class ServerConfig(FlagConfig):
     tls_ca: Path | None = _option(
         None, "PEM CA that signed the cluster's certificates: verifies the servers this one calls and, with "
         "--tls-cert, requires callers to present a certificate too (mutual TLS)", Path
+    )
+    dataset_roots: tuple[Path, ...] = _option(
+        (),
+        "directories a dataset ROOT must resolve to or lie under to be registered, separated by ':' (the "
+        "PFS mount points or a job's dataset root); empty refuses every registration, since the server "
+        "would otherwise serve anything its own user can read to every token holder",
+        _paths,
+        many=True,
     )
     ready_file: Path | None = _option(
         None, "write a JSON file with the bound addresses once serving", Path

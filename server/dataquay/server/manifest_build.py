@@ -28,12 +28,12 @@ from __future__ import annotations
 import os
 import stat
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from numpy.lib import format as npy_format
 
-from dataquay.client.errors import ManifestError
+from dataquay.client.errors import ManifestError, RootNotAllowedError
 from dataquay.client.manifest import FORMATS, ManifestWriter
 from dataquay.client.pfs import tar_member_key
 
@@ -96,11 +96,48 @@ def detect_format(root: str | os.PathLike[str]) -> str:
     return detected
 
 
-def _real_root(root: str | os.PathLike[str]) -> str:
+def allowed_root(root: str | os.PathLike[str], allowed: Sequence[os.PathLike[str]], setting: str) -> str:
+    """The real path of ``root`` when it is one of the ``allowed`` directories
+    or lies under one; what a server builds manifests from on a caller's word.
+
+    Symlinks are resolved on both sides before comparing, so a link under an
+    allowed root cannot lead out of it, and the check comes before any
+    existence check, so a refused caller learns nothing of the paths outside.
+
+    Args:
+        root: the ROOT a caller asked to register.
+        allowed: the server's --dataset-roots; empty allows nothing.
+        setting: how the operator sets them, for the message.
+
+    Raises:
+        RootNotAllowedError: ``root`` resolves outside every allowed directory.
+        ManifestError: as :func:`build_manifest`, for an allowed but unusable root.
+    """
+    _check_root_text(root)
+    real = os.path.realpath(root)
+    if not any(is_under(real, os.path.realpath(top)) for top in allowed):
+        allowed_list = ", ".join(os.fspath(top) for top in allowed) or "none"
+        raise RootNotAllowedError(
+            f"dataset root {os.fspath(root)} is not under an allowed dataset root (allowed: {allowed_list}); "
+            f"the operator allows roots with {setting}"
+        )
+    return _real_root(real)
+
+
+def is_under(real: str, real_top: str) -> bool:
+    """Whether the resolved path ``real`` is ``real_top`` or inside it."""
+    return os.path.commonpath((real_top, real)) == real_top
+
+
+def _check_root_text(root: str | os.PathLike[str]) -> None:
     if not os.fspath(root):
         raise ManifestError("no dataset root given")
     if "\0" in os.fspath(root):
         raise ManifestError(f"dataset root {root!r} contains a NUL character")
+
+
+def _real_root(root: str | os.PathLike[str]) -> str:
+    _check_root_text(root)
     path = os.path.realpath(root)
     if not os.path.exists(path):
         raise ManifestError(f"dataset root {root} does not exist")

@@ -18,12 +18,14 @@ import mmap
 import os
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dataquay.client.manifest import Manifest, ManifestWriter
 from dataquay.server.dirs import ensure_private_dir, private_dir, private_opener
 from dataquay.server.errors import DatasetExistsError, ManifestError, UnknownDatasetError
+from dataquay.server.manifest_build import is_under
 
 log = logging.getLogger("dataquay.registry")
 
@@ -77,6 +79,23 @@ class Registry:
                 self._datasets[record.name] = Registered(record, _map_manifest(entry / "manifest.dq"))
             except (OSError, ValueError, TypeError, ManifestError) as exc:
                 log.error("skipping a broken registry entry", extra={"fields": {"path": str(entry), "error": str(exc)}})
+
+    def warn_outside(self, dataset_roots: Sequence[Path]) -> None:
+        """Logs each registered dataset whose root lies outside ``dataset_roots``.
+
+        Such a dataset was registered under an earlier rule (or before there
+        was one) and is still served: the operator allowed it then, and
+        dropping it here would throw away a cache that jobs may be reading.
+        The warning says how to stop serving it.
+        """
+        tops = [os.path.realpath(top) for top in dataset_roots]
+        for name, entry in sorted(self._datasets.items()):
+            if not any(is_under(entry.record.root, top) for top in tops):
+                log.warning(
+                    "registered dataset lies outside --dataset-roots; still served until dropped "
+                    f"(dataquay dataset drop {name})",
+                    extra={"fields": {"dataset": name, "root": entry.record.root}},
+                )
 
     def get(self, name: str) -> Registered:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -38,8 +39,10 @@ def cmd_up(args: argparse.Namespace) -> None:
     print(f"starting a directory and {args.nodes} daemons in {base} ...", file=sys.stderr, flush=True)
     # A cluster of its own token: other users' processes on this machine cannot talk to it.
     token = new_token_file(base / "token", force=True)
+    roots = tuple(Path(root).absolute() for root in args.dataset_roots.split(os.pathsep) if root)
     cluster = LocalCluster(
-        base, args.nodes, tuple(daemon_args), tuple(directory_args), detached=True, token_file=token
+        base, args.nodes, tuple(daemon_args), tuple(directory_args), detached=True, token_file=token,
+        dataset_roots=roots,
     )
     cluster.start(timeout=args.timeout)
     assert cluster.directory is not None and cluster.directory.ready is not None
@@ -57,6 +60,7 @@ def cmd_up(args: argparse.Namespace) -> None:
         f"\nuse node 0 from a shell (set -a exports what the files set):\n"
         f"  set -a; source {shlex.quote(str(cluster.env_path()))}; source {shlex.quote(str(cluster.env_path(0)))}; set +a\n"
         f"  dataquay dataset add NAME ROOT && dataquay stage NAME --job JOB && dataquay status\n"
+        f"  (ROOT under {os.pathsep.join(map(str, roots))}: pass --dataset-roots to allow others)\n"
         f"stop it:\n"
         f"  dataquay cluster down --base-dir {quoted}"
     )
@@ -88,6 +92,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument("--pfs-threads", help="PFS reader threads of each daemon")
     up.add_argument("--lease-seconds", help="seconds without a heartbeat before the directory marks a node down")
     up.add_argument("--heartbeat-seconds", help="how often daemons renew their lease")
+    up.add_argument(
+        "--dataset-roots", default=".",
+        help="directories, separated by ':', that datasets may be registered from (default: the current directory)",
+    )
     up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for every node to come up")
     up.set_defaults(func=cmd_up)
 

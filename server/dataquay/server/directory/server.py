@@ -61,7 +61,7 @@ from dataquay.server.dirs import ensure_private_dir, private_opener
 from dataquay.server.errors import StartupError
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.listen import bind_tcp
-from dataquay.server.manifest_build import build_manifest
+from dataquay.server.manifest_build import allowed_root, build_manifest
 from dataquay.server.registry import Registered, Registry
 from dataquay.server.task_group import TaskGroup
 
@@ -146,6 +146,7 @@ class DirectoryServer(ServerLifecycle):
     def _load(self) -> None:
         ensure_private_dir(Path(self.config.state_dir), "state dir")
         self.registry.load()
+        self.registry.warn_outside(self.config.dataset_roots)
         try:
             doc = json.loads(self.state_path.read_text())
         except FileNotFoundError:
@@ -294,7 +295,9 @@ class DirectoryServer(ServerLifecycle):
     async def add_dataset(
         self, name: str, root: str, fmt: str | None, replace: bool, tar_grouped: bool
     ) -> Registered:
-        """Builds the manifest of ``root`` off the loop and registers it as ``name``."""
+        """Builds the manifest of ``root`` off the loop and registers it as
+        ``name``, if ``root`` lies under the directory's --dataset-roots."""
+        root = allowed_root(root, self.config.dataset_roots, "--dataset-roots / DATAQUAY_DIRECTORY_DATASET_ROOTS")
         self.registry.check_free(name, replace)
         async with self._builds:
             writer = await asyncio.get_running_loop().run_in_executor(

@@ -77,7 +77,7 @@ class Daemon(ServerLifecycle):
         # The writer and the syncer outlive the other background tasks: what
         # those queued is committed before the writer stops.
         self.store_tasks = TaskGroup()
-        self.datasets = Datasets(self.registry, self.store, self.tasks, self.link)
+        self.datasets = Datasets(self.registry, self.store, self.tasks, self.link, config.dataset_roots)
         self.peers = Peers(config.peer_timeout, self.credentials)
         self.placements = (
             Placements(self.link, config.node_name, config.state_dir) if self.link is not None else None
@@ -113,6 +113,7 @@ class Daemon(ServerLifecycle):
         try:
             self.store.open()
             self.registry.load()
+            self.registry.warn_outside(self.config.dataset_roots)
             for name in self.registry.names():
                 await self.store.open_dataset(self.registry.get(name).record.cache_db)
             self._start_metrics()

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
+from pathlib import Path
 
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DirectoryUnavailableError, UnknownDatasetError
-from dataquay.server.manifest_build import build_manifest
+from dataquay.server.manifest_build import allowed_root, build_manifest
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.store import Store
 from dataquay.server.registry import Registered, Registry
@@ -27,11 +29,19 @@ log = logging.getLogger("dataquay.datasets")
 class Datasets:
     """Resolves dataset names to registered manifests and their cache sub-databases."""
 
-    def __init__(self, registry: Registry, store: Store, tasks: TaskGroup, link: DirectoryLink | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        store: Store,
+        tasks: TaskGroup,
+        link: DirectoryLink | None = None,
+        dataset_roots: Sequence[Path] = (),
+    ) -> None:
         self.registry = registry
         self.store = store
         self.tasks = tasks
         self.link = link
+        self.dataset_roots = tuple(dataset_roots)
         self._builds = asyncio.Semaphore(1)
         self._fetches: dict[str, asyncio.Future[Registered]] = {}
 
@@ -62,7 +72,13 @@ class Datasets:
         return entry
 
     async def add(self, request: pb.AddDatasetRequest, fmt: str | None) -> Registered:
-        """Registers a dataset: at the directory when there is one, else here."""
+        """Registers a dataset: at the directory when there is one, else here.
+
+        The root must lie under this daemon's --dataset-roots even when the
+        directory builds the manifest: a daemon relays no root its operator
+        has not allowed, whatever the directory's own rule.
+        """
+        root = allowed_root(request.root, self.dataset_roots, "--dataset-roots / DATAQUAY_DATASET_ROOTS")
         if self.link is not None:
             await self.link.add_dataset(request)
             self._fetches.pop(request.name, None)
@@ -70,7 +86,7 @@ class Datasets:
         self.registry.check_free(request.name, request.replace)
         async with self._builds:
             writer = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: build_manifest(request.root, fmt, tar_grouped=not request.tar_member_samples)
+                None, lambda: build_manifest(root, fmt, tar_grouped=not request.tar_member_samples)
             )
             entry, previous = self.registry.add(request.name, writer, request.replace)
         await self._dropped(previous, entry)

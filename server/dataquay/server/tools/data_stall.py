@@ -96,7 +96,7 @@ def run_benchmark(samples: int, epochs: int, out_dir: Path, progress: bool = Tru
         base = Path(tmp)
         root = make_files_dataset(base / "pfs", samples, sizes=SIZES)
         cap = f"{int(PFS_BYTES_PER_SECOND / NODES)}"
-        with LocalCluster(base / "cluster", NODES, ("--pfs-bandwidth", cap)) as cluster:
+        with LocalCluster(base / "cluster", NODES, ("--pfs-bandwidth", cap), dataset_roots=(base,)) as cluster:
             _run("dataset", "add", "bench", str(root), "--addr", cluster.daemons[0].address)
             for system in SYSTEMS:
                 if progress:

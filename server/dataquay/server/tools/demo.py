@@ -161,7 +161,7 @@ def run_demo(samples: int = 4000, epochs: int = 3) -> None:
         print(f"PFS        {root}  ({samples} files in 10 class folders, {format_bytes(total)})")
         started = time.perf_counter()
         print(f"cluster    starting a directory and {NODES} daemons ...", end=" ", flush=True)
-        with LocalCluster(base / "cluster", NODES) as cluster:
+        with LocalCluster(base / "cluster", NODES, dataset_roots=(base,)) as cluster:
             print(f"up in {time.perf_counter() - started:.1f} s")
             print(f"           directory {cluster.directory_address}, service discovery {cluster.sd_url}")
             print(f"           per-node env files: {cluster.env_path()}, {cluster.base_dir}/node-<i>.env\n")

@@ -452,7 +452,7 @@ def bench_load(
         root = make_files_dataset(base / "pfs", samples, sizes=sizes)
         expected = file_checksums(root)
         capacity = partial_cache_size([sizes[i % len(sizes)] for i in range(samples)], cached)
-        daemon = DaemonProcess(base / "node", ("--cache-size", str(capacity))).start()
+        daemon = DaemonProcess(base / "node", ("--cache-size", str(capacity)), dataset_roots=(base,)).start()
         try:
             staged = register_and_stage(daemon.address, "load", root)
             assert daemon.ready is not None

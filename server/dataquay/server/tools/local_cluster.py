@@ -100,6 +100,8 @@ class LocalCluster:
             process of the cluster and its clients; None runs plaintext.
         host: the address every server listens on and is reached by.
         node_hosts: nodes (by index) that run elsewhere than ``host``.
+        dataset_roots: the directories every server may register datasets
+            from (--dataset-roots); empty leaves it to the environment.
     """
 
     base_dir: Path
@@ -111,6 +113,7 @@ class LocalCluster:
     tls: TlsFiles | None = None
     host: str = "127.0.0.1"
     node_hosts: Mapping[int, NodeHost] = field(default_factory=dict)
+    dataset_roots: tuple[Path, ...] = ()
     directory: DirectoryProcess | None = field(default=None, init=False)
     daemons: list[DaemonProcess] = field(default_factory=list, init=False)
     #: Short directory for the sockets when base_dir is too deep for one.
@@ -140,7 +143,7 @@ class LocalCluster:
         try:
             self.directory = DirectoryProcess(
                 self.base_dir / "directory", (*self.directory_args, *self._security_args),
-                start_new_session=self.detached, host=self.host,
+                start_new_session=self.detached, host=self.host, dataset_roots=self.dataset_roots,
             ).start(timeout)
             self.daemons = [self._daemon(i) for i in range(self.nodes)]
             with ThreadPoolExecutor(self.nodes) as pool:
@@ -207,10 +210,12 @@ class LocalCluster:
                 tls=TlsFiles(*map(Path, record["tls"])) if record.get("tls") else None,
                 host=record.get("host", "127.0.0.1"),
                 node_hosts={int(i): NodeHost(a, tuple(p)) for i, (a, p) in record.get("node_hosts", {}).items()},
+                dataset_roots=tuple(map(Path, record.get("dataset_roots", []))),
             )
             cluster.socket_dir = Path(record["socket_dir"]) if record["socket_dir"] else None
             cluster.directory = DirectoryProcess(
-                cluster.base_dir / "directory", cluster.directory_args, host=cluster.host
+                cluster.base_dir / "directory", cluster.directory_args, host=cluster.host,
+                dataset_roots=cluster.dataset_roots,
             )
             cluster.directory.ready = record["directory"]
             cluster._adopted.append(ClusterPid(record["directory"]["pid"], record["directory"]["ready_file"]))
@@ -265,7 +270,7 @@ class LocalCluster:
             old.home,
             (*self.directory_args, *self._security_args, "--listen", f"{old.host}:{port}",
              "--http-port", str(old.ready["http_port"])),
-            start_new_session=self.detached, host=old.host,
+            start_new_session=self.detached, host=old.host, dataset_roots=self.dataset_roots,
         ).start(timeout)
         self._save()
         return self.directory
@@ -384,6 +389,7 @@ class LocalCluster:
             start_new_session=self.detached,
             host=elsewhere.address if elsewhere else self.host,
             prefix=elsewhere.prefix if elsewhere else (),
+            dataset_roots=self.dataset_roots,
         )
 
     @property
@@ -432,6 +438,7 @@ class LocalCluster:
             "tls": [str(p) for p in self.tls] if self.tls else [],
             "host": self.host,
             "node_hosts": {str(i): [h.address, list(h.prefix)] for i, h in self.node_hosts.items()},
+            "dataset_roots": [str(p) for p in self.dataset_roots],
             "directory": {**self.directory.ready, "ready_file": str(self.directory.ready_file)},
             "daemons": [
                 {**(d.ready or {"pid": d.process.pid if d.process else 0}), "ready_file": str(d.ready_file)}

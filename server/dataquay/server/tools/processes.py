@@ -45,6 +45,9 @@ class ServerProcess:
     #: What its command line runs under, e.g. ``ip netns exec NAME`` to put
     #: it in a network namespace of its own.
     prefix: tuple[str, ...] = ()
+    #: Its --dataset-roots; empty passes none, leaving the environment's or
+    #: the config file's, or refusing every registration.
+    dataset_roots: tuple[Path, ...] = ()
 
     @property
     def log_path(self) -> Path:
@@ -62,7 +65,10 @@ class ServerProcess:
         """Starts the server and waits until it serves; raises with its log if it cannot."""
         self.home.mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
-        args = [*self.prefix, sys.executable, "-m", "dataquay.server.cli", *self.command(), *self.extra_args]
+        roots = ("--dataset-roots", os.pathsep.join(map(str, self.dataset_roots))) if self.dataset_roots else ()
+        args = [
+            *self.prefix, sys.executable, "-m", "dataquay.server.cli", *self.command(), *roots, *self.extra_args
+        ]
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
