@@ -11,7 +11,7 @@ from dataquay.server.errors import ConfigError
 from dataquay.server.node.reads import chunked
 from dataquay.server.node.shm import ALIGN, place
 from dataquay.server.ratelimit import TokenBucket
-from dataquay.server.sizes import format_bytes, parse_duration, parse_size
+from dataquay.server.sizes import format_bytes, format_duration, parse_duration, parse_size
 
 
 @pytest.mark.parametrize(
@@ -34,6 +34,15 @@ def test_durations_and_byte_formatting() -> None:
     with pytest.raises(ConfigError):
         parse_duration("soon")
     assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.5 KiB"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0.4, "0s"), (-3, "0s"), (42, "42s"), (303, "5m3s"), (3600, "1h0m"), (8100.9, "2h15m"),
+     (3 * 86400 + 4 * 3600 + 59, "3d4h")],
+)
+def test_durations_are_shown_in_their_two_largest_units(seconds: float, text: str) -> None:
+    assert format_duration(seconds) == text
 
 
 def test_token_bucket_never_admits_more_than_its_rate() -> None:

@@ -1,8 +1,8 @@
 """Human-readable sizes, rates and durations for flags and config values.
 
 K, M, G, T and KiB..TiB are powers of 1024 (as in Slurm's --mem); KB, MB, GB and
-TB are powers of 1000. A bare number is bytes. Durations take ms, s, m or h; a
-bare number is seconds.
+TB are powers of 1000. A bare number is bytes. Durations take ms, s, m, h or d;
+a bare number is seconds.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataquay.server.errors import ConfigError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?b?)|b?)\s*$", re.IGNORECASE)
 _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|)\s*$")
-_SECONDS = {"ms": 0.001, "s": 1.0, "": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|)\s*$")
+_SECONDS = {"ms": 0.001, "s": 1.0, "": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 SIZE_EXPECTED = "expected a size like 200G or 512MiB"
 DURATION_EXPECTED = "expected a duration like 2s, 500ms or 5m"
@@ -47,10 +47,26 @@ def parse_size(text: str, what: str = "size") -> int:
 
 
 def parse_duration(text: str, what: str = "duration") -> float:
-    """Seconds in ``text`` ("2s", "500ms", "5m", "1h", "3")."""
+    """Seconds in ``text`` ("2s", "500ms", "5m", "1h", "7d", "3")."""
     match = _DURATION.match(str(text))
     if not match:
         raise QuantityError(what, text, DURATION_EXPECTED)
     return float(match.group(1)) * _SECONDS[match.group(2)]
 
 
+
+
+def format_duration(seconds: float) -> str:
+    """``seconds`` in its two largest units, as an idle time is read in a
+    table ("42s", "5m3s", "2h15m", "3d4h"); fractions of a second are dropped."""
+    whole = max(0, int(seconds))
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours}h"
+    if hours:
+        return f"{hours}h{minutes}m"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
