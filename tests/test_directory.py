@@ -242,7 +242,7 @@ def test_jobs_are_created_by_the_first_join_and_refuse_other_settings(
 
     joined = join(stub, must_exist=True, ranks_per_node=4)
     assert joined.spec.seed == 5 and joined.spec.ranks_per_node == 4
-    assert join(stub, dataset="imgs", seed=5, mode="global", drop_last=False) == joined
+    assert join(stub, dataset="imgs", seed=5, mode="global", drop_last=False).spec == joined.spec
 
     mismatch = rpc_error(lambda: join(stub, dataset="imgs", seed=6))
     assert mismatch.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -367,8 +367,8 @@ def test_job_commands_list_show_and_drop(
     listed = run_cli("job", "ls", env=env)
     assert listed.returncode == 0, listed.stderr
     header, row = listed.stdout.splitlines()
-    assert header.split() == ["JOB", "DATASET", "MODE", "Q", "SEED", "NODES", "RANKS/NODE", "EPOCH"]
-    assert row.split() == ["j1", "imgs", "global", "0.25", "7", "2", "4", "3"]
+    assert header.split() == ["JOB", "DATASET", "MODE", "Q", "SEED", "NODES", "RANKS/NODE", "EPOCH", "IDLE"]
+    assert row.split()[:-1] == ["j1", "imgs", "global", "0.25", "7", "2", "4", "3"]
 
     shown = run_cli("job", "show", "j1", "--directory", directory.address)
     assert shown.returncode == 0, shown.stderr

@@ -207,14 +207,14 @@ def test_epochs_only_go_up_and_dropped_jobs_are_gone() -> None:
     state.join(join_request("j1", dataset="imgs"), facts, 0.0)
     version = state.versions
     assert not state.get_job("j1").started
-    assert state.report_epoch("j1", 0).started
-    assert state.report_epoch("j1", 3).epoch == 3
-    assert state.report_epoch("j1", 2).epoch == 3
+    assert state.report_epoch("j1", 0, 1.0).started
+    assert state.report_epoch("j1", 3, 2.0).epoch == 3
+    assert state.report_epoch("j1", 2, 3.0).epoch == 3
     assert state.versions == version
     with pytest.raises(InvalidRequestError, match=f"epoch {MAX_EPOCH + 1} is beyond the last one"):
-        state.report_epoch("j1", MAX_EPOCH + 1)
+        state.report_epoch("j1", MAX_EPOCH + 1, 4.0)
     with pytest.raises(UnknownJobError, match="no job 'j2'"):
-        state.report_epoch("j2", 1)
+        state.report_epoch("j2", 1, 4.0)
     state.drop_job("j1")
     assert state.versions.jobs == version.jobs + 1
     with pytest.raises(UnknownJobError, match=r"no job 'j1' \(jobs: none\)"):
@@ -227,7 +227,7 @@ def test_state_survives_a_json_round_trip_and_live_nodes_get_a_fresh_lease() -> 
     state.expire(now=LEASE)  # b and c down
     state.register(info("c"), LEASE)
     state.join(join_request("j1", dataset="imgs", mode="global", seed=3, ranks_per_node=2), facts, 1.0)
-    state.report_epoch("j1", 4)
+    state.report_epoch("j1", 4, 2.0)
     state.datasets_changed()
     doc = json.loads(json.dumps(state.to_json()))
 
@@ -246,7 +246,7 @@ def test_the_batch_size_is_a_job_setting_and_old_state_files_have_none() -> None
     state = cluster("a")
     job, _ = state.join(join_request("j1", dataset="imgs", mode="locality", batch_size=32), facts, 0.0)
     assert job.spec.batch_size == 32
-    assert state.join(join_request("j1", batch_size=32), facts, 1.0)[0] == job
+    assert state.join(join_request("j1", batch_size=32), facts, 1.0)[0].spec == job.spec
     with pytest.raises(JobMismatchError, match="exists with batch_size 32; this join asked for 16"):
         state.join(join_request("j1", batch_size=16), facts, 1.0)
     state.join(join_request("j2", dataset="imgs", mode="partial", q=0.25), facts, 0.0)
@@ -275,7 +275,14 @@ def test_a_state_file_written_before_reads_back_and_is_written_the_same() -> Non
     job = restarted.get_job("j1")
     assert job.spec == JobSettings("j1", "imgs", mode="partial", q=0.25, seed=3, drop_last=True, partition="shard",
                                    batch_size=8, nodes=("a",), ranks_per_node=2)
-    assert restarted.to_json()["jobs"] == WRITTEN_BEFORE["jobs"]
+    assert restarted.to_json()["jobs"] == [{**WRITTEN_BEFORE["jobs"][0], "last_active": 5.0}]
+
+
+def test_jobs_of_a_state_file_without_activity_count_as_active_when_it_is_loaded() -> None:
+    restarted = DirectoryState.from_json(WRITTEN_BEFORE, LEASE, now=1000.0)
+    assert restarted.get_job("j1").last_active == 1000.0
+    assert restarted.expire_jobs(ttl=100.0, now=1099.0) == []
+    assert [job.spec.job_id for job, _ in restarted.expire_jobs(ttl=100.0, now=1100.0)] == ["j1"]
 
 
 def test_a_document_of_another_format_is_refused() -> None:
@@ -283,3 +290,47 @@ def test_a_document_of_another_format_is_refused() -> None:
         DirectoryState.from_json({"format": 99}, LEASE, 0.0)
     with pytest.raises(ValueError, match="malformed state"):
         DirectoryState.from_json({"format": 1, "nodes": [{"info": {}}]}, LEASE, 0.0)
+
+
+# ------------------------------------------------------------ job activity
+
+
+def test_creation_joins_and_epoch_reports_mark_a_job_active() -> None:
+    state = cluster("a")
+    state.join(join_request("j1", dataset="imgs"), facts, now=10.0)
+    assert state.get_job("j1").last_active == 10.0
+    assert state.join(join_request("j1"), facts, now=20.0)[0].last_active == 20.0
+    assert state.report_epoch("j1", 0, now=30.0).last_active == 30.0
+    assert state.report_epoch("j1", 0, now=40.0).last_active == 40.0  # a repeated report is activity too
+    with pytest.raises(JobMismatchError):
+        state.join(join_request("j1", seed=5), facts, now=50.0)
+    assert state.get_job("j1").last_active == 40.0
+    assert state.report_epoch("j1", 0, now=35.0).last_active == 40.0  # a clock stepped back moves nothing
+
+
+def test_activity_moves_no_version_and_reaches_the_disk_once_a_minute() -> None:
+    state = cluster("a")
+    state.join(join_request("j1", dataset="imgs"), facts, now=0.0)
+    versions, revision = state.versions, state.revision
+    for t in range(1, 60):
+        state.report_epoch("j1", 0, now=float(t))
+    assert state.revision == revision + 1  # the report that started epoch 0
+    state.report_epoch("j1", 0, now=61.0)
+    assert state.revision == revision + 2 and state.versions == versions
+    assert state.to_json()["jobs"][0]["last_active"] == 61.0
+
+
+def test_jobs_idle_for_the_ttl_expire_and_active_ones_stay() -> None:
+    state = cluster("a")
+    state.join(join_request("old", dataset="imgs"), facts, now=0.0)
+    state.join(join_request("busy", dataset="imgs"), facts, now=0.0)
+    state.report_epoch("busy", 3, now=50.0)
+    version = state.versions.jobs
+    assert state.expire_jobs(ttl=100.0, now=99.0) == [] and state.versions.jobs == version
+    expired = state.expire_jobs(ttl=100.0, now=120.0)
+    assert [(job.spec.job_id, idle) for job, idle in expired] == [("old", 120.0)]
+    assert [job.spec.job_id for job in state.jobs()] == ["busy"]
+    assert state.versions.jobs == version + 1 and state.jobs_expired == 1
+    assert state.expire_jobs(ttl=100.0, now=149.0) == []
+    assert [job.spec.job_id for job, _ in state.expire_jobs(ttl=100.0, now=150.0)] == ["busy"]
+    assert state.jobs() == [] and state.jobs_expired == 2

@@ -73,20 +73,22 @@ class JobSpec(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., dataset: _Optional[str] = ..., mode: _Optional[str] = ..., q: _Optional[float] = ..., seed: _Optional[int] = ..., drop_last: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ..., ranks_per_node: _Optional[int] = ..., partition: _Optional[str] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("spec", "manifest_id", "num_samples", "epoch", "created_unix", "started")
+    __slots__ = ("spec", "manifest_id", "num_samples", "epoch", "created_unix", "started", "last_active_unix")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACTIVE_UNIX_FIELD_NUMBER: _ClassVar[int]
     spec: JobSpec
     manifest_id: str
     num_samples: int
     epoch: int
     created_unix: float
     started: bool
-    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., manifest_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., epoch: _Optional[int] = ..., created_unix: _Optional[float] = ..., started: _Optional[bool] = ...) -> None: ...
+    last_active_unix: float
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., manifest_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., epoch: _Optional[int] = ..., created_unix: _Optional[float] = ..., started: _Optional[bool] = ..., last_active_unix: _Optional[float] = ...) -> None: ...
 
 class JoinJobRequest(_message.Message):
     __slots__ = ("spec", "must_exist")

@@ -402,6 +402,12 @@ class DirectoryConfig(ServerConfig):
         "how often daemons are told to renew their lease (e.g. 2s, 500ms); below --lease-seconds",
         _positive_duration,
     )
+    job_ttl: float = _option(
+        7 * 86400.0,
+        "time a job may stay idle (no join, no epoch reported) before the directory drops it, as `dataquay job "
+        "drop` does (e.g. 7d, 12h; a bare number is seconds); 0 keeps jobs until dropped",
+        parse_duration,
+    )
 
     def __post_init__(self) -> None:
         if self.heartbeat_seconds >= self.lease_seconds:

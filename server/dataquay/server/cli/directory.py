@@ -9,6 +9,7 @@ import time
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.cli.common import add_directory, directory_stub, print_table
 from dataquay.server.config import ConfigFile, DirectoryConfig
+from dataquay.server.sizes import format_duration
 
 
 def cmd_directory(args: argparse.Namespace) -> None:
@@ -25,12 +26,13 @@ def cmd_directory(args: argparse.Namespace) -> None:
 def cmd_job_ls(args: argparse.Namespace) -> None:
     with directory_stub(args) as stub:
         reply = stub.ListJobs(jpb.ListJobsRequest())
+    now = time.time()
     rows = [
         (j.spec.job_id, j.spec.dataset, j.spec.mode, f"{j.spec.q:g}", j.spec.seed, len(j.spec.nodes),
-         j.spec.ranks_per_node or "-", j.epoch)
+         j.spec.ranks_per_node or "-", j.epoch, format_duration(now - j.last_active_unix))
         for j in reply.jobs
     ]
-    print_table(rows, ("JOB", "DATASET", "MODE", "Q", "SEED", "NODES", "RANKS/NODE", "EPOCH"))
+    print_table(rows, ("JOB", "DATASET", "MODE", "Q", "SEED", "NODES", "RANKS/NODE", "EPOCH", "IDLE"))
 
 
 def cmd_job_show(args: argparse.Namespace) -> None:
@@ -38,6 +40,8 @@ def cmd_job_show(args: argparse.Namespace) -> None:
         job = stub.GetJob(jpb.GetJobRequest(job_id=args.job_id))
     s = job.spec
     created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.created_unix))
+    active = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.last_active_unix))
+    idle = format_duration(time.time() - job.last_active_unix)
     for key, value in (
         ("job", s.job_id),
         ("dataset", s.dataset),
@@ -51,6 +55,7 @@ def cmd_job_show(args: argparse.Namespace) -> None:
         ("ranks/node", s.ranks_per_node or "not known yet (set by the first join)"),
         ("epoch", job.epoch),
         ("created", created),
+        ("last active", f"{active} (idle {idle}; joined or an epoch reported)"),
         ("nodes", f"{len(s.nodes)}, in node-rank order:"),
     ):
         print(f"{key:<12} {value}")

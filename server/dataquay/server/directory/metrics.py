@@ -47,6 +47,10 @@ class _DirectoryCollector(Collector):
             refused.add_metric([reason], counts.get(reason, 0))
         yield refused
         yield GaugeMetricFamily("dataquay_directory_jobs", "Job records", value=len(state.jobs()))
+        yield CounterMetricFamily(
+            "dataquay_directory_jobs_expired", "Jobs dropped for being idle longer than --job-ttl",
+            value=state.jobs_expired,
+        )
         yield GaugeMetricFamily("dataquay_directory_datasets", "Registered datasets", value=self._datasets())
 
 

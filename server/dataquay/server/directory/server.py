@@ -21,6 +21,9 @@ heartbeating is written by the next lease check.
 
 Heartbeats arrive as UDP datagrams on the gRPC port's number (see
 :mod:`.beats`), or through the Heartbeat RPC.
+
+Jobs idle for ``--job-ttl`` are dropped by a background task, as ``dataquay
+job drop`` drops them.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ SERVICE_NAME = "dataquay.v1.Directory"
 STATE_FILE = "directory.json"
 #: How long a change waits for others to share its write.
 GROUP_WRITE_SECONDS = 0.005
+#: The longest time between two looks for jobs idle past the TTL.
+JOB_EXPIRY_CHECK_SECONDS = 60.0
 
 
 class DirectoryServer(ServerLifecycle):
@@ -127,6 +132,8 @@ class DirectoryServer(ServerLifecycle):
             raise
         self.tasks.spawn(self._check_leases(), "lease-expiry")
         self.tasks.spawn(self._write_state(), "state-writer")
+        if self.config.job_ttl > 0:
+            self.tasks.spawn(self._expire_jobs(), "job-expiry")
         self._serving = True
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -139,7 +146,7 @@ class DirectoryServer(ServerLifecycle):
             extra={"fields": {
                 "tcp": self.tcp_address, "http_port": self.http_port, "state_dir": str(self.config.state_dir),
                 "nodes_up": up, "nodes_down": down, "jobs": len(self.state.jobs()),
-                "datasets": len(self.registry.names()),
+                "datasets": len(self.registry.names()), "job_ttl_seconds": self.config.job_ttl,
             }},
         )
 
@@ -201,6 +208,21 @@ class DirectoryServer(ServerLifecycle):
                 log.info("node down", extra={"fields": {"node": name, "lease_seconds": self.config.lease_seconds}})
             if self.state.revision != self._saved_revision:
                 self._dirty.set()
+
+    async def _expire_jobs(self) -> None:
+        """Drops the jobs idle for --job-ttl, as `job drop` would, and logs each;
+        the first look is at start, for jobs that went idle while it was stopped."""
+        ttl = self.config.job_ttl
+        while True:
+            expired = self.state.expire_jobs(ttl, time.time())
+            if expired:
+                await self._persist()
+            for job, idle in expired:
+                log.info(
+                    "job expired",
+                    extra={"fields": {"job": job.spec.job_id, "idle_seconds": round(idle), "job_ttl_seconds": ttl}},
+                )
+            await asyncio.sleep(min(JOB_EXPIRY_CHECK_SECONDS, ttl / 4))
 
     async def _persist(self) -> None:
         """Returns once the state as of now is on disk, sharing the write with
@@ -336,13 +358,14 @@ class DirectoryServer(ServerLifecycle):
         return DatasetFacts(entry.record.manifest_id, entry.manifest.num_samples)
 
     async def drop_job(self, job_id: str) -> None:
-        self.state.drop_job(job_id)
+        now = time.time()
+        job = self.state.drop_job(job_id)
         await self._persist()
-        log.info("job dropped", extra={"fields": {"job": job_id}})
+        log.info("job dropped", extra={"fields": {"job": job_id, "idle_seconds": round(now - job.last_active)}})
 
     async def report_epoch(self, job_id: str, epoch: int, node: str) -> Job:
         before = self.state.get_job(job_id).epoch
-        job = self.state.report_epoch(job_id, epoch)
+        job = self.state.report_epoch(job_id, epoch, time.time())
         if job.epoch > before:
             await self._persist()
             log.info("job epoch", extra={"fields": {"job": job_id, "epoch": job.epoch, "node": node}})

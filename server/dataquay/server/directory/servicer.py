@@ -171,4 +171,5 @@ def job_proto(job: Job) -> jpb.Job:
         epoch=job.epoch,
         created_unix=job.created,
         started=job.started,
+        last_active_unix=job.last_active,
     )

@@ -4,9 +4,13 @@ leases, job records and the version counters daemons poll.
 No sockets, no clock, no files: every method that depends on time takes
 ``now`` (seconds, the caller's clock), and persistence is :meth:`to_json` /
 :meth:`from_json`, so tests drive it step by step. The server owns the I/O:
-it calls :meth:`DirectoryState.expire` from a periodic task, writes the state
-whenever :attr:`DirectoryState.revision` moved, and logs the transitions the
-methods return.
+it calls :meth:`DirectoryState.expire` and :meth:`DirectoryState.expire_jobs`
+from periodic tasks, writes the state whenever :attr:`DirectoryState.revision`
+moved, and logs the transitions the methods return.
+
+Jobs record no end (they have no epoch count), so a finished job is an idle
+one: each remembers when it was last active (created, joined, an epoch
+reported), and one idle for the directory's job TTL is dropped.
 
 A heartbeat must stay O(1) however many nodes there are (a thousand nodes
 every two seconds): leases of live nodes sit in an ordered dict in the order
@@ -38,6 +42,12 @@ STATE_FORMAT = 1
 _JOB_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
+
+#: A job's activity moves the revision (so it reaches the disk) once per this
+#: many seconds of the clock, not at every join or epoch report: each write is
+#: of the whole state, and a restart that loses a minute of a job's idle time
+#: changes nothing for a TTL counted in days.
+ACTIVITY_WRITE_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -120,7 +130,9 @@ class DatasetFacts:
 @dataclass(frozen=True)
 class Job:
     """A job record. ``epoch`` is the highest epoch any node reported;
-    ``started`` says whether one did (so that epoch 0 has begun)."""
+    ``started`` says whether one did (so that epoch 0 has begun);
+    ``last_active`` is when it was created, joined or last had an epoch
+    reported, from which its idle time counts."""
 
     spec: JobSettings
     manifest_id: str
@@ -128,6 +140,7 @@ class Job:
     epoch: int = 0
     created: float = 0.0
     started: bool = False
+    last_active: float = 0.0
 
 
 class DirectoryState:
@@ -139,6 +152,8 @@ class DirectoryState:
         #: Moves on every change that must reach the disk.
         self.revision = 0
         self.heartbeats = 0
+        #: Jobs dropped for being idle past the TTL, since this state was made.
+        self.jobs_expired = 0
         self._nodes: dict[str, Node] = {}
         self._leases: OrderedDict[str, float] = OrderedDict()
         self._jobs: dict[str, Job] = {}
@@ -239,7 +254,8 @@ class DirectoryState:
             request: the job id and the settings the caller named.
             dataset: looks a registered dataset up by name; raises
                 UnknownDatasetError for an unknown one. Called only to create.
-            now: the creation time recorded in a new job.
+            now: the creation time recorded in a new job, or the time the
+                existing one was last active.
 
         Raises:
             InvalidRequestError: a bad job id, mode, partition, q, batch size
@@ -255,7 +271,7 @@ class DirectoryState:
             )
         job = self._jobs.get(job_id)
         if job is not None:
-            return self._join_existing(job, request), False
+            return self._touch(self._join_existing(job, request), now), False
         if request.must_exist:
             raise UnknownJobError(f"no job {job_id!r} (the first rank to join creates it)")
         spec = request.settings
@@ -267,7 +283,7 @@ class DirectoryState:
             raise InvalidRequestError(f"job {job_id!r}: {exc}") from None
         facts = dataset(spec.dataset)
         spec = replace(spec, nodes=self._job_nodes(job_id, spec.nodes))
-        job = Job(spec, facts.manifest_id, facts.num_samples, epoch=0, created=now)
+        job = Job(spec, facts.manifest_id, facts.num_samples, epoch=0, created=now, last_active=now)
         self._jobs[job_id] = job
         self._bump(jobs=1)
         return job, True
@@ -326,14 +342,41 @@ class DirectoryState:
         self._bump(jobs=1)
         return job
 
-    def report_epoch(self, job_id: str, epoch: int) -> Job:
-        """Raises the job's epoch to ``epoch``; an older report changes nothing."""
+    def expire_jobs(self, ttl: float, now: float) -> list[tuple[Job, float]]:
+        """Drops every job idle for ``ttl`` seconds or more at ``now``, as
+        :meth:`drop_job` does; returns each with its idle seconds.
+
+        A scan of every job: at one scan a minute, even 100,000 jobs cost the
+        loop a few milliseconds, less than keeping them in order of activity
+        at every join.
+        """
+        expired = [(job, now - job.last_active) for job in self._jobs.values() if now - job.last_active >= ttl]
+        for job, _ in expired:
+            del self._jobs[job.spec.job_id]
+        if expired:
+            self.jobs_expired += len(expired)
+            self._bump(jobs=1)
+        return expired
+
+    def report_epoch(self, job_id: str, epoch: int, now: float) -> Job:
+        """Raises the job's epoch to ``epoch`` and marks it active at ``now``;
+        an older report changes only the activity."""
         if epoch > MAX_EPOCH:
             raise InvalidRequestError(f"epoch {epoch} is beyond the last one a job may reach ({MAX_EPOCH})")
         job = self.get_job(job_id)
         if epoch > job.epoch or not job.started:
             job = self._jobs[job_id] = replace(job, epoch=max(epoch, job.epoch), started=True)
             self.revision += 1
+        return self._touch(job, now)
+
+    def _touch(self, job: Job, now: float) -> Job:
+        """Marks ``job`` active at ``now``; see :data:`ACTIVITY_WRITE_SECONDS`
+        for when that alone moves the revision."""
+        if now <= job.last_active:
+            return job
+        if now // ACTIVITY_WRITE_SECONDS != job.last_active // ACTIVITY_WRITE_SECONDS:
+            self.revision += 1
+        job = self._jobs[job.spec.job_id] = replace(job, last_active=now)
         return job
 
     # ---------------------------------------------------------- persistence
@@ -366,7 +409,9 @@ class DirectoryState:
         Nodes that were up get a fresh lease from ``now``, so a restart does
         not mark a running job's nodes down; every version moves (and the
         revision, so the moved versions are written), so daemons refetch
-        whatever may have changed while the directory was away.
+        whatever may have changed while the directory was away. Jobs of a
+        document written before jobs recorded their activity count as active
+        at ``now``, so that no TTL drops them for an idle time nobody measured.
 
         Raises:
             ValueError: a document this version cannot read.
@@ -382,7 +427,7 @@ class DirectoryState:
                     state._renew(node.info.name, now)
             for raw in doc["jobs"]:
                 spec = JobSettings(**raw["spec"])
-                state._jobs[spec.job_id] = Job(**{**raw, "spec": spec})
+                state._jobs[spec.job_id] = Job(**{"last_active": now, **raw, "spec": spec})
             v = Versions(**doc["versions"])
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed state: {exc!r}") from None

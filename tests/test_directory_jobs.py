@@ -1,0 +1,162 @@
+"""Jobs that end: a real `dataquay directory` drops jobs idle past --job-ttl."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from polling import wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+from dataquay.client.channels import channel_options
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import directory_pb2 as dpb
+from dataquay.protos import directory_pb2_grpc
+from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.tools.processes import DirectoryProcess
+from dataquay.server.tools.synthetic import make_files_dataset
+
+Stub = directory_pb2_grpc.DirectoryStub
+HOUR = 3600.0
+DAY = 86400.0
+
+
+@pytest.fixture
+def start_directory(tmp_path: Path) -> Iterator[Callable[..., DirectoryProcess]]:
+    """Starts directories rooted at tmp_path/directory; all are killed after the test."""
+    started: list[DirectoryProcess] = []
+
+    def start(*extra_args: str) -> DirectoryProcess:
+        directory = DirectoryProcess(tmp_path / "directory", tuple(extra_args)).start()
+        started.append(directory)
+        return directory
+
+    yield start
+    for directory in started:
+        directory.kill()
+
+
+@pytest.fixture
+def stub_for() -> Iterator[Callable[[DirectoryProcess], Stub]]:
+    channels: list[grpc.Channel] = []
+
+    def make(directory: DirectoryProcess) -> Stub:
+        channels.append(grpc.insecure_channel(directory.address, options=channel_options()))
+        return Stub(channels[-1])
+
+    yield make
+    for channel in channels:
+        channel.close()
+
+
+@pytest.fixture
+def imgs(tmp_path: Path) -> Path:
+    return make_files_dataset(tmp_path / "pfs" / "imgs", 10, sizes=(100,), classes=2)
+
+
+def create_jobs(stub: Stub, imgs: Path, *job_ids: str) -> None:
+    stub.RegisterNode(dpb.RegisterNodeRequest(node=jpb.NodeInfo(name="n0", tcp_address="127.0.0.1:7000")))
+    stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))
+    for job_id in job_ids:
+        stub.JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=job_id, dataset="imgs")))
+
+
+def job_ids(stub: Stub) -> list[str]:
+    return [job.spec.job_id for job in stub.ListJobs(jpb.ListJobsRequest()).jobs]
+
+
+def age_jobs(directory: DirectoryProcess, idle: dict[str, float | None]) -> None:
+    """Rewrites the stopped directory's state so that each named job was last
+    active that many seconds ago, or (None) as a state file written before
+    jobs recorded their activity."""
+    path = directory.state_dir / "directory.json"
+    doc = json.loads(path.read_text())
+    for job in doc["jobs"]:
+        seconds = idle.get(job["spec"]["job_id"])
+        if seconds is None:
+            del job["last_active"]
+        else:
+            job["last_active"] = time.time() - seconds
+    path.write_text(json.dumps(doc))
+
+
+def metrics(directory: DirectoryProcess) -> dict[str, float]:
+    with urllib.request.urlopen(directory.http_url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+def run_cli(*args: str, directory: DirectoryProcess) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dataquay.server.cli", *args], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "DATAQUAY_DIRECTORY": directory.address},
+    )
+
+
+def test_a_job_idle_past_the_ttl_expires_and_one_reporting_epochs_is_kept(
+    start_directory: Callable[..., DirectoryProcess], stub_for: Callable[..., Stub], imgs: Path
+) -> None:
+    directory = start_directory("--job-ttl", "2s")
+    stub = stub_for(directory)
+    create_jobs(stub, imgs, "busy", "idle")
+
+    def idle_gone_while_busy_reports() -> bool:
+        stub.ReportEpoch(jpb.ReportEpochRequest(job_id="busy", epoch=1))
+        return job_ids(stub) == ["busy"]
+
+    wait_until(idle_gone_while_busy_reports, "the idle job expired")
+    listed = run_cli("job", "ls", directory=directory)
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split()[0] for line in listed.stdout.splitlines()] == ["JOB", "busy"]
+    assert metrics(directory)["dataquay_directory_jobs"] == 1
+    assert metrics(directory)["dataquay_directory_jobs_expired_total"] == 1
+    assert directory.stop() == 0
+    expired = [line for line in directory.log_path.read_text().splitlines() if "job expired" in line]
+    assert len(expired) == 1 and "job expired job=idle idle_seconds=" in expired[0]
+
+
+def test_a_restart_expires_jobs_idle_past_the_ttl_and_keeps_those_of_an_older_state_file(
+    start_directory: Callable[..., DirectoryProcess], stub_for: Callable[..., Stub], imgs: Path
+) -> None:
+    first = start_directory("--job-ttl", "0")
+    create_jobs(stub_for(first), imgs, "legacy", "old", "recent")
+    assert first.stop() == 0
+    age_jobs(first, {"legacy": None, "old": 2 * DAY, "recent": HOUR})
+
+    second = start_directory("--job-ttl", "1d")
+    stub = stub_for(second)
+    wait_until(lambda: "old" not in job_ids(stub), "the job idle for two days expired")
+    assert job_ids(stub) == ["legacy", "recent"]
+    jobs = {job.spec.job_id: job for job in stub.ListJobs(jpb.ListJobsRequest()).jobs}
+    assert time.time() - jobs["recent"].last_active_unix >= HOUR
+    assert time.time() - jobs["legacy"].last_active_unix < HOUR
+    assert (metrics(second)["dataquay_directory_jobs"], metrics(second)["dataquay_directory_jobs_expired_total"]) == (
+        2, 1
+    )
+    expired = [line for line in second.log_path.read_text().splitlines() if "job expired" in line]
+    assert len(expired) == 1 and "job expired job=old idle_seconds=1728" in expired[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("directory", "--job-ttl", "a week", "--state-dir", "{tmp}"),
+         "--job-ttl: bad duration 'a week': expected a duration like"),
+    ],
+)
+def test_a_bad_duration_is_one_line_and_exit_code_1(args: tuple[str, ...], message: str, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "dataquay.server.cli", *(arg.format(tmp=tmp_path) for arg in args)],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "DATAQUAY_DIRECTORY": "127.0.0.1:1"},
+    )
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
