@@ -1,4 +1,6 @@
-"""Jobs that end: a real `dataquay directory` drops jobs idle past --job-ttl."""
+"""Jobs that end: a real `dataquay directory` drops jobs idle past --job-ttl,
+and `dataquay job prune` drops the ones idle past what the operator names,
+never one that became active since it was listed."""
 
 from __future__ import annotations
 
@@ -145,9 +147,67 @@ def test_a_restart_expires_jobs_idle_past_the_ttl_and_keeps_those_of_an_older_st
     assert len(expired) == 1 and "job expired job=old idle_seconds=1728" in expired[0]
 
 
+def test_prune_lists_with_dry_run_then_drops_only_jobs_idle_that_long(
+    start_directory: Callable[..., DirectoryProcess], stub_for: Callable[..., Stub], imgs: Path
+) -> None:
+    first = start_directory()
+    create_jobs(stub_for(first), imgs, "a-old", "b-recent", "c-older")
+    assert first.stop() == 0
+    age_jobs(first, {"a-old": 3 * HOUR, "b-recent": 60.0, "c-older": 2 * DAY})
+    directory = start_directory()
+    stub = stub_for(directory)
+
+    rows = run_cli("job", "ls", directory=directory).stdout.splitlines()
+    listed = {row.split()[0]: row.split()[-1] for row in rows}
+    assert (listed["JOB"], listed["a-old"], listed["c-older"]) == ("IDLE", "3h0m", "2d0h")
+    shown = run_cli("job", "show", "a-old", directory=directory).stdout.splitlines()
+    assert any(line.startswith("last active") and "(idle 3h0m;" in line for line in shown)
+
+    dry = run_cli("job", "prune", "--idle", "2h", "--dry-run", directory=directory)
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.splitlines() == [
+        "would drop job 'a-old' (idle 3h0m)",
+        "would drop job 'c-older' (idle 2d0h)",
+        "2 job(s) idle for 2h or longer; none dropped (--dry-run)",
+    ]
+    assert job_ids(stub) == ["a-old", "b-recent", "c-older"]
+
+    pruned = run_cli("job", "prune", "--idle", "2h", directory=directory)
+    assert pruned.returncode == 0, pruned.stderr
+    assert pruned.stdout.splitlines() == [
+        "dropped job 'a-old' (idle 3h0m)",
+        "dropped job 'c-older' (idle 2d0h)",
+        "dropped 2 job(s) idle for 2h or longer",
+    ]
+    assert job_ids(stub) == ["b-recent"]
+    assert metrics(directory)["dataquay_directory_jobs"] == 1
+    assert metrics(directory)["dataquay_directory_jobs_expired_total"] == 0
+
+
+def test_a_drop_on_condition_of_idleness_keeps_a_job_active_since(
+    start_directory: Callable[..., DirectoryProcess], stub_for: Callable[..., Stub], imgs: Path
+) -> None:
+    directory = start_directory()
+    stub = stub_for(directory)
+    create_jobs(stub, imgs, "j1")
+    stub.ReportEpoch(jpb.ReportEpochRequest(job_id="j1", epoch=0))
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.DropJob(jpb.DropJobRequest(job_id="j1", min_idle_seconds=HOUR))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "less than the 3600s idle asked for" in refused.value.details()
+    with pytest.raises(grpc.RpcError) as bad:
+        stub.DropJob(jpb.DropJobRequest(job_id="j1", min_idle_seconds=-1))
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert job_ids(stub) == ["j1"]
+    stub.DropJob(jpb.DropJobRequest(job_id="j1"))
+    assert job_ids(stub) == []
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (("job", "prune", "--idle", "soon"), "--idle: bad duration 'soon': expected a duration like"),
+        (("job", "prune", "--idle", "0"), "--idle: '0' would take every job"),
         (("directory", "--job-ttl", "a week", "--state-dir", "{tmp}"),
          "--job-ttl: bad duration 'a week': expected a duration like"),
     ],

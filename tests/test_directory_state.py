@@ -20,6 +20,7 @@ from dataquay.server.directory.state import (
 )
 from dataquay.server.errors import (
     InvalidRequestError,
+    JobActiveError,
     JobMismatchError,
     NoLiveNodesError,
     UnknownDatasetError,
@@ -334,3 +335,21 @@ def test_jobs_idle_for_the_ttl_expire_and_active_ones_stay() -> None:
     assert state.expire_jobs(ttl=100.0, now=149.0) == []
     assert [job.spec.job_id for job, _ in state.expire_jobs(ttl=100.0, now=150.0)] == ["busy"]
     assert state.jobs() == [] and state.jobs_expired == 2
+
+
+def test_a_conditional_drop_keeps_a_job_active_since_and_drops_an_idle_one() -> None:
+    state = cluster("a")
+    state.join(join_request("j1", dataset="imgs"), facts, now=0.0)
+    state.report_epoch("j1", 1, now=100.0)
+    with pytest.raises(JobActiveError, match="job 'j1' was active 50s ago, less than the 60s idle asked for"):
+        state.drop_idle_job("j1", 60.0, now=150.0)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(InvalidRequestError, match="minimum idle time"):
+            state.drop_idle_job("j1", bad, now=150.0)
+    with pytest.raises(JobActiveError):
+        state.drop_idle_job("j1", float("inf"), now=150.0)
+    assert [job.spec.job_id for job in state.jobs()] == ["j1"]
+    assert state.drop_idle_job("j1", 60.0, now=160.0).spec.job_id == "j1"
+    assert state.jobs() == [] and state.jobs_expired == 0
+    with pytest.raises(UnknownJobError):
+        state.drop_idle_job("j1", 60.0, now=160.0)

@@ -223,7 +223,10 @@ def directory_requests(real_root: Path) -> st.SearchStrategy[tuple[str, Message 
         *shared_methods(real_root),
         st.tuples(st.just("GetJob"), st.builds(jpb.GetJobRequest, job_id=job_ids)),
         st.tuples(st.just("ListJobs"), st.just(jpb.ListJobsRequest())),
-        st.tuples(st.just("DropJob"), st.builds(jpb.DropJobRequest, job_id=job_ids.filter(lambda j: j != "fz"))),
+        st.tuples(st.just("DropJob"), st.builds(
+            jpb.DropJobRequest, job_id=job_ids.filter(lambda j: j != "fz"),
+            min_idle_seconds=st.floats(allow_nan=True, allow_infinity=True),
+        )),
     )
 
 

@@ -44,6 +44,11 @@ class JobMismatchError(DataquayError):
     job's (the message names it), or a dataset replaced since the job began."""
 
 
+class JobActiveError(DataquayError):
+    """A drop of a job on condition that it is idle, refused because the job was
+    active more recently: a rank joined or reported an epoch since it was listed."""
+
+
 class InvalidRequestError(DataquayError, ValueError):
     """A request whose arguments cannot be served: a job's settings no job can
     have, an epoch out of range, an exchange offer out of order."""

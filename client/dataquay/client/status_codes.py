@@ -26,6 +26,7 @@ from dataquay.client.errors import (
     DirectoryUnavailableError,
     ExchangeRefusedError,
     InvalidRequestError,
+    JobActiveError,
     JobMismatchError,
     ManifestError,
     NoLiveNodesError,
@@ -51,9 +52,11 @@ ERROR_CODES: tuple[tuple[type[DataquayError], grpc.StatusCode], ...] = (
     (RootNotAllowedError, grpc.StatusCode.PERMISSION_DENIED),
     (PfsReadError, grpc.StatusCode.DATA_LOSS),
     (DirectoryUnavailableError, grpc.StatusCode.UNAVAILABLE),
-    # A state the caller must change first: a job's settings differ, no live
-    # nodes, no directory, a replaced dataset, an exchange out of turn.
+    # A state the caller must change first: a job's settings differ, a job
+    # active again, no live nodes, no directory, a replaced dataset, an
+    # exchange out of turn.
     (JobMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (JobActiveError, grpc.StatusCode.FAILED_PRECONDITION),
     (NoLiveNodesError, grpc.StatusCode.FAILED_PRECONDITION),
     (DatasetReplacedError, grpc.StatusCode.FAILED_PRECONDITION),
     (ExchangeRefusedError, grpc.StatusCode.FAILED_PRECONDITION),

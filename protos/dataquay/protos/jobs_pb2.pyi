@@ -115,10 +115,12 @@ class ListJobsReply(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
 
 class DropJobRequest(_message.Message):
-    __slots__ = ("job_id",)
+    __slots__ = ("job_id", "min_idle_seconds")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MIN_IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+    min_idle_seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., min_idle_seconds: _Optional[float] = ...) -> None: ...
 
 class DropJobReply(_message.Message):
     __slots__ = ()

@@ -1,15 +1,20 @@
-"""Commands of the cluster: serve the directory, list, inspect and drop jobs."""
+"""Commands of the cluster: serve the directory, list, inspect, drop and prune jobs."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import time
+from collections.abc import Iterable
 
+import grpc
+
+from dataquay.client.status_codes import error_from_rpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.cli.common import add_directory, directory_stub, print_table
+from dataquay.server.cli.common import CliError, add_directory, directory_stub, print_table
 from dataquay.server.config import ConfigFile, DirectoryConfig
-from dataquay.server.sizes import format_duration
+from dataquay.server.errors import JobActiveError, UnknownJobError
+from dataquay.server.sizes import QuantityError, format_duration, parse_duration
 
 
 def cmd_directory(args: argparse.Namespace) -> None:
@@ -69,12 +74,55 @@ def cmd_job_drop(args: argparse.Namespace) -> None:
     print(f"dropped job {args.job_id!r}")
 
 
+def idle_jobs(jobs: Iterable[jpb.Job], idle: float, now: float) -> list[tuple[jpb.Job, float]]:
+    """The jobs idle for ``idle`` seconds or more at ``now``, each with its idle seconds."""
+    return [(job, now - job.last_active_unix) for job in jobs if now - job.last_active_unix >= idle]
+
+
+def cmd_job_prune(args: argparse.Namespace) -> None:
+    """Drops (or with --dry-run lists) the jobs idle longer than --idle.
+
+    Jobs are picked from a listing by this host's clock; each drop then asks
+    the directory to drop the job only if it is still idle that long by its
+    own clock, so a job that a rank joined since the listing is kept.
+    """
+    try:
+        idle = parse_duration(args.idle)
+    except QuantityError as exc:
+        raise CliError(f"--idle: {exc}") from None
+    if not idle > 0:
+        raise CliError(f"--idle: {args.idle!r} would take every job; give a duration above 0, like 12h or 7d")
+    dropped = 0
+    with directory_stub(args) as stub:
+        picked = idle_jobs(stub.ListJobs(jpb.ListJobsRequest()).jobs, idle, time.time())
+        for job, seconds in picked:
+            job_id = job.spec.job_id
+            if args.dry_run:
+                print(f"would drop job {job_id!r} (idle {format_duration(seconds)})")
+                continue
+            try:
+                stub.DropJob(jpb.DropJobRequest(job_id=job_id, min_idle_seconds=idle))
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc)
+                if not isinstance(error, JobActiveError | UnknownJobError):
+                    raise
+                print(f"kept: {error}" if isinstance(error, JobActiveError)
+                      else f"job {job_id!r} is gone already")
+                continue
+            dropped += 1
+            print(f"dropped job {job_id!r} (idle {format_duration(seconds)})")
+    if args.dry_run:
+        print(f"{len(picked)} job(s) idle for {args.idle} or longer; none dropped (--dry-run)")
+    else:
+        print(f"dropped {dropped} job(s) idle for {args.idle} or longer")
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     directory = sub.add_parser("directory", help="run the cluster's directory service")
     DirectoryConfig.add_arguments(directory)
     directory.set_defaults(func=cmd_directory)
 
-    job = sub.add_parser("job", help="list, inspect and drop the directory's job records")
+    job = sub.add_parser("job", help="list, inspect, drop and prune the directory's job records")
     jsub = job.add_subparsers(dest="action", required=True, metavar="ACTION")
     ls = jsub.add_parser("ls", help="list jobs")
     ls.set_defaults(func=cmd_job_ls)
@@ -84,5 +132,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     drop = jsub.add_parser("drop", help="forget a job record (its daemons keep their caches)")
     drop.add_argument("job_id", metavar="ID")
     drop.set_defaults(func=cmd_job_drop)
-    for p in (ls, show, drop):
+    prune = jsub.add_parser(
+        "prune", help="drop the jobs idle (no join, no epoch reported) for DURATION or longer"
+    )
+    prune.add_argument("--idle", required=True, metavar="DURATION", help="idle time, e.g. 12h, 7d, 90m")
+    prune.add_argument("--dry-run", action="store_true", help="list the jobs that would be dropped, drop none")
+    prune.set_defaults(func=cmd_job_prune)
+    for p in (ls, show, drop, prune):
         add_directory(p)

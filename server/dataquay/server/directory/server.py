@@ -23,7 +23,8 @@ Heartbeats arrive as UDP datagrams on the gRPC port's number (see
 :mod:`.beats`), or through the Heartbeat RPC.
 
 Jobs idle for ``--job-ttl`` are dropped by a background task, as ``dataquay
-job drop`` drops them.
+job drop`` drops them; operators drop idle jobs sooner with ``dataquay job
+prune``, whose drops the directory refuses for a job active since it was listed.
 """
 
 from __future__ import annotations
@@ -357,9 +358,14 @@ class DirectoryServer(ServerLifecycle):
         entry = self.registry.get(name)
         return DatasetFacts(entry.record.manifest_id, entry.manifest.num_samples)
 
-    async def drop_job(self, job_id: str) -> None:
+    async def drop_job(self, job_id: str, min_idle: float = 0.0) -> None:
+        """Drops the job; with ``min_idle`` above 0, only if it has been idle
+        that long (JobActiveError otherwise)."""
         now = time.time()
-        job = self.state.drop_job(job_id)
+        if min_idle:
+            job = self.state.drop_idle_job(job_id, min_idle, now)
+        else:
+            job = self.state.drop_job(job_id)
         await self._persist()
         log.info("job dropped", extra={"fields": {"job": job_id, "idle_seconds": round(now - job.last_active)}})
 

@@ -119,7 +119,7 @@ class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
 
     async def DropJob(self, request: jpb.DropJobRequest, context: grpc.aio.ServicerContext) -> jpb.DropJobReply:
         async with status_on_error(context):
-            await self.server.drop_job(request.job_id)
+            await self.server.drop_job(request.job_id, request.min_idle_seconds)
         return jpb.DropJobReply()
 
     async def ReportEpoch(self, request: jpb.ReportEpochRequest, context: grpc.aio.ServicerContext) -> jpb.Job:

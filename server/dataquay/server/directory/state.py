@@ -31,6 +31,7 @@ from dataquay.client.job_settings import SETTINGS, JobSettings
 from dataquay.client.placement import MAX_EPOCH
 from dataquay.server.errors import (
     InvalidRequestError,
+    JobActiveError,
     JobMismatchError,
     NoLiveNodesError,
     UnknownJobError,
@@ -341,6 +342,25 @@ class DirectoryState:
         del self._jobs[job_id]
         self._bump(jobs=1)
         return job
+
+    def drop_idle_job(self, job_id: str, min_idle: float, now: float) -> Job:
+        """Drops the job only if it has been idle for ``min_idle`` seconds at
+        ``now``: a prune that listed it idle must not drop it once a rank has
+        joined or reported an epoch since.
+
+        Raises:
+            UnknownJobError: no such job.
+            InvalidRequestError: ``min_idle`` is negative or not a number.
+            JobActiveError: the job was active more recently.
+        """
+        if not min_idle >= 0:
+            raise InvalidRequestError(f"minimum idle time {min_idle} is not a number of seconds >= 0")
+        idle = now - self.get_job(job_id).last_active
+        if idle < min_idle:
+            raise JobActiveError(
+                f"job {job_id!r} was active {idle:.0f}s ago, less than the {min_idle:.0f}s idle asked for"
+            )
+        return self.drop_job(job_id)
 
     def expire_jobs(self, ttl: float, now: float) -> list[tuple[Job, float]]:
         """Drops every job idle for ``ttl`` seconds or more at ``now``, as
