@@ -21,9 +21,11 @@ from dataquay.client.placement import (
     MODES,
     PARTITIONS,
     JobPlan,
+    drawn_fraction,
     epoch_order,
     epoch_permutation,
     initial_owners,
+    leaving_fraction,
     locality_balance,
     moves,
     node_of_rank,
@@ -298,6 +300,22 @@ def test_partial_mode_with_q_1_reshuffles_every_owner() -> None:
     assert np.array_equal(np.bincount(after), np.bincount(before))
     # A full reshuffle keeps a sample on its node with probability 1/M.
     assert abs(np.mean(before == after) - 1 / 8) < 0.01
+
+
+@pytest.mark.parametrize(("q_leaving", "nodes"), [(0.1, 4), (0.375, 4), (0.3, 16), (0.5, 2)])
+def test_q_leaving_is_the_fraction_that_leaves_each_node_under_the_real_exchange(q_leaving: float, nodes: int) -> None:
+    q = drawn_fraction(q_leaving, nodes)
+    assert leaving_fraction(q, nodes) == pytest.approx(q_leaving)
+    plan = plan_of(40_000, nodes, 1, seed=9, mode="partial", q=q)
+    left = np.bincount(moves(plan, 1).sources, minlength=nodes) / np.bincount(owners(plan, 0), minlength=nodes)
+    assert np.abs(left - q_leaving).max() < 0.02
+
+
+@pytest.mark.parametrize(("q_leaving", "nodes"), [(0.0, 4), (0.8, 4), (0.6, 2), (0.1, 1)])
+def test_more_leaving_than_a_full_reshuffle_moves_is_refused(q_leaving: float, nodes: int) -> None:
+    with pytest.raises(ValueError, match=r"q_leaving must be in \(0, .*\] with \d+ nodes?"):
+        drawn_fraction(q_leaving, nodes)
+    assert drawn_fraction(0.75, 4) == 1.0  # the most that can leave: a full reshuffle
 
 
 @settings(max_examples=40, deadline=None)

@@ -216,7 +216,10 @@ class Dataset(Sequence[bytes]):
         Args:
             job: the cluster job id; default DATAQUAY_JOB.
             mode: placement mode of a new job (``global``).
-            q: fraction of its samples a node exchanges per epoch (``partial``).
+            q: fraction of its samples a node draws into each epoch's pool
+                (``partial``); 1/M of the draws come back, so about
+                q(1 - 1/M) leave it. For the fraction that leaves (seed
+                000's Q), pass ``placement.drawn_fraction(Q, M)``.
             seed: the shuffle seed (default 0).
             drop_last: drop the tail that does not divide evenly instead of
                 padding it with repeated ids (default False).

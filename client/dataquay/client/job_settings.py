@@ -30,8 +30,9 @@ class JobSettings:
         job_id: the job's name; not a setting, so never compared or checked here.
         dataset: the registered dataset the job reads.
         mode: a key of :data:`~dataquay.client.placement.MODES`.
-        q: the fraction of its samples a node exchanges per epoch (``partial``
-            needs 0 < q <= 1).
+        q: the fraction of its samples a node draws into each epoch's pool
+            (``partial`` needs 0 < q <= 1); about q(1 - 1/M) leave it
+            (:mod:`~dataquay.client.placement.exchange_q`).
         seed: the job's shuffle seed.
         drop_last: drop the tail that does not divide over the ranks instead
             of padding it with repeated ids.

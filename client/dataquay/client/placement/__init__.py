@@ -14,7 +14,7 @@ cache holds each sample. Its initial partition (:func:`initial_owners`,
 :mod:`.partition`) is cut once; a mode of :data:`MODES` (:mod:`.modes`, with
 ``locality``'s batch balancer in :mod:`.balance`) then says who owns what in
 each epoch and what each rank reads, which the parties ask through
-:mod:`.epochs`.
+:mod:`.epochs`. ``partial``'s q reads two ways (:mod:`.exchange_q`).
 """
 
 from dataquay.client.placement.epochs import (
@@ -28,6 +28,7 @@ from dataquay.client.placement.epochs import (
     rank_length,
     rank_order,
 )
+from dataquay.client.placement.exchange_q import drawn_fraction, leaving_fraction
 from dataquay.client.placement.modes import MODES, Mode, owned_ids
 from dataquay.client.placement.orders import (
     MAX_EPOCH,
@@ -48,9 +49,11 @@ __all__ = [
     "JobPlan",
     "Mode",
     "Moves",
+    "drawn_fraction",
     "epoch_order",
     "epoch_permutation",
     "initial_owners",
+    "leaving_fraction",
     "locality_balance",
     "moves",
     "node_of_rank",

@@ -115,20 +115,24 @@ class _Local(_StaticOwners):
 
 
 class _Partial(_Local):
-    """Before each epoch every node trades a fraction ``q`` of what it owns.
+    """Before each epoch every node draws a fraction ``q`` of what it owns into a pool.
 
-    Node m gives away round(q * owned) of its samples, picked at random (key
+    Node m draws round(q * owned) of its samples, picked at random (key
     seed, epoch, m); the pooled picks are permuted (key seed, epoch) and dealt
     back in node order, each node receiving as many as it gave, so node loads
     never change and ranks read their node's owned set as in ``local``.
-    ``q`` = 1 is a full global reshuffle of the owners.
+    ``q`` = 1 is a full global reshuffle of the owners. About 1/M of a node's
+    draws are dealt back to it, so q(1 - 1/M) of its samples leave it
+    (:mod:`.exchange_q`).
     """
 
     owners_move = True
 
     def check_settings(self, q: float, batch_size: int) -> None:
         if not 0.0 < q <= 1.0:
-            raise ValueError(f"q must be in (0, 1] for mode partial (the fraction exchanged per epoch), not {q}")
+            raise ValueError(
+                f"q must be in (0, 1] for mode partial (the fraction each node draws into the pool per epoch), not {q}"
+            )
 
     def owners(self, plan: JobPlan, epoch: int, previous: np.ndarray | None) -> np.ndarray:
         if epoch == 0 or previous is None:
