@@ -7,6 +7,7 @@ a bare number is seconds.
 
 from __future__ import annotations
 
+import math
 import re
 
 from dataquay.client.units import format_bytes as format_bytes  # re-exported: the server formats with it
@@ -54,8 +55,6 @@ def parse_duration(text: str, what: str = "duration") -> float:
     return float(match.group(1)) * _SECONDS[match.group(2)]
 
 
-
-
 def format_duration(seconds: float) -> str:
     """``seconds`` in its two largest units, as an idle time is read in a
     table ("42s", "5m3s", "2h15m", "3d4h"); fractions of a second are dropped."""
@@ -70,3 +69,15 @@ def format_duration(seconds: float) -> str:
     if minutes:
         return f"{minutes}m{secs}s"
     return f"{secs}s"
+
+
+def size_flag(n: int) -> str:
+    """``n`` bytes as a size flag takes it ("18M", "1.3G"), rounded up so that
+    a capacity advised with it is never short of ``n``."""
+    for unit, power in (("K", 1), ("M", 2), ("G", 3), ("T", 4)):
+        value = n / 1024**power
+        if value < 1024 or unit == "T":
+            break
+    if value >= 10:
+        return f"{math.ceil(value)}{unit}"
+    return f"{math.ceil(value * 10) / 10:g}{unit}"

@@ -1,0 +1,160 @@
+"""How much cache a node needs: what its samples take in LMDB, and the exchange's headroom.
+
+A cache's capacity is the LMDB map size, so the question "does a node's share
+fit?" is about LMDB pages, not payload bytes. The store writes one value per
+sample (an 8-byte checksum, then the payload) under an 8-byte key. LMDB 0.9
+then takes, per value:
+
+- a leaf node of 8 header bytes, the key and the value, 2-byte aligned, plus a
+  2-byte slot; a node larger than half a page's room (2038 bytes at 4 KiB, so
+  payloads above 2014 bytes) puts its value on overflow pages of its own,
+  ceil((value + 16) / page) of them, and keeps only its page number in the leaf;
+- leaves that split in halves when full: under random inserts (staging in the
+  first epoch's order, the exchange's arrivals) a leaf holds on average ln 2 of
+  the nodes it could, and branch pages (18 bytes per child) likewise;
+- while a write transaction commits, copies of every leaf and branch page it
+  touches, and the pages the previous one freed: the map's high-water mark (what
+  ``status`` reports and what hits the capacity) stays above the tree by about
+  two transactions' worth of those pages, which for small values is tens of MiB.
+
+Pure functions over numpy arrays; no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dataquay.client.placement import MODES, JobPlan, owners
+from dataquay.client.records import CHECKSUM_BYTES
+from dataquay.server.node.write_queue import BATCH_BYTES, BATCH_ITEMS
+
+MiB = 1 << 20
+#: LMDB's page size on the machines dataquay runs on (the OS page).
+PAGE_SIZE = 4096
+#: The exchange's headroom on top of a node's share when owners move (issue 15):
+#: what arrives for the next epoch before what leaves is deleted, and the
+#: writer's pages while both churn.
+EXCHANGE_HEADROOM_FRACTION = 0.05
+EXCHANGE_HEADROOM_BYTES = 16 * MiB
+#: Epochs that ``stage --job`` looks ahead for a node's largest share.
+LOOKAHEAD_EPOCHS = 8
+
+_KEY_BYTES = 8
+_PAGE_HEADER = 16
+_NODE_HEADER = 8
+_SLOT = 2
+_PGNO = 8
+#: Nodes per leaf under random inserts, as a fraction of what a leaf holds.
+_RANDOM_FILL = math.log(2)
+#: Leaves that hold only 2 or 3 nodes split into fixed halves, so their average
+#: (measured with LMDB 0.9) is not ln 2 of the most.
+_SMALL_LEAF_NODES = {2: 1.5, 3: 2.0}
+
+
+def _node_max(page_size: int) -> int:
+    """LMDB's ``me_nodemax``: the largest leaf node that keeps its value inline."""
+    return ((page_size - _PAGE_HEADER) // 2 & ~1) - _SLOT
+
+
+def _nodes_per_page(capacity: np.ndarray) -> np.ndarray:
+    """Average nodes per page under random inserts, for pages that hold at most ``capacity``."""
+    average = capacity * _RANDOM_FILL
+    for most, nodes in _SMALL_LEAF_NODES.items():
+        average = np.where(capacity == most, nodes, average)
+    return average
+
+
+def _tree_pages(payload_sizes: np.ndarray, page_size: int) -> tuple[float, float, float]:
+    """(overflow, leaf, branch) pages of a sub-database holding values of these payload sizes."""
+    values = np.asarray(payload_sizes, dtype=np.int64) + CHECKSUM_BYTES
+    room = page_size - _PAGE_HEADER
+    inline = _NODE_HEADER + _KEY_BYTES + values <= _node_max(page_size)
+    overflow = float(np.where(inline, 0, (values + _PAGE_HEADER - 1) // page_size + 1).sum())
+    node = np.where(inline, _NODE_HEADER + _KEY_BYTES + values, _NODE_HEADER + _KEY_BYTES + _PGNO) + _SLOT
+    node += node & 1
+    leaves = float((1.0 / _nodes_per_page(room // node)).sum())
+    per_branch = float(_nodes_per_page(np.array(room // (_NODE_HEADER + _KEY_BYTES + _SLOT)))[()])
+    branches, level = 0.0, leaves
+    while level > 1:
+        level = math.ceil(level / per_branch)
+        branches += level
+    return overflow, math.ceil(leaves), branches
+
+
+def stored_bytes(payload_sizes: np.ndarray, page_size: int = PAGE_SIZE) -> int:
+    """Bytes of LMDB pages (branch, leaf and overflow) that values of these
+    payload sizes take in one sub-database, written in random order as the store
+    writes them. Within a few percent of LMDB's own page counts."""
+    if not len(payload_sizes):
+        return 0
+    return int(sum(_tree_pages(payload_sizes, page_size))) * page_size
+
+
+def write_slack_bytes(payload_sizes: np.ndarray, page_size: int = PAGE_SIZE) -> int:
+    """Bytes the map's high-water mark stays above :func:`stored_bytes` of the
+    same values: the leaf and branch pages the last two write transactions copied.
+
+    LMDB copies every page a transaction touches, and reuses the pages the
+    copies replaced only two transactions later. A transaction of k random
+    inserts into a tree of L leaves touches L(1 - exp(-k/L)) of them and, in
+    practice, every branch; it takes the store's largest batch (``BATCH_ITEMS``
+    values or ``BATCH_BYTES``), so this estimates from above.
+    """
+    count = len(payload_sizes)
+    if not count:
+        return 0
+    _, leaves, branches = _tree_pages(payload_sizes, page_size)
+    mean_value = float(np.mean(payload_sizes)) + CHECKSUM_BYTES
+    batch = max(1, min(BATCH_ITEMS, int(BATCH_BYTES // mean_value)))
+    last = count - (count - 1) // batch * batch
+    touched = 0.0
+    for before, inserted in ((count - last, last), (count - last - batch, batch)):
+        if before > 0:
+            tree = leaves * before / count
+            touched += tree * -math.expm1(-inserted / tree) + branches * before / count
+    return math.ceil(touched) * page_size
+
+
+def cached_bytes(payload_sizes: np.ndarray, page_size: int = PAGE_SIZE) -> int:
+    """What a cache holding these values reports as used: the tree and the writer's slack."""
+    return stored_bytes(payload_sizes, page_size) + write_slack_bytes(payload_sizes, page_size)
+
+
+def cache_need(share_bytes: int, mode: str, q: float) -> int:
+    """The capacity a node needs to keep its share of ``share_bytes`` (as
+    :func:`cached_bytes` counts them) cached in every epoch.
+
+    The share itself for modes whose owners never move; with ``partial`` and
+    q > 0, 1.05 x the share + 16 MiB: the exchange brings the next epoch's
+    samples while the node still holds the ones it gives away.
+
+    Raises:
+        KeyError: an unknown mode.
+    """
+    if MODES[mode].owners_move and q > 0:
+        return math.ceil(share_bytes * (1 + EXCHANGE_HEADROOM_FRACTION)) + EXCHANGE_HEADROOM_BYTES
+    return share_bytes
+
+
+def node_shares(
+    plan: JobPlan, payload_sizes: np.ndarray, epochs: int = LOOKAHEAD_EPOCHS, page_size: int = PAGE_SIZE
+) -> np.ndarray:
+    """Each node's share in :func:`cached_bytes`, epoch by epoch (int64, epochs x nodes).
+
+    Nodes keep their sample counts in every mode, but not their bytes when
+    samples differ in size and owners move: ``partial`` has a row for each of
+    epochs 0..epochs-1, other modes one row (their owners never change).
+    """
+    rows = epochs if MODES[plan.settings.mode].owners_move else 1
+    shares = np.zeros((rows, plan.num_nodes), dtype=np.int64)
+    current = owners(plan, 0)
+    for epoch in range(rows):
+        if epoch:
+            current = owners(plan, epoch, current)
+        order = np.argsort(current, kind="stable")
+        bounds = np.searchsorted(current[order], np.arange(plan.num_nodes + 1))
+        for node in range(plan.num_nodes):
+            shares[epoch, node] = cached_bytes(payload_sizes[order[bounds[node] : bounds[node + 1]]], page_size)
+    return shares
