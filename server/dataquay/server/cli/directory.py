@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 import grpc
 
+from dataquay.client.placement import MODES, leaving_fraction
 from dataquay.client.status_codes import error_from_rpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.cli.common import CliError, add_directory, directory_stub, print_table
@@ -53,7 +54,7 @@ def cmd_job_show(args: argparse.Namespace) -> None:
         ("manifest", job.manifest_id),
         ("samples", job.num_samples),
         ("mode", s.mode),
-        ("q", f"{s.q:g}"),
+        ("q", _q_text(s)),
         ("seed", s.seed),
         ("drop last", "yes" if s.drop_last else "no (pad by repeating)"),
         ("partition", s.partition),
@@ -66,6 +67,13 @@ def cmd_job_show(args: argparse.Namespace) -> None:
         print(f"{key:<12} {value}")
     for index, node in enumerate(s.nodes):
         print(f"  {index:>5}  {node}")
+
+
+def _q_text(spec: jpb.JobSpec) -> str:
+    """q in both its readings when the mode uses it: drawn into the pool, and leaving each node."""
+    if not MODES[spec.mode].owners_move:
+        return f"{spec.q:g} (not used by mode {spec.mode})" if spec.q else "0"
+    return f"{spec.q:g} drawn ({leaving_fraction(spec.q, max(1, len(spec.nodes))):.4g} leave each node, seed 000's Q)"
 
 
 def cmd_job_drop(args: argparse.Namespace) -> None:
