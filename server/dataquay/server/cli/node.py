@@ -96,7 +96,7 @@ def cmd_stage(args: argparse.Namespace) -> None:
     if args.job:
         stage_job(args)
         return
-    given = [f"--{flag.replace('_', '-')}" for flag in (*JOB_FLAGS, "directory")
+    given = [f"--{flag.replace('_', '-')}" for flag in (*JOB_FLAGS, "q_leaving", "directory")
              if flag != "seed" and getattr(args, flag) is not None]
     if given:
         raise CliError(f"{', '.join(given)}: only with --job JOB (cluster staging)")
@@ -239,7 +239,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cluster = stage.add_argument_group("cluster staging: create or join a job, stage on all its nodes")
     cluster.add_argument("--job", help="job id; stages on every node of the job at once")
     cluster.add_argument("--mode", choices=sorted(MODES), help="shuffle mode (default global)")
-    cluster.add_argument("--q", type=float, help="fraction exchanged per epoch in partial mode (0 < Q <= 1)")
+    q = cluster.add_mutually_exclusive_group()
+    q.add_argument(
+        "--q", type=float,
+        help="partial mode: fraction of its samples a node draws into each epoch's pool (0 < Q <= 1); "
+        "1/M of the draws come back, so Q(1 - 1/M) leave it",
+    )
+    q.add_argument(
+        "--q-leaving", type=float,
+        help="partial mode: fraction of its samples that leaves a node each epoch (seed 000's Q, "
+        "0 < Q <= 1 - 1/M); sets --q to Q / (1 - 1/M)",
+    )
     cluster.add_argument("--nodes", help="comma-separated node names in job order (default: all live nodes)")
     cluster.add_argument("--ranks-per-node", type=int, help="ranks per node (default: set by the first rank)")
     cluster.add_argument("--partition", choices=("sample", "shard"), help="initial partition (default sample)")

@@ -3,7 +3,9 @@ the job at once.
 
 The directory says which nodes the job runs on and where they are; every node
 is then asked directly and concurrently, so that one slow or dead node neither
-serialises nor stops the others.
+serialises nor stops the others. Before staging starts, each node's share is
+set against its cache's capacity, and a node that cannot hold it is named with
+the capacity that would (a warning: staging goes on).
 """
 
 from __future__ import annotations
@@ -18,13 +20,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 from tqdm import tqdm
 
-from dataquay.client.jobs import job_spec
+from dataquay.client.errors import DataquayError
+from dataquay.client.jobs import job_plan, job_spec
+from dataquay.client.manifest import Manifest
+from dataquay.client.placement import drawn_fraction
 from dataquay.client.status_codes import UNREACHABLE
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
+from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.cli.capacity_advice import job_room
 from dataquay.server.cli.common import CliError, directory_stub, node_stub, print_table
 from dataquay.server.sizes import format_bytes
 
@@ -40,16 +48,60 @@ def _rpc_reason(exc: grpc.RpcError) -> str:
     return exc.details() or exc.code().name
 
 
+def _node_names(args: argparse.Namespace) -> list[str] | None:
+    """--nodes as a list of names, None when not given."""
+    return None if args.nodes is None else [n.strip() for n in args.nodes.split(",") if n.strip()]
+
+
 def _job_spec(args: argparse.Namespace) -> jpb.JobSpec:
     """The JobSpec of ``stage --job``: only the settings the user gave are set,
     so that joining an existing job never contradicts it by accident."""
     given = {flag: getattr(args, flag) for flag in JOB_FLAGS}
-    if args.nodes is not None:
-        given["nodes"] = [n.strip() for n in args.nodes.split(",") if n.strip()]
+    given["nodes"] = _node_names(args)
     try:
         return job_spec(args.job, args.name, **given)
     except ValueError as exc:
         raise CliError(str(exc)) from None
+
+
+def _drawn_q(directory: directory_pb2_grpc.DirectoryStub, args: argparse.Namespace) -> float:
+    """--q-leaving as the q the job draws, over the job's node count: --nodes,
+    else the existing job's nodes, else the live nodes a new job runs on."""
+    names = _node_names(args)
+    if names is None:
+        try:
+            names = list(directory.GetJob(jpb.GetJobRequest(job_id=args.job)).spec.nodes)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            listed = directory.ListNodes(dpb.ListNodesRequest()).nodes
+            names = [n.info.name for n in listed if n.state == jpb.NODE_UP]
+    if not names:
+        raise CliError("--q-leaving needs the job's node count, and no node is up: start the daemons or pass --nodes")
+    try:
+        return drawn_fraction(args.q_leaving, len(names))
+    except ValueError as exc:
+        raise CliError(f"--q-leaving{str(exc).removeprefix('q_leaving')}") from None
+
+
+def _capacity_warnings(
+    directory: directory_pb2_grpc.DirectoryStub, job: jpb.Job, listed: dict[str, jpb.NodeStatus]
+) -> list[str]:
+    """Nodes whose cache cannot hold their share of ``job`` (with the exchange's
+    headroom), and the capacity that would; a line saying why when that cannot
+    be worked out. Nodes not up are left out: their share comes from the PFS."""
+    try:
+        data = b"".join(c.data for c in directory.GetManifest(pb.GetDatasetRequest(name=job.spec.dataset)))
+        manifest = Manifest(data)
+        plan = job_plan(job, manifest)
+    except grpc.RpcError as exc:
+        return [f"cannot check the caches' capacity: {_rpc_reason(exc)}"]
+    except (DataquayError, ValueError) as exc:
+        return [f"cannot check the caches' capacity: {exc}"]
+    up = {name: s.info.cache_capacity for name, s in listed.items() if s.state == jpb.NODE_UP}
+    capacities = [up.get(name) for name in job.spec.nodes]
+    room = job_room(plan, manifest.sample_length.astype(np.int64), list(job.spec.nodes), capacities)
+    return room.warnings("--cache-size")
 
 
 @dataclass
@@ -160,8 +212,12 @@ def stage_job(args: argparse.Namespace) -> None:
     """``dataquay stage NAME --job ID``: join (or create) the job at the
     directory, then stage each node's share on every node of the job at once."""
     with directory_stub(args) as directory:
+        if args.q_leaving is not None:
+            args.q = _drawn_q(directory, args)
         job = directory.JoinJob(jpb.JoinJobRequest(spec=_job_spec(args)))
         listed = {n.info.name: n for n in directory.ListNodes(dpb.ListNodesRequest()).nodes}
+        for line in _capacity_warnings(directory, job, listed):
+            print(f"warning: {line}", file=sys.stderr, flush=True)
     nodes = [_NodeStaging(name) for name in job.spec.nodes]
     if not nodes:
         raise CliError(f"job {args.job!r} has no nodes")
