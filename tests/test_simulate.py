@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -11,7 +12,9 @@ import pytest
 
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import JobPlan, locality_balance, moves, owners
+from dataquay.server.capacity import EXCHANGE_HEADROOM_BYTES
 from dataquay.server.cli import main
+from dataquay.server.sizes import format_bytes, parse_size
 from dataquay.server.tools.simulate import Rates, Scenario, estimate, simulate, spread
 
 NODES, RANKS_PER_NODE, SAMPLES, SAMPLE_BYTES, BATCH = 16, 4, 20_000, 1000, 8
@@ -116,6 +119,7 @@ def test_table_warns_when_the_exchange_cannot_hide_inside_an_epoch() -> None:
         (("--mode", "sideways"), "--mode"),
         (("--mode", "partial", "--q", "1.5"), "--q"),
         (("--mode", "partial"), "--q"),
+        (("--mode", "partial", "--q-leaving", "0.95"), "--q-leaving"),
         (("--per-rank-batch", "0"), "--per-rank-batch"),
         (("--nodes", "0"), "--nodes"),
         (("--samples", "0"), "--samples"),
@@ -141,3 +145,48 @@ def test_a_flag_that_is_not_a_number_is_bad_usage() -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["simulate", *cli_args("global"), "--nodes", "many"])
     assert exit_.value.code == 2
+
+
+def test_partial_reports_q_drawn_and_the_fraction_that_leaves_each_node() -> None:
+    out = run_cli(*cli_args("partial", "--q", "0.5", "--epochs", "2"))
+    assert out.returncode == 0, out.stderr
+    assert "(q 0.5 drawn into the pool; 0.4688 of each node's samples leave it, seed 000's Q)" in out.stdout
+    doc = json.loads(run_cli(*cli_args("partial", "--q", "0.5", "--epochs", "2", "--json")).stdout)
+    assert doc["q"] == {"drawn": 0.5, "leaving": 0.5 * (NODES - 1) / NODES}
+    assert doc["epochs"][1]["network_percent"] / 100 == pytest.approx(doc["q"]["leaving"], abs=0.01)
+
+
+def test_q_leaving_simulates_the_job_that_draws_q_over_one_minus_one_over_m() -> None:
+    drawn = json.loads(run_cli(*cli_args("partial", "--q", "0.5", "--json")).stdout)
+    leaving = json.loads(run_cli(*cli_args("partial", "--q-leaving", str(0.5 * (NODES - 1) / NODES), "--json")).stdout)
+    assert leaving["q"]["drawn"] == pytest.approx(0.5)
+    assert leaving["epochs"] == drawn["epochs"]
+
+
+def test_a_cache_short_of_the_share_and_the_exchange_headroom_is_warned_with_the_size_that_would() -> None:
+    short = run_cli(*cli_args("partial", "--q", "0.2", "--epochs", "2", "--cache-bytes", "3M"))
+    assert short.returncode == 0, short.stderr
+    advised = re.search(r"cache per node: (\S+) holds every share \(the largest takes (.+?) in LMDB, plus the "
+                        r"exchange's headroom\); --cache-bytes 3\.0 MiB is short", short.stdout)
+    assert advised is not None
+    share = SAMPLES // NODES * SAMPLE_BYTES
+    # 1000-byte values share leaves two or three at a time: about half a page
+    # each; the flag rounds up to a whole MiB.
+    assert 2 * share < parse_size(advised.group(1)) - EXCHANGE_HEADROOM_BYTES < 2.5 * share + (1 << 20)
+    warnings = [line for line in short.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        f"warning: {NODES} of {NODES} nodes are short of cache (the largest share takes {advised.group(2)} plus the "
+        f"exchange's headroom): samples that do not fit are read from the PFS instead; --cache-bytes "
+        f"{advised.group(1)} on every node holds every share"
+    ]
+    enough = run_cli(*cli_args("partial", "--q", "0.2", "--epochs", "2", "--cache-bytes", advised.group(1)))
+    assert f"--cache-bytes {format_bytes(parse_size(advised.group(1)))} holds it" in enough.stdout
+    assert "warning" not in enough.stderr
+
+
+def test_caches_that_cannot_hold_the_dataset_name_the_deficit() -> None:
+    out = run_cli(*cli_args("local", "--epochs", "1", "--cache-bytes", "500K", "--json"))
+    doc = json.loads(out.stdout)
+    assert doc["cache"]["short_nodes"] == NODES and doc["cache"]["need_bytes"] > SAMPLES // NODES * SAMPLE_BYTES
+    assert doc["warnings"][-1].startswith(f"the {NODES} caches hold 7.8 MiB in all, less than the ")
+    assert doc["warnings"][-1].endswith("will be read from the PFS every epoch")

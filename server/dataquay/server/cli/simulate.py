@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from dataquay.client.job_settings import JobSettings
-from dataquay.client.placement import MODES, JobPlan
+from dataquay.client.placement import MODES, JobPlan, drawn_fraction, leaving_fraction
+from dataquay.server.cli.capacity_advice import JobRoom, job_room
 from dataquay.server.cli.common import CliError, print_table
-from dataquay.server.sizes import format_bytes, parse_size
+from dataquay.server.sizes import format_bytes, parse_size, size_flag
 from dataquay.server.tools.simulate import EpochTraffic, Estimate, Rates, Scenario, Spread, estimate, simulate, spread
 
 #: Simulations that run longer than this report each epoch on stderr.
@@ -32,6 +33,7 @@ _FLAGS = {
     "seed": "--seed",
     "mode": "--mode",
     "q": "--q",
+    "q_leaving": "--q-leaving",
     "sample_bytes": "--sample-bytes",
     "cache_bytes": "--cache-bytes",
     "train_rate": "--train-rate",
@@ -59,9 +61,12 @@ def _inputs(args: argparse.Namespace) -> tuple[Scenario, Rates | None]:
     if args.epochs < 1:
         raise CliError(f"--epochs must be at least 1, not {args.epochs}")
     try:
+        q = args.q
+        if args.q_leaving is not None:
+            q = drawn_fraction(args.q_leaving, max(1, args.nodes))
         settings = JobSettings(
             mode=args.mode,
-            q=0.0 if args.q is None else args.q,
+            q=0.0 if q is None else q,
             seed=args.seed,
             batch_size=args.per_rank_batch,
             ranks_per_node=args.ranks_per_node,
@@ -124,6 +129,34 @@ def _warnings(scenario: Scenario, epochs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _room(scenario: Scenario) -> JobRoom:
+    """The nodes' caches against their shares. Every sample has the same size,
+    so a node's bytes follow its count, which no mode changes: epoch 0 says all."""
+    plan = scenario.plan
+    sizes = np.full(plan.num_samples, scenario.sample_bytes, dtype=np.int64)
+    names = [str(node) for node in range(plan.num_nodes)]
+    return job_room(plan, sizes, names, [scenario.cache_bytes] * plan.num_nodes, epochs=1)
+
+
+def _room_json(room: JobRoom) -> dict[str, Any]:
+    largest = max(room.nodes, key=lambda n: n.need)
+    return {
+        "largest_share_bytes": largest.share,
+        "need_bytes": room.need,
+        "need_flag": size_flag(room.need),
+        "short_nodes": sum(n.short for n in room.nodes),
+    }
+
+
+def _q_text(plan: JobPlan) -> str:
+    """partial's q in both readings: drawn into the pool, and leaving each node."""
+    q = plan.settings.q
+    return (
+        f"q {q:g} drawn into the pool; {leaving_fraction(q, plan.num_nodes):.4g} of each node's samples "
+        "leave it, seed 000's Q"
+    )
+
+
 def _row(entry: dict[str, Any]) -> list[object]:
     sent, received = entry["sent_bytes_per_node"], entry["received_bytes_per_node"]
     row: list[object] = [
@@ -144,13 +177,20 @@ def _row(entry: dict[str, Any]) -> list[object]:
     return row
 
 
-def _print_report(scenario: Scenario, epochs: list[dict[str, Any]]) -> None:
+def _print_report(scenario: Scenario, epochs: list[dict[str, Any]], room: JobRoom) -> None:
     plan, settings = scenario.plan, scenario.plan.settings
-    setting = f"q {settings.q:g}" if settings.mode == "partial" else f"batch {settings.batch_size} per rank"
+    setting = _q_text(plan) if settings.mode == "partial" else f"batch {settings.batch_size} per rank"
+    largest = max(room.nodes, key=lambda n: n.need)
+    headroom = ", plus the exchange's headroom" if largest.need > largest.share else ""
+    given = "" if scenario.cache_bytes is None else f"; --cache-bytes {format_bytes(scenario.cache_bytes)} " + (
+        "is short" if largest.short else "holds it"
+    )
     print(
         f"mode {settings.mode} ({setting}): {plan.num_nodes:,} nodes x {settings.ranks_per_node} ranks, "
         f"{plan.num_samples:,} samples of {format_bytes(scenario.sample_bytes)} "
         f"({format_bytes(scenario.dataset_bytes)}), {scenario.iterations:,} iterations per epoch\n"
+        f"cache per node: {size_flag(room.need)} holds every share (the largest takes "
+        f"{format_bytes(largest.share)} in LMDB{headroom}){given}\n"
     )
     header = ["EPOCH", "NETWORK", "% DATA", "PFS", "SEND/NODE min/med/max", "RECV/NODE min/med/max", "BALANCE"]
     if "imbalance_percent" in epochs[0]:
@@ -170,22 +210,28 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         if now - started > PROGRESS_AFTER_S:
             print(f"simulated epoch {traffic.epoch + 1}/{args.epochs} in {now - last:.1f} s", file=sys.stderr, flush=True)
         last = now
+    room = _room(scenario)
     warnings = _warnings(scenario, epochs)
+    if scenario.cache_bytes is not None:
+        warnings += room.warnings("--cache-bytes", per_node=False)
     if args.json:
         inputs = {name: getattr(args, name) for name in ("nodes", "ranks_per_node", "samples", "per_rank_batch",
-                                                         "mode", "q", "seed", "epochs")}
+                                                         "mode", "q", "q_leaving", "seed", "epochs")}
         inputs.update(sample_bytes=scenario.sample_bytes, cache_bytes=scenario.cache_bytes)
         inputs.update({name: getattr(rates, name) if rates else None for name in _RATE_FLAGS})
         document = {
             "inputs": inputs,
             "dataset_bytes": scenario.dataset_bytes,
             "iterations_per_epoch": scenario.iterations,
+            "q": {"drawn": scenario.plan.settings.q,
+                  "leaving": leaving_fraction(scenario.plan.settings.q, scenario.plan.num_nodes)},
+            "cache": _room_json(room),
             "epochs": epochs,
             "warnings": warnings,
         }
         print(json.dumps(document, indent=2))
     else:
-        _print_report(scenario, epochs)
+        _print_report(scenario, epochs, room)
     for line in warnings:
         print(f"warning: {line}", file=sys.stderr)
 
@@ -203,7 +249,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--per-rank-batch", type=int, required=True, help="samples each rank reads per step (b)")
     p.add_argument("--ranks-per-node", type=int, required=True, help="ranks per node (g, usually the GPUs)")
     p.add_argument("--mode", required=True, help=f"placement mode: {', '.join(MODES)}")
-    p.add_argument("--q", type=float, help="fraction each node exchanges per epoch (mode partial, 0 < q <= 1)")
+    q = p.add_mutually_exclusive_group()
+    q.add_argument(
+        "--q", type=float,
+        help="mode partial: fraction of its samples a node draws into each epoch's pool (0 < q <= 1); "
+        "1/M of the draws come back, so q(1 - 1/M) leave it",
+    )
+    q.add_argument(
+        "--q-leaving", type=float,
+        help="mode partial: fraction of its samples that leaves a node each epoch (seed 000's Q, "
+        "0 < Q <= 1 - 1/M); sets --q to Q / (1 - 1/M)",
+    )
     p.add_argument("--epochs", type=int, default=3, help="epochs to simulate, staging epoch 0 included (default 3)")
     p.add_argument("--seed", type=int, default=0, help="the job's shuffle seed (default 0)")
     p.add_argument("--cache-bytes", help="cache capacity per node (e.g. 200G); default: all a node owns fits")
