@@ -29,6 +29,7 @@ from dataquay.client.placement import (
     locality_balance,
     moves,
     node_of_rank,
+    node_orders,
     node_steps,
     owned_ids,
     owners,
@@ -488,6 +489,21 @@ def test_plans_compare_and_hash_by_their_settings() -> None:
 
 def test_large_seeds_do_not_alias_other_epochs() -> None:
     assert not np.array_equal(epoch_permutation(1000, 2**32 + 5, 0), epoch_permutation(1000, 5, 1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(job_plans(3000, 8, 4, sorted(MODES)), job_epochs)
+def test_node_orders_are_the_nodes_rank_orders_row_by_row(plan: JobPlan, epoch: int) -> None:
+    epoch_owners = owners(plan, epoch)
+    g = plan.settings.ranks_per_node
+    for node in range(plan.num_nodes):
+        rows = node_orders(plan, epoch, node, epoch_owners)
+        assert rows.shape == (g, rank_length(plan)) and rows.dtype == np.int64
+        for local in range(g):
+            assert rows[local].tolist() == rank_order(plan, epoch, node * g + local, epoch_owners).tolist()
+    assert node_orders(plan, epoch, 0).tolist() == node_orders(plan, epoch, 0, epoch_owners).tolist()
+    with pytest.raises(ValueError, match="node must be in"):
+        node_orders(plan, epoch, plan.num_nodes)
 
 
 @pytest.mark.parametrize("mode", ["global", "locality", "local"])

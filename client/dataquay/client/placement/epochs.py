@@ -127,6 +127,31 @@ def node_steps(plan: JobPlan, epoch: int, node: int) -> list[np.ndarray]:
             for start in range(0, rank_length(plan), b)]
 
 
+def node_orders(plan: JobPlan, epoch: int, node: int, epoch_owners: np.ndarray | None = None) -> np.ndarray:
+    """What each of ``node``'s ranks reads in ``epoch``: one row per rank, in
+    reading order (int64, g x :func:`rank_length`).
+
+    For a daemon that reads ahead of its ranks: column p is what they need
+    at their p-th sample, in every mode, with or without a batch size.
+    ``epoch_owners`` (this epoch's :func:`owners`) saves their computation.
+
+    Raises:
+        ValueError: a negative epoch, ranks per node not known yet, or a node
+            outside 0..M-1.
+    """
+    check_epoch(epoch)
+    check_ranks_known(plan)
+    if not 0 <= node < plan.num_nodes:
+        raise ValueError(f"node must be in 0..{plan.num_nodes - 1}, not {node}")
+    if epoch_owners is None:
+        epoch_owners = owners(plan, epoch)
+    g = plan.settings.ranks_per_node
+    if plan.settings.mode == "locality":
+        steps = locality_node(plan, epoch, epoch_owners, node)
+        return np.stack([steps[:, local::g].ravel() for local in range(g)])
+    return np.stack([rank_order(plan, epoch, rank, epoch_owners) for rank in range(node * g, (node + 1) * g)])
+
+
 class BatchBalance(NamedTuple):
     """What ``locality``'s balancer does to each global batch of an epoch."""
 
