@@ -247,7 +247,7 @@ class TierCount(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients", "cache_disk_full")
+    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients", "cache_disk_full", "read_ahead")
     NODE_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
     CACHE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +269,7 @@ class StatsReply(_message.Message):
     CLIENT_DATA_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
     CACHE_DISK_FULL_FIELD_NUMBER: _ClassVar[int]
+    READ_AHEAD_FIELD_NUMBER: _ClassVar[int]
     node: str
     reads: _containers.RepeatedCompositeFieldContainer[TierCount]
     cache_used_bytes: int
@@ -290,7 +291,32 @@ class StatsReply(_message.Message):
     client_data_wait_seconds: float
     clients: int
     cache_disk_full: bool
-    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ...) -> None: ...
+    read_ahead: ReadAhead
+    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ..., read_ahead: _Optional[_Union[ReadAhead, _Mapping]] = ...) -> None: ...
+
+class ReadAhead(_message.Message):
+    __slots__ = ("memory_bytes", "held_bytes", "peak_bytes", "overflow_read_samples", "overflow_read_bytes", "overflow_served_samples", "overflow_served_bytes", "overflow_wasted_samples", "overflow_wasted_bytes", "overflow_failed_samples")
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOW_READ_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOW_READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOW_SERVED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOW_SERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOW_WASTED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOW_WASTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOW_FAILED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    memory_bytes: int
+    held_bytes: int
+    peak_bytes: int
+    overflow_read_samples: int
+    overflow_read_bytes: int
+    overflow_served_samples: int
+    overflow_served_bytes: int
+    overflow_wasted_samples: int
+    overflow_wasted_bytes: int
+    overflow_failed_samples: int
+    def __init__(self, memory_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., overflow_read_samples: _Optional[int] = ..., overflow_read_bytes: _Optional[int] = ..., overflow_served_samples: _Optional[int] = ..., overflow_served_bytes: _Optional[int] = ..., overflow_wasted_samples: _Optional[int] = ..., overflow_wasted_bytes: _Optional[int] = ..., overflow_failed_samples: _Optional[int] = ...) -> None: ...
 
 class PeerHealth(_message.Message):
     __slots__ = ("node", "suspect", "failures", "samples", "bytes")

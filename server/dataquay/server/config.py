@@ -373,6 +373,13 @@ class DaemonConfig(ServerConfig):
         "later epoch that hands them back moves nothing; 0 deletes them once delivered",
         _fraction,
     )
+    prefetch_memory: int = _option(
+        256 << 20,
+        "memory for samples read ahead of this node's ranks: what no cache holds, from the PFS in the order "
+        "the ranks will read it, and (modes global and locality) what they will read from other nodes; "
+        "0 reads nothing ahead",
+        parse_size,
+    )
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange import ExchangeReceiver, ExchangeRun, Exchanges
 from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState, MetricsServer
+from dataquay.server.node.overflow import OverflowCounts
 from dataquay.server.node.peers import Peers
 from dataquay.server.node.pfs_pool import PfsPool
 from dataquay.server.node.placements import Placements
@@ -84,7 +85,7 @@ class Daemon(ServerLifecycle):
         )
         self.reads = ReadService(
             self.datasets, self.store, self.pfs, self.metrics, config.max_batch, self.peers, self.placements,
-            self.tasks.spawn,
+            self.tasks.spawn, config.prefetch_memory,
         )
         self.stager = Stager(self.registry, self.store, self.pfs)
         self.exchanges: Exchanges | None = None
@@ -272,6 +273,8 @@ class Daemon(ServerLifecycle):
             ),
             previous_owner_samples=self.reads.previous_owner_samples,
             prefetched_samples=self.reads.prefetcher.served if self.reads.prefetcher else 0,
+            prefetch_memory=(self.reads.budget.limit, self.reads.budget.used, self.reads.budget.peak),
+            overflow=self.reads.overflow.counts if self.reads.overflow else OverflowCounts(),
             client_reads={tier: (samples, nbytes) for tier, (samples, nbytes) in self.client_stats.reads.items()},
             client_data_wait_seconds=self.client_stats.data_wait_seconds,
             clients=self.client_stats.clients,

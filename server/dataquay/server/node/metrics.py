@@ -20,12 +20,15 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from dataquay.server.node.overflow import OverflowCounts
 
 #: Where this daemon served a sample from: its own cache, another daemon's, the PFS.
 #: Not the clients' tiers (``dataquay_client_reads``), where ``local`` is a
@@ -60,6 +63,8 @@ class LiveState:
     exchange_received: tuple[int, int]  # (samples, bytes) committed from other nodes' exchanges
     previous_owner_samples: int
     prefetched_samples: int
+    prefetch_memory: tuple[int, int, int]  # (budget, reserved now, most reserved at once), bytes
+    overflow: OverflowCounts
     client_reads: dict[str, tuple[int, int]]  # client tier -> (samples, bytes), as trainers reported
     client_data_wait_seconds: float
     clients: int
@@ -140,7 +145,36 @@ class _StateCollector(Collector):
             bad.add_metric([peer], corrupt)
         yield from (suspect, failures, bad)
         yield from _exchange_metrics(state)
+        yield from _read_ahead_metrics(state)
         yield from _client_metrics(state)
+
+
+def _read_ahead_metrics(state: LiveState) -> Iterator[Metric]:
+    limit, used, peak = state.prefetch_memory
+    yield GaugeMetricFamily(
+        "dataquay_prefetch_memory_bytes", "Memory for samples read ahead of the ranks (--prefetch-memory)", value=limit
+    )
+    yield GaugeMetricFamily(
+        "dataquay_prefetch_held_bytes", "Bytes read ahead of the ranks and held for them, or being read", value=used
+    )
+    yield GaugeMetricFamily(
+        "dataquay_prefetch_peak_bytes", "The most bytes read ahead of the ranks held at once", value=peak
+    )
+    counts = state.overflow
+    for name, what, samples, nbytes in (
+        ("read", "read from the PFS ahead of the ranks (samples no cache holds)", counts.read_samples,
+         counts.read_bytes),
+        ("served", "read ahead from the PFS and handed to a rank's read", counts.served_samples,
+         counts.served_bytes),
+        ("wasted", "read ahead from the PFS and dropped unread", counts.wasted_samples, counts.wasted_bytes),
+    ):
+        yield CounterMetricFamily(f"dataquay_overflow_{name}_samples", f"Samples {what}", value=samples)
+        yield CounterMetricFamily(f"dataquay_overflow_{name}_bytes", f"Payload bytes {what}", value=nbytes)
+    yield CounterMetricFamily(
+        "dataquay_overflow_failed_samples",
+        "Samples the PFS refused to a read ahead (changed since the manifest, unreadable); read on demand",
+        value=counts.failed_samples,
+    )
 
 
 def _client_metrics(state: LiveState) -> Iterator[Metric]:

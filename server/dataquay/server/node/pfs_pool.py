@@ -116,17 +116,50 @@ class PfsPool:
         reader = self.reader(dataset, manifest)
         ranges = plan_reads(manifest, ids)
         loop = asyncio.get_running_loop()
-        expected = self.range_seconds * len(ranges)
-        groups = _split(ranges, min(self.threads, 1 + int(expected / _GROUP_SECONDS)))
         progress = _Progress()
         results = await self._bounded(
-            [loop.run_in_executor(self._executor, self._read_ranges, reader, g, progress) for g in groups],
+            [
+                loop.run_in_executor(self._executor, self._read_ranges, reader, g, progress)
+                for g in self._groups(ranges)
+            ],
             progress, dataset, int(ids[0]) if len(ids) else None,
         )
         merged: dict[int, bytes] = {}
         for part in results:
             merged.update(part)
         return merged
+
+    async def read_available(
+        self, dataset: str, manifest: Manifest, ids: np.ndarray
+    ) -> tuple[dict[int, bytes], list[str]]:
+        """Like :meth:`read`, but a sample the PFS refuses is left out and
+        described, not raised: (cache values by id, failures). For reads
+        ahead of the ranks, where one changed file must not cost the rest.
+
+        Raises:
+            PfsReadError: the reads made no progress for ``read_timeout`` seconds.
+        """
+        reader = self.reader(dataset, manifest)
+        ranges = plan_reads(manifest, ids)
+        loop = asyncio.get_running_loop()
+        progress = _Progress()
+        results = await self._bounded(
+            [
+                loop.run_in_executor(self._executor, self._read_ranges_skipping, reader, manifest, g, progress)
+                for g in self._groups(ranges)
+            ],
+            progress, dataset, int(ids[0]) if len(ids) else None,
+        )
+        merged: dict[int, bytes] = {}
+        failures: list[str] = []
+        for values, failed in results:
+            merged.update(values)
+            failures += failed
+        return merged, failures
+
+    def _groups(self, ranges: Sequence[ReadRange]) -> list[list[ReadRange]]:
+        """``ranges`` dealt over as many threads as their expected read time is worth."""
+        return _split(ranges, min(self.threads, 1 + int(self.range_seconds * len(ranges) / _GROUP_SECONDS)))
 
     async def _bounded(
         self, futures: list[asyncio.Future[T]], progress: _Progress, dataset: str, first: int | None

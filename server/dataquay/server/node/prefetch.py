@@ -6,7 +6,9 @@ batch's imbalance under ``locality``). Their order is known in advance
 (:func:`dataquay.client.placement.node_steps`, given the job's batch size), so
 the daemon fetches the next ``depth`` steps' transfers from their owners while
 the ranks are still on the current one, and keeps them in memory until they
-are read: they are not this node's to cache. How far the ranks got is the
+are read: they are not this node's to cache. Their bytes are reserved in the
+node's prefetch budget (:mod:`dataquay.server.node.prefetch_budget`) before
+they are asked for; steps that do not fit are read when asked for. How far the ranks got is the
 step of the latest id they asked for. Once they ask for the last steps of an
 epoch, the first steps of the next one are fetched too, so that a new epoch
 does not start by waiting for its peers.
@@ -25,6 +27,7 @@ from dataquay.client.jobs import job_plan
 from dataquay.client.placement import node_steps
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.placements import Placement
+from dataquay.server.node.prefetch_budget import PrefetchBudget
 from dataquay.server.registry import Registered
 from dataquay.server.task_group import Spawn
 
@@ -37,8 +40,6 @@ PlacementOf = Callable[[str, Registered, int], Awaitable[Placement]]
 
 #: Steps fetched ahead of the furthest step read.
 DEPTH = 4
-#: Bytes held at most; beyond it, transfers are read when asked for.
-MAX_BYTES = 256 << 20
 
 
 @dataclass
@@ -64,21 +65,21 @@ class TransferPrefetcher:
         fetch: gets ids from their owners (the read path's own peer fetch).
         placement_of: the job's placement in another epoch (for the next one).
         spawn: runs a background task owned by the daemon.
+        budget: the node's prefetch memory, shared with the overflow's reads.
     """
 
     def __init__(
-        self, fetch: Fetch, placement_of: PlacementOf, spawn: Spawn, depth: int = DEPTH, max_bytes: int = MAX_BYTES
+        self, fetch: Fetch, placement_of: PlacementOf, spawn: Spawn, budget: PrefetchBudget, depth: int = DEPTH
     ) -> None:
         self.fetch = fetch
         self.placement_of = placement_of
         self.spawn = spawn
+        self.budget = budget
         self.depth = depth
-        self.max_bytes = max_bytes
         self.served = 0
         #: Per job, the epochs planned: the one its ranks read and the next.
         self._epochs: dict[str, dict[int, _Epoch]] = {}
         self._planning: set[tuple[str, int]] = set()
-        self._held_bytes = 0
 
     def take(self, job_id: str, epoch: int, ids: np.ndarray) -> Fetched:
         """The prefetched samples among ``ids``, handed over (they leave the buffer)."""
@@ -86,7 +87,7 @@ class TransferPrefetcher:
         if state is None or not state.held:
             return {}
         out = {i: state.held.pop(i) for i in ids.tolist() if i in state.held}
-        self._held_bytes -= sum(len(data) for _, data, _ in out.values())
+        self.budget.give_back(_held_bytes(out))
         self.served += len(out)
         return out
 
@@ -118,13 +119,16 @@ class TransferPrefetcher:
         """Starts fetching the steps of ``state`` from ``after`` to ``upto`` not
         asked for yet; returns the last step asked for so far."""
         first, last = max(state.next_step, after), min(upto, len(state.incoming) - 1)
-        if first > last or self._held_bytes >= self.max_bytes:
+        if first > last:
+            return state.next_step - 1
+        wanted = np.concatenate(state.incoming[first : last + 1])
+        reserved = int(entry.manifest.sample_length[wanted].sum())
+        if not self.budget.take(reserved):
             return state.next_step - 1
         state.next_step = last + 1
-        wanted = np.concatenate(state.incoming[first : last + 1])
         if len(wanted):
             job_id, epoch = state.placement.job.spec.job_id, state.placement.epoch
-            self.spawn(self._get(entry, state, wanted), f"prefetch-{job_id}-{epoch}-{first}")
+            self.spawn(self._get(entry, state, wanted, reserved), f"prefetch-{job_id}-{epoch}-{first}")
         return last
 
     async def _plan_next(self, entry: Registered, current: Placement, steps: int) -> None:
@@ -153,14 +157,21 @@ class TransferPrefetcher:
         planned = self._epochs.setdefault(job_id, {})
         planned[epoch] = state
         for old in sorted(planned)[:-2]:
-            self._held_bytes -= sum(len(data) for _, data, _ in planned.pop(old).held.values())
+            self.budget.give_back(_held_bytes(planned.pop(old).held))
         if then_steps:
             self._fetch_steps(entry, state, 0, then_steps - 1)
 
-    async def _get(self, entry: Registered, state: _Epoch, ids: np.ndarray) -> None:
+    async def _get(self, entry: Registered, state: _Epoch, ids: np.ndarray, reserved: int) -> None:
         placement = state.placement
-        got = await self.fetch(entry, placement, ids)
-        if self._epochs.get(placement.job.spec.job_id, {}).get(placement.epoch) is not state:
-            return  # the job moved on meanwhile
-        state.held.update(got)
-        self._held_bytes += sum(len(data) for _, data, _ in got.values())
+        kept = 0
+        try:
+            got = await self.fetch(entry, placement, ids)
+            if self._epochs.get(placement.job.spec.job_id, {}).get(placement.epoch) is state:
+                state.held.update(got)  # else the job moved on meanwhile
+                kept = _held_bytes(got)
+        finally:
+            self.budget.give_back(reserved - kept)
+
+
+def _held_bytes(held: Fetched) -> int:
+    return sum(len(data) for _, data, _ in held.values())

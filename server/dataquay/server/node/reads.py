@@ -6,7 +6,9 @@ move, what the owner does not hold yet (its exchange has not delivered it) is
 asked of the sample's owner in the epoch before. In modes ``global`` and
 ``locality`` (when the job has a batch size) the samples this node's ranks
 will need from other nodes in the next steps are fetched ahead of them
-(:mod:`dataquay.server.node.prefetch`). What no daemon delivers in time comes from
+(:mod:`dataquay.server.node.prefetch`). In every mode, what this node owns
+and could not cache is read from the PFS ahead of its ranks
+(:mod:`dataquay.server.node.overflow`). What no daemon delivers in time comes from
 the PFS. A read from a peer
 (``peer`` set) is answered from this cache alone, its misses flagged, so that
 two daemons never bounce a request between them.
@@ -31,13 +33,22 @@ import numpy as np
 
 from dataquay.client.channels import READ_CHUNK_BYTES
 from dataquay.client.records import CHECKSUM_BYTES, encode_value, stored_checksum
-from dataquay.server.errors import BatchTooLargeError, DatasetReplacedError, DirectoryUnavailableError, SampleIdError
+from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.errors import (
+    BatchTooLargeError,
+    DataquayError,
+    DatasetReplacedError,
+    DirectoryUnavailableError,
+    SampleIdError,
+)
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.metrics import DaemonMetrics
+from dataquay.server.node.overflow import OverflowPrefetcher
 from dataquay.server.node.peers import Peers
 from dataquay.server.node.pfs_pool import PfsPool
 from dataquay.server.node.placements import Placement, Placements
 from dataquay.server.node.prefetch import PREFETCHED_MODES, TransferPrefetcher
+from dataquay.server.node.prefetch_budget import PrefetchBudget
 from dataquay.server.node.store import Store
 from dataquay.server.node.write_queue import PendingWrite
 from dataquay.server.registry import Registered
@@ -62,7 +73,11 @@ class Served:
 
 
 class ReadService:
-    """Resolves read requests against the node's tiers."""
+    """Resolves read requests against the node's tiers.
+
+    ``prefetch_memory`` bounds what is read ahead of the ranks (0: nothing is);
+    reading ahead needs ``placements`` and ``spawn``.
+    """
 
     def __init__(
         self,
@@ -74,6 +89,7 @@ class ReadService:
         peers: Peers | None = None,
         placements: Placements | None = None,
         spawn: Spawn | None = None,
+        prefetch_memory: int = 0,
     ) -> None:
         self.datasets = datasets
         self.store = store
@@ -83,10 +99,13 @@ class ReadService:
         self.peers = peers
         self.placements = placements
         self.previous_owner_samples = 0
-        self.prefetcher = (
-            TransferPrefetcher(self._fetch_transfers, placements.placement, spawn)
-            if spawn is not None and placements is not None else None
-        )
+        self.budget = PrefetchBudget(prefetch_memory)
+        self.prefetcher: TransferPrefetcher | None = None
+        self.overflow: OverflowPrefetcher | None = None
+        if spawn is not None and placements is not None and prefetch_memory > 0:
+            self.prefetcher = TransferPrefetcher(self._fetch_transfers, placements.placement, spawn, self.budget)
+            self.overflow = OverflowPrefetcher(store, pfs, placements.placement, spawn, self.budget)
+        self._spawn = spawn
 
     async def entry(self, dataset: str, ids: np.ndarray, manifest_id: str = "") -> Registered:
         """The dataset's entry; raises for an unknown or replaced dataset, a batch
@@ -122,6 +141,9 @@ class ReadService:
             self.prefetcher.ahead(entry, placement, ids)
             fetched = self.prefetcher.take(job, placement.epoch, misses)
             misses = _not_in(misses, fetched)
+        if placement is not None and self.overflow is not None:
+            fetched.update(await self.overflow.take(entry, placement, ids, misses))
+            misses = _not_in(misses, fetched)
         if placement is not None and len(misses):
             fetched.update(await self._from_owners(entry, placement, placement.owners, misses))
             misses = _not_in(misses, fetched)
@@ -137,6 +159,23 @@ class ReadService:
                 if sample_id in keep_set:
                     self.store.offer(PendingWrite(name, sample_id, value, sample_id in repair))
         return self._in_order(ids, cached, fetched)
+
+    def read_ahead(self, job: jpb.Job) -> None:
+        """Starts reading the overflow of ``job`` ahead of this node's ranks,
+        which joined it or began an epoch (their first read would start it a
+        batch later)."""
+        if self.overflow is not None and self._spawn is not None:
+            self._spawn(self._start_overflow(job), f"overflow-start-{job.spec.job_id}")
+
+    async def _start_overflow(self, job: jpb.Job) -> None:
+        assert self.overflow is not None
+        try:
+            entry = await self.datasets.entry(job.spec.dataset)
+            placement = await self._placement(job.spec.job_id, entry)
+        except DataquayError:
+            return  # the first read starts it, or says what is wrong
+        if placement is not None:
+            self.overflow.start(entry, placement)
 
     def _answer_peer(self, ids: np.ndarray, cached: list[tuple[bytes, int] | None]) -> list[Served]:
         out = [

@@ -18,6 +18,7 @@ from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import StandaloneError
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange import ExchangeRun
+from dataquay.server.node.metrics import LiveState
 from dataquay.server.node.placements import Placements
 from dataquay.server.node.reads import MISSING, chunked
 from dataquay.server.node.stager import StagingProgress
@@ -161,6 +162,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             cache_full=state.cache_full,
             cache_disk_full=state.cache_disk_full,
             inserts_dropped=state.inserts_dropped,
+            read_ahead=read_ahead(state),
             staging=[self._progress(p) for p in d.stager.runs.values()],
             peers=[
                 pb.PeerHealth(node=p.node, suspect=p.suspect, failures=p.failures, samples=p.samples, bytes=p.bytes)
@@ -179,7 +181,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
     async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
         async with status_on_error(context):
-            return await self._link().join_job(request)
+            job = await self._link().join_job(request)
+        self.daemon.reads.read_ahead(job)
+        return job
 
     async def ReportEpoch(self, request: jpb.ReportEpochRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
         async with status_on_error(context):
@@ -189,6 +193,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             job = await self._link().report_epoch(relayed)
         if self.daemon.exchanges is not None:
             self.daemon.exchanges.epoch_started(request.job_id, request.epoch)
+        self.daemon.reads.read_ahead(job)
         return job
 
     async def ReportClientStats(
@@ -230,6 +235,23 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         entry = self.daemon.registry.get(name)
         entries, cached_bytes = self.daemon.store.dataset_usage(entry.record.cache_db)
         return dataset_info(entry, entries, cached_bytes)
+
+
+def read_ahead(state: LiveState) -> pb.ReadAhead:
+    limit, used, peak = state.prefetch_memory
+    counts = state.overflow
+    return pb.ReadAhead(
+        memory_bytes=limit,
+        held_bytes=used,
+        peak_bytes=peak,
+        overflow_read_samples=counts.read_samples,
+        overflow_read_bytes=counts.read_bytes,
+        overflow_served_samples=counts.served_samples,
+        overflow_served_bytes=counts.served_bytes,
+        overflow_wasted_samples=counts.wasted_samples,
+        overflow_wasted_bytes=counts.wasted_bytes,
+        overflow_failed_samples=counts.failed_samples,
+    )
 
 
 def exchange_progress(run: ExchangeRun) -> pb.ExchangeProgress:

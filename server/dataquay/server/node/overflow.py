@@ -1,0 +1,434 @@
+"""Reading from the PFS, ahead of the ranks, what they will read that no cache holds.
+
+When a dataset is larger than the caches, a node owns samples it could not
+cache: the store is full, and the MinIO policy never evicts. Read on demand,
+each of them costs the rank that asks the PFS's latency and its share of the
+PFS's bandwidth at the moment it asks. But the ranks' orders are known in
+advance (:func:`dataquay.client.placement.node_orders`), so the daemon reads
+those samples before they are asked for, in the order the ranks will need
+them (every rank's p-th sample, then every rank's (p+1)-th), into memory
+bounded by the node's prefetch budget, and hands each over when it is read.
+Once an epoch's overflow is read, the next epoch's follows, so that a new
+epoch does not begin by waiting for the PFS.
+
+How far the ranks got is the position of the furthest id each one asked
+for: their reads of the overflow are misses, so each asks often. Samples at
+positions they passed are not read ahead any more (they were read on
+demand), and one read ahead whose position they passed without asking for
+it (a client that read it itself) is dropped as wasted. A read of a sample
+still being read ahead waits for that read instead of reading it twice.
+Reads go through the node's PFS pool, its threads and its bandwidth cap,
+with the checks of any PFS read: a file that changed since its manifest
+was built is refused, and the sample is then read, and refused, on demand.
+
+Only samples this node owns are read ahead, and in modes whose owners move
+only those it owned the epoch before as well: what moves in comes by the
+exchange. A sample handed over is offered to the cache unless the cache is
+full, as any PFS read of a sample the node owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from dataquay.client.jobs import job_plan
+from dataquay.client.placement import JobPlan, node_orders
+from dataquay.client.records import CHECKSUM_BYTES, stored_checksum
+from dataquay.server.errors import DataquayError
+from dataquay.server.node.pfs_pool import PfsPool
+from dataquay.server.node.placements import Placement
+from dataquay.server.node.prefetch_budget import PrefetchBudget
+from dataquay.server.node.store import Store
+from dataquay.server.node.write_queue import PendingWrite
+from dataquay.server.registry import Registered
+from dataquay.server.task_group import Spawn
+
+log = logging.getLogger("dataquay.overflow")
+
+Fetched = dict[int, tuple[str, bytes | memoryview, int]]
+#: The placement of a job (by id) over a dataset in a given epoch.
+PlacementOf = Callable[[str, Registered, int], Awaitable[Placement]]
+
+#: Share of the prefetch budget the overflow may fill; the rest is the transfers'.
+BUDGET_SHARE = 0.75
+#: Bytes one read ahead asks of the PFS pool at most (one sample, if larger):
+#: small enough that a rank's own miss does not queue long behind it.
+CHUNK_BYTES = 1 << 20
+#: Reads ahead in flight at once, over all jobs.
+READS_IN_FLIGHT = 2
+#: Candidates looked up in the cache at a time.
+_WINDOW = 256
+#: How often a loop with nothing to do looks again, in seconds.
+_IDLE_POLL_SECONDS = 1.0
+#: A job none of whose ranks read for this long is forgotten, its samples dropped.
+IDLE_SECONDS = 60.0
+#: Reads of an epoch kept while it is being planned, to know where its ranks are.
+_UNPLANNED_READS = 64
+
+
+class EpochReads(NamedTuple):
+    """An epoch as one node's ranks read it; every slot is position * g + rank."""
+
+    ids: np.ndarray         #: every id the ranks read, ascending (int64)
+    slots: np.ndarray       #: the slot each of ``ids`` is first read at
+    ahead: np.ndarray       #: the ids to read ahead (this node's), in slot order
+    ahead_slots: np.ndarray  #: their slots
+
+
+def epoch_reads(orders: np.ndarray, epoch_owners: np.ndarray, node: int, before: np.ndarray | None) -> EpochReads:
+    """What ``node``'s ranks read, from their orders (g x L, :func:`node_orders`),
+    and which of it the node reads ahead: what it owns per ``epoch_owners``
+    and, where ``before`` (the previous epoch's owners) is given, owned then too."""
+    ids, first = np.unique(orders.T.ravel(), return_index=True)
+    mine = epoch_owners[ids] == node
+    if before is not None:
+        mine &= before[ids] == node
+    by_slot = np.argsort(first[mine], kind="stable")
+    return EpochReads(ids, first, ids[mine][by_slot], first[mine][by_slot])
+
+
+class _Chunk(NamedTuple):
+    """Ids read ahead together, their slots and the bytes they take."""
+
+    ids: np.ndarray
+    slots: np.ndarray
+    reserved: int
+
+
+#: No chunk while the budget is full.
+_NO_ROOM = _Chunk(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), 0)
+
+
+@dataclass
+class OverflowCounts:
+    """What the overflow's reads ahead did since the daemon started (payload bytes)."""
+
+    read_samples: int = 0     #: read from the PFS ahead of the ranks
+    read_bytes: int = 0
+    served_samples: int = 0   #: handed to a rank's read
+    served_bytes: int = 0
+    wasted_samples: int = 0   #: read ahead and dropped unread
+    wasted_bytes: int = 0
+    failed_samples: int = 0   #: refused by the PFS (changed, unreadable): left to the reads on demand
+
+
+@dataclass
+class _Epoch:
+    """One epoch of a job as the read ahead walks it."""
+
+    epoch: int
+    reads: EpochReads
+    ranks: int
+    reached: np.ndarray  # per rank, the furthest position asked for
+    cursor: int = 0      # next entry of reads.ahead to consider
+    held: dict[int, tuple[bytes, int]] = field(default_factory=dict)  # id -> (cache value, slot)
+    reading: dict[int, asyncio.Future[None]] = field(default_factory=dict)  # id -> its read in flight
+
+    def passed(self, slots: np.ndarray) -> np.ndarray:
+        """Which of ``slots`` the ranks have reached already."""
+        return slots // self.ranks <= self.reached[slots % self.ranks]
+
+
+@dataclass
+class _Job:
+    """The read ahead of one job."""
+
+    entry: Registered
+    job_id: str
+    epochs: dict[int, _Epoch] = field(default_factory=dict)
+    latest: int = 0                 # the latest epoch its ranks read
+    walking: int = 0                # the epoch read ahead now
+    last_read: float = field(default_factory=time.monotonic)
+    failed_epoch: int = -1          # an epoch that could not be planned: not tried again
+    task: asyncio.Task[None] | None = None
+    unplanned: dict[int, list[np.ndarray]] = field(default_factory=dict)  # ids read before their epoch was planned
+
+
+class OverflowPrefetcher:
+    """Reads the overflow of the jobs this node's ranks read, ahead of them.
+
+    Args:
+        store: the node's cache: what it holds is not read ahead.
+        pfs: the node's PFS readers.
+        placement_of: a job's placement in an epoch.
+        spawn: runs a background task owned by the daemon.
+        budget: the node's prefetch memory, shared with the transfers.
+    """
+
+    def __init__(
+        self, store: Store, pfs: PfsPool, placement_of: PlacementOf, spawn: Spawn, budget: PrefetchBudget
+    ) -> None:
+        self.store = store
+        self.pfs = pfs
+        self.placement_of = placement_of
+        self.spawn = spawn
+        self.budget = budget
+        self.counts = OverflowCounts()
+        self._jobs: dict[str, _Job] = {}
+        self._in_flight = asyncio.Semaphore(READS_IN_FLIGHT)
+        #: Ids a read waits for: never dropped as passed.
+        self._wanted: Counter[int] = Counter()
+
+    def start(self, entry: Registered, placement: Placement) -> None:
+        """Starts reading ahead for the job of ``placement`` (its ranks joined
+        it or began an epoch); a read for it starts it too."""
+        self._note(entry, placement, np.empty(0, dtype=np.int64))
+
+    async def take(self, entry: Registered, placement: Placement, ids: np.ndarray, misses: np.ndarray) -> Fetched:
+        """Notes that this node's ranks read ``ids`` and hands over the samples
+        of ``misses`` read ahead, waiting for those being read."""
+        job = self._note(entry, placement, ids)
+        if job is None or not len(misses):
+            return {}
+        out: Fetched = {}
+        waits: dict[int, asyncio.Future[None]] = {}
+        for sample_id in misses.tolist():
+            if not self._hand_over(job, sample_id, out):
+                reading = next((e.reading[sample_id] for e in job.epochs.values() if sample_id in e.reading), None)
+                if reading is not None:
+                    waits[sample_id] = reading
+        if waits:
+            self._wanted.update(waits.keys())
+            try:
+                await asyncio.wait(set(waits.values()))
+            finally:
+                self._wanted.subtract(waits.keys())
+                self._wanted += Counter()  # drops the ids no read waits for any more
+            for sample_id in waits:
+                self._hand_over(job, sample_id, out)
+        return out
+
+    def _hand_over(self, job: _Job, sample_id: int, out: Fetched) -> bool:
+        """Moves ``sample_id`` from the held samples (the oldest epoch's first) to ``out``."""
+        for epoch in sorted(job.epochs):
+            held = job.epochs[epoch].held.pop(sample_id, None)
+            if held is not None:
+                value = held[0]
+                payload = memoryview(value)[CHECKSUM_BYTES:]
+                out[sample_id] = ("pfs", payload, stored_checksum(value))
+                self.budget.give_back(len(value))
+                self.counts.served_samples += 1
+                self.counts.served_bytes += len(payload)
+                if not self.store.full:
+                    self.store.offer(PendingWrite(job.entry.record.cache_db.encode(), sample_id, value))
+                return True
+        return False
+
+    def _note(self, entry: Registered, placement: Placement, ids: np.ndarray) -> _Job | None:
+        """Records how far the ranks got; starts (or restarts) the job's loop."""
+        if placement.node_index < 0:
+            return None
+        job_id, epoch = placement.job.spec.job_id, placement.epoch
+        job = self._jobs.get(job_id)
+        if job is not None and job.entry.record.manifest_id != entry.record.manifest_id:
+            self._forget(job)
+            job = None
+        if job is None:
+            job = self._jobs[job_id] = _Job(entry, job_id, latest=epoch, walking=epoch)
+        job.last_read = now = time.monotonic()
+        for quiet in [j for j in self._jobs.values() if now - j.last_read > IDLE_SECONDS]:
+            self._forget(quiet)
+        if epoch > job.latest:
+            job.latest = epoch
+            for old in [e for e in job.epochs if e < epoch - 1]:
+                self._drop(job.epochs.pop(old))
+        state = job.epochs.get(epoch)
+        if state is not None:
+            _reach(state, ids)
+        elif len(ids):
+            job.unplanned.setdefault(epoch, []).append(ids)
+            del job.unplanned[epoch][:-_UNPLANNED_READS]
+        self.budget.wake()
+        if (job.task is None or job.task.done()) and epoch > job.failed_epoch:
+            job.task = self.spawn(self._run(job), f"overflow-{job_id}")
+        return job
+
+    # ----------------------------------------------------------- the loop
+
+    async def _run(self, job: _Job) -> None:
+        """Reads ahead for ``job`` until its ranks stop reading."""
+        try:
+            while self._jobs.get(job.job_id) is job:
+                epoch = job.walking = max(job.walking, job.latest)
+                if epoch > job.latest + 1:
+                    await self._wait(job)  # the next epoch is read ahead; the ranks are still on the one before
+                    continue
+                state = job.epochs.get(epoch)
+                if state is None:
+                    state = await self._plan(job, epoch)
+                    if state is None:
+                        return
+                    if epoch >= job.latest - 1:
+                        job.epochs[epoch] = state
+                    for ids in job.unplanned.pop(epoch, []):
+                        _reach(state, ids)
+                    continue
+                await self._in_flight.acquire()
+                if self._jobs.get(job.job_id) is not job or job.epochs.get(epoch) is not state:
+                    self._in_flight.release()
+                    continue
+                chunk = self._next_chunk(job, state)
+                if chunk is None:
+                    self._in_flight.release()
+                    job.walking = epoch + 1
+                elif not len(chunk.ids):
+                    self._in_flight.release()
+                    if not self._sweep(job):
+                        await self._wait(job)
+                else:
+                    self.budget.take(chunk.reserved, BUDGET_SHARE)
+                    done = asyncio.get_running_loop().create_future()
+                    state.reading.update(dict.fromkeys(chunk.ids.tolist(), done))
+                    self.spawn(self._read(job, state, chunk, done), f"overflow-read-{job.job_id}-{epoch}")
+        finally:
+            if job.failed_epoch < 0:
+                self._forget(job)
+
+    async def _wait(self, job: _Job) -> None:
+        """Waits for room or progress; forgets a job whose ranks went quiet."""
+        await self.budget.changed(_IDLE_POLL_SECONDS)
+        if time.monotonic() - job.last_read > IDLE_SECONDS:
+            self._forget(job)
+
+    async def _plan(self, job: _Job, epoch: int) -> _Epoch | None:
+        """What ``job``'s ranks on this node read in ``epoch``; None (and not
+        tried again for it) when the job cannot be planned here."""
+        entry = job.entry
+        try:
+            placement = await self.placement_of(job.job_id, entry, epoch)
+            before = None
+            if placement.owners_move and epoch > 0:
+                before = (await self.placement_of(job.job_id, entry, epoch - 1)).owners
+            plan = job_plan(placement.job, entry.manifest)
+            reads = await asyncio.get_running_loop().run_in_executor(
+                None, _plan_reads, plan, epoch, placement.node_index, placement.owners, before
+            )
+        except (DataquayError, ValueError) as exc:
+            log.info("not reading ahead", extra={"fields": {"job": job.job_id, "epoch": epoch, "reason": str(exc)}})
+            job.failed_epoch = epoch
+            return None
+        g = plan.settings.ranks_per_node
+        return _Epoch(epoch, reads, g, np.full(g, -1, dtype=np.int64))
+
+    def _next_chunk(self, job: _Job, state: _Epoch) -> _Chunk | None:
+        """The next ids to read ahead: as many as fit in :data:`CHUNK_BYTES`
+        and the budget (none while it is full); None once the epoch has none left."""
+        ahead, slots = state.reads.ahead, state.reads.ahead_slots
+        lengths = job.entry.manifest.sample_length
+        db = job.entry.record.cache_db
+        most = int(self.budget.limit * BUDGET_SHARE)
+        while state.cursor < len(ahead):
+            room = self.budget.room(BUDGET_SHARE)
+            if not room:
+                return _NO_ROOM
+            window = slice(state.cursor, min(state.cursor + _WINDOW, len(ahead)))
+            ids, at = ahead[window], slots[window]
+            sizes = lengths[ids].astype(np.int64) + CHECKSUM_BYTES
+            keep = ~state.passed(at) & ~self.store.cached_mask(db, ids) & (sizes <= most)
+            kept = np.flatnonzero(keep)
+            if not len(kept):
+                state.cursor = window.stop
+                continue
+            total = np.cumsum(sizes[kept])
+            count = int(np.searchsorted(total, min(room, max(CHUNK_BYTES, int(total[0]))), side="right"))
+            if not count:
+                state.cursor += int(kept[0])
+                return _NO_ROOM
+            taken = kept[:count]
+            state.cursor += int(taken[-1]) + 1
+            return _Chunk(ids[taken], at[taken], int(total[count - 1]))
+        return None
+
+    async def _read(self, job: _Job, state: _Epoch, chunk: _Chunk, done: asyncio.Future[None]) -> None:
+        """Reads one chunk ahead into ``state``; what the ranks passed meanwhile is dropped."""
+        ids, slots = chunk.ids, chunk.slots
+        kept = 0
+        try:
+            try:
+                values, failures = await self.pfs.read_available(job.entry.record.name, job.entry.manifest, ids)
+            except (DataquayError, OSError) as exc:
+                values, failures = {}, [str(exc)]
+            finally:
+                self._in_flight.release()
+                for sample_id in ids.tolist():
+                    state.reading.pop(sample_id, None)
+                done.set_result(None)
+            if failures:
+                self.counts.failed_samples += len(ids) - len(values)
+                log.warning("a read ahead failed; those samples are read on demand",
+                            extra={"fields": {"job": job.job_id, "samples": len(ids) - len(values),
+                                              "first": failures[0]}})
+            current = self._jobs.get(job.job_id) is job and job.epochs.get(state.epoch) is state
+            passed = dict(zip(ids.tolist(), state.passed(slots).tolist()))
+            slot_of = dict(zip(ids.tolist(), slots.tolist()))
+            for sample_id, value in values.items():
+                self.counts.read_samples += 1
+                self.counts.read_bytes += len(value) - CHECKSUM_BYTES
+                if current and (not passed[sample_id] or self._wanted[sample_id]):
+                    state.held[sample_id] = (value, slot_of[sample_id])
+                    kept += len(value)
+                else:
+                    self._count_wasted(len(value))
+        finally:
+            self.budget.give_back(chunk.reserved - kept)
+
+    # ---------------------------------------------------------- dropping
+
+    def _sweep(self, job: _Job) -> bool:
+        """Drops held samples whose position the ranks passed without asking;
+        True if that freed any room."""
+        freed = 0
+        for state in job.epochs.values():
+            if not state.held:
+                continue
+            ids = np.fromiter(state.held, np.int64, len(state.held))
+            slots = np.array([slot for _, slot in state.held.values()], dtype=np.int64)
+            for sample_id in ids[state.passed(slots)].tolist():
+                if not self._wanted[sample_id]:
+                    value, _ = state.held.pop(sample_id)
+                    self._count_wasted(len(value))
+                    freed += len(value)
+        self.budget.give_back(freed)
+        return freed > 0
+
+    def _drop(self, state: _Epoch) -> None:
+        """Drops an epoch's held samples (reads still in flight drop theirs on arrival)."""
+        freed = sum(len(value) for value, _ in state.held.values())
+        for value, _ in state.held.values():
+            self._count_wasted(len(value))
+        state.held.clear()
+        self.budget.give_back(freed)
+
+    def _forget(self, job: _Job) -> None:
+        if self._jobs.get(job.job_id) is job:
+            del self._jobs[job.job_id]
+        for state in job.epochs.values():
+            self._drop(state)
+
+    def _count_wasted(self, value_bytes: int) -> None:
+        self.counts.wasted_samples += 1
+        self.counts.wasted_bytes += value_bytes - CHECKSUM_BYTES
+
+
+def _reach(state: _Epoch, ids: np.ndarray) -> None:
+    """Moves each rank's furthest position to what it asked for in ``ids``."""
+    known = state.reads.ids
+    if not len(ids) or not len(known):
+        return
+    where = np.minimum(np.searchsorted(known, ids), len(known) - 1)
+    slots = state.reads.slots[where[known[where] == ids]]
+    np.maximum.at(state.reached, slots % state.ranks, slots // state.ranks)
+
+
+def _plan_reads(
+    plan: JobPlan, epoch: int, node: int, epoch_owners: np.ndarray, before: np.ndarray | None
+) -> EpochReads:
+    return epoch_reads(node_orders(plan, epoch, node, epoch_owners), epoch_owners, node, before)
