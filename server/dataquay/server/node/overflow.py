@@ -8,8 +8,10 @@ advance (:func:`dataquay.client.placement.node_orders`), so the daemon reads
 those samples before they are asked for, in the order the ranks will need
 them (every rank's p-th sample, then every rank's (p+1)-th), into memory
 bounded by the node's prefetch budget, and hands each over when it is read.
-Once an epoch's overflow is read, the next epoch's follows, so that a new
-epoch does not begin by waiting for the PFS.
+It starts as soon as the job's staging ends on the node (what staging could
+not fit is the overflow) or its ranks join, so that the first batches do not
+wait either; once an epoch's overflow is read, the next epoch's follows, so
+that a new epoch does not begin by waiting for the PFS.
 
 How far the ranks got is the position of the furthest id each one asked
 for: their reads of the overflow are misses, so each asks often. Samples at
@@ -224,8 +226,8 @@ class OverflowPrefetcher:
 
     def _note(self, entry: Registered, placement: Placement, ids: np.ndarray) -> _Job | None:
         """Records how far the ranks got; starts (or restarts) the job's loop."""
-        if placement.node_index < 0:
-            return None
+        if placement.node_index < 0 or not placement.job.spec.ranks_per_node:
+            return None  # no ranks here, or their orders are not known yet
         job_id, epoch = placement.job.spec.job_id, placement.epoch
         job = self._jobs.get(job_id)
         if job is not None and job.entry.record.manifest_id != entry.record.manifest_id:

@@ -161,9 +161,9 @@ class ReadService:
         return self._in_order(ids, cached, fetched)
 
     def read_ahead(self, job: jpb.Job) -> None:
-        """Starts reading the overflow of ``job`` ahead of this node's ranks,
-        which joined it or began an epoch (their first read would start it a
-        batch later)."""
+        """Starts reading the overflow of ``job`` ahead of this node's ranks:
+        its staging here ended, or its ranks joined it or began an epoch
+        (their first read would start it, a batch later)."""
         if self.overflow is not None and self._spawn is not None:
             self._spawn(self._start_overflow(job), f"overflow-start-{job.spec.job_id}")
 

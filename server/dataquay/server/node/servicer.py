@@ -124,6 +124,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             await d.stager.wait(request.dataset, timeout=0.5)
             yield self._progress(progress)
             if progress.finished:
+                if request.job and not progress.error:
+                    d.reads.read_ahead(placement.job)  # what did not fit, before the ranks come
                 return
 
     def _progress(self, progress: StagingProgress) -> pb.StageProgress:
