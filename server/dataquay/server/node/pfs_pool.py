@@ -45,12 +45,15 @@ T = TypeVar("T")
 
 
 class _Progress:
-    """When the reads of one call last moved: a thread took up its work or finished a range."""
+    """When the reads of one call last moved: a thread took up its work or
+    finished a range; and whether the call was left, so that its threads
+    stop after the range they are reading."""
 
-    __slots__ = ("at",)
+    __slots__ = ("at", "stopped")
 
     def __init__(self) -> None:
         self.at = time.monotonic()
+        self.stopped = False
 
     def mark(self) -> None:
         self.at = time.monotonic()
@@ -94,6 +97,8 @@ class PfsPool:
         started = time.perf_counter()
         progress.mark()
         for r in ranges:
+            if progress.stopped:
+                break
             if self._bucket is not None:
                 self._bucket.acquire(r.length)
                 progress.mark()
@@ -223,7 +228,9 @@ class PfsPool:
         doubles while the queue is nearly empty (the writer waits for reads)
         and halves once the reads run ahead. From a slow PFS that means every
         thread; from a fast one, a thread or two, since more would only take
-        the CPU (and the GIL) from the writer they feed.
+        the CPU (and the GIL) from the writer they feed. Once the consumer
+        stops iterating, the jobs still queued are dropped and those running
+        stop after their current range.
         """
         reader = self.reader(dataset, manifest)
         loop = asyncio.get_running_loop()
@@ -244,19 +251,28 @@ class PfsPool:
                 raise
             return result
 
-        for start in range(0, len(ranges), per_job):
-            job = ranges[start : start + per_job]
-            future = loop.run_in_executor(self._staging, self._read_ranges_skipping, reader, manifest, job, progress)
-            pending.append((future, int(job[0].ids[0])))
-            while len(pending) >= window:
+        try:
+            for start in range(0, len(ranges), per_job):
+                job = ranges[start : start + per_job]
+                future = loop.run_in_executor(
+                    self._staging, self._read_ranges_skipping, reader, manifest, job, progress
+                )
+                pending.append((future, int(job[0].ids[0])))
+                while len(pending) >= window:
+                    yield await next_job()
+                    fill = backlog()
+                    if fill < 0.05:
+                        window = min(most, window * 2)
+                    elif fill > 0.15:
+                        window = max(1, window // 2)
+            while pending:
                 yield await next_job()
-                fill = backlog()
-                if fill < 0.05:
-                    window = min(most, window * 2)
-                elif fill > 0.15:
-                    window = max(1, window // 2)
-        while pending:
-            yield await next_job()
+        finally:
+            # A consumer that stops early (a full cache) leaves no reads behind
+            # to take the PFS's bandwidth from the reads that follow.
+            progress.stopped = True
+            for job_left, _ in pending:
+                job_left.cancel()
 
 
 def _split(ranges: Sequence[ReadRange], parts: int) -> list[list[ReadRange]]:

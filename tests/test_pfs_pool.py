@@ -1,0 +1,60 @@
+"""The daemon's PFS readers on real files: a read ahead that skips what the
+PFS refuses, and a staging stream that stops reading once it is left."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+
+from dataquay.client.manifest import Manifest
+from dataquay.client.pfs import plan_reads
+from dataquay.client.records import decode_value
+from dataquay.server.manifest_build import build_manifest
+from dataquay.server.node.pfs_pool import PfsPool
+from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
+
+SIZE = 1000
+
+
+def files(root: Path, count: int) -> Manifest:
+    make_files_dataset(root, count, sizes=(SIZE,), classes=1)
+    return Manifest(build_manifest(root, "files").to_bytes())
+
+
+def test_a_read_ahead_leaves_out_and_names_a_file_changed_since_its_manifest(tmp_path: Path) -> None:
+    manifest = files(tmp_path, 8)
+    next(tmp_path.glob("*/00000003.bin")).write_bytes(bytes(SIZE))
+    pool = PfsPool(threads=2)
+    try:
+        values, failures = asyncio.run(pool.read_available("ds", manifest, np.arange(8)))
+    finally:
+        pool.close()
+    assert sorted(values) == [0, 1, 2, 4, 5, 6, 7]
+    assert all(decode_value(values[i]) == sample_bytes(0, i, SIZE) for i in values)
+    assert len(failures) == 1 and "sample 3 of 'ds'" in failures[0] and "changed since" in failures[0]
+
+
+def test_a_staging_stream_left_early_reads_no_further(tmp_path: Path) -> None:
+    manifest = files(tmp_path, 128)
+    ranges = plan_reads(manifest, np.arange(128))
+    # One thread, and a range every 10 ms: the stream's second job (of 32
+    # ranges, like the first) is queued or has just begun when it is left.
+    pool = PfsPool(threads=1, bandwidth=100 * SIZE)
+
+    async def run() -> int:
+        stream = pool.stream("ds", manifest, ranges, backlog=lambda: 0.0)
+        first, _ = await anext(stream)
+        await stream.aclose()
+        # The one thread takes jobs in order: once this one is read, the left one is done too.
+        async for _ in pool.stream("ds", manifest, ranges[:1], backlog=lambda: 0.0):
+            pass
+        return len(first)
+
+    try:
+        consumed = asyncio.run(run())
+    finally:
+        pool.close()
+    assert consumed == 32
+    assert pool.bytes_read - (consumed + 1) * SIZE < 16 * SIZE  # not the 32 ranges of the job left behind
