@@ -23,7 +23,7 @@ import reads  # noqa: E402
 import staging  # noqa: E402
 from common import RESULTS, machine  # noqa: E402
 
-from dataquay.server.tools import data_stall  # noqa: E402
+from dataquay.server.tools import data_stall, overflow_stall  # noqa: E402
 
 
 def main() -> None:
@@ -37,6 +37,7 @@ def main() -> None:
         ("peers", peers.main),
         ("exchange", exchange.main),
         ("stall", lambda: data_stall.main(quick=False, out_dir=RESULTS)),
+        ("overflow", lambda: overflow_stall.main(quick=False, out_dir=RESULTS)),
         ("cache_policy", lambda: cache_policy.main([])),
         ("directory_load", directory_load.main),
     )

@@ -1,5 +1,6 @@
-"""``dataquay bench``: the data-stall benchmark of :mod:`dataquay.server.tools.data_stall`,
-and ``dataquay bench load``, the load run of :mod:`dataquay.server.tools.loadgen`."""
+"""``dataquay bench``: the data-stall benchmark of :mod:`dataquay.server.tools.data_stall`;
+``dataquay bench load``, the load run of :mod:`dataquay.server.tools.loadgen`; and
+``dataquay bench overflow``, a dataset larger than the caches (:mod:`dataquay.server.tools.overflow_stall`)."""
 
 from __future__ import annotations
 
@@ -26,12 +27,19 @@ def cmd_load(args: argparse.Namespace) -> None:
     print(f"(results in {Path(args.out) / 'load.json'})")
 
 
+def cmd_overflow(args: argparse.Namespace) -> None:
+    from dataquay.server.tools.overflow_stall import main
+
+    main(args.quick, Path(args.out))
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser(
         "bench",
         help="how long trainers wait for data: the PFS directly, a page cache and every dataquay mode",
         description="Without a BENCHMARK: the data-stall benchmark (stall.json, stall.png). "
-        "`dataquay bench load`: many clients reading from one daemon (load.json).",
+        "`dataquay bench load`: many clients reading from one daemon (load.json). "
+        "`dataquay bench overflow`: a dataset larger than the caches (overflow.json).",
     )
     bench.add_argument("--quick", action="store_true", help="a smaller dataset and 3 epochs (a few minutes)")
     bench.add_argument("--out", default="bench/results", help="where stall.json and stall.png go")
@@ -52,3 +60,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     load.add_argument("--out", default=argparse.SUPPRESS, help="where load.json goes (default bench/results)")
     load.add_argument("--quiet", action="store_true", help="no progress bar")
     load.set_defaults(func=cmd_load)
+    overflow = benchmarks.add_parser(
+        "overflow",
+        help="a dataset 1.5x the caches behind a capped PFS: the stall with the overflow read ahead of the "
+        "ranks, read on demand, and read directly",
+    )
+    overflow.add_argument("--quick", action="store_true", help="half the dataset, shorter epochs (under a minute)")
+    overflow.add_argument("--out", default=argparse.SUPPRESS, help="where overflow.json goes (default bench/results)")
+    overflow.set_defaults(func=cmd_overflow)
