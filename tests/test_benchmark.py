@@ -1,5 +1,5 @@
-"""The data-stall benchmark's own parts: its page-cache stand-in, and (slow) a
-whole quick run whose figures must show what the benchmark claims."""
+"""The data-stall benchmarks' own parts: the page-cache stand-in, and (slow)
+whole quick runs whose figures must show what the benchmarks claim."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from dataquay.server.tools import overflow_stall
 from dataquay.server.tools.data_stall import run_benchmark
 from dataquay.server.tools.trainers import PageCache
 
@@ -31,3 +32,17 @@ def test_a_quick_run_shows_dataquay_without_stalls_and_the_pfs_bound_baseline_wi
     for mode in ("dataquay partial q=0.1", "dataquay local"):
         assert by[(mode, 1)].pfs_mb == 0 and by[(mode, 1)].peer_mb == 0
     assert json.loads((tmp_path / "stall.json").read_text())["rows"]
+
+
+@pytest.mark.slow
+def test_a_quick_overflow_run_reads_each_overflow_sample_once_an_epoch_and_ahead_of_the_ranks(tmp_path: Path) -> None:
+    run = overflow_stall.run_benchmark(samples=512, epochs=2, epoch_seconds=2.0, out_dir=tmp_path, progress=False)
+    by = {(r.system, r.epoch): r for r in run.rows}
+    overflow = sum(run.overflow_mb_per_node)
+    assert run.dataset_over_cached > 1.4
+    for epoch in (0, 1):
+        ahead, on_demand = by[("dataquay, read ahead", epoch)], by[("dataquay, on demand", epoch)]
+        assert ahead.wasted_mb == 0 and ahead.served_ahead_mb > overflow / 2
+        assert on_demand.read_ahead_mb == 0 and on_demand.pfs_mb == pytest.approx(overflow, rel=1e-9)
+    assert by[("direct", 0)].pfs_mb == pytest.approx(run.dataset_mb, rel=1e-9)
+    assert json.loads((tmp_path / "overflow.json").read_text())["rows"]

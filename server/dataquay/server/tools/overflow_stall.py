@@ -74,11 +74,36 @@ class EpochRow:
     bound_pct: float         #: PFS time the epoch's reads from it need, % of its compute time
 
 
+@dataclass(frozen=True)
+class OverflowRun:
+    """One run: the setting, as measured, and a row per system and epoch."""
+
+    samples: int
+    dataset_mb: float
+    nodes: int
+    ranks_per_node: int
+    batch: int
+    steps_per_epoch: int
+    compute_s_per_batch: float
+    compute_s_per_epoch: float
+    cache_mb_per_node: float   #: --cache-size
+    cached_mb: float           #: what the caches hold after staging, all nodes
+    dataset_over_cached: float
+    overflow_mb_per_node: list[float]
+    pfs_mb_per_s_per_node: float  #: --pfs-bandwidth
+    bound_s: float             #: the largest overflow over its node's cap
+    bound_pct: float           #: bound_s, % of compute_s_per_epoch
+    load_before: tuple[float, float, float]
+    load_after: tuple[float, float, float]
+    seconds: float
+    rows: list[EpochRow]
+
+
 def run_benchmark(
     samples: int, epochs: int, epoch_seconds: float, out_dir: Path, progress: bool = True
-) -> dict[str, object]:
+) -> OverflowRun:
     """Runs the three systems, their epochs about ``epoch_seconds`` long;
-    writes overflow.json to ``out_dir`` and returns what it holds."""
+    writes overflow.json to ``out_dir``."""
     world = NODES * RANKS_PER_NODE
     samples -= samples % (world * BATCH)
     total = sum(SIZES[i % len(SIZES)] for i in range(samples))
@@ -118,19 +143,18 @@ def run_benchmark(
             rows += _dataquay(cluster, base, "dataquay, on demand", range(epochs, 2 * epochs), compute, bound)
             say("  .. direct: 1 epoch")
             rows += _direct(cluster, base, 2 * epochs, cap * NODES / world, total / world, compute, steps)
-    result: dict[str, object] = {
-        "benchmark": "overflow", "samples": samples, "dataset_mb": total / 1e6, "nodes": NODES,
-        "ranks_per_node": RANKS_PER_NODE, "batch": BATCH, "compute_s_per_batch": compute, "steps_per_epoch": steps,
-        "cache_mb_per_node": cache / 1e6, "cached_mb": sum(c for _, c in shares) / 1e6,
-        "dataset_over_cached": total / sum(c for _, c in shares),
-        "overflow_mb_per_node": [o / 1e6 for o in overflows], "pfs_mb_per_s_per_node": cap / 1e6,
-        "compute_s_per_epoch": steps * compute, "bound_s": max(overflows) / cap,
-        "bound_pct": 100 * bound, "load_before": load_before, "load_after": os.getloadavg(),
-        "seconds": time.perf_counter() - started, "rows": [asdict(r) for r in rows],
-    }
+    cached = sum(c for _, c in shares)
+    run = OverflowRun(
+        samples=samples, dataset_mb=total / 1e6, nodes=NODES, ranks_per_node=RANKS_PER_NODE, batch=BATCH,
+        steps_per_epoch=steps, compute_s_per_batch=compute, compute_s_per_epoch=steps * compute,
+        cache_mb_per_node=cache / 1e6, cached_mb=cached / 1e6, dataset_over_cached=total / cached,
+        overflow_mb_per_node=[o / 1e6 for o in overflows], pfs_mb_per_s_per_node=cap / 1e6,
+        bound_s=max(overflows) / cap, bound_pct=100 * bound, load_before=load_before, load_after=os.getloadavg(),
+        seconds=time.perf_counter() - started, rows=rows,
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "overflow.json").write_text(json.dumps(result, indent=1))
-    return result
+    (out_dir / "overflow.json").write_text(json.dumps({"benchmark": "overflow", **asdict(run)}, indent=1))
+    return run
 
 
 def _dataquay(
@@ -201,23 +225,25 @@ def _run(*argv: str) -> None:
         raise SystemExit(f"dataquay {' '.join(argv)} failed")
 
 
-def print_table(result: dict[str, object]) -> None:
-    rows = result["rows"]
-    assert isinstance(rows, list)
+def print_table(rows: list[EpochRow]) -> None:
     header = ("system", "epoch", "wall s", "wait s", "stall %", "PFS MB", "ahead MB", "served MB", "wasted MB",
               "bound %")
-    cells = [(r["system"], r["epoch"], f"{r['wall_s']:.2f}", f"{r['wait_s']:.2f}", f"{r['stall_pct']:.1f}",
-              f"{r['pfs_mb']:.0f}", f"{r['read_ahead_mb']:.0f}", f"{r['served_ahead_mb']:.0f}",
-              f"{r['wasted_mb']:.0f}", f"{r['bound_pct']:.0f}") for r in rows]
+    cells = [(r.system, r.epoch, f"{r.wall_s:.2f}", f"{r.wait_s:.2f}", f"{r.stall_pct:.1f}", f"{r.pfs_mb:.0f}",
+              f"{r.read_ahead_mb:.0f}", f"{r.served_ahead_mb:.0f}", f"{r.wasted_mb:.0f}", f"{r.bound_pct:.0f}")
+             for r in rows]
     widths = [max(len(str(c)) for c in column) for column in zip(header, *cells)]
     for line in (header, *cells):
         print("  ".join(str(c).ljust(w) for c, w in zip(line, widths)))
 
 
-def main(quick: bool, out_dir: Path) -> dict[str, object]:
+def main(quick: bool, out_dir: Path) -> OverflowRun:
     started = time.perf_counter()
-    result = run_benchmark(768 if quick else 1536, 2, 4.0 if quick else 10.0, out_dir)
-    print_table(result)
-    print(f"\n({time.perf_counter() - started:.0f} s; load average {result['load_before']} before, "
-          f"{result['load_after']} after; results in {out_dir}/overflow.json)")
-    return result
+    run = run_benchmark(768 if quick else 1536, 2, 4.0 if quick else 10.0, out_dir)
+    print(f"  dataset {run.dataset_mb:.0f} MB = {run.dataset_over_cached:.2f} x what the caches hold; "
+          f"overflow {max(run.overflow_mb_per_node):.1f} MB a node at {run.pfs_mb_per_s_per_node:.2f} MB/s = "
+          f"{run.bound_s:.1f} s of a {run.compute_s_per_epoch:.1f} s epoch ({run.bound_pct:.0f}%)\n")
+    print_table(run.rows)
+    load = ", ".join(f"{x:.2f}" for x in run.load_before), ", ".join(f"{x:.2f}" for x in run.load_after)
+    print(f"\n({time.perf_counter() - started:.0f} s; load average {load[0]} before, {load[1]} after; "
+          f"results in {out_dir}/overflow.json)")
+    return run
