@@ -105,10 +105,11 @@ class Node:
 
 
 def staged(
-    cluster: Callable[..., LocalCluster], tmp_path: Path, job_args: list[str], *daemon_args: str
+    cluster: Callable[..., LocalCluster], tmp_path: Path, job_args: list[str], *daemon_args: str, restart: bool = True
 ) -> tuple[LocalCluster, Path]:
     """A cluster whose caches hold part of their share of "imgs", staged for
-    JOB; node 0 restarted since, so that its PFS counters count no staging."""
+    JOB; node 0 restarted since (unless not to), so that its PFS counters
+    count no staging and it has not begun reading ahead."""
     local = cluster(NODES, daemon_args=("--cache-size", CACHE, *daemon_args))
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
@@ -116,7 +117,8 @@ def staged(
         "stage", "imgs", "--job", JOB, *job_args, "--ranks-per-node", str(RANKS), "--quiet",
         "--directory", local.directory_address,
     ]) == 0
-    local.restart_node(0)
+    if restart:
+        local.restart_node(0)
     return local, root
 
 
@@ -196,6 +198,25 @@ def test_read_ahead_memory_stays_within_its_budget_across_epochs(
         assert stats.pfs_bytes == from_pfs + held
     finally:
         node.close()
+
+
+def test_staging_for_a_job_hands_what_did_not_fit_to_the_read_ahead(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    local, _ = staged(cluster, tmp_path, ["--mode", "local"], restart=False)
+    other = Node(local, 1)
+    node = Node(local, 0, other.job)  # no rank has joined on node 0
+    try:
+        overflow = node.overflow(0)
+        # Epochs 0 and 1 (local: the same samples) are read before any rank asks.
+        wait_until(lambda: node.stats().read_ahead.overflow_read_samples == 2 * len(overflow),
+                   "the overflow was read ahead once staging ended", poll=0.1)
+        node.stub.ReportEpoch(jpb.ReportEpochRequest(job_id=JOB, epoch=0), timeout=10)
+        assert {s.tier for s in node.read_epoch(0)} == {pb.TIER_PFS}
+        assert node.stats().read_ahead.overflow_served_samples == len(overflow)
+    finally:
+        node.close()
+        other.close()
 
 
 def test_a_sample_changed_on_the_pfs_since_its_manifest_is_not_served(
