@@ -200,6 +200,34 @@ def test_read_ahead_memory_stays_within_its_budget_across_epochs(
         node.close()
 
 
+def test_a_rank_asking_out_of_order_is_still_served_from_what_was_read_ahead(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    budget = 24 << 10
+    local, _ = staged(cluster, tmp_path, ["--mode", "local"], "--prefetch-memory", str(budget))
+    node = Node(local)
+    try:
+        # What fits in the overflow's share of the budget, in the ranks' order, is read first.
+        orders = node_orders(node.plan, 0, 0)
+        in_order = orders.T.ravel()
+        ahead = in_order[~node.holds(in_order)]
+        fits = np.cumsum(node.lengths[ahead] + CHECKSUM_BYTES) <= int(budget * 0.75)
+        first = ahead[: int(fits.sum())]
+        wait_until(lambda: node.stats().read_ahead.overflow_read_samples == len(first),
+                   "the budget was filled", poll=0.1)
+        # Rank 0's second batch of 4 comes before its first, as from two loader workers.
+        wanted = []
+        for batch in (orders[0, 4:8], orders[0, 0:4]):
+            misses = batch[~node.holds(batch)]
+            node.read(misses)
+            wanted += [i for i in misses.tolist() if i in set(first.tolist())]
+        ahead_stats = node.stats().read_ahead
+        assert wanted and ahead_stats.overflow_served_samples >= len(wanted)
+        assert ahead_stats.overflow_wasted_samples == 0
+    finally:
+        node.close()
+
+
 def test_staging_for_a_job_hands_what_did_not_fit_to_the_read_ahead(
     cluster: Callable[..., LocalCluster], tmp_path: Path
 ) -> None:
@@ -250,11 +278,12 @@ def test_epoch_reads_are_in_the_ranks_order_and_only_the_nodes_own() -> None:
     orders = np.array([[5, 1, 9, 2], [7, 3, 5, 8]])  # 2 ranks; 5 is read twice
     epoch_owners = np.array([0, 0, 1, 0, 1, 0, 1, 0, 0, 0])  # 2 is another node's
     reads = epoch_reads(orders, epoch_owners, 0, None)
-    assert reads.ids.tolist() == [1, 2, 3, 5, 7, 8, 9]
+    assert reads.ids.tolist() == [1, 2, 3, 5, 7, 8, 9] and reads.positions == 4
     assert reads.slots.tolist() == [2, 6, 3, 0, 1, 7, 4]  # position * 2 + rank, first time read
-    assert reads.ahead.tolist() == [5, 7, 1, 3, 9, 8] and reads.ahead_slots.tolist() == [0, 1, 2, 3, 4, 7]
+    assert reads.ids[reads.ahead].tolist() == [5, 7, 1, 3, 9, 8]
+    assert reads.slots[reads.ahead].tolist() == [0, 1, 2, 3, 4, 7]
     before = np.array([0, 1, 1, 0, 1, 0, 1, 0, 0, 0])  # 1 moved in: the exchange brings it
-    assert epoch_reads(orders, epoch_owners, 0, before).ahead.tolist() == [5, 7, 3, 9, 8]
+    assert reads.ids[epoch_reads(orders, epoch_owners, 0, before).ahead].tolist() == [5, 7, 3, 9, 8]
 
 
 def test_the_budget_reserves_within_a_share_and_wakes_its_waiters() -> None:

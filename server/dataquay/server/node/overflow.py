@@ -13,12 +13,14 @@ not fit is the overflow) or its ranks join, so that the first batches do not
 wait either; once an epoch's overflow is read, the next epoch's follows, so
 that a new epoch does not begin by waiting for the PFS.
 
-How far the ranks got is the position of the furthest id each one asked
-for: their reads of the overflow are misses, so each asks often. Samples at
-positions they passed are not read ahead any more (they were read on
-demand), and one read ahead whose position they passed without asking for
-it (a client that read it itself) is dropped as wasted. A read of a sample
-still being read ahead waits for that read instead of reading it twice.
+Every sample is read from the PFS once an epoch: what a rank asked for is
+not read ahead any more (a rank that got ahead of the reads had it read on
+demand), and a read of a sample still being read ahead waits for that read.
+A rank's requests need not come in its order (several loader workers each
+ask for their own batches): the read ahead keeps to the ranks' order and
+skips only what was asked. A sample read ahead that its rank left far
+behind without asking for it (its client read it elsewhere) is dropped as
+wasted once room is needed.
 Reads go through the node's PFS pool, its threads and its bandwidth cap,
 with the checks of any PFS read: a file that changed since its manifest
 was built is refused, and the sample is then read, and refused, on demand.
@@ -72,17 +74,19 @@ _WINDOW = 256
 _IDLE_POLL_SECONDS = 1.0
 #: A job none of whose ranks read for this long is forgotten, its samples dropped.
 IDLE_SECONDS = 60.0
-#: Reads of an epoch kept while it is being planned, to know where its ranks are.
+#: Ids of an epoch asked for while it is being planned, kept to apply once it is.
 _UNPLANNED_READS = 64
+#: A held sample this share of an epoch behind its rank's furthest request is not waited for any more.
+_BEHIND = 1 / 8
 
 
 class EpochReads(NamedTuple):
-    """An epoch as one node's ranks read it; every slot is position * g + rank."""
+    """An epoch as one node's ranks read it; a slot is position * g + rank."""
 
-    ids: np.ndarray         #: every id the ranks read, ascending (int64)
-    slots: np.ndarray       #: the slot each of ``ids`` is first read at
-    ahead: np.ndarray       #: the ids to read ahead (this node's), in slot order
-    ahead_slots: np.ndarray  #: their slots
+    ids: np.ndarray    #: every id the ranks read, ascending (int64)
+    slots: np.ndarray  #: the slot each of ``ids`` is first read at
+    ahead: np.ndarray  #: which of ``ids`` to read ahead (indexes into it), in slot order
+    positions: int     #: ids each rank reads
 
 
 def epoch_reads(orders: np.ndarray, epoch_owners: np.ndarray, node: int, before: np.ndarray | None) -> EpochReads:
@@ -93,15 +97,15 @@ def epoch_reads(orders: np.ndarray, epoch_owners: np.ndarray, node: int, before:
     mine = epoch_owners[ids] == node
     if before is not None:
         mine &= before[ids] == node
-    by_slot = np.argsort(first[mine], kind="stable")
-    return EpochReads(ids, first, ids[mine][by_slot], first[mine][by_slot])
+    ahead = np.flatnonzero(mine)
+    return EpochReads(ids, first, ahead[np.argsort(first[ahead], kind="stable")], orders.shape[1])
 
 
 class _Chunk(NamedTuple):
-    """Ids read ahead together, their slots and the bytes they take."""
+    """Samples read ahead together: their ids, their entries (indexes in the epoch's ids), the bytes they take."""
 
     ids: np.ndarray
-    slots: np.ndarray
+    entries: np.ndarray
     reserved: int
 
 
@@ -128,15 +132,29 @@ class _Epoch:
 
     epoch: int
     reads: EpochReads
-    ranks: int
-    reached: np.ndarray  # per rank, the furthest position asked for
-    cursor: int = 0      # next entry of reads.ahead to consider
-    held: dict[int, tuple[bytes, int]] = field(default_factory=dict)  # id -> (cache value, slot)
+    ranks: int            # g
+    reached: np.ndarray   # per rank, the furthest position asked for
+    asked: np.ndarray     # per entry of reads.ids, whether a rank asked for it
+    cursor: int = 0       # next entry of reads.ahead to consider
+    held: dict[int, tuple[bytes, int]] = field(default_factory=dict)  # id -> (cache value, index in reads.ids)
     reading: dict[int, asyncio.Future[None]] = field(default_factory=dict)  # id -> its read in flight
 
-    def passed(self, slots: np.ndarray) -> np.ndarray:
-        """Which of ``slots`` the ranks have reached already."""
-        return slots // self.ranks <= self.reached[slots % self.ranks]
+    def note(self, ids: np.ndarray) -> None:
+        """Marks ``ids`` asked for and moves each rank's furthest position."""
+        known = self.reads.ids
+        if not len(ids) or not len(known):
+            return
+        where = np.minimum(np.searchsorted(known, ids), len(known) - 1)
+        where = where[known[where] == ids]
+        self.asked[where] = True
+        slots = self.reads.slots[where]
+        np.maximum.at(self.reached, slots % self.ranks, slots // self.ranks)
+
+    def left_behind(self, index: np.ndarray) -> np.ndarray:
+        """Which entries (of reads.ids) their rank has left far behind."""
+        slots = self.reads.slots[index]
+        behind = max(1, int(self.reads.positions * _BEHIND))
+        return slots // self.ranks + behind < self.reached[slots % self.ranks]
 
 
 @dataclass
@@ -176,7 +194,7 @@ class OverflowPrefetcher:
         self.counts = OverflowCounts()
         self._jobs: dict[str, _Job] = {}
         self._in_flight = asyncio.Semaphore(READS_IN_FLIGHT)
-        #: Ids a read waits for: never dropped as passed.
+        #: Ids a read waits for: never dropped.
         self._wanted: Counter[int] = Counter()
 
     def start(self, entry: Registered, placement: Placement) -> None:
@@ -244,7 +262,7 @@ class OverflowPrefetcher:
                 self._drop(job.epochs.pop(old))
         state = job.epochs.get(epoch)
         if state is not None:
-            _reach(state, ids)
+            state.note(ids)
         elif len(ids):
             job.unplanned.setdefault(epoch, []).append(ids)
             del job.unplanned[epoch][:-_UNPLANNED_READS]
@@ -271,7 +289,7 @@ class OverflowPrefetcher:
                     if epoch >= job.latest - 1:
                         job.epochs[epoch] = state
                     for ids in job.unplanned.pop(epoch, []):
-                        _reach(state, ids)
+                        state.note(ids)
                     continue
                 await self._in_flight.acquire()
                 if self._jobs.get(job.job_id) is not job or job.epochs.get(epoch) is not state:
@@ -318,12 +336,12 @@ class OverflowPrefetcher:
             job.failed_epoch = epoch
             return None
         g = plan.settings.ranks_per_node
-        return _Epoch(epoch, reads, g, np.full(g, -1, dtype=np.int64))
+        return _Epoch(epoch, reads, g, np.full(g, -1, dtype=np.int64), np.zeros(len(reads.ids), bool))
 
     def _next_chunk(self, job: _Job, state: _Epoch) -> _Chunk | None:
         """The next ids to read ahead: as many as fit in :data:`CHUNK_BYTES`
         and the budget (none while it is full); None once the epoch has none left."""
-        ahead, slots = state.reads.ahead, state.reads.ahead_slots
+        ahead = state.reads.ahead
         lengths = job.entry.manifest.sample_length
         db = job.entry.record.cache_db
         most = int(self.budget.limit * BUDGET_SHARE)
@@ -332,9 +350,10 @@ class OverflowPrefetcher:
             if not room:
                 return _NO_ROOM
             window = slice(state.cursor, min(state.cursor + _WINDOW, len(ahead)))
-            ids, at = ahead[window], slots[window]
+            index = ahead[window]
+            ids = state.reads.ids[index]
             sizes = lengths[ids].astype(np.int64) + CHECKSUM_BYTES
-            keep = ~state.passed(at) & ~self.store.cached_mask(db, ids) & (sizes <= most)
+            keep = ~state.asked[index] & ~self.store.cached_mask(db, ids) & (sizes <= most)
             kept = np.flatnonzero(keep)
             if not len(kept):
                 state.cursor = window.stop
@@ -346,12 +365,12 @@ class OverflowPrefetcher:
                 return _NO_ROOM
             taken = kept[:count]
             state.cursor += int(taken[-1]) + 1
-            return _Chunk(ids[taken], at[taken], int(total[count - 1]))
+            return _Chunk(ids[taken], index[taken], int(total[count - 1]))
         return None
 
     async def _read(self, job: _Job, state: _Epoch, chunk: _Chunk, done: asyncio.Future[None]) -> None:
-        """Reads one chunk ahead into ``state``; what the ranks passed meanwhile is dropped."""
-        ids, slots = chunk.ids, chunk.slots
+        """Reads one chunk ahead into ``state``; what was read on demand meanwhile is dropped."""
+        ids = chunk.ids
         kept = 0
         try:
             try:
@@ -369,13 +388,13 @@ class OverflowPrefetcher:
                             extra={"fields": {"job": job.job_id, "samples": len(ids) - len(values),
                                               "first": failures[0]}})
             current = self._jobs.get(job.job_id) is job and job.epochs.get(state.epoch) is state
-            passed = dict(zip(ids.tolist(), state.passed(slots).tolist()))
-            slot_of = dict(zip(ids.tolist(), slots.tolist()))
+            index_of = dict(zip(ids.tolist(), chunk.entries.tolist()))
             for sample_id, value in values.items():
                 self.counts.read_samples += 1
                 self.counts.read_bytes += len(value) - CHECKSUM_BYTES
-                if current and (not passed[sample_id] or self._wanted[sample_id]):
-                    state.held[sample_id] = (value, slot_of[sample_id])
+                index = index_of[sample_id]
+                if current and (not state.asked[index] or self._wanted[sample_id]):
+                    state.held[sample_id] = (value, index)
                     kept += len(value)
                 else:
                     self._count_wasted(len(value))
@@ -385,15 +404,15 @@ class OverflowPrefetcher:
     # ---------------------------------------------------------- dropping
 
     def _sweep(self, job: _Job) -> bool:
-        """Drops held samples whose position the ranks passed without asking;
-        True if that freed any room."""
+        """Drops held samples their ranks left far behind without asking for
+        them; True if that freed any room."""
         freed = 0
         for state in job.epochs.values():
             if not state.held:
                 continue
             ids = np.fromiter(state.held, np.int64, len(state.held))
-            slots = np.array([slot for _, slot in state.held.values()], dtype=np.int64)
-            for sample_id in ids[state.passed(slots)].tolist():
+            index = np.array([at for _, at in state.held.values()], dtype=np.int64)
+            for sample_id in ids[state.left_behind(index)].tolist():
                 if not self._wanted[sample_id]:
                     value, _ = state.held.pop(sample_id)
                     self._count_wasted(len(value))
@@ -418,16 +437,6 @@ class OverflowPrefetcher:
     def _count_wasted(self, value_bytes: int) -> None:
         self.counts.wasted_samples += 1
         self.counts.wasted_bytes += value_bytes - CHECKSUM_BYTES
-
-
-def _reach(state: _Epoch, ids: np.ndarray) -> None:
-    """Moves each rank's furthest position to what it asked for in ``ids``."""
-    known = state.reads.ids
-    if not len(ids) or not len(known):
-        return
-    where = np.minimum(np.searchsorted(known, ids), len(known) - 1)
-    slots = state.reads.slots[where[known[where] == ids]]
-    np.maximum.at(state.reached, slots % state.ranks, slots // state.ranks)
 
 
 def _plan_reads(
