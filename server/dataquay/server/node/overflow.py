@@ -208,42 +208,44 @@ class OverflowPrefetcher:
         job = self._note(entry, placement, ids)
         if job is None or not len(misses):
             return {}
+        # The read's own epoch first: a sample read ahead for the next one too
+        # (under local, every sample) is that epoch's.
+        states = sorted(job.epochs.values(), key=lambda e: (e.epoch != placement.epoch, e.epoch))
         out: Fetched = {}
-        waits: dict[int, asyncio.Future[None]] = {}
+        waits: dict[int, tuple[_Epoch, asyncio.Future[None]]] = {}
         for sample_id in misses.tolist():
-            if not self._hand_over(job, sample_id, out):
-                reading = next((e.reading[sample_id] for e in job.epochs.values() if sample_id in e.reading), None)
-                if reading is not None:
-                    waits[sample_id] = reading
+            state = next((e for e in states if sample_id in e.held or sample_id in e.reading), None)
+            if state is None:
+                continue
+            if sample_id in state.held:
+                self._hand_over(job, state, sample_id, out)
+            else:
+                waits[sample_id] = (state, state.reading[sample_id])
         if waits:
             self._wanted.update(waits.keys())
             try:
-                await asyncio.wait(set(waits.values()))
+                await asyncio.wait({reading for _, reading in waits.values()})
             finally:
                 self._wanted.subtract(waits.keys())
                 self._wanted += Counter()  # drops the ids no read waits for any more
-            for sample_id in waits:
-                self._hand_over(job, sample_id, out)
+            for sample_id, (state, _) in waits.items():
+                if sample_id in state.held:
+                    self._hand_over(job, state, sample_id, out)
         return out
 
-    def _hand_over(self, job: _Job, sample_id: int, out: Fetched) -> bool:
-        """Moves ``sample_id`` from the held samples (the oldest epoch's first) to ``out``."""
-        for epoch in sorted(job.epochs):
-            held = job.epochs[epoch].held.pop(sample_id, None)
-            if held is not None:
-                value = held[0]
-                payload = memoryview(value)[CHECKSUM_BYTES:]
-                out[sample_id] = ("pfs", payload, stored_checksum(value))
-                self.budget.give_back(len(value))
-                self.counts.served_samples += 1
-                self.counts.served_bytes += len(payload)
-                if not self.store.full:
-                    self.store.offer(PendingWrite(job.entry.record.cache_db.encode(), sample_id, value))
-                return True
-        return False
+    def _hand_over(self, job: _Job, state: _Epoch, sample_id: int, out: Fetched) -> None:
+        """Moves ``sample_id`` from ``state``'s held samples to ``out``."""
+        value, _ = state.held.pop(sample_id)
+        payload = memoryview(value)[CHECKSUM_BYTES:]
+        out[sample_id] = ("pfs", payload, stored_checksum(value))
+        self.budget.give_back(len(value))
+        self.counts.served_samples += 1
+        self.counts.served_bytes += len(payload)
+        if not self.store.full:
+            self.store.offer(PendingWrite(job.entry.record.cache_db.encode(), sample_id, value))
 
     def _note(self, entry: Registered, placement: Placement, ids: np.ndarray) -> _Job | None:
-        """Records how far the ranks got; starts (or restarts) the job's loop."""
+        """Records what the ranks asked for; starts (or restarts) the job's loop."""
         if placement.node_index < 0 or not placement.job.spec.ranks_per_node:
             return None  # no ranks here, or their orders are not known yet
         job_id, epoch = placement.job.spec.job_id, placement.epoch
