@@ -228,6 +228,34 @@ def test_a_rank_asking_out_of_order_is_still_served_from_what_was_read_ahead(
         node.close()
 
 
+def test_the_next_epoch_leaves_what_just_moved_in_to_the_exchange_until_it_begins(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    # An exchange capped at 1 byte/s delivers nothing: what moves in stays uncached.
+    local, _ = staged(cluster, tmp_path, ["--mode", "partial", "--q", "0.5"], "--exchange-bandwidth", "1")
+    node = Node(local)
+    try:
+        first = len(node.overflow(0)) + len(node.overflow(1, before=0))
+        wait_until(lambda: node.stats().read_ahead.overflow_read_samples == first, "epochs 0 and 1 were read ahead",
+                   poll=0.1)
+        node.stub.ReportEpoch(jpb.ReportEpochRequest(job_id=JOB, epoch=1), timeout=10)
+        stay = node.overflow(2, before=1)
+        arrived = stay[owners(node.plan, 0)[stay] != 0]  # moved in at epoch 1
+        assert 0 < len(arrived) < len(stay)
+        # While the ranks are on epoch 1, epoch 2's read ahead leaves them to the exchange.
+        wait_until(lambda: node.stats().read_ahead.overflow_read_samples == first + len(stay) - len(arrived),
+                   "epoch 2 was read ahead, what arrived at epoch 1 left out", poll=0.1)
+        node.stub.ReportEpoch(jpb.ReportEpochRequest(job_id=JOB, epoch=2), timeout=10)
+        # Now they are read too (before anything of epoch 3).
+        wait_until(lambda: node.stats().read_ahead.overflow_read_samples >= first + len(stay),
+                   "what arrived at epoch 1 was read ahead once epoch 2 began", poll=0.1)
+        served = node.read(stay)
+        assert {s.tier for s in served} == {pb.TIER_PFS}
+        assert node.stats().read_ahead.overflow_served_samples == len(stay)
+    finally:
+        node.close()
+
+
 def test_staging_for_a_job_hands_what_did_not_fit_to_the_read_ahead(
     cluster: Callable[..., LocalCluster], tmp_path: Path
 ) -> None:
@@ -282,8 +310,12 @@ def test_epoch_reads_are_in_the_ranks_order_and_only_the_nodes_own() -> None:
     assert reads.slots.tolist() == [2, 6, 3, 0, 1, 7, 4]  # position * 2 + rank, first time read
     assert reads.ids[reads.ahead].tolist() == [5, 7, 1, 3, 9, 8]
     assert reads.slots[reads.ahead].tolist() == [0, 1, 2, 3, 4, 7]
+    assert not reads.arrived.any()
     before = np.array([0, 1, 1, 0, 1, 0, 1, 0, 0, 0])  # 1 moved in: the exchange brings it
     assert reads.ids[epoch_reads(orders, epoch_owners, 0, before).ahead].tolist() == [5, 7, 3, 9, 8]
+    two_before = np.array([0, 1, 1, 0, 1, 1, 1, 0, 0, 1])  # 5 and 9 moved in at the epoch before
+    arrived = epoch_reads(orders, epoch_owners, 0, before, two_before).arrived
+    assert reads.ids[arrived].tolist() == [5, 9]
 
 
 def test_the_budget_reserves_within_a_share_and_wakes_its_waiters() -> None:

@@ -27,8 +27,11 @@ was built is refused, and the sample is then read, and refused, on demand.
 
 Only samples this node owns are read ahead, and in modes whose owners move
 only those it owned the epoch before as well: what moves in comes by the
-exchange. A sample handed over is offered to the cache unless the cache is
-full, as any PFS read of a sample the node owns.
+exchange. For the same reason, while the ranks are still on the epoch
+before, the next epoch's read ahead leaves out what moved in at the current
+one (its exchange may still deliver it); it goes back for those once the
+ranks begin that epoch. A sample handed over is offered to the cache unless
+the cache is full, as any PFS read of a sample the node owns.
 """
 
 from __future__ import annotations
@@ -87,18 +90,29 @@ class EpochReads(NamedTuple):
     slots: np.ndarray  #: the slot each of ``ids`` is first read at
     ahead: np.ndarray  #: which of ``ids`` to read ahead (indexes into it), in slot order
     positions: int     #: ids each rank reads
+    arrived: np.ndarray  #: per entry of ``ids``, whether it moved in at the epoch before
 
 
-def epoch_reads(orders: np.ndarray, epoch_owners: np.ndarray, node: int, before: np.ndarray | None) -> EpochReads:
+def epoch_reads(
+    orders: np.ndarray,
+    epoch_owners: np.ndarray,
+    node: int,
+    before: np.ndarray | None = None,
+    two_before: np.ndarray | None = None,
+) -> EpochReads:
     """What ``node``'s ranks read, from their orders (g x L, :func:`node_orders`),
     and which of it the node reads ahead: what it owns per ``epoch_owners``
-    and, where ``before`` (the previous epoch's owners) is given, owned then too."""
+    and, where ``before`` (the previous epoch's owners) is given, owned then
+    too. With ``two_before`` as well, it marks what moved in at the epoch before."""
     ids, first = np.unique(orders.T.ravel(), return_index=True)
     mine = epoch_owners[ids] == node
     if before is not None:
         mine &= before[ids] == node
+    arrived = np.zeros(len(ids), dtype=bool)
+    if before is not None and two_before is not None:
+        arrived = (before[ids] == node) & (two_before[ids] != node)
     ahead = np.flatnonzero(mine)
-    return EpochReads(ids, first, ahead[np.argsort(first[ahead], kind="stable")], orders.shape[1])
+    return EpochReads(ids, first, ahead[np.argsort(first[ahead], kind="stable")], orders.shape[1], arrived)
 
 
 class _Chunk(NamedTuple):
@@ -136,6 +150,7 @@ class _Epoch:
     reached: np.ndarray   # per rank, the furthest position asked for
     asked: np.ndarray     # per entry of reads.ids, whether a rank asked for it
     cursor: int = 0       # next entry of reads.ahead to consider
+    deferring: bool = False  # leaving out what arrived at the epoch before (the ranks are not on this one yet)
     held: dict[int, tuple[bytes, int]] = field(default_factory=dict)  # id -> (cache value, index in reads.ids)
     reading: dict[int, asyncio.Future[None]] = field(default_factory=dict)  # id -> its read in flight
 
@@ -208,9 +223,9 @@ class OverflowPrefetcher:
         job = self._note(entry, placement, ids)
         if job is None or not len(misses):
             return {}
-        # The read's own epoch first: a sample read ahead for the next one too
-        # (under local, every sample) is that epoch's.
-        states = sorted(job.epochs.values(), key=lambda e: (e.epoch != placement.epoch, e.epoch))
+        # The read's own epoch, then the one before (a rank still finishing it
+        # while another began this one); never a later epoch's copy.
+        states = sorted((e for e in job.epochs.values() if e.epoch <= placement.epoch), key=lambda e: -e.epoch)
         out: Fetched = {}
         waits: dict[int, tuple[_Epoch, asyncio.Future[None]]] = {}
         for sample_id in misses.tolist():
@@ -262,6 +277,11 @@ class OverflowPrefetcher:
             job.latest = epoch
             for old in [e for e in job.epochs if e < epoch - 1]:
                 self._drop(job.epochs.pop(old))
+            for begun in [e for e in job.epochs.values() if e.deferring and e.epoch <= epoch]:
+                begun.deferring = False
+                if begun.reads.arrived.any():
+                    begun.cursor = 0  # back for what was left out
+                    job.walking = min(job.walking, begun.epoch)
         state = job.epochs.get(epoch)
         if state is not None:
             state.note(ids)
@@ -326,19 +346,22 @@ class OverflowPrefetcher:
         entry = job.entry
         try:
             placement = await self.placement_of(job.job_id, entry, epoch)
-            before = None
+            before = two_before = None
             if placement.owners_move and epoch > 0:
                 before = (await self.placement_of(job.job_id, entry, epoch - 1)).owners
+            if placement.owners_move and epoch > 1:
+                two_before = (await self.placement_of(job.job_id, entry, epoch - 2)).owners
             plan = job_plan(placement.job, entry.manifest)
             reads = await asyncio.get_running_loop().run_in_executor(
-                None, _plan_reads, plan, epoch, placement.node_index, placement.owners, before
+                None, _plan_reads, plan, epoch, placement.node_index, placement.owners, before, two_before
             )
         except (DataquayError, ValueError) as exc:
             log.info("not reading ahead", extra={"fields": {"job": job.job_id, "epoch": epoch, "reason": str(exc)}})
             job.failed_epoch = epoch
             return None
         g = plan.settings.ranks_per_node
-        return _Epoch(epoch, reads, g, np.full(g, -1, dtype=np.int64), np.zeros(len(reads.ids), bool))
+        reached, asked = np.full(g, -1, dtype=np.int64), np.zeros(len(reads.ids), dtype=bool)
+        return _Epoch(epoch, reads, g, reached, asked, deferring=epoch > job.latest)
 
     def _next_chunk(self, job: _Job, state: _Epoch) -> _Chunk | None:
         """The next ids to read ahead: as many as fit in :data:`CHUNK_BYTES`
@@ -356,6 +379,9 @@ class OverflowPrefetcher:
             ids = state.reads.ids[index]
             sizes = lengths[ids].astype(np.int64) + CHECKSUM_BYTES
             keep = ~state.asked[index] & ~self.store.cached_mask(db, ids) & (sizes <= most)
+            if state.deferring:
+                keep &= ~state.reads.arrived[index]
+            keep &= ~np.fromiter((i in state.held or i in state.reading for i in ids.tolist()), bool, len(ids))
             kept = np.flatnonzero(keep)
             if not len(kept):
                 state.cursor = window.stop
@@ -442,6 +468,11 @@ class OverflowPrefetcher:
 
 
 def _plan_reads(
-    plan: JobPlan, epoch: int, node: int, epoch_owners: np.ndarray, before: np.ndarray | None
+    plan: JobPlan,
+    epoch: int,
+    node: int,
+    epoch_owners: np.ndarray,
+    before: np.ndarray | None,
+    two_before: np.ndarray | None,
 ) -> EpochReads:
-    return epoch_reads(node_orders(plan, epoch, node, epoch_owners), epoch_owners, node, before)
+    return epoch_reads(node_orders(plan, epoch, node, epoch_owners), epoch_owners, node, before, two_before)
