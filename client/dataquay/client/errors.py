@@ -83,6 +83,11 @@ class StandaloneError(DataquayError):
     """A cluster operation (jobs, peers) asked of a daemon that has no directory."""
 
 
+class CacheFullError(DataquayError):
+    """A node's cache has no room for what it was asked to keep (an exchange
+    that found no room in time): worth another try once the node freed some."""
+
+
 class ExchangeRefusedError(DataquayError):
     """An exchange offer a node must not accept: ids it does not own in the
     offer's epoch, or a dataset version the job does not use."""

@@ -20,6 +20,7 @@ import grpc
 
 from dataquay.client.errors import (
     BatchTooLargeError,
+    CacheFullError,
     DataquayError,
     DatasetExistsError,
     DatasetReplacedError,
@@ -52,6 +53,7 @@ ERROR_CODES: tuple[tuple[type[DataquayError], grpc.StatusCode], ...] = (
     (RootNotAllowedError, grpc.StatusCode.PERMISSION_DENIED),
     (PfsReadError, grpc.StatusCode.DATA_LOSS),
     (DirectoryUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (CacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     # A state the caller must change first: a job's settings differ, a job
     # active again, no live nodes, no directory, a replaced dataset, an
     # exchange out of turn.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataquay.client.errors import (
     BatchTooLargeError,
+    CacheFullError,
     DataquayError,
     DatasetExistsError,
     DatasetReplacedError,
@@ -30,6 +31,7 @@ from dataquay.client.errors import (
 
 __all__ = [
     "BatchTooLargeError",
+    "CacheFullError",
     "CacheWriterError",
     "ConfigError",
     "DataquayError",

@@ -3,8 +3,15 @@
 Policy ("MinIO"): a sample is inserted once and never evicted for capacity.
 When the map reaches the configured capacity, or the file system under it has
 no space left, the store stops inserting and misses keep being served from the
-PFS; dropping a dataset frees its pages. A full file system is re-checked now
+PFS. "Full" is measured, not a latch: the pages the trees use are counted
+after every commit, and space freed by deletes (the exchange giving samples
+away, a dropped dataset) is used again. A full file system is re-checked now
 and then, since space there may come back from outside the cache.
+
+Writers that must not lose what they write (the exchange's receiver) reserve
+room first (:meth:`Store.reserve`): a reservation waits until the cache has
+that much room beyond what others reserved, and its writes are never dropped
+for capacity.
 
 Threading: LMDB allows one writer. All writes go through one writer task that
 batches queued values into large transactions run in a dedicated thread. The
@@ -44,6 +51,21 @@ MAX_DATASETS = 1024
 #: Reader slots shared by the daemon and every client process on the node.
 MAX_READERS = 4096
 _INITIAL_MAP = 256 * MiB
+#: Room never reserved: pages a commit copies on write, and pages freed by the
+#: last commit, which LMDB reuses only after the next one.
+RESERVE_SLACK = 512 * 1024
+#: How far below the level at which the map filled its live bytes must fall
+#: before inserting resumes, so that one freed page does not mean one more try.
+REFILL_BYTES = 256 * 1024
+
+
+def stored_bytes(value_bytes: int, page_size: int = 4096) -> int:
+    """Bytes of pages one value of ``value_bytes`` (checksum included) takes,
+    rounded up: a value too large for a leaf node gets whole overflow pages
+    (plus its node in a leaf), a small one its share of a half-full leaf."""
+    if value_bytes + 24 > page_size // 2:
+        return -(-(value_bytes + 16) // page_size) * page_size + 32
+    return 2 * (value_bytes + 24)
 
 
 class Store:
@@ -52,9 +74,14 @@ class Store:
     def __init__(self, path: Path, capacity: int) -> None:
         self.path = Path(path).absolute()
         self.capacity = capacity
-        self.full = False
         #: Full because the file system had no space left, not at the map's capacity.
         self.disk_full = False
+        #: Bytes of pages the trees use, as of the last commit or delete.
+        self.live_bytes = 0
+        #: Bytes promised to reservations and not yet written.
+        self.reserved_bytes = 0
+        #: live_bytes when the map last filled; None while it has room.
+        self._filled_at: int | None = None
         self.inserts_dropped = 0
         self.corrupt_repaired = 0
         #: Batches the writer dropped for a failure other than a full map or disk.
@@ -73,6 +100,7 @@ class Store:
         self._write_lock = asyncio.Lock()
         self._dirty = False
         self._room = FileSystemRoom(self.path)
+        self._room_changed = asyncio.Condition()
 
     # ----------------------------------------------------------- lifecycle
 
@@ -123,9 +151,12 @@ class Store:
                 for key, value in txn.cursor():
                     self._payload_bytes[bytes(key)] = int.from_bytes(value, "little")
             self._meta = meta
+            for name in self._payload_bytes:
+                self._dbs[name] = self._env.open_db(name, create=False)
+            self.live_bytes = self._count_live_bytes()
         except lmdb.Error as exc:
             raise StartupError(f"cannot open the LMDB cache in {self.path}: {exc}") from exc
-        if existing >= self.capacity:
+        if self.live_bytes >= self.capacity - REFILL_BYTES:
             self._mark_full()
 
     def close(self) -> None:
@@ -183,7 +214,8 @@ class Store:
         async with self._write_lock:
             entries = await asyncio.get_running_loop().run_in_executor(self._writer, drop)
         self._payload_bytes.pop(name, None)
-        self.full = self.disk_full = False
+        self.disk_full = False
+        await self._space_freed()
         return entries
 
     def _db_exists(self, name: bytes) -> bool:
@@ -250,12 +282,59 @@ class Store:
         return entries, self._payload_bytes.get(db.encode(), 0)
 
     def usage(self) -> tuple[int, int]:
-        """(bytes of the map in use, entries over all datasets)."""
-        info = self.env.info()
-        used = (info["last_pgno"] + 1) * self.env.stat()["psize"]
+        """(bytes of the pages the cache uses, entries over all datasets)."""
         with self.env.begin() as txn:
             entries = sum(int(txn.stat(h)["entries"]) for h in self._dbs.values())
-        return used, entries
+        return self.live_bytes, entries
+
+    @property
+    def full(self) -> bool:
+        """Whether inserts stop: the file system has no space, or the map
+        filled and nothing has been freed since."""
+        return self.disk_full or (self._filled_at is not None and self.live_bytes > self._filled_at - REFILL_BYTES)
+
+    @property
+    def room(self) -> int:
+        """Bytes that may still be reserved."""
+        if self.disk_full:
+            return 0
+        return max(0, self.capacity - self.live_bytes - self.reserved_bytes - RESERVE_SLACK)
+
+    def _count_live_bytes(self) -> int:
+        """Pages of every tree (samples, their sub-databases, the meta data) and the two meta pages."""
+        env = self.env
+        with env.begin() as txn:
+            stats = [env.stat(), txn.stat(self._meta), *(txn.stat(h) for h in self._dbs.values())]
+        pages = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats) + 2
+        return pages * stats[0]["psize"]
+
+    # -------------------------------------------------------- reservations
+
+    async def reserve(self, nbytes: int, timeout: float) -> bool:
+        """Waits until the cache has ``nbytes`` of room no one else reserved,
+        and holds it for the caller's writes; False if none came in ``timeout``
+        seconds. The caller queues its writes with ``reserved=True`` and
+        calls :meth:`release` once they are committed."""
+        async with self._room_changed:
+            try:
+                await asyncio.wait_for(self._room_changed.wait_for(lambda: self.room >= nbytes), timeout)
+            except TimeoutError:
+                return False
+            self.reserved_bytes += nbytes
+            return True
+
+    async def release(self, nbytes: int) -> None:
+        """Gives back a reservation (its writes are committed, or given up)."""
+        self.reserved_bytes = max(0, self.reserved_bytes - nbytes)
+        await self._space_freed()
+
+    async def _space_freed(self) -> None:
+        if self._filled_at is not None and not self.full:
+            self._filled_at = None
+            log.info("the cache has room again: inserting resumes",
+                     extra={"fields": {"live_bytes": self.live_bytes, "capacity_bytes": self.capacity}})
+        async with self._room_changed:
+            self._room_changed.notify_all()
 
     # --------------------------------------------------------------- writes
 
@@ -270,7 +349,7 @@ class Store:
         """
         if (
             self._writer_stopped
-            or (self.full and not write.repair and not self._room_again())
+            or (self.full and not write.kept_when_full and not self._room_again())
             or self._queue.is_full
         ):
             self.inserts_dropped += 1
@@ -284,7 +363,7 @@ class Store:
         while self._queue.is_full:
             await self._queue.wait_for_room()
             self._check_writer()
-        if self.full and not write.repair and not self._room_again():
+        if self.full and not write.kept_when_full and not self._room_again():
             self.inserts_dropped += 1
             return
         self._queue.push(write)
@@ -325,11 +404,13 @@ class Store:
                 total = max(0, self._payload_bytes.get(name, 0) - freed)
                 txn.put(name, total.to_bytes(8, "little"), db=self._meta)
             self._payload_bytes[name] = total
+            self.live_bytes = self._count_live_bytes()
             return removed
 
         async with self._write_lock:
             removed = await asyncio.get_running_loop().run_in_executor(self._writer, delete)
         self._dirty = True
+        await self._space_freed()
         return removed
 
     def recheck_space(self) -> None:
@@ -345,7 +426,7 @@ class Store:
         (see :class:`FileSystemRoom`); a commit that fails again marks it full again."""
         if not self.disk_full or not self._room.has_room_again():
             return False
-        self.full = self.disk_full = False
+        self.disk_full = False
         log.info("the cache file system has room again: inserting resumes")
         return True
 
@@ -410,7 +491,7 @@ class Store:
         capacity or the disk is full, commits what fits."""
         batch = [w for w in batch if w.db in self._dbs]
         if self.full:
-            kept = [w for w in batch if w.repair]
+            kept = [w for w in batch if w.kept_when_full]
             self.inserts_dropped += len(batch) - len(kept)
             batch = kept
         while batch:
@@ -431,7 +512,7 @@ class Store:
                 return
             half = len(batch) // 2
             await self._commit_growing(loop, batch[:half])
-            batch = [w for w in batch[half:] if w.repair] if self.full else batch[half:]
+            batch = [w for w in batch[half:] if w.kept_when_full] if self.full else batch[half:]
 
     def _grow_ahead(self) -> None:
         """Grows the map before it fills, so no large transaction is redone."""
@@ -451,10 +532,13 @@ class Store:
         return True
 
     def _mark_full(self, disk: bool = False) -> None:
+        was_full = self.full
         if disk:
             self._room.back_off()
-        if not self.full:
-            self.full, self.disk_full = True, disk
+            self.disk_full = True
+        else:
+            self._filled_at = self.live_bytes
+        if not was_full:
             log.warning(
                 "cache file system is full: no more inserts until it has space, misses are served from the PFS"
                 if disk else "cache is full: no more inserts, misses are served from the PFS",
@@ -490,5 +574,6 @@ class Store:
         for name, delta in added.items():
             self._payload_bytes[name] = self._payload_bytes.get(name, 0) + delta
         self.corrupt_repaired += repaired
+        self.live_bytes = self._count_live_bytes()
         self._dirty = True
 

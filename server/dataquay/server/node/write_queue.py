@@ -16,12 +16,22 @@ QUEUE_BYTES = 256 * MiB
 
 @dataclass(frozen=True)
 class PendingWrite:
-    """One value waiting for the writer: ``value`` is already checksum-framed."""
+    """One value waiting for the writer: ``value`` is already checksum-framed.
+
+    ``repair`` overwrites a corrupt value; ``reserved`` writes under a
+    reservation (:meth:`Store.reserve`). Neither is dropped because the cache
+    is full.
+    """
 
     db: bytes
     sample_id: int
     value: bytes
     repair: bool = False
+    reserved: bool = False
+
+    @property
+    def kept_when_full(self) -> bool:
+        return self.repair or self.reserved
 
 
 class WriteQueue:

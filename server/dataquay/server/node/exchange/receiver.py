@@ -7,6 +7,12 @@ against their checksums, committed in the store's large transactions, and
 acknowledged only once committed: an acknowledgement is what allows the
 sender to delete its copy. Reading the next message overlaps the commit of the
 previous one.
+
+Nothing sent is dropped for lack of room: each message reserves its bytes in
+the cache before it is taken (:meth:`Store.reserve`), waiting while the cache
+is full, which holds the sender back until this node has given away enough of
+its own samples. A message that finds no room in ROOM_WAIT_SECONDS ends the
+stream with RESOURCE_EXHAUSTED, and the sender offers its samples again later.
 """
 
 from __future__ import annotations
@@ -14,20 +20,40 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import numpy as np
 
 from dataquay.client.placement import MAX_EPOCH
 from dataquay.client.records import decode_value
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.errors import DatasetReplacedError, ExchangeRefusedError, InvalidRequestError, SampleIdError
+from dataquay.server.errors import (
+    CacheFullError,
+    DatasetReplacedError,
+    ExchangeRefusedError,
+    InvalidRequestError,
+    SampleIdError,
+)
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.placements import Placements
-from dataquay.server.node.store import Store
+from dataquay.server.node.store import Store, stored_bytes
 from dataquay.server.node.write_queue import PendingWrite
 from dataquay.server.registry import Registered
 
 log = logging.getLogger("dataquay.exchange")
+
+#: How long one message may wait for room in this cache.
+ROOM_WAIT_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class _Taken:
+    """One message's samples, queued for the writer under a reservation."""
+
+    ids: np.ndarray
+    ticket: int
+    reserved: int
+
 
 class ExchangeReceiver:
     """Takes the samples other daemons hand to this node."""
@@ -64,15 +90,21 @@ class ExchangeReceiver:
             held = offered[self.store.cached_mask(db, offered)]
         yield pb.ExchangeReply(held=held.tolist())
 
-        # Unbounded: the store's queue and the sender's window bound it.
-        commits: asyncio.Queue[tuple[list[int], int] | None] = asyncio.Queue()
+        # Unbounded: the reservations and the sender's window bound it.
+        commits: asyncio.Queue[_Taken | None] = asyncio.Queue()
         reader = asyncio.create_task(self._take_in(messages, db, set(offered.tolist()), commits))
         try:
-            while (queued := await commits.get()) is not None:
-                ids, ticket = queued
-                await self.store.committed(ticket)
-                stored = np.asarray(ids, dtype=np.int64)
-                stored = stored[self.store.cached_mask(db, stored)]
+            while (taken := await commits.get()) is not None:
+                try:
+                    await self.store.committed(taken.ticket)
+                finally:
+                    await self.store.release(taken.reserved)
+                stored = taken.ids[self.store.cached_mask(db, taken.ids)]
+                if len(stored) < len(taken.ids):
+                    raise CacheFullError(
+                        f"the cache of this node filled beyond its reservation: {len(taken.ids) - len(stored)} "
+                        f"samples of dataset {entry.record.name!r} not stored; offer them again"
+                    )
                 self.received_samples += len(stored)
                 self.received_bytes += int(sizes[stored].sum())
                 yield pb.ExchangeReply(held=stored.tolist())
@@ -80,6 +112,9 @@ class ExchangeReceiver:
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
+            while not commits.empty():
+                if (left := commits.get_nowait()) is not None:
+                    await self.store.release(left.reserved)
 
     async def _accept(self, offer: pb.ExchangeOffer) -> tuple[Registered, np.ndarray]:
         entry = await self.datasets.entry(offer.dataset)
@@ -113,10 +148,10 @@ class ExchangeReceiver:
         messages: AsyncIterator[pb.ExchangeMessage],
         db: str,
         offered: set[int],
-        commits: asyncio.Queue[tuple[list[int], int] | None],
+        commits: asyncio.Queue[_Taken | None],
     ) -> None:
-        """Checks each message's samples and queues them for the writer; the
-        ids and the writer's ticket go on to be acknowledged once committed."""
+        """Checks each message's samples, reserves their room and queues them
+        for the writer; they go on to be acknowledged once committed."""
         name = db.encode()
         try:
             async for message in messages:
@@ -127,8 +162,19 @@ class ExchangeReceiver:
                     if decode_value(sample.value) is None:
                         self.bad_checksums += 1
                         continue
-                    writes.append(PendingWrite(name, sample.id, sample.value))
-                ticket = await self.store.put_all(writes)
-                commits.put_nowait(([w.sample_id for w in writes], ticket))
+                    writes.append(PendingWrite(name, sample.id, sample.value, reserved=True))
+                need = sum(stored_bytes(len(w.value)) for w in writes)
+                if not await self.store.reserve(need, ROOM_WAIT_SECONDS):
+                    raise CacheFullError(
+                        f"no room in this node's cache for {need} bytes of exchanged samples within "
+                        f"{ROOM_WAIT_SECONDS:.0f} s ({self.store.room} bytes free); offer them again later"
+                    )
+                try:
+                    ticket = await self.store.put_all(writes)
+                except BaseException:
+                    await self.store.release(need)
+                    raise
+                ids = np.fromiter((w.sample_id for w in writes), dtype=np.int64, count=len(writes))
+                commits.put_nowait(_Taken(ids, ticket, need))
         finally:
             commits.put_nowait(None)
