@@ -42,8 +42,9 @@ def sample_payload(i: int) -> bytes:
 class Nodes:
     """Stubs of a local cluster's daemons."""
 
-    def __init__(self, local: LocalCluster) -> None:
+    def __init__(self, local: LocalCluster, job: str = JOB) -> None:
         self.local = local
+        self.job = job
         self._channels: list[grpc.Channel] = []
         self.stubs = [self._stub(i) for i in range(len(local.daemons))]
 
@@ -67,12 +68,12 @@ class Nodes:
     def report(self, epoch: int, indexes: tuple[int, ...] = tuple(range(NODES))) -> None:
         """The trainers of nodes ``indexes`` enter ``epoch``."""
         for index in indexes:
-            self.stubs[index].ReportEpoch(jpb.ReportEpochRequest(job_id=JOB, epoch=epoch), timeout=10)
+            self.stubs[index].ReportEpoch(jpb.ReportEpochRequest(job_id=self.job, epoch=epoch), timeout=10)
 
     def exchange(self, index: int, epoch: int) -> pb.ExchangeProgress | None:
         """Node ``index``'s exchange into ``epoch``, once it started."""
         stats = self.stubs[index].Stats(pb.StatsRequest(), timeout=10)
-        return next((x for x in stats.exchanges if x.job == JOB and x.epoch == epoch), None)
+        return next((x for x in stats.exchanges if x.job == self.job and x.epoch == epoch), None)
 
     def wait_exchanged(self, epoch: int) -> list[pb.ExchangeProgress]:
         """Each node's exchange into ``epoch``, once all have finished."""
@@ -87,7 +88,7 @@ class Nodes:
 
     def read(self, index: int, ids: np.ndarray) -> list[pb.Sample]:
         """``ids`` read for the job through node ``index``, their bytes checked."""
-        request = pb.ReadRequest(dataset="imgs", ids=ids.tolist(), job=JOB)
+        request = pb.ReadRequest(dataset="imgs", ids=ids.tolist(), job=self.job)
         samples = [s for chunk in self.stubs[index].Read(request) for s in chunk.samples]
         assert [s.data for s in samples] == [sample_payload(i) for i in ids.tolist()]
         return samples

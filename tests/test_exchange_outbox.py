@@ -32,8 +32,10 @@ def test_take_hands_out_each_receivers_ids_in_order_within_the_byte_budget() -> 
     assert box.take(1, max_bytes=35, max_items=10).tolist() == [7]
     assert box.take(1, max_bytes=100, max_items=10).tolist() == [9]
     assert box.take(1, max_bytes=100, max_items=10).tolist() == []
-    assert box.take(2, max_bytes=1000, max_items=2, upto=3).tolist() == [1, 2]
-    assert box.take(2, max_bytes=1000, max_items=5, upto=2).tolist() == []
+    offered, upto = box.offer(2, max_items=2)
+    assert offered.tolist() == [1, 2]
+    assert box.take(2, max_bytes=1000, max_items=5, upto=upto).tolist() == [1, 2]
+    assert box.take(2, max_bytes=1000, max_items=5, upto=upto).tolist() == []
     assert box.pending(2).tolist() == [3]
 
 

@@ -232,6 +232,13 @@ class Client:
         except DataquayError as exc:
             log.debug("epoch %d of job %r not reported: %s", epoch, job_id, exc)
 
+    def report_position(self, job_id: str, epoch: int, rank: int, position: int, done: bool) -> None:
+        """Notes how far rank ``rank`` read ``epoch``; sent with the next
+        counters report, at once if none went out for a while or the rank
+        read all of it (``done``). Best effort."""
+        if self._stats.note_position(job_id, epoch, rank, position) or done:
+            self.report_stats()
+
     def report_stats(self) -> None:
         """Sends this process's counters to the daemon, so the node's metrics
         count the local hits and the data wait that never reached it.

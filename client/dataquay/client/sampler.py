@@ -203,10 +203,17 @@ class Sampler:
         )
 
 
+#: Ids a rank reads between two reports of its position.
+POSITION_STEP = 64
+
+
 class EpochReporter(Protocol):
-    """Whoever tells a job which epoch its ranks are in (a :class:`~dataquay.client.Client`)."""
+    """Whoever tells a job which epoch its ranks are in, and how far they read
+    (a :class:`~dataquay.client.Client`)."""
 
     def report_epoch(self, job_id: str, epoch: int) -> None: ...
+
+    def report_position(self, job_id: str, epoch: int, rank: int, position: int, done: bool) -> None: ...
 
 
 class JobSampler(Sampler):
@@ -215,7 +222,9 @@ class JobSampler(Sampler):
     A :class:`Sampler` (same use, DistributedSampler's contract) whose orders
     come from the job's placement mode, so every rank and daemon of the job
     agrees on them, and whose :meth:`set_epoch` also tells the job the epoch,
-    so the daemons can prepare the next one. Its :meth:`state_dict` also
+    so the daemons can prepare the next one; as :attr:`position` moves, the
+    reporter hears it every POSITION_STEP ids (a daemon deletes what it gave
+    away once its ranks have read it). Its :meth:`state_dict` also
     names the job (``job``, the one string): another job's order may differ
     even where its sizes and seed match, so its state is refused.
 
@@ -257,6 +266,7 @@ class JobSampler(Sampler):
         #: The node (0..M-1) this rank runs on, as the job places it.
         self.node = node_of_rank(plan, rank)
         self._reporter = reporter
+        self._position_reported = 0
         # The last (epoch, owners) computed, where owners move: the next
         # epoch's then take one exchange step instead of a replay from epoch 0.
         self._owners: tuple[int, np.ndarray] | None = None
@@ -265,6 +275,23 @@ class JobSampler(Sampler):
     @property
     def job_id(self) -> str:
         return self.job.spec.job_id
+
+    @property
+    def position(self) -> int:
+        """Ids of the current epoch read so far (see :class:`Sampler`)."""
+        return self._position
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self._position = value
+        reporter = getattr(self, "_reporter", None)  # None while Sampler.__init__ runs
+        if reporter is None:
+            return
+        if value < self._position_reported:
+            self._position_reported = value
+        elif value - self._position_reported >= POSITION_STEP or value == len(self):
+            self._position_reported = value
+            reporter.report_position(self.job_id, self.epoch, self.rank, value, value == len(self))
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch to read and reports it to the job (best effort)."""

@@ -20,6 +20,8 @@ from dataquay.protos import cache_pb2 as pb
 EPOCHS_KEPT = 100
 #: How often a client reports its counters to its daemon (and at set_epoch and close).
 STATS_REPORT_SECONDS = 10.0
+#: How often, at most, a rank's moving read position is reported.
+POSITION_REPORT_SECONDS = 0.25
 #: Where samples came from, as :meth:`Client.stats` counts them.
 TIERS = ("local", "daemon-local", "peer", "pfs", "fallback")
 
@@ -77,6 +79,7 @@ class ReadStats:
         self._bytes = dict.fromkeys(TIERS, 0)
         self._wait = 0.0
         self._epochs: collections.deque[EpochWait] = collections.deque(maxlen=EPOCHS_KEPT)
+        self._positions: dict[tuple[str, int], tuple[int, int]] = {}  # (job, rank) -> (epoch, position)
         self._thread = threading.local()
         self._client_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._reported_at = time.monotonic()
@@ -118,6 +121,13 @@ class ReadStats:
             samples, nbytes, wait = dict(self._samples), dict(self._bytes), self._wait
         return ClientStats(samples, nbytes, wait, corrupt_local, tuple(self._epochs))
 
+    def note_position(self, job_id: str, epoch: int, rank: int, position: int) -> bool:
+        """Keeps a rank's read position for the next report; True when one is
+        due (POSITION_REPORT_SECONDS since the last)."""
+        with self._lock:
+            self._positions[(job_id, rank)] = (epoch, position)
+        return time.monotonic() - self._reported_at >= POSITION_REPORT_SECONDS
+
     def report_due(self) -> bool:
         """Whether STATS_REPORT_SECONDS have passed since the last report."""
         return time.monotonic() - self._reported_at >= STATS_REPORT_SECONDS
@@ -128,10 +138,15 @@ class ReadStats:
         self._reported_at = time.monotonic()
         with self._lock:
             samples, nbytes, wait = dict(self._samples), dict(self._bytes), self._wait
+            positions = [
+                pb.RankPosition(job=job, epoch=epoch, rank=rank, position=position)
+                for (job, rank), (epoch, position) in self._positions.items()
+            ]
         return pb.ClientStatsReport(
             client=self._client_id,
             reads=[pb.ClientReads(tier=t, samples=samples[t], bytes=nbytes[t]) for t in TIERS],
             data_wait_seconds=wait,
+            positions=positions,
         )
 
     def after_fork_in_child(self) -> None:

@@ -73,7 +73,9 @@ UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_E
 ERROR_KEY = "dataquay-error"
 
 _BY_NAME = {kind.__name__: kind for kind, _ in ERROR_CODES}
-_BARE = {code: kind for kind, code in ERROR_CODES}
+# gRPC itself ends calls with RESOURCE_EXHAUSTED (message size, concurrency
+# limits): only a status that names CacheFullError is one.
+_BARE = {code: kind for kind, code in ERROR_CODES if code != grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 def status_of(error: DataquayError) -> tuple[grpc.StatusCode, tuple[tuple[str, str], ...]]:

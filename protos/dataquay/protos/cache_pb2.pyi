@@ -357,10 +357,12 @@ class ExchangeMessage(_message.Message):
     def __init__(self, offer: _Optional[_Union[ExchangeOffer, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
 
 class ExchangeReply(_message.Message):
-    __slots__ = ("held",)
+    __slots__ = ("held", "message_bytes")
     HELD_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     held: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, held: _Optional[_Iterable[int]] = ...) -> None: ...
+    message_bytes: int
+    def __init__(self, held: _Optional[_Iterable[int]] = ..., message_bytes: _Optional[int] = ...) -> None: ...
 
 class ExchangeProgress(_message.Message):
     __slots__ = ("job", "epoch", "total_samples", "total_bytes", "delivered_samples", "delivered_bytes", "sent_bytes", "unavailable_samples", "refused_samples", "elapsed_seconds", "finished", "error")
@@ -400,15 +402,29 @@ class ClientReads(_message.Message):
     bytes: int
     def __init__(self, tier: _Optional[str] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
+class RankPosition(_message.Message):
+    __slots__ = ("job", "epoch", "rank", "position")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    epoch: int
+    rank: int
+    position: int
+    def __init__(self, job: _Optional[str] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
+
 class ClientStatsReport(_message.Message):
-    __slots__ = ("client", "reads", "data_wait_seconds")
+    __slots__ = ("client", "reads", "data_wait_seconds", "positions")
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
     DATA_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
     client: str
     reads: _containers.RepeatedCompositeFieldContainer[ClientReads]
     data_wait_seconds: float
-    def __init__(self, client: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., data_wait_seconds: _Optional[float] = ...) -> None: ...
+    positions: _containers.RepeatedCompositeFieldContainer[RankPosition]
+    def __init__(self, client: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., data_wait_seconds: _Optional[float] = ..., positions: _Optional[_Iterable[_Union[RankPosition, _Mapping]]] = ...) -> None: ...
 
 class ClientStatsReply(_message.Message):
     __slots__ = ()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,11 +146,15 @@ class Placements:
             return
         try:
             private_dir(path.parent)
-            partial = path.with_suffix(".tmp.npy")
+            # Two tasks may save the same epoch at once: each writes a file of its own.
+            partial = path.with_suffix(f".{threading.get_ident()}.tmp.npy")
             with open(partial, "wb", opener=private_opener) as out:
                 np.save(out, epoch_owners, allow_pickle=False)
             partial.replace(path)
-            saved = sorted(path.parent.glob("*.npy"), key=lambda p: p.stat().st_mtime)
+            saved = sorted(
+                (p for p in path.parent.glob("*.npy") if not p.name.endswith(".tmp.npy")),
+                key=lambda p: p.stat().st_mtime,
+            )
             for old in saved[:-SAVED_EPOCHS]:
                 old.unlink(missing_ok=True)
         except OSError as exc:

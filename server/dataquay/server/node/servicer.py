@@ -212,6 +212,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                                 f"unknown client tier {unknown[0]!r}; tiers are {', '.join(TIERS)}")
         reads = {r.tier: (r.samples, r.bytes) for r in request.reads}
         self.daemon.client_stats.report(request.client, reads, max(0.0, request.data_wait_seconds))
+        if self.daemon.exchanges is not None:
+            for read in request.positions:
+                self.daemon.exchanges.rank_read(read.job, read.epoch, read.rank, read.position)
         return pb.ClientStatsReply()
 
     async def Exchange(

@@ -27,6 +27,7 @@ import asyncio
 import logging
 import os
 import shutil
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,12 +52,15 @@ MAX_DATASETS = 1024
 #: Reader slots shared by the daemon and every client process on the node.
 MAX_READERS = 4096
 _INITIAL_MAP = 256 * MiB
-#: Room never reserved: pages a commit copies on write, and pages freed by the
-#: last commit, which LMDB reuses only after the next one.
+#: Room never reserved (at most; a 32nd of a smaller cache): pages a commit
+#: copies on write, and pages freed by the last commit, which LMDB reuses only
+#: after the next one.
 RESERVE_SLACK = 512 * 1024
 #: How far below the level at which the map filled its live bytes must fall
 #: before inserting resumes, so that one freed page does not mean one more try.
 REFILL_BYTES = 256 * 1024
+#: A cache that keeps filling is said to be full at most this often.
+FULL_LOG_SECONDS = 60.0
 
 
 def stored_bytes(value_bytes: int, page_size: int = 4096) -> int:
@@ -82,6 +86,7 @@ class Store:
         self.reserved_bytes = 0
         #: live_bytes when the map last filled; None while it has room.
         self._filled_at: int | None = None
+        self._full_logged_at = -FULL_LOG_SECONDS
         self.inserts_dropped = 0
         self.corrupt_repaired = 0
         #: Batches the writer dropped for a failure other than a full map or disk.
@@ -151,8 +156,8 @@ class Store:
                 for key, value in txn.cursor():
                     self._payload_bytes[bytes(key)] = int.from_bytes(value, "little")
             self._meta = meta
-            for name in self._payload_bytes:
-                self._dbs[name] = self._env.open_db(name, create=False)
+            for db_name in self._payload_bytes:
+                self._dbs[db_name] = self._env.open_db(db_name, create=False)
             self.live_bytes = self._count_live_bytes()
         except lmdb.Error as exc:
             raise StartupError(f"cannot open the LMDB cache in {self.path}: {exc}") from exc
@@ -295,10 +300,11 @@ class Store:
 
     @property
     def room(self) -> int:
-        """Bytes that may still be reserved."""
-        if self.disk_full:
+        """Bytes that may still be reserved: none while the cache is full."""
+        if self.full:
             return 0
-        return max(0, self.capacity - self.live_bytes - self.reserved_bytes - RESERVE_SLACK)
+        slack = min(RESERVE_SLACK, self.capacity // 32)
+        return max(0, self.capacity - self.live_bytes - self.reserved_bytes - slack)
 
     def _count_live_bytes(self) -> int:
         """Pages of every tree (samples, their sub-databases, the meta data) and the two meta pages."""
@@ -331,8 +337,8 @@ class Store:
     async def _space_freed(self) -> None:
         if self._filled_at is not None and not self.full:
             self._filled_at = None
-            log.info("the cache has room again: inserting resumes",
-                     extra={"fields": {"live_bytes": self.live_bytes, "capacity_bytes": self.capacity}})
+            log.debug("the cache has room again: inserting resumes",
+                      extra={"fields": {"live_bytes": self.live_bytes, "capacity_bytes": self.capacity}})
         async with self._room_changed:
             self._room_changed.notify_all()
 
@@ -403,6 +409,10 @@ class Store:
                         freed += len(value) - CHECKSUM_BYTES
                 total = max(0, self._payload_bytes.get(name, 0) - freed)
                 txn.put(name, total.to_bytes(8, "little"), db=self._meta)
+            # LMDB reuses the pages a transaction freed only once a later one
+            # has committed: this one lets the next insert use them.
+            with self.env.begin(write=True, db=self._meta) as txn:
+                txn.put(name, total.to_bytes(8, "little"))
             self._payload_bytes[name] = total
             self.live_bytes = self._count_live_bytes()
             return removed
@@ -410,6 +420,8 @@ class Store:
         async with self._write_lock:
             removed = await asyncio.get_running_loop().run_in_executor(self._writer, delete)
         self._dirty = True
+        if removed and self._filled_at is not None:
+            self._filled_at = self.live_bytes + REFILL_BYTES  # freed pages count as room again
         await self._space_freed()
         return removed
 
@@ -508,7 +520,8 @@ class Store:
                 disk = True
             if len(batch) == 1:
                 self._mark_full(disk)
-                self.inserts_dropped += 1
+                if not batch[0].reserved:  # a reserved write is written again (see ExchangeReceiver)
+                    self.inserts_dropped += 1
                 return
             half = len(batch) // 2
             await self._commit_growing(loop, batch[:half])
@@ -538,7 +551,10 @@ class Store:
             self.disk_full = True
         else:
             self._filled_at = self.live_bytes
-        if not was_full:
+        # A cache that gives samples away fills and frees again and again: say it once a while.
+        now = time.monotonic()
+        if not was_full and now - self._full_logged_at >= FULL_LOG_SECONDS:
+            self._full_logged_at = now
             log.warning(
                 "cache file system is full: no more inserts until it has space, misses are served from the PFS"
                 if disk else "cache is full: no more inserts, misses are served from the PFS",

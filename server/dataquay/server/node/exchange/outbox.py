@@ -5,7 +5,11 @@ pending ids in chunks (in flight), and the receiver's replies settle them:
 delivered (committed there, or already held), refused (the receiver could not
 store it), or back to pending when a stream broke. Ids this node does not hold
 are unavailable: their new owner reads them from the PFS. Only delivered ids
-may ever be deleted here.
+may ever be deleted here, and then they are dropped.
+
+A receiver's ids go out in the order this node's ranks read them in the
+current epoch, so the first to arrive are the first that may be deleted here:
+what a node takes in then keeps pace with what it lets go.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PENDING, IN_FLIGHT, DELIVERED, REFUSED, UNAVAILABLE = range(5)
+PENDING, IN_FLIGHT, DELIVERED, REFUSED, UNAVAILABLE, DROPPED = range(6)
 
 
 @dataclass(frozen=True)
@@ -40,13 +44,29 @@ class Outbox:
         ids: sample ids this node gives away, any order.
         receivers: the receiving node of each id (its index in the job).
         sizes: payload bytes of each id.
+        readers: the rank of this node that reads each id in the current
+            epoch (an index into the positions :meth:`read_and_delivered`
+            takes), -1 where none does; None: none is read here.
+        read_at: the id's position in that rank's order.
     """
 
-    def __init__(self, ids: np.ndarray, receivers: np.ndarray, sizes: np.ndarray) -> None:
-        order = np.lexsort((ids, receivers))
+    def __init__(
+        self,
+        ids: np.ndarray,
+        receivers: np.ndarray,
+        sizes: np.ndarray,
+        readers: np.ndarray | None = None,
+        read_at: np.ndarray | None = None,
+    ) -> None:
+        unread = np.full(len(ids), -1, dtype=np.int64)
+        readers = unread if readers is None else np.asarray(readers, dtype=np.int64)
+        read_at = unread if read_at is None else np.asarray(read_at, dtype=np.int64)
+        order = np.lexsort((ids, read_at, receivers))
         self.ids = np.asarray(ids, dtype=np.int64)[order]
         self.receivers = np.asarray(receivers, dtype=np.int64)[order]
         self.sizes = np.asarray(sizes, dtype=np.int64)[order]
+        self.readers = readers[order]
+        self.read_at = read_at[order]
         self.state = np.full(len(self.ids), PENDING, dtype=np.int8)
         self.sent_bytes = 0
         self._position = {int(sample_id): i for i, sample_id in enumerate(self.ids.tolist())}
@@ -56,16 +76,22 @@ class Outbox:
         return np.unique(self.receivers[self.state == PENDING]).tolist()
 
     def pending(self, receiver: int) -> np.ndarray:
-        """The receiver's ids not yet settled or in flight, ascending."""
+        """The receiver's ids not yet settled or in flight, in sending order."""
         return self.ids[(self.receivers == receiver) & (self.state == PENDING)]
 
+    def offer(self, receiver: int, max_items: int) -> tuple[np.ndarray, int]:
+        """The receiver's next ``max_items`` pending ids, to name in an offer,
+        and the row to pass :meth:`take` as ``upto`` so it hands out only those."""
+        rows = np.flatnonzero((self.receivers == receiver) & (self.state == PENDING))[:max_items]
+        return self.ids[rows], int(rows[-1]) if len(rows) else -1
+
     def take(self, receiver: int, max_bytes: int, max_items: int, upto: int | None = None) -> np.ndarray:
-        """The next pending ids of ``receiver`` (ids up to ``upto`` only, if
-        given): at least one if any, ``max_items`` and ``max_bytes`` at most
-        otherwise. They are in flight from now on."""
+        """The next pending ids of ``receiver`` in sending order (from rows up
+        to ``upto`` only, if given): at least one if any, ``max_items`` and
+        ``max_bytes`` at most otherwise. They are in flight from now on."""
         mask = (self.receivers == receiver) & (self.state == PENDING)
         if upto is not None:
-            mask &= self.ids <= upto
+            mask[upto + 1 :] = False
         rows = np.flatnonzero(mask)
         if not len(rows):
             return self.ids[rows]
@@ -78,7 +104,7 @@ class Outbox:
         """The receiver holds ``ids``: committed from this stream (``sent``) or
         held before. Returns the payload bytes this newly counts as sent."""
         rows = self._rows(ids)
-        fresh = rows[self.state[rows] != DELIVERED]
+        fresh = rows[(self.state[rows] != DELIVERED) & (self.state[rows] != DROPPED)]
         self.state[fresh] = DELIVERED
         nbytes = int(self.sizes[fresh].sum()) if sent else 0
         self.sent_bytes += nbytes
@@ -88,14 +114,32 @@ class Outbox:
         """Ids in flight that came back without an acknowledgement: ``final``
         is PENDING (try again), REFUSED or UNAVAILABLE."""
         rows = self._rows(ids)
-        rows = rows[self.state[rows] == IN_FLIGHT] if final == PENDING else rows[self.state[rows] != DELIVERED]
+        if final == PENDING:
+            rows = rows[self.state[rows] == IN_FLIGHT]
+        else:
+            rows = rows[(self.state[rows] != DELIVERED) & (self.state[rows] != DROPPED)]
         self.state[rows] = final
 
     def delivered_ids(self) -> np.ndarray:
+        """Ids delivered and still held here."""
         return self.ids[self.state == DELIVERED]
 
+    def read_and_delivered(self, read_upto: np.ndarray) -> np.ndarray:
+        """Delivered ids still held here that this node's ranks have read:
+        ``read_upto[r]`` is how many ids of its order reader ``r`` has read."""
+        rows = np.flatnonzero(self.state == DELIVERED)
+        readers = self.readers[rows]
+        read = readers < 0
+        read[~read] = self.read_at[rows[~read]] < read_upto[readers[~read]]
+        return self.ids[rows[read]]
+
+    def dropped(self, ids: np.ndarray | list[int]) -> None:
+        """Delivered ``ids`` are deleted here."""
+        rows = self._rows(ids)
+        self.state[rows[self.state[rows] == DELIVERED]] = DROPPED
+
     def progress(self) -> OutboxProgress:
-        delivered = self.state == DELIVERED
+        delivered = (self.state == DELIVERED) | (self.state == DROPPED)
         return OutboxProgress(
             total_samples=len(self.ids),
             total_bytes=int(self.sizes.sum()),

@@ -44,15 +44,21 @@ log = logging.getLogger("dataquay.exchange")
 
 #: How long one message may wait for room in this cache.
 ROOM_WAIT_SECONDS = 60.0
+#: Smallest message asked of a sender (one sample always goes).
+MIN_MESSAGE_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
 class _Taken:
     """One message's samples, queued for the writer under a reservation."""
 
-    ids: np.ndarray
+    writes: list[PendingWrite]
     ticket: int
     reserved: int
+
+    @property
+    def ids(self) -> np.ndarray:
+        return np.fromiter((w.sample_id for w in self.writes), dtype=np.int64, count=len(self.writes))
 
 
 class ExchangeReceiver:
@@ -88,23 +94,14 @@ class ExchangeReceiver:
         async with self.holding:
             self.offered_epochs[offer.job] = max(self.offered_epochs.get(offer.job, 0), int(offer.epoch))
             held = offered[self.store.cached_mask(db, offered)]
-        yield pb.ExchangeReply(held=held.tolist())
+        yield pb.ExchangeReply(held=held.tolist(), message_bytes=self._message_bytes())
 
         # Unbounded: the reservations and the sender's window bound it.
         commits: asyncio.Queue[_Taken | None] = asyncio.Queue()
         reader = asyncio.create_task(self._take_in(messages, db, set(offered.tolist()), commits))
         try:
             while (taken := await commits.get()) is not None:
-                try:
-                    await self.store.committed(taken.ticket)
-                finally:
-                    await self.store.release(taken.reserved)
-                stored = taken.ids[self.store.cached_mask(db, taken.ids)]
-                if len(stored) < len(taken.ids):
-                    raise CacheFullError(
-                        f"the cache of this node filled beyond its reservation: {len(taken.ids) - len(stored)} "
-                        f"samples of dataset {entry.record.name!r} not stored; offer them again"
-                    )
+                stored = await self._committed(db, taken)
                 self.received_samples += len(stored)
                 self.received_bytes += int(sizes[stored].sum())
                 yield pb.ExchangeReply(held=stored.tolist())
@@ -115,6 +112,40 @@ class ExchangeReceiver:
             while not commits.empty():
                 if (left := commits.get_nowait()) is not None:
                     await self.store.release(left.reserved)
+
+    async def _committed(self, db: str, taken: _Taken) -> np.ndarray:
+        """The ids of ``taken`` once all are committed. What the cache could
+        not take after all (LMDB found no run of free pages long enough) is
+        written again once it has room."""
+        ids = taken.ids
+        while True:
+            try:
+                await self.store.committed(taken.ticket)
+            finally:
+                await self.store.release(taken.reserved)
+            held = self.store.cached_mask(db, taken.ids)
+            if held.all():
+                return ids
+            taken = await self._reserved([w for w, ok in zip(taken.writes, held.tolist()) if not ok])
+
+    async def _reserved(self, writes: list[PendingWrite]) -> _Taken:
+        """Queues ``writes`` under a reservation of their room, once the cache has it."""
+        need = sum(stored_bytes(len(w.value)) for w in writes)
+        if not await self.store.reserve(need, ROOM_WAIT_SECONDS):
+            raise CacheFullError(
+                f"no room in this node's cache for {need} bytes of exchanged samples within "
+                f"{ROOM_WAIT_SECONDS:.0f} s ({self.store.room} bytes free); offer them again later"
+            )
+        try:
+            return _Taken(writes, await self.store.put_all(writes), need)
+        except BaseException:
+            await self.store.release(need)
+            raise
+
+    def _message_bytes(self) -> int:
+        """A message size that fits this cache's room a few times over: the
+        sender keeps a window of messages in flight, and others send too."""
+        return max(MIN_MESSAGE_BYTES, self.store.room // 8)
 
     async def _accept(self, offer: pb.ExchangeOffer) -> tuple[Registered, np.ndarray]:
         entry = await self.datasets.entry(offer.dataset)
@@ -163,18 +194,6 @@ class ExchangeReceiver:
                         self.bad_checksums += 1
                         continue
                     writes.append(PendingWrite(name, sample.id, sample.value, reserved=True))
-                need = sum(stored_bytes(len(w.value)) for w in writes)
-                if not await self.store.reserve(need, ROOM_WAIT_SECONDS):
-                    raise CacheFullError(
-                        f"no room in this node's cache for {need} bytes of exchanged samples within "
-                        f"{ROOM_WAIT_SECONDS:.0f} s ({self.store.room} bytes free); offer them again later"
-                    )
-                try:
-                    ticket = await self.store.put_all(writes)
-                except BaseException:
-                    await self.store.release(need)
-                    raise
-                ids = np.fromiter((w.sample_id for w in writes), dtype=np.int64, count=len(writes))
-                commits.put_nowait(_Taken(ids, ticket, need))
+                commits.put_nowait(await self._reserved(writes))
         finally:
             commits.put_nowait(None)

@@ -5,15 +5,20 @@ When this node's trainers enter epoch e of a job whose owners move (the first
 background, the samples it gives away in epoch e+1 to their new owners: one
 bidirectional stream per receiver (a few receivers at a time), a window of
 chunks in flight, payloads with their checksums, the whole capped by
-``--exchange-bandwidth``. The receiver acknowledges a chunk once its cache has
-committed it.
+``--exchange-bandwidth``, each receiver's samples in the order this node's
+ranks read them in epoch e. The receiver reserves room before it takes a
+chunk and acknowledges it once its cache has committed it.
 
 A sample is deleted here only when its receiver acknowledged it and this
-node's epoch e is over (its trainers entered e+1), and only while the cache is
-fuller than ``--spare-copies-fill``: below that, given-away samples stay as
-spare copies, and a later epoch that hands one back moves nothing (the
-receiver says it already holds it). Nothing waits on the exchange: a trainer
-that reaches e+1 first reads what has not arrived from its previous owner.
+node's rank that reads it in epoch e has gone past it (its client reports read
+positions; entering e+1 counts as having read all of e), and only while the
+cache is fuller than ``--spare-copies-fill``: below that, given-away samples
+stay as spare copies, and a later epoch that hands one back moves nothing (the
+receiver says it already holds it). Deleting as the ranks read is what lets a
+node whose cache holds little more than its share take in the next epoch's
+samples: what arrives balances what leaves. Nothing waits on the exchange: a
+trainer that reaches e+1 first reads what has not arrived from its previous
+owner.
 
 A killed daemon redoes its part after restart: the offer's first reply lists
 what the receiver already holds, so nothing is sent twice and nothing is lost.
@@ -30,14 +35,17 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from dataquay.client.placement import MODES
+from dataquay.client.jobs import job_plan
+from dataquay.client.placement import MODES, node_reads
 from dataquay.client.records import CHECKSUM_BYTES
 from dataquay.client.status_codes import UNREACHABLE
 from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange.outbox import PENDING, REFUSED, UNAVAILABLE, Outbox, OutboxProgress
+from dataquay.server.node.exchange.positions import ReadPositions
 from dataquay.server.node.exchange.receiver import ExchangeReceiver
 from dataquay.server.node.peers import Peers
 from dataquay.server.node.placements import Placement, Placements
@@ -57,6 +65,8 @@ OFFER_IDS = 1 << 16
 #: Receivers streamed to at once.
 PARALLEL_RECEIVERS = 4
 RETRY_SECONDS = (0.5, 30.0)
+#: How often what was delivered and read is looked for, to delete it.
+DROP_POLL_SECONDS = 0.2
 #: Receiver errors worth another try; any other means the receiver will not take them.
 RETRYABLE = UNREACHABLE | {
     grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN,
@@ -74,6 +84,8 @@ class ExchangeRun:
     ended: float = 0.0
     finished: bool = False
     error: str = ""
+    #: Shipping to every receiver; cancelled when the job moves past ``epoch``.
+    shipping: asyncio.Future[list[None]] | None = None
 
     def progress(self) -> OutboxProgress:
         return self.outbox.progress()
@@ -122,29 +134,38 @@ class Exchanges:
         self._tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._epochs: dict[str, int] = {}
         self._epoch_moved = asyncio.Event()
+        self.positions = ReadPositions()
         self.sent_samples = 0
         self.sent_bytes = 0
 
     def epoch_started(self, job_id: str, epoch: int) -> None:
         """This node's trainers entered ``epoch``: prepare ``epoch + 1``.
 
-        An exchange for an earlier epoch that is still shipping is given up:
-        every sample it had left has been read, and so cached, by its owner
-        during the epoch that needed it.
+        An exchange for an earlier epoch that is still shipping stops
+        shipping: every sample it had left has been read, and so cached, by
+        its owner during the epoch that needed it. It still deletes what it
+        delivered.
         """
         if epoch <= self._epochs.get(job_id, -1):
             return
         self._epochs[job_id] = epoch
         self._epoch_moved.set()
-        for (job, target), task in list(self._tasks.items()):
-            run = self.runs.get((job, target))
-            if job == job_id and target < epoch and run is not None and not run.finished:
-                task.cancel()
+        for (job, target), run in self.runs.items():
+            if job == job_id and target < epoch and run.shipping is not None:
+                run.shipping.cancel()
         key = (job_id, epoch + 1)
         if key not in self._tasks:
             task = self.spawn(self._run(job_id, epoch + 1), f"exchange-{job_id}-{epoch + 1}")
             self._tasks[key] = task
             task.add_done_callback(lambda _task: self._tasks.pop(key, None))
+
+    def rank_read(self, job_id: str, epoch: int, rank: int, position: int) -> None:
+        """A client reports how far ``rank`` of a job has read ``epoch``; jobs
+        this node does not know, and ranks outside the job, are ignored."""
+        job = self.link.jobs.get(job_id)
+        if job is None or rank >= len(job.spec.nodes) * job.spec.ranks_per_node:
+            return
+        self.positions.report(job_id, epoch, rank, position)
 
     def resume(self, jobs: list[tuple[str, int]]) -> None:
         """After a restart: redo the exchange of each (job, current epoch) this node is in."""
@@ -183,8 +204,13 @@ class Exchanges:
             return
         me = after.node_index
         give = np.flatnonzero((before.owners == me) & (after.owners != me))
-        run = ExchangeRun(job_id, epoch, Outbox(give, after.owners[give], entry.manifest.sample_length[give]))
+        first_rank, readers, read_at = await self._reads(job, entry, before)
+        run = ExchangeRun(job_id, epoch, Outbox(
+            give, after.owners[give], entry.manifest.sample_length[give],
+            None if readers is None else readers[give], None if read_at is None else read_at[give],
+        ))
         self.runs[(job_id, epoch)] = run
+        self.positions.forget(set(self.link.jobs))
         # Keep the last two runs of each job the directory still lists: the
         # metrics' job label stays bounded.
         for old in [k for k in self.runs if (k[0] == job_id and k[1] < epoch - 1) or k[0] not in self.link.jobs]:
@@ -192,39 +218,81 @@ class Exchanges:
         log.info("exchange started", extra={"fields": {
             "job": job_id, "epoch": epoch, "samples": len(give), "bytes": run.progress().total_bytes}})
         limit = asyncio.Semaphore(PARALLEL_RECEIVERS)
-        await asyncio.gather(*(
-            self._ship_to(run, entry, after, receiver, limit) for receiver in run.outbox.receivers_left()
-        ))
-        run.finished, run.ended = True, time.monotonic()
-        done = run.progress()
-        log.info("exchange finished", extra={"fields": {
-            "job": job_id, "epoch": epoch, "delivered": done.delivered_samples, "sent_bytes": done.sent_bytes,
-            "unavailable": done.unavailable_samples, "refused": done.refused_samples,
-            "seconds": round(run.elapsed, 3)}})
-        await self._until_epoch(job_id, epoch)
-        await self._drop_given_away(entry, run)
+        ranks = np.arange(first_rank, first_rank + job.spec.ranks_per_node)
+        dropper = asyncio.get_running_loop().create_task(self._drop_as_read(entry, run, ranks))
+        try:
+            run.shipping = asyncio.gather(*(
+                self._ship_to(run, entry, after, receiver, limit) for receiver in run.outbox.receivers_left()
+            ))
+            try:
+                await run.shipping
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                run.error = run.error or "given up: the job moved on"
+            run.finished, run.ended = True, time.monotonic()
+            done = run.progress()
+            log.info("exchange finished", extra={"fields": {
+                "job": job_id, "epoch": epoch, "delivered": done.delivered_samples, "sent_bytes": done.sent_bytes,
+                "unavailable": done.unavailable_samples, "refused": done.refused_samples,
+                "seconds": round(run.elapsed, 3)}})
+            await self._until_epoch(job_id, epoch)
+            if not self._keeps_spare_copies():
+                await self._drop_given_away(entry, run, run.outbox.delivered_ids())
+        finally:
+            dropper.cancel()
+            await asyncio.gather(dropper, return_exceptions=True)
+
+    async def _reads(
+        self, job: jpb.Job, entry: Registered, current: Placement
+    ) -> tuple[int, np.ndarray | None, np.ndarray | None]:
+        """This node's first rank, and which of its ranks reads each sample in
+        ``current``'s epoch and where (None when the job does not say its ranks per node)."""
+        per_node = job.spec.ranks_per_node
+        if per_node < 1:
+            return 0, None, None
+        plan = job_plan(job, entry.manifest)
+        reads = await asyncio.get_running_loop().run_in_executor(
+            None, node_reads, plan, current.epoch, current.node_index, current.owners
+        )
+        first_rank = current.node_index * per_node
+        return first_rank, np.where(reads.rank >= 0, reads.rank - first_rank, -1), reads.position
+
+    def _keeps_spare_copies(self) -> bool:
+        """Whether given-away samples stay: the cache is emptier than ``--spare-copies-fill``."""
+        return bool(self.store.capacity) and self.store.live_bytes < self.spare_copies_fill * self.store.capacity
+
+    async def _drop_as_read(self, entry: Registered, run: ExchangeRun, ranks: np.ndarray) -> None:
+        """Deletes, while the ranks read epoch ``run.epoch - 1``, what is delivered and read."""
+        while True:
+            await asyncio.sleep(DROP_POLL_SECONDS)
+            if self._keeps_spare_copies():
+                continue
+            read_upto = self.positions.read_upto(run.job, run.epoch - 1, ranks)
+            ready = run.outbox.read_and_delivered(read_upto)
+            if len(ready):
+                await self._drop_given_away(entry, run, ready)
 
     async def _until_epoch(self, job_id: str, epoch: int) -> None:
         while self._epochs.get(job_id, -1) < epoch:
             self._epoch_moved.clear()
             await self._epoch_moved.wait()
 
-    async def _drop_given_away(self, entry: Registered, run: ExchangeRun) -> None:
-        """Deletes what ``run`` delivered, unless the cache has room for spare
-        copies; never a sample this node owns again in an epoch already
-        started or offered to it (a sample handed back is acknowledged as held)."""
-        used, _ = self.store.usage()
-        if self.store.capacity and used < self.spare_copies_fill * self.store.capacity:
-            return
+    async def _drop_given_away(self, entry: Registered, run: ExchangeRun, ids: np.ndarray) -> None:
+        """Deletes ``ids``, delivered by ``run``; never a sample this node owns
+        again in an epoch already started or offered to it (a sample handed
+        back is acknowledged as held)."""
         async with self.receiver.holding:
             horizon = max(self._epochs.get(run.job, 0) + 1, self.receiver.offered_epochs.get(run.job, 0))
-            drop = run.outbox.delivered_ids()
+            drop = ids
             for epoch in range(run.epoch, horizon + 1):
                 placement = await self.placements.placement(run.job, entry, epoch)
                 drop = drop[placement.owners[drop] != placement.node_index]
             removed = await self.store.discard(entry.record.cache_db, drop)
-        log.info("dropped samples given away", extra={"fields": {"job": run.job, "epoch": run.epoch,
-                                                                  "samples": removed}})
+            run.outbox.dropped(drop)
+        log.debug("dropped samples given away", extra={"fields": {"job": run.job, "epoch": run.epoch,
+                                                                   "samples": removed}})
 
     async def _ship_to(
         self, run: ExchangeRun, entry: Registered, after: Placement, receiver: int, limit: asyncio.Semaphore
@@ -265,7 +333,7 @@ class Exchanges:
         if not address or self.link.is_down(node):
             raise DataquayError(f"node {node} is not reachable (down or unknown to the directory)")
         outbox, db = run.outbox, entry.record.cache_db
-        offered = outbox.pending(receiver)[:OFFER_IDS]
+        offered, offered_upto = outbox.offer(receiver, OFFER_IDS)
         call = self.peers.stub(node, address).Exchange()
         in_flight: deque[np.ndarray] = deque()
         window = asyncio.Semaphore(WINDOW)
@@ -291,13 +359,14 @@ class Exchanges:
             if first is grpc.aio.EOF:
                 raise DataquayError(f"node {node} ended the exchange stream without answering")
             outbox.delivered(first.held, sent=False)
+            chunk_bytes = min(CHUNK_BYTES, first.message_bytes or CHUNK_BYTES)
             acks = asyncio.get_running_loop().create_task(take_acks())
             while True:
                 await window.acquire()
                 if acks.done():
                     await acks
                     raise DataquayError(f"node {node} ended the exchange stream early")
-                ids = outbox.take(receiver, CHUNK_BYTES, CHUNK_ITEMS, upto=int(offered[-1]))
+                ids = outbox.take(receiver, chunk_bytes, CHUNK_ITEMS, upto=offered_upto)
                 if not len(ids):
                     break
                 values = self.store.get_values(db, ids.tolist())
