@@ -14,11 +14,11 @@ from dataquay.client.job_settings import JobSettings
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import JobPlan, owners
-from dataquay.client.records import CHECKSUM_BYTES, checksum
+from dataquay.client.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.capacity import cache_need, node_shares
 from dataquay.server.cli import main as cli_main
-from dataquay.server.node.store import stored_bytes
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 from dataquay.server.tools.trainers import RankGroup
@@ -28,31 +28,24 @@ RANKS_PER_NODE = 2
 SAMPLES = 1200
 SIZES = (60_000, 80_000, 100_000)
 JOB = "tight"
-#: Above 1.05 x the largest share, as the README asks: at Q = 1 the old
-#: exchange (take everything in, then delete) needed 1.75 x.
-HEADROOM = 16 << 20
 
 
 def payload(i: int) -> bytes:
     return sample_bytes(0, i, SIZES[i % len(SIZES)])
 
 
-def largest_share(q: float, epochs: int) -> int:
-    """Bytes the largest share of any node in epochs 0..epochs takes in the cache, as the store counts them."""
-    sizes = np.array([stored_bytes(SIZES[i % len(SIZES)] + CHECKSUM_BYTES) for i in range(SAMPLES)])
+def capacity_needed(q: float, epochs: int) -> int:
+    """What the README asks of every node's cache for this job: 1.05 x the
+    largest share any node has in epochs 0..epochs, + 16 MiB."""
     settings = JobSettings(job_id=JOB, mode="partial", q=q, ranks_per_node=RANKS_PER_NODE,
                            nodes=tuple(f"n{m}" for m in range(NODES)))
     plan = JobPlan(settings, num_samples=SAMPLES, num_nodes=NODES)
-    current = owners(plan, 0)
-    largest = 0
-    for epoch in range(epochs + 1):
-        current = owners(plan, epoch, current if epoch else None)
-        largest = max(largest, int(np.bincount(current, weights=sizes, minlength=NODES).max()))
-    return largest
+    sizes = np.array([SIZES[i % len(SIZES)] for i in range(SAMPLES)])
+    return cache_need(int(node_shares(plan, sizes, epochs + 1).max()), "partial", q)
 
 
 def tight_cluster(cluster: Callable[..., LocalCluster], tmp_path: Path, q: float, epochs: int) -> LocalCluster:
-    capacity = int(1.05 * largest_share(q, epochs)) + HEADROOM
+    capacity = capacity_needed(q, epochs)
     local = cluster(NODES, daemon_args=("--cache-size", str(capacity), "--spare-copies-fill", "0"))
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0

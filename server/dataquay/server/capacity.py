@@ -13,9 +13,10 @@ then takes, per value:
   first epoch's order, the exchange's arrivals) a leaf holds on average ln 2 of
   the nodes it could, and branch pages (18 bytes per child) likewise;
 - while a write transaction commits, copies of every leaf and branch page it
-  touches, and the pages the previous one freed: the map's high-water mark (what
-  ``status`` reports and what hits the capacity) stays above the tree by about
-  two transactions' worth of those pages, which for small values is tens of MiB.
+  touches, and the pages the previous one freed: the map's high-water mark
+  (what hits the capacity) stays above the tree (what ``status`` reports as
+  used) by about two transactions' worth of those pages, which for small
+  values is tens of MiB.
 
 Pure functions over numpy arrays; no I/O.
 """
@@ -118,7 +119,7 @@ def write_slack_bytes(payload_sizes: np.ndarray, page_size: int = PAGE_SIZE) -> 
 
 
 def cached_bytes(payload_sizes: np.ndarray, page_size: int = PAGE_SIZE) -> int:
-    """What a cache holding these values reports as used: the tree and the writer's slack."""
+    """The map a cache holding these values fills: the tree and the writer's slack."""
     return stored_bytes(payload_sizes, page_size) + write_slack_bytes(payload_sizes, page_size)
 
 

@@ -20,9 +20,9 @@ each epoch and what each rank reads, which the parties ask through
 from dataquay.client.placement.epochs import (
     BatchBalance,
     Moves,
+    NodeReads,
     locality_balance,
     moves,
-    NodeReads,
     node_of_rank,
     node_orders,
     node_reads,

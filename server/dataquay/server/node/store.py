@@ -63,15 +63,6 @@ REFILL_BYTES = 256 * 1024
 FULL_LOG_SECONDS = 60.0
 
 
-def stored_bytes(value_bytes: int, page_size: int = 4096) -> int:
-    """Bytes of pages one value of ``value_bytes`` (checksum included) takes,
-    rounded up: a value too large for a leaf node gets whole overflow pages
-    (plus its node in a leaf), a small one its share of a half-full leaf."""
-    if value_bytes + 24 > page_size // 2:
-        return -(-(value_bytes + 16) // page_size) * page_size + 32
-    return 2 * (value_bytes + 24)
-
-
 class Store:
     """LMDB cache with a single batched writer and the MinIO capacity policy."""
 

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dataquay.client.placement import MAX_EPOCH
-from dataquay.client.records import decode_value
+from dataquay.client.records import CHECKSUM_BYTES, decode_value
 from dataquay.protos import cache_pb2 as pb
+from dataquay.server.capacity import stored_bytes
 from dataquay.server.errors import (
     CacheFullError,
     DatasetReplacedError,
@@ -36,7 +37,7 @@ from dataquay.server.errors import (
 )
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.placements import Placements
-from dataquay.server.node.store import Store, stored_bytes
+from dataquay.server.node.store import Store
 from dataquay.server.node.write_queue import PendingWrite
 from dataquay.server.registry import Registered
 
@@ -130,7 +131,7 @@ class ExchangeReceiver:
 
     async def _reserved(self, writes: list[PendingWrite]) -> _Taken:
         """Queues ``writes`` under a reservation of their room, once the cache has it."""
-        need = sum(stored_bytes(len(w.value)) for w in writes)
+        need = stored_bytes(np.fromiter((len(w.value) - CHECKSUM_BYTES for w in writes), np.int64, len(writes)))
         if not await self.store.reserve(need, ROOM_WAIT_SECONDS):
             raise CacheFullError(
                 f"no room in this node's cache for {need} bytes of exchanged samples within "
