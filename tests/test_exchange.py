@@ -212,6 +212,29 @@ def test_a_sample_not_yet_exchanged_comes_from_its_previous_owner_and_stays(
         nodes.close()
 
 
+def test_a_sample_that_never_moved_comes_from_the_node_that_held_it_epochs_ago(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    nodes, epoch_owners = partial_cluster(cluster, tmp_path, "--exchange-bandwidth", "1")
+    try:
+        nodes.report(1)
+        nodes.report(2)
+        nodes.report(3)
+        staged_on_0 = epoch_owners[0] == 0
+        # Owned by node 1 in epoch 3, by neither node 0 nor node 1 in epochs 1 and 2:
+        # only node 0, which staged it in epoch 0, holds it.
+        wanted = np.flatnonzero(
+            staged_on_0 & (epoch_owners[3] == 1) & (epoch_owners[2] > 1) & (epoch_owners[1] > 1)
+        )
+        assert len(wanted)
+        pfs_before = [s.pfs_bytes for s in nodes.stats()]
+        assert {s.tier for s in nodes.read(1, wanted)} == {pb.TIER_PEER}
+        assert [s.pfs_bytes for s in nodes.stats()] == pfs_before
+        nodes.wait_until_held(1, wanted)
+    finally:
+        nodes.close()
+
+
 def test_offers_the_receiver_does_not_own_are_refused_and_it_keeps_serving(
     cluster: Callable[..., LocalCluster], tmp_path: Path
 ) -> None:

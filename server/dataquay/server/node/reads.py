@@ -2,8 +2,11 @@
 
 A read for a job (``job`` set) sends the misses to the daemons that own them
 in that job, one batched stream per owner, all at once. In modes whose owners
-move, what the owner does not hold yet (its exchange has not delivered it) is
-asked of the sample's owner in the epoch before. In modes ``global`` and
+move, what the owner does not hold is asked of the nodes that may still hold
+it, a round each, all ids of a round at once: its owner in the epoch before
+(the exchange has not delivered it yet), in the epoch after (its owner gave it
+away and deleted it once read, and a trainer is late), and in the epochs
+before that (a spare copy). In modes ``global`` and
 ``locality`` (when the job has a batch size) the samples this node's ranks
 will need from other nodes in the next steps are fetched ahead of them
 (:mod:`dataquay.server.node.prefetch`). In every mode, what this node owns
@@ -32,6 +35,7 @@ from typing import TypeVar
 import numpy as np
 
 from dataquay.client.channels import READ_CHUNK_BYTES
+from dataquay.client.placement import MAX_EPOCH
 from dataquay.client.records import CHECKSUM_BYTES, encode_value, stored_checksum
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import (
@@ -60,6 +64,8 @@ log = logging.getLogger("dataquay.reads")
 
 #: Tier of a sample a peer was asked for and does not hold.
 MISSING = "missing"
+#: Epochs before the previous one whose owners are asked for a spare copy.
+HOLDER_EPOCHS = 2
 
 
 @dataclass(frozen=True)
@@ -147,8 +153,8 @@ class ReadService:
         if placement is not None and len(misses):
             fetched.update(await self._from_owners(entry, placement, placement.owners, misses))
             misses = _not_in(misses, fetched)
-        if placement is not None and placement.owners_move and placement.epoch > 0 and len(misses):
-            fetched.update(await self._from_previous_owners(entry, placement, misses))
+        if placement is not None and placement.owners_move and len(misses):
+            fetched.update(await self._from_other_holders(entry, placement, misses))
             misses = _not_in(misses, fetched)
         if len(misses):
             values = await self.pfs.read(dataset, entry.manifest, misses)
@@ -203,15 +209,27 @@ class ReadService:
     ) -> dict[int, tuple[str, bytes | memoryview, int]]:
         return await self._from_owners(entry, placement, placement.owners, ids)
 
-    async def _from_previous_owners(
+    async def _from_other_holders(
         self, entry: Registered, placement: Placement, misses: np.ndarray
     ) -> dict[int, tuple[str, bytes | memoryview, int]]:
-        """What the epoch-before owners of ``misses`` hold (transfers not done yet);
-        those this node owns now are cached, which completes their transfer."""
+        """What the owners of ``misses`` in nearby epochs hold (see the module
+        notes); those this node owns now are cached, which completes their transfer."""
         assert self.placements is not None
-        before = await self.placements.placement(placement.job.spec.job_id, entry, placement.epoch - 1)
-        moved = misses[before.owners[misses] != placement.owners[misses]]
-        fetched = await self._from_owners(entry, placement, before.owners, moved)
+        job_id, epoch = placement.job.spec.job_id, placement.epoch
+        asked = [placement.owners[misses]]
+        fetched: dict[int, tuple[str, bytes | memoryview, int]] = {}
+        for other in (epoch - 1, epoch + 1, *range(epoch - 2, epoch - 2 - HOLDER_EPOCHS, -1)):
+            left = ~np.isin(misses, np.fromiter(fetched, np.int64, len(fetched)))
+            if other < 0 or other > MAX_EPOCH or not left.any():
+                continue
+            epoch_owners = (await self.placements.placement(job_id, entry, other)).owners
+            holders = epoch_owners[misses]
+            ask = left & (holders != placement.node_index)
+            for before in asked:
+                ask &= holders != before
+            if ask.any():
+                fetched.update(await self._from_owners(entry, placement, epoch_owners, misses[ask]))
+            asked.append(holders)
         self.previous_owner_samples += len(fetched)
         name = entry.record.cache_db.encode()
         for sample_id, (_tier, data, digest) in fetched.items():
