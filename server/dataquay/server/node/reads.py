@@ -163,7 +163,8 @@ class ReadService:
             for sample_id, value in values.items():
                 fetched[sample_id] = ("pfs", memoryview(value)[CHECKSUM_BYTES:], stored_checksum(value))
                 if sample_id in keep_set:
-                    self.store.offer(PendingWrite(name, sample_id, value, sample_id in repair))
+                    self.store.offer(PendingWrite(name, sample_id, value, sample_id in repair,
+                                                  leaves_room=placement is not None and placement.owners_move))
         return self._in_order(ids, cached, fetched)
 
     def read_ahead(self, job: jpb.Job) -> None:
@@ -234,7 +235,7 @@ class ReadService:
         name = entry.record.cache_db.encode()
         for sample_id, (_tier, data, digest) in fetched.items():
             if placement.owners[sample_id] == placement.node_index:
-                self.store.offer(PendingWrite(name, sample_id, encode_value(data, digest)))
+                self.store.offer(PendingWrite(name, sample_id, encode_value(data, digest), leaves_room=True))
         return fetched
 
     async def _from_owners(

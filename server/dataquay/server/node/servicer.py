@@ -115,11 +115,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         d = self.daemon
         async with status_on_error(context):
             entry = await d.datasets.entry(request.dataset)
-            seed, ids = request.seed, None
+            seed, ids, leave_room = request.seed, None, False
             if request.job:
                 placement = await self._placements().placement(request.job, entry, epoch=0)
-                seed, ids = placement.job.spec.seed, placement.owned()
-            progress = d.stager.start(request.dataset, seed, ids)
+                seed, ids, leave_room = placement.job.spec.seed, placement.owned(), placement.owners_move
+            progress = d.stager.start(request.dataset, seed, ids, leave_room)
         while True:
             await d.stager.wait(request.dataset, timeout=0.5)
             yield self._progress(progress)

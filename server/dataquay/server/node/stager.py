@@ -133,9 +133,12 @@ class Stager:
         self._tasks = TaskGroup()
         self._closed = False
 
-    def start(self, dataset: str, seed: int, ids: np.ndarray | None = None) -> StagingProgress:
+    def start(
+        self, dataset: str, seed: int, ids: np.ndarray | None = None, leave_room: bool = False
+    ) -> StagingProgress:
         """Starts staging ``ids`` of ``dataset`` (default: all) unless a run is
-        going; returns its progress, already ended once the stager is closed."""
+        going; returns its progress, already ended once the stager is closed.
+        ``leave_room`` stops short of the exchange's reserve (a job whose owners move)."""
         current = self.runs.get(dataset)
         if current is not None and not current.finished:
             return current
@@ -149,8 +152,11 @@ class Stager:
             progress.end(SHUTTING_DOWN)
             self._done[dataset].set()
         else:
-            self._tasks.spawn(self._run(dataset, seed, ids, progress), f"stage-{dataset}")
+            self._tasks.spawn(self._run(dataset, seed, ids, progress, leave_room), f"stage-{dataset}")
         return progress
+
+    def _full(self, leave_room: bool) -> bool:
+        return self.store.reserve_reached if leave_room else self.store.full
 
     async def close(self) -> None:
         """Ends the runs (staging resumes where it stopped when asked again) and starts no more."""
@@ -164,7 +170,9 @@ class Stager:
         except TimeoutError:
             pass
 
-    async def _run(self, dataset: str, seed: int, ids: np.ndarray, progress: StagingProgress) -> None:
+    async def _run(
+        self, dataset: str, seed: int, ids: np.ndarray, progress: StagingProgress, leave_room: bool
+    ) -> None:
         entry = self.registry.get(dataset)
         manifest, db = entry.manifest, entry.record.cache_db
         log.info("staging started", extra={"fields": {"dataset": dataset, "samples": len(ids)}})
@@ -179,16 +187,16 @@ class Stager:
             async for values, failures in self.pfs.stream(dataset, manifest, ranges, self.store.backlog):
                 progress.failed(failures)
                 for sample_id, value in values.items():
-                    await self.store.put(PendingWrite(name, sample_id, value))
+                    await self.store.put(PendingWrite(name, sample_id, value, leaves_room=leave_room))
                 progress.staged(len(values), sum(len(v) for v in values.values()) - CHECKSUM_BYTES * len(values))
-                if self.store.full:
+                if self._full(leave_room):
                     progress.cache_full = True
                     break
             await self.store.flush()
             write_failed = self.store.write_errors > write_errors
-            if self.store.full or write_failed:
+            if self._full(leave_room) or write_failed:
                 cached = await self._cached_mask(db, ids)
-                progress.cache_full = self.store.full
+                progress.cache_full = self._full(leave_room)
                 progress.done_samples = int(cached.sum())
                 progress.done_bytes = int(manifest.sample_length[ids[cached]].sum())
             if write_failed:

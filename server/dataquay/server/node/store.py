@@ -61,6 +61,11 @@ RESERVE_SLACK = 512 * 1024
 REFILL_BYTES = 256 * 1024
 #: A cache that keeps filling is said to be full at most this often.
 FULL_LOG_SECONDS = 60.0
+#: Room that staging and reads leave free in the cache of a node whose job
+#: moves owners (at most; a 16th of a smaller cache): where the exchange's
+#: arrivals go before what leaves is deleted, so a cache short of its share
+#: still exchanges.
+EXCHANGE_RESERVE = 16 * MiB
 
 
 class Store:
@@ -290,6 +295,16 @@ class Store:
         return self.disk_full or (self._filled_at is not None and self.live_bytes > self._filled_at - REFILL_BYTES)
 
     @property
+    def exchange_reserve(self) -> int:
+        """Bytes that inserts which leave room for the exchange leave free."""
+        return min(EXCHANGE_RESERVE, self.capacity // 16)
+
+    @property
+    def reserve_reached(self) -> bool:
+        """Whether inserts that leave room for the exchange stop."""
+        return self.full or self.live_bytes + self.exchange_reserve >= self.capacity
+
+    @property
     def room(self) -> int:
         """Bytes that may still be reserved: none while the cache is full."""
         if self.full:
@@ -347,6 +362,7 @@ class Store:
         if (
             self._writer_stopped
             or (self.full and not write.kept_when_full and not self._room_again())
+            or (write.leaves_room and self.reserve_reached)
             or self._queue.is_full
         ):
             self.inserts_dropped += 1
@@ -360,7 +376,9 @@ class Store:
         while self._queue.is_full:
             await self._queue.wait_for_room()
             self._check_writer()
-        if self.full and not write.kept_when_full and not self._room_again():
+        if (self.full and not write.kept_when_full and not self._room_again()) or (
+            write.leaves_room and self.reserve_reached
+        ):
             self.inserts_dropped += 1
             return
         self._queue.push(write)
@@ -497,6 +515,7 @@ class Store:
             kept = [w for w in batch if w.kept_when_full]
             self.inserts_dropped += len(batch) - len(kept)
             batch = kept
+        batch = self._within_reserve(batch)
         while batch:
             try:
                 await loop.run_in_executor(self._writer, self._commit, batch)
@@ -517,6 +536,20 @@ class Store:
             half = len(batch) // 2
             await self._commit_growing(loop, batch[:half])
             batch = [w for w in batch[half:] if w.kept_when_full] if self.full else batch[half:]
+
+    def _within_reserve(self, batch: list[PendingWrite]) -> list[PendingWrite]:
+        """``batch`` without the inserts that leave room for the exchange and
+        would reach into its reserve (counted as dropped)."""
+        room = self.capacity - self.exchange_reserve - self.live_bytes
+        kept = []
+        for write in batch:
+            if write.leaves_room:
+                room -= len(write.value)
+                if room < 0:
+                    self.inserts_dropped += 1
+                    continue
+            kept.append(write)
+        return kept
 
     def _grow_ahead(self) -> None:
         """Grows the map before it fills, so no large transaction is redone."""

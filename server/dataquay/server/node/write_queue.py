@@ -20,7 +20,9 @@ class PendingWrite:
 
     ``repair`` overwrites a corrupt value; ``reserved`` writes under a
     reservation (:meth:`Store.reserve`). Neither is dropped because the cache
-    is full.
+    is full. ``leaves_room`` inserts only below the exchange's reserve
+    (:attr:`Store.exchange_reserve`): what a node of a job whose owners move
+    stages or caches on a read.
     """
 
     db: bytes
@@ -28,6 +30,7 @@ class PendingWrite:
     value: bytes
     repair: bool = False
     reserved: bool = False
+    leaves_room: bool = False
 
     @property
     def kept_when_full(self) -> bool:

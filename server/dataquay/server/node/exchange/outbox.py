@@ -124,6 +124,10 @@ class Outbox:
         """Ids delivered and still held here."""
         return self.ids[self.state == DELIVERED]
 
+    def undelivered_ids(self) -> np.ndarray:
+        """Ids held here that never reached their receiver (pending, in flight or refused)."""
+        return self.ids[(self.state == PENDING) | (self.state == IN_FLIGHT) | (self.state == REFUSED)]
+
     def read_and_delivered(self, read_upto: np.ndarray) -> np.ndarray:
         """Delivered ids still held here that this node's ranks have read:
         ``read_upto[r]`` is how many ids of its order reader ``r`` has read."""

@@ -224,13 +224,14 @@ class Exchanges:
             run.shipping = asyncio.gather(*(
                 self._ship_to(run, entry, after, receiver, limit) for receiver in run.outbox.receivers_left()
             ))
+            given_up = False
             try:
                 await run.shipping
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():
                     raise
-                run.error = run.error or "given up: the job moved on"
+                run.error, given_up = run.error or "given up: the job moved on", True
             run.finished, run.ended = True, time.monotonic()
             done = run.progress()
             log.info("exchange finished", extra={"fields": {
@@ -240,6 +241,10 @@ class Exchanges:
             await self._until_epoch(job_id, epoch)
             if not self._keeps_spare_copies():
                 await self._drop_given_away(entry, run, run.outbox.delivered_ids())
+            if given_up and not self._keeps_spare_copies():
+                # Their owners read them from here during the epoch that needed
+                # them; now they would only keep the new epoch's arrivals out.
+                await self._drop_given_away(entry, run, run.outbox.undelivered_ids())
         finally:
             dropper.cancel()
             await asyncio.gather(dropper, return_exceptions=True)
