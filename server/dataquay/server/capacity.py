@@ -84,6 +84,16 @@ def _tree_pages(payload_sizes: np.ndarray, page_size: int) -> tuple[float, float
     return overflow, math.ceil(leaves), branches
 
 
+def value_bytes(value_sizes: np.ndarray, page_size: int = PAGE_SIZE) -> np.ndarray:
+    """Bytes of pages each value (checksum included) takes, at most: its overflow
+    pages and leaf node, or its node in a leaf half full. What a write is charged
+    against the room left, before LMDB says what it took."""
+    values = np.asarray(value_sizes, dtype=np.int64)
+    inline = _NODE_HEADER + _KEY_BYTES + values <= _node_max(page_size)
+    overflow = ((values + _PAGE_HEADER - 1) // page_size + 1) * page_size + _NODE_HEADER + _KEY_BYTES + _PGNO
+    return np.where(inline, 2 * (_NODE_HEADER + _KEY_BYTES + values + _SLOT), overflow)
+
+
 def stored_bytes(payload_sizes: np.ndarray, page_size: int = PAGE_SIZE) -> int:
     """Bytes of LMDB pages (branch, leaf and overflow) that values of these
     payload sizes take in one sub-database, written in random order as the store

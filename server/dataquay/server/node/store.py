@@ -29,7 +29,7 @@ import os
 import shutil
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,6 +37,7 @@ import lmdb
 import numpy as np
 
 from dataquay.client.records import CHECKSUM_BYTES, decode_value, sample_key, stored_checksum
+from dataquay.server.capacity import value_bytes
 from dataquay.server.dirs import FILE_MODE, close_to_others, ensure_private_dir
 from dataquay.server.errors import CacheWriterError, StartupError
 from dataquay.server.node.cache_dir import FileSystemRoom, lock_cache_dir
@@ -59,6 +60,9 @@ RESERVE_SLACK = 512 * 1024
 #: How far below the level at which the map filled its live bytes must fall
 #: before inserting resumes, so that one freed page does not mean one more try.
 REFILL_BYTES = 256 * 1024
+#: How far the map may grow beyond the capacity (at most; a 16th of a smaller
+#: cache) so that a delete in a full map finds the pages it needs.
+HOUSEKEEPING_BYTES = 1 * MiB
 #: A cache that keeps filling is said to be full at most this often.
 FULL_LOG_SECONDS = 60.0
 #: Room that staging and reads leave free in the cache of a node whose job
@@ -213,7 +217,7 @@ class Store:
             return entries
 
         async with self._write_lock:
-            entries = await asyncio.get_running_loop().run_in_executor(self._writer, drop)
+            entries = await self._deleting(drop)
         self._payload_bytes.pop(name, None)
         self.disk_full = False
         await self._space_freed()
@@ -301,8 +305,9 @@ class Store:
 
     @property
     def reserve_reached(self) -> bool:
-        """Whether inserts that leave room for the exchange stop."""
-        return self.full or self.live_bytes + self.exchange_reserve >= self.capacity
+        """Whether inserts that leave room for the exchange stop (or nearly: a
+        sample more would not fit)."""
+        return self.full or self.live_bytes + self.exchange_reserve + REFILL_BYTES >= self.capacity
 
     @property
     def room(self) -> int:
@@ -427,12 +432,24 @@ class Store:
             return removed
 
         async with self._write_lock:
-            removed = await asyncio.get_running_loop().run_in_executor(self._writer, delete)
+            removed = await self._deleting(delete)
         self._dirty = True
         if removed and self._filled_at is not None:
             self._filled_at = self.live_bytes + REFILL_BYTES  # freed pages count as room again
         await self._space_freed()
         return removed
+
+    async def _deleting(self, delete: Callable[[], int]) -> int:
+        """Runs ``delete`` in the writer thread. A delete needs pages too (LMDB
+        copies what it changes): in a map filled to capacity it fails, so the
+        map grows by HOUSEKEEPING_BYTES at most, once, and it runs again."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._writer, delete)
+        except lmdb.MapFullError:
+            if not self._grow(self.capacity + min(HOUSEKEEPING_BYTES, self.capacity // 16)):
+                raise
+            return await loop.run_in_executor(self._writer, delete)
 
     def recheck_space(self) -> None:
         """Takes a full file system for having room again if it has free space
@@ -515,7 +532,7 @@ class Store:
             kept = [w for w in batch if w.kept_when_full]
             self.inserts_dropped += len(batch) - len(kept)
             batch = kept
-        batch = self._within_reserve(batch)
+        batch = self._within_limits(batch)
         while batch:
             try:
                 await loop.run_in_executor(self._writer, self._commit, batch)
@@ -537,17 +554,20 @@ class Store:
             await self._commit_growing(loop, batch[:half])
             batch = [w for w in batch[half:] if w.kept_when_full] if self.full else batch[half:]
 
-    def _within_reserve(self, batch: list[PendingWrite]) -> list[PendingWrite]:
-        """``batch`` without the inserts that leave room for the exchange and
-        would reach into its reserve (counted as dropped)."""
-        room = self.capacity - self.exchange_reserve - self.live_bytes
+    def _within_limits(self, batch: list[PendingWrite]) -> list[PendingWrite]:
+        """``batch`` without the inserts that would reach into room reserved,
+        or beyond the capacity (counted as dropped). A reserved write has its
+        room; one that leaves room for the exchange stops at its reserve."""
+        room = self.capacity - self.live_bytes - self.reserved_bytes
+        reserve = self.exchange_reserve
+        cost = value_bytes(np.fromiter((len(w.value) for w in batch), np.int64, len(batch)))
         kept = []
-        for write in batch:
-            if write.leaves_room:
-                room -= len(write.value)
-                if room < 0:
+        for write, charge in zip(batch, cost.tolist()):
+            if not write.kept_when_full:
+                if charge > room - (reserve if write.leaves_room else 0):
                     self.inserts_dropped += 1
                     continue
+                room -= charge
             kept.append(write)
         return kept
 
@@ -558,12 +578,14 @@ class Store:
         if used > info["map_size"] // 2:
             self._grow()
 
-    def _grow(self) -> bool:
-        """Doubles the map up to the capacity; runs on the loop thread (no open txn)."""
+    def _grow(self, limit: int | None = None) -> bool:
+        """Doubles the map up to ``limit`` (default the capacity); runs on the
+        loop thread (no open txn)."""
+        limit = self.capacity if limit is None else limit
         current = self.env.info()["map_size"]
-        if current >= self.capacity:
+        if current >= limit:
             return False
-        new_size = min(self.capacity, current * 2)
+        new_size = min(limit, current * 2)
         self.env.set_mapsize(new_size)
         log.debug("grew the cache map", extra={"fields": {"map_bytes": new_size}})
         return True

@@ -1,0 +1,95 @@
+"""The store's fullness follows its pages: what deletes free is used again,
+and a reservation holds room that ordinary inserts cannot take. Real LMDB."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+
+from dataquay.client.records import encode_value
+from dataquay.server.node.store import Store
+from dataquay.server.node.write_queue import PendingWrite
+
+MiB = 1 << 20
+VALUE = 40_000
+
+
+def write(sample_id: int, **flags: bool) -> PendingWrite:
+    return PendingWrite(b"ds", sample_id, encode_value(bytes([sample_id % 251]) * VALUE), **flags)
+
+
+async def fill(store: Store, first: int, count: int) -> np.ndarray:
+    """Offers ``count`` samples from ``first`` on; returns which the cache took."""
+    ids = np.arange(first, first + count)
+    await store.committed(await store.put_all(write(int(i)) for i in ids))
+    return store.cached_mask("ds", ids)
+
+
+def with_store(tmp_path: Path, capacity: int, test: object) -> None:
+    async def run() -> None:
+        store = Store(tmp_path / "cache", capacity)
+        store.open()
+        await store.open_dataset("ds")
+        writer = asyncio.get_running_loop().create_task(store.run_writer())
+        try:
+            await test(store)  # type: ignore[operator]
+        finally:
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
+            store.close()
+
+    asyncio.run(run())
+
+
+def test_space_freed_by_deletes_is_used_again(tmp_path: Path) -> None:
+    async def test(store: Store) -> None:
+        taken = await fill(store, 0, 200)  # 8 MB into a 4 MiB cache
+        assert store.full and 0 < taken.sum() < 200
+        held = np.flatnonzero(taken)
+        assert await store.discard("ds", held[: len(held) // 2]) == len(held) // 2
+        assert not store.full
+        again = await fill(store, 1000, 200)
+        assert again.sum() >= len(held) // 2 - 2  # what was freed, give or take a page run
+        assert store.full
+        assert store.live_bytes <= store.capacity
+
+    with_store(tmp_path, 4 * MiB, test)
+
+
+def test_a_reservation_waits_for_room_and_its_writes_are_never_dropped(tmp_path: Path) -> None:
+    async def test(store: Store) -> None:
+        await fill(store, 0, 200)
+        assert store.full and store.room == 0
+        need = 10 * (VALUE + 8192)
+        assert not await store.reserve(need, timeout=0.2)  # nothing frees room
+        waiting = asyncio.get_running_loop().create_task(store.reserve(need, timeout=10))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        await store.discard("ds", np.arange(0, 40))
+        assert await waiting
+        # Ordinary inserts take what is left over, not the reserved room.
+        await fill(store, 2000, 200)
+        assert store.live_bytes + need <= store.capacity
+        dropped = store.inserts_dropped
+        ids = np.arange(5000, 5010)
+        await store.committed(await store.put_all(write(int(i), reserved=True) for i in ids))
+        await store.release(need)
+        # Most fit; any LMDB could not place (no run of free pages long enough)
+        # is not dropped: the exchange's receiver writes it again.
+        assert store.cached_mask("ds", ids).sum() >= 8
+        assert store.inserts_dropped == dropped
+
+    with_store(tmp_path, 4 * MiB, test)
+
+
+def test_inserts_that_leave_room_for_the_exchange_stop_short_of_its_reserve(tmp_path: Path) -> None:
+    async def test(store: Store) -> None:
+        ids = np.arange(0, 200)
+        await store.committed(await store.put_all(write(int(i), leaves_room=True) for i in ids))
+        assert store.reserve_reached and not store.full
+        assert store.capacity - store.live_bytes >= store.exchange_reserve - VALUE
+        assert await store.reserve(store.exchange_reserve // 2, timeout=1)
+
+    with_store(tmp_path, 8 * MiB, test)
