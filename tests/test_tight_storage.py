@@ -34,14 +34,19 @@ def payload(i: int) -> bytes:
     return sample_bytes(0, i, SIZES[i % len(SIZES)])
 
 
-def capacity_needed(q: float, epochs: int) -> int:
-    """What the README asks of every node's cache for this job: 1.05 x the
-    largest share any node has in epochs 0..epochs, + 16 MiB."""
+def largest_share(q: float, epochs: int) -> int:
+    """The cache bytes of the largest share any node has in epochs 0..epochs."""
     settings = JobSettings(job_id=JOB, mode="partial", q=q, ranks_per_node=RANKS_PER_NODE,
                            nodes=tuple(f"n{m}" for m in range(NODES)))
     plan = JobPlan(settings, num_samples=SAMPLES, num_nodes=NODES)
     sizes = np.array([SIZES[i % len(SIZES)] for i in range(SAMPLES)])
-    return cache_need(int(node_shares(plan, sizes, epochs + 1).max()), "partial", q)
+    return int(node_shares(plan, sizes, epochs + 1).max())
+
+
+def capacity_needed(q: float, epochs: int) -> int:
+    """What the README asks of every node's cache for this job: 1.05 x the
+    largest share, + 16 MiB."""
+    return cache_need(largest_share(q, epochs), "partial", q)
 
 
 def tight_cluster(cluster: Callable[..., LocalCluster], tmp_path: Path, q: float, epochs: int) -> LocalCluster:
@@ -88,3 +93,40 @@ def test_a_cache_just_above_its_share_reads_every_epoch_locally_and_drops_nothin
         assert all(s.cache_used_bytes <= s.cache_capacity_bytes for s in stats)
     finally:
         nodes.close()
+
+
+def test_a_cache_short_of_its_share_reads_a_level_deficit_from_the_pfs(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    epochs = 8
+    capacity = int(0.75 * largest_share(0.5, epochs))
+    local = cluster(NODES, daemon_args=("--cache-size", str(capacity), "--spare-copies-fill", "0"))
+    root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
+    assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
+    assert cli_main([
+        "stage", "imgs", "--job", JOB, "--mode", "partial", "--q", "0.5",
+        "--ranks-per-node", str(RANKS_PER_NODE), "--quiet", "--directory", local.directory_address,
+    ]) == 0
+    nodes = Nodes(local, JOB)
+    envs = [local.rank_env(r, RANKS_PER_NODE, JOB) for r in range(NODES * RANKS_PER_NODE)]
+    pfs_reads = []
+    try:
+        with RankGroup(envs, "imgs", tmp_path / "ranks", batch=16, compute_seconds=0.002, timeout=60) as group:
+            for epoch in range(epochs):
+                results = group.epoch(epoch)
+                ids = np.concatenate([r.ids for r in results]).astype(np.int64)
+                assert sorted(ids.tolist()) == list(range(SAMPLES))
+                sums = np.concatenate([np.asarray(r.checksums, dtype=np.uint64) for r in results])
+                assert sums.tolist() == [checksum(payload(i)) for i in ids.tolist()]
+                tiers = {t: sum(r.samples[t] for r in results) for t in results[0].samples}
+                assert tiers["fallback"] == 0
+                pfs_reads.append(tiers["pfs"])
+        stats = nodes.stats()
+        assert all(s.cache_used_bytes <= s.cache_capacity_bytes for s in stats)
+    finally:
+        nodes.close()
+    # A quarter of the share does not fit: some of it is read from the PFS
+    # every epoch once the exchange runs, a level amount, never a growing one.
+    steady = np.array(pfs_reads[3:])
+    assert 0.2 * SAMPLES < steady.mean() < 0.5 * SAMPLES, pfs_reads
+    assert steady.max() <= 1.05 * steady[0], pfs_reads
