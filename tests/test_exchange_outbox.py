@@ -13,6 +13,7 @@ from dataquay.client.placement import owners
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.manifest_build import build_manifest
 from dataquay.server.node.exchange.outbox import PENDING, REFUSED, UNAVAILABLE, Outbox
+from dataquay.server.node.exchange.positions import WHOLE_EPOCH, ReadPositions
 from dataquay.server.node.placements import Placements
 from dataquay.server.registry import Registry
 from dataquay.server.tools.synthetic import make_files_dataset
@@ -102,3 +103,36 @@ def test_a_restarted_daemon_steps_on_from_saved_owners_instead_of_replaying(tmp_
     assert np.array_equal(asyncio.run(restarted.placement("j", entry)).owners, tampered)
     following = asyncio.run(restarted.placement("j", entry, epoch + 1)).owners
     assert np.array_equal(following, owners(job_plan(job, entry.manifest), epoch + 1, tampered))
+
+
+def test_each_receivers_ids_go_in_the_order_this_nodes_ranks_read_them() -> None:
+    ids = np.array([9, 3, 7, 1, 5, 2])
+    box = Outbox(ids, np.array([1, 1, 1, 1, 2, 2]), np.full(6, 10),
+                 readers=np.array([0, 1, 0, 1, -1, 0]), read_at=np.array([4, 0, 1, 2, -1, 3]))
+    assert box.pending(1).tolist() == [3, 7, 1, 9]  # read at 0, 1, 2, 4
+    assert box.pending(2).tolist() == [5, 2]  # 5 is not read here: first
+    assert box.take(1, max_bytes=25, max_items=10).tolist() == [3, 7]
+
+
+def test_only_what_is_delivered_and_read_may_be_dropped() -> None:
+    ids = np.array([10, 11, 12, 13])
+    box = Outbox(ids, np.zeros(4), np.full(4, 10), readers=np.array([0, 0, 1, -1]), read_at=np.array([0, 5, 2, -1]))
+    box.delivered([10, 11, 13])
+    # Rank 0 read 3 ids (10 yes, 11 not yet), rank 1 none; 13 is read by no rank here.
+    assert box.read_and_delivered(np.array([3, 0])).tolist() == [13, 10]
+    box.dropped([13, 10])
+    assert box.read_and_delivered(np.array([6, 6])).tolist() == [11]
+    progress = box.progress()
+    assert (progress.delivered_samples, progress.settled) == (3, False)
+    assert box.undelivered_ids().tolist() == [12]
+
+
+def test_read_positions_keep_each_ranks_furthest_and_a_later_epoch_means_all_read() -> None:
+    positions = ReadPositions()
+    assert positions.report("j", 2, 0, 10)
+    assert not positions.report("j", 2, 0, 4)  # an older report changes nothing
+    assert positions.report("j", 3, 1, 0)
+    assert positions.read_upto("j", 2, np.array([0, 1, 2])).tolist() == [10, WHOLE_EPOCH, 0]
+    assert positions.read_upto("j", 3, np.array([0, 1])).tolist() == [0, 0]
+    positions.forget({"k"})
+    assert positions.read_upto("j", 2, np.array([0])).tolist() == [0]

@@ -30,6 +30,7 @@ from dataquay.client.placement import (
     moves,
     node_of_rank,
     node_orders,
+    node_reads,
     node_steps,
     owned_ids,
     owners,
@@ -504,6 +505,23 @@ def test_node_orders_are_the_nodes_rank_orders_row_by_row(plan: JobPlan, epoch: 
     assert node_orders(plan, epoch, 0).tolist() == node_orders(plan, epoch, 0, epoch_owners).tolist()
     with pytest.raises(ValueError, match="node must be in"):
         node_orders(plan, epoch, plan.num_nodes)
+
+
+@settings(max_examples=40, deadline=None)
+@given(job_plans(3000, 8, 4, sorted(MODES)), job_epochs)
+def test_node_reads_name_the_rank_and_position_of_each_samples_first_read(plan: JobPlan, epoch: int) -> None:
+    epoch_owners = owners(plan, epoch)
+    g = plan.settings.ranks_per_node
+    for node in range(plan.num_nodes):
+        reads = node_reads(plan, epoch, node, epoch_owners)
+        rows = node_orders(plan, epoch, node, epoch_owners)
+        read_here = np.unique(rows)
+        assert (reads.rank[read_here] >= node * g).all() and (reads.rank[read_here] < (node + 1) * g).all()
+        assert (reads.rank[np.setdiff1d(np.arange(plan.num_samples), read_here)] == -1).all()
+        for sample in read_here[:50].tolist():
+            local = reads.rank[sample] - node * g
+            assert rows[local, reads.position[sample]] == sample
+            assert not any((rows[r, : reads.position[sample] if r == local else 0] == sample).any() for r in range(g))
 
 
 @pytest.mark.parametrize("mode", ["global", "locality", "local"])

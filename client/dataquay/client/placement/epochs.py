@@ -69,38 +69,6 @@ def node_of_rank(plan: JobPlan, rank: int) -> int:
     return rank // plan.settings.ranks_per_node
 
 
-class NodeReads(NamedTuple):
-    """When the ranks of one node read each sample in an epoch."""
-
-    rank: np.ndarray  #: int32 the rank that reads the sample first, -1 if none of the node's ranks does
-    position: np.ndarray  #: int64 its position in that rank's order, -1 likewise
-
-
-def node_reads(plan: JobPlan, epoch: int, node: int, epoch_owners: np.ndarray | None = None) -> NodeReads:
-    """Which rank of ``node`` reads each sample in ``epoch``, and at which position.
-
-    A daemon ships the samples it gives away in the order its ranks read them,
-    and knows which are read from how far each rank got.
-
-    Raises:
-        ValueError: as :func:`rank_order`, or a node outside 0..M-1.
-    """
-    if not 0 <= node < plan.num_nodes:
-        raise ValueError(f"node {node} is outside 0..{plan.num_nodes - 1}")
-    check_ranks_known(plan)
-    rank_of = np.full(plan.num_samples, -1, dtype=np.int32)
-    position = np.full(plan.num_samples, -1, dtype=np.int64)
-    per_node = plan.settings.ranks_per_node
-    for rank in range(node * per_node, (node + 1) * per_node):
-        order = rank_order(plan, epoch, rank, epoch_owners)
-        # Reversed, so that a sample read twice (padding) keeps its first position.
-        first = order[::-1]
-        unseen = rank_of[first] < 0
-        rank_of[first[unseen]] = rank
-        position[first[unseen]] = np.arange(len(order) - 1, -1, -1)[unseen]
-    return NodeReads(rank_of, position)
-
-
 class Moves(NamedTuple):
     """Samples whose owner changes from one epoch to the next, ascending by id."""
 
@@ -182,6 +150,34 @@ def node_orders(plan: JobPlan, epoch: int, node: int, epoch_owners: np.ndarray |
         steps = locality_node(plan, epoch, epoch_owners, node)
         return np.stack([steps[:, local::g].ravel() for local in range(g)])
     return np.stack([rank_order(plan, epoch, rank, epoch_owners) for rank in range(node * g, (node + 1) * g)])
+
+
+class NodeReads(NamedTuple):
+    """When the ranks of one node read each sample in an epoch."""
+
+    rank: np.ndarray  #: int32 the rank that reads the sample first, -1 if none of the node's ranks does
+    position: np.ndarray  #: int64 its position in that rank's order, -1 likewise
+
+
+def node_reads(plan: JobPlan, epoch: int, node: int, epoch_owners: np.ndarray | None = None) -> NodeReads:
+    """Which rank of ``node`` reads each sample in ``epoch``, and at which position.
+
+    A daemon ships the samples it gives away in the order its ranks read them,
+    and knows which are read from how far each rank got.
+
+    Raises:
+        ValueError: as :func:`node_orders`.
+    """
+    orders = node_orders(plan, epoch, node, epoch_owners)
+    rank_of = np.full(plan.num_samples, -1, dtype=np.int32)
+    position = np.full(plan.num_samples, -1, dtype=np.int64)
+    for local, order in enumerate(orders):
+        # Reversed, so that a sample read twice (padding) keeps its first position.
+        first = order[::-1]
+        unseen = rank_of[first] < 0
+        rank_of[first[unseen]] = node * plan.settings.ranks_per_node + local
+        position[first[unseen]] = np.arange(len(order) - 1, -1, -1)[unseen]
+    return NodeReads(rank_of, position)
 
 
 class BatchBalance(NamedTuple):
