@@ -215,7 +215,8 @@ def test_a_sample_not_yet_exchanged_comes_from_its_previous_owner_and_stays(
 def test_a_sample_that_never_moved_comes_from_the_node_that_held_it_epochs_ago(
     cluster: Callable[..., LocalCluster], tmp_path: Path
 ) -> None:
-    nodes, epoch_owners = partial_cluster(cluster, tmp_path, "--exchange-bandwidth", "1")
+    # No exchange gets anywhere, and no read ahead takes the PFS for what is elsewhere.
+    nodes, epoch_owners = partial_cluster(cluster, tmp_path, "--exchange-bandwidth", "1", "--prefetch-memory", "0")
     try:
         nodes.report(1)
         nodes.report(2)
