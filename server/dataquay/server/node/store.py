@@ -58,7 +58,8 @@ _INITIAL_MAP = 256 * MiB
 #: after the next one.
 RESERVE_SLACK = 512 * 1024
 #: How far below the level at which the map filled its live bytes must fall
-#: before inserting resumes, so that one freed page does not mean one more try.
+#: before inserting resumes (at most; a 16th of a smaller cache), so that one
+#: freed page does not mean one more try.
 REFILL_BYTES = 256 * 1024
 #: How far the map may grow beyond the capacity (at most; a 16th of a smaller
 #: cache) so that a delete in a full map finds the pages it needs.
@@ -161,7 +162,7 @@ class Store:
             self.live_bytes = self._count_live_bytes()
         except lmdb.Error as exc:
             raise StartupError(f"cannot open the LMDB cache in {self.path}: {exc}") from exc
-        if self.live_bytes >= self.capacity - REFILL_BYTES:
+        if self.live_bytes >= self.capacity - self._refill:
             self._mark_full()
 
     def close(self) -> None:
@@ -296,7 +297,11 @@ class Store:
     def full(self) -> bool:
         """Whether inserts stop: the file system has no space, or the map
         filled and nothing has been freed since."""
-        return self.disk_full or (self._filled_at is not None and self.live_bytes > self._filled_at - REFILL_BYTES)
+        return self.disk_full or (self._filled_at is not None and self.live_bytes > self._filled_at - self._refill)
+
+    @property
+    def _refill(self) -> int:
+        return min(REFILL_BYTES, self.capacity // 16)
 
     @property
     def exchange_reserve(self) -> int:
@@ -307,7 +312,7 @@ class Store:
     def reserve_reached(self) -> bool:
         """Whether inserts that leave room for the exchange stop (or nearly: a
         sample more would not fit)."""
-        return self.full or self.live_bytes + self.exchange_reserve + REFILL_BYTES >= self.capacity
+        return self.full or self.live_bytes + self.exchange_reserve + self._refill >= self.capacity
 
     @property
     def room(self) -> int:
@@ -435,7 +440,7 @@ class Store:
             removed = await self._deleting(delete)
         self._dirty = True
         if removed and self._filled_at is not None:
-            self._filled_at = self.live_bytes + REFILL_BYTES  # freed pages count as room again
+            self._filled_at = self.live_bytes + self._refill  # freed pages count as room again
         await self._space_freed()
         return removed
 
