@@ -21,6 +21,7 @@ import peers  # noqa: E402
 import placement  # noqa: E402
 import reads  # noqa: E402
 import staging  # noqa: E402
+import tight_storage  # noqa: E402
 from common import RESULTS, machine  # noqa: E402
 
 from dataquay.server.tools import data_stall, overflow_stall  # noqa: E402
@@ -36,6 +37,7 @@ def main() -> None:
         ("placement", placement.main),
         ("peers", peers.main),
         ("exchange", exchange.main),
+        ("tight_storage", tight_storage.main),
         ("stall", lambda: data_stall.main(quick=False, out_dir=RESULTS)),
         ("overflow", lambda: overflow_stall.main(quick=False, out_dir=RESULTS)),
         ("cache_policy", lambda: cache_policy.main([])),
