@@ -86,13 +86,15 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         state = self._snapshot()
-        yield GaugeMetricFamily("dataquay_cache_bytes", "Bytes of the LMDB map in use", value=state.cache_used_bytes)
+        yield GaugeMetricFamily(
+            "dataquay_cache_bytes", "Bytes of the cache's pages in use (deletes free them)", value=state.cache_used_bytes
+        )
         yield GaugeMetricFamily(
             "dataquay_cache_capacity_bytes", "Configured cache capacity", value=state.cache_capacity_bytes
         )
         yield GaugeMetricFamily("dataquay_cache_entries", "Samples held in the cache", value=state.cache_entries)
         yield GaugeMetricFamily(
-            "dataquay_cache_full", "1 when the cache stopped inserting at capacity", value=int(state.cache_full)
+            "dataquay_cache_full", "1 while the cache is at capacity and inserts stop", value=int(state.cache_full)
         )
         yield GaugeMetricFamily(
             "dataquay_cache_disk_full",

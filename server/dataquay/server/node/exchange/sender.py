@@ -18,7 +18,9 @@ receiver says it already holds it). Deleting as the ranks read is what lets a
 node whose cache holds little more than its share take in the next epoch's
 samples: what arrives balances what leaves. Nothing waits on the exchange: a
 trainer that reaches e+1 first reads what has not arrived from its previous
-owner.
+owner. An exchange still shipping when the node enters e+2 stops, and deletes
+what it never delivered too (a cache short of its share cannot keep samples
+no epoch will read here).
 
 A killed daemon redoes its part after restart: the offer's first reply lists
 what the receiver already holds, so nothing is sent twice and nothing is lost.
