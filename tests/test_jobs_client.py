@@ -71,6 +71,7 @@ class FakeClient:
         self.info = pb.InfoReply(node=node)
         self.joins: list[tuple[jpb.JobSpec, bool]] = []
         self.reported: list[tuple[str, int]] = []
+        self.positions: list[tuple[str, int, int, int, bool]] = []
 
     def join_job(self, spec: jpb.JobSpec, must_exist: bool = False) -> jpb.Job:
         self.joins.append((spec, must_exist))
@@ -86,6 +87,9 @@ class FakeClient:
 
     def report_epoch(self, job_id: str, epoch: int) -> None:
         self.reported.append((job_id, epoch))
+
+    def report_position(self, job_id: str, epoch: int, rank: int, position: int, done: bool) -> None:
+        self.positions.append((job_id, epoch, rank, position, done))
 
     # What a dataset reads through; these tests read no samples, and a fake
     # client pickles without them.
@@ -222,6 +226,8 @@ def test_job_sampler_reads_the_placement_order_and_reports_epochs() -> None:
         assert all(np.array_equal(s.indices(), rank_order(plan, epoch, s.rank)) for s in samplers)
         assert all(list(s) == rank_order(plan, epoch, s.rank).tolist() and len(s) == 25 for s in samplers)
     assert reporter.reported == [("run-1", 0)] * 4 + [("run-1", 3)] * 4
+    # Each rank's read position, once it read its whole epoch (25 ids: fewer than a report's step).
+    assert reporter.positions == [("run-1", epoch, r, 25, True) for epoch in (0, 3) for r in range(4)]
     assert np.array_equal(samplers[2].owners(), owners(plan, 3))
     assert "job='run-1'" in repr(samplers[1]) and "node=0" in repr(samplers[1])
 

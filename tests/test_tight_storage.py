@@ -49,8 +49,8 @@ def capacity_needed(q: float, epochs: int) -> int:
     return cache_need(largest_share(q, epochs), "partial", q)
 
 
-def tight_cluster(cluster: Callable[..., LocalCluster], tmp_path: Path, q: float, epochs: int) -> LocalCluster:
-    capacity = capacity_needed(q, epochs)
+def tight_cluster(cluster: Callable[..., LocalCluster], tmp_path: Path, q: float, capacity: int) -> LocalCluster:
+    """4 daemons caching at most ``capacity`` each, "imgs" staged for a partial job."""
     local = cluster(NODES, daemon_args=("--cache-size", str(capacity), "--spare-copies-fill", "0"))
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
@@ -61,28 +61,39 @@ def tight_cluster(cluster: Callable[..., LocalCluster], tmp_path: Path, q: float
     return local
 
 
+def rank_group(local: LocalCluster, tmp_path: Path) -> RankGroup:
+    envs = [local.rank_env(r, RANKS_PER_NODE, JOB) for r in range(NODES * RANKS_PER_NODE)]
+    return RankGroup(envs, "imgs", tmp_path / "ranks", batch=16, compute_seconds=0.002, timeout=60)
+
+
+def read_epoch(group: RankGroup, epoch: int) -> dict[str, int]:
+    """Epoch ``epoch`` read by every rank, each sample once with its bytes; the samples by tier."""
+    results = group.epoch(epoch)
+    ids = np.concatenate([r.ids for r in results]).astype(np.int64)
+    assert sorted(ids.tolist()) == list(range(SAMPLES))
+    sums = np.concatenate([np.asarray(r.checksums, dtype=np.uint64) for r in results])
+    assert sums.tolist() == [checksum(payload(i)) for i in ids.tolist()]
+    tiers = {t: sum(r.samples[t] for r in results) for t in results[0].samples}
+    assert tiers["fallback"] == 0
+    return tiers
+
+
 @pytest.mark.parametrize(("q", "epochs"), [(1.0, 10), (0.5, 10), (0.1, 5)])
 def test_a_cache_just_above_its_share_reads_every_epoch_locally_and_drops_nothing(
     cluster: Callable[..., LocalCluster], tmp_path: Path, q: float, epochs: int
 ) -> None:
-    local = tight_cluster(cluster, tmp_path, q, epochs)
+    local = tight_cluster(cluster, tmp_path, q, capacity_needed(q, epochs))
     nodes = Nodes(local, JOB)
     manifest = Manifest(b"".join(c.data for c in nodes.stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
     plan = job_plan(nodes.stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=JOB), must_exist=True)),
                     manifest)
-    envs = [local.rank_env(r, RANKS_PER_NODE, JOB) for r in range(NODES * RANKS_PER_NODE)]
     epoch_owners = owners(plan, 0)
     try:
-        with RankGroup(envs, "imgs", tmp_path / "ranks", batch=16, compute_seconds=0.002, timeout=60) as group:
+        with rank_group(local, tmp_path) as group:
             for epoch in range(epochs):
-                results = group.epoch(epoch)
-                ids = np.concatenate([r.ids for r in results]).astype(np.int64)
-                assert sorted(ids.tolist()) == list(range(SAMPLES))
-                sums = np.concatenate([np.asarray(r.checksums, dtype=np.uint64) for r in results])
-                assert sums.tolist() == [checksum(payload(i)) for i in ids.tolist()]
-                tiers = {t: sum(r.samples[t] for r in results) for t in results[0].samples}
+                tiers = read_epoch(group, epoch)
                 assert tiers["local"] == SAMPLES, (epoch, tiers)
-                assert tiers["pfs"] == tiers["fallback"] == 0
+                assert tiers["pfs"] == 0
                 runs = nodes.wait_exchanged(epoch + 1)
                 assert sum(r.refused_samples + r.unavailable_samples for r in runs) == 0
                 epoch_owners = owners(plan, epoch + 1, epoch_owners)
@@ -99,28 +110,13 @@ def test_a_cache_short_of_its_share_reads_a_level_deficit_from_the_pfs(
     cluster: Callable[..., LocalCluster], tmp_path: Path
 ) -> None:
     epochs = 8
-    capacity = int(0.75 * largest_share(0.5, epochs))
-    local = cluster(NODES, daemon_args=("--cache-size", str(capacity), "--spare-copies-fill", "0"))
-    root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
-    assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
-    assert cli_main([
-        "stage", "imgs", "--job", JOB, "--mode", "partial", "--q", "0.5",
-        "--ranks-per-node", str(RANKS_PER_NODE), "--quiet", "--directory", local.directory_address,
-    ]) == 0
+    local = tight_cluster(cluster, tmp_path, 0.5, int(0.75 * largest_share(0.5, epochs)))
     nodes = Nodes(local, JOB)
-    envs = [local.rank_env(r, RANKS_PER_NODE, JOB) for r in range(NODES * RANKS_PER_NODE)]
     pfs_reads = []
     try:
-        with RankGroup(envs, "imgs", tmp_path / "ranks", batch=16, compute_seconds=0.002, timeout=60) as group:
+        with rank_group(local, tmp_path) as group:
             for epoch in range(epochs):
-                results = group.epoch(epoch)
-                ids = np.concatenate([r.ids for r in results]).astype(np.int64)
-                assert sorted(ids.tolist()) == list(range(SAMPLES))
-                sums = np.concatenate([np.asarray(r.checksums, dtype=np.uint64) for r in results])
-                assert sums.tolist() == [checksum(payload(i)) for i in ids.tolist()]
-                tiers = {t: sum(r.samples[t] for r in results) for t in results[0].samples}
-                assert tiers["fallback"] == 0
-                pfs_reads.append(tiers["pfs"])
+                pfs_reads.append(read_epoch(group, epoch)["pfs"])
         stats = nodes.stats()
         assert all(s.cache_used_bytes <= s.cache_capacity_bytes for s in stats)
     finally:
