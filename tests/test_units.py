@@ -1,14 +1,18 @@
-"""Small pure pieces of the daemon: sizes, durations, the rate limiter, chunking."""
+"""Small pure pieces of the daemon: sizes, durations, the rate limiter, byte
+budgets, chunking and reply windows."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from dataquay.server.errors import ConfigError
-from dataquay.server.node.reads import chunked
+from dataquay.server.limits import ByteBudget, ByteBudgets
+from dataquay.server.node.reads import chunked, window_bounds
 from dataquay.server.node.shm import ALIGN, place
 from dataquay.server.ratelimit import TokenBucket
 from dataquay.server.sizes import format_bytes, format_duration, parse_duration, parse_size
@@ -54,6 +58,52 @@ def test_token_bucket_never_admits_more_than_its_rate() -> None:
     for t in threads:
         t.join()
     assert time.monotonic() - started >= 0.3 * 0.99
+
+
+def test_a_byte_budget_hands_out_in_order_and_lets_a_large_request_through_alone() -> None:
+    async def scenario() -> list[str]:
+        budget = ByteBudget(100)
+        order: list[str] = []
+        assert budget.try_take(60)
+
+        async def want(name: str, nbytes: int) -> None:
+            await budget.take(nbytes)
+            order.append(name)
+
+        big = asyncio.ensure_future(want("big", 500))
+        small = asyncio.ensure_future(want("small", 10))
+        await asyncio.sleep(0)
+        assert order == [] and not budget.try_take(10), "nobody jumps the queue"
+        budget.give(60)
+        await asyncio.gather(big)
+        assert budget.held == 500 and order == ["big"]
+        cancelled = asyncio.ensure_future(want("cancelled", 50))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        budget.give(500)
+        await asyncio.gather(small, cancelled, return_exceptions=True)
+        assert budget.held == 10
+        budget.give(10)
+        assert budget.idle
+        return order
+
+    assert asyncio.run(scenario()) == ["big", "small"]
+
+
+def test_byte_budgets_keep_one_budget_per_key_and_drop_idle_ones() -> None:
+    budgets = ByteBudgets(100, keep=2)
+    held = budgets.get("a")
+    assert held.try_take(1) and budgets.get("a") is held
+    budgets.get("b")
+    budgets.get("c")  # over `keep`: the idle "b" goes, the busy "a" stays
+    assert len(budgets) == 2 and budgets.get("a") is held
+
+
+def test_reply_windows_cover_every_position_once_and_put_an_oversized_one_alone() -> None:
+    lengths = np.array([30, 30, 30, 200, 10, 10, 95, 5], dtype=np.uint64)
+    bounds = window_bounds(lengths, 100)
+    assert bounds == [(0, 3), (3, 4), (4, 6), (6, 8)]
+    assert window_bounds(np.array([], dtype=np.uint64), 100) == []
 
 
 def test_chunked_keeps_order_and_puts_an_oversized_item_alone() -> None:

@@ -1,21 +1,34 @@
-"""A cap on the calls one remote peer may have in flight at once.
+"""Caps on what one remote peer may have in flight at once: calls, and payload bytes.
 
 A daemon serves every trainer of its node and every peer of the cluster; one
 misbehaving host opening thousands of streams must not starve the others. A
 call over the cap is refused at once with RESOURCE_EXHAUSTED (the caller
 backs off and reads elsewhere) instead of queueing. Calls over the unix
 socket come from this node's own trainers and are not capped.
+
+Bytes are capped by waiting instead (:class:`ByteBudget`): a Read holds the
+payloads of a window of its reply at a time, and the windows of one host's
+calls, like this daemon's fetches from one peer, share a budget, so that many
+calls at once cost memory in proportion to the budget, not to their number.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import asyncio
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from dataquay.server.interceptors import reshaped
+
+MiB = 1 << 20
+#: Payload bytes the Reads of one remote host may hold at once in this daemon.
+SERVED_BYTES_PER_PEER = 256 * MiB
+#: Payload bytes this daemon's fetches from one peer may have asked for and
+#: not yet received, at once.
+FETCHED_BYTES_PER_PEER = 256 * MiB
 
 
 class PeerCallLimit(grpc.aio.ServerInterceptor):
@@ -83,3 +96,83 @@ def _counted(handler: grpc.RpcMethodHandler, limit: PeerCallLimit) -> grpc.RpcMe
         return call
 
     return reshaped(handler, unary, stream)
+
+
+class ByteBudget:
+    """Bytes that holders may have at once, handed out first come, first served.
+
+    A request larger than the whole budget is let through once nothing else
+    is held, so that one large sample is slow to get, never refused.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    @property
+    def idle(self) -> bool:
+        return not self.held and not self._waiters
+
+    def try_take(self, nbytes: int) -> bool:
+        """Takes ``nbytes`` if they are free now and nobody waits before; never waits."""
+        if self._waiters or not self._fits(nbytes):
+            return False
+        self.held += nbytes
+        return True
+
+    async def take(self, nbytes: int) -> None:
+        """Waits until ``nbytes`` are free, then takes them."""
+        if self.try_take(nbytes):
+            return
+        future = asyncio.get_running_loop().create_future()
+        waiter = (nbytes, future)
+        self._waiters.append(waiter)
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.give(nbytes)  # granted just as the waiter was cancelled
+            elif waiter in self._waiters:
+                self._waiters.remove(waiter)
+                self._wake()
+            raise
+
+    def give(self, nbytes: int) -> None:
+        """Returns bytes taken before."""
+        self.held -= nbytes
+        self._wake()
+
+    def _fits(self, nbytes: int) -> bool:
+        return not self.held or self.held + nbytes <= self.limit
+
+    def _wake(self) -> None:
+        while self._waiters and (self._waiters[0][1].done() or self._fits(self._waiters[0][0])):
+            nbytes, future = self._waiters.popleft()
+            if not future.done():  # a cancelled waiter is skipped
+                self.held += nbytes
+                future.set_result(None)
+
+
+class ByteBudgets:
+    """One :class:`ByteBudget` of ``limit`` bytes per key (a host, a peer).
+
+    Idle budgets are dropped once more than ``keep`` keys have one, so that
+    hosts that come and go leave nothing behind.
+    """
+
+    def __init__(self, limit: int, keep: int = 64) -> None:
+        self.limit = limit
+        self.keep = keep
+        self._budgets: dict[str, ByteBudget] = {}
+
+    def __len__(self) -> int:
+        return len(self._budgets)
+
+    def get(self, key: str) -> ByteBudget:
+        budget = self._budgets.get(key)
+        if budget is None:
+            if len(self._budgets) >= self.keep:
+                self._budgets = {k: b for k, b in self._budgets.items() if not b.idle}
+            budget = self._budgets[key] = ByteBudget(self.limit)
+        return budget

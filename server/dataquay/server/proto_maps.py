@@ -8,6 +8,8 @@ from dataquay.server.registry import Registered
 
 FORMAT_TO_PROTO = {"files": pb.FORMAT_FILES, "tar": pb.FORMAT_TAR, "npy": pb.FORMAT_NPY}
 FORMAT_FROM_PROTO = {v: k for k, v in FORMAT_TO_PROTO.items()}
+#: Where the daemon served a read from, as its metrics name it, and as the API does.
+TIER_TO_PROTO = {"cache": pb.TIER_LOCAL, "peer": pb.TIER_PEER, "pfs": pb.TIER_PFS}
 
 
 def dataset_info(entry: Registered, cached_samples: int = 0, cached_bytes: int = 0) -> pb.DatasetInfo:

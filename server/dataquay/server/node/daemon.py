@@ -31,6 +31,7 @@ from dataquay.server.auth import new_server, server_tls
 from dataquay.server.config import DaemonConfig
 from dataquay.server.errors import StartupError
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
+from dataquay.server.limits import SERVED_BYTES_PER_PEER, ByteBudgets
 from dataquay.server.listen import advertised_host, bind_tcp, claim_socket_path
 from dataquay.server.node.client_stats import ClientStatsBook
 from dataquay.server.node.datasets import Datasets
@@ -97,6 +98,8 @@ class Daemon(ServerLifecycle):
                 self.receiver, self.tasks.spawn, config.exchange_bandwidth, config.spare_copies_fill,
             )
         self.shm = ShmSegments()
+        #: What the Reads of each remote host hold at once (see ReadService.read).
+        self.served_budgets = ByteBudgets(SERVED_BYTES_PER_PEER)
         self.client_stats = ClientStatsBook()
         self.health = HealthServicer()
         self.tcp_address = ""

@@ -7,6 +7,9 @@ its deadline is set aside (suspect) and its samples come from the PFS until a
 back-off passes; the back-off doubles with each failure in a row, so a dead
 node costs one timeout per back-off period, not one per batch. A peer that
 registered again since it failed (a restarted daemon) is trusted at once.
+The fetches from one peer share a byte budget (FETCHED_BYTES_PER_PEER): a
+fetch waits for its bytes before it asks, so that however many calls need
+the same peer, what they have asked for and not yet received stays bounded.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataquay.client.records import checksum
 from dataquay.client.security import Credentials
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
+from dataquay.server.limits import FETCHED_BYTES_PER_PEER, ByteBudgets
 
 log = logging.getLogger("dataquay.peers")
 
@@ -61,6 +65,7 @@ class Peers:
         self._addresses: dict[str, str] = {}
         self._retired: list[grpc.aio.Channel] = []
         self._health: dict[str, PeerHealth] = {}
+        self._fetching = ByteBudgets(FETCHED_BYTES_PER_PEER)
 
     def health(self) -> list[PeerHealth]:
         return [self._health[node] for node in sorted(self._health)]
@@ -81,6 +86,17 @@ class Peers:
             health.suspect_until = 0.0
         if health.suspect or not address:
             return {}
+        budget = self._fetching.get(node)
+        await budget.take(nbytes)
+        try:
+            return await self._fetch(health, address, dataset, manifest_id, ids, nbytes)
+        finally:
+            budget.give(nbytes)
+
+    async def _fetch(
+        self, health: PeerHealth, address: str, dataset: str, manifest_id: str, ids: Sequence[int], nbytes: int
+    ) -> dict[int, tuple[bytes, int]]:
+        node = health.node
         request = pb.ReadRequest(dataset=dataset, ids=ids, manifest_id=manifest_id, peer=True)
         out: dict[int, tuple[bytes, int]] = {}
         received = 0

@@ -22,13 +22,20 @@ everyone else asks the owner. It is
 handed to the store's writer without waiting, so the reply never waits for an
 LMDB commit. A cached value whose checksum fails is served from the PFS and
 rewritten (repaired) the same way.
+
+A reply is resolved a window at a time (:data:`WINDOW_BYTES` of payload
+asked for), the next window while the current one is sent, so that one call
+holds at most two windows however many ids it carries. Within a window a
+repeated id is read once and its payload shared by every position that asks
+for it. A caller's ``budget`` (one per remote host) caps the bytes all its
+calls hold at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -45,6 +52,7 @@ from dataquay.server.errors import (
     DirectoryUnavailableError,
     SampleIdError,
 )
+from dataquay.server.limits import ByteBudget
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.metrics import DaemonMetrics
 from dataquay.server.node.overflow import OverflowPrefetcher
@@ -66,16 +74,32 @@ log = logging.getLogger("dataquay.reads")
 MISSING = "missing"
 #: Epochs before the previous one whose owners are asked for a spare copy.
 HOLDER_EPOCHS = 2
+MiB = 1 << 20
+#: Payload bytes of a reply resolved and held at once: a batch of 64 samples
+#: of 1 MiB is one window. A sample larger than this is a window of its own.
+WINDOW_BYTES = 64 * MiB
+#: Payload bytes one call may hold at once: the window being sent and the
+#: next, resolved meanwhile when both fit.
+CALL_BYTES = 2 * WINDOW_BYTES
 
 
 @dataclass(frozen=True)
 class Served:
-    """One sample of a reply."""
+    """One distinct sample of a reply."""
 
     sample_id: int
     tier: str
     data: bytes | memoryview
     checksum: int
+
+
+@dataclass(frozen=True)
+class Window:
+    """Consecutive positions of a reply, resolved together: ``served`` holds
+    each distinct id once, ``index`` the entry of ``served`` at each position."""
+
+    served: list[Served]
+    index: np.ndarray
 
 
 class ReadService:
@@ -130,22 +154,49 @@ class ReadService:
         return entry
 
     async def read(
-        self, dataset: str, ids: np.ndarray, manifest_id: str = "", job: str = "", peer: bool = False
-    ) -> list[Served]:
-        """The samples of ``ids`` in request order; raises PfsReadError if one is unreadable."""
+        self,
+        dataset: str,
+        ids: np.ndarray,
+        manifest_id: str = "",
+        job: str = "",
+        peer: bool = False,
+        budget: ByteBudget | None = None,
+    ) -> AsyncGenerator[Window, None]:
+        """The samples of ``ids`` in request order, a window at a time.
+
+        Raises before the first window for a bad request; PfsReadError, at
+        the window that holds it, for an unreadable sample.
+        """
         entry = await self.entry(dataset, ids, manifest_id)
         ids = ids.astype(np.int64, copy=False)
-        db = entry.record.cache_db
-        await self.store.open_dataset(db)
-        cached, corrupt = self.store.get_many(db, ids.tolist())
-        if peer:
-            return self._answer_peer(ids, cached)
-        fetched: dict[int, tuple[str, bytes | memoryview, int]] = {}
-        misses = np.unique(ids[[i for i, hit in enumerate(cached) if hit is None]])
-        placement = await self._placement(job, entry) if job else None
+        lengths = entry.manifest.sample_length
+        await self.store.open_dataset(entry.record.cache_db)
+        placement = await self._placement(job, entry) if job and not peer else None
         if placement is not None and self.prefetcher is not None and _prefetched(placement):
             self.prefetcher.ahead(entry, placement, ids)
-            fetched = self.prefetcher.take(job, placement.epoch, misses)
+        plans = [np.unique(ids[start:stop], return_inverse=True)
+                 for start, stop in window_bounds(lengths[ids], WINDOW_BYTES)]
+        sizes = [int(lengths[distinct].sum()) for distinct, _ in plans]
+
+        def resolve(k: int) -> Awaitable[Window]:
+            distinct, index = plans[k]
+            return self._window(entry, distinct, index.ravel(), placement, peer)
+
+        async for window in _ahead_by_one(resolve, sizes, budget):
+            yield window
+
+    async def _window(
+        self, entry: Registered, ids: np.ndarray, index: np.ndarray, placement: Placement | None, peer: bool
+    ) -> Window:
+        """The samples of the distinct ``ids`` of one window."""
+        db = entry.record.cache_db
+        cached, corrupt = self.store.get_many(db, ids.tolist())
+        if peer:
+            return Window(self._answer_peer(ids, index, cached), index)
+        fetched: dict[int, tuple[str, bytes | memoryview, int]] = {}
+        misses = ids[[i for i, hit in enumerate(cached) if hit is None]]
+        if placement is not None and self.prefetcher is not None and _prefetched(placement):
+            fetched = self.prefetcher.take(placement.job.spec.job_id, placement.epoch, misses)
             misses = _not_in(misses, fetched)
         if placement is not None and self.overflow is not None:
             fetched.update(await self.overflow.take(entry, placement, ids, misses))
@@ -157,7 +208,7 @@ class ReadService:
             fetched.update(await self._from_other_holders(entry, placement, misses))
             misses = _not_in(misses, fetched)
         if len(misses):
-            values = await self.pfs.read(dataset, entry.manifest, misses)
+            values = await self.pfs.read(entry.record.name, entry.manifest, misses)
             keep = misses if placement is None else misses[placement.owners[misses] == placement.node_index]
             keep_set, repair, name = set(keep.tolist()), set(corrupt), db.encode()
             for sample_id, value in values.items():
@@ -165,7 +216,7 @@ class ReadService:
                 if sample_id in keep_set:
                     self.store.offer(PendingWrite(name, sample_id, value, sample_id in repair,
                                                   leaves_room=placement is not None and placement.owners_move))
-        return self._in_order(ids, cached, fetched)
+        return Window(self._served(ids, index, cached, fetched), index)
 
     def read_ahead(self, job: jpb.Job) -> None:
         """Starts reading the overflow of ``job`` ahead of this node's ranks:
@@ -184,13 +235,19 @@ class ReadService:
         if placement is not None:
             self.overflow.start(entry, placement)
 
-    def _answer_peer(self, ids: np.ndarray, cached: list[tuple[bytes, int] | None]) -> list[Served]:
+    def _answer_peer(
+        self, ids: np.ndarray, index: np.ndarray, cached: list[tuple[bytes, int] | None]
+    ) -> list[Served]:
         out = [
             Served(sample_id, MISSING, b"", 0) if hit is None else Served(sample_id, "cache", *hit)
             for sample_id, hit in zip(ids.tolist(), cached)
         ]
-        served = [s for s in out if s.tier != MISSING]
-        self.metrics.count_peer_served(len(served), sum(len(s.data) for s in served))
+        samples = nbytes = 0
+        for served, times in zip(out, np.bincount(index, minlength=len(out)).tolist()):
+            if served.tier != MISSING:
+                samples += times
+                nbytes += times * len(served.data)
+        self.metrics.count_peer_served(samples, nbytes)
         return out
 
     async def _placement(self, job: str, entry: Registered) -> Placement | None:
@@ -262,20 +319,23 @@ class ReadService:
                 out[sample_id] = ("peer", data, digest)
         return out
 
-    def _in_order(
+    def _served(
         self,
         ids: np.ndarray,
+        index: np.ndarray,
         cached: list[tuple[bytes, int] | None],
         fetched: dict[int, tuple[str, bytes | memoryview, int]],
     ) -> list[Served]:
-        out: list[Served] = []
+        """The distinct ``ids`` as served, counted in the metrics once per position."""
+        out = [
+            Served(sample_id, "cache", *hit) if hit is not None else Served(sample_id, *fetched[sample_id])
+            for sample_id, hit in zip(ids.tolist(), cached)
+        ]
         counts = {"cache": [0, 0], "peer": [0, 0], "pfs": [0, 0]}
-        for sample_id, hit in zip(ids.tolist(), cached):
-            served = Served(sample_id, "cache", *hit) if hit is not None else Served(sample_id, *fetched[sample_id])
-            out.append(served)
+        for served, times in zip(out, np.bincount(index, minlength=len(out)).tolist()):
             count = counts[served.tier]
-            count[0] += 1
-            count[1] += len(served.data)
+            count[0] += times
+            count[1] += times * len(served.data)
         for tier, (samples, nbytes) in counts.items():
             self.metrics.count_read(tier, samples, nbytes)
         return out
@@ -290,7 +350,65 @@ def _not_in(ids: np.ndarray, fetched: dict[int, tuple[str, bytes | memoryview, i
     return ids[~np.isin(ids, np.fromiter(fetched, np.int64, len(fetched)))]
 
 
-def chunked(items: list[T], size_of: Callable[[T], int], limit: int = READ_CHUNK_BYTES) -> Iterator[list[T]]:
+async def _ahead_by_one(
+    resolve: Callable[[int], Awaitable[Window]], sizes: list[int], budget: ByteBudget | None
+) -> AsyncIterator[Window]:
+    """Windows ``0..len(sizes)-1`` in order, each resolved while the one
+    before is consumed when both fit in :data:`CALL_BYTES` (and ``budget``
+    has the bytes at once; it is never waited on while a window is held).
+
+    ``sizes[k]`` is the payload bytes window ``k`` holds; they are taken
+    from ``budget`` before the window is resolved and given back once the
+    consumer asks for the next.
+    """
+    taken = 0
+    ahead: asyncio.Future[Window] | None = None
+    try:
+        for k, size in enumerate(sizes):
+            if ahead is None:
+                if budget is not None:
+                    await budget.take(size)
+                    taken += size
+                window = await resolve(k)
+            else:
+                window = await ahead
+                ahead = None
+            following = k + 1
+            if (
+                following < len(sizes)
+                and size + sizes[following] <= CALL_BYTES
+                and (budget is None or budget.try_take(sizes[following]))
+            ):
+                if budget is not None:
+                    taken += sizes[following]
+                ahead = asyncio.ensure_future(resolve(following))
+            yield window
+            if budget is not None:
+                budget.give(size)
+                taken -= size
+    finally:
+        if ahead is not None:
+            ahead.cancel()
+            await asyncio.gather(ahead, return_exceptions=True)
+        if budget is not None and taken:
+            budget.give(taken)
+
+
+def window_bounds(lengths: np.ndarray, limit: int) -> list[tuple[int, int]]:
+    """(start, stop) of consecutive runs of positions whose ``lengths`` add up
+    to at most ``limit`` (a position larger than that is a run of its own)."""
+    ends = np.cumsum(lengths, dtype=np.int64)
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    while start < len(ends):
+        base = int(ends[start - 1]) if start else 0
+        stop = max(int(np.searchsorted(ends, base + limit, side="right")), start + 1)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def chunked(items: Iterable[T], size_of: Callable[[T], int], limit: int = READ_CHUNK_BYTES) -> Iterator[list[T]]:
     """Splits a reply into messages of about ``limit`` bytes (at least one item each)."""
     chunk: list[T] = []
     size = 0

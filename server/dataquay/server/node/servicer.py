@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 import grpc
@@ -16,20 +17,18 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import StandaloneError
+from dataquay.server.limits import ByteBudget
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange import ExchangeRun
 from dataquay.server.node.metrics import LiveState
 from dataquay.server.node.placements import Placements
-from dataquay.server.node.reads import MISSING, chunked
+from dataquay.server.node.replies import reply_chunks
 from dataquay.server.node.stager import StagingProgress
-from dataquay.server.proto_maps import FORMAT_FROM_PROTO, dataset_info
+from dataquay.server.proto_maps import FORMAT_FROM_PROTO, TIER_TO_PROTO, dataset_info
 from dataquay.server.servicer_errors import status_on_error
 
 if TYPE_CHECKING:
     from dataquay.server.node.daemon import Daemon
-
-TIER_TO_PROTO = {"cache": pb.TIER_LOCAL, "peer": pb.TIER_PEER, "pfs": pb.TIER_PFS}
-
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
     """dataquay.v1.Cache over one :class:`Daemon`."""
@@ -56,23 +55,29 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         started = time.perf_counter()
         # uint64 as on the wire: ids past int64 are refused as out of range, not overflowed.
         ids = np.fromiter(request.ids, dtype=np.uint64, count=len(request.ids))
+        shm, shm_at = self.daemon.shm, 0
         async with status_on_error(context):
-            served = await self.daemon.reads.read(
-                request.dataset, ids, request.manifest_id, request.job, request.peer
+            windows = self.daemon.reads.read(
+                request.dataset, ids, request.manifest_id, request.job, request.peer, self._budget(context)
             )
-        offsets = self.daemon.shm.write(request.shm_name, request.shm_size, [s.data for s in served])
-        samples = [
-            pb.Sample(id=s.sample_id, missing=True)
-            if s.tier == MISSING
-            else pb.Sample(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], data=bytes(s.data), checksum=s.checksum)
-            if offset is None
-            else pb.Sample(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], checksum=s.checksum, in_shm=True,
-                           shm_offset=offset, length=len(s.data))
-            for s, offset in zip(served, offsets)
-        ]
-        for chunk in chunked(samples, lambda sample: len(sample.data)):
-            yield pb.ReadChunk(samples=chunk)
+            async with aclosing(windows):
+                async for window in windows:
+                    offsets: list[int | None] = [None] * len(window.served)
+                    if request.shm_name:
+                        offsets, shm_at = shm.write(
+                            request.shm_name, request.shm_size, [s.data for s in window.served], shm_at
+                        )
+                    for chunk in reply_chunks(window, offsets):
+                        yield chunk
         self._latency.labels("Read").observe(time.perf_counter() - started)
+
+    def _budget(self, context: grpc.aio.ServicerContext) -> ByteBudget | None:
+        """The byte budget the caller's host shares; None for this node's own
+        trainers (the unix socket), whose calls are bounded one by one."""
+        peer = context.peer() or ""
+        if peer.startswith("unix:"):
+            return None
+        return self.daemon.served_budgets.get(peer.rpartition(":")[0])
 
     async def AddDataset(self, request: pb.AddDatasetRequest, context: grpc.aio.ServicerContext) -> pb.DatasetInfo:
         async with status_on_error(context):

@@ -74,30 +74,33 @@ class ShmSegments:
             self._forget(next(iter(self._files)))
         return fd
 
-    def write(self, name: str, size: int, payloads: Sequence[bytes | memoryview]) -> list[int | None]:
-        """Copies payloads into segment ``name`` of ``size`` bytes where they
-        fit: their offsets, None for each that must go inline (all of them
-        when the segment is unusable, shrank or cannot take the bytes)."""
+    def write(
+        self, name: str, size: int, payloads: Sequence[bytes | memoryview], start: int = 0
+    ) -> tuple[list[int | None], int]:
+        """Copies payloads into segment ``name`` of ``size`` bytes from offset
+        ``start`` on, where they fit: their offsets, None for each that must go
+        inline (all of them when the segment is unusable, shrank or cannot take
+        the bytes), and where the next payloads of the same reply may start."""
         fd = self.get(name, size)
         inline: list[int | None] = [None] * len(payloads)
         if fd is None:
-            return inline
-        offsets = list(place((len(p) for p in payloads), size))
-        end = max((o + len(p) for p, o in zip(payloads, offsets) if o is not None), default=0)
+            return inline, start
+        offsets = list(place((len(p) for p in payloads), size, start))
+        end = max((o + len(p) for p, o in zip(payloads, offsets) if o is not None), default=start)
         try:
             held = os.fstat(fd).st_size
             if held < end:
                 log.warning("shared memory segment shrank; answering inline",
                             extra={"fields": {"segment": name, "bytes": held, "needed": end}})
-                return inline
+                return inline, start
             for payload, offset in zip(payloads, offsets):
                 if offset is not None and os.pwrite(fd, payload, offset) != len(payload):
                     raise OSError(f"short write at offset {offset}")
         except OSError as exc:
             log.warning("cannot write to a shared memory segment; answering inline",
                         extra={"fields": {"segment": name, "error": str(exc)}})
-            return inline
-        return offsets
+            return inline, start
+        return offsets, _aligned(end)
 
     def reap(self) -> int:
         """Closes the segments of processes that exited, and unlinks the names
@@ -118,12 +121,16 @@ class ShmSegments:
             os.close(fd)
 
 
-def place(payload_sizes: Iterable[int], capacity: int) -> Iterator[int | None]:
-    """Offsets for payloads laid out one after another; None for one that does not fit."""
-    pos = 0
+def place(payload_sizes: Iterable[int], capacity: int, start: int = 0) -> Iterator[int | None]:
+    """Offsets for payloads laid out one after another from ``start``; None for one that does not fit."""
+    pos = start
     for size in payload_sizes:
         if pos + size > capacity:
             yield None
             continue
         yield pos
-        pos = (pos + size + ALIGN - 1) // ALIGN * ALIGN
+        pos = _aligned(pos + size)
+
+
+def _aligned(offset: int) -> int:
+    return (offset + ALIGN - 1) // ALIGN * ALIGN

@@ -1,0 +1,50 @@
+"""A Read's reply as messages: each window's samples, in request order, in
+messages of about READ_CHUNK_BYTES.
+
+Messages are made as they are sent, so a reply is never held twice (once as
+payloads and once as messages); only the message in flight is. A payload in
+the caller's shared memory goes as its offset; a payload that repeats in a
+window is made into bytes once and sent, or placed, once per position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from dataquay.client.channels import READ_CHUNK_BYTES
+from dataquay.protos import cache_pb2 as pb
+from dataquay.server.node.reads import MISSING, Window
+from dataquay.server.proto_maps import TIER_TO_PROTO
+
+
+def reply_chunks(
+    window: Window, offsets: Sequence[int | None], limit: int = READ_CHUNK_BYTES
+) -> Iterator[pb.ReadChunk]:
+    """The messages of ``window``; ``offsets[k]`` is where ``window.served[k]``
+    lies in the caller's segment, None for a payload that goes inline."""
+    served = window.served
+    inline: list[bytes | None] = [None] * len(served)
+    chunk: list[pb.Sample] = []
+    size = 0
+    for k in window.index.tolist():
+        s = served[k]
+        offset = offsets[k]
+        if s.tier == MISSING:
+            sample, n = pb.Sample(id=s.sample_id, missing=True), 0
+        elif offset is not None:
+            sample = pb.Sample(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], checksum=s.checksum, in_shm=True,
+                               shm_offset=offset, length=len(s.data))
+            n = 0
+        else:
+            data = inline[k]
+            if data is None:
+                data = inline[k] = bytes(s.data)
+            sample = pb.Sample(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], data=data, checksum=s.checksum)
+            n = len(data)
+        if chunk and size + n > limit:
+            yield pb.ReadChunk(samples=chunk)
+            chunk, size = [], 0
+        chunk.append(sample)
+        size += n
+    if chunk:
+        yield pb.ReadChunk(samples=chunk)
