@@ -3,7 +3,7 @@ Cache RPCs, the bytes the synthetic datasets hold, and which tier served a read.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,6 +34,24 @@ def stage(daemon: DaemonProcess, name: str) -> pb.StageProgress:
         *_, last = stub.Stage(pb.StageRequest(dataset=name))
     assert last.finished and not last.error and not last.cache_full
     return last
+
+
+def reply_samples(chunks: Iterable[pb.ReadChunk]) -> Iterator[pb.Sample]:
+    """The samples of a Read's reply as they arrive, a sample sent in pieces
+    joined into one (its pieces checked for order and length)."""
+    parts: list[bytes] = []
+    for chunk in chunks:
+        if not chunk.HasField("piece"):
+            assert not parts, "a sample's pieces were cut short"
+            yield from chunk.samples
+            continue
+        piece = chunk.piece
+        assert piece.offset == sum(map(len, parts)) and piece.data, "a piece out of order"
+        parts.append(piece.data)
+        if piece.offset + len(piece.data) == piece.length:
+            yield pb.Sample(id=piece.id, tier=piece.tier, checksum=piece.checksum, data=b"".join(parts))
+            parts = []
+    assert not parts, "the reply ended inside a sample's pieces"
 
 
 def daemon_stats(daemon: DaemonProcess) -> pb.StatsReply:

@@ -10,9 +10,11 @@ from pathlib import Path
 
 MiB = 1 << 20
 
-#: Largest message either side accepts. Reads are chunked to READ_CHUNK_BYTES,
-#: so this only has to hold one chunk plus the largest single sample.
-MAX_MESSAGE_BYTES = 256 * MiB
+#: Largest message either side accepts. Reads and exchanges send about
+#: READ_CHUNK_BYTES of payload per message, and a larger payload in pieces
+#: of that size (dataquay.client.pieces), so a message holds at most two
+#: chunks' worth; the rest is room for requests of many ids.
+MAX_MESSAGE_BYTES = 64 * MiB
 
 #: Target payload per streamed read message: big enough that the 50-100 us cost
 #: of a message is small, small enough that the first samples arrive early.

@@ -31,6 +31,18 @@ class CorruptValueError(DataquayError):
     """A cached value whose checksum does not match its bytes."""
 
 
+class PieceError(DataquayError):
+    """The pieces of a sample sent in pieces do not add up to it: out of
+    order, interleaved with other samples, or longer or shorter than the
+    manifest says the sample is."""
+
+
+class SampleTooLargeError(ManifestError):
+    """A sample larger than the server's --max-sample-size: refused when its
+    dataset is registered, and when it is read from a manifest registered
+    under a larger limit."""
+
+
 class DaemonUnavailableError(DataquayError, ConnectionError):
     """The local daemon cannot be reached."""
 

@@ -308,6 +308,15 @@ class ManifestWriter:
     def num_samples(self) -> int:
         return len(self._sample_path)
 
+    def sample_lengths(self) -> np.ndarray:
+        """A copy of the payload length of every sample added so far."""
+        return np.array(self._sample_length, dtype=np.uint64)
+
+    def sample_path(self, sample_id: int) -> str:
+        """The path (relative to the root) of a sample added so far."""
+        index = self._sample_path[sample_id]
+        return bytes(self._path_blob[self._path_offsets[index] : self._path_offsets[index + 1]]).decode()
+
     def _parts(self) -> Iterator[tuple[str, memoryview]]:
         for name, _ in _ARRAYS:
             yield name, memoryview(getattr(self, "_" + name)).cast("B")

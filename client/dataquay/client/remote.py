@@ -20,6 +20,7 @@ import numpy as np
 from dataquay.client.channels import batch_deadline
 from dataquay.client.connection import DaemonConnection
 from dataquay.client.errors import CorruptValueError, DaemonUnavailableError, DataquayError
+from dataquay.client.pieces import Joiner
 from dataquay.client.records import checksum
 from dataquay.client.shm import Segment, SegmentPool
 from dataquay.client.stats import TIERS, ReadStats
@@ -128,46 +129,26 @@ class RemoteReader:
         )
         if seg is not None:
             request.shm_name, request.shm_size = seg.name, seg.size
-        deadline = batch_deadline(READ_FLOOR_SECONDS, int(dataset.manifest.sample_length[ids].sum()))
+        lengths = dataset.manifest.sample_length
+        deadline = batch_deadline(READ_FLOOR_SECONDS, int(lengths[ids].sum()))
+        reply = _Reply(dataset.name, ids.tolist(), lengths, seg, self._verify)
 
-        def read(stub: cache_pb2_grpc.CacheStub) -> list[pb.Sample]:
-            samples: list[pb.Sample] = []
+        def read(stub: cache_pb2_grpc.CacheStub) -> None:
             for chunk in stub.Read(request, timeout=deadline):
-                samples.extend(chunk.samples)
-            return samples
+                reply.take(chunk)
 
-        samples = self._connection.call("Read", read)
+        self._connection.call("Read", read)
         self._daemon_up()
-        if len(samples) != len(ids):
-            raise DataquayError(f"the daemon sent {len(samples)} samples of {dataset.name!r} for {len(ids)} ids")
-        out: list[bytes] = []
-        bad: list[int] = []
-        tiers = dict.fromkeys(TIERS, 0)
-        sizes = dict.fromkeys(TIERS, 0)
-        used_segment = False
-        for position, (want, sample) in enumerate(zip(ids.tolist(), samples)):
-            if sample.id != want:
-                raise DataquayError(f"the daemon sent sample {sample.id} of {dataset.name!r} where {want} was due")
-            if sample.in_shm and seg is not None:
-                data = seg.map[sample.shm_offset : sample.shm_offset + sample.length]
-                used_segment = True
-            else:
-                data = sample.data
-            if self._verify and checksum(data) != sample.checksum:
-                bad.append(position)
-            tier = _TIER_NAMES.get(sample.tier, "daemon-local")
-            tiers[tier] += 1
-            sizes[tier] += len(data)
-            out.append(data)
+        reply.check_complete()
         if seg is not None:
-            if used_segment:
+            if reply.used_segment:
                 seg.daemon_mapped()
             elif seg.linked:
                 self._segments.discard(seg)
-        for tier, count in tiers.items():
+        for tier, count in reply.tiers.items():
             if count:
-                self._stats.add(tier, count, sizes[tier])
-        return out, bad
+                self._stats.add(tier, count, reply.sizes[tier])
+        return reply.out, reply.bad
 
     def _read_pfs(self, dataset: Dataset, ids: np.ndarray) -> list[bytes]:
         from dataquay.client.pfs import PfsReader
@@ -214,3 +195,78 @@ class RemoteReader:
             self.info = info or self._connection.call(
                 "Info", lambda stub: stub.Info(pb.InfoRequest(), timeout=self._timeout)
             )
+
+
+class _Reply:
+    """A Read's reply taken apart as it streams in, a chunk at a time, so that
+    the client never holds the reply's messages besides its samples.
+
+    ``out`` collects the payloads in order (the pieces of a large one joined),
+    ``bad`` the positions whose checksum failed, ``tiers`` and ``sizes`` what
+    each tier served.
+    """
+
+    def __init__(self, dataset: str, ids: list[int], lengths: np.ndarray, seg: Segment | None, verify: bool) -> None:
+        self.dataset = dataset
+        self.ids = ids
+        self.lengths = lengths
+        self.seg = seg
+        self.verify = verify
+        self.out: list[bytes] = []
+        self.bad: list[int] = []
+        self.tiers = dict.fromkeys(TIERS, 0)
+        self.sizes = dict.fromkeys(TIERS, 0)
+        self.used_segment = False
+        self._joiner = Joiner("the daemon")
+
+    def take(self, chunk: pb.ReadChunk) -> None:
+        if chunk.HasField("piece"):
+            self._take_piece(chunk.piece)
+            return
+        if self._joiner.pending is not None:
+            self._joiner.check_done()
+        ids, out, bad, seg, verify = self.ids, self.out, self.bad, self.seg, self.verify
+        tiers, sizes, count = self.tiers, self.sizes, len(self.ids)
+        used_segment = False
+        for sample in chunk.samples:
+            position = len(out)
+            if position >= count or sample.id != ids[position]:
+                raise self._unexpected(sample.id, position)
+            if sample.in_shm and seg is not None:
+                data = seg.map[sample.shm_offset : sample.shm_offset + sample.length]
+                used_segment = True
+            else:
+                data = sample.data
+            if verify and checksum(data) != sample.checksum:
+                bad.append(position)
+            tier = _TIER_NAMES.get(sample.tier, "daemon-local")
+            tiers[tier] += 1
+            sizes[tier] += len(data)
+            out.append(data)
+        self.used_segment |= used_segment
+
+    def _take_piece(self, piece: pb.Sample) -> None:
+        position = len(self.out)
+        if position >= len(self.ids) or piece.id != self.ids[position]:
+            raise self._unexpected(piece.id, position)
+        data = self._joiner.add(piece.id, piece.offset, piece.length, piece.data, int(self.lengths[piece.id]))
+        if data is None:
+            return
+        if self.verify and checksum(data) != piece.checksum:
+            self.bad.append(position)
+        tier = _TIER_NAMES.get(piece.tier, "daemon-local")
+        self.tiers[tier] += 1
+        self.sizes[tier] += len(data)
+        self.out.append(data)
+
+    def check_complete(self) -> None:
+        self._joiner.check_done()
+        if len(self.out) != len(self.ids):
+            raise DataquayError(f"the daemon sent {len(self.out)} samples of {self.dataset!r} for {len(self.ids)} ids")
+
+    def _unexpected(self, sample_id: int, position: int) -> DataquayError:
+        if position >= len(self.ids):
+            return DataquayError(f"the daemon sent more samples of {self.dataset!r} than the {len(self.ids)} asked for")
+        return DataquayError(
+            f"the daemon sent sample {sample_id} of {self.dataset!r} where {self.ids[position]} was due"
+        )

@@ -75,7 +75,7 @@ class ReadRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., manifest_id: _Optional[str] = ..., job: _Optional[str] = ..., peer: _Optional[bool] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("id", "tier", "data", "checksum", "in_shm", "shm_offset", "length", "missing", "value")
+    __slots__ = ("id", "tier", "data", "checksum", "in_shm", "shm_offset", "length", "missing", "value", "offset")
     ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class Sample(_message.Message):
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     id: int
     tier: Tier
     data: bytes
@@ -94,13 +95,16 @@ class Sample(_message.Message):
     length: int
     missing: bool
     value: bytes
-    def __init__(self, id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., in_shm: _Optional[bool] = ..., shm_offset: _Optional[int] = ..., length: _Optional[int] = ..., missing: _Optional[bool] = ..., value: _Optional[bytes] = ...) -> None: ...
+    offset: int
+    def __init__(self, id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., in_shm: _Optional[bool] = ..., shm_offset: _Optional[int] = ..., length: _Optional[int] = ..., missing: _Optional[bool] = ..., value: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class ReadChunk(_message.Message):
-    __slots__ = ("samples",)
+    __slots__ = ("samples", "piece")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
-    def __init__(self, samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
+    piece: Sample
+    def __init__(self, samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., piece: _Optional[_Union[Sample, _Mapping]] = ...) -> None: ...
 
 class AddDatasetRequest(_message.Message):
     __slots__ = ("name", "root", "format", "replace", "tar_member_samples")
@@ -349,12 +353,14 @@ class ExchangeOffer(_message.Message):
     def __init__(self, job: _Optional[str] = ..., dataset: _Optional[str] = ..., manifest_id: _Optional[str] = ..., epoch: _Optional[int] = ..., sender: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExchangeMessage(_message.Message):
-    __slots__ = ("offer", "samples")
+    __slots__ = ("offer", "samples", "piece")
     OFFER_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
     offer: ExchangeOffer
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
-    def __init__(self, offer: _Optional[_Union[ExchangeOffer, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
+    piece: Sample
+    def __init__(self, offer: _Optional[_Union[ExchangeOffer, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., piece: _Optional[_Union[Sample, _Mapping]] = ...) -> None: ...
 
 class ExchangeReply(_message.Message):
     __slots__ = ("held", "message_bytes")

@@ -114,7 +114,8 @@ class CacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Read(self, request, context):
-        """Batched read: the samples come back in request order, several per message.
+        """Batched read: the samples come back in request order, several per
+        message; a sample larger than a message comes in pieces (ReadChunk.piece).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -181,8 +182,9 @@ class CacheServicer:
     def Exchange(self, request_iterator, context):
         """The per-epoch exchange, daemon to daemon: the sender offers the samples
         the receiver owns from the offer's epoch on; the receiver answers with
-        those it already holds, then, once per message of samples, with the ids
-        its cache has committed. Ids never acknowledged stay with the sender.
+        those it already holds, then, once per message of samples (and once per
+        sample sent in pieces, after its last piece), with the ids its cache has
+        committed. Ids never acknowledged stay with the sender.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

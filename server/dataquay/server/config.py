@@ -64,6 +64,17 @@ def _fraction(text: str) -> float:
     return value
 
 
+#: The largest value LMDB stores (MDB_MAXDATASIZE), less a cache value's checksum.
+_LARGEST_CACHEABLE = 0xFFFFFFFF - 8
+
+
+def _sample_size(text: str) -> int:
+    size = parse_size(text)
+    if not 0 < size <= _LARGEST_CACHEABLE:
+        raise ValueError(f"expected a size above 0 and at most {_LARGEST_CACHEABLE} bytes (the largest LMDB value)")
+    return size
+
+
 def _port(text: str) -> int:
     if not text.strip().isdigit() or int(text) > 65535:
         raise ValueError("expected a port number 0-65535")
@@ -302,6 +313,12 @@ class ServerConfig(FlagConfig):
         "would otherwise serve anything its own user can read to every token holder",
         _paths,
         many=True,
+    )
+    max_sample_size: int = _option(
+        1 << 30,
+        "largest sample a dataset may hold (e.g. 1G, 256M): a larger one is refused, naming it, when its dataset "
+        "is registered and when it is read; one read holds up to two samples of this size in memory",
+        _sample_size,
     )
     ready_file: Path | None = _option(
         None, "write a JSON file with the bound addresses once serving", Path

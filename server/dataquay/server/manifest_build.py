@@ -33,9 +33,10 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from numpy.lib import format as npy_format
 
-from dataquay.client.errors import ManifestError, RootNotAllowedError
+from dataquay.client.errors import ManifestError, RootNotAllowedError, SampleTooLargeError
 from dataquay.client.manifest import FORMATS, ManifestWriter
 from dataquay.client.pfs import tar_member_key
+from dataquay.client.units import format_bytes
 
 _EXTENSIONS = {"tar": ".tar", "npy": ".npy"}
 _FORMAT_OF_EXTENSION = {ext: fmt for fmt, ext in _EXTENSIONS.items()}
@@ -72,6 +73,25 @@ def build_manifest(
     if not writer.num_samples:
         raise ManifestError(f"no samples under {real_root}")
     return writer
+
+
+def check_sample_sizes(writer: ManifestWriter, dataset: str, largest: int, setting: str) -> None:
+    """Refuses a dataset that holds a sample larger than ``largest`` bytes
+    (what ``setting`` allows), naming the first such sample and its file."""
+    lengths = writer.sample_lengths()
+    over = np.flatnonzero(lengths > largest)
+    if len(over):
+        sample_id = int(over[0])
+        others = f"; {len(over) - 1} more are" if len(over) > 1 else ""
+        raise SampleTooLargeError(
+            f"sample {sample_id} of {dataset!r} ({writer.sample_path(sample_id)}) is "
+            f"{too_large(int(lengths[sample_id]), largest, setting)}{others}"
+        )
+
+
+def too_large(size: int, largest: int, setting: str) -> str:
+    """The end of a message refusing a sample of ``size`` bytes."""
+    return f"{format_bytes(size)} ({size} bytes), larger than the {format_bytes(largest)} a sample may be ({setting})"
 
 
 def detect_format(root: str | os.PathLike[str]) -> str:

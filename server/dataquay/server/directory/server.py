@@ -65,7 +65,7 @@ from dataquay.server.dirs import ensure_private_dir, private_opener
 from dataquay.server.errors import StartupError
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.listen import bind_tcp
-from dataquay.server.manifest_build import allowed_root, build_manifest
+from dataquay.server.manifest_build import allowed_root, build_manifest, check_sample_sizes
 from dataquay.server.registry import Registered, Registry
 from dataquay.server.task_group import TaskGroup
 
@@ -326,6 +326,7 @@ class DirectoryServer(ServerLifecycle):
             writer = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: build_manifest(root, fmt, tar_grouped=tar_grouped)
             )
+            check_sample_sizes(writer, name, self.config.max_sample_size, "the directory's --max-sample-size")
             entry, _previous = self.registry.add(name, writer, replace)
         self.state.datasets_changed()
         await self._persist()

@@ -79,14 +79,16 @@ class Daemon(ServerLifecycle):
         # The writer and the syncer outlive the other background tasks: what
         # those queued is committed before the writer stops.
         self.store_tasks = TaskGroup()
-        self.datasets = Datasets(self.registry, self.store, self.tasks, self.link, config.dataset_roots)
+        self.datasets = Datasets(
+            self.registry, self.store, self.tasks, self.link, config.dataset_roots, config.max_sample_size
+        )
         self.peers = Peers(config.peer_timeout, self.credentials)
         self.placements = (
             Placements(self.link, config.node_name, config.state_dir) if self.link is not None else None
         )
         self.reads = ReadService(
             self.datasets, self.store, self.pfs, self.metrics, config.max_batch, self.peers, self.placements,
-            self.tasks.spawn, config.prefetch_memory,
+            self.tasks.spawn, config.prefetch_memory, config.max_sample_size,
         )
         self.stager = Stager(self.registry, self.store, self.pfs)
         self.exchanges: Exchanges | None = None

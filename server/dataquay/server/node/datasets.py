@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DirectoryUnavailableError, UnknownDatasetError
-from dataquay.server.manifest_build import allowed_root, build_manifest
+from dataquay.server.manifest_build import allowed_root, build_manifest, check_sample_sizes
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.store import Store
 from dataquay.server.registry import Registered, Registry
@@ -36,12 +36,14 @@ class Datasets:
         tasks: TaskGroup,
         link: DirectoryLink | None = None,
         dataset_roots: Sequence[Path] = (),
+        max_sample: int = 1 << 30,
     ) -> None:
         self.registry = registry
         self.store = store
         self.tasks = tasks
         self.link = link
         self.dataset_roots = tuple(dataset_roots)
+        self.max_sample = max_sample
         self._builds = asyncio.Semaphore(1)
         self._fetches: dict[str, asyncio.Future[Registered]] = {}
 
@@ -88,6 +90,7 @@ class Datasets:
             writer = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: build_manifest(root, fmt, tar_grouped=not request.tar_member_samples)
             )
+            check_sample_sizes(writer, request.name, self.max_sample, "--max-sample-size")
             entry, previous = self.registry.add(request.name, writer, request.replace)
         await self._dropped(previous, entry)
         log.info(

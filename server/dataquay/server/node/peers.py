@@ -7,6 +7,8 @@ its deadline is set aside (suspect) and its samples come from the PFS until a
 back-off passes; the back-off doubles with each failure in a row, so a dead
 node costs one timeout per back-off period, not one per batch. A peer that
 registered again since it failed (a restarted daemon) is trusted at once.
+A sample larger than a message arrives in pieces and is joined here; pieces
+that do not add up to the sample the manifest describes count as a failure.
 The fetches from one peer share a byte budget (FETCHED_BYTES_PER_PEER): a
 fetch waits for its bytes before it asks, so that however many calls need
 the same peer, what they have asked for and not yet received stays bounded.
@@ -16,12 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 
 from dataquay.client.channels import batch_deadline, channel_options
+from dataquay.client.errors import PieceError
+from dataquay.client.pieces import Joiner
 from dataquay.client.records import checksum
 from dataquay.client.security import Credentials
 from dataquay.protos import cache_pb2 as pb
@@ -71,14 +75,16 @@ class Peers:
         return [self._health[node] for node in sorted(self._health)]
 
     async def fetch(
-        self, node: str, address: str, dataset: str, manifest_id: str, ids: Sequence[int], nbytes: int,
+        self, node: str, address: str, dataset: str, manifest_id: str, ids: np.ndarray, lengths: np.ndarray,
         registered: float = 0.0,
     ) -> dict[int, tuple[bytes, int]]:
-        """The samples of ``ids`` (``nbytes`` in all) that ``node`` holds: id -> (payload, checksum).
+        """The samples of ``ids`` that ``node`` holds: id -> (payload, checksum).
 
-        ``registered`` is when the directory says the peer's daemon
-        registered. Never raises for a peer's failure: what did not arrive
-        intact is simply absent from the result, for the caller to read elsewhere.
+        ``lengths`` are the payload lengths of the dataset's samples (by id),
+        as the manifest has them. ``registered`` is when the directory says
+        the peer's daemon registered. Never raises for a peer's failure: what
+        did not arrive intact is simply absent from the result, for the
+        caller to read elsewhere.
         """
         health = self._health.setdefault(node, PeerHealth(node))
         if registered > health.registered:
@@ -86,35 +92,54 @@ class Peers:
             health.suspect_until = 0.0
         if health.suspect or not address:
             return {}
+        nbytes = int(lengths[ids].sum())
         budget = self._fetching.get(node)
         await budget.take(nbytes)
         try:
-            return await self._fetch(health, address, dataset, manifest_id, ids, nbytes)
+            return await self._fetch(health, address, dataset, manifest_id, ids, lengths, nbytes)
         finally:
             budget.give(nbytes)
 
     async def _fetch(
-        self, health: PeerHealth, address: str, dataset: str, manifest_id: str, ids: Sequence[int], nbytes: int
+        self, health: PeerHealth, address: str, dataset: str, manifest_id: str, ids: np.ndarray,
+        lengths: np.ndarray, nbytes: int,
     ) -> dict[int, tuple[bytes, int]]:
         node = health.node
-        request = pb.ReadRequest(dataset=dataset, ids=ids, manifest_id=manifest_id, peer=True)
+        request = pb.ReadRequest(dataset=dataset, ids=ids.tolist(), manifest_id=manifest_id, peer=True)
         out: dict[int, tuple[bytes, int]] = {}
         received = 0
+        joiner = Joiner(f"peer {node}")
         deadline = batch_deadline(self.timeout, nbytes)
         started = time.monotonic()
+        call = self.stub(node, address).Read(request, timeout=deadline)
         try:
-            stub = self.stub(node, address)
-            async for chunk in stub.Read(request, timeout=deadline):
+            async for chunk in call:
+                if chunk.HasField("piece"):
+                    piece = chunk.piece
+                    expected = int(lengths[piece.id]) if piece.id < len(lengths) else -1
+                    data = joiner.add(piece.id, piece.offset, piece.length, piece.data, expected)
+                    if data is not None and self._intact(health, data, piece.checksum):
+                        out[piece.id] = (data, piece.checksum)
+                        received += len(data)
+                    continue
+                if joiner.pending is not None:
+                    joiner.check_done()
                 for sample in chunk.samples:
                     if sample.missing:
                         continue
-                    if checksum(sample.data) != sample.checksum:
+                    data = sample.data
+                    if checksum(data) != sample.checksum:
                         health.bad_checksums += 1
                         continue
-                    out[sample.id] = (sample.data, sample.checksum)
-                    received += len(sample.data)
+                    out[sample.id] = (data, sample.checksum)
+                    received += len(data)
+            joiner.check_done()
         except grpc.aio.AioRpcError as exc:
-            self._failed(health, address, exc, started)
+            self._failed(health, address, exc.code().name, exc.details() or "", started)
+            return {}
+        except PieceError as exc:
+            call.cancel()
+            self._failed(health, address, "DATA_LOSS", str(exc), started)
             return {}
         if health.failures_in_a_row:
             log.info("peer answers again", extra={"fields": {"peer": node, "address": address}})
@@ -123,7 +148,14 @@ class Peers:
         health.bytes += received
         return out
 
-    def _failed(self, health: PeerHealth, address: str, exc: grpc.aio.AioRpcError, started: float) -> None:
+    @staticmethod
+    def _intact(health: PeerHealth, data: bytes, digest: int) -> bool:
+        if checksum(data) == digest:
+            return True
+        health.bad_checksums += 1
+        return False
+
+    def _failed(self, health: PeerHealth, address: str, code: str, error: str, started: float) -> None:
         health.failures += 1
         if started < health.failed_at:
             return  # in flight when an earlier call failed: the same outage
@@ -134,8 +166,8 @@ class Peers:
         health.suspect_until = time.monotonic() + backoff
         log.warning(
             "peer read failed; its samples come from the PFS for a while",
-            extra={"fields": {"peer": health.node, "address": address, "code": exc.code().name,
-                              "error": exc.details(), "retry_in_s": backoff}},
+            extra={"fields": {"peer": health.node, "address": address, "code": code, "error": error,
+                              "retry_in_s": backoff}},
         )
 
     def stub(self, node: str, address: str) -> cache_pb2_grpc.CacheStub:

@@ -51,8 +51,10 @@ from dataquay.server.errors import (
     DatasetReplacedError,
     DirectoryUnavailableError,
     SampleIdError,
+    SampleTooLargeError,
 )
 from dataquay.server.limits import ByteBudget
+from dataquay.server.manifest_build import too_large
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.metrics import DaemonMetrics
 from dataquay.server.node.overflow import OverflowPrefetcher
@@ -120,12 +122,14 @@ class ReadService:
         placements: Placements | None = None,
         spawn: Spawn | None = None,
         prefetch_memory: int = 0,
+        max_sample: int = 1 << 30,
     ) -> None:
         self.datasets = datasets
         self.store = store
         self.pfs = pfs
         self.metrics = metrics
         self.max_batch = max_batch
+        self.max_sample = max_sample
         self.peers = peers
         self.placements = placements
         self.previous_owner_samples = 0
@@ -164,25 +168,31 @@ class ReadService:
     ) -> AsyncGenerator[Window, None]:
         """The samples of ``ids`` in request order, a window at a time.
 
-        Raises before the first window for a bad request; PfsReadError, at
-        the window that holds it, for an unreadable sample.
+        Raises before the first window for a bad request (SampleTooLargeError
+        for a sample over ``max_sample`` bytes among others); PfsReadError,
+        at the window that holds it, for an unreadable sample.
         """
         entry = await self.entry(dataset, ids, manifest_id)
         ids = ids.astype(np.int64, copy=False)
         lengths = entry.manifest.sample_length
+        sizes = lengths[ids]
+        if len(ids) and int(sizes.max()) > self.max_sample:
+            bad = int(ids[np.argmax(sizes > self.max_sample)])
+            size = too_large(int(lengths[bad]), self.max_sample, "this daemon's --max-sample-size")
+            raise SampleTooLargeError(f"sample {bad} of {dataset!r} is {size}")
         await self.store.open_dataset(entry.record.cache_db)
         placement = await self._placement(job, entry) if job and not peer else None
         if placement is not None and self.prefetcher is not None and _prefetched(placement):
             self.prefetcher.ahead(entry, placement, ids)
         plans = [np.unique(ids[start:stop], return_inverse=True)
-                 for start, stop in window_bounds(lengths[ids], WINDOW_BYTES)]
-        sizes = [int(lengths[distinct].sum()) for distinct, _ in plans]
+                 for start, stop in window_bounds(sizes, WINDOW_BYTES)]
+        held = [int(lengths[distinct].sum()) for distinct, _ in plans]
 
         def resolve(k: int) -> Awaitable[Window]:
             distinct, index = plans[k]
             return self._window(entry, distinct, index.ravel(), placement, peer)
 
-        async for window in _ahead_by_one(resolve, sizes, budget):
+        async for window in _ahead_by_one(resolve, held, budget):
             yield window
 
     async def _window(
@@ -309,9 +319,8 @@ class ReadService:
             address = await self.placements.link.address_of(node)
             ids = misses[owner_of == index]
             calls.append(
-                self.peers.fetch(node, address, entry.record.name, entry.record.manifest_id, ids.tolist(),
-                                 int(entry.manifest.sample_length[ids].sum()),
-                                 self.placements.link.registered_at(node))
+                self.peers.fetch(node, address, entry.record.name, entry.record.manifest_id, ids,
+                                 entry.manifest.sample_length, self.placements.link.registered_at(node))
             )
         out: dict[int, tuple[str, bytes | memoryview, int]] = {}
         for got in await asyncio.gather(*calls):
@@ -383,6 +392,7 @@ async def _ahead_by_one(
                     taken += sizes[following]
                 ahead = asyncio.ensure_future(resolve(following))
             yield window
+            del window  # not held while the next one is resolved
             if budget is not None:
                 budget.give(size)
                 taken -= size

@@ -4,7 +4,9 @@ messages of about READ_CHUNK_BYTES.
 Messages are made as they are sent, so a reply is never held twice (once as
 payloads and once as messages); only the message in flight is. A payload in
 the caller's shared memory goes as its offset; a payload that repeats in a
-window is made into bytes once and sent, or placed, once per position.
+window is made into bytes once and sent, or placed, once per position. A
+payload larger than a chunk goes inline as pieces, a message each
+(:mod:`dataquay.client.pieces`).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from dataquay.client.channels import READ_CHUNK_BYTES
+from dataquay.client.pieces import PIECE_BYTES, pieces
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.node.reads import MISSING, Window
+from dataquay.server.node.reads import MISSING, Served, Window
 from dataquay.server.proto_maps import TIER_TO_PROTO
 
 
@@ -38,6 +41,12 @@ def reply_chunks(
         else:
             data = inline[k]
             if data is None:
+                if len(s.data) > PIECE_BYTES:
+                    if chunk:
+                        yield pb.ReadChunk(samples=chunk)
+                        chunk, size = [], 0
+                    yield from _pieces(s)
+                    continue
                 data = inline[k] = bytes(s.data)
             sample = pb.Sample(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], data=data, checksum=s.checksum)
             n = len(data)
@@ -48,3 +57,11 @@ def reply_chunks(
         size += n
     if chunk:
         yield pb.ReadChunk(samples=chunk)
+
+
+def _pieces(s: Served) -> Iterator[pb.ReadChunk]:
+    """One message per piece of a payload larger than a chunk."""
+    tier, length = TIER_TO_PROTO[s.tier], len(s.data)
+    for offset, part in pieces(s.data):
+        yield pb.ReadChunk(piece=pb.Sample(
+            id=s.sample_id, tier=tier, checksum=s.checksum, data=part, offset=offset, length=length))

@@ -69,6 +69,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                         )
                     for chunk in reply_chunks(window, offsets):
                         yield chunk
+                    del window  # not held while the next one is resolved
         self._latency.labels("Read").observe(time.perf_counter() - started)
 
     def _budget(self, context: grpc.aio.ServicerContext) -> ByteBudget | None:

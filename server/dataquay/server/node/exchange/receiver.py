@@ -6,7 +6,8 @@ fill this cache with samples nobody will ask it for. Payloads are checked
 against their checksums, committed in the store's large transactions, and
 acknowledged only once committed: an acknowledgement is what allows the
 sender to delete its copy. Reading the next message overlaps the commit of the
-previous one.
+previous one. A sample larger than a message comes in pieces, and is checked
+and committed once joined.
 
 Nothing sent is dropped for lack of room: each message reserves its bytes in
 the cache before it is taken (:meth:`Store.reserve`), waiting while the cache
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dataquay.client.errors import PieceError
+from dataquay.client.pieces import Joiner
 from dataquay.client.placement import MAX_EPOCH
 from dataquay.client.records import CHECKSUM_BYTES, decode_value
 from dataquay.protos import cache_pb2 as pb
@@ -99,7 +102,7 @@ class ExchangeReceiver:
 
         # Unbounded: the reservations and the sender's window bound it.
         commits: asyncio.Queue[_Taken | None] = asyncio.Queue()
-        reader = asyncio.create_task(self._take_in(messages, db, set(offered.tolist()), commits))
+        reader = asyncio.create_task(self._take_in(messages, entry, set(offered.tolist()), commits))
         try:
             while (taken := await commits.get()) is not None:
                 stored = await self._committed(db, taken)
@@ -178,23 +181,41 @@ class ExchangeReceiver:
     async def _take_in(
         self,
         messages: AsyncIterator[pb.ExchangeMessage],
-        db: str,
+        entry: Registered,
         offered: set[int],
         commits: asyncio.Queue[_Taken | None],
     ) -> None:
         """Checks each message's samples, reserves their room and queues them
-        for the writer; they go on to be acknowledged once committed."""
-        name = db.encode()
+        for the writer; they go on to be acknowledged once committed. A sample
+        sent in pieces is queued once its last piece is in."""
+        name = entry.record.cache_db.encode()
+        lengths = entry.manifest.sample_length
+        joiner = Joiner("the exchange's sender")
         try:
             async for message in messages:
+                try:
+                    if message.HasField("piece"):
+                        piece = message.piece
+                        if piece.id not in offered:
+                            raise InvalidRequestError(f"sample {piece.id} was not in the exchange offer")
+                        value = joiner.add(piece.id, piece.offset, piece.length, piece.value,
+                                           int(lengths[piece.id]) + CHECKSUM_BYTES)
+                        if value is None:
+                            continue
+                        values = [(piece.id, value)]
+                    else:
+                        joiner.check_done()
+                        values = [(sample.id, sample.value) for sample in message.samples]
+                except PieceError as exc:
+                    raise InvalidRequestError(str(exc)) from None
                 writes = []
-                for sample in message.samples:
-                    if sample.id not in offered:
-                        raise InvalidRequestError(f"sample {sample.id} was not in the exchange offer")
-                    if decode_value(sample.value) is None:
+                for sample_id, value in values:
+                    if sample_id not in offered:
+                        raise InvalidRequestError(f"sample {sample_id} was not in the exchange offer")
+                    if decode_value(value) is None:
                         self.bad_checksums += 1
                         continue
-                    writes.append(PendingWrite(name, sample.id, sample.value, reserved=True))
+                    writes.append(PendingWrite(name, sample_id, value, reserved=True))
                 commits.put_nowait(await self._reserved(writes))
         finally:
             commits.put_nowait(None)

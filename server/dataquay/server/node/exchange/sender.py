@@ -6,8 +6,10 @@ background, the samples it gives away in epoch e+1 to their new owners: one
 bidirectional stream per receiver (a few receivers at a time), a window of
 chunks in flight, payloads with their checksums, the whole capped by
 ``--exchange-bandwidth``, each receiver's samples in the order this node's
-ranks read them in epoch e. The receiver reserves room before it takes a
-chunk and acknowledges it once its cache has committed it.
+ranks read them in epoch e. A chunk holds at least one sample; one larger
+than a message goes as pieces (:mod:`dataquay.client.pieces`). The receiver
+reserves room before it takes a chunk and acknowledges it once its cache has
+committed it.
 
 A sample is deleted here only when its receiver acknowledged it and this
 node's rank that reads it in epoch e has gone past it (its client reports read
@@ -38,6 +40,7 @@ import grpc
 import numpy as np
 
 from dataquay.client.jobs import job_plan
+from dataquay.client.pieces import PIECE_BYTES, pieces
 from dataquay.client.placement import MODES, node_reads
 from dataquay.client.records import CHECKSUM_BYTES
 from dataquay.client.status_codes import UNREACHABLE
@@ -386,6 +389,12 @@ class Exchanges:
                 if self.bucket is not None:
                     await asyncio.sleep(self.bucket.reserve(sum(len(s.value) - CHECKSUM_BYTES for s in samples)))
                 in_flight.append(np.fromiter((s.id for s in samples), np.int64, len(samples)))
+                if len(samples) == 1 and len(samples[0].value) > PIECE_BYTES:
+                    whole = samples[0]
+                    for offset, part in pieces(whole.value):
+                        await call.write(pb.ExchangeMessage(
+                            piece=pb.Sample(id=whole.id, value=part, offset=offset, length=len(whole.value))))
+                    continue
                 await call.write(pb.ExchangeMessage(samples=samples))
             await call.done_writing()
             await acks
