@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from one_daemon import add, cache_stub, stage
+from one_daemon import add, cache_stub, reply_samples, stage
 
 import dataquay.client as dq
 from dataquay.protos import cache_pb2 as pb
@@ -62,6 +62,25 @@ def test_a_read_of_many_repeats_of_one_sample_holds_it_about_once(
     want = sample_bytes(0, 1, size)
     assert all(s.data == want for s in samples)
     assert peak.bytes < 200 * MiB, f"the daemon grew by {peak.bytes / MiB:.0f} MiB for one sample of 2 MiB"
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "pfs"])
+def test_a_read_of_many_repeats_of_a_sample_larger_than_a_message_holds_it_a_few_times_at_most(
+    daemon: DaemonProcess, tmp_path: Path, cached: bool
+) -> None:
+    size, repeats = 70 * MiB, 12  # 840 MiB asked for, in pieces; before, the daemon grew by 1.2-2 GB
+    make_files_dataset(tmp_path / "huge", 1, sizes=(size,), classes=1)
+    add(daemon, "huge", tmp_path / "huge")
+    if cached:
+        stage(daemon, "huge")
+    want = sample_bytes(0, 0, size)
+    count = 0
+    with cache_stub(daemon) as stub, PeakGrowth(daemon_pid(daemon)) as peak:
+        for sample in reply_samples(stub.Read(pb.ReadRequest(dataset="huge", ids=[0] * repeats))):
+            assert sample.id == 0 and sample.data == want
+            count += 1
+    assert count == repeats
+    assert peak.bytes < 6 * size, f"the daemon grew by {peak.bytes / MiB:.0f} MiB for one sample of 70 MiB"
 
 
 def test_a_batch_over_several_windows_comes_back_exact_and_in_order_through_shared_memory(

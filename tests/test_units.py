@@ -1,5 +1,5 @@
 """Small pure pieces of the daemon: sizes, durations, the rate limiter, byte
-budgets, chunking and reply windows."""
+budgets, the write queue's index, chunking and reply windows."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataquay.server.errors import ConfigError
 from dataquay.server.limits import ByteBudget, ByteBudgets
 from dataquay.server.node.reads import chunked, window_bounds
 from dataquay.server.node.shm import ALIGN, place
+from dataquay.server.node.write_queue import PendingWrite, WriteQueue
 from dataquay.server.ratelimit import TokenBucket
 from dataquay.server.sizes import format_bytes, format_duration, parse_duration, parse_size
 
@@ -104,6 +105,22 @@ def test_reply_windows_cover_every_position_once_and_put_an_oversized_one_alone(
     bounds = window_bounds(lengths, 100)
     assert bounds == [(0, 3), (3, 4), (4, 6), (6, 8)]
     assert window_bounds(np.array([], dtype=np.uint64), 100) == []
+
+
+def test_a_queued_write_is_found_by_key_until_the_writer_takes_it_or_its_dataset_goes() -> None:
+    async def scenario() -> None:
+        queue = WriteQueue()
+        first, second = PendingWrite(b"a", 1, b"old"), PendingWrite(b"a", 1, b"new")
+        queue.push(first)
+        queue.push(second)
+        queue.push(PendingWrite(b"b", 1, b"other"))
+        assert queue.waiting(b"a", 1) is second and queue.waiting(b"a", 2) is None
+        queue.drop(b"b")
+        assert queue.waiting(b"b", 1) is None and queue.waiting(b"a", 1) is second
+        assert queue.take_batch() == [first, second]
+        assert queue.waiting(b"a", 1) is None
+
+    asyncio.run(scenario())
 
 
 def test_chunked_keeps_order_and_puts_an_oversized_item_alone() -> None:

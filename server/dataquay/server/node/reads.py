@@ -20,7 +20,8 @@ A sample read from the PFS or from its previous owner is cached only by its
 owner (every PFS read when the read is for no job): the owner keeps it,
 everyone else asks the owner. It is
 handed to the store's writer without waiting, so the reply never waits for an
-LMDB commit. A cached value whose checksum fails is served from the PFS and
+LMDB commit; a read meanwhile takes it from the writer's queue instead of
+the PFS. A cached value whose checksum fails is served from the PFS and
 rewritten (repaired) the same way.
 
 A reply is resolved a window at a time (:data:`WINDOW_BYTES` of payload
@@ -216,6 +217,10 @@ class ReadService:
             misses = _not_in(misses, fetched)
         if placement is not None and placement.owners_move and len(misses):
             fetched.update(await self._from_other_holders(entry, placement, misses))
+            misses = _not_in(misses, fetched)
+        if len(misses):
+            for sample_id, value in self.store.queued_values(db, misses.tolist()).items():
+                fetched[sample_id] = ("cache", memoryview(value)[CHECKSUM_BYTES:], stored_checksum(value))
             misses = _not_in(misses, fetched)
         if len(misses):
             values = await self.pfs.read(entry.record.name, entry.manifest, misses)

@@ -266,6 +266,13 @@ class Store:
                     out.append((bytes(payload), stored_checksum(value)))
         return out, corrupt
 
+    def queued_values(self, db: str, ids: Iterable[int]) -> dict[int, bytes]:
+        """The values of ``ids`` queued for the writer and not taken by it yet
+        (read from the PFS or a peer moments ago), by id."""
+        name = db.encode()
+        waiting = self._queue.waiting
+        return {i: write.value for i in ids if (write := waiting(name, i)) is not None}
+
     def cached_mask(self, db: str, ids: np.ndarray) -> np.ndarray:
         """Which of ``ids`` are in the cache (a key lookup, no value is read)."""
         handle = self._dbs.get(db.encode())

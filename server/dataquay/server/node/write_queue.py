@@ -1,5 +1,7 @@
 """The values waiting for the cache writer: bounded in bytes, taken in large
-batches, and numbered so that a caller can wait until its writes are done."""
+batches, numbered so that a caller can wait until its writes are done, and
+found by key, so that a read can take a value that waits here instead of
+reading it again."""
 
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ class WriteQueue:
 
     def __init__(self) -> None:
         self._items: list[PendingWrite] = []
+        self._by_key: dict[tuple[bytes, int], PendingWrite] = {}
         self.queued_bytes = 0
         #: The ticket of the last write queued.
         self.queued_count = 0
@@ -72,6 +75,7 @@ class WriteQueue:
     def push(self, write: PendingWrite) -> None:
         self.queued_count += 1
         self._items.append(write)
+        self._by_key[(write.db, write.sample_id)] = write
         self.queued_bytes += len(write.value)
         self._idle.clear()
         self._has_work.set()
@@ -87,6 +91,10 @@ class WriteQueue:
             size += len(write.value)
             count += 1
         batch, self._items = self._items[:count], self._items[count:]
+        for write in batch:
+            key = (write.db, write.sample_id)
+            if self._by_key.get(key) is write:
+                del self._by_key[key]
         self.queued_bytes -= size
         if not self._items:
             self._has_work.clear()
@@ -107,9 +115,14 @@ class WriteQueue:
         self._resolved += len(self._items) - len(kept)
         self._resolved_moved.set()
         self._items = kept
+        self._by_key = {key: w for key, w in self._by_key.items() if key[0] != db}
         self.queued_bytes = sum(len(w.value) for w in kept)
         if not self.is_full:
             self._has_room.set()
+
+    def waiting(self, db: bytes, sample_id: int) -> PendingWrite | None:
+        """The latest write of ``sample_id`` to ``db`` still in the queue, if any."""
+        return self._by_key.get((db, sample_id))
 
     async def wait_for_work(self) -> None:
         await self._has_work.wait()
