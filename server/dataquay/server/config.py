@@ -317,7 +317,7 @@ class ServerConfig(FlagConfig):
     max_sample_size: int = _option(
         1 << 30,
         "largest sample a dataset may hold (e.g. 1G, 256M): a larger one is refused, naming it, when its dataset "
-        "is registered and when it is read; one read holds up to two samples of this size in memory",
+        "is registered and when it is read; a daemon holds a sample whole while it serves it",
         _sample_size,
     )
     ready_file: Path | None = _option(
