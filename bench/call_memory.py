@@ -17,6 +17,8 @@ daemon's heap, and are reported apart (RssFile growth). Cases:
   it from the files).
 - repeats, PFS, client: ``get_batch`` through the client (shared memory) of
   ``REPEATS`` copies of a sample no cache holds.
+- large repeats, cached and PFS: one Read of ``LARGE_REPEATS`` copies of a
+  sample of ``LARGE_BYTES``, larger than a gRPC message (it comes in pieces).
 
 Every reply is checked byte for byte. ``python bench/call_memory.py LABEL``
 writes bench/results/call_memory-LABEL.json; ``BENCH_SKIP`` names cases to
@@ -37,6 +39,7 @@ from pathlib import Path
 from common import MiB, progress, register, report, stage, stub
 
 from dataquay.client import connect
+from dataquay.client.pieces import Joiner
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.tools.processes import DaemonProcess
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
@@ -45,6 +48,8 @@ SAMPLE_BYTES = 2 * MiB
 REPEATS = 600
 MAX_REPEATS = 4096
 DISTINCT = 256
+LARGE_BYTES = 70 * MiB
+LARGE_REPEATS = 12
 
 
 def status(pid: int, key: str) -> int:
@@ -56,8 +61,10 @@ def status(pid: int, key: str) -> int:
     raise KeyError(key)
 
 
-def measure(pid: int, case: str, ids: list[int], read: Callable[[], Iterable[bytes]]) -> dict[str, object]:
-    want = {i: sample_bytes(0, i, SAMPLE_BYTES) for i in set(ids)}
+def measure(
+    pid: int, case: str, ids: list[int], size: int, read: Callable[[], Iterable[bytes]]
+) -> dict[str, object]:
+    want = {i: sample_bytes(0, i, size) for i in set(ids)}
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     before, mapped = status(pid, "VmRSS"), status(pid, "RssFile")
     started = time.perf_counter()
@@ -72,7 +79,8 @@ def measure(pid: int, case: str, ids: list[int], read: Callable[[], Iterable[byt
     return {
         "case": case,
         "ids": len(ids),
-        "requested_MiB": len(ids) * SAMPLE_BYTES / MiB,
+        "sample_MiB": size / MiB,
+        "requested_MiB": len(ids) * size / MiB,
         "peak_growth_MiB": growth / MiB,
         "mapped_cache_MiB": mapped / MiB,
         "seconds": seconds,
@@ -81,9 +89,16 @@ def measure(pid: int, case: str, ids: list[int], read: Callable[[], Iterable[byt
 
 @contextmanager
 def inline(daemon: DaemonProcess, dataset: str, ids: list[int]) -> Iterator[Callable[[], Iterable[bytes]]]:
-    """One Read through a plain stub: every payload inline, checked as it arrives."""
+    """One Read through a plain stub: every payload inline (pieces joined), checked as it arrives."""
     def read() -> Iterator[bytes]:
+        joiner = Joiner("the daemon")
         for chunk in stub(daemon).Read(pb.ReadRequest(dataset=dataset, ids=ids)):
+            if chunk.HasField("piece"):
+                p = chunk.piece
+                whole = joiner.add(p.id, p.offset, p.length, p.data, p.length)
+                if whole is not None:
+                    yield whole
+                continue
             for sample in chunk.samples:
                 yield sample.data
     yield read
@@ -102,23 +117,25 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="dq-bench-callmem-") as tmp:
         base = Path(tmp)
-        root = make_files_dataset(base / "pfs", DISTINCT, sizes=(SAMPLE_BYTES,), classes=1)
-        cold_root = make_files_dataset(base / "cold", 2, sizes=(SAMPLE_BYTES,), classes=1)
         daemon = DaemonProcess(base / "node", dataset_roots=(base,)).start()
-        register(daemon, "mem", root)
-        register(daemon, "cold", cold_root)
+        for name, count, size in (("mem", DISTINCT, SAMPLE_BYTES), ("cold", 2, SAMPLE_BYTES),
+                                  ("large", 1, LARGE_BYTES), ("large-cold", 1, LARGE_BYTES)):
+            register(daemon, name, make_files_dataset(base / name, count, sizes=(size,), classes=1))
         progress("staging")
         stage(daemon, "mem")
+        stage(daemon, "large")
         daemon.stop()
         cases = [
-            ("repeats, cached", "mem", [0] * REPEATS, inline),
-            ("max-batch repeats, cached", "mem", [0] * MAX_REPEATS, inline),
-            ("distinct, cached", "mem", list(range(DISTINCT)), inline),
-            ("repeats, PFS", "cold", [0] * REPEATS, inline),
-            ("repeats, PFS, client", "cold", [1] * REPEATS, through_client),
+            ("repeats, cached", "mem", [0] * REPEATS, SAMPLE_BYTES, inline),
+            ("max-batch repeats, cached", "mem", [0] * MAX_REPEATS, SAMPLE_BYTES, inline),
+            ("distinct, cached", "mem", list(range(DISTINCT)), SAMPLE_BYTES, inline),
+            ("repeats, PFS", "cold", [0] * REPEATS, SAMPLE_BYTES, inline),
+            ("repeats, PFS, client", "cold", [1] * REPEATS, SAMPLE_BYTES, through_client),
+            ("large repeats, cached", "large", [0] * LARGE_REPEATS, LARGE_BYTES, inline),
+            ("large repeats, PFS", "large-cold", [0] * LARGE_REPEATS, LARGE_BYTES, inline),
         ]
         skip = set(os.environ.get("BENCH_SKIP", "").split(";"))
-        for case, dataset, ids, how in cases:
+        for case, dataset, ids, size, how in cases:
             if case in skip:
                 continue
             progress(case)
@@ -127,10 +144,12 @@ def main() -> None:
             daemon = DaemonProcess(base / "node", dataset_roots=(base,)).start()
             assert daemon.ready is not None
             with how(daemon, dataset, ids) as read:
-                rows.append(measure(int(daemon.ready["pid"]), case, ids, read))
+                rows.append(measure(int(daemon.ready["pid"]), case, ids, size, read))
             daemon.stop()
     name = f"call_memory-{label}" if label else "call_memory"
-    report(name, rows, ["case", "ids", "requested_MiB", "peak_growth_MiB", "mapped_cache_MiB", "seconds"])
+    report(name, rows, ["case", "ids", "sample_MiB", "requested_MiB", "peak_growth_MiB", "mapped_cache_MiB",
+                        "seconds"])
+
 
 if __name__ == "__main__":
     main()
