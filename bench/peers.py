@@ -65,7 +65,6 @@ from dataquay.client.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.node.reads import chunked
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 
@@ -81,8 +80,23 @@ TARGET = 0.5
 # ------------------------------------------------------------------ baseline
 
 
+def chunked(samples: list[pb.Sample], limit: int = READ_CHUNK_BYTES) -> Iterator[list[pb.Sample]]:
+    """Messages of about ``limit`` bytes of payload (at least one sample each)."""
+    chunk: list[pb.Sample] = []
+    size = 0
+    for sample in samples:
+        n = len(sample.data)
+        if chunk and size + n > limit:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(sample)
+        size += n
+    if chunk:
+        yield chunk
+
+
 class _BaselineServicer(cache_pb2_grpc.CacheServicer):
-    """Read only, from payloads held in memory, chunked as the daemon chunks."""
+    """Read only, from payloads held in memory, chunked to about READ_CHUNK_BYTES as the daemon chunks."""
 
     def __init__(self, payloads: dict[int, tuple[bytes, int]]) -> None:
         self.payloads = payloads
@@ -92,7 +106,7 @@ class _BaselineServicer(cache_pb2_grpc.CacheServicer):
         for sample_id in request.ids:
             data, digest = self.payloads[sample_id]
             samples.append(pb.Sample(id=sample_id, tier=pb.TIER_LOCAL, data=data, checksum=digest))
-        for chunk in chunked(samples, lambda sample: len(sample.data)):
+        for chunk in chunked(samples):
             yield pb.ReadChunk(samples=chunk)
 
 

@@ -1,5 +1,5 @@
 """Small pure pieces of the daemon: sizes, durations, the rate limiter, byte
-budgets, the write queue's index, chunking and reply windows."""
+budgets, the write queue's index, reply windows and reply messages."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ import time
 import numpy as np
 import pytest
 
+from dataquay.client.pieces import PIECE_BYTES
+from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import ConfigError
 from dataquay.server.limits import ByteBudget, ByteBudgets
-from dataquay.server.node.reads import chunked, window_bounds
+from dataquay.server.node.reads import Served, Window, window_bounds
+from dataquay.server.node.replies import reply_chunks
 from dataquay.server.node.shm import ALIGN, place
 from dataquay.server.node.write_queue import PendingWrite, WriteQueue
 from dataquay.server.ratelimit import TokenBucket
@@ -123,11 +126,23 @@ def test_a_queued_write_is_found_by_key_until_the_writer_takes_it_or_its_dataset
     asyncio.run(scenario())
 
 
-def test_chunked_keeps_order_and_puts_an_oversized_item_alone() -> None:
-    items = [10, 10, 50, 10, 10, 10]
-    chunks = list(chunked(items, lambda x: x, limit=25))
-    assert [x for c in chunks for x in c] == items
-    assert [50] in chunks and all(sum(c) <= 25 or len(c) == 1 for c in chunks)
+def test_a_reply_keeps_order_sends_a_repeat_once_per_position_and_a_large_payload_in_pieces() -> None:
+    small, large, placed = b"s" * 10, bytes(range(256)) * (PIECE_BYTES // 256) + b"tail", b"p" * 5
+    window = Window(
+        [Served(1, "cache", small, 11), Served(2, "pfs", memoryview(large), 22), Served(3, "peer", placed, 33)],
+        np.array([0, 1, 2, 0, 0]),
+    )
+    chunks = list(reply_chunks(window, [None, None, 4096], limit=15))
+    assert [c.HasField("piece") for c in chunks] == [False, True, True, False, False]
+    assert [s.id for s in chunks[0].samples] == [1]
+    pieces = [c.piece for c in chunks[1:3]]
+    assert [(p.id, p.offset, p.length, p.checksum) for p in pieces] == [
+        (2, 0, len(large), 22), (2, PIECE_BYTES, len(large), 22)
+    ]
+    assert b"".join(p.data for p in pieces) == large and pieces[0].tier == pb.TIER_PFS
+    third, fourth = chunks[3].samples, chunks[4].samples
+    assert [(s.id, s.in_shm, s.shm_offset, s.length) for s in third] == [(3, True, 4096, 5), (1, False, 0, 0)]
+    assert [s.data for s in fourth] == [small], "a chunk holds about `limit` bytes of payload"
 
 
 def test_shm_placement_aligns_and_skips_what_does_not_fit() -> None:

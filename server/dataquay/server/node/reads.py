@@ -36,13 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 
-from dataquay.client.channels import READ_CHUNK_BYTES
 from dataquay.client.placement import MAX_EPOCH
 from dataquay.client.records import CHECKSUM_BYTES, encode_value, stored_checksum
 from dataquay.protos import jobs_pb2 as jpb
@@ -68,8 +66,6 @@ from dataquay.server.node.store import Store
 from dataquay.server.node.write_queue import PendingWrite
 from dataquay.server.registry import Registered
 from dataquay.server.task_group import Spawn
-
-T = TypeVar("T")
 
 log = logging.getLogger("dataquay.reads")
 
@@ -422,17 +418,3 @@ def window_bounds(lengths: np.ndarray, limit: int) -> list[tuple[int, int]]:
         start = stop
     return bounds
 
-
-def chunked(items: Iterable[T], size_of: Callable[[T], int], limit: int = READ_CHUNK_BYTES) -> Iterator[list[T]]:
-    """Splits a reply into messages of about ``limit`` bytes (at least one item each)."""
-    chunk: list[T] = []
-    size = 0
-    for item in items:
-        n = size_of(item)
-        if chunk and size + n > limit:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(item)
-        size += n
-    if chunk:
-        yield chunk
