@@ -134,8 +134,13 @@ class RemoteReader:
         reply = _Reply(dataset.name, ids.tolist(), lengths, seg, self._verify)
 
         def read(stub: cache_pb2_grpc.CacheStub) -> None:
-            for chunk in stub.Read(request, timeout=deadline):
-                reply.take(chunk)
+            call = stub.Read(request, timeout=deadline)
+            try:
+                for chunk in call:
+                    reply.take(chunk)
+            except DataquayError:
+                call.cancel()  # the rest of a reply that makes no sense is not waited for
+                raise
 
         self._connection.call("Read", read)
         self._daemon_up()

@@ -6,10 +6,10 @@ background, the samples it gives away in epoch e+1 to their new owners: one
 bidirectional stream per receiver (a few receivers at a time), a window of
 chunks in flight, payloads with their checksums, the whole capped by
 ``--exchange-bandwidth``, each receiver's samples in the order this node's
-ranks read them in epoch e. A chunk holds at least one sample; one larger
-than a message goes as pieces (:mod:`dataquay.client.pieces`). The receiver
-reserves room before it takes a chunk and acknowledges it once its cache has
-committed it.
+ranks read them in epoch e. A chunk holds at least one sample; a sample
+larger than a message is a chunk of its own and goes as pieces
+(:mod:`dataquay.client.pieces`). The receiver reserves room before it takes
+a chunk and acknowledges it once its cache has committed it.
 
 A sample is deleted here only when its receiver acknowledged it and this
 node's rank that reads it in epoch e has gone past it (its client reports read
