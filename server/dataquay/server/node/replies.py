@@ -4,9 +4,9 @@ messages of about READ_CHUNK_BYTES.
 Messages are made as they are sent, so a reply is never held twice (once as
 payloads and once as messages); only the message in flight is. A payload in
 the caller's shared memory goes as its offset; a payload that repeats in a
-window is made into bytes once and sent, or placed, once per position. A
-payload larger than a chunk goes inline as pieces, a message each
-(:mod:`dataquay.client.pieces`).
+window is placed there, or made into bytes, once, and named at every
+position. A payload larger than a chunk goes inline as pieces, a message
+each (:mod:`dataquay.client.pieces`).
 """
 
 from __future__ import annotations
