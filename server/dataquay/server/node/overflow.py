@@ -178,6 +178,7 @@ class _Job:
 
     entry: Registered
     job_id: str
+    owners_move: bool               # what it caches leaves the exchange's reserve free
     epochs: dict[int, _Epoch] = field(default_factory=dict)
     latest: int = 0                 # the latest epoch its ranks read
     walking: int = 0                # the epoch read ahead now
@@ -257,7 +258,8 @@ class OverflowPrefetcher:
         self.counts.served_samples += 1
         self.counts.served_bytes += len(payload)
         if not self.store.full:
-            self.store.offer(PendingWrite(job.entry.record.cache_db.encode(), sample_id, value))
+            self.store.offer(PendingWrite(job.entry.record.cache_db.encode(), sample_id, value,
+                                          leaves_room=job.owners_move))
 
     def _note(self, entry: Registered, placement: Placement, ids: np.ndarray) -> _Job | None:
         """Records what the ranks asked for; starts (or restarts) the job's loop."""
@@ -269,7 +271,7 @@ class OverflowPrefetcher:
             self._forget(job)
             job = None
         if job is None:
-            job = self._jobs[job_id] = _Job(entry, job_id, latest=epoch, walking=epoch)
+            job = self._jobs[job_id] = _Job(entry, job_id, placement.owners_move, latest=epoch, walking=epoch)
         job.last_read = now = time.monotonic()
         for quiet in [j for j in self._jobs.values() if now - j.last_read > IDLE_SECONDS]:
             self._forget(quiet)
