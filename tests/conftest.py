@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from hypothesis import settings
 
 import dataquay.client as dq
+from dataquay.client.channels import channel_options
+from dataquay.protos import directory_pb2_grpc
 from dataquay.server.tools.local_cluster import LocalCluster, TlsFiles
-from dataquay.server.tools.processes import DaemonProcess
+from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 
 #: Directory settings for cluster tests: a dead node is listed down within a second or so.
 FAST_LEASES = ("--lease-seconds", "1", "--heartbeat-seconds", "0.2")
@@ -83,3 +86,36 @@ def cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
     yield start
     for local in started:
         local.down()
+
+
+@pytest.fixture
+def start_directory(tmp_path: Path) -> Iterator[Callable[..., DirectoryProcess]]:
+    """Starts directories rooted at tmp_path/directory; all are killed after the test."""
+    started: list[DirectoryProcess] = []
+
+    def start(*extra_args: str) -> DirectoryProcess:
+        directory = DirectoryProcess(tmp_path / "directory", tuple(extra_args)).start()
+        started.append(directory)
+        return directory
+
+    yield start
+    for directory in started:
+        directory.kill()
+
+
+@pytest.fixture
+def directory(start_directory: Callable[..., DirectoryProcess]) -> DirectoryProcess:
+    return start_directory()
+
+
+@pytest.fixture
+def stub_for() -> Iterator[Callable[[DirectoryProcess], directory_pb2_grpc.DirectoryStub]]:
+    channels: list[grpc.Channel] = []
+
+    def make(directory: DirectoryProcess) -> directory_pb2_grpc.DirectoryStub:
+        channels.append(grpc.insecure_channel(directory.address, options=channel_options()))
+        return directory_pb2_grpc.DirectoryStub(channels[-1])
+
+    yield make
+    for channel in channels:
+        channel.close()

@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -39,39 +39,6 @@ from dataquay.server.tools.processes import DirectoryProcess
 from dataquay.server.tools.synthetic import make_files_dataset
 
 Stub = directory_pb2_grpc.DirectoryStub
-
-
-@pytest.fixture
-def start_directory(tmp_path: Path) -> Iterator[Callable[..., DirectoryProcess]]:
-    """Starts directories rooted at tmp_path/directory; all are killed after the test."""
-    started: list[DirectoryProcess] = []
-
-    def start(*extra_args: str) -> DirectoryProcess:
-        directory = DirectoryProcess(tmp_path / "directory", tuple(extra_args)).start()
-        started.append(directory)
-        return directory
-
-    yield start
-    for directory in started:
-        directory.kill()
-
-
-@pytest.fixture
-def directory(start_directory: Callable[..., DirectoryProcess]) -> DirectoryProcess:
-    return start_directory()
-
-
-@pytest.fixture
-def stub_for() -> Iterator[Callable[[DirectoryProcess], Stub]]:
-    channels: list[grpc.Channel] = []
-
-    def make(directory: DirectoryProcess) -> Stub:
-        channels.append(grpc.insecure_channel(directory.address, options=channel_options()))
-        return Stub(channels[-1])
-
-    yield make
-    for channel in channels:
-        channel.close()
 
 
 @pytest.fixture

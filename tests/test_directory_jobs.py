@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -18,7 +18,6 @@ import pytest
 from polling import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from dataquay.client.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
@@ -29,34 +28,6 @@ from dataquay.server.tools.synthetic import make_files_dataset
 Stub = directory_pb2_grpc.DirectoryStub
 HOUR = 3600.0
 DAY = 86400.0
-
-
-@pytest.fixture
-def start_directory(tmp_path: Path) -> Iterator[Callable[..., DirectoryProcess]]:
-    """Starts directories rooted at tmp_path/directory; all are killed after the test."""
-    started: list[DirectoryProcess] = []
-
-    def start(*extra_args: str) -> DirectoryProcess:
-        directory = DirectoryProcess(tmp_path / "directory", tuple(extra_args)).start()
-        started.append(directory)
-        return directory
-
-    yield start
-    for directory in started:
-        directory.kill()
-
-
-@pytest.fixture
-def stub_for() -> Iterator[Callable[[DirectoryProcess], Stub]]:
-    channels: list[grpc.Channel] = []
-
-    def make(directory: DirectoryProcess) -> Stub:
-        channels.append(grpc.insecure_channel(directory.address, options=channel_options()))
-        return Stub(channels[-1])
-
-    yield make
-    for channel in channels:
-        channel.close()
 
 
 @pytest.fixture

@@ -97,6 +97,21 @@ def add_directory(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--directory", help=f"directory HOST:PORT [env {DIRECTORY_ENV}]")
 
 
+def add_q(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--q`` and ``--q-leaving``, the two readings of ``partial``'s exchanged fraction."""
+    q = parser.add_mutually_exclusive_group()
+    q.add_argument(
+        "--q", type=float,
+        help="partial mode: fraction of its samples a node draws into each epoch's pool (0 < Q <= 1); "
+        "1/M of the draws come back, so Q(1 - 1/M) leave it",
+    )
+    q.add_argument(
+        "--q-leaving", type=float,
+        help="partial mode: fraction of its samples that leaves a node each epoch (seed 000's Q, "
+        "0 < Q <= 1 - 1/M); sets --q to Q / (1 - 1/M)",
+    )
+
+
 def print_table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> None:
     cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]

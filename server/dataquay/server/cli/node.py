@@ -16,7 +16,7 @@ from google.protobuf.json_format import MessageToDict
 from dataquay.client.placement import MODES
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.cli import cluster_status
-from dataquay.server.cli.common import CliError, add_addr, add_directory, daemon_stub, print_table
+from dataquay.server.cli.common import CliError, add_addr, add_directory, add_q, daemon_stub, print_table
 from dataquay.server.cli.stage import JOB_FLAGS, stage_job
 from dataquay.server.config import ConfigFile, DaemonConfig
 from dataquay.server.sizes import format_bytes
@@ -239,17 +239,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cluster = stage.add_argument_group("cluster staging: create or join a job, stage on all its nodes")
     cluster.add_argument("--job", help="job id; stages on every node of the job at once")
     cluster.add_argument("--mode", choices=sorted(MODES), help="shuffle mode (default global)")
-    q = cluster.add_mutually_exclusive_group()
-    q.add_argument(
-        "--q", type=float,
-        help="partial mode: fraction of its samples a node draws into each epoch's pool (0 < Q <= 1); "
-        "1/M of the draws come back, so Q(1 - 1/M) leave it",
-    )
-    q.add_argument(
-        "--q-leaving", type=float,
-        help="partial mode: fraction of its samples that leaves a node each epoch (seed 000's Q, "
-        "0 < Q <= 1 - 1/M); sets --q to Q / (1 - 1/M)",
-    )
+    add_q(cluster)
     cluster.add_argument("--nodes", help="comma-separated node names in job order (default: all live nodes)")
     cluster.add_argument("--ranks-per-node", type=int, help="ranks per node (default: set by the first rank)")
     cluster.add_argument("--partition", choices=("sample", "shard"), help="initial partition (default sample)")

@@ -17,7 +17,7 @@ import numpy as np
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import MODES, JobPlan, drawn_fraction, leaving_fraction
 from dataquay.server.cli.capacity_advice import JobRoom, job_room
-from dataquay.server.cli.common import CliError, print_table
+from dataquay.server.cli.common import CliError, add_q, print_table
 from dataquay.server.sizes import format_bytes, parse_size, size_flag
 from dataquay.server.tools.simulate import EpochTraffic, Estimate, Rates, Scenario, Spread, estimate, simulate, spread
 
@@ -249,17 +249,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--per-rank-batch", type=int, required=True, help="samples each rank reads per step (b)")
     p.add_argument("--ranks-per-node", type=int, required=True, help="ranks per node (g, usually the GPUs)")
     p.add_argument("--mode", required=True, help=f"placement mode: {', '.join(MODES)}")
-    q = p.add_mutually_exclusive_group()
-    q.add_argument(
-        "--q", type=float,
-        help="mode partial: fraction of its samples a node draws into each epoch's pool (0 < q <= 1); "
-        "1/M of the draws come back, so q(1 - 1/M) leave it",
-    )
-    q.add_argument(
-        "--q-leaving", type=float,
-        help="mode partial: fraction of its samples that leaves a node each epoch (seed 000's Q, "
-        "0 < Q <= 1 - 1/M); sets --q to Q / (1 - 1/M)",
-    )
+    add_q(p)
     p.add_argument("--epochs", type=int, default=3, help="epochs to simulate, staging epoch 0 included (default 3)")
     p.add_argument("--seed", type=int, default=0, help="the job's shuffle seed (default 0)")
     p.add_argument("--cache-bytes", help="cache capacity per node (e.g. 200G); default: all a node owns fits")
