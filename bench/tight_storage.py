@@ -20,6 +20,7 @@ waits for the exchange between epochs.
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -136,17 +137,21 @@ def short(base: Path) -> list[dict[str, object]]:
     return rows
 
 
-def main() -> None:
+def main(parts: list[str] | None = None) -> None:
+    """Runs the parts named (``fits``, ``short``; default both)."""
+    parts = parts or ["fits", "short"]
     with tempfile.TemporaryDirectory(prefix="dq-bench-tight-") as tmp:
         base = Path(tmp)
-        report("tight_storage_fits", fits(base),
-               ["q", "epoch", "wall_s", "local_pct", "peer", "pfs", "exchange_hidden", "share_MB", "cache_MB",
-                "old_need_MB", "used_MB", "inserts_dropped"])
-        print()
-        report("tight_storage_short", short(base),
-               ["epoch", "wall_s", "local_pct", "peer", "pfs", "simulate_pfs", "measured_vs_simulate", "share_MB",
-                "cache_MB", "used_MB"])
+        if "fits" in parts:
+            report("tight_storage_fits", fits(base),
+                   ["q", "epoch", "wall_s", "local_pct", "peer", "pfs", "exchange_hidden", "share_MB", "cache_MB",
+                    "old_need_MB", "used_MB", "inserts_dropped"])
+            print()
+        if "short" in parts:
+            report("tight_storage_short", short(base),
+                   ["epoch", "wall_s", "local_pct", "peer", "pfs", "simulate_pfs", "measured_vs_simulate",
+                    "share_MB", "cache_MB", "used_MB"])
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

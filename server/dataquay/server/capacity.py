@@ -133,6 +133,12 @@ def cached_bytes(payload_sizes: np.ndarray, page_size: int = PAGE_SIZE) -> int:
     return stored_bytes(payload_sizes, page_size) + write_slack_bytes(payload_sizes, page_size)
 
 
+def exchange_reserve(capacity: int) -> int:
+    """Bytes of a cache that staging and reads leave free for the exchange's
+    arrivals when owners move: a 16th of the cache, EXCHANGE_HEADROOM_BYTES at most."""
+    return min(EXCHANGE_HEADROOM_BYTES, capacity // 16)
+
+
 def cache_need(share_bytes: int, mode: str, q: float) -> int:
     """The capacity a node needs to keep its share of ``share_bytes`` (as
     :func:`cached_bytes` counts them) cached in every epoch.

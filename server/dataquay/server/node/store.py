@@ -37,7 +37,7 @@ import lmdb
 import numpy as np
 
 from dataquay.client.records import CHECKSUM_BYTES, decode_value, sample_key, stored_checksum
-from dataquay.server.capacity import value_bytes
+from dataquay.server.capacity import exchange_reserve, value_bytes
 from dataquay.server.dirs import FILE_MODE, close_to_others, ensure_private_dir
 from dataquay.server.errors import CacheWriterError, StartupError
 from dataquay.server.node.cache_dir import FileSystemRoom, lock_cache_dir
@@ -66,11 +66,6 @@ REFILL_BYTES = 256 * 1024
 HOUSEKEEPING_BYTES = 1 * MiB
 #: A cache that keeps filling is said to be full at most this often.
 FULL_LOG_SECONDS = 60.0
-#: Room that staging and reads leave free in the cache of a node whose job
-#: moves owners (at most; a 16th of a smaller cache): where the exchange's
-#: arrivals go before what leaves is deleted, so a cache short of its share
-#: still exchanges.
-EXCHANGE_RESERVE = 16 * MiB
 
 
 class Store:
@@ -312,8 +307,10 @@ class Store:
 
     @property
     def exchange_reserve(self) -> int:
-        """Bytes that inserts which leave room for the exchange leave free."""
-        return min(EXCHANGE_RESERVE, self.capacity // 16)
+        """Bytes that inserts which leave room for the exchange leave free:
+        where its arrivals go before what leaves is deleted, so that a cache
+        short of its share still exchanges."""
+        return exchange_reserve(self.capacity)
 
     @property
     def reserve_reached(self) -> bool:

@@ -6,7 +6,9 @@ the PFS. The model:
 
 - Every sample is ``sample_bytes`` long; a node's cache holds
   ``cache_bytes // sample_bytes`` samples (all it owns when no capacity is
-  given). Store overhead is ignored.
+  given), less the exchange's reserve where owners move
+  (:func:`dataquay.server.capacity.exchange_reserve`). Store overhead is
+  ignored, and so is what is in transit when an epoch begins.
 - Epoch 0 stages: each node reads its initial owned set from the PFS once
   (N * S bytes in all). Later epochs read from the PFS only what a node owns
   beyond its capacity: the cache inserts once and never evicts (MinIO), so the
@@ -45,6 +47,7 @@ from dataquay.client.placement import (
     owners,
     rank_length,
 )
+from dataquay.server.capacity import exchange_reserve
 
 
 @dataclass(frozen=True)
@@ -244,11 +247,15 @@ def _excess_samples(scenario: Scenario, epoch_owners: np.ndarray) -> int:
     """Samples the nodes own beyond their capacity: read from the PFS every epoch.
 
     Node loads never change (``partial`` trades as many as it takes), so the
-    initial partition's loads hold for every epoch.
+    initial partition's loads hold for every epoch. Where owners move, the
+    daemon keeps the exchange's reserve free of them.
     """
     if scenario.cache_bytes is None:
         return 0
-    capacity = scenario.cache_bytes // scenario.sample_bytes
+    usable = scenario.cache_bytes
+    if MODES[scenario.plan.settings.mode].owners_move:
+        usable -= exchange_reserve(scenario.cache_bytes)
+    capacity = usable // scenario.sample_bytes
     loads = np.bincount(epoch_owners, minlength=scenario.plan.num_nodes)
     return int(np.maximum(loads - capacity, 0).sum())
 
