@@ -330,7 +330,8 @@ class Store:
         """Pages of every tree (samples, their sub-databases, the meta data) and the two meta pages."""
         env = self.env
         with env.begin() as txn:
-            stats = [env.stat(), txn.stat(self._meta), *(txn.stat(h) for h in self._dbs.values())]
+            # A copy: the loop thread may add a dataset meanwhile.
+            stats = [env.stat(), txn.stat(self._meta), *(txn.stat(h) for h in tuple(self._dbs.values()))]
         pages = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats) + 2
         return pages * stats[0]["psize"]
 
@@ -443,8 +444,8 @@ class Store:
         async with self._write_lock:
             removed = await self._deleting(delete)
         self._dirty = True
-        if removed and self._filled_at is not None:
-            self._filled_at = self.live_bytes + self._refill  # freed pages count as room again
+        if removed:
+            self._filled_at = None  # the pages just freed are room again
         await self._space_freed()
         return removed
 
