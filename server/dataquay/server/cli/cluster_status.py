@@ -109,7 +109,7 @@ def print_exchanges(stats: list[tuple[str, pb.StatsReply]]) -> None:
     previous = sum(reply.previous_owner_samples for _, reply in stats)
     if rows or received or previous:
         print(f"exchange received {format_bytes(received)}; "
-              f"{previous} samples read from their previous owner (exchange not done yet)")
+              f"{previous} samples read from their owner in another epoch (exchange not done yet, or a spare copy)")
 
 
 def exchange_row(node: str, x: pb.ExchangeProgress) -> tuple[object, ...]:
