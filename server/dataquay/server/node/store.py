@@ -374,12 +374,7 @@ class Store:
 
         Reads use this: a request is never slowed down to wait for the cache.
         """
-        if (
-            self._writer_stopped
-            or (self.full and not write.kept_when_full and not self._room_again())
-            or (write.leaves_room and self.reserve_reached)
-            or self._queue.is_full
-        ):
+        if self._writer_stopped or self._refuses(write) or self._queue.is_full:
             self.inserts_dropped += 1
             return False
         self._queue.push(write)
@@ -391,12 +386,16 @@ class Store:
         while self._queue.is_full:
             await self._queue.wait_for_room()
             self._check_writer()
-        if (self.full and not write.kept_when_full and not self._room_again()) or (
-            write.leaves_room and self.reserve_reached
-        ):
+        if self._refuses(write):
             self.inserts_dropped += 1
             return
         self._queue.push(write)
+
+    def _refuses(self, write: PendingWrite) -> bool:
+        """Whether the cache has no room for ``write`` (before it is queued)."""
+        if self.full and not write.kept_when_full and not self._room_again():
+            return True
+        return write.leaves_room and self.reserve_reached
 
     async def put_all(self, writes: Iterable[PendingWrite]) -> int:
         """Queues ``writes`` like :meth:`put`; returns a ticket for :meth:`committed`."""
@@ -571,6 +570,8 @@ class Store:
         room = self.capacity - self.live_bytes - self.reserved_bytes
         reserve = self.exchange_reserve
         cost = value_bytes(np.fromiter((len(w.value) for w in batch), np.int64, len(batch)))
+        if int(cost.sum()) <= room - reserve:
+            return batch  # far from every limit: the common case while staging
         kept = []
         for write, charge in zip(batch, cost.tolist()):
             if not write.kept_when_full:
