@@ -209,7 +209,7 @@ class Exchanges:
             return
         me = after.node_index
         give = np.flatnonzero((before.owners == me) & (after.owners != me))
-        first_rank, readers, read_at = await self._reads(job, entry, before)
+        ranks, readers, read_at = await self._reads(job, entry, before)
         run = ExchangeRun(job_id, epoch, Outbox(
             give, after.owners[give], entry.manifest.sample_length[give],
             None if readers is None else readers[give], None if read_at is None else read_at[give],
@@ -223,7 +223,6 @@ class Exchanges:
         log.info("exchange started", extra={"fields": {
             "job": job_id, "epoch": epoch, "samples": len(give), "bytes": run.progress().total_bytes}})
         limit = asyncio.Semaphore(PARALLEL_RECEIVERS)
-        ranks = np.arange(first_rank, first_rank + job.spec.ranks_per_node)
         dropper = asyncio.get_running_loop().create_task(self._drop_as_read(entry, run, ranks))
         try:
             run.shipping = asyncio.gather(*(
@@ -245,29 +244,31 @@ class Exchanges:
                 "seconds": round(run.elapsed, 3)}})
             await self._until_epoch(job_id, epoch)
             if not self._keeps_spare_copies():
-                await self._drop_given_away(entry, run, run.outbox.delivered_ids())
-            if given_up and not self._keeps_spare_copies():
-                # Their owners read them from here during the epoch that needed
-                # them; now they would only keep the new epoch's arrivals out.
-                await self._drop_given_away(entry, run, run.outbox.undelivered_ids())
+                left = run.outbox.delivered_ids()
+                if given_up:
+                    # Their owners read them from here during the epoch that needed
+                    # them; now they would only keep the new epoch's arrivals out.
+                    left = np.concatenate([left, run.outbox.undelivered_ids()])
+                await self._drop_given_away(entry, run, left)
         finally:
             dropper.cancel()
             await asyncio.gather(dropper, return_exceptions=True)
 
     async def _reads(
         self, job: jpb.Job, entry: Registered, current: Placement
-    ) -> tuple[int, np.ndarray | None, np.ndarray | None]:
-        """This node's first rank, and which of its ranks reads each sample in
-        ``current``'s epoch and where (None when the job does not say its ranks per node)."""
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """This node's ranks, and which of them (an index into those) reads each
+        sample in ``current``'s epoch and where (None when the job does not say
+        its ranks per node)."""
         per_node = job.spec.ranks_per_node
+        ranks = np.arange(current.node_index * per_node, (current.node_index + 1) * per_node)
         if per_node < 1:
-            return 0, None, None
+            return ranks, None, None
         plan = job_plan(job, entry.manifest)
         reads = await asyncio.get_running_loop().run_in_executor(
             None, node_reads, plan, current.epoch, current.node_index, current.owners
         )
-        first_rank = current.node_index * per_node
-        return first_rank, np.where(reads.rank >= 0, reads.rank - first_rank, -1), reads.position
+        return ranks, np.where(reads.rank >= 0, reads.rank - ranks[0], -1), reads.position
 
     def _keeps_spare_copies(self) -> bool:
         """Whether given-away samples stay: the cache is emptier than ``--spare-copies-fill``."""
