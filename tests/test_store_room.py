@@ -53,7 +53,7 @@ def test_space_freed_by_deletes_is_used_again(tmp_path: Path) -> None:
         again = await fill(store, 1000, 200)
         assert again.sum() >= len(held) // 2 - 2  # what was freed, give or take a page run
         assert store.full
-        assert store.live_bytes <= store.capacity
+        assert store.space.live_bytes <= store.capacity
 
     with_store(tmp_path, 4 * MiB, test)
 
@@ -61,21 +61,21 @@ def test_space_freed_by_deletes_is_used_again(tmp_path: Path) -> None:
 def test_a_reservation_waits_for_room_and_its_writes_are_never_dropped(tmp_path: Path) -> None:
     async def test(store: Store) -> None:
         await fill(store, 0, 200)
-        assert store.full and store.room == 0
+        assert store.full and store.space.free == 0
         need = 10 * (VALUE + 8192)
-        assert not await store.reserve(need, timeout=0.2)  # nothing frees room
-        waiting = asyncio.get_running_loop().create_task(store.reserve(need, timeout=10))
+        assert not await store.space.reserve(need, timeout=0.2)  # nothing frees room
+        waiting = asyncio.get_running_loop().create_task(store.space.reserve(need, timeout=10))
         await asyncio.sleep(0.1)
         assert not waiting.done()
         await store.discard("ds", np.arange(0, 40))
         assert await waiting
         # Ordinary inserts take what is left over, not the reserved room.
         await fill(store, 2000, 200)
-        assert store.live_bytes + need <= store.capacity
+        assert store.space.live_bytes + need <= store.capacity
         dropped = store.inserts_dropped
         ids = np.arange(5000, 5010)
         await store.committed(await store.put_all(write(int(i), reserved=True) for i in ids))
-        await store.release(need)
+        await store.space.release(need)
         # Most fit; any LMDB could not place (no run of free pages long enough)
         # is not dropped: the exchange's receiver writes it again.
         assert store.cached_mask("ds", ids).sum() >= 8
@@ -88,8 +88,8 @@ def test_inserts_that_leave_room_for_the_exchange_stop_short_of_its_reserve(tmp_
     async def test(store: Store) -> None:
         ids = np.arange(0, 200)
         await store.committed(await store.put_all(write(int(i), leaves_room=True) for i in ids))
-        assert store.reserve_reached and not store.full
-        assert store.capacity - store.live_bytes >= store.exchange_reserve - VALUE
-        assert await store.reserve(store.exchange_reserve // 2, timeout=1)
+        assert store.space.reserve_reached and not store.full
+        assert store.capacity - store.space.live_bytes >= store.space.exchange_reserve - VALUE
+        assert await store.space.reserve(store.space.exchange_reserve // 2, timeout=1)
 
     with_store(tmp_path, 8 * MiB, test)

@@ -87,7 +87,8 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         state = self._snapshot()
         yield GaugeMetricFamily(
-            "dataquay_cache_bytes", "Bytes of the cache's pages in use (deletes free them)", value=state.cache_used_bytes
+            "dataquay_cache_bytes", "Bytes of the cache's pages in use (deletes free them)",
+            value=state.cache_used_bytes,
         )
         yield GaugeMetricFamily(
             "dataquay_cache_capacity_bytes", "Configured cache capacity", value=state.cache_capacity_bytes

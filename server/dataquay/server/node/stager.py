@@ -156,7 +156,7 @@ class Stager:
         return progress
 
     def _full(self, leave_room: bool) -> bool:
-        return self.store.reserve_reached if leave_room else self.store.full
+        return self.store.space.reserve_reached if leave_room else self.store.full
 
     async def close(self) -> None:
         """Ends the runs (staging resumes where it stopped when asked again) and starts no more."""

@@ -4,14 +4,9 @@ Policy ("MinIO"): a sample is inserted once and never evicted for capacity.
 When the map reaches the configured capacity, or the file system under it has
 no space left, the store stops inserting and misses keep being served from the
 PFS. "Full" is measured, not a latch: the pages the trees use are counted
-after every commit, and space freed by deletes (the exchange giving samples
-away, a dropped dataset) is used again. A full file system is re-checked now
-and then, since space there may come back from outside the cache.
-
-Writers that must not lose what they write (the exchange's receiver) reserve
-room first (:meth:`Store.reserve`): a reservation waits until the cache has
-that much room beyond what others reserved, and its writes are never dropped
-for capacity.
+after every commit and delete, and :class:`CacheSpace` keeps the account of
+what is used, reserved and free. A full file system is re-checked now and
+then, since space there may come back from outside the cache.
 
 Threading: LMDB allows one writer. All writes go through one writer task that
 batches queued values into large transactions run in a dedicated thread. The
@@ -37,10 +32,10 @@ import lmdb
 import numpy as np
 
 from dataquay.client.records import CHECKSUM_BYTES, decode_value, sample_key, stored_checksum
-from dataquay.server.capacity import exchange_reserve, value_bytes
 from dataquay.server.dirs import FILE_MODE, close_to_others, ensure_private_dir
 from dataquay.server.errors import CacheWriterError, StartupError
 from dataquay.server.node.cache_dir import FileSystemRoom, lock_cache_dir
+from dataquay.server.node.cache_space import CacheSpace
 from dataquay.server.node.write_queue import PendingWrite, WriteQueue
 from dataquay.server.task_group import WRITER_NICENESS, lower_thread_priority
 
@@ -53,14 +48,6 @@ MAX_DATASETS = 1024
 #: Reader slots shared by the daemon and every client process on the node.
 MAX_READERS = 4096
 _INITIAL_MAP = 256 * MiB
-#: Room never reserved (at most; a 32nd of a smaller cache): pages a commit
-#: copies on write, and pages freed by the last commit, which LMDB reuses only
-#: after the next one.
-RESERVE_SLACK = 512 * 1024
-#: How far below the level at which the map filled its live bytes must fall
-#: before inserting resumes (at most; a 16th of a smaller cache), so that one
-#: freed page does not mean one more try.
-REFILL_BYTES = 256 * 1024
 #: How far the map may grow beyond the capacity (at most; a 16th of a smaller
 #: cache) so that a delete in a full map finds the pages it needs.
 HOUSEKEEPING_BYTES = 1 * MiB
@@ -73,15 +60,7 @@ class Store:
 
     def __init__(self, path: Path, capacity: int) -> None:
         self.path = Path(path).absolute()
-        self.capacity = capacity
-        #: Full because the file system had no space left, not at the map's capacity.
-        self.disk_full = False
-        #: Bytes of pages the trees use, as of the last commit or delete.
-        self.live_bytes = 0
-        #: Bytes promised to reservations and not yet written.
-        self.reserved_bytes = 0
-        #: live_bytes when the map last filled; None while it has room.
-        self._filled_at: int | None = None
+        self.space = CacheSpace(capacity)
         self._full_logged_at = -FULL_LOG_SECONDS
         self.inserts_dropped = 0
         self.corrupt_repaired = 0
@@ -101,7 +80,6 @@ class Store:
         self._write_lock = asyncio.Lock()
         self._dirty = False
         self._room = FileSystemRoom(self.path)
-        self._room_changed = asyncio.Condition()
 
     # ----------------------------------------------------------- lifecycle
 
@@ -125,7 +103,7 @@ class Store:
         existing = data_file.stat().st_size if data_file.exists() else 0
         if not self.capacity:
             free = shutil.disk_usage(self.path).free
-            self.capacity = int((free + existing) * 0.8)
+            self.space.capacity = int((free + existing) * 0.8)
         map_size = max(existing, min(self.capacity, _INITIAL_MAP))
         try:
             self._env = lmdb.open(
@@ -154,10 +132,10 @@ class Store:
             self._meta = meta
             for db_name in self._payload_bytes:
                 self._dbs[db_name] = self._env.open_db(db_name, create=False)
-            self.live_bytes = self._count_live_bytes()
+            self.space.live_bytes = self._count_live_bytes()
         except lmdb.Error as exc:
             raise StartupError(f"cannot open the LMDB cache in {self.path}: {exc}") from exc
-        if self.live_bytes >= self.capacity - self._refill:
+        if self.space.at_capacity:
             self._mark_full()
 
     def close(self) -> None:
@@ -215,8 +193,8 @@ class Store:
         async with self._write_lock:
             entries = await self._deleting(drop)
         self._payload_bytes.pop(name, None)
-        self.disk_full = False
-        await self._space_freed()
+        self.space.disk_full = False
+        await self.space.changed(freed=True)
         return entries
 
     def _db_exists(self, name: bytes) -> bool:
@@ -293,38 +271,21 @@ class Store:
         """(bytes of the pages the cache uses, entries over all datasets)."""
         with self.env.begin() as txn:
             entries = sum(int(txn.stat(h)["entries"]) for h in self._dbs.values())
-        return self.live_bytes, entries
+        return self.space.live_bytes, entries
+
+    @property
+    def capacity(self) -> int:
+        return self.space.capacity
 
     @property
     def full(self) -> bool:
-        """Whether inserts stop: the file system has no space, or the map
-        filled and nothing has been freed since."""
-        return self.disk_full or (self._filled_at is not None and self.live_bytes > self._filled_at - self._refill)
+        """Whether inserts stop (see :attr:`CacheSpace.full`)."""
+        return self.space.full
 
     @property
-    def _refill(self) -> int:
-        return min(REFILL_BYTES, self.capacity // 16)
-
-    @property
-    def exchange_reserve(self) -> int:
-        """Bytes that inserts which leave room for the exchange leave free:
-        where its arrivals go before what leaves is deleted, so that a cache
-        short of its share still exchanges."""
-        return exchange_reserve(self.capacity)
-
-    @property
-    def reserve_reached(self) -> bool:
-        """Whether inserts that leave room for the exchange stop (or nearly: a
-        sample more would not fit)."""
-        return self.full or self.live_bytes + self.exchange_reserve + self._refill >= self.capacity
-
-    @property
-    def room(self) -> int:
-        """Bytes that may still be reserved: none while the cache is full."""
-        if self.full:
-            return 0
-        slack = min(RESERVE_SLACK, self.capacity // 32)
-        return max(0, self.capacity - self.live_bytes - self.reserved_bytes - slack)
+    def disk_full(self) -> bool:
+        """Full because the file system had no space left, not at the map's capacity."""
+        return self.space.disk_full
 
     def _count_live_bytes(self) -> int:
         """Pages of every tree (samples, their sub-databases, the meta data) and the two meta pages."""
@@ -334,34 +295,6 @@ class Store:
             stats = [env.stat(), txn.stat(self._meta), *(txn.stat(h) for h in tuple(self._dbs.values()))]
         pages = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats) + 2
         return pages * stats[0]["psize"]
-
-    # -------------------------------------------------------- reservations
-
-    async def reserve(self, nbytes: int, timeout: float) -> bool:
-        """Waits until the cache has ``nbytes`` of room no one else reserved,
-        and holds it for the caller's writes; False if none came in ``timeout``
-        seconds. The caller queues its writes with ``reserved=True`` and
-        calls :meth:`release` once they are committed."""
-        async with self._room_changed:
-            try:
-                await asyncio.wait_for(self._room_changed.wait_for(lambda: self.room >= nbytes), timeout)
-            except TimeoutError:
-                return False
-            self.reserved_bytes += nbytes
-            return True
-
-    async def release(self, nbytes: int) -> None:
-        """Gives back a reservation (its writes are committed, or given up)."""
-        self.reserved_bytes = max(0, self.reserved_bytes - nbytes)
-        await self._space_freed()
-
-    async def _space_freed(self) -> None:
-        if self._filled_at is not None and not self.full:
-            self._filled_at = None
-            log.debug("the cache has room again: inserting resumes",
-                      extra={"fields": {"live_bytes": self.live_bytes, "capacity_bytes": self.capacity}})
-        async with self._room_changed:
-            self._room_changed.notify_all()
 
     # --------------------------------------------------------------- writes
 
@@ -395,7 +328,7 @@ class Store:
         """Whether the cache has no room for ``write`` (before it is queued)."""
         if self.full and not write.kept_when_full and not self._room_again():
             return True
-        return write.leaves_room and self.reserve_reached
+        return write.leaves_room and self.space.reserve_reached
 
     async def put_all(self, writes: Iterable[PendingWrite]) -> int:
         """Queues ``writes`` like :meth:`put`; returns a ticket for :meth:`committed`."""
@@ -437,15 +370,13 @@ class Store:
             with self.env.begin(write=True, db=self._meta) as txn:
                 txn.put(name, total.to_bytes(8, "little"))
             self._payload_bytes[name] = total
-            self.live_bytes = self._count_live_bytes()
+            self.space.live_bytes = self._count_live_bytes()
             return removed
 
         async with self._write_lock:
             removed = await self._deleting(delete)
         self._dirty = True
-        if removed:
-            self._filled_at = None  # the pages just freed are room again
-        await self._space_freed()
+        await self.space.changed(freed=bool(removed))
         return removed
 
     async def _deleting(self, delete: Callable[[], int]) -> int:
@@ -473,7 +404,7 @@ class Store:
         (see :class:`FileSystemRoom`); a commit that fails again marks it full again."""
         if not self.disk_full or not self._room.has_room_again():
             return False
-        self.disk_full = False
+        self.space.disk_full = False
         log.info("the cache file system has room again: inserting resumes")
         return True
 
@@ -541,7 +472,9 @@ class Store:
             kept = [w for w in batch if w.kept_when_full]
             self.inserts_dropped += len(batch) - len(kept)
             batch = kept
-        batch = self._within_limits(batch)
+        within = self.space.within_limits(batch)
+        self.inserts_dropped += len(batch) - len(within)
+        batch = within
         while batch:
             try:
                 await loop.run_in_executor(self._writer, self._commit, batch)
@@ -562,25 +495,6 @@ class Store:
             half = len(batch) // 2
             await self._commit_growing(loop, batch[:half])
             batch = [w for w in batch[half:] if w.kept_when_full] if self.full else batch[half:]
-
-    def _within_limits(self, batch: list[PendingWrite]) -> list[PendingWrite]:
-        """``batch`` without the inserts that would reach into room reserved,
-        or beyond the capacity (counted as dropped). A reserved write has its
-        room; one that leaves room for the exchange stops at its reserve."""
-        room = self.capacity - self.live_bytes - self.reserved_bytes
-        reserve = self.exchange_reserve
-        cost = value_bytes(np.fromiter((len(w.value) for w in batch), np.int64, len(batch)))
-        if int(cost.sum()) <= room - reserve:
-            return batch  # far from every limit: the common case while staging
-        kept = []
-        for write, charge in zip(batch, cost.tolist()):
-            if not write.kept_when_full:
-                if charge > room - (reserve if write.leaves_room else 0):
-                    self.inserts_dropped += 1
-                    continue
-                room -= charge
-            kept.append(write)
-        return kept
 
     def _grow_ahead(self) -> None:
         """Grows the map before it fills, so no large transaction is redone."""
@@ -605,9 +519,9 @@ class Store:
         was_full = self.full
         if disk:
             self._room.back_off()
-            self.disk_full = True
+            self.space.disk_full = True
         else:
-            self._filled_at = self.live_bytes
+            self.space.map_filled()
         # A cache that gives samples away fills and frees again and again: say it once a while.
         now = time.monotonic()
         if not was_full and now - self._full_logged_at >= FULL_LOG_SECONDS:
@@ -647,6 +561,6 @@ class Store:
         for name, delta in added.items():
             self._payload_bytes[name] = self._payload_bytes.get(name, 0) + delta
         self.corrupt_repaired += repaired
-        self.live_bytes = self._count_live_bytes()
+        self.space.live_bytes = self._count_live_bytes()
         self._dirty = True
 

@@ -21,9 +21,9 @@ class PendingWrite:
     """One value waiting for the writer: ``value`` is already checksum-framed.
 
     ``repair`` overwrites a corrupt value; ``reserved`` writes under a
-    reservation (:meth:`Store.reserve`). Neither is dropped because the cache
+    reservation (:meth:`CacheSpace.reserve`). Neither is dropped because the cache
     is full. ``leaves_room`` inserts only below the exchange's reserve
-    (:attr:`Store.exchange_reserve`): what a node of a job whose owners move
+    (:attr:`CacheSpace.exchange_reserve`): what a node of a job whose owners move
     stages or caches on a read.
     """
 

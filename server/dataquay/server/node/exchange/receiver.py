@@ -10,7 +10,7 @@ previous one. A sample larger than a message comes in pieces, and is checked
 and committed once joined.
 
 Nothing sent is dropped for lack of room: each message reserves its bytes in
-the cache before it is taken (:meth:`Store.reserve`), waiting while the cache
+the cache before it is taken (:meth:`CacheSpace.reserve`), waiting while the cache
 is full, which holds the sender back until this node has given away enough of
 its own samples. A message that finds no room in ROOM_WAIT_SECONDS ends the
 stream with RESOURCE_EXHAUSTED, and the sender offers its samples again later.
@@ -115,7 +115,7 @@ class ExchangeReceiver:
             await asyncio.gather(reader, return_exceptions=True)
             while not commits.empty():
                 if (left := commits.get_nowait()) is not None:
-                    await self.store.release(left.reserved)
+                    await self.store.space.release(left.reserved)
 
     async def _committed(self, db: str, taken: _Taken) -> np.ndarray:
         """The ids of ``taken`` once all are committed. What the cache could
@@ -126,7 +126,7 @@ class ExchangeReceiver:
             try:
                 await self.store.committed(taken.ticket)
             finally:
-                await self.store.release(taken.reserved)
+                await self.store.space.release(taken.reserved)
             held = self.store.cached_mask(db, taken.ids)
             if held.all():
                 return ids
@@ -135,21 +135,21 @@ class ExchangeReceiver:
     async def _reserved(self, writes: list[PendingWrite]) -> _Taken:
         """Queues ``writes`` under a reservation of their room, once the cache has it."""
         need = stored_bytes(np.fromiter((len(w.value) - CHECKSUM_BYTES for w in writes), np.int64, len(writes)))
-        if not await self.store.reserve(need, ROOM_WAIT_SECONDS):
+        if not await self.store.space.reserve(need, ROOM_WAIT_SECONDS):
             raise CacheFullError(
                 f"no room in this node's cache for {need} bytes of exchanged samples within "
-                f"{ROOM_WAIT_SECONDS:.0f} s ({self.store.room} bytes free); offer them again later"
+                f"{ROOM_WAIT_SECONDS:.0f} s ({self.store.space.free} bytes free); offer them again later"
             )
         try:
             return _Taken(writes, await self.store.put_all(writes), need)
         except BaseException:
-            await self.store.release(need)
+            await self.store.space.release(need)
             raise
 
     def _message_bytes(self) -> int:
         """A message size that fits this cache's room a few times over: the
         sender keeps a window of messages in flight, and others send too."""
-        return max(MIN_MESSAGE_BYTES, self.store.room // 8)
+        return max(MIN_MESSAGE_BYTES, self.store.space.free // 8)
 
     async def _accept(self, offer: pb.ExchangeOffer) -> tuple[Registered, np.ndarray]:
         entry = await self.datasets.entry(offer.dataset)

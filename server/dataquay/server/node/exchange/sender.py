@@ -272,7 +272,7 @@ class Exchanges:
 
     def _keeps_spare_copies(self) -> bool:
         """Whether given-away samples stay: the cache is emptier than ``--spare-copies-fill``."""
-        return bool(self.store.capacity) and self.store.live_bytes < self.spare_copies_fill * self.store.capacity
+        return bool(self.store.capacity) and self.store.space.live_bytes < self.spare_copies_fill * self.store.capacity
 
     async def _drop_as_read(self, entry: Registered, run: ExchangeRun, ranks: np.ndarray) -> None:
         """Deletes, while the ranks read epoch ``run.epoch - 1``, what is delivered and read."""

@@ -1,0 +1,128 @@
+"""How much of a node's cache is used, promised and free: the store's
+accounting, no I/O.
+
+"Full" is measured, not a latch: the store counts the pages its trees use
+after every commit and delete (:attr:`CacheSpace.live_bytes`), so space that
+deletes free is room again. Writers that must not lose what they write (the
+exchange's receiver) reserve room first; what other inserts may take is
+charged against what is left, and inserts for a job whose owners move leave
+the exchange's reserve free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from dataquay.server.capacity import exchange_reserve, value_bytes
+from dataquay.server.node.write_queue import PendingWrite
+
+#: Room never reserved (at most; a 32nd of a smaller cache): pages a commit
+#: copies on write, and pages freed by the last commit, which LMDB reuses only
+#: after the next one.
+RESERVE_SLACK = 512 * 1024
+#: How far below the level at which the map filled its live bytes must fall
+#: before inserting resumes (at most; a 16th of a smaller cache), so that one
+#: freed page does not mean one more try.
+REFILL_BYTES = 256 * 1024
+
+
+class CacheSpace:
+    """The cache's capacity and what of it is used and reserved."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        #: Full because the file system had no space left, not at the map's capacity.
+        self.disk_full = False
+        #: Bytes of pages the trees use, as of the last commit or delete.
+        self.live_bytes = 0
+        #: Bytes promised to reservations and not yet written.
+        self.reserved_bytes = 0
+        #: live_bytes when the map last filled; None while it has room.
+        self._filled_at: int | None = None
+        self._changed = asyncio.Condition()
+
+    @property
+    def full(self) -> bool:
+        """Whether inserts stop: the file system has no space, or the map
+        filled and nothing has been freed since."""
+        return self.disk_full or (self._filled_at is not None and self.live_bytes > self._filled_at - self._refill)
+
+    @property
+    def at_capacity(self) -> bool:
+        """Whether the pages in use leave no room for even a little more."""
+        return self.live_bytes >= self.capacity - self._refill
+
+    @property
+    def _refill(self) -> int:
+        return min(REFILL_BYTES, self.capacity // 16)
+
+    @property
+    def exchange_reserve(self) -> int:
+        """Bytes that inserts which leave room for the exchange leave free:
+        where its arrivals go before what leaves is deleted, so that a cache
+        short of its share still exchanges."""
+        return exchange_reserve(self.capacity)
+
+    @property
+    def reserve_reached(self) -> bool:
+        """Whether inserts that leave room for the exchange stop (or nearly: a
+        sample more would not fit)."""
+        return self.full or self.live_bytes + self.exchange_reserve + self._refill >= self.capacity
+
+    @property
+    def free(self) -> int:
+        """Bytes that may still be reserved: none while the cache is full."""
+        if self.full:
+            return 0
+        slack = min(RESERVE_SLACK, self.capacity // 32)
+        return max(0, self.capacity - self.live_bytes - self.reserved_bytes - slack)
+
+    def map_filled(self) -> None:
+        """The map had no room for a write: full until deletes free some."""
+        self._filled_at = self.live_bytes
+
+    def within_limits(self, batch: list[PendingWrite]) -> list[PendingWrite]:
+        """``batch`` without the inserts that would reach into room reserved,
+        or beyond the capacity. A reserved write has its room; one that leaves
+        room for the exchange stops at its reserve."""
+        room = self.capacity - self.live_bytes - self.reserved_bytes
+        reserve = self.exchange_reserve
+        cost = value_bytes(np.fromiter((len(w.value) for w in batch), np.int64, len(batch)))
+        if int(cost.sum()) <= room - reserve:
+            return batch  # far from every limit: the common case while staging
+        kept = []
+        for write, charge in zip(batch, cost.tolist()):
+            if not write.kept_when_full:
+                if charge > room - (reserve if write.leaves_room else 0):
+                    continue
+                room -= charge
+            kept.append(write)
+        return kept
+
+    async def reserve(self, nbytes: int, timeout: float) -> bool:
+        """Waits until the cache has ``nbytes`` of room no one else reserved,
+        and holds it for the caller's writes; False if none came in ``timeout``
+        seconds. The caller queues its writes with ``reserved=True`` and
+        calls :meth:`release` once they are committed."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.free >= nbytes), timeout)
+            except TimeoutError:
+                return False
+            self.reserved_bytes += nbytes
+            return True
+
+    async def release(self, nbytes: int) -> None:
+        """Gives back a reservation (its writes are committed, or given up)."""
+        self.reserved_bytes = max(0, self.reserved_bytes - nbytes)
+        await self.changed()
+
+    async def changed(self, freed: bool = False) -> None:
+        """Wakes the reservations waiting for room; ``freed``: a delete just
+        freed pages, which are room again at once."""
+        if freed or (self._filled_at is not None and not self.full):
+            self._filled_at = None
+        async with self._changed:
+            self._changed.notify_all()
