@@ -127,6 +127,17 @@ def test_only_what_is_delivered_and_read_may_be_dropped() -> None:
     assert box.undelivered_ids().tolist() == [12]
 
 
+def test_a_short_receiver_is_handed_only_what_this_nodes_ranks_have_read() -> None:
+    ids = np.array([20, 21, 22, 23])
+    box = Outbox(ids, np.zeros(4), np.full(4, 10), readers=np.array([0, 0, 1, -1]), read_at=np.array([0, 5, 2, -1]))
+    # Rank 0 read 1 id (20), rank 1 none; 23 is read by no rank here, so it may go at once.
+    assert box.take(0, max_bytes=100, max_items=10, read_upto=np.array([1, 0])).tolist() == [23, 20]
+    assert box.take(0, max_bytes=100, max_items=10, read_upto=np.array([1, 0])).tolist() == []
+    assert box.pending_upto(0)
+    assert box.take(0, max_bytes=100, max_items=10, read_upto=np.array([6, 3])).tolist() == [22, 21]
+    assert not box.pending_upto(0)
+
+
 def test_read_positions_keep_each_ranks_furthest_and_a_later_epoch_means_all_read() -> None:
     positions = ReadPositions()
     assert positions.report("j", 2, 0, 10)

@@ -12,7 +12,7 @@ import pytest
 
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import JobPlan, locality_balance, moves, owners
-from dataquay.server.capacity import EXCHANGE_HEADROOM_BYTES, exchange_reserve
+from dataquay.server.capacity import EXCHANGE_HEADROOM_BYTES, exchange_reserve, stored_bytes
 from dataquay.server.cli import main
 from dataquay.server.sizes import format_bytes, parse_size
 from dataquay.server.tools.simulate import Rates, Scenario, estimate, simulate, spread
@@ -83,9 +83,16 @@ def test_capacity_below_a_node_share_reads_the_excess_from_the_pfs_every_epoch(m
     share = SAMPLES // NODES
     cache_bytes = (share - 100) * SAMPLE_BYTES
     epochs = list(simulate(scenario(mode, q=0.2 if mode == "partial" else 0.0, cache_bytes=cache_bytes), 3))
-    # Where owners move, the daemon keeps the exchange's reserve free of them.
-    kept = (cache_bytes - (exchange_reserve(cache_bytes) if mode == "partial" else 0)) // SAMPLE_BYTES
+    # Where owners move, the daemon keeps the exchange's reserve free of them;
+    # each sample takes the LMDB pages its value needs.
+    usable = cache_bytes - (exchange_reserve(cache_bytes) if mode == "partial" else 0)
+    kept = int(usable // (stored_bytes(np.full(share, SAMPLE_BYTES)) / share))
+    assert 0 < kept < share
     assert [e.pfs_bytes for e in epochs] == [SAMPLES * SAMPLE_BYTES] + [NODES * (share - kept) * SAMPLE_BYTES] * 2
+    if mode == "partial":
+        # A sender ships only what its cache holds; the rest is read from the PFS by its new owner.
+        moved = np.bincount(moves(scenario(mode, q=0.2).plan, 1).sources, minlength=NODES)
+        assert (epochs[1].sent // SAMPLE_BYTES).tolist() == np.rint(moved * kept / share).astype(np.int64).tolist()
 
 
 def test_an_exchange_slower_than_training_spills_into_the_next_epoch() -> None:

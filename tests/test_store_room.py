@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from dataquay.client.records import encode_value
+from dataquay.server.node.cache_space import CacheSpace
 from dataquay.server.node.store import Store
 from dataquay.server.node.write_queue import PendingWrite
 
@@ -93,3 +94,31 @@ def test_inserts_that_leave_room_for_the_exchange_stop_short_of_its_reserve(tmp_
         assert await store.space.reserve(store.space.exchange_reserve // 2, timeout=1)
 
     with_store(tmp_path, 8 * MiB, test)
+
+
+def test_a_map_that_refused_ordinary_inserts_still_takes_reserved_ones(tmp_path: Path) -> None:
+    async def test(store: Store) -> None:
+        await fill(store, 0, 200)
+        assert store.full
+        # Reserved writes are the exchange's, which frees room on every node by
+        # taking what it is sent: they may use the housekeeping room.
+        await store.committed(await store.put_all([write(9000, reserved=True)]))
+        assert store.cached_mask("ds", np.array([9000])).all()
+        assert store.env.info()["map_size"] > store.capacity
+
+    with_store(tmp_path, 4 * MiB, test)
+
+
+def test_only_a_refused_reserved_write_stops_reservations() -> None:
+    async def test() -> None:
+        space = CacheSpace(64 * MiB)
+        space.live_bytes = 40 * MiB
+        space.map_filled()
+        assert space.full and space.free > 0
+        space.map_filled(reserved=True)
+        assert space.free == 0
+        space.live_bytes -= MiB
+        await space.changed(freed=True)
+        assert not space.full and space.free > 0
+
+    asyncio.run(test())

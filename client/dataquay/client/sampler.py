@@ -204,7 +204,7 @@ class Sampler:
 
 
 #: Ids a rank reads between two reports of its position.
-POSITION_STEP = 64
+POSITION_STEP = 16
 
 
 class EpochReporter(Protocol):

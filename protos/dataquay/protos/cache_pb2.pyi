@@ -363,12 +363,14 @@ class ExchangeMessage(_message.Message):
     def __init__(self, offer: _Optional[_Union[ExchangeOffer, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., piece: _Optional[_Union[Sample, _Mapping]] = ...) -> None: ...
 
 class ExchangeReply(_message.Message):
-    __slots__ = ("held", "message_bytes")
+    __slots__ = ("held", "message_bytes", "after_reads")
     HELD_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AFTER_READS_FIELD_NUMBER: _ClassVar[int]
     held: _containers.RepeatedScalarFieldContainer[int]
     message_bytes: int
-    def __init__(self, held: _Optional[_Iterable[int]] = ..., message_bytes: _Optional[int] = ...) -> None: ...
+    after_reads: bool
+    def __init__(self, held: _Optional[_Iterable[int]] = ..., message_bytes: _Optional[int] = ..., after_reads: _Optional[bool] = ...) -> None: ...
 
 class ExchangeProgress(_message.Message):
     __slots__ = ("job", "epoch", "total_samples", "total_bytes", "delivered_samples", "delivered_bytes", "sent_bytes", "unavailable_samples", "refused_samples", "elapsed_seconds", "finished", "error")

@@ -41,13 +41,19 @@ class CacheSpace:
         self.reserved_bytes = 0
         #: live_bytes when the map last filled; None while it has room.
         self._filled_at: int | None = None
+        #: live_bytes when the map last refused even a reserved write, which
+        #: may grow it past the capacity by the store's housekeeping room.
+        self._filled_reserved_at: int | None = None
         self._changed = asyncio.Condition()
 
     @property
     def full(self) -> bool:
         """Whether inserts stop: the file system has no space, or the map
         filled and nothing has been freed since."""
-        return self.disk_full or (self._filled_at is not None and self.live_bytes > self._filled_at - self._refill)
+        return self.disk_full or self._latched(self._filled_at)
+
+    def _latched(self, filled_at: int | None) -> bool:
+        return filled_at is not None and self.live_bytes > filled_at - self._refill
 
     @property
     def at_capacity(self) -> bool:
@@ -73,15 +79,22 @@ class CacheSpace:
 
     @property
     def free(self) -> int:
-        """Bytes that may still be reserved: none while the cache is full."""
-        if self.full:
+        """Bytes that may still be reserved: none while the file system is
+        full or the map refused a reserved write. A map that refused only other
+        inserts still takes reservations: a reserved write may use the store's
+        housekeeping room, and the exchange that reserves is what frees room
+        on every node (a latch here would hold all of them full at once)."""
+        if self.disk_full or self._latched(self._filled_reserved_at):
             return 0
         slack = min(RESERVE_SLACK, self.capacity // 32)
         return max(0, self.capacity - self.live_bytes - self.reserved_bytes - slack)
 
-    def map_filled(self) -> None:
-        """The map had no room for a write: full until deletes free some."""
+    def map_filled(self, reserved: bool = False) -> None:
+        """The map had no room for a write (``reserved``: one whose room was
+        reserved): full until deletes free some."""
         self._filled_at = self.live_bytes
+        if reserved:
+            self._filled_reserved_at = self.live_bytes
 
     def within_limits(self, batch: list[PendingWrite]) -> list[PendingWrite]:
         """``batch`` without the inserts that would reach into room reserved,
@@ -124,5 +137,7 @@ class CacheSpace:
         freed pages, which are room again at once."""
         if freed or (self._filled_at is not None and not self.full):
             self._filled_at = None
+        if freed or not self._latched(self._filled_reserved_at):
+            self._filled_reserved_at = None
         async with self._changed:
             self._changed.notify_all()

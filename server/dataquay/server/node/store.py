@@ -49,7 +49,9 @@ MAX_DATASETS = 1024
 MAX_READERS = 4096
 _INITIAL_MAP = 256 * MiB
 #: How far the map may grow beyond the capacity (at most; a 16th of a smaller
-#: cache) so that a delete in a full map finds the pages it needs.
+#: cache) so that a delete in a full map finds the pages it needs, and a write
+#: whose room was reserved finds the pages LMDB keeps aside (those the last
+#: transactions freed, which it reuses only later).
 HOUSEKEEPING_BYTES = 1 * MiB
 #: A cache that keeps filling is said to be full at most this often.
 FULL_LOG_SECONDS = 60.0
@@ -387,9 +389,13 @@ class Store:
         try:
             return await loop.run_in_executor(self._writer, delete)
         except lmdb.MapFullError:
-            if not self._grow(self.capacity + min(HOUSEKEEPING_BYTES, self.capacity // 16)):
+            if not self._grow(self._housekeeping_limit):
                 raise
             return await loop.run_in_executor(self._writer, delete)
+
+    @property
+    def _housekeeping_limit(self) -> int:
+        return self.capacity + min(HOUSEKEEPING_BYTES, self.capacity // 16)
 
     def recheck_space(self) -> None:
         """Takes a full file system for having room again if it has free space
@@ -480,7 +486,7 @@ class Store:
                 await loop.run_in_executor(self._writer, self._commit, batch)
                 return
             except lmdb.MapFullError:
-                if self._grow():
+                if self._grow() or (all(w.reserved for w in batch) and self._grow(self._housekeeping_limit)):
                     continue
                 disk = False
             except lmdb.Error as exc:
@@ -488,7 +494,7 @@ class Store:
                     raise
                 disk = True
             if len(batch) == 1:
-                self._mark_full(disk)
+                self._mark_full(disk, reserved=batch[0].reserved)
                 if not batch[0].reserved:  # a reserved write is written again (see ExchangeReceiver)
                     self.inserts_dropped += 1
                 return
@@ -515,13 +521,13 @@ class Store:
         log.debug("grew the cache map", extra={"fields": {"map_bytes": new_size}})
         return True
 
-    def _mark_full(self, disk: bool = False) -> None:
+    def _mark_full(self, disk: bool = False, reserved: bool = False) -> None:
         was_full = self.full
         if disk:
             self._room.back_off()
             self.space.disk_full = True
         else:
-            self.space.map_filled()
+            self.space.map_filled(reserved)
         # A cache that gives samples away fills and frees again and again: say it once a while.
         now = time.monotonic()
         if not was_full and now - self._full_logged_at >= FULL_LOG_SECONDS:

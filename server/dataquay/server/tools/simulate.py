@@ -4,11 +4,12 @@
 on a job's sizes and counts the bytes each node sends, receives and reads from
 the PFS. The model:
 
-- Every sample is ``sample_bytes`` long; a node's cache holds
-  ``cache_bytes // sample_bytes`` samples (all it owns when no capacity is
-  given), less the exchange's reserve where owners move
-  (:func:`dataquay.server.capacity.exchange_reserve`). Store overhead is
-  ignored, and so is what is in transit when an epoch begins.
+- Every sample is ``sample_bytes`` long and takes the LMDB pages
+  :func:`dataquay.server.capacity.stored_bytes` counts; a node's cache holds
+  as many as fit in ``cache_bytes`` (all it owns when no capacity is given),
+  less the exchange's reserve where owners move
+  (:func:`dataquay.server.capacity.exchange_reserve`). What is in transit when
+  an epoch begins is ignored.
 - Epoch 0 stages: each node reads its initial owned set from the PFS once
   (N * S bytes in all). Later epochs read from the PFS only what a node owns
   beyond its capacity: the cache inserts once and never evicts (MinIO), so the
@@ -16,7 +17,9 @@ the PFS. The model:
   so capacity changes PFS bytes, not network bytes.
 - Network bytes of epoch e are the exchange before e (``partial``: every
   sample of :func:`~dataquay.client.placement.moves`, sent by its old owner to
-  its new one) plus the epoch's reads from peers: ``global`` ranks read their
+  its new one, if its cache holds it: a node that holds a fraction f of what
+  it owns ships f of what it gives away, and the new owners read the rest from
+  the PFS as part of their excess) plus the epoch's reads from peers: ``global`` ranks read their
   slice of the epoch's permutation, and every id their node does not own comes
   from its owner; ``locality`` moves each global batch's imbalance (a node
   sends its surplus and receives its deficit); ``local`` and ``partial`` read
@@ -47,7 +50,7 @@ from dataquay.client.placement import (
     owners,
     rank_length,
 )
-from dataquay.server.capacity import exchange_reserve
+from dataquay.server.capacity import exchange_reserve, stored_bytes
 
 
 @dataclass(frozen=True)
@@ -214,21 +217,24 @@ def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
         raise ValueError(f"epochs must be at least 1, not {epochs}")
     plan, size = scenario.plan, scenario.sample_bytes
     current = owners(plan, 0)
-    excess = _excess_samples(scenario, current)
+    loads = np.bincount(current, minlength=plan.num_nodes)
+    held = np.minimum(loads, _cache_samples(scenario, loads))
     reads = _PEER_READS[plan.settings.mode]
     for epoch in range(epochs):
         sent = np.zeros(plan.num_nodes, dtype=np.int64)
         received = np.zeros(plan.num_nodes, dtype=np.int64)
         if epoch and MODES[plan.settings.mode].owners_move:
             shipped = moves(plan, epoch, current)
-            sent += np.bincount(shipped.sources, minlength=plan.num_nodes)
-            received += np.bincount(shipped.targets, minlength=plan.num_nodes)
+            ships = np.bincount(shipped.sources, minlength=plan.num_nodes) * held / np.maximum(loads, 1)
+            sent += np.rint(ships).astype(np.int64)
+            received += np.rint(np.bincount(shipped.targets, weights=(held / np.maximum(loads, 1))[shipped.sources],
+                                            minlength=plan.num_nodes)).astype(np.int64)
             current = current.copy()
             current[shipped.ids] = shipped.targets
         read_sent, read_received, balance = reads(plan, epoch, current)
         sent += read_sent
         received += read_received
-        pfs = plan.num_samples if epoch == 0 else excess
+        pfs = plan.num_samples if epoch == 0 else int((loads - held).sum())
         yield EpochTraffic(epoch, sent * size, received * size, pfs * size, balance)
 
 
@@ -243,22 +249,26 @@ def estimate(scenario: Scenario, traffic: EpochTraffic, rates: Rates) -> Estimat
     return Estimate(training, pfs, network, max(training, pfs, network), 0.0)
 
 
-def _excess_samples(scenario: Scenario, epoch_owners: np.ndarray) -> int:
-    """Samples the nodes own beyond their capacity: read from the PFS every epoch.
+def _cache_samples(scenario: Scenario, loads: np.ndarray) -> np.ndarray:
+    """Samples each node's cache holds; the rest of its load is read from the
+    PFS every epoch.
 
     Node loads never change (``partial`` trades as many as it takes), so the
     initial partition's loads hold for every epoch. Where owners move, the
     daemon keeps the exchange's reserve free of them.
     """
     if scenario.cache_bytes is None:
-        return 0
+        return loads
     usable = scenario.cache_bytes
     if MODES[scenario.plan.settings.mode].owners_move:
         usable -= exchange_reserve(scenario.cache_bytes)
-    capacity = usable // scenario.sample_bytes
-    loads = np.bincount(epoch_owners, minlength=scenario.plan.num_nodes)
-    return int(np.maximum(loads - capacity, 0).sum())
+    # Pages per sample barely depend on the count: a bounded sample of the typical load.
+    count = int(min(max(loads.max(), 1), _PAGES_SAMPLE))
+    per_sample = stored_bytes(np.full(count, scenario.sample_bytes, dtype=np.int64)) / count
+    return np.full(len(loads), max(usable, 0) // per_sample, dtype=np.int64)
 
+
+_PAGES_SAMPLE = 100_000
 
 _Reads = tuple[np.ndarray, np.ndarray, BatchBalance | None]
 

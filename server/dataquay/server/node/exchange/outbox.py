@@ -9,7 +9,9 @@ may ever be deleted here, and then they are dropped.
 
 A receiver's ids go out in the order this node's ranks read them in the
 current epoch, so the first to arrive are the first that may be deleted here:
-what a node takes in then keeps pace with what it lets go.
+what a node takes in then keeps pace with what it lets go. A receiver whose
+cache is short of its share takes only ids this node's ranks have read, which
+are deleted here as soon as they are delivered.
 """
 
 from __future__ import annotations
@@ -85,20 +87,32 @@ class Outbox:
         rows = np.flatnonzero((self.receivers == receiver) & (self.state == PENDING))[:max_items]
         return self.ids[rows], int(rows[-1]) if len(rows) else -1
 
-    def take(self, receiver: int, max_bytes: int, max_items: int, upto: int | None = None) -> np.ndarray:
+    def take(
+        self,
+        receiver: int,
+        max_bytes: int,
+        max_items: int,
+        upto: int | None = None,
+        read_upto: np.ndarray | None = None,
+    ) -> np.ndarray:
         """The next pending ids of ``receiver`` in sending order (from rows up
-        to ``upto`` only, if given): at least one if any, ``max_items`` and
-        ``max_bytes`` at most otherwise. They are in flight from now on."""
-        mask = (self.receivers == receiver) & (self.state == PENDING)
-        if upto is not None:
-            mask[upto + 1 :] = False
-        rows = np.flatnonzero(mask)
+        to ``upto`` only, if given; only ids read as :meth:`read_and_delivered`
+        counts them, if ``read_upto`` is given): at least one if any,
+        ``max_items`` and ``max_bytes`` at most otherwise. They are in flight
+        from now on."""
+        rows = self._pending_rows(receiver, upto)
+        if read_upto is not None:
+            rows = rows[self._read(rows, read_upto)]
         if not len(rows):
             return self.ids[rows]
         fits = int(np.searchsorted(np.cumsum(self.sizes[rows]), max_bytes, side="right"))
         rows = rows[: max(1, min(fits, max_items))]
         self.state[rows] = IN_FLIGHT
         return self.ids[rows]
+
+    def pending_upto(self, receiver: int, upto: int | None = None) -> bool:
+        """Whether ``receiver`` has pending ids in rows up to ``upto``."""
+        return bool(len(self._pending_rows(receiver, upto)))
 
     def delivered(self, ids: np.ndarray | list[int], sent: bool = True) -> int:
         """The receiver holds ``ids``: committed from this stream (``sent``) or
@@ -132,10 +146,7 @@ class Outbox:
         """Delivered ids still held here that this node's ranks have read:
         ``read_upto[r]`` is how many ids of its order reader ``r`` has read."""
         rows = np.flatnonzero(self.state == DELIVERED)
-        readers = self.readers[rows]
-        read = readers < 0
-        read[~read] = self.read_at[rows[~read]] < read_upto[readers[~read]]
-        return self.ids[rows[read]]
+        return self.ids[rows[self._read(rows, read_upto)]]
 
     def dropped(self, ids: np.ndarray | list[int]) -> None:
         """Delivered ``ids`` are deleted here."""
@@ -153,6 +164,19 @@ class Outbox:
             unavailable_samples=int((self.state == UNAVAILABLE).sum()),
             refused_samples=int((self.state == REFUSED).sum()),
         )
+
+    def _pending_rows(self, receiver: int, upto: int | None) -> np.ndarray:
+        mask = (self.receivers == receiver) & (self.state == PENDING)
+        if upto is not None:
+            mask[upto + 1 :] = False
+        return np.flatnonzero(mask)
+
+    def _read(self, rows: np.ndarray, read_upto: np.ndarray) -> np.ndarray:
+        """Which of ``rows`` this node's ranks have read (those no rank reads here count as read)."""
+        readers = self.readers[rows]
+        read = readers < 0
+        read[~read] = self.read_at[rows[~read]] < read_upto[readers[~read]]
+        return read
 
     def _rows(self, ids: np.ndarray | list[int]) -> np.ndarray:
         """Row of each known id, once each."""

@@ -14,6 +14,13 @@ the cache before it is taken (:meth:`CacheSpace.reserve`), waiting while the cac
 is full, which holds the sender back until this node has given away enough of
 its own samples. A message that finds no room in ROOM_WAIT_SECONDS ends the
 stream with RESOURCE_EXHAUSTED, and the sender offers its samples again later.
+
+A cache that cannot hold this node's share of the epoch is full of samples it
+owns, and every sample it takes ahead of the sender's reads would be held
+twice, in place of one that is cached nowhere else. Such a receiver asks for
+samples only once the sender's ranks have read them (``after_reads``), so
+the sender deletes each as it is acknowledged and the cluster's caches keep
+as many distinct samples as they have room for.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from dataquay.client.pieces import Joiner
 from dataquay.client.placement import MAX_EPOCH
 from dataquay.client.records import CHECKSUM_BYTES, decode_value
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.capacity import stored_bytes
+from dataquay.server.capacity import exchange_reserve, stored_bytes
 from dataquay.server.errors import (
     CacheFullError,
     DatasetReplacedError,
@@ -39,7 +46,7 @@ from dataquay.server.errors import (
     SampleIdError,
 )
 from dataquay.server.node.datasets import Datasets
-from dataquay.server.node.placements import Placements
+from dataquay.server.node.placements import Placement, Placements
 from dataquay.server.node.store import Store
 from dataquay.server.node.write_queue import PendingWrite
 from dataquay.server.registry import Registered
@@ -81,6 +88,7 @@ class ExchangeReceiver:
         #: Held while answering "already held" and while dropping given-away
         #: samples, so a sample is never acknowledged and then deleted.
         self.holding = asyncio.Lock()
+        self._short: dict[tuple[str, int], bool] = {}
 
     async def receive(self, messages: AsyncIterator[pb.ExchangeMessage]) -> AsyncIterator[pb.ExchangeReply]:
         """Answers one exchange stream (see the Exchange RPC in cache.proto).
@@ -93,12 +101,13 @@ class ExchangeReceiver:
         if first is None or not first.HasField("offer"):
             raise InvalidRequestError("an exchange stream must start with an offer")
         offer = first.offer
-        entry, offered = await self._accept(offer)
+        entry, offered, placement = await self._accept(offer)
         db, sizes = entry.record.cache_db, entry.manifest.sample_length
         async with self.holding:
             self.offered_epochs[offer.job] = max(self.offered_epochs.get(offer.job, 0), int(offer.epoch))
             held = offered[self.store.cached_mask(db, offered)]
-        yield pb.ExchangeReply(held=held.tolist(), message_bytes=self._message_bytes())
+        yield pb.ExchangeReply(held=held.tolist(), message_bytes=self._message_bytes(),
+                               after_reads=self._short_of_share(offer.job, entry, placement))
 
         # Unbounded: the reservations and the sender's window bound it.
         commits: asyncio.Queue[_Taken | None] = asyncio.Queue()
@@ -146,12 +155,24 @@ class ExchangeReceiver:
             await self.store.space.release(need)
             raise
 
+    def _short_of_share(self, job: str, entry: Registered, placement: Placement) -> bool:
+        """Whether this cache, less the exchange's reserve, cannot hold what this
+        node owns in ``placement``'s epoch (worked out once per job and epoch)."""
+        key = (job, placement.epoch)
+        if key not in self._short:
+            for old in [k for k in self._short if k[0] == job and k[1] < placement.epoch]:
+                del self._short[old]
+            capacity = self.store.capacity
+            owned = entry.manifest.sample_length[placement.owners == placement.node_index]
+            self._short[key] = bool(capacity) and stored_bytes(owned) > capacity - exchange_reserve(capacity)
+        return self._short[key]
+
     def _message_bytes(self) -> int:
         """A message size that fits this cache's room a few times over: the
         sender keeps a window of messages in flight, and others send too."""
         return max(MIN_MESSAGE_BYTES, self.store.space.free // 8)
 
-    async def _accept(self, offer: pb.ExchangeOffer) -> tuple[Registered, np.ndarray]:
+    async def _accept(self, offer: pb.ExchangeOffer) -> tuple[Registered, np.ndarray, Placement]:
         entry = await self.datasets.entry(offer.dataset)
         if offer.manifest_id and offer.manifest_id != entry.record.manifest_id:
             raise DatasetReplacedError(
@@ -176,7 +197,7 @@ class ExchangeReceiver:
                 f"of job {offer.job!r}"
             )
         await self.store.open_dataset(entry.record.cache_db)
-        return entry, ids
+        return entry, ids, placement
 
     async def _take_in(
         self,

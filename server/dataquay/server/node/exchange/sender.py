@@ -18,7 +18,10 @@ cache is fuller than ``--spare-copies-fill``: below that, given-away samples
 stay as spare copies, and a later epoch that hands one back moves nothing (the
 receiver says it already holds it). Deleting as the ranks read is what lets a
 node whose cache holds little more than its share take in the next epoch's
-samples: what arrives balances what leaves. Nothing waits on the exchange: a
+samples: what arrives balances what leaves. A receiver whose cache cannot
+hold its share asks for samples only once this node's ranks have read them
+(they are then deleted here as soon as delivered), so no sample takes room in
+two short caches. Nothing waits on the exchange: a
 trainer that reaches e+1 first reads what has not arrived from its previous
 owner. An exchange still shipping when the node enters e+2 stops, and deletes
 what it never delivered too (a cache short of its share cannot keep samples
@@ -31,6 +34,7 @@ what the receiver already holds, so nothing is sent twice and nothing is lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -70,8 +74,11 @@ OFFER_IDS = 1 << 16
 #: Receivers streamed to at once.
 PARALLEL_RECEIVERS = 4
 RETRY_SECONDS = (0.5, 30.0)
-#: How often what was delivered and read is looked for, to delete it.
-DROP_POLL_SECONDS = 0.2
+#: Least time between two looks at what may be deleted or sent on, however
+#: often reads and acknowledgements come in.
+REACT_SECONDS = 0.05
+#: Longest wait for news of reads or acknowledgements before looking again.
+POLL_SECONDS = 0.25
 #: Receiver errors worth another try; any other means the receiver will not take them.
 RETRYABLE = UNREACHABLE | {
     grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN,
@@ -85,6 +92,8 @@ class ExchangeRun:
     job: str
     epoch: int
     outbox: Outbox
+    #: This node's ranks, whose read positions in ``epoch - 1`` free what was given away.
+    ranks: np.ndarray
     started: float = field(default_factory=time.monotonic)
     ended: float = 0.0
     finished: bool = False
@@ -139,6 +148,7 @@ class Exchanges:
         self._tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._epochs: dict[str, int] = {}
         self._epoch_moved = asyncio.Event()
+        self._reads_or_acks = asyncio.Event()
         self.positions = ReadPositions()
         self.sent_samples = 0
         self.sent_bytes = 0
@@ -155,6 +165,7 @@ class Exchanges:
             return
         self._epochs[job_id] = epoch
         self._epoch_moved.set()
+        self._news()
         for (job, target), run in self.runs.items():
             if job == job_id and target < epoch and run.shipping is not None:
                 run.shipping.cancel()
@@ -170,7 +181,8 @@ class Exchanges:
         job = self.link.jobs.get(job_id)
         if job is None or rank >= len(job.spec.nodes) * job.spec.ranks_per_node:
             return
-        self.positions.report(job_id, epoch, rank, position)
+        if self.positions.report(job_id, epoch, rank, position):
+            self._news()
 
     def resume(self, jobs: list[tuple[str, int]]) -> None:
         """After a restart: redo the exchange of each (job, current epoch) this node is in."""
@@ -213,7 +225,7 @@ class Exchanges:
         run = ExchangeRun(job_id, epoch, Outbox(
             give, after.owners[give], entry.manifest.sample_length[give],
             None if readers is None else readers[give], None if read_at is None else read_at[give],
-        ))
+        ), ranks)
         self.runs[(job_id, epoch)] = run
         self.positions.forget(set(self.link.jobs))
         # Keep the last two runs of each job the directory still lists: the
@@ -223,7 +235,7 @@ class Exchanges:
         log.info("exchange started", extra={"fields": {
             "job": job_id, "epoch": epoch, "samples": len(give), "bytes": run.progress().total_bytes}})
         limit = asyncio.Semaphore(PARALLEL_RECEIVERS)
-        dropper = asyncio.get_running_loop().create_task(self._drop_as_read(entry, run, ranks))
+        dropper = asyncio.get_running_loop().create_task(self._drop_as_read(entry, run))
         try:
             run.shipping = asyncio.gather(*(
                 self._ship_to(run, entry, after, receiver, limit) for receiver in run.outbox.receivers_left()
@@ -274,16 +286,31 @@ class Exchanges:
         """Whether given-away samples stay: the cache is emptier than ``--spare-copies-fill``."""
         return bool(self.store.capacity) and self.store.space.live_bytes < self.spare_copies_fill * self.store.capacity
 
-    async def _drop_as_read(self, entry: Registered, run: ExchangeRun, ranks: np.ndarray) -> None:
+    def _news(self) -> None:
+        """Wakes everything waiting in :meth:`_until_news`: ranks read on, or a receiver acknowledged."""
+        self._reads_or_acks.set()
+        self._reads_or_acks = asyncio.Event()
+
+    async def _until_news(self) -> None:
+        """Returns after the next :meth:`_news` (POLL_SECONDS at most), then
+        REACT_SECONDS more, so that a burst of news is looked at once."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._reads_or_acks.wait(), POLL_SECONDS)
+        await asyncio.sleep(REACT_SECONDS)
+
+    async def _drop_as_read(self, entry: Registered, run: ExchangeRun) -> None:
         """Deletes, while the ranks read epoch ``run.epoch - 1``, what is delivered and read."""
         while True:
-            await asyncio.sleep(DROP_POLL_SECONDS)
+            await self._until_news()
             if self._keeps_spare_copies():
                 continue
-            read_upto = self.positions.read_upto(run.job, run.epoch - 1, ranks)
-            ready = run.outbox.read_and_delivered(read_upto)
+            ready = run.outbox.read_and_delivered(self._read_upto(run))
             if len(ready):
                 await self._drop_given_away(entry, run, ready)
+
+    def _read_upto(self, run: ExchangeRun) -> np.ndarray:
+        """How far each of this node's ranks has read the epoch ``run`` ships out of."""
+        return self.positions.read_upto(run.job, run.epoch - 1, run.ranks)
 
     async def _until_epoch(self, job_id: str, epoch: int) -> None:
         while self._epochs.get(job_id, -1) < epoch:
@@ -355,6 +382,7 @@ class Exchanges:
                     chunk = in_flight.popleft()
                     self.sent_bytes += outbox.delivered(reply.held)
                     self.sent_samples += len(reply.held)
+                    self._news()
                     outbox.unsettled(np.setdiff1d(chunk, np.asarray(reply.held, dtype=np.int64)), REFUSED)
                     window.release()
             finally:
@@ -371,15 +399,21 @@ class Exchanges:
                 raise DataquayError(f"node {node} ended the exchange stream without answering")
             outbox.delivered(first.held, sent=False)
             chunk_bytes = min(CHUNK_BYTES, first.message_bytes or CHUNK_BYTES)
+            after_reads = first.after_reads
             acks = asyncio.get_running_loop().create_task(take_acks())
             while True:
                 await window.acquire()
                 if acks.done():
                     await acks
                     raise DataquayError(f"node {node} ended the exchange stream early")
-                ids = outbox.take(receiver, chunk_bytes, CHUNK_ITEMS, upto=offered_upto)
+                ids = outbox.take(receiver, chunk_bytes, CHUNK_ITEMS, upto=offered_upto,
+                                  read_upto=self._read_upto(run) if after_reads else None)
                 if not len(ids):
-                    break
+                    if not outbox.pending_upto(receiver, offered_upto):
+                        break
+                    window.release()  # the receiver is short: wait for this node's ranks to read on
+                    await self._until_news()
+                    continue
                 values = self.store.get_values(db, ids.tolist())
                 samples = [pb.Sample(id=i, value=v) for i, v in zip(ids.tolist(), values) if v is not None]
                 absent = ids[[v is None for v in values]]
