@@ -138,6 +138,17 @@ def test_a_short_receiver_is_handed_only_what_this_nodes_ranks_have_read() -> No
     assert not box.pending_upto(0)
 
 
+def test_room_is_made_from_read_give_aways_no_receiver_has_taken() -> None:
+    ids = np.array([30, 31, 32, 33])
+    box = Outbox(ids, np.zeros(4), np.array([10, 20, 30, 40]), readers=np.array([0, 0, 0, 0]),
+                 read_at=np.array([0, 1, 2, 3]))
+    box.delivered([30])
+    # Rank 0 read 3 ids: 30 is delivered, 31 and 32 are not; 25 bytes take both.
+    assert box.read_pending(np.array([3]), max_bytes=25).tolist() == [31, 32]
+    assert box.read_pending(np.array([3]), max_bytes=5).tolist() == [31]
+    assert box.read_pending(np.array([0]), max_bytes=100).tolist() == []
+
+
 def test_read_positions_keep_each_ranks_furthest_and_a_later_epoch_means_all_read() -> None:
     positions = ReadPositions()
     assert positions.report("j", 2, 0, 10)

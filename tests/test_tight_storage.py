@@ -20,6 +20,7 @@ from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.capacity import cache_need, node_shares
 from dataquay.server.cli import main as cli_main
 from dataquay.server.tools.local_cluster import LocalCluster
+from dataquay.server.tools.simulate import Scenario, simulate
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 from dataquay.server.tools.trainers import RankGroup
 
@@ -110,7 +111,8 @@ def test_a_cache_short_of_its_share_reads_a_level_deficit_from_the_pfs(
     cluster: Callable[..., LocalCluster], tmp_path: Path
 ) -> None:
     epochs = 8
-    local = tight_cluster(cluster, tmp_path, 0.5, int(0.75 * largest_share(0.5, epochs)))
+    capacity = int(0.75 * largest_share(0.5, epochs))
+    local = tight_cluster(cluster, tmp_path, 0.5, capacity)
     nodes = Nodes(local, JOB)
     pfs_reads = []
     try:
@@ -121,10 +123,15 @@ def test_a_cache_short_of_its_share_reads_a_level_deficit_from_the_pfs(
         assert all(s.cache_used_bytes <= s.cache_capacity_bytes for s in stats)
     finally:
         nodes.close()
-    # A quarter of the share does not fit: some of it is read from the PFS
-    # every epoch once the exchange runs, about as much each time (how much
-    # of the exchange is in flight when an epoch ends varies with the load),
-    # never a growing share: before, it went 20, 89, 142, 167 in a run like this.
-    steady = np.array(pfs_reads[2:])
-    assert 0.2 * SAMPLES < steady.mean() < 0.5 * SAMPLES, pfs_reads
+    # A quarter of the share does not fit: it is read from the PFS every epoch,
+    # about as much each time, never a growing share: before, it went 20, 89,
+    # 142, 167 in a run like this. simulate predicts it; on a quiet machine
+    # within a few percent (BENCHMARKS.md), here with room for a loaded one,
+    # where the exchange falls behind the ranks and gives some samples up.
+    settings = JobSettings(job_id=JOB, mode="partial", q=0.5, ranks_per_node=RANKS_PER_NODE, batch_size=16,
+                           nodes=tuple(f"n{m}" for m in range(NODES)))
+    scenario = Scenario(JobPlan(settings, num_samples=SAMPLES, num_nodes=NODES), int(np.mean(SIZES)), capacity)
+    predicted = [t.pfs_bytes // int(np.mean(SIZES)) for t in simulate(scenario, epochs)][1:]
+    steady = np.array(pfs_reads[1:])
+    assert 0.95 * np.mean(predicted) <= steady.mean() <= 1.3 * np.mean(predicted), (pfs_reads, predicted)
     assert steady[-3:].mean() <= 1.3 * steady[:3].mean(), pfs_reads

@@ -52,6 +52,11 @@ class CacheSpace:
         filled and nothing has been freed since."""
         return self.disk_full or self._latched(self._filled_at)
 
+    @property
+    def refused_reserved(self) -> bool:
+        """Whether the map refused a reserved write and nothing was freed since."""
+        return self._latched(self._filled_reserved_at)
+
     def _latched(self, filled_at: int | None) -> bool:
         return filled_at is not None and self.live_bytes > filled_at - self._refill
 
@@ -84,7 +89,7 @@ class CacheSpace:
         inserts still takes reservations: a reserved write may use the store's
         housekeeping room, and the exchange that reserves is what frees room
         on every node (a latch here would hold all of them full at once)."""
-        if self.disk_full or self._latched(self._filled_reserved_at):
+        if self.disk_full or self.refused_reserved:
             return 0
         slack = min(RESERVE_SLACK, self.capacity // 32)
         return max(0, self.capacity - self.live_bytes - self.reserved_bytes - slack)

@@ -99,6 +99,7 @@ class Daemon(ServerLifecycle):
                 config.node_name, self.store, self.datasets, self.placements, self.link, self.peers,
                 self.receiver, self.tasks.spawn, config.exchange_bandwidth, config.spare_copies_fill,
             )
+            self.receiver.make_room = self.exchanges.make_room
         self.shm = ShmSegments()
         #: What the Reads of each remote host hold at once (see ReadService.read).
         self.served_budgets = ByteBudgets(SERVED_BYTES_PER_PEER)
@@ -273,6 +274,7 @@ class Daemon(ServerLifecycle):
             peers={p.node: (p.suspect, p.failures, p.bad_checksums) for p in self.peers.health()},
             exchanges={run.job: exchange_state(run) for run in self.exchanges.progress()} if self.exchanges else {},
             exchange_sent=(self.exchanges.sent_samples, self.exchanges.sent_bytes) if self.exchanges else (0, 0),
+            exchange_given_up=self.exchanges.given_up_samples if self.exchanges else 0,
             exchange_received=(
                 (self.receiver.received_samples, self.receiver.received_bytes) if self.receiver else (0, 0)
             ),

@@ -61,6 +61,7 @@ class LiveState:
     exchanges: dict[str, ExchangeState]  # job -> its latest exchange, sending side
     exchange_sent: tuple[int, int]  # (samples, bytes) other nodes committed from this one
     exchange_received: tuple[int, int]  # (samples, bytes) committed from other nodes' exchanges
+    exchange_given_up: int  # samples deleted unshipped so that every full node's exchange moves again
     previous_owner_samples: int
     prefetched_samples: int
     prefetch_memory: tuple[int, int, int]  # (budget, reserved now, most reserved at once), bytes
@@ -225,6 +226,12 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "dataquay_exchange_sent_bytes", "Payload bytes sent in exchanges and committed by their receivers",
         value=nbytes,
+    )
+    yield CounterMetricFamily(
+        "dataquay_exchange_given_up_samples",
+        "Samples given away and deleted unshipped, so that exchanges waiting for room in full caches move again "
+        "(their new owners read them from the PFS)",
+        value=state.exchange_given_up,
     )
     samples, nbytes = state.exchange_received
     yield CounterMetricFamily(

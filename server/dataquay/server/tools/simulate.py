@@ -7,9 +7,12 @@ the PFS. The model:
 - Every sample is ``sample_bytes`` long and takes the LMDB pages
   :func:`dataquay.server.capacity.stored_bytes` counts; a node's cache holds
   as many as fit in ``cache_bytes`` (all it owns when no capacity is given),
-  less the exchange's reserve where owners move
-  (:func:`dataquay.server.capacity.exchange_reserve`). What is in transit when
-  an epoch begins is ignored.
+  less half the exchange's reserve where owners move
+  (:func:`dataquay.server.capacity.exchange_reserve`): other inserts leave
+  the reserve free, and the exchange's arrivals land there as fast as what
+  leaves is deleted, so about half of it holds samples at any time
+  (measured by bench/tight_storage.py). What is in transit when an epoch
+  begins is ignored.
 - Epoch 0 stages: each node reads its initial owned set from the PFS once
   (N * S bytes in all). Later epochs read from the PFS only what a node owns
   beyond its capacity: the cache inserts once and never evicts (MinIO), so the
@@ -254,14 +257,14 @@ def _cache_samples(scenario: Scenario, loads: np.ndarray) -> np.ndarray:
     PFS every epoch.
 
     Node loads never change (``partial`` trades as many as it takes), so the
-    initial partition's loads hold for every epoch. Where owners move, the
-    daemon keeps the exchange's reserve free of them.
+    initial partition's loads hold for every epoch. Where owners move, half
+    the exchange's reserve holds samples in transit (see the module docstring).
     """
     if scenario.cache_bytes is None:
         return loads
     usable = scenario.cache_bytes
     if MODES[scenario.plan.settings.mode].owners_move:
-        usable -= exchange_reserve(scenario.cache_bytes)
+        usable -= exchange_reserve(scenario.cache_bytes) // 2
     # Pages per sample barely depend on the count: a bounded sample of the typical load.
     count = int(min(max(loads.max(), 1), _PAGES_SAMPLE))
     per_sample = stored_bytes(np.full(count, scenario.sample_bytes, dtype=np.int64)) / count

@@ -142,6 +142,14 @@ class Outbox:
         """Ids held here that never reached their receiver (pending, in flight or refused)."""
         return self.ids[(self.state == PENDING) | (self.state == IN_FLIGHT) | (self.state == REFUSED)]
 
+    def read_pending(self, read_upto: np.ndarray, max_bytes: int) -> np.ndarray:
+        """Pending ids this node's ranks have read: the first, in sending
+        order, that add up to ``max_bytes`` (all of them if they add up to less)."""
+        rows = np.flatnonzero(self.state == PENDING)
+        rows = rows[self._read(rows, read_upto)]
+        fits = int(np.searchsorted(np.cumsum(self.sizes[rows]), max_bytes, side="left")) + 1
+        return self.ids[rows[:fits]]
+
     def read_and_delivered(self, read_upto: np.ndarray) -> np.ndarray:
         """Delivered ids still held here that this node's ranks have read:
         ``read_upto[r]`` is how many ids of its order reader ``r`` has read."""

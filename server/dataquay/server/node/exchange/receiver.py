@@ -15,6 +15,12 @@ is full, which holds the sender back until this node has given away enough of
 its own samples. A message that finds no room in ROOM_WAIT_SECONDS ends the
 stream with RESOURCE_EXHAUSTED, and the sender offers its samples again later.
 
+Every node full at once can hold every exchange still: each waits for room
+that only a delivery elsewhere frees. A receiver that waited BREAK_SECONDS
+for room has its own sender delete as many bytes of samples it gave away and
+its ranks read, not yet shipped (:meth:`Exchanges.make_room`); their new
+owners read them from the PFS, and every exchange moves again.
+
 A cache that cannot hold this node's share of the epoch is full of samples it
 owns, and every sample it takes ahead of the sender's reads would be held
 twice, in place of one that is cached nowhere else. Such a receiver asks for
@@ -27,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +61,9 @@ log = logging.getLogger("dataquay.exchange")
 
 #: How long one message may wait for room in this cache.
 ROOM_WAIT_SECONDS = 60.0
+#: How long a message waits for room before this node deletes some of what
+#: it gives away to make room.
+BREAK_SECONDS = 1.0
 #: Smallest message asked of a sender (one sample always goes).
 MIN_MESSAGE_BYTES = 64 * 1024
 
@@ -89,6 +98,8 @@ class ExchangeReceiver:
         #: samples, so a sample is never acknowledged and then deleted.
         self.holding = asyncio.Lock()
         self._short: dict[tuple[str, int], bool] = {}
+        #: Deletes read give-aways not yet shipped, up to some bytes (set by the sender side).
+        self.make_room: Callable[[int], Awaitable[int]] | None = None
 
     async def receive(self, messages: AsyncIterator[pb.ExchangeMessage]) -> AsyncIterator[pb.ExchangeReply]:
         """Answers one exchange stream (see the Exchange RPC in cache.proto).
@@ -144,7 +155,13 @@ class ExchangeReceiver:
     async def _reserved(self, writes: list[PendingWrite]) -> _Taken:
         """Queues ``writes`` under a reservation of their room, once the cache has it."""
         need = stored_bytes(np.fromiter((len(w.value) - CHECKSUM_BYTES for w in writes), np.int64, len(writes)))
-        if not await self.store.space.reserve(need, ROOM_WAIT_SECONDS):
+        space, waited = self.store.space, 0.0
+        while not await space.reserve(need, BREAK_SECONDS):
+            waited += BREAK_SECONDS
+            if self.make_room is not None:
+                await self.make_room(need)
+            if waited < ROOM_WAIT_SECONDS:
+                continue
             raise CacheFullError(
                 f"no room in this node's cache for {need} bytes of exchanged samples within "
                 f"{ROOM_WAIT_SECONDS:.0f} s ({self.store.space.free} bytes free); offer them again later"

@@ -94,6 +94,7 @@ class ExchangeRun:
     outbox: Outbox
     #: This node's ranks, whose read positions in ``epoch - 1`` free what was given away.
     ranks: np.ndarray
+    entry: Registered
     started: float = field(default_factory=time.monotonic)
     ended: float = 0.0
     finished: bool = False
@@ -152,6 +153,8 @@ class Exchanges:
         self.positions = ReadPositions()
         self.sent_samples = 0
         self.sent_bytes = 0
+        #: Samples deleted before they were shipped, to break a wait for room (see make_room).
+        self.given_up_samples = 0
 
     def epoch_started(self, job_id: str, epoch: int) -> None:
         """This node's trainers entered ``epoch``: prepare ``epoch + 1``.
@@ -225,7 +228,7 @@ class Exchanges:
         run = ExchangeRun(job_id, epoch, Outbox(
             give, after.owners[give], entry.manifest.sample_length[give],
             None if readers is None else readers[give], None if read_at is None else read_at[give],
-        ), ranks)
+        ), ranks, entry)
         self.runs[(job_id, epoch)] = run
         self.positions.forget(set(self.link.jobs))
         # Keep the last two runs of each job the directory still lists: the
@@ -307,6 +310,26 @@ class Exchanges:
             ready = run.outbox.read_and_delivered(self._read_upto(run))
             if len(ready):
                 await self._drop_given_away(entry, run, ready)
+
+    async def make_room(self, nbytes: int) -> int:
+        """Deletes about ``nbytes`` of samples this node gives away that its
+        ranks have read and no receiver has taken yet; their new owners read
+        them from the PFS. What a full node gives up when every full node's
+        exchange waits on another's (see :mod:`.receiver`). Returns how many."""
+        deleted = 0
+        for run in [r for r in self.runs.values() if not r.finished]:
+            ids = run.outbox.read_pending(self._read_upto(run), nbytes)
+            if not len(ids):
+                continue
+            run.outbox.unsettled(ids, UNAVAILABLE)
+            await self._drop_given_away(run.entry, run, ids)
+            deleted += len(ids)
+            break
+        if deleted:
+            self.given_up_samples += deleted
+            log.info("deleted samples given away and not yet shipped: exchanges into this node waited for room",
+                     extra={"fields": {"samples": deleted, "bytes_wanted": nbytes}})
+        return deleted
 
     def _read_upto(self, run: ExchangeRun) -> np.ndarray:
         """How far each of this node's ranks has read the epoch ``run`` ships out of."""
