@@ -98,7 +98,7 @@ class Client:
         self.verify = verify
         self._connection = DaemonConnection(address)
         self._directory = directory_address()
-        self._stats = ReadStats()
+        self._stats = ReadStats(at_exit=_report_every_client)
         remote = self._remote = RemoteReader(self._connection, self._stats, timeout=timeout, verify=verify)
         self._local = SharedLocalCache(lambda: remote.info.cache_path)
         _clients.add(self)
@@ -244,7 +244,8 @@ class Client:
         count the local hits and the data wait that never reached it.
 
         Best effort, like :meth:`report_epoch`; done every
-        STATS_REPORT_SECONDS while reading, at every epoch and at close.
+        STATS_REPORT_SECONDS while reading, at every epoch, at close and when
+        the process ends (a DataLoader worker's last reads).
         """
         request = self._stats.report()
         if self._connection.closed or self._remote.daemon_down:
@@ -255,6 +256,10 @@ class Client:
             )
         except DataquayError as exc:
             log.debug("counters not reported: %s", exc)
+
+    def _report_unsent(self) -> None:
+        if self._stats.unreported:
+            self.report_stats()
 
     def stats(self) -> ClientStats:
         """Counters of this process since it started using the client."""
@@ -293,6 +298,11 @@ class Client:
         self._connection.after_fork_in_child()
         self._stats.after_fork_in_child()
         self._local.after_fork_in_child()
+
+
+def _report_every_client() -> None:
+    """Reports what this process's open clients counted and did not report yet."""
+    _each_client("_report_unsent")
 
 
 def _each_client(method: str) -> None:

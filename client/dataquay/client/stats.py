@@ -2,16 +2,22 @@
 
 The counters are this process's own: a forked DataLoader worker starts from
 zero under a client id of its own, so the daemon, which sums what every
-client reports, counts each read once.
+client reports, counts each read once. A process that counted reads reports
+them as it ends, so a DataLoader worker, which neither closes its client nor
+sets an epoch, has its reads counted too.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
+import multiprocessing
+import multiprocessing.util
 import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dataquay.protos import cache_pb2 as pb
@@ -62,15 +68,45 @@ class EpochWait:
         return 100 * self.data_wait_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
 
+# Each hook of call_at_process_end -> the process it is registered in.
+_process_end_hooks: dict[Callable[[], None], int] = {}
+_process_end_lock = threading.Lock()
+
+
+def call_at_process_end(hook: Callable[[], None]) -> None:
+    """Has ``hook`` run when this process ends normally; once per process.
+
+    A child that multiprocessing started (a DataLoader worker) ends with
+    ``os._exit``, which runs no atexit handler, and its start clears the
+    multiprocessing finalizers it inherited; so the hook is registered from
+    within the process that needs it, as one of those finalizers there and
+    through atexit anywhere else.
+    """
+    pid = os.getpid()
+    with _process_end_lock:
+        if _process_end_hooks.get(hook) == pid:
+            return
+        _process_end_hooks[hook] = pid
+    if multiprocessing.parent_process() is None:
+        atexit.register(hook)
+    else:
+        multiprocessing.util.Finalize(None, hook, exitpriority=0)
+
+
 class ReadStats:
     """This process's read counters, shared by a client and its datasets.
 
     Thread-safe. The object lives as long as its client; a forked child
     resets it in place (:meth:`after_fork_in_child`), so the datasets that
     hold it count into the child's own counters.
+
+    Args:
+        at_exit: what reports the counters; called when a process that
+            counted something ends (see :func:`call_at_process_end`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, at_exit: Callable[[], None] | None = None) -> None:
+        self._at_exit = at_exit
         self._reset()
 
     def _reset(self) -> None:
@@ -83,6 +119,8 @@ class ReadStats:
         self._thread = threading.local()
         self._client_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._reported_at = time.monotonic()
+        self._counts = 0  # calls of add, so that a report with nothing new can be skipped
+        self._counts_reported = 0
 
     def add(self, tier: str, samples: int, nbytes: int, wait: float = 0.0) -> None:
         """Counts ``samples`` of ``nbytes`` read from ``tier`` and ``wait`` seconds of data wait."""
@@ -90,6 +128,9 @@ class ReadStats:
             self._samples[tier] += samples
             self._bytes[tier] += nbytes
             self._wait += wait
+            self._counts += 1
+        if self._at_exit is not None:
+            call_at_process_end(self._at_exit)
 
     def served(self, local_hits: int, local_bytes: int, started: float) -> None:
         """Counts a call's local hits and the time since ``started`` as data
@@ -126,7 +167,14 @@ class ReadStats:
         due (POSITION_REPORT_SECONDS since the last)."""
         with self._lock:
             self._positions[(job_id, rank)] = (epoch, position)
+            self._counts += 1
         return time.monotonic() - self._reported_at >= POSITION_REPORT_SECONDS
+
+    @property
+    def unreported(self) -> bool:
+        """Whether anything was counted since the last :meth:`report`."""
+        with self._lock:
+            return self._counts != self._counts_reported
 
     def report_due(self) -> bool:
         """Whether STATS_REPORT_SECONDS have passed since the last report."""
@@ -137,6 +185,7 @@ class ReadStats:
         STATS_REPORT_SECONDS from now."""
         self._reported_at = time.monotonic()
         with self._lock:
+            self._counts_reported = self._counts
             samples, nbytes, wait = dict(self._samples), dict(self._bytes), self._wait
             positions = [
                 pb.RankPosition(job=job, epoch=epoch, rank=rank, position=position)

@@ -1,0 +1,57 @@
+"""The PyTorch adapters against a real daemon: DataLoader workers whose reads
+the node counts, and a transform that is told which sample it decodes."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from one_daemon import add, daemon_stats, files_bytes, read_locally, stage
+from polling import wait_until
+
+import dataquay.client as dq
+from dataquay.server.tools import synthetic
+from dataquay.server.tools.processes import DaemonProcess
+
+if importlib.util.find_spec("torch") is None:
+    pytest.skip("torch is not installed: the adapters need it", allow_module_level=True)
+
+import torch.utils.data  # noqa: E402
+
+from dataquay.client.torch import TorchDataset  # noqa: E402
+
+SAMPLES = 48
+
+
+def as_list(batch: list[bytes]) -> list[bytes]:
+    return batch
+
+
+def local_hits_reported(daemon: DaemonProcess) -> int:
+    return {r.tier: r.samples for r in daemon_stats(daemon).client_reads}.get("local", 0)
+
+
+@pytest.fixture
+def staged(daemon: DaemonProcess, client: dq.Client, tmp_path: Path) -> dq.Dataset:
+    synthetic.make_files_dataset(tmp_path / "imgs", SAMPLES, seed=5)
+    add(daemon, "imgs", tmp_path / "imgs")
+    stage(daemon, "imgs")
+    ds = client.dataset("imgs")
+    read_locally(client, ds, range(SAMPLES))
+    client.report_stats()
+    return ds
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_reads_reach_the_daemon_counters(
+    daemon: DaemonProcess, staged: dq.Dataset, context: str
+) -> None:
+    before = local_hits_reported(daemon)
+    loader = torch.utils.data.DataLoader(
+        TorchDataset(staged), batch_size=8, num_workers=2, multiprocessing_context=context,
+        collate_fn=as_list,
+    )
+    read = [sample for batch in loader for sample in batch]
+    assert read == files_bytes(5, range(SAMPLES), (4096,))
+    wait_until(lambda: local_hits_reported(daemon) == before + SAMPLES, "the workers' local hits were reported")
