@@ -24,6 +24,7 @@ from dataquay.client.channels import channel_options, grpc_target
 from dataquay.client.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
+from dataquay.server.tools import synthetic
 from dataquay.server.tools.processes import DaemonProcess
 
 
@@ -493,3 +494,14 @@ def test_a_host_over_its_calls_in_flight_is_refused_and_local_clients_are_not(
             except grpc.RpcError as exc:
                 assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
                 time.sleep(0.05)
+
+
+def test_dataset_show_gives_an_npy_records_dtype_and_shape(daemon: DaemonProcess, tmp_path: Path) -> None:
+    root = synthetic.make_npy_dataset(tmp_path / "frames", 12, record_shape=(3, 5), dtype="int16")
+    env = {"DATAQUAY_ADDR": daemon.address}
+    assert run_cli("dataset", "add", "frames", str(root), "--format", "npy", env=env).returncode == 0
+    shown = run_cli("dataset", "show", "frames", env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert "record       dtype int16  shape (3, 5)" in shown.stdout.splitlines()
+    info = stub_for(daemon).GetDataset(pb.GetDatasetRequest(name="frames"))
+    assert (info.record_dtype, list(info.record_shape)) == ("int16", [3, 5])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 from one_daemon import add, daemon_stats, files_bytes, read_locally, stage
 from polling import wait_until
@@ -55,3 +56,22 @@ def test_dataloader_workers_reads_reach_the_daemon_counters(
     read = [sample for batch in loader for sample in batch]
     assert read == files_bytes(5, range(SAMPLES), (4096,))
     wait_until(lambda: local_hits_reported(daemon) == before + SAMPLES, "the workers' local hits were reported")
+
+
+def test_transform_with_ids_decodes_npy_records_by_sample_id(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+) -> None:
+    root = synthetic.make_npy_dataset(tmp_path / "frames", 10, record_shape=(2, 3), dtype="float64", files=2)
+    add(daemon, "frames", root)
+    ds = client.dataset("frames")
+    dtype, shape = ds.manifest.record_dtype, ds.manifest.record_shape
+    assert (dtype, shape) == (np.dtype("float64"), (2, 3))
+    expected = np.concatenate([np.load(path) for path in sorted(root.glob("*.npy"))])
+
+    def decode(sample_id: int, data: bytes) -> tuple[int, np.ndarray]:
+        return sample_id, np.frombuffer(data, dtype).reshape(shape)
+
+    frames = TorchDataset(ds, decode, with_ids=True)
+    for sample_id, array in [*frames.__getitems__([7, 2]), frames[4], frames[-1]]:
+        np.testing.assert_array_equal(array, expected[sample_id])
+    assert [i for i, _ in frames.__getitems__([7, 2])] == [7, 2] and frames[-1][0] == 9

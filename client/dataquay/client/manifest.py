@@ -43,6 +43,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 import xxhash
+from numpy.lib import format as npy_format
 
 from dataquay.client.errors import ManifestError
 
@@ -193,6 +194,18 @@ class Manifest:
     def tar_grouped(self) -> bool:
         """tar only: a sample is every member sharing a basename, framed together."""
         return bool(self.header.get("tar_grouped", False))
+
+    @property
+    def record_dtype(self) -> np.dtype | None:
+        """npy only: the dtype of one record, for ``np.frombuffer(sample, dtype)``; else None."""
+        descr = self.header.get("npy_dtype")
+        return None if descr is None else npy_format.descr_to_dtype(descr)
+
+    @property
+    def record_shape(self) -> tuple[int, ...] | None:
+        """npy only: the shape of one record (the arrays' shape without axis 0); else None."""
+        shape = self.header.get("npy_shape")
+        return None if shape is None else tuple(int(n) for n in shape)
 
     @property
     def num_paths(self) -> int:

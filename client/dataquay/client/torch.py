@@ -27,26 +27,37 @@ class TorchDataset(torch.utils.data.Dataset):
         dataset: an open dataquay dataset.
         transform: applied to each sample's bytes (decode, augment); the
             samples are returned as bytes without one.
+        with_ids: call ``transform(sample_id, data)`` instead, for decoders
+            that need to know the sample (its label in the manifest, its
+            place in an npy array: ``dataset.manifest.record_dtype`` and
+            ``record_shape`` give the rest).
 
     DataLoader fetches a whole batch through ``__getitems__`` (torch 2.1+),
     so the batch's misses go to the daemon in one request.
     """
 
-    def __init__(self, dataset: Dataset, transform: Callable[[bytes], Any] | None = None) -> None:
+    def __init__(
+        self, dataset: Dataset, transform: Callable[..., Any] | None = None, *, with_ids: bool = False
+    ) -> None:
         self.dataset = dataset
         self.transform = transform
+        self.with_ids = with_ids
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Any:
         sample = self.dataset[index]
-        return sample if self.transform is None else self.transform(sample)
+        if self.transform is None:
+            return sample
+        return self.transform(index % len(self), sample) if self.with_ids else self.transform(sample)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         samples = self.dataset.get_batch(indices)
         if self.transform is None:
             return samples
+        if self.with_ids:
+            return [self.transform(int(i), sample) for i, sample in zip(indices, samples)]
         return [self.transform(sample) for sample in samples]
 
 

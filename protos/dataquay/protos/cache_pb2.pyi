@@ -133,7 +133,7 @@ class SampleSizeStats(_message.Message):
     def __init__(self, min: _Optional[int] = ..., max: _Optional[int] = ..., mean: _Optional[float] = ..., median: _Optional[int] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("name", "root", "format", "num_samples", "total_bytes", "sample_size", "manifest_id", "cache_db", "manifest_bytes", "cached_samples", "cached_bytes", "created_unix")
+    __slots__ = ("name", "root", "format", "num_samples", "total_bytes", "sample_size", "manifest_id", "cache_db", "manifest_bytes", "cached_samples", "cached_bytes", "created_unix", "record_dtype", "record_shape")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,8 @@ class DatasetInfo(_message.Message):
     CACHED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    RECORD_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RECORD_SHAPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     root: str
     format: DatasetFormat
@@ -158,7 +160,9 @@ class DatasetInfo(_message.Message):
     cached_samples: int
     cached_bytes: int
     created_unix: float
-    def __init__(self, name: _Optional[str] = ..., root: _Optional[str] = ..., format: _Optional[_Union[DatasetFormat, str]] = ..., num_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sample_size: _Optional[_Union[SampleSizeStats, _Mapping]] = ..., manifest_id: _Optional[str] = ..., cache_db: _Optional[str] = ..., manifest_bytes: _Optional[int] = ..., cached_samples: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
+    record_dtype: str
+    record_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., root: _Optional[str] = ..., format: _Optional[_Union[DatasetFormat, str]] = ..., num_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sample_size: _Optional[_Union[SampleSizeStats, _Mapping]] = ..., manifest_id: _Optional[str] = ..., cache_db: _Optional[str] = ..., manifest_bytes: _Optional[int] = ..., cached_samples: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., record_dtype: _Optional[str] = ..., record_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListDatasetsRequest(_message.Message):
     __slots__ = ()

@@ -31,4 +31,6 @@ def dataset_info(entry: Registered, cached_samples: int = 0, cached_bytes: int =
         cached_samples=cached_samples,
         cached_bytes=cached_bytes,
         created_unix=record.created,
+        record_dtype=str(manifest.record_dtype) if manifest.record_dtype is not None else "",
+        record_shape=manifest.record_shape or (),
     )

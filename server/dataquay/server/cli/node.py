@@ -80,6 +80,7 @@ def cmd_dataset_show(args: argparse.Namespace) -> None:
         ("sample size", f"min {s.min}  median {s.median}  mean {s.mean:.0f}  max {s.max}"),
         ("cached", f"{d.cached_samples} samples, {format_bytes(d.cached_bytes)}"),
         ("manifest", f"{d.manifest_id} ({format_bytes(d.manifest_bytes)})"),
+        *([("record", f"dtype {d.record_dtype}  shape {tuple(d.record_shape)}")] if d.record_dtype else []),
     ):
         print(f"{key:<12} {value}")
 
