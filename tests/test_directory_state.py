@@ -103,6 +103,16 @@ def test_registration_reports_what_changed() -> None:
     assert up_names(state) == ["a"]
 
 
+def test_a_node_restored_from_the_state_file_registers_from_a_new_address_as_up_not_renewed() -> None:
+    state = cluster("a", "b")
+    restarted = DirectoryState.from_json(json.loads(json.dumps(state.to_json())), LEASE, now=50.0)
+    moved = restarted.register(NodeInfo("a", "10.9.9.9:7070"), 51.0)
+    assert moved.change is Change.UP and moved.previous == info("a")
+    assert restarted.heartbeat("b", 0, 0, now=51.0).known
+    assert restarted.register(NodeInfo("b", "10.9.9.8:7070"), 52.0).change is Change.RENEWED
+    assert restarted.register(NodeInfo("a", "10.9.9.7:7070"), 53.0).change is Change.RENEWED
+
+
 @pytest.mark.parametrize(
     ("node", "message"),
     [

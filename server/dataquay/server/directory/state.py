@@ -91,7 +91,7 @@ class Change(enum.Enum):
     """What a registration did to the node's membership."""
 
     JOINED = "joined"    # a name never seen before
-    UP = "up"            # a node that was down is back
+    UP = "up"            # a node that was down, or not heard from since the directory restarted, is back
     RENEWED = "renewed"  # a live node registered again (a restart)
 
 
@@ -158,6 +158,9 @@ class DirectoryState:
         self._nodes: dict[str, Node] = {}
         self._leases: OrderedDict[str, float] = OrderedDict()
         self._jobs: dict[str, Job] = {}
+        # Nodes restored up from a state file that have neither registered nor
+        # heartbeated since: whoever registers such a name is no second daemon.
+        self._unheard: set[str] = set()
 
     # ---------------------------------------------------------------- nodes
 
@@ -173,7 +176,9 @@ class DirectoryState:
             change, previous = Change.JOINED, None
             self._nodes[info.name] = Node(info, registered=now, last_heartbeat=now)
         else:
-            change, previous = (Change.RENEWED if node.up else Change.UP), node.info
+            live = node.up and info.name not in self._unheard
+            change, previous = (Change.RENEWED if live else Change.UP), node.info
+            self._unheard.discard(info.name)
             node.info, node.registered, node.last_heartbeat, node.up = info, now, now, True
             node.beat_sequence = 0
         self._renew(info.name, now)
@@ -199,6 +204,7 @@ class DirectoryState:
         self.heartbeats += 1
         if node is None:
             return Beat(known=False, came_up=False)
+        self._unheard.discard(name)
         node.last_heartbeat = now
         node.cache_used_bytes = cache_used_bytes
         node.cache_entries = cache_entries
@@ -445,6 +451,7 @@ class DirectoryState:
                 state._nodes[node.info.name] = node
                 if node.up:
                     state._renew(node.info.name, now)
+                    state._unheard.add(node.info.name)
             for raw in doc["jobs"]:
                 spec = JobSettings(**raw["spec"])
                 state._jobs[spec.job_id] = Job(**{"last_active": now, **raw, "spec": spec})
