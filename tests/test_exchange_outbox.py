@@ -14,7 +14,7 @@ from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.manifest_build import build_manifest
 from dataquay.server.node.exchange.outbox import PENDING, REFUSED, UNAVAILABLE, Outbox
 from dataquay.server.node.exchange.positions import WHOLE_EPOCH, ReadPositions
-from dataquay.server.node.placements import Placements
+from dataquay.server.node.placements import Placement, Placements
 from dataquay.server.registry import Registry
 from dataquay.server.tools.synthetic import make_files_dataset
 
@@ -103,6 +103,28 @@ def test_a_restarted_daemon_steps_on_from_saved_owners_instead_of_replaying(tmp_
     assert np.array_equal(asyncio.run(restarted.placement("j", entry)).owners, tampered)
     following = asyncio.run(restarted.placement("j", entry, epoch + 1)).owners
     assert np.array_equal(following, owners(job_plan(job, entry.manifest), epoch + 1, tampered))
+
+
+def test_concurrent_asks_for_one_epoch_compute_and_save_it_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = make_files_dataset(tmp_path / "pfs", 300, sizes=(100,))
+    registry = Registry(tmp_path / "state")
+    registry.load()
+    entry, _ = registry.add("imgs", build_manifest(root), replace=False)
+    spec = job_spec("j", "imgs", mode="partial", q=0.3, nodes=["a", "b", "c"], seed=11, partition="sample")
+    job = jpb.Job(spec=spec, manifest_id=entry.manifest.manifest_id, num_samples=300, epoch=5, created_unix=1.5)
+    placements = Placements(Link(job), "b", tmp_path / "state")  # type: ignore[arg-type]
+
+    async def ask_four_times() -> list[Placement]:
+        return await asyncio.gather(*(placements.placement("j", entry) for _ in range(4)))
+
+    first, *others = asyncio.run(ask_four_times())
+    assert all(other is first for other in others)
+    assert np.array_equal(first.owners, owners(job_plan(job, entry.manifest), 5))
+    saved = sorted(p.name for p in (tmp_path / "state" / "placements" / "j").iterdir())
+    assert len(saved) == 1 and saved[0].endswith("-5.npy")
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
 def test_each_receivers_ids_go_in_the_order_this_nodes_ranks_read_them() -> None:

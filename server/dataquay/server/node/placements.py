@@ -12,8 +12,9 @@ from the last one instead of replaying every epoch since the first.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import threading
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,10 @@ class Placements:
         self.node_name = node_name
         self.saved_dir = state_dir / "placements" if state_dir is not None else None
         self._kept: dict[tuple[str, str, int], Placement] = {}
+        # One computation per (job, dataset version, epoch, job creation) at a
+        # time: callers that ask meanwhile wait for it and take its result.
+        self._computing: dict[tuple[str, str, int, float], asyncio.Lock] = {}
+        self._saves = itertools.count()
 
     async def placement(self, job_id: str, entry: Registered, epoch: int | None = None) -> Placement:
         """The job's placement for ``epoch`` (default: the job's current epoch).
@@ -87,6 +92,20 @@ class Placements:
         kept = self._kept.get(key)
         if kept is not None and kept.job.created_unix == job.created_unix:
             return kept
+        computing = (*key, job.created_unix)
+        lock = self._computing.setdefault(computing, asyncio.Lock())
+        try:
+            async with lock:
+                kept = self._kept.get(key)
+                if kept is not None and kept.job.created_unix == job.created_unix:
+                    return kept
+                return await self._compute(job, entry, epoch)
+        finally:
+            if not lock.locked():
+                self._computing.pop(computing, None)
+
+    async def _compute(self, job: jpb.Job, entry: Registered, epoch: int) -> Placement:
+        key = (job.spec.job_id, entry.record.manifest_id, epoch)
         plan = job_plan(job, entry.manifest)
         nodes = list(job.spec.nodes)
         index = nodes.index(self.node_name) if self.node_name in nodes else -1
@@ -136,7 +155,8 @@ class Placements:
         try:
             loaded = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as exc:
-            log.warning("ignoring an unreadable saved placement", extra={"fields": {"path": str(path), "error": str(exc)}})
+            log.warning("ignoring an unreadable saved placement",
+                        extra={"fields": {"path": str(path), "error": str(exc)}})
             return None
         return loaded if loaded.shape == (job.num_samples,) else None
 
@@ -146,8 +166,7 @@ class Placements:
             return
         try:
             private_dir(path.parent)
-            # Two tasks may save the same epoch at once: each writes a file of its own.
-            partial = path.with_suffix(f".{threading.get_ident()}.tmp.npy")
+            partial = path.with_suffix(f".{os.getpid()}-{next(self._saves)}.tmp.npy")
             with open(partial, "wb", opener=private_opener) as out:
                 np.save(out, epoch_owners, allow_pickle=False)
             partial.replace(path)
