@@ -20,6 +20,7 @@ import numpy as np
 from dataquay.client.channels import batch_deadline
 from dataquay.client.connection import DaemonConnection
 from dataquay.client.errors import CorruptValueError, DaemonUnavailableError, DataquayError
+from dataquay.client.notices import first_to_tell, no_longer
 from dataquay.client.pieces import Joiner
 from dataquay.client.records import checksum
 from dataquay.client.shm import Segment, SegmentPool
@@ -70,6 +71,10 @@ class RemoteReader:
         self._down_reason: str | None = None
         self._pfs: dict[tuple[str, str], PfsReader] = {}
         self._segments = SegmentPool()
+
+    @property
+    def _down_topic(self) -> str:
+        return f"daemon down: {self._connection.address}"
 
     @property
     def daemon_down(self) -> bool:
@@ -169,7 +174,10 @@ class RemoteReader:
     def mark_down(self, exc: DaemonUnavailableError) -> None:
         """Reads go to the PFS until the daemon answers a probe; ``exc`` says why."""
         if self._down_reason is None:
-            log.warning(
+            # Once for a trainer and its DataLoader workers, not once each.
+            told = first_to_tell(self._down_topic)
+            log.log(
+                logging.WARNING if told else logging.DEBUG,
                 "%s; reading misses from the PFS and trying the daemon again every %.0f s",
                 exc, RETRY_DAEMON_SECONDS,
             )
@@ -195,6 +203,7 @@ class RemoteReader:
         """Marks the daemon reachable again; ``info`` is its answer to Info, if just asked."""
         if self._down_reason is not None:
             self._down_reason = None
+            no_longer(self._down_topic)
             log.info("dataquay daemon at %s answers again; misses go through it", self._connection.address)
             # A restarted daemon may run with other limits.
             self.info = info or self._connection.call(
