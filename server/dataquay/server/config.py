@@ -21,7 +21,7 @@ import json
 import os
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from socket import gethostname
 from typing import Any, ClassVar, Self
@@ -90,6 +90,15 @@ def _option(default: Any, help: str, parse: Callable[[str], Any] = str, **extra:
     if callable(default) and not isinstance(default, type):
         return field(default_factory=default, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def _default_text(f: Field[Any]) -> str:
+    """A field's default as ``--help`` shows it, escaped for argparse."""
+    value = f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
+    if isinstance(value, tuple):
+        value = os.pathsep.join(map(str, value))
+    text = "none" if value is None else '""' if value == "" else str(value)
+    return text.replace("%", "%%")
 
 
 def _closest(word: str, known: Iterable[str]) -> str | None:
@@ -247,7 +256,7 @@ class FlagConfig:
                 dest=f.name,
                 default=None,
                 choices=f.metadata.get("choices"),
-                help=f"{f.metadata['help']} [env {env}]",
+                help=f"{f.metadata['help']} (default: {_default_text(f)}) [env {env}]",
             )
         add_config_argument(parser)
 

@@ -13,6 +13,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from dataquay.server import __version__
 from dataquay.server.cli import analyze, bench, cluster, config, directory, node, simulate, token
 from dataquay.server.cli.common import CliError
 from dataquay.server.errors import DataquayError
@@ -22,6 +23,7 @@ COMMAND_GROUPS = (node, directory, cluster, config, token, simulate, analyze, be
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dataquay", description="Stage training data next to the GPUs.")
+    parser.add_argument("--version", action="version", version=f"dataquay {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in COMMAND_GROUPS:
         group.register(sub)

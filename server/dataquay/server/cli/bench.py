@@ -37,12 +37,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser(
         "bench",
         help="how long trainers wait for data: the PFS directly, a page cache and every dataquay mode",
-        description="Without a BENCHMARK: the data-stall benchmark (stall.json, stall.png). "
+        description="Without a BENCHMARK: the data-stall benchmark (stall.json; stall.png with matplotlib). "
         "`dataquay bench load`: many clients reading from one daemon (load.json). "
         "`dataquay bench overflow`: a dataset larger than the caches (overflow.json).",
     )
     bench.add_argument("--quick", action="store_true", help="a smaller dataset and 3 epochs (a few minutes)")
-    bench.add_argument("--out", default="bench/results", help="where stall.json and stall.png go")
+    bench.add_argument(
+        "--out", default="bench/results", help="where stall.json and stall.png go (default bench/results)"
+    )
     bench.set_defaults(func=cmd_bench)
     benchmarks = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     load = benchmarks.add_parser(

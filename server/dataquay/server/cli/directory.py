@@ -135,10 +135,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ls = jsub.add_parser("ls", help="list jobs")
     ls.set_defaults(func=cmd_job_ls)
     show = jsub.add_parser("show", help="every setting of a job and its node list in rank order")
-    show.add_argument("job_id", metavar="ID")
+    show.add_argument("job_id", metavar="ID", help="a job id, as `job ls` lists them")
     show.set_defaults(func=cmd_job_show)
     drop = jsub.add_parser("drop", help="forget a job record (its daemons keep their caches)")
-    drop.add_argument("job_id", metavar="ID")
+    drop.add_argument("job_id", metavar="ID", help="a job id, as `job ls` lists them")
     drop.set_defaults(func=cmd_job_drop)
     prune = jsub.add_parser(
         "prune", help="drop the jobs idle (no join, no epoch reported) for DURATION or longer"

@@ -211,8 +211,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     dataset = sub.add_parser("dataset", help="register, list, inspect and drop datasets")
     dsub = dataset.add_subparsers(dest="action", required=True, metavar="ACTION")
     add = dsub.add_parser("add", help="register a dataset that lives under ROOT")
-    add.add_argument("name")
-    add.add_argument("root")
+    add.add_argument("name", help="the name trainers open it by")
+    add.add_argument("root", help="the dataset's top directory on the PFS (inside the daemon's --dataset-roots)")
     add.add_argument("--format", choices=sorted(FORMATS), help="default: detected from the files")
     add.add_argument("--replace", action="store_true", help="replace a dataset of the same name")
     add.add_argument(
@@ -223,10 +223,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ls = dsub.add_parser("ls", help="list datasets")
     ls.set_defaults(func=cmd_dataset_ls)
     show = dsub.add_parser("show", help="size, format and sample statistics of a dataset")
-    show.add_argument("name")
+    show.add_argument("name", help="a registered dataset")
     show.set_defaults(func=cmd_dataset_show)
     drop = dsub.add_parser("drop", help="unregister a dataset and free its cache")
-    drop.add_argument("name")
+    drop.add_argument("name", help="a registered dataset")
     drop.set_defaults(func=cmd_dataset_drop)
     for p in (add, ls, show, drop):
         add_addr(p)
@@ -234,7 +234,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     stage = sub.add_parser(
         "stage", help="copy a dataset from the PFS into the cache; with --job, each node of the job its share"
     )
-    stage.add_argument("name")
+    stage.add_argument("name", help="a registered dataset")
     stage.add_argument("--seed", type=_seed, help="the job's shuffle seed (sets the staging order; default 0)")
     stage.add_argument("--quiet", action="store_true", help="no progress bar")
     cluster = stage.add_argument_group("cluster staging: create or join a job, stage on all its nodes")
@@ -262,6 +262,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     status.set_defaults(func=cmd_status)
 
     demo = sub.add_parser("demo", help="a local daemon, a synthetic dataset, a few epochs, a report")
-    demo.add_argument("--samples", type=int, default=4000)
-    demo.add_argument("--epochs", type=int, default=3)
+    demo.add_argument("--samples", type=int, default=4000, help="samples in the synthetic dataset (default 4000)")
+    demo.add_argument("--epochs", type=int, default=3, help="epochs to read (default 3)")
     demo.set_defaults(func=cmd_demo)

@@ -20,6 +20,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     token = sub.add_parser("token", help="make the cluster token")
     tsub = token.add_subparsers(dest="action", required=True, metavar="ACTION")
     new = tsub.add_parser("new", help="write a fresh random token to PATH, readable by its owner only")
-    new.add_argument("path")
+    new.add_argument("path", help="the token file to write (its directory must exist)")
     new.add_argument("--force", action="store_true", help="replace the token in an existing file")
     new.set_defaults(func=cmd_new)

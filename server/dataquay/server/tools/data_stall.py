@@ -87,7 +87,7 @@ class EpochRow:
 
 
 def run_benchmark(samples: int, epochs: int, out_dir: Path, progress: bool = True) -> list[EpochRow]:
-    """Runs every system for ``epochs`` epochs; writes stall.json (and stall.png) to ``out_dir``."""
+    """Runs every system for ``epochs`` epochs; writes stall.json to ``out_dir``."""
     world = NODES * RANKS_PER_NODE
     samples -= samples % (world * BATCH)
     total = sum(SIZES[i % len(SIZES)] for i in range(samples))
@@ -107,7 +107,6 @@ def run_benchmark(samples: int, epochs: int, out_dir: Path, progress: bool = Tru
         "benchmark": "stall", "samples": samples, "dataset_mb": total / 1e6, "pfs_mb_per_s": PFS_BYTES_PER_SECOND / 1e6,
         "compute_s_per_batch": COMPUTE_SECONDS, "batch": BATCH, "rows": [asdict(r) for r in rows],
     }, indent=1))
-    _plot(rows, out_dir / "stall.png")
     return rows
 
 
@@ -172,15 +171,16 @@ def _run(*argv: str) -> None:
         raise SystemExit(f"dataquay {' '.join(argv)} failed")
 
 
-def _plot(rows: list[EpochRow], path: Path) -> None:
+def plot(rows: list[EpochRow], path: Path) -> bool:
+    """Draws the stall of every system per epoch to ``path``; False, writing
+    nothing, without matplotlib (an optional extra)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("  (no plot: pip install dataquay[bench] for matplotlib)")
-        return
+        return False
     figure, axes = plt.subplots(figsize=(7, 4))
     for name in dict.fromkeys(r.system for r in rows):
         mine = [r for r in rows if r.system == name]
@@ -194,6 +194,14 @@ def _plot(rows: list[EpochRow], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+    return True
+
+
+def results_line(out_dir: Path, plotted: bool) -> str:
+    """Where the results went, naming only files that were written."""
+    if plotted:
+        return f"results in {out_dir}/stall.json and stall.png"
+    return f"results in {out_dir}/stall.json; no plot (pip install dataquay[bench] for matplotlib)"
 
 
 def print_table(rows: list[EpochRow]) -> None:
@@ -210,6 +218,7 @@ def main(quick: bool, out_dir: Path) -> list[EpochRow]:
     # The full run's epochs are long enough that a rank's first batch, which
     # no read-ahead can hide, weighs about 1% of an epoch.
     rows = run_benchmark(1600 if quick else 9600, 3 if quick else 5, out_dir)
+    plotted = plot(rows, out_dir / "stall.png")
     print_table(rows)
-    print(f"\n({time.perf_counter() - started:.0f} s; results in {out_dir}/stall.json and stall.png)")
+    print(f"\n({time.perf_counter() - started:.0f} s; {results_line(out_dir, plotted)})")
     return rows
