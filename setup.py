@@ -1,5 +1,7 @@
 """The one compiled part: dataquay.client._records, the per-sample loops of
-local hits and the framing of cache values.
+local hits and the framing of cache values. Optional: where it cannot be built
+(no C compiler, no Python headers) the install goes on without it and the
+client runs the same loops in Python (dataquay.client.record_loops).
 
 Everything else is declared in pyproject.toml; setuptools reads extension
 modules from here (its pyproject.toml form is still experimental). xxHash is
@@ -28,6 +30,7 @@ setup(
             include_dirs=[XXHASH],
             define_macros=macros,
             extra_compile_args=["-O3"],
+            optional=True,
         )
     ]
 )

@@ -10,12 +10,12 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import numpy as np
 import pytest
 
-from dataquay.client import _records, local
+from dataquay.client import _records, _records_py, local
 from dataquay.client.errors import DataquayError, SampleIdError
 from dataquay.client.local import LocalCache, sample_keys
 from dataquay.client.records import checksum, encode_value, sample_key
@@ -74,24 +74,32 @@ def test_sample_keys_match_the_record_format_and_reject_bad_ids() -> None:
         sample_keys(np.array([1.5]))
 
 
-def test_the_c_read_loop_checks_and_copies_as_records_lays_values_out() -> None:
+@pytest.mark.parametrize("loops", [_records, _records_py], ids=["c", "python"])
+def test_the_read_loops_check_and_copy_as_records_lays_values_out(loops: ModuleType) -> None:
     big = payload(3, 300_000)  # large enough to be hashed without the GIL
     for framed in (b"", b"x", payload(1), big):  # the vendored xxHash agrees with the xxhash package
-        assert encode_value(framed) == checksum(framed).to_bytes(8, "little") + framed
-    assert encode_value(memoryview(big), 7) == (7).to_bytes(8, "little") + big
+        assert loops.encode_value(framed) == checksum(framed).to_bytes(8, "little") + framed
+    assert loops.encode_value(memoryview(big), 7) == (7).to_bytes(8, "little") + big
+    with pytest.raises(OverflowError):
+        loops.encode_value(b"x", 2**64)
     flipped = bytearray(encode_value(payload(2)))
     flipped[-1] ^= 0x80
-    values = [encode_value(payload(1)), None, bytes(flipped), b"short", encode_value(b""), memoryview(encode_value(big))]
-    copies, absent, corrupt = _records.payload_copies(values, True)
+    values = [
+        encode_value(payload(1)), None, bytes(flipped), b"short", encode_value(b""), memoryview(encode_value(big))
+    ]
+    copies, absent, corrupt = loops.payload_copies(values, True)
     assert copies == [payload(1), None, None, None, b"", big]
     assert (absent, corrupt) == (1, 2)
-    unchecked, _, corrupt = _records.payload_copies(values, False)
+    unchecked, _, corrupt = loops.payload_copies(values, False)
     assert unchecked[2] == bytes(flipped)[8:] and unchecked[3] is None and corrupt == 1
     with pytest.raises(TypeError):
-        _records.payload_copies([1], True)
-    assert _records.sample_keys([np.int64(7), True, 2**64 - 1]) == [sample_key(7), sample_key(1), b"\xff" * 8]
-    with pytest.raises(OverflowError):
-        _records.sample_keys([2**64])
+        loops.payload_copies([1], True)
+    assert loops.sample_keys([np.int64(7), True, 2**64 - 1]) == [sample_key(7), sample_key(1), b"\xff" * 8]
+    for bad in (2**64, -1):
+        with pytest.raises(OverflowError):
+            loops.sample_keys([bad])
+    with pytest.raises(TypeError):
+        loops.sample_keys([1.5])
 
 
 def test_get_many_returns_payloads_in_request_order_with_none_for_misses(env_path: Path) -> None:

@@ -37,7 +37,7 @@ from typing import TypeVar
 import lmdb
 import numpy as np
 
-from dataquay.client import _records
+from dataquay.client import record_loops
 from dataquay.client.errors import DataquayError, SampleIdError
 from dataquay.client.records import CHECKSUM_BYTES, checksum
 
@@ -74,7 +74,7 @@ def sample_keys(ids: np.ndarray | Sequence[int]) -> list[bytes]:
             raise TypeError(f"sample ids must be integers, not {ids.dtype}")
         ids = ids.ravel().tolist()
     try:
-        return _records.sample_keys(ids)
+        return record_loops.sample_keys(ids)
     except OverflowError:
         bad = min(ids) if min(ids) < 0 else max(ids)
         raise SampleIdError(f"sample id {bad} is not in 0..2**64-1") from None
@@ -99,7 +99,7 @@ def _lookup(txn: lmdb.Transaction[memoryview], keys: Sequence[bytes]) -> list[me
 def _verified(values: list[memoryview | None], verify: bool) -> tuple[list[memoryview | None], int, int]:
     """Payload views of cache values (None for a miss, a value shorter than
     its header or, with ``verify``, one whose checksum fails), how many were
-    absent and how many failed; :func:`_records.payload_copies` without the copy."""
+    absent and how many failed; :func:`record_loops.payload_copies` without the copy."""
     out: list[memoryview | None] = []
     append = out.append
     header, digest, skip = _header, checksum, CHECKSUM_BYTES
@@ -201,7 +201,7 @@ class LocalCache:
         txn, pid = begun
         bad = 0
         try:
-            payloads, absent, bad = _records.payload_copies(_lookup(txn, keys), verify)
+            payloads, absent, bad = record_loops.payload_copies(_lookup(txn, keys), verify)
             out.extend(payloads)
             out.misses = absent + bad
         except lmdb.Error as exc:

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import xxhash
 
-from dataquay.client import _records
+from dataquay.client import record_loops
 
 CHECKSUM_BYTES = 8
 _CHECKSUM = struct.Struct("<Q")
@@ -45,7 +45,7 @@ def encode_value(payload: bytes | memoryview, digest: int | None = None) -> byte
 
     Large payloads are copied and hashed without the GIL.
     """
-    return _records.encode_value(payload, digest)
+    return record_loops.encode_value(payload, digest)
 
 
 def stored_checksum(value: bytes | memoryview) -> int:

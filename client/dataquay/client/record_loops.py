@@ -1,0 +1,32 @@
+"""The per-sample loops of local hits and of framing cache values: the C
+extension ``_records`` where it was built, else the same loops in Python.
+
+An install without a C compiler still works (setup.py marks the extension
+optional), only slower where samples are small and many; it says so once, at
+the first import of a trainer and its DataLoader workers together.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from dataquay.client.notices import first_to_tell
+
+log = logging.getLogger("dataquay.client")
+
+try:
+    from dataquay.client._records import encode_value, payload_copies, sample_keys
+
+    COMPILED = True
+except ImportError:
+    from dataquay.client._records_py import encode_value, payload_copies, sample_keys
+
+    COMPILED = False
+    if first_to_tell("records not compiled"):
+        log.warning(
+            "dataquay's C extension (dataquay.client._records) is not built, so local hits and cache values are "
+            "handled in Python: several times slower per sample for small samples. Install a wheel, or reinstall "
+            "with a C compiler and the Python headers."
+        )
+
+__all__ = ["COMPILED", "encode_value", "payload_copies", "sample_keys"]
