@@ -1,0 +1,93 @@
+"""What a release ships: an sdist that holds everything the tests need, a wheel
+with both licences, and an install that works where no C compiler is found."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import site
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD = "import sys; from setuptools import build_meta as b; print(getattr(b, sys.argv[1])(sys.argv[2]))"
+
+
+def build(hook: str, source: Path, out: Path, **env: str) -> Path:
+    """Runs a PEP 517 hook of setuptools in ``source``: what pip runs, less the isolation."""
+    done = subprocess.run(
+        [sys.executable, "-c", BUILD, hook, str(out)], cwd=source, capture_output=True, text=True, timeout=300,
+        env={**os.environ, **env},
+    )
+    assert done.returncode == 0, done.stderr
+    return out / done.stdout.splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("build_sdist", REPO, tmp_path_factory.mktemp("sdist"))
+
+
+@pytest.fixture(scope="module")
+def wheel_without_compiler(sdist: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel built from the sdist where the C compiler fails, as on a node without one."""
+    unpacked = tmp_path_factory.mktemp("unpacked")
+    with tarfile.open(sdist) as archive:
+        archive.extractall(unpacked, filter="data")
+    (source,) = unpacked.iterdir()
+    return build("build_wheel", source, tmp_path_factory.mktemp("wheel"), CC="/bin/false")
+
+
+def test_the_sdist_holds_the_licence_and_every_file_the_tests_read(sdist: Path) -> None:
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: which files are the project's is git's to say")
+    listed = subprocess.run(
+        ["git", "ls-files", "tests", "deploy", "bench"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    with tarfile.open(sdist) as archive:
+        shipped = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    needed = {"LICENSE", "Makefile", "client/third_party/xxhash/LICENSE", "tests/conftest.py", *listed}
+    assert sorted(needed - shipped) == []
+    assert (REPO / "LICENSE").read_text().split()[:4] == ["Apache", "License", "Version", "2.0,"]
+
+
+def test_the_wheel_carries_both_licences_and_no_tests(wheel_without_compiler: Path) -> None:
+    with zipfile.ZipFile(wheel_without_compiler) as archive:
+        names = archive.namelist()
+        metadata = archive.read("dataquay-0.1.0.dist-info/METADATA").decode()
+    licences = sorted(n.split("/licenses/", 1)[1] for n in names if "/licenses/" in n)
+    assert licences == ["LICENSE", "client/third_party/xxhash/LICENSE"]
+    assert "License-Expression: Apache-2.0" in metadata.splitlines()
+    assert not [n for n in names if n.startswith("tests/") or "/tests/" in n]
+
+
+def test_without_a_c_compiler_the_install_runs_the_python_loops_and_says_so_once(
+    wheel_without_compiler: Path, tmp_path: Path
+) -> None:
+    with zipfile.ZipFile(wheel_without_compiler) as archive:
+        assert not [n for n in archive.namelist() if n.endswith(".so")]
+        archive.extractall(tmp_path / "installed")
+    # -S: the dependencies from this environment, but not its editable dataquay.
+    script = (
+        "import sys; sys.path[:0] = sys.argv[1:]\n"
+        "from dataquay.client import record_loops, records\n"
+        "import dataquay.client.local\n"
+        "assert not record_loops.COMPILED and record_loops.__file__.startswith(sys.argv[1])\n"
+        "value = records.encode_value(b'sample')\n"
+        "assert bytes(records.decode_value(value)) == b'sample'\n"
+        "assert records.stored_checksum(value) == records.checksum(b'sample')\n"
+        "print(dataquay.client.local.sample_keys([1, 2]))\n"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-S", "-c", script, str(tmp_path / "installed"), *site.getsitepackages()],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": ""},
+        start_new_session=True,  # a process group of its own, which no earlier run has told
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == repr([(1).to_bytes(8, "big"), (2).to_bytes(8, "big")])
+    assert ran.stderr.count("not built") == 1 and "slower" in ran.stderr
