@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-repeat test-all faults tools bench proto lint typecheck clean
+.PHONY: demo test test-repeat test-all faults tools bench proto lint typecheck dist clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -59,5 +59,19 @@ proto: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/python -m mypy client/dataquay/client client/dataquay/analyze server/dataquay/server
 
+# dist/: the sdist, and a wheel built from it for this machine, which must hold
+# the compiled extension (an install without a compiler falls back to Python
+# loops; a wheel must not). Wheels for every Linux come from cibuildwheel, set
+# up in pyproject.toml: `cibuildwheel --platform linux` where Docker runs.
+PEP517 = $(CURDIR)/$(BIN)/python -c 'import sys; from setuptools import build_meta as b; print(getattr(b, sys.argv[1])(sys.argv[2]))'
+dist: $(STAMP)
+	rm -rf dist
+	$(PEP517) build_sdist dist
+	tmp=$$(mktemp -d) && tar xzf dist/*.tar.gz -C $$tmp && \
+	  (cd $$tmp/* && $(PEP517) build_wheel $(CURDIR)/dist); status=$$?; rm -rf $$tmp; exit $$status
+	$(BIN)/python -c 'import glob, sys, zipfile; \
+	  sys.exit(None if any(n.endswith(".so") for n in zipfile.ZipFile(glob.glob("dist/*.whl")[0]).namelist()) \
+	  else "dist: the wheel has no compiled extension (is a C compiler installed?)")'
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info
