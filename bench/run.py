@@ -20,6 +20,7 @@ import miss_bound  # noqa: E402
 import peers  # noqa: E402
 import placement  # noqa: E402
 import reads  # noqa: E402
+import record_loops  # noqa: E402
 import staging  # noqa: E402
 import tight_storage  # noqa: E402
 from common import RESULTS, machine  # noqa: E402
@@ -32,6 +33,7 @@ def main() -> None:
     benchmarks = (
         ("reads", reads.main),
         ("miss_bound", miss_bound.main),
+        ("record_loops", record_loops.main),
         ("staging", staging.main),
         ("memory", memory.main),
         ("placement", placement.main),

@@ -1,7 +1,6 @@
 """The loops of ``_records.c`` in Python, for an install where the extension
-could not be built (no C compiler): the same keys, values and errors, at a
-few times the cost per sample for small samples (see
-:mod:`dataquay.client.record_loops`)."""
+could not be built (no C compiler): the same keys, values and errors, at
+half to three quarters of the compiled rate (bench/record_loops.py)."""
 
 from __future__ import annotations
 

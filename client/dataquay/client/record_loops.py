@@ -2,7 +2,7 @@
 extension ``_records`` where it was built, else the same loops in Python.
 
 An install without a C compiler still works (setup.py marks the extension
-optional), only slower where samples are small and many; it says so once, at
+optional), only slower (bench/record_loops.py); it says so once, at
 the first import of a trainer and its DataLoader workers together.
 """
 
@@ -25,8 +25,8 @@ except ImportError:
     if first_to_tell("records not compiled"):
         log.warning(
             "dataquay's C extension (dataquay.client._records) is not built, so local hits and cache values are "
-            "handled in Python: several times slower per sample for small samples. Install a wheel, or reinstall "
-            "with a C compiler and the Python headers."
+            "handled in Python, at about half to three quarters of the compiled rate. Install a wheel, or "
+            "reinstall with a C compiler and the Python headers."
         )
 
 __all__ = ["COMPILED", "encode_value", "payload_copies", "sample_keys"]
