@@ -157,6 +157,23 @@ def test_a_malformed_state_is_refused(change: dict[str, object], message: str) -
         sampler.load_state_dict(state)
 
 
+def test_a_cursor_saved_with_the_ids_consumed_resumes_there_not_where_the_iterator_is() -> None:
+    sampler = Sampler(20, rank=0, world_size=1, seed=2)
+    ids = iter(sampler)
+    taken = [next(ids) for _ in range(9)]
+    assert sampler.state_dict()["position"] == 9
+    state = sampler.state_dict(consumed=5)
+    assert state["position"] == 5 and sampler.position == 9
+    resumed = Sampler(20, rank=0, world_size=1, seed=2)
+    resumed.load_state_dict(state)
+    assert taken[:5] + list(resumed) == list(Sampler(20, rank=0, world_size=1, seed=2))
+    list(ids)  # the iterator is done; training used all 20: the next epoch starts at 0
+    assert sampler.state_dict(consumed=20)["position"] == 0 and sampler.state_dict(consumed=17)["position"] == 17
+    for bad in (-1, 21):
+        with pytest.raises(ValueError, match=f"consumed={bad} is outside the 20 ids"):
+            sampler.state_dict(consumed=bad)
+
+
 def test_torch_sampler_forwards_the_cursor_that_stateful_dataloader_saves() -> None:
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed: the adapter needs it")

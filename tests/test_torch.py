@@ -21,7 +21,8 @@ if importlib.util.find_spec("torch") is None:
 
 import torch.utils.data  # noqa: E402
 
-from dataquay.client.torch import TorchDataset  # noqa: E402
+from dataquay.client.sampler import Sampler  # noqa: E402
+from dataquay.client.torch import TorchDataset, TorchSampler  # noqa: E402
 
 SAMPLES = 48
 
@@ -101,3 +102,19 @@ def test_a_dead_daemon_is_warned_of_once_for_all_workers_and_epochs(
         handler.close()
     warnings = (tmp_path / "client.log").read_text().splitlines()
     assert len(warnings) == 1 and "unreachable" in warnings[0], warnings
+
+
+def test_a_dataloader_runs_ahead_of_the_cursor_and_consumed_saves_what_it_yielded() -> None:
+    sampler = TorchSampler(Sampler(64, rank=0, world_size=1, seed=3))
+    loader = torch.utils.data.DataLoader(
+        list(range(64)), batch_size=4, sampler=sampler, num_workers=2, prefetch_factor=2,
+        multiprocessing_context="fork", collate_fn=as_list,
+    )
+    batches = iter(loader)
+    trained = [i for _ in range(3) for i in next(batches)]
+    assert sampler.sampler.position > len(trained)  # the read-ahead: what a restore from it would skip
+    state = sampler.state_dict(consumed=len(trained))
+    rest = [i for batch in batches for i in batch]
+    restarted = TorchSampler(Sampler(64, rank=0, world_size=1, seed=3))
+    restarted.load_state_dict(state)
+    assert list(restarted) == rest and trained + rest == list(Sampler(64, rank=0, world_size=1, seed=3))

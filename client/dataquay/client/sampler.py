@@ -110,7 +110,7 @@ class Sampler:
             self._resuming = False
         self.epoch = epoch
 
-    def state_dict(self) -> dict[str, int | str]:
+    def state_dict(self, consumed: int | None = None) -> dict[str, int | str]:
         """The cursor a checkpoint saves: ``epoch``, ``position`` and this sampler's identity.
 
         The identity (``num_samples``, ``world_size``, ``rank``, ``seed``,
@@ -119,8 +119,25 @@ class Sampler:
         it survives json as well as ``torch.save``. A state saved after an
         epoch's iteration completed reads position 0 of that epoch: the
         trainer's next :meth:`set_epoch` starts the next one.
+
+        Args:
+            consumed: the ids of the current epoch that training has used,
+                counted from the epoch's start, when that is fewer than this
+                sampler handed out. A DataLoader takes ids ahead of what it
+                yields (``prefetch_factor`` batches per worker), so the
+                sampler's own position runs that far ahead of training, and
+                a restore from it would skip those batches. torchdata's
+                StatefulDataLoader counts what it yielded by itself.
+
+        Raises:
+            ValueError: ``consumed`` is outside this rank's epoch.
         """
-        return {"epoch": self.epoch, "position": self.position, **self._identity()}
+        position = self.position
+        if consumed is not None:
+            if not 0 <= consumed <= len(self):
+                raise ValueError(f"consumed={consumed} is outside the {len(self)} ids of rank {self.rank}'s epoch")
+            position = consumed if consumed < len(self) else 0
+        return {"epoch": self.epoch, "position": position, **self._identity()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resumes at a cursor from :meth:`state_dict` of a sampler built with the same settings.

@@ -67,7 +67,9 @@ class TorchSampler(torch.utils.data.Sampler):
     Call :meth:`set_epoch` before each epoch, as with DistributedSampler.
     Its :meth:`state_dict` and :meth:`load_state_dict` are the wrapped
     sampler's, so torchdata's StatefulDataLoader, which calls them when a
-    sampler has them, checkpoints and resumes the dataquay cursor.
+    sampler has them, checkpoints and resumes the dataquay cursor at the
+    batch it last yielded. A plain DataLoader has taken ids ahead of what it
+    yielded: save ``state_dict(consumed=...)`` with the ids trained on.
     """
 
     def __init__(self, sampler: Sampler) -> None:
@@ -76,8 +78,10 @@ class TorchSampler(torch.utils.data.Sampler):
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
 
-    def state_dict(self) -> dict[str, int | str]:
-        return self.sampler.state_dict()
+    def state_dict(self, consumed: int | None = None) -> dict[str, int | str]:
+        """The wrapped sampler's cursor; with a plain DataLoader pass ``consumed``
+        (see :meth:`Sampler.state_dict`), or it is the loader's read-ahead early."""
+        return self.sampler.state_dict(consumed)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.sampler.load_state_dict(state)
