@@ -287,6 +287,24 @@ def test_nodes_jobs_and_datasets_survive_a_kill_and_a_restart(
     assert json.loads((second.state_dir / "directory.json").read_text())["jobs"][0]["epoch"] == 2
 
 
+def test_daemons_restarted_with_their_directory_on_new_ports_raise_no_shared_name_warning(
+    start_directory: Callable[..., DirectoryProcess], stub_for: Callable[..., Stub]
+) -> None:
+    first = start_directory()
+    register(stub_for(first), "n0", port=7000)
+    register(stub_for(first), "n1", port=7100)
+    assert first.stop() == 0  # `cluster down`, then `cluster up` in the same base dir:
+    second = start_directory()
+    stub = stub_for(second)
+    register(stub, "n0", port=8000)
+    register(stub, "n1", port=8100)
+    assert nodes(stub) == {"n0": jpb.NODE_UP, "n1": jpb.NODE_UP}
+    register(stub, "n1", port=8200)  # a live node's name from yet another address
+    assert second.stop() == 0
+    log = second.log_path.read_text()
+    assert log.count("two daemons may share a node name") == 1 and "127.0.0.1:8200" in log
+
+
 def test_bad_input_is_refused_and_the_directory_keeps_serving(
     directory: DirectoryProcess, stub_for: Callable[..., Stub], tmp_path: Path
 ) -> None:
