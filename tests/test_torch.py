@@ -46,18 +46,20 @@ def staged(daemon: DaemonProcess, client: dq.Client, tmp_path: Path) -> dq.Datas
     return ds
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize(("context", "persistent"), [("fork", False), ("spawn", False), ("fork", True)])
 def test_dataloader_workers_reads_reach_the_daemon_counters(
-    daemon: DaemonProcess, staged: dq.Dataset, context: str
+    daemon: DaemonProcess, staged: dq.Dataset, context: str, persistent: bool
 ) -> None:
     before = local_hits_reported(daemon)
     loader = torch.utils.data.DataLoader(
         TorchDataset(staged), batch_size=8, num_workers=2, multiprocessing_context=context,
-        collate_fn=as_list,
+        persistent_workers=persistent, collate_fn=as_list,
     )
-    read = [sample for batch in loader for sample in batch]
-    assert read == files_bytes(5, range(SAMPLES), (4096,))
-    wait_until(lambda: local_hits_reported(daemon) == before + SAMPLES, "the workers' local hits were reported")
+    for _ in range(2):
+        read = [sample for batch in loader for sample in batch]
+        assert read == files_bytes(5, range(SAMPLES), (4096,))
+    del loader  # persistent workers end with their loader
+    wait_until(lambda: local_hits_reported(daemon) == before + 2 * SAMPLES, "the workers' local hits were reported")
 
 
 def test_transform_with_ids_decodes_npy_records_by_sample_id(

@@ -83,6 +83,8 @@ def call_at_process_end(hook: Callable[[], None]) -> None:
     through atexit anywhere else.
     """
     pid = os.getpid()
+    if _process_end_hooks.get(hook) == pid:  # every read asks: the common answer takes no lock
+        return
     with _process_end_lock:
         if _process_end_hooks.get(hook) == pid:
             return
@@ -119,7 +121,7 @@ class ReadStats:
         self._thread = threading.local()
         self._client_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._reported_at = time.monotonic()
-        self._counts = 0  # calls of add, so that a report with nothing new can be skipped
+        self._counts = 0  # changes counted, so that a report with nothing new can be skipped
         self._counts_reported = 0
 
     def add(self, tier: str, samples: int, nbytes: int, wait: float = 0.0) -> None:
