@@ -326,6 +326,33 @@ def test_trainers_report_their_local_hits_and_data_wait_to_the_node(
     assert unnamed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def _read_and_exit(ds: dq.Dataset, ids: list[int]) -> None:
+    ds.get_batch(ids)  # no close, no epoch: as a DataLoader worker, its counters go out as it ends
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_worker_process_that_just_exits_has_its_reads_counted(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path, method: str
+) -> None:
+    synthetic.make_files_dataset(tmp_path / "imgs", 40, sizes=(1000,))
+    add(daemon, "imgs", tmp_path / "imgs")
+    stage(daemon, "imgs")
+    ds = client.dataset("imgs")
+    read_locally(client, ds, list(range(40)))
+    client.report_stats()
+    before = {r.tier: r.samples for r in daemon_stats(daemon).client_reads}["local"]
+    ctx = multiprocessing.get_context(method)
+    workers = [ctx.Process(target=_read_and_exit, args=(ds, list(range(k, 40, 2)))) for k in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+        assert w.exitcode == 0
+    stats = daemon_stats(daemon)
+    assert {r.tier: r.samples for r in stats.client_reads}["local"] == before + 40
+    assert {r.tier: r.bytes for r in stats.client_reads}["local"] == 1000 * (before + 40)
+
+
 def test_batches_read_ahead_give_the_same_bytes_keep_the_cursor_and_stop_cleanly(
     daemon: DaemonProcess, client: dq.Client, tmp_path: Path
 ) -> None:
