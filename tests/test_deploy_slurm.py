@@ -72,6 +72,14 @@ def test_bracketed_nodelist_without_scontrol_fails_in_one_line() -> None:
     assert lines[0].endswith("error: cannot expand SLURM_JOB_NODELIST=gpu[1-4] without scontrol")
 
 
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="scontrol is not installed")
+def test_bracketed_nodelist_expands_with_the_nodes_slurm_conf(tmp_path: Path) -> None:
+    (tmp_path / "slurm.conf").write_text("ClusterName=dq\nSlurmctldHost=gpu1\n")
+    result = _bash("dq_nodes", {"SLURM_NODELIST": "gpu[3,1-2],cpu9", "SLURM_CONF": str(tmp_path / "slurm.conf")})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["gpu3", "gpu1", "gpu2", "cpu9"]
+
+
 def test_job_comment_sets_only_the_job_settings() -> None:
     comment = (
         "run 17 dataquay.dataset=imagenet dataquay.seed=42 dataquay.bin=/tmp/evil "
@@ -328,3 +336,58 @@ def test_prolog_that_cannot_start_the_daemon_fails_in_one_line(slurm_dir: Path) 
     assert len(lines) == 1
     assert re.search(rf"job {JOB_ID} {NODE} prolog: error: directory exited at start: .*no-such-dataquay", lines[0])
     assert _processes_under(str(slurm_dir)) == []
+
+
+SLURMD_ENV = Path(__file__).resolve().parent / "slurm_env"
+
+
+def _slurmd_env(base: Path, script: str, job_id: str, comment: str, nodelist_var: str) -> dict[str, str]:
+    """What slurmd 22.05 really gives a prolog or epilog (tests/slurm_env/, captured
+    from a real slurmd), for job ``job_id`` of this user on node ``localhost``,
+    with the node list in ``nodelist_var``: 22.05 sets SLURM_NODELIST, newer
+    releases SLURM_JOB_NODELIST. The site settings come from the slurm.env
+    the scripts source, as on a real node; slurmd passes no PATH."""
+    env = read_env_file(SLURMD_ENV / f"22.05-{script}.env")
+    del env["SLURM_NODELIST"]
+    uid, gid = str(os.getuid()), str(os.getgid())
+    env.update({
+        "SLURM_JOB_ID": job_id, "SLURM_JOBID": job_id, "SLURM_JOB_USER": getpass.getuser(),
+        "SLURM_JOB_UID": uid, "SLURM_UID": uid, "SLURM_JOB_GID": gid, "SLURMD_NODENAME": NODE,
+        "SLURM_JOB_COMMENT": comment, "SLURM_CONF": str(base / "slurm.conf"), nodelist_var: NODE,
+        "DATAQUAY_SLURM_CONF": str(base / "slurm.env"),
+    })
+    site = {k: v for k, v in _slurm_env(base).items() if k.startswith("DATAQUAY_") and k != "DATAQUAY_SLURM_CONF"}
+    (base / "slurm.env").write_text("".join(f"{k}={v}\n" for k, v in site.items()))
+    (base / "slurm.conf").write_text(f"ClusterName=dq\nSlurmctldHost={NODE}\n")
+    return env
+
+
+def _run_as_slurmd(script: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``script`` run as slurmd runs it: bash by its path, slurmd's environment only."""
+    return subprocess.run(["/bin/bash", str(SLURM / script)], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("nodelist_var", ["SLURM_NODELIST", "SLURM_JOB_NODELIST"])
+def test_prolog_and_epilog_run_in_slurmds_own_environment(slurm_dir: Path, nodelist_var: str) -> None:
+    job_dir = slurm_dir / "nodes" / "users" / getpass.getuser() / f"job-{JOB_ID}"
+    prolog = _run_as_slurmd("prolog.sh", _slurmd_env(slurm_dir, "prolog", JOB_ID, "", nodelist_var))
+    assert prolog.returncode == 0, prolog.stderr
+    daemon = json.loads((job_dir / "daemon.ready.json").read_text())
+    directory = json.loads((job_dir / "directory.ready.json").read_text())
+    assert (daemon["node"], daemon["directory"]) == (NODE, directory["tcp"])
+    assert sorted(_processes_under(str(slurm_dir))) == sorted([daemon["pid"], directory["pid"]])
+
+    epilog = _run_as_slurmd("epilog.sh", _slurmd_env(slurm_dir, "epilog", JOB_ID, "", nodelist_var))
+    assert epilog.returncode == 0, epilog.stderr
+    assert _processes_under(str(slurm_dir)) == []
+    assert not job_dir.exists()
+
+
+def test_prolog_without_a_node_list_fails_in_one_line(slurm_dir: Path) -> None:
+    env = _slurmd_env(slurm_dir, "prolog", JOB_ID, "", "SLURM_NODELIST")
+    del env["SLURM_NODELIST"]
+    result = _run_as_slurmd("prolog.sh", env)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].endswith("error: neither SLURM_JOB_NODELIST nor SLURM_NODELIST is set")

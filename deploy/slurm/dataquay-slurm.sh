@@ -34,16 +34,31 @@ dq_die() {
     exit 1
 }
 
-# The allocation's node names in Slurm's order (rank order).
+# The allocation's node list as slurmd hands it to a prolog or epilog, in
+# DQ_NODELIST, and the variable it came from in DQ_NODELIST_VAR:
+# newer Slurm releases set SLURM_JOB_NODELIST, 22.05 only SLURM_NODELIST.
+dq_nodelist() {
+    local var
+    for var in SLURM_JOB_NODELIST SLURM_NODELIST; do
+        if [[ -n "${!var:-}" ]]; then
+            DQ_NODELIST_VAR=$var
+            DQ_NODELIST=${!var}
+            return 0
+        fi
+    done
+    dq_die "neither SLURM_JOB_NODELIST nor SLURM_NODELIST is set"
+}
+
+# The allocation's node names in Slurm's order (rank order). Only a bracketed
+# list (gpu[01-04]) needs scontrol, which needs the node's slurm.conf.
 dq_nodes() {
-    local list=${SLURM_JOB_NODELIST:-}
-    [[ -n "$list" ]] || dq_die "SLURM_JOB_NODELIST is not set"
-    if command -v scontrol >/dev/null 2>&1; then
-        scontrol show hostnames "$list"
-    elif [[ "$list" == *"["* ]]; then
-        dq_die "cannot expand SLURM_JOB_NODELIST=$list without scontrol"
-    else
-        tr ',' '\n' <<<"$list" | sed '/^$/d'
+    dq_nodelist
+    if [[ "$DQ_NODELIST" != *"["* ]]; then
+        tr ',' '\n' <<<"$DQ_NODELIST" | sed '/^$/d'
+    elif ! command -v scontrol >/dev/null 2>&1; then
+        dq_die "cannot expand $DQ_NODELIST_VAR=$DQ_NODELIST without scontrol"
+    elif ! scontrol show hostnames "$DQ_NODELIST" 2>/dev/null; then
+        dq_die "scontrol cannot expand $DQ_NODELIST_VAR=$DQ_NODELIST"
     fi
 }
 
@@ -51,7 +66,8 @@ dq_nodes() {
 # unless the variable is set already.
 dq_comment_settings() {
     local comment=${SLURM_JOB_COMMENT:-}
-    if [[ -z "$comment" && -n "${SLURM_JOB_ID:-}" ]] && command -v squeue >/dev/null 2>&1; then
+    # slurmd 22.05 passes the job comment in SLURM_JOB_COMMENT; squeue only where it is unset.
+    if [[ -z "${SLURM_JOB_COMMENT+set}" && -n "${SLURM_JOB_ID:-}" ]] && command -v squeue >/dev/null 2>&1; then
         comment=$(squeue --noheader --jobs "$SLURM_JOB_ID" --format %k 2>/dev/null || true)
     fi
     local words word key value allowed var
@@ -94,8 +110,11 @@ dq_setup() {
     [[ "$DQ_BASE" == /?* ]] || dq_die "DATAQUAY_SLURM_DIR must be an absolute path other than /, not '$DQ_BASE'"
     DQ_LOG_DIR=${DATAQUAY_SLURM_LOG_DIR:-$DQ_BASE/log}
     DQ_NODE=${SLURMD_NODENAME:-$(hostname -s)}
-    mapfile -t DQ_NODES < <(dq_nodes)
-    [[ ${#DQ_NODES[@]} -gt 0 ]] || dq_die "SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST names no node"
+    local nodes
+    dq_nodelist
+    nodes=$(dq_nodes)
+    mapfile -t DQ_NODES <<<"$nodes"
+    [[ -n "${DQ_NODES[0]}" ]] || dq_die "$DQ_NODELIST_VAR=$DQ_NODELIST names no node"
     DQ_FIRST=${DQ_NODES[0]}
     DQ_USER=${SLURM_JOB_USER:-$(id -un)}
     [[ "$DQ_USER" =~ ^[A-Za-z0-9_][A-Za-z0-9._-]*$ ]] || dq_die "unexpected user name $DQ_USER"
