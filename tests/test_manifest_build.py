@@ -353,3 +353,13 @@ def test_every_file_records_its_size_and_mtime(tmp_path: Path, fmt: str) -> None
     assert m.header["version"] == 2
     assert m.path_size.tolist() == [f.stat().st_size for f in files]
     assert m.path_mtime_ns.tolist() == [f.stat().st_mtime_ns for f in files]
+
+
+def test_building_unchanged_files_again_keeps_the_content_id_not_the_manifest_id(tmp_path: Path) -> None:
+    root = make_files_dataset(tmp_path / "ds", 20, sizes=(100,))
+    first, again = manifest_of(root), manifest_of(root)
+    assert first.manifest_id != again.manifest_id
+    assert first.content_id() == again.content_id()
+    changed = sorted(root.rglob("*.bin"))[3]
+    os.utime(changed, ns=(changed.stat().st_atime_ns, changed.stat().st_mtime_ns + 1))
+    assert manifest_of(root).content_id() != first.content_id()

@@ -124,6 +124,7 @@ class Manifest:
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError, struct.error) as exc:
             raise ManifestError(f"malformed manifest header: {exc}") from exc
         self._data = view
+        self._arrays = arrays
         self.sample_path: np.ndarray = arrays["sample_path"]
         self.sample_offset: np.ndarray = arrays["sample_offset"]
         self.sample_length: np.ndarray = arrays["sample_length"]
@@ -137,6 +138,22 @@ class Manifest:
         self.path_mtime_ns: np.ndarray = arrays.get("path_mtime_ns", unknown)
         self._validate()
         self.manifest_id = xxhash.xxh3_128_hexdigest(view)
+
+    def content_id(self) -> str:
+        """A hash of what the manifest says of its samples, not of when it was built.
+
+        Each registration of a root builds a manifest with a new
+        ``manifest_id``; registering unchanged files again gives one with the
+        same ``content_id``, which is how a daemon knows its cache of the
+        earlier registration still holds the right bytes.
+        """
+        digest = xxhash.xxh3_128()
+        described = {key: value for key, value in self.header.items() if key not in ("created", "arrays")}
+        digest.update(json.dumps(described, sort_keys=True).encode())
+        for name in sorted(self._arrays):
+            digest.update(name.encode())
+            digest.update(np.ascontiguousarray(self._arrays[name]).data)
+        return digest.hexdigest()
 
     def _validate(self) -> None:
         n = self.num_samples

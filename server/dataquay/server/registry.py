@@ -129,12 +129,18 @@ class Registry:
             else:
                 manifest_source.write(out)
         manifest = _map_manifest(tmp)
+        previous = self._datasets.get(name)
+        cache_db = f"ds:{name}:{manifest.manifest_id[:16]}"
+        if previous is not None and previous.manifest.content_id() == manifest.content_id():
+            # The same files registered again (a Slurm job's fresh directory):
+            # the cache of the earlier registration holds their bytes.
+            cache_db = previous.record.cache_db
         record = DatasetRecord(
             name=name,
             root=manifest.root,
             format=manifest.format,
             manifest_id=manifest.manifest_id,
-            cache_db=f"ds:{name}:{manifest.manifest_id[:16]}",
+            cache_db=cache_db,
             created=time.time(),
         )
         os.replace(tmp, manifest_path)
@@ -142,7 +148,6 @@ class Registry:
         with open(info_tmp, "w", opener=private_opener) as info:
             info.write(json.dumps(asdict(record), indent=1))
         os.replace(info_tmp, directory / "dataset.json")
-        previous = self._datasets.get(name)
         self._datasets[name] = Registered(record, manifest)
         return self._datasets[name], previous
 

@@ -4,8 +4,15 @@ A standalone daemon builds manifests itself and keeps them in its registry. A
 daemon in a cluster relays additions and drops to the directory, which builds
 each manifest once, and keeps a copy of every manifest it has used in its
 registry: fetched on first use, refreshed when the directory's registry
-changes, and still there while the directory is down. A dataset dropped or
-replaced at the directory is dropped here too, freeing its cache.
+changes, and still there while the directory is down. A dataset dropped at the
+directory is dropped here too, freeing its cache; one replaced there is fetched
+again, and its cache kept when the new manifest describes the same files.
+
+A dataset this daemon holds that its directory has not listed since the daemon
+started is kept, cache and all, until it is registered again or dropped: under
+Slurm each job starts a directory of its own, which lists nothing until the
+job's prolog registers the dataset, and the user's cache on the node must
+survive into that job.
 """
 
 from __future__ import annotations
@@ -46,6 +53,11 @@ class Datasets:
         self.max_sample = max_sample
         self._builds = asyncio.Semaphore(1)
         self._fetches: dict[str, asyncio.Future[Registered]] = {}
+        #: Datasets the directory listed at the last sync: one of these that
+        #: goes missing was dropped there.
+        self._listed: set[str] = set()
+        #: Datasets kept though the directory does not list them, logged once each.
+        self._kept: set[str] = set()
 
     async def entry(self, name: str) -> Registered:
         """The dataset's entry, fetched from the directory on first use.
@@ -58,6 +70,10 @@ class Datasets:
         except UnknownDatasetError:
             if self.link is None:
                 raise
+        return await self._fetch_once(name)
+
+    async def _fetch_once(self, name: str) -> Registered:
+        """Fetches the dataset from the directory, once however many ask at a time."""
         pending = self._fetches.get(name)
         if pending is None:
             pending = self._fetches[name] = self.tasks.spawn_awaited(self._fetch(name), f"fetch-{name}")
@@ -101,9 +117,16 @@ class Datasets:
         return entry
 
     async def drop(self, name: str) -> int:
-        """Unregisters the dataset (at the directory too) and frees its cache here."""
+        """Unregisters the dataset (at the directory too) and frees its cache here.
+
+        A dataset kept here that the directory does not know is dropped here alone.
+        """
         if self.link is not None:
-            await self.link.drop_dataset(name)
+            try:
+                await self.link.drop_dataset(name)
+            except UnknownDatasetError:
+                if name not in self.registry.names():
+                    raise
             if name not in self.registry.names():
                 return 0
         return await self._drop_here(name)
@@ -121,12 +144,29 @@ class Datasets:
             return None
 
     async def sync(self) -> None:
-        """Drops the copies of datasets the directory dropped or replaced."""
+        """Follows the directory's registry: drops what it dropped, fetches
+        again what it replaced, and keeps what it never listed (see above)."""
         assert self.link is not None
         current = {info.name: info.manifest_id for info in await self.link.datasets()}
         for name in self.registry.names():
-            if current.get(name) != self.registry.get(name).record.manifest_id:
+            listed = current.get(name)
+            if listed is None and name in self._listed:
                 await self._drop_here(name)
+            elif listed is None:
+                if name not in self._kept:
+                    self._kept.add(name)
+                    log.info(
+                        "dataset not listed by the directory; its cache is kept until it is registered again "
+                        f"or dropped (dataquay dataset drop {name})",
+                        extra={"fields": {"dataset": name}},
+                    )
+            elif listed != self.registry.get(name).record.manifest_id:
+                try:
+                    await self._fetch_once(name)
+                except UnknownDatasetError:
+                    await self._drop_here(name)
+        self._listed = set(current)
+        self._kept &= set(self.registry.names()) - self._listed
 
     async def _drop_here(self, name: str) -> int:
         entry = self.registry.drop(name)
