@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+import dataquay.client as dq
 from dataquay.server.auth import new_token_file
 from dataquay.server.tools.env_files import read_env_file
 from dataquay.server.tools.synthetic import make_files_dataset
@@ -391,3 +392,56 @@ def test_prolog_without_a_node_list_fails_in_one_line(slurm_dir: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
     assert lines[0].endswith("error: neither SLURM_JOB_NODELIST nor SLURM_NODELIST is set")
+
+
+def test_users_next_job_reads_the_cached_dataset_and_nothing_from_the_pfs(slurm_dir: Path) -> None:
+    """Two jobs of one user in a row on a node, each with a directory of its
+    own that starts empty: the second finds the dataset in the user's cache."""
+    root = make_files_dataset(slurm_dir / "pfs" / "synth", 120, sizes=(1000, 3000))
+    comment = f"dataquay.dataset=synth dataquay.dataset_root={root} dataquay.seed=7"
+    user_dir = slurm_dir / "nodes" / "users" / getpass.getuser()
+    pfs_bytes = sum(p.stat().st_size for p in root.rglob("*.bin"))
+    read: dict[str, float] = {}
+    for job_id in ("4242", "4243"):
+        env = _slurmd_env(slurm_dir, "prolog", job_id, comment, "SLURM_NODELIST")
+        with open(slurm_dir / "slurm.env", "a") as site:
+            site.write("DATAQUAY_STAGE_REQUIRED=1\n")
+        prolog = _run_as_slurmd("prolog.sh", env)
+        assert prolog.returncode == 0, prolog.stderr
+        daemon = json.loads((user_dir / f"job-{job_id}" / "daemon.ready.json").read_text())
+        assert daemon["cache_dir"] == str(user_dir / "cache")
+        page = _metrics(daemon["metrics_port"])
+        assert _sample(page, 'dataquay_staging_samples{dataset="synth"}') == 120
+        assert _sample(page, "dataquay_cache_entries") == 120
+        with dq.connect(str(user_dir / f"job-{job_id}" / "dataquay.sock")) as client:
+            samples = client.dataset("synth").get_batch(list(range(120)))
+        assert sum(len(s) for s in samples) == pfs_bytes
+        read[job_id] = _sample(_metrics(daemon["metrics_port"]), "dataquay_pfs_read_bytes_total")
+        epilog = _run_as_slurmd("epilog.sh", _slurmd_env(slurm_dir, "epilog", job_id, comment, "SLURM_NODELIST"))
+        assert epilog.returncode == 0, epilog.stderr
+    assert read == {"4242": pfs_bytes, "4243": 0}
+
+
+def test_two_jobs_of_a_user_starting_together_run_one_daemon_per_cache(slurm_dir: Path) -> None:
+    user_dir = slurm_dir / "nodes" / "users" / getpass.getuser()
+    jobs = ("4242", "4243")
+    envs = {job: _slurmd_env(slurm_dir, "prolog", job, "dataquay.wipe=1", "SLURM_NODELIST") for job in jobs}
+    prologs = {
+        job: subprocess.Popen(["/bin/bash", str(SLURM / "prolog.sh")], env=env, stderr=subprocess.PIPE, text=True)
+        for job, env in envs.items()
+    }
+    errors = {job: prolog.communicate(timeout=120)[1] for job, prolog in prologs.items()}
+    assert {job: prolog.returncode for job, prolog in prologs.items()} == {"4242": 0, "4243": 0}, errors
+
+    caches = {job: json.loads((user_dir / f"job-{job}" / "daemon.ready.json").read_text())["cache_dir"] for job in jobs}
+    holder = (user_dir / "cache.job").read_text().strip()
+    other = "4243" if holder == "4242" else "4242"
+    assert caches == {holder: str(user_dir / "cache"), other: str(user_dir / f"job-{other}" / "cache")}
+    assert f"job {holder} holds {user_dir / 'cache'}: this job gets a private cache" in errors[other]
+
+    for job in jobs:
+        epilog = _run_as_slurmd("epilog.sh", _slurmd_env(slurm_dir, "epilog", job, "dataquay.wipe=1", "SLURM_NODELIST"))
+        assert epilog.returncode == 0, epilog.stderr
+    assert _processes_under(str(slurm_dir)) == []
+    # The holder's epilog wiped the shared cache, as the comment asked.
+    assert sorted(p.name for p in user_dir.iterdir()) == [".lock"]

@@ -22,10 +22,14 @@ here=$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")
 # shellcheck source=SCRIPTDIR/dataquay-slurm.sh
 . "$here/dataquay-slurm.sh"
 
-# Registers the dataset at the directory unless it is there already.
+# Registers the dataset at the directory unless it is there already. The
+# daemon's list is the directory's: a dataset the daemon keeps in the user's
+# cache from an earlier job is not in it until registered again, and then it
+# keeps its cache when its files have not changed.
 register_dataset() {
     local name=$1 root=$2
-    if "${DQ_AS_USER[@]}" "$DQ_BIN" dataset show "$name" --addr "$DQ_SOCKET" >/dev/null 2>&1; then
+    if "${DQ_AS_USER[@]}" "$DQ_BIN" dataset ls --addr "$DQ_SOCKET" 2>/dev/null |
+        awk -v name="$name" 'NR > 1 && $1 == name { found = 1 } END { exit !found }'; then
         dq_log "dataset $name is registered already"
         return 0
     fi
@@ -115,8 +119,31 @@ main() {
     exec 8>"$DQ_JOB_LOCK"
     flock -w 600 8 || dq_die "another $DQ_SCRIPT of the job holds $DQ_JOB_LOCK"
 
-    # The user's cache, unless another of the user's jobs on this node holds it.
-    local cache state holder
+    dq_user_dir "$DQ_JOB_DIR"
+
+    # The cluster token, when the site names one (a file the job's user can
+    # read, the same on every node); the CLI calls below read the variable.
+    local token=()
+    if [[ -n "${DATAQUAY_TOKEN_FILE:-}" ]]; then
+        token=(--token-file "$DATAQUAY_TOKEN_FILE")
+    fi
+
+    local directory cache state holder
+    if [[ "$DQ_NODE" == "$DQ_FIRST" ]]; then
+        dq_start directory "$DQ_DIRECTORY_READY" "$DQ_DIRECTORY_PID" "$DQ_LOG_DIR/job-$SLURM_JOB_ID.directory.log" \
+            directory --listen "$DQ_DIRECTORY_LISTEN" --state-dir "$DQ_JOB_DIR/directory" \
+            --http-port "${DATAQUAY_DIRECTORY_HTTP_PORT:-0}" "${token[@]}"
+        directory=$(dq_json_field "$DQ_DIRECTORY_READY" tcp)
+        [[ -n "$directory" ]] || dq_die "no address in $DQ_DIRECTORY_READY"
+    else
+        [[ "${DQ_DIRECTORY_LISTEN##*:}" != 0 ]] ||
+            dq_die "DATAQUAY_DIRECTORY_LISTEN=$DQ_DIRECTORY_LISTEN: other nodes need a fixed port"
+        directory=$DQ_FIRST:${DQ_DIRECTORY_LISTEN##*:}
+    fi
+
+    # The user's cache, unless another of the user's jobs on this node holds
+    # it. The lock is held until the daemon serves: one daemon per cache, and
+    # a job starting beside this one sees this one's claim with its daemon.
     exec 7>"$DQ_USER_DIR/.lock"
     flock -w 600 7 || dq_die "another job holds $DQ_USER_DIR/.lock"
     holder=$(dq_cache_holder)
@@ -131,33 +158,11 @@ main() {
         cache=$DQ_JOB_DIR/cache
         state=$DQ_JOB_DIR/state
     fi
-    flock -u 7
-    dq_user_dir "$DQ_JOB_DIR"
-
-    # The cluster token, when the site names one (a file the job's user can
-    # read, the same on every node); the CLI calls below read the variable.
-    local token=()
-    if [[ -n "${DATAQUAY_TOKEN_FILE:-}" ]]; then
-        token=(--token-file "$DATAQUAY_TOKEN_FILE")
-    fi
-
-    local directory
-    if [[ "$DQ_NODE" == "$DQ_FIRST" ]]; then
-        dq_start directory "$DQ_DIRECTORY_READY" "$DQ_DIRECTORY_PID" "$DQ_LOG_DIR/job-$SLURM_JOB_ID.directory.log" \
-            directory --listen "$DQ_DIRECTORY_LISTEN" --state-dir "$DQ_JOB_DIR/directory" \
-            --http-port "${DATAQUAY_DIRECTORY_HTTP_PORT:-0}" "${token[@]}"
-        directory=$(dq_json_field "$DQ_DIRECTORY_READY" tcp)
-        [[ -n "$directory" ]] || dq_die "no address in $DQ_DIRECTORY_READY"
-    else
-        [[ "${DQ_DIRECTORY_LISTEN##*:}" != 0 ]] ||
-            dq_die "DATAQUAY_DIRECTORY_LISTEN=$DQ_DIRECTORY_LISTEN: other nodes need a fixed port"
-        directory=$DQ_FIRST:${DQ_DIRECTORY_LISTEN##*:}
-    fi
-
     dq_start daemon "$DQ_DAEMON_READY" "$DQ_DAEMON_PID" "$DQ_LOG_DIR/job-$SLURM_JOB_ID.daemon.log" \
         serve --socket "$DQ_SOCKET" --listen "${DATAQUAY_LISTEN:-0.0.0.0:0}" \
         --metrics-port "${DATAQUAY_METRICS_PORT:-0}" --cache-dir "$cache" --state-dir "$state" \
         --node-name "$DQ_NODE" --directory "$directory" "${token[@]}"
+    flock -u 7
     write_env_file "$directory"
 
     if [[ "$DQ_NODE" == "$DQ_FIRST" && -n "${DATAQUAY_DATASET:-}" ]]; then
