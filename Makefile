@@ -43,15 +43,18 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python bench/run.py
 
-# The deploy tests verify the systemd units and lint the Slurm scripts with
-# these tools. As root on a Debian-like machine (CI) they are installed here;
-# elsewhere, or if that fails, those tests skip and say why.
+# The deploy tests verify the systemd units, lint the Slurm scripts, run them
+# under a real slurmctld and slurmd, and check the Prometheus rules and a real
+# Prometheus with these tools. As root on a Debian-like machine (CI) they are
+# installed here; elsewhere, or if that fails, those tests skip and say why.
+DEPLOY_TOOLS := systemd-analyze shellcheck promtool prometheus slurmctld slurmd sbatch scontrol
+DEPLOY_PACKAGES := systemd shellcheck prometheus slurmctld slurmd slurm-client
 tools:
-	@command -v systemd-analyze >/dev/null && command -v shellcheck >/dev/null || \
+	@(for tool in $(DEPLOY_TOOLS); do command -v $$tool >/dev/null || exit 1; done) || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	    timeout 300 sh -c 'apt-get update -qq && apt-get install -y -qq --no-install-recommends systemd shellcheck' \
+	    timeout 600 sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DEPLOY_PACKAGES)' \
 	    >/dev/null 2>&1; } || \
-	  echo "systemd-analyze or shellcheck missing: the deploy tests that need them will skip"
+	  echo "some of $(DEPLOY_TOOLS) missing: the deploy tests that need them will skip"
 
 proto: $(STAMP)
 	$(BIN)/python protos/generate.py

@@ -342,12 +342,15 @@ def test_prolog_that_cannot_start_the_daemon_fails_in_one_line(slurm_dir: Path) 
 SLURMD_ENV = Path(__file__).resolve().parent / "slurm_env"
 
 
-def _slurmd_env(base: Path, script: str, job_id: str, comment: str, nodelist_var: str) -> dict[str, str]:
+def _slurmd_env(
+    base: Path, script: str, job_id: str, comment: str, nodelist_var: str, **site_settings: str
+) -> dict[str, str]:
     """What slurmd 22.05 really gives a prolog or epilog (tests/slurm_env/, captured
     from a real slurmd), for job ``job_id`` of this user on node ``localhost``,
     with the node list in ``nodelist_var``: 22.05 sets SLURM_NODELIST, newer
-    releases SLURM_JOB_NODELIST. The site settings come from the slurm.env
-    the scripts source, as on a real node; slurmd passes no PATH."""
+    releases SLURM_JOB_NODELIST. The site settings (the tests' own, then
+    ``site_settings``) come from the slurm.env the scripts source, as on a
+    real node; slurmd passes no PATH."""
     env = read_env_file(SLURMD_ENV / f"22.05-{script}.env")
     del env["SLURM_NODELIST"]
     uid, gid = str(os.getuid()), str(os.getgid())
@@ -358,6 +361,7 @@ def _slurmd_env(base: Path, script: str, job_id: str, comment: str, nodelist_var
         "DATAQUAY_SLURM_CONF": str(base / "slurm.env"),
     })
     site = {k: v for k, v in _slurm_env(base).items() if k.startswith("DATAQUAY_") and k != "DATAQUAY_SLURM_CONF"}
+    site.update(site_settings)
     (base / "slurm.env").write_text("".join(f"{k}={v}\n" for k, v in site.items()))
     (base / "slurm.conf").write_text(f"ClusterName=dq\nSlurmctldHost={NODE}\n")
     return env
@@ -403,9 +407,7 @@ def test_users_next_job_reads_the_cached_dataset_and_nothing_from_the_pfs(slurm_
     pfs_bytes = sum(p.stat().st_size for p in root.rglob("*.bin"))
     read: dict[str, float] = {}
     for job_id in ("4242", "4243"):
-        env = _slurmd_env(slurm_dir, "prolog", job_id, comment, "SLURM_NODELIST")
-        with open(slurm_dir / "slurm.env", "a") as site:
-            site.write("DATAQUAY_STAGE_REQUIRED=1\n")
+        env = _slurmd_env(slurm_dir, "prolog", job_id, comment, "SLURM_NODELIST", DATAQUAY_STAGE_REQUIRED="1")
         prolog = _run_as_slurmd("prolog.sh", env)
         assert prolog.returncode == 0, prolog.stderr
         daemon = json.loads((user_dir / f"job-{job_id}" / "daemon.ready.json").read_text())

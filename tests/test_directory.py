@@ -112,7 +112,7 @@ def test_a_wildcard_address_becomes_the_address_the_node_called_from(
     assert (info.tcp_address, info.metrics_address) == ("127.0.0.1:7070", "127.0.0.1:9470")
 
 
-def test_a_silent_node_goes_down_leaves_service_discovery_and_comes_back_on_heartbeat(
+def test_a_silent_node_goes_down_in_service_discovery_and_comes_back_on_heartbeat(
     start_directory: Callable[..., DirectoryProcess], stub_for: Callable[..., Stub]
 ) -> None:
     directory = start_directory("--lease-seconds", "2", "--heartbeat-seconds", "0.2")
@@ -134,8 +134,10 @@ def test_a_silent_node_goes_down_leaves_service_discovery_and_comes_back_on_hear
         assert status == 200 and {g["labels"]["dataquay_node"] for g in json.loads(body)} == {"alive", "silent"}
         wait_until(lambda: nodes(stub)["silent"] == jpb.NODE_DOWN, "the silent node is listed down")
         assert nodes(stub) == {"alive": jpb.NODE_UP, "silent": jpb.NODE_DOWN}
+        # Still a target, so that Prometheus scrapes it, its `up` turns 0 and an alert fires.
         assert json.loads(http_get(directory.http_url + "/sd")[1]) == [
-            {"targets": ["127.0.0.1:8000"], "labels": {"dataquay_node": "alive", "__meta_dataquay_state": "up"}}
+            {"targets": ["127.0.0.1:8000"], "labels": {"dataquay_node": "alive", "dataquay_state": "up"}},
+            {"targets": ["127.0.0.1:8100"], "labels": {"dataquay_node": "silent", "dataquay_state": "down"}},
         ]
         metrics = http_get(directory.http_url + "/metrics")[1].decode()
         assert 'dataquay_directory_nodes{state="up"} 1.0' in metrics
@@ -144,7 +146,9 @@ def test_a_silent_node_goes_down_leaves_service_discovery_and_comes_back_on_hear
         beat = stub.Heartbeat(dpb.HeartbeatRequest(name="silent"))
         assert beat.known and beat.versions.nodes == version + 2
         assert nodes(stub) == {"alive": jpb.NODE_UP, "silent": jpb.NODE_UP}
-        assert len(json.loads(http_get(directory.http_url + "/sd")[1])) == 2
+        assert [g["labels"]["dataquay_state"] for g in json.loads(http_get(directory.http_url + "/sd")[1])] == [
+            "up", "up"
+        ]
     finally:
         stop.set()
         beats.join()

@@ -228,6 +228,15 @@ dq_start() {
     dq_log "$what started (pid $pid), log $log"
 }
 
+# Writes CONTENT to PATH (mode 0644) by a rename, so a reader never sees half
+# of it.
+dq_publish() {
+    local path=$1 content=$2
+    printf '%s\n' "$content" >"$path.tmp"
+    chmod 0644 "$path.tmp"
+    mv -f -- "$path.tmp" "$path"
+}
+
 # SIGTERM, up to DQ_STOP_TIMEOUT seconds for a clean exit, then SIGKILL.
 # Fails only if the process outlives SIGKILL.
 dq_stop() {

@@ -31,6 +31,10 @@ main() {
     local stopped=0
     dq_stop daemon "$DQ_DAEMON_READY" "$DQ_DAEMON_PID" || stopped=1
     if [[ "$DQ_NODE" == "$DQ_FIRST" ]]; then
+        if [[ -n "${DATAQUAY_PROMETHEUS_SD_DIR:-}" ]]; then
+            rm -f -- "$DATAQUAY_PROMETHEUS_SD_DIR/slurm-$SLURM_JOB_ID.daemons.json" \
+                "$DATAQUAY_PROMETHEUS_SD_DIR/slurm-$SLURM_JOB_ID.directory.json"
+        fi
         dq_stop directory "$DQ_DIRECTORY_READY" "$DQ_DIRECTORY_PID" || stopped=1
     fi
     if ((stopped != 0)); then

@@ -89,6 +89,38 @@ stage_dataset() {
     dq_log "staged $name: $(tail -n 1 "$DQ_LOG_FILE")"
 }
 
+# One HTTP/1.0 GET of 127.0.0.1:PORT/PATH with bash alone (nodes need not
+# have curl); prints the body of a 200 answer. The directory answers at once
+# and closes the connection.
+http_get() {
+    local port=$1 path=$2 reply
+    exec 6<>"/dev/tcp/127.0.0.1/$port" || return 1
+    printf 'GET %s HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' "$path" >&6
+    reply=$(timeout 10 cat <&6) || true
+    exec 6<&-
+    [[ "${reply%%$'\r\n'*}" == "HTTP/1.1 200 "* ]] || return 1
+    printf '%s\n' "${reply#*$'\r\n\r\n'}"
+}
+
+# Prometheus' file_sd target files for this job in DATAQUAY_PROMETHEUS_SD_DIR:
+# slurm-<id>.daemons.json, the directory's /sd once every node is up (each
+# daemon's metrics endpoint with dataquay_node and dataquay_state), and
+# slurm-<id>.directory.json, the directory's own. Each target carries
+# slurm_job=<id>. The epilog removes both, so a finished job's targets go
+# with it; a daemon that dies during the job stays a target with up 0.
+write_prometheus_targets() {
+    local directory=$1 sd_dir=$DATAQUAY_PROMETHEUS_SD_DIR http_port sd
+    [[ -d "$sd_dir" ]] || { dq_log "error: DATAQUAY_PROMETHEUS_SD_DIR=$sd_dir is not a directory"; return 1; }
+    wait_for_nodes "$directory" || return 1
+    http_port=$(dq_json_field "$DQ_DIRECTORY_READY" http_port)
+    sd=$(http_get "$http_port" /sd) || { dq_log "error: no /sd answer from the directory"; return 1; }
+    sd=${sd//\"labels\": \{/\"labels\": \{\"slurm_job\": \"$SLURM_JOB_ID\", }
+    dq_publish "$sd_dir/slurm-$SLURM_JOB_ID.daemons.json" "$sd"
+    dq_publish "$sd_dir/slurm-$SLURM_JOB_ID.directory.json" \
+        "[{\"targets\": [\"$DQ_FIRST:$http_port\"], \"labels\": {\"slurm_job\": \"$SLURM_JOB_ID\"}}]"
+    dq_log "Prometheus targets in $sd_dir/slurm-$SLURM_JOB_ID.{daemons,directory}.json"
+}
+
 # The trainers' settings, written by the job's user into the job's directory.
 write_env_file() {
     local directory=$1 var content
@@ -165,6 +197,10 @@ main() {
     flock -u 7
     write_env_file "$directory"
 
+    # Before staging, so that Prometheus follows it.
+    if [[ "$DQ_NODE" == "$DQ_FIRST" && -n "${DATAQUAY_PROMETHEUS_SD_DIR:-}" ]]; then
+        write_prometheus_targets "$directory" || dq_log "error: Prometheus will not find job $SLURM_JOB_ID"
+    fi
     if [[ "$DQ_NODE" == "$DQ_FIRST" && -n "${DATAQUAY_DATASET:-}" ]]; then
         if ! stage_dataset "$directory" "$DATAQUAY_DATASET" && [[ "${DATAQUAY_STAGE_REQUIRED:-0}" == 1 ]]; then
             exit 1

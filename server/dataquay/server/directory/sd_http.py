@@ -2,19 +2,19 @@
 metrics, and a health probe.
 
 * ``GET /sd``: the JSON that Prometheus' ``http_sd_configs`` reads, one target
-  group per live node's metrics endpoint::
+  group per registered node's metrics endpoint, up or down::
 
       [{"targets": ["10.0.0.7:9470"],
-        "labels": {"dataquay_node": "node7", "__meta_dataquay_state": "up"}}]
+        "labels": {"dataquay_node": "node7", "dataquay_state": "up"}}]
 
-  ``dataquay_node`` is an ordinary label, so Prometheus attaches it to every
-  series scraped from that daemon and dashboards group by node with no
-  relabeling rule (the daemon's own ``instance`` label is an address, which
-  changes when a node is moved). ``__meta_dataquay_state`` is a meta label:
-  Prometheus offers it to relabeling rules and then drops it, so it adds no
-  series cardinality. Nodes that are down are left out: Prometheus stops
-  scraping them, and the directory's own ``dataquay_directory_nodes{state}``
-  says how many are down.
+  ``dataquay_node`` and ``dataquay_state`` are ordinary labels, so Prometheus
+  attaches them to every series scraped from that daemon and dashboards group
+  by node with no relabeling rule (the daemon's own ``instance`` label is an
+  address, which changes when a node is moved). A node whose lease ran out
+  stays listed, with ``dataquay_state="down"``: Prometheus keeps scraping it,
+  its ``up`` turns 0 and an alert can fire, where a target that vanished
+  would only leave a stale series. A node comes back as ``"up"`` when it
+  heartbeats again.
 * ``GET /metrics``: Prometheus text of the directory itself.
 * ``GET /healthz``: 200 while serving, 503 once shutdown began.
 
@@ -43,9 +43,12 @@ _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Al
 
 
 def sd_targets(nodes: list[Node]) -> list[dict[str, object]]:
-    """The http_sd_configs document for ``nodes`` (the live ones)."""
+    """The http_sd_configs document for ``nodes`` (every registered one)."""
     return [
-        {"targets": [n.info.metrics_address], "labels": {"dataquay_node": n.info.name, "__meta_dataquay_state": "up"}}
+        {
+            "targets": [n.info.metrics_address],
+            "labels": {"dataquay_node": n.info.name, "dataquay_state": "up" if n.up else "down"},
+        }
         for n in nodes
         if n.info.metrics_address
     ]
@@ -55,15 +58,15 @@ class HttpEndpoints:
     """Serves /sd, /metrics and /healthz on the running event loop.
 
     Args:
-        up_nodes: the live nodes, read at each /sd request.
+        nodes: every registered node, read at each /sd request.
         metrics: the registry /metrics exports.
         serving: False once shutdown began (/healthz answers 503).
     """
 
     def __init__(
-        self, up_nodes: Callable[[], list[Node]], metrics: CollectorRegistry, serving: Callable[[], bool]
+        self, nodes: Callable[[], list[Node]], metrics: CollectorRegistry, serving: Callable[[], bool]
     ) -> None:
-        self._up_nodes = up_nodes
+        self._nodes = nodes
         self._metrics = metrics
         self._serving = serving
         self._server: asyncio.Server | None = None
@@ -104,7 +107,7 @@ class HttpEndpoints:
         if method != b"GET":
             return 405, "text/plain", b"only GET\n"
         if target == b"/sd":
-            return 200, "application/json", json.dumps(sd_targets(self._up_nodes())).encode()
+            return 200, "application/json", json.dumps(sd_targets(self._nodes())).encode()
         if target == b"/metrics":
             return 200, CONTENT_TYPE_LATEST, generate_latest(self._metrics)
         if target == b"/healthz":

@@ -98,7 +98,7 @@ class DirectoryServer(ServerLifecycle):
         self.metrics = directory_metrics(
             lambda: self.state, lambda: len(self.registry.names()), lambda: self.beats_refused
         )
-        self.http = HttpEndpoints(lambda: self.state.up_nodes(), self.metrics, lambda: self._serving)
+        self.http = HttpEndpoints(lambda: self.state.nodes(), self.metrics, lambda: self._serving)
         self.tcp_address = ""
         self.http_port = 0
         self._server: grpc.aio.Server | None = None
