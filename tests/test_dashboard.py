@@ -131,3 +131,23 @@ def test_dashboard_panels_are_well_formed() -> None:
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
         assert panel["targets"] and all(t["expr"] for t in panel["targets"]), panel["title"]
         assert panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24, panel["title"]
+
+
+def test_grafana_import_asks_for_the_prometheus_data_source() -> None:
+    """Grafana's import form asks for each of ``__inputs`` and puts the choice
+    wherever ``${NAME}`` stands: here the default of the dashboard's data
+    source variable, which every panel reads."""
+    text = DASHBOARD.read_text()
+    dashboard = json.loads(text)
+    assert [(i["name"], i["type"], i["pluginId"]) for i in dashboard["__inputs"]] == [
+        ("DS_PROMETHEUS", "datasource", "prometheus")
+    ]
+    assert set(re.findall(r"\$\{(DS_\w+)\}", text)) == {"DS_PROMETHEUS"}
+    panel_types = {p["type"] for p in dashboard["panels"]} - {"row"}
+    required = {(r["type"], r["id"]) for r in dashboard["__requires"]}
+    assert required == {("grafana", "grafana"), ("datasource", "prometheus")} | {("panel", t) for t in panel_types}
+
+    imported = json.loads(text.replace("${DS_PROMETHEUS}", "prom-uid-1"))
+    variable = next(v for v in imported["templating"]["list"] if v["name"] == "datasource")
+    assert (variable["type"], variable["query"], variable["current"]["value"]) == ("datasource", "prometheus",
+                                                                                    "prom-uid-1")

@@ -114,3 +114,25 @@ def test_env_file_sets_only_real_settings_and_units_put_defaults_where_they_may_
     settings = _unit_settings("dataquay-directory.service")
     assert settings["StateDirectory"] == ["dataquay/directory"]
     assert directory.state_dir == Path("/var/lib/dataquay/directory") == Path(settings["ReadWritePaths"][0])
+
+
+def test_readme_hardening_table_says_what_each_unit_sets() -> None:
+    """deploy/systemd/README.md's table of settings against the unit files:
+    every row as the files have it, and every hardening setting of either
+    unit in a row."""
+    rows = {}
+    for line in (SYSTEMD / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 3 and cells[0].endswith("=`"):
+            rows[cells[0].strip("`").rstrip("=")] = cells[1:]
+
+    def cell(settings: dict[str, list[str]], key: str) -> str:
+        if key not in settings:
+            return "not set"
+        return f"`{settings[key][0]}`" if settings[key][0] else "empty"
+
+    units = [_unit_settings(unit) for unit in UNITS]
+    assert {key: [cell(settings, key) for settings in units] for key in rows} == rows
+    hardening = re.compile(r"^(Protect|Private|Restrict|SystemCall|Capability|Ambient|NoNewPrivileges|"
+                           r"LockPersonality|ReadWritePaths|UMask|ProcSubset|LimitNOFILE|User$)")
+    assert {key for settings in units for key in settings if hardening.match(key)} <= set(rows)
