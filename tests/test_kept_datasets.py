@@ -1,0 +1,62 @@
+"""A daemon's cached datasets across directories: under Slurm each job starts
+a directory of its own, which lists nothing until the job registers its
+dataset, and the daemon on the user's cache must not drop what it holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from polling import wait_until
+from test_daemon import add, make_files, read, stage, stats, stub_for
+
+from dataquay.protos import cache_pb2 as pb
+from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
+
+
+def test_a_dataset_a_fresh_directory_never_listed_is_kept_until_registered_again_or_dropped(tmp_path: Path) -> None:
+    roots = (tmp_path / "pfs",)
+    root = roots[0] / "imgs"
+    payloads = make_files(root, 40, size=500)
+    first = DirectoryProcess(tmp_path / "directory-1", dataset_roots=roots).start()
+    daemon = DaemonProcess(tmp_path / "node", ("--directory", first.address), dataset_roots=roots).start()
+    try:
+        stub = stub_for(daemon)
+        add(stub, root)
+        assert stage(stub, "imgs").done_samples == 40
+        pfs_bytes = stats(stub).pfs_bytes
+        assert pfs_bytes == sum(map(len, payloads))
+        assert daemon.stop() == 0
+        first.kill()
+
+        fresh = DirectoryProcess(tmp_path / "directory-2", dataset_roots=roots).start()
+        daemon = DaemonProcess(tmp_path / "node", ("--directory", fresh.address), dataset_roots=roots).start()
+        _wait_for_sync(daemon, 0)
+        stub = stub_for(daemon)
+        assert not stub.ListDatasets(pb.ListDatasetsRequest()).datasets
+        assert stats(stub).cache_entries == 40
+
+        # Registered again from unchanged files: the cache serves it.
+        add(stub, root)
+        assert stage(stub, "imgs").done_samples == 40
+        assert stats(stub).pfs_bytes == 0
+        assert [s.data for s in read(stub, "imgs", [0, 39])] == [payloads[0], payloads[39]]
+        fresh.kill()
+
+        # A third directory, and the kept dataset dropped on this node alone.
+        third = DirectoryProcess(tmp_path / "directory-3", dataset_roots=roots).start()
+        assert daemon.stop() == 0
+        daemon = DaemonProcess(tmp_path / "node", ("--directory", third.address), dataset_roots=roots).start()
+        stub = stub_for(daemon)
+        _wait_for_sync(daemon, 1)
+        assert stub.DropDataset(pb.DropDatasetRequest(name="imgs")).freed_samples == 40
+        assert stats(stub).cache_entries == 0
+        third.kill()
+    finally:
+        daemon.kill()
+
+
+def _wait_for_sync(daemon: DaemonProcess, kept_before: int) -> None:
+    """Until the daemon, synced with its directory, logged that it keeps the
+    dataset (once more than ``kept_before`` times: the log outlives restarts)."""
+    wait_until(lambda: daemon.log_path.read_text().count("dataset not listed by the directory") > kept_before,
+               "the daemon synced with its directory")
