@@ -94,7 +94,7 @@ stage_dataset() {
 # and closes the connection.
 http_get() {
     local port=$1 path=$2 reply
-    exec 6<>"/dev/tcp/127.0.0.1/$port" || return 1
+    { exec 6<>"/dev/tcp/127.0.0.1/$port"; } 2>/dev/null || return 1
     printf 'GET %s HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' "$path" >&6
     reply=$(timeout 10 cat <&6) || true
     exec 6<&-
