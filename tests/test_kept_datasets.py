@@ -17,7 +17,9 @@ def test_a_dataset_a_fresh_directory_never_listed_is_kept_until_registered_again
     roots = (tmp_path / "pfs",)
     root = roots[0] / "imgs"
     payloads = make_files(root, 40, size=500)
-    first = DirectoryProcess(tmp_path / "directory-1", dataset_roots=roots).start()
+    directories = [DirectoryProcess(tmp_path / f"directory-{i}", dataset_roots=roots) for i in (1, 2, 3)]
+    first, fresh, third = directories
+    first.start()
     daemon = DaemonProcess(tmp_path / "node", ("--directory", first.address), dataset_roots=roots).start()
     try:
         stub = stub_for(daemon)
@@ -28,7 +30,7 @@ def test_a_dataset_a_fresh_directory_never_listed_is_kept_until_registered_again
         assert daemon.stop() == 0
         first.kill()
 
-        fresh = DirectoryProcess(tmp_path / "directory-2", dataset_roots=roots).start()
+        fresh.start()
         daemon = DaemonProcess(tmp_path / "node", ("--directory", fresh.address), dataset_roots=roots).start()
         _wait_for_sync(daemon, 0)
         stub = stub_for(daemon)
@@ -43,16 +45,17 @@ def test_a_dataset_a_fresh_directory_never_listed_is_kept_until_registered_again
         fresh.kill()
 
         # A third directory, and the kept dataset dropped on this node alone.
-        third = DirectoryProcess(tmp_path / "directory-3", dataset_roots=roots).start()
+        third.start()
         assert daemon.stop() == 0
         daemon = DaemonProcess(tmp_path / "node", ("--directory", third.address), dataset_roots=roots).start()
         stub = stub_for(daemon)
         _wait_for_sync(daemon, 1)
         assert stub.DropDataset(pb.DropDatasetRequest(name="imgs")).freed_samples == 40
         assert stats(stub).cache_entries == 0
-        third.kill()
     finally:
         daemon.kill()
+        for directory in directories:
+            directory.kill()
 
 
 def _wait_for_sync(daemon: DaemonProcess, kept_before: int) -> None:
