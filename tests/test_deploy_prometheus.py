@@ -202,19 +202,12 @@ def test_prometheus_finds_a_slurm_jobs_daemons_and_directory_by_the_prologs_file
 ) -> None:
     sd_dir = slurm_dir / "prometheus-sd"
     sd_dir.mkdir()
+    sd_dir.chmod(0o755)
     site = {"DATAQUAY_PROMETHEUS_SD_DIR": str(sd_dir)}
     prolog = _run_as_slurmd("prolog.sh", _slurmd_env(slurm_dir, "prolog", JOB_ID, "", "SLURM_NODELIST", **site))
     assert prolog.returncode == 0, prolog.stderr
     job_dir = slurm_dir / "nodes" / "users" / getpass.getuser() / f"job-{JOB_ID}"
-    daemon = json.loads((job_dir / "daemon.ready.json").read_text())
     directory = json.loads((job_dir / "directory.ready.json").read_text())
-    assert json.loads((sd_dir / f"slurm-{JOB_ID}.daemons.json").read_text()) == [{
-        "targets": [f"127.0.0.1:{daemon['metrics_port']}"],
-        "labels": {"slurm_job": JOB_ID, "dataquay_node": "localhost", "dataquay_state": "up"},
-    }]
-    assert json.loads((sd_dir / f"slurm-{JOB_ID}.directory.json").read_text()) == [{
-        "targets": [f"localhost:{directory['http_port']}"], "labels": {"slurm_job": JOB_ID},
-    }]
 
     prometheus = prometheus_for([
         {"job_name": "dataquay", "file_sd_configs": [{"files": [str(sd_dir / "*.daemons.json")],

@@ -447,3 +447,39 @@ def test_two_jobs_of_a_user_starting_together_run_one_daemon_per_cache(slurm_dir
     assert _processes_under(str(slurm_dir)) == []
     # The holder's epilog wiped the shared cache, as the comment asked.
     assert sorted(p.name for p in user_dir.iterdir()) == [".lock"]
+
+
+def test_prolog_writes_prometheus_targets_for_the_job_and_the_epilog_removes_them(slurm_dir: Path) -> None:
+    sd_dir = slurm_dir / "prometheus-sd"
+    sd_dir.mkdir()
+    sd_dir.chmod(0o755)
+    site = {"DATAQUAY_PROMETHEUS_SD_DIR": str(sd_dir)}
+    prolog = _run_as_slurmd("prolog.sh", _slurmd_env(slurm_dir, "prolog", JOB_ID, "", "SLURM_NODELIST", **site))
+    assert prolog.returncode == 0, prolog.stderr
+    job_dir = slurm_dir / "nodes" / "users" / getpass.getuser() / f"job-{JOB_ID}"
+    daemon = json.loads((job_dir / "daemon.ready.json").read_text())
+    directory = json.loads((job_dir / "directory.ready.json").read_text())
+    assert sorted(p.name for p in sd_dir.iterdir()) == [f"slurm-{JOB_ID}.{k}.json" for k in ("daemons", "directory")]
+    assert json.loads((sd_dir / f"slurm-{JOB_ID}.daemons.json").read_text()) == [{
+        "targets": [f"127.0.0.1:{daemon['metrics_port']}"],
+        "labels": {"slurm_job": JOB_ID, "dataquay_node": NODE, "dataquay_state": "up"},
+    }]
+    assert json.loads((sd_dir / f"slurm-{JOB_ID}.directory.json").read_text()) == [{
+        "targets": [f"{NODE}:{directory['http_port']}"], "labels": {"slurm_job": JOB_ID},
+    }]
+
+    epilog = _run_as_slurmd("epilog.sh", _slurmd_env(slurm_dir, "epilog", JOB_ID, "", "SLURM_NODELIST", **site))
+    assert epilog.returncode == 0, epilog.stderr
+    assert list(sd_dir.iterdir()) == []
+
+
+def test_prolog_writes_no_prometheus_targets_where_others_could_swap_them(slurm_dir: Path) -> None:
+    sd_dir = slurm_dir / "prometheus-sd"
+    sd_dir.mkdir()
+    sd_dir.chmod(0o777)
+    site = {"DATAQUAY_PROMETHEUS_SD_DIR": str(sd_dir)}
+    prolog = _run_as_slurmd("prolog.sh", _slurmd_env(slurm_dir, "prolog", JOB_ID, "", "SLURM_NODELIST", **site))
+    # The job runs; Prometheus does not find it, and the log says why.
+    assert prolog.returncode == 0, prolog.stderr
+    assert f"DATAQUAY_PROMETHEUS_SD_DIR={sd_dir} must be a directory of uid {os.getuid()}" in prolog.stderr
+    assert list(sd_dir.iterdir()) == []

@@ -110,7 +110,11 @@ http_get() {
 # with it; a daemon that dies during the job stays a target with up 0.
 write_prometheus_targets() {
     local directory=$1 sd_dir=$DATAQUAY_PROMETHEUS_SD_DIR http_port sd
-    [[ -d "$sd_dir" ]] || { dq_log "error: DATAQUAY_PROMETHEUS_SD_DIR=$sd_dir is not a directory"; return 1; }
+    # Root writes there: nobody else may swap a file for a link.
+    if [[ -L "$sd_dir" || ! -d "$sd_dir" || ! -O "$sd_dir" ]] || (($(stat -c '8#%a' "$sd_dir") & 8#022)); then
+        dq_log "error: DATAQUAY_PROMETHEUS_SD_DIR=$sd_dir must be a directory of uid $(id -u), writable by nobody else"
+        return 1
+    fi
     wait_for_nodes "$directory" || return 1
     http_port=$(dq_json_field "$DQ_DIRECTORY_READY" http_port)
     sd=$(http_get "$http_port" /sd) || { dq_log "error: no /sd answer from the directory"; return 1; }
