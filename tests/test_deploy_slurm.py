@@ -417,6 +417,8 @@ def test_users_next_job_reads_the_cached_dataset_and_nothing_from_the_pfs(slurm_
         assert _sample(page, "dataquay_cache_entries") == 120
         with dq.connect(str(user_dir / f"job-{job_id}" / "dataquay.sock")) as client:
             samples = client.dataset("synth").get_batch(list(range(120)))
+            # Local hits: the trainer maps the cache the second job inherited.
+            assert client.stats().samples["local"] == 120
         assert sum(len(s) for s in samples) == pfs_bytes
         read[job_id] = _sample(_metrics(daemon["metrics_port"]), "dataquay_pfs_read_bytes_total")
         epilog = _run_as_slurmd("epilog.sh", _slurmd_env(slurm_dir, "epilog", job_id, comment, "SLURM_NODELIST"))
