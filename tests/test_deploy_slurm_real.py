@@ -88,7 +88,11 @@ class SlurmCluster:
             subprocess.Popen(["slurmctld", "-D", "-i"], env=self.env, cwd=base, stderr=subprocess.DEVNULL),
             subprocess.Popen(["slurmd", "-D", "-N", "localhost"], env=self.env, cwd=base, stderr=subprocess.DEVNULL),
         ]
-        wait_until(lambda: self._command("sinfo", "-h", "-o", "%t") == "idle", "the node idle")
+        try:
+            wait_until(lambda: self._command("sinfo", "-h", "-o", "%t") == "idle", "the node idle")
+        except AssertionError:
+            self.close()
+            raise
 
     def _command(self, *argv: str) -> str:
         assert all(d.poll() is None for d in self.daemons), (self.base / "log" / "slurmctld.log").read_text()
