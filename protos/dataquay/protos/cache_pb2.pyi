@@ -21,6 +21,13 @@ class DatasetFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FORMAT_FILES: _ClassVar[DatasetFormat]
     FORMAT_TAR: _ClassVar[DatasetFormat]
     FORMAT_NPY: _ClassVar[DatasetFormat]
+
+class PrepRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREP_ROLE_UNSPECIFIED: _ClassVar[PrepRole]
+    PREP_WAIT: _ClassVar[PrepRole]
+    PREP_MEMBER: _ClassVar[PrepRole]
+    PREP_SOLO: _ClassVar[PrepRole]
 TIER_UNSPECIFIED: Tier
 TIER_LOCAL: Tier
 TIER_PEER: Tier
@@ -29,6 +36,10 @@ FORMAT_UNSPECIFIED: DatasetFormat
 FORMAT_FILES: DatasetFormat
 FORMAT_TAR: DatasetFormat
 FORMAT_NPY: DatasetFormat
+PREP_ROLE_UNSPECIFIED: PrepRole
+PREP_WAIT: PrepRole
+PREP_MEMBER: PrepRole
+PREP_SOLO: PrepRole
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -255,7 +266,7 @@ class TierCount(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients", "cache_disk_full", "read_ahead")
+    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients", "cache_disk_full", "read_ahead", "prep_groups")
     NODE_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
     CACHE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +289,7 @@ class StatsReply(_message.Message):
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
     CACHE_DISK_FULL_FIELD_NUMBER: _ClassVar[int]
     READ_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    PREP_GROUPS_FIELD_NUMBER: _ClassVar[int]
     node: str
     reads: _containers.RepeatedCompositeFieldContainer[TierCount]
     cache_used_bytes: int
@@ -300,7 +312,8 @@ class StatsReply(_message.Message):
     clients: int
     cache_disk_full: bool
     read_ahead: ReadAhead
-    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ..., read_ahead: _Optional[_Union[ReadAhead, _Mapping]] = ...) -> None: ...
+    prep_groups: _containers.RepeatedCompositeFieldContainer[PrepGroupStatus]
+    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ..., read_ahead: _Optional[_Union[ReadAhead, _Mapping]] = ..., prep_groups: _Optional[_Iterable[_Union[PrepGroupStatus, _Mapping]]] = ...) -> None: ...
 
 class ReadAhead(_message.Message):
     __slots__ = ("memory_bytes", "held_bytes", "peak_bytes", "overflow_read_samples", "overflow_read_bytes", "overflow_served_samples", "overflow_served_bytes", "overflow_wasted_samples", "overflow_wasted_bytes", "overflow_failed_samples")
@@ -441,3 +454,103 @@ class ClientStatsReport(_message.Message):
 class ClientStatsReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PrepGroupSpec(_message.Message):
+    __slots__ = ("group", "dataset", "manifest_id", "jobs", "batch_size", "seed", "drop_last", "num_batches", "memory_bytes", "timeout_seconds")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    DROP_LAST_FIELD_NUMBER: _ClassVar[int]
+    NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    dataset: str
+    manifest_id: str
+    jobs: int
+    batch_size: int
+    seed: int
+    drop_last: bool
+    num_batches: int
+    memory_bytes: int
+    timeout_seconds: float
+    def __init__(self, group: _Optional[str] = ..., dataset: _Optional[str] = ..., manifest_id: _Optional[str] = ..., jobs: _Optional[int] = ..., batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., drop_last: _Optional[bool] = ..., num_batches: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class PreppedBatch(_message.Message):
+    __slots__ = ("index", "segment", "bytes")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    segment: str
+    bytes: int
+    def __init__(self, index: _Optional[int] = ..., segment: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class PrepSyncRequest(_message.Message):
+    __slots__ = ("spec", "member", "pid", "epoch", "consumed", "prepped", "claim", "wait_seconds", "leave")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    PREPPED_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    spec: PrepGroupSpec
+    member: str
+    pid: int
+    epoch: int
+    consumed: int
+    prepped: _containers.RepeatedCompositeFieldContainer[PreppedBatch]
+    claim: int
+    wait_seconds: float
+    leave: bool
+    def __init__(self, spec: _Optional[_Union[PrepGroupSpec, _Mapping]] = ..., member: _Optional[str] = ..., pid: _Optional[int] = ..., epoch: _Optional[int] = ..., consumed: _Optional[int] = ..., prepped: _Optional[_Iterable[_Union[PreppedBatch, _Mapping]]] = ..., claim: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., leave: _Optional[bool] = ...) -> None: ...
+
+class PrepSyncReply(_message.Message):
+    __slots__ = ("role", "claims", "ready", "free", "members")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CLAIMS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    role: PrepRole
+    claims: _containers.RepeatedScalarFieldContainer[int]
+    ready: _containers.RepeatedCompositeFieldContainer[PreppedBatch]
+    free: _containers.RepeatedScalarFieldContainer[str]
+    members: int
+    def __init__(self, role: _Optional[_Union[PrepRole, str]] = ..., claims: _Optional[_Iterable[int]] = ..., ready: _Optional[_Iterable[_Union[PreppedBatch, _Mapping]]] = ..., free: _Optional[_Iterable[str]] = ..., members: _Optional[int] = ...) -> None: ...
+
+class PrepGroupStatus(_message.Message):
+    __slots__ = ("group", "dataset", "epoch", "members", "num_batches", "batches_prepped", "prepped_total", "slowest_consumed", "fastest_consumed", "staged_bytes", "memory_bytes", "dropped_total", "redealt_total")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_PREPPED_FIELD_NUMBER: _ClassVar[int]
+    PREPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SLOWEST_CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    FASTEST_CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REDEALT_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    dataset: str
+    epoch: int
+    members: int
+    num_batches: int
+    batches_prepped: int
+    prepped_total: int
+    slowest_consumed: int
+    fastest_consumed: int
+    staged_bytes: int
+    memory_bytes: int
+    dropped_total: int
+    redealt_total: int
+    def __init__(self, group: _Optional[str] = ..., dataset: _Optional[str] = ..., epoch: _Optional[int] = ..., members: _Optional[int] = ..., num_batches: _Optional[int] = ..., batches_prepped: _Optional[int] = ..., prepped_total: _Optional[int] = ..., slowest_consumed: _Optional[int] = ..., fastest_consumed: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., dropped_total: _Optional[int] = ..., redealt_total: _Optional[int] = ...) -> None: ...

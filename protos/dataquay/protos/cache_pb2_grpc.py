@@ -100,6 +100,11 @@ class CacheStub:
                 request_serializer=dataquay_dot_protos_dot_cache__pb2.ClientStatsReport.SerializeToString,
                 response_deserializer=dataquay_dot_protos_dot_cache__pb2.ClientStatsReply.FromString,
                 _registered_method=True)
+        self.PrepSync = channel.unary_unary(
+                '/dataquay.v1.Cache/PrepSync',
+                request_serializer=dataquay_dot_protos_dot_cache__pb2.PrepSyncRequest.SerializeToString,
+                response_deserializer=dataquay_dot_protos_dot_cache__pb2.PrepSyncReply.FromString,
+                _registered_method=True)
 
 
 class CacheServicer:
@@ -200,6 +205,17 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepSync(self, request, context):
+        """Coordinated prep: the jobs of a sweep on this node share the prep of
+        each epoch's batches. Every call is a member's heartbeat: it joins (at
+        an epoch boundary), hands in the batches it prepped, says how far it
+        consumed, and gets batches to prep and the ready ones it needs next.
+        Node-local: only over the unix socket.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -267,6 +283,11 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.ReportClientStats,
                     request_deserializer=dataquay_dot_protos_dot_cache__pb2.ClientStatsReport.FromString,
                     response_serializer=dataquay_dot_protos_dot_cache__pb2.ClientStatsReply.SerializeToString,
+            ),
+            'PrepSync': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepSync,
+                    request_deserializer=dataquay_dot_protos_dot_cache__pb2.PrepSyncRequest.FromString,
+                    response_serializer=dataquay_dot_protos_dot_cache__pb2.PrepSyncReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -620,6 +641,33 @@ class Cache:
             '/dataquay.v1.Cache/ReportClientStats',
             dataquay_dot_protos_dot_cache__pb2.ClientStatsReport.SerializeToString,
             dataquay_dot_protos_dot_cache__pb2.ClientStatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepSync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dataquay.v1.Cache/PrepSync',
+            dataquay_dot_protos_dot_cache__pb2.PrepSyncRequest.SerializeToString,
+            dataquay_dot_protos_dot_cache__pb2.PrepSyncReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,164 @@
+"""The daemon's coordinated prep groups (:mod:`prep_group` holds one's state):
+creating them, answering members' calls, waiting for news on their behalf,
+and removing the shared-memory segments of freed batches.
+
+The daemon is the one long-lived process of the node, so it keeps the groups:
+members come and go, any of them can be killed, and the group's state (and
+the names of the segments it holds) outlives each of them. A member's call
+waits up to its ``wait_seconds`` for something it can use (a batch to prep,
+the batch it needs next, the epoch's start), so members neither spin nor
+sleep past the moment their batch is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+from contextlib import suppress
+
+from dataquay.client import prepped
+from dataquay.client.errors import InvalidRequestError, JobMismatchError
+from dataquay.client.shm import process_alive
+from dataquay.protos import cache_pb2 as pb
+from dataquay.server.node.prep_group import MAX_CLAIMS, PrepGroup, SyncAnswer
+
+#: Groups one daemon keeps at once.
+MAX_GROUPS = 64
+#: Members of one group (the first epoch's ``jobs`` included).
+MAX_MEMBERS = 64
+#: Longest a call waits for news before it is answered anyway.
+MAX_WAIT_SECONDS = 5.0
+_NAME = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class PrepGroups:
+    """Every prep group of this daemon, by name."""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, PrepGroup] = {}
+        self._changed = asyncio.Event()
+        self._unfreed: list[str] = []  # segments the daemon may not remove (another user's)
+
+    async def sync(self, request: pb.PrepSyncRequest) -> pb.PrepSyncReply:
+        """Answers a member's call, waiting up to its ``wait_seconds`` for news.
+
+        Raises:
+            InvalidRequestError: a spec or member no group can have.
+            JobMismatchError: the group exists with other settings.
+        """
+        check(request)
+        answer = self._apply(request)
+        wait = min(request.wait_seconds, MAX_WAIT_SECONDS) if math.isfinite(request.wait_seconds) else 0.0
+        deadline = time.monotonic() + max(0.0, wait)
+        again = pb.PrepSyncRequest()
+        again.CopyFrom(request)
+        del again.prepped[:]
+        while not _useful(answer, request) and (left := deadline - time.monotonic()) > 0:
+            changed = self._changed
+            with suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), left)
+            answer = self._apply(again)
+        free, self._unfreed = self._unfreed, []
+        return pb.PrepSyncReply(
+            role=answer.role,  # type: ignore[arg-type]
+            claims=answer.claims,
+            ready=[pb.PreppedBatch(index=i, segment=s, bytes=n) for i, s, n in answer.ready],
+            free=free,
+            members=answer.members,
+        )
+
+    def reap(self) -> None:
+        """Drops the dead and silent members of every group, and the groups left
+        empty; removes what the groups of daemons that died left in shared memory."""
+        prepped.remove_orphans()
+        now = time.monotonic()
+        for name, group in list(self._groups.items()):
+            before = group.version
+            group.expire(now, process_alive)
+            self._settle(name, group, before)
+
+    def status(self) -> list[pb.PrepGroupStatus]:
+        return [group.status() for group in self._groups.values()]
+
+    def close(self) -> None:
+        for group in self._groups.values():
+            group.close()
+            prepped.unlink(group.take_freed())
+        self._groups = {}
+
+    def _apply(self, request: pb.PrepSyncRequest) -> SyncAnswer:
+        name = request.spec.group
+        group = self._groups.get(name)
+        if group is None:
+            if len(self._groups) >= MAX_GROUPS:
+                raise InvalidRequestError(f"this daemon already keeps {MAX_GROUPS} prep groups")
+            group = self._groups[name] = PrepGroup(request.spec, request.epoch, time.monotonic())
+        elif group.spec != request.spec:
+            raise JobMismatchError(mismatch(group.spec, request.spec))
+        elif request.member not in group.members and len(group.members) + len(group.waiting) >= MAX_MEMBERS:
+            raise InvalidRequestError(f"prep group {name!r} already has {MAX_MEMBERS} members")
+        before = group.version
+        answer = group.sync(request, time.monotonic(), process_alive)
+        self._settle(name, group, before)
+        return answer
+
+    def _settle(self, name: str, group: PrepGroup, version: int) -> None:
+        """Removes freed segments, forgets an empty group and wakes the waiting calls after a change."""
+        if group.idle:
+            group.close()
+            del self._groups[name]
+        self._unfreed.extend(prepped.unlink(group.take_freed()))
+        if group.version != version or group.idle:
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+
+def _useful(answer: SyncAnswer, request: pb.PrepSyncRequest) -> bool:
+    """Whether a reply gives the caller something to act on: work, the batch
+    it needs next, or the news that it must go on alone."""
+    if request.leave or answer.role == pb.PREP_SOLO:
+        return True
+    if answer.role != pb.PREP_MEMBER:
+        return False
+    if request.claim:
+        return bool(answer.claims)
+    if request.consumed >= request.spec.num_batches:
+        return True
+    return any(index == request.consumed for index, _, _ in answer.ready)
+
+
+def check(request: pb.PrepSyncRequest) -> None:
+    """Refuses a call whose spec or member no group can have.
+
+    Raises:
+        InvalidRequestError: naming the field and the allowed range.
+    """
+    spec = request.spec
+    problems = [
+        (not _NAME.match(spec.group), f"group name {spec.group[:200]!r} must be 1-128 of A-Z a-z 0-9 . _ : -"),
+        (not _NAME.match(request.member), f"member id {request.member[:200]!r} must be 1-128 of A-Z a-z 0-9 . _ : -"),
+        (not spec.dataset, "a prep group needs a dataset"),
+        (not 1 <= spec.jobs <= MAX_MEMBERS, f"jobs must be 1 to {MAX_MEMBERS}, not {spec.jobs}"),
+        (spec.batch_size < 1, "batch_size must be at least 1"),
+        (not 1 <= spec.num_batches <= 1 << 31, f"num_batches must be 1 to 2**31, not {spec.num_batches}"),
+        (spec.memory_bytes < 1, "memory_bytes must be at least 1"),
+        (not (math.isfinite(spec.timeout_seconds) and 0 < spec.timeout_seconds <= 86400),
+         f"timeout_seconds must be above 0 and at most a day, not {spec.timeout_seconds}"),
+        (request.claim > MAX_CLAIMS, f"claim must be at most {MAX_CLAIMS}, not {request.claim}"),
+        (any(not prepped.NAME.match(b.segment) for b in request.prepped),
+         f"prepped batches' segments are named {prepped.PREFIX}..."),
+    ]
+    for failed, message in problems:
+        if failed:
+            raise InvalidRequestError(message)
+
+
+def mismatch(have: pb.PrepGroupSpec, given: pb.PrepGroupSpec) -> str:
+    """What differs between a group's spec and a member's, for the error message."""
+    for field in have.DESCRIPTOR.fields:
+        a, b = getattr(have, field.name), getattr(given, field.name)
+        if a != b:
+            return f"prep group {have.group!r} has {field.name} {a!r}, this member {b!r}"
+    return f"prep group {have.group!r} has other settings"

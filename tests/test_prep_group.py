@@ -1,0 +1,157 @@
+"""A coordinated prep group's state machine, driven without sockets or processes:
+the deal, freeing once every member consumed a batch, the budget, epoch
+boundaries, and members that die, go silent or stall."""
+
+from __future__ import annotations
+
+import pytest
+
+from dataquay.protos import cache_pb2 as pb
+from dataquay.server.node.prep_group import PrepGroup
+from dataquay.server.node.prep_groups import check, mismatch
+
+BATCHES = 6
+
+
+def spec(jobs: int = 2, memory: int = 1 << 20, timeout: float = 10.0) -> pb.PrepGroupSpec:
+    return pb.PrepGroupSpec(
+        group="g", dataset="ds", manifest_id="m", jobs=jobs, batch_size=4, seed=0, num_batches=BATCHES,
+        memory_bytes=memory, timeout_seconds=timeout,
+    )
+
+
+class Members:
+    """Calls a group as its members would, with a clock and a set of live pids."""
+
+    def __init__(self, group: PrepGroup) -> None:
+        self.group = group
+        self.now = 0.0
+        self.dead: set[int] = set()
+
+    def call(self, member: str, epoch: int = 0, consumed: int = 0, claim: int = 0,
+             prepped: tuple[int, ...] = (), size: int = 100, leave: bool = False) -> tuple[int, list[int], list[int]]:
+        request = pb.PrepSyncRequest(
+            spec=self.group.spec, member=member, pid=int(member[1:]), epoch=epoch, consumed=consumed, claim=claim,
+            prepped=[pb.PreppedBatch(index=i, segment=f"dataquay-prep-{member}-{epoch}-{i}", bytes=size)
+                     for i in prepped],
+            leave=leave,
+        )
+        answer = self.group.sync(request, self.now, lambda pid: pid not in self.dead)
+        return answer.role, answer.claims, [index for index, _, _ in answer.ready]
+
+
+def started(jobs: int = 2, **settings: float) -> Members:
+    members = Members(PrepGroup(spec(jobs, **settings), 0, 0.0))  # type: ignore[arg-type]
+    for m in range(1, jobs + 1):
+        members.call(f"m{m}")
+    return members
+
+
+def test_first_epoch_waits_for_its_jobs_then_deals_each_batch_once() -> None:
+    members = Members(PrepGroup(spec(jobs=2), 0, 0.0))
+    assert members.call("m1", claim=1)[0] == pb.PREP_WAIT
+    role, claims, _ = members.call("m2", claim=2)
+    assert role == pb.PREP_MEMBER and claims == [0, 1]
+    assert members.call("m1", claim=4)[1] == [2, 3, 4, 5]
+    assert members.call("m1", claim=4)[1] == []
+
+
+def test_a_batch_is_freed_once_every_member_consumed_it() -> None:
+    members = started()
+    members.call("m1", claim=2)
+    _, _, ready = members.call("m1", prepped=(0, 1))
+    assert ready == [0, 1] and members.group.take_freed() == []
+    members.call("m1", consumed=2)
+    assert members.group.take_freed() == []
+    members.call("m2", consumed=1)
+    assert members.group.take_freed() == ["dataquay-prep-m1-0-0"]
+    members.call("m2", consumed=2)
+    assert members.group.take_freed() == ["dataquay-prep-m1-0-1"]
+    assert members.group.staged_bytes == 0
+
+
+def test_a_dead_members_batches_are_redealt_and_what_it_prepped_stays() -> None:
+    members = started(jobs=3)
+    assert members.call("m1", claim=1)[1] == [0]
+    assert members.call("m2", claim=2)[1] == [1, 2]
+    members.call("m1", prepped=(0,))
+    members.dead.add(2)
+    role, claims, ready = members.call("m3", claim=2)
+    assert role == pb.PREP_MEMBER and claims == [1, 2] and ready == [0]
+    assert members.group.status().dropped_total == 1 and members.group.status().redealt_total == 2
+    assert members.call("m2", prepped=(1,))[0] == pb.PREP_SOLO  # too late: not a member any more
+    assert members.group.take_freed() == ["dataquay-prep-m2-0-1"]
+
+
+def test_a_silent_member_is_dropped_after_the_timeout() -> None:
+    members = started(timeout=5.0)
+    members.now = 4.0
+    members.call("m1")
+    members.now = 6.0
+    members.call("m1")
+    assert list(members.group.members) == ["m1"]
+
+
+def test_a_member_that_holds_the_others_up_past_the_budget_is_dropped() -> None:
+    members = started(memory=200, timeout=5.0)
+    for index in range(2):
+        members.call("m1", claim=1)
+        members.call("m1", prepped=(index,))
+    assert members.call("m1", consumed=2, claim=1)[1] == []  # budget full: 200 bytes held, m2 has used none
+    members.now = 4.0
+    members.call("m1", consumed=2)
+    members.call("m2")
+    assert set(members.group.members) == {"m1", "m2"}  # slow, but not for long yet
+    members.now = 5.5
+    members.call("m2")
+    assert list(members.group.members) == ["m1"]
+    assert sorted(members.group.take_freed()) == [f"dataquay-prep-m1-0-{i}" for i in range(2)]
+
+
+def test_the_slowest_members_next_batch_is_dealt_even_over_budget() -> None:
+    members = started(memory=50)
+    members.call("m1", claim=1)
+    members.call("m1", prepped=(0,))
+    assert members.call("m2", claim=1)[1] == []  # over budget, and no one needs batch 1 yet
+    members.call("m1", consumed=1)
+    members.call("m2", consumed=1)
+    assert members.call("m2", claim=1)[1] == [1]
+
+
+def test_the_next_epoch_starts_when_every_member_moved_on_and_a_late_joiner_waits_for_it() -> None:
+    members = started()
+    assert members.call("m3")[0] == pb.PREP_SOLO  # epoch 0 is running: m3 preps it alone
+    assert members.call("m3", epoch=1)[0] == pb.PREP_WAIT
+    assert members.call("m1", epoch=1)[0] == pb.PREP_WAIT  # m2 is still in epoch 0
+    role, claims, _ = members.call("m2", epoch=1, claim=1)
+    assert role == pb.PREP_MEMBER and claims == [0]
+    assert members.group.epoch == 1 and set(members.group.members) == {"m1", "m2", "m3"}
+
+
+def test_unconsumed_batches_are_never_carried_into_the_next_epoch() -> None:
+    members = started()
+    members.call("m1", claim=1)
+    members.call("m1", prepped=(0,))
+    members.call("m1", epoch=1)
+    members.call("m2", epoch=1)
+    assert members.group.take_freed() == ["dataquay-prep-m1-0-0"]
+    assert members.group.ready == {}
+
+
+def test_a_member_that_leaves_gives_back_its_batches() -> None:
+    members = started()
+    assert members.call("m1", claim=2)[1] == [0, 1]
+    members.call("m1", leave=True)
+    assert members.call("m2", claim=2)[1] == [0, 1]
+
+
+def test_settings_no_group_can_have_are_refused_by_name() -> None:
+    bad = spec()
+    bad.jobs = 0
+    with pytest.raises(ValueError, match="jobs must be 1 to 64"):
+        check(pb.PrepSyncRequest(spec=bad, member="m1"))
+    with pytest.raises(ValueError, match="member id"):
+        check(pb.PrepSyncRequest(spec=spec(), member="a/b"))
+    other = spec()
+    other.batch_size = 8
+    assert mismatch(spec(), other) == "prep group 'g' has batch_size 4, this member 8"
