@@ -16,10 +16,16 @@ the orders of the job's placement; the rest of the loop is the same::
 
     sampler = ds.sampler(job="resnet-run-7", mode="global")
 
+The jobs of a hyper-parameter sweep on one node share the fetch and prep of
+every batch (:mod:`dataquay.client.coordinated`)::
+
+    loader = ds.coordinated(group="sweep-7", jobs=4, prep=decode, batch_size=256)
+
 PyTorch adapters live in :mod:`dataquay.client.torch` (optional).
 """
 
 from dataquay.client.client import Client, connect
+from dataquay.client.coordinated import CoordinatedLoader
 from dataquay.client.dataset import Dataset
 from dataquay.client.errors import (
     CorruptValueError,
@@ -38,6 +44,7 @@ from dataquay.client.stats import ClientStats
 __all__ = [
     "Client",
     "ClientStats",
+    "CoordinatedLoader",
     "CorruptValueError",
     "DaemonUnavailableError",
     "DataquayError",

@@ -188,6 +188,20 @@ class Client:
         job: jpb.Job = self._ask("JoinJob", lambda stub: stub.JoinJob(request, timeout=self.timeout), errors)
         return job
 
+    def prep_sync(self, request: pb.PrepSyncRequest) -> pb.PrepSyncReply:
+        """One call of a coordinated prep group's member (:mod:`dataquay.client.coordinated`).
+
+        Raises:
+            JobMismatchError: the group exists with other settings.
+            InvalidRequestError: settings no group can have.
+            DaemonUnavailableError: the daemon does not answer.
+        """
+        deadline = self.timeout + request.wait_seconds
+        reply: pb.PrepSyncReply = self._connection.call(
+            "PrepSync", lambda stub: stub.PrepSync(request, timeout=deadline)
+        )
+        return reply
+
     def _ask(
         self,
         what: str,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, cast, overload
 import numpy as np
 
 from dataquay.client import env
+from dataquay.client.coordinated import DEFAULT_MEMORY_BYTES, CoordinatedLoader
 from dataquay.client.errors import SampleIdError
 from dataquay.client.jobs import job_plan, job_spec, join
 from dataquay.client.local import Found, SharedLocalCache, sample_keys
@@ -258,6 +259,37 @@ class Dataset(Sequence[bytes]):
             seed=0 if seed is None else seed,
             shuffle=shuffle,
             drop_last=bool(drop_last),
+        )
+
+    def coordinated(
+        self,
+        *,
+        group: str,
+        jobs: int,
+        prep: Callable[[bytes], Any],
+        batch_size: int,
+        seed: int = 0,
+        drop_last: bool = False,
+        memory_bytes: int = DEFAULT_MEMORY_BYTES,
+        timeout: float = 60.0,
+    ) -> CoordinatedLoader:
+        """Prepped batches shared with the other jobs of a sweep on this node:
+        each batch is fetched and prepped once, by one member, and every member
+        gets every batch, in the same order (see :mod:`dataquay.client.coordinated`).
+
+        Args:
+            group: the group's name; every member passes the same settings.
+            jobs: members the first epoch waits for (at most ``timeout``).
+            prep: one sample's bytes -> an array or a tuple of arrays.
+            batch_size: samples per batch.
+            seed: the shuffle seed.
+            drop_last: drop each epoch's last, shorter batch.
+            memory_bytes: prepped batches held at once in shared memory.
+            timeout: seconds after which a silent or stalled member is dropped.
+        """
+        return CoordinatedLoader(
+            self, group=group, jobs=jobs, prep=prep, batch_size=batch_size, seed=seed, drop_last=drop_last,
+            memory_bytes=memory_bytes, timeout=timeout,
         )
 
     def batches(self, sampler: Sampler, batch_size: int, *, prefetch: int = 2) -> Iterator[list[bytes]]:

@@ -1,4 +1,5 @@
-"""PyTorch adapters: a map-style Dataset and a Sampler over dataquay's.
+"""PyTorch adapters: a map-style Dataset and a Sampler over dataquay's, and an
+iterable over a coordinated prep group's batches.
 
 Optional: the rest of dataquay never imports torch. DataLoader workers are
 safe with either start method: forked workers open their own connection and
@@ -16,6 +17,7 @@ try:
 except ImportError as exc:
     raise ImportError("dataquay.client.torch needs PyTorch: pip install dataquay[torch]") from exc
 
+from dataquay.client.coordinated import CoordinatedLoader
 from dataquay.client.dataset import Dataset
 from dataquay.client.sampler import Sampler
 
@@ -91,3 +93,33 @@ class TorchSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return len(self.sampler)
+
+
+class TorchCoordinated(torch.utils.data.IterableDataset):
+    """A :class:`CoordinatedLoader` as an iterable of batches of tensors.
+
+    Pass it to ``DataLoader(..., batch_size=None)``: the batches come whole
+    from the group. Keep ``num_workers=0``: the loader preps in a thread of its
+    own, and a worker process iterating it would join the group as another member.
+    The tensors share memory with the arrays copied out of the group's segment.
+    """
+
+    def __init__(self, loader: CoordinatedLoader) -> None:
+        self.loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        if torch.utils.data.get_worker_info() is not None:
+            raise RuntimeError(
+                "a coordinated loader runs in the training process: use DataLoader(..., num_workers=0)"
+            )
+        for batch in self.loader:
+            if isinstance(batch, tuple):
+                yield tuple(torch.from_numpy(field) for field in batch)
+            else:
+                yield torch.from_numpy(batch)
+
+    def __len__(self) -> int:
+        return len(self.loader)

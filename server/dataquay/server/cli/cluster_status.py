@@ -96,7 +96,9 @@ def print_cluster(snapshot: ClusterSnapshot, before: ClusterSnapshot | None = No
         print()
         print_table([_job_row(j, snapshot.stats) for j in snapshot.jobs],
                     ("JOB", "DATASET", "MODE", "EPOCH", "NODES", "STAGED"))
-    print_exchanges([(name, reply) for name, reply in snapshot.stats.items() if reply is not None])
+    live = [(name, reply) for name, reply in snapshot.stats.items() if reply is not None]
+    print_exchanges(live)
+    print_prep_groups(live)
 
 
 def print_exchanges(stats: list[tuple[str, pb.StatsReply]]) -> None:
@@ -110,6 +112,23 @@ def print_exchanges(stats: list[tuple[str, pb.StatsReply]]) -> None:
     if rows or received or previous:
         print(f"exchange received {format_bytes(received)}; "
               f"{previous} samples read from their owner in another epoch (exchange not done yet, or a spare copy)")
+
+
+def print_prep_groups(stats: list[tuple[str, pb.StatsReply]]) -> None:
+    """One row per coordinated prep group: members, batches prepped this epoch,
+    how far the slowest member lags the fastest, and the shared memory held."""
+    rows = [
+        (
+            g.group, g.dataset, g.epoch, g.members, f"{g.batches_prepped}/{g.num_batches}",
+            g.fastest_consumed - g.slowest_consumed,
+            f"{format_bytes(g.staged_bytes)}/{format_bytes(g.memory_bytes)}", g.dropped_total, g.redealt_total, name,
+        )
+        for name, reply in stats for g in reply.prep_groups
+    ]
+    if rows:
+        print()
+        print_table(rows, ("GROUP", "DATASET", "EPOCH", "MEMBERS", "PREPPED", "LAG", "STAGED", "DROPPED",
+                           "REDEALT", "NODE"))
 
 
 def exchange_row(node: str, x: pb.ExchangeProgress) -> tuple[object, ...]:

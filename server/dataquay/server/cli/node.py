@@ -173,6 +173,7 @@ def _print_node_status(stats: pb.StatsReply) -> None:
     print(f"pfs read {format_bytes(stats.pfs_bytes)}, {stats.pfs_errors} errors, "
           f"{stats.corrupt_repaired} corrupt values repaired")
     cluster_status.print_exchanges([(stats.node, stats)])
+    cluster_status.print_prep_groups([(stats.node, stats)])
 
 
 def cmd_demo(args: argparse.Namespace) -> None:

@@ -42,6 +42,7 @@ from dataquay.server.node.overflow import OverflowCounts
 from dataquay.server.node.peers import Peers
 from dataquay.server.node.pfs_pool import PfsPool
 from dataquay.server.node.placements import Placements
+from dataquay.server.node.prep_groups import PrepGroups
 from dataquay.server.node.reads import ReadService
 from dataquay.server.node.servicer import CacheServicer
 from dataquay.server.node.shm import ShmSegments
@@ -101,6 +102,7 @@ class Daemon(ServerLifecycle):
             )
             self.receiver.make_room = self.exchanges.make_room
         self.shm = ShmSegments()
+        self.prep_groups = PrepGroups()
         #: What the Reads of each remote host hold at once (see ReadService.read).
         self.served_budgets = ByteBudgets(SERVED_BYTES_PER_PEER)
         self.client_stats = ClientStatsBook()
@@ -131,6 +133,7 @@ class Daemon(ServerLifecycle):
         self.store_tasks.spawn(self.store.run_writer(), "cache-writer")
         self.store_tasks.spawn(self.store.run_syncer(), "cache-syncer")
         self.tasks.spawn(self._reap_segments(), "shm-reaper")
+        self.tasks.spawn(self._reap_prep_groups(), "prep-group-reaper")
         if self.link is not None:
             self.tasks.spawn(self.link.run(), "directory-link")
             self.tasks.spawn(self._resume_exchanges(), "exchange-resume")
@@ -205,6 +208,7 @@ class Daemon(ServerLifecycle):
             await self.link.close()
         self.pfs.close()
         self.shm.close()
+        self.prep_groups.close()
         if self._metrics_http is not None:
             self._metrics_http.close()
         Path(self.config.socket).unlink(missing_ok=True)
@@ -224,6 +228,12 @@ class Daemon(ServerLifecycle):
         while True:
             await asyncio.sleep(interval)
             self.shm.reap()
+
+    async def _reap_prep_groups(self, interval: float = 1.0) -> None:
+        """Drops prep group members that died or went silent while no other member calls."""
+        while True:
+            await asyncio.sleep(interval)
+            self.prep_groups.reap()
 
     async def _commit_queued(self, timeout: float = 30.0) -> None:
         """Waits for the writer to commit what is queued; nothing queues more by now."""
@@ -285,6 +295,7 @@ class Daemon(ServerLifecycle):
             client_reads={tier: (samples, nbytes) for tier, (samples, nbytes) in self.client_stats.reads.items()},
             client_data_wait_seconds=self.client_stats.data_wait_seconds,
             clients=self.client_stats.clients,
+            prep_groups=tuple(self.prep_groups.status()),
         )
 
 

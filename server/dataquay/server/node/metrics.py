@@ -28,6 +28,7 @@ from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from dataquay.protos import cache_pb2 as pb
     from dataquay.server.node.overflow import OverflowCounts
 
 #: Where this daemon served a sample from: its own cache, another daemon's, the PFS.
@@ -69,6 +70,7 @@ class LiveState:
     client_reads: dict[str, tuple[int, int]]  # client tier -> (samples, bytes), as trainers reported
     client_data_wait_seconds: float
     clients: int
+    prep_groups: tuple[pb.PrepGroupStatus, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,7 @@ class _StateCollector(Collector):
         yield from _exchange_metrics(state)
         yield from _read_ahead_metrics(state)
         yield from _client_metrics(state)
+        yield from _prep_group_metrics(state)
 
 
 def _read_ahead_metrics(state: LiveState) -> Iterator[Metric]:
@@ -198,6 +201,38 @@ def _client_metrics(state: LiveState) -> Iterator[Metric]:
         value=state.client_data_wait_seconds,
     )
     yield GaugeMetricFamily("dataquay_clients", "Trainer processes that reported to this daemon", value=state.clients)
+
+
+def _prep_group_metrics(state: LiveState) -> Iterator[Metric]:
+    gauges = {
+        "members": ("dataquay_prep_members", "Members of a coordinated prep group in its current epoch"),
+        "epoch": ("dataquay_prep_epoch", "The epoch a coordinated prep group runs"),
+        "lag": ("dataquay_prep_lag_batches", "Batches the slowest member of a prep group is behind the fastest"),
+        "staged_bytes": ("dataquay_prep_staged_bytes", "Bytes of prepped batches a group holds in shared memory"),
+        "memory_bytes": ("dataquay_prep_memory_bytes", "A prep group's budget for prepped batches held at once"),
+    }
+    counters = {
+        "prepped_total": ("dataquay_prep_batches_prepped", "Batches prepped once for every member of a group"),
+        "dropped_total": ("dataquay_prep_members_dropped", "Prep group members dropped (dead, silent or stalled)"),
+        "redealt_total": ("dataquay_prep_batches_redealt", "Batches re-dealt from dropped prep group members"),
+    }
+    families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+        key: GaugeMetricFamily(name, text, labels=["group"]) for key, (name, text) in gauges.items()
+    }
+    families.update(
+        {key: CounterMetricFamily(name, text, labels=["group"]) for key, (name, text) in counters.items()}
+    )
+    for group in state.prep_groups:
+        values = {
+            "members": group.members, "epoch": group.epoch,
+            "lag": group.fastest_consumed - group.slowest_consumed,
+            "staged_bytes": group.staged_bytes, "memory_bytes": group.memory_bytes,
+            "prepped_total": group.prepped_total, "dropped_total": group.dropped_total,
+            "redealt_total": group.redealt_total,
+        }
+        for key, family in families.items():
+            family.add_metric([group.group], float(values[key]))
+    yield from families.values()
 
 
 def _exchange_metrics(state: LiveState) -> Iterator[Metric]:

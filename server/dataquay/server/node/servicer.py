@@ -185,6 +185,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                           for tier, (samples, nbytes) in sorted(d.client_stats.reads.items())],
             client_data_wait_seconds=d.client_stats.data_wait_seconds,
             clients=d.client_stats.clients,
+            prep_groups=state.prep_groups,
         )
 
     async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
@@ -222,6 +223,13 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             for read in request.positions:
                 self.daemon.exchanges.rank_read(read.job, read.epoch, read.rank, read.position)
         return pb.ClientStatsReply()
+
+    async def PrepSync(self, request: pb.PrepSyncRequest, context: grpc.aio.ServicerContext) -> pb.PrepSyncReply:
+        if not (context.peer() or "").startswith("unix:"):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "prep groups are node-local: call through the daemon's unix socket")
+        async with status_on_error(context):
+            return await self.daemon.prep_groups.sync(request)
 
     async def Exchange(
         self, request_iterator: AsyncIterator[pb.ExchangeMessage], context: grpc.aio.ServicerContext
