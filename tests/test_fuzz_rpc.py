@@ -206,6 +206,21 @@ def cache_requests(real_root: Path) -> st.SearchStrategy[tuple[str, Message | li
                                max_size=4),
         )),
         st.tuples(st.just("Exchange"), exchange),
+        st.tuples(st.just("PrepSync"), st.builds(
+            pb.PrepSyncRequest,
+            spec=st.builds(
+                pb.PrepGroupSpec, group=st.one_of(st.just("fz"), odd_text), dataset=dataset_names,
+                manifest_id=st.text(max_size=40), jobs=uint32, batch_size=uint32, seed=uint64,
+                num_batches=uint64, memory_bytes=uint64,
+                timeout_seconds=st.floats(allow_nan=True, allow_infinity=True),
+            ),
+            member=odd_text, pid=uint32, epoch=uint64, consumed=uint64, claim=uint32,
+            prepped=st.lists(st.builds(pb.PreppedBatch, index=uint64, bytes=uint64, segment=st.one_of(
+                st.sampled_from(["dataquay-prep-1-1-0123456789ab", "../../etc/passwd"]), odd_text,
+            )), max_size=3),
+            # Calls wait for news at most this long; the fuzz does not wait.
+            wait_seconds=st.sampled_from([0.0, -1.0, math.nan, math.inf]), leave=st.booleans(),
+        )),
     )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.node.prep_group import PrepGroup
+from dataquay.server.node.prep_group import PrepGroup, SyncAnswer
 from dataquay.server.node.prep_groups import check, mismatch
 
 BATCHES = 6
@@ -30,14 +30,18 @@ class Members:
 
     def call(self, member: str, epoch: int = 0, consumed: int = 0, claim: int = 0,
              prepped: tuple[int, ...] = (), size: int = 100, leave: bool = False) -> tuple[int, list[int], list[int]]:
+        self.last = self.answer(member, epoch, consumed, claim, prepped, size, leave)
+        return self.last.role, self.last.claims, [index for index, _, _ in self.last.ready]
+
+    def answer(self, member: str, epoch: int, consumed: int, claim: int,
+               prepped: tuple[int, ...], size: int, leave: bool) -> SyncAnswer:
         request = pb.PrepSyncRequest(
             spec=self.group.spec, member=member, pid=int(member[1:]), epoch=epoch, consumed=consumed, claim=claim,
             prepped=[pb.PreppedBatch(index=i, segment=f"dataquay-prep-{member}-{epoch}-{i}", bytes=size)
                      for i in prepped],
             leave=leave,
         )
-        answer = self.group.sync(request, self.now, lambda pid: pid not in self.dead)
-        return answer.role, answer.claims, [index for index, _, _ in answer.ready]
+        return self.group.sync(request, self.now, lambda pid: pid not in self.dead)
 
 
 def started(jobs: int = 2, **settings: float) -> Members:
@@ -80,7 +84,7 @@ def test_a_dead_members_batches_are_redealt_and_what_it_prepped_stays() -> None:
     assert role == pb.PREP_MEMBER and claims == [1, 2] and ready == [0]
     assert members.group.status().dropped_total == 1 and members.group.status().redealt_total == 2
     assert members.call("m2", prepped=(1,))[0] == pb.PREP_SOLO  # too late: not a member any more
-    assert members.group.take_freed() == ["dataquay-prep-m2-0-1"]
+    assert members.last.rejected == ["dataquay-prep-m2-0-1"] and members.group.take_freed() == []
 
 
 def test_a_silent_member_is_dropped_after_the_timeout() -> None:
@@ -149,9 +153,14 @@ def test_settings_no_group_can_have_are_refused_by_name() -> None:
     bad = spec()
     bad.jobs = 0
     with pytest.raises(ValueError, match="jobs must be 1 to 64"):
-        check(pb.PrepSyncRequest(spec=bad, member="m1"))
+        check(pb.PrepSyncRequest(spec=bad, member="m1"), 7)
     with pytest.raises(ValueError, match="member id"):
-        check(pb.PrepSyncRequest(spec=spec(), member="a/b"))
+        check(pb.PrepSyncRequest(spec=spec(), member="a/b"), 7)
+    other_daemons = pb.PrepSyncRequest(
+        spec=spec(), member="m1", prepped=[pb.PreppedBatch(segment="dataquay-prep-8-1-0123456789ab")]
+    )
+    with pytest.raises(ValueError, match="named dataquay-prep-7-<pid>-<token>"):
+        check(other_daemons, 7)
     other = spec()
     other.batch_size = 8
     assert mismatch(spec(), other) == "prep group 'g' has batch_size 4, this member 8"

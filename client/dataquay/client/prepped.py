@@ -47,6 +47,12 @@ class PreppedBatchError(DataquayError):
     """A prepped batch's segment that is gone or fails its checksum."""
 
 
+def daemon_pid(name: str) -> int | None:
+    """The daemon whose group segment ``name`` belongs to, or None if it is no prepped batch's name."""
+    match = NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
 def collate(prepped: Sequence[Any]) -> Batch:
     """Stacks what prep returned for each sample of a batch: an array (or a
     scalar) each, or a tuple of them each; a tuple of stacked fields then."""
@@ -129,9 +135,9 @@ def remove_orphans() -> None:
         return
     uid = os.getuid()
     for entry in entries:
-        match = NAME.match(entry.name)
+        pid = daemon_pid(entry.name)
         try:
-            if match is None or process_alive(int(match.group(1))) or entry.stat(follow_symlinks=False).st_uid != uid:
+            if pid is None or process_alive(pid) or entry.stat(follow_symlinks=False).st_uid != uid:
                 continue
             os.unlink(entry.path)
         except OSError:

@@ -102,7 +102,7 @@ class Daemon(ServerLifecycle):
             )
             self.receiver.make_room = self.exchanges.make_room
         self.shm = ShmSegments()
-        self.prep_groups = PrepGroups()
+        self.prep_groups = PrepGroups(self.pid)
         #: What the Reads of each remote host hold at once (see ReadService.read).
         self.served_budgets = ByteBudgets(SERVED_BYTES_PER_PEER)
         self.client_stats = ClientStatsBook()

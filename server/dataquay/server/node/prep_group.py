@@ -49,6 +49,9 @@ class SyncAnswer:
     claims: list[int]
     ready: list[tuple[int, str, int]]  # (batch, segment, bytes)
     members: int
+    #: Segments the caller handed in that no one will read: the caller removes
+    #: them (the daemon removes only segments it accepted into the group).
+    rejected: list[str] = field(default_factory=list)
 
 
 class PrepGroup:
@@ -82,14 +85,14 @@ class PrepGroup:
         self.expire(now, alive)
         name, epoch = request.member, request.epoch
         member = self.members.get(name)
+        rejected = [batch.segment for batch in request.prepped]
         if request.leave:
             self._leave(name)
         elif member is not None and epoch == self.epoch:
             member.seen = now
-            self._hand_in(member, request.prepped, now)
+            rejected = self._hand_in(member, request.prepped, now)
             self._consumed(member, min(request.consumed, self.spec.num_batches), now)
         else:
-            self._free_unused(request.prepped)
             if member is not None:
                 member.seen = now  # a call about an earlier epoch can still be on its way
             if member is not None and epoch == self.epoch + 1:
@@ -105,11 +108,11 @@ class PrepGroup:
         member = self.members.get(name)
         if member is None or epoch != self.epoch:
             role = pb.PREP_WAIT if name in self.waiting else pb.PREP_SOLO
-            return SyncAnswer(role, [], [], len(self.members))
+            return SyncAnswer(role, [], [], len(self.members), rejected)
         claims = self._deal(member, min(request.claim, MAX_CLAIMS), now)
         start = member.consumed
         ready = [(i, r.segment, r.nbytes) for i in range(start, start + READY_WINDOW) if (r := self.ready.get(i))]
-        return SyncAnswer(pb.PREP_MEMBER, claims, ready, len(self.members))
+        return SyncAnswer(pb.PREP_MEMBER, claims, ready, len(self.members), rejected)
 
     def expire(self, now: float, alive: Callable[[int], bool]) -> None:
         """Drops members whose process is gone, who went silent, or who hold the others up."""
@@ -174,10 +177,12 @@ class PrepGroup:
 
     # --------------------------------------------------------- internals
 
-    def _hand_in(self, member: _Member, prepped: list[pb.PreppedBatch], now: float) -> None:
+    def _hand_in(self, member: _Member, prepped: list[pb.PreppedBatch], now: float) -> list[str]:
+        """Accepts the batches that were dealt to ``member``; the segments of the others."""
+        rejected = []
         for batch in prepped:
             if member.claims.pop(batch.index, None) is None or batch.index in self.ready:
-                self._freed.append(batch.segment)  # not dealt to it (any more): no one reads it
+                rejected.append(batch.segment)  # not dealt to it (any more): no one reads it
                 continue
             self.ready[batch.index] = _Ready(batch.segment, batch.bytes)
             self.prepped_epoch += 1
@@ -185,9 +190,7 @@ class PrepGroup:
             self._prepped_bytes += batch.bytes
             member.progress = now
             self.version += 1
-
-    def _free_unused(self, prepped: list[pb.PreppedBatch]) -> None:
-        self._freed.extend(b.segment for b in prepped)
+        return rejected
 
     def _consumed(self, member: _Member, consumed: int, now: float) -> None:
         if consumed <= member.consumed:

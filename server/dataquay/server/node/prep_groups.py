@@ -36,7 +36,8 @@ _NAME = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 class PrepGroups:
     """Every prep group of this daemon, by name."""
 
-    def __init__(self) -> None:
+    def __init__(self, daemon_pid: int) -> None:
+        self._daemon_pid = daemon_pid
         self._groups: dict[str, PrepGroup] = {}
         self._changed = asyncio.Event()
         self._unfreed: list[str] = []  # segments the daemon may not remove (another user's)
@@ -48,8 +49,9 @@ class PrepGroups:
             InvalidRequestError: a spec or member no group can have.
             JobMismatchError: the group exists with other settings.
         """
-        check(request)
+        check(request, self._daemon_pid)
         answer = self._apply(request)
+        rejected = answer.rejected
         wait = min(request.wait_seconds, MAX_WAIT_SECONDS) if math.isfinite(request.wait_seconds) else 0.0
         deadline = time.monotonic() + max(0.0, wait)
         again = pb.PrepSyncRequest()
@@ -60,7 +62,7 @@ class PrepGroups:
             with suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), left)
             answer = self._apply(again)
-        free, self._unfreed = self._unfreed, []
+        free, self._unfreed = rejected + self._unfreed, []
         return pb.PrepSyncReply(
             role=answer.role,  # type: ignore[arg-type]
             claims=answer.claims,
@@ -129,8 +131,9 @@ def _useful(answer: SyncAnswer, request: pb.PrepSyncRequest) -> bool:
     return any(index == request.consumed for index, _, _ in answer.ready)
 
 
-def check(request: pb.PrepSyncRequest) -> None:
-    """Refuses a call whose spec or member no group can have.
+def check(request: pb.PrepSyncRequest, daemon_pid: int) -> None:
+    """Refuses a call whose spec or member no group can have, or that hands
+    in a segment that is not one of this daemon's groups'.
 
     Raises:
         InvalidRequestError: naming the field and the allowed range.
@@ -147,8 +150,8 @@ def check(request: pb.PrepSyncRequest) -> None:
         (not (math.isfinite(spec.timeout_seconds) and 0 < spec.timeout_seconds <= 86400),
          f"timeout_seconds must be above 0 and at most a day, not {spec.timeout_seconds}"),
         (request.claim > MAX_CLAIMS, f"claim must be at most {MAX_CLAIMS}, not {request.claim}"),
-        (any(not prepped.NAME.match(b.segment) for b in request.prepped),
-         f"prepped batches' segments are named {prepped.PREFIX}..."),
+        (any(prepped.daemon_pid(b.segment) != daemon_pid for b in request.prepped),
+         f"prepped batches' segments are named {prepped.PREFIX}{daemon_pid}-<pid>-<token>"),
     ]
     for failed, message in problems:
         if failed:
