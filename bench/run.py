@@ -13,6 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cache_policy  # noqa: E402
+import coordinated_prep  # noqa: E402
 import directory_load  # noqa: E402
 import exchange  # noqa: E402
 import memory  # noqa: E402
@@ -44,6 +45,7 @@ def main() -> None:
         ("overflow", lambda: overflow_stall.main(quick=False, out_dir=RESULTS)),
         ("cache_policy", lambda: cache_policy.main([])),
         ("directory_load", directory_load.main),
+        ("coordinated_prep", lambda: coordinated_prep.main([])),
     )
     for name, run in benchmarks:
         started = time.perf_counter()
