@@ -33,6 +33,7 @@ from dataquay.analyze import (
     format_report,
     measure,
     stall_seconds,
+    sweep_prep_stall,
     workers_needed,
 )
 from dataquay.client.errors import UnknownDatasetError
@@ -171,6 +172,23 @@ def test_report_from_fixed_timings() -> None:
     assert "40.0 ms fetch stall (57 %)" in text
     assert "a cache of 3.9 MiB removes it" in text
     assert "prep workers needed to keep up with the step: 3 " in text
+
+
+def test_a_sweep_stalls_on_k_times_the_prep_alone_and_once_coordinated() -> None:
+    assert sweep_prep_stall(0.040, 0.010, cpus=2, jobs=4) == pytest.approx((0.070, 0.010))
+    assert sweep_prep_stall(0.010, 0.010, cpus=4, jobs=2) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="at least one CPU and job"):
+        sweep_prep_stall(0.01, 0.01, cpus=2, jobs=0)
+    report = StallReport(
+        synthetic=timing(0.010), warm=timing(0.030), cold=timing(0.030), loader_alone=timing(0.020),
+        workers=2, cpus=2, sweep_jobs=4,
+    )
+    assert report.sweep_prep_stall_seconds == pytest.approx((0.070, 0.010))
+    assert report.to_dict()["sweep"]["prep_cpu_seconds_per_step_independent"] == pytest.approx(0.160)
+    assert (
+        "a sweep of 4 jobs on this node (2 CPUs): prep stall 70.0 ms/step per job with independent loaders, "
+        "10.0 ms with coordinated prep (ds.coordinated), which saves 60.0 ms/step"
+    ) in format_report(report)
 
 
 def test_report_without_a_fetch_stall_needs_no_cache_and_warns_of_doubtful_runs() -> None:

@@ -48,6 +48,9 @@ What a single Python process can and cannot make honest:
   it keeps a fixed part of the data (dataquay's staged cache); an LRU page
   cache under a fresh shuffle each epoch evicts what the epoch needs next
   and does worse.
+- A sweep of k jobs on one node (``sweep_jobs``) preps every batch k times
+  with independent loaders; coordinated prep preps it once. Its figures
+  take prep to spread over the node's CPUs perfectly.
 """
 
 from dataquay.analyze.measure import LoaderSource, UnfitLoaderError, measure, usable_cpus
@@ -58,6 +61,7 @@ from dataquay.analyze.report import (
     fetch_stall_with_cache,
     format_report,
     stall_seconds,
+    sweep_prep_stall,
     workers_needed,
 )
 
@@ -71,6 +75,7 @@ __all__ = [
     "format_report",
     "measure",
     "stall_seconds",
+    "sweep_prep_stall",
     "usable_cpus",
     "workers_needed",
 ]

@@ -126,6 +126,30 @@ def fetch_stall_with_cache(fetch_stall: float, cache_bytes: int, working_set_byt
     return fetch_stall * (1.0 - hit_fraction)
 
 
+def sweep_prep_stall(prep_seconds_per_batch: float, step_seconds: float, cpus: int, jobs: int) -> tuple[float, float]:
+    """(independent, coordinated) prep stall per step of each of ``jobs`` jobs
+    of a sweep that share a node's ``cpus``, each training at ``step_seconds``.
+
+    Independent loaders prep every batch once per job: the node does ``jobs``
+    x ``prep_seconds_per_batch`` of prep per step, so each job's batch takes
+    jobs x prep / cpus. Coordinated prep (:mod:`dataquay.client.coordinated`)
+    preps each batch once for all of them: prep / cpus. The stall is what of
+    that exceeds the step. Prep is taken to spread over the cores perfectly,
+    so the figures are the least stall either way can have.
+
+    Raises:
+        ValueError: a step that is not positive, a negative prep time, or fewer than one CPU or job.
+    """
+    if step_seconds <= 0 or prep_seconds_per_batch < 0 or cpus < 1 or jobs < 1:
+        raise ValueError(
+            f"need a positive step, a prep time >= 0 and at least one CPU and job, not "
+            f"{step_seconds}, {prep_seconds_per_batch}, {cpus}, {jobs}"
+        )
+    independent = max(0.0, jobs * prep_seconds_per_batch / cpus - step_seconds)
+    coordinated = max(0.0, prep_seconds_per_batch / cpus - step_seconds)
+    return independent, coordinated
+
+
 @dataclass(frozen=True)
 class StallReport:
     """The result of :func:`dataquay.analyze.measure`: four runs and what they imply.
@@ -134,7 +158,9 @@ class StallReport:
     data, ``cold`` reads data no cache holds, ``loader_alone`` iterates the
     warm loader without the step (prep throughput). ``workers`` is the number
     of prep workers the loader ran with; the sizes describe one epoch's reads
-    for the cache estimate and may be unknown.
+    for the cache estimate and may be unknown. ``sweep_jobs`` above 1 asks
+    what a sweep of that many jobs on this node would stall on prep, with
+    independent loaders and with coordinated prep.
     """
 
     synthetic: RunTiming
@@ -147,6 +173,7 @@ class StallReport:
     epoch_samples: int | None = None
     cache_bytes: int | None = None
     cpus: int = 1
+    sweep_jobs: int = 1
 
     @property
     def step_seconds(self) -> float:
@@ -178,6 +205,11 @@ class StallReport:
     @property
     def workers_needed(self) -> int:
         return workers_needed(self.prep_seconds_per_batch, self.step_seconds)
+
+    @property
+    def sweep_prep_stall_seconds(self) -> tuple[float, float]:
+        """(independent, coordinated) prep stall per step of each job of a sweep of ``sweep_jobs``."""
+        return sweep_prep_stall(self.prep_seconds_per_batch, self.step_seconds, self.cpus, self.sweep_jobs)
 
     @property
     def working_set_bytes(self) -> int | None:
@@ -273,6 +305,13 @@ class StallReport:
                 "cache_bytes": self.cache_bytes,
                 "fetch_stall_with_cache_seconds": self.fetch_stall_with_cache_seconds,
             },
+            "sweep": {
+                "jobs": self.sweep_jobs,
+                "independent_prep_stall_seconds": self.sweep_prep_stall_seconds[0],
+                "coordinated_prep_stall_seconds": self.sweep_prep_stall_seconds[1],
+                "prep_cpu_seconds_per_step_independent": self.sweep_jobs * self.prep_seconds_per_batch,
+                "prep_cpu_seconds_per_step_coordinated": self.prep_seconds_per_batch,
+            },
             "warnings": list(self.warnings),
         }
 
@@ -313,6 +352,8 @@ def format_report(report: StallReport) -> str:
         _fetch_finding(report),
         _prep_finding(report),
     ]
+    if report.sweep_jobs > 1:
+        lines.append(_sweep_finding(report))
     lines += [f"warning: {text}" for text in report.warnings]
     return "\n".join(lines)
 
@@ -344,6 +385,16 @@ def _prep_finding(report: StallReport) -> str:
         f"{head}: {verdict}; prep workers needed to keep up with the step: {report.workers_needed} "
         f"(one worker readies a batch in {_ms(report.prep_seconds_per_batch)}, the step takes "
         f"{_ms(report.step_seconds)}; {report.cpus} CPUs here)"
+    )
+
+
+def _sweep_finding(report: StallReport) -> str:
+    independent, coordinated = report.sweep_prep_stall_seconds
+    jobs = report.sweep_jobs
+    return (
+        f"a sweep of {jobs} jobs on this node ({report.cpus} CPUs): prep stall {_ms(independent)}/step per job "
+        f"with independent loaders, {_ms(coordinated)} with coordinated prep (ds.coordinated), which saves "
+        f"{_ms(independent - coordinated)}/step and preps each batch once instead of {jobs} times"
     )
 
 

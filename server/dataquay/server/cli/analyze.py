@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import importlib
 import itertools
 import json
@@ -251,7 +252,7 @@ def _analyze_loader(
 
 def _inputs(args: argparse.Namespace, sizes: dict[str, int | None]) -> dict[str, Any]:
     names = ("dataset", "loader", "cold_loader", "warm_loader", "steps", "warmup", "step_ms", "step_fn",
-             "batch_size", "prep_ms", "workers", "seed")
+             "batch_size", "prep_ms", "workers", "seed", "sweep_jobs")
     return {name: getattr(args, name) for name in names} | sizes
 
 
@@ -270,8 +271,8 @@ def _describe(args: argparse.Namespace) -> str:
 def cmd_analyze(args: argparse.Namespace) -> None:
     if (args.dataset is None) == (args.loader is None):
         raise CliError("name a dataset or give --loader MODULE:FUNCTION (one of the two)")
-    if args.steps < 1 or args.warmup < 0 or args.workers < 1:
-        raise CliError("--steps and --workers must be at least 1 and --warmup at least 0")
+    if args.steps < 1 or args.warmup < 0 or args.workers < 1 or args.sweep_jobs < 1:
+        raise CliError("--steps, --workers and --sweep-jobs must be at least 1 and --warmup at least 0")
     if args.dataset is not None and (args.cold_loader or args.warm_loader):
         raise CliError("--cold-loader and --warm-loader go with --loader, not with a dataset")
     sizes = {
@@ -284,6 +285,7 @@ def cmd_analyze(args: argparse.Namespace) -> None:
         report, notes = _analyze_dataset(args, step_fn, sizes)
     else:
         report, notes = _analyze_loader(args, step_fn, sizes), []
+    report = dataclasses.replace(report, sweep_jobs=args.sweep_jobs)
     if args.json:
         document = {"inputs": _inputs(args, sizes), **report.to_dict()}
         document["warnings"] += notes
@@ -316,6 +318,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--prep-ms", type=float, default=0.0, help="dataset: stand-in prep per batch and worker (default 0)")
     p.add_argument("--workers", type=int, default=1, help="prep workers the loader runs in parallel (default 1)")
     p.add_argument("--seed", type=int, default=0, help="dataset: seed of the random sample order (default 0)")
+    p.add_argument("--sweep-jobs", type=int, default=1,
+                   help="jobs of a sweep on this node: the prep stall coordinated prep would save them (default 1)")
     p.add_argument("--sample-bytes", help="mean bytes per sample as stored (dataset: from the manifest)")
     p.add_argument("--epoch-samples", type=int, help="samples one epoch reads on this node (dataset: all)")
     p.add_argument("--cache-bytes", help="a cache size (e.g. 200G) to predict the fetch stall with")
