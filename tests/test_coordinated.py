@@ -175,6 +175,37 @@ def test_a_stopped_member_is_dropped_after_the_timeout_and_goes_on_alone(
     assert prep_segments(daemon) == []
 
 
+def test_a_member_that_comes_mid_epoch_preps_it_alone_and_joins_the_next(
+    start_member: Callable[..., Member], keys: dict[int, int], daemon: DaemonProcess,
+) -> None:
+    common = ("--jobs", "2", "--epochs", "2", "--step", "0.05", "--timeout", "30")
+    first = [start_member(*common) for _ in range(2)]
+    wait_until(lambda: len(first[0].batches(0)) >= 3, "the first members consumed 3 batches")
+    late = start_member(*common)
+    done = [finished(member) for member in (*first, late)]
+    for member in (*first, late):
+        for epoch in (0, 1):
+            assert samples_of(member, keys, epoch) == list(range(SAMPLES))
+        assert digests(member) == digests(first[0])
+    assert sum(d["prepped_here"] for d in done) == 3 * BATCHES  # type: ignore[misc]  # epoch 0 twice, 1 once
+    assert prep_segments(daemon) == []
+
+
+def test_members_go_on_alone_when_the_daemon_dies_and_the_next_daemon_removes_the_batches_left(
+    start_member: Callable[..., Member], keys: dict[int, int], daemon: DaemonProcess,
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    members = [start_member("--jobs", "2", "--step", "0.05", "--timeout", "30") for _ in range(2)]
+    wait_until(lambda: len(members[0].batches()) >= 3, "the members consumed 3 batches")
+    daemon.kill()
+    for member in members:
+        finished(member)
+        assert samples_of(member, keys, 0) == list(range(SAMPLES))
+        assert digests(member) == digests(members[0])
+    start_daemon(name="node1")
+    wait_until(lambda: not prep_segments(daemon), "the next daemon removed the dead one's prepped batches")
+
+
 def test_a_slow_member_holds_the_group_within_its_memory_budget(
     start_member: Callable[..., Member], keys: dict[int, int], daemon: DaemonProcess,
 ) -> None:

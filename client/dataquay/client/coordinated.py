@@ -254,14 +254,16 @@ class CoordinatedLoader:
                 reply = self._call(epoch, consumed, handed, 1 if working else 0, WAIT_SECONDS if working else 0.0)
                 if reply is None:
                     self._set_role(epoch, pb.PREP_SOLO)
-                elif epoch == running:
-                    self._set_role(epoch, reply.role)
-                    self.members = reply.members
-                for index in reply.claims if reply is not None else ():
-                    name, size = prepped.write(self._prep(epoch, index), self.dataset.client.info.pid)
-                    with self._cond:
-                        self._handed.append((epoch, pb.PreppedBatch(index=index, segment=name, bytes=size)))
-                if not working or reply is None:
+                    working = False
+                else:
+                    if epoch == running:
+                        self._set_role(epoch, reply.role)
+                        self.members = reply.members
+                    for index in reply.claims:
+                        name, size = prepped.write(self._prep(epoch, index), reply.daemon_pid)
+                        with self._cond:
+                            self._handed.append((epoch, pb.PreppedBatch(index=index, segment=name, bytes=size)))
+                if not working:
                     with self._cond:
                         self._cond.wait(heartbeat)
         except Exception as exc:  # the trainer raises it at its next batch

@@ -512,18 +512,20 @@ class PrepSyncRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[PrepGroupSpec, _Mapping]] = ..., member: _Optional[str] = ..., pid: _Optional[int] = ..., epoch: _Optional[int] = ..., consumed: _Optional[int] = ..., prepped: _Optional[_Iterable[_Union[PreppedBatch, _Mapping]]] = ..., claim: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., leave: _Optional[bool] = ...) -> None: ...
 
 class PrepSyncReply(_message.Message):
-    __slots__ = ("role", "claims", "ready", "free", "members")
+    __slots__ = ("role", "claims", "ready", "free", "members", "daemon_pid")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CLAIMS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_PID_FIELD_NUMBER: _ClassVar[int]
     role: PrepRole
     claims: _containers.RepeatedScalarFieldContainer[int]
     ready: _containers.RepeatedCompositeFieldContainer[PreppedBatch]
     free: _containers.RepeatedScalarFieldContainer[str]
     members: int
-    def __init__(self, role: _Optional[_Union[PrepRole, str]] = ..., claims: _Optional[_Iterable[int]] = ..., ready: _Optional[_Iterable[_Union[PreppedBatch, _Mapping]]] = ..., free: _Optional[_Iterable[str]] = ..., members: _Optional[int] = ...) -> None: ...
+    daemon_pid: int
+    def __init__(self, role: _Optional[_Union[PrepRole, str]] = ..., claims: _Optional[_Iterable[int]] = ..., ready: _Optional[_Iterable[_Union[PreppedBatch, _Mapping]]] = ..., free: _Optional[_Iterable[str]] = ..., members: _Optional[int] = ..., daemon_pid: _Optional[int] = ...) -> None: ...
 
 class PrepGroupStatus(_message.Message):
     __slots__ = ("group", "dataset", "epoch", "members", "num_batches", "batches_prepped", "prepped_total", "slowest_consumed", "fastest_consumed", "staged_bytes", "memory_bytes", "dropped_total", "redealt_total")

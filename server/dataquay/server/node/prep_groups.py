@@ -69,6 +69,7 @@ class PrepGroups:
             ready=[pb.PreppedBatch(index=i, segment=s, bytes=n) for i, s, n in answer.ready],
             free=free,
             members=answer.members,
+            daemon_pid=self._daemon_pid,
         )
 
     def reap(self) -> None:
