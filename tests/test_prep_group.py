@@ -5,6 +5,8 @@ boundaries, and members that die, go silent or stall."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.node.prep_group import PrepGroup, SyncAnswer
@@ -164,3 +166,48 @@ def test_settings_no_group_can_have_are_refused_by_name() -> None:
     other = spec()
     other.batch_size = 8
     assert mismatch(spec(), other) == "prep group 'g' has batch_size 4, this member 8"
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.integers(1, 3), st.sampled_from(["claim", "prep", "use", "die"])), max_size=120))
+def test_any_interleaving_frees_each_batch_once_after_every_live_member_used_it(
+    moves: list[tuple[int, str]],
+) -> None:
+    members = started(jobs=3, memory=300)
+    claimed: dict[int, list[int]] = {1: [], 2: [], 3: []}
+    used = {1: 0, 2: 0, 3: 0}
+    freed: set[str] = set()
+
+    def check_freed() -> None:
+        for segment in members.group.take_freed():
+            index = int(segment.rsplit("-", 1)[1])
+            assert segment not in freed
+            assert all(used[m] > index for m in used if f"m{m}" in members.group.members)
+            freed.add(segment)
+
+    def move(m: int, what: str) -> None:
+        name = f"m{m}"
+        if what == "die" and len(members.dead) < 2:
+            members.dead.add(m)
+        elif what == "claim":
+            claimed[m] += members.call(name, consumed=used[m], claim=1)[1]
+        elif what == "prep" and claimed[m]:
+            members.call(name, consumed=used[m], prepped=(claimed[m].pop(0),))
+        elif what == "use" and used[m] in members.call(name, consumed=used[m])[2]:
+            used[m] += 1
+        check_freed()
+
+    for m, what in moves:
+        if m not in members.dead:
+            move(m, what)
+    for _ in range(4 * BATCHES):  # the living finish the epoch, in turns
+        for m in (1, 2, 3):
+            if m not in members.dead and used[m] < BATCHES:
+                move(m, "use" if used[m] in members.call(f"m{m}", consumed=used[m])[2] else "claim")
+                move(m, "prep")
+    for m in (1, 2, 3):
+        if m not in members.dead:
+            assert used[m] == BATCHES
+            members.call(f"m{m}", consumed=used[m])
+    check_freed()
+    assert len(freed) == BATCHES and members.group.staged_bytes == 0
