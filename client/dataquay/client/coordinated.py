@@ -108,7 +108,8 @@ class CoordinatedLoader:
         self._running: int | None = None  # the epoch being iterated
         self._last = 0  # the epoch the member is in, or last was
         self._consumed = 0
-        self._role = pb.PREP_ROLE_UNSPECIFIED
+        self._role: int = pb.PREP_ROLE_UNSPECIFIED
+        self._daemon_down = False
         self._handed: list[tuple[int, pb.PreppedBatch]] = []  # (epoch, batch) prepped, not yet handed in
         self._error: BaseException | None = None
         self.members = 0
@@ -198,10 +199,14 @@ class CoordinatedLoader:
                 for ready in reply.ready:
                     if ready.index == index:
                         try:
-                            return prepped.read(ready.segment)
+                            batch = prepped.read(ready.segment)
                         except PreppedBatchError as exc:
                             log.warning("%s; this member preps the rest of epoch %d alone", exc, epoch)
                             self._set_role(epoch, pb.PREP_SOLO)
+                            continue
+                        # The node's data wait counts it (a read alone counts its own).
+                        self.dataset.client.read_stats.waited(time.perf_counter() - started)
+                        return batch
         finally:
             self.wait_seconds += time.perf_counter() - started
 
@@ -213,7 +218,7 @@ class CoordinatedLoader:
     def _set_role(self, epoch: int, role: int) -> None:
         with self._cond:
             if self._running == epoch:
-                self._role = role  # type: ignore[assignment]
+                self._role = role
                 self._cond.notify_all()
 
     def _call(
@@ -227,9 +232,12 @@ class CoordinatedLoader:
         try:
             reply = self.dataset.client.prep_sync(request)
         except DaemonUnavailableError as exc:
-            log.warning("prep group %r: %s; preps alone until the daemon answers", self.spec.group, exc)
+            if not self._daemon_down:
+                log.warning("prep group %r: %s; preps alone until the daemon answers", self.spec.group, exc)
+            self._daemon_down = True
             prepped.unlink([batch.segment for batch in handed])
             return None
+        self._daemon_down = False
         prepped.unlink(list(reply.free))
         return reply
 
