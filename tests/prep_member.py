@@ -37,7 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     for name in ("addr", "dataset", "group", "out"):
         parser.add_argument(f"--{name}", required=True)
-    for name, default in (("jobs", 1), ("batch-size", 4), ("seed", 0), ("epochs", 1), ("first-epoch", 0)):
+    for name, default in (("jobs", 1), ("batch-size", 4), ("seed", 0), ("epochs", 1)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--memory", type=int, default=1 << 30)
     parser.add_argument("--timeout", type=float, default=30.0)
@@ -49,7 +49,7 @@ def main() -> None:
             group=args.group, jobs=args.jobs, prep=prep, batch_size=args.batch_size, seed=args.seed,
             memory_bytes=args.memory, timeout=args.timeout,
         ) as loader:
-            for epoch in range(args.first_epoch, args.first_epoch + args.epochs):
+            for epoch in range(args.epochs):
                 loader.set_epoch(epoch)
                 for index, batch in enumerate(loader):
                     keys, _ = batch

@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from prep_member import digest, prep
 
 import dataquay.client as dq
 from dataquay.client.errors import JobMismatchError
+from dataquay.client.prepped import collate
 from dataquay.client.shm import SHM_DIR
 from dataquay.server.tools import synthetic
 from dataquay.server.tools.processes import DaemonProcess
@@ -53,15 +55,15 @@ class Member:
     process: subprocess.Popen[bytes]
     out: Path
 
-    def lines(self) -> list[dict[str, object]]:
+    def lines(self) -> list[dict[str, Any]]:
         if not self.out.exists():
             return []
         return [json.loads(line) for line in self.out.read_text().splitlines() if line.endswith("}")]
 
-    def batches(self, epoch: int | None = None) -> list[dict[str, object]]:
+    def batches(self, epoch: int | None = None) -> list[dict[str, Any]]:
         return [line for line in self.lines() if "digest" in line and epoch in (None, line["epoch"])]
 
-    def done(self) -> dict[str, object] | None:
+    def done(self) -> dict[str, Any] | None:
         return next((line for line in self.lines() if line.get("done")), None)
 
 
@@ -85,7 +87,7 @@ def start_member(daemon: DaemonProcess, dataset: str, tmp_path: Path) -> Iterato
         member.process.wait()
 
 
-def finished(member: Member) -> dict[str, object]:
+def finished(member: Member) -> dict[str, Any]:
     assert member.process.wait(timeout=60) == 0
     done = member.done()
     assert done is not None
@@ -93,7 +95,7 @@ def finished(member: Member) -> dict[str, object]:
 
 
 def samples_of(member: Member, keys: dict[int, int], epoch: int) -> list[int]:
-    return sorted(keys[k] for line in member.batches(epoch) for k in line["keys"])  # type: ignore[attr-defined]
+    return sorted(keys[k] for line in member.batches(epoch) for k in line["keys"])
 
 
 def digests(member: Member) -> list[tuple[object, object, object]]:
@@ -102,6 +104,7 @@ def digests(member: Member) -> list[tuple[object, object, object]]:
 
 def prep_segments(daemon: DaemonProcess) -> list[str]:
     """The prepped batches of the groups ``daemon`` keeps."""
+    assert daemon.process is not None
     return [name for name in os.listdir(SHM_DIR) if name.startswith(f"dataquay-prep-{daemon.process.pid}-")]
 
 
@@ -109,22 +112,16 @@ def test_a_group_of_one_yields_what_a_plain_loader_would(client: dq.Client, data
     ds = client.dataset(dataset)
     with ds.coordinated(group="solo", jobs=1, prep=prep, batch_size=BATCH, seed=5) as loader:
         loader.set_epoch(1)
-        got = list(loader)
+        got: list[Any] = list(loader)
         assert loader.prepped_here == BATCHES == len(loader)
-        expected = [
-            dq_collate([prep(sample) for sample in ds.get_batch(loader.batch_ids(i))]) for i in range(BATCHES)
+        expected: list[Any] = [
+            collate([prep(sample) for sample in ds.get_batch(loader.batch_ids(i))]) for i in range(BATCHES)
         ]
-    assert [digest(b) for b in got] == [digest(b) for b in expected]  # type: ignore[arg-type]
-    assert sorted(int(k) for keys, _ in got for k in keys) == sorted(  # type: ignore[misc]
-        int(k) for keys, _ in expected for k in keys  # type: ignore[misc]
+    assert [digest(b) for b in got] == [digest(b) for b in expected]
+    assert sorted(int(k) for keys, _ in got for k in keys) == sorted(
+        int(k) for keys, _ in expected for k in keys
     )
-    assert len({int(k) for keys, _ in got for k in keys}) == SAMPLES  # type: ignore[misc]
-
-
-def dq_collate(prepped: list[object]) -> object:
-    from dataquay.client.prepped import collate
-
-    return collate(prepped)
+    assert len({int(k) for keys, _ in got for k in keys}) == SAMPLES
 
 
 def test_members_get_identical_batches_every_sample_once_and_prep_each_batch_once(
@@ -136,8 +133,8 @@ def test_members_get_identical_batches_every_sample_once_and_prep_each_batch_onc
         for epoch in (0, 1):
             assert samples_of(member, keys, epoch) == list(range(SAMPLES))
         assert digests(member) == digests(members[0])
-    assert sum(d["prepped_here"] for d in done) == 2 * BATCHES  # type: ignore[misc]
-    assert all(d["prepped_here"] for d in done)  # type: ignore[index]
+    assert sum(d["prepped_here"] for d in done) == 2 * BATCHES
+    assert all(d["prepped_here"] for d in done)
     assert prep_segments(daemon) == []
 
 
@@ -187,7 +184,7 @@ def test_a_member_that_comes_mid_epoch_preps_it_alone_and_joins_the_next(
         for epoch in (0, 1):
             assert samples_of(member, keys, epoch) == list(range(SAMPLES))
         assert digests(member) == digests(first[0])
-    assert sum(d["prepped_here"] for d in done) == 3 * BATCHES  # type: ignore[misc]  # epoch 0 twice, 1 once
+    assert sum(d["prepped_here"] for d in done) == 3 * BATCHES  # epoch 0 twice, 1 once
     assert prep_segments(daemon) == []
 
 
@@ -249,13 +246,12 @@ def test_status_and_metrics_show_the_group(
 def test_a_member_with_other_settings_is_refused_by_name(client: dq.Client, dataset: str) -> None:
     ds = client.dataset(dataset)
     with ds.coordinated(group="g", jobs=1, prep=prep, batch_size=BATCH, timeout=30) as first:
-        batches = iter(first)
-        next(batches)
-        other = ds.coordinated(group="g", jobs=1, prep=prep, batch_size=BATCH + 1, timeout=30)
-        with pytest.raises(JobMismatchError, match="prep group 'g' has batch_size 4, this member 5"):
-            next(iter(other))
-        other.close()
-        batches.close()
+        for _ in first:  # the group exists once its first member has a batch
+            other = ds.coordinated(group="g", jobs=1, prep=prep, batch_size=BATCH + 1, timeout=30)
+            with pytest.raises(JobMismatchError, match="prep group 'g' has batch_size 4, this member 5"):
+                next(iter(other))
+            other.close()
+            break
 
 
 def test_the_torch_adapter_yields_tensors_of_the_batches(client: dq.Client, dataset: str) -> None:
