@@ -9,17 +9,19 @@ daemon that keeps its group, not to its writer, unlike the read segments of
 the segments of a daemon that died are removed by the next one of the user
 (:func:`remove_orphans`).
 
-Layout: a fixed header (magic, JSON length, xxh3-64 of the rest), the JSON
-description of the fields (dtype, shape, offset), then each field's bytes at
-a 64-byte aligned offset. A reader checks the checksum before it trusts
-anything, so a segment that was cut short or overwritten is refused, never
-turned into a wrong batch.
+Layout: a fixed header (magic, JSON length, xxh3-64 of the JSON and the
+fields' bytes), the JSON description of the fields (dtype, shape, offset),
+then each field's bytes at a 64-byte aligned offset. A reader checks the
+checksum before it hands anything out, so a segment that was cut short or
+overwritten is refused, never turned into a wrong batch. Both sides use
+``pwrite`` and ``preadv``, never a mapping: a full /dev/shm or a segment
+truncated under a reader is then an error, not a SIGBUS (the daemon's
+writes into read segments avoid mappings for the same reason).
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import re
 import secrets
@@ -65,7 +67,11 @@ def collate(prepped: Sequence[Any]) -> Batch:
 
 def write(batch: Batch, daemon_pid: int) -> tuple[str, int]:
     """Writes ``batch`` into a new segment for the group kept by daemon
-    ``daemon_pid``; its name and size in bytes."""
+    ``daemon_pid``; its name and size in bytes.
+
+    Raises:
+        PreppedBatchError: /dev/shm has no room for it (or cannot be written).
+    """
     fields = batch if isinstance(batch, tuple) else (batch,)
     arrays = [np.ascontiguousarray(a) for a in fields]
     offsets, offset = [], 0
@@ -76,20 +82,25 @@ def write(batch: Batch, daemon_pid: int) -> tuple[str, int]:
     meta = json.dumps({"tuple": isinstance(batch, tuple), "fields": described}).encode()
     body_at = _aligned(_HEADER.size + len(meta))
     size = body_at + offset
+    digest = xxhash.xxh3_64(meta)
+    for array in arrays:
+        digest.update(_bytes_of(array))
     name = f"{PREFIX}{daemon_pid}-{os.getpid()}-{secrets.token_hex(6)}"
-    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        os.ftruncate(fd, max(size, 1))
-        with mmap.mmap(fd, max(size, 1)) as view:
-            view[_HEADER.size : _HEADER.size + len(meta)] = meta
-            for array, at in zip(arrays, offsets):
-                start = body_at + at
-                view[start : start + array.nbytes] = array.reshape(-1).view(np.uint8).data
-            digest = xxhash.xxh3_64_intdigest(memoryview(view)[_HEADER.size : size])
-            view[: _HEADER.size] = _HEADER.pack(_MAGIC, len(meta), digest)
-    except BaseException:
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise PreppedBatchError(f"cannot create a prepped batch under {SHM_DIR}: {exc}") from exc
+    try:
+        os.posix_fallocate(fd, 0, size)  # no room is an error here, never a SIGBUS later
+        _write_all(fd, _HEADER.pack(_MAGIC, len(meta), digest.intdigest()) + meta, 0)
+        for array, at in zip(arrays, offsets):
+            _write_all(fd, _bytes_of(array), body_at + at)
+    except OSError as exc:
         os.unlink(SHM_DIR / name)
-        raise
+        raise PreppedBatchError(
+            f"cannot write a prepped batch of {size} bytes under {SHM_DIR}: {exc}; "
+            "a smaller memory_bytes leaves room"
+        ) from exc
     finally:
         os.close(fd)
     return name, size
@@ -98,18 +109,39 @@ def write(batch: Batch, daemon_pid: int) -> tuple[str, int]:
 def read(name: str) -> Batch:
     """Copies the batch out of segment ``name`` (it may be freed right after).
 
+    Reads with ``preadv`` straight into the arrays it returns: one copy, and
+    no mapping that a segment truncated meanwhile could turn into a SIGBUS.
+
     Raises:
         PreppedBatchError: the segment is gone, or not a whole prepped batch.
     """
     if not NAME.match(name):
         raise PreppedBatchError(f"{name!r} is not a prepped batch's segment")
     try:
-        with open(SHM_DIR / name, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as view:
-                return _decode(memoryview(view), name)
-    except (OSError, ValueError) as exc:
+        fd = os.open(SHM_DIR / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
         raise PreppedBatchError(f"prepped batch {name} cannot be read: {exc}") from exc
+    try:
+        magic, meta_len, digest = _HEADER.unpack(os.pread(fd, _HEADER.size, 0).ljust(_HEADER.size, b"\0"))
+        meta_bytes = os.pread(fd, meta_len, _HEADER.size) if magic == _MAGIC else b""
+        if len(meta_bytes) != meta_len or magic != _MAGIC:
+            raise PreppedBatchError(f"prepped batch {name} is cut short or not one")
+        meta = json.loads(meta_bytes)
+        body_at = _aligned(_HEADER.size + meta_len)
+        check = xxhash.xxh3_64(meta_bytes)
+        arrays = []
+        for field in meta["fields"]:
+            array = np.empty(tuple(field["shape"]), np.dtype(field["dtype"]))
+            _read_all(fd, _bytes_of(array), body_at + field["offset"])
+            check.update(_bytes_of(array))
+            arrays.append(array)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PreppedBatchError(f"prepped batch {name} cannot be read: {exc}") from exc
+    finally:
+        os.close(fd)
+    if check.intdigest() != digest:
+        raise PreppedBatchError(f"prepped batch {name} fails its checksum")
+    return tuple(arrays) if meta["tuple"] else arrays[0]
 
 
 def unlink(names: Sequence[str]) -> list[str]:
@@ -144,22 +176,24 @@ def remove_orphans() -> None:
             continue  # gone meanwhile
 
 
-def _decode(view: memoryview, name: str) -> Batch:
-    try:
-        magic, meta_len, digest = _HEADER.unpack_from(view)
-        if magic != _MAGIC or xxhash.xxh3_64_intdigest(view[_HEADER.size :]) != digest:
-            raise PreppedBatchError(f"prepped batch {name} fails its checksum")
-        meta = json.loads(bytes(view[_HEADER.size : _HEADER.size + meta_len]))
-        body_at = _aligned(_HEADER.size + meta_len)
-        arrays = []
-        for field in meta["fields"]:
-            dtype, shape = np.dtype(field["dtype"]), tuple(field["shape"])
-            start = body_at + field["offset"]
-            count = int(np.prod(shape, dtype=np.int64))
-            arrays.append(np.frombuffer(view, dtype, count, start).reshape(shape).copy())
-    finally:
-        view.release()
-    return tuple(arrays) if meta["tuple"] else arrays[0]
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, as a view into it (reads land in the array)."""
+    return array.reshape(-1).view(np.uint8).data
+
+
+def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
+
+
+def _read_all(fd: int, into: memoryview, offset: int) -> None:
+    while into:
+        done = os.preadv(fd, [into], offset)
+        if done == 0:
+            raise PreppedBatchError("a prepped batch is cut short")
+        into, offset = into[done:], offset + done
 
 
 def _aligned(offset: int) -> int:
