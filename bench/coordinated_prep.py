@@ -61,7 +61,7 @@ def worker(args: argparse.Namespace) -> None:
     with dq.connect(args.addr, timeout=30) as client:
         ds = client.dataset(args.dataset)
         with ds.coordinated(group=args.group, jobs=args.jobs, prep=prep, batch_size=args.batch_size,
-                            timeout=60) as loader:
+                            timeout=60, workers=args.workers) as loader:
             samples, started, before = 0, time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             for epoch in range(args.epochs):
                 loader.set_epoch(epoch)
@@ -87,7 +87,8 @@ def run_jobs(daemon: DaemonProcess, args: argparse.Namespace, k: int, coordinate
     assert daemon.process is not None
     groups = [f"coord-{run}"] * k if coordinated else [f"solo-{run}-{i}" for i in range(k)]
     command = [sys.executable, __file__, "--worker", "--addr", daemon.address, "--dataset", "bench",
-               "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--step", str(args.step)]
+               "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--step", str(args.step),
+               "--workers", str(args.workers)]
     daemon_cpu = cpu_seconds(daemon.process.pid)
     jobs = [
         subprocess.Popen([*command, "--group", group, "--jobs", str(k if coordinated else 1)],
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--step", type=float, default=0.02, help="seconds of simulated training per batch")
+    parser.add_argument("--workers", type=int, default=1, help="prep threads per job, either way")
     parser.add_argument("--quick", action="store_true", help="a short run that only checks the benchmark works")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("addr", "dataset", "group"):

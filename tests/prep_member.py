@@ -37,7 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     for name in ("addr", "dataset", "group", "out"):
         parser.add_argument(f"--{name}", required=True)
-    for name, default in (("jobs", 1), ("batch-size", 4), ("seed", 0), ("epochs", 1)):
+    for name, default in (("jobs", 1), ("batch-size", 4), ("seed", 0), ("epochs", 1), ("workers", 1)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--memory", type=int, default=1 << 30)
     parser.add_argument("--timeout", type=float, default=30.0)
@@ -47,7 +47,7 @@ def main() -> None:
         ds = client.dataset(args.dataset)
         with ds.coordinated(
             group=args.group, jobs=args.jobs, prep=prep, batch_size=args.batch_size, seed=args.seed,
-            memory_bytes=args.memory, timeout=args.timeout,
+            memory_bytes=args.memory, timeout=args.timeout, workers=args.workers,
         ) as loader:
             for epoch in range(args.epochs):
                 loader.set_epoch(epoch)

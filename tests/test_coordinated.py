@@ -108,9 +108,10 @@ def prep_segments(daemon: DaemonProcess) -> list[str]:
     return [name for name in os.listdir(SHM_DIR) if name.startswith(f"dataquay-prep-{daemon.process.pid}-")]
 
 
-def test_a_group_of_one_yields_what_a_plain_loader_would(client: dq.Client, dataset: str) -> None:
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_group_of_one_yields_what_a_plain_loader_would(client: dq.Client, dataset: str, workers: int) -> None:
     ds = client.dataset(dataset)
-    with ds.coordinated(group="solo", jobs=1, prep=prep, batch_size=BATCH, seed=5) as loader:
+    with ds.coordinated(group="solo", jobs=1, prep=prep, batch_size=BATCH, seed=5, workers=workers) as loader:
         loader.set_epoch(1)
         got: list[Any] = list(loader)
         assert loader.prepped_here == BATCHES == len(loader)
@@ -127,7 +128,7 @@ def test_a_group_of_one_yields_what_a_plain_loader_would(client: dq.Client, data
 def test_members_get_identical_batches_every_sample_once_and_prep_each_batch_once(
     start_member: Callable[..., Member], keys: dict[int, int], daemon: DaemonProcess,
 ) -> None:
-    members = [start_member("--jobs", "3", "--epochs", "2") for _ in range(3)]
+    members = [start_member("--jobs", "3", "--epochs", "2", "--workers", str(workers)) for workers in (1, 2, 3)]
     done = [finished(m) for m in members]
     for member in members:
         for epoch in (0, 1):

@@ -22,8 +22,11 @@ dropped and its batches re-dealt; one that was dropped, or whose daemon stops
 answering, preps the rest of the epoch alone: the order is a pure function,
 so it yields exactly the batches the group would have.
 
-Prep runs in a thread of the loader's own, next to the training loop. A loader
-belongs to the process that made it: do not share one with DataLoader workers.
+Prep runs in ``workers`` threads of the loader's own (one by default), next to
+the training loop; prep that releases the GIL (numpy, image decoders) runs in
+parallel on them, and ``prep`` must then be safe to call from several threads.
+A loader belongs to the process that made it: do not share one with
+DataLoader workers.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ log = logging.getLogger("dataquay.client")
 DEFAULT_MEMORY_BYTES = 1 << 30
 #: Longest a call to the daemon waits for news (a batch ready, work to do).
 WAIT_SECONDS = 0.5
+#: Prep threads of one member (the daemon deals a member that many batches at once, at most).
+MAX_WORKERS = 16
 
 
 class CoordinatedLoader:
@@ -70,6 +75,7 @@ class CoordinatedLoader:
         memory_bytes: prepped batches the group holds at once, in bytes.
         timeout: seconds after which a silent or stalled member is dropped,
             and the longest the first epoch waits for ``jobs`` members.
+        workers: this member's prep threads (each preps one batch at a time).
     """
 
     def __init__(
@@ -84,9 +90,12 @@ class CoordinatedLoader:
         drop_last: bool = False,
         memory_bytes: int = DEFAULT_MEMORY_BYTES,
         timeout: float = 60.0,
+        workers: int = 1,
     ) -> None:
         if jobs < 1 or memory_bytes < 1 or not timeout > 0:
             raise ValueError(f"jobs, memory_bytes and timeout must be positive, not {jobs}, {memory_bytes}, {timeout}")
+        if not 1 <= workers <= MAX_WORKERS:
+            raise ValueError(f"workers must be 1 to {MAX_WORKERS}, not {workers}")
         self.dataset = dataset
         self.prep = prep
         self.num_batches = batch_count(len(dataset), batch_size, drop_last)
@@ -98,12 +107,13 @@ class CoordinatedLoader:
             memory_bytes=memory_bytes, timeout_seconds=timeout,
         )
         self.member = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.workers = workers
         self.epoch = 0
         #: Batches this member prepped itself and batches it waited for (seconds), since it began.
         self.prepped_here = 0
         self.wait_seconds = 0.0
         self._cond = threading.Condition()
-        self._agent: threading.Thread | None = None
+        self._agents: list[threading.Thread] = []
         self._closed = False
         self._running: int | None = None  # the epoch being iterated
         self._last = 0  # the epoch the member is in, or last was
@@ -137,9 +147,13 @@ class CoordinatedLoader:
                 raise RuntimeError("a coordinated loader yields one epoch at a time")
             self._running, self._last, self._consumed, self._role = epoch, epoch, 0, pb.PREP_ROLE_UNSPECIFIED
             self._cond.notify_all()
-        if self._agent is None:
-            self._agent = threading.Thread(target=self._run_agent, name="dataquay-prep", daemon=True)
-            self._agent.start()
+        if not self._agents:
+            self._agents = [
+                threading.Thread(target=self._run_agent, name=f"dataquay-prep-{i}", daemon=True)
+                for i in range(self.workers)
+            ]
+            for agent in self._agents:
+                agent.start()
         try:
             for index in range(self.num_batches):
                 batch = self._next(epoch, index)
@@ -161,8 +175,9 @@ class CoordinatedLoader:
                 return
             self._closed = True
             self._cond.notify_all()
-        if self._agent is not None:
-            self._agent.join()
+        if self._agents:
+            for agent in self._agents:
+                agent.join()
             with self._cond:
                 left = [batch.segment for _, batch in self._handed]
                 self._handed = []
@@ -212,8 +227,10 @@ class CoordinatedLoader:
 
     def _prep(self, epoch: int, index: int) -> Batch:
         samples = self.dataset.get_batch(self.batch_ids(index, epoch))
-        self.prepped_here += 1
-        return prepped.collate([self.prep(sample) for sample in samples])
+        batch = prepped.collate([self.prep(sample) for sample in samples])
+        with self._cond:
+            self.prepped_here += 1
+        return batch
 
     def _set_role(self, epoch: int, role: int) -> None:
         with self._cond:
@@ -242,7 +259,8 @@ class CoordinatedLoader:
         return reply
 
     def _run_agent(self) -> None:
-        """Hands in what it prepped, asks for more, preps it; the member's heartbeat meanwhile."""
+        """One prep thread: hands in what was prepped, asks for a batch, preps it;
+        the member's heartbeat meanwhile."""
         self.dataset.client.read_stats.prefetching()
         heartbeat = min(self.spec.timeout_seconds / 4, 1.0)
         try:
@@ -259,7 +277,8 @@ class CoordinatedLoader:
                 working = running == epoch and role != pb.PREP_SOLO
                 if role == pb.PREP_SOLO:
                     epoch, consumed = epoch + 1, 0  # preps this epoch alone: waits for the next one's start
-                reply = self._call(epoch, consumed, handed, 1 if working else 0, WAIT_SECONDS if working else 0.0)
+                claim = self.workers if working else 0
+                reply = self._call(epoch, consumed, handed, claim, WAIT_SECONDS if working else 0.0)
                 if reply is None:
                     self._set_role(epoch, pb.PREP_SOLO)
                     working = False

@@ -272,6 +272,7 @@ class Dataset(Sequence[bytes]):
         drop_last: bool = False,
         memory_bytes: int = DEFAULT_MEMORY_BYTES,
         timeout: float = 60.0,
+        workers: int = 1,
     ) -> CoordinatedLoader:
         """Prepped batches shared with the other jobs of a sweep on this node:
         each batch is fetched and prepped once, by one member, and every member
@@ -286,10 +287,11 @@ class Dataset(Sequence[bytes]):
             drop_last: drop each epoch's last, shorter batch.
             memory_bytes: prepped batches held at once in shared memory.
             timeout: seconds after which a silent or stalled member is dropped.
+            workers: this member's prep threads; ``prep`` must then be thread-safe.
         """
         return CoordinatedLoader(
             self, group=group, jobs=jobs, prep=prep, batch_size=batch_size, seed=seed, drop_last=drop_last,
-            memory_bytes=memory_bytes, timeout=timeout,
+            memory_bytes=memory_bytes, timeout=timeout, workers=workers,
         )
 
     def batches(self, sampler: Sampler, batch_size: int, *, prefetch: int = 2) -> Iterator[list[bytes]]:

@@ -24,8 +24,8 @@ from dataquay.protos import cache_pb2 as pb
 
 #: Ready batches a reply lists from the member's position on.
 READY_WINDOW = 8
-#: Batches one member may hold for prep at once.
-MAX_CLAIMS = 4
+#: Batches one member may hold for prep at once (one per prep thread).
+MAX_CLAIMS = 16
 
 
 @dataclass
@@ -210,21 +210,20 @@ class PrepGroup:
         self._redeal(member)
         self._consumed(member, self.spec.num_batches, now)
 
-    def _deal(self, member: _Member, wanted: int, now: float) -> list[int]:
+    def _deal(self, member: _Member, held: int, now: float) -> list[int]:
+        """One more batch for ``member`` if it holds fewer than ``held``: each of
+        its prep threads asks for its own, so none gets another's share."""
         dealt: list[int] = []
         slowest = min(m.consumed for m in self.members.values())
-        while len(member.claims) < wanted:
+        if len(member.claims) < held:
             index = self._redealt[0] if self._redealt else self._next
-            if index >= self.spec.num_batches:
-                break
-            if index > slowest and not self._room_for_one():
-                break
-            if self._redealt:
-                heapq.heappop(self._redealt)
-            else:
-                self._next += 1
-            member.claims[index] = now
-            dealt.append(index)
+            if index < self.spec.num_batches and (index <= slowest or self._room_for_one()):
+                if self._redealt:
+                    heapq.heappop(self._redealt)
+                else:
+                    self._next += 1
+                member.claims[index] = now
+                dealt.append(index)
         return dealt
 
     def _room_for_one(self) -> bool:
