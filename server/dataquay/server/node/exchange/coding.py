@@ -1,0 +1,432 @@
+"""Coded shuffling: which XOR packets carry an exchange where caches overlap (seed 002).
+
+A node needs the samples it owns in the new epoch and does not cache. The
+uncoded exchange unicasts each of them. Where caches overlap, one packet
+``x_a ^ x_b ^ ...`` multicast to the nodes that need its parts serves them all,
+provided each of them caches every part but its own. The planner here is pure
+(numpy in, numpy out, no I/O) so that every daemon of a job computes the same
+packets from the same caches and owners, as placement does.
+
+Schemes (:data:`SCHEMES`), each a rule for grouping the needed samples into
+encoding tables; every row of a table is one packet:
+
+- ``none``: one packet per needed sample (a table of one cell).
+- ``coded`` (Lee et al.): a sample needed by node j and cached exactly on the
+  node set K goes to table S = K + {j}, column j; a table sends as many packets
+  as its fullest column holds, so its other columns' gaps are waste.
+- ``uber`` (UberShuffle): the tables form a DAG, S -> S - {k}, along which a
+  sample may move without breaking decoding (it stays cached on every other
+  node of its new table). Layer by layer from the largest tables down, a
+  table's last row is moved into gaps of its children's columns whenever all
+  of that row fits, which removes a packet and adds none.
+
+Who sends (:func:`plan`): the seed's master holds every sample; a dataquay node
+holds only its cache, and in a coded table no node caches every part (each
+member lacks its own). The rule: a node that caches all of a packet's parts
+sends it; otherwise one of its decoders sends it after fetching the one part
+it lacks (its own) by unicast from a node that caches it, so such a packet
+costs two transmissions. A part that no node caches at all (only a one-part
+packet can have one) is read from the PFS by its decoder. Hence, against the
+seed's count (:attr:`Load.packets`), :attr:`Load.transmissions` counts the
+fetches too: coding pays where a row has three parts or more, or where a node
+outside the table caches the whole row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Bits per word of a holder bitset.
+WORD_BITS = 64
+#: Sender of a packet, or source of a fetch, that is the PFS: no node caches the part.
+PFS = -1
+_EVEN_BITS = np.uint64(0x5555555555555555)
+#: Tables unpacked into member bits at a time (bounds the planner's memory at large node counts).
+_CHUNK = 16384
+
+
+def holder_bits(caches: Sequence[np.ndarray], num_samples: int) -> np.ndarray:
+    """The bitset of nodes that cache each sample, from each node's cached ids.
+
+    Returns:
+        ``(num_samples, words)`` uint64; bit ``m % 64`` of word ``m // 64`` of
+        row s is set when node m caches sample s.
+    """
+    words = max(1, -(-len(caches) // WORD_BITS))
+    holders = np.zeros((num_samples, words), dtype=np.uint64)
+    for node, ids in enumerate(caches):
+        holders[np.asarray(ids, dtype=np.int64), node // WORD_BITS] |= np.uint64(1 << (node % WORD_BITS))
+    return holders
+
+
+def caches_sample(holders: np.ndarray, samples: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """Whether each ``nodes[i]`` caches ``samples[i]`` (bool array)."""
+    nodes = np.asarray(nodes, dtype=np.int64)
+    words = holders[np.asarray(samples, dtype=np.int64), nodes // WORD_BITS]
+    return ((words >> (nodes % WORD_BITS).astype(np.uint64)) & np.uint64(1)).astype(bool)
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What an exchange must deliver: every sample whose new owner does not cache it.
+
+    Attributes:
+        samples: the needed sample ids, ascending (int64).
+        decoders: the node that needs each of them, its new owner (int64).
+    """
+
+    samples: np.ndarray
+    decoders: np.ndarray
+
+
+def needs(holders: np.ndarray, owners: np.ndarray) -> Needs:
+    """The samples the new ``owners`` (one node per sample) lack in their caches."""
+    owners = np.asarray(owners, dtype=np.int64)
+    missing = ~caches_sample(holders, np.arange(len(owners)), owners)
+    samples = np.flatnonzero(missing).astype(np.int64)
+    return Needs(samples, owners[samples])
+
+
+@dataclass(frozen=True)
+class Packets:
+    """An exchange's packets, their parts in one flat array (CSR-style).
+
+    Packet p XORs the samples ``samples[start[p]:start[p+1]]`` (zero-padded to
+    the longest) and is multicast by ``senders[p]`` to the part's decoders
+    (``decoders[start[p]:start[p+1]]``); each decoder XORs away the other
+    parts, which it caches, and keeps its own. Before sending, a sender that
+    lacks a part fetches it: fetch i brings sample ``fetch_samples[i]`` of
+    packet ``fetch_packets[i]`` from ``fetch_sources[i]`` (:data:`PFS`: read
+    from the PFS) to that packet's sender; the sender is then that part's
+    decoder, so the fetch delivers it.
+
+    Attributes:
+        start: ``num_packets + 1`` offsets into ``samples`` and ``decoders``.
+        samples: each part's sample id.
+        decoders: the node that needs each part.
+        senders: each packet's sender (:data:`PFS` for a one-part packet that
+            no node caches: its decoder reads it from the PFS).
+        fetch_packets: the packet of each fetch.
+        fetch_samples: the sample each fetch brings.
+        fetch_sources: the node each fetch comes from.
+    """
+
+    start: np.ndarray
+    samples: np.ndarray
+    decoders: np.ndarray
+    senders: np.ndarray
+    fetch_packets: np.ndarray
+    fetch_samples: np.ndarray
+    fetch_sources: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.senders)
+
+    @property
+    def parts(self) -> np.ndarray:
+        """Parts per packet."""
+        return np.diff(self.start)
+
+    @property
+    def packet_of_part(self) -> np.ndarray:
+        """The packet each part belongs to."""
+        return np.repeat(np.arange(len(self), dtype=np.int64), self.parts)
+
+
+@dataclass(frozen=True)
+class Load:
+    """What an exchange costs on the wire.
+
+    Attributes:
+        packets: packets, each sent once (the seed's count: a sender that
+            caches everything, and the PFS's reads counted as packets).
+        fetches: parts fetched by a sender that lacks them (peer or PFS).
+        transmissions: packets plus fetches, but neither a PFS read: what
+            the network carries under :func:`plan`'s sender rule.
+        bytes: bytes of those transmissions: a packet is as long as its
+            longest part, a fetch as its sample.
+        pfs_bytes: bytes read from the PFS (parts no node caches).
+    """
+
+    packets: int
+    fetches: int
+    transmissions: int
+    bytes: int
+    pfs_bytes: int
+
+
+def _unpack(keys: np.ndarray, num_nodes: int) -> np.ndarray:
+    """Bitset rows as ``(rows, num_nodes)`` bools."""
+    bits = np.unpackbits(keys.view(np.uint8).reshape(len(keys), -1), axis=1, bitorder="little")
+    return bits[:, :num_nodes].astype(bool)
+
+
+def _popcount(keys: np.ndarray) -> np.ndarray:
+    return np.bitwise_count(keys).sum(axis=1).astype(np.int64)
+
+
+def _table_keys(holders: np.ndarray, need: Needs) -> np.ndarray:
+    """Each needed sample's coded table: its holders plus its decoder."""
+    keys = holders[need.samples].copy()
+    keys[np.arange(len(keys)), need.decoders // WORD_BITS] |= np.left_shift(
+        np.uint64(1), (need.decoders % WORD_BITS).astype(np.uint64)
+    )
+    return keys
+
+
+def _unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct bitset rows and, per row of ``keys``, the index of its distinct row."""
+    rows = np.ascontiguousarray(keys).view(np.dtype((np.void, keys.dtype.itemsize * keys.shape[1]))).ravel()
+    _, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
+    return keys[first], inverse.astype(np.int64)
+
+
+def uncoded_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
+    """``none``: every needed sample is a table, and a packet, of its own."""
+    return np.arange(len(need.samples), dtype=np.int64)
+
+
+def coded_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
+    """``coded``: Lee et al.'s table of each needed sample, K + {j}."""
+    return _unique_rows(_table_keys(holders, need))[1]
+
+
+@dataclass
+class _Columns:
+    """The column counts of the tables the greedy touches, built on first use."""
+
+    group_decoder: np.ndarray
+    group_count: np.ndarray
+    table_start: np.ndarray
+
+    def __post_init__(self) -> None:
+        self._cols: dict[int, dict[int, int]] = {}
+        self._rows: dict[int, int] = {}
+
+    def cols(self, table: int) -> dict[int, int]:
+        found = self._cols.get(table)
+        if found is None:
+            lo, hi = self.table_start[table], self.table_start[table + 1]
+            found = dict(zip(self.group_decoder[lo:hi].tolist(), self.group_count[lo:hi].tolist(), strict=True))
+            self._cols[table] = found
+            self._rows[table] = max(found.values())
+        return found
+
+    def rows(self, table: int) -> int:
+        """A child's rows: gap filling never changes them, and a child is
+        reduced itself only after its parents (a lower layer)."""
+        self.cols(table)
+        return self._rows[table]
+
+
+def _groups(tables: np.ndarray, decoders: np.ndarray, num_tables: int) -> tuple[np.ndarray, ...]:
+    """Needed samples sorted by (table, decoder), and the runs of each (table, column)."""
+    order = np.lexsort((decoders, tables))
+    t, d = tables[order], decoders[order]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = (t[1:] != t[:-1]) | (d[1:] != d[:-1])
+    starts = np.flatnonzero(new)
+    counts = np.diff(np.append(starts, len(order)))
+    table_start = np.searchsorted(t[starts], np.arange(num_tables + 1))
+    return order, starts, d[starts], counts, table_start
+
+
+def _candidates(keys: np.ndarray, sizes: np.ndarray, size: int) -> np.ndarray:
+    """Tables of ``size`` members that may have a table one member smaller below them.
+
+    A child lacks one member, so it agrees with its parent on the even bits or
+    on the odd bits; a join on each half finds every parent with a child
+    (and, rarely, a table that has none, which the greedy then skips) without
+    comparing tables pairwise.
+    """
+    upper, lower = np.flatnonzero(sizes == size), np.flatnonzero(sizes == size - 1)
+    found = np.zeros(len(upper), dtype=bool)
+    if not len(lower):
+        return upper[found]
+    for half in (_EVEN_BITS, ~_EVEN_BITS):
+        ids = _unique_rows(np.concatenate([keys[upper] & half, keys[lower] & half]))[1]
+        found |= np.isin(ids[:len(upper)], ids[len(upper):])
+    return upper[found]
+
+
+def uber_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
+    """``uber``: Lee et al.'s tables, then rows moved down the DAG into gaps (module docstring)."""
+    keys, tables = _unique_rows(_table_keys(holders, need))
+    order, starts, g_decoder, g_count, table_start = _groups(tables, need.decoders, len(keys))
+    columns = _Columns(g_decoder, g_count, table_start)
+    sizes = _popcount(keys)
+    key_of = {keys[t].tobytes(): t for t in range(len(keys))}
+    moves: list[tuple[int, int, int]] = []
+    for size in range(int(sizes.max(initial=0)), 2, -1):
+        for table in _candidates(keys, sizes, size).tolist():
+            moves += _reduce_table(table, keys[table], columns, key_of)
+    if not moves:
+        return tables
+    pools: dict[tuple[int, int], list[int]] = {}
+
+    def pool(table: int, decoder: int) -> list[int]:
+        """The needed samples in (table, column) now, from the tables' groups on first use."""
+        found = pools.get((table, decoder))
+        if found is None:
+            lo, hi = table_start[table], table_start[table + 1]
+            at = lo + int(np.searchsorted(g_decoder[lo:hi], decoder))
+            found = order[starts[at]:starts[at] + g_count[at]].tolist() if at < hi and g_decoder[at] == decoder else []
+            pools[(table, decoder)] = found
+        return found
+
+    for src, decoder, dst in moves:
+        pool(dst, decoder).append(pool(src, decoder).pop())
+    moved = tables.copy()
+    for (table, _), ids in pools.items():
+        moved[ids] = table
+    return moved
+
+
+def _reduce_table(
+    table: int, key: np.ndarray, columns: _Columns, key_of: dict[bytes, int]
+) -> list[tuple[int, int, int]]:
+    """Moves whole last rows of ``table`` into its children's gaps while they fit.
+
+    Returns:
+        the moves made, each (from table, column, to table), one sample each.
+    """
+    cols = columns.cols(table)
+    children: dict[int, int] = {}
+    for member in np.flatnonzero(_unpack(key[None, :], len(key) * WORD_BITS)[0]).tolist():
+        child_key = key.copy()
+        child_key[member // WORD_BITS] &= ~np.uint64(1 << (member % WORD_BITS))
+        found = key_of.get(child_key.tobytes())
+        if found is not None:
+            children[member] = found
+    moves: list[tuple[int, int, int]] = []
+    rows = max(cols.values())
+    while rows and children:
+        targets = {}
+        for column in [c for c, n in cols.items() if n == rows]:
+            room, best = 0, -1
+            for member, child in children.items():
+                gap = columns.rows(child) - columns.cols(child).get(column, 0) if member != column else 0
+                if gap > room:
+                    room, best = gap, child
+            if best < 0:
+                return moves
+            targets[column] = best
+        for column, child in targets.items():
+            cols[column] -= 1
+            child_cols = columns.cols(child)
+            child_cols[column] = child_cols.get(column, 0) + 1
+            moves.append((table, column, child))
+        rows -= 1
+    return moves
+
+
+#: Encoding-table rules by scheme name: (holders, needs, num_nodes) -> table of each needed sample.
+SCHEMES: dict[str, Callable[[np.ndarray, Needs, int], np.ndarray]] = {
+    "none": uncoded_tables,
+    "coded": coded_tables,
+    "uber": uber_tables,
+}
+
+
+def _pick_bit(keys: np.ndarray, spread: np.ndarray, num_nodes: int) -> np.ndarray:
+    """One set bit of each row (the ``spread[i] % count``-th, so that senders
+    share the work), or :data:`PFS` for a row with none."""
+    picked = np.full(len(keys), PFS, dtype=np.int64)
+    for i in range(0, len(keys), _CHUNK):
+        bits = _unpack(keys[i:i + _CHUNK], num_nodes)
+        count = bits.sum(axis=1)
+        has = count > 0
+        rank = np.zeros(len(bits), dtype=np.int64)
+        rank[has] = spread[i:i + _CHUNK][has] % count[has]
+        nth = np.argmax(np.cumsum(bits, axis=1) > rank[:, None], axis=1)
+        picked[i:i + _CHUNK] = np.where(has, nth, PFS)
+    return picked
+
+
+def plan(holders: np.ndarray, owners: np.ndarray, scheme: str) -> Packets:
+    """The packets of ``scheme`` for moving to ``owners`` from caches ``holders``.
+
+    Args:
+        holders: :func:`holder_bits` of the caches before the exchange.
+        owners: the new owner of every sample.
+        scheme: a key of :data:`SCHEMES`.
+
+    Raises:
+        ValueError: an unknown scheme, or holders and owners of different lengths.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, not {scheme!r}")
+    owners = np.asarray(owners, dtype=np.int64)
+    if len(holders) != len(owners):
+        raise ValueError(f"holders has {len(holders)} samples but owners {len(owners)}")
+    num_nodes = holders.shape[1] * WORD_BITS
+    need = needs(holders, owners)
+    tables = SCHEMES[scheme](holders, need, num_nodes)
+    order, rank = _rows(tables, need.decoders)
+    packet_order = np.lexsort((rank, tables[order]))
+    parts = order[packet_order]
+    t, r = tables[parts], rank[packet_order]
+    new = np.ones(len(parts), dtype=bool)
+    new[1:] = (t[1:] != t[:-1]) | (r[1:] != r[:-1])
+    start = np.append(np.flatnonzero(new), len(parts)).astype(np.int64)
+    samples, decoders = need.samples[parts], need.decoders[parts]
+    return _senders(holders, start, samples, decoders, num_nodes)
+
+
+def _rows(tables: np.ndarray, decoders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Needed samples sorted by (table, column), and each one's row in its column."""
+    order = np.lexsort((decoders, tables))
+    t, d = tables[order], decoders[order]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = (t[1:] != t[:-1]) | (d[1:] != d[:-1])
+    run_start = np.maximum.accumulate(np.where(new, np.arange(len(order)), 0))
+    return order, np.arange(len(order), dtype=np.int64) - run_start
+
+
+def _senders(holders: np.ndarray, start: np.ndarray, samples: np.ndarray, decoders: np.ndarray,
+             num_nodes: int) -> Packets:
+    """Applies the sender rule of the module docstring to the packets' parts."""
+    num_packets = len(start) - 1
+    spread = np.arange(num_packets, dtype=np.int64)
+    whole = np.bitwise_and.reduceat(holders[samples], start[:-1], axis=0) if num_packets else holders[:0]
+    senders = _pick_bit(whole, spread, num_nodes)
+    parts = np.diff(start)
+    lacking = np.flatnonzero((senders == PFS) & (parts > 1))
+    first = start[lacking] + spread[lacking] % parts[lacking]
+    senders[lacking] = decoders[first]
+    fetch_samples = samples[first]
+    fetch_sources = _pick_bit(holders[fetch_samples], spread[lacking], num_nodes)
+    return Packets(start, samples, decoders, senders, lacking.astype(np.int64), fetch_samples, fetch_sources)
+
+
+def load(packets: Packets, sizes: np.ndarray | None = None) -> Load:
+    """What ``packets`` cost; ``sizes`` in bytes per sample id (unit samples when None)."""
+    part_bytes = np.ones(len(packets.samples), dtype=np.int64) if sizes is None else sizes[packets.samples]
+    packet_bytes = np.maximum.reduceat(part_bytes, packets.start[:-1]) if len(packets) else part_bytes[:0]
+    fetch_bytes = np.ones(len(packets.fetch_samples), dtype=np.int64) if sizes is None else (
+        sizes[packets.fetch_samples])
+    from_pfs = packets.senders == PFS
+    fetched_pfs = packets.fetch_sources == PFS
+    return Load(
+        packets=len(packets),
+        fetches=len(packets.fetch_samples),
+        transmissions=int((~from_pfs).sum() + (~fetched_pfs).sum()),
+        bytes=int(packet_bytes[~from_pfs].sum() + fetch_bytes[~fetched_pfs].sum()),
+        pfs_bytes=int(packet_bytes[from_pfs].sum() + fetch_bytes[fetched_pfs].sum()),
+    )
+
+
+def xor_encode(parts: Sequence[bytes]) -> bytes:
+    """One packet: the XOR of ``parts``, each zero-padded to the longest."""
+    out = np.zeros(max((len(p) for p in parts), default=0), dtype=np.uint8)
+    for part in parts:
+        out[:len(part)] ^= np.frombuffer(part, dtype=np.uint8)
+    return out.tobytes()
+
+
+def xor_decode(packet: bytes, known: Sequence[bytes], length: int) -> bytes:
+    """The part of ``packet`` that is not in ``known``, cut to its ``length``."""
+    return xor_encode([packet, *known])[:length]

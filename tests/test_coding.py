@@ -1,0 +1,156 @@
+"""The coded-shuffling planner: the seed's toy example, and decoding from packets plus a cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dataquay.server.node.exchange.coding import (
+    PFS,
+    SCHEMES,
+    Packets,
+    caches_sample,
+    holder_bits,
+    load,
+    needs,
+    plan,
+    xor_decode,
+    xor_encode,
+)
+
+# Seed 002's toy example, its ids shifted to start at 0 (nodes 1..3 -> 0..2, samples 1..9 -> 0..8).
+TOY_CACHES = [{2, 3, 4, 8}, {6, 7, 8, 9}, {1, 3, 4, 5}]
+TOY_NEEDS = [{3, 5, 8}, {1, 4, 9}, {2, 6, 7}]
+
+
+def toy() -> tuple[np.ndarray, np.ndarray]:
+    holders = holder_bits([np.array(sorted(c)) - 1 for c in TOY_CACHES], 9)
+    owners = np.zeros(9, dtype=np.int64)
+    for node, ids in enumerate(TOY_NEEDS):
+        owners[np.array(sorted(ids)) - 1] = node
+    return holders, owners
+
+
+def packet_sets(packets: Packets) -> list[tuple[frozenset[int], frozenset[int]]]:
+    """Each packet as (its samples, its decoders), in the seed's numbering."""
+    return sorted(
+        (frozenset((packets.samples[lo:hi] + 1).tolist()), frozenset((packets.decoders[lo:hi] + 1).tolist()))
+        for lo, hi in zip(packets.start[:-1].tolist(), packets.start[1:].tolist(), strict=True)
+    )
+
+
+def test_the_toy_example_takes_6_uncoded_4_coded_and_3_ubershuffle_transmissions() -> None:
+    holders, owners = toy()
+    assert [len(plan(holders, owners, scheme)) for scheme in ("none", "coded", "uber")] == [6, 4, 3]
+
+
+def test_the_toy_tables_are_the_seeds() -> None:
+    holders, owners = toy()
+    f = frozenset
+    # Table {1,3}: d2 + d5; table {2,3}: d1 + d6 and d7; table {1,2,3}: d4 alone, which UberShuffle
+    # moves into the gap of table {2,3}'s first column.
+    assert packet_sets(plan(holders, owners, "coded")) == sorted([
+        (f({2, 5}), f({1, 3})), (f({1, 6}), f({2, 3})), (f({7}), f({3})), (f({4}), f({2})),
+    ])
+    assert packet_sets(plan(holders, owners, "uber")) == sorted([
+        (f({2, 5}), f({1, 3})), (f({1, 6}), f({2, 3})), (f({4, 7}), f({2, 3})),
+    ])
+
+
+def test_with_no_node_holding_all_data_a_pair_costs_a_fetch_and_saves_nothing() -> None:
+    holders, owners = toy()
+    uncoded, uber = load(plan(holders, owners, "none")), load(plan(holders, owners, "uber"))
+    assert (uncoded.packets, uncoded.transmissions, uncoded.bytes) == (6, 6, 6)
+    assert (uber.packets, uber.fetches, uber.transmissions, uber.bytes) == (3, 3, 6, 6)
+
+
+def test_a_node_that_caches_every_part_sends_the_packet_alone() -> None:
+    # Node 0 needs sample 0 (cached on 1, 2), node 1 needs sample 1 (on 0, 2), node 2 needs sample 2
+    # (on 0, 1): one table {0, 1, 2}, one row of three parts; node 3 caches all three.
+    holders = holder_bits([np.array([1, 2]), np.array([0, 2]), np.array([0, 1]), np.array([0, 1, 2])], 3)
+    packets = plan(holders, np.array([0, 1, 2]), "coded")
+    assert len(packets) == 1 and packets.senders.tolist() == [3]
+    assert load(packets) == load(packets).__class__(packets=1, fetches=0, transmissions=1, bytes=1, pfs_bytes=0)
+    without = holder_bits([np.array([1, 2]), np.array([0, 2]), np.array([0, 1])], 3)
+    lacking = plan(without, np.array([0, 1, 2]), "coded")
+    assert lacking.senders[0] in (0, 1, 2) and load(lacking).transmissions == 2
+    assert load(plan(without, np.array([0, 1, 2]), "none")).transmissions == 3
+
+
+def test_a_sample_no_cache_holds_is_read_from_the_pfs_and_not_sent() -> None:
+    holders = holder_bits([np.array([0, 1]), np.array([], dtype=np.int64)], 3)
+    packets = plan(holders, np.array([1, 1, 0]), "uber")
+    sent = {int(s): int(p) for s, p in zip(packets.samples, packets.senders, strict=True)}
+    assert sent == {0: 0, 1: 0, 2: PFS}
+    assert load(packets, np.array([10, 20, 30])) == load(packets).__class__(3, 0, 2, 30, 30)
+
+
+def test_an_unknown_scheme_is_named() -> None:
+    holders, owners = toy()
+    with pytest.raises(ValueError, match="scheme must be one of none, coded, uber, not 'xor'"):
+        plan(holders, owners, "xor")
+
+
+def assert_decodable(holders: np.ndarray, owners: np.ndarray, packets: Packets, data: list[bytes]) -> None:
+    """Every node gets exactly the samples it needs, byte for byte, from the packets sent to it, the
+    fetches that reach it and its own cache, and nothing else is sent."""
+    need = needs(holders, owners)
+    delivered = sorted(zip(packets.samples.tolist(), packets.decoders.tolist(), strict=True))
+    assert delivered == sorted(zip(need.samples.tolist(), need.decoders.tolist(), strict=True))
+    fetched = dict(zip(packets.fetch_packets.tolist(), packets.fetch_samples.tolist(), strict=True))
+    for p, (lo, hi) in enumerate(zip(packets.start[:-1].tolist(), packets.start[1:].tolist(), strict=True)):
+        ids, decoders, sender = packets.samples[lo:hi], packets.decoders[lo:hi], int(packets.senders[p])
+        if sender == PFS:
+            assert hi - lo == 1 and not holders[ids[0]].any()
+            continue
+        held = caches_sample(holders, ids, np.full(len(ids), sender))
+        assert held.all() or (p in fetched and ids[~held].tolist() == [fetched[p]])
+        packet = xor_encode([data[i] for i in ids.tolist()])
+        for k, (sample, decoder) in enumerate(zip(ids.tolist(), decoders.tolist(), strict=True)):
+            others = np.delete(ids, k)
+            assert caches_sample(holders, others, np.full(len(others), decoder)).all()
+            assert xor_decode(packet, [data[i] for i in others.tolist()], len(data[sample])) == data[sample]
+    for p, sample, source in zip(packets.fetch_packets.tolist(), packets.fetch_samples.tolist(),
+                                 packets.fetch_sources.tolist(), strict=True):
+        assert source == PFS or caches_sample(holders, np.array([sample]), np.array([source]))[0]
+        assert sample in packets.samples[packets.start[p]:packets.start[p + 1]]
+
+
+@st.composite
+def shuffles(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+    num_nodes = draw(st.integers(2, 7))
+    num_samples = draw(st.integers(1, 60))
+    cached = draw(st.lists(st.lists(st.booleans(), min_size=num_samples, max_size=num_samples),
+                           min_size=num_nodes, max_size=num_nodes))
+    owners = np.array(draw(st.lists(st.integers(0, num_nodes - 1), min_size=num_samples, max_size=num_samples)))
+    data = draw(st.lists(st.binary(min_size=0, max_size=12), min_size=num_samples, max_size=num_samples))
+    return holder_bits([np.flatnonzero(row) for row in cached], num_samples), owners, data
+
+
+@settings(max_examples=150, deadline=None)
+@given(shuffles())
+def test_every_scheme_delivers_exactly_what_each_node_lacks_and_uber_sends_fewest(
+    shuffle: tuple[np.ndarray, np.ndarray, list[bytes]],
+) -> None:
+    holders, owners, data = shuffle
+    counts = []
+    for scheme in SCHEMES:
+        packets = plan(holders, owners, scheme)
+        assert_decodable(holders, owners, packets, data)
+        counts.append(len(packets))
+    assert counts[0] >= counts[1] >= counts[2]
+
+
+def test_more_nodes_than_a_bitset_word_decode_too() -> None:
+    rng = np.random.default_rng(3)
+    num_nodes, num_samples = 130, 3000
+    owners = rng.permutation(np.arange(num_samples) % num_nodes)
+    caches = [np.union1d(np.flatnonzero(owners == m), rng.choice(num_samples, 90, replace=False))
+              for m in range(num_nodes)]
+    holders = holder_bits(caches, num_samples)
+    new_owners = rng.permutation(owners)
+    data = [rng.bytes(int(n)) for n in rng.integers(1, 9, num_samples)]
+    for scheme in SCHEMES:
+        assert_decodable(holders, new_owners, plan(holders, new_owners, scheme), data)
