@@ -252,75 +252,127 @@ def _candidates(keys: np.ndarray, sizes: np.ndarray, size: int) -> np.ndarray:
     return upper[found]
 
 
+def _set_hashes(keys: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each bitset row, the XOR of a random value per member:
+    a set without member k hashes to its hash XOR k's value."""
+    lookup = _byte_hashes(keys.shape[1] * 8)
+    as_bytes = keys.view(np.uint8).reshape(len(keys), -1)
+    return np.bitwise_xor.reduce(lookup[np.arange(as_bytes.shape[1]), as_bytes], axis=1)
+
+
+def _node_hashes(num_nodes: int) -> np.ndarray:
+    return np.random.default_rng(0x5EED002).integers(1, np.iinfo(np.int64).max, size=num_nodes, dtype=np.int64)
+
+
+def _byte_hashes(num_bytes: int) -> np.ndarray:
+    """``[position, byte value]`` -> the XOR of the member hashes of that byte's bits."""
+    nodes = _node_hashes(num_bytes * 8).reshape(num_bytes, 8)
+    bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool)
+    return np.bitwise_xor.reduce(np.where(bits[None, :, :], nodes[:, None, :], 0), axis=2)
+
+
+def _children(keys: np.ndarray, hashes: np.ndarray, parents: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Every (parent, member, child) where table child is table parent less member."""
+    by_hash = np.argsort(hashes)
+    node_hash = _node_hashes(keys.shape[1] * WORD_BITS)
+    found: list[tuple[np.ndarray, ...]] = []
+    for i in range(0, len(parents), _CHUNK):
+        rows, members = np.nonzero(_unpack(keys[parents[i:i + _CHUNK]], keys.shape[1] * WORD_BITS))
+        parent = parents[i:i + _CHUNK][rows]
+        wanted = hashes[parent] ^ node_hash[members]
+        at = np.minimum(np.searchsorted(hashes, wanted, sorter=by_hash), len(hashes) - 1)
+        child = by_hash[at]
+        expect = keys[parent].copy()
+        expect[np.arange(len(parent)), members // WORD_BITS] &= ~np.left_shift(
+            np.uint64(1), (members % WORD_BITS).astype(np.uint64)
+        )
+        exact = (keys[child] == expect).all(axis=1)
+        found.append((parent[exact], members[exact].astype(np.int64), child[exact]))
+    if not found:
+        return (np.zeros(0, dtype=np.int64),) * 3
+    return tuple(np.concatenate(column) for column in zip(*found, strict=True))
+
+
 def uber_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
     """``uber``: Lee et al.'s tables, then rows moved down the DAG into gaps (module docstring)."""
     keys, tables = _unique_rows(_table_keys(holders, need))
+    if not len(keys):
+        return tables
     order, starts, g_decoder, g_count, table_start = _groups(tables, need.decoders, len(keys))
     columns = _Columns(g_decoder, g_count, table_start)
     sizes = _popcount(keys)
-    key_of = {keys[t].tobytes(): t for t in range(len(keys))}
-    moves: list[tuple[int, int, int]] = []
+    hashes = _set_hashes(keys)
+    moves: list[tuple[int, int, int, int]] = []
     for size in range(int(sizes.max(initial=0)), 2, -1):
-        for table in _candidates(keys, sizes, size).tolist():
-            moves += _reduce_table(table, keys[table], columns, key_of)
+        parent, member, child = _children(keys, hashes, _candidates(keys, sizes, size))
+        bounds = np.flatnonzero(np.diff(parent, prepend=-1, append=-1))
+        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+            children = dict(zip(member[lo:hi].tolist(), child[lo:hi].tolist(), strict=True))
+            moves += _reduce_table(int(parent[lo]), children, columns)
     if not moves:
         return tables
+    src, decoder, dst, count = (np.array(column, dtype=np.int64) for column in zip(*moves, strict=True))
+    group_key = np.repeat(np.arange(len(keys), dtype=np.int64), np.diff(table_start)) * num_nodes + g_decoder
+    src_group, dst_group = (_find(group_key, t * num_nodes + decoder) for t in (src, dst))
     pools: dict[tuple[int, int], list[int]] = {}
-
-    def pool(table: int, decoder: int) -> list[int]:
-        """The needed samples in (table, column) now, from the tables' groups on first use."""
-        found = pools.get((table, decoder))
-        if found is None:
-            lo, hi = table_start[table], table_start[table + 1]
-            at = lo + int(np.searchsorted(g_decoder[lo:hi], decoder))
-            found = order[starts[at]:starts[at] + g_count[at]].tolist() if at < hi and g_decoder[at] == decoder else []
-            pools[(table, decoder)] = found
-        return found
-
-    for src, decoder, dst in moves:
-        pool(dst, decoder).append(pool(src, decoder).pop())
+    for move in zip(src.tolist(), dst.tolist(), decoder.tolist(), count.tolist(), src_group.tolist(),
+                    dst_group.tolist(), strict=True):
+        taken = _pool(pools, move[0], move[2], move[4], order, starts, g_count)
+        given = _pool(pools, move[1], move[2], move[5], order, starts, g_count)
+        given.extend(taken[len(taken) - move[3]:])
+        del taken[len(taken) - move[3]:]
     moved = tables.copy()
     for (table, _), ids in pools.items():
         moved[ids] = table
     return moved
 
 
-def _reduce_table(
-    table: int, key: np.ndarray, columns: _Columns, key_of: dict[bytes, int]
-) -> list[tuple[int, int, int]]:
-    """Moves whole last rows of ``table`` into its children's gaps while they fit.
+def _find(sorted_keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """The index of each wanted key in ``sorted_keys``, -1 where absent."""
+    at = np.minimum(np.searchsorted(sorted_keys, wanted), len(sorted_keys) - 1)
+    return np.where(sorted_keys[at] == wanted, at, -1)
+
+
+def _pool(pools: dict[tuple[int, int], list[int]], table: int, decoder: int, group: int, order: np.ndarray,
+          starts: np.ndarray, counts: np.ndarray) -> list[int]:
+    """The needed samples in (table, column) now: its group's at first (none if it had no group)."""
+    found = pools.get((table, decoder))
+    if found is None:
+        found = pools[(table, decoder)] = order[starts[group]:starts[group] + counts[group]].tolist() if (
+            group >= 0) else []
+    return found
+
+
+def _reduce_table(table: int, children: dict[int, int], columns: _Columns) -> list[tuple[int, int, int, int]]:
+    """Moves whole last rows of ``table`` into the gaps of its ``children``
+    (member left out -> child table) while they fit.
 
     Returns:
-        the moves made, each (from table, column, to table), one sample each.
+        the moves made, each (from table, column, to table, samples).
     """
     cols = columns.cols(table)
-    children: dict[int, int] = {}
-    for member in np.flatnonzero(_unpack(key[None, :], len(key) * WORD_BITS)[0]).tolist():
-        child_key = key.copy()
-        child_key[member // WORD_BITS] &= ~np.uint64(1 << (member % WORD_BITS))
-        found = key_of.get(child_key.tobytes())
-        if found is not None:
-            children[member] = found
-    moves: list[tuple[int, int, int]] = []
+    kids = [(member, child, columns.rows(child), columns.cols(child)) for member, child in children.items()]
+    moved: dict[tuple[int, int], int] = {}
     rows = max(cols.values())
-    while rows and children:
-        targets = {}
+    while rows:
+        targets = []
         for column in [c for c, n in cols.items() if n == rows]:
-            room, best = 0, -1
-            for member, child in children.items():
-                gap = columns.rows(child) - columns.cols(child).get(column, 0) if member != column else 0
+            room, best = 0, None
+            for member, child, child_rows, child_cols in kids:
+                gap = child_rows - child_cols.get(column, 0) if member != column else 0
                 if gap > room:
-                    room, best = gap, child
-            if best < 0:
-                return moves
-            targets[column] = best
-        for column, child in targets.items():
-            cols[column] -= 1
-            child_cols = columns.cols(child)
-            child_cols[column] = child_cols.get(column, 0) + 1
-            moves.append((table, column, child))
-        rows -= 1
-    return moves
+                    room, best = gap, (child, child_cols)
+            if best is None:
+                rows = 0
+                break
+            targets.append((column, *best))
+        else:
+            for column, child, child_cols in targets:
+                cols[column] -= 1
+                child_cols[column] = child_cols.get(column, 0) + 1
+                moved[(column, child)] = moved.get((column, child), 0) + 1
+            rows -= 1
+    return [(table, column, child, count) for (column, child), count in moved.items()]
 
 
 #: Encoding-table rules by scheme name: (holders, needs, num_nodes) -> table of each needed sample.
