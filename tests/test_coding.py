@@ -87,6 +87,18 @@ def test_a_sample_no_cache_holds_is_read_from_the_pfs_and_not_sent() -> None:
     assert load(packets, np.array([10, 20, 30])) == load(packets).__class__(3, 0, 2, 30, 30)
 
 
+def test_parts_of_like_sizes_share_a_packet() -> None:
+    # Node 0 needs samples 0 and 1 (cached on 1, 2), node 1 needs 2 and 3 (cached on 0, 2): one table
+    # {0, 1, 2} of two rows, sent by node 2, which caches all four.
+    holders = holder_bits([np.array([2, 3]), np.array([0, 1]), np.arange(4)], 4)
+    owners, sizes = np.array([0, 0, 1, 1]), np.array([10, 1, 1, 10])
+    packets = plan(holders, owners, "coded", sizes)
+    both = frozenset({1, 2})
+    assert packet_sets(packets) == sorted([(frozenset({1, 4}), both), (frozenset({2, 3}), both)])
+    assert load(packets, sizes).bytes == 10 + 1
+    assert load(plan(holders, owners, "coded"), sizes).bytes == 10 + 10
+
+
 def test_an_unknown_scheme_is_named() -> None:
     holders, owners = toy()
     with pytest.raises(ValueError, match="scheme must be one of none, coded, uber, not 'xor'"):
@@ -136,8 +148,9 @@ def test_every_scheme_delivers_exactly_what_each_node_lacks_and_uber_sends_fewes
 ) -> None:
     holders, owners, data = shuffle
     counts = []
+    sizes = np.array([len(d) for d in data], dtype=np.int64)
     for scheme in SCHEMES:
-        packets = plan(holders, owners, scheme)
+        packets = plan(holders, owners, scheme, sizes)
         assert_decodable(holders, owners, packets, data)
         counts.append(len(packets))
     assert counts[0] >= counts[1] >= counts[2]

@@ -398,13 +398,16 @@ def _pick_bit(keys: np.ndarray, spread: np.ndarray, num_nodes: int) -> np.ndarra
     return picked
 
 
-def plan(holders: np.ndarray, owners: np.ndarray, scheme: str) -> Packets:
+def plan(holders: np.ndarray, owners: np.ndarray, scheme: str, sizes: np.ndarray | None = None) -> Packets:
     """The packets of ``scheme`` for moving to ``owners`` from caches ``holders``.
 
     Args:
         holders: :func:`holder_bits` of the caches before the exchange.
         owners: the new owner of every sample.
         scheme: a key of :data:`SCHEMES`.
+        sizes: bytes of each sample, if they differ: each column is sorted
+            largest first, so that a row XORs parts of like sizes and its
+            padding to the longest wastes little.
 
     Raises:
         ValueError: an unknown scheme, or holders and owners of different lengths.
@@ -417,7 +420,7 @@ def plan(holders: np.ndarray, owners: np.ndarray, scheme: str) -> Packets:
     num_nodes = holders.shape[1] * WORD_BITS
     need = needs(holders, owners)
     tables = SCHEMES[scheme](holders, need, num_nodes)
-    order, rank = _rows(tables, need.decoders)
+    order, rank = _rows(tables, need.decoders, np.zeros(len(tables)) if sizes is None else sizes[need.samples])
     packet_order = np.lexsort((rank, tables[order]))
     parts = order[packet_order]
     t, r = tables[parts], rank[packet_order]
@@ -428,9 +431,9 @@ def plan(holders: np.ndarray, owners: np.ndarray, scheme: str) -> Packets:
     return _senders(holders, start, samples, decoders, num_nodes)
 
 
-def _rows(tables: np.ndarray, decoders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Needed samples sorted by (table, column), and each one's row in its column."""
-    order = np.lexsort((decoders, tables))
+def _rows(tables: np.ndarray, decoders: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Needed samples sorted by (table, column, largest first), and each one's row in its column."""
+    order = np.lexsort((-sizes, decoders, tables))
     t, d = tables[order], decoders[order]
     new = np.ones(len(order), dtype=bool)
     new[1:] = (t[1:] != t[:-1]) | (d[1:] != d[:-1])
