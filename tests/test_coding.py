@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from dataquay.server.node.exchange.coding import (
     PFS,
     SCHEMES,
+    Load,
     Packets,
     caches_sample,
     holder_bits,
@@ -72,11 +73,20 @@ def test_a_node_that_caches_every_part_sends_the_packet_alone() -> None:
     holders = holder_bits([np.array([1, 2]), np.array([0, 2]), np.array([0, 1]), np.array([0, 1, 2])], 3)
     packets = plan(holders, np.array([0, 1, 2]), "coded")
     assert len(packets) == 1 and packets.senders.tolist() == [3]
-    assert load(packets) == load(packets).__class__(packets=1, fetches=0, transmissions=1, bytes=1, pfs_bytes=0)
+    assert load(packets) == Load(packets=1, fetches=0, transmissions=1, bytes=1, pfs_bytes=0)
     without = holder_bits([np.array([1, 2]), np.array([0, 2]), np.array([0, 1])], 3)
     lacking = plan(without, np.array([0, 1, 2]), "coded")
     assert lacking.senders[0] in (0, 1, 2) and load(lacking).transmissions == 2
     assert load(plan(without, np.array([0, 1, 2]), "none")).transmissions == 3
+
+
+def test_a_sender_that_must_fetch_its_own_part_is_the_decoder_of_the_smallest() -> None:
+    holders = holder_bits([np.array([1, 2]), np.array([0, 2]), np.array([0, 1])], 3)
+    sizes = np.array([5, 1, 7])
+    packets = plan(holders, np.array([0, 1, 2]), "coded", sizes)
+    assert packets.senders.tolist() == [1]
+    assert packets.fetch_samples.tolist() == [1] and packets.fetch_sources[0] in (0, 2)
+    assert load(packets, sizes) == Load(packets=1, fetches=1, transmissions=2, bytes=7 + 1, pfs_bytes=0)
 
 
 def test_a_sample_no_cache_holds_is_read_from_the_pfs_and_not_sent() -> None:
@@ -84,7 +94,7 @@ def test_a_sample_no_cache_holds_is_read_from_the_pfs_and_not_sent() -> None:
     packets = plan(holders, np.array([1, 1, 0]), "uber")
     sent = {int(s): int(p) for s, p in zip(packets.samples, packets.senders, strict=True)}
     assert sent == {0: 0, 1: 0, 2: PFS}
-    assert load(packets, np.array([10, 20, 30])) == load(packets).__class__(3, 0, 2, 30, 30)
+    assert load(packets, np.array([10, 20, 30])) == Load(3, 0, 2, 30, 30)
 
 
 def test_parts_of_like_sizes_share_a_packet() -> None:

@@ -23,9 +23,10 @@ encoding tables; every row of a table is one packet:
 Who sends (:func:`plan`): the seed's master holds every sample; a dataquay node
 holds only its cache, and in a coded table no node caches every part (each
 member lacks its own). The rule: a node that caches all of a packet's parts
-sends it; otherwise one of its decoders sends it after fetching the one part
-it lacks (its own) by unicast from a node that caches it, so such a packet
-costs two transmissions. A part that no node caches at all (only a one-part
+sends it; otherwise one of its decoders (the one whose part is smallest, when
+sizes are given) sends it after fetching the one part it lacks, its own, by
+unicast from a node that caches it, so such a packet costs two
+transmissions. A part that no node caches at all (only a one-part
 packet can have one) is read from the PFS by its decoder. Hence, against the
 seed's count (:attr:`Load.packets`), :attr:`Load.transmissions` counts the
 fetches too: coding pays where a row has three parts or more, or where a node
@@ -407,7 +408,8 @@ def plan(holders: np.ndarray, owners: np.ndarray, scheme: str, sizes: np.ndarray
         scheme: a key of :data:`SCHEMES`.
         sizes: bytes of each sample, if they differ: each column is sorted
             largest first, so that a row XORs parts of like sizes and its
-            padding to the longest wastes little.
+            padding to the longest wastes little, and a sender that must
+            fetch a part fetches the smallest.
 
     Raises:
         ValueError: an unknown scheme, or holders and owners of different lengths.
@@ -428,7 +430,7 @@ def plan(holders: np.ndarray, owners: np.ndarray, scheme: str, sizes: np.ndarray
     new[1:] = (t[1:] != t[:-1]) | (r[1:] != r[:-1])
     start = np.append(np.flatnonzero(new), len(parts)).astype(np.int64)
     samples, decoders = need.samples[parts], need.decoders[parts]
-    return _senders(holders, start, samples, decoders, num_nodes)
+    return _senders(holders, start, samples, decoders, num_nodes, sizes)
 
 
 def _rows(tables: np.ndarray, decoders: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -442,7 +444,7 @@ def _rows(tables: np.ndarray, decoders: np.ndarray, sizes: np.ndarray) -> tuple[
 
 
 def _senders(holders: np.ndarray, start: np.ndarray, samples: np.ndarray, decoders: np.ndarray,
-             num_nodes: int) -> Packets:
+             num_nodes: int, sizes: np.ndarray | None) -> Packets:
     """Applies the sender rule of the module docstring to the packets' parts."""
     num_packets = len(start) - 1
     spread = np.arange(num_packets, dtype=np.int64)
@@ -450,7 +452,13 @@ def _senders(holders: np.ndarray, start: np.ndarray, samples: np.ndarray, decode
     senders = _pick_bit(whole, spread, num_nodes)
     parts = np.diff(start)
     lacking = np.flatnonzero((senders == PFS) & (parts > 1))
-    first = start[lacking] + spread[lacking] % parts[lacking]
+    if sizes is None:
+        first = start[lacking] + spread[lacking] % parts[lacking]
+    else:
+        packet_of = np.repeat(np.arange(num_packets), parts)
+        candidates = np.flatnonzero(np.isin(packet_of, lacking))
+        by_size = candidates[np.lexsort((sizes[samples[candidates]], packet_of[candidates]))]
+        first = by_size[np.searchsorted(packet_of[by_size], lacking)]
     senders[lacking] = decoders[first]
     fetch_samples = samples[first]
     fetch_sources = _pick_bit(holders[fetch_samples], spread[lacking], num_nodes)
