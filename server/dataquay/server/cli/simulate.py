@@ -19,6 +19,7 @@ from dataquay.client.placement import MODES, JobPlan, drawn_fraction, leaving_fr
 from dataquay.server.cli.capacity_advice import JobRoom, job_room
 from dataquay.server.cli.common import CliError, add_q, print_table
 from dataquay.server.sizes import format_bytes, parse_size, size_flag
+from dataquay.server.tools.coded_traffic import CodedEpoch
 from dataquay.server.tools.simulate import EpochTraffic, Estimate, Rates, Scenario, Spread, estimate, simulate, spread
 
 #: Simulations that run longer than this report each epoch on stderr.
@@ -39,6 +40,7 @@ _FLAGS = {
     "train_rate": "--train-rate",
     "pfs_bandwidth": "--pfs-bandwidth",
     "network_bandwidth": "--network-bandwidth",
+    "exchange_coding": "--exchange-coding",
 }
 _RATE_FLAGS = ("train_rate", "pfs_bandwidth", "network_bandwidth")
 
@@ -76,6 +78,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Scenario, Rates | None]:
             plan,
             parse_size(args.sample_bytes, "--sample-bytes"),
             None if args.cache_bytes is None else parse_size(args.cache_bytes, "--cache-bytes"),
+            args.exchange_coding,
         )
         rates = None
         if given:
@@ -102,6 +105,8 @@ def _epoch_json(scenario: Scenario, traffic: EpochTraffic, est: Estimate | None)
         "sent_bytes_per_node": _spread_json(spread(traffic.sent)),
         "received_bytes_per_node": _spread_json(spread(traffic.received)),
     }
+    if traffic.coding is not None:
+        entry["coding"] = _coding_json(scenario, traffic.coding)
     if traffic.balance is not None:
         median, p90 = np.percentile(traffic.balance.imbalance, [50, 90]).tolist()
         entry["imbalance_percent"] = {"median": median, "p90": p90}
@@ -112,6 +117,38 @@ def _epoch_json(scenario: Scenario, traffic: EpochTraffic, est: Estimate | None)
             "training": est.training, "pfs": est.pfs, "network": est.network, "epoch": est.epoch, "spill": est.spill,
         }
     return entry
+
+
+def _coding_json(scenario: Scenario, coding: CodedEpoch) -> dict[str, Any]:
+    size = scenario.sample_bytes
+    uncoded, coded = coding.uncoded, coding.coded
+    return {
+        "scheme": coding.scheme,
+        "copies_per_sample": coding.copies,
+        "uncoded": {"transmissions": uncoded.transmissions, "bytes": uncoded.bytes * size},
+        "coded": {"packets": coded.packets, "fetches": coded.fetches, "transmissions": coded.transmissions,
+                  "bytes": coded.bytes * size},
+        "saved_percent": 100.0 * coding.saved,
+    }
+
+
+def _coding_summary(scenario: Scenario, epochs: list[dict[str, Any]]) -> str:
+    """Whether coding paid, over all exchanges, and why not where it did not."""
+    codings = [entry["coding"] for entry in epochs if "coding" in entry]
+    if not codings:
+        return ""
+    scheme = codings[0]["scheme"]
+    uncoded = sum(c["uncoded"]["bytes"] for c in codings)
+    coded = sum(c["coded"]["bytes"] for c in codings)
+    saved = 100.0 * (1 - coded / uncoded) if uncoded else 0.0
+    copies = max(c["copies_per_sample"] for c in codings)
+    line = (f"\n{scheme} coding: {format_bytes(coded)} on the wire against {format_bytes(uncoded)} uncoded from the "
+            f"same caches over {len(codings)} exchanges ({saved:.1f}% saved); caches hold up to {copies:.2f} copies "
+            "of a sample")
+    if copies <= 1.0 + 1e-9:
+        line += (": no spare copies (each cache holds its share only; a --cache-bytes above the share keeps "
+                 "given-away samples), so there is nothing to code against")
+    return line
 
 
 def _warnings(scenario: Scenario, epochs: list[dict[str, Any]]) -> list[str]:
@@ -157,7 +194,7 @@ def _q_text(plan: JobPlan) -> str:
     )
 
 
-def _row(entry: dict[str, Any]) -> list[object]:
+def _row(entry: dict[str, Any], coding_column: bool) -> list[object]:
     sent, received = entry["sent_bytes_per_node"], entry["received_bytes_per_node"]
     row: list[object] = [
         entry["epoch"],
@@ -174,6 +211,10 @@ def _row(entry: dict[str, Any]) -> list[object]:
     if "estimate_s" in entry:
         est = entry["estimate_s"]
         row += [f"{est[k]:.2f}" for k in ("training", "pfs", "network", "epoch")]
+    if coding_column:
+        coding = entry.get("coding")
+        row += [format_bytes(coding["uncoded"]["bytes"]), format_bytes(coding["coded"]["bytes"]),
+                f"{coding['saved_percent']:.1f}"] if coding else ["", "", ""]
     return row
 
 
@@ -197,7 +238,12 @@ def _print_report(scenario: Scenario, epochs: list[dict[str, Any]], room: JobRoo
         header += ["IMB MED %", "IMB P90 %", "XFER MEAN", "XFER MAX"]
     if "estimate_s" in epochs[0]:
         header += ["TRAIN s", "PFS s", "NET s", "EPOCH s"]
-    print_table([_row(entry) for entry in epochs], header)
+    coding = scenario.exchange_coding != "none"
+    if coding:
+        header += ["UNCODED", "CODED", "SAVED %"]
+    print_table([_row(entry, coding) for entry in epochs], header)
+    if coding:
+        print(_coding_summary(scenario, epochs))
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
@@ -216,7 +262,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         warnings += room.warnings("--cache-bytes", per_node=False)
     if args.json:
         inputs = {name: getattr(args, name) for name in ("nodes", "ranks_per_node", "samples", "per_rank_batch",
-                                                         "mode", "q", "q_leaving", "seed", "epochs")}
+                                                         "mode", "q", "q_leaving", "seed", "epochs",
+                                                         "exchange_coding")}
         inputs.update(sample_bytes=scenario.sample_bytes, cache_bytes=scenario.cache_bytes)
         inputs.update({name: getattr(rates, name) if rates else None for name in _RATE_FLAGS})
         document = {
@@ -256,5 +303,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--train-rate", type=float, help="samples per second one node trains on (for the estimate)")
     p.add_argument("--pfs-bandwidth", help="PFS bytes/s for the whole job, e.g. 20G (for the estimate)")
     p.add_argument("--network-bandwidth", help="bytes/s each node sends and receives, e.g. 12G (for the estimate)")
+    p.add_argument(
+        "--exchange-coding", default="none", choices=["none", "coded", "uber"],
+        help="code partial's exchanges: caches keep spare copies up to --cache-bytes and XOR packets are multicast "
+        "(coded: Lee et al.'s tables; uber: UberShuffle); reports the coded load against the uncoded one "
+        "(default none)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.set_defaults(func=cmd_simulate)

@@ -27,6 +27,13 @@ the PFS. The model:
   from its owner; ``locality`` moves each global batch's imbalance (a node
   sends its surplus and receives its deficit); ``local`` and ``partial`` read
   only what their node owns.
+- With ``exchange_coding`` (``coded``, ``uber``), the exchange before epoch e
+  is the coded one (:mod:`dataquay.server.tools.coded_traffic`): caches keep
+  spare copies up to their capacity, a sample already cached at its new owner
+  moves nothing, and XOR packets multicast to the nodes that need their
+  parts; a node sends each packet once and every decoder receives it. The
+  epoch also carries the uncoded exchange from the same caches, so the two
+  compare on equal terms.
 - The estimate (:func:`estimate`) takes per-node training, aggregate PFS and
   per-node network rates. Reads of ``global`` and ``locality`` sit on the
   critical path, so an epoch lasts as long as its slowest term. The exchange
@@ -54,6 +61,8 @@ from dataquay.client.placement import (
     rank_length,
 )
 from dataquay.server.capacity import exchange_reserve, stored_bytes
+from dataquay.server.node.exchange.coding import SCHEMES
+from dataquay.server.tools.coded_traffic import CodedEpoch, CodedExchanges
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,10 @@ class Scenario:
         plan: the job; needs ranks per node and a per-rank batch size.
         sample_bytes: S, the size of every sample.
         cache_bytes: each node's cache capacity; None holds all a node owns.
+        exchange_coding: ``none``, or a coded scheme of the planner
+            (``coded``, ``uber``) for the exchanges of a mode whose owners
+            move; caches then keep spare copies up to their capacity
+            (:mod:`dataquay.server.tools.coded_traffic`).
 
     Raises:
         ValueError: a field outside its range, named in the message.
@@ -72,6 +85,7 @@ class Scenario:
     plan: JobPlan
     sample_bytes: int
     cache_bytes: int | None = None
+    exchange_coding: str = "none"
 
     def __post_init__(self) -> None:
         plan = self.plan
@@ -85,6 +99,12 @@ class Scenario:
             raise ValueError(f"sample_bytes must be at least 1, not {self.sample_bytes}")
         if self.cache_bytes is not None and self.cache_bytes < 0:
             raise ValueError(f"cache_bytes must not be negative, not {self.cache_bytes}")
+        if self.exchange_coding not in SCHEMES:
+            raise ValueError(f"exchange_coding must be one of {', '.join(SCHEMES)}, not {self.exchange_coding!r}")
+        if self.exchange_coding != "none" and not MODES[plan.settings.mode].owners_move:
+            raise ValueError(
+                f"exchange_coding codes an exchange, and mode {plan.settings.mode} has none: use mode partial"
+            )
 
     @property
     def dataset_bytes(self) -> int:
@@ -141,6 +161,9 @@ class EpochTraffic:
         received: bytes each node receives from peers (int64).
         pfs_bytes: bytes the job reads from the PFS.
         balance: ``locality``'s per-batch balancing, None for other modes.
+        coding: the coded exchange before this epoch (``sent`` and
+            ``received`` count it in place of the uncoded one), None
+            without ``exchange_coding`` or an exchange.
     """
 
     epoch: int
@@ -148,6 +171,7 @@ class EpochTraffic:
     received: np.ndarray
     pfs_bytes: int
     balance: BatchBalance | None
+    coding: CodedEpoch | None = None
 
     @property
     def network_bytes(self) -> int:
@@ -223,22 +247,33 @@ def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
     loads = np.bincount(current, minlength=plan.num_nodes)
     held = np.minimum(loads, _cache_samples(scenario, loads))
     reads = _PEER_READS[plan.settings.mode]
+    coded = None
+    if scenario.exchange_coding != "none":
+        capacity = int(_cache_samples(scenario, loads).min())
+        coded = CodedExchanges(current, plan.num_nodes, capacity, scenario.exchange_coding, plan.settings.seed)
     for epoch in range(epochs):
         sent = np.zeros(plan.num_nodes, dtype=np.int64)
         received = np.zeros(plan.num_nodes, dtype=np.int64)
+        coding = None
         if epoch and MODES[plan.settings.mode].owners_move:
             shipped = moves(plan, epoch, current)
-            ships = np.bincount(shipped.sources, minlength=plan.num_nodes) * held / np.maximum(loads, 1)
-            sent += np.rint(ships).astype(np.int64)
-            received += np.rint(np.bincount(shipped.targets, weights=(held / np.maximum(loads, 1))[shipped.sources],
-                                            minlength=plan.num_nodes)).astype(np.int64)
             current = current.copy()
             current[shipped.ids] = shipped.targets
+            if coded is None:
+                ships = np.bincount(shipped.sources, minlength=plan.num_nodes) * held / np.maximum(loads, 1)
+                sent += np.rint(ships).astype(np.int64)
+                received += np.rint(np.bincount(shipped.targets, weights=(held / np.maximum(loads, 1))[shipped.sources],
+                                                minlength=plan.num_nodes)).astype(np.int64)
+            else:
+                coding = coded.exchange(current)
+                sent += coding.sent
+                received += coding.received
         read_sent, read_received, balance = reads(plan, epoch, current)
         sent += read_sent
         received += read_received
         pfs = plan.num_samples if epoch == 0 else int((loads - held).sum())
-        yield EpochTraffic(epoch, sent * size, received * size, pfs * size, balance)
+        pfs += coding.coded.pfs_bytes if coding else 0
+        yield EpochTraffic(epoch, sent * size, received * size, pfs * size, balance, coding)
 
 
 def estimate(scenario: Scenario, traffic: EpochTraffic, rates: Rates) -> Estimate:
