@@ -258,7 +258,10 @@ def _set_hashes(keys: np.ndarray) -> np.ndarray:
     a set without member k hashes to its hash XOR k's value."""
     lookup = _byte_hashes(keys.shape[1] * 8)
     as_bytes = keys.view(np.uint8).reshape(len(keys), -1)
-    return np.bitwise_xor.reduce(lookup[np.arange(as_bytes.shape[1]), as_bytes], axis=1)
+    hashes = np.zeros(len(keys), dtype=np.int64)
+    for position in range(as_bytes.shape[1]):
+        hashes ^= lookup[position][as_bytes[:, position]]
+    return hashes
 
 
 def _node_hashes(num_nodes: int) -> np.ndarray:
@@ -272,16 +275,17 @@ def _byte_hashes(num_bytes: int) -> np.ndarray:
     return np.bitwise_xor.reduce(np.where(bits[None, :, :], nodes[:, None, :], 0), axis=2)
 
 
-def _children(keys: np.ndarray, hashes: np.ndarray, parents: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Every (parent, member, child) where table child is table parent less member."""
-    by_hash = np.argsort(hashes)
+def _children(keys: np.ndarray, hashes: np.ndarray, by_hash: np.ndarray, parents: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Every (parent, member, child) where table child is table parent less member
+    (``by_hash``: the tables in the order of their hashes)."""
+    sorted_hashes = hashes[by_hash]
     node_hash = _node_hashes(keys.shape[1] * WORD_BITS)
     found: list[tuple[np.ndarray, ...]] = []
     for i in range(0, len(parents), _CHUNK):
         rows, members = np.nonzero(_unpack(keys[parents[i:i + _CHUNK]], keys.shape[1] * WORD_BITS))
         parent = parents[i:i + _CHUNK][rows]
         wanted = hashes[parent] ^ node_hash[members]
-        at = np.minimum(np.searchsorted(hashes, wanted, sorter=by_hash), len(hashes) - 1)
+        at = np.minimum(np.searchsorted(sorted_hashes, wanted), len(hashes) - 1)
         child = by_hash[at]
         expect = keys[parent].copy()
         expect[np.arange(len(parent)), members // WORD_BITS] &= ~np.left_shift(
@@ -303,9 +307,10 @@ def uber_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
     columns = _Columns(g_decoder, g_count, table_start)
     sizes = _popcount(keys)
     hashes = _set_hashes(keys)
+    by_hash = np.argsort(hashes)
     moves: list[tuple[int, int, int, int]] = []
     for size in range(int(sizes.max(initial=0)), 2, -1):
-        parent, member, child = _children(keys, hashes, _candidates(keys, sizes, size))
+        parent, member, child = _children(keys, hashes, by_hash, _candidates(keys, sizes, size))
         bounds = np.flatnonzero(np.diff(parent, prepend=-1, append=-1))
         for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
             children = dict(zip(member[lo:hi].tolist(), child[lo:hi].tolist(), strict=True))
@@ -389,13 +394,11 @@ def _pick_bit(keys: np.ndarray, spread: np.ndarray, num_nodes: int) -> np.ndarra
     share the work), or :data:`PFS` for a row with none."""
     picked = np.full(len(keys), PFS, dtype=np.int64)
     for i in range(0, len(keys), _CHUNK):
-        bits = _unpack(keys[i:i + _CHUNK], num_nodes)
-        count = bits.sum(axis=1)
-        has = count > 0
-        rank = np.zeros(len(bits), dtype=np.int64)
-        rank[has] = spread[i:i + _CHUNK][has] % count[has]
-        nth = np.argmax(np.cumsum(bits, axis=1) > rank[:, None], axis=1)
-        picked[i:i + _CHUNK] = np.where(has, nth, PFS)
+        rows, nodes = np.nonzero(_unpack(keys[i:i + _CHUNK], num_nodes))
+        count = np.bincount(rows, minlength=min(_CHUNK, len(keys) - i))
+        has = np.flatnonzero(count)
+        first = np.cumsum(count) - count
+        picked[i + has] = nodes[first[has] + spread[i + has] % count[has]]
     return picked
 
 
