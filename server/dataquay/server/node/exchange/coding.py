@@ -195,31 +195,29 @@ def coded_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray
     return _unique_rows(_table_keys(holders, need))[1]
 
 
-@dataclass
 class _Columns:
-    """The column counts of the tables the greedy touches, built on first use."""
+    """The column counts of the tables the greedy touches, built on first use
+    (from Python lists: the greedy reads a few at a time, where numpy's per-call cost dominates)."""
 
-    group_decoder: np.ndarray
-    group_count: np.ndarray
-    table_start: np.ndarray
-
-    def __post_init__(self) -> None:
+    def __init__(self, group_decoder: np.ndarray, group_count: np.ndarray, table_start: np.ndarray) -> None:
+        self._decoder, self._count = group_decoder.tolist(), group_count.tolist()
+        self._start = table_start.tolist()
         self._cols: dict[int, dict[int, int]] = {}
         self._rows: dict[int, int] = {}
 
     def cols(self, table: int) -> dict[int, int]:
         found = self._cols.get(table)
         if found is None:
-            lo, hi = self.table_start[table], self.table_start[table + 1]
-            found = dict(zip(self.group_decoder[lo:hi].tolist(), self.group_count[lo:hi].tolist(), strict=True))
-            self._cols[table] = found
+            lo, hi = self._start[table], self._start[table + 1]
+            found = self._cols[table] = dict(zip(self._decoder[lo:hi], self._count[lo:hi], strict=True))
             self._rows[table] = max(found.values())
         return found
 
     def rows(self, table: int) -> int:
         """A child's rows: gap filling never changes them, and a child is
         reduced itself only after its parents (a lower layer)."""
-        self.cols(table)
+        if table not in self._rows:
+            self.cols(table)
         return self._rows[table]
 
 
@@ -321,10 +319,11 @@ def uber_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
     group_key = np.repeat(np.arange(len(keys), dtype=np.int64), np.diff(table_start)) * num_nodes + g_decoder
     src_group, dst_group = (_find(group_key, t * num_nodes + decoder) for t in (src, dst))
     pools: dict[tuple[int, int], list[int]] = {}
+    lists = order.tolist(), starts.tolist(), g_count.tolist()
     for move in zip(src.tolist(), dst.tolist(), decoder.tolist(), count.tolist(), src_group.tolist(),
                     dst_group.tolist(), strict=True):
-        taken = _pool(pools, move[0], move[2], move[4], order, starts, g_count)
-        given = _pool(pools, move[1], move[2], move[5], order, starts, g_count)
+        taken = _pool(pools, move[0], move[2], move[4], *lists)
+        given = _pool(pools, move[1], move[2], move[5], *lists)
         given.extend(taken[len(taken) - move[3]:])
         del taken[len(taken) - move[3]:]
     moved = tables.copy()
@@ -339,12 +338,12 @@ def _find(sorted_keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
     return np.where(sorted_keys[at] == wanted, at, -1)
 
 
-def _pool(pools: dict[tuple[int, int], list[int]], table: int, decoder: int, group: int, order: np.ndarray,
-          starts: np.ndarray, counts: np.ndarray) -> list[int]:
+def _pool(pools: dict[tuple[int, int], list[int]], table: int, decoder: int, group: int, order: list[int],
+          starts: list[int], counts: list[int]) -> list[int]:
     """The needed samples in (table, column) now: its group's at first (none if it had no group)."""
     found = pools.get((table, decoder))
     if found is None:
-        found = pools[(table, decoder)] = order[starts[group]:starts[group] + counts[group]].tolist() if (
+        found = pools[(table, decoder)] = order[starts[group]:starts[group] + counts[group]] if (
             group >= 0) else []
     return found
 
