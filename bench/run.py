@@ -13,6 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cache_policy  # noqa: E402
+import coded_shuffle  # noqa: E402
 import coordinated_prep  # noqa: E402
 import directory_load  # noqa: E402
 import exchange  # noqa: E402
@@ -46,6 +47,7 @@ def main() -> None:
         ("cache_policy", lambda: cache_policy.main([])),
         ("directory_load", directory_load.main),
         ("coordinated_prep", lambda: coordinated_prep.main([])),
+        ("coded_shuffle", coded_shuffle.main),
     )
     for name, run in benchmarks:
         started = time.perf_counter()
