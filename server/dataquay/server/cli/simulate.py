@@ -18,6 +18,7 @@ from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import MODES, JobPlan, drawn_fraction, leaving_fraction
 from dataquay.server.cli.capacity_advice import JobRoom, job_room
 from dataquay.server.cli.common import CliError, add_q, print_table
+from dataquay.server.node.exchange.coding import SCHEMES
 from dataquay.server.sizes import format_bytes, parse_size, size_flag
 from dataquay.server.tools.coded_traffic import CodedEpoch
 from dataquay.server.tools.simulate import EpochTraffic, Estimate, Rates, Scenario, Spread, estimate, simulate, spread
@@ -254,7 +255,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         epochs.append(_epoch_json(scenario, traffic, None if rates is None else estimate(scenario, traffic, rates)))
         now = time.monotonic()
         if now - started > PROGRESS_AFTER_S:
-            print(f"simulated epoch {traffic.epoch + 1}/{args.epochs} in {now - last:.1f} s", file=sys.stderr, flush=True)
+            print(f"simulated epoch {traffic.epoch + 1}/{args.epochs} in {now - last:.1f} s", file=sys.stderr,
+                  flush=True)
         last = now
     room = _room(scenario)
     warnings = _warnings(scenario, epochs)
@@ -304,7 +306,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--pfs-bandwidth", help="PFS bytes/s for the whole job, e.g. 20G (for the estimate)")
     p.add_argument("--network-bandwidth", help="bytes/s each node sends and receives, e.g. 12G (for the estimate)")
     p.add_argument(
-        "--exchange-coding", default="none", choices=["none", "coded", "uber"],
+        "--exchange-coding", default="none", choices=list(SCHEMES),
         help="code partial's exchanges: caches keep spare copies up to --cache-bytes and XOR packets are multicast "
         "(coded: Lee et al.'s tables; uber: UberShuffle); reports the coded load against the uncoded one "
         "(default none)",
