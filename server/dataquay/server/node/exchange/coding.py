@@ -199,9 +199,10 @@ class _Columns:
     """The column counts of the tables the greedy touches, built on first use
     (from Python lists: the greedy reads a few at a time, where numpy's per-call cost dominates)."""
 
-    def __init__(self, group_decoder: np.ndarray, group_count: np.ndarray, table_start: np.ndarray) -> None:
+    def __init__(self, group_decoder: np.ndarray, group_count: np.ndarray, table_start: np.ndarray,
+                 sizes: np.ndarray) -> None:
         self._decoder, self._count = group_decoder.tolist(), group_count.tolist()
-        self._start = table_start.tolist()
+        self._start, self._sizes = table_start.tolist(), sizes.tolist()
         self._cols: dict[int, dict[int, int]] = {}
         self._rows: dict[int, int] = {}
 
@@ -212,6 +213,10 @@ class _Columns:
             found = self._cols[table] = dict(zip(self._decoder[lo:hi], self._count[lo:hi], strict=True))
             self._rows[table] = max(found.values())
         return found
+
+    def size(self, table: int) -> int:
+        """Members of ``table``, its columns, those with no sample included."""
+        return self._sizes[table]
 
     def rows(self, table: int) -> int:
         """A child's rows: gap filling never changes them, and a child is
@@ -302,8 +307,8 @@ def uber_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
     if not len(keys):
         return tables
     order, starts, g_decoder, g_count, table_start = _groups(tables, need.decoders, len(keys))
-    columns = _Columns(g_decoder, g_count, table_start)
     sizes = _popcount(keys)
+    columns = _Columns(g_decoder, g_count, table_start, sizes)
     hashes = _set_hashes(keys)
     by_hash = np.argsort(hashes)
     moves: list[tuple[int, int, int, int]] = []
@@ -352,21 +357,31 @@ def _reduce_table(table: int, children: dict[int, int], columns: _Columns) -> li
     """Moves whole last rows of ``table`` into the gaps of its ``children``
     (member left out -> child table) while they fit.
 
+    Of the children with a gap in a column, the greedy prefers one whose row
+    stays short of full: a row with an empty column is cached whole by that
+    column's node, which can send it without a fetch (the module's sender
+    rule), and then the one with the widest gap.
+
     Returns:
         the moves made, each (from table, column, to table, samples).
     """
     cols = columns.cols(table)
-    kids = [(member, child, columns.rows(child), columns.cols(child)) for member, child in children.items()]
+    kids = [(member, columns.size(child), child, columns.rows(child), columns.cols(child))
+            for member, child in children.items()]
     moved: dict[tuple[int, int], int] = {}
     rows = max(cols.values())
     while rows:
         targets = []
         for column in [c for c, n in cols.items() if n == rows]:
-            room, best = 0, None
-            for member, child, child_rows, child_cols in kids:
-                gap = child_rows - child_cols.get(column, 0) if member != column else 0
-                if gap > room:
-                    room, best = gap, (child, child_cols)
+            room, best = (False, 0), None
+            for member, size, child, child_rows, child_cols in kids:
+                held = child_cols.get(column, 0)
+                if member == column or held >= child_rows:
+                    continue
+                fuller = sum(1 for k, n in child_cols.items() if k != column and n > held)
+                key = (fuller < size - 1, child_rows - held)
+                if key > room:
+                    room, best = key, (child, child_cols)
             if best is None:
                 rows = 0
                 break
