@@ -112,7 +112,8 @@ class Packets:
             no node caches: its decoder reads it from the PFS).
         fetch_packets: the packet of each fetch.
         fetch_samples: the sample each fetch brings.
-        fetch_sources: the node each fetch comes from.
+        fetch_sources: the node each fetch comes from (:data:`PFS` if none
+            caches it).
     """
 
     start: np.ndarray
@@ -145,8 +146,8 @@ class Load:
         packets: packets, each sent once (the seed's count: a sender that
             caches everything, and the PFS's reads counted as packets).
         fetches: parts fetched by a sender that lacks them (peer or PFS).
-        transmissions: packets plus fetches, but neither a PFS read: what
-            the network carries under :func:`plan`'s sender rule.
+        transmissions: packets and fetches that cross the network (the PFS
+            reads left out): what :func:`plan`'s sender rule costs.
         bytes: bytes of those transmissions: a packet is as long as its
             longest part, a fetch as its sample.
         pfs_bytes: bytes read from the PFS (parts no node caches).
