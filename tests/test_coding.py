@@ -166,7 +166,7 @@ def test_every_scheme_delivers_exactly_what_each_node_lacks_and_uber_sends_fewes
     assert counts[0] >= counts[1] >= counts[2]
 
 
-def test_more_nodes_than_a_bitset_word_decode_too() -> None:
+def test_more_nodes_than_a_bitset_word_decode_too_and_plan_alike_every_time() -> None:
     rng = np.random.default_rng(3)
     num_nodes, num_samples = 130, 3000
     owners = rng.permutation(np.arange(num_samples) % num_nodes)
@@ -176,4 +176,8 @@ def test_more_nodes_than_a_bitset_word_decode_too() -> None:
     new_owners = rng.permutation(owners)
     data = [rng.bytes(int(n)) for n in rng.integers(1, 9, num_samples)]
     for scheme in SCHEMES:
-        assert_decodable(holders, new_owners, plan(holders, new_owners, scheme), data)
+        packets = plan(holders, new_owners, scheme)
+        assert_decodable(holders, new_owners, packets, data)
+        # Every daemon plans for itself: the same caches and owners must give the same packets.
+        again = plan(holders.copy(), new_owners.copy(), scheme)
+        assert all(np.array_equal(getattr(packets, f), getattr(again, f)) for f in packets.__dataclass_fields__)
