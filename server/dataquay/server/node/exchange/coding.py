@@ -239,21 +239,18 @@ def _groups(tables: np.ndarray, decoders: np.ndarray, num_tables: int) -> tuple[
     return order, starts, d[starts], counts, table_start
 
 
-def _candidates(keys: np.ndarray, sizes: np.ndarray, size: int) -> np.ndarray:
+def _candidates(half_hashes: tuple[np.ndarray, np.ndarray], sizes: np.ndarray, size: int) -> np.ndarray:
     """Tables of ``size`` members that may have a table one member smaller below them.
 
     A child lacks one member, so it agrees with its parent on the even bits or
-    on the odd bits; a join on each half finds every parent with a child
-    (and, rarely, a table that has none, which the greedy then skips) without
-    comparing tables pairwise.
+    on the odd bits; a join on the hashes of each half finds every parent with
+    a child (and, rarely, a table that has none, which :func:`_children`
+    drops) without comparing tables pairwise.
     """
     upper, lower = np.flatnonzero(sizes == size), np.flatnonzero(sizes == size - 1)
     found = np.zeros(len(upper), dtype=bool)
-    if not len(lower):
-        return upper[found]
-    for half in (_EVEN_BITS, ~_EVEN_BITS):
-        ids = _unique_rows(np.concatenate([keys[upper] & half, keys[lower] & half]))[1]
-        found |= np.isin(ids[:len(upper)], ids[len(upper):])
+    for hashes in half_hashes:
+        found |= np.isin(hashes[upper], hashes[lower])
     return upper[found]
 
 
@@ -312,9 +309,10 @@ def uber_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
     columns = _Columns(g_decoder, g_count, table_start, sizes)
     hashes = _set_hashes(keys)
     by_hash = np.argsort(hashes)
+    half_hashes = (_set_hashes(keys & _EVEN_BITS), _set_hashes(keys & ~_EVEN_BITS))
     moves: list[tuple[int, int, int, int]] = []
     for size in range(int(sizes.max(initial=0)), 2, -1):
-        parent, member, child = _children(keys, hashes, by_hash, _candidates(keys, sizes, size))
+        parent, member, child = _children(keys, hashes, by_hash, _candidates(half_hashes, sizes, size))
         bounds = np.flatnonzero(np.diff(parent, prepend=-1, append=-1))
         for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
             children = dict(zip(member[lo:hi].tolist(), child[lo:hi].tolist(), strict=True))
