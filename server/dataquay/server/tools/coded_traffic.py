@@ -4,8 +4,9 @@
 (:mod:`dataquay.server.node.exchange.coding`) on every exchange of a job whose
 owners move. Caches follow seed 002's model (:mod:`.spare_copies`): staging
 caches a node's share only; after each exchange a node keeps its new share
-and, up to its capacity, spares of what it held. Spares are what coding
-needs: with caches that hold their shares only, every sample sits on one node
+and, up to its capacity, spares of what it held (a cache short of its share
+is taken to hold it: the model is for caches with room to spare). Spares
+are what coding needs: with caches that hold their shares only, every sample sits on one node
 and no packet serves two receivers for less than two unicasts.
 """
 
