@@ -33,7 +33,7 @@ import numpy as np
 import xxhash
 
 from dataquay.client.errors import DataquayError
-from dataquay.client.shm import SHM_DIR, process_alive
+from dataquay.client.shm import SHM_DIR, remove_orphaned
 
 PREFIX = "dataquay-prep-"
 NAME = re.compile(r"^dataquay-prep-(\d{1,10})-\d{1,10}-[0-9a-f]{12}$")
@@ -161,19 +161,7 @@ def unlink(names: Sequence[str]) -> list[str]:
 
 def remove_orphans() -> None:
     """Unlinks this user's prepped batches whose daemon has exited."""
-    try:
-        entries = list(os.scandir(SHM_DIR))
-    except OSError:
-        return
-    uid = os.getuid()
-    for entry in entries:
-        pid = daemon_pid(entry.name)
-        try:
-            if pid is None or process_alive(pid) or entry.stat(follow_symlinks=False).st_uid != uid:
-                continue
-            os.unlink(entry.path)
-        except OSError:
-            continue  # gone meanwhile
+    remove_orphaned(daemon_pid)
 
 
 def _bytes_of(array: np.ndarray) -> memoryview:

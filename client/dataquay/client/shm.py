@@ -21,7 +21,7 @@ import os
 import re
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -46,13 +46,19 @@ def process_alive(pid: int) -> bool:
 
 def remove_stale_segments() -> None:
     """Unlinks this user's segments whose process has exited."""
+    remove_orphaned(segment_pid)
+
+
+def remove_orphaned(owner_pid: Callable[[str], int | None]) -> None:
+    """Unlinks this user's files in SHM_DIR whose owner, the process
+    ``owner_pid`` reads from a file's name, has exited."""
     try:
         entries = list(os.scandir(SHM_DIR))
     except OSError:
         return
     uid = os.getuid()
     for entry in entries:
-        pid = segment_pid(entry.name)
+        pid = owner_pid(entry.name)
         try:
             if pid is None or process_alive(pid) or entry.stat(follow_symlinks=False).st_uid != uid:
                 continue
