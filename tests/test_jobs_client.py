@@ -226,8 +226,10 @@ def test_job_sampler_reads_the_placement_order_and_reports_epochs() -> None:
         assert all(np.array_equal(s.indices(), rank_order(plan, epoch, s.rank)) for s in samplers)
         assert all(list(s) == rank_order(plan, epoch, s.rank).tolist() and len(s) == 25 for s in samplers)
     assert reporter.reported == [("run-1", 0)] * 4 + [("run-1", 3)] * 4
-    # Each rank's read position, once it read its whole epoch (25 ids: fewer than a report's step).
-    assert reporter.positions == [("run-1", epoch, r, 25, True) for epoch in (0, 3) for r in range(4)]
+    # Each rank's read position: a step in (16 ids), and once it read its whole epoch (25 ids).
+    assert reporter.positions == [
+        ("run-1", epoch, r, position, position == 25) for epoch in (0, 3) for r in range(4) for position in (16, 25)
+    ]
     assert np.array_equal(samplers[2].owners(), owners(plan, 3))
     assert "job='run-1'" in repr(samplers[1]) and "node=0" in repr(samplers[1])
 
