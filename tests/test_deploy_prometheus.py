@@ -22,7 +22,13 @@ from typing import Any
 import pytest
 from polling import wait_until
 from test_dashboard import exported_names, metric_names
-from test_deploy_slurm import JOB_ID, _run_as_slurmd, _slurmd_env, slurm_dir  # noqa: F401 (a fixture)
+from test_deploy_slurm import (  # noqa: F401 (slurm_dir: a fixture)
+    JOB_ID,
+    _run_as_slurmd,
+    _slurmd_env,
+    prolog_with_target_folder,
+    slurm_dir,
+)
 
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 
@@ -200,11 +206,8 @@ def test_a_stopped_daemon_stays_a_target_with_up_0_and_its_alert_pends(tmp_path:
 def test_prometheus_finds_a_slurm_jobs_daemons_and_directory_by_the_prologs_files(
     slurm_dir: Path, prometheus_for: Any  # noqa: F811 (the fixture)
 ) -> None:
-    sd_dir = slurm_dir / "prometheus-sd"
-    sd_dir.mkdir()
-    sd_dir.chmod(0o755)
+    sd_dir, prolog = prolog_with_target_folder(slurm_dir, 0o755)
     site = {"DATAQUAY_PROMETHEUS_SD_DIR": str(sd_dir)}
-    prolog = _run_as_slurmd("prolog.sh", _slurmd_env(slurm_dir, "prolog", JOB_ID, "", "SLURM_NODELIST", **site))
     assert prolog.returncode == 0, prolog.stderr
     job_dir = slurm_dir / "nodes" / "users" / getpass.getuser() / f"job-{JOB_ID}"
     directory = json.loads((job_dir / "directory.ready.json").read_text())

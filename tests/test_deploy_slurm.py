@@ -451,13 +451,20 @@ def test_two_jobs_of_a_user_starting_together_run_one_daemon_per_cache(slurm_dir
     assert sorted(p.name for p in user_dir.iterdir()) == [".lock"]
 
 
-def test_prolog_writes_prometheus_targets_for_the_job_and_the_epilog_removes_them(slurm_dir: Path) -> None:
+def prolog_with_target_folder(slurm_dir: Path, mode: int) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """The job's prolog with DATAQUAY_PROMETHEUS_SD_DIR set to a new folder of ``mode``:
+    the folder and the prolog's run."""
     sd_dir = slurm_dir / "prometheus-sd"
     sd_dir.mkdir()
-    sd_dir.chmod(0o755)
+    sd_dir.chmod(mode)
     site = {"DATAQUAY_PROMETHEUS_SD_DIR": str(sd_dir)}
-    prolog = _run_as_slurmd("prolog.sh", _slurmd_env(slurm_dir, "prolog", JOB_ID, "", "SLURM_NODELIST", **site))
+    return sd_dir, _run_as_slurmd("prolog.sh", _slurmd_env(slurm_dir, "prolog", JOB_ID, "", "SLURM_NODELIST", **site))
+
+
+def test_prolog_writes_prometheus_targets_for_the_job_and_the_epilog_removes_them(slurm_dir: Path) -> None:
+    sd_dir, prolog = prolog_with_target_folder(slurm_dir, 0o755)
     assert prolog.returncode == 0, prolog.stderr
+    site = {"DATAQUAY_PROMETHEUS_SD_DIR": str(sd_dir)}
     job_dir = slurm_dir / "nodes" / "users" / getpass.getuser() / f"job-{JOB_ID}"
     daemon = json.loads((job_dir / "daemon.ready.json").read_text())
     directory = json.loads((job_dir / "directory.ready.json").read_text())
@@ -476,11 +483,7 @@ def test_prolog_writes_prometheus_targets_for_the_job_and_the_epilog_removes_the
 
 
 def test_prolog_writes_no_prometheus_targets_where_others_could_swap_them(slurm_dir: Path) -> None:
-    sd_dir = slurm_dir / "prometheus-sd"
-    sd_dir.mkdir()
-    sd_dir.chmod(0o777)
-    site = {"DATAQUAY_PROMETHEUS_SD_DIR": str(sd_dir)}
-    prolog = _run_as_slurmd("prolog.sh", _slurmd_env(slurm_dir, "prolog", JOB_ID, "", "SLURM_NODELIST", **site))
+    sd_dir, prolog = prolog_with_target_folder(slurm_dir, 0o777)
     # The job runs; Prometheus does not find it, and the log says why.
     assert prolog.returncode == 0, prolog.stderr
     assert f"DATAQUAY_PROMETHEUS_SD_DIR={sd_dir} must be a directory of uid {os.getuid()}" in prolog.stderr
