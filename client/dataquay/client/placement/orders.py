@@ -22,6 +22,7 @@ INITIAL_GROUPS_KEY = 0x5143_0002
 NODE_ORDER_KEY = 0x5143_0003
 EXCHANGE_PICKS_KEY = 0x5143_0004
 EXCHANGE_POOL_KEY = 0x5143_0005
+SPILL_PRIORITY_KEY = 0x5143_0006
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
