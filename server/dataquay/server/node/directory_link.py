@@ -203,6 +203,15 @@ class DirectoryLink:
         status = self.nodes.get(node)
         return status is not None and status.state == jpb.NODE_DOWN
 
+    async def list_nodes(self) -> None:
+        """Lists the nodes now rather than at the next heartbeat that says they
+        changed: before a decision every node of a job must take alike (what
+        to stage). Keeps what it knew when the directory does not answer."""
+        try:
+            await self._list_nodes()
+        except grpc.aio.AioRpcError:
+            pass
+
     async def _list_nodes(self) -> None:
         reply = await self.stub.ListNodes(dpb.ListNodesRequest(), timeout=CALL_TIMEOUT_SECONDS)
         self.nodes = {n.info.name: n for n in reply.nodes}

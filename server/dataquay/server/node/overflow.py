@@ -25,7 +25,8 @@ Reads go through the node's PFS pool, its threads and its bandwidth cap,
 with the checks of any PFS read: a file that changed since its manifest
 was built is refused, and the sample is then read, and refused, on demand.
 
-Only samples this node owns are read ahead, and in modes whose owners move
+Only samples this node owns are read ahead (not those spilled to another
+node's cache, which are asked of it), and in modes whose owners move
 only those it owned the epoch before as well: what moves in comes by the
 exchange. For the same reason, while the ranks are still on the epoch
 before, the next epoch's read ahead leaves out what moved in at the current
@@ -355,7 +356,8 @@ class OverflowPrefetcher:
                 two_before = (await self.placement_of(job.job_id, entry, epoch - 2)).owners
             plan = job_plan(placement.job, entry.manifest)
             reads = await asyncio.get_running_loop().run_in_executor(
-                None, _plan_reads, plan, epoch, placement.node_index, placement.owners, before, two_before
+                None, _plan_reads, plan, epoch, placement.node_index, placement.owners, placement.sources, before,
+                two_before,
             )
         except (DataquayError, ValueError) as exc:
             log.info("not reading ahead", extra={"fields": {"job": job.job_id, "epoch": epoch, "reason": str(exc)}})
@@ -474,7 +476,10 @@ def _plan_reads(
     epoch: int,
     node: int,
     epoch_owners: np.ndarray,
+    sources: np.ndarray,
     before: np.ndarray | None,
     two_before: np.ndarray | None,
 ) -> EpochReads:
-    return epoch_reads(node_orders(plan, epoch, node, epoch_owners), epoch_owners, node, before, two_before)
+    """What ``node``'s ranks read, reading ahead what no other node is asked
+    for (``sources``: the node asked for each sample)."""
+    return epoch_reads(node_orders(plan, epoch, node, epoch_owners), sources, node, before, two_before)

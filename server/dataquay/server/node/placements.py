@@ -7,6 +7,12 @@ permutation of N ids, so it is computed once per (job, dataset version, epoch)
 and kept. In modes whose owners move, epoch e derives from epoch e-1: those
 arrays are also saved under the state dir, so that a restarted daemon steps on
 from the last one instead of replaying every epoch since the first.
+
+In modes whose owners never move, a node whose cache cannot hold its share
+keeps what fits and the rest is held by nodes whose caches have room
+(:mod:`dataquay.server.spill`): the holders follow from the same settings
+and from the capacities the directory lists for the job's nodes, so they are
+computed again when a node comes back with another ``--cache-size``.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import asyncio
 import itertools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +32,7 @@ from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.dirs import private_dir, private_opener
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.registry import Registered
+from dataquay.server.spill import NO_HOLDER, spill_holders
 
 log = logging.getLogger("dataquay.jobs")
 
@@ -43,6 +50,16 @@ class Placement:
     epoch: int
     owners: np.ndarray  # node index in job.spec.nodes, per sample id
     node_index: int     # this node's index in the job, -1 when it is not in it
+    holders: np.ndarray  # node whose cache holds each sample (the owner unless spilled), NO_HOLDER for none
+    capacities: tuple[int, ...] = ()  # the job's nodes' capacities the holders were computed with
+    #: The node to ask for each sample: its holder, else its owner.
+    sources: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        sources = self.owners if self.holders is self.owners else np.where(
+            self.holders == NO_HOLDER, self.owners, self.holders
+        )
+        object.__setattr__(self, "sources", sources)
 
     @property
     def nodes(self) -> list[str]:
@@ -59,6 +76,20 @@ class Placement:
             return np.empty(0, dtype=np.int64)
         return owned_ids(self.owners, self.node_index)
 
+    def held(self) -> np.ndarray:
+        """The ids this node's cache holds for the job (what it stages), sorted:
+        those it owns and keeps, and those spilled to it by others."""
+        if self.node_index < 0:
+            return np.empty(0, dtype=np.int64)
+        return owned_ids(self.holders, self.node_index)
+
+    @property
+    def held_for_others(self) -> int:
+        """How many samples of other nodes this node's cache holds."""
+        if self.node_index < 0:
+            return 0
+        return int(((self.holders == self.node_index) & (self.owners != self.node_index)).sum())
+
 
 class Placements:
     """Owner arrays of the jobs this daemon serves, computed on first use.
@@ -74,10 +105,11 @@ class Placements:
         self.node_name = node_name
         self.saved_dir = state_dir / "placements" if state_dir is not None else None
         self._kept: dict[tuple[str, str, int], Placement] = {}
-        # One computation per (job, dataset version, epoch, job creation) at a
-        # time: callers that ask meanwhile wait for it and take its result.
-        self._computing: dict[tuple[str, str, int, float], asyncio.Lock] = {}
+        # One computation per (job, dataset version, epoch, job creation,
+        # capacities) at a time: callers that ask meanwhile wait for it and take its result.
+        self._computing: dict[tuple[str, str, int, float, tuple[int, ...]], asyncio.Lock] = {}
         self._saves = itertools.count()
+        self._holders: dict[tuple[str, str, float, tuple[int, ...]], np.ndarray] = {}
 
     async def placement(self, job_id: str, entry: Registered, epoch: int | None = None) -> Placement:
         """The job's placement for ``epoch`` (default: the job's current epoch).
@@ -89,22 +121,24 @@ class Placements:
         job = await self.link.job(job_id)
         epoch = job.epoch if epoch is None else epoch
         key = (job_id, entry.record.manifest_id, epoch)
+        moving = MODES[job.spec.mode].owners_move
+        capacities = () if moving else self._capacities(job)
         kept = self._kept.get(key)
-        if kept is not None and kept.job.created_unix == job.created_unix:
+        if kept is not None and kept.job.created_unix == job.created_unix and kept.capacities == capacities:
             return kept
-        computing = (*key, job.created_unix)
+        computing = (*key, job.created_unix, capacities)
         lock = self._computing.setdefault(computing, asyncio.Lock())
         try:
             async with lock:
                 kept = self._kept.get(key)
-                if kept is not None and kept.job.created_unix == job.created_unix:
+                if kept is not None and kept.job.created_unix == job.created_unix and kept.capacities == capacities:
                     return kept
-                return await self._compute(job, entry, epoch)
+                return await self._compute(job, entry, epoch, capacities)
         finally:
             if not lock.locked():
                 self._computing.pop(computing, None)
 
-    async def _compute(self, job: jpb.Job, entry: Registered, epoch: int) -> Placement:
+    async def _compute(self, job: jpb.Job, entry: Registered, epoch: int, capacities: tuple[int, ...]) -> Placement:
         key = (job.spec.job_id, entry.record.manifest_id, epoch)
         plan = job_plan(job, entry.manifest)
         nodes = list(job.spec.nodes)
@@ -113,12 +147,42 @@ class Placements:
         # Off the loop: a permutation of 10^7 ids takes a good part of a second.
         if MODES[plan.settings.mode].owners_move:
             owner = await loop.run_in_executor(None, self._stepped, job, plan, epoch)
+            holders = owner
         else:
             owner = await loop.run_in_executor(None, owners, plan, epoch, None)
-        kept = self._kept[key] = Placement(job, epoch, owner, index)
+            holders = await self._spilled(job, entry, owner, capacities)
+        kept = self._kept[key] = Placement(job, epoch, owner, index, holders, capacities)
         while len(self._kept) > KEPT_EPOCHS:
             del self._kept[next(iter(self._kept))]
         return kept
+
+    def _capacities(self, job: jpb.Job) -> tuple[int, ...]:
+        """The cache capacity of each of the job's nodes as the directory lists
+        them (0: not listed, not known)."""
+        listed = self.link.nodes
+        return tuple(listed[name].info.cache_capacity if name in listed else 0 for name in job.spec.nodes)
+
+    async def _spilled(
+        self, job: jpb.Job, entry: Registered, owner: np.ndarray, capacities: tuple[int, ...]
+    ) -> np.ndarray:
+        """The holders of a job whose owners never move, for these capacities:
+        the same for every epoch, so computed once."""
+        key = (job.spec.job_id, entry.record.manifest_id, job.created_unix, capacities)
+        holders = self._holders.get(key)
+        if holders is None:
+            sizes = entry.manifest.sample_length.astype(np.int64)
+            holders = await asyncio.get_running_loop().run_in_executor(
+                None, spill_holders, owner, sizes, list(capacities), job.spec.seed
+            )
+            self._holders[key] = holders
+            while len(self._holders) > KEPT_EPOCHS:
+                del self._holders[next(iter(self._holders))]
+            spilled = int(((holders != owner) & (holders != NO_HOLDER)).sum())
+            if spilled or (holders == NO_HOLDER).any():
+                log.info("caches short of their share: samples spilled to nodes with room",
+                         extra={"fields": {"job": job.spec.job_id, "spilled": spilled,
+                                           "uncached": int((holders == NO_HOLDER).sum())}})
+        return holders
 
     def _stepped(self, job: jpb.Job, plan: JobPlan, epoch: int) -> np.ndarray:
         """Epoch ``epoch``'s owners, stepped from the nearest earlier epoch kept or saved."""

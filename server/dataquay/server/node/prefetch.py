@@ -4,7 +4,8 @@ In modes ``global`` and ``locality`` a node's ranks read at every step
 samples that other nodes own (most of them under ``global``, the global
 batch's imbalance under ``locality``). Their order is known in advance
 (:func:`dataquay.client.placement.node_steps`, given the job's batch size), so
-the daemon fetches the next ``depth`` steps' transfers from their owners while
+the daemon fetches the next ``depth`` steps' transfers from their owners (or
+the nodes an owner's overflow spilled to) while
 the ranks are still on the current one, and keeps them in memory until they
 are read: they are not this node's to cache. Their bytes are reserved in the
 node's prefetch budget (:mod:`dataquay.server.node.prefetch_budget`) before
@@ -150,7 +151,8 @@ class TransferPrefetcher:
             self._planning.discard((job_id, epoch))
         step_of = np.full(plan.num_samples, -1, dtype=np.int64)
         step_of[np.concatenate(steps)] = np.repeat(np.arange(len(steps)), [len(step) for step in steps])
-        foreign = [placement.owners[step] != placement.node_index for step in steps]
+        sources = placement.sources
+        foreign = [sources[step] != placement.node_index for step in steps]
         incoming = [row[mask] for row, mask in zip(steps, foreign)]
         # Step 0 of an epoch its ranks already read is read on demand.
         state = _Epoch(placement, incoming, step_of, next_step=0 if then_steps else 1)

@@ -1,7 +1,9 @@
 """Serving a batch of sample ids: own cache, then the owners' caches, then the PFS.
 
 A read for a job (``job`` set) sends the misses to the daemons that own them
-in that job, one batched stream per owner, all at once. In modes whose owners
+in that job, one batched stream per owner, all at once; in modes whose owners
+never move, a sample its owner's cache had no room for is asked of the node
+it spilled to instead (:mod:`dataquay.server.spill`). In modes whose owners
 move, what the owner does not hold is asked of the nodes that may still hold
 it, a round each, all ids of a round at once: its owner in the epoch before
 (the exchange has not delivered it yet), in the epoch after (its owner gave it
@@ -17,8 +19,8 @@ the PFS. A read from a peer
 two daemons never bounce a request between them.
 
 A sample read from the PFS or from its previous owner is cached only by its
-owner (every PFS read when the read is for no job): the owner keeps it,
-everyone else asks the owner. It is
+owner or the node it spilled to (every PFS read when the read is for no job):
+they keep it, everyone else asks them. It is
 handed to the store's writer without waiting, so the reply never waits for an
 LMDB commit; a read meanwhile takes it from the writer's queue instead of
 the PFS. A cached value whose checksum fails is served from the PFS and
@@ -209,7 +211,7 @@ class ReadService:
             fetched.update(await self.overflow.take(entry, placement, ids, misses))
             misses = _not_in(misses, fetched)
         if placement is not None and len(misses):
-            fetched.update(await self._from_owners(entry, placement, placement.owners, misses))
+            fetched.update(await self._from_owners(entry, placement, placement.sources, misses))
             misses = _not_in(misses, fetched)
         if placement is not None and placement.owners_move and len(misses):
             fetched.update(await self._from_other_holders(entry, placement, misses))
@@ -220,7 +222,9 @@ class ReadService:
             misses = _not_in(misses, fetched)
         if len(misses):
             values = await self.pfs.read(entry.record.name, entry.manifest, misses)
-            keep = misses if placement is None else misses[placement.owners[misses] == placement.node_index]
+            keep = misses if placement is None else misses[
+                (placement.owners[misses] == placement.node_index) | (placement.holders[misses] == placement.node_index)
+            ]
             keep_set, repair, name = set(keep.tolist()), set(corrupt), db.encode()
             for sample_id, value in values.items():
                 fetched[sample_id] = ("pfs", memoryview(value)[CHECKSUM_BYTES:], stored_checksum(value))
@@ -276,7 +280,7 @@ class ReadService:
     async def _fetch_transfers(
         self, entry: Registered, placement: Placement, ids: np.ndarray
     ) -> dict[int, tuple[str, bytes | memoryview, int]]:
-        return await self._from_owners(entry, placement, placement.owners, ids)
+        return await self._from_owners(entry, placement, placement.sources, ids)
 
     async def _from_other_holders(
         self, entry: Registered, placement: Placement, misses: np.ndarray

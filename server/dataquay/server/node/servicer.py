@@ -123,8 +123,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             entry = await d.datasets.entry(request.dataset)
             seed, ids, leave_room = request.seed, None, False
             if request.job:
+                await self._link().list_nodes()  # the capacities every node computes the holders with
                 placement = await self._placements().placement(request.job, entry, epoch=0)
-                seed, ids, leave_room = placement.job.spec.seed, placement.owned(), placement.owners_move
+                seed, ids, leave_room = placement.job.spec.seed, placement.held(), placement.owners_move
             progress = d.stager.start(request.dataset, seed, ids, leave_room)
         while True:
             await d.stager.wait(request.dataset, timeout=0.5)

@@ -238,16 +238,17 @@ class LocalCluster:
         """SIGKILLs node ``index``'s daemon: the crash case."""
         self._kill(self.daemons[index])
 
-    def restart_node(self, index: int, timeout: float = 30.0) -> DaemonProcess:
+    def restart_node(self, index: int, timeout: float = 30.0, extra_args: Sequence[str] = ()) -> DaemonProcess:
         """Starts node ``index``'s daemon again on its cache, socket and ports
         (after :meth:`kill_node`, or stops it first), as a rebooted node would
-        come back."""
+        come back; ``extra_args`` override the cluster's daemon_args for this
+        start (``("--cache-size", "2M")``: a node unlike the others)."""
         old = self.daemons[index]
         self._stop(old, timeout)
         assert old.ready is not None
         port = old.ready["tcp"].rpartition(":")[2]
         daemon = self._daemon(
-            index, "--listen", f"{old.host}:{port}", "--metrics-port", str(old.ready["metrics_port"])
+            index, "--listen", f"{old.host}:{port}", "--metrics-port", str(old.ready["metrics_port"]), *extra_args
         )
         self.daemons[index] = daemon
         daemon.start(timeout)

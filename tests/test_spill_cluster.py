@@ -1,0 +1,95 @@
+"""Caches of unequal capacity, each filled: a node short of its share spills
+the rest to nodes with room, whose ranks' epochs then read no PFS."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from polling import wait_until
+from test_exchange import Nodes
+
+from dataquay.client.jobs import job_plan
+from dataquay.client.manifest import Manifest
+from dataquay.client.placement import owners
+from dataquay.client.records import checksum
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.capacity import cached_bytes
+from dataquay.server.cli import main as cli_main
+from dataquay.server.spill import NO_HOLDER, spill_holders
+from dataquay.server.tools.local_cluster import LocalCluster, node_name
+from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
+from dataquay.server.tools.trainers import RankGroup
+
+NODES = 4
+RANKS_PER_NODE = 2
+SAMPLES = 400
+SIZES = (20_000, 30_000, 40_000)
+JOB = "spill"
+#: Node 0's cache against its share; the others have three shares' room.
+SMALL, LARGE = 0.4, 3.0
+
+
+def payload(i: int) -> bytes:
+    return sample_bytes(0, i, SIZES[i % len(SIZES)])
+
+
+def share_bytes() -> int:
+    """What a node's share of a quarter of the samples takes in its cache."""
+    sizes = np.array([SIZES[i % len(SIZES)] for i in range(SAMPLES)])
+    return cached_bytes(sizes[: SAMPLES // NODES])
+
+
+def listed_capacities(local: LocalCluster) -> dict[str, int]:
+    nodes = local.wait_for_nodes(up=[node_name(m) for m in range(NODES)])
+    return {n.info.name: n.info.cache_capacity for n in nodes}
+
+
+def unequal_cluster(cluster: Callable[..., LocalCluster], tmp_path: Path) -> tuple[LocalCluster, list[int]]:
+    """4 daemons, node 0's cache well below its share, "imgs" staged for a ``local`` job."""
+    share = share_bytes()
+    capacities = [int(SMALL * share)] + [int(LARGE * share)] * (NODES - 1)
+    local = cluster(NODES, daemon_args=("--cache-size", str(capacities[1])))
+    local.restart_node(0, extra_args=("--cache-size", str(capacities[0])))
+    wait_until(lambda: listed_capacities(local).get(node_name(0)) == capacities[0], "node 0 listed with its new cache")
+    root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
+    assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[1].address]) == 0
+    assert cli_main([
+        "stage", "imgs", "--job", JOB, "--mode", "local", "--ranks-per-node", str(RANKS_PER_NODE), "--quiet",
+        "--directory", local.directory_address,
+    ]) == 0
+    return local, capacities
+
+
+def test_a_small_cache_spills_its_overflow_to_caches_with_room_and_no_epoch_reads_the_pfs(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    local, capacities = unequal_cluster(cluster, tmp_path)
+    nodes = Nodes(local, JOB)
+    manifest = Manifest(b"".join(c.data for c in nodes.stubs[1].GetManifest(pb.GetDatasetRequest(name="imgs"))))
+    job = nodes.stubs[1].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=JOB), must_exist=True))
+    epoch_owners = owners(job_plan(job, manifest), 0)
+    holders = spill_holders(epoch_owners, manifest.sample_length.astype(np.int64), capacities, job.spec.seed)
+    spilled = int((holders != epoch_owners).sum())
+    assert (holders != NO_HOLDER).all()
+    assert spilled == int((epoch_owners == 0).sum() - (holders == 0).sum()) > SAMPLES // NODES // 2
+    envs = [local.rank_env(r, RANKS_PER_NODE, JOB) for r in range(NODES * RANKS_PER_NODE)]
+    try:
+        with RankGroup(envs, "imgs", tmp_path / "ranks", batch=16, compute_seconds=0.0, timeout=60) as group:
+            for epoch in range(3):
+                results = group.epoch(epoch)
+                ids = np.concatenate([r.ids for r in results]).astype(np.int64)
+                assert sorted(ids.tolist()) == list(range(SAMPLES))
+                sums = np.concatenate([np.asarray(r.checksums, dtype=np.uint64) for r in results])
+                assert sums.tolist() == [checksum(payload(i)) for i in ids.tolist()]
+                tiers = {t: sum(r.samples[t] for r in results) for t in results[0].samples}
+                # Before spilling, node 0's overflow (63 samples) was read from the PFS every epoch.
+                assert tiers["pfs"] == 0 and tiers["fallback"] == 0, (epoch, tiers)
+                assert tiers["peer"] == spilled, (epoch, tiers)
+        stats = nodes.stats()
+        assert all(s.cache_used_bytes <= s.cache_capacity_bytes for s in stats)
+        assert [s.cache_entries for s in stats] == [int((holders == m).sum()) for m in range(NODES)]
+    finally:
+        nodes.close()
