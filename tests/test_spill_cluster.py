@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 from polling import wait_until
 from test_exchange import Nodes
 
@@ -47,7 +48,9 @@ def listed_capacities(local: LocalCluster) -> dict[str, int]:
     return {n.info.name: n.info.cache_capacity for n in nodes}
 
 
-def unequal_cluster(cluster: Callable[..., LocalCluster], tmp_path: Path) -> tuple[LocalCluster, list[int]]:
+def unequal_cluster(
+    cluster: Callable[..., LocalCluster], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> tuple[LocalCluster, list[int], str, str]:
     """4 daemons, node 0's cache well below its share, "imgs" staged for a ``local`` job."""
     share = share_bytes()
     capacities = [int(SMALL * share)] + [int(LARGE * share)] * (NODES - 1)
@@ -56,17 +59,19 @@ def unequal_cluster(cluster: Callable[..., LocalCluster], tmp_path: Path) -> tup
     wait_until(lambda: listed_capacities(local).get(node_name(0)) == capacities[0], "node 0 listed with its new cache")
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[1].address]) == 0
+    capsys.readouterr()
     assert cli_main([
         "stage", "imgs", "--job", JOB, "--mode", "local", "--ranks-per-node", str(RANKS_PER_NODE), "--quiet",
         "--directory", local.directory_address,
     ]) == 0
-    return local, capacities
+    out = capsys.readouterr()
+    return local, capacities, out.out, out.err
 
 
 def test_a_small_cache_spills_its_overflow_to_caches_with_room_and_no_epoch_reads_the_pfs(
-    cluster: Callable[..., LocalCluster], tmp_path: Path
+    cluster: Callable[..., LocalCluster], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    local, capacities = unequal_cluster(cluster, tmp_path)
+    local, capacities, out, err = unequal_cluster(cluster, tmp_path, capsys)
     nodes = Nodes(local, JOB)
     manifest = Manifest(b"".join(c.data for c in nodes.stubs[1].GetManifest(pb.GetDatasetRequest(name="imgs"))))
     job = nodes.stubs[1].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=JOB), must_exist=True))
@@ -75,6 +80,9 @@ def test_a_small_cache_spills_its_overflow_to_caches_with_room_and_no_epoch_read
     spilled = int((holders != epoch_owners).sum())
     assert (holders != NO_HOLDER).all()
     assert spilled == int((epoch_owners == 0).sum() - (holders == 0).sum()) > SAMPLES // NODES // 2
+    assert f"the {NODES} caches together hold the dataset: {spilled} samples that do not fit" in err
+    assert f"{SAMPLES}/{SAMPLES} samples cached" in out
+    assert f"{spilled} samples of nodes whose caches are short are held by nodes with room" in out
     envs = [local.rank_env(r, RANKS_PER_NODE, JOB) for r in range(NODES * RANKS_PER_NODE)]
     try:
         with RankGroup(envs, "imgs", tmp_path / "ranks", batch=16, compute_seconds=0.0, timeout=60) as group:

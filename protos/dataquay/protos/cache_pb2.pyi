@@ -220,7 +220,7 @@ class StageRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., job: _Optional[str] = ...) -> None: ...
 
 class StageProgress(_message.Message):
-    __slots__ = ("dataset", "total_samples", "done_samples", "skipped_samples", "total_bytes", "done_bytes", "read_bytes", "elapsed_seconds", "finished", "cache_full", "error", "failed_samples", "first_failure", "node")
+    __slots__ = ("dataset", "total_samples", "done_samples", "skipped_samples", "total_bytes", "done_bytes", "read_bytes", "elapsed_seconds", "finished", "cache_full", "error", "failed_samples", "first_failure", "node", "held_for_others")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     DONE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,7 @@ class StageProgress(_message.Message):
     FAILED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     FIRST_FAILURE_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    HELD_FOR_OTHERS_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     total_samples: int
     done_samples: int
@@ -249,7 +250,8 @@ class StageProgress(_message.Message):
     failed_samples: int
     first_failure: str
     node: str
-    def __init__(self, dataset: _Optional[str] = ..., total_samples: _Optional[int] = ..., done_samples: _Optional[int] = ..., skipped_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., done_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., cache_full: _Optional[bool] = ..., error: _Optional[str] = ..., failed_samples: _Optional[int] = ..., first_failure: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
+    held_for_others: int
+    def __init__(self, dataset: _Optional[str] = ..., total_samples: _Optional[int] = ..., done_samples: _Optional[int] = ..., skipped_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., done_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., cache_full: _Optional[bool] = ..., error: _Optional[str] = ..., failed_samples: _Optional[int] = ..., first_failure: _Optional[str] = ..., node: _Optional[str] = ..., held_for_others: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -5,7 +5,8 @@ The directory says which nodes the job runs on and where they are; every node
 is then asked directly and concurrently, so that one slow or dead node neither
 serialises nor stops the others. Before staging starts, each node's share is
 set against its cache's capacity, and a node that cannot hold it is named with
-the capacity that would (a warning: staging goes on).
+the capacity that would (a warning: staging goes on), along with where what
+does not fit is read from: caches with room, where they hold it (spill), or the PFS.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _capacity_warnings(
         return [f"cannot check the caches' capacity: {exc}"]
     up = {name: s.info.cache_capacity for name, s in listed.items() if s.state == jpb.NODE_UP}
     capacities = [up.get(name) for name in job.spec.nodes]
-    room = job_room(plan, manifest.sample_length.astype(np.int64), list(job.spec.nodes), capacities)
+    room = job_room(plan, manifest.sample_length.astype(np.int64), list(job.spec.nodes), capacities, spill=True)
     return room.warnings("--cache-size")
 
 
@@ -263,11 +264,12 @@ def _report_staging(args: argparse.Namespace, job: jpb.Job, nodes: Sequence[_Nod
             format_bytes(n.last.done_bytes) if n.last else "-",
             format_bytes(n.last.read_bytes) if n.last else "-",
             f"{n.last.elapsed_seconds:.1f}" if n.last else "-",
+            n.last.held_for_others if n.last else "-",
             f"failed: {n.failed}" if n.failed else ("ok, cache full" if n.last and n.last.cache_full else "ok"),
         )
         for n in nodes
     ]
-    print_table(rows, ("NODE", "SAMPLES", "CACHED", "READ FROM PFS", "SECONDS", "STATUS"))
+    print_table(rows, ("NODE", "SAMPLES", "CACHED", "READ FROM PFS", "SECONDS", "FOR OTHERS", "STATUS"))
     read = sum(r.read_bytes for r in reports)
     print(
         f"staged {args.name!r} for job {job.spec.job_id!r} ({job.spec.mode}) on {len(nodes)} nodes in {wall:.1f} s: "
@@ -275,6 +277,10 @@ def _report_staging(args: argparse.Namespace, job: jpb.Job, nodes: Sequence[_Nod
         f"{format_bytes(sum(r.done_bytes for r in reports))}; {format_bytes(read)} read from the PFS "
         f"({format_bytes(read / wall if wall else 0.0)}/s)"
     )
+    spilled = sum(r.held_for_others for r in reports)
+    if spilled:
+        print(f"{spilled} samples of nodes whose caches are short are held by nodes with room (FOR OTHERS): "
+              "their owners read them from there, not from the PFS")
     failed = [n for n in nodes if n.failed]
     if failed:
         raise CliError(

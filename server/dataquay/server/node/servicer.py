@@ -121,12 +121,13 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         d = self.daemon
         async with status_on_error(context):
             entry = await d.datasets.entry(request.dataset)
-            seed, ids, leave_room = request.seed, None, False
+            seed, ids, leave_room, for_others = request.seed, None, False, 0
             if request.job:
                 await self._link().list_nodes()  # the capacities every node computes the holders with
                 placement = await self._placements().placement(request.job, entry, epoch=0)
                 seed, ids, leave_room = placement.job.spec.seed, placement.held(), placement.owners_move
-            progress = d.stager.start(request.dataset, seed, ids, leave_room)
+                for_others = placement.held_for_others
+            progress = d.stager.start(request.dataset, seed, ids, leave_room, for_others)
         while True:
             await d.stager.wait(request.dataset, timeout=0.5)
             yield self._progress(progress)
@@ -151,6 +152,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             failed_samples=progress.failed_samples,
             first_failure=progress.first_failure,
             node=self.daemon.config.node_name,
+            held_for_others=progress.held_for_others,
         )
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:

@@ -52,6 +52,7 @@ class StagingProgress:
     cache_full: bool = False
     failed_samples: int = 0
     first_failure: str = ""
+    held_for_others: int = 0  #: of the samples staged, those other nodes own (spilled here)
 
     @property
     def finished(self) -> bool:
@@ -134,18 +135,26 @@ class Stager:
         self._closed = False
 
     def start(
-        self, dataset: str, seed: int, ids: np.ndarray | None = None, leave_room: bool = False
+        self,
+        dataset: str,
+        seed: int,
+        ids: np.ndarray | None = None,
+        leave_room: bool = False,
+        held_for_others: int = 0,
     ) -> StagingProgress:
         """Starts staging ``ids`` of ``dataset`` (default: all) unless a run is
         going; returns its progress, already ended once the stager is closed.
-        ``leave_room`` stops short of the exchange's reserve (a job whose owners move)."""
+        ``leave_room`` stops short of the exchange's reserve (a job whose owners
+        move); ``held_for_others`` of ``ids`` are other nodes' overflow, as reported."""
         current = self.runs.get(dataset)
         if current is not None and not current.finished:
             return current
         manifest = self.registry.get(dataset).manifest
         if ids is None:
             ids = np.arange(manifest.num_samples, dtype=np.int64)
-        progress = StagingProgress(dataset, len(ids), int(manifest.sample_length[ids].sum()))
+        progress = StagingProgress(
+            dataset, len(ids), int(manifest.sample_length[ids].sum()), held_for_others=held_for_others
+        )
         self.runs[dataset] = progress
         self._done[dataset] = asyncio.Event()
         if self._closed:
