@@ -83,21 +83,70 @@ def test_a_small_cache_spills_its_overflow_to_caches_with_room_and_no_epoch_read
     assert f"the {NODES} caches together hold the dataset: {spilled} samples that do not fit" in err
     assert f"{SAMPLES}/{SAMPLES} samples cached" in out
     assert f"{spilled} samples of nodes whose caches are short are held by nodes with room" in out
-    envs = [local.rank_env(r, RANKS_PER_NODE, JOB) for r in range(NODES * RANKS_PER_NODE)]
     try:
-        with RankGroup(envs, "imgs", tmp_path / "ranks", batch=16, compute_seconds=0.0, timeout=60) as group:
+        with rank_group(local, tmp_path) as group:
             for epoch in range(3):
-                results = group.epoch(epoch)
-                ids = np.concatenate([r.ids for r in results]).astype(np.int64)
-                assert sorted(ids.tolist()) == list(range(SAMPLES))
-                sums = np.concatenate([np.asarray(r.checksums, dtype=np.uint64) for r in results])
-                assert sums.tolist() == [checksum(payload(i)) for i in ids.tolist()]
-                tiers = {t: sum(r.samples[t] for r in results) for t in results[0].samples}
+                tiers = read_epoch(group, epoch)
                 # Before spilling, node 0's overflow (63 samples) was read from the PFS every epoch.
                 assert tiers["pfs"] == 0 and tiers["fallback"] == 0, (epoch, tiers)
                 assert tiers["peer"] == spilled, (epoch, tiers)
         stats = nodes.stats()
         assert all(s.cache_used_bytes <= s.cache_capacity_bytes for s in stats)
         assert [s.cache_entries for s in stats] == [int((holders == m).sum()) for m in range(NODES)]
+        assert stats[0].read_ahead.overflow_read_samples == 0
     finally:
         nodes.close()
+
+
+def test_a_spill_holder_down_leaves_its_part_to_the_pfs(
+    cluster: Callable[..., LocalCluster], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    local, _, out, _ = unequal_cluster(cluster, tmp_path, capsys)
+    spilled = spilled_to_node_1(out)
+    local.kill_node(1)
+    with rank_group(local, tmp_path) as group:
+        tiers = read_epoch(group, 0)
+    # Node 1's own ranks read straight from the PFS (its daemon is gone); node 0's reads what node 1 held.
+    assert tiers["fallback"] == SAMPLES // NODES
+    assert tiers["pfs"] == spilled and tiers["peer"] == 0, tiers
+
+
+def test_a_node_restarted_with_room_for_its_share_reads_its_overflow_once_and_keeps_it(
+    cluster: Callable[..., LocalCluster], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    local, capacities, out, _ = unequal_cluster(cluster, tmp_path, capsys)
+    spilled = spilled_to_node_1(out)
+    local.restart_node(0, extra_args=("--cache-size", str(capacities[1])))
+    wait_until(lambda: listed_capacities(local).get(node_name(0)) == capacities[1], "node 0 listed with its new cache")
+    nodes = Nodes(local, JOB)
+    try:
+        with rank_group(local, tmp_path) as group:
+            # Node 0 holds its whole share now: what node 1 held for it is read, and cached, once.
+            tiers = read_epoch(group, 0)
+            assert tiers["pfs"] == spilled and tiers["peer"] == 0, tiers
+            wait_until(lambda: nodes.stats()[0].cache_entries == SAMPLES // NODES, "node 0 caches its share")
+            tiers = read_epoch(group, 1)
+            assert tiers["local"] == SAMPLES, tiers
+    finally:
+        nodes.close()
+
+
+def spilled_to_node_1(stage_output: str) -> int:
+    """The samples node 1 holds for others, as ``stage --job`` reports them."""
+    row = next(line.split() for line in stage_output.splitlines() if line.startswith(node_name(1)))
+    return int(row[-2])
+
+
+def rank_group(local: LocalCluster, tmp_path: Path) -> RankGroup:
+    envs = [local.rank_env(r, RANKS_PER_NODE, JOB) for r in range(NODES * RANKS_PER_NODE)]
+    return RankGroup(envs, "imgs", tmp_path / "ranks", batch=16, compute_seconds=0.0, timeout=60)
+
+
+def read_epoch(group: RankGroup, epoch: int) -> dict[str, int]:
+    """Epoch ``epoch`` read by every rank, each sample once with its bytes; the samples by tier."""
+    results = group.epoch(epoch)
+    ids = np.concatenate([r.ids for r in results]).astype(np.int64)
+    assert sorted(ids.tolist()) == list(range(SAMPLES))
+    sums = np.concatenate([np.asarray(r.checksums, dtype=np.uint64) for r in results])
+    assert sums.tolist() == [checksum(payload(i)) for i in ids.tolist()]
+    return {t: sum(r.samples[t] for r in results) for t in results[0].samples}
