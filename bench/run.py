@@ -23,6 +23,7 @@ import peers  # noqa: E402
 import placement  # noqa: E402
 import reads  # noqa: E402
 import record_loops  # noqa: E402
+import spill  # noqa: E402
 import staging  # noqa: E402
 import tight_storage  # noqa: E402
 from common import RESULTS, machine  # noqa: E402
@@ -42,6 +43,7 @@ def main() -> None:
         ("peers", peers.main),
         ("exchange", exchange.main),
         ("tight_storage", tight_storage.main),
+        ("spill", lambda: spill.main("after")),
         ("stall", lambda: data_stall.main(quick=False, out_dir=RESULTS)),
         ("overflow", lambda: overflow_stall.main(quick=False, out_dir=RESULTS)),
         ("cache_policy", lambda: cache_policy.main([])),
