@@ -83,6 +83,10 @@ def test_a_small_cache_spills_its_overflow_to_caches_with_room_and_no_epoch_read
     assert f"the {NODES} caches together hold the dataset: {spilled} samples that do not fit" in err
     assert f"{SAMPLES}/{SAMPLES} samples cached" in out
     assert f"{spilled} samples of nodes whose caches are short are held by nodes with room" in out
+    assert cli_main(["status", "--addr", local.daemons[1].address]) == 0
+    taken = int((holders == 1).sum())
+    status = capsys.readouterr().out
+    assert f"'imgs': {taken}/{taken} samples, {spilled} of them for nodes whose caches are short" in status
     try:
         with rank_group(local, tmp_path) as group:
             for epoch in range(3):

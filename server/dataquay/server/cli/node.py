@@ -172,6 +172,10 @@ def _print_node_status(stats: pb.StatsReply) -> None:
     )
     print(f"pfs read {format_bytes(stats.pfs_bytes)}, {stats.pfs_errors} errors, "
           f"{stats.corrupt_repaired} corrupt values repaired")
+    for run in stats.staging:
+        if run.held_for_others:
+            print(f"staged {run.dataset!r}: {run.done_samples}/{run.total_samples} samples, {run.held_for_others} "
+                  "of them for nodes whose caches are short")
     cluster_status.print_exchanges([(stats.node, stats)])
     cluster_status.print_prep_groups([(stats.node, stats)])
 
