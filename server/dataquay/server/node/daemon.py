@@ -195,6 +195,8 @@ class Daemon(ServerLifecycle):
         self._started = False
         await self.health.enter_graceful_shutdown()
         await self.stager.close()
+        if self.receiver is not None:
+            self.receiver.close()
         if self._server is not None:
             await self._server.stop(grace)
         await self.tasks.close()

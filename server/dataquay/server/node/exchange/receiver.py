@@ -100,6 +100,17 @@ class ExchangeReceiver:
         self._short: dict[tuple[str, int], bool] = {}
         #: Deletes read give-aways not yet shipped, up to some bytes (set by the sender side).
         self.make_room: Callable[[int], Awaitable[int]] | None = None
+        self._readers: set[asyncio.Task[None]] = set()
+        self._closing = False
+
+    def close(self) -> None:
+        """Ends every stream at the next message: a sender waiting for its
+        ranks to read on would otherwise hold the daemon's shutdown for its
+        whole grace period. What was taken is committed and acknowledged;
+        the senders offer the rest again later."""
+        self._closing = True
+        for reader in self._readers:
+            reader.cancel()
 
     async def receive(self, messages: AsyncIterator[pb.ExchangeMessage]) -> AsyncIterator[pb.ExchangeReply]:
         """Answers one exchange stream (see the Exchange RPC in cache.proto).
@@ -123,13 +134,18 @@ class ExchangeReceiver:
         # Unbounded: the reservations and the sender's window bound it.
         commits: asyncio.Queue[_Taken | None] = asyncio.Queue()
         reader = asyncio.create_task(self._take_in(messages, entry, set(offered.tolist()), commits))
+        self._readers.add(reader)
+        reader.add_done_callback(self._readers.discard)
+        if self._closing:
+            reader.cancel()
         try:
             while (taken := await commits.get()) is not None:
                 stored = await self._committed(db, taken)
                 self.received_samples += len(stored)
                 self.received_bytes += int(sizes[stored].sum())
                 yield pb.ExchangeReply(held=stored.tolist())
-            await reader
+            if not reader.cancelled():
+                await reader
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
