@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -34,6 +35,22 @@ def dataset_roots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         patch.setenv("DATAQUAY_DATASET_ROOTS", str(base))
         patch.setenv("DATAQUAY_DIRECTORY_DATASET_ROOTS", str(base))
         yield base
+
+
+@pytest.fixture
+def client_warnings(tmp_path: Path) -> Iterator[Path]:
+    """A file the client's warnings are written through to, at once: forked
+    workers (a DataLoader's) inherit the handler, so it holds theirs too."""
+    path = tmp_path / "client.log"
+    handler = logging.FileHandler(path)
+    handler.setLevel(logging.WARNING)
+    logger = logging.getLogger("dataquay.client")
+    logger.addHandler(handler)
+    try:
+        yield path
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
 
 
 @pytest.fixture

@@ -217,28 +217,19 @@ def _read_misses(ds: dq.Dataset, ids: list[int]) -> None:
 
 
 def test_workers_that_find_the_daemon_dead_warn_once_between_them(
-    registered: dq.Client, daemon: DaemonProcess, tmp_path: Path
+    registered: dq.Client, daemon: DaemonProcess, client_warnings: Path
 ) -> None:
     ds = registered.dataset("imgs")
     daemon.kill()
-    # Forked workers inherit the handler; it writes each record through at once.
-    handler = logging.FileHandler(tmp_path / "client.log")
-    handler.setLevel(logging.WARNING)
-    logger = logging.getLogger("dataquay.client")
-    logger.addHandler(handler)
-    try:
-        ctx = multiprocessing.get_context("fork")
-        for _ in range(2):  # new workers every epoch, as a DataLoader starts them
-            workers = [ctx.Process(target=_read_misses, args=(ds, list(range(k, 48, 3)))) for k in range(3)]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join(60)
-                assert w.exitcode == 0
-    finally:
-        logger.removeHandler(handler)
-        handler.close()
-    warnings = (tmp_path / "client.log").read_text().splitlines()
+    ctx = multiprocessing.get_context("fork")
+    for _ in range(2):  # new workers every epoch, as a DataLoader starts them
+        workers = [ctx.Process(target=_read_misses, args=(ds, list(range(k, 48, 3)))) for k in range(3)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+            assert w.exitcode == 0
+    warnings = client_warnings.read_text().splitlines()
     assert len(warnings) == 1 and daemon.address in warnings[0], warnings
 
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rank_epochs import job_ranks, read_whole_epoch
 from test_exchange import Nodes
 
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import JobPlan, owners
-from dataquay.client.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.capacity import cache_need, node_shares
@@ -63,18 +63,12 @@ def tight_cluster(cluster: Callable[..., LocalCluster], tmp_path: Path, q: float
 
 
 def rank_group(local: LocalCluster, tmp_path: Path) -> RankGroup:
-    envs = [local.rank_env(r, RANKS_PER_NODE, JOB) for r in range(NODES * RANKS_PER_NODE)]
-    return RankGroup(envs, "imgs", tmp_path / "ranks", batch=16, compute_seconds=0.002, timeout=60)
+    return job_ranks(local, tmp_path, JOB, NODES * RANKS_PER_NODE, RANKS_PER_NODE, compute_seconds=0.002)
 
 
 def read_epoch(group: RankGroup, epoch: int) -> dict[str, int]:
     """Epoch ``epoch`` read by every rank, each sample once with its bytes; the samples by tier."""
-    results = group.epoch(epoch)
-    ids = np.concatenate([r.ids for r in results]).astype(np.int64)
-    assert sorted(ids.tolist()) == list(range(SAMPLES))
-    sums = np.concatenate([np.asarray(r.checksums, dtype=np.uint64) for r in results])
-    assert sums.tolist() == [checksum(payload(i)) for i in ids.tolist()]
-    tiers = {t: sum(r.samples[t] for r in results) for t in results[0].samples}
+    tiers = read_whole_epoch(group, epoch, SAMPLES, payload)
     assert tiers["fallback"] == 0
     return tiers
 

@@ -4,7 +4,6 @@ the node counts, and a transform that is told which sample it decodes."""
 from __future__ import annotations
 
 import importlib.util
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -82,27 +81,18 @@ def test_transform_with_ids_decodes_npy_records_by_sample_id(
 
 
 def test_a_dead_daemon_is_warned_of_once_for_all_workers_and_epochs(
-    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path, client_warnings: Path
 ) -> None:
     synthetic.make_files_dataset(tmp_path / "imgs", SAMPLES, seed=6)
     add(daemon, "imgs", tmp_path / "imgs")
     ds = client.dataset("imgs")
     daemon.kill()
-    # Forked workers inherit the handler; each record is written through at once.
-    handler = logging.FileHandler(tmp_path / "client.log")
-    handler.setLevel(logging.WARNING)
-    logger = logging.getLogger("dataquay.client")
-    logger.addHandler(handler)
-    try:
-        loader = torch.utils.data.DataLoader(
-            TorchDataset(ds), batch_size=8, num_workers=2, multiprocessing_context="fork", collate_fn=as_list
-        )
-        for _ in range(2):
-            assert [s for batch in loader for s in batch] == files_bytes(6, range(SAMPLES), (4096,))
-    finally:
-        logger.removeHandler(handler)
-        handler.close()
-    warnings = (tmp_path / "client.log").read_text().splitlines()
+    loader = torch.utils.data.DataLoader(
+        TorchDataset(ds), batch_size=8, num_workers=2, multiprocessing_context="fork", collate_fn=as_list
+    )
+    for _ in range(2):
+        assert [s for batch in loader for s in batch] == files_bytes(6, range(SAMPLES), (4096,))
+    warnings = client_warnings.read_text().splitlines()
     assert len(warnings) == 1 and "unreachable" in warnings[0], warnings
 
 
