@@ -39,6 +39,8 @@ PAGE_SIZE = 4096
 #: writer's pages while both churn.
 EXCHANGE_HEADROOM_FRACTION = 0.05
 EXCHANGE_HEADROOM_BYTES = 16 * MiB
+#: See :func:`refill_margin`.
+REFILL_BYTES = 256 * 1024
 #: Epochs that ``stage --job`` looks ahead for a node's largest share.
 LOOKAHEAD_EPOCHS = 8
 
@@ -131,6 +133,13 @@ def write_slack_bytes(payload_sizes: np.ndarray, page_size: int = PAGE_SIZE) -> 
 def cached_bytes(payload_sizes: np.ndarray, page_size: int = PAGE_SIZE) -> int:
     """The map a cache holding these values fills: the tree and the writer's slack."""
     return stored_bytes(payload_sizes, page_size) + write_slack_bytes(payload_sizes, page_size)
+
+
+def refill_margin(capacity: int) -> int:
+    """How far below a full map its live bytes must fall before inserting
+    resumes, and so how short of its capacity staging stops: REFILL_BYTES, or
+    a 16th of a smaller cache, so that one freed page does not mean one more try."""
+    return min(REFILL_BYTES, capacity // 16)
 
 
 def exchange_reserve(capacity: int) -> int:

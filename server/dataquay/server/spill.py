@@ -23,8 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dataquay.client.placement.orders import SPILL_PRIORITY_KEY, keyed_generator
-from dataquay.server.capacity import PAGE_SIZE, cached_bytes
-from dataquay.server.node.cache_space import REFILL_BYTES
+from dataquay.server.capacity import PAGE_SIZE, cached_bytes, refill_margin
 
 #: Holder of a sample no cache has room for: read from the PFS.
 NO_HOLDER = -1
@@ -33,7 +32,7 @@ NO_HOLDER = -1
 def usable_bytes(capacity: int) -> int:
     """What staging fills of a cache of ``capacity``: it stops this short of
     the map's size (see :class:`dataquay.server.node.cache_space.CacheSpace`)."""
-    return capacity - min(REFILL_BYTES, capacity // 16)
+    return capacity - refill_margin(capacity)
 
 
 def spill_priority(num_samples: int, seed: int) -> np.ndarray:

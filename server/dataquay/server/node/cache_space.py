@@ -15,17 +15,13 @@ import asyncio
 
 import numpy as np
 
-from dataquay.server.capacity import exchange_reserve, value_bytes
+from dataquay.server.capacity import exchange_reserve, refill_margin, value_bytes
 from dataquay.server.node.write_queue import PendingWrite
 
 #: Room never reserved (at most; a 32nd of a smaller cache): pages a commit
 #: copies on write, and pages freed by the last commit, which LMDB reuses only
 #: after the next one.
 RESERVE_SLACK = 512 * 1024
-#: How far below the level at which the map filled its live bytes must fall
-#: before inserting resumes (at most; a 16th of a smaller cache), so that one
-#: freed page does not mean one more try.
-REFILL_BYTES = 256 * 1024
 
 
 class CacheSpace:
@@ -67,7 +63,7 @@ class CacheSpace:
 
     @property
     def _refill(self) -> int:
-        return min(REFILL_BYTES, self.capacity // 16)
+        return refill_margin(self.capacity)
 
     @property
     def exchange_reserve(self) -> int:
