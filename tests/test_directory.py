@@ -482,3 +482,17 @@ def test_stage_passes_the_batch_size_only_with_a_job(capsys: pytest.CaptureFixtu
     assert not stage._job_spec(parse(["stage", "imgs", "--job", "j1"])).HasField("batch_size")
     assert cli_main(["stage", "imgs", "--batch-size", "32"]) == 1
     assert "--batch-size: only with --job JOB" in capsys.readouterr().err
+
+
+def test_a_directory_whose_heartbeat_port_is_taken_says_so(tmp_path: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "dataquay.server.cli", "directory", "--listen", f"127.0.0.1:{port}",
+             "--http-host", "127.0.0.1", "--http-port", "0", "--state-dir", str(tmp_path / "state")],
+            capture_output=True, text=True, timeout=60,
+        )
+    assert result.returncode == 1
+    assert f"cannot receive heartbeats on UDP 127.0.0.1:{port}" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

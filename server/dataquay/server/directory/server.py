@@ -77,6 +77,8 @@ STATE_FILE = "directory.json"
 GROUP_WRITE_SECONDS = 0.005
 #: The longest time between two looks for jobs idle past the TTL.
 JOB_EXPIRY_CHECK_SECONDS = 60.0
+#: Ports from the OS tried for one whose UDP twin is free too.
+PORT_TRIES = 8
 
 
 class DirectoryServer(ServerLifecycle):
@@ -169,21 +171,31 @@ class DirectoryServer(ServerLifecycle):
             ) from exc
 
     async def _start_server(self) -> None:
-        server = new_server(self.credentials)
-        directory_pb2_grpc.add_DirectoryServicer_to_server(DirectoryServicer(self), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self._server = server
-        self.tcp_address = bind_tcp(server, self.config.listen, server_tls(self.credentials))
-        await server.start()
+        """Binds the gRPC listener and the heartbeats' UDP socket on the same port.
+
+        A port from the OS is free for TCP but may be taken for UDP by another
+        process; then another port is tried rather than failing the start."""
+        port_from_os = self.config.listen.rpartition(":")[2] == "0"
         host = self.config.listen.rpartition(":")[0]
-        beats_address = f"{host}:{self.tcp_address.rpartition(':')[2]}"
-        try:
-            self._beats = await open_heartbeats(
-                beats_address, self.datagram_reply, self.credentials.token, 2 * self.config.lease_seconds,
-                self.beats_refused,
-            )
-        except OSError as exc:
-            raise StartupError(f"cannot receive heartbeats on UDP {self.tcp_address}: {exc.strerror}") from exc
+        for attempt in range(1, PORT_TRIES + 1):
+            server = new_server(self.credentials)
+            directory_pb2_grpc.add_DirectoryServicer_to_server(DirectoryServicer(self), server)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+            self.tcp_address = bind_tcp(server, self.config.listen, server_tls(self.credentials))
+            beats_address = f"{host}:{self.tcp_address.rpartition(':')[2]}"
+            try:
+                self._beats = await open_heartbeats(
+                    beats_address, self.datagram_reply, self.credentials.token, 2 * self.config.lease_seconds,
+                    self.beats_refused,
+                )
+            except OSError as exc:
+                await server.stop(None)
+                if port_from_os and attempt < PORT_TRIES:
+                    continue
+                raise StartupError(f"cannot receive heartbeats on UDP {self.tcp_address}: {exc.strerror}") from exc
+            self._server = server
+            await server.start()
+            return
 
     async def close(self, grace: float = 10.0) -> None:
         """Staged shutdown; safe to call twice and after a failed start."""
