@@ -1,0 +1,341 @@
+"""Reliable multicast of coded packets over IP multicast (UDP), on the event loop.
+
+One :class:`MulticastEndpoint` per node and job: it multicasts the packets
+this node sends to their groups and receives the packets of the groups it
+decodes for, on one multicast address and port per job. A datagram carries
+its sender's node, its group and its place in the sender's stream to that
+group (:mod:`.mcast_wire`); a node drops the streams it was not told to
+expect. Reliability is the sender's: it keeps each datagram until every
+member acknowledged it, resends what members report missing, announces its
+stream's tail while it waits, and never has more than ``window`` datagrams
+unacknowledged nor sends faster than ``rate``. A receiver acknowledges to the
+sender's unicast address and holds at most ``max_ready`` whole packets that
+its consumer has not taken; beyond that it drops fragments of new packets,
+which the sender then resends, so memory stays capped at both ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+import struct
+import time
+from dataclasses import dataclass
+
+import xxhash
+
+from dataquay.server import auth
+from dataquay.server.node.exchange import mcast_wire as wire
+from dataquay.server.ratelimit import TokenBucket
+
+log = logging.getLogger("dataquay.exchange.mcast")
+
+#: A receiver acknowledges at least once per this many datagrams of a stream.
+ACK_EVERY = 32
+#: Receive buffer asked of the kernel: bursts of a window's datagrams must fit.
+RECEIVE_BUFFER_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Channel:
+    """Where a job's coded packets travel.
+
+    Attributes:
+        group: the IPv4 multicast address (224.0.0.0/4).
+        port: its UDP port.
+        interface: the local address of the interface to send and join on.
+        ttl: multicast hops (1: the local subnet, as an HPC fabric usually is).
+    """
+
+    group: str
+    port: int
+    interface: str = "127.0.0.1"
+    ttl: int = 1
+
+
+@dataclass
+class EndpointStats:
+    """Counts of what an endpoint put on the wire (bytes are UDP payloads: our headers and signatures included)."""
+
+    packets_sent: int = 0
+    packet_bytes_sent: int = 0
+    datagrams_sent: int = 0
+    wire_bytes_sent: int = 0
+    datagrams_resent: int = 0
+    control_bytes_sent: int = 0
+    packets_received: int = 0
+    datagrams_refused: int = 0
+    datagrams_dropped_full: int = 0
+    corrupt_packets: int = 0
+
+
+class _Protocol(asyncio.DatagramProtocol):
+    def __init__(self, endpoint: MulticastEndpoint) -> None:
+        self._endpoint = endpoint
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        self._endpoint._on_datagram(data, addr)
+
+    def error_received(self, exc: Exception) -> None:
+        log.debug("multicast socket error: %s", exc)
+
+
+class MulticastEndpoint:
+    """One node's end of a job's coded-packet multicast (module docstring).
+
+    Args:
+        node: this node's rank in the job (its id in every datagram).
+        channel: the job's multicast address and port.
+        token: the cluster token; every datagram is signed with it and
+            unsigned ones are refused ("" when the cluster has none).
+        payload_bytes: packet bytes per datagram: the MTU less 28 bytes of IP
+            and UDP and :data:`~.mcast_wire.DATA_HEADER_BYTES` and the signature.
+        window: datagrams sent and not yet acknowledged by all members, at most.
+        rate: bytes per second this node multicasts at most (None: no cap).
+        tail_interval: seconds between a waiting sender's tail announcements,
+            and the least time between two resends of one datagram.
+        max_ready: received packets held for the consumer, at most.
+    """
+
+    def __init__(self, node: int, channel: Channel, token: str = "", payload_bytes: int = 1400,
+                 window: int = 1024, rate: float | None = None, tail_interval: float = 0.02,
+                 max_ready: int = 4096) -> None:
+        self.node = node
+        self.channel = channel
+        self.stats = EndpointStats()
+        self.ready: asyncio.Queue[tuple[int, int, int, bytes]] = asyncio.Queue()
+        self._token = token
+        self._payload_bytes = payload_bytes
+        self._window = window
+        self._bucket = TokenBucket(rate) if rate else None
+        self._tail_interval = tail_interval
+        self._max_ready = max_ready
+        self._session = random.getrandbits(63)
+        self._groups: dict[int, wire.SendWindow] = {}
+        self._resent_at: dict[tuple[int, int], float] = {}
+        self._expected: set[tuple[int, int]] = set()
+        self._logs: dict[tuple[int, int], wire.ReceiveLog] = {}
+        self._since_ack: dict[tuple[int, int], int] = {}
+        self._gap_acked_at: dict[tuple[int, int], float] = {}
+        self._senders: dict[int, tuple[str, int]] = {}
+        self._assembler = wire.Assembler()
+        self._room = asyncio.Event()
+        self._progress = asyncio.Event()
+        self._send: asyncio.DatagramTransport | None = None
+        self._receive: asyncio.DatagramTransport | None = None
+        self._tails: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Opens the sockets and joins the channel's group; idempotent.
+
+        Raises:
+            OSError: the interface has no multicast, or the port is taken by
+                something that does not share it.
+        """
+        if self._send is not None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            self._send, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self), sock=self._send_socket())
+            self._receive, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self),
+                                                                   sock=self._receive_socket())
+        except OSError:
+            self.close()
+            raise
+        self._tails = asyncio.create_task(self._announce_tails(), name=f"mcast tails {self.node}")
+
+    def _send_socket(self) -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            sock.bind((self.channel.interface, 0))
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(self.channel.interface))
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, self.channel.ttl)
+            # Nodes of a job may share a host (tests, `dataquay cluster`): deliver to them too.
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def _receive_socket(self) -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            # Every endpoint on a host binds the job's port; the kernel gives each a copy.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
+            sock.bind((self.channel.group, self.channel.port))
+            membership = struct.pack("4s4s", socket.inet_aton(self.channel.group),
+                                     socket.inet_aton(self.channel.interface))
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, membership)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def close(self) -> None:
+        for transport in (self._send, self._receive):
+            if transport is not None:
+                transport.close()
+        self._send = self._receive = None
+        if self._tails is not None:
+            self._tails.cancel()
+            self._tails = None
+
+    async def __aenter__(self) -> MulticastEndpoint:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def expect(self, sender: int, group: int) -> None:
+        """Accept ``sender``'s stream to ``group``, of which this node is a member."""
+        self._expected.add((sender, group))
+
+    def open_group(self, group: int, members: frozenset[int]) -> None:
+        """Declares this node's stream to ``group`` and who must acknowledge it."""
+        if group in self._groups:
+            raise ValueError(f"group {group} is open already")
+        self._groups[group] = wire.SendWindow(members)
+
+    async def send(self, group: int, packet_id: int, packet: bytes) -> None:
+        """Multicasts ``packet`` to ``group``, waiting for window room and the rate cap.
+
+        Returns once its datagrams are on the wire, not once they are acknowledged (:meth:`flush`).
+        """
+        window = self._groups[group]
+        digest = xxhash.xxh3_64_intdigest(packet)
+        for index, count, payload in wire.fragments(packet, self._payload_bytes):
+            while self._kept() >= self._window:
+                self._room.clear()
+                await self._room.wait()
+            seq = window.reserve()
+            datagram = auth.sign(self._token, wire.encode_data(wire.Fragment(
+                self.node, self._session, group, seq, packet_id, index, count, len(packet), digest, payload)))
+            window.keep(seq, datagram)
+            if self._bucket is not None:
+                wait = self._bucket.reserve(len(datagram))
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            self._multicast(datagram)
+            self.stats.datagrams_sent += 1
+            self.stats.wire_bytes_sent += len(datagram)
+        self.stats.packets_sent += 1
+        self.stats.packet_bytes_sent += len(packet)
+
+    async def flush(self) -> None:
+        """Waits until every member of every group has acknowledged every datagram sent to it."""
+        while not all(window.done for window in self._groups.values()):
+            self._progress.clear()
+            await self._progress.wait()
+
+    def lagging(self) -> dict[int, list[int]]:
+        """Per open group, the members that still miss datagrams (for a caller that gives up on them)."""
+        return {group: w.lagging() for group, w in self._groups.items() if not w.done}
+
+    def _kept(self) -> int:
+        return sum(len(window.kept) for window in self._groups.values())
+
+    def _multicast(self, datagram: bytes) -> None:
+        assert self._send is not None, "the endpoint is not started"
+        self._send.sendto(datagram, (self.channel.group, self.channel.port))
+
+    async def _announce_tails(self) -> None:
+        while True:
+            await asyncio.sleep(self._tail_interval)
+            for group, window in self._groups.items():
+                if not window.done:
+                    datagram = auth.sign(self._token, wire.encode_tail(
+                        wire.Tail(self.node, self._session, group, window.next_seq)))
+                    self._multicast(datagram)
+                    self.stats.control_bytes_sent += len(datagram)
+
+    def _on_datagram(self, data: bytes, addr: tuple[str, int]) -> None:
+        payload = auth.verified(self._token, data)
+        if payload is None:
+            self.stats.datagrams_refused += 1
+            return
+        try:
+            message = wire.decode(payload)
+        except wire.WireError:
+            self.stats.datagrams_refused += 1
+            return
+        if isinstance(message, wire.Ack):
+            self._on_ack(message)
+        elif isinstance(message, wire.Tail):
+            self._on_tail(message, addr)
+        else:
+            self._on_fragment(message, addr)
+
+    def _on_ack(self, ack: wire.Ack) -> None:
+        window = self._groups.get(ack.group)
+        if ack.sender != self.node or ack.session != self._session or window is None:
+            return
+        now = time.monotonic()
+        for seq in window.on_ack(ack):
+            if now - self._resent_at.get((ack.group, seq), 0.0) >= self._tail_interval:
+                self._resent_at[(ack.group, seq)] = now
+                datagram = window.kept[seq]
+                self._multicast(datagram)
+                self.stats.datagrams_resent += 1
+                self.stats.wire_bytes_sent += len(datagram)
+        if self._kept() < self._window:
+            self._room.set()
+        if window.done:
+            self._resent_at = {key: at for key, at in self._resent_at.items() if key[0] != ack.group}
+        self._progress.set()
+
+    def _stream(self, sender: int, group: int, session: int, addr: tuple[str, int]) -> wire.ReceiveLog | None:
+        key = (sender, group)
+        if key not in self._expected:
+            return None
+        self._senders[sender] = addr
+        found = self._logs.get(key)
+        if found is None or found.session != session:
+            # A sender that restarted numbers its stream anew.
+            found = self._logs[key] = wire.ReceiveLog(session)
+        return found
+
+    def _on_tail(self, tail: wire.Tail, addr: tuple[str, int]) -> None:
+        stream = self._stream(tail.sender, tail.group, tail.session, addr)
+        if stream is not None:
+            stream.on_tail(tail.next_seq)
+            self._acknowledge(tail.sender, tail.group, stream)
+
+    def _on_fragment(self, fragment: wire.Fragment, addr: tuple[str, int]) -> None:
+        stream = self._stream(fragment.sender, fragment.group, fragment.session, addr)
+        if stream is None:
+            return
+        if self.ready.qsize() >= self._max_ready and fragment.index == 0:
+            self.stats.datagrams_dropped_full += 1
+            return
+        if not stream.on_data(fragment.seq):
+            return
+        packet = self._assembler.add(fragment)
+        if packet is not None:
+            self.stats.packets_received += 1
+            self.ready.put_nowait((fragment.sender, fragment.group, fragment.packet, packet))
+        self.stats.corrupt_packets = self._assembler.corrupt
+        key = (fragment.sender, fragment.group)
+        self._since_ack[key] = self._since_ack.get(key, 0) + 1
+        now = time.monotonic()
+        gap_due = stream.behind and now - self._gap_acked_at.get(key, 0.0) >= self._tail_interval / 2
+        if self._since_ack[key] >= ACK_EVERY or gap_due:
+            if gap_due:
+                self._gap_acked_at[key] = now
+            self._acknowledge(fragment.sender, fragment.group, stream)
+
+    def _acknowledge(self, sender: int, group: int, stream: wire.ReceiveLog) -> None:
+        self._since_ack[(sender, group)] = 0
+        addr = self._senders.get(sender)
+        if addr is None or self._send is None:
+            return
+        datagram = auth.sign(self._token, wire.encode_ack(wire.Ack(
+            self.node, sender, stream.session, group, stream.cumulative, stream.gaps())))
+        self._send.sendto(datagram, addr)
+        self.stats.control_bytes_sent += len(datagram)

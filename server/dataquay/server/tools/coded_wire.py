@@ -1,0 +1,225 @@
+"""One node of a coded exchange over the multicast transport, on synthetic data (tests, ``bench/coded_wire.py``).
+
+Every node of a run computes the same dataset (seeded bytes of seeded
+sizes, their xxh3 as the manifest's checksums), the same caches before the
+exchange (each node's share of an earlier epoch plus random spares), the
+same new owners and the same plan (:func:`~dataquay.server.node.exchange.coding.plan`),
+then sends its packets and fetches over :class:`~dataquay.server.node.exchange.mcast.MulticastEndpoint`
+and decodes what it lacks. A decoded sample is committed only when its xxh3
+equals the manifest's. The run directory is the nodes' only meeting point:
+each writes ``ready.N`` once it listens, starts when all have, writes
+``done.N`` once it has every sample and every member acknowledged its
+packets, keeps answering until all are done, and leaves ``result.N.json``.
+
+Run: ``python -m dataquay.server.tools.coded_wire --node 0 --nodes 4 --rundir DIR ...``
+(every node with the same arguments but ``--node``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from dataquay.server.node.exchange import coding
+from dataquay.server.node.exchange.mcast import Channel, MulticastEndpoint
+from dataquay.server.tools.spare_copies import balanced_owners
+
+#: How often a node looks for its peers' files in the run directory.
+POLL_SECONDS = 0.01
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every node of a run derives from the same arguments."""
+
+    sizes: np.ndarray
+    checksums: np.ndarray
+    caches: list[np.ndarray]
+    owners: np.ndarray
+    packets: coding.Packets
+    #: Per send (the packets, then the fetches): its sender, its group in the sender's numbering, its members.
+    send_nodes: np.ndarray
+    send_groups: np.ndarray
+    members: list[frozenset[int]]
+
+
+def sample_bytes(seed: int, sample: int, size: int) -> bytes:
+    """The synthetic dataset's sample (what the PFS would hold)."""
+    return np.random.default_rng([seed, sample]).bytes(size)
+
+
+def setup(nodes: int, samples: int, mean_bytes: int, spares: int, scheme: str, seed: int) -> Setup:
+    rng = np.random.default_rng(seed)
+    sizes = np.maximum(1, rng.lognormal(np.log(mean_bytes), 0.5, samples)).astype(np.int64)
+    checksums = np.array([xxhash.xxh3_64_intdigest(sample_bytes(seed, s, int(n))) for s, n in enumerate(sizes)],
+                         dtype=np.uint64)
+    before = balanced_owners(samples, nodes, rng)
+    caches = []
+    for node in range(nodes):
+        owned = np.flatnonzero(before == node)
+        others = np.flatnonzero(before != node)
+        caches.append(np.union1d(owned, rng.choice(others, min(spares, len(others)), replace=False)))
+    owners = balanced_owners(samples, nodes, rng)
+    packets = coding.plan(coding.holder_bits(caches, samples), owners, scheme, sizes)
+    decoders = np.split(packets.decoders, packets.start[1:-1]) if len(packets) else []
+    # A sender that decodes a part of its own packet got that part by its fetch.
+    members = [frozenset(d.tolist()) - {int(sender)} for d, sender in zip(decoders, packets.senders, strict=True)]
+    members += [frozenset({int(packets.senders[p])}) for p in packets.fetch_packets]
+    send_nodes = np.concatenate([packets.senders, packets.fetch_sources]).astype(np.int64)
+    send_groups = np.zeros(len(members), dtype=np.int64)
+    numbering: dict[tuple[int, frozenset[int]], int] = {}
+    counts: dict[int, int] = {}
+    for i, (node, group) in enumerate(zip(send_nodes.tolist(), members, strict=True)):
+        key = (node, group)
+        if key not in numbering:
+            numbering[key] = counts.get(node, 0)
+            counts[node] = numbering[key] + 1
+        send_groups[i] = numbering[key]
+    return Setup(sizes, checksums, caches, owners, packets, send_nodes, send_groups, members)
+
+
+@dataclass
+class NodeResult:
+    node: int
+    lacked: int
+    committed: int
+    checksum_failures: int
+    pfs_reads: int
+    digest: str
+    expected_digest: str
+    started: float
+    received_all: float
+    finished: float
+    stats: dict[str, int]
+
+
+def _digest(ids: list[int], value: dict[int, bytes]) -> str:
+    hasher = xxhash.xxh3_64()
+    for sample in sorted(ids):
+        hasher.update(sample.to_bytes(8, "little"))
+        hasher.update(value[sample])
+    return hasher.hexdigest()
+
+
+async def run_node(node: int, s: Setup, seed: int, endpoint: MulticastEndpoint, rundir: Path,
+                   nodes: int) -> NodeResult:
+    packets = s.packets
+    cache = {int(i): sample_bytes(seed, int(i), int(s.sizes[i])) for i in s.caches[node]}
+    num_packets = len(packets)
+    sends = np.flatnonzero(s.send_nodes == node)
+    for group, members in {int(s.send_groups[i]): s.members[i] for i in sends.tolist()}.items():
+        endpoint.open_group(group, members)
+    expected = [i for i, m in enumerate(s.members) if node in m and s.send_nodes[i] != coding.PFS]
+    for i in expected:
+        endpoint.expect(int(s.send_nodes[i]), int(s.send_groups[i]))
+    owned = np.flatnonzero(s.owners == node)
+    lacked = [int(i) for i in np.setdiff1d(owned, s.caches[node])]
+    committed: dict[int, bytes] = {}
+    fetched = {int(p): asyncio.Event() for p in packets.fetch_packets if packets.senders[p] == node}
+    failures = pfs_reads = 0
+
+    def commit(sample: int, value: bytes) -> None:
+        nonlocal failures
+        if xxhash.xxh3_64_intdigest(value) != int(s.checksums[sample]):
+            failures += 1
+            return
+        committed[sample] = value
+        cache[sample] = value
+
+    (rundir / f"ready.{node}").touch()
+    while len(list(rundir.glob("ready.*"))) < nodes:
+        await asyncio.sleep(POLL_SECONDS)
+    started = time.time()
+
+    for p in np.flatnonzero(packets.senders == coding.PFS).tolist():
+        sample = int(packets.samples[packets.start[p]])
+        if packets.decoders[packets.start[p]] == node:
+            pfs_reads += 1
+            commit(sample, sample_bytes(seed, sample, int(s.sizes[sample])))
+    for fetch in np.flatnonzero(packets.fetch_sources == coding.PFS).tolist():
+        p = int(packets.fetch_packets[fetch])
+        if packets.senders[p] == node:
+            pfs_reads += 1
+            sample = int(packets.fetch_samples[fetch])
+            commit(sample, sample_bytes(seed, sample, int(s.sizes[sample])))
+            fetched[p].set()
+
+    async def send_all() -> None:
+        # Fetches first, then packets that wait on none: a wait on a peer's fetch never blocks its own.
+        for i in sorted(sends.tolist(), key=lambda i: (i < num_packets, i in fetched)):
+            if i >= num_packets:
+                sample = int(packets.fetch_samples[i - num_packets])
+                await endpoint.send(int(s.send_groups[i]), i, cache[sample])
+                continue
+            if i in fetched:
+                await fetched[i].wait()
+            parts = packets.samples[packets.start[i]:packets.start[i + 1]].tolist()
+            await endpoint.send(int(s.send_groups[i]), i, coding.xor_encode([cache[p] for p in parts]))
+        await endpoint.flush()
+
+    async def receive_all() -> None:
+        for _ in range(len(expected)):
+            _, _, i, packet = await endpoint.ready.get()
+            if i >= num_packets:
+                fetch = i - num_packets
+                commit(int(packets.fetch_samples[fetch]), packet)
+                fetched[int(packets.fetch_packets[fetch])].set()
+                continue
+            lo, hi = packets.start[i], packets.start[i + 1]
+            parts, decoders = packets.samples[lo:hi].tolist(), packets.decoders[lo:hi].tolist()
+            mine = parts[decoders.index(node)]
+            known = [cache[p] for p in parts if p != mine]
+            commit(mine, coding.xor_decode(packet, known, int(s.sizes[mine])))
+
+    receiving = asyncio.create_task(receive_all())
+    await send_all()
+    await receiving
+    received_all = time.time()
+    (rundir / f"done.{node}").touch()
+    while len(list(rundir.glob("done.*"))) < nodes:
+        await asyncio.sleep(POLL_SECONDS)
+    return NodeResult(node, len(lacked), len(committed), failures, pfs_reads, _digest(owned.tolist(), cache),
+                      _digest(owned.tolist(), {i: sample_bytes(seed, i, int(s.sizes[i])) for i in owned.tolist()}),
+                      started, received_all, time.time(), asdict(endpoint.stats))
+
+
+async def _main(args: argparse.Namespace) -> None:
+    s = setup(args.nodes, args.samples, args.mean_bytes, args.spares, args.scheme, args.seed)
+    channel = Channel(args.group, args.port)
+    endpoint = MulticastEndpoint(args.node, channel, token=args.token, payload_bytes=args.payload_bytes,
+                                 window=args.window, rate=args.rate)
+    async with endpoint:
+        result = await run_node(args.node, s, args.seed, endpoint, args.rundir, args.nodes)
+    planned = coding.load(s.packets, s.sizes)
+    document = {**asdict(result), "planned_bytes": planned.bytes, "planned_transmissions": planned.transmissions}
+    (args.rundir / f"result.{args.node}.json").write_text(json.dumps(document))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--node", type=int, required=True)
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--samples", type=int, default=400)
+    parser.add_argument("--mean-bytes", type=int, default=4096)
+    parser.add_argument("--spares", type=int, default=100, help="random extra samples each cache holds")
+    parser.add_argument("--scheme", choices=sorted(coding.SCHEMES), default="uber")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--group", default="239.255.16.1")
+    parser.add_argument("--port", type=int, default=47016)
+    parser.add_argument("--token", default="")
+    parser.add_argument("--payload-bytes", type=int, default=1400)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--rate", type=float, default=None, help="bytes/s each node multicasts at most")
+    parser.add_argument("--rundir", type=Path, required=True)
+    asyncio.run(_main(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The coded exchange's multicast transport: its reliability state, and whole exchanges in a network namespace.
+
+The namespace (its own loopback with a multicast route, and for the loss
+test an nftables rule that drops datagrams at random) keeps the host's
+network untouched; the tests skip where one cannot be made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dataquay.server.node.exchange import mcast_wire as wire
+
+PORT = 47016
+
+
+def test_a_receiver_reports_the_gaps_below_what_it_saw_and_below_the_tail() -> None:
+    log = wire.ReceiveLog(session=7)
+    for seq in (0, 1, 3, 6):
+        assert log.on_data(seq)
+    assert not log.on_data(3)
+    assert (log.cumulative, log.gaps()) == (2, (2, 4, 5))
+    log.on_tail(9)
+    assert log.gaps() == (2, 4, 5, 7, 8)
+    for seq in (2, 4, 5, 7, 8):
+        log.on_data(seq)
+    assert (log.cumulative, log.gaps(), log.behind) == (9, (), False)
+
+
+def test_a_sender_keeps_each_datagram_until_every_member_acknowledged_it() -> None:
+    window = wire.SendWindow(frozenset({1, 2}))
+    for _ in range(4):
+        seq = window.reserve()
+        window.keep(seq, b"d%d" % seq)
+    assert window.on_ack(wire.Ack(1, 0, 5, 0, 4, ())) == []
+    assert sorted(window.kept) == [0, 1, 2, 3] and window.lagging() == [2]
+    assert window.on_ack(wire.Ack(2, 0, 5, 0, 1, (1, 3))) == [1, 3]
+    assert sorted(window.kept) == [1, 2, 3]
+    assert window.on_ack(wire.Ack(9, 0, 5, 0, 4, ())) == []
+    window.on_ack(wire.Ack(2, 0, 5, 0, 4, ()))
+    assert window.kept == {} and window.done
+
+
+def test_datagrams_round_trip_and_malformed_ones_are_refused() -> None:
+    fragment = wire.Fragment(3, 11, 2, 40, 9, 1, 3, 2900, 0xABC, b"x" * 100)
+    assert wire.decode(wire.encode_data(fragment)) == fragment
+    ack = wire.Ack(1, 3, 11, 2, 40, (41, 45))
+    assert wire.decode(wire.encode_ack(ack)) == ack
+    assert wire.decode(wire.encode_tail(wire.Tail(3, 11, 2, 44))) == wire.Tail(3, 11, 2, 44)
+    assert len(wire.encode_data(fragment)) == wire.DATA_HEADER_BYTES + 100
+    for bad in (b"", b"XX\x01\x01" + bytes(60), wire.encode_data(fragment)[:30], wire.encode_ack(ack)[:-3],
+                wire.encode_data(wire.Fragment(3, 11, 2, 40, 9, 3, 3, 2900, 0, b""))):
+        with pytest.raises(wire.WireError):
+            wire.decode(bad)
+    assert list(wire.fragments(b"abcdefg", 3)) == [(0, 3, b"abc"), (1, 3, b"def"), (2, 3, b"g")]
+    assert list(wire.fragments(b"", 3)) == [(0, 1, b"")]
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def namespace() -> Iterator[str]:
+    """A network namespace whose loopback carries multicast."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to make a network namespace for multicast")
+    name = f"dqmcast{os.getpid()}"
+    made = _ip("netns", "add", name)
+    if made.returncode != 0:
+        pytest.skip(f"cannot make a network namespace: {made.stderr.strip()}")
+    try:
+        for step in (["link", "set", "lo", "up"], ["route", "add", "224.0.0.0/4", "dev", "lo"]):
+            done = _ip("netns", "exec", name, "ip", *step)
+            assert done.returncode == 0, done.stderr
+        yield name
+    finally:
+        _ip("netns", "del", name)
+
+
+def _exchange(namespace: str, rundir: Path, nodes: int, *args: str) -> list[dict[str, object]]:
+    """Runs one coded exchange, a process per node, and returns each node's result."""
+    rundir.mkdir()
+    command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "dataquay.server.tools.coded_wire",
+               "--nodes", str(nodes), "--port", str(PORT), "--rundir", str(rundir), *args]
+    processes = [subprocess.Popen([*command, "--node", str(n)]) for n in range(nodes)]
+    try:
+        for process in processes:
+            assert process.wait(timeout=90) == 0
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return [json.loads((rundir / f"result.{n}.json").read_text()) for n in range(nodes)]
+
+
+def _assert_every_sample_committed(results: list[dict[str, object]]) -> None:
+    for result in results:
+        assert result["checksum_failures"] == 0
+        assert result["committed"] == result["lacked"] > 0
+        assert result["digest"] == result["expected_digest"]
+
+
+def test_a_coded_exchange_over_multicast_puts_the_planned_bytes_on_the_wire(namespace: str, tmp_path: Path) -> None:
+    results = _exchange(namespace, tmp_path / "run", 4, "--scheme", "uber", "--token", "t0k3n")
+    _assert_every_sample_committed(results)
+    stats = [result["stats"] for result in results]
+    assert sum(s["packet_bytes_sent"] for s in stats) == results[0]["planned_bytes"]  # type: ignore[index]
+    assert sum(s["datagrams_refused"] for s in stats) == 0  # type: ignore[index]
+
+
+def test_five_percent_loss_still_delivers_every_sample_byte_exact(namespace: str, tmp_path: Path) -> None:
+    if shutil.which("nft") is None:
+        pytest.skip("needs nftables (nft) to drop datagrams at random")
+    rules = (f"add table inet loss\n"
+             f"add chain inet loss in {{ type filter hook input priority 0; }}\n"
+             f"add rule inet loss in udp dport {PORT} numgen random mod 20 0 drop\n"
+             f"add rule inet loss in udp sport != {PORT} numgen random mod 20 0 drop\n")
+    added = subprocess.run(["ip", "netns", "exec", namespace, "nft", "-f", "-"], input=rules, text=True,
+                           capture_output=True, timeout=30)
+    if added.returncode != 0:
+        pytest.skip(f"nftables cannot filter in the namespace: {added.stderr.strip()}")
+    results = _exchange(namespace, tmp_path / "run", 4, "--scheme", "coded", "--token", "t0k3n")
+    _assert_every_sample_committed(results)
+    assert sum(r["stats"]["datagrams_resent"] for r in results) > 0  # type: ignore[index]
