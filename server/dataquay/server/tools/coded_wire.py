@@ -40,7 +40,6 @@ class Setup:
     """What every node of a run derives from the same arguments."""
 
     sizes: np.ndarray
-    checksums: np.ndarray
     caches: list[np.ndarray]
     owners: np.ndarray
     packets: coding.Packets
@@ -58,8 +57,6 @@ def sample_bytes(seed: int, sample: int, size: int) -> bytes:
 def setup(nodes: int, samples: int, mean_bytes: int, spares: int, scheme: str, seed: int) -> Setup:
     rng = np.random.default_rng(seed)
     sizes = np.maximum(1, rng.lognormal(np.log(mean_bytes), 0.5, samples)).astype(np.int64)
-    checksums = np.array([xxhash.xxh3_64_intdigest(sample_bytes(seed, s, int(n))) for s, n in enumerate(sizes)],
-                         dtype=np.uint64)
     before = balanced_owners(samples, nodes, rng)
     caches = []
     for node in range(nodes):
@@ -82,7 +79,7 @@ def setup(nodes: int, samples: int, mean_bytes: int, spares: int, scheme: str, s
             numbering[key] = counts.get(node, 0)
             counts[node] = numbering[key] + 1
         send_groups[i] = numbering[key]
-    return Setup(sizes, checksums, caches, owners, packets, send_nodes, send_groups, members)
+    return Setup(sizes, caches, owners, packets, send_nodes, send_groups, members)
 
 
 @dataclass
@@ -121,13 +118,15 @@ async def run_node(node: int, s: Setup, seed: int, endpoint: MulticastEndpoint, 
         endpoint.expect(int(s.send_nodes[i]), int(s.send_groups[i]))
     owned = np.flatnonzero(s.owners == node)
     lacked = [int(i) for i in np.setdiff1d(owned, s.caches[node])]
+    # The manifest's checksums of what this node will receive.
+    manifest = {i: xxhash.xxh3_64_intdigest(sample_bytes(seed, i, int(s.sizes[i]))) for i in lacked}
     committed: dict[int, bytes] = {}
     fetched = {int(p): asyncio.Event() for p in packets.fetch_packets if packets.senders[p] == node}
     failures = pfs_reads = 0
 
     def commit(sample: int, value: bytes) -> None:
         nonlocal failures
-        if xxhash.xxh3_64_intdigest(value) != int(s.checksums[sample]):
+        if xxhash.xxh3_64_intdigest(value) != manifest[sample]:
             failures += 1
             return
         committed[sample] = value
@@ -194,7 +193,7 @@ async def _main(args: argparse.Namespace) -> None:
     s = setup(args.nodes, args.samples, args.mean_bytes, args.spares, args.scheme, args.seed)
     channel = Channel(args.group, args.port)
     endpoint = MulticastEndpoint(args.node, channel, token=args.token, payload_bytes=args.payload_bytes,
-                                 window=args.window, rate=args.rate)
+                                 window_bytes=args.window_bytes, rate=args.rate)
     async with endpoint:
         result = await run_node(args.node, s, args.seed, endpoint, args.rundir, args.nodes)
     planned = coding.load(s.packets, s.sizes)
@@ -215,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=47016)
     parser.add_argument("--token", default="")
     parser.add_argument("--payload-bytes", type=int, default=1400)
-    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--window-bytes", type=int, default=256 << 10)
     parser.add_argument("--rate", type=float, default=None, help="bytes/s each node multicasts at most")
     parser.add_argument("--rundir", type=Path, required=True)
     asyncio.run(_main(parser.parse_args(argv)))

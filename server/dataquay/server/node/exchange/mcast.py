@@ -57,13 +57,15 @@ class Channel:
 
 @dataclass
 class EndpointStats:
-    """Counts of what an endpoint put on the wire (bytes are UDP payloads: our headers and signatures included)."""
+    """Counts of what an endpoint put on the wire: ``wire_bytes_sent`` counts first transmissions,
+    ``resent_bytes`` the rest (UDP payloads, our headers and signatures included)."""
 
     packets_sent: int = 0
     packet_bytes_sent: int = 0
     datagrams_sent: int = 0
     wire_bytes_sent: int = 0
     datagrams_resent: int = 0
+    resent_bytes: int = 0
     control_bytes_sent: int = 0
     packets_received: int = 0
     datagrams_refused: int = 0
@@ -92,7 +94,9 @@ class MulticastEndpoint:
             unsigned ones are refused ("" when the cluster has none).
         payload_bytes: packet bytes per datagram: the MTU less 28 bytes of IP
             and UDP and :data:`~.mcast_wire.DATA_HEADER_BYTES` and the signature.
-        window: datagrams sent and not yet acknowledged by all members, at most.
+        window_bytes: bytes of datagrams sent and not yet acknowledged by all
+            members, at most: every sender's window together must fit a
+            receiver's socket buffer, or the overflow is lost and resent.
         rate: bytes per second this node multicasts at most (None: no cap).
         tail_interval: seconds between a waiting sender's tail announcements,
             and the least time between two resends of one datagram.
@@ -100,7 +104,7 @@ class MulticastEndpoint:
     """
 
     def __init__(self, node: int, channel: Channel, token: str = "", payload_bytes: int = 1400,
-                 window: int = 1024, rate: float | None = None, tail_interval: float = 0.02,
+                 window_bytes: int = 256 << 10, rate: float | None = None, tail_interval: float = 0.02,
                  max_ready: int = 4096) -> None:
         self.node = node
         self.channel = channel
@@ -108,7 +112,12 @@ class MulticastEndpoint:
         self.ready: asyncio.Queue[tuple[int, int, int, bytes]] = asyncio.Queue()
         self._token = token
         self._payload_bytes = payload_bytes
-        self._window = window
+        self._window_bytes = window_bytes
+        # Congestion: halved when members report losses, grown back a datagram per clean acknowledgement.
+        self._congestion_bytes = window_bytes
+        self._halved_at = 0.0
+        self._kept_bytes = 0
+        self._sent_at: dict[int, float] = {}
         self._bucket = TokenBucket(rate) if rate else None
         self._tail_interval = tail_interval
         self._max_ready = max_ready
@@ -211,18 +220,20 @@ class MulticastEndpoint:
         window = self._groups[group]
         digest = xxhash.xxh3_64_intdigest(packet)
         for index, count, payload in wire.fragments(packet, self._payload_bytes):
-            while self._kept() >= self._window:
+            while self._kept_bytes >= self._congestion_bytes:
                 self._room.clear()
                 await self._room.wait()
             seq = window.reserve()
             datagram = auth.sign(self._token, wire.encode_data(wire.Fragment(
                 self.node, self._session, group, seq, packet_id, index, count, len(packet), digest, payload)))
             window.keep(seq, datagram)
+            self._kept_bytes += len(datagram)
             if self._bucket is not None:
                 wait = self._bucket.reserve(len(datagram))
                 if wait > 0:
                     await asyncio.sleep(wait)
             self._multicast(datagram)
+            self._sent_at[group] = time.monotonic()
             self.stats.datagrams_sent += 1
             self.stats.wire_bytes_sent += len(datagram)
         self.stats.packets_sent += 1
@@ -238,9 +249,6 @@ class MulticastEndpoint:
         """Per open group, the members that still miss datagrams (for a caller that gives up on them)."""
         return {group: w.lagging() for group, w in self._groups.items() if not w.done}
 
-    def _kept(self) -> int:
-        return sum(len(window.kept) for window in self._groups.values())
-
     def _multicast(self, datagram: bytes) -> None:
         assert self._send is not None, "the endpoint is not started"
         self._send.sendto(datagram, (self.channel.group, self.channel.port))
@@ -248,8 +256,10 @@ class MulticastEndpoint:
     async def _announce_tails(self) -> None:
         while True:
             await asyncio.sleep(self._tail_interval)
+            idle_since = time.monotonic() - self._tail_interval
             for group, window in self._groups.items():
-                if not window.done:
+                # A stream still sending needs no tail: its next datagrams show its members their gaps.
+                if not window.done and self._sent_at.get(group, 0.0) <= idle_since:
                     datagram = auth.sign(self._token, wire.encode_tail(
                         wire.Tail(self.node, self._session, group, window.next_seq)))
                     self._multicast(datagram)
@@ -277,14 +287,21 @@ class MulticastEndpoint:
         if ack.sender != self.node or ack.session != self._session or window is None:
             return
         now = time.monotonic()
-        for seq in window.on_ack(ack):
+        resend = window.on_ack(ack)
+        if resend and now - self._halved_at >= self._tail_interval:
+            self._halved_at = now
+            self._congestion_bytes = max(self._congestion_bytes // 2, 4 * self._payload_bytes)
+        elif not ack.gaps:
+            self._congestion_bytes = min(self._congestion_bytes + self._payload_bytes, self._window_bytes)
+        for seq in resend:
             if now - self._resent_at.get((ack.group, seq), 0.0) >= self._tail_interval:
                 self._resent_at[(ack.group, seq)] = now
                 datagram = window.kept[seq]
                 self._multicast(datagram)
                 self.stats.datagrams_resent += 1
-                self.stats.wire_bytes_sent += len(datagram)
-        if self._kept() < self._window:
+                self.stats.resent_bytes += len(datagram)
+        self._kept_bytes = sum(w.kept_bytes for w in self._groups.values())
+        if self._kept_bytes < self._congestion_bytes:
             self._room.set()
         if window.done:
             self._resent_at = {key: at for key, at in self._resent_at.items() if key[0] != ack.group}
@@ -325,7 +342,11 @@ class MulticastEndpoint:
         self._since_ack[key] = self._since_ack.get(key, 0) + 1
         now = time.monotonic()
         gap_due = stream.behind and now - self._gap_acked_at.get(key, 0.0) >= self._tail_interval / 2
-        if self._since_ack[key] >= ACK_EVERY or gap_due:
+        # A whole packet with nothing missing before it is acknowledged at once: a
+        # group's stream may be a packet or two, and then waiting for the sender's
+        # tail announcement would cost a round of tails per group.
+        caught_up = packet is not None and not stream.behind
+        if self._since_ack[key] >= ACK_EVERY or gap_due or caught_up:
             if gap_due:
                 self._gap_acked_at[key] = now
             self._acknowledge(fragment.sender, fragment.group, stream)

@@ -153,6 +153,7 @@ class SendWindow:
         self.members = members
         self.next_seq = 0
         self.kept: dict[int, bytes] = {}
+        self.kept_bytes = 0
         self._acked = dict.fromkeys(members, 0)
 
     def reserve(self) -> int:
@@ -164,6 +165,7 @@ class SendWindow:
     def keep(self, seq: int, datagram: bytes) -> None:
         """Holds ``seq``'s signed datagram for resending until every member has it."""
         self.kept[seq] = datagram
+        self.kept_bytes += len(datagram)
 
     def on_ack(self, ack: Ack) -> list[int]:
         """Applies a member's acknowledgement; returns the kept seqs it asks to be resent."""
@@ -173,7 +175,7 @@ class SendWindow:
             self._acked[ack.receiver] = min(ack.cumulative, self.next_seq)
             floor = min(self._acked.values())
             for seq in [s for s in self.kept if s < floor]:
-                del self.kept[seq]
+                self.kept_bytes -= len(self.kept.pop(seq))
         return [seq for seq in ack.gaps if seq in self.kept]
 
     @property
