@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dataquay.client.job_settings import SETTINGS, JobSettings, named_settings
+from dataquay.client.job_settings import EXCHANGE_CODINGS, SETTINGS, JobSettings, named_settings
 from dataquay.client.placement import MODES, PARTITIONS
 from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.node.exchange.coding import SCHEMES
 
 names = st.text(alphabet="abcdefghij0123456789-", min_size=1, max_size=12)
 job_settings = st.builds(
@@ -26,6 +27,7 @@ job_settings = st.builds(
     batch_size=st.integers(min_value=0, max_value=2**32 - 1),
     nodes=st.lists(names, max_size=5).map(tuple),
     ranks_per_node=st.integers(min_value=0, max_value=2**32 - 1),
+    exchange_coding=st.sampled_from(EXCHANGE_CODINGS),
 )
 
 
@@ -82,6 +84,7 @@ def test_validation_refuses_q_and_batch_sizes_the_mode_cannot_run_with(mode: str
         (JobSettings(seed=-1), "seed must not be negative, not -1"),
         (JobSettings(batch_size=-1), "batch_size must not be negative"),
         (JobSettings(ranks_per_node=-1), "ranks_per_node must not be negative"),
+        (JobSettings(exchange_coding="lt"), "exchange_coding must be one of none, coded, uber, not 'lt'"),
     ],
 )
 def test_a_bad_setting_is_named_first(settings: JobSettings, message: str) -> None:
@@ -95,3 +98,7 @@ def test_names_are_checked_alone_since_a_join_leaves_the_rest_to_the_job() -> No
         JobSettings(mode="scatter").check_names()
     with pytest.raises(ValueError, match="partition must be one of"):
         JobSettings(partition="file").check_names()
+
+
+def test_the_exchange_codings_are_the_planners_schemes() -> None:
+    assert EXCHANGE_CODINGS == tuple(SCHEMES)

@@ -200,6 +200,7 @@ class Dataset(Sequence[bytes]):
         nodes: Sequence[str] | None = None,
         partition: str | None = None,
         batch_size: int | None = None,
+        exchange_coding: str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         shuffle: bool = True,
@@ -229,6 +230,9 @@ class Dataset(Sequence[bytes]):
             partition: ``sample`` or ``shard`` (whole files per node).
             batch_size: ids per rank per step; ``locality`` needs it to
                 split whole global batches (of world size x batch_size).
+            exchange_coding: ``none``, ``coded`` or ``uber``: whether the
+                exchange first multicasts XOR packets where caches overlap
+                (README "Coded shuffling"; default none).
             rank: this process's rank; default from the environment (RANK, ...).
             world_size: ranks in the job; default from the environment.
             shuffle: False reads ids in order (evaluation; no job).
@@ -241,7 +245,8 @@ class Dataset(Sequence[bytes]):
                 dataset was replaced since the job began.
         """
         job_id = job if job is not None else env.job_id()
-        cluster = {"mode": mode, "q": q, "nodes": nodes, "partition": partition, "batch_size": batch_size}
+        cluster = {"mode": mode, "q": q, "nodes": nodes, "partition": partition, "batch_size": batch_size,
+                   "exchange_coding": exchange_coding}
         if job_id is not None:
             if not shuffle:
                 raise ValueError(f"job {job_id!r} shuffles by its placement; shuffle=False needs no job")

@@ -18,6 +18,9 @@ from dataclasses import dataclass, fields
 from dataquay.client.placement import MODES, PARTITIONS
 from dataquay.protos import jobs_pb2 as jpb
 
+#: The exchange's schemes (the keys of the daemon's coded-shuffling planner).
+EXCHANGE_CODINGS = ("none", "coded", "uber")
+
 
 @dataclass(frozen=True)
 class JobSettings:
@@ -44,6 +47,10 @@ class JobSettings:
             directory resolves them (a join naming none runs on every live node).
         ranks_per_node: g; rank r runs on node r // g. 0 while no rank has
             joined to say.
+        exchange_coding: how the exchange moves samples whose new owner
+            lacks them: ``none`` (a stream to each new owner), or ``coded``
+            / ``uber`` (XOR packets multicast to groups of nodes first, where
+            caches overlap; see README "Coded shuffling").
     """
 
     job_id: str = ""
@@ -56,6 +63,7 @@ class JobSettings:
     batch_size: int = 0
     nodes: tuple[str, ...] = ()
     ranks_per_node: int = 0
+    exchange_coding: str = "none"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))
@@ -75,6 +83,10 @@ class JobSettings:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {', '.join(PARTITIONS)}, not {self.partition!r}")
+        if self.exchange_coding not in EXCHANGE_CODINGS:
+            raise ValueError(
+                f"exchange_coding must be one of {', '.join(EXCHANGE_CODINGS)}, not {self.exchange_coding!r}"
+            )
 
     def check(self) -> None:
         """Refuses settings no job can run with, before any plan exists.

@@ -392,7 +392,7 @@ class ExchangeReply(_message.Message):
     def __init__(self, held: _Optional[_Iterable[int]] = ..., message_bytes: _Optional[int] = ..., after_reads: _Optional[bool] = ...) -> None: ...
 
 class ExchangeProgress(_message.Message):
-    __slots__ = ("job", "epoch", "total_samples", "total_bytes", "delivered_samples", "delivered_bytes", "sent_bytes", "unavailable_samples", "refused_samples", "elapsed_seconds", "finished", "error")
+    __slots__ = ("job", "epoch", "total_samples", "total_bytes", "delivered_samples", "delivered_bytes", "sent_bytes", "unavailable_samples", "refused_samples", "elapsed_seconds", "finished", "error", "coded_packets_sent", "coded_bytes_sent", "coded_samples_decoded", "coded_note")
     JOB_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +405,10 @@ class ExchangeProgress(_message.Message):
     ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CODED_PACKETS_SENT_FIELD_NUMBER: _ClassVar[int]
+    CODED_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    CODED_SAMPLES_DECODED_FIELD_NUMBER: _ClassVar[int]
+    CODED_NOTE_FIELD_NUMBER: _ClassVar[int]
     job: str
     epoch: int
     total_samples: int
@@ -417,7 +421,11 @@ class ExchangeProgress(_message.Message):
     elapsed_seconds: float
     finished: bool
     error: str
-    def __init__(self, job: _Optional[str] = ..., epoch: _Optional[int] = ..., total_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., delivered_samples: _Optional[int] = ..., delivered_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., unavailable_samples: _Optional[int] = ..., refused_samples: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    coded_packets_sent: int
+    coded_bytes_sent: int
+    coded_samples_decoded: int
+    coded_note: str
+    def __init__(self, job: _Optional[str] = ..., epoch: _Optional[int] = ..., total_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., delivered_samples: _Optional[int] = ..., delivered_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., unavailable_samples: _Optional[int] = ..., refused_samples: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., coded_packets_sent: _Optional[int] = ..., coded_bytes_sent: _Optional[int] = ..., coded_samples_decoded: _Optional[int] = ..., coded_note: _Optional[str] = ...) -> None: ...
 
 class ClientReads(_message.Message):
     __slots__ = ("tier", "samples", "bytes")

@@ -49,7 +49,7 @@ class NodeStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., state: _Optional[_Union[NodeState, str]] = ..., registered_unix: _Optional[float] = ..., last_heartbeat_unix: _Optional[float] = ..., cache_used_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "dataset", "mode", "q", "seed", "drop_last", "nodes", "ranks_per_node", "partition", "batch_size")
+    __slots__ = ("job_id", "dataset", "mode", "q", "seed", "drop_last", "nodes", "ranks_per_node", "partition", "batch_size", "exchange_coding")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class JobSpec(_message.Message):
     RANKS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_CODING_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     dataset: str
     mode: str
@@ -70,7 +71,8 @@ class JobSpec(_message.Message):
     ranks_per_node: int
     partition: str
     batch_size: int
-    def __init__(self, job_id: _Optional[str] = ..., dataset: _Optional[str] = ..., mode: _Optional[str] = ..., q: _Optional[float] = ..., seed: _Optional[int] = ..., drop_last: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ..., ranks_per_node: _Optional[int] = ..., partition: _Optional[str] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    exchange_coding: str
+    def __init__(self, job_id: _Optional[str] = ..., dataset: _Optional[str] = ..., mode: _Optional[str] = ..., q: _Optional[float] = ..., seed: _Optional[int] = ..., drop_last: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ..., ranks_per_node: _Optional[int] = ..., partition: _Optional[str] = ..., batch_size: _Optional[int] = ..., exchange_coding: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("spec", "manifest_id", "num_samples", "epoch", "created_unix", "started", "last_active_unix")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import ipaddress
 import json
 import os
 import tomllib
@@ -79,6 +80,20 @@ def _port(text: str) -> int:
     if not text.strip().isdigit() or int(text) > 65535:
         raise ValueError("expected a port number 0-65535")
     return int(text)
+
+
+def _multicast(text: str) -> str:
+    """``GROUP:PORT`` of an IPv4 multicast group, or empty."""
+    if not text:
+        return text
+    group, _, port = text.rpartition(":")
+    try:
+        multicast = ipaddress.IPv4Address(group).is_multicast
+    except ValueError:
+        multicast = False
+    if not multicast or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError("expected GROUP:PORT with an IPv4 multicast group (224.0.0.0/4), like 239.255.16.1:47016")
+    return text
 
 
 def _paths(text: str) -> tuple[Path, ...]:
@@ -392,6 +407,16 @@ class DaemonConfig(ServerConfig):
         "cap on the per-epoch exchange this node sends, in bytes/s (e.g. 200M), so that training reads "
         "keep the network; 0 = uncapped",
         lambda s: parse_size(s, "rate"),
+    )
+    exchange_multicast: str = _option(
+        "",
+        "GROUP:PORT of the IPv4 multicast group that carries the coded pass of exchanges of jobs created with "
+        "--exchange-coding coded|uber (one per cluster, e.g. 239.255.16.1:47016); empty: those jobs exchange "
+        "uncoded",
+        _multicast,
+    )
+    exchange_multicast_interface: str = _option(
+        "127.0.0.1", "local address of the interface that sends and joins --exchange-multicast"
     )
     spare_copies_fill: float = _option(
         0.5,

@@ -58,6 +58,7 @@ def cmd_job_show(args: argparse.Namespace) -> None:
         ("seed", s.seed),
         ("drop last", "yes" if s.drop_last else "no (pad by repeating)"),
         ("partition", s.partition),
+        ("coding", s.exchange_coding or "none"),
         ("ranks/node", s.ranks_per_node or "not known yet (set by the first join)"),
         ("epoch", job.epoch),
         ("created", created),

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from google.protobuf.json_format import MessageToDict
 
+from dataquay.client.job_settings import EXCHANGE_CODINGS
 from dataquay.client.placement import MODES
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.cli import cluster_status
@@ -251,6 +252,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cluster.add_argument("--partition", choices=("sample", "shard"), help="initial partition (default sample)")
     cluster.add_argument(
         "--batch-size", type=int, help="ids per rank per step; locality mode needs it to split global batches"
+    )
+    cluster.add_argument(
+        "--exchange-coding", choices=EXCHANGE_CODINGS,
+        help="the exchange's coded pass: XOR packets multicast to groups where caches overlap (default none; "
+        "the daemons need --exchange-multicast)",
     )
     add_directory(stage)
     add_addr(stage)

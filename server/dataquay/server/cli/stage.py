@@ -40,7 +40,7 @@ from dataquay.server.sizes import format_bytes
 #: How often `stage --job` prints a progress line when stderr is not a terminal.
 LINE_SECONDS = 10.0
 #: Job settings that `stage --job` passes to JoinJob only when given.
-JOB_FLAGS = ("mode", "q", "seed", "nodes", "ranks_per_node", "partition", "batch_size")
+JOB_FLAGS = ("mode", "q", "seed", "nodes", "ranks_per_node", "partition", "batch_size", "exchange_coding")
 
 
 def _rpc_reason(exc: grpc.RpcError) -> str:

@@ -37,6 +37,8 @@ from dataquay.server.node.client_stats import ClientStatsBook
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange import ExchangeReceiver, ExchangeRun, Exchanges
+from dataquay.server.node.exchange.coded import CodedProgress
+from dataquay.server.node.exchange.mcast import multicast_channel
 from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState, MetricsServer
 from dataquay.server.node.overflow import OverflowCounts
 from dataquay.server.node.peers import Peers
@@ -99,6 +101,8 @@ class Daemon(ServerLifecycle):
             self.exchanges = Exchanges(
                 config.node_name, self.store, self.datasets, self.placements, self.link, self.peers,
                 self.receiver, self.tasks.spawn, config.exchange_bandwidth, config.spare_copies_fill,
+                multicast_channel(config.exchange_multicast, config.exchange_multicast_interface),
+                self.credentials.token,
             )
             self.receiver.make_room = self.exchanges.make_room
         self.shm = ShmSegments()
@@ -309,6 +313,7 @@ async def serve(config: DaemonConfig) -> None:
 
 def exchange_state(run: ExchangeRun) -> ExchangeState:
     done = run.progress()
+    coded = run.coded or CodedProgress()
     return ExchangeState(
         epoch=run.epoch,
         total_samples=done.total_samples,
@@ -316,4 +321,7 @@ def exchange_state(run: ExchangeRun) -> ExchangeState:
         delivered_samples=done.delivered_samples,
         delivered_bytes=done.delivered_bytes,
         finished=run.finished,
+        coded_packets_sent=coded.packets_sent,
+        coded_bytes_sent=coded.bytes_sent,
+        coded_samples_decoded=coded.samples_decoded,
     )

@@ -81,6 +81,9 @@ class ExchangeState:
     delivered_samples: int
     delivered_bytes: int
     finished: bool
+    coded_packets_sent: int = 0
+    coded_bytes_sent: int = 0
+    coded_samples_decoded: int = 0
 
 
 class _StateCollector(Collector):
@@ -249,6 +252,14 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
             "dataquay_exchange_delivered_bytes", "Bytes the receivers acknowledged", labels=["job"]),
         "finished": GaugeMetricFamily(
             "dataquay_exchange_finished", "1 once the exchange has nothing left to send", labels=["job"]),
+        "coded_packets_sent": GaugeMetricFamily(
+            "dataquay_exchange_coded_packets_sent", "Packets and fetches the coded pass multicast from this node",
+            labels=["job"]),
+        "coded_bytes_sent": GaugeMetricFamily(
+            "dataquay_exchange_coded_bytes_sent", "Bytes of those packets and fetches", labels=["job"]),
+        "coded_samples_decoded": GaugeMetricFamily(
+            "dataquay_exchange_coded_samples_decoded", "Samples the coded pass decoded and committed here",
+            labels=["job"]),
     }
     for job, run in state.exchanges.items():
         for name, family in families.items():

@@ -20,6 +20,7 @@ from dataquay.server.errors import StandaloneError
 from dataquay.server.limits import ByteBudget
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange import ExchangeRun
+from dataquay.server.node.exchange.coded import CodedProgress
 from dataquay.server.node.metrics import LiveState
 from dataquay.server.node.placements import Placements
 from dataquay.server.node.replies import reply_chunks
@@ -278,6 +279,7 @@ def read_ahead(state: LiveState) -> pb.ReadAhead:
 
 def exchange_progress(run: ExchangeRun) -> pb.ExchangeProgress:
     done = run.progress()
+    coded = run.coded or CodedProgress()
     return pb.ExchangeProgress(
         job=run.job,
         epoch=run.epoch,
@@ -291,4 +293,8 @@ def exchange_progress(run: ExchangeRun) -> pb.ExchangeProgress:
         elapsed_seconds=run.elapsed,
         finished=run.finished,
         error=run.error,
+        coded_packets_sent=coded.packets_sent,
+        coded_bytes_sent=coded.bytes_sent,
+        coded_samples_decoded=coded.samples_decoded,
+        coded_note=coded.note,
     )

@@ -65,21 +65,8 @@ def setup(nodes: int, samples: int, mean_bytes: int, spares: int, scheme: str, s
         caches.append(np.union1d(owned, rng.choice(others, min(spares, len(others)), replace=False)))
     owners = balanced_owners(samples, nodes, rng)
     packets = coding.plan(coding.holder_bits(caches, samples), owners, scheme, sizes)
-    decoders = np.split(packets.decoders, packets.start[1:-1]) if len(packets) else []
-    # A sender that decodes a part of its own packet got that part by its fetch.
-    members = [frozenset(d.tolist()) - {int(sender)} for d, sender in zip(decoders, packets.senders, strict=True)]
-    members += [frozenset({int(packets.senders[p])}) for p in packets.fetch_packets]
-    send_nodes = np.concatenate([packets.senders, packets.fetch_sources]).astype(np.int64)
-    send_groups = np.zeros(len(members), dtype=np.int64)
-    numbering: dict[tuple[int, frozenset[int]], int] = {}
-    counts: dict[int, int] = {}
-    for i, (node, group) in enumerate(zip(send_nodes.tolist(), members, strict=True)):
-        key = (node, group)
-        if key not in numbering:
-            numbering[key] = counts.get(node, 0)
-            counts[node] = numbering[key] + 1
-        send_groups[i] = numbering[key]
-    return Setup(sizes, caches, owners, packets, send_nodes, send_groups, members)
+    sent = coding.streams(packets)
+    return Setup(sizes, caches, owners, packets, sent.senders, sent.groups, sent.members)
 
 
 @dataclass

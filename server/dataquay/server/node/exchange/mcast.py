@@ -55,6 +55,14 @@ class Channel:
     ttl: int = 1
 
 
+def multicast_channel(group_port: str, interface: str) -> Channel | None:
+    """The :class:`Channel` of ``--exchange-multicast`` (``GROUP:PORT``, checked by the config), None if empty."""
+    if not group_port:
+        return None
+    group, _, port = group_port.rpartition(":")
+    return Channel(group, int(port), interface)
+
+
 @dataclass
 class EndpointStats:
     """Counts of what an endpoint put on the wire: ``wire_bytes_sent`` counts first transmissions,
@@ -124,7 +132,7 @@ class MulticastEndpoint:
         self._session = random.getrandbits(63)
         self._groups: dict[int, wire.SendWindow] = {}
         self._resent_at: dict[tuple[int, int], float] = {}
-        self._expected: set[tuple[int, int]] = set()
+        self._expected: dict[tuple[int, int], asyncio.Queue[tuple[int, int, int, bytes]]] = {}
         self._logs: dict[tuple[int, int], wire.ReceiveLog] = {}
         self._since_ack: dict[tuple[int, int], int] = {}
         self._gap_acked_at: dict[tuple[int, int], float] = {}
@@ -202,15 +210,32 @@ class MulticastEndpoint:
     async def __aexit__(self, *exc: object) -> None:
         self.close()
 
-    def expect(self, sender: int, group: int) -> None:
-        """Accept ``sender``'s stream to ``group``, of which this node is a member."""
-        self._expected.add((sender, group))
+    def expect(self, sender: int, group: int, into: asyncio.Queue[tuple[int, int, int, bytes]] | None = None) -> None:
+        """Accept ``sender``'s stream to ``group``, of which this node is a member;
+        its packets go to ``into`` (default :attr:`ready`)."""
+        self._expected[(sender, group)] = self.ready if into is None else into
+
+    def forget(self, sender: int, group: int) -> None:
+        """Stops accepting ``sender``'s stream to ``group``."""
+        self._expected.pop((sender, group), None)
+        self._logs.pop((sender, group), None)
+        self._since_ack.pop((sender, group), None)
+        self._gap_acked_at.pop((sender, group), None)
 
     def open_group(self, group: int, members: frozenset[int]) -> None:
         """Declares this node's stream to ``group`` and who must acknowledge it."""
         if group in self._groups:
             raise ValueError(f"group {group} is open already")
         self._groups[group] = wire.SendWindow(members)
+
+    def close_group(self, group: int) -> None:
+        """Ends this node's stream to ``group``, acknowledged or not, and frees what it kept."""
+        if self._groups.pop(group, None) is not None:
+            self._resent_at = {key: at for key, at in self._resent_at.items() if key[0] != group}
+            self._sent_at.pop(group, None)
+            self._kept_bytes = sum(w.kept_bytes for w in self._groups.values())
+            self._room.set()
+            self._progress.set()
 
     async def send(self, group: int, packet_id: int, packet: bytes) -> None:
         """Multicasts ``packet`` to ``group``, waiting for window room and the rate cap.
@@ -239,9 +264,10 @@ class MulticastEndpoint:
         self.stats.packets_sent += 1
         self.stats.packet_bytes_sent += len(packet)
 
-    async def flush(self) -> None:
-        """Waits until every member of every group has acknowledged every datagram sent to it."""
-        while not all(window.done for window in self._groups.values()):
+    async def flush(self, groups: set[int] | None = None) -> None:
+        """Waits until every member of ``groups`` (default: every open group) has
+        acknowledged every datagram sent to it (a group closed meanwhile counts as done)."""
+        while not all(w.done for g, w in self._groups.items() if groups is None or g in groups):
             self._progress.clear()
             await self._progress.wait()
 
@@ -328,7 +354,8 @@ class MulticastEndpoint:
         stream = self._stream(fragment.sender, fragment.group, fragment.session, addr)
         if stream is None:
             return
-        if self.ready.qsize() >= self._max_ready and fragment.index == 0:
+        into = self._expected[(fragment.sender, fragment.group)]
+        if into.qsize() >= self._max_ready and fragment.index == 0:
             self.stats.datagrams_dropped_full += 1
             return
         if not stream.on_data(fragment.seq):
@@ -336,7 +363,7 @@ class MulticastEndpoint:
         packet = self._assembler.add(fragment)
         if packet is not None:
             self.stats.packets_received += 1
-            self.ready.put_nowait((fragment.sender, fragment.group, fragment.packet, packet))
+            into.put_nowait((fragment.sender, fragment.group, fragment.packet, packet))
         self.stats.corrupt_packets = self._assembler.corrupt
         key = (fragment.sender, fragment.group)
         self._since_ack[key] = self._since_ack.get(key, 0) + 1

@@ -153,6 +153,16 @@ class ExchangeReceiver:
                 if (left := commits.get_nowait()) is not None:
                     await self.store.space.release(left.reserved)
 
+    async def commit_decoded(self, db: str, writes: list[PendingWrite]) -> np.ndarray:
+        """Commits samples the coded pass decoded (their checksums already
+        checked) under a reservation of their room, as a stream's are; returns
+        their ids once committed."""
+        await self.store.open_dataset(db)
+        stored = await self._committed(db, await self._reserved(writes))
+        self.received_samples += len(stored)
+        self.received_bytes += sum(len(w.value) - CHECKSUM_BYTES for w in writes)
+        return stored
+
     async def _committed(self, db: str, taken: _Taken) -> np.ndarray:
         """The ids of ``taken`` once all are committed. What the cache could
         not take after all (LMDB found no run of free pages long enough) is

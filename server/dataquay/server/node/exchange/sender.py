@@ -53,6 +53,8 @@ from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.directory_link import DirectoryLink
+from dataquay.server.node.exchange.coded import CodedProgress, coded_pass
+from dataquay.server.node.exchange.mcast import Channel
 from dataquay.server.node.exchange.outbox import PENDING, REFUSED, UNAVAILABLE, Outbox, OutboxProgress
 from dataquay.server.node.exchange.positions import ReadPositions
 from dataquay.server.node.exchange.receiver import ExchangeReceiver
@@ -101,6 +103,8 @@ class ExchangeRun:
     error: str = ""
     #: Shipping to every receiver; cancelled when the job moves past ``epoch``.
     shipping: asyncio.Future[list[None]] | None = None
+    #: The coded pass, for a job whose exchange is coded.
+    coded: CodedProgress | None = None
 
     def progress(self) -> OutboxProgress:
         return self.outbox.progress()
@@ -118,6 +122,9 @@ class Exchanges:
         spawn: starts a background task owned by the daemon.
         bandwidth: cap on bytes sent per second, over all exchanges; 0 = none.
         spare_copies_fill: cache fill below which given-away samples are kept.
+        multicast: where coded passes travel (None: jobs with a coded
+            exchange exchange uncoded).
+        token: the cluster token that signs their datagrams.
     """
 
     def __init__(
@@ -132,6 +139,8 @@ class Exchanges:
         spawn: Spawn,
         bandwidth: int = 0,
         spare_copies_fill: float = 0.5,
+        multicast: Channel | None = None,
+        token: str = "",
     ) -> None:
         self.node_name = node_name
         self.store = store
@@ -145,6 +154,8 @@ class Exchanges:
         # ran would otherwise let a whole chunk pass above the cap.
         self.bucket = TokenBucket(bandwidth) if bandwidth else None
         self.spare_copies_fill = spare_copies_fill
+        self.multicast = multicast
+        self.token = token
         self.runs: dict[tuple[str, int], ExchangeRun] = {}
         self._tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._epochs: dict[str, int] = {}
@@ -237,6 +248,17 @@ class Exchanges:
             del self.runs[old]
         log.info("exchange started", extra={"fields": {
             "job": job_id, "epoch": epoch, "samples": len(give), "bytes": run.progress().total_bytes}})
+        coding = job.spec.exchange_coding or "none"
+        if coding != "none":
+            run.coded = CodedProgress()
+            if self.multicast is None:
+                run.coded.note = "this daemon has no --exchange-multicast: exchanged uncoded"
+            else:
+                await coded_pass(self.multicast, self.token, self.store, self.receiver, entry, job_id, coding, after,
+                                 run.coded)
+            log.info("coded exchange pass over", extra={"fields": {
+                "job": job_id, "epoch": epoch, "packets_sent": run.coded.packets_sent,
+                "bytes_sent": run.coded.bytes_sent, "decoded": run.coded.samples_decoded, "note": run.coded.note}})
         limit = asyncio.Semaphore(PARALLEL_RECEIVERS)
         dropper = asyncio.get_running_loop().create_task(self._drop_as_read(entry, run))
         try:

@@ -1,0 +1,204 @@
+"""The coded pass of a job's exchange (``--exchange-coding coded|uber``), before its uncoded streams.
+
+Every node of the job freezes the ids of the dataset it caches, multicasts
+that snapshot to the others and, once it has everyone's, plans the same
+packets (:func:`.coding.plan`) from the same caches and new owners. It then
+multicasts the packets it sends (fetching first, from the node the plan
+names, the one part it lacks), and decodes from the packets it receives the
+samples it owns next and lacks. A packet is the XOR of whole cache values,
+so a decoded value carries its own xxh3 and is checked like any other
+before the store commits it, under a reservation of its room.
+
+The pass is an optimisation only: whatever it does not deliver (a peer
+that is down, restarted, or late beyond the timeouts; a part deleted since
+its snapshot) the uncoded streams that follow ship, and their offers learn
+what the receivers already hold, so nothing is sent twice. The uncoded
+exchange's guarantees therefore hold unchanged: the old owner deletes only
+what the new owner acknowledged as committed, and a restarted daemon redoes
+its part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from dataquay.client.records import CHECKSUM_BYTES, decode_value
+from dataquay.server.node.exchange import coding
+from dataquay.server.node.exchange.mcast import Channel, MulticastEndpoint
+from dataquay.server.node.exchange.receiver import ExchangeReceiver
+from dataquay.server.node.placements import Placement
+from dataquay.server.node.store import Store
+from dataquay.server.node.write_queue import PendingWrite
+from dataquay.server.registry import Registered
+
+log = logging.getLogger("dataquay.exchange")
+
+#: How long a node waits for every peer's snapshot before it leaves the exchange to the uncoded streams.
+SNAPSHOT_SECONDS = 20.0
+#: How long the packets may take once planned, before the uncoded streams take over.
+PASS_SECONDS = 60.0
+#: Decoded samples committed together.
+COMMIT_BATCH = 64
+#: Group ids: the low bits number one pass's groups, the high ones tell passes apart.
+_PASS_BITS = 20
+
+
+@dataclass
+class CodedProgress:
+    """One node's coded pass.
+
+    Attributes:
+        packets_sent: packets and fetches this node multicast.
+        bytes_sent: their bytes (a packet as long as its longest part).
+        samples_decoded: samples this node decoded, checked and committed.
+        note: why the pass ended early or did not run, if it did.
+    """
+
+    packets_sent: int = 0
+    bytes_sent: int = 0
+    samples_decoded: int = 0
+    note: str = ""
+
+
+def pass_base(job: str, epoch: int) -> int:
+    """The first group id of a job's pass into ``epoch``: its snapshots' group."""
+    return (xxhash.xxh3_64_intdigest(f"{job}/{epoch}".encode()) % ((1 << (32 - _PASS_BITS)) - 1)) << _PASS_BITS
+
+
+async def coded_pass(channel: Channel, token: str, store: Store, receiver: ExchangeReceiver, entry: Registered,
+                     job: str, scheme: str, after: Placement, progress: CodedProgress) -> None:
+    """Runs this node's part of the coded pass into ``after``'s epoch (module docstring) on an
+    endpoint of its own (its node id is this node's rank in the job); never raises for a peer."""
+    try:
+        async with MulticastEndpoint(after.node_index, channel, token) as endpoint:
+            await _coded_pass(endpoint, store, receiver, entry, job, scheme, after, progress)
+    except OSError as exc:
+        progress.note = f"multicast on {channel.group}:{channel.port} via {channel.interface} failed: {exc}"
+
+
+async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeReceiver, entry: Registered,
+                      job: str, scheme: str, after: Placement, progress: CodedProgress) -> None:
+    me, nodes = after.node_index, len(after.nodes)
+    base = pass_base(job, after.epoch)
+    db, num_samples = entry.record.cache_db, entry.manifest.num_samples
+    inbox: asyncio.Queue[tuple[int, int, int, bytes]] = asyncio.Queue()
+    peers = [m for m in range(nodes) if m != me]
+    opened: set[int] = set()
+    expected: list[tuple[int, int]] = []
+    try:
+        mine = np.packbits(store.cached_mask(db, np.arange(num_samples, dtype=np.int64))).tobytes()
+        for peer in peers:
+            endpoint.expect(peer, base, inbox)
+            expected.append((peer, base))
+        endpoint.open_group(base, frozenset(peers))
+        opened.add(base)
+        await endpoint.send(base, me, mine)
+        snapshots = {me: mine}
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(SNAPSHOT_SECONDS):
+                while len(snapshots) < nodes:
+                    sender, _, _, snapshot = await inbox.get()
+                    snapshots[sender] = snapshot
+        if len(snapshots) < nodes:
+            progress.note = f"{nodes - len(snapshots)} peers sent no snapshot within {SNAPSHOT_SECONDS:.0f} s"
+            return
+        caches = [np.flatnonzero(np.unpackbits(np.frombuffer(snapshots[m], np.uint8))[:num_samples])
+                  for m in range(nodes)]
+        sizes = entry.manifest.sample_length.astype(np.int64) + CHECKSUM_BYTES
+        started = time.monotonic()
+        packets = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: coding.plan(coding.holder_bits(caches, num_samples), after.owners, scheme, sizes))
+        log.info("coded exchange planned", extra={"fields": {
+            "job": job, "epoch": after.epoch, "scheme": scheme, "packets": len(packets),
+            "plan_seconds": round(time.monotonic() - started, 3)}})
+        sent = coding.streams(packets)
+        sends = np.flatnonzero(sent.senders == me).tolist()
+        for group, members in {int(sent.groups[i]): sent.members[i] for i in sends}.items():
+            endpoint.open_group(base + 1 + group, members)
+            opened.add(base + 1 + group)
+        receiving = [i for i, m in enumerate(sent.members) if me in m and sent.senders[i] != coding.PFS]
+        for i in receiving:
+            key = (int(sent.senders[i]), base + 1 + int(sent.groups[i]))
+            endpoint.expect(*key, inbox)
+            expected.append(key)
+        async with asyncio.timeout(PASS_SECONDS):
+            await _run(endpoint, store, receiver, entry, packets, sent, base, me, sends, len(receiving), inbox,
+                       progress)
+    except TimeoutError:
+        progress.note = f"packets still missing after {PASS_SECONDS:.0f} s"
+    finally:
+        for key in expected:
+            endpoint.forget(*key)
+        for group in opened:
+            endpoint.close_group(group)
+
+
+async def _run(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeReceiver, entry: Registered,
+               packets: coding.Packets, sent: coding.Streams, base: int, me: int, sends: list[int], expect: int,
+               inbox: asyncio.Queue[tuple[int, int, int, bytes]], progress: CodedProgress) -> None:
+    db, num_packets = entry.record.cache_db, len(packets)
+    lengths = entry.manifest.sample_length.astype(np.int64) + CHECKSUM_BYTES
+    fetched = {int(p): asyncio.Event() for p in packets.fetch_packets if packets.senders[p] == me}
+    parts_of: dict[int, bytes] = {}
+    name = db.encode()
+    pending: list[PendingWrite] = []
+
+    async def commit(force: bool = False) -> None:
+        if pending and (force or len(pending) >= COMMIT_BATCH):
+            stored = await receiver.commit_decoded(db, list(pending))
+            progress.samples_decoded += len(stored)
+            pending.clear()
+
+    def decoded(sample: int, value: bytes) -> None:
+        if decode_value(value) is None:
+            receiver.bad_checksums += 1
+            return
+        pending.append(PendingWrite(name, sample, value, reserved=True))
+
+    async def send_all() -> None:
+        # Fetches first, then packets that wait on none: a wait on a peer's fetch never blocks its own.
+        for i in sorted(sends, key=lambda i: (i < num_packets, i in fetched)):
+            if i >= num_packets:
+                value = store.get_values(db, [int(packets.fetch_samples[i - num_packets])])[0]
+            else:
+                if i in fetched:
+                    await fetched[i].wait()
+                ids = packets.samples[packets.start[i]:packets.start[i + 1]].tolist()
+                held = [parts_of.get(sample, v) for sample, v in zip(ids, store.get_values(db, ids), strict=True)]
+                values = [v for v in held if v is not None]
+                value = coding.xor_encode(values) if len(values) == len(held) else None
+            if value is None:
+                continue  # deleted since the snapshot: the uncoded streams deliver it
+            await endpoint.send(base + 1 + int(sent.groups[i]), i, value)
+            progress.packets_sent += 1
+            progress.bytes_sent += len(value)
+        await endpoint.flush({base + 1 + int(sent.groups[i]) for i in sends})
+
+    async def receive_all() -> None:
+        for _ in range(expect):
+            _, _, i, packet = await inbox.get()
+            if i >= num_packets:
+                fetch = i - num_packets
+                sample = int(packets.fetch_samples[fetch])
+                parts_of[sample] = packet
+                decoded(sample, packet)
+                fetched[int(packets.fetch_packets[fetch])].set()
+            else:
+                lo, hi = int(packets.start[i]), int(packets.start[i + 1])
+                parts, decoders = packets.samples[lo:hi].tolist(), packets.decoders[lo:hi].tolist()
+                own = parts[decoders.index(me)]
+                others = store.get_values(db, [p for p in parts if p != own])
+                known = [v for v in others if v is not None]
+                if len(known) == len(others):
+                    decoded(own, coding.xor_decode(packet, known, int(lengths[own])))
+            await commit()
+        await commit(force=True)
+
+    await asyncio.gather(send_all(), receive_all())
