@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
+from polling import wait_until
 from test_exchange import JOB, NODES, SAMPLES, SIZES, Nodes, staged
 
 from dataquay.client.jobs import job_plan
@@ -53,5 +55,32 @@ def test_a_coded_exchange_delivers_every_moved_sample_and_the_streams_send_only_
         # The streams only carry what a receiver had not committed yet when they offered it.
         assert sum(run.sent_bytes for run in runs) < moved
         assert sum(s.exchange_received_bytes for s in nodes.stats()) >= moved
+    finally:
+        nodes.close()
+
+
+@pytest.mark.slow
+def test_a_daemon_down_during_the_coded_pass_gets_its_share_from_the_streams_after_its_restart(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    local = staged(cluster, tmp_path, ["--mode", "partial", "--q", "1", "--exchange-coding", "coded"],
+                   "--exchange-multicast", multicast_group())
+    nodes = Nodes(local)
+    try:
+        manifest = Manifest(b"".join(c.data for c in nodes.stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
+        job = nodes.stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=JOB), must_exist=True))
+        after = owners(job_plan(job, manifest), 1, owners(job_plan(job, manifest), 0))
+        local.kill_node(1)
+        nodes.report(0, (0, 2, 3))
+        wait_until(lambda: all((run := nodes.exchange(m, 1)) is not None and run.coded_note for m in (0, 2, 3)),
+                   "the others gave up waiting for node 1's snapshot", poll=0.2)
+        local.restart_node(1)
+        nodes.refresh(1)
+        nodes.report(0, (1,))
+        runs = nodes.wait_exchanged(1)
+        assert all("snapshot" in run.coded_note for run in runs)
+        for m in range(NODES):
+            nodes.read(m, np.flatnonzero(after == m))
+            assert nodes.holds(m, np.flatnonzero(after == m)).all()
     finally:
         nodes.close()

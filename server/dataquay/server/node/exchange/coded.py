@@ -30,6 +30,7 @@ import numpy as np
 import xxhash
 
 from dataquay.client.records import CHECKSUM_BYTES, decode_value
+from dataquay.server.errors import DataquayError
 from dataquay.server.node.exchange import coding
 from dataquay.server.node.exchange.mcast import Channel, MulticastEndpoint
 from dataquay.server.node.exchange.receiver import ExchangeReceiver
@@ -73,14 +74,17 @@ def pass_base(job: str, epoch: int) -> int:
 
 
 async def coded_pass(channel: Channel, token: str, store: Store, receiver: ExchangeReceiver, entry: Registered,
-                     job: str, scheme: str, after: Placement, progress: CodedProgress) -> None:
+                     job: str, scheme: str, after: Placement, progress: CodedProgress, rate: int = 0) -> None:
     """Runs this node's part of the coded pass into ``after``'s epoch (module docstring) on an
-    endpoint of its own (its node id is this node's rank in the job); never raises for a peer."""
+    endpoint of its own (its node id is this node's rank in the job), multicasting at most
+    ``rate`` bytes/s (0: uncapped). Never raises but for cancellation: what it leaves, the streams ship."""
     try:
-        async with MulticastEndpoint(after.node_index, channel, token) as endpoint:
+        async with MulticastEndpoint(after.node_index, channel, token, rate=rate or None) as endpoint:
             await _coded_pass(endpoint, store, receiver, entry, job, scheme, after, progress)
     except OSError as exc:
         progress.note = f"multicast on {channel.group}:{channel.port} via {channel.interface} failed: {exc}"
+    except DataquayError as exc:
+        progress.note = f"stopped: {exc}"
 
 
 async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeReceiver, entry: Registered,

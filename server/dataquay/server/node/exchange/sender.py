@@ -153,6 +153,7 @@ class Exchanges:
         # A tenth of a second of burst: a bucket that filled while no exchange
         # ran would otherwise let a whole chunk pass above the cap.
         self.bucket = TokenBucket(bandwidth) if bandwidth else None
+        self.bandwidth = bandwidth
         self.spare_copies_fill = spare_copies_fill
         self.multicast = multicast
         self.token = token
@@ -255,7 +256,7 @@ class Exchanges:
                 run.coded.note = "this daemon has no --exchange-multicast: exchanged uncoded"
             else:
                 await coded_pass(self.multicast, self.token, self.store, self.receiver, entry, job_id, coding, after,
-                                 run.coded)
+                                 run.coded, self.bandwidth)
             log.info("coded exchange pass over", extra={"fields": {
                 "job": job_id, "epoch": epoch, "packets_sent": run.coded.packets_sent,
                 "bytes_sent": run.coded.bytes_sent, "decoded": run.coded.samples_decoded, "note": run.coded.note}})
