@@ -47,6 +47,8 @@ SNAPSHOT_SECONDS = 20.0
 PASS_SECONDS = 60.0
 #: Decoded samples committed together.
 COMMIT_BATCH = 64
+#: Batches handed to the store and not yet committed, at most (with the store's reservations, what caps memory).
+COMMITS_IN_FLIGHT = 4
 #: Group ids: the low bits number one pass's groups, the high ones tell passes apart.
 _PASS_BITS = 20
 
@@ -78,6 +80,8 @@ async def coded_pass(channel: Channel, token: str, store: Store, receiver: Excha
     """Runs this node's part of the coded pass into ``after``'s epoch (module docstring) on an
     endpoint of its own (its node id is this node's rank in the job), multicasting at most
     ``rate`` bytes/s (0: uncapped). Never raises but for cancellation: what it leaves, the streams ship."""
+    key = (job, after.epoch)
+    over = receiver.coded_passes[key] = asyncio.Event()
     try:
         async with MulticastEndpoint(after.node_index, channel, token, rate=rate or None) as endpoint:
             await _coded_pass(endpoint, store, receiver, entry, job, scheme, after, progress)
@@ -85,6 +89,10 @@ async def coded_pass(channel: Channel, token: str, store: Store, receiver: Excha
         progress.note = f"multicast on {channel.group}:{channel.port} via {channel.interface} failed: {exc}"
     except DataquayError as exc:
         progress.note = f"stopped: {exc}"
+    finally:
+        over.set()
+        if receiver.coded_passes.get(key) is over:
+            del receiver.coded_passes[key]
 
 
 async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeReceiver, entry: Registered,
@@ -154,10 +162,21 @@ async def _run(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeRece
     name = db.encode()
     pending: list[PendingWrite] = []
 
-    async def commit(force: bool = False) -> None:
-        if pending and (force or len(pending) >= COMMIT_BATCH):
-            stored = await receiver.commit_decoded(db, list(pending))
+    commits: list[asyncio.Task[None]] = []
+    in_flight = asyncio.Semaphore(COMMITS_IN_FLIGHT)
+
+    async def committed(writes: list[PendingWrite]) -> None:
+        try:
+            stored = await receiver.commit_decoded(db, writes)
             progress.samples_decoded += len(stored)
+        finally:
+            in_flight.release()
+
+    async def commit(force: bool = False) -> None:
+        """Hands a batch to the store without waiting for its commit (the store syncs in large transactions)."""
+        if pending and (force or len(pending) >= COMMIT_BATCH):
+            await in_flight.acquire()
+            commits.append(asyncio.create_task(committed(list(pending))))
             pending.clear()
 
     def decoded(sample: int, value: bytes) -> None:
@@ -202,7 +221,14 @@ async def _run(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeRece
                 known = [v for v in others if v is not None]
                 if len(known) == len(others):
                     decoded(own, coding.xor_decode(packet, known, int(lengths[own])))
+
             await commit()
         await commit(force=True)
 
-    await asyncio.gather(send_all(), receive_all())
+    try:
+        await asyncio.gather(send_all(), receive_all())
+        await asyncio.gather(*commits)
+    finally:
+        for task in commits:
+            task.cancel()
+        await asyncio.gather(*commits, return_exceptions=True)

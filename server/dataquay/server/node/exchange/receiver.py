@@ -102,6 +102,8 @@ class ExchangeReceiver:
         self.make_room: Callable[[int], Awaitable[int]] | None = None
         self._readers: set[asyncio.Task[None]] = set()
         self._closing = False
+        #: Coded passes into this node under way, by (job, epoch): an offer waits for its pass to end.
+        self.coded_passes: dict[tuple[str, int], asyncio.Event] = {}
 
     def close(self) -> None:
         """Ends every stream at the next message: a sender waiting for its
@@ -125,6 +127,10 @@ class ExchangeReceiver:
         offer = first.offer
         entry, offered, placement = await self._accept(offer)
         db, sizes = entry.record.cache_db, entry.manifest.sample_length
+        coding = self.coded_passes.get((offer.job, int(offer.epoch)))
+        if coding is not None:
+            # What the pass decodes would otherwise be sent again, uncommitted when this offer asks.
+            await coding.wait()
         async with self.holding:
             self.offered_epochs[offer.job] = max(self.offered_epochs.get(offer.job, 0), int(offer.epoch))
             held = offered[self.store.cached_mask(db, offered)]
