@@ -32,7 +32,7 @@ import xxhash
 from dataquay.client.records import CHECKSUM_BYTES, decode_value
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.exchange import coding
-from dataquay.server.node.exchange.mcast import Channel, MulticastEndpoint
+from dataquay.server.node.exchange.mcast import Channel, MulticastEndpoint, interface_mtu, payload_bytes
 from dataquay.server.node.exchange.receiver import ExchangeReceiver
 from dataquay.server.node.placements import Placement
 from dataquay.server.node.store import Store
@@ -83,7 +83,8 @@ async def coded_pass(channel: Channel, token: str, store: Store, receiver: Excha
     key = (job, after.epoch)
     over = receiver.coded_passes[key] = asyncio.Event()
     try:
-        async with MulticastEndpoint(after.node_index, channel, token, rate=rate or None) as endpoint:
+        payload = payload_bytes(interface_mtu(channel.interface), token)
+        async with MulticastEndpoint(after.node_index, channel, token, payload, rate=rate or None) as endpoint:
             await _coded_pass(endpoint, store, receiver, entry, job, scheme, after, progress)
     except OSError as exc:
         progress.note = f"multicast on {channel.group}:{channel.port} via {channel.interface} failed: {exc}"

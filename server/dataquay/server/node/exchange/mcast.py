@@ -17,6 +17,7 @@ which the sender then resends, so memory stays capped at both ends.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import random
 import socket
@@ -36,6 +37,10 @@ log = logging.getLogger("dataquay.exchange.mcast")
 ACK_EVERY = 32
 #: Receive buffer asked of the kernel: bursts of a window's datagrams must fit.
 RECEIVE_BUFFER_BYTES = 8 << 20
+ETHERNET_MTU = 1500
+#: IPv4 and UDP headers; the largest IPv4 datagram.
+IP_UDP_BYTES, MAX_DATAGRAM = 28, 65535
+_SIOCGIFADDR, _SIOCGIFMTU = 0x8915, 0x8921
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,26 @@ class Channel:
     port: int
     interface: str = "127.0.0.1"
     ttl: int = 1
+
+
+def interface_mtu(address: str) -> int:
+    """The MTU of the interface that has ``address`` (Linux), else Ethernet's 1500."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                found = socket.inet_ntoa(fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)[20:24])
+                if found == address:
+                    return int(struct.unpack_from("i", fcntl.ioctl(probe.fileno(), _SIOCGIFMTU, request), 16)[0])
+            except OSError:
+                continue
+    return ETHERNET_MTU
+
+
+def payload_bytes(mtu: int, token: str) -> int:
+    """Packet bytes per datagram that fit ``mtu`` with IPv4, UDP, our header and signature (and UDP's limit)."""
+    room = min(mtu, MAX_DATAGRAM) - IP_UDP_BYTES - wire.DATA_HEADER_BYTES - (auth.DIGEST_BYTES if token else 0)
+    return max(room, 512)
 
 
 def multicast_channel(group_port: str, interface: str) -> Channel | None:
