@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dataquay.server.node.exchange import mcast_wire as wire
+from dataquay.server.node.exchange.mcast import payload_bytes
 
 PORT = 47016
 
@@ -62,6 +63,12 @@ def test_datagrams_round_trip_and_malformed_ones_are_refused() -> None:
             wire.decode(bad)
     assert list(wire.fragments(b"abcdefg", 3)) == [(0, 3, b"abc"), (1, 3, b"def"), (2, 3, b"g")]
     assert list(wire.fragments(b"", 3)) == [(0, 1, b"")]
+
+
+def test_a_datagram_fills_the_mtu_less_the_headers_and_never_passes_udps_limit() -> None:
+    assert payload_bytes(9000, "") == 9000 - 28 - wire.DATA_HEADER_BYTES
+    assert payload_bytes(1500, "t0k3n") == 1500 - 28 - wire.DATA_HEADER_BYTES - 32
+    assert payload_bytes(65536, "") == 65535 - 28 - wire.DATA_HEADER_BYTES
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:
