@@ -49,6 +49,8 @@ PASS_SECONDS = 60.0
 COMMIT_BATCH = 64
 #: Batches handed to the store and not yet committed, at most (with the store's reservations, what caps memory).
 COMMITS_IN_FLIGHT = 4
+#: Whole packets received and not yet decoded, at most; more are dropped and resent.
+READY_PACKETS = 2 * COMMIT_BATCH
 #: Group ids: the low bits number one pass's groups, the high ones tell passes apart.
 _PASS_BITS = 20
 
@@ -84,7 +86,8 @@ async def coded_pass(channel: Channel, token: str, store: Store, receiver: Excha
     over = receiver.coded_passes[key] = asyncio.Event()
     try:
         payload = payload_bytes(interface_mtu(channel.interface), token)
-        async with MulticastEndpoint(after.node_index, channel, token, payload, rate=rate or None) as endpoint:
+        async with MulticastEndpoint(after.node_index, channel, token, payload, rate=rate or None,
+                                     max_ready=READY_PACKETS) as endpoint:
             await _coded_pass(endpoint, store, receiver, entry, job, scheme, after, progress)
     except OSError as exc:
         progress.note = f"multicast on {channel.group}:{channel.port} via {channel.interface} failed: {exc}"
@@ -103,6 +106,8 @@ async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: Excha
     db, num_samples = entry.record.cache_db, entry.manifest.num_samples
     inbox: asyncio.Queue[tuple[int, int, int, bytes]] = asyncio.Queue()
     peers = [m for m in range(nodes) if m != me]
+    if not peers:
+        return
     opened: set[int] = set()
     expected: list[tuple[int, int]] = []
     try:
