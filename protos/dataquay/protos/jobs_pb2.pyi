@@ -17,20 +17,22 @@ NODE_UP: NodeState
 NODE_DOWN: NodeState
 
 class NodeInfo(_message.Message):
-    __slots__ = ("name", "tcp_address", "metrics_address", "cache_capacity", "pid", "version")
+    __slots__ = ("name", "tcp_address", "metrics_address", "cache_capacity", "pid", "version", "bulk_address")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TCP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CACHE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    BULK_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     name: str
     tcp_address: str
     metrics_address: str
     cache_capacity: int
     pid: int
     version: str
-    def __init__(self, name: _Optional[str] = ..., tcp_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., cache_capacity: _Optional[int] = ..., pid: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    bulk_address: str
+    def __init__(self, name: _Optional[str] = ..., tcp_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., cache_capacity: _Optional[int] = ..., pid: _Optional[int] = ..., version: _Optional[str] = ..., bulk_address: _Optional[str] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("info", "state", "registered_unix", "last_heartbeat_unix", "cache_used_bytes", "cache_entries")

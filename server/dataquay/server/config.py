@@ -365,6 +365,10 @@ class DaemonConfig(ServerConfig):
     listen: str = _option(
         "127.0.0.1:7070", "TCP HOST:PORT for peers and remote tools; port 0 picks a free port"
     )
+    bulk_listen: str = _option(
+        "", "TCP HOST:PORT of the bulk data path that peers read payloads over (same token and TLS as "
+        "--listen); empty takes a free port on --listen's host, 'off' has peers read over gRPC"
+    )
     cache_dir: Path = _option(
         lambda: _home_dir("XDG_CACHE_HOME", ".cache") / "cache",
         "directory of the LMDB cache; put it on the node-local SSD",

@@ -49,6 +49,7 @@ class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
             cache_capacity=n.cache_capacity,
             pid=n.pid,
             version=n.version,
+            bulk_address=reachable(n.bulk_address, peer) if n.bulk_address else "",
         )
         async with status_on_error(context):
             await self.server.register_node(info)
@@ -147,7 +148,7 @@ def node_status(node: Node) -> jpb.NodeStatus:
     return jpb.NodeStatus(
         info=jpb.NodeInfo(
             name=i.name, tcp_address=i.tcp_address, metrics_address=i.metrics_address,
-            cache_capacity=i.cache_capacity, pid=i.pid, version=i.version,
+            cache_capacity=i.cache_capacity, pid=i.pid, version=i.version, bulk_address=i.bulk_address,
         ),
         state=jpb.NODE_UP if node.up else jpb.NODE_DOWN,
         registered_unix=node.registered,

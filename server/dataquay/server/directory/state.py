@@ -61,6 +61,7 @@ class NodeInfo:
     cache_capacity: int = 0
     pid: int = 0
     version: str = ""
+    bulk_address: str = ""
 
 
 @dataclass
@@ -490,6 +491,8 @@ def _check_node(info: NodeInfo) -> None:
         )
     if not _ADDRESS.match(info.tcp_address):
         raise InvalidRequestError(f"node {info.name!r}: bad tcp address {info.tcp_address!r}, expected HOST:PORT")
+    if info.bulk_address and not _ADDRESS.match(info.bulk_address):
+        raise InvalidRequestError(f"node {info.name!r}: bad bulk address {info.bulk_address!r}, expected HOST:PORT")
     if info.metrics_address and not _ADDRESS.match(info.metrics_address):
         raise InvalidRequestError(
             f"node {info.name!r}: bad metrics address {info.metrics_address!r}, expected HOST:PORT"

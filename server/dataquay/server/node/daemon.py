@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
@@ -33,6 +34,9 @@ from dataquay.server.errors import StartupError
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.limits import SERVED_BYTES_PER_PEER, ByteBudgets
 from dataquay.server.listen import advertised_host, bind_tcp, claim_socket_path
+from dataquay.server.node.bulk.client import BulkClient
+from dataquay.server.node.bulk.server import BulkServer
+from dataquay.server.node.bulk.tls import BulkTls
 from dataquay.server.node.client_stats import ClientStatsBook
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.directory_link import DirectoryLink
@@ -85,7 +89,8 @@ class Daemon(ServerLifecycle):
         self.datasets = Datasets(
             self.registry, self.store, self.tasks, self.link, config.dataset_roots, config.max_sample_size
         )
-        self.peers = Peers(config.peer_timeout, self.credentials)
+        tls = BulkTls.from_files(config.tls_ca, config.tls_cert, config.tls_key)
+        self.peers = Peers(config.peer_timeout, self.credentials, BulkClient(self.credentials.token, tls.client))
         self.placements = (
             Placements(self.link, config.node_name, config.state_dir) if self.link is not None else None
         )
@@ -105,6 +110,11 @@ class Daemon(ServerLifecycle):
                 self.credentials.token,
             )
             self.receiver.make_room = self.exchanges.make_room
+        self.bulk: BulkServer | None = None
+        if config.bulk_listen != "off":
+            self.bulk = BulkServer(self.credentials.token, tls.server, self._bulk_request, self.store,
+                                   self.metrics.count_peer_served)
+        self.bulk_address = ""
         self.shm = ShmSegments()
         self.prep_groups = PrepGroups(self.pid)
         #: What the Reads of each remote host hold at once (see ReadService.read).
@@ -131,6 +141,7 @@ class Daemon(ServerLifecycle):
                 await self.store.open_dataset(self.registry.get(name).record.cache_db)
             self._start_metrics()
             await self._start_server()
+            self._start_bulk()
         except BaseException:
             await self.close()
             raise
@@ -148,6 +159,7 @@ class Daemon(ServerLifecycle):
             "node": self.config.node_name,
             "socket": str(self.config.socket),
             "tcp": self.tcp_address,
+            "bulk": self.bulk_address,
             "metrics_port": self.metrics_port,
             "metrics_address": self.metrics_address,
             "cache_dir": str(self.store.path),
@@ -192,6 +204,26 @@ class Daemon(ServerLifecycle):
             except (LookupError, OSError) as exc:
                 raise StartupError(f"cannot give socket {sock} to group {self.config.socket_group!r}: {exc}") from exc
 
+    def _start_bulk(self) -> None:
+        if self.bulk is None:
+            return
+        listen = self.config.bulk_listen or f"{self.config.listen.rpartition(':')[0]}:0"
+        host, _, port = listen.rpartition(":")
+        if not port.isdigit():
+            raise StartupError(f"bad --bulk-listen {listen}: expected HOST:PORT or 'off'")
+        try:
+            bound = self.bulk.bind(host.strip("[]") or "0.0.0.0", int(port))
+        except OSError as exc:
+            raise StartupError(f"cannot listen for bulk data on {listen}: {exc.strerror}") from exc
+        self.bulk_address = f"{advertised_host(host)}:{bound}"
+        self.tasks.spawn(self.bulk.serve(), "bulk-listener")
+
+    async def _bulk_request(self, dataset: str, manifest_id: str, ids: np.ndarray) -> str:
+        """Checks a bulk read as a gRPC Read is checked; the cache database to answer it from."""
+        entry = await self.reads.entry(dataset, ids, manifest_id)
+        await self.store.open_dataset(entry.record.cache_db)
+        return entry.record.cache_db
+
     async def close(self, grace: float = 10.0) -> None:
         """Staged shutdown; safe to call twice and after a failed start."""
         if not self._started:
@@ -204,6 +236,8 @@ class Daemon(ServerLifecycle):
         if self._server is not None:
             await self._server.stop(grace)
         await self.tasks.close()
+        if self.bulk is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.bulk.close)
         if self.store.is_open:
             await self._commit_queued()
         await self.store_tasks.close()
@@ -259,6 +293,7 @@ class Daemon(ServerLifecycle):
         return jpb.NodeInfo(
             name=self.config.node_name,
             tcp_address=self.tcp_address,
+            bulk_address=self.bulk_address,
             metrics_address=self.metrics_address,
             cache_capacity=self.store.capacity,
             pid=self.pid,

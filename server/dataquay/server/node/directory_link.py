@@ -193,6 +193,11 @@ class DirectoryLink:
         status = self.nodes.get(node)
         return status.info.tcp_address if status is not None else ""
 
+    def bulk_address_of(self, node: str) -> str:
+        """The node's bulk data path address as last listed; "" for none (an older daemon, or off)."""
+        status = self.nodes.get(node)
+        return status.info.bulk_address if status is not None else ""
+
     def registered_at(self, node: str) -> float:
         """When the node's daemon last registered, as the directory listed it (0 if unlisted)."""
         status = self.nodes.get(node)

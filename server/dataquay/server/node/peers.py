@@ -12,6 +12,13 @@ that do not add up to the sample the manifest describes count as a failure.
 The fetches from one peer share a byte budget (FETCHED_BYTES_PER_PEER): a
 fetch waits for its bytes before it asks, so that however many calls need
 the same peer, what they have asked for and not yet received stays bounded.
+
+A peer that advertises a bulk address is read over the bulk data path
+(:mod:`dataquay.server.node.bulk`), each payload handed to ``arrived`` as it
+lands; a peer without one (an older daemon), or one whose bulk connection
+fails for any reason but its deadline, is read over gRPC, and its bulk
+address is left alone for BULK_RETRY_SECONDS. A bulk read that misses its
+deadline or is refused counts as the peer's failure, as a gRPC one does.
 """
 
 from __future__ import annotations
@@ -31,11 +38,15 @@ from dataquay.client.security import Credentials
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.limits import FETCHED_BYTES_PER_PEER, ByteBudgets
+from dataquay.server.node.bulk.client import Arrived, BulkClient, BulkRefusedError, BulkTimeoutError
+from dataquay.server.node.bulk.frames import BulkError
 
 log = logging.getLogger("dataquay.peers")
 
 #: First and longest time a failed peer is set aside.
 BACKOFF_SECONDS = (1.0, 30.0)
+#: How long a bulk address that failed is left for gRPC.
+BULK_RETRY_SECONDS = 30.0
 
 
 @dataclass
@@ -61,9 +72,17 @@ class PeerHealth:
 class Peers:
     """Channels to the other daemons and their health, keyed by node name."""
 
-    def __init__(self, timeout: float, credentials: Credentials = Credentials()) -> None:
+    def __init__(
+        self, timeout: float, credentials: Credentials = Credentials(), bulk: BulkClient | None = None
+    ) -> None:
         self.timeout = timeout
         self.credentials = credentials
+        self.bulk = bulk
+        self.bulk_samples = 0
+        self.bulk_bytes = 0
+        #: Bulk reads that failed and went over gRPC instead.
+        self.bulk_fallbacks = 0
+        self._bulk_off_until: dict[str, float] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, cache_pb2_grpc.CacheStub] = {}
         self._addresses: dict[str, str] = {}
@@ -76,15 +95,17 @@ class Peers:
 
     async def fetch(
         self, node: str, address: str, dataset: str, manifest_id: str, ids: np.ndarray, lengths: np.ndarray,
-        registered: float = 0.0,
-    ) -> dict[int, tuple[bytes, int]]:
+        registered: float = 0.0, bulk_address: str = "", arrived: Arrived | None = None,
+    ) -> dict[int, tuple[bytes | memoryview, int]]:
         """The samples of ``ids`` that ``node`` holds: id -> (payload, checksum).
 
         ``lengths`` are the payload lengths of the dataset's samples (by id),
         as the manifest has them. ``registered`` is when the directory says
-        the peer's daemon registered. Never raises for a peer's failure: what
-        did not arrive intact is simply absent from the result, for the
-        caller to read elsewhere.
+        the peer's daemon registered; ``bulk_address`` where its bulk listener
+        is ("" for none). ``arrived`` is called with each payload as it lands
+        over the bulk path (the result holds them too). Never raises for a
+        peer's failure: what did not arrive intact is simply absent from the
+        result, for the caller to read elsewhere.
         """
         health = self._health.setdefault(node, PeerHealth(node))
         if registered > health.registered:
@@ -96,17 +117,52 @@ class Peers:
         budget = self._fetching.get(node)
         await budget.take(nbytes)
         try:
+            if bulk_address and self.bulk is not None and time.monotonic() >= self._bulk_off_until.get(bulk_address, 0):
+                got = await self._fetch_bulk(health, bulk_address, dataset, manifest_id, ids, lengths, nbytes, arrived)
+                if got is not None:
+                    return got
             return await self._fetch(health, address, dataset, manifest_id, ids, lengths, nbytes)
         finally:
             budget.give(nbytes)
 
+    async def _fetch_bulk(
+        self, health: PeerHealth, address: str, dataset: str, manifest_id: str, ids: np.ndarray,
+        lengths: np.ndarray, nbytes: int, arrived: Arrived | None,
+    ) -> dict[int, tuple[bytes | memoryview, int]] | None:
+        """The samples over the bulk path; None when it failed and gRPC should be asked."""
+        assert self.bulk is not None
+        started = time.monotonic()
+        try:
+            read = await self.bulk.read(
+                address, dataset, manifest_id, ids, lengths, batch_deadline(self.timeout, nbytes), arrived
+            )
+        except BulkTimeoutError as exc:
+            self._failed(health, address, "DEADLINE_EXCEEDED", str(exc), started)
+            return {}
+        except BulkRefusedError as exc:
+            code = next((c.name for c in grpc.StatusCode if c.value[0] == exc.code), "UNKNOWN")
+            self._failed(health, address, code, str(exc), started)
+            return {}
+        except BulkError as exc:
+            self.bulk_fallbacks += 1
+            self._bulk_off_until[address] = time.monotonic() + BULK_RETRY_SECONDS
+            log.warning("bulk read from a peer failed; reading it over gRPC for a while",
+                        extra={"fields": {"peer": health.node, "address": address, "error": str(exc),
+                                          "retry_in_s": BULK_RETRY_SECONDS}})
+            return None
+        health.bad_checksums += read.bad_checksums
+        self._answered(health, address, len(read.samples), read.bytes)
+        self.bulk_samples += len(read.samples)
+        self.bulk_bytes += read.bytes
+        return dict(read.samples)
+
     async def _fetch(
         self, health: PeerHealth, address: str, dataset: str, manifest_id: str, ids: np.ndarray,
         lengths: np.ndarray, nbytes: int,
-    ) -> dict[int, tuple[bytes, int]]:
+    ) -> dict[int, tuple[bytes | memoryview, int]]:
         node = health.node
         request = pb.ReadRequest(dataset=dataset, ids=ids.tolist(), manifest_id=manifest_id, peer=True)
-        out: dict[int, tuple[bytes, int]] = {}
+        out: dict[int, tuple[bytes | memoryview, int]] = {}
         received = 0
         joiner = Joiner(f"peer {node}")
         deadline = batch_deadline(self.timeout, nbytes)
@@ -141,12 +197,16 @@ class Peers:
             call.cancel()
             self._failed(health, address, "DATA_LOSS", str(exc), started)
             return {}
-        if health.failures_in_a_row:
-            log.info("peer answers again", extra={"fields": {"peer": node, "address": address}})
-            health.failures_in_a_row = 0
-        health.samples += len(out)
-        health.bytes += received
+        self._answered(health, address, len(out), received)
         return out
+
+    @staticmethod
+    def _answered(health: PeerHealth, address: str, samples: int, nbytes: int) -> None:
+        if health.failures_in_a_row:
+            log.info("peer answers again", extra={"fields": {"peer": health.node, "address": address}})
+            health.failures_in_a_row = 0
+        health.samples += samples
+        health.bytes += nbytes
 
     @staticmethod
     def _intact(health: PeerHealth, data: bytes, digest: int) -> bool:
@@ -184,6 +244,8 @@ class Peers:
         return self._stubs[node]
 
     async def close(self) -> None:
+        if self.bulk is not None:
+            self.bulk.close()
         for channel in [*self._channels.values(), *self._retired]:
             await channel.close()
         self._channels.clear()

@@ -325,7 +325,8 @@ class ReadService:
             ids = misses[owner_of == index]
             calls.append(
                 self.peers.fetch(node, address, entry.record.name, entry.record.manifest_id, ids,
-                                 entry.manifest.sample_length, self.placements.link.registered_at(node))
+                                 entry.manifest.sample_length, self.placements.link.registered_at(node),
+                                 self.placements.link.bulk_address_of(node))
             )
         out: dict[int, tuple[str, bytes | memoryview, int]] = {}
         for got in await asyncio.gather(*calls):

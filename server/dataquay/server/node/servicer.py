@@ -50,6 +50,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             pid=d.pid,
             directory=d.config.directory,
             metrics_address=d.metrics_address,
+            bulk_address=d.bulk_address,
         )
 
     async def Read(self, request: pb.ReadRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReadChunk]:
@@ -190,6 +191,14 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             client_data_wait_seconds=d.client_stats.data_wait_seconds,
             clients=d.client_stats.clients,
             prep_groups=state.prep_groups,
+            bulk=pb.BulkCounts(
+                served_samples=d.bulk.served_samples if d.bulk else 0,
+                served_bytes=d.bulk.served_bytes if d.bulk else 0,
+                fetched_samples=d.peers.bulk_samples,
+                fetched_bytes=d.peers.bulk_bytes,
+                refused_connections=d.bulk.refused if d.bulk else 0,
+                fallbacks=d.peers.bulk_fallbacks,
+            ),
         )
 
     async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:

@@ -24,8 +24,9 @@ import os
 import shutil
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
@@ -240,6 +241,19 @@ class Store:
                 else:
                     out.append((bytes(payload), stored_checksum(value)))
         return out, corrupt
+
+    @contextmanager
+    def value_views(self, db: str) -> Iterator[Callable[[int], memoryview | None]]:
+        """A lookup of stored values (checksum, then payload) as views into the
+        map, valid until the block ends: what the bulk path sends without a
+        copy. Checksums are not checked here; the receiver checks them."""
+        handle = self._dbs.get(db.encode())
+        if handle is None:
+            yield lambda _sample_id: None
+            return
+        with self.env.begin(db=handle, buffers=True) as txn:
+            get = txn.get
+            yield lambda sample_id: get(sample_key(sample_id))
 
     def queued_values(self, db: str, ids: Iterable[int]) -> dict[int, bytes]:
         """The values of ``ids`` queued for the writer and not taken by it yet

@@ -1,0 +1,271 @@
+"""Reads from peers' bulk listeners (:mod:`.server`), a few connections kept per peer.
+
+A read runs in a thread of its own pool: it sends the request and receives
+each payload with ``recv_into`` straight into one buffer preallocated for the
+batch (the manifest gives every length), checks its xxh3 once, and hands it
+to ``arrived`` on the event loop at once, so that the caller can pass it on
+while the rest of the batch is still on the wire. A frame that names an id
+not asked for, or a length other than the manifest's, ends the connection:
+a peer that garbles one frame cannot be trusted with the next. A
+connection that answered cleanly goes back to its peer's pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dataquay.client.records import checksum
+from dataquay.server.node.bulk.frames import (
+    END,
+    ERROR,
+    HELLO,
+    HELLO_MAGIC,
+    MAC_BYTES,
+    MAX_ERROR_BYTES,
+    MISSING,
+    NONCE_BYTES,
+    OK,
+    SAMPLE,
+    BulkError,
+    client_proof,
+    read_request,
+    recv_bytes,
+    server_proof,
+)
+
+#: Idle connections kept per peer.
+POOL_SIZE = 4
+#: Reads in flight at once, over all peers.
+THREADS = 16
+#: Time to connect and finish the handshake.
+CONNECT_SECONDS = 5.0
+
+#: Called on the event loop for each payload that arrived intact: (id, payload, checksum).
+Arrived = Callable[[int, memoryview, int], None]
+
+
+class BulkRefusedError(BulkError):
+    """The peer answered the request with an error status (unknown dataset, bad id)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class BulkTimeoutError(BulkError):
+    """The peer did not answer within the read's deadline."""
+
+
+class _StaleError(BulkError):
+    """A connection closed before its first reply frame: a pooled one the peer dropped."""
+
+
+@dataclass
+class BulkRead:
+    """What one read brought: intact payloads by id, and how many failed their checksum."""
+
+    samples: dict[int, tuple[memoryview, int]] = field(default_factory=dict)
+    bytes: int = 0
+    bad_checksums: int = 0
+    frames: int = 0
+
+
+class BulkClient:
+    """Bulk connections to peers, by address."""
+
+    def __init__(self, token: str, tls: ssl.SSLContext | None) -> None:
+        self.token = token
+        self.tls = tls
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._lock = threading.Lock()
+        self._threads = ThreadPoolExecutor(THREADS, thread_name_prefix="bulk-read")
+
+    async def read(
+        self, address: str, dataset: str, manifest_id: str, ids: np.ndarray, lengths: np.ndarray,
+        deadline: float, arrived: Arrived | None = None,
+    ) -> BulkRead:
+        """The samples of ``ids`` that the peer at ``address`` holds.
+
+        ``lengths`` are the payload lengths of the dataset's samples by id.
+        Raises BulkTimeoutError past ``deadline`` seconds, BulkRefusedError
+        for a request the peer refused and BulkError for any other failure.
+        """
+        loop = asyncio.get_running_loop()
+        request = read_request(dataset, manifest_id, ids)
+
+        def hand_over(sample_id: int, payload: memoryview, digest: int) -> None:
+            assert arrived is not None
+            loop.call_soon_threadsafe(arrived, sample_id, payload, digest)
+
+        return await loop.run_in_executor(
+            self._threads, self._read, address, request, ids, lengths, time.monotonic() + deadline,
+            hand_over if arrived is not None else None,
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            idle = [sock for pool in self._idle.values() for sock in pool]
+            self._idle.clear()
+        for sock in idle:
+            sock.close()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def _read(
+        self, address: str, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
+        arrived: Arrived | None,
+    ) -> BulkRead:
+        sock, reused = self._take(address, end)
+        try:
+            out = self._exchange(sock, request, ids, lengths, end, arrived)
+        except TimeoutError:
+            sock.close()
+            raise BulkTimeoutError(f"bulk read from {address} missed its deadline") from None
+        except _StaleError:
+            sock.close()
+            if not reused:
+                raise
+            # The peer closed an idle connection (restarted, or it idled out): once more, on a new one.
+            return self._read_new(address, request, ids, lengths, end, arrived)
+        except BaseException:
+            sock.close()
+            raise
+        self._give(address, sock)
+        return out
+
+    def _read_new(
+        self, address: str, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
+        arrived: Arrived | None,
+    ) -> BulkRead:
+        sock = self._connect(address, end)
+        try:
+            out = self._exchange(sock, request, ids, lengths, end, arrived)
+        except TimeoutError:
+            sock.close()
+            raise BulkTimeoutError(f"bulk read from {address} missed its deadline") from None
+        except BaseException:
+            sock.close()
+            raise
+        self._give(address, sock)
+        return out
+
+    def _exchange(
+        self, sock: socket.socket, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
+        arrived: Arrived | None,
+    ) -> BulkRead:
+        wanted = np.unique(ids)
+        sizes = lengths[wanted]
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        slot = dict(zip(wanted.tolist(), zip(starts.tolist(), sizes.tolist())))
+        buffer = memoryview(bytearray(int(sizes.sum())))
+        header = bytearray(SAMPLE.size)
+        out = BulkRead()
+        try:
+            _timeout(sock, end)
+            sock.sendall(request)
+            _recv(sock, memoryview(header), end)
+        except (BulkError, ConnectionError) as exc:
+            raise _StaleError(f"the bulk connection was closed before it answered: {exc}") from None
+        while True:
+            if out.frames:
+                _recv(sock, memoryview(header), end)
+            out.frames += 1
+            status, sample_id, length, digest = SAMPLE.unpack(header)
+            if status == END:
+                return out
+            if status == ERROR:
+                if length > MAX_ERROR_BYTES:
+                    raise BulkError(f"error message of {length} bytes")
+                raise BulkRefusedError(sample_id, recv_bytes(sock, length).decode(errors="replace"))
+            place = slot.get(sample_id)
+            if place is None:
+                raise BulkError(f"the peer sent sample {sample_id}, which was not asked for")
+            if status == MISSING:
+                continue
+            if status != OK or length != place[1]:
+                raise BulkError(f"bad frame for sample {sample_id}: status {status}, {length} bytes "
+                                f"where the manifest says {place[1]}")
+            payload = buffer[place[0] : place[0] + length]
+            _recv(sock, payload, end)
+            if checksum(payload) != digest:
+                out.bad_checksums += 1
+                continue
+            out.samples[sample_id] = (payload, digest)
+            out.bytes += length
+            if arrived is not None:
+                arrived(sample_id, payload, digest)
+
+    def _take(self, address: str, end: float) -> tuple[socket.socket, bool]:
+        """A connection to ``address``, and whether it was used before."""
+        with self._lock:
+            pool = self._idle.get(address)
+            if pool:
+                return pool.pop(), True
+        return self._connect(address, end), False
+
+    def _give(self, address: str, sock: socket.socket) -> None:
+        with self._lock:
+            pool = self._idle.setdefault(address, [])
+            if len(pool) < POOL_SIZE:
+                pool.append(sock)
+                return
+        sock.close()
+
+    def _connect(self, address: str, end: float) -> socket.socket:
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        timeout = min(CONNECT_SECONDS, max(end - time.monotonic(), 0.001))
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=timeout)
+        except TimeoutError:
+            raise BulkTimeoutError(f"cannot connect to the bulk listener {address} in time") from None
+        except (OSError, ValueError) as exc:
+            raise BulkError(f"cannot connect to the bulk listener {address}: {exc}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                sock = self.tls.wrap_socket(sock, server_hostname=host)
+            hello = recv_bytes(sock, HELLO.size)
+            magic, nonce = HELLO.unpack(hello)
+            if magic != HELLO_MAGIC:
+                raise BulkError(f"{address} is not a bulk listener")
+            mine = secrets.token_bytes(NONCE_BYTES)
+            sock.sendall(mine + client_proof(self.token, nonce, mine))
+            proof = recv_bytes(sock, MAC_BYTES)
+            if not secrets.compare_digest(proof, server_proof(self.token, nonce, mine)):
+                raise BulkError(f"the bulk listener {address} does not hold the cluster token")
+        except TimeoutError:
+            sock.close()
+            raise BulkTimeoutError(f"the bulk listener {address} did not finish its handshake in time") from None
+        except (OSError, BulkError) as exc:
+            sock.close()
+            if isinstance(exc, BulkError):
+                raise
+            raise BulkError(f"handshake with the bulk listener {address} failed: {exc}") from None
+        return sock
+
+
+def _timeout(sock: socket.socket, end: float) -> None:
+    left = end - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    sock.settimeout(left)
+
+
+def _recv(sock: socket.socket, view: memoryview, end: float) -> None:
+    """Fills ``view`` before ``end`` (TimeoutError past it)."""
+    while view:
+        _timeout(sock, end)
+        got = sock.recv_into(view)
+        if not got:
+            raise BulkError("the peer closed the bulk connection")
+        view = view[got:]

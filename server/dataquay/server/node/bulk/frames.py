@@ -1,0 +1,125 @@
+"""The bulk data path's wire format: handshake, requests, per-sample frames.
+
+A connection starts with TLS when the cluster has certificates (the same
+rules as gRPC's TCP port), then proves both ends hold the cluster token
+without sending it: the server sends a random nonce, the client answers with
+a nonce of its own and an HMAC-SHA256 of both under the token, and the server
+answers with an HMAC of both in the other order. An eavesdropper learns no
+token and a replayed answer fails against a fresh nonce. Then::
+
+    request:  [b"DQBR"][u8 kind][u32 body length][body]
+    READ body: [u16 len][dataset utf-8][u16 len][manifest id utf-8][u32 n][n x u64 id]
+    reply:    per sample [u8 status][u64 id][u64 length][u64 xxh3][payload],
+              then [END][u64 samples sent][0][0]; or [ERROR][u64 gRPC code][u64 length][0][message]
+
+All integers little-endian. A READ is answered in request order with every
+distinct id once; MISSING carries no payload. A connection serves requests
+one after another and is reused by its client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import socket
+import ssl
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from dataquay.server.errors import DataquayError
+
+HELLO_MAGIC = b"DQB1"
+REQUEST_MAGIC = b"DQBR"
+NONCE_BYTES = 32
+MAC_BYTES = hashlib.sha256().digest_size
+HELLO = struct.Struct("<4s32s")
+REQUEST = struct.Struct("<4sBI")
+SAMPLE = struct.Struct("<BQQQ")
+#: Request kinds.
+READ = 1
+#: Sample frame statuses.
+OK, MISSING, END, ERROR = 0, 1, 2, 3
+#: Largest request body taken: 64k ids and two names, with room to spare.
+MAX_REQUEST_BYTES = 1 << 20
+#: Longest error message taken.
+MAX_ERROR_BYTES = 4096
+#: Iovecs passed to one sendmsg (under every OS's IOV_MAX).
+IOV_BATCH = 512
+
+
+class BulkError(DataquayError):
+    """A bulk connection that cannot go on: closed, garbled, refused, too slow."""
+
+
+def client_proof(token: str, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(token.encode(), b"client" + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def server_proof(token: str, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(token.encode(), b"server" + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def read_request(dataset: str, manifest_id: str, ids: np.ndarray) -> bytes:
+    """A READ request, header included."""
+    name, manifest = dataset.encode(), manifest_id.encode()
+    body = b"".join([
+        struct.pack("<H", len(name)), name, struct.pack("<H", len(manifest)), manifest,
+        struct.pack("<I", len(ids)), np.ascontiguousarray(ids, dtype="<u8").tobytes(),
+    ])
+    return REQUEST.pack(REQUEST_MAGIC, READ, len(body)) + body
+
+
+def parse_read(body: bytes) -> tuple[str, str, np.ndarray]:
+    """(dataset, manifest id, ids) of a READ body; raises BulkError for a malformed one."""
+    try:
+        at = 0
+        names = []
+        for _ in range(2):
+            (size,) = struct.unpack_from("<H", body, at)
+            names.append(body[at + 2 : at + 2 + size].decode())
+            at += 2 + size
+        (count,) = struct.unpack_from("<I", body, at)
+        at += 4
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise BulkError(f"malformed read request: {exc}") from None
+    if len(body) != at + 8 * count:
+        raise BulkError(f"malformed read request: {len(body)} bytes do not hold {count} ids")
+    return names[0], names[1], np.frombuffer(body, dtype="<u8", count=count, offset=at)
+
+
+def recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    """Fills ``view`` from ``sock``; raises BulkError when the peer closes first."""
+    while view:
+        got = sock.recv_into(view)
+        if not got:
+            raise BulkError("the peer closed the bulk connection")
+        view = view[got:]
+
+
+def recv_bytes(sock: socket.socket, size: int) -> bytes:
+    out = bytearray(size)
+    recv_exactly(sock, memoryview(out))
+    return bytes(out)
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
+    """Sends ``buffers`` in order, as few syscalls as the socket allows:
+    sendmsg with iovecs on a plain socket (no copy of the payloads), one
+    sendall each on a TLS socket, which has no sendmsg."""
+    if isinstance(sock, ssl.SSLSocket):
+        for buffer in buffers:
+            sock.sendall(buffer)
+        return
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    at = 0
+    while at < len(views):
+        sent = sock.sendmsg(views[at : at + IOV_BATCH])
+        while sent:
+            if sent >= len(views[at]):
+                sent -= len(views[at])
+                at += 1
+            else:
+                views[at] = views[at][sent:]
+                sent = 0

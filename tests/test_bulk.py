@@ -1,0 +1,205 @@
+"""The bulk data path between daemons: peer hits byte-exact over it, gRPC when
+a peer has none, the token and TLS rules, and hostile input on its port.
+Real directory and daemon processes on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from polling import wait_until
+
+from dataquay.client.channels import channel_options
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import cache_pb2_grpc
+from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.auth import new_token_file
+from dataquay.server.node.bulk.client import BulkClient, BulkRefusedError
+from dataquay.server.node.bulk.frames import (
+    HELLO,
+    HELLO_MAGIC,
+    MAC_BYTES,
+    READ,
+    REQUEST,
+    REQUEST_MAGIC,
+    BulkError,
+    client_proof,
+)
+from dataquay.server.tools.local_cluster import LocalCluster, TlsFiles
+from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
+
+N = 60
+SIZE = 150_000  # more than a gRPC chunk's worth in a batch, less than a piece
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Two daemons that require a token, the dataset staged on both; shared by this module's tests."""
+    base = tmp_path_factory.mktemp("bulk")
+    root = make_files_dataset(base / "pfs", N, sizes=(SIZE,))
+    with LocalCluster(base / "cluster", 2, (), ("--lease-seconds", "3", "--heartbeat-seconds", "0.5"),
+                      token_file=new_token_file(base / "token"), dataset_roots=(base,)) as local:
+        staged(local, root)
+        yield local
+
+
+def staged(local: LocalCluster, root: Path) -> None:
+    """Registers ``root`` as "imgs", starts job j on every node and stages it."""
+    with local.credentials().channel(local.daemons[0].address, channel_options()) as channel:
+        stub = cache_pb2_grpc.CacheStub(channel)
+        stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(root)), timeout=30)
+        stub.JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id="j", dataset="imgs")), timeout=30)
+    for daemon in local.daemons:
+        with local.credentials().channel(daemon.address, channel_options()) as channel:
+            *_, last = cache_pb2_grpc.CacheStub(channel).Stage(pb.StageRequest(dataset="imgs", job="j"))
+            assert not last.error
+
+
+def read_all(local: LocalCluster, node: int = 0) -> tuple[list[pb.Sample], pb.StatsReply]:
+    """Every sample through node ``node`` for job j, and its stats after."""
+    with local.credentials().channel(local.daemons[node].address, channel_options()) as channel:
+        stub = cache_pb2_grpc.CacheStub(channel)
+        request = pb.ReadRequest(dataset="imgs", ids=list(range(N)), job="j")
+        samples = [s for chunk in stub.Read(request, timeout=60) for s in chunk.samples]
+        return samples, stub.Stats(pb.StatsRequest(), timeout=30)
+
+
+def stats(local: LocalCluster, node: int) -> pb.StatsReply:
+    with local.credentials().channel(local.daemons[node].address, channel_options()) as channel:
+        return cache_pb2_grpc.CacheStub(channel).Stats(pb.StatsRequest(), timeout=30)
+
+
+def bulk_address(local: LocalCluster, node: int) -> str:
+    ready = local.daemons[node].ready
+    assert ready is not None and ready["bulk"]
+    return str(ready["bulk"])
+
+
+def test_peer_hits_go_over_the_bulk_path_byte_exact(secured: LocalCluster) -> None:
+    served_before = stats(secured, 1).bulk.served_samples
+    samples, after = read_all(secured)
+    assert [s.id for s in samples] == list(range(N))
+    assert [s.data for s in samples] == [sample_bytes(0, i, SIZE) for i in range(N)]
+    peer = [s.id for s in samples if s.tier == pb.TIER_PEER]
+    assert 0 < len(peer) < N and pb.TIER_PFS not in {s.tier for s in samples}
+    assert after.bulk.fetched_samples >= len(peer) and after.bulk.fetched_bytes >= len(peer) * SIZE
+    assert after.bulk.fallbacks == 0
+    assert stats(secured, 1).bulk.served_samples - served_before == len(peer)
+
+
+def test_the_bulk_port_refuses_a_wrong_token_and_answers_errors_in_band(secured: LocalCluster) -> None:
+    address = bulk_address(secured, 1)
+    token = secured.credentials().token
+    lengths = np.full(N, SIZE, dtype=np.int64)
+
+    async def read(client: BulkClient, dataset: str, ids: list[int]) -> dict[int, bytes]:
+        got = await client.read(address, dataset, "", np.array(ids, dtype=np.int64), lengths, 30.0)
+        return {i: bytes(data) for i, (data, _digest) in got.samples.items()}
+
+    async def run() -> None:
+        wrong = BulkClient("f" * 64, None)
+        with pytest.raises(BulkError, match="closed"):
+            await read(wrong, "imgs", [0])
+        wrong.close()
+        right = BulkClient(token, None)
+        with pytest.raises(BulkRefusedError, match="nope"):
+            await read(right, "nope", [0])
+        got = await read(right, "imgs", list(range(N)))  # the same connection, after the error
+        assert got and all(data == sample_bytes(0, i, SIZE) for i, data in got.items())
+        right.close()
+
+    asyncio.run(run())
+    assert "the client does not hold the cluster token" in secured.daemons[1].log_path.read_text()
+
+
+def test_hostile_input_on_the_bulk_port_is_closed_and_logged(secured: LocalCluster) -> None:
+    host, _, port = bulk_address(secured, 0).rpartition(":")
+    token = secured.credentials().token
+    refused_before = stats(secured, 0).bulk.refused_connections
+
+    def connect() -> socket.socket:
+        sock = socket.create_connection((host, int(port)), timeout=30)
+        assert len(sock.recv(HELLO.size, socket.MSG_WAITALL)) == HELLO.size
+        return sock
+
+    def authenticated() -> socket.socket:
+        sock = socket.create_connection((host, int(port)), timeout=30)
+        _magic, nonce = HELLO.unpack(sock.recv(HELLO.size, socket.MSG_WAITALL))
+        mine = b"\1" * 32
+        sock.sendall(mine + client_proof(token, nonce, mine))
+        assert len(sock.recv(MAC_BYTES, socket.MSG_WAITALL)) == MAC_BYTES
+        return sock
+
+    def closed(sock: socket.socket) -> bool:
+        """Whether the daemon closed ``sock`` (a reset when our bytes were left unread)."""
+        with sock:
+            try:
+                return sock.recv(1 << 16) == b""
+            except ConnectionResetError:
+                return True
+
+    half_open = socket.create_connection((host, int(port)), timeout=30)  # says nothing, stays open
+    garbage = connect()
+    garbage.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 100)
+    assert closed(garbage)
+    huge = authenticated()
+    huge.sendall(REQUEST.pack(REQUEST_MAGIC, READ, 0xFFFFFFFF))
+    assert closed(huge)
+    bad_magic = authenticated()
+    bad_magic.sendall(b"\xff" * 64)
+    assert closed(bad_magic)
+    truncated = authenticated()
+    truncated.sendall(REQUEST.pack(REQUEST_MAGIC, READ, 40) + b"\5\0imgs")
+    truncated.shutdown(socket.SHUT_WR)
+    assert closed(truncated)
+
+    samples, after = read_all(secured)  # the daemon serves on, the half-open connection notwithstanding
+    assert [s.data for s in samples] == [sample_bytes(0, i, SIZE) for i in range(N)]
+    wait_until(lambda: stats(secured, 0).bulk.refused_connections - refused_before >= 4, "four connections refused")
+    log = secured.daemons[0].log_path.read_text()
+    for reason in ("the client does not hold the cluster token", "exceeds the limit", "bad magic",
+                   "closed the bulk connection"):
+        assert reason in log
+    half_open.close()
+
+
+def test_a_peer_without_a_bulk_address_is_read_over_grpc(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    local = cluster(2, daemon_args=("--bulk-listen", "off"))
+    staged(local, make_files_dataset(tmp_path / "pfs", N, sizes=(SIZE,)))
+    samples, after = read_all(local)
+    assert [s.data for s in samples] == [sample_bytes(0, i, SIZE) for i in range(N)]
+    assert pb.TIER_PEER in {s.tier for s in samples} and pb.TIER_PFS not in {s.tier for s in samples}
+    assert after.bulk.fetched_samples == 0 and after.bulk.fallbacks == 0
+
+
+@pytest.mark.skipif(subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
+                    reason="openssl is not installed: the test makes its certificates with it")
+def test_the_bulk_path_speaks_tls_when_the_cluster_does(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    pem = make_certificates(tmp_path / "pki")
+    local = cluster(2, tls=pem, token_file=new_token_file(tmp_path / "token"))
+    staged(local, make_files_dataset(tmp_path / "pfs", N, sizes=(SIZE,)))
+    samples, after = read_all(local)
+    assert [s.data for s in samples] == [sample_bytes(0, i, SIZE) for i in range(N)]
+    assert after.bulk.fetched_samples > 0 and after.bulk.fallbacks == 0
+    host, _, port = bulk_address(local, 1).rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=30) as plain:  # no TLS: never greeted
+        plain.sendall(b"\0" * 64)
+        try:
+            assert not plain.recv(1 << 16).startswith(HELLO_MAGIC)
+        except ConnectionResetError:
+            pass
+
+
+def make_certificates(directory: Path) -> TlsFiles:
+    from test_auth import make_certificates as make
+
+    return make(directory)
