@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from polling import wait_until
 
+import dataquay.client as dq
 from dataquay.client.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
@@ -203,3 +204,18 @@ def make_certificates(directory: Path) -> TlsFiles:
     from test_auth import make_certificates as make
 
     return make(directory)
+
+
+def test_a_trainer_gets_peer_payloads_forwarded_into_its_segment_as_they_arrive(
+    secured: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in secured.node_env(0).items():
+        monkeypatch.setenv(name, value)
+    forwarded_before = stats(secured, 0).bulk.forwarded_samples
+    with dq.connect() as client:
+        ds = client.dataset("imgs")
+        ds.sampler(job="j", rank=0, world_size=2)
+        assert ds.get_batch(list(range(N))) == [sample_bytes(0, i, SIZE) for i in range(N)]
+        peer = client.stats().samples["peer"]
+    assert peer > 0
+    assert stats(secured, 0).bulk.forwarded_samples - forwarded_before == peer

@@ -115,6 +115,8 @@ class Daemon(ServerLifecycle):
             self.bulk = BulkServer(self.credentials.token, tls.server, self._bulk_request, self.store,
                                    self.metrics.count_peer_served)
         self.bulk_address = ""
+        #: Peer payloads written into trainers' segments as they arrived (see node/forward.py).
+        self.forwarded_samples = 0
         self.shm = ShmSegments()
         self.prep_groups = PrepGroups(self.pid)
         #: What the Reads of each remote host hold at once (see ReadService.read).

@@ -21,6 +21,7 @@ from dataquay.server.limits import ByteBudget
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange import ExchangeRun
 from dataquay.server.node.exchange.coded import CodedProgress
+from dataquay.server.node.forward import ShmForward
 from dataquay.server.node.metrics import LiveState
 from dataquay.server.node.placements import Placements
 from dataquay.server.node.replies import reply_chunks
@@ -57,21 +58,22 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         started = time.perf_counter()
         # uint64 as on the wire: ids past int64 are refused as out of range, not overflowed.
         ids = np.fromiter(request.ids, dtype=np.uint64, count=len(request.ids))
-        shm, shm_at = self.daemon.shm, 0
+        forward = ShmForward(self.daemon.shm, request.shm_name, request.shm_size) if request.shm_name else None
         async with status_on_error(context):
             windows = self.daemon.reads.read(
-                request.dataset, ids, request.manifest_id, request.job, request.peer, self._budget(context)
+                request.dataset, ids, request.manifest_id, request.job, request.peer, self._budget(context),
+                forward.arrived if forward is not None else None,
             )
             async with aclosing(windows):
                 async for window in windows:
                     offsets: list[int | None] = [None] * len(window.served)
-                    if request.shm_name:
-                        offsets, shm_at = shm.write(
-                            request.shm_name, request.shm_size, [s.data for s in window.served], shm_at
-                        )
+                    if forward is not None:
+                        offsets = forward.window(window.served)
                     for chunk in reply_chunks(window, offsets):
                         yield chunk
                     del window  # not held while the next one is resolved
+        if forward is not None:
+            self.daemon.forwarded_samples += forward.forwarded
         self._latency.labels("Read").observe(time.perf_counter() - started)
 
     def _budget(self, context: grpc.aio.ServicerContext) -> ByteBudget | None:
@@ -198,6 +200,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 fetched_bytes=d.peers.bulk_bytes,
                 refused_connections=d.bulk.refused if d.bulk else 0,
                 fallbacks=d.peers.bulk_fallbacks,
+                forwarded_samples=d.forwarded_samples,
             ),
         )
 
