@@ -1,0 +1,271 @@
+"""The bulk data path against the raw socket: what each path between daemons
+moves, next to what a plain TCP stream of the same bytes moves in the same run.
+
+Setup, per sample size (110 KiB, 1 MiB): a directory and four daemons on
+loopback. n0 and n1 run as shipped (bulk path on); g0 and g1 run with
+``--bulk-listen off``, so their peer hits go over gRPC as before issue 18.
+A files dataset of ``DATASET_BYTES``; one job (global mode) on [n0, n1] and
+one on [g0, g1], each staged, so every node caches the half it owns. Each
+timed run reads the ids n1 (or g1) owns, in batches of 64, ``PASSES`` times.
+
+Measured in one run, the variants interleaved round by round:
+
+- raw TCP: a child process holding the batches' payloads in memory answers
+  an 8-byte request per batch with one blocking ``sendall`` of the batch's
+  bytes; this process receives them with ``recv_into`` into a preallocated
+  buffer. The ceiling: no framing, no checksum, no cache lookup.
+- gRPC hop: this process asks n1 over TCP gRPC with ``peer=True``, as a
+  daemon fetched a peer hit before (hop 1 of bench/peers.py); no checksum.
+- bulk hop: this process asks n1 over its bulk listener with the daemon's own
+  :class:`BulkClient` (handshake once, connection reused, checksums checked).
+- peer hit, bulk: a client on n0 (shared memory, as shipped) reads through
+  n0, which fetches each batch from n1 over the bulk path and writes each
+  payload into the client's segment as it lands.
+- peer hit, gRPC: the same through g0, which fetches from g1 over gRPC.
+
+Rates are payload GB/s (10^9 bytes), each the median of ``REPEATS`` runs; the
+ratios are against the raw TCP stream of the same run. ``uptime``'s load
+average before and after is recorded with the results (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+from common import REPEATS, MiB, progress, report
+
+from dataquay.client import connect
+from dataquay.client.channels import channel_options, grpc_target
+from dataquay.client.malloc import tune_malloc
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import cache_pb2_grpc
+from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.node.bulk.client import BulkClient
+from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
+from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
+
+BATCH = 64
+DATASET_BYTES = 128 * MiB
+PASSES = 2
+SIZES = {"110KiB": 110 * 1024, "1MiB": MiB}
+TARGET = 0.5
+_INDEX = struct.Struct("<Q")
+
+
+# ------------------------------------------------------------------ raw TCP
+
+
+def _raw_server(paths_file: Path, port_file: Path) -> None:
+    """Serves each batch's bytes, joined, for its index: the ceiling's sender."""
+    batches = [b"".join(Path(p).read_bytes() for p in line.split("\t")) for line in paths_file.read_text().splitlines()]
+    listener = socket.create_server(("127.0.0.1", 0))
+    port_file.write_text(str(listener.getsockname()[1]))
+    conn, _ = listener.accept()
+    request = bytearray(_INDEX.size)
+    with conn:
+        while conn.recv_into(request, _INDEX.size, socket.MSG_WAITALL) == _INDEX.size:
+            conn.sendall(batches[_INDEX.unpack(request)[0]])
+
+
+class RawStream:
+    """This side of the raw TCP stream: one request per batch, recv_into a reused buffer."""
+
+    def __init__(self, home: Path, batch_paths: list[list[str]], batch_bytes: int) -> None:
+        home.mkdir(parents=True, exist_ok=True)
+        paths_file, port_file = home / "batches.txt", home / "port"
+        paths_file.write_text("\n".join("\t".join(b) for b in batch_paths))
+        self.process = subprocess.Popen([sys.executable, __file__, "--raw-server", str(paths_file), str(port_file)])
+        deadline = time.monotonic() + 120
+        while not port_file.exists() or not port_file.read_text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the raw TCP server did not start")
+            time.sleep(0.05)
+        self.sock = socket.create_connection(("127.0.0.1", int(port_file.read_text())))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buffer = memoryview(bytearray(batch_bytes))
+
+    def batch(self, index: int) -> None:
+        self.sock.sendall(_INDEX.pack(index))
+        view = self.buffer
+        while view:
+            got = self.sock.recv_into(view)
+            if not got:
+                raise RuntimeError("the raw TCP server closed")
+            view = view[got:]
+
+    def close(self) -> None:
+        self.sock.close()
+        self.process.wait(30)
+
+
+# ------------------------------------------------------------------ cluster
+
+
+def _stub(address: str) -> tuple[grpc.Channel, cache_pb2_grpc.CacheStub]:
+    channel = grpc.insecure_channel(grpc_target(address), options=channel_options())
+    return channel, cache_pb2_grpc.CacheStub(channel)
+
+
+def _staged(daemons: list[DaemonProcess], label: str, root: Path | None, job_id: str) -> pb.InfoReply:
+    """Registers the dataset (unless ``root`` is None: it is), starts the job on
+    the two daemons and stages it; the second's Info."""
+    channels, stubs = zip(*(_stub(d.address) for d in daemons))
+    try:
+        if root is not None:
+            stubs[0].AddDataset(pb.AddDatasetRequest(name=label, root=str(root)))
+        nodes = [s.Info(pb.InfoRequest()).node for s in stubs]
+        stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=job_id, dataset=label, nodes=nodes)))
+        for stub in stubs:
+            *_, last = stub.Stage(pb.StageRequest(dataset=label, job=job_id))
+            if last.error or last.done_samples != last.total_samples:
+                raise RuntimeError(f"staging {label} on {last.node} failed: {last.error}")
+        return stubs[1].Info(pb.InfoRequest())
+    finally:
+        for channel in channels:
+            channel.close()
+
+
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def bench_size(bulk: list[DaemonProcess], plain: list[DaemonProcess], base: Path, label: str, size: int) -> dict:
+    count = DATASET_BYTES // size
+    progress(f"{label}: {count} samples, staged on two pairs of nodes")
+    root = make_files_dataset(base / "pfs" / label, count, sizes=(size,))
+    paths = sorted(str(p) for p in root.rglob("*.bin"))
+    n1 = _staged(bulk, label, root, f"bulk-{label}")
+    _staged(plain, label, None, f"grpc-{label}")
+    assert n1.bulk_address, "n1 advertises no bulk address"
+
+    bulk_client, grpc_client = connect(bulk[0].address), connect(plain[0].address)
+    bulk_ds, grpc_ds = bulk_client.dataset(label), grpc_client.dataset(label)
+    owner = bulk_ds.sampler(job=f"bulk-{label}", rank=0, world_size=2).owners(0)
+    assert (grpc_ds.sampler(job=f"grpc-{label}", rank=0, world_size=2).owners(0) == owner).all()
+    remote = np.random.default_rng(0).permutation(np.flatnonzero(owner == 1))
+    batches = [remote[i : i + BATCH] for i in range(0, len(remote) - BATCH + 1, BATCH)]
+    timed = batches * PASSES
+    total = len(timed) * BATCH
+    for want in batches[0][:4].tolist():
+        assert bulk_ds[want] == grpc_ds[want] == sample_bytes(0, want, size), f"sample {want} arrived wrong"
+
+    raw = RawStream(base / f"raw-{label}", [[paths[i] for i in b.tolist()] for b in batches], BATCH * size)
+    channel, n1_stub = _stub(n1.tcp_address)
+    manifest_id = bulk_ds.manifest.manifest_id
+    lengths = bulk_ds.manifest.sample_length
+    loop = asyncio.new_event_loop()
+    hop_client = BulkClient("", None)
+
+    def raw_tcp() -> int:
+        for _ in range(PASSES):
+            for k in range(len(batches)):
+                raw.batch(k)
+        return total
+
+    def grpc_hop() -> int:
+        for b in timed:
+            request = pb.ReadRequest(dataset=label, ids=b.tolist(), manifest_id=manifest_id, peer=True)
+            assert sum(len(s.data) for chunk in n1_stub.Read(request) for s in chunk.samples) == BATCH * size
+        return total
+
+    def bulk_hop() -> int:
+        for b in timed:
+            got = loop.run_until_complete(hop_client.read(n1.bulk_address, label, manifest_id, b, lengths, 60.0))
+            assert len(got.samples) == BATCH and not got.bad_checksums
+        return total
+
+    def peer_bulk() -> int:
+        for b in timed:
+            bulk_ds.get_batch(b)
+        return total
+
+    def peer_grpc() -> int:
+        for b in timed:
+            grpc_ds.get_batch(b)
+        return total
+
+    runs: dict[str, Callable[[], int]] = {
+        "raw_tcp": raw_tcp, "grpc_hop": grpc_hop, "bulk_hop": bulk_hop, "peer_bulk": peer_bulk, "peer_grpc": peer_grpc,
+    }
+    for run in runs.values():
+        run()  # warm: page cache, connections, segments
+    peers_before = (bulk_client.stats().samples["peer"], grpc_client.stats().samples["peer"])
+    load_before = _uptime()
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(REPEATS):
+        progress(f"{label}: round {round_ + 1} of {REPEATS}")
+        for name, run in runs.items():
+            started = time.perf_counter()
+            samples = run()
+            rates[name].append(samples * size / (time.perf_counter() - started) / 1e9)
+    load_after = _uptime()
+    got = (bulk_client.stats().samples["peer"] - peers_before[0], grpc_client.stats().samples["peer"] - peers_before[1])
+    assert got == (REPEATS * total, REPEATS * total), f"not every read was a peer hit: {got}"
+    with _stub(bulk[0].address)[0] as ch0:
+        counts = cache_pb2_grpc.CacheStub(ch0).Stats(pb.StatsRequest()).bulk
+    assert counts.fetched_samples >= REPEATS * total and not counts.fallbacks, "n0 did not read over bulk"
+    raw.close()
+    channel.close()
+    hop_client.close()
+    loop.close()
+    bulk_client.close()
+    grpc_client.close()
+
+    gbps = {name: float(statistics.median(values)) for name, values in rates.items()}
+    row: dict[str, object] = {"size": label, **{f"{name}_GBps": value for name, value in gbps.items()}}
+    for name in ("grpc_hop", "bulk_hop", "peer_bulk", "peer_grpc"):
+        row[f"{name}_ratio"] = gbps[name] / gbps["raw_tcp"]
+    row["peer_bulk_over_grpc"] = gbps["peer_bulk"] / gbps["peer_grpc"]
+    row["rounds_GBps"] = rates
+    row["forwarded_samples"] = counts.forwarded_samples
+    row["load_before"], row["load_after"] = load_before, load_after
+    row["target"] = TARGET
+    return row
+
+
+def main() -> None:
+    tune_malloc()
+    wanted = os.environ.get("BENCH_SIZES", ",".join(SIZES)).split(",")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="dq-bench-wire-") as tmp:
+        base = Path(tmp)
+        directory = DirectoryProcess(base / "directory", dataset_roots=(base,)).start()
+        processes: list[DaemonProcess] = []
+        try:
+            for name, extra in (("n0", ()), ("n1", ()), ("g0", ("--bulk-listen", "off")),
+                                ("g1", ("--bulk-listen", "off"))):
+                processes.append(DaemonProcess(
+                    base / name, ("--directory", directory.address, "--node-name", name, *extra),
+                    dataset_roots=(base,),
+                ).start())
+            for label, size in SIZES.items():
+                if label in wanted:
+                    rows.append(bench_size(processes[:2], processes[2:], base, label, size))
+        finally:
+            for process in [*processes, directory]:
+                process.kill()
+    report(
+        "wire",
+        rows,
+        ["size", "raw_tcp_GBps", "grpc_hop_GBps", "grpc_hop_ratio", "bulk_hop_GBps", "bulk_hop_ratio",
+         "peer_grpc_GBps", "peer_grpc_ratio", "peer_bulk_GBps", "peer_bulk_ratio", "peer_bulk_over_grpc"],
+    )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--raw-server":
+        _raw_server(Path(sys.argv[2]), Path(sys.argv[3]))
+    else:
+        main()
