@@ -219,3 +219,32 @@ def test_a_trainer_gets_peer_payloads_forwarded_into_its_segment_as_they_arrive(
         peer = client.stats().samples["peer"]
     assert peer > 0
     assert stats(secured, 0).bulk.forwarded_samples - forwarded_before == peer
+
+
+def test_the_exchange_goes_over_the_bulk_path_byte_exact(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    from test_exchange import NODES as EXCHANGE_NODES
+    from test_exchange import SIZES as EXCHANGE_SIZES
+    from test_exchange import partial_cluster
+
+    nodes, epoch_owners = partial_cluster(cluster, tmp_path, "--spare-copies-fill", "0")
+    try:
+        nodes.report(0)
+        runs = nodes.wait_exchanged(1)
+        before, after = epoch_owners[0], epoch_owners[1]
+        for m, run in enumerate(runs):
+            assert run.delivered_samples == run.total_samples == int(((before == m) & (after != m)).sum())
+        stats = nodes.stats()
+        moved = int((before != after).sum())
+        assert sum(s.bulk.exchange_samples for s in stats) == moved
+        assert sum(s.exchange_received_samples for s in stats) == moved
+        assert not any(s.bulk.fallbacks for s in stats)
+        for m in range(EXCHANGE_NODES):
+            ids = np.flatnonzero((after == m) & (before != m))
+            got = [s for chunk in nodes.stubs[m].Read(pb.ReadRequest(dataset="imgs", ids=ids.tolist(), peer=True))
+                   for s in chunk.samples]
+            assert [s.data for s in got] == [sample_bytes(0, i, EXCHANGE_SIZES[i % len(EXCHANGE_SIZES)])
+                                             for i in ids.tolist()]
+    finally:
+        nodes.close()

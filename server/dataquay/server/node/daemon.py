@@ -24,6 +24,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from dataquay.client.records import CHECKSUM_BYTES
 from dataquay.client.security import Credentials
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -112,8 +113,10 @@ class Daemon(ServerLifecycle):
             self.receiver.make_room = self.exchanges.make_room
         self.bulk: BulkServer | None = None
         if config.bulk_listen != "off":
-            self.bulk = BulkServer(self.credentials.token, tls.server, self._bulk_request, self.store,
-                                   self.metrics.count_peer_served)
+            self.bulk = BulkServer(
+                self.credentials.token, tls.server, self._bulk_request, self.store, self.metrics.count_peer_served,
+                self.receiver.receive if self.receiver is not None else None, config.max_sample_size + CHECKSUM_BYTES,
+            )
         self.bulk_address = ""
         #: Peer payloads written into trainers' segments as they arrived (see node/forward.py).
         self.forwarded_samples = 0

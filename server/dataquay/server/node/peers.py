@@ -117,7 +117,7 @@ class Peers:
         budget = self._fetching.get(node)
         await budget.take(nbytes)
         try:
-            if bulk_address and self.bulk is not None and time.monotonic() >= self._bulk_off_until.get(bulk_address, 0):
+            if bulk_address and self.bulk is not None and self.bulk_usable(bulk_address):
                 got = await self._fetch_bulk(health, bulk_address, dataset, manifest_id, ids, lengths, nbytes, arrived)
                 if got is not None:
                     return got
@@ -144,11 +144,7 @@ class Peers:
             self._failed(health, address, code, str(exc), started)
             return {}
         except BulkError as exc:
-            self.bulk_fallbacks += 1
-            self._bulk_off_until[address] = time.monotonic() + BULK_RETRY_SECONDS
-            log.warning("bulk read from a peer failed; reading it over gRPC for a while",
-                        extra={"fields": {"peer": health.node, "address": address, "error": str(exc),
-                                          "retry_in_s": BULK_RETRY_SECONDS}})
+            self.bulk_failed(address, health.node, exc)
             return None
         health.bad_checksums += read.bad_checksums
         self._answered(health, address, len(read.samples), read.bytes)
@@ -207,6 +203,18 @@ class Peers:
             health.failures_in_a_row = 0
         health.samples += samples
         health.bytes += nbytes
+
+    def bulk_usable(self, address: str) -> bool:
+        """Whether the bulk listener at ``address`` has not failed lately."""
+        return time.monotonic() >= self._bulk_off_until.get(address, 0.0)
+
+    def bulk_failed(self, address: str, node: str, error: Exception) -> None:
+        """Leaves the bulk listener at ``address`` for gRPC for BULK_RETRY_SECONDS."""
+        self.bulk_fallbacks += 1
+        self._bulk_off_until[address] = time.monotonic() + BULK_RETRY_SECONDS
+        log.warning("bulk connection to a peer failed; using gRPC with it for a while",
+                    extra={"fields": {"peer": node, "address": address, "error": str(error),
+                                      "retry_in_s": BULK_RETRY_SECONDS}})
 
     @staticmethod
     def _intact(health: PeerHealth, data: bytes, digest: int) -> bool:

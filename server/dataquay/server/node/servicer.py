@@ -201,6 +201,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 refused_connections=d.bulk.refused if d.bulk else 0,
                 fallbacks=d.peers.bulk_fallbacks,
                 forwarded_samples=d.forwarded_samples,
+                exchange_samples=d.bulk.exchange_samples if d.bulk else 0,
             ),
         )
 

@@ -88,7 +88,8 @@ class BulkClient:
         self.tls = tls
         self._idle: dict[str, list[socket.socket]] = {}
         self._lock = threading.Lock()
-        self._threads = ThreadPoolExecutor(THREADS, thread_name_prefix="bulk-read")
+        #: The threads that block on bulk sockets (reads, and exchange streams).
+        self.threads = ThreadPoolExecutor(THREADS, thread_name_prefix="bulk")
 
     async def read(
         self, address: str, dataset: str, manifest_id: str, ids: np.ndarray, lengths: np.ndarray,
@@ -108,7 +109,7 @@ class BulkClient:
             loop.call_soon_threadsafe(arrived, sample_id, payload, digest)
 
         return await loop.run_in_executor(
-            self._threads, self._read, address, request, ids, lengths, time.monotonic() + deadline,
+            self.threads, self._read, address, request, ids, lengths, time.monotonic() + deadline,
             hand_over if arrived is not None else None,
         )
 
@@ -118,7 +119,7 @@ class BulkClient:
             self._idle.clear()
         for sock in idle:
             sock.close()
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        self.threads.shutdown(wait=False, cancel_futures=True)
 
     def _read(
         self, address: str, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
@@ -219,6 +220,10 @@ class BulkClient:
                 pool.append(sock)
                 return
         sock.close()
+
+    def connect(self, address: str, timeout: float = CONNECT_SECONDS) -> socket.socket:
+        """A new connection to ``address``, handshake done (for a stream of its own)."""
+        return self._connect(address, time.monotonic() + timeout)
 
     def _connect(self, address: str, end: float) -> socket.socket:
         host, _, port = address.rpartition(":")

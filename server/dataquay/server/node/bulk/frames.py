@@ -15,6 +15,16 @@ token and a replayed answer fails against a fresh nonce. Then::
 All integers little-endian. A READ is answered in request order with every
 distinct id once; MISSING carries no payload. A connection serves requests
 one after another and is reused by its client.
+
+An EXCHANGE (the per-epoch exchange's stream, see
+:mod:`dataquay.server.node.exchange.sender`) takes the connection for
+itself, both ways at once::
+
+    request:  [b"DQBR"][EXCHANGE][u32 length][ExchangeMessage with the offer, protobuf]
+    sender:   [CHUNK][u64 count][0][0], then count x [OK][u64 id][u64 length][0][cache value];
+              [END][0][0][0] once it has sent everything
+    receiver: [REPLY][0][u64 length][0][ExchangeReply, protobuf] (the offer's answer, then one
+              per chunk once committed); [END] after the last; or [ERROR] as for a READ
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import socket
 import ssl
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -38,15 +49,25 @@ HELLO = struct.Struct("<4s32s")
 REQUEST = struct.Struct("<4sBI")
 SAMPLE = struct.Struct("<BQQQ")
 #: Request kinds.
-READ = 1
-#: Sample frame statuses.
-OK, MISSING, END, ERROR = 0, 1, 2, 3
+READ, EXCHANGE = 1, 2
+#: Frame statuses.
+OK, MISSING, END, ERROR, CHUNK, REPLY = 0, 1, 2, 3, 4, 5
+#: Most samples in one exchange chunk, and the largest reply taken.
+MAX_CHUNK_SAMPLES = 1 << 16
+MAX_REPLY_BYTES = 16 << 20
 #: Largest request body taken: 64k ids and two names, with room to spare.
 MAX_REQUEST_BYTES = 1 << 20
 #: Longest error message taken.
 MAX_ERROR_BYTES = 4096
 #: Iovecs passed to one sendmsg (under every OS's IOV_MAX).
 IOV_BATCH = 512
+
+
+@dataclass(frozen=True)
+class ExchangeChunk:
+    """One chunk of an exchange stream as it came over the bulk path: (id, cache value) pairs."""
+
+    samples: list[tuple[int, bytes]]
 
 
 class BulkError(DataquayError):

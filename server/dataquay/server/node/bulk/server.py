@@ -10,7 +10,12 @@ thread of its own that reads a request, looks the values up in LMDB with
 transaction so that a slow reader never pins old pages for long.
 
 What the request names is checked on the event loop, as a gRPC Read is
-(dataset, manifest version, batch size, id range). Nothing is buffered here:
+(dataset, manifest version, batch size, id range). An exchange stream takes
+a connection for itself: its thread reads the sender's chunks into a short
+queue (a few chunks: a sender that outruns the cache's commits waits on its
+socket) that the exchange's receiver takes from on the event loop, and the
+receiver's replies go back from the loop. Under TLS exchanges stay on gRPC:
+a TLS socket cannot be read and written from two threads at once. Nothing is buffered here:
 the socket's own buffers bound what one connection holds. Bad input
 (garbage, a wrong token, an oversized request, a connection that stalls in
 its handshake or mid-request) closes the connection with the reason logged;
@@ -21,35 +26,44 @@ and the number of connections is capped.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import secrets
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
+import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from dataquay.client.records import CHECKSUM_BYTES, stored_checksum
 from dataquay.client.status_codes import status_of
+from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.bulk.frames import (
+    CHUNK,
     END,
     ERROR,
+    EXCHANGE,
     HELLO,
     HELLO_MAGIC,
     MAC_BYTES,
+    MAX_CHUNK_SAMPLES,
     MAX_ERROR_BYTES,
     MAX_REQUEST_BYTES,
     MISSING,
     NONCE_BYTES,
     OK,
     READ,
+    REPLY,
     REQUEST,
     REQUEST_MAGIC,
     SAMPLE,
     BulkError,
+    ExchangeChunk,
     client_proof,
     parse_read,
     recv_bytes,
@@ -72,8 +86,15 @@ MAX_CONNECTIONS = 256
 #: Payload bytes sent under one LMDB read transaction.
 SEND_BYTES = 16 << 20
 
+#: Answers an exchange this listener does not take: the sender goes over gRPC instead.
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+#: Exchange chunks a connection's thread may have queued for the receiver at once.
+EXCHANGE_QUEUE = 4
+
 #: Checks a read request and returns the cache database to read: (dataset, manifest id, ids).
 Resolve = Callable[[str, str, np.ndarray], Coroutine[Any, Any, str]]
+#: Answers one exchange stream (ExchangeReceiver.receive).
+Receive = Callable[[AsyncIterator[pb.ExchangeMessage | ExchangeChunk]], AsyncIterator[pb.ExchangeReply]]
 
 
 class BulkServer:
@@ -85,12 +106,18 @@ class BulkServer:
         resolve: checks a request (on the event loop) and names its cache database.
         store: the cache the payloads are sent from.
         served: called on the event loop with (samples, bytes) of each answered request.
+        receive: answers an exchange stream; None takes none (no directory).
+        max_value: the largest cache value an exchange may send.
     """
 
     def __init__(
         self, token: str, tls: ssl.SSLContext | None, resolve: Resolve, store: Store,
-        served: Callable[[int, int], None], max_connections: int = MAX_CONNECTIONS,
+        served: Callable[[int, int], None], receive: Receive | None = None, max_value: int = 1 << 30,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
+        self.receive = receive
+        self.max_value = max_value
+        self.exchange_samples = 0
         self.token = token
         self.tls = tls
         self.resolve = resolve
@@ -202,11 +229,15 @@ class BulkServer:
         magic, kind, length = REQUEST.unpack(header)
         if magic != REQUEST_MAGIC:
             raise BulkError("not a bulk request (bad magic)")
-        if kind != READ:
+        if kind not in (READ, EXCHANGE):
             raise BulkError(f"unknown bulk request kind {kind}")
         if length > MAX_REQUEST_BYTES:
             raise BulkError(f"request of {length} bytes exceeds the limit of {MAX_REQUEST_BYTES}")
-        self._read(sock, *parse_read(recv_bytes(sock, length)))
+        body = recv_bytes(sock, length)
+        if kind == EXCHANGE:
+            self._exchange(sock, body)
+            return False
+        self._read(sock, *parse_read(body))
         return True
 
     def _read(self, sock: socket.socket, dataset: str, manifest_id: str, ids: np.ndarray) -> None:
@@ -216,9 +247,7 @@ class BulkServer:
                 self.resolve(dataset, manifest_id, ids), self._loop
             ).result(STALL_SECONDS)
         except DataquayError as exc:
-            message = str(exc).encode()[:MAX_ERROR_BYTES]
-            code = status_of(exc)[0].value[0]
-            send_buffers(sock, [SAMPLE.pack(ERROR, code, len(message), 0), message])
+            send_buffers(sock, _error_frame(exc))
             return
         distinct = list(dict.fromkeys(ids.tolist()))
         samples = nbytes = 0
@@ -251,3 +280,89 @@ class BulkServer:
                 samples += 1
             send_buffers(sock, buffers)
         return at, (samples, group)
+
+    # ------------------------------------------------------------ exchange
+
+    def _exchange(self, sock: socket.socket, body: bytes) -> None:
+        """Feeds one exchange stream's chunks to the receiver until the sender's END."""
+        assert self._loop is not None
+        if self.receive is None or self.tls is not None:
+            reason = "this daemon takes exchanges over gRPC only" if self.tls is not None else (
+                "this daemon runs without a directory (--directory); exchanges need one")
+            send_buffers(sock, _error_frame(DataquayError(reason), UNAVAILABLE))
+            return
+        try:
+            first = pb.ExchangeMessage.FromString(body)
+        except DecodeError:
+            raise BulkError("the exchange offer is not a valid message") from None
+        inbox: asyncio.Queue[pb.ExchangeMessage | ExchangeChunk | None] = asyncio.Queue()
+        slots = threading.Semaphore(EXCHANGE_QUEUE)
+        answering = asyncio.run_coroutine_threadsafe(self._answer(sock, first, inbox, slots), self._loop)
+        try:
+            self._take_chunks(sock, inbox, slots, answering)
+        finally:
+            self._loop.call_soon_threadsafe(inbox.put_nowait, None)
+        try:
+            answering.result()
+        except concurrent.futures.CancelledError:
+            pass
+
+    def _take_chunks(
+        self, sock: socket.socket, inbox: asyncio.Queue[pb.ExchangeMessage | ExchangeChunk | None],
+        slots: threading.Semaphore, answering: concurrent.futures.Future[None],
+    ) -> None:
+        assert self._loop is not None
+        header = bytearray(SAMPLE.size)
+        while True:
+            sock.settimeout(IDLE_SECONDS)  # a sender may wait long for its ranks to read on
+            recv_exactly(sock, memoryview(header))
+            status, count, _, _ = SAMPLE.unpack(header)
+            if status == END:
+                return
+            if status != CHUNK or count > MAX_CHUNK_SAMPLES:
+                raise BulkError(f"bad exchange frame: status {status}, {count} samples")
+            sock.settimeout(STALL_SECONDS)
+            samples = []
+            for _ in range(count):
+                recv_exactly(sock, memoryview(header))
+                status, sample_id, length, _ = SAMPLE.unpack(header)
+                if status != OK or length > self.max_value:
+                    raise BulkError(f"bad exchange sample frame: status {status}, {length} bytes")
+                samples.append((sample_id, recv_bytes(sock, length)))
+            while not slots.acquire(timeout=1.0):
+                if answering.done():
+                    raise BulkError("the receiver ended the exchange stream")
+            self._loop.call_soon_threadsafe(inbox.put_nowait, ExchangeChunk(samples))
+
+    async def _answer(
+        self, sock: socket.socket, first: pb.ExchangeMessage,
+        inbox: asyncio.Queue[pb.ExchangeMessage | ExchangeChunk | None], slots: threading.Semaphore,
+    ) -> None:
+        """Runs the receiver over the stream's messages and sends its replies back."""
+        assert self.receive is not None
+        loop = asyncio.get_running_loop()
+
+        async def messages() -> AsyncIterator[pb.ExchangeMessage | ExchangeChunk]:
+            yield first
+            while (item := await inbox.get()) is not None:
+                slots.release()
+                if isinstance(item, ExchangeChunk):
+                    with self._lock:
+                        self.exchange_samples += len(item.samples)
+                yield item
+
+        try:
+            async for reply in self.receive(messages()):
+                data = reply.SerializeToString()
+                await loop.run_in_executor(None, send_buffers, sock, [SAMPLE.pack(REPLY, 0, len(data), 0), data])
+            await loop.run_in_executor(None, sock.sendall, SAMPLE.pack(END, 0, 0, 0))
+        except DataquayError as exc:
+            await loop.run_in_executor(None, send_buffers, sock, _error_frame(exc))
+        except OSError:
+            pass  # the sender is gone; its thread here sees it too
+
+
+def _error_frame(exc: DataquayError, code: int | None = None) -> list[bytes]:
+    """An ERROR frame: the gRPC status code the error maps to and its message."""
+    message = str(exc).encode()[:MAX_ERROR_BYTES]
+    return [SAMPLE.pack(ERROR, status_of(exc)[0].value[0] if code is None else code, len(message), 0), message]

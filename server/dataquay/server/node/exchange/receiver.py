@@ -7,7 +7,8 @@ against their checksums, committed in the store's large transactions, and
 acknowledged only once committed: an acknowledgement is what allows the
 sender to delete its copy. Reading the next message overlaps the commit of the
 previous one. A sample larger than a message comes in pieces, and is checked
-and committed once joined.
+and committed once joined. Over the bulk path (:mod:`.calls`) the same
+stream comes as :class:`ExchangeChunk` messages, whole values, no pieces.
 
 Nothing sent is dropped for lack of room: each message reserves its bytes in
 the cache before it is taken (:meth:`CacheSpace.reserve`), waiting while the cache
@@ -51,6 +52,7 @@ from dataquay.server.errors import (
     InvalidRequestError,
     SampleIdError,
 )
+from dataquay.server.node.bulk.frames import ExchangeChunk
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.placements import Placement, Placements
 from dataquay.server.node.store import Store
@@ -114,15 +116,18 @@ class ExchangeReceiver:
         for reader in self._readers:
             reader.cancel()
 
-    async def receive(self, messages: AsyncIterator[pb.ExchangeMessage]) -> AsyncIterator[pb.ExchangeReply]:
-        """Answers one exchange stream (see the Exchange RPC in cache.proto).
+    async def receive(
+        self, messages: AsyncIterator[pb.ExchangeMessage | ExchangeChunk]
+    ) -> AsyncIterator[pb.ExchangeReply]:
+        """Answers one exchange stream (see the Exchange RPC in cache.proto), over
+        gRPC or the bulk path (whose chunks come as :class:`ExchangeChunk`).
 
         Raises:
             InvalidRequestError: the stream does not start with an offer.
             ExchangeRefusedError: the offer names ids this node does not own then.
         """
         first = await anext(aiter(messages), None)
-        if first is None or not first.HasField("offer"):
+        if not isinstance(first, pb.ExchangeMessage) or not first.HasField("offer"):
             raise InvalidRequestError("an exchange stream must start with an offer")
         offer = first.offer
         entry, offered, placement = await self._accept(offer)
@@ -250,7 +255,7 @@ class ExchangeReceiver:
 
     async def _take_in(
         self,
-        messages: AsyncIterator[pb.ExchangeMessage],
+        messages: AsyncIterator[pb.ExchangeMessage | ExchangeChunk],
         entry: Registered,
         offered: set[int],
         commits: asyncio.Queue[_Taken | None],
@@ -263,8 +268,12 @@ class ExchangeReceiver:
         joiner = Joiner("the exchange's sender")
         try:
             async for message in messages:
+                values: list[tuple[int, bytes]]
                 try:
-                    if message.HasField("piece"):
+                    if isinstance(message, ExchangeChunk):
+                        joiner.check_done()
+                        values = message.samples
+                    elif message.HasField("piece"):
                         piece = message.piece
                         if piece.id not in offered:
                             raise InvalidRequestError(f"sample {piece.id} was not in the exchange offer")

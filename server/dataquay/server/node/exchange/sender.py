@@ -44,17 +44,19 @@ import grpc
 import numpy as np
 
 from dataquay.client.jobs import job_plan
-from dataquay.client.pieces import PIECE_BYTES, pieces
 from dataquay.client.placement import MODES, node_reads
 from dataquay.client.records import CHECKSUM_BYTES
 from dataquay.client.status_codes import UNREACHABLE
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import DataquayError
+from dataquay.server.node.bulk.client import BulkRefusedError
+from dataquay.server.node.bulk.frames import BulkError
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange.coded import CodedProgress, coded_pass
 from dataquay.server.node.exchange.mcast import Channel
+from dataquay.server.node.exchange.calls import BulkExchangeCall, ExchangeCall, GrpcExchangeCall
 from dataquay.server.node.exchange.outbox import PENDING, REFUSED, UNAVAILABLE, Outbox, OutboxProgress
 from dataquay.server.node.exchange.positions import ReadPositions
 from dataquay.server.node.exchange.receiver import ExchangeReceiver
@@ -76,6 +78,8 @@ OFFER_IDS = 1 << 16
 #: Receivers streamed to at once.
 PARALLEL_RECEIVERS = 4
 RETRY_SECONDS = (0.5, 30.0)
+#: A bulk listener's answer that it takes no exchanges (TLS): the stream goes over gRPC.
+BULK_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 #: Least time between two looks at what may be deleted or sent on, however
 #: often reads and acknowledgements come in.
 REACT_SECONDS = 0.05
@@ -392,15 +396,16 @@ class Exchanges:
                 if run.error.startswith(f"{node}:"):
                     run.error = ""
                 continue
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in RETRYABLE:
-                    run.error = f"{node}: {exc.code().name}: {exc.details()}"
+            except (grpc.aio.AioRpcError, BulkRefusedError) as exc:
+                code, details = _status(exc)
+                if code not in RETRYABLE:
+                    run.error = f"{node}: {code.name}: {details}"
                     log.warning("receiver refused the exchange; its samples stay here",
                                 extra={"fields": {"job": run.job, "epoch": run.epoch, "peer": node,
-                                                  "code": exc.code().name, "error": exc.details()}})
+                                                  "code": code.name, "error": details}})
                     run.outbox.unsettled(run.outbox.pending(receiver), REFUSED)
                     return
-                run.error = f"{node}: {exc.code().name}"
+                run.error = f"{node}: {code.name}"
             except DataquayError as exc:
                 run.error = f"{node}: {exc}"
             except asyncio.InvalidStateError:  # written to after the receiver ended the call
@@ -411,6 +416,14 @@ class Exchanges:
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_SECONDS[1])
 
+    def _call(self, node: str, address: str, bulk_address: str) -> ExchangeCall:
+        """The stream to ``node``: over its bulk listener when it has one this
+        node may use (no TLS, no recent failure), else the Exchange RPC."""
+        bulk = self.peers.bulk
+        if bulk_address and bulk is not None and bulk.tls is None and self.peers.bulk_usable(bulk_address):
+            return BulkExchangeCall(bulk, bulk_address)
+        return GrpcExchangeCall(self.peers.stub(node, address).Exchange())
+
     async def _stream(self, run: ExchangeRun, entry: Registered, node: str, receiver: int) -> None:
         """One stream: an offer of up to OFFER_IDS pending ids, then their payloads."""
         address = await self.link.address_of(node)
@@ -418,13 +431,14 @@ class Exchanges:
             raise DataquayError(f"node {node} is not reachable (down or unknown to the directory)")
         outbox, db = run.outbox, entry.record.cache_db
         offered, offered_upto = outbox.offer(receiver, OFFER_IDS)
-        call = self.peers.stub(node, address).Exchange()
+        bulk_address = self.link.bulk_address_of(node)
+        call = self._call(node, address, bulk_address)
         in_flight: deque[np.ndarray] = deque()
         window = asyncio.Semaphore(WINDOW)
 
         async def take_acks() -> None:
             try:
-                while (reply := await call.read()) is not grpc.aio.EOF:
+                while (reply := await call.read()) is not None:
                     chunk = in_flight.popleft()
                     self.sent_bytes += outbox.delivered(reply.held)
                     self.sent_samples += len(reply.held)
@@ -437,11 +451,11 @@ class Exchanges:
 
         acks: asyncio.Task[None] | None = None
         try:
-            await call.write(pb.ExchangeMessage(offer=pb.ExchangeOffer(
+            await call.offer(pb.ExchangeOffer(
                 job=run.job, dataset=entry.record.name, manifest_id=entry.record.manifest_id,
-                epoch=run.epoch, sender=self.node_name, ids=offered.tolist())))
+                epoch=run.epoch, sender=self.node_name, ids=offered.tolist()))
             first = await call.read()
-            if first is grpc.aio.EOF:
+            if first is None:
                 raise DataquayError(f"node {node} ended the exchange stream without answering")
             outbox.delivered(first.held, sent=False)
             chunk_bytes = min(CHUNK_BYTES, first.message_bytes or CHUNK_BYTES)
@@ -461,24 +475,22 @@ class Exchanges:
                     await self._until_news()
                     continue
                 values = self.store.get_values(db, ids.tolist())
-                samples = [pb.Sample(id=i, value=v) for i, v in zip(ids.tolist(), values) if v is not None]
+                samples = [(i, v) for i, v in zip(ids.tolist(), values) if v is not None]
                 absent = ids[[v is None for v in values]]
                 outbox.unsettled(absent, UNAVAILABLE)
                 if not samples:
                     window.release()
                     continue
                 if self.bucket is not None:
-                    await asyncio.sleep(self.bucket.reserve(sum(len(s.value) - CHECKSUM_BYTES for s in samples)))
-                in_flight.append(np.fromiter((s.id for s in samples), np.int64, len(samples)))
-                if len(samples) == 1 and len(samples[0].value) > PIECE_BYTES:
-                    whole = samples[0]
-                    for offset, part in pieces(whole.value):
-                        await call.write(pb.ExchangeMessage(
-                            piece=pb.Sample(id=whole.id, value=part, offset=offset, length=len(whole.value))))
-                    continue
-                await call.write(pb.ExchangeMessage(samples=samples))
+                    await asyncio.sleep(self.bucket.reserve(sum(len(v) - CHECKSUM_BYTES for _, v in samples)))
+                in_flight.append(np.fromiter((i for i, _ in samples), np.int64, len(samples)))
+                await call.send(samples)
             await call.done_writing()
             await acks
+        except BulkError as exc:
+            if bulk_address and (not isinstance(exc, BulkRefusedError) or exc.code == BULK_UNAVAILABLE):
+                self.peers.bulk_failed(bulk_address, node, exc)
+            raise
         finally:
             if acks is not None:
                 acks.cancel()
@@ -486,3 +498,11 @@ class Exchanges:
             for chunk in in_flight:
                 outbox.unsettled(chunk, PENDING)
             call.cancel()
+
+
+def _status(exc: grpc.aio.AioRpcError | BulkRefusedError) -> tuple[grpc.StatusCode, str]:
+    """The status a receiver ended a stream with, over either transport."""
+    if isinstance(exc, BulkRefusedError):
+        code = next((c for c in grpc.StatusCode if c.value[0] == exc.code), grpc.StatusCode.UNKNOWN)
+        return code, str(exc)
+    return exc.code(), exc.details() or ""
