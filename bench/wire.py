@@ -23,6 +23,15 @@ Measured in one run, the variants interleaved round by round:
   payload into the client's segment as it lands.
 - peer hit, gRPC: the same through g0, which fetches from g1 over gRPC.
 
+The exchange, per size, in two more clusters of two daemons, one as shipped
+and one with ``--bulk-listen off``: the dataset staged whole on node-0; per
+round node-1's cache is wiped and it restarts, a fresh ``partial`` job with
+Q = 1 starts, node-0 is told its trainers entered epoch 0 and ships node-1
+what it owns in epoch 1 (checked, committed to LMDB, acknowledged). The rate
+is the bytes sent over the daemon's own elapsed time. The raw TCP stream of
+the same round moves those bytes in batches of 64, as above. Rounds of the
+three take turns.
+
 Rates are payload GB/s (10^9 bytes), each the median of ``REPEATS`` runs; the
 ratios are against the raw TCP stream of the same run. ``uptime``'s load
 average before and after is recorded with the results (the machine is shared).
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import statistics
 import struct
@@ -48,11 +58,15 @@ from common import REPEATS, MiB, progress, report
 
 from dataquay.client import connect
 from dataquay.client.channels import channel_options, grpc_target
+from dataquay.client.jobs import job_plan
 from dataquay.client.malloc import tune_malloc
+from dataquay.client.manifest import Manifest
+from dataquay.client.placement import owners
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.node.bulk.client import BulkClient
+from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 
@@ -96,9 +110,10 @@ class RawStream:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buffer = memoryview(bytearray(batch_bytes))
 
-    def batch(self, index: int) -> None:
+    def batch(self, index: int, nbytes: int = 0) -> None:
+        """Batch ``index`` (of ``nbytes``; the whole buffer when 0)."""
         self.sock.sendall(_INDEX.pack(index))
-        view = self.buffer
+        view = self.buffer[: nbytes or len(self.buffer)]
         while view:
             got = self.sock.recv_into(view)
             if not got:
@@ -235,6 +250,85 @@ def bench_size(bulk: list[DaemonProcess], plain: list[DaemonProcess], base: Path
     return row
 
 
+def _exchanged(local: LocalCluster, n0: cache_pb2_grpc.CacheStub, label: str, manifest: Manifest, round_: int,
+               name: str) -> tuple[float, np.ndarray]:
+    """One round of the exchange node-0 -> node-1 on a fresh node-1: (bytes/s, the ids moved)."""
+    local.kill_node(1)
+    shutil.rmtree(local.daemons[1].cache_dir)
+    local.restart_node(1)
+    job_id = f"{name}-{label}-{round_}"
+    spec = jpb.JobSpec(job_id=job_id, dataset=label, mode="partial", q=1.0, seed=round_,
+                       nodes=["node-0", "node-1"], ranks_per_node=1)
+    plan = job_plan(n0.JoinJob(jpb.JoinJobRequest(spec=spec)), manifest)
+    before = owners(plan, 0)
+    given = np.flatnonzero((before == 0) & (owners(plan, 1, before) == 1))
+    n0.ReportEpoch(jpb.ReportEpochRequest(job_id=job_id, epoch=0))
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        run = next((r for r in n0.Stats(pb.StatsRequest()).exchanges
+                    if r.job == job_id and r.epoch == 1 and r.finished), None)
+        if run is not None:
+            break
+        time.sleep(0.02)
+    else:
+        raise RuntimeError(f"exchange of {job_id} did not finish")
+    assert run.delivered_samples == run.total_samples == len(given), run
+    with grpc.insecure_channel(str(local.daemons[1].ready["tcp"]), options=channel_options()) as c1:  # type: ignore[index]
+        check = given[:: max(1, len(given) // 8)].tolist()
+        got = [s for chunk in cache_pb2_grpc.CacheStub(c1).Read(pb.ReadRequest(dataset=label, ids=check, peer=True))
+               for s in chunk.samples]
+        assert [s.data for s in got] == [sample_bytes(0, i, len(s.data)) for i, s in zip(check, got)]
+    return run.sent_bytes / run.elapsed_seconds, given
+
+
+def bench_exchange(base: Path, label: str, size: int) -> dict:
+    root = base / "pfs" / label
+    paths = sorted(str(p) for p in root.rglob("*.bin"))
+    pairs = {"bulk": (), "grpc": ("--bulk-listen", "off")}
+    rates: dict[str, list[float]] = {"raw_tcp": [], "exchange_bulk": [], "exchange_grpc": []}
+    clusters = {name: LocalCluster(base / f"x-{name}-{label}", 2, args, dataset_roots=(base,)).start()
+                for name, args in pairs.items()}
+    try:
+        stubs = {}
+        for name, local in clusters.items():
+            _channel, stub = _stub(str(local.daemons[0].ready["tcp"]))  # type: ignore[index]
+            stubs[name] = stub
+            stub.AddDataset(pb.AddDatasetRequest(name=label, root=str(root)))
+            progress(f"exchange {label}: staging on node-0 of the {name} pair")
+            *_, staged = stub.Stage(pb.StageRequest(dataset=label))
+            assert staged.done_samples == staged.total_samples, staged
+        manifests = {name: Manifest(b"".join(c.data for c in stub.GetManifest(pb.GetDatasetRequest(name=label))))
+                     for name, stub in stubs.items()}
+        load_before = _uptime()
+        for round_ in range(REPEATS):
+            progress(f"exchange {label}: round {round_ + 1} of {REPEATS}")
+            for name, local in clusters.items():
+                rate, given = _exchanged(local, stubs[name], label, manifests[name], round_, name)
+                rates[f"exchange_{name}"].append(rate / 1e9)
+            batches = [given[i : i + BATCH] for i in range(0, len(given), BATCH)]
+            raw = RawStream(base / f"raw-x-{label}-{round_}", [[paths[i] for i in b.tolist()] for b in batches],
+                            BATCH * size)
+            started = time.perf_counter()
+            for k in range(len(batches)):
+                raw.batch(k, len(batches[k]) * size)
+            rates["raw_tcp"].append(len(given) * size / (time.perf_counter() - started) / 1e9)
+            raw.close()
+        load_after = _uptime()
+        bulk_stats = [s.Stats(pb.StatsRequest()).bulk for s in (stubs["bulk"],)]
+        assert not bulk_stats[0].fallbacks, "the bulk pair fell back to gRPC"
+    finally:
+        for local in clusters.values():
+            local.down()
+    gbps = {name: float(statistics.median(values)) for name, values in rates.items()}
+    return {
+        "size": label, "raw_tcp_GBps": gbps["raw_tcp"],
+        "exchange_grpc_GBps": gbps["exchange_grpc"], "exchange_grpc_ratio": gbps["exchange_grpc"] / gbps["raw_tcp"],
+        "exchange_bulk_GBps": gbps["exchange_bulk"], "exchange_bulk_ratio": gbps["exchange_bulk"] / gbps["raw_tcp"],
+        "bulk_over_grpc": gbps["exchange_bulk"] / gbps["exchange_grpc"],
+        "rounds_GBps": rates, "load_before": load_before, "load_after": load_after, "target": TARGET,
+    }
+
+
 def main() -> None:
     tune_malloc()
     wanted = os.environ.get("BENCH_SIZES", ",".join(SIZES)).split(",")
@@ -256,6 +350,13 @@ def main() -> None:
         finally:
             for process in [*processes, directory]:
                 process.kill()
+        exchanges = [bench_exchange(base, label, size) for label, size in SIZES.items() if label in wanted]
+    report(
+        "wire_exchange",
+        exchanges,
+        ["size", "raw_tcp_GBps", "exchange_grpc_GBps", "exchange_grpc_ratio", "exchange_bulk_GBps",
+         "exchange_bulk_ratio", "bulk_over_grpc"],
+    )
     report(
         "wire",
         rows,

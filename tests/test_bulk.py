@@ -190,7 +190,7 @@ def test_the_bulk_path_speaks_tls_when_the_cluster_does(
     staged(local, make_files_dataset(tmp_path / "pfs", N, sizes=(SIZE,)))
     samples, after = read_all(local)
     assert [s.data for s in samples] == [sample_bytes(0, i, SIZE) for i in range(N)]
-    assert after.bulk.fetched_samples > 0 and after.bulk.fallbacks == 0
+    assert after.bulk.fetched_samples > 0 and after.bulk.fallbacks == 0, local.daemons[0].log_tail()
     host, _, port = bulk_address(local, 1).rpartition(":")
     with socket.create_connection((host, int(port)), timeout=30) as plain:  # no TLS: never greeted
         plain.sendall(b"\0" * 64)

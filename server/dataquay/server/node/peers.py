@@ -17,7 +17,9 @@ A peer that advertises a bulk address is read over the bulk data path
 (:mod:`dataquay.server.node.bulk`), each payload handed to ``arrived`` as it
 lands; a peer without one (an older daemon), or one whose bulk connection
 fails for any reason but its deadline, is read over gRPC, and its bulk
-address is left alone for BULK_RETRY_SECONDS. A bulk read that misses its
+address is left alone for BULK_RETRY_SECONDS, unless the peer itself (its
+InfoReply) names another: a restarted peer listens on a new port before the
+directory's listing says so here. A bulk read that misses its
 deadline or is refused counts as the peer's failure, as a gRPC one does.
 """
 
@@ -83,6 +85,8 @@ class Peers:
         #: Bulk reads that failed and went over gRPC instead.
         self.bulk_fallbacks = 0
         self._bulk_off_until: dict[str, float] = {}
+        #: node -> (bulk address the directory lists, the one the peer named since).
+        self._said: dict[str, tuple[str, str]] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, cache_pb2_grpc.CacheStub] = {}
         self._addresses: dict[str, str] = {}
@@ -117,10 +121,21 @@ class Peers:
         budget = self._fetching.get(node)
         await budget.take(nbytes)
         try:
+            bulk_address = self.bulk_address(node, bulk_address)
             if bulk_address and self.bulk is not None and self.bulk_usable(bulk_address):
-                got = await self._fetch_bulk(health, bulk_address, dataset, manifest_id, ids, lengths, nbytes, arrived)
-                if got is not None:
-                    return got
+                try:
+                    return await self._fetch_bulk(
+                        health, bulk_address, dataset, manifest_id, ids, lengths, nbytes, arrived)
+                except BulkError as exc:
+                    fresh = await self.rediscovered(node, address, bulk_address)
+                    if not fresh:
+                        self.bulk_failed(bulk_address, node, exc)
+                if fresh:
+                    try:
+                        return await self._fetch_bulk(
+                            health, fresh, dataset, manifest_id, ids, lengths, nbytes, arrived)
+                    except BulkError as exc:
+                        self.bulk_failed(fresh, node, exc)
             return await self._fetch(health, address, dataset, manifest_id, ids, lengths, nbytes)
         finally:
             budget.give(nbytes)
@@ -128,8 +143,8 @@ class Peers:
     async def _fetch_bulk(
         self, health: PeerHealth, address: str, dataset: str, manifest_id: str, ids: np.ndarray,
         lengths: np.ndarray, nbytes: int, arrived: Arrived | None,
-    ) -> dict[int, tuple[bytes | memoryview, int]] | None:
-        """The samples over the bulk path; None when it failed and gRPC should be asked."""
+    ) -> dict[int, tuple[bytes | memoryview, int]]:
+        """The samples over the bulk path; raises BulkError when it failed and gRPC should be asked."""
         assert self.bulk is not None
         started = time.monotonic()
         try:
@@ -143,9 +158,6 @@ class Peers:
             code = next((c.name for c in grpc.StatusCode if c.value[0] == exc.code), "UNKNOWN")
             self._failed(health, address, code, str(exc), started)
             return {}
-        except BulkError as exc:
-            self.bulk_failed(address, health.node, exc)
-            return None
         health.bad_checksums += read.bad_checksums
         self._answered(health, address, len(read.samples), read.bytes)
         self.bulk_samples += len(read.samples)
@@ -203,6 +215,26 @@ class Peers:
             health.failures_in_a_row = 0
         health.samples += samples
         health.bytes += nbytes
+
+    def bulk_address(self, node: str, listed: str) -> str:
+        """Where ``node``'s bulk listener is: as the directory lists it, or as
+        the peer named it since (while the listing still says ``listed``)."""
+        said = self._said.get(node)
+        return said[1] if said is not None and said[0] == listed else listed
+
+    async def rediscovered(self, node: str, address: str, failed: str) -> str:
+        """The bulk address ``node`` names itself (its InfoReply) when that is
+        not ``failed``; "" when it names none or the same, or does not answer."""
+        try:
+            info = await self.stub(node, address).Info(pb.InfoRequest(), timeout=self.timeout)
+        except grpc.aio.AioRpcError:
+            return ""
+        if not info.bulk_address or info.bulk_address == failed:
+            return ""
+        previous = self._said.get(node)
+        listed = previous[0] if previous is not None and previous[1] == failed else failed
+        self._said[node] = (listed, info.bulk_address)
+        return info.bulk_address
 
     def bulk_usable(self, address: str) -> bool:
         """Whether the bulk listener at ``address`` has not failed lately."""

@@ -247,8 +247,10 @@ class LocalCluster:
         self._stop(old, timeout)
         assert old.ready is not None
         port = old.ready["tcp"].rpartition(":")[2]
+        bulk = ("--bulk-listen", f"{old.host}:{old.ready['bulk'].rpartition(':')[2]}") if old.ready.get("bulk") else ()
         daemon = self._daemon(
-            index, "--listen", f"{old.host}:{port}", "--metrics-port", str(old.ready["metrics_port"]), *extra_args
+            index, "--listen", f"{old.host}:{port}", "--metrics-port", str(old.ready["metrics_port"]), *bulk,
+            *extra_args,
         )
         self.daemons[index] = daemon
         daemon.start(timeout)

@@ -431,7 +431,7 @@ class Exchanges:
             raise DataquayError(f"node {node} is not reachable (down or unknown to the directory)")
         outbox, db = run.outbox, entry.record.cache_db
         offered, offered_upto = outbox.offer(receiver, OFFER_IDS)
-        bulk_address = self.link.bulk_address_of(node)
+        bulk_address = self.peers.bulk_address(node, self.link.bulk_address_of(node))
         call = self._call(node, address, bulk_address)
         in_flight: deque[np.ndarray] = deque()
         window = asyncio.Semaphore(WINDOW)
@@ -488,8 +488,10 @@ class Exchanges:
             await call.done_writing()
             await acks
         except BulkError as exc:
+            refused = isinstance(exc, BulkRefusedError)
             if bulk_address and (not isinstance(exc, BulkRefusedError) or exc.code == BULK_UNAVAILABLE):
-                self.peers.bulk_failed(bulk_address, node, exc)
+                if refused or not await self.peers.rediscovered(node, address, bulk_address):
+                    self.peers.bulk_failed(bulk_address, node, exc)
             raise
         finally:
             if acks is not None:
