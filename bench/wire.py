@@ -22,6 +22,9 @@ Measured in one run, the variants interleaved round by round:
   n0, which fetches each batch from n1 over the bulk path and writes each
   payload into the client's segment as it lands.
 - peer hit, gRPC: the same through g0, which fetches from g1 over gRPC.
+- hop 2 alone: the client's daemon path (shared memory) over batches of ids
+  n0 holds itself: the second hop of a peer hit without the first, a bound
+  on a peer hit however well the hops overlap.
 
 The exchange, per size, in two more clusters of two daemons, one as shipped
 and one with ``--bulk-listen off``: the dataset staged whole on node-0; per
@@ -30,7 +33,10 @@ Q = 1 starts, node-0 is told its trainers entered epoch 0 and ships node-1
 what it owns in epoch 1 (checked, committed to LMDB, acknowledged). The rate
 is the bytes sent over the daemon's own elapsed time. The raw TCP stream of
 the same round moves those bytes in batches of 64, as above. Rounds of the
-three take turns.
+three take turns. Its bound: "LMDB commit alone" writes the same values
+into a fresh LMDB environment in this process, as the daemon's writer does
+(putmulti, a transaction per 64 values, no sync), since the receiver
+acknowledges only what its cache committed.
 
 Rates are payload GB/s (10^9 bytes), each the median of ``REPEATS`` runs; the
 ratios are against the raw TCP stream of the same run. ``uptime``'s load
@@ -53,6 +59,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import lmdb
 import numpy as np
 from common import REPEATS, MiB, progress, report
 
@@ -62,6 +69,7 @@ from dataquay.client.jobs import job_plan
 from dataquay.client.malloc import tune_malloc
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import owners
+from dataquay.client.records import CHECKSUM_BYTES, encode_value
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -171,6 +179,8 @@ def bench_size(bulk: list[DaemonProcess], plain: list[DaemonProcess], base: Path
     assert (grpc_ds.sampler(job=f"grpc-{label}", rank=0, world_size=2).owners(0) == owner).all()
     remote = np.random.default_rng(0).permutation(np.flatnonzero(owner == 1))
     batches = [remote[i : i + BATCH] for i in range(0, len(remote) - BATCH + 1, BATCH)]
+    local = np.random.default_rng(1).permutation(np.flatnonzero(owner == 0))
+    local_batches = [local[i : i + BATCH] for i in range(0, len(local) - BATCH + 1, BATCH)]
     timed = batches * PASSES
     total = len(timed) * BATCH
     for want in batches[0][:4].tolist():
@@ -211,8 +221,15 @@ def bench_size(bulk: list[DaemonProcess], plain: list[DaemonProcess], base: Path
             grpc_ds.get_batch(b)
         return total
 
+    def hop2() -> int:
+        for _ in range(PASSES):
+            for b in local_batches:
+                bulk_client.remote._read_daemon(bulk_ds, b)
+        return PASSES * len(local_batches) * BATCH
+
     runs: dict[str, Callable[[], int]] = {
         "raw_tcp": raw_tcp, "grpc_hop": grpc_hop, "bulk_hop": bulk_hop, "peer_bulk": peer_bulk, "peer_grpc": peer_grpc,
+        "hop2": hop2,
     }
     for run in runs.values():
         run()  # warm: page cache, connections, segments
@@ -240,7 +257,7 @@ def bench_size(bulk: list[DaemonProcess], plain: list[DaemonProcess], base: Path
 
     gbps = {name: float(statistics.median(values)) for name, values in rates.items()}
     row: dict[str, object] = {"size": label, **{f"{name}_GBps": value for name, value in gbps.items()}}
-    for name in ("grpc_hop", "bulk_hop", "peer_bulk", "peer_grpc"):
+    for name in ("grpc_hop", "bulk_hop", "peer_bulk", "peer_grpc", "hop2"):
         row[f"{name}_ratio"] = gbps[name] / gbps["raw_tcp"]
     row["peer_bulk_over_grpc"] = gbps["peer_bulk"] / gbps["peer_grpc"]
     row["rounds_GBps"] = rates
@@ -281,11 +298,27 @@ def _exchanged(local: LocalCluster, n0: cache_pb2_grpc.CacheStub, label: str, ma
     return run.sent_bytes / run.elapsed_seconds, given
 
 
+def _lmdb_commit(home: Path, batches: list[np.ndarray], paths: list[str]) -> float:
+    """Bytes/s of committing the batches' values to a fresh LMDB environment, as the daemon's writer does."""
+    values = [[(i.to_bytes(8, "big"), encode_value(Path(paths[i]).read_bytes())) for i in b.tolist()] for b in batches]
+    nbytes = sum(len(v) - CHECKSUM_BYTES for batch in values for _, v in batch)
+    env = lmdb.open(str(home), map_size=4 << 30, sync=False, metasync=False, readahead=True, meminit=False, max_dbs=2)
+    db = env.open_db(b"bench")
+    started = time.perf_counter()
+    for batch in values:
+        with env.begin(write=True) as txn:
+            txn.cursor(db).putmulti(batch, overwrite=False)
+    elapsed = time.perf_counter() - started
+    env.close()
+    shutil.rmtree(home)
+    return nbytes / elapsed
+
+
 def bench_exchange(base: Path, label: str, size: int) -> dict:
     root = base / "pfs" / label
     paths = sorted(str(p) for p in root.rglob("*.bin"))
     pairs = {"bulk": (), "grpc": ("--bulk-listen", "off")}
-    rates: dict[str, list[float]] = {"raw_tcp": [], "exchange_bulk": [], "exchange_grpc": []}
+    rates: dict[str, list[float]] = {"raw_tcp": [], "exchange_bulk": [], "exchange_grpc": [], "lmdb_commit": []}
     clusters = {name: LocalCluster(base / f"x-{name}-{label}", 2, args, dataset_roots=(base,)).start()
                 for name, args in pairs.items()}
     try:
@@ -313,6 +346,7 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
                 raw.batch(k, len(batches[k]) * size)
             rates["raw_tcp"].append(len(given) * size / (time.perf_counter() - started) / 1e9)
             raw.close()
+            rates["lmdb_commit"].append(_lmdb_commit(base / f"lmdb-{label}-{round_}", batches, paths) / 1e9)
         load_after = _uptime()
         bulk_stats = [s.Stats(pb.StatsRequest()).bulk for s in (stubs["bulk"],)]
         assert not bulk_stats[0].fallbacks, "the bulk pair fell back to gRPC"
@@ -325,6 +359,7 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
         "exchange_grpc_GBps": gbps["exchange_grpc"], "exchange_grpc_ratio": gbps["exchange_grpc"] / gbps["raw_tcp"],
         "exchange_bulk_GBps": gbps["exchange_bulk"], "exchange_bulk_ratio": gbps["exchange_bulk"] / gbps["raw_tcp"],
         "bulk_over_grpc": gbps["exchange_bulk"] / gbps["exchange_grpc"],
+        "lmdb_commit_GBps": gbps["lmdb_commit"], "lmdb_commit_ratio": gbps["lmdb_commit"] / gbps["raw_tcp"],
         "rounds_GBps": rates, "load_before": load_before, "load_after": load_after, "target": TARGET,
     }
 
@@ -355,13 +390,14 @@ def main() -> None:
         "wire_exchange",
         exchanges,
         ["size", "raw_tcp_GBps", "exchange_grpc_GBps", "exchange_grpc_ratio", "exchange_bulk_GBps",
-         "exchange_bulk_ratio", "bulk_over_grpc"],
+         "exchange_bulk_ratio", "bulk_over_grpc", "lmdb_commit_GBps", "lmdb_commit_ratio"],
     )
     report(
         "wire",
         rows,
         ["size", "raw_tcp_GBps", "grpc_hop_GBps", "grpc_hop_ratio", "bulk_hop_GBps", "bulk_hop_ratio",
-         "peer_grpc_GBps", "peer_grpc_ratio", "peer_bulk_GBps", "peer_bulk_ratio", "peer_bulk_over_grpc"],
+         "peer_grpc_GBps", "peer_grpc_ratio", "peer_bulk_GBps", "peer_bulk_ratio", "peer_bulk_over_grpc",
+         "hop2_GBps", "hop2_ratio"],
     )
 
 
