@@ -30,14 +30,16 @@ class ShmForward:
         self.placed: dict[int, int] = {}
         self.forwarded = 0
 
-    def arrived(self, sample_id: int, payload: memoryview, _digest: int) -> None:
-        """Writes a payload as it lands (the checksum was checked on arrival)."""
-        if sample_id in self.placed:
+    def arrived(self, landed: list[tuple[int, memoryview, int]]) -> None:
+        """Writes payloads as they land (their checksums were checked on arrival)."""
+        new = [(sample_id, payload) for sample_id, payload, _digest in landed if sample_id not in self.placed]
+        if not new:
             return
-        offsets, self.at = self.shm.write(self.name, self.size, [payload], self.at)
-        if offsets[0] is not None:
-            self.placed[sample_id] = offsets[0]
-            self.forwarded += 1
+        offsets, self.at = self.shm.write(self.name, self.size, [payload for _, payload in new], self.at)
+        for (sample_id, _), offset in zip(new, offsets):
+            if offset is not None:
+                self.placed[sample_id] = offset
+                self.forwarded += 1
 
     def window(self, served: Sequence[Served]) -> list[int | None]:
         """The offset of each of a window's samples, writing those not forwarded

@@ -3,8 +3,9 @@
 A read runs in a thread of its own pool: it sends the request and receives
 each payload with ``recv_into`` straight into one buffer preallocated for the
 batch (the manifest gives every length), checks its xxh3 once, and hands it
-to ``arrived`` on the event loop at once, so that the caller can pass it on
-while the rest of the batch is still on the wire. A frame that names an id
+to ``arrived`` on the event loop, so that the caller can pass it on while the
+rest of the batch is still on the wire: what landed while the loop was busy
+goes in one call, so a busy loop is woken once, not once per payload. A frame that names an id
 not asked for, or a length other than the manifest's, ends the connection:
 a peer that garbles one frame cannot be trusted with the next. A
 connection that answered cleanly goes back to its peer's pool.
@@ -50,8 +51,8 @@ THREADS = 16
 #: Time to connect and finish the handshake.
 CONNECT_SECONDS = 5.0
 
-#: Called on the event loop for each payload that arrived intact: (id, payload, checksum).
-Arrived = Callable[[int, memoryview, int], None]
+#: Called on the event loop with payloads that arrived intact: [(id, payload, checksum)].
+Arrived = Callable[[list[tuple[int, memoryview, int]]], None]
 
 
 class BulkRefusedError(BulkError):
@@ -104,9 +105,22 @@ class BulkClient:
         loop = asyncio.get_running_loop()
         request = read_request(dataset, manifest_id, ids)
 
-        def hand_over(sample_id: int, payload: memoryview, digest: int) -> None:
+        landed: list[tuple[int, memoryview, int]] = []
+        lock = threading.Lock()
+
+        def drain() -> None:
             assert arrived is not None
-            loop.call_soon_threadsafe(arrived, sample_id, payload, digest)
+            with lock:
+                batch = landed[:]
+                landed.clear()
+            arrived(batch)
+
+        def hand_over(sample_id: int, payload: memoryview, digest: int) -> None:
+            with lock:
+                landed.append((sample_id, payload, digest))
+                if len(landed) > 1:
+                    return  # a drain is scheduled and not run yet
+            loop.call_soon_threadsafe(drain)
 
         return await loop.run_in_executor(
             self.threads, self._read, address, request, ids, lengths, time.monotonic() + deadline,
@@ -123,7 +137,7 @@ class BulkClient:
 
     def _read(
         self, address: str, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
-        arrived: Arrived | None,
+        arrived: Callable[[int, memoryview, int], None] | None,
     ) -> BulkRead:
         sock, reused = self._take(address, end)
         try:
@@ -145,7 +159,7 @@ class BulkClient:
 
     def _read_new(
         self, address: str, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
-        arrived: Arrived | None,
+        arrived: Callable[[int, memoryview, int], None] | None,
     ) -> BulkRead:
         sock = self._connect(address, end)
         try:
@@ -161,7 +175,7 @@ class BulkClient:
 
     def _exchange(
         self, sock: socket.socket, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
-        arrived: Arrived | None,
+        arrived: Callable[[int, memoryview, int], None] | None,
     ) -> BulkRead:
         wanted = np.unique(ids)
         sizes = lengths[wanted]
