@@ -1,8 +1,10 @@
 """Reads from peers' bulk listeners (:mod:`.server`), a few connections kept per peer.
 
 A read runs in a thread of its own pool: it sends the request and receives
-each payload with ``recv_into`` straight into one buffer preallocated for the
-batch (the manifest gives every length), checks its xxh3 once, and hands it
+each payload with ``recv_into`` straight into a buffer of the length the
+manifest gives (one per sample: a buffer for a whole batch of large samples
+would be past glibc's mmap threshold, :mod:`dataquay.client.malloc`, and
+page-fault afresh every batch), checks its xxh3 once, and hands it
 to ``arrived`` on the event loop, so that the caller can pass it on while the
 rest of the batch is still on the wire: what landed while the loop was busy
 goes in one call, so a busy loop is woken once, not once per payload. A frame that names an id
@@ -178,10 +180,7 @@ class BulkClient:
         arrived: Callable[[int, memoryview, int], None] | None,
     ) -> BulkRead:
         wanted = np.unique(ids)
-        sizes = lengths[wanted]
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        slot = dict(zip(wanted.tolist(), zip(starts.tolist(), sizes.tolist())))
-        buffer = memoryview(bytearray(int(sizes.sum())))
+        expected = dict(zip(wanted.tolist(), lengths[wanted].tolist()))
         header = bytearray(SAMPLE.size)
         out = BulkRead()
         try:
@@ -201,15 +200,15 @@ class BulkClient:
                 if length > MAX_ERROR_BYTES:
                     raise BulkError(f"error message of {length} bytes")
                 raise BulkRefusedError(sample_id, recv_bytes(sock, length).decode(errors="replace"))
-            place = slot.get(sample_id)
-            if place is None:
-                raise BulkError(f"the peer sent sample {sample_id}, which was not asked for")
+            size = expected.pop(sample_id, None)
+            if size is None:
+                raise BulkError(f"the peer sent sample {sample_id}, which was not asked for (or twice)")
             if status == MISSING:
                 continue
-            if status != OK or length != place[1]:
+            if status != OK or length != size:
                 raise BulkError(f"bad frame for sample {sample_id}: status {status}, {length} bytes "
-                                f"where the manifest says {place[1]}")
-            payload = buffer[place[0] : place[0] + length]
+                                f"where the manifest says {size}")
+            payload = memoryview(bytearray(length))
             _recv(sock, payload, end)
             if checksum(payload) != digest:
                 out.bad_checksums += 1
