@@ -73,6 +73,7 @@ from dataquay.client.records import CHECKSUM_BYTES, encode_value
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.errors import StartupError
 from dataquay.server.node.bulk.client import BulkClient
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
@@ -314,13 +315,25 @@ def _lmdb_commit(home: Path, batches: list[np.ndarray], paths: list[str]) -> flo
     return nbytes / elapsed
 
 
+def _started(home: Path, args: tuple[str, ...], tries: int = 3) -> LocalCluster:
+    """A two-node cluster, started again when its directory lost the race for
+    its heartbeat port (a UDP port of the TCP port's number, taken by another
+    process on a busy machine)."""
+    for attempt in range(tries):
+        try:
+            return LocalCluster(home / str(attempt), 2, args, dataset_roots=(home.parent,)).start()
+        except StartupError:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def bench_exchange(base: Path, label: str, size: int) -> dict:
     root = base / "pfs" / label
     paths = sorted(str(p) for p in root.rglob("*.bin"))
     pairs = {"bulk": (), "grpc": ("--bulk-listen", "off")}
     rates: dict[str, list[float]] = {"raw_tcp": [], "exchange_bulk": [], "exchange_grpc": [], "lmdb_commit": []}
-    clusters = {name: LocalCluster(base / f"x-{name}-{label}", 2, args, dataset_roots=(base,)).start()
-                for name, args in pairs.items()}
+    clusters = {name: _started(base / f"x-{name}-{label}", args) for name, args in pairs.items()}
     try:
         stubs = {}
         for name, local in clusters.items():
