@@ -33,7 +33,8 @@ Q = 1 starts, node-0 is told its trainers entered epoch 0 and ships node-1
 what it owns in epoch 1 (checked, committed to LMDB, acknowledged). The rate
 is the bytes sent over the daemon's own elapsed time. The raw TCP stream of
 the same round moves those bytes in batches of 64, as above. Rounds of the
-three take turns. Its bound: "LMDB commit alone" writes the same values
+three take turns; node-1 loads the dataset before each round's clock starts.
+Its bound: "LMDB commit alone" writes the same values
 into a fresh LMDB environment in this process, as the daemon's writer does
 (putmulti, a transaction per 64 values, no sync), since the receiver
 acknowledges only what its cache committed.
@@ -274,6 +275,10 @@ def _exchanged(local: LocalCluster, n0: cache_pb2_grpc.CacheStub, label: str, ma
     local.kill_node(1)
     shutil.rmtree(local.daemons[1].cache_dir)
     local.restart_node(1)
+    with grpc.insecure_channel(str(local.daemons[1].ready["tcp"]), options=channel_options()) as c1:  # type: ignore[index]
+        # The restarted receiver loads the dataset before the clock starts, not during the exchange.
+        request = pb.ReadRequest(dataset=label, ids=[0], manifest_id=manifest.manifest_id, peer=True)
+        list(cache_pb2_grpc.CacheStub(c1).Read(request))
     job_id = f"{name}-{label}-{round_}"
     spec = jpb.JobSpec(job_id=job_id, dataset=label, mode="partial", q=1.0, seed=round_,
                        nodes=["node-0", "node-1"], ranks_per_node=1)
