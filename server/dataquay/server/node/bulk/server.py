@@ -221,7 +221,10 @@ class BulkServer:
         """Answers one request; False when the client closed between requests."""
         sock.settimeout(IDLE_SECONDS)
         header = bytearray(REQUEST.size)
-        first = sock.recv_into(header)
+        try:
+            first = sock.recv_into(header)
+        except TimeoutError:
+            return False  # idle too long between requests: closed quietly, its client reconnects
         if not first:
             return False
         sock.settimeout(STALL_SECONDS)
