@@ -169,17 +169,6 @@ def test_hostile_input_on_the_bulk_port_is_closed_and_logged(secured: LocalClust
     half_open.close()
 
 
-def test_a_peer_without_a_bulk_address_is_read_over_grpc(
-    cluster: Callable[..., LocalCluster], tmp_path: Path
-) -> None:
-    local = cluster(2, daemon_args=("--bulk-listen", "off"))
-    staged(local, make_files_dataset(tmp_path / "pfs", N, sizes=(SIZE,)))
-    samples, after = read_all(local)
-    assert [s.data for s in samples] == [sample_bytes(0, i, SIZE) for i in range(N)]
-    assert pb.TIER_PEER in {s.tier for s in samples} and pb.TIER_PFS not in {s.tier for s in samples}
-    assert after.bulk.fetched_samples == 0 and after.bulk.fallbacks == 0
-
-
 @pytest.mark.skipif(subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
                     reason="openssl is not installed: the test makes its certificates with it")
 def test_the_bulk_path_speaks_tls_when_the_cluster_does(
@@ -248,3 +237,33 @@ def test_the_exchange_goes_over_the_bulk_path_byte_exact(
                                              for i in ids.tolist()]
     finally:
         nodes.close()
+
+
+def test_a_restarted_peer_is_read_over_bulk_again_and_over_grpc_once_it_has_none(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    local = cluster(2)
+    staged(local, make_files_dataset(tmp_path / "pfs", N, sizes=(SIZE,)))
+    payloads = [sample_bytes(0, i, SIZE) for i in range(N)]
+    samples, first = read_all(local)
+    peer = sum(s.tier == pb.TIER_PEER for s in samples)
+    assert first.bulk.fetched_samples == peer > 0
+
+    def all_from_caches() -> pb.StatsReply | None:
+        """Stats after a read of every sample that no PFS served (n0 may list
+        the restarted node down for a moment, and read its share from the PFS)."""
+        samples, stats = read_all(local)
+        assert [s.data for s in samples] == payloads
+        return stats if pb.TIER_PFS not in {s.tier for s in samples} else None
+
+    local.restart_node(1)  # the same ports: n0's pooled connection now leads nowhere
+    wait_until(all_from_caches, "node-1's samples read from its cache again")
+    again = stats(local, 0)
+    assert again.bulk.fetched_samples >= 2 * peer and again.bulk.fallbacks == 0
+
+    # Listed with a bulk port it no longer has, then (relisted) with none, as an older daemon is.
+    local.restart_node(1, extra_args=("--bulk-listen", "off"))
+    wait_until(all_from_caches, "node-1's samples read from its cache again")
+    before = stats(local, 0).bulk.fetched_samples
+    assert all_from_caches() is not None
+    assert stats(local, 0).bulk.fetched_samples == before  # over gRPC
