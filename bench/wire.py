@@ -338,8 +338,10 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
     paths = sorted(str(p) for p in root.rglob("*.bin"))
     pairs = {"bulk": (), "grpc": ("--bulk-listen", "off")}
     rates: dict[str, list[float]] = {"raw_tcp": [], "exchange_bulk": [], "exchange_grpc": [], "lmdb_commit": []}
-    clusters = {name: _started(base / f"x-{name}-{label}", args) for name, args in pairs.items()}
+    clusters: dict[str, LocalCluster] = {}
     try:
+        for name, args in pairs.items():
+            clusters[name] = _started(base / f"x-{name}-{label}", args)
         stubs = {}
         for name, local in clusters.items():
             _channel, stub = _stub(str(local.daemons[0].ready["tcp"]))  # type: ignore[index]
