@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import subprocess
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -91,6 +92,8 @@ def test_peer_hits_go_over_the_bulk_path_byte_exact(secured: LocalCluster) -> No
     assert after.bulk.fetched_samples >= len(peer) and after.bulk.fetched_bytes >= len(peer) * SIZE
     assert after.bulk.fallbacks == 0
     assert stats(secured, 1).bulk.served_samples - served_before == len(peer)
+    metrics = urllib.request.urlopen(secured.daemons[0].metrics_url, timeout=30).read().decode()
+    assert f"dataquay_bulk_fetched_samples_total {float(after.bulk.fetched_samples)}" in metrics
 
 
 def test_the_bulk_port_refuses_a_wrong_token_and_answers_errors_in_band(secured: LocalCluster) -> None:

@@ -342,6 +342,11 @@ class Daemon(ServerLifecycle):
             client_data_wait_seconds=self.client_stats.data_wait_seconds,
             clients=self.client_stats.clients,
             prep_groups=tuple(self.prep_groups.status()),
+            bulk=(
+                self.bulk.served_samples if self.bulk else 0, self.bulk.served_bytes if self.bulk else 0,
+                self.peers.bulk_samples, self.peers.bulk_bytes, self.bulk.refused if self.bulk else 0,
+                self.peers.bulk_fallbacks,
+            ),
         )
 
 

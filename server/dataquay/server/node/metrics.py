@@ -71,6 +71,9 @@ class LiveState:
     client_data_wait_seconds: float
     clients: int
     prep_groups: tuple[pb.PrepGroupStatus, ...] = ()
+    #: The bulk data path: (served samples, served bytes, fetched samples, fetched bytes,
+    #: connections refused, fetches that fell back to gRPC).
+    bulk: tuple[int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -286,6 +289,17 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "dataquay_exchange_received_bytes", "Payload bytes committed from other nodes' exchanges", value=nbytes
     )
+    served, served_bytes, fetched, fetched_bytes, refused, fallbacks = state.bulk
+    for name, text, value in (
+        ("served_samples", "Samples sent to peers over the bulk data path", served),
+        ("served_bytes", "Payload bytes sent to peers over the bulk data path", served_bytes),
+        ("fetched_samples", "Samples read from peers over the bulk data path", fetched),
+        ("fetched_bytes", "Payload bytes read from peers over the bulk data path", fetched_bytes),
+        ("refused_connections", "Bulk connections closed for bad input: garbage, a wrong token, oversized, stalled",
+         refused),
+        ("fallbacks", "Bulk connections to peers that failed, after which gRPC was used", fallbacks),
+    ):
+        yield CounterMetricFamily(f"dataquay_bulk_{name}", text, value=value)
     yield CounterMetricFamily(
         "dataquay_reads_previous_owner",
         "Samples read from their owner of the epoch before (exchange not done yet)",
