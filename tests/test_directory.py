@@ -88,7 +88,7 @@ def test_nodes_register_heartbeat_and_are_listed_by_name(directory: DirectoryPro
     first = register(stub, "n1")
     assert first.lease_seconds == 10 and first.heartbeat_seconds == 2
     second = register(stub, "n0", port=7002)
-    assert second.versions.nodes > first.versions.nodes
+    assert second.versions.nodes == first.versions.nodes  # one version per heartbeat period
     beat = stub.Heartbeat(dpb.HeartbeatRequest(name="n0", cache_used_bytes=5000, cache_entries=7))
     assert beat.known and beat.versions == second.versions
     assert not stub.Heartbeat(dpb.HeartbeatRequest(name="stranger")).known
@@ -144,7 +144,7 @@ def test_a_silent_node_goes_down_in_service_discovery_and_comes_back_on_heartbea
         assert 'dataquay_directory_nodes{state="down"} 1.0' in metrics
 
         beat = stub.Heartbeat(dpb.HeartbeatRequest(name="silent"))
-        assert beat.known and beat.versions.nodes == version + 2
+        assert beat.known and beat.versions.nodes > version
         assert nodes(stub) == {"alive": jpb.NODE_UP, "silent": jpb.NODE_UP}
         assert [g["labels"]["dataquay_state"] for g in json.loads(http_get(directory.http_url + "/sd")[1])] == [
             "up", "up"

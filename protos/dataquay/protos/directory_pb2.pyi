@@ -53,13 +53,19 @@ class HeartbeatReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("since_version",)
+    SINCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    since_version: int
+    def __init__(self, since_version: _Optional[int] = ...) -> None: ...
 
 class ListNodesReply(_message.Message):
-    __slots__ = ("nodes", "versions")
+    __slots__ = ("nodes", "versions", "delta", "removed")
     NODES_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[_jobs_pb2.NodeStatus]
     versions: Versions
-    def __init__(self, nodes: _Optional[_Iterable[_Union[_jobs_pb2.NodeStatus, _Mapping]]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ...) -> None: ...
+    delta: bool
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[_jobs_pb2.NodeStatus, _Mapping]]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., delta: _Optional[bool] = ..., removed: _Optional[_Iterable[str]] = ...) -> None: ...

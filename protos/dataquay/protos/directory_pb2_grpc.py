@@ -127,7 +127,8 @@ class DirectoryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListNodes(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The node list, or the changes since a node-set version the caller holds.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

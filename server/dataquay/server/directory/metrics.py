@@ -20,11 +20,12 @@ from dataquay.server.directory.state import DirectoryState
 class _DirectoryCollector(Collector):
     def __init__(
         self, state: Callable[[], DirectoryState], datasets: Callable[[], int],
-        beats_refused: Callable[[], Mapping[str, int]],
+        beats_refused: Callable[[], Mapping[str, int]], node_lists: Callable[[], Mapping[str, int]],
     ) -> None:
         self._state = state
         self._datasets = datasets
         self._beats_refused = beats_refused
+        self._node_lists = node_lists
 
     def collect(self) -> Iterator[Metric]:
         state = self._state()
@@ -46,6 +47,15 @@ class _DirectoryCollector(Collector):
         for reason in REFUSALS:
             refused.add_metric([reason], counts.get(reason, 0))
         yield refused
+        lists = CounterMetricFamily(
+            "dataquay_directory_node_lists",
+            "ListNodes replies, by kind: the whole list, or the changes since the caller's node-set version",
+            labels=["kind"],
+        )
+        sent = self._node_lists()
+        for kind in ("full", "delta"):
+            lists.add_metric([kind], sent.get(kind, 0))
+        yield lists
         yield GaugeMetricFamily("dataquay_directory_jobs", "Job records", value=len(state.jobs()))
         yield CounterMetricFamily(
             "dataquay_directory_jobs_expired", "Jobs dropped for being idle longer than --job-ttl",
@@ -55,9 +65,11 @@ class _DirectoryCollector(Collector):
 
 
 def directory_metrics(
-    state: Callable[[], DirectoryState], datasets: Callable[[], int], beats_refused: Callable[[], Mapping[str, int]]
+    state: Callable[[], DirectoryState], datasets: Callable[[], int], beats_refused: Callable[[], Mapping[str, int]],
+    node_lists: Callable[[], Mapping[str, int]],
 ) -> CollectorRegistry:
-    """A registry of the directory's metrics, read live from ``state`` and the refusal counts."""
+    """A registry of the directory's metrics, read live from ``state``, the
+    refusal counts and the counts of ListNodes replies."""
     registry = CollectorRegistry()
-    registry.register(_DirectoryCollector(state, datasets, beats_refused))
+    registry.register(_DirectoryCollector(state, datasets, beats_refused, node_lists))
     return registry

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from dataquay.server.directory.state import Node
+from dataquay.server.directory.records import Node
 from dataquay.server.errors import StartupError
 
 #: Largest request head accepted; the endpoints take no body.

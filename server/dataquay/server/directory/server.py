@@ -48,19 +48,12 @@ from dataquay.protos import directory_pb2_grpc
 from dataquay.server.auth import new_server, server_tls
 from dataquay.server.config import DirectoryConfig
 from dataquay.server.directory.beats import open_heartbeats
+from dataquay.server.directory.listing import NodeListing
 from dataquay.server.directory.metrics import directory_metrics
+from dataquay.server.directory.records import Change, DatasetFacts, Job, JoinRequest, NodeInfo, Versions
 from dataquay.server.directory.sd_http import HttpEndpoints
 from dataquay.server.directory.servicer import DirectoryServicer
-from dataquay.server.directory.state import (
-    Change,
-    DatasetFacts,
-    DirectoryState,
-    Job,
-    JoinRequest,
-    NodeInfo,
-    StateSnapshot,
-    Versions,
-)
+from dataquay.server.directory.state import DirectoryState, StateSnapshot
 from dataquay.server.dirs import ensure_private_dir, private_opener
 from dataquay.server.errors import StartupError
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
@@ -90,7 +83,8 @@ class DirectoryServer(ServerLifecycle):
         super().__init__()
         self.config = config
         self.pid = os.getpid()
-        self.state = DirectoryState(config.lease_seconds)
+        self.state = DirectoryState(config.lease_seconds, config.heartbeat_seconds)
+        self.listing = NodeListing(config.heartbeat_seconds)
         self.registry = Registry(config.state_dir)
         self.health = HealthServicer()
         self.credentials = Credentials.from_files(config.token_file, config.tls_ca, config.tls_cert, config.tls_key)
@@ -98,7 +92,8 @@ class DirectoryServer(ServerLifecycle):
         #: Heartbeat datagrams refused, by reason (see :mod:`.beats`).
         self.beats_refused: Counter[str] = Counter()
         self.metrics = directory_metrics(
-            lambda: self.state, lambda: len(self.registry.names()), lambda: self.beats_refused
+            lambda: self.state, lambda: len(self.registry.names()), lambda: self.beats_refused,
+            lambda: self.listing.sent,
         )
         self.http = HttpEndpoints(lambda: self.state.nodes(), self.metrics, lambda: self._serving)
         self.tcp_address = ""
@@ -164,7 +159,9 @@ class DirectoryServer(ServerLifecycle):
         except (OSError, ValueError) as exc:
             raise StartupError(f"cannot read the directory's state {self.state_path}: {exc}") from exc
         try:
-            self.state = DirectoryState.from_json(doc, self.config.lease_seconds, time.time())
+            self.state = DirectoryState.from_json(
+                doc, self.config.lease_seconds, time.time(), self.config.heartbeat_seconds
+            )
         except ValueError as exc:
             raise StartupError(
                 f"cannot use the directory's state {self.state_path}: {exc}; move it away to start empty"
@@ -319,13 +316,18 @@ class DirectoryServer(ServerLifecycle):
         return dpb.HeartbeatReply(known=beat.known, versions=self.versions_proto())
 
     def versions_proto(self) -> dpb.Versions:
-        """The versions as a message, rebuilt only when they changed (heartbeats are hot)."""
-        versions = self.state.versions
+        """The versions as a message, node changes published if due, rebuilt
+        only when they changed (heartbeats are hot)."""
+        versions = self.state.publish_nodes(time.time())
         if versions is not self._versions[0]:
             self._versions = (
                 versions, dpb.Versions(nodes=versions.nodes, datasets=versions.datasets, jobs=versions.jobs)
             )
         return self._versions[1]
+
+    def list_nodes(self, since_version: int) -> dpb.ListNodesReply:
+        """The node list, or the changes since ``since_version`` (see :mod:`.listing`)."""
+        return self.listing.reply(self.state, since_version, self.versions_proto(), time.time())
 
     async def add_dataset(
         self, name: str, root: str, fmt: str | None, replace: bool, tar_grouped: bool

@@ -17,7 +17,7 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.directory.state import Job, JoinRequest, Node, NodeInfo
+from dataquay.server.directory.records import Job, JoinRequest, NodeInfo
 from dataquay.server.proto_maps import FORMAT_FROM_PROTO, dataset_info
 from dataquay.server.servicer_errors import status_on_error
 
@@ -63,9 +63,7 @@ class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
         return self.server.heartbeat_reply(request)
 
     async def ListNodes(self, request: dpb.ListNodesRequest, context: grpc.aio.ServicerContext) -> dpb.ListNodesReply:
-        return dpb.ListNodesReply(
-            nodes=[node_status(n) for n in self.server.state.nodes()], versions=self.server.versions_proto()
-        )
+        return self.server.list_nodes(request.since_version)
 
     # ------------------------------------------------------------- datasets
 
@@ -141,21 +139,6 @@ def reachable(address: str, peer: str) -> str:
     if not sep or host not in _WILDCARD_HOSTS or kind not in ("ipv4", "ipv6"):
         return address
     return f"{where.rpartition(':')[0]}:{port}"
-
-
-def node_status(node: Node) -> jpb.NodeStatus:
-    i = node.info
-    return jpb.NodeStatus(
-        info=jpb.NodeInfo(
-            name=i.name, tcp_address=i.tcp_address, metrics_address=i.metrics_address,
-            cache_capacity=i.cache_capacity, pid=i.pid, version=i.version, bulk_address=i.bulk_address,
-        ),
-        state=jpb.NODE_UP if node.up else jpb.NODE_DOWN,
-        registered_unix=node.registered,
-        last_heartbeat_unix=node.last_heartbeat,
-        cache_used_bytes=node.cache_used_bytes,
-        cache_entries=node.cache_entries,
-    )
 
 
 def join_request(request: jpb.JoinJobRequest) -> JoinRequest:

@@ -16,19 +16,34 @@ A heartbeat must stay O(1) however many nodes there are (a thousand nodes
 every two seconds): leases of live nodes sit in an ordered dict in the order
 they end, because every lease has the same length; a heartbeat moves its node
 to the end, and expiry pops expired leases from the front.
+
+Membership changes go to a :class:`~.node_log.NodeLog`, which publishes them
+as node-set versions at most once per heartbeat period: the server calls
+:meth:`DirectoryState.publish_nodes` before it hands a version out.
 """
 
 from __future__ import annotations
 
-import enum
 import re
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any, NamedTuple
 
 from dataquay.client.job_settings import SETTINGS, JobSettings
 from dataquay.client.placement import MAX_EPOCH
+from dataquay.server.directory.node_log import NodeLog, first_version
+from dataquay.server.directory.records import (
+    Beat,
+    Change,
+    DatasetFacts,
+    Job,
+    JoinRequest,
+    Node,
+    NodeInfo,
+    Registration,
+    Versions,
+)
 from dataquay.server.errors import (
     InvalidRequestError,
     JobActiveError,
@@ -51,106 +66,13 @@ _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
 ACTIVITY_WRITE_SECONDS = 60.0
 
 
-@dataclass(frozen=True)
-class NodeInfo:
-    """What a daemon says about itself when it registers."""
-
-    name: str
-    tcp_address: str
-    metrics_address: str = ""
-    cache_capacity: int = 0
-    pid: int = 0
-    version: str = ""
-    bulk_address: str = ""
-
-
-@dataclass
-class Node:
-    """A registered node; ``up`` while its lease runs."""
-
-    info: NodeInfo
-    registered: float
-    last_heartbeat: float
-    up: bool = True
-    cache_used_bytes: int = 0
-    cache_entries: int = 0
-    #: The highest datagram sequence accepted since the node registered.
-    beat_sequence: int = 0
-
-
-@dataclass(frozen=True)
-class Versions:
-    """Counters that move when nodes, datasets or jobs change, so that daemons
-    polling them refetch only what changed."""
-
-    nodes: int = 0
-    datasets: int = 0
-    jobs: int = 0
-
-
-class Change(enum.Enum):
-    """What a registration did to the node's membership."""
-
-    JOINED = "joined"    # a name never seen before
-    UP = "up"            # a node that was down, or not heard from since the directory restarted, is back
-    RENEWED = "renewed"  # a live node registered again (a restart)
-
-
-class Registration(NamedTuple):
-    change: Change
-    previous: NodeInfo | None
-
-
-class Beat(NamedTuple):
-    known: bool    # False: the name is not registered; the daemon must register
-    came_up: bool  # the node was down and is up again
-    refused: bool = False  # a datagram's sequence already seen: renewed nothing
-
-
-@dataclass(frozen=True)
-class JoinRequest:
-    """A join: the settings the caller named, over the defaults, and which it named.
-
-    Unnamed settings are the job's. ``ranks_per_node`` 0 is "not known yet":
-    it is not compared, and the first join naming a value above 0 fixes the
-    job's.
-    """
-
-    settings: JobSettings
-    named: frozenset[str] = frozenset()
-    must_exist: bool = False
-
-
-@dataclass(frozen=True)
-class DatasetFacts:
-    """What a job records of its dataset when it is created."""
-
-    manifest_id: str
-    num_samples: int
-
-
-@dataclass(frozen=True)
-class Job:
-    """A job record. ``epoch`` is the highest epoch any node reported;
-    ``started`` says whether one did (so that epoch 0 has begun);
-    ``last_active`` is when it was created, joined or last had an epoch
-    reported, from which its idle time counts."""
-
-    spec: JobSettings
-    manifest_id: str
-    num_samples: int
-    epoch: int = 0
-    created: float = 0.0
-    started: bool = False
-    last_active: float = 0.0
-
-
 class DirectoryState:
     """Nodes, leases, jobs and versions; see the module docstring."""
 
-    def __init__(self, lease_seconds: float) -> None:
+    def __init__(self, lease_seconds: float, publish_seconds: float = 0.0) -> None:
         self.lease_seconds = lease_seconds
         self.versions = Versions()
+        self.node_log = NodeLog(publish_seconds)
         #: Moves on every change that must reach the disk.
         self.revision = 0
         self.heartbeats = 0
@@ -183,7 +105,8 @@ class DirectoryState:
             node.info, node.registered, node.last_heartbeat, node.up = info, now, now, True
             node.beat_sequence = 0
         self._renew(info.name, now)
-        self._bump(nodes=1)
+        self.node_log.mark(info.name)
+        self._nodes_changed(now)
         return Registration(change, previous)
 
     def heartbeat(
@@ -213,7 +136,8 @@ class DirectoryState:
         if node.up:
             return Beat(known=True, came_up=False)
         node.up = True
-        self._bump(nodes=1)
+        self.node_log.mark(name)
+        self._nodes_changed(now)
         return Beat(known=True, came_up=True)
 
     def expire(self, now: float) -> list[str]:
@@ -225,14 +149,29 @@ class DirectoryState:
                 break
             del self._leases[name]
             self._nodes[name].up = False
+            self.node_log.mark(name)
             expired.append(name)
         if expired:
-            self._bump(nodes=1)
+            self._nodes_changed(now)
         return expired
+
+    def _nodes_changed(self, now: float) -> None:
+        self.publish_nodes(now)
+        self.revision += 1
+
+    def publish_nodes(self, now: float) -> Versions:
+        """The versions, with the node changes marked so far published as a new
+        node-set version if the last one is a heartbeat period old."""
+        if self.node_log.publish(now):
+            self.versions = replace(self.versions, nodes=self.node_log.version)
+        return self.versions
 
     def _renew(self, name: str, now: float) -> None:
         self._leases[name] = now + self.lease_seconds
         self._leases.move_to_end(name)
+
+    def node(self, name: str) -> Node | None:
+        return self._nodes.get(name)
 
     def nodes(self) -> list[Node]:
         """Every registered node, up or down, sorted by name."""
@@ -408,9 +347,9 @@ class DirectoryState:
 
     # ---------------------------------------------------------- persistence
 
-    def _bump(self, nodes: int = 0, datasets: int = 0, jobs: int = 0) -> None:
+    def _bump(self, datasets: int = 0, jobs: int = 0) -> None:
         v = self.versions
-        self.versions = Versions(v.nodes + nodes, v.datasets + datasets, v.jobs + jobs)
+        self.versions = Versions(v.nodes, v.datasets + datasets, v.jobs + jobs)
         self.revision += 1
 
     def snapshot(self) -> StateSnapshot:
@@ -430,13 +369,16 @@ class DirectoryState:
         return self.snapshot().to_json()
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any], lease_seconds: float, now: float) -> DirectoryState:
+    def from_json(
+        cls, doc: dict[str, Any], lease_seconds: float, now: float, publish_seconds: float = 0.0
+    ) -> DirectoryState:
         """The state a directory restarted at ``now`` resumes from.
 
         Nodes that were up get a fresh lease from ``now``, so a restart does
         not mark a running job's nodes down; every version moves (and the
         revision, so the moved versions are written), so daemons refetch
-        whatever may have changed while the directory was away. Jobs of a
+        whatever may have changed while the directory was away, the node list
+        whole (:func:`~.node_log.first_version`). Jobs of a
         document written before jobs recorded their activity count as active
         at ``now``, so that no TTL drops them for an idle time nobody measured.
 
@@ -445,7 +387,7 @@ class DirectoryState:
         """
         if doc.get("format") != STATE_FORMAT:
             raise ValueError(f"state format {doc.get('format')!r}, expected {STATE_FORMAT}")
-        state = cls(lease_seconds)
+        state = cls(lease_seconds, publish_seconds)
         try:
             for raw in doc["nodes"]:
                 node = Node(**{**raw, "info": NodeInfo(**raw["info"])})
@@ -459,8 +401,9 @@ class DirectoryState:
             v = Versions(**doc["versions"])
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed state: {exc!r}") from None
-        state.versions = v
-        state._bump(nodes=1, datasets=1, jobs=1)
+        state.node_log = NodeLog(publish_seconds, first_version(v.nodes, now))
+        state.versions = replace(v, nodes=state.node_log.version)
+        state._bump(datasets=1, jobs=1)
         return state
 
 

@@ -3,7 +3,9 @@
 The daemon keeps its own copy of what it learned (live nodes and their
 addresses, the jobs it serves, the manifests of datasets), so that running jobs
 keep reading while the directory is down. Heartbeat replies carry version
-numbers; nodes, jobs and datasets are fetched again only when theirs changed.
+numbers; nodes, jobs and datasets are fetched again only when theirs changed,
+and nodes as the changes since the version of this node's copy (the whole
+list only when the directory no longer has them, or restarted).
 A directory that does not answer is retried with a growing back-off and logged
 once per outage, not once per attempt.
 """
@@ -49,6 +51,17 @@ def _relayed(exc: grpc.aio.AioRpcError) -> DataquayError:
     return error_from_rpc(exc) or DataquayError(details)
 
 
+def merged_nodes(nodes: dict[str, jpb.NodeStatus], reply: dpb.ListNodesReply) -> dict[str, jpb.NodeStatus]:
+    """The copy ``nodes`` with ``reply`` applied: a new dict (readers may hold
+    the old one), the whole list when the reply is not a delta."""
+    if not reply.delta:
+        return {n.info.name: n for n in reply.nodes}
+    merged = {**nodes, **{n.info.name: n for n in reply.nodes}}
+    for name in reply.removed:
+        merged.pop(name, None)
+    return merged
+
+
 class DirectoryLink:
     """Registers this node, renews its lease and keeps the cluster view fresh.
 
@@ -81,6 +94,8 @@ class DirectoryLink:
         self.reachable = False
         self.registered = asyncio.Event()
         self._versions = dpb.Versions()
+        #: The node-set version of :attr:`nodes` (0: none yet).
+        self._nodes_version = 0
         self._heartbeat_seconds = 2.0
         self._lease_seconds = 2 * RETRY_SECONDS[1]
         self._looked_up: dict[str, float] = {}
@@ -166,7 +181,7 @@ class DirectoryLink:
             self.reachable = True
 
     async def _sync(self, versions: dpb.Versions, force: bool = False) -> None:
-        if force or versions.nodes != self._versions.nodes:
+        if force or versions.nodes != self._nodes_version:
             await self._list_nodes()
         if force or versions.jobs != self._versions.jobs:
             jobs = await self.stub.ListJobs(jpb.ListJobsRequest(), timeout=CALL_TIMEOUT_SECONDS)
@@ -181,13 +196,15 @@ class DirectoryLink:
         """The node's TCP address, or "" when the directory does not list it.
 
         A node that registered since the last listing is looked up at once
-        (at most once a second per name), not at the next heartbeat.
+        (at most once a second per name), not at the next heartbeat, in the
+        whole list: the directory publishes a registration as a change only
+        up to a heartbeat period later.
         """
         now = time.monotonic()
         if node not in self.nodes and now - self._looked_up.get(node, 0.0) >= 1.0:
             self._looked_up[node] = now
             try:
-                await self._list_nodes()
+                await self._list_nodes(whole=True)
             except grpc.aio.AioRpcError:
                 pass
         status = self.nodes.get(node)
@@ -209,17 +226,21 @@ class DirectoryLink:
         return status is not None and status.state == jpb.NODE_DOWN
 
     async def list_nodes(self) -> None:
-        """Lists the nodes now rather than at the next heartbeat that says they
-        changed: before a decision every node of a job must take alike (what
-        to stage). Keeps what it knew when the directory does not answer."""
+        """Lists the nodes now, whole, rather than at the next heartbeat that says
+        they changed: before a decision every node of a job must take alike
+        (what to stage), on what the directory knows, published or not. Keeps
+        what it knew when the directory does not answer."""
         try:
-            await self._list_nodes()
+            await self._list_nodes(whole=True)
         except grpc.aio.AioRpcError:
             pass
 
-    async def _list_nodes(self) -> None:
-        reply = await self.stub.ListNodes(dpb.ListNodesRequest(), timeout=CALL_TIMEOUT_SECONDS)
-        self.nodes = {n.info.name: n for n in reply.nodes}
+    async def _list_nodes(self, whole: bool = False) -> None:
+        """Brings :attr:`nodes` up to date: by the changes since its version, or ``whole``."""
+        since = 0 if whole else self._nodes_version
+        reply = await self.stub.ListNodes(dpb.ListNodesRequest(since_version=since), timeout=CALL_TIMEOUT_SECONDS)
+        self.nodes = merged_nodes(self.nodes, reply)
+        self._nodes_version = reply.versions.nodes
 
     async def job(self, job_id: str) -> jpb.Job:
         """The job's record: the copy this node keeps, else the directory's."""

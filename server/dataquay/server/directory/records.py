@@ -1,0 +1,110 @@
+"""The directory's records: what daemons say about themselves, nodes and
+their leases' facts, job records and the version counters, as the state
+machine (:mod:`.state`) and its I/O exchange them.
+
+Plain values with no behaviour of their own, so that the servicer, the
+server, service discovery and the tests name them without importing the
+state machine.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from dataquay.client.job_settings import JobSettings
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What a daemon says about itself when it registers."""
+
+    name: str
+    tcp_address: str
+    metrics_address: str = ""
+    cache_capacity: int = 0
+    pid: int = 0
+    version: str = ""
+    bulk_address: str = ""
+
+
+@dataclass
+class Node:
+    """A registered node; ``up`` while its lease runs."""
+
+    info: NodeInfo
+    registered: float
+    last_heartbeat: float
+    up: bool = True
+    cache_used_bytes: int = 0
+    cache_entries: int = 0
+    #: The highest datagram sequence accepted since the node registered.
+    beat_sequence: int = 0
+
+
+@dataclass(frozen=True)
+class Versions:
+    """Counters that move when nodes, datasets or jobs change, so that daemons
+    polling them refetch only what changed."""
+
+    nodes: int = 0
+    datasets: int = 0
+    jobs: int = 0
+
+
+class Change(enum.Enum):
+    """What a registration did to the node's membership."""
+
+    JOINED = "joined"    # a name never seen before
+    UP = "up"            # a node that was down, or not heard from since the directory restarted, is back
+    RENEWED = "renewed"  # a live node registered again (a restart)
+
+
+class Registration(NamedTuple):
+    change: Change
+    previous: NodeInfo | None
+
+
+class Beat(NamedTuple):
+    known: bool    # False: the name is not registered; the daemon must register
+    came_up: bool  # the node was down and is up again
+    refused: bool = False  # a datagram's sequence already seen: renewed nothing
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """A join: the settings the caller named, over the defaults, and which it named.
+
+    Unnamed settings are the job's. ``ranks_per_node`` 0 is "not known yet":
+    it is not compared, and the first join naming a value above 0 fixes the
+    job's.
+    """
+
+    settings: JobSettings
+    named: frozenset[str] = frozenset()
+    must_exist: bool = False
+
+
+@dataclass(frozen=True)
+class DatasetFacts:
+    """What a job records of its dataset when it is created."""
+
+    manifest_id: str
+    num_samples: int
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job record. ``epoch`` is the highest epoch any node reported;
+    ``started`` says whether one did (so that epoch 0 has begun);
+    ``last_active`` is when it was created, joined or last had an epoch
+    reported, from which its idle time counts."""
+
+    spec: JobSettings
+    manifest_id: str
+    num_samples: int
+    epoch: int = 0
+    created: float = 0.0
+    started: bool = False
+    last_active: float = 0.0
