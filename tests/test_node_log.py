@@ -72,7 +72,8 @@ def test_a_copy_follows_the_directory_through_deltas_and_the_whole_list() -> Non
 
     def listed(since: int, now: float) -> dpb.ListNodesReply:
         v = state.publish_nodes(now)
-        return listing.reply(state, since, dpb.Versions(nodes=v.nodes, datasets=v.datasets, jobs=v.jobs), now)
+        versions = dpb.Versions(nodes=v.nodes, datasets=v.datasets, jobs=v.jobs)
+        return dpb.ListNodesReply.FromString(listing.reply(state, since, versions, now))
 
     state.register(info("a"), now=0.0)
     state.register(info("b"), now=1.0)

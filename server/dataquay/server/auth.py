@@ -24,7 +24,7 @@ import grpc
 
 from dataquay.client.channels import server_options
 from dataquay.client.security import METADATA_KEY, TOKEN_BYTES, Credentials, CredentialsError
-from dataquay.server.interceptors import RequestParsing, reshaped
+from dataquay.server.interceptors import EncodedReplies, RequestParsing, reshaped
 from dataquay.server.limits import PeerCallLimit
 
 log = logging.getLogger("dataquay.auth")
@@ -71,15 +71,20 @@ def server_tls(credentials: Credentials) -> grpc.ServerCredentials | None:
     )
 
 
-def new_server(credentials: Credentials, calls_per_peer: int = 0) -> grpc.aio.Server:
+def new_server(
+    credentials: Credentials, calls_per_peer: int = 0, encoded_replies: frozenset[str] = frozenset()
+) -> grpc.aio.Server:
     """A gRPC server that refuses calls without the cluster token, when there
     is one, a TCP host's calls beyond ``calls_per_peer`` in flight (0: no cap)
-    and malformed requests."""
+    and malformed requests; the methods named in ``encoded_replies`` may
+    answer with encoded bytes (:class:`~dataquay.server.interceptors.EncodedReplies`)."""
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if credentials.token:
         interceptors.append(TokenCheck(credentials.token))
     if calls_per_peer:
         interceptors.append(PeerCallLimit(calls_per_peer))
+    if encoded_replies:
+        interceptors.append(EncodedReplies(encoded_replies))
     interceptors.append(RequestParsing())
     return grpc.aio.server(options=server_options(), interceptors=interceptors)
 

@@ -40,6 +40,35 @@ def reshaped(
     return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **codecs)
 
 
+class EncodedReplies(grpc.aio.ServerInterceptor):
+    """Lets the named methods answer with bytes they encoded themselves: a
+    reply kept and sent to many callers is encoded once, not once per call.
+
+    Args:
+        methods: full method names (``/package.Service/Method``).
+    """
+
+    def __init__(self, methods: frozenset[str]) -> None:
+        self._methods = methods
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method not in self._methods or handler.unary_unary is None:
+            return handler
+        encode = handler.response_serializer
+
+        def encoded(reply: Any) -> bytes:
+            return reply if isinstance(reply, bytes) else encode(reply)
+
+        return grpc.unary_unary_rpc_method_handler(
+            handler.unary_unary, request_deserializer=handler.request_deserializer, response_serializer=encoded
+        )
+
+
 class RequestParsing(grpc.aio.ServerInterceptor):
     """Parses requests in the handler, where a malformed one can still be
     answered: bytes that are not the method's message end the call with

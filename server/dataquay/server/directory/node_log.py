@@ -29,6 +29,8 @@ from collections import deque
 #: Versions whose changes the log keeps; at one version per heartbeat
 #: period, minutes of changes.
 HISTORY = 64
+#: Marks kept in order, for whoever follows every change (:meth:`NodeLog.marked_since`).
+JOURNAL = 1024
 
 
 def first_version(previous: int, now: float) -> int:
@@ -57,6 +59,7 @@ class NodeLog:
         self.version = version
         #: How many changes were marked, published or not.
         self.marks = 0
+        self._journal: deque[str] = deque(maxlen=JOURNAL)
         self._history: deque[tuple[int, frozenset[str]]] = deque(maxlen=history)
         self._floor = version
         self._pending: set[str] = set()
@@ -65,7 +68,16 @@ class NodeLog:
     def mark(self, name: str) -> None:
         """Records that the node ``name`` changed (registered, went down, came back)."""
         self._pending.add(name)
+        self._journal.append(name)
         self.marks += 1
+
+    def marked_since(self, marks: int) -> list[str] | None:
+        """The names marked after the first ``marks`` marks, published or not, in
+        order; None when the journal no longer reaches back that far."""
+        behind = self.marks - marks
+        if not 0 <= behind <= len(self._journal):
+            return None
+        return [self._journal[-k] for k in range(behind, 0, -1)]
 
     def publish(self, now: float) -> bool:
         """Publishes the marked changes as one version, if there are any and the

@@ -175,7 +175,7 @@ class DirectoryServer(ServerLifecycle):
         port_from_os = self.config.listen.rpartition(":")[2] == "0"
         host = self.config.listen.rpartition(":")[0]
         for attempt in range(1, PORT_TRIES + 1):
-            server = new_server(self.credentials)
+            server = new_server(self.credentials, encoded_replies=frozenset({f"/{SERVICE_NAME}/ListNodes"}))
             directory_pb2_grpc.add_DirectoryServicer_to_server(DirectoryServicer(self), server)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
             self.tcp_address = bind_tcp(server, self.config.listen, server_tls(self.credentials))
@@ -325,8 +325,9 @@ class DirectoryServer(ServerLifecycle):
             )
         return self._versions[1]
 
-    def list_nodes(self, since_version: int) -> dpb.ListNodesReply:
-        """The node list, or the changes since ``since_version`` (see :mod:`.listing`)."""
+    def list_nodes(self, since_version: int) -> bytes:
+        """The node list, or the changes since ``since_version``, as an encoded
+        ListNodesReply (see :mod:`.listing`)."""
         return self.listing.reply(self.state, since_version, self.versions_proto(), time.time())
 
     async def add_dataset(

@@ -62,7 +62,8 @@ class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
     async def Heartbeat(self, request: dpb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> dpb.HeartbeatReply:
         return self.server.heartbeat_reply(request)
 
-    async def ListNodes(self, request: dpb.ListNodesRequest, context: grpc.aio.ServicerContext) -> dpb.ListNodesReply:
+    async def ListNodes(self, request: dpb.ListNodesRequest, context: grpc.aio.ServicerContext) -> bytes:
+        """A ListNodesReply, encoded (see :mod:`.listing`)."""
         return self.server.list_nodes(request.since_version)
 
     # ------------------------------------------------------------- datasets
