@@ -62,6 +62,7 @@ import itertools
 import json
 import os
 import random
+import select
 import signal
 import statistics
 import subprocess
@@ -195,17 +196,18 @@ async def _generate(first: int, count: int, address: str, out: Path) -> None:
     registered: asyncio.Queue[None] = asyncio.Queue()
     # Held here: the loop keeps only weak references to tasks.
     running = {asyncio.create_task(node.run(registered)) for node in nodes}
-    for _ in nodes:
-        await registered.get()
-    print(f"registered {count}", flush=True)
 
-    async def report_refetches() -> None:
+    async def report() -> None:
+        for _ in nodes:
+            await registered.get()
+        print(f"registered {count}", flush=True)
         while True:
             print(f"refetches {len(log['list_nodes'])} {len(log['errors'])}", flush=True)
             await asyncio.sleep(1.0)
 
-    running.add(asyncio.create_task(report_refetches()))
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
+    running.add(asyncio.create_task(report()))
+    # Until the parent closes stdin, whether every node registered or not.
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     out.write_text(json.dumps(log))
     # Cancelling thousands of calls and closing their channels takes minutes
     # on a loaded machine, and nothing of it is measured.
@@ -283,9 +285,13 @@ def _stat_seconds(path: Path) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
-def _list_nodes(address: str) -> dpb.ListNodesReply:
+def _list_nodes(address: str) -> dpb.ListNodesReply | None:
+    """The whole node list, or None from a directory too busy to answer within 30 s."""
     with grpc.insecure_channel(address, options=channel_options()) as channel:
-        return directory_pb2_grpc.DirectoryStub(channel).ListNodes(dpb.ListNodesRequest(), timeout=30)
+        try:
+            return directory_pb2_grpc.DirectoryStub(channel).ListNodes(dpb.ListNodesRequest(), timeout=30)
+        except grpc.RpcError:
+            return None
 
 
 def _heartbeats_counted(directory: DirectoryProcess) -> Callable[[], float]:
@@ -324,6 +330,13 @@ def _settle(generators: list[subprocess.Popen[str]]) -> float | None:
     return changed[0]
 
 
+def _line_by(generator: subprocess.Popen[str], deadline: float) -> str | None:
+    """The generator's next line, or None if none came by ``deadline`` (monotonic clock)."""
+    assert generator.stdout is not None
+    ready, _, _ = select.select([generator.stdout], [], [], max(0.0, deadline - time.monotonic()))
+    return generator.stdout.readline() if ready else None
+
+
 def load(pid: int, address: str, base: Path, tag: str, counted: Callable[[], float] | None) -> dict[str, object]:
     """Runs the simulated nodes against the server ``pid`` at ``address``: its CPU and their view."""
     progress(f"{tag}: registering {NODES} nodes from {GENERATORS} generator processes")
@@ -337,14 +350,18 @@ def load(pid: int, address: str, base: Path, tag: str, counted: Callable[[], flo
                  str(base / f"{tag}-generator-{g}.json")],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             ))
-        for generator in generators:
-            assert generator.stdout is not None
-            line = generator.stdout.readline()
-            if not line.startswith("registered"):
+        deadline = boot_wall + MAX_WARMUP_SECONDS
+        lines = [_line_by(generator, deadline) for generator in generators]
+        for line in lines:
+            if line is not None and not line.startswith("registered"):
                 raise RuntimeError(f"a generator failed to register its nodes: {line!r}")
-        registered_s = time.monotonic() - boot_wall
-        settled = _settle(generators)
-        settled_s = None if settled is None else settled - boot_wall
+        registered_s = settled_s = None
+        if all(lines):
+            registered_s = time.monotonic() - boot_wall
+            settled = _settle(generators)
+            settled_s = None if settled is None else settled - boot_wall
+        else:
+            progress(f"{tag}: the nodes did not all register within {MAX_WARMUP_SECONDS:.0f} s")
         boot_cpu = cpu_seconds(pid) - boot_cpu
 
         progress(f"{tag}: {REPEATS} windows of {WINDOW_SECONDS:.0f} s")
@@ -380,7 +397,7 @@ def load(pid: int, address: str, base: Path, tag: str, counted: Callable[[], flo
         name: 100 * (last["threads"].get(name, 0.0) - first["threads"].get(name, 0.0)) / span
         for name in last["threads"]
     }
-    listed = {n.info.name: n.state for n in after.nodes}
+    listed = {n.info.name: n.state for n in after.nodes} if after else {}
     return {
         "cpu_pct": statistics.median(windows),
         "cpu_pct_windows": [round(w, 2) for w in windows],
@@ -393,7 +410,7 @@ def load(pid: int, address: str, base: Path, tag: str, counted: Callable[[], flo
         "p99_ms": float(np.percentile(latencies, 99)),
         "max_ms": float(latencies.max()),
         "nodes_up_end": sum(1 for i in range(NODES) if listed.get(f"sim-{i:05d}") == jpb.NODE_UP),
-        "node_changes": after.versions.nodes - before.versions.nodes,
+        "node_changes": after.versions.nodes - before.versions.nodes if after and before else None,
         "errors": sum(1 for log in logs for t, *_ in log["errors"] if first["time"] <= t < last["time"]),
         "boot_errors": dict(Counter(
             f"{call} {code}" for log in logs for t, call, code in log["errors"] if t < first["time"]
