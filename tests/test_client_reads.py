@@ -64,11 +64,37 @@ def segment_names(paths: list[str]) -> dict[str, bool]:
 SHM_SIZES = (3000, 70_000, 17, 250_000)
 
 
-def test_misses_come_through_shared_memory_and_leave_no_segment_file(
+def memfd_mappings(pid: int) -> int:
+    """How many memfd segments of this process ``pid`` maps."""
+    return Path(f"/proc/{pid}/maps").read_text().count(f"/memfd:dataquay-{os.getpid()} ")
+
+
+def test_misses_come_through_a_sealed_memfd_that_the_daemon_unmaps_when_the_client_closes(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    synthetic.make_files_dataset(tmp_path / "imgs", 40, sizes=SHM_SIZES, seed=3)
+    add(daemon, "imgs", tmp_path / "imgs")
+    assert daemon.process is not None
+    files_before = shm_files()
+    with dq.connect(daemon.address, timeout=5) as client:
+        ds = client.dataset("imgs")
+        ids = [39, 0, 7, 7, 12, 3, 38]
+        got, tiers = tiers_read(client, lambda: ds.get_batch(ids))
+        assert got == files_bytes(3, ids, SHM_SIZES)
+        assert tiers["pfs"] == len(ids) and tiers["local"] == 0 and tiers["fallback"] == 0
+        assert memfd_mappings(daemon.process.pid) == 1 and shm_files() == files_before
+        more = list(range(20, 30))
+        assert ds.get_batch(more) == files_bytes(3, more, SHM_SIZES)
+        assert memfd_mappings(daemon.process.pid) == 1  # the same segment, reused
+    wait_until(lambda: memfd_mappings(daemon.process.pid) == 0, "the daemon unmaps a closed segment")
+
+
+def test_without_the_fd_socket_misses_come_through_dev_shm_and_leave_no_segment_file(
     daemon: DaemonProcess, client: dq.Client, tmp_path: Path
 ) -> None:
     synthetic.make_files_dataset(tmp_path / "imgs", 40, sizes=SHM_SIZES, seed=3)
     add(daemon, "imgs", tmp_path / "imgs")
+    os.unlink(daemon.address + ".fds")  # as with a daemon of an older version
     ds = client.dataset("imgs")
     files_before = shm_files()
 

@@ -103,3 +103,9 @@ class CacheFullError(DataquayError):
 class ExchangeRefusedError(DataquayError):
     """An exchange offer a node must not accept: ids it does not own in the
     offer's epoch, or a dataset version the job does not use."""
+
+
+class SegmentRefusedError(DataquayError):
+    """A shared-memory segment the daemon would not map: not a sealed memfd
+    of the size announced, a wrong token, or too many segments at once (the
+    message says which). The client then hands payloads over through /dev/shm."""

@@ -20,6 +20,7 @@ import numpy as np
 from dataquay.client.channels import batch_deadline
 from dataquay.client.connection import DaemonConnection
 from dataquay.client.errors import CorruptValueError, DaemonUnavailableError, DataquayError
+from dataquay.client.memfd import MemfdSegment
 from dataquay.client.notices import first_to_tell, no_longer
 from dataquay.client.pieces import Joiner
 from dataquay.client.records import checksum
@@ -70,7 +71,7 @@ class RemoteReader:
         self._down_until = 0.0
         self._down_reason: str | None = None
         self._pfs: dict[tuple[str, str], PfsReader] = {}
-        self._segments = SegmentPool()
+        self._segments = SegmentPool(daemon_address=connection.address, token=connection.credentials.token)
 
     @property
     def _down_topic(self) -> str:
@@ -126,7 +127,7 @@ class RemoteReader:
         return out
 
     def _read_daemon_once(
-        self, dataset: Dataset, ids: np.ndarray, seg: Segment | None
+        self, dataset: Dataset, ids: np.ndarray, seg: Segment | MemfdSegment | None
     ) -> tuple[list[bytes], list[int]]:
         """(samples in order, positions whose checksum failed)."""
         request = pb.ReadRequest(
@@ -153,7 +154,9 @@ class RemoteReader:
         if seg is not None:
             if reply.used_segment:
                 seg.daemon_mapped()
-            elif seg.linked:
+            elif seg.linked or (len(ids) and int(lengths[ids].min()) <= seg.size):
+                # Unusable for the daemon (never mapped, or no longer: restarted,
+                # or it let go of a memfd segment): the next call makes a new one.
                 self._segments.discard(seg)
         for tier, count in reply.tiers.items():
             if count:
@@ -220,7 +223,9 @@ class _Reply:
     each tier served.
     """
 
-    def __init__(self, dataset: str, ids: list[int], lengths: np.ndarray, seg: Segment | None, verify: bool) -> None:
+    def __init__(
+        self, dataset: str, ids: list[int], lengths: np.ndarray, seg: Segment | MemfdSegment | None, verify: bool
+    ) -> None:
         self.dataset = dataset
         self.ids = ids
         self.lengths = lengths

@@ -1,7 +1,9 @@
 """Shared-memory segments through which the daemon hands over payloads.
 
-The client owns its segments: it creates one under /dev/shm, names it in a
-Read, and copies each payload out at the offset the reply gives (verifying its
+The client owns its segments. Where its daemon takes them, each is a sealed
+memfd that the daemon writes into with a plain memcpy (see
+:mod:`dataquay.client.memfd`). Otherwise the client creates one under
+/dev/shm, names it in a Read, and copies each payload out at the offset the reply gives (verifying its
 checksum). Once the daemon has mapped a segment, its file is unlinked, so a
 client that dies leaves nothing behind: the daemon drops its own mapping when
 it sees the process gone. A client killed before that point leaves a name,
@@ -24,6 +26,10 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from dataquay.client.errors import SegmentRefusedError
+from dataquay.client.memfd import MemfdSegment, daemon_socket_of, fd_socket_path
+from dataquay.client.security import CredentialsError, check_daemon_socket
 
 log = logging.getLogger("dataquay.client")
 
@@ -101,19 +107,24 @@ class Segment:
 
 
 class SegmentPool:
-    """The segments of this process, handed out one per call."""
+    """The segments of this process, handed out one per call: sealed memfd
+    segments where the daemon at ``daemon_address`` takes them (with ``token``),
+    else segments under /dev/shm."""
 
-    def __init__(self, size: int | None = None) -> None:
+    def __init__(self, size: int | None = None, daemon_address: str = "", token: str = "") -> None:
         self.size = size or int(os.environ.get("DATAQUAY_SHM_BYTES", DEFAULT_SEGMENT_BYTES))
+        daemon_socket = daemon_socket_of(daemon_address) if daemon_address else None
+        self._fd_socket = fd_socket_path(daemon_socket) if daemon_socket else None
+        self._token = token
         self._lock = threading.Lock()
-        self._free: list[Segment] = []
+        self._free: list[Segment | MemfdSegment] = []
         self._pid = os.getpid()
         self._broken = self.size <= 0 or not SHM_DIR.is_dir()
         if not self._broken:
             remove_stale_segments()
 
     @contextmanager
-    def segment(self) -> Iterator[Segment | None]:
+    def segment(self) -> Iterator[Segment | MemfdSegment | None]:
         """A segment for one call, or None where shared memory cannot be used."""
         seg = self._take()
         try:
@@ -124,7 +135,7 @@ class SegmentPool:
                     if self._pid == os.getpid():
                         self._free.append(seg)
 
-    def discard(self, seg: Segment) -> None:
+    def discard(self, seg: Segment | MemfdSegment) -> None:
         """Drops a segment the daemon could not use (it answered inline)."""
         seg.close()
 
@@ -135,7 +146,7 @@ class SegmentPool:
             for seg in segments:
                 seg.close()
 
-    def _take(self) -> Segment | None:
+    def _take(self) -> Segment | MemfdSegment | None:
         with self._lock:
             if self._pid != os.getpid():
                 # A forked child: the parent's segments are the parent's.
@@ -144,9 +155,29 @@ class SegmentPool:
                 return None
             if self._free:
                 return self._free.pop()
+        sealed = self._memfd_segment()
+        if sealed is not None:
+            return sealed
         try:
             return Segment(self.size)
         except OSError as exc:
             log.warning("shared memory unavailable (%s); samples come through the socket", exc)
             self._broken = True
             return None
+
+    def _memfd_segment(self) -> MemfdSegment | None:
+        """A sealed memfd segment the daemon mapped, or None to use /dev/shm:
+        for good where the daemon refuses them, this time only where it cannot
+        be reached (restarting) or memory is short."""
+        fd_socket = self._fd_socket
+        if fd_socket is None or not os.path.exists(fd_socket):
+            return None  # an older daemon, or one reached over TCP
+        try:
+            check_daemon_socket(fd_socket)
+            return MemfdSegment(self.size, fd_socket, self._token)
+        except (SegmentRefusedError, CredentialsError) as exc:
+            log.warning("sealed shared memory refused (%s); samples come through /dev/shm", exc)
+            self._fd_socket = None
+        except OSError as exc:
+            log.debug("no sealed shared memory this time (%s); using /dev/shm", exc)
+        return None

@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from dataquay.client.records import CHECKSUM_BYTES
+from dataquay.client.memfd import fd_socket_path
 from dataquay.client.security import Credentials
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -51,6 +52,7 @@ from dataquay.server.node.pfs_pool import PfsPool
 from dataquay.server.node.placements import Placements
 from dataquay.server.node.prep_groups import PrepGroups
 from dataquay.server.node.reads import ReadService
+from dataquay.server.node.segment_socket import SegmentSocket
 from dataquay.server.node.servicer import CacheServicer
 from dataquay.server.node.shm import ShmSegments
 from dataquay.server.node.stager import Stager
@@ -121,6 +123,7 @@ class Daemon(ServerLifecycle):
         #: Peer payloads written into trainers' segments as they arrived (see node/forward.py).
         self.forwarded_samples = 0
         self.shm = ShmSegments()
+        self.segment_socket: SegmentSocket | None = None
         self.prep_groups = PrepGroups(self.pid)
         #: What the Reads of each remote host hold at once (see ReadService.read).
         self.served_budgets = ByteBudgets(SERVED_BYTES_PER_PEER)
@@ -208,6 +211,24 @@ class Daemon(ServerLifecycle):
                 shutil.chown(sock, group=self.config.socket_group)
             except (LookupError, OSError) as exc:
                 raise StartupError(f"cannot give socket {sock} to group {self.config.socket_group!r}: {exc}") from exc
+        self._open_segment_socket(sock)
+
+    def _open_segment_socket(self, sock: Path) -> None:
+        """Takes sealed memfd segments next to ``sock`` where this kernel can
+        seal them; clients use /dev/shm segments where it cannot or where the
+        fd socket cannot be made."""
+        if self.shm.memfd_problem is not None:
+            log.info("clients hand over payloads through /dev/shm",
+                     extra={"fields": {"reason": self.shm.memfd_problem}})
+            return
+        segment_socket = SegmentSocket(Path(fd_socket_path(str(sock))), self.shm, self.credentials.token)
+        try:
+            segment_socket.open(self.config.socket_group)
+        except (StartupError, OSError, LookupError) as exc:
+            log.warning("no fd socket; clients hand over payloads through /dev/shm",
+                        extra={"fields": {"path": str(segment_socket.path), "error": str(exc)}})
+            return
+        self.segment_socket = segment_socket
 
     def _start_bulk(self) -> None:
         if self.bulk is None:
@@ -252,6 +273,8 @@ class Daemon(ServerLifecycle):
         if self.link is not None:
             await self.link.close()
         self.pfs.close()
+        if self.segment_socket is not None:
+            self.segment_socket.close()
         self.shm.close()
         self.prep_groups.close()
         if self._metrics_http is not None:

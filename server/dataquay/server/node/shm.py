@@ -23,16 +23,35 @@ check and a write just grows the file again, with no harm to the daemon.
 Measured on the 2-core development machine, ``pwrite`` copies 2-11 GB/s
 against 12-34 GB/s for a mapping (3 KB to 1 MiB payloads, warm pages): the
 same order, and far above what the socket carries.
+
+Sealed memfd segments (:mod:`dataquay.client.memfd`, handed over on the fd
+socket) are written through a mapping with a plain memcpy, because nothing
+can make a store into one fault: it cannot shrink (F_SEAL_SHRINK), no page of
+it can be freed (every page is allocated before the daemon takes it, and
+F_SEAL_FUTURE_WRITE, which the daemon adds after mapping it, forbids punching
+holes and any new writable mapping), and it lives on the kernel's internal
+shared-memory mount, which has no size limit (a hugetlb memfd, whose pool
+can run dry, is refused). What is left is the machine itself: a page swapped
+out and not read back in for want of memory, which the OOM killer settles as
+for any memory of the daemon. Segments are named ``memfd:<token>`` by the
+daemon; a client owns its segments one connection each, so they are unmapped
+as soon as it closes one or exits.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import mmap
 import os
+import secrets
 import stat
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
+from dataquay.client.errors import SegmentRefusedError
+from dataquay.client.memfd import CLIENT_SEALS, F_SEAL_FUTURE_WRITE, PREFIX
 from dataquay.client.shm import SHM_DIR, process_alive, remove_stale_segments, segment_pid
 
 log = logging.getLogger("dataquay.daemon")
@@ -40,14 +59,114 @@ log = logging.getLogger("dataquay.daemon")
 #: Payload offsets are aligned so that numpy can view them without copying.
 ALIGN = 64
 _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Largest memfd segment mapped (clients use 64 MiB unless told otherwise).
+MAX_MEMFD_BYTES = 1 << 30
+#: Memfd segments one client process may have mapped; its oldest goes first.
+MAX_MEMFD_PER_PROCESS = 16
+#: What the daemon seals once it has mapped a segment.
+DAEMON_SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+_REFUSED_SEALS = fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+
+
+@dataclass
+class _Mapped:
+    """A memfd segment this daemon mapped for client process ``pid``."""
+
+    map: mmap.mmap
+    size: int
+    pid: int
+    on_drop: Callable[[], None]
 
 
 class ShmSegments:
-    """The client segments this daemon holds open, least recently used first."""
+    """The client segments this daemon holds open or mapped, least recently used first.
 
-    def __init__(self, max_segments: int = 256) -> None:
+    Not thread-safe: used from the event loop's thread.
+    """
+
+    def __init__(self, max_segments: int = 256, max_memfd: int = 128) -> None:
         self.max_segments = max_segments
+        self.max_memfd = max_memfd
         self._files: OrderedDict[str, int] = OrderedDict()
+        self._maps: OrderedDict[str, _Mapped] = OrderedDict()
+        self.memfd_dev, self.memfd_problem = _memfd_support()
+
+    @property
+    def mapped(self) -> int:
+        """How many memfd segments are mapped."""
+        return len(self._maps)
+
+    def adopt(self, fd: int, size: int, pid: int, on_drop: Callable[[], None]) -> str:
+        """Maps the sealed memfd ``fd`` of ``size`` bytes that process ``pid``
+        sent, and seals it against hole punching; returns its name. The caller
+        keeps ``fd`` (and closes it). ``on_drop`` is called once the segment
+        is unmapped (evicted, or at :meth:`drop`).
+
+        Raises:
+            SegmentRefusedError: why it is not a segment the daemon can write into safely.
+        """
+        if self.memfd_problem is not None:
+            raise SegmentRefusedError(f"this daemon maps no memfd segments: {self.memfd_problem}")
+        self._check_memfd(fd, size)
+        try:
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise SegmentRefusedError(f"the segment cannot be mapped for writing: {exc.strerror}") from None
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, DAEMON_SEALS)
+            allocated = os.fstat(fd).st_blocks * 512
+        except OSError as exc:
+            mapped.close()
+            raise SegmentRefusedError(f"the segment cannot be sealed against hole punching: {exc.strerror}") from None
+        if allocated < size:
+            mapped.close()
+            raise SegmentRefusedError(
+                f"the segment has {allocated} of its {size} bytes allocated; allocate them all (fallocate) first"
+            )
+        name = PREFIX + secrets.token_hex(16)
+        self._maps[name] = _Mapped(mapped, size, pid, on_drop)
+        own = [n for n, m in self._maps.items() if m.pid == pid]
+        if pid and len(own) > MAX_MEMFD_PER_PROCESS:
+            self.drop(own[0])
+        while len(self._maps) > self.max_memfd:
+            self.drop(next(iter(self._maps)))
+        return name
+
+    def drop(self, name: str) -> None:
+        """Unmaps memfd segment ``name`` (its client let go of it, or room is needed)."""
+        held = self._maps.pop(name, None)
+        if held is not None:
+            held.map.close()
+            held.on_drop()
+
+    def _check_memfd(self, fd: int, size: int) -> None:
+        """Refuses anything but a memfd of the kernel's shared memory of
+        ``size`` bytes, sealed against shrinking and growing, still open to
+        the daemon's seals and writes."""
+        try:
+            info = os.fstat(fd)
+        except OSError as exc:
+            raise SegmentRefusedError(f"the descriptor cannot be inspected: {exc.strerror}") from None
+        if not stat.S_ISREG(info.st_mode) or info.st_dev != self.memfd_dev:
+            raise SegmentRefusedError(
+                "the descriptor is not a memfd of the kernel's shared memory (a file, a socket or a hugetlb memfd)"
+            )
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            raise SegmentRefusedError("the memfd does not allow sealing (create it with MFD_ALLOW_SEALING)") from None
+        if seals & CLIENT_SEALS != CLIENT_SEALS:
+            raise SegmentRefusedError(
+                "the memfd is not sealed against shrinking and growing (F_SEAL_SHRINK, F_SEAL_GROW)"
+            )
+        if seals & _REFUSED_SEALS:
+            raise SegmentRefusedError(
+                "the memfd is sealed against writes or further seals; seal only F_SEAL_SHRINK and F_SEAL_GROW"
+            )
+        if not 0 < size <= MAX_MEMFD_BYTES:
+            raise SegmentRefusedError(f"a segment of {size} bytes; this daemon maps 1 to {MAX_MEMFD_BYTES} bytes")
+        if info.st_size != size:
+            raise SegmentRefusedError(f"the memfd holds {info.st_size} bytes, not the {size} announced")
 
     def get(self, name: str, size: int) -> int | None:
         """The open file of segment ``name`` (at least ``size`` bytes when
@@ -81,6 +200,8 @@ class ShmSegments:
         ``start`` on, where they fit: their offsets, None for each that must go
         inline (all of them when the segment is unusable, shrank or cannot take
         the bytes), and where the next payloads of the same reply may start."""
+        if name.startswith(PREFIX):
+            return self._write_mapped(name, size, payloads, start)
         fd = self.get(name, size)
         inline: list[int | None] = [None] * len(payloads)
         if fd is None:
@@ -102,6 +223,21 @@ class ShmSegments:
             return inline, start
         return offsets, _aligned(end)
 
+    def _write_mapped(
+        self, name: str, size: int, payloads: Sequence[bytes | memoryview], start: int
+    ) -> tuple[list[int | None], int]:
+        held = self._maps.get(name)
+        if held is None:
+            return [None] * len(payloads), start
+        self._maps.move_to_end(name)
+        offsets = list(place((len(p) for p in payloads), min(size, held.size), start))
+        end = start
+        for payload, offset in zip(payloads, offsets):
+            if offset is not None:
+                end = offset + len(payload)
+                held.map[offset:end] = payload
+        return offsets, _aligned(end)
+
     def reap(self) -> int:
         """Closes the segments of processes that exited, and unlinks the names
         such processes of this user left; returns how many were closed."""
@@ -114,6 +250,8 @@ class ShmSegments:
     def close(self) -> None:
         for name in list(self._files):
             self._forget(name)
+        for name in list(self._maps):
+            self.drop(name)
 
     def _forget(self, name: str) -> None:
         fd = self._files.pop(name, None)
@@ -134,3 +272,21 @@ def place(payload_sizes: Iterable[int], capacity: int, start: int = 0) -> Iterat
 
 def _aligned(offset: int) -> int:
     return (offset + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _memfd_support() -> tuple[int, str | None]:
+    """(the device of this kernel's memfds, None) where memfd segments can be
+    sealed as :meth:`ShmSegments.adopt` needs; else (0, why not)."""
+    try:
+        fd = os.memfd_create("dataquay-probe", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    except (AttributeError, OSError) as exc:
+        return 0, f"no memfd_create ({exc})"
+    try:
+        os.ftruncate(fd, mmap.PAGESIZE)
+        with mmap.mmap(fd, mmap.PAGESIZE):
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, CLIENT_SEALS | DAEMON_SEALS)
+        return os.fstat(fd).st_dev, None
+    except OSError as exc:
+        return 0, f"this kernel cannot seal a memfd against writes while it is mapped (Linux 5.1+): {exc.strerror}"
+    finally:
+        os.close(fd)

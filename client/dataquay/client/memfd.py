@@ -1,0 +1,176 @@
+"""Sealed memfd segments: shared memory that a client cannot take back from under its daemon.
+
+The daemon copies a reply's payloads into a segment of its client. Through a
+mapping that is one memcpy; but a store into a mapping of a file that the
+client shrank, or whose page the kernel cannot supply, kills the daemon with
+SIGBUS. Segments under /dev/shm are therefore written with ``pwrite``, which
+costs about 15% of a peer hit (BENCHMARKS.md). A memfd can be sealed, and its
+descriptor handed to another process:
+
+1. The client creates one, sizes it, allocates all its pages
+   (``posix_fallocate``) and seals it against shrinking and growing.
+2. It sends the descriptor to its daemon over a unix socket next to the
+   daemon's own (``<socket>.fds``, trusted by the same checks), with the
+   cluster token and the size, in one SCM_RIGHTS message.
+3. The daemon checks that it got a memfd of the kernel's shared memory (not a
+   file, not a hugetlb memfd) of that size and so sealed, maps it, and then
+   seals it itself against writes other than through mappings that exist
+   (F_SEAL_FUTURE_WRITE, which also forbids punching holes) and against any
+   further change of seals (F_SEAL_SEAL). Last it checks that every page is
+   allocated. It answers with the segment's name, ``memfd:<token>``, which
+   Read requests carry in ``shm_name``, or with why it refused.
+
+From then on nobody can shrink the segment or free one of its pages, so the
+daemon's stores always find their page. The client maps its segment read
+only and keeps the connection open: when it closes the segment or exits, the
+daemon sees the connection end and unmaps. A client whose daemon has no fd
+socket (an older daemon, or one reached over TCP), or that its daemon
+refused, hands payloads over through /dev/shm as before.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import mmap
+import os
+import socket
+import weakref
+
+from dataquay.client.channels import grpc_target
+from dataquay.client.errors import SegmentRefusedError
+
+#: The fd socket is the daemon's socket path with this suffix.
+FD_SOCKET_SUFFIX = ".fds"
+#: Segment names in ReadRequest.shm_name that the daemon handed out.
+PREFIX = "memfd:"
+#: Linux 5.1; Python's fcntl module does not name it.
+F_SEAL_FUTURE_WRITE = 0x0010
+#: What the client seals; the daemon adds F_SEAL_FUTURE_WRITE and F_SEAL_SEAL once it has mapped the segment.
+CLIENT_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+#: Longest message either side sends on the fd socket.
+MESSAGE_BYTES = 1024
+#: How long a client waits for the daemon to answer, and a daemon for a client's message.
+HANDSHAKE_SECONDS = 5.0
+
+_live: weakref.WeakSet[MemfdSegment] = weakref.WeakSet()
+
+
+def fd_socket_path(daemon_socket: str) -> str:
+    """Where the daemon listening on unix socket ``daemon_socket`` takes segments."""
+    return daemon_socket + FD_SOCKET_SUFFIX
+
+
+def daemon_socket_of(address: str) -> str | None:
+    """The socket path of a daemon address, or None for HOST:PORT."""
+    target = grpc_target(address)
+    if not target.startswith("unix:"):
+        return None
+    return target.removeprefix("unix:").removeprefix("//")
+
+
+def request_message(size: int, token: str) -> bytes:
+    return json.dumps({"size": size, "token": token}).encode()
+
+
+def parse_request(data: bytes) -> tuple[int, str]:
+    """(size, token) of a client's message.
+
+    Raises:
+        ValueError: it is not one.
+    """
+    fields = json.loads(data)
+    if not isinstance(fields, dict):
+        raise ValueError("not an object")
+    size, token = fields.get("size"), fields.get("token", "")
+    if type(size) is not int or not isinstance(token, str):
+        raise ValueError("size must be an integer and token a string")
+    return size, token
+
+
+def reply_message(segment: str = "", error: str = "") -> bytes:
+    return json.dumps({"segment": segment} if segment else {"error": error}).encode()
+
+
+def parse_reply(data: bytes) -> str:
+    """The segment name in the daemon's answer.
+
+    Raises:
+        SegmentRefusedError: the daemon refused, saying why, or gave no answer.
+    """
+    try:
+        fields = json.loads(data) if data else {}
+    except ValueError:
+        fields = {}
+    if not isinstance(fields, dict):
+        fields = {}
+    segment = fields.get("segment")
+    if isinstance(segment, str) and segment.startswith(PREFIX):
+        return segment
+    raise SegmentRefusedError(str(fields.get("error") or "the daemon ended the exchange without an answer"))
+
+
+class MemfdSegment:
+    """One sealed memfd segment that the daemon at ``fd_socket`` mapped.
+
+    Raises:
+        SegmentRefusedError: the daemon refused it.
+        OSError: this kernel cannot make one, memory is short, or the daemon is not there.
+    """
+
+    #: Never a name under /dev/shm (see :class:`dataquay.client.shm.Segment`).
+    linked = False
+
+    def __init__(self, size: int, fd_socket: str, token: str) -> None:
+        self.size = size
+        fd = os.memfd_create(f"dataquay-{os.getpid()}", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, CLIENT_SEALS)
+            self.map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            try:
+                self._sock, self.name = _register(fd, size, fd_socket, token)
+            except BaseException:
+                self.map.close()
+                raise
+        finally:
+            os.close(fd)
+        self.closed = False
+        _live.add(self)
+
+    def daemon_mapped(self) -> None:
+        """The daemon mapped it before it named it: nothing to do."""
+
+    def close(self) -> None:
+        """Unmaps it here; the daemon unmaps it as the connection ends."""
+        _live.discard(self)
+        self._sock.close()
+        self.map.close()
+        self.closed = True
+
+
+def _register(fd: int, size: int, fd_socket: str, token: str) -> tuple[socket.socket, str]:
+    """Hands ``fd`` to the daemon: the connection that keeps it mapped there, and its name."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.settimeout(HANDSHAKE_SECONDS)
+        sock.connect(fd_socket)
+        socket.send_fds(sock, [request_message(size, token)], [fd])
+        name = parse_reply(sock.recv(MESSAGE_BYTES))
+    except BaseException:
+        sock.close()
+        raise
+    return sock, name
+
+
+def _close_inherited() -> None:
+    """A forked child lets go of its parent's connections (not of the
+    mappings), so that the parent's segments end with the parent."""
+    for segment in list(_live):
+        segment._sock.close()
+        segment.closed = True
+        _live.discard(segment)
+
+
+os.register_at_fork(after_in_child=_close_inherited)

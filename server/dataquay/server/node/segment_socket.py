@@ -1,0 +1,211 @@
+"""The fd socket: where clients on this node hand their daemon sealed memfd segments.
+
+It lies next to the daemon's unix socket (``<socket>.fds``, the same mode and
+group), so the clients' trust checks of one hold for the other. A client
+connects, sends one SOCK_SEQPACKET message (size and cluster token) carrying
+one descriptor, and gets the segment's name or why it was refused (see
+:mod:`dataquay.client.memfd`). The connection then stays open as the
+segment's lease: its end, whatever the client's way of ending, unmaps it.
+
+Everything runs as callbacks on the event loop (no task or thread per
+connection): a handshake is a few system calls, bounded in time and in how
+many may wait at once, and what a client sends can at worst be refused.
+The kernel says which process connected (SO_PEERCRED); it is logged and
+bounds how many segments one process keeps mapped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import shutil
+import socket
+import struct
+import time
+from pathlib import Path
+
+from dataquay.client.errors import SegmentRefusedError
+from dataquay.client.memfd import HANDSHAKE_SECONDS, MESSAGE_BYTES, parse_request, reply_message
+from dataquay.server.listen import claim_socket_path
+from dataquay.server.node.shm import ShmSegments
+
+log = logging.getLogger("dataquay.daemon")
+
+#: Connections that may be waiting for their message at once; more are closed at once.
+MAX_HANDSHAKES = 32
+#: A refusal is logged at most this often (a flood of them once).
+REFUSAL_LOG_SECONDS = 10.0
+#: How long accepting pauses when the daemon is out of descriptors.
+ACCEPT_PAUSE_SECONDS = 1.0
+_PEERCRED = struct.Struct("3i")
+
+
+class SegmentSocket:
+    """Takes sealed memfd segments into ``segments`` from clients that bring ``token``."""
+
+    def __init__(self, path: Path, segments: ShmSegments, token: str) -> None:
+        self.path = path
+        self.segments = segments
+        self._token = token.encode()
+        self._listener: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiting: dict[socket.socket, asyncio.TimerHandle] = {}
+        self._logged_at = 0.0
+        self.refused = 0
+
+    def open(self, group: str = "") -> None:
+        """Listens on :attr:`path`, mode 0660 (of ``group`` when given).
+
+        Raises:
+            StartupError: the path is taken by something else than a stale socket.
+            OSError: the socket cannot be made (a path too long, no permission).
+        """
+        self._loop = asyncio.get_running_loop()
+        claim_socket_path(self.path, group_access=bool(group))
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            listener.bind(str(self.path))
+            os.chmod(self.path, 0o660)
+            if group:
+                shutil.chown(self.path, group=group)
+            listener.listen(MAX_HANDSHAKES)
+            listener.setblocking(False)
+        except (OSError, LookupError):
+            listener.close()
+            self.path.unlink(missing_ok=True)
+            raise
+        self._listener = listener
+        self._loop.add_reader(listener.fileno(), self._accept)
+
+    def close(self) -> None:
+        """Stops taking segments (those taken stay mapped until ``segments`` closes)."""
+        if self._listener is not None and self._loop is not None:
+            self._loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+            self.path.unlink(missing_ok=True)
+        for conn in list(self._waiting):
+            self._stop_waiting(conn)
+            conn.close()
+
+    def _accept(self) -> None:
+        assert self._listener is not None and self._loop is not None
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                # Out of descriptors: the listener stays readable, so wait rather than spin.
+                log.warning("cannot accept on the fd socket", extra={"fields": {"error": exc.strerror}})
+                self._loop.remove_reader(self._listener.fileno())
+                self._loop.call_later(ACCEPT_PAUSE_SECONDS, self._resume_accepting)
+                return
+            conn.setblocking(False)
+            if len(self._waiting) >= MAX_HANDSHAKES:
+                self._refuse(conn, _peer(conn), "too many clients handing over segments at once")
+                continue
+            self._waiting[conn] = self._loop.call_later(HANDSHAKE_SECONDS, self._give_up, conn)
+            self._loop.add_reader(conn.fileno(), self._handshake, conn)
+
+    def _resume_accepting(self) -> None:
+        if self._listener is not None and self._loop is not None:
+            self._loop.add_reader(self._listener.fileno(), self._accept)
+
+    def _give_up(self, conn: socket.socket) -> None:
+        self._stop_waiting(conn)
+        self._refuse(conn, _peer(conn), f"no message within {HANDSHAKE_SECONDS:.0f} s")
+
+    def _stop_waiting(self, conn: socket.socket) -> None:
+        timer = self._waiting.pop(conn, None)
+        if timer is not None and self._loop is not None:
+            timer.cancel()
+            self._loop.remove_reader(conn.fileno())
+
+    def _handshake(self, conn: socket.socket) -> None:
+        try:
+            data, fds, flags, _ = socket.recv_fds(conn, MESSAGE_BYTES, 1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._stop_waiting(conn)
+            conn.close()
+            return
+        self._stop_waiting(conn)
+        pid, uid = _peer(conn)
+        try:
+            name = self._adopt(conn, data, fds, flags, pid)
+        except SegmentRefusedError as exc:
+            self._refuse(conn, (pid, uid), str(exc))
+            return
+        finally:
+            for fd in fds:
+                os.close(fd)
+        try:
+            conn.send(reply_message(segment=name))
+        except OSError:
+            self.segments.drop(name)
+            return
+        assert self._loop is not None
+        self._loop.add_reader(conn.fileno(), self._lease_ended, conn, name)
+        log.info("mapped a sealed shared memory segment",
+                 extra={"fields": {"pid": pid, "uid": uid, "mapped": self.segments.mapped}})
+
+    def _adopt(self, conn: socket.socket, data: bytes, fds: list[int], flags: int, pid: int) -> str:
+        if flags & socket.MSG_TRUNC:
+            raise SegmentRefusedError(f"a message longer than {MESSAGE_BYTES} bytes")
+        if flags & socket.MSG_CTRUNC or len(fds) != 1:
+            raise SegmentRefusedError(f"a message must carry exactly one descriptor, not {len(fds) or 'none'}"
+                                      + (" or more" if flags & socket.MSG_CTRUNC else ""))
+        try:
+            size, token = parse_request(data)
+        except ValueError:
+            raise SegmentRefusedError("a malformed message; expected {\"size\": N, \"token\": T}") from None
+        if self._token and not hmac.compare_digest(token.encode(), self._token):
+            raise SegmentRefusedError(
+                "missing or wrong cluster token" if token else "this daemon needs the cluster token"
+            )
+        return self.segments.adopt(fds[0], size, pid, lambda: self._release(conn))
+
+    def _lease_ended(self, conn: socket.socket, name: str) -> None:
+        """The client closed the connection (or, against the protocol, sent more): unmap."""
+        try:
+            if conn.recv(1):
+                log.warning("a client sent more on a segment's connection; unmapping it",
+                            extra={"fields": {"pid": _peer(conn)[0]}})
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            pass
+        self.segments.drop(name)
+
+    def _release(self, conn: socket.socket) -> None:
+        """Ends a segment's connection once the segment is unmapped."""
+        if conn.fileno() >= 0 and self._loop is not None:
+            self._loop.remove_reader(conn.fileno())
+        conn.close()
+
+    def _refuse(self, conn: socket.socket, who: tuple[int, int], why: str) -> None:
+        """Tells the client why (if it still listens), closes, and logs it now and then."""
+        try:
+            conn.send(reply_message(error=why))
+        except OSError:
+            pass
+        conn.close()
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._logged_at >= REFUSAL_LOG_SECONDS:
+            self._logged_at = now
+            log.warning("refused a shared memory segment",
+                        extra={"fields": {"pid": who[0], "uid": who[1], "reason": why, "refused_so_far": self.refused}})
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end, as the kernel saw it connect; (0, -1) if unknown."""
+    try:
+        pid, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    except OSError:
+        return 0, -1
+    return pid, uid
