@@ -89,9 +89,13 @@ def segment_files(pid: int) -> list[str]:
 
 
 def open_segments(daemon: DaemonProcess, pid: int) -> list[str]:
-    """The segments of process ``pid`` that the daemon holds open."""
+    """The segments of process ``pid`` that the daemon holds open (a sealed
+    memfd, or a file under /dev/shm)."""
     assert daemon.process is not None
-    return [target for target in open_files(daemon.process.pid) if f"/dataquay-{pid}-" in target]
+    return [
+        target for target in open_files(daemon.process.pid)
+        if f"/memfd:dataquay-{pid} " in target or f"/dataquay-{pid}-" in target
+    ]
 
 
 def test_a_client_killed_mid_read_is_cleaned_up_and_the_job_reads_on(fault_job: Callable[..., FaultJob]) -> None:
@@ -110,8 +114,8 @@ def test_a_client_killed_mid_read_is_cleaned_up_and_the_job_reads_on(fault_job: 
     with dq.connect(daemon.address) as client:
         got = client.dataset(BIG).get_batch(range(BIG_SAMPLES))
     assert [xxhash.xxh3_64_intdigest(x) for x in got] == want.tolist()
-    # Its segment's name was gone before the kill; the daemon's open file goes
-    # with its reaper.
+    # Its segment was a sealed memfd, never a name; the daemon's mapping goes
+    # with the segment's connection.
     assert segment_files(killed[0]) == []
     closed = wait_until(
         lambda: not open_segments(daemon, killed[0]), "the daemon closed the killed client's segment"
@@ -119,8 +123,9 @@ def test_a_client_killed_mid_read_is_cleaned_up_and_the_job_reads_on(fault_job: 
     for epoch in range(3):
         assert set(job.tiers[epoch]) == {"local", "peer"} and sum(job.tiers[epoch].values()) == SAMPLES
     job.report(
-        "SIGKILL a client mid-get_batch (warm segment)", "the daemon kept serving; segment closed by its reaper; "
-        "job exact", None, segment_closed_after_seconds=round(closed, 2),
+        "SIGKILL a client mid-get_batch (warm segment)",
+        "the daemon kept serving; segment unmapped as its connection ended; job exact",
+        None, segment_closed_after_seconds=round(closed, 2),
     )
 
 
@@ -130,8 +135,8 @@ def test_a_client_killed_in_its_first_read_leaves_no_segment_behind(
     daemon = start_daemon(*PFS_CAP)
     add_big(daemon.address, tmp_path / "big")
     pid = kill_mid_read(daemon.address, first=True)
-    # The daemon opened the segment before the client could unlink its name:
-    # its reaper unlinks the name and closes the segment.
+    # The daemon mapped the segment before the first reply: it unmaps it as
+    # the segment's connection ends, and no name is left in /dev/shm.
     try:
         wait_until(
             lambda: not segment_files(pid) and not open_segments(daemon, pid), "the segment's name and open file are gone"

@@ -126,7 +126,7 @@ class SegmentSocket:
 
     def _handshake(self, conn: socket.socket) -> None:
         try:
-            data, fds, flags, _ = socket.recv_fds(conn, MESSAGE_BYTES, 1)
+            data, fds, flags, _ = socket.recv_fds(conn, MESSAGE_BYTES, 1, socket.MSG_CMSG_CLOEXEC)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
