@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
 import threading
 import urllib.request
 from collections.abc import Callable
@@ -113,6 +114,41 @@ def test_without_the_fd_socket_misses_come_through_dev_shm_and_leave_no_segment_
     more = list(range(20, 30))
     assert ds.get_batch(more) == files_bytes(3, more, SHM_SIZES)
     assert shm_files() - files_before == set()
+
+
+def test_a_client_whose_segment_the_daemon_refuses_warns_and_reads_through_dev_shm(
+    daemon: DaemonProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    synthetic.make_files_dataset(tmp_path / "imgs", 40, sizes=SHM_SIZES, seed=3)
+    add(daemon, "imgs", tmp_path / "imgs")
+    fd_socket = daemon.address + ".fds"
+    os.unlink(fd_socket)
+    refuser = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    refuser.bind(fd_socket)
+    refuser.listen(4)
+
+    def refuse() -> None:
+        conn, _ = refuser.accept()
+        with conn:
+            _, fds, _, _ = socket.recv_fds(conn, 1024, 1)
+            for fd in fds:
+                os.close(fd)
+            conn.send(b'{"error": "this kernel seals nothing"}')
+
+    answering = threading.Thread(target=refuse)
+    answering.start()
+    try:
+        with dq.connect(daemon.address, timeout=5) as client:
+            ds = client.dataset("imgs")
+            for ids in ([39, 0, 7, 7], list(range(20, 30))):
+                assert ds.get_batch(ids) == files_bytes(3, ids, SHM_SIZES)
+            assert daemon.process is not None
+            assert shm_open_files(daemon.process.pid) and memfd_mappings(daemon.process.pid) == 0
+    finally:
+        answering.join(10)
+        refuser.close()
+    refused = [r.getMessage() for r in caplog.records if "sealed shared memory refused" in r.getMessage()]
+    assert refused == ["sealed shared memory refused (this kernel seals nothing); samples come through /dev/shm"]
 
 
 def test_batches_larger_than_the_segment_come_back_exact_and_in_order(
