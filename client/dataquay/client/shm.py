@@ -1,12 +1,12 @@
 """Shared-memory segments through which the daemon hands over payloads.
 
-The client owns its segments. Where its daemon takes them, each is a sealed
-memfd that the daemon writes into with a plain memcpy (see
+The client owns its segments and copies each payload out at the offset the
+reply gives (verifying its checksum). Where its daemon takes them, each is a
+sealed memfd that the daemon writes into with a plain memcpy (see
 :mod:`dataquay.client.memfd`). Otherwise the client creates one under
-/dev/shm, names it in a Read, and copies each payload out at the offset the reply gives (verifying its
-checksum). Once the daemon has mapped a segment, its file is unlinked, so a
-client that dies leaves nothing behind: the daemon drops its own mapping when
-it sees the process gone. A client killed before that point leaves a name,
+/dev/shm and names it in a Read. Once the daemon has opened such a segment,
+its file is unlinked, so a client that dies leaves nothing behind: the
+daemon drops its own file when it sees the process gone. A client killed before that point leaves a name,
 which the daemon's reaper or the next client of the same user removes. A
 daemon that cannot use a segment (another host, another user, a restart) just
 answers inline, and the client then makes a new one next time.

@@ -204,6 +204,7 @@ class Daemon(ServerLifecycle):
         if not bound:
             raise StartupError(f"cannot listen on socket {sock}")
         self.tcp_address = bind_tcp(server, self.config.listen, server_tls(self.credentials))
+        self._open_segment_socket(sock)  # before the first Read can name a segment
         await server.start()
         os.chmod(sock, 0o660)
         if self.config.socket_group:
@@ -211,7 +212,6 @@ class Daemon(ServerLifecycle):
                 shutil.chown(sock, group=self.config.socket_group)
             except (LookupError, OSError) as exc:
                 raise StartupError(f"cannot give socket {sock} to group {self.config.socket_group!r}: {exc}") from exc
-        self._open_segment_socket(sock)
 
     def _open_segment_socket(self, sock: Path) -> None:
         """Takes sealed memfd segments next to ``sock`` where this kernel can
