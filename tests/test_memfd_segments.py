@@ -23,6 +23,7 @@ from dataquay.client.memfd import CLIENT_SEALS, MemfdSegment, fd_socket_path
 from dataquay.client.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.auth import new_token_file
+from dataquay.server.node.segment_socket import MAX_HANDSHAKES
 from dataquay.server.node.shm import MAX_MEMFD_BYTES, MAX_MEMFD_PER_PROCESS
 from dataquay.server.tools import synthetic
 from dataquay.server.tools.processes import DaemonProcess
@@ -218,6 +219,17 @@ def test_a_flood_of_descriptors_and_segments_leaves_the_daemon_bounded_and_servi
             for extra in many:
                 os.close(extra)
     assert open_fds(daemon_pid) <= before + 2, "the daemon kept descriptors it was flooded with"
+
+    idle = []
+    try:
+        for _ in range(MAX_HANDSHAKES + 4):  # connections that send nothing
+            idle.append(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+            idle[-1].connect(fd_socket(served))  # blocking: waits while the daemon's backlog is full
+            idle[-1].settimeout(10)
+        assert "too many clients" in json.loads(idle[-1].recv(1024))["error"]
+    finally:
+        for conn in idle:
+            conn.close()
 
     segments = [MemfdSegment(64 << 10, fd_socket(served), "") for _ in range(MAX_MEMFD_PER_PROCESS + 8)]
     try:
