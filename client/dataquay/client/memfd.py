@@ -30,6 +30,7 @@ refused, hands payloads over through /dev/shm as before.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import mmap
@@ -88,8 +89,11 @@ def parse_request(data: bytes) -> tuple[int, str]:
     return size, token
 
 
-def reply_message(segment: str = "", error: str = "") -> bytes:
-    return json.dumps({"segment": segment} if segment else {"error": error}).encode()
+def reply_message(segment: str = "", error: str = "", busy: bool = False) -> bytes:
+    """The daemon's answer: the segment's name, or why not (``busy``: try again later)."""
+    if segment:
+        return json.dumps({"segment": segment}).encode()
+    return json.dumps({"error": error, "busy": busy}).encode()
 
 
 def parse_reply(data: bytes) -> str:
@@ -97,6 +101,7 @@ def parse_reply(data: bytes) -> str:
 
     Raises:
         SegmentRefusedError: the daemon refused, saying why, or gave no answer.
+        BlockingIOError: the daemon is busy with other clients' segments; worth another try later.
     """
     try:
         fields = json.loads(data) if data else {}
@@ -107,7 +112,10 @@ def parse_reply(data: bytes) -> str:
     segment = fields.get("segment")
     if isinstance(segment, str) and segment.startswith(PREFIX):
         return segment
-    raise SegmentRefusedError(str(fields.get("error") or "the daemon ended the exchange without an answer"))
+    error = str(fields.get("error") or "the daemon ended the exchange without an answer")
+    if fields.get("busy") is True:
+        raise BlockingIOError(errno.EAGAIN, error)
+    raise SegmentRefusedError(error)
 
 
 class MemfdSegment:
@@ -115,7 +123,8 @@ class MemfdSegment:
 
     Raises:
         SegmentRefusedError: the daemon refused it.
-        OSError: this kernel cannot make one, memory is short, or the daemon is not there.
+        OSError: this kernel cannot make one, memory is short, or the daemon
+            is not there or busy (BlockingIOError).
     """
 
     #: Never a name under /dev/shm (see :class:`dataquay.client.shm.Segment`).

@@ -168,7 +168,8 @@ class SegmentPool:
     def _memfd_segment(self) -> MemfdSegment | None:
         """A sealed memfd segment the daemon mapped, or None to use /dev/shm:
         for good where the daemon refuses them, this time only where it cannot
-        be reached (restarting) or memory is short."""
+        be reached (restarting), is busy with other clients' segments, or
+        memory is short."""
         fd_socket = self._fd_socket
         if fd_socket is None or not os.path.exists(fd_socket):
             return None  # an older daemon, or one reached over TCP

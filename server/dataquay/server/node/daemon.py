@@ -216,7 +216,9 @@ class Daemon(ServerLifecycle):
     def _open_segment_socket(self, sock: Path) -> None:
         """Takes sealed memfd segments next to ``sock`` where this kernel can
         seal them; clients use /dev/shm segments where it cannot or where the
-        fd socket cannot be made."""
+        fd socket cannot be made (a path too long). A path taken by something
+        else, or a group the socket cannot be given to, fails the start as
+        for ``sock`` itself."""
         if self.shm.memfd_problem is not None:
             log.info("clients hand over payloads through /dev/shm",
                      extra={"fields": {"reason": self.shm.memfd_problem}})
@@ -224,7 +226,7 @@ class Daemon(ServerLifecycle):
         segment_socket = SegmentSocket(Path(fd_socket_path(str(sock))), self.shm, self.credentials.token)
         try:
             segment_socket.open(self.config.socket_group)
-        except (StartupError, OSError, LookupError) as exc:
+        except OSError as exc:
             log.warning("no fd socket; clients hand over payloads through /dev/shm",
                         extra={"fields": {"path": str(segment_socket.path), "error": str(exc)}})
             return

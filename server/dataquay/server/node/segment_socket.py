@@ -28,6 +28,7 @@ from pathlib import Path
 
 from dataquay.client.errors import SegmentRefusedError
 from dataquay.client.memfd import HANDSHAKE_SECONDS, MESSAGE_BYTES, parse_request, reply_message
+from dataquay.server.errors import StartupError
 from dataquay.server.listen import claim_socket_path
 from dataquay.server.node.shm import ShmSegments
 
@@ -59,7 +60,8 @@ class SegmentSocket:
         """Listens on :attr:`path`, mode 0660 (of ``group`` when given).
 
         Raises:
-            StartupError: the path is taken by something else than a stale socket.
+            StartupError: the path is taken by something else than a stale
+                socket, or the socket cannot be given to ``group``.
             OSError: the socket cannot be made (a path too long, no permission).
         """
         self._loop = asyncio.get_running_loop()
@@ -69,10 +71,13 @@ class SegmentSocket:
             listener.bind(str(self.path))
             os.chmod(self.path, 0o660)
             if group:
-                shutil.chown(self.path, group=group)
+                try:
+                    shutil.chown(self.path, group=group)
+                except (LookupError, OSError) as exc:
+                    raise StartupError(f"cannot give socket {self.path} to group {group!r}: {exc}") from exc
             listener.listen(MAX_HANDSHAKES)
             listener.setblocking(False)
-        except (OSError, LookupError):
+        except (OSError, StartupError):
             listener.close()
             self.path.unlink(missing_ok=True)
             raise
@@ -105,7 +110,7 @@ class SegmentSocket:
                 return
             conn.setblocking(False)
             if len(self._waiting) >= MAX_HANDSHAKES:
-                self._refuse(conn, _peer(conn), "too many clients handing over segments at once")
+                self._refuse(conn, _peer(conn), "too many clients handing over segments at once", busy=True)
                 continue
             self._waiting[conn] = self._loop.call_later(HANDSHAKE_SECONDS, self._give_up, conn)
             self._loop.add_reader(conn.fileno(), self._handshake, conn)
@@ -187,10 +192,11 @@ class SegmentSocket:
             self._loop.remove_reader(conn.fileno())
         conn.close()
 
-    def _refuse(self, conn: socket.socket, who: tuple[int, int], why: str) -> None:
-        """Tells the client why (if it still listens), closes, and logs it now and then."""
+    def _refuse(self, conn: socket.socket, who: tuple[int, int], why: str, busy: bool = False) -> None:
+        """Tells the client why (if it still listens; ``busy``: it may try
+        again), closes, and logs it now and then."""
         try:
-            conn.send(reply_message(error=why))
+            conn.send(reply_message(error=why, busy=busy))
         except OSError:
             pass
         conn.close()
