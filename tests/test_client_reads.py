@@ -433,6 +433,8 @@ def test_batches_read_ahead_give_the_same_bytes_keep_the_cursor_and_stop_cleanly
     assert [(e.epoch, e.batches) for e in epochs] == [(0, 4)] * 3
     assert all(0 < e.data_wait_seconds <= e.wall_seconds and 0 < e.stall_percent <= 100 for e in epochs)
 
+    wait_until(lambda: not any(t.name == "dataquay-prefetch" for t in threading.enumerate()),
+               "the read ahead into the next epoch ended by itself")
     threads = threading.active_count()
     reader = ds.batches(sampler, 16, prefetch=2)
     next(reader)
@@ -456,3 +458,30 @@ def test_batches_read_ahead_give_the_same_bytes_keep_the_cursor_and_stop_cleanly
             got.append(batch)
     assert [s for b in got for s in b] == expected[:32]  # every batch before the broken one
     assert client.stats().data_wait_seconds > 0
+
+
+def test_batches_read_the_next_epochs_first_batches_ahead_and_the_next_epoch_takes_them_over(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+) -> None:
+    synthetic.make_files_dataset(tmp_path / "imgs", 50, sizes=(1500, 2500))
+    add(daemon, "imgs", tmp_path / "imgs")
+    ds = client.dataset("imgs")
+    sampler = ds.sampler(seed=3)
+
+    def epoch(batch_size: int) -> list[bytes]:
+        return [s for b in ds.batches(sampler, batch_size, prefetch=2) for s in b]
+
+    def reads_reach(count: int, what: str) -> None:
+        wait_until(lambda: sum(client.stats().samples.values()) >= count, what)
+        assert sum(client.stats().samples.values()) == count
+
+    for e in range(2):
+        sampler.set_epoch(e)
+        assert epoch(16) == files_bytes(0, sampler.indices().tolist(), (1500, 2500))
+        # Epoch e + 1's first 2 batches were read once epoch e's were all
+        # handed out; epoch 1 took over those read during epoch 0.
+        reads_reach(50 * (e + 1) + 32, f"epoch {e + 1}'s first batches were read ahead")
+    # Another batch size drops them and reads the epoch from its start.
+    sampler.set_epoch(2)
+    assert epoch(10) == files_bytes(0, sampler.indices().tolist(), (1500, 2500))
+    reads_reach(100 + 32 + 50 + 20, "epoch 3's first batches were read ahead")

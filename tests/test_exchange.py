@@ -385,35 +385,35 @@ def test_the_next_steps_transfers_are_fetched_before_the_ranks_ask(
         def peer_samples() -> int:
             return sum(p.samples for p in nodes.stats()[0].peers)
 
-        # The first read of an epoch plans it; a read once it is planned
-        # fetches the transfers of the 4 steps after the furthest one read
-        # (the epoch has 5 steps: 480 ids in global batches of 8 x 12).
-        ahead = sum(int(f.sum()) for f in foreign[1:5])
-        assert ahead > 0
-        reads = 0
-
-        def read_until_fetched_ahead() -> bool:
-            nonlocal reads
-            if reads and peer_samples() >= reads * foreign[0].sum() + ahead:
-                return True
-            read_step(0)
-            reads += 1
-            return False
-
-        wait_until(read_until_fetched_ahead, "the next steps' transfers were fetched", poll=0.1)
-        fetched = peer_samples()
-        for step in range(1, 5):
+        # The join planned the epoch and fetched its first 4 steps'
+        # transfers before any rank read (the epoch has 5 steps: 480 ids in
+        # global batches of 8 x 12); reading step 0 fetches the 4 after it.
+        first = sum(int(f.sum()) for f in foreign[:4])
+        assert first > 0
+        wait_until(lambda: peer_samples() >= first, "the first steps' transfers were fetched", poll=0.1)
+        assert peer_samples() == first
+        ahead = first + int(foreign[4].sum())
+        for step in range(5):
             samples = read_step(step)
             assert [s.data for s in samples] == [sample_payload(i) for i in steps[step].tolist()]
             assert [s.tier == pb.TIER_PEER for s in samples] == foreign[step].tolist()
+            if step == 0:
+                wait_until(lambda: peer_samples() >= ahead, "the next steps' transfers were fetched", poll=0.1)
         stats = nodes.stats()[0]
         assert stats.prefetched_samples == ahead
         # Reading the epoch's last step fetched the next epoch's first 4
         # steps' transfers as well; no step asked a peer itself.
         next_foreign = [owners(plan, 1)[step] != 0 for step in node_steps(plan, 1, 0)]
         ahead_next = sum(int(f.sum()) for f in next_foreign[:4])
-        wait_until(lambda: peer_samples() >= fetched + ahead_next, "the next epoch's first transfers were fetched",
+        wait_until(lambda: peer_samples() >= ahead + ahead_next, "the next epoch's first transfers were fetched",
                    poll=0.1)
-        assert peer_samples() == fetched + ahead_next
+        assert peer_samples() == ahead + ahead_next
+        # A read that names the next epoch, before the job enters it, takes them.
+        next_step = node_steps(plan, 1, 0)[0]
+        request = pb.ReadRequest(dataset="imgs", ids=next_step.tolist(), job=JOB, epoch=1)
+        samples = [s for chunk in nodes.stubs[0].Read(request) for s in chunk.samples]
+        assert [s.data for s in samples] == [sample_payload(i) for i in next_step.tolist()]
+        assert [s.tier == pb.TIER_PEER for s in samples] == next_foreign[0].tolist()
+        assert nodes.stats()[0].prefetched_samples == ahead + int(next_foreign[0].sum())
     finally:
         nodes.close()

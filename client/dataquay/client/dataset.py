@@ -90,6 +90,8 @@ class Dataset(Sequence[bytes]):
         self._db = info.cache_db
         self._len = manifest.num_samples
         self._job = job
+        #: The next epoch's first batches, read on by the last call of :meth:`batches`.
+        self._carried: _Prefetcher | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -306,8 +308,14 @@ class Dataset(Sequence[bytes]):
         A background thread reads the next batches while the caller trains on
         this one, so peer and PFS latency overlap with compute; the time the
         caller still waits for a batch is its data wait (:meth:`Client.stats`).
-        ``prefetch=0`` reads each batch when it is asked for. A pass that
-        ends is recorded in ``Client.stats().epochs``. The sampler's
+        Once it has read this epoch's last batch, the thread reads on into the
+        first ``prefetch`` batches of the sampler's next epoch (its order is
+        known), so that the next epoch does not begin by waiting for them: the
+        next call takes them over if it reads that epoch from its start with
+        the same sampler and batch size, and drops them otherwise. Reads for
+        a job name their epoch, so the daemon serves them from what it fetched
+        ahead for it. ``prefetch=0`` reads each batch when it is asked for.
+        A pass that ends is recorded in ``Client.stats().epochs``. The sampler's
         cursor moves with the batches handed out, so a checkpoint taken
         between two of them resumes at the next.
 
@@ -317,21 +325,33 @@ class Dataset(Sequence[bytes]):
         """
         if batch_size < 1 or prefetch < 0:
             raise ValueError(f"batch_size must be at least 1 and prefetch at least 0, not {batch_size}, {prefetch}")
+        carried, self._carried = self._carried, None
+        epoch = sampler.epoch
         ids = sampler.remaining()
-        chunks = [ids[start : start + batch_size] for start in range(0, len(ids), batch_size)]
-        prefetcher = _Prefetcher(self.get_batch, self._stats, chunks, prefetch) if prefetch else None
+        chunks = _chunked(ids, batch_size)
+        if carried is not None and not carried.carries(sampler, epoch, chunks):
+            carried.close()
+            carried = None
+        read = self._reader(sampler, epoch)
+        prefetcher = None
+        if prefetch:
+            upcoming = _Upcoming(sampler, epoch + 1, batch_size, prefetch, self._reader(sampler, epoch + 1))
+            prefetcher = _Prefetcher(read, self._stats, chunks, prefetch, carried=carried, then=upcoming)
         started, waited = time.perf_counter(), self._stats.data_wait_seconds
+        carrying = False
         try:
             for chunk in chunks:
-                batch = self.get_batch(chunk) if prefetcher is None else prefetcher.next_batch()
+                batch = read(chunk) if prefetcher is None else prefetcher.next_batch()
                 sampler.position += len(chunk)
                 yield batch
             sampler.position = 0
             self._stats.epoch_read(EpochWait(
-                sampler.epoch, len(chunks), time.perf_counter() - started, self._stats.data_wait_seconds - waited,
+                epoch, len(chunks), time.perf_counter() - started, self._stats.data_wait_seconds - waited,
             ))
-        finally:
             if prefetcher is not None:
+                self._carried, carrying = prefetcher, True
+        finally:
+            if prefetcher is not None and not carrying:
                 prefetcher.close()
 
     def __iter__(self) -> Iterator[bytes]:
@@ -342,6 +362,12 @@ class Dataset(Sequence[bytes]):
         return f"Dataset({self._name!r}, N={self._len}, node={self._client.info.node!r})"
 
     # ---------------------------------------------------------- internals
+
+    def _reader(self, sampler: Sampler, epoch: int) -> Callable[[np.ndarray], list[bytes]]:
+        """Reads a batch of ``sampler``'s ``epoch``, naming the epoch where it is this dataset's job's."""
+        if isinstance(sampler, JobSampler) and sampler.job_id == self._job:
+            return lambda ids: self._fetch(ids, epoch)
+        return self._fetch
 
     def _join(self, spec: jpb.JobSpec, rank: int | None, world_size: int | None) -> JobSampler:
         """Joins the job of ``spec`` as this rank and binds the dataset's reads to it."""
@@ -394,8 +420,9 @@ class Dataset(Sequence[bytes]):
             self._check_ids(ids)  # the same error, worded for this dataset
             raise
 
-    def _fetch(self, ids: Sequence[int] | np.ndarray) -> list[bytes]:
-        """Local lookups, then one remote read of the misses.
+    def _fetch(self, ids: Sequence[int] | np.ndarray, epoch: int | None = None) -> list[bytes]:
+        """Local lookups, then one remote read of the misses (for the job's
+        ``epoch``, default its current one).
 
         Ids are range-checked only on the miss path: an id outside 0..N-1 can
         never be a local hit, so every batch that holds one gets there.
@@ -403,13 +430,13 @@ class Dataset(Sequence[bytes]):
         started = time.perf_counter()
         local = self._local.get()
         if local is None:
-            out = self._read_remote(self._check_ids(ids))
+            out = self._read_remote(self._check_ids(ids), epoch)
             self._served(0, 0, started)
             return out
         found = local.get_many(self._db, self._keys(ids), self._client.verify)
         hits, nbytes = self._hits(found)
         if found.misses:
-            for i, value in self._missing(found, ids):
+            for i, value in self._missing(found, ids, epoch):
                 found[i] = value
         self._served(hits, nbytes, started)
         return cast("list[bytes]", found)  # no None left
@@ -422,13 +449,15 @@ class Dataset(Sequence[bytes]):
         payloads: Iterable[Any] = filter(None, found) if found.misses else found
         return hits, sum(map(len, payloads))
 
-    def _missing(self, found: list[Any], ids: Sequence[int] | np.ndarray) -> Iterator[tuple[int, bytes]]:
+    def _missing(
+        self, found: list[Any], ids: Sequence[int] | np.ndarray, epoch: int | None = None
+    ) -> Iterator[tuple[int, bytes]]:
         """(position, bytes) for each None in ``found``, read remotely in one go."""
         positions = [i for i, value in enumerate(found) if value is None]
-        return zip(positions, self._read_remote(self._check_ids(ids)[positions]))
+        return zip(positions, self._read_remote(self._check_ids(ids)[positions], epoch))
 
-    def _read_remote(self, ids: np.ndarray) -> list[bytes]:
-        return self._remote.read(self, ids) if len(ids) else []
+    def _read_remote(self, ids: np.ndarray, epoch: int | None = None) -> list[bytes]:
+        return self._remote.read(self, ids, epoch) if len(ids) else []
 
     def _served(self, local_hits: int, local_bytes: int, started: float) -> None:
         """Counts a call's local hits and data wait; reports the counters when a report is due."""
@@ -437,15 +466,56 @@ class Dataset(Sequence[bytes]):
             self._client.report_stats()
 
 
-class _Prefetcher:
-    """Reads batches in a thread of its own, at most ``depth`` ahead of the reader."""
+def _chunked(ids: np.ndarray, batch_size: int) -> list[np.ndarray]:
+    return [ids[start : start + batch_size] for start in range(0, len(ids), batch_size)]
+
+
+class _Upcoming:
+    """The first ``count`` batches of a sampler's next epoch, and how to read them."""
 
     def __init__(
-        self, read: Callable[[np.ndarray], list[bytes]], stats: ReadStats, chunks: list[np.ndarray], depth: int
+        self, sampler: Sampler, epoch: int, batch_size: int, count: int, read: Callable[[np.ndarray], list[bytes]]
+    ) -> None:
+        self.sampler = sampler
+        self.epoch = epoch
+        self.batch_size = batch_size
+        self.count = count
+        self.read = read
+
+    def chunks(self) -> list[np.ndarray]:
+        """Their ids: one permutation of the dataset, so computed in the prefetch thread."""
+        return _chunked(self.sampler.indices(self.epoch)[: self.count * self.batch_size], self.batch_size)
+
+
+class _Prefetcher:
+    """Reads batches in a thread of its own, at most ``depth`` ahead of the reader.
+
+    ``carried``, an earlier epoch's prefetcher, read ahead the first of
+    ``chunks``: its batches are handed on first, and the thread reads the
+    rest. Once every chunk is read, the thread reads on into ``then``, the
+    next epoch's first batches, which stay queued for the prefetcher of that
+    epoch to carry on (:meth:`carries`). At most ``depth`` batches wait in
+    the queue and one more is being read, carried ones included.
+    """
+
+    def __init__(
+        self,
+        read: Callable[[np.ndarray], list[bytes]],
+        stats: ReadStats,
+        chunks: list[np.ndarray],
+        depth: int,
+        *,
+        carried: _Prefetcher | None = None,
+        then: _Upcoming | None = None,
     ) -> None:
         self._read = read
         self._stats = stats
-        self._chunks = chunks
+        self._carried = carried
+        self._chunks = chunks[len(carried.upcoming) :] if carried is not None else chunks
+        self._then = then
+        #: The next epoch's chunks read after ``chunks`` (set once known).
+        self.upcoming: list[np.ndarray] = []
+        self._upcoming_known = threading.Event()
         self._ready: queue.Queue[object] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dataquay-prefetch", daemon=True)
@@ -453,19 +523,69 @@ class _Prefetcher:
 
     def _run(self) -> None:
         self._stats.prefetching()
-        for chunk in self._chunks:
+        try:
+            if self._carried is not None and not self._forward(self._carried):
+                return
+            if not self._read_all(self._read, self._chunks) or self._then is None:
+                return
             try:
-                item: object = self._read(chunk)
+                self.upcoming = self._then.chunks()
+            except Exception as exc:  # the next epoch is then read when it begins
+                log.debug("the next epoch's first batches are not read ahead: %s", exc)
+                return
+            self._upcoming_known.set()
+            self._read_all(self._then.read, self.upcoming)
+        finally:
+            self._upcoming_known.set()
+
+    def _read_all(self, read: Callable[[np.ndarray], list[bytes]], chunks: list[np.ndarray]) -> bool:
+        """Reads ``chunks`` into the queue; False once stopped or a read failed."""
+        for chunk in chunks:
+            try:
+                item: object = read(chunk)
             except Exception as exc:  # handed to the reader, who raises it at this batch
                 item = exc
-            while not self._stop.is_set():
-                try:
-                    self._ready.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if self._stop.is_set() or isinstance(item, Exception):
-                return
+            if not self._put(item) or isinstance(item, Exception):
+                return False
+        return True
+
+    def _forward(self, carried: _Prefetcher) -> bool:
+        """Hands on the batches ``carried`` read for this epoch; False once stopped or one failed."""
+        for _ in carried.upcoming:
+            item = carried._get(self._stop)
+            if item is None or not self._put(item) or isinstance(item, Exception):
+                return False
+        return True
+
+    def _put(self, item: object) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _get(self, stop: threading.Event) -> object | None:
+        """The next queued item; None once ``stop`` is set."""
+        while not stop.is_set():
+            try:
+                return self._ready.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return None
+
+    def carries(self, sampler: Sampler, epoch: int, chunks: list[np.ndarray]) -> bool:
+        """Whether the next epoch's batches this read ahead are the first of
+        ``chunks``, ``sampler``'s ``epoch`` (waits until their ids are known)."""
+        then = self._then
+        if then is None or then.sampler is not sampler or then.epoch != epoch:
+            return False
+        self._upcoming_known.wait()
+        upcoming = self.upcoming
+        return bool(upcoming) and len(upcoming) <= len(chunks) and all(
+            np.array_equal(a, b) for a, b in zip(upcoming, chunks)
+        )
 
     def next_batch(self) -> list[bytes]:
         started = time.perf_counter()
@@ -478,3 +598,5 @@ class _Prefetcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+        if self._carried is not None:
+            self._carried.close()

@@ -82,9 +82,10 @@ class RemoteReader:
         """Whether the daemon was found unreachable and its retry time has not come."""
         return time.monotonic() < self._down_until
 
-    def read(self, dataset: Dataset, ids: np.ndarray) -> list[bytes]:
+    def read(self, dataset: Dataset, ids: np.ndarray, epoch: int | None = None) -> list[bytes]:
         """Samples the local cache lacks, in order: from the daemon, or from the
-        PFS while the daemon is unreachable."""
+        PFS while the daemon is unreachable. ``epoch`` names the job's epoch
+        they are read for (default: the job's current one)."""
         out: list[bytes] = []
         step = self.info.max_batch or len(ids)
         for start in range(0, len(ids), step):
@@ -92,7 +93,7 @@ class RemoteReader:
                 out += self._read_pfs(dataset, ids[start:])
                 break
             try:
-                out += self._read_daemon(dataset, ids[start : start + step])
+                out += self._read_daemon(dataset, ids[start : start + step], epoch)
             except DaemonUnavailableError as exc:
                 self.mark_down(exc)
                 out += self._read_pfs(dataset, ids[start:])
@@ -103,7 +104,7 @@ class RemoteReader:
         """Removes this process's shared memory segments."""
         self._segments.close()
 
-    def _read_daemon(self, dataset: Dataset, ids: np.ndarray) -> list[bytes]:
+    def _read_daemon(self, dataset: Dataset, ids: np.ndarray, epoch: int | None) -> list[bytes]:
         """Samples from the daemon, payloads through shared memory where it can.
 
         A payload whose checksum fails is asked for once more inline before
@@ -111,14 +112,14 @@ class RemoteReader:
         """
         with self._segments.segment() as seg:
             try:
-                out, bad = self._read_daemon_once(dataset, ids, seg)
+                out, bad = self._read_daemon_once(dataset, ids, seg, epoch)
             except DaemonUnavailableError:
                 # A hung daemon may still write into it once it resumes.
                 if seg is not None:
                     self._segments.discard(seg)
                 raise
         if bad:
-            again, still_bad = self._read_daemon_once(dataset, ids[bad], None)
+            again, still_bad = self._read_daemon_once(dataset, ids[bad], None, epoch)
             if still_bad:
                 want = int(ids[bad][still_bad[0]])
                 raise CorruptValueError(f"sample {want} of {dataset.name!r} arrived with a bad checksum")
@@ -127,12 +128,14 @@ class RemoteReader:
         return out
 
     def _read_daemon_once(
-        self, dataset: Dataset, ids: np.ndarray, seg: Segment | MemfdSegment | None
+        self, dataset: Dataset, ids: np.ndarray, seg: Segment | MemfdSegment | None, epoch: int | None
     ) -> tuple[list[bytes], list[int]]:
         """(samples in order, positions whose checksum failed)."""
         request = pb.ReadRequest(
             dataset=dataset.name, ids=ids.tolist(), manifest_id=dataset.manifest.manifest_id, job=dataset.job or ""
         )
+        if epoch is not None and dataset.job:
+            request.epoch = epoch
         if seg is not None:
             request.shm_name, request.shm_size = seg.name, seg.size
         lengths = dataset.manifest.sample_length

@@ -181,14 +181,14 @@ class Sampler:
             "drop_last": int(self.drop_last),
         }
 
-    def indices(self) -> np.ndarray:
-        """This rank's ids for the current epoch, in reading order (int64)."""
+    def indices(self, epoch: int | None = None) -> np.ndarray:
+        """This rank's ids for ``epoch`` (default: the current one), in reading order (int64)."""
         return rank_indices(
             self.num_samples,
             self.rank,
             self.world_size,
             seed=self.seed,
-            epoch=self.epoch,
+            epoch=self.epoch if epoch is None else epoch,
             shuffle=self.shuffle,
             drop_last=self.drop_last,
         )
@@ -319,10 +319,11 @@ class JobSampler(Sampler):
     def _identity(self) -> dict[str, int | str]:
         return {**super()._identity(), "job": self.job_id}
 
-    def indices(self) -> np.ndarray:
-        """This rank's ids for the current epoch, in reading order (int64)."""
-        epoch_owners = self.owners() if MODES[self.plan.settings.mode].owners_move else None
-        return rank_order(self.plan, self.epoch, self.rank, epoch_owners)
+    def indices(self, epoch: int | None = None) -> np.ndarray:
+        """This rank's ids for ``epoch`` (default: the current one), in reading order (int64)."""
+        epoch = self.epoch if epoch is None else epoch
+        epoch_owners = self.owners(epoch) if MODES[self.plan.settings.mode].owners_move else None
+        return rank_order(self.plan, epoch, self.rank, epoch_owners)
 
     def owners(self, epoch: int | None = None) -> np.ndarray:
         """The node that owns each sample in ``epoch`` (default: the current one), int32.

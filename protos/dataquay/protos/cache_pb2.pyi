@@ -70,7 +70,7 @@ class InfoReply(_message.Message):
     def __init__(self, node: _Optional[str] = ..., version: _Optional[str] = ..., cache_path: _Optional[str] = ..., max_batch: _Optional[int] = ..., cache_capacity: _Optional[int] = ..., tcp_address: _Optional[str] = ..., pid: _Optional[int] = ..., directory: _Optional[str] = ..., metrics_address: _Optional[str] = ..., bulk_address: _Optional[str] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
-    __slots__ = ("dataset", "ids", "shm_name", "shm_size", "manifest_id", "job", "peer")
+    __slots__ = ("dataset", "ids", "shm_name", "shm_size", "manifest_id", "job", "peer", "epoch")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class ReadRequest(_message.Message):
     MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     ids: _containers.RepeatedScalarFieldContainer[int]
     shm_name: str
@@ -85,7 +86,8 @@ class ReadRequest(_message.Message):
     manifest_id: str
     job: str
     peer: bool
-    def __init__(self, dataset: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., manifest_id: _Optional[str] = ..., job: _Optional[str] = ..., peer: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    def __init__(self, dataset: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., manifest_id: _Optional[str] = ..., job: _Optional[str] = ..., peer: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("id", "tier", "data", "checksum", "in_shm", "shm_offset", "length", "missing", "value", "offset")

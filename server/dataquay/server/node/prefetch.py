@@ -12,7 +12,10 @@ node's prefetch budget (:mod:`dataquay.server.node.prefetch_budget`) before
 they are asked for; steps that do not fit are read when asked for. How far the ranks got is the
 step of the latest id they asked for. Once they ask for the last steps of an
 epoch, the first steps of the next one are fetched too, so that a new epoch
-does not start by waiting for its peers.
+does not start by waiting for its peers; the first epoch's (or that of ranks
+that come back) are fetched when the ranks join the job or enter the epoch,
+or staging ends. A read of a sample whose fetch is under way waits for it
+instead of asking its owner again.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class _Epoch:
     step_of: np.ndarray         # per sample id: the step this node's ranks read it at, -1 if none
     next_step: int = 1          # first step not requested yet
     held: Fetched = field(default_factory=dict)
+    fetching: dict[int, asyncio.Future[None]] = field(default_factory=dict)  # per id, its fetch under way
 
 
 #: Modes whose ranks read from other nodes at every step.
@@ -81,11 +85,19 @@ class TransferPrefetcher:
         #: Per job, the epochs planned: the one its ranks read and the next.
         self._epochs: dict[str, dict[int, _Epoch]] = {}
         self._planning: set[tuple[str, int]] = set()
+        # Epochs being planned whose ranks read meanwhile: their first step is read on demand.
+        self._read_early: set[tuple[str, int]] = set()
 
-    def take(self, job_id: str, epoch: int, ids: np.ndarray) -> Fetched:
-        """The prefetched samples among ``ids``, handed over (they leave the buffer)."""
+    async def take(self, job_id: str, epoch: int, ids: np.ndarray) -> Fetched:
+        """The prefetched samples among ``ids``, handed over (they leave the
+        buffer), once those being fetched have arrived."""
         state = self._epochs.get(job_id, {}).get(epoch)
-        if state is None or not state.held:
+        if state is None:
+            return {}
+        under_way = {state.fetching[i] for i in ids.tolist() if i in state.fetching}
+        if under_way:
+            await asyncio.wait(under_way)
+        if not state.held:
             return {}
         out = {i: state.held.pop(i) for i in ids.tolist() if i in state.held}
         self.budget.give_back(_held_bytes(out))
@@ -99,6 +111,8 @@ class TransferPrefetcher:
         state = self._epochs.get(job_id, {}).get(epoch)
         if state is None:
             self._plan_soon(entry, placement)
+            if (job_id, epoch) in self._planning:
+                self._read_early.add((job_id, epoch))
             return
         reached = int(state.step_of[ids].max()) if len(ids) else -1
         last = self._fetch_steps(entry, state, reached + 1, reached + self.depth)
@@ -109,6 +123,12 @@ class TransferPrefetcher:
                 self._fetch_steps(entry, upcoming, 0, beyond - 1)
             elif (job_id, epoch + 1) not in self._planning:
                 self.spawn(self._plan_next(entry, placement, beyond), f"prefetch-next-{job_id}-{epoch + 1}")
+
+    def begin(self, entry: Registered, placement: Placement) -> None:
+        """Fetches the first steps of ``placement``'s epoch before its ranks
+        read it (they joined the job or entered the epoch, or staging ended);
+        nothing if that epoch is planned already. Returns at once."""
+        self._plan_soon(entry, placement, self.depth)
 
     def _plan_soon(self, entry: Registered, placement: Placement, then_steps: int = 0) -> None:
         job_id, epoch = placement.job.spec.job_id, placement.epoch
@@ -129,7 +149,9 @@ class TransferPrefetcher:
         state.next_step = last + 1
         if len(wanted):
             job_id, epoch = state.placement.job.spec.job_id, state.placement.epoch
-            self.spawn(self._get(entry, state, wanted, reserved), f"prefetch-{job_id}-{epoch}-{first}")
+            done = asyncio.get_running_loop().create_future()
+            state.fetching.update(dict.fromkeys(wanted.tolist(), done))
+            self.spawn(self._get(entry, state, wanted, reserved, done), f"prefetch-{job_id}-{epoch}-{first}")
         return last
 
     async def _plan_next(self, entry: Registered, current: Placement, steps: int) -> None:
@@ -149,13 +171,15 @@ class TransferPrefetcher:
             )
         finally:
             self._planning.discard((job_id, epoch))
+            began = (job_id, epoch) in self._read_early
+            self._read_early.discard((job_id, epoch))
         step_of = np.full(plan.num_samples, -1, dtype=np.int64)
         step_of[np.concatenate(steps)] = np.repeat(np.arange(len(steps)), [len(step) for step in steps])
         sources = placement.sources
         foreign = [sources[step] != placement.node_index for step in steps]
         incoming = [row[mask] for row, mask in zip(steps, foreign)]
         # Step 0 of an epoch its ranks already read is read on demand.
-        state = _Epoch(placement, incoming, step_of, next_step=0 if then_steps else 1)
+        state = _Epoch(placement, incoming, step_of, next_step=0 if then_steps and not began else 1)
         planned = self._epochs.setdefault(job_id, {})
         planned[epoch] = state
         for old in sorted(planned)[:-2]:
@@ -163,7 +187,9 @@ class TransferPrefetcher:
         if then_steps:
             self._fetch_steps(entry, state, 0, then_steps - 1)
 
-    async def _get(self, entry: Registered, state: _Epoch, ids: np.ndarray, reserved: int) -> None:
+    async def _get(
+        self, entry: Registered, state: _Epoch, ids: np.ndarray, reserved: int, done: asyncio.Future[None]
+    ) -> None:
         placement = state.placement
         kept = 0
         try:
@@ -173,6 +199,10 @@ class TransferPrefetcher:
                 kept = _held_bytes(got)
         finally:
             self.budget.give_back(reserved - kept)
+            for i in ids.tolist():
+                if state.fetching.get(i) is done:
+                    del state.fetching[i]
+            done.set_result(None)
 
 
 def _held_bytes(held: Fetched) -> int:

@@ -166,8 +166,10 @@ class ReadService:
         peer: bool = False,
         budget: ByteBudget | None = None,
         arrived: Arrived | None = None,
+        epoch: int | None = None,
     ) -> AsyncGenerator[Window, None]:
-        """The samples of ``ids`` in request order, a window at a time;
+        """The samples of ``ids`` in request order, a window at a time, for
+        ``job``'s ``epoch`` where it is within one of the job's (see :meth:`_placement`);
         ``arrived`` is handed each payload from a peer as it lands, before
         its window is complete.
 
@@ -184,7 +186,7 @@ class ReadService:
             size = too_large(int(lengths[bad]), self.max_sample, "this daemon's --max-sample-size")
             raise SampleTooLargeError(f"sample {bad} of {dataset!r} is {size}")
         await self.store.open_dataset(entry.record.cache_db)
-        placement = await self._placement(job, entry) if job and not peer else None
+        placement = await self._placement(job, entry, epoch) if job and not peer else None
         if placement is not None and self.prefetcher is not None and _prefetched(placement):
             self.prefetcher.ahead(entry, placement, ids)
         plans = [np.unique(ids[start:stop], return_inverse=True)
@@ -210,7 +212,7 @@ class ReadService:
         fetched: dict[int, tuple[str, bytes | memoryview, int]] = {}
         misses = ids[[i for i, hit in enumerate(cached) if hit is None]]
         if placement is not None and self.prefetcher is not None and _prefetched(placement):
-            fetched = self.prefetcher.take(placement.job.spec.job_id, placement.epoch, misses)
+            fetched = await self.prefetcher.take(placement.job.spec.job_id, placement.epoch, misses)
             misses = _not_in(misses, fetched)
         if placement is not None and self.overflow is not None:
             fetched.update(await self.overflow.take(entry, placement, ids, misses))
@@ -238,14 +240,16 @@ class ReadService:
                                                   leaves_room=placement is not None and placement.owners_move))
         return Window(self._served(ids, index, cached, fetched), index)
 
-    def read_ahead(self, job: jpb.Job) -> None:
-        """Starts reading the overflow of ``job`` ahead of this node's ranks:
-        its staging here ended, or its ranks joined it or began an epoch
-        (their first read would start it, a batch later)."""
+    def read_ahead(self, job: jpb.Job, transfers: bool = True) -> None:
+        """Starts reading ahead of this node's ranks the overflow of ``job``
+        and, with ``transfers``, the first steps' transfers of its epoch: its
+        staging here ended (other nodes may still be staging: no transfers),
+        or its ranks joined it or began an epoch (their first read would start
+        it, a batch later)."""
         if self.overflow is not None and self._spawn is not None:
-            self._spawn(self._start_overflow(job), f"overflow-start-{job.spec.job_id}")
+            self._spawn(self._start_reading_ahead(job, transfers), f"read-ahead-start-{job.spec.job_id}")
 
-    async def _start_overflow(self, job: jpb.Job) -> None:
+    async def _start_reading_ahead(self, job: jpb.Job, transfers: bool) -> None:
         assert self.overflow is not None
         try:
             entry = await self.datasets.entry(job.spec.dataset)
@@ -254,6 +258,8 @@ class ReadService:
             return  # the first read starts it, or says what is wrong
         if placement is not None:
             self.overflow.start(entry, placement)
+            if transfers and self.prefetcher is not None and _prefetched(placement):
+                self.prefetcher.begin(entry, placement)
 
     def _answer_peer(
         self, ids: np.ndarray, index: np.ndarray, cached: list[tuple[bytes, int] | None]
@@ -270,13 +276,19 @@ class ReadService:
         self.metrics.count_peer_served(samples, nbytes)
         return out
 
-    async def _placement(self, job: str, entry: Registered) -> Placement | None:
-        """The job's placement; None (serve from here and the PFS) when the
-        directory is down and this node has never seen the job."""
+    async def _placement(self, job: str, entry: Registered, epoch: int | None = None) -> Placement | None:
+        """The job's placement in ``epoch``, or in the job's current epoch when
+        ``epoch`` is None or not within one of it (a rank reads ahead into the
+        next epoch, or finishes the last one; any other epoch is not worth its
+        computation); None (serve from here and the PFS) when the directory
+        is down and this node has never seen the job."""
         if self.placements is None:
             return None
         try:
-            return await self.placements.placement(job, entry)
+            current = await self.placements.placement(job, entry)
+            if epoch is None or epoch == current.epoch or abs(epoch - current.epoch) > 1 or epoch > MAX_EPOCH:
+                return current
+            return await self.placements.placement(job, entry, epoch)
         except DirectoryUnavailableError:
             log.warning("job unknown here and the directory is down; reading misses from the PFS",
                         extra={"fields": {"job": job}})

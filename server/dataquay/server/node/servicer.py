@@ -63,6 +63,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             windows = self.daemon.reads.read(
                 request.dataset, ids, request.manifest_id, request.job, request.peer, self._budget(context),
                 forward.arrived if forward is not None else None,
+                epoch=request.epoch if request.HasField("epoch") else None,
             )
             async with aclosing(windows):
                 async for window in windows:
@@ -137,7 +138,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             yield self._progress(progress)
             if progress.finished:
                 if request.job and not progress.error:
-                    d.reads.read_ahead(placement.job)  # what did not fit, before the ranks come
+                    d.reads.read_ahead(placement.job, transfers=False)  # what did not fit, before the ranks come
                 return
 
     def _progress(self, progress: StagingProgress) -> pb.StageProgress:

@@ -126,7 +126,9 @@ def _read_through_dataquay(
     sums: list[int] = []
     nbytes = 0
     paused = 0.0
-    for start, samples in zip(range(0, len(ids), batch), ds.batches(sampler, batch, prefetch=prefetch)):
+    # The batches first: zip then runs them to their end, which leaves the
+    # next epoch's first batches read ahead.
+    for samples, start in zip(ds.batches(sampler, batch, prefetch=prefetch), range(0, len(ids), batch)):
         if start <= pause_at < start + batch:
             paused += pause()
         sums += [checksum(s) for s in samples]
