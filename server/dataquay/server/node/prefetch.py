@@ -138,21 +138,20 @@ class TransferPrefetcher:
 
     def _fetch_steps(self, entry: Registered, state: _Epoch, after: int, upto: int) -> int:
         """Starts fetching the steps of ``state`` from ``after`` to ``upto`` not
-        asked for yet; returns the last step asked for so far."""
-        first, last = max(state.next_step, after), min(upto, len(state.incoming) - 1)
-        if first > last:
-            return state.next_step - 1
-        wanted = np.concatenate(state.incoming[first : last + 1])
-        reserved = int(entry.manifest.sample_length[wanted].sum())
-        if not self.budget.take(reserved):
-            return state.next_step - 1
-        state.next_step = last + 1
-        if len(wanted):
-            job_id, epoch = state.placement.job.spec.job_id, state.placement.epoch
-            done = asyncio.get_running_loop().create_future()
-            state.fetching.update(dict.fromkeys(wanted.tolist(), done))
-            self.spawn(self._get(entry, state, wanted, reserved, done), f"prefetch-{job_id}-{epoch}-{first}")
-        return last
+        asked for yet, one fetch per step (a read waits only for its own), as
+        far as the budget allows; returns the last step asked for so far."""
+        job_id, epoch = state.placement.job.spec.job_id, state.placement.epoch
+        for step in range(max(state.next_step, after), min(upto, len(state.incoming) - 1) + 1):
+            wanted = state.incoming[step]
+            reserved = int(entry.manifest.sample_length[wanted].sum())
+            if not self.budget.take(reserved):
+                break
+            state.next_step = step + 1
+            if len(wanted):
+                done = asyncio.get_running_loop().create_future()
+                state.fetching.update(dict.fromkeys(wanted.tolist(), done))
+                self.spawn(self._get(entry, state, wanted, reserved, done), f"prefetch-{job_id}-{epoch}-{step}")
+        return state.next_step - 1
 
     async def _plan_next(self, entry: Registered, current: Placement, steps: int) -> None:
         job_id = current.job.spec.job_id
