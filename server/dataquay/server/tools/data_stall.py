@@ -215,8 +215,9 @@ def print_table(rows: list[EpochRow]) -> None:
 
 def main(quick: bool, out_dir: Path) -> list[EpochRow]:
     started = time.perf_counter()
-    # The full run's epochs are long enough that a rank's first batch, which
-    # no read-ahead can hide, weighs about 1% of an epoch.
+    # A rank's first batch of the first epoch, which no read-ahead can hide
+    # (those of later epochs are read during the epoch before), weighs about
+    # 1% of the full run's first epoch and a few % of the quick run's.
     rows = run_benchmark(1600 if quick else 9600, 3 if quick else 5, out_dir)
     plotted = plot(rows, out_dir / "stall.png")
     print_table(rows)
