@@ -13,9 +13,9 @@ they are asked for; steps that do not fit are read when asked for. How far the r
 step of the latest id they asked for. Once they ask for the last steps of an
 epoch, the first steps of the next one are fetched too, so that a new epoch
 does not start by waiting for its peers; the first epoch's (or that of ranks
-that come back) are fetched when the ranks join the job or enter the epoch,
-or staging ends. A read of a sample whose fetch is under way waits for it
-instead of asking its owner again.
+that come back) are fetched when the ranks join the job or enter the epoch.
+A read of a sample whose fetch is under way waits for it instead of asking
+its owner again.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ class TransferPrefetcher:
         under_way = {state.fetching[i] for i in ids.tolist() if i in state.fetching}
         if under_way:
             await asyncio.wait(under_way)
-        if not state.held:
-            return {}
+        if not state.held or self._epochs.get(job_id, {}).get(epoch) is not state:
+            return {}  # nothing held, or the epoch was dropped (and its bytes given back) meanwhile
         out = {i: state.held.pop(i) for i in ids.tolist() if i in state.held}
         self.budget.give_back(_held_bytes(out))
         self.served += len(out)
@@ -126,8 +126,8 @@ class TransferPrefetcher:
 
     def begin(self, entry: Registered, placement: Placement) -> None:
         """Fetches the first steps of ``placement``'s epoch before its ranks
-        read it (they joined the job or entered the epoch, or staging ended);
-        nothing if that epoch is planned already. Returns at once."""
+        read it (they joined the job or entered the epoch); nothing if that
+        epoch is planned already. Returns at once."""
         self._plan_soon(entry, placement, self.depth)
 
     def _plan_soon(self, entry: Registered, placement: Placement, then_steps: int = 0) -> None:
