@@ -160,10 +160,41 @@ class Load:
     pfs_bytes: int
 
 
-def _unpack(keys: np.ndarray, num_nodes: int) -> np.ndarray:
-    """Bitset rows as ``(rows, num_nodes)`` bools."""
-    bits = np.unpackbits(keys.view(np.uint8).reshape(len(keys), -1), axis=1, bitorder="little")
-    return bits[:, :num_nodes].astype(bool)
+def _members(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The set bits of bitset rows, as ``np.nonzero`` of their unpacked bools
+    gives them (by row, then node), found a lowest bit at a time per word:
+    tables have a few members of up to thousands of nodes."""
+    rows: list[np.ndarray] = []
+    nodes: list[np.ndarray] = []
+    for word in range(keys.shape[1]):
+        at = np.flatnonzero(keys[:, word])
+        left = keys[at, word]
+        while len(at):
+            lowest = left & (~left + np.uint64(1))
+            rows.append(at)
+            nodes.append(np.frexp(lowest.astype(np.float64))[1].astype(np.int64) - 1 + word * WORD_BITS)
+            left ^= lowest
+            more = left != 0
+            at, left = at[more], left[more]
+    if not rows:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    row, node = np.concatenate(rows), np.concatenate(nodes)
+    by_row = np.argsort(row, kind="stable")
+    return row[by_row], node[by_row]
+
+
+def _select_bit(words: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """The position of the ``rank``-th (from 0) set bit of each uint64, which has more than ``rank``."""
+    rank, position = rank.copy(), np.zeros(len(words), dtype=np.int64)
+    words = words.copy()
+    for width in (32, 16, 8, 4, 2, 1):
+        low = words & np.uint64((1 << width) - 1)
+        below = np.bitwise_count(low).astype(np.int64)
+        high = rank >= below
+        rank -= np.where(high, below, 0)
+        words = np.where(high, words >> np.uint64(width), low)
+        position += np.where(high, width, 0)
+    return position
 
 
 def _popcount(keys: np.ndarray) -> np.ndarray:
@@ -283,7 +314,7 @@ def _children(keys: np.ndarray, hashes: np.ndarray, by_hash: np.ndarray, parents
     node_hash = _node_hashes(keys.shape[1] * WORD_BITS)
     found: list[tuple[np.ndarray, ...]] = []
     for i in range(0, len(parents), _CHUNK):
-        rows, members = np.nonzero(_unpack(keys[parents[i:i + _CHUNK]], keys.shape[1] * WORD_BITS))
+        rows, members = _members(keys[parents[i:i + _CHUNK]])
         parent = parents[i:i + _CHUNK][rows]
         wanted = hashes[parent] ^ node_hash[members]
         at = np.minimum(np.searchsorted(sorted_hashes, wanted), len(hashes) - 1)
@@ -402,16 +433,20 @@ SCHEMES: dict[str, Callable[[np.ndarray, Needs, int], np.ndarray]] = {
 }
 
 
-def _pick_bit(keys: np.ndarray, spread: np.ndarray, num_nodes: int) -> np.ndarray:
+def _pick_bit(keys: np.ndarray, spread: np.ndarray) -> np.ndarray:
     """One set bit of each row (the ``spread[i] % count``-th, so that senders
     share the work), or :data:`PFS` for a row with none."""
     picked = np.full(len(keys), PFS, dtype=np.int64)
-    for i in range(0, len(keys), _CHUNK):
-        rows, nodes = np.nonzero(_unpack(keys[i:i + _CHUNK], num_nodes))
-        count = np.bincount(rows, minlength=min(_CHUNK, len(keys) - i))
-        has = np.flatnonzero(count)
-        first = np.cumsum(count) - count
-        picked[i + has] = nodes[first[has] + spread[i + has] % count[has]]
+    counts = np.bitwise_count(keys).astype(np.int64)
+    has = np.flatnonzero(counts.sum(axis=1))
+    if not len(has):
+        return picked
+    counts = counts[has]
+    rank = spread[has] % counts.sum(axis=1)
+    upto = np.cumsum(counts, axis=1)
+    word = (upto <= rank[:, None]).sum(axis=1)
+    rank -= np.take_along_axis(upto - counts, word[:, None], axis=1)[:, 0]
+    picked[has] = word * WORD_BITS + _select_bit(keys[has, word], rank)
     return picked
 
 
@@ -446,7 +481,7 @@ def plan(holders: np.ndarray, owners: np.ndarray, scheme: str, sizes: np.ndarray
     new[1:] = (t[1:] != t[:-1]) | (r[1:] != r[:-1])
     start = np.append(np.flatnonzero(new), len(parts)).astype(np.int64)
     samples, decoders = need.samples[parts], need.decoders[parts]
-    return _senders(holders, start, samples, decoders, num_nodes, sizes)
+    return _senders(holders, start, samples, decoders, sizes)
 
 
 def _rows(tables: np.ndarray, decoders: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -460,12 +495,12 @@ def _rows(tables: np.ndarray, decoders: np.ndarray, sizes: np.ndarray) -> tuple[
 
 
 def _senders(holders: np.ndarray, start: np.ndarray, samples: np.ndarray, decoders: np.ndarray,
-             num_nodes: int, sizes: np.ndarray | None) -> Packets:
+             sizes: np.ndarray | None) -> Packets:
     """Applies the sender rule of the module docstring to the packets' parts."""
     num_packets = len(start) - 1
     spread = np.arange(num_packets, dtype=np.int64)
     whole = np.bitwise_and.reduceat(holders[samples], start[:-1], axis=0) if num_packets else holders[:0]
-    senders = _pick_bit(whole, spread, num_nodes)
+    senders = _pick_bit(whole, spread)
     parts = np.diff(start)
     lacking = np.flatnonzero((senders == PFS) & (parts > 1))
     if sizes is None:
@@ -477,7 +512,7 @@ def _senders(holders: np.ndarray, start: np.ndarray, samples: np.ndarray, decode
         first = by_size[np.searchsorted(packet_of[by_size], lacking)]
     senders[lacking] = decoders[first]
     fetch_samples = samples[first]
-    fetch_sources = _pick_bit(holders[fetch_samples], spread[lacking], num_nodes)
+    fetch_sources = _pick_bit(holders[fetch_samples], spread[lacking])
     return Packets(start, samples, decoders, senders, lacking.astype(np.int64), fetch_samples, fetch_sources)
 
 
