@@ -258,6 +258,44 @@ class _Columns:
         return self._rows[table]
 
 
+class _Initial:
+    """The tables' columns before the greedy, to rule out in numpy the
+    parents whose reduction would move nothing.
+
+    Before a parent is reduced, its columns and its children's only grow
+    (rows arrive from the layer above) and rows never change, so a column
+    of the parent full at the start stays full and a child's column that
+    has no gap at the start never gets one: a parent with a full column
+    that no child can take from at the start stops at once in
+    :func:`_reduce_table`, and skipping it changes nothing.
+    """
+
+    def __init__(self, group_table: np.ndarray, group_key: np.ndarray, group_decoder: np.ndarray,
+                 group_count: np.ndarray, num_nodes: int) -> None:
+        self._key, self._decoder, self._count, self._num_nodes = group_key, group_decoder, group_count, num_nodes
+        self._rows = np.maximum.reduceat(group_count, np.flatnonzero(np.diff(group_table, prepend=-1)))
+        self._full = np.flatnonzero(group_count == self._rows[group_table])
+        self._full_table = group_table[self._full]
+        per_table = np.bincount(self._full_table, minlength=len(self._rows))
+        self._full_count, self._full_start = per_table, np.cumsum(per_table) - per_table
+
+    def may_move(self, parent: np.ndarray, member: np.ndarray, child: np.ndarray) -> np.ndarray:
+        """Which (parent, member, child) edges belong to a parent whose every
+        full column has a child, other than that column's, with a gap in it."""
+        per_edge = self._full_count[parent]
+        edge = np.repeat(np.arange(len(parent)), per_edge)
+        within = np.arange(len(edge)) - np.repeat(np.cumsum(per_edge) - per_edge, per_edge)
+        group = self._full[self._full_start[parent[edge]] + within]
+        column = self._decoder[group]
+        held = _find(self._key, child[edge] * self._num_nodes + column)
+        gap = (column != member[edge]) & (np.where(held >= 0, self._count[held], 0) < self._rows[child[edge]])
+        served = np.zeros(len(self._count), dtype=bool)
+        served[group[gap]] = True
+        stuck = np.zeros(len(self._rows), dtype=bool)
+        stuck[self._full_table[~served[self._full]]] = True
+        return ~stuck[parent]
+
+
 def _groups(tables: np.ndarray, decoders: np.ndarray, num_tables: int) -> tuple[np.ndarray, ...]:
     """Needed samples sorted by (table, decoder), and the runs of each (table, column)."""
     order = np.lexsort((decoders, tables))
@@ -341,9 +379,14 @@ def uber_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
     hashes = _set_hashes(keys)
     by_hash = np.argsort(hashes)
     half_hashes = (_set_hashes(keys & _EVEN_BITS), _set_hashes(keys & ~_EVEN_BITS))
+    group_table = np.repeat(np.arange(len(keys), dtype=np.int64), np.diff(table_start))
+    group_key = group_table * num_nodes + g_decoder
+    initial = _Initial(group_table, group_key, g_decoder, g_count, num_nodes)
     moves: list[tuple[int, int, int, int]] = []
     for size in range(int(sizes.max(initial=0)), 2, -1):
         parent, member, child = _children(keys, hashes, by_hash, _candidates(half_hashes, sizes, size))
+        kept = initial.may_move(parent, member, child)
+        parent, member, child = parent[kept], member[kept], child[kept]
         bounds = np.flatnonzero(np.diff(parent, prepend=-1, append=-1))
         for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
             children = dict(zip(member[lo:hi].tolist(), child[lo:hi].tolist(), strict=True))
@@ -351,7 +394,6 @@ def uber_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
     if not moves:
         return tables
     src, decoder, dst, count = (np.array(column, dtype=np.int64) for column in zip(*moves, strict=True))
-    group_key = np.repeat(np.arange(len(keys), dtype=np.int64), np.diff(table_start)) * num_nodes + g_decoder
     src_group, dst_group = (_find(group_key, t * num_nodes + decoder) for t in (src, dst))
     pools: dict[tuple[int, int], list[int]] = {}
     lists = order.tolist(), starts.tolist(), g_count.tolist()
