@@ -1,0 +1,102 @@
+"""Coded shuffling: the planner's time per epoch, against an earlier planner in the same run.
+
+The planner (:func:`dataquay.server.node.exchange.coding.plan`) runs once per
+epoch on every daemon; at 256 nodes and 7x10^5 samples an epoch is 2,734
+samples per node, a few seconds for a fast trainer. Per setting (the caches
+and owners of ``coded_shuffle.py``'s model, sample sizes log-normal around
+110 KiB), each scheme is timed ``REPEATS`` rounds, the baseline planner and
+this one interleaved within a round; medians of wall time (``*_s``) and of
+the process's CPU time (``*_cpu``, less sensitive to other load on a shared
+machine). ``*_tx`` are the transmissions of each plan, and ``same`` whether
+the two planners gave identical packets for every scheme.
+
+``--baseline REV`` takes the baseline planner from git revision REV of this
+repository; without it only this planner is timed.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+
+from coded_shuffle import MEDIAN_BYTES, SCHEMES, SIGMA
+from common import REPEATS, progress, report
+from dataquay.server.node.exchange import coding
+from dataquay.server.tools.spare_copies import balanced_owners, refill
+
+SETTINGS = [(20, 0.2), (20, 0.14), (256, 0.2), (256, 4 / 256), (256, 2.8 / 256)]
+SAMPLES = 7 * 10**5
+SOURCE = "server/dataquay/server/node/exchange/coding.py"
+
+
+def baseline(revision: str) -> types.ModuleType:
+    root = Path(__file__).resolve().parent.parent
+    text = subprocess.run(["git", "-C", str(root), "show", f"{revision}:{SOURCE}"], check=True,
+                          capture_output=True, text=True).stdout
+    module = types.ModuleType("coding_baseline")
+    sys.modules[module.__name__] = module
+    exec(compile(text, f"{revision}:{SOURCE}", "exec"), module.__dict__)
+    return module
+
+
+def timed(planner: types.ModuleType, holders: np.ndarray, owners: np.ndarray, scheme: str,
+          sizes: np.ndarray) -> tuple[coding.Packets, float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    packets = planner.plan(holders, owners, scheme, sizes)
+    return packets, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def row(nodes: int, alpha: float, old: types.ModuleType | None) -> dict[str, object]:
+    rng = np.random.default_rng(0)
+    capacity = int(alpha * SAMPLES)
+    caches = refill([np.arange(SAMPLES)] * nodes, balanced_owners(SAMPLES, nodes, rng), capacity, rng)
+    caches = refill(caches, balanced_owners(SAMPLES, nodes, rng), capacity, rng)
+    owners = balanced_owners(SAMPLES, nodes, rng)
+    sizes = np.maximum(1, rng.lognormal(np.log(MEDIAN_BYTES), SIGMA, SAMPLES)).astype(np.int64)
+    holders = coding.holder_bits(caches, SAMPLES)
+    planners = {"new": coding} if old is None else {"old": old, "new": coding}
+    out: dict[str, object] = {"nodes": nodes, "alpha": round(alpha, 4), "samples": SAMPLES,
+                              "load_1min": os.getloadavg()[0]}
+    same = True
+    for scheme in SCHEMES:
+        walls: dict[str, list[float]] = {name: [] for name in planners}
+        cpus: dict[str, list[float]] = {name: [] for name in planners}
+        plans: dict[str, coding.Packets] = {}
+        for _ in range(REPEATS):
+            for name, planner in planners.items():
+                plans[name], wall, cpu = timed(planner, holders, owners, scheme, sizes)
+                walls[name].append(wall)
+                cpus[name].append(cpu)
+        for name in planners:
+            out[f"{name}_{scheme}_s"] = statistics.median(walls[name])
+            out[f"{name}_{scheme}_cpu"] = statistics.median(cpus[name])
+            out[f"{name}_{scheme}_tx"] = coding.load(plans[name], sizes).transmissions
+        if old is not None:
+            same &= all(np.array_equal(getattr(plans["old"], field), getattr(plans["new"], field))
+                        for field in coding.Packets.__dataclass_fields__)
+    out["same"] = same if old is not None else None
+    out["load_1min_end"] = os.getloadavg()[0]
+    return out
+
+
+def main() -> None:
+    old = baseline(sys.argv[sys.argv.index("--baseline") + 1]) if "--baseline" in sys.argv else None
+    rows = []
+    for nodes, alpha in SETTINGS:
+        progress(f"{nodes} nodes, alpha {alpha:.4f}, {SAMPLES:,} samples")
+        rows.append(row(nodes, alpha, old))
+    names = ["old", "new"] if old is not None else ["new"]
+    columns = ["nodes", "alpha", "samples", "load_1min", "load_1min_end", "same"]
+    columns += [f"{name}_{scheme}_{unit}" for scheme in SCHEMES for unit in ("s", "cpu", "tx") for name in names]
+    report("coded_planning", rows, columns)
+
+
+if __name__ == "__main__":
+    main()
