@@ -345,18 +345,24 @@ def _byte_hashes(num_bytes: int) -> np.ndarray:
     return np.bitwise_xor.reduce(np.where(bits[None, :, :], nodes[:, None, :], 0), axis=2)
 
 
-def _children(keys: np.ndarray, hashes: np.ndarray, by_hash: np.ndarray, parents: np.ndarray) -> tuple[np.ndarray, ...]:
+def _children(keys: np.ndarray, hashes: np.ndarray, lower: np.ndarray, parents: np.ndarray) -> tuple[np.ndarray, ...]:
     """Every (parent, member, child) where table child is table parent less member
-    (``by_hash``: the tables in the order of their hashes)."""
-    sorted_hashes = hashes[by_hash]
+    (``lower``: the tables one member smaller than the parents, in the order of their hashes).
+
+    The hashes pick the child; only those that match are compared bit for bit."""
+    empty = (np.zeros(0, dtype=np.int64),) * 3
+    if not len(lower):
+        return empty
+    sorted_hashes = hashes[lower]
     node_hash = _node_hashes(keys.shape[1] * WORD_BITS)
     found: list[tuple[np.ndarray, ...]] = []
     for i in range(0, len(parents), _CHUNK):
         rows, members = _members(keys[parents[i:i + _CHUNK]])
         parent = parents[i:i + _CHUNK][rows]
         wanted = hashes[parent] ^ node_hash[members]
-        at = np.minimum(np.searchsorted(sorted_hashes, wanted), len(hashes) - 1)
-        child = by_hash[at]
+        at = np.minimum(np.searchsorted(sorted_hashes, wanted), len(lower) - 1)
+        hit = np.flatnonzero(sorted_hashes[at] == wanted)
+        parent, members, child = parent[hit], members[hit], lower[at[hit]]
         expect = keys[parent].copy()
         expect[np.arange(len(parent)), members // WORD_BITS] &= ~np.left_shift(
             np.uint64(1), (members % WORD_BITS).astype(np.uint64)
@@ -364,7 +370,7 @@ def _children(keys: np.ndarray, hashes: np.ndarray, by_hash: np.ndarray, parents
         exact = (keys[child] == expect).all(axis=1)
         found.append((parent[exact], members[exact].astype(np.int64), child[exact]))
     if not found:
-        return (np.zeros(0, dtype=np.int64),) * 3
+        return empty
     return tuple(np.concatenate(column) for column in zip(*found, strict=True))
 
 
@@ -377,14 +383,15 @@ def uber_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
     sizes = _popcount(keys)
     columns = _Columns(g_decoder, g_count, table_start, sizes)
     hashes = _set_hashes(keys)
-    by_hash = np.argsort(hashes)
     half_hashes = (_set_hashes(keys & _EVEN_BITS), _set_hashes(keys & ~_EVEN_BITS))
     group_table = np.repeat(np.arange(len(keys), dtype=np.int64), np.diff(table_start))
     group_key = group_table * num_nodes + g_decoder
     initial = _Initial(group_table, group_key, g_decoder, g_count, num_nodes)
     moves: list[tuple[int, int, int, int]] = []
     for size in range(int(sizes.max(initial=0)), 2, -1):
-        parent, member, child = _children(keys, hashes, by_hash, _candidates(half_hashes, sizes, size))
+        lower = np.flatnonzero(sizes == size - 1)
+        lower = lower[np.argsort(hashes[lower])]
+        parent, member, child = _children(keys, hashes, lower, _candidates(half_hashes, sizes, size))
         kept = initial.may_move(parent, member, child)
         parent, member, child = parent[kept], member[kept], child[kept]
         bounds = np.flatnonzero(np.diff(parent, prepend=-1, append=-1))
@@ -438,7 +445,7 @@ def _reduce_table(table: int, children: dict[int, int], columns: _Columns) -> li
         the moves made, each (from table, column, to table, samples).
     """
     cols = columns.cols(table)
-    kids = [(member, columns.size(child), child, columns.rows(child), columns.cols(child))
+    kids = [(member, columns.size(child) - 1, child, columns.rows(child), columns.cols(child))
             for member, child in children.items()]
     moved: dict[tuple[int, int], int] = {}
     rows = max(cols.values())
@@ -446,12 +453,17 @@ def _reduce_table(table: int, children: dict[int, int], columns: _Columns) -> li
         targets = []
         for column in [c for c, n in cols.items() if n == rows]:
             room, best = (False, 0), None
-            for member, size, child, child_rows, child_cols in kids:
-                held = child_cols.get(column, 0)
-                if member == column or held >= child_rows:
+            for member, others, child, child_rows, child_cols in kids:
+                if member == column:
                     continue
-                fuller = sum(1 for k, n in child_cols.items() if k != column and n > held)
-                key = (fuller < size - 1, child_rows - held)
+                held = child_cols.get(column)
+                gap = child_rows - (held or 0)
+                if gap <= 0 or (room[0] and gap <= room[1]):
+                    continue
+                # Short of full: some other column of the child holds no more than this one.
+                short = len(child_cols) - (held is not None) < others or any(
+                    n <= (held or 0) for k, n in child_cols.items() if k != column)
+                key = (short, gap)
                 if key > room:
                     room, best = key, (child, child_cols)
             if best is None:
