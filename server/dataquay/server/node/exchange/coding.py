@@ -235,27 +235,21 @@ class _Columns:
                  sizes: np.ndarray) -> None:
         self._decoder, self._count = group_decoder.tolist(), group_count.tolist()
         self._start, self._sizes = table_start.tolist(), sizes.tolist()
-        self._cols: dict[int, dict[int, int]] = {}
-        self._rows: dict[int, int] = {}
+        self._tables: dict[int, tuple[int, int, dict[int, int]]] = {}
 
     def cols(self, table: int) -> dict[int, int]:
-        found = self._cols.get(table)
+        return self.table(table)[2]
+
+    def table(self, table: int) -> tuple[int, int, dict[int, int]]:
+        """``table``'s members less one, its rows and its columns. The rows are
+        what a child keeps: gap filling never changes them, and a child is
+        reduced itself only after its parents (a lower layer)."""
+        found = self._tables.get(table)
         if found is None:
             lo, hi = self._start[table], self._start[table + 1]
-            found = self._cols[table] = dict(zip(self._decoder[lo:hi], self._count[lo:hi], strict=True))
-            self._rows[table] = max(found.values())
+            cols = dict(zip(self._decoder[lo:hi], self._count[lo:hi], strict=True))
+            found = self._tables[table] = (self._sizes[table] - 1, max(cols.values()), cols)
         return found
-
-    def size(self, table: int) -> int:
-        """Members of ``table``, its columns, those with no sample included."""
-        return self._sizes[table]
-
-    def rows(self, table: int) -> int:
-        """A child's rows: gap filling never changes them, and a child is
-        reduced itself only after its parents (a lower layer)."""
-        if table not in self._rows:
-            self.cols(table)
-        return self._rows[table]
 
 
 class _Initial:
@@ -394,10 +388,10 @@ def uber_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
         parent, member, child = _children(keys, hashes, lower, _candidates(half_hashes, sizes, size))
         kept = initial.may_move(parent, member, child)
         parent, member, child = parent[kept], member[kept], child[kept]
-        bounds = np.flatnonzero(np.diff(parent, prepend=-1, append=-1))
-        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-            children = dict(zip(member[lo:hi].tolist(), child[lo:hi].tolist(), strict=True))
-            moves += _reduce_table(int(parent[lo]), children, columns)
+        bounds = np.flatnonzero(np.diff(parent, prepend=-1, append=-1)).tolist()
+        parents, members, kids = parent.tolist(), member.tolist(), child.tolist()
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            moves += _reduce_table(parents[lo], dict(zip(members[lo:hi], kids[lo:hi], strict=True)), columns)
     if not moves:
         return tables
     src, decoder, dst, count = (np.array(column, dtype=np.int64) for column in zip(*moves, strict=True))
@@ -445,15 +439,14 @@ def _reduce_table(table: int, children: dict[int, int], columns: _Columns) -> li
         the moves made, each (from table, column, to table, samples).
     """
     cols = columns.cols(table)
-    kids = [(member, columns.size(child) - 1, child, columns.rows(child), columns.cols(child))
-            for member, child in children.items()]
+    kids = [(member, child, *columns.table(child)) for member, child in children.items()]
     moved: dict[tuple[int, int], int] = {}
     rows = max(cols.values())
     while rows:
         targets = []
         for column in [c for c, n in cols.items() if n == rows]:
             room, best = (False, 0), None
-            for member, others, child, child_rows, child_cols in kids:
+            for member, child, others, child_rows, child_cols in kids:
                 if member == column:
                     continue
                 held = child_cols.get(column)
