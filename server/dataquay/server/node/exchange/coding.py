@@ -223,8 +223,20 @@ def uncoded_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarr
 
 
 def coded_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
-    """``coded``: Lee et al.'s table of each needed sample, K + {j}."""
-    return _unique_rows(_table_keys(holders, need))[1]
+    """``coded``: Lee et al.'s table of each needed sample, K + {j}.
+
+    The tables are told apart by a hash of their member sets, checked bit for
+    bit (a collision falls back to comparing the sets' bytes): at hundreds of
+    nodes a set is several words, and sorting 64-bit hashes is what keeps this
+    a small part of an epoch. The tables' numbers, hence the packets' order,
+    follow the hashes; the packets are Lee et al.'s either way."""
+    keys = _table_keys(holders, need)
+    if not len(keys):
+        return np.zeros(0, dtype=np.int64)
+    _, first, inverse = np.unique(_set_hashes(keys), return_index=True, return_inverse=True)
+    if not (keys[first][inverse] == keys).all():
+        return _unique_rows(keys)[1]
+    return inverse.astype(np.int64)
 
 
 class _Columns:
