@@ -17,6 +17,11 @@ device) is refused once opened, before a byte of it is read. The same
 at registration: a file that changed since is refused, so that a sample is
 never served as a prefix of new content or as bytes the caches elsewhere do
 not hold. That costs nothing per sample: one open serves a whole range.
+
+:meth:`PfsReader.read_range_cached` reads a range only if the page cache
+holds all of it (``preadv`` with ``RWF_NOWAIT``, which fails with EAGAIN
+rather than wait for storage): the daemon caches a sample a trainer has just
+read this way, without a second read from the PFS.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import stat
 import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, cast, overload
 
 import numpy as np
 
@@ -37,8 +43,15 @@ from dataquay.client.manifest import Manifest
 from dataquay.client.records import frame_members
 
 DEFAULT_MAX_RANGE_BYTES = 8 << 20
+#: Resolved paths a reader keeps: every file of a dataset of 64k files, a few MB.
+PATHS_CACHED = 1 << 16
 DEFAULT_MAX_GAP = 64 << 10
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: None where the OS cannot read without waiting for storage (not Linux).
+_RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
+#: What a read without waiting fails with when the page cache lacks the data,
+#: or the file system does not support such reads.
+_NOT_CACHED = frozenset((errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL))
 
 
 def tar_member_key(name: str) -> tuple[str, str] | None:
@@ -164,11 +177,17 @@ def _first_above(values: np.ndarray, lo: int, hi: int, limit: int) -> int:
 class PfsReader:
     """Reads a dataset's samples from the files its manifest names.
 
-    Stateless apart from a small cache of resolved paths, so one reader can be
+    Stateless apart from a cache of resolved paths, so one reader can be
     shared by many threads; ``os.pread`` releases the GIL.
+
+    ``confined`` also refuses a file whose real path left the root (a folder
+    swapped for a link after registration): the daemon reads for others and
+    must not be led outside the roots it serves. A trainer reading for itself
+    (``confined=False``) could open whatever such a link points to anyway,
+    and spares that look-up on every open.
     """
 
-    def __init__(self, manifest: Manifest, dataset: str) -> None:
+    def __init__(self, manifest: Manifest, dataset: str, *, confined: bool = True) -> None:
         self._manifest = manifest
         self._dataset = dataset
         self._grouped = manifest.format == "tar" and manifest.tar_grouped
@@ -178,7 +197,8 @@ class PfsReader:
         self._mtimes = manifest.path_mtime_ns
         root = manifest.root
         self._prefix = root if root.endswith("/") else root + "/"
-        self._path = functools.lru_cache(maxsize=4096)(self._resolve)
+        self._confined = confined
+        self._path = functools.lru_cache(maxsize=PATHS_CACHED)(self._resolve)
 
     def _resolve(self, path_index: int) -> str:
         return self._prefix + self._manifest.path(path_index)
@@ -207,7 +227,24 @@ class PfsReader:
             PfsRangeError: as :meth:`read`.
         """
         path = self._path(r.path_index)
-        data = self._pread(path, r)
+        return cast("dict[int, bytes]", self._cut(self._pread(path, r), path, r))  # slices of bytes are bytes
+
+    def read_range_cached(self, r: ReadRange) -> dict[int, bytes | memoryview] | None:
+        """Like :meth:`read_range`, from the page cache only: None when it does
+        not hold the whole range (or the OS cannot tell), without waiting for
+        storage. The payloads are views of one buffer of the range.
+
+        Raises:
+            PfsRangeError: as :meth:`read`; a file that changed is refused too.
+        """
+        if _RWF_NOWAIT is None:
+            return None
+        path = self._path(r.path_index)
+        data = self._pread(path, r, nowait=True)
+        return None if data is None else self._cut(data, path, r)
+
+    def _cut(self, data: bytes | memoryview, path: str, r: ReadRange) -> dict[int, bytes | memoryview]:
+        """The samples of range ``r`` out of its bytes ``data``."""
         ids = r.ids.tolist()
         if len(ids) == 1:
             i = ids[0]
@@ -221,7 +258,14 @@ class PfsReader:
             return {i: self._unpack_group(i, raw, path, r) for i, raw in out.items()}
         return out
 
-    def _pread(self, path: str, r: ReadRange) -> bytes:
+    @overload
+    def _pread(self, path: str, r: ReadRange, nowait: Literal[False] = ...) -> bytes: ...
+
+    @overload
+    def _pread(self, path: str, r: ReadRange, nowait: Literal[True]) -> memoryview | None: ...
+
+    def _pread(self, path: str, r: ReadRange, nowait: bool = False) -> bytes | memoryview | None:
+        """The range's bytes; with ``nowait``, None unless the page cache holds all of them."""
         try:
             fd = os.open(path, _OPEN_FLAGS)
         except OSError as exc:
@@ -232,10 +276,12 @@ class PfsReader:
             if kind != stat.S_IFREG:
                 raise self._error(r, r.ids, path, f"is {_FILE_KINDS.get(kind, 'not a regular file')} (refused)")
             self._check_unchanged(st, path, r)
-            opened = _opened_path(fd)
+            opened = _opened_path(fd) if self._confined else None
             if opened is not None and not opened.startswith(self._prefix):
                 # A folder of the root was swapped for a link after registration.
                 raise self._error(r, r.ids, path, f"it resolves to {opened}, outside the dataset's root")
+            if nowait:
+                return _pread_cached(fd, r)
             data = os.pread(fd, r.length, r.offset)
             if len(data) < r.length:
                 data = _pread_rest(fd, r, data)
@@ -267,7 +313,7 @@ class PfsReader:
         )
         raise self._error(r, r.ids, path, reason)
 
-    def _unpack_group(self, sample_id: int, raw: bytes, path: str, r: ReadRange) -> bytes:
+    def _unpack_group(self, sample_id: int, raw: bytes | memoryview, path: str, r: ReadRange) -> bytes:
         """Frames the members of one grouped tar sample, in archive order.
 
         The range ends at the last member's data, not at the archive's next
@@ -306,6 +352,19 @@ def _opened_path(fd: int) -> str | None:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return None
+
+
+def _pread_cached(fd: int, r: ReadRange) -> memoryview | None:
+    """The range's bytes if the page cache holds all of them, else None."""
+    assert _RWF_NOWAIT is not None
+    buf = bytearray(r.length)
+    try:
+        got = os.preadv(fd, [buf], r.offset, _RWF_NOWAIT)
+    except OSError as exc:
+        if exc.errno in _NOT_CACHED:
+            return None
+        raise
+    return memoryview(buf) if got == r.length else None
 
 
 def _pread_rest(fd: int, r: ReadRange, head: bytes) -> bytes:

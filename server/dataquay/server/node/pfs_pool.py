@@ -162,6 +162,50 @@ class PfsPool:
             failures += failed
         return merged, failures
 
+    async def read_cached(
+        self, dataset: str, manifest: Manifest, ids: np.ndarray
+    ) -> tuple[dict[int, bytes], list[int], list[str]]:
+        """Cache values of those ``ids`` the page cache holds, read without a
+        trip to storage (not counted as PFS reads): (values by id, ids it does
+        not hold, failures). A sample of a file that changed since its
+        manifest was built is a failure, never a value. Background work: in
+        the staging threads, below the reads a trainer waits for.
+
+        Raises:
+            PfsReadError: the reads made no progress for ``read_timeout`` seconds.
+        """
+        reader = self.reader(dataset, manifest)
+        ranges = plan_reads(manifest, ids)
+        loop = asyncio.get_running_loop()
+        progress = _Progress()
+        (result,) = await self._bounded(
+            [loop.run_in_executor(self._staging, self._read_cached_ranges, reader, ranges, progress)],
+            progress, dataset, int(ids[0]) if len(ids) else None,
+        )
+        return result
+
+    def _read_cached_ranges(
+        self, reader: PfsReader, ranges: Sequence[ReadRange], progress: _Progress
+    ) -> tuple[dict[int, bytes], list[int], list[str]]:
+        out: dict[int, bytes] = {}
+        not_cached: list[int] = []
+        failures: list[str] = []
+        for r in ranges:
+            if progress.stopped:
+                break
+            try:
+                payloads = reader.read_range_cached(r)
+            except PfsReadError as exc:
+                failures.append(str(exc))
+                continue
+            progress.mark()
+            if payloads is None:
+                not_cached += r.ids.tolist()
+                continue
+            for sample_id, payload in payloads.items():
+                out[sample_id] = encode_value(payload)
+        return out, not_cached, failures
+
     def _groups(self, ranges: Sequence[ReadRange]) -> list[list[ReadRange]]:
         """``ranges`` dealt over as many threads as their expected read time is worth."""
         return _split(ranges, min(self.threads, 1 + int(self.range_seconds * len(ranges) / _GROUP_SECONDS)))
