@@ -206,6 +206,12 @@ def cache_requests(real_root: Path) -> st.SearchStrategy[tuple[str, Message | li
                                max_size=4),
         )),
         st.tuples(st.just("Exchange"), exchange),
+        st.tuples(st.just("CacheBehind"), st.builds(
+            pb.CacheBehindRequest, dataset=dataset_names, manifest_id=st.text(max_size=40), ids=sample_ids,
+            shm_name=st.one_of(st.just(""), st.sampled_from(["dataquay-1-x", "../../etc/passwd"]), odd_text),
+            shm_size=uint64,
+            handed=st.lists(st.builds(pb.Sample, id=uint64, shm_offset=uint64, length=uint64), max_size=3),
+        )),
         st.tuples(st.just("PrepSync"), st.builds(
             pb.PrepSyncRequest,
             spec=st.builds(

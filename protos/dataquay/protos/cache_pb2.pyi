@@ -46,7 +46,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("node", "version", "cache_path", "max_batch", "cache_capacity", "tcp_address", "pid", "directory", "metrics_address", "bulk_address")
+    __slots__ = ("node", "version", "cache_path", "max_batch", "cache_capacity", "tcp_address", "pid", "directory", "metrics_address", "bulk_address", "pfs_bandwidth")
     NODE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CACHE_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class InfoReply(_message.Message):
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BULK_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PFS_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     node: str
     version: str
     cache_path: str
@@ -67,7 +68,8 @@ class InfoReply(_message.Message):
     directory: str
     metrics_address: str
     bulk_address: str
-    def __init__(self, node: _Optional[str] = ..., version: _Optional[str] = ..., cache_path: _Optional[str] = ..., max_batch: _Optional[int] = ..., cache_capacity: _Optional[int] = ..., tcp_address: _Optional[str] = ..., pid: _Optional[int] = ..., directory: _Optional[str] = ..., metrics_address: _Optional[str] = ..., bulk_address: _Optional[str] = ...) -> None: ...
+    pfs_bandwidth: int
+    def __init__(self, node: _Optional[str] = ..., version: _Optional[str] = ..., cache_path: _Optional[str] = ..., max_batch: _Optional[int] = ..., cache_capacity: _Optional[int] = ..., tcp_address: _Optional[str] = ..., pid: _Optional[int] = ..., directory: _Optional[str] = ..., metrics_address: _Optional[str] = ..., bulk_address: _Optional[str] = ..., pfs_bandwidth: _Optional[int] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
     __slots__ = ("dataset", "ids", "shm_name", "shm_size", "manifest_id", "job", "peer", "epoch")
@@ -257,6 +259,46 @@ class StageProgress(_message.Message):
     held_for_others: int
     def __init__(self, dataset: _Optional[str] = ..., total_samples: _Optional[int] = ..., done_samples: _Optional[int] = ..., skipped_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., done_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., cache_full: _Optional[bool] = ..., error: _Optional[str] = ..., failed_samples: _Optional[int] = ..., first_failure: _Optional[str] = ..., node: _Optional[str] = ..., held_for_others: _Optional[int] = ...) -> None: ...
 
+class CacheBehindRequest(_message.Message):
+    __slots__ = ("dataset", "manifest_id", "ids", "shm_name", "shm_size", "handed")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HANDED_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    manifest_id: str
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    shm_name: str
+    shm_size: int
+    handed: _containers.RepeatedCompositeFieldContainer[Sample]
+    def __init__(self, dataset: _Optional[str] = ..., manifest_id: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., handed: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
+
+class CacheBehindReply(_message.Message):
+    __slots__ = ("queued", "not_in_page_cache")
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    NOT_IN_PAGE_CACHE_FIELD_NUMBER: _ClassVar[int]
+    queued: int
+    not_in_page_cache: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, queued: _Optional[int] = ..., not_in_page_cache: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CacheBehindCounts(_message.Message):
+    __slots__ = ("page_cache_samples", "page_cache_bytes", "handed_samples", "handed_bytes", "not_in_page_cache", "refused_samples")
+    PAGE_CACHE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HANDED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    HANDED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NOT_IN_PAGE_CACHE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    page_cache_samples: int
+    page_cache_bytes: int
+    handed_samples: int
+    handed_bytes: int
+    not_in_page_cache: int
+    refused_samples: int
+    def __init__(self, page_cache_samples: _Optional[int] = ..., page_cache_bytes: _Optional[int] = ..., handed_samples: _Optional[int] = ..., handed_bytes: _Optional[int] = ..., not_in_page_cache: _Optional[int] = ..., refused_samples: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -272,7 +314,7 @@ class TierCount(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients", "cache_disk_full", "read_ahead", "prep_groups", "bulk")
+    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients", "cache_disk_full", "read_ahead", "prep_groups", "bulk", "cache_behind")
     NODE_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
     CACHE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +339,7 @@ class StatsReply(_message.Message):
     READ_AHEAD_FIELD_NUMBER: _ClassVar[int]
     PREP_GROUPS_FIELD_NUMBER: _ClassVar[int]
     BULK_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BEHIND_FIELD_NUMBER: _ClassVar[int]
     node: str
     reads: _containers.RepeatedCompositeFieldContainer[TierCount]
     cache_used_bytes: int
@@ -321,7 +364,8 @@ class StatsReply(_message.Message):
     read_ahead: ReadAhead
     prep_groups: _containers.RepeatedCompositeFieldContainer[PrepGroupStatus]
     bulk: BulkCounts
-    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ..., read_ahead: _Optional[_Union[ReadAhead, _Mapping]] = ..., prep_groups: _Optional[_Iterable[_Union[PrepGroupStatus, _Mapping]]] = ..., bulk: _Optional[_Union[BulkCounts, _Mapping]] = ...) -> None: ...
+    cache_behind: CacheBehindCounts
+    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ..., read_ahead: _Optional[_Union[ReadAhead, _Mapping]] = ..., prep_groups: _Optional[_Iterable[_Union[PrepGroupStatus, _Mapping]]] = ..., bulk: _Optional[_Union[BulkCounts, _Mapping]] = ..., cache_behind: _Optional[_Union[CacheBehindCounts, _Mapping]] = ...) -> None: ...
 
 class BulkCounts(_message.Message):
     __slots__ = ("served_samples", "served_bytes", "fetched_samples", "fetched_bytes", "refused_connections", "fallbacks", "exchange_samples", "forwarded_samples")

@@ -105,6 +105,11 @@ class CacheStub:
                 request_serializer=dataquay_dot_protos_dot_cache__pb2.PrepSyncRequest.SerializeToString,
                 response_deserializer=dataquay_dot_protos_dot_cache__pb2.PrepSyncReply.FromString,
                 _registered_method=True)
+        self.CacheBehind = channel.unary_unary(
+                '/dataquay.v1.Cache/CacheBehind',
+                request_serializer=dataquay_dot_protos_dot_cache__pb2.CacheBehindRequest.SerializeToString,
+                response_deserializer=dataquay_dot_protos_dot_cache__pb2.CacheBehindReply.FromString,
+                _registered_method=True)
 
 
 class CacheServicer:
@@ -216,6 +221,17 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CacheBehind(self, request, context):
+        """Caching behind a trainer: the samples a client read from the PFS itself,
+        which the daemon caches off the trainer's path. The daemon takes what
+        the page cache still holds; the reply names the rest, whose payloads the
+        client may then hand over through its shared-memory segment (a second
+        call with in_shm samples). Node-local: only over the unix socket.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -288,6 +304,11 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.PrepSync,
                     request_deserializer=dataquay_dot_protos_dot_cache__pb2.PrepSyncRequest.FromString,
                     response_serializer=dataquay_dot_protos_dot_cache__pb2.PrepSyncReply.SerializeToString,
+            ),
+            'CacheBehind': grpc.unary_unary_rpc_method_handler(
+                    servicer.CacheBehind,
+                    request_deserializer=dataquay_dot_protos_dot_cache__pb2.CacheBehindRequest.FromString,
+                    response_serializer=dataquay_dot_protos_dot_cache__pb2.CacheBehindReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -668,6 +689,33 @@ class Cache:
             '/dataquay.v1.Cache/PrepSync',
             dataquay_dot_protos_dot_cache__pb2.PrepSyncRequest.SerializeToString,
             dataquay_dot_protos_dot_cache__pb2.PrepSyncReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheBehind(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dataquay.v1.Cache/CacheBehind',
+            dataquay_dot_protos_dot_cache__pb2.CacheBehindRequest.SerializeToString,
+            dataquay_dot_protos_dot_cache__pb2.CacheBehindReply.FromString,
             options,
             channel_credentials,
             insecure,

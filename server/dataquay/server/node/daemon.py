@@ -39,6 +39,7 @@ from dataquay.server.listen import advertised_host, bind_tcp, claim_socket_path
 from dataquay.server.node.bulk.client import BulkClient
 from dataquay.server.node.bulk.server import BulkServer
 from dataquay.server.node.bulk.tls import BulkTls
+from dataquay.server.node.behind import CacheBehind
 from dataquay.server.node.client_stats import ClientStatsBook
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.directory_link import DirectoryLink
@@ -124,6 +125,7 @@ class Daemon(ServerLifecycle):
         self.forwarded_samples = 0
         self.shm = ShmSegments()
         self.segment_socket: SegmentSocket | None = None
+        self.behind = CacheBehind(self.datasets, self.store, self.pfs, self.shm, config.max_sample_size)
         self.prep_groups = PrepGroups(self.pid)
         #: What the Reads of each remote host hold at once (see ReadService.read).
         self.served_budgets = ByteBudgets(SERVED_BYTES_PER_PEER)
@@ -372,6 +374,7 @@ class Daemon(ServerLifecycle):
                 self.peers.bulk_samples, self.peers.bulk_bytes, self.bulk.refused if self.bulk else 0,
                 self.peers.bulk_fallbacks,
             ),
+            cache_behind=self.behind.counts,
         )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
+
+from dataquay.server.node.behind import BehindCounts
 
 if TYPE_CHECKING:
     from dataquay.protos import cache_pb2 as pb
@@ -74,6 +76,7 @@ class LiveState:
     #: The bulk data path: (served samples, served bytes, fetched samples, fetched bytes,
     #: connections refused, fetches that fell back to gRPC).
     bulk: tuple[int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0)
+    cache_behind: BehindCounts = field(default_factory=BehindCounts)
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,34 @@ class _StateCollector(Collector):
             value=state.inserts_dropped,
         )
         yield CounterMetricFamily("dataquay_pfs_read_bytes", "Bytes read from the PFS", value=state.pfs_bytes)
+        behind = state.cache_behind
+        samples = CounterMetricFamily(
+            "dataquay_cache_behind_samples",
+            "Samples trainers read from the PFS themselves, queued for the cache behind them: read back "
+            "from the page cache, or handed over by the trainer where the page cache did not hold them",
+            labels=["source"],
+        )
+        cached_bytes = CounterMetricFamily(
+            "dataquay_cache_behind_bytes", "Payload bytes of dataquay_cache_behind_samples", labels=["source"]
+        )
+        for source, count, nbytes in (
+            ("page_cache", behind.page_cache_samples, behind.page_cache_bytes),
+            ("handed", behind.handed_samples, behind.handed_bytes),
+        ):
+            samples.add_metric([source], count)
+            cached_bytes.add_metric([source], nbytes)
+        yield samples
+        yield cached_bytes
+        yield CounterMetricFamily(
+            "dataquay_cache_behind_not_in_page_cache",
+            "Samples trainers read whose bytes the page cache no longer held when the daemon read them back",
+            value=behind.not_in_page_cache,
+        )
+        yield CounterMetricFamily(
+            "dataquay_cache_behind_refused",
+            "Samples trainers read that were not cached behind them: a file changed, a bad hand-over",
+            value=behind.refused_samples,
+        )
         yield CounterMetricFamily("dataquay_pfs_errors", "Failed PFS reads", value=state.pfs_errors)
         done = GaugeMetricFamily(
             "dataquay_staging_samples", "Samples of a dataset cached by staging so far", labels=["dataset"]

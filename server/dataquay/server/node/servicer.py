@@ -52,6 +52,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             directory=d.config.directory,
             metrics_address=d.metrics_address,
             bulk_address=d.bulk_address,
+            pfs_bandwidth=d.config.pfs_bandwidth,
         )
 
     async def Read(self, request: pb.ReadRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReadChunk]:
@@ -204,6 +205,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 forwarded_samples=d.forwarded_samples,
                 exchange_samples=d.bulk.exchange_samples if d.bulk else 0,
             ),
+            cache_behind=state.cache_behind.proto(),
         )
 
     async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
@@ -248,6 +250,15 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                                 "prep groups are node-local: call through the daemon's unix socket")
         async with status_on_error(context):
             return await self.daemon.prep_groups.sync(request)
+
+    async def CacheBehind(
+        self, request: pb.CacheBehindRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CacheBehindReply:
+        if not (context.peer() or "").startswith("unix:"):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "caching behind a trainer is node-local: call through the daemon's unix socket")
+        async with status_on_error(context):
+            return await self.daemon.behind.take(request)
 
     async def Exchange(
         self, request_iterator: AsyncIterator[pb.ExchangeMessage], context: grpc.aio.ServicerContext
