@@ -50,6 +50,13 @@ def expected(manifest: Manifest, ids: list[int] | range) -> list[bytes]:
     return out
 
 
+@pytest.fixture(autouse=True)
+def misses_through_the_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path these tests are about: misses read by the daemon, as a job's
+    reads and a client without access to the files take it."""
+    monkeypatch.setenv("DATAQUAY_MISS_READS", "daemon")
+
+
 @pytest.fixture
 def dataset_root(tmp_path: Path) -> Path:
     root = tmp_path / "pfs" / "imgs"

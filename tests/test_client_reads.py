@@ -9,7 +9,7 @@ import os
 import socket
 import threading
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -65,14 +65,23 @@ def segment_names(paths: list[str]) -> dict[str, bool]:
 SHM_SIZES = (3000, 70_000, 17, 250_000)
 
 
+@pytest.fixture
+def daemon_client(daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> Iterator[dq.Client]:
+    """A client whose misses the daemon reads, as for a job's reads."""
+    monkeypatch.setenv("DATAQUAY_MISS_READS", "daemon")
+    with dq.connect(daemon.address, timeout=5) as c:
+        yield c
+
+
 def memfd_mappings(pid: int) -> int:
     """How many memfd segments of this process ``pid`` maps."""
     return Path(f"/proc/{pid}/maps").read_text().count(f"/memfd:dataquay-{os.getpid()} ")
 
 
 def test_misses_come_through_a_sealed_memfd_that_the_daemon_unmaps_when_the_client_closes(
-    daemon: DaemonProcess, tmp_path: Path
+    daemon: DaemonProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("DATAQUAY_MISS_READS", "daemon")
     synthetic.make_files_dataset(tmp_path / "imgs", 40, sizes=SHM_SIZES, seed=3)
     add(daemon, "imgs", tmp_path / "imgs")
     assert daemon.process is not None
@@ -91,8 +100,9 @@ def test_misses_come_through_a_sealed_memfd_that_the_daemon_unmaps_when_the_clie
 
 
 def test_without_the_fd_socket_misses_come_through_dev_shm_and_leave_no_segment_file(
-    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+    daemon: DaemonProcess, daemon_client: dq.Client, tmp_path: Path
 ) -> None:
+    client = daemon_client
     synthetic.make_files_dataset(tmp_path / "imgs", 40, sizes=SHM_SIZES, seed=3)
     add(daemon, "imgs", tmp_path / "imgs")
     os.unlink(daemon.address + ".fds")  # as with a daemon of an older version
@@ -117,8 +127,9 @@ def test_without_the_fd_socket_misses_come_through_dev_shm_and_leave_no_segment_
 
 
 def test_a_client_whose_segment_the_daemon_refuses_warns_and_reads_through_dev_shm(
-    daemon: DaemonProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    daemon: DaemonProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("DATAQUAY_MISS_READS", "daemon")
     synthetic.make_files_dataset(tmp_path / "imgs", 40, sizes=SHM_SIZES, seed=3)
     add(daemon, "imgs", tmp_path / "imgs")
     fd_socket = daemon.address + ".fds"
@@ -158,6 +169,7 @@ def test_batches_larger_than_the_segment_come_back_exact_and_in_order(
     synthetic.make_files_dataset(tmp_path / "big", 48, sizes=sizes, seed=4)
     add(daemon, "big", tmp_path / "big")
     monkeypatch.setenv("DATAQUAY_SHM_BYTES", "65536")
+    monkeypatch.setenv("DATAQUAY_MISS_READS", "daemon")
     files_before = shm_files()
     with dq.connect(daemon.address, timeout=5) as client:
         ds = client.dataset("big")

@@ -90,13 +90,15 @@ def test_a_sample_larger_than_a_message_comes_from_its_owner_through_the_local_d
 
 
 def test_a_sample_larger_than_a_message_is_read_from_the_pfs_while_the_daemon_is_down(
-    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+    daemon: DaemonProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("DATAQUAY_MISS_READS", "daemon")
     make_files_dataset(tmp_path / "big", 2, sizes=SIZES, classes=1)
     add(daemon, "big", tmp_path / "big")
-    ds = client.dataset("big")
-    daemon.kill()
-    got, tiers = tiers_read(client, lambda: ds.get_batch([0, 1, 0]))
+    with dq.connect(daemon.address, timeout=5) as client:
+        ds = client.dataset("big")
+        daemon.kill()
+        got, tiers = tiers_read(client, lambda: ds.get_batch([0, 1, 0]))
     assert got == truth([0, 1, 0])
     assert tiers["fallback"] == 3
 
@@ -169,8 +171,9 @@ def test_a_sample_over_the_limit_is_refused_at_registration_naming_it(
 
 
 def test_a_sample_over_the_daemons_limit_is_refused_at_read_naming_it(
-    cluster: Callable[..., LocalCluster], tmp_path: Path
+    cluster: Callable[..., LocalCluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("DATAQUAY_MISS_READS", "daemon")  # the daemon's reads are limited, not the trainer's
     # The directory builds the manifest under its own (default) limit.
     local = cluster(1, daemon_args=("--max-sample-size", "4M"))
     make_files_dataset(tmp_path / "mixed", 4, sizes=(3000, 5 * MiB), classes=1)

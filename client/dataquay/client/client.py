@@ -286,6 +286,7 @@ class Client:
         when the last of them lets it go.
         """
         if self._connection.open_here:
+            self._remote.flush()
             self.report_stats()
         self._connection.close()
         self._local.release()
@@ -312,6 +313,7 @@ class Client:
         self._connection.after_fork_in_child()
         self._stats.after_fork_in_child()
         self._local.after_fork_in_child()
+        self._remote.after_fork_in_child()
 
 
 def _report_every_client() -> None:

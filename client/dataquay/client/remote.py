@@ -1,7 +1,19 @@
-"""Reads of the samples a trainer's local cache lacks: from the daemon, or from the PFS.
+"""Reads of the samples a trainer's local cache lacks: from the PFS, or from the daemon.
 
-Every miss of a batch goes to the daemon in one streamed Read, payloads
-through a shared memory segment where the daemon can map it. A training loop
+A miss of a read for no job is read from the PFS by the client itself, by
+the dataset's manifest, as fast as a direct read of the file; the daemon is
+told in a notice sent behind the trainer's back and caches the sample from
+the page cache (:mod:`dataquay.client.cache_behind`). Where this process
+cannot read the PFS (a file it has no access to, a root not mounted here)
+and the daemon can, the dataset's misses go to the daemon for
+:data:`OWN_READS_RETRY_SECONDS` before the client tries again; a file that
+changed since registration fails the read either way. A daemon that caps
+its node's PFS reads (``--pfs-bandwidth``) reads every miss itself, under
+the cap; so does the daemon of a client with ``DATAQUAY_MISS_READS=daemon``.
+
+Misses of a job's reads, which other nodes' caches may hold, go to the
+daemon in one streamed Read, payloads through a shared memory segment where
+the daemon can map it. A training loop
 never fails because its daemon died: the reader logs one warning, reads from
 the PFS itself (by the dataset's manifest), and tries the daemon again every
 :data:`RETRY_DAEMON_SECONDS`. A daemon that is alive but hung (stopped,
@@ -12,16 +24,19 @@ bytes, and is then treated as down the same way.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dataquay.client.cache_behind import CacheBehindNotices
 from dataquay.client.channels import batch_deadline
 from dataquay.client.connection import DaemonConnection
-from dataquay.client.errors import CorruptValueError, DaemonUnavailableError, DataquayError
+from dataquay.client.errors import CorruptValueError, DaemonUnavailableError, DataquayError, PfsReadError
 from dataquay.client.memfd import MemfdSegment
 from dataquay.client.notices import first_to_tell, no_longer
+from dataquay.client.pfs import PfsReader
 from dataquay.client.pieces import Joiner
 from dataquay.client.records import checksum
 from dataquay.client.shm import Segment, SegmentPool
@@ -31,7 +46,6 @@ from dataquay.protos import cache_pb2_grpc
 
 if TYPE_CHECKING:
     from dataquay.client.dataset import Dataset
-    from dataquay.client.pfs import PfsReader
 
 log = logging.getLogger("dataquay.client")
 
@@ -46,6 +60,13 @@ PROBE_SECONDS = 0.5
 READ_FLOOR_SECONDS = 10.0
 
 _TIER_NAMES = {pb.TIER_LOCAL: "daemon-local", pb.TIER_PEER: "peer", pb.TIER_PFS: "pfs"}
+
+#: ``client`` (the default): a trainer reads its misses of reads for no job
+#: from the PFS itself; ``daemon``: every miss goes through the daemon.
+MISS_READS_ENV = "DATAQUAY_MISS_READS"
+#: How long a dataset's misses go through the daemon after this process
+#: failed to read a file that the daemon could read.
+OWN_READS_RETRY_SECONDS = 60.0
 
 
 class RemoteReader:
@@ -72,6 +93,13 @@ class RemoteReader:
         self._down_reason: str | None = None
         self._pfs: dict[tuple[str, str], PfsReader] = {}
         self._segments = SegmentPool(daemon_address=connection.address, token=connection.credentials.token)
+        miss_reads = os.environ.get(MISS_READS_ENV, "client").strip().lower() or "client"
+        if miss_reads not in ("client", "daemon"):
+            raise ValueError(f"{MISS_READS_ENV}={miss_reads!r}: use client or daemon")
+        self._own_reads = miss_reads == "client"
+        # (dataset, manifest id) -> until when its misses go through the daemon.
+        self._daemon_reads_until: dict[tuple[str, str], float] = {}
+        self.notices = CacheBehindNotices(connection, self._segments, timeout)
 
     @property
     def _down_topic(self) -> str:
@@ -86,6 +114,11 @@ class RemoteReader:
         """Samples the local cache lacks, in order: from the daemon, or from the
         PFS while the daemon is unreachable. ``epoch`` names the job's epoch
         they are read for (default: the job's current one)."""
+        if self._reads_own(dataset):
+            try:
+                return self._read_own(dataset, ids)
+            except PfsReadError as exc:
+                return self._read_after_failure(dataset, ids, exc)
         out: list[bytes] = []
         step = self.info.max_batch or len(ids)
         for start in range(0, len(ids), step):
@@ -100,9 +133,48 @@ class RemoteReader:
                 break
         return out
 
+    def after_fork_in_child(self) -> None:
+        self.notices.after_fork_in_child()
+
+    def flush(self) -> None:
+        """Sends the notices of samples read from the PFS (at most a few seconds), then stops sending."""
+        self.notices.close()
+
     def close(self) -> None:
         """Removes this process's shared memory segments."""
         self._segments.close()
+
+    def _reads_own(self, dataset: Dataset) -> bool:
+        """Whether this process reads the dataset's misses from the PFS itself."""
+        if not self._own_reads or dataset.job is not None or self.info.pfs_bandwidth or self.daemon_down:
+            return False
+        key = (dataset.name, dataset.manifest.manifest_id)
+        return time.monotonic() >= self._daemon_reads_until.get(key, 0.0)
+
+    def _read_own(self, dataset: Dataset, ids: np.ndarray) -> list[bytes]:
+        """Misses read from the PFS by this process, counted as PFS reads and
+        noticed to the daemon to cache."""
+        out = self._pfs_reader(dataset).read(ids)
+        self._stats.add("pfs", len(out), sum(map(len, out)))
+        self.notices.note(dataset.name, dataset.manifest.manifest_id, ids, out)
+        return out
+
+    def _read_after_failure(self, dataset: Dataset, ids: np.ndarray, failure: PfsReadError) -> list[bytes]:
+        """The misses through the daemon, after this process failed to read
+        them; the daemon's error if it fails too (a file that changed)."""
+        out: list[bytes] = []
+        step = self.info.max_batch or len(ids)
+        try:
+            for start in range(0, len(ids), step):
+                out += self._read_daemon(dataset, ids[start : start + step], None)
+        except DaemonUnavailableError as exc:
+            self.mark_down(exc)
+            raise failure from None
+        key = (dataset.name, dataset.manifest.manifest_id)
+        if key not in self._daemon_reads_until:
+            log.info("%s; the daemon can read it: misses of %r go through the daemon", failure, dataset.name)
+        self._daemon_reads_until[key] = time.monotonic() + OWN_READS_RETRY_SECONDS
+        return out
 
     def _read_daemon(self, dataset: Dataset, ids: np.ndarray, epoch: int | None) -> list[bytes]:
         """Samples from the daemon, payloads through shared memory where it can.
@@ -167,15 +239,16 @@ class RemoteReader:
         return reply.out, reply.bad
 
     def _read_pfs(self, dataset: Dataset, ids: np.ndarray) -> list[bytes]:
-        from dataquay.client.pfs import PfsReader
+        out = self._pfs_reader(dataset).read(ids)
+        self._stats.add("fallback", len(out), sum(map(len, out)))
+        return out
 
+    def _pfs_reader(self, dataset: Dataset) -> PfsReader:
         key = (dataset.name, dataset.manifest.manifest_id)
         reader = self._pfs.get(key)
         if reader is None:
-            reader = self._pfs[key] = PfsReader(dataset.manifest, dataset.name)
-        out = reader.read(ids)
-        self._stats.add("fallback", len(out), sum(map(len, out)))
-        return out
+            reader = self._pfs[key] = PfsReader(dataset.manifest, dataset.name, confined=False)
+        return reader
 
     def mark_down(self, exc: DaemonUnavailableError) -> None:
         """Reads go to the PFS until the daemon answers a probe; ``exc`` says why."""

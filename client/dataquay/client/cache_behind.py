@@ -1,0 +1,212 @@
+"""Notices of the misses a trainer read from the PFS itself, for its daemon to cache.
+
+A trainer's thread only appends to a bounded backlog here and never waits:
+the ids it read, with references to the payloads it already returned (held
+up to :data:`HELD_BYTES`, no copy). A thread of the client sends the backlog
+to the daemon in notices of up to :data:`NOTICE_IDS` ids (CacheBehind), one
+at a time, so that a daemon slower to cache than the trainer is to read
+holds the notices back, not the trainer. The daemon reads the samples back
+from the page cache; those it names as not held there, the thread copies
+into its shared-memory segment and hands over in a second call, if it still
+holds their payloads. What does not fit the backlog, or whose notice fails,
+is dropped: the sample is cached by a later read or by staging.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from dataquay.client.connection import DaemonConnection
+from dataquay.client.errors import DataquayError
+from dataquay.client.shm import Segment, SegmentPool
+from dataquay.protos import cache_pb2 as pb
+
+log = logging.getLogger("dataquay.client")
+
+MiB = 1 << 20
+#: Ids waiting to be noticed at most; more are dropped.
+BACKLOG_IDS = 1 << 16
+#: Payload bytes the backlog keeps references to, for handing over.
+HELD_BYTES = 64 * MiB
+#: Most ids, and payload bytes, one notice names (the daemon takes up to 4096
+#: and 64 MiB, or one sample of any size).
+NOTICE_IDS = 1024
+NOTICE_BYTES = 16 * MiB
+#: How long closing a client waits for its backlog to be sent.
+FLUSH_SECONDS = 5.0
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class _Entry:
+    dataset: str
+    manifest_id: str
+    ids: list[int]
+    nbytes: int
+    payloads: list[bytes] | None  # None: not held
+
+
+class CacheBehindNotices:
+    """The backlog of one client and the thread that sends it.
+
+    Thread-safe. A forked child starts with an empty backlog
+    (:meth:`after_fork_in_child`) and its own thread, on its first notice.
+    """
+
+    def __init__(self, connection: DaemonConnection, segments: SegmentPool, timeout: float) -> None:
+        self._connection = connection
+        self._segments = segments
+        self._timeout = timeout
+        self.after_fork_in_child()
+
+    def after_fork_in_child(self) -> None:
+        """Starts empty, with a lock of its own: the parent's thread may have
+        held the old one, and does not exist here."""
+        self._cond = threading.Condition()
+        self._backlog: deque[_Entry] = deque()
+        self._ids = 0
+        self._held = 0
+        self._sending = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        #: Samples not noticed: the backlog was full, a notice failed, a payload was no longer held.
+        self.dropped = 0
+
+    def note(self, dataset: str, manifest_id: str, ids: np.ndarray, payloads: list[bytes]) -> None:
+        """Queues a notice of ``payloads``, read for ``ids``; never waits."""
+        with self._cond:
+            if self._closed:
+                return
+            if self._ids + len(ids) > BACKLOG_IDS:
+                self.dropped += len(ids)
+                return
+            flat = ids.tolist()
+            for start, stop in _parts(payloads):
+                part = payloads[start:stop]
+                nbytes = sum(map(len, part))
+                held = self._held + nbytes <= HELD_BYTES
+                self._held += nbytes if held else 0
+                self._backlog.append(_Entry(dataset, manifest_id, flat[start:stop], nbytes, part if held else None))
+            self._ids += len(flat)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dataquay-cache-behind", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self, timeout: float = FLUSH_SECONDS) -> bool:
+        """Waits until the backlog is sent (at most ``timeout`` seconds); whether it was."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._backlog and not self._sending, timeout)
+
+    def close(self) -> None:
+        """Sends what the backlog holds (at most FLUSH_SECONDS), then stops the thread."""
+        self.flush()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._backlog or self._closed)
+                if self._closed:
+                    return
+                batch = self._take()
+                self._sending = True
+            try:
+                self._send(batch)
+            finally:
+                with self._cond:
+                    self._sending = False
+                    self._cond.notify_all()
+
+    def _take(self) -> list[_Entry]:
+        """The oldest entries of one dataset, as many as one notice names."""
+        first = self._backlog.popleft()
+        batch, ids, nbytes = [first], len(first.ids), first.nbytes
+        while self._backlog:
+            nxt = self._backlog[0]
+            if (nxt.dataset, nxt.manifest_id) != (first.dataset, first.manifest_id):
+                break
+            if ids + len(nxt.ids) > NOTICE_IDS or nbytes + nxt.nbytes > NOTICE_BYTES:
+                break
+            batch.append(self._backlog.popleft())
+            ids += len(nxt.ids)
+            nbytes += nxt.nbytes
+        self._ids -= ids
+        self._held -= sum(e.nbytes for e in batch if e.payloads is not None)
+        return batch
+
+    def _send(self, batch: list[_Entry]) -> None:
+        dataset, manifest_id = batch[0].dataset, batch[0].manifest_id
+        ids = [i for e in batch for i in e.ids]
+        request = pb.CacheBehindRequest(dataset=dataset, manifest_id=manifest_id, ids=ids)
+        try:
+            reply = self._call(request)
+        except DataquayError as exc:
+            self.dropped += len(ids)
+            log.debug("samples read from the PFS not noticed to the daemon: %s", exc)
+            return
+        held = {i: p for e in batch if e.payloads is not None for i, p in zip(e.ids, e.payloads)}
+        wanted = [(i, held[i]) for i in reply.not_in_page_cache if i in held]
+        self.dropped += len(reply.not_in_page_cache) - len(wanted)
+        if wanted:
+            self._hand_over(dataset, manifest_id, wanted)
+
+    def _hand_over(self, dataset: str, manifest_id: str, wanted: list[tuple[int, bytes]]) -> None:
+        """Copies the payloads into a segment and names them to the daemon."""
+        with self._segments.segment() as seg:
+            handed = [] if seg is None else _copy_in(seg, wanted)
+            self.dropped += len(wanted) - len(handed)
+            if seg is None or not handed:
+                return
+            request = pb.CacheBehindRequest(
+                dataset=dataset, manifest_id=manifest_id, shm_name=seg.name, shm_size=seg.size, handed=handed
+            )
+            try:
+                queued = self._call(request).queued
+            except DataquayError as exc:
+                self.dropped += len(handed)
+                log.debug("samples read from the PFS not handed to the daemon: %s", exc)
+                return
+            if queued:
+                seg.daemon_mapped()
+
+    def _call(self, request: pb.CacheBehindRequest) -> pb.CacheBehindReply:
+        reply: pb.CacheBehindReply = self._connection.call(
+            "CacheBehind", lambda stub: stub.CacheBehind(request, timeout=self._timeout)
+        )
+        return reply
+
+
+def _parts(payloads: list[bytes]) -> list[tuple[int, int]]:
+    """(start, stop) of consecutive runs of at most NOTICE_IDS payloads and
+    NOTICE_BYTES (a larger payload is a run of its own)."""
+    bounds: list[tuple[int, int]] = []
+    start = nbytes = 0
+    for i, payload in enumerate(payloads):
+        if i > start and (i - start >= NOTICE_IDS or nbytes + len(payload) > NOTICE_BYTES):
+            bounds.append((start, i))
+            start, nbytes = i, 0
+        nbytes += len(payload)
+    if start < len(payloads):
+        bounds.append((start, len(payloads)))
+    return bounds
+
+
+def _copy_in(seg: Segment, payloads: list[tuple[int, bytes]]) -> list[pb.Sample]:
+    """Writes the payloads one after another into ``seg`` while they fit."""
+    out: list[pb.Sample] = []
+    at = 0
+    for sample_id, payload in payloads:
+        if at + len(payload) > seg.size:
+            break
+        seg.map[at : at + len(payload)] = payload
+        out.append(pb.Sample(id=sample_id, shm_offset=at, length=len(payload)))
+        at = (at + len(payload) + _ALIGN - 1) // _ALIGN * _ALIGN
+    return out

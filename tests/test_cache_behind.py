@@ -1,0 +1,172 @@
+"""Misses a trainer reads from the PFS itself, cached by its daemon behind it:
+right bytes, one PFS read where the page cache held the file, a later read a
+local hit; a changed file an error; bytes handed over where the page cache
+lost them; a client that cannot read the files served by the daemon."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from one_daemon import add, cache_stub, daemon_stats, files_bytes, read_locally, tiers_read
+from polling import wait_until
+
+import dataquay.client as dq
+from dataquay.client.errors import PfsReadError
+from dataquay.client.pfs import PfsReader
+from dataquay.client.shm import Segment
+from dataquay.protos import cache_pb2 as pb
+from dataquay.server.tools import synthetic
+from dataquay.server.tools.processes import DaemonProcess
+
+SIZES = (3000, 70_000, 17, 250_000)
+
+
+def cached_samples(daemon: DaemonProcess, name: str) -> int:
+    with cache_stub(daemon) as stub:
+        return stub.GetDataset(pb.GetDatasetRequest(name=name)).cached_samples
+
+
+def evict(paths: list[Path]) -> None:
+    """Takes the files out of the page cache."""
+    os.sync()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def test_a_miss_read_by_the_client_is_cached_behind_it_from_the_page_cache(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+) -> None:
+    synthetic.make_files_dataset(tmp_path / "imgs", 40, sizes=SIZES, seed=3)
+    add(daemon, "imgs", tmp_path / "imgs")
+    ds = client.dataset("imgs")
+    ids = [39, 0, 7, 7, 12, 3, 38, 21]
+    got, tiers = tiers_read(client, lambda: ds.get_batch(ids))
+    assert got == files_bytes(3, ids, SIZES)
+    assert tiers["pfs"] == len(ids) and tiers["daemon-local"] == 0 and tiers["fallback"] == 0
+
+    distinct = sorted(set(ids))
+    wait_until(lambda: cached_samples(daemon, "imgs") == len(distinct), "the daemon cached what the client read")
+    stats = daemon_stats(daemon)
+    # One PFS read, the client's: the daemon read the files back from the page cache.
+    assert stats.pfs_bytes == 0 and not any(t.samples for t in stats.reads)
+    behind = stats.cache_behind
+    assert behind.page_cache_samples == len(distinct) and behind.handed_samples == 0
+    assert behind.page_cache_bytes == sum(len(b) for b in files_bytes(3, distinct, SIZES))
+
+    assert read_locally(client, ds, ids) == got
+    assert daemon_stats(daemon).cache_behind.page_cache_samples == len(distinct), "cached once"
+
+
+def test_bytes_the_page_cache_lost_are_handed_over_and_checked_against_the_manifest(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+) -> None:
+    synthetic.make_files_dataset(tmp_path / "imgs", 12, sizes=SIZES, seed=5)
+    info = add(daemon, "imgs", tmp_path / "imgs")
+    ds = client.dataset("imgs")
+    evict(sorted((tmp_path / "imgs").rglob("*.bin")))
+    want = files_bytes(5, range(12), SIZES)
+    with cache_stub(daemon) as stub:
+        reply = stub.CacheBehind(pb.CacheBehindRequest(dataset="imgs", manifest_id=info.manifest_id, ids=[1, 2]))
+    assert reply.queued == 0 and sorted(reply.not_in_page_cache) == [1, 2]
+
+    seg = Segment(1 << 20)
+    try:
+        seg.map[0 : len(want[1])] = want[1]
+        seg.map[100_000 : 100_000 + len(want[2])] = want[2]
+        handed = [
+            pb.Sample(id=1, shm_offset=0, length=len(want[1])),
+            pb.Sample(id=2, shm_offset=100_000, length=len(want[2]) - 1),  # not the manifest's length
+        ]
+        request = pb.CacheBehindRequest(
+            dataset="imgs", manifest_id=info.manifest_id, shm_name=seg.name, shm_size=seg.size, handed=handed
+        )
+        with cache_stub(daemon) as stub:
+            assert stub.CacheBehind(request).queued == 1
+    finally:
+        seg.close()
+    wait_until(lambda: cached_samples(daemon, "imgs") == 1, "the daemon cached the handed sample")
+    behind = daemon_stats(daemon).cache_behind
+    assert (behind.handed_samples, behind.refused_samples, behind.not_in_page_cache) == (1, 1, 2)
+    assert read_locally(client, ds, [1]) == [want[1]]
+
+
+def test_the_client_hands_over_what_the_daemon_could_not_read_back(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+) -> None:
+    synthetic.make_files_dataset(tmp_path / "imgs", 16, sizes=SIZES, seed=6)
+    add(daemon, "imgs", tmp_path / "imgs")
+    ds = client.dataset("imgs")
+    ids = np.arange(16)
+    got = PfsReader(ds.manifest, "imgs").read(ids)
+    evict(sorted((tmp_path / "imgs").rglob("*.bin")))  # between the client's read and the daemon's
+    notices = client.remote.notices
+    notices.note("imgs", ds.manifest.manifest_id, ids, got)
+    assert notices.flush() and notices.dropped == 0
+    wait_until(lambda: cached_samples(daemon, "imgs") == 16, "the daemon cached the handed samples")
+    behind = daemon_stats(daemon).cache_behind
+    assert behind.handed_samples + behind.page_cache_samples == 16 and behind.handed_samples > 0
+    assert read_locally(client, ds, ids) == got
+
+
+def test_a_file_changed_under_the_reader_is_an_error(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+) -> None:
+    synthetic.make_files_dataset(tmp_path / "imgs", 8, sizes=(1000,), seed=7)
+    add(daemon, "imgs", tmp_path / "imgs")
+    ds = client.dataset("imgs")
+    changed = tmp_path / "imgs" / ds.manifest.location(5).path
+    changed.write_bytes(b"x" * 1000)
+    os.utime(changed, ns=(1, 1))
+    assert ds.get_batch([1, 2]) == files_bytes(7, [1, 2], (1000,))
+    with pytest.raises(PfsReadError, match="changed since the dataset was registered"):
+        ds.get_batch([4, 5])
+    client.remote.notices.flush()
+    wait_until(lambda: cached_samples(daemon, "imgs") == 2, "the daemon cached the unchanged samples")
+    assert daemon_stats(daemon).cache_behind.refused_samples == 0
+
+
+_NO_PFS_READER = """
+import sys
+import dataquay.client as dq
+with dq.connect(sys.argv[1], timeout=5) as client:
+    ds = client.dataset("imgs")
+    got = ds.get_batch([3, 1, 3])
+    again = ds.get_batch([2])
+    stats = client.stats().samples
+print(got == [open(p, "rb").read() for p in sys.argv[2:]] and len(again[0]) > 0, stats["pfs"], stats["fallback"])
+"""
+
+
+def test_a_client_that_cannot_read_the_files_gets_its_misses_from_the_daemon(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1)")
+    root = synthetic.make_files_dataset(tmp_path / "imgs", 8, sizes=(2000,), seed=8)
+    add(daemon, "imgs", root)
+    with dq.connect(daemon.address, timeout=5) as c:
+        paths = [str(root / c.dataset("imgs").manifest.location(i).path) for i in (3, 1, 3)]
+    copies = []
+    for i, path in enumerate(paths):  # the bytes to compare with, where the client can see them
+        copy = tmp_path / f"want-{i}"
+        copy.write_bytes(Path(path).read_bytes())
+        copies.append(str(copy))
+    script = tmp_path / "reader.py"
+    script.write_text(_NO_PFS_READER)
+    # The client runs where the dataset's root is an empty file system: it reads no file of it.
+    hidden = f"mount -t tmpfs none {root} && exec {sys.executable} {script} {daemon.address} {' '.join(copies)}"
+    done = subprocess.run(["unshare", "--mount", "sh", "-c", hidden], capture_output=True, text=True, timeout=60)
+    if done.returncode and "unshare failed" in done.stderr:
+        pytest.skip(f"no mount namespace here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "4", "0"], done.stdout + done.stderr
+    stats = daemon_stats(daemon)
+    assert {t.tier: t.samples for t in stats.reads}[pb.TIER_PFS] == 4  # every read: the daemon's
