@@ -6,11 +6,13 @@ values into a list (as get_batch returns them) and computes the xxh3 of each
 (get only when verification is off). Both run in this process, taking
 turns, each opening the environment and warming it before its timed run.
 
-miss: ``ds.get_batch`` of 64 ids that no cache holds (the daemon reads the PFS
-and hands the samples back), against this process reading the same files
-directly with open().read(). Twice: with the files in the page cache for
-both, and with them out of it for both (cold, read from the disk as a PFS
-client reads from the servers).
+miss: ``ds.get_batch`` of 64 ids that no cache holds (the client reads the
+files itself and its daemon caches them behind it), against this process
+reading the same files directly with open().read(). Twice: with the files in
+the page cache for both, and with them out of it for both (cold, read from
+the disk as a PFS client reads from the servers). After each timed run of
+the miss path, the daemon's caching behind is waited for (and timed): every
+sample must be cached, once, and read back from the page cache, not the disk.
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ def bench_miss(daemon: DaemonProcess, base: Path, size: int, label: str) -> dict
     manifest_paths = sorted(str(p) for p in root.rglob("*.bin"))
     rng = np.random.default_rng(1)
     rates: dict[str, list[float]] = {key: [] for key in ("direct", "miss", "direct_cold", "miss_cold")}
+    behind: dict[str, list[float]] = {"": [], "_cold": []}
     client = connect(daemon.address)
     for run in range(REPEATS):
         for cold in (False, True):
@@ -138,9 +141,11 @@ def bench_miss(daemon: DaemonProcess, base: Path, size: int, label: str) -> dict
             register(daemon, "miss", root)
             ds = client.dataset("miss")
             before = client.stats().samples["pfs"]
+            daemon_before = stub(daemon).Stats(pb.StatsRequest())
             prepare(manifest_paths, cold)
             rates["miss" + suffix].append(_rate(lambda: [ds.get_batch(b) for b in batches], total))
             assert client.stats().samples["pfs"] - before == total, "reads were not all misses"
+            behind[suffix].append(_cached_behind(daemon, count, daemon_before))
     client.close()
     row: dict[str, object] = {"size": label}
     for suffix in ("", "_cold"):
@@ -149,8 +154,30 @@ def bench_miss(daemon: DaemonProcess, base: Path, size: int, label: str) -> dict
             f"direct_read{suffix}_per_s": direct_rate,
             f"miss_path{suffix}_per_s": miss_rate,
             f"miss{suffix}_ratio": miss_rate / direct_rate,
+            f"cached_behind{suffix}_seconds": _median(behind[suffix]),
         }
     return row
+
+
+def _cached_behind(daemon: DaemonProcess, count: int, before: pb.StatsReply) -> float:
+    """Seconds until the daemon cached all ``count`` samples of ``miss`` after
+    the timed run; checks each was cached once, without reading the PFS."""
+    import time
+
+    started = time.perf_counter()
+    while stub(daemon).GetDataset(pb.GetDatasetRequest(name="miss")).cached_samples < count:
+        if time.perf_counter() - started > 300:
+            raise RuntimeError("the daemon did not cache the samples read in 300 s")
+        time.sleep(0.05)
+    seconds = time.perf_counter() - started
+    after = stub(daemon).Stats(pb.StatsRequest())
+    cached = sum(
+        getattr(after.cache_behind, f) - getattr(before.cache_behind, f)
+        for f in ("page_cache_samples", "handed_samples")
+    )
+    assert cached == count, f"{cached} samples cached behind the reads of {count}"
+    assert after.pfs_bytes == before.pfs_bytes, "the daemon read the PFS"
+    return seconds
 
 
 def prepare(paths: list[str], cold: bool) -> None:
@@ -199,7 +226,8 @@ def main() -> None:
         "miss_path",
         miss_rows,
         ["size", "direct_read_per_s", "miss_path_per_s", "miss_ratio",
-         "direct_read_cold_per_s", "miss_path_cold_per_s", "miss_cold_ratio"],
+         "direct_read_cold_per_s", "miss_path_cold_per_s", "miss_cold_ratio",
+         "cached_behind_seconds", "cached_behind_cold_seconds"],
     )
 
 
