@@ -111,9 +111,10 @@ class RemoteReader:
         return time.monotonic() < self._down_until
 
     def read(self, dataset: Dataset, ids: np.ndarray, epoch: int | None = None) -> list[bytes]:
-        """Samples the local cache lacks, in order: from the daemon, or from the
-        PFS while the daemon is unreachable. ``epoch`` names the job's epoch
-        they are read for (default: the job's current one)."""
+        """Samples the local cache lacks, in order: read here from the PFS (a
+        read for no job), from the daemon, or from the PFS while the daemon is
+        unreachable. ``epoch`` names the job's epoch they are read for
+        (default: the job's current one)."""
         if self._reads_own(dataset):
             try:
                 return self._read_own(dataset, ids)
