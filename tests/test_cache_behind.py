@@ -17,6 +17,7 @@ from one_daemon import add, cache_stub, daemon_stats, files_bytes, read_locally,
 from polling import wait_until
 
 import dataquay.client as dq
+from dataquay.client import cache_behind
 from dataquay.client.errors import PfsReadError
 from dataquay.client.pfs import PfsReader
 from dataquay.client.shm import Segment
@@ -121,6 +122,30 @@ def test_the_client_hands_over_what_the_daemon_could_not_read_back(
     wait_until(lambda: cached_samples(daemon, "imgs") == 16, "the daemon cached the handed samples")
     behind = daemon_stats(daemon).cache_behind
     assert behind.handed_samples + behind.page_cache_samples == 16 and behind.handed_samples > 0
+    assert read_locally(client, ds, ids) == got
+
+
+def test_a_sample_whose_notice_was_lost_is_read_through_the_daemon_next_and_cached(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synthetic.make_files_dataset(tmp_path / "imgs", 16, sizes=SIZES, seed=10)
+    add(daemon, "imgs", tmp_path / "imgs")
+    ds = client.dataset("imgs")
+    ids = np.arange(16)
+    got = PfsReader(ds.manifest, "imgs").read(ids)
+    evict(sorted((tmp_path / "imgs").rglob("*.bin")))
+    monkeypatch.setattr(cache_behind, "HELD_BYTES", 0)  # nothing to hand over
+    notices = client.remote.notices
+    notices.note("imgs", ds.manifest.manifest_id, ids, got)
+    assert notices.flush()
+    lost = notices.dropped
+    assert lost > 0
+    wait_until(lambda: cached_samples(daemon, "imgs") == 16 - lost, "the daemon cached what it could read back")
+
+    again, tiers = tiers_read(client, lambda: ds.get_batch(ids))
+    assert again == got and tiers["pfs"] + tiers["local"] == 16
+    daemon_reads = {t.tier: t.samples for t in daemon_stats(daemon).reads}
+    assert daemon_reads.get(pb.TIER_PFS, 0) == lost  # the lost ones only, which the daemon caches
     assert read_locally(client, ds, ids) == got
 
 

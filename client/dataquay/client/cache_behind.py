@@ -8,8 +8,11 @@ at a time, so that a daemon slower to cache than the trainer is to read
 holds the notices back, not the trainer. The daemon reads the samples back
 from the page cache; those it names as not held there, the thread copies
 into its shared-memory segment and hands over in a second call, if it still
-holds their payloads. What does not fit the backlog, or whose notice fails,
-is dropped: the sample is cached by a later read or by staging.
+holds their payloads. A sample whose notice is lost (the backlog was full,
+the page cache and the backlog no longer held its bytes, the call failed) is
+remembered, up to :data:`LOST_IDS`, and its next read goes through the
+daemon, which reads and caches it (:meth:`CacheBehindNotices.take_lost`);
+beyond that, staging or a later read caches it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ HELD_BYTES = 64 * MiB
 #: and 64 MiB, or one sample of any size).
 NOTICE_IDS = 1024
 NOTICE_BYTES = 16 * MiB
+#: Samples whose notice was lost, remembered at most.
+LOST_IDS = 1 << 16
 #: How long closing a client waits for its backlog to be sent.
 FLUSH_SECONDS = 5.0
 _ALIGN = 64
@@ -76,6 +81,8 @@ class CacheBehindNotices:
         self._thread: threading.Thread | None = None
         #: Samples not noticed: the backlog was full, a notice failed, a payload was no longer held.
         self.dropped = 0
+        self._lost: dict[tuple[str, str], set[int]] = {}
+        self._lost_count = 0
 
     def note(self, dataset: str, manifest_id: str, ids: np.ndarray, payloads: list[bytes]) -> None:
         """Queues a notice of ``payloads``, read for ``ids``; never waits."""
@@ -83,7 +90,7 @@ class CacheBehindNotices:
             if self._closed:
                 return
             if self._ids + len(ids) > BACKLOG_IDS:
-                self.dropped += len(ids)
+                self._drop(dataset, manifest_id, ids.tolist())
                 return
             flat = ids.tolist()
             for start, stop in _parts(payloads):
@@ -97,6 +104,40 @@ class CacheBehindNotices:
                 self._thread = threading.Thread(target=self._run, name="dataquay-cache-behind", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+
+    def take_lost(self, dataset: str, manifest_id: str, ids: np.ndarray) -> np.ndarray | None:
+        """Which of ``ids`` lost their notice (None when none did): their read
+        should go through the daemon, which caches them. They are forgotten here."""
+        if not self._lost:  # the common answer takes no lock
+            return None
+        with self._cond:
+            lost = self._lost.get((dataset, manifest_id))
+            if not lost:
+                return None
+            mask = np.fromiter((i in lost for i in ids.tolist()), dtype=bool, count=len(ids))
+            if not mask.any():
+                return None
+            before = len(lost)
+            lost.difference_update(ids[mask].tolist())
+            self._lost_count -= before - len(lost)
+            if not lost:
+                del self._lost[(dataset, manifest_id)]
+        return mask
+
+    def _drop(self, dataset: str, manifest_id: str, ids: list[int]) -> None:
+        """Counts ``ids`` as not noticed and remembers them (see :meth:`take_lost`); holds the lock."""
+        self.dropped += len(ids)
+        room = LOST_IDS - self._lost_count
+        if room <= 0:
+            return
+        lost = self._lost.setdefault((dataset, manifest_id), set())
+        before = len(lost)
+        lost.update(ids[:room])
+        self._lost_count += len(lost) - before
+
+    def _dropped(self, dataset: str, manifest_id: str, ids: list[int]) -> None:
+        with self._cond:
+            self._drop(dataset, manifest_id, ids)
 
     def flush(self, timeout: float = FLUSH_SECONDS) -> bool:
         """Waits until the backlog is sent (at most ``timeout`` seconds); whether it was."""
@@ -149,12 +190,12 @@ class CacheBehindNotices:
         try:
             reply = self._call(request)
         except DataquayError as exc:
-            self.dropped += len(ids)
+            self._dropped(dataset, manifest_id, ids)
             log.debug("samples read from the PFS not noticed to the daemon: %s", exc)
             return
         held = {i: p for e in batch if e.payloads is not None for i, p in zip(e.ids, e.payloads)}
         wanted = [(i, held[i]) for i in reply.not_in_page_cache if i in held]
-        self.dropped += len(reply.not_in_page_cache) - len(wanted)
+        self._dropped(dataset, manifest_id, [i for i in reply.not_in_page_cache if i not in held])
         if wanted:
             self._hand_over(dataset, manifest_id, wanted)
 
@@ -162,7 +203,7 @@ class CacheBehindNotices:
         """Copies the payloads into a segment and names them to the daemon."""
         with self._segments.segment() as seg:
             handed = [] if seg is None else _copy_in(seg, wanted)
-            self.dropped += len(wanted) - len(handed)
+            self._dropped(dataset, manifest_id, [i for i, _ in wanted[len(handed) :]])
             if seg is None or not handed:
                 return
             request = pb.CacheBehindRequest(
@@ -171,7 +212,7 @@ class CacheBehindNotices:
             try:
                 queued = self._call(request).queued
             except DataquayError as exc:
-                self.dropped += len(handed)
+                self._dropped(dataset, manifest_id, [s.id for s in handed])
                 log.debug("samples read from the PFS not handed to the daemon: %s", exc)
                 return
             if queued:

@@ -120,6 +120,10 @@ class RemoteReader:
                 return self._read_own(dataset, ids)
             except PfsReadError as exc:
                 return self._read_after_failure(dataset, ids, exc)
+        return self._read_through_daemon(dataset, ids)
+
+    def _read_through_daemon(self, dataset: Dataset, ids: np.ndarray) -> list[bytes]:
+        """Samples from the daemon, or from the PFS while it is unreachable."""
         out: list[bytes] = []
         step = self.info.max_batch or len(ids)
         for start in range(0, len(ids), step):
@@ -154,7 +158,18 @@ class RemoteReader:
 
     def _read_own(self, dataset: Dataset, ids: np.ndarray) -> list[bytes]:
         """Misses read from the PFS by this process, counted as PFS reads and
-        noticed to the daemon to cache."""
+        noticed to the daemon to cache; those whose notice was lost before
+        are read through the daemon instead, which caches them."""
+        lost = self.notices.take_lost(dataset.name, dataset.manifest.manifest_id, ids)
+        if lost is not None:
+            merged: list[bytes] = [b""] * len(ids)
+            for positions, values in (
+                (np.flatnonzero(lost), self._read_through_daemon(dataset, ids[lost])),
+                (np.flatnonzero(~lost), self._read_own(dataset, ids[~lost]) if not lost.all() else []),
+            ):
+                for position, value in zip(positions.tolist(), values):
+                    merged[position] = value
+            return merged
         out = self._pfs_reader(dataset).read(ids)
         self._stats.add("pfs", len(out), sum(map(len, out)))
         self.notices.note(dataset.name, dataset.manifest.manifest_id, ids, out)
