@@ -25,7 +25,7 @@ import lmdb
 import numpy as np
 from common import REPEATS, SIZES, MiB, back_free_memory, progress, register, report, stage, stub
 
-from dataquay.client import connect
+from dataquay.client import Client, Dataset, connect
 from dataquay.client.malloc import tune_malloc
 from dataquay.client.records import checksum, sample_key
 from dataquay.protos import cache_pb2 as pb
@@ -121,6 +121,7 @@ def bench_miss(daemon: DaemonProcess, base: Path, size: int, label: str) -> dict
     rng = np.random.default_rng(1)
     rates: dict[str, list[float]] = {key: [] for key in ("direct", "miss", "direct_cold", "miss_cold")}
     behind: dict[str, list[float]] = {"": [], "_cold": []}
+    passed_on = {"": [0, 0], "_cold": [0, 0]}  # samples handed over, samples whose notice was lost
     client = connect(daemon.address)
     for run in range(REPEATS):
         for cold in (False, True):
@@ -142,10 +143,14 @@ def bench_miss(daemon: DaemonProcess, base: Path, size: int, label: str) -> dict
             ds = client.dataset("miss")
             before = client.stats().samples["pfs"]
             daemon_before = stub(daemon).Stats(pb.StatsRequest())
+            dropped_before = client.remote.notices.dropped
             prepare(manifest_paths, cold)
             rates["miss" + suffix].append(_rate(lambda: [ds.get_batch(b) for b in batches], total))
             assert client.stats().samples["pfs"] - before == total, "reads were not all misses"
-            behind[suffix].append(_cached_behind(daemon, count, daemon_before))
+            seconds, handed, lost = _cached_behind(daemon, client, ds, batches, total, daemon_before, dropped_before)
+            behind[suffix].append(seconds)
+            passed_on[suffix][0] += handed
+            passed_on[suffix][1] += lost
     client.close()
     row: dict[str, object] = {"size": label}
     for suffix in ("", "_cold"):
@@ -155,29 +160,50 @@ def bench_miss(daemon: DaemonProcess, base: Path, size: int, label: str) -> dict
             f"miss_path{suffix}_per_s": miss_rate,
             f"miss{suffix}_ratio": miss_rate / direct_rate,
             f"cached_behind{suffix}_seconds": _median(behind[suffix]),
+            f"handed_over{suffix}_samples": passed_on[suffix][0],
+            f"lost_notices{suffix}_samples": passed_on[suffix][1],
         }
     return row
 
 
-def _cached_behind(daemon: DaemonProcess, count: int, before: pb.StatsReply) -> float:
-    """Seconds until the daemon cached all ``count`` samples of ``miss`` after
-    the timed run; checks each was cached once, without reading the PFS."""
+def _cached_behind(
+    daemon: DaemonProcess, client: Client, ds: Dataset, batches: list[np.ndarray], count: int,
+    before: pb.StatsReply, dropped_before: int,
+) -> tuple[float, int, int]:
+    """(seconds until the daemon cached what the timed run read, samples the
+    client handed over, samples whose notice was lost). Checks that each was
+    cached once without a PFS read, then reads the run's ids once more: the
+    lost ones go through the daemon, which caches them, so every sample is
+    cached afterwards."""
     import time
 
     started = time.perf_counter()
-    while stub(daemon).GetDataset(pb.GetDatasetRequest(name="miss")).cached_samples < count:
+    client.remote.notices.flush(300)
+    lost = client.remote.notices.dropped - dropped_before
+    while _cached(daemon) < count - lost:
         if time.perf_counter() - started > 300:
             raise RuntimeError("the daemon did not cache the samples read in 300 s")
         time.sleep(0.05)
     seconds = time.perf_counter() - started
     after = stub(daemon).Stats(pb.StatsRequest())
-    cached = sum(
-        getattr(after.cache_behind, f) - getattr(before.cache_behind, f)
+    cached = {
+        f: getattr(after.cache_behind, f) - getattr(before.cache_behind, f)
         for f in ("page_cache_samples", "handed_samples")
-    )
-    assert cached == count, f"{cached} samples cached behind the reads of {count}"
+    }
+    assert sum(cached.values()) == count - lost, f"{cached} cached behind the reads of {count} ({lost} lost)"
     assert after.pfs_bytes == before.pfs_bytes, "the daemon read the PFS"
-    return seconds
+    if lost:
+        for b in batches:
+            ds.get_batch(b)
+    while _cached(daemon) < count:
+        if time.perf_counter() - started > 300:
+            raise RuntimeError("the samples whose notice was lost were not cached by the next read")
+        time.sleep(0.05)
+    return seconds, cached["handed_samples"], lost
+
+
+def _cached(daemon: DaemonProcess) -> int:
+    return int(stub(daemon).GetDataset(pb.GetDatasetRequest(name="miss")).cached_samples)
 
 
 def prepare(paths: list[str], cold: bool) -> None:
@@ -227,7 +253,8 @@ def main() -> None:
         miss_rows,
         ["size", "direct_read_per_s", "miss_path_per_s", "miss_ratio",
          "direct_read_cold_per_s", "miss_path_cold_per_s", "miss_cold_ratio",
-         "cached_behind_seconds", "cached_behind_cold_seconds"],
+         "cached_behind_seconds", "cached_behind_cold_seconds", "handed_over_samples", "handed_over_cold_samples",
+         "lost_notices_samples", "lost_notices_cold_samples"],
     )
 
 
