@@ -232,11 +232,11 @@ def main() -> None:
         for label, size in SIZES.items():
             if label not in wanted:
                 continue
-            count = LOCAL_BYTES // size
-            progress(f"{label}: local hits over {count} cached samples")
             daemon = DaemonProcess(base / f"node-{label}", dataset_roots=(base,)).start()
-            root = make_files_dataset(base / f"local-{label}", count, sizes=(size,))
             if "local" in parts:
+                count = LOCAL_BYTES // size
+                progress(f"{label}: local hits over {count} cached samples")
+                root = make_files_dataset(base / f"local-{label}", count, sizes=(size,))
                 local_rows.append(bench_local(daemon, root, count, label))
             if "miss" in parts:
                 progress(f"{label}: misses")
