@@ -12,6 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import cache_behind  # noqa: E402
 import cache_policy  # noqa: E402
 import coded_shuffle  # noqa: E402
 import coordinated_prep  # noqa: E402
@@ -36,6 +37,7 @@ def main() -> None:
     benchmarks = (
         ("reads", reads.main),
         ("miss_bound", miss_bound.main),
+        ("cache_behind", cache_behind.main),
         ("record_loops", record_loops.main),
         ("staging", staging.main),
         ("memory", memory.main),
