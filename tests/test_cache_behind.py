@@ -164,6 +164,11 @@ def test_a_file_changed_under_the_reader_is_an_error(
     client.remote.notices.flush()
     wait_until(lambda: cached_samples(daemon, "imgs") == 2, "the daemon cached the unchanged samples")
     assert daemon_stats(daemon).cache_behind.refused_samples == 0
+    # Changed between a trainer's read and the daemon's: refused, not cached.
+    with cache_stub(daemon) as stub:
+        reply = stub.CacheBehind(pb.CacheBehindRequest(dataset="imgs", manifest_id=ds.manifest.manifest_id, ids=[5]))
+    assert reply.queued == 0 and daemon_stats(daemon).cache_behind.refused_samples == 1
+    assert cached_samples(daemon, "imgs") == 2
 
 
 _NO_PFS_READER = """

@@ -111,10 +111,10 @@ class CacheBehind:
             values: dict[int, bytes] = {}
             not_cached: list[int] = []
             if len(read_back):
-                values, not_cached, failures = await self.pfs.read_cached(
+                values, not_cached, refused = await self.pfs.read_cached(
                     entry.record.name, entry.manifest, read_back
                 )
-                self.counts.refused_samples += len(failures)
+                self.counts.refused_samples += len(refused)
                 self.counts.page_cache_samples += len(values)
                 self.counts.page_cache_bytes += sum(len(v) - CHECKSUM_BYTES for v in values.values())
                 self.counts.not_in_page_cache += len(not_cached)

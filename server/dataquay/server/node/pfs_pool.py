@@ -164,11 +164,11 @@ class PfsPool:
 
     async def read_cached(
         self, dataset: str, manifest: Manifest, ids: np.ndarray
-    ) -> tuple[dict[int, bytes], list[int], list[str]]:
+    ) -> tuple[dict[int, bytes], list[int], list[int]]:
         """Cache values of those ``ids`` the page cache holds, read without a
         trip to storage (not counted as PFS reads): (values by id, ids it does
-        not hold, failures). A sample of a file that changed since its
-        manifest was built is a failure, never a value. Background work: in
+        not hold, ids refused). A sample of a file that changed since its
+        manifest was built is refused, never a value. Background work: in
         the staging threads, below the reads a trainer waits for.
 
         Raises:
@@ -186,17 +186,17 @@ class PfsPool:
 
     def _read_cached_ranges(
         self, reader: PfsReader, ranges: Sequence[ReadRange], progress: _Progress
-    ) -> tuple[dict[int, bytes], list[int], list[str]]:
+    ) -> tuple[dict[int, bytes], list[int], list[int]]:
         out: dict[int, bytes] = {}
         not_cached: list[int] = []
-        failures: list[str] = []
+        refused: list[int] = []
         for r in ranges:
             if progress.stopped:
                 break
             try:
                 payloads = reader.read_range_cached(r)
-            except PfsReadError as exc:
-                failures.append(str(exc))
+            except PfsReadError:
+                refused += r.ids.tolist()
                 continue
             progress.mark()
             if payloads is None:
@@ -204,7 +204,7 @@ class PfsPool:
                 continue
             for sample_id, payload in payloads.items():
                 out[sample_id] = encode_value(payload)
-        return out, not_cached, failures
+        return out, not_cached, refused
 
     def _groups(self, ranges: Sequence[ReadRange]) -> list[list[ReadRange]]:
         """``ranges`` dealt over as many threads as their expected read time is worth."""
