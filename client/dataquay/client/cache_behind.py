@@ -83,6 +83,8 @@ class CacheBehindNotices:
         self.dropped = 0
         self._lost: dict[tuple[str, str], set[int]] = {}
         self._lost_count = 0
+        #: The parent's, in a forked child: it is left alone.
+        self._hand_over_seg: Segment | None = None
 
     def note(self, dataset: str, manifest_id: str, ids: np.ndarray, payloads: list[bytes]) -> None:
         """Queues a notice of ``payloads``, read for ``ids``; never waits."""
@@ -150,6 +152,8 @@ class CacheBehindNotices:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        if self._hand_over_seg is not None:
+            self._hand_over_seg.close()
 
     def _run(self) -> None:
         while True:
@@ -200,23 +204,34 @@ class CacheBehindNotices:
             self._hand_over(dataset, manifest_id, wanted)
 
     def _hand_over(self, dataset: str, manifest_id: str, wanted: list[tuple[int, bytes]]) -> None:
-        """Copies the payloads into a segment and names them to the daemon."""
-        with self._segments.segment() as seg:
-            handed = [] if seg is None else _copy_in(seg, wanted)
-            self._dropped(dataset, manifest_id, [i for i, _ in wanted[len(handed) :]])
-            if seg is None or not handed:
-                return
-            request = pb.CacheBehindRequest(
-                dataset=dataset, manifest_id=manifest_id, shm_name=seg.name, shm_size=seg.size, handed=handed
-            )
+        """Copies the payloads into this client's hand-over segment and names them to the daemon."""
+        seg = self._hand_over_segment()
+        handed = [] if seg is None else _copy_in(seg, wanted)
+        self._dropped(dataset, manifest_id, [i for i, _ in wanted[len(handed) :]])
+        if seg is None or not handed:
+            return
+        request = pb.CacheBehindRequest(
+            dataset=dataset, manifest_id=manifest_id, shm_name=seg.name, shm_size=seg.size, handed=handed
+        )
+        try:
+            queued = self._call(request).queued
+        except DataquayError as exc:
+            self._dropped(dataset, manifest_id, [s.id for s in handed])
+            log.debug("samples read from the PFS not handed to the daemon: %s", exc)
+            return
+        if queued:
+            seg.daemon_mapped()
+
+    def _hand_over_segment(self) -> Segment | None:
+        """A /dev/shm segment this process writes: the segments of reads are
+        sealed memfds that only the daemon writes into."""
+        if self._hand_over_seg is None or self._hand_over_seg.closed:
             try:
-                queued = self._call(request).queued
-            except DataquayError as exc:
-                self._dropped(dataset, manifest_id, [s.id for s in handed])
-                log.debug("samples read from the PFS not handed to the daemon: %s", exc)
-                return
-            if queued:
-                seg.daemon_mapped()
+                self._hand_over_seg = Segment(self._segments.size)
+            except OSError as exc:
+                log.debug("no segment to hand samples over in: %s", exc)
+                return None
+        return self._hand_over_seg
 
     def _call(self, request: pb.CacheBehindRequest) -> pb.CacheBehindReply:
         reply: pb.CacheBehindReply = self._connection.call(

@@ -120,9 +120,9 @@ class RemoteReader:
                 return self._read_own(dataset, ids)
             except PfsReadError as exc:
                 return self._read_after_failure(dataset, ids, exc)
-        return self._read_through_daemon(dataset, ids)
+        return self._read_through_daemon(dataset, ids, epoch)
 
-    def _read_through_daemon(self, dataset: Dataset, ids: np.ndarray) -> list[bytes]:
+    def _read_through_daemon(self, dataset: Dataset, ids: np.ndarray, epoch: int | None = None) -> list[bytes]:
         """Samples from the daemon, or from the PFS while it is unreachable."""
         out: list[bytes] = []
         step = self.info.max_batch or len(ids)

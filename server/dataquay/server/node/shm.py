@@ -76,6 +76,8 @@ class _Mapped:
     size: int
     pid: int
     on_drop: Callable[[], None]
+    #: The memfd's owner: the user whose process made it.
+    uid: int = -1
 
 
 class ShmSegments:
@@ -124,7 +126,7 @@ class ShmSegments:
                 f"the segment has {allocated} of its {size} bytes allocated; allocate them all (fallocate) first"
             )
         name = PREFIX + secrets.token_hex(16)
-        self._maps[name] = _Mapped(mapped, size, pid, on_drop)
+        self._maps[name] = _Mapped(mapped, size, pid, on_drop, os.fstat(fd).st_uid)
         own = [n for n, m in self._maps.items() if m.pid == pid]
         if pid and len(own) > MAX_MEMFD_PER_PROCESS:
             self.drop(own[0])
@@ -237,6 +239,29 @@ class ShmSegments:
                 end = offset + len(payload)
                 held.map[offset:end] = payload
         return offsets, _aligned(end)
+
+    def read_own(self, name: str, size: int, offset: int, length: int) -> bytes | None:
+        """The ``length`` bytes at ``offset`` of segment ``name`` (``size``
+        bytes), where it belongs to this daemon's user, who could write the
+        cache directly anyway; None for another user's segment or one gone,
+        shrunk or too small."""
+        if offset < 0 or length < 0 or offset + length > size:
+            return None
+        held = self._maps.get(name)
+        if held is not None:
+            if held.uid != os.getuid() or offset + length > held.size:
+                return None
+            return held.map[offset:offset + length]
+        fd = self.get(name, size) if not name.startswith(PREFIX) else None
+        if fd is None:
+            return None
+        try:
+            if os.fstat(fd).st_uid != os.getuid():
+                return None
+            payload = os.pread(fd, length, offset)
+        except OSError:
+            return None
+        return payload if len(payload) == length else None
 
     def reap(self) -> int:
         """Closes the segments of processes that exited, and unlinks the names
