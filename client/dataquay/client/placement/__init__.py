@@ -19,9 +19,11 @@ each epoch and what each rank reads, which the parties ask through
 
 from dataquay.client.placement.epochs import (
     BatchBalance,
+    LocalityEpoch,
     Moves,
     NodeReads,
     locality_balance,
+    locality_epoch,
     moves,
     node_of_rank,
     node_orders,
@@ -50,6 +52,7 @@ __all__ = [
     "PARTITIONS",
     "BatchBalance",
     "JobPlan",
+    "LocalityEpoch",
     "Mode",
     "Moves",
     "NodeReads",
@@ -59,6 +62,7 @@ __all__ = [
     "initial_owners",
     "leaving_fraction",
     "locality_balance",
+    "locality_epoch",
     "moves",
     "node_of_rank",
     "node_orders",

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dataquay.client.placement.balance import batch_counts, greedy_transfers, locality_node
+from dataquay.client.placement.balance import BatchBalance, LocalityEpoch, balance_epoch
 from dataquay.client.placement.modes import MODES
 from dataquay.client.placement.orders import check_epoch
 from dataquay.client.placement.plan import JobPlan, check_rank, check_ranks_known
@@ -120,7 +120,7 @@ def node_steps(plan: JobPlan, epoch: int, node: int) -> list[np.ndarray]:
         raise ValueError(f"node must be in 0..{plan.num_nodes - 1}, not {node}")
     epoch_owners = owners(plan, epoch)
     if plan.settings.mode == "locality":
-        return list(locality_node(plan, epoch, epoch_owners, node))
+        return list(balance_epoch(plan, epoch, epoch_owners).node_slots(node))
     g, b = plan.settings.ranks_per_node, plan.settings.batch_size
     orders = [rank_order(plan, epoch, rank, epoch_owners) for rank in range(node * g, (node + 1) * g)]
     return [np.concatenate([order[start : start + b] for order in orders])
@@ -147,7 +147,7 @@ def node_orders(plan: JobPlan, epoch: int, node: int, epoch_owners: np.ndarray |
         epoch_owners = owners(plan, epoch)
     g = plan.settings.ranks_per_node
     if plan.settings.mode == "locality":
-        steps = locality_node(plan, epoch, epoch_owners, node)
+        steps = balance_epoch(plan, epoch, epoch_owners).node_slots(node)
         return np.stack([steps[:, local::g].ravel() for local in range(g)])
     return np.stack([rank_order(plan, epoch, rank, epoch_owners) for rank in range(node * g, (node + 1) * g)])
 
@@ -180,33 +180,38 @@ def node_reads(plan: JobPlan, epoch: int, node: int, epoch_owners: np.ndarray | 
     return NodeReads(rank_of, position)
 
 
-class BatchBalance(NamedTuple):
-    """What ``locality``'s balancer does to each global batch of an epoch."""
+def locality_epoch(plan: JobPlan, epoch: int, epoch_owners: np.ndarray | None = None) -> LocalityEpoch:
+    """Mode ``locality``'s plan of ``epoch``, computed once for every rank's
+    order (:meth:`~LocalityEpoch.rank_order`), node's share
+    (:meth:`~LocalityEpoch.node_slots`) and the balancer's cost
+    (:meth:`~LocalityEpoch.balance`).
 
-    transfers: np.ndarray  #: int64 (source, target) node pairs per batch, at most M-1
-    moved: np.ndarray  #: int64 samples that cross the network per batch (the sum of deficits)
-    imbalance: np.ndarray  #: float64 ``moved`` as a percentage of the global batch W * b
-
-
-def locality_balance(plan: JobPlan, epoch: int) -> BatchBalance:
-    """The network cost of each global batch of ``epoch`` under mode ``locality``.
-
-    For simulators and the exchange engine: the split itself is
-    :func:`rank_order`'s. Describes ``plan``'s batch size whatever its mode.
+    A process that asks several of them saves the passes over all samples
+    they share. Describes ``plan``'s batch size whatever its mode.
+    ``epoch_owners`` (this epoch's :func:`owners`) saves their computation.
 
     Raises:
-        ValueError: a negative epoch, ranks per node not known yet, or no
-            batch size.
+        ValueError: a negative epoch, ranks per node not known yet, no
+            batch size, or ``epoch_owners`` of the wrong length.
     """
     check_epoch(epoch)
     check_ranks_known(plan)
     MODES["locality"].check_settings(plan.settings.q, plan.settings.batch_size)
-    counts = batch_counts(plan, epoch, owners(plan, epoch))[2]
-    batch, _, _, amount = greedy_transfers(counts, plan.settings.ranks_per_node * plan.settings.batch_size)
-    num_batches = len(counts)
-    moved = np.bincount(batch, weights=amount, minlength=num_batches).astype(np.int64)
-    return BatchBalance(
-        np.bincount(batch, minlength=num_batches).astype(np.int64),
-        moved,
-        moved * 100.0 / (plan.world_size * plan.settings.batch_size),
-    )
+    if epoch_owners is None:
+        epoch_owners = owners(plan, epoch)
+    elif len(epoch_owners) != plan.num_samples:
+        raise ValueError(f"epoch owners have {len(epoch_owners)} entries for {plan.num_samples} samples")
+    return balance_epoch(plan, epoch, epoch_owners)
+
+
+def locality_balance(plan: JobPlan, epoch: int, epoch_owners: np.ndarray | None = None) -> BatchBalance:
+    """The network cost of each global batch of ``epoch`` under mode ``locality``.
+
+    For simulators and the exchange engine: the split itself is
+    :func:`rank_order`'s. Describes ``plan``'s batch size whatever its mode.
+    ``epoch_owners`` (this epoch's :func:`owners`) saves their computation.
+
+    Raises:
+        ValueError: as :func:`locality_epoch`.
+    """
+    return locality_epoch(plan, epoch, epoch_owners).balance()

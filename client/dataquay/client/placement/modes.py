@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from dataquay.client.placement.balance import global_batches, locality_node
+from dataquay.client.placement.balance import balance_epoch, global_batches
 from dataquay.client.placement.orders import (
     EXCHANGE_PICKS_KEY,
     EXCHANGE_POOL_KEY,
@@ -165,8 +165,7 @@ class _Locality(_StaticOwners):
     def rank_order(self, plan: JobPlan, epoch: int, rank: int, epoch_owners: np.ndarray | None) -> np.ndarray:
         if epoch_owners is None:
             epoch_owners = self.owners(plan, epoch, None)
-        node, local = divmod(rank, plan.settings.ranks_per_node)
-        return locality_node(plan, epoch, epoch_owners, node)[:, local :: plan.settings.ranks_per_node].ravel()
+        return balance_epoch(plan, epoch, epoch_owners).rank_order(rank)
 
     def rank_length(self, plan: JobPlan) -> int:
         return global_batches(plan) * plan.settings.batch_size

@@ -55,7 +55,7 @@ from dataquay.client.placement import (
     BatchBalance,
     JobPlan,
     epoch_permutation,
-    locality_balance,
+    locality_epoch,
     moves,
     owners,
     rank_length,
@@ -342,16 +342,12 @@ def _locality_reads(plan: JobPlan, epoch: int, epoch_owners: np.ndarray) -> _Rea
     deficit, so each node sends its surplus and receives its deficit in every
     global batch.
     """
-    width = plan.world_size * plan.settings.batch_size
-    batches = rank_length(plan) // plan.settings.batch_size
-    order = np.resize(epoch_permutation(plan.num_samples, plan.settings.seed, epoch), batches * width)
-    key = np.arange(len(order), dtype=np.int64) // width * plan.num_nodes + epoch_owners[order]
-    counts = np.bincount(key, minlength=batches * plan.num_nodes).reshape(batches, plan.num_nodes)
-    surplus = counts - plan.settings.ranks_per_node * plan.settings.batch_size
+    split = locality_epoch(plan, epoch, epoch_owners)
+    surplus = split.counts - plan.settings.ranks_per_node * plan.settings.batch_size
     return (
         np.maximum(surplus, 0).sum(axis=0).astype(np.int64),
         np.maximum(-surplus, 0).sum(axis=0).astype(np.int64),
-        locality_balance(plan, epoch),
+        split.balance(),
     )
 
 
