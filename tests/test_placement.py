@@ -27,6 +27,7 @@ from dataquay.client.placement import (
     initial_owners,
     leaving_fraction,
     locality_balance,
+    locality_epoch,
     moves,
     node_of_rank,
     node_orders,
@@ -371,6 +372,83 @@ def test_locality_mode_over_a_million_samples_and_64_nodes() -> None:
     assert balance.imbalance.mean() < 20
     for rank in (0, plan.world_size - 1):
         assert len(rank_order(plan, 3, rank)) == rank_length(plan) == len(balance.transfers) * 16
+
+
+def reference_locality_split(plan: JobPlan, epoch: int) -> tuple[np.ndarray, list[int], list[int]]:
+    """Mode locality's split as its docstrings state it, one batch at a time:
+    every node's share of every batch (nodes x batches x g*b), and per batch
+    the balancer's transfers and the samples they move."""
+    m, g, b = plan.num_nodes, plan.settings.ranks_per_node, plan.settings.batch_size
+    share, width = g * b, plan.world_size * b
+    num_batches = plan.num_samples // width if plan.settings.drop_last else -(-plan.num_samples // width)
+    order = np.resize(epoch_permutation(plan.num_samples, plan.settings.seed, epoch), num_batches * width)
+    epoch_owners = owners(plan, epoch)
+    slots = np.empty((m, num_batches, share), dtype=np.int64)
+    transfers, moved = [], []
+    for index, batch in enumerate(order.reshape(num_batches, width)):
+        held = [batch[epoch_owners[batch] == node].tolist() for node in range(m)]
+        taken = [ids[:share] for ids in held]
+        given = [share] * m
+        surplus = [len(ids) - share for ids in held]
+        transfers.append(0)
+        moved.append(0)
+        while any(surplus):
+            source, sink = surplus.index(max(surplus)), surplus.index(min(surplus))
+            amount = min(surplus[source], -surplus[sink])
+            taken[sink] += held[source][given[source] : given[source] + amount]
+            given[source] += amount
+            surplus[source] -= amount
+            surplus[sink] += amount
+            transfers[-1] += 1
+            moved[-1] += amount
+        slots[:, index] = taken
+    return slots, transfers, moved
+
+
+def assert_locality_split_is_the_reference(plan: JobPlan, epoch: int) -> None:
+    slots, transfers, moved = reference_locality_split(plan, epoch)
+    g = plan.settings.ranks_per_node
+    epoch_owners = owners(plan, epoch)
+    split = locality_epoch(plan, epoch, epoch_owners)
+    for node in range(plan.num_nodes):
+        assert split.node_slots(node).tobytes() == slots[node].tobytes()
+        for rank in range(node * g, (node + 1) * g):
+            assert split.rank_order(rank).tobytes() == slots[node][:, rank - node * g :: g].ravel().tobytes()
+    for rank in {0, plan.world_size // 2, plan.world_size - 1}:
+        assert rank_order(plan, epoch, rank, epoch_owners).tobytes() == split.rank_order(rank).tobytes()
+    imbalance = np.array(moved, dtype=np.int64) * 100.0 / (plan.world_size * plan.settings.batch_size)
+    for balance in (split.balance(), locality_balance(plan, epoch)):
+        assert balance.transfers.tolist() == transfers and balance.moved.tolist() == moved
+        assert balance.imbalance.tobytes() == imbalance.tobytes()
+
+
+@settings(max_examples=40, deadline=None)
+@given(job_plans(3000, 12, 4, ["locality"]), job_epochs)
+def test_locality_split_is_the_batch_by_batch_balancer(plan: JobPlan, epoch: int) -> None:
+    assert_locality_split_is_the_reference(plan, epoch)
+
+
+@pytest.mark.parametrize(
+    ("num_samples", "num_nodes", "ranks_per_node", "batch_size", "drop_last"),
+    [(100_003, 64, 2, 8, False), (30_000, 300, 1, 2, True)],
+)
+def test_locality_split_of_many_batches_is_the_batch_by_batch_balancer(
+    num_samples: int, num_nodes: int, ranks_per_node: int, batch_size: int, drop_last: bool
+) -> None:
+    settings = {"mode": "locality", "batch_size": batch_size, "drop_last": drop_last}
+    plan = plan_of(num_samples, num_nodes, ranks_per_node, seed=11, **settings)
+    assert_locality_split_is_the_reference(plan, 5)
+
+
+def test_locality_epoch_refuses_a_bad_node_rank_or_owners() -> None:
+    plan = plan_of(1000, 4, 2, seed=1, mode="locality", batch_size=4)
+    split = locality_epoch(plan, 0)
+    with pytest.raises(ValueError, match="node must be in 0..3, not 4"):
+        split.node_slots(4)
+    with pytest.raises(ValueError, match="rank 8 is not in 0..7"):
+        split.rank_order(8)
+    with pytest.raises(ValueError, match="epoch owners have 999 entries for 1000 samples"):
+        locality_epoch(plan, 0, owners(plan, 0)[:-1])
 
 
 def test_seeds_give_other_partitions() -> None:
