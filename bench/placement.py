@@ -12,17 +12,34 @@ or the exchange engine asks for (``partial``: :func:`moves`; ``locality``:
 :func:`locality_balance`). ``network_pct`` is the share of an epoch's samples
 that cross the network: one rank's peer reads in ``global``, the exchange in
 ``partial``, the balancer's moves in ``locality`` (mean over batches).
+
+``--locality-plan`` (also part of the default run) times ``locality``'s whole
+plan of an epoch as one node computes it (owners, the split that every
+rank's order and the balancer's cost share, one rank's order, the balance),
+stage by stage, then :func:`rank_order` and :func:`locality_balance` called
+alone, and the other modes' owners and orders; each round runs in a fresh
+process and reports wall and CPU seconds (CPU time moves less with the load
+of a shared machine). ``--against DIR`` interleaves rounds of the code of
+another tree (DIR/client, e.g. a ``git archive`` of an older commit) and
+gives each stage's ratio to it.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 
+import dataquay.client.placement as placement_api
 from common import REPEATS, progress, report
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import (
@@ -50,6 +67,9 @@ COLUMNS = [
     "mode", "partition", "N", "M", "g", "b", "q", "groups", "owners_s", "rank_order_s", "transfers_s",
     "network_pct", "node_load_spread", "within_target",
 ]
+#: Rounds of ``--locality-plan``, each a fresh process per tree.
+PLAN_ROUNDS = 5
+PLAN_COLUMNS = ["code", "stage", "seconds", "cpu_seconds", "vs_against", "cpu_vs_against", "load_1min"]
 
 
 def median_seconds(run: Callable[[], object], repeats: int = REPEATS) -> float:
@@ -99,7 +119,121 @@ def row(plan: JobPlan, groups: int | None) -> dict[str, object]:
     }
 
 
-def main() -> None:
+class Stages:
+    """Wall and CPU seconds of consecutive stages."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, tuple[float, float]] = {}
+        self._last = (time.perf_counter(), time.process_time())
+
+    def lap(self, stage: str) -> None:
+        """Ends ``stage``: the time since the last lap or restart."""
+        now = (time.perf_counter(), time.process_time())
+        self.times[stage] = (now[0] - self._last[0], now[1] - self._last[1])
+        self._last = now
+
+    def restart(self) -> None:
+        """Leaves the time since the last lap out of every stage."""
+        self._last = (time.perf_counter(), time.process_time())
+
+    def total(self, stage: str) -> None:
+        """Records the sum of the stages so far as ``stage``."""
+        self.times[stage] = (sum(t[0] for t in self.times.values()), sum(t[1] for t in self.times.values()))
+
+
+def plan_stages() -> dict[str, tuple[float, float]]:
+    """``locality``'s plan of epoch 2 as one node computes it, then the other
+    modes' owners and one rank's order: (wall, CPU) seconds per stage."""
+    epoch, rank = 2, NUM_NODES * RANKS_PER_NODE - 1
+    clock = Stages()
+    settings = JobSettings(mode="locality", seed=1, batch_size=BATCH_SIZE, ranks_per_node=RANKS_PER_NODE)
+    plan = JobPlan(settings, NUM_SAMPLES, NUM_NODES)
+    epoch_owners = owners(plan, epoch)
+    clock.lap("owners")
+    locality_epoch = getattr(placement_api, "locality_epoch", None)
+    if locality_epoch is None:  # a tree from before the shared split (--against): each call makes its own
+        rank_order(plan, epoch, rank, epoch_owners)
+        clock.lap("API: rank_order")
+        locality_balance(plan, epoch)
+        clock.lap("API: locality_balance")
+        clock.total("whole plan")
+    else:
+        split = locality_epoch(plan, epoch, epoch_owners)
+        clock.lap("split")
+        split.rank_order(rank)
+        clock.lap("rank order")
+        split.balance()
+        clock.lap("balance")
+        clock.total("whole plan")
+        clock.restart()
+        rank_order(plan, epoch, rank, epoch_owners)
+        clock.lap("API: rank_order")
+        locality_balance(plan, epoch)
+        clock.lap("API: locality_balance")
+    for mode in ("global", "local", "partial"):
+        plan = JobPlan(JobSettings(mode=mode, q=Q, seed=1, ranks_per_node=RANKS_PER_NODE), NUM_SAMPLES, NUM_NODES)
+        before = owners(plan, epoch - 1) if mode == "partial" else None
+        clock.restart()
+        epoch_owners = owners(plan, epoch, before)
+        clock.lap(f"{mode}: owners")
+        rank_order(plan, epoch, rank, epoch_owners)
+        clock.lap(f"{mode}: rank order")
+    return clock.times
+
+
+def locality_plan(against: Path | None) -> None:
+    """The whole ``locality`` plan, rounds of this tree and the one ``against`` interleaved."""
+    trees = {"this": None, **({"against": against} if against else {})}
+    rounds: dict[str, list[dict[str, tuple[float, float]]]] = {name: [] for name in trees}
+    loads: dict[str, list[float]] = {name: [] for name in trees}
+    for index in range(PLAN_ROUNDS):
+        for name, root in trees.items():
+            progress(f"locality plan, {name}, round {index + 1} of {PLAN_ROUNDS}")
+            env = dict(os.environ)
+            if root is not None:
+                env["PYTHONPATH"] = os.pathsep.join([str(root / "client"), env.get("PYTHONPATH", "")])
+            loads[name].append(os.getloadavg()[0])
+            out = subprocess.run(
+                [sys.executable, __file__, "--stages"], env=env, check=True, capture_output=True, text=True
+            ).stdout
+            rounds[name].append(json.loads(out))
+    medians = {
+        name: {stage: [statistics.median(times[stage][i] for times in runs) for i in (0, 1)] for stage in runs[0]}
+        for name, runs in rounds.items()
+    }
+    baseline = medians.get("against", {})
+    rows: list[dict[str, object]] = []
+    for name in trees:
+        for stage, (seconds, cpu_seconds) in medians[name].items():
+            compared = name == "this" and stage in baseline
+            rows.append({
+                "code": name if name == "this" else str(against),
+                "stage": stage,
+                "seconds": seconds,
+                "cpu_seconds": cpu_seconds,
+                "vs_against": seconds / baseline[stage][0] if compared else None,
+                "cpu_vs_against": cpu_seconds / baseline[stage][1] if compared else None,
+                "load_1min": statistics.median(loads[name]),
+                "rounds_wall_cpu": [times[stage] for times in rounds[name]],
+            })
+    report("placement-locality", rows, PLAN_COLUMNS)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--locality-plan", action="store_true", help="only locality's whole plan, stage by stage")
+    parser.add_argument("--against", type=Path, help="also time the code of this tree (its client/), interleaved")
+    parser.add_argument("--stages", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.stages:
+        print(json.dumps(plan_stages()))
+        return
+    if not args.locality_plan:
+        cluster_scale()
+    locality_plan(args.against)
+
+
+def cluster_scale() -> None:
     groups = (np.arange(NUM_SAMPLES, dtype=np.int64) * NUM_GROUPS // NUM_SAMPLES).astype(np.int32)
     rows: list[dict[str, object]] = []
     for partition in PARTITIONS:

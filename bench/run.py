@@ -41,7 +41,7 @@ def main() -> None:
         ("record_loops", record_loops.main),
         ("staging", staging.main),
         ("memory", memory.main),
-        ("placement", placement.main),
+        ("placement", lambda: placement.main([])),
         ("peers", peers.main),
         ("exchange", exchange.main),
         ("tight_storage", tight_storage.main),
