@@ -417,7 +417,7 @@ def assert_locality_split_is_the_reference(plan: JobPlan, epoch: int) -> None:
     for rank in {0, plan.world_size // 2, plan.world_size - 1}:
         assert rank_order(plan, epoch, rank, epoch_owners).tobytes() == split.rank_order(rank).tobytes()
     imbalance = np.array(moved, dtype=np.int64) * 100.0 / (plan.world_size * plan.settings.batch_size)
-    for balance in (split.balance(), locality_balance(plan, epoch)):
+    for balance in (split.balance(), locality_balance(plan, epoch), locality_balance(plan, epoch, epoch_owners)):
         assert balance.transfers.tolist() == transfers and balance.moved.tolist() == moved
         assert balance.imbalance.tobytes() == imbalance.tobytes()
 
