@@ -67,8 +67,11 @@ COLUMNS = [
     "mode", "partition", "N", "M", "g", "b", "q", "groups", "owners_s", "rank_order_s", "transfers_s",
     "network_pct", "node_load_spread", "within_target",
 ]
-#: Rounds of ``--locality-plan``, each a fresh process per tree.
+#: Rounds of ``--locality-plan``, each a fresh process per tree; the epoch
+#: it plans and the rank whose order it computes (the last).
 PLAN_ROUNDS = 5
+PLAN_EPOCH = 2
+PLAN_RANK = NUM_NODES * RANKS_PER_NODE - 1
 PLAN_COLUMNS = ["code", "stage", "seconds", "cpu_seconds", "vs_against", "cpu_vs_against", "load_1min"]
 
 
@@ -144,41 +147,46 @@ class Stages:
 def plan_stages() -> dict[str, tuple[float, float]]:
     """``locality``'s plan of epoch 2 as one node computes it, then the other
     modes' owners and one rank's order: (wall, CPU) seconds per stage."""
-    epoch, rank = 2, NUM_NODES * RANKS_PER_NODE - 1
     clock = Stages()
+    locality_stages(clock)
+    for mode in ("global", "local", "partial"):
+        plan = JobPlan(JobSettings(mode=mode, q=Q, seed=1, ranks_per_node=RANKS_PER_NODE), NUM_SAMPLES, NUM_NODES)
+        before = owners(plan, PLAN_EPOCH - 1) if mode == "partial" else None
+        clock.restart()
+        epoch_owners = owners(plan, PLAN_EPOCH, before)
+        clock.lap(f"{mode}: owners")
+        rank_order(plan, PLAN_EPOCH, PLAN_RANK, epoch_owners)
+        clock.lap(f"{mode}: rank order")
+    return clock.times
+
+
+def locality_stages(clock: Stages) -> None:
+    """``locality``'s whole plan, then :func:`rank_order` and :func:`locality_balance` alone."""
     settings = JobSettings(mode="locality", seed=1, batch_size=BATCH_SIZE, ranks_per_node=RANKS_PER_NODE)
     plan = JobPlan(settings, NUM_SAMPLES, NUM_NODES)
-    epoch_owners = owners(plan, epoch)
+    epoch_owners = owners(plan, PLAN_EPOCH)
     clock.lap("owners")
     locality_epoch = getattr(placement_api, "locality_epoch", None)
     if locality_epoch is None:  # a tree from before the shared split (--against): each call makes its own
-        rank_order(plan, epoch, rank, epoch_owners)
+        rank_order(plan, PLAN_EPOCH, PLAN_RANK, epoch_owners)
         clock.lap("API: rank_order")
-        locality_balance(plan, epoch)
+        locality_balance(plan, PLAN_EPOCH)
         clock.lap("API: locality_balance")
         clock.total("whole plan")
-    else:
-        split = locality_epoch(plan, epoch, epoch_owners)
-        clock.lap("split")
-        split.rank_order(rank)
-        clock.lap("rank order")
-        split.balance()
-        clock.lap("balance")
-        clock.total("whole plan")
-        clock.restart()
-        rank_order(plan, epoch, rank, epoch_owners)
-        clock.lap("API: rank_order")
-        locality_balance(plan, epoch)
-        clock.lap("API: locality_balance")
-    for mode in ("global", "local", "partial"):
-        plan = JobPlan(JobSettings(mode=mode, q=Q, seed=1, ranks_per_node=RANKS_PER_NODE), NUM_SAMPLES, NUM_NODES)
-        before = owners(plan, epoch - 1) if mode == "partial" else None
-        clock.restart()
-        epoch_owners = owners(plan, epoch, before)
-        clock.lap(f"{mode}: owners")
-        rank_order(plan, epoch, rank, epoch_owners)
-        clock.lap(f"{mode}: rank order")
-    return clock.times
+        return
+    split = locality_epoch(plan, PLAN_EPOCH, epoch_owners)
+    clock.lap("split")
+    split.rank_order(PLAN_RANK)
+    clock.lap("rank order")
+    split.balance()
+    clock.lap("balance")
+    clock.total("whole plan")
+    del split
+    clock.restart()
+    rank_order(plan, PLAN_EPOCH, PLAN_RANK, epoch_owners)
+    clock.lap("API: rank_order")
+    locality_balance(plan, PLAN_EPOCH)
+    clock.lap("API: locality_balance")
 
 
 def locality_plan(against: Path | None) -> None:
