@@ -1,7 +1,8 @@
-"""The one compiled part: dataquay.client._records, the per-sample loops of
-local hits and the framing of cache values. Optional: where it cannot be built
-(no C compiler, no Python headers) the install goes on without it and the
-client runs the same loops in Python (dataquay.client.record_loops).
+"""The compiled parts: dataquay.client._records, the per-sample loops of
+local hits and the framing of cache values, and dataquay.server._coding,
+UberShuffle's greedy. Optional: where they cannot be built (no C compiler, no
+Python headers) the install goes on without them and the same loops run in
+Python (dataquay.client.record_loops, dataquay.server._coding_py).
 
 Everything else is declared in pyproject.toml; setuptools reads extension
 modules from here (its pyproject.toml form is still experimental). xxHash is
@@ -31,6 +32,12 @@ setup(
             define_macros=macros,
             extra_compile_args=["-O3"],
             optional=True,
-        )
+        ),
+        Extension(
+            "dataquay.server._coding",
+            sources=["server/dataquay/server/_coding.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ]
 )

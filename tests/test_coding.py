@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dataquay.server.node.exchange import coding
 from dataquay.server.node.exchange.coding import (
     PFS,
     SCHEMES,
@@ -17,6 +21,7 @@ from dataquay.server.node.exchange.coding import (
     load,
     needs,
     plan,
+    uber_tables,
     xor_decode,
     xor_encode,
 )
@@ -24,6 +29,22 @@ from dataquay.server.node.exchange.coding import (
 # Seed 002's toy example, its ids shifted to start at 0 (nodes 1..3 -> 0..2, samples 1..9 -> 0..8).
 TOY_CACHES = [{2, 3, 4, 8}, {6, 7, 8, 9}, {1, 3, 4, 5}]
 TOY_NEEDS = [{3, 5, 8}, {1, 4, 9}, {2, 6, 7}]
+
+
+#: UberShuffle's greedy: the C extension's and Python's.
+GREEDIES = [pytest.param("_coding", id="c"), pytest.param("_coding_py", id="python")]
+
+
+@contextmanager
+def greedy_of(module: str) -> Iterator[None]:
+    """Plans with the greedy of ``dataquay.server.<module>`` meanwhile."""
+    loops = pytest.importorskip(f"dataquay.server.{module}", reason="installed without a C compiler")
+    saved = coding.greedy
+    coding.greedy = loops.greedy
+    try:
+        yield
+    finally:
+        coding.greedy = saved
 
 
 def toy() -> tuple[np.ndarray, np.ndarray]:
@@ -156,22 +177,48 @@ def shuffles(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
     return holder_bits([np.flatnonzero(row) for row in cached], num_samples), owners, data
 
 
+@pytest.mark.parametrize("module", GREEDIES)
 @settings(max_examples=150, deadline=None)
 @given(shuffles())
 def test_every_scheme_delivers_exactly_what_each_node_lacks_and_uber_sends_fewest(
-    shuffle: tuple[np.ndarray, np.ndarray, list[bytes]],
+    module: str, shuffle: tuple[np.ndarray, np.ndarray, list[bytes]],
 ) -> None:
     holders, owners, data = shuffle
     counts = []
     sizes = np.array([len(d) for d in data], dtype=np.int64)
-    for scheme in SCHEMES:
-        packets = plan(holders, owners, scheme, sizes)
-        assert_decodable(holders, owners, packets, data)
-        counts.append(len(packets))
+    with greedy_of(module):
+        for scheme in SCHEMES:
+            packets = plan(holders, owners, scheme, sizes)
+            assert_decodable(holders, owners, packets, data)
+            counts.append(len(packets))
     assert counts[0] >= counts[1] >= counts[2]
 
 
-def test_more_nodes_than_a_bitset_word_decode_too_and_plan_alike_every_time() -> None:
+def overlapping(rng: np.random.Generator, num_nodes: int, num_samples: int, extra: int) -> tuple[np.ndarray, ...]:
+    """Caches of each node's old samples and ``extra`` more at random, and new owners."""
+    owners = rng.integers(0, num_nodes, num_samples)
+    caches = [np.union1d(np.flatnonzero(owners == m), rng.choice(num_samples, extra, replace=False))
+              for m in range(num_nodes)]
+    return holder_bits(caches, num_samples), rng.permutation(owners)
+
+
+def test_the_c_greedy_moves_every_sample_where_the_python_one_does() -> None:
+    rng = np.random.default_rng(16)
+    small = [overlapping(rng, int(rng.integers(3, 8)), int(rng.integers(5, 80)), int(rng.integers(0, 5)))
+             for _ in range(300)]
+    wide = overlapping(rng, 64, 20000, 1000)
+    for holders, owners in [toy(), *small, wide]:
+        need, num_nodes = needs(holders, owners), holders.shape[1] * 64
+        with greedy_of("_coding"):
+            compiled = uber_tables(holders, need, num_nodes)
+        with greedy_of("_coding_py"):
+            assert np.array_equal(compiled, uber_tables(holders, need, num_nodes))
+    with greedy_of("_coding"):  # the 64-node plan moves rows: a test of the moves, not only of Lee's tables
+        assert len(plan(*wide, "uber")) < len(plan(*wide, "coded"))
+
+
+@pytest.mark.parametrize("module", GREEDIES)
+def test_more_nodes_than_a_bitset_word_decode_too_and_plan_alike_every_time(module: str) -> None:
     rng = np.random.default_rng(3)
     num_nodes, num_samples = 130, 3000
     owners = rng.permutation(np.arange(num_samples) % num_nodes)
@@ -180,9 +227,27 @@ def test_more_nodes_than_a_bitset_word_decode_too_and_plan_alike_every_time() ->
     holders = holder_bits(caches, num_samples)
     new_owners = rng.permutation(owners)
     data = [rng.bytes(int(n)) for n in rng.integers(1, 9, num_samples)]
-    for scheme in SCHEMES:
-        packets = plan(holders, new_owners, scheme)
-        assert_decodable(holders, new_owners, packets, data)
-        # Every daemon plans for itself: the same caches and owners must give the same packets.
-        again = plan(holders.copy(), new_owners.copy(), scheme)
-        assert all(np.array_equal(getattr(packets, f), getattr(again, f)) for f in packets.__dataclass_fields__)
+    with greedy_of(module):
+        for scheme in SCHEMES:
+            packets = plan(holders, new_owners, scheme)
+            assert_decodable(holders, new_owners, packets, data)
+            # Every daemon plans for itself: the same caches and owners must give the same packets.
+            again = plan(holders.copy(), new_owners.copy(), scheme)
+            assert all(np.array_equal(getattr(packets, f), getattr(again, f)) for f in packets.__dataclass_fields__)
+
+
+def test_the_c_greedy_names_arrays_that_contradict_each_other() -> None:
+    loops = pytest.importorskip("dataquay.server._coding", reason="installed without a C compiler")
+    keys = np.array([[0b111], [0b011]], dtype=np.uint64)
+    # Table 0 = {0, 1, 2} holds one sample for node 2, table 1 = {0, 1} one for node 0; 1 = 0 less 2.
+    arrays = [np.array([0, 1, 2]), np.array([2, 0]), np.array([1, 1]), np.array([0, 1]), np.array([0, 1]),
+              np.array([0]), np.array([2]), np.array([1]), np.array([0, 1])]
+    loops.greedy(keys, *arrays)
+    with pytest.raises(ValueError, match="child is not a table"):
+        loops.greedy(keys, *arrays[:7], np.array([7]), arrays[8])
+    with pytest.raises(ValueError, match="decoder is not a member"):
+        loops.greedy(keys, arrays[0], np.array([5, 0]), *arrays[2:])
+    with pytest.raises(ValueError, match="outside order"):
+        loops.greedy(keys, *arrays[:4], np.array([0, 9]), *arrays[5:])
+    with pytest.raises(ValueError, match="64-bit integers"):
+        loops.greedy(keys, *arrays[:-1], np.zeros(2, dtype=np.int32))

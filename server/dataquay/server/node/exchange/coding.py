@@ -40,6 +40,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+try:
+    from dataquay.server._coding import greedy
+
+    #: Whether UberShuffle's greedy is the C extension's (else Python's, the same tables, slower).
+    COMPILED = True
+except ImportError:
+    from dataquay.server._coding_py import greedy
+
+    COMPILED = False
+
 #: Bits per word of a holder bitset.
 WORD_BITS = 64
 #: Sender of a packet, or source of a fetch, that is the PFS: no node caches the part.
@@ -239,31 +249,6 @@ def coded_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray
     return inverse.astype(np.int64)
 
 
-class _Columns:
-    """The column counts of the tables the greedy touches, built on first use
-    (from Python lists: the greedy reads a few at a time, where numpy's per-call cost dominates)."""
-
-    def __init__(self, group_decoder: np.ndarray, group_count: np.ndarray, table_start: np.ndarray,
-                 sizes: np.ndarray) -> None:
-        self._decoder, self._count = group_decoder.tolist(), group_count.tolist()
-        self._start, self._sizes = table_start.tolist(), sizes.tolist()
-        self._tables: dict[int, tuple[int, int, dict[int, int]]] = {}
-
-    def cols(self, table: int) -> dict[int, int]:
-        return self.table(table)[2]
-
-    def table(self, table: int) -> tuple[int, int, dict[int, int]]:
-        """``table``'s members less one, its rows and its columns. The rows are
-        what a child keeps: gap filling never changes them, and a child is
-        reduced itself only after its parents (a lower layer)."""
-        found = self._tables.get(table)
-        if found is None:
-            lo, hi = self._start[table], self._start[table + 1]
-            cols = dict(zip(self._decoder[lo:hi], self._count[lo:hi], strict=True))
-            found = self._tables[table] = (self._sizes[table] - 1, max(cols.values()), cols)
-        return found
-
-
 class _Initial:
     """The tables' columns before the greedy, to rule out in numpy the
     parents whose reduction would move nothing.
@@ -387,38 +372,21 @@ def uber_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
         return tables
     order, starts, g_decoder, g_count, table_start = _groups(tables, need.decoders, len(keys))
     sizes = _popcount(keys)
-    columns = _Columns(g_decoder, g_count, table_start, sizes)
     hashes = _set_hashes(keys)
     half_hashes = (_set_hashes(keys & _EVEN_BITS), _set_hashes(keys & ~_EVEN_BITS))
     group_table = np.repeat(np.arange(len(keys), dtype=np.int64), np.diff(table_start))
-    group_key = group_table * num_nodes + g_decoder
-    initial = _Initial(group_table, group_key, g_decoder, g_count, num_nodes)
-    moves: list[tuple[int, int, int, int]] = []
+    initial = _Initial(group_table, group_table * num_nodes + g_decoder, g_decoder, g_count, num_nodes)
+    edges: list[tuple[np.ndarray, ...]] = [(np.zeros(0, dtype=np.int64),) * 3]
     for size in range(int(sizes.max(initial=0)), 2, -1):
         lower = np.flatnonzero(sizes == size - 1)
         lower = lower[np.argsort(hashes[lower])]
         parent, member, child = _children(keys, hashes, lower, _candidates(half_hashes, sizes, size))
         kept = initial.may_move(parent, member, child)
-        parent, member, child = parent[kept], member[kept], child[kept]
-        bounds = np.flatnonzero(np.diff(parent, prepend=-1, append=-1)).tolist()
-        parents, members, kids = parent.tolist(), member.tolist(), child.tolist()
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-            moves += _reduce_table(parents[lo], dict(zip(members[lo:hi], kids[lo:hi], strict=True)), columns)
-    if not moves:
-        return tables
-    src, decoder, dst, count = (np.array(column, dtype=np.int64) for column in zip(*moves, strict=True))
-    src_group, dst_group = (_find(group_key, t * num_nodes + decoder) for t in (src, dst))
-    pools: dict[tuple[int, int], list[int]] = {}
-    lists = order.tolist(), starts.tolist(), g_count.tolist()
-    for move in zip(src.tolist(), dst.tolist(), decoder.tolist(), count.tolist(), src_group.tolist(),
-                    dst_group.tolist(), strict=True):
-        taken = _pool(pools, move[0], move[2], move[4], *lists)
-        given = _pool(pools, move[1], move[2], move[5], *lists)
-        given.extend(taken[len(taken) - move[3]:])
-        del taken[len(taken) - move[3]:]
+        edges.append((parent[kept], member[kept], child[kept]))
+    parent, member, child = (np.concatenate(column).astype(np.int64) for column in zip(*edges, strict=True))
     moved = tables.copy()
-    for (table, _), ids in pools.items():
-        moved[ids] = table
+    greedy(np.ascontiguousarray(keys), table_start.astype(np.int64), g_decoder.astype(np.int64),
+           g_count.astype(np.int64), order.astype(np.int64), starts.astype(np.int64), parent, member, child, moved)
     return moved
 
 
@@ -426,62 +394,6 @@ def _find(sorted_keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
     """The index of each wanted key in ``sorted_keys``, -1 where absent."""
     at = np.minimum(np.searchsorted(sorted_keys, wanted), len(sorted_keys) - 1)
     return np.where(sorted_keys[at] == wanted, at, -1)
-
-
-def _pool(pools: dict[tuple[int, int], list[int]], table: int, decoder: int, group: int, order: list[int],
-          starts: list[int], counts: list[int]) -> list[int]:
-    """The needed samples in (table, column) now: its group's at first (none if it had no group)."""
-    found = pools.get((table, decoder))
-    if found is None:
-        found = pools[(table, decoder)] = order[starts[group]:starts[group] + counts[group]] if (
-            group >= 0) else []
-    return found
-
-
-def _reduce_table(table: int, children: dict[int, int], columns: _Columns) -> list[tuple[int, int, int, int]]:
-    """Moves whole last rows of ``table`` into the gaps of its ``children``
-    (member left out -> child table) while they fit.
-
-    Of the children with a gap in a column, the greedy prefers one whose row
-    stays short of full: a row with an empty column is cached whole by that
-    column's node, which can send it without a fetch (the module's sender
-    rule), and then the one with the widest gap.
-
-    Returns:
-        the moves made, each (from table, column, to table, samples).
-    """
-    cols = columns.cols(table)
-    kids = [(member, child, *columns.table(child)) for member, child in children.items()]
-    moved: dict[tuple[int, int], int] = {}
-    rows = max(cols.values())
-    while rows:
-        targets = []
-        for column in [c for c, n in cols.items() if n == rows]:
-            room, best = (False, 0), None
-            for member, child, others, child_rows, child_cols in kids:
-                if member == column:
-                    continue
-                held = child_cols.get(column)
-                gap = child_rows - (held or 0)
-                if gap <= 0 or (room[0] and gap <= room[1]):
-                    continue
-                # Short of full: some other column of the child holds no more than this one.
-                short = len(child_cols) - (held is not None) < others or any(
-                    n <= (held or 0) for k, n in child_cols.items() if k != column)
-                key = (short, gap)
-                if key > room:
-                    room, best = key, (child, child_cols)
-            if best is None:
-                rows = 0
-                break
-            targets.append((column, *best))
-        else:
-            for column, child, child_cols in targets:
-                cols[column] -= 1
-                child_cols[column] = child_cols.get(column, 0) + 1
-                moved[(column, child)] = moved.get((column, child), 0) + 1
-            rows -= 1
-    return [(table, column, child, count) for (column, child), count in moved.items()]
 
 
 #: Encoding-table rules by scheme name: (holders, needs, num_nodes) -> table of each needed sample.

@@ -1,0 +1,377 @@
+/*
+ * UberShuffle's greedy (dataquay.server.node.exchange.coding.uber_tables) in
+ * C: at 256 nodes it visits 10^5 parent tables one at a time, each a few
+ * columns and children, which in Python bytecode costs seconds an epoch.
+ * Plain int64 arrays in, the moved tables written into an array out, the GIL
+ * released throughout. The same steps as dataquay.server._coding_py, so that
+ * both give the same tables (tests/test_coding.py runs both).
+ *
+ * A table's columns are its members, in ascending node order ("slots"): a
+ * column's count is 0 until a sample arrives in it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NUM_ARRAYS 10
+
+typedef struct {
+    int64_t *ids;   /* NULL: still the group's run of `order` */
+    int64_t len, cap;
+} Pool;
+
+typedef struct {
+    const uint64_t *keys;
+    int64_t tables, words;
+    const int64_t *table_start, *decoder, *count, *order, *starts, *parent, *member, *child;
+    int64_t groups, num_order, edges, num_out, slots;
+    int64_t *out;
+    /* built here */
+    int64_t *slot_start, *slot_node, *cnt, *rows0, *pool_lo;
+    Pool *pools;
+    int64_t *targets, *moved;   /* (parent slot, child slot) pairs; moved has a count too */
+    int64_t moved_cap;
+    const char *error;
+} Greedy;
+
+static int64_t
+find_slot(const Greedy *g, int64_t table, int64_t node)
+{
+    int64_t lo = g->slot_start[table], hi = g->slot_start[table + 1];
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (g->slot_node[mid] < node)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < g->slot_start[table + 1] && g->slot_node[lo] == node ? lo : -1;
+}
+
+static int
+build_slots(Greedy *g)
+{
+    int64_t t, w, slots = 0;
+    for (t = 0; t < g->tables * g->words; t++)
+        slots += __builtin_popcountll(g->keys[t]);
+    g->slot_start = malloc((g->tables + 1) * sizeof(int64_t));
+    g->slot_node = malloc((slots + 1) * sizeof(int64_t));
+    g->cnt = calloc(slots + 1, sizeof(int64_t));
+    g->pool_lo = calloc(slots + 1, sizeof(int64_t));
+    g->rows0 = calloc(g->tables + 1, sizeof(int64_t));
+    g->pools = calloc(slots + 1, sizeof(Pool));
+    g->slots = slots;
+    if (!g->slot_start || !g->slot_node || !g->cnt || !g->pool_lo || !g->rows0 || !g->pools)
+        return -1;
+    slots = 0;
+    for (t = 0; t < g->tables; t++) {
+        g->slot_start[t] = slots;
+        for (w = 0; w < g->words; w++) {
+            uint64_t bits = g->keys[t * g->words + w];
+            while (bits) {
+                g->slot_node[slots++] = w * 64 + __builtin_ctzll(bits);
+                bits &= bits - 1;
+            }
+        }
+    }
+    g->slot_start[g->tables] = slots;
+    for (t = 0; t < g->tables; t++) {
+        int64_t k;
+        if (g->table_start[t] < 0 || g->table_start[t] > g->table_start[t + 1] || g->table_start[t + 1] > g->groups) {
+            g->error = "table_start is not ascending within the groups";
+            return 0;
+        }
+        for (k = g->table_start[t]; k < g->table_start[t + 1]; k++) {
+            int64_t s = find_slot(g, t, g->decoder[k]);
+            if (s < 0) {
+                g->error = "a group's decoder is not a member of its table";
+                return 0;
+            }
+            if (g->count[k] < 1 || g->starts[k] < 0 || g->starts[k] > g->num_order - g->count[k]) {
+                g->error = "a group's run is outside order";
+                return 0;
+            }
+            g->cnt[s] = g->count[k];
+            g->pool_lo[s] = g->starts[k];
+            g->pools[s].len = g->count[k];
+            if (g->count[k] > g->rows0[t])
+                g->rows0[t] = g->count[k];
+        }
+    }
+    return 1;
+}
+
+/* The pool of slot s as its own array, with room for `more` ids. */
+static int
+pool_reserve(Greedy *g, int64_t s, int64_t more)
+{
+    Pool *p = &g->pools[s];
+    if (p->ids && p->len + more <= p->cap)
+        return 1;
+    int64_t cap = p->len + more < 8 ? 8 : 2 * (p->len + more);
+    int64_t *ids = p->ids ? realloc(p->ids, cap * sizeof(int64_t)) : malloc(cap * sizeof(int64_t));
+    if (!ids)
+        return -1;
+    if (!p->ids && p->len)
+        memcpy(ids, g->order + g->pool_lo[s], p->len * sizeof(int64_t));
+    p->ids = ids;
+    p->cap = cap;
+    return 1;
+}
+
+/* Moves the last `count` ids of slot src's pool to the end of slot dst's. */
+static int
+move_tail(Greedy *g, int64_t src, int64_t dst, int64_t count)
+{
+    if (count > g->pools[src].len) {
+        g->error = "a move takes more samples than its column holds";
+        return 0;
+    }
+    if (pool_reserve(g, src, 0) < 0 || pool_reserve(g, dst, count) < 0)
+        return -1;
+    Pool *from = &g->pools[src], *to = &g->pools[dst];
+    memcpy(to->ids + to->len, from->ids + from->len - count, count * sizeof(int64_t));
+    to->len += count;
+    from->len -= count;
+    return 1;
+}
+
+/* Is some column of the child's slots [lo, hi) but `skip` no fuller than `held`? */
+static int
+short_of_full(const Greedy *g, int64_t lo, int64_t hi, int64_t skip, int64_t held)
+{
+    for (int64_t u = lo; u < hi; u++)
+        if (u != skip && g->cnt[u] <= held)
+            return 1;
+    return 0;
+}
+
+/* _reduce_table of coding_py for the parent of edges [lo, hi); its moves applied to the pools. */
+static int
+reduce_table(Greedy *g, int64_t lo, int64_t hi)
+{
+    int64_t p = g->parent[lo], s, k, m, rows = 0, nmoved = 0;
+    int64_t first = g->slot_start[p], last = g->slot_start[p + 1];
+    int64_t need = 3 * (last - first) * (hi - lo);
+    if (need > g->moved_cap) {
+        int64_t *moved = realloc(g->moved, need * sizeof(int64_t));
+        int64_t *targets = realloc(g->targets, 2 * (last - first) * (hi - lo) * sizeof(int64_t) + 2);
+        if (moved)
+            g->moved = moved;
+        if (targets)
+            g->targets = targets;
+        if (!moved || !targets)
+            return -1;
+        g->moved_cap = need;
+    }
+    for (k = lo; k < hi; k++) {
+        if (g->child[k] < 0 || g->child[k] >= g->tables) {
+            g->error = "an edge's child is not a table";
+            return 0;
+        }
+    }
+    for (s = first; s < last; s++)
+        if (g->cnt[s] > rows)
+            rows = g->cnt[s];
+    while (rows) {
+        int64_t nt = 0, stuck = 0;
+        for (s = first; s < last && !stuck; s++) {
+            if (g->cnt[s] != rows)
+                continue;
+            int64_t column = g->slot_node[s], best = -1, best_short = 0, best_gap = 0;
+            for (k = lo; k < hi; k++) {
+                int64_t c = g->child[k];
+                if (g->member[k] == column)
+                    continue;
+                int64_t cs = find_slot(g, c, column);
+                if (cs < 0) {
+                    g->error = "a child lacks a member of its parent other than the one left out";
+                    return 0;
+                }
+                int64_t held = g->cnt[cs], gap = g->rows0[c] - held;
+                if (gap <= 0)
+                    continue;
+                int64_t is_short = short_of_full(g, g->slot_start[c], g->slot_start[c + 1], cs, held);
+                if (is_short > best_short || (is_short == best_short && gap > best_gap)) {
+                    best_short = is_short;
+                    best_gap = gap;
+                    best = cs;
+                }
+            }
+            if (best < 0)
+                stuck = 1;
+            else {
+                g->targets[2 * nt] = s;
+                g->targets[2 * nt + 1] = best;
+                nt++;
+            }
+        }
+        if (stuck)
+            break;
+        for (int64_t i = 0; i < nt; i++) {
+            int64_t from = g->targets[2 * i], to = g->targets[2 * i + 1];
+            g->cnt[from]--;
+            g->cnt[to]++;
+            for (m = 0; m < nmoved; m++)
+                if (g->moved[3 * m] == from && g->moved[3 * m + 1] == to)
+                    break;
+            if (m == nmoved) {
+                g->moved[3 * m] = from;
+                g->moved[3 * m + 1] = to;
+                g->moved[3 * m + 2] = 0;
+                nmoved++;
+            }
+            g->moved[3 * m + 2]++;
+        }
+        rows--;
+    }
+    for (m = 0; m < nmoved; m++) {
+        int done = move_tail(g, g->moved[3 * m], g->moved[3 * m + 1], g->moved[3 * m + 2]);
+        if (done <= 0)
+            return done;
+    }
+    return 1;
+}
+
+static int
+run(Greedy *g)
+{
+    int done = build_slots(g);
+    if (done <= 0)
+        return done;
+    for (int64_t lo = 0, hi; lo < g->edges; lo = hi) {
+        if (g->parent[lo] < 0 || g->parent[lo] >= g->tables) {
+            g->error = "an edge's parent is not a table";
+            return 0;
+        }
+        for (hi = lo + 1; hi < g->edges && g->parent[hi] == g->parent[lo]; hi++)
+            ;
+        done = reduce_table(g, lo, hi);
+        if (done <= 0)
+            return done;
+    }
+    for (int64_t t = 0; t < g->tables; t++) {
+        for (int64_t s = g->slot_start[t]; s < g->slot_start[t + 1]; s++) {
+            const Pool *p = &g->pools[s];
+            for (int64_t i = 0; p->ids && i < p->len; i++) {
+                if (p->ids[i] < 0 || p->ids[i] >= g->num_out) {
+                    g->error = "order names a sample outside out";
+                    return 0;
+                }
+                g->out[p->ids[i]] = t;
+            }
+        }
+    }
+    return 1;
+}
+
+static void
+release(Greedy *g)
+{
+    for (int64_t s = 0; g->pools && s < g->slots; s++)
+        free(g->pools[s].ids);
+    free(g->pools);
+    free(g->slot_start);
+    free(g->slot_node);
+    free(g->cnt);
+    free(g->rows0);
+    free(g->pool_lo);
+    free(g->targets);
+    free(g->moved);
+}
+
+static int
+is_int64(const Py_buffer *view)
+{
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    return view->itemsize == 8 && f[0] && !f[1] && strchr("qQlL", f[0]) != NULL;
+}
+
+PyDoc_STRVAR(greedy_doc,
+"greedy(keys, table_start, decoders, counts, order, starts, parents, members, children, out, /) -> None\n\n"
+"UberShuffle's moves of rows down the table DAG, applied to ``out`` (each\n"
+"needed sample's table, on entry Lee et al.'s): see dataquay.server._coding_py.greedy.\n\n"
+"Raises ValueError for arrays that are not int64 (keys: uint64) or that\n"
+"contradict each other.");
+
+static PyObject *
+greedy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer views[NUM_ARRAYS];
+    int got = 0, done = 0;
+    Greedy g;
+    memset(&g, 0, sizeof(g));
+    if (nargs != NUM_ARRAYS) {
+        PyErr_Format(PyExc_TypeError, "greedy takes %d arrays, not %zd", NUM_ARRAYS, nargs);
+        return NULL;
+    }
+    for (; got < NUM_ARRAYS; got++) {
+        int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (got == NUM_ARRAYS - 1 ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(args[got], &views[got], flags) < 0)
+            goto fail;
+        if (!is_int64(&views[got])) {
+            got++;
+            PyErr_Format(PyExc_ValueError, "greedy's array %d is not of 64-bit integers", got - 1);
+            goto fail;
+        }
+    }
+    g.keys = views[0].buf;
+    g.table_start = views[1].buf;
+    g.decoder = views[2].buf;
+    g.count = views[3].buf;
+    g.order = views[4].buf;
+    g.starts = views[5].buf;
+    g.parent = views[6].buf;
+    g.member = views[7].buf;
+    g.child = views[8].buf;
+    g.out = views[9].buf;
+    g.tables = views[1].len / 8 - 1;
+    g.groups = views[2].len / 8;
+    g.num_order = views[4].len / 8;
+    g.edges = views[6].len / 8;
+    g.num_out = views[9].len / 8;
+    if (g.tables < 0 || views[3].len != views[2].len || views[5].len != views[2].len || views[7].len != views[6].len
+        || views[8].len != views[6].len || (g.tables && (views[0].len / 8) % g.tables)
+        || (!g.tables && views[0].len)) {
+        PyErr_SetString(PyExc_ValueError, "greedy's arrays disagree on the numbers of tables, groups or edges");
+        goto fail;
+    }
+    g.words = g.tables ? views[0].len / 8 / g.tables : 0;
+    Py_BEGIN_ALLOW_THREADS
+    done = run(&g);
+    Py_END_ALLOW_THREADS
+    if (done < 0)
+        PyErr_NoMemory();
+    else if (!done)
+        PyErr_SetString(PyExc_ValueError, g.error);
+fail:
+    release(&g);
+    while (got--)
+        PyBuffer_Release(&views[got]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"greedy", (PyCFunction)(void (*)(void))greedy, METH_FASTCALL, greedy_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef coding_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "dataquay.server._coding",
+    .m_doc = "UberShuffle's greedy of dataquay.server.node.exchange.coding, in C.",
+    .m_size = 0,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC
+PyInit__coding(void)
+{
+    return PyModuleDef_Init(&coding_module);
+}

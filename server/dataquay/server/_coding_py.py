@@ -1,0 +1,141 @@
+"""UberShuffle's greedy in Python, for an install where the C extension
+``_coding`` was not built: the same tables, slower (bench/coded_planning.py).
+The arrays are those of :func:`dataquay.server.node.exchange.coding.uber_tables`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+WORD_BITS = 64
+
+
+def greedy(keys: np.ndarray, table_start: np.ndarray, group_decoder: np.ndarray, group_count: np.ndarray,
+           order: np.ndarray, starts: np.ndarray, parent: np.ndarray, member: np.ndarray, child: np.ndarray,
+           out: np.ndarray) -> None:
+    """Moves rows of tables into gaps of their children, and each moved sample's table into ``out``.
+
+    Args:
+        keys: each table's member bitset (uint64 rows).
+        table_start: each table's first (table, column) group, and one past
+            the last; groups are sorted by table, then decoder.
+        group_decoder: each group's column (decoder).
+        group_count: each group's samples.
+        order: the needed samples by (table, decoder); group g is
+            ``order[starts[g]:starts[g] + group_count[g]]``.
+        starts: each group's first position in ``order``.
+        parent, member, child: the DAG's edges (child = parent less member),
+            in the order the parents are reduced: by layer from the largest
+            tables down, each parent's edges together.
+        out: each needed sample's table, Lee et al.'s on entry.
+    """
+    sizes = np.bitwise_count(keys).sum(axis=1).astype(np.int64)
+    columns = _Columns(group_decoder, group_count, table_start, sizes)
+    moves: list[tuple[int, int, int, int]] = []
+    bounds = np.flatnonzero(np.diff(parent, prepend=-1, append=-1)).tolist()
+    parents, members, kids = parent.tolist(), member.tolist(), child.tolist()
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        moves += _reduce_table(parents[lo], dict(zip(members[lo:hi], kids[lo:hi], strict=True)), columns)
+    if not moves:
+        return
+    num_nodes = keys.shape[1] * WORD_BITS
+    group_key = np.repeat(np.arange(len(keys), dtype=np.int64), np.diff(table_start)) * num_nodes + group_decoder
+    src, decoder, dst, count = (np.array(column, dtype=np.int64) for column in zip(*moves, strict=True))
+    src_group, dst_group = (_find(group_key, t * num_nodes + decoder) for t in (src, dst))
+    pools: dict[tuple[int, int], list[int]] = {}
+    lists = order.tolist(), starts.tolist(), group_count.tolist()
+    for move in zip(src.tolist(), dst.tolist(), decoder.tolist(), count.tolist(), src_group.tolist(),
+                    dst_group.tolist(), strict=True):
+        taken = _pool(pools, move[0], move[2], move[4], *lists)
+        given = _pool(pools, move[1], move[2], move[5], *lists)
+        given.extend(taken[len(taken) - move[3]:])
+        del taken[len(taken) - move[3]:]
+    for (table, _), ids in pools.items():
+        out[ids] = table
+
+
+def _find(sorted_keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """The index of each wanted key in ``sorted_keys``, -1 where absent."""
+    at = np.minimum(np.searchsorted(sorted_keys, wanted), len(sorted_keys) - 1)
+    return np.where(sorted_keys[at] == wanted, at, -1)
+
+
+class _Columns:
+    """The column counts of the tables the greedy touches, built on first use
+    (from Python lists: the greedy reads a few at a time, where numpy's per-call cost dominates)."""
+
+    def __init__(self, group_decoder: np.ndarray, group_count: np.ndarray, table_start: np.ndarray,
+                 sizes: np.ndarray) -> None:
+        self._decoder, self._count = group_decoder.tolist(), group_count.tolist()
+        self._start, self._sizes = table_start.tolist(), sizes.tolist()
+        self._tables: dict[int, tuple[int, int, dict[int, int]]] = {}
+
+    def cols(self, table: int) -> dict[int, int]:
+        return self.table(table)[2]
+
+    def table(self, table: int) -> tuple[int, int, dict[int, int]]:
+        """``table``'s members less one, its rows and its columns. The rows are
+        what a child keeps: gap filling never changes them, and a child is
+        reduced itself only after its parents (a lower layer)."""
+        found = self._tables.get(table)
+        if found is None:
+            lo, hi = self._start[table], self._start[table + 1]
+            cols = dict(zip(self._decoder[lo:hi], self._count[lo:hi], strict=True))
+            found = self._tables[table] = (self._sizes[table] - 1, max(cols.values()), cols)
+        return found
+
+
+def _pool(pools: dict[tuple[int, int], list[int]], table: int, decoder: int, group: int, order: list[int],
+          starts: list[int], counts: list[int]) -> list[int]:
+    """The needed samples in (table, column) now: its group's at first (none if it had no group)."""
+    found = pools.get((table, decoder))
+    if found is None:
+        found = pools[(table, decoder)] = order[starts[group]:starts[group] + counts[group]] if (
+            group >= 0) else []
+    return found
+
+
+def _reduce_table(table: int, children: dict[int, int], columns: _Columns) -> list[tuple[int, int, int, int]]:
+    """Moves whole last rows of ``table`` into the gaps of its ``children``
+    (member left out -> child table) while they fit.
+
+    Of the children with a gap in a column, the greedy prefers one whose row
+    stays short of full: a row with an empty column is cached whole by that
+    column's node, which can send it without a fetch (the module's sender
+    rule), and then the one with the widest gap.
+
+    Returns:
+        the moves made, each (from table, column, to table, samples).
+    """
+    cols = columns.cols(table)
+    kids = [(member, child, *columns.table(child)) for member, child in children.items()]
+    moved: dict[tuple[int, int], int] = {}
+    rows = max(cols.values())
+    while rows:
+        targets = []
+        for column in [c for c, n in cols.items() if n == rows]:
+            room, best = (False, 0), None
+            for member, child, others, child_rows, child_cols in kids:
+                if member == column:
+                    continue
+                held = child_cols.get(column)
+                gap = child_rows - (held or 0)
+                if gap <= 0 or (room[0] and gap <= room[1]):
+                    continue
+                # Short of full: some other column of the child holds no more than this one.
+                short = len(child_cols) - (held is not None) < others or any(
+                    n <= (held or 0) for k, n in child_cols.items() if k != column)
+                key = (short, gap)
+                if key > room:
+                    room, best = key, (child, child_cols)
+            if best is None:
+                rows = 0
+                break
+            targets.append((column, *best))
+        else:
+            for column, child, child_cols in targets:
+                cols[column] -= 1
+                child_cols[column] = child_cols.get(column, 0) + 1
+                moved[(column, child)] = moved.get((column, child), 0) + 1
+            rows -= 1
+    return [(table, column, child, count) for (column, child), count in moved.items()]
