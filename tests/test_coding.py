@@ -243,7 +243,7 @@ def test_the_c_greedy_names_arrays_that_contradict_each_other() -> None:
     arrays = [np.array([0, 1, 2]), np.array([2, 0]), np.array([1, 1]), np.array([0, 1]), np.array([0, 1]),
               np.array([0]), np.array([2]), np.array([1]), np.array([0, 1])]
     loops.greedy(keys, *arrays)
-    with pytest.raises(ValueError, match="child is not a table"):
+    with pytest.raises(ValueError, match="parent or child is not a table"):
         loops.greedy(keys, *arrays[:7], np.array([7]), arrays[8])
     with pytest.raises(ValueError, match="decoder is not a member"):
         loops.greedy(keys, arrays[0], np.array([5, 0]), *arrays[2:])
