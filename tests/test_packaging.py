@@ -81,6 +81,8 @@ def test_without_a_c_compiler_the_install_runs_the_python_loops_and_says_so_once
         "value = records.encode_value(b'sample')\n"
         "assert bytes(records.decode_value(value)) == b'sample'\n"
         "assert records.stored_checksum(value) == records.checksum(b'sample')\n"
+        "from dataquay.server.node.exchange import coding\n"
+        "assert not coding.COMPILED and coding.__file__.startswith(sys.argv[1])\n"
         "print(dataquay.client.local.sample_keys([1, 2]))\n"
     )
     ran = subprocess.run(

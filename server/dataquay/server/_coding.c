@@ -346,12 +346,11 @@ greedy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     g.edges = views[6].len / 8;
     g.num_out = views[9].len / 8;
     if (g.tables < 0 || views[3].len != views[2].len || views[5].len != views[2].len || views[7].len != views[6].len
-        || views[8].len != views[6].len || (g.tables && (views[0].len / 8) % g.tables)
-        || (!g.tables && views[0].len)) {
+        || views[8].len != views[6].len || views[0].ndim != 2 || views[0].shape[0] != g.tables) {
         PyErr_SetString(PyExc_ValueError, "greedy's arrays disagree on the numbers of tables, groups or edges");
         goto fail;
     }
-    g.words = g.tables ? views[0].len / 8 / g.tables : 0;
+    g.words = views[0].shape[1];
     Py_BEGIN_ALLOW_THREADS
     done = run(&g);
     Py_END_ALLOW_THREADS

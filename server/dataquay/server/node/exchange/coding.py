@@ -366,7 +366,11 @@ def _children(keys: np.ndarray, hashes: np.ndarray, lower: np.ndarray, parents: 
 
 
 def uber_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
-    """``uber``: Lee et al.'s tables, then rows moved down the DAG into gaps (module docstring)."""
+    """``uber``: Lee et al.'s tables, then rows moved down the DAG into gaps (module docstring).
+
+    numpy finds the DAG's edges, layer by layer; the greedy, a parent at a
+    time (each one's choices depend on the gaps the ones before it filled),
+    runs in the C extension where it was built (:data:`COMPILED`)."""
     keys, tables = _unique_rows(_table_keys(holders, need))
     if not len(keys):
         return tables
