@@ -198,7 +198,9 @@ class RemoteReader:
         A payload whose checksum fails is asked for once more inline before
         the read fails: a segment is never trusted over the bytes themselves.
         """
-        with self._segments.segment() as seg:
+        # The daemon places each payload at a 64-byte boundary.
+        nbytes = int(dataset.manifest.sample_length[ids].sum()) + 64 * len(ids)
+        with self._segments.segment(nbytes) as seg:
             try:
                 out, bad = self._read_daemon_once(dataset, ids, seg, epoch)
             except DaemonUnavailableError:

@@ -12,7 +12,12 @@ daemon that cannot use a segment (another host, another user, a restart) just
 answers inline, and the client then makes a new one next time.
 
 One segment serves one call at a time; a process has as many as it has
-concurrent calls, each created on first need.
+concurrent calls, each created on first need and sized to what that call
+reads (a power of two of at least 1 MiB, at most DATAQUAY_SHM_BYTES): a
+sealed segment's pages are all allocated when it is made, which costs about
+2 ms per MiB, so a process's first read does not pay for 64 MiB it may never
+use. A call that needs more than a free segment holds replaces it with a
+larger one.
 """
 
 from __future__ import annotations
@@ -35,9 +40,10 @@ log = logging.getLogger("dataquay.client")
 
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^dataquay-(\d{1,10})-[A-Za-z0-9_]{1,32}$")
-#: Bytes of one segment (DATAQUAY_SHM_BYTES); samples beyond it come inline.
-#: Pages are only allocated as a reply touches them.
+#: Most bytes of one segment (DATAQUAY_SHM_BYTES); samples beyond it come inline.
 DEFAULT_SEGMENT_BYTES = 64 << 20
+#: The smallest segment made, so that small reads do not each grow it a little.
+MIN_SEGMENT_BYTES = 1 << 20
 
 
 def segment_pid(name: str) -> int | None:
@@ -123,10 +129,14 @@ class SegmentPool:
         if not self._broken:
             remove_stale_segments()
 
+    def size_for(self, nbytes: int) -> int:
+        """The size of a segment made for a call that reads ``nbytes``."""
+        return min(self.size, max(MIN_SEGMENT_BYTES, 1 << max(nbytes - 1, 0).bit_length()))
+
     @contextmanager
-    def segment(self) -> Iterator[Segment | MemfdSegment | None]:
-        """A segment for one call, or None where shared memory cannot be used."""
-        seg = self._take()
+    def segment(self, nbytes: int = 0) -> Iterator[Segment | MemfdSegment | None]:
+        """A segment for one call that reads ``nbytes``, or None where shared memory cannot be used."""
+        seg = self._take(self.size_for(nbytes))
         try:
             yield seg
         finally:
@@ -146,26 +156,34 @@ class SegmentPool:
             for seg in segments:
                 seg.close()
 
-    def _take(self) -> Segment | MemfdSegment | None:
+    def _take(self, size: int) -> Segment | MemfdSegment | None:
+        """A free segment of at least ``size`` bytes, else a new one of ``size``
+        (a smaller free one is dropped, so a process keeps one per concurrent call)."""
+        outgrown = None
         with self._lock:
             if self._pid != os.getpid():
                 # A forked child: the parent's segments are the parent's.
                 self._pid, self._free = os.getpid(), []
             if self._broken:
                 return None
+            for i, seg in enumerate(self._free):
+                if seg.size >= size:
+                    return self._free.pop(i)
             if self._free:
-                return self._free.pop()
-        sealed = self._memfd_segment()
+                outgrown = self._free.pop()
+        if outgrown is not None:
+            outgrown.close()
+        sealed = self._memfd_segment(size)
         if sealed is not None:
             return sealed
         try:
-            return Segment(self.size)
+            return Segment(size)
         except OSError as exc:
             log.warning("shared memory unavailable (%s); samples come through the socket", exc)
             self._broken = True
             return None
 
-    def _memfd_segment(self) -> MemfdSegment | None:
+    def _memfd_segment(self, size: int) -> MemfdSegment | None:
         """A sealed memfd segment the daemon mapped, or None to use /dev/shm:
         for good where the daemon refuses them, this time only where it cannot
         be reached (restarting), is busy with other clients' segments, or
@@ -175,7 +193,7 @@ class SegmentPool:
             return None  # an older daemon, or one reached over TCP
         try:
             check_daemon_socket(fd_socket)
-            return MemfdSegment(self.size, fd_socket, self._token)
+            return MemfdSegment(size, fd_socket, self._token)
         except (SegmentRefusedError, CredentialsError) as exc:
             log.warning("sealed shared memory refused (%s); samples come through /dev/shm", exc)
             self._fd_socket = None
