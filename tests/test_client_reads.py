@@ -25,6 +25,7 @@ from dataquay.client.pfs import PfsReader
 from dataquay.client.records import checksum, frame_members
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.tools import synthetic
+from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.processes import DaemonProcess
 
 MiB = 1 << 20
@@ -497,3 +498,30 @@ def test_batches_read_the_next_epochs_first_batches_ahead_and_the_next_epoch_tak
     sampler.set_epoch(2)
     assert epoch(10) == files_bytes(0, sampler.indices().tolist(), (1500, 2500))
     reads_reach(100 + 32 + 50 + 20, "epoch 3's first batches were read ahead")
+
+
+def own_memfd_sizes() -> list[int]:
+    """Bytes of each sealed memfd segment this process maps."""
+    lines = Path("/proc/self/maps").read_text().splitlines()
+    spans = [line.split()[0].split("-") for line in lines if f"/memfd:dataquay-{os.getpid()} " in line]
+    return [int(end, 16) - int(start, 16) for start, end in spans]
+
+
+def test_a_rank_reads_its_first_batches_once_it_joins_a_job_of_a_known_batch_size(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    local = cluster(1)
+    synthetic.make_files_dataset(tmp_path / "imgs", 50, sizes=(1500, 2500))
+    add(local.daemons[0], "imgs", tmp_path / "imgs")
+    with dq.connect(local.daemons[0].address, timeout=10) as client:
+        ds = client.dataset("imgs")
+        sampler = ds.sampler(job="run-1", mode="global", batch_size=16, rank=0, world_size=1)
+        # Nothing asked for yet: the first 2 batches are read in the background,
+        # through one segment sized to a batch, not to DATAQUAY_SHM_BYTES.
+        wait_until(lambda: sum(client.stats().samples.values()) == 32, "the first batches were read at join")
+        assert own_memfd_sizes() == [MiB]
+        assert [s for b in ds.batches(sampler, 16) for s in b] == files_bytes(0, sampler.indices().tolist(),
+                                                                            (1500, 2500))
+        # The epoch took them over: 50 samples read, and epoch 1's first 32 ahead.
+        wait_until(lambda: sum(client.stats().samples.values()) >= 82, "epoch 1's first batches were read ahead")
+        assert sum(client.stats().samples.values()) == 82

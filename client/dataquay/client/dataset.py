@@ -42,6 +42,8 @@ log = logging.getLogger("dataquay.client")
 
 #: Samples fetched per request when iterating over a whole dataset.
 ITER_BATCH = 256
+#: Batches of its first epoch a rank reads once it has joined a job that names its batch size.
+JOIN_READ_AHEAD = 2
 
 
 class Dataset(Sequence[bytes]):
@@ -217,6 +219,12 @@ class Dataset(Sequence[bytes]):
         so misses go to the samples' owners. Settings left None take the
         job's values; a given one that differs from them is refused.
 
+        Where the job names a batch size, a background thread then reads the
+        first 2 batches of the sampler's epoch (as :meth:`batches` would
+        read ahead), so that the first epoch does not begin by waiting for
+        this process's first read: :meth:`batches` takes them over when it
+        reads that epoch from its start in batches of that size.
+
         Args:
             job: the cluster job id; default DATAQUAY_JOB.
             mode: placement mode of a new job (``global``).
@@ -314,7 +322,9 @@ class Dataset(Sequence[bytes]):
         next call takes them over if it reads that epoch from its start with
         the same sampler and batch size, and drops them otherwise. Reads for
         a job name their epoch, so the daemon serves them from what it fetched
-        ahead for it. ``prefetch=0`` reads each batch when it is asked for.
+        ahead for it; a job's first epoch is read ahead as soon as the sampler is
+        made (:meth:`sampler`). ``prefetch=0`` reads each batch when it is
+        asked for.
         A pass that ends is recorded in ``Client.stats().epochs``. The sampler's
         cursor moves with the batches handed out, so a checkpoint taken
         between two of them resumes at the next.
@@ -329,7 +339,7 @@ class Dataset(Sequence[bytes]):
         epoch = sampler.epoch
         ids = sampler.remaining()
         chunks = _chunked(ids, batch_size)
-        if carried is not None and not carried.carries(sampler, epoch, chunks):
+        if carried is not None and not (prefetch and carried.carries(sampler, epoch, chunks)):
             carried.close()
             carried = None
         read = self._reader(sampler, epoch)
@@ -384,6 +394,20 @@ class Dataset(Sequence[bytes]):
             joined, job_plan(joined, self._manifest), rank=rank, world_size=world_size, reporter=self._client
         )
         self._job = spec.job_id
+        batch_size = sampler.plan.settings.batch_size
+        if self._carried is not None:
+            self._carried.close()
+            self._carried = None
+        if batch_size:
+            # The first read of a process makes its connection's shared-memory
+            # segment; this pays for it, and reads the epoch's first batches,
+            # while the trainer builds its model and waits for the other ranks.
+            self._carried = _Prefetcher(
+                self._fetch, self._stats, [], JOIN_READ_AHEAD,
+                then=_Upcoming(
+                    sampler, sampler.epoch, batch_size, JOIN_READ_AHEAD, self._reader(sampler, sampler.epoch)
+                ),
+            )
         placed_on, runs_on = joined.spec.nodes[sampler.node], self._client.info.node
         if runs_on and placed_on != runs_on:
             log.warning(
