@@ -203,14 +203,53 @@ def test_a_trainer_gets_peer_payloads_forwarded_into_its_segment_as_they_arrive(
 ) -> None:
     for name, value in secured.node_env(0).items():
         monkeypatch.setenv(name, value)
-    forwarded_before = stats(secured, 0).bulk.forwarded_samples
+    before = stats(secured, 0).bulk
     with dq.connect() as client:
         ds = client.dataset("imgs")
         ds.sampler(job="j", rank=0, world_size=2)
         assert ds.get_batch(list(range(N))) == [sample_bytes(0, i, SIZE) for i in range(N)]
         peer = client.stats().samples["peer"]
     assert peer > 0
-    assert stats(secured, 0).bulk.forwarded_samples - forwarded_before == peer
+    after = stats(secured, 0).bulk
+    assert after.forwarded_samples - before.forwarded_samples == peer
+    # The client's segment is a sealed memfd: every peer payload was received straight into it.
+    assert after.in_place_samples - before.in_place_samples == peer
+
+
+def test_a_peer_payload_corrupt_on_the_wire_never_reaches_the_trainer(
+    cluster: Callable[..., LocalCluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    local = cluster(2)
+    staged(local, make_files_dataset(tmp_path / "pfs", N, sizes=(SIZE,)))
+    payloads = [sample_bytes(0, i, SIZE) for i in range(N)]
+    # n1 serves its values from its cache's map unchecked (the receiver checks): every copy of
+    # every payload in its cache file is flipped, so each one it sends fails its checksum in place.
+    data_file = local.daemons[1].cache_dir / "data.mdb"
+    raw = data_file.read_bytes()
+    flipped = 0
+    with open(data_file, "r+b") as f:
+        for payload in payloads:
+            at = raw.find(payload[:64])
+            while at >= 0:
+                f.seek(at + 10)
+                f.write(bytes([raw[at + 10] ^ 0xFF]))
+                flipped += 1
+                at = raw.find(payload[:64], at + 1)
+    assert flipped > 0
+    for name, value in local.node_env(0).items():
+        monkeypatch.setenv(name, value)
+    with dq.connect() as client:
+        ds = client.dataset("imgs")
+        ds.sampler(job="j", rank=0, world_size=2)
+        assert ds.get_batch(list(range(N))) == payloads
+        tiers = client.stats().samples
+    assert tiers["peer"] == 0 and tiers["pfs"] > 0
+    after = stats(local, 0).bulk
+    assert after.in_place_samples == after.forwarded_samples == 0 and after.fetched_samples == 0
+    metrics = urllib.request.urlopen(local.daemons[0].metrics_url, timeout=30).read().decode()
+    bad = sum(float(line.rpartition(" ")[2]) for line in metrics.splitlines()
+              if line.startswith("dataquay_peer_bad_checksums_total{"))
+    assert bad == tiers["pfs"], metrics
 
 
 def test_the_exchange_goes_over_the_bulk_path_byte_exact(

@@ -123,6 +123,8 @@ class Daemon(ServerLifecycle):
         self.bulk_address = ""
         #: Peer payloads written into trainers' segments as they arrived (see node/forward.py).
         self.forwarded_samples = 0
+        #: Of those, received from the peer straight into a sealed memfd segment.
+        self.in_place_samples = 0
         self.shm = ShmSegments()
         self.segment_socket: SegmentSocket | None = None
         self.behind = CacheBehind(self.datasets, self.store, self.pfs, self.shm, config.max_sample_size)

@@ -3,19 +3,28 @@
 A peer hit has two hops: the owner to this daemon, this daemon to its
 trainer. Gathering the whole batch before writing any of it into the
 trainer's segment makes a peer hit cost their sum. Instead each payload that
-lands from a peer is written into the segment at once (on the event loop,
-while the bulk thread receives the next), and the window's reply later names
-it by offset; only what was not forwarded is written when the window is
-answered. Every write goes through :class:`ShmSegments`' public API, one
-position moving through the segment for the whole reply.
+lands from a peer goes into the segment at once, and the window's reply
+later names it by offset; only what was not forwarded is written when the
+window is answered. One position moves through the segment for the whole
+reply.
+
+Into a sealed memfd segment, which the daemon has mapped and a store into
+which cannot fault (:mod:`.shm`), a bulk read receives each payload straight
+at its place (:meth:`ShmForward.place`, from the bulk thread), so that the
+kernel's copy out of the socket is the only copy of the peer's bytes on this
+node; its xxh3 is checked there, and a payload that fails it is never named
+in a reply (the bytes left in the segment are the trainer's to overwrite).
+Into a /dev/shm segment, which is written with ``pwrite`` only, each payload
+is received into a buffer and written on the event loop as it lands.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 from dataquay.server.node.reads import Served
-from dataquay.server.node.shm import ShmSegments
+from dataquay.server.node.shm import ShmSegments, aligned, place
 
 
 class ShmForward:
@@ -29,25 +38,64 @@ class ShmForward:
         #: Where each forwarded sample lies in the segment.
         self.placed: dict[int, int] = {}
         self.forwarded = 0
+        #: Of those, how many were received straight into the segment.
+        self.in_place = 0
+        self._mapping = shm.mapping(name)
+        self._receiving: dict[int, tuple[int, memoryview]] = {}
+        self._lock = threading.Lock()
+
+    def place(self, sample_id: int, length: int) -> memoryview | None:
+        """Room in a memfd segment for ``sample_id``'s payload to be received
+        into; None (a buffer of its own) for a /dev/shm segment, a sample
+        placed or being received already, or one that does not fit."""
+        mapping = self._mapping
+        if mapping is None:
+            return None
+        with self._lock:
+            if sample_id in self.placed or sample_id in self._receiving:
+                return None
+            offset = next(place([length], min(self.size, len(mapping)), self.at))
+            if offset is None:
+                return None
+            try:
+                view = memoryview(mapping)[offset : offset + length]
+            except ValueError:  # unmapped: the client let go of the segment
+                return None
+            self.at = aligned(offset + length)
+            self._receiving[sample_id] = (offset, view)
+            return view
 
     def arrived(self, landed: list[tuple[int, memoryview, int]]) -> None:
-        """Writes payloads as they land (their checksums were checked on arrival)."""
-        new = [(sample_id, payload) for sample_id, payload, _digest in landed if sample_id not in self.placed]
-        if not new:
-            return
-        offsets, self.at = self.shm.write(self.name, self.size, [payload for _, payload in new], self.at)
-        for (sample_id, _), offset in zip(new, offsets):
-            if offset is not None:
-                self.placed[sample_id] = offset
-                self.forwarded += 1
+        """Places payloads as they land (their checksums were checked on
+        arrival): those received in place by offset, the rest by a write."""
+        with self._lock:
+            new = []
+            for sample_id, payload, _digest in landed:
+                if sample_id in self.placed:
+                    continue
+                receiving = self._receiving.get(sample_id)
+                if receiving is not None and receiving[1] is payload:
+                    self.placed[sample_id] = receiving[0]
+                    self.forwarded += 1
+                    self.in_place += 1
+                else:
+                    new.append((sample_id, payload))
+            if not new:
+                return
+            offsets, self.at = self.shm.write(self.name, self.size, [payload for _, payload in new], self.at)
+            for (sample_id, _), offset in zip(new, offsets):
+                if offset is not None:
+                    self.placed[sample_id] = offset
+                    self.forwarded += 1
 
     def window(self, served: Sequence[Served]) -> list[int | None]:
         """The offset of each of a window's samples, writing those not forwarded
         yet; None for one that goes inline."""
-        offsets: list[int | None] = [self.placed.get(s.sample_id) for s in served]
-        rest = [k for k, offset in enumerate(offsets) if offset is None]
-        if rest:
-            written, self.at = self.shm.write(self.name, self.size, [served[k].data for k in rest], self.at)
-            for k, offset in zip(rest, written):
-                offsets[k] = offset
-        return offsets
+        with self._lock:
+            offsets: list[int | None] = [self.placed.get(s.sample_id) for s in served]
+            rest = [k for k, offset in enumerate(offsets) if offset is None]
+            if rest:
+                written, self.at = self.shm.write(self.name, self.size, [served[k].data for k in rest], self.at)
+                for k, offset in zip(rest, written):
+                    offsets[k] = offset
+            return offsets

@@ -14,7 +14,7 @@ fetch waits for its bytes before it asks, so that however many calls need
 the same peer, what they have asked for and not yet received stays bounded.
 
 A peer that advertises a bulk address is read over the bulk data path
-(:mod:`dataquay.server.node.bulk`), each payload handed to ``arrived`` as it
+(:mod:`dataquay.server.node.bulk`), each payload handed to a ``landing`` as it
 lands; a peer without one (an older daemon), or one whose bulk connection
 fails for any reason but its deadline, is read over gRPC, and its bulk
 address is left alone for BULK_RETRY_SECONDS, unless the peer itself (its
@@ -40,7 +40,7 @@ from dataquay.client.security import Credentials
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.limits import FETCHED_BYTES_PER_PEER, ByteBudgets
-from dataquay.server.node.bulk.client import Arrived, BulkClient, BulkRefusedError, BulkTimeoutError
+from dataquay.server.node.bulk.client import BulkClient, BulkRefusedError, BulkTimeoutError, Landing
 from dataquay.server.node.bulk.frames import BulkError
 
 log = logging.getLogger("dataquay.peers")
@@ -99,14 +99,14 @@ class Peers:
 
     async def fetch(
         self, node: str, address: str, dataset: str, manifest_id: str, ids: np.ndarray, lengths: np.ndarray,
-        registered: float = 0.0, bulk_address: str = "", arrived: Arrived | None = None,
+        registered: float = 0.0, bulk_address: str = "", landing: Landing | None = None,
     ) -> dict[int, tuple[bytes | memoryview, int]]:
         """The samples of ``ids`` that ``node`` holds: id -> (payload, checksum).
 
         ``lengths`` are the payload lengths of the dataset's samples (by id),
         as the manifest has them. ``registered`` is when the directory says
         the peer's daemon registered; ``bulk_address`` where its bulk listener
-        is ("" for none). ``arrived`` is called with each payload as it lands
+        is ("" for none). ``landing`` places and is handed each payload as it lands
         over the bulk path (the result holds them too). Never raises for a
         peer's failure: what did not arrive intact is simply absent from the
         result, for the caller to read elsewhere.
@@ -125,7 +125,7 @@ class Peers:
             if bulk_address and self.bulk is not None and self.bulk_usable(bulk_address):
                 try:
                     return await self._fetch_bulk(
-                        health, bulk_address, dataset, manifest_id, ids, lengths, nbytes, arrived)
+                        health, bulk_address, dataset, manifest_id, ids, lengths, nbytes, landing)
                 except BulkError as exc:
                     fresh = await self.rediscovered(node, address, bulk_address)
                     if not fresh:
@@ -133,7 +133,7 @@ class Peers:
                 if fresh:
                     try:
                         return await self._fetch_bulk(
-                            health, fresh, dataset, manifest_id, ids, lengths, nbytes, arrived)
+                            health, fresh, dataset, manifest_id, ids, lengths, nbytes, landing)
                     except BulkError as exc:
                         self.bulk_failed(fresh, node, exc)
             return await self._fetch(health, address, dataset, manifest_id, ids, lengths, nbytes)
@@ -142,14 +142,14 @@ class Peers:
 
     async def _fetch_bulk(
         self, health: PeerHealth, address: str, dataset: str, manifest_id: str, ids: np.ndarray,
-        lengths: np.ndarray, nbytes: int, arrived: Arrived | None,
+        lengths: np.ndarray, nbytes: int, landing: Landing | None,
     ) -> dict[int, tuple[bytes | memoryview, int]]:
         """The samples over the bulk path; raises BulkError when it failed and gRPC should be asked."""
         assert self.bulk is not None
         started = time.monotonic()
         try:
             read = await self.bulk.read(
-                address, dataset, manifest_id, ids, lengths, batch_deadline(self.timeout, nbytes), arrived
+                address, dataset, manifest_id, ids, lengths, batch_deadline(self.timeout, nbytes), landing
             )
         except BulkTimeoutError as exc:
             self._failed(health, address, "DEADLINE_EXCEEDED", str(exc), started)

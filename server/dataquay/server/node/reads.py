@@ -56,7 +56,7 @@ from dataquay.server.errors import (
 )
 from dataquay.server.limits import ByteBudget
 from dataquay.server.manifest_build import too_large
-from dataquay.server.node.bulk.client import Arrived
+from dataquay.server.node.bulk.client import Landing
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.metrics import DaemonMetrics
 from dataquay.server.node.overflow import OverflowPrefetcher
@@ -165,12 +165,12 @@ class ReadService:
         job: str = "",
         peer: bool = False,
         budget: ByteBudget | None = None,
-        arrived: Arrived | None = None,
+        landing: Landing | None = None,
         epoch: int | None = None,
     ) -> AsyncGenerator[Window, None]:
         """The samples of ``ids`` in request order, a window at a time, for
         ``job``'s ``epoch`` where it is within one of the job's (see :meth:`_placement`);
-        ``arrived`` is handed each payload from a peer as it lands, before
+        ``landing`` places and is handed each payload from a peer as it lands, before
         its window is complete.
 
         Raises before the first window for a bad request (SampleTooLargeError
@@ -195,14 +195,14 @@ class ReadService:
 
         def resolve(k: int) -> Awaitable[Window]:
             distinct, index = plans[k]
-            return self._window(entry, distinct, index.ravel(), placement, peer, arrived)
+            return self._window(entry, distinct, index.ravel(), placement, peer, landing)
 
         async for window in _ahead_by_one(resolve, held, budget):
             yield window
 
     async def _window(
         self, entry: Registered, ids: np.ndarray, index: np.ndarray, placement: Placement | None, peer: bool,
-        arrived: Arrived | None = None,
+        landing: Landing | None = None,
     ) -> Window:
         """The samples of the distinct ``ids`` of one window."""
         db = entry.record.cache_db
@@ -218,7 +218,7 @@ class ReadService:
             fetched.update(await self.overflow.take(entry, placement, ids, misses))
             misses = _not_in(misses, fetched)
         if placement is not None and len(misses):
-            fetched.update(await self._from_owners(entry, placement, placement.sources, misses, arrived))
+            fetched.update(await self._from_owners(entry, placement, placement.sources, misses, landing))
             misses = _not_in(misses, fetched)
         if placement is not None and placement.owners_move and len(misses):
             fetched.update(await self._from_other_holders(entry, placement, misses))
@@ -329,7 +329,7 @@ class ReadService:
 
     async def _from_owners(
         self, entry: Registered, placement: Placement, epoch_owners: np.ndarray, misses: np.ndarray,
-        arrived: Arrived | None = None,
+        landing: Landing | None = None,
     ) -> dict[int, tuple[str, bytes | memoryview, int]]:
         """What the owners of ``misses`` (in ``epoch_owners``) hold, fetched from all of them at once."""
         assert self.peers is not None and self.placements is not None
@@ -344,7 +344,7 @@ class ReadService:
             calls.append(
                 self.peers.fetch(node, address, entry.record.name, entry.record.manifest_id, ids,
                                  entry.manifest.sample_length, self.placements.link.registered_at(node),
-                                 self.placements.link.bulk_address_of(node), arrived)
+                                 self.placements.link.bulk_address_of(node), landing)
             )
         out: dict[int, tuple[str, bytes | memoryview, int]] = {}
         for got in await asyncio.gather(*calls):

@@ -63,7 +63,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         async with status_on_error(context):
             windows = self.daemon.reads.read(
                 request.dataset, ids, request.manifest_id, request.job, request.peer, self._budget(context),
-                forward.arrived if forward is not None else None,
+                forward,
                 epoch=request.epoch if request.HasField("epoch") else None,
             )
             async with aclosing(windows):
@@ -76,6 +76,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                     del window  # not held while the next one is resolved
         if forward is not None:
             self.daemon.forwarded_samples += forward.forwarded
+            self.daemon.in_place_samples += forward.in_place
         self._latency.labels("Read").observe(time.perf_counter() - started)
 
     def _budget(self, context: grpc.aio.ServicerContext) -> ByteBudget | None:
@@ -203,6 +204,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 refused_connections=d.bulk.refused if d.bulk else 0,
                 fallbacks=d.peers.bulk_fallbacks,
                 forwarded_samples=d.forwarded_samples,
+                in_place_samples=d.in_place_samples,
                 exchange_samples=d.bulk.exchange_samples if d.bulk else 0,
             ),
             cache_behind=state.cache_behind.proto(),

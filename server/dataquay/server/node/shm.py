@@ -135,11 +135,23 @@ class ShmSegments:
         return name
 
     def drop(self, name: str) -> None:
-        """Unmaps memfd segment ``name`` (its client let go of it, or room is needed)."""
+        """Unmaps memfd segment ``name`` (its client let go of it, or room is needed).
+
+        A read still receiving into it holds views of its mapping
+        (:mod:`.forward`): the mapping then goes with the last of them."""
         held = self._maps.pop(name, None)
         if held is not None:
-            held.map.close()
+            try:
+                held.map.close()
+            except BufferError:
+                pass
             held.on_drop()
+
+    def mapping(self, name: str) -> mmap.mmap | None:
+        """The daemon's mapping of memfd segment ``name``; None for a /dev/shm
+        segment or one not mapped. A store into it cannot fault (see above)."""
+        held = self._maps.get(name)
+        return held.map if held is not None else None
 
     def _check_memfd(self, fd: int, size: int) -> None:
         """Refuses anything but a memfd of the kernel's shared memory of
@@ -223,7 +235,7 @@ class ShmSegments:
             log.warning("cannot write to a shared memory segment; answering inline",
                         extra={"fields": {"segment": name, "error": str(exc)}})
             return inline, start
-        return offsets, _aligned(end)
+        return offsets, aligned(end)
 
     def _write_mapped(
         self, name: str, size: int, payloads: Sequence[bytes | memoryview], start: int
@@ -238,7 +250,7 @@ class ShmSegments:
             if offset is not None:
                 end = offset + len(payload)
                 held.map[offset:end] = payload
-        return offsets, _aligned(end)
+        return offsets, aligned(end)
 
     def read_own(self, name: str, size: int, offset: int, length: int) -> bytes | None:
         """The ``length`` bytes at ``offset`` of segment ``name`` (``size``
@@ -292,10 +304,10 @@ def place(payload_sizes: Iterable[int], capacity: int, start: int = 0) -> Iterat
             yield None
             continue
         yield pos
-        pos = _aligned(pos + size)
+        pos = aligned(pos + size)
 
 
-def _aligned(offset: int) -> int:
+def aligned(offset: int) -> int:
     return (offset + ALIGN - 1) // ALIGN * ALIGN
 
 

@@ -1,11 +1,13 @@
 """Reads from peers' bulk listeners (:mod:`.server`), a few connections kept per peer.
 
 A read runs in a thread of its own pool: it sends the request and receives
-each payload with ``recv_into`` straight into a buffer of the length the
-manifest gives (one per sample: a buffer for a whole batch of large samples
-would be past glibc's mmap threshold, :mod:`dataquay.client.malloc`, and
-page-fault afresh every batch), checks its xxh3 once, and hands it
-to ``arrived`` on the event loop, so that the caller can pass it on while the
+each payload with ``recv_into`` straight into where its caller wants it (the
+:class:`Landing`'s place: a trainer's sealed segment, so that the kernel's
+copy out of the socket is the only one) or else into a buffer of the length
+the manifest gives (one per sample: a buffer for a whole batch of large
+samples would be past glibc's mmap threshold, :mod:`dataquay.client.malloc`,
+and page-fault afresh every batch), checks its xxh3 once, there, and hands it
+to the landing's ``arrived`` on the event loop, so that the caller can pass it on while the
 rest of the batch is still on the wire: what landed while the loop was busy
 goes in one call, so a busy loop is woken once, not once per payload. A frame that names an id
 not asked for, or a length other than the manifest's, ends the connection:
@@ -24,6 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -53,8 +56,18 @@ THREADS = 16
 #: Time to connect and finish the handshake.
 CONNECT_SECONDS = 5.0
 
-#: Called on the event loop with payloads that arrived intact: [(id, payload, checksum)].
-Arrived = Callable[[list[tuple[int, memoryview, int]]], None]
+
+class Landing(Protocol):
+    """Where a read's payloads go as they come off the wire."""
+
+    def place(self, sample_id: int, length: int) -> memoryview | None:
+        """A writable view of ``length`` bytes to receive ``sample_id`` into,
+        or None for a buffer of its own. Called from a bulk thread."""
+
+    def arrived(self, landed: list[tuple[int, memoryview, int]]) -> None:
+        """Called on the event loop with payloads that arrived intact:
+        [(id, payload, checksum)], each payload the view ``place`` gave or
+        a buffer of its own. One that failed its checksum is never handed over."""
 
 
 class BulkRefusedError(BulkError):
@@ -96,7 +109,7 @@ class BulkClient:
 
     async def read(
         self, address: str, dataset: str, manifest_id: str, ids: np.ndarray, lengths: np.ndarray,
-        deadline: float, arrived: Arrived | None = None,
+        deadline: float, landing: Landing | None = None,
     ) -> BulkRead:
         """The samples of ``ids`` that the peer at ``address`` holds.
 
@@ -111,11 +124,11 @@ class BulkClient:
         lock = threading.Lock()
 
         def drain() -> None:
-            assert arrived is not None
+            assert landing is not None
             with lock:
                 batch = landed[:]
                 landed.clear()
-            arrived(batch)
+            landing.arrived(batch)
 
         def hand_over(sample_id: int, payload: memoryview, digest: int) -> None:
             with lock:
@@ -126,7 +139,7 @@ class BulkClient:
 
         return await loop.run_in_executor(
             self.threads, self._read, address, request, ids, lengths, time.monotonic() + deadline,
-            hand_over if arrived is not None else None,
+            hand_over if landing is not None else None, landing.place if landing is not None else None,
         )
 
     def close(self) -> None:
@@ -140,10 +153,11 @@ class BulkClient:
     def _read(
         self, address: str, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
         arrived: Callable[[int, memoryview, int], None] | None,
+        place: Callable[[int, int], memoryview | None] | None,
     ) -> BulkRead:
         sock, reused = self._take(address, end)
         try:
-            out = self._exchange(sock, request, ids, lengths, end, arrived)
+            out = self._exchange(sock, request, ids, lengths, end, arrived, place)
         except TimeoutError:
             sock.close()
             raise BulkTimeoutError(f"bulk read from {address} missed its deadline") from None
@@ -152,7 +166,7 @@ class BulkClient:
             if not reused:
                 raise
             # The peer closed an idle connection (restarted, or it idled out): once more, on a new one.
-            return self._read_new(address, request, ids, lengths, end, arrived)
+            return self._read_new(address, request, ids, lengths, end, arrived, place)
         except BaseException:
             sock.close()
             raise
@@ -162,10 +176,11 @@ class BulkClient:
     def _read_new(
         self, address: str, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
         arrived: Callable[[int, memoryview, int], None] | None,
+        place: Callable[[int, int], memoryview | None] | None,
     ) -> BulkRead:
         sock = self._connect(address, end)
         try:
-            out = self._exchange(sock, request, ids, lengths, end, arrived)
+            out = self._exchange(sock, request, ids, lengths, end, arrived, place)
         except TimeoutError:
             sock.close()
             raise BulkTimeoutError(f"bulk read from {address} missed its deadline") from None
@@ -178,6 +193,7 @@ class BulkClient:
     def _exchange(
         self, sock: socket.socket, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
         arrived: Callable[[int, memoryview, int], None] | None,
+        place: Callable[[int, int], memoryview | None] | None,
     ) -> BulkRead:
         wanted = np.unique(ids)
         expected = dict(zip(wanted.tolist(), lengths[wanted].tolist()))
@@ -208,7 +224,8 @@ class BulkClient:
             if status != OK or length != size:
                 raise BulkError(f"bad frame for sample {sample_id}: status {status}, {length} bytes "
                                 f"where the manifest says {size}")
-            payload = memoryview(bytearray(length))
+            target = place(sample_id, length) if place is not None else None
+            payload = target if target is not None else memoryview(bytearray(length))
             _recv(sock, payload, end)
             if checksum(payload) != digest:
                 out.bad_checksums += 1
