@@ -264,6 +264,7 @@ def bench_size(bulk: list[DaemonProcess], plain: list[DaemonProcess], base: Path
     row["peer_bulk_over_grpc"] = gbps["peer_bulk"] / gbps["peer_grpc"]
     row["rounds_GBps"] = rates
     row["forwarded_samples"] = counts.forwarded_samples
+    row["in_place_samples"] = counts.in_place_samples
     row["load_before"], row["load_after"] = load_before, load_after
     row["target"] = TARGET
     return row
