@@ -54,10 +54,10 @@ class ShmForward:
         with self._lock:
             if sample_id in self.placed or sample_id in self._receiving:
                 return None
-            offset = next(place([length], min(self.size, len(mapping)), self.at))
-            if offset is None:
-                return None
             try:
+                offset = next(place([length], min(self.size, len(mapping)), self.at))
+                if offset is None:
+                    return None
                 view = memoryview(mapping)[offset : offset + length]
             except ValueError:  # unmapped: the client let go of the segment
                 return None
