@@ -8,7 +8,6 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-from conftest import FAST_LEASES
 from polling import TIMEOUT_SECONDS
 from prometheus_client.parser import text_string_to_metric_families
 from test_directory import Stub, http_get, register
@@ -57,7 +56,7 @@ def test_registrations_within_a_heartbeat_period_are_one_version(
 def test_a_daemon_sees_a_node_join_and_leave_through_deltas_and_a_restarted_one_gets_the_whole_list(
     start_directory: Callable[..., DirectoryProcess], stub_for: Callable[..., Stub]
 ) -> None:
-    directory = start_directory(*FAST_LEASES)
+    directory = start_directory("--lease-seconds", "1", "--heartbeat-seconds", "0.2")
     stub = stub_for(directory)
 
     async def nothing() -> None:
