@@ -52,8 +52,10 @@ def test_a_cache_too_small_for_its_share_serves_the_rest_from_the_pfs_every_epoc
     assert all(0 < n < SAMPLES // NODES for n in held)
     with job.ranks() as group:
         job.run_epochs(group)
+    # The exchanges fill part of the reserve staging left free: the caches end holding a few more.
+    cached = max(sum(held), sum(job.stats(m).cache_entries for m in range(NODES)))
     for tiers in job.tiers:
-        assert tiers.get("local", 0) <= sum(held) and tiers.get("pfs", 0) >= SAMPLES - sum(held)
+        assert tiers.get("local", 0) + tiers.get("peer", 0) <= cached and tiers.get("pfs", 0) >= SAMPLES - cached
     # The PFS share stays level (before, it grew epoch after epoch).
     pfs = [tiers.get("pfs", 0) for tiers in job.tiers]
     assert max(pfs) <= 1.25 * min(pfs), pfs
