@@ -321,7 +321,8 @@ MODE_ARGS = {
 
 
 def rank_group(local: LocalCluster, tmp_path: Path) -> RankGroup:
-    envs = [local.rank_env(r, 2, JOB) for r in range(NODES * 2)]
+    # Nothing read ahead at join: each epoch's tiers count exactly its own reads.
+    envs = [{**local.rank_env(r, 2, JOB), "DATAQUAY_JOIN_READ_AHEAD": "0"} for r in range(NODES * 2)]
     return RankGroup(envs, "imgs", tmp_path / "ranks", batch=16, timeout=60)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 import queue
 import threading
 import time
@@ -44,6 +45,8 @@ log = logging.getLogger("dataquay.client")
 ITER_BATCH = 256
 #: Batches of its first epoch a rank reads once it has joined a job that names its batch size.
 JOIN_READ_AHEAD = 2
+#: Overrides JOIN_READ_AHEAD; 0 turns it off (for ranks that read through ``get_batch`` alone).
+JOIN_READ_AHEAD_ENV = "DATAQUAY_JOIN_READ_AHEAD"
 
 
 class Dataset(Sequence[bytes]):
@@ -398,15 +401,14 @@ class Dataset(Sequence[bytes]):
         if self._carried is not None:
             self._carried.close()
             self._carried = None
-        if batch_size:
+        read_ahead = _join_read_ahead()
+        if batch_size and read_ahead:
             # The first read of a process makes its connection's shared-memory
             # segment; this pays for it, and reads the epoch's first batches,
             # while the trainer builds its model and waits for the other ranks.
             self._carried = _Prefetcher(
-                self._fetch, self._stats, [], JOIN_READ_AHEAD,
-                then=_Upcoming(
-                    sampler, sampler.epoch, batch_size, JOIN_READ_AHEAD, self._reader(sampler, sampler.epoch)
-                ),
+                self._fetch, self._stats, [], read_ahead,
+                then=_Upcoming(sampler, sampler.epoch, batch_size, read_ahead, self._reader(sampler, sampler.epoch)),
             )
         placed_on, runs_on = joined.spec.nodes[sampler.node], self._client.info.node
         if runs_on and placed_on != runs_on:
@@ -624,3 +626,13 @@ class _Prefetcher:
         self._thread.join()
         if self._carried is not None:
             self._carried.close()
+
+
+def _join_read_ahead() -> int:
+    """Batches a rank reads once it has joined: JOIN_READ_AHEAD unless the environment says otherwise."""
+    raw = os.environ.get(JOIN_READ_AHEAD_ENV, "").strip()
+    if not raw:
+        return JOIN_READ_AHEAD
+    if not raw.isdigit():
+        raise ValueError(f"environment variable {JOIN_READ_AHEAD_ENV}={raw!r}: expected a number of batches, 0 or more")
+    return int(raw)
