@@ -237,7 +237,7 @@ def bench_size(
 
     def hop2() -> int:
         for b in local_batches:
-            shm_client.remote._read_daemon(shm_ds, b)
+            shm_client.remote._read_daemon(shm_ds, b, None)
         return len(local_batches) * BATCH
 
     def direct() -> int:

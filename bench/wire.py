@@ -226,7 +226,7 @@ def bench_size(bulk: list[DaemonProcess], plain: list[DaemonProcess], base: Path
     def hop2() -> int:
         for _ in range(PASSES):
             for b in local_batches:
-                bulk_client.remote._read_daemon(bulk_ds, b)
+                bulk_client.remote._read_daemon(bulk_ds, b, None)
         return PASSES * len(local_batches) * BATCH
 
     runs: dict[str, Callable[[], int]] = {
