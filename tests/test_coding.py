@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataquay.server.node.exchange import coding
+from dataquay.server.node.exchange.coded_packets import xor_decode, xor_encode
 from dataquay.server.node.exchange.coding import (
     PFS,
     SCHEMES,
@@ -22,8 +23,6 @@ from dataquay.server.node.exchange.coding import (
     needs,
     plan,
     uber_tables,
-    xor_decode,
-    xor_encode,
 )
 
 # Seed 002's toy example, its ids shifted to start at 0 (nodes 1..3 -> 0..2, samples 1..9 -> 0..8).

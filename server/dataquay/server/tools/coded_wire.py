@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from dataquay.server.node.exchange import coding
+from dataquay.server.node.exchange import coded_packets, coding
 from dataquay.server.node.exchange.mcast import Channel, MulticastEndpoint
 from dataquay.server.tools.spare_copies import balanced_owners
 
@@ -65,7 +65,7 @@ def setup(nodes: int, samples: int, mean_bytes: int, spares: int, scheme: str, s
         caches.append(np.union1d(owned, rng.choice(others, min(spares, len(others)), replace=False)))
     owners = balanced_owners(samples, nodes, rng)
     packets = coding.plan(coding.holder_bits(caches, samples), owners, scheme, sizes)
-    sent = coding.streams(packets)
+    sent = coded_packets.streams(packets)
     return Setup(sizes, caches, owners, packets, sent.senders, sent.groups, sent.members)
 
 
@@ -147,7 +147,7 @@ async def run_node(node: int, s: Setup, seed: int, endpoint: MulticastEndpoint, 
             if i in fetched:
                 await fetched[i].wait()
             parts = packets.samples[packets.start[i]:packets.start[i + 1]].tolist()
-            await endpoint.send(int(s.send_groups[i]), i, coding.xor_encode([cache[p] for p in parts]))
+            await endpoint.send(int(s.send_groups[i]), i, coded_packets.xor_encode([cache[p] for p in parts]))
         await endpoint.flush()
 
     async def receive_all() -> None:
@@ -162,7 +162,7 @@ async def run_node(node: int, s: Setup, seed: int, endpoint: MulticastEndpoint, 
             parts, decoders = packets.samples[lo:hi].tolist(), packets.decoders[lo:hi].tolist()
             mine = parts[decoders.index(node)]
             known = [cache[p] for p in parts if p != mine]
-            commit(mine, coding.xor_decode(packet, known, int(s.sizes[mine])))
+            commit(mine, coded_packets.xor_decode(packet, known, int(s.sizes[mine])))
 
     receiving = asyncio.create_task(receive_all())
     await send_all()

@@ -31,7 +31,7 @@ import xxhash
 
 from dataquay.client.records import CHECKSUM_BYTES, decode_value
 from dataquay.server.errors import DataquayError
-from dataquay.server.node.exchange import coding
+from dataquay.server.node.exchange import coded_packets, coding
 from dataquay.server.node.exchange.mcast import Channel, MulticastEndpoint, interface_mtu, payload_bytes
 from dataquay.server.node.exchange.receiver import ExchangeReceiver
 from dataquay.server.node.placements import Placement
@@ -136,7 +136,7 @@ async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: Excha
         log.info("coded exchange planned", extra={"fields": {
             "job": job, "epoch": after.epoch, "scheme": scheme, "packets": len(packets),
             "plan_seconds": round(time.monotonic() - started, 3)}})
-        sent = coding.streams(packets)
+        sent = coded_packets.streams(packets)
         sends = np.flatnonzero(sent.senders == me).tolist()
         for group, members in {int(sent.groups[i]): sent.members[i] for i in sends}.items():
             endpoint.open_group(base + 1 + group, members)
@@ -159,7 +159,7 @@ async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: Excha
 
 
 async def _run(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeReceiver, entry: Registered,
-               packets: coding.Packets, sent: coding.Streams, base: int, me: int, sends: list[int], expect: int,
+               packets: coding.Packets, sent: coded_packets.Streams, base: int, me: int, sends: list[int], expect: int,
                inbox: asyncio.Queue[tuple[int, int, int, bytes]], progress: CodedProgress) -> None:
     db, num_packets = entry.record.cache_db, len(packets)
     lengths = entry.manifest.sample_length.astype(np.int64) + CHECKSUM_BYTES
@@ -202,7 +202,7 @@ async def _run(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeRece
                 ids = packets.samples[packets.start[i]:packets.start[i + 1]].tolist()
                 held = [parts_of.get(sample, v) for sample, v in zip(ids, store.get_values(db, ids), strict=True)]
                 values = [v for v in held if v is not None]
-                value = coding.xor_encode(values) if len(values) == len(held) else None
+                value = coded_packets.xor_encode(values) if len(values) == len(held) else None
             if value is None:
                 continue  # deleted since the snapshot: the uncoded streams deliver it
             await endpoint.send(base + 1 + int(sent.groups[i]), i, value)
@@ -226,7 +226,7 @@ async def _run(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeRece
                 others = store.get_values(db, [p for p in parts if p != own])
                 known = [v for v in others if v is not None]
                 if len(known) == len(others):
-                    decoded(own, coding.xor_decode(packet, known, int(lengths[own])))
+                    decoded(own, coded_packets.xor_decode(packet, known, int(lengths[own])))
 
             await commit()
         await commit(force=True)
