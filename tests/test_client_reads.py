@@ -22,6 +22,7 @@ from polling import wait_until
 import dataquay.client as dq
 from dataquay.client.errors import PfsReadError, UnknownDatasetError
 from dataquay.client.pfs import PfsReader
+from dataquay.client.read_ahead import join_read_ahead
 from dataquay.client.records import checksum, frame_members
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.tools import synthetic
@@ -525,3 +526,14 @@ def test_a_rank_reads_its_first_batches_once_it_joins_a_job_of_a_known_batch_siz
         # The epoch took them over: 50 samples read, and epoch 1's first 32 ahead.
         wait_until(lambda: sum(client.stats().samples.values()) >= 82, "epoch 1's first batches were read ahead")
         assert sum(client.stats().samples.values()) == 82
+
+
+def test_bad_read_settings_in_the_environment_are_named(
+    daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DATAQUAY_JOIN_READ_AHEAD", "two")
+    with pytest.raises(ValueError, match="DATAQUAY_JOIN_READ_AHEAD='two': expected a number of batches"):
+        join_read_ahead()
+    monkeypatch.setenv("DATAQUAY_MISS_READS", "peers")
+    with pytest.raises(ValueError, match="DATAQUAY_MISS_READS='peers': use client or daemon"):
+        dq.connect(daemon.address, timeout=5).close()

@@ -291,6 +291,15 @@ def test_serve_refuses_a_taken_port(daemon: DaemonProcess, tmp_path: Path) -> No
     assert "cannot listen on" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_serve_refuses_a_bad_bulk_listen(tmp_path: Path) -> None:
+    result = run_cli(
+        "serve", "--socket", str(tmp_path / "s.sock"), "--listen", "127.0.0.1:0", "--metrics-port", "0",
+        "--state-dir", str(tmp_path / "state"), "--cache-dir", str(tmp_path / "cache"), "--bulk-listen", "nowhere",
+    )
+    assert result.returncode == 1
+    assert "bad --bulk-listen nowhere" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
 def test_cli_dataset_commands(daemon: DaemonProcess, pfs: tuple[Path, list[bytes]]) -> None:
     root, payloads = pfs
     env = {"DATAQUAY_ADDR": daemon.address}
