@@ -34,10 +34,21 @@ what it owns in epoch 1 (checked, committed to LMDB, acknowledged). The rate
 is the bytes sent over the daemon's own elapsed time. The raw TCP stream of
 the same round moves those bytes in batches of 64, as above. Rounds of the
 three take turns; node-1 loads the dataset before each round's clock starts.
-Its bound: "LMDB commit alone" writes the same values
-into a fresh LMDB environment in this process, as the daemon's writer does
-(putmulti, a transaction per 64 values, no sync), since the receiver
-acknowledges only what its cache committed.
+Its bounds, since the receiver acknowledges only what its cache committed,
+each writing the same values in this process, 64 values at a time:
+
+- LMDB commit alone: into a fresh LMDB environment as the daemon's writer did
+  before the cache file was allocated ahead (putmulti, a transaction per 64
+  values, no sync).
+- LMDB commit alone, writemap: the same into an environment opened with
+  ``writemap=True`` over a file allocated ahead (``fallocate``), as the
+  daemon's store does now (:mod:`dataquay.server.node.cache_file`).
+- page cache, mmap / pwrite: what any store must do at least, put the bytes
+  into the page cache of its file: a copy into a shared map of a file
+  allocated ahead, value by value, and one ``pwritev`` per 64 values into
+  such a file. No index, no checksum, no transaction.
+
+``BENCH_PARTS`` (``peer``, ``exchange``; both by default) runs a part alone.
 
 Rates are payload GB/s (10^9 bytes), each the median of ``REPEATS`` runs; the
 ratios are against the raw TCP stream of the same run. ``uptime``'s load
@@ -47,6 +58,7 @@ average before and after is recorded with the results (the machine is shared).
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import shutil
 import socket
@@ -305,11 +317,30 @@ def _exchanged(local: LocalCluster, n0: cache_pb2_grpc.CacheStub, label: str, ma
     return run.sent_bytes / run.elapsed_seconds, given
 
 
-def _lmdb_commit(home: Path, batches: list[np.ndarray], paths: list[str]) -> float:
-    """Bytes/s of committing the batches' values to a fresh LMDB environment, as the daemon's writer does."""
-    values = [[(i.to_bytes(8, "big"), encode_value(Path(paths[i]).read_bytes())) for i in b.tolist()] for b in batches]
-    nbytes = sum(len(v) - CHECKSUM_BYTES for batch in values for _, v in batch)
-    env = lmdb.open(str(home), map_size=4 << 30, sync=False, metasync=False, readahead=True, meminit=False, max_dbs=2)
+def _values(batches: list[np.ndarray], paths: list[str]) -> list[list[tuple[bytes, bytes]]]:
+    """The batches' (key, stored value) pairs, as the receiver's writer gets them."""
+    return [[(i.to_bytes(8, "big"), encode_value(Path(paths[i]).read_bytes())) for i in b.tolist()] for b in batches]
+
+
+def _payload_bytes(values: list[list[tuple[bytes, bytes]]]) -> int:
+    return sum(len(v) - CHECKSUM_BYTES for batch in values for _, v in batch)
+
+
+def _lmdb_commit(home: Path, values: list[list[tuple[bytes, bytes]]], writemap: bool = False) -> float:
+    """Bytes/s of committing the values to a fresh LMDB environment, a
+    transaction per batch, as the daemon's writer does; ``writemap`` over a
+    file allocated ahead, as the store opens it where it can."""
+    total = sum(len(v) for batch in values for _, v in batch)
+    map_size = 2 * total + (64 << 20)
+    # A new environment starts with the least map, so LMDB writes its meta
+    # pages; the file is then allocated ahead and the map grown over it.
+    env = lmdb.open(str(home), map_size=(64 << 10) if writemap else map_size, writemap=writemap, sync=False,
+                    metasync=False, readahead=True, meminit=False, max_dbs=2)
+    if writemap:
+        fd = os.open(home / "data.mdb", os.O_RDWR)
+        os.posix_fallocate(fd, 0, map_size)
+        os.close(fd)
+        env.set_mapsize(map_size)
     db = env.open_db(b"bench")
     started = time.perf_counter()
     for batch in values:
@@ -318,7 +349,35 @@ def _lmdb_commit(home: Path, batches: list[np.ndarray], paths: list[str]) -> flo
     elapsed = time.perf_counter() - started
     env.close()
     shutil.rmtree(home)
-    return nbytes / elapsed
+    return _payload_bytes(values) / elapsed
+
+
+def _page_cache(home: Path, values: list[list[tuple[bytes, bytes]]]) -> tuple[float, float]:
+    """Bytes/s of the least a store does: (a copy of each value into a shared
+    map of a file allocated ahead, a pwritev of each batch into such a file)."""
+    home.mkdir(parents=True, exist_ok=True)
+    total = sum(len(v) for batch in values for _, v in batch)
+    rates = []
+    for name in ("mmap", "pwrite"):
+        fd = os.open(home / name, os.O_RDWR | os.O_CREAT, 0o600)
+        os.posix_fallocate(fd, 0, total)
+        started = time.perf_counter()
+        offset = 0
+        if name == "mmap":
+            with mmap.mmap(fd, total) as mapped:
+                for batch in values:
+                    for _, value in batch:
+                        mapped[offset : offset + len(value)] = value
+                        offset += len(value)
+                elapsed = time.perf_counter() - started
+        else:
+            for batch in values:
+                offset += os.pwritev(fd, [value for _, value in batch], offset)
+            elapsed = time.perf_counter() - started
+        os.close(fd)
+        rates.append(_payload_bytes(values) / elapsed)
+    shutil.rmtree(home)
+    return rates[0], rates[1]
 
 
 def _started(home: Path, args: tuple[str, ...], tries: int = 3) -> LocalCluster:
@@ -338,7 +397,10 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
     root = base / "pfs" / label
     paths = sorted(str(p) for p in root.rglob("*.bin"))
     pairs = {"bulk": (), "grpc": ("--bulk-listen", "off")}
-    rates: dict[str, list[float]] = {"raw_tcp": [], "exchange_bulk": [], "exchange_grpc": [], "lmdb_commit": []}
+    rates: dict[str, list[float]] = {
+        name: [] for name in ("raw_tcp", "exchange_bulk", "exchange_grpc", "lmdb_commit", "lmdb_commit_writemap",
+                              "page_cache_mmap", "page_cache_pwrite")
+    }
     clusters: dict[str, LocalCluster] = {}
     try:
         for name, args in pairs.items():
@@ -367,7 +429,14 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
                 raw.batch(k, len(batches[k]) * size)
             rates["raw_tcp"].append(len(given) * size / (time.perf_counter() - started) / 1e9)
             raw.close()
-            rates["lmdb_commit"].append(_lmdb_commit(base / f"lmdb-{label}-{round_}", batches, paths) / 1e9)
+            values = _values(batches, paths)
+            rates["lmdb_commit"].append(_lmdb_commit(base / f"lmdb-{label}-{round_}", values) / 1e9)
+            rates["lmdb_commit_writemap"].append(
+                _lmdb_commit(base / f"lmdb-wm-{label}-{round_}", values, writemap=True) / 1e9)
+            mapped, written = _page_cache(base / f"page-cache-{label}-{round_}", values)
+            rates["page_cache_mmap"].append(mapped / 1e9)
+            rates["page_cache_pwrite"].append(written / 1e9)
+            del values
         load_after = _uptime()
         bulk_stats = [s.Stats(pb.StatsRequest()).bulk for s in (stubs["bulk"],)]
         assert not bulk_stats[0].fallbacks, "the bulk pair fell back to gRPC"
@@ -375,43 +444,58 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
         for local in clusters.values():
             local.down()
     gbps = {name: float(statistics.median(values)) for name, values in rates.items()}
-    return {
-        "size": label, "raw_tcp_GBps": gbps["raw_tcp"],
-        "exchange_grpc_GBps": gbps["exchange_grpc"], "exchange_grpc_ratio": gbps["exchange_grpc"] / gbps["raw_tcp"],
-        "exchange_bulk_GBps": gbps["exchange_bulk"], "exchange_bulk_ratio": gbps["exchange_bulk"] / gbps["raw_tcp"],
-        "bulk_over_grpc": gbps["exchange_bulk"] / gbps["exchange_grpc"],
-        "lmdb_commit_GBps": gbps["lmdb_commit"], "lmdb_commit_ratio": gbps["lmdb_commit"] / gbps["raw_tcp"],
-        "rounds_GBps": rates, "load_before": load_before, "load_after": load_after, "target": TARGET,
-    }
+    row: dict[str, object] = {"size": label, **{f"{name}_GBps": value for name, value in gbps.items()}}
+    for name in rates:
+        if name != "raw_tcp":
+            row[f"{name}_ratio"] = gbps[name] / gbps["raw_tcp"]
+    row["bulk_over_grpc"] = gbps["exchange_bulk"] / gbps["exchange_grpc"]
+    row.update(rounds_GBps=rates, load_before=load_before, load_after=load_after, target=TARGET)
+    return row
+
+
+def _bench_peers(base: Path, sizes: list[tuple[str, int]]) -> list[dict]:
+    """The peer-hit part: four daemons, each size in turn."""
+    rows = []
+    directory = DirectoryProcess(base / "directory", dataset_roots=(base,)).start()
+    processes: list[DaemonProcess] = []
+    try:
+        for name, extra in (("n0", ()), ("n1", ()), ("g0", ("--bulk-listen", "off")),
+                            ("g1", ("--bulk-listen", "off"))):
+            processes.append(DaemonProcess(
+                base / name, ("--directory", directory.address, "--node-name", name, *extra),
+                dataset_roots=(base,),
+            ).start())
+        for label, size in sizes:
+            rows.append(bench_size(processes[:2], processes[2:], base, label, size))
+    finally:
+        for process in [*processes, directory]:
+            process.kill()
+    return rows
 
 
 def main() -> None:
     tune_malloc()
     wanted = os.environ.get("BENCH_SIZES", ",".join(SIZES)).split(",")
+    parts = os.environ.get("BENCH_PARTS", "peer,exchange").split(",")
     rows = []
+    exchanges = []
     with tempfile.TemporaryDirectory(prefix="dq-bench-wire-") as tmp:
         base = Path(tmp)
-        directory = DirectoryProcess(base / "directory", dataset_roots=(base,)).start()
-        processes: list[DaemonProcess] = []
-        try:
-            for name, extra in (("n0", ()), ("n1", ()), ("g0", ("--bulk-listen", "off")),
-                                ("g1", ("--bulk-listen", "off"))):
-                processes.append(DaemonProcess(
-                    base / name, ("--directory", directory.address, "--node-name", name, *extra),
-                    dataset_roots=(base,),
-                ).start())
+        if "peer" in parts:
+            rows = _bench_peers(base, [(label, size) for label, size in SIZES.items() if label in wanted])
+        if "exchange" in parts:
             for label, size in SIZES.items():
                 if label in wanted:
-                    rows.append(bench_size(processes[:2], processes[2:], base, label, size))
-        finally:
-            for process in [*processes, directory]:
-                process.kill()
-        exchanges = [bench_exchange(base, label, size) for label, size in SIZES.items() if label in wanted]
+                    if not (base / "pfs" / label).exists():
+                        make_files_dataset(base / "pfs" / label, DATASET_BYTES // size, sizes=(size,))
+                    exchanges.append(bench_exchange(base, label, size))
     report(
         "wire_exchange",
         exchanges,
         ["size", "raw_tcp_GBps", "exchange_grpc_GBps", "exchange_grpc_ratio", "exchange_bulk_GBps",
-         "exchange_bulk_ratio", "bulk_over_grpc", "lmdb_commit_GBps", "lmdb_commit_ratio"],
+         "exchange_bulk_ratio", "bulk_over_grpc", "lmdb_commit_GBps", "lmdb_commit_ratio",
+         "lmdb_commit_writemap_GBps", "lmdb_commit_writemap_ratio", "page_cache_mmap_GBps", "page_cache_mmap_ratio",
+         "page_cache_pwrite_GBps", "page_cache_pwrite_ratio"],
     )
     report(
         "wire",
