@@ -8,6 +8,9 @@ after every commit and delete, and :class:`CacheSpace` keeps the account of
 what is used, reserved and free. A full file system is re-checked now and
 then, since space there may come back from outside the cache.
 
+The environment, its map and how the map grows over the cache file (allocated
+ahead, so that LMDB writes through the map) are :mod:`.cache_file`'s.
+
 Threading: LMDB allows one writer. All writes go through one writer task that
 batches queued values into large transactions run in a dedicated thread. The
 daemon's own reads are short and run on the event-loop thread, so the map can
@@ -21,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -33,9 +35,10 @@ import lmdb
 import numpy as np
 
 from dataquay.client.records import CHECKSUM_BYTES, decode_value, sample_key, stored_checksum
-from dataquay.server.dirs import FILE_MODE, close_to_others, ensure_private_dir
+from dataquay.server.dirs import ensure_private_dir
 from dataquay.server.errors import CacheWriterError, StartupError
-from dataquay.server.node.cache_dir import FileSystemRoom, lock_cache_dir
+from dataquay.server.node.cache_dir import lock_cache_dir
+from dataquay.server.node.cache_file import CacheFile, Growth
 from dataquay.server.node.cache_space import CacheSpace
 from dataquay.server.node.write_queue import PendingWrite, WriteQueue
 from dataquay.server.task_group import WRITER_NICENESS, lower_thread_priority
@@ -44,11 +47,6 @@ log = logging.getLogger("dataquay.store")
 
 MiB = 1 << 20
 _META_DB = b"__meta__"
-#: Named sub-databases: one per registered dataset (replaced ones are dropped).
-MAX_DATASETS = 1024
-#: Reader slots shared by the daemon and every client process on the node.
-MAX_READERS = 4096
-_INITIAL_MAP = 256 * MiB
 #: How far the map may grow beyond the capacity (at most; a 16th of a smaller
 #: cache) so that a delete in a full map finds the pages it needs, and a write
 #: whose room was reserved finds the pages LMDB keeps aside (those the last
@@ -71,6 +69,7 @@ class Store:
         self.write_errors = 0
         self.last_write_error = ""
         self._writer_stopped = False
+        self._file = CacheFile(self.path)
         self._env: lmdb.Environment | None = None
         self._lock_fd: int | None = None
         self._dbs: dict[bytes, lmdb._Database] = {}
@@ -82,7 +81,7 @@ class Store:
         )
         self._write_lock = asyncio.Lock()
         self._dirty = False
-        self._room = FileSystemRoom(self.path)
+        self._room = self._file.room
 
     # ----------------------------------------------------------- lifecycle
 
@@ -102,32 +101,10 @@ class Store:
             self._lock_fd = None
 
     def _open_env(self) -> None:
-        data_file = self.path / "data.mdb"
-        existing = data_file.stat().st_size if data_file.exists() else 0
         if not self.capacity:
-            free = shutil.disk_usage(self.path).free
-            self.space.capacity = int((free + existing) * 0.8)
-        map_size = max(existing, min(self.capacity, _INITIAL_MAP))
+            self.space.capacity = self._file.default_capacity()
         try:
-            self._env = lmdb.open(
-                str(self.path),
-                map_size=map_size,
-                max_dbs=MAX_DATASETS + 1,
-                max_readers=MAX_READERS,
-                # Durability comes from the PFS, not from fsync: a killed process
-                # loses nothing (the page cache holds every commit), and the
-                # periodic sync below bounds what a node crash can lose.
-                sync=False,
-                metasync=False,
-                readahead=True,
-                meminit=False,
-                mode=FILE_MODE,
-            )
-            for name in ("data.mdb", "lock.mdb"):
-                if existing:
-                    close_to_others(self.path / name)
-                else:
-                    (self.path / name).chmod(FILE_MODE)
+            self._env = self._file.open(self.capacity)
             meta = self._env.open_db(_META_DB)
             with self._env.begin(db=meta) as txn:
                 for key, value in txn.cursor():
@@ -136,7 +113,9 @@ class Store:
             for db_name in self._payload_bytes:
                 self._dbs[db_name] = self._env.open_db(db_name, create=False)
             self.space.live_bytes = self._count_live_bytes()
-        except lmdb.Error as exc:
+        except (lmdb.Error, OSError) as exc:
+            self._file.close()
+            self._env = None
             raise StartupError(f"cannot open the LMDB cache in {self.path}: {exc}") from exc
         if self.space.at_capacity:
             self._mark_full()
@@ -144,15 +123,18 @@ class Store:
     def close(self) -> None:
         """Syncs and closes; queued writes must have been flushed before."""
         self._writer.shutdown(wait=True)
-        if self._env is not None:
-            self._env.sync(True)
-            self._env.close()
-            self._env = None
+        self._file.close()
+        self._env = None
         self._unlock()
 
     @property
     def is_open(self) -> bool:
         return self._env is not None
+
+    @property
+    def writemap(self) -> bool:
+        """Whether LMDB writes through its map (see :mod:`.cache_file`)."""
+        return self._file.writemap
 
     @property
     def env(self) -> lmdb.Environment:
@@ -184,10 +166,12 @@ class Store:
             if not exists:
                 return 0
             await self.open_dataset(db)
-        handle = self._dbs.pop(name)
+        del self._dbs[name]
 
         def drop() -> int:
             with self.env.begin(write=True) as txn:
+                # Opened afresh: a drop that failed (a full map) closed the handle.
+                handle = self.env.open_db(name, txn=txn, create=False)
                 entries = int(txn.stat(handle)["entries"])
                 txn.drop(handle, delete=True)
                 txn.delete(name, db=self._meta)
@@ -397,13 +381,14 @@ class Store:
 
     async def _deleting(self, delete: Callable[[], int]) -> int:
         """Runs ``delete`` in the writer thread. A delete needs pages too (LMDB
-        copies what it changes): in a map filled to capacity it fails, so the
-        map grows by HOUSEKEEPING_BYTES at most, once, and it runs again."""
+        copies what it changes): in a full map it fails, so the map grows
+        once (past the capacity by HOUSEKEEPING_BYTES at most, into the file
+        system's last free bytes if need be), and it runs again."""
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._writer, delete)
         except lmdb.MapFullError:
-            if not self._grow(self._housekeeping_limit):
+            if self._file.grow(self._housekeeping_limit, slack=0) is not Growth.GREW:
                 raise
             return await loop.run_in_executor(self._writer, delete)
 
@@ -452,7 +437,7 @@ class Store:
                     batch = self._queue.take_batch()
                     try:
                         await self._commit_growing(loop, batch)
-                        self._grow_ahead()
+                        self._file.grow_ahead(self.capacity)
                     except Exception as exc:
                         self._write_failed(exc, len(batch))
                     finally:
@@ -500,9 +485,13 @@ class Store:
                 await loop.run_in_executor(self._writer, self._commit, batch)
                 return
             except lmdb.MapFullError:
-                if self._grow() or (all(w.reserved for w in batch) and self._grow(self._housekeeping_limit)):
+                grown = self._file.grow(self.capacity)
+                if grown is Growth.AT_LIMIT and all(w.reserved for w in batch):
+                    grown = self._file.grow(self._housekeeping_limit)
+                if grown is Growth.GREW:
                     continue
-                disk = False
+                # The file system had no room to allocate the map's growth.
+                disk = grown is Growth.NO_SPACE
             except lmdb.Error as exc:
                 if not self._room.failed_for_space(exc, sum(len(w.value) for w in batch)):
                     raise
@@ -515,25 +504,6 @@ class Store:
             half = len(batch) // 2
             await self._commit_growing(loop, batch[:half])
             batch = [w for w in batch[half:] if w.kept_when_full] if self.full else batch[half:]
-
-    def _grow_ahead(self) -> None:
-        """Grows the map before it fills, so no large transaction is redone."""
-        info = self.env.info()
-        used = (info["last_pgno"] + 1) * self.env.stat()["psize"]
-        if used > info["map_size"] // 2:
-            self._grow()
-
-    def _grow(self, limit: int | None = None) -> bool:
-        """Doubles the map up to ``limit`` (default the capacity); runs on the
-        loop thread (no open txn)."""
-        limit = self.capacity if limit is None else limit
-        current = self.env.info()["map_size"]
-        if current >= limit:
-            return False
-        new_size = min(limit, current * 2)
-        self.env.set_mapsize(new_size)
-        log.debug("grew the cache map", extra={"fields": {"map_bytes": new_size}})
-        return True
 
     def _mark_full(self, disk: bool = False, reserved: bool = False) -> None:
         was_full = self.full

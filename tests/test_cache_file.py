@@ -1,0 +1,118 @@
+"""The cache file is allocated ahead of LMDB's writes through its map: real
+file systems (a small tmpfs, a ramfs that cannot allocate ahead), real LMDB."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dataquay.client.records import encode_value
+from dataquay.server.node.cache_file import DATA_FILE, INITIAL_MAP
+from dataquay.server.node.store import Store
+from dataquay.server.node.write_queue import PendingWrite
+
+MiB = 1 << 20
+SAMPLES = 80
+VALUE = 100_000
+
+
+def mounted(path: Path, kind: str, *options: str) -> Iterator[Path]:
+    path.mkdir(parents=True)
+    done = subprocess.run(["mount", "-t", kind, *options, kind, str(path)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a {kind}: {done.stderr.decode().strip()}")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs (which allocates ahead), unmounted after the test."""
+    yield from mounted(tmp_path / "tmpfs", "tmpfs", "-o", "size=4m")
+
+
+@pytest.fixture
+def ramfs(tmp_path: Path) -> Iterator[Path]:
+    """A ramfs: fallocate answers EOPNOTSUPP there."""
+    yield from mounted(tmp_path / "ramfs", "ramfs")
+
+
+def allocated_whole(path: Path) -> bool:
+    st = os.stat(path)
+    return st.st_blocks * 512 >= st.st_size
+
+
+def with_store(path: Path, capacity: int, test: object) -> None:
+    async def run() -> None:
+        store = Store(path, capacity)
+        store.open()
+        await store.open_dataset("ds")
+        writer = asyncio.get_running_loop().create_task(store.run_writer())
+        try:
+            await test(store)  # type: ignore[operator]
+        finally:
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
+            store.close()
+
+    asyncio.run(run())
+
+
+async def fill(store: Store, first: int) -> np.ndarray:
+    """Offers SAMPLES values from ``first`` on; returns which the cache took."""
+    ids = np.arange(first, first + SAMPLES)
+    writes = (PendingWrite(b"ds", int(i), encode_value(bytes([int(i) % 251]) * VALUE)) for i in ids)
+    await store.committed(await store.put_all(writes))
+    return store.cached_mask("ds", ids)
+
+
+def test_the_map_is_allocated_ahead_and_what_is_allocated_is_not_counted_as_cached(tmp_path: Path) -> None:
+    async def test(store: Store) -> None:
+        data = store.path / DATA_FILE
+        assert store.writemap and store.env.info()["map_size"] == data.stat().st_size == INITIAL_MAP
+        assert allocated_whole(data)
+        assert store.usage() == (store.space.live_bytes, 0) and store.space.live_bytes < MiB
+        assert (await fill(store, 0)).all()
+        assert store.usage()[1] == SAMPLES and store.space.live_bytes < SAMPLES * VALUE * 1.1
+        assert store.get_values("ds", [3])[0] == encode_value(bytes([3]) * VALUE)
+
+    with_store(tmp_path / "cache", 1 << 30, test)
+
+
+def test_a_file_system_without_fallocate_gets_a_store_that_writes_without_writemap(ramfs: Path) -> None:
+    async def test(store: Store) -> None:
+        assert not store.writemap
+        assert (await fill(store, 0)).all()
+        assert store.get_values("ds", [5])[0] == encode_value(bytes([5]) * VALUE)
+
+    with_store(ramfs / "cache", 64 * MiB, test)
+
+
+def test_a_file_system_that_fills_stops_the_map_where_it_was_allocated_and_the_store_is_disk_full(
+    small_fs: Path,
+) -> None:
+    filler = small_fs / "filler"
+    filler.write_bytes(b"\0" * MiB)
+
+    async def test(store: Store) -> None:
+        data = store.path / DATA_FILE
+        assert store.writemap
+        fit = int((await fill(store, 0)).sum())
+        assert 0 < fit < SAMPLES
+        assert store.full and store.disk_full
+        # The map never reaches past what the file system gave the file.
+        assert store.env.info()["map_size"] == data.stat().st_size and allocated_whole(data)
+
+        filler.unlink()
+        store.recheck_space()
+        more = int((await fill(store, 1000)).sum())
+        assert more > 0 and store.usage()[1] == fit + more
+        assert store.env.info()["map_size"] == data.stat().st_size and allocated_whole(data)
+
+    with_store(small_fs / "cache", 64 * MiB, test)
