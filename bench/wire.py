@@ -49,6 +49,9 @@ each writing the same values in this process, 64 values at a time:
   such a file. No index, no checksum, no transaction.
 
 ``BENCH_PARTS`` (``peer``, ``exchange``; both by default) runs a part alone.
+``BENCH_BASELINE_SOURCE=DIR`` adds a third exchange pair whose daemons run
+from the source tree DIR (``git archive`` of an earlier commit: its protos,
+client and server folders), in the same rounds: a before/after figure.
 
 Rates are payload GB/s (10^9 bytes), each the median of ``REPEATS`` runs; the
 ratios are against the raw TCP stream of the same run. ``uptime``'s load
@@ -88,7 +91,7 @@ from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import StartupError
 from dataquay.server.node.bulk.client import BulkClient
-from dataquay.server.tools.local_cluster import LocalCluster
+from dataquay.server.tools.local_cluster import LocalCluster, NodeHost
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 
@@ -97,6 +100,8 @@ DATASET_BYTES = 128 * MiB
 PASSES = 2
 SIZES = {"110KiB": 110 * 1024, "1MiB": MiB}
 TARGET = 0.5
+#: A source tree the exchange's "before" pair runs from (see the docstring).
+BASELINE_SOURCE = os.environ.get("BENCH_BASELINE_SOURCE", "")
 _INDEX = struct.Struct("<Q")
 
 
@@ -380,13 +385,18 @@ def _page_cache(home: Path, values: list[list[tuple[bytes, bytes]]]) -> tuple[fl
     return rates[0], rates[1]
 
 
-def _started(home: Path, args: tuple[str, ...], tries: int = 3) -> LocalCluster:
-    """A two-node cluster, started again when its directory lost the race for
-    its heartbeat port (a UDP port of the TCP port's number, taken by another
-    process on a busy machine)."""
+def _started(home: Path, args: tuple[str, ...], source: str = "", tries: int = 3) -> LocalCluster:
+    """A two-node cluster (its daemons from the source tree ``source`` if
+    given), started again when its directory lost the race for its heartbeat
+    port (a UDP port of the TCP port's number, taken by another process on a
+    busy machine)."""
+    hosts = {}
+    if source:
+        path = os.pathsep.join(str(Path(source).resolve() / d) for d in ("protos", "client", "server"))
+        hosts = {i: NodeHost("127.0.0.1", ("env", f"PYTHONPATH={path}")) for i in range(2)}
     for attempt in range(tries):
         try:
-            return LocalCluster(home / str(attempt), 2, args, dataset_roots=(home.parent,)).start()
+            return LocalCluster(home / str(attempt), 2, args, dataset_roots=(home.parent,), node_hosts=hosts).start()
         except StartupError:
             if attempt == tries - 1:
                 raise
@@ -396,15 +406,17 @@ def _started(home: Path, args: tuple[str, ...], tries: int = 3) -> LocalCluster:
 def bench_exchange(base: Path, label: str, size: int) -> dict:
     root = base / "pfs" / label
     paths = sorted(str(p) for p in root.rglob("*.bin"))
-    pairs = {"bulk": (), "grpc": ("--bulk-listen", "off")}
+    pairs: dict[str, tuple[tuple[str, ...], str]] = {"bulk": ((), ""), "grpc": (("--bulk-listen", "off"), "")}
+    if BASELINE_SOURCE:
+        pairs["before"] = ((), BASELINE_SOURCE)
     rates: dict[str, list[float]] = {
-        name: [] for name in ("raw_tcp", "exchange_bulk", "exchange_grpc", "lmdb_commit", "lmdb_commit_writemap",
+        name: [] for name in ("raw_tcp", *(f"exchange_{p}" for p in pairs), "lmdb_commit", "lmdb_commit_writemap",
                               "page_cache_mmap", "page_cache_pwrite")
     }
     clusters: dict[str, LocalCluster] = {}
     try:
-        for name, args in pairs.items():
-            clusters[name] = _started(base / f"x-{name}-{label}", args)
+        for name, (args, source) in pairs.items():
+            clusters[name] = _started(base / f"x-{name}-{label}", args, source)
         stubs = {}
         for name, local in clusters.items():
             _channel, stub = _stub(str(local.daemons[0].ready["tcp"]))  # type: ignore[index]
@@ -449,6 +461,9 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
         if name != "raw_tcp":
             row[f"{name}_ratio"] = gbps[name] / gbps["raw_tcp"]
     row["bulk_over_grpc"] = gbps["exchange_bulk"] / gbps["exchange_grpc"]
+    if BASELINE_SOURCE:
+        row["bulk_over_before"] = gbps["exchange_bulk"] / gbps["exchange_before"]
+        row["baseline_source"] = BASELINE_SOURCE
     row.update(rounds_GBps=rates, load_before=load_before, load_after=load_after, target=TARGET)
     return row
 
@@ -493,7 +508,8 @@ def main() -> None:
         "wire_exchange",
         exchanges,
         ["size", "raw_tcp_GBps", "exchange_grpc_GBps", "exchange_grpc_ratio", "exchange_bulk_GBps",
-         "exchange_bulk_ratio", "bulk_over_grpc", "lmdb_commit_GBps", "lmdb_commit_ratio",
+         "exchange_bulk_ratio", "bulk_over_grpc", "exchange_before_GBps", "exchange_before_ratio", "bulk_over_before",
+         "lmdb_commit_GBps", "lmdb_commit_ratio",
          "lmdb_commit_writemap_GBps", "lmdb_commit_writemap_ratio", "page_cache_mmap_GBps", "page_cache_mmap_ratio",
          "page_cache_pwrite_GBps", "page_cache_pwrite_ratio"],
     )
