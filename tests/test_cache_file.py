@@ -13,7 +13,15 @@ import numpy as np
 import pytest
 
 from dataquay.client.records import encode_value
-from dataquay.server.node.cache_file import DATA_FILE, INITIAL_MAP
+from dataquay.server.node.cache_file import (
+    COPY_ON_WRITE,
+    DATA_FILE,
+    INITIAL_MAP,
+    Allocation,
+    file_system_type,
+    grown_size,
+    writes_through_map,
+)
 from dataquay.server.node.store import Store
 from dataquay.server.node.write_queue import PendingWrite
 
@@ -83,6 +91,22 @@ def test_the_map_is_allocated_ahead_and_what_is_allocated_is_not_counted_as_cach
         assert store.get_values("ds", [3])[0] == encode_value(bytes([3]) * VALUE)
 
     with_store(tmp_path / "cache", 1 << 30, test)
+
+
+def test_writemap_only_over_a_file_allocated_ahead_whose_blocks_take_their_overwrites(tmp_path: Path) -> None:
+    here = file_system_type(tmp_path)
+    assert here and writes_through_map(Allocation.DONE, here) == (here not in COPY_ON_WRITE)
+    btrfs = next(magic for magic, name in COPY_ON_WRITE.items() if name == "btrfs")
+    assert not writes_through_map(Allocation.DONE, btrfs)
+    assert not writes_through_map(Allocation.UNSUPPORTED, here)
+    assert not writes_through_map(Allocation.NO_SPACE, here)
+
+
+def test_the_map_doubles_up_to_its_limit_and_grows_no_further_than_the_room_allocated() -> None:
+    assert grown_size(64 * MiB, 1 << 30, None) == grown_size(64 * MiB, 1 << 30, 1 << 30) == 128 * MiB
+    assert grown_size(64 * MiB, 100 * MiB, None) == 100 * MiB
+    assert grown_size(64 * MiB, 1 << 30, 3 * MiB) == 67 * MiB
+    assert grown_size(64 * MiB, 1 << 30, 0) == 64 * MiB
 
 
 def test_a_file_system_without_fallocate_gets_a_store_that_writes_without_writemap(ramfs: Path) -> None:

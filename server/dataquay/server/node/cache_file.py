@@ -11,8 +11,9 @@ growth before the map grows over it. LMDB with ``writemap`` sets the file's
 size to the map's itself (a sparse ``ftruncate``); allocating first makes
 that a no-op. On a file system short of space the map grows only as far as
 its free space allows, and the store reports full as a failed commit does
-without ``writemap``. Where ``fallocate`` is not supported, the environment
-opens without ``writemap``, as before.
+without ``writemap``. Where ``fallocate`` is not supported, or holds no
+overwrite (a copy-on-write file system writes each page anew, and may find
+the disk full then), the environment opens without ``writemap``, as before.
 """
 
 from __future__ import annotations
@@ -46,12 +47,16 @@ INITIAL_MAP = 256 * MiB
 #: allocated file only once they are written.
 _LEAST_MAP = 64 * 1024
 _PROBE_FILE = ".allocate-probe"
+#: File systems that write a changed block elsewhere (copy on write), by
+#: statfs magic: a block allocated ahead does not hold its overwrites there.
+COPY_ON_WRITE = {0x9123683E: "btrfs", 0x2FC12FC1: "zfs", 0xCA451A4E: "bcachefs"}
 
 # glibc's posix_fallocate emulates a file system without fallocate by writing
 # a byte into every block, which allocates nothing on a copy-on-write one:
 # the system call is asked directly, so such a file system says so.
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+_STATFS_BYTES = 256  # more than struct statfs takes; its first field is f_type
 
 
 class Allocation(Enum):
@@ -86,11 +91,20 @@ def allocate(fd: int, offset: int, length: int) -> Allocation:
     raise OSError(code, os.strerror(code))
 
 
-def writes_through_map(allocated: Allocation) -> bool:
+def file_system_type(path: Path) -> int:
+    """The statfs magic of the file system under ``path`` (0 if unknown)."""
+    buffer = ctypes.create_string_buffer(_STATFS_BYTES)
+    if _libc.statfs(str(path).encode(), buffer) != 0:
+        return 0
+    return ctypes.c_ulong.from_buffer(buffer).value
+
+
+def writes_through_map(allocated: Allocation, fs_type: int) -> bool:
     """Whether LMDB may write through its map, given how allocating the file
-    (or, for a new environment, a probe) went: only over a file without holes,
-    where a write never needs a block the disk may not have."""
-    return allocated is Allocation.DONE
+    (or, for a new environment, a probe) went and the file system's type:
+    only over a file without holes whose blocks take its overwrites, where a
+    write never needs a block the disk may not have."""
+    return allocated is Allocation.DONE and fs_type not in COPY_ON_WRITE
 
 
 def grown_size(current: int, limit: int, room: int | None) -> int:
@@ -137,7 +151,8 @@ class CacheFile:
         try:
             # An existing file is allocated whole first: a hole left in it
             # (a file written without writemap) would take a write through the map.
-            self.writemap = writes_through_map(allocate(self._fd, 0, existing) if existing else self._probe())
+            allocated = allocate(self._fd, 0, existing) if existing else self._probe()
+            self.writemap = writes_through_map(allocated, file_system_type(self.path))
             self._env = self._open_env((existing or _LEAST_MAP) if self.writemap else target)
             if self.writemap and not existing and allocate(self._fd, 0, self.map_size) is not Allocation.DONE:
                 # No room even for the least map: written through as before.
@@ -152,7 +167,8 @@ class CacheFile:
             self.close()
             raise
         if not self.writemap:
-            log.info("the cache file cannot be allocated ahead: LMDB writes it without writemap",
+            log.info("the cache file cannot be allocated ahead (or its file system copies on write): "
+                     "LMDB writes it without writemap",
                      extra={"fields": {"cache_dir": str(self.path)}})
         return self._env
 
