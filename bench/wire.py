@@ -31,7 +31,9 @@ and one with ``--bulk-listen off``: the dataset staged whole on node-0; per
 round node-1's cache is wiped and it restarts, a fresh ``partial`` job with
 Q = 1 starts, node-0 is told its trainers entered epoch 0 and ships node-1
 what it owns in epoch 1 (checked, committed to LMDB, acknowledged). The rate
-is the bytes sent over the daemon's own elapsed time. The raw TCP stream of
+is the bytes sent over the daemon's own elapsed time; the CPU seconds per GB
+are what each daemon's process used (all threads, 10 ms ticks) from the
+report of epoch 0 to the exchange's end, over the payload bytes moved. The raw TCP stream of
 the same round moves those bytes in batches of 64, as above. Rounds of the
 three take turns; node-1 loads the dataset before each round's clock starts.
 Its bounds, since the receiver acknowledges only what its cache committed,
@@ -103,6 +105,7 @@ TARGET = 0.5
 #: A source tree the exchange's "before" pair runs from (see the docstring).
 BASELINE_SOURCE = os.environ.get("BENCH_BASELINE_SOURCE", "")
 _INDEX = struct.Struct("<Q")
+_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # ------------------------------------------------------------------ raw TCP
@@ -287,9 +290,17 @@ def bench_size(bulk: list[DaemonProcess], plain: list[DaemonProcess], base: Path
     return row
 
 
+def _cpu_seconds(daemon: DaemonProcess) -> float:
+    """User and system CPU seconds a daemon's process has used so far."""
+    assert daemon.process is not None
+    fields = Path(f"/proc/{daemon.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
 def _exchanged(local: LocalCluster, n0: cache_pb2_grpc.CacheStub, label: str, manifest: Manifest, round_: int,
-               name: str) -> tuple[float, np.ndarray]:
-    """One round of the exchange node-0 -> node-1 on a fresh node-1: (bytes/s, the ids moved)."""
+               name: str) -> tuple[float, np.ndarray, tuple[float, float]]:
+    """One round of the exchange node-0 -> node-1 on a fresh node-1: (bytes/s,
+    the ids moved, CPU seconds the sender and the receiver spent on it)."""
     local.kill_node(1)
     shutil.rmtree(local.daemons[1].cache_dir)
     local.restart_node(1)
@@ -303,6 +314,7 @@ def _exchanged(local: LocalCluster, n0: cache_pb2_grpc.CacheStub, label: str, ma
     plan = job_plan(n0.JoinJob(jpb.JoinJobRequest(spec=spec)), manifest)
     before = owners(plan, 0)
     given = np.flatnonzero((before == 0) & (owners(plan, 1, before) == 1))
+    cpu = [_cpu_seconds(d) for d in local.daemons]
     n0.ReportEpoch(jpb.ReportEpochRequest(job_id=job_id, epoch=0))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -313,13 +325,14 @@ def _exchanged(local: LocalCluster, n0: cache_pb2_grpc.CacheStub, label: str, ma
         time.sleep(0.02)
     else:
         raise RuntimeError(f"exchange of {job_id} did not finish")
+    spent = tuple(_cpu_seconds(d) - before_cpu for d, before_cpu in zip(local.daemons, cpu))
     assert run.delivered_samples == run.total_samples == len(given), run
     with grpc.insecure_channel(str(local.daemons[1].ready["tcp"]), options=channel_options()) as c1:  # type: ignore[index]
         check = given[:: max(1, len(given) // 8)].tolist()
         got = [s for chunk in cache_pb2_grpc.CacheStub(c1).Read(pb.ReadRequest(dataset=label, ids=check, peer=True))
                for s in chunk.samples]
         assert [s.data for s in got] == [sample_bytes(0, i, len(s.data)) for i, s in zip(check, got)]
-    return run.sent_bytes / run.elapsed_seconds, given
+    return run.sent_bytes / run.elapsed_seconds, given, (spent[0], spent[1])
 
 
 def _values(batches: list[np.ndarray], paths: list[str]) -> list[list[tuple[bytes, bytes]]]:
@@ -413,6 +426,8 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
         name: [] for name in ("raw_tcp", *(f"exchange_{p}" for p in pairs), "lmdb_commit", "lmdb_commit_writemap",
                               "page_cache_mmap", "page_cache_pwrite")
     }
+    #: CPU seconds per GB moved, of the sender and the receiver daemon of each pair.
+    cpu: dict[str, list[float]] = {f"{p}_{side}": [] for p in pairs for side in ("sender", "receiver")}
     clusters: dict[str, LocalCluster] = {}
     try:
         for name, (args, source) in pairs.items():
@@ -431,8 +446,10 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
         for round_ in range(REPEATS):
             progress(f"exchange {label}: round {round_ + 1} of {REPEATS}")
             for name, local in clusters.items():
-                rate, given = _exchanged(local, stubs[name], label, manifests[name], round_, name)
+                rate, given, spent = _exchanged(local, stubs[name], label, manifests[name], round_, name)
                 rates[f"exchange_{name}"].append(rate / 1e9)
+                for side, seconds in zip(("sender", "receiver"), spent):
+                    cpu[f"{name}_{side}"].append(seconds / (len(given) * size / 1e9))
             batches = [given[i : i + BATCH] for i in range(0, len(given), BATCH)]
             raw = RawStream(base / f"raw-x-{label}-{round_}", [[paths[i] for i in b.tolist()] for b in batches],
                             BATCH * size)
@@ -464,7 +481,10 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
     if BASELINE_SOURCE:
         row["bulk_over_before"] = gbps["exchange_bulk"] / gbps["exchange_before"]
         row["baseline_source"] = BASELINE_SOURCE
-    row.update(rounds_GBps=rates, load_before=load_before, load_after=load_after, target=TARGET)
+    for name, values in cpu.items():
+        row[f"{name}_cpu_s_per_GB"] = float(statistics.median(values))
+    row.update(rounds_GBps=rates, rounds_cpu_s_per_GB=cpu, load_before=load_before, load_after=load_after,
+               target=TARGET)
     return row
 
 
@@ -511,7 +531,8 @@ def main() -> None:
          "exchange_bulk_ratio", "bulk_over_grpc", "exchange_before_GBps", "exchange_before_ratio", "bulk_over_before",
          "lmdb_commit_GBps", "lmdb_commit_ratio",
          "lmdb_commit_writemap_GBps", "lmdb_commit_writemap_ratio", "page_cache_mmap_GBps", "page_cache_mmap_ratio",
-         "page_cache_pwrite_GBps", "page_cache_pwrite_ratio"],
+         "page_cache_pwrite_GBps", "page_cache_pwrite_ratio", "bulk_sender_cpu_s_per_GB", "bulk_receiver_cpu_s_per_GB",
+         "before_sender_cpu_s_per_GB", "before_receiver_cpu_s_per_GB"],
     )
     report(
         "wire",
