@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import numpy.ma  # noqa: F401  # np.unique imports it at first use (tens of ms): at start, not mid-exchange
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
@@ -36,10 +37,10 @@ from dataquay.server.errors import StartupError
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.limits import SERVED_BYTES_PER_PEER, ByteBudgets
 from dataquay.server.listen import advertised_host, bind_tcp, claim_socket_path
+from dataquay.server.node.behind import CacheBehind
 from dataquay.server.node.bulk.client import BulkClient
 from dataquay.server.node.bulk.server import BulkServer
 from dataquay.server.node.bulk.tls import BulkTls
-from dataquay.server.node.behind import CacheBehind
 from dataquay.server.node.client_stats import ClientStatsBook
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.directory_link import DirectoryLink
