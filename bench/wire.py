@@ -33,9 +33,10 @@ Q = 1 starts, node-0 is told its trainers entered epoch 0 and ships node-1
 what it owns in epoch 1 (checked, committed to LMDB, acknowledged). The rate
 is the bytes sent over the daemon's own elapsed time; the CPU seconds per GB
 are what each daemon's process used (all threads, 10 ms ticks) from the
-report of epoch 0 to the exchange's end, over the payload bytes moved. The raw TCP stream of
-the same round moves those bytes in batches of 64, as above. Rounds of the
-three take turns; node-1 loads the dataset before each round's clock starts.
+report of epoch 0 to the exchange's end, over the payload bytes moved. The
+raw TCP stream of the same round moves those bytes in batches of 64, as
+above. Rounds of the three take turns; node-1 loads the dataset before each
+round's clock starts.
 Its bounds, since the receiver acknowledges only what its cache committed,
 each writing the same values in this process, 64 values at a time:
 
