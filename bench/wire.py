@@ -55,6 +55,8 @@ each writing the same values in this process, 64 values at a time:
 ``BENCH_BASELINE_SOURCE=DIR`` adds a third exchange pair whose daemons run
 from the source tree DIR (``git archive`` of an earlier commit: its protos,
 client and server folders), in the same rounds: a before/after figure.
+``BENCH_EXCHANGE_MIB`` sets the exchange's dataset when it runs alone (128 by
+default, as the peer part's): a quarter of it moves per round.
 
 Rates are payload GB/s (10^9 bytes), each the median of ``REPEATS`` runs; the
 ratios are against the raw TCP stream of the same run. ``uptime``'s load
@@ -100,6 +102,8 @@ from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 
 BATCH = 64
 DATASET_BYTES = 128 * MiB
+#: The exchange part's dataset when it runs alone (see the docstring).
+EXCHANGE_DATASET_BYTES = int(os.environ.get("BENCH_EXCHANGE_MIB", "128")) * MiB
 PASSES = 2
 SIZES = {"110KiB": 110 * 1024, "1MiB": MiB}
 TARGET = 0.5
@@ -523,7 +527,7 @@ def main() -> None:
             for label, size in SIZES.items():
                 if label in wanted:
                     if not (base / "pfs" / label).exists():
-                        make_files_dataset(base / "pfs" / label, DATASET_BYTES // size, sizes=(size,))
+                        make_files_dataset(base / "pfs" / label, EXCHANGE_DATASET_BYTES // size, sizes=(size,))
                     exchanges.append(bench_exchange(base, label, size))
     report(
         "wire_exchange",
