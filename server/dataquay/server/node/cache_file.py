@@ -160,7 +160,10 @@ class CacheFile:
                 self.writemap = False
                 self._env = self._open_env(target)
             for name in (DATA_FILE, "lock.mdb"):
-                close_to_others(self.path / name)
+                if existing:
+                    close_to_others(self.path / name)
+                else:
+                    (self.path / name).chmod(FILE_MODE)
             if self.writemap:
                 self._grow_to(min(target, self.map_size + self._room_beyond(DISK_SLACK_BYTES)))
         except BaseException:
