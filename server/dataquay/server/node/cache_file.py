@@ -214,6 +214,10 @@ class CacheFile:
             self._fd = None
 
     @property
+    def is_open(self) -> bool:
+        return self._env is not None
+
+    @property
     def env(self) -> lmdb.Environment:
         if self._env is None:
             raise RuntimeError("store is not open")

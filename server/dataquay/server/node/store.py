@@ -70,7 +70,6 @@ class Store:
         self.last_write_error = ""
         self._writer_stopped = False
         self._file = CacheFile(self.path)
-        self._env: lmdb.Environment | None = None
         self._lock_fd: int | None = None
         self._dbs: dict[bytes, lmdb._Database] = {}
         self._payload_bytes: dict[bytes, int] = {}
@@ -104,18 +103,17 @@ class Store:
         if not self.capacity:
             self.space.capacity = self._file.default_capacity()
         try:
-            self._env = self._file.open(self.capacity)
-            meta = self._env.open_db(_META_DB)
-            with self._env.begin(db=meta) as txn:
+            env = self._file.open(self.capacity)
+            meta = env.open_db(_META_DB)
+            with env.begin(db=meta) as txn:
                 for key, value in txn.cursor():
                     self._payload_bytes[bytes(key)] = int.from_bytes(value, "little")
             self._meta = meta
             for db_name in self._payload_bytes:
-                self._dbs[db_name] = self._env.open_db(db_name, create=False)
+                self._dbs[db_name] = env.open_db(db_name, create=False)
             self.space.live_bytes = self._count_live_bytes()
         except (lmdb.Error, OSError) as exc:
             self._file.close()
-            self._env = None
             raise StartupError(f"cannot open the LMDB cache in {self.path}: {exc}") from exc
         if self.space.at_capacity:
             self._mark_full()
@@ -124,12 +122,11 @@ class Store:
         """Syncs and closes; queued writes must have been flushed before."""
         self._writer.shutdown(wait=True)
         self._file.close()
-        self._env = None
         self._unlock()
 
     @property
     def is_open(self) -> bool:
-        return self._env is not None
+        return self._file.is_open
 
     @property
     def writemap(self) -> bool:
@@ -138,9 +135,7 @@ class Store:
 
     @property
     def env(self) -> lmdb.Environment:
-        if self._env is None:
-            raise RuntimeError("store is not open")
-        return self._env
+        return self._file.env
 
     # ------------------------------------------------------------- datasets
 
@@ -490,7 +485,7 @@ class Store:
                     grown = self._file.grow(self._housekeeping_limit)
                 if grown is Growth.GREW:
                     continue
-                # The file system had no room to allocate the map's growth.
+                # The map is at its limit, or its file could not be allocated further.
                 disk = grown is Growth.NO_SPACE
             except lmdb.Error as exc:
                 if not self._room.failed_for_space(exc, sum(len(w.value) for w in batch)):
