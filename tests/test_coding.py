@@ -30,20 +30,23 @@ TOY_CACHES = [{2, 3, 4, 8}, {6, 7, 8, 9}, {1, 3, 4, 5}]
 TOY_NEEDS = [{3, 5, 8}, {1, 4, 9}, {2, 6, 7}]
 
 
-#: UberShuffle's greedy: the C extension's and Python's.
+#: The planner's loops: the C extension's and Python's.
 GREEDIES = [pytest.param("_coding", id="c"), pytest.param("_coding_py", id="python")]
+LOOPS = ("greedy", "packet_rows", "pick_bits")
 
 
 @contextmanager
 def greedy_of(module: str) -> Iterator[None]:
-    """Plans with the greedy of ``dataquay.server.<module>`` meanwhile."""
+    """Plans with the loops (UberShuffle's greedy and the others) of ``dataquay.server.<module>`` meanwhile."""
     loops = pytest.importorskip(f"dataquay.server.{module}", reason="installed without a C compiler")
-    saved = coding.greedy
-    coding.greedy = loops.greedy
+    saved = {name: getattr(coding, name) for name in LOOPS}
+    for name in LOOPS:
+        setattr(coding, name, getattr(loops, name))
     try:
         yield
     finally:
-        coding.greedy = saved
+        for name, function in saved.items():
+            setattr(coding, name, function)
 
 
 def toy() -> tuple[np.ndarray, np.ndarray]:
@@ -201,17 +204,25 @@ def overlapping(rng: np.random.Generator, num_nodes: int, num_samples: int, extr
     return holder_bits(caches, num_samples), rng.permutation(owners)
 
 
-def test_the_c_greedy_moves_every_sample_where_the_python_one_does() -> None:
+def same_packets(a: Packets, b: Packets) -> bool:
+    return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__)
+
+
+def test_the_c_loops_plan_every_packet_and_sender_as_the_python_ones_do() -> None:
     rng = np.random.default_rng(16)
     small = [overlapping(rng, int(rng.integers(3, 8)), int(rng.integers(5, 80)), int(rng.integers(0, 5)))
              for _ in range(300)]
     wide = overlapping(rng, 64, 20000, 1000)
     for holders, owners in [toy(), *small, wide]:
         need, num_nodes = needs(holders, owners), holders.shape[1] * 64
+        sizes = rng.integers(1, 4, len(owners))  # few sizes: ties in a column
         with greedy_of("_coding"):
             compiled = uber_tables(holders, need, num_nodes)
+            plans = [plan(holders, owners, scheme, given) for scheme in SCHEMES for given in (None, sizes)]
         with greedy_of("_coding_py"):
             assert np.array_equal(compiled, uber_tables(holders, need, num_nodes))
+            again = [plan(holders, owners, scheme, given) for scheme in SCHEMES for given in (None, sizes)]
+        assert all(same_packets(a, b) for a, b in zip(plans, again, strict=True))
     with greedy_of("_coding"):  # the 64-node plan moves rows: a test of the moves, not only of Lee's tables
         assert len(plan(*wide, "uber")) < len(plan(*wide, "coded"))
 
@@ -231,8 +242,7 @@ def test_more_nodes_than_a_bitset_word_decode_too_and_plan_alike_every_time(modu
             packets = plan(holders, new_owners, scheme)
             assert_decodable(holders, new_owners, packets, data)
             # Every daemon plans for itself: the same caches and owners must give the same packets.
-            again = plan(holders.copy(), new_owners.copy(), scheme)
-            assert all(np.array_equal(getattr(packets, f), getattr(again, f)) for f in packets.__dataclass_fields__)
+            assert same_packets(packets, plan(holders.copy(), new_owners.copy(), scheme))
 
 
 def test_the_c_greedy_names_arrays_that_contradict_each_other() -> None:
@@ -250,3 +260,8 @@ def test_the_c_greedy_names_arrays_that_contradict_each_other() -> None:
         loops.greedy(keys, *arrays[:4], np.array([0, 9]), *arrays[5:])
     with pytest.raises(ValueError, match="64-bit integers"):
         loops.greedy(keys, *arrays[:-1], np.zeros(2, dtype=np.int32))
+    three = [np.zeros(3, dtype=np.int64) for _ in range(5)]
+    with pytest.raises(ValueError, match="disagree on the number of samples"):
+        loops.packet_rows(*three, np.zeros(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="outside holders"):
+        loops.pick_bits(keys, np.array([0, 1]), np.array([2]), np.array([0]), np.zeros(1, dtype=np.int64))

@@ -1,13 +1,14 @@
 /*
- * UberShuffle's greedy (dataquay.server.node.exchange.coding.uber_tables) in
- * C: at 256 nodes it visits 10^5 parent tables one at a time, each a few
- * columns and children, which in Python bytecode costs seconds an epoch.
- * Plain int64 arrays in, the moved tables written into an array out, the GIL
- * released throughout. The same steps as dataquay.server._coding_py, so that
- * both give the same tables (tests/test_coding.py runs both).
+ * The coded-shuffling planner's loops (dataquay.server.node.exchange.coding)
+ * in C: at 256 nodes a plan visits 10^5-10^6 tables, packets and DAG edges,
+ * each a few columns or parts, which in Python bytecode costs seconds and in
+ * numpy's sorts and gathers most of an epoch's tenth. Plain int64 arrays in,
+ * results written into arrays the caller allocated, the GIL released
+ * throughout. The same results as dataquay.server._coding_py, so that both
+ * give the same packets (tests/test_coding.py runs both).
  *
- * A table's columns are its members, in ascending node order ("slots"): a
- * column's count is 0 until a sample arrives in it.
+ * UberShuffle's greedy: a table's columns are its members, in ascending node
+ * order ("slots"): a column's count is 0 until a sample arrives in it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -302,6 +303,57 @@ is_int64(const Py_buffer *view)
     return view->itemsize == 8 && f[0] && !f[1] && strchr("qQlL", f[0]) != NULL;
 }
 
+/* Takes the buffers of args[0..nargs) (those from `writable` on writable),
+ * each C-contiguous 64-bit integers; on failure sets the error and releases
+ * what it took. */
+static int
+get_views(const char *name, PyObject *const *args, Py_ssize_t nargs, int expected, int writable, Py_buffer *views)
+{
+    int got = 0;
+    if (nargs != expected) {
+        PyErr_Format(PyExc_TypeError, "%s takes %d arrays, not %zd", name, expected, nargs);
+        return -1;
+    }
+    for (; got < expected; got++) {
+        int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (got >= writable ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(args[got], &views[got], flags) < 0)
+            break;
+        if (!is_int64(&views[got])) {
+            PyErr_Format(PyExc_ValueError, "%s's array %d is not of 64-bit integers", name, got);
+            got++;
+            break;
+        }
+    }
+    if (got == expected && !PyErr_Occurred())
+        return 0;
+    while (got--)
+        PyBuffer_Release(&views[got]);
+    return -1;
+}
+
+static void
+release_views(Py_buffer *views, int count)
+{
+    while (count--)
+        PyBuffer_Release(&views[count]);
+}
+
+/* Sets the error of a run: -1 out of memory, 0 the message, 1 none. */
+static PyObject *
+finish(int done, const char *error, Py_buffer *views, int count, PyObject *result)
+{
+    release_views(views, count);
+    if (done < 0)
+        PyErr_NoMemory();
+    else if (!done)
+        PyErr_SetString(PyExc_ValueError, error);
+    if (done <= 0) {
+        Py_XDECREF(result);
+        return NULL;
+    }
+    return result;
+}
+
 PyDoc_STRVAR(greedy_doc,
 "greedy(keys, table_start, decoders, counts, order, starts, parents, members, children, out, /) -> None\n\n"
 "UberShuffle's moves of rows down the table DAG, applied to ``out`` (each\n"
@@ -313,23 +365,11 @@ static PyObject *
 greedy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer views[NUM_ARRAYS];
-    int got = 0, done = 0;
+    int done = 0;
     Greedy g;
     memset(&g, 0, sizeof(g));
-    if (nargs != NUM_ARRAYS) {
-        PyErr_Format(PyExc_TypeError, "greedy takes %d arrays, not %zd", NUM_ARRAYS, nargs);
+    if (get_views("greedy", args, nargs, NUM_ARRAYS, NUM_ARRAYS - 1, views) < 0)
         return NULL;
-    }
-    for (; got < NUM_ARRAYS; got++) {
-        int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (got == NUM_ARRAYS - 1 ? PyBUF_WRITABLE : 0);
-        if (PyObject_GetBuffer(args[got], &views[got], flags) < 0)
-            goto fail;
-        if (!is_int64(&views[got])) {
-            got++;
-            PyErr_Format(PyExc_ValueError, "greedy's array %d is not of 64-bit integers", got - 1);
-            goto fail;
-        }
-    }
     g.keys = views[0].buf;
     g.table_start = views[1].buf;
     g.decoder = views[2].buf;
@@ -347,35 +387,249 @@ greedy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     g.num_out = views[9].len / 8;
     if (g.tables < 0 || views[3].len != views[2].len || views[5].len != views[2].len || views[7].len != views[6].len
         || views[8].len != views[6].len || views[0].ndim != 2 || views[0].shape[0] != g.tables) {
-        PyErr_SetString(PyExc_ValueError, "greedy's arrays disagree on the numbers of tables, groups or edges");
-        goto fail;
+        g.error = "greedy's arrays disagree on the numbers of tables, groups or edges";
+    } else {
+        g.words = views[0].shape[1];
+        Py_BEGIN_ALLOW_THREADS
+        done = run(&g);
+        Py_END_ALLOW_THREADS
     }
-    g.words = views[0].shape[1];
-    Py_BEGIN_ALLOW_THREADS
-    done = run(&g);
-    Py_END_ALLOW_THREADS
-    if (done < 0)
-        PyErr_NoMemory();
-    else if (!done)
-        PyErr_SetString(PyExc_ValueError, g.error);
-fail:
     release(&g);
-    while (got--)
-        PyBuffer_Release(&views[got]);
-    if (PyErr_Occurred())
+    return finish(done, g.error, views, NUM_ARRAYS, Py_NewRef(Py_None));
+}
+
+/* A needed sample as its table's rows order it: by column, largest first, then by id. */
+typedef struct {
+    int64_t decoder, size, index;
+} Part;
+
+static int
+part_before(const Part *a, const Part *b)
+{
+    if (a->decoder != b->decoder)
+        return a->decoder < b->decoder;
+    if (a->size != b->size)
+        return a->size > b->size;
+    return a->index < b->index;
+}
+
+static int
+compare_parts(const void *a, const void *b)
+{
+    return part_before(a, b) ? -1 : part_before(b, a) ? 1 : 0;
+}
+
+static void
+sort_parts(Part *parts, int64_t n)
+{
+    if (n > 24) {
+        qsort(parts, n, sizeof(Part), compare_parts);
+        return;
+    }
+    for (int64_t i = 1; i < n; i++) {
+        Part p = parts[i];
+        int64_t j = i;
+        for (; j > 0 && part_before(&p, &parts[j - 1]); j--)
+            parts[j] = parts[j - 1];
+        parts[j] = p;
+    }
+}
+
+/* packet_rows: a counting sort by table, each table's parts sorted by column,
+ * then its rows dealt out: row r takes the r-th part of every column that has one. */
+static int
+packet_rows_run(const int64_t *tables, const int64_t *decoders, const int64_t *sizes, int64_t n, int64_t *order,
+                int64_t *parts, int64_t *start, int64_t *packets, const char **error)
+{
+    int64_t i, t, num_tables = 0, widest = 0, p = 0, k = 0;
+    for (i = 0; i < n; i++) {
+        if (tables[i] < 0) {
+            *error = "a table number is negative";
+            return 0;
+        }
+        if (tables[i] >= num_tables)
+            num_tables = tables[i] + 1;
+    }
+    int64_t *table_start = calloc(num_tables + 1, sizeof(int64_t));
+    if (!table_start)
+        return -1;
+    for (i = 0; i < n; i++)
+        table_start[tables[i] + 1]++;
+    for (t = 0; t < num_tables; t++) {
+        if (table_start[t + 1] > widest)
+            widest = table_start[t + 1];
+        table_start[t + 1] += table_start[t];
+    }
+    int64_t *fill = malloc((num_tables + 1) * sizeof(int64_t));
+    Part *buffer = malloc((widest + 1) * sizeof(Part));
+    int64_t *runs = malloc(2 * (widest + 1) * sizeof(int64_t));
+    if (!fill || !buffer || !runs) {
+        free(table_start);
+        free(fill);
+        free(buffer);
+        free(runs);
+        return -1;
+    }
+    memcpy(fill, table_start, num_tables * sizeof(int64_t));
+    for (i = 0; i < n; i++)
+        order[fill[tables[i]]++] = i;
+    for (t = 0; t < num_tables; t++) {
+        int64_t lo = table_start[t], hi = table_start[t + 1], nruns = 0, row;
+        if (hi - lo > 1) {
+            for (i = lo; i < hi; i++) {
+                buffer[i - lo].decoder = decoders[order[i]];
+                buffer[i - lo].size = sizes[order[i]];
+                buffer[i - lo].index = order[i];
+            }
+            sort_parts(buffer, hi - lo);
+            for (i = lo; i < hi; i++)
+                order[i] = buffer[i - lo].index;
+        }
+        for (i = lo; i < hi; i++) {
+            if (i == lo || decoders[order[i]] != decoders[order[i - 1]]) {
+                runs[2 * nruns] = i;
+                runs[2 * nruns + 1] = 0;
+                nruns++;
+            }
+            runs[2 * nruns - 1]++;
+        }
+        for (row = 0; nruns; row++) {
+            int64_t kept = 0;
+            start[p++] = k;
+            for (i = 0; i < nruns; i++) {
+                parts[k++] = order[runs[2 * i] + row];
+                if (runs[2 * i + 1] > row + 1) {
+                    runs[2 * kept] = runs[2 * i];
+                    runs[2 * kept + 1] = runs[2 * i + 1];
+                    kept++;
+                }
+            }
+            nruns = kept;
+        }
+    }
+    start[p] = k;
+    *packets = p;
+    free(table_start);
+    free(fill);
+    free(buffer);
+    free(runs);
+    return 1;
+}
+
+PyDoc_STRVAR(packet_rows_doc,
+"packet_rows(tables, decoders, sizes, order, parts, start, /) -> int\n\n"
+"The packets of the needed samples' tables: see dataquay.server._coding_py.packet_rows.\n\n"
+"Raises ValueError for arrays that are not int64 or of lengths that disagree.");
+
+static PyObject *
+packet_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer views[6];
+    int64_t packets = 0;
+    const char *error = NULL;
+    int done = 0;
+    if (get_views("packet_rows", args, nargs, 6, 3, views) < 0)
         return NULL;
-    Py_RETURN_NONE;
+    int64_t n = views[0].len / 8;
+    if (views[1].len != views[0].len || views[2].len != views[0].len || views[3].len != views[0].len
+        || views[4].len != views[0].len || views[5].len != views[0].len + 8) {
+        error = "packet_rows' arrays disagree on the number of samples";
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        done = packet_rows_run(views[0].buf, views[1].buf, views[2].buf, n, views[3].buf, views[4].buf,
+                               views[5].buf, &packets, &error);
+        Py_END_ALLOW_THREADS
+    }
+    return finish(done, error, views, 6, done > 0 ? PyLong_FromLongLong(packets) : NULL);
+}
+
+/* The rank-th (from 0) set bit of a word that has more. */
+static int64_t
+select_bit(uint64_t word, int64_t rank)
+{
+    while (rank--)
+        word &= word - 1;
+    return __builtin_ctzll(word);
+}
+
+static int
+pick_bits_run(const uint64_t *holders, int64_t rows, int64_t words, const int64_t *start, int64_t groups,
+              const int64_t *samples, int64_t num_samples, const int64_t *spread, int64_t *out, const char **error)
+{
+    uint64_t *whole = malloc((words + 1) * sizeof(uint64_t));
+    if (!whole)
+        return -1;
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t count = 0, w, k;
+        if (start[g] < 0 || start[g] >= start[g + 1] || start[g + 1] > num_samples || spread[g] < 0) {
+            *error = "a group is empty, outside samples, or its spread negative";
+            free(whole);
+            return 0;
+        }
+        for (w = 0; w < words; w++)
+            whole[w] = ~(uint64_t)0;
+        for (k = start[g]; k < start[g + 1]; k++) {
+            if (samples[k] < 0 || samples[k] >= rows) {
+                *error = "a sample is outside holders";
+                free(whole);
+                return 0;
+            }
+            const uint64_t *row = holders + samples[k] * words;
+            for (w = 0; w < words; w++)
+                whole[w] &= row[w];
+        }
+        for (w = 0; w < words; w++)
+            count += __builtin_popcountll(whole[w]);
+        if (!count) {
+            out[g] = -1;
+            continue;
+        }
+        int64_t rank = spread[g] % count;
+        for (w = 0; rank >= __builtin_popcountll(whole[w]); w++)
+            rank -= __builtin_popcountll(whole[w]);
+        out[g] = w * 64 + select_bit(whole[w], rank);
+    }
+    free(whole);
+    return 1;
+}
+
+PyDoc_STRVAR(pick_bits_doc,
+"pick_bits(holders, start, samples, spread, out, /) -> None\n\n"
+"A node that caches every sample of each group: see dataquay.server._coding_py.pick_bits.\n\n"
+"Raises ValueError for arrays that are not int64 (holders: uint64) or that\n"
+"contradict each other.");
+
+static PyObject *
+pick_bits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer views[5];
+    const char *error = NULL;
+    int done = 0;
+    if (get_views("pick_bits", args, nargs, 5, 4, views) < 0)
+        return NULL;
+    int64_t groups = views[4].len / 8;
+    if (views[0].ndim != 2 || views[1].len != views[4].len + 8 || views[3].len != views[4].len) {
+        error = "pick_bits' arrays disagree on the number of groups, or holders is not a matrix";
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        done = pick_bits_run(views[0].buf, views[0].shape[0], views[0].shape[1], views[1].buf, groups, views[2].buf,
+                             views[2].len / 8, views[3].buf, views[4].buf, &error);
+        Py_END_ALLOW_THREADS
+    }
+    return finish(done, error, views, 5, Py_NewRef(Py_None));
 }
 
 static PyMethodDef methods[] = {
     {"greedy", (PyCFunction)(void (*)(void))greedy, METH_FASTCALL, greedy_doc},
+    {"packet_rows", (PyCFunction)(void (*)(void))packet_rows, METH_FASTCALL, packet_rows_doc},
+    {"pick_bits", (PyCFunction)(void (*)(void))pick_bits, METH_FASTCALL, pick_bits_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef coding_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "dataquay.server._coding",
-    .m_doc = "UberShuffle's greedy of dataquay.server.node.exchange.coding, in C.",
+    .m_doc = "The loops of dataquay.server.node.exchange.coding's planner, in C.",
     .m_size = 0,
     .m_methods = methods,
 };

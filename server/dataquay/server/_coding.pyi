@@ -1,4 +1,4 @@
-"""UberShuffle's greedy of dataquay.server.node.exchange.coding, in C (_coding.c)."""
+"""The loops of dataquay.server.node.exchange.coding's planner, in C (_coding.c)."""
 
 import numpy as np
 
@@ -14,4 +14,16 @@ def greedy(
     child: np.ndarray,
     out: np.ndarray,
     /,
+) -> None: ...
+def packet_rows(
+    tables: np.ndarray,
+    decoders: np.ndarray,
+    sizes: np.ndarray,
+    order: np.ndarray,
+    parts: np.ndarray,
+    start: np.ndarray,
+    /,
+) -> int: ...
+def pick_bits(
+    holders: np.ndarray, start: np.ndarray, samples: np.ndarray, spread: np.ndarray, out: np.ndarray, /
 ) -> None: ...

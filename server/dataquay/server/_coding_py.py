@@ -1,6 +1,7 @@
-"""UberShuffle's greedy in Python, for an install where the C extension
-``_coding`` was not built: the same tables, slower (bench/coded_planning.py).
-The arrays are those of :func:`dataquay.server.node.exchange.coding.uber_tables`.
+"""The planner's loops in Python and numpy, for an install where the C
+extension ``_coding`` was not built: the same packets, slower
+(bench/coded_planning.py). The arrays are those of
+:mod:`dataquay.server.node.exchange.coding`.
 """
 
 from __future__ import annotations
@@ -139,3 +140,70 @@ def _reduce_table(table: int, children: dict[int, int], columns: _Columns) -> li
                 moved[(column, child)] = moved.get((column, child), 0) + 1
             rows -= 1
     return [(table, column, child, count) for (column, child), count in moved.items()]
+
+
+def packet_rows(tables: np.ndarray, decoders: np.ndarray, sizes: np.ndarray, order: np.ndarray, parts: np.ndarray,
+                start: np.ndarray) -> int:
+    """The packets of the needed samples' tables, one per row: row r of a table
+    XORs the r-th sample of each of its columns that has one.
+
+    Args:
+        tables, decoders, sizes: each needed sample's table, column and bytes.
+        order: written: the needed samples by (table, column, largest first, id).
+        parts: written: the needed samples by (table, row, column), each
+            packet's parts together.
+        start: written: each packet's first part, then one past the last
+            (``len(tables) + 1`` long; the packets fill its head).
+
+    Returns:
+        the number of packets.
+    """
+    order[:] = np.lexsort((-sizes, decoders, tables))
+    t, d = tables[order], decoders[order]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = (t[1:] != t[:-1]) | (d[1:] != d[:-1])
+    run_start = np.maximum.accumulate(np.where(new, np.arange(len(order)), 0))
+    rank = np.arange(len(order), dtype=np.int64) - run_start
+    parts[:] = order[np.lexsort((rank, t))]
+    t, r = tables[parts], rank[np.lexsort((rank, t))]
+    new[1:] = (t[1:] != t[:-1]) | (r[1:] != r[:-1])
+    heads = np.flatnonzero(new)
+    start[:len(heads)] = heads
+    start[len(heads)] = len(parts)
+    return len(heads)
+
+
+def pick_bits(holders: np.ndarray, start: np.ndarray, samples: np.ndarray, spread: np.ndarray,
+              out: np.ndarray) -> None:
+    """A node that caches every sample of each group, or -1 where none does.
+
+    Group g is ``samples[start[g]:start[g + 1]]`` (never empty); of the nodes
+    that cache all of it, ``out[g]`` is the ``spread[g] % count``-th in
+    ascending order, so that a rule that spreads its groups shares the work.
+    """
+    whole = np.bitwise_and.reduceat(holders[samples], start[:-1], axis=0) if len(out) else holders[:0]
+    out[:] = -1
+    counts = np.bitwise_count(whole).astype(np.int64)
+    has = np.flatnonzero(counts.sum(axis=1))
+    if not len(has):
+        return
+    counts = counts[has]
+    rank = spread[has] % counts.sum(axis=1)
+    upto = np.cumsum(counts, axis=1)
+    word = (upto <= rank[:, None]).sum(axis=1)
+    rank -= np.take_along_axis(upto - counts, word[:, None], axis=1)[:, 0]
+    out[has] = word * WORD_BITS + _select_bit(whole[has, word], rank)
+
+
+def _select_bit(words: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """The position of the ``rank``-th (from 0) set bit of each uint64, which has more than ``rank``."""
+    rank, position = rank.copy(), np.zeros(len(words), dtype=np.int64)
+    words = words.copy()
+    for width in (32, 16, 8, 4, 2, 1):
+        low = words & np.uint64((1 << width) - 1)
+        below = np.bitwise_count(low).astype(np.int64)
+        high = rank >= below
+        rank -= np.where(high, below, 0)
+        words = np.where(high, words >> np.uint64(width), low)
+        position += np.where(high, width, 0)
+    return position

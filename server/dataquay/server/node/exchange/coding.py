@@ -41,12 +41,12 @@ from dataclasses import dataclass
 import numpy as np
 
 try:
-    from dataquay.server._coding import greedy
+    from dataquay.server._coding import greedy, packet_rows, pick_bits
 
-    #: Whether UberShuffle's greedy is the C extension's (else Python's, the same tables, slower).
+    #: Whether the planner's loops are the C extension's (else numpy's and Python's, the same packets, slower).
     COMPILED = True
 except ImportError:
-    from dataquay.server._coding_py import greedy
+    from dataquay.server._coding_py import greedy, packet_rows, pick_bits
 
     COMPILED = False
 
@@ -193,20 +193,6 @@ def _members(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return row[by_row], node[by_row]
 
 
-def _select_bit(words: np.ndarray, rank: np.ndarray) -> np.ndarray:
-    """The position of the ``rank``-th (from 0) set bit of each uint64, which has more than ``rank``."""
-    rank, position = rank.copy(), np.zeros(len(words), dtype=np.int64)
-    words = words.copy()
-    for width in (32, 16, 8, 4, 2, 1):
-        low = words & np.uint64((1 << width) - 1)
-        below = np.bitwise_count(low).astype(np.int64)
-        high = rank >= below
-        rank -= np.where(high, below, 0)
-        words = np.where(high, words >> np.uint64(width), low)
-        position += np.where(high, width, 0)
-    return position
-
-
 def _popcount(keys: np.ndarray) -> np.ndarray:
     return np.bitwise_count(keys).sum(axis=1).astype(np.int64)
 
@@ -289,7 +275,7 @@ class _Initial:
 
 def _groups(tables: np.ndarray, decoders: np.ndarray, num_tables: int) -> tuple[np.ndarray, ...]:
     """Needed samples sorted by (table, decoder), and the runs of each (table, column)."""
-    order = np.lexsort((decoders, tables))
+    order = _packet_rows(tables, decoders, np.zeros(len(tables), dtype=np.int64))[0]
     t, d = tables[order], decoders[order]
     new = np.ones(len(order), dtype=bool)
     new[1:] = (t[1:] != t[:-1]) | (d[1:] != d[:-1])
@@ -408,23 +394,6 @@ SCHEMES: dict[str, Callable[[np.ndarray, Needs, int], np.ndarray]] = {
 }
 
 
-def _pick_bit(keys: np.ndarray, spread: np.ndarray) -> np.ndarray:
-    """One set bit of each row (the ``spread[i] % count``-th, so that senders
-    share the work), or :data:`PFS` for a row with none."""
-    picked = np.full(len(keys), PFS, dtype=np.int64)
-    counts = np.bitwise_count(keys).astype(np.int64)
-    has = np.flatnonzero(counts.sum(axis=1))
-    if not len(has):
-        return picked
-    counts = counts[has]
-    rank = spread[has] % counts.sum(axis=1)
-    upto = np.cumsum(counts, axis=1)
-    word = (upto <= rank[:, None]).sum(axis=1)
-    rank -= np.take_along_axis(upto - counts, word[:, None], axis=1)[:, 0]
-    picked[has] = word * WORD_BITS + _select_bit(keys[has, word], rank)
-    return picked
-
-
 def plan(holders: np.ndarray, owners: np.ndarray, scheme: str, sizes: np.ndarray | None = None) -> Packets:
     """The packets of ``scheme`` for moving to ``owners`` from caches ``holders``.
 
@@ -448,25 +417,26 @@ def plan(holders: np.ndarray, owners: np.ndarray, scheme: str, sizes: np.ndarray
     num_nodes = holders.shape[1] * WORD_BITS
     need = needs(holders, owners)
     tables = SCHEMES[scheme](holders, need, num_nodes)
-    order, rank = _rows(tables, need.decoders, np.zeros(len(tables)) if sizes is None else sizes[need.samples])
-    packet_order = np.lexsort((rank, tables[order]))
-    parts = order[packet_order]
-    t, r = tables[parts], rank[packet_order]
-    new = np.ones(len(parts), dtype=bool)
-    new[1:] = (t[1:] != t[:-1]) | (r[1:] != r[:-1])
-    start = np.append(np.flatnonzero(new), len(parts)).astype(np.int64)
+    part_sizes = np.zeros(len(tables), dtype=np.int64) if sizes is None else sizes[need.samples].astype(np.int64)
+    _, parts, start = _packet_rows(tables, need.decoders, part_sizes)
     samples, decoders = need.samples[parts], need.decoders[parts]
     return _senders(holders, start, samples, decoders, sizes)
 
 
-def _rows(tables: np.ndarray, decoders: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Needed samples sorted by (table, column, largest first), and each one's row in its column."""
-    order = np.lexsort((-sizes, decoders, tables))
-    t, d = tables[order], decoders[order]
-    new = np.ones(len(order), dtype=bool)
-    new[1:] = (t[1:] != t[:-1]) | (d[1:] != d[:-1])
-    run_start = np.maximum.accumulate(np.where(new, np.arange(len(order)), 0))
-    return order, np.arange(len(order), dtype=np.int64) - run_start
+def _packet_rows(tables: np.ndarray, decoders: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, ...]:
+    """:func:`packet_rows`'s order, parts and packet starts."""
+    order, parts = np.empty(len(tables), dtype=np.int64), np.empty(len(tables), dtype=np.int64)
+    start = np.empty(len(tables) + 1, dtype=np.int64)
+    packets = packet_rows(tables.astype(np.int64), decoders.astype(np.int64), sizes, order, parts, start)
+    return order, parts, start[:packets + 1]
+
+
+def _pick(holders: np.ndarray, start: np.ndarray, samples: np.ndarray, spread: np.ndarray) -> np.ndarray:
+    """:func:`pick_bits`: a node that caches every part of each group, or :data:`PFS`."""
+    picked = np.empty(len(start) - 1, dtype=np.int64)
+    pick_bits(np.ascontiguousarray(holders), start.astype(np.int64), samples.astype(np.int64),
+              spread.astype(np.int64), picked)
+    return picked
 
 
 def _senders(holders: np.ndarray, start: np.ndarray, samples: np.ndarray, decoders: np.ndarray,
@@ -474,20 +444,22 @@ def _senders(holders: np.ndarray, start: np.ndarray, samples: np.ndarray, decode
     """Applies the sender rule of the module docstring to the packets' parts."""
     num_packets = len(start) - 1
     spread = np.arange(num_packets, dtype=np.int64)
-    whole = np.bitwise_and.reduceat(holders[samples], start[:-1], axis=0) if num_packets else holders[:0]
-    senders = _pick_bit(whole, spread)
+    senders = _pick(holders, start, samples, spread)
     parts = np.diff(start)
     lacking = np.flatnonzero((senders == PFS) & (parts > 1))
     if sizes is None:
         first = start[lacking] + spread[lacking] % parts[lacking]
     else:
+        part_sizes = sizes[samples]
+        smallest = np.minimum.reduceat(part_sizes, start[:-1]) if num_packets else part_sizes[:0]
+        is_lacking = np.zeros(num_packets, dtype=bool)
+        is_lacking[lacking] = True
         packet_of = np.repeat(np.arange(num_packets), parts)
-        candidates = np.flatnonzero(np.isin(packet_of, lacking))
-        by_size = candidates[np.lexsort((sizes[samples[candidates]], packet_of[candidates]))]
-        first = by_size[np.searchsorted(packet_of[by_size], lacking)]
+        candidates = np.flatnonzero(is_lacking[packet_of] & (part_sizes == smallest[packet_of]))
+        first = candidates[np.searchsorted(packet_of[candidates], lacking)]
     senders[lacking] = decoders[first]
     fetch_samples = samples[first]
-    fetch_sources = _pick_bit(holders[fetch_samples], spread[lacking])
+    fetch_sources = _pick(holders, np.arange(len(first) + 1), fetch_samples, spread[lacking])
     return Packets(start, samples, decoders, senders, lacking.astype(np.int64), fetch_samples, fetch_sources)
 
 
