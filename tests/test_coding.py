@@ -32,7 +32,7 @@ TOY_NEEDS = [{3, 5, 8}, {1, 4, 9}, {2, 6, 7}]
 
 #: The planner's loops: the C extension's and Python's.
 GREEDIES = [pytest.param("_coding", id="c"), pytest.param("_coding_py", id="python")]
-LOOPS = ("greedy", "packet_rows", "pick_bits")
+LOOPS = ("greedy", "packet_rows", "pick_bits", "table_hashes")
 
 
 @contextmanager
@@ -265,3 +265,5 @@ def test_the_c_greedy_names_arrays_that_contradict_each_other() -> None:
         loops.packet_rows(*three, np.zeros(3, dtype=np.int64))
     with pytest.raises(ValueError, match="outside holders"):
         loops.pick_bits(keys, np.array([0, 1]), np.array([2]), np.array([0]), np.zeros(1, dtype=np.int64))
+    with pytest.raises(ValueError, match="decoder outside its bitset"):
+        loops.table_hashes(keys, np.array([0]), np.array([64]), np.zeros((8, 256), np.int64), np.zeros(1, np.int64))

@@ -17,6 +17,8 @@
 #include <string.h>
 
 #define NUM_ARRAYS 10
+/* Rows of a bitset matrix asked for ahead of a gather over it. */
+#define PREFETCH 16
 
 typedef struct {
     int64_t *ids;   /* NULL: still the group's run of `order` */
@@ -547,9 +549,12 @@ packet_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static int64_t
 select_bit(uint64_t word, int64_t rank)
 {
+    int64_t position = 0;
+    for (int64_t below; rank >= (below = __builtin_popcountll(word & 0xff)); word >>= 8, position += 8)
+        rank -= below;
     while (rank--)
         word &= word - 1;
-    return __builtin_ctzll(word);
+    return position + __builtin_ctzll(word);
 }
 
 static int
@@ -569,6 +574,9 @@ pick_bits_run(const uint64_t *holders, int64_t rows, int64_t words, const int64_
         for (w = 0; w < words; w++)
             whole[w] = ~(uint64_t)0;
         for (k = start[g]; k < start[g + 1]; k++) {
+            /* The parts' rows lie all over holders: ask for those a few groups on meanwhile. */
+            if (k + PREFETCH < num_samples && samples[k + PREFETCH] >= 0 && samples[k + PREFETCH] < rows)
+                __builtin_prefetch(holders + samples[k + PREFETCH] * words);
             if (samples[k] < 0 || samples[k] >= rows) {
                 *error = "a sample is outside holders";
                 free(whole);
@@ -619,10 +627,64 @@ pick_bits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return finish(done, error, views, 5, Py_NewRef(Py_None));
 }
 
+static int
+table_hashes_run(const uint64_t *holders, int64_t rows, int64_t words, const int64_t *samples,
+                 const int64_t *decoders, int64_t n, const int64_t *lookup, int64_t *out, const char **error)
+{
+    uint64_t *key = malloc((words + 1) * sizeof(uint64_t));
+    if (!key)
+        return -1;
+    for (int64_t i = 0; i < n; i++) {
+        if (samples[i] < 0 || samples[i] >= rows || decoders[i] >= words * 64) {
+            *error = "a sample is outside holders or a decoder outside its bitset";
+            free(key);
+            return 0;
+        }
+        memcpy(key, holders + samples[i] * words, words * sizeof(uint64_t));
+        if (decoders[i] >= 0)
+            key[decoders[i] / 64] |= (uint64_t)1 << (decoders[i] % 64);
+        int64_t hash = 0;
+        const unsigned char *bytes = (const unsigned char *)key;
+        for (int64_t b = 0; b < words * 8; b++)
+            if (bytes[b])
+                hash ^= lookup[b * 256 + bytes[b]];
+        out[i] = hash;
+    }
+    free(key);
+    return 1;
+}
+
+PyDoc_STRVAR(table_hashes_doc,
+"table_hashes(holders, samples, decoders, lookup, out, /) -> None\n\n"
+"The set hash of each sample's table: see dataquay.server._coding_py.table_hashes.\n\n"
+"Raises ValueError for arrays that are not int64 (holders: uint64) or that\n"
+"contradict each other.");
+
+static PyObject *
+table_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer views[5];
+    const char *error = NULL;
+    int done = 0;
+    if (get_views("table_hashes", args, nargs, 5, 4, views) < 0)
+        return NULL;
+    if (views[0].ndim != 2 || views[1].len != views[2].len || views[4].len != views[1].len
+        || views[3].len != views[0].shape[1] * 8 * 256 * 8) {
+        error = "table_hashes' arrays disagree on the number of samples or of bitset bytes";
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        done = table_hashes_run(views[0].buf, views[0].shape[0], views[0].shape[1], views[1].buf, views[2].buf,
+                                views[1].len / 8, views[3].buf, views[4].buf, &error);
+        Py_END_ALLOW_THREADS
+    }
+    return finish(done, error, views, 5, Py_NewRef(Py_None));
+}
+
 static PyMethodDef methods[] = {
     {"greedy", (PyCFunction)(void (*)(void))greedy, METH_FASTCALL, greedy_doc},
     {"packet_rows", (PyCFunction)(void (*)(void))packet_rows, METH_FASTCALL, packet_rows_doc},
     {"pick_bits", (PyCFunction)(void (*)(void))pick_bits, METH_FASTCALL, pick_bits_doc},
+    {"table_hashes", (PyCFunction)(void (*)(void))table_hashes, METH_FASTCALL, table_hashes_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -27,3 +27,6 @@ def packet_rows(
 def pick_bits(
     holders: np.ndarray, start: np.ndarray, samples: np.ndarray, spread: np.ndarray, out: np.ndarray, /
 ) -> None: ...
+def table_hashes(
+    holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray, lookup: np.ndarray, out: np.ndarray, /
+) -> None: ...

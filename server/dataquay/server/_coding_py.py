@@ -207,3 +207,18 @@ def _select_bit(words: np.ndarray, rank: np.ndarray) -> np.ndarray:
         words = np.where(high, words >> np.uint64(width), low)
         position += np.where(high, width, 0)
     return position
+
+
+def table_hashes(holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray, lookup: np.ndarray,
+                 out: np.ndarray) -> None:
+    """The set hash of each sample's table: ``holders[samples[i]]`` with bit
+    ``decoders[i]`` set (none where it is negative), hashed as the XOR of
+    ``lookup[byte position, byte value]`` over the bitset's bytes."""
+    keys = holders[samples].copy()
+    given = np.flatnonzero(decoders >= 0)
+    keys[given, decoders[given] // WORD_BITS] |= np.left_shift(np.uint64(1), (decoders[given] % WORD_BITS).astype(
+        np.uint64))
+    as_bytes = keys.view(np.uint8).reshape(len(keys), -1)
+    out[:] = 0
+    for position in range(as_bytes.shape[1]):
+        out ^= lookup[position][as_bytes[:, position]]

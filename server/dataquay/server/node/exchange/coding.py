@@ -41,12 +41,12 @@ from dataclasses import dataclass
 import numpy as np
 
 try:
-    from dataquay.server._coding import greedy, packet_rows, pick_bits
+    from dataquay.server._coding import greedy, packet_rows, pick_bits, table_hashes
 
     #: Whether the planner's loops are the C extension's (else numpy's and Python's, the same packets, slower).
     COMPILED = True
 except ImportError:
-    from dataquay.server._coding_py import greedy, packet_rows, pick_bits
+    from dataquay.server._coding_py import greedy, packet_rows, pick_bits, table_hashes
 
     COMPILED = False
 
@@ -226,13 +226,22 @@ def coded_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray
     nodes a set is several words, and sorting 64-bit hashes is what keeps this
     a small part of an epoch. The tables' numbers, hence the packets' order,
     follow the hashes; the packets are Lee et al.'s either way."""
-    keys = _table_keys(holders, need)
-    if not len(keys):
+    if not len(need.samples):
         return np.zeros(0, dtype=np.int64)
-    _, first, inverse = np.unique(_set_hashes(keys), return_index=True, return_inverse=True)
-    if not (keys[first][inverse] == keys).all():
-        return _unique_rows(keys)[1]
-    return inverse.astype(np.int64)
+    hashes = _sample_hashes(holders, need.samples, need.decoders)
+    by_hash = np.argsort(hashes)
+    ordered = hashes[by_hash]
+    new = np.ones(len(ordered), dtype=bool)
+    new[1:] = ordered[1:] != ordered[:-1]
+    tables = np.empty(len(ordered), dtype=np.int64)
+    tables[by_hash] = np.cumsum(new) - 1
+    # Neighbours of one hash must be one set: else two sets collided.
+    alike = np.flatnonzero(~new[1:])
+    sample_of = by_hash[alike], by_hash[alike + 1]
+    keys = [_table_keys(holders, Needs(need.samples[at], need.decoders[at])) for at in sample_of]
+    if not (keys[0] == keys[1]).all():
+        return _unique_rows(_table_keys(holders, need))[1]
+    return tables
 
 
 class _Initial:
@@ -303,11 +312,14 @@ def _candidates(half_hashes: tuple[np.ndarray, np.ndarray], sizes: np.ndarray, s
 def _set_hashes(keys: np.ndarray) -> np.ndarray:
     """A 64-bit hash of each bitset row, the XOR of a random value per member:
     a set without member k hashes to its hash XOR k's value."""
-    lookup = _byte_hashes(keys.shape[1] * 8)
-    as_bytes = keys.view(np.uint8).reshape(len(keys), -1)
-    hashes = np.zeros(len(keys), dtype=np.int64)
-    for position in range(as_bytes.shape[1]):
-        hashes ^= lookup[position][as_bytes[:, position]]
+    return _sample_hashes(keys, np.arange(len(keys), dtype=np.int64), np.full(len(keys), -1, dtype=np.int64))
+
+
+def _sample_hashes(holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray) -> np.ndarray:
+    """:func:`_set_hashes` of ``holders[samples]``, each with its decoder's bit set (:func:`table_hashes`)."""
+    hashes = np.empty(len(samples), dtype=np.int64)
+    table_hashes(np.ascontiguousarray(holders), samples.astype(np.int64), decoders.astype(np.int64),
+                 _byte_hashes(holders.shape[1] * 8), hashes)
     return hashes
 
 
