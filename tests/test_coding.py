@@ -32,7 +32,7 @@ TOY_NEEDS = [{3, 5, 8}, {1, 4, 9}, {2, 6, 7}]
 
 #: The planner's loops: the C extension's and Python's.
 GREEDIES = [pytest.param("_coding", id="c"), pytest.param("_coding_py", id="python")]
-LOOPS = ("greedy", "packet_rows", "pick_bits", "table_hashes")
+LOOPS = ("greedy", "packet_rows", "pick_bits", "table_hashes", "set_numbers", "dag_edges")
 
 
 @contextmanager

@@ -680,11 +680,327 @@ table_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return finish(done, error, views, 5, Py_NewRef(Py_None));
 }
 
+/* set_numbers: each needed sample's table key, holders[sample] with its
+ * decoder's bit, in the order of the key's bytes (memcmp, as numpy's unique
+ * over the rows' bytes orders them). */
+typedef struct {
+    const uint64_t *holders;
+    int64_t rows, words;
+    const int64_t *samples, *decoders;
+} Keys;
+
+static void
+key_of(const Keys *k, int64_t i, uint64_t *key)
+{
+    memcpy(key, k->holders + k->samples[i] * k->words, k->words * sizeof(uint64_t));
+    if (k->decoders[i] >= 0)
+        key[k->decoders[i] / 64] |= (uint64_t)1 << (k->decoders[i] % 64);
+}
+
+/* A 64-bit number that orders keys as their bytes do, ties left for a full
+ * comparison: a key's bytes compare by the first member of their symmetric
+ * difference in the order byte by byte, highest bit first; the key that holds
+ * it is the larger. So each member m counts as 64 * words - (its position in
+ * that order), the first few such numbers packed from the top, and a key
+ * that runs out packs zeros. One word of bits: its bytes big-endian, exact. */
+static uint64_t
+order_prefix(const uint64_t *key, int64_t words)
+{
+    if (words == 1)
+        return __builtin_bswap64(key[0]);
+    int64_t width = 64 - __builtin_clzll((uint64_t)(64 * words)), room = 64 / width, packed = 0;
+    uint64_t prefix = 0;
+    const unsigned char *bytes = (const unsigned char *)key;
+    for (int64_t b = 0; b < 8 * words && packed < room; b++)
+        for (int bit = 7; bit >= 0 && bytes[b] && packed < room; bit--)
+            if (bytes[b] >> bit & 1) {
+                prefix = prefix << width | (uint64_t)(64 * words - (8 * b + 7 - bit));
+                packed++;
+            }
+    return prefix << (width * (room - packed));
+}
+
+static int
+compare_keys(const Keys *k, int64_t a, int64_t b, uint64_t *buffer)
+{
+    key_of(k, a, buffer);
+    key_of(k, b, buffer + k->words);
+    return memcmp(buffer, buffer + k->words, k->words * sizeof(uint64_t));
+}
+
+static void
+merge_sort(const Keys *k, int64_t *ids, int64_t *scratch, int64_t n, uint64_t *buffer)
+{
+    if (n < 2)
+        return;
+    int64_t half = n / 2, i = 0, j = half, o = 0;
+    merge_sort(k, ids, scratch, half, buffer);
+    merge_sort(k, ids + half, scratch, n - half, buffer);
+    while (i < half && j < n)
+        scratch[o++] = compare_keys(k, ids[j], ids[i], buffer) < 0 ? ids[j++] : ids[i++];
+    while (i < half)
+        scratch[o++] = ids[i++];
+    while (j < n)
+        scratch[o++] = ids[j++];
+    memcpy(ids, scratch, n * sizeof(int64_t));
+}
+
+/* Sorts ids by prefix, least significant byte first, stably. */
+static void
+radix_sort(uint64_t *prefix, int64_t *ids, uint64_t *prefix_tmp, int64_t *ids_tmp, int64_t n)
+{
+    for (int shift = 0; shift < 64; shift += 8) {
+        int64_t count[257] = {0};
+        for (int64_t i = 0; i < n; i++)
+            count[(prefix[i] >> shift & 0xff) + 1]++;
+        if (count[(prefix[0] >> shift & 0xff) + 1] == n)
+            continue;
+        for (int d = 0; d < 256; d++)
+            count[d + 1] += count[d];
+        for (int64_t i = 0; i < n; i++) {
+            int64_t to = count[prefix[i] >> shift & 0xff]++;
+            prefix_tmp[to] = prefix[i];
+            ids_tmp[to] = ids[i];
+        }
+        memcpy(prefix, prefix_tmp, n * sizeof(uint64_t));
+        memcpy(ids, ids_tmp, n * sizeof(int64_t));
+    }
+}
+
+static int
+set_numbers_run(const Keys *k, int64_t n, int64_t *out, int64_t *tables, const char **error)
+{
+    int64_t i, lo, hi, number = -1;
+    uint64_t *prefix = malloc((n + 1) * sizeof(uint64_t)), *prefix_tmp = malloc((n + 1) * sizeof(uint64_t));
+    int64_t *ids = malloc((n + 1) * sizeof(int64_t)), *ids_tmp = malloc((n + 1) * sizeof(int64_t));
+    uint64_t *buffer = malloc(2 * (k->words + 1) * sizeof(uint64_t));
+    int done = 1;
+    if (!prefix || !prefix_tmp || !ids || !ids_tmp || !buffer) {
+        done = -1;
+        goto out;
+    }
+    for (i = 0; i < n; i++) {
+        if (k->samples[i] < 0 || k->samples[i] >= k->rows || k->decoders[i] >= k->words * 64) {
+            *error = "a sample is outside holders or a decoder outside its bitset";
+            done = 0;
+            goto out;
+        }
+        key_of(k, i, buffer);
+        prefix[i] = order_prefix(buffer, k->words);
+        ids[i] = i;
+    }
+    if (n)
+        radix_sort(prefix, ids, prefix_tmp, ids_tmp, n);
+    for (lo = 0; lo < n; lo = hi) {
+        for (hi = lo + 1; hi < n && prefix[hi] == prefix[lo]; hi++)
+            ;
+        for (i = lo + 1; i < hi && !compare_keys(k, ids[lo], ids[i], buffer); i++)
+            ;
+        if (i < hi)
+            merge_sort(k, ids + lo, ids_tmp, hi - lo, buffer);
+        for (i = lo; i < hi; i++) {
+            if (i == lo || compare_keys(k, ids[i - 1], ids[i], buffer))
+                number++;
+            out[ids[i]] = number;
+        }
+    }
+    *tables = number + 1;
+out:
+    free(prefix);
+    free(prefix_tmp);
+    free(ids);
+    free(ids_tmp);
+    free(buffer);
+    return done;
+}
+
+PyDoc_STRVAR(set_numbers_doc,
+"set_numbers(holders, samples, decoders, out, /) -> int\n\n"
+"Each sample's table, numbered in the order of the tables' bytes: see\n"
+"dataquay.server._coding_py.set_numbers.\n\n"
+"Raises ValueError for arrays that are not int64 (holders: uint64) or that\n"
+"contradict each other.");
+
+static PyObject *
+set_numbers(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer views[4];
+    const char *error = NULL;
+    int64_t tables = 0;
+    int done = 0;
+    if (get_views("set_numbers", args, nargs, 4, 3, views) < 0)
+        return NULL;
+    if (views[0].ndim != 2 || views[0].shape[1] < 1 || views[1].len != views[2].len || views[3].len != views[1].len) {
+        error = "set_numbers' arrays disagree on the number of samples, or holders is not a matrix";
+    } else {
+        Keys k = {views[0].buf, views[0].shape[0], views[0].shape[1], views[1].buf, views[2].buf};
+        Py_BEGIN_ALLOW_THREADS
+        done = set_numbers_run(&k, views[1].len / 8, views[3].buf, &tables, &error);
+        Py_END_ALLOW_THREADS
+    }
+    return finish(done, error, views, 4, done > 0 ? PyLong_FromLongLong(tables) : NULL);
+}
+
+/* dag_edges: every (parent, member, child) with child = parent less member, a
+ * table of each size looked up in an open-addressing set of the tables one
+ * member smaller, by the XOR hash that dropping a member updates in one step. */
+typedef struct {
+    uint64_t hash;
+    int64_t table;
+} Slot;
+
+typedef struct {
+    int64_t *items;
+    int64_t len, cap;
+} Edges;
+
+static int
+push_edge(Edges *e, int64_t parent, int64_t member, int64_t child)
+{
+    if (e->len + 3 > e->cap) {
+        int64_t cap = e->cap ? 2 * e->cap : 3 * 4096;
+        int64_t *items = realloc(e->items, cap * sizeof(int64_t));
+        if (!items)
+            return -1;
+        e->items = items;
+        e->cap = cap;
+    }
+    e->items[e->len++] = parent;
+    e->items[e->len++] = member;
+    e->items[e->len++] = child;
+    return 1;
+}
+
+static int
+dag_edges_run(const uint64_t *keys, int64_t tables, int64_t words, const int64_t *node_hash, Edges *e)
+{
+    int64_t t, w, size, max_size = 0, done = 1;
+    int64_t *sizes = malloc((tables + 1) * sizeof(int64_t)), *by_size = malloc((tables + 1) * sizeof(int64_t));
+    uint64_t *hash = malloc((tables + 1) * sizeof(uint64_t)), *child_key = malloc((words + 1) * sizeof(uint64_t));
+    int64_t *size_start = NULL;
+    Slot *set = NULL;
+    if (!sizes || !by_size || !hash || !child_key) {
+        done = -1;
+        goto out;
+    }
+    for (t = 0; t < tables; t++) {
+        sizes[t] = 0;
+        hash[t] = 0;
+        for (w = 0; w < words; w++) {
+            uint64_t bits = keys[t * words + w];
+            sizes[t] += __builtin_popcountll(bits);
+            for (; bits; bits &= bits - 1)
+                hash[t] ^= (uint64_t)node_hash[w * 64 + __builtin_ctzll(bits)];
+        }
+        if (sizes[t] > max_size)
+            max_size = sizes[t];
+    }
+    size_start = calloc(max_size + 2, sizeof(int64_t));
+    set = malloc(sizeof(Slot));
+    if (!size_start || !set) {
+        done = -1;
+        goto out;
+    }
+    for (t = 0; t < tables; t++)
+        size_start[sizes[t] + 1]++;
+    for (size = 0; size <= max_size; size++)
+        size_start[size + 1] += size_start[size];
+    for (t = 0; t < tables; t++)
+        by_size[size_start[sizes[t]]++] = t;
+    for (size = max_size; size > 0; size--)
+        size_start[size] = size_start[size - 1];
+    size_start[0] = 0;
+    for (size = max_size; size >= 3; size--) {
+        int64_t lo = size_start[size - 1], hi = size_start[size], mask = 1, i;
+        if (lo == hi || size_start[size] == size_start[size + 1])
+            continue;
+        while (mask < 2 * (hi - lo))
+            mask <<= 1;
+        Slot *grown = realloc(set, mask * sizeof(Slot));
+        if (!grown) {
+            done = -1;
+            goto out;
+        }
+        set = grown;
+        mask--;
+        for (i = 0; i <= mask; i++)
+            set[i].table = -1;
+        for (i = lo; i < hi; i++) {
+            int64_t at = (int64_t)((hash[by_size[i]] * 0x9E3779B97F4A7C15ull) >> 20) & mask;
+            while (set[at].table >= 0)
+                at = (at + 1) & mask;
+            set[at].hash = hash[by_size[i]];
+            set[at].table = by_size[i];
+        }
+        for (i = size_start[size]; i < size_start[size + 1]; i++) {
+            int64_t parent = by_size[i];
+            const uint64_t *key = keys + parent * words;
+            for (w = 0; w < words; w++) {
+                for (uint64_t bits = key[w]; bits; bits &= bits - 1) {
+                    int64_t member = w * 64 + __builtin_ctzll(bits);
+                    uint64_t wanted = hash[parent] ^ (uint64_t)node_hash[member];
+                    int64_t at = (int64_t)((wanted * 0x9E3779B97F4A7C15ull) >> 20) & mask;
+                    for (; set[at].table >= 0; at = (at + 1) & mask) {
+                        if (set[at].hash != wanted)
+                            continue;
+                        memcpy(child_key, key, words * sizeof(uint64_t));
+                        child_key[w] &= ~((uint64_t)1 << (member % 64));
+                        if (!memcmp(child_key, keys + set[at].table * words, words * sizeof(uint64_t))) {
+                            if (push_edge(e, parent, member, set[at].table) < 0) {
+                                done = -1;
+                                goto out;
+                            }
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+    }
+out:
+    free(sizes);
+    free(by_size);
+    free(hash);
+    free(child_key);
+    free(size_start);
+    free(set);
+    return (int)done;
+}
+
+PyDoc_STRVAR(dag_edges_doc,
+"dag_edges(keys, node_hashes, /) -> bytearray\n\n"
+"The DAG's edges of UberShuffle, as int64 triples: see dataquay.server._coding_py.dag_edges.\n\n"
+"Raises ValueError for arrays that are not int64 (keys: uint64) or that\n"
+"contradict each other.");
+
+static PyObject *
+dag_edges(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer views[2];
+    Edges e = {NULL, 0, 0};
+    const char *error = NULL;
+    int done = 0;
+    if (get_views("dag_edges", args, nargs, 2, 2, views) < 0)
+        return NULL;
+    if (views[0].ndim != 2 || views[1].len != views[0].shape[1] * 64 * 8) {
+        error = "dag_edges' keys is not a matrix, or node_hashes not one per bit of a key";
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        done = dag_edges_run(views[0].buf, views[0].shape[0], views[0].shape[1], views[1].buf, &e);
+        Py_END_ALLOW_THREADS
+    }
+    PyObject *result = done > 0 ? PyByteArray_FromStringAndSize((const char *)e.items, e.len * 8) : NULL;
+    free(e.items);
+    return finish(done, error, views, 2, result);
+}
+
 static PyMethodDef methods[] = {
     {"greedy", (PyCFunction)(void (*)(void))greedy, METH_FASTCALL, greedy_doc},
     {"packet_rows", (PyCFunction)(void (*)(void))packet_rows, METH_FASTCALL, packet_rows_doc},
     {"pick_bits", (PyCFunction)(void (*)(void))pick_bits, METH_FASTCALL, pick_bits_doc},
     {"table_hashes", (PyCFunction)(void (*)(void))table_hashes, METH_FASTCALL, table_hashes_doc},
+    {"set_numbers", (PyCFunction)(void (*)(void))set_numbers, METH_FASTCALL, set_numbers_doc},
+    {"dag_edges", (PyCFunction)(void (*)(void))dag_edges, METH_FASTCALL, dag_edges_doc},
     {NULL, NULL, 0, NULL},
 };
 

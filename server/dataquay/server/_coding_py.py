@@ -9,6 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 WORD_BITS = 64
+_EVEN_BITS = np.uint64(0x5555555555555555)
+#: Tables unpacked into member bits at a time (bounds the planner's memory at large node counts).
+_CHUNK = 16384
 
 
 def greedy(keys: np.ndarray, table_start: np.ndarray, group_decoder: np.ndarray, group_count: np.ndarray,
@@ -30,7 +33,12 @@ def greedy(keys: np.ndarray, table_start: np.ndarray, group_decoder: np.ndarray,
             tables down, each parent's edges together.
         out: each needed sample's table, Lee et al.'s on entry.
     """
-    sizes = np.bitwise_count(keys).sum(axis=1).astype(np.int64)
+    sizes = _popcount(keys)
+    num_nodes = keys.shape[1] * WORD_BITS
+    group_table = np.repeat(np.arange(len(keys), dtype=np.int64), np.diff(table_start))
+    group_key = group_table * num_nodes + group_decoder
+    kept = _Initial(group_table, group_key, group_decoder, group_count, num_nodes).may_move(parent, member, child)
+    parent, member, child = parent[kept], member[kept], child[kept]
     columns = _Columns(group_decoder, group_count, table_start, sizes)
     moves: list[tuple[int, int, int, int]] = []
     bounds = np.flatnonzero(np.diff(parent, prepend=-1, append=-1)).tolist()
@@ -39,8 +47,6 @@ def greedy(keys: np.ndarray, table_start: np.ndarray, group_decoder: np.ndarray,
         moves += _reduce_table(parents[lo], dict(zip(members[lo:hi], kids[lo:hi], strict=True)), columns)
     if not moves:
         return
-    num_nodes = keys.shape[1] * WORD_BITS
-    group_key = np.repeat(np.arange(len(keys), dtype=np.int64), np.diff(table_start)) * num_nodes + group_decoder
     src, decoder, dst, count = (np.array(column, dtype=np.int64) for column in zip(*moves, strict=True))
     src_group, dst_group = (_find(group_key, t * num_nodes + decoder) for t in (src, dst))
     pools: dict[tuple[int, int], list[int]] = {}
@@ -53,12 +59,6 @@ def greedy(keys: np.ndarray, table_start: np.ndarray, group_decoder: np.ndarray,
         del taken[len(taken) - move[3]:]
     for (table, _), ids in pools.items():
         out[ids] = table
-
-
-def _find(sorted_keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
-    """The index of each wanted key in ``sorted_keys``, -1 where absent."""
-    at = np.minimum(np.searchsorted(sorted_keys, wanted), len(sorted_keys) - 1)
-    return np.where(sorted_keys[at] == wanted, at, -1)
 
 
 class _Columns:
@@ -222,3 +222,173 @@ def table_hashes(holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray,
     out[:] = 0
     for position in range(as_bytes.shape[1]):
         out ^= lookup[position][as_bytes[:, position]]
+
+
+def set_numbers(holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray, out: np.ndarray) -> int:
+    """Each sample's table, ``holders[samples[i]]`` with bit ``decoders[i]``
+    set, into ``out``: the tables numbered in the order of their bitsets'
+    bytes, as numpy's unique orders rows of bytes.
+
+    Returns:
+        the number of tables.
+    """
+    keys = holders[samples].copy()
+    keys[np.arange(len(keys)), decoders // WORD_BITS] |= np.left_shift(np.uint64(1),
+                                                                       (decoders % WORD_BITS).astype(np.uint64))
+    distinct, out[:] = _unique_rows(keys)
+    return len(distinct)
+
+
+def _unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct bitset rows and, per row of ``keys``, the index of its distinct row."""
+    rows = np.ascontiguousarray(keys).view(np.dtype((np.void, keys.dtype.itemsize * keys.shape[1]))).ravel()
+    _, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
+    return keys[first], inverse.astype(np.int64)
+
+
+
+def dag_edges(keys: np.ndarray, node_hashes: np.ndarray) -> bytearray:
+    """Every (parent, member, child) where table child is table parent less
+    member, as int64 triples: by layer from the largest tables down to those
+    of three members, then by parent, then by member.
+
+    Args:
+        keys: the tables' member bitsets (uint64 rows), all distinct.
+        node_hashes: a random int64 per node, the set hashes' parts.
+    """
+    sizes = _popcount(keys)
+    hashes = _set_hashes(keys, node_hashes)
+    half_hashes = (_set_hashes(keys & _EVEN_BITS, node_hashes), _set_hashes(keys & ~_EVEN_BITS, node_hashes))
+    edges: list[tuple[np.ndarray, ...]] = [(np.zeros(0, dtype=np.int64),) * 3]
+    for size in range(int(sizes.max(initial=0)), 2, -1):
+        lower = np.flatnonzero(sizes == size - 1)
+        lower = lower[np.argsort(hashes[lower])]
+        edges.append(_children(keys, hashes, lower, _candidates(half_hashes, sizes, size), node_hashes))
+    parent, member, child = (np.concatenate(column).astype(np.int64) for column in zip(*edges, strict=True))
+    return bytearray(np.stack([parent, member, child], axis=1).tobytes())
+
+
+def _members(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The set bits of bitset rows, as ``np.nonzero`` of their unpacked bools
+    gives them (by row, then node), found a lowest bit at a time per word:
+    tables have a few members of up to thousands of nodes."""
+    rows: list[np.ndarray] = []
+    nodes: list[np.ndarray] = []
+    for word in range(keys.shape[1]):
+        at = np.flatnonzero(keys[:, word])
+        left = keys[at, word]
+        while len(at):
+            lowest = left & (~left + np.uint64(1))
+            rows.append(at)
+            nodes.append(np.frexp(lowest.astype(np.float64))[1].astype(np.int64) - 1 + word * WORD_BITS)
+            left ^= lowest
+            more = left != 0
+            at, left = at[more], left[more]
+    if not rows:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    row, node = np.concatenate(rows), np.concatenate(nodes)
+    by_row = np.argsort(row, kind="stable")
+    return row[by_row], node[by_row]
+
+
+def _popcount(keys: np.ndarray) -> np.ndarray:
+    return np.bitwise_count(keys).sum(axis=1).astype(np.int64)
+
+
+class _Initial:
+    """The tables' columns before the greedy, to rule out in numpy the
+    parents whose reduction would move nothing.
+
+    Before a parent is reduced, its columns and its children's only grow
+    (rows arrive from the layer above) and rows never change, so a column
+    of the parent full at the start stays full and a child's column that
+    has no gap at the start never gets one: a parent with a full column
+    that no child can take from at the start stops at once in
+    :func:`_reduce_table`, and skipping it changes nothing.
+    """
+
+    def __init__(self, group_table: np.ndarray, group_key: np.ndarray, group_decoder: np.ndarray,
+                 group_count: np.ndarray, num_nodes: int) -> None:
+        self._key, self._decoder, self._count, self._num_nodes = group_key, group_decoder, group_count, num_nodes
+        self._rows = np.maximum.reduceat(group_count, np.flatnonzero(np.diff(group_table, prepend=-1)))
+        self._full = np.flatnonzero(group_count == self._rows[group_table])
+        self._full_table = group_table[self._full]
+        per_table = np.bincount(self._full_table, minlength=len(self._rows))
+        self._full_count, self._full_start = per_table, np.cumsum(per_table) - per_table
+
+    def may_move(self, parent: np.ndarray, member: np.ndarray, child: np.ndarray) -> np.ndarray:
+        """Which (parent, member, child) edges belong to a parent whose every
+        full column has a child, other than that column's, with a gap in it."""
+        per_edge = self._full_count[parent]
+        edge = np.repeat(np.arange(len(parent)), per_edge)
+        within = np.arange(len(edge)) - np.repeat(np.cumsum(per_edge) - per_edge, per_edge)
+        group = self._full[self._full_start[parent[edge]] + within]
+        column = self._decoder[group]
+        held = _find(self._key, child[edge] * self._num_nodes + column)
+        gap = (column != member[edge]) & (np.where(held >= 0, self._count[held], 0) < self._rows[child[edge]])
+        served = np.zeros(len(self._count), dtype=bool)
+        served[group[gap]] = True
+        stuck = np.zeros(len(self._rows), dtype=bool)
+        stuck[self._full_table[~served[self._full]]] = True
+        return ~stuck[parent]
+
+
+def _candidates(half_hashes: tuple[np.ndarray, np.ndarray], sizes: np.ndarray, size: int) -> np.ndarray:
+    """Tables of ``size`` members that may have a table one member smaller below them.
+
+    A child lacks one member, so it agrees with its parent on the even bits or
+    on the odd bits; a join on the hashes of each half finds every parent with
+    a child (and, rarely, a table that has none, which :func:`_children`
+    drops) without comparing tables pairwise.
+    """
+    upper, lower = np.flatnonzero(sizes == size), np.flatnonzero(sizes == size - 1)
+    found = np.zeros(len(upper), dtype=bool)
+    for hashes in half_hashes:
+        found |= np.isin(hashes[upper], hashes[lower])
+    return upper[found]
+
+
+def _set_hashes(keys: np.ndarray, node_hashes: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each bitset row, the XOR of a random value per member:
+    a set without member k hashes to its hash XOR k's value."""
+    rows, nodes = _members(keys)
+    hashes = np.zeros(len(keys), dtype=np.int64)
+    np.bitwise_xor.at(hashes, rows, node_hashes[nodes])
+    return hashes
+
+
+def _children(keys: np.ndarray, hashes: np.ndarray, lower: np.ndarray, parents: np.ndarray,
+              node_hash: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Every (parent, member, child) where table child is table parent less member
+    (``lower``: the tables one member smaller than the parents, in the order of their hashes).
+
+    The hashes pick the child; only those that match are compared bit for bit."""
+    empty = (np.zeros(0, dtype=np.int64),) * 3
+    if not len(lower):
+        return empty
+    sorted_hashes = hashes[lower]
+    found: list[tuple[np.ndarray, ...]] = []
+    for i in range(0, len(parents), _CHUNK):
+        rows, members = _members(keys[parents[i:i + _CHUNK]])
+        parent = parents[i:i + _CHUNK][rows]
+        wanted = hashes[parent] ^ node_hash[members]
+        at = np.minimum(np.searchsorted(sorted_hashes, wanted), len(lower) - 1)
+        hit = np.flatnonzero(sorted_hashes[at] == wanted)
+        parent, members, child = parent[hit], members[hit], lower[at[hit]]
+        expect = keys[parent].copy()
+        expect[np.arange(len(parent)), members // WORD_BITS] &= ~np.left_shift(
+            np.uint64(1), (members % WORD_BITS).astype(np.uint64)
+        )
+        exact = (keys[child] == expect).all(axis=1)
+        found.append((parent[exact], members[exact].astype(np.int64), child[exact]))
+    if not found:
+        return empty
+    return tuple(np.concatenate(column) for column in zip(*found, strict=True))
+
+
+def _find(sorted_keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """The index of each wanted key in ``sorted_keys``, -1 where absent."""
+    at = np.minimum(np.searchsorted(sorted_keys, wanted), len(sorted_keys) - 1)
+    return np.where(sorted_keys[at] == wanted, at, -1)
+
+

@@ -41,12 +41,12 @@ from dataclasses import dataclass
 import numpy as np
 
 try:
-    from dataquay.server._coding import greedy, packet_rows, pick_bits, table_hashes
+    from dataquay.server._coding import dag_edges, greedy, packet_rows, pick_bits, set_numbers, table_hashes
 
     #: Whether the planner's loops are the C extension's (else numpy's and Python's, the same packets, slower).
     COMPILED = True
 except ImportError:
-    from dataquay.server._coding_py import greedy, packet_rows, pick_bits, table_hashes
+    from dataquay.server._coding_py import dag_edges, greedy, packet_rows, pick_bits, set_numbers, table_hashes
 
     COMPILED = False
 
@@ -54,9 +54,6 @@ except ImportError:
 WORD_BITS = 64
 #: Sender of a packet, or source of a fetch, that is the PFS: no node caches the part.
 PFS = -1
-_EVEN_BITS = np.uint64(0x5555555555555555)
-#: Tables unpacked into member bits at a time (bounds the planner's memory at large node counts).
-_CHUNK = 16384
 
 
 def holder_bits(caches: Sequence[np.ndarray], num_samples: int) -> np.ndarray:
@@ -170,33 +167,6 @@ class Load:
     pfs_bytes: int
 
 
-def _members(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The set bits of bitset rows, as ``np.nonzero`` of their unpacked bools
-    gives them (by row, then node), found a lowest bit at a time per word:
-    tables have a few members of up to thousands of nodes."""
-    rows: list[np.ndarray] = []
-    nodes: list[np.ndarray] = []
-    for word in range(keys.shape[1]):
-        at = np.flatnonzero(keys[:, word])
-        left = keys[at, word]
-        while len(at):
-            lowest = left & (~left + np.uint64(1))
-            rows.append(at)
-            nodes.append(np.frexp(lowest.astype(np.float64))[1].astype(np.int64) - 1 + word * WORD_BITS)
-            left ^= lowest
-            more = left != 0
-            at, left = at[more], left[more]
-    if not rows:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    row, node = np.concatenate(rows), np.concatenate(nodes)
-    by_row = np.argsort(row, kind="stable")
-    return row[by_row], node[by_row]
-
-
-def _popcount(keys: np.ndarray) -> np.ndarray:
-    return np.bitwise_count(keys).sum(axis=1).astype(np.int64)
-
-
 def _table_keys(holders: np.ndarray, need: Needs) -> np.ndarray:
     """Each needed sample's coded table: its holders plus its decoder."""
     keys = holders[need.samples].copy()
@@ -204,13 +174,6 @@ def _table_keys(holders: np.ndarray, need: Needs) -> np.ndarray:
         np.uint64(1), (need.decoders % WORD_BITS).astype(np.uint64)
     )
     return keys
-
-
-def _unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct bitset rows and, per row of ``keys``, the index of its distinct row."""
-    rows = np.ascontiguousarray(keys).view(np.dtype((np.void, keys.dtype.itemsize * keys.shape[1]))).ravel()
-    _, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
-    return keys[first], inverse.astype(np.int64)
 
 
 def uncoded_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
@@ -240,46 +203,19 @@ def coded_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray
     sample_of = by_hash[alike], by_hash[alike + 1]
     keys = [_table_keys(holders, Needs(need.samples[at], need.decoders[at])) for at in sample_of]
     if not (keys[0] == keys[1]).all():
-        return _unique_rows(_table_keys(holders, need))[1]
+        return _set_numbers(holders, need)[0]
     return tables
 
 
-class _Initial:
-    """The tables' columns before the greedy, to rule out in numpy the
-    parents whose reduction would move nothing.
-
-    Before a parent is reduced, its columns and its children's only grow
-    (rows arrive from the layer above) and rows never change, so a column
-    of the parent full at the start stays full and a child's column that
-    has no gap at the start never gets one: a parent with a full column
-    that no child can take from at the start stops at once in
-    :func:`_reduce_table`, and skipping it changes nothing.
-    """
-
-    def __init__(self, group_table: np.ndarray, group_key: np.ndarray, group_decoder: np.ndarray,
-                 group_count: np.ndarray, num_nodes: int) -> None:
-        self._key, self._decoder, self._count, self._num_nodes = group_key, group_decoder, group_count, num_nodes
-        self._rows = np.maximum.reduceat(group_count, np.flatnonzero(np.diff(group_table, prepend=-1)))
-        self._full = np.flatnonzero(group_count == self._rows[group_table])
-        self._full_table = group_table[self._full]
-        per_table = np.bincount(self._full_table, minlength=len(self._rows))
-        self._full_count, self._full_start = per_table, np.cumsum(per_table) - per_table
-
-    def may_move(self, parent: np.ndarray, member: np.ndarray, child: np.ndarray) -> np.ndarray:
-        """Which (parent, member, child) edges belong to a parent whose every
-        full column has a child, other than that column's, with a gap in it."""
-        per_edge = self._full_count[parent]
-        edge = np.repeat(np.arange(len(parent)), per_edge)
-        within = np.arange(len(edge)) - np.repeat(np.cumsum(per_edge) - per_edge, per_edge)
-        group = self._full[self._full_start[parent[edge]] + within]
-        column = self._decoder[group]
-        held = _find(self._key, child[edge] * self._num_nodes + column)
-        gap = (column != member[edge]) & (np.where(held >= 0, self._count[held], 0) < self._rows[child[edge]])
-        served = np.zeros(len(self._count), dtype=bool)
-        served[group[gap]] = True
-        stuck = np.zeros(len(self._rows), dtype=bool)
-        stuck[self._full_table[~served[self._full]]] = True
-        return ~stuck[parent]
+def _set_numbers(holders: np.ndarray, need: Needs) -> tuple[np.ndarray, np.ndarray]:
+    """Each needed sample's table, numbered in the order of the tables' member
+    bitsets as bytes (:func:`set_numbers`), and each table's bitset."""
+    tables = np.empty(len(need.samples), dtype=np.int64)
+    count = set_numbers(np.ascontiguousarray(holders), need.samples.astype(np.int64),
+                        need.decoders.astype(np.int64), tables)
+    first = np.empty(count, dtype=np.int64)
+    first[tables] = np.arange(len(tables))
+    return tables, _table_keys(holders, Needs(need.samples[first], need.decoders[first]))
 
 
 def _groups(tables: np.ndarray, decoders: np.ndarray, num_tables: int) -> tuple[np.ndarray, ...]:
@@ -294,29 +230,9 @@ def _groups(tables: np.ndarray, decoders: np.ndarray, num_tables: int) -> tuple[
     return order, starts, d[starts], counts, table_start
 
 
-def _candidates(half_hashes: tuple[np.ndarray, np.ndarray], sizes: np.ndarray, size: int) -> np.ndarray:
-    """Tables of ``size`` members that may have a table one member smaller below them.
-
-    A child lacks one member, so it agrees with its parent on the even bits or
-    on the odd bits; a join on the hashes of each half finds every parent with
-    a child (and, rarely, a table that has none, which :func:`_children`
-    drops) without comparing tables pairwise.
-    """
-    upper, lower = np.flatnonzero(sizes == size), np.flatnonzero(sizes == size - 1)
-    found = np.zeros(len(upper), dtype=bool)
-    for hashes in half_hashes:
-        found |= np.isin(hashes[upper], hashes[lower])
-    return upper[found]
-
-
-def _set_hashes(keys: np.ndarray) -> np.ndarray:
-    """A 64-bit hash of each bitset row, the XOR of a random value per member:
-    a set without member k hashes to its hash XOR k's value."""
-    return _sample_hashes(keys, np.arange(len(keys), dtype=np.int64), np.full(len(keys), -1, dtype=np.int64))
-
-
 def _sample_hashes(holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray) -> np.ndarray:
-    """:func:`_set_hashes` of ``holders[samples]``, each with its decoder's bit set (:func:`table_hashes`)."""
+    """A 64-bit hash of each table, ``holders[samples]`` with its decoder's bit
+    set: the XOR of a random value per member (:func:`table_hashes`)."""
     hashes = np.empty(len(samples), dtype=np.int64)
     table_hashes(np.ascontiguousarray(holders), samples.astype(np.int64), decoders.astype(np.int64),
                  _byte_hashes(holders.shape[1] * 8), hashes)
@@ -334,68 +250,25 @@ def _byte_hashes(num_bytes: int) -> np.ndarray:
     return np.bitwise_xor.reduce(np.where(bits[None, :, :], nodes[:, None, :], 0), axis=2)
 
 
-def _children(keys: np.ndarray, hashes: np.ndarray, lower: np.ndarray, parents: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Every (parent, member, child) where table child is table parent less member
-    (``lower``: the tables one member smaller than the parents, in the order of their hashes).
-
-    The hashes pick the child; only those that match are compared bit for bit."""
-    empty = (np.zeros(0, dtype=np.int64),) * 3
-    if not len(lower):
-        return empty
-    sorted_hashes = hashes[lower]
-    node_hash = _node_hashes(keys.shape[1] * WORD_BITS)
-    found: list[tuple[np.ndarray, ...]] = []
-    for i in range(0, len(parents), _CHUNK):
-        rows, members = _members(keys[parents[i:i + _CHUNK]])
-        parent = parents[i:i + _CHUNK][rows]
-        wanted = hashes[parent] ^ node_hash[members]
-        at = np.minimum(np.searchsorted(sorted_hashes, wanted), len(lower) - 1)
-        hit = np.flatnonzero(sorted_hashes[at] == wanted)
-        parent, members, child = parent[hit], members[hit], lower[at[hit]]
-        expect = keys[parent].copy()
-        expect[np.arange(len(parent)), members // WORD_BITS] &= ~np.left_shift(
-            np.uint64(1), (members % WORD_BITS).astype(np.uint64)
-        )
-        exact = (keys[child] == expect).all(axis=1)
-        found.append((parent[exact], members[exact].astype(np.int64), child[exact]))
-    if not found:
-        return empty
-    return tuple(np.concatenate(column) for column in zip(*found, strict=True))
-
-
 def uber_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
     """``uber``: Lee et al.'s tables, then rows moved down the DAG into gaps (module docstring).
 
-    numpy finds the DAG's edges, layer by layer; the greedy, a parent at a
-    time (each one's choices depend on the gaps the ones before it filled),
-    runs in the C extension where it was built (:data:`COMPILED`)."""
-    keys, tables = _unique_rows(_table_keys(holders, need))
-    if not len(keys):
-        return tables
+    The tables are numbered in the order of their bitsets' bytes, which fixes
+    the order the greedy reduces the parents of a layer in, hence its moves.
+    The DAG's edges (:func:`dag_edges`) and the greedy, a parent at a time
+    (each one's choices depend on the gaps the ones before it filled), run in
+    the C extension where it was built (:data:`COMPILED`)."""
+    if not len(need.samples):
+        return np.zeros(0, dtype=np.int64)
+    tables, keys = _set_numbers(holders, need)
     order, starts, g_decoder, g_count, table_start = _groups(tables, need.decoders, len(keys))
-    sizes = _popcount(keys)
-    hashes = _set_hashes(keys)
-    half_hashes = (_set_hashes(keys & _EVEN_BITS), _set_hashes(keys & ~_EVEN_BITS))
-    group_table = np.repeat(np.arange(len(keys), dtype=np.int64), np.diff(table_start))
-    initial = _Initial(group_table, group_table * num_nodes + g_decoder, g_decoder, g_count, num_nodes)
-    edges: list[tuple[np.ndarray, ...]] = [(np.zeros(0, dtype=np.int64),) * 3]
-    for size in range(int(sizes.max(initial=0)), 2, -1):
-        lower = np.flatnonzero(sizes == size - 1)
-        lower = lower[np.argsort(hashes[lower])]
-        parent, member, child = _children(keys, hashes, lower, _candidates(half_hashes, sizes, size))
-        kept = initial.may_move(parent, member, child)
-        edges.append((parent[kept], member[kept], child[kept]))
-    parent, member, child = (np.concatenate(column).astype(np.int64) for column in zip(*edges, strict=True))
+    keys = np.ascontiguousarray(keys)
+    edges = np.frombuffer(dag_edges(keys, _node_hashes(keys.shape[1] * WORD_BITS)), dtype=np.int64).reshape(-1, 3)
+    parent, member, child = (np.ascontiguousarray(edges[:, column]) for column in range(3))
     moved = tables.copy()
-    greedy(np.ascontiguousarray(keys), table_start.astype(np.int64), g_decoder.astype(np.int64),
-           g_count.astype(np.int64), order.astype(np.int64), starts.astype(np.int64), parent, member, child, moved)
+    greedy(keys, table_start.astype(np.int64), g_decoder.astype(np.int64), g_count.astype(np.int64),
+           order.astype(np.int64), starts.astype(np.int64), parent, member, child, moved)
     return moved
-
-
-def _find(sorted_keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
-    """The index of each wanted key in ``sorted_keys``, -1 where absent."""
-    at = np.minimum(np.searchsorted(sorted_keys, wanted), len(sorted_keys) - 1)
-    return np.where(sorted_keys[at] == wanted, at, -1)
 
 
 #: Encoding-table rules by scheme name: (holders, needs, num_nodes) -> table of each needed sample.
