@@ -19,6 +19,11 @@
 #define NUM_ARRAYS 10
 /* Rows of a bitset matrix asked for ahead of a gather over it. */
 #define PREFETCH 16
+/* Items a loop over hash-set lookups asks the memory of ahead of the one it is on. */
+#define AHEAD 8
+/* Parents of more members than this are first looked up by their halves (dag_edges). */
+#define HALVES_FROM 8
+#define EVEN_BITS 0x5555555555555555ull
 
 typedef struct {
     int64_t *ids;   /* NULL: still the group's run of `order` */
@@ -704,19 +709,23 @@ key_of(const Keys *k, int64_t i, uint64_t *key)
  * that order), the first few such numbers packed from the top, and a key
  * that runs out packs zeros. One word of bits: its bytes big-endian, exact. */
 static uint64_t
-order_prefix(const uint64_t *key, int64_t words)
+order_prefix(const Keys *k, int64_t i)
 {
+    const uint64_t *row = k->holders + k->samples[i] * k->words;
+    int64_t words = k->words, decoder = k->decoders[i];
     if (words == 1)
-        return __builtin_bswap64(key[0]);
+        return __builtin_bswap64(row[0] | (decoder >= 0 ? (uint64_t)1 << decoder : 0));
     int64_t width = 64 - __builtin_clzll((uint64_t)(64 * words)), room = 64 / width, packed = 0;
     uint64_t prefix = 0;
-    const unsigned char *bytes = (const unsigned char *)key;
-    for (int64_t b = 0; b < 8 * words && packed < room; b++)
-        for (int bit = 7; bit >= 0 && bytes[b] && packed < room; bit--)
-            if (bytes[b] >> bit & 1) {
-                prefix = prefix << width | (uint64_t)(64 * words - (8 * b + 7 - bit));
-                packed++;
-            }
+    for (int64_t w = 0; w < words && packed < room; w++) {
+        uint64_t x = row[w] | (decoder >= 0 && decoder / 64 == w ? (uint64_t)1 << (decoder % 64) : 0);
+        /* Each byte's bits reversed: the lowest set bit is then the member that comes first. */
+        x = ((x >> 1) & 0x5555555555555555ull) | ((x & 0x5555555555555555ull) << 1);
+        x = ((x >> 2) & 0x3333333333333333ull) | ((x & 0x3333333333333333ull) << 2);
+        x = ((x >> 4) & 0x0F0F0F0F0F0F0F0Full) | ((x & 0x0F0F0F0F0F0F0F0Full) << 4);
+        for (; x && packed < room; x &= x - 1, packed++)
+            prefix = prefix << width | (uint64_t)(64 * words - (64 * w + __builtin_ctzll(x)));
+    }
     return prefix << (width * (room - packed));
 }
 
@@ -745,30 +754,46 @@ merge_sort(const Keys *k, int64_t *ids, int64_t *scratch, int64_t n, uint64_t *b
     memcpy(ids, scratch, n * sizeof(int64_t));
 }
 
-/* Sorts ids by prefix, least significant byte first, stably. */
-static void
-radix_sort(uint64_t *prefix, int64_t *ids, uint64_t *prefix_tmp, int64_t *ids_tmp, int64_t n)
+/* Sorts ids by prefix, 11 bits a pass from the least significant, stably;
+ * the sorted arrays end in *prefix and *ids (either buffer of each pair). */
+static int
+radix_sort(uint64_t **prefix, int64_t **ids, uint64_t **prefix_tmp, int64_t **ids_tmp, int64_t n)
 {
-    for (int shift = 0; shift < 64; shift += 8) {
-        int64_t count[257] = {0};
-        for (int64_t i = 0; i < n; i++)
-            count[(prefix[i] >> shift & 0xff) + 1]++;
-        if (count[(prefix[0] >> shift & 0xff) + 1] == n)
+    enum { BITS = 11, DIGITS = 1 << BITS, PASSES = (64 + BITS - 1) / BITS };
+    int64_t (*count)[DIGITS] = calloc(PASSES, sizeof(*count));
+    if (!count)
+        return -1;
+    for (int64_t i = 0; i < n; i++)
+        for (int pass = 0; pass < PASSES; pass++)
+            count[pass][(*prefix)[i] >> (BITS * pass) & (DIGITS - 1)]++;
+    for (int pass = 0; pass < PASSES; pass++) {
+        int shift = BITS * pass;
+        int64_t *at = count[pass], sum = 0;
+        if (at[(*prefix)[0] >> shift & (DIGITS - 1)] == n)
             continue;
-        for (int d = 0; d < 256; d++)
-            count[d + 1] += count[d];
-        for (int64_t i = 0; i < n; i++) {
-            int64_t to = count[prefix[i] >> shift & 0xff]++;
-            prefix_tmp[to] = prefix[i];
-            ids_tmp[to] = ids[i];
+        for (int d = 0; d < DIGITS; d++) {
+            int64_t c = at[d];
+            at[d] = sum;
+            sum += c;
         }
-        memcpy(prefix, prefix_tmp, n * sizeof(uint64_t));
-        memcpy(ids, ids_tmp, n * sizeof(int64_t));
+        for (int64_t i = 0; i < n; i++) {
+            int64_t to = at[(*prefix)[i] >> shift & (DIGITS - 1)]++;
+            (*prefix_tmp)[to] = (*prefix)[i];
+            (*ids_tmp)[to] = (*ids)[i];
+        }
+        uint64_t *p = *prefix;
+        int64_t *q = *ids;
+        *prefix = *prefix_tmp;
+        *ids = *ids_tmp;
+        *prefix_tmp = p;
+        *ids_tmp = q;
     }
+    free(count);
+    return 1;
 }
 
 static int
-set_numbers_run(const Keys *k, int64_t n, int64_t *out, int64_t *tables, const char **error)
+set_numbers_run(const Keys *k, int64_t n, int64_t *out, uint64_t *keys_out, int64_t *tables, const char **error)
 {
     int64_t i, lo, hi, number = -1;
     uint64_t *prefix = malloc((n + 1) * sizeof(uint64_t)), *prefix_tmp = malloc((n + 1) * sizeof(uint64_t));
@@ -785,12 +810,13 @@ set_numbers_run(const Keys *k, int64_t n, int64_t *out, int64_t *tables, const c
             done = 0;
             goto out;
         }
-        key_of(k, i, buffer);
-        prefix[i] = order_prefix(buffer, k->words);
+        prefix[i] = order_prefix(k, i);
         ids[i] = i;
     }
-    if (n)
-        radix_sort(prefix, ids, prefix_tmp, ids_tmp, n);
+    if (n && radix_sort(&prefix, &ids, &prefix_tmp, &ids_tmp, n) < 0) {
+        done = -1;
+        goto out;
+    }
     for (lo = 0; lo < n; lo = hi) {
         for (hi = lo + 1; hi < n && prefix[hi] == prefix[lo]; hi++)
             ;
@@ -805,6 +831,13 @@ set_numbers_run(const Keys *k, int64_t n, int64_t *out, int64_t *tables, const c
         }
     }
     *tables = number + 1;
+    /* Each table's bitset from its first sample: holders read in order, not as the sort left the ids. */
+    memset(ids_tmp, 0, (number + 1) * sizeof(int64_t));
+    for (i = 0; i < n; i++)
+        if (!ids_tmp[out[i]]) {
+            ids_tmp[out[i]] = 1;
+            key_of(k, i, keys_out + out[i] * k->words);
+        }
 out:
     free(prefix);
     free(prefix_tmp);
@@ -815,8 +848,8 @@ out:
 }
 
 PyDoc_STRVAR(set_numbers_doc,
-"set_numbers(holders, samples, decoders, out, /) -> int\n\n"
-"Each sample's table, numbered in the order of the tables' bytes: see\n"
+"set_numbers(holders, samples, decoders, out, keys, /) -> int\n\n"
+"Each sample's table, numbered in the order of the tables' bytes, and their bitsets: see\n"
 "dataquay.server._coding_py.set_numbers.\n\n"
 "Raises ValueError for arrays that are not int64 (holders: uint64) or that\n"
 "contradict each other.");
@@ -824,35 +857,111 @@ PyDoc_STRVAR(set_numbers_doc,
 static PyObject *
 set_numbers(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer views[4];
+    Py_buffer views[5];
     const char *error = NULL;
     int64_t tables = 0;
     int done = 0;
-    if (get_views("set_numbers", args, nargs, 4, 3, views) < 0)
+    if (get_views("set_numbers", args, nargs, 5, 3, views) < 0)
         return NULL;
-    if (views[0].ndim != 2 || views[0].shape[1] < 1 || views[1].len != views[2].len || views[3].len != views[1].len) {
+    if (views[0].ndim != 2 || views[0].shape[1] < 1 || views[1].len != views[2].len || views[3].len != views[1].len
+        || views[4].len != views[1].len * views[0].shape[1]) {
         error = "set_numbers' arrays disagree on the number of samples, or holders is not a matrix";
     } else {
         Keys k = {views[0].buf, views[0].shape[0], views[0].shape[1], views[1].buf, views[2].buf};
         Py_BEGIN_ALLOW_THREADS
-        done = set_numbers_run(&k, views[1].len / 8, views[3].buf, &tables, &error);
+        done = set_numbers_run(&k, views[1].len / 8, views[3].buf, views[4].buf, &tables, &error);
         Py_END_ALLOW_THREADS
     }
-    return finish(done, error, views, 4, done > 0 ? PyLong_FromLongLong(tables) : NULL);
+    return finish(done, error, views, 5, done > 0 ? PyLong_FromLongLong(tables) : NULL);
 }
 
 /* dag_edges: every (parent, member, child) with child = parent less member, a
  * table of each size looked up in an open-addressing set of the tables one
- * member smaller, by the XOR hash that dropping a member updates in one step. */
+ * member smaller. A key's hash is the XOR of a mix of each word, so that
+ * dropping a member updates it from one word. A child agrees with its parent
+ * on the even or on the odd members, so a parent whose halves' hashes are no
+ * smaller table's halves has none: two lookups rule out most parents where
+ * tables have dozens of members. */
 typedef struct {
     uint64_t hash;
     int64_t table;
 } Slot;
 
 typedef struct {
+    Slot *slots;
+    int64_t mask;
+} HashSet;
+
+typedef struct {
     int64_t *items;
     int64_t len, cap;
 } Edges;
+
+/* A child that a parent may have: the hash it would have, and its first slot. */
+typedef struct {
+    uint64_t hash;
+    int64_t parent, member, slot;
+} Lookup;
+
+typedef struct {
+    const uint64_t *keys;
+    int64_t tables, words, groups;
+    const int64_t *table_start, *decoder, *count;
+    int64_t *rows;   /* each table's fullest column */
+    const char *error;
+} Dag;
+
+static uint64_t
+mix_word(uint64_t word, int64_t w)
+{
+    uint64_t x = word + (uint64_t)(w + 1) * 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+static int64_t
+slot_of(const HashSet *set, uint64_t hash)
+{
+    return (int64_t)((hash * 0x9E3779B97F4A7C15ull) >> 20) & set->mask;
+}
+
+static int
+set_reset(HashSet *set, int64_t entries)
+{
+    int64_t size = 1;
+    while (size < 2 * entries)
+        size <<= 1;
+    Slot *slots = realloc(set->slots, size * sizeof(Slot));
+    if (!slots)
+        return -1;
+    set->slots = slots;
+    set->mask = size - 1;
+    for (int64_t i = 0; i < size; i++)
+        slots[i].table = -1;
+    return 1;
+}
+
+/* Adds hash (of table); `once`: unless the set has it (halves of many tables are alike). */
+static void
+set_add(HashSet *set, uint64_t hash, int64_t table, int once)
+{
+    int64_t at = slot_of(set, hash);
+    for (; set->slots[at].table >= 0; at = (at + 1) & set->mask)
+        if (once && set->slots[at].hash == hash)
+            return;
+    set->slots[at].hash = hash;
+    set->slots[at].table = table;
+}
+
+static int
+set_has(const HashSet *set, uint64_t hash)
+{
+    for (int64_t at = slot_of(set, hash); set->slots[at].table >= 0; at = (at + 1) & set->mask)
+        if (set->slots[at].hash == hash)
+            return 1;
+    return 0;
+}
 
 static int
 push_edge(Edges *e, int64_t parent, int64_t member, int64_t child)
@@ -871,127 +980,235 @@ push_edge(Edges *e, int64_t parent, int64_t member, int64_t child)
     return 1;
 }
 
-static int
-dag_edges_run(const uint64_t *keys, int64_t tables, int64_t words, const int64_t *node_hash, Edges *e)
+/* Samples of table t's column `column` (0 if it has none). */
+static int64_t
+column_count(const Dag *d, int64_t t, int64_t column)
 {
-    int64_t t, w, size, max_size = 0, done = 1;
-    int64_t *sizes = malloc((tables + 1) * sizeof(int64_t)), *by_size = malloc((tables + 1) * sizeof(int64_t));
-    uint64_t *hash = malloc((tables + 1) * sizeof(uint64_t)), *child_key = malloc((words + 1) * sizeof(uint64_t));
+    int64_t lo = d->table_start[t], hi = d->table_start[t + 1];
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (d->decoder[mid] < column)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < d->table_start[t + 1] && d->decoder[lo] == column ? d->count[lo] : 0;
+}
+
+/* _Initial.may_move of coding_py: whether every full column of the parent of
+ * edges [first, end) has a child, other than its own, with a gap in it;
+ * else the greedy would stop at once on that parent. */
+static int
+may_move(const Dag *d, const Edges *e, int64_t first, int64_t end)
+{
+    int64_t parent = e->items[first];
+    for (int64_t k = d->table_start[parent]; k < d->table_start[parent + 1]; k++) {
+        int served = 0;
+        if (d->count[k] != d->rows[parent])
+            continue;
+        for (int64_t i = first; i < end && !served; i += 3) {
+            int64_t child = e->items[i + 2];
+            served = e->items[i + 1] != d->decoder[k] && column_count(d, child, d->decoder[k]) < d->rows[child];
+        }
+        if (!served)
+            return 0;
+    }
+    return 1;
+}
+
+static int
+dag_edges_run(Dag *d, Edges *e)
+{
+    int64_t t, w, size, max_size = 0, done = 1, words = d->words;
+    int64_t *sizes = malloc((d->tables + 1) * sizeof(int64_t)), *by_size = malloc((d->tables + 1) * sizeof(int64_t));
+    uint64_t *even = malloc((d->tables + 1) * sizeof(uint64_t)), *odd = malloc((d->tables + 1) * sizeof(uint64_t));
+    uint64_t *full = malloc((d->tables + 1) * sizeof(uint64_t)), *child_key = malloc((words + 1) * sizeof(uint64_t));
+    Lookup *look = NULL;
+    int64_t look_cap = 0;
     int64_t *size_start = NULL;
-    Slot *set = NULL;
-    if (!sizes || !by_size || !hash || !child_key) {
+    HashSet tables = {NULL, 0}, halves = {NULL, 0};
+    d->rows = calloc(d->tables + 1, sizeof(int64_t));
+    if (!sizes || !by_size || !even || !odd || !full || !child_key || !d->rows) {
         done = -1;
         goto out;
     }
-    for (t = 0; t < tables; t++) {
+    for (t = 0; t < d->tables; t++) {
+        if (d->table_start[t] < 0 || d->table_start[t] >= d->table_start[t + 1] || d->table_start[t + 1] > d->groups) {
+            d->error = "table_start is not ascending within the groups, or a table has no column";
+            done = 0;
+            goto out;
+        }
+        for (int64_t k = d->table_start[t]; k < d->table_start[t + 1]; k++)
+            if (d->count[k] > d->rows[t])
+                d->rows[t] = d->count[k];
         sizes[t] = 0;
-        hash[t] = 0;
+        full[t] = even[t] = odd[t] = 0;
         for (w = 0; w < words; w++) {
-            uint64_t bits = keys[t * words + w];
+            uint64_t bits = d->keys[t * words + w];
             sizes[t] += __builtin_popcountll(bits);
-            for (; bits; bits &= bits - 1)
-                hash[t] ^= (uint64_t)node_hash[w * 64 + __builtin_ctzll(bits)];
+            full[t] ^= mix_word(bits, w);
+            even[t] ^= mix_word(bits & EVEN_BITS, w);
+            odd[t] ^= mix_word(bits & ~EVEN_BITS, w);
         }
         if (sizes[t] > max_size)
             max_size = sizes[t];
     }
     size_start = calloc(max_size + 2, sizeof(int64_t));
-    set = malloc(sizeof(Slot));
-    if (!size_start || !set) {
+    if (!size_start) {
         done = -1;
         goto out;
     }
-    for (t = 0; t < tables; t++)
+    for (t = 0; t < d->tables; t++)
         size_start[sizes[t] + 1]++;
     for (size = 0; size <= max_size; size++)
         size_start[size + 1] += size_start[size];
-    for (t = 0; t < tables; t++)
+    for (t = 0; t < d->tables; t++)
         by_size[size_start[sizes[t]]++] = t;
     for (size = max_size; size > 0; size--)
         size_start[size] = size_start[size - 1];
     size_start[0] = 0;
     for (size = max_size; size >= 3; size--) {
-        int64_t lo = size_start[size - 1], hi = size_start[size], mask = 1, i;
+        int64_t lo = size_start[size - 1], hi = size_start[size], i;
         if (lo == hi || size_start[size] == size_start[size + 1])
             continue;
-        while (mask < 2 * (hi - lo))
-            mask <<= 1;
-        Slot *grown = realloc(set, mask * sizeof(Slot));
-        if (!grown) {
+        /* The halves rule out parents at a cost of about four lookups each: worth it past a few members. */
+        int by_halves = size > HALVES_FROM;
+        if (set_reset(&tables, hi - lo) < 0 || (by_halves && set_reset(&halves, 2 * (hi - lo)) < 0)) {
             done = -1;
             goto out;
         }
-        set = grown;
-        mask--;
-        for (i = 0; i <= mask; i++)
-            set[i].table = -1;
         for (i = lo; i < hi; i++) {
-            int64_t at = (int64_t)((hash[by_size[i]] * 0x9E3779B97F4A7C15ull) >> 20) & mask;
-            while (set[at].table >= 0)
-                at = (at + 1) & mask;
-            set[at].hash = hash[by_size[i]];
-            set[at].table = by_size[i];
+            if (i + AHEAD < hi)
+                __builtin_prefetch(&tables.slots[slot_of(&tables, full[by_size[i + AHEAD]])]);
+            t = by_size[i];
+            set_add(&tables, full[t], t, 0);
+            if (by_halves) {
+                set_add(&halves, even[t], t, 1);
+                set_add(&halves, odd[t], t, 1);
+            }
         }
-        for (i = size_start[size]; i < size_start[size + 1]; i++) {
+        /* Lookups miss the caches: each loop below asks for the memory of
+         * the item AHEAD on while it works on this one. First the parents
+         * that may have a child, and the hash of each child they may have. */
+        int64_t parents_lo = size_start[size], parents_hi = size_start[size + 1], n = 0, k, first = e->len;
+        for (i = parents_lo; i < parents_hi; i++) {
+            if (by_halves && i + AHEAD < parents_hi) {
+                __builtin_prefetch(&halves.slots[slot_of(&halves, even[by_size[i + AHEAD]])]);
+                __builtin_prefetch(&halves.slots[slot_of(&halves, odd[by_size[i + AHEAD]])]);
+            }
             int64_t parent = by_size[i];
-            const uint64_t *key = keys + parent * words;
+            const uint64_t *key = d->keys + parent * words;
+            if (by_halves && !set_has(&halves, even[parent]) && !set_has(&halves, odd[parent]))
+                continue;
+            if (n + 64 * words > look_cap) {
+                look_cap = 2 * (n + 64 * words);
+                Lookup *grown_look = realloc(look, look_cap * sizeof(Lookup));
+                if (!grown_look) {
+                    done = -1;
+                    goto out;
+                }
+                look = grown_look;
+            }
             for (w = 0; w < words; w++) {
+                uint64_t rest = full[parent] ^ mix_word(key[w], w);
                 for (uint64_t bits = key[w]; bits; bits &= bits - 1) {
                     int64_t member = w * 64 + __builtin_ctzll(bits);
-                    uint64_t wanted = hash[parent] ^ (uint64_t)node_hash[member];
-                    int64_t at = (int64_t)((wanted * 0x9E3779B97F4A7C15ull) >> 20) & mask;
-                    for (; set[at].table >= 0; at = (at + 1) & mask) {
-                        if (set[at].hash != wanted)
-                            continue;
-                        memcpy(child_key, key, words * sizeof(uint64_t));
-                        child_key[w] &= ~((uint64_t)1 << (member % 64));
-                        if (!memcmp(child_key, keys + set[at].table * words, words * sizeof(uint64_t))) {
-                            if (push_edge(e, parent, member, set[at].table) < 0) {
-                                done = -1;
-                                goto out;
-                            }
-                            break;
-                        }
-                    }
+                    look[n].hash = rest ^ mix_word(key[w] & ~((uint64_t)1 << (member % 64)), w);
+                    look[n].parent = parent;
+                    look[n].member = member;
+                    n++;
                 }
             }
         }
+        /* Then the first slot of each child's hash. */
+        for (k = 0; k < n; k++) {
+            if (k + AHEAD < n)
+                __builtin_prefetch(&tables.slots[slot_of(&tables, look[k + AHEAD].hash)]);
+            int64_t at = slot_of(&tables, look[k].hash);
+            for (; tables.slots[at].table >= 0 && tables.slots[at].hash != look[k].hash; at = (at + 1) & tables.mask)
+                ;
+            look[k].slot = tables.slots[at].table >= 0 ? at : -1;
+        }
+        /* Then the children bit for bit, the edges in the parents' and members' order. */
+        for (k = 0; k < n; k++) {
+            if (k + AHEAD < n && look[k + AHEAD].slot >= 0)
+                __builtin_prefetch(d->keys + tables.slots[look[k + AHEAD].slot].table * words);
+            const uint64_t *key = d->keys + look[k].parent * words;
+            for (int64_t at = look[k].slot; at >= 0 && tables.slots[at].table >= 0; at = (at + 1) & tables.mask) {
+                if (tables.slots[at].hash != look[k].hash)
+                    continue;
+                memcpy(child_key, key, words * sizeof(uint64_t));
+                child_key[look[k].member / 64] &= ~((uint64_t)1 << (look[k].member % 64));
+                if (!memcmp(child_key, d->keys + tables.slots[at].table * words, words * sizeof(uint64_t))) {
+                    if (push_edge(e, look[k].parent, look[k].member, tables.slots[at].table) < 0) {
+                        done = -1;
+                        goto out;
+                    }
+                    break;
+                }
+            }
+        }
+        /* Last, the edges of the parents the greedy would not move a row of left out. */
+        int64_t kept = first, group, next;
+        for (group = first; group < e->len; group = next) {
+            for (next = group + 3; next < e->len && e->items[next] == e->items[group]; next += 3)
+                ;
+            if (!may_move(d, e, group, next))
+                continue;
+            memmove(e->items + kept, e->items + group, (next - group) * sizeof(int64_t));
+            kept += next - group;
+        }
+        e->len = kept;
     }
 out:
     free(sizes);
     free(by_size);
-    free(hash);
+    free(even);
+    free(odd);
+    free(full);
     free(child_key);
+    free(look);
     free(size_start);
-    free(set);
+    free(tables.slots);
+    free(halves.slots);
+    free(d->rows);
     return (int)done;
 }
 
 PyDoc_STRVAR(dag_edges_doc,
-"dag_edges(keys, node_hashes, /) -> bytearray\n\n"
-"The DAG's edges of UberShuffle, as int64 triples: see dataquay.server._coding_py.dag_edges.\n\n"
+"dag_edges(keys, table_start, decoders, counts, /) -> bytearray\n\n"
+"The DAG's edges of UberShuffle that the greedy may move rows along, as int64\n"
+"triples: see dataquay.server._coding_py.dag_edges.\n\n"
 "Raises ValueError for arrays that are not int64 (keys: uint64) or that\n"
 "contradict each other.");
 
 static PyObject *
 dag_edges(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer views[2];
+    Py_buffer views[4];
     Edges e = {NULL, 0, 0};
-    const char *error = NULL;
+    Dag d;
     int done = 0;
-    if (get_views("dag_edges", args, nargs, 2, 2, views) < 0)
+    memset(&d, 0, sizeof(d));
+    if (get_views("dag_edges", args, nargs, 4, 4, views) < 0)
         return NULL;
-    if (views[0].ndim != 2 || views[1].len != views[0].shape[1] * 64 * 8) {
-        error = "dag_edges' keys is not a matrix, or node_hashes not one per bit of a key";
+    if (views[0].ndim != 2 || views[1].len != (views[0].shape[0] + 1) * 8 || views[2].len != views[3].len) {
+        d.error = "dag_edges' arrays disagree on the numbers of tables or groups";
     } else {
+        d.keys = views[0].buf;
+        d.tables = views[0].shape[0];
+        d.words = views[0].shape[1];
+        d.table_start = views[1].buf;
+        d.decoder = views[2].buf;
+        d.count = views[3].buf;
+        d.groups = views[2].len / 8;
         Py_BEGIN_ALLOW_THREADS
-        done = dag_edges_run(views[0].buf, views[0].shape[0], views[0].shape[1], views[1].buf, &e);
+        done = dag_edges_run(&d, &e);
         Py_END_ALLOW_THREADS
     }
     PyObject *result = done > 0 ? PyByteArray_FromStringAndSize((const char *)e.items, e.len * 8) : NULL;
     free(e.items);
-    return finish(done, error, views, 2, result);
+    return finish(done, d.error, views, 4, result);
 }
 
 static PyMethodDef methods[] = {

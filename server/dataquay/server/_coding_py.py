@@ -34,11 +34,6 @@ def greedy(keys: np.ndarray, table_start: np.ndarray, group_decoder: np.ndarray,
         out: each needed sample's table, Lee et al.'s on entry.
     """
     sizes = _popcount(keys)
-    num_nodes = keys.shape[1] * WORD_BITS
-    group_table = np.repeat(np.arange(len(keys), dtype=np.int64), np.diff(table_start))
-    group_key = group_table * num_nodes + group_decoder
-    kept = _Initial(group_table, group_key, group_decoder, group_count, num_nodes).may_move(parent, member, child)
-    parent, member, child = parent[kept], member[kept], child[kept]
     columns = _Columns(group_decoder, group_count, table_start, sizes)
     moves: list[tuple[int, int, int, int]] = []
     bounds = np.flatnonzero(np.diff(parent, prepend=-1, append=-1)).tolist()
@@ -47,6 +42,8 @@ def greedy(keys: np.ndarray, table_start: np.ndarray, group_decoder: np.ndarray,
         moves += _reduce_table(parents[lo], dict(zip(members[lo:hi], kids[lo:hi], strict=True)), columns)
     if not moves:
         return
+    num_nodes = keys.shape[1] * WORD_BITS
+    group_key = np.repeat(np.arange(len(keys), dtype=np.int64), np.diff(table_start)) * num_nodes + group_decoder
     src, decoder, dst, count = (np.array(column, dtype=np.int64) for column in zip(*moves, strict=True))
     src_group, dst_group = (_find(group_key, t * num_nodes + decoder) for t in (src, dst))
     pools: dict[tuple[int, int], list[int]] = {}
@@ -224,18 +221,21 @@ def table_hashes(holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray,
         out ^= lookup[position][as_bytes[:, position]]
 
 
-def set_numbers(holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray, out: np.ndarray) -> int:
+def set_numbers(holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray, out: np.ndarray,
+                keys: np.ndarray) -> int:
     """Each sample's table, ``holders[samples[i]]`` with bit ``decoders[i]``
     set, into ``out``: the tables numbered in the order of their bitsets'
-    bytes, as numpy's unique orders rows of bytes.
+    bytes, as numpy's unique orders rows of bytes; their bitsets into the
+    head of ``keys`` (as long as ``holders[samples]``).
 
     Returns:
         the number of tables.
     """
-    keys = holders[samples].copy()
-    keys[np.arange(len(keys)), decoders // WORD_BITS] |= np.left_shift(np.uint64(1),
+    rows = holders[samples].copy()
+    rows[np.arange(len(rows)), decoders // WORD_BITS] |= np.left_shift(np.uint64(1),
                                                                        (decoders % WORD_BITS).astype(np.uint64))
-    distinct, out[:] = _unique_rows(keys)
+    distinct, out[:] = _unique_rows(rows)
+    keys[:len(distinct)] = distinct
     return len(distinct)
 
 
@@ -247,16 +247,21 @@ def _unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 
-def dag_edges(keys: np.ndarray, node_hashes: np.ndarray) -> bytearray:
+def dag_edges(keys: np.ndarray, table_start: np.ndarray, group_decoder: np.ndarray,
+              group_count: np.ndarray) -> bytearray:
     """Every (parent, member, child) where table child is table parent less
     member, as int64 triples: by layer from the largest tables down to those
-    of three members, then by parent, then by member.
+    of three members, then by parent, then by member; but those of parents
+    that the greedy would not move a row of (:class:`_Initial`).
 
     Args:
         keys: the tables' member bitsets (uint64 rows), all distinct.
-        node_hashes: a random int64 per node, the set hashes' parts.
+        table_start, group_decoder, group_count: the tables' columns, as
+            :func:`greedy` takes them.
     """
     sizes = _popcount(keys)
+    node_hashes = np.random.default_rng(0x5EED002).integers(1, np.iinfo(np.int64).max, size=keys.shape[1] * WORD_BITS,
+                                                            dtype=np.int64)
     hashes = _set_hashes(keys, node_hashes)
     half_hashes = (_set_hashes(keys & _EVEN_BITS, node_hashes), _set_hashes(keys & ~_EVEN_BITS, node_hashes))
     edges: list[tuple[np.ndarray, ...]] = [(np.zeros(0, dtype=np.int64),) * 3]
@@ -265,7 +270,11 @@ def dag_edges(keys: np.ndarray, node_hashes: np.ndarray) -> bytearray:
         lower = lower[np.argsort(hashes[lower])]
         edges.append(_children(keys, hashes, lower, _candidates(half_hashes, sizes, size), node_hashes))
     parent, member, child = (np.concatenate(column).astype(np.int64) for column in zip(*edges, strict=True))
-    return bytearray(np.stack([parent, member, child], axis=1).tobytes())
+    num_nodes = keys.shape[1] * WORD_BITS
+    group_table = np.repeat(np.arange(len(keys), dtype=np.int64), np.diff(table_start))
+    initial = _Initial(group_table, group_table * num_nodes + group_decoder, group_decoder, group_count, num_nodes)
+    kept = initial.may_move(parent, member, child)
+    return bytearray(np.stack([parent[kept], member[kept], child[kept]], axis=1).tobytes())
 
 
 def _members(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -211,11 +211,10 @@ def _set_numbers(holders: np.ndarray, need: Needs) -> tuple[np.ndarray, np.ndarr
     """Each needed sample's table, numbered in the order of the tables' member
     bitsets as bytes (:func:`set_numbers`), and each table's bitset."""
     tables = np.empty(len(need.samples), dtype=np.int64)
+    keys = np.empty((len(need.samples), holders.shape[1]), dtype=np.uint64)
     count = set_numbers(np.ascontiguousarray(holders), need.samples.astype(np.int64),
-                        need.decoders.astype(np.int64), tables)
-    first = np.empty(count, dtype=np.int64)
-    first[tables] = np.arange(len(tables))
-    return tables, _table_keys(holders, Needs(need.samples[first], need.decoders[first]))
+                        need.decoders.astype(np.int64), tables, keys)
+    return tables, keys[:count]
 
 
 def _groups(tables: np.ndarray, decoders: np.ndarray, num_tables: int) -> tuple[np.ndarray, ...]:
@@ -261,13 +260,12 @@ def uber_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
     if not len(need.samples):
         return np.zeros(0, dtype=np.int64)
     tables, keys = _set_numbers(holders, need)
-    order, starts, g_decoder, g_count, table_start = _groups(tables, need.decoders, len(keys))
-    keys = np.ascontiguousarray(keys)
-    edges = np.frombuffer(dag_edges(keys, _node_hashes(keys.shape[1] * WORD_BITS)), dtype=np.int64).reshape(-1, 3)
-    parent, member, child = (np.ascontiguousarray(edges[:, column]) for column in range(3))
+    order, starts, g_decoder, g_count, table_start = (
+        column.astype(np.int64) for column in _groups(tables, need.decoders, len(keys)))
+    edges = np.frombuffer(dag_edges(keys, table_start, g_decoder, g_count), dtype=np.int64)
+    parent, member, child = (np.ascontiguousarray(column) for column in edges.reshape(-1, 3).T)
     moved = tables.copy()
-    greedy(keys, table_start.astype(np.int64), g_decoder.astype(np.int64), g_count.astype(np.int64),
-           order.astype(np.int64), starts.astype(np.int64), parent, member, child, moved)
+    greedy(keys, table_start, g_decoder, g_count, order, starts, parent, member, child, moved)
     return moved
 
 
