@@ -20,10 +20,27 @@
 /* Rows of a bitset matrix asked for ahead of a gather over it. */
 #define PREFETCH 16
 /* Items a loop over hash-set lookups asks the memory of ahead of the one it is on. */
-#define AHEAD 8
+#define AHEAD 16
 /* Parents of more members than this are first looked up by their halves (dag_edges). */
 #define HALVES_FROM 8
+/* Parents whose lookups dag_edges makes at a time: their few MB stay in the caches. */
+#define CHUNK 4096
 #define EVEN_BITS 0x5555555555555555ull
+
+/* Set bits of a word: without the popcnt instruction (not in x86-64's
+ * baseline) GCC's builtin is a call to a table-driven loop. */
+static inline int64_t
+popcount64(uint64_t x)
+{
+#ifdef __POPCNT__
+    return __builtin_popcountll(x);
+#else
+    x -= (x >> 1) & 0x5555555555555555ull;
+    x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0Full;
+    return (int64_t)((x * 0x0101010101010101ull) >> 56);
+#endif
+}
 
 typedef struct {
     int64_t *ids;   /* NULL: still the group's run of `order` */
@@ -41,6 +58,7 @@ typedef struct {
     Pool *pools;
     int64_t *targets, *moved;   /* (parent slot, child slot) pairs; moved has a count too */
     int64_t moved_cap;
+    int64_t *own, owned, own_cap;   /* the slots whose pools have arrays of their own */
     const char *error;
 } Greedy;
 
@@ -84,7 +102,7 @@ build_slots(Greedy *g)
     for (t = 0; t < g->tables; t++) {
         g->slot_start[t] = slots;
         for (w = 0; touched[t] && w < g->words; w++)
-            slots += __builtin_popcountll(g->keys[t * g->words + w]);
+            slots += popcount64(g->keys[t * g->words + w]);
     }
     g->slot_start[g->tables] = slots;
     free(touched);
@@ -140,9 +158,18 @@ pool_reserve(Greedy *g, int64_t s, int64_t more)
     if (p->ids && p->len + more <= p->cap)
         return 1;
     int64_t cap = p->len + more < 8 ? 8 : 2 * (p->len + more);
+    if (!p->ids && g->owned == g->own_cap) {
+        int64_t *own = realloc(g->own, (2 * g->own_cap + 64) * sizeof(int64_t));
+        if (!own)
+            return -1;
+        g->own = own;
+        g->own_cap = 2 * g->own_cap + 64;
+    }
     int64_t *ids = p->ids ? realloc(p->ids, cap * sizeof(int64_t)) : malloc(cap * sizeof(int64_t));
     if (!ids)
         return -1;
+    if (!p->ids)
+        g->own[g->owned++] = s;
     if (!p->ids && p->len)
         memcpy(ids, g->order + g->pool_lo[s], p->len * sizeof(int64_t));
     p->ids = ids;
@@ -271,16 +298,22 @@ run(Greedy *g)
         if (done <= 0)
             return done;
     }
-    for (int64_t t = 0; t < g->tables; t++) {
-        for (int64_t s = g->slot_start[t]; s < g->slot_start[t + 1]; s++) {
-            const Pool *p = &g->pools[s];
-            for (int64_t i = 0; p->ids && i < p->len; i++) {
-                if (p->ids[i] < 0 || p->ids[i] >= g->num_out) {
-                    g->error = "order names a sample outside out";
-                    return 0;
-                }
-                g->out[p->ids[i]] = t;
+    for (int64_t k = 0; k < g->owned; k++) {
+        int64_t s = g->own[k], lo = 0, hi = g->tables - 1;
+        while (lo < hi) {   /* the table of slot s: the last whose slots start at or before it */
+            int64_t mid = hi - (hi - lo) / 2;
+            if (g->slot_start[mid] <= s)
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        const Pool *p = &g->pools[s];
+        for (int64_t i = 0; i < p->len; i++) {
+            if (p->ids[i] < 0 || p->ids[i] >= g->num_out) {
+                g->error = "order names a sample outside out";
+                return 0;
             }
+            g->out[p->ids[i]] = lo;
         }
     }
     return 1;
@@ -289,8 +322,9 @@ run(Greedy *g)
 static void
 release(Greedy *g)
 {
-    for (int64_t s = 0; g->pools && s < g->slots; s++)
-        free(g->pools[s].ids);
+    for (int64_t k = 0; k < g->owned; k++)
+        free(g->pools[g->own[k]].ids);
+    free(g->own);
     free(g->pools);
     free(g->slot_start);
     free(g->slot_node);
@@ -555,7 +589,7 @@ static int64_t
 select_bit(uint64_t word, int64_t rank)
 {
     int64_t position = 0;
-    for (int64_t below; rank >= (below = __builtin_popcountll(word & 0xff)); word >>= 8, position += 8)
+    for (int64_t below; rank >= (below = popcount64(word & 0xff)); word >>= 8, position += 8)
         rank -= below;
     while (rank--)
         word &= word - 1;
@@ -592,14 +626,14 @@ pick_bits_run(const uint64_t *holders, int64_t rows, int64_t words, const int64_
                 whole[w] &= row[w];
         }
         for (w = 0; w < words; w++)
-            count += __builtin_popcountll(whole[w]);
+            count += popcount64(whole[w]);
         if (!count) {
             out[g] = -1;
             continue;
         }
         int64_t rank = spread[g] % count;
-        for (w = 0; rank >= __builtin_popcountll(whole[w]); w++)
-            rank -= __builtin_popcountll(whole[w]);
+        for (w = 0; rank >= popcount64(whole[w]); w++)
+            rank -= popcount64(whole[w]);
         out[g] = w * 64 + select_bit(whole[w], rank);
     }
     free(whole);
@@ -1045,10 +1079,12 @@ dag_edges_run(Dag *d, Edges *e)
         full[t] = even[t] = odd[t] = 0;
         for (w = 0; w < words; w++) {
             uint64_t bits = d->keys[t * words + w];
-            sizes[t] += __builtin_popcountll(bits);
+            sizes[t] += popcount64(bits);
             full[t] ^= mix_word(bits, w);
-            even[t] ^= mix_word(bits & EVEN_BITS, w);
-            odd[t] ^= mix_word(bits & ~EVEN_BITS, w);
+        }
+        for (w = 0; sizes[t] >= HALVES_FROM && w < words; w++) {
+            even[t] ^= mix_word(d->keys[t * words + w] & EVEN_BITS, w);
+            odd[t] ^= mix_word(d->keys[t * words + w] & ~EVEN_BITS, w);
         }
         if (sizes[t] > max_size)
             max_size = sizes[t];
@@ -1088,77 +1124,88 @@ dag_edges_run(Dag *d, Edges *e)
             }
         }
         /* Lookups miss the caches: each loop below asks for the memory of
-         * the item AHEAD on while it works on this one. First the parents
-         * that may have a child, and the hash of each child they may have. */
-        int64_t parents_lo = size_start[size], parents_hi = size_start[size + 1], n = 0, k, first = e->len;
-        for (i = parents_lo; i < parents_hi; i++) {
-            if (by_halves && i + AHEAD < parents_hi) {
-                __builtin_prefetch(&halves.slots[slot_of(&halves, even[by_size[i + AHEAD]])]);
-                __builtin_prefetch(&halves.slots[slot_of(&halves, odd[by_size[i + AHEAD]])]);
-            }
-            int64_t parent = by_size[i];
-            const uint64_t *key = d->keys + parent * words;
-            if (by_halves && !set_has(&halves, even[parent]) && !set_has(&halves, odd[parent]))
-                continue;
-            if (n + 64 * words > look_cap) {
-                look_cap = 2 * (n + 64 * words);
-                Lookup *grown_look = realloc(look, look_cap * sizeof(Lookup));
-                if (!grown_look) {
-                    done = -1;
-                    goto out;
+         * the item AHEAD on while it works on this one, over a CHUNK of
+         * parents at a time. First the parents that may have a child, and
+         * the hash of each child they may have. */
+        for (int64_t chunk = size_start[size], parents_hi = size_start[size + 1], chunk_hi; chunk < parents_hi;
+             chunk = chunk_hi) {
+            int64_t n = 0, k, first = e->len, kept, group, next;
+            chunk_hi = chunk + CHUNK < parents_hi ? chunk + CHUNK : parents_hi;
+            for (i = chunk; i < chunk_hi; i++) {
+                if (i + 2 * AHEAD < parents_hi) {
+                    __builtin_prefetch(d->keys + by_size[i + 2 * AHEAD] * words);
+                    __builtin_prefetch(&full[by_size[i + 2 * AHEAD]]);
+                    __builtin_prefetch(&even[by_size[i + 2 * AHEAD]]);
+                    __builtin_prefetch(&odd[by_size[i + 2 * AHEAD]]);
                 }
-                look = grown_look;
-            }
-            for (w = 0; w < words; w++) {
-                uint64_t rest = full[parent] ^ mix_word(key[w], w);
-                for (uint64_t bits = key[w]; bits; bits &= bits - 1) {
-                    int64_t member = w * 64 + __builtin_ctzll(bits);
-                    look[n].hash = rest ^ mix_word(key[w] & ~((uint64_t)1 << (member % 64)), w);
-                    look[n].parent = parent;
-                    look[n].member = member;
-                    n++;
+                if (by_halves && i + AHEAD < parents_hi) {
+                    __builtin_prefetch(&halves.slots[slot_of(&halves, even[by_size[i + AHEAD]])]);
+                    __builtin_prefetch(&halves.slots[slot_of(&halves, odd[by_size[i + AHEAD]])]);
                 }
-            }
-        }
-        /* Then the first slot of each child's hash. */
-        for (k = 0; k < n; k++) {
-            if (k + AHEAD < n)
-                __builtin_prefetch(&tables.slots[slot_of(&tables, look[k + AHEAD].hash)]);
-            int64_t at = slot_of(&tables, look[k].hash);
-            for (; tables.slots[at].table >= 0 && tables.slots[at].hash != look[k].hash; at = (at + 1) & tables.mask)
-                ;
-            look[k].slot = tables.slots[at].table >= 0 ? at : -1;
-        }
-        /* Then the children bit for bit, the edges in the parents' and members' order. */
-        for (k = 0; k < n; k++) {
-            if (k + AHEAD < n && look[k + AHEAD].slot >= 0)
-                __builtin_prefetch(d->keys + tables.slots[look[k + AHEAD].slot].table * words);
-            const uint64_t *key = d->keys + look[k].parent * words;
-            for (int64_t at = look[k].slot; at >= 0 && tables.slots[at].table >= 0; at = (at + 1) & tables.mask) {
-                if (tables.slots[at].hash != look[k].hash)
+                int64_t parent = by_size[i];
+                const uint64_t *key = d->keys + parent * words;
+                if (by_halves && !set_has(&halves, even[parent]) && !set_has(&halves, odd[parent]))
                     continue;
-                memcpy(child_key, key, words * sizeof(uint64_t));
-                child_key[look[k].member / 64] &= ~((uint64_t)1 << (look[k].member % 64));
-                if (!memcmp(child_key, d->keys + tables.slots[at].table * words, words * sizeof(uint64_t))) {
-                    if (push_edge(e, look[k].parent, look[k].member, tables.slots[at].table) < 0) {
+                if (n + 64 * words > look_cap) {
+                    look_cap = 2 * (n + 64 * words);
+                    Lookup *grown_look = realloc(look, look_cap * sizeof(Lookup));
+                    if (!grown_look) {
                         done = -1;
                         goto out;
                     }
-                    break;
+                    look = grown_look;
+                }
+                for (w = 0; w < words; w++) {
+                    uint64_t rest = full[parent] ^ mix_word(key[w], w);
+                    for (uint64_t bits = key[w]; bits; bits &= bits - 1) {
+                        int64_t member = w * 64 + __builtin_ctzll(bits);
+                        look[n].hash = rest ^ mix_word(key[w] & ~((uint64_t)1 << (member % 64)), w);
+                        look[n].parent = parent;
+                        look[n].member = member;
+                        n++;
+                    }
                 }
             }
+            /* Then the first slot of each child's hash. */
+            for (k = 0; k < n; k++) {
+                if (k + AHEAD < n)
+                    __builtin_prefetch(&tables.slots[slot_of(&tables, look[k + AHEAD].hash)]);
+                int64_t at = slot_of(&tables, look[k].hash);
+                for (; tables.slots[at].table >= 0 && tables.slots[at].hash != look[k].hash;
+                     at = (at + 1) & tables.mask)
+                    ;
+                look[k].slot = tables.slots[at].table >= 0 ? at : -1;
+            }
+            /* Then the children bit for bit, the edges in the parents' and members' order. */
+            for (k = 0; k < n; k++) {
+                if (k + AHEAD < n && look[k + AHEAD].slot >= 0)
+                    __builtin_prefetch(d->keys + tables.slots[look[k + AHEAD].slot].table * words);
+                const uint64_t *key = d->keys + look[k].parent * words;
+                for (int64_t at = look[k].slot; at >= 0 && tables.slots[at].table >= 0; at = (at + 1) & tables.mask) {
+                    if (tables.slots[at].hash != look[k].hash)
+                        continue;
+                    memcpy(child_key, key, words * sizeof(uint64_t));
+                    child_key[look[k].member / 64] &= ~((uint64_t)1 << (look[k].member % 64));
+                    if (!memcmp(child_key, d->keys + tables.slots[at].table * words, words * sizeof(uint64_t))) {
+                        if (push_edge(e, look[k].parent, look[k].member, tables.slots[at].table) < 0) {
+                            done = -1;
+                            goto out;
+                        }
+                        break;
+                    }
+                }
+            }
+            /* Last, the edges of the parents the greedy would not move a row of left out. */
+            for (kept = group = first; group < e->len; group = next) {
+                for (next = group + 3; next < e->len && e->items[next] == e->items[group]; next += 3)
+                    ;
+                if (!may_move(d, e, group, next))
+                    continue;
+                memmove(e->items + kept, e->items + group, (next - group) * sizeof(int64_t));
+                kept += next - group;
+            }
+            e->len = kept;
         }
-        /* Last, the edges of the parents the greedy would not move a row of left out. */
-        int64_t kept = first, group, next;
-        for (group = first; group < e->len; group = next) {
-            for (next = group + 3; next < e->len && e->items[next] == e->items[group]; next += 3)
-                ;
-            if (!may_move(d, e, group, next))
-                continue;
-            memmove(e->items + kept, e->items + group, (next - group) * sizeof(int64_t));
-            kept += next - group;
-        }
-        e->len = kept;
     }
 out:
     free(sizes);

@@ -212,8 +212,8 @@ def _set_numbers(holders: np.ndarray, need: Needs) -> tuple[np.ndarray, np.ndarr
     bitsets as bytes (:func:`set_numbers`), and each table's bitset."""
     tables = np.empty(len(need.samples), dtype=np.int64)
     keys = np.empty((len(need.samples), holders.shape[1]), dtype=np.uint64)
-    count = set_numbers(np.ascontiguousarray(holders), need.samples.astype(np.int64),
-                        need.decoders.astype(np.int64), tables, keys)
+    count = set_numbers(np.ascontiguousarray(holders), _int64(need.samples),
+                        _int64(need.decoders), tables, keys)
     return tables, keys[:count]
 
 
@@ -233,7 +233,7 @@ def _sample_hashes(holders: np.ndarray, samples: np.ndarray, decoders: np.ndarra
     """A 64-bit hash of each table, ``holders[samples]`` with its decoder's bit
     set: the XOR of a random value per member (:func:`table_hashes`)."""
     hashes = np.empty(len(samples), dtype=np.int64)
-    table_hashes(np.ascontiguousarray(holders), samples.astype(np.int64), decoders.astype(np.int64),
+    table_hashes(np.ascontiguousarray(holders), _int64(samples), _int64(decoders),
                  _byte_hashes(holders.shape[1] * 8), hashes)
     return hashes
 
@@ -261,7 +261,7 @@ def uber_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     tables, keys = _set_numbers(holders, need)
     order, starts, g_decoder, g_count, table_start = (
-        column.astype(np.int64) for column in _groups(tables, need.decoders, len(keys)))
+        _int64(column) for column in _groups(tables, need.decoders, len(keys)))
     edges = np.frombuffer(dag_edges(keys, table_start, g_decoder, g_count), dtype=np.int64)
     parent, member, child = (np.ascontiguousarray(column) for column in edges.reshape(-1, 3).T)
     moved = tables.copy()
@@ -300,7 +300,7 @@ def plan(holders: np.ndarray, owners: np.ndarray, scheme: str, sizes: np.ndarray
     num_nodes = holders.shape[1] * WORD_BITS
     need = needs(holders, owners)
     tables = SCHEMES[scheme](holders, need, num_nodes)
-    part_sizes = np.zeros(len(tables), dtype=np.int64) if sizes is None else sizes[need.samples].astype(np.int64)
+    part_sizes = np.zeros(len(tables), dtype=np.int64) if sizes is None else _int64(sizes[need.samples])
     _, parts, start = _packet_rows(tables, need.decoders, part_sizes)
     samples, decoders = need.samples[parts], need.decoders[parts]
     return _senders(holders, start, samples, decoders, sizes)
@@ -310,15 +310,19 @@ def _packet_rows(tables: np.ndarray, decoders: np.ndarray, sizes: np.ndarray) ->
     """:func:`packet_rows`'s order, parts and packet starts."""
     order, parts = np.empty(len(tables), dtype=np.int64), np.empty(len(tables), dtype=np.int64)
     start = np.empty(len(tables) + 1, dtype=np.int64)
-    packets = packet_rows(tables.astype(np.int64), decoders.astype(np.int64), sizes, order, parts, start)
+    packets = packet_rows(_int64(tables), _int64(decoders), sizes, order, parts, start)
     return order, parts, start[:packets + 1]
+
+
+def _int64(values: np.ndarray) -> np.ndarray:
+    """``values`` as the contiguous int64 array the C loops take, copied only if it is not one."""
+    return np.ascontiguousarray(values, dtype=np.int64)
 
 
 def _pick(holders: np.ndarray, start: np.ndarray, samples: np.ndarray, spread: np.ndarray) -> np.ndarray:
     """:func:`pick_bits`: a node that caches every part of each group, or :data:`PFS`."""
     picked = np.empty(len(start) - 1, dtype=np.int64)
-    pick_bits(np.ascontiguousarray(holders), start.astype(np.int64), samples.astype(np.int64),
-              spread.astype(np.int64), picked)
+    pick_bits(np.ascontiguousarray(holders), _int64(start), _int64(samples), _int64(spread), picked)
     return picked
 
 
