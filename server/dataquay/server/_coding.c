@@ -56,7 +56,7 @@ typedef struct {
     /* built here */
     int64_t *slot_start, *slot_node, *cnt, *rows0, *pool_lo;
     Pool *pools;
-    int64_t *targets, *moved;   /* (parent slot, child slot) pairs; moved has a count too */
+    int64_t *targets, *moved;   /* (parent slot, child slot, child table); moved has a count too */
     int64_t moved_cap;
     int64_t *own, owned, own_cap;   /* the slots whose pools have arrays of their own */
     const char *error;
@@ -177,9 +177,10 @@ pool_reserve(Greedy *g, int64_t s, int64_t more)
     return 1;
 }
 
-/* Moves the last `count` ids of slot src's pool to the end of slot dst's. */
+/* Moves the last `count` ids of slot src's pool to the end of slot dst's,
+ * of table `table`: their table in out until a later move takes them on. */
 static int
-move_tail(Greedy *g, int64_t src, int64_t dst, int64_t count)
+move_tail(Greedy *g, int64_t src, int64_t dst, int64_t count, int64_t table)
 {
     if (count > g->pools[src].len) {
         g->error = "a move takes more samples than its column holds";
@@ -189,6 +190,13 @@ move_tail(Greedy *g, int64_t src, int64_t dst, int64_t count)
         return -1;
     Pool *from = &g->pools[src], *to = &g->pools[dst];
     memcpy(to->ids + to->len, from->ids + from->len - count, count * sizeof(int64_t));
+    for (int64_t i = to->len; i < to->len + count; i++) {
+        if (to->ids[i] < 0 || to->ids[i] >= g->num_out) {
+            g->error = "order names a sample outside out";
+            return 0;
+        }
+        g->out[to->ids[i]] = table;
+    }
     to->len += count;
     from->len -= count;
     return 1;
@@ -210,10 +218,10 @@ reduce_table(Greedy *g, int64_t lo, int64_t hi)
 {
     int64_t p = g->parent[lo], s, k, m, rows = 0, nmoved = 0;
     int64_t first = g->slot_start[p], last = g->slot_start[p + 1];
-    int64_t need = 3 * (last - first) * (hi - lo);
+    int64_t need = 4 * (last - first) * (hi - lo);
     if (need > g->moved_cap) {
         int64_t *moved = realloc(g->moved, need * sizeof(int64_t));
-        int64_t *targets = realloc(g->targets, 2 * (last - first) * (hi - lo) * sizeof(int64_t) + 2);
+        int64_t *targets = realloc(g->targets, 3 * (last - first) * (hi - lo) * sizeof(int64_t) + 3);
         if (moved)
             g->moved = moved;
         if (targets)
@@ -230,7 +238,7 @@ reduce_table(Greedy *g, int64_t lo, int64_t hi)
         for (s = first; s < last && !stuck; s++) {
             if (g->cnt[s] != rows)
                 continue;
-            int64_t column = g->slot_node[s], best = -1, best_short = 0, best_gap = 0;
+            int64_t column = g->slot_node[s], best = -1, best_table = -1, best_short = 0, best_gap = 0;
             for (k = lo; k < hi; k++) {
                 int64_t c = g->child[k];
                 if (g->member[k] == column)
@@ -248,37 +256,40 @@ reduce_table(Greedy *g, int64_t lo, int64_t hi)
                     best_short = is_short;
                     best_gap = gap;
                     best = cs;
+                    best_table = c;
                 }
             }
             if (best < 0)
                 stuck = 1;
             else {
-                g->targets[2 * nt] = s;
-                g->targets[2 * nt + 1] = best;
+                g->targets[3 * nt] = s;
+                g->targets[3 * nt + 1] = best;
+                g->targets[3 * nt + 2] = best_table;
                 nt++;
             }
         }
         if (stuck)
             break;
         for (int64_t i = 0; i < nt; i++) {
-            int64_t from = g->targets[2 * i], to = g->targets[2 * i + 1];
+            int64_t from = g->targets[3 * i], to = g->targets[3 * i + 1];
             g->cnt[from]--;
             g->cnt[to]++;
             for (m = 0; m < nmoved; m++)
-                if (g->moved[3 * m] == from && g->moved[3 * m + 1] == to)
+                if (g->moved[4 * m] == from && g->moved[4 * m + 1] == to)
                     break;
             if (m == nmoved) {
-                g->moved[3 * m] = from;
-                g->moved[3 * m + 1] = to;
-                g->moved[3 * m + 2] = 0;
+                g->moved[4 * m] = from;
+                g->moved[4 * m + 1] = to;
+                g->moved[4 * m + 2] = 0;
+                g->moved[4 * m + 3] = g->targets[3 * i + 2];
                 nmoved++;
             }
-            g->moved[3 * m + 2]++;
+            g->moved[4 * m + 2]++;
         }
         rows--;
     }
     for (m = 0; m < nmoved; m++) {
-        int done = move_tail(g, g->moved[3 * m], g->moved[3 * m + 1], g->moved[3 * m + 2]);
+        int done = move_tail(g, g->moved[4 * m], g->moved[4 * m + 1], g->moved[4 * m + 2], g->moved[4 * m + 3]);
         if (done <= 0)
             return done;
     }
@@ -297,24 +308,6 @@ run(Greedy *g)
         done = reduce_table(g, lo, hi);
         if (done <= 0)
             return done;
-    }
-    for (int64_t k = 0; k < g->owned; k++) {
-        int64_t s = g->own[k], lo = 0, hi = g->tables - 1;
-        while (lo < hi) {   /* the table of slot s: the last whose slots start at or before it */
-            int64_t mid = hi - (hi - lo) / 2;
-            if (g->slot_start[mid] <= s)
-                lo = mid;
-            else
-                hi = mid - 1;
-        }
-        const Pool *p = &g->pools[s];
-        for (int64_t i = 0; i < p->len; i++) {
-            if (p->ids[i] < 0 || p->ids[i] >= g->num_out) {
-                g->error = "order names a sample outside out";
-                return 0;
-            }
-            g->out[p->ids[i]] = lo;
-        }
     }
     return 1;
 }
