@@ -819,8 +819,34 @@ radix_sort(uint64_t **prefix, int64_t **ids, uint64_t **prefix_tmp, int64_t **id
     return 1;
 }
 
+/* Sorts ids by their decoders, stably. */
+static void
+sort_by_decoder(int64_t *ids, int64_t *scratch, int64_t n, const int64_t *decoders)
+{
+    if (n <= 32) {
+        for (int64_t i = 1; i < n; i++) {
+            int64_t id = ids[i], j = i;
+            for (; j > 0 && decoders[ids[j - 1]] > decoders[id]; j--)
+                ids[j] = ids[j - 1];
+            ids[j] = id;
+        }
+        return;
+    }
+    int64_t half = n / 2, i = 0, j = half, o = 0;
+    sort_by_decoder(ids, scratch, half, decoders);
+    sort_by_decoder(ids + half, scratch, n - half, decoders);
+    while (i < half && j < n)
+        scratch[o++] = decoders[ids[j]] < decoders[ids[i]] ? ids[j++] : ids[i++];
+    while (i < half)
+        scratch[o++] = ids[i++];
+    while (j < n)
+        scratch[o++] = ids[j++];
+    memcpy(ids, scratch, n * sizeof(int64_t));
+}
+
 static int
-set_numbers_run(const Keys *k, int64_t n, int64_t *out, uint64_t *keys_out, int64_t *tables, const char **error)
+set_numbers_run(const Keys *k, int64_t n, int64_t *out, uint64_t *keys_out, int64_t *order, int64_t *tables,
+                const char **error)
 {
     int64_t i, lo, hi, number = -1;
     uint64_t *prefix = malloc((n + 1) * sizeof(uint64_t)), *prefix_tmp = malloc((n + 1) * sizeof(uint64_t));
@@ -858,6 +884,13 @@ set_numbers_run(const Keys *k, int64_t n, int64_t *out, uint64_t *keys_out, int6
         }
     }
     *tables = number + 1;
+    /* The samples by (table, column, id) for the greedy's groups: ids is by (table, id) already. */
+    for (lo = 0; lo < n; lo = hi) {
+        for (hi = lo + 1; hi < n && out[ids[hi]] == out[ids[lo]]; hi++)
+            ;
+        sort_by_decoder(ids + lo, ids_tmp, hi - lo, k->decoders);
+    }
+    memcpy(order, ids, n * sizeof(int64_t));
     /* Each table's bitset from its first sample: holders read in order, not as the sort left the ids. */
     memset(ids_tmp, 0, (number + 1) * sizeof(int64_t));
     for (i = 0; i < n; i++)
@@ -875,8 +908,9 @@ out:
 }
 
 PyDoc_STRVAR(set_numbers_doc,
-"set_numbers(holders, samples, decoders, out, keys, /) -> int\n\n"
-"Each sample's table, numbered in the order of the tables' bytes, and their bitsets: see\n"
+"set_numbers(holders, samples, decoders, out, keys, order, /) -> int\n\n"
+"Each sample's table, numbered in the order of the tables' bytes, their bitsets\n"
+"and the samples by table and column: see\n"
 "dataquay.server._coding_py.set_numbers.\n\n"
 "Raises ValueError for arrays that are not int64 (holders: uint64) or that\n"
 "contradict each other.");
@@ -884,22 +918,22 @@ PyDoc_STRVAR(set_numbers_doc,
 static PyObject *
 set_numbers(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer views[5];
+    Py_buffer views[6];
     const char *error = NULL;
     int64_t tables = 0;
     int done = 0;
-    if (get_views("set_numbers", args, nargs, 5, 3, views) < 0)
+    if (get_views("set_numbers", args, nargs, 6, 3, views) < 0)
         return NULL;
     if (views[0].ndim != 2 || views[0].shape[1] < 1 || views[1].len != views[2].len || views[3].len != views[1].len
-        || views[4].len != views[1].len * views[0].shape[1]) {
+        || views[4].len != views[1].len * views[0].shape[1] || views[5].len != views[1].len) {
         error = "set_numbers' arrays disagree on the number of samples, or holders is not a matrix";
     } else {
         Keys k = {views[0].buf, views[0].shape[0], views[0].shape[1], views[1].buf, views[2].buf};
         Py_BEGIN_ALLOW_THREADS
-        done = set_numbers_run(&k, views[1].len / 8, views[3].buf, views[4].buf, &tables, &error);
+        done = set_numbers_run(&k, views[1].len / 8, views[3].buf, views[4].buf, views[5].buf, &tables, &error);
         Py_END_ALLOW_THREADS
     }
-    return finish(done, error, views, 5, done > 0 ? PyLong_FromLongLong(tables) : NULL);
+    return finish(done, error, views, 6, done > 0 ? PyLong_FromLongLong(tables) : NULL);
 }
 
 /* dag_edges: every (parent, member, child) with child = parent less member, a

@@ -31,7 +31,13 @@ def table_hashes(
     holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray, lookup: np.ndarray, out: np.ndarray, /
 ) -> None: ...
 def set_numbers(
-    holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray, out: np.ndarray, keys: np.ndarray, /
+    holders: np.ndarray,
+    samples: np.ndarray,
+    decoders: np.ndarray,
+    out: np.ndarray,
+    keys: np.ndarray,
+    order: np.ndarray,
+    /,
 ) -> int: ...
 def dag_edges(
     keys: np.ndarray,

@@ -222,11 +222,12 @@ def table_hashes(holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray,
 
 
 def set_numbers(holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray, out: np.ndarray,
-                keys: np.ndarray) -> int:
+                keys: np.ndarray, order: np.ndarray) -> int:
     """Each sample's table, ``holders[samples[i]]`` with bit ``decoders[i]``
     set, into ``out``: the tables numbered in the order of their bitsets'
     bytes, as numpy's unique orders rows of bytes; their bitsets into the
-    head of ``keys`` (as long as ``holders[samples]``).
+    head of ``keys`` (as long as ``holders[samples]``); and the samples
+    by (table, decoder, position) into ``order``.
 
     Returns:
         the number of tables.
@@ -236,6 +237,7 @@ def set_numbers(holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray, 
                                                                        (decoders % WORD_BITS).astype(np.uint64))
     distinct, out[:] = _unique_rows(rows)
     keys[:len(distinct)] = distinct
+    order[:] = np.lexsort((decoders, out))
     return len(distinct)
 
 

@@ -207,26 +207,27 @@ def coded_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray
     return tables
 
 
-def _set_numbers(holders: np.ndarray, need: Needs) -> tuple[np.ndarray, np.ndarray]:
+def _set_numbers(holders: np.ndarray, need: Needs) -> tuple[np.ndarray, ...]:
     """Each needed sample's table, numbered in the order of the tables' member
-    bitsets as bytes (:func:`set_numbers`), and each table's bitset."""
-    tables = np.empty(len(need.samples), dtype=np.int64)
+    bitsets as bytes (:func:`set_numbers`), each table's bitset, and the
+    needed samples by (table, decoder)."""
+    tables, order = np.empty(len(need.samples), dtype=np.int64), np.empty(len(need.samples), dtype=np.int64)
     keys = np.empty((len(need.samples), holders.shape[1]), dtype=np.uint64)
-    count = set_numbers(np.ascontiguousarray(holders), _int64(need.samples),
-                        _int64(need.decoders), tables, keys)
-    return tables, keys[:count]
+    count = set_numbers(np.ascontiguousarray(holders), _int64(need.samples), _int64(need.decoders), tables, keys,
+                        order)
+    return tables, keys[:count], order
 
 
-def _groups(tables: np.ndarray, decoders: np.ndarray, num_tables: int) -> tuple[np.ndarray, ...]:
-    """Needed samples sorted by (table, decoder), and the runs of each (table, column)."""
-    order = _packet_rows(tables, decoders, np.zeros(len(tables), dtype=np.int64))[0]
+def _groups(tables: np.ndarray, decoders: np.ndarray, num_tables: int, order: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The runs of each (table, column) in ``order``, the needed samples sorted by (table, decoder)."""
     t, d = tables[order], decoders[order]
     new = np.ones(len(order), dtype=bool)
     new[1:] = (t[1:] != t[:-1]) | (d[1:] != d[:-1])
     starts = np.flatnonzero(new)
     counts = np.diff(np.append(starts, len(order)))
-    table_start = np.searchsorted(t[starts], np.arange(num_tables + 1))
-    return order, starts, d[starts], counts, table_start
+    table_start = np.zeros(num_tables + 1, dtype=np.int64)
+    np.cumsum(np.bincount(t[starts], minlength=num_tables), out=table_start[1:])
+    return starts, d[starts], counts, table_start
 
 
 def _sample_hashes(holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray) -> np.ndarray:
@@ -259,9 +260,9 @@ def uber_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
     the C extension where it was built (:data:`COMPILED`)."""
     if not len(need.samples):
         return np.zeros(0, dtype=np.int64)
-    tables, keys = _set_numbers(holders, need)
-    order, starts, g_decoder, g_count, table_start = (
-        _int64(column) for column in _groups(tables, need.decoders, len(keys)))
+    tables, keys, order = _set_numbers(holders, need)
+    starts, g_decoder, g_count, table_start = (
+        _int64(column) for column in _groups(tables, need.decoders, len(keys), order))
     edges = np.frombuffer(dag_edges(keys, table_start, g_decoder, g_count), dtype=np.int64)
     parent, member, child = (np.ascontiguousarray(column) for column in edges.reshape(-1, 3).T)
     moved = tables.copy()
