@@ -337,14 +337,17 @@ def _senders(holders: np.ndarray, start: np.ndarray, samples: np.ndarray, decode
     lacking = np.flatnonzero((senders == PFS) & (parts > 1))
     if sizes is None:
         first = start[lacking] + spread[lacking] % parts[lacking]
+    elif len(lacking):
+        # The parts of the lacking packets only: at hundreds of nodes most packets have one part.
+        counts = parts[lacking]
+        offsets = np.cumsum(counts) - counts
+        packet_of = np.repeat(np.arange(len(lacking)), counts)
+        positions = np.arange(len(packet_of)) + np.repeat(start[lacking] - offsets, counts)
+        part_sizes = sizes[samples[positions]]
+        candidates = np.flatnonzero(part_sizes == np.minimum.reduceat(part_sizes, offsets)[packet_of])
+        first = positions[candidates[np.searchsorted(packet_of[candidates], np.arange(len(lacking)))]]
     else:
-        part_sizes = sizes[samples]
-        smallest = np.minimum.reduceat(part_sizes, start[:-1]) if num_packets else part_sizes[:0]
-        is_lacking = np.zeros(num_packets, dtype=bool)
-        is_lacking[lacking] = True
-        packet_of = np.repeat(np.arange(num_packets), parts)
-        candidates = np.flatnonzero(is_lacking[packet_of] & (part_sizes == smallest[packet_of]))
-        first = candidates[np.searchsorted(packet_of[candidates], lacking)]
+        first = lacking
     senders[lacking] = decoders[first]
     fetch_samples = samples[first]
     fetch_sources = _pick(holders, np.arange(len(first) + 1), fetch_samples, spread[lacking])
