@@ -260,7 +260,7 @@ def test_the_c_greedy_names_arrays_that_contradict_each_other() -> None:
         loops.greedy(keys, *arrays[:4], np.array([0, 9]), *arrays[5:])
     with pytest.raises(ValueError, match="64-bit integers"):
         loops.greedy(keys, *arrays[:-1], np.zeros(2, dtype=np.int32))
-    three = [np.zeros(3, dtype=np.int64) for _ in range(5)]
+    three = [np.zeros(3, dtype=np.int64) for _ in range(4)]
     with pytest.raises(ValueError, match="disagree on the number of samples"):
         loops.packet_rows(*three, np.zeros(3, dtype=np.int64))
     with pytest.raises(ValueError, match="outside holders"):

@@ -472,8 +472,8 @@ sort_parts(Part *parts, int64_t n)
 /* packet_rows: a counting sort by table, each table's parts sorted by column,
  * then its rows dealt out: row r takes the r-th part of every column that has one. */
 static int
-packet_rows_run(const int64_t *tables, const int64_t *decoders, const int64_t *sizes, int64_t n, int64_t *order,
-                int64_t *parts, int64_t *start, int64_t *packets, const char **error)
+packet_rows_run(const int64_t *tables, const int64_t *decoders, const int64_t *sizes, int64_t n, int64_t *parts,
+                int64_t *start, int64_t *packets, const char **error)
 {
     int64_t i, t, num_tables = 0, widest = 0, p = 0, k = 0;
     for (i = 0; i < n; i++) {
@@ -494,12 +494,13 @@ packet_rows_run(const int64_t *tables, const int64_t *decoders, const int64_t *s
             widest = table_start[t + 1];
         table_start[t + 1] += table_start[t];
     }
-    int64_t *fill = malloc((num_tables + 1) * sizeof(int64_t));
+    int64_t *fill = malloc((num_tables + 1) * sizeof(int64_t)), *order = malloc((n + 1) * sizeof(int64_t));
     Part *buffer = malloc((widest + 1) * sizeof(Part));
     int64_t *runs = malloc(2 * (widest + 1) * sizeof(int64_t));
-    if (!fill || !buffer || !runs) {
+    if (!fill || !order || !buffer || !runs) {
         free(table_start);
         free(fill);
+        free(order);
         free(buffer);
         free(runs);
         return -1;
@@ -545,36 +546,37 @@ packet_rows_run(const int64_t *tables, const int64_t *decoders, const int64_t *s
     *packets = p;
     free(table_start);
     free(fill);
+    free(order);
     free(buffer);
     free(runs);
     return 1;
 }
 
 PyDoc_STRVAR(packet_rows_doc,
-"packet_rows(tables, decoders, sizes, order, parts, start, /) -> int\n\n"
+"packet_rows(tables, decoders, sizes, parts, start, /) -> int\n\n"
 "The packets of the needed samples' tables: see dataquay.server._coding_py.packet_rows.\n\n"
 "Raises ValueError for arrays that are not int64 or of lengths that disagree.");
 
 static PyObject *
 packet_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer views[6];
+    Py_buffer views[5];
     int64_t packets = 0;
     const char *error = NULL;
     int done = 0;
-    if (get_views("packet_rows", args, nargs, 6, 3, views) < 0)
+    if (get_views("packet_rows", args, nargs, 5, 3, views) < 0)
         return NULL;
     int64_t n = views[0].len / 8;
     if (views[1].len != views[0].len || views[2].len != views[0].len || views[3].len != views[0].len
-        || views[4].len != views[0].len || views[5].len != views[0].len + 8) {
+        || views[4].len != views[0].len + 8) {
         error = "packet_rows' arrays disagree on the number of samples";
     } else {
         Py_BEGIN_ALLOW_THREADS
-        done = packet_rows_run(views[0].buf, views[1].buf, views[2].buf, n, views[3].buf, views[4].buf,
-                               views[5].buf, &packets, &error);
+        done = packet_rows_run(views[0].buf, views[1].buf, views[2].buf, n, views[3].buf, views[4].buf, &packets,
+                               &error);
         Py_END_ALLOW_THREADS
     }
-    return finish(done, error, views, 6, done > 0 ? PyLong_FromLongLong(packets) : NULL);
+    return finish(done, error, views, 5, done > 0 ? PyLong_FromLongLong(packets) : NULL);
 }
 
 /* The rank-th (from 0) set bit of a word that has more. */

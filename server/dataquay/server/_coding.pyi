@@ -16,13 +16,7 @@ def greedy(
     /,
 ) -> None: ...
 def packet_rows(
-    tables: np.ndarray,
-    decoders: np.ndarray,
-    sizes: np.ndarray,
-    order: np.ndarray,
-    parts: np.ndarray,
-    start: np.ndarray,
-    /,
+    tables: np.ndarray, decoders: np.ndarray, sizes: np.ndarray, parts: np.ndarray, start: np.ndarray, /
 ) -> int: ...
 def pick_bits(
     holders: np.ndarray, start: np.ndarray, samples: np.ndarray, spread: np.ndarray, out: np.ndarray, /

@@ -139,14 +139,14 @@ def _reduce_table(table: int, children: dict[int, int], columns: _Columns) -> li
     return [(table, column, child, count) for (column, child), count in moved.items()]
 
 
-def packet_rows(tables: np.ndarray, decoders: np.ndarray, sizes: np.ndarray, order: np.ndarray, parts: np.ndarray,
+def packet_rows(tables: np.ndarray, decoders: np.ndarray, sizes: np.ndarray, parts: np.ndarray,
                 start: np.ndarray) -> int:
     """The packets of the needed samples' tables, one per row: row r of a table
-    XORs the r-th sample of each of its columns that has one.
+    XORs the r-th sample of each of its columns that has one, its columns'
+    samples taken largest first, then by position.
 
     Args:
         tables, decoders, sizes: each needed sample's table, column and bytes.
-        order: written: the needed samples by (table, column, largest first, id).
         parts: written: the needed samples by (table, row, column), each
             packet's parts together.
         start: written: each packet's first part, then one past the last
@@ -155,7 +155,7 @@ def packet_rows(tables: np.ndarray, decoders: np.ndarray, sizes: np.ndarray, ord
     Returns:
         the number of packets.
     """
-    order[:] = np.lexsort((-sizes, decoders, tables))
+    order = np.lexsort((-sizes, decoders, tables))
     t, d = tables[order], decoders[order]
     new = np.ones(len(order), dtype=bool)
     new[1:] = (t[1:] != t[:-1]) | (d[1:] != d[:-1])

@@ -302,17 +302,10 @@ def plan(holders: np.ndarray, owners: np.ndarray, scheme: str, sizes: np.ndarray
     need = needs(holders, owners)
     tables = SCHEMES[scheme](holders, need, num_nodes)
     part_sizes = np.zeros(len(tables), dtype=np.int64) if sizes is None else _int64(sizes[need.samples])
-    _, parts, start = _packet_rows(tables, need.decoders, part_sizes)
+    parts, start = np.empty(len(tables), dtype=np.int64), np.empty(len(tables) + 1, dtype=np.int64)
+    num_packets = packet_rows(_int64(tables), _int64(need.decoders), part_sizes, parts, start)
     samples, decoders = need.samples[parts], need.decoders[parts]
-    return _senders(holders, start, samples, decoders, sizes)
-
-
-def _packet_rows(tables: np.ndarray, decoders: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, ...]:
-    """:func:`packet_rows`'s order, parts and packet starts."""
-    order, parts = np.empty(len(tables), dtype=np.int64), np.empty(len(tables), dtype=np.int64)
-    start = np.empty(len(tables) + 1, dtype=np.int64)
-    packets = packet_rows(_int64(tables), _int64(decoders), sizes, order, parts, start)
-    return order, parts, start[:packets + 1]
+    return _senders(holders, start[:num_packets + 1], samples, decoders, sizes)
 
 
 def _int64(values: np.ndarray) -> np.ndarray:
