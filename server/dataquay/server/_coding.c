@@ -674,7 +674,8 @@ table_hashes_run(const uint64_t *holders, int64_t rows, int64_t words, const int
             free(key);
             return 0;
         }
-        memcpy(key, holders + samples[i] * words, words * sizeof(uint64_t));
+        for (int64_t w = 0; w < words; w++)
+            key[w] = holders[samples[i] * words + w];
         if (decoders[i] >= 0)
             key[decoders[i] / 64] |= (uint64_t)1 << (decoders[i] % 64);
         int64_t hash = 0;
@@ -726,7 +727,9 @@ typedef struct {
 static void
 key_of(const Keys *k, int64_t i, uint64_t *key)
 {
-    memcpy(key, k->holders + k->samples[i] * k->words, k->words * sizeof(uint64_t));
+    const uint64_t *row = k->holders + k->samples[i] * k->words;
+    for (int64_t w = 0; w < k->words; w++)   /* a few words: a loop, not a call to memcpy */
+        key[w] = row[w];
     if (k->decoders[i] >= 0)
         key[k->decoders[i] / 64] |= (uint64_t)1 << (k->decoders[i] % 64);
 }
@@ -763,7 +766,10 @@ compare_keys(const Keys *k, int64_t a, int64_t b, uint64_t *buffer)
 {
     key_of(k, a, buffer);
     key_of(k, b, buffer + k->words);
-    return memcmp(buffer, buffer + k->words, k->words * sizeof(uint64_t));
+    for (int64_t w = 0; w < k->words; w++)   /* as memcmp orders the bytes: big-endian words */
+        if (buffer[w] != buffer[k->words + w])
+            return __builtin_bswap64(buffer[w]) < __builtin_bswap64(buffer[k->words + w]) ? -1 : 1;
+    return 0;
 }
 
 static void
@@ -872,6 +878,9 @@ set_numbers_run(const Keys *k, int64_t n, int64_t *out, uint64_t *keys_out, int6
         done = -1;
         goto out;
     }
+    /* Runs of one prefix hold one table but where prefixes tie: those are
+     * sorted bit for bit. Each table's samples are then sorted by column,
+     * for the greedy's groups (ids is by (table, id) already). */
     for (lo = 0; lo < n; lo = hi) {
         for (hi = lo + 1; hi < n && prefix[hi] == prefix[lo]; hi++)
             ;
@@ -879,27 +888,21 @@ set_numbers_run(const Keys *k, int64_t n, int64_t *out, uint64_t *keys_out, int6
             ;
         if (i < hi)
             merge_sort(k, ids + lo, ids_tmp, hi - lo, buffer);
-        for (i = lo; i < hi; i++) {
-            if (i == lo || compare_keys(k, ids[i - 1], ids[i], buffer))
-                number++;
-            out[ids[i]] = number;
+        if (hi + 2 * AHEAD < n)
+            __builtin_prefetch(&k->samples[ids[hi + 2 * AHEAD]]);
+        if (hi + AHEAD < n)
+            __builtin_prefetch(k->holders + k->samples[ids[hi + AHEAD]] * k->words);
+        for (int64_t first = lo, end; first < hi; first = end) {
+            for (end = first + 1; end < hi && !compare_keys(k, ids[first], ids[end], buffer); end++)
+                ;
+            key_of(k, ids[first], keys_out + ++number * k->words);
+            for (i = first; i < end; i++)
+                out[ids[i]] = number;
+            sort_by_decoder(ids + first, ids_tmp, end - first, k->decoders);
         }
     }
     *tables = number + 1;
-    /* The samples by (table, column, id) for the greedy's groups: ids is by (table, id) already. */
-    for (lo = 0; lo < n; lo = hi) {
-        for (hi = lo + 1; hi < n && out[ids[hi]] == out[ids[lo]]; hi++)
-            ;
-        sort_by_decoder(ids + lo, ids_tmp, hi - lo, k->decoders);
-    }
     memcpy(order, ids, n * sizeof(int64_t));
-    /* Each table's bitset from its first sample: holders read in order, not as the sort left the ids. */
-    memset(ids_tmp, 0, (number + 1) * sizeof(int64_t));
-    for (i = 0; i < n; i++)
-        if (!ids_tmp[out[i]]) {
-            ids_tmp[out[i]] = 1;
-            key_of(k, i, keys_out + out[i] * k->words);
-        }
 out:
     free(prefix);
     free(prefix_tmp);
@@ -1213,9 +1216,13 @@ dag_edges_run(Dag *d, Edges *e)
                 for (int64_t at = look[k].slot; at >= 0 && tables.slots[at].table >= 0; at = (at + 1) & tables.mask) {
                     if (tables.slots[at].hash != look[k].hash)
                         continue;
-                    memcpy(child_key, key, words * sizeof(uint64_t));
-                    child_key[look[k].member / 64] &= ~((uint64_t)1 << (look[k].member % 64));
-                    if (!memcmp(child_key, d->keys + tables.slots[at].table * words, words * sizeof(uint64_t))) {
+                    const uint64_t *child = d->keys + tables.slots[at].table * words;
+                    for (w = 0; w < words; w++)
+                        child_key[w] = key[w] ^ child[w];
+                    child_key[look[k].member / 64] ^= (uint64_t)1 << (look[k].member % 64);
+                    for (w = 0; w < words && !child_key[w]; w++)
+                        ;
+                    if (w == words) {
                         if (push_edge(e, look[k].parent, look[k].member, tables.slots[at].table) < 0) {
                             done = -1;
                             goto out;
