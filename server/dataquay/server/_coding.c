@@ -17,6 +17,8 @@
 #include <string.h>
 
 #define NUM_ARRAYS 10
+/* Sample ids per block that the greedy's pools are carved from. */
+#define BLOCK (1 << 16)
 /* Rows of a bitset matrix asked for ahead of a gather over it. */
 #define PREFETCH 16
 /* Items a loop over hash-set lookups asks the memory of ahead of the one it is on. */
@@ -58,7 +60,8 @@ typedef struct {
     Pool *pools;
     int64_t *targets, *moved;   /* (parent slot, child slot, child table); moved has a count too */
     int64_t moved_cap;
-    int64_t *own, owned, own_cap;   /* the slots whose pools have arrays of their own */
+    int64_t **blocks, num_blocks;   /* the pools' arrays, carved from blocks freed together */
+    int64_t *block_next, *block_end;
     const char *error;
 } Greedy;
 
@@ -158,20 +161,20 @@ pool_reserve(Greedy *g, int64_t s, int64_t more)
     if (p->ids && p->len + more <= p->cap)
         return 1;
     int64_t cap = p->len + more < 8 ? 8 : 2 * (p->len + more);
-    if (!p->ids && g->owned == g->own_cap) {
-        int64_t *own = realloc(g->own, (2 * g->own_cap + 64) * sizeof(int64_t));
-        if (!own)
+    if (g->block_end - g->block_next < cap) {
+        int64_t size = cap > BLOCK ? cap : BLOCK;
+        int64_t **blocks = realloc(g->blocks, (g->num_blocks + 1) * sizeof(int64_t *));
+        if (!blocks)
             return -1;
-        g->own = own;
-        g->own_cap = 2 * g->own_cap + 64;
+        g->blocks = blocks;
+        if (!(g->blocks[g->num_blocks] = malloc(size * sizeof(int64_t))))
+            return -1;
+        g->block_next = g->blocks[g->num_blocks++];
+        g->block_end = g->block_next + size;
     }
-    int64_t *ids = p->ids ? realloc(p->ids, cap * sizeof(int64_t)) : malloc(cap * sizeof(int64_t));
-    if (!ids)
-        return -1;
-    if (!p->ids)
-        g->own[g->owned++] = s;
-    if (!p->ids && p->len)
-        memcpy(ids, g->order + g->pool_lo[s], p->len * sizeof(int64_t));
+    int64_t *ids = g->block_next;
+    g->block_next += cap;
+    memcpy(ids, p->ids ? p->ids : g->order + g->pool_lo[s], p->len * sizeof(int64_t));
     p->ids = ids;
     p->cap = cap;
     return 1;
@@ -315,9 +318,9 @@ run(Greedy *g)
 static void
 release(Greedy *g)
 {
-    for (int64_t k = 0; k < g->owned; k++)
-        free(g->pools[g->own[k]].ids);
-    free(g->own);
+    for (int64_t k = 0; k < g->num_blocks; k++)
+        free(g->blocks[k]);
+    free(g->blocks);
     free(g->pools);
     free(g->slot_start);
     free(g->slot_node);
