@@ -1,8 +1,8 @@
 """The compiled parts: dataquay.client._records, the per-sample loops of
-local hits and the framing of cache values, and dataquay.server._coding,
-UberShuffle's greedy. Optional: where they cannot be built (no C compiler, no
-Python headers) the install goes on without them and the same loops run in
-Python (dataquay.client.record_loops, dataquay.server._coding_py).
+local hits and the framing of cache values, and dataquay.server._coding, the
+coded-shuffling planner's loops. Optional: where they cannot be built (no C
+compiler, no Python headers) the install goes on without them and the same
+loops run in Python (dataquay.client.record_loops, dataquay.server._coding_py).
 
 Everything else is declared in pyproject.toml; setuptools reads extension
 modules from here (its pyproject.toml form is still experimental). xxHash is

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The greedy's arguments. */
 #define NUM_ARRAYS 10
 /* Sample ids per block that the greedy's pools are carved from. */
 #define BLOCK (1 << 16)
@@ -53,7 +54,7 @@ typedef struct {
     const uint64_t *keys;
     int64_t tables, words;
     const int64_t *table_start, *decoder, *count, *order, *starts, *parent, *member, *child;
-    int64_t groups, num_order, edges, num_out, slots;
+    int64_t groups, num_order, edges, num_out;
     int64_t *out;
     /* built here */
     int64_t *slot_start, *slot_node, *cnt, *rows0, *pool_lo;
@@ -113,7 +114,6 @@ build_slots(Greedy *g)
     g->cnt = calloc(slots + 1, sizeof(int64_t));
     g->pool_lo = calloc(slots + 1, sizeof(int64_t));
     g->pools = calloc(slots + 1, sizeof(Pool));
-    g->slots = slots;
     if (!g->slot_node || !g->cnt || !g->pool_lo || !g->pools)
         return -1;
     for (t = 0; t < g->tables; t++) {
