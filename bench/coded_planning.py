@@ -11,7 +11,10 @@ machine). ``*_tx`` are the transmissions of each plan, and ``same`` whether
 the two planners gave the same packets (in any order) for every scheme.
 
 ``--baseline REV`` takes the baseline planner from git revision REV of this
-repository; without it only this planner is timed.
+repository; ``--python-loops`` takes this planner with the loops of an
+install without the C extension (``dataquay.server._coding_py``) instead,
+and writes ``coded_planning_python.json``; without either only this planner
+is timed.
 """
 
 from __future__ import annotations
@@ -28,12 +31,15 @@ import numpy as np
 
 from coded_shuffle import MEDIAN_BYTES, SCHEMES, SIGMA
 from common import REPEATS, progress, report
+from dataquay.server import _coding_py
 from dataquay.server.node.exchange import coding
 from dataquay.server.tools.spare_copies import balanced_owners, refill
 
 SETTINGS = [(20, 0.2), (20, 0.14), (256, 0.2), (256, 4 / 256), (256, 2.8 / 256)]
 SAMPLES = 7 * 10**5
 SOURCE = "server/dataquay/server/node/exchange/coding.py"
+#: The loops that the C extension and its Python fallback both define.
+LOOPS = ("greedy", "packet_rows", "pick_bits", "table_hashes", "set_numbers", "dag_edges")
 
 
 def baseline(revision: str) -> types.ModuleType:
@@ -43,6 +49,15 @@ def baseline(revision: str) -> types.ModuleType:
     module = types.ModuleType("coding_baseline")
     sys.modules[module.__name__] = module
     exec(compile(text, f"{revision}:{SOURCE}", "exec"), module.__dict__)
+    return module
+
+
+def python_loops() -> types.ModuleType:
+    module = types.ModuleType("coding_python_loops")
+    sys.modules[module.__name__] = module
+    exec(compile(Path(coding.__file__).read_text(), coding.__file__, "exec"), module.__dict__)
+    for name in LOOPS:
+        setattr(module, name, getattr(_coding_py, name))
     return module
 
 
@@ -96,6 +111,8 @@ def row(nodes: int, alpha: float, old: types.ModuleType | None) -> dict[str, obj
 
 def main() -> None:
     old = baseline(sys.argv[sys.argv.index("--baseline") + 1]) if "--baseline" in sys.argv else None
+    if "--python-loops" in sys.argv:
+        old = python_loops()
     rows = []
     for nodes, alpha in SETTINGS:
         progress(f"{nodes} nodes, alpha {alpha:.4f}, {SAMPLES:,} samples")
@@ -103,7 +120,7 @@ def main() -> None:
     names = ["old", "new"] if old is not None else ["new"]
     columns = ["nodes", "alpha", "samples", "load", "load_end", "same"]
     columns += [f"{name}_{scheme}_{unit}" for scheme in SCHEMES for unit in ("s", "cpu", "tx") for name in names]
-    report("coded_planning", rows, columns)
+    report("coded_planning_python" if "--python-loops" in sys.argv else "coded_planning", rows, columns)
 
 
 if __name__ == "__main__":
