@@ -764,32 +764,58 @@ order_prefix(const Keys *k, int64_t i)
     return prefix << (width * (room - packed));
 }
 
+/* The order of two keys' bytes (memcmp's): their words compared big-endian. */
 static int
-compare_keys(const Keys *k, int64_t a, int64_t b, uint64_t *buffer)
+compare_rows(const uint64_t *a, const uint64_t *b, int64_t words)
 {
-    key_of(k, a, buffer);
-    key_of(k, b, buffer + k->words);
-    for (int64_t w = 0; w < k->words; w++)   /* as memcmp orders the bytes: big-endian words */
-        if (buffer[w] != buffer[k->words + w])
-            return __builtin_bswap64(buffer[w]) < __builtin_bswap64(buffer[k->words + w]) ? -1 : 1;
+    for (int64_t w = 0; w < words; w++)
+        if (a[w] != b[w])
+            return __builtin_bswap64(a[w]) < __builtin_bswap64(b[w]) ? -1 : 1;
     return 0;
 }
 
+/* Sorts positions by the rows they name, stably. */
 static void
-merge_sort(const Keys *k, int64_t *ids, int64_t *scratch, int64_t n, uint64_t *buffer)
+sort_positions(int64_t *at, int64_t *scratch, int64_t n, const uint64_t *rows, int64_t words)
 {
     if (n < 2)
         return;
     int64_t half = n / 2, i = 0, j = half, o = 0;
-    merge_sort(k, ids, scratch, half, buffer);
-    merge_sort(k, ids + half, scratch, n - half, buffer);
+    sort_positions(at, scratch, half, rows, words);
+    sort_positions(at + half, scratch, n - half, rows, words);
     while (i < half && j < n)
-        scratch[o++] = compare_keys(k, ids[j], ids[i], buffer) < 0 ? ids[j++] : ids[i++];
+        scratch[o++] = compare_rows(rows + at[j] * words, rows + at[i] * words, words) < 0 ? at[j++] : at[i++];
     while (i < half)
-        scratch[o++] = ids[i++];
+        scratch[o++] = at[i++];
     while (j < n)
-        scratch[o++] = ids[j++];
-    memcpy(ids, scratch, n * sizeof(int64_t));
+        scratch[o++] = at[j++];
+    memcpy(at, scratch, n * sizeof(int64_t));
+}
+
+/* Sorts n rows, and their ids along, by their bytes, stably. */
+static int
+sort_rows(uint64_t *rows, int64_t *ids, int64_t n, int64_t words)
+{
+    int64_t *at = malloc(n * sizeof(int64_t)), *scratch = malloc(n * sizeof(int64_t));
+    int64_t *ids_copy = malloc(n * sizeof(int64_t));
+    uint64_t *rows_copy = malloc(n * words * sizeof(uint64_t));
+    int done = at && scratch && ids_copy && rows_copy ? 1 : -1;
+    if (done > 0) {
+        for (int64_t i = 0; i < n; i++)
+            at[i] = i;
+        sort_positions(at, scratch, n, rows, words);
+        memcpy(ids_copy, ids, n * sizeof(int64_t));
+        memcpy(rows_copy, rows, n * words * sizeof(uint64_t));
+        for (int64_t i = 0; i < n; i++) {
+            ids[i] = ids_copy[at[i]];
+            memcpy(rows + i * words, rows_copy + at[i] * words, words * sizeof(uint64_t));
+        }
+    }
+    free(at);
+    free(scratch);
+    free(ids_copy);
+    free(rows_copy);
+    return done;
 }
 
 /* Sorts ids by prefix, 11 bits a pass from the least significant, stably;
@@ -859,17 +885,16 @@ static int
 set_numbers_run(const Keys *k, int64_t n, int64_t *out, uint64_t *keys_out, int64_t *order, int64_t *tables,
                 const char **error)
 {
-    int64_t i, lo, hi, number = -1;
+    int64_t i, lo, hi, number = -1, words = k->words;
     uint64_t *prefix = malloc((n + 1) * sizeof(uint64_t)), *prefix_tmp = malloc((n + 1) * sizeof(uint64_t));
     int64_t *ids = malloc((n + 1) * sizeof(int64_t)), *ids_tmp = malloc((n + 1) * sizeof(int64_t));
-    uint64_t *buffer = malloc(2 * (k->words + 1) * sizeof(uint64_t));
     int done = 1;
-    if (!prefix || !prefix_tmp || !ids || !ids_tmp || !buffer) {
+    if (!prefix || !prefix_tmp || !ids || !ids_tmp) {
         done = -1;
         goto out;
     }
     for (i = 0; i < n; i++) {
-        if (k->samples[i] < 0 || k->samples[i] >= k->rows || k->decoders[i] >= k->words * 64) {
+        if (k->samples[i] < 0 || k->samples[i] >= k->rows || k->decoders[i] >= words * 64) {
             *error = "a sample is outside holders or a decoder outside its bitset";
             done = 0;
             goto out;
@@ -881,24 +906,36 @@ set_numbers_run(const Keys *k, int64_t n, int64_t *out, uint64_t *keys_out, int6
         done = -1;
         goto out;
     }
+    /* The keys in sorted order, into keys_out: the samples' rows lie all
+     * over holders, so each is asked for ahead, after its sample's id. */
+    for (i = 0; i < n; i++) {
+        if (i + 4 * AHEAD < n) {
+            __builtin_prefetch(&k->samples[ids[i + 4 * AHEAD]]);
+            __builtin_prefetch(&k->decoders[ids[i + 4 * AHEAD]]);
+        }
+        if (i + 2 * AHEAD < n)
+            __builtin_prefetch(k->holders + k->samples[ids[i + 2 * AHEAD]] * words);
+        key_of(k, ids[i], keys_out + i * words);
+    }
     /* Runs of one prefix hold one table but where prefixes tie: those are
-     * sorted bit for bit. Each table's samples are then sorted by column,
-     * for the greedy's groups (ids is by (table, id) already). */
+     * sorted bit for bit. Each table's key moves up to its number's row
+     * (never past rows still to read), and its samples are sorted by
+     * column for the greedy's groups (ids is by (table, id) already). */
     for (lo = 0; lo < n; lo = hi) {
         for (hi = lo + 1; hi < n && prefix[hi] == prefix[lo]; hi++)
             ;
-        for (i = lo + 1; i < hi && !compare_keys(k, ids[lo], ids[i], buffer); i++)
+        for (i = lo + 1; i < hi && !compare_rows(keys_out + lo * words, keys_out + i * words, words); i++)
             ;
-        if (i < hi)
-            merge_sort(k, ids + lo, ids_tmp, hi - lo, buffer);
-        if (hi + 2 * AHEAD < n)
-            __builtin_prefetch(&k->samples[ids[hi + 2 * AHEAD]]);
-        if (hi + AHEAD < n)
-            __builtin_prefetch(k->holders + k->samples[ids[hi + AHEAD]] * k->words);
+        if (i < hi && sort_rows(keys_out + lo * words, ids + lo, hi - lo, words) < 0) {
+            done = -1;
+            goto out;
+        }
         for (int64_t first = lo, end; first < hi; first = end) {
-            for (end = first + 1; end < hi && !compare_keys(k, ids[first], ids[end], buffer); end++)
+            for (end = first + 1;
+                 end < hi && !compare_rows(keys_out + first * words, keys_out + end * words, words); end++)
                 ;
-            key_of(k, ids[first], keys_out + ++number * k->words);
+            if (++number != first)
+                memcpy(keys_out + number * words, keys_out + first * words, words * sizeof(uint64_t));
             for (i = first; i < end; i++)
                 out[ids[i]] = number;
             sort_by_decoder(ids + first, ids_tmp, end - first, k->decoders);
@@ -911,7 +948,6 @@ out:
     free(prefix_tmp);
     free(ids);
     free(ids_tmp);
-    free(buffer);
     return done;
 }
 
