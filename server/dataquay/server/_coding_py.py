@@ -362,9 +362,11 @@ def _candidates(half_hashes: tuple[np.ndarray, np.ndarray], sizes: np.ndarray, s
 def _set_hashes(keys: np.ndarray, node_hashes: np.ndarray) -> np.ndarray:
     """A 64-bit hash of each bitset row, the XOR of a random value per member:
     a set without member k hashes to its hash XOR k's value."""
-    rows, nodes = _members(keys)
-    hashes = np.zeros(len(keys), dtype=np.int64)
-    np.bitwise_xor.at(hashes, rows, node_hashes[nodes])
+    nodes = node_hashes.reshape(-1, 8)
+    bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool)
+    lookup = np.bitwise_xor.reduce(np.where(bits[None, :, :], nodes[:, None, :], 0), axis=2)
+    hashes = np.empty(len(keys), dtype=np.int64)
+    table_hashes(keys, np.arange(len(keys)), np.full(len(keys), -1), lookup, hashes)
     return hashes
 
 
