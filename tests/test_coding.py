@@ -208,12 +208,26 @@ def same_packets(a: Packets, b: Packets) -> bool:
     return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__)
 
 
+def clustered(rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """130 nodes, of which nodes 0-9 all cache most samples: tables of a dozen members and more,
+    many alike in their first members."""
+    holders, owners = overlapping(rng, 130, 8000, 40)
+    holders[:6000, 0] |= np.uint64(0x3FF)
+    return holders, owners
+
+
+def crowded() -> tuple[np.ndarray, ...]:
+    """One table {0, 1, 2, 3} of two columns of 100 samples each."""
+    owners = np.arange(200) % 2
+    return holder_bits([np.flatnonzero(owners != m) for m in range(4)], 200), owners
+
+
 def test_the_c_loops_plan_every_packet_and_sender_as_the_python_ones_do() -> None:
     rng = np.random.default_rng(16)
     small = [overlapping(rng, int(rng.integers(3, 8)), int(rng.integers(5, 80)), int(rng.integers(0, 5)))
              for _ in range(300)]
     wide = overlapping(rng, 64, 20000, 1000)
-    for holders, owners in [toy(), *small, wide]:
+    for holders, owners in [toy(), *small, wide, clustered(rng), crowded()]:
         need, num_nodes = needs(holders, owners), holders.shape[1] * 64
         sizes = rng.integers(1, 4, len(owners))  # few sizes: ties in a column
         with greedy_of("_coding"):
