@@ -7,8 +7,10 @@ and owners of ``coded_shuffle.py``'s model, sample sizes log-normal around
 110 KiB), each scheme is timed ``REPEATS`` rounds, the baseline planner and
 this one interleaved within a round; medians of wall time (``*_s``) and of
 the process's CPU time (``*_cpu``, less sensitive to other load on a shared
-machine). ``*_tx`` are the transmissions of each plan, and ``same`` whether
-the two planners gave the same packets (in any order) for every scheme.
+machine). ``*_tx`` are the transmissions of each plan, ``same`` whether
+the two planners gave the same packets (in any order) for every scheme, and
+``identical`` whether they gave the same arrays (packets in the same order,
+senders, fetches).
 
 ``--baseline REV`` takes the baseline planner from git revision REV of this
 repository; ``--python-loops`` takes this planner with the loops of an
@@ -88,7 +90,7 @@ def row(nodes: int, alpha: float, old: types.ModuleType | None) -> dict[str, obj
     planners = {"new": coding} if old is None else {"old": old, "new": coding}
     out: dict[str, object] = {"nodes": nodes, "alpha": round(alpha, 4), "samples": SAMPLES,
                               "load": [round(x, 2) for x in os.getloadavg()]}
-    same = True
+    same = identical = True
     for scheme in SCHEMES:
         walls: dict[str, list[float]] = {name: [] for name in planners}
         cpus: dict[str, list[float]] = {name: [] for name in planners}
@@ -104,7 +106,10 @@ def row(nodes: int, alpha: float, old: types.ModuleType | None) -> dict[str, obj
             out[f"{name}_{scheme}_tx"] = coding.load(plans[name], sizes).transmissions
         if old is not None:
             same &= np.array_equal(grouping(plans["old"]), grouping(plans["new"]))
+            identical &= all(np.array_equal(getattr(plans["old"], field), getattr(plans["new"], field))
+                             for field in coding.Packets.__dataclass_fields__)
     out["same"] = same if old is not None else None
+    out["identical"] = identical if old is not None else None
     out["load_end"] = [round(x, 2) for x in os.getloadavg()]
     return out
 
@@ -118,7 +123,7 @@ def main() -> None:
         progress(f"{nodes} nodes, alpha {alpha:.4f}, {SAMPLES:,} samples")
         rows.append(row(nodes, alpha, old))
     names = ["old", "new"] if old is not None else ["new"]
-    columns = ["nodes", "alpha", "samples", "load", "load_end", "same"]
+    columns = ["nodes", "alpha", "samples", "load", "load_end", "same", "identical"]
     columns += [f"{name}_{scheme}_{unit}" for scheme in SCHEMES for unit in ("s", "cpu", "tx") for name in names]
     report("coded_planning_python" if "--python-loops" in sys.argv else "coded_planning", rows, columns)
 
