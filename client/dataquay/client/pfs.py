@@ -116,46 +116,70 @@ def plan_reads(
     Raises:
         SampleIdError: an id outside 0..N-1.
     """
-    wanted = np.sort(np.asarray(ids, dtype=np.int64).ravel())
-    if not wanted.size:
-        return []
-    wanted = wanted[np.append(True, wanted[1:] != wanted[:-1])]
-    n = manifest.num_samples
-    if wanted[0] < 0 or wanted[-1] >= n:
-        bad = int(wanted[0] if wanted[0] < 0 else wanted[-1])
-        raise SampleIdError(f"sample {bad} not in manifest (N={n})")
-    paths = manifest.sample_path[wanted]
-    starts = manifest.sample_offset[wanted].astype(np.int64)
-    order = np.lexsort((starts, paths))
-    wanted, paths, starts = wanted[order], paths[order], starts[order]
-    ends = starts + manifest.sample_length[wanted].astype(np.int64)
+    plan = _Plan(manifest, ids, max_range_bytes, max_gap)
+    return [
+        ReadRange(path, start, length, plan.wanted[first:stop])
+        for path, start, length, first, stop in zip(
+            plan.paths.tolist(), plan.starts.tolist(), plan.lengths.tolist(), plan.firsts.tolist(), plan.stops.tolist()
+        )
+    ]
 
-    breaks = np.ones(wanted.size, dtype=bool)
-    breaks[1:] = (paths[1:] != paths[:-1]) | (starts[1:] - ends[:-1] > max_gap)
-    seg_first = np.flatnonzero(breaks)
-    seg_stop = np.append(seg_first[1:], wanted.size)
-    seg_start = starts[seg_first]
-    seg_span = np.maximum.reduceat(ends, seg_first) - seg_start
 
-    ranges: list[ReadRange] = []
-    for first, stop, path, start, span in zip(
-        seg_first.tolist(),
-        seg_stop.tolist(),
-        paths[seg_first].tolist(),
-        seg_start.tolist(),
-        seg_span.tolist(),
-    ):
-        if span <= max_range_bytes:
-            ranges.append(ReadRange(path, start, span, wanted[first:stop]))
-            continue
-        i = first
-        while i < stop:
-            start = int(starts[i])
-            j = max(_first_above(ends, i, stop, start + max_range_bytes), i + 1)
-            end = int(ends[i:j].max())
-            ranges.append(ReadRange(path, start, end - start, wanted[i:j]))
-            i = j
-    return ranges
+class _Plan:
+    """The ranges of :func:`plan_reads` as arrays, one entry per range.
+
+    ``wanted`` holds the distinct ids in file order; range k covers
+    ``wanted[firsts[k]:stops[k]]``, ``lengths[k]`` bytes at ``starts[k]`` of
+    path ``paths[k]``. Ranges of one file are consecutive.
+    """
+
+    __slots__ = ("wanted", "paths", "starts", "lengths", "firsts", "stops")
+
+    def __init__(
+        self, manifest: Manifest, ids: np.ndarray | Sequence[int], max_range_bytes: int, max_gap: int
+    ) -> None:
+        wanted = np.sort(np.asarray(ids, dtype=np.int64).ravel())
+        if wanted.size:
+            wanted = wanted[np.append(True, wanted[1:] != wanted[:-1])]
+            n = manifest.num_samples
+            if wanted[0] < 0 or wanted[-1] >= n:
+                bad = int(wanted[0] if wanted[0] < 0 else wanted[-1])
+                raise SampleIdError(f"sample {bad} not in manifest (N={n})")
+        paths = manifest.sample_path[wanted]
+        starts = manifest.sample_offset[wanted].astype(np.int64)
+        order = np.lexsort((starts, paths))
+        wanted, paths, starts = wanted[order], paths[order], starts[order]
+        ends = starts + manifest.sample_length[wanted].astype(np.int64)
+
+        breaks = np.ones(wanted.size, dtype=bool)
+        breaks[1:] = (paths[1:] != paths[:-1]) | (starts[1:] - ends[:-1] > max_gap)
+        firsts = np.flatnonzero(breaks)
+        stops = np.append(firsts[1:], wanted.size)[: firsts.size]
+        seg_start = starts[firsts]
+        spans = np.maximum.reduceat(ends, firsts) - seg_start if wanted.size else seg_start
+        self.wanted = wanted
+        self.paths, self.starts, self.lengths = paths[firsts], seg_start, spans
+        self.firsts, self.stops = firsts, stops
+        if wanted.size and int(spans.max()) > max_range_bytes:
+            self._split(starts, ends, max_range_bytes)
+
+    def _split(self, starts: np.ndarray, ends: np.ndarray, max_range_bytes: int) -> None:
+        """Cuts the ranges longer than ``max_range_bytes`` at sample boundaries."""
+        parts: list[tuple[int, int, int, int, int]] = []
+        for path, first, stop, start, span in zip(
+            self.paths.tolist(), self.firsts.tolist(), self.stops.tolist(), self.starts.tolist(), self.lengths.tolist()
+        ):
+            if span <= max_range_bytes:
+                parts.append((path, start, span, first, stop))
+                continue
+            i = first
+            while i < stop:
+                start = int(starts[i])
+                j = max(_first_above(ends, i, stop, start + max_range_bytes), i + 1)
+                parts.append((path, start, int(ends[i:j].max()) - start, i, j))
+                i = j
+        columns = np.array(parts, dtype=np.int64).T
+        self.paths, self.starts, self.lengths, self.firsts, self.stops = columns
 
 
 def _first_above(values: np.ndarray, lo: int, hi: int, limit: int) -> int:
@@ -206,6 +230,12 @@ class PfsReader:
     def read(self, ids: np.ndarray | Sequence[int]) -> list[bytes]:
         """The bytes of every id, in request order (repeated ids included).
 
+        A batch is planned as arrays, and each file is opened, checked
+        against the manifest (kind, size, mtime) and closed once however many
+        of the batch's ranges it holds; a range that is one whole sample
+        needs no cutting. Whatever goes wrong is read again through
+        :meth:`read_range`, whose error names the file and the reason.
+
         Raises:
             PfsRangeError: a file is missing, unreadable, shorter than the
                 manifest says, or changed since the manifest was built.
@@ -213,10 +243,53 @@ class PfsReader:
             ManifestError: the manifest names a path that would leave its root.
         """
         flat = np.asarray(ids, dtype=np.int64).ravel()
-        got: dict[int, bytes] = {}
-        for r in plan_reads(self._manifest, flat):
-            got.update(self.read_range(r))
-        return [got[i] for i in flat.tolist()]
+        plan = _Plan(self._manifest, flat, DEFAULT_MAX_RANGE_BYTES, DEFAULT_MAX_GAP)
+        got: list[bytes] = [b""] * len(plan.wanted)
+        fd, opened = -1, -1
+        try:
+            for path_index, size, mtime_ns, start, length, first, stop in zip(
+                plan.paths.tolist(), self._sizes[plan.paths].tolist(), self._mtimes[plan.paths].tolist(),
+                plan.starts.tolist(), plan.lengths.tolist(), plan.firsts.tolist(), plan.stops.tolist(),
+            ):
+                if path_index != opened:
+                    if fd >= 0:
+                        os.close(fd)
+                    opened, fd = path_index, self._open_unchanged(path_index, size, mtime_ns)
+                data = _pread_whole(fd, length, start)
+                if data is not None and stop - first == 1 and not self._grouped:
+                    got[first] = data
+                    continue
+                r = ReadRange(path_index, start, length, plan.wanted[first:stop])
+                cut = self.read_range(r) if data is None else self._cut(data, self._path(path_index), r)
+                got[first:stop] = [cast(bytes, cut[i]) for i in r.ids.tolist()]
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        by_id = np.argsort(plan.wanted)
+        return [got[k] for k in by_id[np.searchsorted(plan.wanted[by_id], flat)].tolist()]
+
+    def _open_unchanged(self, path_index: int, size: int, mtime_ns: int) -> int:
+        """The file of ``path_index`` opened if it is a regular file of the
+        ``size`` and ``mtime_ns`` the manifest recorded (and, confined, inside
+        the root); -1 otherwise, for :meth:`read_range` to name the reason."""
+        try:
+            fd = os.open(self._path(path_index), _OPEN_FLAGS)
+        except OSError:
+            return -1
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            st = None
+        if (
+            st is not None
+            and stat.S_ISREG(st.st_mode)
+            and (size < 0 or st.st_size == size)
+            and (mtime_ns < 0 or st.st_mtime_ns == mtime_ns)
+            and (not self._confined or (_opened_path(fd) or self._prefix).startswith(self._prefix))
+        ):
+            return fd
+        os.close(fd)
+        return -1
 
     def read_range(self, r: ReadRange) -> dict[int, bytes]:
         """Reads one planned range with one ``pread`` and cuts it into samples.
@@ -365,6 +438,19 @@ def _pread_cached(fd: int, r: ReadRange) -> memoryview | None:
             return None
         raise
     return memoryview(buf) if got == r.length else None
+
+
+def _pread_whole(fd: int, length: int, offset: int) -> bytes | None:
+    """``length`` bytes at ``offset`` of ``fd`` in one call; None for no file
+    (-1), a failed read or a short one (which :meth:`PfsReader.read_range`
+    finishes or explains)."""
+    if fd < 0:
+        return None
+    try:
+        data = os.pread(fd, length, offset)
+    except OSError:
+        return None
+    return data if len(data) == length else None
 
 
 def _pread_rest(fd: int, r: ReadRange, head: bytes) -> bytes:
