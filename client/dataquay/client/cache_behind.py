@@ -5,7 +5,10 @@ the ids it read, with references to the payloads it already returned (held
 up to :data:`HELD_BYTES`, no copy). A thread of the client sends the backlog
 to the daemon in notices of up to :data:`NOTICE_IDS` ids (CacheBehind), one
 at a time, so that a daemon slower to cache than the trainer is to read
-holds the notices back, not the trainer. The daemon reads the samples back
+holds the notices back, not the trainer. The thread sends a notice once the
+backlog fills one, or :data:`LINGER_SECONDS` after the first entry came:
+each call costs the trainer's process some CPU and its GIL, so a fast
+trainer sends a few large notices a second, not one per batch. The daemon reads the samples back
 from the page cache; those it names as not held there, the thread copies
 into its shared-memory segment and hands over in a second call, if it still
 holds their payloads. A sample whose notice is lost (the backlog was full,
@@ -36,10 +39,12 @@ MiB = 1 << 20
 BACKLOG_IDS = 1 << 16
 #: Payload bytes the backlog keeps references to, for handing over.
 HELD_BYTES = 64 * MiB
-#: Most ids, and payload bytes, one notice names (the daemon takes up to 4096
-#: and 64 MiB, or one sample of any size).
-NOTICE_IDS = 1024
-NOTICE_BYTES = 16 * MiB
+#: Most ids, and payload bytes, one notice names: the most the daemon takes
+#: (or one sample of any size).
+NOTICE_IDS = 4096
+NOTICE_BYTES = 64 * MiB
+#: How long an entry waits for others to share its notice.
+LINGER_SECONDS = 0.05
 #: Samples whose notice was lost, remembered at most.
 LOST_IDS = 1 << 16
 #: How long closing a client waits for its backlog to be sent.
@@ -75,8 +80,10 @@ class CacheBehindNotices:
         self._cond = threading.Condition()
         self._backlog: deque[_Entry] = deque()
         self._ids = 0
+        self._bytes = 0
         self._held = 0
         self._sending = False
+        self._flushing = 0
         self._closed = False
         self._thread: threading.Thread | None = None
         #: Samples not noticed: the backlog was full, a notice failed, a payload was no longer held.
@@ -86,8 +93,11 @@ class CacheBehindNotices:
         #: The parent's, in a forked child: it is left alone.
         self._hand_over_seg: Segment | None = None
 
-    def note(self, dataset: str, manifest_id: str, ids: np.ndarray, payloads: list[bytes]) -> None:
-        """Queues a notice of ``payloads``, read for ``ids``; never waits."""
+    def note(
+        self, dataset: str, manifest_id: str, ids: np.ndarray, payloads: list[bytes], nbytes: int | None = None
+    ) -> None:
+        """Queues a notice of ``payloads`` (``nbytes`` in all, if the caller
+        counted them), read for ``ids``; never waits."""
         with self._cond:
             if self._closed:
                 return
@@ -95,13 +105,16 @@ class CacheBehindNotices:
                 self._drop(dataset, manifest_id, ids.tolist())
                 return
             flat = ids.tolist()
-            for start, stop in _parts(payloads):
+            total = sum(map(len, payloads)) if nbytes is None else nbytes
+            whole = len(payloads) <= NOTICE_IDS and total <= NOTICE_BYTES
+            for start, stop in [(0, len(payloads))] if whole else _parts(payloads):
                 part = payloads[start:stop]
-                nbytes = sum(map(len, part))
-                held = self._held + nbytes <= HELD_BYTES
-                self._held += nbytes if held else 0
-                self._backlog.append(_Entry(dataset, manifest_id, flat[start:stop], nbytes, part if held else None))
+                size = total if whole else sum(map(len, part))
+                held = self._held + size <= HELD_BYTES
+                self._held += size if held else 0
+                self._backlog.append(_Entry(dataset, manifest_id, flat[start:stop], size, part if held else None))
             self._ids += len(flat)
+            self._bytes += total
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dataquay-cache-behind", daemon=True)
                 self._thread.start()
@@ -144,7 +157,12 @@ class CacheBehindNotices:
     def flush(self, timeout: float = FLUSH_SECONDS) -> bool:
         """Waits until the backlog is sent (at most ``timeout`` seconds); whether it was."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._backlog and not self._sending, timeout)
+            self._flushing += 1
+            self._cond.notify_all()
+            try:
+                return self._cond.wait_for(lambda: not self._backlog and not self._sending, timeout)
+            finally:
+                self._flushing -= 1
 
     def close(self) -> None:
         """Sends what the backlog holds (at most FLUSH_SECONDS), then stops the thread."""
@@ -159,6 +177,7 @@ class CacheBehindNotices:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._backlog or self._closed)
+                self._cond.wait_for(self._due, LINGER_SECONDS)
                 if self._closed:
                     return
                 batch = self._take()
@@ -169,6 +188,10 @@ class CacheBehindNotices:
                 with self._cond:
                     self._sending = False
                     self._cond.notify_all()
+
+    def _due(self) -> bool:
+        """Whether the backlog is sent now, without waiting for more; holds the lock."""
+        return self._closed or self._flushing > 0 or self._ids >= NOTICE_IDS or self._bytes >= NOTICE_BYTES
 
     def _take(self) -> list[_Entry]:
         """The oldest entries of one dataset, as many as one notice names."""
@@ -184,6 +207,7 @@ class CacheBehindNotices:
             ids += len(nxt.ids)
             nbytes += nxt.nbytes
         self._ids -= ids
+        self._bytes -= nbytes
         self._held -= sum(e.nbytes for e in batch if e.payloads is not None)
         return batch
 
@@ -196,6 +220,8 @@ class CacheBehindNotices:
         except DataquayError as exc:
             self._dropped(dataset, manifest_id, ids)
             log.debug("samples read from the PFS not noticed to the daemon: %s", exc)
+            return
+        if not reply.not_in_page_cache:
             return
         held = {i: p for e in batch if e.payloads is not None for i, p in zip(e.ids, e.payloads)}
         wanted = [(i, held[i]) for i in reply.not_in_page_cache if i in held]

@@ -454,6 +454,11 @@ class Dataset(Sequence[bytes]):
             self._served(0, 0, started)
             return out
         found = local.get_many(self._db, self._keys(ids), self._client.verify)
+        if found.misses == len(found):
+            # All misses: the batch goes to the miss path whole, nothing to merge.
+            out = self._read_remote(self._check_ids(ids), epoch)
+            self._served(0, 0, started)
+            return out
         hits, nbytes = self._hits(found)
         if found.misses:
             for i, value in self._missing(found, ids, epoch):

@@ -171,8 +171,9 @@ class RemoteReader:
                     merged[position] = value
             return merged
         out = self._pfs_reader(dataset).read(ids)
-        self._stats.add("pfs", len(out), sum(map(len, out)))
-        self.notices.note(dataset.name, dataset.manifest.manifest_id, ids, out)
+        nbytes = sum(map(len, out))
+        self._stats.add("pfs", len(out), nbytes)
+        self.notices.note(dataset.name, dataset.manifest.manifest_id, ids, out, nbytes)
         return out
 
     def _read_after_failure(self, dataset: Dataset, ids: np.ndarray, failure: PfsReadError) -> list[bytes]:
