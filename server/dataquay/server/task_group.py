@@ -70,3 +70,20 @@ def lower_thread_priority(niceness: int) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
     except OSError:
         log.debug("cannot lower a background thread's priority")
+
+
+def idle_thread_priority() -> None:
+    """Thread initializer: the thread runs only on a core that nothing else wants.
+
+    For caching behind the trainers (:mod:`dataquay.server.node.behind`):
+    the trainer already has the bytes, so caching them may wait as long as
+    the node is busy; even at niceness 19 it would take a share of the CPU
+    from the trainers. Linux's SCHED_IDLE; elsewhere the lowest niceness.
+    """
+    idle = getattr(os, "SCHED_IDLE", None)
+    try:
+        if idle is None:
+            raise OSError("no SCHED_IDLE here")
+        os.sched_setscheduler(threading.get_native_id(), idle, os.sched_param(0))
+    except OSError:
+        lower_thread_priority(STAGING_NICENESS)

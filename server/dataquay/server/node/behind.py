@@ -21,6 +21,12 @@ largest, ``--max-sample-size``), all notices in progress hold at most
 :data:`BEHIND_BYTES`, and the writes wait for room in the write queue, so
 the client's notices wait (in its background thread) rather than the daemon
 growing.
+
+Idle priority: the reads back and the hand-over run in threads at
+SCHED_IDLE (the trainer has its bytes already; caching them waits while the
+node's cores are busy). Their commits go through the cache's one writer at
+its usual priority: a commit starved at idle priority would hold LMDB's
+write lock, and the exchange's and staging's writes would wait behind it.
 """
 
 from __future__ import annotations
@@ -119,7 +125,9 @@ class CacheBehind:
                 self.counts.not_in_page_cache += len(not_cached)
             take_over = [handed[i] for i in wanted.tolist() if i in handed]
             if take_over:
-                got = await asyncio.to_thread(self._handed, request, take_over, lengths)
+                got = await asyncio.get_running_loop().run_in_executor(
+                    self.pfs.behind, self._handed, request, take_over, lengths
+                )
                 self.counts.refused_samples += len(take_over) - len(got)
                 self.counts.handed_samples += len(got)
                 self.counts.handed_bytes += sum(len(v) - CHECKSUM_BYTES for v in got.values())

@@ -30,7 +30,7 @@ from dataquay.client.pfs import PfsRangeError, PfsReader, ReadRange, plan_reads
 from dataquay.client.records import encode_value
 from dataquay.server.daemon_threads import DaemonThreadPool
 from dataquay.server.ratelimit import TokenBucket
-from dataquay.server.task_group import STAGING_NICENESS, lower_thread_priority
+from dataquay.server.task_group import STAGING_NICENESS, idle_thread_priority, lower_thread_priority
 
 #: Each thread of a request should get at least this much work: a hop to a
 #: thread costs tens of microseconds and GIL churn, which only pays off when
@@ -40,6 +40,8 @@ _GROUP_SECONDS = 0.002
 _STREAM_JOB_RANGES = 64
 #: Weight of the newest observation in the per-range read time estimate.
 _EWMA_WEIGHT = 0.2
+#: Threads caching behind the trainers: notices come one at a time per client.
+BEHIND_THREADS = 2
 
 T = TypeVar("T")
 
@@ -71,6 +73,9 @@ class PfsPool:
         self._staging = DaemonThreadPool(
             threads, "dataquay-stage", initializer=lower_thread_priority, initargs=(STAGING_NICENESS,)
         )
+        #: Threads of caching behind the trainers, at idle priority: reading
+        #: back from the page cache and taking over handed bytes.
+        self.behind = DaemonThreadPool(BEHIND_THREADS, "dataquay-behind", initializer=idle_thread_priority)
         self._bucket = TokenBucket(bandwidth) if bandwidth else None
         self._readers: dict[str, PfsReader] = {}
         self.bytes_read = 0
@@ -83,6 +88,7 @@ class PfsPool:
         """Drops queued reads; a read in progress ends with the process, unwaited."""
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._staging.shutdown(wait=False, cancel_futures=True)
+        self.behind.shutdown(wait=False, cancel_futures=True)
 
     def reader(self, dataset: str, manifest: Manifest) -> PfsReader:
         key = f"{dataset}:{manifest.manifest_id}"
@@ -169,7 +175,7 @@ class PfsPool:
         trip to storage (not counted as PFS reads): (values by id, ids it does
         not hold, ids refused). A sample of a file that changed since its
         manifest was built is refused, never a value. Background work: in
-        the staging threads, below the reads a trainer waits for.
+        the threads of :attr:`behind`, at idle priority.
 
         Raises:
             PfsReadError: the reads made no progress for ``read_timeout`` seconds.
@@ -179,7 +185,7 @@ class PfsPool:
         loop = asyncio.get_running_loop()
         progress = _Progress()
         (result,) = await self._bounded(
-            [loop.run_in_executor(self._staging, self._read_cached_ranges, reader, ranges, progress)],
+            [loop.run_in_executor(self.behind, self._read_cached_ranges, reader, ranges, progress)],
             progress, dataset, int(ids[0]) if len(ids) else None,
         )
         return result
