@@ -49,8 +49,11 @@ def machine() -> str:
     return f"{os.cpu_count()} cores {cpu}, Python {platform.python_version()}, {platform.system()} {platform.release()}"
 
 
-def report(name: str, rows: list[dict[str, object]], columns: list[str]) -> None:
-    """Prints a table and writes it as JSON under bench/results/ (if it has rows)."""
+def report(
+    name: str, rows: list[dict[str, object]], columns: list[str], extra: dict[str, object] | None = None
+) -> None:
+    """Prints a table and writes it as JSON under bench/results/ (if it has rows),
+    with ``extra`` (say, the machine's load) beside the rows."""
     if not rows:
         return
     widths = [max([len(c), *(len(_fmt(r.get(c))) for r in rows)]) for c in columns]
@@ -58,7 +61,7 @@ def report(name: str, rows: list[dict[str, object]], columns: list[str]) -> None
     for row in rows:
         print("  ".join(_fmt(row.get(c)).ljust(w) for c, w in zip(columns, widths)))
     RESULTS.mkdir(exist_ok=True)
-    out = {"benchmark": name, "machine": machine(), "argv": sys.argv, "rows": rows}
+    out = {"benchmark": name, "machine": machine(), "argv": sys.argv, **(extra or {}), "rows": rows}
     (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1))
 
 

@@ -13,11 +13,17 @@ the page cache for both, and with them out of it for both (cold, read from
 the disk as a PFS client reads from the servers). After each timed run of
 the miss path, the daemon's caching behind is waited for (and timed): every
 sample must be cached, once, and read back from the page cache, not the disk.
+Warm, two bounds besides: the direct loop keeping each batch's 64 payloads
+in a list until the next batch (as a trainer holds what ``get_batch``
+returns, where the plain loop reuses one buffer), and the miss path with
+this process's notices to the daemon switched off (the client's read path
+alone, nothing cached behind).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -119,7 +125,9 @@ def bench_miss(daemon: DaemonProcess, base: Path, size: int, label: str) -> dict
     register(daemon, "miss", root)
     manifest_paths = sorted(str(p) for p in root.rglob("*.bin"))
     rng = np.random.default_rng(1)
-    rates: dict[str, list[float]] = {key: [] for key in ("direct", "miss", "direct_cold", "miss_cold")}
+    rates: dict[str, list[float]] = {
+        key: [] for key in ("direct", "miss", "direct_cold", "miss_cold", "direct_batch", "miss_alone")
+    }
     behind: dict[str, list[float]] = {"": [], "_cold": []}
     passed_on = {"": [0, 0], "_cold": [0, 0]}  # samples handed over, samples whose notice was lost
     client = connect(daemon.address)
@@ -136,8 +144,19 @@ def bench_miss(daemon: DaemonProcess, base: Path, size: int, label: str) -> dict
                         with open(manifest_paths[i], "rb") as f:
                             f.read()
 
+            def direct_batch() -> None:
+                for b in batches:
+                    batch = []
+                    for i in b:
+                        with open(manifest_paths[i], "rb") as f:
+                            batch.append(f.read())
+
             prepare(manifest_paths, cold)
             rates["direct" + suffix].append(_rate(direct, total))
+            if not cold:
+                prepare(manifest_paths, cold)
+                rates["direct_batch"].append(_rate(direct_batch, total))
+                rates["miss_alone"].append(_miss_alone(daemon, client, root, manifest_paths, batches, total))
             stub(daemon).DropDataset(pb.DropDatasetRequest(name="miss"))
             register(daemon, "miss", root)
             ds = client.dataset("miss")
@@ -153,6 +172,9 @@ def bench_miss(daemon: DaemonProcess, base: Path, size: int, label: str) -> dict
             passed_on[suffix][1] += lost
     client.close()
     row: dict[str, object] = {"size": label}
+    for key in ("direct_batch", "miss_alone"):
+        row[f"{key}_per_s"] = _median(rates[key])
+        row[f"{key}_ratio"] = _median(rates[key]) / _median(rates["direct"])
     for suffix in ("", "_cold"):
         direct_rate, miss_rate = _median(rates["direct" + suffix]), _median(rates["miss" + suffix])
         row |= {
@@ -164,6 +186,26 @@ def bench_miss(daemon: DaemonProcess, base: Path, size: int, label: str) -> dict
             f"lost_notices{suffix}_samples": passed_on[suffix][1],
         }
     return row
+
+
+def _miss_alone(
+    daemon: DaemonProcess, client: Client, root: Path, paths: list[str], batches: list[np.ndarray], total: int
+) -> float:
+    """Misses per second of the client's read path alone: this process sends
+    no notice, so nothing is cached behind it."""
+    stub(daemon).DropDataset(pb.DropDatasetRequest(name="miss"))
+    register(daemon, "miss", root)
+    ds = client.dataset("miss")
+    notices = client.remote.notices
+    before = client.stats().samples["pfs"]
+    prepare(paths, False)
+    notices.note = lambda *args: None  # type: ignore[method-assign]
+    try:
+        rate = _rate(lambda: [ds.get_batch(b) for b in batches], total)
+    finally:
+        del notices.note
+    assert client.stats().samples["pfs"] - before == total, "reads were not all misses"
+    return rate
 
 
 def _cached_behind(
@@ -206,6 +248,11 @@ def _cached(daemon: DaemonProcess) -> int:
     return int(stub(daemon).GetDataset(pb.GetDatasetRequest(name="miss")).cached_samples)
 
 
+def _uptime() -> str:
+    """``uptime``'s line: the machine's load average when a run starts and ends."""
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
 def prepare(paths: list[str], cold: bool) -> None:
     """Backs free memory, then takes the files out of the page cache (``cold``,
     as a PFS serves them: from its servers) or reads them into it."""
@@ -227,6 +274,7 @@ def main() -> None:
     wanted = os.environ.get("BENCH_SIZES", ",".join(SIZES)).split(",")
     parts = os.environ.get("BENCH_PARTS", "local,miss").split(",")
     local_rows, miss_rows = [], []
+    uptime = [_uptime()]
     with tempfile.TemporaryDirectory(prefix="dq-bench-reads-") as tmp:
         base = Path(tmp)
         for label, size in SIZES.items():
@@ -242,6 +290,7 @@ def main() -> None:
                 progress(f"{label}: misses")
                 miss_rows.append(bench_miss(daemon, base, size, label))
             daemon.stop()
+    uptime.append(_uptime())
     report(
         "local_hits",
         local_rows,
@@ -254,7 +303,9 @@ def main() -> None:
         ["size", "direct_read_per_s", "miss_path_per_s", "miss_ratio",
          "direct_read_cold_per_s", "miss_path_cold_per_s", "miss_cold_ratio",
          "cached_behind_seconds", "cached_behind_cold_seconds", "handed_over_samples", "handed_over_cold_samples",
-         "lost_notices_samples", "lost_notices_cold_samples"],
+         "lost_notices_samples", "lost_notices_cold_samples",
+         "direct_batch_per_s", "direct_batch_ratio", "miss_alone_per_s", "miss_alone_ratio"],
+        extra={"uptime": uptime},
     )
 
 

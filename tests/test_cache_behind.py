@@ -208,3 +208,53 @@ def test_a_client_that_cannot_read_the_files_gets_its_misses_from_the_daemon(
     assert done.stdout.split() == ["True", "4", "0"], done.stdout + done.stderr
     stats = daemon_stats(daemon)
     assert {t.tier: t.samples for t in stats.reads}[pb.TIER_PFS] == 4  # every read: the daemon's
+
+
+def npy_records(root: Path, ids: list[int], per_file: int) -> list[bytes]:
+    """The bytes of records ``ids`` of a make_npy_dataset of ``per_file`` records per file."""
+    return [np.load(root / f"part_{i // per_file:05d}.npy")[i % per_file].tobytes() for i in ids]
+
+
+def test_a_batch_of_misses_only_gets_its_bytes_in_order_and_is_cached_behind(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+) -> None:
+    # Records of 80 KB, 12 a file: a batch reads several ranges of one file.
+    root = synthetic.make_npy_dataset(tmp_path / "frames", 24, record_shape=(20_000,), files=2, seed=11)
+    add(daemon, "frames", root)
+    ds = client.dataset("frames")
+    ids = [20, 2, 5, 2, 13, 0, 22, 11, 12]
+    got, tiers = tiers_read(client, lambda: ds.get_batch(ids))
+    assert got == npy_records(root, ids, 12)
+    assert tiers["pfs"] == len(ids) and tiers["local"] == 0 and tiers["daemon-local"] == 0
+
+    distinct = sorted(set(ids))
+    client.remote.notices.flush()
+    wait_until(lambda: cached_samples(daemon, "frames") == len(distinct), "the daemon cached the batch")
+    stats = daemon_stats(daemon)
+    assert stats.pfs_bytes == 0 and stats.cache_behind.page_cache_samples == len(distinct)
+    assert read_locally(client, ds, ids) == got
+
+
+def test_a_file_changed_under_the_reader_fails_a_batch_of_misses_and_none_of_it_is_cached(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+) -> None:
+    root = synthetic.make_npy_dataset(tmp_path / "frames", 24, record_shape=(20_000,), files=2, seed=12)
+    add(daemon, "frames", root)
+    ds = client.dataset("frames")
+    changed = root / "part_00001.npy"
+    stat = changed.stat()
+    with open(changed, "r+b") as f:  # same size, other bytes
+        f.seek(stat.st_size - 100)
+        f.write(b"\xff" * 100)
+    with pytest.raises(PfsReadError, match="changed since the dataset was registered"):
+        ds.get_batch([3, 23, 1, 12])
+    with open(changed, "r+b") as f:
+        f.truncate(stat.st_size - 100)
+    os.utime(changed, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # as registered, but shorter
+    with pytest.raises(PfsReadError, match="changed since the dataset was registered"):
+        ds.get_batch([23, 0])
+
+    assert ds.get_batch([4, 1]) == npy_records(root, [4, 1], 12)
+    client.remote.notices.flush()
+    wait_until(lambda: cached_samples(daemon, "frames") == 2, "the daemon cached the unchanged file's records")
+    assert daemon_stats(daemon).cache_behind.page_cache_samples == 2
