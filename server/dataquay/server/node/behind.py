@@ -105,7 +105,8 @@ class CacheBehind:
             raise BatchTooLargeError(f"a notice of {nbytes} bytes exceeds the limit of {MAX_NOTICE_BYTES}")
         db = entry.record.cache_db
         await self.store.open_dataset(db)
-        wanted, repair = self._wanted(db, named)
+        loop = asyncio.get_running_loop()
+        wanted, repair = self._wanted(db, named)  # on the loop, as every read of the store: it resizes the map
         too_large = lengths[wanted] > self.max_sample
         if too_large.any():
             self.counts.refused_samples += int(too_large.sum())
@@ -113,31 +114,30 @@ class CacheBehind:
         await self._budget.take(nbytes)
         try:
             read_back = wanted[np.isin(wanted, ids.astype(np.int64))]
-            values: dict[int, bytes] = {}
+            writes: list[PendingWrite] = []
             not_cached: list[int] = []
+            name = db.encode()
             if len(read_back):
                 values, not_cached, refused = await self.pfs.read_cached(
                     entry.record.name, entry.manifest, read_back
                 )
+                writes, payload_bytes = await loop.run_in_executor(self.pfs.behind, _writes, name, values, repair)
                 self.counts.refused_samples += len(refused)
                 self.counts.page_cache_samples += len(values)
-                self.counts.page_cache_bytes += sum(len(v) - CHECKSUM_BYTES for v in values.values())
+                self.counts.page_cache_bytes += payload_bytes
                 self.counts.not_in_page_cache += len(not_cached)
             take_over = [handed[i] for i in wanted.tolist() if i in handed]
             if take_over:
-                got = await asyncio.get_running_loop().run_in_executor(
-                    self.pfs.behind, self._handed, request, take_over, lengths
-                )
+                got = await loop.run_in_executor(self.pfs.behind, self._handed, request, take_over, lengths)
+                handed_writes, payload_bytes = _writes(name, got, repair)
                 self.counts.refused_samples += len(take_over) - len(got)
                 self.counts.handed_samples += len(got)
-                self.counts.handed_bytes += sum(len(v) - CHECKSUM_BYTES for v in got.values())
-                values.update(got)
-            name = db.encode()
-            for sample_id, value in values.items():
-                await self.store.put(PendingWrite(name, sample_id, value, repair=sample_id in repair))
+                self.counts.handed_bytes += payload_bytes
+                writes += handed_writes
+            await self.store.put_many(writes)
         finally:
             self._budget.give(nbytes)
-        return pb.CacheBehindReply(queued=len(values), not_in_page_cache=not_cached)
+        return pb.CacheBehindReply(queued=len(writes), not_in_page_cache=not_cached)
 
     def _wanted(self, db: str, ids: np.ndarray) -> tuple[np.ndarray, set[int]]:
         """The distinct ``ids`` neither cached (intact) nor queued; and those cached corrupt."""
@@ -161,3 +161,9 @@ class CacheBehind:
             if payload is not None:
                 out[sample.id] = encode_value(payload)
         return out
+
+
+def _writes(db: bytes, values: dict[int, bytes], repair: set[int]) -> tuple[list[PendingWrite], int]:
+    """The cache writes of ``values`` (cache values by id), and their payload bytes."""
+    writes = [PendingWrite(db, i, value, repair=i in repair) for i, value in values.items()]
+    return writes, sum(map(len, values.values())) - CHECKSUM_BYTES * len(values)

@@ -319,6 +319,17 @@ class Store:
             return
         self._queue.push(write)
 
+    async def put_many(self, writes: list[PendingWrite]) -> None:
+        """Queues ``writes`` like :meth:`put`, after one wait for room: the
+        queue may pass its bound by one call's writes, which the caller bounds."""
+        self._check_writer()
+        while self._queue.is_full:
+            await self._queue.wait_for_room()
+            self._check_writer()
+        kept = [w for w in writes if not self._refuses(w)]
+        self.inserts_dropped += len(writes) - len(kept)
+        self._queue.push_many(kept)
+
     def _refuses(self, write: PendingWrite) -> bool:
         """Whether the cache has no room for ``write`` (before it is queued)."""
         if self.full and not write.kept_when_full and not self._room_again():

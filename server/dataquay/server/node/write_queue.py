@@ -82,6 +82,19 @@ class WriteQueue:
         if self.is_full:
             self._has_room.clear()
 
+    def push_many(self, writes: list[PendingWrite]) -> None:
+        """:meth:`push` of each of ``writes``, in one go."""
+        if not writes:
+            return
+        self.queued_count += len(writes)
+        self._items += writes
+        self._by_key.update(((w.db, w.sample_id), w) for w in writes)
+        self.queued_bytes += sum(len(w.value) for w in writes)
+        self._idle.clear()
+        self._has_work.set()
+        if self.is_full:
+            self._has_room.clear()
+
     def take_batch(self) -> list[PendingWrite]:
         """The oldest writes, as many as one transaction takes."""
         size = count = 0
