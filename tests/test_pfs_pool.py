@@ -1,12 +1,16 @@
 """The daemon's PFS readers on real files: a read ahead that skips what the
-PFS refuses, and a staging stream that stops reading once it is left."""
+PFS refuses, a staging stream that stops reading once it is left, and reads
+back from the page cache for caching behind, at idle priority."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import plan_reads
@@ -58,3 +62,17 @@ def test_a_staging_stream_left_early_reads_no_further(tmp_path: Path) -> None:
         pool.close()
     assert consumed == 32
     assert pool.bytes_read - (consumed + 1) * SIZE < 16 * SIZE  # not the 32 ranges of the job left behind
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no SCHED_IDLE here")
+def test_samples_cached_behind_are_read_back_in_threads_at_idle_priority(tmp_path: Path) -> None:
+    manifest = files(tmp_path, 4)
+    pool = PfsPool(threads=2)
+    try:
+        values, not_cached, refused = asyncio.run(pool.read_cached("ds", manifest, np.arange(4)))
+        policy = pool.behind.submit(lambda: os.sched_getscheduler(threading.get_native_id())).result(timeout=10)
+    finally:
+        pool.close()
+    assert policy == os.SCHED_IDLE
+    assert not refused and sorted([*values, *not_cached]) == [0, 1, 2, 3]
+    assert all(decode_value(values[i]) == sample_bytes(0, i, SIZE) for i in values)
