@@ -61,6 +61,8 @@ default, as the peer part's): a quarter of it moves per round.
 Rates are payload GB/s (10^9 bytes), each the median of ``REPEATS`` runs; the
 ratios are against the raw TCP stream of the same run. ``uptime``'s load
 average before and after is recorded with the results (the machine is shared).
+``BENCH_SIZES=110KiB`` runs one size; ``BENCH_PARTS=peer`` the peer hits
+without the exchange (which needs them: they make the dataset).
 """
 
 from __future__ import annotations
