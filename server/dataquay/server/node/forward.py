@@ -41,7 +41,8 @@ class ShmForward:
         #: Of those, how many were received straight into the segment.
         self.in_place = 0
         self._mapping = shm.mapping(name)
-        self._receiving: dict[int, tuple[int, memoryview]] = {}
+        #: Where each sample being received in place goes.
+        self._receiving: dict[int, int] = {}
         self._lock = threading.Lock()
 
     def place(self, sample_id: int, length: int) -> memoryview | None:
@@ -62,24 +63,21 @@ class ShmForward:
             except ValueError:  # unmapped: the client let go of the segment
                 return None
             self.at = aligned(offset + length)
-            self._receiving[sample_id] = (offset, view)
+            self._receiving[sample_id] = offset
             return view
 
-    def arrived(self, landed: list[tuple[int, memoryview, int]]) -> None:
-        """Places payloads as they land (their checksums were checked on
-        arrival): those received in place by offset, the rest by a write."""
+    def received(self, sample_id: int) -> None:
+        """``sample_id`` was received where :meth:`place` put it and passed its checksum there."""
         with self._lock:
-            new = []
-            for sample_id, payload, _digest in landed:
-                if sample_id in self.placed:
-                    continue
-                receiving = self._receiving.get(sample_id)
-                if receiving is not None and receiving[1] is payload:
-                    self.placed[sample_id] = receiving[0]
-                    self.forwarded += 1
-                    self.in_place += 1
-                else:
-                    new.append((sample_id, payload))
+            self.placed[sample_id] = self._receiving.pop(sample_id)
+            self.forwarded += 1
+            self.in_place += 1
+
+    def arrived(self, landed: list[tuple[int, memoryview, int]]) -> None:
+        """Writes payloads received into buffers of their own as they land
+        (their checksums were checked on arrival)."""
+        with self._lock:
+            new = [(sample_id, payload) for sample_id, payload, _digest in landed if sample_id not in self.placed]
             if not new:
                 return
             offsets, self.at = self.shm.write(self.name, self.size, [payload for _, payload in new], self.at)

@@ -6,8 +6,10 @@ each payload with ``recv_into`` straight into where its caller wants it (the
 copy out of the socket is the only one) or else into a buffer of the length
 the manifest gives (one per sample: a buffer for a whole batch of large
 samples would be past glibc's mmap threshold, :mod:`dataquay.client.malloc`,
-and page-fault afresh every batch), checks its xxh3 once, there, and hands it
-to the landing's ``arrived`` on the event loop, so that the caller can pass it on while the
+and page-fault afresh every batch), checks its xxh3 once, there. A payload
+received where it goes is then only marked so from the bulk thread
+(``received``); one in a buffer of its own is handed to the landing's
+``arrived`` on the event loop, so that the caller can pass it on while the
 rest of the batch is still on the wire: what landed while the loop was busy
 goes in one call, so a busy loop is woken once, not once per payload. A frame that names an id
 not asked for, or a length other than the manifest's, ends the connection:
@@ -21,6 +23,7 @@ import asyncio
 import secrets
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -55,6 +58,8 @@ POOL_SIZE = 4
 THREADS = 16
 #: Time to connect and finish the handshake.
 CONNECT_SECONDS = 5.0
+#: struct timeval, as SO_RCVTIMEO takes it.
+_TIMEVAL = struct.Struct("@ll")
 
 
 class Landing(Protocol):
@@ -64,10 +69,15 @@ class Landing(Protocol):
         """A writable view of ``length`` bytes to receive ``sample_id`` into,
         or None for a buffer of its own. Called from a bulk thread."""
 
+    def received(self, sample_id: int) -> None:
+        """Called from the bulk thread once the payload received into the
+        view ``place`` gave passed its checksum there: it is where it goes,
+        so the event loop is not woken for it."""
+
     def arrived(self, landed: list[tuple[int, memoryview, int]]) -> None:
-        """Called on the event loop with payloads that arrived intact:
-        [(id, payload, checksum)], each payload the view ``place`` gave or
-        a buffer of its own. One that failed its checksum is never handed over."""
+        """Called on the event loop with payloads received into buffers of
+        their own that arrived intact: [(id, payload, checksum)]. One that
+        failed its checksum is never handed over."""
 
 
 class BulkRefusedError(BulkError):
@@ -138,8 +148,8 @@ class BulkClient:
             loop.call_soon_threadsafe(drain)
 
         return await loop.run_in_executor(
-            self.threads, self._read, address, request, ids, lengths, time.monotonic() + deadline,
-            hand_over if landing is not None else None, landing.place if landing is not None else None,
+            self.threads, self._read, address, request, ids, lengths, time.monotonic() + deadline, landing,
+            hand_over if landing is not None else None,
         )
 
     def close(self) -> None:
@@ -152,12 +162,11 @@ class BulkClient:
 
     def _read(
         self, address: str, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
-        arrived: Callable[[int, memoryview, int], None] | None,
-        place: Callable[[int, int], memoryview | None] | None,
+        landing: Landing | None, arrived: Callable[[int, memoryview, int], None] | None,
     ) -> BulkRead:
         sock, reused = self._take(address, end)
         try:
-            out = self._exchange(sock, request, ids, lengths, end, arrived, place)
+            out = self._exchange(sock, request, ids, lengths, end, landing, arrived)
         except TimeoutError:
             sock.close()
             raise BulkTimeoutError(f"bulk read from {address} missed its deadline") from None
@@ -166,7 +175,7 @@ class BulkClient:
             if not reused:
                 raise
             # The peer closed an idle connection (restarted, or it idled out): once more, on a new one.
-            return self._read_new(address, request, ids, lengths, end, arrived, place)
+            return self._read_new(address, request, ids, lengths, end, landing, arrived)
         except BaseException:
             sock.close()
             raise
@@ -175,12 +184,11 @@ class BulkClient:
 
     def _read_new(
         self, address: str, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
-        arrived: Callable[[int, memoryview, int], None] | None,
-        place: Callable[[int, int], memoryview | None] | None,
+        landing: Landing | None, arrived: Callable[[int, memoryview, int], None] | None,
     ) -> BulkRead:
         sock = self._connect(address, end)
         try:
-            out = self._exchange(sock, request, ids, lengths, end, arrived, place)
+            out = self._exchange(sock, request, ids, lengths, end, landing, arrived)
         except TimeoutError:
             sock.close()
             raise BulkTimeoutError(f"bulk read from {address} missed its deadline") from None
@@ -192,8 +200,7 @@ class BulkClient:
 
     def _exchange(
         self, sock: socket.socket, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
-        arrived: Callable[[int, memoryview, int], None] | None,
-        place: Callable[[int, int], memoryview | None] | None,
+        landing: Landing | None, arrived: Callable[[int, memoryview, int], None] | None,
     ) -> BulkRead:
         wanted = np.unique(ids)
         expected = dict(zip(wanted.tolist(), lengths[wanted].tolist()))
@@ -205,9 +212,13 @@ class BulkClient:
             _recv(sock, memoryview(header), end)
         except (BulkError, ConnectionError) as exc:
             raise _StaleError(f"the bulk connection was closed before it answered: {exc}") from None
+        frames = _Frames(sock, end)
+        head = memoryview(header)
+        ahead = True  # the header holds the next frame's
         while True:
-            if out.frames:
-                _recv(sock, memoryview(header), end)
+            if not ahead:
+                frames.recv(head)
+            ahead = False
             out.frames += 1
             status, sample_id, length, digest = SAMPLE.unpack(header)
             if status == END:
@@ -215,7 +226,9 @@ class BulkClient:
             if status == ERROR:
                 if length > MAX_ERROR_BYTES:
                     raise BulkError(f"error message of {length} bytes")
-                raise BulkRefusedError(sample_id, recv_bytes(sock, length).decode(errors="replace"))
+                message = bytearray(length)
+                frames.recv(memoryview(message))
+                raise BulkRefusedError(sample_id, message.decode(errors="replace"))
             size = expected.pop(sample_id, None)
             if size is None:
                 raise BulkError(f"the peer sent sample {sample_id}, which was not asked for (or twice)")
@@ -224,15 +237,18 @@ class BulkClient:
             if status != OK or length != size:
                 raise BulkError(f"bad frame for sample {sample_id}: status {status}, {length} bytes "
                                 f"where the manifest says {size}")
-            target = place(sample_id, length) if place is not None else None
+            target = landing.place(sample_id, length) if landing is not None else None
             payload = target if target is not None else memoryview(bytearray(length))
-            _recv(sock, payload, end)
+            frames.recv(payload, head)
+            ahead = True
             if checksum(payload) != digest:
                 out.bad_checksums += 1
                 continue
             out.samples[sample_id] = (payload, digest)
             out.bytes += length
-            if arrived is not None:
+            if landing is not None and target is not None:
+                landing.received(sample_id)
+            elif arrived is not None:
                 arrived(sample_id, payload, digest)
 
     def _take(self, address: str, end: float) -> tuple[socket.socket, bool]:
@@ -287,6 +303,53 @@ class BulkClient:
                 raise
             raise BulkError(f"handshake with the bulk listener {address} failed: {exc}") from None
         return sock
+
+
+class _Frames:
+    """Receives a reply's frames on ``sock`` until ``end``.
+
+    A payload and the header after it come in one ``recvmsg_into`` with
+    MSG_WAITALL on a blocking socket whose own receive timeout bounds each
+    call: one system call per sample, where a Python timeout costs a
+    ``poll`` and an ``ioctl`` around each receive. A TLS socket has no
+    ``recvmsg_into`` and takes its views one by one.
+    """
+
+    def __init__(self, sock: socket.socket, end: float) -> None:
+        self.sock = sock
+        self.end = end
+        self.plain = not isinstance(sock, ssl.SSLSocket)
+        if self.plain:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            sock.settimeout(None)
+            seconds = int(left)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                            _TIMEVAL.pack(seconds, max(int((left - seconds) * 1e6), 1)))
+
+    def recv(self, *views: memoryview) -> None:
+        """Fills ``views`` in order."""
+        if not self.plain:
+            for view in views:
+                _recv(self.sock, view, self.end)
+            return
+        left = [view for view in views if len(view)]
+        while left:
+            try:
+                got = self.sock.recvmsg_into(left, 0, socket.MSG_WAITALL)[0]
+            except BlockingIOError:  # the socket's receive timeout
+                raise TimeoutError from None
+            if not got:
+                raise BulkError("the peer closed the bulk connection")
+            if time.monotonic() > self.end:
+                raise TimeoutError
+            while got:
+                if got >= len(left[0]):
+                    got -= len(left.pop(0))
+                else:
+                    left[0] = left[0][got:]
+                    got = 0
 
 
 def _timeout(sock: socket.socket, end: float) -> None:
