@@ -17,6 +17,9 @@ from polling import wait_until
 
 import dataquay.client as dq
 from dataquay.client.channels import channel_options
+from dataquay.client.memfd import MemfdSegment
+from dataquay.client.remote import _Reply
+from dataquay.client.shm import Segment, SegmentPool
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -214,6 +217,53 @@ def test_a_trainer_gets_peer_payloads_forwarded_into_its_segment_as_they_arrive(
     assert after.forwarded_samples - before.forwarded_samples == peer
     # The client's segment is a sealed memfd: every peer payload was received straight into it.
     assert after.in_place_samples - before.in_place_samples == peer
+
+
+def test_the_trainer_skips_its_check_only_of_payloads_checked_in_place_in_its_sealed_segment(
+    secured: LocalCluster,
+) -> None:
+    credentials = secured.credentials()
+    pool = SegmentPool(daemon_address=secured.daemons[0].address, token=credentials.token)
+    lengths = np.full(N, SIZE)
+    payloads = [sample_bytes(0, i, SIZE) for i in range(N)]
+    with pool.segment(N * (SIZE + 64)) as seg, credentials.channel(secured.daemons[0].address,
+                                                                    channel_options()) as channel:
+        assert isinstance(seg, MemfdSegment)
+        request = pb.ReadRequest(dataset="imgs", ids=list(range(N)), job="j", shm_name=seg.name, shm_size=seg.size)
+        chunks = list(cache_pb2_grpc.CacheStub(channel).Read(request, timeout=60))
+        samples = [s for chunk in chunks for s in chunk.samples]
+        peer = [s.tier == pb.TIER_PEER for s in samples]
+        assert any(peer) and not all(peer)
+        # Received from n1 straight into the segment and checked there; n0's own samples were copied in.
+        assert [s.in_shm and s.checked_in_place for s in samples] == peer
+
+        def taken(reply_chunks: list[pb.ReadChunk], segment: MemfdSegment | Segment) -> _Reply:
+            reply = _Reply("imgs", list(range(N)), lengths, segment, verify=True)
+            for chunk in reply_chunks:
+                reply.take(chunk)
+            reply.check_complete()
+            return reply
+
+        assert taken(chunks, seg).out == payloads and taken(chunks, seg).bad == []
+        wrong = [pb.ReadChunk(samples=[pb.Sample(id=s.id, tier=s.tier, checksum=s.checksum ^ 1, in_shm=s.in_shm,
+                                                 shm_offset=s.shm_offset, length=s.length,
+                                                 checked_in_place=s.checked_in_place)]) for s in samples]
+        # The mark is taken in the sealed segment: a marked payload's checksum is not looked at again.
+        assert taken(wrong, seg).bad == [k for k in range(N) if not peer[k]]
+        # An older daemon's reply carries no mark: every payload is checked.
+        for chunk in wrong:
+            chunk.samples[0].checked_in_place = False
+        assert taken(wrong, seg).bad == list(range(N))
+        # Nor is the mark taken in a /dev/shm segment, which any process of the user may write.
+        shm = Segment(seg.size)
+        try:
+            shm.map[:] = seg.map[:]
+            for chunk, was in zip(wrong, peer):
+                chunk.samples[0].checked_in_place = was
+            assert taken(wrong, shm).out == payloads and taken(wrong, shm).bad == list(range(N))
+        finally:
+            shm.close()
+    pool.close()
 
 
 def test_a_peer_payload_corrupt_on_the_wire_never_reaches_the_trainer(

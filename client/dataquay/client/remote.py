@@ -316,6 +316,25 @@ class _Reply:
     ``out`` collects the payloads in order (the pieces of a large one joined),
     ``bad`` the positions whose checksum failed, ``tiers`` and ``sizes`` what
     each tier served.
+
+    A payload in a sealed memfd segment that the reply marks
+    ``checked_in_place`` is not checked again: checksums are checked once per
+    hop, and its hop was the network. The daemon received it from a peer
+    straight into this segment and checked its xxh3 there, where it lies.
+    From there to this process there is no hop that could change a byte: the
+    segment is sealed against writes other than through the mappings that
+    existed when the daemon sealed it (the daemon's and this process's own,
+    which is read only), against shrinking and against punched holes, so no
+    third process can touch it; and the daemon writes nothing over a payload
+    its reply names (one position moves forward through the segment for the
+    whole reply, and a segment serves one call at a time). What this leaves
+    to the daemon is its own bookkeeping of offsets, as the client already
+    leaves it the checksums that every payload is checked against. A
+    /dev/shm segment (any process of the user may open it while it is
+    linked, and the daemon writes it without a check in place), a payload
+    that came inline or was written into the segment by a copy, and a reply
+    of an older daemon, which never sets the mark, are checked here as
+    before.
     """
 
     def __init__(
@@ -331,6 +350,8 @@ class _Reply:
         self.tiers = dict.fromkeys(TIERS, 0)
         self.sizes = dict.fromkeys(TIERS, 0)
         self.used_segment = False
+        #: Whether marks of payloads checked in place are taken (see above).
+        self.sealed = isinstance(seg, MemfdSegment)
         self._joiner = Joiner("the daemon")
 
     def take(self, chunk: pb.ReadChunk) -> None:
@@ -339,19 +360,21 @@ class _Reply:
             return
         if self._joiner.pending is not None:
             self._joiner.check_done()
-        ids, out, bad, seg, verify = self.ids, self.out, self.bad, self.seg, self.verify
+        ids, out, bad, seg, verify, sealed = self.ids, self.out, self.bad, self.seg, self.verify, self.sealed
         tiers, sizes, count = self.tiers, self.sizes, len(self.ids)
         used_segment = False
         for sample in chunk.samples:
             position = len(out)
             if position >= count or sample.id != ids[position]:
                 raise self._unexpected(sample.id, position)
+            checked = False
             if sample.in_shm and seg is not None:
                 data = seg.map[sample.shm_offset : sample.shm_offset + sample.length]
                 used_segment = True
+                checked = sealed and sample.checked_in_place
             else:
                 data = sample.data
-            if verify and checksum(data) != sample.checksum:
+            if verify and not checked and checksum(data) != sample.checksum:
                 bad.append(position)
             tier = _TIER_NAMES.get(sample.tier, "daemon-local")
             tiers[tier] += 1

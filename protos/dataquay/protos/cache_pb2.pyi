@@ -92,7 +92,7 @@ class ReadRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., manifest_id: _Optional[str] = ..., job: _Optional[str] = ..., peer: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("id", "tier", "data", "checksum", "in_shm", "shm_offset", "length", "missing", "value", "offset")
+    __slots__ = ("id", "tier", "data", "checksum", "in_shm", "shm_offset", "length", "missing", "value", "offset", "checked_in_place")
     ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class Sample(_message.Message):
     MISSING_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     id: int
     tier: Tier
     data: bytes
@@ -113,7 +114,8 @@ class Sample(_message.Message):
     missing: bool
     value: bytes
     offset: int
-    def __init__(self, id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., in_shm: _Optional[bool] = ..., shm_offset: _Optional[int] = ..., length: _Optional[int] = ..., missing: _Optional[bool] = ..., value: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
+    checked_in_place: bool
+    def __init__(self, id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., in_shm: _Optional[bool] = ..., shm_offset: _Optional[int] = ..., length: _Optional[int] = ..., missing: _Optional[bool] = ..., value: _Optional[bytes] = ..., offset: _Optional[int] = ..., checked_in_place: _Optional[bool] = ...) -> None: ...
 
 class ReadChunk(_message.Message):
     __slots__ = ("samples", "piece")

@@ -14,6 +14,8 @@ at its place (:meth:`ShmForward.place`, from the bulk thread), so that the
 kernel's copy out of the socket is the only copy of the peer's bytes on this
 node; its xxh3 is checked there, and a payload that fails it is never named
 in a reply (the bytes left in the segment are the trainer's to overwrite).
+The reply marks the payloads checked in place (``Sample.checked_in_place``),
+which the trainer then need not check again (:mod:`dataquay.client.remote`).
 Into a /dev/shm segment, which is written with ``pwrite`` only, each payload
 is received into a buffer and written on the event loop as it lands.
 """
@@ -38,8 +40,8 @@ class ShmForward:
         #: Where each forwarded sample lies in the segment.
         self.placed: dict[int, int] = {}
         self.forwarded = 0
-        #: Of those, how many were received straight into the segment.
-        self.in_place = 0
+        #: Of those, the ones received straight into the segment and checked there.
+        self.checked: set[int] = set()
         self._mapping = shm.mapping(name)
         #: Where each sample being received in place goes.
         self._receiving: dict[int, int] = {}
@@ -71,7 +73,7 @@ class ShmForward:
         with self._lock:
             self.placed[sample_id] = self._receiving.pop(sample_id)
             self.forwarded += 1
-            self.in_place += 1
+            self.checked.add(sample_id)
 
     def arrived(self, landed: list[tuple[int, memoryview, int]]) -> None:
         """Writes payloads received into buffers of their own as they land

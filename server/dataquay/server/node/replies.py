@@ -11,7 +11,7 @@ each (:mod:`dataquay.client.pieces`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 
 from dataquay.client.channels import READ_CHUNK_BYTES
 from dataquay.client.pieces import PIECE_BYTES, pieces
@@ -21,10 +21,11 @@ from dataquay.server.proto_maps import TIER_TO_PROTO
 
 
 def reply_chunks(
-    window: Window, offsets: Sequence[int | None], limit: int = READ_CHUNK_BYTES
+    window: Window, offsets: Sequence[int | None], checked: Container[int] = (), limit: int = READ_CHUNK_BYTES
 ) -> Iterator[pb.ReadChunk]:
     """The messages of ``window``; ``offsets[k]`` is where ``window.served[k]``
-    lies in the caller's segment, None for a payload that goes inline."""
+    lies in the caller's segment, None for a payload that goes inline;
+    ``checked`` holds the ids whose payloads were checked where they lie there."""
     served = window.served
     inline: list[bytes | None] = [None] * len(served)
     chunk: list[pb.Sample] = []
@@ -36,7 +37,7 @@ def reply_chunks(
             sample, n = pb.Sample(id=s.sample_id, missing=True), 0
         elif offset is not None:
             sample = pb.Sample(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], checksum=s.checksum, in_shm=True,
-                               shm_offset=offset, length=len(s.data))
+                               shm_offset=offset, length=len(s.data), checked_in_place=s.sample_id in checked)
             n = 0
         else:
             data = inline[k]

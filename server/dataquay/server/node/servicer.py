@@ -71,12 +71,12 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                     offsets: list[int | None] = [None] * len(window.served)
                     if forward is not None:
                         offsets = forward.window(window.served)
-                    for chunk in reply_chunks(window, offsets):
+                    for chunk in reply_chunks(window, offsets, forward.checked if forward is not None else ()):
                         yield chunk
                     del window  # not held while the next one is resolved
         if forward is not None:
             self.daemon.forwarded_samples += forward.forwarded
-            self.daemon.in_place_samples += forward.in_place
+            self.daemon.in_place_samples += len(forward.checked)
         self._latency.labels("Read").observe(time.perf_counter() - started)
 
     def _budget(self, context: grpc.aio.ServicerContext) -> ByteBudget | None:
