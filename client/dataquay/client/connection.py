@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import grpc
+import grpc.experimental
 
 from dataquay.client.channels import channel_options
 from dataquay.client.errors import DaemonUnavailableError, DataquayError
@@ -140,6 +141,11 @@ class DaemonConnection:
                     # Connections of this channel only: a forked child must
                     # never share a connection with its parent.
                     ("grpc.use_local_subchannel_pool", 1),
+                    # A streamed Read is taken in the calling thread, not
+                    # through a thread that gRPC starts for each call while
+                    # none is in flight: a quarter of the client's CPU in a
+                    # peer hit of 110 KiB samples (BENCHMARKS.md).
+                    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
                 ]
                 self._channel = self.credentials.channel(self.address, options)
                 self._stub = cache_pb2_grpc.CacheStub(self._channel)
