@@ -28,36 +28,36 @@ def reply_chunks(
     ``checked`` holds the ids whose payloads were checked where they lie there."""
     served = window.served
     inline: list[bytes | None] = [None] * len(served)
-    chunk: list[pb.Sample] = []
-    size = 0
+    chunk, size = pb.ReadChunk(), 0
     for k in window.index.tolist():
         s = served[k]
         offset = offsets[k]
-        if s.tier == MISSING:
-            sample, n = pb.Sample(id=s.sample_id, missing=True), 0
-        elif offset is not None:
-            sample = pb.Sample(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], checksum=s.checksum, in_shm=True,
-                               shm_offset=offset, length=len(s.data), checked_in_place=s.sample_id in checked)
-            n = 0
-        else:
-            data = inline[k]
-            if data is None:
+        data, n = b"", 0
+        if s.tier != MISSING and offset is None:
+            cached = inline[k]
+            if cached is None:
                 if len(s.data) > PIECE_BYTES:
-                    if chunk:
-                        yield pb.ReadChunk(samples=chunk)
-                        chunk, size = [], 0
+                    if len(chunk.samples):
+                        yield chunk
+                        chunk, size = pb.ReadChunk(), 0
                     yield from _pieces(s)
                     continue
-                data = inline[k] = bytes(s.data)
-            sample = pb.Sample(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], data=data, checksum=s.checksum)
-            n = len(data)
-        if chunk and size + n > limit:
-            yield pb.ReadChunk(samples=chunk)
-            chunk, size = [], 0
-        chunk.append(sample)
+                cached = inline[k] = bytes(s.data)
+            data, n = cached, len(cached)
+        if len(chunk.samples) and size + n > limit:
+            yield chunk
+            chunk, size = pb.ReadChunk(), 0
+        # Added in place: a message made apart and then put in the chunk is copied into it.
+        if s.tier == MISSING:
+            chunk.samples.add(id=s.sample_id, missing=True)
+        elif offset is not None:
+            chunk.samples.add(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], checksum=s.checksum, in_shm=True,
+                              shm_offset=offset, length=len(s.data), checked_in_place=s.sample_id in checked)
+        else:
+            chunk.samples.add(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], data=data, checksum=s.checksum)
         size += n
-    if chunk:
-        yield pb.ReadChunk(samples=chunk)
+    if len(chunk.samples):
+        yield chunk
 
 
 def _pieces(s: Served) -> Iterator[pb.ReadChunk]:
