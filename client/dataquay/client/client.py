@@ -56,7 +56,8 @@ def connect(address: str | None = None, *, timeout: float = 10.0, verify: bool =
         timeout: seconds to wait for the daemon to answer (it may still be
             starting), and the deadline of every metadata call.
         verify: check the checksum of every sample read (cheap next to a
-            read; off only to measure).
+            read; off only to measure), but for peer payloads that the
+            daemon checked where they lie in this process's sealed segment.
 
     When no daemon answers but DATAQUAY_DIRECTORY names the directory, the
     client starts with its daemon marked down: datasets and jobs come from
