@@ -224,6 +224,7 @@ def test_the_trainer_skips_its_check_only_of_payloads_checked_in_place_in_its_se
 ) -> None:
     credentials = secured.credentials()
     pool = SegmentPool(daemon_address=secured.daemons[0].address, token=credentials.token)
+    lengths = np.full(N, SIZE)
     payloads = [sample_bytes(0, i, SIZE) for i in range(N)]
     with pool.segment(N * (SIZE + 64)) as seg, credentials.channel(secured.daemons[0].address,
                                                                     channel_options()) as channel:
@@ -237,7 +238,11 @@ def test_the_trainer_skips_its_check_only_of_payloads_checked_in_place_in_its_se
         assert [s.in_shm and s.checked_in_place for s in samples] == peer
 
         def taken(reply_chunks: list[pb.ReadChunk], segment: MemfdSegment | Segment) -> _Reply:
-            return taken_by_client(reply_chunks, list(range(N)), segment)
+            reply = _Reply("imgs", list(range(N)), lengths, segment, verify=True)
+            for chunk in reply_chunks:
+                reply.take(chunk)
+            reply.check_complete()
+            return reply
 
         assert taken(chunks, seg).out == payloads and taken(chunks, seg).bad == []
         wrong = [pb.ReadChunk(samples=[pb.Sample(id=s.id, tier=s.tier, checksum=s.checksum ^ 1, in_shm=s.in_shm,
@@ -259,35 +264,6 @@ def test_the_trainer_skips_its_check_only_of_payloads_checked_in_place_in_its_se
         finally:
             shm.close()
     pool.close()
-
-
-def test_peer_payloads_are_named_as_they_land_in_request_order_around_local_ones_and_repeats(
-    secured: LocalCluster,
-) -> None:
-    credentials = secured.credentials()
-    pool = SegmentPool(daemon_address=secured.daemons[0].address, token=credentials.token)
-    order = np.random.default_rng(3).permutation(N).tolist()
-    ids = [*order, order[0], order[7], order[0]]
-    with pool.segment(N * (SIZE + 64)) as seg, credentials.channel(secured.daemons[0].address,
-                                                                    channel_options()) as channel:
-        assert isinstance(seg, MemfdSegment)
-        request = pb.ReadRequest(dataset="imgs", ids=ids, job="j", shm_name=seg.name, shm_size=seg.size)
-        chunks = list(cache_pb2_grpc.CacheStub(channel).Read(request, timeout=60))
-        samples = [s for chunk in chunks for s in chunk.samples]
-        assert [s.id for s in samples] == ids
-        assert {s.tier for s in samples} == {pb.TIER_PEER, pb.TIER_LOCAL}
-        reply = taken_by_client(chunks, ids, seg)
-        assert reply.out == [sample_bytes(0, i, SIZE) for i in ids] and reply.bad == []
-    pool.close()
-
-
-def taken_by_client(chunks: list[pb.ReadChunk], ids: list[int], segment: MemfdSegment | Segment) -> _Reply:
-    """A reply's messages as the client takes them apart, checking what it checks."""
-    reply = _Reply("imgs", ids, np.full(N, SIZE), segment, verify=True)
-    for chunk in chunks:
-        reply.take(chunk)
-    reply.check_complete()
-    return reply
 
 
 def test_a_peer_payload_corrupt_on_the_wire_never_reaches_the_trainer(

@@ -15,9 +15,7 @@ kernel's copy out of the socket is the only copy of the peer's bytes on this
 node; its xxh3 is checked there, and a payload that fails it is never named
 in a reply (the bytes left in the segment are the trainer's to overwrite).
 The reply marks the payloads checked in place (``Sample.checked_in_place``),
-which the trainer then need not check again (:mod:`dataquay.client.remote`),
-and names them as they land, before their window is complete
-(:meth:`ShmForward.listen`, :mod:`dataquay.server.node.reply_stream`).
+which the trainer then need not check again (:mod:`dataquay.client.remote`).
 Into a /dev/shm segment, which is written with ``pwrite`` only, each payload
 is received into a buffer and written on the event loop as it lands.
 """
@@ -25,7 +23,7 @@ is received into a buffer and written on the event loop as it lands.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from dataquay.server.node.reads import Served
 from dataquay.server.node.shm import ShmSegments, aligned, place
@@ -42,39 +40,12 @@ class ShmForward:
         #: Where each forwarded sample lies in the segment.
         self.placed: dict[int, int] = {}
         self.forwarded = 0
-        #: Of those, the ones received straight into the segment and checked
-        #: there: (offset, length, checksum) by id.
-        self.checked: dict[int, tuple[int, int, int]] = {}
+        #: Of those, the ones received straight into the segment and checked there.
+        self.checked: set[int] = set()
         self._mapping = shm.mapping(name)
-        #: Where each sample being received in place goes: (offset, length).
-        self._receiving: dict[int, tuple[int, int]] = {}
+        #: Where each sample being received in place goes.
+        self._receiving: dict[int, int] = {}
         self._lock = threading.Lock()
-        self._wake: Callable[[], object] | None = None
-        self._every = 0
-        self._unannounced = 0
-
-    @property
-    def in_place(self) -> bool:
-        """Whether payloads from peers can be received straight into the segment (a memfd one)."""
-        return self._mapping is not None
-
-    def listen(self, wake: Callable[[], object], every: int) -> None:
-        """Calls ``wake`` (from the bulk thread) each time ``every`` bytes more
-        were received in place and checked."""
-        self._wake, self._every = wake, every
-
-    def leading(self, ids: Sequence[int], start: int) -> list[tuple[int, int, int, int]]:
-        """(id, offset, length, checksum) of ``ids[start:]`` up to the first
-        one not received in place and checked yet."""
-        out = []
-        with self._lock:
-            checked = self.checked
-            for sample_id in ids[start:]:
-                found = checked.get(sample_id)
-                if found is None:
-                    break
-                out.append((sample_id, *found))
-        return out
 
     def place(self, sample_id: int, length: int) -> memoryview | None:
         """Room in a memfd segment for ``sample_id``'s payload to be received
@@ -94,22 +65,15 @@ class ShmForward:
             except ValueError:  # unmapped: the client let go of the segment
                 return None
             self.at = aligned(offset + length)
-            self._receiving[sample_id] = (offset, length)
+            self._receiving[sample_id] = offset
             return view
 
-    def received(self, sample_id: int, digest: int) -> None:
+    def received(self, sample_id: int) -> None:
         """``sample_id`` was received where :meth:`place` put it and passed its checksum there."""
         with self._lock:
-            offset, length = self._receiving.pop(sample_id)
-            self.placed[sample_id] = offset
+            self.placed[sample_id] = self._receiving.pop(sample_id)
             self.forwarded += 1
-            self.checked[sample_id] = (offset, length, digest)
-            self._unannounced += length
-            wake = self._wake is not None and self._unannounced >= self._every
-            if wake:
-                self._unannounced = 0
-        if wake and self._wake is not None:
-            self._wake()
+            self.checked.add(sample_id)
 
     def arrived(self, landed: list[tuple[int, memoryview, int]]) -> None:
         """Writes payloads received into buffers of their own as they land

@@ -26,9 +26,6 @@ LMDB commit; a read meanwhile takes it from the writer's queue instead of
 the PFS. A cached value whose checksum fails is served from the PFS and
 rewritten (repaired) the same way.
 
-Misses are asked of their owners in the order the caller's positions first
-name them, so that payloads landing in the caller's segment can be named in
-the reply before the window is complete (:mod:`dataquay.server.node.reply_stream`).
 A reply is resolved a window at a time (:data:`WINDOW_BYTES` of payload
 asked for), the next window while the current one is sent, so that one call
 holds at most two windows however many ids it carries. Within a window a
@@ -221,8 +218,7 @@ class ReadService:
             fetched.update(await self.overflow.take(entry, placement, ids, misses))
             misses = _not_in(misses, fetched)
         if placement is not None and len(misses):
-            asked = misses if landing is None else _first_seen(misses, ids, index)
-            fetched.update(await self._from_owners(entry, placement, placement.sources, asked, landing))
+            fetched.update(await self._from_owners(entry, placement, placement.sources, misses, landing))
             misses = _not_in(misses, fetched)
         if placement is not None and placement.owners_move and len(misses):
             fetched.update(await self._from_other_holders(entry, placement, misses))
@@ -381,14 +377,6 @@ class ReadService:
 def _prefetched(placement: Placement) -> bool:
     spec = placement.job.spec
     return spec.mode in PREFETCHED_MODES and spec.batch_size > 0 and spec.ranks_per_node > 0
-
-
-def _first_seen(subset: np.ndarray, ids: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """``subset`` of a window's distinct, sorted ``ids`` in the order the
-    window's positions (``index``) first name them: the order the caller
-    takes them in, so that what lands first can be named first."""
-    _, first = np.unique(index, return_index=True)
-    return subset[np.argsort(first[np.searchsorted(ids, subset)], kind="stable")]
 
 
 def _not_in(ids: np.ndarray, fetched: dict[int, tuple[str, bytes | memoryview, int]]) -> np.ndarray:

@@ -21,17 +21,15 @@ from dataquay.server.proto_maps import TIER_TO_PROTO
 
 
 def reply_chunks(
-    window: Window, offsets: Sequence[int | None], checked: Container[int] = (), limit: int = READ_CHUNK_BYTES,
-    skip: int = 0,
+    window: Window, offsets: Sequence[int | None], checked: Container[int] = (), limit: int = READ_CHUNK_BYTES
 ) -> Iterator[pb.ReadChunk]:
-    """The messages of ``window`` past its first ``skip`` positions (sent
-    already); ``offsets[k]`` is where ``window.served[k]`` lies in the
-    caller's segment, None for a payload that goes inline; ``checked`` holds
-    the ids whose payloads were checked where they lie there."""
+    """The messages of ``window``; ``offsets[k]`` is where ``window.served[k]``
+    lies in the caller's segment, None for a payload that goes inline;
+    ``checked`` holds the ids whose payloads were checked where they lie there."""
     served = window.served
     inline: list[bytes | None] = [None] * len(served)
     chunk, size = pb.ReadChunk(), 0
-    for k in window.index[skip:].tolist():
+    for k in window.index.tolist():
         s = served[k]
         offset = offsets[k]
         data, n = b"", 0

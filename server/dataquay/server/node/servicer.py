@@ -24,7 +24,7 @@ from dataquay.server.node.exchange.coded import CodedProgress
 from dataquay.server.node.forward import ShmForward
 from dataquay.server.node.metrics import LiveState
 from dataquay.server.node.placements import Placements
-from dataquay.server.node.reply_stream import reply_stream
+from dataquay.server.node.replies import reply_chunks
 from dataquay.server.node.stager import StagingProgress
 from dataquay.server.proto_maps import FORMAT_FROM_PROTO, TIER_TO_PROTO, dataset_info
 from dataquay.server.servicer_errors import status_on_error
@@ -66,9 +66,14 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 forward,
                 epoch=request.epoch if request.HasField("epoch") else None,
             )
-            async with aclosing(windows), aclosing(reply_stream(windows, request.ids, forward)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+            async with aclosing(windows):
+                async for window in windows:
+                    offsets: list[int | None] = [None] * len(window.served)
+                    if forward is not None:
+                        offsets = forward.window(window.served)
+                    for chunk in reply_chunks(window, offsets, forward.checked if forward is not None else ()):
+                        yield chunk
+                    del window  # not held while the next one is resolved
         if forward is not None:
             self.daemon.forwarded_samples += forward.forwarded
             self.daemon.in_place_samples += len(forward.checked)

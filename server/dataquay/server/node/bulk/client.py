@@ -69,10 +69,10 @@ class Landing(Protocol):
         """A writable view of ``length`` bytes to receive ``sample_id`` into,
         or None for a buffer of its own. Called from a bulk thread."""
 
-    def received(self, sample_id: int, digest: int) -> None:
+    def received(self, sample_id: int) -> None:
         """Called from the bulk thread once the payload received into the
-        view ``place`` gave passed its checksum (``digest``) there: it is
-        where it goes, so the event loop is not woken for it."""
+        view ``place`` gave passed its checksum there: it is where it goes,
+        so the event loop is not woken for it."""
 
     def arrived(self, landed: list[tuple[int, memoryview, int]]) -> None:
         """Called on the event loop with payloads received into buffers of
@@ -247,7 +247,7 @@ class BulkClient:
             out.samples[sample_id] = (payload, digest)
             out.bytes += length
             if landing is not None and target is not None:
-                landing.received(sample_id, digest)
+                landing.received(sample_id)
             elif arrived is not None:
                 arrived(sample_id, payload, digest)
 
