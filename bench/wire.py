@@ -57,12 +57,16 @@ from the source tree DIR (``git archive`` of an earlier commit: its protos,
 client and server folders), in the same rounds: a before/after figure.
 ``BENCH_EXCHANGE_MIB`` sets the exchange's dataset when it runs alone (128 by
 default, as the peer part's): a quarter of it moves per round.
+``BENCH_PASSES`` sets ``PASSES`` (a longer timed run is less at the mercy of
+a shared machine's other work).
 
 Rates are payload GB/s (10^9 bytes), each the median of ``REPEATS`` runs; the
 ratios are against the raw TCP stream of the same run. ``uptime``'s load
 average before and after is recorded with the results (the machine is shared).
 ``BENCH_SIZES=110KiB`` runs one size; ``BENCH_PARTS=peer`` the peer hits
-without the exchange (which needs them: they make the dataset).
+without the exchange (which needs them: they make the dataset);
+``BENCH_PASSES`` sets ``PASSES`` (a longer timed run is less at the mercy of
+a shared machine's other work).
 """
 
 from __future__ import annotations
@@ -106,7 +110,7 @@ BATCH = 64
 DATASET_BYTES = 128 * MiB
 #: The exchange part's dataset when it runs alone (see the docstring).
 EXCHANGE_DATASET_BYTES = int(os.environ.get("BENCH_EXCHANGE_MIB", "128")) * MiB
-PASSES = 2
+PASSES = int(os.environ.get("BENCH_PASSES", "2"))
 SIZES = {"110KiB": 110 * 1024, "1MiB": MiB}
 TARGET = 0.5
 #: A source tree the exchange's "before" pair runs from (see the docstring).
