@@ -120,6 +120,7 @@ class Daemon(ServerLifecycle):
             self.bulk = BulkServer(
                 self.credentials.token, tls.server, self._bulk_request, self.store, self.metrics.count_peer_served,
                 self.receiver.receive if self.receiver is not None else None, config.max_sample_size + CHECKSUM_BYTES,
+                resolve_now=self._bulk_request_now,
             )
         self.bulk_address = ""
         #: Peer payloads written into trainers' segments as they arrived (see node/forward.py).
@@ -255,6 +256,14 @@ class Daemon(ServerLifecycle):
         """Checks a bulk read as a gRPC Read is checked; the cache database to answer it from."""
         entry = await self.reads.entry(dataset, ids, manifest_id)
         await self.store.open_dataset(entry.record.cache_db)
+        return entry.record.cache_db
+
+    def _bulk_request_now(self, dataset: str, manifest_id: str, ids: np.ndarray) -> str | None:
+        """:meth:`_bulk_request` in the bulk thread where it waits for nothing
+        (the dataset registered here, its database open); None otherwise."""
+        entry = self.reads.registered_entry(dataset, ids, manifest_id)
+        if entry is None or not self.store.dataset_open(entry.record.cache_db):
+            return None
         return entry.record.cache_db
 
     async def close(self, grace: float = 10.0) -> None:

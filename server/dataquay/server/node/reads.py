@@ -53,6 +53,7 @@ from dataquay.server.errors import (
     DirectoryUnavailableError,
     SampleIdError,
     SampleTooLargeError,
+    UnknownDatasetError,
 )
 from dataquay.server.limits import ByteBudget
 from dataquay.server.manifest_build import too_large
@@ -144,11 +145,29 @@ class ReadService:
     async def entry(self, dataset: str, ids: np.ndarray, manifest_id: str = "") -> Registered:
         """The dataset's entry; raises for an unknown or replaced dataset, a batch
         over the limit or an id out of range."""
+        self._check_batch(ids)
+        return self._checked(await self.datasets.entry(dataset), dataset, ids, manifest_id)
+
+    def registered_entry(self, dataset: str, ids: np.ndarray, manifest_id: str = "") -> Registered | None:
+        """As :meth:`entry` for a dataset registered here, without waiting for
+        anything, so that a bulk thread may call it; None for one that only
+        the directory may know (:meth:`entry` fetches it)."""
+        self._check_batch(ids)
+        try:
+            entry = self.datasets.registry.get(dataset)
+        except UnknownDatasetError:
+            return None
+        return self._checked(entry, dataset, ids, manifest_id)
+
+    def _check_batch(self, ids: np.ndarray) -> None:
         if len(ids) > self.max_batch:
             raise BatchTooLargeError(
                 f"batch of {len(ids)} ids exceeds the limit of {self.max_batch} (--max-batch)"
             )
-        entry = await self.datasets.entry(dataset)
+
+    @staticmethod
+    def _checked(entry: Registered, dataset: str, ids: np.ndarray, manifest_id: str) -> Registered:
+        """``entry``, unless it was replaced since ``manifest_id`` or an id is out of its range."""
         if manifest_id and manifest_id != entry.record.manifest_id:
             raise DatasetReplacedError(f"dataset {dataset!r} was replaced since it was opened; open it again")
         n = entry.manifest.num_samples

@@ -139,6 +139,10 @@ class Store:
 
     # ------------------------------------------------------------- datasets
 
+    def dataset_open(self, db: str) -> bool:
+        """Whether the dataset's sub-database is open (:meth:`open_dataset`)."""
+        return db.encode() in self._dbs
+
     async def open_dataset(self, db: str) -> None:
         """Creates the dataset's sub-database if needed (in the writer thread)."""
         name = db.encode()

@@ -9,8 +9,9 @@ thread of its own that reads a request, looks the values up in LMDB with
 ``sendmsg`` (no copy; the GIL is released for the send), a few MiB per read
 transaction so that a slow reader never pins old pages for long.
 
-What the request names is checked on the event loop, as a gRPC Read is
-(dataset, manifest version, batch size, id range). An exchange stream takes
+What the request names is checked as a gRPC Read is (dataset, manifest
+version, batch size, id range): in the connection's thread where the dataset
+is registered here and its database open, else on the event loop. An exchange stream takes
 a connection for itself: its thread reads the sender's chunks into a short
 queue (a few chunks: a sender that outruns the cache's commits waits on its
 socket) that the exchange's receiver takes from on the event loop, and the
@@ -93,6 +94,8 @@ EXCHANGE_QUEUE = 4
 
 #: Checks a read request and returns the cache database to read: (dataset, manifest id, ids).
 Resolve = Callable[[str, str, np.ndarray], Coroutine[Any, Any, str]]
+#: The same check without waiting: the cache database, or None where it would have to wait.
+ResolveNow = Callable[[str, str, np.ndarray], str | None]
 #: Answers one exchange stream (ExchangeReceiver.receive).
 Receive = Callable[[AsyncIterator[pb.ExchangeMessage | ExchangeChunk]], AsyncIterator[pb.ExchangeReply]]
 
@@ -108,13 +111,17 @@ class BulkServer:
         served: called on the event loop with (samples, bytes) of each answered request.
         receive: answers an exchange stream; None takes none (no directory).
         max_value: the largest cache value an exchange may send.
+        resolve_now: the same check in the connection's thread, None where
+            it would have to wait (then ``resolve`` runs on the event loop):
+            two thread hand-offs fewer per read.
     """
 
     def __init__(
         self, token: str, tls: ssl.SSLContext | None, resolve: Resolve, store: Store,
         served: Callable[[int, int], None], receive: Receive | None = None, max_value: int = 1 << 30,
-        max_connections: int = MAX_CONNECTIONS,
+        max_connections: int = MAX_CONNECTIONS, resolve_now: ResolveNow | None = None,
     ) -> None:
+        self.resolve_now = resolve_now
         self.receive = receive
         self.max_value = max_value
         self.exchange_samples = 0
@@ -246,9 +253,11 @@ class BulkServer:
     def _read(self, sock: socket.socket, dataset: str, manifest_id: str, ids: np.ndarray) -> None:
         assert self._loop is not None
         try:
-            db = asyncio.run_coroutine_threadsafe(
-                self.resolve(dataset, manifest_id, ids), self._loop
-            ).result(STALL_SECONDS)
+            db = self.resolve_now(dataset, manifest_id, ids) if self.resolve_now is not None else None
+            if db is None:
+                db = asyncio.run_coroutine_threadsafe(
+                    self.resolve(dataset, manifest_id, ids), self._loop
+                ).result(STALL_SECONDS)
         except DataquayError as exc:
             send_buffers(sock, _error_frame(exc))
             return
