@@ -14,9 +14,9 @@ import pytest
 
 from dataquay.client.records import encode_value
 from dataquay.server.node.cache_file import (
+    ALLOCATED_INITIAL_MAP,
     COPY_ON_WRITE,
     DATA_FILE,
-    INITIAL_MAP,
     Allocation,
     file_system_type,
     grown_size,
@@ -83,7 +83,7 @@ async def fill(store: Store, first: int) -> np.ndarray:
 def test_the_map_is_allocated_ahead_and_what_is_allocated_is_not_counted_as_cached(tmp_path: Path) -> None:
     async def test(store: Store) -> None:
         data = store.path / DATA_FILE
-        assert store.writemap and store.env.info()["map_size"] == data.stat().st_size == INITIAL_MAP
+        assert store.writemap and store.env.info()["map_size"] == data.stat().st_size == ALLOCATED_INITIAL_MAP
         assert allocated_whole(data)
         assert store.usage() == (store.space.live_bytes, 0) and store.space.live_bytes < MiB
         assert (await fill(store, 0)).all()

@@ -40,7 +40,12 @@ DATA_FILE = "data.mdb"
 MAX_DBS = 1024 + 1
 #: Reader slots shared by the daemon and every client process on the node.
 MAX_READERS = 4096
+#: A new map's size without ``writemap``: a sparse file takes no blocks for it.
 INITIAL_MAP = 256 * MiB
+#: A new map's size over a file allocated ahead, whose every byte takes a
+#: block: small, so an idle or nearly empty cache (a node of a small job, a
+#: test's daemon) holds little disk; it doubles as the cache fills.
+ALLOCATED_INITIAL_MAP = 8 * MiB
 #: The map a new environment opens with under ``writemap``: room for LMDB's
 #: two meta pages, which it writes with ``pwrite``. A file allocated before
 #: them would read as an invalid environment, so the map grows over an
@@ -139,26 +144,27 @@ class CacheFile:
 
     def open(self, capacity: int) -> lmdb.Environment:
         """Opens (or creates) the environment with a map of the capacity, up
-        to :data:`INITIAL_MAP`, allocated ahead where the file system can.
+        to :data:`ALLOCATED_INITIAL_MAP` allocated ahead where the file system
+        can, else up to :data:`INITIAL_MAP`.
 
         Raises:
             lmdb.Error: LMDB cannot open the environment.
             OSError: the data file cannot be opened or allocated.
         """
         existing = self.existing_bytes()
-        target = max(existing, min(capacity, INITIAL_MAP))
         self._fd = os.open(self.data_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
         try:
             # An existing file is allocated whole first: a hole left in it
             # (a file written without writemap) would take a write through the map.
             allocated = allocate(self._fd, 0, existing) if existing else self._probe()
             self.writemap = writes_through_map(allocated, file_system_type(self.path))
+            target = max(existing, min(capacity, ALLOCATED_INITIAL_MAP if self.writemap else INITIAL_MAP))
             self._env = self._open_env((existing or _LEAST_MAP) if self.writemap else target)
             if self.writemap and not existing and allocate(self._fd, 0, self.map_size) is not Allocation.DONE:
                 # No room even for the least map: written through as before.
                 self._env.close()
                 self.writemap = False
-                self._env = self._open_env(target)
+                self._env = self._open_env(max(existing, min(capacity, INITIAL_MAP)))
             for name in (DATA_FILE, "lock.mdb"):
                 if existing:
                     close_to_others(self.path / name)
