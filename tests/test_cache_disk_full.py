@@ -100,17 +100,17 @@ def test_a_commit_failing_for_another_reason_is_dropped_and_counted_and_the_writ
         store.open()
         await store.open_dataset("ds")
         writer = asyncio.get_running_loop().create_task(store.run_writer())
-        commit = store._commit
+        commit = store.writer._commit
 
         def failing(batch: Iterable[PendingWrite]) -> None:
             raise lmdb.Error("mdb_txn_commit: Input/output error")
 
-        store._commit = failing  # type: ignore[method-assign]
+        store.writer._commit = failing  # type: ignore[method-assign]
         await asyncio.wait_for(store.committed(await store.put_all(_writes(10))), 10)
         await asyncio.wait_for(store.flush(), 10)
         assert (store.write_errors, store.inserts_dropped, store.full) == (1, 10, False)
         assert "Input/output error" in store.last_write_error
-        store._commit = commit  # type: ignore[method-assign]
+        store.writer._commit = commit  # type: ignore[method-assign]
         await asyncio.wait_for(store.committed(await store.put_all(_writes(10))), 10)
         assert store.usage()[1] == 10 and not writer.done()
         writer.cancel()

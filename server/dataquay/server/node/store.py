@@ -12,48 +12,32 @@ The environment, its map and how the map grows over the cache file (allocated
 ahead, so that LMDB writes through the map) are :mod:`.cache_file`'s.
 
 Threading: LMDB allows one writer. All writes go through one writer task that
-batches queued values into large transactions run in a dedicated thread. The
-daemon's own reads are short and run on the event-loop thread, so the map can
-be grown from that thread at a moment when no transaction is open in this
-process, which is what LMDB requires. Clients in other processes read the same
-environment read-only and pick up a grown map by themselves.
+batches queued values into large transactions run in a dedicated thread
+(:mod:`.store_writer`). The daemon's own reads are short and run on the
+event-loop thread, so the map can be grown from that thread at a moment when
+no transaction is open in this process, which is what LMDB requires. Clients
+in other processes read the same environment read-only and pick up a grown
+map by themselves.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import os
-import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
 import numpy as np
 
-from dataquay.client.records import CHECKSUM_BYTES, decode_value, sample_key, stored_checksum
+from dataquay.client.records import decode_value, sample_key, stored_checksum
 from dataquay.server.dirs import ensure_private_dir
-from dataquay.server.errors import CacheWriterError, StartupError
+from dataquay.server.errors import StartupError
 from dataquay.server.node.cache_dir import lock_cache_dir
-from dataquay.server.node.cache_file import CacheFile, Growth
+from dataquay.server.node.cache_file import CacheFile
 from dataquay.server.node.cache_space import CacheSpace
-from dataquay.server.node.write_queue import PendingWrite, WriteQueue
-from dataquay.server.task_group import WRITER_NICENESS, lower_thread_priority
-
-log = logging.getLogger("dataquay.store")
-
-MiB = 1 << 20
-_META_DB = b"__meta__"
-#: How far the map may grow beyond the capacity (at most; a 16th of a smaller
-#: cache) so that a delete in a full map finds the pages it needs, and a write
-#: whose room was reserved finds the pages LMDB keeps aside (those the last
-#: transactions freed, which it reuses only later).
-HOUSEKEEPING_BYTES = 1 * MiB
-#: A cache that keeps filling is said to be full at most this often.
-FULL_LOG_SECONDS = 60.0
+from dataquay.server.node.store_writer import StoreWriter
+from dataquay.server.node.write_queue import PendingWrite
 
 
 class Store:
@@ -62,25 +46,11 @@ class Store:
     def __init__(self, path: Path, capacity: int) -> None:
         self.path = Path(path).absolute()
         self.space = CacheSpace(capacity)
-        self._full_logged_at = -FULL_LOG_SECONDS
-        self.inserts_dropped = 0
-        self.corrupt_repaired = 0
-        #: Batches the writer dropped for a failure other than a full map or disk.
-        self.write_errors = 0
-        self.last_write_error = ""
-        self._writer_stopped = False
         self._file = CacheFile(self.path)
         self._lock_fd: int | None = None
         self._dbs: dict[bytes, lmdb._Database] = {}
-        self._payload_bytes: dict[bytes, int] = {}
-        self._queue = WriteQueue()
-        self._writer = ThreadPoolExecutor(
-            1, thread_name_prefix="dataquay-lmdb-writer",
-            initializer=lower_thread_priority, initargs=(WRITER_NICENESS,),
-        )
-        self._write_lock = asyncio.Lock()
-        self._dirty = False
-        self._room = self._file.room
+        #: Every write goes through it.
+        self.writer = StoreWriter(self.path, self._file, self.space, self._dbs)
 
     # ----------------------------------------------------------- lifecycle
 
@@ -104,23 +74,19 @@ class Store:
             self.space.capacity = self._file.default_capacity()
         try:
             env = self._file.open(self.capacity)
-            meta = env.open_db(_META_DB)
-            with env.begin(db=meta) as txn:
-                for key, value in txn.cursor():
-                    self._payload_bytes[bytes(key)] = int.from_bytes(value, "little")
-            self._meta = meta
-            for db_name in self._payload_bytes:
+            self.writer.open_meta()
+            for db_name in self.writer.payload_bytes:
                 self._dbs[db_name] = env.open_db(db_name, create=False)
-            self.space.live_bytes = self._count_live_bytes()
+            self.space.live_bytes = self.writer.count_live_bytes()
         except (lmdb.Error, OSError) as exc:
             self._file.close()
             raise StartupError(f"cannot open the LMDB cache in {self.path}: {exc}") from exc
         if self.space.at_capacity:
-            self._mark_full()
+            self.writer.mark_full()
 
     def close(self) -> None:
         """Syncs and closes; queued writes must have been flushed before."""
-        self._writer.shutdown(wait=True)
+        self.writer.close()
         self._file.close()
         self._unlock()
 
@@ -148,37 +114,20 @@ class Store:
         name = db.encode()
         if name in self._dbs:
             return
-        async with self._write_lock:
-            handle = await asyncio.get_running_loop().run_in_executor(
-                self._writer, lambda: self.env.open_db(name)
-            )
+        async with self.writer.lock:
+            handle = await self.writer.run(lambda: self.env.open_db(name))
         self._dbs[name] = handle
 
     async def drop_dataset(self, db: str) -> int:
         """Deletes the dataset's cached samples; returns how many there were."""
         name = db.encode()
-        self._queue.drop(name)
+        self.writer.queue.drop(name)
         if name not in self._dbs:
-            exists = await asyncio.get_running_loop().run_in_executor(
-                self._writer, self._db_exists, name
-            )
-            if not exists:
+            if not await self.writer.run(lambda: self._db_exists(name)):
                 return 0
             await self.open_dataset(db)
         del self._dbs[name]
-
-        def drop() -> int:
-            with self.env.begin(write=True) as txn:
-                # Opened afresh: a drop that failed (a full map) closed the handle.
-                handle = self.env.open_db(name, txn=txn, create=False)
-                entries = int(txn.stat(handle)["entries"])
-                txn.drop(handle, delete=True)
-                txn.delete(name, db=self._meta)
-            return entries
-
-        async with self._write_lock:
-            entries = await self._deleting(drop)
-        self._payload_bytes.pop(name, None)
+        entries = await self.writer.drop(name)
         self.space.disk_full = False
         await self.space.changed(freed=True)
         return entries
@@ -242,7 +191,7 @@ class Store:
         """The values of ``ids`` queued for the writer and not taken by it yet
         (read from the PFS or a peer moments ago), by id."""
         name = db.encode()
-        waiting = self._queue.waiting
+        waiting = self.writer.queue.waiting
         return {i: write.value for i in ids if (write := waiting(name, i)) is not None}
 
     def cached_mask(self, db: str, ids: np.ndarray) -> np.ndarray:
@@ -264,7 +213,7 @@ class Store:
             return 0, 0
         with self.env.begin() as txn:
             entries = int(txn.stat(handle)["entries"])
-        return entries, self._payload_bytes.get(db.encode(), 0)
+        return entries, self.writer.payload_bytes.get(db.encode(), 0)
 
     def usage(self) -> tuple[int, int]:
         """(bytes of the pages the cache uses, entries over all datasets)."""
@@ -286,57 +235,68 @@ class Store:
         """Full because the file system had no space left, not at the map's capacity."""
         return self.space.disk_full
 
-    def _count_live_bytes(self) -> int:
-        """Pages of every tree (samples, their sub-databases, the meta data) and the two meta pages."""
-        env = self.env
-        with env.begin() as txn:
-            # A copy: the loop thread may add a dataset meanwhile.
-            stats = [env.stat(), txn.stat(self._meta), *(txn.stat(h) for h in tuple(self._dbs.values()))]
-        pages = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats) + 2
-        return pages * stats[0]["psize"]
-
     # --------------------------------------------------------------- writes
+
+    @property
+    def inserts_dropped(self) -> int:
+        """Values the cache did not take (full, or the queue was)."""
+        return self.writer.inserts_dropped
+
+    @property
+    def corrupt_repaired(self) -> int:
+        return self.writer.corrupt_repaired
+
+    @property
+    def write_errors(self) -> int:
+        """Batches the writer dropped for a failure other than a full map or disk."""
+        return self.writer.write_errors
+
+    @property
+    def last_write_error(self) -> str:
+        return self.writer.last_write_error
 
     def backlog(self) -> float:
         """How full the write queue is, 0 to 1."""
-        return self._queue.backlog()
+        return self.writer.queue.backlog()
 
     def offer(self, write: PendingWrite) -> bool:
         """Queues a write without waiting; False (and counted) when it cannot be taken.
 
         Reads use this: a request is never slowed down to wait for the cache.
         """
-        if self._writer_stopped or self._refuses(write) or self._queue.is_full:
-            self.inserts_dropped += 1
+        if self.writer.stopped or self._refuses(write) or self.writer.queue.is_full:
+            self.writer.inserts_dropped += 1
             return False
-        self._queue.push(write)
+        self.writer.queue.push(write)
         return True
 
     async def put(self, write: PendingWrite) -> None:
         """Queues a write, waiting while the queue is full (staging back-pressure)."""
-        self._check_writer()
-        while self._queue.is_full:
-            await self._queue.wait_for_room()
-            self._check_writer()
+        queue = self.writer.queue
+        self.writer.check()
+        while queue.is_full:
+            await queue.wait_for_room()
+            self.writer.check()
         if self._refuses(write):
-            self.inserts_dropped += 1
+            self.writer.inserts_dropped += 1
             return
-        self._queue.push(write)
+        queue.push(write)
 
     async def put_many(self, writes: list[PendingWrite]) -> None:
         """Queues ``writes`` like :meth:`put`, after one wait for room: the
         queue may pass its bound by one call's writes, which the caller bounds."""
-        self._check_writer()
-        while self._queue.is_full:
-            await self._queue.wait_for_room()
-            self._check_writer()
+        queue = self.writer.queue
+        self.writer.check()
+        while queue.is_full:
+            await queue.wait_for_room()
+            self.writer.check()
         kept = [w for w in writes if not self._refuses(w)]
-        self.inserts_dropped += len(writes) - len(kept)
-        self._queue.push_many(kept)
+        self.writer.inserts_dropped += len(writes) - len(kept)
+        queue.push_many(kept)
 
     def _refuses(self, write: PendingWrite) -> bool:
         """Whether the cache has no room for ``write`` (before it is queued)."""
-        if self.full and not write.kept_when_full and not self._room_again():
+        if self.full and not write.kept_when_full and not self.writer.room_again():
             return True
         return write.leaves_room and self.space.reserve_reached
 
@@ -344,17 +304,15 @@ class Store:
         """Queues ``writes`` like :meth:`put`; returns a ticket for :meth:`committed`."""
         for write in writes:
             await self.put(write)
-        return self._queue.queued_count
+        return self.writer.queue.queued_count
 
     async def committed(self, ticket: int) -> None:
-        """Returns once the writer has committed everything queued up to ``ticket``.
+        """See :meth:`StoreWriter.committed`."""
+        await self.writer.committed(ticket)
 
-        What the cache could not take (at capacity) is dropped, not waited
-        for: callers that must know check :meth:`cached_mask` afterwards.
-        """
-        while not self._queue.resolved(ticket):
-            self._check_writer()
-            await self._queue.wait_resolution()
+    async def flush(self) -> None:
+        """See :meth:`StoreWriter.flush`."""
+        await self.writer.flush()
 
     async def discard(self, db: str, ids: np.ndarray) -> int:
         """Deletes ``ids`` from a dataset's cache (samples this node gave away);
@@ -363,204 +321,18 @@ class Store:
         handle = self._dbs.get(name)
         if handle is None or not len(ids):
             return 0
-
-        def delete() -> int:
-            removed = freed = 0
-            with self.env.begin(write=True, db=handle) as txn:
-                for sample_id in ids.tolist():
-                    key = sample_key(sample_id)
-                    value = txn.pop(key)
-                    if value is not None:
-                        removed += 1
-                        freed += len(value) - CHECKSUM_BYTES
-                total = max(0, self._payload_bytes.get(name, 0) - freed)
-                txn.put(name, total.to_bytes(8, "little"), db=self._meta)
-            # LMDB reuses the pages a transaction freed only once a later one
-            # has committed: this one lets the next insert use them.
-            with self.env.begin(write=True, db=self._meta) as txn:
-                txn.put(name, total.to_bytes(8, "little"))
-            self._payload_bytes[name] = total
-            self.space.live_bytes = self._count_live_bytes()
-            return removed
-
-        async with self._write_lock:
-            removed = await self._deleting(delete)
-        self._dirty = True
+        removed = await self.writer.delete(name, handle, ids)
         await self.space.changed(freed=bool(removed))
         return removed
 
-    async def _deleting(self, delete: Callable[[], int]) -> int:
-        """Runs ``delete`` in the writer thread. A delete needs pages too (LMDB
-        copies what it changes): in a full map it fails, so the map grows
-        once (past the capacity by HOUSEKEEPING_BYTES at most, into the file
-        system's last free bytes if need be), and it runs again."""
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._writer, delete)
-        except lmdb.MapFullError:
-            if self._file.grow(self._housekeeping_limit, slack=0) is not Growth.GREW:
-                raise
-            return await loop.run_in_executor(self._writer, delete)
-
-    @property
-    def _housekeeping_limit(self) -> int:
-        return self.capacity + min(HOUSEKEEPING_BYTES, self.capacity // 16)
-
     def recheck_space(self) -> None:
-        """Takes a full file system for having room again if it has free space
-        now, without waiting for the back-off: what an explicit request (a new
-        staging run) does, since the user may just have freed space."""
-        self._room.recheck_now()
-        if self.full:
-            self._room_again()
-
-    def _room_again(self) -> bool:
-        """Whether a cache full for lack of disk space may take writes again
-        (see :class:`FileSystemRoom`); a commit that fails again marks it full again."""
-        if not self.disk_full or not self._room.has_room_again():
-            return False
-        self.space.disk_full = False
-        log.info("the cache file system has room again: inserting resumes")
-        return True
-
-    async def flush(self) -> None:
-        """Returns once everything queued before the call is committed (or
-        dropped); raises :class:`CacheWriterError` if the writer has stopped."""
-        await self._queue.wait_idle()
-        if len(self._queue):
-            self._check_writer()
+        """See :meth:`StoreWriter.recheck_space`."""
+        self.writer.recheck_space()
 
     async def run_writer(self) -> None:
-        """The single writer: commits queued values in large transactions, forever.
-
-        A batch that fails for a reason other than a full map or disk is
-        dropped, logged and counted in :attr:`write_errors`, and the writer
-        goes on: nothing waits on a writer that is gone. Should the writer
-        end all the same, everything waiting on it is woken and fails with
-        :class:`CacheWriterError`.
-        """
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                await self._queue.wait_for_work()
-                async with self._write_lock:
-                    batch = self._queue.take_batch()
-                    try:
-                        await self._commit_growing(loop, batch)
-                        self._file.grow_ahead(self.capacity)
-                    except Exception as exc:
-                        self._write_failed(exc, len(batch))
-                    finally:
-                        self._queue.resolve(len(batch))
-        finally:
-            self._writer_stopped = True
-            self._queue.wake_all()
-
-    def _write_failed(self, exc: Exception, count: int) -> None:
-        self.write_errors += 1
-        self.last_write_error = str(exc) or type(exc).__name__
-        self.inserts_dropped += count
-        log.error(
-            "cache write failed: its values are dropped, misses are served from the PFS",
-            exc_info=exc, extra={"fields": {"cache_dir": str(self.path), "samples": count}},
-        )
-
-    def _check_writer(self) -> None:
-        if self._writer_stopped:
-            raise CacheWriterError(f"the cache writer of {self.path} has stopped; cache writes are not taken")
+        """See :meth:`StoreWriter.run_writer`."""
+        await self.writer.run_writer()
 
     async def run_syncer(self, interval: float = 5.0) -> None:
-        """Flushes committed pages to disk now and then, bounding a node crash's loss."""
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(interval)
-            if self._dirty:
-                self._dirty = False
-                async with self._write_lock:
-                    await loop.run_in_executor(self._writer, self.env.sync, True)
-
-    async def _commit_growing(self, loop: asyncio.AbstractEventLoop, batch: list[PendingWrite]) -> None:
-        """Commits ``batch``, growing the map as needed; when the map is at
-        capacity or the disk is full, commits what fits."""
-        batch = [w for w in batch if w.db in self._dbs]
-        if self.full:
-            kept = [w for w in batch if w.kept_when_full]
-            self.inserts_dropped += len(batch) - len(kept)
-            batch = kept
-        within = self.space.within_limits(batch)
-        self.inserts_dropped += len(batch) - len(within)
-        batch = within
-        while batch:
-            try:
-                await loop.run_in_executor(self._writer, self._commit, batch)
-                return
-            except lmdb.MapFullError:
-                grown = self._file.grow(self.capacity)
-                if grown is Growth.AT_LIMIT and all(w.reserved for w in batch):
-                    grown = self._file.grow(self._housekeeping_limit)
-                if grown is Growth.GREW:
-                    continue
-                # The map is at its limit, or its file could not be allocated further.
-                disk = grown is Growth.NO_SPACE
-            except lmdb.Error as exc:
-                if not self._room.failed_for_space(exc, sum(len(w.value) for w in batch)):
-                    raise
-                disk = True
-            if len(batch) == 1:
-                self._mark_full(disk, reserved=batch[0].reserved)
-                if not batch[0].reserved:  # a reserved write is written again (see ExchangeReceiver)
-                    self.inserts_dropped += 1
-                return
-            half = len(batch) // 2
-            await self._commit_growing(loop, batch[:half])
-            batch = [w for w in batch[half:] if w.kept_when_full] if self.full else batch[half:]
-
-    def _mark_full(self, disk: bool = False, reserved: bool = False) -> None:
-        was_full = self.full
-        if disk:
-            self._room.back_off()
-            self.space.disk_full = True
-        else:
-            self.space.map_filled(reserved)
-        # A cache that gives samples away fills and frees again and again: say it once a while.
-        now = time.monotonic()
-        if not was_full and now - self._full_logged_at >= FULL_LOG_SECONDS:
-            self._full_logged_at = now
-            log.warning(
-                "cache file system is full: no more inserts until it has space, misses are served from the PFS"
-                if disk else "cache is full: no more inserts, misses are served from the PFS",
-                extra={"fields": {"capacity_bytes": self.capacity, "cache_dir": str(self.path)}},
-            )
-
-    def _commit(self, batch: Iterable[PendingWrite]) -> None:
-        """One write transaction for ``batch``; runs in the writer thread.
-
-        Inserts go through LMDB's C loops (getmulti to find what is already
-        cached, putmulti to insert the rest): the per-sample Python work of
-        single puts would otherwise cap the writer well below LMDB's speed.
-        """
-        groups: dict[tuple[bytes, bool], list[tuple[bytes, bytes]]] = defaultdict(list)
-        for write in batch:
-            groups[(write.db, write.repair)].append((sample_key(write.sample_id), write.value))
-        added: dict[bytes, int] = defaultdict(int)
-        repaired = 0
-        with self.env.begin(write=True) as txn:
-            for (name, repair), items in groups.items():
-                cursor = txn.cursor(self._dbs[name])
-                if repair:
-                    cursor.putmulti(items, overwrite=True)
-                    repaired += len(items)
-                    continue
-                present = {bytes(key) for key, _ in cursor.getmulti([key for key, _ in items])}
-                new = list({key: value for key, value in items if key not in present}.items())
-                cursor.putmulti(new, overwrite=False)
-                added[name] += sum(len(value) for _, value in new) - CHECKSUM_BYTES * len(new)
-            for name, delta in added.items():
-                total = self._payload_bytes.get(name, 0) + delta
-                txn.put(name, total.to_bytes(8, "little"), db=self._meta)
-        for name, delta in added.items():
-            self._payload_bytes[name] = self._payload_bytes.get(name, 0) + delta
-        self.corrupt_repaired += repaired
-        self.space.live_bytes = self._count_live_bytes()
-        self._dirty = True
-
+        """See :meth:`StoreWriter.run_syncer`."""
+        await self.writer.run_syncer(interval)
