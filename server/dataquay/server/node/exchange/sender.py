@@ -6,10 +6,10 @@ background, the samples it gives away in epoch e+1 to their new owners: one
 bidirectional stream per receiver (a few receivers at a time), a window of
 chunks in flight, payloads with their checksums, the whole capped by
 ``--exchange-bandwidth``, each receiver's samples in the order this node's
-ranks read them in epoch e. A chunk holds at least one sample; a sample
-larger than a message is a chunk of its own and goes as pieces
-(:mod:`dataquay.client.pieces`). The receiver reserves room before it takes
-a chunk and acknowledges it once its cache has committed it.
+ranks read them in epoch e (:mod:`.streams`). A chunk holds at least one
+sample; a sample larger than a message is a chunk of its own and goes as
+pieces (:mod:`dataquay.client.pieces`). The receiver reserves room before it
+takes a chunk and acknowledges it once its cache has committed it.
 
 A sample is deleted here only when its receiver acknowledged it and this
 node's rank that reads it in epoch e has gone past it (its client reports read
@@ -34,61 +34,34 @@ what the receiver already holds, so nothing is sent twice and nothing is lost.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
-import grpc
 import numpy as np
 
 from dataquay.client.jobs import job_plan
 from dataquay.client.placement import MODES, node_reads
-from dataquay.client.records import CHECKSUM_BYTES
-from dataquay.client.status_codes import UNREACHABLE
-from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import DataquayError
-from dataquay.server.node.bulk.client import BulkRefusedError
-from dataquay.server.node.bulk.frames import BulkError
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange.coded import CodedProgress, coded_pass
 from dataquay.server.node.exchange.mcast import Channel
-from dataquay.server.node.exchange.calls import BulkExchangeCall, ExchangeCall, GrpcExchangeCall
-from dataquay.server.node.exchange.outbox import PENDING, REFUSED, UNAVAILABLE, Outbox, OutboxProgress
+from dataquay.server.node.exchange.outbox import UNAVAILABLE, Outbox, OutboxProgress
 from dataquay.server.node.exchange.positions import ReadPositions
 from dataquay.server.node.exchange.receiver import ExchangeReceiver
+from dataquay.server.node.exchange.streams import ExchangeStreams, News
 from dataquay.server.node.peers import Peers
 from dataquay.server.node.placements import Placement, Placements
 from dataquay.server.node.store import Store
-from dataquay.server.ratelimit import TokenBucket
 from dataquay.server.registry import Registered
 from dataquay.server.task_group import Spawn
 
 log = logging.getLogger("dataquay.exchange")
 
-CHUNK_BYTES = 4 << 20
-CHUNK_ITEMS = 2048
-#: Chunks sent and not yet acknowledged, per stream.
-WINDOW = 4
-#: Ids one offer (one stream) may name; more go in later streams.
-OFFER_IDS = 1 << 16
 #: Receivers streamed to at once.
 PARALLEL_RECEIVERS = 4
-RETRY_SECONDS = (0.5, 30.0)
-#: A bulk listener's answer that it takes no exchanges (TLS): the stream goes over gRPC.
-BULK_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
-#: Least time between two looks at what may be deleted or sent on, however
-#: often reads and acknowledgements come in.
-REACT_SECONDS = 0.05
-#: Longest wait for news of reads or acknowledgements before looking again.
-POLL_SECONDS = 0.25
-#: Receiver errors worth another try; any other means the receiver will not take them.
-RETRYABLE = UNREACHABLE | {
-    grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN,
-}
 
 
 @dataclass
@@ -116,6 +89,10 @@ class ExchangeRun:
     @property
     def elapsed(self) -> float:
         return (self.ended or time.monotonic()) - self.started
+
+    def read_upto(self, positions: ReadPositions) -> np.ndarray:
+        """How far each of this node's ranks has read the epoch this run ships out of."""
+        return positions.read_upto(self.job, self.epoch - 1, self.ranks)
 
 
 class Exchanges:
@@ -154,9 +131,6 @@ class Exchanges:
         self.peers = peers
         self.receiver = receiver
         self.spawn = spawn
-        # A tenth of a second of burst: a bucket that filled while no exchange
-        # ran would otherwise let a whole chunk pass above the cap.
-        self.bucket = TokenBucket(bandwidth) if bandwidth else None
         self.bandwidth = bandwidth
         self.spare_copies_fill = spare_copies_fill
         self.multicast = multicast
@@ -165,12 +139,21 @@ class Exchanges:
         self._tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._epochs: dict[str, int] = {}
         self._epoch_moved = asyncio.Event()
-        self._reads_or_acks = asyncio.Event()
         self.positions = ReadPositions()
-        self.sent_samples = 0
-        self.sent_bytes = 0
+        self.news = News()
+        self.streams = ExchangeStreams(node_name, store, link, peers, self.positions, self.news, bandwidth)
         #: Samples deleted before they were shipped, to break a wait for room (see make_room).
         self.given_up_samples = 0
+
+    @property
+    def sent_samples(self) -> int:
+        """Samples sent in exchanges and committed by their receivers."""
+        return self.streams.sent_samples
+
+    @property
+    def sent_bytes(self) -> int:
+        """Payload bytes sent in exchanges and committed by their receivers."""
+        return self.streams.sent_bytes
 
     def epoch_started(self, job_id: str, epoch: int) -> None:
         """This node's trainers entered ``epoch``: prepare ``epoch + 1``.
@@ -184,7 +167,7 @@ class Exchanges:
             return
         self._epochs[job_id] = epoch
         self._epoch_moved.set()
-        self._news()
+        self.news.tell()
         for (job, target), run in self.runs.items():
             if job == job_id and target < epoch and run.shipping is not None:
                 run.shipping.cancel()
@@ -201,7 +184,7 @@ class Exchanges:
         if job is None or rank >= len(job.spec.nodes) * job.spec.ranks_per_node:
             return
         if self.positions.report(job_id, epoch, rank, position):
-            self._news()
+            self.news.tell()
 
     def resume(self, jobs: list[tuple[str, int]]) -> None:
         """After a restart: redo the exchange of each (job, current epoch) this node is in."""
@@ -268,7 +251,7 @@ class Exchanges:
         dropper = asyncio.get_running_loop().create_task(self._drop_as_read(entry, run))
         try:
             run.shipping = asyncio.gather(*(
-                self._ship_to(run, entry, after, receiver, limit) for receiver in run.outbox.receivers_left()
+                self.streams.ship_to(run, entry, after, receiver, limit) for receiver in run.outbox.receivers_left()
             ))
             given_up = False
             try:
@@ -316,25 +299,13 @@ class Exchanges:
         """Whether given-away samples stay: the cache is emptier than ``--spare-copies-fill``."""
         return bool(self.store.capacity) and self.store.space.live_bytes < self.spare_copies_fill * self.store.capacity
 
-    def _news(self) -> None:
-        """Wakes everything waiting in :meth:`_until_news`: ranks read on, or a receiver acknowledged."""
-        self._reads_or_acks.set()
-        self._reads_or_acks = asyncio.Event()
-
-    async def _until_news(self) -> None:
-        """Returns after the next :meth:`_news` (POLL_SECONDS at most), then
-        REACT_SECONDS more, so that a burst of news is looked at once."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._reads_or_acks.wait(), POLL_SECONDS)
-        await asyncio.sleep(REACT_SECONDS)
-
     async def _drop_as_read(self, entry: Registered, run: ExchangeRun) -> None:
         """Deletes, while the ranks read epoch ``run.epoch - 1``, what is delivered and read."""
         while True:
-            await self._until_news()
+            await self.news.wait()
             if self._keeps_spare_copies():
                 continue
-            ready = run.outbox.read_and_delivered(self._read_upto(run))
+            ready = run.outbox.read_and_delivered(run.read_upto(self.positions))
             if len(ready):
                 await self._drop_given_away(entry, run, ready)
 
@@ -345,7 +316,7 @@ class Exchanges:
         exchange waits on another's (see :mod:`.receiver`). Returns how many."""
         deleted = 0
         for run in [r for r in self.runs.values() if not r.finished]:
-            ids = run.outbox.read_pending(self._read_upto(run), nbytes)
+            ids = run.outbox.read_pending(run.read_upto(self.positions), nbytes)
             if not len(ids):
                 continue
             run.outbox.unsettled(ids, UNAVAILABLE)
@@ -357,10 +328,6 @@ class Exchanges:
             log.info("deleted samples given away and not yet shipped: exchanges into this node waited for room",
                      extra={"fields": {"samples": deleted, "bytes_wanted": nbytes}})
         return deleted
-
-    def _read_upto(self, run: ExchangeRun) -> np.ndarray:
-        """How far each of this node's ranks has read the epoch ``run`` ships out of."""
-        return self.positions.read_upto(run.job, run.epoch - 1, run.ranks)
 
     async def _until_epoch(self, job_id: str, epoch: int) -> None:
         while self._epochs.get(job_id, -1) < epoch:
@@ -381,130 +348,3 @@ class Exchanges:
             run.outbox.dropped(drop)
         log.debug("dropped samples given away", extra={"fields": {"job": run.job, "epoch": run.epoch,
                                                                    "samples": removed}})
-
-    async def _ship_to(
-        self, run: ExchangeRun, entry: Registered, after: Placement, receiver: int, limit: asyncio.Semaphore
-    ) -> None:
-        """Everything ``run`` gives ``receiver``, retried with back-off while it is unreachable."""
-        node = after.nodes[receiver]
-        delay = RETRY_SECONDS[0]
-        while len(run.outbox.pending(receiver)):
-            try:
-                async with limit:
-                    await self._stream(run, entry, node, receiver)
-                delay = RETRY_SECONDS[0]
-                if run.error.startswith(f"{node}:"):
-                    run.error = ""
-                continue
-            except (grpc.aio.AioRpcError, BulkRefusedError) as exc:
-                code, details = _status(exc)
-                if code not in RETRYABLE:
-                    run.error = f"{node}: {code.name}: {details}"
-                    log.warning("receiver refused the exchange; its samples stay here",
-                                extra={"fields": {"job": run.job, "epoch": run.epoch, "peer": node,
-                                                  "code": code.name, "error": details}})
-                    run.outbox.unsettled(run.outbox.pending(receiver), REFUSED)
-                    return
-                run.error = f"{node}: {code.name}"
-            except DataquayError as exc:
-                run.error = f"{node}: {exc}"
-            except asyncio.InvalidStateError:  # written to after the receiver ended the call
-                run.error = f"{node}: the stream ended"
-            log.info("exchange stream to a peer failed; retrying",
-                     extra={"fields": {"job": run.job, "epoch": run.epoch, "peer": node, "error": run.error,
-                                       "retry_in_s": delay}})
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RETRY_SECONDS[1])
-
-    def _call(self, node: str, address: str, bulk_address: str) -> ExchangeCall:
-        """The stream to ``node``: over its bulk listener when it has one this
-        node may use (no TLS, no recent failure), else the Exchange RPC."""
-        bulk = self.peers.bulk
-        if bulk_address and bulk is not None and bulk.tls is None and self.peers.bulk_usable(bulk_address):
-            return BulkExchangeCall(bulk, bulk_address)
-        return GrpcExchangeCall(self.peers.stub(node, address).Exchange())
-
-    async def _stream(self, run: ExchangeRun, entry: Registered, node: str, receiver: int) -> None:
-        """One stream: an offer of up to OFFER_IDS pending ids, then their payloads."""
-        address = await self.link.address_of(node)
-        if not address or self.link.is_down(node):
-            raise DataquayError(f"node {node} is not reachable (down or unknown to the directory)")
-        outbox, db = run.outbox, entry.record.cache_db
-        offered, offered_upto = outbox.offer(receiver, OFFER_IDS)
-        bulk_address = self.peers.bulk_address(node, self.link.bulk_address_of(node))
-        call = self._call(node, address, bulk_address)
-        in_flight: deque[np.ndarray] = deque()
-        window = asyncio.Semaphore(WINDOW)
-
-        async def take_acks() -> None:
-            try:
-                while (reply := await call.read()) is not None:
-                    chunk = in_flight.popleft()
-                    self.sent_bytes += outbox.delivered(reply.held)
-                    self.sent_samples += len(reply.held)
-                    self._news()
-                    outbox.unsettled(np.setdiff1d(chunk, np.asarray(reply.held, dtype=np.int64)), REFUSED)
-                    window.release()
-            finally:
-                for _ in range(WINDOW):  # wake the sending loop, which then sees the stream is over
-                    window.release()
-
-        acks: asyncio.Task[None] | None = None
-        try:
-            await call.offer(pb.ExchangeOffer(
-                job=run.job, dataset=entry.record.name, manifest_id=entry.record.manifest_id,
-                epoch=run.epoch, sender=self.node_name, ids=offered.tolist()))
-            first = await call.read()
-            if first is None:
-                raise DataquayError(f"node {node} ended the exchange stream without answering")
-            outbox.delivered(first.held, sent=False)
-            chunk_bytes = min(CHUNK_BYTES, first.message_bytes or CHUNK_BYTES)
-            after_reads = first.after_reads
-            acks = asyncio.get_running_loop().create_task(take_acks())
-            while True:
-                await window.acquire()
-                if acks.done():
-                    await acks
-                    raise DataquayError(f"node {node} ended the exchange stream early")
-                ids = outbox.take(receiver, chunk_bytes, CHUNK_ITEMS, upto=offered_upto,
-                                  read_upto=self._read_upto(run) if after_reads else None)
-                if not len(ids):
-                    if not outbox.pending_upto(receiver, offered_upto):
-                        break
-                    window.release()  # the receiver is short: wait for this node's ranks to read on
-                    await self._until_news()
-                    continue
-                values = self.store.get_values(db, ids.tolist())
-                samples = [(i, v) for i, v in zip(ids.tolist(), values) if v is not None]
-                absent = ids[[v is None for v in values]]
-                outbox.unsettled(absent, UNAVAILABLE)
-                if not samples:
-                    window.release()
-                    continue
-                if self.bucket is not None:
-                    await asyncio.sleep(self.bucket.reserve(sum(len(v) - CHECKSUM_BYTES for _, v in samples)))
-                in_flight.append(np.fromiter((i for i, _ in samples), np.int64, len(samples)))
-                await call.send(samples)
-            await call.done_writing()
-            await acks
-        except BulkError as exc:
-            refused = isinstance(exc, BulkRefusedError)
-            if bulk_address and (not isinstance(exc, BulkRefusedError) or exc.code == BULK_UNAVAILABLE):
-                if refused or not await self.peers.rediscovered(node, address, bulk_address):
-                    self.peers.bulk_failed(bulk_address, node, exc)
-            raise
-        finally:
-            if acks is not None:
-                acks.cancel()
-                await asyncio.gather(acks, return_exceptions=True)
-            for chunk in in_flight:
-                outbox.unsettled(chunk, PENDING)
-            call.cancel()
-
-
-def _status(exc: grpc.aio.AioRpcError | BulkRefusedError) -> tuple[grpc.StatusCode, str]:
-    """The status a receiver ended a stream with, over either transport."""
-    if isinstance(exc, BulkRefusedError):
-        code = next((c for c in grpc.StatusCode if c.value[0] == exc.code), grpc.StatusCode.UNKNOWN)
-        return code, str(exc)
-    return exc.code(), exc.details() or ""
