@@ -40,6 +40,7 @@ import weakref
 
 from dataquay.client.channels import grpc_target
 from dataquay.client.errors import SegmentRefusedError
+from dataquay.client.segment_reads import REPLY_BYTES
 
 #: The fd socket is the daemon's socket path with this suffix.
 FD_SOCKET_SUFFIX = ".fds"
@@ -89,15 +90,18 @@ def parse_request(data: bytes) -> tuple[int, str]:
     return size, token
 
 
-def reply_message(segment: str = "", error: str = "", busy: bool = False) -> bytes:
-    """The daemon's answer: the segment's name, or why not (``busy``: try again later)."""
+def reply_message(segment: str = "", error: str = "", busy: bool = False, reads: int = 0) -> bytes:
+    """The daemon's answer: the segment's name and the most ids of a batch
+    read it answers on the connection (``reads``, 0 for none; see
+    :mod:`.segment_reads`), or why not (``busy``: try again later)."""
     if segment:
-        return json.dumps({"segment": segment}).encode()
+        return json.dumps({"segment": segment, "reads": reads}).encode()
     return json.dumps({"error": error, "busy": busy}).encode()
 
 
-def parse_reply(data: bytes) -> str:
-    """The segment name in the daemon's answer.
+def parse_reply(data: bytes) -> tuple[str, int]:
+    """The segment name in the daemon's answer, and the most ids of a batch
+    read it answers on the connection (0 from a daemon that answers none).
 
     Raises:
         SegmentRefusedError: the daemon refused, saying why, or gave no answer.
@@ -111,7 +115,8 @@ def parse_reply(data: bytes) -> str:
         fields = {}
     segment = fields.get("segment")
     if isinstance(segment, str) and segment.startswith(PREFIX):
-        return segment
+        reads = fields.get("reads")
+        return segment, reads if type(reads) is int and reads > 0 else 0
     error = str(fields.get("error") or "the daemon ended the exchange without an answer")
     if fields.get("busy") is True:
         raise BlockingIOError(errno.EAGAIN, error)
@@ -139,7 +144,7 @@ class MemfdSegment:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, CLIENT_SEALS)
             self.map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
             try:
-                self._sock, self.name = _register(fd, size, fd_socket, token)
+                self._sock, self.name, self.read_ids = _register(fd, size, fd_socket, token)
             except BaseException:
                 self.map.close()
                 raise
@@ -151,6 +156,18 @@ class MemfdSegment:
     def daemon_mapped(self) -> None:
         """The daemon mapped it before it named it: nothing to do."""
 
+    def read(self, request: bytes, timeout: float) -> bytes:
+        """The daemon's reply to a batch read ``request`` (:mod:`.segment_reads`) on
+        this segment's connection; b"" if the daemon ended the connection.
+
+        Raises:
+            OSError: the connection failed, or no reply came within ``timeout``
+                seconds (TimeoutError); the segment is not to be used again.
+        """
+        self._sock.settimeout(timeout)
+        self._sock.send(request)
+        return self._sock.recv(REPLY_BYTES)
+
     def close(self) -> None:
         """Unmaps it here; the daemon unmaps it as the connection ends."""
         _live.discard(self)
@@ -159,18 +176,19 @@ class MemfdSegment:
         self.closed = True
 
 
-def _register(fd: int, size: int, fd_socket: str, token: str) -> tuple[socket.socket, str]:
-    """Hands ``fd`` to the daemon: the connection that keeps it mapped there, and its name."""
+def _register(fd: int, size: int, fd_socket: str, token: str) -> tuple[socket.socket, str, int]:
+    """Hands ``fd`` to the daemon: the connection that keeps it mapped there,
+    its name and the most ids of a batch read the daemon answers on it."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.settimeout(HANDSHAKE_SECONDS)
         sock.connect(fd_socket)
         socket.send_fds(sock, [request_message(size, token)], [fd])
-        name = parse_reply(sock.recv(MESSAGE_BYTES))
+        name, reads = parse_reply(sock.recv(MESSAGE_BYTES))
     except BaseException:
         sock.close()
         raise
-    return sock, name
+    return sock, name, reads
 
 
 def _close_inherited() -> None:

@@ -28,6 +28,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+import grpc
 import numpy as np
 
 from dataquay.client.cache_behind import CacheBehindNotices
@@ -39,8 +40,10 @@ from dataquay.client.notices import first_to_tell, no_longer
 from dataquay.client.pfs import PfsReader
 from dataquay.client.pieces import Joiner
 from dataquay.client.records import checksum
+from dataquay.client.segment_reads import NOT_PLACED, OK, BatchReply, BatchRequest, parse_reply, request_frame
 from dataquay.client.shm import Segment, SegmentPool
 from dataquay.client.stats import TIERS, ReadStats
+from dataquay.client.status_codes import CODES_BY_VALUE, error_from_status
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 
@@ -221,28 +224,17 @@ class RemoteReader:
     def _read_daemon_once(
         self, dataset: Dataset, ids: np.ndarray, seg: Segment | MemfdSegment | None, epoch: int | None
     ) -> tuple[list[bytes], list[int]]:
-        """(samples in order, positions whose checksum failed)."""
-        request = pb.ReadRequest(
-            dataset=dataset.name, ids=ids.tolist(), manifest_id=dataset.manifest.manifest_id, job=dataset.job or ""
-        )
-        if epoch is not None and dataset.job:
-            request.epoch = epoch
-        if seg is not None:
-            request.shm_name, request.shm_size = seg.name, seg.size
+        """(samples in order, positions whose checksum failed): on the sealed
+        segment's own connection where the daemon answers reads there, else
+        in a streamed gRPC Read."""
         lengths = dataset.manifest.sample_length
         deadline = batch_deadline(READ_FLOOR_SECONDS, int(lengths[ids].sum()))
         reply = _Reply(dataset.name, ids.tolist(), lengths, seg, self._verify)
-
-        def read(stub: cache_pb2_grpc.CacheStub) -> None:
-            call = stub.Read(request, timeout=deadline)
-            try:
-                for chunk in call:
-                    reply.take(chunk)
-            except DataquayError:
-                call.cancel()  # the rest of a reply that makes no sense is not waited for
-                raise
-
-        self._connection.call("Read", read)
+        if not (
+            isinstance(seg, MemfdSegment) and len(ids) <= seg.read_ids
+            and self._read_on_segment(dataset, ids, seg, epoch, deadline, reply)
+        ):
+            self._read_grpc(dataset, ids, seg, epoch, deadline, reply)
         self._daemon_up()
         reply.check_complete()
         if seg is not None:
@@ -256,6 +248,63 @@ class RemoteReader:
             if count:
                 self._stats.add(tier, count, reply.sizes[tier])
         return reply.out, reply.bad
+
+    def _read_on_segment(
+        self, dataset: Dataset, ids: np.ndarray, seg: MemfdSegment, epoch: int | None, deadline: float,
+        reply: _Reply,
+    ) -> bool:
+        """Reads a batch into ``seg`` with one framed request on its connection
+        (:mod:`dataquay.client.segment_reads`); False where the daemon could not
+        place it there (nothing was taken into ``reply``)."""
+        frame = request_frame(BatchRequest(
+            dataset.name, dataset.manifest.manifest_id, dataset.job or "", epoch if dataset.job else None, ids
+        ))
+        try:
+            data = seg.read(frame, deadline)
+        except OSError as exc:
+            raise DaemonUnavailableError(
+                f"dataquay daemon at {self._connection.address} did not answer a read on its fd socket ({exc})"
+            ) from None
+        if not data:
+            raise DaemonUnavailableError(
+                f"dataquay daemon at {self._connection.address} ended a segment's connection during a read"
+            )
+        try:
+            answer = parse_reply(data, len(ids))
+        except ValueError as exc:
+            raise DataquayError(f"the daemon's reply to a read of {dataset.name!r} makes no sense: {exc}") from None
+        if answer.code == NOT_PLACED:
+            return False
+        if answer.code != OK:
+            code = CODES_BY_VALUE.get(answer.code, grpc.StatusCode.UNKNOWN)
+            raise error_from_status(code, answer.message, answer.error) or DataquayError(
+                f"Read failed: {code.name}: {answer.message}"
+            )
+        reply.take_placed(answer)
+        return True
+
+    def _read_grpc(
+        self, dataset: Dataset, ids: np.ndarray, seg: Segment | MemfdSegment | None, epoch: int | None,
+        deadline: float, reply: _Reply,
+    ) -> None:
+        request = pb.ReadRequest(
+            dataset=dataset.name, ids=ids.tolist(), manifest_id=dataset.manifest.manifest_id, job=dataset.job or ""
+        )
+        if epoch is not None and dataset.job:
+            request.epoch = epoch
+        if seg is not None:
+            request.shm_name, request.shm_size = seg.name, seg.size
+
+        def read(stub: cache_pb2_grpc.CacheStub) -> None:
+            call = stub.Read(request, timeout=deadline)
+            try:
+                for chunk in call:
+                    reply.take(chunk)
+            except DataquayError:
+                call.cancel()  # the rest of a reply that makes no sense is not waited for
+                raise
+
+        self._connection.call("Read", read)
 
     def _read_pfs(self, dataset: Dataset, ids: np.ndarray) -> list[bytes]:
         out = self._pfs_reader(dataset).read(ids)
@@ -381,6 +430,25 @@ class _Reply:
             sizes[tier] += len(data)
             out.append(data)
         self.used_segment |= used_segment
+
+    def take_placed(self, answer: BatchReply) -> None:
+        """Takes a whole batch from a reply framed on a sealed segment's
+        connection: every payload lies in the segment."""
+        seg, out, bad, verify = self.seg, self.out, self.bad, self.verify
+        assert seg is not None and not out
+        tiers, sizes = self.tiers, self.sizes
+        for position, (offset, length, digest, tier_code, checked) in enumerate(zip(
+            answer.offsets.tolist(), answer.lengths.tolist(), answer.checksums.tolist(), answer.tiers.tolist(),
+            answer.checked.tolist(),
+        )):
+            data = seg.map[offset : offset + length]
+            if verify and not checked and checksum(data) != digest:
+                bad.append(position)
+            tier = _TIER_NAMES.get(tier_code, "daemon-local")
+            tiers[tier] += 1
+            sizes[tier] += length
+            out.append(data)
+        self.used_segment = bool(out)
 
     def _take_piece(self, piece: pb.Sample) -> None:
         position = len(self.out)

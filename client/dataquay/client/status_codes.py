@@ -102,9 +102,23 @@ def error_from_rpc(
         for its code; None for a code no domain error has (a transport
         failure, a refused token, a limit, a bug), which each hop words itself.
     """
-    code = exc.code()
-    kind = _BY_NAME.get(_named(exc)) or (expected or {}).get(code) or _BARE.get(code)
-    return kind(exc.details() or code.name) if kind is not None else None
+    return error_from_status(exc.code(), exc.details() or "", _named(exc), expected)
+
+
+def error_from_status(
+    code: grpc.StatusCode,
+    details: str,
+    name: str = "",
+    expected: Mapping[grpc.StatusCode, type[DataquayError]] | None = None,
+) -> DataquayError | None:
+    """As :func:`error_from_rpc`, for a status given apart (a reply framed
+    outside gRPC): its code, message and the class name it names, if any."""
+    kind = _BY_NAME.get(name) or (expected or {}).get(code) or _BARE.get(code)
+    return kind(details or code.name) if kind is not None else None
+
+
+#: Each status code by the number it has on the wire.
+CODES_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _named(exc: grpc.RpcError) -> str:

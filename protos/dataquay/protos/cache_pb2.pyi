@@ -370,7 +370,7 @@ class StatsReply(_message.Message):
     def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ..., read_ahead: _Optional[_Union[ReadAhead, _Mapping]] = ..., prep_groups: _Optional[_Iterable[_Union[PrepGroupStatus, _Mapping]]] = ..., bulk: _Optional[_Union[BulkCounts, _Mapping]] = ..., cache_behind: _Optional[_Union[CacheBehindCounts, _Mapping]] = ...) -> None: ...
 
 class BulkCounts(_message.Message):
-    __slots__ = ("served_samples", "served_bytes", "fetched_samples", "fetched_bytes", "refused_connections", "fallbacks", "exchange_samples", "forwarded_samples", "in_place_samples")
+    __slots__ = ("served_samples", "served_bytes", "fetched_samples", "fetched_bytes", "refused_connections", "fallbacks", "exchange_samples", "forwarded_samples", "in_place_samples", "segment_reads")
     SERVED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     FETCHED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -380,6 +380,7 @@ class BulkCounts(_message.Message):
     EXCHANGE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     FORWARDED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     IN_PLACE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_READS_FIELD_NUMBER: _ClassVar[int]
     served_samples: int
     served_bytes: int
     fetched_samples: int
@@ -389,7 +390,8 @@ class BulkCounts(_message.Message):
     exchange_samples: int
     forwarded_samples: int
     in_place_samples: int
-    def __init__(self, served_samples: _Optional[int] = ..., served_bytes: _Optional[int] = ..., fetched_samples: _Optional[int] = ..., fetched_bytes: _Optional[int] = ..., refused_connections: _Optional[int] = ..., fallbacks: _Optional[int] = ..., exchange_samples: _Optional[int] = ..., forwarded_samples: _Optional[int] = ..., in_place_samples: _Optional[int] = ...) -> None: ...
+    segment_reads: int
+    def __init__(self, served_samples: _Optional[int] = ..., served_bytes: _Optional[int] = ..., fetched_samples: _Optional[int] = ..., fetched_bytes: _Optional[int] = ..., refused_connections: _Optional[int] = ..., fallbacks: _Optional[int] = ..., exchange_samples: _Optional[int] = ..., forwarded_samples: _Optional[int] = ..., in_place_samples: _Optional[int] = ..., segment_reads: _Optional[int] = ...) -> None: ...
 
 class ReadAhead(_message.Message):
     __slots__ = ("memory_bytes", "held_bytes", "peak_bytes", "overflow_read_samples", "overflow_read_bytes", "overflow_served_samples", "overflow_served_bytes", "overflow_wasted_samples", "overflow_wasted_bytes", "overflow_failed_samples")

@@ -54,6 +54,7 @@ from dataquay.server.node.pfs_pool import PfsPool
 from dataquay.server.node.placements import Placements
 from dataquay.server.node.prep_groups import PrepGroups
 from dataquay.server.node.reads import ReadService
+from dataquay.server.node.segment_reads import SegmentReads
 from dataquay.server.node.segment_socket import SegmentSocket
 from dataquay.server.node.servicer import CacheServicer
 from dataquay.server.node.shm import ShmSegments
@@ -127,6 +128,8 @@ class Daemon(ServerLifecycle):
         self.forwarded_samples = 0
         #: Of those, received from the peer straight into a sealed memfd segment.
         self.in_place_samples = 0
+        #: Trainers' batch reads answered on their segments' connections (see node/segment_reads.py).
+        self.segment_reads = 0
         self.shm = ShmSegments()
         self.segment_socket: SegmentSocket | None = None
         self.behind = CacheBehind(self.datasets, self.store, self.pfs, self.shm, config.max_sample_size)
@@ -229,7 +232,9 @@ class Daemon(ServerLifecycle):
             log.info("clients hand over payloads through /dev/shm",
                      extra={"fields": {"reason": self.shm.memfd_problem}})
             return
-        segment_socket = SegmentSocket(Path(fd_socket_path(str(sock))), self.shm, self.credentials.token)
+        segment_socket = SegmentSocket(
+            Path(fd_socket_path(str(sock))), self.shm, self.credentials.token, SegmentReads(self), self.tasks.spawn
+        )
         try:
             segment_socket.open(self.config.socket_group)
         except OSError as exc:

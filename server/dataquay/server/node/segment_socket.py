@@ -6,6 +6,9 @@ connects, sends one SOCK_SEQPACKET message (size and cluster token) carrying
 one descriptor, and gets the segment's name or why it was refused (see
 :mod:`dataquay.client.memfd`). The connection then stays open as the
 segment's lease: its end, whatever the client's way of ending, unmaps it.
+Given ``reads``, it also carries the client's batch reads into that segment,
+one request and one reply at a time (:mod:`dataquay.client.segment_reads`);
+anything else the client sends on it ends the lease.
 
 Everything runs as callbacks on the event loop (no task or thread per
 connection): a handshake is a few system calls, bounded in time and in how
@@ -28,9 +31,12 @@ from pathlib import Path
 
 from dataquay.client.errors import SegmentRefusedError
 from dataquay.client.memfd import HANDSHAKE_SECONDS, MESSAGE_BYTES, parse_request, reply_message
+from dataquay.client.segment_reads import MAX_IDS, REQUEST_BYTES
 from dataquay.server.errors import StartupError
 from dataquay.server.listen import claim_socket_path
+from dataquay.server.node.segment_reads import SegmentReads
 from dataquay.server.node.shm import ShmSegments
+from dataquay.server.task_group import Spawn
 
 log = logging.getLogger("dataquay.daemon")
 
@@ -44,12 +50,18 @@ _PEERCRED = struct.Struct("3i")
 
 
 class SegmentSocket:
-    """Takes sealed memfd segments into ``segments`` from clients that bring ``token``."""
+    """Takes sealed memfd segments into ``segments`` from clients that bring
+    ``token``; answers their batch reads with ``reads``, each in a task of ``spawn``."""
 
-    def __init__(self, path: Path, segments: ShmSegments, token: str) -> None:
+    def __init__(
+        self, path: Path, segments: ShmSegments, token: str, reads: SegmentReads | None = None,
+        spawn: Spawn | None = None,
+    ) -> None:
         self.path = path
         self.segments = segments
         self._token = token.encode()
+        self._reads = reads if spawn is not None else None
+        self._spawn = spawn
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiting: dict[socket.socket, asyncio.TimerHandle] = {}
@@ -141,7 +153,7 @@ class SegmentSocket:
         self._stop_waiting(conn)
         pid, uid = _peer(conn)
         try:
-            name = self._adopt(conn, data, fds, flags, pid)
+            name, size = self._adopt(conn, data, fds, flags, pid)
         except SegmentRefusedError as exc:
             self._refuse(conn, (pid, uid), str(exc))
             return
@@ -149,16 +161,16 @@ class SegmentSocket:
             for fd in fds:
                 os.close(fd)
         try:
-            conn.send(reply_message(segment=name))
+            conn.send(reply_message(segment=name, reads=MAX_IDS if self._reads is not None else 0))
         except OSError:
             self.segments.drop(name)
             return
         assert self._loop is not None
-        self._loop.add_reader(conn.fileno(), self._lease_ended, conn, name)
+        self._loop.add_reader(conn.fileno(), self._readable, conn, name, size)
         log.info("mapped a sealed shared memory segment",
                  extra={"fields": {"pid": pid, "uid": uid, "mapped": self.segments.mapped}})
 
-    def _adopt(self, conn: socket.socket, data: bytes, fds: list[int], flags: int, pid: int) -> str:
+    def _adopt(self, conn: socket.socket, data: bytes, fds: list[int], flags: int, pid: int) -> tuple[str, int]:
         if flags & socket.MSG_TRUNC:
             raise SegmentRefusedError(f"a message longer than {MESSAGE_BYTES} bytes")
         if flags & socket.MSG_CTRUNC or len(fds) != 1:
@@ -172,19 +184,47 @@ class SegmentSocket:
             raise SegmentRefusedError(
                 "missing or wrong cluster token" if token else "this daemon needs the cluster token"
             )
-        return self.segments.adopt(fds[0], size, pid, lambda: self._release(conn))
+        return self.segments.adopt(fds[0], size, pid, lambda: self._release(conn)), size
 
-    def _lease_ended(self, conn: socket.socket, name: str) -> None:
-        """The client closed the connection (or, against the protocol, sent more): unmap."""
+    def _readable(self, conn: socket.socket, name: str, size: int) -> None:
+        """A batch read to answer; or the client closed the connection (or,
+        against the protocol, sent something else): unmap."""
         try:
-            if conn.recv(1):
-                log.warning("a client sent more on a segment's connection; unmapping it",
-                            extra={"fields": {"pid": _peer(conn)[0]}})
+            data, _, flags, _ = conn.recvmsg(REQUEST_BYTES if self._reads is not None else 1)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            pass
+            data, flags = b"", 0
+        if data and self._reads is not None and self._spawn is not None and not flags & socket.MSG_TRUNC:
+            assert self._loop is not None
+            self._loop.remove_reader(conn.fileno())  # one request at a time
+            self._spawn(self._answer(conn, name, size, data), "segment-read")
+            return
+        if data:
+            log.warning("a client sent something else than a batch read on a segment's connection; unmapping it",
+                        extra={"fields": {"pid": _peer(conn)[0]}})
         self.segments.drop(name)
+
+    async def _answer(self, conn: socket.socket, name: str, size: int, request: bytes) -> None:
+        assert self._reads is not None and self._loop is not None
+        try:
+            reply = await self._reads.answer(name, size, request)
+        except ValueError as exc:
+            log.warning("a malformed batch read on a segment's connection; unmapping it",
+                        extra={"fields": {"pid": _peer(conn)[0], "error": str(exc)}})
+            self.segments.drop(name)
+            return
+        except BaseException:
+            self.segments.drop(name)
+            raise
+        if conn.fileno() < 0:
+            return  # unmapped meanwhile (the daemon closes)
+        try:
+            conn.send(reply)
+        except OSError:
+            self.segments.drop(name)
+            return
+        self._loop.add_reader(conn.fileno(), self._readable, conn, name, size)
 
     def _release(self, conn: socket.socket) -> None:
         """Ends a segment's connection once the segment is unmapped."""

@@ -205,6 +205,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 fallbacks=d.peers.bulk_fallbacks,
                 forwarded_samples=d.forwarded_samples,
                 in_place_samples=d.in_place_samples,
+                segment_reads=d.segment_reads,
                 exchange_samples=d.bulk.exchange_samples if d.bulk else 0,
             ),
             cache_behind=state.cache_behind.proto(),
