@@ -43,8 +43,8 @@ class ShmForward:
         #: Of those, the ones received straight into the segment and checked there.
         self.checked: set[int] = set()
         self._mapping = shm.mapping(name)
-        #: Where each sample being received in place goes.
-        self._receiving: dict[int, int] = {}
+        #: Where each sample being received in place goes: (offset, end of its room).
+        self._receiving: dict[int, tuple[int, int]] = {}
         self._lock = threading.Lock()
 
     def place(self, sample_id: int, length: int) -> memoryview | None:
@@ -65,13 +65,22 @@ class ShmForward:
             except ValueError:  # unmapped: the client let go of the segment
                 return None
             self.at = aligned(offset + length)
-            self._receiving[sample_id] = offset
+            self._receiving[sample_id] = (offset, self.at)
             return view
+
+    def failed(self, sample_id: int) -> None:
+        """``sample_id``'s payload failed its checksum where :meth:`place` put
+        it: its room is given out again if nothing was placed after it (so
+        that what replaces it still fits a segment sized to the batch)."""
+        with self._lock:
+            offset, end = self._receiving.pop(sample_id)
+            if self.at == end:
+                self.at = offset
 
     def received(self, sample_id: int) -> None:
         """``sample_id`` was received where :meth:`place` put it and passed its checksum there."""
         with self._lock:
-            self.placed[sample_id] = self._receiving.pop(sample_id)
+            self.placed[sample_id] = self._receiving.pop(sample_id)[0]
             self.forwarded += 1
             self.checked.add(sample_id)
 

@@ -74,6 +74,10 @@ class Landing(Protocol):
         view ``place`` gave passed its checksum there: it is where it goes,
         so the event loop is not woken for it."""
 
+    def failed(self, sample_id: int) -> None:
+        """Called from the bulk thread when the payload received into the view
+        ``place`` gave failed its checksum: that room may be given out again."""
+
     def arrived(self, landed: list[tuple[int, memoryview, int]]) -> None:
         """Called on the event loop with payloads received into buffers of
         their own that arrived intact: [(id, payload, checksum)]. One that
@@ -243,6 +247,8 @@ class BulkClient:
             ahead = True
             if checksum(payload) != digest:
                 out.bad_checksums += 1
+                if landing is not None and target is not None:
+                    landing.failed(sample_id)
                 continue
             out.samples[sample_id] = (payload, digest)
             out.bytes += length
