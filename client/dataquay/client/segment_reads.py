@@ -23,7 +23,9 @@ request per batch on that connection with one packed reply:
 A status other than :data:`OK` carries the gRPC status code and class name a
 streamed Read would end with, so the same error comes back as the same
 exception; :data:`NOT_PLACED` says the segment could not hold the batch, which
-then goes over gRPC (payloads inline). Control (Info, jobs, datasets) stays
+then goes over gRPC (payloads inline): rare, since the client sizes a
+segment to its batch (a peer payload that failed its checksum in place while
+another landed after it leaves its room unused). Control (Info, jobs, datasets) stays
 on gRPC. A daemon closes a connection that sends anything else, which also
 unmaps its segment.
 """
