@@ -296,6 +296,7 @@ def bench_size(bulk: list[DaemonProcess], plain: list[DaemonProcess], base: Path
     row["rounds_GBps"] = rates
     row["forwarded_samples"] = counts.forwarded_samples
     row["in_place_samples"] = counts.in_place_samples
+    row["segment_reads"] = counts.segment_reads
     row["load_before"], row["load_after"] = load_before, load_after
     row["target"] = TARGET
     return row
