@@ -30,9 +30,9 @@ import types
 from pathlib import Path
 
 import numpy as np
-
 from coded_shuffle import MEDIAN_BYTES, SCHEMES, SIGMA
 from common import REPEATS, progress, report
+
 from dataquay.server import _coding_py
 from dataquay.server.node.exchange import coding
 from dataquay.server.tools.spare_copies import balanced_owners, refill

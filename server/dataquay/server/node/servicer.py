@@ -124,7 +124,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             freed = await self.daemon.datasets.drop(request.name)
         return pb.DropDatasetReply(freed_samples=freed)
 
-    async def Stage(self, request: pb.StageRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StageProgress]:
+    async def Stage(
+        self, request: pb.StageRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StageProgress]:
         d = self.daemon
         async with status_on_error(context):
             entry = await d.datasets.entry(request.dataset)
