@@ -3,7 +3,6 @@ file systems (a small tmpfs, a ramfs that cannot allocate ahead), real LMDB."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 from collections.abc import Iterator
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from store_runs import with_store
 
 from dataquay.client.records import encode_value
 from dataquay.server.node.cache_file import (
@@ -55,21 +55,6 @@ def allocated_whole(path: Path) -> bool:
     st = os.stat(path)
     return st.st_blocks * 512 >= st.st_size
 
-
-def with_store(path: Path, capacity: int, test: object) -> None:
-    async def run() -> None:
-        store = Store(path, capacity)
-        store.open()
-        await store.open_dataset("ds")
-        writer = asyncio.get_running_loop().create_task(store.run_writer())
-        try:
-            await test(store)  # type: ignore[operator]
-        finally:
-            writer.cancel()
-            await asyncio.gather(writer, return_exceptions=True)
-            store.close()
-
-    asyncio.run(run())
 
 
 async def fill(store: Store, first: int) -> np.ndarray:

@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 import numpy as np
+from store_runs import with_store
 
 from dataquay.client.records import encode_value
 from dataquay.server.node.cache_space import CacheSpace
@@ -28,21 +29,6 @@ async def fill(store: Store, first: int, count: int) -> np.ndarray:
     return store.cached_mask("ds", ids)
 
 
-def with_store(tmp_path: Path, capacity: int, test: object) -> None:
-    async def run() -> None:
-        store = Store(tmp_path / "cache", capacity)
-        store.open()
-        await store.open_dataset("ds")
-        writer = asyncio.get_running_loop().create_task(store.run_writer())
-        try:
-            await test(store)  # type: ignore[operator]
-        finally:
-            writer.cancel()
-            await asyncio.gather(writer, return_exceptions=True)
-            store.close()
-
-    asyncio.run(run())
-
 
 def test_space_freed_by_deletes_is_used_again(tmp_path: Path) -> None:
     async def test(store: Store) -> None:
@@ -56,7 +42,7 @@ def test_space_freed_by_deletes_is_used_again(tmp_path: Path) -> None:
         assert store.full
         assert store.space.live_bytes <= store.capacity
 
-    with_store(tmp_path, 4 * MiB, test)
+    with_store(tmp_path / "cache", 4 * MiB, test)
 
 
 def test_a_reservation_waits_for_room_and_its_writes_are_never_dropped(tmp_path: Path) -> None:
@@ -82,7 +68,7 @@ def test_a_reservation_waits_for_room_and_its_writes_are_never_dropped(tmp_path:
         assert store.cached_mask("ds", ids).sum() >= 8
         assert store.inserts_dropped == dropped
 
-    with_store(tmp_path, 4 * MiB, test)
+    with_store(tmp_path / "cache", 4 * MiB, test)
 
 
 def test_inserts_that_leave_room_for_the_exchange_stop_short_of_its_reserve(tmp_path: Path) -> None:
@@ -93,7 +79,7 @@ def test_inserts_that_leave_room_for_the_exchange_stop_short_of_its_reserve(tmp_
         assert store.capacity - store.space.live_bytes >= store.space.exchange_reserve - VALUE
         assert await store.space.reserve(store.space.exchange_reserve // 2, timeout=1)
 
-    with_store(tmp_path, 8 * MiB, test)
+    with_store(tmp_path / "cache", 8 * MiB, test)
 
 
 def test_a_map_that_refused_ordinary_inserts_still_takes_reserved_ones(tmp_path: Path) -> None:
@@ -106,7 +92,7 @@ def test_a_map_that_refused_ordinary_inserts_still_takes_reserved_ones(tmp_path:
         assert store.cached_mask("ds", np.array([9000])).all()
         assert store.env.info()["map_size"] > store.capacity
 
-    with_store(tmp_path, 4 * MiB, test)
+    with_store(tmp_path / "cache", 4 * MiB, test)
 
 
 def test_only_a_refused_reserved_write_stops_reservations() -> None:
