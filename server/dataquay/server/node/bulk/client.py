@@ -170,27 +170,19 @@ class BulkClient:
     ) -> BulkRead:
         sock, reused = self._take(address, end)
         try:
-            out = self._exchange(sock, request, ids, lengths, end, landing, arrived)
-        except TimeoutError:
-            sock.close()
-            raise BulkTimeoutError(f"bulk read from {address} missed its deadline") from None
+            return self._read_on(address, sock, request, ids, lengths, end, landing, arrived)
         except _StaleError:
-            sock.close()
             if not reused:
                 raise
             # The peer closed an idle connection (restarted, or it idled out): once more, on a new one.
-            return self._read_new(address, request, ids, lengths, end, landing, arrived)
-        except BaseException:
-            sock.close()
-            raise
-        self._give(address, sock)
-        return out
+            sock = self._connect(address, end)
+            return self._read_on(address, sock, request, ids, lengths, end, landing, arrived)
 
-    def _read_new(
-        self, address: str, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
+    def _read_on(
+        self, address: str, sock: socket.socket, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
         landing: Landing | None, arrived: Callable[[int, memoryview, int], None] | None,
     ) -> BulkRead:
-        sock = self._connect(address, end)
+        """One read on ``sock``, which goes back to the pool after it, or is closed if it failed."""
         try:
             out = self._exchange(sock, request, ids, lengths, end, landing, arrived)
         except TimeoutError:
