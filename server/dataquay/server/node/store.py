@@ -272,19 +272,12 @@ class Store:
 
     async def put(self, write: PendingWrite) -> None:
         """Queues a write, waiting while the queue is full (staging back-pressure)."""
-        queue = self.writer.queue
-        self.writer.check()
-        while queue.is_full:
-            await queue.wait_for_room()
-            self.writer.check()
-        if self._refuses(write):
-            self.writer.inserts_dropped += 1
-            return
-        queue.push(write)
+        await self.put_many([write])
 
     async def put_many(self, writes: list[PendingWrite]) -> None:
-        """Queues ``writes`` like :meth:`put`, after one wait for room: the
-        queue may pass its bound by one call's writes, which the caller bounds."""
+        """Queues ``writes`` after one wait for room (the queue may pass its
+        bound by one call's writes, which the caller bounds); a write the full
+        cache has no room for is dropped and counted."""
         queue = self.writer.queue
         self.writer.check()
         while queue.is_full:

@@ -73,17 +73,10 @@ class WriteQueue:
         return min(1.0, self.queued_bytes / QUEUE_BYTES)
 
     def push(self, write: PendingWrite) -> None:
-        self.queued_count += 1
-        self._items.append(write)
-        self._by_key[(write.db, write.sample_id)] = write
-        self.queued_bytes += len(write.value)
-        self._idle.clear()
-        self._has_work.set()
-        if self.is_full:
-            self._has_room.clear()
+        self.push_many([write])
 
     def push_many(self, writes: list[PendingWrite]) -> None:
-        """:meth:`push` of each of ``writes``, in one go."""
+        """Queues ``writes`` in order, each with the next ticket."""
         if not writes:
             return
         self.queued_count += len(writes)
