@@ -6,6 +6,7 @@ daemon serving on)."""
 from __future__ import annotations
 
 import os
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -61,6 +62,8 @@ def test_a_client_reads_its_misses_on_the_segment_connection_bytes_exact(
         more = list(range(20, 30))
         assert ds.get_batch(more) == files_bytes(3, more, SIZES)
     assert daemon_stats(served).bulk.segment_reads == 2
+    metrics = urllib.request.urlopen(served.metrics_url, timeout=30).read().decode()
+    assert "dataquay_bulk_segment_reads_total 2.0" in metrics.splitlines()
 
 
 def test_a_segment_read_answers_offsets_of_exact_bytes(segment: MemfdSegment) -> None:

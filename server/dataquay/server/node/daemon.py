@@ -389,7 +389,7 @@ class Daemon(ServerLifecycle):
             bulk=(
                 self.bulk.served_samples if self.bulk else 0, self.bulk.served_bytes if self.bulk else 0,
                 self.peers.bulk_samples, self.peers.bulk_bytes, self.bulk.refused if self.bulk else 0,
-                self.peers.bulk_fallbacks,
+                self.peers.bulk_fallbacks, self.segment_reads,
             ),
             cache_behind=self.behind.counts,
         )

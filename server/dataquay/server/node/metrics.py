@@ -74,8 +74,8 @@ class LiveState:
     clients: int
     prep_groups: tuple[pb.PrepGroupStatus, ...] = ()
     #: The bulk data path: (served samples, served bytes, fetched samples, fetched bytes,
-    #: connections refused, fetches that fell back to gRPC).
-    bulk: tuple[int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0)
+    #: connections refused, fetches that fell back to gRPC, trainers' batch reads on their segments' connections).
+    bulk: tuple[int, int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0, 0)
     cache_behind: BehindCounts = field(default_factory=BehindCounts)
 
 
@@ -320,7 +320,7 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "dataquay_exchange_received_bytes", "Payload bytes committed from other nodes' exchanges", value=nbytes
     )
-    served, served_bytes, fetched, fetched_bytes, refused, fallbacks = state.bulk
+    served, served_bytes, fetched, fetched_bytes, refused, fallbacks, segment_reads = state.bulk
     for name, text, value in (
         ("served_samples", "Samples sent to peers over the bulk data path", served),
         ("served_bytes", "Payload bytes sent to peers over the bulk data path", served_bytes),
@@ -329,6 +329,8 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
         ("refused_connections", "Bulk connections closed for bad input: garbage, a wrong token, oversized, stalled",
          refused),
         ("fallbacks", "Bulk connections to peers that failed, after which gRPC was used", fallbacks),
+        ("segment_reads", "Trainers' batch reads answered on their shared-memory segment's connection, not gRPC",
+         segment_reads),
     ):
         yield CounterMetricFamily(f"dataquay_bulk_{name}", text, value=value)
     yield CounterMetricFamily(
