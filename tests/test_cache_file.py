@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,3 +126,56 @@ def test_a_file_system_that_fills_stops_the_map_where_it_was_allocated_and_the_s
         assert store.env.info()["map_size"] == data.stat().st_size and allocated_whole(data)
 
     with_store(small_fs / "cache", 64 * MiB, test)
+
+
+_READ_WHILE_GROWING = """
+import asyncio, sys, threading, time
+from dataquay.client.records import encode_value
+from dataquay.server.node.store import Store
+from dataquay.server.node.write_queue import PendingWrite
+
+VALUE = 100_000
+reads, stop, wrong = 0, threading.Event(), []
+
+def read_views(store):
+    global reads
+    while not stop.is_set():
+        with store.value_views("ds") as get:
+            value = get(0)
+            time.sleep(0.0005)  # a send out of the map takes a while
+            if value is None or bytes(value) != encode_value(bytes([0]) * VALUE):
+                wrong.append(reads)
+        reads += 1
+
+async def main():
+    store = Store(sys.argv[1], 1 << 30)
+    store.open()
+    await store.open_dataset("ds")
+    writer = asyncio.get_running_loop().create_task(store.run_writer())
+    await store.committed(await store.put_all([PendingWrite(b"ds", 0, encode_value(bytes([0]) * VALUE))]))
+    maps = {store.env.info()["map_size"]}
+    reader = threading.Thread(target=read_views, args=(store,))
+    reader.start()
+    for first in range(1, 1200, 40):
+        writes = [PendingWrite(b"ds", i, encode_value(bytes([i % 251]) * VALUE)) for i in range(first, first + 40)]
+        await store.committed(await store.put_all(writes))
+        maps.add(store.env.info()["map_size"])
+    stop.set()
+    reader.join()
+    writer.cancel()
+    await asyncio.gather(writer, return_exceptions=True)
+    store.close()
+    print(len(maps) - 1, reads, len(wrong))
+
+asyncio.run(main())
+"""
+
+
+def test_a_thread_reading_views_of_the_map_survives_its_growth(tmp_path: Path) -> None:
+    """The bulk path's threads send values straight out of the map; the map
+    moves when it grows. Run apart: reading a moved map kills the process."""
+    done = subprocess.run([sys.executable, "-c", _READ_WHILE_GROWING, str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    grew, reads, wrong = map(int, done.stdout.split())
+    assert grew >= 3 and reads > 0 and wrong == 0, done.stdout

@@ -18,12 +18,16 @@ the disk full then), the environment opens without ``writemap``, as before.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import errno
 import logging
 import mmap
 import os
 import shutil
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from enum import Enum
 from pathlib import Path
 
@@ -121,6 +125,55 @@ def grown_size(current: int, limit: int, room: int | None) -> int:
     return max(current, target)
 
 
+class MapReaders:
+    """Threads that read the map off the event loop (the bulk path sends
+    values straight out of it), kept apart from the map's growth.
+
+    LMDB grows a map by unmapping it and mapping it again, maybe elsewhere:
+    a thread inside a read transaction then would read unmapped memory and
+    kill the daemon. A growth holds new readers back and waits, off the
+    event loop's back, until those reading are done; they wait while the map
+    moves. The event loop's own reads need nothing: growth runs on its thread.
+    """
+
+    #: How often a growth looks again whether the readers are done.
+    POLL_SECONDS = 0.001
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._reading = 0
+        self._moving = False
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Around a read transaction off the event loop (and every use of its views)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._moving)
+            self._reading += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._reading -= 1
+
+    @asynccontextmanager
+    async def still(self) -> AsyncIterator[None]:
+        """No thread reads the map inside this block (on the event loop)."""
+        with self._cond:
+            self._moving = True
+        try:
+            while True:
+                with self._cond:
+                    if not self._reading:
+                        break
+                await asyncio.sleep(self.POLL_SECONDS)
+            yield
+        finally:
+            with self._cond:
+                self._moving = False
+                self._cond.notify_all()
+
+
 class CacheFile:
     """The cache's LMDB environment over its data file: opening, and the map's growth."""
 
@@ -128,6 +181,7 @@ class CacheFile:
         self.path = path
         self.data_file = path / DATA_FILE
         self.room = FileSystemRoom(path)
+        self.readers = MapReaders()
         #: Whether LMDB writes through its map (over a file allocated ahead).
         self.writemap = False
         self._fd: int | None = None
@@ -233,22 +287,23 @@ class CacheFile:
     def map_size(self) -> int:
         return int(self.env.info()["map_size"])
 
-    def grow(self, limit: int, slack: int = DISK_SLACK_BYTES) -> Growth:
+    async def grow(self, limit: int, slack: int = DISK_SLACK_BYTES) -> Growth:
         """Doubles the map up to ``limit``, allocating the file first under
         ``writemap``, where it leaves ``slack`` bytes of the file system free
-        (a delete, which frees space, may take them). Runs where no
-        transaction of this process is open."""
+        (a delete, which frees space, may take them). Runs on the event loop
+        between write transactions, once no other thread reads the map."""
         current = self.map_size
         if current >= limit:
             return Growth.AT_LIMIT
-        return self._grow_to(grown_size(current, limit, self._room_beyond(slack) if self.writemap else None))
+        async with self.readers.still():
+            return self._grow_to(grown_size(current, limit, self._room_beyond(slack) if self.writemap else None))
 
-    def grow_ahead(self, limit: int) -> None:
+    async def grow_ahead(self, limit: int) -> None:
         """Grows the map once it is half used, so no large transaction is
         redone; a file system short of space is found by the commit that needs it."""
         info = self.env.info()
         if (info["last_pgno"] + 1) * self.env.stat()["psize"] > info["map_size"] // 2:
-            self.grow(limit)
+            await self.grow(limit)
 
     def _room_beyond(self, slack: int) -> int:
         """Whole pages of the file system's free space beyond ``slack`` bytes

@@ -15,7 +15,9 @@ Threading: LMDB allows one writer. All writes go through one writer task that
 batches queued values into large transactions run in a dedicated thread
 (:mod:`.store_writer`). The daemon's own reads are short and run on the
 event-loop thread, so the map can be grown from that thread at a moment when
-no transaction is open in this process, which is what LMDB requires. Clients
+no transaction is open in this process, which is what LMDB requires; the bulk
+path's threads, which send values straight out of the map, hold its growth
+back while they read (:class:`~.cache_file.MapReaders`). Clients
 in other processes read the same environment read-only and pick up a grown
 map by themselves.
 """
@@ -178,12 +180,13 @@ class Store:
     def value_views(self, db: str) -> Iterator[Callable[[int], memoryview | None]]:
         """A lookup of stored values (checksum, then payload) as views into the
         map, valid until the block ends: what the bulk path sends without a
-        copy. Checksums are not checked here; the receiver checks them."""
+        copy, off the event loop (the map does not grow meanwhile). Checksums
+        are not checked here; the receiver checks them."""
         handle = self._dbs.get(db.encode())
         if handle is None:
             yield lambda _sample_id: None
             return
-        with self.env.begin(db=handle, buffers=True) as txn:
+        with self._file.readers.reading(), self.env.begin(db=handle, buffers=True) as txn:
             get = txn.get
             yield lambda sample_id: get(sample_key(sample_id))
 

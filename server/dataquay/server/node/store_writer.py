@@ -162,7 +162,7 @@ class StoreWriter:
         try:
             return await self.run(delete)
         except lmdb.MapFullError:
-            if self._file.grow(self._housekeeping_limit, slack=0) is not Growth.GREW:
+            if await self._file.grow(self._housekeeping_limit, slack=0) is not Growth.GREW:
                 raise
             return await self.run(delete)
 
@@ -248,7 +248,7 @@ class StoreWriter:
                     batch = self.queue.take_batch()
                     try:
                         await self._commit_growing(loop, batch)
-                        self._file.grow_ahead(self.space.capacity)
+                        await self._file.grow_ahead(self.space.capacity)
                     except Exception as exc:
                         self._write_failed(exc, len(batch))
                     finally:
@@ -291,9 +291,9 @@ class StoreWriter:
                 await loop.run_in_executor(self._thread, self._commit, batch)
                 return
             except lmdb.MapFullError:
-                grown = self._file.grow(self.space.capacity)
+                grown = await self._file.grow(self.space.capacity)
                 if grown is Growth.AT_LIMIT and all(w.reserved for w in batch):
-                    grown = self._file.grow(self._housekeeping_limit)
+                    grown = await self._file.grow(self._housekeeping_limit)
                 if grown is Growth.GREW:
                     continue
                 # The map is at its limit, or its file could not be allocated further.
