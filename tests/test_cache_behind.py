@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +36,8 @@ def cached_samples(daemon: DaemonProcess, name: str) -> int:
 
 
 def evict(paths: list[Path]) -> None:
-    """Takes the files out of the page cache (skips the test where they stay);
-    where reads cannot avoid waiting (tmpfs), the daemon reads nothing back anyway."""
+    """Takes the files out of the page cache (skips the test where they stay,
+    as on tmpfs, whose files the daemon reads back from memory)."""
     os.sync()
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
@@ -51,30 +52,14 @@ def evict(paths: list[Path]) -> None:
     except OSError as exc:
         if exc.errno != errno.EOPNOTSUPP:
             raise
+        pytest.skip(f"the file system under {paths[0].parent} keeps its files in memory (no RWF_NOWAIT)")
     finally:
         os.close(fd)
-
-
-def needs_nowait_reads(path: Path) -> None:
-    """Skips a test of reads back from the page cache where the file system
-    of ``path`` cannot read without waiting (tmpfs): the daemon takes every
-    sample as a hand-over there, which other tests cover."""
-    probe = path / "nowait-probe"
-    probe.write_bytes(b"x")
-    fd = os.open(probe, os.O_RDONLY)
-    try:
-        os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
-    except OSError as exc:
-        pytest.skip(f"the file system under {path} has no reads without waiting (RWF_NOWAIT): {exc.strerror}")
-    finally:
-        os.close(fd)
-        probe.unlink()
 
 
 def test_a_miss_read_by_the_client_is_cached_behind_it_from_the_page_cache(
     daemon: DaemonProcess, client: dq.Client, tmp_path: Path
 ) -> None:
-    needs_nowait_reads(tmp_path)
     synthetic.make_files_dataset(tmp_path / "imgs", 40, sizes=SIZES, seed=3)
     add(daemon, "imgs", tmp_path / "imgs")
     ds = client.dataset("imgs")
@@ -94,6 +79,22 @@ def test_a_miss_read_by_the_client_is_cached_behind_it_from_the_page_cache(
 
     assert read_locally(client, ds, ids) == got
     assert daemon_stats(daemon).cache_behind.page_cache_samples == len(distinct), "cached once"
+
+
+def test_notices_wait_while_the_trainer_reads_and_go_when_it_pauses(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synthetic.make_files_dataset(tmp_path / "imgs", 8, sizes=SIZES, seed=4)
+    add(daemon, "imgs", tmp_path / "imgs")
+    ds = client.dataset("imgs")
+    monkeypatch.setattr(cache_behind, "DEFER_SECONDS", 60.0)
+    notices = client.remote.notices
+    with notices.trainer_reading():  # a read that has not returned yet
+        got = ds.get_batch(np.arange(8))
+        time.sleep(3 * cache_behind.LINGER_SECONDS)
+        assert daemon_stats(daemon).cache_behind.page_cache_samples + cached_samples(daemon, "imgs") == 0
+    wait_until(lambda: cached_samples(daemon, "imgs") == 8, "the daemon cached the samples once the trainer paused")
+    assert read_locally(client, ds, range(8)) == got
 
 
 def test_bytes_the_page_cache_lost_are_handed_over_and_checked_against_the_manifest(
@@ -129,22 +130,30 @@ def test_bytes_the_page_cache_lost_are_handed_over_and_checked_against_the_manif
     assert read_locally(client, ds, [1]) == [want[1]]
 
 
-def test_the_client_hands_over_what_the_daemon_could_not_read_back(
+def test_once_the_page_cache_lost_samples_the_client_holds_their_payloads_and_hands_them_over(
     daemon: DaemonProcess, client: dq.Client, tmp_path: Path
 ) -> None:
     synthetic.make_files_dataset(tmp_path / "imgs", 16, sizes=SIZES, seed=6)
     add(daemon, "imgs", tmp_path / "imgs")
     ds = client.dataset("imgs")
-    ids = np.arange(16)
-    got = PfsReader(ds.manifest, "imgs").read(ids)
+    first, second = np.arange(8), np.arange(8, 16)
+    got = PfsReader(ds.manifest, "imgs").read(np.arange(16))
     evict(sorted((tmp_path / "imgs").rglob("*.bin")))  # between the client's read and the daemon's
     notices = client.remote.notices
-    notices.note("imgs", ds.manifest.manifest_id, ids, got)
-    assert notices.flush() and notices.dropped == 0
-    wait_until(lambda: cached_samples(daemon, "imgs") == 16, "the daemon cached the handed samples")
+    notices.note("imgs", ds.manifest.manifest_id, first, got[:8])
+    assert notices.flush()
+    lost = notices.dropped
+    assert lost > 0  # not held: nothing told the client yet that the page cache loses this dataset's files
+
+    notices.note("imgs", ds.manifest.manifest_id, second, got[8:])
+    assert notices.flush() and notices.dropped == lost  # held this time, and handed over
+    wait_until(lambda: cached_samples(daemon, "imgs") == 16 - lost, "the daemon cached the handed samples")
     behind = daemon_stats(daemon).cache_behind
-    assert behind.handed_samples + behind.page_cache_samples == 16 and behind.handed_samples > 0
-    assert read_locally(client, ds, ids) == got
+    assert behind.handed_samples + behind.page_cache_samples == 16 - lost and behind.handed_samples > 0
+    lost_mask = notices.take_lost("imgs", ds.manifest.manifest_id, first)
+    assert lost_mask is not None and int(lost_mask.sum()) == lost
+    cached = np.concatenate([first[~lost_mask], second])
+    assert read_locally(client, ds, cached) == [got[i] for i in cached.tolist()]
 
 
 def test_a_sample_whose_notice_was_lost_is_read_through_the_daemon_next_and_cached(
@@ -240,7 +249,6 @@ def npy_records(root: Path, ids: list[int], per_file: int) -> list[bytes]:
 def test_a_batch_of_misses_only_gets_its_bytes_in_order_and_is_cached_behind(
     daemon: DaemonProcess, client: dq.Client, tmp_path: Path
 ) -> None:
-    needs_nowait_reads(tmp_path)
     # Records of 80 KB, 12 a file: a batch reads several ranges of one file.
     root = synthetic.make_npy_dataset(tmp_path / "frames", 24, record_shape=(20_000,), files=2, seed=11)
     add(daemon, "frames", root)
@@ -261,7 +269,6 @@ def test_a_batch_of_misses_only_gets_its_bytes_in_order_and_is_cached_behind(
 def test_a_file_changed_under_the_reader_fails_a_batch_of_misses_and_none_of_it_is_cached(
     daemon: DaemonProcess, client: dq.Client, tmp_path: Path
 ) -> None:
-    needs_nowait_reads(tmp_path)
     root = synthetic.make_npy_dataset(tmp_path / "frames", 24, record_shape=(20_000,), files=2, seed=12)
     add(daemon, "frames", root)
     ds = client.dataset("frames")

@@ -1,28 +1,42 @@
 """Notices of the misses a trainer read from the PFS itself, for its daemon to cache.
 
-A trainer's thread only appends to a bounded backlog here and never waits:
-the ids it read, with references to the payloads it already returned (held
-up to :data:`HELD_BYTES`, no copy). A thread of the client sends the backlog
-to the daemon in notices of up to :data:`NOTICE_IDS` ids (CacheBehind), one
-at a time, so that a daemon slower to cache than the trainer is to read
-holds the notices back, not the trainer. The thread sends a notice once the
-backlog fills one, or :data:`LINGER_SECONDS` after the first entry came:
-each call costs the trainer's process some CPU and its GIL, so a fast
-trainer sends a few large notices a second, not one per batch. The daemon reads the samples back
-from the page cache; those it names as not held there, the thread copies
-into its shared-memory segment and hands over in a second call, if it still
-holds their payloads. A sample whose notice is lost (the backlog was full,
-the page cache and the backlog no longer held its bytes, the call failed) is
-remembered, up to :data:`LOST_IDS`, and its next read goes through the
-daemon, which reads and caches it (:meth:`CacheBehindNotices.take_lost`);
-beyond that, staging or a later read caches it.
+A trainer's thread only appends to a bounded backlog here and never waits.
+The backlog holds the ids it read and, for a dataset some of whose samples
+the daemon found the page cache no longer held, references to the payloads
+it already returned (up to :data:`HELD_BYTES`, no copy). Only for such a
+dataset: a payload held keeps the trainer's batch alive after the trainer
+dropped it, and its next batches take fresh memory, which cost the 110 KiB
+miss path a fifth of its rate on two cores (BENCHMARKS.md).
+
+A thread of the client sends the backlog to the daemon in notices of up to
+:data:`NOTICE_IDS` ids (CacheBehind), one at a time, so that a daemon slower
+to cache than the trainer is to read holds the notices back, not the
+trainer. It gathers a notice's worth, or what came in :data:`LINGER_SECONDS`
+(each call costs the trainer's process some CPU and its GIL, so a fast
+trainer sends a few large notices a second, not one per batch), and sends
+it while the trainer pauses between reads (:data:`PAUSE_SECONDS` without a
+read, as while it computes a step): the daemon then caches on cores the
+trainer does not need. A loader that never pauses has its notices sent
+:data:`DEFER_SECONDS` after they came, or once the backlog nears full.
+
+The daemon reads the samples back from the page cache; those it names as not
+held there, the thread copies into its shared-memory segment and hands over
+in a second call, if it still holds their payloads. A sample whose notice is
+lost (the backlog was full, the page cache and the backlog no longer held its
+bytes, the call failed) is remembered, up to :data:`LOST_IDS`, and its next
+read goes through the daemon, which reads and caches it
+(:meth:`CacheBehindNotices.take_lost`); beyond that, staging or a later read
+caches it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +59,12 @@ NOTICE_IDS = 4096
 NOTICE_BYTES = 64 * MiB
 #: How long an entry waits for others to share its notice.
 LINGER_SECONDS = 0.05
+#: How long the trainer must not have read for it to count as pausing.
+PAUSE_SECONDS = 0.002
+#: How long a notice waits for the trainer to pause, at most.
+DEFER_SECONDS = 1.0
+#: How often the thread looks again while the trainer reads.
+_LOOK_SECONDS = 0.01
 #: Samples whose notice was lost, remembered at most.
 LOST_IDS = 1 << 16
 #: How long closing a client waits for its backlog to be sent.
@@ -59,6 +79,7 @@ class _Entry:
     ids: list[int]
     nbytes: int
     payloads: list[bytes] | None  # None: not held
+    noted_at: float
 
 
 class CacheBehindNotices:
@@ -86,12 +107,18 @@ class CacheBehindNotices:
         self._flushing = 0
         self._closed = False
         self._thread: threading.Thread | None = None
+        # The trainer's reads in progress, and when the last one ended (monotonic).
+        self._marks = threading.Lock()
+        self._reading = 0
+        self._read_ended = 0.0
         #: Samples not noticed: the backlog was full, a notice failed, a payload was no longer held.
         self.dropped = 0
         self._lost: dict[tuple[str, str], set[int]] = {}
         self._lost_count = 0
         #: The parent's, in a forked child: it is left alone.
         self._hand_over_seg: Segment | None = None
+        #: (dataset, manifest id) of which the daemon could not read some samples back.
+        self._holding: set[tuple[str, str]] = set()
 
     def note(
         self, dataset: str, manifest_id: str, ids: np.ndarray, payloads: list[bytes], nbytes: int | None = None
@@ -110,15 +137,29 @@ class CacheBehindNotices:
             for start, stop in [(0, len(payloads))] if whole else _parts(payloads):
                 part = payloads[start:stop]
                 size = total if whole else sum(map(len, part))
-                held = self._held + size <= HELD_BYTES
+                held = (dataset, manifest_id) in self._holding and self._held + size <= HELD_BYTES
                 self._held += size if held else 0
-                self._backlog.append(_Entry(dataset, manifest_id, flat[start:stop], size, part if held else None))
+                self._backlog.append(
+                    _Entry(dataset, manifest_id, flat[start:stop], size, part if held else None, time.monotonic())
+                )
             self._ids += len(flat)
             self._bytes += total
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dataquay-cache-behind", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+
+    @contextmanager
+    def trainer_reading(self) -> Iterator[None]:
+        """Marks a read of the trainer's: notices wait until it pauses."""
+        with self._marks:
+            self._reading += 1
+        try:
+            yield
+        finally:
+            with self._marks:
+                self._reading -= 1
+                self._read_ended = time.monotonic()
 
     def take_lost(self, dataset: str, manifest_id: str, ids: np.ndarray) -> np.ndarray | None:
         """Which of ``ids`` lost their notice (None when none did): their read
@@ -177,7 +218,9 @@ class CacheBehindNotices:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._backlog or self._closed)
-                self._cond.wait_for(self._due, LINGER_SECONDS)
+                self._cond.wait_for(lambda: self._due() or self._fills_notice(), LINGER_SECONDS)
+                while not self._due() and (wait := self._until_pause()) > 0:
+                    self._cond.wait(wait)
                 if self._closed:
                     return
                 batch = self._take()
@@ -190,8 +233,24 @@ class CacheBehindNotices:
                     self._cond.notify_all()
 
     def _due(self) -> bool:
-        """Whether the backlog is sent now, without waiting for more; holds the lock."""
-        return self._closed or self._flushing > 0 or self._ids >= NOTICE_IDS or self._bytes >= NOTICE_BYTES
+        """Whether the backlog is sent now, trainer reading or not; holds the lock."""
+        return self._closed or self._flushing > 0 or self._ids > BACKLOG_IDS - NOTICE_IDS
+
+    def _fills_notice(self) -> bool:
+        return self._ids >= NOTICE_IDS or self._bytes >= NOTICE_BYTES
+
+    def _until_pause(self) -> float:
+        """Seconds to wait before the next look at whether the trainer
+        pauses (0: send now); holds the lock."""
+        if not self._backlog:
+            return 0.0
+        now = time.monotonic()
+        deferred = self._backlog[0].noted_at + DEFER_SECONDS - now
+        if deferred <= 0:
+            return 0.0
+        if self._reading:
+            return min(deferred, _LOOK_SECONDS)
+        return max(0.0, min(deferred, self._read_ended + PAUSE_SECONDS - now))
 
     def _take(self) -> list[_Entry]:
         """The oldest entries of one dataset, as many as one notice names."""
@@ -223,6 +282,8 @@ class CacheBehindNotices:
             return
         if not reply.not_in_page_cache:
             return
+        with self._cond:
+            self._holding.add((dataset, manifest_id))
         held = {i: p for e in batch if e.payloads is not None for i, p in zip(e.ids, e.payloads)}
         wanted = [(i, held[i]) for i in reply.not_in_page_cache if i in held]
         self._dropped(dataset, manifest_id, [i for i in reply.not_in_page_cache if i not in held])

@@ -174,15 +174,17 @@ class Dataset(Sequence[bytes]):
         started = time.perf_counter()
         local = self._local.get()
         if local is None:
-            fetched = self._read_remote(self._check_ids(ids))
+            with self._remote.notices.trainer_reading():
+                fetched = self._read_remote(self._check_ids(ids))
             self._served(0, 0, started)
             yield [memoryview(value) for value in fetched]
             return
         with local.views(self._db, self._keys(ids), self._client.verify) as found:
-            hits, nbytes = self._hits(found)
-            if found.misses:
-                for i, value in self._missing(found, ids):
-                    found[i] = memoryview(value)
+            with self._remote.notices.trainer_reading():
+                hits, nbytes = self._hits(found)
+                if found.misses:
+                    for i, value in self._missing(found, ids):
+                        found[i] = memoryview(value)
             self._served(hits, nbytes, started)
             yield cast("list[memoryview]", found)  # no None left
 
@@ -447,6 +449,10 @@ class Dataset(Sequence[bytes]):
         Ids are range-checked only on the miss path: an id outside 0..N-1 can
         never be a local hit, so every batch that holds one gets there.
         """
+        with self._remote.notices.trainer_reading():
+            return self._fetch_marked(ids, epoch)
+
+    def _fetch_marked(self, ids: Sequence[int] | np.ndarray, epoch: int | None) -> list[bytes]:
         started = time.perf_counter()
         local = self._local.get()
         if local is None:
