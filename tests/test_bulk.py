@@ -32,8 +32,11 @@ from dataquay.server.node.bulk.frames import (
     READ,
     REQUEST,
     REQUEST_MAGIC,
+    SAMPLE,
     BulkError,
+    chunk_frames,
     client_proof,
+    parse_chunk,
 )
 from dataquay.server.tools.local_cluster import LocalCluster, TlsFiles
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
@@ -300,6 +303,25 @@ def test_a_peer_payload_corrupt_on_the_wire_never_reaches_the_trainer(
     bad = sum(float(line.rpartition(" ")[2]) for line in metrics.splitlines()
               if line.startswith("dataquay_peer_bad_checksums_total{"))
     assert bad == tiers["pfs"], metrics
+
+
+def test_an_exchange_chunk_is_taken_whole_and_a_body_its_frames_do_not_fill_is_refused() -> None:
+    values = [(7, b"a" * 10), (3, b""), (9, b"b" * 1000)]
+    header, *frames = chunk_frames(values)
+    body = b"".join(frames)
+    assert SAMPLE.unpack(header)[1:3] == (3, len(body))
+    assert [(i, bytes(v)) for i, v in parse_chunk(memoryview(body), 3, 1000)] == values
+
+    for bad, count, reason in [
+        (body[:-1], 3, "bad exchange sample frame"),  # the last value runs past the body
+        (body + b"x", 3, "holds"),  # bytes left over
+        (body, 4, "ends inside a frame header"),
+        (body, 3 - 1, "holds"),
+    ]:
+        with pytest.raises(BulkError, match=reason):
+            parse_chunk(memoryview(bad), count, 1000)
+    with pytest.raises(BulkError, match="bad exchange sample frame"):
+        parse_chunk(memoryview(body), 3, 999)  # a value over the largest taken
 
 
 def test_the_exchange_goes_over_the_bulk_path_byte_exact(

@@ -190,7 +190,7 @@ class Store:
             get = txn.get
             yield lambda sample_id: get(sample_key(sample_id))
 
-    def queued_values(self, db: str, ids: Iterable[int]) -> dict[int, bytes]:
+    def queued_values(self, db: str, ids: Iterable[int]) -> dict[int, bytes | memoryview]:
         """The values of ``ids`` queued for the writer and not taken by it yet
         (read from the PFS or a peer moments ago), by id."""
         name = db.encode()

@@ -318,7 +318,7 @@ class StoreWriter:
         cached, putmulti to insert the rest): the per-sample Python work of
         single puts would otherwise cap the writer well below LMDB's speed.
         """
-        groups: dict[tuple[bytes, bool], list[tuple[bytes, bytes]]] = defaultdict(list)
+        groups: dict[tuple[bytes, bool], list[tuple[bytes, bytes | memoryview]]] = defaultdict(list)
         for write in batch:
             groups[(write.db, write.repair)].append((sample_key(write.sample_id), write.value))
         added: dict[bytes, int] = defaultdict(int)

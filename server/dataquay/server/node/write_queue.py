@@ -29,7 +29,7 @@ class PendingWrite:
 
     db: bytes
     sample_id: int
-    value: bytes
+    value: bytes | memoryview
     repair: bool = False
     reserved: bool = False
     leaves_room: bool = False

@@ -12,6 +12,10 @@ token and a replayed answer fails against a fresh nonce. Then::
     reply:    per sample [u8 status][u64 id][u64 length][u64 xxh3][payload],
               then [END][u64 samples sent][0][0]; or [ERROR][u64 gRPC code][u64 length][0][message]
 
+The receiver takes a chunk's body in one buffer, its values views of it
+(no copy per value); a body length of 0 (a sender before it) has each
+frame read in turn.
+
 All integers little-endian. A READ is answered in request order with every
 distinct id once; MISSING carries no payload. A connection serves requests
 one after another and is reused by its client.
@@ -21,8 +25,8 @@ An EXCHANGE (the per-epoch exchange's stream, see
 itself, both ways at once::
 
     request:  [b"DQBR"][EXCHANGE][u32 length][ExchangeMessage with the offer, protobuf]
-    sender:   [CHUNK][u64 count][0][0], then count x [OK][u64 id][u64 length][0][cache value];
-              [END][0][0][0] once it has sent everything
+    sender:   [CHUNK][u64 count][u64 body length][0], then the body: count x
+              [OK][u64 id][u64 length][0][cache value]; [END][0][0][0] once it has sent everything
     receiver: [REPLY][0][u64 length][0][ExchangeReply, protobuf] (the offer's answer, then one
               per chunk once committed); [END] after the last; or [ERROR] as for a READ
 """
@@ -54,6 +58,8 @@ READ, EXCHANGE = 1, 2
 OK, MISSING, END, ERROR, CHUNK, REPLY = 0, 1, 2, 3, 4, 5
 #: Most samples in one exchange chunk, and the largest reply taken.
 MAX_CHUNK_SAMPLES = 1 << 16
+#: Largest exchange chunk body taken (or one sample's frame, if larger).
+MAX_CHUNK_BYTES = 64 << 20
 MAX_REPLY_BYTES = 16 << 20
 #: Largest request body taken: 64k ids and two names, with room to spare.
 MAX_REQUEST_BYTES = 1 << 20
@@ -65,9 +71,11 @@ IOV_BATCH = 512
 
 @dataclass(frozen=True)
 class ExchangeChunk:
-    """One chunk of an exchange stream as it came over the bulk path: (id, cache value) pairs."""
+    """One chunk of an exchange stream as it came over the bulk path: (id,
+    cache value) pairs whose checksums held, and how many did not (left out)."""
 
-    samples: list[tuple[int, bytes]]
+    samples: list[tuple[int, bytes | memoryview]]
+    bad_checksums: int = 0
 
 
 class BulkError(DataquayError):
@@ -108,6 +116,37 @@ def parse_read(body: bytes) -> tuple[str, str, np.ndarray]:
     if len(body) != at + 8 * count:
         raise BulkError(f"malformed read request: {len(body)} bytes do not hold {count} ids")
     return names[0], names[1], np.frombuffer(body, dtype="<u8", count=count, offset=at)
+
+
+def chunk_frames(samples: Sequence[tuple[int, bytes | memoryview]]) -> list[bytes | memoryview]:
+    """An exchange chunk's frames: its header with the body's length, then each sample's."""
+    frames: list[bytes | memoryview] = [b""]
+    body = 0
+    for sample_id, value in samples:
+        frames += [SAMPLE.pack(OK, sample_id, len(value), 0), value]
+        body += SAMPLE.size + len(value)
+    frames[0] = SAMPLE.pack(CHUNK, len(samples), body, 0)
+    return frames
+
+
+def parse_chunk(body: memoryview, count: int, max_value: int) -> list[tuple[int, memoryview]]:
+    """(id, cache value) of each of ``count`` sample frames filling ``body``,
+    the values views of it; raises BulkError for frames that do not."""
+    samples = []
+    at = 0
+    for _ in range(count):
+        try:
+            status, sample_id, length, _ = SAMPLE.unpack_from(body, at)
+        except struct.error:
+            raise BulkError(f"exchange chunk body of {len(body)} bytes ends inside a frame header") from None
+        at += SAMPLE.size
+        if status != OK or length > max_value or at + length > len(body):
+            raise BulkError(f"bad exchange sample frame: status {status}, {length} bytes")
+        samples.append((sample_id, body[at : at + length]))
+        at += length
+    if at != len(body):
+        raise BulkError(f"exchange chunk body of {len(body)} bytes holds {at} bytes of {count} samples")
+    return samples
 
 
 def recv_exactly(sock: socket.socket, view: memoryview) -> None:

@@ -14,7 +14,8 @@ version, batch size, id range): in the connection's thread where the dataset
 is registered here and its database open, else on the event loop. An exchange stream takes
 a connection for itself: its thread reads the sender's chunks into a short
 queue (a few chunks: a sender that outruns the cache's commits waits on its
-socket) that the exchange's receiver takes from on the event loop, and the
+socket), each chunk's body in one buffer and its checksums checked there,
+off the event loop; the exchange's receiver takes them from the loop, and the
 receiver's replies go back from the loop. Under TLS exchanges stay on gRPC:
 a TLS socket cannot be read and written from two threads at once. Nothing is buffered here:
 the socket's own buffers bound what one connection holds. Bad input
@@ -40,7 +41,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from dataquay.client.records import CHECKSUM_BYTES, stored_checksum
+from dataquay.client.records import CHECKSUM_BYTES, decode_value, stored_checksum
 from dataquay.client.status_codes import status_of
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DataquayError
@@ -52,6 +53,7 @@ from dataquay.server.node.bulk.frames import (
     HELLO,
     HELLO_MAGIC,
     MAC_BYTES,
+    MAX_CHUNK_BYTES,
     MAX_CHUNK_SAMPLES,
     MAX_ERROR_BYTES,
     MAX_REQUEST_BYTES,
@@ -66,6 +68,7 @@ from dataquay.server.node.bulk.frames import (
     BulkError,
     ExchangeChunk,
     client_proof,
+    parse_chunk,
     parse_read,
     recv_bytes,
     recv_exactly,
@@ -325,26 +328,41 @@ class BulkServer:
     ) -> None:
         assert self._loop is not None
         header = bytearray(SAMPLE.size)
+        largest = max(MAX_CHUNK_BYTES, SAMPLE.size + self.max_value)
         while True:
             sock.settimeout(IDLE_SECONDS)  # a sender may wait long for its ranks to read on
             recv_exactly(sock, memoryview(header))
-            status, count, _, _ = SAMPLE.unpack(header)
+            status, count, body_bytes, _ = SAMPLE.unpack(header)
             if status == END:
                 return
-            if status != CHUNK or count > MAX_CHUNK_SAMPLES:
-                raise BulkError(f"bad exchange frame: status {status}, {count} samples")
+            most = min(largest, count * (SAMPLE.size + self.max_value))
+            if status != CHUNK or count > MAX_CHUNK_SAMPLES or body_bytes > most:
+                raise BulkError(f"bad exchange frame: status {status}, {count} samples, {body_bytes} bytes")
             sock.settimeout(STALL_SECONDS)
-            samples = []
-            for _ in range(count):
-                recv_exactly(sock, memoryview(header))
-                status, sample_id, length, _ = SAMPLE.unpack(header)
-                if status != OK or length > self.max_value:
-                    raise BulkError(f"bad exchange sample frame: status {status}, {length} bytes")
-                samples.append((sample_id, recv_bytes(sock, length)))
+            samples: list[tuple[int, bytes | memoryview]]
+            if body_bytes:
+                body = memoryview(bytearray(body_bytes))
+                recv_exactly(sock, body)
+                samples = list(parse_chunk(body, count, self.max_value))
+            else:
+                samples = self._frames_one_by_one(sock, count)
+            good = [(i, value) for i, value in samples if decode_value(value) is not None]
             while not slots.acquire(timeout=1.0):
                 if answering.done():
                     raise BulkError("the receiver ended the exchange stream")
-            self._loop.call_soon_threadsafe(inbox.put_nowait, ExchangeChunk(samples))
+            self._loop.call_soon_threadsafe(inbox.put_nowait, ExchangeChunk(good, len(samples) - len(good)))
+
+    def _frames_one_by_one(self, sock: socket.socket, count: int) -> list[tuple[int, bytes | memoryview]]:
+        """A chunk's sample frames, from a sender that sends no body length."""
+        header = bytearray(SAMPLE.size)
+        samples: list[tuple[int, bytes | memoryview]] = []
+        for _ in range(count):
+            recv_exactly(sock, memoryview(header))
+            status, sample_id, length, _ = SAMPLE.unpack(header)
+            if status != OK or length > self.max_value:
+                raise BulkError(f"bad exchange sample frame: status {status}, {length} bytes")
+            samples.append((sample_id, recv_bytes(sock, length)))
+        return samples
 
     async def _answer(
         self, sock: socket.socket, first: pb.ExchangeMessage,

@@ -24,18 +24,17 @@ from dataquay.client.pieces import PIECE_BYTES, pieces
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.node.bulk.client import BulkClient, BulkRefusedError
 from dataquay.server.node.bulk.frames import (
-    CHUNK,
     END,
     ERROR,
     EXCHANGE,
     MAX_ERROR_BYTES,
     MAX_REPLY_BYTES,
-    OK,
     REPLY,
     REQUEST,
     REQUEST_MAGIC,
     SAMPLE,
     BulkError,
+    chunk_frames,
     recv_bytes,
     send_buffers,
 )
@@ -105,10 +104,7 @@ class BulkExchangeCall:
         await self._run(send_buffers, self._sock, [REQUEST.pack(REQUEST_MAGIC, EXCHANGE, len(body)), body])
 
     async def send(self, samples: list[tuple[int, bytes]]) -> None:
-        frames: list[bytes] = [SAMPLE.pack(CHUNK, len(samples), 0, 0)]
-        for sample_id, value in samples:
-            frames += [SAMPLE.pack(OK, sample_id, len(value), 0), value]
-        await self._run(send_buffers, self._connected(), frames)
+        await self._run(send_buffers, self._connected(), chunk_frames(samples))
 
     async def read(self) -> pb.ExchangeReply | None:
         return await self._run(self._read_reply, self._connected())

@@ -268,20 +268,23 @@ class ExchangeReceiver:
         joiner = Joiner("the exchange's sender")
         try:
             async for message in messages:
-                values: list[tuple[int, bytes]]
+                values: list[tuple[int, bytes | memoryview]]
+                # A bulk chunk's checksums were checked in its connection's thread.
+                checked = isinstance(message, ExchangeChunk)
                 try:
                     if isinstance(message, ExchangeChunk):
                         joiner.check_done()
                         values = message.samples
+                        self.bad_checksums += message.bad_checksums
                     elif message.HasField("piece"):
                         piece = message.piece
                         if piece.id not in offered:
                             raise InvalidRequestError(f"sample {piece.id} was not in the exchange offer")
-                        value = joiner.add(piece.id, piece.offset, piece.length, piece.value,
-                                           int(lengths[piece.id]) + CHECKSUM_BYTES)
-                        if value is None:
+                        joined = joiner.add(piece.id, piece.offset, piece.length, piece.value,
+                                            int(lengths[piece.id]) + CHECKSUM_BYTES)
+                        if joined is None:
                             continue
-                        values = [(piece.id, value)]
+                        values = [(piece.id, joined)]
                     else:
                         joiner.check_done()
                         values = [(sample.id, sample.value) for sample in message.samples]
@@ -291,7 +294,7 @@ class ExchangeReceiver:
                 for sample_id, value in values:
                     if sample_id not in offered:
                         raise InvalidRequestError(f"sample {sample_id} was not in the exchange offer")
-                    if decode_value(value) is None:
+                    if not checked and decode_value(value) is None:
                         self.bad_checksums += 1
                         continue
                     writes.append(PendingWrite(name, sample_id, value, reserved=True))
