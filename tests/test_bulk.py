@@ -353,6 +353,42 @@ def test_the_exchange_goes_over_the_bulk_path_byte_exact(
         nodes.close()
 
 
+def test_a_value_corrupt_in_the_senders_cache_is_refused_by_the_receiver_and_read_from_the_pfs(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    from test_exchange import NODES as EXCHANGE_NODES
+    from test_exchange import partial_cluster, sample_payload
+
+    nodes, epoch_owners = partial_cluster(cluster, tmp_path, "--spare-copies-fill", "0")
+    try:
+        before, after = epoch_owners[0], epoch_owners[1]
+        # The exchange sends out of the sender's map unchecked: the receiver's check is the hop's.
+        sender = 0
+        given = np.flatnonzero((before == sender) & (after != sender))
+        victim = int(given[0])
+        data_file = nodes.local.daemons[sender].cache_dir / "data.mdb"
+        payload = sample_payload(victim)
+        raw = data_file.read_bytes()
+        with open(data_file, "r+b") as f:
+            at = raw.find(payload[:64])
+            assert at >= 0
+            while at >= 0:
+                f.seek(at + 10)
+                f.write(bytes([raw[at + 10] ^ 0xFF]))
+                at = raw.find(payload[:64], at + 1)
+
+        nodes.report(0)
+        runs = nodes.wait_exchanged(1)
+        assert (runs[sender].refused_samples, runs[sender].delivered_samples) == (1, len(given) - 1)
+        assert sum(r.refused_samples + r.unavailable_samples for r in runs) == 1
+        receiver = int(after[victim])
+        assert not nodes.holds(receiver, np.array([victim]))[0]
+        for m in range(EXCHANGE_NODES):  # every sample byte-exact in epoch 1, the victim from the PFS
+            nodes.read(m, np.flatnonzero(after == m))
+    finally:
+        nodes.close()
+
+
 def test_a_restarted_peer_is_read_over_bulk_again_and_over_grpc_once_it_has_none(
     cluster: Callable[..., LocalCluster], tmp_path: Path
 ) -> None:

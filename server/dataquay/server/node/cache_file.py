@@ -305,6 +305,21 @@ class CacheFile:
         if (info["last_pgno"] + 1) * self.env.stat()["psize"] > info["map_size"] // 2:
             await self.grow(limit)
 
+    async def grow_to_hold(self, more: int, limit: int) -> None:
+        """Grows the map at once so that ``more`` bytes to come (an exchange's
+        offer) leave it at most half used, as :meth:`grow_ahead` keeps it,
+        rather than doubling it again and again while they arrive: each
+        growth allocates, remaps and faults the map's pages in anew."""
+        info = self.env.info()
+        wanted = 2 * ((info["last_pgno"] + 1) * self.env.stat()["psize"] + more)
+        if wanted <= info["map_size"]:
+            return
+        async with self.readers.still():
+            size = min(limit, wanted)
+            if self.writemap:
+                size = min(size, self.map_size + self._room_beyond(DISK_SLACK_BYTES))
+            self._grow_to(size)
+
     def _room_beyond(self, slack: int) -> int:
         """Whole pages of the file system's free space beyond ``slack`` bytes
         (what other writers may need): how far the map may grow at most under writemap."""

@@ -120,6 +120,11 @@ class Store:
             handle = await self.writer.run(lambda: self.env.open_db(name))
         self._dbs[name] = handle
 
+    async def grow_to_hold(self, nbytes: int) -> None:
+        """Grows the map ahead of ``nbytes`` of pages to come (between write transactions)."""
+        async with self.writer.lock:
+            await self._file.grow_to_hold(nbytes, self.space.capacity)
+
     async def drop_dataset(self, db: str) -> int:
         """Deletes the dataset's cached samples; returns how many there were."""
         name = db.encode()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import socket
 import ssl
 import struct
@@ -164,6 +165,36 @@ def recv_bytes(sock: socket.socket, size: int) -> bytes:
     return bytes(out)
 
 
+def send_now(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> list[bytes]:
+    """Sends what the socket takes of ``buffers`` without waiting (its
+    descriptor is non-blocking: it has a timeout) and returns a copy of the
+    rest, for buffers that do not outlive the caller (views into the map)."""
+    if isinstance(sock, ssl.SSLSocket) or sock.gettimeout() is None:
+        return [bytes(b) for b in buffers]
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    at = 0
+    while at < len(views):
+        try:
+            sent = os.writev(sock.fileno(), views[at : at + IOV_BATCH])
+        except BlockingIOError:
+            break
+        at = _past(views, at, sent)
+    return [bytes(v) for v in views[at:]]
+
+
+def _past(views: list[memoryview], at: int, sent: int) -> int:
+    """The index of the first view not wholly sent, after ``sent`` more bytes
+    went from ``views[at]`` on (a view sent in part is cut to its rest)."""
+    while sent:
+        if sent >= len(views[at]):
+            sent -= len(views[at])
+            at += 1
+        else:
+            views[at] = views[at][sent:]
+            sent = 0
+    return at
+
+
 def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
     """Sends ``buffers`` in order, as few syscalls as the socket allows:
     sendmsg with iovecs on a plain socket (no copy of the payloads), one
@@ -175,11 +206,4 @@ def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> 
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     at = 0
     while at < len(views):
-        sent = sock.sendmsg(views[at : at + IOV_BATCH])
-        while sent:
-            if sent >= len(views[at]):
-                sent -= len(views[at])
-                at += 1
-            else:
-                views[at] = views[at][sent:]
-                sent = 0
+        at = _past(views, at, sock.sendmsg(views[at : at + IOV_BATCH]))

@@ -341,7 +341,7 @@ class BulkServer:
             sock.settimeout(STALL_SECONDS)
             samples: list[tuple[int, bytes | memoryview]]
             if body_bytes:
-                body = memoryview(bytearray(body_bytes))
+                body = np.empty(body_bytes, dtype=np.uint8).data  # not zeroed first, as a bytearray is
                 recv_exactly(sock, body)
                 samples = list(parse_chunk(body, count, self.max_value))
             else:

@@ -6,9 +6,11 @@ the offer, the chunks of cache values and the receiver's replies go as
 frames of :mod:`dataquay.server.node.bulk.frames` on a connection of its own,
 so the guarantees stay those of the gRPC stream (a reply per chunk once
 committed, the sender's window of unacknowledged chunks, restart-safe
-offers). The payloads go out with ``sendmsg`` and are taken in with
-``recv_into``, without protobuf. Otherwise the stream is the gRPC Exchange
-call, with a value larger than a message sent in pieces.
+offers). The payloads go out of the cache's map with ``writev``, without a
+copy or a check (the receiver checks each checksum, once for the hop), and
+are taken in with ``recv_into``, without protobuf. Otherwise the stream is
+the gRPC Exchange call: values read out of the map and checked, a value
+larger than a message sent in pieces.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 import grpc
+import numpy as np
 
 from dataquay.client.pieces import PIECE_BYTES, pieces
 from dataquay.protos import cache_pb2 as pb
@@ -37,7 +40,9 @@ from dataquay.server.node.bulk.frames import (
     chunk_frames,
     recv_bytes,
     send_buffers,
+    send_now,
 )
+from dataquay.server.node.store import Store
 
 T = TypeVar("T")
 #: Longest a bulk exchange connection may make no progress either way.
@@ -49,8 +54,9 @@ class ExchangeCall(Protocol):
 
     async def offer(self, offer: pb.ExchangeOffer) -> None: ...
 
-    async def send(self, samples: list[tuple[int, bytes]]) -> None:
-        """One chunk: (id, cache value) pairs, answered by one reply."""
+    async def send(self, db: str, ids: np.ndarray) -> None:
+        """One chunk: the cache values of ``ids`` in ``db`` (those still
+        cached), answered by one reply."""
 
     async def read(self) -> pb.ExchangeReply | None:
         """The next reply; None once the receiver has answered everything."""
@@ -63,13 +69,16 @@ class ExchangeCall(Protocol):
 class GrpcExchangeCall:
     """The Exchange RPC."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+    def __init__(self, call: grpc.aio.StreamStreamCall, store: Store) -> None:
         self._call = call
+        self._store = store
 
     async def offer(self, offer: pb.ExchangeOffer) -> None:
         await self._call.write(pb.ExchangeMessage(offer=offer))
 
-    async def send(self, samples: list[tuple[int, bytes]]) -> None:
+    async def send(self, db: str, ids: np.ndarray) -> None:
+        ids_list = ids.tolist()
+        samples = [(i, v) for i, v in zip(ids_list, self._store.get_values(db, ids_list)) if v is not None]
         if len(samples) == 1 and len(samples[0][1]) > PIECE_BYTES:
             sample_id, value = samples[0]
             for offset, part in pieces(value):
@@ -92,9 +101,10 @@ class GrpcExchangeCall:
 class BulkExchangeCall:
     """An exchange stream on a bulk connection of its own."""
 
-    def __init__(self, client: BulkClient, address: str) -> None:
+    def __init__(self, client: BulkClient, address: str, store: Store) -> None:
         self._client = client
         self._address = address
+        self._store = store
         self._sock: socket.socket | None = None
 
     async def offer(self, offer: pb.ExchangeOffer) -> None:
@@ -103,8 +113,18 @@ class BulkExchangeCall:
         self._sock.settimeout(STALL_SECONDS)
         await self._run(send_buffers, self._sock, [REQUEST.pack(REQUEST_MAGIC, EXCHANGE, len(body)), body])
 
-    async def send(self, samples: list[tuple[int, bytes]]) -> None:
-        await self._run(send_buffers, self._connected(), chunk_frames(samples))
+    async def send(self, db: str, ids: np.ndarray) -> None:
+        await self._run(self._send_stored, self._connected(), db, ids.tolist())
+
+    def _send_stored(self, sock: socket.socket, db: str, ids: list[int]) -> None:
+        """Sends the chunk straight out of the map as far as the socket takes
+        it at once, and a copy of the rest once the read transaction is over: a
+        sender waiting on a slow receiver must not hold its own map's growth
+        back (MapReaders), or two nodes exchanging both ways could wait on each other."""
+        with self._store.value_views(db) as get:
+            values = ((i, get(i)) for i in ids)
+            rest = send_now(sock, chunk_frames([(i, v) for i, v in values if v is not None]))
+        send_buffers(sock, rest)
 
     async def read(self) -> pb.ExchangeReply | None:
         return await self._run(self._read_reply, self._connected())

@@ -138,7 +138,9 @@ class ExchangeReceiver:
             await coding.wait()
         async with self.holding:
             self.offered_epochs[offer.job] = max(self.offered_epochs.get(offer.job, 0), int(offer.epoch))
-            held = offered[self.store.cached_mask(db, offered)]
+            cached = self.store.cached_mask(db, offered)
+            held = offered[cached]
+        await self.store.grow_to_hold(stored_bytes(sizes[offered[~cached]]))
         yield pb.ExchangeReply(held=held.tolist(), message_bytes=self._message_bytes(),
                                after_reads=self._short_of_share(offer.job, entry, placement))
 

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from dataquay.client.records import CHECKSUM_BYTES
 from dataquay.client.status_codes import UNREACHABLE
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DataquayError
@@ -151,15 +150,15 @@ class ExchangeStreams:
         node may use (no TLS, no recent failure), else the Exchange RPC."""
         bulk = self.peers.bulk
         if bulk_address and bulk is not None and bulk.tls is None and self.peers.bulk_usable(bulk_address):
-            return BulkExchangeCall(bulk, bulk_address)
-        return GrpcExchangeCall(self.peers.stub(node, address).Exchange())
+            return BulkExchangeCall(bulk, bulk_address, self.store)
+        return GrpcExchangeCall(self.peers.stub(node, address).Exchange(), self.store)
 
     async def _stream(self, run: ExchangeRun, entry: Registered, node: str, receiver: int) -> None:
         """One stream: an offer of up to OFFER_IDS pending ids, then their payloads."""
         address = await self.link.address_of(node)
         if not address or self.link.is_down(node):
             raise DataquayError(f"node {node} is not reachable (down or unknown to the directory)")
-        outbox, db = run.outbox, entry.record.cache_db
+        outbox, db, sizes = run.outbox, entry.record.cache_db, entry.manifest.sample_length
         offered, offered_upto = outbox.offer(receiver, OFFER_IDS)
         bulk_address = self.peers.bulk_address(node, self.link.bulk_address_of(node))
         call = self._call(node, address, bulk_address)
@@ -204,17 +203,16 @@ class ExchangeStreams:
                     window.release()  # the receiver is short: wait for this node's ranks to read on
                     await self.news.wait()
                     continue
-                values = self.store.get_values(db, ids.tolist())
-                samples = [(i, v) for i, v in zip(ids.tolist(), values) if v is not None]
-                absent = ids[[v is None for v in values]]
-                outbox.unsettled(absent, UNAVAILABLE)
-                if not samples:
+                cached = self.store.cached_mask(db, ids)
+                outbox.unsettled(ids[~cached], UNAVAILABLE)
+                ids = ids[cached]
+                if not len(ids):
                     window.release()
                     continue
                 if self.bucket is not None:
-                    await asyncio.sleep(self.bucket.reserve(sum(len(v) - CHECKSUM_BYTES for _, v in samples)))
-                in_flight.append(np.fromiter((i for i, _ in samples), np.int64, len(samples)))
-                await call.send(samples)
+                    await asyncio.sleep(self.bucket.reserve(int(sizes[ids].sum())))
+                in_flight.append(ids)
+                await call.send(db, ids)
             await call.done_writing()
             await acks
         except BulkError as exc:
