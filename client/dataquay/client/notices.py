@@ -4,8 +4,9 @@ A trainer's DataLoader workers each hold a client of their own, and new ones
 start every epoch: a warning that each process gives once would come once per
 worker per epoch. The workers share the trainer's process group, so a marker
 file in /dev/shm named after the group says that one of them has told
-already. Markers of groups whose leader is gone are removed by the next
-process that tells something.
+already. Markers of other groups whose leader is gone are removed by the next
+process that tells something (never its own group's: a trainer started in
+the background by a shell that has since exited is a group without a leader).
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ def _remove_stale_markers() -> None:
         entries = list(os.scandir(SHM_DIR))
     except OSError:
         return
+    own = os.getpgrp()
     for entry in entries:
         match = _MARKER.match(entry.name)
         try:
-            if match and not process_alive(int(match.group(1))) and entry.stat().st_uid == os.getuid():
+            group = int(match.group(1)) if match else own
+            if group != own and not process_alive(group) and entry.stat().st_uid == os.getuid():
                 os.unlink(entry.path)
         except OSError:
             pass
