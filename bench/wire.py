@@ -38,10 +38,11 @@ raw TCP stream of the same round moves those bytes in batches of 64, as
 above. Rounds of the three take turns; node-1 loads the dataset before each
 round's clock starts. Before each timed run (an exchange, the raw stream,
 each bound below) the free memory is backed (common.back_free_memory): the
-receiver's cache takes new page cache for every byte it stores, and on a
-virtual machine the first touch of memory the host has not backed costs
-~2 s per GB (0.5 GB/s here), which the raw stream, reusing one buffer,
-never pays; a bare-metal node does not either.
+receiver writes every byte it stores through LMDB's map into new pages, and
+on this virtual machine a write through a map into memory the host has not
+backed runs at about 0.5 GB/s against 5 GB/s into memory just freed
+(bench/first_touch.py), which the raw stream, reusing one buffer, never
+meets; a bare-metal node does not either.
 Its bounds, since the receiver acknowledges only what its cache committed,
 each writing the same values in this process, 64 values at a time:
 
