@@ -17,6 +17,7 @@ import sysconfig
 from setuptools import Extension, setup
 
 XXHASH = "client/third_party/xxhash"
+CODING = "server/dataquay/server/coding-c"
 sources = ["client/dataquay/client/_records.c"]
 macros = []
 if re.search(r"x86_64|amd64|i[3-6]86", sysconfig.get_platform().lower()):
@@ -35,7 +36,9 @@ setup(
         ),
         Extension(
             "dataquay.server._coding",
-            sources=["server/dataquay/server/_coding.c"],
+            sources=[f"{CODING}/{name}.c" for name in ("module", "shared", "greedy", "packets", "tables", "dag")],
+            include_dirs=[CODING],
+            depends=[f"{CODING}/coding.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

@@ -1,4 +1,4 @@
-"""The loops of dataquay.server.node.exchange.coding's planner, in C (_coding.c)."""
+"""The loops of dataquay.server.node.exchange.coding's planner, in C (coding-c/)."""
 
 import numpy as np
 
