@@ -6,6 +6,7 @@ lost them; a client that cannot read the files served by the daemon."""
 from __future__ import annotations
 
 import errno
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -95,6 +96,28 @@ def test_notices_wait_while_the_trainer_reads_and_go_when_it_pauses(
         assert daemon_stats(daemon).cache_behind.page_cache_samples + cached_samples(daemon, "imgs") == 0
     wait_until(lambda: cached_samples(daemon, "imgs") == 8, "the daemon cached the samples once the trainer paused")
     assert read_locally(client, ds, range(8)) == got
+
+
+def _read_and_end(ds: dq.Dataset, ids: list[int]) -> None:
+    ds.get_batch(ids)
+
+
+def test_the_misses_a_worker_read_are_noticed_when_it_ends(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synthetic.make_files_dataset(tmp_path / "imgs", 24, sizes=SIZES, seed=2)
+    add(daemon, "imgs", tmp_path / "imgs")
+    ds = client.dataset("imgs")
+    monkeypatch.setattr(cache_behind, "LINGER_SECONDS", 60.0)  # nothing goes out before the workers end
+    ctx = multiprocessing.get_context("fork")
+    workers = [ctx.Process(target=_read_and_end, args=(ds, list(range(k, 24, 2)))) for k in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+        assert w.exitcode == 0
+    wait_until(lambda: cached_samples(daemon, "imgs") == 24, "the workers' misses were cached behind them")
+    assert daemon_stats(daemon).cache_behind.page_cache_samples == 24
 
 
 def test_bytes_the_page_cache_lost_are_handed_over_and_checked_against_the_manifest(

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from one_daemon import add, daemon_stats, files_bytes, read_locally, stage
 from polling import wait_until
+from test_cache_behind import cached_samples
 
 import dataquay.client as dq
 from dataquay.server.tools import synthetic
@@ -78,6 +79,21 @@ def test_transform_with_ids_decodes_npy_records_by_sample_id(
     for sample_id, array in [*frames.__getitems__([7, 2]), frames[4], frames[-1]]:
         np.testing.assert_array_equal(array, expected[sample_id])
     assert [i for i, _ in frames.__getitems__([7, 2])] == [7, 2] and frames[-1][0] == 9
+
+
+def test_the_misses_workers_read_themselves_are_cached_behind_them_once_they_end(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+) -> None:
+    synthetic.make_files_dataset(tmp_path / "imgs", SAMPLES, seed=8)
+    add(daemon, "imgs", tmp_path / "imgs")
+    ds = client.dataset("imgs")
+    loader = torch.utils.data.DataLoader(
+        TorchDataset(ds), batch_size=8, num_workers=2, multiprocessing_context="fork", collate_fn=as_list
+    )
+    assert [s for batch in loader for s in batch] == files_bytes(8, range(SAMPLES), (4096,))
+    # The workers are gone: what they noticed was sent as they ended, not lost with them.
+    wait_until(lambda: cached_samples(daemon, "imgs") == SAMPLES, "the workers' misses were cached behind them")
+    assert daemon_stats(daemon).cache_behind.page_cache_samples == SAMPLES
 
 
 def test_a_dead_daemon_is_warned_of_once_for_all_workers_and_epochs(

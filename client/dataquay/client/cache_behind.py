@@ -17,7 +17,10 @@ trainer sends a few large notices a second, not one per batch), and sends
 it while the trainer pauses between reads (:data:`PAUSE_SECONDS` without a
 read, as while it computes a step): the daemon then caches on cores the
 trainer does not need. A loader that never pauses has its notices sent
-:data:`DEFER_SECONDS` after they came, or once the backlog nears full.
+:data:`DEFER_SECONDS` after they came, or once the backlog nears full. A
+process that ends (a DataLoader worker at the end of an epoch) sends what
+its backlog holds first, for :data:`FLUSH_SECONDS` at most; a daemon found
+unreachable meanwhile is told of once, as a read that finds it so tells it.
 
 The daemon reads the samples back from the page cache; those it names as not
 held there, the thread copies into its shared-memory segment and hands over
@@ -35,15 +38,16 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
 from dataquay.client.connection import DaemonConnection
-from dataquay.client.errors import DataquayError
+from dataquay.client.errors import DaemonUnavailableError, DataquayError
 from dataquay.client.shm import Segment, SegmentPool
+from dataquay.client.stats import call_at_process_end
 from dataquay.protos import cache_pb2 as pb
 
 log = logging.getLogger("dataquay.client")
@@ -89,10 +93,17 @@ class CacheBehindNotices:
     (:meth:`after_fork_in_child`) and its own thread, on its first notice.
     """
 
-    def __init__(self, connection: DaemonConnection, segments: SegmentPool, timeout: float) -> None:
+    def __init__(
+        self,
+        connection: DaemonConnection,
+        segments: SegmentPool,
+        timeout: float,
+        daemon_down: Callable[[DaemonUnavailableError], None] | None = None,
+    ) -> None:
         self._connection = connection
         self._segments = segments
         self._timeout = timeout
+        self._daemon_down = daemon_down
         self.after_fork_in_child()
 
     def after_fork_in_child(self) -> None:
@@ -147,6 +158,7 @@ class CacheBehindNotices:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dataquay-cache-behind", daemon=True)
                 self._thread.start()
+                call_at_process_end(self._flush_at_end)
             self._cond.notify_all()
 
     @contextmanager
@@ -204,6 +216,10 @@ class CacheBehindNotices:
                 return self._cond.wait_for(lambda: not self._backlog and not self._sending, timeout)
             finally:
                 self._flushing -= 1
+
+    def _flush_at_end(self) -> None:
+        """Sends the backlog as the process ends (a DataLoader worker at the end of an epoch)."""
+        self.flush()
 
     def close(self) -> None:
         """Sends what the backlog holds (at most FLUSH_SECONDS), then stops the thread."""
@@ -278,7 +294,7 @@ class CacheBehindNotices:
             reply = self._call(request)
         except DataquayError as exc:
             self._dropped(dataset, manifest_id, ids)
-            log.debug("samples read from the PFS not noticed to the daemon: %s", exc)
+            self._failed(exc, "samples read from the PFS not noticed to the daemon")
             return
         if not reply.not_in_page_cache:
             return
@@ -304,7 +320,7 @@ class CacheBehindNotices:
             queued = self._call(request).queued
         except DataquayError as exc:
             self._dropped(dataset, manifest_id, [s.id for s in handed])
-            log.debug("samples read from the PFS not handed to the daemon: %s", exc)
+            self._failed(exc, "samples read from the PFS not handed to the daemon")
             return
         if queued:
             seg.daemon_mapped()
@@ -319,6 +335,12 @@ class CacheBehindNotices:
                 log.debug("no segment to hand samples over in: %s", exc)
                 return None
         return self._hand_over_seg
+
+    def _failed(self, exc: DataquayError, what: str) -> None:
+        """A call that failed: an unreachable daemon is told of as reads tell it."""
+        log.debug("%s: %s", what, exc)
+        if isinstance(exc, DaemonUnavailableError) and self._daemon_down is not None:
+            self._daemon_down(exc)
 
     def _call(self, request: pb.CacheBehindRequest) -> pb.CacheBehindReply:
         reply: pb.CacheBehindReply = self._connection.call(

@@ -102,7 +102,7 @@ class RemoteReader:
         self._own_reads = miss_reads == "client"
         # (dataset, manifest id) -> until when its misses go through the daemon.
         self._daemon_reads_until: dict[tuple[str, str], float] = {}
-        self.notices = CacheBehindNotices(connection, self._segments, timeout)
+        self.notices = CacheBehindNotices(connection, self._segments, timeout, daemon_down=self.mark_down)
 
     @property
     def _down_topic(self) -> str:
