@@ -63,8 +63,6 @@ from the source tree DIR (``git archive`` of an earlier commit: its protos,
 client and server folders), in the same rounds: a before/after figure.
 ``BENCH_EXCHANGE_MIB`` sets the exchange's dataset when it runs alone (128 by
 default, as the peer part's): a quarter of it moves per round.
-``BENCH_PASSES`` sets ``PASSES`` (a longer timed run is less at the mercy of
-a shared machine's other work).
 
 Rates are payload GB/s (10^9 bytes), each the median of ``REPEATS`` runs; the
 ratios are against the raw TCP stream of the same run. ``uptime``'s load

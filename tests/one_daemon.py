@@ -54,6 +54,11 @@ def reply_samples(chunks: Iterable[pb.ReadChunk]) -> Iterator[pb.Sample]:
     assert not parts, "the reply ended inside a sample's pieces"
 
 
+def cached_samples(daemon: DaemonProcess, name: str) -> int:
+    with cache_stub(daemon) as stub:
+        return stub.GetDataset(pb.GetDatasetRequest(name=name)).cached_samples
+
+
 def daemon_stats(daemon: DaemonProcess) -> pb.StatsReply:
     with cache_stub(daemon) as stub:
         return stub.Stats(pb.StatsRequest())

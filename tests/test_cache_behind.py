@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from one_daemon import add, cache_stub, daemon_stats, files_bytes, read_locally, tiers_read
+from one_daemon import add, cache_stub, cached_samples, daemon_stats, files_bytes, read_locally, tiers_read
 from polling import wait_until
 
 import dataquay.client as dq
@@ -29,11 +29,6 @@ from dataquay.server.tools import synthetic
 from dataquay.server.tools.processes import DaemonProcess
 
 SIZES = (3000, 70_000, 17, 250_000)
-
-
-def cached_samples(daemon: DaemonProcess, name: str) -> int:
-    with cache_stub(daemon) as stub:
-        return stub.GetDataset(pb.GetDatasetRequest(name=name)).cached_samples
 
 
 def evict(paths: list[Path]) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from one_daemon import add, cache_stub, daemon_stats, files_bytes, read_locally, stage, tiers_read
+from one_daemon import add, cache_stub, cached_samples, daemon_stats, files_bytes, read_locally, stage, tiers_read
 from open_files import open_files
 from polling import wait_until
 
@@ -34,11 +34,6 @@ SHM_DIR = Path("/dev/shm")
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def cached_samples(daemon: DaemonProcess, name: str) -> int:
-    with cache_stub(daemon) as stub:
-        return stub.GetDataset(pb.GetDatasetRequest(name=name)).cached_samples
 
 
 def shm_files() -> set[str]:

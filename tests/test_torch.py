@@ -8,9 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from one_daemon import add, daemon_stats, files_bytes, read_locally, stage
+from one_daemon import add, cached_samples, daemon_stats, files_bytes, read_locally, stage
 from polling import wait_until
-from test_cache_behind import cached_samples
 
 import dataquay.client as dq
 from dataquay.server.tools import synthetic

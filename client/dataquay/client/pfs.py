@@ -26,7 +26,6 @@ read this way, without a second read from the PFS.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import functools
 import io
@@ -40,6 +39,7 @@ from typing import Literal, cast, overload
 import numpy as np
 
 from dataquay.client.errors import PfsReadError, SampleIdError
+from dataquay.client.file_systems import IN_MEMORY, file_system_type
 from dataquay.client.manifest import Manifest
 from dataquay.client.records import frame_members
 
@@ -53,11 +53,6 @@ _RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 #: What a read without waiting fails with when the page cache lacks the data,
 #: or the file system does not support such reads.
 _NOT_CACHED = frozenset((errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL))
-#: statfs magic of file systems that keep their files in memory (tmpfs,
-#: ramfs): they cannot read without waiting, and a read there never waits for storage.
-_IN_MEMORY = frozenset((0x01021994, 0x858458F6))
-_STATFS_BYTES = 256  # more than struct statfs takes; its first field is f_type
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def tar_member_key(name: str) -> tuple[str, str] | None:
@@ -440,19 +435,14 @@ def _pread_cached(fd: int, r: ReadRange) -> memoryview | None:
     try:
         got = os.preadv(fd, [buf], r.offset, _RWF_NOWAIT)
     except OSError as exc:
-        if exc.errno == errno.EOPNOTSUPP and _in_memory(fd):
+        # tmpfs cannot read without waiting, and a read there never waits for storage.
+        if exc.errno == errno.EOPNOTSUPP and file_system_type(fd) in IN_MEMORY:
             got = os.preadv(fd, [buf], r.offset)
         elif exc.errno in _NOT_CACHED:
             return None
         else:
             raise
     return memoryview(buf) if got == r.length else None
-
-
-def _in_memory(fd: int) -> bool:
-    """Whether the file of ``fd`` is on a file system that keeps its files in memory."""
-    buffer = ctypes.create_string_buffer(_STATFS_BYTES)
-    return _libc.fstatfs(fd, buffer) == 0 and ctypes.c_ulong.from_buffer(buffer).value in _IN_MEMORY
 
 
 def _pread_whole(fd: int, length: int, offset: int) -> bytes | None:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import lmdb
 
+from dataquay.client.file_systems import file_system_type
 from dataquay.server.dirs import FILE_MODE, close_to_others
 from dataquay.server.node.cache_dir import DISK_SLACK_BYTES, FileSystemRoom
 
@@ -65,7 +66,6 @@ COPY_ON_WRITE = {0x9123683E: "btrfs", 0x2FC12FC1: "zfs", 0xCA451A4E: "bcachefs"}
 # the system call is asked directly, so such a file system says so.
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-_STATFS_BYTES = 256  # more than struct statfs takes; its first field is f_type
 
 
 class Allocation(Enum):
@@ -100,14 +100,6 @@ def allocate(fd: int, offset: int, length: int) -> Allocation:
     raise OSError(code, os.strerror(code))
 
 
-def file_system_type(path: Path) -> int:
-    """The statfs magic of the file system under ``path`` (0 if unknown)."""
-    buffer = ctypes.create_string_buffer(_STATFS_BYTES)
-    if _libc.statfs(str(path).encode(), buffer) != 0:
-        return 0
-    return ctypes.c_ulong.from_buffer(buffer).value
-
-
 def writes_through_map(allocated: Allocation, fs_type: int) -> bool:
     """Whether LMDB may write through its map, given how allocating the file
     (or, for a new environment, a probe) went and the file system's type:
@@ -116,10 +108,11 @@ def writes_through_map(allocated: Allocation, fs_type: int) -> bool:
     return allocated is Allocation.DONE and fs_type not in COPY_ON_WRITE
 
 
-def grown_size(current: int, limit: int, room: int | None) -> int:
-    """The map's next size: double, up to ``limit``, and by ``room`` bytes at
-    most where the file is allocated ahead (None: without writemap)."""
-    target = min(limit, 2 * current)
+def grown_size(current: int, limit: int, room: int | None, wanted: int = 0) -> int:
+    """The map's next size: ``wanted`` if given, else double; up to ``limit``,
+    and by ``room`` bytes at most where the file is allocated ahead (None:
+    without writemap)."""
+    target = min(limit, wanted or 2 * current)
     if room is not None:
         target = min(target, current + room)
     return max(current, target)
@@ -287,16 +280,18 @@ class CacheFile:
     def map_size(self) -> int:
         return int(self.env.info()["map_size"])
 
-    async def grow(self, limit: int, slack: int = DISK_SLACK_BYTES) -> Growth:
-        """Doubles the map up to ``limit``, allocating the file first under
-        ``writemap``, where it leaves ``slack`` bytes of the file system free
-        (a delete, which frees space, may take them). Runs on the event loop
-        between write transactions, once no other thread reads the map."""
+    async def grow(self, limit: int, slack: int = DISK_SLACK_BYTES, wanted: int = 0) -> Growth:
+        """Doubles the map (or grows it to ``wanted``) up to ``limit``,
+        allocating the file first under ``writemap``, where it leaves ``slack``
+        bytes of the file system free (a delete, which frees space, may take
+        them). Runs on the event loop between write transactions, once no
+        other thread reads the map."""
         current = self.map_size
         if current >= limit:
             return Growth.AT_LIMIT
         async with self.readers.still():
-            return self._grow_to(grown_size(current, limit, self._room_beyond(slack) if self.writemap else None))
+            room = self._room_beyond(slack) if self.writemap else None
+            return self._grow_to(grown_size(current, limit, room, wanted))
 
     async def grow_ahead(self, limit: int) -> None:
         """Grows the map once it is half used, so no large transaction is
@@ -312,13 +307,8 @@ class CacheFile:
         growth allocates, remaps and faults the map's pages in anew."""
         info = self.env.info()
         wanted = 2 * ((info["last_pgno"] + 1) * self.env.stat()["psize"] + more)
-        if wanted <= info["map_size"]:
-            return
-        async with self.readers.still():
-            size = min(limit, wanted)
-            if self.writemap:
-                size = min(size, self.map_size + self._room_beyond(DISK_SLACK_BYTES))
-            self._grow_to(size)
+        if wanted > info["map_size"]:
+            await self.grow(limit, wanted=wanted)
 
     def _room_beyond(self, slack: int) -> int:
         """Whole pages of the file system's free space beyond ``slack`` bytes

@@ -130,10 +130,10 @@ def chunk_frames(samples: Sequence[tuple[int, bytes | memoryview]]) -> list[byte
     return frames
 
 
-def parse_chunk(body: memoryview, count: int, max_value: int) -> list[tuple[int, memoryview]]:
+def parse_chunk(body: memoryview, count: int, max_value: int) -> list[tuple[int, bytes | memoryview]]:
     """(id, cache value) of each of ``count`` sample frames filling ``body``,
     the values views of it; raises BulkError for frames that do not."""
-    samples = []
+    samples: list[tuple[int, bytes | memoryview]] = []
     at = 0
     for _ in range(count):
         try:

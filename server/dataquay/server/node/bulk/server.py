@@ -343,7 +343,7 @@ class BulkServer:
             if body_bytes:
                 body = np.empty(body_bytes, dtype=np.uint8).data  # not zeroed first, as a bytearray is
                 recv_exactly(sock, body)
-                samples = list(parse_chunk(body, count, self.max_value))
+                samples = parse_chunk(body, count, self.max_value)
             else:
                 samples = self._frames_one_by_one(sock, count)
             good = [(i, value) for i, value in samples if decode_value(value) is not None]
