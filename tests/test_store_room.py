@@ -10,6 +10,7 @@ import numpy as np
 from store_runs import with_store
 
 from dataquay.client.records import encode_value
+from dataquay.server.capacity import stored_bytes
 from dataquay.server.node.cache_space import CacheSpace
 from dataquay.server.node.store import Store
 from dataquay.server.node.write_queue import PendingWrite
@@ -43,6 +44,24 @@ def test_space_freed_by_deletes_is_used_again(tmp_path: Path) -> None:
         assert store.space.live_bytes <= store.capacity
 
     with_store(tmp_path / "cache", 4 * MiB, test)
+
+
+def test_a_map_grown_to_hold_an_offer_takes_it_without_growing_again(tmp_path: Path) -> None:
+    """A growth remaps the whole map and faults its pages in anew: the
+    exchange's receiver grows once per offer, by what the offer's values will
+    take and a margin for the estimate, so that no growth comes while they land."""
+    count, per_message = 600, 37
+
+    async def test(store: Store) -> None:
+        await store.grow_to_hold(stored_bytes(np.full(count, VALUE)))
+        grown = store.env.info()["map_size"]
+        for first in range(0, count, per_message):
+            ids = range(first, min(count, first + per_message))
+            await store.committed(await store.put_all(write(i, reserved=True) for i in ids))
+        assert store.cached_mask("ds", np.arange(count)).all()
+        assert store.env.info()["map_size"] == grown
+
+    with_store(tmp_path / "cache", 1 << 30, test)
 
 
 def test_a_reservation_waits_for_room_and_its_writes_are_never_dropped(tmp_path: Path) -> None:

@@ -56,6 +56,10 @@ ALLOCATED_INITIAL_MAP = 8 * MiB
 #: them would read as an invalid environment, so the map grows over an
 #: allocated file only once they are written.
 _LEAST_MAP = 64 * 1024
+#: :meth:`CacheFile.grow_to_hold` adds 1/HOLD_MARGIN to the bytes it is told
+#: to come: estimates of LMDB's pages are within a few percent, and one
+#: page too few would have the map grow again as the last values land.
+HOLD_MARGIN = 16
 _PROBE_FILE = ".allocate-probe"
 #: File systems that write a changed block elsewhere (copy on write), by
 #: statfs magic: a block allocated ahead does not hold its overwrites there.
@@ -306,7 +310,7 @@ class CacheFile:
         rather than doubling it again and again while they arrive: each
         growth allocates, remaps and faults the map's pages in anew."""
         info = self.env.info()
-        wanted = 2 * ((info["last_pgno"] + 1) * self.env.stat()["psize"] + more)
+        wanted = 2 * ((info["last_pgno"] + 1) * self.env.stat()["psize"] + more + more // HOLD_MARGIN)
         if wanted > info["map_size"]:
             await self.grow(limit, wanted=wanted)
 

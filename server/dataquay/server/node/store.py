@@ -302,9 +302,8 @@ class Store:
         return write.leaves_room and self.space.reserve_reached
 
     async def put_all(self, writes: Iterable[PendingWrite]) -> int:
-        """Queues ``writes`` like :meth:`put`; returns a ticket for :meth:`committed`."""
-        for write in writes:
-            await self.put(write)
+        """Queues ``writes`` like :meth:`put_many`; returns a ticket for :meth:`committed`."""
+        await self.put_many(list(writes))
         return self.writer.queue.queued_count
 
     async def committed(self, ticket: int) -> None:

@@ -73,6 +73,7 @@ from dataquay.server.node.bulk.frames import (
     recv_bytes,
     recv_exactly,
     send_buffers,
+    send_now,
     server_proof,
 )
 from dataquay.server.node.store import Store
@@ -384,12 +385,21 @@ class BulkServer:
         try:
             async for reply in self.receive(messages()):
                 data = reply.SerializeToString()
-                await loop.run_in_executor(None, send_buffers, sock, [SAMPLE.pack(REPLY, 0, len(data), 0), data])
-            await loop.run_in_executor(None, sock.sendall, SAMPLE.pack(END, 0, 0, 0))
+                await _send_from_loop(loop, sock, [SAMPLE.pack(REPLY, 0, len(data), 0), data])
+            await _send_from_loop(loop, sock, [SAMPLE.pack(END, 0, 0, 0)])
         except DataquayError as exc:
-            await loop.run_in_executor(None, send_buffers, sock, _error_frame(exc))
+            await _send_from_loop(loop, sock, _error_frame(exc))
         except OSError:
             pass  # the sender is gone; its thread here sees it too
+
+
+async def _send_from_loop(loop: asyncio.AbstractEventLoop, sock: socket.socket, frames: list[bytes]) -> None:
+    """Sends small frames from the event loop as far as the socket takes them
+    at once (a reply nearly always goes whole), the rest from a thread: a
+    thread hand-off per reply costs more than the reply's bytes."""
+    rest = send_now(sock, frames)
+    if rest:
+        await loop.run_in_executor(None, send_buffers, sock, rest)
 
 
 def _error_frame(exc: DataquayError, code: int | None = None) -> list[bytes]:
