@@ -119,6 +119,9 @@ SIZES = {"110KiB": 110 * 1024, "1MiB": MiB}
 TARGET = 0.5
 #: A source tree the exchange's "before" pair runs from (see the docstring).
 BASELINE_SOURCE = os.environ.get("BENCH_BASELINE_SOURCE", "")
+#: How often a round asks node-0 whether its exchange finished: its rate is
+#: the daemon's own elapsed time, and Stats runs on the sender's event loop.
+STATS_POLL_SECONDS = 0.1
 _INDEX = struct.Struct("<Q")
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -339,7 +342,7 @@ def _exchanged(local: LocalCluster, n0: cache_pb2_grpc.CacheStub, label: str, ma
                     if r.job == job_id and r.epoch == 1 and r.finished), None)
         if run is not None:
             break
-        time.sleep(0.02)
+        time.sleep(STATS_POLL_SECONDS)
     else:
         raise RuntimeError(f"exchange of {job_id} did not finish")
     spent = tuple(_cpu_seconds(d) - before_cpu for d, before_cpu in zip(local.daemons, cpu))

@@ -74,6 +74,9 @@ CHUNK_BYTES = 1 << 20
 READS_IN_FLIGHT = 2
 #: Candidates looked up in the cache at a time.
 _WINDOW = 256
+#: Windows looked up before the event loop's other work goes first: an epoch
+#: whose samples are all cached would otherwise hold the loop for its whole scan.
+_WINDOWS_PER_TURN = 16
 #: How often a loop with nothing to do looks again, in seconds.
 _IDLE_POLL_SECONDS = 1.0
 #: A job none of whose ranks read for this long is forgotten, its samples dropped.
@@ -126,6 +129,8 @@ class _Chunk(NamedTuple):
 
 #: No chunk while the budget is full.
 _NO_ROOM = _Chunk(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), 0)
+#: No chunk yet: _WINDOWS_PER_TURN windows held nothing to read ahead.
+_SCANNED = _Chunk(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), 0)
 
 
 @dataclass
@@ -324,6 +329,9 @@ class OverflowPrefetcher:
                 if chunk is None:
                     self._in_flight.release()
                     job.walking = epoch + 1
+                elif chunk is _SCANNED:
+                    self._in_flight.release()
+                    await asyncio.sleep(0)
                 elif not len(chunk.ids):
                     self._in_flight.release()
                     if not self._sweep(job):
@@ -369,12 +377,15 @@ class OverflowPrefetcher:
 
     def _next_chunk(self, job: _Job, state: _Epoch) -> _Chunk | None:
         """The next ids to read ahead: as many as fit in :data:`CHUNK_BYTES`
-        and the budget (none while it is full); None once the epoch has none left."""
+        and the budget (none while it is full, :data:`_SCANNED` after a turn of
+        windows that held none); None once the epoch has none left."""
         ahead = state.reads.ahead
         lengths = job.entry.manifest.sample_length
         db = job.entry.record.cache_db
         most = int(self.budget.limit * BUDGET_SHARE)
-        while state.cursor < len(ahead):
+        for _ in range(_WINDOWS_PER_TURN):
+            if state.cursor >= len(ahead):
+                return None
             room = self.budget.room(BUDGET_SHARE)
             if not room:
                 return _NO_ROOM
@@ -385,7 +396,8 @@ class OverflowPrefetcher:
             keep = ~state.asked[index] & ~self.store.cached_mask(db, ids) & (sizes <= most)
             if state.deferring:
                 keep &= ~state.reads.arrived[index]
-            keep &= ~np.fromiter((i in state.held or i in state.reading for i in ids.tolist()), bool, len(ids))
+            if state.held or state.reading:
+                keep &= ~np.fromiter((i in state.held or i in state.reading for i in ids.tolist()), bool, len(ids))
             kept = np.flatnonzero(keep)
             if not len(kept):
                 state.cursor = window.stop
@@ -398,6 +410,7 @@ class OverflowPrefetcher:
             taken = kept[:count]
             state.cursor += int(taken[-1]) + 1
             return _Chunk(ids[taken], index[taken], int(total[count - 1]))
+        return _SCANNED
         return None
 
     async def _read(self, job: _Job, state: _Epoch, chunk: _Chunk, done: asyncio.Future[None]) -> None:
