@@ -32,6 +32,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
+from dataquay.client.record_loops import sample_keys
 from dataquay.client.records import decode_value, sample_key, stored_checksum
 from dataquay.server.dirs import ensure_private_dir
 from dataquay.server.errors import StartupError
@@ -205,14 +206,10 @@ class Store:
     def cached_mask(self, db: str, ids: np.ndarray) -> np.ndarray:
         """Which of ``ids`` are in the cache (a key lookup, no value is read)."""
         handle = self._dbs.get(db.encode())
-        mask = np.zeros(len(ids), dtype=bool)
         if handle is None:
-            return mask
+            return np.zeros(len(ids), dtype=bool)
         with self.env.begin(db=handle, buffers=True) as txn:
-            cursor = txn.cursor()
-            for i, sample_id in enumerate(ids.tolist()):
-                mask[i] = cursor.set_key(sample_key(sample_id))
-        return mask
+            return np.fromiter(map(txn.cursor().set_key, sample_keys(ids.tolist())), dtype=bool, count=len(ids))
 
     def dataset_usage(self, db: str) -> tuple[int, int]:
         """(entries, payload bytes) cached for a dataset."""

@@ -1,0 +1,199 @@
+"""How close any exchange can come to a raw TCP stream, on this machine.
+
+An exchanged sample must at least be sent out of the sender's cache, received,
+checked against its checksum and committed to the receiver's LMDB. This does
+exactly that work, with the daemon's own frames (``bulk/frames.py``) and with
+none of the rest: no event loop, no offer, no reservation, no acknowledgement,
+no read ahead competing at the epoch's start. A child process holds the
+samples in an LMDB cache (``writemap`` over a file allocated ahead, as the
+store) and writes 4 MiB chunks straight out of its map with ``sendmsg`` on a
+blocking socket; this process receives each chunk's body with ``recv_into``
+into a fresh buffer, checks every value's checksum and hands the chunk to a
+writer thread, which commits it with ``putmulti`` in a transaction of its own
+into such a cache. Against it, in the same rounds, a raw TCP stream of the
+same bytes: the child sends them with ``sendall``, this process receives
+them into one buffer it reuses. Before each timed run the free memory is
+backed (``common.back_free_memory``), as ``bench/wire.py`` does.
+
+The ratio is a ceiling for the daemon's exchange (``bench/wire.py``) on this
+machine; the CPU seconds per GB say what the two ends cost, all threads.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import lmdb
+import numpy as np
+from common import REPEATS, MiB, back_free_memory, progress, report
+
+from dataquay.client.malloc import tune_malloc
+from dataquay.client.records import decode_value, encode_value, sample_key
+from dataquay.server.node.bulk.frames import END, SAMPLE, chunk_frames, parse_chunk, recv_exactly
+
+SIZES = {"110KiB": 110 * 1024, "1MiB": MiB}
+EXCHANGE_BYTES = int(os.environ.get("BENCH_EXCHANGE_MIB", "512")) * MiB
+CHUNK_BYTES = 4 * MiB
+RAW = "raw"
+LEAST = "least"
+#: What this process sends the child to start a run of each kind, and to end.
+KINDS = {RAW: b"r", LEAST: b"l"}
+QUIT = b"q"
+
+
+def _cache(home: Path, size: int) -> lmdb.Environment:
+    """An LMDB cache as the store opens it: ``writemap`` over a file allocated ahead."""
+    home.mkdir(parents=True)
+    env = lmdb.open(str(home), map_size=64 << 10, writemap=True, sync=False, metasync=False, meminit=False,
+                    max_dbs=2)
+    fd = os.open(home / "data.mdb", os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
+    env.set_mapsize(size)
+    return env
+
+
+def _chunks(count: int, size: int) -> list[range]:
+    per = max(1, CHUNK_BYTES // size)
+    return [range(first, min(count, first + per)) for first in range(0, count, per)]
+
+
+def _sender(port: int, home: Path, size: int, count: int) -> None:
+    """The child: stages ``count`` values, then sends each run asked for."""
+    env = _cache(home, 2 * count * (size + 8192) + (64 << 20))
+    db = env.open_db(b"bench")
+    payload = os.urandom(size)
+    value = encode_value(payload)
+    with env.begin(write=True, db=db) as txn:
+        for i in range(count):
+            txn.put(sample_key(i), value, append=True)
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while (kind := sock.recv(1)) != QUIT:
+        started = time.process_time()
+        if kind == KINDS[RAW]:
+            for chunk in _chunks(count, size):
+                sock.sendall(payload * len(chunk))
+        else:
+            with env.begin(db=db, buffers=True) as txn:
+                for chunk in _chunks(count, size):
+                    sock.sendmsg(chunk_frames([(i, txn.get(sample_key(i))) for i in chunk]))
+            sock.sendall(SAMPLE.pack(END, 0, 0, 0))
+        sock.recv(1)
+        sock.sendall(f"{time.process_time() - started:.6f}\n".encode())
+    env.close()
+
+
+def _line(sock: socket.socket) -> str:
+    out = b""
+    while not out.endswith(b"\n"):
+        out += sock.recv(1)
+    return out.decode()
+
+
+def _raw(sock: socket.socket, nbytes: int) -> None:
+    view = memoryview(bytearray(CHUNK_BYTES))
+    left = nbytes
+    while left:
+        left -= sock.recv_into(view[: min(left, len(view))])
+
+
+def _least(sock: socket.socket, env: lmdb.Environment, max_value: int) -> int:
+    """Receives, checks and commits one run; returns the payload bytes committed."""
+    db = env.open_db(b"bench")
+    commits: queue.Queue[list[tuple[bytes, memoryview]] | None] = queue.Queue(4)
+
+    def writer() -> None:
+        while (items := commits.get()) is not None:
+            with env.begin(write=True, db=db) as txn:
+                txn.cursor().putmulti(items)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    header = bytearray(SAMPLE.size)
+    committed = 0
+    try:
+        while True:
+            recv_exactly(sock, memoryview(header))
+            status, count, body_bytes, _ = SAMPLE.unpack(header)
+            if status == END:
+                break
+            body = np.empty(body_bytes, dtype=np.uint8).data
+            recv_exactly(sock, body)
+            good = [(sample_key(i), v) for i, v in parse_chunk(body, count, max_value) if decode_value(v) is not None]
+            committed += sum(len(v) for _, v in good)
+            commits.put(good)
+    finally:
+        commits.put(None)
+        thread.join()
+    return committed
+
+
+def bound(base: Path, label: str, size: int) -> dict[str, object]:
+    count = EXCHANGE_BYTES // size
+    listener = socket.create_server(("127.0.0.1", 0))
+    child = subprocess.Popen([sys.executable, __file__, "--send", str(listener.getsockname()[1]),
+                              str(base / f"sender-{label}"), str(size), str(count)])
+    rates: dict[str, list[float]] = {RAW: [], LEAST: []}
+    cpu: dict[str, list[float]] = {f"{LEAST}_{side}": [] for side in ("sender", "receiver")}
+    try:
+        sock, _ = listener.accept()
+        for round_ in range(REPEATS):
+            progress(f"exchange bound {label}: round {round_ + 1} of {REPEATS}")
+            for name in (RAW, LEAST):
+                env = _cache(base / f"receiver-{label}-{round_}", 2 * count * (size + 8192) + (64 << 20))
+                back_free_memory()
+                started, cpu_started = time.perf_counter(), time.process_time()
+                sock.sendall(KINDS[name])
+                if name == RAW:
+                    _raw(sock, count * size)
+                else:
+                    assert _least(sock, env, size + 64) == count * (size + 8)
+                elapsed, receiver_cpu = time.perf_counter() - started, time.process_time() - cpu_started
+                sock.sendall(b"d")
+                sender_cpu = float(_line(sock))
+                rates[name].append(count * size / elapsed / 1e9)
+                if name == LEAST:
+                    cpu[f"{LEAST}_sender"].append(sender_cpu / (count * size / 1e9))
+                    cpu[f"{LEAST}_receiver"].append(receiver_cpu / (count * size / 1e9))
+                env.close()
+                shutil.rmtree(base / f"receiver-{label}-{round_}")
+        sock.sendall(QUIT)
+    finally:
+        child.wait(60)
+        listener.close()
+    gbps = {name: float(statistics.median(values)) for name, values in rates.items()}
+    return {
+        "size": label, "raw_tcp_GBps": gbps[RAW], "least_exchange_GBps": gbps[LEAST],
+        "least_exchange_ratio": gbps[LEAST] / gbps[RAW],
+        **{f"{name}_cpu_s_per_GB": float(statistics.median(values)) for name, values in cpu.items()},
+        "rounds_GBps": rates, "rounds_cpu_s_per_GB": cpu, "exchange_bytes": count * size,
+    }
+
+
+def main() -> None:
+    tune_malloc()
+    wanted = os.environ.get("BENCH_SIZES", ",".join(SIZES)).split(",")
+    with tempfile.TemporaryDirectory(prefix="dq-bench-exchange-bound-") as tmp:
+        rows = [bound(Path(tmp), label, size) for label, size in SIZES.items() if label in wanted]
+    report("exchange_bound", rows, ["size", "raw_tcp_GBps", "least_exchange_GBps", "least_exchange_ratio",
+                                    "least_sender_cpu_s_per_GB", "least_receiver_cpu_s_per_GB"])
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 6 and sys.argv[1] == "--send":
+        _sender(int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    else:
+        main()
