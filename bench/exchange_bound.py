@@ -10,9 +10,10 @@ store) and writes 4 MiB chunks straight out of its map with ``sendmsg`` on a
 blocking socket; this process receives each chunk's body with ``recv_into``
 into a fresh buffer, checks every value's checksum and hands the chunk to a
 writer thread, which commits it with ``putmulti`` in a transaction of its own
-into such a cache. Against it, in the same rounds, a raw TCP stream of the
-same bytes: the child sends them with ``sendall``, this process receives
-them into one buffer it reuses. Before each timed run the free memory is
+into such a cache. Against it, in the same rounds, the raw TCP stream of
+``bench/wire.py`` over the same bytes: the child answers an 8-byte request
+per batch of 64 samples with one ``sendall``, this process receives each
+batch into one buffer it reuses. Before each timed run the free memory is
 backed (``common.back_free_memory``), as ``bench/wire.py`` does.
 
 The ratio is a ceiling for the daemon's exchange (``bench/wire.py``) on this
@@ -26,6 +27,7 @@ import queue
 import shutil
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -44,6 +46,9 @@ from dataquay.server.node.bulk.frames import END, SAMPLE, chunk_frames, parse_ch
 SIZES = {"110KiB": 110 * 1024, "1MiB": MiB}
 EXCHANGE_BYTES = int(os.environ.get("BENCH_EXCHANGE_MIB", "512")) * MiB
 CHUNK_BYTES = 4 * MiB
+#: The raw stream's batches, each asked for with an 8-byte request, as bench/wire.py's.
+BATCH = 64
+_REQUEST = struct.Struct("<Q")
 RAW = "raw"
 LEAST = "least"
 #: What this process sends the child to start a run of each kind, and to end.
@@ -84,8 +89,10 @@ def _sender(port: int, home: Path, size: int, count: int) -> None:
     while (kind := sock.recv(1)) != QUIT:
         started = time.process_time()
         if kind == KINDS[RAW]:
-            for chunk in _chunks(count, size):
-                sock.sendall(payload * len(chunk))
+            batch = memoryview(payload * BATCH)
+            for first in range(0, count, BATCH):
+                recv_exactly(sock, memoryview(bytearray(_REQUEST.size)))
+                sock.sendall(batch[: min(BATCH, count - first) * size])
         else:
             with env.begin(db=db, buffers=True) as txn:
                 for chunk in _chunks(count, size):
@@ -103,11 +110,11 @@ def _line(sock: socket.socket) -> str:
     return out.decode()
 
 
-def _raw(sock: socket.socket, nbytes: int) -> None:
-    view = memoryview(bytearray(CHUNK_BYTES))
-    left = nbytes
-    while left:
-        left -= sock.recv_into(view[: min(left, len(view))])
+def _raw(sock: socket.socket, count: int, size: int) -> None:
+    view = memoryview(bytearray(BATCH * size))
+    for first in range(0, count, BATCH):
+        sock.sendall(_REQUEST.pack(first))
+        recv_exactly(sock, view[: min(BATCH, count - first) * size])
 
 
 def _least(sock: socket.socket, env: lmdb.Environment, max_value: int) -> int:
@@ -158,7 +165,7 @@ def bound(base: Path, label: str, size: int) -> dict[str, object]:
                 started, cpu_started = time.perf_counter(), time.process_time()
                 sock.sendall(KINDS[name])
                 if name == RAW:
-                    _raw(sock, count * size)
+                    _raw(sock, count, size)
                 else:
                     assert _least(sock, env, size + 64) == count * (size + 8)
                 elapsed, receiver_cpu = time.perf_counter() - started, time.process_time() - cpu_started
