@@ -96,11 +96,17 @@ def _sender(port: int, home: Path, size: int, count: int) -> None:
         else:
             with env.begin(db=db, buffers=True) as txn:
                 for chunk in _chunks(count, size):
-                    sock.sendmsg(chunk_frames([(i, txn.get(sample_key(i))) for i in chunk]))
+                    sock.sendmsg(chunk_frames([(i, _stored(txn, i)) for i in chunk]))
             sock.sendall(SAMPLE.pack(END, 0, 0, 0))
         sock.recv(1)
         sock.sendall(f"{time.process_time() - started:.6f}\n".encode())
     env.close()
+
+
+def _stored(txn: lmdb.Transaction, sample_id: int) -> bytes | memoryview:
+    value = txn.get(sample_key(sample_id))
+    assert value is not None, f"sample {sample_id} was staged"
+    return value
 
 
 def _line(sock: socket.socket) -> str:
@@ -120,7 +126,7 @@ def _raw(sock: socket.socket, count: int, size: int) -> None:
 def _least(sock: socket.socket, env: lmdb.Environment, max_value: int) -> int:
     """Receives, checks and commits one run; returns the payload bytes committed."""
     db = env.open_db(b"bench")
-    commits: queue.Queue[list[tuple[bytes, memoryview]] | None] = queue.Queue(4)
+    commits: queue.Queue[list[tuple[bytes, bytes | memoryview]] | None] = queue.Queue(4)
 
     def writer() -> None:
         while (items := commits.get()) is not None:
