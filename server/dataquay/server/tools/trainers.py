@@ -71,12 +71,12 @@ def _say(out: TextIO, **event: Any) -> None:
     out.flush()
 
 
-def _rank_main(dataset: str, batch: int, compute_seconds: float) -> None:
+def _rank_main(dataset: str, batch: int, compute_seconds: float, connect_timeout: float) -> None:
     """Joins the job, then runs commands from stdin until it closes."""
     from dataquay.client import connect
 
     out = sys.stdout
-    client = connect()
+    client = connect(timeout=connect_timeout)
     try:
         ds = client.dataset(dataset)
         sampler = ds.sampler()
@@ -253,6 +253,9 @@ class RankGroup:
         batch: ids per read.
         compute_seconds: simulated GPU time per batch.
         timeout: seconds any one step may take before the group gives up.
+        connect_timeouts: per rank, how long its client waits for its daemon
+            to answer at start (``connect``'s timeout; 10 s each by default):
+            a rank whose daemon is known to be down need not wait it out.
         prefixes: per rank, what its command line runs under (``ip netns
             exec NAME`` for a rank whose node is in a network namespace).
     """
@@ -267,8 +270,10 @@ class RankGroup:
         compute_seconds: float = 0.0,
         timeout: float = 120.0,
         prefixes: Sequence[Sequence[str]] | None = None,
+        connect_timeouts: Sequence[float] | None = None,
     ) -> None:
         self._envs = [dict(e) for e in envs]
+        self._connect_timeouts = list(connect_timeouts) if connect_timeouts is not None else [10.0 for _ in envs]
         self._prefixes = [list(p) for p in prefixes] if prefixes is not None else [[] for _ in envs]
         self._args = [
             sys.executable, "-m", "dataquay.server.tools.trainers", dataset, str(batch), str(compute_seconds),
@@ -287,7 +292,8 @@ class RankGroup:
             for rank, env in enumerate(self._envs):
                 with open(self._log_path(rank), "ab") as log:
                     self._procs.append(subprocess.Popen(
-                        [*self._prefixes[rank], *self._args], env={**os.environ, **env}, stdin=subprocess.PIPE,
+                        [*self._prefixes[rank], *self._args, str(self._connect_timeouts[rank])],
+                        env={**os.environ, **env}, stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE, stderr=log,
                     ))
                 self._buffers.append(b"")
@@ -414,4 +420,4 @@ class RankGroup:
 
 
 if __name__ == "__main__":
-    _rank_main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))
+    _rank_main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]))
