@@ -411,7 +411,6 @@ class OverflowPrefetcher:
             state.cursor += int(taken[-1]) + 1
             return _Chunk(ids[taken], index[taken], int(total[count - 1]))
         return _SCANNED
-        return None
 
     async def _read(self, job: _Job, state: _Epoch, chunk: _Chunk, done: asyncio.Future[None]) -> None:
         """Reads one chunk ahead into ``state``; what was read on demand meanwhile is dropped."""
