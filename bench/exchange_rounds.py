@@ -1,0 +1,84 @@
+"""The bulk exchange of ``bench/wire.py``, round after round on one pair of
+daemons: for A/B checks of the exchange's own cost and for profiling it.
+
+Each round is ``bench/wire.py``'s: node-1 is wiped and restarted, a fresh
+``partial`` job with Q = 1 starts, node-0 ships node-1 what it owns in
+epoch 1. A round prints its rate (payload bytes over the daemon's own
+elapsed time) and each daemon's CPU seconds per GB; the sender's pid is
+printed once it is up, and it stays the same for every round (attach
+``perf record -p`` or ``py-spy`` to it). The medians over the rounds go to
+``bench/results/exchange_rounds.json``.
+There is no raw stream here: the ratios to it are ``bench/wire.py``'s.
+
+``BENCH_SIZES`` (one of 110KiB, 1MiB; 110KiB by default),
+``BENCH_EXCHANGE_MIB`` (the dataset, 2048 by default: 540 MB a round),
+``BENCH_ROUNDS`` (5), ``BENCH_DAEMON_ARGS`` (extra ``serve`` flags for both
+daemons, e.g. ``--prefetch-memory 0``) and ``BENCH_BASELINE_SOURCE`` (run
+the daemons from that source tree, as ``bench/wire.py`` does).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+from common import MiB, progress, report
+from wire import SIZES, _exchanged, _started, _stub
+
+from dataquay.client.malloc import tune_malloc
+from dataquay.client.manifest import Manifest
+from dataquay.protos import cache_pb2 as pb
+from dataquay.server.tools.synthetic import make_files_dataset
+
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))
+DATASET_BYTES = int(os.environ.get("BENCH_EXCHANGE_MIB", "2048")) * MiB
+DAEMON_ARGS = tuple(os.environ.get("BENCH_DAEMON_ARGS", "").split())
+SOURCE = os.environ.get("BENCH_BASELINE_SOURCE", "")
+
+
+def rounds(base: Path, label: str, size: int) -> dict[str, object]:
+    root = base / "pfs" / label
+    make_files_dataset(root, DATASET_BYTES // size, sizes=(size,))
+    local = _started(base / "pair", DAEMON_ARGS, SOURCE)
+    rates, sender, receiver = [], [], []
+    moved = 0
+    try:
+        _channel, stub = _stub(str(local.daemons[0].ready["tcp"]))
+        stub.AddDataset(pb.AddDatasetRequest(name=label, root=str(root)))
+        progress(f"exchange rounds {label}: staging on node-0")
+        *_, staged = stub.Stage(pb.StageRequest(dataset=label))
+        assert staged.done_samples == staged.total_samples, staged
+        manifest = Manifest(b"".join(c.data for c in stub.GetManifest(pb.GetDatasetRequest(name=label))))
+        assert local.daemons[0].process is not None
+        progress(f"exchange rounds {label}: the sender is pid {local.daemons[0].process.pid}")
+        for round_ in range(ROUNDS):
+            rate, given, (sent_cpu, received_cpu) = _exchanged(local, stub, label, manifest, round_, "rounds")
+            moved = len(given) * size
+            gigabytes = moved / 1e9
+            rates.append(rate / 1e9)
+            sender.append(sent_cpu / gigabytes)
+            receiver.append(received_cpu / gigabytes)
+            progress(f"round {round_ + 1} of {ROUNDS}: {rates[-1]:.2f} GB/s, sender {sender[-1]:.2f} and "
+                     f"receiver {receiver[-1]:.2f} CPU s/GB")
+    finally:
+        local.down()
+    return {
+        "size": label, "exchange_GBps": statistics.median(rates),
+        "sender_cpu_s_per_GB": statistics.median(sender), "receiver_cpu_s_per_GB": statistics.median(receiver),
+        "rounds_GBps": rates, "rounds_sender_cpu_s_per_GB": sender, "rounds_receiver_cpu_s_per_GB": receiver,
+        "daemon_args": list(DAEMON_ARGS), "source": SOURCE, "round_bytes": moved,
+    }
+
+
+def main() -> None:
+    tune_malloc()
+    label = os.environ.get("BENCH_SIZES", "110KiB")
+    with tempfile.TemporaryDirectory(prefix="dq-bench-exchange-rounds-") as tmp:
+        row = rounds(Path(tmp), label, SIZES[label])
+    report("exchange_rounds", [row], ["size", "exchange_GBps", "sender_cpu_s_per_GB", "receiver_cpu_s_per_GB"])
+
+
+if __name__ == "__main__":
+    main()
