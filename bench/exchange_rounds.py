@@ -24,8 +24,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import MiB, progress, report
-from wire import SIZES, _exchanged, _started, _stub
+from common import MiB, progress, report, stub
+from exchange_pair import exchange_round, started_pair
+from wire import SIZES
 
 from dataquay.client.malloc import tune_malloc
 from dataquay.client.manifest import Manifest
@@ -41,20 +42,20 @@ SOURCE = os.environ.get("BENCH_BASELINE_SOURCE", "")
 def rounds(base: Path, label: str, size: int) -> dict[str, object]:
     root = base / "pfs" / label
     make_files_dataset(root, DATASET_BYTES // size, sizes=(size,))
-    local = _started(base / "pair", DAEMON_ARGS, SOURCE)
+    local = started_pair(base / "pair", DAEMON_ARGS, SOURCE)
     rates, sender, receiver = [], [], []
     moved = 0
     try:
-        _channel, stub = _stub(str(local.daemons[0].ready["tcp"]))
-        stub.AddDataset(pb.AddDatasetRequest(name=label, root=str(root)))
+        n0 = stub(local.daemons[0])
+        n0.AddDataset(pb.AddDatasetRequest(name=label, root=str(root)))
         progress(f"exchange rounds {label}: staging on node-0")
-        *_, staged = stub.Stage(pb.StageRequest(dataset=label))
+        *_, staged = n0.Stage(pb.StageRequest(dataset=label))
         assert staged.done_samples == staged.total_samples, staged
-        manifest = Manifest(b"".join(c.data for c in stub.GetManifest(pb.GetDatasetRequest(name=label))))
+        manifest = Manifest(b"".join(c.data for c in n0.GetManifest(pb.GetDatasetRequest(name=label))))
         assert local.daemons[0].process is not None
         progress(f"exchange rounds {label}: the sender is pid {local.daemons[0].process.pid}")
         for round_ in range(ROUNDS):
-            rate, given, (sent_cpu, received_cpu) = _exchanged(local, stub, label, manifest, round_, "rounds")
+            rate, given, (sent_cpu, received_cpu) = exchange_round(local, n0, label, manifest, round_, "rounds")
             moved = len(given) * size
             gigabytes = moved / 1e9
             rates.append(rate / 1e9)

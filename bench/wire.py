@@ -93,20 +93,18 @@ import grpc
 import lmdb
 import numpy as np
 from common import REPEATS, MiB, back_free_memory, progress, report
+from exchange_pair import exchange_round, started_pair
 
 from dataquay.client import connect
 from dataquay.client.channels import channel_options, grpc_target
-from dataquay.client.jobs import job_plan
 from dataquay.client.malloc import tune_malloc
 from dataquay.client.manifest import Manifest
-from dataquay.client.placement import owners
 from dataquay.client.records import CHECKSUM_BYTES, encode_value
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.errors import StartupError
 from dataquay.server.node.bulk.client import BulkClient
-from dataquay.server.tools.local_cluster import LocalCluster, NodeHost
+from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 
@@ -119,11 +117,7 @@ SIZES = {"110KiB": 110 * 1024, "1MiB": MiB}
 TARGET = 0.5
 #: A source tree the exchange's "before" pair runs from (see the docstring).
 BASELINE_SOURCE = os.environ.get("BENCH_BASELINE_SOURCE", "")
-#: How often a round asks node-0 whether its exchange finished: its rate is
-#: the daemon's own elapsed time, and Stats runs on the sender's event loop.
-STATS_POLL_SECONDS = 0.1
 _INDEX = struct.Struct("<Q")
-_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # ------------------------------------------------------------------ raw TCP
@@ -309,52 +303,6 @@ def bench_size(bulk: list[DaemonProcess], plain: list[DaemonProcess], base: Path
     return row
 
 
-def _cpu_seconds(daemon: DaemonProcess) -> float:
-    """User and system CPU seconds a daemon's process has used so far."""
-    assert daemon.process is not None
-    fields = Path(f"/proc/{daemon.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
-
-
-def _exchanged(local: LocalCluster, n0: cache_pb2_grpc.CacheStub, label: str, manifest: Manifest, round_: int,
-               name: str) -> tuple[float, np.ndarray, tuple[float, float]]:
-    """One round of the exchange node-0 -> node-1 on a fresh node-1: (bytes/s,
-    the ids moved, CPU seconds the sender and the receiver spent on it)."""
-    local.kill_node(1)
-    shutil.rmtree(local.daemons[1].cache_dir)
-    local.restart_node(1)
-    with grpc.insecure_channel(str(local.daemons[1].ready["tcp"]), options=channel_options()) as c1:  # type: ignore[index]
-        # The restarted receiver loads the dataset before the clock starts, not during the exchange.
-        request = pb.ReadRequest(dataset=label, ids=[0], manifest_id=manifest.manifest_id, peer=True)
-        list(cache_pb2_grpc.CacheStub(c1).Read(request))
-    back_free_memory()
-    job_id = f"{name}-{label}-{round_}"
-    spec = jpb.JobSpec(job_id=job_id, dataset=label, mode="partial", q=1.0, seed=round_,
-                       nodes=["node-0", "node-1"], ranks_per_node=1)
-    plan = job_plan(n0.JoinJob(jpb.JoinJobRequest(spec=spec)), manifest)
-    before = owners(plan, 0)
-    given = np.flatnonzero((before == 0) & (owners(plan, 1, before) == 1))
-    cpu = [_cpu_seconds(d) for d in local.daemons]
-    n0.ReportEpoch(jpb.ReportEpochRequest(job_id=job_id, epoch=0))
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        run = next((r for r in n0.Stats(pb.StatsRequest()).exchanges
-                    if r.job == job_id and r.epoch == 1 and r.finished), None)
-        if run is not None:
-            break
-        time.sleep(STATS_POLL_SECONDS)
-    else:
-        raise RuntimeError(f"exchange of {job_id} did not finish")
-    spent = tuple(_cpu_seconds(d) - before_cpu for d, before_cpu in zip(local.daemons, cpu))
-    assert run.delivered_samples == run.total_samples == len(given), run
-    with grpc.insecure_channel(str(local.daemons[1].ready["tcp"]), options=channel_options()) as c1:  # type: ignore[index]
-        check = given[:: max(1, len(given) // 8)].tolist()
-        got = [s for chunk in cache_pb2_grpc.CacheStub(c1).Read(pb.ReadRequest(dataset=label, ids=check, peer=True))
-               for s in chunk.samples]
-        assert [s.data for s in got] == [sample_bytes(0, i, len(s.data)) for i, s in zip(check, got)]
-    return run.sent_bytes / run.elapsed_seconds, given, (spent[0], spent[1])
-
-
 def _values(batches: list[np.ndarray], paths: list[str]) -> list[list[tuple[bytes, bytes]]]:
     """The batches' (key, stored value) pairs, as the receiver's writer gets them."""
     return [[(i.to_bytes(8, "big"), encode_value(Path(paths[i]).read_bytes())) for i in b.tolist()] for b in batches]
@@ -418,24 +366,6 @@ def _page_cache(home: Path, values: list[list[tuple[bytes, bytes]]]) -> tuple[fl
     return rates[0], rates[1]
 
 
-def _started(home: Path, args: tuple[str, ...], source: str = "", tries: int = 3) -> LocalCluster:
-    """A two-node cluster (its daemons from the source tree ``source`` if
-    given), started again when its directory lost the race for its heartbeat
-    port (a UDP port of the TCP port's number, taken by another process on a
-    busy machine)."""
-    hosts = {}
-    if source:
-        path = os.pathsep.join(str(Path(source).resolve() / d) for d in ("protos", "client", "server"))
-        hosts = {i: NodeHost("127.0.0.1", ("env", f"PYTHONPATH={path}")) for i in range(2)}
-    for attempt in range(tries):
-        try:
-            return LocalCluster(home / str(attempt), 2, args, dataset_roots=(home.parent,), node_hosts=hosts).start()
-        except StartupError:
-            if attempt == tries - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
 def bench_exchange(base: Path, label: str, size: int) -> dict:
     root = base / "pfs" / label
     paths = sorted(str(p) for p in root.rglob("*.bin"))
@@ -451,10 +381,10 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
     clusters: dict[str, LocalCluster] = {}
     try:
         for name, (args, source) in pairs.items():
-            clusters[name] = _started(base / f"x-{name}-{label}", args, source)
+            clusters[name] = started_pair(base / f"x-{name}-{label}", args, source)
         stubs = {}
         for name, local in clusters.items():
-            _channel, stub = _stub(str(local.daemons[0].ready["tcp"]))  # type: ignore[index]
+            _channel, stub = _stub(str(local.daemons[0].ready["tcp"]))
             stubs[name] = stub
             stub.AddDataset(pb.AddDatasetRequest(name=label, root=str(root)))
             progress(f"exchange {label}: staging on node-0 of the {name} pair")
@@ -466,7 +396,7 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
         for round_ in range(REPEATS):
             progress(f"exchange {label}: round {round_ + 1} of {REPEATS}")
             for name, local in clusters.items():
-                rate, given, spent = _exchanged(local, stubs[name], label, manifests[name], round_, name)
+                rate, given, spent = exchange_round(local, stubs[name], label, manifests[name], round_, name)
                 rates[f"exchange_{name}"].append(rate / 1e9)
                 for side, seconds in zip(("sender", "receiver"), spent):
                     cpu[f"{name}_{side}"].append(seconds / (len(given) * size / 1e9))
@@ -505,8 +435,8 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
     if BASELINE_SOURCE:
         row["bulk_over_before"] = gbps["exchange_bulk"] / gbps["exchange_before"]
         row["baseline_source"] = BASELINE_SOURCE
-    for name, values in cpu.items():
-        row[f"{name}_cpu_s_per_GB"] = float(statistics.median(values))
+    for name, per_gb in cpu.items():
+        row[f"{name}_cpu_s_per_GB"] = float(statistics.median(per_gb))
     row.update(rounds_GBps=rates, rounds_cpu_s_per_GB=cpu, load_before=load_before, load_after=load_after,
                target=TARGET)
     return row

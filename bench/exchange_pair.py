@@ -1,0 +1,100 @@
+"""One pair of daemons and one exchange round on it, as ``bench/wire.py``
+and ``bench/exchange_rounds.py`` run them.
+
+A round wipes and restarts node-1, starts a fresh ``partial`` job with Q = 1
+and has node-0 ship node-1 what it owns in epoch 1 (checked, committed,
+acknowledged); its rate is the payload over the daemon's own elapsed time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+from common import back_free_memory
+
+from dataquay.client.channels import channel_options
+from dataquay.client.jobs import job_plan
+from dataquay.client.manifest import Manifest
+from dataquay.client.placement import owners
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import cache_pb2_grpc
+from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.errors import StartupError
+from dataquay.server.tools.local_cluster import LocalCluster, NodeHost
+from dataquay.server.tools.processes import DaemonProcess
+from dataquay.server.tools.synthetic import sample_bytes
+
+#: How often a round asks node-0 whether its exchange finished: its rate is
+#: the daemon's own elapsed time, and Stats runs on the sender's event loop.
+STATS_POLL_SECONDS = 0.1
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def started_pair(home: Path, args: tuple[str, ...], source: str = "", tries: int = 3) -> LocalCluster:
+    """A two-node cluster (its daemons from the source tree ``source`` if
+    given), started again when its directory lost the race for its heartbeat
+    port (a UDP port of the TCP port's number, taken by another process on a
+    busy machine)."""
+    hosts = {}
+    if source:
+        path = os.pathsep.join(str(Path(source).resolve() / d) for d in ("protos", "client", "server"))
+        hosts = {i: NodeHost("127.0.0.1", ("env", f"PYTHONPATH={path}")) for i in range(2)}
+    for attempt in range(tries):
+        try:
+            return LocalCluster(home / str(attempt), 2, args, dataset_roots=(home.parent,), node_hosts=hosts).start()
+        except StartupError:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def cpu_seconds(daemon: DaemonProcess) -> float:
+    """User and system CPU seconds a daemon's process has used so far."""
+    assert daemon.process is not None
+    fields = Path(f"/proc/{daemon.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def exchange_round(
+    local: LocalCluster, n0: cache_pb2_grpc.CacheStub, label: str, manifest: Manifest, round_: int, name: str
+) -> tuple[float, np.ndarray, tuple[float, float]]:
+    """One round of the exchange node-0 -> node-1 on a fresh node-1: (bytes/s,
+    the ids moved, CPU seconds the sender and the receiver spent on it)."""
+    local.kill_node(1)
+    shutil.rmtree(local.daemons[1].cache_dir)
+    local.restart_node(1)
+    with grpc.insecure_channel(str(local.daemons[1].ready["tcp"]), options=channel_options()) as c1:
+        # The restarted receiver loads the dataset before the clock starts, not during the exchange.
+        request = pb.ReadRequest(dataset=label, ids=[0], manifest_id=manifest.manifest_id, peer=True)
+        list(cache_pb2_grpc.CacheStub(c1).Read(request))
+    back_free_memory()
+    job_id = f"{name}-{label}-{round_}"
+    spec = jpb.JobSpec(job_id=job_id, dataset=label, mode="partial", q=1.0, seed=round_,
+                       nodes=["node-0", "node-1"], ranks_per_node=1)
+    plan = job_plan(n0.JoinJob(jpb.JoinJobRequest(spec=spec)), manifest)
+    before = owners(plan, 0)
+    given = np.flatnonzero((before == 0) & (owners(plan, 1, before) == 1))
+    cpu = [cpu_seconds(d) for d in local.daemons]
+    n0.ReportEpoch(jpb.ReportEpochRequest(job_id=job_id, epoch=0))
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        run = next((r for r in n0.Stats(pb.StatsRequest()).exchanges
+                    if r.job == job_id and r.epoch == 1 and r.finished), None)
+        if run is not None:
+            break
+        time.sleep(STATS_POLL_SECONDS)
+    else:
+        raise RuntimeError(f"exchange of {job_id} did not finish")
+    spent = tuple(cpu_seconds(d) - before_cpu for d, before_cpu in zip(local.daemons, cpu))
+    assert run.delivered_samples == run.total_samples == len(given), run
+    with grpc.insecure_channel(str(local.daemons[1].ready["tcp"]), options=channel_options()) as c1:
+        check = given[:: max(1, len(given) // 8)].tolist()
+        got = [s for chunk in cache_pb2_grpc.CacheStub(c1).Read(pb.ReadRequest(dataset=label, ids=check, peer=True))
+               for s in chunk.samples]
+        assert [s.data for s in got] == [sample_bytes(0, i, len(s.data)) for i, s in zip(check, got)]
+    return run.sent_bytes / run.elapsed_seconds, given, (spent[0], spent[1])
