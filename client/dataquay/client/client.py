@@ -41,13 +41,15 @@ from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 
 log = logging.getLogger("dataquay.client")
+#: Seconds :func:`connect` waits for the daemon to answer by default (it may still be starting).
+CONNECT_TIMEOUT = 10.0
 
 _clients: weakref.WeakSet[Client] = weakref.WeakSet()
 
 _T = TypeVar("_T")
 
 
-def connect(address: str | None = None, *, timeout: float = 10.0, verify: bool = True) -> Client:
+def connect(address: str | None = None, *, timeout: float = CONNECT_TIMEOUT, verify: bool = True) -> Client:
     """Connects to the dataquay daemon of this node.
 
     Args:
@@ -77,7 +79,7 @@ class Client:
     workers, say) as its address and settings; the copy reconnects lazily.
     """
 
-    def __init__(self, address: str, *, timeout: float = 10.0, verify: bool = True) -> None:
+    def __init__(self, address: str, *, timeout: float = CONNECT_TIMEOUT, verify: bool = True) -> None:
         self._setup(address, timeout, verify)
         try:
             self._remote.info = self._connection.call(

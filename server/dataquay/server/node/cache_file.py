@@ -300,8 +300,7 @@ class CacheFile:
     async def grow_ahead(self, limit: int) -> None:
         """Grows the map once it is half used, so no large transaction is
         redone; a file system short of space is found by the commit that needs it."""
-        info = self.env.info()
-        if (info["last_pgno"] + 1) * self.env.stat()["psize"] > info["map_size"] // 2:
+        if self._used_bytes() > self.map_size // 2:
             await self.grow(limit)
 
     async def grow_to_hold(self, more: int, limit: int) -> None:
@@ -309,10 +308,13 @@ class CacheFile:
         offer) leave it at most half used, as :meth:`grow_ahead` keeps it,
         rather than doubling it again and again while they arrive: each
         growth allocates, remaps and faults the map's pages in anew."""
-        info = self.env.info()
-        wanted = 2 * ((info["last_pgno"] + 1) * self.env.stat()["psize"] + more + more // HOLD_MARGIN)
-        if wanted > info["map_size"]:
+        wanted = 2 * (self._used_bytes() + more + more // HOLD_MARGIN)
+        if wanted > self.map_size:
             await self.grow(limit, wanted=wanted)
+
+    def _used_bytes(self) -> int:
+        """The map up to its last page in use: what LMDB has written so far."""
+        return (int(self.env.info()["last_pgno"]) + 1) * int(self.env.stat()["psize"])
 
     def _room_beyond(self, slack: int) -> int:
         """Whole pages of the file system's free space beyond ``slack`` bytes

@@ -33,6 +33,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
+from dataquay.client.client import CONNECT_TIMEOUT
 from dataquay.server.errors import DataquayError
 
 #: Marks the protocol's lines on a rank's stdout, so that stray prints cannot confuse it.
@@ -254,7 +255,7 @@ class RankGroup:
         compute_seconds: simulated GPU time per batch.
         timeout: seconds any one step may take before the group gives up.
         connect_timeouts: per rank, how long its client waits for its daemon
-            to answer at start (``connect``'s timeout; 10 s each by default):
+            to answer at start (``connect``'s timeout, its default each if not given):
             a rank whose daemon is known to be down need not wait it out.
         prefixes: per rank, what its command line runs under (``ip netns
             exec NAME`` for a rank whose node is in a network namespace).
@@ -273,7 +274,7 @@ class RankGroup:
         connect_timeouts: Sequence[float] | None = None,
     ) -> None:
         self._envs = [dict(e) for e in envs]
-        self._connect_timeouts = list(connect_timeouts) if connect_timeouts is not None else [10.0 for _ in envs]
+        self._connect_timeouts = [CONNECT_TIMEOUT] * len(envs) if connect_timeouts is None else list(connect_timeouts)
         self._prefixes = [list(p) for p in prefixes] if prefixes is not None else [[] for _ in envs]
         self._args = [
             sys.executable, "-m", "dataquay.server.tools.trainers", dataset, str(batch), str(compute_seconds),
