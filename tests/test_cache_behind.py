@@ -53,12 +53,19 @@ def evict(paths: list[Path]) -> None:
         os.close(fd)
 
 
+def files_dataset(
+    daemon: DaemonProcess, client: dq.Client, tmp_path: Path, count: int, seed: int, sizes: tuple[int, ...] = SIZES
+) -> dq.Dataset:
+    """A files dataset "imgs" of ``count`` samples in ``tmp_path/imgs``, registered, as the client reads it."""
+    synthetic.make_files_dataset(tmp_path / "imgs", count, sizes=sizes, seed=seed)
+    add(daemon, "imgs", tmp_path / "imgs")
+    return client.dataset("imgs")
+
+
 def test_a_miss_read_by_the_client_is_cached_behind_it_from_the_page_cache(
     daemon: DaemonProcess, client: dq.Client, tmp_path: Path
 ) -> None:
-    synthetic.make_files_dataset(tmp_path / "imgs", 40, sizes=SIZES, seed=3)
-    add(daemon, "imgs", tmp_path / "imgs")
-    ds = client.dataset("imgs")
+    ds = files_dataset(daemon, client, tmp_path, 40, seed=3)
     ids = [39, 0, 7, 7, 12, 3, 38, 21]
     got, tiers = tiers_read(client, lambda: ds.get_batch(ids))
     assert got == files_bytes(3, ids, SIZES)
@@ -80,9 +87,7 @@ def test_a_miss_read_by_the_client_is_cached_behind_it_from_the_page_cache(
 def test_notices_wait_while_the_trainer_reads_and_go_when_it_pauses(
     daemon: DaemonProcess, client: dq.Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    synthetic.make_files_dataset(tmp_path / "imgs", 8, sizes=SIZES, seed=4)
-    add(daemon, "imgs", tmp_path / "imgs")
-    ds = client.dataset("imgs")
+    ds = files_dataset(daemon, client, tmp_path, 8, seed=4)
     monkeypatch.setattr(cache_behind, "DEFER_SECONDS", 60.0)
     notices = client.remote.notices
     with notices.trainer_reading():  # a read that has not returned yet
@@ -100,9 +105,7 @@ def _read_and_end(ds: dq.Dataset, ids: list[int]) -> None:
 def test_the_misses_a_worker_read_are_noticed_when_it_ends(
     daemon: DaemonProcess, client: dq.Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    synthetic.make_files_dataset(tmp_path / "imgs", 24, sizes=SIZES, seed=2)
-    add(daemon, "imgs", tmp_path / "imgs")
-    ds = client.dataset("imgs")
+    ds = files_dataset(daemon, client, tmp_path, 24, seed=2)
     monkeypatch.setattr(cache_behind, "LINGER_SECONDS", 60.0)  # nothing goes out before the workers end
     ctx = multiprocessing.get_context("fork")
     workers = [ctx.Process(target=_read_and_end, args=(ds, list(range(k, 24, 2)))) for k in range(2)]
@@ -151,9 +154,7 @@ def test_bytes_the_page_cache_lost_are_handed_over_and_checked_against_the_manif
 def test_once_the_page_cache_lost_samples_the_client_holds_their_payloads_and_hands_them_over(
     daemon: DaemonProcess, client: dq.Client, tmp_path: Path
 ) -> None:
-    synthetic.make_files_dataset(tmp_path / "imgs", 16, sizes=SIZES, seed=6)
-    add(daemon, "imgs", tmp_path / "imgs")
-    ds = client.dataset("imgs")
+    ds = files_dataset(daemon, client, tmp_path, 16, seed=6)
     first, second = np.arange(8), np.arange(8, 16)
     got = PfsReader(ds.manifest, "imgs").read(np.arange(16))
     evict(sorted((tmp_path / "imgs").rglob("*.bin")))  # between the client's read and the daemon's
@@ -177,9 +178,7 @@ def test_once_the_page_cache_lost_samples_the_client_holds_their_payloads_and_ha
 def test_a_sample_whose_notice_was_lost_is_read_through_the_daemon_next_and_cached(
     daemon: DaemonProcess, client: dq.Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    synthetic.make_files_dataset(tmp_path / "imgs", 16, sizes=SIZES, seed=10)
-    add(daemon, "imgs", tmp_path / "imgs")
-    ds = client.dataset("imgs")
+    ds = files_dataset(daemon, client, tmp_path, 16, seed=10)
     ids = np.arange(16)
     got = PfsReader(ds.manifest, "imgs").read(ids)
     evict(sorted((tmp_path / "imgs").rglob("*.bin")))
@@ -201,9 +200,7 @@ def test_a_sample_whose_notice_was_lost_is_read_through_the_daemon_next_and_cach
 def test_a_file_changed_under_the_reader_is_an_error(
     daemon: DaemonProcess, client: dq.Client, tmp_path: Path
 ) -> None:
-    synthetic.make_files_dataset(tmp_path / "imgs", 8, sizes=(1000,), seed=7)
-    add(daemon, "imgs", tmp_path / "imgs")
-    ds = client.dataset("imgs")
+    ds = files_dataset(daemon, client, tmp_path, 8, seed=7, sizes=(1000,))
     changed = tmp_path / "imgs" / ds.manifest.location(5).path
     changed.write_bytes(b"x" * 1000)
     os.utime(changed, ns=(1, 1))
