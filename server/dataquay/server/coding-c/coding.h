@@ -38,6 +38,21 @@ popcount64(uint64_t x)
 #endif
 }
 
+/* Where `value` is in a[lo, end), sorted ascending, or -1: a binary search. */
+static inline int64_t
+find_sorted(const int64_t *a, int64_t lo, int64_t end, int64_t value)
+{
+    int64_t hi = end;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (a[mid] < value)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < end && a[lo] == value ? lo : -1;
+}
+
 /* shared.c */
 int dq_coding_get_views(const char *name, PyObject *const *args, Py_ssize_t nargs, int expected, int writable,
                         Py_buffer *views);

@@ -117,15 +117,8 @@ push_edge(Edges *e, int64_t parent, int64_t member, int64_t child)
 static int64_t
 column_count(const Dag *d, int64_t t, int64_t column)
 {
-    int64_t lo = d->table_start[t], hi = d->table_start[t + 1];
-    while (lo < hi) {
-        int64_t mid = lo + (hi - lo) / 2;
-        if (d->decoder[mid] < column)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo < d->table_start[t + 1] && d->decoder[lo] == column ? d->count[lo] : 0;
+    int64_t at = find_sorted(d->decoder, d->table_start[t], d->table_start[t + 1], column);
+    return at < 0 ? 0 : d->count[at];
 }
 
 /* _Initial.may_move of coding_py: whether every full column of the parent of

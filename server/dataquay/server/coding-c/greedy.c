@@ -36,15 +36,7 @@ typedef struct {
 static int64_t
 find_slot(const Greedy *g, int64_t table, int64_t node)
 {
-    int64_t lo = g->slot_start[table], hi = g->slot_start[table + 1];
-    while (lo < hi) {
-        int64_t mid = lo + (hi - lo) / 2;
-        if (g->slot_node[mid] < node)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo < g->slot_start[table + 1] && g->slot_node[lo] == node ? lo : -1;
+    return find_sorted(g->slot_node, g->slot_start[table], g->slot_start[table + 1], node);
 }
 
 /* The slots of the tables that edges name (the others keep their samples):
