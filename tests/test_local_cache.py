@@ -95,6 +95,10 @@ def test_the_read_loops_check_and_copy_as_records_lays_values_out(module: str) -
     assert unchecked[2] == bytes(flipped)[8:] and unchecked[3] is None and corrupt == 1
     with pytest.raises(TypeError):
         loops.payload_copies([1], True)
+    assert loops.values_intact([v for v in values if v is not None]) == [True, False, False, True, True]
+    assert loops.values_intact([]) == []
+    with pytest.raises(TypeError):
+        loops.values_intact([1])
     assert loops.sample_keys([np.int64(7), True, 2**64 - 1]) == [sample_key(7), sample_key(1), b"\xff" * 8]
     for bad in (2**64, -1):
         with pytest.raises(OverflowError):

@@ -1,9 +1,9 @@
 /*
  * The per-sample loops of a local hit, in C: at 4 KiB a sample, building its
  * key and checking and copying its value cost as much in Python bytecode as
- * the LMDB lookup itself. And the framing of a value read from the PFS, which
- * copies and hashes it without holding the GIL, so that reader threads leave
- * it to the cache writer. The layouts are those of records.py:
+ * the LMDB lookup itself. And the framing of a value read from the PFS, and
+ * the check of values received from a peer, which hash without holding the
+ * GIL, so that reader threads leave it to the cache writer. The layouts are those of records.py:
  *
  *     key   = sample id, 8 bytes big-endian
  *     value = [xxh3-64 of payload, 8 bytes little-endian][payload]
@@ -208,7 +208,72 @@ encode_value(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return value;
 }
 
+PyDoc_STRVAR(values_intact_doc,
+"values_intact(values, /) -> list[bool]\n\n"
+"Whether each cache value's payload matches the xxh3 in its header (a value\n"
+"shorter than its header does not). The values of a batch are hashed\n"
+"together without the GIL: a thread that checks what it received leaves\n"
+"the event loop and the cache writer running meanwhile.");
+
+static void
+check_all(const Py_buffer *views, Py_ssize_t count, char *intact)
+{
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const unsigned char *value = views[i].buf;
+        Py_ssize_t length = views[i].len;
+        if (length < CHECKSUM_BYTES) {
+            intact[i] = 0;
+            continue;
+        }
+        uint64_t stored = 0;
+        for (int b = CHECKSUM_BYTES - 1; b >= 0; b--)
+            stored = (stored << 8) | value[b];
+        intact[i] = XXH3_64bits(value + CHECKSUM_BYTES, (size_t)(length - CHECKSUM_BYTES)) == stored;
+    }
+}
+
+static PyObject *
+values_intact(PyObject *module, PyObject *values)
+{
+    /* A tuple, as in payload_copies: the GIL is released while hashing. */
+    PyObject *seq = PySequence_Tuple(values);
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t count = PyTuple_GET_SIZE(seq), held = 0, total = 0;
+    Py_buffer *views = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
+    char *intact = PyMem_Malloc(count ? (size_t)count : 1);
+    PyObject *out = NULL;
+    if (views == NULL || intact == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < count; held++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(seq, held), &views[held], PyBUF_SIMPLE) < 0)
+            goto done;
+        total += views[held].len;
+    }
+    if (total >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        check_all(views, count, intact);
+        Py_END_ALLOW_THREADS
+    } else {
+        check_all(views, count, intact);
+    }
+    out = PyList_New(count);
+    if (out != NULL)
+        for (Py_ssize_t i = 0; i < count; i++)
+            PyList_SET_ITEM(out, i, PyBool_FromLong(intact[i]));
+done:
+    for (Py_ssize_t i = 0; i < held; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(intact);
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"values_intact", values_intact, METH_O, values_intact_doc},
     {"sample_keys", sample_keys, METH_O, sample_keys_doc},
     {"payload_copies", (PyCFunction)(void (*)(void))payload_copies, METH_FASTCALL, payload_copies_doc},
     {"encode_value", (PyCFunction)(void (*)(void))encode_value, METH_FASTCALL, encode_value_doc},

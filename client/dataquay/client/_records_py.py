@@ -62,3 +62,10 @@ def encode_value(payload: Buffer, digest: int | None = None, /) -> bytes:
     has it) little-endian, then the payload."""
     data = bytes(payload)
     return (_digest(data) if digest is None else digest).to_bytes(_HEADER, "little") + data
+
+
+def values_intact(values: Sequence[Buffer], /) -> list[bool]:
+    """Whether each cache value's payload matches the xxh3 in its header (a
+    value shorter than its header does not)."""
+    views = [memoryview(value) for value in values]
+    return [len(v) >= _HEADER and _CHECKSUM.unpack_from(v)[0] == _digest(v[_HEADER:]) for v in views]

@@ -1,4 +1,4 @@
-"""The per-sample loops of local hits and of framing cache values: the C
+"""The per-sample loops of local hits and of framing and checking cache values: the C
 extension ``_records`` where it was built, else the same loops in Python.
 
 An install without a C compiler still works (setup.py marks the extension
@@ -15,11 +15,11 @@ from dataquay.client.notices import first_to_tell
 log = logging.getLogger("dataquay.client")
 
 try:
-    from dataquay.client._records import encode_value, payload_copies, sample_keys
+    from dataquay.client._records import encode_value, payload_copies, sample_keys, values_intact
 
     COMPILED = True
 except ImportError:
-    from dataquay.client._records_py import encode_value, payload_copies, sample_keys
+    from dataquay.client._records_py import encode_value, payload_copies, sample_keys, values_intact
 
     COMPILED = False
     if first_to_tell("records not compiled"):
@@ -29,4 +29,4 @@ except ImportError:
             "reinstall with a C compiler and the Python headers."
         )
 
-__all__ = ["COMPILED", "encode_value", "payload_copies", "sample_keys"]
+__all__ = ["COMPILED", "encode_value", "payload_copies", "sample_keys", "values_intact"]
