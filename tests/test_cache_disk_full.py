@@ -108,11 +108,12 @@ def test_a_commit_failing_for_another_reason_is_dropped_and_counted_and_the_writ
         store.writer._commit = failing  # type: ignore[method-assign]
         await asyncio.wait_for(store.committed(await store.put_all(_writes(10))), 10)
         await asyncio.wait_for(store.flush(), 10)
-        assert (store.write_errors, store.inserts_dropped, store.full) == (1, 10, False)
+        assert (store.write_errors, store.inserts_dropped, store.unstored_writes, store.full) == (1, 10, 10, False)
         assert "Input/output error" in store.last_write_error
         store.writer._commit = commit  # type: ignore[method-assign]
         await asyncio.wait_for(store.committed(await store.put_all(_writes(10))), 10)
         assert store.usage()[1] == 10 and not writer.done()
+        assert store.unstored_writes == 10
         writer.cancel()
         with pytest.raises(asyncio.CancelledError):
             await writer

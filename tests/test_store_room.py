@@ -60,6 +60,7 @@ def test_a_map_grown_to_hold_an_offer_takes_it_without_growing_again(tmp_path: P
             await store.committed(await store.put_all(write(i, reserved=True) for i in ids))
         assert store.get_values("ds", list(range(count))) == [bytes(write(i).value) for i in range(count)]
         assert store.env.info()["map_size"] == grown
+        assert store.unstored_writes == 0  # what the receiver reads as "all committed, no need to look"
 
     with_store(tmp_path / "cache", 1 << 30, test)
 
@@ -78,14 +79,16 @@ def test_a_reservation_waits_for_room_and_its_writes_are_never_dropped(tmp_path:
         # Ordinary inserts take what is left over, not the reserved room.
         await fill(store, 2000, 200)
         assert store.space.live_bytes + need <= store.capacity
-        dropped = store.inserts_dropped
+        dropped, unstored = store.inserts_dropped, store.unstored_writes
         ids = np.arange(5000, 5010)
         await store.committed(await store.put_all(write(int(i), reserved=True) for i in ids))
         await store.space.release(need)
         # Most fit; any LMDB could not place (no run of free pages long enough)
         # is not dropped: the exchange's receiver writes it again.
-        assert store.cached_mask("ds", ids).sum() >= 8
+        held = int(store.cached_mask("ds", ids).sum())
+        assert held >= 8
         assert store.inserts_dropped == dropped
+        assert store.unstored_writes - unstored == len(ids) - held
 
     with_store(tmp_path / "cache", 4 * MiB, test)
 

@@ -120,6 +120,9 @@ class CacheSpace:
         and holds it for the caller's writes; False if none came in ``timeout``
         seconds. The caller queues its writes with ``reserved=True`` and
         calls :meth:`release` once they are committed."""
+        if self.free >= nbytes:  # without the timer and task of a wait, as every exchange chunk would pay
+            self.reserved_bytes += nbytes
+            return True
         async with self._changed:
             try:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self.free >= nbytes), timeout)

@@ -37,7 +37,7 @@ from dataquay.client.records import decode_value, sample_key, stored_checksum
 from dataquay.server.dirs import ensure_private_dir
 from dataquay.server.errors import StartupError
 from dataquay.server.node.cache_dir import lock_cache_dir
-from dataquay.server.node.cache_file import CacheFile
+from dataquay.server.node.cache_file import CacheFile, MapReaders
 from dataquay.server.node.cache_space import CacheSpace
 from dataquay.server.node.store_writer import StoreWriter
 from dataquay.server.node.write_queue import PendingWrite
@@ -105,6 +105,11 @@ class Store:
     @property
     def env(self) -> lmdb.Environment:
         return self._file.env
+
+    @property
+    def map_readers(self) -> MapReaders:
+        """The threads reading the map off the event loop (:meth:`value_views`)."""
+        return self._file.readers
 
     # ------------------------------------------------------------- datasets
 
@@ -248,6 +253,11 @@ class Store:
         return self.writer.inserts_dropped
 
     @property
+    def unstored_writes(self) -> int:
+        """See :attr:`StoreWriter.unstored_writes`."""
+        return self.writer.unstored_writes
+
+    @property
     def corrupt_repaired(self) -> int:
         return self.writer.corrupt_repaired
 
@@ -290,6 +300,7 @@ class Store:
             self.writer.check()
         kept = [w for w in writes if not self._refuses(w)]
         self.writer.inserts_dropped += len(writes) - len(kept)
+        self.writer.unstored_writes += len(writes) - len(kept)
         queue.push_many(kept)
 
     def _refuses(self, write: PendingWrite) -> bool:

@@ -69,6 +69,11 @@ class StoreWriter:
         self.corrupt_repaired = 0
         #: Batches dropped for a failure other than a full map or disk.
         self.write_errors = 0
+        #: Writes put (:meth:`Store.put_many`) that are not in the cache after
+        #: all (refused, dropped, or their batch failed): a caller that saw
+        #: this count stand still while its writes were committed need not
+        #: look them up.
+        self.unstored_writes = 0
         self.last_write_error = ""
         self.stopped = False
         self._dbs = dbs
@@ -246,12 +251,14 @@ class StoreWriter:
                 await self.queue.wait_for_work()
                 async with self.lock:
                     batch = self.queue.take_batch()
+                    stored = 0
                     try:
-                        await self._commit_growing(loop, batch)
+                        stored = await self._commit_growing(loop, batch)
                         await self._file.grow_ahead(self.space.capacity)
                     except Exception as exc:
                         self._write_failed(exc, len(batch))
                     finally:
+                        self.unstored_writes += len(batch) - stored
                         self.queue.resolve(len(batch))
         finally:
             self.stopped = True
@@ -275,9 +282,10 @@ class StoreWriter:
                 async with self.lock:
                     await self.run(lambda: self._file.env.sync(True))
 
-    async def _commit_growing(self, loop: asyncio.AbstractEventLoop, batch: list[PendingWrite]) -> None:
+    async def _commit_growing(self, loop: asyncio.AbstractEventLoop, batch: list[PendingWrite]) -> int:
         """Commits ``batch``, growing the map as needed; when the map is at
-        capacity or the disk is full, commits what fits."""
+        capacity or the disk is full, commits what fits. Returns how many of
+        its writes are in the cache now."""
         batch = [w for w in batch if w.db in self._dbs]
         if self.space.full:
             kept = [w for w in batch if w.kept_when_full]
@@ -286,10 +294,11 @@ class StoreWriter:
         within = self.space.within_limits(batch)
         self.inserts_dropped += len(batch) - len(within)
         batch = within
+        stored = 0
         while batch:
             try:
                 await loop.run_in_executor(self._thread, self._commit, batch)
-                return
+                return stored + len(batch)
             except lmdb.MapFullError:
                 grown = await self._file.grow(self.space.capacity)
                 if grown is Growth.AT_LIMIT and all(w.reserved for w in batch):
@@ -306,10 +315,11 @@ class StoreWriter:
                 self.mark_full(disk, reserved=batch[0].reserved)
                 if not batch[0].reserved:  # a reserved write is written again (see ExchangeReceiver)
                     self.inserts_dropped += 1
-                return
+                return stored
             half = len(batch) // 2
-            await self._commit_growing(loop, batch[:half])
+            stored += await self._commit_growing(loop, batch[:half])
             batch = [w for w in batch[half:] if w.kept_when_full] if self.space.full else batch[half:]
+        return stored
 
     def _commit(self, batch: Iterable[PendingWrite]) -> None:
         """One write transaction for ``batch``; runs in the writer thread.

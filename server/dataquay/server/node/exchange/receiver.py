@@ -77,6 +77,8 @@ class _Taken:
     writes: list[PendingWrite]
     ticket: int
     reserved: int
+    #: The store's count of unstored writes before these were queued.
+    unstored_before: int
 
     @property
     def ids(self) -> np.ndarray:
@@ -186,6 +188,8 @@ class ExchangeReceiver:
                 await self.store.committed(taken.ticket)
             finally:
                 await self.store.space.release(taken.reserved)
+            if self.store.unstored_writes == taken.unstored_before:
+                return ids  # no write at all was left out meanwhile: no need to look
             held = self.store.cached_mask(db, taken.ids)
             if held.all():
                 return ids
@@ -206,7 +210,8 @@ class ExchangeReceiver:
                 f"{ROOM_WAIT_SECONDS:.0f} s ({self.store.space.free} bytes free); offer them again later"
             )
         try:
-            return _Taken(writes, await self.store.put_all(writes), need)
+            unstored = self.store.unstored_writes
+            return _Taken(writes, await self.store.put_all(writes), need, unstored)
         except BaseException:
             await self.store.space.release(need)
             raise
