@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import subprocess
+import threading
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,7 +37,11 @@ from dataquay.server.node.bulk.frames import (
     BulkError,
     chunk_frames,
     client_proof,
+    kernel_timeouts,
     parse_chunk,
+    recv_all,
+    send_buffers,
+    send_from_map,
 )
 from dataquay.server.tools.local_cluster import LocalCluster, TlsFiles
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
@@ -322,6 +327,50 @@ def test_an_exchange_chunk_is_taken_whole_and_a_body_its_frames_do_not_fill_is_r
             parse_chunk(memoryview(bad), count, 1000)
     with pytest.raises(BulkError, match="bad exchange sample frame"):
         parse_chunk(memoryview(body), 3, 999)  # a value over the largest taken
+
+
+def test_a_send_out_of_the_map_lets_the_map_go_when_asked_and_the_rest_goes_as_a_copy() -> None:
+    payload = np.random.default_rng(5).integers(0, 256, 32 << 20, dtype=np.uint8).tobytes()
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        kernel_timeouts(sender, receive=5.0)
+        asked = []
+        rest = send_from_map(sender, [payload[: 1 << 20], memoryview(payload)[1 << 20 :]],
+                             lambda: asked.append(1) is None, stall=5.0)
+        # Nobody reads: the socket took what its buffers hold, the rest is a copy that outlives the views.
+        assert asked and rest and all(isinstance(part, bytes) for part in rest)
+        left = sum(map(len, rest))
+        assert 0 < left < len(payload)
+        got = bytearray(len(payload))
+        reading = threading.Thread(target=recv_all, args=(receiver, [memoryview(got)]))
+        reading.start()
+        send_buffers(sender, rest)
+        reading.join()
+        assert got == payload
+
+
+def test_a_send_out_of_the_map_to_a_peer_that_stops_reading_times_out() -> None:
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        kernel_timeouts(sender, receive=5.0)
+        with pytest.raises(TimeoutError):
+            send_from_map(sender, [bytes(32 << 20)], lambda: False, stall=0.2)
+
+
+def test_a_receive_under_the_kernels_timeout_fills_every_view_or_fails_clearly() -> None:
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        kernel_timeouts(receiver, receive=0.2)
+        head, body = bytearray(3), bytearray(5)
+        sender.sendall(b"abcdefgh")
+        recv_all(receiver, [memoryview(head), memoryview(body)])
+        assert (head, body) == (b"abc", b"defgh")
+        with pytest.raises(TimeoutError):
+            recv_all(receiver, [memoryview(head)])
+        sender.sendall(b"ab")
+        sender.close()
+        with pytest.raises(BulkError, match="closed"):
+            recv_all(receiver, [memoryview(head)])
 
 
 def test_the_exchange_goes_over_the_bulk_path_byte_exact(

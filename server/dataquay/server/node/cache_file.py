@@ -153,6 +153,11 @@ class MapReaders:
             with self._cond:
                 self._reading -= 1
 
+    def growth_waiting(self) -> bool:
+        """Whether a growth waits for the readers: one that holds views over a
+        long wait (a send to a slow peer) should copy what it still needs and let go."""
+        return self._moving
+
     @asynccontextmanager
     async def still(self) -> AsyncIterator[None]:
         """No thread reads the map inside this block (on the event loop)."""

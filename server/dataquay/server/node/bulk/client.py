@@ -23,7 +23,6 @@ import asyncio
 import secrets
 import socket
 import ssl
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +47,8 @@ from dataquay.server.node.bulk.frames import (
     BulkError,
     client_proof,
     read_request,
+    receive_timeout,
+    recv_all,
     recv_bytes,
     server_proof,
 )
@@ -58,8 +59,6 @@ POOL_SIZE = 4
 THREADS = 16
 #: Time to connect and finish the handshake.
 CONNECT_SECONDS = 5.0
-#: struct timeval, as SO_RCVTIMEO takes it.
-_TIMEVAL = struct.Struct("@ll")
 
 
 class Landing(Protocol):
@@ -322,9 +321,7 @@ class _Frames:
             if left <= 0:
                 raise TimeoutError
             sock.settimeout(None)
-            seconds = int(left)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                            _TIMEVAL.pack(seconds, max(int((left - seconds) * 1e6), 1)))
+            receive_timeout(sock, left)
 
     def recv(self, *views: memoryview) -> None:
         """Fills ``views`` in order."""
@@ -332,22 +329,7 @@ class _Frames:
             for view in views:
                 _recv(self.sock, view, self.end)
             return
-        left = [view for view in views if len(view)]
-        while left:
-            try:
-                got = self.sock.recvmsg_into(left, 0, socket.MSG_WAITALL)[0]
-            except BlockingIOError:  # the socket's receive timeout
-                raise TimeoutError from None
-            if not got:
-                raise BulkError("the peer closed the bulk connection")
-            if time.monotonic() > self.end:
-                raise TimeoutError
-            while got:
-                if got >= len(left[0]):
-                    got -= len(left.pop(0))
-                else:
-                    left[0] = left[0][got:]
-                    got = 0
+        recv_all(self.sock, views, self.end)
 
 
 def _timeout(sock: socket.socket, end: float) -> None:

@@ -35,11 +35,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import socket
 import ssl
 import struct
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +68,11 @@ MAX_REQUEST_BYTES = 1 << 20
 MAX_ERROR_BYTES = 4096
 #: Iovecs passed to one sendmsg (under every OS's IOV_MAX).
 IOV_BATCH = 512
+#: The send timeout of a socket that sends out of the map (:func:`send_from_map`):
+#: how long a growth of the map may wait on it.
+MAP_SEND_SECONDS = 0.02
+#: struct timeval, as SO_RCVTIMEO and SO_SNDTIMEO take it.
+TIMEVAL = struct.Struct("@ll")
 
 
 @dataclass(frozen=True)
@@ -166,20 +171,86 @@ def recv_bytes(sock: socket.socket, size: int) -> bytes:
 
 
 def send_now(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> list[bytes]:
-    """Sends what the socket takes of ``buffers`` without waiting (its
-    descriptor is non-blocking: it has a timeout) and returns a copy of the
-    rest, for buffers that do not outlive the caller (views into the map)."""
-    if isinstance(sock, ssl.SSLSocket) or sock.gettimeout() is None:
+    """Sends what the socket takes of ``buffers`` without waiting (a blocking
+    socket, see :func:`kernel_timeouts`, sent to with MSG_DONTWAIT) and
+    returns a copy of the rest, for buffers that do not outlive the caller
+    (views into the map)."""
+    if isinstance(sock, ssl.SSLSocket) or sock.gettimeout() is not None:
         return [bytes(b) for b in buffers]
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     at = 0
     while at < len(views):
         try:
-            sent = os.writev(sock.fileno(), views[at : at + IOV_BATCH])
+            sent = sock.sendmsg(views[at : at + IOV_BATCH], (), socket.MSG_DONTWAIT)
         except BlockingIOError:
             break
         at = _past(views, at, sent)
     return [bytes(v) for v in views[at:]]
+
+
+def send_from_map(
+    sock: socket.socket, buffers: Sequence[bytes | memoryview], let_go: Callable[[], bool], stall: float
+) -> list[bytes]:
+    """Sends ``buffers`` (views into the cache's map) on a blocking socket
+    whose send timeout is :data:`MAP_SEND_SECONDS`: the kernel sends them
+    whole as the peer takes them, a few system calls for a chunk. Between
+    calls ``let_go()`` may ask for the map back (it is about to grow): then
+    the rest is returned as a copy, to send once the read transaction is
+    over. Raises TimeoutError when nothing went for ``stall`` seconds."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    at = 0
+    moved = time.monotonic()
+    while at < len(views):
+        try:
+            sent = sock.sendmsg(views[at : at + IOV_BATCH])
+        except BlockingIOError:  # the socket's send timeout, nothing sent
+            sent = 0
+        if sent:
+            at, moved = _past(views, at, sent), time.monotonic()
+        elif time.monotonic() - moved > stall:
+            raise TimeoutError
+        if at < len(views) and let_go():
+            return [bytes(v) for v in views[at:]]
+    return []
+
+
+def kernel_timeouts(sock: socket.socket, receive: float, send: float = MAP_SEND_SECONDS) -> None:
+    """Makes ``sock`` blocking, each receive and send bounded by the
+    kernel's own timeout (SO_RCVTIMEO, SO_SNDTIMEO): a Python timeout costs
+    a ``poll`` before every call. A call past its timeout raises
+    BlockingIOError, or returns what it moved so far."""
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(receive))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(send))
+
+
+def receive_timeout(sock: socket.socket, seconds: float) -> None:
+    """Sets the kernel's receive timeout of a socket set up by :func:`kernel_timeouts`."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+
+
+def recv_all(sock: socket.socket, views: Sequence[memoryview], end: float | None = None) -> None:
+    """Fills ``views`` in order from a socket set up by :func:`kernel_timeouts`:
+    one ``recvmsg_into`` with MSG_WAITALL as a rule, where a Python timeout
+    costs a ``poll`` and a call per segment that arrived. Raises TimeoutError
+    past the receive timeout with nothing received, or past ``end``."""
+    left = [view for view in views if len(view)]
+    at = 0
+    while at < len(left):
+        try:
+            got = sock.recvmsg_into(left[at : at + IOV_BATCH], 0, socket.MSG_WAITALL)[0]
+        except BlockingIOError:  # the socket's receive timeout
+            raise TimeoutError from None
+        if not got:
+            raise BulkError("the peer closed the bulk connection")
+        if end is not None and time.monotonic() > end:
+            raise TimeoutError
+        at = _past(left, at, got)
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return TIMEVAL.pack(whole, max(int((seconds - whole) * 1e6), 1 if not whole else 0))
 
 
 def _past(views: list[memoryview], at: int, sent: int) -> int:

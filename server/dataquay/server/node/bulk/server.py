@@ -41,7 +41,8 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from dataquay.client.records import CHECKSUM_BYTES, decode_value, stored_checksum
+from dataquay.client.record_loops import values_intact
+from dataquay.client.records import CHECKSUM_BYTES, stored_checksum
 from dataquay.client.status_codes import status_of
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DataquayError
@@ -68,8 +69,11 @@ from dataquay.server.node.bulk.frames import (
     BulkError,
     ExchangeChunk,
     client_proof,
+    kernel_timeouts,
     parse_chunk,
     parse_read,
+    receive_timeout,
+    recv_all,
     recv_bytes,
     recv_exactly,
     send_buffers,
@@ -311,6 +315,7 @@ class BulkServer:
             first = pb.ExchangeMessage.FromString(body)
         except DecodeError:
             raise BulkError("the exchange offer is not a valid message") from None
+        kernel_timeouts(sock, IDLE_SECONDS, STALL_SECONDS)
         inbox: asyncio.Queue[pb.ExchangeMessage | ExchangeChunk | None] = asyncio.Queue()
         slots = threading.Semaphore(EXCHANGE_QUEUE)
         answering = asyncio.run_coroutine_threadsafe(self._answer(sock, first, inbox, slots), self._loop)
@@ -331,23 +336,24 @@ class BulkServer:
         header = bytearray(SAMPLE.size)
         largest = max(MAX_CHUNK_BYTES, SAMPLE.size + self.max_value)
         while True:
-            sock.settimeout(IDLE_SECONDS)  # a sender may wait long for its ranks to read on
-            recv_exactly(sock, memoryview(header))
+            receive_timeout(sock, IDLE_SECONDS)  # a sender may wait long for its ranks to read on
+            recv_all(sock, [memoryview(header)])
             status, count, body_bytes, _ = SAMPLE.unpack(header)
             if status == END:
                 return
             most = min(largest, count * (SAMPLE.size + self.max_value))
             if status != CHUNK or count > MAX_CHUNK_SAMPLES or body_bytes > most:
                 raise BulkError(f"bad exchange frame: status {status}, {count} samples, {body_bytes} bytes")
-            sock.settimeout(STALL_SECONDS)
+            receive_timeout(sock, STALL_SECONDS)
             samples: list[tuple[int, bytes | memoryview]]
             if body_bytes:
                 body = np.empty(body_bytes, dtype=np.uint8).data  # not zeroed first, as a bytearray is
-                recv_exactly(sock, body)
+                recv_all(sock, [body])
                 samples = parse_chunk(body, count, self.max_value)
             else:
                 samples = self._frames_one_by_one(sock, count)
-            good = [(i, value) for i, value in samples if decode_value(value) is not None]
+            intact = values_intact([value for _, value in samples])
+            good = [sample for sample, ok in zip(samples, intact) if ok]
             while not slots.acquire(timeout=1.0):
                 if answering.done():
                     raise BulkError("the receiver ended the exchange stream")

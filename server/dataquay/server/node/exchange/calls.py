@@ -6,9 +6,10 @@ the offer, the chunks of cache values and the receiver's replies go as
 frames of :mod:`dataquay.server.node.bulk.frames` on a connection of its own,
 so the guarantees stay those of the gRPC stream (a reply per chunk once
 committed, the sender's window of unacknowledged chunks, restart-safe
-offers). The payloads go out of the cache's map with ``writev``, without a
-copy or a check (the receiver checks each checksum, once for the hop), and
-are taken in with ``recv_into``, without protobuf. Otherwise the stream is
+offers). The payloads go out of the cache's map with ``sendmsg`` on a
+blocking socket, without a copy or a check (the receiver checks each
+checksum, once for the hop), and are taken in with ``recvmsg_into``, without
+protobuf; the stream's own threads do that, off the event loop. Otherwise the stream is
 the gRPC Exchange call: values read out of the map and checked, a value
 larger than a message sent in pieces.
 """
@@ -16,12 +17,15 @@ larger than a message sent in pieces.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import queue
 import socket
-from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+import threading
+from typing import Protocol
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from dataquay.client.pieces import PIECE_BYTES, pieces
 from dataquay.protos import cache_pb2 as pb
@@ -38,13 +42,13 @@ from dataquay.server.node.bulk.frames import (
     SAMPLE,
     BulkError,
     chunk_frames,
-    recv_bytes,
+    kernel_timeouts,
+    recv_all,
     send_buffers,
-    send_now,
+    send_from_map,
 )
 from dataquay.server.node.store import Store
 
-T = TypeVar("T")
 #: Longest a bulk exchange connection may make no progress either way.
 STALL_SECONDS = 300.0
 
@@ -63,7 +67,9 @@ class ExchangeCall(Protocol):
 
     async def done_writing(self) -> None: ...
 
-    def cancel(self) -> None: ...
+    async def close(self) -> None:
+        """Ends the stream (cancels it if it is still going); returns once
+        nothing of it reads this node's map any more."""
 
 
 class GrpcExchangeCall:
@@ -94,70 +100,147 @@ class GrpcExchangeCall:
     async def done_writing(self) -> None:
         await self._call.done_writing()
 
-    def cancel(self) -> None:
+    async def close(self) -> None:
         self._call.cancel()
 
 
 class BulkExchangeCall:
-    """An exchange stream on a bulk connection of its own."""
+    """An exchange stream on a bulk connection of its own, with two threads of its own.
+
+    The event loop only hands chunks over and takes replies in: ``send``
+    queues a chunk for the stream's sending thread (the sender's window
+    bounds how many wait), which sends it straight out of the map on the
+    blocking socket; the stream's reading thread takes the receiver's
+    replies and hands them to the loop, those that arrived while the loop
+    was busy in one call. A thread hand-off per chunk and per reply costs
+    the loop more than the chunk's bookkeeping.
+    """
 
     def __init__(self, client: BulkClient, address: str, store: Store) -> None:
         self._client = client
         self._address = address
         self._store = store
         self._sock: socket.socket | None = None
+        self._chunks: queue.SimpleQueue[tuple[str, list[int]] | None] = queue.SimpleQueue()
+        self._replies: asyncio.Queue[pb.ExchangeReply | BulkError | None] = asyncio.Queue()
+        self._landed: list[pb.ExchangeReply | BulkError | None] = []
+        self._lock = threading.Lock()
+        self._send_error: BulkError | None = None
+        self._sending: threading.Thread | None = None
+        self._ended = asyncio.Event()
 
     async def offer(self, offer: pb.ExchangeOffer) -> None:
         body = pb.ExchangeMessage(offer=offer).SerializeToString()
-        self._sock = await self._run(self._client.connect, self._address)
-        self._sock.settimeout(STALL_SECONDS)
-        await self._run(send_buffers, self._sock, [REQUEST.pack(REQUEST_MAGIC, EXCHANGE, len(body)), body])
+        loop = asyncio.get_running_loop()
+        sock = await loop.run_in_executor(self._client.threads, self._client.connect, self._address)
+        try:
+            kernel_timeouts(sock, STALL_SECONDS)
+            await loop.run_in_executor(
+                self._client.threads, send_buffers, sock, [REQUEST.pack(REQUEST_MAGIC, EXCHANGE, len(body)), body])
+        except BaseException as exc:
+            sock.close()
+            if isinstance(exc, OSError):
+                raise self._failed(exc) from None
+            raise
+        self._sock = sock
+        self._sending = threading.Thread(target=self._send_chunks, args=(sock,), daemon=True,
+                                         name=f"exchange-send-{self._address}")
+        self._sending.start()
+        threading.Thread(target=self._read_replies, args=(sock, loop), daemon=True,
+                         name=f"exchange-replies-{self._address}").start()
 
     async def send(self, db: str, ids: np.ndarray) -> None:
-        await self._run(self._send_stored, self._connected(), db, ids.tolist())
-
-    def _send_stored(self, sock: socket.socket, db: str, ids: list[int]) -> None:
-        """Sends the chunk straight out of the map as far as the socket takes
-        it at once, and a copy of the rest once the read transaction is over: a
-        sender waiting on a slow receiver must not hold its own map's growth
-        back (MapReaders), or two nodes exchanging both ways could wait on each other."""
-        with self._store.value_views(db) as get:
-            values = ((i, get(i)) for i in ids)
-            rest = send_now(sock, chunk_frames([(i, v) for i, v in values if v is not None]))
-        send_buffers(sock, rest)
+        self._chunks.put((db, ids.tolist()))
 
     async def read(self) -> pb.ExchangeReply | None:
-        return await self._run(self._read_reply, self._connected())
+        reply = await self._replies.get()
+        if isinstance(reply, BulkError):
+            raise reply
+        return reply
 
     async def done_writing(self) -> None:
-        await self._run(self._connected().sendall, SAMPLE.pack(END, 0, 0, 0))
+        self._chunks.put(None)
 
-    def cancel(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._sock.close()
-
-    def _connected(self) -> socket.socket:
+    async def close(self) -> None:
+        """Shuts the connection, which ends both threads, and waits for them."""
         if self._sock is None:
-            raise BulkError("the exchange stream has no connection yet")
-        return self._sock
+            return
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        await self._ended.wait()
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    def _send_chunks(self, sock: socket.socket) -> None:
+        """The sending thread: each queued chunk, then END once the loop is done writing."""
+        readers = self._store.map_readers
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._client.threads, fn, *args)
+            while (chunk := self._chunks.get()) is not None:
+                db, ids = chunk
+                # A sender waiting on a slow receiver must not hold its own
+                # map's growth back: the rest goes as a copy, out of the read
+                # transaction, or two nodes exchanging both ways could wait on each other.
+                with self._store.value_views(db) as get:
+                    values = ((i, get(i)) for i in ids)
+                    frames = chunk_frames([(i, v) for i, v in values if v is not None])
+                    rest = send_from_map(sock, frames, readers.growth_waiting, STALL_SECONDS)
+                send_buffers(sock, rest)
+            send_buffers(sock, [SAMPLE.pack(END, 0, 0, 0)])
         except OSError as exc:
-            raise BulkError(f"bulk exchange stream to {self._address} failed: {exc}") from None
+            self._send_error = self._failed(exc)
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _read_replies(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        """The reading thread: every reply, then None at END or the error that
+        ended the stream (the sending thread's, if it failed first); it closes
+        the connection once both threads are out of it."""
+        assert self._sending is not None
+        ending: BulkError | None = None
+        try:
+            while (reply := self._read_reply(sock)) is not None:
+                self._hand_over(loop, reply)
+        except (OSError, BulkError, DecodeError) as exc:
+            ending = self._send_error or (exc if isinstance(exc, BulkError) else self._failed(exc))
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self._chunks.put(None)
+        self._sending.join()
+        sock.close()
+        self._hand_over(loop, ending)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for it
+            loop.call_soon_threadsafe(self._ended.set)
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop, item: pb.ExchangeReply | BulkError | None) -> None:
+        with self._lock:
+            self._landed.append(item)
+            if len(self._landed) > 1:
+                return  # a drain is scheduled and not run yet
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for it
+            loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            landed, self._landed = self._landed, []
+        for item in landed:
+            self._replies.put_nowait(item)
+
+    def _failed(self, exc: OSError | DecodeError) -> BulkError:
+        return BulkError(f"bulk exchange stream to {self._address} failed: {exc or type(exc).__name__}")
 
     @staticmethod
     def _read_reply(sock: socket.socket) -> pb.ExchangeReply | None:
-        status, code, length, _ = SAMPLE.unpack(recv_bytes(sock, SAMPLE.size))
+        header = bytearray(SAMPLE.size)
+        recv_all(sock, [memoryview(header)])
+        status, code, length, _ = SAMPLE.unpack(header)
         if status == END:
             return None
         if status == ERROR and length <= MAX_ERROR_BYTES:
-            raise BulkRefusedError(code, recv_bytes(sock, length).decode(errors="replace"))
+            raise BulkRefusedError(code, _received(sock, length).decode(errors="replace"))
         if status != REPLY or length > MAX_REPLY_BYTES:
             raise BulkError(f"bad exchange reply frame: status {status}, {length} bytes")
-        return pb.ExchangeReply.FromString(recv_bytes(sock, length))
+        return pb.ExchangeReply.FromString(_received(sock, length))
+
+
+def _received(sock: socket.socket, length: int) -> bytes:
+    out = bytearray(length)
+    recv_all(sock, [memoryview(out)])
+    return bytes(out)

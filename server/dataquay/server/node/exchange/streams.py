@@ -174,7 +174,11 @@ class ExchangeStreams:
                     self.news.tell()
                     held = np.asarray(reply.held, dtype=np.int64)
                     if not np.array_equal(held, chunk):  # as a rule every id comes back, in order
-                        outbox.unsettled(np.setdiff1d(chunk, held), REFUSED)
+                        # Those this cache does not hold went unsent; the others the receiver refused.
+                        missed = np.setdiff1d(chunk, held)
+                        here = self.store.cached_mask(db, missed)
+                        outbox.unsettled(missed[~here], UNAVAILABLE)
+                        outbox.unsettled(missed[here], REFUSED)
                     window.release()
             finally:
                 for _ in range(WINDOW):  # wake the sending loop, which then sees the stream is over
@@ -205,12 +209,6 @@ class ExchangeStreams:
                     window.release()  # the receiver is short: wait for this node's ranks to read on
                     await self.news.wait()
                     continue
-                cached = self.store.cached_mask(db, ids)
-                outbox.unsettled(ids[~cached], UNAVAILABLE)
-                ids = ids[cached]
-                if not len(ids):
-                    window.release()
-                    continue
                 if self.bucket is not None:
                     await asyncio.sleep(self.bucket.reserve(int(sizes[ids].sum())))
                 in_flight.append(ids)
@@ -229,7 +227,7 @@ class ExchangeStreams:
                 await asyncio.gather(acks, return_exceptions=True)
             for chunk in in_flight:
                 outbox.unsettled(chunk, PENDING)
-            call.cancel()
+            await call.close()
 
 
 def _status(exc: grpc.aio.AioRpcError | BulkRefusedError) -> tuple[grpc.StatusCode, str]:
