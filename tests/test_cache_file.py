@@ -151,7 +151,9 @@ async def main():
     store = Store(sys.argv[1], 1 << 30)
     store.open()
     await store.open_dataset("ds")
-    writer = asyncio.get_running_loop().create_task(store.run_writer())
+    tasks = [asyncio.get_running_loop().create_task(store.run_writer())]
+    if sys.argv[2:] == ["syncing"]:  # a sync every moment, beside the commits and across the growths
+        tasks.append(asyncio.get_running_loop().create_task(store.run_syncer(0.001)))
     await store.committed(await store.put_all([PendingWrite(b"ds", 0, encode_value(bytes([0]) * VALUE))]))
     maps = {store.env.info()["map_size"]}
     reader = threading.Thread(target=read_views, args=(store,))
@@ -162,8 +164,13 @@ async def main():
         maps.add(store.env.info()["map_size"])
     stop.set()
     reader.join()
-    writer.cancel()
-    await asyncio.gather(writer, return_exceptions=True)
+    for task in tasks:
+        task.cancel()
+    ended = await asyncio.gather(*tasks, return_exceptions=True)
+    wrong.extend(e for e in ended if not isinstance(e, asyncio.CancelledError))  # a failed sync, say
+    last = store.get_values("ds", [1199])[0]
+    if last != encode_value(bytes([1199 % 251]) * VALUE):
+        wrong.append("last")
     store.close()
     print(len(maps) - 1, reads, len(wrong))
 
@@ -171,11 +178,13 @@ asyncio.run(main())
 """
 
 
-def test_a_thread_reading_views_of_the_map_survives_its_growth(tmp_path: Path) -> None:
-    """The bulk path's threads send values straight out of the map; the map
-    moves when it grows. Run apart: reading a moved map kills the process."""
-    done = subprocess.run([sys.executable, "-c", _READ_WHILE_GROWING, str(tmp_path / "cache")],
-                          capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("syncing", [False, True], ids=["", "syncing"])
+def test_a_thread_reading_views_of_the_map_survives_its_growth(tmp_path: Path, syncing: bool) -> None:
+    """The bulk path's threads send values straight out of the map, and the
+    syncer flushes it beside the writer; the map moves when it grows. Run
+    apart: reading a moved map kills the process."""
+    done = subprocess.run([sys.executable, "-c", _READ_WHILE_GROWING, str(tmp_path / "cache"),
+                           *(["syncing"] if syncing else [])], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     grew, reads, wrong = map(int, done.stdout.split())
     assert grew >= 3 and reads > 0 and wrong == 0, done.stdout

@@ -274,13 +274,25 @@ class StoreWriter:
         )
 
     async def run_syncer(self, interval: float = 5.0) -> None:
-        """Flushes committed pages to disk now and then, bounding a node crash's loss."""
+        """Flushes committed pages to disk now and then, bounding a node
+        crash's loss. Beside the writer, not in its thread: a sync writes
+        back seconds of commits, and every insert (an exchange's receiver,
+        staging) would wait for it meanwhile."""
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(interval)
             if self._dirty:
                 self._dirty = False
-                async with self.lock:
-                    await self.run(lambda: self._file.env.sync(True))
+                sync = loop.run_in_executor(None, self._sync)
+                try:
+                    await asyncio.shield(sync)
+                except asyncio.CancelledError:
+                    await sync  # the store closes only once no sync is in its map
+                    raise
+
+    def _sync(self) -> None:
+        with self._file.readers.reading():  # a growth of the map waits for the sync
+            self._file.env.sync(True)
 
     async def _commit_growing(self, loop: asyncio.AbstractEventLoop, batch: list[PendingWrite]) -> int:
         """Commits ``batch``, growing the map as needed; when the map is at
