@@ -39,7 +39,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dataquay.exchange")
 
-CHUNK_BYTES = 4 << 20
+#: Payload bytes a chunk holds at most (less where the receiver asks for less):
+#: each chunk costs both event loops and both ends' threads a round of hand-offs.
+CHUNK_BYTES = 8 << 20
 CHUNK_ITEMS = 2048
 #: Chunks sent and not yet acknowledged, per stream.
 WINDOW = 4
