@@ -8,6 +8,7 @@ import asyncio
 import socket
 import subprocess
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,8 +41,7 @@ from dataquay.server.node.bulk.frames import (
     kernel_timeouts,
     parse_chunk,
     recv_all,
-    send_buffers,
-    send_from_map,
+    send_all,
 )
 from dataquay.server.tools.local_cluster import LocalCluster, TlsFiles
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
@@ -335,16 +335,20 @@ def test_a_send_out_of_the_map_lets_the_map_go_when_asked_and_the_rest_goes_as_a
     with sender, receiver:
         kernel_timeouts(sender, receive=5.0)
         asked = []
-        rest = send_from_map(sender, [payload[: 1 << 20], memoryview(payload)[1 << 20 :]],
-                             lambda: asked.append(1) is None, stall=5.0)
+        rest = send_all(sender, [payload[: 1 << 20], memoryview(payload)[1 << 20 :]], 5.0,
+                        lambda: asked.append(1) is None)
         # Nobody reads: the socket took what its buffers hold, the rest is a copy that outlives the views.
         assert asked and rest and all(isinstance(part, bytes) for part in rest)
         left = sum(map(len, rest))
         assert 0 < left < len(payload)
         got = bytearray(len(payload))
-        reading = threading.Thread(target=recv_all, args=(receiver, [memoryview(got)]))
+        def read_later() -> None:
+            time.sleep(0.1)  # five of the socket's send timeouts go by with nothing sent
+            recv_all(receiver, [memoryview(got)])
+
+        reading = threading.Thread(target=read_later)
         reading.start()
-        send_buffers(sender, rest)
+        assert send_all(sender, rest, 5.0) == []
         reading.join()
         assert got == payload
 
@@ -354,7 +358,7 @@ def test_a_send_out_of_the_map_to_a_peer_that_stops_reading_times_out() -> None:
     with sender, receiver:
         kernel_timeouts(sender, receive=5.0)
         with pytest.raises(TimeoutError):
-            send_from_map(sender, [bytes(32 << 20)], lambda: False, stall=0.2)
+            send_all(sender, [bytes(32 << 20)], stall=0.2)
 
 
 def test_a_receive_under_the_kernels_timeout_fills_every_view_or_fails_clearly() -> None:

@@ -68,7 +68,7 @@ MAX_REQUEST_BYTES = 1 << 20
 MAX_ERROR_BYTES = 4096
 #: Iovecs passed to one sendmsg (under every OS's IOV_MAX).
 IOV_BATCH = 512
-#: The send timeout of a socket that sends out of the map (:func:`send_from_map`):
+#: The send timeout of a socket that sends out of the map (:func:`send_all`):
 #: how long a growth of the map may wait on it.
 MAP_SEND_SECONDS = 0.02
 #: struct timeval, as SO_RCVTIMEO and SO_SNDTIMEO take it.
@@ -188,15 +188,17 @@ def send_now(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> list
     return [bytes(v) for v in views[at:]]
 
 
-def send_from_map(
-    sock: socket.socket, buffers: Sequence[bytes | memoryview], let_go: Callable[[], bool], stall: float
+def send_all(
+    sock: socket.socket, buffers: Sequence[bytes | memoryview], stall: float,
+    let_go: Callable[[], bool] | None = None,
 ) -> list[bytes]:
-    """Sends ``buffers`` (views into the cache's map) on a blocking socket
-    whose send timeout is :data:`MAP_SEND_SECONDS`: the kernel sends them
-    whole as the peer takes them, a few system calls for a chunk. Between
-    calls ``let_go()`` may ask for the map back (it is about to grow): then
-    the rest is returned as a copy, to send once the read transaction is
-    over. Raises TimeoutError when nothing went for ``stall`` seconds."""
+    """Sends ``buffers`` on a blocking socket whose send timeout is short
+    (:data:`MAP_SEND_SECONDS`, see :func:`kernel_timeouts`): the kernel sends
+    them whole as the peer takes them, a few system calls for a chunk.
+    Between calls ``let_go()`` may ask for the buffers back (views into the
+    map, which is about to grow): then the rest is returned as a copy, to
+    send once the read transaction is over. Raises TimeoutError when nothing
+    went for ``stall`` seconds."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     at = 0
     moved = time.monotonic()
@@ -209,7 +211,7 @@ def send_from_map(
             at, moved = _past(views, at, sent), time.monotonic()
         elif time.monotonic() - moved > stall:
             raise TimeoutError
-        if at < len(views) and let_go():
+        if at < len(views) and let_go is not None and let_go():
             return [bytes(v) for v in views[at:]]
     return []
 

@@ -44,8 +44,7 @@ from dataquay.server.node.bulk.frames import (
     chunk_frames,
     kernel_timeouts,
     recv_all,
-    send_buffers,
-    send_from_map,
+    send_all,
 )
 from dataquay.server.node.store import Store
 
@@ -136,7 +135,8 @@ class BulkExchangeCall:
         try:
             kernel_timeouts(sock, STALL_SECONDS)
             await loop.run_in_executor(
-                self._client.threads, send_buffers, sock, [REQUEST.pack(REQUEST_MAGIC, EXCHANGE, len(body)), body])
+                self._client.threads, send_all, sock, [REQUEST.pack(REQUEST_MAGIC, EXCHANGE, len(body)), body],
+                STALL_SECONDS)
         except BaseException as exc:
             sock.close()
             if isinstance(exc, OSError):
@@ -181,9 +181,9 @@ class BulkExchangeCall:
                 with self._store.value_views(db) as get:
                     values = ((i, get(i)) for i in ids)
                     frames = chunk_frames([(i, v) for i, v in values if v is not None])
-                    rest = send_from_map(sock, frames, readers.growth_waiting, STALL_SECONDS)
-                send_buffers(sock, rest)
-            send_buffers(sock, [SAMPLE.pack(END, 0, 0, 0)])
+                    rest = send_all(sock, frames, STALL_SECONDS, readers.growth_waiting)
+                send_all(sock, rest, STALL_SECONDS)
+            send_all(sock, [SAMPLE.pack(END, 0, 0, 0)], STALL_SECONDS)
         except OSError as exc:
             self._send_error = self._failed(exc)
             with contextlib.suppress(OSError):
