@@ -24,6 +24,7 @@ import threading
 from typing import Protocol
 
 import grpc
+import lmdb
 import numpy as np
 from google.protobuf.message import DecodeError
 
@@ -184,7 +185,7 @@ class BulkExchangeCall:
                     rest = send_all(sock, frames, STALL_SECONDS, readers.growth_waiting)
                 send_all(sock, rest, STALL_SECONDS)
             send_all(sock, [SAMPLE.pack(END, 0, 0, 0)], STALL_SECONDS)
-        except OSError as exc:
+        except (OSError, lmdb.Error) as exc:
             self._send_error = self._failed(exc)
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -223,8 +224,8 @@ class BulkExchangeCall:
         for item in landed:
             self._replies.put_nowait(item)
 
-    def _failed(self, exc: OSError | DecodeError) -> BulkError:
-        return BulkError(f"bulk exchange stream to {self._address} failed: {exc or type(exc).__name__}")
+    def _failed(self, exc: Exception) -> BulkError:
+        return BulkError(f"bulk exchange stream to {self._address} failed: {str(exc) or type(exc).__name__}")
 
     @staticmethod
     def _read_reply(sock: socket.socket) -> pb.ExchangeReply | None:
