@@ -228,10 +228,14 @@ class RemoteReader:
         segment's own connection where the daemon answers reads there, else
         in a streamed gRPC Read."""
         lengths = dataset.manifest.sample_length
-        deadline = batch_deadline(READ_FLOOR_SECONDS, int(lengths[ids].sum()))
+        nbytes = int(lengths[ids].sum())
+        deadline = batch_deadline(READ_FLOOR_SECONDS, nbytes)
         reply = _Reply(dataset.name, ids.tolist(), lengths, seg, self._verify)
+        # A batch the segment cannot hold whole goes over gRPC at once: the
+        # daemon would read its first samples (from the PFS, maybe) before
+        # finding that out, and they would be read again.
         if not (
-            isinstance(seg, MemfdSegment) and len(ids) <= seg.read_ids
+            isinstance(seg, MemfdSegment) and len(ids) <= seg.read_ids and nbytes <= seg.size
             and self._read_on_segment(dataset, ids, seg, epoch, deadline, reply)
         ):
             self._read_grpc(dataset, ids, seg, epoch, deadline, reply)
