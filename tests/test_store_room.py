@@ -93,6 +93,18 @@ def test_a_reservation_waits_for_room_and_its_writes_are_never_dropped(tmp_path:
     with_store(tmp_path / "cache", 4 * MiB, test)
 
 
+def test_writes_whose_dataset_is_deleted_count_as_unstored(tmp_path: Path) -> None:
+    """The exchange's receiver skips looking its writes up only while nothing
+    it put can have left the cache: deleting the dataset counts as leaving."""
+    async def test(store: Store) -> None:
+        await store.committed(await store.put_all(write(i, reserved=True) for i in range(3)))
+        assert store.unstored_writes == 0
+        assert await store.drop_dataset("ds") == 3
+        assert store.unstored_writes == 3
+
+    with_store(tmp_path / "cache", 64 * MiB, test)
+
+
 def test_inserts_that_leave_room_for_the_exchange_stop_short_of_its_reserve(tmp_path: Path) -> None:
     async def test(store: Store) -> None:
         ids = np.arange(0, 200)

@@ -134,13 +134,16 @@ class Store:
     async def drop_dataset(self, db: str) -> int:
         """Deletes the dataset's cached samples; returns how many there were."""
         name = db.encode()
+        queued = len(self.writer.queue)
         self.writer.queue.drop(name)
+        self.writer.unstored_writes += queued - len(self.writer.queue)
         if name not in self._dbs:
             if not await self.writer.run(lambda: self._db_exists(name)):
                 return 0
             await self.open_dataset(db)
         del self._dbs[name]
         entries = await self.writer.drop(name)
+        self.writer.unstored_writes += entries  # written, and gone again
         self.space.disk_full = False
         await self.space.changed(freed=True)
         return entries

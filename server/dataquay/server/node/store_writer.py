@@ -70,9 +70,9 @@ class StoreWriter:
         #: Batches dropped for a failure other than a full map or disk.
         self.write_errors = 0
         #: Writes put (:meth:`Store.put_many`) that are not in the cache after
-        #: all (refused, dropped, or their batch failed): a caller that saw
-        #: this count stand still while its writes were committed need not
-        #: look them up.
+        #: all (refused, dropped, their batch failed, their dataset deleted):
+        #: a caller that saw this count stand still while its writes were
+        #: committed need not look them up.
         self.unstored_writes = 0
         self.last_write_error = ""
         self.stopped = False
