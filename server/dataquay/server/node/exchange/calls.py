@@ -44,7 +44,7 @@ from dataquay.server.node.bulk.frames import (
     BulkError,
     chunk_frames,
     kernel_timeouts,
-    recv_all,
+    recv_bytes,
     send_all,
 )
 from dataquay.server.node.store import Store
@@ -229,19 +229,11 @@ class BulkExchangeCall:
 
     @staticmethod
     def _read_reply(sock: socket.socket) -> pb.ExchangeReply | None:
-        header = bytearray(SAMPLE.size)
-        recv_all(sock, [memoryview(header)])
-        status, code, length, _ = SAMPLE.unpack(header)
+        status, code, length, _ = SAMPLE.unpack(recv_bytes(sock, SAMPLE.size))
         if status == END:
             return None
         if status == ERROR and length <= MAX_ERROR_BYTES:
-            raise BulkRefusedError(code, _received(sock, length).decode(errors="replace"))
+            raise BulkRefusedError(code, recv_bytes(sock, length).decode(errors="replace"))
         if status != REPLY or length > MAX_REPLY_BYTES:
             raise BulkError(f"bad exchange reply frame: status {status}, {length} bytes")
-        return pb.ExchangeReply.FromString(_received(sock, length))
-
-
-def _received(sock: socket.socket, length: int) -> bytes:
-    out = bytearray(length)
-    recv_all(sock, [memoryview(out)])
-    return bytes(out)
+        return pb.ExchangeReply.FromString(recv_bytes(sock, length))
