@@ -9,7 +9,8 @@ what is used, reserved and free. A full file system is re-checked now and
 then, since space there may come back from outside the cache.
 
 The environment, its map and how the map grows over the cache file (allocated
-ahead, so that LMDB writes through the map) are :mod:`.cache_file`'s.
+ahead, so that LMDB writes through the map) are :mod:`.cache_file`'s. Which
+ids each dataset holds is kept in memory too (:mod:`.cached_ids`), by the writer.
 
 Threading: LMDB allows one writer. All writes go through one writer task that
 batches queued values into large transactions run in a dedicated thread
@@ -32,7 +33,6 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from dataquay.client.record_loops import sample_keys
 from dataquay.client.records import decode_value, sample_key, stored_checksum
 from dataquay.server.dirs import ensure_private_dir
 from dataquay.server.errors import StartupError
@@ -80,6 +80,7 @@ class Store:
             self.writer.open_meta()
             for db_name in self.writer.payload_bytes:
                 self._dbs[db_name] = env.open_db(db_name, create=False)
+                self.writer.load_cached(db_name, self._dbs[db_name])
             self.space.live_bytes = self.writer.count_live_bytes()
         except (lmdb.Error, OSError) as exc:
             self._file.close()
@@ -122,8 +123,13 @@ class Store:
         name = db.encode()
         if name in self._dbs:
             return
+        def open_db() -> lmdb._Database:
+            handle = self.env.open_db(name)
+            self.writer.load_cached(name, handle)
+            return handle
+
         async with self.writer.lock:
-            handle = await self.writer.run(lambda: self.env.open_db(name))
+            handle = await self.writer.run(open_db)
         self._dbs[name] = handle
 
     async def grow_to_hold(self, nbytes: int) -> None:
@@ -212,12 +218,8 @@ class Store:
         return {i: write.value for i in ids if (write := waiting(name, i)) is not None}
 
     def cached_mask(self, db: str, ids: np.ndarray) -> np.ndarray:
-        """Which of ``ids`` are in the cache (a key lookup, no value is read)."""
-        handle = self._dbs.get(db.encode())
-        if handle is None:
-            return np.zeros(len(ids), dtype=bool)
-        with self.env.begin(db=handle, buffers=True) as txn:
-            return np.fromiter(map(txn.cursor().set_key, sample_keys(ids.tolist())), dtype=bool, count=len(ids))
+        """Which of ``ids`` are in the cache (committed; see :mod:`.cached_ids`)."""
+        return self.writer.cached.mask(db.encode(), ids)
 
     def dataset_usage(self, db: str) -> tuple[int, int]:
         """(entries, payload bytes) cached for a dataset."""

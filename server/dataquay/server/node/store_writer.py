@@ -28,6 +28,7 @@ from dataquay.client.records import CHECKSUM_BYTES, sample_key
 from dataquay.server.errors import CacheWriterError
 from dataquay.server.node.cache_file import CacheFile, Growth
 from dataquay.server.node.cache_space import CacheSpace
+from dataquay.server.node.cached_ids import CachedIds, ids_of_keys
 from dataquay.server.node.write_queue import PendingWrite, WriteQueue
 from dataquay.server.task_group import WRITER_NICENESS, lower_thread_priority
 
@@ -76,6 +77,8 @@ class StoreWriter:
         self.unstored_writes = 0
         self.last_write_error = ""
         self.stopped = False
+        #: What each dataset holds, kept as the writer commits.
+        self.cached = CachedIds()
         self._dbs = dbs
         self._file = file
         self._room = file.room
@@ -93,6 +96,13 @@ class StoreWriter:
         with env.begin(db=self.meta) as txn:
             for key, value in txn.cursor():
                 self.payload_bytes[bytes(key)] = int.from_bytes(value, "little")
+
+    def load_cached(self, name: bytes, handle: lmdb._Database) -> None:
+        """Reads which ids a dataset's sub-database holds into :attr:`cached`
+        (at open, or in the writer thread)."""
+        with self._file.env.begin(db=handle) as txn:
+            keys = b"".join(txn.cursor().iternext(keys=True, values=False))
+        self.cached.reset(name, ids_of_keys(keys))
 
     def close(self) -> None:
         """Waits for the transaction in the writer thread, if any, to end."""
@@ -124,6 +134,7 @@ class StoreWriter:
                 entries = int(txn.stat(handle)["entries"])
                 txn.drop(handle, delete=True)
                 txn.delete(name, db=self.meta)
+            self.cached.drop(name)
             return entries
 
         async with self.lock:
@@ -146,6 +157,7 @@ class StoreWriter:
                         freed += len(value) - CHECKSUM_BYTES
                 total = max(0, self.payload_bytes.get(name, 0) - freed)
                 txn.put(name, total.to_bytes(8, "little"), db=self.meta)
+            self.cached.remove(name, ids)
             # LMDB reuses the pages a transaction freed only once a later one
             # has committed: this one lets the next insert use them.
             with env.begin(write=True, db=self.meta) as txn:
@@ -336,29 +348,33 @@ class StoreWriter:
     def _commit(self, batch: Iterable[PendingWrite]) -> None:
         """One write transaction for ``batch``; runs in the writer thread.
 
-        Inserts go through LMDB's C loops (getmulti to find what is already
-        cached, putmulti to insert the rest): the per-sample Python work of
-        single puts would otherwise cap the writer well below LMDB's speed.
+        Inserts go through LMDB's C loop (putmulti), the values already cached
+        left out by :attr:`cached`: the per-sample Python work of single puts
+        would otherwise cap the writer well below LMDB's speed.
         """
-        groups: dict[tuple[bytes, bool], list[tuple[bytes, bytes | memoryview]]] = defaultdict(list)
+        groups: dict[tuple[bytes, bool], dict[int, bytes | memoryview]] = defaultdict(dict)
         for write in batch:
-            groups[(write.db, write.repair)].append((sample_key(write.sample_id), write.value))
+            groups[(write.db, write.repair)][write.sample_id] = write.value
+        committed: list[tuple[bytes, np.ndarray]] = []
         added: dict[bytes, int] = defaultdict(int)
         repaired = 0
         with self._file.env.begin(write=True) as txn:
-            for (name, repair), items in groups.items():
+            for (name, repair), values in groups.items():
+                ids = np.fromiter(values, dtype=np.int64, count=len(values))
+                committed.append((name, ids))
                 cursor = txn.cursor(self._dbs[name])
                 if repair:
-                    cursor.putmulti(items, overwrite=True)
-                    repaired += len(items)
+                    cursor.putmulti([(sample_key(i), v) for i, v in values.items()], overwrite=True)
+                    repaired += len(values)
                     continue
-                present = {bytes(key) for key, _ in cursor.getmulti([key for key, _ in items])}
-                new = list({key: value for key, value in items if key not in present}.items())
-                cursor.putmulti(new, overwrite=False)
-                added[name] += sum(len(value) for _, value in new) - CHECKSUM_BYTES * len(new)
+                new = ids[~self.cached.mask(name, ids)].tolist()
+                cursor.putmulti([(sample_key(i), values[i]) for i in new], overwrite=False)
+                added[name] += sum(len(values[i]) for i in new) - CHECKSUM_BYTES * len(new)
             for name, delta in added.items():
                 total = self.payload_bytes.get(name, 0) + delta
                 txn.put(name, total.to_bytes(8, "little"), db=self.meta)
+        for name, ids in committed:
+            self.cached.add(name, ids)
         for name, delta in added.items():
             self.payload_bytes[name] = self.payload_bytes.get(name, 0) + delta
         self.corrupt_repaired += repaired
