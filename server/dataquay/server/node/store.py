@@ -123,6 +123,7 @@ class Store:
         name = db.encode()
         if name in self._dbs:
             return
+
         def open_db() -> lmdb._Database:
             handle = self.env.open_db(name)
             self.writer.load_cached(name, handle)
