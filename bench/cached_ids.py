@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -106,7 +106,7 @@ def main() -> None:
         try:
             for beside in ("alone", "beside a bulk stream"):
                 progress(f"asking {LOOKUPS} ids, {beside}")
-                with bulk_stream() if beside != "alone" else _nothing():
+                with bulk_stream() if beside != "alone" else nullcontext():
                     lmdb_ns = statistics.median(
                         ns_per_id(lambda ids: lmdb_lookups(store, ids), windows, expected) for _ in range(REPEATS))
                     bits_ns = statistics.median(
@@ -117,11 +117,6 @@ def main() -> None:
             store.close()
     report("cached_ids", rows, ["asked", "lmdb_ns_per_id", "bit_set_ns_per_id", "lmdb_over_bit_set"],
            {"cached_ids": CACHED, "window": WINDOW})
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 if __name__ == "__main__":

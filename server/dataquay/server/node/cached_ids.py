@@ -44,13 +44,10 @@ class CachedIds:
             return
         bits = self._bits.get(name, _NONE)
         need = (int(ids.max()) >> 3) + 1
-        if need > len(bits):
-            grown = np.zeros(max(need, 2 * len(bits)), dtype=np.uint8)
-            grown[: len(bits)] = bits
-            np.bitwise_or.at(grown, ids >> 3, _bit_of(ids))
-            self._bits[name] = grown  # readers of the old set see it as it was
-            return
+        if need > len(bits):  # a grown copy, published whole: readers of the old set see it as it was
+            bits = np.concatenate((bits, np.zeros(max(need, 2 * len(bits)) - len(bits), dtype=np.uint8)))
         np.bitwise_or.at(bits, ids >> 3, _bit_of(ids))
+        self._bits[name] = bits
 
     def remove(self, name: bytes, ids: np.ndarray) -> None:
         bits = self._bits.get(name)
