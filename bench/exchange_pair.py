@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -33,6 +34,20 @@ from dataquay.server.tools.synthetic import sample_bytes
 #: the daemon's own elapsed time, and Stats runs on the sender's event loop.
 STATS_POLL_SECONDS = 0.1
 _TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class ExchangeRound:
+    """What one round moved, how fast, and what it cost each daemon."""
+
+    #: Payload bytes per second of the sender's own elapsed time.
+    rate: float
+    #: The ids moved.
+    given: np.ndarray
+    sender_cpu: float
+    receiver_cpu: float
+    #: Seconds from the run's start to the receiver's first acknowledgement.
+    first_delivery: float
 
 
 def started_pair(home: Path, args: tuple[str, ...], source: str = "", tries: int = 3) -> LocalCluster:
@@ -62,9 +77,8 @@ def cpu_seconds(daemon: DaemonProcess) -> float:
 
 def exchange_round(
     local: LocalCluster, n0: cache_pb2_grpc.CacheStub, label: str, manifest: Manifest, round_: int, name: str
-) -> tuple[float, np.ndarray, tuple[float, float]]:
-    """One round of the exchange node-0 -> node-1 on a fresh node-1: (bytes/s,
-    the ids moved, CPU seconds the sender and the receiver spent on it)."""
+) -> ExchangeRound:
+    """One round of the exchange node-0 -> node-1 on a fresh node-1."""
     local.kill_node(1)
     shutil.rmtree(local.daemons[1].cache_dir)
     local.restart_node(1)
@@ -97,4 +111,4 @@ def exchange_round(
         got = [s for chunk in cache_pb2_grpc.CacheStub(c1).Read(pb.ReadRequest(dataset=label, ids=check, peer=True))
                for s in chunk.samples]
         assert [s.data for s in got] == [sample_bytes(0, i, len(s.data)) for i, s in zip(check, got)]
-    return run.sent_bytes / run.elapsed_seconds, given, (spent[0], spent[1])
+    return ExchangeRound(run.sent_bytes / run.elapsed_seconds, given, spent[0], spent[1], run.first_delivery_seconds)

@@ -4,7 +4,9 @@ daemons: for A/B checks of the exchange's own cost and for profiling it.
 Each round is ``bench/wire.py``'s: node-1 is wiped and restarted, a fresh
 ``partial`` job with Q = 1 starts, node-0 ships node-1 what it owns in
 epoch 1. A round prints its rate (payload bytes over the daemon's own
-elapsed time) and each daemon's CPU seconds per GB; the sender's pid is
+elapsed time), how long the receiver took to acknowledge its first chunk
+(the fixed start of a stream: offer, answer, first commit) and each
+daemon's CPU seconds per GB; the sender's pid is
 printed once it is up, and it stays the same for every round (attach
 ``perf record -p`` or ``py-spy`` to it). The medians over the rounds go to
 ``bench/results/exchange_rounds.json``.
@@ -43,7 +45,7 @@ def rounds(base: Path, label: str, size: int) -> dict[str, object]:
     root = base / "pfs" / label
     make_files_dataset(root, DATASET_BYTES // size, sizes=(size,))
     local = started_pair(base / "pair", DAEMON_ARGS, SOURCE)
-    rates, sender, receiver = [], [], []
+    rates, sender, receiver, first = [], [], [], []
     moved = 0
     try:
         n0 = stub(local.daemons[0])
@@ -55,20 +57,22 @@ def rounds(base: Path, label: str, size: int) -> dict[str, object]:
         assert local.daemons[0].process is not None
         progress(f"exchange rounds {label}: the sender is pid {local.daemons[0].process.pid}")
         for round_ in range(ROUNDS):
-            rate, given, (sent_cpu, received_cpu) = exchange_round(local, n0, label, manifest, round_, "rounds")
-            moved = len(given) * size
+            done = exchange_round(local, n0, label, manifest, round_, "rounds")
+            moved = len(done.given) * size
             gigabytes = moved / 1e9
-            rates.append(rate / 1e9)
-            sender.append(sent_cpu / gigabytes)
-            receiver.append(received_cpu / gigabytes)
-            progress(f"round {round_ + 1} of {ROUNDS}: {rates[-1]:.2f} GB/s, sender {sender[-1]:.2f} and "
-                     f"receiver {receiver[-1]:.2f} CPU s/GB")
+            rates.append(done.rate / 1e9)
+            sender.append(done.sender_cpu / gigabytes)
+            receiver.append(done.receiver_cpu / gigabytes)
+            first.append(done.first_delivery * 1e3)
+            progress(f"round {round_ + 1} of {ROUNDS}: {rates[-1]:.2f} GB/s, first delivery after "
+                     f"{first[-1]:.1f} ms, sender {sender[-1]:.2f} and receiver {receiver[-1]:.2f} CPU s/GB")
     finally:
         local.down()
     return {
-        "size": label, "exchange_GBps": statistics.median(rates),
+        "size": label, "exchange_GBps": statistics.median(rates), "first_delivery_ms": statistics.median(first),
         "sender_cpu_s_per_GB": statistics.median(sender), "receiver_cpu_s_per_GB": statistics.median(receiver),
-        "rounds_GBps": rates, "rounds_sender_cpu_s_per_GB": sender, "rounds_receiver_cpu_s_per_GB": receiver,
+        "rounds_GBps": rates, "rounds_first_delivery_ms": first,
+        "rounds_sender_cpu_s_per_GB": sender, "rounds_receiver_cpu_s_per_GB": receiver,
         "daemon_args": list(DAEMON_ARGS), "source": SOURCE, "round_bytes": moved,
     }
 
@@ -78,7 +82,8 @@ def main() -> None:
     label = os.environ.get("BENCH_SIZES", "110KiB")
     with tempfile.TemporaryDirectory(prefix="dq-bench-exchange-rounds-") as tmp:
         row = rounds(Path(tmp), label, SIZES[label])
-    report("exchange_rounds", [row], ["size", "exchange_GBps", "sender_cpu_s_per_GB", "receiver_cpu_s_per_GB"])
+    report("exchange_rounds", [row],
+           ["size", "exchange_GBps", "first_delivery_ms", "sender_cpu_s_per_GB", "receiver_cpu_s_per_GB"])
 
 
 if __name__ == "__main__":

@@ -396,9 +396,10 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
         for round_ in range(REPEATS):
             progress(f"exchange {label}: round {round_ + 1} of {REPEATS}")
             for name, local in clusters.items():
-                rate, given, spent = exchange_round(local, stubs[name], label, manifests[name], round_, name)
-                rates[f"exchange_{name}"].append(rate / 1e9)
-                for side, seconds in zip(("sender", "receiver"), spent):
+                done = exchange_round(local, stubs[name], label, manifests[name], round_, name)
+                given = done.given
+                rates[f"exchange_{name}"].append(done.rate / 1e9)
+                for side, seconds in (("sender", done.sender_cpu), ("receiver", done.receiver_cpu)):
                     cpu[f"{name}_{side}"].append(seconds / (len(given) * size / 1e9))
             batches = [given[i : i + BATCH] for i in range(0, len(given), BATCH)]
             raw = RawStream(base / f"raw-x-{label}-{round_}", [[paths[i] for i in b.tolist()] for b in batches],

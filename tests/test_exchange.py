@@ -153,6 +153,7 @@ def test_the_exchange_moves_exactly_what_changes_owner_and_the_next_epoch_is_loc
             assert run.total_samples == run.delivered_samples == given.sum()
             assert run.sent_bytes == run.delivered_bytes == sizes[given].sum()
             assert run.unavailable_samples == run.refused_samples == 0
+            assert 0 < run.first_delivery_seconds <= run.elapsed_seconds
         for m in range(NODES):
             assert nodes.holds(m, np.flatnonzero(after == m)).all()
         stats = nodes.stats()

@@ -468,7 +468,7 @@ class ExchangeReply(_message.Message):
     def __init__(self, held: _Optional[_Iterable[int]] = ..., message_bytes: _Optional[int] = ..., after_reads: _Optional[bool] = ...) -> None: ...
 
 class ExchangeProgress(_message.Message):
-    __slots__ = ("job", "epoch", "total_samples", "total_bytes", "delivered_samples", "delivered_bytes", "sent_bytes", "unavailable_samples", "refused_samples", "elapsed_seconds", "finished", "error", "coded_packets_sent", "coded_bytes_sent", "coded_samples_decoded", "coded_note")
+    __slots__ = ("job", "epoch", "total_samples", "total_bytes", "delivered_samples", "delivered_bytes", "sent_bytes", "unavailable_samples", "refused_samples", "elapsed_seconds", "finished", "error", "coded_packets_sent", "coded_bytes_sent", "coded_samples_decoded", "coded_note", "first_delivery_seconds")
     JOB_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -485,6 +485,7 @@ class ExchangeProgress(_message.Message):
     CODED_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     CODED_SAMPLES_DECODED_FIELD_NUMBER: _ClassVar[int]
     CODED_NOTE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DELIVERY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job: str
     epoch: int
     total_samples: int
@@ -501,7 +502,8 @@ class ExchangeProgress(_message.Message):
     coded_bytes_sent: int
     coded_samples_decoded: int
     coded_note: str
-    def __init__(self, job: _Optional[str] = ..., epoch: _Optional[int] = ..., total_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., delivered_samples: _Optional[int] = ..., delivered_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., unavailable_samples: _Optional[int] = ..., refused_samples: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., coded_packets_sent: _Optional[int] = ..., coded_bytes_sent: _Optional[int] = ..., coded_samples_decoded: _Optional[int] = ..., coded_note: _Optional[str] = ...) -> None: ...
+    first_delivery_seconds: float
+    def __init__(self, job: _Optional[str] = ..., epoch: _Optional[int] = ..., total_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., delivered_samples: _Optional[int] = ..., delivered_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., unavailable_samples: _Optional[int] = ..., refused_samples: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., coded_packets_sent: _Optional[int] = ..., coded_bytes_sent: _Optional[int] = ..., coded_samples_decoded: _Optional[int] = ..., coded_note: _Optional[str] = ..., first_delivery_seconds: _Optional[float] = ...) -> None: ...
 
 class ClientReads(_message.Message):
     __slots__ = ("tier", "samples", "bytes")

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
+# Imported now: numpy loads its random module on first use, several ms that
+# a daemon's first placement (an exchange offer waiting on it) would pay.
+from numpy.random import PCG64, Generator, SeedSequence
+
 #: The last epoch a job may reach. Moving placements are stepped epoch by
 #: epoch, so an absurd epoch would stall whoever computes its owners.
 MAX_EPOCH = 100_000
@@ -84,12 +88,12 @@ def rank_indices(
     return rank_split(epoch_order(num_samples, seed, epoch, shuffle), rank, world_size, drop_last)
 
 
-def keyed_generator(seed: int, *key: int) -> np.random.Generator:
+def keyed_generator(seed: int, *key: int) -> Generator:
     """The generator of one kind of draw: the job's ``seed`` and the draw's ``key``."""
     # Two 32-bit words per value: SeedSequence splits a large int into as
     # many words as it needs, so [2**32 + 5, 0] would equal [5, 1].
     words = [word for value in (seed, *key) for word in (value & 0xFFFF_FFFF, value >> 32)]
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(words)))
+    return Generator(PCG64(SeedSequence(words)))
 
 
 def check_epoch(epoch: int) -> None:

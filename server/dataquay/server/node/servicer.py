@@ -321,6 +321,7 @@ def exchange_progress(run: ExchangeRun) -> pb.ExchangeProgress:
         unavailable_samples=done.unavailable_samples,
         refused_samples=done.refused_samples,
         elapsed_seconds=run.elapsed,
+        first_delivery_seconds=run.first_delivery,
         finished=run.finished,
         error=run.error,
         coded_packets_sent=coded.packets_sent,

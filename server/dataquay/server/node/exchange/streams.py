@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,10 @@ log = logging.getLogger("dataquay.exchange")
 #: Payload bytes a chunk holds at most (less where the receiver asks for less):
 #: each chunk costs both event loops and both ends' threads a round of hand-offs.
 CHUNK_BYTES = 8 << 20
+#: A stream's first chunk, each next one twice the last up to CHUNK_BYTES:
+#: the receiver's first commit, which everything after it waits on, then
+#: starts once a small chunk is in rather than a whole large one.
+OPENING_CHUNK_BYTES = 1 << 20
 CHUNK_ITEMS = 2048
 #: Chunks sent and not yet acknowledged, per stream.
 WINDOW = 4
@@ -171,6 +176,8 @@ class ExchangeStreams:
             try:
                 while (reply := await call.read()) is not None:
                     chunk = in_flight.popleft()
+                    if not run.first_delivered and len(reply.held):
+                        run.first_delivered = time.monotonic()
                     self.sent_bytes += outbox.delivered(reply.held)
                     self.sent_samples += len(reply.held)
                     self.news.tell()
@@ -195,7 +202,8 @@ class ExchangeStreams:
             if first is None:
                 raise DataquayError(f"node {node} ended the exchange stream without answering")
             outbox.delivered(first.held, sent=False)
-            chunk_bytes = min(CHUNK_BYTES, first.message_bytes or CHUNK_BYTES)
+            most = min(CHUNK_BYTES, first.message_bytes or CHUNK_BYTES)
+            chunk_bytes = min(OPENING_CHUNK_BYTES, most)
             after_reads = first.after_reads
             acks = asyncio.get_running_loop().create_task(take_acks())
             while True:
@@ -215,6 +223,7 @@ class ExchangeStreams:
                     await asyncio.sleep(self.bucket.reserve(int(sizes[ids].sum())))
                 in_flight.append(ids)
                 await call.send(db, ids)
+                chunk_bytes = min(2 * chunk_bytes, most)
             await call.done_writing()
             await acks
         except BulkError as exc:
