@@ -18,6 +18,10 @@ backed (``common.back_free_memory``), as ``bench/wire.py`` does.
 
 The ratio is a ceiling for the daemon's exchange (``bench/wire.py``) on this
 machine; the CPU seconds per GB say what the two ends cost, all threads.
+``BENCH_CHUNK_MIB`` sets the chunk (4 MiB by default; the daemon sends up
+to ``streams.CHUNK_BYTES``): how much the receiver holds between receiving
+a value and committing it. ``BENCH_PART_KIB`` has the receiver take each
+chunk in parts of that size, each committed as soon as it is in.
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ from dataquay.server.node.bulk.frames import END, SAMPLE, chunk_frames, parse_ch
 
 SIZES = {"110KiB": 110 * 1024, "1MiB": MiB}
 EXCHANGE_BYTES = int(os.environ.get("BENCH_EXCHANGE_MIB", "512")) * MiB
-CHUNK_BYTES = 4 * MiB
+CHUNK_BYTES = int(os.environ.get("BENCH_CHUNK_MIB", "4")) * MiB
+#: Received and committed in parts of this many bytes of a chunk (0: whole chunks).
+PART_BYTES = int(os.environ.get("BENCH_PART_KIB", "0")) * 1024
 #: The raw stream's batches, each asked for with an 8-byte request, as bench/wire.py's.
 BATCH = 64
 _REQUEST = struct.Struct("<Q")
@@ -143,11 +149,17 @@ def _least(sock: socket.socket, env: lmdb.Environment, max_value: int) -> int:
             status, count, body_bytes, _ = SAMPLE.unpack(header)
             if status == END:
                 break
-            body = np.empty(body_bytes, dtype=np.uint8).data
-            recv_exactly(sock, body)
-            good = [(sample_key(i), v) for i, v in parse_chunk(body, count, max_value) if decode_value(v) is not None]
-            committed += sum(len(v) for _, v in good)
-            commits.put(good)
+            # Every value here is one size: a part of whole frames is `per` frames.
+            frame = body_bytes // count
+            per = max(1, PART_BYTES // frame) if PART_BYTES else count
+            for first in range(0, count, per):
+                taken = min(per, count - first)
+                body = np.empty(taken * frame, dtype=np.uint8).data
+                recv_exactly(sock, body)
+                good = [(sample_key(i), v) for i, v in parse_chunk(body, taken, max_value)
+                        if decode_value(v) is not None]
+                committed += sum(len(v) for _, v in good)
+                commits.put(good)
     finally:
         commits.put(None)
         thread.join()
