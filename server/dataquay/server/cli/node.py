@@ -30,12 +30,13 @@ TIER_NAMES = {pb.TIER_LOCAL: "cache", pb.TIER_PEER: "peer", pb.TIER_PFS: "pfs"}
 def cmd_serve(args: argparse.Namespace) -> None:
     from dataquay.client.malloc import tune_malloc
     from dataquay.server.logs import setup_logging
-    from dataquay.server.loops import loop_factory
+    from dataquay.server.loops import loop_factory, share_gil
     from dataquay.server.node.daemon import serve
 
     config = DaemonConfig.from_sources(vars(args), file=ConfigFile.find(args.config))
     setup_logging(config.log_level, config.log_format)
     tune_malloc()
+    share_gil()
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(serve(config))
 
