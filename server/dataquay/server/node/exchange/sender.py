@@ -75,8 +75,8 @@ class ExchangeRun:
     ranks: np.ndarray
     entry: Registered
     started: float = field(default_factory=time.monotonic)
-    #: When a receiver first acknowledged samples (0: not yet).
-    first_delivered: float = 0.0
+    #: Seconds from the start to a receiver's first acknowledgement (0: none yet).
+    first_delivery: float = 0.0
     ended: float = 0.0
     finished: bool = False
     error: str = ""
@@ -91,11 +91,6 @@ class ExchangeRun:
     @property
     def elapsed(self) -> float:
         return (self.ended or time.monotonic()) - self.started
-
-    @property
-    def first_delivery(self) -> float:
-        """Seconds from the start to the first acknowledgement (0 if none yet)."""
-        return self.first_delivered - self.started if self.first_delivered else 0.0
 
     def read_upto(self, positions: ReadPositions) -> np.ndarray:
         """How far each of this node's ranks has read the epoch this run ships out of."""

@@ -176,8 +176,8 @@ class ExchangeStreams:
             try:
                 while (reply := await call.read()) is not None:
                     chunk = in_flight.popleft()
-                    if not run.first_delivered and len(reply.held):
-                        run.first_delivered = time.monotonic()
+                    if not run.first_delivery and len(reply.held):
+                        run.first_delivery = time.monotonic() - run.started
                     self.sent_bytes += outbox.delivered(reply.held)
                     self.sent_samples += len(reply.held)
                     self.news.tell()
