@@ -12,7 +12,7 @@ from dataquay.client.jobs import job_plan, job_spec
 from dataquay.client.placement import owners
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.manifest_build import build_manifest
-from dataquay.server.node.exchange.outbox import PENDING, REFUSED, UNAVAILABLE, Outbox
+from dataquay.server.node.exchange.outbox import PENDING, REFUSED, SCAN_ROWS, UNAVAILABLE, Outbox
 from dataquay.server.node.exchange.positions import WHOLE_EPOCH, ReadPositions
 from dataquay.server.node.placements import Placement, Placements
 from dataquay.server.registry import Registry
@@ -66,6 +66,38 @@ def test_ids_delivered_twice_count_once_and_unknown_ids_are_ignored() -> None:
     assert box.delivered([5, 7, 5, 1234]) == 80
     assert box.delivered([7]) == 0
     assert box.progress().delivered_samples == 2
+
+
+def test_takes_match_a_whole_scan_through_broken_streams_and_read_limits() -> None:
+    """Against the ledger's meaning, over more rows than one look spans: a
+    take hands out the receiver's first pending ids in sending order, the
+    ones a broken stream gave back first of all."""
+    rng = np.random.default_rng(7)
+    n = 3 * SCAN_ROWS + 123
+    ids = rng.permutation(10 * n)[:n]
+    receivers = rng.integers(0, 3, n)
+    readers = rng.integers(-1, 2, n)
+    box = Outbox(ids, receivers, rng.integers(1, 100, n), readers=readers, read_at=rng.integers(0, n, n))
+    in_flight: list[np.ndarray] = []
+    for step in range(600):
+        receiver = int(rng.integers(0, 3))
+        read_upto = np.array([step * 20, step * 10]) if step % 3 == 0 else None
+        pending = np.flatnonzero((box.receivers == receiver) & (box.state == PENDING))
+        if read_upto is not None:
+            r = box.readers[pending]
+            pending = pending[(r < 0) | (box.read_at[pending] < read_upto[np.maximum(r, 0)])]
+        fits = int(np.searchsorted(np.cumsum(box.sizes[pending]), 500, side="right"))
+        expected = box.ids[pending[: max(1, min(fits, 64))]] if len(pending) else np.empty(0)
+        chunk = box.take(receiver, max_bytes=500, max_items=64, read_upto=read_upto)
+        assert chunk.tolist() == expected.tolist(), step
+        in_flight.append(chunk)
+        if step % 7 == 6:  # a stream breaks: a chunk goes back, a random half of another is refused
+            box.unsettled(in_flight.pop(int(rng.integers(0, len(in_flight)))), PENDING)
+            if in_flight:
+                back = in_flight.pop(0)
+                box.unsettled(back[: len(back) // 2], REFUSED)
+                box.delivered(back[len(back) // 2 :])
+        assert box.pending_upto(receiver) == bool(np.any((box.receivers == receiver) & (box.state == PENDING)))
 
 
 class Link:

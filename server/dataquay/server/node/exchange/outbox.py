@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 PENDING, IN_FLIGHT, DELIVERED, REFUSED, UNAVAILABLE, DROPPED = range(6)
+#: Rows looked at in one step when looking for a receiver's next pending ids.
+SCAN_ROWS = 4096
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,11 @@ class Outbox:
         self.read_at = read_at[order]
         self.state = np.full(len(self.ids), PENDING, dtype=np.int8)
         self.sent_bytes = 0
-        self._position = {int(sample_id): i for i, sample_id in enumerate(self.ids.tolist())}
+        self._by_id = np.argsort(self.ids, kind="stable")
+        self._sorted_ids = self.ids[self._by_id]
+        #: Per receiver, a row before which none of its rows is pending: a
+        #: chunk's look for pending ids starts there, not at the receiver's first row.
+        self._first_pending: dict[int, int] = {}
 
     def receivers_left(self) -> list[int]:
         """Receivers that still have pending ids."""
@@ -84,7 +90,7 @@ class Outbox:
     def offer(self, receiver: int, max_items: int) -> tuple[np.ndarray, int]:
         """The receiver's next ``max_items`` pending ids, to name in an offer,
         and the row to pass :meth:`take` as ``upto`` so it hands out only those."""
-        rows = np.flatnonzero((self.receivers == receiver) & (self.state == PENDING))[:max_items]
+        rows = self._pending_rows(receiver, most_items=max_items)[:max_items]
         return self.ids[rows], int(rows[-1]) if len(rows) else -1
 
     def take(
@@ -100,9 +106,7 @@ class Outbox:
         counts them, if ``read_upto`` is given): at least one if any,
         ``max_items`` and ``max_bytes`` at most otherwise. They are in flight
         from now on."""
-        rows = self._pending_rows(receiver, upto)
-        if read_upto is not None:
-            rows = rows[self._read(rows, read_upto)]
+        rows = self._pending_rows(receiver, upto, read_upto, max_items, max_bytes)
         if not len(rows):
             return self.ids[rows]
         fits = int(np.searchsorted(np.cumsum(self.sizes[rows]), max_bytes, side="right"))
@@ -112,7 +116,7 @@ class Outbox:
 
     def pending_upto(self, receiver: int, upto: int | None = None) -> bool:
         """Whether ``receiver`` has pending ids in rows up to ``upto``."""
-        return bool(len(self._pending_rows(receiver, upto)))
+        return bool(len(self._pending_rows(receiver, upto, most_items=1)))
 
     def delivered(self, ids: np.ndarray | list[int], sent: bool = True) -> int:
         """The receiver holds ``ids``: committed from this stream (``sent``) or
@@ -130,6 +134,10 @@ class Outbox:
         rows = self._rows(ids)
         if final == PENDING:
             rows = rows[self.state[rows] == IN_FLIGHT]
+            # Rows are in receiver order: each receiver's first is its lowest.
+            receivers, first = np.unique(self.receivers[rows], return_index=True)
+            for receiver, row in zip(receivers.tolist(), rows[first].tolist()):
+                self._first_pending[receiver] = min(self._first_pending.get(receiver, row), row)
         else:
             rows = rows[(self.state[rows] != DELIVERED) & (self.state[rows] != DROPPED)]
         self.state[rows] = final
@@ -173,11 +181,36 @@ class Outbox:
             refused_samples=int((self.state == REFUSED).sum()),
         )
 
-    def _pending_rows(self, receiver: int, upto: int | None) -> np.ndarray:
-        mask = (self.receivers == receiver) & (self.state == PENDING)
+    def _pending_rows(
+        self, receiver: int, upto: int | None = None, read_upto: np.ndarray | None = None,
+        most_items: int | None = None, most_bytes: int | None = None,
+    ) -> np.ndarray:
+        """The receiver's pending rows in sending order (up to row ``upto``;
+        read ones only, given ``read_upto``): all of them, or once there are
+        ``most_items`` or ``most_bytes``, those found so far. A chunk's look
+        then costs about the chunk, not the whole outbox."""
+        start, end = (int(bound) for bound in np.searchsorted(self.receivers, (receiver, receiver + 1)))
         if upto is not None:
-            mask[upto + 1 :] = False
-        return np.flatnonzero(mask)
+            end = min(end, upto + 1)
+        at = max(start, self._first_pending.get(receiver, start))
+        found: list[np.ndarray] = []
+        first_pending = -1
+        items = nbytes = 0
+        while at < end:
+            stop = min(end, at + SCAN_ROWS)
+            rows = at + np.flatnonzero(self.state[at:stop] == PENDING)
+            at = stop
+            if first_pending < 0 and len(rows):
+                first_pending = int(rows[0])
+            if read_upto is not None:
+                rows = rows[self._read(rows, read_upto)]
+            found.append(rows)
+            items += len(rows)
+            nbytes += int(self.sizes[rows].sum())
+            if (most_items is not None and items >= most_items) or (most_bytes is not None and nbytes >= most_bytes):
+                break
+        self._first_pending[receiver] = first_pending if first_pending >= 0 else at
+        return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
     def _read(self, rows: np.ndarray, read_upto: np.ndarray) -> np.ndarray:
         """Which of ``rows`` this node's ranks have read (those no rank reads here count as read)."""
@@ -188,5 +221,8 @@ class Outbox:
 
     def _rows(self, ids: np.ndarray | list[int]) -> np.ndarray:
         """Row of each known id, once each."""
-        position = self._position
-        return np.unique(np.fromiter((position[int(i)] for i in ids if int(i) in position), dtype=np.int64))
+        ids = np.asarray(ids, dtype=np.int64).ravel()
+        if not len(self.ids) or not len(ids):
+            return np.empty(0, dtype=np.int64)
+        at = np.minimum(np.searchsorted(self._sorted_ids, ids), len(self._sorted_ids) - 1)
+        return np.unique(self._by_id[at[self._sorted_ids[at] == ids]])

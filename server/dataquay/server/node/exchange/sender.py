@@ -226,10 +226,12 @@ class Exchanges:
         me = after.node_index
         give = np.flatnonzero((before.owners == me) & (after.owners != me))
         ranks, readers, read_at = await self._reads(job, entry, before)
-        run = ExchangeRun(job_id, epoch, Outbox(
-            give, after.owners[give], entry.manifest.sample_length[give],
+        # Sorting a million give-aways takes a third of a second: off the event loop.
+        outbox = await asyncio.get_running_loop().run_in_executor(
+            None, Outbox, give, after.owners[give], entry.manifest.sample_length[give],
             None if readers is None else readers[give], None if read_at is None else read_at[give],
-        ), ranks, entry)
+        )
+        run = ExchangeRun(job_id, epoch, outbox, ranks, entry)
         self.runs[(job_id, epoch)] = run
         self.positions.forget(set(self.link.jobs))
         # Keep the last two runs of each job the directory still lists: the

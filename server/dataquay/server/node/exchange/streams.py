@@ -176,12 +176,12 @@ class ExchangeStreams:
             try:
                 while (reply := await call.read()) is not None:
                     chunk = in_flight.popleft()
-                    if not run.first_delivery and len(reply.held):
-                        run.first_delivery = time.monotonic() - run.started
-                    self.sent_bytes += outbox.delivered(reply.held)
-                    self.sent_samples += len(reply.held)
-                    self.news.tell()
                     held = np.asarray(reply.held, dtype=np.int64)
+                    if not run.first_delivery and len(held):
+                        run.first_delivery = time.monotonic() - run.started
+                    self.sent_bytes += outbox.delivered(held)
+                    self.sent_samples += len(held)
+                    self.news.tell()
                     if not np.array_equal(held, chunk):  # as a rule every id comes back, in order
                         # Those this cache does not hold went unsent; the others the receiver refused.
                         missed = np.setdiff1d(chunk, held)
