@@ -52,7 +52,7 @@ import lmdb
 import numpy as np
 from common import MiB, back_free_memory, progress, report, stub
 from exchange_bound import _cache
-from exchange_pair import cpu_seconds, started_pair
+from exchange_pair import cpu_seconds, staged_sender, started_pair
 from wire import SIZES
 
 from dataquay.client.jobs import job_plan
@@ -263,7 +263,10 @@ def one_way(pair: Pair, round_: int, sender: str, receiver: str) -> dict[str, fl
     home = pair.base / f"least-{job_id}"
     assert local.daemons[1].ready is not None
     address = str(local.daemons[1].ready["bulk"])
+    back_free_memory()
     if receiver == LEAST:
+        # Killed last thing before the run: the directory lists node-1 as down
+        # once its lease lapses, and node-0 sends to no node listed down.
         local.kill_node(1)
         bulk_port = int(address.rpartition(":")[2])
         listener = socket.create_server(("127.0.0.1", bulk_port if sender == DAEMON else 0))
@@ -272,7 +275,6 @@ def one_way(pair: Pair, round_: int, sender: str, receiver: str) -> dict[str, fl
         assert taking.stdout is not None and taking.stdout.readline() == "ready\n"
         address = f"127.0.0.1:{listener.getsockname()[1]}"
     try:
-        back_free_memory()
         sender_cpu, loop_cpu = cpu_seconds(local.daemons[0]), _loop_cpu(local.daemons[0])
         receiver_cpu = cpu_seconds(local.daemons[1]) if receiver == DAEMON else 0.0
         if sender == DAEMON:
@@ -310,12 +312,7 @@ def crossover(base: Path, label: str, size: int) -> dict[str, object]:
     local = started_pair(base / "pair", ())
     rounds: dict[str, dict[str, list[float]]] = {f"{s}>{r}": {} for s, r in WAYS}
     try:
-        n0 = stub(local.daemons[0])
-        n0.AddDataset(pb.AddDatasetRequest(name=label, root=str(root)))
-        progress(f"exchange crossover {label}: staging on node-0")
-        *_, staged = n0.Stage(pb.StageRequest(dataset=label))
-        assert staged.done_samples == staged.total_samples, staged
-        manifest = Manifest(b"".join(c.data for c in n0.GetManifest(pb.GetDatasetRequest(name=label))))
+        n0, manifest = staged_sender(local, label, root, "exchange crossover")
         pair = Pair(local, n0, label, size, manifest, base)
         for round_ in range(ROUNDS):
             for sender, receiver in WAYS[round_ % len(WAYS):] + WAYS[: round_ % len(WAYS)]:

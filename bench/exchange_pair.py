@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from common import back_free_memory
+from common import back_free_memory, progress, stub
 
 from dataquay.client.channels import channel_options
 from dataquay.client.jobs import job_plan
@@ -66,6 +66,17 @@ def started_pair(home: Path, args: tuple[str, ...], source: str = "", tries: int
             if attempt == tries - 1:
                 raise
     raise AssertionError("unreachable")
+
+
+def staged_sender(local: LocalCluster, label: str, root: Path, bench: str) -> tuple[cache_pb2_grpc.CacheStub, Manifest]:
+    """Registers the dataset at ``root`` and stages it whole on node-0, the
+    sender of every round; returns node-0's stub and the dataset's manifest."""
+    n0 = stub(local.daemons[0])
+    n0.AddDataset(pb.AddDatasetRequest(name=label, root=str(root)))
+    progress(f"{bench} {label}: staging on node-0")
+    *_, staged = n0.Stage(pb.StageRequest(dataset=label))
+    assert staged.done_samples == staged.total_samples, staged
+    return n0, Manifest(b"".join(c.data for c in n0.GetManifest(pb.GetDatasetRequest(name=label))))
 
 
 def cpu_seconds(daemon: DaemonProcess) -> float:

@@ -26,13 +26,11 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import MiB, progress, report, stub
-from exchange_pair import exchange_round, started_pair
+from common import MiB, progress, report
+from exchange_pair import exchange_round, staged_sender, started_pair
 from wire import SIZES
 
 from dataquay.client.malloc import tune_malloc
-from dataquay.client.manifest import Manifest
-from dataquay.protos import cache_pb2 as pb
 from dataquay.server.tools.synthetic import make_files_dataset
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))
@@ -48,12 +46,7 @@ def rounds(base: Path, label: str, size: int) -> dict[str, object]:
     rates, sender, receiver, first = [], [], [], []
     moved = 0
     try:
-        n0 = stub(local.daemons[0])
-        n0.AddDataset(pb.AddDatasetRequest(name=label, root=str(root)))
-        progress(f"exchange rounds {label}: staging on node-0")
-        *_, staged = n0.Stage(pb.StageRequest(dataset=label))
-        assert staged.done_samples == staged.total_samples, staged
-        manifest = Manifest(b"".join(c.data for c in n0.GetManifest(pb.GetDatasetRequest(name=label))))
+        n0, manifest = staged_sender(local, label, root, "exchange rounds")
         assert local.daemons[0].process is not None
         progress(f"exchange rounds {label}: the sender is pid {local.daemons[0].process.pid}")
         for round_ in range(ROUNDS):
