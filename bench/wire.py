@@ -395,7 +395,10 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
         load_before = _uptime()
         for round_ in range(REPEATS):
             progress(f"exchange {label}: round {round_ + 1} of {REPEATS}")
-            for name, local in clusters.items():
+            # The pairs take turns at going first: the first follows the GBs the
+            # last round's baselines wrote, and the writeback runs beside it.
+            order = list(clusters.items())
+            for name, local in order[round_ % len(order):] + order[: round_ % len(order)]:
                 done = exchange_round(local, stubs[name], label, manifests[name], round_, name)
                 given = done.given
                 rates[f"exchange_{name}"].append(done.rate / 1e9)
@@ -427,6 +430,8 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
     finally:
         for local in clusters.values():
             local.down()
+        for name in clusters:  # their caches' files hold GBs, allocated ahead: not left to the next size's pairs
+            shutil.rmtree(base / f"x-{name}-{label}", ignore_errors=True)
     gbps = {name: float(statistics.median(values)) for name, values in rates.items()}
     row: dict[str, object] = {"size": label, **{f"{name}_GBps": value for name, value in gbps.items()}}
     for name in rates:
