@@ -12,7 +12,7 @@ from dataquay.client.jobs import job_plan, job_spec
 from dataquay.client.placement import owners
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.manifest_build import build_manifest
-from dataquay.server.node.exchange.outbox import PENDING, REFUSED, SCAN_ROWS, UNAVAILABLE, Outbox
+from dataquay.server.node.exchange.outbox import PENDING, REFUSED, SCAN_ROWS, UNAVAILABLE, Outbox, acknowledged
 from dataquay.server.node.exchange.positions import WHOLE_EPOCH, ReadPositions
 from dataquay.server.node.placements import Placement, Placements
 from dataquay.server.registry import Registry
@@ -66,6 +66,25 @@ def test_ids_delivered_twice_count_once_and_unknown_ids_are_ignored() -> None:
     assert box.delivered([5, 7, 5, 1234]) == 80
     assert box.delivered([7]) == 0
     assert box.progress().delivered_samples == 2
+
+
+def test_a_reply_settles_only_the_ids_of_its_own_chunk_whatever_else_it_names() -> None:
+    """A hostile receiver names the next chunk's ids, another receiver's, and
+    ids no sample has (past 2**63 too): the sender counts none of them."""
+    box = outbox()
+    chunk = box.take(1, max_bytes=80, max_items=10)
+    assert chunk.tolist() == [5, 7]
+    reply = [7, 9, 3, 2**63 + 9, 2**64 - 1]  # 9: receiver 1's next chunk; 3: receiver 2's
+    held = acknowledged(chunk, reply)
+    assert held.tolist() == [7]
+    assert box.delivered(held) == 30
+    box.unsettled(np.setdiff1d(chunk, held), REFUSED)
+    assert box.pending(1).tolist() == [9]
+    assert box.pending(2).tolist() == [1, 2, 3]
+    assert acknowledged(chunk, [5, 7]) is chunk
+    assert acknowledged(chunk, []).tolist() == []
+    progress = box.progress()
+    assert (progress.delivered_samples, progress.refused_samples, progress.sent_bytes) == (1, 1, 30)
 
 
 def test_takes_match_a_whole_scan_through_broken_streams_and_read_limits() -> None:

@@ -16,6 +16,7 @@ are deleted here as soon as they are delivered.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,19 @@ import numpy as np
 PENDING, IN_FLIGHT, DELIVERED, REFUSED, UNAVAILABLE, DROPPED = range(6)
 #: Rows looked at in one step when looking for a receiver's next pending ids.
 SCAN_ROWS = 4096
+
+
+def acknowledged(sent: np.ndarray, held: Sequence[int]) -> np.ndarray:
+    """The ids of ``sent`` that a receiver's reply names as held, in the order
+    sent. A reply settles only what it answers: an id it names that was not
+    sent in that chunk or offer (another chunk's, another receiver's, no
+    sample id at all) counts for nothing, or a receiver could have the
+    sender count samples delivered that it never took."""
+    named = np.fromiter(held, dtype=np.uint64, count=len(held))
+    mine = sent.astype(np.uint64)
+    if len(named) == len(mine) and np.array_equal(named, mine):
+        return sent  # as a rule every id comes back, in order
+    return sent[np.isin(mine, named)]
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataquay.server.node.bulk.client import BulkRefusedError
 from dataquay.server.node.bulk.frames import BulkError
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange.calls import BulkExchangeCall, ExchangeCall, GrpcExchangeCall
-from dataquay.server.node.exchange.outbox import PENDING, REFUSED, UNAVAILABLE
+from dataquay.server.node.exchange.outbox import PENDING, REFUSED, UNAVAILABLE, acknowledged
 from dataquay.server.node.exchange.positions import ReadPositions
 from dataquay.server.node.peers import Peers
 from dataquay.server.node.placements import Placement
@@ -175,14 +175,16 @@ class ExchangeStreams:
         async def take_acks() -> None:
             try:
                 while (reply := await call.read()) is not None:
+                    if not in_flight:
+                        raise DataquayError(f"node {node} answered more chunks than it was sent")
                     chunk = in_flight.popleft()
-                    held = np.asarray(reply.held, dtype=np.int64)
+                    held = acknowledged(chunk, reply.held)
                     if not run.first_delivery and len(held):
                         run.first_delivery = time.monotonic() - run.started
                     self.sent_bytes += outbox.delivered(held)
                     self.sent_samples += len(held)
                     self.news.tell()
-                    if not np.array_equal(held, chunk):  # as a rule every id comes back, in order
+                    if len(held) != len(chunk):
                         # Those this cache does not hold went unsent; the others the receiver refused.
                         missed = np.setdiff1d(chunk, held)
                         here = self.store.cached_mask(db, missed)
@@ -201,7 +203,7 @@ class ExchangeStreams:
             first = await call.read()
             if first is None:
                 raise DataquayError(f"node {node} ended the exchange stream without answering")
-            outbox.delivered(first.held, sent=False)
+            outbox.delivered(acknowledged(offered, first.held), sent=False)
             most = min(CHUNK_BYTES, first.message_bytes or CHUNK_BYTES)
             chunk_bytes = min(OPENING_CHUNK_BYTES, most)
             after_reads = first.after_reads
