@@ -44,18 +44,8 @@ backed runs at about 0.5 GB/s against 5 GB/s into memory just freed
 (bench/first_touch.py), which the raw stream, reusing one buffer, never
 meets; a bare-metal node does not either.
 Its bounds, since the receiver acknowledges only what its cache committed,
-each writing the same values in this process, 64 values at a time:
-
-- LMDB commit alone: into a fresh LMDB environment as the daemon's writer did
-  before the cache file was allocated ahead (putmulti, a transaction per 64
-  values, no sync).
-- LMDB commit alone, writemap: the same into an environment opened with
-  ``writemap=True`` over a file allocated ahead (``fallocate``), as the
-  daemon's store does now (:mod:`dataquay.server.node.cache_file`).
-- page cache, mmap / pwrite: what any store must do at least, put the bytes
-  into the page cache of its file: a copy into a shared map of a file
-  allocated ahead, value by value, and one ``pwritev`` per 64 values into
-  such a file. No index, no checksum, no transaction.
+are those of ``bench/store_bounds.py``: the same values committed to LMDB
+(with and without ``writemap``), and put into a file's page cache.
 
 ``BENCH_PARTS`` (``peer``, ``exchange``; both by default) runs a part alone.
 ``BENCH_BASELINE_SOURCE=DIR`` adds a third exchange pair whose daemons run
@@ -76,7 +66,6 @@ a shared machine's other work).
 from __future__ import annotations
 
 import asyncio
-import mmap
 import os
 import shutil
 import socket
@@ -90,16 +79,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
-import lmdb
 import numpy as np
 from common import REPEATS, MiB, back_free_memory, progress, report
 from exchange_pair import exchange_round, started_pair
+from store_bounds import lmdb_commit, page_cache, stored_values
 
 from dataquay.client import connect
 from dataquay.client.channels import channel_options, grpc_target
 from dataquay.client.malloc import tune_malloc
 from dataquay.client.manifest import Manifest
-from dataquay.client.records import CHECKSUM_BYTES, encode_value
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -303,69 +291,6 @@ def bench_size(bulk: list[DaemonProcess], plain: list[DaemonProcess], base: Path
     return row
 
 
-def _values(batches: list[np.ndarray], paths: list[str]) -> list[list[tuple[bytes, bytes]]]:
-    """The batches' (key, stored value) pairs, as the receiver's writer gets them."""
-    return [[(i.to_bytes(8, "big"), encode_value(Path(paths[i]).read_bytes())) for i in b.tolist()] for b in batches]
-
-
-def _payload_bytes(values: list[list[tuple[bytes, bytes]]]) -> int:
-    return sum(len(v) - CHECKSUM_BYTES for batch in values for _, v in batch)
-
-
-def _lmdb_commit(home: Path, values: list[list[tuple[bytes, bytes]]], writemap: bool = False) -> float:
-    """Bytes/s of committing the values to a fresh LMDB environment, a
-    transaction per batch, as the daemon's writer does; ``writemap`` over a
-    file allocated ahead, as the store opens it where it can."""
-    total = sum(len(v) for batch in values for _, v in batch)
-    map_size = 2 * total + (64 << 20)
-    # A new environment starts with the least map, so LMDB writes its meta
-    # pages; the file is then allocated ahead and the map grown over it.
-    env = lmdb.open(str(home), map_size=(64 << 10) if writemap else map_size, writemap=writemap, sync=False,
-                    metasync=False, readahead=True, meminit=False, max_dbs=2)
-    if writemap:
-        fd = os.open(home / "data.mdb", os.O_RDWR)
-        os.posix_fallocate(fd, 0, map_size)
-        os.close(fd)
-        env.set_mapsize(map_size)
-    db = env.open_db(b"bench")
-    started = time.perf_counter()
-    for batch in values:
-        with env.begin(write=True) as txn:
-            txn.cursor(db).putmulti(batch, overwrite=False)
-    elapsed = time.perf_counter() - started
-    env.close()
-    shutil.rmtree(home)
-    return _payload_bytes(values) / elapsed
-
-
-def _page_cache(home: Path, values: list[list[tuple[bytes, bytes]]]) -> tuple[float, float]:
-    """Bytes/s of the least a store does: (a copy of each value into a shared
-    map of a file allocated ahead, a pwritev of each batch into such a file)."""
-    home.mkdir(parents=True, exist_ok=True)
-    total = sum(len(v) for batch in values for _, v in batch)
-    rates = []
-    for name in ("mmap", "pwrite"):
-        fd = os.open(home / name, os.O_RDWR | os.O_CREAT, 0o600)
-        os.posix_fallocate(fd, 0, total)
-        started = time.perf_counter()
-        offset = 0
-        if name == "mmap":
-            with mmap.mmap(fd, total) as mapped:
-                for batch in values:
-                    for _, value in batch:
-                        mapped[offset : offset + len(value)] = value
-                        offset += len(value)
-                elapsed = time.perf_counter() - started
-        else:
-            for batch in values:
-                offset += os.pwritev(fd, [value for _, value in batch], offset)
-            elapsed = time.perf_counter() - started
-        os.close(fd)
-        rates.append(_payload_bytes(values) / elapsed)
-    shutil.rmtree(home)
-    return rates[0], rates[1]
-
-
 def bench_exchange(base: Path, label: str, size: int) -> dict:
     root = base / "pfs" / label
     paths = sorted(str(p) for p in root.rglob("*.bin"))
@@ -413,14 +338,14 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
                 raw.batch(k, len(batches[k]) * size)
             rates["raw_tcp"].append(len(given) * size / (time.perf_counter() - started) / 1e9)
             raw.close()
-            values = _values(batches, paths)
+            values = stored_values(batches, paths)
             back_free_memory()
-            rates["lmdb_commit"].append(_lmdb_commit(base / f"lmdb-{label}-{round_}", values) / 1e9)
+            rates["lmdb_commit"].append(lmdb_commit(base / f"lmdb-{label}-{round_}", values) / 1e9)
             back_free_memory()
             rates["lmdb_commit_writemap"].append(
-                _lmdb_commit(base / f"lmdb-wm-{label}-{round_}", values, writemap=True) / 1e9)
+                lmdb_commit(base / f"lmdb-wm-{label}-{round_}", values, writemap=True) / 1e9)
             back_free_memory()
-            mapped, written = _page_cache(base / f"page-cache-{label}-{round_}", values)
+            mapped, written = page_cache(base / f"page-cache-{label}-{round_}", values)
             rates["page_cache_mmap"].append(mapped / 1e9)
             rates["page_cache_pwrite"].append(written / 1e9)
             del values
