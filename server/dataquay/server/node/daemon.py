@@ -289,7 +289,8 @@ class Daemon(ServerLifecycle):
             await self._commit_queued()
         await self.store_tasks.close()
         if self.store.is_open:
-            self.store.close()
+            # Its sync writes back the last seconds' commits: off the loop, which has more to close.
+            await asyncio.get_running_loop().run_in_executor(None, self.store.close)
         await self.peers.close()
         if self.link is not None:
             await self.link.close()
