@@ -28,7 +28,7 @@ rate down when it replaces a least one is the end to rework.
 
 ``BENCH_SIZES`` (110KiB or 1MiB), ``BENCH_ROUNDS`` (5),
 ``BENCH_EXCHANGE_MIB`` (2048), ``BENCH_CHUNK_MIB`` (the least sender's
-chunks, 8 as the daemon's largest), ``BENCH_WAYS`` (some of the four, comma
+chunks, the daemon's largest by default), ``BENCH_WAYS`` (some of the four, comma
 separated).
 """
 
@@ -84,13 +84,14 @@ from dataquay.server.node.bulk.frames import (
     server_proof,
 )
 from dataquay.server.node.cache_file import MAX_DBS
+from dataquay.server.node.exchange import streams
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.processes import DaemonProcess
 from dataquay.server.tools.synthetic import make_files_dataset
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))
 DATASET_BYTES = int(os.environ.get("BENCH_EXCHANGE_MIB", "2048")) * MiB
-CHUNK_BYTES = int(os.environ.get("BENCH_CHUNK_MIB", "8")) * MiB
+CHUNK_BYTES = int(os.environ.get("BENCH_CHUNK_MIB", str(streams.CHUNK_BYTES // MiB))) * MiB
 #: Chunks sent and not yet acknowledged, as the daemon's streams.WINDOW.
 WINDOW = 4
 #: Chunks received and not yet committed, as the daemon's bulk EXCHANGE_QUEUE.
