@@ -85,6 +85,7 @@ from dataquay.server.node.bulk.frames import (
 )
 from dataquay.server.node.cache_file import MAX_DBS
 from dataquay.server.node.exchange import streams
+from dataquay.server.registry import cache_db_name
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.processes import DaemonProcess
 from dataquay.server.tools.synthetic import make_files_dataset
@@ -287,8 +288,9 @@ def one_way(pair: Pair, round_: int, sender: str, receiver: str) -> dict[str, fl
         else:
             offer = pb.ExchangeOffer(job=job_id, dataset=pair.label, manifest_id=pair.manifest.manifest_id, epoch=1,
                                      sender="node-0", ids=given.tolist())
-            sent = _result(_child("--send", address, str(local.daemons[0].cache_dir),
-                                  f"ds:{pair.label}:{pair.manifest.manifest_id[:16]}", offer.SerializeToString().hex()))
+            db = cache_db_name(pair.label, pair.manifest.manifest_id)
+            sent = _result(_child("--send", address, str(local.daemons[0].cache_dir), db,
+                                  offer.SerializeToString().hex()))
             elapsed, sender_cpu = sent["elapsed"], sent["cpu"]
         if taking is not None:
             taken = _result(taking)

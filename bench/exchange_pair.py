@@ -4,6 +4,11 @@ and ``bench/exchange_rounds.py`` run them.
 A round wipes and restarts node-1, starts a fresh ``partial`` job with Q = 1
 and has node-0 ship node-1 what it owns in epoch 1 (checked, committed,
 acknowledged); its rate is the payload over the daemon's own elapsed time.
+A fresh cache file grows under every round, as under a node's first
+exchange. With ``grown`` a round keeps node-1's file from the round before
+and only empties it of the dataset (the daemon stopped), so LMDB writes into
+pages it freed: the exchange of every later epoch on a node that gives away
+as much as it takes.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import lmdb
 import numpy as np
 from common import back_free_memory, progress, stub
 
@@ -26,6 +32,9 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import StartupError
+from dataquay.server.node.cache_file import DATA_FILE, MAX_DBS
+from dataquay.server.node.store_writer import META_DB
+from dataquay.server.registry import cache_db_name
 from dataquay.server.tools.local_cluster import LocalCluster, NodeHost
 from dataquay.server.tools.processes import DaemonProcess
 from dataquay.server.tools.synthetic import sample_bytes
@@ -86,12 +95,29 @@ def cpu_seconds(daemon: DaemonProcess) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
+def emptied(cache_dir: Path, db: str) -> bool:
+    """Empties a stopped daemon's cache of the database ``db``, keeping its
+    file and the pages it freed; False where there is no cache file yet."""
+    if not (cache_dir / DATA_FILE).exists():
+        return False
+    map_size = (cache_dir / DATA_FILE).stat().st_size + (64 << 20)
+    with lmdb.open(str(cache_dir), map_size=map_size, max_dbs=MAX_DBS, writemap=True, sync=False) as env:
+        with env.begin(write=True) as txn:
+            txn.drop(env.open_db(db.encode(), txn=txn), delete=False)
+            txn.put(db.encode(), (0).to_bytes(8, "little"), db=env.open_db(META_DB, txn=txn))
+        env.sync(True)
+    return True
+
+
 def exchange_round(
-    local: LocalCluster, n0: cache_pb2_grpc.CacheStub, label: str, manifest: Manifest, round_: int, name: str
+    local: LocalCluster, n0: cache_pb2_grpc.CacheStub, label: str, manifest: Manifest, round_: int, name: str,
+    grown: bool = False,
 ) -> ExchangeRound:
-    """One round of the exchange node-0 -> node-1 on a fresh node-1."""
+    """One round of the exchange node-0 -> node-1 on a fresh node-1 (see
+    the module's docstring for ``grown``)."""
     local.kill_node(1)
-    shutil.rmtree(local.daemons[1].cache_dir)
+    if not (grown and emptied(local.daemons[1].cache_dir, cache_db_name(label, manifest.manifest_id))):
+        shutil.rmtree(local.daemons[1].cache_dir)
     local.restart_node(1)
     with grpc.insecure_channel(str(local.daemons[1].ready["tcp"]), options=channel_options()) as c1:
         # The restarted receiver loads the dataset before the clock starts, not during the exchange.

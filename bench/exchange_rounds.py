@@ -15,8 +15,10 @@ There is no raw stream here: the ratios to it are ``bench/wire.py``'s.
 ``BENCH_SIZES`` (one of 110KiB, 1MiB; 110KiB by default),
 ``BENCH_EXCHANGE_MIB`` (the dataset, 2048 by default: 540 MB a round),
 ``BENCH_ROUNDS`` (5), ``BENCH_DAEMON_ARGS`` (extra ``serve`` flags for both
-daemons, e.g. ``--prefetch-memory 0``) and ``BENCH_BASELINE_SOURCE`` (run
-the daemons from that source tree, as ``bench/wire.py`` does).
+daemons, e.g. ``--prefetch-memory 0``), ``BENCH_BASELINE_SOURCE`` (run
+the daemons from that source tree, as ``bench/wire.py`` does) and
+``BENCH_GROWN=1`` (each round into the cache file the round before grew,
+emptied: see ``exchange_pair.py``; a first, untimed round grows it).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))
 DATASET_BYTES = int(os.environ.get("BENCH_EXCHANGE_MIB", "2048")) * MiB
 DAEMON_ARGS = tuple(os.environ.get("BENCH_DAEMON_ARGS", "").split())
 SOURCE = os.environ.get("BENCH_BASELINE_SOURCE", "")
+GROWN = os.environ.get("BENCH_GROWN", "") == "1"
 
 
 def rounds(base: Path, label: str, size: int) -> dict[str, object]:
@@ -49,15 +52,17 @@ def rounds(base: Path, label: str, size: int) -> dict[str, object]:
         n0, manifest = staged_sender(local, label, root, "exchange rounds")
         assert local.daemons[0].process is not None
         progress(f"exchange rounds {label}: the sender is pid {local.daemons[0].process.pid}")
-        for round_ in range(ROUNDS):
-            done = exchange_round(local, n0, label, manifest, round_, "rounds")
+        for round_ in range(ROUNDS + GROWN):
+            done = exchange_round(local, n0, label, manifest, round_, "rounds", GROWN)
+            if GROWN and not round_:
+                continue  # the round that grew the file
             moved = len(done.given) * size
             gigabytes = moved / 1e9
             rates.append(done.rate / 1e9)
             sender.append(done.sender_cpu / gigabytes)
             receiver.append(done.receiver_cpu / gigabytes)
             first.append(done.first_delivery * 1e3)
-            progress(f"round {round_ + 1} of {ROUNDS}: {rates[-1]:.2f} GB/s, first delivery after "
+            progress(f"round {len(rates)} of {ROUNDS}: {rates[-1]:.2f} GB/s, first delivery after "
                      f"{first[-1]:.1f} ms, sender {sender[-1]:.2f} and receiver {receiver[-1]:.2f} CPU s/GB")
     finally:
         local.down()
@@ -66,7 +71,7 @@ def rounds(base: Path, label: str, size: int) -> dict[str, object]:
         "sender_cpu_s_per_GB": statistics.median(sender), "receiver_cpu_s_per_GB": statistics.median(receiver),
         "rounds_GBps": rates, "rounds_first_delivery_ms": first,
         "rounds_sender_cpu_s_per_GB": sender, "rounds_receiver_cpu_s_per_GB": receiver,
-        "daemon_args": list(DAEMON_ARGS), "source": SOURCE, "round_bytes": moved,
+        "daemon_args": list(DAEMON_ARGS), "source": SOURCE, "round_bytes": moved, "grown": GROWN,
     }
 
 

@@ -51,6 +51,9 @@ are those of ``bench/store_bounds.py``: the same values committed to LMDB
 ``BENCH_BASELINE_SOURCE=DIR`` adds a third exchange pair whose daemons run
 from the source tree DIR (``git archive`` of an earlier commit: its protos,
 client and server folders), in the same rounds: a before/after figure.
+``BENCH_GROWN=1`` has every exchange round write into the cache file its
+pair's round before grew, emptied (see ``exchange_pair.py``), after an
+untimed round that grows it: the exchange of a later epoch.
 ``BENCH_EXCHANGE_MIB`` sets the exchange's dataset when it runs alone (128 by
 default, as the peer part's): a quarter of it moves per round.
 
@@ -105,6 +108,8 @@ SIZES = {"110KiB": 110 * 1024, "1MiB": MiB}
 TARGET = 0.5
 #: A source tree the exchange's "before" pair runs from (see the docstring).
 BASELINE_SOURCE = os.environ.get("BENCH_BASELINE_SOURCE", "")
+#: Rounds into a grown cache file (see the docstring).
+GROWN = os.environ.get("BENCH_GROWN", "") == "1"
 _INDEX = struct.Struct("<Q")
 
 
@@ -317,6 +322,10 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
             assert staged.done_samples == staged.total_samples, staged
         manifests = {name: Manifest(b"".join(c.data for c in stub.GetManifest(pb.GetDatasetRequest(name=label))))
                      for name, stub in stubs.items()}
+        if GROWN:
+            progress(f"exchange {label}: a round to grow each pair's receiving cache")
+            for name, local in clusters.items():
+                exchange_round(local, stubs[name], label, manifests[name], REPEATS, name)
         load_before = _uptime()
         for round_ in range(REPEATS):
             progress(f"exchange {label}: round {round_ + 1} of {REPEATS}")
@@ -324,7 +333,7 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
             # last round's baselines wrote, and the writeback runs beside it.
             order = list(clusters.items())
             for name, local in order[round_ % len(order):] + order[: round_ % len(order)]:
-                done = exchange_round(local, stubs[name], label, manifests[name], round_, name)
+                done = exchange_round(local, stubs[name], label, manifests[name], round_, name, GROWN)
                 given = done.given
                 rates[f"exchange_{name}"].append(done.rate / 1e9)
                 for side, seconds in (("sender", done.sender_cpu), ("receiver", done.receiver_cpu)):
@@ -369,7 +378,7 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
     for name, per_gb in cpu.items():
         row[f"{name}_cpu_s_per_GB"] = float(statistics.median(per_gb))
     row.update(rounds_GBps=rates, rounds_cpu_s_per_GB=cpu, load_before=load_before, load_after=load_after,
-               target=TARGET)
+               grown=GROWN, target=TARGET)
     return row
 
 

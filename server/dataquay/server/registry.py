@@ -42,6 +42,11 @@ def check_dataset_name(name: str) -> str:
     return name
 
 
+def cache_db_name(dataset: str, manifest_id: str) -> str:
+    """The LMDB sub-database a registration of ``dataset`` caches its samples in."""
+    return f"ds:{dataset}:{manifest_id[:16]}"
+
+
 @dataclass(frozen=True)
 class DatasetRecord:
     """What the registry knows of one dataset besides its manifest."""
@@ -130,7 +135,7 @@ class Registry:
                 manifest_source.write(out)
         manifest = _map_manifest(tmp)
         previous = self._datasets.get(name)
-        cache_db = f"ds:{name}:{manifest.manifest_id[:16]}"
+        cache_db = cache_db_name(name, manifest.manifest_id)
         if previous is not None and previous.manifest.content_id() == manifest.content_id():
             # The same files registered again (a Slurm job's fresh directory):
             # the cache of the earlier registration holds their bytes.

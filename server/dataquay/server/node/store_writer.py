@@ -37,7 +37,8 @@ log = logging.getLogger("dataquay.store")
 T = TypeVar("T")
 
 MiB = 1 << 20
-_META_DB = b"__meta__"
+#: The sub-database of per-dataset meta data (payload bytes), beside the datasets' own.
+META_DB = b"__meta__"
 #: How far the map may grow beyond the capacity (at most; a 16th of a smaller
 #: cache) so that a delete in a full map finds the pages it needs, and a write
 #: whose room was reserved finds the pages LMDB keeps aside (those the last
@@ -92,7 +93,7 @@ class StoreWriter:
     def open_meta(self) -> None:
         """Reads the meta data of the environment just opened: each dataset's payload bytes."""
         env = self._file.env
-        self.meta = env.open_db(_META_DB)
+        self.meta = env.open_db(META_DB)
         with env.begin(db=self.meta) as txn:
             for key, value in txn.cursor():
                 self.payload_bytes[bytes(key)] = int.from_bytes(value, "little")
