@@ -62,7 +62,7 @@ KINDS = {RAW: b"r", LEAST: b"l"}
 QUIT = b"q"
 
 
-def _cache(home: Path, size: int) -> lmdb.Environment:
+def allocated_cache(home: Path, size: int) -> lmdb.Environment:
     """An LMDB cache as the store opens it: ``writemap`` over a file allocated ahead."""
     home.mkdir(parents=True)
     env = lmdb.open(str(home), map_size=64 << 10, writemap=True, sync=False, metasync=False, meminit=False,
@@ -83,7 +83,7 @@ def _chunks(count: int, size: int) -> list[range]:
 
 def _sender(port: int, home: Path, size: int, count: int) -> None:
     """The child: stages ``count`` values, then sends each run asked for."""
-    env = _cache(home, 2 * count * (size + 8192) + (64 << 20))
+    env = allocated_cache(home, 2 * count * (size + 8192) + (64 << 20))
     db = env.open_db(b"bench")
     payload = os.urandom(size)
     value = encode_value(payload)
@@ -178,7 +178,7 @@ def bound(base: Path, label: str, size: int) -> dict[str, object]:
         for round_ in range(REPEATS):
             progress(f"exchange bound {label}: round {round_ + 1} of {REPEATS}")
             for name in (RAW, LEAST):
-                env = _cache(base / f"receiver-{label}-{round_}", 2 * count * (size + 8192) + (64 << 20))
+                env = allocated_cache(base / f"receiver-{label}-{round_}", 2 * count * (size + 8192) + (64 << 20))
                 back_free_memory()
                 started, cpu_started = time.perf_counter(), time.process_time()
                 sock.sendall(KINDS[name])

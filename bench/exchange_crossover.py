@@ -51,7 +51,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 from common import MiB, back_free_memory, progress, report, stub
-from exchange_bound import _cache
+from exchange_bound import allocated_cache
 from exchange_pair import cpu_seconds, staged_sender, started_pair
 from wire import SIZES
 
@@ -87,7 +87,6 @@ from dataquay.server.node.cache_file import MAX_DBS
 from dataquay.server.node.exchange import streams
 from dataquay.server.registry import cache_db_name
 from dataquay.server.tools.local_cluster import LocalCluster
-from dataquay.server.tools.processes import DaemonProcess
 from dataquay.server.tools.synthetic import make_files_dataset
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))
@@ -117,7 +116,7 @@ def _read_reply(sock: socket.socket) -> pb.ExchangeReply | None:
 
 def least_receiver(listener: socket.socket, home: Path, map_bytes: int, max_value: int) -> dict[str, float]:
     """Answers one exchange stream on ``listener`` (the child's work)."""
-    env = _cache(home, map_bytes)
+    env = allocated_cache(home, map_bytes)
     db = env.open_db(b"bench")
     print("ready", flush=True)
     conn, _ = listener.accept()
@@ -221,14 +220,6 @@ def _result(child: subprocess.Popen[str]) -> dict[str, float]:
     return json.loads(out.splitlines()[-1])
 
 
-def _loop_cpu(daemon: DaemonProcess) -> float:
-    """CPU seconds of a daemon's main thread, which runs its event loop."""
-    assert daemon.process is not None
-    pid = daemon.process.pid
-    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass(frozen=True)
 class Pair:
     """The cluster the rounds run on, and what every round needs of it."""
@@ -277,14 +268,16 @@ def one_way(pair: Pair, round_: int, sender: str, receiver: str) -> dict[str, fl
         assert taking.stdout is not None and taking.stdout.readline() == "ready\n"
         address = f"127.0.0.1:{listener.getsockname()[1]}"
     try:
-        sender_cpu, loop_cpu = cpu_seconds(local.daemons[0]), _loop_cpu(local.daemons[0])
+        n0_daemon = local.daemons[0]
+        sender_cpu, loop_cpu = cpu_seconds(n0_daemon), cpu_seconds(n0_daemon, main_thread=True)
         receiver_cpu = cpu_seconds(local.daemons[1]) if receiver == DAEMON else 0.0
         if sender == DAEMON:
             n0.ReportEpoch(jpb.ReportEpochRequest(job_id=job_id, epoch=0))
             run = _finished(n0, job_id)
             assert run.delivered_samples == len(given), run
             elapsed = run.elapsed_seconds
-            sender_cpu, loop_cpu = cpu_seconds(local.daemons[0]) - sender_cpu, _loop_cpu(local.daemons[0]) - loop_cpu
+            sender_cpu = cpu_seconds(n0_daemon) - sender_cpu
+            loop_cpu = cpu_seconds(n0_daemon, main_thread=True) - loop_cpu
         else:
             offer = pb.ExchangeOffer(job=job_id, dataset=pair.label, manifest_id=pair.manifest.manifest_id, epoch=1,
                                      sender="node-0", ids=given.tolist())

@@ -88,10 +88,13 @@ def staged_sender(local: LocalCluster, label: str, root: Path, bench: str) -> tu
     return n0, Manifest(b"".join(c.data for c in n0.GetManifest(pb.GetDatasetRequest(name=label))))
 
 
-def cpu_seconds(daemon: DaemonProcess) -> float:
-    """User and system CPU seconds a daemon's process has used so far."""
+def cpu_seconds(daemon: DaemonProcess, main_thread: bool = False) -> float:
+    """User and system CPU seconds a daemon's process has used so far (or
+    only its main thread, which runs its event loop)."""
     assert daemon.process is not None
-    fields = Path(f"/proc/{daemon.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    pid = daemon.process.pid
+    stat = Path(f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
