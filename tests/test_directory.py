@@ -331,10 +331,11 @@ def test_bad_input_is_refused_and_the_directory_keeps_serving(
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
             sock.sendall(junk)
     http_port = int(directory.http_url.rpartition(":")[2])
-    for junk in (b"garbage\r\n\r\n", b"GET /sd HTTP/1.1\r\nX: " + b"y" * 100_000, b"POST /sd HTTP/1.1\r\n\r\n"):
+    for junk, status in ((b"garbage\r\n\r\n", b"400"), (b"GET /sd HTTP/1.1\r\nX: " + b"y" * 100_000, b"431"),
+                         (b"POST /sd HTTP/1.1\r\n\r\n", b"405")):
         with socket.create_connection(("127.0.0.1", http_port), timeout=5) as sock:
             sock.sendall(junk)
-            sock.recv(1024)
+            assert sock.recv(1024).split()[1] == status
     assert http_get(directory.http_url + "/nowhere")[0] == 404
 
     assert http_get(directory.http_url + "/healthz") == (200, b"ok\n")

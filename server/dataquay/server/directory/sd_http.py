@@ -38,8 +38,15 @@ from dataquay.server.errors import StartupError
 MAX_HEAD_BYTES = 16 << 10
 #: Time a client gets to send its request head.
 HEAD_TIMEOUT_SECONDS = 10.0
+#: What is read and dropped after refusing an oversized head, so that closing
+#: does not reset the connection before the client reads the refusal.
+LINGER_BYTES = 1 << 20
+LINGER_SECONDS = 1.0
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+_REASONS = {
+    200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+    431: "Request Header Fields Too Large", 503: "Service Unavailable",
+}
 
 
 def sd_targets(nodes: list[Node]) -> list[dict[str, object]]:
@@ -87,14 +94,14 @@ class HttpEndpoints:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_SECONDS)
-            status, ctype, body = self._answer(head)
-            writer.write(
-                f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
-            )
-            await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_SECONDS)
+            except asyncio.LimitOverrunError:
+                await _send(writer, 431, "text/plain", f"request head over {MAX_HEAD_BYTES} bytes\n".encode())
+                await _drop_rest(reader)
+                return
+            await _send(writer, *self._answer(head))
+        except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
             pass
         finally:
             writer.close()
@@ -113,3 +120,27 @@ class HttpEndpoints:
         if target == b"/healthz":
             return (200, "text/plain", b"ok\n") if self._serving() else (503, "text/plain", b"stopping\n")
         return 404, "text/plain", b"not found: try /sd, /metrics or /healthz\n"
+
+
+async def _send(writer: asyncio.StreamWriter, status: int, ctype: str, body: bytes) -> None:
+    writer.write(
+        f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {ctype}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+    )
+    await writer.drain()
+
+
+async def _drop_rest(reader: asyncio.StreamReader) -> None:
+    """Reads what the client still sends, up to a bound: closing a socket with
+    unread input resets it, and the client would lose the answer."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + LINGER_SECONDS
+    dropped = 0
+    while dropped < LINGER_BYTES and (left := deadline - loop.time()) > 0:
+        try:
+            chunk = await asyncio.wait_for(reader.read(64 << 10), left)
+        except TimeoutError:
+            return
+        if not chunk:
+            return
+        dropped += len(chunk)
