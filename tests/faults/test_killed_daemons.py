@@ -118,6 +118,9 @@ def test_a_daemon_killed_in_the_middle_of_the_exchange_redoes_its_part(
         return run is not None and run.finished
 
     def kill_mid_exchange() -> None:
+        # The run is listed once its placements and books are built, which on
+        # a loaded machine can be after half of epoch 0.
+        wait_until(exchange_into_1, "node 1's exchange into epoch 1 started")
         before = exchange_into_1()
         assert before is not None and before.delivered_samples == 0 < before.total_samples
         job.local.kill_node(1)
