@@ -50,6 +50,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 from common import REPEATS, MiB, back_free_memory, progress, report
+from store_bounds import allocated_cache
 
 from dataquay.client.malloc import tune_malloc
 from dataquay.client.records import decode_value, encode_value, sample_key
@@ -69,20 +70,6 @@ IN_PLACE = "in_place"
 #: What this process sends the child to start a run of each kind, and to end.
 KINDS = {RAW: b"r", LEAST: b"l", IN_PLACE: b"l"}
 QUIT = b"q"
-
-
-def allocated_cache(home: Path, size: int) -> lmdb.Environment:
-    """An LMDB cache as the store opens it: ``writemap`` over a file allocated ahead."""
-    home.mkdir(parents=True)
-    env = lmdb.open(str(home), map_size=64 << 10, writemap=True, sync=False, metasync=False, meminit=False,
-                    max_dbs=2)
-    fd = os.open(home / "data.mdb", os.O_RDWR)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    finally:
-        os.close(fd)
-    env.set_mapsize(size)
-    return env
 
 
 def _chunks(count: int, size: int) -> list[range]:

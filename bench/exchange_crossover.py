@@ -51,8 +51,8 @@ from pathlib import Path
 import lmdb
 import numpy as np
 from common import MiB, back_free_memory, progress, report, stub
-from exchange_bound import allocated_cache
 from exchange_pair import cpu_seconds, staged_sender, started_pair
+from store_bounds import allocated_cache
 from wire import SIZES
 
 from dataquay.client.jobs import job_plan

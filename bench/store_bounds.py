@@ -42,21 +42,30 @@ def payload_bytes(values: Values) -> int:
     return sum(len(v) - CHECKSUM_BYTES for batch in values for _, v in batch)
 
 
+def allocated_cache(home: Path, size: int) -> lmdb.Environment:
+    """An LMDB cache as the store opens it: ``writemap`` over a file allocated
+    ahead. It starts with the least map, so that LMDB writes its meta pages,
+    then the file is allocated and the map grown over it."""
+    home.mkdir(parents=True)
+    env = lmdb.open(str(home), map_size=64 << 10, writemap=True, sync=False, metasync=False, meminit=False,
+                    max_dbs=2)
+    fd = os.open(home / "data.mdb", os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
+    env.set_mapsize(size)
+    return env
+
+
 def lmdb_commit(home: Path, values: Values, writemap: bool = False) -> float:
     """Bytes/s of committing the values to a fresh LMDB environment, a
     transaction per batch, as the daemon's writer does; ``writemap`` over a
     file allocated ahead, as the store opens it where it can."""
     total = sum(len(v) for batch in values for _, v in batch)
     map_size = 2 * total + (64 << 20)
-    # A new environment starts with the least map, so LMDB writes its meta
-    # pages; the file is then allocated ahead and the map grown over it.
-    env = lmdb.open(str(home), map_size=(64 << 10) if writemap else map_size, writemap=writemap, sync=False,
-                    metasync=False, readahead=True, meminit=False, max_dbs=2)
-    if writemap:
-        fd = os.open(home / "data.mdb", os.O_RDWR)
-        os.posix_fallocate(fd, 0, map_size)
-        os.close(fd)
-        env.set_mapsize(map_size)
+    env = allocated_cache(home, map_size) if writemap else lmdb.open(
+        str(home), map_size=map_size, sync=False, metasync=False, meminit=False, max_dbs=2)
     db = env.open_db(b"bench")
     started = time.perf_counter()
     for batch in values:
