@@ -28,9 +28,12 @@ from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.auth import new_token_file
 from dataquay.server.node.bulk.client import BulkClient, BulkRefusedError
 from dataquay.server.node.bulk.frames import (
+    END,
     HELLO,
     HELLO_MAGIC,
     MAC_BYTES,
+    MAP_SEND_SECONDS,
+    OK,
     READ,
     REQUEST,
     REQUEST_MAGIC,
@@ -40,6 +43,7 @@ from dataquay.server.node.bulk.frames import (
     client_proof,
     kernel_timeouts,
     parse_chunk,
+    read_request,
     recv_all,
     send_all,
 )
@@ -329,11 +333,20 @@ def test_an_exchange_chunk_is_taken_whole_and_a_body_its_frames_do_not_fill_is_r
         parse_chunk(memoryview(body), 3, 999)  # a value over the largest taken
 
 
-def test_a_send_out_of_the_map_lets_the_map_go_when_asked_and_the_rest_goes_as_a_copy() -> None:
+def short_send_timeout(sock: socket.socket, kind: str) -> None:
+    """The two ways a sender out of the map times its sends out: the kernel's, Python's."""
+    if kind == "kernel":
+        kernel_timeouts(sock, receive=5.0)
+    else:
+        sock.settimeout(MAP_SEND_SECONDS)
+
+
+@pytest.mark.parametrize("timeout", ["kernel", "python"])
+def test_a_send_out_of_the_map_lets_the_map_go_when_asked_and_the_rest_goes_as_a_copy(timeout: str) -> None:
     payload = np.random.default_rng(5).integers(0, 256, 32 << 20, dtype=np.uint8).tobytes()
     sender, receiver = socket.socketpair()
     with sender, receiver:
-        kernel_timeouts(sender, receive=5.0)
+        short_send_timeout(sender, timeout)
         asked = []
         rest = send_all(sender, [payload[: 1 << 20], memoryview(payload)[1 << 20 :]], 5.0,
                         lambda: asked.append(1) is None)
@@ -353,10 +366,11 @@ def test_a_send_out_of_the_map_lets_the_map_go_when_asked_and_the_rest_goes_as_a
         assert got == payload
 
 
-def test_a_send_out_of_the_map_to_a_peer_that_stops_reading_times_out() -> None:
+@pytest.mark.parametrize("timeout", ["kernel", "python"])
+def test_a_send_out_of_the_map_to_a_peer_that_stops_reading_times_out(timeout: str) -> None:
     sender, receiver = socket.socketpair()
     with sender, receiver:
-        kernel_timeouts(sender, receive=5.0)
+        short_send_timeout(sender, timeout)
         with pytest.raises(TimeoutError):
             send_all(sender, [bytes(32 << 20)], stall=0.2)
 
@@ -470,3 +484,60 @@ def test_a_restarted_peer_is_read_over_bulk_again_and_over_grpc_once_it_has_none
     before = stats(local, 0).bulk.fetched_samples
     assert all_from_caches() is not None
     assert stats(local, 0).bulk.fetched_samples == before  # over gRPC
+
+
+def test_a_token_holder_that_stops_reading_holds_back_neither_the_map_nor_the_bytes(tmp_path: Path) -> None:
+    """A read's client that takes nothing more pins the cache's map until the
+    send stalls out (30 s), and a growth of the map waits on it: every commit
+    with it. The daemon must grow the map, stage on, and still send the
+    stalled client the exact bytes once it reads."""
+    small = make_files_dataset(tmp_path / "pfs" / "small", 100, sizes=(SIZE,))
+    large = make_files_dataset(tmp_path / "pfs" / "large", 400, sizes=(SIZE,), seed=1)
+    with LocalCluster(tmp_path / "cluster", 1, (), token_file=new_token_file(tmp_path / "token"),
+                      dataset_roots=(tmp_path,)) as local, \
+            local.credentials().channel(local.daemons[0].address, channel_options()) as channel:
+        stub = cache_pb2_grpc.CacheStub(channel)
+
+        def stage(name: str, root: Path, timeout: float) -> None:
+            stub.AddDataset(pb.AddDatasetRequest(name=name, root=str(root)), timeout=30)
+            stub.JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=name, dataset=name)), timeout=30)
+            *_, last = stub.Stage(pb.StageRequest(dataset=name, job=name), timeout=timeout)
+            assert not last.error
+
+        stage("small", small, 60)
+        host, _, port = bulk_address(local, 0).rpartition(":")
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # takes next to nothing
+        with stalled:
+            stalled.settimeout(30)
+            stalled.connect((host, int(port)))
+            _magic, nonce = HELLO.unpack(stalled.recv(HELLO.size, socket.MSG_WAITALL))
+            mine = b"\2" * 32
+            stalled.sendall(mine + client_proof(local.credentials().token, nonce, mine))
+            assert len(stalled.recv(MAC_BYTES, socket.MSG_WAITALL)) == MAC_BYTES
+            stalled.sendall(read_request("small", "", np.arange(100, dtype=np.int64)))
+            time.sleep(0.5)  # the daemon's send fills the socket's buffers and waits
+
+            stage("large", large, 20)  # four times the map the small one needed, well inside the stall
+
+            def take(size: int) -> bytes:
+                taken = bytearray(size)
+                at = 0
+                while at < size:
+                    received = stalled.recv_into(memoryview(taken)[at:])
+                    assert received, "the daemon closed the stalled connection"
+                    at += received
+                return bytes(taken)
+
+            got: dict[int, bytes] = {}
+            while True:
+                status, sample_id, length, _ = SAMPLE.unpack(take(SAMPLE.size))
+                if status == END:
+                    break
+                assert status == OK
+                got[sample_id] = take(length)
+        assert got == {i: sample_bytes(0, i, SIZE) for i in range(100)}
+        large_samples = [s for chunk in stub.Read(pb.ReadRequest(dataset="large", ids=list(range(400)), job="large"),
+                                                  timeout=60) for s in chunk.samples]
+        assert [s.data for s in large_samples] == [sample_bytes(1, i, SIZE) for i in range(400)]
+        assert {s.tier for s in large_samples} == {pb.TIER_LOCAL}

@@ -192,9 +192,10 @@ def send_all(
     sock: socket.socket, buffers: Sequence[bytes | memoryview], stall: float,
     let_go: Callable[[], bool] | None = None,
 ) -> list[bytes]:
-    """Sends ``buffers`` on a blocking socket whose send timeout is short
-    (:data:`MAP_SEND_SECONDS`, see :func:`kernel_timeouts`): the kernel sends
-    them whole as the peer takes them, a few system calls for a chunk.
+    """Sends ``buffers`` on a socket whose sends time out shortly
+    (:data:`MAP_SEND_SECONDS`): a blocking one under the kernel's timeout
+    (:func:`kernel_timeouts`), where the kernel sends them whole as the peer
+    takes them, a few system calls for a chunk, or one under Python's.
     Between calls ``let_go()`` may ask for the buffers back (views into the
     map, which is about to grow): then the rest is returned as a copy, to
     send once the read transaction is over. Raises TimeoutError when nothing
@@ -205,7 +206,7 @@ def send_all(
     while at < len(views):
         try:
             sent = sock.sendmsg(views[at : at + IOV_BATCH])
-        except BlockingIOError:  # the socket's send timeout, nothing sent
+        except (BlockingIOError, TimeoutError):  # the socket's send timeout, nothing sent
             sent = 0
         if sent:
             at, moved = _past(views, at, sent), time.monotonic()

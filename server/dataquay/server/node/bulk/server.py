@@ -7,7 +7,8 @@ missing) over a plain framed stream (:mod:`.frames`): each connection has a
 thread of its own that reads a request, looks the values up in LMDB with
 ``buffers=True`` and sends each payload straight out of the map with
 ``sendmsg`` (no copy; the GIL is released for the send), a few MiB per read
-transaction so that a slow reader never pins old pages for long.
+transaction so that a slow reader never pins old pages for long; one that
+stops reading gets the rest as a copy once the map must grow.
 
 What the request names is checked as a gRPC Read is (dataset, manifest
 version, batch size, id range): in the connection's thread where the dataset
@@ -54,6 +55,7 @@ from dataquay.server.node.bulk.frames import (
     HELLO,
     HELLO_MAGIC,
     MAC_BYTES,
+    MAP_SEND_SECONDS,
     MAX_CHUNK_BYTES,
     MAX_CHUNK_SAMPLES,
     MAX_ERROR_BYTES,
@@ -76,6 +78,7 @@ from dataquay.server.node.bulk.frames import (
     recv_all,
     recv_bytes,
     recv_exactly,
+    send_all,
     send_buffers,
     send_now,
     server_proof,
@@ -270,12 +273,14 @@ class BulkServer:
             send_buffers(sock, _error_frame(exc))
             return
         distinct = list(dict.fromkeys(ids.tolist()))
+        if not isinstance(sock, ssl.SSLSocket):
+            sock.settimeout(MAP_SEND_SECONDS)
         samples = nbytes = 0
         at = 0
         while at < len(distinct):
             at, sent = self._send_group(sock, db, distinct, at)
             samples, nbytes = samples + sent[0], nbytes + sent[1]
-        sock.sendall(SAMPLE.pack(END, samples, 0, 0))
+        _send(sock, [SAMPLE.pack(END, samples, 0, 0)])
         with self._lock:
             self.served_samples += samples
             self.served_bytes += nbytes
@@ -283,7 +288,14 @@ class BulkServer:
 
     def _send_group(self, sock: socket.socket, db: str, ids: list[int], at: int) -> tuple[int, tuple[int, int]]:
         """Sends the frames of ``ids[at:]`` up to SEND_BYTES of payload under one
-        read transaction; returns where the next group starts and (samples, bytes) sent."""
+        read transaction; returns where the next group starts and (samples, bytes) sent.
+
+        A client that stops reading must not hold the map's growth (and with
+        it every commit) back: what the socket has not taken when a growth
+        waits goes as a copy, out of the read transaction. A TLS socket has no
+        ``sendmsg`` to give up between calls, so under TLS the group is copied
+        before it is sent (encrypting copies it anyway).
+        """
         buffers: list[bytes | memoryview] = []
         samples = group = 0
         with self.store.value_views(db) as get:
@@ -298,7 +310,11 @@ class BulkServer:
                             value[CHECKSUM_BYTES:]]
                 group += len(value) - CHECKSUM_BYTES
                 samples += 1
-            send_buffers(sock, buffers)
+            if isinstance(sock, ssl.SSLSocket):
+                rest = [bytes(buffer) for buffer in buffers]
+            else:
+                rest = send_all(sock, buffers, STALL_SECONDS, self.store.map_readers.growth_waiting)
+        _send(sock, rest)
         return at, (samples, group)
 
     # ------------------------------------------------------------ exchange
@@ -397,6 +413,15 @@ class BulkServer:
             await _send_from_loop(loop, sock, _error_frame(exc))
         except OSError:
             pass  # the sender is gone; its thread here sees it too
+
+
+def _send(sock: socket.socket, buffers: list[bytes]) -> None:
+    """Sends a read's frames that hold no view into the map, on a plain
+    socket (its sends timing out every :data:`MAP_SEND_SECONDS`) or a TLS one."""
+    if isinstance(sock, ssl.SSLSocket):
+        send_buffers(sock, buffers)
+    else:
+        send_all(sock, buffers, STALL_SECONDS)
 
 
 async def _send_from_loop(loop: asyncio.AbstractEventLoop, sock: socket.socket, frames: list[bytes]) -> None:
