@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -486,16 +487,21 @@ def test_a_restarted_peer_is_read_over_bulk_again_and_over_grpc_once_it_has_none
     assert stats(local, 0).bulk.fetched_samples == before  # over gRPC
 
 
-def test_a_token_holder_that_stops_reading_holds_back_neither_the_map_nor_the_bytes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tls", [False, pytest.param(True, marks=pytest.mark.skipif(
+    subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
+    reason="openssl is not installed: the test makes its certificates with it"))], ids=["tcp", "tls"])
+def test_a_token_holder_that_stops_reading_holds_back_neither_the_map_nor_the_bytes(
+    cluster: Callable[..., LocalCluster], tmp_path: Path, tls: bool
+) -> None:
     """A read's client that takes nothing more pins the cache's map until the
     send stalls out (30 s), and a growth of the map waits on it: every commit
     with it. The daemon must grow the map, stage on, and still send the
     stalled client the exact bytes once it reads."""
     small = make_files_dataset(tmp_path / "pfs" / "small", 100, sizes=(SIZE,))
     large = make_files_dataset(tmp_path / "pfs" / "large", 400, sizes=(SIZE,), seed=1)
-    with LocalCluster(tmp_path / "cluster", 1, (), token_file=new_token_file(tmp_path / "token"),
-                      dataset_roots=(tmp_path,)) as local, \
-            local.credentials().channel(local.daemons[0].address, channel_options()) as channel:
+    pem = make_certificates(tmp_path / "pki") if tls else None
+    local = cluster(1, token_file=new_token_file(tmp_path / "token"), tls=pem)
+    with local.credentials().channel(local.daemons[0].address, channel_options()) as channel:
         stub = cache_pb2_grpc.CacheStub(channel)
 
         def stage(name: str, root: Path, timeout: float) -> None:
@@ -506,28 +512,34 @@ def test_a_token_holder_that_stops_reading_holds_back_neither_the_map_nor_the_by
 
         stage("small", small, 60)
         host, _, port = bulk_address(local, 0).rpartition(":")
-        stalled = socket.socket()
-        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # takes next to nothing
+        raw = socket.socket()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # takes next to nothing
+        raw.settimeout(30)
+        raw.connect((host, int(port)))
+        stalled = raw
+        if pem is not None:
+            context = ssl.create_default_context(cafile=pem.ca)
+            context.load_cert_chain(pem.cert, pem.key)
+            stalled = context.wrap_socket(raw, server_hostname=host)
+
+        def take(size: int) -> bytes:
+            taken = bytearray(size)
+            at = 0
+            while at < size:
+                received = stalled.recv_into(memoryview(taken)[at:])
+                assert received, "the daemon closed the stalled connection"
+                at += received
+            return bytes(taken)
+
         with stalled:
-            stalled.settimeout(30)
-            stalled.connect((host, int(port)))
-            _magic, nonce = HELLO.unpack(stalled.recv(HELLO.size, socket.MSG_WAITALL))
+            _magic, nonce = HELLO.unpack(take(HELLO.size))
             mine = b"\2" * 32
             stalled.sendall(mine + client_proof(local.credentials().token, nonce, mine))
-            assert len(stalled.recv(MAC_BYTES, socket.MSG_WAITALL)) == MAC_BYTES
+            assert len(take(MAC_BYTES)) == MAC_BYTES
             stalled.sendall(read_request("small", "", np.arange(100, dtype=np.int64)))
             time.sleep(0.5)  # the daemon's send fills the socket's buffers and waits
 
             stage("large", large, 20)  # four times the map the small one needed, well inside the stall
-
-            def take(size: int) -> bytes:
-                taken = bytearray(size)
-                at = 0
-                while at < size:
-                    received = stalled.recv_into(memoryview(taken)[at:])
-                    assert received, "the daemon closed the stalled connection"
-                    at += received
-                return bytes(taken)
 
             got: dict[int, bytes] = {}
             while True:
