@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-repeat test-all faults tools bench proto lint typecheck dist clean
+.PHONY: demo test test-repeat test-all faults tools torch bench proto lint typecheck dist clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,13 +20,13 @@ demo: $(STAMP)
 # machine busy (the suite takes half as long again with one).
 WORKERS ?= 2
 
-test: $(STAMP) tools
+test: $(STAMP) tools torch
 	$(BIN)/python -m pytest -q -n $(WORKERS)
 
 # The suite N times over, each run in a fresh temp dir and without pytest's
 # cache, to show it does not flake; stops at the first run that fails.
 N ?= 5
-test-repeat: $(STAMP) tools
+test-repeat: $(STAMP) tools torch
 	@for i in $$(seq 1 $(N)); do \
 	  base=$$(mktemp -d) && echo "== run $$i of $(N) (temp dir $$base)" && \
 	  $(BIN)/python -m pytest -q -n $(WORKERS) -p no:cacheprovider --basetemp="$$base" || \
@@ -59,6 +59,18 @@ tools:
 	    timeout 600 sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DEPLOY_PACKAGES)' \
 	    >/dev/null 2>&1; } || \
 	  echo "some of $(DEPLOY_TOOLS) missing: the deploy tests that need them will skip"
+
+# The PyTorch adapters' tests run against real PyTorch where pip has a build
+# of it on this machine (its find-links: a CPU build on CI's machines); pip
+# takes it alone first, so that nothing downloads a CUDA build of several GB.
+# Elsewhere they skip; `pip install torch` into .venv runs them.
+TORCH ?= torch==2.13.0
+torch: $(STAMP)
+	@$(BIN)/python -c 'import torch' 2>/dev/null || \
+	  { $(BIN)/python -m pip install --quiet --no-index --no-deps '$(TORCH)' >/dev/null 2>&1 && \
+	    $(BIN)/python -m pip install --quiet --quiet '$(TORCH)'; } || \
+	  { $(BIN)/python -m pip uninstall --quiet --yes torch >/dev/null 2>&1; \
+	    echo "no $(TORCH) on this machine without a download: the PyTorch adapter tests will skip"; }
 
 proto: $(STAMP)
 	$(BIN)/python protos/generate.py
