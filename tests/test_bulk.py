@@ -46,6 +46,7 @@ from dataquay.server.node.bulk.frames import (
     parse_chunk,
     read_request,
     recv_all,
+    recv_bytes,
     send_all,
 )
 from dataquay.server.tools.local_cluster import LocalCluster, TlsFiles
@@ -522,20 +523,11 @@ def test_a_token_holder_that_stops_reading_holds_back_neither_the_map_nor_the_by
             context.load_cert_chain(pem.cert, pem.key)
             stalled = context.wrap_socket(raw, server_hostname=host)
 
-        def take(size: int) -> bytes:
-            taken = bytearray(size)
-            at = 0
-            while at < size:
-                received = stalled.recv_into(memoryview(taken)[at:])
-                assert received, "the daemon closed the stalled connection"
-                at += received
-            return bytes(taken)
-
         with stalled:
-            _magic, nonce = HELLO.unpack(take(HELLO.size))
+            _magic, nonce = HELLO.unpack(recv_bytes(stalled, HELLO.size))
             mine = b"\2" * 32
             stalled.sendall(mine + client_proof(local.credentials().token, nonce, mine))
-            assert len(take(MAC_BYTES)) == MAC_BYTES
+            assert len(recv_bytes(stalled, MAC_BYTES)) == MAC_BYTES
             stalled.sendall(read_request("small", "", np.arange(100, dtype=np.int64)))
             time.sleep(0.5)  # the daemon's send fills the socket's buffers and waits
 
@@ -543,11 +535,11 @@ def test_a_token_holder_that_stops_reading_holds_back_neither_the_map_nor_the_by
 
             got: dict[int, bytes] = {}
             while True:
-                status, sample_id, length, _ = SAMPLE.unpack(take(SAMPLE.size))
+                status, sample_id, length, _ = SAMPLE.unpack(recv_bytes(stalled, SAMPLE.size))
                 if status == END:
                     break
                 assert status == OK
-                got[sample_id] = take(length)
+                got[sample_id] = recv_bytes(stalled, length)
         assert got == {i: sample_bytes(0, i, SIZE) for i in range(100)}
         large_samples = [s for chunk in stub.Read(pb.ReadRequest(dataset="large", ids=list(range(400)), job="large"),
                                                   timeout=60) for s in chunk.samples]
