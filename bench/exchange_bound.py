@@ -203,21 +203,21 @@ def bound(base: Path, label: str, size: int) -> dict[str, object]:
     }
     try:
         sock, _ = listener.accept()
+        map_bytes = 2 * count * (size + 8192) + (64 << 20)
         for round_ in range(REPEATS):
             progress(f"exchange bound {label}: round {round_ + 1} of {REPEATS}")
             for name in (RAW, LEAST, IN_PLACE):
                 home = base / f"receiver-{label}-{round_}"
-                map_bytes = 2 * count * (size + 8192) + (64 << 20)
                 env = allocated_cache(home, map_bytes) if name == LEAST else None
                 back_free_memory()
                 started, cpu_started = time.perf_counter(), time.process_time()
                 sock.sendall(KINDS[name])
                 if name == RAW:
                     _raw(sock, count, size)
-                elif env is not None:
-                    assert _least(sock, env, size + 64) == count * (size + 8)
-                else:
+                elif name == IN_PLACE:
                     assert _in_place(sock, home, map_bytes, size + 64) == count * (size + 8)
+                else:
+                    assert env is not None and _least(sock, env, size + 64) == count * (size + 8)
                 elapsed, receiver_cpu = time.perf_counter() - started, time.process_time() - cpu_started
                 sock.sendall(b"d")
                 sender_cpu = float(_line(sock))
