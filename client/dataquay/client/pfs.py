@@ -19,9 +19,8 @@ never served as a prefix of new content or as bytes the caches elsewhere do
 not hold. That costs nothing per sample: one open serves a whole range.
 
 :meth:`PfsReader.read_range_cached` reads a range only if the page cache
-holds all of it (``preadv`` with ``RWF_NOWAIT``, which fails with EAGAIN
-rather than wait for storage): the daemon caches a sample a trainer has just
-read this way, without a second read from the PFS.
+holds all of it (:mod:`dataquay.client.page_cache`): the daemon caches a
+sample a trainer has just read this way, without a second read from the PFS.
 """
 
 from __future__ import annotations
@@ -38,8 +37,8 @@ from typing import Literal, cast, overload
 
 import numpy as np
 
+from dataquay.client import page_cache
 from dataquay.client.errors import PfsReadError, SampleIdError
-from dataquay.client.file_systems import IN_MEMORY, file_system_type
 from dataquay.client.manifest import Manifest
 from dataquay.client.records import frame_members
 
@@ -50,9 +49,6 @@ DEFAULT_MAX_GAP = 64 << 10
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 #: None where the OS cannot read without waiting for storage (not Linux).
 _RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
-#: What a read without waiting fails with when the page cache lacks the data,
-#: or the file system does not support such reads.
-_NOT_CACHED = frozenset((errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL))
 
 
 def tar_member_key(name: str) -> tuple[str, str] | None:
@@ -355,7 +351,7 @@ class PfsReader:
                 # A folder of the root was swapped for a link after registration.
                 raise self._error(r, r.ids, path, f"it resolves to {opened}, outside the dataset's root")
             if nowait:
-                return _pread_cached(fd, r)
+                return page_cache.read_cached(fd, r.offset, r.length)
             data = os.pread(fd, r.length, r.offset)
             if len(data) < r.length:
                 data = _pread_rest(fd, r, data)
@@ -426,23 +422,6 @@ def _opened_path(fd: int) -> str | None:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return None
-
-
-def _pread_cached(fd: int, r: ReadRange) -> memoryview | None:
-    """The range's bytes if the page cache holds all of them, else None."""
-    assert _RWF_NOWAIT is not None
-    buf = bytearray(r.length)
-    try:
-        got = os.preadv(fd, [buf], r.offset, _RWF_NOWAIT)
-    except OSError as exc:
-        # tmpfs cannot read without waiting, and a read there never waits for storage.
-        if exc.errno == errno.EOPNOTSUPP and file_system_type(fd) in IN_MEMORY:
-            got = os.preadv(fd, [buf], r.offset)
-        elif exc.errno in _NOT_CACHED:
-            return None
-        else:
-            raise
-    return memoryview(buf) if got == r.length else None
 
 
 def _pread_whole(fd: int, length: int, offset: int) -> bytes | None:

@@ -4,7 +4,8 @@ A miss costs a trainer least when it reads the file itself, as fast as any
 direct read, and leaves the caching to its daemon, off its path. The client
 names the ids it read in a notice (batched, from a background thread); the
 daemon reads them back from the page cache, which on the trainer's node
-still holds them, with ``RWF_NOWAIT`` (never a second trip to storage),
+still holds them, asking first (:mod:`dataquay.client.page_cache`: never a
+second read of a sample from storage),
 checks each file against the manifest as any PFS read does (size, mtime),
 frames the payloads (checksum) and queues them for the cache writer. Where
 the page cache does not hold a sample (a PFS that caches in a pool of its
