@@ -1,5 +1,7 @@
 """The PyTorch adapters against a real daemon: DataLoader workers whose reads
-the node counts, and a transform that is told which sample it decodes."""
+the node counts, and a transform that is told which sample it decodes. The
+DataLoaders with workers run in trainer processes of their own
+(:mod:`torch_trainers`)."""
 
 from __future__ import annotations
 
@@ -18,16 +20,12 @@ from dataquay.server.tools.processes import DaemonProcess
 if importlib.util.find_spec("torch") is None:
     pytest.skip("torch is not installed: the adapters need it", allow_module_level=True)
 
-import torch.utils.data  # noqa: E402
+from torch_trainers import epochs_read, in_a_trainer, read_ahead_of_the_cursor  # noqa: E402
 
 from dataquay.client.sampler import Sampler  # noqa: E402
 from dataquay.client.torch import TorchDataset, TorchSampler  # noqa: E402
 
 SAMPLES = 48
-
-
-def as_list(batch: list[bytes]) -> list[bytes]:
-    return batch
 
 
 def local_hits_reported(daemon: DaemonProcess) -> int:
@@ -47,17 +45,11 @@ def staged(daemon: DaemonProcess, client: dq.Client, tmp_path: Path) -> dq.Datas
 
 @pytest.mark.parametrize(("context", "persistent"), [("fork", False), ("spawn", False), ("fork", True)])
 def test_dataloader_workers_reads_reach_the_daemon_counters(
-    daemon: DaemonProcess, staged: dq.Dataset, context: str, persistent: bool
+    daemon: DaemonProcess, staged: dq.Dataset, tmp_path: Path, context: str, persistent: bool
 ) -> None:
     before = local_hits_reported(daemon)
-    loader = torch.utils.data.DataLoader(
-        TorchDataset(staged), batch_size=8, num_workers=2, multiprocessing_context=context,
-        persistent_workers=persistent, collate_fn=as_list,
-    )
-    for _ in range(2):
-        read = [sample for batch in loader for sample in batch]
-        assert read == files_bytes(5, range(SAMPLES), (4096,))
-    del loader  # persistent workers end with their loader
+    read = in_a_trainer(tmp_path, epochs_read, daemon.address, "imgs", 2, context, persistent)
+    assert read == [files_bytes(5, range(SAMPLES), (4096,))] * 2
     wait_until(lambda: local_hits_reported(daemon) == before + 2 * SAMPLES, "the workers' local hits were reported")
 
 
@@ -81,47 +73,33 @@ def test_transform_with_ids_decodes_npy_records_by_sample_id(
 
 
 def test_the_misses_workers_read_themselves_are_cached_behind_them_once_they_end(
-    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
+    daemon: DaemonProcess, tmp_path: Path
 ) -> None:
     synthetic.make_files_dataset(tmp_path / "imgs", SAMPLES, seed=8)
     add(daemon, "imgs", tmp_path / "imgs")
-    ds = client.dataset("imgs")
-    loader = torch.utils.data.DataLoader(
-        TorchDataset(ds), batch_size=8, num_workers=2, multiprocessing_context="fork", collate_fn=as_list
-    )
-    assert [s for batch in loader for s in batch] == files_bytes(8, range(SAMPLES), (4096,))
+    read = in_a_trainer(tmp_path, epochs_read, daemon.address, "imgs", 1, "fork")
+    assert read == [files_bytes(8, range(SAMPLES), (4096,))]
     # The workers are gone: what they noticed was sent as they ended, not lost with them.
     wait_until(lambda: cached_samples(daemon, "imgs") == SAMPLES, "the workers' misses were cached behind them")
     assert daemon_stats(daemon).cache_behind.page_cache_samples == SAMPLES
 
 
-def test_a_dead_daemon_is_warned_of_once_for_all_workers_and_epochs(
-    daemon: DaemonProcess, client: dq.Client, tmp_path: Path, client_warnings: Path
-) -> None:
+def test_a_dead_daemon_is_warned_of_once_for_all_workers_and_epochs(daemon: DaemonProcess, tmp_path: Path) -> None:
     synthetic.make_files_dataset(tmp_path / "imgs", SAMPLES, seed=6)
     add(daemon, "imgs", tmp_path / "imgs")
-    ds = client.dataset("imgs")
-    daemon.kill()
-    loader = torch.utils.data.DataLoader(
-        TorchDataset(ds), batch_size=8, num_workers=2, multiprocessing_context="fork", collate_fn=as_list
-    )
-    for _ in range(2):
-        assert [s for batch in loader for s in batch] == files_bytes(6, range(SAMPLES), (4096,))
-    warnings = client_warnings.read_text().splitlines()
-    assert len(warnings) == 1 and "unreachable" in warnings[0], warnings
+    assert daemon.process is not None
+    warnings = tmp_path / "client.log"
+    read = in_a_trainer(tmp_path, epochs_read, daemon.address, "imgs", 2, "fork", False, str(warnings),
+                        daemon.process.pid)
+    daemon.kill()  # reaps what the trainer killed once it had its dataset
+    assert read == [files_bytes(6, range(SAMPLES), (4096,))] * 2
+    lines = warnings.read_text().splitlines()
+    assert len(lines) == 1 and "unreachable" in lines[0], lines
 
 
-def test_a_dataloader_runs_ahead_of_the_cursor_and_consumed_saves_what_it_yielded() -> None:
-    sampler = TorchSampler(Sampler(64, rank=0, world_size=1, seed=3))
-    loader = torch.utils.data.DataLoader(
-        list(range(64)), batch_size=4, sampler=sampler, num_workers=2, prefetch_factor=2,
-        multiprocessing_context="fork", collate_fn=as_list,
-    )
-    batches = iter(loader)
-    trained = [i for _ in range(3) for i in next(batches)]
-    assert sampler.sampler.position > len(trained)  # the read-ahead: what a restore from it would skip
-    state = sampler.state_dict(consumed=len(trained))
-    rest = [i for batch in batches for i in batch]
+def test_a_dataloader_runs_ahead_of_the_cursor_and_consumed_saves_what_it_yielded(tmp_path: Path) -> None:
+    position, trained, state, rest = in_a_trainer(tmp_path, read_ahead_of_the_cursor, 64, 3)
+    assert position > len(trained)  # the read-ahead: what a restore from it would skip
     restarted = TorchSampler(Sampler(64, rank=0, world_size=1, seed=3))
     restarted.load_state_dict(state)
     assert list(restarted) == rest and trained + rest == list(Sampler(64, rank=0, world_size=1, seed=3))

@@ -1,0 +1,104 @@
+"""Trainers with PyTorch DataLoader workers, for tests/test_torch.py to run in
+a process of their own (:func:`in_a_trainer`): a fresh interpreter that forks
+its workers, as a trainer's does, rather than a test worker with the threads
+and channels of every test it ran before."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.utils.data
+
+import dataquay.client as dq
+from dataquay.client.sampler import Sampler
+from dataquay.client.torch import TorchDataset, TorchSampler
+
+#: Longer than any trainer here takes, shorter than pytest-timeout's limit.
+TRAINER_SECONDS = 100
+
+
+def as_list(batch: list[bytes]) -> list[bytes]:
+    return batch
+
+
+def in_a_trainer(tmp_path: Path, trainer: Callable[..., Any], *args: object) -> Any:
+    """What ``trainer(*args)`` returns, run in a trainer process of its own."""
+    call, result = tmp_path / "trainer-call.pickle", tmp_path / "trainer-result.pickle"
+    call.write_bytes(pickle.dumps((trainer.__name__, args)))
+    code = (
+        "import pickle, sys, torch_trainers; name, args = pickle.loads(open(sys.argv[1], 'rb').read()); "
+        "open(sys.argv[2], 'wb').write(pickle.dumps(getattr(torch_trainers, name)(*args)))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(call), str(result)], env=env, capture_output=True, text=True,
+        timeout=TRAINER_SECONDS,
+    )
+    assert done.returncode == 0, done.stderr
+    return pickle.loads(result.read_bytes())
+
+
+def epochs_read(
+    address: str, dataset: str, epochs: int, context: str, persistent: bool = False,
+    warnings: str | None = None, kill_first: int | None = None,
+) -> list[list[bytes]]:
+    """The samples each epoch of a DataLoader with two workers read, in order.
+
+    ``warnings``: a file the client's warnings go to as they come (the
+    workers inherit the handler). ``kill_first``: a daemon's pid, killed once
+    the trainer has its dataset and before the epochs.
+    """
+    if warnings is not None:
+        handler = logging.FileHandler(warnings)
+        handler.setLevel(logging.WARNING)
+        logging.getLogger("dataquay.client").addHandler(handler)
+    with dq.connect(address, timeout=5) as client:
+        ds = client.dataset(dataset)
+        if kill_first is not None:
+            _kill(kill_first)
+        loader = torch.utils.data.DataLoader(
+            TorchDataset(ds), batch_size=8, num_workers=2, multiprocessing_context=context,
+            persistent_workers=persistent, collate_fn=as_list,
+        )
+        read = [[sample for batch in loader for sample in batch] for _ in range(epochs)]
+        del loader  # persistent workers end with their loader
+    return read
+
+
+def read_ahead_of_the_cursor(samples: int, trained_batches: int) -> tuple[int, list[int], dict[str, Any], list[int]]:
+    """A DataLoader whose workers run ahead of a sampler's cursor: the
+    cursor's position after ``trained_batches`` batches, those batches'
+    samples, the state saved with them as consumed, and the rest of the epoch."""
+    sampler = TorchSampler(Sampler(samples, rank=0, world_size=1, seed=3))
+    loader = torch.utils.data.DataLoader(
+        list(range(samples)), batch_size=4, sampler=sampler, num_workers=2, prefetch_factor=2,
+        multiprocessing_context="fork", collate_fn=as_list,
+    )
+    batches = iter(loader)
+    trained = [i for _ in range(trained_batches) for i in next(batches)]
+    position = sampler.sampler.position
+    state = sampler.state_dict(consumed=len(trained))
+    rest = [i for batch in batches for i in batch]
+    return position, trained, state, rest
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL, then wait until the process is gone (a zombie its parent has not reaped counts)."""
+    os.kill(pid, signal.SIGKILL)
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.01)
