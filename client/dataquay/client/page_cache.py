@@ -30,8 +30,10 @@ _CACHESTAT = 451
 #: What a read without waiting fails with when the page cache lacks the data,
 #: or the file system does not support such reads.
 _NOT_CACHED = frozenset((errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL))
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
+_syscall = ctypes.CDLL(None, use_errno=True).syscall
+_syscall.restype = ctypes.c_long
+# syscall(2) takes each argument as a long.
+_syscall.argtypes = (ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long)
 
 
 class _Range(ctypes.Structure):
@@ -62,10 +64,7 @@ def cached_pages(fd: int, offset: int, length: int) -> int | None:
     if length <= 0 or not _has_cachestat:  # a length of 0 would ask for the rest of the file
         return None
     counts = _Counts()
-    if _libc.syscall(
-        ctypes.c_long(_CACHESTAT), ctypes.c_long(fd), ctypes.byref(_Range(offset, length)),
-        ctypes.byref(counts), ctypes.c_long(0),
-    ) == 0:
+    if _syscall(_CACHESTAT, fd, ctypes.byref(_Range(offset, length)), ctypes.byref(counts), 0) == 0:
         return int(counts.nr_cache)
     if ctypes.get_errno() == errno.ENOSYS:
         _has_cachestat = False
