@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from common import REPEATS, SIZES, MiB, back_free_memory, progress, register, report, stub
 
-from dataquay.client import connect
+from dataquay.client import connect, page_cache
 from dataquay.client.malloc import tune_malloc
 from dataquay.client.pfs import PfsReader
 from dataquay.protos import cache_pb2 as pb
@@ -30,6 +30,21 @@ from dataquay.server.tools.synthetic import make_files_dataset
 #: Within what a client's backlog holds for handing over (64 MiB).
 DATASET_BYTES = 48 * MiB
 BATCH = 64
+
+
+def _cached_bytes(paths: list[Path]) -> int | None:
+    """The bytes of ``paths`` the page cache holds; None where the kernel will not say."""
+    total = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            held = page_cache.cached_pages(fd, 0, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        if held is None:
+            return None
+        total += held * page_cache.PAGE
+    return total
 
 
 def _evict(paths: list[Path]) -> None:
@@ -46,6 +61,8 @@ def bench(daemon: DaemonProcess, base: Path, size: int, label: str) -> dict[str,
     paths = sorted(root.rglob("*.bin"))
     client = connect(daemon.address)
     rates: dict[str, list[float]] = {"read": [], "page_cache": [], "handed": []}
+    read_back: list[int | None] = []
+    handed_shares: list[float] = []
     for _ in range(REPEATS):
         for source in ("page_cache", "handed"):
             if any(d.name == "behind" for d in stub(daemon).ListDatasets(pb.ListDatasetsRequest()).datasets):
@@ -74,12 +91,16 @@ def bench(daemon: DaemonProcess, base: Path, size: int, label: str) -> dict[str,
                    for s in ("page_cache", "handed")}
             assert sum(got.values()) == count and got[source] >= 0.9 * count, f"{source}: {got} of {count}"
             assert after.pfs_bytes == 0, "the daemon read the PFS"
+            if source == "handed":
+                handed_shares.append(got["handed"] / count)
+                read_back.append(_cached_bytes(paths))
     client.close()
     read_rate = float(np.median(rates["read"]))
     row: dict[str, object] = {"size": label, "trainer_read_per_s": read_rate}
     for source in ("page_cache", "handed"):
         rate = float(np.median(rates[source]))
         row |= {f"cached_from_{source}_per_s": rate, f"{source}_vs_read": rate / read_rate}
+    row |= {"handed_share": min(handed_shares), "read_back_MiB": None if None in read_back else max(read_back) / MiB}
     return row
 
 
@@ -101,7 +122,7 @@ def main() -> None:
         "cache_behind",
         rows,
         ["size", "trainer_read_per_s", "cached_from_page_cache_per_s", "page_cache_vs_read",
-         "cached_from_handed_per_s", "handed_vs_read"],
+         "cached_from_handed_per_s", "handed_vs_read", "handed_share", "read_back_MiB"],
     )
 
 
