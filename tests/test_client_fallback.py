@@ -11,7 +11,6 @@ import multiprocessing
 import os
 import pickle
 import re
-import signal
 import socket
 import threading
 import time
@@ -22,6 +21,7 @@ import grpc
 import numpy as np
 import pytest
 from polling import wait_until
+from stopping import stopped
 
 import dataquay.client as dq
 from dataquay.client.channels import channel_options, grpc_target
@@ -249,8 +249,8 @@ def test_a_stopped_daemon_is_read_around_after_the_batch_deadline_then_used_agai
     ds = client.dataset("imgs")
     want = expected(ds.manifest, range(48))
     assert ds.get_batch(range(8)) == want[:8]
-    daemon.signal(signal.SIGSTOP)
-    try:
+    assert daemon.process is not None
+    with stopped(daemon.process.pid, daemon.cache_dir):
         before = client.stats().samples
         assert ds.get_batch(range(24, 48)) == want[24:]
         after = client.stats().samples
@@ -259,8 +259,6 @@ def test_a_stopped_daemon_is_read_around_after_the_batch_deadline_then_used_agai
         # Later batches go straight to the PFS, without waiting out a deadline each.
         assert ds.get_batch(range(8, 24)) == want[8:24]
         assert client.stats().samples["fallback"] - after["fallback"] == 16
-    finally:
-        daemon.signal(signal.SIGCONT)
 
     def through_the_daemon() -> bool:
         fallback = client.stats().samples["fallback"]

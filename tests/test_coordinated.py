@@ -20,6 +20,7 @@ import pytest
 from one_daemon import add, daemon_stats
 from polling import wait_until
 from prep_member import digest, prep
+from stopping import stopped
 
 import dataquay.client as dq
 from dataquay.client.errors import JobMismatchError
@@ -159,17 +160,16 @@ def test_a_stopped_member_is_dropped_after_the_timeout_and_goes_on_alone(
     start_member: Callable[..., Member], keys: dict[int, int], daemon: DaemonProcess,
 ) -> None:
     members = [start_member("--jobs", "3", "--step", "0.05", "--timeout", "2") for _ in range(3)]
-    stopped = members[2]
-    wait_until(lambda: len(stopped.batches()) >= 2, "the member to stop consumed 2 batches")
-    stopped.process.send_signal(signal.SIGSTOP)
-    for member in members[:2]:
-        finished(member)
-        assert samples_of(member, keys, 0) == list(range(SAMPLES))
-    stopped.process.send_signal(signal.SIGCONT)
-    done = finished(stopped)
+    late = members[2]
+    wait_until(lambda: len(late.batches()) >= 2, "the member to stop consumed 2 batches")
+    with stopped(late.process.pid, daemon.cache_dir):
+        for member in members[:2]:
+            finished(member)
+            assert samples_of(member, keys, 0) == list(range(SAMPLES))
+    done = finished(late)
     assert done["prepped_here"]
-    assert samples_of(stopped, keys, 0) == list(range(SAMPLES))
-    assert digests(stopped) == digests(members[0])  # prep is deterministic: alone, the same bytes
+    assert samples_of(late, keys, 0) == list(range(SAMPLES))
+    assert digests(late) == digests(members[0])  # prep is deterministic: alone, the same bytes
     assert prep_segments(daemon) == []
 
 
