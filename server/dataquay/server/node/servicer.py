@@ -139,8 +139,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             progress = d.stager.start(request.dataset, seed, ids, leave_room, for_others)
         while True:
             await d.stager.wait(request.dataset, timeout=0.5)
-            yield self._progress(progress)
-            if progress.finished:
+            reply = self._progress(progress)
+            yield reply
+            # What was sent decides: the run may have ended while it went (a
+            # shutdown), and its last word must still reach the caller.
+            if reply.finished:
                 if request.job and not progress.error:
                     d.reads.read_ahead(placement.job, transfers=False)  # what did not fit, before the ranks come
                 return
