@@ -17,11 +17,14 @@ demo: $(STAMP)
 	$(BIN)/dataquay demo
 
 # Test processes at once: most tests wait on daemons, so two keep a 2-core
-# machine busy (the suite takes half as long again with one).
+# machine busy (the suite takes half as long again with one). A worker that
+# runs out of tests takes queued ones from the other (worksteal), so the run
+# does not end on one worker's queue of long cluster tests.
 WORKERS ?= 2
+XDIST = -n $(WORKERS) --dist worksteal
 
 test: $(STAMP) tools torch
-	$(BIN)/python -m pytest -q -n $(WORKERS)
+	$(BIN)/python -m pytest -q $(XDIST)
 
 # The suite N times over, each run in a fresh temp dir and without pytest's
 # cache, to show it does not flake; stops at the first run that fails.
@@ -29,7 +32,7 @@ N ?= 5
 test-repeat: $(STAMP) tools torch
 	@for i in $$(seq 1 $(N)); do \
 	  base=$$(mktemp -d) && echo "== run $$i of $(N) (temp dir $$base)" && \
-	  $(BIN)/python -m pytest -q -n $(WORKERS) -p no:cacheprovider --basetemp="$$base" || \
+	  $(BIN)/python -m pytest -q $(XDIST) -p no:cacheprovider --basetemp="$$base" || \
 	    { echo "run $$i of $(N) failed; its files are under $$base"; exit 1; }; \
 	  rm -rf "$$base"; \
 	done; echo "all $(N) runs passed"
