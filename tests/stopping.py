@@ -23,6 +23,8 @@ from pathlib import Path
 
 from polling import wait_until
 
+from dataquay.server.tools.pids import stat_state
+
 #: Longer than a loaded machine takes to start Python and begin a reader.
 PROBE_SECONDS = 10.0
 TRIES = 10
@@ -56,7 +58,7 @@ def stopped(pid: int, cache: Path) -> Iterator[None]:
 def _all_threads_stopped(pid: int) -> bool:
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            state = (task / "stat").read_text().rpartition(")")[2].split()[0]
+            state = stat_state(task / "stat")
         except FileNotFoundError:  # a thread that ended
             continue
         if state not in ("T", "t"):

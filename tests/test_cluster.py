@@ -28,6 +28,7 @@ from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.cli import main as cli_main
 from dataquay.server.tools.env_files import read_env_file
 from dataquay.server.tools.local_cluster import LocalCluster
+from dataquay.server.tools.pids import stat_state
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 from dataquay.server.tools.trainers import RankEpoch, RankGroup
 
@@ -46,7 +47,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def running(pid: int) -> bool:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        state = stat_state(Path(f"/proc/{pid}/stat"))
     except OSError:
         return False
     return state != "Z"

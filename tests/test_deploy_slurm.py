@@ -27,6 +27,7 @@ import pytest
 import dataquay.client as dq
 from dataquay.server.auth import new_token_file
 from dataquay.server.tools.env_files import read_env_file
+from dataquay.server.tools.pids import stat_state
 from dataquay.server.tools.synthetic import make_files_dataset
 
 SLURM = Path(__file__).resolve().parent.parent / "deploy" / "slurm"
@@ -99,10 +100,9 @@ def test_job_comment_sets_only_the_job_settings() -> None:
 def _alive(pid: int) -> bool:
     """Running and not a zombie (an exited daemon whose parent, the prolog, is gone)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat_state(Path(f"/proc/{pid}/stat")) != "Z"
     except OSError:
         return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def _processes_under(marker: str) -> list[int]:

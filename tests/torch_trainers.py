@@ -21,6 +21,7 @@ import torch.utils.data
 import dataquay.client as dq
 from dataquay.client.sampler import Sampler
 from dataquay.client.torch import TorchDataset, TorchSampler
+from dataquay.server.tools.pids import stat_state
 
 #: Longer than any trainer here takes, shorter than pytest-timeout's limit.
 TRAINER_SECONDS = 100
@@ -96,7 +97,7 @@ def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
     while True:
         try:
-            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+            state = stat_state(Path(f"/proc/{pid}/stat"))
         except FileNotFoundError:
             return
         if state in ("Z", "X"):

@@ -42,12 +42,23 @@ class ClusterPid:
                 pass
 
 
+def stat_state(stat: Path) -> str:
+    """The state letter (R, S, T, Z, ...) in a ``/proc/<pid>/stat`` or
+    ``/proc/<pid>/task/<tid>/stat`` file: the field after the command name,
+    which is in parentheses and may hold spaces and parentheses itself.
+
+    Raises:
+        OSError: the process or thread is gone (or ``/proc`` is not Linux's).
+    """
+    return stat.read_text().rpartition(")")[2].split()[0]
+
+
 def _pid_running(pid: int, marker: str) -> bool:
     """Whether ``pid`` is a live (not zombie) process whose command line holds ``marker``."""
     proc = Path("/proc") / str(pid)
     if Path("/proc/self").exists():
         try:
-            state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
+            state = stat_state(proc / "stat")
             cmdline = (proc / "cmdline").read_bytes().split(b"\0")
         except (OSError, IndexError):
             return False
