@@ -106,7 +106,7 @@ def test_peer_hits_go_over_the_bulk_path_byte_exact(secured: LocalCluster) -> No
 
 def test_the_bulk_port_refuses_a_wrong_token_and_answers_errors_in_band(secured: LocalCluster) -> None:
     address = bulk_address(secured, 1)
-    token = secured.credentials().token
+    token = secured.node_credentials().token
     lengths = np.full(N, SIZE, dtype=np.int64)
 
     async def read(client: BulkClient, dataset: str, ids: list[int]) -> dict[int, bytes]:
@@ -126,12 +126,12 @@ def test_the_bulk_port_refuses_a_wrong_token_and_answers_errors_in_band(secured:
         right.close()
 
     asyncio.run(run())
-    assert "the client does not hold the cluster token" in secured.daemons[1].log_path.read_text()
+    assert "the client does not hold the node token" in secured.daemons[1].log_path.read_text()
 
 
 def test_hostile_input_on_the_bulk_port_is_closed_and_logged(secured: LocalCluster) -> None:
     host, _, port = bulk_address(secured, 0).rpartition(":")
-    token = secured.credentials().token
+    token = secured.node_credentials().token
     refused_before = stats(secured, 0).bulk.refused_connections
 
     def connect() -> socket.socket:
@@ -174,7 +174,7 @@ def test_hostile_input_on_the_bulk_port_is_closed_and_logged(secured: LocalClust
     assert [s.data for s in samples] == [sample_bytes(0, i, SIZE) for i in range(N)]
     wait_until(lambda: stats(secured, 0).bulk.refused_connections - refused_before >= 4, "four connections refused")
     log = secured.daemons[0].log_path.read_text()
-    for reason in ("the client does not hold the cluster token", "exceeds the limit", "bad magic",
+    for reason in ("the client does not hold the node token", "exceeds the limit", "bad magic",
                    "closed the bulk connection"):
         assert reason in log
     half_open.close()

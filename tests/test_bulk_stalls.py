@@ -119,7 +119,7 @@ def test_a_token_holder_that_stops_reading_holds_back_neither_the_map_nor_the_by
         with stalled:
             _magic, nonce = HELLO.unpack(recv_bytes(stalled, HELLO.size))
             mine = b"\2" * 32
-            stalled.sendall(mine + client_proof(local.credentials().token, nonce, mine))
+            stalled.sendall(mine + client_proof(local.node_credentials().token, nonce, mine))
             assert len(recv_bytes(stalled, MAC_BYTES)) == MAC_BYTES
             stalled.sendall(read_request("small", "", np.arange(100, dtype=np.int64)))
             time.sleep(0.5)  # the daemon's send fills the socket's buffers and waits

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 import dataquay.client as dq
+from dataquay.client.security import read_token
 from dataquay.server.auth import new_token_file
 from dataquay.server.tools.env_files import read_env_file
 from dataquay.server.tools.pids import stat_state
@@ -277,7 +278,12 @@ def test_two_node_allocation_stages_each_node_its_share(slurm_dir: Path) -> None
 
     ready = {name: json.loads((job_dirs[name] / "daemon.ready.json").read_text()) for name in nodes}
     assert ready["nodeb"]["directory"] == f"{NODE}:{port}"
-    assert read_env_file(job_dirs["nodeb"] / "dataquay.env")["DATAQUAY_TOKEN_FILE"] == str(token)
+    trainers_env = read_env_file(job_dirs["nodeb"] / "dataquay.env")
+    assert trainers_env["DATAQUAY_TOKEN_FILE"] == str(token)
+    assert not any("NODE_TOKEN" in name for name in trainers_env)
+    # Both nodes derived the same node token for the job, the job user's alone, not the cluster token.
+    node_tokens = {name: read_token(job_dir / "node-token") for name, job_dir in job_dirs.items()}
+    assert node_tokens[NODE] == node_tokens["nodeb"] != read_token(token)
     # The token is in force: a call without it is refused.
     refused = subprocess.run(
         [str(DATAQUAY_BIN), "job", "ls", "--directory", f"127.0.0.1:{port}"],

@@ -446,9 +446,10 @@ def refused_beats(directory: DirectoryProcess) -> dict[str, int]:
 def test_a_replayed_signed_beat_does_not_bring_a_down_node_back_up(
     start_directory: Callable[..., DirectoryProcess], tmp_path: Path
 ) -> None:
-    token_file = new_token_file(tmp_path / "token")
-    token = read_token(token_file)
-    directory = start_directory("--lease-seconds", "1", "--heartbeat-seconds", "0.2", "--token-file", str(token_file))
+    node_token_file = new_token_file(tmp_path / "node-token")
+    token = read_token(node_token_file)  # the capture is of a daemon's beat, signed with the node token
+    directory = start_directory("--lease-seconds", "1", "--heartbeat-seconds", "0.2", "--token-file",
+                                str(new_token_file(tmp_path / "token")), "--node-token-file", str(node_token_file))
     host, _, port = directory.address.rpartition(":")
     with Credentials(token=token).channel(directory.address, channel_options()) as channel, socket.socket(
         socket.AF_INET, socket.SOCK_DGRAM

@@ -98,12 +98,12 @@ COMMANDS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("job", "drop"): (),
     ("job", "prune"): ("--idle", "--dry-run"),
     ("config", "show"): ("--config", "--json"),
-    ("token", "new"): ("--force",),
+    ("token", "new"): ("--force", "--node"),
     ("serve",): tuple("--" + f.name.replace("_", "-") for f in fields(DaemonConfig)) + ("--config",),
     ("directory",): tuple("--" + f.name.replace("_", "-") for f in fields(DirectoryConfig)) + ("--config",),
 }
 #: Options that take no value.
-FLAGS = frozenset({"--replace", "--tar-member-samples", "--quiet", "--json", "--force", "--dry-run"})
+FLAGS = frozenset({"--replace", "--tar-member-samples", "--quiet", "--json", "--force", "--dry-run", "--node"})
 #: How many positional arguments each subcommand takes.
 POSITIONAL = {("dataset", "add"): 2, ("dataset", "show"): 1, ("dataset", "drop"): 1, ("stage",): 1,
               ("job", "show"): 1, ("job", "drop"): 1, ("token", "new"): 1}

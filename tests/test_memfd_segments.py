@@ -291,7 +291,7 @@ def test_a_client_cannot_punch_holes_in_a_segment_the_daemon_writes_into(served:
 
 def test_the_fd_socket_asks_for_the_cluster_token(start_daemon: Callable[..., DaemonProcess], tmp_path: Path) -> None:
     token_file = new_token_file(tmp_path / "token")
-    daemon = start_daemon("--token-file", str(token_file))
+    daemon = start_daemon("--token-file", str(token_file), "--node-token-file", str(new_token_file(tmp_path / "node")))
     token = token_file.read_text().strip()
     for sent, error in [("", "needs the cluster token"), ("0" * 64, "missing or wrong cluster token")]:
         with memfd() as fd:

@@ -125,6 +125,26 @@ write_prometheus_targets() {
     dq_log "Prometheus targets in $sd_dir/slurm-$SLURM_JOB_ID.{daemons,directory}.json"
 }
 
+# The node token file of the job's servers: the site's when it names one,
+# else one for this job that the job's user writes into the job's directory
+# (mode 0600), derived from the cluster token and the job id so that every
+# node of the allocation writes the same without a shared file system. The
+# daemons run as the job's user, who thus holds both tokens (single tenant);
+# the trainers' env file names only the cluster token.
+node_token_file() {
+    if [[ -n "${DATAQUAY_NODE_TOKEN_FILE:-}" ]]; then
+        printf '%s\n' "$DATAQUAY_NODE_TOKEN_FILE"
+        return 0
+    fi
+    # shellcheck disable=SC2016 # expanded by sh
+    "${DQ_AS_USER[@]}" sh -c 'umask 077; t=$(cat "$2") && [ -n "$t" ] &&
+        printf "%s\ndataquay node token of job %s\n" "$t" "$3" | sha256sum | cut -d " " -f 1 >"$1.tmp" &&
+        mv -f "$1.tmp" "$1"' node-token \
+        "$DQ_JOB_DIR/node-token" "$DATAQUAY_TOKEN_FILE" "$SLURM_JOB_ID" ||
+        dq_die "cannot derive the job's node token from $DATAQUAY_TOKEN_FILE"
+    printf '%s\n' "$DQ_JOB_DIR/node-token"
+}
+
 # The trainers' settings, written by the job's user into the job's directory.
 write_env_file() {
     local directory=$1 var content
@@ -159,9 +179,12 @@ main() {
 
     # The cluster token, when the site names one (a file the job's user can
     # read, the same on every node); the CLI calls below read the variable.
-    local token=()
+    # The servers hold the node token too, which the trainers' env file never
+    # names.
+    local token=() node_token
     if [[ -n "${DATAQUAY_TOKEN_FILE:-}" ]]; then
-        token=(--token-file "$DATAQUAY_TOKEN_FILE")
+        node_token=$(node_token_file)
+        token=(--token-file "$DATAQUAY_TOKEN_FILE" --node-token-file "$node_token")
     fi
 
     local directory cache state holder

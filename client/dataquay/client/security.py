@@ -4,9 +4,13 @@ Every RPC to a daemon or the directory carries the cluster token in its
 metadata (``authorization: Bearer <token>``); the servers refuse calls
 without it. The token lives in a file only its owner can read, like an ssh
 key, named by ``DATAQUAY_TOKEN_FILE`` (a trainer's environment) or the
-services' ``--token-file``. Over TCP, channels use TLS when a CA is given
-(``DATAQUAY_TLS_CA``), presenting a certificate of their own when one is given
-too (``DATAQUAY_TLS_CERT`` and ``DATAQUAY_TLS_KEY``, for mutual TLS). Unix
+services' ``--token-file``. The daemons and the directory hold a second
+token besides, the node token (``--node-token-file``), which they present to
+one another and which no trainer loads: only it may write into a cache or
+change the node list (see ``dataquay.server.auth``). Over TCP, channels use
+TLS when a CA is given (``DATAQUAY_TLS_CA``), presenting a certificate of
+their own when one is given too (``DATAQUAY_TLS_CERT`` and
+``DATAQUAY_TLS_KEY``, for mutual TLS). Unix
 sockets stay plaintext: the socket file's permissions guard them, and a
 client checks who owns the socket and its directory before it sends the
 token there (see :func:`check_daemon_socket`).

@@ -322,7 +322,12 @@ class ServerConfig(FlagConfig):
     ready file and logging."""
 
     token_file: Path | None = _option(
-        None, "file holding the cluster token (owner-readable only): every call must carry it", Path
+        None, "file holding the cluster token (owner-readable only): every call must carry it; needs "
+        "--node-token-file", Path
+    )
+    node_token_file: Path | None = _option(
+        None, "file holding the node token (owner-readable only), which only daemons and the directory hold: "
+        "it alone may exchange into caches, register nodes, renew leases and use the bulk port", Path
     )
     tls_cert: Path | None = _option(None, "PEM certificate: TLS on the TCP port (needs --tls-key)", Path)
     tls_key: Path | None = _option(None, "PEM private key of --tls-cert", Path)
@@ -366,7 +371,7 @@ class DaemonConfig(ServerConfig):
         "127.0.0.1:7070", "TCP HOST:PORT for peers and remote tools; port 0 picks a free port"
     )
     bulk_listen: str = _option(
-        "", "TCP HOST:PORT of the bulk data path that peers read payloads over (same token and TLS as "
+        "", "TCP HOST:PORT of the bulk data path that peers read payloads over (the node token, TLS as "
         "--listen); empty takes a free port on --listen's host, 'off' has peers read over gRPC"
     )
     cache_dir: Path = _option(

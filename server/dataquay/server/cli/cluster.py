@@ -37,12 +37,15 @@ def cmd_up(args: argparse.Namespace) -> None:
         if value is not None:
             directory_args += ["--" + flag.replace("_", "-"), value]
     print(f"starting a directory and {args.nodes} daemons in {base} ...", file=sys.stderr, flush=True)
-    # A cluster of its own token: other users' processes on this machine cannot talk to it.
+    # A cluster of its own tokens: other users' processes on this machine cannot
+    # talk to it, and its trainers (cluster.env names only the cluster token)
+    # cannot write into its caches or register nodes.
     token = new_token_file(base / "token", force=True)
+    node_token = new_token_file(base / "node-token", force=True)
     roots = tuple(Path(root).absolute() for root in args.dataset_roots.split(os.pathsep) if root)
     cluster = LocalCluster(
         base, args.nodes, tuple(daemon_args), tuple(directory_args), detached=True, token_file=token,
-        dataset_roots=roots,
+        node_token_file=node_token, dataset_roots=roots,
     )
     cluster.start(timeout=args.timeout)
     assert cluster.directory is not None and cluster.directory.ready is not None

@@ -8,10 +8,11 @@ tenth of that. Daemons fall back to the Heartbeat RPC when datagrams go
 unanswered (a firewall that drops UDP), so nothing depends on them arriving.
 
 A datagram is a header (format version, sequence, send time in Unix
-nanoseconds; :data:`HEADER`) followed by the HeartbeatRequest. With a cluster
+nanoseconds; :data:`HEADER`) followed by the HeartbeatRequest. With a node
 token, the whole is followed by its HMAC under the token
 (:func:`dataquay.server.auth.sign`); the directory ignores beats without a
-valid one, so a stranger cannot keep a dead node listed as up. Nor can one
+valid one, so a stranger, or a trainer holding the cluster token, cannot
+keep a dead node listed as up. Nor can one
 who captured a signed beat: the directory refuses a sequence not above the
 highest it accepted from the node since it registered, and a send time
 further than ``max_age_seconds`` from its own clock, which covers captures
@@ -50,7 +51,7 @@ FORMAT = 1
 REFUSALS = ("signature", "format", "malformed", "stale", "replayed")
 
 _REFUSAL_LOGS = {
-    "signature": "ignoring heartbeats without a valid cluster token signature",
+    "signature": "ignoring heartbeats without a valid node token signature",
     "format": "ignoring heartbeats of an unknown format (a daemon of another version?)",
     "malformed": "ignoring a datagram that is not a heartbeat",
     "stale": "ignoring heartbeats sent too long ago or in the future (replayed, or a clock far off)",
@@ -71,7 +72,7 @@ class HeartbeatEndpoint(asyncio.DatagramProtocol):
 
     Args:
         answer: the directory's handler; None refuses the beat as replayed.
-        token: the cluster token beats are signed with ("" for none).
+        token: the node token beats are signed with ("" for none).
         max_age_seconds: how far a beat's send time may be from now.
         refused: counts refused datagrams by reason (:data:`REFUSALS`).
     """

@@ -42,10 +42,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from dataquay.client.security import Credentials
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
-from dataquay.server.auth import new_server, server_tls
+from dataquay.server.auth import ServerCredentials, new_server, server_tls
 from dataquay.server.config import DirectoryConfig
 from dataquay.server.directory.beats import open_heartbeats
 from dataquay.server.directory.listing import NodeListing
@@ -87,7 +86,9 @@ class DirectoryServer(ServerLifecycle):
         self.listing = NodeListing(config.heartbeat_seconds)
         self.registry = Registry(config.state_dir)
         self.health = HealthServicer()
-        self.credentials = Credentials.from_files(config.token_file, config.tls_ca, config.tls_cert, config.tls_key)
+        self.credentials = ServerCredentials.from_files(
+            config.token_file, config.node_token_file, config.tls_ca, config.tls_cert, config.tls_key
+        )
         self.tasks = TaskGroup()
         #: Heartbeat datagrams refused, by reason (see :mod:`.beats`).
         self.beats_refused: Counter[str] = Counter()
@@ -178,11 +179,11 @@ class DirectoryServer(ServerLifecycle):
             server = new_server(self.credentials, encoded_replies=frozenset({f"/{SERVICE_NAME}/ListNodes"}))
             directory_pb2_grpc.add_DirectoryServicer_to_server(DirectoryServicer(self), server)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-            self.tcp_address = bind_tcp(server, self.config.listen, server_tls(self.credentials))
+            self.tcp_address = bind_tcp(server, self.config.listen, server_tls(self.credentials.user))
             beats_address = f"{host}:{self.tcp_address.rpartition(':')[2]}"
             try:
                 self._beats = await open_heartbeats(
-                    beats_address, self.datagram_reply, self.credentials.token, 2 * self.config.lease_seconds,
+                    beats_address, self.datagram_reply, self.credentials.node.token, 2 * self.config.lease_seconds,
                     self.beats_refused,
                 )
             except OSError as exc:

@@ -27,11 +27,10 @@ from grpc_health.v1._async import HealthServicer
 
 from dataquay.client.memfd import fd_socket_path
 from dataquay.client.records import CHECKSUM_BYTES
-from dataquay.client.security import Credentials
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server import __version__
-from dataquay.server.auth import new_server, server_tls
+from dataquay.server.auth import ServerCredentials, new_server, server_tls
 from dataquay.server.config import DaemonConfig
 from dataquay.server.errors import StartupError
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
@@ -82,9 +81,11 @@ class Daemon(ServerLifecycle):
         self.registry = Registry(config.state_dir)
         self.pfs = PfsPool(config.pfs_threads, config.pfs_bandwidth, config.pfs_read_timeout)
         self.metrics = DaemonMetrics(self.live_state)
-        self.credentials = Credentials.from_files(config.token_file, config.tls_ca, config.tls_cert, config.tls_key)
+        self.credentials = ServerCredentials.from_files(
+            config.token_file, config.node_token_file, config.tls_ca, config.tls_cert, config.tls_key
+        )
         self.link = (
-            DirectoryLink(config.directory, self.node_info, self._usage, self._datasets_changed, self.credentials)
+            DirectoryLink(config.directory, self.node_info, self._usage, self._datasets_changed, self.credentials.node)
             if config.directory
             else None
         )
@@ -96,7 +97,8 @@ class Daemon(ServerLifecycle):
             self.registry, self.store, self.tasks, self.link, config.dataset_roots, config.max_sample_size
         )
         tls = BulkTls.from_files(config.tls_ca, config.tls_cert, config.tls_key)
-        self.peers = Peers(config.peer_timeout, self.credentials, BulkClient(self.credentials.token, tls.client))
+        node = self.credentials.node
+        self.peers = Peers(config.peer_timeout, node, BulkClient(node.token, tls.client))
         self.placements = (
             Placements(self.link, config.node_name, config.state_dir) if self.link is not None else None
         )
@@ -113,13 +115,13 @@ class Daemon(ServerLifecycle):
                 config.node_name, self.store, self.datasets, self.placements, self.link, self.peers,
                 self.receiver, self.tasks.spawn, config.exchange_bandwidth, config.spare_copies_fill,
                 multicast_channel(config.exchange_multicast, config.exchange_multicast_interface),
-                self.credentials.token,
+                self.credentials.node.token,
             )
             self.receiver.make_room = self.exchanges.make_room
         self.bulk: BulkServer | None = None
         if config.bulk_listen != "off":
             self.bulk = BulkServer(
-                self.credentials.token, tls.server, self._bulk_request, self.store, self.metrics.count_peer_served,
+                self.credentials.node.token, tls.server, self._bulk_request, self.store, self.metrics.count_peer_served,
                 self.receiver.receive if self.receiver is not None else None, config.max_sample_size + CHECKSUM_BYTES,
                 resolve_now=self._bulk_request_now,
             )
@@ -212,7 +214,7 @@ class Daemon(ServerLifecycle):
             raise StartupError(f"cannot listen on socket {sock}: {exc}") from exc
         if not bound:
             raise StartupError(f"cannot listen on socket {sock}")
-        self.tcp_address = bind_tcp(server, self.config.listen, server_tls(self.credentials))
+        self.tcp_address = bind_tcp(server, self.config.listen, server_tls(self.credentials.user))
         self._open_segment_socket(sock)  # before the first Read can name a segment
         await server.start()
         os.chmod(sock, 0o660)
@@ -233,7 +235,7 @@ class Daemon(ServerLifecycle):
                      extra={"fields": {"reason": self.shm.memfd_problem}})
             return
         segment_socket = SegmentSocket(
-            Path(fd_socket_path(str(sock))), self.shm, self.credentials.token, SegmentReads(self), self.tasks.spawn
+            Path(fd_socket_path(str(sock))), self.shm, self.credentials.user.token, SegmentReads(self), self.tasks.spawn
         )
         try:
             segment_socket.open(self.config.socket_group)

@@ -71,7 +71,7 @@ class DirectoryLink:
         usage: (cache bytes used, entries) for heartbeats.
         datasets_changed: awaited when the directory's dataset registry
             changed (a dataset added, replaced or dropped).
-        credentials: the cluster token and TLS material for the directory.
+        credentials: the node token and TLS material for the directory.
     """
 
     def __init__(

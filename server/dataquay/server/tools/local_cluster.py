@@ -36,6 +36,7 @@ from dataquay.client.status_codes import UNREACHABLE
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.auth import new_token_file
 from dataquay.server.errors import DataquayError
 from dataquay.server.tools.env_files import write_env_file
 from dataquay.server.tools.pids import POLL_SECONDS, ClusterPid, terminate
@@ -96,6 +97,9 @@ class LocalCluster:
         detached: let the processes outlive this one.
         token_file: the cluster token every process requires and presents
             (cluster.env names it for clients); None runs without one.
+        node_token_file: the node token the daemons and the directory hold
+            and no env file names; None with a token_file makes one,
+            ``base_dir/node-token``.
         tls: CA, certificate and key (PEM files) for mutual TLS between every
             process of the cluster and its clients; None runs plaintext.
         host: the address every server listens on and is reached by.
@@ -110,6 +114,7 @@ class LocalCluster:
     directory_args: tuple[str, ...] = ()
     detached: bool = False
     token_file: Path | None = None
+    node_token_file: Path | None = None
     tls: TlsFiles | None = None
     host: str = "127.0.0.1"
     node_hosts: Mapping[int, NodeHost] = field(default_factory=dict)
@@ -140,6 +145,8 @@ class LocalCluster:
         if self.directory is not None:
             return self
         self.base_dir.mkdir(parents=True, exist_ok=True)
+        if self.token_file is not None and self.node_token_file is None:
+            self.node_token_file = new_token_file(self.base_dir / "node-token", force=True)
         try:
             self.directory = DirectoryProcess(
                 self.base_dir / "directory", (*self.directory_args, *self._security_args),
@@ -207,6 +214,7 @@ class LocalCluster:
                 Path(base_dir), len(record["daemons"]), tuple(record["daemon_args"]),
                 tuple(record["directory_args"]), detached=True,
                 token_file=Path(record["token_file"]) if record.get("token_file") else None,
+                node_token_file=Path(record["node_token_file"]) if record.get("node_token_file") else None,
                 tls=TlsFiles(*map(Path, record["tls"])) if record.get("tls") else None,
                 host=record.get("host", "127.0.0.1"),
                 node_hosts={int(i): NodeHost(a, tuple(p)) for i, (a, p) in record.get("node_hosts", {}).items()},
@@ -340,9 +348,16 @@ class LocalCluster:
 
     def credentials(self) -> Credentials:
         """What a client of this cluster presents (the env files say the same)."""
+        return self._credentials(self.token_file)
+
+    def node_credentials(self) -> Credentials:
+        """What the daemons of this cluster present to each other and to the directory."""
+        return self._credentials(self.node_token_file)
+
+    def _credentials(self, token_file: Path | None) -> Credentials:
         if self.tls is None:
-            return Credentials.from_files(self.token_file)
-        return Credentials.from_files(self.token_file, self.tls.ca, self.tls.cert, self.tls.key)
+            return Credentials.from_files(token_file)
+        return Credentials.from_files(token_file, self.tls.ca, self.tls.cert, self.tls.key)
 
     def node_only_env(self, index: int) -> dict[str, str]:
         """What a process on node ``index`` needs on top of :meth:`cluster_env` (node-<i>.env)."""
@@ -397,8 +412,10 @@ class LocalCluster:
 
     @property
     def _security_args(self) -> tuple[str, ...]:
-        """The flags every server of the cluster gets for its token and TLS."""
+        """The flags every server of the cluster gets for its tokens and TLS."""
         token = ("--token-file", str(self.token_file)) if self.token_file else ()
+        if self.node_token_file:
+            token = (*token, "--node-token-file", str(self.node_token_file))
         if self.tls is None:
             return token
         return (*token, "--tls-ca", str(self.tls.ca), "--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key))
@@ -438,6 +455,7 @@ class LocalCluster:
             "directory_args": list(self.directory_args),
             "socket_dir": str(self.socket_dir) if self.socket_dir else "",
             "token_file": str(self.token_file) if self.token_file else "",
+            "node_token_file": str(self.node_token_file) if self.node_token_file else "",
             "tls": [str(p) for p in self.tls] if self.tls else [],
             "host": self.host,
             "node_hosts": {str(i): [h.address, list(h.prefix)] for i, h in self.node_hosts.items()},

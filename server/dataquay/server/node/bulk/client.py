@@ -290,7 +290,7 @@ class BulkClient:
             sock.sendall(mine + client_proof(self.token, nonce, mine))
             proof = recv_bytes(sock, MAC_BYTES)
             if not secrets.compare_digest(proof, server_proof(self.token, nonce, mine)):
-                raise BulkError(f"the bulk listener {address} does not hold the cluster token")
+                raise BulkError(f"the bulk listener {address} does not hold the node token")
         except TimeoutError:
             sock.close()
             raise BulkTimeoutError(f"the bulk listener {address} did not finish its handshake in time") from None

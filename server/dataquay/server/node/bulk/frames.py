@@ -1,7 +1,8 @@
 """The bulk data path's wire format: handshake, requests, per-sample frames.
 
 A connection starts with TLS when the cluster has certificates (the same
-rules as gRPC's TCP port), then proves both ends hold the cluster token
+rules as gRPC's TCP port), then proves both ends hold the node token (which
+only daemons hold: a trainer's cluster token opens no bulk connection)
 without sending it: the server sends a random nonce, the client answers with
 a nonce of its own and an HMAC-SHA256 of both under the token, and the server
 answers with an HMAC of both in the other order. An eavesdropper learns no

@@ -115,7 +115,7 @@ class BulkServer:
     """The bulk listener of one daemon.
 
     Args:
-        token: the cluster token ("" when the cluster has none).
+        token: the node token ("" when the cluster has none).
         tls: this server's TLS context, None for plain TCP.
         resolve: checks a request (on the event loop) and names its cache database.
         store: the cache the payloads are sent from.
@@ -232,7 +232,7 @@ class BulkServer:
         answer = recv_bytes(sock, NONCE_BYTES + MAC_BYTES)
         theirs, proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
         if not secrets.compare_digest(proof, client_proof(self.token, nonce, theirs)):
-            raise BulkError("the client does not hold the cluster token")
+            raise BulkError("the client does not hold the node token")
         sock.sendall(server_proof(self.token, nonce, theirs))
 
     def _request(self, sock: socket.socket) -> bool:

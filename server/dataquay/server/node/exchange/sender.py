@@ -107,7 +107,7 @@ class Exchanges:
         spare_copies_fill: cache fill below which given-away samples are kept.
         multicast: where coded passes travel (None: jobs with a coded
             exchange exchange uncoded).
-        token: the cluster token that signs their datagrams.
+        token: the node token that signs their datagrams.
     """
 
     def __init__(
