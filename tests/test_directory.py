@@ -83,7 +83,9 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
-def test_nodes_register_heartbeat_and_are_listed_by_name(directory: DirectoryProcess, stub_for: Callable[..., Stub]) -> None:
+def test_nodes_register_heartbeat_and_are_listed_by_name(
+    directory: DirectoryProcess, stub_for: Callable[..., Stub]
+) -> None:
     stub = stub_for(directory)
     first = register(stub, "n1")
     assert first.lease_seconds == 10 and first.heartbeat_seconds == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -217,7 +218,8 @@ def test_a_folder_swapped_for_a_link_out_of_the_root_is_refused(tmp_path: Path) 
     outside = tmp_path / "outside"
     folder.rename(outside)
     folder.symlink_to(outside)
-    with pytest.raises(PfsReadError, match=f"sample 0 of 'ds': .* resolves to {outside}/.*, outside the dataset's root"):
+    outside_root = f"sample 0 of 'ds': .* resolves to {outside}/.*, outside the dataset's root"
+    with pytest.raises(PfsReadError, match=outside_root):
         PfsReader(m, "ds").read([0])
 
 
@@ -316,7 +318,7 @@ def test_plan_merges_every_neighbour_it_may(
         starts = m.sample_offset[r.ids].astype(np.int64)
         ends = starts + m.sample_length[r.ids].astype(np.int64)
         assert np.all(starts[1:] - ends[:-1] <= max_gap)
-    for a, b in zip(ranges, ranges[1:]):
+    for a, b in itertools.pairwise(ranges):
         if a.path_index != b.path_index:
             continue
         gap = b.offset - (a.offset + a.length)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import sys
 from collections.abc import Callable
@@ -193,4 +194,4 @@ def test_local_mode_on_label_sorted_shards_trains_through_the_cluster_with_skewe
 def test_cosine_lr_starts_at_the_base_rate_and_decays_towards_zero() -> None:
     rates = [sq.cosine_lr(0.5, epoch, 10) for epoch in range(10)]
     assert rates[0] == 0.5 and rates[5] == pytest.approx(0.25)
-    assert all(a > b for a, b in zip(rates, rates[1:])) and 0 < rates[-1] < 0.02
+    assert all(a > b for a, b in itertools.pairwise(rates)) and 0 < rates[-1] < 0.02
