@@ -23,7 +23,6 @@ import tempfile
 import time
 
 import lmdb
-
 from common import progress, report
 
 BEGINNING = """
