@@ -102,7 +102,7 @@ def test_without_the_fd_socket_misses_come_through_dev_shm_and_leave_no_segment_
     client = daemon_client
     synthetic.make_files_dataset(tmp_path / "imgs", 40, sizes=SHM_SIZES, seed=3)
     add(daemon, "imgs", tmp_path / "imgs")
-    os.unlink(daemon.address + ".fds")  # as with a daemon of an older version
+    os.unlink(daemon.address + ".fds")  # as with a daemon whose kernel cannot seal memfds
     ds = client.dataset("imgs")
     files_before = shm_files()
 

@@ -423,7 +423,7 @@ def test_heartbeat_datagrams_renew_the_lease_and_garbage_is_ignored(
         udp.settimeout(5)
         udp.connect((host, int(port)))
         udp.send(b"\xff not a heartbeat")
-        udp.send(dpb.HeartbeatRequest(name="n0").SerializeToString())  # unversioned, as daemons sent before
+        udp.send(dpb.HeartbeatRequest(name="n0").SerializeToString())  # bare, without the header
         udp.send(sender.datagram(dpb.HeartbeatRequest(name="n0", cache_used_bytes=123, cache_entries=4)))
         reply = dpb.HeartbeatReply.FromString(udp.recv(65536))
         assert reply.known and reply.versions == registered.versions
