@@ -18,11 +18,11 @@ from dataquay.client.pfs import PfsReader
 from dataquay.server.manifest_build import build_manifest
 from dataquay.server.tools.local_cluster import LocalCluster
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "experiments"
 
 
 def load_bench(name: str) -> ModuleType:
-    """bench/<name>.py, registered under its name: the experiment's modules import each other by it."""
+    """bench/experiments/<name>.py, registered under its name: the experiment's modules import each other by it."""
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -1,6 +1,6 @@
 """The planner's loops in Python and numpy, for an install where the C
 extension ``_coding`` was not built: the same packets, slower
-(bench/coded_planning.py). The arrays are those of
+(bench/experiments/coded_planning.py). The arrays are those of
 :mod:`dataquay.server.node.exchange.coding`.
 """
 
