@@ -23,7 +23,7 @@ demo: $(STAMP)
 WORKERS ?= 2
 XDIST = -n $(WORKERS) --dist worksteal
 
-test: $(STAMP) tools torch
+test: lint tools torch
 	$(BIN)/python -m pytest -q $(XDIST)
 
 # The suite N times over, each run in a fresh temp dir and without pytest's
@@ -77,6 +77,11 @@ torch: $(STAMP)
 
 proto: $(STAMP)
 	$(BIN)/python protos/generate.py
+
+# ruff's rules and exclusions (the generated *_pb2*.py) are in pyproject.toml.
+# `ruff format` is configured there but not yet applied, so not checked here.
+lint: $(STAMP)
+	$(BIN)/ruff check client server protos tests bench
 
 typecheck: $(STAMP)
 	$(BIN)/python -m mypy client/dataquay/client client/dataquay/analyze server/dataquay/server

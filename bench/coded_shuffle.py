@@ -28,8 +28,8 @@ import sys
 import time
 
 import numpy as np
-
 from common import REPEATS, progress, report
+
 from dataquay.server.node.exchange.coding import holder_bits, load, plan
 from dataquay.server.tools.spare_copies import balanced_owners, refill
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import lmdb
 import numpy as np
-
 from common import SIZES, back_free_memory, progress, report
+
 from dataquay.client.malloc import tune_malloc
 from dataquay.client.records import CHECKSUM_BYTES, encode_value, sample_key
 

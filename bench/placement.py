@@ -38,9 +38,9 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+from common import REPEATS, progress, report
 
 import dataquay.client.placement as placement_api
-from common import REPEATS, progress, report
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import (
     MODES,

@@ -134,7 +134,7 @@ def bench_miss(daemon: DaemonProcess, base: Path, size: int, label: str) -> dict
     behind: dict[str, list[float]] = {"": [], "_cold": []}
     passed_on = {"": [0, 0], "_cold": [0, 0]}  # samples handed over, samples whose notice was lost
     client = connect(daemon.address)
-    for run in range(REPEATS):
+    for _ in range(REPEATS):
         for cold in [False] * WARM_PASSES + [True]:
             order = rng.permutation(count)
             batches = [order[i : i + BATCH] for i in range(0, count - BATCH + 1, BATCH)]

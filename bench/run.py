@@ -1,7 +1,8 @@
 """Runs every benchmark: the single-node read path and the cluster figures: `make bench`.
 
 Each prints its table and writes bench/results/<name>.json; BENCHMARKS.md
-records a run with the machine it ran on.
+records a run with the machine it ran on. The one-off experiments that
+BENCHMARKS.md also cites are in bench/experiments/, each run on its own.
 """
 
 from __future__ import annotations
@@ -12,24 +13,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import cache_behind  # noqa: E402
-import cache_policy  # noqa: E402
-import coded_shuffle  # noqa: E402
-import coordinated_prep  # noqa: E402
-import directory_load  # noqa: E402
-import exchange  # noqa: E402
-import memory  # noqa: E402
-import miss_bound  # noqa: E402
-import peers  # noqa: E402
-import placement  # noqa: E402
-import reads  # noqa: E402
-import record_loops  # noqa: E402
-import spill  # noqa: E402
-import staging  # noqa: E402
-import tight_storage  # noqa: E402
-from common import RESULTS, machine  # noqa: E402
+import cache_behind
+import cache_policy
+import coded_shuffle
+import coordinated_prep
+import directory_load
+import exchange
+import memory
+import miss_bound
+import peers
+import placement
+import reads
+import record_loops
+import spill
+import staging
+import tight_storage
+from common import RESULTS, machine
 
-from dataquay.server.tools import data_stall, overflow_stall  # noqa: E402
+from dataquay.server.tools import data_stall, overflow_stall
 
 
 def main() -> None:

@@ -170,7 +170,7 @@ def test_hostile_input_on_the_bulk_port_is_closed_and_logged(secured: LocalClust
     truncated.shutdown(socket.SHUT_WR)
     assert closed(truncated)
 
-    samples, after = read_all(secured)  # the daemon serves on, the half-open connection notwithstanding
+    samples, _ = read_all(secured)  # the daemon serves on, the half-open connection notwithstanding
     assert [s.data for s in samples] == [sample_bytes(0, i, SIZE) for i in range(N)]
     wait_until(lambda: stats(secured, 0).bulk.refused_connections - refused_before >= 4, "four connections refused")
     log = secured.daemons[0].log_path.read_text()

@@ -102,7 +102,7 @@ def test_without_the_fd_socket_misses_come_through_dev_shm_and_leave_no_segment_
     client = daemon_client
     synthetic.make_files_dataset(tmp_path / "imgs", 40, sizes=SHM_SIZES, seed=3)
     add(daemon, "imgs", tmp_path / "imgs")
-    os.unlink(daemon.address + ".fds")  # as with a daemon of an older version
+    os.unlink(daemon.address + ".fds")  # as with a daemon whose kernel cannot seal memfds
     ds = client.dataset("imgs")
     files_before = shm_files()
 
@@ -170,7 +170,7 @@ def test_batches_larger_than_the_segment_come_back_exact_and_in_order(
     files_before = shm_files()
     with dq.connect(daemon.address, timeout=5) as client:
         ds = client.dataset("big")
-        ids = list(range(47, -1, -1)) + [2, 1, 2]  # ~5 MB, more than one streamed message
+        ids = [*range(47, -1, -1), 2, 1, 2]  # ~5 MB, more than one streamed message
         got, tiers = tiers_read(client, lambda: ds.get_batch(ids))
         assert got == files_bytes(4, ids, sizes)
         assert tiers["pfs"] == len(ids)
@@ -209,7 +209,7 @@ def test_every_format_reads_the_same_bytes_as_the_pfs_cached_or_not(
     ds = client.dataset(fmt)
     n = len(ds)
     pfs = PfsReader(ds.manifest, fmt)
-    ids = np.random.default_rng(0).permutation(n).tolist() + [0, n - 1, 0]
+    ids = [*np.random.default_rng(0).permutation(n).tolist(), 0, n - 1, 0]
     want = pfs.read(ids)
     assert want == [truth(i) for i in ids]
 

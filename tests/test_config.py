@@ -135,7 +135,11 @@ def test_config_flag_beats_the_variable_which_beats_the_default_file(tmp_path: P
     ("flag", "env", "message"),
     [
         ("missing.toml", {}, "config file {tmp}/missing.toml (from --config) does not exist"),
-        (None, {"DATAQUAY_CONFIG": "{tmp}/missing.toml"}, "config file {tmp}/missing.toml (from DATAQUAY_CONFIG) does not exist"),
+        (
+            None,
+            {"DATAQUAY_CONFIG": "{tmp}/missing.toml"},
+            "config file {tmp}/missing.toml (from DATAQUAY_CONFIG) does not exist",
+        ),
     ],
 )
 def test_a_named_config_file_must_exist(
@@ -161,8 +165,10 @@ def test_a_named_config_file_must_exist(
         ("[demon]\n", "unknown table [demon]; did you mean [daemon]?"),
         ("[storage]\n", "unknown table [storage]; expected [daemon] or [directory]"),
         ('cache_size = "1G"\n', 'cache_size = "1G" is outside a table; settings go under [daemon] or [directory]'),
-        ('[daemon]\nnode_name = "a"\ncache_size = "1G\n', "invalid TOML: Illegal character '\\n' (at line 3, column 17)"),
-        ('[daemon]\npeer_timeout = "soon"\n', '[daemon] peer_timeout = "soon": expected a duration like 2s, 500ms or 5m'),
+        ('[daemon]\nnode_name = "a"\ncache_size = "1G\n',
+         "invalid TOML: Illegal character '\\n' (at line 3, column 17)"),
+        ('[daemon]\npeer_timeout = "soon"\n',
+         '[daemon] peer_timeout = "soon": expected a duration like 2s, 500ms or 5m'),
         ("[daemon]\npeer_timeout = 0\n", "[daemon] peer_timeout = 0: expected a duration above 0, like 2s or 500ms"),
         ("[daemon]\nnode_name = 17\n", "[daemon] node_name = 17: expected a string"),
         ("[daemon]\npfs_threads = true\n", "[daemon] pfs_threads = true: expected a number or a string"),
@@ -192,8 +198,10 @@ def test_a_config_file_that_cannot_be_read_is_named(tmp_path: Path) -> None:
     ("flags", "env", "message"),
     [
         ({"cache_size": "12Q"}, {}, "--cache-size: bad size '12Q': expected a size like 200G or 512MiB"),
-        ({}, {"DATAQUAY_PEER_TIMEOUT": "soon"}, "DATAQUAY_PEER_TIMEOUT: bad duration 'soon': expected a duration like 2s, 500ms or 5m"),
-        ({}, {"DATAQUAY_LOG_LEVEL": "loud"}, "DATAQUAY_LOG_LEVEL: bad value 'loud': expected one of debug, info, warning, error"),
+        ({}, {"DATAQUAY_PEER_TIMEOUT": "soon"},
+         "DATAQUAY_PEER_TIMEOUT: bad duration 'soon': expected a duration like 2s, 500ms or 5m"),
+        ({}, {"DATAQUAY_LOG_LEVEL": "loud"},
+         "DATAQUAY_LOG_LEVEL: bad value 'loud': expected one of debug, info, warning, error"),
         ({"spare_copies_fill": "most"}, {}, "--spare-copies-fill: bad value 'most': expected a fraction from 0 to 1"),
     ],
 )

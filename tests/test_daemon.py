@@ -78,7 +78,9 @@ def staged(daemon: DaemonProcess, root: Path) -> cache_pb2_grpc.CacheStub:
     return stub
 
 
-def test_reads_come_from_pfs_then_from_cache_with_exact_bytes(daemon: DaemonProcess, pfs: tuple[Path, list[bytes]]) -> None:
+def test_reads_come_from_pfs_then_from_cache_with_exact_bytes(
+    daemon: DaemonProcess, pfs: tuple[Path, list[bytes]]
+) -> None:
     root, payloads = pfs
     stub = stub_for(daemon)
     info = add(stub, root)
@@ -124,8 +126,10 @@ def test_bad_requests_get_clear_status_codes_and_the_daemon_keeps_serving(
     add(stub, root)
     cases = [
         (lambda: read(stub, "nope", [0]), grpc.StatusCode.NOT_FOUND, "unknown dataset 'nope'"),
-        (lambda: read(stub, "imgs", [1, 60]), grpc.StatusCode.INVALID_ARGUMENT, "sample id 60 out of range for dataset 'imgs' (N=60)"),
-        (lambda: read(stub, "imgs", list(range(17))), grpc.StatusCode.INVALID_ARGUMENT, "batch of 17 ids exceeds the limit of 16"),
+        (lambda: read(stub, "imgs", [1, 60]), grpc.StatusCode.INVALID_ARGUMENT,
+         "sample id 60 out of range for dataset 'imgs' (N=60)"),
+        (lambda: read(stub, "imgs", list(range(17))), grpc.StatusCode.INVALID_ARGUMENT,
+         "batch of 17 ids exceeds the limit of 16"),
         (lambda: stage(stub, "nope"), grpc.StatusCode.NOT_FOUND, "unknown dataset"),
         (lambda: add(stub, root), grpc.StatusCode.ALREADY_EXISTS, "already registered"),
         (lambda: add(stub, root / "missing", "other"), grpc.StatusCode.INVALID_ARGUMENT, "missing"),
@@ -301,7 +305,7 @@ def test_serve_refuses_a_bad_bulk_listen(tmp_path: Path) -> None:
 
 
 def test_cli_dataset_commands(daemon: DaemonProcess, pfs: tuple[Path, list[bytes]]) -> None:
-    root, payloads = pfs
+    root, _ = pfs
     env = {"DATAQUAY_ADDR": daemon.address}
     added = run_cli("dataset", "add", "imgs", str(root), env=env)
     assert added.returncode == 0, added.stderr
@@ -338,20 +342,23 @@ def test_payloads_go_through_the_callers_shared_memory_when_it_names_a_segment(
         segment = mmap.mmap(f.fileno(), size)
     try:
         ids = [5, 0, 59, 5]
-        reply = [s for c in stub.Read(pb.ReadRequest(dataset="imgs", ids=ids, shm_name=name, shm_size=size)) for s in c.samples]
+        request = pb.ReadRequest(dataset="imgs", ids=ids, shm_name=name, shm_size=size)
+        reply = [s for c in stub.Read(request) for s in c.samples]
         assert all(s.in_shm and not s.data for s in reply)
         got = [bytes(segment[s.shm_offset : s.shm_offset + s.length]) for s in reply]
         assert got == [payloads[i] for i in ids]
         assert all(s.checksum == checksum(g) for s, g in zip(reply, got))
 
         many = list(range(30))  # 30 x ~3 KB does not fit in 64 KiB: the rest comes inline
-        reply = [s for c in stub.Read(pb.ReadRequest(dataset="imgs", ids=many, shm_name=name, shm_size=size)) for s in c.samples]
+        request = pb.ReadRequest(dataset="imgs", ids=many, shm_name=name, shm_size=size)
+        reply = [s for c in stub.Read(request) for s in c.samples]
         assert any(s.in_shm for s in reply) and any(not s.in_shm for s in reply)
         got = [bytes(segment[s.shm_offset : s.shm_offset + s.length]) if s.in_shm else s.data for s in reply]
         assert got == [payloads[i] for i in many]
 
         for bad in ("../etc/passwd", "dataquay-1-nope", "other-1-x"):
-            reply = [s for c in stub.Read(pb.ReadRequest(dataset="imgs", ids=[1], shm_name=bad, shm_size=size)) for s in c.samples]
+            request = pb.ReadRequest(dataset="imgs", ids=[1], shm_name=bad, shm_size=size)
+            reply = [s for c in stub.Read(request) for s in c.samples]
             assert not reply[0].in_shm and reply[0].data == payloads[1]
     finally:
         segment.close()

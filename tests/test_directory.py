@@ -83,7 +83,9 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
-def test_nodes_register_heartbeat_and_are_listed_by_name(directory: DirectoryProcess, stub_for: Callable[..., Stub]) -> None:
+def test_nodes_register_heartbeat_and_are_listed_by_name(
+    directory: DirectoryProcess, stub_for: Callable[..., Stub]
+) -> None:
     stub = stub_for(directory)
     first = register(stub, "n1")
     assert first.lease_seconds == 10 and first.heartbeat_seconds == 2
@@ -421,7 +423,7 @@ def test_heartbeat_datagrams_renew_the_lease_and_garbage_is_ignored(
         udp.settimeout(5)
         udp.connect((host, int(port)))
         udp.send(b"\xff not a heartbeat")
-        udp.send(dpb.HeartbeatRequest(name="n0").SerializeToString())  # unversioned, as daemons sent before
+        udp.send(dpb.HeartbeatRequest(name="n0").SerializeToString())  # bare, without the header
         udp.send(sender.datagram(dpb.HeartbeatRequest(name="n0", cache_used_bytes=123, cache_entries=4)))
         reply = dpb.HeartbeatReply.FromString(udp.recv(65536))
         assert reply.known and reply.versions == registered.versions

@@ -107,7 +107,9 @@ class Nodes:
         return np.array([got[i] for i in ids.tolist()], dtype=bool)
 
 
-def staged(cluster: Callable[..., LocalCluster], tmp_path: Path, job_args: list[str], *daemon_args: str) -> LocalCluster:
+def staged(
+    cluster: Callable[..., LocalCluster], tmp_path: Path, job_args: list[str], *daemon_args: str
+) -> LocalCluster:
     """4 daemons with dataset "imgs" registered and staged for job JOB (2 ranks per node)."""
     local = cluster(NODES, daemon_args=daemon_args)
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)

@@ -99,8 +99,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("job", "prune"): ("--idle", "--dry-run"),
     ("config", "show"): ("--config", "--json"),
     ("token", "new"): ("--force", "--node"),
-    ("serve",): tuple("--" + f.name.replace("_", "-") for f in fields(DaemonConfig)) + ("--config",),
-    ("directory",): tuple("--" + f.name.replace("_", "-") for f in fields(DirectoryConfig)) + ("--config",),
+    ("serve",): (*("--" + f.name.replace("_", "-") for f in fields(DaemonConfig)), "--config"),
+    ("directory",): (*("--" + f.name.replace("_", "-") for f in fields(DirectoryConfig)), "--config"),
 }
 #: Options that take no value.
 FLAGS = frozenset({"--replace", "--tar-member-samples", "--quiet", "--json", "--force", "--dry-run", "--node"})

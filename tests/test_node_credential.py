@@ -33,9 +33,8 @@ from dataquay.client.placement import owners
 from dataquay.client.records import encode_value
 from dataquay.client.security import Credentials, read_token
 from dataquay.protos import cache_pb2 as pb
-from dataquay.protos import cache_pb2_grpc
+from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 from dataquay.protos import directory_pb2 as dpb
-from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.auth import NODE_METHODS, new_token_file
 from dataquay.server.cli import main as cli_main

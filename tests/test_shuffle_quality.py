@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import sys
 from collections.abc import Callable
@@ -17,11 +18,11 @@ from dataquay.client.pfs import PfsReader
 from dataquay.server.manifest_build import build_manifest
 from dataquay.server.tools.local_cluster import LocalCluster
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "experiments"
 
 
 def load_bench(name: str) -> ModuleType:
-    """bench/<name>.py, registered under its name: the experiment's modules import each other by it."""
+    """bench/experiments/<name>.py, registered under its name: the experiment's modules import each other by it."""
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -193,4 +194,4 @@ def test_local_mode_on_label_sorted_shards_trains_through_the_cluster_with_skewe
 def test_cosine_lr_starts_at_the_base_rate_and_decays_towards_zero() -> None:
     rates = [sq.cosine_lr(0.5, epoch, 10) for epoch in range(10)]
     assert rates[0] == 0.5 and rates[5] == pytest.approx(0.25)
-    assert all(a > b for a, b in zip(rates, rates[1:])) and 0 < rates[-1] < 0.02
+    assert all(a > b for a, b in itertools.pairwise(rates)) and 0 < rates[-1] < 0.02

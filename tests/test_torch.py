@@ -20,10 +20,10 @@ from dataquay.server.tools.processes import DaemonProcess
 if importlib.util.find_spec("torch") is None:
     pytest.skip("torch is not installed: the adapters need it", allow_module_level=True)
 
-from torch_trainers import epochs_read, in_a_trainer, read_ahead_of_the_cursor  # noqa: E402
+from torch_trainers import epochs_read, in_a_trainer, read_ahead_of_the_cursor
 
-from dataquay.client.sampler import Sampler  # noqa: E402
-from dataquay.client.torch import TorchDataset, TorchSampler  # noqa: E402
+from dataquay.client.sampler import Sampler
+from dataquay.client.torch import TorchDataset, TorchSampler
 
 SAMPLES = 48
 

@@ -43,7 +43,7 @@ def test_a_clean_epoch_passes_and_a_wrong_byte_and_a_duplicated_id_are_caught(tm
 
     flipped = bytearray(payloads[4])
     flipped[50] ^= 0x01
-    wrong_byte = read(1, [3, 4, 5], payloads[:4] + [bytes(flipped)] + payloads[5:])
+    wrong_byte = read(1, [3, 4, 5], [*payloads[:4], bytes(flipped), *payloads[5:]])
     assert epoch_problems(0, [read(0, [0, 1, 2], payloads), wrong_byte], orders, digests) == [
         "epoch 0 rank 1: id 4 has bytes other than its file's"
     ]

@@ -139,7 +139,8 @@ def test_a_client_killed_in_its_first_read_leaves_no_segment_behind(
     # the segment's connection ends, and no name is left in /dev/shm.
     try:
         wait_until(
-            lambda: not segment_files(pid) and not open_segments(daemon, pid), "the segment's name and open file are gone"
+            lambda: not segment_files(pid) and not open_segments(daemon, pid),
+            "the segment's name and open file are gone",
         )
     finally:
         for name in segment_files(pid):

@@ -17,6 +17,7 @@ from faultjob import SAMPLES, FaultJob
 from dataquay.client import connect
 from dataquay.client.errors import PfsReadError
 
+
 def break_files(files: list[Path]) -> dict[int, str]:
     """Deletes one file, makes one unreadable and truncates one; returns
     their ids and the cause an error must name."""

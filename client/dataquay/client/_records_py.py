@@ -50,7 +50,7 @@ def payload_copies(values: Sequence[Buffer | None], verify: bool, /) -> tuple[li
             continue
         view = memoryview(value)
         payload = bytes(view[_HEADER:]) if len(view) >= _HEADER else None
-        if payload is None or verify and _CHECKSUM.unpack_from(view)[0] != _digest(payload):
+        if payload is None or (verify and _CHECKSUM.unpack_from(view)[0] != _digest(payload)):
             corrupt += 1
             payload = None
         out.append(payload)

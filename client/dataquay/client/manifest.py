@@ -20,12 +20,11 @@ It stays compact so that millions of samples cost tens of bytes each::
 
 All integers little-endian. Paths are relative, use "/" and never contain "..".
 
-The header's ``version`` is 2 since the per-file size and mtime arrays exist;
-the reader compares them with each file it opens, so a file that changed after
-registration is refused, never served as a prefix or a mix of old and new
-bytes. Version 1 manifests (no ``version`` key, no such arrays) still load:
-their files are not checked for changes. -1 in either array means "not
-recorded" (a manifest written by hand) and that file is not checked either.
+The header's ``version`` names this layout; a reader refuses any other. The
+reader compares the per-file size and mtime with each file it opens, so a
+file that changed after registration is refused, never served as a prefix or
+a mix of old and new bytes. -1 in either array means "not recorded" (a
+manifest written by hand) and that file is not checked.
 """
 
 from __future__ import annotations
@@ -63,8 +62,6 @@ _ARRAYS: tuple[tuple[str, str], ...] = (
     ("path_size", "<i8"),
     ("path_mtime_ns", "<i8"),
 )
-#: Arrays that version 1 manifests lack.
-_V2_ARRAYS = frozenset(("path_size", "path_mtime_ns"))
 
 
 def _align8(n: int) -> int:
@@ -114,13 +111,11 @@ class Manifest:
             (header_len,) = _HEADER_LEN.unpack_from(view, len(MAGIC))
             body = len(MAGIC) + _HEADER_LEN.size
             self.header: dict[str, Any] = json.loads(bytes(view[body : body + header_len]))
-            version = self.header.get("version", 1)
-            if version not in (1, VERSION):
-                raise ManifestError(f"manifest version {version!r} is not one this dataquay reads (1 or {VERSION})")
+            version = self.header["version"]
+            if version != VERSION:
+                raise ManifestError(f"manifest version {version!r} is not one this dataquay reads ({VERSION})")
             arrays = {}
             for name, dtype in _ARRAYS:
-                if version == 1 and name in _V2_ARRAYS:
-                    continue
                 offset, count = self.header["arrays"][name]
                 item = np.dtype(dtype).itemsize
                 if offset < 0 or offset + count * item > len(view):
@@ -139,9 +134,8 @@ class Manifest:
         self._path_text = self._path_blob.data
         self._label_offsets: np.ndarray = arrays["label_offsets"]
         self._label_blob = arrays["label_blob"]
-        unknown = np.full(max(self.num_paths, 0), -1, dtype=np.int64)
-        self.path_size: np.ndarray = arrays.get("path_size", unknown)
-        self.path_mtime_ns: np.ndarray = arrays.get("path_mtime_ns", unknown)
+        self.path_size: np.ndarray = arrays["path_size"]
+        self.path_mtime_ns: np.ndarray = arrays["path_mtime_ns"]
         self._validate()
         self.manifest_id = xxhash.xxh3_128_hexdigest(view)
 

@@ -24,8 +24,8 @@ From then on nobody can shrink the segment or free one of its pages, so the
 daemon's stores always find their page. The client maps its segment read
 only and keeps the connection open: when it closes the segment or exits, the
 daemon sees the connection end and unmaps. A client whose daemon has no fd
-socket (an older daemon, or one reached over TCP), or that its daemon
-refused, hands payloads over through /dev/shm as before.
+socket (its kernel cannot seal memfds, or the daemon is reached over TCP), or
+that its daemon refused, hands payloads over through /dev/shm.
 """
 
 from __future__ import annotations

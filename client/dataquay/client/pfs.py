@@ -130,7 +130,7 @@ class _Plan:
     path ``paths[k]``. Ranges of one file are consecutive.
     """
 
-    __slots__ = ("wanted", "paths", "starts", "lengths", "firsts", "stops")
+    __slots__ = ("firsts", "lengths", "paths", "starts", "stops", "wanted")
 
     def __init__(
         self, manifest: Manifest, ids: np.ndarray | Sequence[int], max_range_bytes: int, max_gap: int

@@ -385,9 +385,8 @@ class _Reply:
     leaves it the checksums that every payload is checked against. A
     /dev/shm segment (any process of the user may open it while it is
     linked, and the daemon writes it without a check in place), a payload
-    that came inline or was written into the segment by a copy, and a reply
-    of an older daemon, which never sets the mark, are checked here as
-    before.
+    that came inline or was written into the segment by a copy, and any
+    payload without the mark, are checked here.
     """
 
     def __init__(

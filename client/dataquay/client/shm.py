@@ -190,7 +190,7 @@ class SegmentPool:
         memory is short."""
         fd_socket = self._fd_socket
         if fd_socket is None or not os.path.exists(fd_socket):
-            return None  # an older daemon, or one reached over TCP
+            return None  # a daemon without an fd socket, or one reached over TCP
         try:
             check_daemon_socket(fd_socket)
             return MemfdSegment(size, fd_socket, self._token)

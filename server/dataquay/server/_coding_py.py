@@ -1,10 +1,12 @@
 """The planner's loops in Python and numpy, for an install where the C
 extension ``_coding`` was not built: the same packets, slower
-(bench/coded_planning.py). The arrays are those of
+(bench/experiments/coded_planning.py). The arrays are those of
 :mod:`dataquay.server.node.exchange.coding`.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -38,7 +40,7 @@ def greedy(keys: np.ndarray, table_start: np.ndarray, group_decoder: np.ndarray,
     moves: list[tuple[int, int, int, int]] = []
     bounds = np.flatnonzero(np.diff(parent, prepend=-1, append=-1)).tolist()
     parents, members, kids = parent.tolist(), member.tolist(), child.tolist()
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+    for lo, hi in itertools.pairwise(bounds):
         moves += _reduce_table(parents[lo], dict(zip(members[lo:hi], kids[lo:hi], strict=True)), columns)
     if not moves:
         return

@@ -174,7 +174,7 @@ class _File:
     (what the manifest stores; they differ only below a symlink).
     """
 
-    __slots__ = ("rel", "real", "real_rel")
+    __slots__ = ("real", "real_rel", "rel")
 
     def __init__(self, rel: str, real: str, real_rel: str) -> None:
         self.rel = rel

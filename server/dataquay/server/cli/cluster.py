@@ -61,7 +61,8 @@ def cmd_up(args: argparse.Namespace) -> None:
     quoted = shlex.quote(str(base))
     print(
         f"\nuse node 0 from a shell (set -a exports what the files set):\n"
-        f"  set -a; source {shlex.quote(str(cluster.env_path()))}; source {shlex.quote(str(cluster.env_path(0)))}; set +a\n"
+        f"  set -a; source {shlex.quote(str(cluster.env_path()))}; "
+        f"source {shlex.quote(str(cluster.env_path(0)))}; set +a\n"
         f"  dataquay dataset add NAME ROOT && dataquay stage NAME --job JOB && dataquay status\n"
         f"  (ROOT under {os.pathsep.join(map(str, roots))}: pass --dataset-roots to allow others)\n"
         f"stop it:\n"

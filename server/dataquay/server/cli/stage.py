@@ -184,7 +184,8 @@ class _Progress:
                 print(f"  {node.name}: {_node_summary(node)}", file=sys.stderr, flush=True)
             elif time.monotonic() - self._last_line >= LINE_SECONDS:
                 self._last_line = time.monotonic()
-                print(f"{self._desc}: {format_bytes(done)} of {format_bytes(total)}, {counts}", file=sys.stderr, flush=True)
+                line = f"{self._desc}: {format_bytes(done)} of {format_bytes(total)}, {counts}"
+                print(line, file=sys.stderr, flush=True)
             return
         for bar, now, of in ((self.bars[""], done, total), (self.bars[node.name], *_bytes(node))):
             bar.total = of
@@ -205,7 +206,10 @@ def _node_summary(node: _NodeStaging) -> str:
     if node.last is None:
         return f"failed: {failed}"
     p = node.last
-    text = f"{p.done_samples}/{p.total_samples} samples, {format_bytes(p.read_bytes)} from the PFS in {p.elapsed_seconds:.1f} s"
+    text = (
+        f"{p.done_samples}/{p.total_samples} samples, "
+        f"{format_bytes(p.read_bytes)} from the PFS in {p.elapsed_seconds:.1f} s"
+    )
     return f"{text}; failed: {failed}" if failed else text
 
 

@@ -19,11 +19,11 @@ further than ``max_age_seconds`` from its own clock, which covers captures
 from before a directory restart. Each sender's sequence starts from its
 clock in nanoseconds, so a restarted daemon's beats are above its previous
 ones. Every refused datagram goes unanswered, so a daemon whose beats are
-refused (a clock far off, an older directory) renews its lease by RPC.
+refused (a clock far off, a format this directory does not read) renews its
+lease by RPC.
 
-The version byte is not a valid start of a protobuf message, so a directory
-that reads bare HeartbeatRequests ignores these beats as malformed, and this
-one refuses bare ones as of an unknown format: mixed versions renew by RPC.
+The version byte is not a valid start of a protobuf message, so a bare
+HeartbeatRequest is refused as of an unknown format, never misread.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ from dataquay.server.errors import (
     UnknownJobError,
 )
 
-#: Version of the persisted document; a newer directory reads older ones.
+#: Version of the persisted document; a directory refuses any other.
 STATE_FORMAT = 1
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")

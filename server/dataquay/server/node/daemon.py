@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import numpy.ma  # noqa: F401  # np.unique imports it at first use (tens of ms): at start, not mid-exchange
+import numpy.ma  # np.unique imports it at first use (tens of ms): at start, not mid-exchange
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 

@@ -211,7 +211,7 @@ class DirectoryLink:
         return status.info.tcp_address if status is not None else ""
 
     def bulk_address_of(self, node: str) -> str:
-        """The node's bulk data path address as last listed; "" for none (an older daemon, or off)."""
+        """The node's bulk data path address as last listed; "" for none (its bulk path off)."""
         status = self.nodes.get(node)
         return status.info.bulk_address if status is not None else ""
 

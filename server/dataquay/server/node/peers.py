@@ -15,7 +15,7 @@ the same peer, what they have asked for and not yet received stays bounded.
 
 A peer that advertises a bulk address is read over the bulk data path
 (:mod:`dataquay.server.node.bulk`), each payload handed to a ``landing`` as it
-lands; a peer without one (an older daemon), or one whose bulk connection
+lands; a peer without one (its bulk path off), or one whose bulk connection
 fails for any reason but its deadline, is read over gRPC, and its bulk
 address is left alone for BULK_RETRY_SECONDS, unless the peer itself (its
 InfoReply) names another: a restarted peer listens on a new port before the

@@ -1,4 +1,5 @@
-"""One node of a coded exchange over the multicast transport, on synthetic data (tests, ``bench/coded_wire.py``).
+"""One node of a coded exchange over the multicast transport, on synthetic data
+(tests, ``bench/experiments/coded_wire.py``).
 
 Every node of a run computes the same dataset (seeded bytes of seeded
 sizes, their xxh3 as the manifest's checksums), the same caches before the

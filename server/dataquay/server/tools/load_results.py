@@ -67,10 +67,6 @@ class LoadResult:
     rss_anon_growth: int
     vm_rss_growth: int
 
-    @property
-    def error_count(self) -> int:
-        return sum(self.errors.values())
-
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 

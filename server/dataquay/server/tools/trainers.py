@@ -97,7 +97,7 @@ def _rank_main(dataset: str, batch: int, compute_seconds: float, connect_timeout
             before = client.stats()
             started = time.perf_counter()
             if direct is None:
-                ids, sums, nbytes, paused = _read_through_dataquay(
+                ids, sums, _, paused = _read_through_dataquay(
                     ds, sampler, batch, compute_seconds, command["prefetch"], pause_at, pause
                 )
                 after = client.stats()
@@ -105,7 +105,7 @@ def _rank_main(dataset: str, batch: int, compute_seconds: float, connect_timeout
                 sizes = {t: after.bytes[t] - before.bytes[t] for t in after.bytes}
                 wait = after.data_wait_seconds - before.data_wait_seconds
             else:
-                ids, sums, nbytes, wait, tiers, sizes = _read_direct(ds, sampler, batch, compute_seconds, direct)
+                ids, sums, _, wait, tiers, sizes = _read_direct(ds, sampler, batch, compute_seconds, direct)
                 paused = 0.0
             wall = time.perf_counter() - started - paused
             _say(

@@ -2,4 +2,4 @@
 payload bytes, near the socket's speed. :mod:`.frames` is the wire format,
 :mod:`.server` the listener, :mod:`.client` the reading side, :mod:`.tls`
 the TLS contexts. Control stays on gRPC; a peer without a bulk address is
-read over gRPC as before."""
+read over gRPC."""

@@ -20,7 +20,7 @@ daemon's heap, and are reported apart (RssFile growth). Cases:
 - large repeats, cached and PFS: one Read of ``LARGE_REPEATS`` copies of a
   sample of ``LARGE_BYTES``, larger than a gRPC message (it comes in pieces).
 
-Every reply is checked byte for byte. ``python bench/call_memory.py LABEL``
+Every reply is checked byte for byte. ``python bench/experiments/call_memory.py LABEL``
 writes bench/results/call_memory-LABEL.json; ``BENCH_SKIP`` names cases to
 leave out, separated by ";" (the max-batch one takes 16 GB of a daemon that
 does not bound its calls).
@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared modules
 
 from common import MiB, progress, register, report, stage, stub
 

@@ -20,7 +20,7 @@ Two trainers consume the very same reads:
   the replicas are averaged every ``--sync-every`` steps (local SGD /
   federated averaging), where a node's skew reaches the model.
 
-Run: ``.venv/bin/python bench/shuffle_quality.py [--quick] [--seeds N] [--epochs E]``;
+Run: ``.venv/bin/python bench/experiments/shuffle_quality.py [--quick] [--seeds N] [--epochs E]``;
 it prints one table and writes bench/results/shuffle_quality.{json,md}.
 scikit-learn only provides the data: ``pip install scikit-learn``.
 
@@ -75,7 +75,7 @@ from dataquay.client.sampler import Sampler
 
 EPOCHS = 20
 QUICK_EPOCHS = 5
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 # ------------------------------------------------------------------ runs
@@ -216,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     wall = time.perf_counter() - started
     rows = summarise(results)
     print("\n".join([*table(rows), "", *gaps_to_global(rows)]))
-    command = " ".join([".venv/bin/python", "bench/shuffle_quality.py", *(argv if argv is not None else sys.argv[1:])])
+    given = argv if argv is not None else sys.argv[1:]
+    command = " ".join([".venv/bin/python", "bench/experiments/shuffle_quality.py", *given])
     write_reports(args.out, rows, results, settings, len(split.train_y), command, wall)
     print(f"\n{len(results)} runs in {wall:.0f} s; wrote {args.out} and {args.out.with_suffix('.md')}")
 

@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 
 import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared modules
+
 from common import RESULTS, machine, progress
 
 from dataquay.client.channels import channel_options

@@ -10,7 +10,7 @@ sending and receiving beside it (a socket pair here, 1 MiB a call) each of
 those hand-offs may wait for them. Both are timed alone and beside such a
 stream.
 
-    .venv/bin/python bench/cached_ids.py      # about 10 s
+    .venv/bin/python bench/experiments/cached_ids.py      # about 10 s
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -26,6 +27,9 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared modules
+
 from common import REPEATS, progress, report
 
 from dataquay.client.record_loops import sample_keys

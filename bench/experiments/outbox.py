@@ -15,9 +15,14 @@ at the start of a run beside the time that dict took to build. Each figure is th
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared modules
+
 from common import REPEATS, progress, report
 
 from dataquay.server.node.exchange.outbox import DELIVERED, IN_FLIGHT, PENDING, Outbox

@@ -10,7 +10,7 @@ the whole process waits: no deadline, no signal handler runs. This stops a
 process at random moments while four of its threads begin read transactions
 in a loop (a busy daemon) and counts the new readers that then waited.
 
-    .venv/bin/python bench/reader_lock.py [TRIALS]
+    .venv/bin/python bench/experiments/reader_lock.py [TRIALS]
 """
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import lmdb
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared modules
 
 from common import progress, report
 

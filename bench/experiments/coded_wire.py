@@ -33,6 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared modules
+
 from common import RESULTS, machine, progress
 
 SCHEMES = ("none", "coded", "uber")

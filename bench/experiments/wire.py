@@ -41,10 +41,10 @@ each bound below) the free memory is backed (common.back_free_memory): the
 receiver writes every byte it stores through LMDB's map into new pages, and
 on this virtual machine a write through a map into memory the host has not
 backed runs at about 0.5 GB/s against 5 GB/s into memory just freed
-(bench/first_touch.py), which the raw stream, reusing one buffer, never
+(bench/experiments/first_touch.py), which the raw stream, reusing one buffer, never
 meets; a bare-metal node does not either.
 Its bounds, since the receiver acknowledges only what its cache committed,
-are those of ``bench/store_bounds.py``: the same values committed to LMDB
+are those of ``bench/experiments/store_bounds.py``: the same values committed to LMDB
 (with and without ``writemap``), and put into a file's page cache.
 
 ``BENCH_PARTS`` (``peer``, ``exchange``; both by default) runs a part alone.
@@ -83,6 +83,9 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared modules
+
 from common import REPEATS, MiB, back_free_memory, progress, report
 from exchange_pair import exchange_round, started_pair
 from store_bounds import lmdb_commit, page_cache, stored_values

@@ -1,7 +1,7 @@
-"""The bulk exchange of ``bench/wire.py``, round after round on one pair of
+"""The bulk exchange of ``bench/experiments/wire.py``, round after round on one pair of
 daemons: for A/B checks of the exchange's own cost and for profiling it.
 
-Each round is ``bench/wire.py``'s: node-1 is wiped and restarted, a fresh
+Each round is ``bench/experiments/wire.py``'s: node-1 is wiped and restarted, a fresh
 ``partial`` job with Q = 1 starts, node-0 ships node-1 what it owns in
 epoch 1. A round prints its rate (payload bytes over the daemon's own
 elapsed time), how long the receiver took to acknowledge its first chunk
@@ -10,13 +10,13 @@ daemon's CPU seconds per GB; the sender's pid is
 printed once it is up, and it stays the same for every round (attach
 ``perf record -p`` or ``py-spy`` to it). The medians over the rounds go to
 ``bench/results/exchange_rounds.json``.
-There is no raw stream here: the ratios to it are ``bench/wire.py``'s.
+There is no raw stream here: the ratios to it are ``bench/experiments/wire.py``'s.
 
 ``BENCH_SIZES`` (one of 110KiB, 1MiB; 110KiB by default),
 ``BENCH_EXCHANGE_MIB`` (the dataset, 2048 by default: 540 MB a round),
 ``BENCH_ROUNDS`` (5), ``BENCH_DAEMON_ARGS`` (extra ``serve`` flags for both
 daemons, e.g. ``--prefetch-memory 0``), ``BENCH_BASELINE_SOURCE`` (run
-the daemons from that source tree, as ``bench/wire.py`` does) and
+the daemons from that source tree, as ``bench/experiments/wire.py`` does) and
 ``BENCH_GROWN=1`` (each round into the cache file the round before grew,
 emptied: see ``exchange_pair.py``; a first, untimed round grows it).
 """
@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared modules
 
 from common import MiB, progress, report
 from exchange_pair import exchange_round, staged_sender, started_pair

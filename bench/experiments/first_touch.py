@@ -22,9 +22,12 @@ from __future__ import annotations
 import mmap
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared modules
 
 from common import MiB, progress, report
 

@@ -2,7 +2,7 @@
 their two on-disk layouts, the numpy MLP and its two trainers, the class-skew
 measure, and what describes a run and its result.
 
-bench/shuffle_quality.py drives them on a local cluster.
+bench/experiments/shuffle_quality.py drives them on a local cluster.
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ blocking socket; this process receives each chunk's body with ``recv_into``
 into a fresh buffer, checks every value's checksum and hands the chunk to a
 writer thread, which commits it with ``putmulti`` in a transaction of its own
 into such a cache. Against it, in the same rounds, the raw TCP stream of
-``bench/wire.py`` over the same bytes: the child answers an 8-byte request
+``bench/experiments/wire.py`` over the same bytes: the child answers an 8-byte request
 per batch of 64 samples with one ``sendall``, this process receives each
 batch into one buffer it reuses. Before each timed run the free memory is
-backed (``common.back_free_memory``), as ``bench/wire.py`` does.
+backed (``common.back_free_memory``), as ``bench/experiments/wire.py`` does.
 
-The ratio is a ceiling for the daemon's exchange (``bench/wire.py``) on this
+The ratio is a ceiling for the daemon's exchange (``bench/experiments/wire.py``) on this
 machine; the CPU seconds per GB say what the two ends cost, all threads.
 ``BENCH_CHUNK_MIB`` sets the chunk (4 MiB by default; the daemon sends up
 to ``streams.CHUNK_BYTES``): how much the receiver holds between receiving
@@ -49,6 +49,9 @@ from pathlib import Path
 
 import lmdb
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared modules
+
 from common import REPEATS, MiB, back_free_memory, progress, report
 from store_bounds import allocated_cache
 
@@ -61,7 +64,7 @@ EXCHANGE_BYTES = int(os.environ.get("BENCH_EXCHANGE_MIB", "512")) * MiB
 CHUNK_BYTES = int(os.environ.get("BENCH_CHUNK_MIB", "4")) * MiB
 #: Received and committed in parts of this many bytes of a chunk (0: whole chunks).
 PART_BYTES = int(os.environ.get("BENCH_PART_KIB", "0")) * 1024
-#: The raw stream's batches, each asked for with an 8-byte request, as bench/wire.py's.
+#: The raw stream's batches, each asked for with an 8-byte request, as bench/experiments/wire.py's.
 BATCH = 64
 _REQUEST = struct.Struct("<Q")
 RAW = "raw"

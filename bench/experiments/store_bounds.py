@@ -1,5 +1,5 @@
 """What any receiver of the exchange must do at least with what it takes:
-put the values into a store. ``bench/wire.py`` measures these bounds in the
+put the values into a store. ``bench/experiments/wire.py`` measures these bounds in the
 same rounds as the exchange, each writing the same values in its own
 process, 64 values at a time:
 

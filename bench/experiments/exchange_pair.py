@@ -1,5 +1,5 @@
-"""One pair of daemons and one exchange round on it, as ``bench/wire.py``
-and ``bench/exchange_rounds.py`` run them.
+"""One pair of daemons and one exchange round on it, as ``bench/experiments/wire.py``
+and ``bench/experiments/exchange_rounds.py`` run them.
 
 A round wipes and restarts node-1, starts a fresh ``partial`` job with Q = 1
 and has node-0 ship node-1 what it owns in epoch 1 (checked, committed,
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,9 @@ from pathlib import Path
 import grpc
 import lmdb
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared modules
+
 from common import back_free_memory, progress, stub
 
 from dataquay.client.channels import channel_options

@@ -1,8 +1,8 @@
 """Which end of the daemon's exchange stream costs it its speed.
 
-``bench/exchange_bound.py`` shows what the least exchange reaches here;
-``bench/exchange_rounds.py`` what the daemons reach. This crosses the two:
-each round runs the exchange of ``bench/exchange_pair.py`` (node-0 ships
+``bench/experiments/exchange_bound.py`` shows what the least exchange reaches here;
+``bench/experiments/exchange_rounds.py`` what the daemons reach. This crosses the two:
+each round runs the exchange of ``bench/experiments/exchange_pair.py`` (node-0 ships
 node-1 what it owns in epoch 1 of a fresh ``partial`` job, Q = 1) four
 ways, the order turned each round:
 
@@ -50,6 +50,9 @@ from pathlib import Path
 
 import lmdb
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared modules
+
 from common import MiB, back_free_memory, progress, report, stub
 from exchange_pair import cpu_seconds, staged_sender, started_pair
 from store_bounds import allocated_cache

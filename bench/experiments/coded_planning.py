@@ -30,6 +30,9 @@ import types
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared modules
+
 from coded_shuffle import MEDIAN_BYTES, SCHEMES, SIGMA
 from common import REPEATS, progress, report
 
@@ -45,7 +48,7 @@ LOOPS = ("greedy", "packet_rows", "pick_bits", "table_hashes", "set_numbers", "d
 
 
 def baseline(revision: str) -> types.ModuleType:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     text = subprocess.run(["git", "-C", str(root), "show", f"{revision}:{SOURCE}"], check=True,
                           capture_output=True, text=True).stdout
     module = types.ModuleType("coding_baseline")

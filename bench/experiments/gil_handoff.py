@@ -25,6 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared modules
+
 from common import REPEATS, MiB, progress, report
 
 from dataquay.client.records import sample_key
