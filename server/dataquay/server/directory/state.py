@@ -39,6 +39,7 @@ from dataclasses import asdict, replace
 from typing import Any, NamedTuple
 
 from dataquay.client.job_settings import SETTINGS, JobSettings
+from dataquay.client.jobs import check_epoch_ahead
 from dataquay.client.placement import MAX_EPOCH
 from dataquay.server.directory.node_log import NodeLog, first_version
 from dataquay.server.directory.records import (
@@ -346,10 +347,15 @@ class DirectoryState:
 
     def report_epoch(self, job_id: str, epoch: int, now: float, wall: float | None = None) -> Job:
         """Raises the job's epoch to ``epoch`` and marks it active at ``now``
-        (Unix time ``wall``); an older report changes only the activity."""
+        (Unix time ``wall``); an older report changes only the activity.
+
+        Raises:
+            EpochTooFarError: see :func:`~dataquay.client.jobs.check_epoch_ahead`.
+        """
         if epoch > MAX_EPOCH:
             raise InvalidRequestError(f"epoch {epoch} is beyond the last one a job may reach ({MAX_EPOCH})")
         job = self.get_job(job_id)
+        check_epoch_ahead(job_id, job.spec.mode, epoch, job.epoch)
         if epoch > job.epoch or not job.started:
             job = self._jobs[job_id] = replace(job, epoch=max(epoch, job.epoch), started=True)
             self.revision += 1
