@@ -66,6 +66,13 @@ class InvalidRequestError(DataquayError, ValueError):
     have, an epoch out of range, an exchange offer out of order."""
 
 
+class EpochTooFarError(InvalidRequestError):
+    """An epoch too far past the job's current one in a mode whose owners
+    move: its owners step from the current epoch's one epoch at a time, which
+    would stall every daemon of the job (usually a global step passed for an
+    epoch)."""
+
+
 class BatchTooLargeError(DataquayError, ValueError):
     """A request with more ids than the daemon's --max-batch."""
 

@@ -99,7 +99,8 @@ class Job:
     """A job record. ``epoch`` is the highest epoch any node reported;
     ``started`` says whether one did (so that epoch 0 has begun);
     ``last_active`` is when it was created, joined or last had an epoch
-    reported, from which its idle time counts."""
+    reported, as Unix time (the directory counts its idle time on the
+    monotonic clock)."""
 
     spec: JobSettings
     manifest_id: str

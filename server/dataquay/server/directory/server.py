@@ -19,6 +19,9 @@ one, so a thousand daemons registering at once cost tens of writes, not a
 thousand. Heartbeats are not written; a node that comes back up by
 heartbeating is written by the next lease check.
 
+Leases, job idle times and the node log's periods count on the monotonic
+clock; Unix time is only what people read and what is written (see :mod:`.state`).
+
 Heartbeats arrive as UDP datagrams on the gRPC port's number (see
 :mod:`.beats`), or through the Heartbeat RPC.
 
@@ -161,7 +164,7 @@ class DirectoryServer(ServerLifecycle):
             raise StartupError(f"cannot read the directory's state {self.state_path}: {exc}") from exc
         try:
             self.state = DirectoryState.from_json(
-                doc, self.config.lease_seconds, time.time(), self.config.heartbeat_seconds
+                doc, self.config.lease_seconds, time.monotonic(), self.config.heartbeat_seconds, wall=time.time()
             )
         except ValueError as exc:
             raise StartupError(
@@ -215,7 +218,7 @@ class DirectoryServer(ServerLifecycle):
         interval = min(1.0, self.config.lease_seconds / 4)
         while True:
             await asyncio.sleep(interval)
-            for name in self.state.expire(time.time()):
+            for name in self.state.expire(time.monotonic()):
                 log.info("node down", extra={"fields": {"node": name, "lease_seconds": self.config.lease_seconds}})
             if self.state.revision != self._saved_revision:
                 self._dirty.set()
@@ -225,7 +228,7 @@ class DirectoryServer(ServerLifecycle):
         the first look is at start, for jobs that went idle while it was stopped."""
         ttl = self.config.job_ttl
         while True:
-            expired = self.state.expire_jobs(ttl, time.time())
+            expired = self.state.expire_jobs(ttl, time.monotonic())
             if expired:
                 await self._persist()
             for job, idle in expired:
@@ -284,7 +287,7 @@ class DirectoryServer(ServerLifecycle):
     # ------------------------------------------------------------- handlers
 
     async def register_node(self, info: NodeInfo) -> None:
-        registration = self.state.register(info, time.time())
+        registration = self.state.register(info, time.monotonic(), time.time())
         fields = {"node": info.name, "tcp": info.tcp_address, "metrics": info.metrics_address}
         if registration.change is Change.JOINED:
             log.info("node registered", extra={"fields": fields})
@@ -308,7 +311,7 @@ class DirectoryServer(ServerLifecycle):
         """Renews the node's lease; the answer to a beat, or None for a
         datagram whose ``sequence`` the node already used (a replay)."""
         beat = self.state.heartbeat(
-            request.name, request.cache_used_bytes, request.cache_entries, time.time(), sequence
+            request.name, request.cache_used_bytes, request.cache_entries, time.monotonic(), sequence, time.time()
         )
         if beat.refused:
             return None
@@ -319,7 +322,7 @@ class DirectoryServer(ServerLifecycle):
     def versions_proto(self) -> dpb.Versions:
         """The versions as a message, node changes published if due, rebuilt
         only when they changed (heartbeats are hot)."""
-        versions = self.state.publish_nodes(time.time())
+        versions = self.state.publish_nodes(time.monotonic())
         if versions is not self._versions[0]:
             self._versions = (
                 versions, dpb.Versions(nodes=versions.nodes, datasets=versions.datasets, jobs=versions.jobs)
@@ -329,7 +332,7 @@ class DirectoryServer(ServerLifecycle):
     def list_nodes(self, since_version: int) -> bytes:
         """The node list, or the changes since ``since_version``, as an encoded
         ListNodesReply (see :mod:`.listing`)."""
-        return self.listing.reply(self.state, since_version, self.versions_proto(), time.time())
+        return self.listing.reply(self.state, since_version, self.versions_proto(), time.monotonic())
 
     async def add_dataset(
         self, name: str, root: str, fmt: str | None, replace: bool, tar_grouped: bool
@@ -360,7 +363,7 @@ class DirectoryServer(ServerLifecycle):
         log.info("dataset dropped", extra={"fields": {"dataset": name}})
 
     async def join_job(self, request: JoinRequest) -> Job:
-        job, created = self.state.join(request, self._dataset_facts, time.time())
+        job, created = self.state.join(request, self._dataset_facts, time.monotonic(), time.time())
         if created:
             spec = job.spec
             log.info(
@@ -378,17 +381,18 @@ class DirectoryServer(ServerLifecycle):
     async def drop_job(self, job_id: str, min_idle: float = 0.0) -> None:
         """Drops the job; with ``min_idle`` above 0, only if it has been idle
         that long (JobActiveError otherwise)."""
-        now = time.time()
+        now = time.monotonic()
         if min_idle:
             job = self.state.drop_idle_job(job_id, min_idle, now)
         else:
             job = self.state.drop_job(job_id)
         await self._persist()
-        log.info("job dropped", extra={"fields": {"job": job_id, "idle_seconds": round(now - job.last_active)}})
+        idle = round(time.time() - job.last_active)  # as `job ls` shows it
+        log.info("job dropped", extra={"fields": {"job": job_id, "idle_seconds": idle}})
 
     async def report_epoch(self, job_id: str, epoch: int, node: str) -> Job:
         before = self.state.get_job(job_id).epoch
-        job = self.state.report_epoch(job_id, epoch, time.time())
+        job = self.state.report_epoch(job_id, epoch, time.monotonic(), time.time())
         if job.epoch > before:
             await self._persist()
             log.info("job epoch", extra={"fields": {"job": job_id, "epoch": job.epoch, "node": node}})

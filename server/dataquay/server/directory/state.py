@@ -8,6 +8,14 @@ it calls :meth:`DirectoryState.expire` and :meth:`DirectoryState.expire_jobs`
 from periodic tasks, writes the state whenever :attr:`DirectoryState.revision`
 moved, and logs the transitions the methods return.
 
+The server's ``now`` is the monotonic clock: leases and idle ages count on
+it, so that a step of the system clock neither keeps a killed node up for the
+length of the step nor ends every lease and every job's activity at once.
+What people read and what is written is Unix time, passed as ``wall`` (a
+node's registration and last heartbeat, a job's creation and last activity;
+``now`` when not given); a job's last activity is read back from the disk
+as its age at the restart.
+
 Jobs record no end (they have no epoch count), so a finished job is an idle
 one: each remembers when it was last active (created, joined, an epoch
 reported), and one idle for the directory's job TTL is dropped.
@@ -31,6 +39,7 @@ from dataclasses import asdict, replace
 from typing import Any, NamedTuple
 
 from dataquay.client.job_settings import SETTINGS, JobSettings
+from dataquay.client.jobs import check_epoch_ahead
 from dataquay.client.placement import MAX_EPOCH
 from dataquay.server.directory.node_log import NodeLog, first_version
 from dataquay.server.directory.records import (
@@ -81,28 +90,33 @@ class DirectoryState:
         self._nodes: dict[str, Node] = {}
         self._leases: OrderedDict[str, float] = OrderedDict()
         self._jobs: dict[str, Job] = {}
+        # When each job was last active, on the clock of ``now``: its idle age
+        # counts from here, its record's last_active is the Unix time shown.
+        self._active: dict[str, float] = {}
         # Nodes restored up from a state file that have neither registered nor
         # heartbeated since: whoever registers such a name is no second daemon.
         self._unheard: set[str] = set()
 
     # ---------------------------------------------------------------- nodes
 
-    def register(self, info: NodeInfo, now: float) -> Registration:
-        """Adds or refreshes a node and starts its lease.
+    def register(self, info: NodeInfo, now: float, wall: float | None = None) -> Registration:
+        """Adds or refreshes a node and starts its lease; ``wall`` is the Unix
+        time it records as registered (default ``now``).
 
         Raises:
             InvalidRequestError: a name or address that peers could not use.
         """
         _check_node(info)
+        wall = now if wall is None else wall
         node = self._nodes.get(info.name)
         if node is None:
             change, previous = Change.JOINED, None
-            self._nodes[info.name] = Node(info, registered=now, last_heartbeat=now)
+            self._nodes[info.name] = Node(info, registered=wall, last_heartbeat=wall)
         else:
             live = node.up and info.name not in self._unheard
             change, previous = (Change.RENEWED if live else Change.UP), node.info
             self._unheard.discard(info.name)
-            node.info, node.registered, node.last_heartbeat, node.up = info, now, now, True
+            node.info, node.registered, node.last_heartbeat, node.up = info, wall, wall, True
             node.beat_sequence = 0
         self._renew(info.name, now)
         self.node_log.mark(info.name)
@@ -110,9 +124,11 @@ class DirectoryState:
         return Registration(change, previous)
 
     def heartbeat(
-        self, name: str, cache_used_bytes: int, cache_entries: int, now: float, sequence: int | None = None
+        self, name: str, cache_used_bytes: int, cache_entries: int, now: float, sequence: int | None = None,
+        wall: float | None = None,
     ) -> Beat:
-        """Renews a lease in O(1); a node that was down comes back up.
+        """Renews a lease in O(1); a node that was down comes back up. ``wall``
+        is the Unix time it records as the last heartbeat (default ``now``).
 
         A datagram's ``sequence`` must exceed every one accepted from the node
         since it registered, or the beat is refused as a replay and renews
@@ -129,7 +145,7 @@ class DirectoryState:
         if node is None:
             return Beat(known=False, came_up=False)
         self._unheard.discard(name)
-        node.last_heartbeat = now
+        node.last_heartbeat = now if wall is None else wall
         node.cache_used_bytes = cache_used_bytes
         node.cache_entries = cache_entries
         self._renew(name, now)
@@ -194,15 +210,17 @@ class DirectoryState:
 
     # ----------------------------------------------------------------- jobs
 
-    def join(self, request: JoinRequest, dataset: Callable[[str], DatasetFacts], now: float) -> tuple[Job, bool]:
+    def join(
+        self, request: JoinRequest, dataset: Callable[[str], DatasetFacts], now: float, wall: float | None = None
+    ) -> tuple[Job, bool]:
         """Creates the job or joins it; returns the record and whether it was created.
 
         Args:
             request: the job id and the settings the caller named.
             dataset: looks a registered dataset up by name; raises
                 UnknownDatasetError for an unknown one. Called only to create.
-            now: the creation time recorded in a new job, or the time the
-                existing one was last active.
+            now: the time a new job was created, or the existing one last active.
+            wall: ``now`` as the Unix time the record shows (default ``now``).
 
         Raises:
             InvalidRequestError: a bad job id, mode, partition, q, batch size
@@ -218,7 +236,7 @@ class DirectoryState:
             )
         job = self._jobs.get(job_id)
         if job is not None:
-            return self._touch(self._join_existing(job, request), now), False
+            return self._touch(self._join_existing(job, request), now, wall), False
         if request.must_exist:
             raise UnknownJobError(f"no job {job_id!r} (the first rank to join creates it)")
         spec = request.settings
@@ -230,8 +248,10 @@ class DirectoryState:
             raise InvalidRequestError(f"job {job_id!r}: {exc}") from None
         facts = dataset(spec.dataset)
         spec = replace(spec, nodes=self._job_nodes(job_id, spec.nodes))
-        job = Job(spec, facts.manifest_id, facts.num_samples, epoch=0, created=now, last_active=now)
+        wall = now if wall is None else wall
+        job = Job(spec, facts.manifest_id, facts.num_samples, epoch=0, created=wall, last_active=wall)
         self._jobs[job_id] = job
+        self._active[job_id] = now
         self._bump(jobs=1)
         return job, True
 
@@ -285,7 +305,7 @@ class DirectoryState:
 
     def drop_job(self, job_id: str) -> Job:
         job = self.get_job(job_id)
-        del self._jobs[job_id]
+        del self._jobs[job_id], self._active[job_id]
         self._bump(jobs=1)
         return job
 
@@ -301,7 +321,8 @@ class DirectoryState:
         """
         if not min_idle >= 0:
             raise InvalidRequestError(f"minimum idle time {min_idle} is not a number of seconds >= 0")
-        idle = now - self.get_job(job_id).last_active
+        self.get_job(job_id)
+        idle = now - self._active[job_id]
         if idle < min_idle:
             raise JobActiveError(
                 f"job {job_id!r} was active {idle:.0f}s ago, less than the {min_idle:.0f}s idle asked for"
@@ -316,33 +337,41 @@ class DirectoryState:
         loop a few milliseconds, less than keeping them in order of activity
         at every join.
         """
-        expired = [(job, now - job.last_active) for job in self._jobs.values() if now - job.last_active >= ttl]
+        expired = [(self._jobs[job_id], now - at) for job_id, at in self._active.items() if now - at >= ttl]
         for job, _ in expired:
-            del self._jobs[job.spec.job_id]
+            del self._jobs[job.spec.job_id], self._active[job.spec.job_id]
         if expired:
             self.jobs_expired += len(expired)
             self._bump(jobs=1)
         return expired
 
-    def report_epoch(self, job_id: str, epoch: int, now: float) -> Job:
-        """Raises the job's epoch to ``epoch`` and marks it active at ``now``;
-        an older report changes only the activity."""
+    def report_epoch(self, job_id: str, epoch: int, now: float, wall: float | None = None) -> Job:
+        """Raises the job's epoch to ``epoch`` and marks it active at ``now``
+        (Unix time ``wall``); an older report changes only the activity.
+
+        Raises:
+            EpochTooFarError: see :func:`~dataquay.client.jobs.check_epoch_ahead`.
+        """
         if epoch > MAX_EPOCH:
             raise InvalidRequestError(f"epoch {epoch} is beyond the last one a job may reach ({MAX_EPOCH})")
         job = self.get_job(job_id)
+        check_epoch_ahead(job_id, job.spec.mode, epoch, job.epoch)
         if epoch > job.epoch or not job.started:
             job = self._jobs[job_id] = replace(job, epoch=max(epoch, job.epoch), started=True)
             self.revision += 1
-        return self._touch(job, now)
+        return self._touch(job, now, wall)
 
-    def _touch(self, job: Job, now: float) -> Job:
-        """Marks ``job`` active at ``now``; see :data:`ACTIVITY_WRITE_SECONDS`
-        for when that alone moves the revision."""
-        if now <= job.last_active:
+    def _touch(self, job: Job, now: float, wall: float | None) -> Job:
+        """Marks ``job`` active at ``now`` (Unix time ``wall``, default ``now``);
+        see :data:`ACTIVITY_WRITE_SECONDS` for when that alone moves the revision."""
+        job_id = job.spec.job_id
+        last = self._active[job_id]
+        if now <= last:
             return job
-        if now // ACTIVITY_WRITE_SECONDS != job.last_active // ACTIVITY_WRITE_SECONDS:
+        if now // ACTIVITY_WRITE_SECONDS != last // ACTIVITY_WRITE_SECONDS:
             self.revision += 1
-        job = self._jobs[job.spec.job_id] = replace(job, last_active=now)
+        self._active[job_id] = now
+        job = self._jobs[job_id] = replace(job, last_active=now if wall is None else wall)
         return job
 
     # ---------------------------------------------------------- persistence
@@ -370,7 +399,8 @@ class DirectoryState:
 
     @classmethod
     def from_json(
-        cls, doc: dict[str, Any], lease_seconds: float, now: float, publish_seconds: float = 0.0
+        cls, doc: dict[str, Any], lease_seconds: float, now: float, publish_seconds: float = 0.0,
+        wall: float | None = None,
     ) -> DirectoryState:
         """The state a directory restarted at ``now`` resumes from.
 
@@ -381,6 +411,8 @@ class DirectoryState:
         whole (:func:`~.node_log.first_version`). Jobs of a
         document written before jobs recorded their activity count as active
         at ``now``, so that no TTL drops them for an idle time nobody measured.
+        ``wall`` is ``now`` as Unix time (default ``now``): a job's written
+        activity counts as that long before ``now``, one in the future as ``now``.
 
         Raises:
             ValueError: a document this version cannot read.
@@ -388,6 +420,7 @@ class DirectoryState:
         if doc.get("format") != STATE_FORMAT:
             raise ValueError(f"state format {doc.get('format')!r}, expected {STATE_FORMAT}")
         state = cls(lease_seconds, publish_seconds)
+        wall = now if wall is None else wall
         try:
             for raw in doc["nodes"]:
                 node = Node(**{**raw, "info": NodeInfo(**raw["info"])})
@@ -397,11 +430,12 @@ class DirectoryState:
                     state._unheard.add(node.info.name)
             for raw in doc["jobs"]:
                 spec = JobSettings(**raw["spec"])
-                state._jobs[spec.job_id] = Job(**{"last_active": now, **raw, "spec": spec})
+                job = state._jobs[spec.job_id] = Job(**{"last_active": wall, **raw, "spec": spec})
+                state._active[spec.job_id] = now - max(0.0, wall - job.last_active)
             v = Versions(**doc["versions"])
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed state: {exc!r}") from None
-        state.node_log = NodeLog(publish_seconds, first_version(v.nodes, now))
+        state.node_log = NodeLog(publish_seconds, first_version(v.nodes, wall))
         state.versions = replace(v, nodes=state.node_log.version)
         state._bump(datasets=1, jobs=1)
         return state
