@@ -18,8 +18,7 @@ from dataquay.client.channels import channel_options, grpc_target
 from dataquay.client.jobs import check_epoch_ahead
 from dataquay.client.placement import MAX_EPOCHS_AHEAD
 from dataquay.protos import cache_pb2 as pb
-from dataquay.protos import cache_pb2_grpc
-from dataquay.protos import directory_pb2_grpc
+from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 from dataquay.server.tools.synthetic import make_npy_dataset
