@@ -53,12 +53,12 @@ def up_names(state: DirectoryState) -> list[str]:
 def test_a_lease_ends_without_heartbeats_and_a_heartbeat_brings_the_node_back() -> None:
     state = cluster("b", "a")
     assert up_names(state) == ["a", "b"] and state.versions.nodes == 2
-    assert state.heartbeat("a", 5, 1, now=8.0) == (True, False, False)
+    assert state.heartbeat("a", 5, 1, now=8.0) == (True, False, "")
     assert state.expire(now=9.0) == []
     assert state.expire(now=10.0) == ["b"]
     assert up_names(state) == ["a"] and state.node_counts() == (1, 1)
     assert state.versions.nodes == 3
-    assert state.heartbeat("b", 0, 0, now=11.0) == (True, True, False)
+    assert state.heartbeat("b", 0, 0, now=11.0) == (True, True, "")
     assert up_names(state) == ["a", "b"] and state.versions.nodes == 4
     assert state.expire(now=18.0) == ["a"]
     node_a = state.nodes()[0]
@@ -71,7 +71,7 @@ def test_heartbeats_move_no_version_and_unknown_names_are_told_to_register() -> 
     for t in range(1, 50):
         assert state.heartbeat("a", t, t, now=float(t)).known
     assert state.versions is before and state.revision == revision
-    assert state.heartbeat("ghost", 0, 0, now=50.0) == (False, False, False)
+    assert state.heartbeat("ghost", 0, 0, now=50.0) == (False, False, "")
     assert state.heartbeats == 50
 
 
