@@ -293,10 +293,10 @@ def test_jobs_of_a_state_file_without_activity_count_as_active_when_it_is_loaded
 
 
 def test_a_document_of_another_format_is_refused() -> None:
-    with pytest.raises(ValueError, match="state format 99"):
-        DirectoryState.from_json({"format": 99}, LEASE, 0.0)
-    with pytest.raises(ValueError, match="malformed state"):
-        DirectoryState.from_json({"format": 1, "nodes": [{"info": {}}]}, LEASE, 0.0)
+    with pytest.raises(ValueError, match="format is 99, expected 1"):
+        DirectoryState.from_json({"format": 99, "versions": {}, "nodes": [], "jobs": []}, LEASE, 0.0)
+    with pytest.raises(ValueError, match=r"nodes\[0\].info.name is missing"):
+        DirectoryState.from_json({"format": 1, "versions": {}, "nodes": [{"info": {}}], "jobs": []}, LEASE, 0.0)
 
 
 # ------------------------------------------------------------ job activity

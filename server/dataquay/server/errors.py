@@ -53,6 +53,7 @@ __all__ = [
     "SampleTooLargeError",
     "StandaloneError",
     "StartupError",
+    "StateFileError",
     "UnknownDatasetError",
     "UnknownJobError",
 ]
@@ -64,6 +65,10 @@ class ConfigError(DataquayError, ValueError):
 
 class StartupError(DataquayError):
     """The daemon could not start (directory not writable, port taken, ...)."""
+
+
+class StateFileError(DataquayError, ValueError):
+    """A state file whose content the server cannot use (a field of the wrong type)."""
 
 
 class CacheWriterError(DataquayError):

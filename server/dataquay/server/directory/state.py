@@ -46,6 +46,7 @@ from dataquay.server.directory.records import (
     Registration,
     Versions,
 )
+from dataquay.server.directory.state_check import check_state
 from dataquay.server.errors import (
     InvalidRequestError,
     JobActiveError,
@@ -419,10 +420,11 @@ class DirectoryState:
         at ``now``, so that no TTL drops them for an idle time nobody measured.
 
         Raises:
-            ValueError: a document this version cannot read.
+            ValueError: a document this version cannot read
+                (:class:`~dataquay.server.errors.StateFileError`: a field's
+                path, its value and what it should be).
         """
-        if doc.get("format") != STATE_FORMAT:
-            raise ValueError(f"state format {doc.get('format')!r}, expected {STATE_FORMAT}")
+        check_state(doc, STATE_FORMAT)
         state = cls(lease_seconds, publish_seconds)
         try:
             for raw in doc["nodes"]:
