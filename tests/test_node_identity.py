@@ -8,6 +8,7 @@ attacker is a second daemon, and a client forging heartbeats by RPC and UDP.
 
 from __future__ import annotations
 
+import signal
 import socket
 import stat
 import time
@@ -111,13 +112,14 @@ def directory(tmp_path: Path) -> Iterator[DirectoryProcess]:
 
 
 @pytest.fixture
-def start_node(tmp_path: Path, directory: DirectoryProcess) -> Iterator[Callable[[str, str], DaemonProcess]]:
-    """Starts a daemon under tmp_path/HOME named NAME (without waiting for it to be ready)."""
+def start_node(tmp_path: Path, directory: DirectoryProcess) -> Iterator[Callable[..., DaemonProcess]]:
+    """Starts a daemon under tmp_path/HOME named NAME, of ``directory`` or
+    another, and returns it once it is ready or has exited."""
     started: list[DaemonProcess] = []
 
-    def start(home: str, name: str) -> DaemonProcess:
+    def start(home: str, name: str, of: DirectoryProcess = directory) -> DaemonProcess:
         daemon = DaemonProcess(
-            tmp_path / home, ("--directory", directory.address, "--node-name", name, "--peer-timeout", "2"),
+            tmp_path / home, ("--directory", of.address, "--node-name", name, "--peer-timeout", "2"),
             dataset_roots=(tmp_path,),
         )
         started.append(daemon)
@@ -154,7 +156,7 @@ def exited_with(daemon: DaemonProcess) -> tuple[int, str]:
 
 
 def test_a_second_daemon_cannot_take_a_live_nodes_name_but_the_node_restarts_and_a_successor_takes_it_later(
-    tmp_path: Path, directory: DirectoryProcess, start_node: Callable[[str, str], DaemonProcess]
+    tmp_path: Path, directory: DirectoryProcess, start_node: Callable[..., DaemonProcess]
 ) -> None:
     make_files_dataset(tmp_path / "pfs" / "imgs", N, sizes=(SIZE,), classes=3)
     a, c = start_node("a", "n0"), start_node("c", "n1")
@@ -206,6 +208,28 @@ def test_a_second_daemon_cannot_take_a_live_nodes_name_but_the_node_restarts_and
     channels.close()
 
 
+def test_a_refusal_that_comes_after_the_daemon_reported_ready_still_stops_it(
+    tmp_path: Path, start_node: Callable[..., DaemonProcess]
+) -> None:
+    slow = DirectoryProcess(tmp_path / "slow", ("--lease-seconds", "30", "--heartbeat-seconds", "1")).start()
+    try:
+        a = start_node("a", "n0", slow)
+        assert a.ready is not None
+        wait_until(lambda: up_at(slow, "n0", a.ready["tcp"]), "n0 up")
+        slow.signal(signal.SIGSTOP)  # the directory takes longer to answer than a start waits
+        try:
+            b = start_node("b", "n0", slow)
+            assert b.ready is not None, b.log_tail()
+        finally:
+            slow.signal(signal.SIGCONT)
+        code, log = exited_with(b)
+        assert code == 1 and f"dataquay: error: node name n0 is held by a live node at {a.ready['tcp']}; " \
+            "pick another --node-name or stop that daemon" in log.splitlines()
+        assert up_at(slow, "n0", a.ready["tcp"])
+    finally:
+        slow.kill()
+
+
 def refused_for_holder(directory: DirectoryProcess) -> int:
     with urllib.request.urlopen(directory.http_url + "/metrics", timeout=10) as reply:
         text = reply.read().decode()
@@ -219,7 +243,7 @@ def refused_for_holder(directory: DirectoryProcess) -> int:
 
 
 def test_heartbeats_forged_for_a_dead_nodes_name_do_not_keep_it_up(
-    directory: DirectoryProcess, start_node: Callable[[str, str], DaemonProcess]
+    directory: DirectoryProcess, start_node: Callable[..., DaemonProcess]
 ) -> None:
     a = start_node("a", "n0")
     assert a.ready is not None
