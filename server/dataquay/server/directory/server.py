@@ -50,7 +50,15 @@ from dataquay.server.config import DirectoryConfig
 from dataquay.server.directory.beats import count_refusal, open_heartbeats
 from dataquay.server.directory.listing import NodeListing
 from dataquay.server.directory.metrics import directory_metrics
-from dataquay.server.directory.records import Change, DatasetFacts, Job, JoinRequest, NodeInfo, Versions
+from dataquay.server.directory.records import (
+    Change,
+    DatasetFacts,
+    Job,
+    JoinRequest,
+    NodeInfo,
+    Registration,
+    Versions,
+)
 from dataquay.server.directory.sd_http import HttpEndpoints
 from dataquay.server.directory.servicer import DirectoryServicer
 from dataquay.server.directory.state import DirectoryState, StateSnapshot
@@ -297,27 +305,7 @@ class DirectoryServer(ServerLifecycle):
                 "holder_identity": held.identity[:IDENTITY_SHOWN] if held else "",
             }})
             raise
-        fields = {"node": info.name, "tcp": info.tcp_address, "metrics": info.metrics_address}
-        if registration.change is Change.JOINED:
-            log.info("node registered", extra={"fields": fields})
-        elif registration.change is Change.UP:
-            log.info("node up", extra={"fields": fields})
-        previous, previous_identity = registration.previous, registration.previous_identity
-        if previous is not None and previous_identity and previous_identity != identity:
-            log.warning(
-                "a node name passed to another identity after its holder's lease ended",
-                extra={"fields": {**fields, "identity": identity[:IDENTITY_SHOWN], "previous_tcp": previous.tcp_address,
-                                  "previous_identity": previous_identity[:IDENTITY_SHOWN]}},
-            )
-        elif registration.change is Change.RENEWED and previous and previous.tcp_address != info.tcp_address:
-            if identity:
-                log.info("node registered again from another address",
-                         extra={"fields": {**fields, "previous_tcp": previous.tcp_address}})
-            else:
-                log.warning(
-                    "a live node's name registered from another address; two daemons may share a node name",
-                    extra={"fields": {**fields, "previous_tcp": previous.tcp_address}},
-                )
+        _log_registration(info, identity, registration)
         await self._persist()
         return registration.session
 
@@ -421,6 +409,33 @@ class DirectoryServer(ServerLifecycle):
             await self._persist()
             log.info("job epoch", extra={"fields": {"job": job_id, "epoch": job.epoch, "node": node}})
         return job
+
+
+
+def _log_registration(info: NodeInfo, identity: str, registration: Registration) -> None:
+    """Logs what a registration changed: a node that joined or came back, a
+    name that passed to a new identity, a node that moved."""
+    fields = {"node": info.name, "tcp": info.tcp_address, "metrics": info.metrics_address}
+    if registration.change is Change.JOINED:
+        log.info("node registered", extra={"fields": fields})
+    elif registration.change is Change.UP:
+        log.info("node up", extra={"fields": fields})
+    previous, previous_identity = registration.previous, registration.previous_identity
+    if previous is not None and previous_identity and previous_identity != identity:
+        log.warning(
+            "a node name passed to another identity after its holder's lease ended",
+            extra={"fields": {**fields, "identity": identity[:IDENTITY_SHOWN], "previous_tcp": previous.tcp_address,
+                              "previous_identity": previous_identity[:IDENTITY_SHOWN]}},
+        )
+    elif registration.change is Change.RENEWED and previous and previous.tcp_address != info.tcp_address:
+        if identity and identity == previous_identity:
+            log.info("node registered again from another address",
+                     extra={"fields": {**fields, "previous_tcp": previous.tcp_address}})
+        else:
+            log.warning(
+                "a live node's name registered from another address; two daemons may share a node name",
+                extra={"fields": {**fields, "previous_tcp": previous.tcp_address}},
+            )
 
 
 async def serve_directory(config: DirectoryConfig) -> None:
