@@ -81,6 +81,11 @@ class DatasetExistsError(DataquayError):
     """A dataset name that is already registered (use --replace)."""
 
 
+class NodeNameTakenError(DataquayError):
+    """A node name a live node of another identity holds: two daemons must
+    not answer for one name, or peers would read from whichever came last."""
+
+
 class RootNotAllowedError(DataquayError, PermissionError):
     """A dataset root outside the server's --dataset-roots: the operator, not
     a token holder, decides which directories the server reads for callers."""

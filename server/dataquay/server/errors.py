@@ -21,6 +21,7 @@ from dataquay.client.errors import (
     JobActiveError,
     JobMismatchError,
     ManifestError,
+    NodeNameTakenError,
     NoLiveNodesError,
     PfsReadError,
     RootNotAllowedError,
@@ -47,12 +48,14 @@ __all__ = [
     "JobMismatchError",
     "ManifestError",
     "NoLiveNodesError",
+    "NodeNameTakenError",
     "PfsReadError",
     "RootNotAllowedError",
     "SampleIdError",
     "SampleTooLargeError",
     "StandaloneError",
     "StartupError",
+    "StateFileError",
     "UnknownDatasetError",
     "UnknownJobError",
 ]
@@ -64,6 +67,10 @@ class ConfigError(DataquayError, ValueError):
 
 class StartupError(DataquayError):
     """The daemon could not start (directory not writable, port taken, ...)."""
+
+
+class StateFileError(DataquayError, ValueError):
+    """A state file whose content the server cannot use (a field of the wrong type)."""
 
 
 class CacheWriterError(DataquayError):

@@ -32,7 +32,9 @@ as node-set versions at most once per heartbeat period: the server calls
 
 from __future__ import annotations
 
+import hashlib
 import re
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -53,10 +55,12 @@ from dataquay.server.directory.records import (
     Registration,
     Versions,
 )
+from dataquay.server.directory.state_check import check_state
 from dataquay.server.errors import (
     InvalidRequestError,
     JobActiveError,
     JobMismatchError,
+    NodeNameTakenError,
     NoLiveNodesError,
     UnknownJobError,
 )
@@ -67,6 +71,8 @@ STATE_FORMAT = 1
 _JOB_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
+#: Length of the identity key a daemon keeps (see dataquay.server.node.identity).
+IDENTITY_KEY_BYTES = 32
 
 #: A job's activity moves the revision (so it reaches the disk) once per this
 #: many seconds of the clock, not at every join or epoch report: each write is
@@ -78,8 +84,12 @@ ACTIVITY_WRITE_SECONDS = 60.0
 class DirectoryState:
     """Nodes, leases, jobs and versions; see the module docstring."""
 
-    def __init__(self, lease_seconds: float, publish_seconds: float = 0.0) -> None:
+    def __init__(
+        self, lease_seconds: float, publish_seconds: float = 0.0, sessions: Callable[[], int] | None = None
+    ) -> None:
         self.lease_seconds = lease_seconds
+        #: Makes the session each registration with an identity hands out.
+        self._new_session = sessions or _random_session
         self.versions = Versions()
         self.node_log = NodeLog(publish_seconds)
         #: Moves on every change that must reach the disk.
@@ -99,37 +109,61 @@ class DirectoryState:
 
     # ---------------------------------------------------------------- nodes
 
-    def register(self, info: NodeInfo, now: float, wall: float | None = None) -> Registration:
+    def register(self, info: NodeInfo, now: float, identity: str = "", wall: float | None = None) -> Registration:
         """Adds or refreshes a node and starts its lease; ``wall`` is the Unix
         time it records as registered (default ``now``).
 
+        ``identity`` (:func:`identity_of` the node's key) binds the name: while
+        the lease of a node that registered with one runs, the name is refused
+        to any other, so that a second daemon given a live node's name cannot
+        take its place in every peer's list. The same identity is the same
+        node restarted, wherever it now listens. A name whose lease ended goes
+        to whoever registers it (a node rebuilt on a fresh disk).
+
         Raises:
             InvalidRequestError: a name or address that peers could not use.
+            NodeNameTakenError: a live node of another identity holds the name.
         """
         _check_node(info)
         wall = now if wall is None else wall
         node = self._nodes.get(info.name)
+        session = self._new_session() if identity else 0
         if node is None:
-            change, previous = Change.JOINED, None
-            self._nodes[info.name] = Node(info, registered=wall, last_heartbeat=wall)
+            change, previous, previous_identity = Change.JOINED, None, ""
+            self._nodes[info.name] = Node(info, registered=wall, last_heartbeat=wall, identity=identity,
+                                          session=session)
         else:
+            self._check_holder(node, identity, now)
             live = node.up and info.name not in self._unheard
-            change, previous = (Change.RENEWED if live else Change.UP), node.info
+            change, previous, previous_identity = (Change.RENEWED if live else Change.UP), node.info, node.identity
             self._unheard.discard(info.name)
             node.info, node.registered, node.last_heartbeat, node.up = info, wall, wall, True
             node.beat_sequence = 0
+            node.identity, node.session = identity, session
         self._renew(info.name, now)
         self.node_log.mark(info.name)
         self._nodes_changed(now)
-        return Registration(change, previous)
+        return Registration(change, previous, previous_identity, session)
+
+    def _check_holder(self, node: Node, identity: str, now: float) -> None:
+        """Refuses ``identity`` the name of ``node`` while another identity's lease on it runs."""
+        if not node.identity or node.identity == identity or self._leases.get(node.info.name, now) <= now:
+            return
+        raise NodeNameTakenError(
+            f"node name {node.info.name} is held by a live node at {node.info.tcp_address}; "
+            "pick another --node-name or stop that daemon"
+        )
 
     def heartbeat(
         self, name: str, cache_used_bytes: int, cache_entries: int, now: float, sequence: int | None = None,
-        wall: float | None = None,
+        wall: float | None = None, session: int = 0,
     ) -> Beat:
         """Renews a lease in O(1); a node that was down comes back up. ``wall``
         is the Unix time it records as the last heartbeat (default ``now``).
 
+        A beat for a node that registered with an identity must carry the
+        ``session`` of that registration, or it is refused as not the
+        holder's and renews nothing: no other daemon keeps the name alive.
         A datagram's ``sequence`` must exceed every one accepted from the node
         since it registered, or the beat is refused as a replay and renews
         nothing. The mark starts again at each registration, so that a daemon
@@ -137,9 +171,11 @@ class DirectoryState:
         none: the channel authenticates them.
         """
         node = self._nodes.get(name)
+        if node is not None and node.session and session != node.session:
+            return Beat(known=True, came_up=False, refused="holder")
         if node is not None and sequence is not None:
             if sequence <= node.beat_sequence:
-                return Beat(known=True, came_up=False, refused=True)
+                return Beat(known=True, came_up=False, refused="replayed")
             node.beat_sequence = sequence
         self.heartbeats += 1
         if node is None:
@@ -415,10 +451,11 @@ class DirectoryState:
         activity counts as that long before ``now``, one in the future as ``now``.
 
         Raises:
-            ValueError: a document this version cannot read.
+            ValueError: a document this version cannot read
+                (:class:`~dataquay.server.errors.StateFileError`: a field's
+                path, its value and what it should be).
         """
-        if doc.get("format") != STATE_FORMAT:
-            raise ValueError(f"state format {doc.get('format')!r}, expected {STATE_FORMAT}")
+        check_state(doc, STATE_FORMAT)
         state = cls(lease_seconds, publish_seconds)
         wall = now if wall is None else wall
         try:
@@ -458,6 +495,24 @@ class StateSnapshot(NamedTuple):
             "jobs": [{**asdict(job), "spec": {**asdict(job.spec), "nodes": list(job.spec.nodes)}}
                      for _, job in sorted(self.jobs.items())],
         }
+
+
+def identity_of(key: bytes) -> str:
+    """The identity the directory keeps of a node's key: its SHA-256, so that
+    the state file holds nothing a daemon could register with; "" for none.
+
+    Raises:
+        InvalidRequestError: a key of another length than daemons make.
+    """
+    if not key:
+        return ""
+    if len(key) != IDENTITY_KEY_BYTES:
+        raise InvalidRequestError(f"identity key of {len(key)} bytes, expected {IDENTITY_KEY_BYTES}")
+    return hashlib.sha256(key).hexdigest()
+
+
+def _random_session() -> int:
+    return secrets.randbits(64) or 1
 
 
 def _check_node(info: NodeInfo) -> None:

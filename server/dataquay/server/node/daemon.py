@@ -32,7 +32,7 @@ from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server import __version__
 from dataquay.server.auth import ServerCredentials, new_server, server_tls
 from dataquay.server.config import DaemonConfig
-from dataquay.server.errors import StartupError
+from dataquay.server.errors import DataquayError, NodeNameTakenError, StartupError
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.limits import SERVED_BYTES_PER_PEER, ByteBudgets
 from dataquay.server.listen import advertised_host, bind_tcp, claim_socket_path
@@ -46,6 +46,7 @@ from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange import ExchangeReceiver, ExchangeRun, Exchanges
 from dataquay.server.node.exchange.coded import CodedProgress
 from dataquay.server.node.exchange.mcast import multicast_channel
+from dataquay.server.node.identity import node_identity
 from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState, MetricsServer
 from dataquay.server.node.overflow import OverflowCounts
 from dataquay.server.node.peers import Peers
@@ -65,6 +66,8 @@ from dataquay.server.task_group import TaskGroup
 log = logging.getLogger("dataquay.daemon")
 
 SERVICE_NAME = "dataquay.v1.Cache"
+#: How long a start waits for the directory to answer the first registration.
+FIRST_REGISTRATION_WAIT_SECONDS = 3.0
 
 
 class Daemon(ServerLifecycle):
@@ -85,7 +88,10 @@ class Daemon(ServerLifecycle):
             config.token_file, config.node_token_file, config.tls_ca, config.tls_cert, config.tls_key
         )
         self.link = (
-            DirectoryLink(config.directory, self.node_info, self._usage, self._datasets_changed, self.credentials.node)
+            DirectoryLink(
+                config.directory, self.node_info, self._usage, self._datasets_changed, self.credentials.node,
+                refused=self._name_refused,
+            )
             if config.directory
             else None
         )
@@ -145,6 +151,8 @@ class Daemon(ServerLifecycle):
         self._server: grpc.aio.Server | None = None
         self._metrics_http: MetricsServer | None = None
         self._started = False
+        #: Why the daemon stopped on its own (the directory refused its name); raised by :func:`serve`.
+        self.fatal: DataquayError | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -154,6 +162,8 @@ class Daemon(ServerLifecycle):
         self._started = True
         try:
             self.store.open()
+            if self.link is not None:
+                self.link.identity_key = node_identity(self.store.path)
             self.registry.load()
             self.registry.warn_outside(self.config.dataset_roots)
             for name in self.registry.names():
@@ -171,6 +181,7 @@ class Daemon(ServerLifecycle):
         if self.link is not None:
             self.tasks.spawn(self.link.run(), "directory-link")
             self.tasks.spawn(self._resume_exchanges(), "exchange-resume")
+            await self._first_registration()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         write_ready_file(self.config.ready_file, {
@@ -336,6 +347,26 @@ class Daemon(ServerLifecycle):
 
     # ------------------------------------------------------------- cluster
 
+    async def _first_registration(self) -> None:
+        """Waits a moment for the directory's answer to this node's first
+        registration, so that a name it refuses ends the start with its
+        reason, before the daemon reports itself ready; a directory that is
+        slow or away is waited for in the background instead."""
+        assert self.link is not None
+        try:
+            await asyncio.wait_for(self.link.first_attempt.wait(), FIRST_REGISTRATION_WAIT_SECONDS)
+        except TimeoutError:
+            return
+        if self.fatal is not None:
+            await self.close()
+            raise self.fatal
+
+    def _name_refused(self, exc: NodeNameTakenError) -> None:
+        """The directory refused this node's name to this daemon: stop, and
+        let :func:`serve` end with the directory's reason."""
+        self.fatal = exc
+        self.request_stop()
+
     @property
     def metrics_address(self) -> str:
         return f"{advertised_host(self.config.metrics_host)}:{self.metrics_port}"
@@ -402,6 +433,8 @@ async def serve(config: DaemonConfig) -> None:
     """Runs a daemon until SIGTERM or SIGINT."""
     async with Daemon(config) as daemon:
         await daemon.serve_until_stopped()
+    if daemon.fatal is not None:
+        raise daemon.fatal
 
 
 def exchange_state(run: ExchangeRun) -> ExchangeState:
