@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import socket
 import stat
 from pathlib import Path
@@ -78,18 +79,23 @@ def _user_name(uid: int) -> str:
         return f"uid {uid}"
 
 
-def claim_socket_path(path: Path, group_access: bool = False) -> None:
+def claim_socket_path(path: Path, group: str = "") -> None:
     """Makes ``path`` free for a new socket; refuses if a live daemon is on it.
 
-    A missing socket directory is created 0700, or 0750 with ``group_access``
-    so that the socket's group can reach the socket inside it.
+    A missing socket directory is created 0700, or 0750 of ``group`` (the
+    socket's group) when one is given: its members reach the socket only
+    through a directory they may enter.
     """
     directory = path.parent
     if not directory.exists():
         try:
             directory.parent.mkdir(parents=True, exist_ok=True)
-            directory.mkdir()
-            directory.chmod(0o750 if group_access else 0o700)
+            directory.mkdir(mode=0o700)
+            if group:
+                shutil.chown(directory, group=group)
+            directory.chmod(0o750 if group else 0o700)
+        except LookupError:
+            raise StartupError(f"cannot give socket dir {directory} to group {group!r}: no such group") from None
         except OSError as exc:
             raise StartupError(f"cannot create socket dir {directory}: {exc.strerror}") from exc
     check_socket_dir(directory)
@@ -106,3 +112,4 @@ def claim_socket_path(path: Path, group_access: bool = False) -> None:
     finally:
         probe.close()
     raise StartupError(f"another daemon is serving on socket {path}")
+

@@ -205,7 +205,7 @@ class Daemon(ServerLifecycle):
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self._server = server
         sock = Path(self.config.socket)
-        claim_socket_path(sock, group_access=bool(self.config.socket_group))
+        claim_socket_path(sock, self.config.socket_group)
         try:
             bound = server.add_insecure_port(f"unix:{sock}")
         except RuntimeError as exc:

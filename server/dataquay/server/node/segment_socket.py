@@ -77,7 +77,7 @@ class SegmentSocket:
             OSError: the socket cannot be made (a path too long, no permission).
         """
         self._loop = asyncio.get_running_loop()
-        claim_socket_path(self.path, group_access=bool(group))
+        claim_socket_path(self.path, group)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             listener.bind(str(self.path))
