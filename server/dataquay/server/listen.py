@@ -113,3 +113,29 @@ def claim_socket_path(path: Path, group: str = "") -> None:
         probe.close()
     raise StartupError(f"another daemon is serving on socket {path}")
 
+
+#: What tells one socket file from another at the same path: (device, inode).
+SocketIdentity = tuple[int, int]
+
+
+def socket_identity(path: Path) -> SocketIdentity:
+    """The identity of the socket this process just bound at ``path``."""
+    st = path.stat()
+    return st.st_dev, st.st_ino
+
+
+def remove_own_socket(path: Path, identity: SocketIdentity | None) -> None:
+    """Removes the socket at ``path`` only if it is the one this process bound.
+
+    A serve that did not bind ``path`` (another daemon serves there) must
+    leave that daemon's socket in place, or its clients lose it until it
+    restarts.
+    """
+    if identity is None:
+        return
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return
+    if (st.st_dev, st.st_ino) == identity:
+        path.unlink(missing_ok=True)

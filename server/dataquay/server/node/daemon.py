@@ -36,7 +36,14 @@ from dataquay.server.config import DaemonConfig
 from dataquay.server.errors import StartupError
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.limits import SERVED_BYTES_PER_PEER, ByteBudgets
-from dataquay.server.listen import advertised_host, bind_tcp, claim_socket_path
+from dataquay.server.listen import (
+    SocketIdentity,
+    advertised_host,
+    bind_tcp,
+    claim_socket_path,
+    remove_own_socket,
+    socket_identity,
+)
 from dataquay.server.node.behind import CacheBehind
 from dataquay.server.node.bulk.client import BulkClient
 from dataquay.server.node.bulk.server import BulkServer
@@ -143,6 +150,8 @@ class Daemon(ServerLifecycle):
         self._server: grpc.aio.Server | None = None
         self._metrics_http: MetricsServer | None = None
         self._started = False
+        #: The socket this daemon bound, the only one its close may remove.
+        self._socket_identity: SocketIdentity | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -212,6 +221,7 @@ class Daemon(ServerLifecycle):
             raise StartupError(f"cannot listen on socket {sock}: {exc}") from exc
         if not bound:
             raise StartupError(f"cannot listen on socket {sock}")
+        self._socket_identity = socket_identity(sock)
         self.tcp_address = bind_tcp(server, self.config.listen, server_tls(self.credentials))
         self._open_segment_socket(sock)  # before the first Read can name a segment
         await server.start()
@@ -301,7 +311,7 @@ class Daemon(ServerLifecycle):
         self.prep_groups.close()
         if self._metrics_http is not None:
             self._metrics_http.close()
-        Path(self.config.socket).unlink(missing_ok=True)
+        remove_own_socket(Path(self.config.socket), self._socket_identity)
 
     async def _resume_exchanges(self) -> None:
         """After a restart, redo this node's part of the current exchanges
