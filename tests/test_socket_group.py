@@ -67,10 +67,12 @@ def group() -> grp.struct_group:
 @pytest.fixture(params=["created"])
 def daemon(request: pytest.FixtureRequest, tmp_path: Path, group: grp.struct_group) -> Iterator[DaemonProcess]:
     """A daemon with --socket-group, "imgs" registered; its socket in a directory
-    it creates, or ("open") in one made before, 0755, that anyone may enter."""
+    it creates, or in one made before: ("open") 0755, that anyone may enter,
+    ("closed") 0700, that the group may not."""
     sock_dir = Path(f"/tmp/dq-group-{os.getpid()}")
-    if request.param == "open":
-        sock_dir.mkdir(mode=0o755)
+    if request.param != "created":
+        sock_dir.mkdir()
+        sock_dir.chmod(0o755 if request.param == "open" else 0o700)
     root = make_files_dataset(tmp_path / "pfs", N, sizes=(SIZE,))
     started = DaemonProcess(tmp_path / "node0", ("--socket-group", group.gr_name), dataset_roots=(tmp_path,),
                             socket_path=sock_dir / "dataquay.sock")
@@ -121,3 +123,15 @@ def test_a_user_outside_the_socket_group_is_told_permission_is_denied_at_once(da
     assert last.startswith("dataquay.client.security.CredentialsError: ")
     assert f"cannot reach the daemon socket {daemon.socket}: permission denied" in last
     assert took < 10  # the connect's deadline is 20 s
+
+
+@pytest.mark.parametrize("daemon", ["closed"], indirect=True)
+def test_a_socket_dir_made_before_that_the_group_cannot_enter_is_named_in_the_log(
+    daemon: DaemonProcess, group: grp.struct_group
+) -> None:
+    sock_dir = daemon.socket.parent
+    warnings = [line for line in daemon.log_path.read_text().splitlines() if "socket group cannot reach" in line]
+    assert len(warnings) == 1
+    why = f"socket dir {sock_dir} (mode 0700, gid {os.getgid()}) cannot be entered by group {group.gr_name}"
+    assert why in warnings[0]
+    assert "denied" in as_client([str(group.gr_gid)], daemon.address).stderr.decode()

@@ -3,6 +3,7 @@ other nodes should be told."""
 
 from __future__ import annotations
 
+import grp
 import os
 import pwd
 import shutil
@@ -112,6 +113,26 @@ def claim_socket_path(path: Path, group: str = "") -> None:
     finally:
         probe.close()
     raise StartupError(f"another daemon is serving on socket {path}")
+
+
+def group_entry_problem(directory: Path, group: str) -> str | None:
+    """Why the members of ``group`` cannot enter the socket directory, or None.
+
+    The daemon gives a directory it creates to the group, but one made
+    before (by an earlier run, or the operator) keeps its mode and group:
+    there the socket's group would see "permission denied" for a socket
+    it was given.
+    """
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        return None  # giving the socket to it fails the start, naming the group
+    st = directory.stat()
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_IXOTH or (st.st_gid == gid and mode & stat.S_IXGRP):
+        return None
+    return (f"socket dir {directory} (mode {mode:04o}, gid {st.st_gid}) cannot be entered by group {group}; "
+            f"chgrp {group} {directory} && chmod 0750 {directory}, or remove it for the daemon to create")
 
 
 #: What tells one socket file from another at the same path: (device, inode).

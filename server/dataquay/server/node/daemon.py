@@ -41,6 +41,7 @@ from dataquay.server.listen import (
     advertised_host,
     bind_tcp,
     claim_socket_path,
+    group_entry_problem,
     remove_own_socket,
     socket_identity,
 )
@@ -215,6 +216,8 @@ class Daemon(ServerLifecycle):
         self._server = server
         sock = Path(self.config.socket)
         claim_socket_path(sock, self.config.socket_group)
+        if self.config.socket_group and (problem := group_entry_problem(sock.parent, self.config.socket_group)):
+            log.warning("the socket group cannot reach the socket", extra={"fields": {"reason": problem}})
         try:
             bound = server.add_insecure_port(f"unix:{sock}")
         except RuntimeError as exc:
