@@ -327,7 +327,7 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
         ("served_bytes", "Payload bytes sent to peers over the bulk data path", served_bytes),
         ("fetched_samples", "Samples read from peers over the bulk data path", fetched),
         ("fetched_bytes", "Payload bytes read from peers over the bulk data path", fetched_bytes),
-        ("refused_connections", "Bulk connections closed for bad input: garbage, a wrong token, oversized, stalled",
+        ("refused_connections", "Bulk connections closed for bad input (garbage, a wrong token, oversized, stalled) or over a cap",
          refused),
         ("fallbacks", "Bulk connections to peers that failed, after which gRPC was used", fallbacks),
         ("segment_reads", "Trainers' batch reads answered on their shared-memory segment's connection, not gRPC",
