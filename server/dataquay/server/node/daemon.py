@@ -35,7 +35,15 @@ from dataquay.server.config import DaemonConfig
 from dataquay.server.errors import DataquayError, NodeNameTakenError, StartupError
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.limits import SERVED_BYTES_PER_PEER, ByteBudgets
-from dataquay.server.listen import advertised_host, bind_tcp, claim_socket_path
+from dataquay.server.listen import (
+    SocketIdentity,
+    advertised_host,
+    bind_tcp,
+    claim_socket_path,
+    group_entry_problem,
+    remove_own_socket,
+    socket_identity,
+)
 from dataquay.server.node.behind import CacheBehind
 from dataquay.server.node.bulk.client import BulkClient
 from dataquay.server.node.bulk.server import BulkServer
@@ -153,6 +161,8 @@ class Daemon(ServerLifecycle):
         self._started = False
         #: Why the daemon stopped on its own (the directory refused its name); raised by :func:`serve`.
         self.fatal: DataquayError | None = None
+        #: The socket this daemon bound, the only one its close may remove.
+        self._socket_identity: SocketIdentity | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -218,13 +228,16 @@ class Daemon(ServerLifecycle):
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self._server = server
         sock = Path(self.config.socket)
-        claim_socket_path(sock, group_access=bool(self.config.socket_group))
+        claim_socket_path(sock, self.config.socket_group)
+        if self.config.socket_group and (problem := group_entry_problem(sock.parent, self.config.socket_group)):
+            log.warning("the socket group cannot reach the socket", extra={"fields": {"reason": problem}})
         try:
             bound = server.add_insecure_port(f"unix:{sock}")
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on socket {sock}: {exc}") from exc
         if not bound:
             raise StartupError(f"cannot listen on socket {sock}")
+        self._socket_identity = socket_identity(sock)
         self.tcp_address = bind_tcp(server, self.config.listen, server_tls(self.credentials.user))
         self._open_segment_socket(sock)  # before the first Read can name a segment
         await server.start()
@@ -314,7 +327,7 @@ class Daemon(ServerLifecycle):
         self.prep_groups.close()
         if self._metrics_http is not None:
             self._metrics_http.close()
-        Path(self.config.socket).unlink(missing_ok=True)
+        remove_own_socket(Path(self.config.socket), self._socket_identity)
 
     async def _resume_exchanges(self) -> None:
         """After a restart, redo this node's part of the current exchanges

@@ -33,7 +33,7 @@ from dataquay.client.errors import SegmentRefusedError
 from dataquay.client.memfd import HANDSHAKE_SECONDS, MESSAGE_BYTES, parse_request, reply_message
 from dataquay.client.segment_reads import MAX_IDS, REQUEST_BYTES
 from dataquay.server.errors import StartupError
-from dataquay.server.listen import claim_socket_path
+from dataquay.server.listen import SocketIdentity, claim_socket_path, remove_own_socket, socket_identity
 from dataquay.server.node.segment_reads import SegmentReads
 from dataquay.server.node.shm import ShmSegments
 from dataquay.server.task_group import Spawn
@@ -67,6 +67,8 @@ class SegmentSocket:
         self._waiting: dict[socket.socket, asyncio.TimerHandle] = {}
         self._logged_at = 0.0
         self.refused = 0
+        #: The socket file this process bound, the only one it may remove.
+        self._identity: SocketIdentity | None = None
 
     def open(self, group: str = "") -> None:
         """Listens on :attr:`path`, mode 0660 (of ``group`` when given).
@@ -77,10 +79,11 @@ class SegmentSocket:
             OSError: the socket cannot be made (a path too long, no permission).
         """
         self._loop = asyncio.get_running_loop()
-        claim_socket_path(self.path, group_access=bool(group))
+        claim_socket_path(self.path, group)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             listener.bind(str(self.path))
+            self._identity = socket_identity(self.path)
             os.chmod(self.path, 0o660)
             if group:
                 try:
@@ -91,7 +94,7 @@ class SegmentSocket:
             listener.setblocking(False)
         except (OSError, StartupError):
             listener.close()
-            self.path.unlink(missing_ok=True)
+            remove_own_socket(self.path, self._identity)
             raise
         self._listener = listener
         self._loop.add_reader(listener.fileno(), self._accept)
@@ -102,7 +105,7 @@ class SegmentSocket:
             self._loop.remove_reader(self._listener.fileno())
             self._listener.close()
             self._listener = None
-            self.path.unlink(missing_ok=True)
+            remove_own_socket(self.path, self._identity)
         for conn in list(self._waiting):
             self._stop_waiting(conn)
             conn.close()
