@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(
     reason="openssl is not installed: the tests make their certificates with it",
 )
 
-#: Two job names whose passes into epoch 1 shared a group id when 12 bits of xxh3("job/epoch") told passes apart.
+#: Two job names whose xxh3("job/1") agree modulo 4095: passes told apart by a 12-bit hash would share groups.
 JOB_A, JOB_B = "coded-a", "coded-b3547"
 
 
