@@ -48,6 +48,7 @@ OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Healt
 #: the PFS's page cache or takes only from a segment of its own user.
 NODE_METHODS: Mapping[str, str] = {
     "/dataquay.v1.Cache/Exchange": "only daemons write into another node's cache",
+    "/dataquay.v1.Cache/CodedPass": "only daemons take part in a coded pass",
     "/dataquay.v1.Directory/RegisterNode": "only daemons join the node list",
     "/dataquay.v1.Directory/Heartbeat": "only daemons renew a node's lease",
 }

@@ -439,6 +439,7 @@ class Daemon(ServerLifecycle):
                 self.peers.bulk_fallbacks, self.segment_reads,
             ),
             cache_behind=self.behind.counts,
+            mcast_dropped=dict(self.exchanges.mcast_dropped) if self.exchanges else {},
         )
 
 

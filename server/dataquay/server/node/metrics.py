@@ -78,6 +78,8 @@ class LiveState:
     #: connections refused, fetches that fell back to gRPC, trainers' batch reads on their segments' connections).
     bulk: tuple[int, int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0, 0)
     cache_behind: BehindCounts = field(default_factory=BehindCounts)
+    #: Coded passes' multicast datagrams (and packets) dropped, by reason.
+    mcast_dropped: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -335,6 +337,15 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
          segment_reads),
     ):
         yield CounterMetricFamily(f"dataquay_bulk_{name}", text, value=value)
+    dropped = CounterMetricFamily(
+        "dataquay_mcast_datagrams_dropped",
+        "Coded passes' multicast datagrams (and whole packets) dropped, by reason: another pass's (unknown_pass), "
+        "forged (unauthenticated), malformed, duplicate, ... (see the README's Coded shuffling)",
+        labels=["reason"],
+    )
+    for reason, count in sorted(state.mcast_dropped.items()):
+        dropped.add_metric([reason], count)
+    yield dropped
     yield CounterMetricFamily(
         "dataquay_reads_previous_owner",
         "Samples read from their owner of the epoch before (exchange not done yet)",

@@ -19,7 +19,7 @@ from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import StandaloneError
 from dataquay.server.limits import ByteBudget
 from dataquay.server.node.directory_link import DirectoryLink
-from dataquay.server.node.exchange import ExchangeRun
+from dataquay.server.node.exchange import ExchangeRun, Exchanges
 from dataquay.server.node.exchange.coded import CodedProgress
 from dataquay.server.node.forward import ShmForward
 from dataquay.server.node.metrics import LiveState
@@ -191,7 +191,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 pb.PeerHealth(node=p.node, suspect=p.suspect, failures=p.failures, samples=p.samples, bytes=p.bytes)
                 for p in d.peers.health()
             ],
-            exchanges=[exchange_progress(run) for run in d.exchanges.progress()] if d.exchanges else [],
+            exchanges=exchanges_progress(d.exchanges) if d.exchanges else [],
+            mcast_datagrams_dropped=state.mcast_dropped,
             exchange_received_samples=d.receiver.received_samples if d.receiver else 0,
             exchange_received_bytes=d.receiver.received_bytes if d.receiver else 0,
             previous_owner_samples=d.reads.previous_owner_samples,
@@ -277,6 +278,12 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             async for reply in self.daemon.receiver.receive(request_iterator):
                 yield reply
 
+    async def CodedPass(self, request: pb.CodedPassRequest, context: grpc.aio.ServicerContext) -> pb.CodedPassReply:
+        async with status_on_error(context):
+            if self.daemon.exchanges is None:
+                raise StandaloneError("this daemon runs without a directory (--directory); exchanges need one")
+            return pb.CodedPassReply(pass_id=await self.daemon.exchanges.pass_id(request.job, request.epoch))
+
     def _link(self) -> DirectoryLink:
         if self.daemon.link is None:
             raise StandaloneError("this daemon runs without a directory (--directory); jobs need one")
@@ -310,6 +317,14 @@ def read_ahead(state: LiveState) -> pb.ReadAhead:
     )
 
 
+def exchanges_progress(exchanges: Exchanges) -> list[pb.ExchangeProgress]:
+    """The latest exchange of each job, a run or a failure before its run began."""
+    runs = [exchange_progress(run) for run in exchanges.progress()]
+    failed = [pb.ExchangeProgress(job=job, epoch=epoch, finished=True, failed=True, error=f"failed: {reason}")
+              for job, epoch, reason in exchanges.failed_early()]
+    return sorted([*runs, *failed], key=lambda x: x.job)
+
+
 def exchange_progress(run: ExchangeRun) -> pb.ExchangeProgress:
     done = run.progress()
     coded = run.coded or CodedProgress()
@@ -326,6 +341,7 @@ def exchange_progress(run: ExchangeRun) -> pb.ExchangeProgress:
         elapsed_seconds=run.elapsed,
         first_delivery_seconds=run.first_delivery,
         finished=run.finished,
+        failed=run.failed,
         error=run.error,
         coded_packets_sent=coded.packets_sent,
         coded_bytes_sent=coded.bytes_sent,
