@@ -37,7 +37,9 @@ from dataquay.client.errors import (
     SampleTooLargeError,
     StandaloneError,
     UnknownDatasetError,
+    UnknownCallerError,
     UnknownJobError,
+    UserNotAllowedError,
 )
 
 #: Each error a call can end with and its status code. An error takes the
@@ -53,6 +55,8 @@ ERROR_CODES: tuple[tuple[type[DataquayError], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (DatasetExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (RootNotAllowedError, grpc.StatusCode.PERMISSION_DENIED),
+    (UserNotAllowedError, grpc.StatusCode.PERMISSION_DENIED),
+    (UnknownCallerError, grpc.StatusCode.UNAUTHENTICATED),
     (PfsReadError, grpc.StatusCode.DATA_LOSS),
     (DirectoryUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (CacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -72,15 +72,18 @@ def server_tls(credentials: Credentials) -> grpc.ServerCredentials | None:
 
 
 def new_server(
-    credentials: Credentials, calls_per_peer: int = 0, encoded_replies: frozenset[str] = frozenset()
+    credentials: Credentials, calls_per_peer: int = 0, encoded_replies: frozenset[str] = frozenset(),
+    checks: tuple[grpc.aio.ServerInterceptor, ...] = (),
 ) -> grpc.aio.Server:
     """A gRPC server that refuses calls without the cluster token, when there
-    is one, a TCP host's calls beyond ``calls_per_peer`` in flight (0: no cap)
-    and malformed requests; the methods named in ``encoded_replies`` may
-    answer with encoded bytes (:class:`~dataquay.server.interceptors.EncodedReplies`)."""
+    is one, calls that ``checks`` refuse, a TCP host's calls beyond
+    ``calls_per_peer`` in flight (0: no cap) and malformed requests; the
+    methods named in ``encoded_replies`` may answer with encoded bytes
+    (:class:`~dataquay.server.interceptors.EncodedReplies`)."""
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if credentials.token:
         interceptors.append(TokenCheck(credentials.token))
+    interceptors.extend(checks)
     if calls_per_peer:
         interceptors.append(PeerCallLimit(calls_per_peer))
     if encoded_replies:

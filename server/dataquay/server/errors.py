@@ -27,7 +27,9 @@ from dataquay.client.errors import (
     SampleTooLargeError,
     StandaloneError,
     UnknownDatasetError,
+    UnknownCallerError,
     UnknownJobError,
+    UserNotAllowedError,
 )
 
 __all__ = [
@@ -52,7 +54,9 @@ __all__ = [
     "StandaloneError",
     "StartupError",
     "UnknownDatasetError",
+    "UnknownCallerError",
     "UnknownJobError",
+    "UserNotAllowedError",
 ]
 
 

@@ -85,9 +85,11 @@ class CacheBehind:
         self.counts = BehindCounts()
         self._budget = ByteBudget(BEHIND_BYTES)
 
-    async def take(self, request: pb.CacheBehindRequest) -> pb.CacheBehindReply:
+    async def take(self, request: pb.CacheBehindRequest, hand_over: bool = True) -> pb.CacheBehindReply:
         """Queues what the notice names for the cache; the reply names the ids
-        the page cache did not hold (for the client to hand over)."""
+        the page cache did not hold (for the client to hand over). Without
+        ``hand_over`` (a caller outside the daemon's trust domain) the bytes
+        handed over are refused and only what the daemon reads itself is cached."""
         entry = await self.datasets.entry(request.dataset)
         if request.manifest_id and request.manifest_id != entry.record.manifest_id:
             raise DatasetReplacedError(f"dataset {request.dataset!r} was replaced since it was opened; open it again")
@@ -128,6 +130,9 @@ class CacheBehind:
                 self.counts.page_cache_bytes += payload_bytes
                 self.counts.not_in_page_cache += len(not_cached)
             take_over = [handed[i] for i in wanted.tolist() if i in handed]
+            if take_over and not hand_over:
+                self.counts.refused_samples += len(take_over)
+                take_over = []
             if take_over:
                 got = await loop.run_in_executor(self.pfs.behind, self._handed, request, take_over, lengths)
                 handed_writes, payload_bytes = _writes(name, got, repair)
