@@ -49,8 +49,10 @@ def parse_token(data: bytes) -> str:
     return token if isinstance(token, str) else ""
 
 
-def reply_message(ticket: str = "", error: str = "") -> bytes:
-    return json.dumps({"ticket": ticket} if ticket else {"error": error}).encode()
+def reply_message(ticket: str) -> bytes:
+    """The daemon's answer with a ticket; a refusal is the fd socket's own
+    (``{"error": ..., "busy": ...}``, :func:`dataquay.client.memfd.reply_message`)."""
+    return json.dumps({"ticket": ticket}).encode()
 
 
 def parse_reply(data: bytes) -> str | None:

@@ -215,7 +215,7 @@ class SegmentSocket:
             if ticket is None:
                 raise SegmentRefusedError(f"uid {who[1]} holds as many caller tickets as one user may")
         except (SegmentRefusedError, OSError) as exc:
-            self._refuse_ticket(conn, who, str(exc))
+            self._refuse(conn, who, str(exc), what="a caller ticket")
             return
         try:
             conn.send(caller_ticket.reply_message(ticket=ticket))
@@ -226,14 +226,6 @@ class SegmentSocket:
         assert self._loop is not None
         self._ticket_conns[conn] = ticket
         self._loop.add_reader(conn.fileno(), self._end_ticket, conn)
-
-    def _refuse_ticket(self, conn: socket.socket, who: tuple[int, int], why: str) -> None:
-        """Says why in a ticket's reply (a client reads no segment's refusal there), closes and counts it."""
-        try:
-            conn.send(caller_ticket.reply_message(error=why))
-        except OSError:
-            pass
-        self._refuse(conn, who, why)
 
     def _end_ticket(self, conn: socket.socket) -> None:
         """The client closed its ticket's connection (or sent something, which it must not): the ticket ends."""
@@ -290,9 +282,12 @@ class SegmentSocket:
             self._loop.remove_reader(conn.fileno())
         conn.close()
 
-    def _refuse(self, conn: socket.socket, who: tuple[int, int], why: str, busy: bool = False) -> None:
-        """Tells the client why (if it still listens; ``busy``: it may try
-        again), closes, and logs it now and then."""
+    def _refuse(
+        self, conn: socket.socket, who: tuple[int, int], why: str, busy: bool = False,
+        what: str = "a shared memory segment",
+    ) -> None:
+        """Tells the client why it is refused ``what`` (if it still listens;
+        ``busy``: it may try again), closes, and logs it now and then."""
         try:
             conn.send(reply_message(error=why, busy=busy))
         except OSError:
@@ -302,7 +297,7 @@ class SegmentSocket:
         now = time.monotonic()
         if now - self._logged_at >= REFUSAL_LOG_SECONDS:
             self._logged_at = now
-            log.warning("refused a shared memory segment",
+            log.warning(f"refused {what}",
                         extra={"fields": {"pid": who[0], "uid": who[1], "reason": why, "refused_so_far": self.refused}})
 
 
