@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
@@ -161,6 +162,8 @@ def test_a_user_reads_no_byte_of_another_users_private_dataset_by_any_path(site:
     own = site.as_user(VICTIM, "read", "theirs", *ids)
     want = digests(files_bytes(3, ids, SIZES))
     assert own == {"grpc": {"ok": want}, "segment": {"ok": want}, "client": {"ok": want}}
+    metrics = urllib.request.urlopen(site.daemon.metrics_url, timeout=10).read().decode()
+    assert 'dataquay_user_refusals_total{rule="read"} 3.0' in metrics
 
 
 def test_a_dataset_the_operator_shares_reads_for_every_user(site: Site) -> None:

@@ -276,7 +276,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         async with status_on_error(context):
             caller = self.daemon.access.caller(context)
             await self.daemon.access.check_read(caller, request.dataset)
-            return await self.daemon.behind.take(request, hand_over=self.daemon.access.may_hand_over(caller))
+            hand_over = not request.handed or self.daemon.access.may_hand_over(caller)
+            return await self.daemon.behind.take(request, hand_over=hand_over)
 
     async def Exchange(
         self, request_iterator: AsyncIterator[pb.ExchangeMessage], context: grpc.aio.ServicerContext

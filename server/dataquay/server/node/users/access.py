@@ -110,22 +110,18 @@ def _allows(found: os.stat_result, uid: int, gids: frozenset[int], need: int) ->
     return bits & need == need
 
 
-def _local_only(caller: Caller, done: str) -> None:
-    """Refuses over TCP what users do only where the kernel names them."""
-    if caller.remote:
-        raise UserNotAllowedError(
-            f"this daemon keeps its users apart (--users apart): datasets are {done} through its unix socket, "
-            "where the kernel names the caller, not over TCP"
-        )
-
-
 class UserAccess:
     """The rules above for one daemon; ``apart`` False trusts every caller."""
 
-    def __init__(self, apart: bool, datasets: Datasets, shared: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, apart: bool, datasets: Datasets, shared: tuple[str, ...] = (),
+        count_refusal: Callable[[str], None] = lambda rule: None,
+    ) -> None:
         self.apart = apart
         self.datasets = datasets
         self.shared = frozenset(shared)
+        #: Counts a refusal by its rule: register, read, drop, hand_over, no_ticket.
+        self.count_refusal = count_refusal
         self.tickets = Tickets()
         self._daemon_uid = os.getuid()
         self._checked: dict[tuple[int, frozenset[int], str], tuple[bool, float]] = {}
@@ -143,6 +139,7 @@ class UserAccess:
         if found is not None:
             return found
         if self.apart:
+            self.count_refusal("no_ticket")
             raise UnknownCallerError(
                 "this daemon keeps its users apart (--users apart): a call on its unix socket must carry a "
                 "caller ticket from its fd socket; use a dataquay client of this version"
@@ -162,8 +159,9 @@ class UserAccess:
         """
         if self.trusted(caller):
             return
-        _local_only(caller, "registered")
+        self._local_only(caller, "registered", "register")
         if not await self._readable(caller, root):
+            self.count_refusal("register")
             raise UserNotAllowedError(
                 f"uid {caller.uid} may register only a root it can read itself: read and search permission on "
                 "the root and search permission on every directory above it"
@@ -172,6 +170,7 @@ class UserAccess:
         assert uid is not None
         below = await asyncio.get_running_loop().run_in_executor(None, unreadable_below, root, uid, caller.gids)
         if below is not None:
+            self.count_refusal("register")
             raise UserNotAllowedError(
                 f"uid {caller.uid} may register only a root it can read itself, every file under it included; "
                 f"it cannot read {below!r} there"
@@ -188,6 +187,7 @@ class UserAccess:
             return
         entry = await self.datasets.entry(dataset)
         if not await self._readable(caller, entry.record.root):
+            self.count_refusal("read")
             raise UserNotAllowedError(
                 f"uid {caller.uid} may not read dataset {dataset!r}: a user reads only datasets whose root it "
                 "can read itself, or those the operator shares (--shared-datasets)"
@@ -203,8 +203,9 @@ class UserAccess:
         """
         if self.trusted(caller):
             return
-        _local_only(caller, "dropped")
+        self._local_only(caller, "dropped", "drop")
         if dataset in self.shared:
+            self.count_refusal("drop")
             raise UserNotAllowedError(
                 f"dataset {dataset!r} is shared with every user (--shared-datasets): only the daemon's own user "
                 "or root drops it"
@@ -213,11 +214,23 @@ class UserAccess:
 
     def may_hand_over(self, caller: Caller) -> bool:
         """Whether payloads ``caller`` hands over may go into the cache: the daemon's own user's or root's only."""
-        return self.trusted(caller)
+        if self.trusted(caller):
+            return True
+        self.count_refusal("hand_over")
+        return False
 
     def prep_owner(self, caller: Caller) -> int | None:
         """Whose namespace of prep groups ``caller`` uses: its uid; None (one for all) unless users are apart."""
         return caller.uid if self.apart else None
+
+    def _local_only(self, caller: Caller, done: str, rule: str) -> None:
+        """Refuses over TCP what users do only where the kernel names them."""
+        if caller.remote:
+            self.count_refusal(rule)
+            raise UserNotAllowedError(
+                f"this daemon keeps its users apart (--users apart): datasets are {done} through its unix socket, "
+                "where the kernel names the caller, not over TCP"
+            )
 
     async def _readable(self, caller: Caller, path: str) -> bool:
         assert caller.uid is not None
