@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import closing
@@ -33,7 +34,7 @@ from dataquay.client.caller_ticket import METADATA_KEY, CallerTicket
 from dataquay.client.channels import channel_options
 from dataquay.client.connection import DaemonConnection
 from dataquay.client.memfd import fd_socket_path
-from dataquay.client.shm import Segment
+from dataquay.client.shm import SHM_DIR, Segment
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.node.users.access import readable_by
@@ -222,6 +223,22 @@ def test_a_user_takes_no_more_prep_groups_than_its_share(site: Site) -> None:
                                   "user may (--prep-groups-per-user)")
     # Another user still has its own share.
     assert all("ok" in result for result in site.as_user(VICTIM, "prep", "shared", "g0:4")["results"])
+
+
+def test_a_member_cannot_hand_in_another_users_prepped_batch_for_the_daemon_to_remove(site: Site) -> None:
+    site.add("shared", make_dataset(site.pfs / "kept", 16, 0, 0o700))
+    assert site.daemon.process is not None
+    theirs = SHM_DIR / f"dataquay-prep-{site.daemon.process.pid}-{os.getpid()}-0123456789ab"
+    theirs.write_bytes(b"\0" * 4096)  # the victim's batch, read by its own group
+    try:
+        os.chown(theirs, VICTIM, VICTIM)
+        refused = site.as_user(OTHER, "steal-segment", "shared", theirs.name)
+        assert refused["error"] == "InvalidRequestError"
+        assert refused["message"].startswith("a prepped batch must be in a segment of the member's own user")
+        time.sleep(1.5)  # the daemon's reaper would have removed what the left group freed
+        assert theirs.exists()
+    finally:
+        theirs.unlink(missing_ok=True)
 
 
 def test_a_foreign_users_hand_over_is_not_cached_and_reads_give_the_files_bytes(site: Site) -> None:

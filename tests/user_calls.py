@@ -87,6 +87,25 @@ def prep_sync(conn: DaemonConnection, spec: pb.PrepGroupSpec, member: str) -> di
     return outcome(lambda: conn.call("PrepSync", lambda stub: stub.PrepSync(request).role))
 
 
+def steal_segment(conn: DaemonConnection, dataset: str, segment: str) -> dict[str, Any]:
+    """Hands in another user's prepped batch as this member's own, then leaves: a group
+    that took it frees it, and its daemon removes the segment."""
+    spec = prep_spec("own", dataset, 4)
+    spec.jobs = 1
+
+    def sync(**fields: Any) -> Any:
+        request = pb.PrepSyncRequest(spec=spec, member="m", pid=os.getpid(), epoch=0, wait_seconds=0, **fields)
+        return conn.call("PrepSync", lambda stub: stub.PrepSync(request))
+
+    def steal() -> list[int]:
+        claims = list(sync(claim=1).claims)
+        sync(prepped=[pb.PreppedBatch(index=claims[0], segment=segment, bytes=4096)])
+        sync(leave=True)
+        return claims
+
+    return outcome(steal)
+
+
 def hand_over(conn: DaemonConnection, name: str, segment: str, sample: int, length: int) -> dict[str, Any]:
     """Writes a wrong payload into ``segment`` (under /dev/shm) and hands it over as ``sample``."""
     with open(SHM_DIR / segment, "r+b") as seg:
@@ -134,6 +153,8 @@ def main() -> None:
             groups = [(group, int(batch)) for group, _, batch in (arg.partition(":") for arg in a[1:])]
             result = {"results": [prep_sync(conn, prep_spec(group, a[0], batch), f"m{i}")
                                   for i, (group, batch) in enumerate(groups)]}
+        elif args.command == "steal-segment":
+            result = steal_segment(conn, a[0], a[1])
         elif args.command == "hand-over":
             result = hand_over(conn, a[0], a[1], int(a[2]), int(a[3]))
         elif args.command == "no-ticket":

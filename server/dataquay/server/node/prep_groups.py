@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import re
 import time
 from contextlib import suppress
 
 from dataquay.client import prepped
 from dataquay.client.errors import InvalidRequestError, JobMismatchError
-from dataquay.client.shm import process_alive
+from dataquay.client.shm import SHM_DIR, process_alive
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.node.prep_group import MAX_CLAIMS, PrepGroup, SyncAnswer
 
@@ -58,6 +59,8 @@ class PrepGroups:
             JobMismatchError: the group exists with other settings.
         """
         check(request, self._daemon_pid)
+        if owner is not None:
+            check_owned(request, owner)
         answer = self._apply(request, owner)
         rejected = answer.rejected
         wait = min(request.wait_seconds, MAX_WAIT_SECONDS) if math.isfinite(request.wait_seconds) else 0.0
@@ -171,6 +174,26 @@ def check(request: pb.PrepSyncRequest, daemon_pid: int) -> None:
     for failed, message in problems:
         if failed:
             raise InvalidRequestError(message)
+
+
+def check_owned(request: pb.PrepSyncRequest, owner: int) -> None:
+    """Refuses prepped batches in segments of another user than the member's:
+    the group would hand them to its members and the daemon remove them once
+    read, another user's batch as well.
+
+    Raises:
+        InvalidRequestError: naming the rule.
+    """
+    for batch in request.prepped:
+        try:
+            found = os.stat(SHM_DIR / batch.segment, follow_symlinks=False).st_uid
+        except OSError:
+            continue  # gone already: the group's readers find it missing, as for any segment lost
+        if found != owner:
+            raise InvalidRequestError(
+                f"a prepped batch must be in a segment of the member's own user (uid {owner}); "
+                f"{batch.segment!r} is not"
+            )
 
 
 def mismatch(have: pb.PrepGroupSpec, given: pb.PrepGroupSpec) -> str:
