@@ -241,6 +241,19 @@ def test_a_member_cannot_hand_in_another_users_prepped_batch_for_the_daemon_to_r
         theirs.unlink(missing_ok=True)
 
 
+def test_a_read_cannot_make_the_daemon_write_into_another_users_segment(site: Site) -> None:
+    site.add("shared", make_dataset(site.pfs / "kept", 17, 0, 0o700))
+    seg = Segment(1 << 20)  # the victim's, awaiting its own batch
+    try:
+        os.chown(seg.path, VICTIM, VICTIM)
+        refused = site.as_user(OTHER, "read-into", "shared", seg.name, 0, 1, 2)
+        assert refused["error"] == "UserNotAllowedError"
+        assert "only into a segment of the caller's own user" in refused["message"]
+        assert bytes(seg.map[:16384]) == bytes(16384)  # not a byte written
+    finally:
+        seg.close()
+
+
 def test_a_foreign_users_hand_over_is_not_cached_and_reads_give_the_files_bytes(site: Site) -> None:
     public = make_dataset(site.pfs / "public", 8)
     site.add("public", public)

@@ -56,6 +56,12 @@ def read_grpc(conn: DaemonConnection, name: str, ids: list[int]) -> dict[str, An
     ))
 
 
+def read_into(conn: DaemonConnection, name: str, segment: str, ids: list[int]) -> dict[str, Any]:
+    """A Read whose payloads the daemon is to write into ``segment`` (under /dev/shm)."""
+    request = pb.ReadRequest(dataset=name, ids=ids, shm_name=segment, shm_size=1 << 20)
+    return outcome(lambda: conn.call("Read", lambda stub: sum(len(c.samples) for c in stub.Read(request))))
+
+
 def read_segment(addr: str, token: str, name: str, ids: list[int]) -> dict[str, Any]:
     """A batch read on a sealed memfd segment's own connection: its status and the bytes placed."""
     daemon_socket = daemon_socket_of(addr)
@@ -155,6 +161,8 @@ def main() -> None:
                                   for i, (group, batch) in enumerate(groups)]}
         elif args.command == "steal-segment":
             result = steal_segment(conn, a[0], a[1])
+        elif args.command == "read-into":
+            result = read_into(conn, a[0], a[1], [int(i) for i in a[2:]])
         elif args.command == "hand-over":
             result = hand_over(conn, a[0], a[1], int(a[2]), int(a[3]))
         elif args.command == "no-ticket":

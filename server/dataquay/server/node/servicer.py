@@ -61,7 +61,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         ids = np.fromiter(request.ids, dtype=np.uint64, count=len(request.ids))
         forward = ShmForward(self.daemon.shm, request.shm_name, request.shm_size) if request.shm_name else None
         async with status_on_error(context):
-            await self.daemon.access.check_read(self.daemon.access.caller(context), request.dataset)
+            caller = self.daemon.access.caller(context)
+            await self.daemon.access.check_read(caller, request.dataset)
+            if forward is not None and not self.daemon.access.trusted(caller):
+                self.daemon.access.check_segment(caller, self.daemon.shm.owner(request.shm_name))
             windows = self.daemon.reads.read(
                 request.dataset, ids, request.manifest_id, request.job, request.peer, self._budget(context),
                 forward,

@@ -120,7 +120,7 @@ class UserAccess:
         self.apart = apart
         self.datasets = datasets
         self.shared = frozenset(shared)
-        #: Counts a refusal by its rule: register, read, drop, hand_over, no_ticket.
+        #: Counts a refusal by its rule: register, read, drop, segment, hand_over, no_ticket.
         self.count_refusal = count_refusal
         self.tickets = Tickets()
         self._daemon_uid = os.getuid()
@@ -211,6 +211,21 @@ class UserAccess:
                 "or root drops it"
             )
         await self.check_read(caller, dataset)
+
+    def check_segment(self, caller: Caller, owner: int | None) -> None:
+        """Refuses to write a read's payloads into a segment of another user
+        than the caller (``owner``, None for none the daemon knows).
+
+        Raises:
+            UserNotAllowedError: naming the rule.
+        """
+        if self.trusted(caller) or owner is None or owner == caller.uid:
+            return
+        self.count_refusal("segment")
+        raise UserNotAllowedError(
+            "the daemon writes a read's payloads only into a segment of the caller's own user "
+            "(--users apart)"
+        )
 
     def may_hand_over(self, caller: Caller) -> bool:
         """Whether payloads ``caller`` hands over may go into the cache: the daemon's own user's or root's only."""
