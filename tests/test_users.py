@@ -132,6 +132,24 @@ def test_a_user_cannot_register_a_root_it_cannot_read_under_an_allowed_root(site
         assert sorted(d.name for d in client.datasets()) == ["mine", "theirs"]
 
 
+def test_the_cli_registers_as_its_user(site: Site) -> None:
+    theirs = make_dataset(site.pfs / "theirs", 18, VICTIM, 0o700)
+    mine = make_dataset(site.pfs / "mine", 19, OTHER, 0o700)
+
+    def cli(uid: int, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-m",
+             "dataquay.server.cli", *args, "--addr", site.daemon.address],
+            capture_output=True, text=True, timeout=60, env={**os.environ, "HOME": str(site.base / "out")},
+        )
+
+    refused = cli(OTHER, "dataset", "add", "stolen", str(theirs))
+    assert refused.returncode == 1 and "may register only a root it can read itself" in refused.stderr
+    assert cli(OTHER, "dataset", "add", "mine", str(mine)).returncode == 0
+    listed = cli(VICTIM, "dataset", "ls")
+    assert listed.returncode == 0 and "mine" in listed.stdout and "stolen" not in listed.stdout
+
+
 def test_a_user_cannot_register_a_readable_root_that_holds_another_users_private_file(site: Site) -> None:
     mixed = make_dataset(site.pfs / "mixed", 12, OTHER, 0o755)
     private = sorted(mixed.rglob("*.bin"))[3]

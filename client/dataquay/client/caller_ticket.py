@@ -20,7 +20,13 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import socket
+import time
+
+from dataquay.client.memfd import daemon_socket_of, fd_socket_path
+
+log = logging.getLogger("dataquay.client")
 
 #: The gRPC metadata key that carries the ticket.
 METADATA_KEY = "dataquay-caller"
@@ -28,6 +34,8 @@ METADATA_KEY = "dataquay-caller"
 MESSAGE_BYTES = 1024
 #: How long a client waits for the daemon's answer.
 TICKET_SECONDS = 5.0
+#: Tries at a ticket while the daemon is busy with other handshakes (about 1.5 s in all).
+TICKET_TRIES = 5
 
 
 def request_message(token: str) -> bytes:
@@ -99,3 +107,21 @@ class CallerTicket:
     def close(self) -> None:
         """Ends the ticket (the daemon forgets it as the connection ends)."""
         self._sock.close()
+
+
+def ticket_for(address: str, token: str) -> CallerTicket | None:
+    """A ticket for calls to the daemon at ``address``; None over TCP, where
+    the daemon has no fd socket or gives no ticket."""
+    daemon_socket = daemon_socket_of(address)
+    if daemon_socket is None:
+        return None
+    for attempt in range(TICKET_TRIES):
+        try:
+            return CallerTicket(fd_socket_path(daemon_socket), token)
+        except BlockingIOError:  # many clients starting at once
+            time.sleep(0.05 * 2**attempt)
+        except OSError as exc:
+            log.debug("no caller ticket from the daemon", extra={"fields": {"error": str(exc)}})
+            return None
+    log.warning("no caller ticket: the daemon stayed busy with other clients' handshakes")
+    return None

@@ -16,17 +16,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import grpc
 import grpc.experimental
 
-from dataquay.client.caller_ticket import CallerTicket
+from dataquay.client.caller_ticket import CallerTicket, ticket_for
 from dataquay.client.channels import channel_options
 from dataquay.client.errors import DaemonUnavailableError, DataquayError
-from dataquay.client.memfd import daemon_socket_of, fd_socket_path
 from dataquay.client.security import Credentials, with_metadata
 from dataquay.client.status_codes import UNREACHABLE, error_from_rpc
 from dataquay.protos import cache_pb2_grpc
@@ -35,8 +33,6 @@ log = logging.getLogger("dataquay.client")
 
 #: How long a fork waits for this process's calls in flight.
 FORK_WAIT_SECONDS = 10.0
-#: Tries at a caller ticket while the daemon is busy (about 1.5 s in all).
-TICKET_TRIES = 5
 
 _T = TypeVar("_T")
 
@@ -157,7 +153,7 @@ class DaemonConnection:
                 ]
                 if self._ticket is not None:
                     self._ticket.close()  # the parent's, inherited: the child asks for its own
-                self._ticket = _caller_ticket(self.address, self.credentials.token)
+                self._ticket = ticket_for(self.address, self.credentials.token)
                 channel = self.credentials.channel(self.address, options)
                 self._channel = with_metadata(channel, self._ticket.metadata if self._ticket else ())
                 self._stub = cache_pb2_grpc.CacheStub(self._channel)
@@ -196,21 +192,3 @@ class DaemonConnection:
         channel, pid, ticket = self._channel, self._pid, self._ticket
         self._reset_process_state()
         self._channel, self._pid, self._ticket = channel, pid, ticket
-
-
-def _caller_ticket(address: str, token: str) -> CallerTicket | None:
-    """A caller ticket for calls on a daemon's unix socket (see
-    :mod:`.caller_ticket`); None over TCP or where the daemon has no fd socket."""
-    daemon_socket = daemon_socket_of(address)
-    if daemon_socket is None:
-        return None
-    for attempt in range(TICKET_TRIES):
-        try:
-            return CallerTicket(fd_socket_path(daemon_socket), token)
-        except BlockingIOError:  # many clients starting at once
-            time.sleep(0.05 * 2**attempt)
-        except OSError as exc:
-            log.debug("no caller ticket from the daemon", extra={"fields": {"error": str(exc)}})
-            return None
-    log.warning("no caller ticket: the daemon stayed busy with other clients' handshakes")
-    return None

@@ -84,11 +84,6 @@ class UserNotAllowedError(DataquayError, PermissionError):
     apart (--users apart): the message names the rule, never another user's data."""
 
 
-class UnknownCallerError(DataquayError):
-    """A call on the unix socket of a daemon that keeps its users apart that
-    carries no valid caller ticket, so the daemon cannot tell whose it is."""
-
-
 class DatasetReplacedError(DataquayError):
     """A read for a version of a dataset that was replaced since it was opened."""
 

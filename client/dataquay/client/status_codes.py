@@ -37,7 +37,6 @@ from dataquay.client.errors import (
     SampleTooLargeError,
     StandaloneError,
     UnknownDatasetError,
-    UnknownCallerError,
     UnknownJobError,
     UserNotAllowedError,
 )
@@ -56,7 +55,6 @@ ERROR_CODES: tuple[tuple[type[DataquayError], grpc.StatusCode], ...] = (
     (DatasetExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (RootNotAllowedError, grpc.StatusCode.PERMISSION_DENIED),
     (UserNotAllowedError, grpc.StatusCode.PERMISSION_DENIED),
-    (UnknownCallerError, grpc.StatusCode.UNAUTHENTICATED),
     (PfsReadError, grpc.StatusCode.DATA_LOSS),
     (DirectoryUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (CacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),

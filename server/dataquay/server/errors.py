@@ -27,7 +27,6 @@ from dataquay.client.errors import (
     SampleTooLargeError,
     StandaloneError,
     UnknownDatasetError,
-    UnknownCallerError,
     UnknownJobError,
     UserNotAllowedError,
 )
@@ -62,6 +61,12 @@ __all__ = [
 
 class ConfigError(DataquayError, ValueError):
     """A flag, environment variable or config value that cannot be used."""
+
+
+class UnknownCallerError(DataquayError):
+    """A call on the unix socket of a daemon that keeps its users apart that
+    carries no valid caller ticket, so the daemon cannot tell whose it is
+    (ended with UNAUTHENTICATED by :class:`~dataquay.server.node.users.access.CallerCheck`)."""
 
 
 class StartupError(DataquayError):
