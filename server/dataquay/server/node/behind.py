@@ -12,7 +12,9 @@ the page cache does not hold a sample (a PFS that caches in a pool of its
 own, memory pressure), the reply names it, and the client hands its bytes
 over through its shared-memory segment. The daemon takes handed bytes only
 from a segment of its own user, who could write the cache directly anyway,
-and only of the length the manifest gives.
+and only of the length the manifest gives; on a daemon that keeps its users
+apart, only from a caller of its own user or root as well (the segment's
+owner is not always who wrote into it), :mod:`dataquay.server.node.users`.
 
 Insert-once as every read: ids already cached or queued are skipped, and a
 cached value that fails its checksum is rewritten (repaired). Bounded: a
