@@ -232,8 +232,9 @@ class Daemon(ServerLifecycle):
         seal them; clients use /dev/shm segments where it cannot or where the
         fd socket cannot be made (a path too long). A path taken by something
         else, or a group the socket cannot be given to, fails the start as
-        for ``sock`` itself."""
-        if self.shm.memfd_problem is not None and not self.access.apart:  # apart: it also hands out tickets
+        for ``sock`` itself. A daemon that keeps its users apart opens it
+        even where it maps no memfd: its callers' tickets come from there."""
+        if self.shm.memfd_problem is not None and not self.access.apart:
             log.info("clients hand over payloads through /dev/shm",
                      extra={"fields": {"reason": self.shm.memfd_problem}})
             return
