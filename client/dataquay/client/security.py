@@ -237,6 +237,11 @@ class Credentials:
         return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
 
 
+def with_metadata(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> grpc.Channel:
+    """``channel`` adding ``metadata`` to every call (a caller ticket, beside the token)."""
+    return grpc.intercept_channel(channel, _TokenInterceptor(metadata)) if metadata else channel
+
+
 def _check_unix_target(target: str) -> None:
     if target.startswith("unix:"):
         check_daemon_socket(target.removeprefix("unix:").removeprefix("//"))

@@ -40,6 +40,7 @@ from dataquay.client.errors import (
     StandaloneError,
     UnknownDatasetError,
     UnknownJobError,
+    UserNotAllowedError,
 )
 
 #: Each error a call can end with and its status code. An error takes the
@@ -57,6 +58,7 @@ ERROR_CODES: tuple[tuple[type[DataquayError], grpc.StatusCode], ...] = (
     (NodeNameTakenError, grpc.StatusCode.ALREADY_EXISTS),
     (DatasetExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (RootNotAllowedError, grpc.StatusCode.PERMISSION_DENIED),
+    (UserNotAllowedError, grpc.StatusCode.PERMISSION_DENIED),
     (PfsReadError, grpc.StatusCode.DATA_LOSS),
     (DirectoryUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (CacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -68,6 +68,7 @@ from dataquay.server.node.servicer import CacheServicer
 from dataquay.server.node.shm import ShmSegments
 from dataquay.server.node.stager import Stager
 from dataquay.server.node.store import Store
+from dataquay.server.node.users.access import CallerCheck, UserAccess
 from dataquay.server.registry import Registry
 from dataquay.server.task_group import TaskGroup
 
@@ -149,7 +150,10 @@ class Daemon(ServerLifecycle):
         self.shm = ShmSegments()
         self.segment_socket: SegmentSocket | None = None
         self.behind = CacheBehind(self.datasets, self.store, self.pfs, self.shm, config.max_sample_size)
-        self.prep_groups = PrepGroups(self.pid)
+        self.access = UserAccess(
+            config.users == "apart", self.datasets, config.shared_datasets, self.metrics.count_user_refusal
+        )
+        self.prep_groups = PrepGroups(self.pid, config.prep_groups_per_user)
         #: What the Reads of each remote host hold at once (see ReadService.read).
         self.served_budgets = ByteBudgets(SERVED_BYTES_PER_PEER)
         self.client_stats = ClientStatsBook()
@@ -223,7 +227,8 @@ class Daemon(ServerLifecycle):
         self.metrics_port = server.server_port
 
     async def _start_server(self) -> None:
-        server = new_server(self.credentials, self.config.max_calls_per_peer)
+        checks = (CallerCheck(self.access),) if self.access.apart else ()
+        server = new_server(self.credentials, self.config.max_calls_per_peer, checks=checks)
         cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self._server = server
@@ -253,13 +258,15 @@ class Daemon(ServerLifecycle):
         seal them; clients use /dev/shm segments where it cannot or where the
         fd socket cannot be made (a path too long). A path taken by something
         else, or a group the socket cannot be given to, fails the start as
-        for ``sock`` itself."""
-        if self.shm.memfd_problem is not None:
+        for ``sock`` itself. A daemon that keeps its users apart opens it
+        even where it maps no memfd: its callers' tickets come from there."""
+        if self.shm.memfd_problem is not None and not self.access.apart:
             log.info("clients hand over payloads through /dev/shm",
                      extra={"fields": {"reason": self.shm.memfd_problem}})
             return
         segment_socket = SegmentSocket(
-            Path(fd_socket_path(str(sock))), self.shm, self.credentials.user.token, SegmentReads(self), self.tasks.spawn
+            Path(fd_socket_path(str(sock))), self.shm, self.credentials.user.token, SegmentReads(self),
+            self.tasks.spawn, self.access.tickets,
         )
         try:
             segment_socket.open(self.config.socket_group)

@@ -383,6 +383,11 @@ class DaemonMetrics:
             "dataquay_peer_served_bytes", "Payload bytes this daemon served to other daemons",
             registry=self.registry,
         )
+        self.user_refusals = Counter(
+            "dataquay_user_refusals",
+            "Calls refused because the calling user may not make them (--users apart), by rule",
+            ["rule"], registry=self.registry,
+        )
         for tier in TIERS:
             self.reads.labels(tier)
             self.read_bytes.labels(tier)
@@ -391,6 +396,9 @@ class DaemonMetrics:
     def count_read(self, tier: str, samples: int, nbytes: int) -> None:
         self.reads.labels(tier).inc(samples)
         self.read_bytes.labels(tier).inc(nbytes)
+
+    def count_user_refusal(self, rule: str) -> None:
+        self.user_refusals.labels(rule).inc()
 
     def count_peer_served(self, samples: int, nbytes: int) -> None:
         self.peer_served.inc(samples)

@@ -61,6 +61,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         ids = np.fromiter(request.ids, dtype=np.uint64, count=len(request.ids))
         forward = ShmForward(self.daemon.shm, request.shm_name, request.shm_size) if request.shm_name else None
         async with status_on_error(context):
+            caller = self.daemon.access.caller(context)
+            await self.daemon.access.check_read(caller, request.dataset)
+            if forward is not None and not self.daemon.access.trusted(caller):
+                self.daemon.access.check_segment(caller, self.daemon.shm.owner(request.shm_name))
             windows = self.daemon.reads.read(
                 request.dataset, ids, request.manifest_id, request.job, request.peer, self._budget(context),
                 forward,
@@ -89,7 +93,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
     async def AddDataset(self, request: pb.AddDatasetRequest, context: grpc.aio.ServicerContext) -> pb.DatasetInfo:
         async with status_on_error(context):
-            entry = await self.daemon.datasets.add(request, FORMAT_FROM_PROTO.get(request.format))
+            caller = self.daemon.access.caller(context)
+            entry = await self.daemon.datasets.add(
+                request, FORMAT_FROM_PROTO.get(request.format), lambda root: self.daemon.access.check_root(caller, root)
+            )
             return self.dataset_info(entry.record.name)
 
     async def ListDatasets(
@@ -112,6 +119,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self, request: pb.GetDatasetRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ManifestChunk]:
         async with status_on_error(context):
+            await self.daemon.access.check_read(self.daemon.access.caller(context), request.name)
             data = (await self.daemon.datasets.entry(request.name)).manifest.data
         step = 4 << 20
         for start in range(0, len(data), step):
@@ -121,6 +129,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self, request: pb.DropDatasetRequest, context: grpc.aio.ServicerContext
     ) -> pb.DropDatasetReply:
         async with status_on_error(context):
+            await self.daemon.access.check_drop(self.daemon.access.caller(context), request.name)
             freed = await self.daemon.datasets.drop(request.name)
         return pb.DropDatasetReply(freed_samples=freed)
 
@@ -129,6 +138,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     ) -> AsyncIterator[pb.StageProgress]:
         d = self.daemon
         async with status_on_error(context):
+            await d.access.check_read(d.access.caller(context), request.dataset)
             entry = await d.datasets.entry(request.dataset)
             seed, ids, leave_room, for_others = request.seed, None, False, 0
             if request.job:
@@ -258,7 +268,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "prep groups are node-local: call through the daemon's unix socket")
         async with status_on_error(context):
-            return await self.daemon.prep_groups.sync(request)
+            owner = self.daemon.access.prep_owner(self.daemon.access.caller(context))
+            return await self.daemon.prep_groups.sync(request, owner)
 
     async def CacheBehind(
         self, request: pb.CacheBehindRequest, context: grpc.aio.ServicerContext
@@ -267,7 +278,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "caching behind a trainer is node-local: call through the daemon's unix socket")
         async with status_on_error(context):
-            return await self.daemon.behind.take(request)
+            caller = self.daemon.access.caller(context)
+            await self.daemon.access.check_read(caller, request.dataset)
+            hand_over = not request.handed or self.daemon.access.may_hand_over(caller)
+            return await self.daemon.behind.take(request, hand_over=hand_over)
 
     async def Exchange(
         self, request_iterator: AsyncIterator[pb.ExchangeMessage], context: grpc.aio.ServicerContext
