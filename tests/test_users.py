@@ -344,6 +344,21 @@ def test_registration_over_tcp_is_refused_while_users_are_apart(site: Site) -> N
     assert "not over TCP" in (refused.value.details() or "")
 
 
+def test_over_tcp_the_cluster_token_reads_only_the_shared_datasets(site: Site) -> None:
+    site.add("private", make_dataset(site.pfs / "private", 19, VICTIM, 0o700))
+    site.add("shared", make_dataset(site.pfs / "kept", 20, 0, 0o700))
+    assert site.daemon.ready is not None
+    ids = [1, 2]
+    with grpc.insecure_channel(site.daemon.ready["tcp"], options=channel_options()) as channel:
+        stub = cache_pb2_grpc.CacheStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Read(pb.ReadRequest(dataset="private", ids=ids)))
+        shared = [s.data for c in stub.Read(pb.ReadRequest(dataset="shared", ids=ids)) for s in c.samples]
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "is not shared" in (refused.value.details() or "")
+    assert shared == files_bytes(20, ids, SIZES)
+
+
 @pytest.mark.parametrize(
     ("modes", "owner", "group", "allowed"),
     [

@@ -151,7 +151,8 @@ class Daemon(ServerLifecycle):
         self.segment_socket: SegmentSocket | None = None
         self.behind = CacheBehind(self.datasets, self.store, self.pfs, self.shm, config.max_sample_size)
         self.access = UserAccess(
-            config.users == "apart", self.datasets, config.shared_datasets, self.metrics.count_user_refusal
+            config.users == "apart", self.datasets, config.shared_datasets, self.metrics.count_user_refusal,
+            self.credentials.node.token,
         )
         self.prep_groups = PrepGroups(self.pid, config.prep_groups_per_user)
         #: What the Reads of each remote host hold at once (see ReadService.read).

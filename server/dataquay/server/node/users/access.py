@@ -18,8 +18,10 @@ act itself:
 - payloads handed over for the cache: only from the daemon's own user or
   root, who could write the cache anyway.
 
-Callers over TCP hold the cluster token but no user: they may read (peer
-daemons read each other's caches) and stage, but not register or drop. The daemon's own
+Callers over TCP have no user the kernel names. Peer daemons (the node
+token) read every dataset, as they read each other's caches; a caller with
+the cluster token alone reads and stages only the shared datasets, and
+registers or drops none. The daemon's own
 user and root are one trust domain with the daemon and pass every check.
 Without ``--users apart`` every caller is trusted, as in a daemon of one user.
 POSIX ACLs are not consulted: a root open to a user only through an ACL is
@@ -29,6 +31,7 @@ refused (the mode's group bits, the ACL mask, decide).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import inspect
 import os
 import stat
@@ -39,10 +42,11 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from dataquay.client.caller_ticket import METADATA_KEY
+from dataquay.client.security import METADATA_KEY as AUTH_METADATA_KEY
 from dataquay.server.auth import OPEN_METHODS
 from dataquay.server.errors import UnknownCallerError, UserNotAllowedError
 from dataquay.server.interceptors import Behavior, reshaped
-from dataquay.server.node.users.callers import REMOTE, Caller, Tickets
+from dataquay.server.node.users.callers import PEER_DAEMON, REMOTE, Caller, Tickets
 
 if TYPE_CHECKING:
     from dataquay.server.node.datasets import Datasets
@@ -115,9 +119,10 @@ class UserAccess:
 
     def __init__(
         self, apart: bool, datasets: Datasets, shared: tuple[str, ...] = (),
-        count_refusal: Callable[[str], None] = lambda rule: None,
+        count_refusal: Callable[[str], None] = lambda rule: None, node_token: str = "",
     ) -> None:
         self.apart = apart
+        self._node_bearer = f"Bearer {node_token}".encode() if node_token else b""
         self.datasets = datasets
         self.shared = frozenset(shared)
         #: Counts a refusal by its rule: register, read, drop, segment, hand_over, no_ticket.
@@ -127,13 +132,14 @@ class UserAccess:
         self._checked: dict[tuple[int, frozenset[int], str], tuple[bool, float]] = {}
 
     def caller(self, context: grpc.aio.ServicerContext) -> Caller:
-        """Who makes this gRPC call: the user of its ticket on the unix socket, :data:`REMOTE` over TCP.
+        """Who makes this gRPC call: the user of its ticket on the unix socket;
+        over TCP :data:`PEER_DAEMON` with the node token, else :data:`REMOTE`.
 
         Raises:
             UnknownCallerError: a call on the unix socket with no valid ticket while users are kept apart.
         """
         if not (context.peer() or "").startswith("unix:"):
-            return REMOTE
+            return PEER_DAEMON if self._holds_node_token(context) else REMOTE
         ticket = next((v for k, v in context.invocation_metadata() or () if k == METADATA_KEY), "")
         found = self.tickets.caller(ticket if isinstance(ticket, str) else "")
         if found is not None:
@@ -146,6 +152,13 @@ class UserAccess:
                 + (" (the ticket given is not, or no longer, valid)" if ticket else "")
             )
         return Caller()
+
+    def _holds_node_token(self, context: grpc.aio.ServicerContext) -> bool:
+        if not self._node_bearer:
+            return False
+        supplied = next((v for k, v in context.invocation_metadata() or () if k == AUTH_METADATA_KEY), "")
+        raw = supplied.encode() if isinstance(supplied, str) else bytes(supplied)
+        return hmac.compare_digest(raw, self._node_bearer)
 
     def trusted(self, caller: Caller) -> bool:
         """Whether ``caller`` is in the daemon's trust domain: every caller unless users are kept apart."""
@@ -183,8 +196,14 @@ class UserAccess:
             UserNotAllowedError: naming the rule.
             UnknownDatasetError: no such dataset.
         """
-        if self.trusted(caller) or caller.remote or dataset in self.shared:
+        if self.trusted(caller) or caller.node or dataset in self.shared:
             return
+        if caller.remote:
+            self.count_refusal("read")
+            raise UserNotAllowedError(
+                f"dataset {dataset!r} is not shared (--shared-datasets): over TCP, where no user is known, the "
+                "cluster token reads only shared datasets; read it through your node's daemon socket"
+            )
         entry = await self.datasets.entry(dataset)
         if not await self._readable(caller, entry.record.root):
             self.count_refusal("read")

@@ -34,14 +34,18 @@ class Caller:
     uid: int | None = None
     gids: frozenset[int] = frozenset()
     pid: int = 0
+    #: A daemon of the cluster, over TCP with the node credential.
+    node: bool = False
 
     @property
     def remote(self) -> bool:
         return self.uid is None
 
 
-#: A caller over TCP.
+#: A caller over TCP with the cluster token: a trainer or tool of any user.
 REMOTE = Caller()
+#: A peer daemon over TCP (it holds the node token).
+PEER_DAEMON = Caller(node=True)
 
 
 def peer_caller(conn: socket.socket) -> Caller:
