@@ -28,7 +28,6 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-import grpc
 import numpy as np
 
 from dataquay.client.cache_behind import CacheBehindNotices
@@ -43,7 +42,7 @@ from dataquay.client.records import checksum
 from dataquay.client.segment_reads import NOT_PLACED, OK, BatchReply, BatchRequest, parse_reply, request_frame
 from dataquay.client.shm import Segment, SegmentPool
 from dataquay.client.stats import TIERS, ReadStats
-from dataquay.client.status_codes import CODES_BY_VALUE, error_from_status
+from dataquay.client.status_codes import code_of_number, error_from_status
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 
@@ -280,7 +279,7 @@ class RemoteReader:
         if answer.code == NOT_PLACED:
             return False
         if answer.code != OK:
-            code = CODES_BY_VALUE.get(answer.code, grpc.StatusCode.UNKNOWN)
+            code = code_of_number(answer.code)
             raise error_from_status(code, answer.message, answer.error) or DataquayError(
                 f"Read failed: {code.name}: {answer.message}"
             )

@@ -44,7 +44,7 @@ from google.protobuf.message import DecodeError
 
 from dataquay.client.record_loops import values_intact
 from dataquay.client.records import CHECKSUM_BYTES, stored_checksum
-from dataquay.client.status_codes import status_of
+from dataquay.client.status_codes import code_number, status_of
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.bulk.frames import (
@@ -99,7 +99,7 @@ MAX_CONNECTIONS = 256
 SEND_BYTES = 16 << 20
 
 #: Answers an exchange this listener does not take: the sender goes over gRPC instead.
-UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+UNAVAILABLE = code_number(grpc.StatusCode.UNAVAILABLE)
 #: Exchange chunks a connection's thread may have queued for the receiver at once.
 EXCHANGE_QUEUE = 4
 
@@ -436,4 +436,4 @@ async def _send_from_loop(loop: asyncio.AbstractEventLoop, sock: socket.socket, 
 def _error_frame(exc: DataquayError, code: int | None = None) -> list[bytes]:
     """An ERROR frame: the gRPC status code the error maps to and its message."""
     message = str(exc).encode()[:MAX_ERROR_BYTES]
-    return [SAMPLE.pack(ERROR, status_of(exc)[0].value[0] if code is None else code, len(message), 0), message]
+    return [SAMPLE.pack(ERROR, code_number(status_of(exc)[0]) if code is None else code, len(message), 0), message]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from dataquay.client.status_codes import UNREACHABLE
+from dataquay.client.status_codes import UNREACHABLE, code_number, code_of_number
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.bulk.client import BulkRefusedError
@@ -56,7 +56,7 @@ WINDOW = 4
 OFFER_IDS = 1 << 16
 RETRY_SECONDS = (0.5, 30.0)
 #: A bulk listener's answer that it takes no exchanges (TLS): the stream goes over gRPC.
-BULK_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+BULK_UNAVAILABLE = code_number(grpc.StatusCode.UNAVAILABLE)
 #: Least time between two looks at what may be deleted or sent on, however
 #: often reads and acknowledgements come in.
 REACT_SECONDS = 0.05
@@ -248,6 +248,5 @@ class ExchangeStreams:
 def _status(exc: grpc.aio.AioRpcError | BulkRefusedError) -> tuple[grpc.StatusCode, str]:
     """The status a receiver ended a stream with, over either transport."""
     if isinstance(exc, BulkRefusedError):
-        code = next((c for c in grpc.StatusCode if c.value[0] == exc.code), grpc.StatusCode.UNKNOWN)
-        return code, str(exc)
+        return code_of_number(exc.code), str(exc)
     return exc.code(), exc.details() or ""
