@@ -383,7 +383,7 @@ class Daemon(ServerLifecycle):
             ),
             previous_owner_samples=self.reads.previous_owner_samples,
             prefetched_samples=self.reads.prefetcher.served if self.reads.prefetcher else 0,
-            prefetch_memory=(self.reads.budget.limit, self.reads.budget.used, self.reads.budget.peak),
+            prefetch_memory=(self.reads.budget.limit, self.reads.budget.held, self.reads.budget.peak),
             overflow=self.reads.overflow.counts if self.reads.overflow else OverflowCounts(),
             client_reads={tier: (samples, nbytes) for tier, (samples, nbytes) in self.client_stats.reads.items()},
             client_data_wait_seconds=self.client_stats.data_wait_seconds,
