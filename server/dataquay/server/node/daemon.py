@@ -33,6 +33,7 @@ from dataquay.server import __version__
 from dataquay.server.auth import ServerCredentials, new_server, server_tls
 from dataquay.server.config import DaemonConfig
 from dataquay.server.errors import StartupError
+from dataquay.server.http_server import HttpServer, metrics_handler
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.limits import SERVED_BYTES_PER_PEER, ByteBudgets
 from dataquay.server.listen import advertised_host, bind_tcp, claim_socket_path
@@ -46,7 +47,7 @@ from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange import ExchangeReceiver, ExchangeRun, Exchanges
 from dataquay.server.node.exchange.coded import CodedProgress
 from dataquay.server.node.exchange.mcast import multicast_channel
-from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState, MetricsServer
+from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState
 from dataquay.server.node.overflow import OverflowCounts
 from dataquay.server.node.peers import Peers
 from dataquay.server.node.pfs_pool import PfsPool
@@ -143,7 +144,7 @@ class Daemon(ServerLifecycle):
         self.tcp_address = ""
         self.metrics_port = 0
         self._server: grpc.aio.Server | None = None
-        self._metrics_http: MetricsServer | None = None
+        self._metrics_http = HttpServer({"/metrics": metrics_handler(self.metrics.registry)}, "metrics")
         self._started = False
 
     # ------------------------------------------------------------ lifecycle
@@ -158,7 +159,7 @@ class Daemon(ServerLifecycle):
             self.registry.warn_outside(self.config.dataset_roots)
             for name in self.registry.names():
                 await self.store.open_dataset(self.registry.get(name).record.cache_db)
-            self._start_metrics()
+            self.metrics_port = await self._metrics_http.start(self.config.metrics_host, self.config.metrics_port)
             await self._start_server()
             self._start_bulk()
         except BaseException:
@@ -190,16 +191,6 @@ class Daemon(ServerLifecycle):
                               "tcp": self.tcp_address, "metrics_port": self.metrics_port,
                               "cache_dir": str(self.store.path), "capacity_bytes": self.store.capacity}},
         )
-
-    def _start_metrics(self) -> None:
-        try:
-            server = MetricsServer(self.config.metrics_host, self.config.metrics_port, self.metrics.registry)
-        except OSError as exc:
-            raise StartupError(
-                f"cannot serve metrics on {self.config.metrics_host}:{self.config.metrics_port}: {exc.strerror}"
-            ) from exc
-        self._metrics_http = server
-        self.metrics_port = server.server_port
 
     async def _start_server(self) -> None:
         server = new_server(self.credentials, self.config.max_calls_per_peer)
@@ -301,8 +292,7 @@ class Daemon(ServerLifecycle):
             self.segment_socket.close()
         self.shm.close()
         self.prep_groups.close()
-        if self._metrics_http is not None:
-            self._metrics_http.close()
+        await self._metrics_http.close()
         Path(self.config.socket).unlink(missing_ok=True)
 
     async def _resume_exchanges(self) -> None:
