@@ -15,6 +15,7 @@ from google.protobuf.json_format import MessageToDict
 
 from dataquay.client.job_settings import EXCHANGE_CODINGS
 from dataquay.client.placement import MODES
+from dataquay.client.tiers import SERVED_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.cli import cluster_status
 from dataquay.server.cli.common import CliError, add_addr, add_directory, add_q, daemon_stub, print_table
@@ -24,7 +25,6 @@ from dataquay.server.sizes import format_bytes
 
 FORMATS = {"files": pb.FORMAT_FILES, "tar": pb.FORMAT_TAR, "npy": pb.FORMAT_NPY}
 FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
-TIER_NAMES = {pb.TIER_LOCAL: "cache", pb.TIER_PEER: "peer", pb.TIER_PFS: "pfs"}
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -162,7 +162,7 @@ def cmd_status(args: argparse.Namespace) -> None:
 
 
 def _print_node_status(stats: pb.StatsReply) -> None:
-    reads = {TIER_NAMES[t.tier]: t for t in stats.reads}
+    reads = {SERVED_TIERS[t.tier]: t for t in stats.reads}
     total = sum(t.samples for t in stats.reads) or 1
     print(f"node {stats.node}: cache {format_bytes(stats.cache_used_bytes)} of "
           f"{format_bytes(stats.cache_capacity_bytes)}, {stats.cache_entries} entries"

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dataquay.client.tiers import SERVED_TIERS
 from dataquay.server.node.behind import BehindCounts
 
 if TYPE_CHECKING:
@@ -23,9 +24,7 @@ if TYPE_CHECKING:
     from dataquay.server.node.overflow import OverflowCounts
 
 #: Where this daemon served a sample from: its own cache, another daemon's, the PFS.
-#: Not the clients' tiers (``dataquay_client_reads``), where ``local`` is a
-#: trainer's own read of the cache and ``daemon-local`` one through this daemon.
-TIERS = ("cache", "peer", "pfs")
+TIERS = tuple(SERVED_TIERS.values())
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from dataquay.client.stats import TIERS
+from dataquay.client.tiers import CLIENT_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -329,9 +329,9 @@ def _check_stats_report(request: pb.ClientStatsReport) -> None:
         raise InvalidRequestError("a client stats report must name its client")
     if not math.isfinite(request.data_wait_seconds):
         raise InvalidRequestError(f"data_wait_seconds {request.data_wait_seconds} is not a finite number of seconds")
-    unknown = sorted({r.tier for r in request.reads} - set(TIERS))
+    unknown = sorted({r.tier for r in request.reads} - set(CLIENT_TIERS))
     if unknown:
-        raise InvalidRequestError(f"unknown client tier {unknown[0]!r}; tiers are {', '.join(TIERS)}")
+        raise InvalidRequestError(f"unknown client tier {unknown[0]!r}; tiers are {', '.join(CLIENT_TIERS)}")
 
 
 def _node_local(context: grpc.aio.ServicerContext, refusal: str) -> None:
