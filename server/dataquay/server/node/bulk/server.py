@@ -38,7 +38,6 @@ import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
-import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
@@ -52,6 +51,7 @@ from dataquay.server.node.bulk.frames import (
     END,
     ERROR,
     EXCHANGE,
+    EXCHANGE_UNAVAILABLE,
     HELLO,
     HELLO_MAGIC,
     MAC_BYTES,
@@ -98,8 +98,6 @@ MAX_CONNECTIONS = 256
 #: Payload bytes sent under one LMDB read transaction.
 SEND_BYTES = 16 << 20
 
-#: Answers an exchange this listener does not take: the sender goes over gRPC instead.
-UNAVAILABLE = code_number(grpc.StatusCode.UNAVAILABLE)
 #: Exchange chunks a connection's thread may have queued for the receiver at once.
 EXCHANGE_QUEUE = 4
 
@@ -325,7 +323,7 @@ class BulkServer:
         if self.receive is None or self.tls is not None:
             reason = "this daemon takes exchanges over gRPC only" if self.tls is not None else (
                 "this daemon runs without a directory (--directory); exchanges need one")
-            send_buffers(sock, _error_frame(DataquayError(reason), UNAVAILABLE))
+            send_buffers(sock, _error_frame(DataquayError(reason), EXCHANGE_UNAVAILABLE))
             return
         try:
             first = pb.ExchangeMessage.FromString(body)
