@@ -86,7 +86,7 @@ class HttpServer:
         ) + "\n"
         self._what = what
         self._server: asyncio.Server | None = None
-        self._open = 0
+        self._open: set[asyncio.StreamWriter] = set()
 
     async def start(self, host: str, port: int) -> int:
         """Listens on ``host:port``; returns the port bound.
@@ -101,22 +101,26 @@ class HttpServer:
         return int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
+        """Stops listening and closes the connections being served, so that
+        closing never waits out a silent client's idle timeout."""
         if self._server is not None:
             self._server.close()
+            for writer in self._open:
+                writer.close()
             await self._server.wait_closed()
             self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._open >= MAX_CONNECTIONS:
+        if len(self._open) >= MAX_CONNECTIONS:
             writer.close()
             return
-        self._open += 1
+        self._open.add(writer)
         try:
             await self._answer(reader, writer)
         except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
             pass
         finally:
-            self._open -= 1
+            self._open.discard(writer)
             writer.close()
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
