@@ -431,7 +431,9 @@ def test_heartbeat_datagrams_renew_the_lease_and_garbage_is_ignored(
         assert not dpb.HeartbeatReply.FromString(udp.recv(65536)).known
     n0 = stub.ListNodes(dpb.ListNodesRequest()).nodes[0]
     assert n0.cache_used_bytes == 123 and n0.cache_entries == 4
-    assert refused_beats(directory) == {"signature": 0, "format": 2, "malformed": 0, "stale": 0, "replayed": 0}
+    assert refused_beats(directory) == {
+        "signature": 0, "format": 2, "malformed": 0, "stale": 0, "replayed": 0, "holder": 0
+    }
 
 
 def refused_beats(directory: DirectoryProcess) -> dict[str, int]:
@@ -476,7 +478,8 @@ def test_a_replayed_signed_beat_does_not_bring_a_down_node_back_up(
         udp.send(sender.datagram(dpb.HeartbeatRequest(name="n0")))
         assert dpb.HeartbeatReply.FromString(udp.recv(65536)).known
         assert nodes(stub)["n0"] == jpb.NODE_UP
-    assert refused_beats(directory) == {"signature": 0, "format": 0, "malformed": 0, "stale": 1, "replayed": 1}
+    assert refused_beats(directory) == {"signature": 0, "format": 0, "malformed": 0, "stale": 1, "replayed": 1,
+                                       "holder": 0}
 
 
 def test_stage_passes_the_batch_size_only_with_a_job(capsys: pytest.CaptureFixture[str]) -> None:

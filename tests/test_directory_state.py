@@ -53,12 +53,12 @@ def up_names(state: DirectoryState) -> list[str]:
 def test_a_lease_ends_without_heartbeats_and_a_heartbeat_brings_the_node_back() -> None:
     state = cluster("b", "a")
     assert up_names(state) == ["a", "b"] and state.versions.nodes == 2
-    assert state.heartbeat("a", 5, 1, now=8.0) == (True, False, False)
+    assert state.heartbeat("a", 5, 1, now=8.0) == (True, False, "")
     assert state.expire(now=9.0) == []
     assert state.expire(now=10.0) == ["b"]
     assert up_names(state) == ["a"] and state.node_counts() == (1, 1)
     assert state.versions.nodes == 3
-    assert state.heartbeat("b", 0, 0, now=11.0) == (True, True, False)
+    assert state.heartbeat("b", 0, 0, now=11.0) == (True, True, "")
     assert up_names(state) == ["a", "b"] and state.versions.nodes == 4
     assert state.expire(now=18.0) == ["a"]
     node_a = state.nodes()[0]
@@ -71,7 +71,7 @@ def test_heartbeats_move_no_version_and_unknown_names_are_told_to_register() -> 
     for t in range(1, 50):
         assert state.heartbeat("a", t, t, now=float(t)).known
     assert state.versions is before and state.revision == revision
-    assert state.heartbeat("ghost", 0, 0, now=50.0) == (False, False, False)
+    assert state.heartbeat("ghost", 0, 0, now=50.0) == (False, False, "")
     assert state.heartbeats == 50
 
 
@@ -294,10 +294,10 @@ def test_jobs_of_a_state_file_without_activity_count_as_active_when_it_is_loaded
 
 
 def test_a_document_of_another_format_is_refused() -> None:
-    with pytest.raises(ValueError, match="state format 99"):
-        DirectoryState.from_json({"format": 99}, LEASE, 0.0)
-    with pytest.raises(ValueError, match="malformed state"):
-        DirectoryState.from_json({"format": 1, "nodes": [{"info": {}}]}, LEASE, 0.0)
+    with pytest.raises(ValueError, match="format is 99, expected 1"):
+        DirectoryState.from_json({"format": 99, "versions": {}, "nodes": [], "jobs": []}, LEASE, 0.0)
+    with pytest.raises(ValueError, match=r"nodes\[0\].info.name is missing"):
+        DirectoryState.from_json({"format": 1, "versions": {}, "nodes": [{"info": {}}], "jobs": []}, LEASE, 0.0)
 
 
 # ------------------------------------------------------------ job activity

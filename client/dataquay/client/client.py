@@ -27,6 +27,7 @@ from dataquay.client.errors import (
     DaemonUnavailableError,
     DataquayError,
     DirectoryUnavailableError,
+    EpochTooFarError,
     JobMismatchError,
     UnknownDatasetError,
     UnknownJobError,
@@ -238,7 +239,11 @@ class Client:
 
         Best effort: daemons use a job's epoch to prepare the next one early,
         but training must not stop because the directory is unreachable, so
-        a failure is logged at debug level and otherwise ignored.
+        a failure is logged at debug level and otherwise ignored; all but an
+        epoch the job refuses as too far ahead, which is this rank's mistake.
+
+        Raises:
+            EpochTooFarError: see :func:`~dataquay.client.jobs.check_epoch_ahead`.
         """
         if self._remote.daemon_down:
             return
@@ -246,6 +251,8 @@ class Client:
         request = jpb.ReportEpochRequest(job_id=job_id, epoch=epoch)
         try:
             self._connection.call("ReportEpoch", lambda stub: stub.ReportEpoch(request, timeout=self.timeout))
+        except EpochTooFarError:
+            raise
         except DataquayError as exc:
             log.debug("epoch %d of job %r not reported: %s", epoch, job_id, exc)
 

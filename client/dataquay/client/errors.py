@@ -66,6 +66,13 @@ class InvalidRequestError(DataquayError, ValueError):
     have, an epoch out of range, an exchange offer out of order."""
 
 
+class EpochTooFarError(InvalidRequestError):
+    """An epoch too far past the job's current one in a mode whose owners
+    move: its owners step from the current epoch's one epoch at a time, which
+    would stall every daemon of the job (usually a global step passed for an
+    epoch)."""
+
+
 class BatchTooLargeError(DataquayError, ValueError):
     """A request with more ids than the daemon's --max-batch."""
 
@@ -74,9 +81,19 @@ class DatasetExistsError(DataquayError):
     """A dataset name that is already registered (use --replace)."""
 
 
+class NodeNameTakenError(DataquayError):
+    """A node name a live node of another identity holds: two daemons must
+    not answer for one name, or peers would read from whichever came last."""
+
+
 class RootNotAllowedError(DataquayError, PermissionError):
     """A dataset root outside the server's --dataset-roots: the operator, not
     a token holder, decides which directories the server reads for callers."""
+
+
+class UserNotAllowedError(DataquayError, PermissionError):
+    """A call the calling user may not make on a daemon that keeps its users
+    apart (--users apart): the message names the rule, never another user's data."""
 
 
 class DatasetReplacedError(DataquayError):

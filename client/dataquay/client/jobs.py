@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dataquay.client.errors import DataquayError, JobMismatchError
+from dataquay.client.errors import DataquayError, EpochTooFarError, JobMismatchError
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.manifest import Manifest
-from dataquay.client.placement import JobPlan
+from dataquay.client.placement import MAX_EPOCHS_AHEAD, MODES, JobPlan
 from dataquay.protos import jobs_pb2 as jpb
 
 if TYPE_CHECKING:
@@ -41,6 +41,22 @@ def job_spec(job_id: str, dataset: str, **settings: Any) -> jpb.JobSpec:
     named = JobSettings(job_id, dataset, **given)
     named.check_names()
     return named.to_proto(named=given.keys() | {"dataset"})
+
+
+def check_epoch_ahead(job_id: str, mode: str, epoch: int, current: int) -> None:
+    """Refuses ``epoch`` where it is more than MAX_EPOCHS_AHEAD past the job's
+    ``current`` epoch in a mode whose owners move (each epoch between is one
+    step for every daemon of the job); modes whose owners stay compute any
+    epoch directly, and take any.
+
+    Raises:
+        EpochTooFarError: naming the current epoch, the bound and the likely mistake.
+    """
+    if epoch > current + MAX_EPOCHS_AHEAD and MODES[mode].owners_move:
+        raise EpochTooFarError(
+            f"epoch {epoch} of job {job_id!r} is more than {MAX_EPOCHS_AHEAD} epochs past its current epoch "
+            f"{current} (mode {mode} moves owners one epoch at a time): pass the epoch number, not the global step"
+        )
 
 
 def job_plan(job: jpb.Job, manifest: Manifest) -> JobPlan:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from dataquay.client.env import topology
+from dataquay.client.jobs import check_epoch_ahead
 from dataquay.client.placement import (
     MODES,
     JobPlan,
@@ -311,10 +312,19 @@ class JobSampler(Sampler):
             reporter.report_position(self.job_id, self.epoch, self.rank, value, value == len(self))
 
     def set_epoch(self, epoch: int) -> None:
-        """Selects the epoch to read and reports it to the job (best effort)."""
-        super().set_epoch(epoch)
+        """Selects the epoch to read and reports it to the job (best effort).
+
+        Raises:
+            EpochTooFarError: ``epoch`` is too far past the job's current one
+                as this rank knows it, or as the job does
+                (:func:`~dataquay.client.jobs.check_epoch_ahead`); the
+                sampler stays in its epoch.
+        """
+        settings = self.plan.settings
+        check_epoch_ahead(self.job_id, settings.mode, epoch, max(self.job.epoch, self.epoch))
         if self._reporter is not None:
             self._reporter.report_epoch(self.job_id, epoch)
+        super().set_epoch(epoch)
 
     def _identity(self) -> dict[str, int | str]:
         return {**super()._identity(), "job": self.job_id}

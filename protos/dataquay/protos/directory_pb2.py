@@ -26,7 +26,7 @@ from dataquay.protos import cache_pb2 as dataquay_dot_protos_dot_cache__pb2
 from dataquay.protos import jobs_pb2 as dataquay_dot_protos_dot_jobs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x64\x61taquay/protos/directory.proto\x12\x0b\x64\x61taquay.v1\x1a\x1b\x64\x61taquay/protos/cache.proto\x1a\x1a\x64\x61taquay/protos/jobs.proto\":\n\x13RegisterNodeRequest\x12#\n\x04node\x18\x01 \x01(\x0b\x32\x15.dataquay.v1.NodeInfo\"9\n\x08Versions\x12\r\n\x05nodes\x18\x01 \x01(\x04\x12\x10\n\x08\x64\x61tasets\x18\x02 \x01(\x04\x12\x0c\n\x04jobs\x18\x03 \x01(\x04\"n\n\x11RegisterNodeReply\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\x01\x12\'\n\x08versions\x18\x03 \x01(\x0b\x32\x15.dataquay.v1.Versions\"Q\n\x10HeartbeatRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10\x63\x61\x63he_used_bytes\x18\x02 \x01(\x04\x12\x15\n\rcache_entries\x18\x03 \x01(\x04\"H\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\'\n\x08versions\x18\x02 \x01(\x0b\x32\x15.dataquay.v1.Versions\")\n\x10ListNodesRequest\x12\x15\n\rsince_version\x18\x01 \x01(\x04\"\x81\x01\n\x0eListNodesReply\x12&\n\x05nodes\x18\x01 \x03(\x0b\x32\x17.dataquay.v1.NodeStatus\x12\'\n\x08versions\x18\x02 \x01(\x0b\x32\x15.dataquay.v1.Versions\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\x08\x12\x0f\n\x07removed\x18\x04 \x03(\t2\xaa\x07\n\tDirectory\x12P\n\x0cRegisterNode\x12 .dataquay.v1.RegisterNodeRequest\x1a\x1e.dataquay.v1.RegisterNodeReply\x12G\n\tHeartbeat\x12\x1d.dataquay.v1.HeartbeatRequest\x1a\x1b.dataquay.v1.HeartbeatReply\x12G\n\tListNodes\x12\x1d.dataquay.v1.ListNodesRequest\x1a\x1b.dataquay.v1.ListNodesReply\x12\x46\n\nAddDataset\x12\x1e.dataquay.v1.AddDatasetRequest\x1a\x18.dataquay.v1.DatasetInfo\x12P\n\x0cListDatasets\x12 .dataquay.v1.ListDatasetsRequest\x1a\x1e.dataquay.v1.ListDatasetsReply\x12\x46\n\nGetDataset\x12\x1e.dataquay.v1.GetDatasetRequest\x1a\x18.dataquay.v1.DatasetInfo\x12K\n\x0bGetManifest\x12\x1e.dataquay.v1.GetDatasetRequest\x1a\x1a.dataquay.v1.ManifestChunk0\x01\x12M\n\x0b\x44ropDataset\x12\x1f.dataquay.v1.DropDatasetRequest\x1a\x1d.dataquay.v1.DropDatasetReply\x12\x38\n\x07JoinJob\x12\x1b.dataquay.v1.JoinJobRequest\x1a\x10.dataquay.v1.Job\x12\x36\n\x06GetJob\x12\x1a.dataquay.v1.GetJobRequest\x1a\x10.dataquay.v1.Job\x12\x44\n\x08ListJobs\x12\x1c.dataquay.v1.ListJobsRequest\x1a\x1a.dataquay.v1.ListJobsReply\x12\x41\n\x07\x44ropJob\x12\x1b.dataquay.v1.DropJobRequest\x1a\x19.dataquay.v1.DropJobReply\x12@\n\x0bReportEpoch\x12\x1f.dataquay.v1.ReportEpochRequest\x1a\x10.dataquay.v1.Jobb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x64\x61taquay/protos/directory.proto\x12\x0b\x64\x61taquay.v1\x1a\x1b\x64\x61taquay/protos/cache.proto\x1a\x1a\x64\x61taquay/protos/jobs.proto\"P\n\x13RegisterNodeRequest\x12#\n\x04node\x18\x01 \x01(\x0b\x32\x15.dataquay.v1.NodeInfo\x12\x14\n\x0cidentity_key\x18\x02 \x01(\x0c\"9\n\x08Versions\x12\r\n\x05nodes\x18\x01 \x01(\x04\x12\x10\n\x08\x64\x61tasets\x18\x02 \x01(\x04\x12\x0c\n\x04jobs\x18\x03 \x01(\x04\"\x7f\n\x11RegisterNodeReply\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\x01\x12\'\n\x08versions\x18\x03 \x01(\x0b\x32\x15.dataquay.v1.Versions\x12\x0f\n\x07session\x18\x04 \x01(\x06\"b\n\x10HeartbeatRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10\x63\x61\x63he_used_bytes\x18\x02 \x01(\x04\x12\x15\n\rcache_entries\x18\x03 \x01(\x04\x12\x0f\n\x07session\x18\x04 \x01(\x06\"H\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\'\n\x08versions\x18\x02 \x01(\x0b\x32\x15.dataquay.v1.Versions\")\n\x10ListNodesRequest\x12\x15\n\rsince_version\x18\x01 \x01(\x04\"\x81\x01\n\x0eListNodesReply\x12&\n\x05nodes\x18\x01 \x03(\x0b\x32\x17.dataquay.v1.NodeStatus\x12\'\n\x08versions\x18\x02 \x01(\x0b\x32\x15.dataquay.v1.Versions\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\x08\x12\x0f\n\x07removed\x18\x04 \x03(\t2\xaa\x07\n\tDirectory\x12P\n\x0cRegisterNode\x12 .dataquay.v1.RegisterNodeRequest\x1a\x1e.dataquay.v1.RegisterNodeReply\x12G\n\tHeartbeat\x12\x1d.dataquay.v1.HeartbeatRequest\x1a\x1b.dataquay.v1.HeartbeatReply\x12G\n\tListNodes\x12\x1d.dataquay.v1.ListNodesRequest\x1a\x1b.dataquay.v1.ListNodesReply\x12\x46\n\nAddDataset\x12\x1e.dataquay.v1.AddDatasetRequest\x1a\x18.dataquay.v1.DatasetInfo\x12P\n\x0cListDatasets\x12 .dataquay.v1.ListDatasetsRequest\x1a\x1e.dataquay.v1.ListDatasetsReply\x12\x46\n\nGetDataset\x12\x1e.dataquay.v1.GetDatasetRequest\x1a\x18.dataquay.v1.DatasetInfo\x12K\n\x0bGetManifest\x12\x1e.dataquay.v1.GetDatasetRequest\x1a\x1a.dataquay.v1.ManifestChunk0\x01\x12M\n\x0b\x44ropDataset\x12\x1f.dataquay.v1.DropDatasetRequest\x1a\x1d.dataquay.v1.DropDatasetReply\x12\x38\n\x07JoinJob\x12\x1b.dataquay.v1.JoinJobRequest\x1a\x10.dataquay.v1.Job\x12\x36\n\x06GetJob\x12\x1a.dataquay.v1.GetJobRequest\x1a\x10.dataquay.v1.Job\x12\x44\n\x08ListJobs\x12\x1c.dataquay.v1.ListJobsRequest\x1a\x1a.dataquay.v1.ListJobsReply\x12\x41\n\x07\x44ropJob\x12\x1b.dataquay.v1.DropJobRequest\x1a\x19.dataquay.v1.DropJobReply\x12@\n\x0bReportEpoch\x12\x1f.dataquay.v1.ReportEpochRequest\x1a\x10.dataquay.v1.Jobb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dataquay.protos.directory_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGISTERNODEREQUEST']._serialized_start=105
-  _globals['_REGISTERNODEREQUEST']._serialized_end=163
-  _globals['_VERSIONS']._serialized_start=165
-  _globals['_VERSIONS']._serialized_end=222
-  _globals['_REGISTERNODEREPLY']._serialized_start=224
-  _globals['_REGISTERNODEREPLY']._serialized_end=334
-  _globals['_HEARTBEATREQUEST']._serialized_start=336
-  _globals['_HEARTBEATREQUEST']._serialized_end=417
-  _globals['_HEARTBEATREPLY']._serialized_start=419
-  _globals['_HEARTBEATREPLY']._serialized_end=491
-  _globals['_LISTNODESREQUEST']._serialized_start=493
-  _globals['_LISTNODESREQUEST']._serialized_end=534
-  _globals['_LISTNODESREPLY']._serialized_start=537
-  _globals['_LISTNODESREPLY']._serialized_end=666
-  _globals['_DIRECTORY']._serialized_start=669
-  _globals['_DIRECTORY']._serialized_end=1607
+  _globals['_REGISTERNODEREQUEST']._serialized_end=185
+  _globals['_VERSIONS']._serialized_start=187
+  _globals['_VERSIONS']._serialized_end=244
+  _globals['_REGISTERNODEREPLY']._serialized_start=246
+  _globals['_REGISTERNODEREPLY']._serialized_end=373
+  _globals['_HEARTBEATREQUEST']._serialized_start=375
+  _globals['_HEARTBEATREQUEST']._serialized_end=473
+  _globals['_HEARTBEATREPLY']._serialized_start=475
+  _globals['_HEARTBEATREPLY']._serialized_end=547
+  _globals['_LISTNODESREQUEST']._serialized_start=549
+  _globals['_LISTNODESREQUEST']._serialized_end=590
+  _globals['_LISTNODESREPLY']._serialized_start=593
+  _globals['_LISTNODESREPLY']._serialized_end=722
+  _globals['_DIRECTORY']._serialized_start=725
+  _globals['_DIRECTORY']._serialized_end=1663
 # @@protoc_insertion_point(module_scope)

@@ -9,10 +9,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("node",)
+    __slots__ = ("node", "identity_key")
     NODE_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_KEY_FIELD_NUMBER: _ClassVar[int]
     node: _jobs_pb2.NodeInfo
-    def __init__(self, node: _Optional[_Union[_jobs_pb2.NodeInfo, _Mapping]] = ...) -> None: ...
+    identity_key: bytes
+    def __init__(self, node: _Optional[_Union[_jobs_pb2.NodeInfo, _Mapping]] = ..., identity_key: _Optional[bytes] = ...) -> None: ...
 
 class Versions(_message.Message):
     __slots__ = ("nodes", "datasets", "jobs")
@@ -25,24 +27,28 @@ class Versions(_message.Message):
     def __init__(self, nodes: _Optional[int] = ..., datasets: _Optional[int] = ..., jobs: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeReply(_message.Message):
-    __slots__ = ("lease_seconds", "heartbeat_seconds", "versions")
+    __slots__ = ("lease_seconds", "heartbeat_seconds", "versions", "session")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
     heartbeat_seconds: float
     versions: Versions
-    def __init__(self, lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ...) -> None: ...
+    session: int
+    def __init__(self, lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., session: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("name", "cache_used_bytes", "cache_entries")
+    __slots__ = ("name", "cache_used_bytes", "cache_entries", "session")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     cache_used_bytes: int
     cache_entries: int
-    def __init__(self, name: _Optional[str] = ..., cache_used_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ...) -> None: ...
+    session: int
+    def __init__(self, name: _Optional[str] = ..., cache_used_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "versions")

@@ -48,6 +48,7 @@ OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Healt
 #: the PFS's page cache or takes only from a segment of its own user.
 NODE_METHODS: Mapping[str, str] = {
     "/dataquay.v1.Cache/Exchange": "only daemons write into another node's cache",
+    "/dataquay.v1.Cache/CodedPass": "only daemons take part in a coded pass",
     "/dataquay.v1.Directory/RegisterNode": "only daemons join the node list",
     "/dataquay.v1.Directory/Heartbeat": "only daemons renew a node's lease",
 }
@@ -135,16 +136,18 @@ def server_tls(credentials: Credentials) -> grpc.ServerCredentials | None:
 
 
 def new_server(
-    credentials: ServerCredentials, calls_per_peer: int = 0, encoded_replies: frozenset[str] = frozenset()
+    credentials: ServerCredentials, calls_per_peer: int = 0, encoded_replies: frozenset[str] = frozenset(),
+    checks: tuple[grpc.aio.ServerInterceptor, ...] = (),
 ) -> grpc.aio.Server:
     """A gRPC server that refuses calls without a valid credential, when it
-    has tokens (:class:`CredentialCheck`), a TCP host's calls beyond
+    has tokens (:class:`CredentialCheck`), calls that ``checks`` refuse, a TCP host's calls beyond
     ``calls_per_peer`` in flight (0: no cap) and malformed requests; the
     methods named in ``encoded_replies`` may answer with encoded bytes
     (:class:`~dataquay.server.interceptors.EncodedReplies`)."""
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if credentials.user.token or credentials.node.token:
         interceptors.append(CredentialCheck(credentials.user.token, credentials.node.token))
+    interceptors.extend(checks)
     if calls_per_peer:
         interceptors.append(PeerCallLimit(calls_per_peer))
     if encoded_replies:

@@ -15,11 +15,13 @@ from dataquay.client.errors import (
     DatasetExistsError,
     DatasetReplacedError,
     DirectoryUnavailableError,
+    EpochTooFarError,
     ExchangeRefusedError,
     InvalidRequestError,
     JobActiveError,
     JobMismatchError,
     ManifestError,
+    NodeNameTakenError,
     NoLiveNodesError,
     PfsReadError,
     RootNotAllowedError,
@@ -28,6 +30,7 @@ from dataquay.client.errors import (
     StandaloneError,
     UnknownDatasetError,
     UnknownJobError,
+    UserNotAllowedError,
 )
 
 __all__ = [
@@ -39,20 +42,25 @@ __all__ = [
     "DatasetExistsError",
     "DatasetReplacedError",
     "DirectoryUnavailableError",
+    "EpochTooFarError",
     "ExchangeRefusedError",
     "InvalidRequestError",
     "JobActiveError",
     "JobMismatchError",
     "ManifestError",
     "NoLiveNodesError",
+    "NodeNameTakenError",
     "PfsReadError",
     "RootNotAllowedError",
     "SampleIdError",
     "SampleTooLargeError",
     "StandaloneError",
     "StartupError",
+    "StateFileError",
+    "UnknownCallerError",
     "UnknownDatasetError",
     "UnknownJobError",
+    "UserNotAllowedError",
 ]
 
 
@@ -60,8 +68,18 @@ class ConfigError(DataquayError, ValueError):
     """A flag, environment variable or config value that cannot be used."""
 
 
+class UnknownCallerError(DataquayError):
+    """A call on the unix socket of a daemon that keeps its users apart that
+    carries no valid caller ticket, so the daemon cannot tell whose it is
+    (ended with UNAUTHENTICATED by :class:`~dataquay.server.node.users.access.CallerCheck`)."""
+
+
 class StartupError(DataquayError):
     """The daemon could not start (directory not writable, port taken, ...)."""
+
+
+class StateFileError(DataquayError, ValueError):
+    """A state file whose content the server cannot use (a field of the wrong type)."""
 
 
 class CacheWriterError(DataquayError):

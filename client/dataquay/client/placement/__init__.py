@@ -37,6 +37,7 @@ from dataquay.client.placement.exchange_q import drawn_fraction, leaving_fractio
 from dataquay.client.placement.modes import MODES, Mode, owned_ids
 from dataquay.client.placement.orders import (
     MAX_EPOCH,
+    MAX_EPOCHS_AHEAD,
     epoch_order,
     epoch_permutation,
     rank_indices,
@@ -48,6 +49,7 @@ from dataquay.client.placement.plan import JobPlan
 
 __all__ = [
     "MAX_EPOCH",
+    "MAX_EPOCHS_AHEAD",
     "MODES",
     "PARTITIONS",
     "BatchBalance",

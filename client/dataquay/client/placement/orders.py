@@ -18,6 +18,12 @@ from numpy.random import PCG64, Generator, SeedSequence
 #: The last epoch a job may reach. Moving placements are stepped epoch by
 #: epoch, so an absurd epoch would stall whoever computes its owners.
 MAX_EPOCH = 100_000
+#: How far past a job's current epoch one may be named where owners move:
+#: each epoch between is one step of the owners, about 30 ms (q 0.25) to
+#: 90 ms (q 1) at a million samples over 64 nodes, so 32 steps cost every
+#: daemon of the job a few seconds at most. An epoch further ahead is nearly
+#: always a global step passed for an epoch.
+MAX_EPOCHS_AHEAD = 32
 
 # Keys of the kinds of draw, far above any epoch, so that no key can equal an
 # epoch permutation's [seed, epoch].

@@ -135,11 +135,15 @@ def print_prep_groups(stats: list[tuple[str, pb.StatsReply]]) -> None:
 def exchange_row(node: str, x: pb.ExchangeProgress) -> tuple[object, ...]:
     rate = x.sent_bytes / x.elapsed_seconds if x.elapsed_seconds > 0 else 0.0
     left = x.total_bytes - x.delivered_bytes
-    if x.finished:
+    if x.failed:
+        eta, state = "-", x.error
+    elif x.finished:
         eta, state = "-", "done" if not x.error else f"done; {x.error}"
     else:
         eta = f"{left / rate:.0f}s" if rate > 0 else "?"
         state = "running" if not x.error else f"retrying; {x.error}"
+    if x.coded_note:
+        state += f"; coded pass: {x.coded_note}"
     unsent = x.unavailable_samples + x.refused_samples
     samples = f"{x.delivered_samples}/{x.total_samples}" + (f" ({unsent} not sent)" if unsent else "")
     return (

@@ -18,9 +18,11 @@ highest it accepted from the node since it registered, and a send time
 further than ``max_age_seconds`` from its own clock, which covers captures
 from before a directory restart. Each sender's sequence starts from its
 clock in nanoseconds, so a restarted daemon's beats are above its previous
-ones. Every refused datagram goes unanswered, so a daemon whose beats are
-refused (a clock far off, a format this directory does not read) renews its
-lease by RPC.
+ones. A beat names the session its node's registration was handed, so that
+only the daemon holding the name renews its lease (see
+:meth:`~.state.DirectoryState.heartbeat`). Every refused datagram goes
+unanswered, so a daemon whose beats are refused (a clock far off, a format
+this directory does not read) renews its lease by RPC.
 
 The version byte is not a valid start of a protobuf message, so a bare
 HeartbeatRequest is refused as of an unknown format, never misread.
@@ -48,7 +50,7 @@ HEADER = struct.Struct(">BQQ")
 #: The header's version byte; as a protobuf tag it names field 0, which no message has.
 FORMAT = 1
 #: Why a datagram was refused: the labels of the directory's refusal counter.
-REFUSALS = ("signature", "format", "malformed", "stale", "replayed")
+REFUSALS = ("signature", "format", "malformed", "stale", "replayed", "holder")
 
 _REFUSAL_LOGS = {
     "signature": "ignoring heartbeats without a valid node token signature",
@@ -56,10 +58,19 @@ _REFUSAL_LOGS = {
     "malformed": "ignoring a datagram that is not a heartbeat",
     "stale": "ignoring heartbeats sent too long ago or in the future (replayed, or a clock far off)",
     "replayed": "ignoring a heartbeat whose sequence the node already used (replayed)",
+    "holder": "ignoring heartbeats for a node name from other than its registered holder",
 }
 
-#: Answers a beat given its sequence; None refuses it as replayed.
-Answer = Callable[[dpb.HeartbeatRequest, int], dpb.HeartbeatReply | None]
+#: Answers a beat given its sequence, or says why it is refused (a key of :data:`REFUSALS`).
+Answer = Callable[[dpb.HeartbeatRequest, int], dpb.HeartbeatReply | str]
+
+
+def count_refusal(refused: Counter[str], reason: str, source: str) -> None:
+    """Counts a refused beat, and logs the first of each reason (a sender
+    refused once is refused at every beat: one line says it all)."""
+    refused[reason] += 1
+    if refused[reason] == 1:
+        log.warning(_REFUSAL_LOGS[reason], extra={"fields": {"from": source}})
 
 
 def beat_datagram(token: str, request: dpb.HeartbeatRequest, sequence: int, sent_unix_ns: int) -> bytes:
@@ -71,7 +82,7 @@ class HeartbeatEndpoint(asyncio.DatagramProtocol):
     """Answers each valid heartbeat datagram with the reply ``answer`` gives.
 
     Args:
-        answer: the directory's handler; None refuses the beat as replayed.
+        answer: the directory's handler; a string refuses the beat for that reason.
         token: the node token beats are signed with ("" for none).
         max_age_seconds: how far a beat's send time may be from now.
         refused: counts refused datagrams by reason (:data:`REFUSALS`).
@@ -91,9 +102,7 @@ class HeartbeatEndpoint(asyncio.DatagramProtocol):
     def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
         reply = self._reply(data)
         if isinstance(reply, str):
-            self.refused[reply] += 1
-            if self.refused[reply] == 1:
-                log.warning(_REFUSAL_LOGS[reply], extra={"fields": {"from": str(addr)}})
+            count_refusal(self.refused, reply, str(addr))
         elif self._transport is not None:
             self._transport.sendto(reply.SerializeToString(), addr)
 
@@ -111,8 +120,7 @@ class HeartbeatEndpoint(asyncio.DatagramProtocol):
             return "malformed"
         if abs(time.time_ns() - sent_unix_ns) > self._max_age_ns:
             return "stale"
-        reply = self._answer(request, sequence)
-        return "replayed" if reply is None else reply
+        return self._answer(request, sequence)
 
 
 async def open_heartbeats(

@@ -40,7 +40,8 @@ class _DirectoryCollector(Collector):
         )
         refused = CounterMetricFamily(
             "dataquay_directory_heartbeats_refused",
-            "Heartbeat datagrams refused, by reason (signature, format, malformed, stale, replayed)",
+            "Heartbeats refused, by reason (signature, format, malformed, stale, replayed: datagrams; "
+            "holder: datagrams or RPCs not from the node name's registered holder)",
             labels=["reason"],
         )
         counts = self._beats_refused()

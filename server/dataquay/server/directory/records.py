@@ -41,6 +41,11 @@ class Node:
     cache_entries: int = 0
     #: The highest datagram sequence accepted since the node registered.
     beat_sequence: int = 0
+    #: SHA-256 (hex) of the identity key the node registered with; "" for a
+    #: daemon that sent none, whose name any registration may take.
+    identity: str = ""
+    #: What its heartbeats must carry (see RegisterNodeReply.session); 0: any.
+    session: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,12 +69,18 @@ class Change(enum.Enum):
 class Registration(NamedTuple):
     change: Change
     previous: NodeInfo | None
+    #: The identity that held the name before ("" for none or an anonymous one).
+    previous_identity: str = ""
+    #: What the node's heartbeats must carry (0: anything).
+    session: int = 0
 
 
 class Beat(NamedTuple):
     known: bool    # False: the name is not registered; the daemon must register
     came_up: bool  # the node was down and is up again
-    refused: bool = False  # a datagram's sequence already seen: renewed nothing
+    #: Why the beat renewed nothing: "replayed" (a datagram's sequence already
+    #: seen) or "holder" (not the session of the name's registration); "" if it did.
+    refused: str = ""
 
 
 @dataclass(frozen=True)
@@ -99,7 +110,8 @@ class Job:
     """A job record. ``epoch`` is the highest epoch any node reported;
     ``started`` says whether one did (so that epoch 0 has begun);
     ``last_active`` is when it was created, joined or last had an epoch
-    reported, from which its idle time counts."""
+    reported, as Unix time (the directory counts its idle time on the
+    monotonic clock)."""
 
     spec: JobSettings
     manifest_id: str

@@ -19,6 +19,9 @@ one, so a thousand daemons registering at once cost tens of writes, not a
 thousand. Heartbeats are not written; a node that comes back up by
 heartbeating is written by the next lease check.
 
+Leases, job idle times and the node log's periods count on the monotonic
+clock; Unix time is only what people read and what is written (see :mod:`.state`).
+
 Heartbeats arrive as UDP datagrams on the gRPC port's number (see
 :mod:`.beats`), or through the Heartbeat RPC.
 
@@ -46,15 +49,23 @@ from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.server.auth import ServerCredentials, new_server, server_tls
 from dataquay.server.config import DirectoryConfig
-from dataquay.server.directory.beats import open_heartbeats
+from dataquay.server.directory.beats import count_refusal, open_heartbeats
 from dataquay.server.directory.listing import NodeListing
 from dataquay.server.directory.metrics import directory_metrics
-from dataquay.server.directory.records import Change, DatasetFacts, Job, JoinRequest, NodeInfo, Versions
+from dataquay.server.directory.records import (
+    Change,
+    DatasetFacts,
+    Job,
+    JoinRequest,
+    NodeInfo,
+    Registration,
+    Versions,
+)
 from dataquay.server.directory.sd_http import HttpEndpoints
 from dataquay.server.directory.servicer import DirectoryServicer
 from dataquay.server.directory.state import DirectoryState, StateSnapshot
 from dataquay.server.dirs import ensure_private_dir, private_opener
-from dataquay.server.errors import StartupError
+from dataquay.server.errors import NodeNameTakenError, StartupError
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.listen import bind_tcp
 from dataquay.server.manifest_build import allowed_root, build_manifest, check_sample_sizes
@@ -71,6 +82,8 @@ GROUP_WRITE_SECONDS = 0.005
 JOB_EXPIRY_CHECK_SECONDS = 60.0
 #: Ports from the OS tried for one whose UDP twin is free too.
 PORT_TRIES = 8
+#: Hex digits of a node's identity that logs show: enough to tell two apart.
+IDENTITY_SHOWN = 12
 
 
 class DirectoryServer(ServerLifecycle):
@@ -90,7 +103,7 @@ class DirectoryServer(ServerLifecycle):
             config.token_file, config.node_token_file, config.tls_ca, config.tls_cert, config.tls_key
         )
         self.tasks = TaskGroup()
-        #: Heartbeat datagrams refused, by reason (see :mod:`.beats`).
+        #: Heartbeats refused, by reason (see :mod:`.beats`).
         self.beats_refused: Counter[str] = Counter()
         self.metrics = directory_metrics(
             lambda: self.state, lambda: len(self.registry.names()), lambda: self.beats_refused,
@@ -161,7 +174,7 @@ class DirectoryServer(ServerLifecycle):
             raise StartupError(f"cannot read the directory's state {self.state_path}: {exc}") from exc
         try:
             self.state = DirectoryState.from_json(
-                doc, self.config.lease_seconds, time.time(), self.config.heartbeat_seconds
+                doc, self.config.lease_seconds, time.monotonic(), self.config.heartbeat_seconds, wall=time.time()
             )
         except ValueError as exc:
             raise StartupError(
@@ -215,7 +228,7 @@ class DirectoryServer(ServerLifecycle):
         interval = min(1.0, self.config.lease_seconds / 4)
         while True:
             await asyncio.sleep(interval)
-            for name in self.state.expire(time.time()):
+            for name in self.state.expire(time.monotonic()):
                 log.info("node down", extra={"fields": {"node": name, "lease_seconds": self.config.lease_seconds}})
             if self.state.revision != self._saved_revision:
                 self._dirty.set()
@@ -225,7 +238,7 @@ class DirectoryServer(ServerLifecycle):
         the first look is at start, for jobs that went idle while it was stopped."""
         ttl = self.config.job_ttl
         while True:
-            expired = self.state.expire_jobs(ttl, time.time())
+            expired = self.state.expire_jobs(ttl, time.monotonic())
             if expired:
                 await self._persist()
             for job, idle in expired:
@@ -283,35 +296,43 @@ class DirectoryServer(ServerLifecycle):
 
     # ------------------------------------------------------------- handlers
 
-    async def register_node(self, info: NodeInfo) -> None:
-        registration = self.state.register(info, time.time())
-        fields = {"node": info.name, "tcp": info.tcp_address, "metrics": info.metrics_address}
-        if registration.change is Change.JOINED:
-            log.info("node registered", extra={"fields": fields})
-        elif registration.change is Change.UP:
-            log.info("node up", extra={"fields": fields})
-        previous = registration.previous
-        if registration.change is Change.RENEWED and previous and previous.tcp_address != info.tcp_address:
-            log.warning(
-                "a live node's name registered from another address; two daemons may share a node name",
-                extra={"fields": {**fields, "previous_tcp": previous.tcp_address}},
-            )
+    async def register_node(self, info: NodeInfo, identity: str = "") -> int:
+        """Registers the node (see :meth:`DirectoryState.register`); returns
+        the session its heartbeats must carry."""
+        try:
+            registration = self.state.register(info, time.monotonic(), identity, time.time())
+        except NodeNameTakenError:
+            held = self.state.node(info.name)
+            log.warning("refused a live node's name to another identity", extra={"fields": {
+                "node": info.name, "tcp": info.tcp_address, "identity": identity[:IDENTITY_SHOWN],
+                "holder_tcp": held.info.tcp_address if held else "",
+                "holder_identity": held.identity[:IDENTITY_SHOWN] if held else "",
+            }})
+            raise
+        _log_registration(info, identity, registration)
         await self._persist()
+        return registration.session
 
     def heartbeat_reply(self, request: dpb.HeartbeatRequest) -> dpb.HeartbeatReply:
-        """Renews the node's lease; the answer to a beat by RPC."""
+        """Renews the node's lease; the answer to a beat by RPC. A beat not
+        from the name's holder is counted and told the node is unknown, so
+        that a daemon whose name was registered again since registers again
+        (and learns why if it is refused)."""
         reply = self.datagram_reply(request, None)
-        assert reply is not None, "only datagrams are refused"
+        if isinstance(reply, str):
+            count_refusal(self.beats_refused, reply, f"rpc {request.name}")
+            return dpb.HeartbeatReply(known=False, versions=self.versions_proto())
         return reply
 
-    def datagram_reply(self, request: dpb.HeartbeatRequest, sequence: int | None) -> dpb.HeartbeatReply | None:
-        """Renews the node's lease; the answer to a beat, or None for a
-        datagram whose ``sequence`` the node already used (a replay)."""
+    def datagram_reply(self, request: dpb.HeartbeatRequest, sequence: int | None) -> dpb.HeartbeatReply | str:
+        """Renews the node's lease; the answer to a beat, or why it renewed
+        nothing (:attr:`~.records.Beat.refused`)."""
         beat = self.state.heartbeat(
-            request.name, request.cache_used_bytes, request.cache_entries, time.time(), sequence
+            request.name, request.cache_used_bytes, request.cache_entries, time.monotonic(), sequence, time.time(),
+            request.session,
         )
         if beat.refused:
-            return None
+            return beat.refused
         if beat.came_up:
             log.info("node up", extra={"fields": {"node": request.name}})
         return dpb.HeartbeatReply(known=beat.known, versions=self.versions_proto())
@@ -319,7 +340,7 @@ class DirectoryServer(ServerLifecycle):
     def versions_proto(self) -> dpb.Versions:
         """The versions as a message, node changes published if due, rebuilt
         only when they changed (heartbeats are hot)."""
-        versions = self.state.publish_nodes(time.time())
+        versions = self.state.publish_nodes(time.monotonic())
         if versions is not self._versions[0]:
             self._versions = (
                 versions, dpb.Versions(nodes=versions.nodes, datasets=versions.datasets, jobs=versions.jobs)
@@ -329,7 +350,7 @@ class DirectoryServer(ServerLifecycle):
     def list_nodes(self, since_version: int) -> bytes:
         """The node list, or the changes since ``since_version``, as an encoded
         ListNodesReply (see :mod:`.listing`)."""
-        return self.listing.reply(self.state, since_version, self.versions_proto(), time.time())
+        return self.listing.reply(self.state, since_version, self.versions_proto(), time.monotonic())
 
     async def add_dataset(
         self, name: str, root: str, fmt: str | None, replace: bool, tar_grouped: bool
@@ -360,7 +381,7 @@ class DirectoryServer(ServerLifecycle):
         log.info("dataset dropped", extra={"fields": {"dataset": name}})
 
     async def join_job(self, request: JoinRequest) -> Job:
-        job, created = self.state.join(request, self._dataset_facts, time.time())
+        job, created = self.state.join(request, self._dataset_facts, time.monotonic(), time.time())
         if created:
             spec = job.spec
             log.info(
@@ -378,21 +399,49 @@ class DirectoryServer(ServerLifecycle):
     async def drop_job(self, job_id: str, min_idle: float = 0.0) -> None:
         """Drops the job; with ``min_idle`` above 0, only if it has been idle
         that long (JobActiveError otherwise)."""
-        now = time.time()
+        now = time.monotonic()
         if min_idle:
             job = self.state.drop_idle_job(job_id, min_idle, now)
         else:
             job = self.state.drop_job(job_id)
         await self._persist()
-        log.info("job dropped", extra={"fields": {"job": job_id, "idle_seconds": round(now - job.last_active)}})
+        idle = round(time.time() - job.last_active)  # as `job ls` shows it
+        log.info("job dropped", extra={"fields": {"job": job_id, "idle_seconds": idle}})
 
     async def report_epoch(self, job_id: str, epoch: int, node: str) -> Job:
         before = self.state.get_job(job_id).epoch
-        job = self.state.report_epoch(job_id, epoch, time.time())
+        job = self.state.report_epoch(job_id, epoch, time.monotonic(), time.time())
         if job.epoch > before:
             await self._persist()
             log.info("job epoch", extra={"fields": {"job": job_id, "epoch": job.epoch, "node": node}})
         return job
+
+
+
+def _log_registration(info: NodeInfo, identity: str, registration: Registration) -> None:
+    """Logs what a registration changed: a node that joined or came back, a
+    name that passed to a new identity, a node that moved."""
+    fields = {"node": info.name, "tcp": info.tcp_address, "metrics": info.metrics_address}
+    if registration.change is Change.JOINED:
+        log.info("node registered", extra={"fields": fields})
+    elif registration.change is Change.UP:
+        log.info("node up", extra={"fields": fields})
+    previous, previous_identity = registration.previous, registration.previous_identity
+    if previous is not None and previous_identity and previous_identity != identity:
+        log.warning(
+            "a node name passed to another identity after its holder's lease ended",
+            extra={"fields": {**fields, "identity": identity[:IDENTITY_SHOWN], "previous_tcp": previous.tcp_address,
+                              "previous_identity": previous_identity[:IDENTITY_SHOWN]}},
+        )
+    elif registration.change is Change.RENEWED and previous and previous.tcp_address != info.tcp_address:
+        if identity and identity == previous_identity:
+            log.info("node registered again from another address",
+                     extra={"fields": {**fields, "previous_tcp": previous.tcp_address}})
+        else:
+            log.warning(
+                "a live node's name registered from another address; two daemons may share a node name",
+                extra={"fields": {**fields, "previous_tcp": previous.tcp_address}},
+            )
 
 
 async def serve_directory(config: DirectoryConfig) -> None:

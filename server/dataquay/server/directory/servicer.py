@@ -18,6 +18,7 @@ from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.directory.records import Job, JoinRequest, NodeInfo
+from dataquay.server.directory.state import identity_of
 from dataquay.server.proto_maps import FORMAT_FROM_PROTO, dataset_info
 from dataquay.server.servicer_errors import status_on_error
 
@@ -52,11 +53,11 @@ class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
             bulk_address=reachable(n.bulk_address, peer) if n.bulk_address else "",
         )
         async with status_on_error(context):
-            await self.server.register_node(info)
+            session = await self.server.register_node(info, identity_of(request.identity_key))
         config = self.server.config
         return dpb.RegisterNodeReply(
             lease_seconds=config.lease_seconds, heartbeat_seconds=config.heartbeat_seconds,
-            versions=self.server.versions_proto(),
+            versions=self.server.versions_proto(), session=session,
         )
 
     async def Heartbeat(self, request: dpb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> dpb.HeartbeatReply:

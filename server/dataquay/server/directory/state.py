@@ -8,6 +8,14 @@ it calls :meth:`DirectoryState.expire` and :meth:`DirectoryState.expire_jobs`
 from periodic tasks, writes the state whenever :attr:`DirectoryState.revision`
 moved, and logs the transitions the methods return.
 
+The server's ``now`` is the monotonic clock: leases and idle ages count on
+it, so that a step of the system clock neither keeps a killed node up for the
+length of the step nor ends every lease and every job's activity at once.
+What people read and what is written is Unix time, passed as ``wall`` (a
+node's registration and last heartbeat, a job's creation and last activity;
+``now`` when not given); a job's last activity is read back from the disk
+as its age at the restart.
+
 Jobs record no end (they have no epoch count), so a finished job is an idle
 one: each remembers when it was last active (created, joined, an epoch
 reported), and one idle for the directory's job TTL is dropped.
@@ -24,13 +32,16 @@ as node-set versions at most once per heartbeat period: the server calls
 
 from __future__ import annotations
 
+import hashlib
 import re
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any, NamedTuple
 
 from dataquay.client.job_settings import SETTINGS, JobSettings
+from dataquay.client.jobs import check_epoch_ahead
 from dataquay.client.placement import MAX_EPOCH
 from dataquay.server.directory.node_log import NodeLog, first_version
 from dataquay.server.directory.records import (
@@ -44,10 +55,12 @@ from dataquay.server.directory.records import (
     Registration,
     Versions,
 )
+from dataquay.server.directory.state_check import check_state
 from dataquay.server.errors import (
     InvalidRequestError,
     JobActiveError,
     JobMismatchError,
+    NodeNameTakenError,
     NoLiveNodesError,
     UnknownJobError,
 )
@@ -58,6 +71,8 @@ STATE_FORMAT = 1
 _JOB_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
+#: Length of the identity key a daemon keeps (see dataquay.server.node.identity).
+IDENTITY_KEY_BYTES = 32
 
 #: A job's activity moves the revision (so it reaches the disk) once per this
 #: many seconds of the clock, not at every join or epoch report: each write is
@@ -69,8 +84,12 @@ ACTIVITY_WRITE_SECONDS = 60.0
 class DirectoryState:
     """Nodes, leases, jobs and versions; see the module docstring."""
 
-    def __init__(self, lease_seconds: float, publish_seconds: float = 0.0) -> None:
+    def __init__(
+        self, lease_seconds: float, publish_seconds: float = 0.0, sessions: Callable[[], int] | None = None
+    ) -> None:
         self.lease_seconds = lease_seconds
+        #: Makes the session each registration with an identity hands out.
+        self._new_session = sessions or _random_session
         self.versions = Versions()
         self.node_log = NodeLog(publish_seconds)
         #: Moves on every change that must reach the disk.
@@ -81,39 +100,70 @@ class DirectoryState:
         self._nodes: dict[str, Node] = {}
         self._leases: OrderedDict[str, float] = OrderedDict()
         self._jobs: dict[str, Job] = {}
+        # When each job was last active, on the clock of ``now``: its idle age
+        # counts from here, its record's last_active is the Unix time shown.
+        self._active: dict[str, float] = {}
         # Nodes restored up from a state file that have neither registered nor
         # heartbeated since: whoever registers such a name is no second daemon.
         self._unheard: set[str] = set()
 
     # ---------------------------------------------------------------- nodes
 
-    def register(self, info: NodeInfo, now: float) -> Registration:
-        """Adds or refreshes a node and starts its lease.
+    def register(self, info: NodeInfo, now: float, identity: str = "", wall: float | None = None) -> Registration:
+        """Adds or refreshes a node and starts its lease; ``wall`` is the Unix
+        time it records as registered (default ``now``).
+
+        ``identity`` (:func:`identity_of` the node's key) binds the name: while
+        the lease of a node that registered with one runs, the name is refused
+        to any other, so that a second daemon given a live node's name cannot
+        take its place in every peer's list. The same identity is the same
+        node restarted, wherever it now listens. A name whose lease ended goes
+        to whoever registers it (a node rebuilt on a fresh disk).
 
         Raises:
             InvalidRequestError: a name or address that peers could not use.
+            NodeNameTakenError: a live node of another identity holds the name.
         """
         _check_node(info)
+        wall = now if wall is None else wall
         node = self._nodes.get(info.name)
+        session = self._new_session() if identity else 0
         if node is None:
-            change, previous = Change.JOINED, None
-            self._nodes[info.name] = Node(info, registered=now, last_heartbeat=now)
+            change, previous, previous_identity = Change.JOINED, None, ""
+            self._nodes[info.name] = Node(info, registered=wall, last_heartbeat=wall, identity=identity,
+                                          session=session)
         else:
+            self._check_holder(node, identity, now)
             live = node.up and info.name not in self._unheard
-            change, previous = (Change.RENEWED if live else Change.UP), node.info
+            change, previous, previous_identity = (Change.RENEWED if live else Change.UP), node.info, node.identity
             self._unheard.discard(info.name)
-            node.info, node.registered, node.last_heartbeat, node.up = info, now, now, True
+            node.info, node.registered, node.last_heartbeat, node.up = info, wall, wall, True
             node.beat_sequence = 0
+            node.identity, node.session = identity, session
         self._renew(info.name, now)
         self.node_log.mark(info.name)
         self._nodes_changed(now)
-        return Registration(change, previous)
+        return Registration(change, previous, previous_identity, session)
+
+    def _check_holder(self, node: Node, identity: str, now: float) -> None:
+        """Refuses ``identity`` the name of ``node`` while another identity's lease on it runs."""
+        if not node.identity or node.identity == identity or self._leases.get(node.info.name, now) <= now:
+            return
+        raise NodeNameTakenError(
+            f"node name {node.info.name} is held by a live node at {node.info.tcp_address}; "
+            "pick another --node-name or stop that daemon"
+        )
 
     def heartbeat(
-        self, name: str, cache_used_bytes: int, cache_entries: int, now: float, sequence: int | None = None
+        self, name: str, cache_used_bytes: int, cache_entries: int, now: float, sequence: int | None = None,
+        wall: float | None = None, session: int = 0,
     ) -> Beat:
-        """Renews a lease in O(1); a node that was down comes back up.
+        """Renews a lease in O(1); a node that was down comes back up. ``wall``
+        is the Unix time it records as the last heartbeat (default ``now``).
 
+        A beat for a node that registered with an identity must carry the
+        ``session`` of that registration, or it is refused as not the
+        holder's and renews nothing: no other daemon keeps the name alive.
         A datagram's ``sequence`` must exceed every one accepted from the node
         since it registered, or the beat is refused as a replay and renews
         nothing. The mark starts again at each registration, so that a daemon
@@ -121,15 +171,17 @@ class DirectoryState:
         none: the channel authenticates them.
         """
         node = self._nodes.get(name)
+        if node is not None and node.session and session != node.session:
+            return Beat(known=True, came_up=False, refused="holder")
         if node is not None and sequence is not None:
             if sequence <= node.beat_sequence:
-                return Beat(known=True, came_up=False, refused=True)
+                return Beat(known=True, came_up=False, refused="replayed")
             node.beat_sequence = sequence
         self.heartbeats += 1
         if node is None:
             return Beat(known=False, came_up=False)
         self._unheard.discard(name)
-        node.last_heartbeat = now
+        node.last_heartbeat = now if wall is None else wall
         node.cache_used_bytes = cache_used_bytes
         node.cache_entries = cache_entries
         self._renew(name, now)
@@ -194,15 +246,17 @@ class DirectoryState:
 
     # ----------------------------------------------------------------- jobs
 
-    def join(self, request: JoinRequest, dataset: Callable[[str], DatasetFacts], now: float) -> tuple[Job, bool]:
+    def join(
+        self, request: JoinRequest, dataset: Callable[[str], DatasetFacts], now: float, wall: float | None = None
+    ) -> tuple[Job, bool]:
         """Creates the job or joins it; returns the record and whether it was created.
 
         Args:
             request: the job id and the settings the caller named.
             dataset: looks a registered dataset up by name; raises
                 UnknownDatasetError for an unknown one. Called only to create.
-            now: the creation time recorded in a new job, or the time the
-                existing one was last active.
+            now: the time a new job was created, or the existing one last active.
+            wall: ``now`` as the Unix time the record shows (default ``now``).
 
         Raises:
             InvalidRequestError: a bad job id, mode, partition, q, batch size
@@ -218,7 +272,7 @@ class DirectoryState:
             )
         job = self._jobs.get(job_id)
         if job is not None:
-            return self._touch(self._join_existing(job, request), now), False
+            return self._touch(self._join_existing(job, request), now, wall), False
         if request.must_exist:
             raise UnknownJobError(f"no job {job_id!r} (the first rank to join creates it)")
         spec = request.settings
@@ -230,8 +284,10 @@ class DirectoryState:
             raise InvalidRequestError(f"job {job_id!r}: {exc}") from None
         facts = dataset(spec.dataset)
         spec = replace(spec, nodes=self._job_nodes(job_id, spec.nodes))
-        job = Job(spec, facts.manifest_id, facts.num_samples, epoch=0, created=now, last_active=now)
+        wall = now if wall is None else wall
+        job = Job(spec, facts.manifest_id, facts.num_samples, epoch=0, created=wall, last_active=wall)
         self._jobs[job_id] = job
+        self._active[job_id] = now
         self._bump(jobs=1)
         return job, True
 
@@ -285,7 +341,7 @@ class DirectoryState:
 
     def drop_job(self, job_id: str) -> Job:
         job = self.get_job(job_id)
-        del self._jobs[job_id]
+        del self._jobs[job_id], self._active[job_id]
         self._bump(jobs=1)
         return job
 
@@ -301,7 +357,8 @@ class DirectoryState:
         """
         if not min_idle >= 0:
             raise InvalidRequestError(f"minimum idle time {min_idle} is not a number of seconds >= 0")
-        idle = now - self.get_job(job_id).last_active
+        self.get_job(job_id)
+        idle = now - self._active[job_id]
         if idle < min_idle:
             raise JobActiveError(
                 f"job {job_id!r} was active {idle:.0f}s ago, less than the {min_idle:.0f}s idle asked for"
@@ -316,33 +373,41 @@ class DirectoryState:
         loop a few milliseconds, less than keeping them in order of activity
         at every join.
         """
-        expired = [(job, now - job.last_active) for job in self._jobs.values() if now - job.last_active >= ttl]
+        expired = [(self._jobs[job_id], now - at) for job_id, at in self._active.items() if now - at >= ttl]
         for job, _ in expired:
-            del self._jobs[job.spec.job_id]
+            del self._jobs[job.spec.job_id], self._active[job.spec.job_id]
         if expired:
             self.jobs_expired += len(expired)
             self._bump(jobs=1)
         return expired
 
-    def report_epoch(self, job_id: str, epoch: int, now: float) -> Job:
-        """Raises the job's epoch to ``epoch`` and marks it active at ``now``;
-        an older report changes only the activity."""
+    def report_epoch(self, job_id: str, epoch: int, now: float, wall: float | None = None) -> Job:
+        """Raises the job's epoch to ``epoch`` and marks it active at ``now``
+        (Unix time ``wall``); an older report changes only the activity.
+
+        Raises:
+            EpochTooFarError: see :func:`~dataquay.client.jobs.check_epoch_ahead`.
+        """
         if epoch > MAX_EPOCH:
             raise InvalidRequestError(f"epoch {epoch} is beyond the last one a job may reach ({MAX_EPOCH})")
         job = self.get_job(job_id)
+        check_epoch_ahead(job_id, job.spec.mode, epoch, job.epoch)
         if epoch > job.epoch or not job.started:
             job = self._jobs[job_id] = replace(job, epoch=max(epoch, job.epoch), started=True)
             self.revision += 1
-        return self._touch(job, now)
+        return self._touch(job, now, wall)
 
-    def _touch(self, job: Job, now: float) -> Job:
-        """Marks ``job`` active at ``now``; see :data:`ACTIVITY_WRITE_SECONDS`
-        for when that alone moves the revision."""
-        if now <= job.last_active:
+    def _touch(self, job: Job, now: float, wall: float | None) -> Job:
+        """Marks ``job`` active at ``now`` (Unix time ``wall``, default ``now``);
+        see :data:`ACTIVITY_WRITE_SECONDS` for when that alone moves the revision."""
+        job_id = job.spec.job_id
+        last = self._active[job_id]
+        if now <= last:
             return job
-        if now // ACTIVITY_WRITE_SECONDS != job.last_active // ACTIVITY_WRITE_SECONDS:
+        if now // ACTIVITY_WRITE_SECONDS != last // ACTIVITY_WRITE_SECONDS:
             self.revision += 1
-        job = self._jobs[job.spec.job_id] = replace(job, last_active=now)
+        self._active[job_id] = now
+        job = self._jobs[job_id] = replace(job, last_active=now if wall is None else wall)
         return job
 
     # ---------------------------------------------------------- persistence
@@ -370,7 +435,8 @@ class DirectoryState:
 
     @classmethod
     def from_json(
-        cls, doc: dict[str, Any], lease_seconds: float, now: float, publish_seconds: float = 0.0
+        cls, doc: dict[str, Any], lease_seconds: float, now: float, publish_seconds: float = 0.0,
+        wall: float | None = None,
     ) -> DirectoryState:
         """The state a directory restarted at ``now`` resumes from.
 
@@ -381,13 +447,17 @@ class DirectoryState:
         whole (:func:`~.node_log.first_version`). Jobs of a
         document written before jobs recorded their activity count as active
         at ``now``, so that no TTL drops them for an idle time nobody measured.
+        ``wall`` is ``now`` as Unix time (default ``now``): a job's written
+        activity counts as that long before ``now``, one in the future as ``now``.
 
         Raises:
-            ValueError: a document this version cannot read.
+            ValueError: a document this version cannot read
+                (:class:`~dataquay.server.errors.StateFileError`: a field's
+                path, its value and what it should be).
         """
-        if doc.get("format") != STATE_FORMAT:
-            raise ValueError(f"state format {doc.get('format')!r}, expected {STATE_FORMAT}")
+        check_state(doc, STATE_FORMAT)
         state = cls(lease_seconds, publish_seconds)
+        wall = now if wall is None else wall
         try:
             for raw in doc["nodes"]:
                 node = Node(**{**raw, "info": NodeInfo(**raw["info"])})
@@ -397,11 +467,12 @@ class DirectoryState:
                     state._unheard.add(node.info.name)
             for raw in doc["jobs"]:
                 spec = JobSettings(**raw["spec"])
-                state._jobs[spec.job_id] = Job(**{"last_active": now, **raw, "spec": spec})
+                job = state._jobs[spec.job_id] = Job(**{"last_active": wall, **raw, "spec": spec})
+                state._active[spec.job_id] = now - max(0.0, wall - job.last_active)
             v = Versions(**doc["versions"])
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed state: {exc!r}") from None
-        state.node_log = NodeLog(publish_seconds, first_version(v.nodes, now))
+        state.node_log = NodeLog(publish_seconds, first_version(v.nodes, wall))
         state.versions = replace(v, nodes=state.node_log.version)
         state._bump(datasets=1, jobs=1)
         return state
@@ -424,6 +495,24 @@ class StateSnapshot(NamedTuple):
             "jobs": [{**asdict(job), "spec": {**asdict(job.spec), "nodes": list(job.spec.nodes)}}
                      for _, job in sorted(self.jobs.items())],
         }
+
+
+def identity_of(key: bytes) -> str:
+    """The identity the directory keeps of a node's key: its SHA-256, so that
+    the state file holds nothing a daemon could register with; "" for none.
+
+    Raises:
+        InvalidRequestError: a key of another length than daemons make.
+    """
+    if not key:
+        return ""
+    if len(key) != IDENTITY_KEY_BYTES:
+        raise InvalidRequestError(f"identity key of {len(key)} bytes, expected {IDENTITY_KEY_BYTES}")
+    return hashlib.sha256(key).hexdigest()
+
+
+def _random_session() -> int:
+    return secrets.randbits(64) or 1
 
 
 def _check_node(info: NodeInfo) -> None:

@@ -32,11 +32,19 @@ from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server import __version__
 from dataquay.server.auth import ServerCredentials, new_server, server_tls
 from dataquay.server.config import DaemonConfig
-from dataquay.server.errors import StartupError
+from dataquay.server.errors import DataquayError, NodeNameTakenError, StartupError
 from dataquay.server.http_server import HttpServer, metrics_handler
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.limits import SERVED_BYTES_PER_PEER, ByteBudgets
-from dataquay.server.listen import advertised_host, bind_tcp, claim_socket_path
+from dataquay.server.listen import (
+    SocketIdentity,
+    advertised_host,
+    bind_tcp,
+    claim_socket_path,
+    group_entry_problem,
+    remove_own_socket,
+    socket_identity,
+)
 from dataquay.server.node.behind import CacheBehind
 from dataquay.server.node.bulk.client import BulkClient
 from dataquay.server.node.bulk.server import BulkServer
@@ -47,6 +55,7 @@ from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange import ExchangeReceiver, ExchangeRun, Exchanges
 from dataquay.server.node.exchange.coded import CodedProgress
 from dataquay.server.node.exchange.mcast import multicast_channel
+from dataquay.server.node.identity import node_identity
 from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState
 from dataquay.server.node.overflow import OverflowCounts
 from dataquay.server.node.peers import Peers
@@ -60,12 +69,15 @@ from dataquay.server.node.servicer import CacheServicer
 from dataquay.server.node.shm import ShmSegments
 from dataquay.server.node.stager import Stager
 from dataquay.server.node.store import Store
+from dataquay.server.node.users.access import CallerCheck, UserAccess
 from dataquay.server.registry import Registry
 from dataquay.server.task_group import TaskGroup
 
 log = logging.getLogger("dataquay.daemon")
 
 SERVICE_NAME = "dataquay.v1.Cache"
+#: How long a start waits for the directory to answer the first registration.
+FIRST_REGISTRATION_WAIT_SECONDS = 3.0
 
 
 class Daemon(ServerLifecycle):
@@ -86,7 +98,10 @@ class Daemon(ServerLifecycle):
             config.token_file, config.node_token_file, config.tls_ca, config.tls_cert, config.tls_key
         )
         self.link = (
-            DirectoryLink(config.directory, self.node_info, self._usage, self._datasets_changed, self.credentials.node)
+            DirectoryLink(
+                config.directory, self.node_info, self._usage, self._datasets_changed, self.credentials.node,
+                refused=self._name_refused,
+            )
             if config.directory
             else None
         )
@@ -136,7 +151,11 @@ class Daemon(ServerLifecycle):
         self.shm = ShmSegments()
         self.segment_socket: SegmentSocket | None = None
         self.behind = CacheBehind(self.datasets, self.store, self.pfs, self.shm, config.max_sample_size)
-        self.prep_groups = PrepGroups(self.pid)
+        self.access = UserAccess(
+            config.users == "apart", self.datasets, config.shared_datasets, self.metrics.count_user_refusal,
+            self.credentials.node.token,
+        )
+        self.prep_groups = PrepGroups(self.pid, config.prep_groups_per_user)
         #: What the Reads of each remote host hold at once (see ReadService.read).
         self.served_budgets = ByteBudgets(SERVED_BYTES_PER_PEER)
         self.client_stats = ClientStatsBook()
@@ -146,6 +165,10 @@ class Daemon(ServerLifecycle):
         self._server: grpc.aio.Server | None = None
         self._metrics_http = HttpServer({"/metrics": metrics_handler(self.metrics.registry)}, "metrics")
         self._started = False
+        #: Why the daemon stopped on its own (the directory refused its name); raised by :func:`serve`.
+        self.fatal: DataquayError | None = None
+        #: The socket this daemon bound, the only one its close may remove.
+        self._socket_identity: SocketIdentity | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -155,6 +178,8 @@ class Daemon(ServerLifecycle):
         self._started = True
         try:
             self.store.open()
+            if self.link is not None:
+                self.link.identity_key = node_identity(self.store.path)
             self.registry.load()
             self.registry.warn_outside(self.config.dataset_roots)
             for name in self.registry.names():
@@ -172,6 +197,7 @@ class Daemon(ServerLifecycle):
         if self.link is not None:
             self.tasks.spawn(self.link.run(), "directory-link")
             self.tasks.spawn(self._resume_exchanges(), "exchange-resume")
+            await self._first_registration()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         write_ready_file(self.config.ready_file, {
@@ -193,18 +219,22 @@ class Daemon(ServerLifecycle):
         )
 
     async def _start_server(self) -> None:
-        server = new_server(self.credentials, self.config.max_calls_per_peer)
+        checks = (CallerCheck(self.access),) if self.access.apart else ()
+        server = new_server(self.credentials, self.config.max_calls_per_peer, checks=checks)
         cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self._server = server
         sock = Path(self.config.socket)
-        claim_socket_path(sock, group_access=bool(self.config.socket_group))
+        claim_socket_path(sock, self.config.socket_group)
+        if self.config.socket_group and (problem := group_entry_problem(sock.parent, self.config.socket_group)):
+            log.warning("the socket group cannot reach the socket", extra={"fields": {"reason": problem}})
         try:
             bound = server.add_insecure_port(f"unix:{sock}")
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on socket {sock}: {exc}") from exc
         if not bound:
             raise StartupError(f"cannot listen on socket {sock}")
+        self._socket_identity = socket_identity(sock)
         self.tcp_address = bind_tcp(server, self.config.listen, server_tls(self.credentials.user))
         self._open_segment_socket(sock)  # before the first Read can name a segment
         await server.start()
@@ -220,13 +250,15 @@ class Daemon(ServerLifecycle):
         seal them; clients use /dev/shm segments where it cannot or where the
         fd socket cannot be made (a path too long). A path taken by something
         else, or a group the socket cannot be given to, fails the start as
-        for ``sock`` itself."""
-        if self.shm.memfd_problem is not None:
+        for ``sock`` itself. A daemon that keeps its users apart opens it
+        even where it maps no memfd: its callers' tickets come from there."""
+        if self.shm.memfd_problem is not None and not self.access.apart:
             log.info("clients hand over payloads through /dev/shm",
                      extra={"fields": {"reason": self.shm.memfd_problem}})
             return
         segment_socket = SegmentSocket(
-            Path(fd_socket_path(str(sock))), self.shm, self.credentials.user.token, SegmentReads(self), self.tasks.spawn
+            Path(fd_socket_path(str(sock))), self.shm, self.credentials.user.token, SegmentReads(self),
+            self.tasks.spawn, self.access.tickets,
         )
         try:
             segment_socket.open(self.config.socket_group)
@@ -293,7 +325,7 @@ class Daemon(ServerLifecycle):
         self.shm.close()
         self.prep_groups.close()
         await self._metrics_http.close()
-        Path(self.config.socket).unlink(missing_ok=True)
+        remove_own_socket(Path(self.config.socket), self._socket_identity)
 
     async def _resume_exchanges(self) -> None:
         """After a restart, redo this node's part of the current exchanges
@@ -325,6 +357,26 @@ class Daemon(ServerLifecycle):
             log.warning("dropped queued cache writes at shutdown")
 
     # ------------------------------------------------------------- cluster
+
+    async def _first_registration(self) -> None:
+        """Waits a moment for the directory's answer to this node's first
+        registration, so that a name it refuses ends the start with its
+        reason, before the daemon reports itself ready; a directory that is
+        slow or away is waited for in the background instead."""
+        assert self.link is not None
+        try:
+            await asyncio.wait_for(self.link.first_attempt.wait(), FIRST_REGISTRATION_WAIT_SECONDS)
+        except TimeoutError:
+            return
+        if self.fatal is not None:
+            await self.close()
+            raise self.fatal
+
+    def _name_refused(self, exc: NodeNameTakenError) -> None:
+        """The directory refused this node's name to this daemon: stop, and
+        let :func:`serve` end with the directory's reason."""
+        self.fatal = exc
+        self.request_stop()
 
     @property
     def metrics_address(self) -> str:
@@ -385,6 +437,7 @@ class Daemon(ServerLifecycle):
                 self.peers.bulk_fallbacks, self.segment_reads,
             ),
             cache_behind=self.behind.counts,
+            mcast_dropped=dict(self.exchanges.mcast_dropped) if self.exchanges else {},
         )
 
 
@@ -392,6 +445,8 @@ async def serve(config: DaemonConfig) -> None:
     """Runs a daemon until SIGTERM or SIGINT."""
     async with Daemon(config) as daemon:
         await daemon.serve_until_stopped()
+    if daemon.fatal is not None:
+        raise daemon.fatal
 
 
 def exchange_state(run: ExchangeRun) -> ExchangeState:

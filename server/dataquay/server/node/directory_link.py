@@ -28,7 +28,7 @@ from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.directory.beats import HeartbeatSender
-from dataquay.server.errors import DataquayError, DirectoryUnavailableError
+from dataquay.server.errors import DataquayError, DirectoryUnavailableError, NodeNameTakenError
 
 log = logging.getLogger("dataquay.membership")
 
@@ -72,6 +72,13 @@ class DirectoryLink:
         datasets_changed: awaited when the directory's dataset registry
             changed (a dataset added, replaced or dropped).
         credentials: the node token and TLS material for the directory.
+        refused: called when the directory refuses this node's name to a
+            daemon that never held it in this run (a live node of another
+            identity holds it); the link then stops.
+
+    A name refused after this daemon held it (another node took it while
+    this one was cut off past its lease) is logged and asked for again at
+    the back-off: the other's lease may end.
     """
 
     def __init__(
@@ -81,6 +88,7 @@ class DirectoryLink:
         usage: Callable[[], tuple[int, int]],
         datasets_changed: Callable[[], Awaitable[None]],
         credentials: Credentials = Credentials(),
+        refused: Callable[[NodeNameTakenError], None] = lambda exc: None,
     ) -> None:
         self.address = address
         self.credentials = credentials
@@ -100,6 +108,15 @@ class DirectoryLink:
         self._lease_seconds = 2 * RETRY_SECONDS[1]
         self._looked_up: dict[str, float] = {}
         self._beats_by_rpc = False
+        self._refused = refused
+        #: The node's identity key (:mod:`dataquay.server.node.identity`), set
+        #: once the cache dir is open; empty registers without one.
+        self.identity_key = b""
+        #: What heartbeats carry: the session the last registration handed out.
+        self._session = 0
+        #: Set once the first registration was answered, or failed.
+        self.first_attempt = asyncio.Event()
+        self._held_name = False
 
     # ------------------------------------------------------------ background
 
@@ -112,6 +129,15 @@ class DirectoryLink:
                     await self._register()
                 delay = RETRY_SECONDS[0]
                 await self._beat()
+            except NodeNameTakenError as exc:
+                if not self._held_name:
+                    self._refused(exc)
+                    return
+                if delay == RETRY_SECONDS[0]:
+                    log.error("the directory gave this node's name to another node; asking for it again",
+                              extra={"fields": {"directory": self.address, "error": str(exc)}})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_SECONDS[1])
             except (grpc.aio.AioRpcError, OSError, DataquayError) as exc:
                 if self.reachable or delay == RETRY_SECONDS[0]:
                     reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
@@ -160,9 +186,13 @@ class DirectoryLink:
             sender.close()
 
     async def _register(self) -> None:
-        reply = await self.stub.RegisterNode(
-            dpb.RegisterNodeRequest(node=self._node_info()), timeout=CALL_TIMEOUT_SECONDS
-        )
+        request = dpb.RegisterNodeRequest(node=self._node_info(), identity_key=self.identity_key)
+        try:
+            reply = await self._call(self.stub.RegisterNode(request, timeout=CALL_TIMEOUT_SECONDS))
+        finally:
+            self.first_attempt.set()
+        self._session = reply.session
+        self._held_name = True
         self._heartbeat_seconds = reply.heartbeat_seconds or self._heartbeat_seconds
         self._lease_seconds = reply.lease_seconds or self._lease_seconds
         self._reached()
@@ -172,7 +202,9 @@ class DirectoryLink:
 
     def _heartbeat(self) -> dpb.HeartbeatRequest:
         used, entries = self._usage()
-        return dpb.HeartbeatRequest(name=self._node_info().name, cache_used_bytes=used, cache_entries=entries)
+        return dpb.HeartbeatRequest(
+            name=self._node_info().name, cache_used_bytes=used, cache_entries=entries, session=self._session
+        )
 
     def _reached(self) -> None:
         if not self.reachable:

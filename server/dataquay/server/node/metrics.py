@@ -60,6 +60,8 @@ class LiveState:
     #: connections refused, fetches that fell back to gRPC, trainers' batch reads on their segments' connections).
     bulk: tuple[int, int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0, 0)
     cache_behind: BehindCounts = field(default_factory=BehindCounts)
+    #: Coded passes' multicast datagrams (and packets) dropped, by reason.
+    mcast_dropped: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -309,13 +311,23 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
         ("served_bytes", "Payload bytes sent to peers over the bulk data path", served_bytes),
         ("fetched_samples", "Samples read from peers over the bulk data path", fetched),
         ("fetched_bytes", "Payload bytes read from peers over the bulk data path", fetched_bytes),
-        ("refused_connections", "Bulk connections closed for bad input: garbage, a wrong token, oversized, stalled",
+        ("refused_connections",
+         "Bulk connections closed for bad input (garbage, a wrong token, oversized, stalled) or over a cap",
          refused),
         ("fallbacks", "Bulk connections to peers that failed, after which gRPC was used", fallbacks),
         ("segment_reads", "Trainers' batch reads answered on their shared-memory segment's connection, not gRPC",
          segment_reads),
     ):
         yield CounterMetricFamily(f"dataquay_bulk_{name}", text, value=value)
+    dropped = CounterMetricFamily(
+        "dataquay_mcast_datagrams_dropped",
+        "Coded passes' multicast datagrams (and whole packets) dropped, by reason: another pass's (unknown_pass), "
+        "forged (unauthenticated), malformed, duplicate, ... (see the README's Coded shuffling)",
+        labels=["reason"],
+    )
+    for reason, count in sorted(state.mcast_dropped.items()):
+        dropped.add_metric([reason], count)
+    yield dropped
     yield CounterMetricFamily(
         "dataquay_reads_previous_owner",
         "Samples read from their owner of the epoch before (exchange not done yet)",
@@ -353,6 +365,11 @@ class DaemonMetrics:
             "dataquay_peer_served_bytes", "Payload bytes this daemon served to other daemons",
             registry=self.registry,
         )
+        self.user_refusals = Counter(
+            "dataquay_user_refusals",
+            "Calls refused because the calling user may not make them (--users apart), by rule",
+            ["rule"], registry=self.registry,
+        )
         for tier in TIERS:
             self.reads.labels(tier)
             self.read_bytes.labels(tier)
@@ -361,6 +378,9 @@ class DaemonMetrics:
     def count_read(self, tier: str, samples: int, nbytes: int) -> None:
         self.reads.labels(tier).inc(samples)
         self.read_bytes.labels(tier).inc(nbytes)
+
+    def count_user_refusal(self, rule: str) -> None:
+        self.user_refusals.labels(rule).inc()
 
     def count_peer_served(self, samples: int, nbytes: int) -> None:
         self.peer_served.inc(samples)

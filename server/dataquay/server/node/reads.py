@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dataquay.client.jobs import check_epoch_ahead
 from dataquay.client.placement import MAX_EPOCH
 from dataquay.client.records import CHECKSUM_BYTES, encode_value, stored_checksum
 from dataquay.protos import jobs_pb2 as jpb
@@ -301,11 +302,18 @@ class ReadService:
         ``epoch`` is None or not within one of it (a rank reads ahead into the
         next epoch, or finishes the last one; any other epoch is not worth its
         computation); None (serve from here and the PFS) when the directory
-        is down and this node has never seen the job."""
+        is down and this node has never seen the job.
+
+        Raises:
+            EpochTooFarError: ``epoch`` is too far ahead to name at all
+                (:func:`~dataquay.client.jobs.check_epoch_ahead`).
+        """
         if self.placements is None:
             return None
         try:
             current = await self.placements.placement(job, entry)
+            if epoch is not None:
+                check_epoch_ahead(job, current.job.spec.mode, epoch, current.epoch)
             if epoch is None or epoch == current.epoch or abs(epoch - current.epoch) > 1 or epoch > MAX_EPOCH:
                 return current
             return await self.placements.placement(job, entry, epoch)
