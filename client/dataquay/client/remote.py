@@ -28,7 +28,6 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-import grpc
 import numpy as np
 
 from dataquay.client.cache_behind import CacheBehindNotices
@@ -42,8 +41,9 @@ from dataquay.client.pieces import Joiner
 from dataquay.client.records import checksum
 from dataquay.client.segment_reads import NOT_PLACED, OK, BatchReply, BatchRequest, parse_reply, request_frame
 from dataquay.client.shm import Segment, SegmentPool
-from dataquay.client.stats import TIERS, ReadStats
-from dataquay.client.status_codes import CODES_BY_VALUE, error_from_status
+from dataquay.client.stats import ReadStats
+from dataquay.client.status_codes import code_of_number, error_from_status
+from dataquay.client.tiers import CACHE, CLIENT_TIERS, SERVED_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 
@@ -61,8 +61,6 @@ PROBE_SECONDS = 0.5
 #: twice a daemon's default peer deadline, so that a daemon waiting out a dead
 #: peer is not taken for a hung one. A daemon that misses it is treated as down.
 READ_FLOOR_SECONDS = 10.0
-
-_TIER_NAMES = {pb.TIER_LOCAL: "daemon-local", pb.TIER_PEER: "peer", pb.TIER_PFS: "pfs"}
 
 #: ``client`` (the default): a trainer reads its misses of reads for no job
 #: from the PFS itself; ``daemon``: every miss goes through the daemon.
@@ -280,7 +278,7 @@ class RemoteReader:
         if answer.code == NOT_PLACED:
             return False
         if answer.code != OK:
-            code = CODES_BY_VALUE.get(answer.code, grpc.StatusCode.UNKNOWN)
+            code = code_of_number(answer.code)
             raise error_from_status(code, answer.message, answer.error) or DataquayError(
                 f"Read failed: {code.name}: {answer.message}"
             )
@@ -399,8 +397,8 @@ class _Reply:
         self.verify = verify
         self.out: list[bytes] = []
         self.bad: list[int] = []
-        self.tiers = dict.fromkeys(TIERS, 0)
-        self.sizes = dict.fromkeys(TIERS, 0)
+        self.tiers = dict.fromkeys(CLIENT_TIERS, 0)
+        self.sizes = dict.fromkeys(CLIENT_TIERS, 0)
         self.used_segment = False
         #: Whether marks of payloads checked in place are taken (see above).
         self.sealed = isinstance(seg, MemfdSegment)
@@ -428,7 +426,7 @@ class _Reply:
                 data = sample.data
             if verify and not checked and checksum(data) != sample.checksum:
                 bad.append(position)
-            tier = _TIER_NAMES.get(sample.tier, "daemon-local")
+            tier = SERVED_TIERS.get(sample.tier, CACHE)
             tiers[tier] += 1
             sizes[tier] += len(data)
             out.append(data)
@@ -447,7 +445,7 @@ class _Reply:
             data = seg.map[offset : offset + length]
             if verify and not checked and checksum(data) != digest:
                 bad.append(position)
-            tier = _TIER_NAMES.get(tier_code, "daemon-local")
+            tier = SERVED_TIERS.get(tier_code, CACHE)
             tiers[tier] += 1
             sizes[tier] += length
             out.append(data)
@@ -462,7 +460,7 @@ class _Reply:
             return
         if self.verify and checksum(data) != piece.checksum:
             self.bad.append(position)
-        tier = _TIER_NAMES.get(piece.tier, "daemon-local")
+        tier = SERVED_TIERS.get(piece.tier, CACHE)
         self.tiers[tier] += 1
         self.sizes[tier] += len(data)
         self.out.append(data)

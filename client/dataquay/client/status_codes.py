@@ -127,6 +127,16 @@ def error_from_status(
 CODES_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
 
+def code_number(code: grpc.StatusCode) -> int:
+    """The number ``code`` has on the wire, for replies framed outside gRPC (the bulk and segment sockets)."""
+    return int(code.value[0])
+
+
+def code_of_number(number: int) -> grpc.StatusCode:
+    """The status code a number off the wire stands for; UNKNOWN for one gRPC has no code for."""
+    return CODES_BY_VALUE.get(number, grpc.StatusCode.UNKNOWN)
+
+
 def _named(exc: grpc.RpcError) -> str:
     trailing = getattr(exc, "trailing_metadata", None)
     for key, value in (trailing() if trailing is not None else None) or ():

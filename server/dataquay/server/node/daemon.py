@@ -33,6 +33,7 @@ from dataquay.server import __version__
 from dataquay.server.auth import ServerCredentials, new_server, server_tls
 from dataquay.server.config import DaemonConfig
 from dataquay.server.errors import DataquayError, NodeNameTakenError, StartupError
+from dataquay.server.http_server import HttpServer, metrics_handler
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.limits import SERVED_BYTES_PER_PEER, ByteBudgets
 from dataquay.server.listen import (
@@ -55,7 +56,7 @@ from dataquay.server.node.exchange import ExchangeReceiver, ExchangeRun, Exchang
 from dataquay.server.node.exchange.coded import CodedProgress
 from dataquay.server.node.exchange.mcast import multicast_channel
 from dataquay.server.node.identity import node_identity
-from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState, MetricsServer
+from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState
 from dataquay.server.node.overflow import OverflowCounts
 from dataquay.server.node.peers import Peers
 from dataquay.server.node.pfs_pool import PfsPool
@@ -162,7 +163,7 @@ class Daemon(ServerLifecycle):
         self.tcp_address = ""
         self.metrics_port = 0
         self._server: grpc.aio.Server | None = None
-        self._metrics_http: MetricsServer | None = None
+        self._metrics_http = HttpServer({"/metrics": metrics_handler(self.metrics.registry)}, "metrics")
         self._started = False
         #: Why the daemon stopped on its own (the directory refused its name); raised by :func:`serve`.
         self.fatal: DataquayError | None = None
@@ -183,7 +184,7 @@ class Daemon(ServerLifecycle):
             self.registry.warn_outside(self.config.dataset_roots)
             for name in self.registry.names():
                 await self.store.open_dataset(self.registry.get(name).record.cache_db)
-            self._start_metrics()
+            self.metrics_port = await self._metrics_http.start(self.config.metrics_host, self.config.metrics_port)
             await self._start_server()
             self._start_bulk()
         except BaseException:
@@ -216,16 +217,6 @@ class Daemon(ServerLifecycle):
                               "tcp": self.tcp_address, "metrics_port": self.metrics_port,
                               "cache_dir": str(self.store.path), "capacity_bytes": self.store.capacity}},
         )
-
-    def _start_metrics(self) -> None:
-        try:
-            server = MetricsServer(self.config.metrics_host, self.config.metrics_port, self.metrics.registry)
-        except OSError as exc:
-            raise StartupError(
-                f"cannot serve metrics on {self.config.metrics_host}:{self.config.metrics_port}: {exc.strerror}"
-            ) from exc
-        self._metrics_http = server
-        self.metrics_port = server.server_port
 
     async def _start_server(self) -> None:
         checks = (CallerCheck(self.access),) if self.access.apart else ()
@@ -333,8 +324,7 @@ class Daemon(ServerLifecycle):
             self.segment_socket.close()
         self.shm.close()
         self.prep_groups.close()
-        if self._metrics_http is not None:
-            self._metrics_http.close()
+        await self._metrics_http.close()
         remove_own_socket(Path(self.config.socket), self._socket_identity)
 
     async def _resume_exchanges(self) -> None:
@@ -435,7 +425,7 @@ class Daemon(ServerLifecycle):
             ),
             previous_owner_samples=self.reads.previous_owner_samples,
             prefetched_samples=self.reads.prefetcher.served if self.reads.prefetcher else 0,
-            prefetch_memory=(self.reads.budget.limit, self.reads.budget.used, self.reads.budget.peak),
+            prefetch_memory=(self.reads.budget.limit, self.reads.budget.held, self.reads.budget.peak),
             overflow=self.reads.overflow.counts if self.reads.overflow else OverflowCounts(),
             client_reads={tier: (samples, nbytes) for tier, (samples, nbytes) in self.client_stats.reads.items()},
             client_data_wait_seconds=self.client_stats.data_wait_seconds,

@@ -2,32 +2,21 @@
 
 Events (reads, bytes, latencies) are plain counters and histograms; state
 (cache fill, staging progress) is read live by one collector at scrape time, so
-it can never drift from the truth.
-
-The endpoint is served by :class:`MetricsServer`, not prometheus_client's
-``start_http_server``: that one serves each connection on a thread for as
-long as the client keeps it open, so idle connections (a slowloris) could
-each hold a thread forever. Here a connection that sends nothing for
-:data:`IDLE_TIMEOUT_SECONDS` is closed, and beyond :data:`MAX_CONNECTIONS`
-at once new ones are closed unanswered; a scrape needs one, for well under
-a second.
+it can never drift from the truth. The endpoint is served by
+:class:`dataquay.server.http_server.HttpServer`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from http.server import ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
 
+from dataquay.client.tiers import SERVED_TIERS
 from dataquay.server.node.behind import BehindCounts
 
 if TYPE_CHECKING:
@@ -35,14 +24,7 @@ if TYPE_CHECKING:
     from dataquay.server.node.overflow import OverflowCounts
 
 #: Where this daemon served a sample from: its own cache, another daemon's, the PFS.
-#: Not the clients' tiers (``dataquay_client_reads``), where ``local`` is a
-#: trainer's own read of the cache and ``daemon-local`` one through this daemon.
-TIERS = ("cache", "peer", "pfs")
-
-#: A connection silent this long (no request, or a stalled one) is closed.
-IDLE_TIMEOUT_SECONDS = 10.0
-#: Connections served at once; more are closed unanswered.
-MAX_CONNECTIONS = 16
+TIERS = tuple(SERVED_TIERS.values())
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -414,50 +396,3 @@ class DaemonMetrics:
             )
             for tier in TIERS
         }
-
-
-class MetricsServer(ThreadingHTTPServer):
-    """Serves ``registry`` at /metrics, a thread per connection, with idle
-    connections timed out and their number bounded (see the module docstring).
-
-    Raises:
-        OSError: ``host:port`` cannot be bound.
-    """
-
-    daemon_threads = True
-    block_on_close = False
-
-    def __init__(self, host: str, port: int, registry: CollectorRegistry) -> None:
-        handler: Any = type("Handler", (MetricsHandler,), {"registry": registry, "timeout": IDLE_TIMEOUT_SECONDS})
-        self.address_family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                 flags=socket.AI_PASSIVE)[0][0]
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        super().__init__((host, port), handler)
-        self._thread = threading.Thread(target=self.serve_forever, name="metrics-http", daemon=True)
-        self._thread.start()
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def close(self) -> None:
-        """Stops serving and closes the listening socket.
-
-        ``shutdown()`` waits for the serving thread to look at its flag, which
-        it does between polls half a second apart; shutting the listening
-        socket down wakes the poll at once, and keeps it waking until then.
-        """
-        stopping = threading.Thread(target=self.shutdown, name="metrics-http-stop")
-        stopping.start()
-        with contextlib.suppress(OSError):
-            self.socket.shutdown(socket.SHUT_RDWR)
-        stopping.join()
-        self.server_close()

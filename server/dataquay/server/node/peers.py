@@ -37,6 +37,7 @@ from dataquay.client.errors import PieceError
 from dataquay.client.pieces import Joiner
 from dataquay.client.records import checksum
 from dataquay.client.security import Credentials
+from dataquay.client.status_codes import code_of_number
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.limits import FETCHED_BYTES_PER_PEER, ByteBudgets
@@ -155,8 +156,7 @@ class Peers:
             self._failed(health, address, "DEADLINE_EXCEEDED", str(exc), started)
             return {}
         except BulkRefusedError as exc:
-            code = next((c.name for c in grpc.StatusCode if c.value[0] == exc.code), "UNKNOWN")
-            self._failed(health, address, code, str(exc), started)
+            self._failed(health, address, code_of_number(exc.code).name, str(exc), started)
             return {}
         health.bad_checksums += read.bad_checksums
         self._answered(health, address, len(read.samples), read.bytes)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dataquay.client.segment_reads import NOT_PLACED, OK, BatchReply, parse_request, reply_frame
-from dataquay.client.status_codes import status_of
+from dataquay.client.status_codes import code_number, status_of
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.forward import ShmForward
 from dataquay.server.node.users.callers import Caller
@@ -71,7 +71,7 @@ class SegmentReads:
                     del window, served  # not held while the next one is resolved
         except DataquayError as exc:
             code, ((_, name),) = status_of(exc)
-            return reply_frame(BatchReply(code.value[0], name, str(exc)[:MAX_DETAILS_CHARS]))
+            return reply_frame(BatchReply(code_number(code), name, str(exc)[:MAX_DETAILS_CHARS]))
         self.daemon.forwarded_samples += forward.forwarded
         self.daemon.in_place_samples += len(forward.checked)
         self.daemon.segment_reads += 1

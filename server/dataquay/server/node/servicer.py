@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from dataquay.client.stats import TIERS
+from dataquay.client.tiers import CLIENT_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.errors import StandaloneError
+from dataquay.server.errors import DataquayError, InvalidRequestError, StandaloneError
 from dataquay.server.limits import ByteBudget
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange import ExchangeRun, Exchanges
@@ -247,15 +247,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     async def ReportClientStats(
         self, request: pb.ClientStatsReport, context: grpc.aio.ServicerContext
     ) -> pb.ClientStatsReply:
-        if not request.client:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a client stats report must name its client")
-        if not math.isfinite(request.data_wait_seconds):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"data_wait_seconds {request.data_wait_seconds} is not a finite number of seconds")
-        unknown = sorted({r.tier for r in request.reads} - set(TIERS))
-        if unknown:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"unknown client tier {unknown[0]!r}; tiers are {', '.join(TIERS)}")
+        async with status_on_error(context):
+            _check_stats_report(request)
         reads = {r.tier: (r.samples, r.bytes) for r in request.reads}
         self.daemon.client_stats.report(request.client, reads, max(0.0, request.data_wait_seconds))
         if self.daemon.exchanges is not None:
@@ -264,20 +257,16 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         return pb.ClientStatsReply()
 
     async def PrepSync(self, request: pb.PrepSyncRequest, context: grpc.aio.ServicerContext) -> pb.PrepSyncReply:
-        if not (context.peer() or "").startswith("unix:"):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "prep groups are node-local: call through the daemon's unix socket")
         async with status_on_error(context):
+            _node_local(context, "prep groups are node-local: call through the daemon's unix socket")
             owner = self.daemon.access.prep_owner(self.daemon.access.caller(context))
             return await self.daemon.prep_groups.sync(request, owner)
 
     async def CacheBehind(
         self, request: pb.CacheBehindRequest, context: grpc.aio.ServicerContext
     ) -> pb.CacheBehindReply:
-        if not (context.peer() or "").startswith("unix:"):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "caching behind a trainer is node-local: call through the daemon's unix socket")
         async with status_on_error(context):
+            _node_local(context, "caching behind a trainer is node-local: call through the daemon's unix socket")
             caller = self.daemon.access.caller(context)
             await self.daemon.access.check_read(caller, request.dataset)
             hand_over = not request.handed or self.daemon.access.may_hand_over(caller)
@@ -362,3 +351,20 @@ def exchange_progress(run: ExchangeRun) -> pb.ExchangeProgress:
         coded_samples_decoded=coded.samples_decoded,
         coded_note=coded.note,
     )
+
+
+def _check_stats_report(request: pb.ClientStatsReport) -> None:
+    """Raises InvalidRequestError for a report the client stats cannot take."""
+    if not request.client:
+        raise InvalidRequestError("a client stats report must name its client")
+    if not math.isfinite(request.data_wait_seconds):
+        raise InvalidRequestError(f"data_wait_seconds {request.data_wait_seconds} is not a finite number of seconds")
+    unknown = sorted({r.tier for r in request.reads} - set(CLIENT_TIERS))
+    if unknown:
+        raise InvalidRequestError(f"unknown client tier {unknown[0]!r}; tiers are {', '.join(CLIENT_TIERS)}")
+
+
+def _node_local(context: grpc.aio.ServicerContext, refusal: str) -> None:
+    """Raises DataquayError (FAILED_PRECONDITION) for a call that did not come over the unix socket."""
+    if not (context.peer() or "").startswith("unix:"):
+        raise DataquayError(refusal)

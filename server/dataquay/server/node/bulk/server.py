@@ -40,13 +40,12 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
-import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
 from dataquay.client.record_loops import values_intact
 from dataquay.client.records import CHECKSUM_BYTES, stored_checksum
-from dataquay.client.status_codes import status_of
+from dataquay.client.status_codes import code_number, status_of
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.bulk.client import THREADS
@@ -55,6 +54,7 @@ from dataquay.server.node.bulk.frames import (
     END,
     ERROR,
     EXCHANGE,
+    EXCHANGE_UNAVAILABLE,
     HELLO,
     HELLO_MAGIC,
     MAC_BYTES,
@@ -105,8 +105,6 @@ MAX_HANDSHAKES_PER_HOST = THREADS
 #: Payload bytes sent under one LMDB read transaction.
 SEND_BYTES = 16 << 20
 
-#: Answers an exchange this listener does not take: the sender goes over gRPC instead.
-UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 #: Exchange chunks a connection's thread may have queued for the receiver at once.
 EXCHANGE_QUEUE = 4
 
@@ -358,7 +356,7 @@ class BulkServer:
         if self.receive is None or self.tls is not None:
             reason = "this daemon takes exchanges over gRPC only" if self.tls is not None else (
                 "this daemon runs without a directory (--directory); exchanges need one")
-            send_buffers(sock, _error_frame(DataquayError(reason), UNAVAILABLE))
+            send_buffers(sock, _error_frame(DataquayError(reason), EXCHANGE_UNAVAILABLE))
             return
         try:
             first = pb.ExchangeMessage.FromString(body)
@@ -469,4 +467,4 @@ async def _send_from_loop(loop: asyncio.AbstractEventLoop, sock: socket.socket, 
 def _error_frame(exc: DataquayError, code: int | None = None) -> list[bytes]:
     """An ERROR frame: the gRPC status code the error maps to and its message."""
     message = str(exc).encode()[:MAX_ERROR_BYTES]
-    return [SAMPLE.pack(ERROR, status_of(exc)[0].value[0] if code is None else code, len(message), 0), message]
+    return [SAMPLE.pack(ERROR, code_number(status_of(exc)[0]) if code is None else code, len(message), 0), message]
