@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from dataquay.server.node.store import Store
+from dataquay.server.node.cache.store import Store
 
 
 def with_store(path: Path, capacity: int, test: Callable[[Store], Awaitable[None]]) -> None:

@@ -18,8 +18,8 @@ from test_daemon import add, make_files, read, run_cli, stats, stub_for
 from dataquay.client.records import encode_value
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import CacheWriterError
-from dataquay.server.node.store import Store
-from dataquay.server.node.write_queue import PendingWrite
+from dataquay.server.node.cache.store import Store
+from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.tools.processes import DaemonProcess
 
 SAMPLES = 80

@@ -14,7 +14,7 @@ import pytest
 from store_runs import with_store
 
 from dataquay.client.records import encode_value
-from dataquay.server.node.cache_file import (
+from dataquay.server.node.cache.file import (
     ALLOCATED_INITIAL_MAP,
     COPY_ON_WRITE,
     DATA_FILE,
@@ -23,8 +23,8 @@ from dataquay.server.node.cache_file import (
     grown_size,
     writes_through_map,
 )
-from dataquay.server.node.store import Store
-from dataquay.server.node.write_queue import PendingWrite
+from dataquay.server.node.cache.store import Store
+from dataquay.server.node.cache.write_queue import PendingWrite
 
 MiB = 1 << 20
 SAMPLES = 80
@@ -131,8 +131,8 @@ def test_a_file_system_that_fills_stops_the_map_where_it_was_allocated_and_the_s
 _READ_WHILE_GROWING = """
 import asyncio, sys, threading, time
 from dataquay.client.records import encode_value
-from dataquay.server.node.store import Store
-from dataquay.server.node.write_queue import PendingWrite
+from dataquay.server.node.cache.store import Store
+from dataquay.server.node.cache.write_queue import PendingWrite
 
 VALUE = 100_000
 reads, stop, wrong = 0, threading.Event(), []

@@ -9,9 +9,9 @@ import numpy as np
 from store_runs import with_store
 from test_store_room import write
 
-from dataquay.server.node.cached_ids import CachedIds
-from dataquay.server.node.store import Store
-from dataquay.server.node.write_queue import PendingWrite
+from dataquay.server.node.cache.cached_ids import CachedIds
+from dataquay.server.node.cache.store import Store
+from dataquay.server.node.cache.write_queue import PendingWrite
 
 MiB = 1 << 20
 

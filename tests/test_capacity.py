@@ -19,8 +19,8 @@ from dataquay.server.capacity import (
     stored_bytes,
     write_slack_bytes,
 )
-from dataquay.server.node.store import Store
-from dataquay.server.node.write_queue import PendingWrite
+from dataquay.server.node.cache.store import Store
+from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.sizes import parse_size, size_flag
 
 KiB, MiB = 1 << 10, 1 << 20

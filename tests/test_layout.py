@@ -112,7 +112,7 @@ def shortest_path(graph: Graph, start: str, goal: set[str], within: set[str] | N
 def test_the_graph_sees_modules_and_their_imports() -> None:
     graph = import_graph()
     assert {"dataquay.protos.cache_pb2", "dataquay.client.manifest", "dataquay.server.node.daemon"} <= set(graph)
-    assert "dataquay.server.node.store" in graph["dataquay.server.node.daemon"]
+    assert "dataquay.server.node.cache.store" in graph["dataquay.server.node.daemon"]
 
 
 def test_imports_in_functions_count_and_those_for_type_checking_do_not() -> None:

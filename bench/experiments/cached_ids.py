@@ -1,5 +1,5 @@
 """Which of a window of ids the cache holds: the store's in-memory bit set
-(``Store.cached_mask``, :mod:`dataquay.server.node.cached_ids`) against the
+(``Store.cached_mask``, :mod:`dataquay.server.node.cache.cached_ids`) against the
 LMDB key lookups it replaced (a cursor's ``set_key`` per id, in one read
 transaction), on the same store.
 
@@ -34,8 +34,8 @@ from common import REPEATS, progress, report
 
 from dataquay.client.record_loops import sample_keys
 from dataquay.client.records import encode_value
-from dataquay.server.node.store import Store
-from dataquay.server.node.write_queue import PendingWrite
+from dataquay.server.node.cache.store import Store
+from dataquay.server.node.cache.write_queue import PendingWrite
 
 CACHED = 1_000_000
 #: Ids asked at once, as the read ahead's scan asks them.

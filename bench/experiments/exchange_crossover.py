@@ -86,7 +86,7 @@ from dataquay.server.node.bulk.frames import (
     recv_exactly,
     server_proof,
 )
-from dataquay.server.node.cache_file import MAX_DBS
+from dataquay.server.node.cache.file import MAX_DBS
 from dataquay.server.node.exchange import streams
 from dataquay.server.registry import cache_db_name
 from dataquay.server.tools.local_cluster import LocalCluster

@@ -36,8 +36,8 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import StartupError
-from dataquay.server.node.cache_file import DATA_FILE, MAX_DBS
-from dataquay.server.node.store_writer import META_DB
+from dataquay.server.node.cache.file import DATA_FILE, MAX_DBS
+from dataquay.server.node.cache.store_writer import META_DB
 from dataquay.server.registry import cache_db_name
 from dataquay.server.tools.local_cluster import LocalCluster, NodeHost
 from dataquay.server.tools.processes import DaemonProcess

@@ -8,7 +8,7 @@ process, 64 values at a time:
   values, no sync).
 - LMDB commit alone, writemap: the same into an environment opened with
   ``writemap=True`` over a file allocated ahead (``fallocate``), as the
-  daemon's store does now (:mod:`dataquay.server.node.cache_file`).
+  daemon's store does now (:mod:`dataquay.server.node.cache.file`).
 - page cache, mmap / pwrite: what any store must do at least, put the bytes
   into the page cache of its file: a copy into a shared map of a file
   allocated ahead, value by value, and one ``pwritev`` per 64 values into

@@ -29,7 +29,7 @@ import numpy as np
 
 from dataquay.client.placement import MODES, JobPlan, owners
 from dataquay.client.records import CHECKSUM_BYTES
-from dataquay.server.node.write_queue import BATCH_BYTES, BATCH_ITEMS
+from dataquay.server.node.cache.write_queue import BATCH_BYTES, BATCH_ITEMS
 
 MiB = 1 << 20
 #: LMDB's page size on the machines dataquay runs on (the OS page).

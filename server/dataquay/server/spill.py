@@ -31,7 +31,7 @@ NO_HOLDER = -1
 
 def usable_bytes(capacity: int) -> int:
     """What staging fills of a cache of ``capacity``: it stops this short of
-    the map's size (see :class:`dataquay.server.node.cache_space.CacheSpace`)."""
+    the map's size (see :class:`dataquay.server.node.cache.space.CacheSpace`)."""
     return capacity - refill_margin(capacity)
 
 

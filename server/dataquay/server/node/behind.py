@@ -43,11 +43,11 @@ from dataquay.client.records import CHECKSUM_BYTES, encode_value
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import BatchTooLargeError, DatasetReplacedError, SampleIdError
 from dataquay.server.limits import ByteBudget
+from dataquay.server.node.cache.store import Store
+from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.pfs_pool import PfsPool
 from dataquay.server.node.shm import ShmSegments
-from dataquay.server.node.store import Store
-from dataquay.server.node.write_queue import PendingWrite
 
 MiB = 1 << 20
 #: Most ids one notice may name (read back or handed over).

@@ -49,6 +49,7 @@ from dataquay.server.node.behind import CacheBehind
 from dataquay.server.node.bulk.client import BulkClient
 from dataquay.server.node.bulk.server import BulkServer
 from dataquay.server.node.bulk.tls import BulkTls
+from dataquay.server.node.cache.store import Store
 from dataquay.server.node.client_stats import ClientStatsBook
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.directory_link import DirectoryLink
@@ -68,7 +69,6 @@ from dataquay.server.node.segment_socket import SegmentSocket
 from dataquay.server.node.servicer import CacheServicer
 from dataquay.server.node.shm import ShmSegments
 from dataquay.server.node.stager import Stager
-from dataquay.server.node.store import Store
 from dataquay.server.node.users.access import CallerCheck, UserAccess
 from dataquay.server.registry import Registry
 from dataquay.server.task_group import TaskGroup

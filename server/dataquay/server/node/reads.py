@@ -59,6 +59,8 @@ from dataquay.server.errors import (
 from dataquay.server.limits import ByteBudget
 from dataquay.server.manifest_build import too_large
 from dataquay.server.node.bulk.client import Landing
+from dataquay.server.node.cache.store import Store
+from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.metrics import DaemonMetrics
 from dataquay.server.node.overflow import OverflowPrefetcher
@@ -66,8 +68,6 @@ from dataquay.server.node.peers import Peers
 from dataquay.server.node.pfs_pool import PfsPool
 from dataquay.server.node.placements import Placement, Placements
 from dataquay.server.node.prefetch import PREFETCHED_MODES, TransferPrefetcher
-from dataquay.server.node.store import Store
-from dataquay.server.node.write_queue import PendingWrite
 from dataquay.server.registry import Registered
 from dataquay.server.task_group import Spawn
 

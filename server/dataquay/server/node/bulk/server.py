@@ -87,7 +87,7 @@ from dataquay.server.node.bulk.frames import (
     server_proof,
 )
 from dataquay.server.node.bulk.refusals import RefusalLog
-from dataquay.server.node.store import Store
+from dataquay.server.node.cache.store import Store
 
 #: Time a new connection has to finish TLS and prove it holds the token.
 HANDSHAKE_SECONDS = 5.0

@@ -47,7 +47,7 @@ from dataquay.server.node.bulk.frames import (
     recv_bytes,
     send_all,
 )
-from dataquay.server.node.store import Store
+from dataquay.server.node.cache.store import Store
 
 #: Longest a bulk exchange connection may make no progress either way.
 STALL_SECONDS = 300.0

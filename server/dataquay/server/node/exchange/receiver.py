@@ -53,10 +53,10 @@ from dataquay.server.errors import (
     SampleIdError,
 )
 from dataquay.server.node.bulk.frames import ExchangeChunk
+from dataquay.server.node.cache.store import Store
+from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.placements import Placement, Placements
-from dataquay.server.node.store import Store
-from dataquay.server.node.write_queue import PendingWrite
 from dataquay.server.registry import Registered
 
 log = logging.getLogger("dataquay.exchange")

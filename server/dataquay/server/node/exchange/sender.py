@@ -52,6 +52,7 @@ from dataquay.client.status_codes import UNREACHABLE
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import DataquayError, ExchangeRefusedError, JobMismatchError
+from dataquay.server.node.cache.store import Store
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange.coded import SNAPSHOT_SECONDS, CodedProgress, PassTransport, coded_pass
@@ -63,7 +64,6 @@ from dataquay.server.node.exchange.receiver import ExchangeReceiver
 from dataquay.server.node.exchange.streams import ExchangeStreams, News
 from dataquay.server.node.peers import Peers
 from dataquay.server.node.placements import Placement, Placements
-from dataquay.server.node.store import Store
 from dataquay.server.registry import Registered
 from dataquay.server.task_group import Spawn
 

@@ -36,11 +36,11 @@ import numpy as np
 from dataquay.client.records import decode_value, sample_key, stored_checksum
 from dataquay.server.dirs import ensure_private_dir
 from dataquay.server.errors import StartupError
-from dataquay.server.node.cache_dir import lock_cache_dir
-from dataquay.server.node.cache_file import CacheFile, MapReaders
-from dataquay.server.node.cache_space import CacheSpace
-from dataquay.server.node.store_writer import StoreWriter
-from dataquay.server.node.write_queue import PendingWrite
+from dataquay.server.node.cache.dir import lock_cache_dir
+from dataquay.server.node.cache.file import CacheFile, MapReaders
+from dataquay.server.node.cache.space import CacheSpace
+from dataquay.server.node.cache.store_writer import StoreWriter
+from dataquay.server.node.cache.write_queue import PendingWrite
 
 
 class Store:

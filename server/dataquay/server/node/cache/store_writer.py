@@ -26,10 +26,10 @@ import numpy as np
 
 from dataquay.client.records import CHECKSUM_BYTES, sample_key
 from dataquay.server.errors import CacheWriterError
-from dataquay.server.node.cache_file import CacheFile, Growth
-from dataquay.server.node.cache_space import CacheSpace
-from dataquay.server.node.cached_ids import CachedIds, ids_of_keys
-from dataquay.server.node.write_queue import PendingWrite, WriteQueue
+from dataquay.server.node.cache.cached_ids import CachedIds, ids_of_keys
+from dataquay.server.node.cache.file import CacheFile, Growth
+from dataquay.server.node.cache.space import CacheSpace
+from dataquay.server.node.cache.write_queue import PendingWrite, WriteQueue
 from dataquay.server.task_group import WRITER_NICENESS, lower_thread_priority
 
 log = logging.getLogger("dataquay.store")

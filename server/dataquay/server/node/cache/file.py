@@ -35,7 +35,7 @@ import lmdb
 
 from dataquay.client.file_systems import file_system_type
 from dataquay.server.dirs import FILE_MODE, close_to_others
-from dataquay.server.node.cache_dir import DISK_SLACK_BYTES, FileSystemRoom
+from dataquay.server.node.cache.dir import DISK_SLACK_BYTES, FileSystemRoom
 
 log = logging.getLogger("dataquay.store")
 

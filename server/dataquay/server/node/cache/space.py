@@ -16,7 +16,7 @@ import asyncio
 import numpy as np
 
 from dataquay.server.capacity import exchange_reserve, refill_margin, value_bytes
-from dataquay.server.node.write_queue import PendingWrite
+from dataquay.server.node.cache.write_queue import PendingWrite
 
 #: Room never reserved (at most; a 32nd of a smaller cache): pages a commit
 #: copies on write, and pages freed by the last commit, which LMDB reuses only
