@@ -63,7 +63,7 @@ from dataquay.client.errors import PfsReadError
 from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import PfsReader
 from dataquay.server.manifest_build import build_manifest
-from dataquay.server.node.pfs_pool import PfsPool
+from dataquay.server.node.reads.pfs import PfsPool
 
 PfsReader.read_range = lambda self, r: threading.Event().wait()  # an NFS server that never answers
 pool = PfsPool(threads=2, read_timeout=0.2)

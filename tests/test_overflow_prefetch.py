@@ -23,7 +23,7 @@ from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.cli import main as cli_main
 from dataquay.server.limits import ByteBudget
-from dataquay.server.node.overflow import epoch_reads
+from dataquay.server.node.reads.overflow import epoch_reads
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 

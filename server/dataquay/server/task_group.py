@@ -75,7 +75,7 @@ def lower_thread_priority(niceness: int) -> None:
 def idle_thread_priority() -> None:
     """Thread initializer: the thread runs only on a core that nothing else wants.
 
-    For caching behind the trainers (:mod:`dataquay.server.node.behind`):
+    For caching behind the trainers (:mod:`dataquay.server.node.reads.behind`):
     the trainer already has the bytes, so caching them may wait as long as
     the node is busy; even at niceness 19 it would take a share of the CPU
     from the trainers. Linux's SCHED_IDLE; elsewhere the lowest niceness.

@@ -45,7 +45,6 @@ from dataquay.server.listen import (
     remove_own_socket,
     socket_identity,
 )
-from dataquay.server.node.behind import CacheBehind
 from dataquay.server.node.bulk.client import BulkClient
 from dataquay.server.node.bulk.server import BulkServer
 from dataquay.server.node.bulk.tls import BulkTls
@@ -58,12 +57,13 @@ from dataquay.server.node.exchange.coded import CodedProgress
 from dataquay.server.node.exchange.mcast import multicast_channel
 from dataquay.server.node.identity import node_identity
 from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState
-from dataquay.server.node.overflow import OverflowCounts
 from dataquay.server.node.peers import Peers
-from dataquay.server.node.pfs_pool import PfsPool
 from dataquay.server.node.placements import Placements
 from dataquay.server.node.prep_groups import PrepGroups
-from dataquay.server.node.reads import ReadService
+from dataquay.server.node.reads.behind import CacheBehind
+from dataquay.server.node.reads.overflow import OverflowCounts
+from dataquay.server.node.reads.pfs import PfsPool
+from dataquay.server.node.reads.service import ReadService
 from dataquay.server.node.segment_reads import SegmentReads
 from dataquay.server.node.segment_socket import SegmentSocket
 from dataquay.server.node.servicer import CacheServicer

@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from dataquay.server.node.reads import Served
+from dataquay.server.node.reads.service import Served
 from dataquay.server.node.shm import ShmSegments, aligned, place
 
 

@@ -17,11 +17,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from dataquay.client.tiers import SERVED_TIERS
-from dataquay.server.node.behind import BehindCounts
+from dataquay.server.node.reads.behind import BehindCounts
 
 if TYPE_CHECKING:
     from dataquay.protos import cache_pb2 as pb
-    from dataquay.server.node.overflow import OverflowCounts
+    from dataquay.server.node.reads.overflow import OverflowCounts
 
 #: Where this daemon served a sample from: its own cache, another daemon's, the PFS.
 TIERS = tuple(SERVED_TIERS.values())

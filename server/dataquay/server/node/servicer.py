@@ -24,7 +24,7 @@ from dataquay.server.node.exchange.coded import CodedProgress
 from dataquay.server.node.forward import ShmForward
 from dataquay.server.node.metrics import LiveState
 from dataquay.server.node.placements import Placements
-from dataquay.server.node.replies import reply_chunks
+from dataquay.server.node.reads.replies import reply_chunks
 from dataquay.server.node.stager import StagingProgress
 from dataquay.server.proto_maps import FORMAT_FROM_PROTO, TIER_TO_PROTO, dataset_info
 from dataquay.server.servicer_errors import status_on_error

@@ -24,7 +24,7 @@ from dataquay.client.placement import epoch_permutation
 from dataquay.client.records import CHECKSUM_BYTES
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
-from dataquay.server.node.pfs_pool import PfsPool
+from dataquay.server.node.reads.pfs import PfsPool
 from dataquay.server.registry import Registry
 from dataquay.server.sizes import format_bytes
 from dataquay.server.task_group import TaskGroup

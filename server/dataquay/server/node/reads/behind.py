@@ -46,7 +46,7 @@ from dataquay.server.limits import ByteBudget
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.datasets import Datasets
-from dataquay.server.node.pfs_pool import PfsPool
+from dataquay.server.node.reads.pfs import PfsPool
 from dataquay.server.node.shm import ShmSegments
 
 MiB = 1 << 20

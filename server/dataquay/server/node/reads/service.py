@@ -11,9 +11,9 @@ away and deleted it once read, and a trainer is late), and in the epochs
 before that (a spare copy). In modes ``global`` and
 ``locality`` (when the job has a batch size) the samples this node's ranks
 will need from other nodes in the next steps are fetched ahead of them
-(:mod:`dataquay.server.node.prefetch`). In every mode, what this node owns
+(:mod:`dataquay.server.node.reads.prefetch`). In every mode, what this node owns
 and could not cache is read from the PFS ahead of its ranks
-(:mod:`dataquay.server.node.overflow`). What no daemon delivers in time comes from
+(:mod:`dataquay.server.node.reads.overflow`). What no daemon delivers in time comes from
 the PFS. A read from a peer
 (``peer`` set) is answered from this cache alone, its misses flagged, so that
 two daemons never bounce a request between them.
@@ -63,11 +63,11 @@ from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.metrics import DaemonMetrics
-from dataquay.server.node.overflow import OverflowPrefetcher
 from dataquay.server.node.peers import Peers
-from dataquay.server.node.pfs_pool import PfsPool
 from dataquay.server.node.placements import Placement, Placements
-from dataquay.server.node.prefetch import PREFETCHED_MODES, TransferPrefetcher
+from dataquay.server.node.reads.overflow import OverflowPrefetcher
+from dataquay.server.node.reads.pfs import PfsPool
+from dataquay.server.node.reads.prefetch import PREFETCHED_MODES, TransferPrefetcher
 from dataquay.server.registry import Registered
 from dataquay.server.task_group import Spawn
 
