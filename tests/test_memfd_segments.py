@@ -23,8 +23,8 @@ from dataquay.client.memfd import CLIENT_SEALS, MemfdSegment, fd_socket_path
 from dataquay.client.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.auth import new_token_file
-from dataquay.server.node.segment_socket import MAX_HANDSHAKES
-from dataquay.server.node.shm import MAX_MEMFD_BYTES, MAX_MEMFD_PER_PROCESS
+from dataquay.server.node.handoff.fd_socket import MAX_HANDSHAKES
+from dataquay.server.node.handoff.segments import MAX_MEMFD_BYTES, MAX_MEMFD_PER_PROCESS
 from dataquay.server.tools import synthetic
 from dataquay.server.tools.processes import DaemonProcess
 

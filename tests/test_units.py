@@ -15,9 +15,9 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import ConfigError
 from dataquay.server.limits import ByteBudget, ByteBudgets
 from dataquay.server.node.cache.write_queue import PendingWrite, WriteQueue
+from dataquay.server.node.handoff.segments import ALIGN, place
 from dataquay.server.node.reads.replies import reply_chunks
 from dataquay.server.node.reads.service import Served, Window, window_bounds
-from dataquay.server.node.shm import ALIGN, place
 from dataquay.server.ratelimit import TokenBucket
 from dataquay.server.sizes import format_bytes, format_duration, parse_duration, parse_size
 

@@ -55,6 +55,9 @@ from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange import ExchangeReceiver, ExchangeRun, Exchanges
 from dataquay.server.node.exchange.coded import CodedProgress
 from dataquay.server.node.exchange.mcast import multicast_channel
+from dataquay.server.node.handoff.batch_reads import SegmentReads
+from dataquay.server.node.handoff.fd_socket import SegmentSocket
+from dataquay.server.node.handoff.segments import ShmSegments
 from dataquay.server.node.identity import node_identity
 from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState
 from dataquay.server.node.peers import Peers
@@ -64,10 +67,7 @@ from dataquay.server.node.reads.behind import CacheBehind
 from dataquay.server.node.reads.overflow import OverflowCounts
 from dataquay.server.node.reads.pfs import PfsPool
 from dataquay.server.node.reads.service import ReadService
-from dataquay.server.node.segment_reads import SegmentReads
-from dataquay.server.node.segment_socket import SegmentSocket
 from dataquay.server.node.servicer import CacheServicer
-from dataquay.server.node.shm import ShmSegments
 from dataquay.server.node.stager import Stager
 from dataquay.server.node.users.access import CallerCheck, UserAccess
 from dataquay.server.registry import Registry
@@ -142,11 +142,11 @@ class Daemon(ServerLifecycle):
                 resolve_now=self._bulk_request_now,
             )
         self.bulk_address = ""
-        #: Peer payloads written into trainers' segments as they arrived (see node/forward.py).
+        #: Peer payloads written into trainers' segments as they arrived (see node/handoff/forward.py).
         self.forwarded_samples = 0
         #: Of those, received from the peer straight into a sealed memfd segment.
         self.in_place_samples = 0
-        #: Trainers' batch reads answered on their segments' connections (see node/segment_reads.py).
+        #: Trainers' batch reads answered on their segments' connections (see node/handoff/batch_reads.py).
         self.segment_reads = 0
         self.shm = ShmSegments()
         self.segment_socket: SegmentSocket | None = None

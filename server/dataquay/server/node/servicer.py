@@ -21,7 +21,7 @@ from dataquay.server.limits import ByteBudget
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange import ExchangeRun, Exchanges
 from dataquay.server.node.exchange.coded import CodedProgress
-from dataquay.server.node.forward import ShmForward
+from dataquay.server.node.handoff.forward import ShmForward
 from dataquay.server.node.metrics import LiveState
 from dataquay.server.node.placements import Placements
 from dataquay.server.node.reads.replies import reply_chunks

@@ -46,8 +46,8 @@ from dataquay.server.limits import ByteBudget
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.datasets import Datasets
+from dataquay.server.node.handoff.segments import ShmSegments
 from dataquay.server.node.reads.pfs import PfsPool
-from dataquay.server.node.shm import ShmSegments
 
 MiB = 1 << 20
 #: Most ids one notice may name (read back or handed over).

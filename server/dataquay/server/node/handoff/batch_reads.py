@@ -18,7 +18,7 @@ import numpy as np
 from dataquay.client.segment_reads import NOT_PLACED, OK, BatchReply, parse_request, reply_frame
 from dataquay.client.status_codes import code_number, status_of
 from dataquay.server.errors import DataquayError
-from dataquay.server.node.forward import ShmForward
+from dataquay.server.node.handoff.forward import ShmForward
 from dataquay.server.node.users.callers import Caller
 from dataquay.server.proto_maps import TIER_TO_PROTO
 from dataquay.server.servicer_errors import MAX_DETAILS_CHARS

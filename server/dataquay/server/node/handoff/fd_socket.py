@@ -40,8 +40,8 @@ from dataquay.client.memfd import HANDSHAKE_SECONDS, MESSAGE_BYTES, parse_reques
 from dataquay.client.segment_reads import MAX_IDS, REQUEST_BYTES
 from dataquay.server.errors import StartupError
 from dataquay.server.listen import SocketIdentity, claim_socket_path, remove_own_socket, socket_identity
-from dataquay.server.node.segment_reads import SegmentReads
-from dataquay.server.node.shm import ShmSegments
+from dataquay.server.node.handoff.batch_reads import SegmentReads
+from dataquay.server.node.handoff.segments import ShmSegments
 from dataquay.server.node.users.callers import Caller, Tickets, peer_caller
 from dataquay.server.task_group import Spawn
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from dataquay.server.node.handoff.segments import ShmSegments, aligned, place
 from dataquay.server.node.reads.service import Served
-from dataquay.server.node.shm import ShmSegments, aligned, place
 
 
 class ShmForward:
