@@ -24,8 +24,8 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.auth import new_token_file
-from dataquay.server.node.bulk.client import BulkClient, BulkRefusedError
-from dataquay.server.node.bulk.frames import (
+from dataquay.server.node.peers.bulk.client import BulkClient, BulkRefusedError
+from dataquay.server.node.peers.bulk.frames import (
     HELLO,
     HELLO_MAGIC,
     MAC_BYTES,

@@ -19,8 +19,8 @@ from test_bulk import SIZE, N, bulk_address, read_all, staged, stats
 
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.auth import new_token_file
-from dataquay.server.node.bulk.refusals import RefusalLog
-from dataquay.server.node.bulk.server import MAX_HANDSHAKES_PER_HOST
+from dataquay.server.node.peers.bulk.refusals import RefusalLog
+from dataquay.server.node.peers.bulk.server import MAX_HANDSHAKES_PER_HOST
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 

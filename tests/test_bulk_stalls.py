@@ -21,7 +21,7 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.auth import new_token_file
-from dataquay.server.node.bulk.frames import (
+from dataquay.server.node.peers.bulk.frames import (
     END,
     HELLO,
     MAC_BYTES,

@@ -39,7 +39,7 @@ from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.auth import NODE_METHODS, new_token_file
 from dataquay.server.cli import main as cli_main
 from dataquay.server.directory.beats import HeartbeatSender, beat_datagram
-from dataquay.server.node.bulk.frames import HELLO, MAC_BYTES, client_proof
+from dataquay.server.node.peers.bulk.frames import HELLO, MAC_BYTES, client_proof
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset
 

@@ -57,7 +57,7 @@ from store_bounds import allocated_cache
 
 from dataquay.client.malloc import tune_malloc
 from dataquay.client.records import decode_value, encode_value, sample_key
-from dataquay.server.node.bulk.frames import END, SAMPLE, chunk_frames, parse_chunk, recv_exactly
+from dataquay.server.node.peers.bulk.frames import END, SAMPLE, chunk_frames, parse_chunk, recv_exactly
 
 SIZES = {"110KiB": 110 * 1024, "1MiB": MiB}
 EXCHANGE_BYTES = int(os.environ.get("BENCH_EXCHANGE_MIB", "512")) * MiB

@@ -67,8 +67,10 @@ from dataquay.client.records import sample_key
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.protos.cache_pb2_grpc import CacheStub
-from dataquay.server.node.bulk.client import BulkClient
-from dataquay.server.node.bulk.frames import (
+from dataquay.server.node.cache.file import MAX_DBS
+from dataquay.server.node.exchange import streams
+from dataquay.server.node.peers.bulk.client import BulkClient
+from dataquay.server.node.peers.bulk.frames import (
     CHUNK,
     END,
     EXCHANGE,
@@ -86,8 +88,6 @@ from dataquay.server.node.bulk.frames import (
     recv_exactly,
     server_proof,
 )
-from dataquay.server.node.cache.file import MAX_DBS
-from dataquay.server.node.exchange import streams
 from dataquay.server.registry import cache_db_name
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset

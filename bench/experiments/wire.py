@@ -97,7 +97,7 @@ from dataquay.client.manifest import Manifest
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.node.bulk.client import BulkClient
+from dataquay.server.node.peers.bulk.client import BulkClient
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes

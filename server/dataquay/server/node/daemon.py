@@ -45,9 +45,6 @@ from dataquay.server.listen import (
     remove_own_socket,
     socket_identity,
 )
-from dataquay.server.node.bulk.client import BulkClient
-from dataquay.server.node.bulk.server import BulkServer
-from dataquay.server.node.bulk.tls import BulkTls
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.client_stats import ClientStatsBook
 from dataquay.server.node.datasets import Datasets
@@ -60,7 +57,10 @@ from dataquay.server.node.handoff.fd_socket import SegmentSocket
 from dataquay.server.node.handoff.segments import ShmSegments
 from dataquay.server.node.identity import node_identity
 from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState
-from dataquay.server.node.peers import Peers
+from dataquay.server.node.peers.bulk.client import BulkClient
+from dataquay.server.node.peers.bulk.server import BulkServer
+from dataquay.server.node.peers.bulk.tls import BulkTls
+from dataquay.server.node.peers.reads import Peers
 from dataquay.server.node.placements import Placements
 from dataquay.server.node.prep_groups import PrepGroups
 from dataquay.server.node.reads.behind import CacheBehind

@@ -3,7 +3,7 @@
 The whole stream moves to the bulk path when the receiver has one (and TLS
 is off: a TLS socket cannot be read and written from two threads at once):
 the offer, the chunks of cache values and the receiver's replies go as
-frames of :mod:`dataquay.server.node.bulk.frames` on a connection of its own,
+frames of :mod:`dataquay.server.node.peers.bulk.frames` on a connection of its own,
 so the guarantees stay those of the gRPC stream (a reply per chunk once
 committed, the sender's window of unacknowledged chunks, restart-safe
 offers). The payloads go out of the cache's map with ``sendmsg`` on a
@@ -30,8 +30,9 @@ from google.protobuf.message import DecodeError
 
 from dataquay.client.pieces import PIECE_BYTES, pieces
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.node.bulk.client import BulkClient, BulkRefusedError
-from dataquay.server.node.bulk.frames import (
+from dataquay.server.node.cache.store import Store
+from dataquay.server.node.peers.bulk.client import BulkClient, BulkRefusedError
+from dataquay.server.node.peers.bulk.frames import (
     END,
     ERROR,
     EXCHANGE,
@@ -47,7 +48,6 @@ from dataquay.server.node.bulk.frames import (
     recv_bytes,
     send_all,
 )
-from dataquay.server.node.cache.store import Store
 
 #: Longest a bulk exchange connection may make no progress either way.
 STALL_SECONDS = 300.0

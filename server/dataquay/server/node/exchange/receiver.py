@@ -52,10 +52,10 @@ from dataquay.server.errors import (
     InvalidRequestError,
     SampleIdError,
 )
-from dataquay.server.node.bulk.frames import ExchangeChunk
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.datasets import Datasets
+from dataquay.server.node.peers.bulk.frames import ExchangeChunk
 from dataquay.server.node.placements import Placement, Placements
 from dataquay.server.registry import Registered
 

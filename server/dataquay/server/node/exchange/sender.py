@@ -62,7 +62,7 @@ from dataquay.server.node.exchange.pass_ids import PassIds
 from dataquay.server.node.exchange.positions import ReadPositions
 from dataquay.server.node.exchange.receiver import ExchangeReceiver
 from dataquay.server.node.exchange.streams import ExchangeStreams, News
-from dataquay.server.node.peers import Peers
+from dataquay.server.node.peers.reads import Peers
 from dataquay.server.node.placements import Placement, Placements
 from dataquay.server.registry import Registered
 from dataquay.server.task_group import Spawn

@@ -33,7 +33,7 @@ from typing import Protocol
 import numpy as np
 
 from dataquay.client.records import checksum
-from dataquay.server.node.bulk.frames import (
+from dataquay.server.node.peers.bulk.frames import (
     END,
     ERROR,
     HELLO,

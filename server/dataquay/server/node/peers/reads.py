@@ -14,7 +14,7 @@ fetch waits for its bytes before it asks, so that however many calls need
 the same peer, what they have asked for and not yet received stays bounded.
 
 A peer that advertises a bulk address is read over the bulk data path
-(:mod:`dataquay.server.node.bulk`), each payload handed to a ``landing`` as it
+(:mod:`dataquay.server.node.peers.bulk`), each payload handed to a ``landing`` as it
 lands; a peer without one (its bulk path off), or one whose bulk connection
 fails for any reason but its deadline, is read over gRPC, and its bulk
 address is left alone for BULK_RETRY_SECONDS, unless the peer itself (its
@@ -41,8 +41,8 @@ from dataquay.client.status_codes import code_of_number
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.limits import FETCHED_BYTES_PER_PEER, ByteBudgets
-from dataquay.server.node.bulk.client import BulkClient, BulkRefusedError, BulkTimeoutError, Landing
-from dataquay.server.node.bulk.frames import BulkError
+from dataquay.server.node.peers.bulk.client import BulkClient, BulkRefusedError, BulkTimeoutError, Landing
+from dataquay.server.node.peers.bulk.frames import BulkError
 
 log = logging.getLogger("dataquay.peers")
 

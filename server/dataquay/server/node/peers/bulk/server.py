@@ -48,8 +48,9 @@ from dataquay.client.records import CHECKSUM_BYTES, stored_checksum
 from dataquay.client.status_codes import code_number, status_of
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DataquayError
-from dataquay.server.node.bulk.client import THREADS
-from dataquay.server.node.bulk.frames import (
+from dataquay.server.node.cache.store import Store
+from dataquay.server.node.peers.bulk.client import THREADS
+from dataquay.server.node.peers.bulk.frames import (
     CHUNK,
     END,
     ERROR,
@@ -86,8 +87,7 @@ from dataquay.server.node.bulk.frames import (
     send_now,
     server_proof,
 )
-from dataquay.server.node.bulk.refusals import RefusalLog
-from dataquay.server.node.cache.store import Store
+from dataquay.server.node.peers.bulk.refusals import RefusalLog
 
 #: Time a new connection has to finish TLS and prove it holds the token.
 HANDSHAKE_SECONDS = 5.0
