@@ -86,7 +86,7 @@ from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.directory.beats import HeartbeatSender, open_heartbeats
-from dataquay.server.node.directory_link import DATAGRAM_WAIT_SECONDS
+from dataquay.server.node.cluster.directory_link import DATAGRAM_WAIT_SECONDS
 from dataquay.server.tools.processes import DirectoryProcess
 
 NODES = int(os.environ.get("BENCH_NODES", "1024"))

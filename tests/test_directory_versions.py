@@ -14,7 +14,7 @@ from test_directory import Stub, http_get, register
 
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.node.directory_link import DirectoryLink
+from dataquay.server.node.cluster.directory_link import DirectoryLink
 from dataquay.server.tools.processes import DirectoryProcess
 
 

@@ -12,9 +12,9 @@ from dataquay.client.jobs import job_plan, job_spec
 from dataquay.client.placement import owners
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.manifest_build import build_manifest
+from dataquay.server.node.cluster.placements import Placement, Placements
 from dataquay.server.node.exchange.outbox import PENDING, REFUSED, SCAN_ROWS, UNAVAILABLE, Outbox, acknowledged
 from dataquay.server.node.exchange.positions import WHOLE_EPOCH, ReadPositions
-from dataquay.server.node.placements import Placement, Placements
 from dataquay.server.registry import Registry
 from dataquay.server.tools.synthetic import make_files_dataset
 

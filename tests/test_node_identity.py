@@ -35,7 +35,7 @@ from dataquay.server.directory.beats import HeartbeatSender
 from dataquay.server.directory.records import NodeInfo
 from dataquay.server.directory.state import DirectoryState, identity_of
 from dataquay.server.errors import InvalidRequestError, NodeNameTakenError, StartupError
-from dataquay.server.node.identity import IDENTITY_FILE, node_identity
+from dataquay.server.node.cluster.identity import IDENTITY_FILE, node_identity
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 

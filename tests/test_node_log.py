@@ -10,7 +10,7 @@ from dataquay.server.directory.listing import NodeListing
 from dataquay.server.directory.node_log import NodeLog, first_version
 from dataquay.server.directory.records import NodeInfo
 from dataquay.server.directory.state import DirectoryState
-from dataquay.server.node.directory_link import merged_nodes
+from dataquay.server.node.cluster.directory_link import merged_nodes
 
 PERIOD = 5.0
 

@@ -71,7 +71,7 @@ STATE_FORMAT = 1
 _JOB_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}$")
-#: Length of the identity key a daemon keeps (see dataquay.server.node.identity).
+#: Length of the identity key a daemon keeps (see dataquay.server.node.cluster.identity).
 IDENTITY_KEY_BYTES = 32
 
 #: A job's activity moves the revision (so it reaches the disk) once per this

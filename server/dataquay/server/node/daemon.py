@@ -47,21 +47,21 @@ from dataquay.server.listen import (
 )
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.client_stats import ClientStatsBook
+from dataquay.server.node.cluster.directory_link import DirectoryLink
+from dataquay.server.node.cluster.identity import node_identity
+from dataquay.server.node.cluster.placements import Placements
 from dataquay.server.node.datasets import Datasets
-from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange import ExchangeReceiver, ExchangeRun, Exchanges
 from dataquay.server.node.exchange.coded import CodedProgress
 from dataquay.server.node.exchange.mcast import multicast_channel
 from dataquay.server.node.handoff.batch_reads import SegmentReads
 from dataquay.server.node.handoff.fd_socket import SegmentSocket
 from dataquay.server.node.handoff.segments import ShmSegments
-from dataquay.server.node.identity import node_identity
 from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState
 from dataquay.server.node.peers.bulk.client import BulkClient
 from dataquay.server.node.peers.bulk.server import BulkServer
 from dataquay.server.node.peers.bulk.tls import BulkTls
 from dataquay.server.node.peers.reads import Peers
-from dataquay.server.node.placements import Placements
 from dataquay.server.node.prep_groups import PrepGroups
 from dataquay.server.node.reads.behind import CacheBehind
 from dataquay.server.node.reads.overflow import OverflowCounts

@@ -26,7 +26,7 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DirectoryUnavailableError, UnknownDatasetError
 from dataquay.server.manifest_build import allowed_root, build_manifest, check_sample_sizes
 from dataquay.server.node.cache.store import Store
-from dataquay.server.node.directory_link import DirectoryLink
+from dataquay.server.node.cluster.directory_link import DirectoryLink
 from dataquay.server.registry import Registered, Registry
 from dataquay.server.task_group import TaskGroup
 

@@ -18,12 +18,12 @@ from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import DataquayError, InvalidRequestError, StandaloneError
 from dataquay.server.limits import ByteBudget
-from dataquay.server.node.directory_link import DirectoryLink
+from dataquay.server.node.cluster.directory_link import DirectoryLink
+from dataquay.server.node.cluster.placements import Placements
 from dataquay.server.node.exchange import ExchangeRun, Exchanges
 from dataquay.server.node.exchange.coded import CodedProgress
 from dataquay.server.node.handoff.forward import ShmForward
 from dataquay.server.node.metrics import LiveState
-from dataquay.server.node.placements import Placements
 from dataquay.server.node.reads.replies import reply_chunks
 from dataquay.server.node.stager import StagingProgress
 from dataquay.server.proto_maps import FORMAT_FROM_PROTO, TIER_TO_PROTO, dataset_info

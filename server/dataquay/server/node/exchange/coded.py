@@ -36,10 +36,10 @@ from dataquay.client.records import CHECKSUM_BYTES, decode_value
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
+from dataquay.server.node.cluster.placements import Placement
 from dataquay.server.node.exchange import coded_packets, coding
 from dataquay.server.node.exchange.mcast import Channel, MulticastEndpoint, interface_mtu, payload_bytes
 from dataquay.server.node.exchange.receiver import ExchangeReceiver
-from dataquay.server.node.placements import Placement
 from dataquay.server.registry import Registered
 
 log = logging.getLogger("dataquay.exchange")

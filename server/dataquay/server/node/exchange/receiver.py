@@ -54,9 +54,9 @@ from dataquay.server.errors import (
 )
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
+from dataquay.server.node.cluster.placements import Placement, Placements
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.peers.bulk.frames import ExchangeChunk
-from dataquay.server.node.placements import Placement, Placements
 from dataquay.server.registry import Registered
 
 log = logging.getLogger("dataquay.exchange")

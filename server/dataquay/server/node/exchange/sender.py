@@ -53,8 +53,9 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import DataquayError, ExchangeRefusedError, JobMismatchError
 from dataquay.server.node.cache.store import Store
+from dataquay.server.node.cluster.directory_link import DirectoryLink
+from dataquay.server.node.cluster.placements import Placement, Placements
 from dataquay.server.node.datasets import Datasets
-from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange.coded import SNAPSHOT_SECONDS, CodedProgress, PassTransport, coded_pass
 from dataquay.server.node.exchange.mcast import Channel
 from dataquay.server.node.exchange.outbox import UNAVAILABLE, Outbox, OutboxProgress
@@ -63,7 +64,6 @@ from dataquay.server.node.exchange.positions import ReadPositions
 from dataquay.server.node.exchange.receiver import ExchangeReceiver
 from dataquay.server.node.exchange.streams import ExchangeStreams, News
 from dataquay.server.node.peers.reads import Peers
-from dataquay.server.node.placements import Placement, Placements
 from dataquay.server.registry import Registered
 from dataquay.server.task_group import Spawn
 

@@ -24,14 +24,14 @@ from dataquay.client.status_codes import UNREACHABLE, code_of_number
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.cache.store import Store
-from dataquay.server.node.directory_link import DirectoryLink
+from dataquay.server.node.cluster.directory_link import DirectoryLink
+from dataquay.server.node.cluster.placements import Placement
 from dataquay.server.node.exchange.calls import BulkExchangeCall, ExchangeCall, GrpcExchangeCall
 from dataquay.server.node.exchange.outbox import PENDING, REFUSED, UNAVAILABLE, acknowledged
 from dataquay.server.node.exchange.positions import ReadPositions
 from dataquay.server.node.peers.bulk.client import BulkRefusedError
 from dataquay.server.node.peers.bulk.frames import EXCHANGE_UNAVAILABLE, BulkError
 from dataquay.server.node.peers.reads import Peers
-from dataquay.server.node.placements import Placement
 from dataquay.server.ratelimit import TokenBucket
 from dataquay.server.registry import Registered
 

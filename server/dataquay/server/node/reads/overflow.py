@@ -54,7 +54,7 @@ from dataquay.server.errors import DataquayError
 from dataquay.server.limits import ByteBudget
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
-from dataquay.server.node.placements import Placement
+from dataquay.server.node.cluster.placements import Placement
 from dataquay.server.node.reads.pfs import PfsPool
 from dataquay.server.registry import Registered
 from dataquay.server.task_group import Spawn

@@ -31,7 +31,7 @@ from dataquay.client.jobs import job_plan
 from dataquay.client.placement import node_steps
 from dataquay.server.errors import DataquayError
 from dataquay.server.limits import ByteBudget
-from dataquay.server.node.placements import Placement
+from dataquay.server.node.cluster.placements import Placement
 from dataquay.server.registry import Registered
 from dataquay.server.task_group import Spawn
 

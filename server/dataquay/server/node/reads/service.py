@@ -60,11 +60,11 @@ from dataquay.server.limits import ByteBudget
 from dataquay.server.manifest_build import too_large
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
+from dataquay.server.node.cluster.placements import Placement, Placements
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.metrics import DaemonMetrics
 from dataquay.server.node.peers.bulk.client import Landing
 from dataquay.server.node.peers.reads import Peers
-from dataquay.server.node.placements import Placement, Placements
 from dataquay.server.node.reads.overflow import OverflowPrefetcher
 from dataquay.server.node.reads.pfs import PfsPool
 from dataquay.server.node.reads.prefetch import PREFETCHED_MODES, TransferPrefetcher

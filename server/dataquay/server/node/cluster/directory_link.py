@@ -109,7 +109,7 @@ class DirectoryLink:
         self._looked_up: dict[str, float] = {}
         self._beats_by_rpc = False
         self._refused = refused
-        #: The node's identity key (:mod:`dataquay.server.node.identity`), set
+        #: The node's identity key (:mod:`dataquay.server.node.cluster.identity`), set
         #: once the cache dir is open; empty registers without one.
         self.identity_key = b""
         #: What heartbeats carry: the session the last registration handed out.

@@ -30,7 +30,7 @@ from dataquay.client.jobs import job_plan
 from dataquay.client.placement import MODES, JobPlan, owned_ids, owners
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.dirs import private_dir, private_opener
-from dataquay.server.node.directory_link import DirectoryLink
+from dataquay.server.node.cluster.directory_link import DirectoryLink
 from dataquay.server.registry import Registered
 from dataquay.server.spill import NO_HOLDER, spill_holders
 
