@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.node.prep_group import PrepGroup, SyncAnswer
-from dataquay.server.node.prep_groups import check, mismatch
+from dataquay.server.node.prep.group import PrepGroup, SyncAnswer
+from dataquay.server.node.prep.groups import check, mismatch
 
 BATCHES = 6
 

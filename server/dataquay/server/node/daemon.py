@@ -62,7 +62,7 @@ from dataquay.server.node.peers.bulk.client import BulkClient
 from dataquay.server.node.peers.bulk.server import BulkServer
 from dataquay.server.node.peers.bulk.tls import BulkTls
 from dataquay.server.node.peers.reads import Peers
-from dataquay.server.node.prep_groups import PrepGroups
+from dataquay.server.node.prep.groups import PrepGroups
 from dataquay.server.node.reads.behind import CacheBehind
 from dataquay.server.node.reads.overflow import OverflowCounts
 from dataquay.server.node.reads.pfs import PfsPool

@@ -1,4 +1,4 @@
-"""The daemon's coordinated prep groups (:mod:`prep_group` holds one's state):
+"""The daemon's coordinated prep groups (:mod:`.group` holds one's state):
 creating them, answering members' calls, waiting for news on their behalf,
 and removing the shared-memory segments of freed batches.
 
@@ -30,7 +30,7 @@ from dataquay.client import prepped
 from dataquay.client.errors import InvalidRequestError, JobMismatchError
 from dataquay.client.shm import SHM_DIR, process_alive
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.node.prep_group import MAX_CLAIMS, PrepGroup, SyncAnswer
+from dataquay.server.node.prep.group import MAX_CLAIMS, PrepGroup, SyncAnswer
 
 #: Groups one daemon keeps at once.
 MAX_GROUPS = 64
