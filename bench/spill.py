@@ -6,7 +6,7 @@ sum of the caches).
 ``SAMPLES`` samples of 60-100 KB, a ``local`` job staged with ``stage --job``.
 Every node but node 0 starts with the same ``--cache-size``; then node 0 (and
 others) are restarted with their own, as fractions of a node's share in cache
-pages (``dataquay.server.capacity.cached_bytes``):
+pages (``dataquay.server.planning.capacity.cached_bytes``):
 
 - ``room``: 0.5, 1.5, 1.5, 1.5 shares (together 5: they hold the dataset);
 - ``short``: 0.25, 0.5, 1.25, 1.5 shares (together 3.5: they do not).
@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 from common import progress, report
 
-from dataquay.server.capacity import cached_bytes
 from dataquay.server.cli import main as cli_main
+from dataquay.server.planning.capacity import cached_bytes
 from dataquay.server.tools.local_cluster import LocalCluster, node_name
 from dataquay.server.tools.synthetic import make_files_dataset
 from dataquay.server.tools.trainers import RankGroup

@@ -39,8 +39,8 @@ from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import JobPlan
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
-from dataquay.server.capacity import cache_need, node_shares
 from dataquay.server.cli import main as cli_main
+from dataquay.server.planning.capacity import cache_need, node_shares
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.simulate import Scenario, simulate
 from dataquay.server.tools.synthetic import make_files_dataset

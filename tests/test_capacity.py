@@ -11,7 +11,9 @@ import pytest
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import JobPlan, owners
 from dataquay.client.records import encode_value
-from dataquay.server.capacity import (
+from dataquay.server.node.cache.store import Store
+from dataquay.server.node.cache.write_queue import PendingWrite
+from dataquay.server.planning.capacity import (
     EXCHANGE_HEADROOM_BYTES,
     cache_need,
     cached_bytes,
@@ -19,8 +21,6 @@ from dataquay.server.capacity import (
     stored_bytes,
     write_slack_bytes,
 )
-from dataquay.server.node.cache.store import Store
-from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.sizes import parse_size, size_flag
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -12,8 +12,8 @@ import pytest
 
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import JobPlan, locality_balance, moves, owners
-from dataquay.server.capacity import EXCHANGE_HEADROOM_BYTES, exchange_reserve, stored_bytes
 from dataquay.server.cli import main
+from dataquay.server.planning.capacity import EXCHANGE_HEADROOM_BYTES, exchange_reserve, stored_bytes
 from dataquay.server.sizes import format_bytes, parse_size
 from dataquay.server.tools.simulate import Rates, Scenario, estimate, simulate, spread
 

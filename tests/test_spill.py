@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataquay.client.placement import initial_owners
-from dataquay.server.capacity import cached_bytes
-from dataquay.server.spill import NO_HOLDER, spill_holders, spill_priority, usable_bytes
+from dataquay.server.planning.capacity import cached_bytes
+from dataquay.server.planning.spill import NO_HOLDER, spill_holders, spill_priority, usable_bytes
 
 KiB = 1 << 10
 

@@ -17,9 +17,9 @@ from dataquay.client.manifest import Manifest
 from dataquay.client.placement import owners
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.capacity import cached_bytes
 from dataquay.server.cli import main as cli_main
-from dataquay.server.spill import NO_HOLDER, spill_holders
+from dataquay.server.planning.capacity import cached_bytes
+from dataquay.server.planning.spill import NO_HOLDER, spill_holders
 from dataquay.server.tools.local_cluster import LocalCluster, node_name
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 from dataquay.server.tools.trainers import RankGroup

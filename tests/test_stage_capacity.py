@@ -17,8 +17,8 @@ from dataquay.client.manifest import Manifest
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.capacity import EXCHANGE_HEADROOM_BYTES, node_shares
 from dataquay.server.cli import main as cli_main
+from dataquay.server.planning.capacity import EXCHANGE_HEADROOM_BYTES, node_shares
 from dataquay.server.sizes import format_bytes, parse_size
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset

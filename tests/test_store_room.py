@@ -10,10 +10,10 @@ import numpy as np
 from store_runs import with_store
 
 from dataquay.client.records import encode_value
-from dataquay.server.capacity import stored_bytes
 from dataquay.server.node.cache.space import CacheSpace
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
+from dataquay.server.planning.capacity import stored_bytes
 
 MiB = 1 << 20
 VALUE = 40_000

@@ -17,8 +17,8 @@ from dataquay.client.manifest import Manifest
 from dataquay.client.placement import JobPlan, owners
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.capacity import cache_need, node_shares
 from dataquay.server.cli import main as cli_main
+from dataquay.server.planning.capacity import cache_need, node_shares
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.simulate import Scenario, simulate
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes

@@ -2,7 +2,7 @@
 
 A node whose cache cannot hold its share reads the rest from the PFS in every
 epoch, unless (in modes whose owners never move) nodes with room hold it
-for it (:mod:`dataquay.server.spill`); under ``partial`` it also needs room
+for it (:mod:`dataquay.server.planning.spill`); under ``partial`` it also needs room
 for the exchange, or what it gives away cannot be taken in by its new owner. Both are cheap to see from the
 placement and the sample sizes, and expensive to find in the middle of a run.
 """
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dataquay.client.placement import MODES, JobPlan, owners
-from dataquay.server.capacity import LOOKAHEAD_EPOCHS, cache_need, node_shares
+from dataquay.server.planning.capacity import LOOKAHEAD_EPOCHS, cache_need, node_shares
+from dataquay.server.planning.spill import NO_HOLDER, spill_holders
 from dataquay.server.sizes import format_bytes, size_flag
-from dataquay.server.spill import NO_HOLDER, spill_holders
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,10 @@ on a job's sizes and counts the bytes each node sends, receives and reads from
 the PFS. The model:
 
 - Every sample is ``sample_bytes`` long and takes the LMDB pages
-  :func:`dataquay.server.capacity.stored_bytes` counts; a node's cache holds
+  :func:`dataquay.server.planning.capacity.stored_bytes` counts; a node's cache holds
   as many as fit in ``cache_bytes`` (all it owns when no capacity is given),
   less half the exchange's reserve where owners move
-  (:func:`dataquay.server.capacity.exchange_reserve`): other inserts leave
+  (:func:`dataquay.server.planning.capacity.exchange_reserve`): other inserts leave
   the reserve free, and the exchange's arrivals land there as fast as what
   leaves is deleted, so about half of it holds samples at any time
   (measured by bench/tight_storage.py). What is in transit when an epoch
@@ -60,8 +60,8 @@ from dataquay.client.placement import (
     owners,
     rank_length,
 )
-from dataquay.server.capacity import exchange_reserve, stored_bytes
 from dataquay.server.node.exchange.coding import SCHEMES
+from dataquay.server.planning.capacity import exchange_reserve, stored_bytes
 from dataquay.server.tools.coded_traffic import CodedEpoch, CodedExchanges
 
 

@@ -15,8 +15,8 @@ import asyncio
 
 import numpy as np
 
-from dataquay.server.capacity import exchange_reserve, refill_margin, value_bytes
 from dataquay.server.node.cache.write_queue import PendingWrite
+from dataquay.server.planning.capacity import exchange_reserve, refill_margin, value_bytes
 
 #: Room never reserved (at most; a 32nd of a smaller cache): pages a commit
 #: copies on write, and pages freed by the last commit, which LMDB reuses only

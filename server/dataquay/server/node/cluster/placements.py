@@ -10,7 +10,7 @@ from the last one instead of replaying every epoch since the first.
 
 In modes whose owners never move, a node whose cache cannot hold its share
 keeps what fits and the rest is held by nodes whose caches have room
-(:mod:`dataquay.server.spill`): the holders follow from the same settings
+(:mod:`dataquay.server.planning.spill`): the holders follow from the same settings
 and from the capacities the directory lists for the job's nodes, so they are
 computed again when a node comes back with another ``--cache-size``.
 """
@@ -31,8 +31,8 @@ from dataquay.client.placement import MODES, JobPlan, owned_ids, owners
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.dirs import private_dir, private_opener
 from dataquay.server.node.cluster.directory_link import DirectoryLink
+from dataquay.server.planning.spill import NO_HOLDER, spill_holders
 from dataquay.server.registry import Registered
-from dataquay.server.spill import NO_HOLDER, spill_holders
 
 log = logging.getLogger("dataquay.jobs")
 

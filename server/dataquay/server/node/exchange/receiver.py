@@ -44,7 +44,6 @@ from dataquay.client.pieces import Joiner
 from dataquay.client.placement import MAX_EPOCH
 from dataquay.client.records import CHECKSUM_BYTES, decode_value
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.capacity import exchange_reserve, stored_bytes
 from dataquay.server.errors import (
     CacheFullError,
     DatasetReplacedError,
@@ -57,6 +56,7 @@ from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.cluster.placements import Placement, Placements
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.peers.bulk.frames import ExchangeChunk
+from dataquay.server.planning.capacity import exchange_reserve, stored_bytes
 from dataquay.server.registry import Registered
 
 log = logging.getLogger("dataquay.exchange")

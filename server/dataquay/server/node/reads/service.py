@@ -3,7 +3,7 @@
 A read for a job (``job`` set) sends the misses to the daemons that own them
 in that job, one batched stream per owner, all at once; in modes whose owners
 never move, a sample its owner's cache had no room for is asked of the node
-it spilled to instead (:mod:`dataquay.server.spill`). In modes whose owners
+it spilled to instead (:mod:`dataquay.server.planning.spill`). In modes whose owners
 move, what the owner does not hold is asked of the nodes that may still hold
 it, a round each, all ids of a round at once: its owner in the epoch before
 (the exchange has not delivered it yet), in the epoch after (its owner gave it

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dataquay.client.placement.orders import SPILL_PRIORITY_KEY, keyed_generator
-from dataquay.server.capacity import PAGE_SIZE, cached_bytes, refill_margin
+from dataquay.server.planning.capacity import PAGE_SIZE, cached_bytes, refill_margin
 
 #: Holder of a sample no cache has room for: read from the PFS.
 NO_HOLDER = -1
