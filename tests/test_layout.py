@@ -170,3 +170,76 @@ def test_every_package_is_in_the_wheel() -> None:
         for init in (REPO / root / "dataquay").rglob("__init__.py")
     }
     assert packages == listed
+
+
+#: The rooms of node/ and what each may import of the others and of node/'s root
+#: (directly: a room reaches further only through the rooms it may import). The
+#: root keeps the wiring and the faces; no room imports the daemon, its servicer
+#: or the stager, which sit above them all.
+ROOMS: dict[str, set[str]] = {
+    "cache": set(),
+    "cluster": set(),
+    "prep": set(),
+    "users": set(),
+    "peers": {"cache"},
+    # forwarding writes a read's result into a trainer's segment
+    "handoff": {"reads", "users"},
+    # caching behind reads the payload from a trainer's segment
+    "reads": {"cache", "cluster", "peers", "handoff", "datasets", "metrics"},
+    "exchange": {"cache", "cluster", "peers", "datasets"},
+}
+#: node/'s root: the daemon's wiring and faces, and the stager, which spans cache and PFS.
+NODE_ROOT = {"daemon", "servicer", "metrics", "datasets", "client_stats", "stager"}
+PLANNING = "dataquay.server.planning"
+
+
+def _part_of_node(name: str) -> str | None:
+    """The room (or root module) of node/ that module ``name`` is in, None outside node/."""
+    if not name.startswith(NODE + "."):
+        return None
+    return name.removeprefix(NODE + ".").split(".")[0]
+
+
+def test_every_module_of_node_is_in_a_room_or_is_the_roots_wiring() -> None:
+    graph = import_graph()
+    parts = {part for name in graph if (part := _part_of_node(name))}
+    assert not parts - set(ROOMS) - NODE_ROOT, "put these in a room of node/ (see ROOMS)"
+    assert parts >= set(ROOMS) | NODE_ROOT
+
+
+def test_each_room_imports_only_the_rooms_below_it() -> None:
+    graph = import_graph()
+    wrong = [
+        f"{name} -> {target}"
+        for name in sorted(graph)
+        if (room := _part_of_node(name)) in ROOMS
+        for target in sorted(graph[name])
+        if (part := _part_of_node(target)) is not None and part != room and part not in ROOMS[room]
+    ]
+    assert not wrong, "imports across node/'s rooms that the layout does not allow:\n" + "\n".join(wrong)
+
+
+def test_handoff_and_peers_do_not_import_each_other() -> None:
+    graph = import_graph()
+    handoff, peers = _inside(graph, NODE + ".handoff"), _inside(graph, NODE + ".peers")
+    assert not [name for name in handoff if graph[name] & peers]
+    assert not [name for name in peers if graph[name] & handoff]
+
+
+def test_planning_does_no_io_so_reaches_nothing_of_the_daemon_but_the_write_batchs_size() -> None:
+    graph = import_graph()
+    allowed = {NODE + ".cache.write_queue"}
+    assert not graph[NODE + ".cache.write_queue"]
+    node = _inside(graph, NODE) - allowed
+    chains = [
+        " -> ".join(chain) for name in sorted(_inside(graph, PLANNING)) if (chain := shortest_path(graph, name, node))
+    ]
+    assert not chains, "planning reaches the daemon's code:\n" + "\n".join(chains)
+
+
+def test_only_the_daemon_imports_every_room() -> None:
+    graph = import_graph()
+    rooms_imported = {
+        name: {part for target in graph[name] if (part := _part_of_node(target)) in ROOMS} for name in graph
+    }
+    assert [name for name, rooms in rooms_imported.items() if rooms == set(ROOMS)] == [NODE + ".daemon"]
