@@ -9,7 +9,7 @@ what is used, reserved and free. A full file system is re-checked now and
 then, since space there may come back from outside the cache.
 
 The environment, its map and how the map grows over the cache file (allocated
-ahead, so that LMDB writes through the map) are :mod:`.cache_file`'s. Which
+ahead, so that LMDB writes through the map) are :mod:`.file`'s. Which
 ids each dataset holds is kept in memory too (:mod:`.cached_ids`), by the writer.
 
 Threading: LMDB allows one writer. All writes go through one writer task that
@@ -100,7 +100,7 @@ class Store:
 
     @property
     def writemap(self) -> bool:
-        """Whether LMDB writes through its map (see :mod:`.cache_file`)."""
+        """Whether LMDB writes through its map (see :mod:`.file`)."""
         return self._file.writemap
 
     @property

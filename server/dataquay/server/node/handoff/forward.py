@@ -9,7 +9,7 @@ window is answered. One position moves through the segment for the whole
 reply.
 
 Into a sealed memfd segment, which the daemon has mapped and a store into
-which cannot fault (:mod:`.shm`), a bulk read receives each payload straight
+which cannot fault (:mod:`.segments`), a bulk read receives each payload straight
 at its place (:meth:`ShmForward.place`, from the bulk thread), so that the
 kernel's copy out of the socket is the only copy of the peer's bytes on this
 node; its xxh3 is checked there, and a payload that fails it is never named
