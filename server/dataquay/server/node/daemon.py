@@ -37,6 +37,7 @@ from dataquay.server.errors import StartupError
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.limits import SERVED_BYTES_PER_PEER, ByteBudgets
 from dataquay.server.listen import advertised_host, bind_tcp, claim_socket_path
+from dataquay.server.node.admission import REASONS
 from dataquay.server.node.behind import CacheBehind
 from dataquay.server.node.bulk.client import BulkClient
 from dataquay.server.node.bulk.server import BulkServer
@@ -379,6 +380,7 @@ class Daemon(ServerLifecycle):
             exchange_received=(
                 (self.receiver.received_samples, self.receiver.received_bytes) if self.receiver else (0, 0)
             ),
+            values_refused=refused_values(self.receiver.refused if self.receiver else {}, self.peers.refused_lengths),
             previous_owner_samples=self.reads.previous_owner_samples,
             prefetched_samples=self.reads.prefetcher.served if self.reads.prefetcher else 0,
             prefetch_memory=(self.reads.budget.limit, self.reads.budget.used, self.reads.budget.peak),
@@ -400,6 +402,13 @@ async def serve(config: DaemonConfig) -> None:
     """Runs a daemon until SIGTERM or SIGINT."""
     async with Daemon(config) as daemon:
         await daemon.serve_until_stopped()
+
+
+def refused_values(exchanged: dict[str, int], peer_lengths: int) -> dict[str, int]:
+    """Values the admission rule kept out, by reason: from exchanges and from peer reads."""
+    out = dict.fromkeys(REASONS.values(), 0) | exchanged
+    out["length"] += peer_lengths
+    return out
 
 
 def exchange_state(run: ExchangeRun) -> ExchangeState:

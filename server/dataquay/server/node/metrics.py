@@ -78,6 +78,8 @@ class LiveState:
     #: connections refused, fetches that fell back to gRPC, trainers' batch reads on their segments' connections).
     bulk: tuple[int, int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0, 0)
     cache_behind: BehindCounts = field(default_factory=BehindCounts)
+    #: Values the admission rule kept out of the cache, by reason (node/admission.py).
+    values_refused: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -321,6 +323,15 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "dataquay_exchange_received_bytes", "Payload bytes committed from other nodes' exchanges", value=nbytes
     )
+    refused_values = CounterMetricFamily(
+        "dataquay_values_refused",
+        "Values kept out of this cache: a length other than the manifest's, or sent by a node the plan "
+        "does not say gives them (they stay with their sender; readers get them from the next tier)",
+        labels=["reason"],
+    )
+    for reason, count in state.values_refused.items():
+        refused_values.add_metric([reason], count)
+    yield refused_values
     served, served_bytes, fetched, fetched_bytes, refused, fallbacks, segment_reads = state.bulk
     for name, text, value in (
         ("served_samples", "Samples sent to peers over the bulk data path", served),
