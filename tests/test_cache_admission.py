@@ -74,6 +74,7 @@ def test_values_from_a_node_the_plan_does_not_name_are_refused_and_the_real_exch
         assert forge(nodes, 1, "node-1", dict(list(forged.items())[2:])) == [[], []]
         assert not nodes.holds(1, attacked).any()
         assert refused_counts(nodes.local, 1) == {"length": 0, "origin": 4}
+        assert dict(nodes.stats()[1].values_refused) == {"length": 0, "origin": 4}
         nodes.read(1, attacked)  # the PFS's bytes, checked
 
         nodes.report(0, (0, 1))
@@ -101,6 +102,7 @@ def test_a_value_of_another_length_than_the_manifests_is_refused_from_the_right_
         assert held == [[], [right]]
         assert nodes.holds(1, np.array([longer, shorter, right])).tolist() == [False, False, True]
         assert refused_counts(nodes.local, 1) == {"length": 2, "origin": 0}
+        assert dict(nodes.stats()[1].values_refused) == {"length": 2, "origin": 0}
         nodes.report(0, (0, 1))
         nodes.wait_exchanged(1)
         nodes.report(1, (0, 1))

@@ -194,6 +194,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             exchanges=[exchange_progress(run) for run in d.exchanges.progress()] if d.exchanges else [],
             exchange_received_samples=d.receiver.received_samples if d.receiver else 0,
             exchange_received_bytes=d.receiver.received_bytes if d.receiver else 0,
+            values_refused=state.values_refused,
             previous_owner_samples=d.reads.previous_owner_samples,
             prefetched_samples=d.reads.prefetcher.served if d.reads.prefetcher else 0,
             client_reads=[pb.ClientReads(tier=tier, samples=samples, bytes=nbytes)
