@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import pytest
 
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
@@ -95,18 +96,26 @@ def test_a_value_of_another_length_than_the_manifests_is_refused_from_the_right_
     nodes, epoch_owners = two_nodes(cluster, tmp_path)
     try:
         before, after = epoch_owners
-        longer, shorter, right = (int(i) for i in np.flatnonzero((before == 0) & (after == 1))[:3])
+        longer, shorter, right, in_pieces = (int(i) for i in np.flatnonzero((before == 0) & (after == 1))[:4])
         held = forge(nodes, 1, "node-0", {
             longer: sample_payload(longer) + b"x", shorter: sample_payload(shorter)[:-1], right: sample_payload(right),
         })
         assert held == [[], [right]]
         assert nodes.holds(1, np.array([longer, shorter, right])).tolist() == [False, False, True]
-        assert refused_counts(nodes.local, 1) == {"length": 2, "origin": 0}
-        assert dict(nodes.stats()[1].values_refused) == {"length": 2, "origin": 0}
+        value = encode_value(sample_payload(in_pieces) + b"x")
+        offer = pb.ExchangeOffer(job=JOB, dataset="imgs", epoch=1, sender="node-0", ids=[in_pieces])
+        piece = pb.Sample(id=in_pieces, value=value[:100], offset=0, length=len(value))
+        with pytest.raises(grpc.RpcError) as refused:
+            list(nodes.stubs[1].Exchange(iter([pb.ExchangeMessage(offer=offer), pb.ExchangeMessage(piece=piece)]),
+                                         timeout=30))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"the manifest says {len(sample_payload(in_pieces))} bytes" in refused.value.details()
+        assert refused_counts(nodes.local, 1) == {"length": 3, "origin": 0}
+        assert dict(nodes.stats()[1].values_refused) == {"length": 3, "origin": 0}
         nodes.report(0, (0, 1))
         nodes.wait_exchanged(1)
         nodes.report(1, (0, 1))
-        samples = nodes.read(1, np.array([longer, shorter, right]))
+        samples = nodes.read(1, np.array([longer, shorter, right, in_pieces]))
         assert {s.tier for s in samples} == {pb.TIER_LOCAL}
     finally:
         nodes.close()

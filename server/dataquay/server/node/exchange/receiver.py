@@ -240,8 +240,14 @@ class ExchangeReceiver:
         ids = np.fromiter((w.sample_id for w in writes), dtype=np.int64, count=len(writes))
         lengths = np.fromiter((len(w.value) - CHECKSUM_BYTES for w in writes), dtype=np.int64, count=len(writes))
         reasons = refusals(ids, lengths, entry.manifest.sample_length, origin)
-        if not reasons.any():
-            return writes
+        if reasons.any():
+            self._refused(reasons, ids, entry, stream, logged)
+        return [w for w, reason in zip(writes, reasons.tolist()) if reason == ADMITTED]
+
+    def _refused(
+        self, reasons: np.ndarray, ids: np.ndarray, entry: Registered, stream: dict[str, object], logged: set[int]
+    ) -> None:
+        """Counts the values ``reasons`` refuses; logs each reason once per stream."""
         for code, label in REASONS.items():
             refused = int((reasons == code).sum())
             if not refused:
@@ -253,7 +259,18 @@ class ExchangeReceiver:
                 log.warning("refused values not admitted to this cache; they stay with their sender",
                             extra={"fields": {**stream, "reason": label, "sample": first,
                                               "manifest_length": int(entry.manifest.sample_length[first])}})
-        return [w for w, reason in zip(writes, reasons.tolist()) if reason == ADMITTED]
+
+    def _check_pieces(self, piece: pb.Sample, entry: Registered, stream: dict[str, object], logged: set[int]) -> None:
+        """Refuses a value in pieces whose whole length is not the manifest's
+        before any of it is held: the stream ends, as for any bad piece."""
+        ids = np.array([piece.id], dtype=np.int64)
+        reasons = refusals(ids, np.array([int(piece.length) - CHECKSUM_BYTES]), entry.manifest.sample_length)
+        if reasons.any():
+            self._refused(reasons, ids, entry, stream, logged)
+            raise InvalidRequestError(
+                f"sample {piece.id} comes in pieces of a {int(piece.length) - CHECKSUM_BYTES}-byte payload; "
+                f"the manifest says {int(entry.manifest.sample_length[piece.id])} bytes"
+            )
 
     async def _origin(self, offer: pb.ExchangeOffer, entry: Registered, placement: Placement) -> Origin:
         """Who the plan says may send this offer's ids: its named sender, if
@@ -340,6 +357,7 @@ class ExchangeReceiver:
                         piece = message.piece
                         if piece.id not in offered:
                             raise InvalidRequestError(f"sample {piece.id} was not in the exchange offer")
+                        self._check_pieces(piece, entry, stream, logged)
                         joined = joiner.add(piece.id, piece.offset, piece.length, piece.value,
                                             int(lengths[piece.id]) + CHECKSUM_BYTES)
                         if joined is None:
