@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from test_exchange import JOB, SAMPLES, SIZES, Nodes, sample_payload
 
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
@@ -26,7 +27,6 @@ from dataquay.server.node.admission import ADMITTED, LENGTH, ORIGIN, Origin, ref
 from dataquay.server.node.peers import Peers
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset
-from test_exchange import JOB, SAMPLES, SIZES, Nodes, sample_payload
 
 
 def two_nodes(cluster: Callable[..., LocalCluster], tmp_path: Path) -> tuple[Nodes, np.ndarray]:
@@ -139,7 +139,7 @@ def test_admission_refuses_wrong_lengths_and_senders_the_plan_does_not_name() ->
 class _ForgedPeer(cache_pb2_grpc.CacheServicer):
     """A peer that answers reads with bytes one longer than the manifest's, checksummed."""
 
-    async def Read(  # noqa: N802 (the RPC's name)
+    async def Read(
         self, request: pb.ReadRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.ReadChunk]:
         data = [sample_payload(i) + (b"x" if i % 2 else b"") for i in request.ids]
