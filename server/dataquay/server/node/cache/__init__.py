@@ -1,6 +1,7 @@
 """The LMDB cache and its one writer: the cache directory and its files (:mod:`.dir`, :mod:`.file`),
-the room they may fill (:mod:`.space`), the store that reads them (:mod:`.store`) and the single
-thread that writes them (:mod:`.store_writer`, fed by :mod:`.write_queue`). It may import
-dataquay.client, dataquay.protos, the server's utilities and :mod:`dataquay.server.planning`, and no
-other room of node/: every other room builds on it.
+the room they may fill (:mod:`.space`), the store that reads them (:mod:`.store`), the single thread
+that writes them (:mod:`.store_writer`, fed by :mod:`.write_queue`) and the rule every value passes
+before it is written (:mod:`.admission`). It may import dataquay.client, dataquay.protos, the
+server's utilities and :mod:`dataquay.server.planning`, and no other room of node/: every other room
+builds on it.
 """

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -41,6 +42,7 @@ from dataquay.client.status_codes import code_of_number
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.limits import FETCHED_BYTES_PER_PEER, ByteBudgets
+from dataquay.server.node.cache.admission import ADMITTED, refusals
 from dataquay.server.node.peers.bulk.client import BulkClient, BulkRefusedError, BulkTimeoutError, Landing
 from dataquay.server.node.peers.bulk.frames import BulkError
 
@@ -85,6 +87,8 @@ class Peers:
         self.bulk_bytes = 0
         #: Bulk reads that failed and went over gRPC instead.
         self.bulk_fallbacks = 0
+        #: Whole samples a peer sent in another length than the manifest's (read again elsewhere).
+        self.refused_lengths = 0
         self._bulk_off_until: dict[str, float] = {}
         #: node -> (bulk address the directory lists, the one the peer named since).
         self._said: dict[str, tuple[str, str]] = {}
@@ -188,9 +192,7 @@ class Peers:
                     continue
                 if joiner.pending is not None:
                     joiner.check_done()
-                for sample in chunk.samples:
-                    if sample.missing:
-                        continue
+                for sample in self._admitted(node, chunk.samples, lengths):
                     data = sample.data
                     if checksum(data) != sample.checksum:
                         health.bad_checksums += 1
@@ -207,6 +209,19 @@ class Peers:
             return {}
         self._answered(health, address, len(out), received)
         return out
+
+    def _admitted(self, node: str, samples: Iterable[pb.Sample], lengths: np.ndarray) -> list[pb.Sample]:
+        """The samples a peer holds in the manifest's length (see :mod:`dataquay.server.node.cache.admission`);
+        one of another length or id is read elsewhere, as a corrupt one is."""
+        held = [s for s in samples if not s.missing and s.id < len(lengths)]
+        ids = np.fromiter((s.id for s in held), dtype=np.int64, count=len(held))
+        sizes = np.fromiter((len(s.data) for s in held), dtype=np.int64, count=len(held))
+        reasons = refusals(ids, sizes, lengths)
+        if reasons.any():
+            self.refused_lengths += int((reasons != ADMITTED).sum())
+            log.warning("a peer sent samples in another length than the manifest's; reading them elsewhere",
+                        extra={"fields": {"peer": node, "samples": int((reasons != ADMITTED).sum())}})
+        return [s for s, reason in zip(held, reasons.tolist()) if reason == ADMITTED]
 
     @staticmethod
     def _answered(health: PeerHealth, address: str, samples: int, nbytes: int) -> None:
