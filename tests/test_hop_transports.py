@@ -16,6 +16,7 @@ from dataquay.client.read_stream import ReadStream
 from dataquay.client.records import checksum
 from dataquay.client.shm import Segment
 from dataquay.protos import cache_pb2 as pb
+from dataquay.server.node.peer_transports import bulk_first
 from dataquay.server.tools import synthetic
 from dataquay.server.tools.processes import DaemonProcess
 
@@ -55,6 +56,21 @@ def test_a_sealed_segment_frames_the_batch_it_holds_and_sends_any_other_over_grp
         assert names(pick_transports(connection, segment, 1, SIZE + 1)) == ["shm+grpc"]
     finally:
         segment.close()
+
+
+@pytest.mark.parametrize(
+    ("bulk_address", "bulk_on", "usable", "bulk"),
+    [
+        ("10.0.0.2:7001", True, True, True),
+        ("", True, True, False),  # the peer's bulk path is off
+        ("10.0.0.2:7001", False, True, False),  # this daemon's bulk path is off
+        ("10.0.0.2:7001", True, False, False),  # the listener failed lately
+    ],
+)
+def test_a_peer_read_goes_over_bulk_only_where_both_ends_have_it_and_it_did_not_fail_lately(
+    bulk_address: str, bulk_on: bool, usable: bool, bulk: bool
+) -> None:
+    assert bulk_first(bulk_address, bulk_on, usable) is bulk
 
 
 def sample(i: int, data: bytes | None = None, **shm: int) -> pb.Sample:
