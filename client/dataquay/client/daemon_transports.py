@@ -220,14 +220,17 @@ class DaemonReply:
     def take(self, chunk: pb.ReadChunk) -> None:
         """Takes one message of a streamed Read."""
         out, bad, tiers, sizes = self.out, self.bad, self.tiers, self.sizes
+        used_segment = False
         for sample in self._stream.take(chunk):
+            data = sample.data
             if not sample.intact:
                 bad.append(len(out))
             tier = SERVED_TIERS.get(sample.tier, CACHE)
             tiers[tier] += 1
-            sizes[tier] += len(sample.data)
-            out.append(sample.data)  # type: ignore[arg-type]
-            self.used_segment |= sample.in_segment
+            sizes[tier] += len(data)
+            out.append(data)  # type: ignore[arg-type]
+            used_segment |= sample.in_segment
+        self.used_segment |= used_segment
 
     def take_placed(self, answer: BatchReply) -> None:
         """Takes a whole batch from a reply framed on a sealed segment's
