@@ -25,7 +25,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -175,6 +175,12 @@ def verified(token: str, datagram: bytes) -> bytes | None:
     return payload if hmac.compare_digest(tag, expected) else None
 
 
+def supplied_credential(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes:
+    """What a call carries as its credential (``Bearer <token>``), as bytes; empty for none."""
+    supplied = next((v for k, v in metadata or () if k == METADATA_KEY), "")
+    return supplied.encode() if isinstance(supplied, str) else bytes(supplied)
+
+
 class CredentialCheck(grpc.aio.ServerInterceptor):
     """Names each caller's credential and lets through what it may call.
 
@@ -198,8 +204,7 @@ class CredentialCheck(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method in OPEN_METHODS:
             return handler
-        supplied = next((v for k, v in details.invocation_metadata or () if k == METADATA_KEY), "")
-        raw = supplied.encode() if isinstance(supplied, str) else bytes(supplied)
+        raw = supplied_credential(details.invocation_metadata)
         # Both compared, always: the time taken says nothing about which matched.
         is_node = hmac.compare_digest(raw, self._node) & bool(self._node)
         is_user = hmac.compare_digest(raw, self._user) & bool(self._user)

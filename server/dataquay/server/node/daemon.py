@@ -45,6 +45,7 @@ from dataquay.server.listen import (
     remove_own_socket,
     socket_identity,
 )
+from dataquay.server.node.admission import REASONS
 from dataquay.server.node.behind import CacheBehind
 from dataquay.server.node.bulk.client import BulkClient
 from dataquay.server.node.bulk.server import BulkServer
@@ -423,6 +424,7 @@ class Daemon(ServerLifecycle):
             exchange_received=(
                 (self.receiver.received_samples, self.receiver.received_bytes) if self.receiver else (0, 0)
             ),
+            values_refused=refused_values(self.receiver.refused if self.receiver else {}, self.peers.refused_lengths),
             previous_owner_samples=self.reads.previous_owner_samples,
             prefetched_samples=self.reads.prefetcher.served if self.reads.prefetcher else 0,
             prefetch_memory=(self.reads.budget.limit, self.reads.budget.held, self.reads.budget.peak),
@@ -447,6 +449,13 @@ async def serve(config: DaemonConfig) -> None:
         await daemon.serve_until_stopped()
     if daemon.fatal is not None:
         raise daemon.fatal
+
+
+def refused_values(exchanged: dict[str, int], peer_lengths: int) -> dict[str, int]:
+    """Values the admission rule kept out, by reason: from exchanges and from peer reads."""
+    out = dict.fromkeys(REASONS.values(), 0) | exchanged
+    out["length"] += peer_lengths
+    return out
 
 
 def exchange_state(run: ExchangeRun) -> ExchangeState:

@@ -62,6 +62,8 @@ class LiveState:
     cache_behind: BehindCounts = field(default_factory=BehindCounts)
     #: Coded passes' multicast datagrams (and packets) dropped, by reason.
     mcast_dropped: dict[str, int] = field(default_factory=dict)
+    #: Values the admission rule kept out of the cache, by reason (node/admission.py).
+    values_refused: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -305,6 +307,15 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "dataquay_exchange_received_bytes", "Payload bytes committed from other nodes' exchanges", value=nbytes
     )
+    refused_values = CounterMetricFamily(
+        "dataquay_values_refused",
+        "Values kept out of this cache: a length other than the manifest's, or sent by a node the plan "
+        "does not say gives them (they stay with their sender; readers get them from the next tier)",
+        labels=["reason"],
+    )
+    for reason, count in state.values_refused.items():
+        refused_values.add_metric([reason], count)
+    yield refused_values
     served, served_bytes, fetched, fetched_bytes, refused, fallbacks, segment_reads = state.bulk
     for name, text, value in (
         ("served_samples", "Samples sent to peers over the bulk data path", served),

@@ -40,6 +40,7 @@ from dataquay.client.security import Credentials
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.limits import FETCHED_BYTES_PER_PEER, ByteBudgets
+from dataquay.server.node.admission import ADMITTED, refusals
 from dataquay.server.node.bulk.client import BulkClient, Landing
 from dataquay.server.node.bulk.frames import BulkError
 from dataquay.server.node.peer_transports import (
@@ -91,6 +92,8 @@ class Peers:
         self.bulk_bytes = 0
         #: Bulk reads that failed and went over gRPC instead.
         self.bulk_fallbacks = 0
+        #: Whole samples a peer sent in another length than the manifest's (read again elsewhere).
+        self.refused_lengths = 0
         self._bulk_off_until: dict[str, float] = {}
         #: node -> (bulk address the directory lists, the one the peer named since).
         self._said: dict[str, tuple[str, str]] = {}
@@ -168,11 +171,27 @@ class Peers:
             self._failed(health, address, exc.code, exc.message, started)
             return {}
         health.bad_checksums += read.bad_checksums
-        self._answered(health, address, len(read.samples), read.bytes)
+        samples = self._admitted(health.node, read.samples, lengths)
+        self._answered(health, address, len(samples), read.bytes)
         if transport is self._bulk:
-            self.bulk_samples += len(read.samples)
+            self.bulk_samples += len(samples)
             self.bulk_bytes += read.bytes
-        return read.samples
+        return samples
+
+    def _admitted(
+        self, node: str, samples: dict[int, tuple[bytes | memoryview, int]], lengths: np.ndarray
+    ) -> dict[int, tuple[bytes | memoryview, int]]:
+        """The samples a peer sent in the manifest's length (see :mod:`.admission`);
+        one of another length is read elsewhere, as a corrupt one is."""
+        ids = np.fromiter(samples, dtype=np.int64, count=len(samples))
+        sizes = np.fromiter((len(data) for data, _ in samples.values()), dtype=np.int64, count=len(samples))
+        refused = refusals(ids, sizes, lengths) != ADMITTED
+        if not refused.any():
+            return samples
+        self.refused_lengths += int(refused.sum())
+        log.warning("a peer sent samples in another length than the manifest's; reading them elsewhere",
+                    extra={"fields": {"peer": node, "samples": int(refused.sum())}})
+        return {i: samples[i] for i in ids[~refused].tolist()}
 
     @staticmethod
     def _answered(health: PeerHealth, address: str, samples: int, nbytes: int) -> None:

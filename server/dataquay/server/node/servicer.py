@@ -205,6 +205,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             mcast_datagrams_dropped=state.mcast_dropped,
             exchange_received_samples=d.receiver.received_samples if d.receiver else 0,
             exchange_received_bytes=d.receiver.received_bytes if d.receiver else 0,
+            values_refused=state.values_refused,
             previous_owner_samples=d.reads.previous_owner_samples,
             prefetched_samples=d.reads.prefetcher.served if d.reads.prefetcher else 0,
             client_reads=[pb.ClientReads(tier=tier, samples=samples, bytes=nbytes)

@@ -204,7 +204,7 @@ async def _run(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeRece
 
     async def committed(writes: list[PendingWrite]) -> None:
         try:
-            stored = await receiver.commit_decoded(db, writes)
+            stored = await receiver.commit_decoded(entry, writes)
             progress.samples_decoded += len(stored)
         finally:
             in_flight.release()

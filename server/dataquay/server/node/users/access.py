@@ -42,8 +42,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from dataquay.client.caller_ticket import METADATA_KEY
-from dataquay.client.security import METADATA_KEY as AUTH_METADATA_KEY
-from dataquay.server.auth import OPEN_METHODS
+from dataquay.server.auth import OPEN_METHODS, supplied_credential
 from dataquay.server.errors import UnknownCallerError, UserNotAllowedError
 from dataquay.server.interceptors import Behavior, reshaped
 from dataquay.server.node.users.callers import PEER_DAEMON, REMOTE, Caller, Tickets
@@ -156,9 +155,7 @@ class UserAccess:
     def _holds_node_token(self, context: grpc.aio.ServicerContext) -> bool:
         if not self._node_bearer:
             return False
-        supplied = next((v for k, v in context.invocation_metadata() or () if k == AUTH_METADATA_KEY), "")
-        raw = supplied.encode() if isinstance(supplied, str) else bytes(supplied)
-        return hmac.compare_digest(raw, self._node_bearer)
+        return hmac.compare_digest(supplied_credential(context.invocation_metadata()), self._node_bearer)
 
     def trusted(self, caller: Caller) -> bool:
         """Whether ``caller`` is in the daemon's trust domain: every caller unless users are kept apart."""
