@@ -3,7 +3,7 @@
 An offer is accepted only for ids this node owns in the offer's epoch, as its
 own placement computes it, so a sender with a wrong view of the job cannot
 fill this cache with samples nobody will ask it for. Payloads are checked
-against their checksums and the admission rule (:mod:`..cache.admission`: the
+against their checksums and the admission rule (:mod:`dataquay.server.node.cache.admission`: the
 manifest's length, from the node the plan says gives them; a value refused is
 never acknowledged, so its sender keeps it and a reader gets it from the next
 tier), committed in the store's large transactions, and acknowledged only
@@ -99,7 +99,7 @@ class ExchangeReceiver:
         self.received_samples = 0
         self.received_bytes = 0
         self.bad_checksums = 0
-        #: Values refused by the admission rule, by reason (see :mod:`..cache.admission`).
+        #: Values refused by the admission rule, by reason (see :mod:`dataquay.server.node.cache.admission`).
         self.refused = dict.fromkeys(REASONS.values(), 0)
         #: Highest epoch offered to this node, per job: the sender drops
         #: nothing this node owns up to it (see Exchanges._drop_given_away).
