@@ -13,7 +13,7 @@ sequence (a fresh permutation per epoch, read in batches), both starting cold,
 so epoch 0 is all compulsory misses on either side:
 
 - insert once: a real daemon with ``--cache-size``, read through the client;
-  hits are the client's ``local`` and ``daemon-local`` reads, misses its
+  hits are the client's ``local`` and ``cache`` reads, misses its
   ``pfs`` reads. LMDB stores a value in whole pages, so the samples the cache
   actually holds (its effective capacity) are counted, not assumed.
 - LRU: :class:`~dataquay.server.tools.lru_baseline.LruCache`, LMDB plus an LRU
@@ -143,7 +143,7 @@ def run_insert_once(root: Path, home: Path, setup: Setup, orders: list[np.ndarra
                 before = after
                 if delta["peer"] or delta["fallback"]:
                     raise RuntimeError(f"epoch {epoch} read from tiers a lone daemon should not use: {delta}")
-                hits.append(delta["local"] + delta["daemon-local"])
+                hits.append(delta["local"] + delta["cache"])
                 stats = wait_for_writer(daemon_stub)
                 cached.append(stats.cache_entries)
                 progress(f"insert once, epoch {epoch}: {hits[-1]} hits, {stats.cache_entries} cached")
@@ -241,7 +241,7 @@ def markdown(
         f"({setup.dataset_bytes / MiB:.0f} MiB), a cache of {setup.cache_bytes / MiB:.0f} MiB, "
         f"{len(rows)} epochs, each a fresh random permutation read in batches of {BATCH}; both caches start "
         "cold and see the same sequence. **Insert once**: a real daemon (`--cache-size "
-        f"{setup.cache_bytes // MiB}M`) read through the client; hits are its `local` + `daemon-local` reads. "
+        f"{setup.cache_bytes // MiB}M`) read through the client; hits are its `local` + `cache` reads. "
         "**LRU**: LMDB plus an LRU index (`LruCache` of `dataquay.server.tools.lru_baseline`) capped at the same "
         "bytes of payload, misses read from the files."
     )

@@ -188,7 +188,7 @@ def hidden_epochs(base: Path) -> list[dict[str, object]]:
                     "wall_s": max(r.wall_seconds for r in results),
                     "exchange_s": max(r.elapsed_seconds for r in done),
                     "hidden": hidden,
-                    "local_pct": 100 * (counts.get("local", 0) + counts.get("daemon-local", 0)) / total,
+                    "local_pct": 100 * (counts.get("local", 0) + counts.get("cache", 0)) / total,
                     "peer": counts.get("peer", 0),
                     "pfs": counts.get("pfs", 0) + counts.get("fallback", 0),
                     "placement_MB": expected_bytes / 1e6,

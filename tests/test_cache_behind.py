@@ -69,7 +69,7 @@ def test_a_miss_read_by_the_client_is_cached_behind_it_from_the_page_cache(
     ids = [39, 0, 7, 7, 12, 3, 38, 21]
     got, tiers = tiers_read(client, lambda: ds.get_batch(ids))
     assert got == files_bytes(3, ids, SIZES)
-    assert tiers["pfs"] == len(ids) and tiers["daemon-local"] == 0 and tiers["fallback"] == 0
+    assert tiers["pfs"] == len(ids) and tiers["cache"] == 0 and tiers["fallback"] == 0
 
     distinct = sorted(set(ids))
     wait_until(lambda: cached_samples(daemon, "imgs") == len(distinct), "the daemon cached what the client read")
@@ -271,7 +271,7 @@ def test_a_batch_of_misses_only_gets_its_bytes_in_order_and_is_cached_behind(
     ids = [20, 2, 5, 2, 13, 0, 22, 11, 12]
     got, tiers = tiers_read(client, lambda: ds.get_batch(ids))
     assert got == npy_records(root, ids, 12)
-    assert tiers["pfs"] == len(ids) and tiers["local"] == 0 and tiers["daemon-local"] == 0
+    assert tiers["pfs"] == len(ids) and tiers["local"] == 0 and tiers["cache"] == 0
 
     distinct = sorted(set(ids))
     client.remote.notices.flush()

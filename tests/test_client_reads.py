@@ -136,12 +136,14 @@ def test_a_client_whose_segment_the_daemon_refuses_warns_and_reads_through_dev_s
     refuser.listen(4)
 
     def refuse() -> None:
-        conn, _ = refuser.accept()
-        with conn:
-            _, fds, _, _ = socket.recv_fds(conn, 1024, 1)
-            for fd in fds:
-                os.close(fd)
-            conn.send(b'{"error": "this kernel seals nothing"}')
+        fds: list[int] = []
+        while not fds:  # a caller ticket's request carries none: refused as well
+            conn, _ = refuser.accept()
+            with conn:
+                _, fds, _, _ = socket.recv_fds(conn, 1024, 1)
+                for fd in fds:
+                    os.close(fd)
+                conn.send(b'{"error": "this kernel seals nothing"}')
 
     answering = threading.Thread(target=refuse)
     answering.start()

@@ -8,7 +8,7 @@ import re
 import urllib.request
 from pathlib import Path
 
-from dataquay.client.stats import TIERS as CLIENT_TIERS
+from dataquay.client.tiers import CLIENT_TIERS
 from dataquay.server.node.metrics import TIERS as DAEMON_TIERS
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 
@@ -82,7 +82,7 @@ def exported_names(page: str) -> set[str]:
 
 def test_metric_names_parse_out_of_promql() -> None:
     expr = (
-        'sum by (tier) (rate(dataquay_client_reads_total{tier=~"local|daemon-local",dataquay_node=~"$node"}'
+        'sum by (tier) (rate(dataquay_client_reads_total{tier=~"local|cache",dataquay_node=~"$node"}'
         '[$__rate_interval])) / ignoring(tier) group_left() clamp_min(sum(up{job="x"}), 1) '
         "+ histogram_quantile(0.9, sum by (le, method) (rate(a_b_bucket[5m])))"
     )

@@ -255,7 +255,7 @@ def test_offers_the_receiver_does_not_own_are_refused_and_it_keeps_serving(
             list(nodes.stubs[0].Exchange(iter([pb.ExchangeMessage()]), timeout=10))
         assert no_offer.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
-        mine = np.flatnonzero((epoch_owners[1] == 0) & (epoch_owners[0] != 0))[:3]
+        mine = np.flatnonzero((epoch_owners[1] == 0) & (epoch_owners[0] == 1))[:3]
         offer = pb.ExchangeOffer(job=JOB, dataset="imgs", epoch=1, sender="node-1", ids=mine.tolist())
         bad = pb.Sample(id=int(mine[0]), value=encode_value(b"not the bytes", checksum(b"other bytes")))
         good = pb.Sample(id=int(mine[1]), value=encode_value(sample_payload(int(mine[1]))))

@@ -48,7 +48,7 @@ def test_a_sample_larger_than_a_message_reads_right_from_the_daemon_cached_or_no
     got, tiers = tiers_read(client, lambda: client.dataset("big").get_batch(ids))
     assert got == truth(ids)
     # A repeat in a later window may find the sample cached by then.
-    assert tiers["pfs"] + tiers["daemon-local"] == len(ids) and tiers["pfs"] >= 4
+    assert tiers["pfs"] + tiers["cache"] == len(ids) and tiers["pfs"] >= 4
 
     stage(daemon, "big")
     with cache_stub(daemon) as stub:

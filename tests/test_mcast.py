@@ -16,9 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import xxhash
 
+from dataquay.server.node.exchange import mcast_seal
 from dataquay.server.node.exchange import mcast_wire as wire
-from dataquay.server.node.exchange.mcast import payload_bytes
+from dataquay.server.node.exchange.mcast import Channel, MulticastEndpoint, payload_bytes
 
 PORT = 47016
 
@@ -66,9 +68,52 @@ def test_datagrams_round_trip_and_malformed_ones_are_refused() -> None:
 
 
 def test_a_datagram_fills_the_mtu_less_the_headers_and_never_passes_udps_limit() -> None:
-    assert payload_bytes(9000, "") == 9000 - 28 - wire.DATA_HEADER_BYTES
-    assert payload_bytes(1500, "t0k3n") == 1500 - 28 - wire.DATA_HEADER_BYTES - 32
-    assert payload_bytes(65536, "") == 65535 - 28 - wire.DATA_HEADER_BYTES
+    sealed = 2 + 1 + 8 + 12 + 16  # magic, version, pass id, nonce; GCM's tag
+    assert payload_bytes(9000) == 9000 - 28 - wire.DATA_HEADER_BYTES - sealed
+    assert payload_bytes(1500) == 1500 - 28 - wire.DATA_HEADER_BYTES - sealed
+    assert payload_bytes(65536) == 65535 - 28 - wire.DATA_HEADER_BYTES - sealed
+
+
+def test_a_datagram_opens_only_in_its_own_pass_under_the_token_it_was_sealed_with() -> None:
+    message = wire.encode_tail(wire.Tail(3, 11, 2, 44))
+    sealed = mcast_seal.PassSeal("t0k3n", 1 << 60).seal(message)
+    assert message not in sealed and len(sealed) == len(message) + mcast_seal.OVERHEAD_BYTES
+    assert mcast_seal.PassSeal("t0k3n", 1 << 60).open(sealed) == message
+    assert sealed != mcast_seal.PassSeal("t0k3n", 1 << 60).seal(message)  # a fresh nonce each time
+    tampered = sealed[:-1] + bytes([sealed[-1] ^ 1])
+    for seal, datagram, reason in (
+        (mcast_seal.PassSeal("t0k3n", (1 << 60) + 1), sealed, "unknown_pass"),
+        (mcast_seal.PassSeal("other", 1 << 60), sealed, "unauthenticated"),
+        (mcast_seal.PassSeal("t0k3n", 1 << 60), tampered, "unauthenticated"),
+        (mcast_seal.PassSeal("t0k3n", 1 << 60), sealed[:20], "malformed"),
+        (mcast_seal.PassSeal("t0k3n", 1 << 60), b"XX" + sealed[2:], "malformed"),
+    ):
+        with pytest.raises(mcast_seal.SealError) as refused:
+            seal.open(datagram)
+        assert refused.value.reason == reason
+
+
+def test_an_endpoint_counts_what_it_drops_and_ignores_its_processes_other_passes() -> None:
+    dropped: list[str] = []
+    endpoint = MulticastEndpoint(0, Channel("239.255.0.1", PORT), "t0k3n", pass_id=5, others={5, 6},
+                                 on_drop=dropped.append)
+    endpoint.expect(1, 0)
+    here, other, earlier = (mcast_seal.PassSeal("t0k3n", p) for p in (5, 6, 4))
+
+    def fragment(session: int, seq: int) -> bytes:
+        return wire.encode_data(wire.Fragment(1, session, 0, seq, 7, 0, 1, 3, xxhash.xxh3_64_intdigest(b"abc"),
+                                              b"abc"))
+
+    sender, replayer = ("127.0.0.1", 9), ("127.0.0.1", 666)
+    endpoint._on_datagram(here.seal(fragment(100, 0)), sender)
+    endpoint._on_datagram(here.seal(fragment(100, 0)), replayer)
+    for datagram in (other.seal(fragment(100, 1)), earlier.seal(fragment(100, 1)), here.seal(fragment(200, 0)),
+                     here.seal(fragment(100, 1)), b"garbage"):
+        endpoint._on_datagram(datagram, sender)
+    assert dropped == ["duplicate", "unknown_pass", "stale_session", "malformed"]
+    assert endpoint._senders[1] == sender  # a replay does not draw the acknowledgements
+    assert endpoint.stats.dropped == {"duplicate": 1, "unknown_pass": 1, "stale_session": 1, "malformed": 1}
+    assert endpoint.ready.qsize() == 2  # session 100's packet, then the restarted session 200's
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:
@@ -122,7 +167,7 @@ def test_a_coded_exchange_over_multicast_puts_the_planned_bytes_on_the_wire(name
     _assert_every_sample_committed(results)
     stats = [result["stats"] for result in results]
     assert sum(s["packet_bytes_sent"] for s in stats) == results[0]["planned_bytes"]  # type: ignore[index]
-    assert sum(s["datagrams_refused"] for s in stats) == 0  # type: ignore[index]
+    assert [s["dropped"] for s in stats] == [{}] * 4  # type: ignore[index]
 
 
 def test_five_percent_loss_still_delivers_every_sample_byte_exact(namespace: str, tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""The daemon's /metrics server holds up against clients that connect and say
-nothing: idle connections are closed and their number is bounded."""
+"""The HTTP server of the daemon's /metrics and the directory's endpoints holds
+up against clients that connect and say nothing (idle connections are closed,
+their number is bounded) and against oversized request heads (431, read out)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import urllib.request
 
 import pytest
 
-from dataquay.server.node.metrics import MAX_CONNECTIONS
-from dataquay.server.tools.processes import DaemonProcess
+from dataquay.server.http_server import MAX_CONNECTIONS, MAX_HEAD_BYTES
+from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 
 
 def metrics_connections(daemon: DaemonProcess, count: int) -> list[socket.socket]:
@@ -31,8 +32,8 @@ def test_idle_metrics_connections_are_closed_and_scrapes_go_on_meanwhile(daemon:
             connection.close()
 
 
-def test_metrics_connections_beyond_the_limit_are_closed_at_once(daemon: DaemonProcess) -> None:
-    idle = metrics_connections(daemon, MAX_CONNECTIONS + 1)
+def assert_the_one_beyond_the_limit_closed(idle: list[socket.socket]) -> None:
+    """The last of ``idle`` (one past the limit) closed at once, the first still open."""
     try:
         assert idle[-1].recv(1) == b""
         idle[0].setblocking(False)
@@ -41,3 +42,27 @@ def test_metrics_connections_beyond_the_limit_are_closed_at_once(daemon: DaemonP
     finally:
         for connection in idle:
             connection.close()
+
+
+def test_metrics_connections_beyond_the_limit_are_closed_at_once(daemon: DaemonProcess) -> None:
+    assert_the_one_beyond_the_limit_closed(metrics_connections(daemon, MAX_CONNECTIONS + 1))
+
+
+def test_daemon_answers_a_metrics_head_over_the_limit_with_431_and_serves_on(daemon: DaemonProcess) -> None:
+    assert daemon.ready is not None
+    port = int(daemon.ready["metrics_port"])
+    # Under the 64 KiB line limit of http.server, over the 16 KiB head limit.
+    head = b"GET /metrics HTTP/1.1\r\nX-Filler: " + b"y" * (MAX_HEAD_BYTES + 4096) + b"\r\n\r\n"
+    with socket.create_connection((daemon.host, port), timeout=10) as connection:
+        connection.sendall(head)
+        answer = connection.recv(1024)
+    assert answer.split()[1] == b"431"
+    with urllib.request.urlopen(daemon.metrics_url, timeout=10) as response:
+        assert response.status == 200
+
+
+def test_directory_http_connections_beyond_the_limit_are_closed_at_once(directory: DirectoryProcess) -> None:
+    port = int(directory.http_url.rpartition(":")[2])
+    assert_the_one_beyond_the_limit_closed(
+        [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(MAX_CONNECTIONS + 1)]
+    )

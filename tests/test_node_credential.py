@@ -222,7 +222,8 @@ def test_the_cluster_token_still_reads_and_the_daemons_stay_up(secured: LocalClu
 
 def test_the_node_methods_are_the_cache_writers_and_membership() -> None:
     assert set(NODE_METHODS) == {
-        "/dataquay.v1.Cache/Exchange", "/dataquay.v1.Directory/RegisterNode", "/dataquay.v1.Directory/Heartbeat",
+        "/dataquay.v1.Cache/Exchange", "/dataquay.v1.Cache/CodedPass",
+        "/dataquay.v1.Directory/RegisterNode", "/dataquay.v1.Directory/Heartbeat",
     }
 
 

@@ -22,8 +22,8 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.cli import main as cli_main
+from dataquay.server.limits import ByteBudget
 from dataquay.server.node.overflow import epoch_reads
-from dataquay.server.node.prefetch_budget import PrefetchBudget
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 
@@ -320,13 +320,13 @@ def test_epoch_reads_are_in_the_ranks_order_and_only_the_nodes_own() -> None:
 
 def test_the_budget_reserves_within_a_share_and_wakes_its_waiters() -> None:
     async def run() -> None:
-        budget = PrefetchBudget(100)
-        assert budget.take(60, share=0.75) and not budget.take(20, share=0.75) and budget.take(40)
-        assert (budget.used, budget.peak, budget.room()) == (100, 100, 0)
+        budget = ByteBudget(100)
+        assert budget.reserve(60, share=0.75) and not budget.reserve(20, share=0.75) and budget.reserve(40)
+        assert (budget.held, budget.peak, budget.room()) == (100, 100, 0)
         waiting = asyncio.ensure_future(budget.changed(timeout=30))
         await asyncio.sleep(0)
-        budget.give_back(60)
+        budget.give(60)
         await waiting
-        assert (budget.used, budget.peak, budget.room(0.75)) == (40, 100, 35)
+        assert (budget.held, budget.peak, budget.room(0.75)) == (40, 100, 35)
 
     asyncio.run(run())

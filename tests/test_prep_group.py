@@ -168,7 +168,7 @@ def test_settings_no_group_can_have_are_refused_by_name() -> None:
         check(other_daemons, 7)
     other = spec()
     other.batch_size = 8
-    assert mismatch(spec(), other) == "prep group 'g' has batch_size 4, this member 8"
+    assert mismatch(spec(), other) == "prep group 'g' has another batch_size than this member; its members must agree"
 
 
 @settings(max_examples=200)

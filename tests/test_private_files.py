@@ -25,13 +25,17 @@ def umask_022() -> Iterator[None]:
     os.umask(old)
 
 
+#: Files for the daemon's user alone: the node's identity key.
+DAEMON_ONLY = frozenset({"node.key"})
+
+
 def open_to_others(*roots: Path) -> dict[str, str]:
-    """Every directory not 0750 and file not 0640 under ``roots``, with its mode."""
+    """Every directory not 0750 and file not 0640 (0600 for :data:`DAEMON_ONLY`) under ``roots``, with its mode."""
     found: dict[str, str] = {}
     for root in roots:
         for path in [root, *root.rglob("*")]:
             mode = stat.S_IMODE(path.lstat().st_mode)
-            if mode != (0o750 if path.is_dir() else 0o640):
+            if mode != (0o750 if path.is_dir() else 0o600 if path.name in DAEMON_ONLY else 0o640):
                 found[str(path)] = f"{mode:04o}"
     return found
 

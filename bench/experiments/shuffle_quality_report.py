@@ -78,7 +78,7 @@ def table(rows: Sequence[dict[str, object]]) -> list[str]:
             f"{row['local_sgd_acc_mean']:.4f} ± {row['local_sgd_acc_std']:.4f}",
             f"{row['classes_per_node_epoch0']:.1f} -> {row['classes_per_node_last']:.1f}",
             f"{row['node_kl_epoch0']:.3f} -> {row['node_kl_last']:.3f}",
-            " / ".join((pct(row, "local", "daemon-local"), pct(row, "peer"), pct(row, "pfs", "fallback"))),
+            " / ".join((pct(row, "local", "cache"), pct(row, "peer"), pct(row, "pfs", "fallback"))),
             f"{row['run_seconds_mean']:.1f}",
         )
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")

@@ -102,10 +102,30 @@ http_get() {
     printf '%s\n' "${reply#*$'\r\n\r\n'}"
 }
 
+# The target groups of the directory's /sd answer ($1) that name a node of the
+# allocation, as a JSON list in the allocation's order. Anyone who holds the
+# cluster token may register a node at the job's directory; root must not
+# publish such a node's address for Prometheus to scrape. A group counts only
+# in the form the directory writes it (Python's json.dumps escapes every quote
+# inside a name or an address, so no registered string can forge one).
+allocation_targets() {
+    local sd=$1 node name pattern group groups=()
+    for node in "${DQ_NODES[@]}"; do
+        [[ "$node" =~ ^[A-Za-z0-9._-]+$ ]] || continue
+        name=${node//./\\.}
+        pattern='\{"targets": \["[][A-Za-z0-9.:_-]+"\], "labels": \{"dataquay_node": "'"$name"'", '
+        pattern+='"dataquay_state": "(up|down)"\}\}'
+        group=$(grep -oE -- "$pattern" <<<"$sd" | head -n 1 || true)
+        [[ -z "$group" ]] || groups+=("$group")
+    done
+    local IFS=,
+    printf '[%s]\n' "${groups[*]}"
+}
+
 # Prometheus' file_sd target files for this job in DATAQUAY_PROMETHEUS_SD_DIR:
-# slurm-<id>.daemons.json, the directory's /sd once every node is up (each
-# daemon's metrics endpoint with dataquay_node and dataquay_state), and
-# slurm-<id>.directory.json, the directory's own. Each target carries
+# slurm-<id>.daemons.json, the directory's /sd of the allocation's nodes once
+# every one is up (each daemon's metrics endpoint with dataquay_node and
+# dataquay_state), and slurm-<id>.directory.json, the directory's own. Each target carries
 # slurm_job=<id>. The epilog removes both, so a finished job's targets go
 # with it; a daemon that dies during the job stays a target with up 0.
 write_prometheus_targets() {
@@ -118,6 +138,7 @@ write_prometheus_targets() {
     wait_for_nodes "$directory" || return 1
     http_port=$(dq_json_field "$DQ_DIRECTORY_READY" http_port)
     sd=$(http_get "$http_port" /sd) || { dq_log "error: no /sd answer from the directory"; return 1; }
+    sd=$(allocation_targets "$sd")
     sd=${sd//\"labels\": \{/\"labels\": \{\"slurm_job\": \"$SLURM_JOB_ID\", }
     dq_publish "$sd_dir/slurm-$SLURM_JOB_ID.daemons.json" "$sd"
     dq_publish "$sd_dir/slurm-$SLURM_JOB_ID.directory.json" \

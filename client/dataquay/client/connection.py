@@ -22,9 +22,10 @@ from typing import TypeVar
 import grpc
 import grpc.experimental
 
+from dataquay.client.caller_ticket import CallerTicket, ticket_for
 from dataquay.client.channels import channel_options
 from dataquay.client.errors import DaemonUnavailableError, DataquayError
-from dataquay.client.security import Credentials
+from dataquay.client.security import Credentials, with_metadata
 from dataquay.client.status_codes import UNREACHABLE, error_from_rpc
 from dataquay.protos import cache_pb2_grpc
 
@@ -88,6 +89,7 @@ class DaemonConnection:
     def _reset_process_state(self) -> None:
         self._pid: int | None = None
         self._channel: grpc.Channel | None = None
+        self._ticket: CallerTicket | None = None
         self._stub: cache_pb2_grpc.CacheStub | None = None
         self._lock = threading.Lock()
         self._gate = _CallGate()
@@ -126,7 +128,9 @@ class DaemonConnection:
             self._closed = True
             if self._channel is not None and self._pid == os.getpid():
                 self._channel.close()
-            self._channel = self._stub = None
+            if self._ticket is not None:
+                self._ticket.close()  # a child's copy of its parent's connection: the parent's stays open
+            self._channel = self._stub = self._ticket = None
 
     def _channel_stub(self) -> cache_pb2_grpc.CacheStub:
         pid = os.getpid()
@@ -147,7 +151,11 @@ class DaemonConnection:
                     # peer hit of 110 KiB samples (BENCHMARKS.md).
                     (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
                 ]
-                self._channel = self.credentials.channel(self.address, options)
+                if self._ticket is not None:
+                    self._ticket.close()  # the parent's, inherited: the child asks for its own
+                self._ticket = ticket_for(self.address, self.credentials.token)
+                channel = self.credentials.channel(self.address, options)
+                self._channel = with_metadata(channel, self._ticket.metadata if self._ticket else ())
                 self._stub = cache_pb2_grpc.CacheStub(self._channel)
                 self._pid = pid
             assert self._stub is not None
@@ -181,6 +189,6 @@ class DaemonConnection:
         not exist in this process. The inherited channel is set aside on
         first use (pid check), which also covers forks that ran no hooks.
         """
-        channel, pid = self._channel, self._pid
+        channel, pid, ticket = self._channel, self._pid, self._ticket
         self._reset_process_state()
-        self._channel, self._pid = channel, pid
+        self._channel, self._pid, self._ticket = channel, pid, ticket

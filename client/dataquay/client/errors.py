@@ -91,6 +91,11 @@ class RootNotAllowedError(DataquayError, PermissionError):
     a token holder, decides which directories the server reads for callers."""
 
 
+class UserNotAllowedError(DataquayError, PermissionError):
+    """A call the calling user may not make on a daemon that keeps its users
+    apart (--users apart): the message names the rule, never another user's data."""
+
+
 class DatasetReplacedError(DataquayError):
     """A read for a version of a dataset that was replaced since it was opened."""
 

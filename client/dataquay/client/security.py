@@ -18,6 +18,7 @@ token there (see :func:`check_daemon_socket`).
 
 from __future__ import annotations
 
+import grp
 import os
 import pwd
 import stat
@@ -99,12 +100,16 @@ def socket_trust_problem(
 
 
 def check_daemon_socket(path: str, env: Mapping[str, str] = os.environ) -> None:
-    """Refuses a daemon socket that another user could have put there.
+    """Refuses a daemon socket that another user could have put there, or
+    that this user may not reach.
 
     A missing socket directory passes: there is nothing to connect to yet.
+    A socket this user may not reach fails here, at once: gRPC would retry
+    its connect until the call's deadline and report only that.
 
     Raises:
-        CredentialsError: naming the socket, its owner and how to trust it.
+        CredentialsError: naming the socket, its owner and how to trust it,
+            or that permission to reach it is denied.
     """
     try:
         directory = os.stat(os.path.dirname(path) or ".")
@@ -112,11 +117,30 @@ def check_daemon_socket(path: str, env: Mapping[str, str] = os.environ) -> None:
         return
     try:
         sock: os.stat_result | None = os.stat(path)
+    except PermissionError:
+        raise _unreachable(path, f"its directory {os.path.dirname(path) or '.'} may not be entered") from None
     except OSError:
         sock = None
     problem = socket_trust_problem(path, sock, directory, trusted_socket_owners(env))
     if problem is not None:
         raise CredentialsError(f"refusing the daemon socket {path}: {problem}")
+    # Connecting to a unix socket takes write permission on it.
+    if sock is not None and not os.access(path, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+        raise _unreachable(path, f"mode {stat.S_IMODE(sock.st_mode):04o}, group {_group_name(sock.st_gid)}")
+
+
+def _unreachable(path: str, why: str) -> CredentialsError:
+    return CredentialsError(
+        f"cannot reach the daemon socket {path}: permission denied ({why}); "
+        "the daemon's --socket-group must be one of your groups"
+    )
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
 
 
 def _foreign(uid: int) -> str:
@@ -211,6 +235,11 @@ class Credentials:
         if tls is not None:
             return grpc.aio.secure_channel(target, tls, options=options, interceptors=interceptors)
         return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+
+
+def with_metadata(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> grpc.Channel:
+    """``channel`` adding ``metadata`` to every call (a caller ticket, beside the token)."""
+    return grpc.intercept_channel(channel, _TokenInterceptor(metadata)) if metadata else channel
 
 
 def _check_unix_target(target: str) -> None:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dataquay.client.tiers import CLIENT_TIERS, LOCAL
 from dataquay.protos import cache_pb2 as pb
 
 #: Epochs :meth:`Client.stats` remembers.
@@ -28,17 +29,13 @@ EPOCHS_KEPT = 100
 STATS_REPORT_SECONDS = 10.0
 #: How often, at most, a rank's moving read position is reported.
 POSITION_REPORT_SECONDS = 0.25
-#: Where samples came from, as :meth:`Client.stats` counts them.
-TIERS = ("local", "daemon-local", "peer", "pfs", "fallback")
 
 
 @dataclass(frozen=True)
 class ClientStats:
     """What this process has read through its client, by tier.
 
-    Tiers: ``local`` (own LMDB, no RPC), ``daemon-local`` (the daemon's cache),
-    ``peer`` (another daemon), ``pfs`` (the daemon read the PFS), ``fallback``
-    (this process read the PFS because the daemon was unreachable).
+    Tiers: those of :data:`dataquay.client.tiers.CLIENT_TIERS`.
     """
 
     samples: dict[str, int]
@@ -113,8 +110,8 @@ class ReadStats:
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
-        self._samples = dict.fromkeys(TIERS, 0)
-        self._bytes = dict.fromkeys(TIERS, 0)
+        self._samples = dict.fromkeys(CLIENT_TIERS, 0)
+        self._bytes = dict.fromkeys(CLIENT_TIERS, 0)
         self._wait = 0.0
         self._epochs: collections.deque[EpochWait] = collections.deque(maxlen=EPOCHS_KEPT)
         self._positions: dict[tuple[str, int], tuple[int, int]] = {}  # (job, rank) -> (epoch, position)
@@ -138,7 +135,7 @@ class ReadStats:
         """Counts a call's local hits and the time since ``started`` as data
         wait, unless a prefetch thread made the call (its reader's wait counts)."""
         prefetching = getattr(self._thread, "prefetching", False)
-        self.add("local", local_hits, local_bytes, 0.0 if prefetching else time.perf_counter() - started)
+        self.add(LOCAL, local_hits, local_bytes, 0.0 if prefetching else time.perf_counter() - started)
 
     def prefetching(self) -> None:
         """Marks the calling thread as a prefetcher, whose calls are no data wait."""
@@ -146,7 +143,7 @@ class ReadStats:
 
     def waited(self, seconds: float) -> None:
         """Counts time a reader of prefetched batches waited for one."""
-        self.add("local", 0, 0, seconds)
+        self.add(LOCAL, 0, 0, seconds)
 
     def epoch_read(self, record: EpochWait) -> None:
         """Remembers one pass of ``Dataset.batches`` (the last EPOCHS_KEPT)."""
@@ -195,7 +192,7 @@ class ReadStats:
             ]
         return pb.ClientStatsReport(
             client=self._client_id,
-            reads=[pb.ClientReads(tier=t, samples=samples[t], bytes=nbytes[t]) for t in TIERS],
+            reads=[pb.ClientReads(tier=t, samples=samples[t], bytes=nbytes[t]) for t in CLIENT_TIERS],
             data_wait_seconds=wait,
             positions=positions,
         )

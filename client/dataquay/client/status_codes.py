@@ -40,6 +40,7 @@ from dataquay.client.errors import (
     StandaloneError,
     UnknownDatasetError,
     UnknownJobError,
+    UserNotAllowedError,
 )
 
 #: Each error a call can end with and its status code. An error takes the
@@ -57,6 +58,7 @@ ERROR_CODES: tuple[tuple[type[DataquayError], grpc.StatusCode], ...] = (
     (NodeNameTakenError, grpc.StatusCode.ALREADY_EXISTS),
     (DatasetExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (RootNotAllowedError, grpc.StatusCode.PERMISSION_DENIED),
+    (UserNotAllowedError, grpc.StatusCode.PERMISSION_DENIED),
     (PfsReadError, grpc.StatusCode.DATA_LOSS),
     (DirectoryUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (CacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -123,6 +125,16 @@ def error_from_status(
 
 #: Each status code by the number it has on the wire.
 CODES_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def code_number(code: grpc.StatusCode) -> int:
+    """The number ``code`` has on the wire, for replies framed outside gRPC (the bulk and segment sockets)."""
+    return int(code.value[0])
+
+
+def code_of_number(number: int) -> grpc.StatusCode:
+    """The status code a number off the wire stands for; UNKNOWN for one gRPC has no code for."""
+    return CODES_BY_VALUE.get(number, grpc.StatusCode.UNKNOWN)
 
 
 def _named(exc: grpc.RpcError) -> str:

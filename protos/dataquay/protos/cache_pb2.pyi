@@ -316,7 +316,21 @@ class TierCount(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients", "cache_disk_full", "read_ahead", "prep_groups", "bulk", "cache_behind")
+    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients", "cache_disk_full", "read_ahead", "prep_groups", "bulk", "cache_behind", "mcast_datagrams_dropped", "values_refused")
+    class McastDatagramsDroppedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ValuesRefusedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NODE_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
     CACHE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -342,6 +356,8 @@ class StatsReply(_message.Message):
     PREP_GROUPS_FIELD_NUMBER: _ClassVar[int]
     BULK_FIELD_NUMBER: _ClassVar[int]
     CACHE_BEHIND_FIELD_NUMBER: _ClassVar[int]
+    MCAST_DATAGRAMS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    VALUES_REFUSED_FIELD_NUMBER: _ClassVar[int]
     node: str
     reads: _containers.RepeatedCompositeFieldContainer[TierCount]
     cache_used_bytes: int
@@ -367,7 +383,9 @@ class StatsReply(_message.Message):
     prep_groups: _containers.RepeatedCompositeFieldContainer[PrepGroupStatus]
     bulk: BulkCounts
     cache_behind: CacheBehindCounts
-    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ..., read_ahead: _Optional[_Union[ReadAhead, _Mapping]] = ..., prep_groups: _Optional[_Iterable[_Union[PrepGroupStatus, _Mapping]]] = ..., bulk: _Optional[_Union[BulkCounts, _Mapping]] = ..., cache_behind: _Optional[_Union[CacheBehindCounts, _Mapping]] = ...) -> None: ...
+    mcast_datagrams_dropped: _containers.ScalarMap[str, int]
+    values_refused: _containers.ScalarMap[str, int]
+    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ..., read_ahead: _Optional[_Union[ReadAhead, _Mapping]] = ..., prep_groups: _Optional[_Iterable[_Union[PrepGroupStatus, _Mapping]]] = ..., bulk: _Optional[_Union[BulkCounts, _Mapping]] = ..., cache_behind: _Optional[_Union[CacheBehindCounts, _Mapping]] = ..., mcast_datagrams_dropped: _Optional[_Mapping[str, int]] = ..., values_refused: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class BulkCounts(_message.Message):
     __slots__ = ("served_samples", "served_bytes", "fetched_samples", "fetched_bytes", "refused_connections", "fallbacks", "exchange_samples", "forwarded_samples", "in_place_samples", "segment_reads")
@@ -468,7 +486,7 @@ class ExchangeReply(_message.Message):
     def __init__(self, held: _Optional[_Iterable[int]] = ..., message_bytes: _Optional[int] = ..., after_reads: _Optional[bool] = ...) -> None: ...
 
 class ExchangeProgress(_message.Message):
-    __slots__ = ("job", "epoch", "total_samples", "total_bytes", "delivered_samples", "delivered_bytes", "sent_bytes", "unavailable_samples", "refused_samples", "elapsed_seconds", "finished", "error", "coded_packets_sent", "coded_bytes_sent", "coded_samples_decoded", "coded_note", "first_delivery_seconds")
+    __slots__ = ("job", "epoch", "total_samples", "total_bytes", "delivered_samples", "delivered_bytes", "sent_bytes", "unavailable_samples", "refused_samples", "elapsed_seconds", "finished", "error", "coded_packets_sent", "coded_bytes_sent", "coded_samples_decoded", "coded_note", "first_delivery_seconds", "failed")
     JOB_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -486,6 +504,7 @@ class ExchangeProgress(_message.Message):
     CODED_SAMPLES_DECODED_FIELD_NUMBER: _ClassVar[int]
     CODED_NOTE_FIELD_NUMBER: _ClassVar[int]
     FIRST_DELIVERY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     job: str
     epoch: int
     total_samples: int
@@ -503,7 +522,22 @@ class ExchangeProgress(_message.Message):
     coded_samples_decoded: int
     coded_note: str
     first_delivery_seconds: float
-    def __init__(self, job: _Optional[str] = ..., epoch: _Optional[int] = ..., total_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., delivered_samples: _Optional[int] = ..., delivered_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., unavailable_samples: _Optional[int] = ..., refused_samples: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., coded_packets_sent: _Optional[int] = ..., coded_bytes_sent: _Optional[int] = ..., coded_samples_decoded: _Optional[int] = ..., coded_note: _Optional[str] = ..., first_delivery_seconds: _Optional[float] = ...) -> None: ...
+    failed: bool
+    def __init__(self, job: _Optional[str] = ..., epoch: _Optional[int] = ..., total_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., delivered_samples: _Optional[int] = ..., delivered_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., unavailable_samples: _Optional[int] = ..., refused_samples: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., coded_packets_sent: _Optional[int] = ..., coded_bytes_sent: _Optional[int] = ..., coded_samples_decoded: _Optional[int] = ..., coded_note: _Optional[str] = ..., first_delivery_seconds: _Optional[float] = ..., failed: _Optional[bool] = ...) -> None: ...
+
+class CodedPassRequest(_message.Message):
+    __slots__ = ("job", "epoch")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    epoch: int
+    def __init__(self, job: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class CodedPassReply(_message.Message):
+    __slots__ = ("pass_id",)
+    PASS_ID_FIELD_NUMBER: _ClassVar[int]
+    pass_id: int
+    def __init__(self, pass_id: _Optional[int] = ...) -> None: ...
 
 class ClientReads(_message.Message):
     __slots__ = ("tier", "samples", "bytes")

@@ -95,6 +95,11 @@ class CacheStub:
                 request_serializer=dataquay_dot_protos_dot_cache__pb2.ExchangeMessage.SerializeToString,
                 response_deserializer=dataquay_dot_protos_dot_cache__pb2.ExchangeReply.FromString,
                 _registered_method=True)
+        self.CodedPass = channel.unary_unary(
+                '/dataquay.v1.Cache/CodedPass',
+                request_serializer=dataquay_dot_protos_dot_cache__pb2.CodedPassRequest.SerializeToString,
+                response_deserializer=dataquay_dot_protos_dot_cache__pb2.CodedPassReply.FromString,
+                _registered_method=True)
         self.ReportClientStats = channel.unary_unary(
                 '/dataquay.v1.Cache/ReportClientStats',
                 request_serializer=dataquay_dot_protos_dot_cache__pb2.ClientStatsReport.SerializeToString,
@@ -200,6 +205,15 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CodedPass(self, request, context):
+        """A coded pass's id, daemon to daemon: the job's first node draws it at
+        random on the first request for the pass and answers it to every node
+        of the job; with the node token it keys the pass's multicast datagrams.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReportClientStats(self, request, context):
         """A trainer's own counters: the reads it served from the LMDB map itself
         and the time it waited for data, so that the node's metrics cover what
@@ -294,6 +308,11 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.Exchange,
                     request_deserializer=dataquay_dot_protos_dot_cache__pb2.ExchangeMessage.FromString,
                     response_serializer=dataquay_dot_protos_dot_cache__pb2.ExchangeReply.SerializeToString,
+            ),
+            'CodedPass': grpc.unary_unary_rpc_method_handler(
+                    servicer.CodedPass,
+                    request_deserializer=dataquay_dot_protos_dot_cache__pb2.CodedPassRequest.FromString,
+                    response_serializer=dataquay_dot_protos_dot_cache__pb2.CodedPassReply.SerializeToString,
             ),
             'ReportClientStats': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportClientStats,
@@ -635,6 +654,33 @@ class Cache:
             '/dataquay.v1.Cache/Exchange',
             dataquay_dot_protos_dot_cache__pb2.ExchangeMessage.SerializeToString,
             dataquay_dot_protos_dot_cache__pb2.ExchangeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CodedPass(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dataquay.v1.Cache/CodedPass',
+            dataquay_dot_protos_dot_cache__pb2.CodedPassRequest.SerializeToString,
+            dataquay_dot_protos_dot_cache__pb2.CodedPassReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Healt
 #: the PFS's page cache or takes only from a segment of its own user.
 NODE_METHODS: Mapping[str, str] = {
     "/dataquay.v1.Cache/Exchange": "only daemons write into another node's cache",
+    "/dataquay.v1.Cache/CodedPass": "only daemons take part in a coded pass",
     "/dataquay.v1.Directory/RegisterNode": "only daemons join the node list",
     "/dataquay.v1.Directory/Heartbeat": "only daemons renew a node's lease",
 }
@@ -135,16 +136,18 @@ def server_tls(credentials: Credentials) -> grpc.ServerCredentials | None:
 
 
 def new_server(
-    credentials: ServerCredentials, calls_per_peer: int = 0, encoded_replies: frozenset[str] = frozenset()
+    credentials: ServerCredentials, calls_per_peer: int = 0, encoded_replies: frozenset[str] = frozenset(),
+    checks: tuple[grpc.aio.ServerInterceptor, ...] = (),
 ) -> grpc.aio.Server:
     """A gRPC server that refuses calls without a valid credential, when it
-    has tokens (:class:`CredentialCheck`), a TCP host's calls beyond
+    has tokens (:class:`CredentialCheck`), calls that ``checks`` refuse, a TCP host's calls beyond
     ``calls_per_peer`` in flight (0: no cap) and malformed requests; the
     methods named in ``encoded_replies`` may answer with encoded bytes
     (:class:`~dataquay.server.interceptors.EncodedReplies`)."""
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if credentials.user.token or credentials.node.token:
         interceptors.append(CredentialCheck(credentials.user.token, credentials.node.token))
+    interceptors.extend(checks)
     if calls_per_peer:
         interceptors.append(PeerCallLimit(calls_per_peer))
     if encoded_replies:
@@ -172,6 +175,12 @@ def verified(token: str, datagram: bytes) -> bytes | None:
     return payload if hmac.compare_digest(tag, expected) else None
 
 
+def supplied_credential(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes:
+    """What a call carries as its credential (``Bearer <token>``), as bytes; empty for none."""
+    supplied = next((v for k, v in metadata or () if k == METADATA_KEY), "")
+    return supplied.encode() if isinstance(supplied, str) else bytes(supplied)
+
+
 class CredentialCheck(grpc.aio.ServerInterceptor):
     """Names each caller's credential and lets through what it may call.
 
@@ -195,8 +204,7 @@ class CredentialCheck(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method in OPEN_METHODS:
             return handler
-        supplied = next((v for k, v in details.invocation_metadata or () if k == METADATA_KEY), "")
-        raw = supplied.encode() if isinstance(supplied, str) else bytes(supplied)
+        raw = supplied_credential(details.invocation_metadata)
         # Both compared, always: the time taken says nothing about which matched.
         is_node = hmac.compare_digest(raw, self._node) & bool(self._node)
         is_user = hmac.compare_digest(raw, self._user) & bool(self._user)

@@ -367,6 +367,21 @@ class DaemonConfig(ServerConfig):
         "", "group of the unix socket (mode 0660): the users of this group may read through this daemon; "
         "empty keeps the daemon's own group"
     )
+    users: str = _option(
+        "one",
+        "'one': every caller is trusted as the daemon's own user (a daemon of one user); 'apart': the callers "
+        "of the unix socket are told apart by the uid the kernel names, and each registers and reads only roots "
+        "it can read itself, preps in groups of its own user and hands over no payloads (a daemon shared by "
+        "many users, e.g. under systemd)",
+        choices=("one", "apart"),
+    )
+    shared_datasets: tuple[str, ...] = _option(
+        (), "with --users apart: datasets every user of the unix socket may read, separated by ':'",
+        lambda text: tuple(part for part in text.split(":") if part), many=True,
+    )
+    prep_groups_per_user: int = _option(
+        8, "with --users apart: most prep groups one user may keep on this daemon (of 64)", _positive_int
+    )
     listen: str = _option(
         "127.0.0.1:7070", "TCP HOST:PORT for peers and remote tools; port 0 picks a free port"
     )

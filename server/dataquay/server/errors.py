@@ -30,6 +30,7 @@ from dataquay.client.errors import (
     StandaloneError,
     UnknownDatasetError,
     UnknownJobError,
+    UserNotAllowedError,
 )
 
 __all__ = [
@@ -56,13 +57,21 @@ __all__ = [
     "StandaloneError",
     "StartupError",
     "StateFileError",
+    "UnknownCallerError",
     "UnknownDatasetError",
     "UnknownJobError",
+    "UserNotAllowedError",
 ]
 
 
 class ConfigError(DataquayError, ValueError):
     """A flag, environment variable or config value that cannot be used."""
+
+
+class UnknownCallerError(DataquayError):
+    """A call on the unix socket of a daemon that keeps its users apart that
+    carries no valid caller ticket, so the daemon cannot tell whose it is
+    (ended with UNAUTHENTICATED by :class:`~dataquay.server.node.users.access.CallerCheck`)."""
 
 
 class StartupError(DataquayError):

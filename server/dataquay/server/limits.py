@@ -10,6 +10,8 @@ Bytes are capped by waiting instead (:class:`ByteBudget`): a Read holds the
 payloads of a window of its reply at a time, and the windows of one host's
 calls, like this daemon's fetches from one peer, share a budget, so that many
 calls at once cost memory in proportion to the budget, not to their number.
+The same budget bounds the memory a node's reads ahead of its ranks hold
+(``--prefetch-memory``), where a read that does not fit is not started.
 """
 
 from __future__ import annotations
@@ -99,26 +101,48 @@ def _counted(handler: grpc.RpcMethodHandler, limit: PeerCallLimit) -> grpc.RpcMe
 
 
 class ByteBudget:
-    """Bytes that holders may have at once, handed out first come, first served.
+    """Bytes that holders may have at once; lives on the event loop.
 
-    A request larger than the whole budget is let through once nothing else
-    is held, so that one large sample is slow to get, never refused.
+    Two kinds of holder share the one count. A holder that must get its bytes
+    waits in line (:meth:`take`): a request larger than the whole budget is
+    let through once nothing else is held, so that one large sample is slow to
+    get, never refused. A holder that may as well not (a read ahead of the
+    ranks) reserves only what fits now within a share of the limit
+    (:meth:`reserve`) and waits for :meth:`changed` before trying again.
+
+    Attributes:
+        limit: the budget in bytes.
+        held: bytes held now.
+        peak: the most ever held at once.
     """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
+        self.peak = 0
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._watchers: set[asyncio.Future[None]] = set()
 
     @property
     def idle(self) -> bool:
         return not self.held and not self._waiters
 
+    def room(self, share: float = 1.0) -> int:
+        """Bytes that may still be held within ``share`` of the limit."""
+        return max(0, int(self.limit * share) - self.held)
+
+    def reserve(self, nbytes: int, share: float = 1.0) -> bool:
+        """Takes ``nbytes`` if they fit within ``share`` of the limit; False (nothing taken) if not. Never waits."""
+        if nbytes > self.room(share):
+            return False
+        self._hold(nbytes)
+        return True
+
     def try_take(self, nbytes: int) -> bool:
         """Takes ``nbytes`` if they are free now and nobody waits before; never waits."""
         if self._waiters or not self._fits(nbytes):
             return False
-        self.held += nbytes
+        self._hold(nbytes)
         return True
 
     async def take(self, nbytes: int) -> None:
@@ -135,23 +159,42 @@ class ByteBudget:
                 self.give(nbytes)  # granted just as the waiter was cancelled
             elif waiter in self._waiters:
                 self._waiters.remove(waiter)
-                self._wake()
+                self.wake()
             raise
 
     def give(self, nbytes: int) -> None:
-        """Returns bytes taken before."""
-        self.held -= nbytes
-        self._wake()
+        """Returns bytes taken or reserved before."""
+        if nbytes:
+            self.held -= nbytes
+            self.wake()
 
-    def _fits(self, nbytes: int) -> bool:
-        return not self.held or self.held + nbytes <= self.limit
-
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Hands freed bytes to the waiters in line and wakes the watchers of
+        :meth:`changed` (bytes were freed, or what they wait for moved on)."""
         while self._waiters and (self._waiters[0][1].done() or self._fits(self._waiters[0][0])):
             nbytes, future = self._waiters.popleft()
             if not future.done():  # a cancelled waiter is skipped
-                self.held += nbytes
+                self._hold(nbytes)
                 future.set_result(None)
+        for watcher in self._watchers:
+            if not watcher.done():
+                watcher.set_result(None)
+
+    async def changed(self, timeout: float) -> None:
+        """Returns at the next :meth:`wake`, or after ``timeout`` seconds."""
+        watcher = asyncio.get_running_loop().create_future()
+        self._watchers.add(watcher)
+        try:
+            await asyncio.wait({watcher}, timeout=timeout)
+        finally:
+            self._watchers.discard(watcher)
+
+    def _hold(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+
+    def _fits(self, nbytes: int) -> bool:
+        return not self.held or self.held + nbytes <= self.limit
 
 
 class ByteBudgets:

@@ -3,8 +3,10 @@ other nodes should be told."""
 
 from __future__ import annotations
 
+import grp
 import os
 import pwd
+import shutil
 import socket
 import stat
 from pathlib import Path
@@ -78,18 +80,23 @@ def _user_name(uid: int) -> str:
         return f"uid {uid}"
 
 
-def claim_socket_path(path: Path, group_access: bool = False) -> None:
+def claim_socket_path(path: Path, group: str = "") -> None:
     """Makes ``path`` free for a new socket; refuses if a live daemon is on it.
 
-    A missing socket directory is created 0700, or 0750 with ``group_access``
-    so that the socket's group can reach the socket inside it.
+    A missing socket directory is created 0700, or 0750 of ``group`` (the
+    socket's group) when one is given: its members reach the socket only
+    through a directory they may enter.
     """
     directory = path.parent
     if not directory.exists():
         try:
             directory.parent.mkdir(parents=True, exist_ok=True)
-            directory.mkdir()
-            directory.chmod(0o750 if group_access else 0o700)
+            directory.mkdir(mode=0o700)
+            if group:
+                shutil.chown(directory, group=group)
+            directory.chmod(0o750 if group else 0o700)
+        except LookupError:
+            raise StartupError(f"cannot give socket dir {directory} to group {group!r}: no such group") from None
         except OSError as exc:
             raise StartupError(f"cannot create socket dir {directory}: {exc.strerror}") from exc
     check_socket_dir(directory)
@@ -106,3 +113,50 @@ def claim_socket_path(path: Path, group_access: bool = False) -> None:
     finally:
         probe.close()
     raise StartupError(f"another daemon is serving on socket {path}")
+
+
+def group_entry_problem(directory: Path, group: str) -> str | None:
+    """Why the members of ``group`` cannot enter the socket directory, or None.
+
+    The daemon gives a directory it creates to the group, but one made
+    before (by an earlier run, or the operator) keeps its mode and group:
+    there the socket's group would see "permission denied" for a socket
+    it was given.
+    """
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        return None  # giving the socket to it fails the start, naming the group
+    st = directory.stat()
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_IXOTH or (st.st_gid == gid and mode & stat.S_IXGRP):
+        return None
+    return (f"socket dir {directory} (mode {mode:04o}, gid {st.st_gid}) cannot be entered by group {group}; "
+            f"chgrp {group} {directory} && chmod 0750 {directory}, or remove it for the daemon to create")
+
+
+#: What tells one socket file from another at the same path: (device, inode).
+SocketIdentity = tuple[int, int]
+
+
+def socket_identity(path: Path) -> SocketIdentity:
+    """The identity of the socket this process just bound at ``path``."""
+    st = path.stat()
+    return st.st_dev, st.st_ino
+
+
+def remove_own_socket(path: Path, identity: SocketIdentity | None) -> None:
+    """Removes the socket at ``path`` only if it is the one this process bound.
+
+    A serve that did not bind ``path`` (another daemon serves there) must
+    leave that daemon's socket in place, or its clients lose it until it
+    restarts.
+    """
+    if identity is None:
+        return
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return
+    if (st.st_dev, st.st_ino) == identity:
+        path.unlink(missing_ok=True)

@@ -3,13 +3,14 @@ daemon's and the directory's answers to dataset calls are one shape."""
 
 from __future__ import annotations
 
+from dataquay.client.tiers import SERVED_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.registry import Registered
 
 FORMAT_TO_PROTO = {"files": pb.FORMAT_FILES, "tar": pb.FORMAT_TAR, "npy": pb.FORMAT_NPY}
 FORMAT_FROM_PROTO = {v: k for k, v in FORMAT_TO_PROTO.items()}
-#: Where the daemon served a read from, as its metrics name it, and as the API does.
-TIER_TO_PROTO = {"cache": pb.TIER_LOCAL, "peer": pb.TIER_PEER, "pfs": pb.TIER_PFS}
+#: Each tier a daemon serves from by name, and its value on the wire.
+TIER_TO_PROTO = {name: tier for tier, name in SERVED_TIERS.items()}
 
 
 def dataset_info(entry: Registered, cached_samples: int = 0, cached_bytes: int = 0) -> pb.DatasetInfo:

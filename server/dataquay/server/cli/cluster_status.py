@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from dataquay.client.tiers import CACHE, LOCAL, PEER, PFS, SERVED_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import jobs_pb2 as jpb
@@ -134,11 +135,15 @@ def print_prep_groups(stats: list[tuple[str, pb.StatsReply]]) -> None:
 def exchange_row(node: str, x: pb.ExchangeProgress) -> tuple[object, ...]:
     rate = x.sent_bytes / x.elapsed_seconds if x.elapsed_seconds > 0 else 0.0
     left = x.total_bytes - x.delivered_bytes
-    if x.finished:
+    if x.failed:
+        eta, state = "-", x.error
+    elif x.finished:
         eta, state = "-", "done" if not x.error else f"done; {x.error}"
     else:
         eta = f"{left / rate:.0f}s" if rate > 0 else "?"
         state = "running" if not x.error else f"retrying; {x.error}"
+    if x.coded_note:
+        state += f"; coded pass: {x.coded_note}"
     unsent = x.unavailable_samples + x.refused_samples
     samples = f"{x.delivered_samples}/{x.total_samples}" + (f" ({unsent} not sent)" if unsent else "")
     return (
@@ -152,10 +157,10 @@ def _node_row(node: jpb.NodeStatus, stats: pb.StatsReply | None) -> tuple[object
     if stats is None:
         state = "down" if node.state != jpb.NODE_UP else "unreachable"
         return (name, state, "-", "-", "-", "-", "-", "-", "-", "-")
-    reads = {t.tier: t.samples for t in stats.reads}
+    reads = {SERVED_TIERS[t.tier]: t.samples for t in stats.reads if t.tier in SERVED_TIERS}
     # Trainers serve their local hits in-process and report them to the daemon.
-    in_process = {r.tier: r.samples for r in stats.client_reads}.get("local", 0)
-    local, peer, pfs = reads.get(pb.TIER_LOCAL, 0) + in_process, reads.get(pb.TIER_PEER, 0), reads.get(pb.TIER_PFS, 0)
+    in_process = {r.tier: r.samples for r in stats.client_reads}.get(LOCAL, 0)
+    local, peer, pfs = reads.get(CACHE, 0) + in_process, reads.get(PEER, 0), reads.get(PFS, 0)
     hit = f"{100 * local / (local + peer + pfs):.1f}" if local + peer + pfs else "-"
     cache = f"{format_bytes(stats.cache_used_bytes)} / {format_bytes(stats.cache_capacity_bytes)}"
     return (

@@ -10,8 +10,9 @@ from contextlib import contextmanager
 
 import grpc
 
+from dataquay.client.caller_ticket import ticket_for
 from dataquay.client.channels import channel_options, daemon_address
-from dataquay.client.security import Credentials, CredentialsError
+from dataquay.client.security import Credentials, CredentialsError, with_metadata
 from dataquay.client.status_codes import error_from_rpc
 from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 
@@ -48,26 +49,36 @@ def open_channel(address: str) -> grpc.Channel:
 
 
 @contextmanager
+def _channel(address: str) -> Iterator[grpc.Channel]:
+    """An :func:`open_channel` that also carries, on a daemon's unix socket,
+    the caller ticket that names this user to a daemon that keeps its users
+    apart (:mod:`dataquay.client.caller_ticket`); both closed after."""
+    channel = open_channel(address)
+    ticket = ticket_for(address, Credentials.from_env().token)
+    try:
+        yield with_metadata(channel, ticket.metadata) if ticket is not None else channel
+    finally:
+        channel.close()
+        if ticket is not None:
+            ticket.close()
+
+
+@contextmanager
 def daemon_stub(args: argparse.Namespace) -> Iterator[cache_pb2_grpc.CacheStub]:
     """A stub for the daemon at --addr; RPC errors become one-line messages."""
     address = args.addr or daemon_address()
-    channel = open_channel(address)
-    try:
-        with rpc_errors("daemon", address, "is `dataquay serve` running? set DATAQUAY_ADDR"):
-            yield cache_pb2_grpc.CacheStub(channel)
-    finally:
-        channel.close()
+    with _channel(address) as channel, rpc_errors(
+        "daemon", address, "is `dataquay serve` running? set DATAQUAY_ADDR"
+    ):
+        yield cache_pb2_grpc.CacheStub(channel)
 
 
 @contextmanager
 def node_stub(address: str) -> Iterator[cache_pb2_grpc.CacheStub]:
     """A stub for the daemon at ``address``; its RPC errors pass through, for
     commands that word each node's failure themselves."""
-    channel = open_channel(address)
-    try:
+    with _channel(address) as channel:
         yield cache_pb2_grpc.CacheStub(channel)
-    finally:
-        channel.close()
 
 
 def directory_address(args: argparse.Namespace) -> str | None:
@@ -81,12 +92,8 @@ def directory_stub(args: argparse.Namespace) -> Iterator[directory_pb2_grpc.Dire
     address = directory_address(args)
     if address is None:
         raise CliError(f"no directory given: pass --directory HOST:PORT or set {DIRECTORY_ENV}")
-    channel = open_channel(address)
-    try:
-        with rpc_errors("directory", address, "is `dataquay directory` running there?"):
-            yield directory_pb2_grpc.DirectoryStub(channel)
-    finally:
-        channel.close()
+    with _channel(address) as channel, rpc_errors("directory", address, "is `dataquay directory` running there?"):
+        yield directory_pb2_grpc.DirectoryStub(channel)
 
 
 def add_addr(parser: argparse.ArgumentParser) -> None:

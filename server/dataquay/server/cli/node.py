@@ -15,16 +15,14 @@ from google.protobuf.json_format import MessageToDict
 
 from dataquay.client.job_settings import EXCHANGE_CODINGS
 from dataquay.client.placement import MODES
+from dataquay.client.tiers import SERVED_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.cli import cluster_status
 from dataquay.server.cli.common import CliError, add_addr, add_directory, add_q, daemon_stub, print_table
 from dataquay.server.cli.stage import JOB_FLAGS, stage_job
 from dataquay.server.config import ConfigFile, DaemonConfig
+from dataquay.server.proto_maps import FORMAT_FROM_PROTO, FORMAT_TO_PROTO
 from dataquay.server.sizes import format_bytes
-
-FORMATS = {"files": pb.FORMAT_FILES, "tar": pb.FORMAT_TAR, "npy": pb.FORMAT_NPY}
-FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
-TIER_NAMES = {pb.TIER_LOCAL: "cache", pb.TIER_PEER: "peer", pb.TIER_PFS: "pfs"}
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -42,7 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_dataset_add(args: argparse.Namespace) -> None:
-    fmt = FORMATS[args.format] if args.format else pb.FORMAT_UNSPECIFIED
+    fmt = FORMAT_TO_PROTO[args.format] if args.format else pb.FORMAT_UNSPECIFIED
     with daemon_stub(args) as stub:
         info = stub.AddDataset(
             pb.AddDatasetRequest(
@@ -52,7 +50,7 @@ def cmd_dataset_add(args: argparse.Namespace) -> None:
         )
     print(
         f"registered {info.name!r}: {info.num_samples} samples, {format_bytes(info.total_bytes)}, "
-        f"format {FORMAT_NAMES[info.format]}, root {info.root}"
+        f"format {FORMAT_FROM_PROTO[info.format]}, root {info.root}"
     )
 
 
@@ -61,7 +59,7 @@ def cmd_dataset_ls(args: argparse.Namespace) -> None:
         reply = stub.ListDatasets(pb.ListDatasetsRequest())
     rows = [
         (
-            d.name, FORMAT_NAMES[d.format], d.num_samples, format_bytes(d.total_bytes),
+            d.name, FORMAT_FROM_PROTO[d.format], d.num_samples, format_bytes(d.total_bytes),
             f"{100 * d.cached_samples / max(d.num_samples, 1):.0f}%", d.root,
         )
         for d in reply.datasets
@@ -76,7 +74,7 @@ def cmd_dataset_show(args: argparse.Namespace) -> None:
     for key, value in (
         ("name", d.name),
         ("root", d.root),
-        ("format", FORMAT_NAMES[d.format]),
+        ("format", FORMAT_FROM_PROTO[d.format]),
         ("samples", d.num_samples),
         ("bytes", f"{d.total_bytes} ({format_bytes(d.total_bytes)})"),
         ("sample size", f"min {s.min}  median {s.median}  mean {s.mean:.0f}  max {s.max}"),
@@ -162,7 +160,7 @@ def cmd_status(args: argparse.Namespace) -> None:
 
 
 def _print_node_status(stats: pb.StatsReply) -> None:
-    reads = {TIER_NAMES[t.tier]: t for t in stats.reads}
+    reads = {SERVED_TIERS[t.tier]: t for t in stats.reads}
     total = sum(t.samples for t in stats.reads) or 1
     print(f"node {stats.node}: cache {format_bytes(stats.cache_used_bytes)} of "
           f"{format_bytes(stats.cache_capacity_bytes)}, {stats.cache_entries} entries"
@@ -220,7 +218,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add = dsub.add_parser("add", help="register a dataset that lives under ROOT")
     add.add_argument("name", help="the name trainers open it by")
     add.add_argument("root", help="the dataset's top directory on the PFS (inside the daemon's --dataset-roots)")
-    add.add_argument("--format", choices=sorted(FORMATS), help="default: detected from the files")
+    add.add_argument("--format", choices=sorted(FORMAT_TO_PROTO), help="default: detected from the files")
     add.add_argument("--replace", action="store_true", help="replace a dataset of the same name")
     add.add_argument(
         "--tar-member-samples", action="store_true",

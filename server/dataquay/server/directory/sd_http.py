@@ -18,37 +18,19 @@ metrics, and a health probe.
 * ``GET /metrics``: Prometheus text of the directory itself.
 * ``GET /healthz``: 200 while serving, 503 once shutdown began.
 
-The handler runs on the server's event loop and reads its state directly, so
-no lock or snapshot is needed; every answer is small and built in well under a
-millisecond for a thousand nodes. Connections close after one answer; a
-request head over 16 KiB is answered 431 and closed once read out.
+They are served by :class:`dataquay.server.http_server.HttpServer`, which
+the daemon's /metrics shares, with its bounds on idle and oversized requests.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from dataquay.server.directory.records import Node
-from dataquay.server.errors import StartupError
-
-#: Largest request head accepted; the endpoints take no body.
-MAX_HEAD_BYTES = 16 << 10
-#: Time a client gets to send its request head.
-HEAD_TIMEOUT_SECONDS = 10.0
-#: What is read and dropped after refusing an oversized head, so that closing
-#: does not reset the connection before the client reads the refusal.
-LINGER_BYTES = 1 << 20
-LINGER_SECONDS = 1.0
-
-_REASONS = {
-    200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-    431: "Request Header Fields Too Large", 503: "Service Unavailable",
-}
+from dataquay.server.http_server import Answer, HttpServer, metrics_handler, text
 
 
 def sd_targets(nodes: list[Node]) -> list[dict[str, object]]:
@@ -63,8 +45,8 @@ def sd_targets(nodes: list[Node]) -> list[dict[str, object]]:
     ]
 
 
-class HttpEndpoints:
-    """Serves /sd, /metrics and /healthz on the running event loop.
+class HttpEndpoints(HttpServer):
+    """Serves /sd, /metrics and /healthz.
 
     Args:
         nodes: every registered node, read at each /sd request.
@@ -75,68 +57,10 @@ class HttpEndpoints:
     def __init__(
         self, nodes: Callable[[], list[Node]], metrics: CollectorRegistry, serving: Callable[[], bool]
     ) -> None:
-        self._nodes = nodes
-        self._metrics = metrics
-        self._serving = serving
-        self._server: asyncio.Server | None = None
+        def sd(_: Mapping[str, str]) -> Answer:
+            return 200, "application/json", json.dumps(sd_targets(nodes())).encode(), {}
 
-    async def start(self, host: str, port: int) -> int:
-        """Listens on ``host:port``; returns the port bound."""
-        try:
-            self._server = await asyncio.start_server(self._handle, host, port, limit=MAX_HEAD_BYTES)
-        except OSError as exc:
-            raise StartupError(f"cannot serve HTTP on {host}:{port}: {exc.strerror or exc}") from exc
-        return int(self._server.sockets[0].getsockname()[1])
+        def healthz(_: Mapping[str, str]) -> Answer:
+            return text(200, "ok\n") if serving() else text(503, "stopping\n")
 
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_SECONDS)
-            except asyncio.LimitOverrunError:
-                await _send(writer, 431, "text/plain", f"request head over {MAX_HEAD_BYTES} bytes\n".encode())
-                await _drop_rest(reader)
-                return
-            await _send(writer, *self._answer(head))
-        except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    def _answer(self, head: bytes) -> tuple[int, str, bytes]:
-        parts = head.split(b"\r\n", 1)[0].split()
-        if len(parts) != 3:
-            return 400, "text/plain", b"bad request line\n"
-        method, target = parts[0], parts[1].split(b"?", 1)[0]
-        if method != b"GET":
-            return 405, "text/plain", b"only GET\n"
-        if target == b"/sd":
-            return 200, "application/json", json.dumps(sd_targets(self._nodes())).encode()
-        if target == b"/metrics":
-            return 200, CONTENT_TYPE_LATEST, generate_latest(self._metrics)
-        if target == b"/healthz":
-            return (200, "text/plain", b"ok\n") if self._serving() else (503, "text/plain", b"stopping\n")
-        return 404, "text/plain", b"not found: try /sd, /metrics or /healthz\n"
-
-
-async def _send(writer: asyncio.StreamWriter, status: int, ctype: str, body: bytes) -> None:
-    writer.write(
-        f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {ctype}\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
-    )
-    await writer.drain()
-
-
-async def _drop_rest(reader: asyncio.StreamReader) -> None:
-    """Reads what the client still sends, up to a bound: closing a socket with
-    unread input resets it, and the client would lose the answer."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(LINGER_SECONDS):
-            dropped = 0
-            while dropped < LINGER_BYTES and (chunk := await reader.read(64 << 10)):
-                dropped += len(chunk)
+        super().__init__({"/sd": sd, "/metrics": metrics_handler(metrics), "/healthz": healthz}, "HTTP")

@@ -12,7 +12,9 @@ the page cache does not hold a sample (a PFS that caches in a pool of its
 own, memory pressure), the reply names it, and the client hands its bytes
 over through its shared-memory segment. The daemon takes handed bytes only
 from a segment of its own user, who could write the cache directly anyway,
-and only of the length the manifest gives.
+and only of the length the manifest gives; on a daemon that keeps its users
+apart, only from a caller of its own user or root as well (the segment's
+owner is not always who wrote into it), :mod:`dataquay.server.node.users`.
 
 Insert-once as every read: ids already cached or queued are skipped, and a
 cached value that fails its checksum is rewritten (repaired). Bounded: a
@@ -85,9 +87,11 @@ class CacheBehind:
         self.counts = BehindCounts()
         self._budget = ByteBudget(BEHIND_BYTES)
 
-    async def take(self, request: pb.CacheBehindRequest) -> pb.CacheBehindReply:
+    async def take(self, request: pb.CacheBehindRequest, hand_over: bool = True) -> pb.CacheBehindReply:
         """Queues what the notice names for the cache; the reply names the ids
-        the page cache did not hold (for the client to hand over)."""
+        the page cache did not hold (for the client to hand over). Without
+        ``hand_over`` (a caller outside the daemon's trust domain) the bytes
+        handed over are refused and only what the daemon reads itself is cached."""
         entry = await self.datasets.entry(request.dataset)
         if request.manifest_id and request.manifest_id != entry.record.manifest_id:
             raise DatasetReplacedError(f"dataset {request.dataset!r} was replaced since it was opened; open it again")
@@ -128,6 +132,9 @@ class CacheBehind:
                 self.counts.page_cache_bytes += payload_bytes
                 self.counts.not_in_page_cache += len(not_cached)
             take_over = [handed[i] for i in wanted.tolist() if i in handed]
+            if take_over and not hand_over:
+                self.counts.refused_samples += len(take_over)
+                take_over = []
             if take_over:
                 got = await loop.run_in_executor(self.pfs.behind, self._handed, request, take_over, lengths)
                 handed_writes, payload_bytes = _writes(name, got, repair)

@@ -33,9 +33,19 @@ from dataquay.server import __version__
 from dataquay.server.auth import ServerCredentials, new_server, server_tls
 from dataquay.server.config import DaemonConfig
 from dataquay.server.errors import DataquayError, NodeNameTakenError, StartupError
+from dataquay.server.http_server import HttpServer, metrics_handler
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.limits import SERVED_BYTES_PER_PEER, ByteBudgets
-from dataquay.server.listen import advertised_host, bind_tcp, claim_socket_path
+from dataquay.server.listen import (
+    SocketIdentity,
+    advertised_host,
+    bind_tcp,
+    claim_socket_path,
+    group_entry_problem,
+    remove_own_socket,
+    socket_identity,
+)
+from dataquay.server.node.admission import REASONS
 from dataquay.server.node.behind import CacheBehind
 from dataquay.server.node.bulk.client import BulkClient
 from dataquay.server.node.bulk.server import BulkServer
@@ -47,7 +57,7 @@ from dataquay.server.node.exchange import ExchangeReceiver, ExchangeRun, Exchang
 from dataquay.server.node.exchange.coded import CodedProgress
 from dataquay.server.node.exchange.mcast import multicast_channel
 from dataquay.server.node.identity import node_identity
-from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState, MetricsServer
+from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState
 from dataquay.server.node.overflow import OverflowCounts
 from dataquay.server.node.peers import Peers
 from dataquay.server.node.pfs_pool import PfsPool
@@ -60,6 +70,7 @@ from dataquay.server.node.servicer import CacheServicer
 from dataquay.server.node.shm import ShmSegments
 from dataquay.server.node.stager import Stager
 from dataquay.server.node.store import Store
+from dataquay.server.node.users.access import CallerCheck, UserAccess
 from dataquay.server.registry import Registry
 from dataquay.server.task_group import TaskGroup
 
@@ -141,7 +152,11 @@ class Daemon(ServerLifecycle):
         self.shm = ShmSegments()
         self.segment_socket: SegmentSocket | None = None
         self.behind = CacheBehind(self.datasets, self.store, self.pfs, self.shm, config.max_sample_size)
-        self.prep_groups = PrepGroups(self.pid)
+        self.access = UserAccess(
+            config.users == "apart", self.datasets, config.shared_datasets, self.metrics.count_user_refusal,
+            self.credentials.node.token,
+        )
+        self.prep_groups = PrepGroups(self.pid, config.prep_groups_per_user)
         #: What the Reads of each remote host hold at once (see ReadService.read).
         self.served_budgets = ByteBudgets(SERVED_BYTES_PER_PEER)
         self.client_stats = ClientStatsBook()
@@ -149,10 +164,12 @@ class Daemon(ServerLifecycle):
         self.tcp_address = ""
         self.metrics_port = 0
         self._server: grpc.aio.Server | None = None
-        self._metrics_http: MetricsServer | None = None
+        self._metrics_http = HttpServer({"/metrics": metrics_handler(self.metrics.registry)}, "metrics")
         self._started = False
         #: Why the daemon stopped on its own (the directory refused its name); raised by :func:`serve`.
         self.fatal: DataquayError | None = None
+        #: The socket this daemon bound, the only one its close may remove.
+        self._socket_identity: SocketIdentity | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -168,7 +185,7 @@ class Daemon(ServerLifecycle):
             self.registry.warn_outside(self.config.dataset_roots)
             for name in self.registry.names():
                 await self.store.open_dataset(self.registry.get(name).record.cache_db)
-            self._start_metrics()
+            self.metrics_port = await self._metrics_http.start(self.config.metrics_host, self.config.metrics_port)
             await self._start_server()
             self._start_bulk()
         except BaseException:
@@ -202,29 +219,23 @@ class Daemon(ServerLifecycle):
                               "cache_dir": str(self.store.path), "capacity_bytes": self.store.capacity}},
         )
 
-    def _start_metrics(self) -> None:
-        try:
-            server = MetricsServer(self.config.metrics_host, self.config.metrics_port, self.metrics.registry)
-        except OSError as exc:
-            raise StartupError(
-                f"cannot serve metrics on {self.config.metrics_host}:{self.config.metrics_port}: {exc.strerror}"
-            ) from exc
-        self._metrics_http = server
-        self.metrics_port = server.server_port
-
     async def _start_server(self) -> None:
-        server = new_server(self.credentials, self.config.max_calls_per_peer)
+        checks = (CallerCheck(self.access),) if self.access.apart else ()
+        server = new_server(self.credentials, self.config.max_calls_per_peer, checks=checks)
         cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self._server = server
         sock = Path(self.config.socket)
-        claim_socket_path(sock, group_access=bool(self.config.socket_group))
+        claim_socket_path(sock, self.config.socket_group)
+        if self.config.socket_group and (problem := group_entry_problem(sock.parent, self.config.socket_group)):
+            log.warning("the socket group cannot reach the socket", extra={"fields": {"reason": problem}})
         try:
             bound = server.add_insecure_port(f"unix:{sock}")
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on socket {sock}: {exc}") from exc
         if not bound:
             raise StartupError(f"cannot listen on socket {sock}")
+        self._socket_identity = socket_identity(sock)
         self.tcp_address = bind_tcp(server, self.config.listen, server_tls(self.credentials.user))
         self._open_segment_socket(sock)  # before the first Read can name a segment
         await server.start()
@@ -240,13 +251,15 @@ class Daemon(ServerLifecycle):
         seal them; clients use /dev/shm segments where it cannot or where the
         fd socket cannot be made (a path too long). A path taken by something
         else, or a group the socket cannot be given to, fails the start as
-        for ``sock`` itself."""
-        if self.shm.memfd_problem is not None:
+        for ``sock`` itself. A daemon that keeps its users apart opens it
+        even where it maps no memfd: its callers' tickets come from there."""
+        if self.shm.memfd_problem is not None and not self.access.apart:
             log.info("clients hand over payloads through /dev/shm",
                      extra={"fields": {"reason": self.shm.memfd_problem}})
             return
         segment_socket = SegmentSocket(
-            Path(fd_socket_path(str(sock))), self.shm, self.credentials.user.token, SegmentReads(self), self.tasks.spawn
+            Path(fd_socket_path(str(sock))), self.shm, self.credentials.user.token, SegmentReads(self),
+            self.tasks.spawn, self.access.tickets,
         )
         try:
             segment_socket.open(self.config.socket_group)
@@ -312,9 +325,8 @@ class Daemon(ServerLifecycle):
             self.segment_socket.close()
         self.shm.close()
         self.prep_groups.close()
-        if self._metrics_http is not None:
-            self._metrics_http.close()
-        Path(self.config.socket).unlink(missing_ok=True)
+        await self._metrics_http.close()
+        remove_own_socket(Path(self.config.socket), self._socket_identity)
 
     async def _resume_exchanges(self) -> None:
         """After a restart, redo this node's part of the current exchanges
@@ -412,9 +424,10 @@ class Daemon(ServerLifecycle):
             exchange_received=(
                 (self.receiver.received_samples, self.receiver.received_bytes) if self.receiver else (0, 0)
             ),
+            values_refused=refused_values(self.receiver.refused if self.receiver else {}, self.peers.refused_lengths),
             previous_owner_samples=self.reads.previous_owner_samples,
             prefetched_samples=self.reads.prefetcher.served if self.reads.prefetcher else 0,
-            prefetch_memory=(self.reads.budget.limit, self.reads.budget.used, self.reads.budget.peak),
+            prefetch_memory=(self.reads.budget.limit, self.reads.budget.held, self.reads.budget.peak),
             overflow=self.reads.overflow.counts if self.reads.overflow else OverflowCounts(),
             client_reads={tier: (samples, nbytes) for tier, (samples, nbytes) in self.client_stats.reads.items()},
             client_data_wait_seconds=self.client_stats.data_wait_seconds,
@@ -426,6 +439,7 @@ class Daemon(ServerLifecycle):
                 self.peers.bulk_fallbacks, self.segment_reads,
             ),
             cache_behind=self.behind.counts,
+            mcast_dropped=dict(self.exchanges.mcast_dropped) if self.exchanges else {},
         )
 
 
@@ -435,6 +449,13 @@ async def serve(config: DaemonConfig) -> None:
         await daemon.serve_until_stopped()
     if daemon.fatal is not None:
         raise daemon.fatal
+
+
+def refused_values(exchanged: dict[str, int], peer_lengths: int) -> dict[str, int]:
+    """Values the admission rule kept out, by reason: from exchanges and from peer reads."""
+    out = dict.fromkeys(REASONS.values(), 0) | exchanged
+    out["length"] += peer_lengths
+    return out
 
 
 def exchange_state(run: ExchangeRun) -> ExchangeState:

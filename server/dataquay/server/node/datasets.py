@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from dataquay.protos import cache_pb2 as pb
@@ -89,14 +89,21 @@ class Datasets:
         log.info("dataset fetched from the directory", extra={"fields": {"dataset": name, "samples": info.num_samples}})
         return entry
 
-    async def add(self, request: pb.AddDatasetRequest, fmt: str | None) -> Registered:
+    async def add(
+        self, request: pb.AddDatasetRequest, fmt: str | None,
+        may_register: Callable[[str], Awaitable[None]] | None = None,
+    ) -> Registered:
         """Registers a dataset: at the directory when there is one, else here.
 
         The root must lie under this daemon's --dataset-roots even when the
         directory builds the manifest: a daemon relays no root its operator
-        has not allowed, whatever the directory's own rule.
+        has not allowed, whatever the directory's own rule. ``may_register``
+        then checks the caller's own right to the root (it raises to refuse),
+        before anything is read below it.
         """
         root = allowed_root(request.root, self.dataset_roots, "--dataset-roots / DATAQUAY_DATASET_ROOTS")
+        if may_register is not None:
+            await may_register(str(root))
         if self.link is not None:
             await self.link.add_dataset(request)
             self._fetches.pop(request.name, None)

@@ -2,32 +2,21 @@
 
 Events (reads, bytes, latencies) are plain counters and histograms; state
 (cache fill, staging progress) is read live by one collector at scrape time, so
-it can never drift from the truth.
-
-The endpoint is served by :class:`MetricsServer`, not prometheus_client's
-``start_http_server``: that one serves each connection on a thread for as
-long as the client keeps it open, so idle connections (a slowloris) could
-each hold a thread forever. Here a connection that sends nothing for
-:data:`IDLE_TIMEOUT_SECONDS` is closed, and beyond :data:`MAX_CONNECTIONS`
-at once new ones are closed unanswered; a scrape needs one, for well under
-a second.
+it can never drift from the truth. The endpoint is served by
+:class:`dataquay.server.http_server.HttpServer`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from http.server import ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
 
+from dataquay.client.tiers import SERVED_TIERS
 from dataquay.server.node.behind import BehindCounts
 
 if TYPE_CHECKING:
@@ -35,14 +24,7 @@ if TYPE_CHECKING:
     from dataquay.server.node.overflow import OverflowCounts
 
 #: Where this daemon served a sample from: its own cache, another daemon's, the PFS.
-#: Not the clients' tiers (``dataquay_client_reads``), where ``local`` is a
-#: trainer's own read of the cache and ``daemon-local`` one through this daemon.
-TIERS = ("cache", "peer", "pfs")
-
-#: A connection silent this long (no request, or a stalled one) is closed.
-IDLE_TIMEOUT_SECONDS = 10.0
-#: Connections served at once; more are closed unanswered.
-MAX_CONNECTIONS = 16
+TIERS = tuple(SERVED_TIERS.values())
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -78,6 +60,10 @@ class LiveState:
     #: connections refused, fetches that fell back to gRPC, trainers' batch reads on their segments' connections).
     bulk: tuple[int, int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0, 0)
     cache_behind: BehindCounts = field(default_factory=BehindCounts)
+    #: Coded passes' multicast datagrams (and packets) dropped, by reason.
+    mcast_dropped: dict[str, int] = field(default_factory=dict)
+    #: Values the admission rule kept out of the cache, by reason (node/admission.py).
+    values_refused: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -321,19 +307,38 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "dataquay_exchange_received_bytes", "Payload bytes committed from other nodes' exchanges", value=nbytes
     )
+    refused_values = CounterMetricFamily(
+        "dataquay_values_refused",
+        "Values kept out of this cache: a length other than the manifest's, or sent by a node the plan "
+        "does not say gives them (they stay with their sender; readers get them from the next tier)",
+        labels=["reason"],
+    )
+    for reason, count in state.values_refused.items():
+        refused_values.add_metric([reason], count)
+    yield refused_values
     served, served_bytes, fetched, fetched_bytes, refused, fallbacks, segment_reads = state.bulk
     for name, text, value in (
         ("served_samples", "Samples sent to peers over the bulk data path", served),
         ("served_bytes", "Payload bytes sent to peers over the bulk data path", served_bytes),
         ("fetched_samples", "Samples read from peers over the bulk data path", fetched),
         ("fetched_bytes", "Payload bytes read from peers over the bulk data path", fetched_bytes),
-        ("refused_connections", "Bulk connections closed for bad input: garbage, a wrong token, oversized, stalled",
+        ("refused_connections",
+         "Bulk connections closed for bad input (garbage, a wrong token, oversized, stalled) or over a cap",
          refused),
         ("fallbacks", "Bulk connections to peers that failed, after which gRPC was used", fallbacks),
         ("segment_reads", "Trainers' batch reads answered on their shared-memory segment's connection, not gRPC",
          segment_reads),
     ):
         yield CounterMetricFamily(f"dataquay_bulk_{name}", text, value=value)
+    dropped = CounterMetricFamily(
+        "dataquay_mcast_datagrams_dropped",
+        "Coded passes' multicast datagrams (and whole packets) dropped, by reason: another pass's (unknown_pass), "
+        "forged (unauthenticated), malformed, duplicate, ... (see the README's Coded shuffling)",
+        labels=["reason"],
+    )
+    for reason, count in sorted(state.mcast_dropped.items()):
+        dropped.add_metric([reason], count)
+    yield dropped
     yield CounterMetricFamily(
         "dataquay_reads_previous_owner",
         "Samples read from their owner of the epoch before (exchange not done yet)",
@@ -371,6 +376,11 @@ class DaemonMetrics:
             "dataquay_peer_served_bytes", "Payload bytes this daemon served to other daemons",
             registry=self.registry,
         )
+        self.user_refusals = Counter(
+            "dataquay_user_refusals",
+            "Calls refused because the calling user may not make them (--users apart), by rule",
+            ["rule"], registry=self.registry,
+        )
         for tier in TIERS:
             self.reads.labels(tier)
             self.read_bytes.labels(tier)
@@ -379,6 +389,9 @@ class DaemonMetrics:
     def count_read(self, tier: str, samples: int, nbytes: int) -> None:
         self.reads.labels(tier).inc(samples)
         self.read_bytes.labels(tier).inc(nbytes)
+
+    def count_user_refusal(self, rule: str) -> None:
+        self.user_refusals.labels(rule).inc()
 
     def count_peer_served(self, samples: int, nbytes: int) -> None:
         self.peer_served.inc(samples)
@@ -394,50 +407,3 @@ class DaemonMetrics:
             )
             for tier in TIERS
         }
-
-
-class MetricsServer(ThreadingHTTPServer):
-    """Serves ``registry`` at /metrics, a thread per connection, with idle
-    connections timed out and their number bounded (see the module docstring).
-
-    Raises:
-        OSError: ``host:port`` cannot be bound.
-    """
-
-    daemon_threads = True
-    block_on_close = False
-
-    def __init__(self, host: str, port: int, registry: CollectorRegistry) -> None:
-        handler: Any = type("Handler", (MetricsHandler,), {"registry": registry, "timeout": IDLE_TIMEOUT_SECONDS})
-        self.address_family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                 flags=socket.AI_PASSIVE)[0][0]
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        super().__init__((host, port), handler)
-        self._thread = threading.Thread(target=self.serve_forever, name="metrics-http", daemon=True)
-        self._thread.start()
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def close(self) -> None:
-        """Stops serving and closes the listening socket.
-
-        ``shutdown()`` waits for the serving thread to look at its flag, which
-        it does between polls half a second apart; shutting the listening
-        socket down wakes the poll at once, and keeps it waking until then.
-        """
-        stopping = threading.Thread(target=self.shutdown, name="metrics-http-stop")
-        stopping.start()
-        with contextlib.suppress(OSError):
-            self.socket.shutdown(socket.SHUT_RDWR)
-        stopping.join()
-        self.server_close()

@@ -51,9 +51,9 @@ from dataquay.client.jobs import job_plan
 from dataquay.client.placement import JobPlan, node_orders
 from dataquay.client.records import CHECKSUM_BYTES, stored_checksum
 from dataquay.server.errors import DataquayError
+from dataquay.server.limits import ByteBudget
 from dataquay.server.node.pfs_pool import PfsPool
 from dataquay.server.node.placements import Placement
-from dataquay.server.node.prefetch_budget import PrefetchBudget
 from dataquay.server.node.store import Store
 from dataquay.server.node.write_queue import PendingWrite
 from dataquay.server.registry import Registered
@@ -206,7 +206,7 @@ class OverflowPrefetcher:
     """
 
     def __init__(
-        self, store: Store, pfs: PfsPool, placement_of: PlacementOf, spawn: Spawn, budget: PrefetchBudget
+        self, store: Store, pfs: PfsPool, placement_of: PlacementOf, spawn: Spawn, budget: ByteBudget
     ) -> None:
         self.store = store
         self.pfs = pfs
@@ -260,7 +260,7 @@ class OverflowPrefetcher:
         value, _ = state.held.pop(sample_id)
         payload = memoryview(value)[CHECKSUM_BYTES:]
         out[sample_id] = ("pfs", payload, stored_checksum(value))
-        self.budget.give_back(len(value))
+        self.budget.give(len(value))
         self.counts.served_samples += 1
         self.counts.served_bytes += len(payload)
         if not self.store.full:
@@ -337,7 +337,7 @@ class OverflowPrefetcher:
                     if not self._sweep(job):
                         await self._wait(job)
                 else:
-                    self.budget.take(chunk.reserved, BUDGET_SHARE)
+                    self.budget.reserve(chunk.reserved, BUDGET_SHARE)
                     done = asyncio.get_running_loop().create_future()
                     state.reading.update(dict.fromkeys(chunk.ids.tolist(), done))
                     self.spawn(self._read(job, state, chunk, done), f"overflow-read-{job.job_id}-{epoch}")
@@ -443,7 +443,7 @@ class OverflowPrefetcher:
                 else:
                     self._count_wasted(len(value))
         finally:
-            self.budget.give_back(chunk.reserved - kept)
+            self.budget.give(chunk.reserved - kept)
 
     # ---------------------------------------------------------- dropping
 
@@ -461,7 +461,7 @@ class OverflowPrefetcher:
                     value, _ = state.held.pop(sample_id)
                     self._count_wasted(len(value))
                     freed += len(value)
-        self.budget.give_back(freed)
+        self.budget.give(freed)
         return freed > 0
 
     def _drop(self, state: _Epoch) -> None:
@@ -470,7 +470,7 @@ class OverflowPrefetcher:
         for value, _ in state.held.values():
             self._count_wasted(len(value))
         state.held.clear()
-        self.budget.give_back(freed)
+        self.budget.give(freed)
 
     def _forget(self, job: _Job) -> None:
         if self._jobs.get(job.job_id) is job:

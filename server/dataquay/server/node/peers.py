@@ -7,20 +7,23 @@ its deadline is set aside (suspect) and its samples come from the PFS until a
 back-off passes; the back-off doubles with each failure in a row, so a dead
 node costs one timeout per back-off period, not one per batch. A peer that
 registered again since it failed (a restarted daemon) is trusted at once.
-A sample larger than a message arrives in pieces and is joined here; pieces
+A sample larger than a message arrives in pieces, joined by the one parser
+of a Read's reply (:mod:`dataquay.client.read_stream`); pieces
 that do not add up to the sample the manifest describes count as a failure.
 The fetches from one peer share a byte budget (FETCHED_BYTES_PER_PEER): a
 fetch waits for its bytes before it asks, so that however many calls need
 the same peer, what they have asked for and not yet received stays bounded.
 
-A peer that advertises a bulk address is read over the bulk data path
-(:mod:`dataquay.server.node.bulk`), each payload handed to a ``landing`` as it
-lands; a peer without one (its bulk path off), or one whose bulk connection
-fails for any reason but its deadline, is read over gRPC, and its bulk
-address is left alone for BULK_RETRY_SECONDS, unless the peer itself (its
-InfoReply) names another: a restarted peer listens on a new port before the
-directory's listing says so here. A bulk read that misses its
-deadline or is refused counts as the peer's failure, as a gRPC one does.
+A peer that advertises a bulk address is read over the bulk data path,
+each payload handed to a ``landing`` as it lands; a peer without one (its
+bulk path off), or one whose bulk connection fails for any reason but its
+deadline, is read over gRPC, and its bulk address is left alone for
+BULK_RETRY_SECONDS, unless the peer itself (its InfoReply) names another: a
+restarted peer listens on a new port before the directory's listing says so
+here. A bulk read that misses its deadline or is refused counts as the
+peer's failure, as a gRPC one does. The two transports and the rule that
+picks between them are :mod:`dataquay.server.node.peer_transports`; this
+module keeps the peers' channels, health and byte budgets.
 """
 
 from __future__ import annotations
@@ -33,15 +36,20 @@ import grpc
 import numpy as np
 
 from dataquay.client.channels import batch_deadline, channel_options
-from dataquay.client.errors import PieceError
-from dataquay.client.pieces import Joiner
-from dataquay.client.records import checksum
 from dataquay.client.security import Credentials
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.limits import FETCHED_BYTES_PER_PEER, ByteBudgets
-from dataquay.server.node.bulk.client import BulkClient, BulkRefusedError, BulkTimeoutError, Landing
+from dataquay.server.node.admission import ADMITTED, refusals
+from dataquay.server.node.bulk.client import BulkClient, Landing
 from dataquay.server.node.bulk.frames import BulkError
+from dataquay.server.node.peer_transports import (
+    BulkPeerTransport,
+    GrpcPeerTransport,
+    PeerReadFailed,
+    PeerTransport,
+    bulk_first,
+)
 
 log = logging.getLogger("dataquay.peers")
 
@@ -84,6 +92,8 @@ class Peers:
         self.bulk_bytes = 0
         #: Bulk reads that failed and went over gRPC instead.
         self.bulk_fallbacks = 0
+        #: Whole samples a peer sent in another length than the manifest's (read again elsewhere).
+        self.refused_lengths = 0
         self._bulk_off_until: dict[str, float] = {}
         #: node -> (bulk address the directory lists, the one the peer named since).
         self._said: dict[str, tuple[str, str]] = {}
@@ -93,6 +103,8 @@ class Peers:
         self._retired: list[grpc.aio.Channel] = []
         self._health: dict[str, PeerHealth] = {}
         self._fetching = ByteBudgets(FETCHED_BYTES_PER_PEER)
+        self._bulk = BulkPeerTransport(bulk) if bulk is not None else None
+        self._grpc = GrpcPeerTransport(self.stub)
 
     def health(self) -> list[PeerHealth]:
         return [self._health[node] for node in sorted(self._health)]
@@ -120,93 +132,66 @@ class Peers:
         nbytes = int(lengths[ids].sum())
         budget = self._fetching.get(node)
         await budget.take(nbytes)
+        deadline = batch_deadline(self.timeout, nbytes)
         try:
             bulk_address = self.bulk_address(node, bulk_address)
-            if bulk_address and self.bulk is not None and self.bulk_usable(bulk_address):
+            bulk = self._bulk
+            if bulk_first(bulk_address, bulk is not None, self.bulk_usable(bulk_address)):
+                assert bulk is not None  # the bulk path is on
+                fresh = ""
                 try:
-                    return await self._fetch_bulk(
-                        health, bulk_address, dataset, manifest_id, ids, lengths, nbytes, landing)
+                    return await self._read(bulk, health, bulk_address, dataset, manifest_id, ids, lengths,
+                                            deadline, landing)
                 except BulkError as exc:
                     fresh = await self.rediscovered(node, address, bulk_address)
                     if not fresh:
                         self.bulk_failed(bulk_address, node, exc)
                 if fresh:
                     try:
-                        return await self._fetch_bulk(
-                            health, fresh, dataset, manifest_id, ids, lengths, nbytes, landing)
+                        return await self._read(bulk, health, fresh, dataset, manifest_id, ids, lengths,
+                                                deadline, landing)
                     except BulkError as exc:
                         self.bulk_failed(fresh, node, exc)
-            return await self._fetch(health, address, dataset, manifest_id, ids, lengths, nbytes)
+            return await self._read(self._grpc, health, address, dataset, manifest_id, ids, lengths, deadline, None)
         finally:
             budget.give(nbytes)
 
-    async def _fetch_bulk(
-        self, health: PeerHealth, address: str, dataset: str, manifest_id: str, ids: np.ndarray,
-        lengths: np.ndarray, nbytes: int, landing: Landing | None,
+    async def _read(
+        self, transport: PeerTransport, health: PeerHealth, address: str, dataset: str, manifest_id: str,
+        ids: np.ndarray, lengths: np.ndarray, deadline: float, landing: Landing | None,
     ) -> dict[int, tuple[bytes | memoryview, int]]:
-        """The samples over the bulk path; raises BulkError when it failed and gRPC should be asked."""
-        assert self.bulk is not None
+        """The samples by ``transport``, its failure counted against the peer;
+        a BulkError (bulk only) is left for the caller to fall back on gRPC."""
         started = time.monotonic()
         try:
-            read = await self.bulk.read(
-                address, dataset, manifest_id, ids, lengths, batch_deadline(self.timeout, nbytes), landing
-            )
-        except BulkTimeoutError as exc:
-            self._failed(health, address, "DEADLINE_EXCEEDED", str(exc), started)
-            return {}
-        except BulkRefusedError as exc:
-            code = next((c.name for c in grpc.StatusCode if c.value[0] == exc.code), "UNKNOWN")
-            self._failed(health, address, code, str(exc), started)
+            read = await transport.read(
+                health.node, address, dataset, manifest_id, ids, lengths, deadline, landing)
+        except PeerReadFailed as exc:
+            health.bad_checksums += exc.bad_checksums
+            self._failed(health, address, exc.code, exc.message, started)
             return {}
         health.bad_checksums += read.bad_checksums
-        self._answered(health, address, len(read.samples), read.bytes)
-        self.bulk_samples += len(read.samples)
-        self.bulk_bytes += read.bytes
-        return dict(read.samples)
+        samples = self._admitted(health.node, read.samples, lengths)
+        self._answered(health, address, len(samples), read.bytes)
+        if transport is self._bulk:
+            self.bulk_samples += len(samples)
+            self.bulk_bytes += read.bytes
+        return samples
 
-    async def _fetch(
-        self, health: PeerHealth, address: str, dataset: str, manifest_id: str, ids: np.ndarray,
-        lengths: np.ndarray, nbytes: int,
+    def _admitted(
+        self, node: str, samples: dict[int, tuple[bytes | memoryview, int]], lengths: np.ndarray
     ) -> dict[int, tuple[bytes | memoryview, int]]:
-        node = health.node
-        request = pb.ReadRequest(dataset=dataset, ids=ids.tolist(), manifest_id=manifest_id, peer=True)
-        out: dict[int, tuple[bytes | memoryview, int]] = {}
-        received = 0
-        joiner = Joiner(f"peer {node}")
-        deadline = batch_deadline(self.timeout, nbytes)
-        started = time.monotonic()
-        call = self.stub(node, address).Read(request, timeout=deadline)
-        try:
-            async for chunk in call:
-                if chunk.HasField("piece"):
-                    piece = chunk.piece
-                    expected = int(lengths[piece.id]) if piece.id < len(lengths) else -1
-                    data = joiner.add(piece.id, piece.offset, piece.length, piece.data, expected)
-                    if data is not None and self._intact(health, data, piece.checksum):
-                        out[piece.id] = (data, piece.checksum)
-                        received += len(data)
-                    continue
-                if joiner.pending is not None:
-                    joiner.check_done()
-                for sample in chunk.samples:
-                    if sample.missing:
-                        continue
-                    data = sample.data
-                    if checksum(data) != sample.checksum:
-                        health.bad_checksums += 1
-                        continue
-                    out[sample.id] = (data, sample.checksum)
-                    received += len(data)
-            joiner.check_done()
-        except grpc.aio.AioRpcError as exc:
-            self._failed(health, address, exc.code().name, exc.details() or "", started)
-            return {}
-        except PieceError as exc:
-            call.cancel()
-            self._failed(health, address, "DATA_LOSS", str(exc), started)
-            return {}
-        self._answered(health, address, len(out), received)
-        return out
+        """The samples a peer sent in the manifest's length (see :mod:`.admission`);
+        one of another length is read elsewhere, as a corrupt one is."""
+        ids = np.fromiter(samples, dtype=np.int64, count=len(samples))
+        sizes = np.fromiter((len(data) for data, _ in samples.values()), dtype=np.int64, count=len(samples))
+        refused = refusals(ids, sizes, lengths) != ADMITTED
+        if not refused.any():
+            return samples
+        self.refused_lengths += int(refused.sum())
+        log.warning("a peer sent samples in another length than the manifest's; reading them elsewhere",
+                    extra={"fields": {"peer": node, "samples": int(refused.sum())}})
+        return {i: samples[i] for i in ids[~refused].tolist()}
 
     @staticmethod
     def _answered(health: PeerHealth, address: str, samples: int, nbytes: int) -> None:
@@ -247,13 +232,6 @@ class Peers:
         log.warning("bulk connection to a peer failed; using gRPC with it for a while",
                     extra={"fields": {"peer": node, "address": address, "error": str(error),
                                       "retry_in_s": BULK_RETRY_SECONDS}})
-
-    @staticmethod
-    def _intact(health: PeerHealth, data: bytes, digest: int) -> bool:
-        if checksum(data) == digest:
-            return True
-        health.bad_checksums += 1
-        return False
 
     def _failed(self, health: PeerHealth, address: str, code: str, error: str, started: float) -> None:
         health.failures += 1

@@ -8,7 +8,7 @@ the daemon fetches the next ``depth`` steps' transfers from their owners (or
 the nodes an owner's overflow spilled to) while
 the ranks are still on the current one, and keeps them in memory until they
 are read: they are not this node's to cache. Their bytes are reserved in the
-node's prefetch budget (:mod:`dataquay.server.node.prefetch_budget`) before
+node's prefetch budget (a :class:`~dataquay.server.limits.ByteBudget`) before
 they are asked for; steps that do not fit are read when asked for. How far the ranks got is the
 step of the latest id they asked for. Once they ask for the last steps of an
 epoch, the first steps of the next one are fetched too, so that a new epoch
@@ -30,8 +30,8 @@ import numpy as np
 from dataquay.client.jobs import job_plan
 from dataquay.client.placement import node_steps
 from dataquay.server.errors import DataquayError
+from dataquay.server.limits import ByteBudget
 from dataquay.server.node.placements import Placement
-from dataquay.server.node.prefetch_budget import PrefetchBudget
 from dataquay.server.registry import Registered
 from dataquay.server.task_group import Spawn
 
@@ -74,7 +74,7 @@ class TransferPrefetcher:
     """
 
     def __init__(
-        self, fetch: Fetch, placement_of: PlacementOf, spawn: Spawn, budget: PrefetchBudget, depth: int = DEPTH
+        self, fetch: Fetch, placement_of: PlacementOf, spawn: Spawn, budget: ByteBudget, depth: int = DEPTH
     ) -> None:
         self.fetch = fetch
         self.placement_of = placement_of
@@ -100,7 +100,7 @@ class TransferPrefetcher:
         if not state.held or self._epochs.get(job_id, {}).get(epoch) is not state:
             return {}  # nothing held, or the epoch was dropped (and its bytes given back) meanwhile
         out = {i: state.held.pop(i) for i in ids.tolist() if i in state.held}
-        self.budget.give_back(_held_bytes(out))
+        self.budget.give(_held_bytes(out))
         self.served += len(out)
         return out
 
@@ -144,7 +144,7 @@ class TransferPrefetcher:
         for step in range(max(state.next_step, after), min(upto, len(state.incoming) - 1) + 1):
             wanted = state.incoming[step]
             reserved = int(entry.manifest.sample_length[wanted].sum())
-            if not self.budget.take(reserved):
+            if not self.budget.reserve(reserved):
                 break
             state.next_step = step + 1
             if len(wanted):
@@ -182,7 +182,7 @@ class TransferPrefetcher:
         planned = self._epochs.setdefault(job_id, {})
         planned[epoch] = state
         for old in sorted(planned)[:-2]:
-            self.budget.give_back(_held_bytes(planned.pop(old).held))
+            self.budget.give(_held_bytes(planned.pop(old).held))
         if then_steps:
             self._fetch_steps(entry, state, 0, then_steps - 1)
 
@@ -197,7 +197,7 @@ class TransferPrefetcher:
                 state.held.update(got)  # else the job moved on meanwhile
                 kept = _held_bytes(got)
         finally:
-            self.budget.give_back(reserved - kept)
+            self.budget.give(reserved - kept)
             for i in ids.tolist():
                 if state.fetching.get(i) is done:
                     del state.fetching[i]

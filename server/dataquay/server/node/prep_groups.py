@@ -8,19 +8,27 @@ the names of the segments it holds) outlives each of them. A member's call
 waits up to its ``wait_seconds`` for something it can use (a batch to prep,
 the batch it needs next, the epoch's start), so members neither spin nor
 sleep past the moment their batch is ready.
+
+Groups belong to an owner: on a daemon that keeps its users apart, the uid
+of the members (:mod:`dataquay.server.node.users`), so that a group's name
+means a group of the caller's own user, another user never reaches its
+batches, and each user keeps at most ``per_owner`` groups; otherwise one
+owner (None) for all. A refusal names the rule or the field that differs,
+never a value of the group's settings.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import re
 import time
 from contextlib import suppress
 
 from dataquay.client import prepped
 from dataquay.client.errors import InvalidRequestError, JobMismatchError
-from dataquay.client.shm import process_alive
+from dataquay.client.shm import SHM_DIR, process_alive
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.node.prep_group import MAX_CLAIMS, PrepGroup, SyncAnswer
 
@@ -34,23 +42,26 @@ _NAME = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 class PrepGroups:
-    """Every prep group of this daemon, by name."""
+    """Every prep group of this daemon, by owner and name."""
 
-    def __init__(self, daemon_pid: int) -> None:
+    def __init__(self, daemon_pid: int, per_owner: int = MAX_GROUPS) -> None:
         self._daemon_pid = daemon_pid
-        self._groups: dict[str, PrepGroup] = {}
+        self._per_owner = per_owner
+        self._groups: dict[tuple[int | None, str], PrepGroup] = {}
         self._changed = asyncio.Event()
         self._unfreed: list[str] = []  # segments the daemon may not remove (another user's)
 
-    async def sync(self, request: pb.PrepSyncRequest) -> pb.PrepSyncReply:
-        """Answers a member's call, waiting up to its ``wait_seconds`` for news.
+    async def sync(self, request: pb.PrepSyncRequest, owner: int | None = None) -> pb.PrepSyncReply:
+        """Answers a member's call to a group of ``owner``, waiting up to its ``wait_seconds`` for news.
 
         Raises:
             InvalidRequestError: a spec or member no group can have.
             JobMismatchError: the group exists with other settings.
         """
         check(request, self._daemon_pid)
-        answer = self._apply(request)
+        if owner is not None:
+            check_owned(request, owner)
+        answer = self._apply(request, owner)
         rejected = answer.rejected
         wait = min(request.wait_seconds, MAX_WAIT_SECONDS) if math.isfinite(request.wait_seconds) else 0.0
         deadline = time.monotonic() + max(0.0, wait)
@@ -61,7 +72,7 @@ class PrepGroups:
             changed = self._changed
             with suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), left)
-            answer = self._apply(again)
+            answer = self._apply(again, owner)
         free, self._unfreed = rejected + self._unfreed, []
         return pb.PrepSyncReply(
             role=answer.role,  # type: ignore[arg-type]
@@ -77,10 +88,10 @@ class PrepGroups:
         empty; removes what the groups of daemons that died left in shared memory."""
         prepped.remove_orphans()
         now = time.monotonic()
-        for name, group in list(self._groups.items()):
+        for key, group in list(self._groups.items()):
             before = group.version
             group.expire(now, process_alive)
-            self._settle(name, group, before)
+            self._settle(key, group, before)
 
     def status(self) -> list[pb.PrepGroupStatus]:
         return [group.status() for group in self._groups.values()]
@@ -91,27 +102,33 @@ class PrepGroups:
             prepped.unlink(group.take_freed())
         self._groups = {}
 
-    def _apply(self, request: pb.PrepSyncRequest) -> SyncAnswer:
+    def _apply(self, request: pb.PrepSyncRequest, owner: int | None) -> SyncAnswer:
         name = request.spec.group
-        group = self._groups.get(name)
+        key = (owner, name)
+        group = self._groups.get(key)
         if group is None:
             if len(self._groups) >= MAX_GROUPS:
                 raise InvalidRequestError(f"this daemon already keeps {MAX_GROUPS} prep groups")
-            group = self._groups[name] = PrepGroup(request.spec, request.epoch, time.monotonic())
+            if owner is not None and sum(1 for o, _ in self._groups if o == owner) >= self._per_owner:
+                raise InvalidRequestError(
+                    f"uid {owner} already keeps {self._per_owner} prep groups on this daemon, as many as one user "
+                    "may (--prep-groups-per-user)"
+                )
+            group = self._groups[key] = PrepGroup(request.spec, request.epoch, time.monotonic())
         elif group.spec != request.spec:
             raise JobMismatchError(mismatch(group.spec, request.spec))
         elif request.member not in group.members and len(group.members) + len(group.waiting) >= MAX_MEMBERS:
             raise InvalidRequestError(f"prep group {name!r} already has {MAX_MEMBERS} members")
         before = group.version
         answer = group.sync(request, time.monotonic(), process_alive)
-        self._settle(name, group, before)
+        self._settle(key, group, before)
         return answer
 
-    def _settle(self, name: str, group: PrepGroup, version: int) -> None:
+    def _settle(self, key: tuple[int | None, str], group: PrepGroup, version: int) -> None:
         """Removes freed segments, forgets an empty group and wakes the waiting calls after a change."""
         if group.idle:
             group.close()
-            del self._groups[name]
+            del self._groups[key]
         self._unfreed.extend(prepped.unlink(group.take_freed()))
         if group.version != version or group.idle:
             self._changed.set()
@@ -159,10 +176,31 @@ def check(request: pb.PrepSyncRequest, daemon_pid: int) -> None:
             raise InvalidRequestError(message)
 
 
+def check_owned(request: pb.PrepSyncRequest, owner: int) -> None:
+    """Refuses prepped batches in segments of another user than the member's:
+    the group would hand them to its members and the daemon remove them once
+    read, another user's batch as well.
+
+    Raises:
+        InvalidRequestError: naming the rule.
+    """
+    for batch in request.prepped:
+        try:
+            found = os.stat(SHM_DIR / batch.segment, follow_symlinks=False).st_uid
+        except OSError:
+            continue  # gone already: the group's readers find it missing, as for any segment lost
+        if found != owner:
+            raise InvalidRequestError(
+                f"a prepped batch must be in a segment of the member's own user (uid {owner}); "
+                f"{batch.segment!r} is not"
+            )
+
+
 def mismatch(have: pb.PrepGroupSpec, given: pb.PrepGroupSpec) -> str:
-    """What differs between a group's spec and a member's, for the error message."""
+    """Which setting differs between a group's spec and a member's, for the
+    error message: the field's name, never the group's value (a member's
+    error must not teach the group's settings one field at a time)."""
     for field in have.DESCRIPTOR.fields:
-        a, b = getattr(have, field.name), getattr(given, field.name)
-        if a != b:
-            return f"prep group {have.group!r} has {field.name} {a!r}, this member {b!r}"
+        if getattr(have, field.name) != getattr(given, field.name):
+            return f"prep group {have.group!r} has another {field.name} than this member; its members must agree"
     return f"prep group {have.group!r} has other settings"

@@ -66,7 +66,6 @@ from dataquay.server.node.peers import Peers
 from dataquay.server.node.pfs_pool import PfsPool
 from dataquay.server.node.placements import Placement, Placements
 from dataquay.server.node.prefetch import PREFETCHED_MODES, TransferPrefetcher
-from dataquay.server.node.prefetch_budget import PrefetchBudget
 from dataquay.server.node.store import Store
 from dataquay.server.node.write_queue import PendingWrite
 from dataquay.server.registry import Registered
@@ -135,7 +134,9 @@ class ReadService:
         self.peers = peers
         self.placements = placements
         self.previous_owner_samples = 0
-        self.budget = PrefetchBudget(prefetch_memory)
+        # The memory this node's reads ahead of its ranks may hold (--prefetch-memory),
+        # shared by the transfers and the overflow's reads from the PFS.
+        self.budget = ByteBudget(prefetch_memory)
         self.prefetcher: TransferPrefetcher | None = None
         self.overflow: OverflowPrefetcher | None = None
         if spawn is not None and placements is not None and prefetch_memory > 0:

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dataquay.client.segment_reads import NOT_PLACED, OK, BatchReply, parse_request, reply_frame
-from dataquay.client.status_codes import status_of
+from dataquay.client.status_codes import code_number, status_of
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.forward import ShmForward
+from dataquay.server.node.users.callers import Caller
 from dataquay.server.proto_maps import TIER_TO_PROTO
 from dataquay.server.servicer_errors import MAX_DETAILS_CHARS
 
@@ -33,8 +34,9 @@ class SegmentReads:
         self.daemon = daemon
         self._latency = daemon.metrics.request_seconds
 
-    async def answer(self, segment: str, size: int, frame: bytes) -> bytes:
-        """The reply frame to request ``frame`` on the connection of ``segment`` (of ``size`` bytes).
+    async def answer(self, segment: str, size: int, frame: bytes, caller: Caller) -> bytes:
+        """The reply frame to request ``frame`` on the connection of ``segment``
+        (of ``size`` bytes), which ``caller`` holds.
 
         Raises:
             ValueError: ``frame`` is not a request (the connection is to be closed).
@@ -47,6 +49,7 @@ class SegmentReads:
         tiers, checked = np.zeros(count, np.uint8), np.zeros(count, np.uint8)
         at = 0
         try:
+            await self.daemon.access.check_read(caller, request.dataset)
             windows = self.daemon.reads.read(
                 request.dataset, request.ids, request.manifest_id, request.job, False, None, forward,
                 epoch=request.epoch if request.job else None,
@@ -68,7 +71,7 @@ class SegmentReads:
                     del window, served  # not held while the next one is resolved
         except DataquayError as exc:
             code, ((_, name),) = status_of(exc)
-            return reply_frame(BatchReply(code.value[0], name, str(exc)[:MAX_DETAILS_CHARS]))
+            return reply_frame(BatchReply(code_number(code), name, str(exc)[:MAX_DETAILS_CHARS]))
         self.daemon.forwarded_samples += forward.forwarded
         self.daemon.in_place_samples += len(forward.checked)
         self.daemon.segment_reads += 1

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from dataquay.client.stats import TIERS
+from dataquay.client.tiers import CLIENT_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.errors import StandaloneError
+from dataquay.server.errors import DataquayError, InvalidRequestError, StandaloneError
 from dataquay.server.limits import ByteBudget
 from dataquay.server.node.directory_link import DirectoryLink
-from dataquay.server.node.exchange import ExchangeRun
+from dataquay.server.node.exchange import ExchangeRun, Exchanges
 from dataquay.server.node.exchange.coded import CodedProgress
 from dataquay.server.node.forward import ShmForward
 from dataquay.server.node.metrics import LiveState
@@ -61,6 +61,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         ids = np.fromiter(request.ids, dtype=np.uint64, count=len(request.ids))
         forward = ShmForward(self.daemon.shm, request.shm_name, request.shm_size) if request.shm_name else None
         async with status_on_error(context):
+            caller = self.daemon.access.caller(context)
+            await self.daemon.access.check_read(caller, request.dataset)
+            if forward is not None and not self.daemon.access.trusted(caller):
+                self.daemon.access.check_segment(caller, self.daemon.shm.owner(request.shm_name))
             windows = self.daemon.reads.read(
                 request.dataset, ids, request.manifest_id, request.job, request.peer, self._budget(context),
                 forward,
@@ -89,7 +93,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
     async def AddDataset(self, request: pb.AddDatasetRequest, context: grpc.aio.ServicerContext) -> pb.DatasetInfo:
         async with status_on_error(context):
-            entry = await self.daemon.datasets.add(request, FORMAT_FROM_PROTO.get(request.format))
+            caller = self.daemon.access.caller(context)
+            entry = await self.daemon.datasets.add(
+                request, FORMAT_FROM_PROTO.get(request.format), lambda root: self.daemon.access.check_root(caller, root)
+            )
             return self.dataset_info(entry.record.name)
 
     async def ListDatasets(
@@ -112,6 +119,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self, request: pb.GetDatasetRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ManifestChunk]:
         async with status_on_error(context):
+            await self.daemon.access.check_read(self.daemon.access.caller(context), request.name)
             data = (await self.daemon.datasets.entry(request.name)).manifest.data
         step = 4 << 20
         for start in range(0, len(data), step):
@@ -121,6 +129,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self, request: pb.DropDatasetRequest, context: grpc.aio.ServicerContext
     ) -> pb.DropDatasetReply:
         async with status_on_error(context):
+            await self.daemon.access.check_drop(self.daemon.access.caller(context), request.name)
             freed = await self.daemon.datasets.drop(request.name)
         return pb.DropDatasetReply(freed_samples=freed)
 
@@ -129,6 +138,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     ) -> AsyncIterator[pb.StageProgress]:
         d = self.daemon
         async with status_on_error(context):
+            await d.access.check_read(d.access.caller(context), request.dataset)
             entry = await d.datasets.entry(request.dataset)
             seed, ids, leave_room, for_others = request.seed, None, False, 0
             if request.job:
@@ -191,9 +201,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 pb.PeerHealth(node=p.node, suspect=p.suspect, failures=p.failures, samples=p.samples, bytes=p.bytes)
                 for p in d.peers.health()
             ],
-            exchanges=[exchange_progress(run) for run in d.exchanges.progress()] if d.exchanges else [],
+            exchanges=exchanges_progress(d.exchanges) if d.exchanges else [],
+            mcast_datagrams_dropped=state.mcast_dropped,
             exchange_received_samples=d.receiver.received_samples if d.receiver else 0,
             exchange_received_bytes=d.receiver.received_bytes if d.receiver else 0,
+            values_refused=state.values_refused,
             previous_owner_samples=d.reads.previous_owner_samples,
             prefetched_samples=d.reads.prefetcher.served if d.reads.prefetcher else 0,
             client_reads=[pb.ClientReads(tier=tier, samples=samples, bytes=nbytes)
@@ -236,15 +248,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     async def ReportClientStats(
         self, request: pb.ClientStatsReport, context: grpc.aio.ServicerContext
     ) -> pb.ClientStatsReply:
-        if not request.client:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a client stats report must name its client")
-        if not math.isfinite(request.data_wait_seconds):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"data_wait_seconds {request.data_wait_seconds} is not a finite number of seconds")
-        unknown = sorted({r.tier for r in request.reads} - set(TIERS))
-        if unknown:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"unknown client tier {unknown[0]!r}; tiers are {', '.join(TIERS)}")
+        async with status_on_error(context):
+            _check_stats_report(request)
         reads = {r.tier: (r.samples, r.bytes) for r in request.reads}
         self.daemon.client_stats.report(request.client, reads, max(0.0, request.data_wait_seconds))
         if self.daemon.exchanges is not None:
@@ -253,20 +258,20 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         return pb.ClientStatsReply()
 
     async def PrepSync(self, request: pb.PrepSyncRequest, context: grpc.aio.ServicerContext) -> pb.PrepSyncReply:
-        if not (context.peer() or "").startswith("unix:"):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "prep groups are node-local: call through the daemon's unix socket")
         async with status_on_error(context):
-            return await self.daemon.prep_groups.sync(request)
+            _node_local(context, "prep groups are node-local: call through the daemon's unix socket")
+            owner = self.daemon.access.prep_owner(self.daemon.access.caller(context))
+            return await self.daemon.prep_groups.sync(request, owner)
 
     async def CacheBehind(
         self, request: pb.CacheBehindRequest, context: grpc.aio.ServicerContext
     ) -> pb.CacheBehindReply:
-        if not (context.peer() or "").startswith("unix:"):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "caching behind a trainer is node-local: call through the daemon's unix socket")
         async with status_on_error(context):
-            return await self.daemon.behind.take(request)
+            _node_local(context, "caching behind a trainer is node-local: call through the daemon's unix socket")
+            caller = self.daemon.access.caller(context)
+            await self.daemon.access.check_read(caller, request.dataset)
+            hand_over = not request.handed or self.daemon.access.may_hand_over(caller)
+            return await self.daemon.behind.take(request, hand_over=hand_over)
 
     async def Exchange(
         self, request_iterator: AsyncIterator[pb.ExchangeMessage], context: grpc.aio.ServicerContext
@@ -276,6 +281,12 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 raise StandaloneError("this daemon runs without a directory (--directory); exchanges need one")
             async for reply in self.daemon.receiver.receive(request_iterator):
                 yield reply
+
+    async def CodedPass(self, request: pb.CodedPassRequest, context: grpc.aio.ServicerContext) -> pb.CodedPassReply:
+        async with status_on_error(context):
+            if self.daemon.exchanges is None:
+                raise StandaloneError("this daemon runs without a directory (--directory); exchanges need one")
+            return pb.CodedPassReply(pass_id=await self.daemon.exchanges.pass_id(request.job, request.epoch))
 
     def _link(self) -> DirectoryLink:
         if self.daemon.link is None:
@@ -310,6 +321,14 @@ def read_ahead(state: LiveState) -> pb.ReadAhead:
     )
 
 
+def exchanges_progress(exchanges: Exchanges) -> list[pb.ExchangeProgress]:
+    """The latest exchange of each job, a run or a failure before its run began."""
+    runs = [exchange_progress(run) for run in exchanges.progress()]
+    failed = [pb.ExchangeProgress(job=job, epoch=epoch, finished=True, failed=True, error=f"failed: {reason}")
+              for job, epoch, reason in exchanges.failed_early()]
+    return sorted([*runs, *failed], key=lambda x: x.job)
+
+
 def exchange_progress(run: ExchangeRun) -> pb.ExchangeProgress:
     done = run.progress()
     coded = run.coded or CodedProgress()
@@ -326,9 +345,27 @@ def exchange_progress(run: ExchangeRun) -> pb.ExchangeProgress:
         elapsed_seconds=run.elapsed,
         first_delivery_seconds=run.first_delivery,
         finished=run.finished,
+        failed=run.failed,
         error=run.error,
         coded_packets_sent=coded.packets_sent,
         coded_bytes_sent=coded.bytes_sent,
         coded_samples_decoded=coded.samples_decoded,
         coded_note=coded.note,
     )
+
+
+def _check_stats_report(request: pb.ClientStatsReport) -> None:
+    """Raises InvalidRequestError for a report the client stats cannot take."""
+    if not request.client:
+        raise InvalidRequestError("a client stats report must name its client")
+    if not math.isfinite(request.data_wait_seconds):
+        raise InvalidRequestError(f"data_wait_seconds {request.data_wait_seconds} is not a finite number of seconds")
+    unknown = sorted({r.tier for r in request.reads} - set(CLIENT_TIERS))
+    if unknown:
+        raise InvalidRequestError(f"unknown client tier {unknown[0]!r}; tiers are {', '.join(CLIENT_TIERS)}")
+
+
+def _node_local(context: grpc.aio.ServicerContext, refusal: str) -> None:
+    """Raises DataquayError (FAILED_PRECONDITION) for a call that did not come over the unix socket."""
+    if not (context.peer() or "").startswith("unix:"):
+        raise DataquayError(refusal)

@@ -153,6 +153,19 @@ class ShmSegments:
         held = self._maps.get(name)
         return held.map if held is not None else None
 
+    def owner(self, name: str) -> int | None:
+        """The uid whose segment ``name`` is (a memfd's maker, a /dev/shm
+        file's owner); None for no segment of a client or one gone."""
+        held = self._maps.get(name)
+        if held is not None:
+            return held.uid
+        if name.startswith(PREFIX) or segment_pid(name) is None:
+            return None
+        try:
+            return os.stat(SHM_DIR / name, follow_symlinks=False).st_uid
+        except OSError:
+            return None
+
     def _check_memfd(self, fd: int, size: int) -> None:
         """Refuses anything but a memfd of the kernel's shared memory of
         ``size`` bytes, sealed against shrinking and growing, still open to

@@ -181,7 +181,7 @@ async def _main(args: argparse.Namespace) -> None:
     s = setup(args.nodes, args.samples, args.mean_bytes, args.spares, args.scheme, args.seed)
     channel = Channel(args.group, args.port)
     endpoint = MulticastEndpoint(args.node, channel, token=args.token, payload_bytes=args.payload_bytes,
-                                 window_bytes=args.window_bytes, rate=args.rate)
+                                 window_bytes=args.window_bytes, rate=args.rate, pass_id=args.pass_id)
     async with endpoint:
         result = await run_node(args.node, s, args.seed, endpoint, args.rundir, args.nodes)
     planned = coding.load(s.packets, s.sizes)
@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--group", default="239.255.16.1")
     parser.add_argument("--port", type=int, default=47016)
     parser.add_argument("--token", default="")
+    parser.add_argument("--pass-id", type=int, default=1, help="the pass's id, the same at every node (with the "
+                        "token it keys the datagrams)")
     parser.add_argument("--payload-bytes", type=int, default=1400)
     parser.add_argument("--window-bytes", type=int, default=256 << 10)
     parser.add_argument("--rate", type=float, default=None, help="bytes/s each node multicasts at most")

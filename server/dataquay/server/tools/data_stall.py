@@ -148,7 +148,7 @@ def _row(name: str, epoch: int, results: list[RankEpoch], exchanged: int) -> Epo
         wall_s=max(r.wall_seconds for r in results),
         wait_s=wait / len(results),
         stall_pct=100 * wait / wall if wall else 0.0,
-        local_mb=mb("local", "daemon-local", "page-cache"),
+        local_mb=mb("local", "cache", "page-cache"),
         peer_mb=peer,
         pfs_mb=mb("pfs", "fallback", "direct"),
         network_mb=peer + exchanged / 1e6,

@@ -158,7 +158,7 @@ def _train(
             results = ranks.epoch(epoch, prefetch=READ_AHEAD)
             _check(epoch, results, expected)
             rates[str(epoch)] = _rate(results)
-            row = _report(epoch, results, ("local+daemon-local", "peer", "pfs+fallback"))
+            row = _report(epoch, results, ("local+cache", "peer", "pfs+fallback"))
             if exchange:
                 row += f"  {format_bytes(_exchanged(cluster, job, epoch + 1)):>25}"
             print(row, flush=True)

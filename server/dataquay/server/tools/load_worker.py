@@ -26,6 +26,7 @@ from dataquay.client.channels import channel_options
 from dataquay.client.records import checksum
 from dataquay.client.security import Credentials
 from dataquay.client.shm import Segment
+from dataquay.client.tiers import SERVED_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 
@@ -40,7 +41,6 @@ ERROR_PAUSE_SECONDS = 0.05
 READY_TIMEOUT_SECONDS = 60.0
 #: What starts a worker's event lines on stdout.
 EVENT_PREFIX = "dq-load "
-_TIER_NAMES = {pb.TIER_LOCAL: "cache", pb.TIER_PEER: "peer", pb.TIER_PFS: "pfs"}
 
 
 class _LoadClient:
@@ -115,7 +115,7 @@ class _LoadClient:
             else:
                 self.verified += 1
                 self.bytes += len(data)
-                self.tiers[_TIER_NAMES.get(sample.tier, "unspecified")] += 1
+                self.tiers[SERVED_TIERS.get(sample.tier, "unspecified")] += 1
         if in_shm and self.segment is not None:
             self.segment.daemon_mapped()
 

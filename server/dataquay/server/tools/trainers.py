@@ -53,7 +53,7 @@ class RankEpoch:
     epoch: int
     ids: list[int]
     checksums: list[int]
-    #: Samples and bytes by client tier (local, daemon-local, peer, pfs, fallback).
+    #: Samples and bytes by client tier (local, cache, peer, pfs, fallback).
     samples: dict[str, int]
     bytes: dict[str, int]
     wall_seconds: float

@@ -43,8 +43,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 
+from dataquay.client.status_codes import code_number
 from dataquay.server.errors import DataquayError
 
 HELLO_MAGIC = b"DQB1"
@@ -58,6 +60,9 @@ SAMPLE = struct.Struct("<BQQQ")
 READ, EXCHANGE = 1, 2
 #: Frame statuses.
 OK, MISSING, END, ERROR, CHUNK, REPLY = 0, 1, 2, 3, 4, 5
+#: The code of the ERROR frame that answers an exchange a listener does not
+#: take (TLS, no directory): the sender goes over gRPC instead.
+EXCHANGE_UNAVAILABLE = code_number(grpc.StatusCode.UNAVAILABLE)
 #: Most samples in one exchange chunk, and the largest reply taken.
 MAX_CHUNK_SAMPLES = 1 << 16
 #: Largest exchange chunk body taken (or one sample's frame, if larger).

@@ -21,37 +21,40 @@ receiver's replies go back from the loop. Under TLS exchanges stay on gRPC:
 a TLS socket cannot be read and written from two threads at once. Nothing is buffered here:
 the socket's own buffers bound what one connection holds. Bad input
 (garbage, a wrong token, an oversized request, a connection that stalls in
-its handshake or mid-request) closes the connection with the reason logged;
-a thread per connection means one such connection never holds up another,
-and the number of connections is capped.
+its handshake or mid-request) closes the connection, counted by reason and
+logged at a bounded rate (:mod:`.refusals`); a thread per connection means
+one such connection never holds up another. The number of connections is
+capped, and so is the number one remote host may hold before it has proved
+the token: connections that never speak cannot take the slots peers need.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
 import secrets
 import socket
 import ssl
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
-import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
 from dataquay.client.record_loops import values_intact
 from dataquay.client.records import CHECKSUM_BYTES, stored_checksum
-from dataquay.client.status_codes import status_of
+from dataquay.client.status_codes import code_number, status_of
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DataquayError
+from dataquay.server.node.bulk.client import THREADS
 from dataquay.server.node.bulk.frames import (
     CHUNK,
     END,
     ERROR,
     EXCHANGE,
+    EXCHANGE_UNAVAILABLE,
     HELLO,
     HELLO_MAGIC,
     MAC_BYTES,
@@ -83,9 +86,8 @@ from dataquay.server.node.bulk.frames import (
     send_now,
     server_proof,
 )
+from dataquay.server.node.bulk.refusals import RefusalLog
 from dataquay.server.node.store import Store
-
-log = logging.getLogger("dataquay.bulk")
 
 #: Time a new connection has to finish TLS and prove it holds the token.
 HANDSHAKE_SECONDS = 5.0
@@ -95,11 +97,14 @@ IDLE_SECONDS = 300.0
 STALL_SECONDS = 30.0
 #: Connections served at once; more are closed at once.
 MAX_CONNECTIONS = 256
+#: Connections one remote host may hold before they prove the token; more
+#: are closed at once. A peer daemon opens at most its bulk client's THREADS
+#: at once, so a peer never meets this cap, while a host that opens silent
+#: connections holds this many slots at most, for HANDSHAKE_SECONDS each.
+MAX_HANDSHAKES_PER_HOST = THREADS
 #: Payload bytes sent under one LMDB read transaction.
 SEND_BYTES = 16 << 20
 
-#: Answers an exchange this listener does not take: the sender goes over gRPC instead.
-UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 #: Exchange chunks a connection's thread may have queued for the receiver at once.
 EXCHANGE_QUEUE = 4
 
@@ -144,7 +149,8 @@ class BulkServer:
         self.max_connections = max_connections
         self.served_samples = 0
         self.served_bytes = 0
-        self.refused = 0
+        self.refusals = RefusalLog()
+        self._handshaking: Counter[str] = Counter()
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connections: dict[socket.socket, threading.Thread] = {}
@@ -172,18 +178,28 @@ class BulkServer:
         self._loop = asyncio.get_running_loop()
         while True:
             conn, address = await self._loop.sock_accept(self._listener)
-            peer = f"{address[0]}:{address[1]}"
+            host, peer = address[0], f"{address[0]}:{address[1]}"
             with self._lock:
                 full = len(self._connections) >= self.max_connections
-            if full:
-                self._refuse(conn, peer, f"more than {self.max_connections} bulk connections at once")
+                host_full = self._handshaking[host] >= MAX_HANDSHAKES_PER_HOST
+                if not full and not host_full:
+                    self._handshaking[host] += 1
+            if full or host_full:
+                self._refuse(conn, peer, "full" if full else "host_full",
+                             f"more than {self.max_connections} bulk connections at once" if full else
+                             f"more than {MAX_HANDSHAKES_PER_HOST} connections from {host} in their handshake")
                 continue
             conn.setblocking(True)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            thread = threading.Thread(target=self._serve, args=(conn, peer), name=f"bulk-{peer}", daemon=True)
+            thread = threading.Thread(target=self._serve, args=(conn, host, peer), name=f"bulk-{peer}", daemon=True)
             with self._lock:
                 self._connections[conn] = thread
             thread.start()
+
+    @property
+    def refused(self) -> int:
+        """Connections closed for bad input or because the listener was full."""
+        return self.refusals.total
 
     def close(self, timeout: float = 5.0) -> None:
         """Stops listening and ends every connection; returns once their
@@ -201,30 +217,45 @@ class BulkServer:
                 pass
         for _conn, thread in connections:
             thread.join(timeout)
+        self.refusals.flush()
 
     # ------------------------------------------------------------ one connection
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
+    def _serve(self, conn: socket.socket, host: str, peer: str) -> None:
         sock = conn
+        handshaking = True
         try:
             sock.settimeout(HANDSHAKE_SECONDS)
             if self.tls is not None:
                 sock = self.tls.wrap_socket(conn, server_side=True)
             self._handshake(sock)
+            self._handshake_over(host)
+            handshaking = False
             while self._request(sock):
                 pass
         except (BulkError, OSError, ValueError) as exc:
             if not self._closing:
-                self._refuse(sock, peer, str(exc) or type(exc).__name__)
+                self._refuse(sock, peer, "handshake" if handshaking else "request", str(exc) or type(exc).__name__)
         finally:
+            if handshaking:
+                self._handshake_over(host)
             with self._lock:
                 self._connections.pop(conn, None)
             sock.close()
 
-    def _refuse(self, sock: socket.socket, peer: str, reason: str) -> None:
-        self.refused += 1
-        log.warning("closed a bulk connection", extra={"fields": {"peer": peer, "reason": reason}})
+    def _handshake_over(self, host: str) -> None:
+        """Gives back the handshake slot a connection from ``host`` held."""
+        with self._lock:
+            self._handshaking[host] -= 1
+            if not self._handshaking[host]:
+                del self._handshaking[host]
+
+    def _refuse(self, sock: socket.socket, peer: str, reason: str, detail: str) -> None:
+        """Closes ``sock``; counts it under ``reason`` (one of a few words) and logs it now and then."""
         sock.close()
+        flush_in = self.refusals.refused(reason, peer, detail)
+        if flush_in is not None and self._loop is not None and not self._closing:
+            self._loop.call_soon_threadsafe(self._loop.call_later, flush_in, self.refusals.flush)
 
     def _handshake(self, sock: socket.socket) -> None:
         nonce = secrets.token_bytes(NONCE_BYTES)
@@ -325,7 +356,7 @@ class BulkServer:
         if self.receive is None or self.tls is not None:
             reason = "this daemon takes exchanges over gRPC only" if self.tls is not None else (
                 "this daemon runs without a directory (--directory); exchanges need one")
-            send_buffers(sock, _error_frame(DataquayError(reason), UNAVAILABLE))
+            send_buffers(sock, _error_frame(DataquayError(reason), EXCHANGE_UNAVAILABLE))
             return
         try:
             first = pb.ExchangeMessage.FromString(body)
@@ -436,4 +467,4 @@ async def _send_from_loop(loop: asyncio.AbstractEventLoop, sock: socket.socket, 
 def _error_frame(exc: DataquayError, code: int | None = None) -> list[bytes]:
     """An ERROR frame: the gRPC status code the error maps to and its message."""
     message = str(exc).encode()[:MAX_ERROR_BYTES]
-    return [SAMPLE.pack(ERROR, status_of(exc)[0].value[0] if code is None else code, len(message), 0), message]
+    return [SAMPLE.pack(ERROR, code_number(status_of(exc)[0]) if code is None else code, len(message), 0), message]

@@ -7,7 +7,10 @@ multicasts the packets it sends (fetching first, from the node the plan
 names, the one part it lacks), and decodes from the packets it receives the
 samples it owns next and lacks. A packet is the XOR of whole cache values,
 so a decoded value carries its own xxh3 and is checked like any other
-before the store commits it, under a reservation of its room.
+before the store commits it, under a reservation of its room. The pass's
+datagrams are sealed under a key of its random id (:mod:`.mcast_seal`,
+:mod:`.pass_ids`); a whole packet that the plan does not have its sender
+send this node, or that has the wrong length, is dropped and counted.
 
 The pass is an optimisation only: whatever it does not deliver (a peer
 that is down, restarted, or late beyond the timeouts; a part deleted since
@@ -24,10 +27,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 from dataquay.client.records import CHECKSUM_BYTES, decode_value
 from dataquay.server.errors import DataquayError
@@ -51,8 +54,8 @@ COMMIT_BATCH = 64
 COMMITS_IN_FLIGHT = 4
 #: Whole packets received and not yet decoded, at most; more are dropped and resent.
 READY_PACKETS = 2 * COMMIT_BATCH
-#: Group ids: the low bits number one pass's groups, the high ones tell passes apart.
-_PASS_BITS = 20
+#: The group of the snapshots; the plan's groups follow it.
+SNAPSHOTS = 0
 
 
 @dataclass
@@ -72,27 +75,50 @@ class CodedProgress:
     note: str = ""
 
 
-def pass_base(job: str, epoch: int) -> int:
-    """The first group id of a job's pass into ``epoch``: its snapshots' group."""
-    return (xxhash.xxh3_64_intdigest(f"{job}/{epoch}".encode()) % ((1 << (32 - _PASS_BITS)) - 1)) << _PASS_BITS
+@dataclass(frozen=True)
+class PassTransport:
+    """Where and how one pass's datagrams travel.
+
+    Attributes:
+        channel: the multicast address, port and interface.
+        token: the node token the pass key derives from.
+        pass_id: the pass's random id, agreed over the TCP path (:mod:`.pass_ids`).
+        others: ids of this daemon's other passes under way (their datagrams are not counted as drops).
+        on_drop: told the reason of each datagram or packet dropped (the daemon's metric).
+        rate: bytes/s this node multicasts at most (0: uncapped).
+    """
+
+    channel: Channel
+    token: str
+    pass_id: int
+    others: Collection[int] = ()
+    on_drop: Callable[[str], None] | None = None
+    rate: int = 0
 
 
-async def coded_pass(channel: Channel, token: str, store: Store, receiver: ExchangeReceiver, entry: Registered,
-                     job: str, scheme: str, after: Placement, progress: CodedProgress, rate: int = 0) -> None:
+async def coded_pass(transport: PassTransport, store: Store, receiver: ExchangeReceiver, entry: Registered,
+                     job: str, scheme: str, after: Placement, progress: CodedProgress) -> None:
     """Runs this node's part of the coded pass into ``after``'s epoch (module docstring) on an
-    endpoint of its own (its node id is this node's rank in the job), multicasting at most
-    ``rate`` bytes/s (0: uncapped). Never raises but for cancellation: what it leaves, the streams ship."""
+    endpoint of its own (its node id is this node's rank in the job). Never raises but for
+    cancellation: what it leaves, the streams ship; a failure is logged and noted in ``progress``."""
     key = (job, after.epoch)
     over = receiver.coded_passes[key] = asyncio.Event()
+    channel = transport.channel
     try:
-        payload = payload_bytes(interface_mtu(channel.interface), token)
-        async with MulticastEndpoint(after.node_index, channel, token, payload, rate=rate or None,
-                                     max_ready=READY_PACKETS) as endpoint:
+        payload = payload_bytes(interface_mtu(channel.interface))
+        async with MulticastEndpoint(after.node_index, channel, transport.token, payload,
+                                     rate=transport.rate or None, max_ready=READY_PACKETS,
+                                     pass_id=transport.pass_id, others=transport.others,
+                                     on_drop=transport.on_drop) as endpoint:
             await _coded_pass(endpoint, store, receiver, entry, job, scheme, after, progress)
     except OSError as exc:
         progress.note = f"multicast on {channel.group}:{channel.port} via {channel.interface} failed: {exc}"
     except DataquayError as exc:
         progress.note = f"stopped: {exc}"
+    except Exception as exc:  # the pass only saves traffic: its failure leaves the job to the streams
+        log.exception("coded exchange pass failed; the streams ship its samples",
+                      extra={"fields": {"job": job, "epoch": after.epoch}})
+        progress.note = f"failed: {type(exc).__name__}: {exc}"
     finally:
         over.set()
         if receiver.coded_passes.get(key) is over:
@@ -102,7 +128,6 @@ async def coded_pass(channel: Channel, token: str, store: Store, receiver: Excha
 async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeReceiver, entry: Registered,
                       job: str, scheme: str, after: Placement, progress: CodedProgress) -> None:
     me, nodes = after.node_index, len(after.nodes)
-    base = pass_base(job, after.epoch)
     db, num_samples = entry.record.cache_db, entry.manifest.num_samples
     inbox: asyncio.Queue[tuple[int, int, int, bytes]] = asyncio.Queue()
     peers = [m for m in range(nodes) if m != me]
@@ -113,17 +138,22 @@ async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: Excha
     try:
         mine = np.packbits(store.cached_mask(db, np.arange(num_samples, dtype=np.int64))).tobytes()
         for peer in peers:
-            endpoint.expect(peer, base, inbox)
-            expected.append((peer, base))
-        endpoint.open_group(base, frozenset(peers))
-        opened.add(base)
-        await endpoint.send(base, me, mine)
+            endpoint.expect(peer, SNAPSHOTS, inbox)
+            expected.append((peer, SNAPSHOTS))
+        endpoint.open_group(SNAPSHOTS, frozenset(peers))
+        opened.add(SNAPSHOTS)
+        await endpoint.send(SNAPSHOTS, me, mine)
         snapshots = {me: mine}
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(SNAPSHOT_SECONDS):
                 while len(snapshots) < nodes:
-                    sender, _, _, snapshot = await inbox.get()
-                    snapshots[sender] = snapshot
+                    sender, _, packet_id, snapshot = await inbox.get()
+                    if sender in snapshots:
+                        endpoint.drop("duplicate")
+                    elif packet_id != sender or len(snapshot) != len(mine):
+                        endpoint.drop("malformed")
+                    else:
+                        snapshots[sender] = snapshot
         if len(snapshots) < nodes:
             progress.note = f"{nodes - len(snapshots)} peers sent no snapshot within {SNAPSHOT_SECONDS:.0f} s"
             return
@@ -139,16 +169,15 @@ async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: Excha
         sent = coded_packets.streams(packets)
         sends = np.flatnonzero(sent.senders == me).tolist()
         for group, members in {int(sent.groups[i]): sent.members[i] for i in sends}.items():
-            endpoint.open_group(base + 1 + group, members)
-            opened.add(base + 1 + group)
-        receiving = [i for i, m in enumerate(sent.members) if me in m and sent.senders[i] != coding.PFS]
-        for i in receiving:
-            key = (int(sent.senders[i]), base + 1 + int(sent.groups[i]))
+            endpoint.open_group(SNAPSHOTS + 1 + group, members)
+            opened.add(SNAPSHOTS + 1 + group)
+        receiving = {i: (int(sent.senders[i]), SNAPSHOTS + 1 + int(sent.groups[i]))
+                     for i, m in enumerate(sent.members) if me in m and sent.senders[i] != coding.PFS}
+        for key in set(receiving.values()):
             endpoint.expect(*key, inbox)
             expected.append(key)
         async with asyncio.timeout(PASS_SECONDS):
-            await _run(endpoint, store, receiver, entry, packets, sent, base, me, sends, len(receiving), inbox,
-                       progress)
+            await _run(endpoint, store, receiver, entry, packets, sent, me, sends, receiving, inbox, progress)
     except TimeoutError:
         progress.note = f"packets still missing after {PASS_SECONDS:.0f} s"
     finally:
@@ -159,8 +188,10 @@ async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: Excha
 
 
 async def _run(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeReceiver, entry: Registered,
-               packets: coding.Packets, sent: coded_packets.Streams, base: int, me: int, sends: list[int], expect: int,
-               inbox: asyncio.Queue[tuple[int, int, int, bytes]], progress: CodedProgress) -> None:
+               packets: coding.Packets, sent: coded_packets.Streams, me: int, sends: list[int],
+               receiving: dict[int, tuple[int, int]], inbox: asyncio.Queue[tuple[int, int, int, bytes]],
+               progress: CodedProgress) -> None:
+    """Sends this node's packets and fetches, and decodes the ``receiving`` ones (send -> its (sender, group))."""
     db, num_packets = entry.record.cache_db, len(packets)
     lengths = entry.manifest.sample_length.astype(np.int64) + CHECKSUM_BYTES
     fetched = {int(p): asyncio.Event() for p in packets.fetch_packets if packets.senders[p] == me}
@@ -173,7 +204,7 @@ async def _run(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeRece
 
     async def committed(writes: list[PendingWrite]) -> None:
         try:
-            stored = await receiver.commit_decoded(db, writes)
+            stored = await receiver.commit_decoded(entry, writes)
             progress.samples_decoded += len(stored)
         finally:
             in_flight.release()
@@ -205,14 +236,29 @@ async def _run(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeRece
                 value = coded_packets.xor_encode(values) if len(values) == len(held) else None
             if value is None:
                 continue  # deleted since the snapshot: the uncoded streams deliver it
-            await endpoint.send(base + 1 + int(sent.groups[i]), i, value)
+            await endpoint.send(SNAPSHOTS + 1 + int(sent.groups[i]), i, value)
             progress.packets_sent += 1
             progress.bytes_sent += len(value)
-        await endpoint.flush({base + 1 + int(sent.groups[i]) for i in sends})
+        await endpoint.flush({SNAPSHOTS + 1 + int(sent.groups[i]) for i in sends})
+
+    def length(i: int) -> int:
+        """Bytes of send ``i``: a fetch's sample, a packet's longest part."""
+        if i >= num_packets:
+            return int(lengths[packets.fetch_samples[i - num_packets]])
+        return int(lengths[packets.samples[packets.start[i]:packets.start[i + 1]]].max())
 
     async def receive_all() -> None:
-        for _ in range(expect):
-            _, _, i, packet = await inbox.get()
+        left = dict(receiving)
+        while left:
+            sender, group, i, packet = await inbox.get()
+            if left.get(i) != (sender, group):
+                endpoint.drop("duplicate" if receiving.get(i) == (sender, group) or group == SNAPSHOTS
+                              else "unexpected_packet")
+                continue
+            del left[i]
+            if len(packet) != length(i):
+                endpoint.drop("malformed")
+                continue
             if i >= num_packets:
                 fetch = i - num_packets
                 sample = int(packets.fetch_samples[fetch])

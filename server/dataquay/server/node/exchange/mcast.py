@@ -4,8 +4,11 @@ One :class:`MulticastEndpoint` per node and job: it multicasts the packets
 this node sends to their groups and receives the packets of the groups it
 decodes for, on one multicast address and port per job. A datagram carries
 its sender's node, its group and its place in the sender's stream to that
-group (:mod:`.mcast_wire`); a node drops the streams it was not told to
-expect. Reliability is the sender's: it keeps each datagram until every
+group (:mod:`.mcast_wire`), sealed under its pass's key (:mod:`.mcast_seal`);
+a node drops the streams it was not told to expect. What it did not expect
+to see at all (another pass's datagram, a forged or malformed one, a
+session of a stream that it already left behind) is dropped and counted by
+reason, never raised. Reliability is the sender's: it keeps each datagram until every
 member acknowledged it, resends what members report missing, announces its
 stream's tail while it waits, and never has more than ``window`` datagrams
 unacknowledged nor sends faster than ``rate``. A receiver acknowledges to the
@@ -23,11 +26,12 @@ import random
 import socket
 import struct
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 
 import xxhash
 
-from dataquay.server import auth
+from dataquay.server.node.exchange import mcast_seal
 from dataquay.server.node.exchange import mcast_wire as wire
 from dataquay.server.ratelimit import TokenBucket
 
@@ -74,9 +78,9 @@ def interface_mtu(address: str) -> int:
     return ETHERNET_MTU
 
 
-def payload_bytes(mtu: int, token: str) -> int:
-    """Packet bytes per datagram that fit ``mtu`` with IPv4, UDP, our header and signature (and UDP's limit)."""
-    room = min(mtu, MAX_DATAGRAM) - IP_UDP_BYTES - wire.DATA_HEADER_BYTES - (auth.DIGEST_BYTES if token else 0)
+def payload_bytes(mtu: int) -> int:
+    """Packet bytes per datagram that fit ``mtu`` with IPv4, UDP, our header and seal (and UDP's limit)."""
+    room = min(mtu, MAX_DATAGRAM) - IP_UDP_BYTES - wire.DATA_HEADER_BYTES - mcast_seal.OVERHEAD_BYTES
     return max(room, 512)
 
 
@@ -91,7 +95,8 @@ def multicast_channel(group_port: str, interface: str) -> Channel | None:
 @dataclass
 class EndpointStats:
     """Counts of what an endpoint put on the wire: ``wire_bytes_sent`` counts first transmissions,
-    ``resent_bytes`` the rest (UDP payloads, our headers and signatures included)."""
+    ``resent_bytes`` the rest (UDP payloads, our headers and seals included); and of what it
+    dropped, by reason (:data:`DROP_REASONS`)."""
 
     packets_sent: int = 0
     packet_bytes_sent: int = 0
@@ -101,9 +106,20 @@ class EndpointStats:
     resent_bytes: int = 0
     control_bytes_sent: int = 0
     packets_received: int = 0
-    datagrams_refused: int = 0
-    datagrams_dropped_full: int = 0
-    corrupt_packets: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+
+
+#: Why a received datagram (or, for ``corrupt`` and those of :mod:`.coded`, a packet) was dropped:
+#: ``malformed``: not a sealed dataquay datagram, or its message does not parse;
+#: ``unknown_pass``: it names a pass this endpoint is not in (a replay of an earlier pass, another job's);
+#: ``unauthenticated``: its tag does not verify under this pass's key (forged, or altered on the way);
+#: ``stale_session``: from a session of its sender that a newer one replaced;
+#: ``duplicate``: already received (a resend another member asked for, or a replay within the pass);
+#: ``backlog``: the consumer's queue of whole packets is full (the sender resends it);
+#: ``corrupt``: a whole packet whose bytes do not match its header's xxh3;
+#: ``unexpected_packet``: a whole packet the plan does not have its sender send this node on that stream.
+DROP_REASONS = ("malformed", "unknown_pass", "unauthenticated", "stale_session", "duplicate", "backlog", "corrupt",
+                "unexpected_packet")
 
 
 class _Protocol(asyncio.DatagramProtocol):
@@ -123,10 +139,11 @@ class MulticastEndpoint:
     Args:
         node: this node's rank in the job (its id in every datagram).
         channel: the job's multicast address and port.
-        token: the cluster token; every datagram is signed with it and
-            unsigned ones are refused ("" when the cluster has none).
+        token: the node token; with ``pass_id`` it keys the seal of every
+            datagram ("" when the cluster has none).
         payload_bytes: packet bytes per datagram: the MTU less 28 bytes of IP
-            and UDP and :data:`~.mcast_wire.DATA_HEADER_BYTES` and the signature.
+            and UDP, :data:`~.mcast_wire.DATA_HEADER_BYTES` and the seal's
+            :data:`~.mcast_seal.OVERHEAD_BYTES`.
         window_bytes: bytes of datagrams sent and not yet acknowledged by all
             members, at most: every sender's window together must fit a
             receiver's socket buffer, or the overflow is lost and resent.
@@ -134,16 +151,25 @@ class MulticastEndpoint:
         tail_interval: seconds between a waiting sender's tail announcements,
             and the least time between two resends of one datagram.
         max_ready: received packets held for the consumer, at most.
+        pass_id: the pass's random id, the same at every node of the pass
+            (agreed over the TCP path); datagrams of other passes are dropped.
+        others: ids of this process's other passes under way: their
+            datagrams reach this endpoint too and are ignored, not counted.
+        on_drop: told the reason of every drop (the daemon's metric).
     """
 
     def __init__(self, node: int, channel: Channel, token: str = "", payload_bytes: int = 1400,
                  window_bytes: int = 256 << 10, rate: float | None = None, tail_interval: float = 0.02,
-                 max_ready: int = 4096) -> None:
+                 max_ready: int = 4096, *, pass_id: int, others: Collection[int] = (),
+                 on_drop: Callable[[str], None] | None = None) -> None:
         self.node = node
         self.channel = channel
+        self.pass_id = pass_id
         self.stats = EndpointStats()
         self.ready: asyncio.Queue[tuple[int, int, int, bytes]] = asyncio.Queue()
-        self._token = token
+        self._seal = mcast_seal.PassSeal(token, pass_id)
+        self._others = others
+        self._on_drop = on_drop
         self._payload_bytes = payload_bytes
         self._window_bytes = window_bytes
         # Congestion: halved when members report losses, grown back a datagram per clean acknowledgement.
@@ -159,6 +185,7 @@ class MulticastEndpoint:
         self._resent_at: dict[tuple[int, int], float] = {}
         self._expected: dict[tuple[int, int], asyncio.Queue[tuple[int, int, int, bytes]]] = {}
         self._logs: dict[tuple[int, int], wire.ReceiveLog] = {}
+        self._retired_sessions: dict[tuple[int, int], set[int]] = {}
         self._since_ack: dict[tuple[int, int], int] = {}
         self._gap_acked_at: dict[tuple[int, int], float] = {}
         self._senders: dict[int, tuple[str, int]] = {}
@@ -244,6 +271,7 @@ class MulticastEndpoint:
         """Stops accepting ``sender``'s stream to ``group``."""
         self._expected.pop((sender, group), None)
         self._logs.pop((sender, group), None)
+        self._retired_sessions.pop((sender, group), None)
         self._since_ack.pop((sender, group), None)
         self._gap_acked_at.pop((sender, group), None)
 
@@ -274,7 +302,7 @@ class MulticastEndpoint:
                 self._room.clear()
                 await self._room.wait()
             seq = window.reserve()
-            datagram = auth.sign(self._token, wire.encode_data(wire.Fragment(
+            datagram = self._seal.seal(wire.encode_data(wire.Fragment(
                 self.node, self._session, group, seq, packet_id, index, count, len(packet), digest, payload)))
             window.keep(seq, datagram)
             self._kept_bytes += len(datagram)
@@ -311,20 +339,28 @@ class MulticastEndpoint:
             for group, window in self._groups.items():
                 # A stream still sending needs no tail: its next datagrams show its members their gaps.
                 if not window.done and self._sent_at.get(group, 0.0) <= idle_since:
-                    datagram = auth.sign(self._token, wire.encode_tail(
+                    datagram = self._seal.seal(wire.encode_tail(
                         wire.Tail(self.node, self._session, group, window.next_seq)))
                     self._multicast(datagram)
                     self.stats.control_bytes_sent += len(datagram)
 
+    def drop(self, reason: str) -> None:
+        """Counts a datagram or packet dropped for ``reason`` (one of :data:`DROP_REASONS`)."""
+        self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
+        if self._on_drop is not None:
+            self._on_drop(reason)
+
     def _on_datagram(self, data: bytes, addr: tuple[str, int]) -> None:
-        payload = auth.verified(self._token, data)
-        if payload is None:
-            self.stats.datagrams_refused += 1
-            return
         try:
-            message = wire.decode(payload)
+            found = mcast_seal.pass_of(data)
+            if found != self.pass_id and found in self._others:
+                return
+            message = wire.decode(self._seal.open(data))
+        except mcast_seal.SealError as exc:
+            self.drop(exc.reason)
+            return
         except wire.WireError:
-            self.stats.datagrams_refused += 1
+            self.drop("malformed")
             return
         if isinstance(message, wire.Ack):
             self._on_ack(message)
@@ -362,11 +398,17 @@ class MulticastEndpoint:
         key = (sender, group)
         if key not in self._expected:
             return None
-        self._senders[sender] = addr
         found = self._logs.get(key)
         if found is None or found.session != session:
-            # A sender that restarted numbers its stream anew.
+            retired = self._retired_sessions.setdefault(key, set())
+            if session in retired:
+                self.drop("stale_session")
+                return None
+            if found is not None:
+                retired.add(found.session)
+            # A sender that restarted (within this pass) numbers its stream anew.
             found = self._logs[key] = wire.ReceiveLog(session)
+            self._senders[sender] = addr
         return found
 
     def _on_tail(self, tail: wire.Tail, addr: tuple[str, int]) -> None:
@@ -381,15 +423,20 @@ class MulticastEndpoint:
             return
         into = self._expected[(fragment.sender, fragment.group)]
         if into.qsize() >= self._max_ready and fragment.index == 0:
-            self.stats.datagrams_dropped_full += 1
+            self.drop("backlog")
             return
         if not stream.on_data(fragment.seq):
+            self.drop("duplicate")
             return
+        # Acknowledgements go where new data came from, never where a replay did.
+        self._senders[fragment.sender] = addr
+        corrupt = self._assembler.corrupt
         packet = self._assembler.add(fragment)
         if packet is not None:
             self.stats.packets_received += 1
             into.put_nowait((fragment.sender, fragment.group, fragment.packet, packet))
-        self.stats.corrupt_packets = self._assembler.corrupt
+        elif self._assembler.corrupt > corrupt:
+            self.drop("corrupt")
         key = (fragment.sender, fragment.group)
         self._since_ack[key] = self._since_ack.get(key, 0) + 1
         now = time.monotonic()
@@ -408,7 +455,7 @@ class MulticastEndpoint:
         addr = self._senders.get(sender)
         if addr is None or self._send is None:
             return
-        datagram = auth.sign(self._token, wire.encode_ack(wire.Ack(
+        datagram = self._seal.seal(wire.encode_ack(wire.Ack(
             self.node, sender, stream.session, group, stream.cumulative, stream.gaps())))
         self._send.sendto(datagram, addr)
         self.stats.control_bytes_sent += len(datagram)

@@ -9,8 +9,8 @@ resends what a member reports missing. Receivers acknowledge cumulatively and
 list their gaps (NACKs) in a unicast reply to the sender; a sender that waits
 on acknowledgements multicasts a tail announcement (its next sequence number)
 so that a receiver learns of datagrams it lost at the end of a burst, as
-PGM's source path messages do. Every datagram is signed with the cluster
-token by the caller (:func:`dataquay.server.auth.sign`).
+PGM's source path messages do. Every datagram is sealed under its pass's
+key by the caller (:mod:`.mcast_seal`).
 
 The state machines here, :class:`SendWindow` and :class:`ReceiveLog`, and
 :class:`Assembler`, which rebuilds packets from fragments and checks their

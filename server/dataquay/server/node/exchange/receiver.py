@@ -3,8 +3,11 @@
 An offer is accepted only for ids this node owns in the offer's epoch, as its
 own placement computes it, so a sender with a wrong view of the job cannot
 fill this cache with samples nobody will ask it for. Payloads are checked
-against their checksums, committed in the store's large transactions, and
-acknowledged only once committed: an acknowledgement is what allows the
+against their checksums and the admission rule (:mod:`..admission`: the
+manifest's length, from the node the plan says gives them; a value refused is
+never acknowledged, so its sender keeps it and a reader gets it from the next
+tier), committed in the store's large transactions, and acknowledged only
+once committed: an acknowledgement is what allows the
 sender to delete its copy. Reading the next message overlaps the commit of the
 previous one. A sample larger than a message comes in pieces, and is checked
 and committed once joined. Over the bulk path (:mod:`.calls`) the same
@@ -52,6 +55,7 @@ from dataquay.server.errors import (
     InvalidRequestError,
     SampleIdError,
 )
+from dataquay.server.node.admission import ADMITTED, REASONS, Origin, gives, refusals
 from dataquay.server.node.bulk.frames import ExchangeChunk
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.placements import Placement, Placements
@@ -95,6 +99,8 @@ class ExchangeReceiver:
         self.received_samples = 0
         self.received_bytes = 0
         self.bad_checksums = 0
+        #: Values refused by the admission rule, by reason (see :mod:`..admission`).
+        self.refused = dict.fromkeys(REASONS.values(), 0)
         #: Highest epoch offered to this node, per job: the sender drops
         #: nothing this node owns up to it (see Exchanges._drop_given_away).
         self.offered_epochs: dict[str, int] = {}
@@ -133,22 +139,27 @@ class ExchangeReceiver:
             raise InvalidRequestError("an exchange stream must start with an offer")
         offer = first.offer
         entry, offered, placement = await self._accept(offer)
+        origin = await self._origin(offer, entry, placement)
         db, sizes = entry.record.cache_db, entry.manifest.sample_length
         coding = self.coded_passes.get((offer.job, int(offer.epoch)))
         if coding is not None:
             # What the pass decodes would otherwise be sent again, uncommitted when this offer asks.
             await coding.wait()
+        # Ids the sender does not give are refused as their values come, and count for nothing here.
+        given = offered[gives(offered, origin)]
         async with self.holding:
-            self.offered_epochs[offer.job] = max(self.offered_epochs.get(offer.job, 0), int(offer.epoch))
-            cached = self.store.cached_mask(db, offered)
-            held = offered[cached]
-        await self.store.grow_to_hold(stored_bytes(sizes[offered[~cached]]))
+            if len(given):
+                self.offered_epochs[offer.job] = max(self.offered_epochs.get(offer.job, 0), int(offer.epoch))
+            cached = self.store.cached_mask(db, given)
+            held = given[cached]
+        await self.store.grow_to_hold(stored_bytes(sizes[given[~cached]]))
         yield pb.ExchangeReply(held=held.tolist(), message_bytes=self._message_bytes(),
                                after_reads=self._short_of_share(offer.job, entry, placement))
 
         # Unbounded: the reservations and the sender's window bound it.
         commits: asyncio.Queue[_Taken | None] = asyncio.Queue()
-        reader = asyncio.create_task(self._take_in(messages, entry, set(offered.tolist()), commits))
+        reader = asyncio.create_task(
+            self._take_in(messages, entry, set(offered.tolist()), origin, offer.sender, commits))
         self._readers.add(reader)
         reader.add_done_callback(self._readers.discard)
         if self._closing:
@@ -168,11 +179,13 @@ class ExchangeReceiver:
                 if (left := commits.get_nowait()) is not None:
                     await self.store.space.release(left.reserved)
 
-    async def commit_decoded(self, db: str, writes: list[PendingWrite]) -> np.ndarray:
+    async def commit_decoded(self, entry: Registered, writes: list[PendingWrite]) -> np.ndarray:
         """Commits samples the coded pass decoded (their checksums already
         checked) under a reservation of their room, as a stream's are; returns
         their ids once committed."""
+        db = entry.record.cache_db
         await self.store.open_dataset(db)
+        writes = self._admitted(writes, entry, None, {"stream": "coded pass", "dataset": entry.record.name}, set())
         stored = await self._committed(db, await self._reserved(writes))
         self.received_samples += len(stored)
         self.received_bytes += sum(len(w.value) - CHECKSUM_BYTES for w in writes)
@@ -215,6 +228,59 @@ class ExchangeReceiver:
         except BaseException:
             await self.store.space.release(need)
             raise
+
+    def _admitted(
+        self, writes: list[PendingWrite], entry: Registered, origin: Origin | None, stream: dict[str, object],
+        logged: set[int],
+    ) -> list[PendingWrite]:
+        """Those of ``writes`` the admission rule lets in; the rest are counted,
+        and logged once per stream and reason (``logged`` holds those logged)."""
+        if not writes:
+            return writes
+        ids = np.fromiter((w.sample_id for w in writes), dtype=np.int64, count=len(writes))
+        lengths = np.fromiter((len(w.value) - CHECKSUM_BYTES for w in writes), dtype=np.int64, count=len(writes))
+        reasons = refusals(ids, lengths, entry.manifest.sample_length, origin)
+        if reasons.any():
+            self._refused(reasons, ids, entry, stream, logged)
+        return [w for w, reason in zip(writes, reasons.tolist()) if reason == ADMITTED]
+
+    def _refused(
+        self, reasons: np.ndarray, ids: np.ndarray, entry: Registered, stream: dict[str, object], logged: set[int]
+    ) -> None:
+        """Counts the values ``reasons`` refuses; logs each reason once per stream."""
+        for code, label in REASONS.items():
+            refused = int((reasons == code).sum())
+            if not refused:
+                continue
+            self.refused[label] += refused
+            if code not in logged:
+                logged.add(code)
+                first = int(ids[reasons == code][0])
+                log.warning("refused values not admitted to this cache; they stay with their sender",
+                            extra={"fields": {**stream, "reason": label, "sample": first,
+                                              "manifest_length": int(entry.manifest.sample_length[first])}})
+
+    def _check_pieces(self, piece: pb.Sample, entry: Registered, stream: dict[str, object], logged: set[int]) -> None:
+        """Refuses a value in pieces whose whole length is not the manifest's
+        before any of it is held: the stream ends, as for any bad piece."""
+        ids = np.array([piece.id], dtype=np.int64)
+        reasons = refusals(ids, np.array([int(piece.length) - CHECKSUM_BYTES]), entry.manifest.sample_length)
+        if reasons.any():
+            self._refused(reasons, ids, entry, stream, logged)
+            raise InvalidRequestError(
+                f"sample {piece.id} comes in pieces of a {int(piece.length) - CHECKSUM_BYTES}-byte payload; "
+                f"the manifest says {int(entry.manifest.sample_length[piece.id])} bytes"
+            )
+
+    async def _origin(self, offer: pb.ExchangeOffer, entry: Registered, placement: Placement) -> Origin:
+        """Who the plan says may send this offer's ids: its named sender, if
+        that node owned them the epoch before."""
+        nodes = placement.nodes
+        sender = nodes.index(offer.sender) if offer.sender in nodes else -1
+        before = None
+        if placement.epoch > 0:
+            before = (await self.placements.placement(offer.job, entry, placement.epoch - 1)).owners
+        return Origin(sender, placement.node_index, before, placement.owners)
 
     def _short_of_share(self, job: str, entry: Registered, placement: Placement) -> bool:
         """Whether this cache, less the exchange's reserve, cannot hold what this
@@ -265,6 +331,8 @@ class ExchangeReceiver:
         messages: AsyncIterator[pb.ExchangeMessage | ExchangeChunk],
         entry: Registered,
         offered: set[int],
+        origin: Origin,
+        sender: str,
         commits: asyncio.Queue[_Taken | None],
     ) -> None:
         """Checks each message's samples, reserves their room and queues them
@@ -273,6 +341,8 @@ class ExchangeReceiver:
         name = entry.record.cache_db.encode()
         lengths = entry.manifest.sample_length
         joiner = Joiner("the exchange's sender")
+        stream: dict[str, object] = {"stream": "exchange", "sender": sender, "dataset": entry.record.name}
+        logged: set[int] = set()
         try:
             async for message in messages:
                 values: list[tuple[int, bytes | memoryview]]
@@ -287,6 +357,7 @@ class ExchangeReceiver:
                         piece = message.piece
                         if piece.id not in offered:
                             raise InvalidRequestError(f"sample {piece.id} was not in the exchange offer")
+                        self._check_pieces(piece, entry, stream, logged)
                         joined = joiner.add(piece.id, piece.offset, piece.length, piece.value,
                                             int(lengths[piece.id]) + CHECKSUM_BYTES)
                         if joined is None:
@@ -305,6 +376,7 @@ class ExchangeReceiver:
                         self.bad_checksums += 1
                         continue
                     writes.append(PendingWrite(name, sample_id, value, reserved=True))
+                writes = self._admitted(writes, entry, origin, stream, logged)
                 commits.put_nowait(await self._reserved(writes))
         finally:
             commits.put_nowait(None)

@@ -31,6 +31,11 @@ no epoch will read here).
 
 A killed daemon redoes its part after restart: the offer's first reply lists
 what the receiver already holds, so nothing is sent twice and nothing is lost.
+
+A run that fails (its job or dataset gone, or an error no part of it
+handles) stops shipping, is logged once and shows as failed, with the
+reason, in the Stats its node returns; its samples are read from their
+previous owners, as for any exchange not done.
 """
 
 from __future__ import annotations
@@ -40,17 +45,21 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import grpc
 import numpy as np
 
 from dataquay.client.jobs import job_plan
 from dataquay.client.placement import MODES, node_reads
+from dataquay.client.status_codes import UNREACHABLE
+from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.errors import DataquayError
+from dataquay.server.errors import DataquayError, ExchangeRefusedError, JobMismatchError
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.directory_link import DirectoryLink
-from dataquay.server.node.exchange.coded import CodedProgress, coded_pass
+from dataquay.server.node.exchange.coded import SNAPSHOT_SECONDS, CodedProgress, PassTransport, coded_pass
 from dataquay.server.node.exchange.mcast import Channel
 from dataquay.server.node.exchange.outbox import UNAVAILABLE, Outbox, OutboxProgress
+from dataquay.server.node.exchange.pass_ids import PassIds
 from dataquay.server.node.exchange.positions import WHOLE_EPOCH, ReadPositions
 from dataquay.server.node.exchange.receiver import ExchangeReceiver
 from dataquay.server.node.exchange.streams import ExchangeStreams, News
@@ -64,6 +73,8 @@ log = logging.getLogger("dataquay.exchange")
 
 #: Receivers streamed to at once.
 PARALLEL_RECEIVERS = 4
+#: Longest wait for one answer of the node that leads a coded pass (the pass's id).
+PASS_ID_CALL_SECONDS = 5.0
 
 
 @dataclass
@@ -81,6 +92,8 @@ class ExchangeRun:
     first_delivery: float = 0.0
     ended: float = 0.0
     finished: bool = False
+    #: The run stopped on a failure, which ``error`` names.
+    failed: bool = False
     error: str = ""
     #: Shipping to every receiver; cancelled when the job moves past ``epoch``.
     shipping: asyncio.Future[list[None]] | None = None
@@ -109,7 +122,7 @@ class Exchanges:
         spare_copies_fill: cache fill below which given-away samples are kept.
         multicast: where coded passes travel (None: jobs with a coded
             exchange exchange uncoded).
-        token: the node token that signs their datagrams.
+        token: the node token their datagrams' keys derive from.
     """
 
     def __init__(
@@ -140,6 +153,13 @@ class Exchanges:
         self.multicast = multicast
         self.token = token
         self.runs: dict[tuple[str, int], ExchangeRun] = {}
+        #: Per job, the latest run that failed before it had a run record: (epoch, reason).
+        self.failures: dict[str, tuple[int, str]] = {}
+        self.pass_ids = PassIds()
+        #: Ids of the coded passes under way here.
+        self.live_passes: set[int] = set()
+        #: Coded passes' datagrams and packets dropped, by reason (:data:`~.mcast.DROP_REASONS`).
+        self.mcast_dropped: dict[str, int] = {}
         self._tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._epochs: dict[str, int] = {}
         self._epoch_moved = asyncio.Event()
@@ -203,14 +223,47 @@ class Exchanges:
                 latest[run.job] = run
         return [latest[job] for job in sorted(latest)]
 
+    def failed_early(self) -> list[tuple[str, int, str]]:
+        """(job, epoch, reason) of each job whose latest exchange failed before its run began."""
+        latest = {run.job: run.epoch for run in self.progress()}
+        return [(job, epoch, reason) for job, (epoch, reason) in sorted(self.failures.items())
+                if epoch > latest.get(job, -1)]
+
+    async def pass_id(self, job_id: str, epoch: int) -> int:
+        """The id of ``job_id``'s coded pass into ``epoch``, for a node of the job (``CodedPass``).
+
+        Raises:
+            UnknownJobError: the job is unknown here and to the directory.
+            ExchangeRefusedError: this node is not the job's first node, which leads its passes.
+        """
+        job = await self.link.job(job_id)
+        if not job.spec.nodes or job.spec.nodes[0] != self.node_name:
+            raise ExchangeRefusedError(
+                f"node {self.node_name} does not lead job {job_id!r}'s coded passes: its first node does")
+        return self.pass_ids.issue(job_id, epoch)
+
     # ------------------------------------------------------------ one run
 
     async def _run(self, job_id: str, epoch: int) -> None:
         try:
             await self._exchange(job_id, epoch)
         except DataquayError as exc:
-            log.warning("exchange not run; its samples will be read from their previous owners",
+            log.warning("exchange failed; its samples will be read from their previous owners",
                         extra={"fields": {"job": job_id, "epoch": epoch, "error": str(exc)}})
+            self._failed(job_id, epoch, str(exc))
+        except Exception as exc:  # a failure no part handled: reported, never a run that looks alive
+            log.exception("exchange failed; its samples will be read from their previous owners",
+                          extra={"fields": {"job": job_id, "epoch": epoch}})
+            self._failed(job_id, epoch, f"{type(exc).__name__}: {exc}")
+
+    def _failed(self, job_id: str, epoch: int, reason: str) -> None:
+        """Marks the run into ``epoch`` failed (or records the failure, when it had no run yet)."""
+        run = self.runs.get((job_id, epoch))
+        if run is None:
+            self.failures[job_id] = (epoch, reason)
+            return
+        run.failed, run.error = True, f"failed: {reason}"
+        run.finished, run.ended = True, run.ended or time.monotonic()
 
     async def _exchange(self, job_id: str, epoch: int) -> None:
         job = await self.link.job(job_id)
@@ -218,9 +271,8 @@ class Exchanges:
             return
         entry = await self.datasets.entry(job.spec.dataset)
         if entry.record.manifest_id != job.manifest_id:
-            log.warning("not exchanging: the job runs on another version of its dataset",
-                        extra={"fields": {"job": job_id, "dataset": job.spec.dataset}})
-            return
+            raise JobMismatchError(f"job {job_id!r} runs on another version of dataset {job.spec.dataset!r} "
+                                   "than this node holds")
         before = await self.placements.placement(job_id, entry, epoch - 1)
         after = await self.placements.placement(job_id, entry, epoch)
         if after.node_index < 0:
@@ -245,20 +297,16 @@ class Exchanges:
         coding = job.spec.exchange_coding or "none"
         if coding != "none":
             run.coded = CodedProgress()
-            if self.multicast is None:
-                run.coded.note = "this daemon has no --exchange-multicast: exchanged uncoded"
-            else:
-                await coded_pass(self.multicast, self.token, self.store, self.receiver, entry, job_id, coding, after,
-                                 run.coded, self.bandwidth)
+            await self._coded(run.coded, entry, coding, after)
             log.info("coded exchange pass over", extra={"fields": {
                 "job": job_id, "epoch": epoch, "packets_sent": run.coded.packets_sent,
                 "bytes_sent": run.coded.bytes_sent, "decoded": run.coded.samples_decoded, "note": run.coded.note}})
         limit = asyncio.Semaphore(PARALLEL_RECEIVERS)
         dropper = asyncio.get_running_loop().create_task(self._drop_as_read(entry, run))
         try:
-            run.shipping = asyncio.gather(*(
-                self.streams.ship_to(run, entry, after, receiver, limit) for receiver in run.outbox.receivers_left()
-            ))
+            streams = [asyncio.ensure_future(self.streams.ship_to(run, entry, after, receiver, limit))
+                       for receiver in run.outbox.receivers_left()]
+            run.shipping = asyncio.gather(*streams)
             given_up = False
             try:
                 await run.shipping
@@ -267,6 +315,10 @@ class Exchanges:
                 if task is not None and task.cancelling():
                     raise
                 run.error, given_up = run.error or "given up: the job moved on", True
+            except Exception:
+                for stream in streams:  # a failed one leaves its siblings running otherwise
+                    stream.cancel()
+                raise
             run.finished, run.ended = True, time.monotonic()
             done = run.progress()
             log.info("exchange finished", extra={"fields": {
@@ -285,6 +337,56 @@ class Exchanges:
         finally:
             dropper.cancel()
             await asyncio.gather(dropper, return_exceptions=True)
+
+    async def _coded(self, progress: CodedProgress, entry: Registered, scheme: str, after: Placement) -> None:
+        """The coded pass before the streams, under an id its job's first node gave it."""
+        job_id = after.job.spec.job_id
+        if self.multicast is None:
+            progress.note = "this daemon has no --exchange-multicast: exchanged uncoded"
+            return
+        leader = after.nodes[0]
+        try:
+            pass_id = (self.pass_ids.issue(job_id, after.epoch) if leader == self.node_name
+                       else await self._ask_pass_id(leader, job_id, after.epoch))
+        except TimeoutError:
+            progress.note = f"the job's first node {leader} gave no pass id within {SNAPSHOT_SECONDS:.0f} s"
+            return
+        except grpc.aio.AioRpcError as exc:
+            progress.note = f"the job's first node {leader} gave no pass id: {exc.code().name}: {exc.details()}"
+            return
+        self.live_passes.add(pass_id)
+        try:
+            transport = PassTransport(self.multicast, self.token, pass_id, self.live_passes, self._count_drop,
+                                      self.bandwidth)
+            await coded_pass(transport, self.store, self.receiver, entry, job_id, scheme, after, progress)
+        finally:
+            self.live_passes.discard(pass_id)
+
+    async def _ask_pass_id(self, leader: str, job_id: str, epoch: int) -> int:
+        """The pass's id from ``leader`` over TCP, asked again while it is unreachable.
+
+        Raises:
+            TimeoutError: no answer within SNAPSHOT_SECONDS.
+            grpc.aio.AioRpcError: the leader refused.
+        """
+        delay = 0.1
+        async with asyncio.timeout(SNAPSHOT_SECONDS):
+            while True:
+                address = await self.link.address_of(leader)
+                if address:
+                    request = pb.CodedPassRequest(job=job_id, epoch=epoch)
+                    try:
+                        reply = await self.peers.stub(leader, address).CodedPass(request,
+                                                                                 timeout=PASS_ID_CALL_SECONDS)
+                        return int(reply.pass_id)
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code() not in UNREACHABLE:
+                            raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _count_drop(self, reason: str) -> None:
+        self.mcast_dropped[reason] = self.mcast_dropped.get(reason, 0) + 1
 
     async def _reads(
         self, job: jpb.Job, entry: Registered, current: Placement

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from dataquay.client.status_codes import UNREACHABLE
+from dataquay.client.status_codes import UNREACHABLE, code_of_number
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.bulk.client import BulkRefusedError
-from dataquay.server.node.bulk.frames import BulkError
+from dataquay.server.node.bulk.frames import EXCHANGE_UNAVAILABLE, BulkError
 from dataquay.server.node.directory_link import DirectoryLink
 from dataquay.server.node.exchange.calls import BulkExchangeCall, ExchangeCall, GrpcExchangeCall
 from dataquay.server.node.exchange.outbox import PENDING, REFUSED, UNAVAILABLE, acknowledged
@@ -55,8 +55,6 @@ WINDOW = 4
 #: Ids one offer (one stream) may name; more go in later streams.
 OFFER_IDS = 1 << 16
 RETRY_SECONDS = (0.5, 30.0)
-#: A bulk listener's answer that it takes no exchanges (TLS): the stream goes over gRPC.
-BULK_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 #: Least time between two looks at what may be deleted or sent on, however
 #: often reads and acknowledgements come in.
 REACT_SECONDS = 0.05
@@ -232,7 +230,7 @@ class ExchangeStreams:
             await acks
         except BulkError as exc:
             refused = isinstance(exc, BulkRefusedError)
-            if bulk_address and (not isinstance(exc, BulkRefusedError) or exc.code == BULK_UNAVAILABLE):
+            if bulk_address and (not isinstance(exc, BulkRefusedError) or exc.code == EXCHANGE_UNAVAILABLE):
                 if refused or not await self.peers.rediscovered(node, address, bulk_address):
                     self.peers.bulk_failed(bulk_address, node, exc)
             raise
@@ -248,6 +246,5 @@ class ExchangeStreams:
 def _status(exc: grpc.aio.AioRpcError | BulkRefusedError) -> tuple[grpc.StatusCode, str]:
     """The status a receiver ended a stream with, over either transport."""
     if isinstance(exc, BulkRefusedError):
-        code = next((c for c in grpc.StatusCode if c.value[0] == exc.code), grpc.StatusCode.UNKNOWN)
-        return code, str(exc)
+        return code_of_number(exc.code), str(exc)
     return exc.code(), exc.details() or ""

@@ -1,0 +1,1 @@
+"""Users of one daemon kept apart: who calls (:mod:`.callers`) and what that user may do (:mod:`.access`)."""
