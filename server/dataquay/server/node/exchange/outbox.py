@@ -178,6 +178,11 @@ class Outbox:
         rows = np.flatnonzero(self.state == DELIVERED)
         return self.ids[rows[self._read(rows, read_upto)]]
 
+    def all_read(self, read_upto: np.ndarray) -> bool:
+        """Whether this node's ranks have read every id given away (as
+        :meth:`read_and_delivered` counts them)."""
+        return bool(self._read(np.arange(len(self.ids)), read_upto).all())
+
     def dropped(self, ids: np.ndarray | list[int]) -> None:
         """Delivered ``ids`` are deleted here."""
         rows = self._rows(ids)

@@ -4,7 +4,9 @@ Local hits never reach the daemon, so a client reports its ranks' read
 positions (:class:`~dataquay.client.sampler.JobSampler` moves them); the
 sender deletes a sample it gave away only once the rank that reads it here has
 gone past it. A report is only ever a reason to delete sooner: a rank that
-reports nothing has its samples deleted when its node enters the next epoch,
+reports nothing has its samples deleted when its node enters the next epoch
+(one that reported a position in the epoch before is waited for until it has
+read it all, or its node enters the epoch after),
 and a position reported too far makes its rank read those samples from their
 new owner, never a wrong byte.
 """
@@ -39,6 +41,11 @@ class ReadPositions:
             rank_epoch, position = reported.get(rank, (-1, 0))
             upto[i] = WHOLE_EPOCH if rank_epoch > epoch else position if rank_epoch == epoch else 0
         return upto
+
+    def still_reading(self, job_id: str, epoch: int, ranks: np.ndarray) -> np.ndarray:
+        """Which of ``ranks`` reported a position in ``epoch`` and none later."""
+        reported = self._ranks.get(job_id, {})
+        return np.array([reported.get(rank, (-1, 0))[0] == epoch for rank in ranks.tolist()], dtype=bool)
 
     def forget(self, keep: set[str]) -> None:
         """Drops the jobs not in ``keep`` (ended, or never known to this node)."""

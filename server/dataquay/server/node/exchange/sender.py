@@ -13,7 +13,9 @@ takes a chunk and acknowledges it once its cache has committed it.
 
 A sample is deleted here only when its receiver acknowledged it and this
 node's rank that reads it in epoch e has gone past it (its client reports read
-positions; entering e+1 counts as having read all of e), and only while the
+positions; a rank entering e+1 has read all of e; once the node enters e+1,
+a rank that reported no position in e counts as having read it all, one that
+did is waited for until it has, or the node enters e+2), and only while the
 cache is fuller than ``--spare-copies-fill``: below that, given-away samples
 stay as spare copies, and a later epoch that hands one back moves nothing (the
 receiver says it already holds it). Deleting as the ranks read is what lets a
@@ -60,7 +62,7 @@ from dataquay.server.node.exchange.coded import SNAPSHOT_SECONDS, CodedProgress,
 from dataquay.server.node.exchange.mcast import Channel
 from dataquay.server.node.exchange.outbox import UNAVAILABLE, Outbox, OutboxProgress
 from dataquay.server.node.exchange.pass_ids import PassIds
-from dataquay.server.node.exchange.positions import ReadPositions
+from dataquay.server.node.exchange.positions import WHOLE_EPOCH, ReadPositions
 from dataquay.server.node.exchange.receiver import ExchangeReceiver
 from dataquay.server.node.exchange.streams import ExchangeStreams, News
 from dataquay.server.node.peers.reads import Peers
@@ -324,6 +326,7 @@ class Exchanges:
                 "unavailable": done.unavailable_samples, "refused": done.refused_samples,
                 "seconds": round(run.elapsed, 3)}})
             await self._until_epoch(job_id, epoch)
+            await self._until_read(run)
             if not self._keeps_spare_copies():
                 left = run.outbox.delivered_ids()
                 if given_up:
@@ -434,6 +437,18 @@ class Exchanges:
             log.info("deleted samples given away and not yet shipped: exchanges into this node waited for room",
                      extra={"fields": {"samples": deleted, "bytes_wanted": nbytes}})
         return deleted
+
+    async def _until_read(self, run: ExchangeRun) -> None:
+        """Waits until this node's ranks that report their reads have read all
+        that ``run`` gives away, or the node enters the epoch after
+        ``run.epoch``. Ranks run at their own pace: the first to enter
+        ``run.epoch`` says nothing of how far the others read the epoch before."""
+        while self._epochs.get(run.job, -1) <= run.epoch:
+            reading = self.positions.still_reading(run.job, run.epoch - 1, run.ranks)
+            read_upto = np.where(reading, run.read_upto(self.positions), WHOLE_EPOCH)
+            if run.outbox.all_read(read_upto):
+                return
+            await self.news.wait()
 
     async def _until_epoch(self, job_id: str, epoch: int) -> None:
         while self._epochs.get(job_id, -1) < epoch:
