@@ -2,8 +2,8 @@
 exchange, caches in the proportion the README advises, the ranks of a node
 each at its own pace, and every rank still reads its own node's cache: a
 sample given away stays until every rank of its node has read it, not only
-until the first rank enters the next epoch (which had the slower rank read
-3-6% of each epoch from peers, epoch 0 included)."""
+until the first rank enters the next epoch (a slower rank would then read the
+rest of its epoch from peers, epoch 0 included)."""
 
 from __future__ import annotations
 
