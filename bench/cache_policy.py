@@ -1,4 +1,4 @@
-"""Cache policy: the daemon's insert-once cache against an LRU of the same capacity (issue 6).
+"""Cache policy: the daemon's insert-once cache against an LRU of the same capacity.
 
 The daemon's cache follows the "MinIO" policy: a sample is inserted once and
 never evicted for capacity; once full, misses are served from the PFS. The
@@ -282,7 +282,7 @@ def markdown(
         for row in rows
     ]
     lines = [
-        "### Cache policy: insert once vs LRU (issue 6)",
+        "### Cache policy: insert once vs LRU",
         "",
         "```",
         command,

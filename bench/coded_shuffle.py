@@ -1,6 +1,6 @@
 """Coded shuffling: transmissions and bytes of the uncoded, coded and UberShuffle exchanges.
 
-Seed 002's settings: n nodes each caching a fraction ``alpha`` of q samples,
+UberShuffle's settings (Chung et al., SysML 2018): n nodes each caching a fraction ``alpha`` of q samples,
 the dataset reassigned uniformly at random every epoch, and each cache after
 the exchange holding its new share plus spares drawn at random from what it
 held (:func:`dataquay.server.tools.spare_copies.refill`). Caches start random

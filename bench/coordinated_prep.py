@@ -4,7 +4,7 @@ every batch) against one coordinated group (each batch prepped once), in the
 same run on the same staged dataset.
 
 Per k and way: the samples/s each job trains at, and the CPU seconds all jobs
-and the daemon spent together. The claim (CoorDL, seed 001) is that redundant
+and the daemon spent together. The claim (CoorDL: Mohan et al., VLDB 2021) is that redundant
 prep goes away, so total CPU falls toward 1/k of the independent loaders',
 and on a machine with fewer cores than jobs need the jobs train faster too.
 

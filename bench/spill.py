@@ -1,5 +1,5 @@
 """Caches of unequal capacity: PFS reads per epoch with and without spilling
-(issue 15, item 4; seed 001's Partitioned MinIO: the aggregate cache is the
+(CoorDL's (Mohan et al., VLDB 2021) Partitioned MinIO: the aggregate cache is the
 sum of the caches).
 
 4 daemons, 8 rank processes (2 per node) reading a files dataset of

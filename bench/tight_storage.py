@@ -1,5 +1,5 @@
 """Tight storage: caches that hold little more than their node's share, and
-caches that hold less (issue 15's regime; seeds 000 and 001).
+caches that hold less (the regime of Nguyen et al., IPDPS 2022, and Mohan et al., VLDB 2021).
 
 4 daemons, 8 rank processes (2 per node) reading a files dataset of
 ``SAMPLES`` samples of 60-100 KB, a ``partial`` job, ``--spare-copies-fill 0``;

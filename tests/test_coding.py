@@ -25,7 +25,7 @@ from dataquay.server.node.exchange.coding import (
     uber_tables,
 )
 
-# Seed 002's toy example, its ids shifted to start at 0 (nodes 1..3 -> 0..2, samples 1..9 -> 0..8).
+# UberShuffle's toy example, its ids shifted to start at 0 (nodes 1..3 -> 0..2, samples 1..9 -> 0..8).
 TOY_CACHES = [{2, 3, 4, 8}, {6, 7, 8, 9}, {1, 3, 4, 5}]
 TOY_NEEDS = [{3, 5, 8}, {1, 4, 9}, {2, 6, 7}]
 

@@ -162,7 +162,7 @@ def test_a_flag_that_is_not_a_number_is_bad_usage() -> None:
 def test_partial_reports_q_drawn_and_the_fraction_that_leaves_each_node() -> None:
     out = run_cli(*cli_args("partial", "--q", "0.5", "--epochs", "2"))
     assert out.returncode == 0, out.stderr
-    assert "(q 0.5 drawn into the pool; 0.4688 of each node's samples leave it, seed 000's Q)" in out.stdout
+    assert "(q 0.5 drawn into the pool; 0.4688 of each node's samples leave it, Nguyen et al.'s Q)" in out.stdout
     doc = json.loads(run_cli(*cli_args("partial", "--q", "0.5", "--epochs", "2", "--json")).stdout)
     assert doc["q"] == {"drawn": 0.5, "leaving": 0.5 * (NODES - 1) / NODES}
     assert doc["epochs"][1]["network_percent"] / 100 == pytest.approx(doc["q"]["leaving"], abs=0.01)

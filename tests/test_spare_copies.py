@@ -1,4 +1,4 @@
-"""Seed 002's cache model: a node keeps what it owns and, up to capacity, spares it held before."""
+"""UberShuffle's cache model: a node keeps what it owns and, up to capacity, spares it held before."""
 
 from __future__ import annotations
 

@@ -109,7 +109,7 @@ def test_q_leaving_stages_the_job_that_draws_q_over_one_minus_one_over_m(
     _, warnings = stage(local, capsys, "seed000", "--mode", "partial", "--q-leaving", "0.1875")
     assert warnings == []
     assert cli_main(["job", "show", "seed000", "--directory", local.directory_address]) == 0
-    assert "q            0.25 drawn (0.1875 leave each node, seed 000's Q)" in capsys.readouterr().out.splitlines()
+    assert "q            0.25 drawn (0.1875 leave each node, Nguyen et al.'s Q)" in capsys.readouterr().out.splitlines()
 
     code = cli_main(["stage", "imgs", "--job", "more", "--mode", "partial", "--q-leaving", "0.8", "--quiet",
                      "--directory", local.directory_address])

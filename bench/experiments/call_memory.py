@@ -9,7 +9,7 @@ the daemon maps count in its resident size too; they are page cache, not the
 daemon's heap, and are reported apart (RssFile growth). Cases:
 
 - repeats, cached: one Read of ``REPEATS`` copies of one cached sample id,
-  inline (no shared memory), the case of issue 19 item 9; and the same with
+  inline (no shared memory), the case of a client without shared memory; and the same with
   ``MAX_REPEATS`` copies (the daemon's --max-batch), which grew the daemon by
   about 16 GB before calls were bounded.
 - distinct, cached: one Read of ``DISTINCT`` different cached samples, inline.

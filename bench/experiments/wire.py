@@ -3,7 +3,7 @@ moves, next to what a plain TCP stream of the same bytes moves in the same run.
 
 Setup, per sample size (110 KiB, 1 MiB): a directory and four daemons on
 loopback. n0 and n1 run as shipped (bulk path on); g0 and g1 run with
-``--bulk-listen off``, so their peer hits go over gRPC as before issue 18.
+``--bulk-listen off``, so their peer hits go over gRPC, the path without the bulk data path.
 A files dataset of ``DATASET_BYTES``; one job (global mode) on [n0, n1] and
 one on [g0, g1], each staged, so every node caches the half it owns. Each
 timed run reads the ids n1 (or g1) owns, in batches of 64, ``PASSES`` times.

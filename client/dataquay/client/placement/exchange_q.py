@@ -3,7 +3,7 @@
 dataquay's q is the fraction of its samples a node *draws* into the epoch's
 pool; the pool is dealt back over all M nodes, so on average 1/M of a node's
 picks return to it and q(1 - 1/M) of its samples *leave* it. The partial-local
-shuffling paper (seed 000) counts the samples that leave: each worker sends
+shuffling paper (Nguyen et al., IPDPS 2022) counts the samples that leave: each worker sends
 Q x N/M. q = 1 is a uniform global reshuffle, in which 1 - 1/M leave.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 
 def leaving_fraction(q: float, num_nodes: int) -> float:
-    """The fraction of its samples that leaves a node per epoch (seed 000's Q)
+    """The fraction of its samples that leaves a node per epoch (Nguyen et al.'s Q)
     when it draws ``q`` into the pool, on average."""
     return q * (1.0 - 1.0 / num_nodes)
 

@@ -114,7 +114,7 @@ def add_q(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     )
     q.add_argument(
         "--q-leaving", type=float,
-        help="partial mode: fraction of its samples that leaves a node each epoch (seed 000's Q, "
+        help="partial mode: fraction of its samples that leaves a node each epoch (Nguyen et al.'s Q, "
         "0 < Q <= 1 - 1/M); sets --q to Q / (1 - 1/M)",
     )
 

@@ -74,7 +74,8 @@ def _q_text(spec: jpb.JobSpec) -> str:
     """q in both its readings when the mode uses it: drawn into the pool, and leaving each node."""
     if not MODES[spec.mode].owners_move:
         return f"{spec.q:g} (not used by mode {spec.mode})" if spec.q else "0"
-    return f"{spec.q:g} drawn ({leaving_fraction(spec.q, max(1, len(spec.nodes))):.4g} leave each node, seed 000's Q)"
+    leaving = leaving_fraction(spec.q, max(1, len(spec.nodes)))
+    return f"{spec.q:g} drawn ({leaving:.4g} leave each node, Nguyen et al.'s Q)"
 
 
 def cmd_job_drop(args: argparse.Namespace) -> None:

@@ -191,7 +191,7 @@ def _q_text(plan: JobPlan) -> str:
     q = plan.settings.q
     return (
         f"q {q:g} drawn into the pool; {leaving_fraction(q, plan.num_nodes):.4g} of each node's samples "
-        "leave it, seed 000's Q"
+        "leave it, Nguyen et al.'s Q"
     )
 
 

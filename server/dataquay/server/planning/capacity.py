@@ -34,7 +34,7 @@ from dataquay.server.node.cache.write_queue import BATCH_BYTES, BATCH_ITEMS
 MiB = 1 << 20
 #: LMDB's page size on the machines dataquay runs on (the OS page).
 PAGE_SIZE = 4096
-#: The exchange's headroom on top of a node's share when owners move (issue 15):
+#: The exchange's headroom on top of a node's share when owners move:
 #: what arrives for the next epoch before what leaves is deleted, and the
 #: writer's pages while both churn.
 EXCHANGE_HEADROOM_FRACTION = 0.05

@@ -1,6 +1,6 @@
 """Where the samples a node owns but cannot cache go: the spill placement.
 
-The caches of a job together are one cache (seed 001's Partitioned MinIO):
+The caches of a job together are one cache (CoorDL's (Mohan et al., VLDB 2021) Partitioned MinIO):
 a node whose ``--cache-size`` is below its share need not read the rest from
 the PFS every epoch while another node's cache has room to spare. Each node
 keeps the samples it owns that fit, in a seeded priority order; the rest of

@@ -2,7 +2,7 @@
 
 ``simulate --exchange-coding coded|uber`` runs the planner
 (:mod:`dataquay.server.node.exchange.coding`) on every exchange of a job whose
-owners move. Caches follow seed 002's model (:mod:`.spare_copies`): staging
+owners move. Caches follow UberShuffle's model (:mod:`.spare_copies`): staging
 caches a node's share only; after each exchange a node keeps its new share
 and, up to its capacity, spares of what it held (a cache short of its share
 is taken to hold it: the model is for caches with room to spare). Spares

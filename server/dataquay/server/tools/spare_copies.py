@@ -1,7 +1,8 @@
-"""Caches that keep spare copies, as seed 002 models them: what coded shuffling needs to gain.
+"""Caches that keep spare copies, as UberShuffle (Chung et al., SysML 2018) models them:
+what coded shuffling needs to gain.
 
 After each exchange a node caches the samples it now owns plus, up to its
-capacity, samples drawn at random from what it cached before (seed 002: C_i
+capacity, samples drawn at random from what it cached before (UberShuffle: C_i
 becomes D_i plus s - |D_i| points of C_i \\ D_i). dataquay's daemons keep
 given-away samples as spare copies below ``--spare-copies-fill`` and delete
 them past it; a random choice of which stay is this model's simplification.

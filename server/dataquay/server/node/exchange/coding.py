@@ -1,4 +1,4 @@
-"""Coded shuffling: which XOR packets carry an exchange where caches overlap (seed 002).
+"""Coded shuffling: which XOR packets carry an exchange where caches overlap (UberShuffle, Chung et al., SysML 2018).
 
 A node needs the samples it owns in the new epoch and does not cache. The
 uncoded exchange unicasts each of them. Where caches overlap, one packet
