@@ -271,7 +271,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     status.set_defaults(func=cmd_status)
 
-    demo = sub.add_parser("demo", help="a local daemon, a synthetic dataset, a few epochs, a report")
+    demo = sub.add_parser(
+        "demo",
+        help="a 4-node cluster on this machine (a directory, 4 daemons, 8 training ranks), a synthetic "
+        "dataset, a few epochs of global and partial shuffling, a report",
+    )
     demo.add_argument("--samples", type=int, default=4000, help="samples in the synthetic dataset (default 4000)")
     demo.add_argument("--epochs", type=int, default=3, help="epochs to read (default 3)")
     demo.set_defaults(func=cmd_demo)

@@ -14,7 +14,7 @@ wall), and where the bytes came from. The systems:
    (emulated: an LRU of whole samples per rank of 1/(2 x ranks) of the
    dataset, since an unprivileged run cannot give the real OS page cache a
    budget);
-3.-6. dataquay ``global``, ``partial`` (Q = 0.1), ``local`` and ``locality``,
+3.-6. dataquay ``global``, ``partial`` (q = 0.1 drawn), ``local`` and ``locality``,
    staged once through the same cap, with the client reading 4 batches ahead;
 7. dataquay ``global`` without read-ahead, to show what it hides.
 

@@ -195,7 +195,7 @@ def run_demo(samples: int = 4000, epochs: int = 3) -> None:
         print(
             f"dataquay demo: a {NODES}-node cluster on this machine, {samples} samples of {len(SIZES)} sizes, "
             f"{world} training ranks ({RANKS_PER_NODE} per node), {epochs} epochs of global shuffling, then "
-            f"{epochs} of partial shuffling (Q = {PARTIAL_Q})\n"
+            f"{epochs} of partial shuffling (--q {PARTIAL_Q})\n"
         )
         root = make_files_dataset(base / "pfs" / "demo", samples, sizes=SIZES, classes=10)
         total = sum(SIZES[i % len(SIZES)] for i in range(samples))
@@ -214,7 +214,10 @@ def run_demo(samples: int = 4000, epochs: int = 3) -> None:
             print(
                 f"\ntraining: {world} rank processes, each with its node's env and RANK/WORLD_SIZE/LOCAL_RANK, "
                 f"reading its\nJobSampler's ids in batches of {BATCH} ({READ_AHEAD} read ahead) with "
-                f"{COMPUTE_SECONDS * 1e3:.0f} ms of simulated compute per batch; every sample's bytes checked\n"
+                f"{COMPUTE_SECONDS * 1e3:.0f} ms of simulated compute per batch; every sample's bytes checked.\n"
+                f"A real GPU step takes 50-100 ms per batch; against {COMPUTE_SECONDS * 1e3:.0f} ms every loader, "
+                "this one included, spends\nmost of its time waiting, so read the samples/s and MB/s columns here; "
+                "`dataquay bench` measures\nthe stall with a 50 ms step (docs/results.md).\n"
             )
             rates = _train(cluster, base, JOB, epochs, expected)
             print(
@@ -226,7 +229,9 @@ def run_demo(samples: int = 4000, epochs: int = 3) -> None:
                 f"{PFS_BYTES_PER_SECOND / NODES / 1e6:.0f} MB/s per node, {DIRECT_WORKERS} readers per rank).\n\n"
                 + _cluster_view(rates) + "\n\n"
                 f"Partial shuffling: each rank reads what its node owns, and between epochs the daemons\n"
-                f"exchange a fraction Q = {PARTIAL_Q} of their samples in the background.\n"
+                f"exchange samples in the background: with --q {PARTIAL_Q} each node draws {PARTIAL_Q:g} of its "
+                f"samples into\nthe epoch's pool and {PARTIAL_Q * (1 - 1 / NODES):g} of them leave it "
+                f"(q(1 - 1/M), M = {NODES} nodes).\n"
             )
             _cli("stage", "demo", "--job", PARTIAL_JOB, "--mode", "partial", "--q", str(PARTIAL_Q),
                  "--seed", str(SEED), "--ranks-per-node", str(RANKS_PER_NODE), "--quiet",
