@@ -52,7 +52,6 @@ bench: $(STAMP)
 
 # The plots of docs/results.md and the README, drawn from bench/results/*.json.
 results: $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[dev,docs,bench]'
 	$(BIN)/python bench/plots.py
 
 # The documentation site into site/; --strict makes every warning (a broken
