@@ -91,6 +91,10 @@ def _readme_python_block() -> str:
     return example[0]
 
 
+def test_the_pytorch_page_shows_the_readme_example_unchanged() -> None:
+    assert f"```python\n{_readme_python_block()}```" in (DOCS / "getting-started" / "pytorch.md").read_text()
+
+
 def test_readme_pytorch_example_runs_against_a_real_daemon(tmp_path: Path) -> None:
     """The README's block, unchanged, in a process of its own against one
     daemon serving a staged files dataset named as the README names it."""
