@@ -84,6 +84,15 @@ def test_every_error_class_is_in_the_errors_reference_and_no_other() -> None:
     assert documented - in_code == set()
 
 
+def test_every_variable_the_client_reads_is_in_the_environment_reference() -> None:
+    read = {
+        name
+        for path in (REPO / "client" / "dataquay").rglob("*.py")
+        for name in re.findall(r"\"(DATAQUAY_[A-Z_]+)\"", path.read_text())
+    }
+    assert read - set(re.findall(r"DATAQUAY_[A-Z_]+", _page("environment.md"))) == set()
+
+
 def _readme_python_block() -> str:
     blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
     example = [block for block in blocks if "DataLoader(" in block]
