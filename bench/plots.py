@@ -9,6 +9,9 @@
 - ``docs/img/stall_per_epoch.png``: the stall % of every system per epoch on
   a log scale, so that the 76% of the baselines and the 0.1-1% of the modes
   are all visible and no line hides another.
+- ``docs/img/ratios.png``: each single-node and two-node figure as a ratio
+  to its baseline in the same run (local hits, the miss path, peer hits,
+  staging, the exchange), per sample size.
 - ``docs/img/overflow.png``: the stall with data larger than the caches
   (``overflow.json``, ``dataquay bench overflow``).
 
@@ -130,14 +133,68 @@ def overflow(data: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _rows(name: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = _load(name)["rows"]
+    return rows
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def ratio_figures() -> dict[str, dict[str, float]]:
+    """Per figure, per sample size, the ratio to its baseline, read from the raw results."""
+    peer_runs = [_rows(f"wire-peer-run{n}.json") for n in (4, 5, 6, 7)]
+    peer_sizes = [r["size"] for r in peer_runs[0]]
+    miss = _rows("miss_path-pause.json")
+    return {
+        "local hit, verified\n(raw LMDB + xxh3)": {r["size"]: r["verified_ratio"] for r in _rows("local_hits.json")},
+        "miss path, warm\n(direct, keeping batches)": {
+            r["size"]: r["miss_path_per_s"] / r["direct_batch_per_s"] for r in miss
+        },
+        "miss path, cold\n(direct, cold)": {r["size"]: r["miss_cold_ratio"] for r in miss},
+        "peer hit, median of 4 runs\n(raw TCP stream)": {
+            size: _median([run[i]["peer_bulk_ratio"] for run in peer_runs]) for i, size in enumerate(peer_sizes)
+        },
+        "staging, uncapped\n(slower raw half)": {r["size"]: r["staging_vs_slower_raw"] for r in _rows("staging.json")},
+        "staging, capped\n(the cap)": {r["size"]: r["capped_vs_cap"] for r in _rows("staging.json")},
+        "exchange, last run\n(peer-read streaming)": {r["size"]: r["ratio"] for r in _rows("exchange_throughput.json")},
+    }
+
+
+def ratios(figures: dict[str, dict[str, float]], path: Path) -> None:
+    """Grouped bars: one group per figure, one bar per sample size, the baseline at 1."""
+    sizes = ["4KiB", "110KiB", "1MiB"]
+    colours = {"4KiB": "#9ecae1", "110KiB": "#3182bd", "1MiB": "#08519c"}
+    fig, ax = plt.subplots(figsize=(11, 4))
+    for g, by_size in enumerate(figures.values()):
+        present = [s for s in sizes if s in by_size]
+        for k, size in enumerate(present):
+            x = g + (k - (len(present) - 1) / 2) * 0.26
+            ax.bar(x, by_size[size], width=0.24, color=colours[size], label=size if g == 0 or size not in
+                   {s for f in list(figures.values())[:g] for s in f} else None)
+            ax.text(x, by_size[size] + 0.02, f"{by_size[size]:.2f}", ha="center", fontsize=7)
+    ax.axhline(1, color="#555", linewidth=0.8, linestyle=":")
+    ax.set_xticks(range(len(figures)), list(figures), fontsize=7)
+    ax.set_ylabel("ratio to the baseline in the same run")
+    ax.set_title("Each figure against its baseline (in brackets), per sample size", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     IMG.mkdir(parents=True, exist_ok=True)
     stall = _load("stall.json")
     headline(stall, IMG / "stall.png")
     per_epoch(stall, IMG / "stall_per_epoch.png")
     overflow(_load("overflow.json"), IMG / "overflow.png")
+    ratios(ratio_figures(), IMG / "ratios.png")
     shutil.copyfile(RESULTS / "cache_policy.png", IMG / "cache_policy.png")  # drawn by bench/cache_policy.py
-    print(f"wrote {IMG}/stall.png, stall_per_epoch.png, overflow.png, cache_policy.png")
+    print(f"wrote {IMG}/stall.png, stall_per_epoch.png, overflow.png, ratios.png, cache_policy.png")
 
 
 if __name__ == "__main__":

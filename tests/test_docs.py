@@ -155,3 +155,22 @@ def test_cli_help_speaks_no_private_language() -> None:
 
 def test_readme_fits_one_screenful_of_sections() -> None:
     assert len((REPO / "README.md").read_text().splitlines()) <= 200
+
+
+def test_results_page_quotes_the_ratios_the_raw_results_hold() -> None:
+    """Every ratio the results page's plot draws from bench/results appears on
+    the page, as the plot rounds it: the text cannot drift from the data."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import plots
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    page = (DOCS / "results.md").read_text()
+    missing = [
+        f"{figure.splitlines()[0]} {size}: {value:.2f}"
+        for figure, by_size in plots.ratio_figures().items()
+        for size, value in by_size.items()
+        if f"{value:.2f}" not in page
+    ]
+    assert missing == []
