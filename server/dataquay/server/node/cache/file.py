@@ -3,10 +3,11 @@ grows, and whether LMDB writes through it.
 
 With ``writemap`` LMDB writes its pages straight into a shared map of the data
 file, not through a copy and a ``pwrite`` per page run: commits several times
-faster here (`bench/experiments/wire.py` measures it). A write through the map
-into a hole of the file on a full disk is a SIGBUS that kills the daemon, so
-the map only ever covers blocks allocated ahead (``fallocate``): the whole
-file before the environment opens, and each growth before the map grows over it. LMDB with ``writemap`` sets the file's
+faster here (bench/experiments/wire.py measures it). A write through the map
+into a hole of the file on a full disk is a
+SIGBUS that kills the daemon, so the map only ever covers blocks allocated
+ahead (``fallocate``): the whole file before the environment opens, and each
+growth before the map grows over it. LMDB with ``writemap`` sets the file's
 size to the map's itself (a sparse ``ftruncate``); allocating first makes
 that a no-op. On a file system short of space the map grows only as far as
 its free space allows, and the store reports full as a failed commit does
