@@ -194,7 +194,7 @@ def plot(rows: list[EpochRow], path: Path) -> bool:
     axes.set_ylabel("stall, % of wall time waiting for data (log)")
     axes.set_yscale("log")
     axes.set_title(f"{NODES} nodes x {RANKS_PER_NODE} ranks, PFS capped at {PFS_BYTES_PER_SECOND / 1e6:.0f} MB/s")
-    axes.legend(fontsize=8)
+    axes.legend(fontsize=7, ncol=2, loc="center right")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
