@@ -174,3 +174,38 @@ def test_results_page_quotes_the_ratios_the_raw_results_hold() -> None:
         if f"{value:.2f}" not in page
     ]
     assert missing == []
+
+
+def _defined_names() -> set[str]:
+    """Every top-level function and class, and every ``Class.method``, of the client and the server."""
+    import ast
+
+    names: set[str] = set()
+    for root in (REPO / "client" / "dataquay", REPO / "server" / "dataquay"):
+        for path in root.rglob("*.py"):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    names.add(node.name)
+                if isinstance(node, ast.ClassDef):
+                    names.update(
+                        f"{node.name}.{item.name}" for item in node.body
+                        if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+                    )
+    return names
+
+
+def test_the_hot_path_map_names_functions_and_modules_that_exist() -> None:
+    """A hop renamed or moved without its map fails here: every `Class.method`,
+    function and module the map names is in the code."""
+    page = (DOCS / "internals" / "hot-path.md").read_text()
+    names = _defined_names()
+    called = [n for n in re.findall(r"`([A-Za-z_]\w*(?:\.\w+)?)`", page) if not re.search(r"\.(c|py)$", n)]
+    assert [n for n in called if n not in names] == []
+    modules = re.findall(r"\b((?:client|node)/[\w/]+\.(?:py|c))\b", page)
+    assert modules
+    roots = {
+        "client": REPO / "client" / "dataquay" / "client",
+        "node": REPO / "server" / "dataquay" / "server" / "node",
+    }
+    missing = [m for m in modules if not (roots[m.split("/")[0]] / m.split("/", 1)[1]).exists()]
+    assert missing == []
