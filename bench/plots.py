@@ -12,6 +12,9 @@
 - ``docs/img/ratios.png``: each single-node and two-node figure as a ratio
   to its baseline in the same run (local hits, the miss path, peer hits,
   staging, the exchange), per sample size.
+- ``docs/img/dashboard.png``: the layout of the Grafana dashboard
+  (``deploy/grafana/dataquay.json``): its rows and each panel's title and kind,
+  where the dashboard puts them.
 - ``docs/img/overflow.png``: the stall with data larger than the caches
   (``overflow.json``, ``dataquay bench overflow``).
 
@@ -186,6 +189,36 @@ def ratios(figures: dict[str, dict[str, float]], path: Path) -> None:
     plt.close(fig)
 
 
+DASHBOARD = BENCH.parent / "deploy" / "grafana" / "dataquay.json"
+#: How each kind of panel is drawn: fill colour and the word under its title.
+PANEL_KINDS = {"stat": ("#e8f4ea", "stat"), "timeseries": ("#eef3fb", "time series"),
+               "bargauge": ("#fff7e6", "bar gauge")}
+
+
+def dashboard(path: Path) -> None:
+    """The dashboard's panels where Grafana lays them out (24 columns; a grid row is 30 px)."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    bottom = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels)
+    fig, ax = plt.subplots(figsize=(10, bottom * 0.16))
+    for panel in panels:
+        grid = panel["gridPos"]
+        x, y, w, h = grid["x"], grid["y"], grid["w"], grid["h"]
+        if panel["type"] == "row":
+            ax.text(x + 0.1, y + 0.5, panel["title"], fontsize=9, fontweight="bold", va="center")
+            continue
+        fill, kind = PANEL_KINDS.get(panel["type"], ("#f4f4f4", panel["type"]))
+        ax.add_patch(plt.Rectangle((x + 0.1, y + 0.1), w - 0.2, h - 0.2, facecolor=fill, edgecolor="#7a8fb3"))
+        ax.text(x + w / 2, y + h / 2 - 0.4, panel["title"], ha="center", va="center", fontsize=7, wrap=True)
+        ax.text(x + w / 2, y + h / 2 + 0.8, kind, ha="center", va="center", fontsize=6, color="#666")
+    ax.set_xlim(0, 24)
+    ax.set_ylim(bottom, 0)
+    ax.axis("off")
+    ax.set_title("The Grafana dashboard (deploy/grafana/dataquay.json): rows and panels", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     IMG.mkdir(parents=True, exist_ok=True)
     stall = _load("stall.json")
@@ -193,8 +226,9 @@ def main() -> None:
     per_epoch(stall, IMG / "stall_per_epoch.png")
     overflow(_load("overflow.json"), IMG / "overflow.png")
     ratios(ratio_figures(), IMG / "ratios.png")
+    dashboard(IMG / "dashboard.png")
     shutil.copyfile(RESULTS / "cache_policy.png", IMG / "cache_policy.png")  # drawn by bench/cache_policy.py
-    print(f"wrote {IMG}/stall.png, stall_per_epoch.png, overflow.png, ratios.png, cache_policy.png")
+    print(f"wrote {IMG}/stall.png, stall_per_epoch.png, overflow.png, ratios.png, dashboard.png, cache_policy.png")
 
 
 if __name__ == "__main__":
