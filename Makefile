@@ -5,12 +5,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-repeat test-all faults tools torch bench proto lint typecheck dist clean
+.PHONY: demo test test-repeat test-all faults tools torch bench results docs proto lint typecheck dist clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -23,7 +23,7 @@ demo: $(STAMP)
 WORKERS ?= 2
 XDIST = -n $(WORKERS) --dist worksteal
 
-test: lint tools torch
+test: lint docs tools torch
 	$(BIN)/python -m pytest -q $(XDIST)
 
 # The suite N times over, each run in a fresh temp dir and without pytest's
@@ -40,15 +40,24 @@ test-repeat: $(STAMP) tools torch
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''
 
-# The fault-injection suite alone, and its table for RELIABILITY.md.
+# The fault-injection suite alone, and its table for docs/reliability.md.
 faults: $(STAMP)
 	rm -f bench/results/faults.jsonl
 	DATAQUAY_FAULT_REPORT=bench/results/faults.jsonl $(BIN)/python -m pytest -q tests/faults
 	$(BIN)/python tests/faults/report.py bench/results/faults.jsonl
 
 bench: $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,docs,bench]'
 	$(BIN)/python bench/run.py
+
+# The plots of docs/results.md and the README, drawn from bench/results/*.json.
+results: $(STAMP)
+	$(BIN)/python bench/plots.py
+
+# The documentation site into site/; --strict makes every warning (a broken
+# link, a page left out of the nav) an error, so CI checks the docs as code.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet --site-dir site
 
 # The deploy tests verify the systemd units, lint the Slurm scripts, run them
 # under a real slurmctld and slurmd, and check the Prometheus rules and a real
@@ -102,4 +111,4 @@ dist: $(STAMP)
 	  else "dist: the wheel has no compiled extension (is a C compiler installed?)")'
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist site *.egg-info

@@ -228,7 +228,7 @@ def markdown(
     plotted: bool,
     name: str,
 ) -> str:
-    """The section for BENCHMARKS.md."""
+    """The section for docs/results.md."""
     machine = host()
     effective = run.cached_samples[0]
     nominal = setup.cache_bytes // SAMPLE_BYTES

@@ -37,7 +37,7 @@ seconds until all nodes had registered and until the refetches settled, the
 server's CPU seconds from the first registration to the windows (the
 refetch storm), and the calls that failed during it.
 
-Knobs for the analysis in BENCHMARKS.md (results then go to
+Knobs for the analysis in docs/results.md (results then go to
 ``directory_load-<variant>.json``): BENCH_NODES, BENCH_HEARTBEAT_SECONDS
 (the lease is five heartbeats, at least 10 s), BENCH_HEARTBEAT=unary,
 BENCH_CONNECTIONS=generator (one gRPC connection per generator process),

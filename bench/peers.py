@@ -34,7 +34,7 @@ runs, the variants interleaved round by round. The ratios put the two peer
 variants against the baseline; the issue's target is >= 0.5. The daemons'
 own Read latency (their /metrics histograms) over the peer-shm runs splits a
 batch's time between n1 (serving hop 1) and n0 (the whole batch, hop 1
-included); see BENCHMARKS.md.
+included); see docs/results.md.
 """
 
 from __future__ import annotations

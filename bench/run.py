@@ -1,8 +1,8 @@
 """Runs every benchmark: the single-node read path and the cluster figures: `make bench`.
 
-Each prints its table and writes bench/results/<name>.json; BENCHMARKS.md
+Each prints its table and writes bench/results/<name>.json; docs/results.md
 records a run with the machine it ran on. The one-off experiments that
-BENCHMARKS.md also cites are in bench/experiments/, each run on its own.
+docs/results.md also cites are in bench/experiments/, each run on its own.
 """
 
 from __future__ import annotations

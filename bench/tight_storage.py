@@ -6,7 +6,7 @@ caches that hold less (the regime of Nguyen et al., IPDPS 2022, and Mohan et al.
 each rank sleeps ``COMPUTE_SECONDS`` per batch of 16 (a GPU step), and nothing
 waits for the exchange between epochs.
 
-1. Fits: every node's ``--cache-size`` is what the README asks for,
+1. Fits: every node's ``--cache-size`` is what docs/guides/sizing.md asks for,
    ``cache_need`` = 1.05 x the largest share (in cache bytes) + 16 MiB, for
    Q = 0.1, 0.5 and 1 over ``EPOCHS`` epochs. Per epoch: the tiers the ranks
    read from and whether every node's exchange into the next epoch had

@@ -4,7 +4,7 @@ the node's LMDB cache.
 The daemon and its trainers share one lock over LMDB's reader table. A
 process stopped while it holds it leaves every process that then begins a
 new reader waiting, and py-lmdb waits with the GIL held, where no timeout of
-the test reaches it (RELIABILITY.md). The tests that stop a daemon or a
+the test reaches it (docs/reliability.md). The tests that stop a daemon or a
 trainer mean a hung node, not that rarer wedge: :func:`stopped` checks from
 a process of its own that a new reader still begins, and where it does not,
 lets the stopped process run on a moment and stops it again.

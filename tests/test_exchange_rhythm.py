@@ -1,5 +1,5 @@
 """A partial job read in a training rhythm: each epoch lasts several times its
-exchange, caches in the proportion the README advises, the ranks of a node
+exchange, caches in the proportion docs/guides/sizing.md advises, the ranks of a node
 each at its own pace, and every rank still reads its own node's cache: a
 sample given away stays until every rank of its node has read it, not only
 until the first rank enters the next epoch (a slower rank would then read the
@@ -40,7 +40,7 @@ def payload(i: int) -> bytes:
 
 
 def tight_capacity(q: float) -> int:
-    """1.3 x the largest share of any node in the epochs read: the README's
+    """1.3 x the largest share of any node in the epochs read: the sizing guide's
     advice (1.05 x share + 16 MiB) in its proportion for a share of about
     100 MiB. With these small files the 16 MiB alone would hold the dataset,
     and nothing given away would ever be deleted."""

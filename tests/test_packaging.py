@@ -47,11 +47,14 @@ def test_the_sdist_holds_the_licence_and_every_file_the_tests_read(sdist: Path) 
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("not a git checkout: which files are the project's is git's to say")
     listed = subprocess.run(
-        ["git", "ls-files", "tests", "deploy", "bench"], cwd=REPO, capture_output=True, text=True, check=True
+        ["git", "ls-files", "tests", "deploy", "bench", "docs"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout.split()
     with tarfile.open(sdist) as archive:
         shipped = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
-    needed = {"LICENSE", "Makefile", "client/third_party/xxhash/LICENSE", "tests/conftest.py", *listed}
+    needed = {
+        "LICENSE", "Makefile", "README.md", "mkdocs.yml", "client/third_party/xxhash/LICENSE", "tests/conftest.py",
+        *listed,
+    }
     assert sorted(needed - shipped) == []
     assert (REPO / "LICENSE").read_text().split()[:4] == ["Apache", "License", "Version", "2.0,"]
 

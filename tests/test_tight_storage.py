@@ -45,7 +45,7 @@ def largest_share(q: float, epochs: int) -> int:
 
 
 def capacity_needed(q: float, epochs: int) -> int:
-    """What the README asks of every node's cache for this job: 1.05 x the
+    """What the sizing guide (docs/guides/sizing.md) asks of every node's cache for this job: 1.05 x the
     largest share, + 16 MiB."""
     return cache_need(largest_share(q, epochs), "partial", q)
 
@@ -120,7 +120,7 @@ def test_a_cache_short_of_its_share_reads_a_level_deficit_from_the_pfs(
     # A quarter of the share does not fit: it is read from the PFS every epoch,
     # about as much each time, never a growing share: before, it went 20, 89,
     # 142, 167 in a run like this. simulate predicts it: on a quiet machine
-    # with 6 s epochs within a few percent (BENCHMARKS.md); in these epochs of
+    # with 6 s epochs within a few percent (docs/results.md); in these epochs of
     # about a second the exchange falls behind the ranks and gives some
     # samples up (about 1.2x on an idle machine), with room for a loaded one.
     settings = JobSettings(job_id=JOB, mode="partial", q=0.5, ranks_per_node=RANKS_PER_NODE, batch_size=16,

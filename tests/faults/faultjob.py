@@ -3,7 +3,7 @@ and the record each scenario leaves of how it went.
 
 Set DATAQUAY_FAULT_REPORT to a file name and each scenario appends one JSON
 line to it: what was broken, what happened, how long recovery took, and the
-samples each tier served per epoch (RELIABILITY.md is built from it).
+samples each tier served per epoch (docs/reliability.md is built from it).
 """
 
 from __future__ import annotations

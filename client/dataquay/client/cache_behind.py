@@ -6,7 +6,7 @@ the daemon found the page cache no longer held, references to the payloads
 it already returned (up to :data:`HELD_BYTES`, no copy). Only for such a
 dataset: a payload held keeps the trainer's batch alive after the trainer
 dropped it, and its next batches take fresh memory, which cost the 110 KiB
-miss path a fifth of its rate on two cores (BENCHMARKS.md).
+miss path a fifth of its rate on two cores (`bench/reads.py`, part miss).
 
 A thread of the client sends the backlog to the daemon in notices of up to
 :data:`NOTICE_IDS` ids (CacheBehind), one at a time, so that a daemon slower

@@ -148,7 +148,7 @@ class DaemonConnection:
                     # A streamed Read is taken in the calling thread, not
                     # through a thread that gRPC starts for each call while
                     # none is in flight: a quarter of the client's CPU in a
-                    # peer hit of 110 KiB samples (BENCHMARKS.md).
+                    # peer hit of 110 KiB samples (bench/experiments/wire.py).
                     (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
                 ]
                 if self._ticket is not None:

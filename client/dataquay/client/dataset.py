@@ -241,7 +241,7 @@ class Dataset(Sequence[bytes]):
                 split whole global batches (of world size x batch_size).
             exchange_coding: ``none``, ``coded`` or ``uber``: whether the
                 exchange first multicasts XOR packets where caches overlap
-                (README "Coded shuffling"; default none).
+                (docs/guides/coded-shuffling.md; default none).
             rank: this process's rank; default from the environment (RANK, ...).
             world_size: ranks in the job; default from the environment.
             shuffle: False reads ids in order (evaluation; no job).

@@ -50,7 +50,7 @@ class JobSettings:
         exchange_coding: how the exchange moves samples whose new owner
             lacks them: ``none`` (a stream to each new owner), or ``coded``
             / ``uber`` (XOR packets multicast to groups of nodes first, where
-            caches overlap; see README "Coded shuffling").
+            caches overlap; see docs/guides/coded-shuffling.md).
     """
 
     job_id: str = ""

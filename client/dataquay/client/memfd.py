@@ -4,7 +4,7 @@ The daemon copies a reply's payloads into a segment of its client. Through a
 mapping that is one memcpy; but a store into a mapping of a file that the
 client shrank, or whose page the kernel cannot supply, kills the daemon with
 SIGBUS. Segments under /dev/shm are therefore written with ``pwrite``, which
-costs about 15% of a peer hit (BENCHMARKS.md). A memfd can be sealed, and its
+costs about 15% of a peer hit (bench/peers.py). A memfd can be sealed, and its
 descriptor handed to another process:
 
 1. The client creates one, sizes it, allocates all its pages

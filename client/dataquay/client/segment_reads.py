@@ -3,7 +3,7 @@
 A streamed gRPC Read costs the daemon and the trainer about 0.9 ms of fixed
 work per batch (setting up the call, its metadata, each reply message), paid
 one after the other with the transfer: at 110 KiB samples a third of a peer
-hit's time (BENCHMARKS.md). Once a trainer has handed its daemon a sealed
+hit's time (bench/experiments/wire.py). Once a trainer has handed its daemon a sealed
 memfd segment, the connection that keeps it mapped (:mod:`.memfd`) is
 already authenticated by the cluster token and tied to that one segment, and
 the payloads go through the segment anyway: what is left to say per batch is

@@ -15,7 +15,7 @@ One segment serves one call at a time; a process has as many as it has
 concurrent calls, each created on first need and sized to what that call
 reads (a power of two of at least 1 MiB, at most DATAQUAY_SHM_BYTES): a
 sealed segment's pages are all allocated when it is made (20-180 ms for 64
-MiB, BENCHMARKS.md), so a process's first read does not pay for 64 MiB it
+MiB on a 2-core VM), so a process's first read does not pay for 64 MiB it
 may never use. A call that needs more than a free segment holds replaces it
 with a larger one.
 """

@@ -109,8 +109,8 @@ def add_q(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     q = parser.add_mutually_exclusive_group()
     q.add_argument(
         "--q", type=float,
-        help="partial mode: fraction of its samples a node draws into each epoch's pool (0 < Q <= 1); "
-        "1/M of the draws come back, so Q(1 - 1/M) leave it",
+        help="partial mode: fraction of its samples a node draws into each epoch's pool (0 < q <= 1); "
+        "1/M of the draws come back, so q(1 - 1/M) leave it",
     )
     q.add_argument(
         "--q-leaving", type=float,

@@ -10,6 +10,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from google.protobuf.json_format import MessageToDict
 
@@ -183,7 +184,7 @@ def _print_node_status(stats: pb.StatsReply) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from dataquay.server.tools.demo import run_demo
 
-    run_demo(samples=args.samples, epochs=args.epochs)
+    run_demo(samples=args.samples, epochs=args.epochs, out=args.out)
 
 
 def _seed(text: str) -> int:
@@ -271,7 +272,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     status.set_defaults(func=cmd_status)
 
-    demo = sub.add_parser("demo", help="a local daemon, a synthetic dataset, a few epochs, a report")
+    demo = sub.add_parser(
+        "demo",
+        help="a 4-node cluster on this machine (a directory, 4 daemons, 8 training ranks), a synthetic "
+        "dataset, a few epochs of global and partial shuffling, a report",
+    )
     demo.add_argument("--samples", type=int, default=4000, help="samples in the synthetic dataset (default 4000)")
     demo.add_argument("--epochs", type=int, default=3, help="epochs to read (default 3)")
+    demo.add_argument(
+        "--out", type=Path, default=Path("dataquay-demo"),
+        help="directory for demo.json and demo.png (default ./dataquay-demo)",
+    )
     demo.set_defaults(func=cmd_demo)

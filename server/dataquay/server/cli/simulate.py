@@ -288,7 +288,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "simulate",
-        help="bytes over the network and from the PFS per epoch for a mode and Q, by running placement",
+        help="bytes over the network and from the PFS per epoch for a mode and q, by running placement",
         description="Runs the real placement of a job's sizes and reports, per epoch, the bytes over the network "
         "and from the PFS, how evenly nodes send and receive, and (with all three rates) an epoch-time estimate.",
     )

@@ -333,7 +333,7 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
     dropped = CounterMetricFamily(
         "dataquay_mcast_datagrams_dropped",
         "Coded passes' multicast datagrams (and whole packets) dropped, by reason: another pass's (unknown_pass), "
-        "forged (unauthenticated), malformed, duplicate, ... (see the README's Coded shuffling)",
+        "forged (unauthenticated), malformed, duplicate, ... (see docs/guides/coded-shuffling.md)",
         labels=["reason"],
     )
     for reason, count in sorted(state.mcast_dropped.items()):

@@ -37,6 +37,7 @@ from dataquay.protos import cache_pb2_grpc
 from dataquay.server.errors import DataquayError
 from dataquay.server.sizes import format_bytes
 from dataquay.server.tools.data_stall import DIRECT_WORKERS, PFS_BYTES_PER_SECOND
+from dataquay.server.tools.demo_report import REAL_STEP, DemoRow, plot, write_json
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.processes import run_command
 from dataquay.server.tools.synthetic import make_files_dataset
@@ -50,8 +51,11 @@ SEED = 42
 JOB = "demo-job"
 PARTIAL_JOB = "demo-partial"
 PARTIAL_Q = 0.25
-#: Simulated GPU time per batch: enough that a cached epoch is compute-bound.
+#: Simulated GPU time per batch in the main epochs: short, so that they measure how fast
+#: each system loads data (every loader waits on it most of the time).
 COMPUTE_SECONDS = 0.002
+#: A real GPU's time per batch (50-100 ms), for the epoch that shows the stall a trainer would see.
+REAL_STEP_SECONDS = 0.075
 #: Batches each rank's client reads ahead of it (``ds.batches``).
 READ_AHEAD = 2
 HEADER = ("epoch", "samples", "local", "peer", "pfs", "wall s", "samples/s", "MB/s", "data-wait s", "stall %")
@@ -100,17 +104,19 @@ def _check(epoch: object, results: list[RankEpoch], expected: np.ndarray) -> Non
         raise DataquayError(f"epoch {epoch}: sample {ids[wrong[0]]} arrived with bytes that differ from its file")
 
 
-def _rate(results: list[RankEpoch]) -> float:
-    """Samples per second of the job: every rank's samples over the slowest rank's wall time."""
-    return sum(len(r.ids) for r in results) / max(r.wall_seconds for r in results)
-
-
-def _report(epoch: object, results: list[RankEpoch], tiers: Sequence[str]) -> str:
+def _measure(phase: str, label: str, results: list[RankEpoch], step_seconds: float) -> DemoRow:
+    """The job's figures for one epoch: samples/s is every rank's samples over the slowest rank's wall time."""
     samples = sum(len(r.ids) for r in results)
     wall = max(r.wall_seconds for r in results)
-    wait = sum(r.wait_seconds for r in results) / len(results)
-    stall = sum(r.wait_seconds for r in results) / sum(r.wall_seconds for r in results)
+    return DemoRow(
+        phase=phase, label=label, step_ms=step_seconds * 1e3, samples=samples, wall_s=wall,
+        wait_s=sum(r.wait_seconds for r in results) / len(results),
+        stall_pct=100 * sum(r.wait_seconds for r in results) / sum(r.wall_seconds for r in results),
+        samples_per_s=samples / wall, mb_per_s=sum(r.nbytes for r in results) / wall / 1e6,
+    )
 
+
+def _report(row: DemoRow, results: list[RankEpoch], tiers: Sequence[str]) -> str:
     # Of the reads made during the epoch: with read-ahead, they include the
     # next epoch's first batches and not this one's, read during the last.
     read = sum(sum(r.samples.values()) for r in results) or 1
@@ -119,9 +125,9 @@ def _report(epoch: object, results: list[RankEpoch], tiers: Sequence[str]) -> st
         return f"{100 * sum(r.samples.get(n, 0) for r in results for n in names) / read:.0f}%"
 
     return _row((
-        epoch, samples, *(share(*t.split("+")) if t else "" for t in tiers),
-        f"{wall:.2f}", f"{samples / wall:,.0f}", f"{sum(r.nbytes for r in results) / wall / 1e6:,.0f}",
-        f"{wait:.3f}", f"{100 * stall:.1f}",
+        row.label, row.samples, *(share(*t.split("+")) if t else "" for t in tiers),
+        f"{row.wall_s:.2f}", f"{row.samples_per_s:,.0f}", f"{row.mb_per_s:,.0f}", f"{row.wait_s:.3f}",
+        f"{row.stall_pct:.1f}",
     ))
 
 
@@ -140,15 +146,18 @@ def _exchanged(cluster: LocalCluster, job: str, epoch: int, timeout: float = 60.
         time.sleep(0.1)
 
 
+TIERS = ("local+cache", "peer", "pfs+fallback")
+
+
 def _train(
     cluster: LocalCluster, base: Path, job: str, epochs: int, expected: np.ndarray, exchange: bool = False
-) -> dict[str, float]:
+) -> list[DemoRow]:
     """Runs ``epochs`` epochs of the job's 8 ranks, checks every sample, prints
     a row per epoch; without ``exchange``, then reads the last epoch's ids
-    straight from the files, from the page cache and through an emulated PFS.
-    Returns the samples/s of each row."""
+    straight from the files, from the page cache and through an emulated PFS."""
     world = NODES * RANKS_PER_NODE
-    rates: dict[str, float] = {}
+    phase = "partial" if exchange else "global"
+    rows: list[DemoRow] = []
     envs = [cluster.rank_env(rank, RANKS_PER_NODE, job) for rank in range(world)]
     print(f"starting {world} ranks ...", end=" ", flush=True)
     with RankGroup(envs, "demo", base / f"ranks-{job}", batch=BATCH, compute_seconds=COMPUTE_SECONDS) as ranks:
@@ -157,23 +166,44 @@ def _train(
         for epoch in range(epochs):
             results = ranks.epoch(epoch, prefetch=READ_AHEAD)
             _check(epoch, results, expected)
-            rates[str(epoch)] = _rate(results)
-            row = _report(epoch, results, ("local+cache", "peer", "pfs+fallback"))
+            rows.append(_measure(phase, str(epoch), results, COMPUTE_SECONDS))
+            text = _report(rows[-1], results, TIERS)
             if exchange:
-                row += f"  {format_bytes(_exchanged(cluster, job, epoch + 1)):>25}"
-            print(row, flush=True)
+                text += f"  {format_bytes(_exchanged(cluster, job, epoch + 1)):>25}"
+            print(text, flush=True)
         if not exchange:
             pfs = Direct(PFS_BYTES_PER_SECOND / world, DIRECT_WORKERS)
             for label, direct in (("page cache", Direct()), ("PFS", pfs)):
                 results = ranks.epoch(max(epochs - 1, 0), direct=direct)
                 _check(label, results, expected)
-                rates[label] = _rate(results)
-                print(_report(label, results, ("", "", "direct")), flush=True)
-    return rates
+                rows.append(_measure(phase, label, results, COMPUTE_SECONDS))
+                print(_report(rows[-1], results, ("", "", "direct")), flush=True)
+    return rows
 
 
-def _cluster_view(rates: dict[str, float]) -> str:
+def _real_step(cluster: LocalCluster, base: Path, job: str, epoch: int, expected: np.ndarray) -> list[DemoRow]:
+    """Two epochs of the job at a real GPU step's pace through dataquay, and the
+    same ids read straight from the emulated PFS at that pace: the stall a
+    trainer would see."""
+    world = NODES * RANKS_PER_NODE
+    envs = [cluster.rank_env(rank, RANKS_PER_NODE, job) for rank in range(world)]
+    pfs = Direct(PFS_BYTES_PER_SECOND / world, DIRECT_WORKERS)
+    rows: list[DemoRow] = []
+    with RankGroup(envs, "demo", base / "ranks-real-step", batch=BATCH, compute_seconds=REAL_STEP_SECONDS) as ranks:
+        print(_row(HEADER))
+        # Two epochs through dataquay: the first includes the new rank processes' start.
+        runs = ((f"dataquay {epoch}", epoch, None), (f"dataquay {epoch + 1}", epoch + 1, None), ("PFS", epoch, pfs))
+        for label, number, direct in runs:
+            results = ranks.epoch(number, direct=direct, prefetch=0 if direct else READ_AHEAD)
+            _check(label, results, expected)
+            rows.append(_measure(REAL_STEP, label, results, REAL_STEP_SECONDS))
+            print(_report(rows[-1], results, TIERS if direct is None else ("", "", "direct")), flush=True)
+    return rows
+
+
+def _cluster_view(rows: Sequence[DemoRow]) -> str:
     """What the rates mean on a cluster, in words."""
+    rates = {r.label: r.samples_per_s for r in rows}
     dataquay = float(np.median([rate for label, rate in rates.items() if label.isdigit()]))
     pfs, page_cache = rates["PFS"], rates["page cache"]
     return (
@@ -186,7 +216,8 @@ def _cluster_view(rates: dict[str, float]) -> str:
     )
 
 
-def run_demo(samples: int = 4000, epochs: int = 3) -> None:
+def run_demo(samples: int = 4000, epochs: int = 3, out: Path = Path("dataquay-demo")) -> None:
+    """Runs the demo and writes ``out/demo.json`` and, with matplotlib, ``out/demo.png``."""
     tune_malloc()
     world = NODES * RANKS_PER_NODE
     samples = max(samples - samples % world, world)  # no padding: exactly-once is checkable
@@ -195,7 +226,7 @@ def run_demo(samples: int = 4000, epochs: int = 3) -> None:
         print(
             f"dataquay demo: a {NODES}-node cluster on this machine, {samples} samples of {len(SIZES)} sizes, "
             f"{world} training ranks ({RANKS_PER_NODE} per node), {epochs} epochs of global shuffling, then "
-            f"{epochs} of partial shuffling (Q = {PARTIAL_Q})\n"
+            f"{epochs} of partial shuffling (--q {PARTIAL_Q})\n"
         )
         root = make_files_dataset(base / "pfs" / "demo", samples, sizes=SIZES, classes=10)
         total = sum(SIZES[i % len(SIZES)] for i in range(samples))
@@ -214,9 +245,12 @@ def run_demo(samples: int = 4000, epochs: int = 3) -> None:
             print(
                 f"\ntraining: {world} rank processes, each with its node's env and RANK/WORLD_SIZE/LOCAL_RANK, "
                 f"reading its\nJobSampler's ids in batches of {BATCH} ({READ_AHEAD} read ahead) with "
-                f"{COMPUTE_SECONDS * 1e3:.0f} ms of simulated compute per batch; every sample's bytes checked\n"
+                f"{COMPUTE_SECONDS * 1e3:.0f} ms of simulated compute per batch; every sample's bytes checked.\n"
+                f"A real GPU step takes 50-100 ms per batch; against {COMPUTE_SECONDS * 1e3:.0f} ms every loader, "
+                "this one included, spends\nmost of its time waiting, so read the samples/s and MB/s columns here; "
+                "`dataquay bench` measures\nthe stall with a 50 ms step (docs/results.md).\n"
             )
-            rates = _train(cluster, base, JOB, epochs, expected)
+            rows = _train(cluster, base, JOB, epochs, expected)
             print(
                 f"\n'local' is the rank's own node's cache (read in-process, no RPC); 'peer' came from the\n"
                 "node that staged the sample. The last two rows read the last epoch's ids straight from the\n"
@@ -224,15 +258,23 @@ def run_demo(samples: int = 4000, epochs: int = 3) -> None:
                 "the files of this small dataset sit; 'PFS' through a shared parallel file system's bandwidth\n"
                 f"as `dataquay bench` emulates it ({PFS_BYTES_PER_SECOND / 1e6:.0f} MB/s for the cluster, "
                 f"{PFS_BYTES_PER_SECOND / NODES / 1e6:.0f} MB/s per node, {DIRECT_WORKERS} readers per rank).\n\n"
-                + _cluster_view(rates) + "\n\n"
+                + _cluster_view(rows) + "\n\n"
                 f"Partial shuffling: each rank reads what its node owns, and between epochs the daemons\n"
-                f"exchange a fraction Q = {PARTIAL_Q} of their samples in the background.\n"
+                f"exchange samples in the background: with --q {PARTIAL_Q} each node draws {PARTIAL_Q:g} of its "
+                f"samples into\nthe epoch's pool and {PARTIAL_Q * (1 - 1 / NODES):g} of them leave it "
+                f"(q(1 - 1/M), M = {NODES} nodes).\n"
             )
             _cli("stage", "demo", "--job", PARTIAL_JOB, "--mode", "partial", "--q", str(PARTIAL_Q),
                  "--seed", str(SEED), "--ranks-per-node", str(RANKS_PER_NODE), "--quiet",
                  "--directory", cluster.directory_address)
             print()
-            _train(cluster, base, PARTIAL_JOB, epochs, expected, exchange=True)
+            rows += _train(cluster, base, PARTIAL_JOB, epochs, expected, exchange=True)
+            print(
+                f"\nAt a real GPU step: {REAL_STEP_SECONDS * 1e3:.0f} ms per batch, two epochs of the global job "
+                "through dataquay (fresh rank\nprocesses: the first includes their start) and one straight from "
+                "the emulated PFS. This is the\nstall a trainer would see.\n"
+            )
+            rows += _real_step(cluster, base, JOB, epochs, expected)
             training_pfs = _pfs_bytes(cluster) - staged_pfs
             print()
             _cli("status", "--directory", cluster.directory_address)
@@ -240,3 +282,12 @@ def run_demo(samples: int = 4000, epochs: int = 3) -> None:
             f"\nDuring training the daemons read {format_bytes(training_pfs)} from the PFS (staging read "
             f"{format_bytes(staged_pfs)} once)."
         )
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "nodes": NODES, "ranks_per_node": RANKS_PER_NODE, "samples": samples, "batch": BATCH,
+        "partial_q": PARTIAL_Q, "pfs_bytes_per_second": PFS_BYTES_PER_SECOND,
+    }
+    write_json(out / "demo.json", settings, rows)
+    plotted = plot(rows, out / "demo.png")
+    print(f"Results in {out}/demo.json" + (" and demo.png" if plotted else
+                                           "; no plot (pip install dataquay[bench] for matplotlib)"))

@@ -3,8 +3,8 @@ grows, and whether LMDB writes through it.
 
 With ``writemap`` LMDB writes its pages straight into a shared map of the data
 file, not through a copy and a ``pwrite`` per page run: commits several times
-faster here (BENCHMARKS.md, "The exchange into a preallocated writemap
-cache"). A write through the map into a hole of the file on a full disk is a
+faster here (bench/experiments/wire.py measures it). A write through the map
+into a hole of the file on a full disk is a
 SIGBUS that kills the daemon, so the map only ever covers blocks allocated
 ahead (``fallocate``): the whole file before the environment opens, and each
 growth before the map grows over it. LMDB with ``writemap`` sets the file's

@@ -42,7 +42,7 @@ log = logging.getLogger("dataquay.exchange")
 
 #: Payload bytes a chunk holds at most (less where the receiver asks for less):
 #: each chunk costs both event loops and both ends' threads a round of hand-offs
-#: (16 MiB moved 1.2x the bytes a second of 8 MiB on two cores, BENCHMARKS.md), and a
+#: (16 MiB moved 1.2x the bytes a second of 8 MiB on two cores, bench/experiments/exchange_rounds.py), and a
 #: stream holds up to WINDOW of them in the receiver's memory.
 CHUNK_BYTES = 16 << 20
 #: A stream's first chunk, each next one twice the last up to CHUNK_BYTES:
