@@ -52,7 +52,7 @@ from dataquay.server.node.cluster.directory_link import DirectoryLink
 from dataquay.server.node.cluster.identity import node_identity
 from dataquay.server.node.cluster.placements import Placements
 from dataquay.server.node.datasets import Datasets
-from dataquay.server.node.exchange import ExchangeReceiver, ExchangeRun, Exchanges
+from dataquay.server.node.exchange import ExchangeBroker, ExchangeReceiver, ExchangeRun, Exchanges
 from dataquay.server.node.exchange.coded import CodedProgress
 from dataquay.server.node.exchange.mcast import multicast_channel
 from dataquay.server.node.handoff.batch_reads import SegmentReads
@@ -127,14 +127,14 @@ class Daemon(ServerLifecycle):
         self.exchanges: Exchanges | None = None
         self.receiver: ExchangeReceiver | None = None
         if self.link is not None and self.placements is not None:
-            self.receiver = ExchangeReceiver(self.store, self.datasets, self.placements)
+            broker = ExchangeBroker()
+            self.receiver = ExchangeReceiver(self.store, self.datasets, self.placements, broker)
             self.exchanges = Exchanges(
                 config.node_name, self.store, self.datasets, self.placements, self.link, self.peers,
-                self.receiver, self.tasks.spawn, config.exchange_bandwidth, config.spare_copies_fill,
+                self.receiver, broker, self.tasks.spawn, config.exchange_bandwidth, config.spare_copies_fill,
                 multicast_channel(config.exchange_multicast, config.exchange_multicast_interface),
                 self.credentials.node.token,
             )
-            self.receiver.make_room = self.exchanges.make_room
         self.bulk: BulkServer | None = None
         if config.bulk_listen != "off":
             self.bulk = BulkServer(
