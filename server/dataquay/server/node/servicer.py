@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
@@ -271,10 +271,14 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             _check_stats_report(request)
         reads = {r.tier: (r.samples, r.bytes) for r in request.reads}
         self.client_stats.report(request.client, reads, max(0.0, request.data_wait_seconds))
-        if self.exchanges is not None:
-            for read in request.positions:
-                self.exchanges.rank_read(read.job, read.epoch, read.rank, read.position)
+        self._ranks_read(request.read_positions)
         return pb.ClientStatsReply()
+
+    def _ranks_read(self, positions: Iterable[pb.RankPosition]) -> None:
+        """Hands the ranks' read positions to the exchange, whose deletions wait for them."""
+        if self.exchanges is not None:
+            for read in positions:
+                self.exchanges.rank_read(read.job, read.epoch, read.rank, read.position)
 
     async def PrepSync(self, request: pb.PrepSyncRequest, context: grpc.aio.ServicerContext) -> pb.PrepSyncReply:
         async with status_on_error(context):
