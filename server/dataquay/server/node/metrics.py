@@ -2,7 +2,9 @@
 
 Events (reads, bytes, latencies) are plain counters and histograms; state
 (cache fill, staging progress) is read live by one collector at scrape time, so
-it can never drift from the truth. The endpoint is served by
+it can never drift from the truth, from the daemon's snapshot
+(:mod:`dataquay.server.node.snapshot`), which the Stats RPC answers from too.
+The endpoint is served by
 :class:`dataquay.server.http_server.HttpServer`.
 """
 

@@ -64,8 +64,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         placements: Placements | None, exchanges: Exchanges | None, receiver: ExchangeReceiver | None,
     ) -> None:
         self.node_name = node_name
-        self.info = info
-        self.state = state
+        self._info = info
+        self._state = state
         self._latency = latency
         self.counters = counters
         self.access = access
@@ -85,7 +85,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self.receiver = receiver
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
-        return self.info()
+        return self._info()
 
     async def Read(self, request: pb.ReadRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReadChunk]:
         started = time.perf_counter()
@@ -208,7 +208,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         )
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
-        state = self.state()
+        state = self._state()
         return pb.StatsReply(
             node=self.node_name,
             reads=[
