@@ -202,7 +202,7 @@ def cache_requests(real_root: Path) -> st.SearchStrategy[tuple[str, Message | li
             reads=st.lists(st.builds(pb.ClientReads, tier=st.text(max_size=12), samples=uint64, bytes=uint64),
                            max_size=4),
             data_wait_seconds=st.floats(allow_nan=True, allow_infinity=True),
-            positions=st.lists(st.builds(pb.RankPosition, job=job_ids, epoch=uint32, rank=uint32, position=uint64),
+            read_positions=st.lists(st.builds(pb.RankPosition, job=job_ids, epoch=uint32, rank=uint32, position=uint64),
                                max_size=4),
         )),
         st.tuples(st.just("Exchange"), exchange),

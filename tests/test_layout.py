@@ -188,8 +188,9 @@ ROOMS: dict[str, set[str]] = {
     "reads": {"cache", "cluster", "peers", "handoff", "datasets", "metrics"},
     "exchange": {"cache", "cluster", "peers", "datasets"},
 }
-#: node/'s root: the daemon's wiring and faces, and the stager, which spans cache and PFS.
-NODE_ROOT = {"daemon", "servicer", "metrics", "datasets", "client_stats", "stager"}
+#: node/'s root: the daemon's wiring and faces, their counters and snapshot, and the
+#: stager, which spans cache and PFS.
+NODE_ROOT = {"daemon", "servicer", "metrics", "datasets", "client_stats", "stager", "counters", "snapshot"}
 PLANNING = "dataquay.server.planning"
 
 
@@ -243,3 +244,20 @@ def test_only_the_daemon_imports_every_room() -> None:
         name: {part for target in graph[name] if (part := _part_of_node(target)) in ROOMS} for name in graph
     }
     assert [name for name, rooms in rooms_imported.items() if rooms == set(ROOMS)] == [NODE + ".daemon"]
+
+
+def test_no_part_of_the_daemon_is_handed_the_daemon() -> None:
+    """The daemon builds its parts and hands each face the handlers it needs:
+    nothing of node/ names the Daemon, not even in an annotation."""
+    daemon = NODE + ".daemon"
+    naming = []
+    for name, path in module_files().items():
+        if path is None or not name.startswith(NODE + ".") or name == daemon:
+            continue
+        for statement in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(statement, ast.ImportFrom) and (
+                statement.module == daemon or (statement.module == NODE and any(a.name == "daemon"
+                                                                                 for a in statement.names))
+            ):
+                naming.append(name)
+    assert not naming, "these take the whole daemon: hand them its parts instead:\n" + "\n".join(sorted(naming))

@@ -194,7 +194,7 @@ class ReadStats:
             client=self._client_id,
             reads=[pb.ClientReads(tier=t, samples=samples[t], bytes=nbytes[t]) for t in CLIENT_TIERS],
             data_wait_seconds=wait,
-            positions=positions,
+            read_positions=positions,
         )
 
     def after_fork_in_child(self) -> None:

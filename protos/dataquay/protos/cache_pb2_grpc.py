@@ -218,7 +218,9 @@ class CacheServicer:
         """A trainer's own counters: the reads it served from the LMDB map itself
         and the time it waited for data, so that the node's metrics cover what
         never reached the daemon. Cumulative per client process; the daemon
-        adds what is new since that client's last report.
+        adds what is new since that client's last report. The same call carries
+        the read positions of the ranks the process reads for, which gate the
+        deletion of the samples this node gave away (read_positions).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -20,13 +20,13 @@ import shutil
 from pathlib import Path
 
 import grpc
-import numpy as np
-import numpy.ma  # np.unique imports it at first use (tens of ms): at start, not mid-exchange
+import numpy.ma  # noqa: F401  np.unique imports it at first use (tens of ms): at start, not mid-exchange
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from dataquay.client.memfd import fd_socket_path
 from dataquay.client.records import CHECKSUM_BYTES
+from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server import __version__
@@ -45,30 +45,29 @@ from dataquay.server.listen import (
     remove_own_socket,
     socket_identity,
 )
-from dataquay.server.node.cache.admission import REASONS
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.client_stats import ClientStatsBook
 from dataquay.server.node.cluster.directory_link import DirectoryLink
 from dataquay.server.node.cluster.identity import node_identity
 from dataquay.server.node.cluster.placements import Placements
+from dataquay.server.node.counters import FaceCounters
 from dataquay.server.node.datasets import Datasets
-from dataquay.server.node.exchange import ExchangeReceiver, ExchangeRun, Exchanges
-from dataquay.server.node.exchange.coded import CodedProgress
+from dataquay.server.node.exchange import ExchangeBroker, ExchangeReceiver, Exchanges
 from dataquay.server.node.exchange.mcast import multicast_channel
 from dataquay.server.node.handoff.batch_reads import SegmentReads
 from dataquay.server.node.handoff.fd_socket import SegmentSocket
 from dataquay.server.node.handoff.segments import ShmSegments
-from dataquay.server.node.metrics import DaemonMetrics, ExchangeState, LiveState
+from dataquay.server.node.metrics import DaemonMetrics
 from dataquay.server.node.peers.bulk.client import BulkClient
 from dataquay.server.node.peers.bulk.server import BulkServer
 from dataquay.server.node.peers.bulk.tls import BulkTls
 from dataquay.server.node.peers.reads import Peers
 from dataquay.server.node.prep.groups import PrepGroups
 from dataquay.server.node.reads.behind import CacheBehind
-from dataquay.server.node.reads.overflow import OverflowCounts
 from dataquay.server.node.reads.pfs import PfsPool
 from dataquay.server.node.reads.service import ReadService
 from dataquay.server.node.servicer import CacheServicer
+from dataquay.server.node.snapshot import NodeState
 from dataquay.server.node.stager import Stager
 from dataquay.server.node.users.access import CallerCheck, UserAccess
 from dataquay.server.registry import Registry
@@ -94,7 +93,7 @@ class Daemon(ServerLifecycle):
         self.store = Store(config.cache_dir, config.cache_size)
         self.registry = Registry(config.state_dir)
         self.pfs = PfsPool(config.pfs_threads, config.pfs_bandwidth, config.pfs_read_timeout)
-        self.metrics = DaemonMetrics(self.live_state)
+        self.metrics = DaemonMetrics()
         self.credentials = ServerCredentials.from_files(
             config.token_file, config.node_token_file, config.tls_ca, config.tls_cert, config.tls_key
         )
@@ -127,28 +126,24 @@ class Daemon(ServerLifecycle):
         self.exchanges: Exchanges | None = None
         self.receiver: ExchangeReceiver | None = None
         if self.link is not None and self.placements is not None:
-            self.receiver = ExchangeReceiver(self.store, self.datasets, self.placements)
+            broker = ExchangeBroker()
+            self.receiver = ExchangeReceiver(self.store, self.datasets, self.placements, broker)
             self.exchanges = Exchanges(
                 config.node_name, self.store, self.datasets, self.placements, self.link, self.peers,
-                self.receiver, self.tasks.spawn, config.exchange_bandwidth, config.spare_copies_fill,
+                self.receiver, broker, self.tasks.spawn, config.exchange_bandwidth, config.spare_copies_fill,
                 multicast_channel(config.exchange_multicast, config.exchange_multicast_interface),
                 self.credentials.node.token,
             )
-            self.receiver.make_room = self.exchanges.make_room
         self.bulk: BulkServer | None = None
         if config.bulk_listen != "off":
             self.bulk = BulkServer(
-                self.credentials.node.token, tls.server, self._bulk_request, self.store, self.metrics.count_peer_served,
+                self.credentials.node.token, tls.server, self.reads.cache_db, self.store,
+                self.metrics.count_peer_served,
                 self.receiver.receive if self.receiver is not None else None, config.max_sample_size + CHECKSUM_BYTES,
-                resolve_now=self._bulk_request_now,
+                resolve_now=self.reads.cache_db_now,
             )
         self.bulk_address = ""
-        #: Peer payloads written into trainers' segments as they arrived (see node/handoff/forward.py).
-        self.forwarded_samples = 0
-        #: Of those, received from the peer straight into a sealed memfd segment.
-        self.in_place_samples = 0
-        #: Trainers' batch reads answered on their segments' connections (see node/handoff/batch_reads.py).
-        self.segment_reads = 0
+        self.counters = FaceCounters()
         self.shm = ShmSegments()
         self.segment_socket: SegmentSocket | None = None
         self.behind = CacheBehind(self.datasets, self.store, self.pfs, self.shm, config.max_sample_size)
@@ -160,6 +155,13 @@ class Daemon(ServerLifecycle):
         #: What the Reads of each remote host hold at once (see ReadService.read).
         self.served_budgets = ByteBudgets(SERVED_BYTES_PER_PEER)
         self.client_stats = ClientStatsBook()
+        self.state = NodeState(
+            store=self.store, pfs=self.pfs, stager=self.stager, peers=self.peers, reads=self.reads,
+            served=self.metrics.tier_totals, client_stats=self.client_stats, prep_groups=self.prep_groups,
+            behind=self.behind, counters=self.counters, exchanges=self.exchanges, receiver=self.receiver,
+            bulk=self.bulk,
+        )
+        self.metrics.export_state(self.state.snapshot)
         self.health = HealthServicer()
         self.tcp_address = ""
         self.metrics_port = 0
@@ -222,7 +224,7 @@ class Daemon(ServerLifecycle):
     async def _start_server(self) -> None:
         checks = (CallerCheck(self.access),) if self.access.apart else ()
         server = new_server(self.credentials, self.config.max_calls_per_peer, checks=checks)
-        cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(self), server)
+        cache_pb2_grpc.add_CacheServicer_to_server(self._servicer(), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self._server = server
         sock = Path(self.config.socket)
@@ -258,7 +260,8 @@ class Daemon(ServerLifecycle):
                      extra={"fields": {"reason": self.shm.memfd_problem}})
             return
         segment_socket = SegmentSocket(
-            Path(fd_socket_path(str(sock))), self.shm, self.credentials.user.token, SegmentReads(self),
+            Path(fd_socket_path(str(sock))), self.shm, self.credentials.user.token,
+            SegmentReads(self.shm, self.access, self.reads, self.counters, self.metrics.request_seconds),
             self.tasks.spawn, self.access.tickets,
         )
         try:
@@ -268,6 +271,32 @@ class Daemon(ServerLifecycle):
                         extra={"fields": {"path": str(segment_socket.path), "error": str(exc)}})
             return
         self.segment_socket = segment_socket
+
+    def _servicer(self) -> CacheServicer:
+        return CacheServicer(
+            node_name=self.config.node_name, info=self._info, state=self.state.snapshot,
+            latency=self.metrics.request_seconds, counters=self.counters, access=self.access, shm=self.shm,
+            reads=self.reads, served_budgets=self.served_budgets, registry=self.registry, store=self.store,
+            datasets=self.datasets, stager=self.stager, client_stats=self.client_stats,
+            prep_groups=self.prep_groups, behind=self.behind, link=self.link, placements=self.placements,
+            exchanges=self.exchanges, receiver=self.receiver,
+        )
+
+    def _info(self) -> pb.InfoReply:
+        """What Info answers: this daemon, its addresses and limits."""
+        return pb.InfoReply(
+            node=self.config.node_name,
+            version=self.version,
+            cache_path=str(self.store.path),
+            max_batch=self.config.max_batch,
+            cache_capacity=self.store.capacity,
+            tcp_address=self.tcp_address,
+            pid=self.pid,
+            directory=self.config.directory,
+            metrics_address=self.metrics_address,
+            bulk_address=self.bulk_address,
+            pfs_bandwidth=self.config.pfs_bandwidth,
+        )
 
     def _start_bulk(self) -> None:
         if self.bulk is None:
@@ -282,20 +311,6 @@ class Daemon(ServerLifecycle):
             raise StartupError(f"cannot listen for bulk data on {listen}: {exc.strerror}") from exc
         self.bulk_address = f"{advertised_host(host)}:{bound}"
         self.tasks.spawn(self.bulk.serve(), "bulk-listener")
-
-    async def _bulk_request(self, dataset: str, manifest_id: str, ids: np.ndarray) -> str:
-        """Checks a bulk read as a gRPC Read is checked; the cache database to answer it from."""
-        entry = await self.reads.entry(dataset, ids, manifest_id)
-        await self.store.open_dataset(entry.record.cache_db)
-        return entry.record.cache_db
-
-    def _bulk_request_now(self, dataset: str, manifest_id: str, ids: np.ndarray) -> str | None:
-        """:meth:`_bulk_request` in the bulk thread where it waits for nothing
-        (the dataset registered here, its database open); None otherwise."""
-        entry = self.reads.registered_entry(dataset, ids, manifest_id)
-        if entry is None or not self.store.dataset_open(entry.record.cache_db):
-            return None
-        return entry.record.cache_db
 
     async def close(self, grace: float = 10.0) -> None:
         """Staged shutdown; safe to call twice and after a failed start."""
@@ -401,47 +416,6 @@ class Daemon(ServerLifecycle):
     async def _datasets_changed(self) -> None:
         await self.datasets.sync()
 
-    def live_state(self) -> LiveState:
-        used, entries = self._usage()
-        return LiveState(
-            cache_used_bytes=used,
-            cache_capacity_bytes=self.store.capacity,
-            cache_entries=entries,
-            cache_full=self.store.full,
-            cache_disk_full=self.store.disk_full,
-            corrupt_repaired=self.store.corrupt_repaired,
-            inserts_dropped=self.store.inserts_dropped,
-            pfs_bytes=self.pfs.bytes_read,
-            pfs_errors=self.pfs.errors,
-            staging={
-                name: (p.done_samples, p.total_samples, p.done_bytes, p.total_bytes)
-                for name, p in self.stager.runs.items()
-            },
-            peers={p.node: (p.suspect, p.failures, p.bad_checksums) for p in self.peers.health()},
-            exchanges={run.job: exchange_state(run) for run in self.exchanges.progress()} if self.exchanges else {},
-            exchange_sent=(self.exchanges.sent_samples, self.exchanges.sent_bytes) if self.exchanges else (0, 0),
-            exchange_given_up=self.exchanges.given_up_samples if self.exchanges else 0,
-            exchange_received=(
-                (self.receiver.received_samples, self.receiver.received_bytes) if self.receiver else (0, 0)
-            ),
-            values_refused=refused_values(self.receiver.refused if self.receiver else {}, self.peers.refused_lengths),
-            previous_owner_samples=self.reads.previous_owner_samples,
-            prefetched_samples=self.reads.prefetcher.served if self.reads.prefetcher else 0,
-            prefetch_memory=(self.reads.budget.limit, self.reads.budget.held, self.reads.budget.peak),
-            overflow=self.reads.overflow.counts if self.reads.overflow else OverflowCounts(),
-            client_reads={tier: (samples, nbytes) for tier, (samples, nbytes) in self.client_stats.reads.items()},
-            client_data_wait_seconds=self.client_stats.data_wait_seconds,
-            clients=self.client_stats.clients,
-            prep_groups=tuple(self.prep_groups.status()),
-            bulk=(
-                self.bulk.served_samples if self.bulk else 0, self.bulk.served_bytes if self.bulk else 0,
-                self.peers.bulk_samples, self.peers.bulk_bytes, self.bulk.refused if self.bulk else 0,
-                self.peers.bulk_fallbacks, self.segment_reads,
-            ),
-            cache_behind=self.behind.counts,
-            mcast_dropped=dict(self.exchanges.mcast_dropped) if self.exchanges else {},
-        )
-
 
 async def serve(config: DaemonConfig) -> None:
     """Runs a daemon until SIGTERM or SIGINT."""
@@ -449,26 +423,3 @@ async def serve(config: DaemonConfig) -> None:
         await daemon.serve_until_stopped()
     if daemon.fatal is not None:
         raise daemon.fatal
-
-
-def refused_values(exchanged: dict[str, int], peer_lengths: int) -> dict[str, int]:
-    """Values the admission rule kept out, by reason: from exchanges and from peer reads."""
-    out = dict.fromkeys(REASONS.values(), 0) | exchanged
-    out["length"] += peer_lengths
-    return out
-
-
-def exchange_state(run: ExchangeRun) -> ExchangeState:
-    done = run.progress()
-    coded = run.coded or CodedProgress()
-    return ExchangeState(
-        epoch=run.epoch,
-        total_samples=done.total_samples,
-        total_bytes=done.total_bytes,
-        delivered_samples=done.delivered_samples,
-        delivered_bytes=done.delivered_bytes,
-        finished=run.finished,
-        coded_packets_sent=coded.packets_sent,
-        coded_bytes_sent=coded.bytes_sent,
-        coded_samples_decoded=coded.samples_decoded,
-    )

@@ -2,14 +2,15 @@
 
 Events (reads, bytes, latencies) are plain counters and histograms; state
 (cache fill, staging progress) is read live by one collector at scrape time, so
-it can never drift from the truth. The endpoint is served by
+it can never drift from the truth, from the daemon's snapshot
+(:mod:`dataquay.server.node.snapshot`), which the Stats RPC answers from too.
+The endpoint is served by
 :class:`dataquay.server.http_server.HttpServer`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -17,66 +18,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from dataquay.client.tiers import SERVED_TIERS
-from dataquay.server.node.reads.behind import BehindCounts
 
 if TYPE_CHECKING:
-    from dataquay.protos import cache_pb2 as pb
-    from dataquay.server.node.reads.overflow import OverflowCounts
+    from dataquay.server.node.snapshot import LiveState
 
 #: Where this daemon served a sample from: its own cache, another daemon's, the PFS.
 TIERS = tuple(SERVED_TIERS.values())
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-
-
-@dataclass(frozen=True)
-class LiveState:
-    """A snapshot of the daemon's state for the collector."""
-
-    cache_used_bytes: int
-    cache_capacity_bytes: int
-    cache_entries: int
-    cache_full: bool
-    cache_disk_full: bool
-    corrupt_repaired: int
-    inserts_dropped: int
-    pfs_bytes: int
-    pfs_errors: int
-    staging: dict[str, tuple[int, int, int, int]]  # dataset -> (done, total, done_bytes, total_bytes)
-    peers: dict[str, tuple[bool, int, int]]  # node -> (suspect, failed batches, bad checksums)
-    exchanges: dict[str, ExchangeState]  # job -> its latest exchange, sending side
-    exchange_sent: tuple[int, int]  # (samples, bytes) other nodes committed from this one
-    exchange_received: tuple[int, int]  # (samples, bytes) committed from other nodes' exchanges
-    exchange_given_up: int  # samples deleted unshipped so that every full node's exchange moves again
-    previous_owner_samples: int
-    prefetched_samples: int
-    prefetch_memory: tuple[int, int, int]  # (budget, reserved now, most reserved at once), bytes
-    overflow: OverflowCounts
-    client_reads: dict[str, tuple[int, int]]  # client tier -> (samples, bytes), as trainers reported
-    client_data_wait_seconds: float
-    clients: int
-    prep_groups: tuple[pb.PrepGroupStatus, ...] = ()
-    #: The bulk data path: (served samples, served bytes, fetched samples, fetched bytes,
-    #: connections refused, fetches that fell back to gRPC, trainers' batch reads on their segments' connections).
-    bulk: tuple[int, int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0, 0)
-    cache_behind: BehindCounts = field(default_factory=BehindCounts)
-    #: Coded passes' multicast datagrams (and packets) dropped, by reason.
-    mcast_dropped: dict[str, int] = field(default_factory=dict)
-    #: Values the admission rule kept out of the cache, by reason (node/cache/admission.py).
-    values_refused: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ExchangeState:
-    epoch: int
-    total_samples: int
-    total_bytes: int
-    delivered_samples: int
-    delivered_bytes: int
-    finished: bool
-    coded_packets_sent: int = 0
-    coded_bytes_sent: int = 0
-    coded_samples_decoded: int = 0
 
 
 class _StateCollector(Collector):
@@ -153,11 +102,11 @@ class _StateCollector(Collector):
         total_bytes = GaugeMetricFamily(
             "dataquay_staging_total_bytes", "Bytes a staging run must cache", labels=["dataset"]
         )
-        for dataset, (d, t, db, tb) in state.staging.items():
-            done.add_metric([dataset], d)
-            total.add_metric([dataset], t)
-            done_bytes.add_metric([dataset], db)
-            total_bytes.add_metric([dataset], tb)
+        for dataset, run in state.staging.items():
+            done.add_metric([dataset], run.done_samples)
+            total.add_metric([dataset], run.total_samples)
+            done_bytes.add_metric([dataset], run.done_bytes)
+            total_bytes.add_metric([dataset], run.total_bytes)
         yield from (done, total, done_bytes, total_bytes)
         suspect = GaugeMetricFamily(
             "dataquay_peer_suspect", "1 while a peer is set aside after a failure", labels=["peer"]
@@ -169,10 +118,10 @@ class _StateCollector(Collector):
             "dataquay_peer_bad_checksums", "Samples from a peer whose checksum failed (read again elsewhere)",
             labels=["peer"],
         )
-        for peer, (is_suspect, failed, corrupt) in state.peers.items():
-            suspect.add_metric([peer], int(is_suspect))
-            failures.add_metric([peer], failed)
-            bad.add_metric([peer], corrupt)
+        for peer in state.peers:
+            suspect.add_metric([peer.node], int(peer.suspect))
+            failures.add_metric([peer.node], peer.failures)
+            bad.add_metric([peer.node], peer.bad_checksums)
         yield from (suspect, failures, bad)
         yield from _exchange_metrics(state)
         yield from _read_ahead_metrics(state)
@@ -316,20 +265,17 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
     for reason, count in state.values_refused.items():
         refused_values.add_metric([reason], count)
     yield refused_values
-    served, served_bytes, fetched, fetched_bytes, refused, fallbacks, segment_reads = state.bulk
-    for name, text, value in (
-        ("served_samples", "Samples sent to peers over the bulk data path", served),
-        ("served_bytes", "Payload bytes sent to peers over the bulk data path", served_bytes),
-        ("fetched_samples", "Samples read from peers over the bulk data path", fetched),
-        ("fetched_bytes", "Payload bytes read from peers over the bulk data path", fetched_bytes),
+    for name, text in (
+        ("served_samples", "Samples sent to peers over the bulk data path"),
+        ("served_bytes", "Payload bytes sent to peers over the bulk data path"),
+        ("fetched_samples", "Samples read from peers over the bulk data path"),
+        ("fetched_bytes", "Payload bytes read from peers over the bulk data path"),
         ("refused_connections",
-         "Bulk connections closed for bad input (garbage, a wrong token, oversized, stalled) or over a cap",
-         refused),
-        ("fallbacks", "Bulk connections to peers that failed, after which gRPC was used", fallbacks),
-        ("segment_reads", "Trainers' batch reads answered on their shared-memory segment's connection, not gRPC",
-         segment_reads),
+         "Bulk connections closed for bad input (garbage, a wrong token, oversized, stalled) or over a cap"),
+        ("fallbacks", "Bulk connections to peers that failed, after which gRPC was used"),
+        ("segment_reads", "Trainers' batch reads answered on their shared-memory segment's connection, not gRPC"),
     ):
-        yield CounterMetricFamily(f"dataquay_bulk_{name}", text, value=value)
+        yield CounterMetricFamily(f"dataquay_bulk_{name}", text, value=getattr(state.bulk, name))
     dropped = CounterMetricFamily(
         "dataquay_mcast_datagrams_dropped",
         "Coded passes' multicast datagrams (and whole packets) dropped, by reason: another pass's (unknown_pass), "
@@ -354,7 +300,7 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
 class DaemonMetrics:
     """The daemon's metric objects, in a registry of their own."""
 
-    def __init__(self, snapshot: Callable[[], LiveState]) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.reads = Counter(
             "dataquay_reads", "Samples served, by tier", ["tier"], registry=self.registry
@@ -384,6 +330,9 @@ class DaemonMetrics:
         for tier in TIERS:
             self.reads.labels(tier)
             self.read_bytes.labels(tier)
+
+    def export_state(self, snapshot: Callable[[], LiveState]) -> None:
+        """Exports what ``snapshot`` reads at each scrape (the daemon's :class:`NodeState`)."""
         self.registry.register(_StateCollector(snapshot))
 
     def count_read(self, tier: str, samples: int, nbytes: int) -> None:
@@ -398,12 +347,16 @@ class DaemonMetrics:
         self.peer_served_bytes.inc(nbytes)
 
     def tier_totals(self) -> dict[str, tuple[int, int]]:
-        """(samples, bytes) served per tier since start."""
-        value = self.registry.get_sample_value
-        return {
-            tier: (
-                int(value("dataquay_reads_total", {"tier": tier}) or 0),
-                int(value("dataquay_read_bytes_total", {"tier": tier}) or 0),
-            )
-            for tier in TIERS
-        }
+        """(samples, bytes) served per tier since start; read from the counters
+        themselves, so that the state collector may call it mid-scrape."""
+        samples, nbytes = _by_tier(self.reads), _by_tier(self.read_bytes)
+        return {tier: (samples.get(tier, 0), nbytes.get(tier, 0)) for tier in TIERS}
+
+
+def _by_tier(counter: Counter) -> dict[str, int]:
+    return {
+        sample.labels["tier"]: int(sample.value)
+        for family in counter.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
@@ -17,55 +17,87 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import DataquayError, InvalidRequestError, StandaloneError
-from dataquay.server.limits import ByteBudget
-from dataquay.server.node.cluster.directory_link import DirectoryLink
-from dataquay.server.node.cluster.placements import Placements
-from dataquay.server.node.exchange import ExchangeRun, Exchanges
-from dataquay.server.node.exchange.coded import CodedProgress
 from dataquay.server.node.handoff.forward import ShmForward
-from dataquay.server.node.metrics import LiveState
 from dataquay.server.node.reads.replies import reply_chunks
-from dataquay.server.node.stager import StagingProgress
 from dataquay.server.proto_maps import FORMAT_FROM_PROTO, TIER_TO_PROTO, dataset_info
 from dataquay.server.servicer_errors import status_on_error
 
 if TYPE_CHECKING:
-    from dataquay.server.node.daemon import Daemon
+    from prometheus_client import Histogram
+
+    from dataquay.server.limits import ByteBudget, ByteBudgets
+    from dataquay.server.node.cache.store import Store
+    from dataquay.server.node.client_stats import ClientStatsBook
+    from dataquay.server.node.cluster.directory_link import DirectoryLink
+    from dataquay.server.node.cluster.placements import Placements
+    from dataquay.server.node.counters import FaceCounters
+    from dataquay.server.node.datasets import Datasets
+    from dataquay.server.node.exchange import ExchangeReceiver, Exchanges
+    from dataquay.server.node.handoff.segments import ShmSegments
+    from dataquay.server.node.prep.groups import PrepGroups
+    from dataquay.server.node.reads.behind import CacheBehind
+    from dataquay.server.node.reads.service import ReadService
+    from dataquay.server.node.snapshot import LiveState
+    from dataquay.server.node.stager import Stager, StagingProgress
+    from dataquay.server.node.users.access import UserAccess
+    from dataquay.server.registry import Registry
+
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
-    """dataquay.v1.Cache over one :class:`Daemon`."""
+    """dataquay.v1.Cache over the parts of one daemon, each handed in by the
+    daemon that built them (the cluster's are None on a daemon without a directory).
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-        self._latency = daemon.metrics.request_seconds
+    Args:
+        node_name: this node.
+        info: what Info answers (addresses are known once the daemon listens).
+        state: the daemon's snapshot, which Stats answers from.
+        latency: the histogram of request times, by method.
+        counters: what the faces count, bumped as Reads hand payloads into segments.
+        served_budgets: what the Reads of each remote host hold at once.
+    """
+
+    def __init__(
+        self, *, node_name: str, info: Callable[[], pb.InfoReply], state: Callable[[], LiveState],
+        latency: Histogram, counters: FaceCounters, access: UserAccess, shm: ShmSegments, reads: ReadService,
+        served_budgets: ByteBudgets, registry: Registry, store: Store, datasets: Datasets, stager: Stager,
+        client_stats: ClientStatsBook, prep_groups: PrepGroups, behind: CacheBehind, link: DirectoryLink | None,
+        placements: Placements | None, exchanges: Exchanges | None, receiver: ExchangeReceiver | None,
+    ) -> None:
+        self.node_name = node_name
+        self._info = info
+        self._state = state
+        self._latency = latency
+        self.counters = counters
+        self.access = access
+        self.shm = shm
+        self.reads = reads
+        self.served_budgets = served_budgets
+        self.registry = registry
+        self.store = store
+        self.datasets = datasets
+        self.stager = stager
+        self.client_stats = client_stats
+        self.prep_groups = prep_groups
+        self.behind = behind
+        self.link = link
+        self.placements = placements
+        self.exchanges = exchanges
+        self.receiver = receiver
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
-        d = self.daemon
-        return pb.InfoReply(
-            node=d.config.node_name,
-            version=d.version,
-            cache_path=str(d.store.path),
-            max_batch=d.config.max_batch,
-            cache_capacity=d.store.capacity,
-            tcp_address=d.tcp_address,
-            pid=d.pid,
-            directory=d.config.directory,
-            metrics_address=d.metrics_address,
-            bulk_address=d.bulk_address,
-            pfs_bandwidth=d.config.pfs_bandwidth,
-        )
+        return self._info()
 
     async def Read(self, request: pb.ReadRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReadChunk]:
         started = time.perf_counter()
         # uint64 as on the wire: ids past int64 are refused as out of range, not overflowed.
         ids = np.fromiter(request.ids, dtype=np.uint64, count=len(request.ids))
-        forward = ShmForward(self.daemon.shm, request.shm_name, request.shm_size) if request.shm_name else None
+        forward = ShmForward(self.shm, request.shm_name, request.shm_size) if request.shm_name else None
         async with status_on_error(context):
-            caller = self.daemon.access.caller(context)
-            await self.daemon.access.check_read(caller, request.dataset)
-            if forward is not None and not self.daemon.access.trusted(caller):
-                self.daemon.access.check_segment(caller, self.daemon.shm.owner(request.shm_name))
-            windows = self.daemon.reads.read(
+            caller = self.access.caller(context)
+            await self.access.check_read(caller, request.dataset)
+            if forward is not None and not self.access.trusted(caller):
+                self.access.check_segment(caller, self.shm.owner(request.shm_name))
+            windows = self.reads.read(
                 request.dataset, ids, request.manifest_id, request.job, request.peer, self._budget(context),
                 forward,
                 epoch=request.epoch if request.HasField("epoch") else None,
@@ -79,8 +111,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                         yield chunk
                     del window  # not held while the next one is resolved
         if forward is not None:
-            self.daemon.forwarded_samples += forward.forwarded
-            self.daemon.in_place_samples += len(forward.checked)
+            self.counters.forwarded(forward.forwarded, len(forward.checked))
         self._latency.labels("Read").observe(time.perf_counter() - started)
 
     def _budget(self, context: grpc.aio.ServicerContext) -> ByteBudget | None:
@@ -89,21 +120,21 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         peer = context.peer() or ""
         if peer.startswith("unix:"):
             return None
-        return self.daemon.served_budgets.get(peer.rpartition(":")[0])
+        return self.served_budgets.get(peer.rpartition(":")[0])
 
     async def AddDataset(self, request: pb.AddDatasetRequest, context: grpc.aio.ServicerContext) -> pb.DatasetInfo:
         async with status_on_error(context):
-            caller = self.daemon.access.caller(context)
-            entry = await self.daemon.datasets.add(
-                request, FORMAT_FROM_PROTO.get(request.format), lambda root: self.daemon.access.check_root(caller, root)
+            caller = self.access.caller(context)
+            entry = await self.datasets.add(
+                request, FORMAT_FROM_PROTO.get(request.format), lambda root: self.access.check_root(caller, root)
             )
             return self.dataset_info(entry.record.name)
 
     async def ListDatasets(
         self, request: pb.ListDatasetsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListDatasetsReply:
-        registry = self.daemon.registry
-        listed = await self.daemon.datasets.listed()
+        registry = self.registry
+        listed = await self.datasets.listed()
         if listed is None:
             return pb.ListDatasetsReply(datasets=[self.dataset_info(n) for n in registry.names()])
         held = {n: registry.get(n).record.manifest_id for n in registry.names()}
@@ -113,14 +144,14 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
     async def GetDataset(self, request: pb.GetDatasetRequest, context: grpc.aio.ServicerContext) -> pb.DatasetInfo:
         async with status_on_error(context):
-            return self.dataset_info((await self.daemon.datasets.entry(request.name)).record.name)
+            return self.dataset_info((await self.datasets.entry(request.name)).record.name)
 
     async def GetManifest(
         self, request: pb.GetDatasetRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ManifestChunk]:
         async with status_on_error(context):
-            await self.daemon.access.check_read(self.daemon.access.caller(context), request.name)
-            data = (await self.daemon.datasets.entry(request.name)).manifest.data
+            await self.access.check_read(self.access.caller(context), request.name)
+            data = (await self.datasets.entry(request.name)).manifest.data
         step = 4 << 20
         for start in range(0, len(data), step):
             yield pb.ManifestChunk(data=bytes(data[start : start + step]))
@@ -129,33 +160,32 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self, request: pb.DropDatasetRequest, context: grpc.aio.ServicerContext
     ) -> pb.DropDatasetReply:
         async with status_on_error(context):
-            await self.daemon.access.check_drop(self.daemon.access.caller(context), request.name)
-            freed = await self.daemon.datasets.drop(request.name)
+            await self.access.check_drop(self.access.caller(context), request.name)
+            freed = await self.datasets.drop(request.name)
         return pb.DropDatasetReply(freed_samples=freed)
 
     async def Stage(
         self, request: pb.StageRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StageProgress]:
-        d = self.daemon
         async with status_on_error(context):
-            await d.access.check_read(d.access.caller(context), request.dataset)
-            entry = await d.datasets.entry(request.dataset)
+            await self.access.check_read(self.access.caller(context), request.dataset)
+            entry = await self.datasets.entry(request.dataset)
             seed, ids, leave_room, for_others = request.seed, None, False, 0
             if request.job:
                 await self._link().list_nodes()  # the capacities every node computes the holders with
                 placement = await self._placements().placement(request.job, entry, epoch=0)
                 seed, ids, leave_room = placement.job.spec.seed, placement.held(), placement.owners_move
                 for_others = placement.held_for_others
-            progress = d.stager.start(request.dataset, seed, ids, leave_room, for_others)
+            progress = self.stager.start(request.dataset, seed, ids, leave_room, for_others)
         while True:
-            await d.stager.wait(request.dataset, timeout=0.5)
+            await self.stager.wait(request.dataset, timeout=0.5)
             reply = self._progress(progress)
             yield reply
             # What was sent decides: the run may have ended while it went (a
             # shutdown), and its last word must still reach the caller.
             if reply.finished:
                 if request.job and not progress.error:
-                    d.reads.read_ahead(placement.job, transfers=False)  # what did not fit, before the ranks come
+                    self.reads.read_ahead(placement.job, transfers=False)  # what did not fit, before the ranks come
                 return
 
     def _progress(self, progress: StagingProgress) -> pb.StageProgress:
@@ -173,18 +203,17 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             error=progress.error,
             failed_samples=progress.failed_samples,
             first_failure=progress.first_failure,
-            node=self.daemon.config.node_name,
+            node=self.node_name,
             held_for_others=progress.held_for_others,
         )
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
-        d = self.daemon
-        state = d.live_state()
+        state = self._state()
         return pb.StatsReply(
-            node=d.config.node_name,
+            node=self.node_name,
             reads=[
                 pb.TierCount(tier=TIER_TO_PROTO[tier], samples=samples, bytes=nbytes)
-                for tier, (samples, nbytes) in d.metrics.tier_totals().items()
+                for tier, (samples, nbytes) in state.served.items()
             ],
             cache_used_bytes=state.cache_used_bytes,
             cache_capacity_bytes=state.cache_capacity_bytes,
@@ -196,53 +225,43 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             cache_disk_full=state.cache_disk_full,
             inserts_dropped=state.inserts_dropped,
             read_ahead=read_ahead(state),
-            staging=[self._progress(p) for p in d.stager.runs.values()],
+            staging=[self._progress(p) for p in state.staging.values()],
             peers=[
                 pb.PeerHealth(node=p.node, suspect=p.suspect, failures=p.failures, samples=p.samples, bytes=p.bytes)
-                for p in d.peers.health()
+                for p in state.peers
             ],
-            exchanges=exchanges_progress(d.exchanges) if d.exchanges else [],
+            exchanges=[x.proto() for x in sorted((*state.exchanges.values(), *state.exchanges_failed),
+                                                 key=lambda x: x.job)],
             mcast_datagrams_dropped=state.mcast_dropped,
-            exchange_received_samples=d.receiver.received_samples if d.receiver else 0,
-            exchange_received_bytes=d.receiver.received_bytes if d.receiver else 0,
+            exchange_received_samples=state.exchange_received[0],
+            exchange_received_bytes=state.exchange_received[1],
             values_refused=state.values_refused,
-            previous_owner_samples=d.reads.previous_owner_samples,
-            prefetched_samples=d.reads.prefetcher.served if d.reads.prefetcher else 0,
+            previous_owner_samples=state.previous_owner_samples,
+            prefetched_samples=state.prefetched_samples,
             client_reads=[pb.ClientReads(tier=tier, samples=samples, bytes=nbytes)
-                          for tier, (samples, nbytes) in sorted(d.client_stats.reads.items())],
-            client_data_wait_seconds=d.client_stats.data_wait_seconds,
-            clients=d.client_stats.clients,
+                          for tier, (samples, nbytes) in sorted(state.client_reads.items())],
+            client_data_wait_seconds=state.client_data_wait_seconds,
+            clients=state.clients,
             prep_groups=state.prep_groups,
-            bulk=pb.BulkCounts(
-                served_samples=d.bulk.served_samples if d.bulk else 0,
-                served_bytes=d.bulk.served_bytes if d.bulk else 0,
-                fetched_samples=d.peers.bulk_samples,
-                fetched_bytes=d.peers.bulk_bytes,
-                refused_connections=d.bulk.refused if d.bulk else 0,
-                fallbacks=d.peers.bulk_fallbacks,
-                forwarded_samples=d.forwarded_samples,
-                in_place_samples=d.in_place_samples,
-                segment_reads=d.segment_reads,
-                exchange_samples=d.bulk.exchange_samples if d.bulk else 0,
-            ),
+            bulk=state.bulk.proto(),
             cache_behind=state.cache_behind.proto(),
         )
 
     async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
         async with status_on_error(context):
             job = await self._link().join_job(request)
-        self.daemon.reads.read_ahead(job)
+        self.reads.read_ahead(job)
         return job
 
     async def ReportEpoch(self, request: jpb.ReportEpochRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
         async with status_on_error(context):
             relayed = jpb.ReportEpochRequest(
-                job_id=request.job_id, epoch=request.epoch, node=self.daemon.config.node_name
+                job_id=request.job_id, epoch=request.epoch, node=self.node_name
             )
             job = await self._link().report_epoch(relayed)
-        if self.daemon.exchanges is not None:
-            self.daemon.exchanges.epoch_started(request.job_id, request.epoch)
-        self.daemon.reads.read_ahead(job)
+        if self.exchanges is not None:
+            self.exchanges.epoch_started(request.job_id, request.epoch)
+        self.reads.read_ahead(job)
         return job
 
     async def ReportClientStats(
@@ -251,56 +270,60 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         async with status_on_error(context):
             _check_stats_report(request)
         reads = {r.tier: (r.samples, r.bytes) for r in request.reads}
-        self.daemon.client_stats.report(request.client, reads, max(0.0, request.data_wait_seconds))
-        if self.daemon.exchanges is not None:
-            for read in request.positions:
-                self.daemon.exchanges.rank_read(read.job, read.epoch, read.rank, read.position)
+        self.client_stats.report(request.client, reads, max(0.0, request.data_wait_seconds))
+        self._ranks_read(request.read_positions)
         return pb.ClientStatsReply()
+
+    def _ranks_read(self, positions: Iterable[pb.RankPosition]) -> None:
+        """Hands the ranks' read positions to the exchange, whose deletions wait for them."""
+        if self.exchanges is not None:
+            for read in positions:
+                self.exchanges.rank_read(read.job, read.epoch, read.rank, read.position)
 
     async def PrepSync(self, request: pb.PrepSyncRequest, context: grpc.aio.ServicerContext) -> pb.PrepSyncReply:
         async with status_on_error(context):
             _node_local(context, "prep groups are node-local: call through the daemon's unix socket")
-            owner = self.daemon.access.prep_owner(self.daemon.access.caller(context))
-            return await self.daemon.prep_groups.sync(request, owner)
+            owner = self.access.prep_owner(self.access.caller(context))
+            return await self.prep_groups.sync(request, owner)
 
     async def CacheBehind(
         self, request: pb.CacheBehindRequest, context: grpc.aio.ServicerContext
     ) -> pb.CacheBehindReply:
         async with status_on_error(context):
             _node_local(context, "caching behind a trainer is node-local: call through the daemon's unix socket")
-            caller = self.daemon.access.caller(context)
-            await self.daemon.access.check_read(caller, request.dataset)
-            hand_over = not request.handed or self.daemon.access.may_hand_over(caller)
-            return await self.daemon.behind.take(request, hand_over=hand_over)
+            caller = self.access.caller(context)
+            await self.access.check_read(caller, request.dataset)
+            hand_over = not request.handed or self.access.may_hand_over(caller)
+            return await self.behind.take(request, hand_over=hand_over)
 
     async def Exchange(
         self, request_iterator: AsyncIterator[pb.ExchangeMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ExchangeReply]:
         async with status_on_error(context):
-            if self.daemon.receiver is None:
+            if self.receiver is None:
                 raise StandaloneError("this daemon runs without a directory (--directory); exchanges need one")
-            async for reply in self.daemon.receiver.receive(request_iterator):
+            async for reply in self.receiver.receive(request_iterator):
                 yield reply
 
     async def CodedPass(self, request: pb.CodedPassRequest, context: grpc.aio.ServicerContext) -> pb.CodedPassReply:
         async with status_on_error(context):
-            if self.daemon.exchanges is None:
+            if self.exchanges is None:
                 raise StandaloneError("this daemon runs without a directory (--directory); exchanges need one")
-            return pb.CodedPassReply(pass_id=await self.daemon.exchanges.pass_id(request.job, request.epoch))
+            return pb.CodedPassReply(pass_id=await self.exchanges.pass_id(request.job, request.epoch))
 
     def _link(self) -> DirectoryLink:
-        if self.daemon.link is None:
+        if self.link is None:
             raise StandaloneError("this daemon runs without a directory (--directory); jobs need one")
-        return self.daemon.link
+        return self.link
 
     def _placements(self) -> Placements:
-        if self.daemon.placements is None:
+        if self.placements is None:
             raise StandaloneError("this daemon runs without a directory (--directory); jobs need one")
-        return self.daemon.placements
+        return self.placements
 
     def dataset_info(self, name: str) -> pb.DatasetInfo:
-        entry = self.daemon.registry.get(name)
-        entries, cached_bytes = self.daemon.store.dataset_usage(entry.record.cache_db)
+        entry = self.registry.get(name)
+        entries, cached_bytes = self.store.dataset_usage(entry.record.cache_db)
         return dataset_info(entry, entries, cached_bytes)
 
 
@@ -318,39 +341,6 @@ def read_ahead(state: LiveState) -> pb.ReadAhead:
         overflow_wasted_samples=counts.wasted_samples,
         overflow_wasted_bytes=counts.wasted_bytes,
         overflow_failed_samples=counts.failed_samples,
-    )
-
-
-def exchanges_progress(exchanges: Exchanges) -> list[pb.ExchangeProgress]:
-    """The latest exchange of each job, a run or a failure before its run began."""
-    runs = [exchange_progress(run) for run in exchanges.progress()]
-    failed = [pb.ExchangeProgress(job=job, epoch=epoch, finished=True, failed=True, error=f"failed: {reason}")
-              for job, epoch, reason in exchanges.failed_early()]
-    return sorted([*runs, *failed], key=lambda x: x.job)
-
-
-def exchange_progress(run: ExchangeRun) -> pb.ExchangeProgress:
-    done = run.progress()
-    coded = run.coded or CodedProgress()
-    return pb.ExchangeProgress(
-        job=run.job,
-        epoch=run.epoch,
-        total_samples=done.total_samples,
-        total_bytes=done.total_bytes,
-        delivered_samples=done.delivered_samples,
-        delivered_bytes=done.delivered_bytes,
-        sent_bytes=done.sent_bytes,
-        unavailable_samples=done.unavailable_samples,
-        refused_samples=done.refused_samples,
-        elapsed_seconds=run.elapsed,
-        first_delivery_seconds=run.first_delivery,
-        finished=run.finished,
-        failed=run.failed,
-        error=run.error,
-        coded_packets_sent=coded.packets_sent,
-        coded_bytes_sent=coded.bytes_sent,
-        coded_samples_decoded=coded.samples_decoded,
-        coded_note=coded.note,
     )
 
 

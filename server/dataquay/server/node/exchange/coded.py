@@ -38,6 +38,7 @@ from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.cluster.placements import Placement
 from dataquay.server.node.exchange import coded_packets, coding
+from dataquay.server.node.exchange.broker import ExchangeBroker
 from dataquay.server.node.exchange.mcast import Channel, MulticastEndpoint, interface_mtu, payload_bytes
 from dataquay.server.node.exchange.receiver import ExchangeReceiver
 from dataquay.server.registry import Registered
@@ -96,33 +97,29 @@ class PassTransport:
     rate: int = 0
 
 
-async def coded_pass(transport: PassTransport, store: Store, receiver: ExchangeReceiver, entry: Registered,
-                     job: str, scheme: str, after: Placement, progress: CodedProgress) -> None:
+async def coded_pass(transport: PassTransport, store: Store, receiver: ExchangeReceiver, broker: ExchangeBroker,
+                     entry: Registered, job: str, scheme: str, after: Placement, progress: CodedProgress) -> None:
     """Runs this node's part of the coded pass into ``after``'s epoch (module docstring) on an
-    endpoint of its own (its node id is this node's rank in the job). Never raises but for
-    cancellation: what it leaves, the streams ship; a failure is logged and noted in ``progress``."""
-    key = (job, after.epoch)
-    over = receiver.coded_passes[key] = asyncio.Event()
+    endpoint of its own (its node id is this node's rank in the job); offers into that epoch
+    wait for it (``broker``). Never raises but for cancellation: what it leaves, the streams
+    ship; a failure is logged and noted in ``progress``."""
     channel = transport.channel
-    try:
-        payload = payload_bytes(interface_mtu(channel.interface))
-        async with MulticastEndpoint(after.node_index, channel, transport.token, payload,
-                                     rate=transport.rate or None, max_ready=READY_PACKETS,
-                                     pass_id=transport.pass_id, others=transport.others,
-                                     on_drop=transport.on_drop) as endpoint:
-            await _coded_pass(endpoint, store, receiver, entry, job, scheme, after, progress)
-    except OSError as exc:
-        progress.note = f"multicast on {channel.group}:{channel.port} via {channel.interface} failed: {exc}"
-    except DataquayError as exc:
-        progress.note = f"stopped: {exc}"
-    except Exception as exc:  # the pass only saves traffic: its failure leaves the job to the streams
-        log.exception("coded exchange pass failed; the streams ship its samples",
-                      extra={"fields": {"job": job, "epoch": after.epoch}})
-        progress.note = f"failed: {type(exc).__name__}: {exc}"
-    finally:
-        over.set()
-        if receiver.coded_passes.get(key) is over:
-            del receiver.coded_passes[key]
+    with broker.coded_pass(job, after.epoch):
+        try:
+            payload = payload_bytes(interface_mtu(channel.interface))
+            async with MulticastEndpoint(after.node_index, channel, transport.token, payload,
+                                         rate=transport.rate or None, max_ready=READY_PACKETS,
+                                         pass_id=transport.pass_id, others=transport.others,
+                                         on_drop=transport.on_drop) as endpoint:
+                await _coded_pass(endpoint, store, receiver, entry, job, scheme, after, progress)
+        except OSError as exc:
+            progress.note = f"multicast on {channel.group}:{channel.port} via {channel.interface} failed: {exc}"
+        except DataquayError as exc:
+            progress.note = f"stopped: {exc}"
+        except Exception as exc:  # the pass only saves traffic: its failure leaves the job to the streams
+            log.exception("coded exchange pass failed; the streams ship its samples",
+                          extra={"fields": {"job": job, "epoch": after.epoch}})
+            progress.note = f"failed: {type(exc).__name__}: {exc}"
 
 
 async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeReceiver, entry: Registered,

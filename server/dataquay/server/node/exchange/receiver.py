@@ -22,7 +22,7 @@ stream with RESOURCE_EXHAUSTED, and the sender offers its samples again later.
 Every node full at once can hold every exchange still: each waits for room
 that only a delivery elsewhere frees. A receiver that waited BREAK_SECONDS
 for room has its own sender delete as many bytes of samples it gave away and
-its ranks read, not yet shipped (:meth:`Exchanges.make_room`); their new
+its ranks read, not yet shipped (through the :mod:`.broker`); their new
 owners read them from the PFS, and every exchange moves again.
 
 A cache that cannot hold this node's share of the epoch is full of samples it
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +59,7 @@ from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.cluster.placements import Placement, Placements
 from dataquay.server.node.datasets import Datasets
+from dataquay.server.node.exchange.broker import ExchangeBroker
 from dataquay.server.node.peers.bulk.frames import ExchangeChunk
 from dataquay.server.planning.capacity import exchange_reserve, stored_bytes
 from dataquay.server.registry import Registered
@@ -92,28 +93,19 @@ class _Taken:
 class ExchangeReceiver:
     """Takes the samples other daemons hand to this node."""
 
-    def __init__(self, store: Store, datasets: Datasets, placements: Placements) -> None:
+    def __init__(self, store: Store, datasets: Datasets, placements: Placements, broker: ExchangeBroker) -> None:
         self.store = store
         self.datasets = datasets
         self.placements = placements
+        self.broker = broker
         self.received_samples = 0
         self.received_bytes = 0
         self.bad_checksums = 0
         #: Values refused by the admission rule, by reason (see :mod:`dataquay.server.node.cache.admission`).
         self.refused = dict.fromkeys(REASONS.values(), 0)
-        #: Highest epoch offered to this node, per job: the sender drops
-        #: nothing this node owns up to it (see Exchanges._drop_given_away).
-        self.offered_epochs: dict[str, int] = {}
-        #: Held while answering "already held" and while dropping given-away
-        #: samples, so a sample is never acknowledged and then deleted.
-        self.holding = asyncio.Lock()
         self._short: dict[tuple[str, int], bool] = {}
-        #: Deletes read give-aways not yet shipped, up to some bytes (set by the sender side).
-        self.make_room: Callable[[int], Awaitable[int]] | None = None
         self._readers: set[asyncio.Task[None]] = set()
         self._closing = False
-        #: Coded passes into this node under way, by (job, epoch): an offer waits for its pass to end.
-        self.coded_passes: dict[tuple[str, int], asyncio.Event] = {}
 
     def close(self) -> None:
         """Ends every stream at the next message: a sender waiting for its
@@ -141,15 +133,13 @@ class ExchangeReceiver:
         entry, offered, placement = await self._accept(offer)
         origin = await self._origin(offer, entry, placement)
         db, sizes = entry.record.cache_db, entry.manifest.sample_length
-        coding = self.coded_passes.get((offer.job, int(offer.epoch)))
-        if coding is not None:
-            # What the pass decodes would otherwise be sent again, uncommitted when this offer asks.
-            await coding.wait()
+        # What the pass decodes would otherwise be sent again, uncommitted when this offer asks.
+        await self.broker.coded_pass_over(offer.job, int(offer.epoch))
         # Ids the sender does not give are refused as their values come, and count for nothing here.
         given = offered[gives(offered, origin)]
-        async with self.holding:
+        async with self.broker.holding:
             if len(given):
-                self.offered_epochs[offer.job] = max(self.offered_epochs.get(offer.job, 0), int(offer.epoch))
+                self.broker.offered(offer.job, int(offer.epoch))
             cached = self.store.cached_mask(db, given)
             held = given[cached]
         await self.store.grow_to_hold(stored_bytes(sizes[given[~cached]]))
@@ -214,8 +204,7 @@ class ExchangeReceiver:
         space, waited = self.store.space, 0.0
         while not await space.reserve(need, BREAK_SECONDS):
             waited += BREAK_SECONDS
-            if self.make_room is not None:
-                await self.make_room(need)
+            await self.broker.make_room(need)
             if waited < ROOM_WAIT_SECONDS:
                 continue
             raise CacheFullError(

@@ -58,6 +58,7 @@ from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cluster.directory_link import DirectoryLink
 from dataquay.server.node.cluster.placements import Placement, Placements
 from dataquay.server.node.datasets import Datasets
+from dataquay.server.node.exchange.broker import ExchangeBroker
 from dataquay.server.node.exchange.coded import SNAPSHOT_SECONDS, CodedProgress, PassTransport, coded_pass
 from dataquay.server.node.exchange.mcast import Channel
 from dataquay.server.node.exchange.outbox import UNAVAILABLE, Outbox, OutboxProgress
@@ -117,6 +118,8 @@ class Exchanges:
 
     Args:
         node_name: this node.
+        receiver: this node's receiving side, which commits what a coded pass decodes.
+        broker: what the sending and the receiving side tell each other.
         spawn: starts a background task owned by the daemon.
         bandwidth: cap on bytes sent per second, over all exchanges; 0 = none.
         spare_copies_fill: cache fill below which given-away samples are kept.
@@ -134,6 +137,7 @@ class Exchanges:
         link: DirectoryLink,
         peers: Peers,
         receiver: ExchangeReceiver,
+        broker: ExchangeBroker,
         spawn: Spawn,
         bandwidth: int = 0,
         spare_copies_fill: float = 0.5,
@@ -147,6 +151,7 @@ class Exchanges:
         self.link = link
         self.peers = peers
         self.receiver = receiver
+        self.broker = broker
         self.spawn = spawn
         self.bandwidth = bandwidth
         self.spare_copies_fill = spare_copies_fill
@@ -168,6 +173,7 @@ class Exchanges:
         self.streams = ExchangeStreams(node_name, store, link, peers, self.positions, self.news, bandwidth)
         #: Samples deleted before they were shipped, to break a wait for room (see make_room).
         self.given_up_samples = 0
+        broker.makes_room(self.make_room)
 
     @property
     def sent_samples(self) -> int:
@@ -358,7 +364,7 @@ class Exchanges:
         try:
             transport = PassTransport(self.multicast, self.token, pass_id, self.live_passes, self._count_drop,
                                       self.bandwidth)
-            await coded_pass(transport, self.store, self.receiver, entry, job_id, scheme, after, progress)
+            await coded_pass(transport, self.store, self.receiver, self.broker, entry, job_id, scheme, after, progress)
         finally:
             self.live_passes.discard(pass_id)
 
@@ -459,8 +465,8 @@ class Exchanges:
         """Deletes ``ids``, delivered by ``run``; never a sample this node owns
         again in an epoch already started or offered to it (a sample handed
         back is acknowledged as held)."""
-        async with self.receiver.holding:
-            horizon = max(self._epochs.get(run.job, 0) + 1, self.receiver.offered_epochs.get(run.job, 0))
+        async with self.broker.holding:
+            horizon = max(self._epochs.get(run.job, 0) + 1, self.broker.offered_upto(run.job))
             drop = ids
             for epoch in range(run.epoch, horizon + 1):
                 placement = await self.placements.placement(run.job, entry, epoch)

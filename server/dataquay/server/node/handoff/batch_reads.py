@@ -24,15 +24,33 @@ from dataquay.server.proto_maps import TIER_TO_PROTO
 from dataquay.server.servicer_errors import MAX_DETAILS_CHARS
 
 if TYPE_CHECKING:
-    from dataquay.server.node.daemon import Daemon
+    from prometheus_client import Histogram
+
+    from dataquay.server.node.counters import FaceCounters
+    from dataquay.server.node.handoff.segments import ShmSegments
+    from dataquay.server.node.reads.service import ReadService
+    from dataquay.server.node.users.access import UserAccess
 
 
 class SegmentReads:
-    """Answers framed batch reads into the segments of ``daemon``'s trainers."""
+    """Answers framed batch reads into the segments of a daemon's trainers.
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-        self._latency = daemon.metrics.request_seconds
+    Args:
+        shm: the segments the payloads go into.
+        access: who may read which dataset.
+        reads: the gRPC Read's own reads.
+        counters: what the faces count (payloads forwarded, batch reads answered).
+        latency: the histogram of request times, by method.
+    """
+
+    def __init__(
+        self, shm: ShmSegments, access: UserAccess, reads: ReadService, counters: FaceCounters, latency: Histogram
+    ) -> None:
+        self.shm = shm
+        self.access = access
+        self.reads = reads
+        self.counters = counters
+        self._latency = latency
 
     async def answer(self, segment: str, size: int, frame: bytes, caller: Caller) -> bytes:
         """The reply frame to request ``frame`` on the connection of ``segment``
@@ -43,14 +61,14 @@ class SegmentReads:
         """
         started = time.perf_counter()
         request = parse_request(frame)
-        forward = ShmForward(self.daemon.shm, segment, size)
+        forward = ShmForward(self.shm, segment, size)
         count = len(request.ids)
         offsets, lengths, checksums = (np.zeros(count, np.uint64) for _ in range(3))
         tiers, checked = np.zeros(count, np.uint8), np.zeros(count, np.uint8)
         at = 0
         try:
-            await self.daemon.access.check_read(caller, request.dataset)
-            windows = self.daemon.reads.read(
+            await self.access.check_read(caller, request.dataset)
+            windows = self.reads.read(
                 request.dataset, request.ids, request.manifest_id, request.job, False, None, forward,
                 epoch=request.epoch if request.job else None,
             )
@@ -72,9 +90,8 @@ class SegmentReads:
         except DataquayError as exc:
             code, ((_, name),) = status_of(exc)
             return reply_frame(BatchReply(code_number(code), name, str(exc)[:MAX_DETAILS_CHARS]))
-        self.daemon.forwarded_samples += forward.forwarded
-        self.daemon.in_place_samples += len(forward.checked)
-        self.daemon.segment_reads += 1
+        self.counters.forwarded(forward.forwarded, len(forward.checked))
+        self.counters.segment_read()
         self._latency.labels("Read").observe(time.perf_counter() - started)
         return reply_frame(BatchReply(OK, offsets=offsets, lengths=lengths, checksums=checksums, tiers=tiers,
                                       checked=checked))

@@ -161,6 +161,20 @@ class ReadService:
             return None
         return self._checked(entry, dataset, ids, manifest_id)
 
+    async def cache_db(self, dataset: str, manifest_id: str, ids: np.ndarray) -> str:
+        """Checks a peer's bulk read as a gRPC Read is checked; the cache database to answer it from."""
+        entry = await self.entry(dataset, ids, manifest_id)
+        await self.store.open_dataset(entry.record.cache_db)
+        return entry.record.cache_db
+
+    def cache_db_now(self, dataset: str, manifest_id: str, ids: np.ndarray) -> str | None:
+        """:meth:`cache_db` in a bulk thread, where it waits for nothing (the
+        dataset registered here, its database open); None otherwise."""
+        entry = self.registered_entry(dataset, ids, manifest_id)
+        if entry is None or not self.store.dataset_open(entry.record.cache_db):
+            return None
+        return entry.record.cache_db
+
     def _check_batch(self, ids: np.ndarray) -> None:
         if len(ids) > self.max_batch:
             raise BatchTooLargeError(
