@@ -80,7 +80,7 @@ import grpc
 import numpy as np
 from common import REPEATS, progress, report
 
-from dataquay.client.channels import channel_options, server_options
+from dataquay.client.wire.channels import channel_options, server_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc

@@ -59,9 +59,9 @@ import numpy as np
 from common import REPEATS, MiB, progress, report
 
 from dataquay.client import connect
-from dataquay.client.channels import READ_CHUNK_BYTES, channel_options, grpc_target, server_options
 from dataquay.client.malloc import tune_malloc
-from dataquay.client.records import checksum
+from dataquay.client.wire.channels import READ_CHUNK_BYTES, channel_options, grpc_target, server_options
+from dataquay.client.wire.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

@@ -17,7 +17,7 @@ import sys
 import time
 
 import dataquay.client as dq
-from dataquay.client.records import checksum
+from dataquay.client.wire.records import checksum
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from test_bulk import SIZE, bulk_address, make_certificates
 
-from dataquay.client.channels import channel_options
+from dataquay.client.wire.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

@@ -18,7 +18,7 @@ from test_exchange import JOB, SAMPLES, SIZES, Nodes, sample_payload
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import owners
-from dataquay.client.records import checksum, encode_value
+from dataquay.client.wire.records import checksum, encode_value
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

@@ -15,7 +15,7 @@ import lmdb
 import pytest
 from test_daemon import add, make_files, read, run_cli, stats, stub_for
 
-from dataquay.client.records import encode_value
+from dataquay.client.wire.records import encode_value
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import CacheWriterError
 from dataquay.server.node.cache.store import Store

@@ -23,7 +23,7 @@ import dataquay.client as dq
 from dataquay.client.errors import PfsReadError, UnknownDatasetError
 from dataquay.client.pfs import PfsReader
 from dataquay.client.read_ahead import join_read_ahead
-from dataquay.client.records import checksum, frame_members
+from dataquay.client.wire.records import checksum, frame_members
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.tools import synthetic
 from dataquay.server.tools.local_cluster import LocalCluster

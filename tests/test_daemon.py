@@ -20,8 +20,8 @@ import grpc
 import numpy as np
 import pytest
 
-from dataquay.client.channels import channel_options, grpc_target
-from dataquay.client.records import checksum
+from dataquay.client.wire.channels import channel_options, grpc_target
+from dataquay.client.wire.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.tools import synthetic

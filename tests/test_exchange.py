@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from polling import wait_until
 
-from dataquay.client.channels import channel_options
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import locality_balance, node_steps, owners
-from dataquay.client.records import checksum, encode_value
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.records import checksum, encode_value
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

@@ -11,10 +11,10 @@ from one_daemon import add
 from dataquay.client.connection import DaemonConnection
 from dataquay.client.daemon_transports import DaemonReply, DaemonTransport, pick_transports
 from dataquay.client.errors import DataquayError, PieceError
-from dataquay.client.memfd import MemfdSegment, fd_socket_path
-from dataquay.client.read_stream import ReadStream
-from dataquay.client.records import checksum
-from dataquay.client.shm import Segment
+from dataquay.client.wire.memfd import MemfdSegment, fd_socket_path
+from dataquay.client.wire.read_stream import ReadStream
+from dataquay.client.wire.records import checksum
+from dataquay.client.wire.shm import Segment
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.node.peers.transports import bulk_first
 from dataquay.server.tools import synthetic

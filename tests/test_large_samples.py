@@ -14,10 +14,10 @@ from one_daemon import add, cache_stub, reply_samples, stage, tiers_read
 from polling import wait_until
 
 import dataquay.client as dq
-from dataquay.client.channels import MAX_MESSAGE_BYTES, channel_options
 from dataquay.client.errors import SampleTooLargeError
-from dataquay.client.pieces import PIECE_BYTES
-from dataquay.client.records import checksum
+from dataquay.client.wire.channels import MAX_MESSAGE_BYTES, channel_options
+from dataquay.client.wire.pieces import PIECE_BYTES
+from dataquay.client.wire.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

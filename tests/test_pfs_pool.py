@@ -14,7 +14,7 @@ import pytest
 
 from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import plan_reads
-from dataquay.client.records import decode_value
+from dataquay.client.wire.records import decode_value
 from dataquay.server.manifest_build import build_manifest
 from dataquay.server.node.reads.pfs import PfsPool
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes

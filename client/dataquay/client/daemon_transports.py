@@ -3,7 +3,7 @@
 Three transports carry a batch, all behind :class:`DaemonTransport`:
 
 - :class:`MemfdBatchTransport`: one framed request and reply on a sealed
-  memfd segment's own connection (:mod:`dataquay.client.segment_reads`), the
+  memfd segment's own connection (:mod:`dataquay.client.wire.batch_reads`), the
   payloads in the segment; no gRPC call at all.
 - :class:`ShmGrpcTransport`: a streamed gRPC Read naming a shared memory
   segment (a /dev/shm one, or a memfd one the batch did not fit framed), the
@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from dataquay.client.errors import DaemonUnavailableError, DataquayError
-from dataquay.client.memfd import MemfdSegment
-from dataquay.client.read_stream import ReadStream
-from dataquay.client.records import checksum
-from dataquay.client.segment_reads import NOT_PLACED, OK, BatchReply, BatchRequest, parse_reply, request_frame
-from dataquay.client.shm import Segment
-from dataquay.client.status_codes import code_of_number, error_from_status
-from dataquay.client.tiers import CACHE, CLIENT_TIERS, SERVED_TIERS
+from dataquay.client.wire.batch_reads import NOT_PLACED, OK, BatchReply, BatchRequest, parse_reply, request_frame
+from dataquay.client.wire.memfd import MemfdSegment
+from dataquay.client.wire.read_stream import ReadStream
+from dataquay.client.wire.records import checksum
+from dataquay.client.wire.shm import Segment
+from dataquay.client.wire.status_codes import code_of_number, error_from_status
+from dataquay.client.wire.tiers import CACHE, CLIENT_TIERS, SERVED_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 
@@ -155,7 +155,7 @@ def pick_transports(
 ) -> list[DaemonTransport]:
     """The transports to try, in order, for a batch of ``count`` ids and
     ``nbytes`` of payload, given the segment this call holds (see
-    :meth:`dataquay.client.shm.SegmentPool.segment`):
+    :meth:`dataquay.client.wire.shm.SegmentPool.segment`):
 
     1. a sealed memfd segment that holds the batch whole, on a daemon that
        answers framed reads (``read_ids``) of that many ids: memfd batch

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dataquay.client.tiers import CLIENT_TIERS, LOCAL
+from dataquay.client.wire.tiers import CLIENT_TIERS, LOCAL
 from dataquay.protos import cache_pb2 as pb
 
 #: Epochs :meth:`Client.stats` remembers.
@@ -35,7 +35,7 @@ POSITION_REPORT_SECONDS = 0.25
 class ClientStats:
     """What this process has read through its client, by tier.
 
-    Tiers: those of :data:`dataquay.client.tiers.CLIENT_TIERS`.
+    Tiers: those of :data:`dataquay.client.wire.tiers.CLIENT_TIERS`.
     """
 
     samples: dict[str, int]

@@ -27,7 +27,7 @@ from pathlib import Path
 from socket import gethostname
 from typing import Any, ClassVar, Self
 
-from dataquay.client.channels import default_socket_path
+from dataquay.client.wire.channels import default_socket_path
 from dataquay.server.errors import ConfigError
 from dataquay.server.sizes import QuantityError, parse_duration, parse_size
 

@@ -25,8 +25,8 @@ import numpy.ma  # np.unique imports it at first use (tens of ms): at start, not
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from dataquay.client.memfd import fd_socket_path
-from dataquay.client.records import CHECKSUM_BYTES
+from dataquay.client.wire.memfd import fd_socket_path
+from dataquay.client.wire.records import CHECKSUM_BYTES
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server import __version__

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dataquay.client.tiers import SERVED_TIERS
+from dataquay.client.wire.tiers import SERVED_TIERS
 from dataquay.server.node.reads.behind import BehindCounts
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from dataquay.client.tiers import CLIENT_TIERS
+from dataquay.client.wire.tiers import CLIENT_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

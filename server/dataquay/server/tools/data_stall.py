@@ -33,7 +33,7 @@ from pathlib import Path
 
 import grpc
 
-from dataquay.client.channels import channel_options
+from dataquay.client.wire.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.tools.local_cluster import LocalCluster

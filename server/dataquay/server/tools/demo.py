@@ -28,10 +28,10 @@ import grpc
 import numpy as np
 
 from dataquay.client import connect
-from dataquay.client.channels import channel_options
 from dataquay.client.malloc import tune_malloc
 from dataquay.client.pfs import PfsReader
-from dataquay.client.records import checksum
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.errors import DataquayError

@@ -121,7 +121,7 @@ def _read_through_dataquay(
     pause: Callable[[], float],
 ) -> tuple[list[int], list[int], int, float]:
     """One epoch of the sampler through the client: (ids, checksums, bytes, seconds paused)."""
-    from dataquay.client.records import checksum
+    from dataquay.client.wire.records import checksum
 
     ids = sampler.indices().tolist()
     sums: list[int] = []
@@ -148,7 +148,7 @@ def _read_direct(
     from concurrent.futures import ThreadPoolExecutor
 
     from dataquay.client.pfs import PfsReader
-    from dataquay.client.records import checksum
+    from dataquay.client.wire.records import checksum
     from dataquay.server.ratelimit import TokenBucket
 
     reader = PfsReader(ds.manifest, ds.name)

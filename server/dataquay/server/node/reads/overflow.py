@@ -49,7 +49,7 @@ import numpy as np
 
 from dataquay.client.jobs import job_plan
 from dataquay.client.placement import JobPlan, node_orders
-from dataquay.client.records import CHECKSUM_BYTES, stored_checksum
+from dataquay.client.wire.records import CHECKSUM_BYTES, stored_checksum
 from dataquay.server.errors import DataquayError
 from dataquay.server.limits import ByteBudget
 from dataquay.server.node.cache.store import Store

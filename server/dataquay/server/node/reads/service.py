@@ -45,7 +45,7 @@ import numpy as np
 
 from dataquay.client.jobs import check_epoch_ahead
 from dataquay.client.placement import MAX_EPOCH
-from dataquay.client.records import CHECKSUM_BYTES, encode_value, stored_checksum
+from dataquay.client.wire.records import CHECKSUM_BYTES, encode_value, stored_checksum
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import (
     BatchTooLargeError,

@@ -24,7 +24,7 @@ import logging
 import socket
 import time
 
-from dataquay.client.memfd import daemon_socket_of, fd_socket_path
+from dataquay.client.wire.memfd import daemon_socket_of, fd_socket_path
 
 log = logging.getLogger("dataquay.client")
 
@@ -59,7 +59,7 @@ def parse_token(data: bytes) -> str:
 
 def reply_message(ticket: str) -> bytes:
     """The daemon's answer with a ticket; a refusal is the fd socket's own
-    (``{"error": ..., "busy": ...}``, :func:`dataquay.client.memfd.reply_message`)."""
+    (``{"error": ..., "busy": ...}``, :func:`dataquay.client.wire.memfd.reply_message`)."""
     return json.dumps({"ticket": ticket}).encode()
 
 

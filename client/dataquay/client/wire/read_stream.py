@@ -22,8 +22,8 @@ from typing import Protocol
 
 import numpy as np
 
-from dataquay.client.pieces import Joiner
-from dataquay.client.records import checksum
+from dataquay.client.wire.pieces import Joiner
+from dataquay.client.wire.records import checksum
 from dataquay.protos import cache_pb2 as pb
 
 
