@@ -105,7 +105,7 @@ class _BaselineServicer(cache_pb2_grpc.CacheServicer):
         samples = []
         for sample_id in request.ids:
             data, digest = self.payloads[sample_id]
-            samples.append(pb.Sample(id=sample_id, tier=pb.TIER_LOCAL, data=data, checksum=digest))
+            samples.append(pb.Sample(id=sample_id, tier=pb.TIER_CACHE, data=data, checksum=digest))
         for chunk in chunked(samples):
             yield pb.ReadChunk(samples=chunk)
 

@@ -58,7 +58,7 @@ def test_a_sample_larger_than_a_message_reads_right_from_the_daemon_cached_or_no
     samples = list(reply_samples(chunks))
     assert [s.id for s in samples] == ids
     assert [s.data for s in samples] == truth(ids)
-    assert all(s.tier == pb.TIER_LOCAL and s.checksum == checksum(s.data) for s in samples)
+    assert all(s.tier == pb.TIER_CACHE and s.checksum == checksum(s.data) for s in samples)
 
 
 def test_a_sample_larger_than_a_message_comes_from_its_owner_through_the_local_daemon(

@@ -41,6 +41,7 @@ from dataquay.client.stats import ReadStats
 from dataquay.client.wire.channels import batch_deadline
 from dataquay.client.wire.memfd import MemfdSegment
 from dataquay.client.wire.shm import Segment, SegmentPool
+from dataquay.client.wire.tiers import FALLBACK, PFS
 from dataquay.protos import cache_pb2 as pb
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ class RemoteReader:
             return merged
         out = self._pfs_reader(dataset).read(ids)
         nbytes = sum(map(len, out))
-        self._stats.add("pfs", len(out), nbytes)
+        self._stats.add(PFS, len(out), nbytes)
         self.notices.note(dataset.name, dataset.manifest.manifest_id, ids, out, nbytes)
         return out
 
@@ -234,7 +235,7 @@ class RemoteReader:
 
     def _read_pfs(self, dataset: Dataset, ids: np.ndarray) -> list[bytes]:
         out = self._pfs_reader(dataset).read(ids)
-        self._stats.add("fallback", len(out), sum(map(len, out)))
+        self._stats.add(FALLBACK, len(out), sum(map(len, out)))
         return out
 
     def _pfs_reader(self, dataset: Dataset) -> PfsReader:

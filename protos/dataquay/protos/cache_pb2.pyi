@@ -11,7 +11,7 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TIER_UNSPECIFIED: _ClassVar[Tier]
-    TIER_LOCAL: _ClassVar[Tier]
+    TIER_CACHE: _ClassVar[Tier]
     TIER_PEER: _ClassVar[Tier]
     TIER_PFS: _ClassVar[Tier]
 
@@ -29,7 +29,7 @@ class PrepRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PREP_MEMBER: _ClassVar[PrepRole]
     PREP_SOLO: _ClassVar[PrepRole]
 TIER_UNSPECIFIED: Tier
-TIER_LOCAL: Tier
+TIER_CACHE: Tier
 TIER_PEER: Tier
 TIER_PFS: Tier
 FORMAT_UNSPECIFIED: DatasetFormat

@@ -50,6 +50,7 @@ import numpy as np
 from dataquay.client.jobs import job_plan
 from dataquay.client.placement import JobPlan, node_orders
 from dataquay.client.wire.records import CHECKSUM_BYTES, stored_checksum
+from dataquay.client.wire.tiers import PFS
 from dataquay.server.errors import DataquayError
 from dataquay.server.limits import ByteBudget
 from dataquay.server.node.cache.store import Store
@@ -259,7 +260,7 @@ class OverflowPrefetcher:
         """Moves ``sample_id`` from ``state``'s held samples to ``out``."""
         value, _ = state.held.pop(sample_id)
         payload = memoryview(value)[CHECKSUM_BYTES:]
-        out[sample_id] = ("pfs", payload, stored_checksum(value))
+        out[sample_id] = (PFS, payload, stored_checksum(value))
         self.budget.give(len(value))
         self.counts.served_samples += 1
         self.counts.served_bytes += len(payload)

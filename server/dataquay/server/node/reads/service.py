@@ -46,6 +46,7 @@ import numpy as np
 from dataquay.client.jobs import check_epoch_ahead
 from dataquay.client.placement import MAX_EPOCH
 from dataquay.client.wire.records import CHECKSUM_BYTES, encode_value, stored_checksum
+from dataquay.client.wire.tiers import CACHE, PEER, PFS, SERVED_TIERS
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import (
     BatchTooLargeError,
@@ -246,7 +247,7 @@ class ReadService:
             misses = _not_in(misses, fetched)
         if len(misses):
             for sample_id, value in self.store.queued_values(db, misses.tolist()).items():
-                fetched[sample_id] = ("cache", memoryview(value)[CHECKSUM_BYTES:], stored_checksum(value))
+                fetched[sample_id] = (CACHE, memoryview(value)[CHECKSUM_BYTES:], stored_checksum(value))
             misses = _not_in(misses, fetched)
         if len(misses):
             values = await self.pfs.read(entry.record.name, entry.manifest, misses)
@@ -255,7 +256,7 @@ class ReadService:
             ]
             keep_set, repair, name = set(keep.tolist()), set(corrupt), db.encode()
             for sample_id, value in values.items():
-                fetched[sample_id] = ("pfs", memoryview(value)[CHECKSUM_BYTES:], stored_checksum(value))
+                fetched[sample_id] = (PFS, memoryview(value)[CHECKSUM_BYTES:], stored_checksum(value))
                 if sample_id in keep_set:
                     self.store.offer(PendingWrite(name, sample_id, value, sample_id in repair,
                                                   leaves_room=placement is not None and placement.owners_move))
@@ -286,7 +287,7 @@ class ReadService:
         self, ids: np.ndarray, index: np.ndarray, cached: list[tuple[bytes, int] | None]
     ) -> list[Served]:
         out = [
-            Served(sample_id, MISSING, b"", 0) if hit is None else Served(sample_id, "cache", *hit)
+            Served(sample_id, MISSING, b"", 0) if hit is None else Served(sample_id, CACHE, *hit)
             for sample_id, hit in zip(ids.tolist(), cached)
         ]
         samples = nbytes = 0
@@ -377,7 +378,7 @@ class ReadService:
         out: dict[int, tuple[str, bytes | memoryview, int]] = {}
         for got in await asyncio.gather(*calls):
             for sample_id, (data, digest) in got.items():
-                out[sample_id] = ("peer", data, digest)
+                out[sample_id] = (PEER, data, digest)
         return out
 
     def _served(
@@ -389,10 +390,10 @@ class ReadService:
     ) -> list[Served]:
         """The distinct ``ids`` as served, counted in the metrics once per position."""
         out = [
-            Served(sample_id, "cache", *hit) if hit is not None else Served(sample_id, *fetched[sample_id])
+            Served(sample_id, CACHE, *hit) if hit is not None else Served(sample_id, *fetched[sample_id])
             for sample_id, hit in zip(ids.tolist(), cached)
         ]
-        counts = {"cache": [0, 0], "peer": [0, 0], "pfs": [0, 0]}
+        counts = {tier: [0, 0] for tier in SERVED_TIERS.values()}
         for served, times in zip(out, np.bincount(index, minlength=len(out)).tolist()):
             count = counts[served.tier]
             count[0] += times
