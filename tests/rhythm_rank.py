@@ -33,7 +33,7 @@ def main() -> None:
             ids = sampler.indices().tolist()
             before = client.stats().samples
             sums: list[int] = []
-            for samples in ds.batches(sampler, batch, prefetch=0):
+            for samples in ds.batches(sampler, batch, read_ahead=0):
                 sums += [checksum(s) for s in samples]
                 time.sleep(pace)
             after = client.stats().samples

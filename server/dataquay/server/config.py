@@ -450,7 +450,7 @@ class DaemonConfig(ServerConfig):
     )
     prefetch_memory: int = _option(
         256 << 20,
-        "memory for samples read ahead of this node's ranks: what no cache holds, from the PFS in the order "
+        "memory for samples prefetched for this node's ranks: what no cache holds, from the PFS in the order "
         "the ranks will read it, and (modes global and locality) what they will read from other nodes; "
         "0 reads nothing ahead",
         parse_size,

@@ -155,7 +155,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             # shutdown), and its last word must still reach the caller.
             if reply.finished:
                 if request.job and not progress.error:
-                    d.reads.read_ahead(placement.job, transfers=False)  # what did not fit, before the ranks come
+                    d.reads.prefetch(placement.job, transfers=False)  # what did not fit, before the ranks come
                 return
 
     def _progress(self, progress: StagingProgress) -> pb.StageProgress:
@@ -195,7 +195,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             cache_full=state.cache_full,
             cache_disk_full=state.cache_disk_full,
             inserts_dropped=state.inserts_dropped,
-            read_ahead=read_ahead(state),
+            prefetch=prefetch(state),
             staging=[self._progress(p) for p in d.stager.runs.values()],
             peers=[
                 pb.PeerHealth(node=p.node, suspect=p.suspect, failures=p.failures, samples=p.samples, bytes=p.bytes)
@@ -231,7 +231,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
         async with status_on_error(context):
             job = await self._link().join_job(request)
-        self.daemon.reads.read_ahead(job)
+        self.daemon.reads.prefetch(job)
         return job
 
     async def ReportEpoch(self, request: jpb.ReportEpochRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
@@ -242,7 +242,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             job = await self._link().report_epoch(relayed)
         if self.daemon.exchanges is not None:
             self.daemon.exchanges.epoch_started(request.job_id, request.epoch)
-        self.daemon.reads.read_ahead(job)
+        self.daemon.reads.prefetch(job)
         return job
 
     async def ReportClientStats(
@@ -304,10 +304,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         return dataset_info(entry, entries, cached_bytes)
 
 
-def read_ahead(state: LiveState) -> pb.ReadAhead:
+def prefetch(state: LiveState) -> pb.Prefetch:
     limit, used, peak = state.prefetch_memory
     counts = state.overflow
-    return pb.ReadAhead(
+    return pb.Prefetch(
         memory_bytes=limit,
         held_bytes=used,
         peak_bytes=peak,

@@ -129,7 +129,7 @@ def _run_system(
         for epoch in range(epochs):
             exchanged = _exchange_bytes(cluster)
             results = ranks.epoch(
-                epoch, direct=None if system.mode else direct, prefetch=system.read_ahead
+                epoch, direct=None if system.mode else direct, read_ahead=system.read_ahead
             )
             rows.append(_row(system.name, epoch, results, _exchange_bytes(cluster) - exchanged))
     return rows

@@ -155,7 +155,7 @@ def _train(
         print("joined the job\n")
         print(_row(HEADER) + ("  exchanged for next epoch" if exchange else ""))
         for epoch in range(epochs):
-            results = ranks.epoch(epoch, prefetch=READ_AHEAD)
+            results = ranks.epoch(epoch, read_ahead=READ_AHEAD)
             _check(epoch, results, expected)
             rates[str(epoch)] = _rate(results)
             row = _report(epoch, results, ("local+cache", "peer", "pfs+fallback"))

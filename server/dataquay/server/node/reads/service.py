@@ -109,8 +109,8 @@ class Window:
 class ReadService:
     """Resolves read requests against the node's tiers.
 
-    ``prefetch_memory`` bounds what is read ahead of the ranks (0: nothing is);
-    reading ahead needs ``placements`` and ``spawn``.
+    ``prefetch_memory`` bounds what is prefetched for the ranks (0: nothing is);
+    prefetching needs ``placements`` and ``spawn``.
     """
 
     def __init__(
@@ -135,7 +135,7 @@ class ReadService:
         self.peers = peers
         self.placements = placements
         self.previous_owner_samples = 0
-        # The memory this node's reads ahead of its ranks may hold (--prefetch-memory),
+        # The memory this node's prefetches for its ranks may hold (--prefetch-memory),
         # shared by the transfers and the overflow's reads from the PFS.
         self.budget = ByteBudget(prefetch_memory)
         self.prefetcher: TransferPrefetcher | None = None
@@ -262,16 +262,16 @@ class ReadService:
                                                   leaves_room=placement is not None and placement.owners_move))
         return Window(self._served(ids, index, cached, fetched), index)
 
-    def read_ahead(self, job: jpb.Job, transfers: bool = True) -> None:
-        """Starts reading ahead of this node's ranks the overflow of ``job``
+    def prefetch(self, job: jpb.Job, transfers: bool = True) -> None:
+        """Starts prefetching for this node's ranks the overflow of ``job``
         and, with ``transfers``, the first steps' transfers of its epoch: its
         staging here ended (other nodes may still be staging: no transfers),
         or its ranks joined it or began an epoch (their first read would start
         it, a batch later)."""
         if self.overflow is not None and self._spawn is not None:
-            self._spawn(self._start_reading_ahead(job, transfers), f"read-ahead-start-{job.spec.job_id}")
+            self._spawn(self._start_prefetching(job, transfers), f"prefetch-start-{job.spec.job_id}")
 
-    async def _start_reading_ahead(self, job: jpb.Job, transfers: bool) -> None:
+    async def _start_prefetching(self, job: jpb.Job, transfers: bool) -> None:
         assert self.overflow is not None
         try:
             entry = await self.datasets.entry(job.spec.dataset)
