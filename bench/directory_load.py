@@ -58,6 +58,7 @@ a second at a 5 s heartbeat, which two cores carry.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import os
@@ -161,8 +162,10 @@ class _Node:
         while True:
             try:
                 reply = await self.stub.RegisterNode(
-                    dpb.RegisterNodeRequest(node=self.info), timeout=CALL_TIMEOUT_SECONDS
+                    dpb.RegisterNodeRequest(node=self.info, identity_key=hashlib.sha256(self.name.encode()).digest()),
+                    timeout=CALL_TIMEOUT_SECONDS,
                 )
+                self.beat.session = reply.session
                 self.period = reply.heartbeat_seconds or self.period
                 await self.sync(reply.versions, force=True)
                 return

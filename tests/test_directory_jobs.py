@@ -37,7 +37,8 @@ def imgs(tmp_path: Path) -> Path:
 
 
 def create_jobs(stub: Stub, imgs: Path, *job_ids: str) -> None:
-    stub.RegisterNode(dpb.RegisterNodeRequest(node=jpb.NodeInfo(name="n0", tcp_address="127.0.0.1:7000")))
+    node = jpb.NodeInfo(name="n0", tcp_address="127.0.0.1:7000")
+    stub.RegisterNode(dpb.RegisterNodeRequest(node=node, identity_key=bytes(32)))
     stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))
     for job_id in job_ids:
         stub.JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=job_id, dataset="imgs")))

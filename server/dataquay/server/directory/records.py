@@ -41,10 +41,9 @@ class Node:
     cache_entries: int = 0
     #: The highest datagram sequence accepted since the node registered.
     beat_sequence: int = 0
-    #: SHA-256 (hex) of the identity key the node registered with; "" for a
-    #: daemon that sent none, whose name any registration may take.
+    #: SHA-256 (hex) of the identity key the node registered with.
     identity: str = ""
-    #: What its heartbeats must carry (see RegisterNodeReply.session); 0: any.
+    #: What its heartbeats must carry (see RegisterNodeReply.session).
     session: int = 0
 
 
@@ -69,10 +68,10 @@ class Change(enum.Enum):
 class Registration(NamedTuple):
     change: Change
     previous: NodeInfo | None
-    #: The identity that held the name before ("" for none or an anonymous one).
-    previous_identity: str = ""
-    #: What the node's heartbeats must carry (0: anything).
-    session: int = 0
+    #: The identity that held the name before ("" for a name never seen).
+    previous_identity: str
+    #: What the node's heartbeats must carry.
+    session: int
 
 
 class Beat(NamedTuple):

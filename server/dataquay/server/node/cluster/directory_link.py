@@ -110,7 +110,7 @@ class DirectoryLink:
         self._beats_by_rpc = False
         self._refused = refused
         #: The node's identity key (:mod:`dataquay.server.node.cluster.identity`), set
-        #: once the cache dir is open; empty registers without one.
+        #: once the cache dir is open, before the first registration.
         self.identity_key = b""
         #: What heartbeats carry: the session the last registration handed out.
         self._session = 0
