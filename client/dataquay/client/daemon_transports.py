@@ -214,22 +214,21 @@ class DaemonReply:
         self.used_segment = False
         self._stream = ReadStream(
             "the daemon", lengths, verify=verify, segment=seg, trust_marks=isinstance(seg, MemfdSegment),
-            expect=self._expect,
+            order=ids, dataset=dataset,
         )
 
     def take(self, chunk: pb.ReadChunk) -> None:
         """Takes one message of a streamed Read."""
         out, bad, tiers, sizes = self.out, self.bad, self.tiers, self.sizes
         used_segment = False
-        for sample in self._stream.take(chunk):
-            data = sample.data
-            if not sample.intact:
+        for _, data, _, tier_code, _, in_segment, intact in self._stream.take(chunk):
+            if not intact:
                 bad.append(len(out))
-            tier = SERVED_TIERS.get(sample.tier, CACHE)
+            tier = SERVED_TIERS.get(tier_code, CACHE)
             tiers[tier] += 1
             sizes[tier] += len(data)
             out.append(data)  # type: ignore[arg-type]
-            used_segment |= sample.in_segment
+            used_segment |= in_segment
         self.used_segment |= used_segment
 
     def take_placed(self, answer: BatchReply) -> None:
@@ -255,12 +254,3 @@ class DaemonReply:
         self._stream.end()
         if len(self.out) != len(self.ids):
             raise DataquayError(f"the daemon sent {len(self.out)} samples of {self.dataset!r} for {len(self.ids)} ids")
-
-    def _expect(self, sample_id: int) -> None:
-        position = len(self.out)
-        if position >= len(self.ids):
-            raise DataquayError(f"the daemon sent more samples of {self.dataset!r} than the {len(self.ids)} asked for")
-        if sample_id != self.ids[position]:
-            raise DataquayError(
-                f"the daemon sent sample {sample_id} of {self.dataset!r} where {self.ids[position]} was due"
-            )

@@ -64,7 +64,7 @@ def reply_message(ticket: str) -> bytes:
 
 
 def parse_reply(data: bytes) -> str | None:
-    """The ticket in the daemon's answer; None where it gave none (refused, or an older daemon).
+    """The ticket in the daemon's answer; None where it gave none (it refused).
 
     Raises:
         BlockingIOError: the daemon is busy with other clients' handshakes; worth another try.

@@ -16,15 +16,24 @@ and drops what failed.
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 
+from dataquay.client.errors import DataquayError
 from dataquay.client.wire.pieces import Joiner
 from dataquay.client.wire.records import checksum
 from dataquay.protos import cache_pb2 as pb
+
+#: One sample of a reply, whole: ``(id, data, checksum, tier, missing,
+#: in_segment, intact)``. ``tier`` is the proto's Tier (where the sender
+#: found it); ``missing``: the sender does not hold it (a peer asked only for
+#: its own cache); ``in_segment``: ``data`` was read from the shared memory
+#: segment; ``intact`` is False only where its checksum was checked and
+#: failed. A plain tuple: one is made per sample on the read hot path, where
+#: an object costs as much again as the rest of the parse.
+Taken = tuple[int, "bytes | memoryview", int, "pb.Tier", bool, bool, bool]
 
 
 class Mapped(Protocol):
@@ -32,23 +41,6 @@ class Mapped(Protocol):
 
     @property
     def map(self) -> mmap.mmap: ...
-
-
-@dataclass(slots=True)
-class StreamSample:
-    """One sample of a reply, whole."""
-
-    id: int
-    data: bytes | memoryview
-    checksum: int
-    #: The proto's Tier: where the sender found it.
-    tier: pb.Tier
-    #: The sender does not hold it (a peer asked only for its own cache).
-    missing: bool
-    #: Whether ``data`` was read from the shared memory segment.
-    in_segment: bool
-    #: False only where its checksum was checked and failed.
-    intact: bool
 
 
 class ReadStream:
@@ -66,61 +58,84 @@ class ReadStream:
             segment is taken unchecked; only for a sealed memfd segment, which
             no third process can write (see
             :class:`dataquay.client.daemon_transports.DaemonReply`).
-        expect: called with each sample's and each piece's id before it is
-            taken, to refuse one the receiver did not ask for at this point.
+        order: the ids the reply must carry, in this order; a sample or
+            piece of another id at a position is refused before it is taken.
+        dataset: the dataset read, for messages.
     """
 
     def __init__(
         self, source: str, lengths: np.ndarray, *, verify: bool = True, segment: Mapped | None = None,
-        trust_marks: bool = False, expect: Callable[[int], None] | None = None,
+        trust_marks: bool = False, order: Sequence[int] | None = None, dataset: str = "",
     ) -> None:
+        self.source = source
         self.lengths = lengths
         self.verify = verify
         self.segment = segment
         self.trust_marks = trust_marks
-        self.expect = expect
+        self.order = order
+        self.dataset = dataset
+        #: Samples taken so far (whole: a payload's pieces count once).
+        self.taken = 0
         self._joiner = Joiner(source)
 
-    def take(self, chunk: pb.ReadChunk) -> Iterator[StreamSample]:
+    def take(self, chunk: pb.ReadChunk) -> list[Taken]:
         """The samples ``chunk`` completes, in order.
 
         Raises:
             PieceError: a piece does not continue the payload begun, or a
                 payload's pieces stopped before its end.
+            DataquayError: a sample out of the ``order`` asked for.
         """
         if chunk.HasField("piece"):
             whole = self._take_piece(chunk.piece)
-            if whole is not None:
-                yield whole
-            return
+            return [] if whole is None else [whole]
         if self._joiner.pending is not None:
             self._joiner.check_done()
-        segment, verify, trust_marks, expect = self.segment, self.verify, self.trust_marks, self.expect
+        segment, verify, trust_marks, order = self.segment, self.verify, self.trust_marks, self.order
+        position, due = self.taken, len(order) if order is not None else 0
+        out: list[Taken] = []
+        append = out.append
         for sample in chunk.samples:
-            if expect is not None:
-                expect(sample.id)
-            checked = False
-            in_segment = sample.in_shm and segment is not None
-            if in_segment:
-                assert segment is not None
-                data = segment.map[sample.shm_offset : sample.shm_offset + sample.length]
+            sample_id = sample.id
+            if order is not None and (position >= due or sample_id != order[position]):
+                raise self._unexpected(sample_id, position)
+            position += 1
+            digest = sample.checksum
+            if sample.in_shm and segment is not None:
+                offset = sample.shm_offset
+                data: bytes | memoryview = segment.map[offset : offset + sample.length]
                 checked = trust_marks and sample.checked_in_place
+                in_segment = True
             else:
-                data = sample.data
-            intact = not verify or checked or sample.missing or checksum(data) == sample.checksum
-            yield StreamSample(sample.id, data, sample.checksum, sample.tier, sample.missing, in_segment, intact)
+                data, checked, in_segment = sample.data, False, False
+            missing = sample.missing
+            append((sample_id, data, digest, sample.tier, missing, in_segment,
+                    not verify or checked or missing or checksum(data) == digest))
+        self.taken = position
+        return out
 
     def end(self) -> None:
         """Raises PieceError when the reply ended inside a payload's pieces."""
         self._joiner.check_done()
 
-    def _take_piece(self, piece: pb.Sample) -> StreamSample | None:
-        if self.expect is not None:
-            self.expect(piece.id)
+    def _take_piece(self, piece: pb.Sample) -> Taken | None:
+        if self.order is not None and (self.taken >= len(self.order) or piece.id != self.order[self.taken]):
+            raise self._unexpected(piece.id, self.taken)
         lengths = self.lengths
         expected = int(lengths[piece.id]) if 0 <= piece.id < len(lengths) else -1
         data = self._joiner.add(piece.id, piece.offset, piece.length, piece.data, expected)
         if data is None:
             return None
+        self.taken += 1
         intact = not self.verify or checksum(data) == piece.checksum
-        return StreamSample(piece.id, data, piece.checksum, piece.tier, False, False, intact)
+        return (piece.id, data, piece.checksum, piece.tier, False, False, intact)
+
+    def _unexpected(self, sample_id: int, position: int) -> DataquayError:
+        assert self.order is not None
+        if position >= len(self.order):
+            return DataquayError(
+                f"{self.source} sent more samples of {self.dataset!r} than the {len(self.order)} asked for"
+            )
+        return DataquayError(
+            f"{self.source} sent sample {sample_id} of {self.dataset!r} where {self.order[position]} was due"
+        )

@@ -112,18 +112,18 @@ class GrpcPeerTransport:
     ) -> PeerRead:
         request = pb.ReadRequest(dataset=dataset, ids=ids.tolist(), manifest_id=manifest_id, peer=True)
         out = PeerRead()
-        stream = ReadStream(f"peer {node}", lengths)
+        stream = ReadStream(f"peer {node}", lengths, dataset=dataset)
         call = self._stub(node, address).Read(request, timeout=deadline)
         try:
             async for chunk in call:
-                for sample in stream.take(chunk):
-                    if sample.missing:
+                for sample_id, data, digest, _, missing, _, intact in stream.take(chunk):
+                    if missing:
                         continue
-                    if not sample.intact:
+                    if not intact:
                         out.bad_checksums += 1
                         continue
-                    out.samples[sample.id] = (sample.data, sample.checksum)
-                    out.bytes += len(sample.data)
+                    out.samples[sample_id] = (data, digest)
+                    out.bytes += len(data)
             stream.end()
         except grpc.aio.AioRpcError as exc:
             raise PeerReadFailed(exc.code().name, exc.details() or "", out.bad_checksums) from None
