@@ -266,36 +266,6 @@ def test_the_batch_size_is_a_job_setting_and_old_state_files_have_none() -> None
     assert restarted.get_job("j2").spec.batch_size == 0
 
 
-#: A state file as the directory wrote it before the settings had a type of their own.
-WRITTEN_BEFORE = {
-    "format": 1,
-    "versions": {"nodes": 1, "datasets": 0, "jobs": 1},
-    "nodes": [{"info": {"name": "a", "tcp_address": "10.0.0.1:7070", "metrics_address": "", "cache_capacity": 0,
-                        "pid": 0, "version": ""},
-               "registered": 0.0, "last_heartbeat": 0.0, "up": True, "cache_used_bytes": 0, "cache_entries": 0}],
-    "jobs": [{"spec": {"job_id": "j1", "dataset": "imgs", "mode": "partial", "q": 0.25, "seed": 3, "drop_last": True,
-                       "nodes": ["a"], "ranks_per_node": 2, "partition": "shard", "batch_size": 8},
-              "manifest_id": "m1", "num_samples": 100, "epoch": 0, "created": 1.0, "started": False}],
-}
-
-
-def test_a_state_file_written_before_reads_back_and_is_written_the_same() -> None:
-    restarted = DirectoryState.from_json(WRITTEN_BEFORE, LEASE, now=5.0)
-    job = restarted.get_job("j1")
-    assert job.spec == JobSettings("j1", "imgs", mode="partial", q=0.25, seed=3, drop_last=True, partition="shard",
-                                   batch_size=8, nodes=("a",), ranks_per_node=2)
-    written = json.loads(json.dumps(WRITTEN_BEFORE["jobs"]))[0]
-    written["spec"]["exchange_coding"] = "none"  # a setting added since, at its default
-    assert restarted.to_json()["jobs"] == [{**written, "last_active": 5.0}]
-
-
-def test_jobs_of_a_state_file_without_activity_count_as_active_when_it_is_loaded() -> None:
-    restarted = DirectoryState.from_json(WRITTEN_BEFORE, LEASE, now=1000.0)
-    assert restarted.get_job("j1").last_active == 1000.0
-    assert restarted.expire_jobs(ttl=100.0, now=1099.0) == []
-    assert [job.spec.job_id for job, _ in restarted.expire_jobs(ttl=100.0, now=1100.0)] == ["j1"]
-
-
 def test_a_document_of_another_format_is_refused() -> None:
     with pytest.raises(ValueError, match="format is 99, expected 1"):
         DirectoryState.from_json({"format": 99, "versions": {}, "nodes": [], "jobs": []}, LEASE, 0.0)

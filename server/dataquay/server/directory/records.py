@@ -10,7 +10,7 @@ state machine.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from dataquay.client.job_settings import JobSettings
@@ -40,11 +40,11 @@ class Node:
     cache_used_bytes: int = 0
     cache_entries: int = 0
     #: The highest datagram sequence accepted since the node registered.
-    beat_sequence: int = 0
+    beat_sequence: int = field(kw_only=True)
     #: SHA-256 (hex) of the identity key the node registered with.
-    identity: str = ""
+    identity: str = field(kw_only=True)
     #: What its heartbeats must carry (see RegisterNodeReply.session).
-    session: int = 0
+    session: int = field(kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class Job:
     spec: JobSettings
     manifest_id: str
     num_samples: int
-    epoch: int = 0
-    created: float = 0.0
-    started: bool = False
-    last_active: float = 0.0
+    epoch: int
+    created: float
+    started: bool
+    last_active: float

@@ -130,8 +130,8 @@ class DirectoryState:
         session = self._new_session()
         if node is None:
             change, previous, previous_identity = Change.JOINED, None, ""
-            self._nodes[info.name] = Node(info, registered=wall, last_heartbeat=wall, identity=identity,
-                                          session=session)
+            self._nodes[info.name] = Node(info, registered=wall, last_heartbeat=wall, beat_sequence=0,
+                                          identity=identity, session=session)
         else:
             self._check_holder(node, identity, now)
             live = node.up and info.name not in self._unheard
@@ -284,7 +284,7 @@ class DirectoryState:
         facts = dataset(spec.dataset)
         spec = replace(spec, nodes=self._job_nodes(job_id, spec.nodes))
         wall = now if wall is None else wall
-        job = Job(spec, facts.manifest_id, facts.num_samples, epoch=0, created=wall, last_active=wall)
+        job = Job(spec, facts.manifest_id, facts.num_samples, epoch=0, created=wall, started=False, last_active=wall)
         self._jobs[job_id] = job
         self._active[job_id] = now
         self._bump(jobs=1)
@@ -443,9 +443,7 @@ class DirectoryState:
         not mark a running job's nodes down; every version moves (and the
         revision, so the moved versions are written), so daemons refetch
         whatever may have changed while the directory was away, the node list
-        whole (:func:`~.node_log.first_version`). Jobs of a
-        document written before jobs recorded their activity count as active
-        at ``now``, so that no TTL drops them for an idle time nobody measured.
+        whole (:func:`~.node_log.first_version`).
         ``wall`` is ``now`` as Unix time (default ``now``): a job's written
         activity counts as that long before ``now``, one in the future as ``now``.
 
@@ -466,7 +464,7 @@ class DirectoryState:
                     state._unheard.add(node.info.name)
             for raw in doc["jobs"]:
                 spec = JobSettings(**raw["spec"])
-                job = state._jobs[spec.job_id] = Job(**{"last_active": wall, **raw, "spec": spec})
+                job = state._jobs[spec.job_id] = Job(**{**raw, "spec": spec})
                 state._active[spec.job_id] = now - max(0.0, wall - job.last_active)
             v = Versions(**doc["versions"])
         except (KeyError, TypeError) as exc:
