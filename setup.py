@@ -1,8 +1,8 @@
-"""The compiled parts: dataquay.client._records, the per-sample loops of
+"""The compiled parts: dataquay.client.wire._records, the per-sample loops of
 local hits and the framing of cache values, and dataquay.server._coding, the
 coded-shuffling planner's loops. Optional: where they cannot be built (no C
 compiler, no Python headers) the install goes on without them and the same
-loops run in Python (dataquay.client.record_loops, dataquay.server._coding_py).
+loops run in Python (dataquay.client.wire.record_loops, dataquay.server._coding_py).
 
 Everything else is declared in pyproject.toml; setuptools reads extension
 modules from here (its pyproject.toml form is still experimental). xxHash is
@@ -18,7 +18,7 @@ from setuptools import Extension, setup
 
 XXHASH = "client/third_party/xxhash"
 CODING = "server/dataquay/server/coding-c"
-sources = ["client/dataquay/client/_records.c"]
+sources = ["client/dataquay/client/wire/_records.c"]
 macros = []
 if re.search(r"x86_64|amd64|i[3-6]86", sysconfig.get_platform().lower()):
     sources.append(f"{XXHASH}/xxh_x86dispatch.c")
@@ -27,7 +27,7 @@ if re.search(r"x86_64|amd64|i[3-6]86", sysconfig.get_platform().lower()):
 setup(
     ext_modules=[
         Extension(
-            "dataquay.client._records",
+            "dataquay.client.wire._records",
             sources=sources,
             include_dirs=[XXHASH],
             define_macros=macros,

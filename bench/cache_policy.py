@@ -49,7 +49,7 @@ from common import RESULTS, KiB, MiB, progress, register, report, stub
 from dataquay.client import connect
 from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import PfsReader
-from dataquay.client.records import CHECKSUM_BYTES
+from dataquay.client.wire.records import CHECKSUM_BYTES
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.tools.lru_baseline import LruCache, expected_lru_hit_fraction

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from dataquay.client.channels import channel_options, grpc_target
+from dataquay.client.wire.channels import channel_options, grpc_target
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.tools.processes import DaemonProcess

@@ -58,6 +58,7 @@ a second at a 5 s heartbeat, which two cores carry.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import os
@@ -80,7 +81,7 @@ import grpc
 import numpy as np
 from common import REPEATS, progress, report
 
-from dataquay.client.channels import channel_options, server_options
+from dataquay.client.wire.channels import channel_options, server_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
@@ -161,8 +162,10 @@ class _Node:
         while True:
             try:
                 reply = await self.stub.RegisterNode(
-                    dpb.RegisterNodeRequest(node=self.info), timeout=CALL_TIMEOUT_SECONDS
+                    dpb.RegisterNodeRequest(node=self.info, identity_key=hashlib.sha256(self.name.encode()).digest()),
+                    timeout=CALL_TIMEOUT_SECONDS,
                 )
+                self.beat.session = reply.session
                 self.period = reply.heartbeat_seconds or self.period
                 await self.sync(reply.versions, force=True)
                 return

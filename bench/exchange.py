@@ -41,11 +41,11 @@ import grpc
 import numpy as np
 from common import REPEATS, MiB, progress, report
 
-from dataquay.client.channels import channel_options
 from dataquay.client.jobs import job_plan
 from dataquay.client.malloc import tune_malloc
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import owners
+from dataquay.client.wire.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

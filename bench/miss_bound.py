@@ -23,7 +23,7 @@ import numpy as np
 from common import SIZES, back_free_memory, progress, report
 
 from dataquay.client.malloc import tune_malloc
-from dataquay.client.records import CHECKSUM_BYTES, encode_value, sample_key
+from dataquay.client.wire.records import CHECKSUM_BYTES, encode_value, sample_key
 
 BATCH = 64
 DATASET_BYTES = 192 << 20

@@ -59,9 +59,9 @@ import numpy as np
 from common import REPEATS, MiB, progress, report
 
 from dataquay.client import connect
-from dataquay.client.channels import READ_CHUNK_BYTES, channel_options, grpc_target, server_options
 from dataquay.client.malloc import tune_malloc
-from dataquay.client.records import checksum
+from dataquay.client.wire.channels import READ_CHUNK_BYTES, channel_options, grpc_target, server_options
+from dataquay.client.wire.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -105,7 +105,7 @@ class _BaselineServicer(cache_pb2_grpc.CacheServicer):
         samples = []
         for sample_id in request.ids:
             data, digest = self.payloads[sample_id]
-            samples.append(pb.Sample(id=sample_id, tier=pb.TIER_LOCAL, data=data, checksum=digest))
+            samples.append(pb.Sample(id=sample_id, tier=pb.TIER_CACHE, data=data, checksum=digest))
         for chunk in chunked(samples):
             yield pb.ReadChunk(samples=chunk)
 

@@ -33,7 +33,7 @@ from common import REPEATS, SIZES, MiB, back_free_memory, progress, register, re
 
 from dataquay.client import Client, Dataset, connect
 from dataquay.client.malloc import tune_malloc
-from dataquay.client.records import checksum, sample_key
+from dataquay.client.wire.records import checksum, sample_key
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.tools.processes import DaemonProcess
 from dataquay.server.tools.synthetic import make_files_dataset

@@ -18,8 +18,8 @@ import lmdb
 import numpy as np
 from common import REPEATS, SIZES, report
 
-from dataquay.client import _records, _records_py
-from dataquay.client.records import encode_value
+from dataquay.client.wire import _records, _records_py
+from dataquay.client.wire.records import encode_value
 
 SAMPLES = 4096
 BATCH = 256

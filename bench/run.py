@@ -23,6 +23,7 @@ import memory
 import miss_bound
 import peers
 import placement
+import read_stream
 import reads
 import record_loops
 import spill
@@ -40,6 +41,7 @@ def main() -> None:
         ("miss_bound", miss_bound.main),
         ("cache_behind", cache_behind.main),
         ("record_loops", record_loops.main),
+        ("read_stream", read_stream.main),
         ("staging", staging.main),
         ("memory", memory.main),
         ("placement", lambda: placement.main([])),

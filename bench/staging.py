@@ -21,7 +21,7 @@ import lmdb
 from common import REPEATS, SIZES, MiB, back_free_memory, progress, register, report, stage, stub
 
 from dataquay.client.malloc import tune_malloc
-from dataquay.client.records import encode_value, sample_key
+from dataquay.client.wire.records import encode_value, sample_key
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.tools.processes import DaemonProcess
 from dataquay.server.tools.synthetic import make_files_dataset

@@ -34,9 +34,9 @@ import grpc
 import numpy as np
 from common import progress, report
 
-from dataquay.client.channels import channel_options
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import JobPlan
+from dataquay.client.wire.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.cli import main as cli_main

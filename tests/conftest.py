@@ -11,7 +11,7 @@ import pytest
 from hypothesis import settings
 
 import dataquay.client as dq
-from dataquay.client.channels import channel_options
+from dataquay.client.wire.channels import channel_options
 from dataquay.protos import directory_pb2_grpc
 from dataquay.server.tools.local_cluster import LocalCluster, TlsFiles
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess

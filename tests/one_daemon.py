@@ -11,7 +11,7 @@ import grpc
 from polling import wait_until
 
 import dataquay.client as dq
-from dataquay.client.channels import channel_options, grpc_target
+from dataquay.client.wire.channels import channel_options, grpc_target
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.tools import synthetic

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dataquay.client.records import checksum
+from dataquay.client.wire.records import checksum
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.trainers import RankGroup
 

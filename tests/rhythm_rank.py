@@ -17,7 +17,7 @@ import sys
 import time
 
 import dataquay.client as dq
-from dataquay.client.records import checksum
+from dataquay.client.wire.records import checksum
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
             ids = sampler.indices().tolist()
             before = client.stats().samples
             sums: list[int] = []
-            for samples in ds.batches(sampler, batch, prefetch=0):
+            for samples in ds.batches(sampler, batch, read_ahead=0):
                 sums += [checksum(s) for s in samples]
                 time.sleep(pace)
             after = client.stats().samples

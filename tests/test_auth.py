@@ -14,8 +14,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import dataquay.client as dq
-from dataquay.client.channels import channel_options
-from dataquay.client.security import Credentials, CredentialsError, read_token
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.security import Credentials, CredentialsError, read_token
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import jobs_pb2 as jpb

@@ -16,10 +16,10 @@ import pytest
 from polling import wait_until
 
 import dataquay.client as dq
-from dataquay.client.channels import channel_options
-from dataquay.client.memfd import MemfdSegment
 from dataquay.client.remote import _Reply
-from dataquay.client.shm import Segment, SegmentPool
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.memfd import MemfdSegment
+from dataquay.client.wire.shm import Segment, SegmentPool
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

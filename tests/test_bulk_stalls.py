@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from test_bulk import SIZE, bulk_address, make_certificates
 
-from dataquay.client.channels import channel_options
+from dataquay.client.wire.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -137,4 +137,4 @@ def test_a_token_holder_that_stops_reading_holds_back_neither_the_map_nor_the_by
         large_samples = [s for chunk in stub.Read(pb.ReadRequest(dataset="large", ids=list(range(400)), job="large"),
                                                   timeout=60) for s in chunk.samples]
         assert [s.data for s in large_samples] == [sample_bytes(1, i, SIZE) for i in range(400)]
-        assert {s.tier for s in large_samples} == {pb.TIER_LOCAL}
+        assert {s.tier for s in large_samples} == {pb.TIER_CACHE}

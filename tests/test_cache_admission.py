@@ -18,7 +18,7 @@ from test_exchange import JOB, SAMPLES, SIZES, Nodes, sample_payload
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import owners
-from dataquay.client.records import checksum, encode_value
+from dataquay.client.wire.records import checksum, encode_value
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -84,7 +84,7 @@ def test_values_from_a_node_the_plan_does_not_name_are_refused_and_the_real_exch
         for m in range(2):
             assert nodes.holds(m, np.flatnonzero(after == m)).all()
         nodes.report(1, (0, 1))
-        assert {s.tier for s in nodes.read(1, from_a)} == {pb.TIER_LOCAL}
+        assert {s.tier for s in nodes.read(1, from_a)} == {pb.TIER_CACHE}
         assert refused_counts(nodes.local, 1) == {"length": 0, "origin": 4}
     finally:
         nodes.close()
@@ -116,7 +116,7 @@ def test_a_value_of_another_length_than_the_manifests_is_refused_from_the_right_
         nodes.wait_exchanged(1)
         nodes.report(1, (0, 1))
         samples = nodes.read(1, np.array([longer, shorter, right, in_pieces]))
-        assert {s.tier for s in samples} == {pb.TIER_LOCAL}
+        assert {s.tier for s in samples} == {pb.TIER_CACHE}
     finally:
         nodes.close()
 

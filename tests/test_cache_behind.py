@@ -23,7 +23,7 @@ from dataquay.client import cache_behind
 from dataquay.client.errors import PfsReadError
 from dataquay.client.page_cache import cached_pages, read_cached
 from dataquay.client.pfs import PfsReader
-from dataquay.client.shm import Segment
+from dataquay.client.wire.shm import Segment
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.tools import synthetic
 from dataquay.server.tools.processes import DaemonProcess

@@ -15,7 +15,7 @@ import lmdb
 import pytest
 from test_daemon import add, make_files, read, run_cli, stats, stub_for
 
-from dataquay.client.records import encode_value
+from dataquay.client.wire.records import encode_value
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import CacheWriterError
 from dataquay.server.node.cache.store import Store
@@ -70,7 +70,7 @@ def test_a_full_cache_file_system_is_full_not_a_dead_writer_and_inserts_resume_w
     samples = read(stub, "big", list(range(SAMPLES)))
     assert [x.data for x in samples] == payloads
     tiers = [x.tier for x in samples]
-    assert (tiers.count(pb.TIER_LOCAL), tiers.count(pb.TIER_PFS)) == (fit, SAMPLES - fit)
+    assert (tiers.count(pb.TIER_CACHE), tiers.count(pb.TIER_PFS)) == (fit, SAMPLES - fit)
 
     filler.unlink()
     deadline = time.monotonic() + 30

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from store_runs import with_store
 
-from dataquay.client.records import encode_value
+from dataquay.client.wire.records import encode_value
 from dataquay.server.node.cache.file import (
     ALLOCATED_INITIAL_MAP,
     COPY_ON_WRITE,
@@ -130,7 +130,7 @@ def test_a_file_system_that_fills_stops_the_map_where_it_was_allocated_and_the_s
 
 _READ_WHILE_GROWING = """
 import asyncio, sys, threading, time
-from dataquay.client.records import encode_value
+from dataquay.client.wire.records import encode_value
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 

@@ -10,7 +10,7 @@ import pytest
 
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import JobPlan, owners
-from dataquay.client.records import encode_value
+from dataquay.client.wire.records import encode_value
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.planning.capacity import (

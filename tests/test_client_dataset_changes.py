@@ -14,7 +14,7 @@ from one_daemon import add, cache_stub, files_bytes, read_locally, stage
 
 import dataquay.client as dq
 from dataquay.client.errors import DataquayError, UnknownDatasetError
-from dataquay.client.records import checksum
+from dataquay.client.wire.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.tools import synthetic
 from dataquay.server.tools.processes import DaemonProcess

@@ -24,8 +24,8 @@ from polling import wait_until
 from stopping import stopped
 
 import dataquay.client as dq
-from dataquay.client.channels import channel_options, grpc_target
 from dataquay.client.manifest import Manifest, ManifestWriter
+from dataquay.client.wire.channels import channel_options, grpc_target
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.tools.processes import DaemonProcess

@@ -10,7 +10,7 @@ from polling import wait_until
 
 _LEADERLESS = """
 import os, sys, time
-from dataquay.client.notices import first_to_tell, no_longer
+from dataquay.client.wire.notices import first_to_tell, no_longer
 if os.fork():
     os._exit(0)  # the group's leader leaves, as a shell that started a trainer in the background
 time.sleep(0.5)  # its parent has reaped it by now

@@ -23,7 +23,7 @@ import dataquay.client as dq
 from dataquay.client.errors import PfsReadError, UnknownDatasetError
 from dataquay.client.pfs import PfsReader
 from dataquay.client.read_ahead import join_read_ahead
-from dataquay.client.records import checksum, frame_members
+from dataquay.client.wire.records import checksum, frame_members
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.tools import synthetic
 from dataquay.server.tools.local_cluster import LocalCluster
@@ -435,8 +435,8 @@ def test_batches_read_ahead_give_the_same_bytes_keep_the_cursor_and_stop_cleanly
     sampler = ds.sampler(seed=3)
     order = sampler.indices().tolist()
     expected = files_bytes(0, order, (1500, 2500))
-    for prefetch in (0, 1, 3):
-        batches = list(ds.batches(sampler, 16, prefetch=prefetch))
+    for read_ahead in (0, 1, 3):
+        batches = list(ds.batches(sampler, 16, read_ahead=read_ahead))
         assert [len(b) for b in batches] == [16, 16, 16, 2]
         assert [s for b in batches for s in b] == expected
         assert sampler.position == 0
@@ -444,10 +444,10 @@ def test_batches_read_ahead_give_the_same_bytes_keep_the_cursor_and_stop_cleanly
     assert [(e.epoch, e.batches) for e in epochs] == [(0, 4)] * 3
     assert all(0 < e.data_wait_seconds <= e.wall_seconds and 0 < e.stall_percent <= 100 for e in epochs)
 
-    wait_until(lambda: not any(t.name == "dataquay-prefetch" for t in threading.enumerate()),
+    wait_until(lambda: not any(t.name == "dataquay-read-ahead" for t in threading.enumerate()),
                "the read ahead into the next epoch ended by itself")
     threads = threading.active_count()
-    reader = ds.batches(sampler, 16, prefetch=2)
+    reader = ds.batches(sampler, 16, read_ahead=2)
     next(reader)
     next(reader)
     assert sampler.state_dict()["position"] == 32
@@ -465,7 +465,7 @@ def test_batches_read_ahead_give_the_same_bytes_keep_the_cursor_and_stop_cleanly
     (tmp_path / "uncached" / fresh.manifest.location(order[40]).path).unlink()
     got = []
     with pytest.raises(PfsReadError, match=f"sample {order[40]} of 'uncached'"):
-        for batch in fresh.batches(fresh.sampler(seed=3), 16, prefetch=2):
+        for batch in fresh.batches(fresh.sampler(seed=3), 16, read_ahead=2):
             got.append(batch)
     assert [s for b in got for s in b] == expected[:32]  # every batch before the broken one
     assert client.stats().data_wait_seconds > 0
@@ -480,7 +480,7 @@ def test_batches_read_the_next_epochs_first_batches_ahead_and_the_next_epoch_tak
     sampler = ds.sampler(seed=3)
 
     def epoch(batch_size: int) -> list[bytes]:
-        return [s for b in ds.batches(sampler, batch_size, prefetch=2) for s in b]
+        return [s for b in ds.batches(sampler, batch_size, read_ahead=2) for s in b]
 
     def reads_reach(count: int, what: str) -> None:
         wait_until(lambda: sum(client.stats().samples.values()) >= count, what)

@@ -90,8 +90,10 @@ def states(stub: Stub) -> dict[str, int]:
     return {n.info.name: n.state for n in stub.ListNodes(dpb.ListNodesRequest()).nodes}
 
 
-def register(stub: Stub, name: str) -> None:
-    stub.RegisterNode(dpb.RegisterNodeRequest(node=jpb.NodeInfo(name=name, tcp_address="127.0.0.1:7000")))
+def register(stub: Stub, name: str) -> int:
+    """Registers ``name`` as its daemon would; returns the session its heartbeats carry."""
+    node = jpb.NodeInfo(name=name, tcp_address="127.0.0.1:7000")
+    return stub.RegisterNode(dpb.RegisterNodeRequest(node=node, identity_key=bytes(32))).session
 
 
 def assert_clock_stepped(stub: Stub, seconds: int) -> None:
@@ -135,11 +137,11 @@ def test_a_step_forward_lists_no_live_node_down_and_drops_no_busy_job(
     directory = start_stepped("--job-ttl", "10s")
     stub = stub_for(directory)
     imgs = make_files_dataset(tmp_path / "pfs" / "imgs", 10, sizes=(100,), classes=2)
-    register(stub, "n0")
+    session = register(stub, "n0")
     stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))
     stub.JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id="busy", dataset="imgs")))
     stub.ReportEpoch(jpb.ReportEpochRequest(job_id="busy", epoch=1))
-    stub.Heartbeat(dpb.HeartbeatRequest(name="n0"))
+    stub.Heartbeat(dpb.HeartbeatRequest(name="n0", session=session))
     beaten = time.monotonic()
     clock.step(HOUR)
     # Within the lease and the TTL, while the lease checks (every second) and

@@ -17,11 +17,11 @@ import grpc
 import numpy as np
 import pytest
 
-from dataquay.client.channels import channel_options
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
-from dataquay.client.records import checksum
 from dataquay.client.sampler import JobSampler
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

@@ -26,10 +26,10 @@ from polling import wait_until
 from test_coded_exchange import multicast_group
 from test_exchange import NODES, SAMPLES, SIZES, Nodes, sample_payload
 
-from dataquay.client.channels import channel_options
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import owners
+from dataquay.client.wire.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

@@ -25,7 +25,7 @@ from stopping import stopped
 import dataquay.client as dq
 from dataquay.client.errors import JobMismatchError
 from dataquay.client.prepped import collate
-from dataquay.client.shm import SHM_DIR
+from dataquay.client.wire.shm import SHM_DIR
 from dataquay.server.tools import synthetic
 from dataquay.server.tools.processes import DaemonProcess
 

@@ -20,8 +20,8 @@ import grpc
 import numpy as np
 import pytest
 
-from dataquay.client.channels import channel_options, grpc_target
-from dataquay.client.records import checksum
+from dataquay.client.wire.channels import channel_options, grpc_target
+from dataquay.client.wire.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.tools import synthetic
@@ -96,10 +96,10 @@ def test_reads_come_from_pfs_then_from_cache_with_exact_bytes(
     stage(stub, "imgs")  # flushes the inserts the reads queued
     second = read(stub, "imgs", ids + ids[:5])
     assert [s.data for s in second] == [payloads[i] for i in ids + ids[:5]]
-    assert {s.tier for s in second} == {pb.TIER_LOCAL}
+    assert {s.tier for s in second} == {pb.TIER_CACHE}
     reads = {t.tier: t.samples for t in stats(stub).reads}
     assert reads[pb.TIER_PFS] == len(payloads)
-    assert reads[pb.TIER_LOCAL] == len(payloads) + 5
+    assert reads[pb.TIER_CACHE] == len(payloads) + 5
 
 
 def test_stage_caches_everything_and_a_second_stage_reads_nothing(
@@ -165,7 +165,7 @@ def test_full_cache_stops_inserting_and_keeps_serving_correct_bytes(
     samples = read(stub, "big", list(range(40)))
     assert [x.data for x in samples] == payloads
     tiers = [x.tier for x in samples]
-    assert tiers.count(pb.TIER_LOCAL) == s.cache_entries
+    assert tiers.count(pb.TIER_CACHE) == s.cache_entries
     assert tiers.count(pb.TIER_PFS) == len(payloads) - s.cache_entries
 
 
@@ -195,7 +195,7 @@ def test_corrupt_cached_value_is_detected_served_from_pfs_and_repaired(
     stage(stub, "imgs")  # waits for the queued repair to commit
     assert stats(stub).corrupt_repaired == 1
     again = read(stub, "imgs", [7])[0]
-    assert again.data == payloads[7] and again.tier == pb.TIER_LOCAL
+    assert again.data == payloads[7] and again.tier == pb.TIER_CACHE
 
 
 def test_sigkilled_daemon_restarts_on_its_cache_with_every_entry(
@@ -210,7 +210,7 @@ def test_sigkilled_daemon_restarts_on_its_cache_with_every_entry(
     assert stats(stub).cache_entries == len(payloads)
     samples = read(stub, "imgs", list(range(len(payloads))))
     assert [s.data for s in samples] == payloads
-    assert {s.tier for s in samples} == {pb.TIER_LOCAL}
+    assert {s.tier for s in samples} == {pb.TIER_CACHE}
 
 
 def test_sigterm_drains_reads_in_flight_commits_their_writes_and_exits_zero(

@@ -8,7 +8,7 @@ import re
 import urllib.request
 from pathlib import Path
 
-from dataquay.client.tiers import CLIENT_TIERS
+from dataquay.client.wire.tiers import CLIENT_TIERS
 from dataquay.server.node.metrics import TIERS as DAEMON_TIERS
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from dataquay.client.channels import channel_options, grpc_target
+from dataquay.client.wire.channels import channel_options, grpc_target
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess, ServerProcess

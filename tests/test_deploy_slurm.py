@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 import dataquay.client as dq
-from dataquay.client.security import read_token
+from dataquay.client.wire.security import read_token
 from dataquay.server.auth import new_token_file
 from dataquay.server.tools.env_files import read_env_file
 from dataquay.server.tools.pids import stat_state

@@ -25,7 +25,8 @@ from dataquay.protos import directory_pb2 as dpb, directory_pb2_grpc, jobs_pb2 a
 node = jpb.NodeInfo(name="{INTRUDER}", tcp_address="198.51.100.7:7070", metrics_address="{INTRUDER_TARGET}",
                     cache_capacity=1 << 30, pid=1, version="test")
 with grpc.insecure_channel(sys.argv[1]) as channel:
-    directory_pb2_grpc.DirectoryStub(channel).RegisterNode(dpb.RegisterNodeRequest(node=node), timeout=10)
+    request = dpb.RegisterNodeRequest(node=node, identity_key=bytes(32))
+    directory_pb2_grpc.DirectoryStub(channel).RegisterNode(request, timeout=10)
 """
 
 

@@ -3,6 +3,7 @@ that are just gRPC calls, real dataset files."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -22,9 +23,9 @@ import pytest
 from polling import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from dataquay.client.channels import channel_options
 from dataquay.client.manifest import Manifest
-from dataquay.client.security import Credentials, read_token
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.security import Credentials, read_token
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
@@ -46,12 +47,32 @@ def imgs(tmp_path: Path) -> Path:
     return make_files_dataset(tmp_path / "pfs" / "imgs", 40, sizes=(100, 300), classes=2)
 
 
+#: The session each node's last registration handed out, which its heartbeats carry.
+sessions: dict[str, int] = {}
+
+
+def node_key(name: str) -> bytes:
+    """The identity key the daemon named ``name`` keeps: one per name."""
+    return hashlib.sha256(name.encode()).digest()
+
+
+def register_as(stub: Stub, node: jpb.NodeInfo) -> dpb.RegisterNodeReply:
+    """Registers ``node`` with the key of its name, as its daemon would."""
+    reply = stub.RegisterNode(dpb.RegisterNodeRequest(node=node, identity_key=node_key(node.name)))
+    sessions[node.name] = reply.session
+    return reply
+
+
 def register(stub: Stub, name: str, port: int = 7000) -> dpb.RegisterNodeReply:
-    node = jpb.NodeInfo(
+    return register_as(stub, jpb.NodeInfo(
         name=name, tcp_address=f"127.0.0.1:{port}", metrics_address=f"127.0.0.1:{port + 1000}",
         cache_capacity=1 << 30, pid=1234, version="test",
-    )
-    return stub.RegisterNode(dpb.RegisterNodeRequest(node=node))
+    ))
+
+
+def heartbeat(stub: Stub, name: str, **fields: int) -> dpb.HeartbeatReply:
+    """A heartbeat by RPC for ``name``, with the session of its last registration."""
+    return stub.Heartbeat(dpb.HeartbeatRequest(name=name, session=sessions.get(name, 0), **fields))
 
 
 def nodes(stub: Stub) -> dict[str, int]:
@@ -91,9 +112,9 @@ def test_nodes_register_heartbeat_and_are_listed_by_name(
     assert first.lease_seconds == 10 and first.heartbeat_seconds == 2
     second = register(stub, "n0", port=7002)
     assert second.versions.nodes == first.versions.nodes  # one version per heartbeat period
-    beat = stub.Heartbeat(dpb.HeartbeatRequest(name="n0", cache_used_bytes=5000, cache_entries=7))
+    beat = heartbeat(stub, "n0", cache_used_bytes=5000, cache_entries=7)
     assert beat.known and beat.versions == second.versions
-    assert not stub.Heartbeat(dpb.HeartbeatRequest(name="stranger")).known
+    assert not heartbeat(stub, "stranger").known
     listed = stub.ListNodes(dpb.ListNodesRequest())
     assert [n.info.name for n in listed.nodes] == ["n0", "n1"]
     n0 = listed.nodes[0]
@@ -109,7 +130,7 @@ def test_a_wildcard_address_becomes_the_address_the_node_called_from(
 ) -> None:
     stub = stub_for(directory)
     node = jpb.NodeInfo(name="n0", tcp_address="0.0.0.0:7070", metrics_address="[::]:9470")
-    stub.RegisterNode(dpb.RegisterNodeRequest(node=node))
+    register_as(stub, node)
     info = stub.ListNodes(dpb.ListNodesRequest()).nodes[0].info
     assert (info.tcp_address, info.metrics_address) == ("127.0.0.1:7070", "127.0.0.1:9470")
 
@@ -127,7 +148,7 @@ def test_a_silent_node_goes_down_in_service_discovery_and_comes_back_on_heartbea
 
     def beat_alive() -> None:
         while not stop.wait(0.1):
-            stub.Heartbeat(dpb.HeartbeatRequest(name="alive"))
+            heartbeat(stub, "alive")
 
     beats = threading.Thread(target=beat_alive)
     beats.start()
@@ -145,7 +166,7 @@ def test_a_silent_node_goes_down_in_service_discovery_and_comes_back_on_heartbea
         assert 'dataquay_directory_nodes{state="up"} 1.0' in metrics
         assert 'dataquay_directory_nodes{state="down"} 1.0' in metrics
 
-        beat = stub.Heartbeat(dpb.HeartbeatRequest(name="silent"))
+        beat = heartbeat(stub, "silent")
         assert beat.known and beat.versions.nodes > version
         assert nodes(stub) == {"alive": jpb.NODE_UP, "silent": jpb.NODE_UP}
         assert [g["labels"]["dataquay_state"] for g in json.loads(http_get(directory.http_url + "/sd")[1])] == [
@@ -168,7 +189,7 @@ def test_datasets_are_registered_once_at_the_directory(
     info = stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))
     assert info.num_samples == 40 and info.format == pb.FORMAT_FILES
     assert info.cached_samples == 0 and info.cached_bytes == 0
-    assert stub.Heartbeat(dpb.HeartbeatRequest(name="n0")).versions.datasets == version + 1
+    assert heartbeat(stub, "n0").versions.datasets == version + 1
     assert [d.name for d in stub.ListDatasets(pb.ListDatasetsRequest()).datasets] == ["imgs"]
     assert stub.GetDataset(pb.GetDatasetRequest(name="imgs")) == info
 
@@ -193,7 +214,7 @@ def test_datasets_are_registered_once_at_the_directory(
     assert stub.DropDataset(pb.DropDatasetRequest(name="imgs")).freed_samples == 0
     assert not stub.ListDatasets(pb.ListDatasetsRequest()).datasets
     assert rpc_error(lambda: stub.GetDataset(pb.GetDatasetRequest(name="imgs"))).code() == grpc.StatusCode.NOT_FOUND
-    assert stub.Heartbeat(dpb.HeartbeatRequest(name="n0")).versions.datasets == version + 2
+    assert heartbeat(stub, "n0").versions.datasets == version + 2
 
 
 def test_jobs_are_created_by_the_first_join_and_refuse_other_settings(
@@ -203,7 +224,7 @@ def test_jobs_are_created_by_the_first_join_and_refuse_other_settings(
     for name in ("n2", "n0", "n1"):
         register(stub, name)
     info = stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))
-    jobs_version = stub.Heartbeat(dpb.HeartbeatRequest(name="n0")).versions.jobs
+    jobs_version = heartbeat(stub, "n0").versions.jobs
 
     created = join(stub, dataset="imgs", seed=5)
     assert list(created.spec.nodes) == ["n0", "n1", "n2"]
@@ -211,7 +232,7 @@ def test_jobs_are_created_by_the_first_join_and_refuse_other_settings(
         "global", 0.0, "sample", 0
     )
     assert (created.manifest_id, created.num_samples, created.epoch) == (info.manifest_id, 40, 0)
-    assert stub.Heartbeat(dpb.HeartbeatRequest(name="n0")).versions.jobs == jobs_version + 1
+    assert heartbeat(stub, "n0").versions.jobs == jobs_version + 1
 
     joined = join(stub, must_exist=True, ranks_per_node=4)
     assert joined.spec.seed == 5 and joined.spec.ranks_per_node == 4
@@ -276,7 +297,7 @@ def test_nodes_jobs_and_datasets_survive_a_kill_and_a_restart(
     job = join(stub, dataset="imgs", seed=9, ranks_per_node=2)
     job = stub.ReportEpoch(jpb.ReportEpochRequest(job_id="j1", epoch=2))
     manifest = b"".join(c.data for c in stub.GetManifest(pb.GetDatasetRequest(name="imgs")))
-    versions = stub.Heartbeat(dpb.HeartbeatRequest(name="n0")).versions
+    versions = heartbeat(stub, "n0").versions
     first.kill()
 
     second = start_directory()
@@ -284,7 +305,7 @@ def test_nodes_jobs_and_datasets_survive_a_kill_and_a_restart(
     assert nodes(stub) == {"n0": jpb.NODE_UP, "n1": jpb.NODE_UP}
     assert stub.GetJob(jpb.GetJobRequest(job_id="j1")) == job
     assert b"".join(c.data for c in stub.GetManifest(pb.GetDatasetRequest(name="imgs"))) == manifest
-    beat = stub.Heartbeat(dpb.HeartbeatRequest(name="n1"))
+    beat = heartbeat(stub, "n1")
     assert beat.known
     assert (beat.versions.nodes, beat.versions.datasets, beat.versions.jobs) > (
         versions.nodes, versions.datasets, versions.jobs
@@ -305,10 +326,13 @@ def test_daemons_restarted_with_their_directory_on_new_ports_raise_no_shared_nam
     register(stub, "n0", port=8000)
     register(stub, "n1", port=8100)
     assert nodes(stub) == {"n0": jpb.NODE_UP, "n1": jpb.NODE_UP}
-    register(stub, "n1", port=8200)  # a live node's name from yet another address
+    register(stub, "n1", port=8200)  # the same node, restarted on yet another address
+    taken = jpb.NodeInfo(name="n1", tcp_address="127.0.0.1:8300")
+    refused = rpc_error(lambda: stub.RegisterNode(dpb.RegisterNodeRequest(node=taken, identity_key=node_key("x"))))
+    assert refused.code() == grpc.StatusCode.ALREADY_EXISTS
     assert second.stop() == 0
     log = second.log_path.read_text()
-    assert log.count("two daemons may share a node name") == 1 and "127.0.0.1:8200" in log
+    assert "two daemons may share a node name" not in log and log.count("refused a live node's name") == 1
 
 
 def test_bad_input_is_refused_and_the_directory_keeps_serving(
@@ -318,7 +342,7 @@ def test_bad_input_is_refused_and_the_directory_keeps_serving(
     bad_nodes = [jpb.NodeInfo(), jpb.NodeInfo(name="n0"), jpb.NodeInfo(name="../x", tcp_address="h:1"),
                  jpb.NodeInfo(name="n0", tcp_address="h:1", metrics_address="h"), jpb.NodeInfo(name="x" * 100_000)]
     for node in bad_nodes:
-        error = rpc_error(lambda: stub.RegisterNode(dpb.RegisterNodeRequest(node=node)))
+        error = rpc_error(lambda: stub.RegisterNode(dpb.RegisterNodeRequest(node=node, identity_key=node_key("n0"))))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     for request in [pb.AddDatasetRequest(), pb.AddDatasetRequest(name="../up", root=str(tmp_path)),
                     pb.AddDatasetRequest(name="x", root=str(tmp_path / "missing"))]:
@@ -424,7 +448,8 @@ def test_heartbeat_datagrams_renew_the_lease_and_garbage_is_ignored(
         udp.connect((host, int(port)))
         udp.send(b"\xff not a heartbeat")
         udp.send(dpb.HeartbeatRequest(name="n0").SerializeToString())  # bare, without the header
-        udp.send(sender.datagram(dpb.HeartbeatRequest(name="n0", cache_used_bytes=123, cache_entries=4)))
+        beat = dpb.HeartbeatRequest(name="n0", cache_used_bytes=123, cache_entries=4, session=registered.session)
+        udp.send(sender.datagram(beat))
         reply = dpb.HeartbeatReply.FromString(udp.recv(65536))
         assert reply.known and reply.versions == registered.versions
         udp.send(sender.datagram(dpb.HeartbeatRequest(name="stranger")))
@@ -459,23 +484,24 @@ def test_a_replayed_signed_beat_does_not_bring_a_down_node_back_up(
         socket.AF_INET, socket.SOCK_DGRAM
     ) as udp:
         stub = Stub(channel)
-        register(stub, "n0")
+        session = register(stub, "n0").session
         udp.settimeout(10)
         udp.connect((host, int(port)))
         sender = HeartbeatSender(token)
-        captured = sender.datagram(dpb.HeartbeatRequest(name="n0"))
+        captured = sender.datagram(dpb.HeartbeatRequest(name="n0", session=session))
         udp.send(captured)
         assert dpb.HeartbeatReply.FromString(udp.recv(65536)).known
 
         wait_until(lambda: nodes(stub)["n0"] == jpb.NODE_DOWN, "n0 is listed down")
         udp.send(captured)
         wait_until(lambda: refused_beats(directory)["replayed"] == 1, "the replay is counted")
-        old = beat_datagram(token, dpb.HeartbeatRequest(name="n0"), time.time_ns(), time.time_ns() - 3 * 10**9)
+        beat = dpb.HeartbeatRequest(name="n0", session=session)
+        old = beat_datagram(token, beat, time.time_ns(), time.time_ns() - 3 * 10**9)
         udp.send(old)
         wait_until(lambda: refused_beats(directory)["stale"] == 1, "the beat sent 3 leases ago is counted")
         assert nodes(stub)["n0"] == jpb.NODE_DOWN
 
-        udp.send(sender.datagram(dpb.HeartbeatRequest(name="n0")))
+        udp.send(sender.datagram(beat))
         assert dpb.HeartbeatReply.FromString(udp.recv(65536)).known
         assert nodes(stub)["n0"] == jpb.NODE_UP
     assert refused_beats(directory) == {"signature": 0, "format": 0, "malformed": 0, "stale": 1, "replayed": 1,

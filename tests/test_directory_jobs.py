@@ -37,7 +37,8 @@ def imgs(tmp_path: Path) -> Path:
 
 
 def create_jobs(stub: Stub, imgs: Path, *job_ids: str) -> None:
-    stub.RegisterNode(dpb.RegisterNodeRequest(node=jpb.NodeInfo(name="n0", tcp_address="127.0.0.1:7000")))
+    node = jpb.NodeInfo(name="n0", tcp_address="127.0.0.1:7000")
+    stub.RegisterNode(dpb.RegisterNodeRequest(node=node, identity_key=bytes(32)))
     stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))
     for job_id in job_ids:
         stub.JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=job_id, dataset="imgs")))
@@ -47,17 +48,13 @@ def job_ids(stub: Stub) -> list[str]:
     return [job.spec.job_id for job in stub.ListJobs(jpb.ListJobsRequest()).jobs]
 
 
-def age_jobs(directory: DirectoryProcess, idle: dict[str, float | None]) -> None:
+def age_jobs(directory: DirectoryProcess, idle: dict[str, float]) -> None:
     """Rewrites the stopped directory's state so that each named job was last
-    active that many seconds ago, or (None) as a state file written before
-    jobs recorded their activity."""
+    active that many seconds ago."""
     path = directory.state_dir / "directory.json"
     doc = json.loads(path.read_text())
     for job in doc["jobs"]:
-        seconds = idle.get(job["spec"]["job_id"])
-        if seconds is None:
-            del job["last_active"]
-        else:
+        if (seconds := idle.get(job["spec"]["job_id"])) is not None:
             job["last_active"] = time.time() - seconds
     path.write_text(json.dumps(doc))
 
@@ -106,23 +103,22 @@ def test_a_job_idle_past_the_ttl_expires_and_one_reporting_epochs_is_kept(
     assert len(expired) == 1 and "job expired job=idle idle_seconds=" in expired[0]
 
 
-def test_a_restart_expires_jobs_idle_past_the_ttl_and_keeps_those_of_an_older_state_file(
+def test_a_restart_expires_jobs_idle_past_the_ttl(
     start_directory: Callable[..., DirectoryProcess], stub_for: Callable[..., Stub], imgs: Path
 ) -> None:
     first = start_directory("--job-ttl", "0")
-    create_jobs(stub_for(first), imgs, "legacy", "old", "recent")
+    create_jobs(stub_for(first), imgs, "old", "recent")
     assert first.stop() == 0
-    age_jobs(first, {"legacy": None, "old": 2 * DAY, "recent": HOUR})
+    age_jobs(first, {"old": 2 * DAY, "recent": HOUR})
 
     second = start_directory("--job-ttl", "1d")
     stub = stub_for(second)
     wait_until(lambda: "old" not in job_ids(stub), "the job idle for two days expired")
-    assert job_ids(stub) == ["legacy", "recent"]
+    assert job_ids(stub) == ["recent"]
     jobs = {job.spec.job_id: job for job in stub.ListJobs(jpb.ListJobsRequest()).jobs}
     assert time.time() - jobs["recent"].last_active_unix >= HOUR
-    assert time.time() - jobs["legacy"].last_active_unix < HOUR
     assert (metrics(second)["dataquay_directory_jobs"], metrics(second)["dataquay_directory_jobs_expired_total"]) == (
-        2, 1
+        1, 1
     )
     expired = [line for line in second.log_path.read_text().splitlines() if "job expired" in line]
     assert len(expired) == 1 and "job expired job=old idle_seconds=1728" in expired[0]

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from dataquay.client.channels import channel_options
+from dataquay.client.wire.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
@@ -77,12 +77,13 @@ def test_heartbeats_are_answered_while_the_state_is_written_and_a_join_waits_for
             server.tcp_address, options=channel_options()
         ) as channel:
             stub = Stub(channel)
-            await stub.RegisterNode(dpb.RegisterNodeRequest(node=node_info("n0")))
+            registered = await stub.RegisterNode(dpb.RegisterNodeRequest(node=node_info("n0"), identity_key=bytes(32)))
             await stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))
             release.clear()
             join = asyncio.ensure_future(stub.JoinJob(create("j1")))
             assert await asyncio.to_thread(held.wait, HOLD_SECONDS), "the job's creation was never written"
-            beats = [await stub.Heartbeat(dpb.HeartbeatRequest(name="n0")) for _ in range(50)]
+            beat = dpb.HeartbeatRequest(name="n0", session=registered.session)
+            beats = [await stub.Heartbeat(beat) for _ in range(50)]
             answered_while_held = not release.is_set()
             assert not join.done(), "the job's creation was answered before it was on disk"
             release.set()
@@ -114,13 +115,13 @@ def test_thousands_of_jobs_created_at_once_leave_heartbeats_answered_and_survive
     first = start_directory()
     with grpc.insecure_channel(first.address, options=channel_options()) as channel:
         stub = Stub(channel)
-        stub.RegisterNode(dpb.RegisterNodeRequest(node=node_info("n0")))
+        registered = stub.RegisterNode(dpb.RegisterNodeRequest(node=node_info("n0"), identity_key=bytes(32)))
         stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))
         with ThreadPoolExecutor(32) as pool:
             creating = [pool.submit(stub.JoinJob, create(f"job-{i}")) for i in range(jobs)]
             beats: list[dpb.HeartbeatReply] = []
             while not all(c.done() for c in creating):
-                beats.append(stub.Heartbeat(dpb.HeartbeatRequest(name="n0")))
+                beats.append(stub.Heartbeat(dpb.HeartbeatRequest(name="n0", session=registered.session)))
             created = {c.result().spec.job_id for c in creating}
     first.kill()
 

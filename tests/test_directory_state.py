@@ -11,7 +11,7 @@ import pytest
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import MAX_EPOCH
 from dataquay.server.directory.records import Change, DatasetFacts, JoinRequest, NodeInfo, Versions
-from dataquay.server.directory.state import DirectoryState
+from dataquay.server.directory.state import DirectoryState, identity_of
 from dataquay.server.errors import (
     InvalidRequestError,
     JobActiveError,
@@ -22,6 +22,8 @@ from dataquay.server.errors import (
 )
 
 LEASE = 10.0
+#: Every node's identity, and the session each registration hands out.
+KEY, SESSION = identity_of(bytes(32)), 7
 
 
 def info(name: str) -> NodeInfo:
@@ -40,9 +42,9 @@ def join_request(job_id: str, must_exist: bool = False, **named: Any) -> JoinReq
 
 
 def cluster(*names: str, now: float = 0.0) -> DirectoryState:
-    state = DirectoryState(LEASE)
+    state = DirectoryState(LEASE, sessions=lambda: SESSION)
     for name in names:
-        state.register(info(name), now)
+        state.register(info(name), now, KEY)
     return state
 
 
@@ -53,12 +55,12 @@ def up_names(state: DirectoryState) -> list[str]:
 def test_a_lease_ends_without_heartbeats_and_a_heartbeat_brings_the_node_back() -> None:
     state = cluster("b", "a")
     assert up_names(state) == ["a", "b"] and state.versions.nodes == 2
-    assert state.heartbeat("a", 5, 1, now=8.0) == (True, False, "")
+    assert state.heartbeat("a", 5, 1, now=8.0, session=SESSION) == (True, False, "")
     assert state.expire(now=9.0) == []
     assert state.expire(now=10.0) == ["b"]
     assert up_names(state) == ["a"] and state.node_counts() == (1, 1)
     assert state.versions.nodes == 3
-    assert state.heartbeat("b", 0, 0, now=11.0) == (True, True, "")
+    assert state.heartbeat("b", 0, 0, now=11.0, session=SESSION) == (True, True, "")
     assert up_names(state) == ["a", "b"] and state.versions.nodes == 4
     assert state.expire(now=18.0) == ["a"]
     node_a = state.nodes()[0]
@@ -69,42 +71,43 @@ def test_heartbeats_move_no_version_and_unknown_names_are_told_to_register() -> 
     state = cluster("a")
     before, revision = state.versions, state.revision
     for t in range(1, 50):
-        assert state.heartbeat("a", t, t, now=float(t)).known
+        assert state.heartbeat("a", t, t, now=float(t), session=SESSION).known
     assert state.versions is before and state.revision == revision
-    assert state.heartbeat("ghost", 0, 0, now=50.0) == (False, False, "")
+    assert state.heartbeat("ghost", 0, 0, now=50.0, session=SESSION) == (False, False, "")
     assert state.heartbeats == 50
 
 
 def test_a_datagram_sequence_already_used_renews_nothing_until_the_node_registers_again() -> None:
     state = cluster("a")
-    assert not state.heartbeat("a", 0, 0, 1.0, sequence=100).refused
+    assert not state.heartbeat("a", 0, 0, 1.0, sequence=100, session=SESSION).refused
     state.expire(LEASE + 2.0)
-    replayed = state.heartbeat("a", 0, 0, LEASE + 3.0, sequence=100)
+    replayed = state.heartbeat("a", 0, 0, LEASE + 3.0, sequence=100, session=SESSION)
     assert replayed.refused and not replayed.came_up and up_names(state) == []
-    assert state.heartbeat("a", 0, 0, LEASE + 3.0, sequence=101).came_up
-    assert not state.heartbeat("a", 0, 0, LEASE + 3.0).refused  # by RPC: no sequence to check
-    state.register(info("a"), LEASE + 4.0)
-    assert not state.heartbeat("a", 0, 0, LEASE + 4.0, sequence=5).refused  # a restart with its clock set back
+    assert state.heartbeat("a", 0, 0, LEASE + 3.0, sequence=101, session=SESSION).came_up
+    assert not state.heartbeat("a", 0, 0, LEASE + 3.0, session=SESSION).refused  # by RPC: no sequence to check
+    state.register(info("a"), LEASE + 4.0, KEY)
+    # a restart with its clock set back
+    assert not state.heartbeat("a", 0, 0, LEASE + 4.0, sequence=5, session=SESSION).refused
 
 
 def test_registration_reports_what_changed() -> None:
     state = cluster("a")
-    assert state.register(info("b"), 1.0).change is Change.JOINED
-    again = state.register(NodeInfo("a", "10.9.9.9:7070"), 2.0)
+    assert state.register(info("b"), 1.0, KEY).change is Change.JOINED
+    again = state.register(NodeInfo("a", "10.9.9.9:7070"), 2.0, KEY)
     assert again.change is Change.RENEWED and again.previous == info("a")
     state.expire(now=100.0)
-    assert state.register(info("a"), 101.0).change is Change.UP
+    assert state.register(info("a"), 101.0, KEY).change is Change.UP
     assert up_names(state) == ["a"]
 
 
 def test_a_node_restored_from_the_state_file_registers_from_a_new_address_as_up_not_renewed() -> None:
     state = cluster("a", "b")
     restarted = DirectoryState.from_json(json.loads(json.dumps(state.to_json())), LEASE, now=50.0)
-    moved = restarted.register(NodeInfo("a", "10.9.9.9:7070"), 51.0)
+    moved = restarted.register(NodeInfo("a", "10.9.9.9:7070"), 51.0, KEY)
     assert moved.change is Change.UP and moved.previous == info("a")
-    assert restarted.heartbeat("b", 0, 0, now=51.0).known
-    assert restarted.register(NodeInfo("b", "10.9.9.8:7070"), 52.0).change is Change.RENEWED
-    assert restarted.register(NodeInfo("a", "10.9.9.7:7070"), 53.0).change is Change.RENEWED
+    assert restarted.heartbeat("b", 0, 0, now=51.0, session=SESSION).known
+    assert restarted.register(NodeInfo("b", "10.9.9.8:7070"), 52.0, KEY).change is Change.RENEWED
+    assert restarted.register(NodeInfo("a", "10.9.9.7:7070"), 53.0, KEY).change is Change.RENEWED
 
 
 @pytest.mark.parametrize(
@@ -117,17 +120,17 @@ def test_a_node_restored_from_the_state_file_registers_from_a_new_address_as_up_
     ],
 )
 def test_unusable_registrations_are_refused_with_the_reason(node: NodeInfo, message: str) -> None:
-    state = DirectoryState(LEASE)
+    state = DirectoryState(LEASE, sessions=lambda: SESSION)
     with pytest.raises(InvalidRequestError, match=message):
-        state.register(node, 0.0)
+        state.register(node, 0.0, KEY)
     assert state.nodes() == [] and state.versions == Versions()
 
 
 def test_a_new_job_takes_defaults_and_all_live_nodes_by_name() -> None:
     state = cluster("n2", "n0", "n1")
     state.expire(now=LEASE)
-    state.register(info("n1"), LEASE)
-    state.register(info("n0"), LEASE)
+    state.register(info("n1"), LEASE, KEY)
+    state.register(info("n0"), LEASE, KEY)
     jobs_version = state.versions.jobs
     job, created = state.join(join_request("j1", dataset="imgs"), facts, now=LEASE + 1)
     assert created and state.versions.jobs == jobs_version + 1
@@ -229,9 +232,9 @@ def test_epochs_only_go_up_and_dropped_jobs_are_gone() -> None:
 
 def test_state_survives_a_json_round_trip_and_live_nodes_get_a_fresh_lease() -> None:
     state = cluster("a", "b", "c")
-    state.heartbeat("a", 10, 2, now=5.0)
+    state.heartbeat("a", 10, 2, now=5.0, session=SESSION)
     state.expire(now=LEASE)  # b and c down
-    state.register(info("c"), LEASE)
+    state.register(info("c"), LEASE, KEY)
     state.join(join_request("j1", dataset="imgs", mode="global", seed=3, ranks_per_node=2), facts, 1.0)
     state.report_epoch("j1", 4, 2.0)
     state.datasets_changed()
@@ -261,36 +264,6 @@ def test_the_batch_size_is_a_job_setting_and_old_state_files_have_none() -> None
     restarted = DirectoryState.from_json(doc, LEASE, now=10.0)
     assert restarted.get_job("j1").spec.batch_size == 32
     assert restarted.get_job("j2").spec.batch_size == 0
-
-
-#: A state file as the directory wrote it before the settings had a type of their own.
-WRITTEN_BEFORE = {
-    "format": 1,
-    "versions": {"nodes": 1, "datasets": 0, "jobs": 1},
-    "nodes": [{"info": {"name": "a", "tcp_address": "10.0.0.1:7070", "metrics_address": "", "cache_capacity": 0,
-                        "pid": 0, "version": ""},
-               "registered": 0.0, "last_heartbeat": 0.0, "up": True, "cache_used_bytes": 0, "cache_entries": 0}],
-    "jobs": [{"spec": {"job_id": "j1", "dataset": "imgs", "mode": "partial", "q": 0.25, "seed": 3, "drop_last": True,
-                       "nodes": ["a"], "ranks_per_node": 2, "partition": "shard", "batch_size": 8},
-              "manifest_id": "m1", "num_samples": 100, "epoch": 0, "created": 1.0, "started": False}],
-}
-
-
-def test_a_state_file_written_before_reads_back_and_is_written_the_same() -> None:
-    restarted = DirectoryState.from_json(WRITTEN_BEFORE, LEASE, now=5.0)
-    job = restarted.get_job("j1")
-    assert job.spec == JobSettings("j1", "imgs", mode="partial", q=0.25, seed=3, drop_last=True, partition="shard",
-                                   batch_size=8, nodes=("a",), ranks_per_node=2)
-    written = json.loads(json.dumps(WRITTEN_BEFORE["jobs"]))[0]
-    written["spec"]["exchange_coding"] = "none"  # a setting added since, at its default
-    assert restarted.to_json()["jobs"] == [{**written, "last_active": 5.0}]
-
-
-def test_jobs_of_a_state_file_without_activity_count_as_active_when_it_is_loaded() -> None:
-    restarted = DirectoryState.from_json(WRITTEN_BEFORE, LEASE, now=1000.0)
-    assert restarted.get_job("j1").last_active == 1000.0
-    assert restarted.expire_jobs(ttl=100.0, now=1099.0) == []
-    assert [job.spec.job_id for job, _ in restarted.expire_jobs(ttl=100.0, now=1100.0)] == ["j1"]
 
 
 def test_a_document_of_another_format_is_refused() -> None:

@@ -101,15 +101,16 @@ def test_a_damaged_state_document_is_refused_naming_the_field(corruption: object
     assert str(refused.value).startswith(message), str(refused.value)
 
 
-def test_the_good_document_and_one_of_an_older_version_load() -> None:
+def test_the_good_document_loads_and_one_without_a_records_field_is_refused_naming_it() -> None:
     doc = good_document()
     restored = DirectoryState.from_json(doc, LEASE, now=100.0)
     assert restored.to_json()["nodes"] == doc["nodes"] and restored.get_job("j1").epoch == 3
-    for record in (*doc["nodes"], *doc["jobs"]):
-        for optional in ("beat_sequence", "identity", "session", "last_active", "started"):
-            record.pop(optional, None)
-    del doc["jobs"][0]["spec"]["exchange_coding"]
-    assert DirectoryState.from_json(doc, LEASE, now=100.0).get_job("j1").last_active == 100.0
+    for records, name in [("nodes", "beat_sequence"), ("nodes", "identity"), ("nodes", "session"),
+                          ("jobs", "started"), ("jobs", "last_active")]:
+        damaged = good_document()
+        del damaged[records][0][name]
+        with pytest.raises(ValueError, match=rf"^{records}\[0\]\.{name} is missing$"):
+            DirectoryState.from_json(damaged, LEASE, now=100.0)
 
 
 def start_directory_on(state_dir: Path) -> subprocess.CompletedProcess[str]:

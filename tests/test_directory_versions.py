@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from polling import TIMEOUT_SECONDS
 from prometheus_client.parser import text_string_to_metric_families
-from test_directory import Stub, http_get, register
+from test_directory import Stub, heartbeat, http_get, register
 
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import jobs_pb2 as jpb
@@ -43,7 +43,7 @@ def test_registrations_within_a_heartbeat_period_are_one_version(
     assert not whole.delta and [n.info.name for n in whole.nodes] == ["n0", "n1", "n2", "n3", "n4"]
 
     deadline = time.monotonic() + TIMEOUT_SECONDS
-    while (version := stub.Heartbeat(dpb.HeartbeatRequest(name="n0")).versions.nodes) == first:
+    while (version := heartbeat(stub, "n0").versions.nodes) == first:
         assert time.monotonic() < deadline, "the registrations were never published"
         time.sleep(0.1)
     assert version == first + 1
@@ -72,6 +72,7 @@ def test_a_daemon_sees_a_node_join_and_leave_through_deltas_and_a_restarted_one_
         link = DirectoryLink(
             directory.address, lambda: jpb.NodeInfo(name="d0", tcp_address="127.0.0.1:7300"), lambda: (0, 0), nothing
         )
+        link.identity_key = bytes(32)
         task = asyncio.create_task(link.run())
         try:
             await until(link.registered.is_set, "d0 registered")

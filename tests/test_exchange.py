@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from polling import wait_until
 
-from dataquay.client.channels import channel_options
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import locality_balance, node_steps, owners
-from dataquay.client.records import checksum, encode_value
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.records import checksum, encode_value
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -185,7 +185,7 @@ def test_the_exchange_moves_exactly_what_changes_owner_and_the_next_epoch_is_loc
         nodes.report(1)  # epoch 0 is over: given-away samples may go
         pfs_before = [s.pfs_bytes for s in stats]
         for m in range(NODES):
-            assert {s.tier for s in nodes.read(m, np.flatnonzero(after == m))} == {pb.TIER_LOCAL}
+            assert {s.tier for s in nodes.read(m, np.flatnonzero(after == m))} == {pb.TIER_CACHE}
         assert [s.pfs_bytes for s in nodes.stats()] == pfs_before
         # Entering epoch 1 also started the exchange into epoch 2, which may
         # hand some of them back.
@@ -308,7 +308,7 @@ def test_a_daemon_killed_mid_exchange_redoes_its_part_and_nothing_is_lost(
         pfs_before = [s.pfs_bytes for s in nodes.stats()]
         nodes.report(1)
         for m in range(NODES):
-            assert {s.tier for s in nodes.read(m, np.flatnonzero(after == m))} == {pb.TIER_LOCAL}
+            assert {s.tier for s in nodes.read(m, np.flatnonzero(after == m))} == {pb.TIER_CACHE}
         assert [s.pfs_bytes for s in nodes.stats()] == pfs_before
     finally:
         nodes.close()

@@ -19,7 +19,7 @@ import pytest
 
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import JobPlan
-from dataquay.client.records import checksum
+from dataquay.client.wire.records import checksum
 from dataquay.server.cli import main as cli_main
 from dataquay.server.planning.capacity import node_shares
 from dataquay.server.tools.local_cluster import LocalCluster

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import dataquay.client as dq
-from dataquay.client.channels import channel_options, grpc_target
 from dataquay.client.jobs import check_epoch_ahead
 from dataquay.client.placement import MAX_EPOCHS_AHEAD
+from dataquay.client.wire.channels import channel_options, grpc_target
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

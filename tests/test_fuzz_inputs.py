@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataquay.client.channels import channel_options, grpc_target
 from dataquay.client.errors import ManifestError
 from dataquay.client.manifest import Manifest
+from dataquay.client.wire.channels import channel_options, grpc_target
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server import config as config_module

@@ -17,8 +17,8 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataquay.client.channels import channel_options, grpc_target
-from dataquay.client.records import checksum
+from dataquay.client.wire.channels import channel_options, grpc_target
+from dataquay.client.wire.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 from dataquay.protos import directory_pb2 as dpb

@@ -11,10 +11,10 @@ from one_daemon import add
 from dataquay.client.connection import DaemonConnection
 from dataquay.client.daemon_transports import DaemonReply, DaemonTransport, pick_transports
 from dataquay.client.errors import DataquayError, PieceError
-from dataquay.client.memfd import MemfdSegment, fd_socket_path
-from dataquay.client.read_stream import ReadStream
-from dataquay.client.records import checksum
-from dataquay.client.shm import Segment
+from dataquay.client.wire.memfd import MemfdSegment, fd_socket_path
+from dataquay.client.wire.read_stream import ReadStream
+from dataquay.client.wire.records import checksum
+from dataquay.client.wire.shm import Segment
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.node.peers.transports import bulk_first
 from dataquay.server.tools import synthetic
@@ -95,11 +95,11 @@ def test_the_parser_joins_pieces_and_flags_each_payload_whose_checksum_fails() -
     got += list(stream.take(piece(1, 7, PAYLOADS[1][7:])))
     got += list(stream.take(pb.ReadChunk(samples=[pb.Sample(id=2, missing=True)])))
     stream.end()
-    assert [(s.id, bytes(s.data), s.intact, s.missing) for s in got] == [
+    assert [(i, bytes(data), intact, missing) for i, data, _, _, missing, _, intact in got] == [
         (0, b"abcde", True, False), (2, b"xyZ", False, False), (1, PAYLOADS[1], True, False), (2, b"", True, True),
     ]
     unverified = ReadStream("the daemon", LENGTHS, verify=False)
-    assert [s.intact for s in unverified.take(pb.ReadChunk(samples=[sample(2, data=b"xyZ")]))] == [True]
+    assert [s[-1] for s in unverified.take(pb.ReadChunk(samples=[sample(2, data=b"xyZ")]))] == [True]
 
 
 @pytest.mark.parametrize(
@@ -139,12 +139,12 @@ def test_a_checked_in_place_mark_is_taken_only_from_a_sealed_segment() -> None:
         segment.map[0:5] = b"abcdE"  # changed by another process of the user after the daemon's check
         marked = pb.ReadChunk(samples=[sample(0, data=b"", offset=0, length=5, checked=1)])
         [open_shm] = ReadStream("the daemon", LENGTHS, segment=segment).take(marked)
-        assert (bytes(open_shm.data), open_shm.in_segment, open_shm.intact) == (b"abcdE", True, False)
+        assert (bytes(open_shm[1]), *open_shm[-2:]) == (b"abcdE", True, False)  # (data, in_segment, intact)
         [sealed] = ReadStream("the daemon", LENGTHS, segment=segment, trust_marks=True).take(marked)
-        assert (bytes(sealed.data), sealed.intact) == (b"abcdE", True)
+        assert (bytes(sealed[1]), *sealed[-2:]) == (b"abcdE", True, True)
         # A mark naming a segment the call did not hand over: the inline bytes, checked.
         [no_segment] = ReadStream("the daemon", LENGTHS).take(marked)
-        assert (bytes(no_segment.data), no_segment.in_segment, no_segment.intact) == (b"", False, False)
+        assert (bytes(no_segment[1]), *no_segment[-2:]) == (b"", False, False)
     finally:
         segment.close()
 

@@ -14,10 +14,10 @@ from one_daemon import add, cache_stub, reply_samples, stage, tiers_read
 from polling import wait_until
 
 import dataquay.client as dq
-from dataquay.client.channels import MAX_MESSAGE_BYTES, channel_options
 from dataquay.client.errors import SampleTooLargeError
-from dataquay.client.pieces import PIECE_BYTES
-from dataquay.client.records import checksum
+from dataquay.client.wire.channels import MAX_MESSAGE_BYTES, channel_options
+from dataquay.client.wire.pieces import PIECE_BYTES
+from dataquay.client.wire.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -58,7 +58,7 @@ def test_a_sample_larger_than_a_message_reads_right_from_the_daemon_cached_or_no
     samples = list(reply_samples(chunks))
     assert [s.id for s in samples] == ids
     assert [s.data for s in samples] == truth(ids)
-    assert all(s.tier == pb.TIER_LOCAL and s.checksum == checksum(s.data) for s in samples)
+    assert all(s.tier == pb.TIER_CACHE and s.checksum == checksum(s.data) for s in samples)
 
 
 def test_a_sample_larger_than_a_message_comes_from_its_owner_through_the_local_daemon(

@@ -261,3 +261,39 @@ def test_no_part_of_the_daemon_is_handed_the_daemon() -> None:
             ):
                 naming.append(name)
     assert not naming, "these take the whole daemon: hand them its parts instead:\n" + "\n".join(sorted(naming))
+
+
+CLIENT = "dataquay.client"
+WIRE = "dataquay.client.wire"
+#: What of the trainer's API the daemon and the directory may import beside the
+#: wire core: pure logic and formats both sides must agree on (the placement, a
+#: job's plan and settings, the manifest and its PFS ranges, prepped batches)
+#: and the error classes they raise. cli/ and tools/ start trainers, so they may
+#: use all of it.
+SHARED_WITH_SERVER = {
+    f"{CLIENT}.{name}"
+    for name in ("errors", "manifest", "pfs", "file_systems", "units", "jobs", "job_settings", "prepped")
+}
+
+
+def test_the_server_imports_of_the_client_only_the_wire_core_and_what_both_sides_share() -> None:
+    graph = import_graph()
+    client = _inside(graph, CLIENT)
+    allowed = _inside(graph, WIRE, f"{CLIENT}.placement") | SHARED_WITH_SERVER
+    wrong = [
+        f"{name} -> {target}"
+        for name in sorted(_inside(graph, "dataquay.server") - _inside(graph, TOOLS, CLI))
+        for target in sorted(graph[name] & client - allowed)
+    ]
+    assert not wrong, "the server imports the trainer's API (move what both need into client/wire/):\n" + "\n".join(
+        wrong
+    )
+
+
+def test_the_wire_core_imports_nothing_of_the_trainers_api_but_its_errors() -> None:
+    graph = import_graph()
+    wire = _inside(graph, WIRE)
+    above = _inside(graph, CLIENT) - wire - {f"{CLIENT}.errors"}
+    wrong = [f"{name} -> {target}" for name in sorted(wire) for target in sorted(graph[name] & above)]
+    assert not wrong, "the wire core reaches up into the trainer's API:\n" + "\n".join(wrong)
+    assert {f"{WIRE}.records", f"{WIRE}.batch_reads", f"{WIRE}.read_stream", f"{WIRE}._records"} <= wire

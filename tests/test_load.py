@@ -79,7 +79,7 @@ def test_bytes_that_differ_from_the_pfs_files_are_counted_as_errors_not_verified
 
 
 def test_file_checksums_follow_the_manifest_id_order(tmp_path: Path) -> None:
-    from dataquay.client.records import checksum
+    from dataquay.client.wire.records import checksum
     from dataquay.server.tools.synthetic import sample_bytes
 
     root = make_files_dataset(tmp_path / "pfs", 25, sizes=(100, 300), classes=3)

@@ -18,7 +18,7 @@ import pytest
 from dataquay.client import local
 from dataquay.client.errors import DataquayError, SampleIdError
 from dataquay.client.local import LocalCache, sample_keys
-from dataquay.client.records import checksum, encode_value, sample_key
+from dataquay.client.wire.records import checksum, encode_value, sample_key
 
 DB = "ds:test"
 
@@ -76,7 +76,7 @@ def test_sample_keys_match_the_record_format_and_reject_bad_ids() -> None:
 
 @pytest.mark.parametrize("module", ["_records", "_records_py"], ids=["c", "python"])
 def test_the_read_loops_check_and_copy_as_records_lays_values_out(module: str) -> None:
-    loops = pytest.importorskip(f"dataquay.client.{module}", reason="installed without a C compiler")
+    loops = pytest.importorskip(f"dataquay.client.wire.{module}", reason="installed without a C compiler")
     big = payload(3, 300_000)  # large enough to be hashed without the GIL
     for framed in (b"", b"x", payload(1), big):  # the vendored xxHash agrees with the xxhash package
         assert loops.encode_value(framed) == checksum(framed).to_bytes(8, "little") + framed

@@ -19,8 +19,8 @@ from one_daemon import add, cache_stub
 from polling import wait_until
 
 from dataquay.client.errors import SegmentRefusedError
-from dataquay.client.memfd import CLIENT_SEALS, MemfdSegment, fd_socket_path
-from dataquay.client.records import checksum
+from dataquay.client.wire.memfd import CLIENT_SEALS, MemfdSegment, fd_socket_path
+from dataquay.client.wire.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.auth import new_token_file
 from dataquay.server.node.handoff.fd_socket import MAX_HANDSHAKES

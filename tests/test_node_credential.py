@@ -26,12 +26,12 @@ import pytest
 from polling import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from dataquay.client.channels import channel_options
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import owners
-from dataquay.client.records import encode_value
-from dataquay.client.security import Credentials, read_token
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.records import encode_value
+from dataquay.client.wire.security import Credentials, read_token
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 from dataquay.protos import directory_pb2 as dpb

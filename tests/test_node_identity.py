@@ -23,10 +23,10 @@ import pytest
 from polling import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from dataquay.client.channels import channel_options, grpc_target
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import owners
+from dataquay.client.wire.channels import channel_options, grpc_target
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 from dataquay.protos import directory_pb2 as dpb
@@ -57,8 +57,6 @@ def test_a_live_name_is_refused_to_another_identity_and_kept_by_its_own() -> Non
     with pytest.raises(NodeNameTakenError, match=r"^node name n0 is held by a live node at 10.0.0.1:7070; "
                                                  r"pick another --node-name or stop that daemon$"):
         state.register(NodeInfo("n0", "10.0.0.2:7070"), 1.0, KEY_B)
-    with pytest.raises(NodeNameTakenError):
-        state.register(NodeInfo("n0", "10.0.0.2:7070"), 1.0)  # no key is another identity too
     held = state.node("n0")
     assert held is not None and held.info.tcp_address == "10.0.0.1:7070" and held.session == first.session
 
@@ -83,11 +81,7 @@ def test_the_holders_identity_and_session_survive_a_directory_restart() -> None:
         restored.register(NodeInfo("n0", "10.0.0.2:7070"), 101.0, KEY_B)
 
 
-def test_a_daemon_without_an_identity_is_treated_as_before() -> None:
-    state = DirectoryState(LEASE)
-    assert state.register(NodeInfo("n0", "10.0.0.1:7070"), 0.0).session == 0
-    assert not state.heartbeat("n0", 0, 0, 1.0, session=12345).refused
-    assert state.register(NodeInfo("n0", "10.0.0.2:7070"), 1.0, KEY_B).previous_identity == ""
+def test_a_key_of_another_length_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="identity key of 5 bytes, expected 32"):
         identity_of(b"short")
 
@@ -230,6 +224,24 @@ def test_a_refusal_that_comes_after_the_daemon_reported_ready_still_stops_it(
         assert up_at(slow, "n0", a.ready["tcp"])
     finally:
         slow.kill()
+
+
+def test_a_registration_without_an_identity_key_takes_no_name_and_no_lease(directory: DirectoryProcess) -> None:
+    node = jpb.NodeInfo(name="n0", tcp_address="127.0.0.1:7070")
+    with grpc.insecure_channel(directory.address, options=channel_options()) as channel:
+        stub = directory_pb2_grpc.DirectoryStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.RegisterNode(dpb.RegisterNodeRequest(node=node), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details() == (
+            "a node registered without an identity key (a daemon keeps one in its cache dir)"
+        )
+        assert not stub.ListNodes(dpb.ListNodesRequest(), timeout=10).nodes
+        assert not stub.Heartbeat(dpb.HeartbeatRequest(name="n0"), timeout=10).known
+        held = stub.RegisterNode(dpb.RegisterNodeRequest(node=node, identity_key=b"a" * 32), timeout=10)
+        assert held.session and stub.Heartbeat(dpb.HeartbeatRequest(name="n0", session=held.session), timeout=10).known
+        assert not stub.Heartbeat(dpb.HeartbeatRequest(name="n0"), timeout=10).known  # no session: not its holder
+        assert [n.info.name for n in stub.ListNodes(dpb.ListNodesRequest(), timeout=10).nodes] == ["n0"]
 
 
 def refused_for_holder(directory: DirectoryProcess) -> int:

@@ -9,10 +9,12 @@ from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.directory.listing import NodeListing
 from dataquay.server.directory.node_log import NodeLog, first_version
 from dataquay.server.directory.records import NodeInfo
-from dataquay.server.directory.state import DirectoryState
+from dataquay.server.directory.state import DirectoryState, identity_of
 from dataquay.server.node.cluster.directory_link import merged_nodes
 
 PERIOD = 5.0
+#: The identity every node here registers with.
+KEY = identity_of(bytes(32))
 
 
 def info(name: str, port: int = 7070) -> NodeInfo:
@@ -75,14 +77,14 @@ def test_a_copy_follows_the_directory_through_deltas_and_the_whole_list() -> Non
         versions = dpb.Versions(nodes=v.nodes, datasets=v.datasets, jobs=v.jobs)
         return dpb.ListNodesReply.FromString(listing.reply(state, since, versions, now))
 
-    state.register(info("a"), now=0.0)
-    state.register(info("b"), now=1.0)
+    state.register(info("a"), now=0.0, identity=KEY)
+    state.register(info("b"), now=1.0, identity=KEY)
     whole = listed(0, now=1.0)
     assert not whole.delta and [n.info.name for n in whole.nodes] == ["a", "b"] and whole.versions.nodes == 1
     copy = merged_nodes({}, whole)
 
-    state.register(info("c"), now=2.0)
-    state.register(info("a", port=7071), now=3.0)
+    state.register(info("c"), now=2.0, identity=KEY)
+    state.register(info("a", port=7071), now=3.0, identity=KEY)
     assert listed(1, now=4.0).nodes == [], "nothing published since version 1"
     delta = listed(1, now=5.0)
     assert delta.delta and delta.versions.nodes == 2

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from polling import wait_until
 
-from dataquay.client.channels import channel_options
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import JobPlan, node_orders, owners
-from dataquay.client.records import CHECKSUM_BYTES
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.records import CHECKSUM_BYTES
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -44,7 +44,7 @@ def sample_payload(i: int) -> bytes:
 class Node:
     """A node of a staged cluster, as its ranks and a test see it.
 
-    Without ``job`` it joins the job, as a rank would, which starts its read ahead.
+    Without ``job`` it joins the job, as a rank would, which starts its prefetch.
     """
 
     def __init__(self, local: LocalCluster, index: int = 0, job: jpb.Job | None = None) -> None:
@@ -123,7 +123,7 @@ def staged(
 
 
 @pytest.mark.parametrize("mode", ["local", "partial", "global", "locality"])
-def test_the_overflow_is_read_ahead_and_served_from_memory_once_each(
+def test_the_overflow_is_prefetched_and_served_from_memory_once_each(
     cluster: Callable[..., LocalCluster], tmp_path: Path, mode: str
 ) -> None:
     settings = ["--mode", mode, "--batch-size", str(BATCH)] + (["--q", "0.5"] if mode == "partial" else [])
@@ -142,14 +142,14 @@ def test_the_overflow_is_read_ahead_and_served_from_memory_once_each(
         foreign = foreign[owners(node.plan, 0)[foreign] == 1]
         foreign = foreign[~peer.holds(foreign)] if len(foreign) else foreign
         peer.close()
-        # Joining the job started the read ahead: epoch 0, then epoch 1.
-        wait_until(lambda: node.stats().read_ahead.overflow_read_samples == len(overflow) + len(upcoming),
-                   "the overflow of epochs 0 and 1 was read ahead", poll=0.1)
+        # Joining the job started the prefetch: epoch 0, then epoch 1.
+        wait_until(lambda: node.stats().prefetch.overflow_read_samples == len(overflow) + len(upcoming),
+                   "the overflow of epochs 0 and 1 was prefetched", poll=0.1)
         served = node.read_epoch(0)
         mine = [s for s in served if s.id in set(overflow.tolist())]
         assert len(mine) == len(overflow) and {s.tier for s in mine} == {pb.TIER_PFS}
         stats = node.stats()
-        ahead = stats.read_ahead
+        ahead = stats.prefetch
         assert ahead.overflow_served_samples == len(overflow)
         assert ahead.overflow_served_bytes == node.nbytes(overflow)
         assert ahead.overflow_wasted_samples == 0 and ahead.overflow_failed_samples == 0
@@ -163,7 +163,7 @@ def test_the_overflow_is_read_ahead_and_served_from_memory_once_each(
         node.close()
 
 
-def test_read_ahead_memory_stays_within_its_budget_across_epochs(
+def test_prefetch_memory_stays_within_its_budget_across_epochs(
     cluster: Callable[..., LocalCluster], tmp_path: Path
 ) -> None:
     budget = 24 << 10  # a few samples: the ranks catch up and read some on demand
@@ -177,17 +177,17 @@ def test_read_ahead_memory_stays_within_its_budget_across_epochs(
         got: list[pb.StatsReply] = []
 
         def settled() -> bool:
-            """Whether the memory in use is all held samples: no read ahead in flight."""
+            """Whether the memory in use is all held samples: no prefetch in flight."""
             got[:] = [node.stats()]
-            a = got[0].read_ahead
+            a = got[0].prefetch
             held = a.overflow_read_samples - a.overflow_served_samples - a.overflow_wasted_samples
             return a.held_bytes == (
                 a.overflow_read_bytes - a.overflow_served_bytes - a.overflow_wasted_bytes + CHECKSUM_BYTES * held
             )
 
-        wait_until(settled, "no read ahead in flight", poll=0.05)
+        wait_until(settled, "no prefetch in flight", poll=0.05)
         stats = got[0]
-        ahead = stats.read_ahead
+        ahead = stats.prefetch
         assert ahead.memory_bytes == budget
         assert 0 < ahead.peak_bytes <= budget and ahead.held_bytes <= budget
         assert ahead.overflow_wasted_samples == 0
@@ -200,7 +200,7 @@ def test_read_ahead_memory_stays_within_its_budget_across_epochs(
         node.close()
 
 
-def test_a_rank_asking_out_of_order_is_still_served_from_what_was_read_ahead(
+def test_a_rank_asking_out_of_order_is_still_served_from_what_was_prefetched(
     cluster: Callable[..., LocalCluster], tmp_path: Path
 ) -> None:
     budget = 24 << 10
@@ -213,7 +213,7 @@ def test_a_rank_asking_out_of_order_is_still_served_from_what_was_read_ahead(
         ahead = in_order[~node.holds(in_order)]
         fits = np.cumsum(node.lengths[ahead] + CHECKSUM_BYTES) <= int(budget * 0.75)
         first = ahead[: int(fits.sum())]
-        wait_until(lambda: node.stats().read_ahead.overflow_read_samples == len(first),
+        wait_until(lambda: node.stats().prefetch.overflow_read_samples == len(first),
                    "the budget was filled", poll=0.1)
         # Rank 0's second batch of 4 comes before its first, as from two loader workers.
         wanted = []
@@ -221,7 +221,7 @@ def test_a_rank_asking_out_of_order_is_still_served_from_what_was_read_ahead(
             misses = batch[~node.holds(batch)]
             node.read(misses)
             wanted += [i for i in misses.tolist() if i in set(first.tolist())]
-        ahead_stats = node.stats().read_ahead
+        ahead_stats = node.stats().prefetch
         assert wanted and ahead_stats.overflow_served_samples >= len(wanted)
         assert ahead_stats.overflow_wasted_samples == 0
     finally:
@@ -236,27 +236,27 @@ def test_the_next_epoch_leaves_what_just_moved_in_to_the_exchange_until_it_begin
     node = Node(local)
     try:
         first = len(node.overflow(0)) + len(node.overflow(1, before=0))
-        wait_until(lambda: node.stats().read_ahead.overflow_read_samples == first, "epochs 0 and 1 were read ahead",
+        wait_until(lambda: node.stats().prefetch.overflow_read_samples == first, "epochs 0 and 1 were prefetched",
                    poll=0.1)
         node.stub.ReportEpoch(jpb.ReportEpochRequest(job_id=JOB, epoch=1), timeout=10)
         stay = node.overflow(2, before=1)
         arrived = stay[owners(node.plan, 0)[stay] != 0]  # moved in at epoch 1
         assert 0 < len(arrived) < len(stay)
-        # While the ranks are on epoch 1, epoch 2's read ahead leaves them to the exchange.
-        wait_until(lambda: node.stats().read_ahead.overflow_read_samples == first + len(stay) - len(arrived),
-                   "epoch 2 was read ahead, what arrived at epoch 1 left out", poll=0.1)
+        # While the ranks are on epoch 1, epoch 2's prefetch leaves them to the exchange.
+        wait_until(lambda: node.stats().prefetch.overflow_read_samples == first + len(stay) - len(arrived),
+                   "epoch 2 was prefetched, what arrived at epoch 1 left out", poll=0.1)
         node.stub.ReportEpoch(jpb.ReportEpochRequest(job_id=JOB, epoch=2), timeout=10)
         # Now they are read too (before anything of epoch 3).
-        wait_until(lambda: node.stats().read_ahead.overflow_read_samples >= first + len(stay),
-                   "what arrived at epoch 1 was read ahead once epoch 2 began", poll=0.1)
+        wait_until(lambda: node.stats().prefetch.overflow_read_samples >= first + len(stay),
+                   "what arrived at epoch 1 was prefetched once epoch 2 began", poll=0.1)
         served = node.read(stay)
         assert {s.tier for s in served} == {pb.TIER_PFS}
-        assert node.stats().read_ahead.overflow_served_samples == len(stay)
+        assert node.stats().prefetch.overflow_served_samples == len(stay)
     finally:
         node.close()
 
 
-def test_staging_for_a_job_hands_what_did_not_fit_to_the_read_ahead(
+def test_staging_for_a_job_hands_what_did_not_fit_to_the_prefetch(
     cluster: Callable[..., LocalCluster], tmp_path: Path
 ) -> None:
     local, _ = staged(cluster, tmp_path, ["--mode", "local"], restart=False)
@@ -265,11 +265,11 @@ def test_staging_for_a_job_hands_what_did_not_fit_to_the_read_ahead(
     try:
         overflow = node.overflow(0)
         # Epochs 0 and 1 (local: the same samples) are read before any rank asks.
-        wait_until(lambda: node.stats().read_ahead.overflow_read_samples == 2 * len(overflow),
-                   "the overflow was read ahead once staging ended", poll=0.1)
+        wait_until(lambda: node.stats().prefetch.overflow_read_samples == 2 * len(overflow),
+                   "the overflow was prefetched once staging ended", poll=0.1)
         node.stub.ReportEpoch(jpb.ReportEpochRequest(job_id=JOB, epoch=0), timeout=10)
         assert {s.tier for s in node.read_epoch(0)} == {pb.TIER_PFS}
-        assert node.stats().read_ahead.overflow_served_samples == len(overflow)
+        assert node.stats().prefetch.overflow_served_samples == len(overflow)
     finally:
         node.close()
         other.close()
@@ -287,16 +287,16 @@ def test_a_sample_changed_on_the_pfs_since_its_manifest_is_not_served(
         path = next(root.glob(f"*/{changed:08d}.bin"))
         path.write_bytes(bytes(len(sample_payload(changed))))  # same size, new content and mtime
         node.stub.ReportEpoch(jpb.ReportEpochRequest(job_id=JOB, epoch=0), timeout=10)  # starts reading ahead
-        # Epochs 0 and 1 were read ahead (local: the same samples), the changed one refused in each.
-        wait_until(lambda: node.stats().read_ahead.overflow_read_samples == 2 * (len(overflow) - 1),
-                   "the rest was read ahead", poll=0.1)
-        assert node.stats().read_ahead.overflow_failed_samples == 2
+        # Epochs 0 and 1 were prefetched (local: the same samples), the changed one refused in each.
+        wait_until(lambda: node.stats().prefetch.overflow_read_samples == 2 * (len(overflow) - 1),
+                   "the rest was prefetched", poll=0.1)
+        assert node.stats().prefetch.overflow_failed_samples == 2
         others = overflow[overflow != changed]
         assert len(node.read(others)) == len(others)
         with pytest.raises(grpc.RpcError) as refused:
             node.read(np.array([changed]))
         assert "changed since the dataset was registered" in (refused.value.details() or "")
-        assert node.stats().read_ahead.overflow_served_samples == len(others)
+        assert node.stats().prefetch.overflow_served_samples == len(others)
     finally:
         node.close()
         other.close()

@@ -78,7 +78,7 @@ def test_without_a_c_compiler_the_install_runs_the_python_loops_and_says_so_once
     # -S: the dependencies from this environment, but not its editable dataquay.
     script = (
         "import sys; sys.path[:0] = sys.argv[1:]\n"
-        "from dataquay.client import record_loops, records\n"
+        "from dataquay.client.wire import record_loops, records\n"
         "import dataquay.client.local\n"
         "assert not record_loops.COMPILED and record_loops.__file__.startswith(sys.argv[1])\n"
         "value = records.encode_value(b'sample')\n"

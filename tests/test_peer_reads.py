@@ -11,11 +11,11 @@ import grpc
 import numpy as np
 import pytest
 
-from dataquay.client.channels import channel_options, grpc_target
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import owners
-from dataquay.client.records import checksum
+from dataquay.client.wire.channels import channel_options, grpc_target
+from dataquay.client.wire.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -106,7 +106,7 @@ def test_each_node_stages_what_it_owns_and_misses_come_from_the_owners(
         assert [s.id for s in samples] == ids
         assert [s.data for s in samples] == [payloads[i] for i in ids]
         assert all(s.checksum == checksum(s.data) for s in samples)
-        assert [s.tier for s in samples] == [pb.TIER_LOCAL if owner[i] == m else pb.TIER_PEER for i in ids]
+        assert [s.tier for s in samples] == [pb.TIER_CACHE if owner[i] == m else pb.TIER_PEER for i in ids]
     stats = [s.Stats(pb.StatsRequest()) for s in stubs]
     assert [s.pfs_bytes for s in stats] == pfs_after_staging
     for m, s in enumerate(stats):
@@ -152,7 +152,7 @@ def test_a_dead_owner_is_read_from_the_pfs_and_set_aside(
         samples = read(stubs[0], ids, job="j1")
         assert [s.data for s in samples] == payloads
         assert [s.tier for s in samples] == [
-            pb.TIER_LOCAL if owner[i] == 0 else pb.TIER_PEER if owner[i] == 2 else pb.TIER_PFS for i in ids
+            pb.TIER_CACHE if owner[i] == 0 else pb.TIER_PEER if owner[i] == 2 else pb.TIER_PFS for i in ids
         ]
     stats = stubs[0].Stats(pb.StatsRequest())
     assert stats.cache_entries == int((owner == 0).sum()), "a non-owner cached what it read"
@@ -171,7 +171,7 @@ def test_reads_go_on_while_the_directory_is_down(
     cluster.directory.kill()
     samples = read(stubs[0], list(range(N)), job="j1")
     assert [s.data for s in samples] == payloads
-    assert {s.tier for s in samples} == {pb.TIER_LOCAL, pb.TIER_PEER}
+    assert {s.tier for s in samples} == {pb.TIER_CACHE, pb.TIER_PEER}
 
 
 def test_job_errors_get_clear_status_codes(
@@ -216,7 +216,7 @@ def test_shard_partition_stages_whole_files_and_serves_them_to_peers(cluster: Cl
     ids = list(range(120))
     samples = [s for chunk in stubs[2].Read(pb.ReadRequest(dataset="frames", ids=ids, job="s1")) for s in chunk.samples]
     assert [s.data for s in samples] == [records[i].tobytes() for i in ids]
-    assert {s.tier for s in samples} <= {pb.TIER_LOCAL, pb.TIER_PEER}
+    assert {s.tier for s in samples} <= {pb.TIER_CACHE, pb.TIER_PEER}
 
 
 def test_a_partial_job_serves_the_right_bytes_after_owners_move(
@@ -234,4 +234,4 @@ def test_a_partial_job_serves_the_right_bytes_after_owners_move(
     samples = read(stubs[0], list(range(N)), job="p1")
     assert [s.data for s in samples] == payloads
     kept = (owners(plan, 0) == 0) & (owners(plan, 1) == 0)
-    assert all(s.tier == pb.TIER_LOCAL for s in samples if kept[s.id])
+    assert all(s.tier == pb.TIER_CACHE for s in samples if kept[s.id])

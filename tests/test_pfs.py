@@ -18,7 +18,7 @@ from tar_shards import write_tar
 from dataquay.client.errors import ManifestError, PfsReadError, SampleIdError
 from dataquay.client.manifest import Manifest, ManifestWriter
 from dataquay.client.pfs import PfsRangeError, PfsReader, ReadRange, plan_reads
-from dataquay.client.records import frame_members
+from dataquay.client.wire.records import frame_members
 from dataquay.server.manifest_build import build_manifest
 from dataquay.server.tools.synthetic import (
     make_files_dataset,

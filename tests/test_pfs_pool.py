@@ -1,4 +1,4 @@
-"""The daemon's PFS readers on real files: a read ahead that skips what the
+"""The daemon's PFS readers on real files: a prefetch that skips what the
 PFS refuses, a staging stream that stops reading once it is left, and reads
 back from the page cache for caching behind, at idle priority."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import plan_reads
-from dataquay.client.records import decode_value
+from dataquay.client.wire.records import decode_value
 from dataquay.server.manifest_build import build_manifest
 from dataquay.server.node.reads.pfs import PfsPool
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
@@ -27,7 +27,7 @@ def files(root: Path, count: int) -> Manifest:
     return Manifest(build_manifest(root, "files").to_bytes())
 
 
-def test_a_read_ahead_leaves_out_and_names_a_file_changed_since_its_manifest(tmp_path: Path) -> None:
+def test_a_prefetch_leaves_out_and_names_a_file_changed_since_its_manifest(tmp_path: Path) -> None:
     manifest = files(tmp_path, 8)
     next(tmp_path.glob("*/00000003.bin")).write_bytes(bytes(SIZE))
     pool = PfsPool(threads=2)

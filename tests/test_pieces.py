@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dataquay.client.errors import PieceError
-from dataquay.client.pieces import Joiner, pieces
+from dataquay.client.wire.pieces import Joiner, pieces
 
 
 def test_pieces_join_back_into_the_payload() -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from dataquay.client import prepped
 from dataquay.client.prep_order import batch_count, batch_ids, epoch_batches
-from dataquay.client.shm import SHM_DIR
+from dataquay.client.wire.shm import SHM_DIR
 
 
 @pytest.fixture

@@ -17,11 +17,11 @@ from one_daemon import add, daemon_stats, files_bytes, tiers_read
 
 import dataquay.client as dq
 from dataquay.client.errors import BatchTooLargeError, SampleIdError, UnknownDatasetError
-from dataquay.client.memfd import MemfdSegment, fd_socket_path, parse_reply
-from dataquay.client.records import checksum
-from dataquay.client.segment_reads import OK, REQUEST_BYTES, BatchRequest, request_frame
-from dataquay.client.segment_reads import parse_reply as parse_batch_reply
-from dataquay.client.status_codes import CODES_BY_VALUE, error_from_status
+from dataquay.client.wire.batch_reads import OK, REQUEST_BYTES, BatchRequest, request_frame
+from dataquay.client.wire.batch_reads import parse_reply as parse_batch_reply
+from dataquay.client.wire.memfd import MemfdSegment, fd_socket_path, parse_reply
+from dataquay.client.wire.records import checksum
+from dataquay.client.wire.status_codes import CODES_BY_VALUE, error_from_status
 from dataquay.server.tools import synthetic
 from dataquay.server.tools.processes import DaemonProcess
 

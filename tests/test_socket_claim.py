@@ -10,9 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import dataquay.client as dq
-from dataquay.client.channels import channel_options
-from dataquay.client.memfd import fd_socket_path
-from dataquay.client.security import Credentials
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.memfd import fd_socket_path
+from dataquay.client.wire.security import Credentials
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.tools.processes import DaemonProcess

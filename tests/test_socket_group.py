@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from dataquay.client.channels import channel_options
-from dataquay.client.security import Credentials
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.security import Credentials
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.tools.processes import DaemonProcess
@@ -37,8 +37,8 @@ SIZE = 4096
 READER = """
 import sys
 import dataquay.client as dq
-from dataquay.client.channels import channel_options
-from dataquay.client.security import Credentials
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.security import Credentials
 from dataquay.protos import cache_pb2 as pb, cache_pb2_grpc
 
 with dq.connect(sys.argv[1], timeout=20) as client:
@@ -120,7 +120,7 @@ def test_a_user_outside_the_socket_group_is_told_permission_is_denied_at_once(da
     took = time.monotonic() - began
     assert result.returncode != 0 and not result.stdout
     last = result.stderr.decode().strip().splitlines()[-1]
-    assert last.startswith("dataquay.client.security.CredentialsError: ")
+    assert last.startswith("dataquay.client.wire.security.CredentialsError: ")
     assert f"cannot reach the daemon socket {daemon.socket}: permission denied" in last
     assert took < 10  # the connect's deadline is 20 s
 

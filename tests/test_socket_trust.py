@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 
 import dataquay.client as dq
-from dataquay.client.security import CredentialsError, check_daemon_socket, socket_trust_problem, trusted_socket_owners
+from dataquay.client.wire.security import (
+    CredentialsError,
+    check_daemon_socket,
+    socket_trust_problem,
+    trusted_socket_owners,
+)
 from dataquay.server.errors import StartupError
 from dataquay.server.listen import check_socket_dir
 from dataquay.server.tools.processes import DaemonProcess

@@ -97,7 +97,7 @@ def test_a_small_cache_spills_its_overflow_to_caches_with_room_and_no_epoch_read
         stats = nodes.stats()
         assert all(s.cache_used_bytes <= s.cache_capacity_bytes for s in stats)
         assert [s.cache_entries for s in stats] == [int((holders == m).sum()) for m in range(NODES)]
-        assert stats[0].read_ahead.overflow_read_samples == 0
+        assert stats[0].prefetch.overflow_read_samples == 0
     finally:
         nodes.close()
 

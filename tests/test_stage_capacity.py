@@ -11,9 +11,9 @@ import grpc
 import numpy as np
 import pytest
 
-from dataquay.client.channels import channel_options
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
+from dataquay.client.wire.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

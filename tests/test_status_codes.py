@@ -12,7 +12,7 @@ import pytest
 from dataquay.client import connect
 from dataquay.client.errors import DataquayError, JobMismatchError, UnknownDatasetError, UnknownJobError
 from dataquay.client.jobs import job_spec
-from dataquay.client.status_codes import ERROR_CODES, error_from_rpc, status_of
+from dataquay.client.wire.status_codes import ERROR_CODES, error_from_rpc, status_of
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

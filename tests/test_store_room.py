@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from store_runs import with_store
 
-from dataquay.client.records import encode_value
+from dataquay.client.wire.records import encode_value
 from dataquay.server.node.cache.space import CacheSpace
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from dataquay.client.pieces import PIECE_BYTES
+from dataquay.client.wire.pieces import PIECE_BYTES
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import ConfigError
 from dataquay.server.limits import ByteBudget, ByteBudgets
@@ -151,7 +151,7 @@ def test_shm_placement_aligns_and_skips_what_does_not_fit() -> None:
 
 
 def test_grouped_tar_framing_round_trips_and_rejects_truncation() -> None:
-    from dataquay.client.records import frame_members, unframe_members
+    from dataquay.client.wire.records import frame_members, unframe_members
 
     value = frame_members([("jpg", b"\xff\xd8" * 300), ("cls", b"7"), ("json", b"")])
     members = unframe_members(value)

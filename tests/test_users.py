@@ -30,11 +30,11 @@ from one_daemon import files_bytes
 from polling import wait_until
 
 import dataquay.client as dq
-from dataquay.client.caller_ticket import METADATA_KEY, CallerTicket
-from dataquay.client.channels import channel_options
 from dataquay.client.connection import DaemonConnection
-from dataquay.client.memfd import fd_socket_path
-from dataquay.client.shm import SHM_DIR, Segment
+from dataquay.client.wire.caller_ticket import METADATA_KEY, CallerTicket
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.memfd import fd_socket_path
+from dataquay.client.wire.shm import SHM_DIR, Segment
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.node.users.access import readable_by

@@ -20,9 +20,9 @@ import numpy as np
 import dataquay.client as dq
 from dataquay.client.connection import DaemonConnection
 from dataquay.client.errors import DataquayError
-from dataquay.client.memfd import MemfdSegment, daemon_socket_of, fd_socket_path
-from dataquay.client.segment_reads import BatchRequest, parse_reply, request_frame
-from dataquay.client.shm import SHM_DIR
+from dataquay.client.wire.batch_reads import BatchRequest, parse_reply, request_frame
+from dataquay.client.wire.memfd import MemfdSegment, daemon_socket_of, fd_socket_path
+from dataquay.client.wire.shm import SHM_DIR
 from dataquay.protos import cache_pb2 as pb
 
 

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shar
 
 from common import REPEATS, progress, report
 
-from dataquay.client.record_loops import sample_keys
-from dataquay.client.records import encode_value
+from dataquay.client.wire.record_loops import sample_keys
+from dataquay.client.wire.records import encode_value
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shar
 from common import MiB, progress, register, report, stage, stub
 
 from dataquay.client import connect
-from dataquay.client.pieces import Joiner
+from dataquay.client.wire.pieces import Joiner
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.tools.processes import DaemonProcess
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes

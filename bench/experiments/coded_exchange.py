@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shar
 
 from common import RESULTS, machine, progress
 
-from dataquay.client.channels import channel_options
+from dataquay.client.wire.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

@@ -56,7 +56,7 @@ from common import REPEATS, MiB, back_free_memory, progress, report
 from store_bounds import allocated_cache
 
 from dataquay.client.malloc import tune_malloc
-from dataquay.client.records import decode_value, encode_value, sample_key
+from dataquay.client.wire.records import decode_value, encode_value, sample_key
 from dataquay.server.node.peers.bulk.frames import END, SAMPLE, chunk_frames, parse_chunk, recv_exactly
 
 SIZES = {"110KiB": 110 * 1024, "1MiB": MiB}

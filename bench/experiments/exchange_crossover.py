@@ -62,8 +62,8 @@ from dataquay.client.jobs import job_plan
 from dataquay.client.malloc import tune_malloc
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import owners
-from dataquay.client.record_loops import values_intact
-from dataquay.client.records import sample_key
+from dataquay.client.wire.record_loops import values_intact
+from dataquay.client.wire.records import sample_key
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.protos.cache_pb2_grpc import CacheStub

@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shar
 
 from common import back_free_memory, progress, stub
 
-from dataquay.client.channels import channel_options
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import owners
+from dataquay.client.wire.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

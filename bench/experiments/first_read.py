@@ -35,7 +35,7 @@ STEPS = ("connect", "open", "join", "segment 64 MiB", "segment 1 MiB", "first re
 
 def rank(address: str) -> None:
     import dataquay.client as dq
-    from dataquay.client.memfd import MemfdSegment, daemon_socket_of, fd_socket_path
+    from dataquay.client.wire.memfd import MemfdSegment, daemon_socket_of, fd_socket_path
 
     times: dict[str, float] = {}
     started = time.perf_counter()
@@ -70,7 +70,7 @@ def main() -> None:
     import grpc
 
     import dataquay.client as dq
-    from dataquay.client.channels import grpc_target
+    from dataquay.client.wire.channels import grpc_target
     from dataquay.protos import cache_pb2 as pb
     from dataquay.protos import cache_pb2_grpc
     from dataquay.server.tools import synthetic

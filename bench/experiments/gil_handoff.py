@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shar
 
 from common import REPEATS, MiB, progress, report
 
-from dataquay.client.records import sample_key
+from dataquay.client.wire.records import sample_key
 from dataquay.server.loops import GIL_SWITCH_SECONDS
 
 VALUES = 2048

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from dataquay.client.dataset import Dataset
-from dataquay.client.records import unframe_members
+from dataquay.client.wire.records import unframe_members
 
 NODES = 4
 RANKS_PER_NODE = 2

@@ -26,7 +26,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from dataquay.client.records import CHECKSUM_BYTES, encode_value
+from dataquay.client.wire.records import CHECKSUM_BYTES, encode_value
 
 #: (key, stored value) pairs, a list per batch.
 Values = list[list[tuple[bytes, bytes]]]

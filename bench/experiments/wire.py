@@ -91,9 +91,9 @@ from exchange_pair import exchange_round, started_pair
 from store_bounds import lmdb_commit, page_cache, stored_values
 
 from dataquay.client import connect
-from dataquay.client.channels import channel_options, grpc_target
 from dataquay.client.malloc import tune_malloc
 from dataquay.client.manifest import Manifest
+from dataquay.client.wire.channels import channel_options, grpc_target
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

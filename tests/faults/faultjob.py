@@ -23,9 +23,9 @@ import numpy as np
 from checker import epoch_problems, pfs_digests, tier_counts
 from polling import wait_until
 
-from dataquay.client.channels import channel_options
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import JobPlan, owners, rank_order
+from dataquay.client.wire.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 from dataquay.protos import directory_pb2 as dpb

@@ -46,8 +46,8 @@ import numpy as np
 
 from dataquay.client.connection import DaemonConnection
 from dataquay.client.errors import DaemonUnavailableError, DataquayError
-from dataquay.client.shm import Segment, SegmentPool
 from dataquay.client.stats import call_at_process_end
+from dataquay.client.wire.shm import Segment, SegmentPool
 from dataquay.protos import cache_pb2 as pb
 
 log = logging.getLogger("dataquay.client")

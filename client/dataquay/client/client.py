@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 
 import grpc
 
-from dataquay.client.channels import batch_deadline, channel_options, daemon_address, directory_address
 from dataquay.client.connection import DaemonConnection
 from dataquay.client.dataset import Dataset
 from dataquay.client.errors import (
@@ -36,7 +35,8 @@ from dataquay.client.local import SharedLocalCache
 from dataquay.client.manifest import Manifest
 from dataquay.client.remote import RemoteReader
 from dataquay.client.stats import ClientStats, ReadStats
-from dataquay.client.status_codes import error_from_rpc
+from dataquay.client.wire.channels import batch_deadline, channel_options, daemon_address, directory_address
+from dataquay.client.wire.status_codes import error_from_rpc
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

@@ -22,11 +22,11 @@ from typing import TypeVar
 import grpc
 import grpc.experimental
 
-from dataquay.client.caller_ticket import CallerTicket, ticket_for
-from dataquay.client.channels import channel_options
 from dataquay.client.errors import DaemonUnavailableError, DataquayError
-from dataquay.client.security import Credentials, with_metadata
-from dataquay.client.status_codes import UNREACHABLE, error_from_rpc
+from dataquay.client.wire.caller_ticket import CallerTicket, ticket_for
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.security import Credentials, with_metadata
+from dataquay.client.wire.status_codes import UNREACHABLE, error_from_rpc
 from dataquay.protos import cache_pb2_grpc
 
 log = logging.getLogger("dataquay.client")

@@ -261,7 +261,7 @@ class CoordinatedLoader:
     def _run_agent(self) -> None:
         """One prep thread: hands in what was prepped, asks for a batch, preps it;
         the member's heartbeat meanwhile."""
-        self.dataset.client.read_stats.prefetching()
+        self.dataset.client.read_stats.reading_ahead()
         heartbeat = min(self.spec.timeout_seconds / 4, 1.0)
         try:
             while True:

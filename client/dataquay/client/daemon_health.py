@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from dataquay.client.connection import DaemonConnection
 from dataquay.client.errors import DaemonUnavailableError, DataquayError
-from dataquay.client.notices import first_to_tell, no_longer
+from dataquay.client.wire.notices import first_to_tell, no_longer
 from dataquay.protos import cache_pb2 as pb
 
 log = logging.getLogger("dataquay.client")

@@ -3,7 +3,7 @@
 Three transports carry a batch, all behind :class:`DaemonTransport`:
 
 - :class:`MemfdBatchTransport`: one framed request and reply on a sealed
-  memfd segment's own connection (:mod:`dataquay.client.segment_reads`), the
+  memfd segment's own connection (:mod:`dataquay.client.wire.batch_reads`), the
   payloads in the segment; no gRPC call at all.
 - :class:`ShmGrpcTransport`: a streamed gRPC Read naming a shared memory
   segment (a /dev/shm one, or a memfd one the batch did not fit framed), the
@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from dataquay.client.errors import DaemonUnavailableError, DataquayError
-from dataquay.client.memfd import MemfdSegment
-from dataquay.client.read_stream import ReadStream
-from dataquay.client.records import checksum
-from dataquay.client.segment_reads import NOT_PLACED, OK, BatchReply, BatchRequest, parse_reply, request_frame
-from dataquay.client.shm import Segment
-from dataquay.client.status_codes import code_of_number, error_from_status
-from dataquay.client.tiers import CACHE, CLIENT_TIERS, SERVED_TIERS
+from dataquay.client.wire.batch_reads import NOT_PLACED, OK, BatchReply, BatchRequest, parse_reply, request_frame
+from dataquay.client.wire.memfd import MemfdSegment
+from dataquay.client.wire.read_stream import ReadStream
+from dataquay.client.wire.records import checksum
+from dataquay.client.wire.shm import Segment
+from dataquay.client.wire.status_codes import code_of_number, error_from_status
+from dataquay.client.wire.tiers import CACHE, CLIENT_TIERS, SERVED_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 
@@ -155,7 +155,7 @@ def pick_transports(
 ) -> list[DaemonTransport]:
     """The transports to try, in order, for a batch of ``count`` ids and
     ``nbytes`` of payload, given the segment this call holds (see
-    :meth:`dataquay.client.shm.SegmentPool.segment`):
+    :meth:`dataquay.client.wire.shm.SegmentPool.segment`):
 
     1. a sealed memfd segment that holds the batch whole, on a daemon that
        answers framed reads (``read_ids``) of that many ids: memfd batch
@@ -214,22 +214,21 @@ class DaemonReply:
         self.used_segment = False
         self._stream = ReadStream(
             "the daemon", lengths, verify=verify, segment=seg, trust_marks=isinstance(seg, MemfdSegment),
-            expect=self._expect,
+            order=ids, dataset=dataset,
         )
 
     def take(self, chunk: pb.ReadChunk) -> None:
         """Takes one message of a streamed Read."""
         out, bad, tiers, sizes = self.out, self.bad, self.tiers, self.sizes
         used_segment = False
-        for sample in self._stream.take(chunk):
-            data = sample.data
-            if not sample.intact:
+        for _, data, _, tier_code, _, in_segment, intact in self._stream.take(chunk):
+            if not intact:
                 bad.append(len(out))
-            tier = SERVED_TIERS.get(sample.tier, CACHE)
+            tier = SERVED_TIERS.get(tier_code, CACHE)
             tiers[tier] += 1
             sizes[tier] += len(data)
             out.append(data)  # type: ignore[arg-type]
-            used_segment |= sample.in_segment
+            used_segment |= in_segment
         self.used_segment |= used_segment
 
     def take_placed(self, answer: BatchReply) -> None:
@@ -255,12 +254,3 @@ class DaemonReply:
         self._stream.end()
         if len(self.out) != len(self.ids):
             raise DataquayError(f"the daemon sent {len(self.out)} samples of {self.dataset!r} for {len(self.ids)} ids")
-
-    def _expect(self, sample_id: int) -> None:
-        position = len(self.out)
-        if position >= len(self.ids):
-            raise DataquayError(f"the daemon sent more samples of {self.dataset!r} than the {len(self.ids)} asked for")
-        if sample_id != self.ids[position]:
-            raise DataquayError(
-                f"the daemon sent sample {sample_id} of {self.dataset!r} where {self.ids[position]} was due"
-            )

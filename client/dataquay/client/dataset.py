@@ -27,7 +27,7 @@ from dataquay.client.errors import SampleIdError
 from dataquay.client.jobs import job_plan, job_spec, join
 from dataquay.client.local import Found, SharedLocalCache, sample_keys
 from dataquay.client.manifest import Manifest
-from dataquay.client.read_ahead import Prefetcher, Upcoming, chunked, join_read_ahead
+from dataquay.client.read_ahead import ReadAhead, Upcoming, chunked, join_read_ahead
 from dataquay.client.sampler import JobSampler, Sampler
 from dataquay.client.stats import EpochWait, ReadStats
 from dataquay.protos import cache_pb2 as pb
@@ -90,7 +90,7 @@ class Dataset(Sequence[bytes]):
         self._len = manifest.num_samples
         self._job = job
         #: The next epoch's first batches, read on by the last call of :meth:`batches`.
-        self._carried: Prefetcher | None = None
+        self._carried: ReadAhead | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -308,60 +308,60 @@ class Dataset(Sequence[bytes]):
             memory_bytes=memory_bytes, timeout=timeout, workers=workers,
         )
 
-    def batches(self, sampler: Sampler, batch_size: int, *, prefetch: int = 2) -> Iterator[list[bytes]]:
+    def batches(self, sampler: Sampler, batch_size: int, *, read_ahead: int = 2) -> Iterator[list[bytes]]:
         """The samples of the sampler's current epoch, ``batch_size`` at a time
-        (the last batch may be shorter), read ``prefetch`` batches ahead.
+        (the last batch may be shorter), read ``read_ahead`` batches ahead.
 
         A background thread reads the next batches while the caller trains on
         this one, so peer and PFS latency overlap with compute; the time the
         caller still waits for a batch is its data wait (:meth:`Client.stats`).
         Once it has read this epoch's last batch, the thread reads on into the
-        first ``prefetch`` batches of the sampler's next epoch (its order is
+        first ``read_ahead`` batches of the sampler's next epoch (its order is
         known), so that the next epoch does not begin by waiting for them: the
         next call takes them over if it reads that epoch from its start with
         the same sampler and batch size, and drops them otherwise. Reads for
         a job name their epoch, so the daemon serves them from what it fetched
         ahead for it; a job's first epoch is read ahead as soon as the sampler is
-        made (:meth:`sampler`). ``prefetch=0`` reads each batch when it is
+        made (:meth:`sampler`). ``read_ahead=0`` reads each batch when it is
         asked for.
         A pass that ends is recorded in ``Client.stats().epochs``. The sampler's
         cursor moves with the batches handed out, so a checkpoint taken
         between two of them resumes at the next.
 
         Raises:
-            ValueError: ``batch_size`` below 1 or ``prefetch`` below 0.
+            ValueError: ``batch_size`` below 1 or ``read_ahead`` below 0.
             PfsReadError: as :meth:`get_batch`, when its batch is reached.
         """
-        if batch_size < 1 or prefetch < 0:
-            raise ValueError(f"batch_size must be at least 1 and prefetch at least 0, not {batch_size}, {prefetch}")
+        if batch_size < 1 or read_ahead < 0:
+            raise ValueError(f"batch_size must be at least 1 and read_ahead at least 0, not {batch_size}, {read_ahead}")
         carried, self._carried = self._carried, None
         epoch = sampler.epoch
         ids = sampler.remaining()
         chunks = chunked(ids, batch_size)
-        if carried is not None and not (prefetch and carried.carries(sampler, epoch, chunks)):
+        if carried is not None and not (read_ahead and carried.carries(sampler, epoch, chunks)):
             carried.close()
             carried = None
         read = self._reader(sampler, epoch)
-        prefetcher = None
-        if prefetch:
-            upcoming = Upcoming(sampler, epoch + 1, batch_size, prefetch, self._reader(sampler, epoch + 1))
-            prefetcher = Prefetcher(read, self._stats, chunks, prefetch, carried=carried, then=upcoming)
+        ahead = None
+        if read_ahead:
+            upcoming = Upcoming(sampler, epoch + 1, batch_size, read_ahead, self._reader(sampler, epoch + 1))
+            ahead = ReadAhead(read, self._stats, chunks, read_ahead, carried=carried, then=upcoming)
         started, waited = time.perf_counter(), self._stats.data_wait_seconds
         carrying = False
         try:
             for chunk in chunks:
-                batch = read(chunk) if prefetcher is None else prefetcher.next_batch()
+                batch = read(chunk) if ahead is None else ahead.next_batch()
                 sampler.position += len(chunk)
                 yield batch
             sampler.position = 0
             self._stats.epoch_read(EpochWait(
                 epoch, len(chunks), time.perf_counter() - started, self._stats.data_wait_seconds - waited,
             ))
-            if prefetcher is not None:
-                self._carried, carrying = prefetcher, True
+            if ahead is not None:
+                self._carried, carrying = ahead, True
         finally:
-            if prefetcher is not None and not carrying:
-                prefetcher.close()
+            if ahead is not None and not carrying:
+                ahead.close()
 
     def __iter__(self) -> Iterator[bytes]:
         for start in range(0, self._len, ITER_BATCH):
@@ -402,7 +402,7 @@ class Dataset(Sequence[bytes]):
             # The first read of a process makes its connection's shared-memory
             # segment; this pays for it, and reads the epoch's first batches,
             # while the trainer builds its model and waits for the other ranks.
-            self._carried = Prefetcher(
+            self._carried = ReadAhead(
                 self._fetch, self._stats, [], read_ahead,
                 then=Upcoming(sampler, sampler.epoch, batch_size, read_ahead, self._reader(sampler, sampler.epoch)),
             )

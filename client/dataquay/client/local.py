@@ -37,9 +37,9 @@ from typing import TypeVar
 import lmdb
 import numpy as np
 
-from dataquay.client import record_loops
 from dataquay.client.errors import DataquayError, SampleIdError
-from dataquay.client.records import CHECKSUM_BYTES, checksum
+from dataquay.client.wire import record_loops
+from dataquay.client.wire.records import CHECKSUM_BYTES, checksum
 
 log = logging.getLogger("dataquay.client")
 

@@ -40,7 +40,7 @@ import numpy as np
 from dataquay.client import page_cache
 from dataquay.client.errors import PfsReadError, SampleIdError
 from dataquay.client.manifest import Manifest
-from dataquay.client.records import frame_members
+from dataquay.client.wire.records import frame_members
 
 DEFAULT_MAX_RANGE_BYTES = 8 << 20
 #: Resolved paths a reader keeps: every file of a dataset of 64k files, a few MB.

@@ -5,7 +5,7 @@ own and names it to the daemon; every member copies the arrays out and the
 daemon frees the segment once all have. The names
 (``dataquay-prep-<daemon pid>-<writer pid>-<token>``) tie a segment to the
 daemon that keeps its group, not to its writer, unlike the read segments of
-:mod:`dataquay.client.shm`: a batch stays usable after its writer died, and
+:mod:`dataquay.client.wire.shm`: a batch stays usable after its writer died, and
 the segments of a daemon that died are removed by the next one of the user
 (:func:`remove_orphans`).
 
@@ -33,7 +33,7 @@ import numpy as np
 import xxhash
 
 from dataquay.client.errors import DataquayError
-from dataquay.client.shm import SHM_DIR, remove_orphaned
+from dataquay.client.wire.shm import SHM_DIR, remove_orphaned
 
 PREFIX = "dataquay-prep-"
 NAME = re.compile(r"^dataquay-prep-(\d{1,10})-\d{1,10}-[0-9a-f]{12}$")

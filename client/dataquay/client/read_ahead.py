@@ -48,11 +48,11 @@ class Upcoming:
         self.read = read
 
     def chunks(self) -> list[np.ndarray]:
-        """Their ids: one permutation of the dataset, so computed in the prefetch thread."""
+        """Their ids: one permutation of the dataset, so computed in the read-ahead thread."""
         return chunked(self.sampler.indices(self.epoch)[: self.count * self.batch_size], self.batch_size)
 
 
-class Prefetcher:
+class ReadAhead:
     """Reads batches in a thread of its own, at most ``depth`` ahead of the reader.
 
     ``carried``, an earlier epoch's prefetcher, read ahead the first of
@@ -70,7 +70,7 @@ class Prefetcher:
         chunks: list[np.ndarray],
         depth: int,
         *,
-        carried: Prefetcher | None = None,
+        carried: ReadAhead | None = None,
         then: Upcoming | None = None,
     ) -> None:
         self._read = read
@@ -83,11 +83,11 @@ class Prefetcher:
         self._upcoming_known = threading.Event()
         self._ready: queue.Queue[object] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dataquay-prefetch", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="dataquay-read-ahead", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        self._stats.prefetching()
+        self._stats.reading_ahead()
         try:
             if self._carried is not None and not self._forward(self._carried):
                 return
@@ -114,7 +114,7 @@ class Prefetcher:
                 return False
         return True
 
-    def _forward(self, carried: Prefetcher) -> bool:
+    def _forward(self, carried: ReadAhead) -> bool:
         """Hands on the batches ``carried`` read for this epoch; False once stopped or one failed."""
         for _ in carried.upcoming:
             item = carried._get(self._stop)

@@ -31,16 +31,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dataquay.client.cache_behind import CacheBehindNotices
-from dataquay.client.channels import batch_deadline
 from dataquay.client.connection import DaemonConnection
 from dataquay.client.daemon_health import DaemonHealth
 from dataquay.client.daemon_transports import DaemonReply as _Reply  # the name the bulk path's tests take
 from dataquay.client.daemon_transports import pick_transports
 from dataquay.client.errors import CorruptValueError, DaemonUnavailableError, PfsReadError
-from dataquay.client.memfd import MemfdSegment
 from dataquay.client.pfs import PfsReader
-from dataquay.client.shm import Segment, SegmentPool
 from dataquay.client.stats import ReadStats
+from dataquay.client.wire.channels import batch_deadline
+from dataquay.client.wire.memfd import MemfdSegment
+from dataquay.client.wire.shm import Segment, SegmentPool
+from dataquay.client.wire.tiers import FALLBACK, PFS
 from dataquay.protos import cache_pb2 as pb
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dataquay.client")
 
-#: Floor of a Read's deadline (see :func:`~dataquay.client.channels.batch_deadline`):
+#: Floor of a Read's deadline (see :func:`~dataquay.client.wire.channels.batch_deadline`):
 #: twice a daemon's default peer deadline, so that a daemon waiting out a dead
 #: peer is not taken for a hung one. A daemon that misses it is treated as down.
 READ_FLOOR_SECONDS = 10.0
@@ -159,7 +160,7 @@ class RemoteReader:
             return merged
         out = self._pfs_reader(dataset).read(ids)
         nbytes = sum(map(len, out))
-        self._stats.add("pfs", len(out), nbytes)
+        self._stats.add(PFS, len(out), nbytes)
         self.notices.note(dataset.name, dataset.manifest.manifest_id, ids, out, nbytes)
         return out
 
@@ -234,7 +235,7 @@ class RemoteReader:
 
     def _read_pfs(self, dataset: Dataset, ids: np.ndarray) -> list[bytes]:
         out = self._pfs_reader(dataset).read(ids)
-        self._stats.add("fallback", len(out), sum(map(len, out)))
+        self._stats.add(FALLBACK, len(out), sum(map(len, out)))
         return out
 
     def _pfs_reader(self, dataset: Dataset) -> PfsReader:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dataquay.client.tiers import CLIENT_TIERS, LOCAL
+from dataquay.client.wire.tiers import CLIENT_TIERS, LOCAL
 from dataquay.protos import cache_pb2 as pb
 
 #: Epochs :meth:`Client.stats` remembers.
@@ -35,7 +35,7 @@ POSITION_REPORT_SECONDS = 0.25
 class ClientStats:
     """What this process has read through its client, by tier.
 
-    Tiers: those of :data:`dataquay.client.tiers.CLIENT_TIERS`.
+    Tiers: those of :data:`dataquay.client.wire.tiers.CLIENT_TIERS`.
     """
 
     samples: dict[str, int]
@@ -133,16 +133,16 @@ class ReadStats:
 
     def served(self, local_hits: int, local_bytes: int, started: float) -> None:
         """Counts a call's local hits and the time since ``started`` as data
-        wait, unless a prefetch thread made the call (its reader's wait counts)."""
-        prefetching = getattr(self._thread, "prefetching", False)
-        self.add(LOCAL, local_hits, local_bytes, 0.0 if prefetching else time.perf_counter() - started)
+        wait, unless a read-ahead thread made the call (its reader's wait counts)."""
+        reading_ahead = getattr(self._thread, "reading_ahead", False)
+        self.add(LOCAL, local_hits, local_bytes, 0.0 if reading_ahead else time.perf_counter() - started)
 
-    def prefetching(self) -> None:
-        """Marks the calling thread as a prefetcher, whose calls are no data wait."""
-        self._thread.prefetching = True
+    def reading_ahead(self) -> None:
+        """Marks the calling thread as one reading ahead, whose calls are no data wait."""
+        self._thread.reading_ahead = True
 
     def waited(self, seconds: float) -> None:
-        """Counts time a reader of prefetched batches waited for one."""
+        """Counts time a reader of batches read ahead waited for one."""
         self.add(LOCAL, 0, 0, seconds)
 
     def epoch_read(self, record: EpochWait) -> None:

@@ -11,7 +11,7 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TIER_UNSPECIFIED: _ClassVar[Tier]
-    TIER_LOCAL: _ClassVar[Tier]
+    TIER_CACHE: _ClassVar[Tier]
     TIER_PEER: _ClassVar[Tier]
     TIER_PFS: _ClassVar[Tier]
 
@@ -29,7 +29,7 @@ class PrepRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PREP_MEMBER: _ClassVar[PrepRole]
     PREP_SOLO: _ClassVar[PrepRole]
 TIER_UNSPECIFIED: Tier
-TIER_LOCAL: Tier
+TIER_CACHE: Tier
 TIER_PEER: Tier
 TIER_PFS: Tier
 FORMAT_UNSPECIFIED: DatasetFormat
@@ -316,7 +316,7 @@ class TierCount(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients", "cache_disk_full", "read_ahead", "prep_groups", "bulk", "cache_behind", "mcast_datagrams_dropped", "values_refused")
+    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients", "cache_disk_full", "prefetch", "prep_groups", "bulk", "cache_behind", "mcast_datagrams_dropped", "values_refused")
     class McastDatagramsDroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -352,7 +352,7 @@ class StatsReply(_message.Message):
     CLIENT_DATA_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
     CACHE_DISK_FULL_FIELD_NUMBER: _ClassVar[int]
-    READ_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
     PREP_GROUPS_FIELD_NUMBER: _ClassVar[int]
     BULK_FIELD_NUMBER: _ClassVar[int]
     CACHE_BEHIND_FIELD_NUMBER: _ClassVar[int]
@@ -379,13 +379,13 @@ class StatsReply(_message.Message):
     client_data_wait_seconds: float
     clients: int
     cache_disk_full: bool
-    read_ahead: ReadAhead
+    prefetch: Prefetch
     prep_groups: _containers.RepeatedCompositeFieldContainer[PrepGroupStatus]
     bulk: BulkCounts
     cache_behind: CacheBehindCounts
     mcast_datagrams_dropped: _containers.ScalarMap[str, int]
     values_refused: _containers.ScalarMap[str, int]
-    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ..., read_ahead: _Optional[_Union[ReadAhead, _Mapping]] = ..., prep_groups: _Optional[_Iterable[_Union[PrepGroupStatus, _Mapping]]] = ..., bulk: _Optional[_Union[BulkCounts, _Mapping]] = ..., cache_behind: _Optional[_Union[CacheBehindCounts, _Mapping]] = ..., mcast_datagrams_dropped: _Optional[_Mapping[str, int]] = ..., values_refused: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ..., prefetch: _Optional[_Union[Prefetch, _Mapping]] = ..., prep_groups: _Optional[_Iterable[_Union[PrepGroupStatus, _Mapping]]] = ..., bulk: _Optional[_Union[BulkCounts, _Mapping]] = ..., cache_behind: _Optional[_Union[CacheBehindCounts, _Mapping]] = ..., mcast_datagrams_dropped: _Optional[_Mapping[str, int]] = ..., values_refused: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class BulkCounts(_message.Message):
     __slots__ = ("served_samples", "served_bytes", "fetched_samples", "fetched_bytes", "refused_connections", "fallbacks", "exchange_samples", "forwarded_samples", "in_place_samples", "segment_reads")
@@ -411,7 +411,7 @@ class BulkCounts(_message.Message):
     segment_reads: int
     def __init__(self, served_samples: _Optional[int] = ..., served_bytes: _Optional[int] = ..., fetched_samples: _Optional[int] = ..., fetched_bytes: _Optional[int] = ..., refused_connections: _Optional[int] = ..., fallbacks: _Optional[int] = ..., exchange_samples: _Optional[int] = ..., forwarded_samples: _Optional[int] = ..., in_place_samples: _Optional[int] = ..., segment_reads: _Optional[int] = ...) -> None: ...
 
-class ReadAhead(_message.Message):
+class Prefetch(_message.Message):
     __slots__ = ("memory_bytes", "held_bytes", "peak_bytes", "overflow_read_samples", "overflow_read_bytes", "overflow_served_samples", "overflow_served_bytes", "overflow_wasted_samples", "overflow_wasted_bytes", "overflow_failed_samples")
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]

@@ -1,4 +1,4 @@
-"""The servers' side of the two tokens and TLS (see :mod:`dataquay.client.security`).
+"""The servers' side of the two tokens and TLS (see :mod:`dataquay.client.wire.security`).
 
 Two credentials, two kinds of party. The cluster token is what trainers and
 tools present: it reads, registers datasets and runs jobs. The node token is
@@ -32,8 +32,8 @@ from typing import Any
 
 import grpc
 
-from dataquay.client.channels import server_options
-from dataquay.client.security import METADATA_KEY, TOKEN_BYTES, Credentials, CredentialsError, read_token
+from dataquay.client.wire.channels import server_options
+from dataquay.client.wire.security import METADATA_KEY, TOKEN_BYTES, Credentials, CredentialsError, read_token
 from dataquay.server.interceptors import EncodedReplies, RequestParsing, reshaped
 from dataquay.server.limits import PeerCallLimit
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from socket import gethostname
 from typing import Any, ClassVar, Self
 
-from dataquay.client.channels import default_socket_path
+from dataquay.client.wire.channels import default_socket_path
 from dataquay.server.errors import ConfigError
 from dataquay.server.sizes import QuantityError, parse_duration, parse_size
 
@@ -450,7 +450,7 @@ class DaemonConfig(ServerConfig):
     )
     prefetch_memory: int = _option(
         256 << 20,
-        "memory for samples read ahead of this node's ranks: what no cache holds, from the PFS in the order "
+        "memory for samples prefetched for this node's ranks: what no cache holds, from the PFS in the order "
         "the ranks will read it, and (modes global and locality) what they will read from other nodes; "
         "0 reads nothing ahead",
         parse_size,

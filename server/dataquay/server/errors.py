@@ -2,7 +2,7 @@
 
 Every error a call can end with is defined in the client's errors module, so
 that the client, the CLI and a daemon relaying the directory's answer all raise
-the class the servicer raised (see :mod:`dataquay.client.status_codes`); they
+the class the servicer raised (see :mod:`dataquay.client.wire.status_codes`); they
 are re-exported here. Only errors that never cross the wire are defined here.
 """
 

@@ -10,7 +10,7 @@ Bytes are capped by waiting instead (:class:`ByteBudget`): a Read holds the
 payloads of a window of its reply at a time, and the windows of one host's
 calls, like this daemon's fetches from one peer, share a budget, so that many
 calls at once cost memory in proportion to the budget, not to their number.
-The same budget bounds the memory a node's reads ahead of its ranks hold
+The same budget bounds the memory a node's prefetches for its ranks hold
 (``--prefetch-memory``), where a read that does not fit is not started.
 """
 
@@ -106,7 +106,7 @@ class ByteBudget:
     Two kinds of holder share the one count. A holder that must get its bytes
     waits in line (:meth:`take`): a request larger than the whole budget is
     let through once nothing else is held, so that one large sample is slow to
-    get, never refused. A holder that may as well not (a read ahead of the
+    get, never refused. A holder that may as well not (a prefetch of the
     ranks) reserves only what fits now within a share of the limit
     (:meth:`reserve`) and waits for :meth:`changed` before trying again.
 

@@ -3,7 +3,7 @@ daemon's and the directory's answers to dataset calls are one shape."""
 
 from __future__ import annotations
 
-from dataquay.client.tiers import SERVED_TIERS
+from dataquay.client.wire.tiers import SERVED_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.registry import Registered
 

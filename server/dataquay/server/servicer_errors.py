@@ -1,5 +1,5 @@
 """How both servicers end a call on a domain error: with the status the
-table of :mod:`dataquay.client.status_codes` gives it.
+table of :mod:`dataquay.client.wire.status_codes` gives it.
 
 Only the servicers use this module; everything below them raises the errors of
 :mod:`dataquay.server.errors` and never sees a status code.
@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 
 import grpc
 
-from dataquay.client.status_codes import status_of
+from dataquay.client.wire.status_codes import status_of
 from dataquay.server.errors import DataquayError
 
 #: Longest error message sent back: messages quote the caller's input, and

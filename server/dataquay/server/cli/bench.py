@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     load.set_defaults(func=cmd_load)
     overflow = benchmarks.add_parser(
         "overflow",
-        help="a dataset 1.5x the caches behind a capped PFS: the stall with the overflow read ahead of the "
+        help="a dataset 1.5x the caches behind a capped PFS: the stall with the overflow prefetched for the "
         "ranks, read on demand, and read directly",
     )
     overflow.add_argument("--quick", action="store_true", help="half the dataset, shorter epochs (under a minute)")

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from dataquay.client.tiers import CACHE, LOCAL, PEER, PFS, SERVED_TIERS
+from dataquay.client.wire.tiers import CACHE, LOCAL, PEER, PFS, SERVED_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import jobs_pb2 as jpb

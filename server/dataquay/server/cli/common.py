@@ -10,10 +10,10 @@ from contextlib import contextmanager
 
 import grpc
 
-from dataquay.client.caller_ticket import ticket_for
-from dataquay.client.channels import channel_options, daemon_address
-from dataquay.client.security import Credentials, CredentialsError, with_metadata
-from dataquay.client.status_codes import error_from_rpc
+from dataquay.client.wire.caller_ticket import ticket_for
+from dataquay.client.wire.channels import channel_options, daemon_address
+from dataquay.client.wire.security import Credentials, CredentialsError, with_metadata
+from dataquay.client.wire.status_codes import error_from_rpc
 from dataquay.protos import cache_pb2_grpc, directory_pb2_grpc
 
 DIRECTORY_ENV = "DATAQUAY_DIRECTORY"
@@ -52,7 +52,7 @@ def open_channel(address: str) -> grpc.Channel:
 def _channel(address: str) -> Iterator[grpc.Channel]:
     """An :func:`open_channel` that also carries, on a daemon's unix socket,
     the caller ticket that names this user to a daemon that keeps its users
-    apart (:mod:`dataquay.client.caller_ticket`); both closed after."""
+    apart (:mod:`dataquay.client.wire.caller_ticket`); both closed after."""
     channel = open_channel(address)
     ticket = ticket_for(address, Credentials.from_env().token)
     try:

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import grpc
 
 from dataquay.client.placement import MODES, leaving_fraction
-from dataquay.client.status_codes import error_from_rpc
+from dataquay.client.wire.status_codes import error_from_rpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.cli.common import CliError, add_directory, directory_stub, print_table
 from dataquay.server.config import ConfigFile, DirectoryConfig

@@ -16,7 +16,7 @@ from google.protobuf.json_format import MessageToDict
 
 from dataquay.client.job_settings import EXCHANGE_CODINGS
 from dataquay.client.placement import MODES
-from dataquay.client.tiers import SERVED_TIERS
+from dataquay.client.wire.tiers import SERVED_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.cli import cluster_status
 from dataquay.server.cli.common import CliError, add_addr, add_directory, add_q, daemon_stub, print_table

@@ -263,7 +263,7 @@ def error_classes() -> list[type[Exception]]:
 
 
 def errors_reference() -> str:
-    from dataquay.client.status_codes import ERROR_CODES
+    from dataquay.client.wire.status_codes import ERROR_CODES
 
     codes: dict[type[Exception], str] = {cls: code.name for cls, code in ERROR_CODES}
     rows = []

@@ -28,7 +28,7 @@ from dataquay.client.errors import DataquayError
 from dataquay.client.jobs import job_plan, job_spec
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import drawn_fraction
-from dataquay.client.status_codes import UNREACHABLE
+from dataquay.client.wire.status_codes import UNREACHABLE
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc

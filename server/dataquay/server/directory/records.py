@@ -10,7 +10,7 @@ state machine.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from dataquay.client.job_settings import JobSettings
@@ -40,12 +40,11 @@ class Node:
     cache_used_bytes: int = 0
     cache_entries: int = 0
     #: The highest datagram sequence accepted since the node registered.
-    beat_sequence: int = 0
-    #: SHA-256 (hex) of the identity key the node registered with; "" for a
-    #: daemon that sent none, whose name any registration may take.
-    identity: str = ""
-    #: What its heartbeats must carry (see RegisterNodeReply.session); 0: any.
-    session: int = 0
+    beat_sequence: int = field(kw_only=True)
+    #: SHA-256 (hex) of the identity key the node registered with.
+    identity: str = field(kw_only=True)
+    #: What its heartbeats must carry (see RegisterNodeReply.session).
+    session: int = field(kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -69,10 +68,10 @@ class Change(enum.Enum):
 class Registration(NamedTuple):
     change: Change
     previous: NodeInfo | None
-    #: The identity that held the name before ("" for none or an anonymous one).
-    previous_identity: str = ""
-    #: What the node's heartbeats must carry (0: anything).
-    session: int = 0
+    #: The identity that held the name before ("" for a name never seen).
+    previous_identity: str
+    #: What the node's heartbeats must carry.
+    session: int
 
 
 class Beat(NamedTuple):
@@ -116,7 +115,7 @@ class Job:
     spec: JobSettings
     manifest_id: str
     num_samples: int
-    epoch: int = 0
-    created: float = 0.0
-    started: bool = False
-    last_active: float = 0.0
+    epoch: int
+    created: float
+    started: bool
+    last_active: float

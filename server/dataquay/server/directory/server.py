@@ -296,7 +296,7 @@ class DirectoryServer(ServerLifecycle):
 
     # ------------------------------------------------------------- handlers
 
-    async def register_node(self, info: NodeInfo, identity: str = "") -> int:
+    async def register_node(self, info: NodeInfo, identity: str) -> int:
         """Registers the node (see :meth:`DirectoryState.register`); returns
         the session its heartbeats must carry."""
         try:
@@ -434,14 +434,8 @@ def _log_registration(info: NodeInfo, identity: str, registration: Registration)
                               "previous_identity": previous_identity[:IDENTITY_SHOWN]}},
         )
     elif registration.change is Change.RENEWED and previous and previous.tcp_address != info.tcp_address:
-        if identity and identity == previous_identity:
-            log.info("node registered again from another address",
-                     extra={"fields": {**fields, "previous_tcp": previous.tcp_address}})
-        else:
-            log.warning(
-                "a live node's name registered from another address; two daemons may share a node name",
-                extra={"fields": {**fields, "previous_tcp": previous.tcp_address}},
-            )
+        log.info("node registered again from another address",
+                 extra={"fields": {**fields, "previous_tcp": previous.tcp_address}})
 
 
 async def serve_directory(config: DirectoryConfig) -> None:

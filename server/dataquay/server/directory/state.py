@@ -88,7 +88,7 @@ class DirectoryState:
         self, lease_seconds: float, publish_seconds: float = 0.0, sessions: Callable[[], int] | None = None
     ) -> None:
         self.lease_seconds = lease_seconds
-        #: Makes the session each registration with an identity hands out.
+        #: Makes the session each registration hands out.
         self._new_session = sessions or _random_session
         self.versions = Versions()
         self.node_log = NodeLog(publish_seconds)
@@ -109,14 +109,14 @@ class DirectoryState:
 
     # ---------------------------------------------------------------- nodes
 
-    def register(self, info: NodeInfo, now: float, identity: str = "", wall: float | None = None) -> Registration:
+    def register(self, info: NodeInfo, now: float, identity: str, wall: float | None = None) -> Registration:
         """Adds or refreshes a node and starts its lease; ``wall`` is the Unix
         time it records as registered (default ``now``).
 
         ``identity`` (:func:`identity_of` the node's key) binds the name: while
-        the lease of a node that registered with one runs, the name is refused
-        to any other, so that a second daemon given a live node's name cannot
-        take its place in every peer's list. The same identity is the same
+        the node's lease runs, the name is refused to any other identity, so
+        that a second daemon given a live node's name cannot take its place in
+        every peer's list. The same identity is the same
         node restarted, wherever it now listens. A name whose lease ended goes
         to whoever registers it (a node rebuilt on a fresh disk).
 
@@ -127,11 +127,11 @@ class DirectoryState:
         _check_node(info)
         wall = now if wall is None else wall
         node = self._nodes.get(info.name)
-        session = self._new_session() if identity else 0
+        session = self._new_session()
         if node is None:
             change, previous, previous_identity = Change.JOINED, None, ""
-            self._nodes[info.name] = Node(info, registered=wall, last_heartbeat=wall, identity=identity,
-                                          session=session)
+            self._nodes[info.name] = Node(info, registered=wall, last_heartbeat=wall, beat_sequence=0,
+                                          identity=identity, session=session)
         else:
             self._check_holder(node, identity, now)
             live = node.up and info.name not in self._unheard
@@ -147,7 +147,7 @@ class DirectoryState:
 
     def _check_holder(self, node: Node, identity: str, now: float) -> None:
         """Refuses ``identity`` the name of ``node`` while another identity's lease on it runs."""
-        if not node.identity or node.identity == identity or self._leases.get(node.info.name, now) <= now:
+        if node.identity == identity or self._leases.get(node.info.name, now) <= now:
             return
         raise NodeNameTakenError(
             f"node name {node.info.name} is held by a live node at {node.info.tcp_address}; "
@@ -161,8 +161,7 @@ class DirectoryState:
         """Renews a lease in O(1); a node that was down comes back up. ``wall``
         is the Unix time it records as the last heartbeat (default ``now``).
 
-        A beat for a node that registered with an identity must carry the
-        ``session`` of that registration, or it is refused as not the
+        A beat must carry the ``session`` of the node's registration, or it is refused as not the
         holder's and renews nothing: no other daemon keeps the name alive.
         A datagram's ``sequence`` must exceed every one accepted from the node
         since it registered, or the beat is refused as a replay and renews
@@ -171,7 +170,7 @@ class DirectoryState:
         none: the channel authenticates them.
         """
         node = self._nodes.get(name)
-        if node is not None and node.session and session != node.session:
+        if node is not None and session != node.session:
             return Beat(known=True, came_up=False, refused="holder")
         if node is not None and sequence is not None:
             if sequence <= node.beat_sequence:
@@ -285,7 +284,7 @@ class DirectoryState:
         facts = dataset(spec.dataset)
         spec = replace(spec, nodes=self._job_nodes(job_id, spec.nodes))
         wall = now if wall is None else wall
-        job = Job(spec, facts.manifest_id, facts.num_samples, epoch=0, created=wall, last_active=wall)
+        job = Job(spec, facts.manifest_id, facts.num_samples, epoch=0, created=wall, started=False, last_active=wall)
         self._jobs[job_id] = job
         self._active[job_id] = now
         self._bump(jobs=1)
@@ -444,9 +443,7 @@ class DirectoryState:
         not mark a running job's nodes down; every version moves (and the
         revision, so the moved versions are written), so daemons refetch
         whatever may have changed while the directory was away, the node list
-        whole (:func:`~.node_log.first_version`). Jobs of a
-        document written before jobs recorded their activity count as active
-        at ``now``, so that no TTL drops them for an idle time nobody measured.
+        whole (:func:`~.node_log.first_version`).
         ``wall`` is ``now`` as Unix time (default ``now``): a job's written
         activity counts as that long before ``now``, one in the future as ``now``.
 
@@ -467,7 +464,7 @@ class DirectoryState:
                     state._unheard.add(node.info.name)
             for raw in doc["jobs"]:
                 spec = JobSettings(**raw["spec"])
-                job = state._jobs[spec.job_id] = Job(**{"last_active": wall, **raw, "spec": spec})
+                job = state._jobs[spec.job_id] = Job(**{**raw, "spec": spec})
                 state._active[spec.job_id] = now - max(0.0, wall - job.last_active)
             v = Versions(**doc["versions"])
         except (KeyError, TypeError) as exc:
@@ -499,13 +496,13 @@ class StateSnapshot(NamedTuple):
 
 def identity_of(key: bytes) -> str:
     """The identity the directory keeps of a node's key: its SHA-256, so that
-    the state file holds nothing a daemon could register with; "" for none.
+    the state file holds nothing a daemon could register with.
 
     Raises:
-        InvalidRequestError: a key of another length than daemons make.
+        InvalidRequestError: no key, or one of another length than daemons make.
     """
     if not key:
-        return ""
+        raise InvalidRequestError("a node registered without an identity key (a daemon keeps one in its cache dir)")
     if len(key) != IDENTITY_KEY_BYTES:
         raise InvalidRequestError(f"identity key of {len(key)} bytes, expected {IDENTITY_KEY_BYTES}")
     return hashlib.sha256(key).hexdigest()

@@ -24,8 +24,8 @@ import numpy.ma  # noqa: F401  np.unique imports it at first use (tens of ms): a
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from dataquay.client.memfd import fd_socket_path
-from dataquay.client.records import CHECKSUM_BYTES
+from dataquay.client.wire.memfd import fd_socket_path
+from dataquay.client.wire.records import CHECKSUM_BYTES
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dataquay.client.tiers import SERVED_TIERS
+from dataquay.client.wire.tiers import SERVED_TIERS
 
 if TYPE_CHECKING:
     from dataquay.server.node.snapshot import LiveState
@@ -124,35 +124,35 @@ class _StateCollector(Collector):
             bad.add_metric([peer.node], peer.bad_checksums)
         yield from (suspect, failures, bad)
         yield from _exchange_metrics(state)
-        yield from _read_ahead_metrics(state)
+        yield from _prefetch_metrics(state)
         yield from _client_metrics(state)
         yield from _prep_group_metrics(state)
 
 
-def _read_ahead_metrics(state: LiveState) -> Iterator[Metric]:
+def _prefetch_metrics(state: LiveState) -> Iterator[Metric]:
     limit, used, peak = state.prefetch_memory
     yield GaugeMetricFamily(
-        "dataquay_prefetch_memory_bytes", "Memory for samples read ahead of the ranks (--prefetch-memory)", value=limit
+        "dataquay_prefetch_memory_bytes", "Memory for samples prefetched for the ranks (--prefetch-memory)", value=limit
     )
     yield GaugeMetricFamily(
-        "dataquay_prefetch_held_bytes", "Bytes read ahead of the ranks and held for them, or being read", value=used
+        "dataquay_prefetch_held_bytes", "Bytes prefetched for the ranks and held for them, or being read", value=used
     )
     yield GaugeMetricFamily(
-        "dataquay_prefetch_peak_bytes", "The most bytes read ahead of the ranks held at once", value=peak
+        "dataquay_prefetch_peak_bytes", "The most bytes prefetched for the ranks held at once", value=peak
     )
     counts = state.overflow
     for name, what, samples, nbytes in (
         ("read", "read from the PFS ahead of the ranks (samples no cache holds)", counts.read_samples,
          counts.read_bytes),
-        ("served", "read ahead from the PFS and handed to a rank's read", counts.served_samples,
+        ("served", "prefetched from the PFS and handed to a rank's read", counts.served_samples,
          counts.served_bytes),
-        ("wasted", "read ahead from the PFS and dropped unread", counts.wasted_samples, counts.wasted_bytes),
+        ("wasted", "prefetched from the PFS and dropped unread", counts.wasted_samples, counts.wasted_bytes),
     ):
         yield CounterMetricFamily(f"dataquay_overflow_{name}_samples", f"Samples {what}", value=samples)
         yield CounterMetricFamily(f"dataquay_overflow_{name}_bytes", f"Payload bytes {what}", value=nbytes)
     yield CounterMetricFamily(
         "dataquay_overflow_failed_samples",
-        "Samples the PFS refused to a read ahead (changed since the manifest, unreadable); read on demand",
+        "Samples the PFS refused to a prefetch (changed since the manifest, unreadable); read on demand",
         value=counts.failed_samples,
     )
 

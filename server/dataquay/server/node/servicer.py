@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from dataquay.client.tiers import CLIENT_TIERS
+from dataquay.client.wire.tiers import CLIENT_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -185,7 +185,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             # shutdown), and its last word must still reach the caller.
             if reply.finished:
                 if request.job and not progress.error:
-                    self.reads.read_ahead(placement.job, transfers=False)  # what did not fit, before the ranks come
+                    self.reads.prefetch(placement.job, transfers=False)  # what did not fit, before the ranks come
                 return
 
     def _progress(self, progress: StagingProgress) -> pb.StageProgress:
@@ -224,7 +224,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             cache_full=state.cache_full,
             cache_disk_full=state.cache_disk_full,
             inserts_dropped=state.inserts_dropped,
-            read_ahead=read_ahead(state),
+            prefetch=prefetch(state),
             staging=[self._progress(p) for p in state.staging.values()],
             peers=[
                 pb.PeerHealth(node=p.node, suspect=p.suspect, failures=p.failures, samples=p.samples, bytes=p.bytes)
@@ -250,7 +250,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
         async with status_on_error(context):
             job = await self._link().join_job(request)
-        self.reads.read_ahead(job)
+        self.reads.prefetch(job)
         return job
 
     async def ReportEpoch(self, request: jpb.ReportEpochRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
@@ -261,7 +261,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             job = await self._link().report_epoch(relayed)
         if self.exchanges is not None:
             self.exchanges.epoch_started(request.job_id, request.epoch)
-        self.reads.read_ahead(job)
+        self.reads.prefetch(job)
         return job
 
     async def ReportClientStats(
@@ -327,10 +327,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         return dataset_info(entry, entries, cached_bytes)
 
 
-def read_ahead(state: LiveState) -> pb.ReadAhead:
+def prefetch(state: LiveState) -> pb.Prefetch:
     limit, used, peak = state.prefetch_memory
     counts = state.overflow
-    return pb.ReadAhead(
+    return pb.Prefetch(
         memory_bytes=limit,
         held_bytes=used,
         peak_bytes=peak,

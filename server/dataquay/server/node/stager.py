@@ -21,7 +21,7 @@ import numpy as np
 from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import ReadRange, plan_reads
 from dataquay.client.placement import epoch_permutation
-from dataquay.client.records import CHECKSUM_BYTES
+from dataquay.client.wire.records import CHECKSUM_BYTES
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.reads.pfs import PfsPool

@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from dataquay.client.placement import MODES, JobPlan, owners
-from dataquay.client.records import CHECKSUM_BYTES
+from dataquay.client.wire.records import CHECKSUM_BYTES
 from dataquay.server.node.cache.write_queue import BATCH_BYTES, BATCH_ITEMS
 
 MiB = 1 << 20

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import grpc
 
-from dataquay.client.channels import channel_options
+from dataquay.client.wire.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.tools.local_cluster import LocalCluster
@@ -129,7 +129,7 @@ def _run_system(
         for epoch in range(epochs):
             exchanged = _exchange_bytes(cluster)
             results = ranks.epoch(
-                epoch, direct=None if system.mode else direct, prefetch=system.read_ahead
+                epoch, direct=None if system.mode else direct, read_ahead=system.read_ahead
             )
             rows.append(_row(system.name, epoch, results, _exchange_bytes(cluster) - exchanged))
     return rows

@@ -28,10 +28,10 @@ import grpc
 import numpy as np
 
 from dataquay.client import connect
-from dataquay.client.channels import channel_options
 from dataquay.client.malloc import tune_malloc
 from dataquay.client.pfs import PfsReader
-from dataquay.client.records import checksum
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.records import checksum
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.errors import DataquayError
@@ -164,7 +164,7 @@ def _train(
         print("joined the job\n")
         print(_row(HEADER) + ("  exchanged for next epoch" if exchange else ""))
         for epoch in range(epochs):
-            results = ranks.epoch(epoch, prefetch=READ_AHEAD)
+            results = ranks.epoch(epoch, read_ahead=READ_AHEAD)
             _check(epoch, results, expected)
             rows.append(_measure(phase, str(epoch), results, COMPUTE_SECONDS))
             text = _report(rows[-1], results, TIERS)

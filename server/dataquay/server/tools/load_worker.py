@@ -22,11 +22,11 @@ from typing import Any
 import grpc
 import numpy as np
 
-from dataquay.client.channels import channel_options
-from dataquay.client.records import checksum
-from dataquay.client.security import Credentials
-from dataquay.client.shm import Segment
-from dataquay.client.tiers import SERVED_TIERS
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.records import checksum
+from dataquay.client.wire.security import Credentials
+from dataquay.client.wire.shm import Segment
+from dataquay.client.wire.tiers import SERVED_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 

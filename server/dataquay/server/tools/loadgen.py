@@ -38,10 +38,10 @@ from typing import IO, Any, Self
 
 import numpy as np
 
-from dataquay.client.channels import channel_options
-from dataquay.client.records import checksum
-from dataquay.client.security import Credentials
-from dataquay.client.shm import SHM_DIR
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.records import checksum
+from dataquay.client.wire.security import Credentials
+from dataquay.client.wire.shm import SHM_DIR
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.errors import DataquayError

@@ -30,9 +30,9 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from dataquay.client.channels import channel_options
-from dataquay.client.security import Credentials
-from dataquay.client.status_codes import UNREACHABLE
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.security import Credentials
+from dataquay.client.wire.status_codes import UNREACHABLE
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import grpc
 
-from dataquay.client.channels import channel_options
+from dataquay.client.wire.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.tools.local_cluster import LocalCluster
@@ -166,11 +166,11 @@ def _dataquay(
     with RankGroup(envs, "bench", log_dir, batch=BATCH, compute_seconds=compute, timeout=600) as ranks:
         for epoch in epochs:
             before = _stats(cluster)
-            results = ranks.epoch(epoch, prefetch=READ_AHEAD)
+            results = ranks.epoch(epoch, read_ahead=READ_AHEAD)
             after = _stats(cluster)
 
             def mb(field: str) -> float:
-                return sum(getattr(a.read_ahead, field) - getattr(b.read_ahead, field)
+                return sum(getattr(a.prefetch, field) - getattr(b.prefetch, field)
                            for a, b in zip(after, before)) / 1e6
 
             pfs = sum(a.pfs_bytes - b.pfs_bytes for a, b in zip(after, before)) / 1e6

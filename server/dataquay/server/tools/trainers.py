@@ -98,7 +98,7 @@ def _rank_main(dataset: str, batch: int, compute_seconds: float, connect_timeout
             started = time.perf_counter()
             if direct is None:
                 ids, sums, _, paused = _read_through_dataquay(
-                    ds, sampler, batch, compute_seconds, command["prefetch"], pause_at, pause
+                    ds, sampler, batch, compute_seconds, command["read_ahead"], pause_at, pause
                 )
                 after = client.stats()
                 tiers = {t: after.samples[t] - before.samples[t] for t in after.samples}
@@ -117,11 +117,11 @@ def _rank_main(dataset: str, batch: int, compute_seconds: float, connect_timeout
 
 
 def _read_through_dataquay(
-    ds: Any, sampler: Any, batch: int, compute_seconds: float, prefetch: int, pause_at: int,
+    ds: Any, sampler: Any, batch: int, compute_seconds: float, read_ahead: int, pause_at: int,
     pause: Callable[[], float],
 ) -> tuple[list[int], list[int], int, float]:
     """One epoch of the sampler through the client: (ids, checksums, bytes, seconds paused)."""
-    from dataquay.client.records import checksum
+    from dataquay.client.wire.records import checksum
 
     ids = sampler.indices().tolist()
     sums: list[int] = []
@@ -129,7 +129,7 @@ def _read_through_dataquay(
     paused = 0.0
     # The batches first: zip then runs them to their end, which leaves the
     # next epoch's first batches read ahead.
-    for samples, start in zip(ds.batches(sampler, batch, prefetch=prefetch), range(0, len(ids), batch)):
+    for samples, start in zip(ds.batches(sampler, batch, read_ahead=read_ahead), range(0, len(ids), batch)):
         if start <= pause_at < start + batch:
             paused += pause()
         sums += [checksum(s) for s in samples]
@@ -148,7 +148,7 @@ def _read_direct(
     from concurrent.futures import ThreadPoolExecutor
 
     from dataquay.client.pfs import PfsReader
-    from dataquay.client.records import checksum
+    from dataquay.client.wire.records import checksum
     from dataquay.server.ratelimit import TokenBucket
 
     reader = PfsReader(ds.manifest, ds.name)
@@ -310,7 +310,7 @@ class RankGroup:
         *,
         mid: Callable[[], None] | None = None,
         direct: Direct | None = None,
-        prefetch: int = 0,
+        read_ahead: int = 0,
     ) -> list[RankEpoch]:
         """Runs one epoch on every rank at once; returns what each read.
 
@@ -321,9 +321,9 @@ class RankGroup:
             direct: read the epoch's ids straight from the PFS instead, as a
                 trainer without dataquay would (tiers ``direct`` and
                 ``page-cache``).
-            prefetch: batches the client reads ahead of the rank (``ds.batches``).
+            read_ahead: batches the client reads ahead of the rank (``ds.batches``).
         """
-        command = {"epoch": epoch, "pause_mid": mid is not None, "prefetch": prefetch,
+        command = {"epoch": epoch, "pause_mid": mid is not None, "read_ahead": read_ahead,
                    "direct": dataclasses.asdict(direct) if direct is not None else None}
         self._send(command)
         if mid is not None:

@@ -1,7 +1,7 @@
 """Which sample ids the cache holds, per dataset: a bit per id, in memory.
 
 The cache is asked which of a window of ids it holds all the time: by the
-stager, by the read ahead's scan of each new epoch, by both ends of the
+stager, by the prefetch's scan of each new epoch, by both ends of the
 exchange. Answered from LMDB, every id is a tree search that releases and
 takes back the GIL, which the bulk path's threads are waiting for; answered
 here it is a few numpy operations over the whole window.

@@ -33,7 +33,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from dataquay.client.records import decode_value, sample_key, stored_checksum
+from dataquay.client.wire.records import decode_value, sample_key, stored_checksum
 from dataquay.server.dirs import ensure_private_dir
 from dataquay.server.errors import StartupError
 from dataquay.server.node.cache.dir import lock_cache_dir

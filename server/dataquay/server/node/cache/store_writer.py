@@ -24,7 +24,7 @@ from typing import TypeVar
 import lmdb
 import numpy as np
 
-from dataquay.client.records import CHECKSUM_BYTES, sample_key
+from dataquay.client.wire.records import CHECKSUM_BYTES, sample_key
 from dataquay.server.errors import CacheWriterError
 from dataquay.server.node.cache.cached_ids import CachedIds, ids_of_keys
 from dataquay.server.node.cache.file import CacheFile, Growth

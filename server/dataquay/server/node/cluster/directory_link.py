@@ -20,9 +20,9 @@ from typing import TypeVar
 
 import grpc
 
-from dataquay.client.channels import channel_options
-from dataquay.client.security import Credentials
-from dataquay.client.status_codes import UNREACHABLE, error_from_rpc
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.security import Credentials
+from dataquay.client.wire.status_codes import UNREACHABLE, error_from_rpc
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
@@ -110,7 +110,7 @@ class DirectoryLink:
         self._beats_by_rpc = False
         self._refused = refused
         #: The node's identity key (:mod:`dataquay.server.node.cluster.identity`), set
-        #: once the cache dir is open; empty registers without one.
+        #: once the cache dir is open, before the first registration.
         self.identity_key = b""
         #: What heartbeats carry: the session the last registration handed out.
         self._session = 0

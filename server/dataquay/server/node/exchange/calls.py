@@ -28,7 +28,7 @@ import lmdb
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from dataquay.client.pieces import PIECE_BYTES, pieces
+from dataquay.client.wire.pieces import PIECE_BYTES, pieces
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.peers.bulk.client import BulkClient, BulkRefusedError

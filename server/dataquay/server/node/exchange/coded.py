@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dataquay.client.records import CHECKSUM_BYTES, decode_value
+from dataquay.client.wire.records import CHECKSUM_BYTES, decode_value
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite

@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dataquay.client.errors import PieceError
-from dataquay.client.pieces import Joiner
 from dataquay.client.placement import MAX_EPOCH
-from dataquay.client.records import CHECKSUM_BYTES, decode_value
+from dataquay.client.wire.pieces import Joiner
+from dataquay.client.wire.records import CHECKSUM_BYTES, decode_value
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import (
     CacheFullError,

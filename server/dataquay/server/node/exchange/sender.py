@@ -8,7 +8,7 @@ chunks in flight, payloads with their checksums, the whole capped by
 ``--exchange-bandwidth``, each receiver's samples in the order this node's
 ranks read them in epoch e (:mod:`.streams`). A chunk holds at least one
 sample; a sample larger than a message is a chunk of its own and goes as
-pieces (:mod:`dataquay.client.pieces`). The receiver reserves room before it
+pieces (:mod:`dataquay.client.wire.pieces`). The receiver reserves room before it
 takes a chunk and acknowledges it once its cache has committed it.
 
 A sample is deleted here only when its receiver acknowledged it and this
@@ -50,7 +50,7 @@ import numpy as np
 
 from dataquay.client.jobs import job_plan
 from dataquay.client.placement import MODES, node_reads
-from dataquay.client.status_codes import UNREACHABLE
+from dataquay.client.wire.status_codes import UNREACHABLE
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import DataquayError, ExchangeRefusedError, JobMismatchError

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from dataquay.client.status_codes import UNREACHABLE, code_of_number
+from dataquay.client.wire.status_codes import UNREACHABLE, code_of_number
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.cache.store import Store

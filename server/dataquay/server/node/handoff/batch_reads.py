@@ -1,7 +1,7 @@
 """Batch reads a trainer asks on its memfd segment's connection, answered as a
 streamed gRPC Read of the same batch would be, without the call's fixed cost.
 
-The frames are :mod:`dataquay.client.segment_reads`'s; the read is the
+The frames are :mod:`dataquay.client.wire.batch_reads`'s; the read is the
 gRPC Read's own (:meth:`ReadService.read` with the payloads placed in the
 segment by :class:`ShmForward`), and a domain error is answered with the
 status code and class name the servicer would end the call with.
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dataquay.client.segment_reads import NOT_PLACED, OK, BatchReply, parse_request, reply_frame
-from dataquay.client.status_codes import code_number, status_of
+from dataquay.client.wire.batch_reads import NOT_PLACED, OK, BatchReply, parse_request, reply_frame
+from dataquay.client.wire.status_codes import code_number, status_of
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.handoff.forward import ShmForward
 from dataquay.server.node.users.callers import Caller

@@ -4,14 +4,14 @@ It lies next to the daemon's unix socket (``<socket>.fds``, the same mode and
 group), so the clients' trust checks of one hold for the other. A client
 connects, sends one SOCK_SEQPACKET message (size and cluster token) carrying
 one descriptor, and gets the segment's name or why it was refused (see
-:mod:`dataquay.client.memfd`). The connection then stays open as the
+:mod:`dataquay.client.wire.memfd`). The connection then stays open as the
 segment's lease: its end, whatever the client's way of ending, unmaps it.
 Given ``reads``, it also carries the client's batch reads into that segment,
-one request and one reply at a time (:mod:`dataquay.client.segment_reads`);
+one request and one reply at a time (:mod:`dataquay.client.wire.batch_reads`);
 anything else the client sends on it ends the lease.
 
 A client may instead ask for a caller ticket (a message with the token and
-no descriptor, :mod:`dataquay.client.caller_ticket`): given ``tickets``, the
+no descriptor, :mod:`dataquay.client.wire.caller_ticket`): given ``tickets``, the
 daemon binds one to the user the kernel names for the connection, which
 stays open as the ticket's lease.
 
@@ -34,10 +34,10 @@ import struct
 import time
 from pathlib import Path
 
-from dataquay.client import caller_ticket
 from dataquay.client.errors import SegmentRefusedError
-from dataquay.client.memfd import HANDSHAKE_SECONDS, MESSAGE_BYTES, parse_request, reply_message
-from dataquay.client.segment_reads import MAX_IDS, REQUEST_BYTES
+from dataquay.client.wire import caller_ticket
+from dataquay.client.wire.batch_reads import MAX_IDS, REQUEST_BYTES
+from dataquay.client.wire.memfd import HANDSHAKE_SECONDS, MESSAGE_BYTES, parse_request, reply_message
 from dataquay.server.errors import StartupError
 from dataquay.server.listen import SocketIdentity, claim_socket_path, remove_own_socket, socket_identity
 from dataquay.server.node.handoff.batch_reads import SegmentReads

@@ -24,7 +24,7 @@ Measured on the 2-core development machine, ``pwrite`` copies 2-11 GB/s
 against 12-34 GB/s for a mapping (3 KB to 1 MiB payloads, warm pages): the
 same order, and far above what the socket carries.
 
-Sealed memfd segments (:mod:`dataquay.client.memfd`, handed over on the fd
+Sealed memfd segments (:mod:`dataquay.client.wire.memfd`, handed over on the fd
 socket) are written through a mapping with a plain memcpy, because nothing
 can make a store into one fault: it cannot shrink (F_SEAL_SHRINK), no page of
 it can be freed (every page is allocated before the daemon takes it, and
@@ -51,8 +51,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from dataquay.client.errors import SegmentRefusedError
-from dataquay.client.memfd import CLIENT_SEALS, F_SEAL_FUTURE_WRITE, PREFIX
-from dataquay.client.shm import SHM_DIR, process_alive, remove_stale_segments, segment_pid
+from dataquay.client.wire.memfd import CLIENT_SEALS, F_SEAL_FUTURE_WRITE, PREFIX
+from dataquay.client.wire.shm import SHM_DIR, process_alive, remove_stale_segments, segment_pid
 
 log = logging.getLogger("dataquay.daemon")
 

@@ -8,7 +8,7 @@ back-off passes; the back-off doubles with each failure in a row, so a dead
 node costs one timeout per back-off period, not one per batch. A peer that
 registered again since it failed (a restarted daemon) is trusted at once.
 A sample larger than a message arrives in pieces, joined by the one parser
-of a Read's reply (:mod:`dataquay.client.read_stream`); pieces
+of a Read's reply (:mod:`dataquay.client.wire.read_stream`); pieces
 that do not add up to the sample the manifest describes count as a failure.
 The fetches from one peer share a byte budget (FETCHED_BYTES_PER_PEER): a
 fetch waits for its bytes before it asks, so that however many calls need
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from dataquay.client.channels import batch_deadline, channel_options
-from dataquay.client.security import Credentials
+from dataquay.client.wire.channels import batch_deadline, channel_options
+from dataquay.client.wire.security import Credentials
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.limits import FETCHED_BYTES_PER_PEER, ByteBudgets

@@ -7,7 +7,7 @@ Two transports carry one peer read, both behind :class:`PeerTransport`:
   token in the bulk handshake (each side proves it holds it; no trainer
   holds it).
 - :class:`GrpcPeerTransport`: a streamed ``Read(peer=True)`` on the peer's
-  gRPC port, parsed by :class:`dataquay.client.read_stream.ReadStream`. Its
+  gRPC port, parsed by :class:`dataquay.client.wire.read_stream.ReadStream`. Its
   channel presents this node's credentials (the node token, which
   ``dataquay.server.auth`` accepts wherever the cluster token is accepted).
 
@@ -26,8 +26,8 @@ import grpc
 import numpy as np
 
 from dataquay.client.errors import DataquayError, PieceError
-from dataquay.client.read_stream import ReadStream
-from dataquay.client.status_codes import code_of_number
+from dataquay.client.wire.read_stream import ReadStream
+from dataquay.client.wire.status_codes import code_of_number
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.server.node.peers.bulk.client import BulkClient, BulkRefusedError, BulkTimeoutError, Landing
@@ -112,18 +112,18 @@ class GrpcPeerTransport:
     ) -> PeerRead:
         request = pb.ReadRequest(dataset=dataset, ids=ids.tolist(), manifest_id=manifest_id, peer=True)
         out = PeerRead()
-        stream = ReadStream(f"peer {node}", lengths)
+        stream = ReadStream(f"peer {node}", lengths, dataset=dataset)
         call = self._stub(node, address).Read(request, timeout=deadline)
         try:
             async for chunk in call:
-                for sample in stream.take(chunk):
-                    if sample.missing:
+                for sample_id, data, digest, _, missing, _, intact in stream.take(chunk):
+                    if missing:
                         continue
-                    if not sample.intact:
+                    if not intact:
                         out.bad_checksums += 1
                         continue
-                    out.samples[sample.id] = (sample.data, sample.checksum)
-                    out.bytes += len(sample.data)
+                    out.samples[sample_id] = (data, digest)
+                    out.bytes += len(data)
             stream.end()
         except grpc.aio.AioRpcError as exc:
             raise PeerReadFailed(exc.code().name, exc.details() or "", out.bad_checksums) from None

@@ -28,7 +28,7 @@ from contextlib import suppress
 
 from dataquay.client import prepped
 from dataquay.client.errors import InvalidRequestError, JobMismatchError
-from dataquay.client.shm import SHM_DIR, process_alive
+from dataquay.client.wire.shm import SHM_DIR, process_alive
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.node.prep.group import MAX_CLAIMS, PrepGroup, SyncAnswer
 

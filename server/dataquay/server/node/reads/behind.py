@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dataquay.client.records import CHECKSUM_BYTES, encode_value
+from dataquay.client.wire.records import CHECKSUM_BYTES, encode_value
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import BatchTooLargeError, DatasetReplacedError, SampleIdError
 from dataquay.server.limits import ByteBudget

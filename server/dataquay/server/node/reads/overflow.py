@@ -14,22 +14,22 @@ wait either; once an epoch's overflow is read, the next epoch's follows, so
 that a new epoch does not begin by waiting for the PFS.
 
 Every sample is read from the PFS once an epoch: what a rank asked for is
-not read ahead any more (a rank that got ahead of the reads had it read on
-demand), and a read of a sample still being read ahead waits for that read.
+not prefetched any more (a rank that got ahead of the reads had it read on
+demand), and a read of a sample still being prefetched waits for that read.
 A rank's requests need not come in its order (several loader workers each
-ask for their own batches): the read ahead keeps to the ranks' order and
-skips only what was asked. A sample read ahead that its rank left far
+ask for their own batches): the prefetch keeps to the ranks' order and
+skips only what was asked. A sample prefetched that its rank left far
 behind without asking for it (its client read it elsewhere) is dropped as
 wasted once room is needed.
 Reads go through the node's PFS pool, its threads and its bandwidth cap,
 with the checks of any PFS read: a file that changed since its manifest
 was built is refused, and the sample is then read, and refused, on demand.
 
-Only samples this node owns are read ahead (not those spilled to another
+Only samples this node owns are prefetched (not those spilled to another
 node's cache, which are asked of it), and in modes whose owners move
 only those it owned the epoch before as well: what moves in comes by the
 exchange. For the same reason, while the ranks are still on the epoch
-before, the next epoch's read ahead leaves out what moved in at the current
+before, the next epoch's prefetch leaves out what moved in at the current
 one (its exchange may still deliver it); it goes back for those once the
 ranks begin that epoch. A sample handed over is offered to the cache unless
 the cache is full, as any PFS read of a sample the node owns.
@@ -49,7 +49,8 @@ import numpy as np
 
 from dataquay.client.jobs import job_plan
 from dataquay.client.placement import JobPlan, node_orders
-from dataquay.client.records import CHECKSUM_BYTES, stored_checksum
+from dataquay.client.wire.records import CHECKSUM_BYTES, stored_checksum
+from dataquay.client.wire.tiers import PFS
 from dataquay.server.errors import DataquayError
 from dataquay.server.limits import ByteBudget
 from dataquay.server.node.cache.store import Store
@@ -67,10 +68,10 @@ PlacementOf = Callable[[str, Registered, int], Awaitable[Placement]]
 
 #: Share of the prefetch budget the overflow may fill; the rest is the transfers'.
 BUDGET_SHARE = 0.75
-#: Bytes one read ahead asks of the PFS pool at most (one sample, if larger):
+#: Bytes one prefetch asks of the PFS pool at most (one sample, if larger):
 #: small enough that a rank's own miss does not queue long behind it.
 CHUNK_BYTES = 1 << 20
-#: Reads ahead in flight at once, over all jobs.
+#: Prefetches in flight at once, over all jobs.
 READS_IN_FLIGHT = 2
 #: Candidates looked up in the cache at a time.
 _WINDOW = 256
@@ -92,7 +93,7 @@ class EpochReads(NamedTuple):
 
     ids: np.ndarray    #: every id the ranks read, ascending (int64)
     slots: np.ndarray  #: the slot each of ``ids`` is first read at
-    ahead: np.ndarray  #: which of ``ids`` to read ahead (indexes into it), in slot order
+    ahead: np.ndarray  #: which of ``ids`` to prefetch (indexes into it), in slot order
     positions: int     #: ids each rank reads
     arrived: np.ndarray  #: per entry of ``ids``, whether it moved in at the epoch before
 
@@ -105,7 +106,7 @@ def epoch_reads(
     two_before: np.ndarray | None = None,
 ) -> EpochReads:
     """What ``node``'s ranks read, from their orders (g x L, :func:`node_orders`),
-    and which of it the node reads ahead: what it owns per ``epoch_owners``
+    and which of it the node prefetches: what it owns per ``epoch_owners``
     and, where ``before`` (the previous epoch's owners) is given, owned then
     too. With ``two_before`` as well, it marks what moved in at the epoch before."""
     ids, first = np.unique(orders.T.ravel(), return_index=True)
@@ -120,7 +121,7 @@ def epoch_reads(
 
 
 class _Chunk(NamedTuple):
-    """Samples read ahead together: their ids, their entries (indexes in the epoch's ids), the bytes they take."""
+    """Samples prefetched together: their ids, their entries (indexes in the epoch's ids), the bytes they take."""
 
     ids: np.ndarray
     entries: np.ndarray
@@ -129,26 +130,26 @@ class _Chunk(NamedTuple):
 
 #: No chunk while the budget is full.
 _NO_ROOM = _Chunk(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), 0)
-#: No chunk yet: _WINDOWS_PER_TURN windows held nothing to read ahead.
+#: No chunk yet: _WINDOWS_PER_TURN windows held nothing to prefetch.
 _SCANNED = _Chunk(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), 0)
 
 
 @dataclass
 class OverflowCounts:
-    """What the overflow's reads ahead did since the daemon started (payload bytes)."""
+    """What the overflow's prefetches did since the daemon started (payload bytes)."""
 
     read_samples: int = 0     #: read from the PFS ahead of the ranks
     read_bytes: int = 0
     served_samples: int = 0   #: handed to a rank's read
     served_bytes: int = 0
-    wasted_samples: int = 0   #: read ahead and dropped unread
+    wasted_samples: int = 0   #: prefetched and dropped unread
     wasted_bytes: int = 0
     failed_samples: int = 0   #: refused by the PFS (changed, unreadable): left to the reads on demand
 
 
 @dataclass
 class _Epoch:
-    """One epoch of a job as the read ahead walks it."""
+    """One epoch of a job as the prefetch walks it."""
 
     epoch: int
     reads: EpochReads
@@ -180,14 +181,14 @@ class _Epoch:
 
 @dataclass
 class _Job:
-    """The read ahead of one job."""
+    """The prefetch of one job."""
 
     entry: Registered
     job_id: str
     owners_move: bool               # what it caches leaves the exchange's reserve free
     epochs: dict[int, _Epoch] = field(default_factory=dict)
     latest: int = 0                 # the latest epoch its ranks read
-    walking: int = 0                # the epoch read ahead now
+    walking: int = 0                # the epoch prefetched now
     last_read: float = field(default_factory=time.monotonic)
     failed_epoch: int = -1          # an epoch that could not be planned: not tried again
     task: asyncio.Task[None] | None = None
@@ -198,7 +199,7 @@ class OverflowPrefetcher:
     """Reads the overflow of the jobs this node's ranks read, ahead of them.
 
     Args:
-        store: the node's cache: what it holds is not read ahead.
+        store: the node's cache: what it holds is not prefetched.
         pfs: the node's PFS readers.
         placement_of: a job's placement in an epoch.
         spawn: runs a background task owned by the daemon.
@@ -220,13 +221,13 @@ class OverflowPrefetcher:
         self._wanted: Counter[int] = Counter()
 
     def start(self, entry: Registered, placement: Placement) -> None:
-        """Starts reading ahead for the job of ``placement`` (its ranks joined
+        """Starts prefetching for the job of ``placement`` (its ranks joined
         it or began an epoch); a read for it starts it too."""
         self._note(entry, placement, np.empty(0, dtype=np.int64))
 
     async def take(self, entry: Registered, placement: Placement, ids: np.ndarray, misses: np.ndarray) -> Fetched:
         """Notes that this node's ranks read ``ids`` and hands over the samples
-        of ``misses`` read ahead, waiting for those being read."""
+        of ``misses`` prefetched, waiting for those being read."""
         job = self._note(entry, placement, ids)
         if job is None or not len(misses):
             return {}
@@ -259,7 +260,7 @@ class OverflowPrefetcher:
         """Moves ``sample_id`` from ``state``'s held samples to ``out``."""
         value, _ = state.held.pop(sample_id)
         payload = memoryview(value)[CHECKSUM_BYTES:]
-        out[sample_id] = ("pfs", payload, stored_checksum(value))
+        out[sample_id] = (PFS, payload, stored_checksum(value))
         self.budget.give(len(value))
         self.counts.served_samples += 1
         self.counts.served_bytes += len(payload)
@@ -304,12 +305,12 @@ class OverflowPrefetcher:
     # ----------------------------------------------------------- the loop
 
     async def _run(self, job: _Job) -> None:
-        """Reads ahead for ``job`` until its ranks stop reading."""
+        """Prefetches for ``job`` until its ranks stop reading."""
         try:
             while self._jobs.get(job.job_id) is job:
                 epoch = job.walking = max(job.walking, job.latest)
                 if epoch > job.latest + 1:
-                    await self._wait(job)  # the next epoch is read ahead; the ranks are still on the one before
+                    await self._wait(job)  # the next epoch is prefetched; the ranks are still on the one before
                     continue
                 state = job.epochs.get(epoch)
                 if state is None:
@@ -368,7 +369,7 @@ class OverflowPrefetcher:
                 two_before,
             )
         except (DataquayError, ValueError) as exc:
-            log.info("not reading ahead", extra={"fields": {"job": job.job_id, "epoch": epoch, "reason": str(exc)}})
+            log.info("not prefetching", extra={"fields": {"job": job.job_id, "epoch": epoch, "reason": str(exc)}})
             job.failed_epoch = epoch
             return None
         g = plan.settings.ranks_per_node
@@ -376,7 +377,7 @@ class OverflowPrefetcher:
         return _Epoch(epoch, reads, g, reached, asked, deferring=epoch > job.latest)
 
     def _next_chunk(self, job: _Job, state: _Epoch) -> _Chunk | None:
-        """The next ids to read ahead: as many as fit in :data:`CHUNK_BYTES`
+        """The next ids to prefetch: as many as fit in :data:`CHUNK_BYTES`
         and the budget (none while it is full, :data:`_SCANNED` after a turn of
         windows that held none); None once the epoch has none left."""
         ahead = state.reads.ahead
@@ -428,7 +429,7 @@ class OverflowPrefetcher:
                 done.set_result(None)
             if failures:
                 self.counts.failed_samples += len(ids) - len(values)
-                log.warning("a read ahead failed; those samples are read on demand",
+                log.warning("a prefetch failed; those samples are read on demand",
                             extra={"fields": {"job": job.job_id, "samples": len(ids) - len(values),
                                               "first": failures[0]}})
             current = self._jobs.get(job.job_id) is job and job.epochs.get(state.epoch) is state
@@ -492,6 +493,6 @@ def _plan_reads(
     before: np.ndarray | None,
     two_before: np.ndarray | None,
 ) -> EpochReads:
-    """What ``node``'s ranks read, reading ahead what no other node is asked
+    """What ``node``'s ranks read, prefetching what no other node is asked
     for (``sources``: the node asked for each sample)."""
     return epoch_reads(node_orders(plan, epoch, node, epoch_owners), sources, node, before, two_before)

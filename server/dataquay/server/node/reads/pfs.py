@@ -27,7 +27,7 @@ import numpy as np
 from dataquay.client.errors import PfsReadError
 from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import PfsRangeError, PfsReader, ReadRange, plan_reads
-from dataquay.client.records import encode_value
+from dataquay.client.wire.records import encode_value
 from dataquay.server.daemon_threads import DaemonThreadPool
 from dataquay.server.ratelimit import TokenBucket
 from dataquay.server.task_group import STAGING_NICENESS, idle_thread_priority, lower_thread_priority

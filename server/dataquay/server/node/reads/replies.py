@@ -6,15 +6,15 @@ payloads and once as messages); only the message in flight is. A payload in
 the caller's shared memory goes as its offset; a payload that repeats in a
 window is placed there, or made into bytes, once, and named at every
 position. A payload larger than a chunk goes inline as pieces, a message
-each (:mod:`dataquay.client.pieces`).
+each (:mod:`dataquay.client.wire.pieces`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Container, Iterator, Sequence
 
-from dataquay.client.channels import READ_CHUNK_BYTES
-from dataquay.client.pieces import PIECE_BYTES, pieces
+from dataquay.client.wire.channels import READ_CHUNK_BYTES
+from dataquay.client.wire.pieces import PIECE_BYTES, pieces
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.node.reads.service import MISSING, Served, Window
 from dataquay.server.proto_maps import TIER_TO_PROTO

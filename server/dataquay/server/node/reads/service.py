@@ -45,7 +45,8 @@ import numpy as np
 
 from dataquay.client.jobs import check_epoch_ahead
 from dataquay.client.placement import MAX_EPOCH
-from dataquay.client.records import CHECKSUM_BYTES, encode_value, stored_checksum
+from dataquay.client.wire.records import CHECKSUM_BYTES, encode_value, stored_checksum
+from dataquay.client.wire.tiers import CACHE, PEER, PFS, SERVED_TIERS
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import (
     BatchTooLargeError,
@@ -108,8 +109,8 @@ class Window:
 class ReadService:
     """Resolves read requests against the node's tiers.
 
-    ``prefetch_memory`` bounds what is read ahead of the ranks (0: nothing is);
-    reading ahead needs ``placements`` and ``spawn``.
+    ``prefetch_memory`` bounds what is prefetched for the ranks (0: nothing is);
+    prefetching needs ``placements`` and ``spawn``.
     """
 
     def __init__(
@@ -134,7 +135,7 @@ class ReadService:
         self.peers = peers
         self.placements = placements
         self.previous_owner_samples = 0
-        # The memory this node's reads ahead of its ranks may hold (--prefetch-memory),
+        # The memory this node's prefetches for its ranks may hold (--prefetch-memory),
         # shared by the transfers and the overflow's reads from the PFS.
         self.budget = ByteBudget(prefetch_memory)
         self.prefetcher: TransferPrefetcher | None = None
@@ -260,7 +261,7 @@ class ReadService:
             misses = _not_in(misses, fetched)
         if len(misses):
             for sample_id, value in self.store.queued_values(db, misses.tolist()).items():
-                fetched[sample_id] = ("cache", memoryview(value)[CHECKSUM_BYTES:], stored_checksum(value))
+                fetched[sample_id] = (CACHE, memoryview(value)[CHECKSUM_BYTES:], stored_checksum(value))
             misses = _not_in(misses, fetched)
         if len(misses):
             values = await self.pfs.read(entry.record.name, entry.manifest, misses)
@@ -269,22 +270,22 @@ class ReadService:
             ]
             keep_set, repair, name = set(keep.tolist()), set(corrupt), db.encode()
             for sample_id, value in values.items():
-                fetched[sample_id] = ("pfs", memoryview(value)[CHECKSUM_BYTES:], stored_checksum(value))
+                fetched[sample_id] = (PFS, memoryview(value)[CHECKSUM_BYTES:], stored_checksum(value))
                 if sample_id in keep_set:
                     self.store.offer(PendingWrite(name, sample_id, value, sample_id in repair,
                                                   leaves_room=placement is not None and placement.owners_move))
         return Window(self._served(ids, index, cached, fetched), index)
 
-    def read_ahead(self, job: jpb.Job, transfers: bool = True) -> None:
-        """Starts reading ahead of this node's ranks the overflow of ``job``
+    def prefetch(self, job: jpb.Job, transfers: bool = True) -> None:
+        """Starts prefetching for this node's ranks the overflow of ``job``
         and, with ``transfers``, the first steps' transfers of its epoch: its
         staging here ended (other nodes may still be staging: no transfers),
         or its ranks joined it or began an epoch (their first read would start
         it, a batch later)."""
         if self.overflow is not None and self._spawn is not None:
-            self._spawn(self._start_reading_ahead(job, transfers), f"read-ahead-start-{job.spec.job_id}")
+            self._spawn(self._start_prefetching(job, transfers), f"prefetch-start-{job.spec.job_id}")
 
-    async def _start_reading_ahead(self, job: jpb.Job, transfers: bool) -> None:
+    async def _start_prefetching(self, job: jpb.Job, transfers: bool) -> None:
         assert self.overflow is not None
         try:
             entry = await self.datasets.entry(job.spec.dataset)
@@ -300,7 +301,7 @@ class ReadService:
         self, ids: np.ndarray, index: np.ndarray, cached: list[tuple[bytes, int] | None]
     ) -> list[Served]:
         out = [
-            Served(sample_id, MISSING, b"", 0) if hit is None else Served(sample_id, "cache", *hit)
+            Served(sample_id, MISSING, b"", 0) if hit is None else Served(sample_id, CACHE, *hit)
             for sample_id, hit in zip(ids.tolist(), cached)
         ]
         samples = nbytes = 0
@@ -391,7 +392,7 @@ class ReadService:
         out: dict[int, tuple[str, bytes | memoryview, int]] = {}
         for got in await asyncio.gather(*calls):
             for sample_id, (data, digest) in got.items():
-                out[sample_id] = ("peer", data, digest)
+                out[sample_id] = (PEER, data, digest)
         return out
 
     def _served(
@@ -403,10 +404,10 @@ class ReadService:
     ) -> list[Served]:
         """The distinct ``ids`` as served, counted in the metrics once per position."""
         out = [
-            Served(sample_id, "cache", *hit) if hit is not None else Served(sample_id, *fetched[sample_id])
+            Served(sample_id, CACHE, *hit) if hit is not None else Served(sample_id, *fetched[sample_id])
             for sample_id, hit in zip(ids.tolist(), cached)
         ]
-        counts = {"cache": [0, 0], "peer": [0, 0], "pfs": [0, 0]}
+        counts = {tier: [0, 0] for tier in SERVED_TIERS.values()}
         for served, times in zip(out, np.bincount(index, minlength=len(out)).tolist()):
             count = counts[served.tier]
             count[0] += times

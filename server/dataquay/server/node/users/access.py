@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from dataquay.client.caller_ticket import METADATA_KEY
+from dataquay.client.wire.caller_ticket import METADATA_KEY
 from dataquay.server.auth import OPEN_METHODS, supplied_credential
 from dataquay.server.errors import UnknownCallerError, UserNotAllowedError
 from dataquay.server.interceptors import Behavior, reshaped

@@ -4,7 +4,7 @@ On a raw unix socket the kernel says which process connected, with its uid
 and gid (SO_PEERCRED) and its groups (SO_PEERGROUPS), as they were when it
 connected: nothing the caller sends can change them. gRPC hides the socket,
 so a client first asks the daemon's fd socket for a caller ticket
-(:mod:`dataquay.client.caller_ticket`); :class:`Tickets` binds a random one
+(:mod:`dataquay.client.wire.caller_ticket`); :class:`Tickets` binds a random one
 to what the kernel said, for as long as that connection lives, and a gRPC
 call on the unix socket that carries the ticket is that user's. Over TCP
 the kernel names no user.

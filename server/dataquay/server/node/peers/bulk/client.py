@@ -32,7 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
-from dataquay.client.records import checksum
+from dataquay.client.wire.records import checksum
 from dataquay.server.node.peers.bulk.frames import (
     END,
     ERROR,

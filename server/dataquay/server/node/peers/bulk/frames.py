@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from dataquay.client.status_codes import code_number
+from dataquay.client.wire.status_codes import code_number
 from dataquay.server.errors import DataquayError
 
 HELLO_MAGIC = b"DQB1"

@@ -43,9 +43,9 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from dataquay.client.record_loops import values_intact
-from dataquay.client.records import CHECKSUM_BYTES, stored_checksum
-from dataquay.client.status_codes import code_number, status_of
+from dataquay.client.wire.record_loops import values_intact
+from dataquay.client.wire.records import CHECKSUM_BYTES, stored_checksum
+from dataquay.client.wire.status_codes import code_number, status_of
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.cache.store import Store

@@ -16,7 +16,7 @@ import os
 import re
 import time
 
-from dataquay.client.shm import SHM_DIR, process_alive
+from dataquay.client.wire.shm import SHM_DIR, process_alive
 
 _PREFIX = "dataquay.told-"
 _MARKER = re.compile(rf"^{re.escape(_PREFIX)}(\d{{1,10}})-[0-9a-f]{{16}}$")

@@ -38,9 +38,9 @@ import os
 import socket
 import weakref
 
-from dataquay.client.channels import grpc_target
 from dataquay.client.errors import SegmentRefusedError
-from dataquay.client.segment_reads import REPLY_BYTES
+from dataquay.client.wire.batch_reads import REPLY_BYTES
+from dataquay.client.wire.channels import grpc_target
 
 #: The fd socket is the daemon's socket path with this suffix.
 FD_SOCKET_SUFFIX = ".fds"
@@ -93,7 +93,7 @@ def parse_request(data: bytes) -> tuple[int, str]:
 def reply_message(segment: str = "", error: str = "", busy: bool = False, reads: int = 0) -> bytes:
     """The daemon's answer: the segment's name and the most ids of a batch
     read it answers on the connection (``reads``, 0 for none; see
-    :mod:`.segment_reads`), or why not (``busy``: try again later)."""
+    :mod:`.batch_reads`), or why not (``busy``: try again later)."""
     if segment:
         return json.dumps({"segment": segment, "reads": reads}).encode()
     return json.dumps({"error": error, "busy": busy}).encode()
@@ -132,7 +132,7 @@ class MemfdSegment:
             is not there or busy (BlockingIOError).
     """
 
-    #: Never a name under /dev/shm (see :class:`dataquay.client.shm.Segment`).
+    #: Never a name under /dev/shm (see :class:`dataquay.client.wire.shm.Segment`).
     linked = False
 
     def __init__(self, size: int, fd_socket: str, token: str) -> None:
@@ -157,7 +157,7 @@ class MemfdSegment:
         """The daemon mapped it before it named it: nothing to do."""
 
     def read(self, request: bytes, timeout: float) -> bytes:
-        """The daemon's reply to a batch read ``request`` (:mod:`.segment_reads`) on
+        """The daemon's reply to a batch read ``request`` (:mod:`.batch_reads`) on
         this segment's connection; b"" if the daemon ended the connection.
 
         Raises:

@@ -2,7 +2,7 @@
 labels, status output, client stats and the docs all use.
 
 * ``local``: the trainer read its node's cache itself, in-process, with no RPC;
-* ``cache``: the node's daemon served it from its cache (``TIER_LOCAL`` on the wire);
+* ``cache``: the node's daemon served it from its cache (``TIER_CACHE`` on the wire);
 * ``peer``: another node's daemon served it from its cache;
 * ``pfs``: a daemon read it from the PFS;
 * ``fallback``: the trainer read the PFS itself while its daemon was unreachable.
@@ -22,6 +22,6 @@ PFS = "pfs"
 FALLBACK = "fallback"
 
 #: Where a daemon served a sample from, by the tier's value on the wire.
-SERVED_TIERS: dict[pb.Tier, str] = {pb.TIER_LOCAL: CACHE, pb.TIER_PEER: PEER, pb.TIER_PFS: PFS}
+SERVED_TIERS: dict[pb.Tier, str] = {pb.TIER_CACHE: CACHE, pb.TIER_PEER: PEER, pb.TIER_PFS: PFS}
 #: Where a trainer's client read a sample from.
 CLIENT_TIERS = (LOCAL, *SERVED_TIERS.values(), FALLBACK)

@@ -3,7 +3,7 @@
 The client owns its segments and copies each payload out at the offset the
 reply gives (verifying its checksum). Where its daemon takes them, each is a
 sealed memfd that the daemon writes into with a plain memcpy (see
-:mod:`dataquay.client.memfd`). Otherwise the client creates one under
+:mod:`dataquay.client.wire.memfd`). Otherwise the client creates one under
 /dev/shm and names it in a Read. Once the daemon has opened such a segment,
 its file is unlinked, so a client that dies leaves nothing behind: the
 daemon drops its own file when it sees the process gone. A client killed before that point leaves a name,
@@ -33,8 +33,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dataquay.client.errors import SegmentRefusedError
-from dataquay.client.memfd import MemfdSegment, daemon_socket_of, fd_socket_path
-from dataquay.client.security import CredentialsError, check_daemon_socket
+from dataquay.client.wire.memfd import MemfdSegment, daemon_socket_of, fd_socket_path
+from dataquay.client.wire.security import CredentialsError, check_daemon_socket
 
 log = logging.getLogger("dataquay.client")
 

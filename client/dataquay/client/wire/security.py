@@ -29,8 +29,8 @@ from typing import Any
 
 import grpc
 
-from dataquay.client.channels import grpc_target
 from dataquay.client.errors import DataquayError
+from dataquay.client.wire.channels import grpc_target
 
 METADATA_KEY = "authorization"
 #: Names the user a system daemon runs as (``dataquay`` under systemd): a

@@ -282,8 +282,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef records_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "dataquay.client._records",
-    .m_doc = "C loops over the key and value layouts of dataquay.client.records.",
+    .m_name = "dataquay.client.wire._records",
+    .m_doc = "C loops over the key and value layouts of dataquay.client.wire.records.",
     .m_size = 0,
     .m_methods = methods,
 };

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from dataquay.client.channels import READ_CHUNK_BYTES
 from dataquay.client.errors import PieceError
+from dataquay.client.wire.channels import READ_CHUNK_BYTES
 
 #: Bytes of one piece; a payload up to this size goes whole.
 PIECE_BYTES = READ_CHUNK_BYTES

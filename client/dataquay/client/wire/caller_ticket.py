@@ -24,7 +24,7 @@ import logging
 import socket
 import time
 
-from dataquay.client.memfd import daemon_socket_of, fd_socket_path
+from dataquay.client.wire.memfd import daemon_socket_of, fd_socket_path
 
 log = logging.getLogger("dataquay.client")
 
@@ -59,12 +59,12 @@ def parse_token(data: bytes) -> str:
 
 def reply_message(ticket: str) -> bytes:
     """The daemon's answer with a ticket; a refusal is the fd socket's own
-    (``{"error": ..., "busy": ...}``, :func:`dataquay.client.memfd.reply_message`)."""
+    (``{"error": ..., "busy": ...}``, :func:`dataquay.client.wire.memfd.reply_message`)."""
     return json.dumps({"ticket": ticket}).encode()
 
 
 def parse_reply(data: bytes) -> str | None:
-    """The ticket in the daemon's answer; None where it gave none (refused, or an older daemon).
+    """The ticket in the daemon's answer; None where it gave none (it refused).
 
     Raises:
         BlockingIOError: the daemon is busy with other clients' handshakes; worth another try.

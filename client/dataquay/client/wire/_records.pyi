@@ -1,4 +1,4 @@
-"""C loops over the key and value layouts of dataquay.client.records (_records.c)."""
+"""C loops over the key and value layouts of dataquay.client.wire.records (_records.c)."""
 
 from collections.abc import Sequence
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import xxhash
 
-from dataquay.client import record_loops
+from dataquay.client.wire import record_loops
 
 CHECKSUM_BYTES = 8
 _CHECKSUM = struct.Struct("<Q")

@@ -10,21 +10,21 @@ from __future__ import annotations
 
 import logging
 
-from dataquay.client.notices import first_to_tell
+from dataquay.client.wire.notices import first_to_tell
 
 log = logging.getLogger("dataquay.client")
 
 try:
-    from dataquay.client._records import encode_value, payload_copies, sample_keys, values_intact
+    from dataquay.client.wire._records import encode_value, payload_copies, sample_keys, values_intact
 
     COMPILED = True
 except ImportError:
-    from dataquay.client._records_py import encode_value, payload_copies, sample_keys, values_intact
+    from dataquay.client.wire._records_py import encode_value, payload_copies, sample_keys, values_intact
 
     COMPILED = False
     if first_to_tell("records not compiled"):
         log.warning(
-            "dataquay's C extension (dataquay.client._records) is not built, so local hits and cache values are "
+            "dataquay's C extension (dataquay.client.wire._records) is not built, so local hits and cache values are "
             "handled in Python, at about half to three quarters of the compiled rate. Install a wheel, or "
             "reinstall with a C compiler and the Python headers."
         )

@@ -12,7 +12,7 @@ MiB = 1 << 20
 
 #: Largest message either side accepts. Reads and exchanges send about
 #: READ_CHUNK_BYTES of payload per message, and a larger payload in pieces
-#: of that size (dataquay.client.pieces), so a message holds at most two
+#: of that size (dataquay.client.wire.pieces), so a message holds at most two
 #: chunks' worth; the rest is room for requests of many ids.
 MAX_MESSAGE_BYTES = 64 * MiB
 
