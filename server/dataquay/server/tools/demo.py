@@ -194,7 +194,7 @@ def _real_step(cluster: LocalCluster, base: Path, job: str, epoch: int, expected
         # Two epochs through dataquay: the first includes the new rank processes' start.
         runs = ((f"dataquay {epoch}", epoch, None), (f"dataquay {epoch + 1}", epoch + 1, None), ("PFS", epoch, pfs))
         for label, number, direct in runs:
-            results = ranks.epoch(number, direct=direct, prefetch=0 if direct else READ_AHEAD)
+            results = ranks.epoch(number, direct=direct, read_ahead=0 if direct else READ_AHEAD)
             _check(label, results, expected)
             rows.append(_measure(REAL_STEP, label, results, REAL_STEP_SECONDS))
             print(_report(rows[-1], results, TIERS if direct is None else ("", "", "direct")), flush=True)
