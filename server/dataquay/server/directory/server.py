@@ -226,9 +226,16 @@ class DirectoryServer(ServerLifecycle):
     async def _check_leases(self) -> None:
         """Marks silent nodes down and writes what heartbeats changed."""
         interval = min(1.0, self.config.lease_seconds / 4)
+        last = time.monotonic()
         while True:
             await asyncio.sleep(interval)
-            for name in self.state.expire(time.monotonic()):
+            now = time.monotonic()
+            stalled, last = now - last - interval, now
+            if stalled > self.config.lease_seconds / 2:
+                self.state.hold_leases(stalled)
+                log.warning("the directory did not run for a while; leases run on from now",
+                            extra={"fields": {"seconds": round(stalled, 1)}})
+            for name in self.state.expire(now):
                 log.info("node down", extra={"fields": {"node": name, "lease_seconds": self.config.lease_seconds}})
             if self.state.revision != self._saved_revision:
                 self._dirty.set()

@@ -206,6 +206,13 @@ class DirectoryState:
             self._nodes_changed(now)
         return expired
 
+    def hold_leases(self, seconds: float) -> None:
+        """The directory did not run for ``seconds`` (its process stopped, its
+        host hung): every running lease ends that much later, since no node
+        could renew one with a directory that heard nothing, as after a restart."""
+        for name in self._leases:
+            self._leases[name] += seconds
+
     def _nodes_changed(self, now: float) -> None:
         self.publish_nodes(now)
         self.revision += 1

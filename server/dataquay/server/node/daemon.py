@@ -199,6 +199,7 @@ class Daemon(ServerLifecycle):
         self.tasks.spawn(self._reap_prep_groups(), "prep-group-reaper")
         if self.link is not None:
             self.tasks.spawn(self.link.run(), "directory-link")
+            self.tasks.spawn(self.link.send_reports(), "epoch-reports")
             self.tasks.spawn(self._resume_exchanges(), "exchange-resume")
             await self._first_registration()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)

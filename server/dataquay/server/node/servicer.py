@@ -254,15 +254,14 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         return job
 
     async def ReportEpoch(self, request: jpb.ReportEpochRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
+        # The exchange starts from this node's copy of the job: the directory
+        # may be down, and is told when it answers.
         async with status_on_error(context):
-            relayed = jpb.ReportEpochRequest(
-                job_id=request.job_id, epoch=request.epoch, node=self.node_name
-            )
-            job = await self._link().report_epoch(relayed)
-        if self.exchanges is not None:
-            self.exchanges.epoch_started(request.job_id, request.epoch)
-        self.reads.prefetch(job)
-        return job
+            job = await self._link().enter_epoch(request.job_id, request.epoch)
+            if self.exchanges is not None:
+                self.exchanges.epoch_started(request.job_id, request.epoch)
+            self.reads.prefetch(job)
+            return await self._link().told(job, request.epoch)
 
     async def ReportClientStats(
         self, request: pb.ClientStatsReport, context: grpc.aio.ServicerContext

@@ -8,6 +8,12 @@ and nodes as the changes since the version of this node's copy (the whole
 list only when the directory no longer has them, or restarted).
 A directory that does not answer is retried with a growing back-off and logged
 once per outage, not once per attempt.
+
+The epochs this node's ranks enter are applied to its copy of the job at once
+(what starts the next exchange) and told to the directory in the background
+(:mod:`.epoch_reports`), so a job's epochs go on while the directory is down;
+a copy the directory sends back keeps the higher epoch this node holds until
+its report has gone.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import TypeVar
 
 import grpc
 
+from dataquay.client.jobs import check_epoch_ahead
 from dataquay.client.wire.channels import channel_options
 from dataquay.client.wire.security import Credentials
 from dataquay.client.wire.status_codes import UNREACHABLE, error_from_rpc
@@ -28,7 +35,8 @@ from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.directory.beats import HeartbeatSender
-from dataquay.server.errors import DataquayError, DirectoryUnavailableError, NodeNameTakenError
+from dataquay.server.errors import DataquayError, DirectoryUnavailableError, EpochTooFarError, NodeNameTakenError
+from dataquay.server.node.cluster.epoch_reports import EpochReports
 
 log = logging.getLogger("dataquay.membership")
 
@@ -41,6 +49,9 @@ CALL_TIMEOUT_SECONDS = 10.0
 #: How long a heartbeat datagram waits for its answer before the beat is
 #: repeated by RPC.
 DATAGRAM_WAIT_SECONDS = 0.5
+#: How long an epoch report waits for the directory's answer, when the
+#: directory was answering, before it returns this node's copy of the job.
+REPORT_WAIT_SECONDS = 1.0
 
 
 def _relayed(exc: grpc.aio.AioRpcError) -> DataquayError:
@@ -60,6 +71,14 @@ def merged_nodes(nodes: dict[str, jpb.NodeStatus], reply: dpb.ListNodesReply) ->
     for name in reply.removed:
         merged.pop(name, None)
     return merged
+
+
+def entered(job: jpb.Job, epoch: int) -> jpb.Job:
+    """A copy of ``job`` whose ranks entered ``epoch`` (an earlier one changes nothing)."""
+    moved = jpb.Job()
+    moved.CopyFrom(job)
+    moved.epoch, moved.started = max(epoch, job.epoch), True
+    return moved
 
 
 class DirectoryLink:
@@ -117,6 +136,12 @@ class DirectoryLink:
         #: Set once the first registration was answered, or failed.
         self.first_attempt = asyncio.Event()
         self._held_name = False
+        #: Epochs entered here that the directory has not answered yet.
+        self.reports = EpochReports()
+        #: Set by every answer of the directory; what queued reports wait for.
+        self._answering = asyncio.Event()
+        #: When the directory last answered a heartbeat (monotonic; 0: never).
+        self._answered_at = 0.0
 
     # ------------------------------------------------------------ background
 
@@ -207,6 +232,8 @@ class DirectoryLink:
         )
 
     def _reached(self) -> None:
+        self._answering.set()
+        self._answered_at = time.monotonic()
         if not self.reachable:
             if self.registered.is_set():
                 log.info("directory reachable again", extra={"fields": {"directory": self.address}})
@@ -217,7 +244,7 @@ class DirectoryLink:
             await self._list_nodes()
         if force or versions.jobs != self._versions.jobs:
             jobs = await self.stub.ListJobs(jpb.ListJobsRequest(), timeout=CALL_TIMEOUT_SECONDS)
-            self.jobs = {j.spec.job_id: j for j in jobs.jobs}
+            self.jobs = {j.spec.job_id: self._held_epoch(j) for j in jobs.jobs}
         if force or versions.datasets != self._versions.datasets:
             await self._datasets_changed()
         self._versions = versions
@@ -284,14 +311,102 @@ class DirectoryLink:
         return job
 
     async def join_job(self, request: jpb.JoinJobRequest) -> jpb.Job:
-        job = await self._call(self.stub.JoinJob(request, timeout=CALL_TIMEOUT_SECONDS))
+        job = self._held_epoch(await self._call(self.stub.JoinJob(request, timeout=CALL_TIMEOUT_SECONDS)))
         self.jobs[job.spec.job_id] = job
         return job
 
-    async def report_epoch(self, request: jpb.ReportEpochRequest) -> jpb.Job:
-        job = await self._call(self.stub.ReportEpoch(request, timeout=CALL_TIMEOUT_SECONDS))
-        self.jobs[job.spec.job_id] = job
+    async def enter_epoch(self, job_id: str, epoch: int) -> jpb.Job:
+        """This node's ranks entered ``epoch``: this node's copy of the job
+        moves there now and the directory is told when it answers (:meth:`send_reports`).
+
+        The bound on epochs ahead is checked on this node's copy, which may
+        lag the job (other nodes' reports reach it only in the directory's
+        answers): an epoch it refuses is asked of the directory, which decides.
+
+        Raises:
+            UnknownJobError: neither this node nor the directory knows the job.
+            DirectoryUnavailableError: this node has no copy and the directory does not answer.
+            EpochTooFarError: see :func:`~dataquay.client.jobs.check_epoch_ahead`.
+        """
+        job = await self.job(job_id)
+        try:
+            check_epoch_ahead(job_id, job.spec.mode, epoch, job.epoch)
+        except EpochTooFarError:
+            if not self.reachable:
+                raise
+            request = jpb.ReportEpochRequest(job_id=job_id, epoch=epoch, node=self._node_info().name)
+            job = await self._call(self.stub.ReportEpoch(request, timeout=CALL_TIMEOUT_SECONDS))
+        job = self.jobs[job_id] = entered(job, epoch)
+        self.reports.add(job_id, epoch)
         return job
+
+    async def told(self, job: jpb.Job, epoch: int) -> jpb.Job:
+        """The directory's answer to this node's report of ``epoch`` of ``job``,
+        when the directory answers within REPORT_WAIT_SECONDS; ``job`` (this
+        node's copy) when it does not, or missed its last heartbeats.
+
+        Raises:
+            DataquayError: the directory refused the report (the job dropped there).
+        """
+        # A directory that missed its last heartbeats is not waited for: it
+        # may be stopped, and calls to it then last their whole deadline.
+        if time.monotonic() - self._answered_at > 2 * self._heartbeat_seconds + DATAGRAM_WAIT_SECONDS:
+            return job
+        job_id = job.spec.job_id
+        answer = self.reports.wait_for(job_id, epoch)
+        try:
+            told = await asyncio.wait_for(asyncio.shield(answer), REPORT_WAIT_SECONDS)
+        except TimeoutError:
+            return job
+        finally:
+            self.reports.stop_waiting(job_id, answer)
+        if isinstance(told, DataquayError):
+            raise told
+        return told
+
+    async def send_reports(self) -> None:
+        """Tells the directory the epochs this node's ranks entered, until
+        cancelled; while it does not answer, the reports wait for the next
+        answer the heartbeats get."""
+        while True:
+            await self.reports.queued.wait()
+            if not self.reachable:
+                self._answering.clear()
+                await self._answering.wait()
+            for job_id, epoch in self.reports.pending():
+                if not await self._report(job_id, epoch):
+                    self._answering.clear()
+                    await self._answering.wait()
+                    break
+
+    async def _report(self, job_id: str, epoch: int) -> bool:
+        """Sends one report; False when the directory does not answer (it stays queued)."""
+        request = jpb.ReportEpochRequest(job_id=job_id, epoch=epoch, node=self._node_info().name)
+        try:
+            job = await self._call(self.stub.ReportEpoch(request, timeout=CALL_TIMEOUT_SECONDS))
+        except DirectoryUnavailableError:
+            return False
+        except DataquayError as exc:
+            log.warning("the directory refused an epoch this node's ranks entered",
+                        extra={"fields": {"job": job_id, "epoch": epoch, "error": str(exc)}})
+            self.reports.answered(job_id, epoch, exc)
+            return True
+        job = self._held_epoch(job)
+        if job_id in self.jobs:
+            self.jobs[job_id] = job
+        self.reports.answered(job_id, epoch, job)
+        return True
+
+    def _held_epoch(self, job: jpb.Job) -> jpb.Job:
+        """The directory's copy of a job, at the epoch this node holds when
+        that is later (a report not yet told): a job's epoch never goes back
+        here. A job created again under its id is taken as it comes."""
+        held = self.jobs.get(job.spec.job_id)
+        if held is None or held.created_unix != job.created_unix or not held.started:
+            return job
+        if held.epoch <= job.epoch and job.started:
+            return job
+        return entered(job, held.epoch)
 
     async def dataset(self, name: str) -> tuple[pb.DatasetInfo, bytes]:
         """The dataset's record and manifest bytes, from the directory."""
