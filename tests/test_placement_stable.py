@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dataquay.client.job_settings import JobSettings
-from dataquay.client.placement import JobPlan, initial_owners, owners
+from dataquay.client.placement import JobPlan, initial_owners, moves, owners, reform
 
 #: Many samples per canonical partition, as a real dataset has.
 SAMPLES = 1_000_000
@@ -98,3 +98,33 @@ def test_plans_name_as_many_nodes_as_they_count() -> None:
     with pytest.raises(ValueError, match="num_nodes is 3 but the settings name 2 nodes"):
         JobPlan(JobSettings(nodes=("a", "b")), 10, 3)
     assert np.array_equal(initial_owners(1000, 4), initial_owners(1000, ["0", "1", "2", "3"]))
+
+
+@pytest.mark.parametrize("change", ["leave", "join"])
+def test_a_partial_job_re_formed_mid_run_moves_about_one_mth_then_exchanges_as_before(change: str) -> None:
+    m, epoch = 16, 3
+    names = node_set(m, 11)
+    before = plan_on(names, "partial")
+    after = plan_on(names[1:] if change == "leave" else [*names, "zz-spare"], "partial")
+    held = owners(before, epoch)
+    reformed = reform(before, after, epoch, held)
+    was, now = np.array(before.nodes)[held], np.array(after.nodes)[reformed]
+    moved = was != now
+    assert moved.mean() <= SLACK / min(m, len(after.nodes))
+    if change == "leave":
+        assert np.array_equal(moved, was == names[0])  # the departed share moves, nothing else
+    else:
+        assert np.all(now[moved] == "zz-spare")  # only the spare takes, from every node
+        assert len(np.unique(was[moved])) == m
+    loads = np.bincount(reformed, minlength=len(after.nodes))
+    assert loads.max() <= 1.02 * SAMPLES / len(after.nodes) and loads.min() >= 0.98 * SAMPLES / len(after.nodes)
+    # The exchange steps on from the re-formed owners, keeping each node's count.
+    stepped = owners(after, epoch + 1, previous=reformed)
+    assert np.array_equal(np.bincount(stepped, minlength=len(after.nodes)), loads)
+    assert len(moves(after, epoch + 1, previous=reformed).ids) > 0
+
+
+def test_a_re_formed_job_keeps_its_samples_and_mode() -> None:
+    names = node_set(4, 0)
+    with pytest.raises(ValueError, match="keeps its samples and mode: 1000000 samples in mode partial"):
+        reform(plan_on(names, "partial"), plan_on(names, "global"), 1)

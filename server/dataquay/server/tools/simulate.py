@@ -40,7 +40,8 @@ the PFS. The model:
   holder is still up comes from it over the network; one whose holder left
   is read from the PFS by its new holder in that epoch and cached, so the
   PFS reads no more of it after. Modes whose owners move (``partial``)
-  re-deal their exchange on a new node set, which the model refuses.
+  keep their history (:func:`~dataquay.client.placement.reform`) and
+  exchange on from it; a coded exchange is not modelled across a change.
 - The estimate (:func:`estimate`) takes per-node training, aggregate PFS and
   per-node network rates. Reads of ``global`` and ``locality`` sit on the
   critical path, so an epoch lasts as long as its slowest term. The exchange
@@ -66,6 +67,7 @@ from dataquay.client.placement import (
     locality_epoch,
     moves,
     owners,
+    reform,
     rank_length,
 )
 from dataquay.server.node.exchange.coding import SCHEMES
@@ -129,11 +131,8 @@ class Scenario:
                 continue
             if at < 1:
                 raise ValueError(f"{name} must be an epoch after staging (1 or more), not {at}")
-            if MODES[plan.settings.mode].owners_move:
-                raise ValueError(
-                    f"{name} needs a mode whose owners stay (global, local, locality): mode "
-                    f"{plan.settings.mode} re-deals its exchange on a new node set"
-                )
+            if self.exchange_coding != "none":
+                raise ValueError(f"{name} is not modelled with exchange_coding {self.exchange_coding}: use none")
         if self.leave_at is not None and plan.num_nodes < 2:
             raise ValueError("leave_at needs at least 2 nodes: the job must keep one")
 
@@ -334,12 +333,13 @@ def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
 
 
 def _reform(before: JobPlan, after: JobPlan, current: np.ndarray, epoch: int) -> tuple[np.ndarray, Moves]:
-    """The owners of ``epoch`` on ``after``'s nodes, and the samples whose holder changed:
-    their source indexes ``after``'s nodes (-1 where the holder left), their target too."""
+    """The owners on ``after``'s nodes of the epoch before ``epoch`` (which ``current``
+    holds), and the samples whose holder changed: their source indexes
+    ``after``'s nodes (-1 where the holder left), their target too."""
     index = {name: node for node, name in enumerate(after.nodes)}
     survivor = np.array([index.get(name, -1) for name in before.nodes], dtype=np.int32)
     old = survivor[current]
-    new = owners(after, epoch)
+    new = reform(before, after, epoch - 1, current)
     ids = np.flatnonzero(old != new).astype(np.int64)
     return new, Moves(ids, old[ids], new[ids])
 
