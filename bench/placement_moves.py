@@ -66,8 +66,8 @@ def trial_rows(m: int, trial: int, samples: int) -> list[dict[str, object]]:
         rows.append({
             "nodes": m, "trial": trial, "change": change,
             "ideal_fraction": ideal, "moved_fraction": moved, "moved_over_ideal": moved / ideal,
-            "moved_bytes": int(round(moved * samples)) * SAMPLE_BYTES,
-            "ideal_bytes": int(round(ideal * samples)) * SAMPLE_BYTES,
+            "moved_bytes": round(moved * samples) * SAMPLE_BYTES,
+            "ideal_bytes": round(ideal * samples) * SAMPLE_BYTES,
             "index_blocks_fraction": blocks, "index_blocks_over_ideal": blocks / ideal,
             "share_max_over_mean": float(loads.max() / loads.mean()),
             "share_min_over_mean": float(loads.min() / loads.mean()),

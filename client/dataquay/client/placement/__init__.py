@@ -15,7 +15,8 @@ cache holds each sample. Its initial partition (:func:`initial_owners`,
 ``locality``'s batch balancer in :mod:`.balance`) then says who owns what in
 each epoch and what each rank reads, which the parties ask through
 :mod:`.epochs`. Placement hashes node names (:mod:`.rendezvous`), so a job
-re-formed on another node set (:func:`reform`) moves about 1/M of its samples. ``partial``'s q reads two ways (:mod:`.exchange_q`).
+re-formed on another node set (:func:`reform`) moves about 1/M of its
+samples. ``partial``'s q reads two ways (:mod:`.exchange_q`).
 """
 
 from dataquay.client.placement.epochs import (

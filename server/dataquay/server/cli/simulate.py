@@ -206,7 +206,8 @@ def _row(entry: dict[str, Any], coding_column: bool, change_columns: bool) -> li
     sent, received = entry["sent_bytes_per_node"], entry["received_bytes_per_node"]
     row: list[object] = [
         entry["epoch"],
-        *([entry["nodes"], format_bytes(entry["moved_bytes"]), f"{entry['moved_percent']:.2f}"] if change_columns else []),
+        *([entry["nodes"], format_bytes(entry["moved_bytes"]), f"{entry['moved_percent']:.2f}"]
+          if change_columns else []),
         format_bytes(entry["network_bytes"]),
         f"{entry['network_percent']:.2f}",
         format_bytes(entry["pfs_bytes"]),

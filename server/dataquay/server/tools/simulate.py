@@ -67,8 +67,8 @@ from dataquay.client.placement import (
     locality_epoch,
     moves,
     owners,
-    reform,
     rank_length,
+    reform,
 )
 from dataquay.server.node.exchange.coding import SCHEMES
 from dataquay.server.planning.capacity import exchange_reserve, stored_bytes
