@@ -12,10 +12,10 @@ more partitions than nodes these stay a small fraction of 1/M
 (``bench/placement_moves.py``).
 
 The matching is a deferred acceptance: partitions propose to nodes in their
-ranking order, and each node keeps its highest-weight proposals that fit. The
-result is the unique stable matching of the weights, so it depends on the
-node set and the sizes only, not on any order of computation; every party
-computes the same one.
+ranking order, and each node keeps its highest-weight proposals that fit.
+Where partitions have one size this is the unique stable matching of the
+weights; in any case each round is a function of the weights, the sizes and
+the node names alone, so every party computes the same one.
 """
 
 from __future__ import annotations
@@ -68,16 +68,15 @@ def _weights(parts: np.ndarray, nodes: np.ndarray) -> np.ndarray:
     return _mix(parts[:, None] ^ nodes[None, :]) | np.uint64(1)
 
 
-def _top_choices(keys: np.ndarray, nodes: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each partition's ``depth`` heaviest nodes, heaviest first: (node, weight), each partitions x depth.
-
-    Hashed once: nearly every partition settles within its first few choices.
-    """
+def _top_choices(keys: np.ndarray, nodes: np.ndarray, below: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each partition's ``depth`` heaviest nodes of weight under its ``below``, heaviest
+    first: (node, weight), each partitions x depth; weight 0 past its last node."""
     rows = max(1, _CHUNK_CELLS // len(nodes))
     choices = np.empty((len(keys), depth), dtype=np.intp)
     weights = np.empty((len(keys), depth), dtype=np.uint64)
     for start in range(0, len(keys), rows):
         block = _weights(keys[start : start + rows], nodes)
+        block[block >= below[start : start + rows, None]] = _EXHAUSTED
         top = np.argpartition(block, len(nodes) - depth, axis=1)[:, len(nodes) - depth :]
         heavy = np.take_along_axis(block, top, axis=1)
         order = np.argsort(heavy, axis=1)[:, ::-1]
@@ -86,62 +85,107 @@ def _top_choices(keys: np.ndarray, nodes: np.ndarray, depth: int) -> tuple[np.nd
     return choices, weights
 
 
-def _next_below(keys: np.ndarray, nodes: np.ndarray, below: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each partition's heaviest node of weight under its ``below``: (node, weight);
-    weight 0 where it has proposed to every node."""
-    block = _weights(keys, nodes)
-    block[block >= below[:, None]] = _EXHAUSTED
-    choice = block.argmax(axis=1)
-    return choice, block[np.arange(len(block)), choice]
+def _first_choices(keys: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each partition's heaviest node: (node, weight)."""
+    rows = max(1, _CHUNK_CELLS // len(nodes))
+    choice = np.empty(len(keys), dtype=np.intp)
+    weight = np.empty(len(keys), dtype=np.uint64)
+    for start in range(0, len(keys), rows):
+        block = _weights(keys[start : start + rows], nodes)
+        choice[start : start + rows] = block.argmax(axis=1)
+        weight[start : start + rows] = np.take_along_axis(block, choice[start : start + rows, None], axis=1)[:, 0]
+    return choice, weight
 
 
-def _let_go(holder: np.ndarray, weight: np.ndarray, sizes: np.ndarray, nodes: np.ndarray, room: int) -> np.ndarray:
-    """The partitions that ``nodes`` let go: each keeps its heaviest holdings while they fit in ``room``.
+class _Matching:
+    """The deferred acceptance in progress: who holds each partition, and each node's fill.
 
-    A node keeps a prefix of its holdings by weight, the same whatever the
-    order in which proposals came.
+    Partitions propose in rounds, each to its heaviest node not yet asked;
+    each asked node keeps its heaviest proposals while they fit in its room
+    (a prefix of its holdings by weight, whatever the order proposals came
+    in), and the let go propose again. A partition skips, within its round,
+    every node that would surely let it go (full, and holding only heavier
+    partitions): the outcome is the same, and the last partitions, which
+    would bounce between full nodes for a round per node, settle in a few.
     """
-    asked = np.zeros(int(holder.max()) + 2, dtype=bool)  # the last entry answers for holder -1
-    asked[nodes] = True
-    held = np.flatnonzero(asked[holder])
-    if not len(held):
-        return held
-    held = held[np.lexsort((~weight[held], holder[held]))]  # by node, heaviest first
-    filled = np.cumsum(sizes[held])
-    node_of = holder[held]
-    starts = np.flatnonzero(np.r_[True, node_of[1:] != node_of[:-1]])
-    offsets = np.repeat((filled - sizes[held])[starts], np.diff(np.r_[starts, len(held)]))
-    return held[filled - offsets > room]
+
+    def __init__(self, keys: np.ndarray, nodes: np.ndarray, sizes: np.ndarray, room: int) -> None:
+        self.keys, self.nodes, self.sizes, self.room = keys, nodes, sizes, room
+        self.depth = min(_DEPTH, len(nodes))
+        # Each row starts with the first choice alone, in its last column: most
+        # partitions never need a second, and an argmax costs a fraction of a sort.
+        self.choices = np.zeros((len(keys), self.depth), dtype=np.intp)
+        self.weights = np.zeros((len(keys), self.depth), dtype=np.uint64)
+        self.choices[:, -1], self.weights[:, -1] = _first_choices(keys, nodes)
+        self.asked = np.full(len(keys), self.depth - 1, dtype=np.intp)  # choices of its row each used
+        self.holder = np.full(len(keys), -1, dtype=np.intp)
+        self.weight = np.zeros(len(keys), dtype=np.uint64)
+        empty = sizes == 0
+        self.holder[empty] = 0  # an empty partition holds nothing anywhere; node 0 names it
+        self.weight[empty] = np.iinfo(np.uint64).max
+        self.loads = np.zeros(len(nodes), dtype=np.int64)
+        self.lightest = np.full(len(nodes), np.iinfo(np.uint64).max, dtype=np.uint64)
+
+    def round(self, parts: np.ndarray) -> np.ndarray:
+        """``parts`` propose; returns what the nodes they asked let go."""
+        parts = self._propose(parts)
+        let_go = self._let_go(np.unique(self.holder[parts]))
+        self.holder[let_go] = -1
+        return let_go
+
+    def _propose(self, parts: np.ndarray) -> np.ndarray:
+        """Moves each of ``parts`` to its next node that may keep it; returns those that found one."""
+        placed = []
+        while len(parts):
+            used = self.asked[parts] == self.depth
+            if used.any():
+                self._refill(parts[used])
+            at = self.asked[parts]
+            node, weight = self.choices[parts, at], self.weights[parts, at]
+            self.asked[parts] += 1
+            live = weight != _EXHAUSTED
+            parts, node, weight = parts[live], node[live], weight[live]
+            sure_no = (weight < self.lightest[node]) & (self.loads[node] + self.sizes[parts] > self.room)
+            ask = parts[~sure_no]
+            self.holder[ask], self.weight[ask] = node[~sure_no], weight[~sure_no]
+            placed.append(ask)
+            parts = parts[sure_no]
+        return np.concatenate(placed) if placed else parts
+
+    def _refill(self, parts: np.ndarray) -> None:
+        """The next choices of partitions that used their row: those lighter than the last."""
+        last = self.weights[parts, self.depth - 1]
+        self.choices[parts], self.weights[parts] = _top_choices(self.keys[parts], self.nodes, last, self.depth)
+        self.asked[parts] = 0
+
+    def _let_go(self, asked: np.ndarray) -> np.ndarray:
+        """What the ``asked`` nodes let go, updating their loads and lightest holdings."""
+        mask = np.zeros(len(self.nodes) + 1, dtype=bool)  # the last entry answers for holder -1
+        mask[asked] = True
+        held = np.flatnonzero(mask[self.holder])
+        if not len(held):
+            return held
+        held = held[np.lexsort((~self.weight[held], self.holder[held]))]  # by node, heaviest first
+        filled = np.cumsum(self.sizes[held])
+        node_of = self.holder[held]
+        starts = np.flatnonzero(np.r_[True, node_of[1:] != node_of[:-1]])
+        offsets = np.repeat((filled - self.sizes[held])[starts], np.diff(np.r_[starts, len(held)]))
+        over = filled - offsets > self.room
+        kept = held[~over]
+        self.loads[asked] = 0
+        np.add.at(self.loads, self.holder[kept], self.sizes[kept])
+        self.lightest[asked] = np.iinfo(np.uint64).max
+        np.minimum.at(self.lightest, self.holder[kept], self.weight[kept])
+        return held[over]
 
 
 def _deferred_acceptance(keys: np.ndarray, sizes: np.ndarray, nodes: np.ndarray, room: int) -> np.ndarray:
-    """Holder of each partition, or -1 where every node refused it.
-
-    Partitions propose in rounds, each to its heaviest node not yet asked;
-    each asked node keeps what fits (:func:`_let_go`); the let go propose again.
-    """
-    choices, weights = _top_choices(keys, nodes, min(_DEPTH, len(nodes)))
-    asked = np.zeros(len(keys), dtype=np.intp)  # how many of its top choices each partition used
-    holder = np.full(len(keys), -1, dtype=np.intp)
-    weight = np.zeros(len(keys), dtype=np.uint64)
+    """Holder of each partition, or -1 where every node refused it."""
+    matching = _Matching(keys, nodes, sizes, room)
     free = np.flatnonzero(sizes > 0)
-    holder[sizes == 0] = 0  # an empty partition holds nothing anywhere; node 0 names it
-    weight[sizes == 0] = np.iinfo(np.uint64).max
     while len(free):
-        cached = asked[free] < choices.shape[1]
-        listed = free[cached]
-        holder[listed] = choices[listed, asked[listed]]
-        weight[listed] = weights[listed, asked[listed]]
-        asked[listed] += 1
-        deep = free[~cached]
-        if len(deep):
-            holder[deep], weight[deep] = _next_below(keys[deep], nodes, weight[deep])
-            refused = weight[deep] == _EXHAUSTED
-            holder[deep[refused]] = -1
-            free = free[holder[free] >= 0]
-        free = _let_go(holder, weight, sizes, np.unique(holder[free]), room)
-        holder[free] = -1
-    return holder
+        free = matching.round(free)
+    return matching.holder
 
 
 def _place_refused(holder: np.ndarray, sizes: np.ndarray, nodes: np.ndarray) -> None:
