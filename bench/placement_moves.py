@@ -9,7 +9,8 @@ permutation cut into M blocks, node m owning block m of the sorted names),
 for M = 4, 16, 64, 256, ``TRIALS`` node sets each: the leaving node drawn at
 random, the spare named to sort last. Pure computation: no daemons, no I/O.
 Also reports the shares' balance (largest and smallest over the mean) and
-the CPU seconds one placement takes (each node set is new, so none is cached; CPU time moves less than wall time with the load of a shared machine).
+the CPU seconds one placement takes (each node set is new, so none is
+cached; CPU time moves less than wall time with a shared machine's load).
 """
 
 from __future__ import annotations
