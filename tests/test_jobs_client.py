@@ -27,7 +27,7 @@ from dataquay.client.job_settings import JobSettings
 from dataquay.client.jobs import job_plan, job_spec, join
 from dataquay.client.local import SharedLocalCache
 from dataquay.client.manifest import Manifest, ManifestWriter
-from dataquay.client.placement import JobPlan, owners, rank_length, rank_order
+from dataquay.client.placement import JobPlan, epoch_order, owners, rank_length, rank_order
 from dataquay.client.remote import RemoteReader
 from dataquay.client.sampler import JobSampler, Sampler
 from dataquay.client.stats import ReadStats
@@ -285,6 +285,39 @@ def test_a_job_sampler_refuses_the_state_of_another_job() -> None:
     state = JobSampler(job, job_plan(job, manifest), rank=0, world_size=4).state_dict()
     sampler = JobSampler(other, job_plan(other, manifest), rank=0, world_size=4)
     with pytest.raises(ValueError, match=re.escape("saved with job='run-1' but this sampler has job='run-2'")):
+        sampler.load_state_dict(state)
+
+
+def test_a_job_in_mode_global_resumes_on_another_world_size_in_the_same_order() -> None:
+    manifest = tar_manifest()
+    job = job_record(manifest)
+    plan = job_plan(job, manifest)
+    ranks = [JobSampler(job, plan, rank=r, world_size=4) for r in range(4)]
+    heads = []
+    for sampler in ranks:
+        sampler.set_epoch(2)
+        ids = iter(sampler)
+        heads.append([next(ids) for _ in range(3)])
+    state = json.loads(json.dumps(ranks[1].state_dict()))
+    wider = job_record(manifest, nodes=["n0", "n1", "n2"])
+    wider_plan = job_plan(wider, manifest)
+    resumed = [JobSampler(wider, wider_plan, rank=r, world_size=6) for r in range(6)]
+    for sampler in resumed:
+        sampler.load_state_dict(state)
+        sampler.set_epoch(2)
+    tails = [list(sampler) for sampler in resumed]
+    read = [i for step in zip(*heads) for i in step] + [i for step in zip(*tails) for i in step]
+    order = epoch_order(manifest.num_samples, job.spec.seed, 2).tolist()
+    assert read[: manifest.num_samples] == order
+
+
+def test_a_job_that_deals_each_node_its_own_samples_refuses_a_state_of_another_world() -> None:
+    manifest = tar_manifest()
+    job = job_record(manifest, mode="local")
+    state = JobSampler(job, job_plan(job, manifest), rank=0, world_size=4).state_dict()
+    wider = job_record(manifest, mode="local", nodes=["n0", "n1", "n2"])
+    sampler = JobSampler(wider, job_plan(wider, manifest), rank=0, world_size=6)
+    with pytest.raises(ValueError, match="mode local deals each node its own samples"):
         sampler.load_state_dict(state)
 
 

@@ -250,3 +250,47 @@ def test_simulate_reports_the_coded_load_and_when_coding_cannot_pay() -> None:
     assert [c["coded"]["bytes"] for c in codings] == [e["network_bytes"] for e in doc["epochs"][1:]]
     table = run_cli(*args)
     assert "so there is nothing to code against" in table.stdout
+
+
+def changed_scenario(mode: str, **change: int) -> Scenario:
+    q = 0.1 if mode == "partial" else 0.0
+    settings = JobSettings(mode=mode, q=q, seed=7, batch_size=BATCH, ranks_per_node=RANKS_PER_NODE)
+    return Scenario(JobPlan(settings, 200_000, NODES), SAMPLE_BYTES, **change)
+
+
+@pytest.mark.parametrize("mode", ["global", "local", "locality", "partial"])
+def test_a_node_lost_moves_its_share_once_from_the_pfs_and_little_else(mode: str) -> None:
+    sc = changed_scenario(mode, leave_at=2)
+    epochs = list(simulate(sc, 4))
+    assert [len(e.sent) for e in epochs] == [NODES, NODES, NODES - 1, NODES - 1]
+    share = int((owners(sc.plan, 1) == 0).sum()) * SAMPLE_BYTES
+    lost = epochs[2]
+    assert lost.pfs_bytes == share  # the lost node's share, read once by its new holders
+    assert share <= lost.moved_bytes <= 1.3 * sc.dataset_bytes / NODES
+    assert [e.pfs_bytes for e in epochs[3:]] == [0] and epochs[3].moved_bytes == 0
+
+
+@pytest.mark.parametrize("mode", ["global", "local", "locality", "partial"])
+def test_a_node_joined_takes_about_one_mth_from_peers_not_the_pfs(mode: str) -> None:
+    sc = changed_scenario(mode, join_at=1)
+    epochs = list(simulate(sc, 3))
+    joined = epochs[1]
+    assert len(joined.sent) == NODES + 1 and joined.pfs_bytes == 0
+    assert 0.99 / (NODES + 1) <= joined.moved_bytes / sc.dataset_bytes <= 1.3 / (NODES + 1)
+    if mode == "local":  # no reads from peers: the network carries the move alone
+        assert joined.network_bytes == joined.moved_bytes
+    if mode == "partial":  # the move, then the exchange before epoch 1, about q(1 - 1/M)
+        assert joined.network_bytes / sc.dataset_bytes == pytest.approx(
+            joined.moved_bytes / sc.dataset_bytes + 0.1 * NODES / (NODES + 1), abs=0.01
+        )
+
+
+def test_node_changes_print_the_bytes_moved_and_refuse_a_coded_exchange() -> None:
+    done = run_cli(*cli_args("local", "--epochs", "3", "--leave-at", "1", "--join-at", "2", "--json"))
+    assert done.returncode == 0, done.stderr
+    epochs = json.loads(done.stdout)["epochs"]
+    assert [e["nodes"] for e in epochs] == [NODES, NODES - 1, NODES]
+    assert epochs[0]["moved_bytes"] == 0 and all(0 < e["moved_percent"] < 130 / NODES for e in epochs[1:])
+    refused = run_cli(*cli_args("partial", "--q", "0.1", "--leave-at", "1", "--exchange-coding", "coded"))
+    assert refused.returncode == 1
+    assert refused.stderr.strip() == "dataquay: error: --leave-at is not modelled with exchange_coding coded: use none"

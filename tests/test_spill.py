@@ -15,7 +15,7 @@ KiB = 1 << 10
 
 def _job(num_samples: int = 400, nodes: int = 4, seed: int = 7) -> tuple[np.ndarray, np.ndarray]:
     sizes = np.random.default_rng(seed).integers(3 * KiB, 20 * KiB, num_samples)
-    return initial_owners(num_samples, nodes, seed), sizes
+    return initial_owners(num_samples, nodes), sizes
 
 
 def _shares(owners: np.ndarray, sizes: np.ndarray, nodes: int) -> list[int]:
@@ -89,7 +89,7 @@ def test_a_cache_too_small_for_one_sample_holds_nothing() -> None:
 def test_holders_are_deterministic_and_within_every_capacity(
     num_samples: int, nodes: int, seed: int, capacities: list[int]
 ) -> None:
-    owners = initial_owners(num_samples, nodes, seed)
+    owners = initial_owners(num_samples, nodes)
     sizes = np.random.default_rng(seed).integers(1, 16 * KiB, num_samples)
     capacities = capacities[:nodes]
     holders = spill_holders(owners, sizes, capacities, seed)

@@ -79,7 +79,9 @@ class FaultJob:
     def plan(self) -> JobPlan:
         mode_args = dict(zip(MODES[self.mode][::2], MODES[self.mode][1::2]))
         q = float(mode_args.get("--q", 0.0))
-        settings = JobSettings(mode=self.mode, q=q, seed=SEED, ranks_per_node=RANKS_PER_NODE)
+        # The job's record names its dataset and nodes, which placement hashes.
+        settings = JobSettings(dataset=DATASET, mode=self.mode, q=q, seed=SEED, ranks_per_node=RANKS_PER_NODE,
+                               nodes=tuple(node_name(i) for i in range(NODES)))
         return JobPlan(settings, SAMPLES, NODES)
 
     def stage_command(self) -> list[str]:

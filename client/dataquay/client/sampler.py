@@ -20,11 +20,13 @@ from dataquay.client.jobs import check_epoch_ahead
 from dataquay.client.placement import (
     MODES,
     JobPlan,
+    epoch_order,
     node_of_rank,
     owners,
     rank_indices,
     rank_length,
     rank_order,
+    rank_split,
     samples_per_rank,
 )
 from dataquay.protos import jobs_pb2 as jpb
@@ -91,6 +93,9 @@ class Sampler:
         #: Ids of the current epoch yielded by iteration; 0 again once an
         #: epoch's iteration completes.
         self.position = 0
+        # Ids of the current epoch's job-wide order that ranks read before
+        # a resume on another world size; the rest is dealt over this one.
+        self._start = 0
         # A restored position that the next iteration starts from.
         self._resuming = False
 
@@ -109,14 +114,18 @@ class Sampler:
         if not (self._resuming and epoch == self.epoch):
             self.position = 0
             self._resuming = False
+            self._start = 0
         self.epoch = epoch
 
     def state_dict(self, consumed: int | None = None) -> dict[str, int | str]:
-        """The cursor a checkpoint saves: ``epoch``, ``position`` and this sampler's identity.
+        """The cursor a checkpoint saves: ``epoch``, ``position``, ``consumed`` and this sampler's identity.
 
-        The identity (``num_samples``, ``world_size``, ``rank``, ``seed``,
-        ``shuffle``, ``drop_last``, as ints) lets :meth:`load_state_dict`
-        refuse a restore whose order would differ. Plain ints and strings, so
+        ``consumed`` counts the ids of the epoch's job-wide order that the
+        job's ranks read, all of them stepping together: what a resume on
+        another world size starts from. The identity (``num_samples``,
+        ``world_size``, ``rank``, ``seed``, ``shuffle``, ``drop_last``, as
+        ints) lets :meth:`load_state_dict` refuse a restore whose order
+        would differ. Plain ints and strings, so
         it survives json as well as ``torch.save``. A state saved after an
         epoch's iteration completed reads position 0 of that epoch: the
         trainer's next :meth:`set_epoch` starts the next one.
@@ -138,37 +147,56 @@ class Sampler:
             if not 0 <= consumed <= len(self):
                 raise ValueError(f"consumed={consumed} is outside the {len(self)} ids of rank {self.rank}'s epoch")
             position = consumed if consumed < len(self) else 0
-        return {"epoch": self.epoch, "position": position, **self._identity()}
+        consumed = self._start + position * self.world_size
+        return {"epoch": self.epoch, "position": position, "consumed": consumed, **self._identity()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resumes at a cursor from :meth:`state_dict` of a sampler built with the same settings.
+        """Resumes at a cursor from :meth:`state_dict` of a sampler with the same order.
 
         The next iteration yields the saved epoch's order from ``position``
-        on; the epochs after it start at 0.
+        on; the epochs after it start at 0. A state saved by a rank of
+        another world size (or another rank) resumes the job, not the rank:
+        the epoch's job-wide order is the same (a function of the seed and
+        the epoch), so the ids its ranks had not read (from ``consumed`` on)
+        are dealt over this world's ranks, each read once, and the epochs
+        after it are dealt as usual. Ranks step together, so any rank's
+        state names the same ``consumed``.
 
         Raises:
-            ValueError: a field is missing, an identity field differs from
-                this sampler's (named in the message), or the cursor is not
-                inside an epoch of this rank.
+            ValueError: a field is missing, a field that fixes the order
+                differs from this sampler's (named in the message), or the
+                cursor is not inside the saved epoch.
         """
-        for field, mine in self._identity().items():
-            if field not in state:
-                raise ValueError(f"sampler state has no {field!r}; pass a dict from state_dict()")
-            if state[field] != mine:
+        order, dealing = self._identity(), {"world_size": self.world_size, "rank": self.rank}
+        for field, mine in order.items():
+            if field not in dealing and field in state and state[field] != mine:
                 raise ValueError(
                     f"sampler state was saved with {field}={state[field]!r} but this sampler has "
                     f"{field}={mine!r}; restore it into a sampler built with the same settings"
                 )
-        for field in ("epoch", "position"):
-            if not isinstance(state.get(field), int) or state[field] < 0:
-                raise ValueError(f"sampler state needs a non-negative int {field}, not {state.get(field)!r}")
-        if state["position"] > len(self):
+        for field in ("epoch", "position", *order):
+            if field not in state:
+                raise ValueError(f"sampler state has no {field!r}; pass a dict from state_dict()")
+        for field in ("epoch", "position", "world_size", "consumed"):
+            if field in state and (not isinstance(state[field], int) or state[field] < 0):
+                raise ValueError(f"sampler state needs a non-negative int {field}, not {state[field]!r}")
+        consumed = state.get("consumed", state["position"] * state["world_size"])
+        if all(state[field] == mine for field, mine in dealing.items()):
+            # The rank's own cursor; ``consumed`` adds where a resumed epoch's dealing began.
+            start, position = max(0, consumed - state["position"] * self.world_size), state["position"]
+        else:
+            start, position = consumed, 0
+        if not 0 <= start <= self.num_samples:
             raise ValueError(
-                f"sampler state position {state['position']} is past the {len(self)} ids of "
+                f"sampler state consumed {consumed} ids at position {state['position']}: not inside "
+                f"the {self.num_samples} ids of the epoch"
+            )
+        if position > self._epoch_length(start):
+            raise ValueError(
+                f"sampler state position {position} is past the {self._epoch_length(start)} ids of "
                 f"rank {self.rank}'s epoch"
             )
-        self.epoch = state["epoch"]
-        self.position = state["position"]
+        self._start, self.epoch, self.position = start, state["epoch"], position
         self._resuming = True
 
     def _identity(self) -> dict[str, int | str]:
@@ -184,12 +212,16 @@ class Sampler:
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
         """This rank's ids for ``epoch`` (default: the current one), in reading order (int64)."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._start and epoch == self.epoch:
+            rest = epoch_order(self.num_samples, self.seed, epoch, self.shuffle)[self._start :]
+            return rank_split(rest, self.rank, self.world_size, self.drop_last)
         return rank_indices(
             self.num_samples,
             self.rank,
             self.world_size,
             seed=self.seed,
-            epoch=self.epoch if epoch is None else epoch,
+            epoch=epoch,
             shuffle=self.shuffle,
             drop_last=self.drop_last,
         )
@@ -212,7 +244,11 @@ class Sampler:
         self.position = 0
 
     def __len__(self) -> int:
-        return samples_per_rank(self.num_samples, self.world_size, self.drop_last)
+        return self._epoch_length(self._start)
+
+    def _epoch_length(self, start: int) -> int:
+        """Ids of the epoch for this rank, when its ranks read from ``start`` of the job-wide order."""
+        return samples_per_rank(self.num_samples - start, self.world_size, self.drop_last)
 
     def __repr__(self) -> str:
         return (
@@ -329,9 +365,30 @@ class JobSampler(Sampler):
     def _identity(self) -> dict[str, int | str]:
         return {**super()._identity(), "job": self.job_id}
 
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """As :meth:`Sampler.load_state_dict`; a state of another world size
+        resumes only in mode ``global``, whose order is the job-wide one.
+
+        Raises:
+            ValueError: as :meth:`Sampler.load_state_dict`, or a state of
+                another world size or rank in a mode that deals each node
+                its own samples.
+        """
+        mode = self.plan.settings.mode
+        moved = state.get("world_size") != self.world_size or state.get("rank") != self.rank
+        if moved and mode != "global":
+            raise ValueError(
+                f"sampler state was saved by rank {state.get('rank')!r} of {state.get('world_size')!r}; "
+                f"mode {mode} deals each node its own samples, so only mode global resumes on another rank "
+                "or world size"
+            )
+        super().load_state_dict(state)
+
     def indices(self, epoch: int | None = None) -> np.ndarray:
         """This rank's ids for ``epoch`` (default: the current one), in reading order (int64)."""
         epoch = self.epoch if epoch is None else epoch
+        if self._start and epoch == self.epoch:
+            return super().indices(epoch)  # mode global, resumed on another world size
         epoch_owners = self.owners(epoch) if MODES[self.plan.settings.mode].owners_move else None
         return rank_order(self.plan, epoch, self.rank, epoch_owners)
 
@@ -354,6 +411,8 @@ class JobSampler(Sampler):
 
     def __len__(self) -> int:
         # The same every epoch, and an O(N) computation in the node-local modes.
+        if self._start:
+            return self._epoch_length(self._start)
         if self._length is None:
             self._length = rank_length(self.plan)
         return self._length

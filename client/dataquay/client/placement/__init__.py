@@ -14,7 +14,9 @@ cache holds each sample. Its initial partition (:func:`initial_owners`,
 :mod:`.partition`) is cut once; a mode of :data:`MODES` (:mod:`.modes`, with
 ``locality``'s batch balancer in :mod:`.balance`) then says who owns what in
 each epoch and what each rank reads, which the parties ask through
-:mod:`.epochs`. ``partial``'s q reads two ways (:mod:`.exchange_q`).
+:mod:`.epochs`. Placement hashes node names (:mod:`.rendezvous`), so a job
+re-formed on another node set (:func:`reform`) moves about 1/M of its
+samples. ``partial``'s q reads two ways (:mod:`.exchange_q`).
 """
 
 from dataquay.client.placement.epochs import (
@@ -32,6 +34,7 @@ from dataquay.client.placement.epochs import (
     owners,
     rank_length,
     rank_order,
+    reform,
 )
 from dataquay.client.placement.exchange_q import drawn_fraction, leaving_fraction
 from dataquay.client.placement.modes import MODES, Mode, owned_ids
@@ -76,5 +79,6 @@ __all__ = [
     "rank_length",
     "rank_order",
     "rank_split",
+    "reform",
     "samples_per_rank",
 ]

@@ -1,4 +1,4 @@
-"""What the parties of a job ask of an epoch: owners, rank orders, moves, steps, balance.
+"""What the parties of a job ask of an epoch: owners, rank orders, moves, steps, balance, re-forming.
 
 Each answer validates its arguments and asks the job's mode
 (:data:`~dataquay.client.placement.modes.MODES`).
@@ -32,6 +32,52 @@ def owners(plan: JobPlan, epoch: int, previous: np.ndarray | None = None) -> np.
     if previous is not None and len(previous) != plan.num_samples:
         raise ValueError(f"previous owners have {len(previous)} entries for {plan.num_samples} samples")
     return MODES[plan.settings.mode].owners(plan, epoch, previous)
+
+
+def reform(before: JobPlan, after: JobPlan, epoch: int, previous: np.ndarray | None = None) -> np.ndarray:
+    """The owners of ``epoch`` on ``after``'s nodes, for a job re-formed there from ``before``'s (int32).
+
+    Modes whose owners stay take the stable placement on the new node set
+    (:func:`owners`), which moves about 1/M of the samples. Modes whose
+    owners move keep their history: every sample stays on its node if that
+    node is still in the job, unless the stable placement on the new set
+    gives it to a node that joined; a departed node's samples go where that
+    placement puts them. So a leave moves the departed share and a join the
+    newcomer's, each about 1/M, and the exchange steps on from the result
+    (pass it as ``previous`` to :func:`owners` of ``after`` for epoch + 1).
+
+    Args:
+        before: the job on its old node set.
+        after: the same job on its new one (same dataset, sizes and settings
+            but the nodes).
+        epoch: the epoch whose owners ``previous`` are.
+        previous: the owners of ``epoch`` under ``before``, if the caller
+            keeps them; else they are replayed.
+
+    Raises:
+        ValueError: a negative epoch, ``previous`` of the wrong length, or
+            plans of other sizes or modes.
+    """
+    check_epoch(epoch)
+    if (before.num_samples, before.settings.mode) != (after.num_samples, after.settings.mode):
+        raise ValueError(
+            f"a re-formed job keeps its samples and mode: {before.num_samples} samples in mode "
+            f"{before.settings.mode}, not {after.num_samples} in mode {after.settings.mode}"
+        )
+    if not MODES[after.settings.mode].owners_move:
+        return owners(after, epoch)
+    if previous is not None and len(previous) != before.num_samples:
+        raise ValueError(f"previous owners have {len(previous)} entries for {before.num_samples} samples")
+    held = owners(before, epoch) if previous is None else np.asarray(previous)
+    index = {name: node for node, name in enumerate(after.nodes)}
+    staying = np.array([index.get(name, -1) for name in before.nodes], dtype=np.int32)
+    current = staying[held]
+    placed = owners(after, 0)
+    old = set(before.nodes)
+    joined = [node for node, name in enumerate(after.nodes) if name not in old]
+    moving = (current < 0) | np.isin(placed, joined)
+    current[moving] = placed[moving]
+    return current
 
 
 def rank_order(plan: JobPlan, epoch: int, rank: int, epoch_owners: np.ndarray | None = None) -> np.ndarray:

@@ -74,7 +74,7 @@ class _StaticOwners:
 
     def owners(self, plan: JobPlan, epoch: int, previous: np.ndarray | None) -> np.ndarray:
         settings = plan.settings
-        return initial_owners(plan.num_samples, plan.num_nodes, settings.seed, settings.partition, plan.groups)
+        return initial_owners(plan.num_samples, plan.nodes, settings.partition, plan.groups, settings.dataset)
 
 
 class _Global(_StaticOwners):

@@ -1,16 +1,17 @@
 """A job's initial partition: which node's cache holds each sample in epoch 0.
 
-Cut once per job from its seed; the modes say how ownership moves from there.
+A function of the dataset and the names of the job's nodes, stable under a
+change of the node set; the modes say how ownership moves from there.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable
+from collections.abc import Sequence
 
 import numpy as np
 
 from dataquay.client.placement.orders import INITIAL_GROUPS_KEY, INITIAL_SAMPLES_KEY, keyed_generator
+from dataquay.client.placement.rendezvous import CANONICAL_PARTITIONS, dataset_key, place
 
 
 def check_groups(groups: np.ndarray | None, num_samples: int) -> np.ndarray:
@@ -32,70 +33,89 @@ def check_groups(groups: np.ndarray | None, num_samples: int) -> np.ndarray:
     return groups.astype(np.intp, copy=False)
 
 
-def _sample_blocks(num_samples: int, num_nodes: int, seed: int, groups: np.ndarray | None) -> np.ndarray:
-    """A seeded permutation cut into ``num_nodes`` blocks whose sizes differ by at most 1."""
-    order = keyed_generator(seed, INITIAL_SAMPLES_KEY).permutation(num_samples)
-    bounds = np.arange(num_nodes + 1, dtype=np.int64) * num_samples // num_nodes
-    owner = np.empty(num_samples, dtype=np.int32)
-    owner[order] = np.repeat(np.arange(num_nodes, dtype=np.int32), np.diff(bounds))
-    return owner
+def canonical_partitions(
+    num_samples: int, partition: str = "sample", groups: np.ndarray | None = None, dataset: str = ""
+) -> tuple[np.ndarray, np.ndarray]:
+    """The dataset's canonical partitions: (partition of each sample (intp), samples in each (int64)).
 
+    They depend on the dataset alone, never on the nodes or the job's seed,
+    so that every job on a dataset, on any node set, places the same units.
+    ``sample`` deals the samples, ``shard`` whole groups (``groups[i]`` is
+    sample i's group), over at most :data:`CANONICAL_PARTITIONS` partitions
+    in a seeded order, so that partition sizes differ by at most one sample
+    (``sample``) or one group's worth (``shard``).
 
-def _whole_groups(num_samples: int, num_nodes: int, seed: int, groups: np.ndarray | None) -> np.ndarray:
-    """Whole groups dealt to the least loaded node, largest first.
-
-    Dealing largest first keeps the loads within one group of each other (and
-    usually much closer); the seeded order of the groups breaks ties between
-    groups of one size, so each seed gives each node other shards.
+    Raises:
+        ValueError: an unknown partition, or ``groups`` missing or of the
+            wrong length for ``shard``.
     """
-    groups = check_groups(groups, num_samples)
-    sizes = np.bincount(groups)
-    shuffled = keyed_generator(seed, INITIAL_GROUPS_KEY).permutation(np.flatnonzero(sizes))
-    dealt = shuffled[np.argsort(-sizes[shuffled], kind="stable")]
-    loads = [(0, node) for node in range(num_nodes)]  # sorted, so already a heap
-    takers = []
-    for size in sizes[dealt].tolist():
-        load, node = loads[0]
-        takers.append(node)
-        heapq.heapreplace(loads, (load + size, node))
-    node_of_group = np.zeros(len(sizes), dtype=np.int32)
-    node_of_group[dealt] = takers
-    return node_of_group[groups]
+    if partition not in PARTITIONS:
+        raise ValueError(f"partition must be one of {', '.join(PARTITIONS)}, not {partition!r}")
+    key = dataset_key(dataset)
+    if partition == "shard":
+        groups = check_groups(groups, num_samples)
+        unit_of_sample, num_units, draw = groups, int(groups.max(initial=-1)) + 1, INITIAL_GROUPS_KEY
+    else:
+        unit_of_sample, num_units, draw = np.arange(num_samples, dtype=np.intp), num_samples, INITIAL_SAMPLES_KEY
+    num_partitions = min(num_units, CANONICAL_PARTITIONS)
+    part_of_unit = np.empty(num_units, dtype=np.intp)
+    part_of_unit[keyed_generator(key, draw).permutation(num_units)] = (
+        np.arange(num_units, dtype=np.int64) * num_partitions // max(num_units, 1)
+    )
+    part_of_sample = part_of_unit[unit_of_sample]
+    return part_of_sample, np.bincount(part_of_sample, minlength=num_partitions).astype(np.int64)
 
 
-_PARTITIONERS: dict[str, Callable[[int, int, int, np.ndarray | None], np.ndarray]] = {
-    "sample": _sample_blocks,
-    "shard": _whole_groups,
-}
-#: How a dataset is cut into the nodes' initial shares: single samples, or
-#: whole groups (a tar shard, an npy file, a class folder) that never split,
-#: so that each node reads only its own files from the PFS.
-PARTITIONS = tuple(_PARTITIONERS)
+#: How a dataset is cut into canonical partitions: single samples, or whole
+#: groups (a tar shard, an npy file, a class folder) that never split, so
+#: that each node reads only its own files from the PFS.
+PARTITIONS = ("sample", "shard")
+
+
+def node_names(nodes: int | Sequence[str]) -> tuple[str, ...]:
+    """The node names of ``nodes``: as given, or "0".."M-1" for a count M.
+
+    Raises:
+        ValueError: fewer than one node.
+    """
+    names = tuple(str(node) for node in range(nodes)) if isinstance(nodes, int) else tuple(nodes)
+    if not names:
+        raise ValueError(f"a job needs at least one node, not {nodes!r}")
+    return names
 
 
 def initial_owners(
     num_samples: int,
-    num_nodes: int,
-    seed: int,
+    nodes: int | Sequence[str],
     partition: str = "sample",
     groups: np.ndarray | None = None,
+    dataset: str = "",
 ) -> np.ndarray:
-    """The node (0..num_nodes-1) that owns each sample in epoch 0 (int32).
+    """The node (an index into ``nodes``) that holds each sample in epoch 0 (int32).
 
-    ``sample`` cuts a seeded permutation into balanced blocks: node m owns
-    block m. ``shard`` deals whole groups (``groups[i]`` is sample i's group:
-    its tar shard, npy file or folder) so that node loads stay within one group
-    of each other; it keeps each node's PFS reads to files of its own.
+    The dataset's canonical partitions (:func:`canonical_partitions`) go to
+    nodes by rendezvous hashing of their names with balanced shares
+    (:func:`~dataquay.client.placement.rendezvous.place`): every node holds
+    within one partition of N/M samples, and a node that leaves or joins
+    moves the holder of about 1/M of the samples, not a reshuffle. Only the
+    names matter: listing the same nodes in another order gives each sample
+    the same node.
+
+    Args:
+        num_samples: ids are 0..num_samples-1.
+        nodes: the node names, or their count M (names "0".."M-1").
+        partition: a key of :data:`PARTITIONS`.
+        groups: the group of every sample, for ``shard``.
+        dataset: the dataset's name, which keys its partitions.
 
     Raises:
-        ValueError: a negative size, fewer than one node, an unknown
+        ValueError: a negative size, no node, a node named twice, an unknown
             partition, or ``groups`` missing or of the wrong length for ``shard``.
     """
     if num_samples < 0:
         raise ValueError(f"num_samples must not be negative, not {num_samples}")
-    if num_nodes < 1:
-        raise ValueError(f"a job needs at least one node, not {num_nodes}")
-    partitioner = _PARTITIONERS.get(partition)
-    if partitioner is None:
-        raise ValueError(f"partition must be one of {', '.join(PARTITIONS)}, not {partition!r}")
-    return partitioner(num_samples, num_nodes, seed, groups)
+    names = node_names(nodes)
+    part_of_sample, sizes = canonical_partitions(num_samples, partition, groups, dataset)
+    if not num_samples:
+        return np.empty(0, dtype=np.int32)
+    return place(dataset_key(dataset), sizes, names)[part_of_sample]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dataquay.client.placement.orders import check_world
-from dataquay.client.placement.partition import check_groups
+from dataquay.client.placement.partition import check_groups, node_names
 
 if TYPE_CHECKING:
     from dataquay.client.job_settings import JobSettings
@@ -44,9 +44,16 @@ class JobPlan:
             raise ValueError(f"num_samples must not be negative, not {self.num_samples}")
         if self.num_nodes < 1:
             raise ValueError(f"num_nodes must be at least 1, not {self.num_nodes}")
+        if self.settings.nodes and len(self.settings.nodes) != self.num_nodes:
+            raise ValueError(f"num_nodes is {self.num_nodes} but the settings name {len(self.settings.nodes)} nodes")
         self.settings.check()
         if self.settings.partition == "shard":
             object.__setattr__(self, "groups", check_groups(self.groups, self.num_samples))
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The names placement hashes: the job's nodes, or "0".."M-1" where the settings name none."""
+        return self.settings.nodes or node_names(self.num_nodes)
 
     @property
     def world_size(self) -> int:

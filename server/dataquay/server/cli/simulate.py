@@ -42,6 +42,8 @@ _FLAGS = {
     "pfs_bandwidth": "--pfs-bandwidth",
     "network_bandwidth": "--network-bandwidth",
     "exchange_coding": "--exchange-coding",
+    "leave_at": "--leave-at",
+    "join_at": "--join-at",
 }
 _RATE_FLAGS = ("train_rate", "pfs_bandwidth", "network_bandwidth")
 
@@ -80,6 +82,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Scenario, Rates | None]:
             parse_size(args.sample_bytes, "--sample-bytes"),
             None if args.cache_bytes is None else parse_size(args.cache_bytes, "--cache-bytes"),
             args.exchange_coding,
+            args.leave_at,
+            args.join_at,
         )
         rates = None
         if given:
@@ -100,6 +104,9 @@ def _spread_json(s: Spread) -> dict[str, float]:
 def _epoch_json(scenario: Scenario, traffic: EpochTraffic, est: Estimate | None) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "epoch": traffic.epoch,
+        "nodes": len(traffic.sent),
+        "moved_bytes": traffic.moved_bytes,
+        "moved_percent": 100.0 * traffic.moved_bytes / scenario.dataset_bytes,
         "network_bytes": traffic.network_bytes,
         "network_percent": 100.0 * traffic.network_bytes / scenario.dataset_bytes,
         "pfs_bytes": traffic.pfs_bytes,
@@ -195,10 +202,12 @@ def _q_text(plan: JobPlan) -> str:
     )
 
 
-def _row(entry: dict[str, Any], coding_column: bool) -> list[object]:
+def _row(entry: dict[str, Any], coding_column: bool, change_columns: bool) -> list[object]:
     sent, received = entry["sent_bytes_per_node"], entry["received_bytes_per_node"]
     row: list[object] = [
         entry["epoch"],
+        *([entry["nodes"], format_bytes(entry["moved_bytes"]), f"{entry['moved_percent']:.2f}"]
+          if change_columns else []),
         format_bytes(entry["network_bytes"]),
         f"{entry['network_percent']:.2f}",
         format_bytes(entry["pfs_bytes"]),
@@ -234,7 +243,9 @@ def _print_report(scenario: Scenario, epochs: list[dict[str, Any]], room: JobRoo
         f"cache per node: {size_flag(room.need)} holds every share (the largest takes "
         f"{format_bytes(largest.share)} in LMDB{headroom}){given}\n"
     )
-    header = ["EPOCH", "NETWORK", "% DATA", "PFS", "SEND/NODE min/med/max", "RECV/NODE min/med/max", "BALANCE"]
+    changes = scenario.leave_at is not None or scenario.join_at is not None
+    header = ["EPOCH", *(["NODES", "MOVED", "% MOVED"] if changes else []),
+              "NETWORK", "% DATA", "PFS", "SEND/NODE min/med/max", "RECV/NODE min/med/max", "BALANCE"]
     if "imbalance_percent" in epochs[0]:
         header += ["IMB MED %", "IMB P90 %", "XFER MEAN", "XFER MAX"]
     if "estimate_s" in epochs[0]:
@@ -242,7 +253,7 @@ def _print_report(scenario: Scenario, epochs: list[dict[str, Any]], room: JobRoo
     coding = scenario.exchange_coding != "none"
     if coding:
         header += ["UNCODED", "CODED", "SAVED %"]
-    print_table([_row(entry, coding) for entry in epochs], header)
+    print_table([_row(entry, coding, changes) for entry in epochs], header)
     if coding:
         print(_coding_summary(scenario, epochs))
 
@@ -265,7 +276,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     if args.json:
         inputs = {name: getattr(args, name) for name in ("nodes", "ranks_per_node", "samples", "per_rank_batch",
                                                          "mode", "q", "q_leaving", "seed", "epochs",
-                                                         "exchange_coding")}
+                                                         "exchange_coding", "leave_at", "join_at")}
         inputs.update(sample_bytes=scenario.sample_bytes, cache_bytes=scenario.cache_bytes)
         inputs.update({name: getattr(rates, name) if rates else None for name in _RATE_FLAGS})
         document = {
@@ -310,6 +321,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="code partial's exchanges: caches keep spare copies up to --cache-bytes and XOR packets are multicast "
         "(coded: Lee et al.'s tables; uber: UberShuffle); reports the coded load against the uncoded one "
         "(default none)",
+    )
+    p.add_argument(
+        "--leave-at", type=int, metavar="EPOCH",
+        help="a node leaves before EPOCH: the job re-forms on the others, which read its share from the PFS "
+        "(reports the bytes whose holder changed)",
+    )
+    p.add_argument(
+        "--join-at", type=int, metavar="EPOCH",
+        help="a spare node joins before EPOCH and takes its share from the nodes that held it",
     )
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.set_defaults(func=cmd_simulate)

@@ -34,6 +34,14 @@ the PFS. The model:
   parts; a node sends each packet once and every decoder receives it. The
   epoch also carries the uncoded exchange from the same caches, so the two
   compare on equal terms.
+- A node change (``leave_at``, ``join_at``) re-forms the job before that
+  epoch on the node set without its first node, or with a spare added:
+  every sample whose holder changes moves once (``moved``). One whose old
+  holder is still up comes from it over the network; one whose holder left
+  is read from the PFS by its new holder in that epoch and cached, so the
+  PFS reads no more of it after. Modes whose owners move (``partial``)
+  keep their history (:func:`~dataquay.client.placement.reform`) and
+  exchange on from it; a coded exchange is not modelled across a change.
 - The estimate (:func:`estimate`) takes per-node training, aggregate PFS and
   per-node network rates. Reads of ``global`` and ``locality`` sit on the
   critical path, so an epoch lasts as long as its slowest term. The exchange
@@ -45,7 +53,7 @@ the PFS. The model:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -54,15 +62,21 @@ from dataquay.client.placement import (
     MODES,
     BatchBalance,
     JobPlan,
+    Moves,
     epoch_permutation,
     locality_epoch,
     moves,
     owners,
     rank_length,
+    reform,
 )
 from dataquay.server.node.exchange.coding import SCHEMES
 from dataquay.server.planning.capacity import exchange_reserve, stored_bytes
 from dataquay.server.tools.coded_traffic import CodedEpoch, CodedExchanges
+
+#: The name of the node that ``Scenario.join_at`` adds: it sorts after
+#: "0".."M-1", the case that shifted every block of a placement by index.
+SPARE = "spare"
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,10 @@ class Scenario:
             (``coded``, ``uber``) for the exchanges of a mode whose owners
             move; caches then keep spare copies up to their capacity
             (:mod:`dataquay.server.tools.coded_traffic`).
+        leave_at: the epoch before which the plan's first node leaves; None
+            for none.
+        join_at: the epoch before which a spare node (:data:`SPARE`) joins;
+            None for none.
 
     Raises:
         ValueError: a field outside its range, named in the message.
@@ -86,6 +104,8 @@ class Scenario:
     sample_bytes: int
     cache_bytes: int | None = None
     exchange_coding: str = "none"
+    leave_at: int | None = None
+    join_at: int | None = None
 
     def __post_init__(self) -> None:
         plan = self.plan
@@ -105,6 +125,27 @@ class Scenario:
             raise ValueError(
                 f"exchange_coding codes an exchange, and mode {plan.settings.mode} has none: use mode partial"
             )
+        for name in ("leave_at", "join_at"):
+            at = getattr(self, name)
+            if at is None:
+                continue
+            if at < 1:
+                raise ValueError(f"{name} must be an epoch after staging (1 or more), not {at}")
+            if self.exchange_coding != "none":
+                raise ValueError(f"{name} is not modelled with exchange_coding {self.exchange_coding}: use none")
+        if self.leave_at is not None and plan.num_nodes < 2:
+            raise ValueError("leave_at needs at least 2 nodes: the job must keep one")
+
+    def plan_at(self, epoch: int) -> JobPlan:
+        """The plan of ``epoch``: the job's, less the node that left, plus the spare that joined."""
+        names = list(self.plan.nodes)
+        if self.leave_at is not None and epoch >= self.leave_at:
+            names = names[1:]
+        if self.join_at is not None and epoch >= self.join_at:
+            names.append(SPARE)
+        if tuple(names) == self.plan.nodes:
+            return self.plan
+        return replace(self.plan, settings=replace(self.plan.settings, nodes=tuple(names)), num_nodes=len(names))
 
     @property
     def dataset_bytes(self) -> int:
@@ -164,6 +205,9 @@ class EpochTraffic:
         coding: the coded exchange before this epoch (``sent`` and
             ``received`` count it in place of the uncoded one), None
             without ``exchange_coding`` or an exchange.
+        moved_bytes: bytes of the samples whose holder a node change before
+            this epoch moved, from peers (counted in ``sent``) or the PFS
+            (in ``pfs_bytes``); 0 without a change.
     """
 
     epoch: int
@@ -172,6 +216,7 @@ class EpochTraffic:
     pfs_bytes: int
     balance: BatchBalance | None
     coding: CodedEpoch | None = None
+    moved_bytes: int = 0
 
     @property
     def network_bytes(self) -> int:
@@ -252,8 +297,19 @@ def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
         capacity = int(_cache_samples(scenario, loads).min())
         coded = CodedExchanges(current, plan.num_nodes, capacity, scenario.exchange_coding, plan.settings.seed)
     for epoch in range(epochs):
+        restaged = moved = 0
+        if scenario.plan_at(epoch) != plan:
+            before, plan = plan, scenario.plan_at(epoch)
+            current, change = _reform(before, plan, current, epoch)
+            moved, restaged = len(change.ids), int((change.sources < 0).sum())
+            loads = np.bincount(current, minlength=plan.num_nodes)
+            held = np.minimum(loads, _cache_samples(scenario, loads))
         sent = np.zeros(plan.num_nodes, dtype=np.int64)
         received = np.zeros(plan.num_nodes, dtype=np.int64)
+        if moved:
+            peers = change.sources >= 0
+            sent += np.bincount(change.sources[peers], minlength=plan.num_nodes)
+            received += np.bincount(change.targets[peers], minlength=plan.num_nodes)
         coding = None
         if epoch and MODES[plan.settings.mode].owners_move:
             shipped = moves(plan, epoch, current)
@@ -271,9 +327,21 @@ def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
         read_sent, read_received, balance = reads(plan, epoch, current)
         sent += read_sent
         received += read_received
-        pfs = plan.num_samples if epoch == 0 else int((loads - held).sum())
+        pfs = plan.num_samples if epoch == 0 else int((loads - held).sum()) + restaged
         pfs += coding.coded.pfs_bytes if coding else 0
-        yield EpochTraffic(epoch, sent * size, received * size, pfs * size, balance, coding)
+        yield EpochTraffic(epoch, sent * size, received * size, pfs * size, balance, coding, moved * size)
+
+
+def _reform(before: JobPlan, after: JobPlan, current: np.ndarray, epoch: int) -> tuple[np.ndarray, Moves]:
+    """The owners on ``after``'s nodes of the epoch before ``epoch`` (which ``current``
+    holds), and the samples whose holder changed: their source indexes
+    ``after``'s nodes (-1 where the holder left), their target too."""
+    index = {name: node for node, name in enumerate(after.nodes)}
+    survivor = np.array([index.get(name, -1) for name in before.nodes], dtype=np.int32)
+    old = survivor[current]
+    new = reform(before, after, epoch - 1, current)
+    ids = np.flatnonzero(old != new).astype(np.int64)
+    return new, Moves(ids, old[ids], new[ids])
 
 
 def estimate(scenario: Scenario, traffic: EpochTraffic, rates: Rates) -> Estimate:
