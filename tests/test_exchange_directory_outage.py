@@ -31,8 +31,8 @@ import grpc
 import pytest
 from test_exchange_rhythm import BATCH, JOB, NODES, RANKS_PER_NODE, SAMPLES, SIZE, payload, tight_capacity
 
-from dataquay.client.channels import channel_options
-from dataquay.client.records import checksum
+from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.records import checksum
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.cli import main as cli_main
