@@ -233,10 +233,10 @@ def test_epochs_only_go_up_and_dropped_jobs_are_gone() -> None:
 def test_a_directory_that_did_not_run_marks_no_node_down_for_its_own_silence() -> None:
     # Stopped (SIGSTOP, a hung host) from 5 s to 65 s: no node could renew its lease meanwhile.
     state = cluster("a", "b")
-    state.heartbeat("a", 0, 0, now=4.0)
+    state.heartbeat("a", 0, 0, now=4.0, session=SESSION)
     state.hold_leases(60.0)
     assert state.expire(now=65.0) == [] and up_names(state) == ["a", "b"]
-    assert state.heartbeat("a", 0, 0, now=66.0) == (True, False, "")
+    assert state.heartbeat("a", 0, 0, now=66.0, session=SESSION) == (True, False, "")
     assert state.expire(now=70.0) == ["b"]  # what it did hear still counts: b was silent since 0
 
 
