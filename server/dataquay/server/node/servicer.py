@@ -235,6 +235,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         return job
 
     async def ReportEpoch(self, request: jpb.ReportEpochRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
+        if self.daemon.exchanges is not None and request.HasField("rank"):
+            # The rank reads this epoch from now on, before its first position report.
+            self.daemon.exchanges.rank_read(request.job_id, request.epoch, request.rank, 0)
         async with status_on_error(context):
             relayed = jpb.ReportEpochRequest(
                 job_id=request.job_id, epoch=request.epoch, node=self.daemon.config.node_name
