@@ -177,6 +177,9 @@ class Exchanges:
         self.streams = ExchangeStreams(node_name, store, link, peers, self.positions, self.news, bandwidth)
         #: Samples deleted before they were shipped, to break a wait for room (see make_room).
         self.given_up_samples = 0
+        #: Given-away samples deleted here, and their count at the last call of make_room.
+        self.dropped_samples = 0
+        self._dropped_seen = -1
 
     @property
     def sent_samples(self) -> int:
@@ -448,7 +451,12 @@ class Exchanges:
         """Deletes about ``nbytes`` of samples this node gives away that its
         ranks have read and no receiver has taken yet; their new owners read
         them from the PFS. What a full node gives up when every full node's
-        exchange waits on another's (see :mod:`.receiver`). Returns how many."""
+        exchange waits on another's (see :mod:`.receiver`), and only then:
+        while this node deleted given-away samples since the last call, its
+        ranks' reads free room (an exchange that runs at their pace). Returns how many."""
+        if self.dropped_samples != self._dropped_seen:
+            self._dropped_seen = self.dropped_samples
+            return 0
         deleted = 0
         for run in [r for r in self.runs.values() if not r.finished]:
             ids = run.outbox.read_pending(run.read_upto(self.positions), nbytes)
@@ -493,6 +501,7 @@ class Exchanges:
                 drop = drop[placement.owners[drop] != placement.node_index]
             removed = await self.store.discard(entry.record.cache_db, drop)
             run.outbox.dropped(drop)
+        self.dropped_samples += removed
         log.debug("dropped samples given away", extra={"fields": {"job": run.job, "epoch": run.epoch,
                                                                    "samples": removed}})
 
