@@ -8,13 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dataquay.client.job_settings import JobSettings
 from dataquay.client.jobs import job_plan, job_spec
-from dataquay.client.placement import owners
+from dataquay.client.placement import JobPlan, node_orders, owners
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.manifest_build import build_manifest
 from dataquay.server.node.cluster.placements import Placement, Placements
 from dataquay.server.node.exchange.outbox import PENDING, REFUSED, SCAN_ROWS, UNAVAILABLE, Outbox, acknowledged
 from dataquay.server.node.exchange.positions import WHOLE_EPOCH, ReadPositions
+from dataquay.server.node.exchange.sender import receivers_positions
 from dataquay.server.registry import Registry
 from dataquay.server.tools.synthetic import make_files_dataset
 
@@ -185,6 +187,30 @@ def test_each_receivers_ids_go_in_the_order_this_nodes_ranks_read_them() -> None
     assert box.pending(1).tolist() == [3, 7, 1, 9]  # read at 0, 1, 2, 4
     assert box.pending(2).tolist() == [5, 2]  # 5 is not read here: first
     assert box.take(1, max_bytes=25, max_items=10).tolist() == [3, 7]
+
+
+def test_what_a_receiver_reads_first_next_epoch_goes_by_its_due_position() -> None:
+    ids = np.array([9, 3, 7, 1, 5, 2])
+    # This node's ranks read them at 0..5; the receiver's ranks read 1 and 2
+    # first, and their read-ahead asks for them before this node reads them.
+    box = Outbox(ids, np.ones(6), np.full(6, 10), readers=np.zeros(6), read_at=np.arange(6),
+                 due=np.array([-1, 9, 9, 1, 9, 0]))
+    assert box.pending(1).tolist() == [9, 2, 3, 1, 7, 5]  # 2 by 0, 1 by 1, the rest as read here
+    assert box.take(1, max_bytes=100, max_items=2).tolist() == [9, 2]
+
+
+def test_due_positions_are_where_the_receivers_ranks_read_each_id_in_the_next_epoch() -> None:
+    settings = JobSettings(job_id="j", mode="partial", q=0.5, ranks_per_node=2, nodes=("a", "b", "c"))
+    plan = JobPlan(settings, num_samples=90, num_nodes=3)
+    before, after = owners(plan, 0), owners(plan, 1)
+    give = np.flatnonzero((before == 0) & (after != 0))
+    at = receivers_positions(plan, 1, after, give)
+    for node in (1, 2):
+        orders = node_orders(plan, 1, node, after)
+        theirs = after[give] == node
+        assert theirs.any()
+        for sample_id, position in zip(give[theirs].tolist(), at[theirs].tolist()):
+            assert sample_id in orders[:, position].tolist()
 
 
 def test_only_what_is_delivered_and_read_may_be_dropped() -> None:

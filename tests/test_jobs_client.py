@@ -71,6 +71,7 @@ class FakeClient:
         self.info = pb.InfoReply(node=node)
         self.joins: list[tuple[jpb.JobSpec, bool]] = []
         self.reported: list[tuple[str, int]] = []
+        self.reported_ranks: list[int | None] = []
         self.positions: list[tuple[str, int, int, int, bool]] = []
 
     def join_job(self, spec: jpb.JobSpec, must_exist: bool = False) -> jpb.Job:
@@ -85,8 +86,9 @@ class FakeClient:
         out.CopyFrom(self.job)
         return out
 
-    def report_epoch(self, job_id: str, epoch: int) -> None:
+    def report_epoch(self, job_id: str, epoch: int, rank: int | None = None) -> None:
         self.reported.append((job_id, epoch))
+        self.reported_ranks.append(rank)
 
     def report_position(self, job_id: str, epoch: int, rank: int, position: int, done: bool) -> None:
         self.positions.append((job_id, epoch, rank, position, done))
@@ -226,6 +228,7 @@ def test_job_sampler_reads_the_placement_order_and_reports_epochs() -> None:
         assert all(np.array_equal(s.indices(), rank_order(plan, epoch, s.rank)) for s in samplers)
         assert all(list(s) == rank_order(plan, epoch, s.rank).tolist() and len(s) == 25 for s in samplers)
     assert reporter.reported == [("run-1", 0)] * 4 + [("run-1", 3)] * 4
+    assert reporter.reported_ranks == [0, 1, 2, 3] * 2  # its node keeps what it gave away until they read it
     # Each rank's read position: a step in (16 ids), and once it read its whole epoch (25 ids).
     assert reporter.positions == [
         ("run-1", epoch, r, position, position == 25) for epoch in (0, 3) for r in range(4) for position in (16, 25)

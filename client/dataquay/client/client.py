@@ -234,8 +234,10 @@ class Client:
         finally:
             channel.close()
 
-    def report_epoch(self, job_id: str, epoch: int) -> None:
-        """Tells the job, through the daemon, that this rank entered ``epoch``.
+    def report_epoch(self, job_id: str, epoch: int, rank: int | None = None) -> None:
+        """Tells the job, through the daemon, that this rank entered ``epoch``
+        (and the daemon which ``rank`` it is, when given: what the node gives
+        away then stays until that rank has read it).
 
         Best effort: daemons use a job's epoch to prepare the next one early,
         but training must not stop because the directory is unreachable, so
@@ -248,7 +250,7 @@ class Client:
         if self._remote.daemon_down:
             return
         self.report_stats()
-        request = jpb.ReportEpochRequest(job_id=job_id, epoch=epoch)
+        request = jpb.ReportEpochRequest(job_id=job_id, epoch=epoch, rank=rank)
         try:
             self._connection.call("ReportEpoch", lambda stub: stub.ReportEpoch(request, timeout=self.timeout))
         except EpochTooFarError:

@@ -265,7 +265,7 @@ class EpochReporter(Protocol):
     """Whoever tells a job which epoch its ranks are in, and how far they read
     (a :class:`~dataquay.client.Client`)."""
 
-    def report_epoch(self, job_id: str, epoch: int) -> None: ...
+    def report_epoch(self, job_id: str, epoch: int, rank: int | None = None) -> None: ...
 
     def report_position(self, job_id: str, epoch: int, rank: int, position: int, done: bool) -> None: ...
 
@@ -359,7 +359,7 @@ class JobSampler(Sampler):
         settings = self.plan.settings
         check_epoch_ahead(self.job_id, settings.mode, epoch, max(self.job.epoch, self.epoch))
         if self._reporter is not None:
-            self._reporter.report_epoch(self.job_id, epoch)
+            self._reporter.report_epoch(self.job_id, epoch, self.rank)
         super().set_epoch(epoch)
 
     def _identity(self) -> dict[str, int | str]:

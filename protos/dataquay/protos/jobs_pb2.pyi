@@ -131,11 +131,13 @@ class DropJobReply(_message.Message):
     def __init__(self) -> None: ...
 
 class ReportEpochRequest(_message.Message):
-    __slots__ = ("job_id", "epoch", "node")
+    __slots__ = ("job_id", "epoch", "node", "rank")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     node: str
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
+    rank: int
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...

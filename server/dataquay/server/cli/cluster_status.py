@@ -99,6 +99,7 @@ def print_cluster(snapshot: ClusterSnapshot, before: ClusterSnapshot | None = No
                     ("JOB", "DATASET", "MODE", "EPOCH", "NODES", "STAGED"))
     live = [(name, reply) for name, reply in snapshot.stats.items() if reply is not None]
     print_exchanges(live)
+    print_read_ahead(live)
     print_prep_groups(live)
 
 
@@ -113,6 +114,16 @@ def print_exchanges(stats: list[tuple[str, pb.StatsReply]]) -> None:
     if rows or received or previous:
         print(f"exchange received {format_bytes(received)}; "
               f"{previous} samples read from their owner in another epoch (exchange not done yet, or a spare copy)")
+
+
+def print_read_ahead(stats: list[tuple[str, pb.StatsReply]]) -> None:
+    """What the nodes read from the PFS ahead of their ranks, and how much of
+    it they threw away unread: PFS bandwidth spent for nothing, 0 in a cache
+    that holds its share."""
+    read = sum(reply.read_ahead.overflow_read_bytes for _, reply in stats)
+    if read:
+        wasted = sum(reply.read_ahead.overflow_wasted_bytes for _, reply in stats)
+        print(f"read ahead from the PFS {format_bytes(read)}; thrown away unread {format_bytes(wasted)}")
 
 
 def print_prep_groups(stats: list[tuple[str, pb.StatsReply]]) -> None:

@@ -254,6 +254,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         return job
 
     async def ReportEpoch(self, request: jpb.ReportEpochRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
+        if self.exchanges is not None and request.HasField("rank"):
+            # The rank reads this epoch from now on, before its first position report.
+            self.exchanges.rank_read(request.job_id, request.epoch, request.rank, 0)
         # The exchange starts from this node's copy of the job: the directory
         # may be down, and is told when it answers.
         async with status_on_error(context):

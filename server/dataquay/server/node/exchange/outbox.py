@@ -9,7 +9,10 @@ may ever be deleted here, and then they are dropped.
 
 A receiver's ids go out in the order this node's ranks read them in the
 current epoch, so the first to arrive are the first that may be deleted here:
-what a node takes in then keeps pace with what it lets go. A receiver whose
+what a node takes in then keeps pace with what it lets go. An id the
+receiver's ranks read early in the next epoch goes sooner, by its ``due``
+position: a rank's read-ahead asks for the next epoch's first batches while
+this node's ranks still read the current one. A receiver whose
 cache is short of its share takes only ids this node's ranks have read, which
 are deleted here as soon as they are delivered.
 """
@@ -66,6 +69,8 @@ class Outbox:
             epoch (an index into the positions :meth:`read_and_delivered`
             takes), -1 where none does; None: none is read here.
         read_at: the id's position in that rank's order.
+        due: where in that order the id goes at the latest (-1: where it is
+            read), so that it reaches the receiver before its ranks read it.
     """
 
     def __init__(
@@ -75,11 +80,13 @@ class Outbox:
         sizes: np.ndarray,
         readers: np.ndarray | None = None,
         read_at: np.ndarray | None = None,
+        due: np.ndarray | None = None,
     ) -> None:
         unread = np.full(len(ids), -1, dtype=np.int64)
         readers = unread if readers is None else np.asarray(readers, dtype=np.int64)
         read_at = unread if read_at is None else np.asarray(read_at, dtype=np.int64)
-        order = np.lexsort((ids, read_at, receivers))
+        goes_at = read_at if due is None else np.where(due >= 0, np.minimum(read_at, due), read_at)
+        order = np.lexsort((ids, read_at, goes_at, receivers))
         self.ids = np.asarray(ids, dtype=np.int64)[order]
         self.receivers = np.asarray(receivers, dtype=np.int64)[order]
         self.sizes = np.asarray(sizes, dtype=np.int64)[order]

@@ -21,9 +21,11 @@ stream with RESOURCE_EXHAUSTED, and the sender offers its samples again later.
 
 Every node full at once can hold every exchange still: each waits for room
 that only a delivery elsewhere frees. A receiver that waited BREAK_SECONDS
-for room has its own sender delete as many bytes of samples it gave away and
-its ranks read, not yet shipped (through the :mod:`.broker`); their new
-owners read them from the PFS, and every exchange moves again.
+for room, while its own sender deleted nothing it gave away, has that sender
+delete as many bytes of samples it gave away and its ranks read, not yet
+shipped (through the :mod:`.broker`); their new owners read them from the
+PFS, and every exchange moves again. A wait during which deletes go on is an
+exchange at the pace of the ranks' reads, and is waited out.
 
 A cache that cannot hold this node's share of the epoch is full of samples it
 owns, and every sample it takes ahead of the sender's reads would be held

@@ -6,7 +6,9 @@ background, the samples it gives away in epoch e+1 to their new owners: one
 bidirectional stream per receiver (a few receivers at a time), a window of
 chunks in flight, payloads with their checksums, the whole capped by
 ``--exchange-bandwidth``, each receiver's samples in the order this node's
-ranks read them in epoch e (:mod:`.streams`). A chunk holds at least one
+ranks read them in epoch e, but those its ranks read first in epoch e+1
+sooner (their read-ahead asks for them while this node still reads epoch e;
+:mod:`.outbox`, :mod:`.streams`). A chunk holds at least one
 sample; a sample larger than a message is a chunk of its own and goes as
 pieces (:mod:`dataquay.client.wire.pieces`). The receiver reserves room before it
 takes a chunk and acknowledges it once its cache has committed it.
@@ -49,7 +51,7 @@ import grpc
 import numpy as np
 
 from dataquay.client.jobs import job_plan
-from dataquay.client.placement import MODES, node_reads
+from dataquay.client.placement import MODES, JobPlan, node_reads, rank_length
 from dataquay.client.wire.status_codes import UNREACHABLE
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
@@ -76,6 +78,13 @@ log = logging.getLogger("dataquay.exchange")
 PARALLEL_RECEIVERS = 4
 #: Longest wait for one answer of the node that leads a coded pass (the pass's id).
 PASS_ID_CALL_SECONDS = 5.0
+#: Share of an epoch a receiver's ranks may begin reading the next one
+#: ahead of this node's ranks (the read-ahead of its batches, and a rank
+#: faster than this node's slowest), so that what they read there first is
+#: shipped that much ahead of this node's reads. Shipped before it is read
+#: here, a sample takes room in both caches for a while: about DUE_AHEAD
+#: squared over two of what a node gives away, at the most.
+DUE_AHEAD = 2 / 3
 
 
 @dataclass
@@ -173,6 +182,9 @@ class Exchanges:
         self.streams = ExchangeStreams(node_name, store, link, peers, self.positions, self.news, bandwidth)
         #: Samples deleted before they were shipped, to break a wait for room (see make_room).
         self.given_up_samples = 0
+        #: Given-away samples deleted here, and their count at the last call of make_room.
+        self.dropped_samples = 0
+        self._dropped_seen = -1
         broker.makes_room(self.make_room)
 
     @property
@@ -286,10 +298,11 @@ class Exchanges:
         me = after.node_index
         give = np.flatnonzero((before.owners == me) & (after.owners != me))
         ranks, readers, read_at = await self._reads(job, entry, before)
+        due = await self._due(job, entry, after, give)
         # Sorting a million give-aways takes a third of a second: off the event loop.
         outbox = await asyncio.get_running_loop().run_in_executor(
             None, Outbox, give, after.owners[give], entry.manifest.sample_length[give],
-            None if readers is None else readers[give], None if read_at is None else read_at[give],
+            None if readers is None else readers[give], None if read_at is None else read_at[give], due,
         )
         run = ExchangeRun(job_id, epoch, outbox, ranks, entry)
         self.runs[(job_id, epoch)] = run
@@ -410,6 +423,22 @@ class Exchanges:
         )
         return ranks, np.where(reads.rank >= 0, reads.rank - ranks[0], -1), reads.position
 
+    async def _due(self, job: jpb.Job, entry: Registered, after: Placement, give: np.ndarray) -> np.ndarray | None:
+        """Where in this node's read order each of ``give`` goes at the
+        latest: an id its receiver's ranks read at position p of
+        ``after``'s epoch goes by position p + L - L x DUE_AHEAD of this one
+        (L ids per rank), so that it is there when their read-ahead asks for
+        it, though they enter the epoch ahead of this node's slowest rank.
+        None when the job does not say its ranks per node."""
+        if job.spec.ranks_per_node < 1 or not len(give):
+            return None
+        plan = job_plan(job, entry.manifest)
+        at = await asyncio.get_running_loop().run_in_executor(
+            None, receivers_positions, plan, after.epoch, after.owners, give
+        )
+        length = rank_length(plan)
+        return np.where(at >= 0, at + length - int(length * DUE_AHEAD), -1)
+
     def _keeps_spare_copies(self) -> bool:
         """Whether given-away samples stay: the cache is emptier than ``--spare-copies-fill``."""
         return bool(self.store.capacity) and self.store.space.live_bytes < self.spare_copies_fill * self.store.capacity
@@ -428,7 +457,12 @@ class Exchanges:
         """Deletes about ``nbytes`` of samples this node gives away that its
         ranks have read and no receiver has taken yet; their new owners read
         them from the PFS. What a full node gives up when every full node's
-        exchange waits on another's (see :mod:`.receiver`). Returns how many."""
+        exchange waits on another's (see :mod:`.receiver`), and only then:
+        while this node deleted given-away samples since the last call, its
+        ranks' reads free room (an exchange that runs at their pace). Returns how many."""
+        if self.dropped_samples != self._dropped_seen:
+            self._dropped_seen = self.dropped_samples
+            return 0
         deleted = 0
         for run in [r for r in self.runs.values() if not r.finished]:
             ids = run.outbox.read_pending(run.read_upto(self.positions), nbytes)
@@ -473,5 +507,17 @@ class Exchanges:
                 drop = drop[placement.owners[drop] != placement.node_index]
             removed = await self.store.discard(entry.record.cache_db, drop)
             run.outbox.dropped(drop)
+        self.dropped_samples += removed
         log.debug("dropped samples given away", extra={"fields": {"job": run.job, "epoch": run.epoch,
                                                                    "samples": removed}})
+
+
+def receivers_positions(plan: JobPlan, epoch: int, epoch_owners: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Each of ``ids``'s position in the order of its owner's rank that reads
+    it in ``epoch`` (-1 where none of them does)."""
+    at = np.full(len(ids), -1, dtype=np.int64)
+    receivers = epoch_owners[ids]
+    for node in np.unique(receivers).tolist():
+        theirs = receivers == node
+        at[theirs] = node_reads(plan, epoch, node, epoch_owners).position[ids[theirs]]
+    return at

@@ -1,12 +1,14 @@
 """One rank of a job that trains at its own pace, run as its own process by
-the tests: no barrier between ranks, as a real job's ranks run between their
-collectives. Prints one JSON line per epoch: the ids it read, their
+the tests and benchmarks: no barrier between ranks, as a real job's ranks
+run between their collectives. Prints one JSON line per epoch: the ids it read, their
 checksums, and its samples by tier. The two ranks of a node take turns at
 being slower (half as long again per batch): one enters each epoch while the
-other still reads the one before, and neither drifts an epoch ahead. Batches are read when taken (no read-ahead),
-so every read counts in the epoch it belongs to.
+other still reads the one before, and neither drifts an epoch ahead. With
+PREFETCH batches read ahead, the client reads the next epoch's first batches
+while this one's last are trained on: they count in the epoch that read them.
 
-Usage: rhythm_rank.py DATASET EPOCHS BATCH SECONDS_PER_BATCH (rank and job from the environment).
+Usage: python -m dataquay.server.tools.free_rank DATASET EPOCHS BATCH SECONDS_PER_BATCH PREFETCH
+(rank and job from the environment, as :meth:`LocalCluster.rank_env` sets them).
 """
 
 from __future__ import annotations
@@ -20,8 +22,15 @@ import dataquay.client as dq
 from dataquay.client.wire.records import checksum
 
 
+def command(dataset: str, epochs: int, batch: int, seconds: float, read_ahead: int) -> list[str]:
+    """The command line that runs one such rank."""
+    return [sys.executable, "-m", "dataquay.server.tools.free_rank", dataset, str(epochs), str(batch), str(seconds),
+            str(read_ahead)]
+
+
 def main() -> None:
     dataset, epochs, batch, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    read_ahead = int(sys.argv[5])
     client = dq.connect(timeout=30)
     try:
         ds = client.dataset(dataset)
@@ -33,7 +42,7 @@ def main() -> None:
             ids = sampler.indices().tolist()
             before = client.stats().samples
             sums: list[int] = []
-            for samples in ds.batches(sampler, batch, read_ahead=0):
+            for samples in ds.batches(sampler, batch, read_ahead=read_ahead):
                 sums += [checksum(s) for s in samples]
                 time.sleep(pace)
             after = client.stats().samples

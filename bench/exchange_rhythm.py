@@ -1,0 +1,208 @@
+"""The partial exchange in a training job's rhythm: local hits per epoch by cache size.
+
+4 daemons (``LocalCluster``), 2 free-running rank processes per node
+(:mod:`dataquay.server.tools.free_rank`: no barrier between ranks, the two
+ranks of a node taking turns at being half as slow again, each reading two
+batches ahead as ``Dataset.batches`` does by default), a files dataset of
+``--samples`` samples of 120 KiB, a ``partial`` job at ``--q`` staged with
+``stage --job``, batches of 64. Each rank trains ``STEP_SECONDS`` per batch
+(the issue's rhythm: an epoch lasts several times the exchange) or not at all
+(``step 0``). Caches per node, against the largest share S of any node (in
+cache bytes, :func:`~dataquay.server.planning.capacity.node_shares`):
+
+- ``below``: 0.75 x S, short of its share; its PFS and peer reads per epoch
+  against ``dataquay simulate``'s PFS reads for the same job and cache;
+- ``advice``: the sizing guide's advice, 1.05 x S + 16 MiB
+  (:func:`~dataquay.server.planning.capacity.cache_need`);
+- 1.2, 1.6 and 2.5 x S (those under the advice are short of it as well);
+- ``10x``: 10 x S, where nothing given away is ever deleted (the cache stays
+  under ``--spare-copies-fill``): the baseline, a cache too big to matter.
+
+Per epoch: samples read from the node's own cache (client ``local`` plus the
+daemon's ``cache``), from peers and from the PFS, as the ranks' clients count
+them (an epoch counts the next one's first two batches, read ahead while
+its own last ones train); per run, the PFS bytes the daemons read ahead of
+the ranks and threw away unread (``dataquay_overflow_wasted_bytes``).
+``local_vs_10x`` is the run's local hits over the 10x run's with the same step.
+
+Usage: python bench/exchange_rhythm.py [--samples N] [--epochs E] [--q Q] [--parts step,nostep]
+[--caches below,advice,1.2x,1.6x,2.5x,10x] [--step SECONDS] [--name RESULTS_NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+from common import progress, report
+
+from dataquay.client.job_settings import JobSettings
+from dataquay.client.placement import JobPlan
+from dataquay.client.wire.channels import channel_options
+from dataquay.protos import cache_pb2 as pb
+from dataquay.protos import cache_pb2_grpc
+from dataquay.server.cli import main as cli_main
+from dataquay.server.planning.capacity import cache_need, node_shares
+from dataquay.server.tools import free_rank
+from dataquay.server.tools.local_cluster import LocalCluster
+from dataquay.server.tools.simulate import Scenario, simulate
+from dataquay.server.tools.synthetic import make_files_dataset
+
+NODES = 4
+RANKS_PER_NODE = 2
+SIZE = 120 * 1024
+BATCH = 64
+READ_AHEAD = 2
+STEP_SECONDS = 0.4
+JOB = "rhythm"
+LEASES = ("--lease-seconds", "2", "--heartbeat-seconds", "0.5")
+
+
+class Cache(NamedTuple):
+    label: str
+    capacity: int
+
+
+def plan(samples: int, q: float) -> JobPlan:
+    settings = JobSettings(job_id=JOB, mode="partial", q=q, ranks_per_node=RANKS_PER_NODE, batch_size=BATCH,
+                           nodes=tuple(f"n{m}" for m in range(NODES)))
+    return JobPlan(settings, num_samples=samples, num_nodes=NODES)
+
+
+def caches(samples: int, q: float, epochs: int) -> tuple[int, list[Cache]]:
+    """The largest share, and the caches to run, smallest first."""
+    share = int(node_shares(plan(samples, q), np.full(samples, SIZE), epochs + 1).max())
+    sized = [Cache("below", int(0.75 * share)), Cache("advice", cache_need(share, "partial", q))]
+    sized += [Cache(f"{x}x", int(x * share)) for x in (1.2, 1.6, 2.5, 10)]
+    return share, sorted(sized, key=lambda c: c.capacity)
+
+
+def run(base: Path, samples: int, q: float, epochs: int, cache: Cache, step: float) -> list[dict[str, object]]:
+    """``epochs`` epochs on caches of ``cache.capacity``; a row per epoch."""
+    local = LocalCluster(base / f"cluster-{cache.label}-{step}", NODES, ("--cache-size", str(cache.capacity)),
+                         LEASES, dataset_roots=(base,)).start()
+    try:
+        root = base / "pfs"
+        if not root.exists():
+            make_files_dataset(root, samples, sizes=(SIZE,))
+        assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
+        assert cli_main([
+            "stage", "imgs", "--job", JOB, "--mode", "partial", "--q", str(q), "--seed", "5",
+            "--ranks-per-node", str(RANKS_PER_NODE), "--quiet", "--directory", local.directory_address,
+        ]) == 0
+        started = time.perf_counter()
+        lines = ranks(local, base, epochs, step)
+        wall = time.perf_counter() - started
+        ahead = [daemon_stats(local, m).read_ahead for m in range(NODES)]
+    finally:
+        local.down()
+    rows = []
+    for epoch in range(epochs):
+        tiers = {t: sum(rank[epoch]["samples"][t] for rank in lines) for t in lines[0][epoch]["samples"]}
+        rows.append({
+            "cache": cache.label, "cache_MB": round(cache.capacity / 1e6, 1), "step_s": step, "epoch": epoch,
+            "local": tiers["local"] + tiers["cache"], "peer": tiers["peer"], "pfs": tiers["pfs"],
+            "read": sum(tiers.values()), "wall_s": round(wall, 1),
+            "read_ahead_MB": round(sum(a.overflow_read_bytes for a in ahead) / 1e6, 2),
+            "read_ahead_discarded_MB": round(sum(a.overflow_wasted_bytes for a in ahead) / 1e6, 2),
+        })
+    progress(f"{cache.label} step {step}: local {[r['local'] for r in rows]} peer {[r['peer'] for r in rows]} "
+             f"pfs {[r['pfs'] for r in rows]} in {wall:.0f} s")
+    return rows
+
+
+def ranks(local: LocalCluster, base: Path, epochs: int, step: float) -> list[list[dict[str, object]]]:
+    """Every rank run to its end at its own pace; its JSON line per epoch."""
+    logs = [open(base / f"rank-{r}.log", "wb") for r in range(NODES * RANKS_PER_NODE)]
+    try:
+        procs = [subprocess.Popen(free_rank.command("imgs", epochs, BATCH, step, READ_AHEAD),
+                                  env={**os.environ, **local.rank_env(r, RANKS_PER_NODE, JOB)},
+                                  stdout=subprocess.PIPE, stderr=log)
+                 for r, log in enumerate(logs)]
+        outputs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for log in logs:
+            log.close()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"a rank failed: {(base / 'rank-0.log').read_text()[-2000:]}")
+    return [[json.loads(line) for line in out.splitlines()] for out in outputs]
+
+
+def daemon_stats(local: LocalCluster, node: int) -> pb.StatsReply:
+    with local.credentials().channel(local.daemons[node].address, channel_options()) as channel:
+        return cache_pb2_grpc.CacheStub(channel).Stats(pb.StatsRequest(), timeout=30)
+
+
+def predicted_misses(samples: int, q: float, epochs: int, capacity: int) -> list[float]:
+    """simulate's PFS reads per epoch (in samples) for this job on caches of ``capacity``."""
+    scenario = Scenario(plan(samples, q), SIZE, capacity)
+    return [t.pfs_bytes / SIZE for t in simulate(scenario, epochs)]
+
+
+def summary(rows: list[dict[str, object]], samples: int, q: float, epochs: int,
+            sized: list[Cache]) -> list[dict[str, object]]:
+    """One row per run: local hits' range over the epochs, against the 10x run's."""
+    out = []
+    for cache in sized:
+        for step in sorted({float(str(r["step_s"])) for r in rows}, reverse=True):
+            mine = [r for r in rows if r["cache"] == cache.label and r["step_s"] == step]
+            base = [r for r in rows if r["cache"] == "10x" and r["step_s"] == step]
+            if not mine:
+                continue
+            local = [int(str(r["local"])) for r in mine]
+            misses = [int(str(r["peer"])) + int(str(r["pfs"])) for r in mine]
+            row: dict[str, object] = {
+                "cache": cache.label, "cache_MB": mine[0]["cache_MB"], "step_s": step,
+                "local_min": min(local), "local_max": max(local),
+                "local_min_pct": round(100 * min(lo / int(str(r["read"])) for lo, r in zip(local, mine)), 2),
+                "peer_max": max(int(str(r["peer"])) for r in mine), "pfs_max": max(int(str(r["pfs"])) for r in mine),
+                "read_ahead_discarded_MB": mine[0]["read_ahead_discarded_MB"],
+                "local_vs_10x": round(sum(local) / sum(int(str(r["local"])) for r in base), 3) if base else None,
+            }
+            if cache.label == "below":
+                predicted = predicted_misses(samples, q, epochs, cache.capacity)[1:]
+                row["misses_vs_simulate"] = round(float(np.mean(misses[1:])) / float(np.mean(predicted)), 3)
+            out.append(row)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=3200)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--q", type=float, default=1.0)
+    parser.add_argument("--parts", default="step,nostep", help="step, nostep or both")
+    parser.add_argument("--caches", default="", help="the caches to run, by label (default: all)")
+    parser.add_argument("--step", type=float, default=STEP_SECONDS, help="seconds of training per batch")
+    parser.add_argument("--name", default="exchange_rhythm", help="results file name under bench/results/")
+    args = parser.parse_args()
+    steps = [args.step] * ("step" in args.parts.split(",")) + [0.0] * ("nostep" in args.parts.split(","))
+    share, sized = caches(args.samples, args.q, args.epochs)
+    if args.caches:
+        sized = [c for c in sized if c.label in args.caches.split(",")]
+    progress(f"largest share {share / 1e6:.1f} MB; caches {[(c.label, round(c.capacity / 1e6, 1)) for c in sized]}")
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory(prefix="dq-bench-rhythm-") as tmp:
+        for step in steps:
+            for cache in sized:
+                rows += run(Path(tmp), args.samples, args.q, args.epochs, cache, step)
+    extra = {"share_MB": round(share / 1e6, 1), "samples": args.samples, "sample_bytes": SIZE, "q": args.q,
+             "epochs": args.epochs, "batch": BATCH, "read_ahead": READ_AHEAD, "summary": summary(
+                 rows, args.samples, args.q, args.epochs, sized)}
+    report(args.name, rows, ["cache", "cache_MB", "step_s", "epoch", "local", "peer", "pfs", "read",
+                                     "read_ahead_discarded_MB"], extra)
+    print()
+    report(f"{args.name}_summary", list(extra["summary"]),  # type: ignore[call-overload]
+           ["cache", "cache_MB", "step_s", "local_min", "local_max", "local_min_pct", "peer_max", "pfs_max",
+            "read_ahead_discarded_MB", "local_vs_10x", "misses_vs_simulate"])
+
+
+if __name__ == "__main__":
+    main()
