@@ -19,7 +19,6 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,13 +28,14 @@ from typing import IO
 
 import grpc
 import pytest
-from test_exchange_rhythm import BATCH, JOB, NODES, RANKS_PER_NODE, SAMPLES, SIZE, payload, tight_capacity
+from test_exchange_rhythm import ADVISED, BATCH, JOB, NODES, RANKS_PER_NODE, SAMPLES, SIZE, Rhythm, capacity, payload
 
 from dataquay.client.wire.channels import channel_options
 from dataquay.client.wire.records import checksum
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.cli import main as cli_main
+from dataquay.server.tools import free_rank
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset
 
@@ -71,11 +71,10 @@ def wait_until(what: str, done: Callable[[], bool], timeout: float) -> None:
 def ranks_running(local: LocalCluster, tmp_path: Path) -> Iterator[list[list[dict]]]:
     """Every rank of the job in its own process; yields each rank's epoch
     records, appended as the rank prints them."""
-    script = Path(__file__).with_name("rhythm_rank.py")
     logs = [open(tmp_path / f"rank-{rank}.log", "wb") for rank in range(RANKS)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), "imgs", str(EPOCHS), str(BATCH), str(SECONDS_PER_BATCH)],
+            free_rank.command("imgs", EPOCHS, BATCH, SECONDS_PER_BATCH, read_ahead=0),
             env={**os.environ, **local.rank_env(rank, RANKS_PER_NODE, JOB)},
             stdout=subprocess.PIPE, stderr=log,
         )
@@ -132,7 +131,7 @@ def epoch_tiers(records: list[list[dict]]) -> list[dict[str, int]]:
 def test_a_directory_away_for_three_epoch_boundaries_costs_no_locality_and_learns_the_epochs_after(
     cluster: Callable[..., LocalCluster], tmp_path: Path, outage: str
 ) -> None:
-    local = cluster(NODES, daemon_args=("--cache-size", str(4 * tight_capacity(1.0))))
+    local = cluster(NODES, daemon_args=("--cache-size", str(4 * capacity(Rhythm(q=1.0, cache=ADVISED, epochs=EPOCHS)))))
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=(SIZE,))
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
     assert cli_main([

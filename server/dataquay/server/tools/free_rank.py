@@ -4,10 +4,10 @@ run between their collectives. Prints one JSON line per epoch: the ids it read, 
 checksums, and its samples by tier. The two ranks of a node take turns at
 being slower (half as long again per batch): one enters each epoch while the
 other still reads the one before, and neither drifts an epoch ahead. With
-PREFETCH batches read ahead, the client reads the next epoch's first batches
+READ_AHEAD batches read ahead, the client reads the next epoch's first batches
 while this one's last are trained on: they count in the epoch that read them.
 
-Usage: python -m dataquay.server.tools.free_rank DATASET EPOCHS BATCH SECONDS_PER_BATCH PREFETCH
+Usage: python -m dataquay.server.tools.free_rank DATASET EPOCHS BATCH SECONDS_PER_BATCH READ_AHEAD
 (rank and job from the environment, as :meth:`LocalCluster.rank_env` sets them).
 """
 
