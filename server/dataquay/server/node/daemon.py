@@ -46,6 +46,7 @@ from dataquay.server.listen import (
     socket_identity,
 )
 from dataquay.server.node.cache.admission import REASONS
+from dataquay.server.node.cache.manager import CacheManager
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.client_stats import ClientStatsBook
 from dataquay.server.node.cluster.directory_link import DirectoryLink
@@ -71,7 +72,7 @@ from dataquay.server.node.reads.service import ReadService
 from dataquay.server.node.servicer import CacheServicer
 from dataquay.server.node.stager import Stager
 from dataquay.server.node.users.access import CallerCheck, UserAccess
-from dataquay.server.registry import Registry
+from dataquay.server.registry import Registry, cache_db_name
 from dataquay.server.task_group import TaskGroup
 
 log = logging.getLogger("dataquay.daemon")
@@ -124,6 +125,10 @@ class Daemon(ServerLifecycle):
             self.tasks.spawn, config.prefetch_memory, config.max_sample_size,
         )
         self.stager = Stager(self.registry, self.store, self.pfs)
+        self.cache = CacheManager(
+            self.store, self.registry, config.state_dir, config.evict_min_age, config.cache_quotas, self._job_pins
+        )
+        self.reads.used = self.cache.used
         self.exchanges: Exchanges | None = None
         self.receiver: ExchangeReceiver | None = None
         if self.link is not None and self.placements is not None:
@@ -135,6 +140,7 @@ class Daemon(ServerLifecycle):
                 self.credentials.node.token,
             )
             self.receiver.make_room = self.exchanges.make_room
+            self.receiver.evict = self.cache.make_room
         self.bulk: BulkServer | None = None
         if config.bulk_listen != "off":
             self.bulk = BulkServer(
@@ -183,6 +189,7 @@ class Daemon(ServerLifecycle):
                 self.link.identity_key = node_identity(self.store.path)
             self.registry.load()
             self.registry.warn_outside(self.config.dataset_roots)
+            self.cache.load()
             for name in self.registry.names():
                 await self.store.open_dataset(self.registry.get(name).record.cache_db)
             self.metrics_port = await self._metrics_http.start(self.config.metrics_host, self.config.metrics_port)
@@ -194,6 +201,7 @@ class Daemon(ServerLifecycle):
         self.store_tasks.spawn(self.store.run_writer(), "cache-writer")
         self.store_tasks.spawn(self.store.run_syncer(), "cache-syncer")
         self.tasks.spawn(self._reap_segments(), "shm-reaper")
+        self.tasks.spawn(self.cache.run_saver(), "cache-uses-saver")
         self.tasks.spawn(self._reap_prep_groups(), "prep-group-reaper")
         if self.link is not None:
             self.tasks.spawn(self.link.run(), "directory-link")
@@ -297,6 +305,24 @@ class Daemon(ServerLifecycle):
             return None
         return entry.record.cache_db
 
+    def _job_pins(self) -> dict[str, list[str]]:
+        """The live jobs on this node by the cache sub-database of the dataset
+        version each reads (as the directory lists them), and the runs staging now."""
+        pins: dict[str, list[str]] = {}
+        for name, run in self.stager.runs.items():
+            if not run.finished and name in self.registry.names():
+                pins.setdefault(self.registry.get(name).record.cache_db, []).append("staging")
+        for job in (self.link.jobs.values() if self.link is not None else ()):
+            if job.spec.nodes and self.config.node_name not in job.spec.nodes:
+                continue
+            if job.spec.dataset not in self.registry.names():
+                continue
+            record = self.registry.get(job.spec.dataset).record
+            db = record.cache_db if record.manifest_id == job.manifest_id else cache_db_name(
+                job.spec.dataset, job.manifest_id)
+            pins.setdefault(db, []).append(job.spec.job_id)
+        return pins
+
     async def close(self, grace: float = 10.0) -> None:
         """Staged shutdown; safe to call twice and after a failed start."""
         if not self._started:
@@ -312,6 +338,7 @@ class Daemon(ServerLifecycle):
         if self.bulk is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.bulk.close)
         if self.store.is_open:
+            self.cache.save()
             await self._commit_queued()
         await self.store_tasks.close()
         if self.store.is_open:
@@ -440,6 +467,9 @@ class Daemon(ServerLifecycle):
             ),
             cache_behind=self.behind.counts,
             mcast_dropped=dict(self.exchanges.mcast_dropped) if self.exchanges else {},
+            cache_charges=tuple((u.kind, u.ident, u.nbytes, u.quota) for u in self.cache.users()),
+            cache_holdings={h.cache_db: (h.nbytes, h.last_use) for h in self.cache.holdings()},
+            cache_evicted=(self.cache.evicted_samples, self.cache.evicted_bytes),
         )
 
 

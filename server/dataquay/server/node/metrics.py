@@ -64,6 +64,43 @@ class LiveState:
     mcast_dropped: dict[str, int] = field(default_factory=dict)
     #: Values the admission rule kept out of the cache, by reason (node/cache/admission.py).
     values_refused: dict[str, int] = field(default_factory=dict)
+    #: Bytes charged to each user and group, and its quota (0: none): (kind, id, bytes, quota).
+    cache_charges: tuple[tuple[str, int, int, int], ...] = ()
+    #: Payload bytes and last use (Unix time) of each cache sub-database, by its name.
+    cache_holdings: dict[str, tuple[int, float]] = field(default_factory=dict)
+    #: (samples, payload bytes) the cache manager evicted.
+    cache_evicted: tuple[int, int] = (0, 0)
+
+
+def _cache_manager_metrics(state: LiveState) -> Iterator[Metric]:
+    """What ``dataquay status`` and ``dataquay cache ls`` show of the cache manager, from the same state."""
+    charged = GaugeMetricFamily(
+        "dataquay_cache_charged_bytes", "Payload bytes of the cache charged to a user or a group", labels=["kind", "id"]
+    )
+    quota = GaugeMetricFamily(
+        "dataquay_cache_quota_bytes", "Cache quota of a user or a group (cache_quotas)", labels=["kind", "id"]
+    )
+    for kind, ident, nbytes, limit in state.cache_charges:
+        charged.add_metric([kind, str(ident)], nbytes)
+        if limit:
+            quota.add_metric([kind, str(ident)], limit)
+    held = GaugeMetricFamily(
+        "dataquay_cache_dataset_bytes", "Payload bytes a dataset version holds in the cache", labels=["cache_db"]
+    )
+    last_use = GaugeMetricFamily(
+        "dataquay_cache_dataset_last_use_seconds", "Unix time a dataset version was last staged, read or "
+        "exchanged into", labels=["cache_db"],
+    )
+    for db, (nbytes, used) in sorted(state.cache_holdings.items()):
+        held.add_metric([db], nbytes)
+        last_use.add_metric([db], used)
+    yield from (charged, quota, held, last_use)
+    yield CounterMetricFamily(
+        "dataquay_cache_evicted_samples", "Samples the cache manager evicted to make room", value=state.cache_evicted[0]
+    )
+    yield CounterMetricFamily(
+        "dataquay_cache_evicted_bytes", "Payload bytes of dataquay_cache_evicted_samples", value=state.cache_evicted[1]
+    )
 
 
 @dataclass(frozen=True)
@@ -112,6 +149,7 @@ class _StateCollector(Collector):
             value=state.inserts_dropped,
         )
         yield CounterMetricFamily("dataquay_pfs_read_bytes", "Bytes read from the PFS", value=state.pfs_bytes)
+        yield from _cache_manager_metrics(state)
         behind = state.cache_behind
         samples = CounterMetricFamily(
             "dataquay_cache_behind_samples",

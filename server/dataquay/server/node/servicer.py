@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -18,6 +19,7 @@ from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import DataquayError, InvalidRequestError, StandaloneError
 from dataquay.server.limits import ByteBudget
+from dataquay.server.node.cache.manager import Admitted, CacheManager, Evicted, Holding
 from dataquay.server.node.cluster.directory_link import DirectoryLink
 from dataquay.server.node.cluster.placements import Placements
 from dataquay.server.node.exchange import ExchangeRun, Exchanges
@@ -26,6 +28,7 @@ from dataquay.server.node.handoff.forward import ShmForward
 from dataquay.server.node.metrics import LiveState
 from dataquay.server.node.reads.replies import reply_chunks
 from dataquay.server.node.stager import StagingProgress
+from dataquay.server.node.users.callers import Caller
 from dataquay.server.proto_maps import FORMAT_FROM_PROTO, TIER_TO_PROTO, dataset_info
 from dataquay.server.servicer_errors import status_on_error
 
@@ -138,7 +141,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     ) -> AsyncIterator[pb.StageProgress]:
         d = self.daemon
         async with status_on_error(context):
-            await d.access.check_read(d.access.caller(context), request.dataset)
+            caller = d.access.caller(context)
+            await d.access.check_read(caller, request.dataset)
             entry = await d.datasets.entry(request.dataset)
             seed, ids, leave_room, for_others = request.seed, None, False, 0
             if request.job:
@@ -146,7 +150,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 placement = await self._placements().placement(request.job, entry, epoch=0)
                 seed, ids, leave_room = placement.job.spec.seed, placement.held(), placement.owners_move
                 for_others = placement.held_for_others
-            progress = d.stager.start(request.dataset, seed, ids, leave_room, for_others)
+            admission = None
+            if not d.stager.running(request.dataset):
+                staged = ids if ids is not None else np.arange(entry.manifest.num_samples, dtype=np.int64)
+                admission = await d.cache.admit(entry, staged, *charged(caller), leave_room)
+            progress = d.stager.start(request.dataset, seed, ids, leave_room, for_others, admission)
         while True:
             await d.stager.wait(request.dataset, timeout=0.5)
             reply = self._progress(progress)
@@ -175,6 +183,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             first_failure=progress.first_failure,
             node=self.daemon.config.node_name,
             held_for_others=progress.held_for_others,
+            **admission_fields(progress.admission),
         )
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
@@ -226,6 +235,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 exchange_samples=d.bulk.exchange_samples if d.bulk else 0,
             ),
             cache_behind=state.cache_behind.proto(),
+            cache_holdings=[cache_holding(row) for row in d.cache.holdings()],
+            cache_charges=cache_charges(d.cache),
         )
 
     async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
@@ -273,6 +284,30 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             hand_over = not request.handed or self.daemon.access.may_hand_over(caller)
             return await self.daemon.behind.take(request, hand_over=hand_over)
 
+    async def ManageCache(
+        self, request: pb.ManageCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ManageCacheReply:
+        d = self.daemon
+        async with status_on_error(context):
+            evicted: tuple[Evicted, ...] = ()
+            if request.action != "ls":
+                _node_local(context, "the cache is managed on its node: call through the daemon's unix socket")
+                d.access.check_operator(d.access.caller(context), f"cache {request.action}")
+            if request.action == "evict":
+                evicted = await d.cache.evict(request.name, request.dry_run, request.force)
+            elif request.action in ("pin", "unpin"):
+                d.cache.pin(request.name, request.action == "pin")
+            elif request.action != "ls":
+                raise InvalidRequestError(f"unknown cache action {request.action!r}; use ls, evict, pin or unpin")
+            return pb.ManageCacheReply(
+                holdings=[cache_holding(row) for row in d.cache.holdings()],
+                evictions=[cache_eviction(e) for e in evicted],
+                charges=cache_charges(d.cache),
+                capacity_bytes=d.store.capacity,
+                used_bytes=d.store.space.live_bytes,
+                evict_min_age_seconds=d.cache.min_age,
+            )
+
     async def Exchange(
         self, request_iterator: AsyncIterator[pb.ExchangeMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ExchangeReply]:
@@ -302,6 +337,44 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         entry = self.daemon.registry.get(name)
         entries, cached_bytes = self.daemon.store.dataset_usage(entry.record.cache_db)
         return dataset_info(entry, entries, cached_bytes)
+
+
+def charged(caller: Caller) -> tuple[int, frozenset[int]]:
+    """Whom a caller's staging is charged to: the user the kernel named, else
+    (TCP, or a daemon of one user) the daemon's own user and groups."""
+    if caller.uid is not None:
+        return caller.uid, caller.gids
+    return os.getuid(), frozenset({os.getgid(), *os.getgroups()})
+
+
+def admission_fields(admission: Admitted | None) -> dict[str, Any]:
+    """StageProgress's admission fields."""
+    if admission is None:
+        return {}
+    return {
+        "admission_need_bytes": admission.need,
+        "admission_fit_bytes": admission.fits,
+        "evictions": [cache_eviction(e) for e in admission.evicted],
+    }
+
+
+def cache_eviction(evicted: Evicted) -> pb.CacheEviction:
+    return pb.CacheEviction(
+        cache_db=evicted.holding.cache_db, datasets=evicted.holding.datasets, bytes=evicted.nbytes,
+        whole=evicted.whole,
+    )
+
+
+def cache_holding(row: Holding) -> pb.CacheHolding:
+    return pb.CacheHolding(
+        cache_db=row.cache_db, datasets=row.datasets, bytes=row.nbytes, samples=row.samples,
+        last_use_unix=row.last_use, uid=row.uid, pinned_by=row.pinned_by,
+    )
+
+
+def cache_charges(cache: CacheManager) -> list[pb.CacheCharge]:
+    return [pb.CacheCharge(kind=u.kind, id=u.ident, bytes=u.nbytes, quota_bytes=u.quota, quota=u.quota_text)
+            for u in cache.users()]
 
 
 def read_ahead(state: LiveState) -> pb.ReadAhead:

@@ -59,6 +59,13 @@ class CachedIds:
     def drop(self, name: bytes) -> None:
         self._bits.pop(name, None)
 
+    def ids(self, name: bytes) -> np.ndarray:
+        """The ids the dataset holds, sorted."""
+        bits = self._bits.get(name)
+        if bits is None:
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero(np.unpackbits(bits, bitorder="little")).astype(np.int64)
+
     def mask(self, name: bytes, ids: np.ndarray) -> np.ndarray:
         """Which of ``ids`` the dataset holds."""
         bits = self._bits.get(name)

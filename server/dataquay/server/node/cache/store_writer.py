@@ -136,6 +136,7 @@ class StoreWriter:
                 txn.drop(handle, delete=True)
                 txn.delete(name, db=self.meta)
             self.cached.drop(name)
+            self.space.live_bytes = self.count_live_bytes()  # room again at once, for what waits for it
             return entries
 
         async with self.lock:

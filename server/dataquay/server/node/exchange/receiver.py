@@ -110,6 +110,8 @@ class ExchangeReceiver:
         self._short: dict[tuple[str, int], bool] = {}
         #: Deletes read give-aways not yet shipped, up to some bytes (set by the sender side).
         self.make_room: Callable[[int], Awaitable[int]] | None = None
+        #: Evicts up to some bytes of datasets no live job pins (the cache manager's).
+        self.evict: Callable[[int], Awaitable[int]] | None = None
         self._readers: set[asyncio.Task[None]] = set()
         self._closing = False
         #: Coded passes into this node under way, by (job, epoch): an offer waits for its pass to end.
@@ -212,6 +214,8 @@ class ExchangeReceiver:
         """Queues ``writes`` under a reservation of their room, once the cache has it."""
         need = stored_bytes(np.fromiter((len(w.value) - CHECKSUM_BYTES for w in writes), np.int64, len(writes)))
         space, waited = self.store.space, 0.0
+        if space.free < need and self.evict is not None:
+            await self.evict(need - space.free)
         while not await space.reserve(need, BREAK_SECONDS):
             waited += BREAK_SECONDS
             if self.make_room is not None:

@@ -1,0 +1,89 @@
+"""The cache manager's policy, pure: least recently used first among what no
+live job pins and no one used within the minimum age, whole holdings then a
+part of the last; admission says what fits; quotas name the one passed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dataquay.server.node.cache.eviction import Holdings, admit, partial_ids, plan_evictions
+from dataquay.server.quotas import Quota, exceeded, parse_quotas
+
+DAY = 86400.0
+NOW = 100 * DAY
+
+
+def holdings(nbytes: list[int], days_unused: list[float], pinned: list[bool]) -> Holdings:
+    return Holdings(
+        np.array(nbytes, dtype=np.int64), NOW - np.array(days_unused) * DAY, np.array(pinned, dtype=bool)
+    )
+
+
+def test_the_least_recently_used_unpinned_holdings_go_first_and_the_last_in_part() -> None:
+    held = holdings([100, 200, 300, 400], days_unused=[5, 9, 30, 7], pinned=[False, False, True, False])
+    plan = plan_evictions(held, 250, NOW, min_age=DAY)
+    assert [(e.index, e.nbytes, e.whole) for e in plan] == [(1, 200, True), (3, 50, False)]
+
+
+def test_a_holding_used_within_the_minimum_age_or_pinned_never_goes() -> None:
+    held = holdings([100, 100, 100], days_unused=[0.5, 40, 2], pinned=[False, True, False])
+    plan = plan_evictions(held, 1000, NOW, min_age=DAY)
+    assert [e.index for e in plan] == [2]
+
+
+def test_admission_says_what_fits_after_what_it_evicts() -> None:
+    held = holdings([100, 200], days_unused=[3, 4], pinned=[False, False])
+    admitted = admit(500, 250, held, NOW, min_age=DAY)
+    assert admitted.fits == 500 and [e.index for e in admitted.evictions] == [1, 0]
+    assert admitted.evictions[-1].nbytes == 50 and not admitted.evictions[-1].whole
+    short = admit(1000, 250, held, NOW, min_age=DAY)
+    assert short.fits == 550 and short.short == 450
+    assert admit(100, 250, held, NOW, min_age=DAY).evictions == ()
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 10**9), st.floats(0, 60), st.booleans()), max_size=30),
+    st.integers(-10, 10**10), st.floats(0, 10),
+)
+def test_a_plan_takes_only_evictable_bytes_and_no_more_than_asked(
+    rows: list[tuple[int, float, bool]], room: int, min_age_days: float
+) -> None:
+    held = holdings([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+    plan = plan_evictions(held, room, NOW, min_age_days * DAY)
+    taken = sum(e.nbytes for e in plan)
+    assert taken <= max(room, 0)
+    for e in plan:
+        assert not held.pinned[e.index] and NOW - held.last_use[e.index] >= min_age_days * DAY
+        assert e.nbytes <= held.nbytes[e.index]
+    last_uses = [held.last_use[e.index] for e in plan]
+    assert last_uses == sorted(last_uses)
+    evictable = int(held.nbytes[~held.pinned & (NOW - held.last_use >= min_age_days * DAY)].sum())
+    assert taken == min(max(room, 0), evictable)
+
+
+def test_a_partial_eviction_takes_the_highest_ids_until_enough() -> None:
+    ids = partial_ids(np.array([1, 4, 7, 9]), np.array([10, 10, 10, 10]), 15)
+    assert ids.tolist() == [9, 7]
+
+
+def test_quotas_parse_and_the_one_passed_is_named() -> None:
+    quotas = parse_quotas("user:1001=1K, group:77=3K")
+    assert quotas == (Quota("user", 1001, 1024, "user:1001=1K"), Quota("group", 77, 3072, "group:77=3K"))
+    owners = np.array([1001, 1002, 1001])
+    groups = [frozenset({77}), frozenset({77}), frozenset()]
+    nbytes = np.array([600, 2000, 300])
+    passed = exceeded(quotas, 1001, frozenset({77}), 200, owners, groups, nbytes)
+    assert passed == (quotas[0], 900)
+    passed = exceeded(quotas, 1002, frozenset({77}), 600, owners, groups, nbytes)
+    assert passed == (quotas[1], 2600)
+    assert exceeded(quotas, 1002, frozenset({77}), 400, owners, groups, nbytes) is None
+    assert exceeded(quotas, 1003, frozenset(), 10**12, owners, groups, nbytes) is None
+
+
+@pytest.mark.parametrize("text", ["alice=1G", "user:=1G", "host:x=1G", "user:1001", "user:nosuchuser-x=1G"])
+def test_a_bad_quota_is_named(text: str) -> None:
+    with pytest.raises(ValueError, match="KIND:NAME=SIZE|no user named|expected"):
+        parse_quotas(text)
