@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from one_daemon import cache_stub, cached_samples, daemon_stats
+from polling import wait_until
 from stepped_clock import SteppedClock, needs_faketime
 
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.tools.processes import DaemonProcess
+from dataquay.protos import directory_pb2_grpc
+from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 from dataquay.server.tools.synthetic import make_files_dataset
 
 DAY = 86400
@@ -117,9 +120,9 @@ def test_the_operator_pins_lists_and_evicts_with_a_dry_run_first(
     for name in "abc":
         stage(node, name)
 
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    def cli(*args: str, command: str = "cache") -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "dataquay.server.cli", "cache", *args, "--addr", node.address],
+            [sys.executable, "-m", "dataquay.server.cli", command, *args, "--addr", node.address],
             capture_output=True, text=True, timeout=60,
         )
 
@@ -129,6 +132,9 @@ def test_the_operator_pins_lists_and_evicts_with_a_dry_run_first(
     assert listed.returncode == 0, listed.stderr
     row = next(line.split() for line in listed.stdout.splitlines() if line.startswith("a "))
     assert row[-1] == "operator" and row[2] == str(SAMPLES)
+    status = cli(command="status")
+    shown = next(line.split() for line in status.stdout.splitlines() if line.startswith("a "))
+    assert status.returncode == 0 and (shown[:4], shown[-2:]) == (row[:4], row[-2:])
     dry = cli("evict", "--dry-run")
     assert [line.split(":")[0] for line in dry.stdout.splitlines()] == ["would evict b", "would evict c"]
     assert [cached_samples(node, n) for n in "abc"] == [SAMPLES] * 3
@@ -143,3 +149,41 @@ def test_the_operator_pins_lists_and_evicts_with_a_dry_run_first(
     with cache_stub(node) as stub:
         reply = stub.ManageCache(pb.ManageCacheRequest(action="evict", dry_run=True))
     assert [",".join(e.datasets) for e in reply.evictions] == ["c"]
+
+
+@needs_faketime
+def test_a_live_jobs_dataset_is_never_evicted_however_long_unused(
+    tmp_path: Path, clock: SteppedClock, stub_for: Callable[[DirectoryProcess], directory_pb2_grpc.DirectoryStub]
+) -> None:
+    directory = DirectoryProcess(tmp_path / "directory", dataset_roots=(tmp_path,)).start()
+    daemon = DaemonProcess(
+        tmp_path / "node", ("--directory", directory.address, "--node-name", "n0", "--cache-size", CACHE,
+                            "--evict-min-age", "1d"),
+        prefix=clock.prefix(), dataset_roots=(tmp_path,),
+    )
+    try:
+        daemon.start()
+        register(daemon, tmp_path, "a", "b", "c", "d")
+        jobs = stub_for(directory)
+        jobs.JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id="train-a", dataset="a", nodes=["n0"])))
+        for day, name in enumerate("abc"):
+            clock.step(day * DAY)
+            stage(daemon, name)
+        wait_until(lambda: pinned(daemon) == {"a": ("train-a",)}, "the daemon sees the job")
+
+        clock.step(30 * DAY)  # a, staged first and never read, is the least recently used
+        first, last = stage(daemon, "d")
+        assert evicted(first) == [("b", False)] and not last.cache_full
+        assert cached_samples(daemon, "a") == SAMPLES
+
+        jobs.DropJob(jpb.DropJobRequest(job_id="train-a"))
+        wait_until(lambda: pinned(daemon) == {}, "the daemon sees the job end")
+        first, _ = stage(daemon, "b")
+        assert evicted(first) == [("a", False)]
+    finally:
+        daemon.kill()
+        directory.kill()
+
+
+def pinned(daemon: DaemonProcess) -> dict[str, tuple[str, ...]]:
+    return {",".join(h.datasets): tuple(h.pinned_by) for h in daemon_stats(daemon).cache_holdings if h.pinned_by}
