@@ -125,10 +125,12 @@ class CacheManager:
     # ----------------------------------------------------------- state
 
     def load(self) -> None:
-        """Reads the saved uses; a holding it does not know counts as unused since the epoch."""
+        """Reads the saved uses of what the cache holds (opened first); a
+        holding it does not know counts as unused since the epoch."""
         try:
             saved = json.loads(self.path.read_text())
-            self._uses = {db: Use(**use) for db, use in saved.items()}
+            held = self.store.writer.payload_bytes
+            self._uses = {db: Use(**use) for db, use in saved.items() if db.encode() in held}
         except FileNotFoundError:
             return
         except (OSError, ValueError, TypeError) as exc:
