@@ -1,16 +1,29 @@
 """The cache manager's policy, pure: least recently used first among what no
 live job pins and no one used within the minimum age, whole holdings then a
-part of the last; admission says what fits; quotas name the one passed."""
+part of the last; admission says what fits; quotas name the one passed. And
+the manager over a real store: an exchange's arrivals past a quota refused,
+a pinned holding kept when an exchange needs room."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from store_runs import with_store
 
+from dataquay.client.records import encode_value
+from dataquay.server.errors import CacheQuotaError
+from dataquay.server.manifest_build import build_manifest
 from dataquay.server.node.cache.eviction import Holdings, admit, partial_ids, plan_evictions
+from dataquay.server.node.cache.manager import CacheManager
+from dataquay.server.node.cache.store import Store
+from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.quotas import Quota, exceeded, parse_quotas
+from dataquay.server.registry import Registry
+from dataquay.server.tools.synthetic import make_files_dataset
 
 DAY = 86400.0
 NOW = 100 * DAY
@@ -87,3 +100,33 @@ def test_quotas_parse_and_the_one_passed_is_named() -> None:
 def test_a_bad_quota_is_named(text: str) -> None:
     with pytest.raises(ValueError, match="KIND:NAME=SIZE|no user named|expected"):
         parse_quotas(text)
+
+
+def test_exchanged_samples_past_their_owners_quota_are_refused_and_a_pinned_holding_never_makes_room(
+    tmp_path: Path,
+) -> None:
+    root = make_files_dataset(tmp_path / "pfs", 16, sizes=(4096,), classes=2)
+    registry = Registry(tmp_path / "state")
+    registry.load()
+    entry, _ = registry.add("a", build_manifest(root), replace=False)
+    db = entry.record.cache_db
+    pins: dict[str, list[str]] = {}
+
+    async def scenario(store: Store) -> None:
+        manager = CacheManager(store, registry, tmp_path / "state", 0.0, parse_quotas("user:4242=70K"), lambda: pins)
+        await store.open_dataset(db)
+        admitted = await manager.admit(entry, np.arange(16), 4242, frozenset({4242}))
+        assert admitted.fits == admitted.need and not admitted.evicted
+        await store.put_many([PendingWrite(db.encode(), i, encode_value(bytes(4096))) for i in range(16)])
+        await store.flush()
+        refusal = r"over the user quota user:4242=70K \(cache_quotas\): it has 6.0 KiB"
+        with pytest.raises(CacheQuotaError, match=refusal):
+            manager.check_arrivals(db, 8192)
+        manager.check_arrivals(db, 4096)
+        pins[db] = ["job-1"]
+        assert await manager.make_room(1 << 20) == 0 and store.dataset_usage(db)[0] == 16
+        pins.clear()
+        assert await manager.make_room(1 << 20) > 0 and store.dataset_usage(db)[0] == 0
+        assert manager.evicted_samples == 16 and manager.evicted_bytes == 16 * 4096
+
+    with_store(tmp_path / "cache", 8 << 20, scenario)

@@ -91,7 +91,8 @@ def test_a_user_past_its_quota_is_refused_with_the_quota_named(site: Site) -> No
     refused = site.add_and_stage(ALICE, "second", 2)
     assert refused.returncode == 1
     line, = refused.stderr.strip().splitlines()
-    assert f"the user quota user:{ALICE}=2M (cache_quotas) has 512.0 KiB left of 2.0 MiB" in line, line
+    assert line.startswith("dataquay: error: staging 'second': 1.5 MiB more of the cache is over the user quota "
+                           f"user:{ALICE}=2M (cache_quotas): it has 512.0 KiB left of 2.0 MiB"), line
     charges = {(c.kind, c.id): c for c in site.stats().cache_charges}
     assert charges["user", ALICE].bytes == DATASET_BYTES and charges["user", ALICE].quota_bytes == 2 << 20
     held = {",".join(h.datasets): h for h in site.stats().cache_holdings}

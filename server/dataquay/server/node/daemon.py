@@ -141,6 +141,7 @@ class Daemon(ServerLifecycle):
             )
             self.receiver.make_room = self.exchanges.make_room
             self.receiver.evict = self.cache.make_room
+            self.receiver.check_quota = self.cache.check_arrivals
         self.bulk: BulkServer | None = None
         if config.bulk_listen != "off":
             self.bulk = BulkServer(

@@ -252,18 +252,29 @@ class CacheManager:
                 gids if m else g for m, g in zip(mine.tolist(), owner_gids)]
         over = exceeded(self.quotas, uid, gids, int(lengths.sum()), owner_uid, owner_gids, nbytes)
         if over is not None:
-            quota, used = over
-            raise CacheQuotaError(
-                f"staging {entry.record.name!r} needs {format_bytes(int(lengths.sum()))} more of the cache; "
-                f"the {quota.kind} quota {quota.text} (cache_quotas) has {format_bytes(max(0, quota.limit - used))} "
-                f"left of {format_bytes(quota.limit)}: drop or evict a dataset charged to it "
-                "(dataquay cache ls), or ask the operator"
-            )
+            raise _quota_error(f"staging {entry.record.name!r}", int(lengths.sum()), *over)
         self._charge(db, uid, gids)
         need = int(value_bytes(lengths + CHECKSUM_BYTES).sum())
         admission = admit(need, self.free(leave_room), self._arrays(rows, keep=db), time.time(), self.min_age)
         evicted = await self._evict(rows, admission.evictions, "staging", entry.record.name)
         return Admitted(admission.need, admission.fits, evicted)
+
+    def check_arrivals(self, cache_db: str, nbytes: int) -> None:
+        """Refuses ``nbytes`` of exchanged samples of ``cache_db`` that would
+        pass a quota of the user it is charged to (the sender offers them
+        again later; the job reads them from their holder meanwhile).
+
+        Raises:
+            CacheQuotaError: naming the quota.
+        """
+        use = self._uses.get(cache_db)
+        if use is None or not self.quotas:
+            return
+        owner_uid, owner_gids, charged = self._owners(self.holdings())
+        over = exceeded(self.quotas, use.uid, frozenset(use.gids), nbytes, owner_uid, owner_gids, charged)
+        if over is not None:
+            raise _quota_error(f"exchanged samples of {cache_db}", nbytes, *over)
+        use.last_use = time.time()
 
     async def make_room(self, nbytes: int) -> int:
         """Evicts up to ``nbytes`` of pages for an exchange's arrivals; returns what was evicted."""
@@ -351,3 +362,11 @@ class CacheManager:
 
 def _limit(quota: Quota | None) -> tuple[int, str]:
     return (quota.limit, quota.text) if quota is not None else (0, "")
+
+
+def _quota_error(what: str, need: int, quota: Quota, used: int) -> CacheQuotaError:
+    return CacheQuotaError(
+        f"{what}: {format_bytes(need)} more of the cache is over the {quota.kind} quota {quota.text} "
+        f"(cache_quotas): it has {format_bytes(max(0, quota.limit - used))} left of {format_bytes(quota.limit)}; "
+        "drop or evict a dataset charged to it (dataquay cache ls), or ask the operator"
+    )

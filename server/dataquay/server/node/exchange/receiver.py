@@ -112,6 +112,8 @@ class ExchangeReceiver:
         self.make_room: Callable[[int], Awaitable[int]] | None = None
         #: Evicts up to some bytes of datasets no live job pins (the cache manager's).
         self.evict: Callable[[int], Awaitable[int]] | None = None
+        #: Raises CacheQuotaError for arrivals past a quota of the user their dataset is charged to.
+        self.check_quota: Callable[[str, int], None] | None = None
         self._readers: set[asyncio.Task[None]] = set()
         self._closing = False
         #: Coded passes into this node under way, by (job, epoch): an offer waits for its pass to end.
@@ -213,6 +215,9 @@ class ExchangeReceiver:
     async def _reserved(self, writes: list[PendingWrite]) -> _Taken:
         """Queues ``writes`` under a reservation of their room, once the cache has it."""
         need = stored_bytes(np.fromiter((len(w.value) - CHECKSUM_BYTES for w in writes), np.int64, len(writes)))
+        if self.check_quota is not None:
+            for db in {w.db for w in writes}:
+                self.check_quota(db.decode(), sum(len(w.value) - CHECKSUM_BYTES for w in writes if w.db == db))
         space, waited = self.store.space, 0.0
         if space.free < need and self.evict is not None:
             await self.evict(need - space.free)
