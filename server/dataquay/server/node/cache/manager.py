@@ -182,7 +182,7 @@ class CacheManager:
             use = self._uses.get(db)
             pinned_by = tuple(pins.get(db, ())) + ((OPERATOR,) if use is not None and use.pinned else ())
             rows.append(Holding(
-                db, tuple(names.get(db, ())), nbytes, len(self.store.writer.cached.ids(raw)),
+                db, tuple(names.get(db, ())), nbytes, self.store.writer.cached.count(raw),
                 use.last_use if use is not None else 0.0, use.uid if use is not None else -1, pinned_by,
             ))
         return rows
