@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from store_runs import with_store
 
 from dataquay.client.records import encode_value
-from dataquay.server.errors import CacheQuotaError
+from dataquay.server.config import ConfigFile, DaemonConfig
+from dataquay.server.errors import CacheQuotaError, ConfigError
 from dataquay.server.manifest_build import build_manifest
 from dataquay.server.node.cache.eviction import Holdings, admit, partial_ids, plan_evictions
 from dataquay.server.node.cache.manager import CacheManager
@@ -130,3 +131,13 @@ def test_exchanged_samples_past_their_owners_quota_are_refused_and_a_pinned_hold
         assert manager.evicted_samples == 16 and manager.evicted_bytes == 16 * 4096
 
     with_store(tmp_path / "cache", 8 << 20, scenario)
+
+
+def test_a_bad_quota_in_the_config_file_is_named_with_its_key(tmp_path: Path) -> None:
+    path = tmp_path / "dataquay.toml"
+    path.write_text('[daemon]\ncache_quotas = "user:0=1G,vision=1T"\nevict_min_age = "7d"\n')
+    with pytest.raises(ConfigError, match=r"\[daemon\] cache_quotas = .*'vision=1T' is not KIND:NAME=SIZE"):
+        DaemonConfig.from_sources({}, env={}, file=ConfigFile.load(path, "--config"))
+    path.write_text('[daemon]\ncache_quotas = "user:0=1G,group:0=1T"\nevict_min_age = "7d"\n')
+    config = DaemonConfig.from_sources({}, env={}, file=ConfigFile.load(path, "--config"))
+    assert config.evict_min_age == 7 * DAY and len(parse_quotas(config.cache_quotas)) == 2

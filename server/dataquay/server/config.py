@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Self
 
 from dataquay.client.channels import default_socket_path
 from dataquay.server.errors import ConfigError
-from dataquay.server.quotas import Quota, parse_quotas
+from dataquay.server.quotas import checked_quotas
 from dataquay.server.sizes import QuantityError, parse_duration, parse_size
 
 ENV_PREFIX = "DATAQUAY_"
@@ -404,11 +404,11 @@ class DaemonConfig(ServerConfig):
         "evicts it, least recently used first (e.g. 1h, 7d; 0 lets any unpinned one go)",
         parse_duration,
     )
-    cache_quotas: tuple[Quota, ...] = _option(
-        (),
+    cache_quotas: str = _option(
+        "",
         "bytes of cache each user or project may hold, as KIND:NAME=SIZE separated by ',' with KIND user or "
         "group (a Unix group), e.g. user:alice=200G,group:vision=1T; a staging that would pass one is refused",
-        parse_quotas,
+        checked_quotas,
     )
     state_dir: Path = _option(
         lambda: _home_dir("XDG_STATE_HOME", ".local/state"),

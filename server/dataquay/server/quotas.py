@@ -57,6 +57,12 @@ def parse_quotas(text: str) -> tuple[Quota, ...]:
     return tuple(quotas)
 
 
+def checked_quotas(text: str) -> str:
+    """``text`` once :func:`parse_quotas` takes it: the config keeps the operator's words."""
+    parse_quotas(text)
+    return text
+
+
 def _ident(kind: str, name: str) -> int:
     if name.isdigit():
         return int(name)

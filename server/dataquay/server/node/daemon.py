@@ -72,6 +72,7 @@ from dataquay.server.node.reads.service import ReadService
 from dataquay.server.node.servicer import CacheServicer
 from dataquay.server.node.stager import Stager
 from dataquay.server.node.users.access import CallerCheck, UserAccess
+from dataquay.server.quotas import parse_quotas
 from dataquay.server.registry import Registry, cache_db_name
 from dataquay.server.task_group import TaskGroup
 
@@ -126,7 +127,8 @@ class Daemon(ServerLifecycle):
         )
         self.stager = Stager(self.registry, self.store, self.pfs)
         self.cache = CacheManager(
-            self.store, self.registry, config.state_dir, config.evict_min_age, config.cache_quotas, self._job_pins
+            self.store, self.registry, config.state_dir, config.evict_min_age, parse_quotas(config.cache_quotas),
+            self._job_pins,
         )
         self.reads.used = self.cache.used
         self.exchanges: Exchanges | None = None
