@@ -262,18 +262,20 @@ class CacheManager:
     def check_arrivals(self, cache_db: str, nbytes: int) -> None:
         """Refuses ``nbytes`` of exchanged samples of ``cache_db`` that would
         pass a quota of the user it is charged to (the sender offers them
-        again later; the job reads them from their holder meanwhile).
+        again later; the job reads them from their holder meanwhile); notes
+        the use of what it takes.
 
         Raises:
             CacheQuotaError: naming the quota.
         """
         use = self._uses.get(cache_db)
-        if use is None or not self.quotas:
+        if use is None:
             return
-        owner_uid, owner_gids, charged = self._owners(self.holdings())
-        over = exceeded(self.quotas, use.uid, frozenset(use.gids), nbytes, owner_uid, owner_gids, charged)
-        if over is not None:
-            raise _quota_error(f"exchanged samples of {cache_db}", nbytes, *over)
+        if self.quotas:
+            owner_uid, owner_gids, charged = self._owners(self.holdings())
+            over = exceeded(self.quotas, use.uid, frozenset(use.gids), nbytes, owner_uid, owner_gids, charged)
+            if over is not None:
+                raise _quota_error(f"exchanged samples of {cache_db}", nbytes, *over)
         use.last_use = time.time()
 
     async def make_room(self, nbytes: int) -> int:
