@@ -172,14 +172,21 @@ def test_a_live_jobs_dataset_is_never_evicted_however_long_unused(
         wait_until(lambda: pinned(daemon) == {"a": ("train-a",)}, "the daemon sees the job")
 
         clock.step(30 * DAY)  # a, staged first and never read, is the least recently used
-        first, last = stage(daemon, "d")
-        assert evicted(first) == [("b", False)] and not last.cache_full
+        staged = subprocess.run(
+            [sys.executable, "-m", "dataquay.server.cli", "stage", "d", "--job", "train-d", "--nodes", "n0",
+             "--quiet", "--directory", directory.address],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert staged.returncode == 0, staged.stderr
+        row = next(line.split() for line in staged.stdout.splitlines() if line.startswith("n0 "))
+        assert row[1] == f"{SAMPLES}/{SAMPLES}" and row[-2:] == ["(b)", "ok"]  # EVICTED: bytes (b), STATUS
         assert cached_samples(daemon, "a") == SAMPLES
+        assert 0 < cached_samples(daemon, "b") < SAMPLES
 
         jobs.DropJob(jpb.DropJobRequest(job_id="train-a"))
-        wait_until(lambda: pinned(daemon) == {}, "the daemon sees the job end")
+        wait_until(lambda: pinned(daemon) == {"d": ("train-d",)}, "the daemon sees the job end")
         first, _ = stage(daemon, "b")
-        assert evicted(first) == [("a", False)]
+        assert evicted(first) == [("a", False)]  # d is pinned by train-d
     finally:
         daemon.kill()
         directory.kill()
