@@ -6,6 +6,7 @@ a pinned holding kept when an exchange needs room."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from dataquay.server.config import ConfigFile, DaemonConfig
 from dataquay.server.errors import CacheQuotaError, ConfigError
 from dataquay.server.manifest_build import build_manifest
 from dataquay.server.node.cache.eviction import Holdings, admit, partial_ids, plan_evictions
-from dataquay.server.node.cache.manager import CacheManager
+from dataquay.server.node.cache.manager import Admitted, CacheManager
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.quotas import Quota, exceeded, parse_quotas
@@ -141,3 +142,37 @@ def test_a_bad_quota_in_the_config_file_is_named_with_its_key(tmp_path: Path) ->
     path.write_text('[daemon]\ncache_quotas = "user:0=1G,group:0=1T"\nevict_min_age = "7d"\n')
     config = DaemonConfig.from_sources({}, env={}, file=ConfigFile.load(path, "--config"))
     assert config.evict_min_age == 7 * DAY and len(parse_quotas(config.cache_quotas)) == 2
+
+
+def test_two_stagings_admitted_at_once_each_get_the_room_they_were_told(tmp_path: Path) -> None:
+    registry = Registry(tmp_path / "state")
+    registry.load()
+    size = 64 * 1024
+    added = {
+        name: registry.add(name, build_manifest(make_files_dataset(tmp_path / name, n, sizes=(size,), seed=i)), False)
+        for i, (name, n) in enumerate((("old", 80), ("a", 24), ("b", 24)))
+    }
+    entries = {name: entry for name, (entry, _) in added.items()}
+    running: dict[str, float] = {}
+
+    async def scenario(store: Store) -> None:
+        manager = CacheManager(store, registry, tmp_path / "state", 0.0, (), dict, lambda: running)
+        old = entries["old"]
+        await manager.admit(old, np.arange(80), 0, frozenset())
+        await store.open_dataset(old.record.cache_db)
+        name = old.record.cache_db.encode()
+        await store.put_many([PendingWrite(name, i, encode_value(bytes(size))) for i in range(80)])
+        await store.flush()
+
+        async def stage(name: str) -> Admitted:
+            admitted = await manager.admit(entries[name], np.arange(24), 0, frozenset())
+            running[entries[name].record.cache_db] = 1.0  # as the stager's run, started at once, reports
+            return admitted
+
+        first, second = await asyncio.gather(stage("a"), stage("b"))
+        assert first.fits == first.need and second.fits == second.need
+        running.clear()
+        assert manager.free(False) >= first.need + second.need
+        assert [e.holding.datasets for e in (*first.evicted, *second.evicted)] == [("old",)]
+
+    with_store(tmp_path / "cache", 8 << 20, scenario)

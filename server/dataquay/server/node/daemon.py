@@ -128,7 +128,7 @@ class Daemon(ServerLifecycle):
         self.stager = Stager(self.registry, self.store, self.pfs)
         self.cache = CacheManager(
             self.store, self.registry, config.state_dir, config.evict_min_age, parse_quotas(config.cache_quotas),
-            self._job_pins,
+            self._job_pins, self._staging_left,
         )
         self.reads.used = self.cache.used
         self.exchanges: Exchanges | None = None
@@ -325,6 +325,17 @@ class Daemon(ServerLifecycle):
                 job.spec.dataset, job.manifest_id)
             pins.setdefault(db, []).append(job.spec.job_id)
         return pins
+
+    def _staging_left(self) -> dict[str, float]:
+        """The fraction of what it reads that each staging run under way has
+        still to cache (what it found cached counted out), by the cache
+        sub-database it fills."""
+        left = {}
+        for name, p in self.stager.runs.items():
+            to_read = p.total_bytes - (p.done_bytes - p.read_bytes)
+            if not p.finished and to_read > 0 and name in self.registry.names():
+                left[self.registry.get(name).record.cache_db] = max(0.0, 1 - p.read_bytes / to_read)
+        return left
 
     async def close(self, grace: float = 10.0) -> None:
         """Staged shutdown; safe to call twice and after a failed start."""

@@ -104,11 +104,15 @@ class CacheManager:
         min_age: seconds a holding must be unused before it may give way.
         quotas: the operator's quotas.
         job_pins: the live jobs' pins, job ids per cache sub-database.
+        staging_left: the fraction of its bytes each staging run under way
+            has still to write, by cache sub-database: of the room it was
+            admitted to, what a later admission must not count free.
     """
 
     def __init__(
         self, store: Store, registry: Registry, state_dir: Path, min_age: float,
         quotas: tuple[Quota, ...] = (), job_pins: Callable[[], Mapping[str, list[str]]] = dict,
+        staging_left: Callable[[], Mapping[str, float]] = dict,
     ) -> None:
         self.store = store
         self.registry = registry
@@ -116,8 +120,13 @@ class CacheManager:
         self.min_age = min_age
         self.quotas = quotas
         self.job_pins = job_pins
+        self.staging_left = staging_left
+        #: Bytes of pages each staging was admitted to, by cache sub-database.
+        self._admitted: dict[str, int] = {}
         #: What is kept per holding, by its cache sub-database.
         self._uses: dict[str, Use] = {}
+        #: One admission or eviction at a time: each plans from what the one before left.
+        self._planning = asyncio.Lock()
         #: Samples and bytes evicted, for the metrics.
         self.evicted_samples = 0
         self.evicted_bytes = 0
@@ -227,10 +236,11 @@ class CacheManager:
     # ------------------------------------------------------- admission
 
     def free(self, leave_room: bool) -> int:
-        """Bytes of pages a staging may still add."""
+        """Bytes of pages a staging may still add, those the runs under way will take counted out."""
         space = self.store.space
         room = space.capacity - space.live_bytes - space.reserved_bytes - refill_margin(space.capacity)
-        return room - (space.exchange_reserve if leave_room else 0)
+        promised = sum(self._admitted.get(db, 0) * left for db, left in self.staging_left().items())
+        return room - int(promised) - (space.exchange_reserve if leave_room else 0)
 
     async def admit(
         self, entry: Registered, ids: np.ndarray, uid: int, gids: frozenset[int], leave_room: bool = False,
@@ -241,6 +251,12 @@ class CacheManager:
         Raises:
             CacheQuotaError: the staging would pass a quota of ``uid`` or ``gids``, named.
         """
+        async with self._planning:
+            return await self._admit(entry, ids, uid, gids, leave_room)
+
+    async def _admit(
+        self, entry: Registered, ids: np.ndarray, uid: int, gids: frozenset[int], leave_room: bool,
+    ) -> Admitted:
         db = entry.record.cache_db
         missing = ids[~self.store.cached_mask(db, ids)]
         lengths = entry.manifest.sample_length[missing]
@@ -257,6 +273,7 @@ class CacheManager:
         need = int(value_bytes(lengths + CHECKSUM_BYTES).sum())
         admission = admit(need, self.free(leave_room), self._arrays(rows, keep=db), time.time(), self.min_age)
         evicted = await self._evict(rows, admission.evictions, "staging", entry.record.name)
+        self._admitted[db] = admission.fits
         return Admitted(admission.need, admission.fits, evicted)
 
     def check_arrivals(self, cache_db: str, nbytes: int) -> None:
@@ -280,9 +297,10 @@ class CacheManager:
 
     async def make_room(self, nbytes: int) -> int:
         """Evicts up to ``nbytes`` of pages for an exchange's arrivals; returns what was evicted."""
-        rows = self.holdings()
-        plan = plan_evictions(self._arrays(rows), nbytes, time.time(), self.min_age)
-        return sum(e.nbytes for e in await self._evict(rows, plan, "exchange", ""))
+        async with self._planning:
+            rows = self.holdings()
+            plan = plan_evictions(self._arrays(rows), nbytes, time.time(), self.min_age)
+            return sum(e.nbytes for e in await self._evict(rows, plan, "exchange", ""))
 
     # ------------------------------------------------------- operators
 
@@ -302,6 +320,10 @@ class CacheManager:
     async def evict(self, name: str, dry_run: bool = False, force: bool = False) -> tuple[Evicted, ...]:
         """Evicts one holding whole (``dataquay cache evict``), or every one
         the policy lets go when ``name`` is empty. A pinned one only with ``force``."""
+        async with self._planning:
+            return await self._evict_named(name, dry_run, force)
+
+    async def _evict_named(self, name: str, dry_run: bool, force: bool) -> tuple[Evicted, ...]:
         rows = self.holdings()
         if name:
             target = self.find(name)
