@@ -179,7 +179,7 @@ def test_a_live_jobs_dataset_is_never_evicted_however_long_unused(
         )
         assert staged.returncode == 0, staged.stderr
         row = next(line.split() for line in staged.stdout.splitlines() if line.startswith("n0 "))
-        assert row[1] == f"{SAMPLES}/{SAMPLES}" and row[-2:] == ["(b)", "ok"]  # EVICTED: bytes (b), STATUS
+        assert row[1] == f"{SAMPLES}/{SAMPLES}" and row[-3:] == ["(b)", "0", "ok"]  # EVICTED, FOR OTHERS, STATUS
         assert cached_samples(daemon, "a") == SAMPLES
         assert 0 < cached_samples(daemon, "b") < SAMPLES
 

@@ -276,13 +276,13 @@ def _report_staging(args: argparse.Namespace, job: jpb.Job, nodes: Sequence[_Nod
             format_bytes(n.last.done_bytes) if n.last else "-",
             format_bytes(n.last.read_bytes) if n.last else "-",
             f"{n.last.elapsed_seconds:.1f}" if n.last else "-",
-            n.last.held_for_others if n.last else "-",
             _evicted(n.last) if n.last else "-",
+            n.last.held_for_others if n.last else "-",
             f"failed: {n.failed}" if n.failed else ("ok, cache full" if n.last and n.last.cache_full else "ok"),
         )
         for n in nodes
     ]
-    print_table(rows, ("NODE", "SAMPLES", "CACHED", "READ FROM PFS", "SECONDS", "FOR OTHERS", "EVICTED", "STATUS"))
+    print_table(rows, ("NODE", "SAMPLES", "CACHED", "READ FROM PFS", "SECONDS", "EVICTED", "FOR OTHERS", "STATUS"))
     read = sum(r.read_bytes for r in reports)
     print(
         f"staged {args.name!r} for job {job.spec.job_id!r} ({job.spec.mode}) on {len(nodes)} nodes in {wall:.1f} s: "
