@@ -65,3 +65,11 @@ def test_the_held_ids_follow_lmdb_through_commits_deletes_drops_and_a_reopen(tmp
 
     with_store(tmp_path / "cache", 256 * MiB, fill_and_delete)
     with_store(tmp_path / "cache", 256 * MiB, reopened)
+
+
+def test_the_count_of_held_ids_is_the_number_added_less_those_removed() -> None:
+    held = CachedIds()
+    held.add(b"ds", np.array([0, 7, 8, 1000, 70_000]))
+    held.remove(b"ds", np.array([8, 5]))
+    assert held.count(b"ds") == 4 and held.count(b"other") == 0
+    assert held.ids(b"ds").tolist() == [0, 7, 1000, 70_000]

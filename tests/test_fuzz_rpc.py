@@ -212,6 +212,11 @@ def cache_requests(real_root: Path) -> st.SearchStrategy[tuple[str, Message | li
             shm_size=uint64,
             handed=st.lists(st.builds(pb.Sample, id=uint64, shm_offset=uint64, length=uint64), max_size=3),
         )),
+        st.tuples(st.just("ManageCache"), st.builds(
+            # Evictions are dry runs: the fuzz's own dataset stays cached for the calls that read it.
+            pb.ManageCacheRequest, action=st.one_of(st.sampled_from(["ls", "evict", "pin", "unpin"]), odd_text),
+            name=st.one_of(dataset_names, odd_text), dry_run=st.just(True), force=st.booleans(),
+        )),
         st.tuples(st.just("PrepSync"), st.builds(
             pb.PrepSyncRequest,
             spec=st.builds(

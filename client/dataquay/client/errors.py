@@ -117,6 +117,11 @@ class CacheFullError(DataquayError):
     that found no room in time): worth another try once the node freed some."""
 
 
+class CacheQuotaError(DataquayError):
+    """Staging would pass a cache quota of the caller's user or group (the
+    message names it): drop or evict a dataset charged to it first."""
+
+
 class ExchangeRefusedError(DataquayError):
     """An exchange offer a node must not accept: ids it does not own in the
     offer's epoch, or a dataset version the job does not use."""

@@ -228,7 +228,7 @@ class StageRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., job: _Optional[str] = ...) -> None: ...
 
 class StageProgress(_message.Message):
-    __slots__ = ("dataset", "total_samples", "done_samples", "skipped_samples", "total_bytes", "done_bytes", "read_bytes", "elapsed_seconds", "finished", "cache_full", "error", "failed_samples", "first_failure", "node", "held_for_others")
+    __slots__ = ("dataset", "total_samples", "done_samples", "skipped_samples", "total_bytes", "done_bytes", "read_bytes", "elapsed_seconds", "finished", "cache_full", "error", "failed_samples", "first_failure", "node", "held_for_others", "admission_need_bytes", "admission_fit_bytes", "evictions")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     DONE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +244,9 @@ class StageProgress(_message.Message):
     FIRST_FAILURE_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     HELD_FOR_OTHERS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_NEED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     total_samples: int
     done_samples: int
@@ -259,7 +262,82 @@ class StageProgress(_message.Message):
     first_failure: str
     node: str
     held_for_others: int
-    def __init__(self, dataset: _Optional[str] = ..., total_samples: _Optional[int] = ..., done_samples: _Optional[int] = ..., skipped_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., done_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., cache_full: _Optional[bool] = ..., error: _Optional[str] = ..., failed_samples: _Optional[int] = ..., first_failure: _Optional[str] = ..., node: _Optional[str] = ..., held_for_others: _Optional[int] = ...) -> None: ...
+    admission_need_bytes: int
+    admission_fit_bytes: int
+    evictions: _containers.RepeatedCompositeFieldContainer[CacheEviction]
+    def __init__(self, dataset: _Optional[str] = ..., total_samples: _Optional[int] = ..., done_samples: _Optional[int] = ..., skipped_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., done_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., cache_full: _Optional[bool] = ..., error: _Optional[str] = ..., failed_samples: _Optional[int] = ..., first_failure: _Optional[str] = ..., node: _Optional[str] = ..., held_for_others: _Optional[int] = ..., admission_need_bytes: _Optional[int] = ..., admission_fit_bytes: _Optional[int] = ..., evictions: _Optional[_Iterable[_Union[CacheEviction, _Mapping]]] = ...) -> None: ...
+
+class CacheHolding(_message.Message):
+    __slots__ = ("cache_db", "datasets", "bytes", "samples", "last_use_unix", "uid", "pinned_by")
+    CACHE_DB_FIELD_NUMBER: _ClassVar[int]
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LAST_USE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BY_FIELD_NUMBER: _ClassVar[int]
+    cache_db: str
+    datasets: _containers.RepeatedScalarFieldContainer[str]
+    bytes: int
+    samples: int
+    last_use_unix: float
+    uid: int
+    pinned_by: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cache_db: _Optional[str] = ..., datasets: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., samples: _Optional[int] = ..., last_use_unix: _Optional[float] = ..., uid: _Optional[int] = ..., pinned_by: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CacheEviction(_message.Message):
+    __slots__ = ("cache_db", "datasets", "bytes", "whole")
+    CACHE_DB_FIELD_NUMBER: _ClassVar[int]
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
+    cache_db: str
+    datasets: _containers.RepeatedScalarFieldContainer[str]
+    bytes: int
+    whole: bool
+    def __init__(self, cache_db: _Optional[str] = ..., datasets: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., whole: _Optional[bool] = ...) -> None: ...
+
+class CacheCharge(_message.Message):
+    __slots__ = ("kind", "id", "bytes", "quota_bytes", "quota")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    id: int
+    bytes: int
+    quota_bytes: int
+    quota: str
+    def __init__(self, kind: _Optional[str] = ..., id: _Optional[int] = ..., bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., quota: _Optional[str] = ...) -> None: ...
+
+class ManageCacheRequest(_message.Message):
+    __slots__ = ("action", "name", "dry_run", "force")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    action: str
+    name: str
+    dry_run: bool
+    force: bool
+    def __init__(self, action: _Optional[str] = ..., name: _Optional[str] = ..., dry_run: _Optional[bool] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class ManageCacheReply(_message.Message):
+    __slots__ = ("holdings", "evictions", "charges", "capacity_bytes", "used_bytes", "evict_min_age_seconds")
+    HOLDINGS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CHARGES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICT_MIN_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    holdings: _containers.RepeatedCompositeFieldContainer[CacheHolding]
+    evictions: _containers.RepeatedCompositeFieldContainer[CacheEviction]
+    charges: _containers.RepeatedCompositeFieldContainer[CacheCharge]
+    capacity_bytes: int
+    used_bytes: int
+    evict_min_age_seconds: float
+    def __init__(self, holdings: _Optional[_Iterable[_Union[CacheHolding, _Mapping]]] = ..., evictions: _Optional[_Iterable[_Union[CacheEviction, _Mapping]]] = ..., charges: _Optional[_Iterable[_Union[CacheCharge, _Mapping]]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., evict_min_age_seconds: _Optional[float] = ...) -> None: ...
 
 class CacheBehindRequest(_message.Message):
     __slots__ = ("dataset", "manifest_id", "ids", "shm_name", "shm_size", "handed")
@@ -316,7 +394,7 @@ class TierCount(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients", "cache_disk_full", "prefetch", "prep_groups", "bulk", "cache_behind", "mcast_datagrams_dropped", "values_refused")
+    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients", "cache_disk_full", "prefetch", "prep_groups", "bulk", "cache_behind", "mcast_datagrams_dropped", "values_refused", "cache_holdings", "cache_charges")
     class McastDatagramsDroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +436,8 @@ class StatsReply(_message.Message):
     CACHE_BEHIND_FIELD_NUMBER: _ClassVar[int]
     MCAST_DATAGRAMS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     VALUES_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HOLDINGS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CHARGES_FIELD_NUMBER: _ClassVar[int]
     node: str
     reads: _containers.RepeatedCompositeFieldContainer[TierCount]
     cache_used_bytes: int
@@ -385,7 +465,9 @@ class StatsReply(_message.Message):
     cache_behind: CacheBehindCounts
     mcast_datagrams_dropped: _containers.ScalarMap[str, int]
     values_refused: _containers.ScalarMap[str, int]
-    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ..., prefetch: _Optional[_Union[Prefetch, _Mapping]] = ..., prep_groups: _Optional[_Iterable[_Union[PrepGroupStatus, _Mapping]]] = ..., bulk: _Optional[_Union[BulkCounts, _Mapping]] = ..., cache_behind: _Optional[_Union[CacheBehindCounts, _Mapping]] = ..., mcast_datagrams_dropped: _Optional[_Mapping[str, int]] = ..., values_refused: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    cache_holdings: _containers.RepeatedCompositeFieldContainer[CacheHolding]
+    cache_charges: _containers.RepeatedCompositeFieldContainer[CacheCharge]
+    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ..., prefetch: _Optional[_Union[Prefetch, _Mapping]] = ..., prep_groups: _Optional[_Iterable[_Union[PrepGroupStatus, _Mapping]]] = ..., bulk: _Optional[_Union[BulkCounts, _Mapping]] = ..., cache_behind: _Optional[_Union[CacheBehindCounts, _Mapping]] = ..., mcast_datagrams_dropped: _Optional[_Mapping[str, int]] = ..., values_refused: _Optional[_Mapping[str, int]] = ..., cache_holdings: _Optional[_Iterable[_Union[CacheHolding, _Mapping]]] = ..., cache_charges: _Optional[_Iterable[_Union[CacheCharge, _Mapping]]] = ...) -> None: ...
 
 class BulkCounts(_message.Message):
     __slots__ = ("served_samples", "served_bytes", "fetched_samples", "fetched_bytes", "refused_connections", "fallbacks", "exchange_samples", "forwarded_samples", "in_place_samples", "segment_reads")

@@ -115,6 +115,11 @@ class CacheStub:
                 request_serializer=dataquay_dot_protos_dot_cache__pb2.CacheBehindRequest.SerializeToString,
                 response_deserializer=dataquay_dot_protos_dot_cache__pb2.CacheBehindReply.FromString,
                 _registered_method=True)
+        self.ManageCache = channel.unary_unary(
+                '/dataquay.v1.Cache/ManageCache',
+                request_serializer=dataquay_dot_protos_dot_cache__pb2.ManageCacheRequest.SerializeToString,
+                response_deserializer=dataquay_dot_protos_dot_cache__pb2.ManageCacheReply.FromString,
+                _registered_method=True)
 
 
 class CacheServicer:
@@ -248,6 +253,16 @@ class CacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ManageCache(self, request, context):
+        """The operator's view of the cache: what each dataset version holds, who
+        it is charged to and who pins it (ls); evict one, or all the policy lets
+        go; pin or unpin one. Node-local: only over the unix socket, and only
+        the daemon's own user or root evicts and pins.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -330,6 +345,11 @@ def add_CacheServicer_to_server(servicer, server):
                     servicer.CacheBehind,
                     request_deserializer=dataquay_dot_protos_dot_cache__pb2.CacheBehindRequest.FromString,
                     response_serializer=dataquay_dot_protos_dot_cache__pb2.CacheBehindReply.SerializeToString,
+            ),
+            'ManageCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ManageCache,
+                    request_deserializer=dataquay_dot_protos_dot_cache__pb2.ManageCacheRequest.FromString,
+                    response_serializer=dataquay_dot_protos_dot_cache__pb2.ManageCacheReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -764,6 +784,33 @@ class Cache:
             '/dataquay.v1.Cache/CacheBehind',
             dataquay_dot_protos_dot_cache__pb2.CacheBehindRequest.SerializeToString,
             dataquay_dot_protos_dot_cache__pb2.CacheBehindReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ManageCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dataquay.v1.Cache/ManageCache',
+            dataquay_dot_protos_dot_cache__pb2.ManageCacheRequest.SerializeToString,
+            dataquay_dot_protos_dot_cache__pb2.ManageCacheReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Self
 
 from dataquay.client.wire.channels import default_socket_path
 from dataquay.server.errors import ConfigError
+from dataquay.server.quotas import checked_quotas
 from dataquay.server.sizes import QuantityError, parse_duration, parse_size
 
 ENV_PREFIX = "DATAQUAY_"
@@ -396,6 +397,18 @@ class DaemonConfig(ServerConfig):
     )
     cache_size: int = _option(
         0, "cache capacity (e.g. 200G); 0 = 80%% of the cache file system's space", parse_size
+    )
+    evict_min_age: float = _option(
+        3600.0,
+        "time a cached dataset no live job pins must go unused before a staging or an exchange that needs room "
+        "evicts it, least recently used first (e.g. 1h, 7d; 0 lets any unpinned one go)",
+        parse_duration,
+    )
+    cache_quotas: str = _option(
+        "",
+        "bytes of cache each user or project may hold, as KIND:NAME=SIZE separated by ',' with KIND user or "
+        "group (a Unix group), e.g. user:alice=200G,group:vision=1T; a staging that would pass one is refused",
+        checked_quotas,
     )
     state_dir: Path = _option(
         lambda: _home_dir("XDG_STATE_HOME", ".local/state"),

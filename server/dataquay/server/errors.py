@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataquay.client.errors import (
     BatchTooLargeError,
     CacheFullError,
+    CacheQuotaError,
     DataquayError,
     DatasetExistsError,
     DatasetReplacedError,
@@ -36,6 +37,7 @@ from dataquay.client.errors import (
 __all__ = [
     "BatchTooLargeError",
     "CacheFullError",
+    "CacheQuotaError",
     "CacheWriterError",
     "ConfigError",
     "DataquayError",

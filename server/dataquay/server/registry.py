@@ -136,10 +136,16 @@ class Registry:
         manifest = _map_manifest(tmp)
         previous = self._datasets.get(name)
         cache_db = cache_db_name(name, manifest.manifest_id)
-        if previous is not None and previous.manifest.content_id() == manifest.content_id():
+        content = manifest.content_id()
+        if previous is not None and previous.manifest.content_id() == content:
             # The same files registered again (a Slurm job's fresh directory):
             # the cache of the earlier registration holds their bytes.
             cache_db = previous.record.cache_db
+        elif twin := next(
+            (e for n, e in self._datasets.items() if n != name and e.manifest.content_id() == content), None
+        ):
+            # The same files under another name: cached once, for both.
+            cache_db = twin.record.cache_db
         record = DatasetRecord(
             name=name,
             root=manifest.root,
@@ -155,6 +161,11 @@ class Registry:
         os.replace(info_tmp, directory / "dataset.json")
         self._datasets[name] = Registered(record, manifest)
         return self._datasets[name], previous
+
+    def shared(self, cache_db: str) -> bool:
+        """Whether a registered dataset caches its samples in ``cache_db``
+        (another name for the same files, once one of them is dropped or replaced)."""
+        return any(e.record.cache_db == cache_db for e in self._datasets.values())
 
     def drop(self, name: str) -> Registered:
         entry = self.get(name)

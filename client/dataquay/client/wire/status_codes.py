@@ -21,6 +21,7 @@ import grpc
 from dataquay.client.errors import (
     BatchTooLargeError,
     CacheFullError,
+    CacheQuotaError,
     DataquayError,
     DatasetExistsError,
     DatasetReplacedError,
@@ -62,6 +63,7 @@ ERROR_CODES: tuple[tuple[type[DataquayError], grpc.StatusCode], ...] = (
     (PfsReadError, grpc.StatusCode.DATA_LOSS),
     (DirectoryUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (CacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (CacheQuotaError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     # A state the caller must change first: a job's settings differ, a job
     # active again, no live nodes, no directory, a replaced dataset, an
     # exchange out of turn.

@@ -18,7 +18,7 @@ from dataquay.client.job_settings import EXCHANGE_CODINGS
 from dataquay.client.placement import MODES
 from dataquay.client.wire.tiers import SERVED_TIERS
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.cli import cluster_status
+from dataquay.server.cli import cache, cluster_status
 from dataquay.server.cli.common import CliError, add_addr, add_directory, add_q, daemon_stub, print_table
 from dataquay.server.cli.stage import JOB_FLAGS, stage_job
 from dataquay.server.config import ConfigFile, DaemonConfig
@@ -108,6 +108,7 @@ def cmd_stage(args: argparse.Namespace) -> None:
         bar = None
         for last in progress:
             if bar is None:
+                _print_admission(args.name, last)
                 bar = tqdm(
                     total=last.total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
                     desc=f"staging {args.name}", disable=args.quiet, file=sys.stderr,
@@ -132,6 +133,17 @@ def cmd_stage(args: argparse.Namespace) -> None:
         raise CliError(
             f"{last.failed_samples} samples of {args.name!r} could not be read from the PFS and were "
             f"skipped; the first: {last.first_failure}"
+        )
+
+
+def _print_admission(name: str, first: pb.StageProgress) -> None:
+    """What the daemon said up front: what fits, and what it evicted to make room."""
+    for line in cache.eviction_lines(list(first.evictions), dry_run=False):
+        print(f"staging {name!r}: {line}", file=sys.stderr)
+    if first.admission_fit_bytes < first.admission_need_bytes:
+        print(
+            f"staging {name!r}: {format_bytes(first.admission_fit_bytes)} of {format_bytes(first.admission_need_bytes)}"
+            " fit in the cache; the rest will be read from the PFS", file=sys.stderr,
         )
 
 
@@ -179,6 +191,10 @@ def _print_node_status(stats: pb.StatsReply) -> None:
                   "of them for nodes whose caches are short")
     cluster_status.print_exchanges([(stats.node, stats)])
     cluster_status.print_prep_groups([(stats.node, stats)])
+    if stats.cache_holdings:
+        print_table(cache.holding_rows(list(stats.cache_holdings), time.time()), cache.HOLDING_HEADER)
+    if stats.cache_charges:
+        print_table(cache.charge_rows(list(stats.cache_charges)), cache.CHARGE_HEADER)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:

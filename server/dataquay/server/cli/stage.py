@@ -213,6 +213,14 @@ def _node_summary(node: _NodeStaging) -> str:
     return f"{text}; failed: {failed}" if failed else text
 
 
+def _evicted(progress: pb.StageProgress) -> str:
+    """What a node evicted to make room for its share: bytes and the datasets, or "-"."""
+    if not progress.evictions:
+        return "-"
+    names = ",".join(",".join(e.datasets) or e.cache_db for e in progress.evictions)
+    return f"{format_bytes(sum(e.bytes for e in progress.evictions))} ({names})"
+
+
 def stage_job(args: argparse.Namespace) -> None:
     """``dataquay stage NAME --job ID``: join (or create) the job at the
     directory, then stage each node's share on every node of the job at once."""
@@ -268,12 +276,13 @@ def _report_staging(args: argparse.Namespace, job: jpb.Job, nodes: Sequence[_Nod
             format_bytes(n.last.done_bytes) if n.last else "-",
             format_bytes(n.last.read_bytes) if n.last else "-",
             f"{n.last.elapsed_seconds:.1f}" if n.last else "-",
+            _evicted(n.last) if n.last else "-",
             n.last.held_for_others if n.last else "-",
             f"failed: {n.failed}" if n.failed else ("ok, cache full" if n.last and n.last.cache_full else "ok"),
         )
         for n in nodes
     ]
-    print_table(rows, ("NODE", "SAMPLES", "CACHED", "READ FROM PFS", "SECONDS", "FOR OTHERS", "STATUS"))
+    print_table(rows, ("NODE", "SAMPLES", "CACHED", "READ FROM PFS", "SECONDS", "EVICTED", "FOR OTHERS", "STATUS"))
     read = sum(r.read_bytes for r in reports)
     print(
         f"staged {args.name!r} for job {job.spec.job_id!r} ({job.spec.mode}) on {len(nodes)} nodes in {wall:.1f} s: "

@@ -69,6 +69,7 @@ from dataquay.server.errors import NodeNameTakenError, StartupError
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.listen import bind_tcp
 from dataquay.server.manifest_build import allowed_root, build_manifest, check_sample_sizes
+from dataquay.server.manifest_versions import built_like
 from dataquay.server.registry import Registered, Registry
 from dataquay.server.task_group import TaskGroup
 
@@ -366,9 +367,10 @@ class DirectoryServer(ServerLifecycle):
         ``name``, if ``root`` lies under the directory's --dataset-roots."""
         root = allowed_root(root, self.config.dataset_roots, "--dataset-roots / DATAQUAY_DIRECTORY_DATASET_ROOTS")
         self.registry.check_free(name, replace)
+        previous = self.registry.get(name).manifest if name in self.registry.names() else None
         async with self._builds:
             writer = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: build_manifest(root, fmt, tar_grouped=tar_grouped)
+                None, lambda: built_like(previous, build_manifest(root, fmt, tar_grouped=tar_grouped))
             )
             check_sample_sizes(writer, name, self.config.max_sample_size, "the directory's --max-sample-size")
             entry, _previous = self.registry.add(name, writer, replace)

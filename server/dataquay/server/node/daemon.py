@@ -45,6 +45,7 @@ from dataquay.server.listen import (
     remove_own_socket,
     socket_identity,
 )
+from dataquay.server.node.cache.manager import CacheManager
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.client_stats import ClientStatsBook
 from dataquay.server.node.cluster.directory_link import DirectoryLink
@@ -70,7 +71,8 @@ from dataquay.server.node.servicer import CacheServicer
 from dataquay.server.node.snapshot import NodeState
 from dataquay.server.node.stager import Stager
 from dataquay.server.node.users.access import CallerCheck, UserAccess
-from dataquay.server.registry import Registry
+from dataquay.server.quotas import parse_quotas
+from dataquay.server.registry import Registry, cache_db_name
 from dataquay.server.task_group import TaskGroup
 
 log = logging.getLogger("dataquay.daemon")
@@ -123,11 +125,16 @@ class Daemon(ServerLifecycle):
             self.tasks.spawn, config.prefetch_memory, config.max_sample_size,
         )
         self.stager = Stager(self.registry, self.store, self.pfs)
+        self.cache = CacheManager(
+            self.store, self.registry, config.state_dir, config.evict_min_age, parse_quotas(config.cache_quotas),
+            self._job_pins, self._staging_left,
+        )
+        self.reads.used = self.cache.used
         self.exchanges: Exchanges | None = None
         self.receiver: ExchangeReceiver | None = None
         if self.link is not None and self.placements is not None:
             broker = ExchangeBroker()
-            self.receiver = ExchangeReceiver(self.store, self.datasets, self.placements, broker)
+            self.receiver = ExchangeReceiver(self.store, self.datasets, self.placements, broker, self.cache)
             self.exchanges = Exchanges(
                 config.node_name, self.store, self.datasets, self.placements, self.link, self.peers,
                 self.receiver, broker, self.tasks.spawn, config.exchange_bandwidth, config.spare_copies_fill,
@@ -159,7 +166,7 @@ class Daemon(ServerLifecycle):
             store=self.store, pfs=self.pfs, stager=self.stager, peers=self.peers, reads=self.reads,
             served=self.metrics.tier_totals, client_stats=self.client_stats, prep_groups=self.prep_groups,
             behind=self.behind, counters=self.counters, exchanges=self.exchanges, receiver=self.receiver,
-            bulk=self.bulk,
+            bulk=self.bulk, cache=self.cache,
         )
         self.metrics.export_state(self.state.snapshot)
         self.health = HealthServicer()
@@ -185,6 +192,7 @@ class Daemon(ServerLifecycle):
                 self.link.identity_key = node_identity(self.store.path)
             self.registry.load()
             self.registry.warn_outside(self.config.dataset_roots)
+            self.cache.load()
             for name in self.registry.names():
                 await self.store.open_dataset(self.registry.get(name).record.cache_db)
             self.metrics_port = await self._metrics_http.start(self.config.metrics_host, self.config.metrics_port)
@@ -196,6 +204,7 @@ class Daemon(ServerLifecycle):
         self.store_tasks.spawn(self.store.run_writer(), "cache-writer")
         self.store_tasks.spawn(self.store.run_syncer(), "cache-syncer")
         self.tasks.spawn(self._reap_segments(), "shm-reaper")
+        self.tasks.spawn(self.cache.run_saver(), "cache-uses-saver")
         self.tasks.spawn(self._reap_prep_groups(), "prep-group-reaper")
         if self.link is not None:
             self.tasks.spawn(self.link.run(), "directory-link")
@@ -280,7 +289,7 @@ class Daemon(ServerLifecycle):
             reads=self.reads, served_budgets=self.served_budgets, registry=self.registry, store=self.store,
             datasets=self.datasets, stager=self.stager, client_stats=self.client_stats,
             prep_groups=self.prep_groups, behind=self.behind, link=self.link, placements=self.placements,
-            exchanges=self.exchanges, receiver=self.receiver,
+            exchanges=self.exchanges, receiver=self.receiver, cache=self.cache,
         )
 
     def _info(self) -> pb.InfoReply:
@@ -313,6 +322,35 @@ class Daemon(ServerLifecycle):
         self.bulk_address = f"{advertised_host(host)}:{bound}"
         self.tasks.spawn(self.bulk.serve(), "bulk-listener")
 
+    def _job_pins(self) -> dict[str, list[str]]:
+        """The live jobs on this node by the cache sub-database of the dataset
+        version each reads (as the directory lists them), and the runs staging now."""
+        pins: dict[str, list[str]] = {}
+        for name, run in self.stager.runs.items():
+            if not run.finished and name in self.registry.names():
+                pins.setdefault(self.registry.get(name).record.cache_db, []).append("staging")
+        for job in (self.link.jobs.values() if self.link is not None else ()):
+            if job.spec.nodes and self.config.node_name not in job.spec.nodes:
+                continue
+            if job.spec.dataset not in self.registry.names():
+                continue
+            record = self.registry.get(job.spec.dataset).record
+            db = record.cache_db if record.manifest_id == job.manifest_id else cache_db_name(
+                job.spec.dataset, job.manifest_id)
+            pins.setdefault(db, []).append(job.spec.job_id)
+        return pins
+
+    def _staging_left(self) -> dict[str, float]:
+        """The fraction of what it reads that each staging run under way has
+        still to cache (what it found cached counted out), by the cache
+        sub-database it fills."""
+        left = {}
+        for name, p in self.stager.runs.items():
+            to_read = p.total_bytes - (p.done_bytes - p.read_bytes)
+            if not p.finished and to_read > 0 and name in self.registry.names():
+                left[self.registry.get(name).record.cache_db] = max(0.0, 1 - p.read_bytes / to_read)
+        return left
+
     async def close(self, grace: float = 10.0) -> None:
         """Staged shutdown; safe to call twice and after a failed start."""
         if not self._started:
@@ -328,6 +366,7 @@ class Daemon(ServerLifecycle):
         if self.bulk is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.bulk.close)
         if self.store.is_open:
+            self.cache.save()
             await self._commit_queued()
         await self.store_tasks.close()
         if self.store.is_open:

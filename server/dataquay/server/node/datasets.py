@@ -25,6 +25,7 @@ from pathlib import Path
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DirectoryUnavailableError, UnknownDatasetError
 from dataquay.server.manifest_build import allowed_root, build_manifest, check_sample_sizes
+from dataquay.server.manifest_versions import built_like, unchanged_samples
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cluster.directory_link import DirectoryLink
 from dataquay.server.registry import Registered, Registry
@@ -109,9 +110,11 @@ class Datasets:
             self._fetches.pop(request.name, None)
             return await self._fetch(request.name)
         self.registry.check_free(request.name, request.replace)
+        replaced = self.registry.get(request.name).manifest if request.name in self.registry.names() else None
+        grouped = not request.tar_member_samples
         async with self._builds:
             writer = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: build_manifest(root, fmt, tar_grouped=not request.tar_member_samples)
+                None, lambda: built_like(replaced, build_manifest(root, fmt, tar_grouped=grouped))
             )
             check_sample_sizes(writer, request.name, self.max_sample, "--max-sample-size")
             entry, previous = self.registry.add(request.name, writer, request.replace)
@@ -177,10 +180,27 @@ class Datasets:
 
     async def _drop_here(self, name: str) -> int:
         entry = self.registry.drop(name)
+        if self.registry.shared(entry.record.cache_db):
+            log.info("dataset dropped; its cache stays for another name of the same files",
+                     extra={"fields": {"dataset": name}})
+            return 0
         freed = await self.store.drop_dataset(entry.record.cache_db)
         log.info("dataset dropped", extra={"fields": {"dataset": name, "freed_samples": freed}})
         return freed
 
     async def _dropped(self, previous: Registered | None, entry: Registered) -> None:
-        if previous is not None and previous.record.cache_db != entry.record.cache_db:
-            await self.store.drop_dataset(previous.record.cache_db)
+        """Frees the cache of the version ``entry`` replaced, once its samples
+        that the new version still has are moved to their new ids: a changed
+        dataset restages only what changed. A job still on the old version
+        is told it was replaced (DatasetReplacedError), never served a mix."""
+        if previous is None or self.registry.shared(previous.record.cache_db):
+            return
+        old_ids, new_ids = unchanged_samples(previous.manifest, entry.manifest)
+        kept, nbytes = await self.store.carry_over(previous.record.cache_db, entry.record.cache_db, old_ids, new_ids)
+        await self.store.drop_dataset(previous.record.cache_db)
+        log.info(
+            "dataset replaced; its unchanged samples stay cached",
+            extra={"fields": {"dataset": entry.record.name, "unchanged_samples": len(new_ids),
+                              "kept_samples": kept, "kept_bytes": nbytes,
+                              "samples": entry.manifest.num_samples}},
+        )

@@ -28,6 +28,37 @@ TIERS = tuple(SERVED_TIERS.values())
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
+def _cache_manager_metrics(state: LiveState) -> Iterator[Metric]:
+    """What ``dataquay status`` and ``dataquay cache ls`` show of the cache manager, from the same state."""
+    charged = GaugeMetricFamily(
+        "dataquay_cache_charged_bytes", "Payload bytes of the cache charged to a user or a group", labels=["kind", "id"]
+    )
+    quota = GaugeMetricFamily(
+        "dataquay_cache_quota_bytes", "Cache quota of a user or a group (cache_quotas)", labels=["kind", "id"]
+    )
+    for use in state.cache_charges:
+        charged.add_metric([use.kind, str(use.ident)], use.nbytes)
+        if use.quota:
+            quota.add_metric([use.kind, str(use.ident)], use.quota)
+    held = GaugeMetricFamily(
+        "dataquay_cache_dataset_bytes", "Payload bytes a dataset version holds in the cache", labels=["cache_db"]
+    )
+    last_use = GaugeMetricFamily(
+        "dataquay_cache_dataset_last_use_seconds", "Unix time a dataset version was last staged, read or "
+        "exchanged into", labels=["cache_db"],
+    )
+    for row in sorted(state.cache_holdings, key=lambda row: row.cache_db):
+        held.add_metric([row.cache_db], row.nbytes)
+        last_use.add_metric([row.cache_db], row.last_use)
+    yield from (charged, quota, held, last_use)
+    yield CounterMetricFamily(
+        "dataquay_cache_evicted_samples", "Samples the cache manager evicted to make room", value=state.cache_evicted[0]
+    )
+    yield CounterMetricFamily(
+        "dataquay_cache_evicted_bytes", "Payload bytes of dataquay_cache_evicted_samples", value=state.cache_evicted[1]
+    )
+
+
 class _StateCollector(Collector):
     def __init__(self, snapshot: Callable[[], LiveState]) -> None:
         self._snapshot = snapshot
@@ -61,6 +92,7 @@ class _StateCollector(Collector):
             value=state.inserts_dropped,
         )
         yield CounterMetricFamily("dataquay_pfs_read_bytes", "Bytes read from the PFS", value=state.pfs_bytes)
+        yield from _cache_manager_metrics(state)
         behind = state.cache_behind
         samples = CounterMetricFamily(
             "dataquay_cache_behind_samples",

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -17,8 +18,10 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import DataquayError, InvalidRequestError, StandaloneError
+from dataquay.server.node.cache.manager import Admitted, CacheManager, Evicted, Holding, UserUse
 from dataquay.server.node.handoff.forward import ShmForward
 from dataquay.server.node.reads.replies import reply_chunks
+from dataquay.server.node.users.callers import Caller
 from dataquay.server.proto_maps import FORMAT_FROM_PROTO, TIER_TO_PROTO, dataset_info
 from dataquay.server.servicer_errors import status_on_error
 
@@ -62,6 +65,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         served_budgets: ByteBudgets, registry: Registry, store: Store, datasets: Datasets, stager: Stager,
         client_stats: ClientStatsBook, prep_groups: PrepGroups, behind: CacheBehind, link: DirectoryLink | None,
         placements: Placements | None, exchanges: Exchanges | None, receiver: ExchangeReceiver | None,
+        cache: CacheManager,
     ) -> None:
         self.node_name = node_name
         self._info = info
@@ -83,6 +87,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self.placements = placements
         self.exchanges = exchanges
         self.receiver = receiver
+        self.cache = cache
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
         return self._info()
@@ -168,7 +173,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self, request: pb.StageRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StageProgress]:
         async with status_on_error(context):
-            await self.access.check_read(self.access.caller(context), request.dataset)
+            caller = self.access.caller(context)
+            await self.access.check_read(caller, request.dataset)
             entry = await self.datasets.entry(request.dataset)
             seed, ids, leave_room, for_others = request.seed, None, False, 0
             if request.job:
@@ -176,7 +182,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 placement = await self._placements().placement(request.job, entry, epoch=0)
                 seed, ids, leave_room = placement.job.spec.seed, placement.held(), placement.owners_move
                 for_others = placement.held_for_others
-            progress = self.stager.start(request.dataset, seed, ids, leave_room, for_others)
+            admission = None
+            if not self.stager.running(request.dataset):
+                staged = ids if ids is not None else np.arange(entry.manifest.num_samples, dtype=np.int64)
+                admission = await self.cache.admit(entry, staged, *charged(caller), leave_room)
+            progress = self.stager.start(request.dataset, seed, ids, leave_room, for_others, admission)
         while True:
             await self.stager.wait(request.dataset, timeout=0.5)
             reply = self._progress(progress)
@@ -205,6 +215,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             first_failure=progress.first_failure,
             node=self.node_name,
             held_for_others=progress.held_for_others,
+            **admission_fields(progress.admission),
         )
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
@@ -245,6 +256,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             prep_groups=state.prep_groups,
             bulk=state.bulk.proto(),
             cache_behind=state.cache_behind.proto(),
+            cache_holdings=[cache_holding(row) for row in state.cache_holdings],
+            cache_charges=[cache_charge(use) for use in state.cache_charges],
         )
 
     async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
@@ -298,6 +311,29 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             hand_over = not request.handed or self.access.may_hand_over(caller)
             return await self.behind.take(request, hand_over=hand_over)
 
+    async def ManageCache(
+        self, request: pb.ManageCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ManageCacheReply:
+        async with status_on_error(context):
+            evicted: tuple[Evicted, ...] = ()
+            if request.action != "ls":
+                _node_local(context, "the cache is managed on its node: call through the daemon's unix socket")
+                self.access.check_operator(self.access.caller(context), f"cache {request.action}")
+            if request.action == "evict":
+                evicted = await self.cache.evict(request.name, request.dry_run, request.force)
+            elif request.action in ("pin", "unpin"):
+                self.cache.pin(request.name, request.action == "pin")
+            elif request.action != "ls":
+                raise InvalidRequestError(f"unknown cache action {request.action!r}; use ls, evict, pin or unpin")
+            return pb.ManageCacheReply(
+                holdings=[cache_holding(row) for row in self.cache.holdings()],
+                evictions=[cache_eviction(e) for e in evicted],
+                charges=[cache_charge(use) for use in self.cache.users()],
+                capacity_bytes=self.store.capacity,
+                used_bytes=self.store.space.live_bytes,
+                evict_min_age_seconds=self.cache.min_age,
+            )
+
     async def Exchange(
         self, request_iterator: AsyncIterator[pb.ExchangeMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ExchangeReply]:
@@ -327,6 +363,43 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         entry = self.registry.get(name)
         entries, cached_bytes = self.store.dataset_usage(entry.record.cache_db)
         return dataset_info(entry, entries, cached_bytes)
+
+
+def charged(caller: Caller) -> tuple[int, frozenset[int]]:
+    """Whom a caller's staging is charged to: the user the kernel named, else
+    (TCP, or a daemon of one user) the daemon's own user and groups."""
+    if caller.uid is not None:
+        return caller.uid, caller.gids
+    return os.getuid(), frozenset({os.getgid(), *os.getgroups()})
+
+
+def admission_fields(admission: Admitted | None) -> dict[str, Any]:
+    """StageProgress's admission fields."""
+    if admission is None:
+        return {}
+    return {
+        "admission_need_bytes": admission.need,
+        "admission_fit_bytes": admission.fits,
+        "evictions": [cache_eviction(e) for e in admission.evicted],
+    }
+
+
+def cache_eviction(evicted: Evicted) -> pb.CacheEviction:
+    return pb.CacheEviction(
+        cache_db=evicted.holding.cache_db, datasets=evicted.holding.datasets, bytes=evicted.nbytes,
+        whole=evicted.whole,
+    )
+
+
+def cache_holding(row: Holding) -> pb.CacheHolding:
+    return pb.CacheHolding(
+        cache_db=row.cache_db, datasets=row.datasets, bytes=row.nbytes, samples=row.samples,
+        last_use_unix=row.last_use, uid=row.uid, pinned_by=row.pinned_by,
+    )
+
+
+def cache_charge(use: UserUse) -> pb.CacheCharge:
+    return pb.CacheCharge(kind=use.kind, id=use.ident, bytes=use.nbytes, quota_bytes=use.quota, quota=use.quota_text)
 
 
 def prefetch(state: LiveState) -> pb.Prefetch:

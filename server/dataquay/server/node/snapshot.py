@@ -18,6 +18,7 @@ from dataquay.server.node.reads.behind import BehindCounts
 from dataquay.server.node.reads.overflow import OverflowCounts
 
 if TYPE_CHECKING:
+    from dataquay.server.node.cache.manager import CacheManager, Holding, UserUse
     from dataquay.server.node.cache.store import Store
     from dataquay.server.node.client_stats import ClientStatsBook
     from dataquay.server.node.counters import FaceCounters
@@ -139,6 +140,12 @@ class LiveState:
     mcast_dropped: dict[str, int] = field(default_factory=dict)
     #: Values the admission rule kept out of the cache, by reason (node/cache/admission.py).
     values_refused: dict[str, int] = field(default_factory=dict)
+    #: Each dataset version the cache holds: bytes, last use, whom it is charged to, who pins it.
+    cache_holdings: tuple[Holding, ...] = ()
+    #: Bytes charged to each user and group, and its quota.
+    cache_charges: tuple[UserUse, ...] = ()
+    #: (samples, payload bytes) the cache manager evicted.
+    cache_evicted: tuple[int, int] = (0, 0)
 
 
 class NodeState:
@@ -148,9 +155,10 @@ class NodeState:
         self, *, store: Store, pfs: PfsPool, stager: Stager, peers: Peers, reads: ReadService,
         served: Callable[[], dict[str, tuple[int, int]]], client_stats: ClientStatsBook, prep_groups: PrepGroups,
         behind: CacheBehind, counters: FaceCounters, exchanges: Exchanges | None, receiver: ExchangeReceiver | None,
-        bulk: BulkServer | None,
+        bulk: BulkServer | None, cache: CacheManager,
     ) -> None:
         self.store = store
+        self.cache = cache
         self.pfs = pfs
         self.stager = stager
         self.peers = peers
@@ -200,6 +208,9 @@ class NodeState:
             bulk=self._bulk(),
             cache_behind=self.behind.counts,
             mcast_dropped=dict(exchanges.mcast_dropped) if exchanges else {},
+            cache_holdings=tuple(self.cache.holdings()),
+            cache_charges=tuple(self.cache.users()),
+            cache_evicted=(self.cache.evicted_samples, self.cache.evicted_bytes),
         )
 
     def _bulk(self) -> BulkCounts:

@@ -22,6 +22,7 @@ from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import ReadRange, plan_reads
 from dataquay.client.placement import epoch_permutation
 from dataquay.client.wire.records import CHECKSUM_BYTES
+from dataquay.server.node.cache.manager import Admitted
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.reads.pfs import PfsPool
@@ -53,6 +54,8 @@ class StagingProgress:
     failed_samples: int = 0
     first_failure: str = ""
     held_for_others: int = 0  #: of the samples staged, those other nodes own (spilled here)
+    #: What the cache manager said would fit, and evicted, before the run read anything.
+    admission: Admitted | None = None
 
     @property
     def finished(self) -> bool:
@@ -141,11 +144,13 @@ class Stager:
         ids: np.ndarray | None = None,
         leave_room: bool = False,
         held_for_others: int = 0,
+        admission: Admitted | None = None,
     ) -> StagingProgress:
         """Starts staging ``ids`` of ``dataset`` (default: all) unless a run is
         going; returns its progress, already ended once the stager is closed.
         ``leave_room`` stops short of the exchange's reserve (a job whose owners
-        move); ``held_for_others`` of ``ids`` are other nodes' overflow, as reported."""
+        move); ``held_for_others`` of ``ids`` are other nodes' overflow, as reported;
+        ``admission`` is what the cache manager made room for."""
         current = self.runs.get(dataset)
         if current is not None and not current.finished:
             return current
@@ -153,7 +158,8 @@ class Stager:
         if ids is None:
             ids = np.arange(manifest.num_samples, dtype=np.int64)
         progress = StagingProgress(
-            dataset, len(ids), int(manifest.sample_length[ids].sum()), held_for_others=held_for_others
+            dataset, len(ids), int(manifest.sample_length[ids].sum()), held_for_others=held_for_others,
+            admission=admission,
         )
         self.runs[dataset] = progress
         self._done[dataset] = asyncio.Event()
@@ -163,6 +169,11 @@ class Stager:
         else:
             self._tasks.spawn(self._run(dataset, seed, ids, progress, leave_room), f"stage-{dataset}")
         return progress
+
+    def running(self, dataset: str) -> bool:
+        """Whether a run of ``dataset`` is going (a new request joins it)."""
+        current = self.runs.get(dataset)
+        return current is not None and not current.finished
 
     def _full(self, leave_room: bool) -> bool:
         return self.store.space.reserve_reached if leave_room else self.store.full

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 _NONE = np.zeros(0, dtype=np.uint8)
+#: Set bits of each byte value.
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
 
 
 def ids_of_keys(keys: bytes) -> np.ndarray:
@@ -58,6 +60,18 @@ class CachedIds:
 
     def drop(self, name: bytes) -> None:
         self._bits.pop(name, None)
+
+    def ids(self, name: bytes) -> np.ndarray:
+        """The ids the dataset holds, sorted."""
+        bits = self._bits.get(name)
+        if bits is None:
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero(np.unpackbits(bits, bitorder="little")).astype(np.int64)
+
+    def count(self, name: bytes) -> int:
+        """How many ids the dataset holds: a metrics scrape's question, in a byte per 8 ids."""
+        bits = self._bits.get(name)
+        return 0 if bits is None else int(_POPCOUNT[bits].sum(dtype=np.int64))
 
     def mask(self, name: bytes, ids: np.ndarray) -> np.ndarray:
         """Which of ``ids`` the dataset holds."""

@@ -155,6 +155,15 @@ class Store:
         await self.space.changed(freed=True)
         return entries
 
+    async def carry_over(self, old_db: str, new_db: str, old_ids: np.ndarray, new_ids: np.ndarray) -> tuple[int, int]:
+        """Moves cached samples of a dataset's old version to their ids in its
+        new one (no PFS read); returns the (samples, payload bytes) moved."""
+        if old_db.encode() not in self._dbs or not len(old_ids):
+            return 0, 0
+        await self.open_dataset(new_db)
+        old, new = old_db.encode(), new_db.encode()
+        return await self.writer.move((old, self._dbs[old]), (new, self._dbs[new]), old_ids, new_ids)
+
     def _db_exists(self, name: bytes) -> bool:
         with self.env.begin() as txn:
             return txn.get(name) is not None

@@ -46,6 +46,8 @@ META_DB = b"__meta__"
 HOUSEKEEPING_BYTES = 1 * MiB
 #: A cache that keeps filling is said to be full at most this often.
 FULL_LOG_SECONDS = 60.0
+#: Samples one transaction moves to a dataset's new version.
+MOVE_BATCH = 1024
 
 
 class StoreWriter:
@@ -136,6 +138,7 @@ class StoreWriter:
                 txn.drop(handle, delete=True)
                 txn.delete(name, db=self.meta)
             self.cached.drop(name)
+            self.space.live_bytes = self.count_live_bytes()  # room again at once, for what waits for it
             return entries
 
         async with self.lock:
@@ -172,7 +175,45 @@ class StoreWriter:
         self._dirty = True
         return removed
 
-    async def _deleting(self, delete: Callable[[], int]) -> int:
+    async def move(
+        self, old: tuple[bytes, lmdb._Database], new: tuple[bytes, lmdb._Database],
+        old_ids: np.ndarray, new_ids: np.ndarray,
+    ) -> tuple[int, int]:
+        """Moves the values of ``old_ids`` of one sub-database to ``new_ids``
+        of another (a dataset's unchanged samples into its new version), a
+        transaction per batch, each as many pages freed as taken; returns the
+        (samples, payload bytes) moved."""
+        env = self._file.env
+        (old_name, old_handle), (new_name, new_handle) = old, new
+
+        def move(olds: list[int], news: list[int]) -> tuple[int, int]:
+            moved, nbytes = [], 0
+            with env.begin(write=True) as txn:
+                for old_id, new_id in zip(olds, news):
+                    value = txn.pop(sample_key(old_id), db=old_handle)
+                    if value is not None and txn.put(sample_key(new_id), value, db=new_handle, overwrite=False):
+                        moved.append(new_id)
+                        nbytes += len(value) - CHECKSUM_BYTES
+                old_total = max(0, self.payload_bytes.get(old_name, 0) - nbytes)
+                new_total = self.payload_bytes.get(new_name, 0) + nbytes
+                txn.put(old_name, old_total.to_bytes(8, "little"), db=self.meta)
+                txn.put(new_name, new_total.to_bytes(8, "little"), db=self.meta)
+            self.cached.remove(old_name, np.asarray(olds, dtype=np.int64))
+            self.cached.add(new_name, np.asarray(moved, dtype=np.int64))
+            self.payload_bytes[old_name], self.payload_bytes[new_name] = old_total, new_total
+            self.space.live_bytes = self.count_live_bytes()
+            return len(moved), nbytes
+
+        samples = nbytes = 0
+        for start in range(0, len(old_ids), MOVE_BATCH):
+            olds, news = old_ids[start:start + MOVE_BATCH].tolist(), new_ids[start:start + MOVE_BATCH].tolist()
+            async with self.lock:
+                done = await self._deleting(lambda: move(olds, news))
+            samples, nbytes = samples + done[0], nbytes + done[1]
+        self._dirty = True
+        return samples, nbytes
+
+    async def _deleting(self, delete: Callable[[], T]) -> T:
         """Runs ``delete`` in the writer thread. A delete needs pages too (LMDB
         copies what it changes): in a full map it fails, so the map grows
         once (past the capacity by HOUSEKEEPING_BYTES at most, into the file

@@ -57,6 +57,7 @@ from dataquay.server.errors import (
     SampleIdError,
 )
 from dataquay.server.node.cache.admission import ADMITTED, REASONS, Origin, gives, refusals
+from dataquay.server.node.cache.manager import CacheManager
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.cluster.placements import Placement, Placements
@@ -95,8 +96,12 @@ class _Taken:
 class ExchangeReceiver:
     """Takes the samples other daemons hand to this node."""
 
-    def __init__(self, store: Store, datasets: Datasets, placements: Placements, broker: ExchangeBroker) -> None:
+    def __init__(
+        self, store: Store, datasets: Datasets, placements: Placements, broker: ExchangeBroker, cache: CacheManager
+    ) -> None:
         self.store = store
+        #: Evicts datasets no live job pins for arrivals, and holds them to their user's quota.
+        self.cache = cache
         self.datasets = datasets
         self.placements = placements
         self.broker = broker
@@ -203,7 +208,11 @@ class ExchangeReceiver:
     async def _reserved(self, writes: list[PendingWrite]) -> _Taken:
         """Queues ``writes`` under a reservation of their room, once the cache has it."""
         need = stored_bytes(np.fromiter((len(w.value) - CHECKSUM_BYTES for w in writes), np.int64, len(writes)))
+        for db in {w.db for w in writes}:
+            self.cache.check_arrivals(db.decode(), sum(len(w.value) - CHECKSUM_BYTES for w in writes if w.db == db))
         space, waited = self.store.space, 0.0
+        if space.free < need:
+            await self.cache.make_room(need - space.free)
         while not await space.reserve(need, BREAK_SECONDS):
             waited += BREAK_SECONDS
             await self.broker.make_room(need)

@@ -144,12 +144,16 @@ class ReadService:
             self.prefetcher = TransferPrefetcher(self._fetch_transfers, placements.placement, spawn, self.budget)
             self.overflow = OverflowPrefetcher(store, pfs, placements.placement, spawn, self.budget)
         self._spawn = spawn
+        #: Told the cache sub-database of every read (the cache manager's last use).
+        self.used: Callable[[str], None] = lambda cache_db: None
 
     async def entry(self, dataset: str, ids: np.ndarray, manifest_id: str = "") -> Registered:
         """The dataset's entry; raises for an unknown or replaced dataset, a batch
         over the limit or an id out of range."""
         self._check_batch(ids)
-        return self._checked(await self.datasets.entry(dataset), dataset, ids, manifest_id)
+        entry = self._checked(await self.datasets.entry(dataset), dataset, ids, manifest_id)
+        self.used(entry.record.cache_db)
+        return entry
 
     def registered_entry(self, dataset: str, ids: np.ndarray, manifest_id: str = "") -> Registered | None:
         """As :meth:`entry` for a dataset registered here, without waiting for
@@ -160,7 +164,9 @@ class ReadService:
             entry = self.datasets.registry.get(dataset)
         except UnknownDatasetError:
             return None
-        return self._checked(entry, dataset, ids, manifest_id)
+        entry = self._checked(entry, dataset, ids, manifest_id)
+        self.used(entry.record.cache_db)
+        return entry
 
     async def cache_db(self, dataset: str, manifest_id: str, ids: np.ndarray) -> str:
         """Checks a peer's bulk read as a gRPC Read is checked; the cache database to answer it from."""

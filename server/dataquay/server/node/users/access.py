@@ -243,6 +243,20 @@ class UserAccess:
             "(--users apart)"
         )
 
+    def check_operator(self, caller: Caller, done: str) -> None:
+        """Refuses what only the node's operator does (evict, pin) to every other user.
+
+        Raises:
+            UserNotAllowedError: naming the rule.
+        """
+        if self.trusted(caller):
+            return
+        self.count_refusal("operator")
+        raise UserNotAllowedError(
+            f"uid {caller.uid} may not {done}: only the daemon's own user or root manages the cache of a daemon "
+            "that keeps its users apart"
+        )
+
     def may_hand_over(self, caller: Caller) -> bool:
         """Whether payloads ``caller`` hands over may go into the cache: the daemon's own user's or root's only."""
         if self.trusted(caller):
