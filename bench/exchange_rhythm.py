@@ -100,7 +100,7 @@ def run(base: Path, samples: int, q: float, epochs: int, cache: Cache, step: flo
         started = time.perf_counter()
         lines = ranks(local, base, epochs, step)
         wall = time.perf_counter() - started
-        ahead = [daemon_stats(local, m).read_ahead for m in range(NODES)]
+        ahead = [daemon_stats(local, m).prefetch for m in range(NODES)]
     finally:
         local.down()
     rows = []

@@ -117,9 +117,9 @@ def test_a_cache_short_of_its_share_misses_what_simulate_predicts_every_epoch(
     # how much, and how much of it was thrown away unread.
     capsys.readouterr()
     assert cli_main(["status", "--directory", local.directory_address]) == 0
-    printed = re.search(r"read ahead from the PFS (.+); thrown away unread (.+)", capsys.readouterr().out)
+    printed = re.search(r"prefetched from the PFS (.+); thrown away unread (.+)", capsys.readouterr().out)
     assert printed is not None
-    ahead = [daemon_stats(local, node).read_ahead for node in range(NODES)]
+    ahead = [daemon_stats(local, node).prefetch for node in range(NODES)]
     assert 0 < parse_size(printed[1]) <= 1.05 * sum(a.overflow_read_bytes for a in ahead)
     assert parse_size(printed[2]) <= 1.05 * sum(a.overflow_wasted_bytes for a in ahead)
     # simulate's epoch 0 is staging; each epoch after misses the part of the
@@ -154,7 +154,7 @@ def check_locality(cluster: Callable[..., LocalCluster], tmp_path: Path, rhythm:
         assert tiers["local"] + tiers["cache"] >= 0.99 * sum(tiers.values()), (epoch, tiers_by_epoch)
         assert tiers["fallback"] == 0, (epoch, tiers_by_epoch)
     for node in range(NODES):
-        ahead = daemon_stats(local, node).read_ahead
+        ahead = daemon_stats(local, node).prefetch
         assert (ahead.overflow_read_bytes, ahead.overflow_wasted_bytes) == (0, 0), (node, ahead)
 
 

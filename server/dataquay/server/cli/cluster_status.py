@@ -120,10 +120,10 @@ def print_read_ahead(stats: list[tuple[str, pb.StatsReply]]) -> None:
     """What the nodes read from the PFS ahead of their ranks, and how much of
     it they threw away unread: PFS bandwidth spent for nothing, 0 in a cache
     that holds its share."""
-    read = sum(reply.read_ahead.overflow_read_bytes for _, reply in stats)
+    read = sum(reply.prefetch.overflow_read_bytes for _, reply in stats)
     if read:
-        wasted = sum(reply.read_ahead.overflow_wasted_bytes for _, reply in stats)
-        print(f"read ahead from the PFS {format_bytes(read)}; thrown away unread {format_bytes(wasted)}")
+        wasted = sum(reply.prefetch.overflow_wasted_bytes for _, reply in stats)
+        print(f"prefetched from the PFS {format_bytes(read)}; thrown away unread {format_bytes(wasted)}")
 
 
 def print_prep_groups(stats: list[tuple[str, pb.StatsReply]]) -> None:
