@@ -1,0 +1,463 @@
+"""The directory's state in etcd v3, shared by several directory processes.
+
+Why: a single directory with a state file is a single point of failure; a
+site that runs etcd already has a replicated store with leases and watches.
+Each directory process (replica) keeps the whole state in memory, as the
+embedded store's directory does, and answers every call from it; what a
+call changes is written to etcd before the call returns, and every replica
+follows etcd's changes through one watch, so that any replica answers any
+call. Keys, under ``dataquay/``::
+
+    nodes/<name>       a node's registration (JSON), with the etcd lease its up key has
+    up/<name>          present while the node's lease runs (attached to that etcd lease)
+    jobs/<id>          a job record (JSON)
+    datasets/<name>    a dataset's record (JSON); its manifest in manifests/<name>/<id>/<chunk>
+    leader             the replica doing the periodic work, attached to that replica's lease
+
+Leases are etcd leases of ``--lease-seconds``: a node's registration (or its
+coming back up) grants one, each heartbeat to any replica renews it
+(LeaseKeepAlive), and etcd ends it, deleting the node's up key, when the
+beats stop; every replica marks the node down on that deletion. No replica
+counts leases itself, so a replica killed mid-lease changes nothing.
+
+The replica holding ``leader`` (created only if absent, in a transaction,
+attached to its own lease) drops idle jobs; when it dies its lease ends
+and another takes the key within a lease.
+
+What replicas do not share: a node's cache usage and last heartbeat (each
+knows what beats it received; writing them would be a write per beat) and
+node-set version numbers (a daemon that moves to another replica fetches
+the whole list once). Two replicas creating the same job at the same
+moment: the later write wins, as for every record.
+
+With etcd down, replicas answer from what they hold: reads, listings and
+heartbeats go on; calls that change the state fail with
+:class:`~dataquay.server.errors.DirectoryUnavailableError`, as they do
+while the embedded store's directory is down. Once etcd is back, leases
+that ended meanwhile mark their nodes down, and those nodes' next beats
+bring them up again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from typing import Any
+
+import grpc
+
+from dataquay.client.job_settings import JobSettings
+from dataquay.protos import etcd_kv_pb2 as kv
+from dataquay.protos import etcd_rpc_pb2 as epb
+from dataquay.server.config import DirectoryConfig
+from dataquay.server.directory.etcd_client import MAX_VALUE_BYTES, EtcdClient, absent, delete, parse_endpoints, put
+from dataquay.server.directory.node_log import NodeLog, first_version
+from dataquay.server.directory.records import Job, Node, NodeInfo
+from dataquay.server.directory.state import DirectoryState
+from dataquay.server.errors import DataquayError, DirectoryUnavailableError, StartupError
+from dataquay.server.registry import Registered, Registry
+
+log = logging.getLogger("dataquay.directory")
+
+PREFIX = b"dataquay/"
+NODES, UP, JOBS, DATASETS, MANIFESTS = (PREFIX + k for k in (b"nodes/", b"up/", b"jobs/", b"datasets/", b"manifests/"))
+LEADER = PREFIX + b"leader"
+#: How long a change waits for others to share its write.
+GROUP_WRITE_SECONDS = 0.005
+#: Records written at once: a booting cluster's registrations go in parallel, bounded.
+PARALLEL_WRITES = 64
+#: Lease renewals waiting for the stream; past it (etcd unreachable) the oldest are not sent.
+KEEPALIVE_QUEUE = 1 << 16
+#: Wait before a broken watch or keep-alive stream is opened again.
+RECONNECT_SECONDS = 0.5
+#: The least TTL etcd grants (its election timeout bounds it).
+MIN_TTL_SECONDS = 2
+
+
+class EtcdStore:
+    """The etcd store of one replica; see the module docstring.
+
+    Args:
+        config: the directory's config; ``config.store`` is the etcd:// URL.
+        state: the server's current state (the one :meth:`open` returned).
+        registry: the replica's dataset registry, a copy of etcd's.
+    """
+
+    def __init__(self, config: DirectoryConfig, state: Callable[[], DirectoryState], registry: Registry) -> None:
+        self.config = config
+        self.client = EtcdClient(parse_endpoints(config.store))
+        self.leader = False
+        self.local_lease_seconds = math.inf
+        self.replica = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._ttl = max(MIN_TTL_SECONDS, math.ceil(config.lease_seconds))
+        self._state = state
+        self._registry = registry
+        #: The etcd lease each node's up key has.
+        self._node_leases: dict[str, int] = {}
+        self._up: set[str] = set()
+        #: The revision this replica has applied up to.
+        self.revision = 0
+        #: key -> revision of this replica's latest write of it: its echo, and older events, change nothing.
+        self._own: dict[bytes, int] = {}
+        self._dirty = asyncio.Event()
+        self._next_write: asyncio.Future[None] | None = None
+        self._renewals: asyncio.Queue[int] = asyncio.Queue(KEEPALIVE_QUEUE)
+        self._my_lease = 0
+
+    # ------------------------------------------------------------- start-up
+
+    async def open(self) -> DirectoryState:
+        config, wall = self.config, time.time()
+        state = DirectoryState(self.local_lease_seconds, config.heartbeat_seconds)
+        # Each replica numbers its own node-set versions: apart from another's started the same second.
+        state.node_log = NodeLog(config.heartbeat_seconds, first_version(0, wall) + (secrets.randbits(24) << 8))
+        state.versions = replace(state.versions, nodes=state.node_log.version)
+        try:
+            await self._resync(state)
+        except (DirectoryUnavailableError, grpc.aio.AioRpcError) as exc:
+            raise StartupError(f"cannot read the directory's state from {config.store}: {exc}") from exc
+        state.changed = set()
+        up, down = state.node_counts()
+        log.info("state read from etcd", extra={"fields": {
+            "store": config.store, "revision": self.revision, "nodes_up": up, "nodes_down": down,
+            "jobs": len(state.jobs()), "replica": self.replica}})
+        return state
+
+    async def _resync(self, state: DirectoryState) -> None:
+        """Makes ``state`` etcd's, as of one read of every key."""
+        reply = await self.client.range_prefix(PREFIX)
+        now, wall = time.monotonic(), time.time()
+        nodes: dict[str, Node] = {}
+        jobs: dict[str, Job] = {}
+        datasets: dict[str, dict[str, Any]] = {}
+        self._up = set()
+        for item in reply.kvs:
+            kind, name = _split(item.key)
+            if kind == UP:
+                self._up.add(name)
+            elif kind == NODES:
+                nodes[name] = self._node(item.value, name)
+            elif kind == JOBS:
+                jobs[name] = _job(item.value)
+            elif kind == DATASETS:
+                datasets[name] = json.loads(item.value)
+        for node in nodes.values():
+            state.apply_node(node, node.info.name in self._up, now)
+        for node in state.nodes():
+            if node.info.name not in nodes:
+                state.apply_up(node.info.name, False, now)
+        for job in jobs.values():
+            state.apply_job(job, now, wall)
+        for job in state.jobs():
+            if job.spec.job_id not in jobs:
+                state.apply_job_dropped(job.spec.job_id)
+        for name in self._registry.names():
+            if name not in datasets:
+                self._drop_local_dataset(state, name)
+        for name, record in datasets.items():
+            await self._fetch_dataset(state, name, record)
+        self.revision = reply.header.revision
+
+    def start(self, tasks: Any) -> None:
+        tasks.spawn(self._write_changes(), "etcd-writer")
+        tasks.spawn(self._follow(), "etcd-watch")
+        tasks.spawn(self._renew(), "etcd-keepalive")
+        tasks.spawn(self._elect(), "etcd-election")
+
+    # ------------------------------------------------------------- writing
+
+    def changed(self) -> None:
+        if self._state().changed:
+            self._dirty.set()
+
+    async def persist(self) -> None:
+        """Returns once what changed so far is in etcd; shares the write with
+        every call that changes the state before it begins.
+
+        Raises:
+            DirectoryUnavailableError: etcd does not answer.
+        """
+        if self._next_write is None:
+            self._next_write = asyncio.get_running_loop().create_future()
+        waiter = self._next_write
+        self._dirty.set()
+        await asyncio.shield(waiter)
+
+    async def _write_changes(self) -> None:
+        while True:
+            await self._dirty.wait()
+            await asyncio.sleep(GROUP_WRITE_SECONDS)
+            self._dirty.clear()
+            waiter, self._next_write = self._next_write, None
+            state = self._state()
+            changed, state.changed = state.changed or set(), set()
+            error: BaseException | None = None
+            try:
+                await self._write_all(state, sorted(changed))
+            except (DirectoryUnavailableError, grpc.aio.AioRpcError) as exc:
+                error = exc if isinstance(exc, DataquayError) else DirectoryUnavailableError(
+                    f"the directory's etcd store refused a write: {exc.details()}")
+                state.changed = (state.changed or set()) | changed
+                log.warning("cannot write to etcd; kept to write again", extra={"fields": {
+                    "records": len(changed), "error": str(error)}})
+            if waiter is not None:
+                if error is None:
+                    waiter.set_result(None)
+                else:
+                    waiter.set_exception(error)
+
+    async def _write_all(self, state: DirectoryState, changed: list[tuple[str, str]]) -> None:
+        created = {key for kind, key in changed if kind == "new-job"}
+        changed = [(kind, key) for kind, key in changed if not (kind == "job" and key in created)]
+        for start in range(0, len(changed), PARALLEL_WRITES):
+            batch = changed[start : start + PARALLEL_WRITES]
+            await asyncio.gather(*(self._write_record(state, kind, key) for kind, key in batch))
+
+    async def _write_record(self, state: DirectoryState, kind: str, key: str) -> None:
+        if kind == "node":
+            await self._write_node(state, key)
+        else:
+            await self._write_job(state, key, new=kind == "new-job")
+
+    async def _write_node(self, state: DirectoryState, name: str) -> None:
+        """A node registered or came back up: a fresh etcd lease, its record and up key.
+        A node down needs no write: etcd ended its lease."""
+        node = state.node(name)
+        if node is None or not node.up:
+            return
+        lease = await self.client.grant(self._ttl)
+        record = {"info": vars(node.info), "registered": node.registered, "identity": node.identity,
+                  "session": node.session, "lease": lease}
+        reply = await self.client.txn(epb.TxnRequest(success=[
+            put(NODES + name.encode(), json.dumps(record).encode()), put(UP + name.encode(), b"", lease)]))
+        self._wrote(reply.header.revision, NODES + name.encode(), UP + name.encode())
+        old, self._node_leases[name] = self._node_leases.get(name, 0), lease
+        self._up.add(name)
+        if old and old != lease:
+            await self.client.revoke(old)
+
+    async def _write_job(self, state: DirectoryState, job_id: str, new: bool) -> None:
+        key = JOBS + job_id.encode()
+        job = _find_job(state, job_id)
+        if job is None:
+            reply = await self.client.txn(epb.TxnRequest(success=[delete(key)]))
+        else:
+            value = json.dumps(_job_json(job)).encode()
+            if new:
+                # Created here: made only if absent, else the record another replica made is taken.
+                reply = await self.client.txn(epb.TxnRequest(
+                    compare=[absent(key)], success=[put(key, value)],
+                    failure=[epb.RequestOp(request_range=epb.RangeRequest(key=key))]))
+                if not reply.succeeded:
+                    kvs = reply.responses[0].response_range.kvs
+                    if kvs:
+                        state.apply_job(_job(kvs[0].value), time.monotonic(), time.time())
+                    return
+            else:
+                reply = await self.client.txn(epb.TxnRequest(success=[put(key, value)]))
+        self._wrote(reply.header.revision, key)
+
+    def _wrote(self, revision: int, *keys: bytes) -> None:
+        for key in keys:
+            self._own[key] = revision
+
+    async def dataset_added(self, entry: Registered) -> None:
+        """Writes the manifest in chunks, then the record that names them; then
+        drops the chunks of the manifest it replaced."""
+        name, record = entry.record.name, entry.record
+        data = entry.manifest.data
+        chunks = max(1, math.ceil(len(data) / MAX_VALUE_BYTES))
+        base = MANIFESTS + f"{name}/{record.manifest_id}/".encode()
+        for i in range(chunks):
+            part = bytes(data[i * MAX_VALUE_BYTES : (i + 1) * MAX_VALUE_BYTES])
+            await self.client.txn(epb.TxnRequest(success=[put(base + b"%06d" % i, part)]))
+        value = json.dumps({**asdict(record), "chunks": chunks}).encode()
+        key = DATASETS + name.encode()
+        reply = await self.client.txn(epb.TxnRequest(success=[put(key, value)]))
+        self._wrote(reply.header.revision, key)
+        await self._drop_chunks(name, keep=record.manifest_id)
+
+    async def dataset_dropped(self, name: str) -> None:
+        key = DATASETS + name.encode()
+        reply = await self.client.txn(epb.TxnRequest(success=[delete(key)]))
+        self._wrote(reply.header.revision, key)
+        await self._drop_chunks(name, keep="")
+
+    async def _drop_chunks(self, name: str, keep: str) -> None:
+        listed = await self.client.range_prefix(MANIFESTS + f"{name}/".encode())
+        stale = {item.key.rsplit(b"/", 1)[0] + b"/" for item in listed.kvs} - {MANIFESTS + f"{name}/{keep}/".encode()}
+        for prefix in sorted(stale):
+            await self.client.txn(epb.TxnRequest(success=[delete(prefix, prefix=True)]))
+
+    async def _fetch_dataset(self, state: DirectoryState, name: str, record: dict[str, Any]) -> None:
+        """Copies a dataset another replica registered into this replica's registry,
+        from etcd: no replica reads the dataset's files to serve it."""
+        if name in self._registry.names() and self._registry.get(name).record.manifest_id == record["manifest_id"]:
+            return
+        listed = await self.client.range_prefix(MANIFESTS + f"{name}/{record['manifest_id']}/".encode())
+        if len(listed.kvs) != record["chunks"]:
+            log.warning("dataset manifest incomplete in etcd; not served here until it is written again",
+                        extra={"fields": {"dataset": name, "chunks": len(listed.kvs), "expected": record["chunks"]}})
+            return
+        data = b"".join(item.value for item in sorted(listed.kvs, key=lambda item: item.key))
+        self._registry.add(name, data, replace=True)
+        state.datasets_changed()
+
+    def _drop_local_dataset(self, state: DirectoryState, name: str) -> None:
+        if name in self._registry.names():
+            self._registry.drop(name)
+            state.datasets_changed()
+
+    # ----------------------------------------------------------- following
+
+    async def _follow(self) -> None:
+        """Applies every change in etcd to this replica's state, in revision order."""
+        while True:
+            try:
+                async for reply in self.client.watch(PREFIX, self.revision + 1):
+                    if reply.canceled:
+                        log.warning("etcd cancelled the watch; reading everything again",
+                                    extra={"fields": {"reason": reply.cancel_reason,
+                                                      "compact_revision": reply.compact_revision}})
+                        await self._resync(self._state())
+                        break
+                    await self._apply(reply)
+            except (grpc.aio.AioRpcError, DirectoryUnavailableError) as exc:
+                log.debug("etcd watch broke", extra={"fields": {"error": str(exc)}})
+                await self.client.reconnect()
+            await asyncio.sleep(RECONNECT_SECONDS)
+
+    async def _apply(self, reply: epb.WatchResponse) -> None:
+        state, now, wall = self._state(), time.monotonic(), time.time()
+        for event in reply.events:
+            revision = event.kv.mod_revision
+            own = self._own.get(event.kv.key, 0)
+            if own == revision:
+                del self._own[event.kv.key]
+            if own < revision:
+                await self._apply_event(state, event, now, wall)
+            self.revision = max(self.revision, revision)
+        if not reply.events:
+            self.revision = max(self.revision, reply.header.revision)
+
+    async def _apply_event(self, state: DirectoryState, event: kv.Event, now: float, wall: float) -> None:
+        kind, name = _split(event.kv.key)
+        deleted = event.type == kv.Event.DELETE
+        if kind == UP:
+            if deleted:
+                self._up.discard(name)
+                node = state.node(name)
+                if node is not None and node.up:
+                    log.info("node down", extra={"fields": {"node": name, "lease_seconds": self.config.lease_seconds}})
+            else:
+                self._up.add(name)
+            state.apply_up(name, not deleted, now)
+        elif kind == NODES and not deleted:
+            state.apply_node(self._node(event.kv.value, name), name in self._up, now)
+        elif kind == JOBS:
+            if deleted:
+                state.apply_job_dropped(name)
+            else:
+                state.apply_job(_job(event.kv.value), now, wall)
+        elif kind == DATASETS:
+            if deleted:
+                self._drop_local_dataset(state, name)
+            else:
+                await self._fetch_dataset(state, name, json.loads(event.kv.value))
+
+    def _node(self, value: bytes, name: str) -> Node:
+        raw = json.loads(value)
+        self._node_leases[name] = raw["lease"]
+        return Node(NodeInfo(**raw["info"]), registered=raw["registered"], last_heartbeat=raw["registered"],
+                    identity=raw["identity"], session=raw["session"])
+
+    # ------------------------------------------------------------ renewals
+
+    def renewed(self, name: str) -> None:
+        """Renews the node's etcd lease (on the keep-alive stream, not waited for)."""
+        lease = self._node_leases.get(name)
+        if lease:
+            try:
+                self._renewals.put_nowait(lease)
+            except asyncio.QueueFull:
+                pass
+
+    async def _renew(self) -> None:
+        """Sends lease renewals on one keep-alive stream, opened again when it breaks."""
+        while True:
+            try:
+                async for reply in self.client.keep_alive(self._renewals):
+                    if reply.ID == self._my_lease and reply.TTL <= 0:
+                        self._my_lease = 0
+            except grpc.aio.AioRpcError as exc:
+                log.debug("etcd keep-alive broke", extra={"fields": {"error": exc.code().name}})
+                await self.client.reconnect()
+            await asyncio.sleep(RECONNECT_SECONDS)
+
+    async def _elect(self) -> None:
+        """Holds or watches for the leader key, a third of a lease apart."""
+        while True:
+            was = self.leader
+            try:
+                self.leader = await self._campaign()
+            except (DirectoryUnavailableError, grpc.aio.AioRpcError) as exc:
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    self._my_lease = 0  # "lease not found": it ended while etcd was away
+                self.leader = False
+            if self.leader != was:
+                log.info("leading the directory's periodic work" if self.leader else "another replica leads",
+                         extra={"fields": {"replica": self.replica}})
+            await asyncio.sleep(self._ttl / 3)
+
+    async def _campaign(self) -> bool:
+        if not self._my_lease:
+            self._my_lease = await self.client.grant(self._ttl)
+        self._renewals.put_nowait(self._my_lease)
+        reply = await self.client.txn(epb.TxnRequest(
+            compare=[absent(LEADER)], success=[put(LEADER, self.replica.encode(), self._my_lease)],
+            failure=[epb.RequestOp(request_range=epb.RangeRequest(key=LEADER))]))
+        if reply.succeeded:
+            return True
+        held = reply.responses[0].response_range.kvs
+        return bool(held) and held[0].value == self.replica.encode() and held[0].lease == self._my_lease
+
+    async def close(self) -> None:
+        """Gives the leader key up at once (so that another replica takes it now), then disconnects."""
+        if self._my_lease:
+            try:
+                await self.client.revoke(self._my_lease)
+            except (DirectoryUnavailableError, grpc.aio.AioRpcError):
+                pass
+        await self.client.close()
+
+
+def _split(key: bytes) -> tuple[bytes, str]:
+    """(kind prefix, name) of a key: (NODES, "n1") for dataquay/nodes/n1."""
+    for kind in (NODES, UP, JOBS, DATASETS, MANIFESTS):
+        if key.startswith(kind):
+            return kind, key[len(kind):].decode()
+    return key, ""
+
+
+def _job_json(job: Job) -> dict[str, Any]:
+    return {**asdict(job), "spec": {**asdict(job.spec), "nodes": list(job.spec.nodes)}}
+
+
+def _job(value: bytes) -> Job:
+    raw = json.loads(value)
+    return Job(**{**raw, "spec": JobSettings(**raw["spec"])})
+
+
+def _find_job(state: DirectoryState, job_id: str) -> Job | None:
+    try:
+        return state.get_job(job_id)
+    except DataquayError:
+        return None
