@@ -37,8 +37,7 @@ LEASE = ("--lease-seconds", "2", "--heartbeat-seconds", "0.5")
 def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
     cluster = EtcdCluster(tmp_path / "etcd", members=3).start()
     yield cluster
-    for index in range(cluster.members):
-        cluster.kill(index)
+    cluster.stop()
 
 
 @pytest.fixture

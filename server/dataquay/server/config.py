@@ -419,7 +419,10 @@ class DaemonConfig(ServerConfig):
         256, "most calls one remote host may have in flight; more are refused (RESOURCE_EXHAUSTED)", _positive_int
     )
     node_name: str = _option(gethostname, "this node's name in the cluster")
-    directory: str = _option("", "HOST:PORT of the directory service; empty runs this node standalone")
+    directory: str = _option(
+        "", "HOST:PORT of the directory service, or of its replicas as HOST:PORT,HOST:PORT (one etcd store); "
+        "empty runs this node standalone"
+    )
     peer_timeout: float = _option(
         5.0,
         "time a peer may take to answer a batch before its samples come from the PFS (e.g. 5s, 500ms; "
