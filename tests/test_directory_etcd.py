@@ -107,7 +107,7 @@ def test_a_replica_killed_mid_job_leaves_nodes_jobs_and_failure_detection_to_the
     assert sb.GetDataset(pb.GetDatasetRequest(name="imgs")).manifest_id == info.manifest_id
     assert b"".join(c.data for c in sb.GetManifest(pb.GetDatasetRequest(name="imgs"))) == manifest
     # A node that beats at B keeps its lease, on the session A handed out; one that stops goes down.
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 3
     while time.monotonic() < deadline:
         assert beat(sb, "n0", sessions["n0"])
         time.sleep(0.3)
@@ -145,9 +145,9 @@ def test_the_name_of_a_live_node_is_refused_at_every_replica(
 def test_one_replica_expires_idle_jobs_and_another_takes_over_when_it_dies(
     replicas: Callable[..., DirectoryProcess], stub_of: Callable[[DirectoryProcess], Stub], tmp_path: Path,
 ) -> None:
-    a = replicas("--job-ttl", "3")
+    a = replicas("--job-ttl", "2")
     wait_until(lambda: "leading the directory's periodic work" in a.log_path.read_text(), "A leads", timeout=5)
-    b = replicas("--job-ttl", "3")
+    b = replicas("--job-ttl", "2")
     assert "leading" not in b.log_path.read_text()
     register(stub_of(a), "n0")
     register(stub_of(a), "n1")
@@ -155,7 +155,7 @@ def test_one_replica_expires_idle_jobs_and_another_takes_over_when_it_dies(
     stub_of(a).AddDataset(pb.AddDatasetRequest(name="imgs", root=str(root)))
     a.kill()
     join(stub_of(b), "idle", "imgs")
-    # The leader's lease (2 s) ends, B takes the key, and drops the idle job past its TTL.
+    # The leader's lease (2 s) ends, B takes the key, and drops the idle job past its TTL (2 s).
     wait_until(lambda: not stub_of(b).ListJobs(jpb.ListJobsRequest()).jobs, "B drops the idle job", timeout=15)
     assert "leading the directory's periodic work" in b.log_path.read_text()
 

@@ -42,6 +42,8 @@ def test_a_job_reads_on_through_a_killed_replica_and_a_killed_etcd_member(
         job.check(1, group.epoch(1, mid=lambda: replicated.kill_directory(0)))
         # The exchanges into the next epochs start and finish with replica 0 gone, then an etcd member.
         wait_until(lambda: job.exchanged(2), "the exchange into epoch 2 finished")
+        # Every daemon's beats moved to replica 1 within its lease: none was ever listed down there.
+        assert job.listed_up() == {node_name(i) for i in range(NODES)}
         job.check(2, group.epoch(2, mid=lambda: replicated.etcd.kill(0) if replicated.etcd else None))
         wait_until(lambda: job.exchanged(3), "the exchange into epoch 3 finished")
     assert all(sum(tiers.values()) == SAMPLES and "pfs" not in tiers for tiers in job.tiers)
