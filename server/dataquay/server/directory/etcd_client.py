@@ -65,16 +65,22 @@ class EtcdClient:
         self._current = 0
         self._channel: grpc.aio.Channel | None = None
 
-    def _stubs(self) -> grpc.aio.Channel:
+    def channel(self) -> grpc.aio.Channel:
+        """The channel to the current endpoint."""
         if self._channel is None:
             self._channel = grpc.aio.insecure_channel(self.endpoints[self._current], options=_CHANNEL_OPTIONS)
         return self._channel
 
-    async def _next_endpoint(self) -> None:
-        channel, self._channel = self._channel, None
+    async def reconnect(self, failed: grpc.aio.Channel) -> None:
+        """Moves to the next endpoint after a call or stream on ``failed`` found
+        its endpoint gone, unless another already moved: the streams of one
+        channel break together, and must not move it round the ring."""
+        current = self._channel
+        if current is None or failed is not current:
+            return
+        self._channel = None
         self._current = (self._current + 1) % len(self.endpoints)
-        if channel is not None:
-            await channel.close()
+        await current.close()
 
     async def call(self, make: Callable[[grpc.aio.Channel], Awaitable[T]]) -> T:
         """``make(channel)`` on the current endpoint, then on each other one that answers.
@@ -84,13 +90,14 @@ class EtcdClient:
         """
         last: grpc.aio.AioRpcError | None = None
         for _ in range(len(self.endpoints)):
+            channel = self.channel()
             try:
-                return await make(self._stubs())
+                return await make(channel)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _RETRIED:
                     raise
                 last = exc
-                await self._next_endpoint()
+                await self.reconnect(channel)
         assert last is not None
         raise DirectoryUnavailableError(
             f"the directory's etcd store ({', '.join(self.endpoints)}) does not answer: "
@@ -126,23 +133,27 @@ class EtcdClient:
             if exc.code() is not grpc.StatusCode.NOT_FOUND:
                 raise
 
-    async def keep_alive(self, leases: asyncio.Queue[int]) -> AsyncIterator[epb.LeaseKeepAliveResponse]:
-        """Renews each lease put on ``leases`` through one stream, yielding etcd's answers
-        (TTL 0 or below: the lease is gone). Ends with an RpcError when the stream breaks."""
+    async def keep_alive(
+        self, channel: grpc.aio.Channel, leases: asyncio.Queue[int]
+    ) -> AsyncIterator[epb.LeaseKeepAliveResponse]:
+        """Renews each lease put on ``leases`` through one stream on ``channel``, yielding
+        etcd's answers (TTL 0 or below: the lease is gone). Ends with an RpcError when it breaks."""
 
         async def requests() -> AsyncIterator[epb.LeaseKeepAliveRequest]:
             while True:
                 yield epb.LeaseKeepAliveRequest(ID=await leases.get())
 
-        call = egrpc.LeaseStub(self._stubs()).LeaseKeepAlive(requests())
+        call = egrpc.LeaseStub(channel).LeaseKeepAlive(requests())
         try:
             async for reply in call:
                 yield reply
         finally:
             call.cancel()
 
-    async def watch(self, prefix: bytes, start_revision: int) -> AsyncIterator[epb.WatchResponse]:
-        """The changes under ``prefix`` from ``start_revision`` on, as etcd sends them.
+    async def watch(
+        self, channel: grpc.aio.Channel, prefix: bytes, start_revision: int
+    ) -> AsyncIterator[epb.WatchResponse]:
+        """The changes under ``prefix`` from ``start_revision`` on, as etcd sends them on ``channel``.
         Ends with an RpcError when the stream breaks, or a response with ``canceled``
         (its ``compact_revision`` set when the revision was compacted away)."""
         create = epb.WatchCreateRequest(key=prefix, range_end=prefix_end(prefix), start_revision=start_revision,
@@ -152,16 +163,12 @@ class EtcdClient:
             yield epb.WatchRequest(create_request=create)
             await asyncio.Event().wait()  # the stream stays open until cancelled
 
-        call = egrpc.WatchStub(self._stubs()).Watch(requests())
+        call = egrpc.WatchStub(channel).Watch(requests())
         try:
             async for reply in call:
                 yield reply
         finally:
             call.cancel()
-
-    async def reconnect(self) -> None:
-        """Moves to the next endpoint: a stream broke on this one."""
-        await self._next_endpoint()
 
     async def close(self) -> None:
         if self._channel is not None:

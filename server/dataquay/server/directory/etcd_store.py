@@ -64,6 +64,7 @@ from dataquay.server.directory.records import Job, Node, NodeInfo
 from dataquay.server.directory.state import DirectoryState
 from dataquay.server.errors import DataquayError, DirectoryUnavailableError, StartupError
 from dataquay.server.registry import Registered, Registry
+from dataquay.server.task_group import TaskGroup
 
 log = logging.getLogger("dataquay.directory")
 
@@ -165,8 +166,9 @@ class EtcdStore:
         for name, record in datasets.items():
             await self._fetch_dataset(state, name, record)
         self.revision = reply.header.revision
+        self._own = {key: at for key, at in self._own.items() if at > self.revision}
 
-    def start(self, tasks: Any) -> None:
+    def start(self, tasks: TaskGroup) -> None:
         tasks.spawn(self._write_changes(), "etcd-writer")
         tasks.spawn(self._follow(), "etcd-watch")
         tasks.spawn(self._renew(), "etcd-keepalive")
@@ -321,8 +323,9 @@ class EtcdStore:
     async def _follow(self) -> None:
         """Applies every change in etcd to this replica's state, in revision order."""
         while True:
+            channel = self.client.channel()
             try:
-                async for reply in self.client.watch(PREFIX, self.revision + 1):
+                async for reply in self.client.watch(channel, PREFIX, self.revision + 1):
                     if reply.canceled:
                         log.warning("etcd cancelled the watch; reading everything again",
                                     extra={"fields": {"reason": reply.cancel_reason,
@@ -332,7 +335,7 @@ class EtcdStore:
                     await self._apply(reply)
             except (grpc.aio.AioRpcError, DirectoryUnavailableError) as exc:
                 log.debug("etcd watch broke", extra={"fields": {"error": str(exc)}})
-                await self.client.reconnect()
+                await self.client.reconnect(channel)
             await asyncio.sleep(RECONNECT_SECONDS)
 
     async def _apply(self, reply: epb.WatchResponse) -> None:
@@ -385,21 +388,25 @@ class EtcdStore:
         """Renews the node's etcd lease (on the keep-alive stream, not waited for)."""
         lease = self._node_leases.get(name)
         if lease:
-            try:
-                self._renewals.put_nowait(lease)
-            except asyncio.QueueFull:
-                pass
+            self._renew_lease(lease)
+
+    def _renew_lease(self, lease: int) -> None:
+        try:
+            self._renewals.put_nowait(lease)
+        except asyncio.QueueFull:
+            pass  # etcd unreachable this long: the renewals queued already say it all
 
     async def _renew(self) -> None:
         """Sends lease renewals on one keep-alive stream, opened again when it breaks."""
         while True:
+            channel = self.client.channel()
             try:
-                async for reply in self.client.keep_alive(self._renewals):
+                async for reply in self.client.keep_alive(channel, self._renewals):
                     if reply.ID == self._my_lease and reply.TTL <= 0:
                         self._my_lease = 0
             except grpc.aio.AioRpcError as exc:
                 log.debug("etcd keep-alive broke", extra={"fields": {"error": exc.code().name}})
-                await self.client.reconnect()
+                await self.client.reconnect(channel)
             await asyncio.sleep(RECONNECT_SECONDS)
 
     async def _elect(self) -> None:
@@ -420,7 +427,7 @@ class EtcdStore:
     async def _campaign(self) -> bool:
         if not self._my_lease:
             self._my_lease = await self.client.grant(self._ttl)
-        self._renewals.put_nowait(self._my_lease)
+        self._renew_lease(self._my_lease)
         reply = await self.client.txn(epb.TxnRequest(
             compare=[absent(LEADER)], success=[put(LEADER, self.replica.encode(), self._my_lease)],
             failure=[epb.RequestOp(request_range=epb.RangeRequest(key=LEADER))]))
