@@ -107,7 +107,7 @@ def test_a_replica_killed_mid_job_leaves_nodes_jobs_and_failure_detection_to_the
     assert sb.GetDataset(pb.GetDatasetRequest(name="imgs")).manifest_id == info.manifest_id
     assert b"".join(c.data for c in sb.GetManifest(pb.GetDatasetRequest(name="imgs"))) == manifest
     # A node that beats at B keeps its lease, on the session A handed out; one that stops goes down.
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 4
     while time.monotonic() < deadline:
         assert beat(sb, "n0", sessions["n0"])
         time.sleep(0.3)
@@ -185,12 +185,20 @@ def test_an_etcd_outage_keeps_reads_and_beats_refuses_changes_and_recovers(
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "etcd store" in (refused.value.details() or "")
     assert time.monotonic() - started < 15
+    # A dataset added meanwhile is refused, and not kept half-registered at the replica.
+    more = make_files_dataset(tmp_path / "pfs2" / "more", 4, sizes=(10, 20), classes=1)
+    with pytest.raises(grpc.RpcError) as refused:
+        sb.AddDataset(pb.AddDatasetRequest(name="more", root=str(more)))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert [d.name for d in sb.ListDatasets(pb.ListDatasetsRequest()).datasets] == ["imgs"]
     # The PFS is gone too: recovery reads nothing from it.
     for path in sorted(root.rglob("*"), reverse=True):
         path.unlink() if path.is_file() else path.rmdir()
     etcd.restart(0, 1, 2)
     wait_until(lambda: _joins(sb, "other"), "a join once etcd is back", timeout=20)
     assert sa.GetJob(jpb.GetJobRequest(job_id="other")).spec.dataset == "imgs"
+    assert sb.AddDataset(pb.AddDatasetRequest(name="more", root=str(more))).num_samples == 4
+    wait_until(lambda: len(sa.ListDatasets(pb.ListDatasetsRequest()).datasets) == 2, "A has the dataset", timeout=5)
     # Leases that ended while etcd was away come back with the next beats.
     for stub in (sa, sb):
         wait_until(lambda: all(beat(stub, n, s) for n, s in sessions.items())

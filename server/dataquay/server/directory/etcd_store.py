@@ -81,11 +81,16 @@ KEEPALIVE_QUEUE = 1 << 16
 RECONNECT_SECONDS = 0.5
 #: The least TTL etcd grants (its election timeout bounds it).
 MIN_TTL_SECONDS = 2
-#: A node's lease is renewed by its first beat this fraction of a lease after
-#: the last renewal, not by every beat: at five beats a lease that halves the
-#: renewals, and a node whose beats stop is marked down between 3/4 of a
-#: lease and a lease after its last beat.
-RENEW_FRACTION = 0.25
+#: A node's etcd lease is renewed by its first beat this fraction of
+#: --lease-seconds after the last renewal, not by every beat (at five beats
+#: a lease, by one beat in three: each renewal costs the replica a message
+#: each way), and lasts that much longer than --lease-seconds, so that a node
+#: whose beats stop is listed down between one and 1.5 leases after its last
+#: beat, never before.
+RENEW_FRACTION = 0.5
+#: Nodes written in one transaction: two operations each, within etcd's
+#: default --max-txn-ops (128).
+NODES_PER_TXN = 64
 
 
 class EtcdStore:
@@ -104,6 +109,8 @@ class EtcdStore:
         self.local_lease_seconds = math.inf
         self.replica = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._ttl = max(MIN_TTL_SECONDS, math.ceil(config.lease_seconds))
+        self._node_ttl = max(MIN_TTL_SECONDS, math.ceil(config.lease_seconds * (1 + RENEW_FRACTION)))
+        self._renew_seconds = config.lease_seconds * RENEW_FRACTION
         self._state = state
         self._registry = registry
         #: The etcd lease each node's up key has.
@@ -225,35 +232,41 @@ class EtcdStore:
 
     async def _write_all(self, state: DirectoryState, changed: list[tuple[str, str]]) -> None:
         created = {key for kind, key in changed if kind == "new-job"}
-        changed = [(kind, key) for kind, key in changed if not (kind == "job" and key in created)]
-        for start in range(0, len(changed), PARALLEL_WRITES):
-            batch = changed[start : start + PARALLEL_WRITES]
-            await asyncio.gather(*(self._write_record(state, kind, key) for kind, key in batch))
+        nodes = [key for kind, key in changed if kind == "node"]
+        jobs = [(kind, key) for kind, key in changed if kind != "node" and not (kind == "job" and key in created)]
+        for start in range(0, len(nodes), NODES_PER_TXN):
+            await self._write_nodes(state, nodes[start : start + NODES_PER_TXN])
+        for start in range(0, len(jobs), PARALLEL_WRITES):
+            batch = jobs[start : start + PARALLEL_WRITES]
+            await asyncio.gather(*(self._write_job(state, key, new=kind == "new-job") for kind, key in batch))
 
-    async def _write_record(self, state: DirectoryState, kind: str, key: str) -> None:
-        if kind == "node":
-            await self._write_node(state, key)
-        else:
-            await self._write_job(state, key, new=kind == "new-job")
-
-    async def _write_node(self, state: DirectoryState, name: str) -> None:
-        """A node registered or came back up: a fresh etcd lease, its record and up key.
-        A node down needs no write: etcd ended its lease."""
-        node = state.node(name)
-        if node is None or not node.up:
+    async def _write_nodes(self, state: DirectoryState, names: list[str]) -> None:
+        """Nodes that registered or came back up: a fresh etcd lease each, then
+        their records and up keys in one transaction, then their old leases
+        ended. A node down needs no write: etcd ended its lease."""
+        nodes = [node for node in map(state.node, names) if node is not None and node.up]
+        if not nodes:
             return
-        lease = await self.client.grant(self._ttl)
-        record = {"info": vars(node.info), "registered": node.registered, "identity": node.identity,
-                  "session": node.session, "lease": lease}
-        reply = await self.client.txn(epb.TxnRequest(success=[
-            put(NODES + name.encode(), json.dumps(record).encode()), put(UP + name.encode(), b"", lease)]))
-        self._wrote(reply.header.revision, NODES + name.encode(), UP + name.encode())
-        old, self._node_leases[name] = self._node_leases.get(name, 0), lease
-        self._renewed_at.pop(old, None)
-        self._renewed_at[lease] = time.monotonic()
-        self._up.add(name)
-        if old and old != lease:
-            await self.client.revoke(old)
+        leases = await asyncio.gather(*(self.client.grant(self._node_ttl) for _ in nodes))
+        ops, keys = [], []
+        for node, lease in zip(nodes, leases, strict=True):
+            key = node.info.name.encode()
+            record = {"info": vars(node.info), "registered": node.registered, "identity": node.identity,
+                      "session": node.session, "lease": lease}
+            ops += [put(NODES + key, json.dumps(record).encode()), put(UP + key, b"", lease)]
+            keys += [NODES + key, UP + key]
+        reply = await self.client.txn(epb.TxnRequest(success=ops))
+        self._wrote(reply.header.revision, *keys)
+        now, ended = time.monotonic(), []
+        for node, lease in zip(nodes, leases, strict=True):
+            name = node.info.name
+            old, self._node_leases[name] = self._node_leases.get(name, 0), lease
+            self._renewed_at.pop(old, None)
+            self._renewed_at[lease] = now
+            self._up.add(name)
+            if old and old != lease:
+                ended.append(old)
+        await asyncio.gather(*(self.client.revoke(old) for old in ended))
 
     async def _write_job(self, state: DirectoryState, job_id: str, new: bool) -> None:
         key = JOBS + job_id.encode()
@@ -397,11 +410,11 @@ class EtcdStore:
 
     def renewed(self, name: str) -> None:
         """Renews the node's etcd lease (on the keep-alive stream, not waited for),
-        at most once per :data:`RENEW_FRACTION` of it: a renewal says only that
-        the node lives, and at thousands of nodes each costs the replica and etcd."""
+        at most once per :data:`RENEW_FRACTION` of a lease: a renewal says only
+        that the node lives, and at thousands of nodes each costs the replica and etcd."""
         lease = self._node_leases.get(name)
         now = time.monotonic()
-        if lease and now - self._renewed_at.get(lease, -math.inf) >= self._ttl * RENEW_FRACTION:
+        if lease and now - self._renewed_at.get(lease, -math.inf) >= self._renew_seconds:
             self._renewed_at[lease] = now
             self._renew_lease(lease)
 

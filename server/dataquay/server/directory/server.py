@@ -61,7 +61,7 @@ from dataquay.server.directory.servicer import DirectoryServicer
 from dataquay.server.directory.state import DirectoryState
 from dataquay.server.directory.store import DirectoryStore, EmbeddedStore
 from dataquay.server.dirs import ensure_private_dir
-from dataquay.server.errors import NodeNameTakenError, StartupError
+from dataquay.server.errors import DirectoryUnavailableError, NodeNameTakenError, StartupError
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.listen import bind_tcp
 from dataquay.server.manifest_build import allowed_root, build_manifest, check_sample_sizes
@@ -291,9 +291,17 @@ class DirectoryServer(ServerLifecycle):
                 None, lambda: build_manifest(root, fmt, tar_grouped=tar_grouped)
             )
             check_sample_sizes(writer, name, self.config.max_sample_size, "the directory's --max-sample-size")
-            entry, _previous = self.registry.add(name, writer, replace)
-        self.state.datasets_changed()
-        await self.store.dataset_added(entry)
+            entry, previous = self.registry.add(name, writer, replace)
+            self.state.datasets_changed()
+            try:
+                await self.store.dataset_added(entry)
+            except DirectoryUnavailableError:
+                # The store keeps the registration it had: so does this registry.
+                if previous is None:
+                    self.registry.drop(name)
+                else:
+                    self.registry.add(name, bytes(previous.manifest.data), replace=True)
+                raise
         log.info(
             "dataset registered",
             extra={"fields": {"dataset": name, "samples": entry.manifest.num_samples, "format": entry.record.format,
@@ -302,9 +310,11 @@ class DirectoryServer(ServerLifecycle):
         return entry
 
     async def drop_dataset(self, name: str) -> None:
-        self.registry.drop(name)
+        """Drops the dataset from the store, then from the registry (kept if the store fails)."""
+        self.registry.get(name)
         self.state.datasets_changed()
         await self.store.dataset_dropped(name)
+        self.registry.drop(name)
         log.info("dataset dropped", extra={"fields": {"dataset": name}})
 
     async def join_job(self, request: JoinRequest) -> Job:
