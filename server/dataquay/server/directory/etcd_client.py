@@ -31,8 +31,9 @@ log = logging.getLogger("dataquay.directory")
 
 T = TypeVar("T")
 
-#: Deadline of one unary call to etcd.
-CALL_TIMEOUT_SECONDS = 3.0
+#: Deadline of one unary call to etcd: a loaded etcd (or replica) answers a
+#: transaction of 64 nodes in well under it; a partitioned one costs a change this long per endpoint.
+CALL_TIMEOUT_SECONDS = 5.0
 #: Codes that say the endpoint, not the request, failed: the next one is tried.
 _RETRIED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN})
 #: Message size etcd accepts by default (--max-request-bytes 1.5 MiB), with room for the envelope.

@@ -14,11 +14,12 @@ call. Keys, under ``dataquay/``::
     datasets/<name>    a dataset's record (JSON); its manifest in manifests/<name>/<id>/<chunk>
     leader             the replica doing the periodic work, attached to that replica's lease
 
-Leases are etcd leases of ``--lease-seconds``: a node's registration (or its
-coming back up) grants one, each heartbeat to any replica renews it
-(LeaseKeepAlive), and etcd ends it, deleting the node's up key, when the
-beats stop; every replica marks the node down on that deletion. No replica
-counts leases itself, so a replica killed mid-lease changes nothing.
+Leases are etcd leases: a node's registration (or its coming back up)
+grants one, heartbeats to any replica renew it (LeaseKeepAlive; not every
+beat, see :data:`RENEW_FRACTION`), and etcd ends it, deleting the node's up
+key, when the beats stop; every replica marks the node down on that
+deletion. No replica counts leases itself, so a replica killed mid-lease
+changes nothing.
 
 The replica holding ``leader`` (created only if absent, in a transaction,
 attached to its own lease) drops idle jobs; when it dies its lease ends
@@ -215,30 +216,39 @@ class EtcdStore:
             waiter, self._next_write = self._next_write, None
             state = self._state()
             changed, state.changed = state.changed or set(), set()
+            written: set[tuple[str, str]] = set()
             error: BaseException | None = None
             try:
-                await self._write_all(state, sorted(changed))
+                await self._write_all(state, sorted(changed), written)
             except (DirectoryUnavailableError, grpc.aio.AioRpcError) as exc:
                 error = exc if isinstance(exc, DataquayError) else DirectoryUnavailableError(
                     f"the directory's etcd store refused a write: {exc.details()}")
-                state.changed = (state.changed or set()) | changed
+                state.changed = (state.changed or set()) | (changed - written)
                 log.warning("cannot write to etcd; kept to write again", extra={"fields": {
-                    "records": len(changed), "error": str(error)}})
+                    "records": len(changed - written), "error": str(error)}})
             if waiter is not None:
                 if error is None:
                     waiter.set_result(None)
                 else:
                     waiter.set_exception(error)
 
-    async def _write_all(self, state: DirectoryState, changed: list[tuple[str, str]]) -> None:
+    async def _write_all(
+        self, state: DirectoryState, changed: list[tuple[str, str]], written: set[tuple[str, str]]
+    ) -> None:
+        """Writes ``changed``, adding to ``written`` what is in etcd, so that a
+        failure leaves only the rest to write again."""
         created = {key for kind, key in changed if kind == "new-job"}
+        written |= {("job", key) for key in created}
         nodes = [key for kind, key in changed if kind == "node"]
         jobs = [(kind, key) for kind, key in changed if kind != "node" and not (kind == "job" and key in created)]
         for start in range(0, len(nodes), NODES_PER_TXN):
-            await self._write_nodes(state, nodes[start : start + NODES_PER_TXN])
+            batch = nodes[start : start + NODES_PER_TXN]
+            await self._write_nodes(state, batch)
+            written |= {("node", key) for key in batch}
         for start in range(0, len(jobs), PARALLEL_WRITES):
-            batch = jobs[start : start + PARALLEL_WRITES]
-            await asyncio.gather(*(self._write_job(state, key, new=kind == "new-job") for kind, key in batch))
+            records = jobs[start : start + PARALLEL_WRITES]
+            await asyncio.gather(*(self._write_job(state, key, new=kind == "new-job") for kind, key in records))
+            written |= set(records)
 
     async def _write_nodes(self, state: DirectoryState, names: list[str]) -> None:
         """Nodes that registered or came back up: a fresh etcd lease each, then

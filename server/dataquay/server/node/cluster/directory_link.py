@@ -197,8 +197,10 @@ class DirectoryLink:
             sender.close()
 
     def _beat_timeout(self) -> float:
-        """A beat by RPC waits a heartbeat period where another replica could answer it."""
-        return CALL_TIMEOUT_SECONDS if len(self.addresses) == 1 else max(0.5, self._heartbeat_seconds)
+        """A beat by RPC waits, with the datagram's wait, a heartbeat period where another replica could answer it."""
+        if len(self.addresses) == 1:
+            return CALL_TIMEOUT_SECONDS
+        return max(DATAGRAM_WAIT_SECONDS, self._heartbeat_seconds - DATAGRAM_WAIT_SECONDS)
 
     async def _fail_over(self, failed: directory_pb2_grpc.DirectoryStub) -> bool:
         """Moves to the next replica after ``failed`` (the stub a call found
