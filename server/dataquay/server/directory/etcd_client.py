@@ -105,9 +105,10 @@ class EtcdClient:
             f"{last.code().name} {last.details() or ''}".rstrip()
         )
 
-    async def range_prefix(self, prefix: bytes) -> epb.RangeResponse:
-        """Every key under ``prefix``, linearizable, with the revision it was read at."""
-        request = epb.RangeRequest(key=prefix, range_end=prefix_end(prefix))
+    async def range_prefix(self, prefix: bytes, revision: int = 0) -> epb.RangeResponse:
+        """Every key under ``prefix``, linearizable, as of ``revision`` (0: now), with
+        the revision it was read at."""
+        request = epb.RangeRequest(key=prefix, range_end=prefix_end(prefix), revision=revision)
         return await self.call(lambda ch: egrpc.KVStub(ch).Range(request, timeout=CALL_TIMEOUT_SECONDS))
 
     async def get(self, key: bytes) -> kv.KeyValue | None:
