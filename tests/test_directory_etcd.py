@@ -8,6 +8,7 @@ SIGKILL; an etcd member killed; all of etcd gone and back.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from polling import wait_until
 from dataquay.client.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
-from dataquay.protos import directory_pb2_grpc
+from dataquay.protos import directory_pb2_grpc, etcd_rpc_pb2, etcd_rpc_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.cli import main as cli_main
 from dataquay.server.tools.etcd_cluster import EtcdCluster, etcd_binary
@@ -220,3 +221,31 @@ def test_a_bad_store_url_exits_with_one_line(store: str, capsys: pytest.CaptureF
     assert cli_main(["directory", "--store", store]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--store" in err[0] and "etcd://HOST:PORT" in err[0]
+
+
+@needs_etcd
+def test_a_node_registering_again_keeps_its_running_lease_and_a_replaced_one_ends(
+    replicas: Callable[..., DirectoryProcess], stub_of: Callable[[DirectoryProcess], Stub], etcd: EtcdCluster,
+) -> None:
+    stub = stub_of(replicas())
+    with grpc.insecure_channel(etcd.nodes[0].endpoint) as channel:
+        kv, leases = etcd_rpc_pb2_grpc.KVStub(channel), etcd_rpc_pb2_grpc.LeaseStub(channel)
+
+        def lease_of(name: str) -> int:
+            value = kv.Range(etcd_rpc_pb2.RangeRequest(key=f"dataquay/nodes/{name}".encode())).kvs[0].value
+            return int(json.loads(value)["lease"])
+
+        register(stub, "n0")
+        first = lease_of("n0")
+        for _ in range(5):  # a daemon whose registrations time out retries them
+            register(stub, "n0")
+        assert lease_of("n0") == first
+        up = kv.Range(etcd_rpc_pb2.RangeRequest(key=b"dataquay/up/n0")).kvs[0]
+        assert up.lease == first
+        # Past half its life the lease is replaced, and the one replaced ends at once.
+        time.sleep(2.0)
+        register(stub, "n0")
+        assert lease_of("n0") != first
+        gone = leases.LeaseTimeToLive(etcd_rpc_pb2.LeaseTimeToLiveRequest(ID=first))
+        assert gone.TTL == -1
+        assert states(stub) == {"n0": jpb.NODE_UP}

@@ -125,6 +125,8 @@ class EtcdStore:
         self.revision = 0
         #: key -> revision of this replica's latest write of it: its echo, and older events, change nothing.
         self._own: dict[bytes, int] = {}
+        #: key -> value this replica is writing: its echo may come before the write's answer.
+        self._writing: dict[bytes, bytes] = {}
         self._dirty = asyncio.Event()
         self._next_write: asyncio.Future[None] | None = None
         self._renewals: asyncio.Queue[int] = asyncio.Queue(KEEPALIVE_QUEUE)
@@ -260,57 +262,85 @@ class EtcdStore:
             written |= set(records)
 
     async def _write_nodes(self, state: DirectoryState, names: list[str]) -> None:
-        """Nodes that registered or came back up: a fresh etcd lease each, then
-        their records and up keys in one transaction, then their old leases
-        ended. A node down needs no write: etcd ended its lease."""
+        """Nodes that registered or came back up: their records and up keys in
+        one transaction, then the leases they replace ended. A node down needs
+        no write: etcd ended its lease.
+
+        A node registering again while its lease surely runs (granted or renewed
+        here less than half its TTL ago) keeps it: a daemon's retried or
+        repeated registration costs one record, not a lease granted and one
+        revoked. Any other gets a fresh lease; so do all of them if etcd says
+        a kept lease is gone (another replica ended it)."""
         nodes = [node for node in map(state.node, names) if node is not None and node.up]
         if not nodes:
             return
-        leases = await asyncio.gather(*(self.client.grant(self._node_ttl) for _ in nodes))
-        ops, keys = [], []
+        now = time.monotonic()
+        before = [self._node_leases.get(n.info.name, 0) for n in nodes]
+        kept = [lease if n.info.name in self._up and now - self._renewed_at.get(lease, -math.inf) < self._node_ttl / 2
+                else 0 for n, lease in zip(nodes, before, strict=True)]
+        try:
+            leases = await self._put_nodes(nodes, kept)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.NOT_FOUND:
+                raise
+            leases = await self._put_nodes(nodes, [0] * len(nodes))
+        ended = []
+        for node, old, lease in zip(nodes, before, leases, strict=True):
+            self._node_leases[node.info.name] = lease
+            self._up.add(node.info.name)
+            if old != lease:
+                self._renewed_at.pop(old, None)
+                self._renewed_at[lease] = now
+                if old:
+                    ended.append(old)
+        await asyncio.gather(*(self.client.revoke(old) for old in ended))
+
+    async def _put_nodes(self, nodes: list[Node], kept: list[int]) -> list[int]:
+        """Writes ``nodes`` with the leases ``kept`` (0: grants a fresh one); returns their leases."""
+        fresh = iter(await asyncio.gather(*(self.client.grant(self._node_ttl) for lease in kept if not lease)))
+        leases = [lease or next(fresh) for lease in kept]
+        ops, writes = [], {}
         for node, lease in zip(nodes, leases, strict=True):
             key = node.info.name.encode()
             record = {"info": vars(node.info), "registered": node.registered, "identity": node.identity,
                       "session": node.session, "lease": lease}
-            ops += [put(NODES + key, json.dumps(record).encode()), put(UP + key, b"", lease)]
-            keys += [NODES + key, UP + key]
-        reply = await self.client.txn(epb.TxnRequest(success=ops))
-        self._wrote(reply.header.revision, *keys)
-        now, ended = time.monotonic(), []
-        for node, lease in zip(nodes, leases, strict=True):
-            name = node.info.name
-            old, self._node_leases[name] = self._node_leases.get(name, 0), lease
-            self._renewed_at.pop(old, None)
-            self._renewed_at[lease] = now
-            self._up.add(name)
-            if old and old != lease:
-                ended.append(old)
-        await asyncio.gather(*(self.client.revoke(old) for old in ended))
+            writes[NODES + key], writes[UP + key] = json.dumps(record).encode(), b""
+            ops += [put(NODES + key, writes[NODES + key]), put(UP + key, b"", lease)]
+        await self._own_txn(epb.TxnRequest(success=ops), writes)
+        return leases
 
     async def _write_job(self, state: DirectoryState, job_id: str, new: bool) -> None:
         key = JOBS + job_id.encode()
         job = _find_job(state, job_id)
         if job is None:
-            reply = await self.client.txn(epb.TxnRequest(success=[delete(key)]))
-        else:
-            value = json.dumps(_job_json(job)).encode()
-            if new:
-                # Created here: made only if absent, else the record another replica made is taken.
-                reply = await self.client.txn(epb.TxnRequest(
-                    compare=[absent(key)], success=[put(key, value)],
-                    failure=[epb.RequestOp(request_range=epb.RangeRequest(key=key))]))
-                if not reply.succeeded:
-                    kvs = reply.responses[0].response_range.kvs
-                    if kvs:
-                        state.apply_job(_job(kvs[0].value), time.monotonic(), time.time())
-                    return
-            else:
-                reply = await self.client.txn(epb.TxnRequest(success=[put(key, value)]))
-        self._wrote(reply.header.revision, key)
+            await self._own_txn(epb.TxnRequest(success=[delete(key)]), {key: b""})
+            return
+        value = json.dumps(_job_json(job)).encode()
+        if not new:
+            await self._own_txn(epb.TxnRequest(success=[put(key, value)]), {key: value})
+            return
+        # Created here: made only if absent, else the record another replica made is taken.
+        reply = await self._own_txn(epb.TxnRequest(
+            compare=[absent(key)], success=[put(key, value)],
+            failure=[epb.RequestOp(request_range=epb.RangeRequest(key=key))]), {key: value})
+        kvs = [] if reply.succeeded else reply.responses[0].response_range.kvs
+        if kvs:
+            state.apply_job(_job(kvs[0].value), time.monotonic(), time.time())
 
-    def _wrote(self, revision: int, *keys: bytes) -> None:
-        for key in keys:
-            self._own[key] = revision
+    async def _own_txn(self, request: epb.TxnRequest, writes: dict[bytes, bytes]) -> epb.TxnResponse:
+        """Runs ``request``, which writes ``writes`` (key -> value, b"" for a
+        deletion), so that the watch takes their echo for this replica's own,
+        whether it comes before the answer or after."""
+        self._writing.update(writes)
+        try:
+            reply = await self.client.txn(request)
+        finally:
+            for key in writes:
+                self._writing.pop(key, None)
+        if reply.succeeded and reply.header.revision > self.revision:
+            for key in writes:
+                self._own[key] = reply.header.revision
+        return reply
 
     async def dataset_added(self, entry: Registered) -> None:
         """Writes the manifest in chunks, then the record that names them; then
@@ -324,14 +354,12 @@ class EtcdStore:
             await self.client.txn(epb.TxnRequest(success=[put(base + b"%06d" % i, part)]))
         value = json.dumps({**asdict(record), "chunks": chunks}).encode()
         key = DATASETS + name.encode()
-        reply = await self.client.txn(epb.TxnRequest(success=[put(key, value)]))
-        self._wrote(reply.header.revision, key)
+        await self._own_txn(epb.TxnRequest(success=[put(key, value)]), {key: value})
         await self._drop_chunks(name, keep=record.manifest_id)
 
     async def dataset_dropped(self, name: str) -> None:
         key = DATASETS + name.encode()
-        reply = await self.client.txn(epb.TxnRequest(success=[delete(key)]))
-        self._wrote(reply.header.revision, key)
+        await self._own_txn(epb.TxnRequest(success=[delete(key)]), {key: b""})
         await self._drop_chunks(name, keep="")
 
     async def _drop_chunks(self, name: str, keep: str) -> None:
@@ -382,11 +410,12 @@ class EtcdStore:
     async def _apply(self, reply: epb.WatchResponse) -> None:
         state, now, wall = self._state(), time.monotonic(), time.time()
         for event in reply.events:
-            revision = event.kv.mod_revision
-            own = self._own.get(event.kv.key, 0)
+            revision, key = event.kv.mod_revision, event.kv.key
+            own = self._own.get(key, 0)
             if own == revision:
-                del self._own[event.kv.key]
-            if own < revision:
+                del self._own[key]
+            echo = self._writing.get(key) == (b"" if event.type == kv.Event.DELETE else event.kv.value)
+            if own < revision and not echo:
                 await self._apply_event(state, event, now, wall)
             self.revision = max(self.revision, revision)
         if not reply.events:
