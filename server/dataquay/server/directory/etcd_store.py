@@ -96,6 +96,9 @@ RENEW_BATCH_SECONDS = 0.25
 #: Nodes written in one transaction: two operations each, within etcd's
 #: default --max-txn-ops (128).
 NODES_PER_TXN = 64
+#: Such transactions (and their lease grants) under way at once: a booting
+#: cluster's registrations are answered in a few round trips, not one per 64.
+PARALLEL_TXNS = 8
 
 
 class EtcdStore:
@@ -252,10 +255,14 @@ class EtcdStore:
         written |= {("job", key) for key in created}
         nodes = [key for kind, key in changed if kind == "node"]
         jobs = [(kind, key) for kind, key in changed if kind != "node" and not (kind == "job" and key in created)]
-        for start in range(0, len(nodes), NODES_PER_TXN):
-            batch = nodes[start : start + NODES_PER_TXN]
-            await self._write_nodes(state, batch)
-            written |= {("node", key) for key in batch}
+        bound = asyncio.Semaphore(PARALLEL_TXNS)
+
+        async def write(batch: list[str]) -> None:
+            async with bound:
+                await self._write_nodes(state, batch)
+            written.update(("node", key) for key in batch)
+
+        await asyncio.gather(*(write(nodes[i : i + NODES_PER_TXN]) for i in range(0, len(nodes), NODES_PER_TXN)))
         for start in range(0, len(jobs), PARALLEL_WRITES):
             records = jobs[start : start + PARALLEL_WRITES]
             await asyncio.gather(*(self._write_job(state, key, new=kind == "new-job") for kind, key in records))
