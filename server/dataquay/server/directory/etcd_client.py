@@ -22,7 +22,6 @@ from typing import TypeVar
 
 import grpc
 
-from dataquay.protos import etcd_kv_pb2 as kv
 from dataquay.protos import etcd_rpc_pb2 as epb
 from dataquay.protos import etcd_rpc_pb2_grpc as egrpc
 from dataquay.server.errors import DirectoryUnavailableError
@@ -110,11 +109,6 @@ class EtcdClient:
         the revision it was read at."""
         request = epb.RangeRequest(key=prefix, range_end=prefix_end(prefix), revision=revision)
         return await self.call(lambda ch: egrpc.KVStub(ch).Range(request, timeout=CALL_TIMEOUT_SECONDS))
-
-    async def get(self, key: bytes) -> kv.KeyValue | None:
-        reply = await self.call(lambda ch: egrpc.KVStub(ch).Range(epb.RangeRequest(key=key),
-                                                                   timeout=CALL_TIMEOUT_SECONDS))
-        return reply.kvs[0] if reply.kvs else None
 
     async def txn(self, request: epb.TxnRequest) -> epb.TxnResponse:
         return await self.call(lambda ch: egrpc.KVStub(ch).Txn(request, timeout=CALL_TIMEOUT_SECONDS))

@@ -114,7 +114,6 @@ class EtcdStore:
         self.config = config
         self.client = EtcdClient(parse_endpoints(config.store))
         self.leader = False
-        self.local_lease_seconds = math.inf
         self.replica = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._ttl = max(MIN_TTL_SECONDS, math.ceil(config.lease_seconds))
         self._node_ttl = max(MIN_TTL_SECONDS, math.ceil(config.lease_seconds * (1 + RENEW_FRACTION)))
@@ -143,7 +142,8 @@ class EtcdStore:
 
     async def open(self) -> DirectoryState:
         config, wall = self.config, time.time()
-        state = DirectoryState(self.local_lease_seconds, config.heartbeat_seconds)
+        # No lease ends here: etcd ends them, and the watch says so.
+        state = DirectoryState(math.inf, config.heartbeat_seconds)
         # Each replica numbers its own node-set versions: apart from another's started the same second.
         state.node_log = NodeLog(config.heartbeat_seconds, first_version(0, wall) + (secrets.randbits(24) << 8))
         state.versions = replace(state.versions, nodes=state.node_log.version)

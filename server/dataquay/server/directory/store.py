@@ -51,8 +51,6 @@ class DirectoryStore(Protocol):
 
     #: Whether this process does the cluster's periodic work (job expiry).
     leader: bool
-    #: The lease length a node's state counts locally (infinite where the store ends leases).
-    local_lease_seconds: float
 
     async def open(self) -> DirectoryState:
         """The state to serve from; the registry under the state dir is loaded.
@@ -90,12 +88,9 @@ class DirectoryStore(Protocol):
 class EmbeddedStore:
     """The state file under the state dir; see the module docstring."""
 
-    local_lease_seconds: float
-
     def __init__(self, config: DirectoryConfig, state: Callable[[], DirectoryState]) -> None:
         self.config = config
         self.leader = True
-        self.local_lease_seconds = config.lease_seconds
         self._state = state
         #: The revision on disk; only the thread that writes moves it, under the lock.
         self._saved_revision = 0
