@@ -62,10 +62,10 @@ docs: $(STAMP)
 # The deploy tests verify the systemd units, lint the Slurm scripts, run them
 # under a real slurmctld and slurmd, and check the Prometheus rules and a real
 # Prometheus with these tools; the clock-step tests run the directory under
-# libfaketime. As root on a Debian-like machine (CI) they are installed here;
+# libfaketime; the directory's etcd store tests run a real etcd. As root on a Debian-like machine (CI) they are installed here;
 # elsewhere, or if that fails, those tests skip and say why.
-DEPLOY_TOOLS := systemd-analyze shellcheck promtool prometheus slurmctld slurmd sbatch scontrol faketime
-DEPLOY_PACKAGES := systemd shellcheck prometheus slurmctld slurmd slurm-client faketime
+DEPLOY_TOOLS := systemd-analyze shellcheck promtool prometheus slurmctld slurmd sbatch scontrol faketime etcd
+DEPLOY_PACKAGES := systemd shellcheck prometheus slurmctld slurmd slurm-client faketime etcd-server
 tools:
 	@(for tool in $(DEPLOY_TOOLS); do command -v $$tool >/dev/null || exit 1; done) || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \

@@ -44,6 +44,10 @@ BENCH_CONNECTIONS=generator (one gRPC connection per generator process),
 BENCH_KEEPALIVE=0, and BENCH_DIRECTORY_SOURCE=DIR: the directory runs from
 the source tree DIR (e.g. ``git archive`` of an earlier commit; its protos,
 client and server folders) under the same load, for a before/after figure.
+BENCH_STORE=etcd runs the directory on the etcd store, a local one-member
+etcd (the etcd-server package) started for the run; reported beside the
+directory's CPU: etcd's CPU and its write rate (revisions a second; lease
+renewals are not writes) over the windows.
 A directory that answers ListNodes without versions (before node-set
 versions) sends the whole list every time, as it did to daemons then. A
 boot that does not settle within BENCH_MAX_WARMUP_SECONDS (300) is
@@ -84,10 +88,11 @@ from common import REPEATS, progress, report
 from dataquay.client.wire.channels import channel_options, server_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
-from dataquay.protos import directory_pb2_grpc
+from dataquay.protos import directory_pb2_grpc, etcd_rpc_pb2, etcd_rpc_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.directory.beats import HeartbeatSender, open_heartbeats
 from dataquay.server.node.cluster.directory_link import DATAGRAM_WAIT_SECONDS
+from dataquay.server.tools.etcd_cluster import EtcdCluster
 from dataquay.server.tools.processes import DirectoryProcess
 
 NODES = int(os.environ.get("BENCH_NODES", "1024"))
@@ -110,6 +115,8 @@ SETTLED_SECONDS = max(5.0, 2 * HEARTBEAT_SECONDS)
 MAX_WARMUP_SECONDS = float(os.environ.get("BENCH_MAX_WARMUP_SECONDS", "300"))
 #: A source tree to run the directory from (the before of a comparison).
 DIRECTORY_SOURCE = os.environ.get("BENCH_DIRECTORY_SOURCE", "")
+#: "embedded" (the state file) or "etcd" (a local etcd started for the run).
+STORE = os.environ.get("BENCH_STORE", "embedded")
 WINDOW_SECONDS = 10.0
 TARGET_PERCENT = 10.0
 CALL_TIMEOUT_SECONDS = 10.0
@@ -340,8 +347,12 @@ def _line_by(generator: subprocess.Popen[str], deadline: float) -> str | None:
     return generator.stdout.readline() if ready else None
 
 
-def load(pid: int, address: str, base: Path, tag: str, counted: Callable[[], float] | None) -> dict[str, object]:
-    """Runs the simulated nodes against the server ``pid`` at ``address``: its CPU and their view."""
+def load(
+    pid: int, address: str, base: Path, tag: str, counted: Callable[[], float] | None,
+    probe: Callable[[], dict[str, float]] | None = None,
+) -> dict[str, object]:
+    """Runs the simulated nodes against the server ``pid`` at ``address``: its CPU and their view;
+    ``probe``'s counters become rates a second over the windows."""
     progress(f"{tag}: registering {NODES} nodes from {GENERATORS} generator processes")
     per = NODES // GENERATORS
     generators: list[subprocess.Popen[str]] = []
@@ -377,6 +388,7 @@ def load(pid: int, address: str, base: Path, tag: str, counted: Callable[[], flo
                 "time": time.time(), "clock": time.monotonic(), "cpu": cpu_seconds(pid),
                 "threads": thread_seconds(pid), "generators": sum(cpu_seconds(g.pid) for g in generators),
                 "counted": counted() if counted else 0.0,
+                "probe": probe() if probe else {},
             })
         after = _list_nodes(address)
         for generator in generators:
@@ -402,6 +414,7 @@ def load(pid: int, address: str, base: Path, tag: str, counted: Callable[[], flo
     }
     listed = {n.info.name: n.state for n in after.nodes} if after else {}
     return {
+        **{f"{key}_per_s": (last["probe"][key] - first["probe"][key]) / span for key in last["probe"]},
         "cpu_pct": statistics.median(windows),
         "cpu_pct_windows": [round(w, 2) for w in windows],
         "cpu_pct_by_thread": {k: round(v, 2) for k, v in sorted(threads.items(), key=lambda kv: -kv[1]) if v},
@@ -434,12 +447,27 @@ def load(pid: int, address: str, base: Path, tag: str, counted: Callable[[], flo
     }
 
 
+def _etcd_probe(etcd: EtcdCluster) -> Callable[[], dict[str, float]]:
+    """etcd's revision (one a write) and CPU seconds, to become rates."""
+    pid = etcd.pids()[0][0]
+
+    def probe() -> dict[str, float]:
+        with grpc.insecure_channel(etcd.nodes[0].endpoint) as channel:
+            status = etcd_rpc_pb2_grpc.MaintenanceStub(channel).Status(etcd_rpc_pb2.StatusRequest(), timeout=10)
+        return {"etcd_writes": float(status.header.revision), "etcd_cpu_pct": 100 * cpu_seconds(pid)}
+
+    return probe
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dq-bench-directory-") as tmp:
         base = Path(tmp)
-        flags = ("--heartbeat-seconds", str(HEARTBEAT_SECONDS), "--lease-seconds", str(LEASE_SECONDS))
+        flags: tuple[str, ...] = ("--heartbeat-seconds", str(HEARTBEAT_SECONDS), "--lease-seconds", str(LEASE_SECONDS))
         source = Path(DIRECTORY_SOURCE).resolve()
         prefix = ("env", "PYTHONPATH=" + os.pathsep.join(str(source / d) for d in ("protos", "client", "server")))
+        etcd = EtcdCluster(base / "etcd", members=1).start() if STORE == "etcd" else None
+        if etcd is not None:
+            flags = (*flags, "--store", etcd.store_url)
         directory = DirectoryProcess(
             base / "directory", flags, dataset_roots=(base,), prefix=prefix if DIRECTORY_SOURCE else ()
         ).start()
@@ -449,9 +477,12 @@ def main() -> None:
             cpu0, wall0 = cpu_seconds(pid), time.monotonic()
             time.sleep(WINDOW_SECONDS)
             idle_pct = 100 * (cpu_seconds(pid) - cpu0) / (time.monotonic() - wall0)
-            loaded = load(pid, directory.address, base, "directory", _heartbeats_counted(directory))
+            loaded = load(pid, directory.address, base, "directory", _heartbeats_counted(directory),
+                          _etcd_probe(etcd) if etcd else None)
         finally:
             directory.stop()
+            if etcd is not None:
+                etcd.stop()
 
         ready = base / "bare-ready.json"
         bare = subprocess.Popen(
@@ -492,7 +523,7 @@ def main() -> None:
         for key, value, default in (
             ("nodes", NODES, 1024), ("hb", f"{HEARTBEAT_SECONDS:g}", "2"), ("", HEARTBEAT, "udp"),
             ("conn-", CONNECTIONS, "node"), ("keepalive", int(KEEPALIVE), 1),
-            ("", "source" if DIRECTORY_SOURCE else "", ""),
+            ("", "source" if DIRECTORY_SOURCE else "", ""), ("", STORE, "embedded"),
         )
         if value != default
     )
@@ -503,7 +534,8 @@ def main() -> None:
          "cpu_ms_per_beat", "heartbeats_per_s", "directory_counted_per_s", "expected_per_s", "beats_by_rpc",
          "p50_ms", "p99_ms",
          "max_ms", "nodes_up_end", "node_changes", "errors", "generators_cpu_pct", "boot_s", "settled_s",
-         "boot_cpu_s", "boot_list_nodes", "boot_full_lists", "boot_list_entries"],
+         "boot_cpu_s", "boot_list_nodes", "boot_full_lists", "boot_list_entries",
+         *(["etcd_writes_per_s", "etcd_cpu_pct_per_s"] if STORE == "etcd" else [])],
     )
     assert loaded["settled_s"] is not None, f"the boot did not settle within {MAX_WARMUP_SECONDS:.0f} s"
     assert loaded["nodes_up_end"] == NODES, f"only {loaded['nodes_up_end']} of {NODES} nodes are UP at the end"

@@ -4,13 +4,14 @@ and persistence, driven step by step with an explicit clock."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import MAX_EPOCH
-from dataquay.server.directory.records import Change, DatasetFacts, JoinRequest, NodeInfo, Versions
+from dataquay.server.directory.records import Change, DatasetFacts, Job, JoinRequest, Node, NodeInfo, Versions
 from dataquay.server.directory.state import DirectoryState, identity_of
 from dataquay.server.errors import (
     InvalidRequestError,
@@ -343,3 +344,48 @@ def test_a_conditional_drop_keeps_a_job_active_since_and_drops_an_idle_one() -> 
     assert state.jobs() == [] and state.jobs_expired == 0
     with pytest.raises(UnknownJobError):
         state.drop_idle_job("j1", 60.0, now=160.0)
+
+
+def test_a_shared_store_is_told_which_records_changed_and_the_embedded_one_is_not() -> None:
+    state = cluster("a")
+    assert state.changed is None
+    state.changed = set()
+    state.register(info("b"), now=1.0)
+    state.join(join_request("j", dataset="imgs"), facts, now=1.0)
+    assert state.changed == {("node", "b"), ("new-job", "j")}
+    state.changed.clear()
+    state.report_epoch("j", 1, now=2.0)
+    state.heartbeat("b", 0, 0, now=3.0)  # a beat of a live node writes nothing
+    assert state.changed == {("job", "j")}
+    state.drop_job("j")
+    assert state.changed == {("job", "j")}
+
+
+def test_another_replicas_records_replace_this_ones_keeping_what_only_it_heard() -> None:
+    mine = DirectoryState(float("inf"))
+    mine.register(info("a"), now=0.0, identity="id-a", wall=100.0)
+    session = mine.node("a").session  # type: ignore[union-attr]
+    assert mine.heartbeat("a", 7, 1, now=1.0, sequence=50, session=session).refused == ""
+    theirs = Node(info("a"), registered=100.0, last_heartbeat=100.0, identity="id-a", session=session)
+    version = mine.versions.nodes
+    mine.apply_node(theirs, up=True, now=2.0)
+    node = mine.node("a")
+    assert node is not None and node.beat_sequence == 50 and node.cache_used_bytes == 7
+    assert mine.versions.nodes == version  # the same registration: nothing changed
+    # Its lease ended in the store: down here, no beat of this replica's clock needed.
+    mine.apply_up("a", False, now=3.0)
+    assert up_names(mine) == [] and mine.versions.nodes > version
+    # Another registration of the name (a new session) starts the replay mark afresh.
+    mine.apply_node(replace(theirs, session=session + 1), up=True, now=4.0)
+    assert up_names(mine) == ["a"] and mine.node("a").beat_sequence == 0  # type: ignore[union-attr]
+
+
+def test_a_job_another_replica_wrote_counts_its_idle_time_from_its_record() -> None:
+    state = DirectoryState(LEASE)
+    job = Job(JobSettings("j", dataset="imgs"), "m1", 100, epoch=3, created=1000.0, last_active=1500.0)
+    state.apply_job(job, now=50.0, wall=1600.0)
+    assert state.get_job("j") == job and state.versions.jobs == 1
+    assert [j.spec.job_id for j, idle in state.expire_jobs(100.0, now=50.0)] == ["j"]
+    state.apply_job(job, now=50.0, wall=1600.0)
+    state.apply_job_dropped("j")
+    assert state.jobs() == [] and state.changed is None

@@ -186,7 +186,7 @@ class FaultJob:
     def listed_up(self) -> set[str]:
         """The nodes the directory lists as up."""
         local = self.local
-        with local.credentials().channel(local.directory_address, channel_options()) as channel:
+        with local.credentials().channel(local.live_directory().address, channel_options()) as channel:
             reply = directory_pb2_grpc.DirectoryStub(channel).ListNodes(dpb.ListNodesRequest(), timeout=10)
         return {n.info.name for n in reply.nodes if n.state == jpb.NODE_UP}
 

@@ -36,7 +36,7 @@ from dataquay.client.manifest import Manifest
 from dataquay.client.remote import RemoteReader
 from dataquay.client.stats import ClientStats, ReadStats
 from dataquay.client.wire.channels import batch_deadline, channel_options, daemon_address, directory_address
-from dataquay.client.wire.status_codes import error_from_rpc
+from dataquay.client.wire.status_codes import UNREACHABLE, error_from_rpc
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -215,7 +215,8 @@ class Client:
         """Runs ``call`` on the daemon's stub, or on the directory's while the
         daemon is down and DATAQUAY_DIRECTORY names one: both serve datasets
         and joins alike, so a rank that starts while its daemon is down can
-        still open its dataset and join its job."""
+        still open its dataset and join its job. Several directory replicas
+        (DATAQUAY_DIRECTORY=a:7070,b:7070) are asked in turn while they are unreachable."""
         if self._directory is None or not self._remote.daemon_down:
             try:
                 return self._connection.call(what, call, errors)
@@ -223,16 +224,20 @@ class Client:
                 if self._directory is None:
                     raise
                 self._remote.mark_down(exc)
-        channel = self._connection.credentials.channel(self._directory, channel_options())
-        try:
-            return call(directory_pb2_grpc.DirectoryStub(channel))
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, errors) or DirectoryUnavailableError(
-                f"{what} failed: the daemon at {self.address} is down and the directory at {self._directory} "
-                f"does not answer ({exc.code().name}: {exc.details()})"
-            ) from None
-        finally:
-            channel.close()
+        replicas = [a.strip() for a in self._directory.split(",") if a.strip()]
+        for replica in replicas:
+            channel = self._connection.credentials.channel(replica, channel_options())
+            try:
+                return call(directory_pb2_grpc.DirectoryStub(channel))
+            except grpc.RpcError as exc:
+                if exc.code() not in UNREACHABLE or replica == replicas[-1]:
+                    raise error_from_rpc(exc, errors) or DirectoryUnavailableError(
+                        f"{what} failed: the daemon at {self.address} is down and the directory at "
+                        f"{self._directory} does not answer ({exc.code().name}: {exc.details()})"
+                    ) from None
+            finally:
+                channel.close()
+        raise AssertionError("no directory replica was asked")
 
     def report_epoch(self, job_id: str, epoch: int, rank: int | None = None) -> None:
         """Tells the job, through the daemon, that this rank entered ``epoch``

@@ -432,7 +432,10 @@ class DaemonConfig(ServerConfig):
         256, "most calls one remote host may have in flight; more are refused (RESOURCE_EXHAUSTED)", _positive_int
     )
     node_name: str = _option(gethostname, "this node's name in the cluster")
-    directory: str = _option("", "HOST:PORT of the directory service; empty runs this node standalone")
+    directory: str = _option(
+        "", "HOST:PORT of the directory service, or of its replicas as HOST:PORT,HOST:PORT (one etcd store); "
+        "empty runs this node standalone"
+    )
     peer_timeout: float = _option(
         5.0,
         "time a peer may take to answer a batch before its samples come from the PFS (e.g. 5s, 500ms; "
@@ -470,6 +473,18 @@ class DaemonConfig(ServerConfig):
     )
 
 
+def _store_url(text: str) -> str:
+    """``embedded`` or an etcd:// URL whose endpoints are HOST:PORT."""
+    text = text.strip()
+    if text == "embedded":
+        return text
+    host_ports = text.partition("://")[2].strip("/").split(",")
+    if not text.startswith("etcd://") or not all(p.rpartition(":")[2].isdigit() and p.rpartition(":")[0]
+                                                 for p in host_ports):
+        raise ValueError("expected 'embedded' or etcd://HOST:PORT[,HOST:PORT...]")
+    return text
+
+
 @dataclass(frozen=True)
 class DirectoryConfig(ServerConfig):
     """Everything ``dataquay directory`` needs to run the cluster's directory."""
@@ -496,6 +511,12 @@ class DirectoryConfig(ServerConfig):
         2.0,
         "how often daemons are told to renew their lease (e.g. 2s, 500ms); below --lease-seconds",
         _positive_duration,
+    )
+    store: str = _option(
+        "embedded",
+        "where the directory's state lives: 'embedded' (a file under --state-dir, one directory process) or "
+        "etcd://HOST:PORT[,HOST:PORT...] (etcd v3, shared by every directory process given the same URL)",
+        _store_url,
     )
     job_ttl: float = _option(
         7 * 86400.0,

@@ -89,5 +89,5 @@ def daemon_address() -> str:
 
 
 def directory_address() -> str | None:
-    """The directory's HOST:PORT from DATAQUAY_DIRECTORY, or None when unset."""
+    """The directory's HOST:PORT from DATAQUAY_DIRECTORY (replicas' separated by commas), or None when unset."""
     return os.environ.get("DATAQUAY_DIRECTORY", "").strip() or None

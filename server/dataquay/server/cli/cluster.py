@@ -15,6 +15,7 @@ DEFAULT_BASE_DIR = Path("dataquay-cluster")
 
 def cmd_up(args: argparse.Namespace) -> None:
     from dataquay.server.auth import new_token_file
+    from dataquay.server.tools.etcd_cluster import etcd_binary
     from dataquay.server.tools.local_cluster import LocalCluster, node_name
 
     base = Path(args.base_dir).absolute()
@@ -36,7 +37,12 @@ def cmd_up(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None:
             directory_args += ["--" + flag.replace("_", "-"), value]
-    print(f"starting a directory and {args.nodes} daemons in {base} ...", file=sys.stderr, flush=True)
+    if args.directories > 1 and args.store != "etcd":
+        raise CliError(f"--directories {args.directories} needs --store etcd: replicas share their state there")
+    if args.store == "etcd" and etcd_binary() is None:
+        raise CliError("--store etcd needs the etcd binary (the etcd-server package); none on PATH")
+    what = f"{args.directories} directories on a local etcd" if args.store == "etcd" else "a directory"
+    print(f"starting {what} and {args.nodes} daemons in {base} ...", file=sys.stderr, flush=True)
     # A cluster of its own tokens: other users' processes on this machine cannot
     # talk to it, and its trainers (cluster.env names only the cluster token)
     # cannot write into its caches or register nodes.
@@ -45,14 +51,18 @@ def cmd_up(args: argparse.Namespace) -> None:
     roots = tuple(Path(root).absolute() for root in args.dataset_roots.split(os.pathsep) if root)
     cluster = LocalCluster(
         base, args.nodes, tuple(daemon_args), tuple(directory_args), detached=True, token_file=token,
-        node_token_file=node_token, dataset_roots=roots,
+        node_token_file=node_token, dataset_roots=roots, directories=args.directories, store=args.store,
     )
     cluster.start(timeout=args.timeout)
     assert cluster.directory is not None and cluster.directory.ready is not None
     rows: list[tuple[object, ...]] = [
-        ("directory", cluster.directory.ready["pid"], cluster.directory_address, cluster.sd_url,
-         cluster.base_dir / "directory")
+        ("directory" if i == 0 else f"directory-{i}", r.ready["pid"] if r.ready else "", r.address,
+         f"{r.http_url}/sd", r.home)
+        for i, r in enumerate(cluster.replicas)
     ]
+    if cluster.etcd is not None:
+        rows += [(f"etcd {m.name}", pid, m.endpoint, "", m.home)
+                 for m, (pid, _, _) in zip(cluster.etcd.nodes, cluster.etcd.pids(), strict=True)]
     for i, daemon in enumerate(cluster.daemons):
         assert daemon.ready is not None
         rows.append((node_name(i), daemon.ready["pid"], daemon.ready["tcp"], daemon.metrics_url, daemon.home))
@@ -91,6 +101,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     up = csub.add_parser("up", help="start a local cluster; its processes outlive this command")
     up.add_argument("--nodes", type=int, default=4, help="daemons to start (default 4)")
+    up.add_argument("--directories", type=int, default=1,
+                    help="directory replicas to start (default 1; more than one needs --store etcd)")
+    up.add_argument("--store", choices=("embedded", "etcd"), default="embedded",
+                    help="the directories' store: each its state file, or a local etcd they share (default embedded)")
     up.add_argument("--cache-size", help="cache capacity of each daemon (e.g. 2G)")
     up.add_argument("--pfs-bandwidth", help="cap on each daemon's PFS reads (e.g. 200M)")
     up.add_argument("--pfs-threads", help="PFS reader threads of each daemon")

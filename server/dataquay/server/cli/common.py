@@ -88,12 +88,34 @@ def directory_address(args: argparse.Namespace) -> str | None:
 
 @contextmanager
 def directory_stub(args: argparse.Namespace) -> Iterator[directory_pb2_grpc.DirectoryStub]:
-    """A stub for the directory at --directory; RPC errors become one-line messages."""
+    """A stub for the directory at --directory; RPC errors become one-line messages.
+    Of several replicas (``a:7070,b:7070``), the first that accepts a connection."""
     address = directory_address(args)
     if address is None:
         raise CliError(f"no directory given: pass --directory HOST:PORT or set {DIRECTORY_ENV}")
+    address = _first_reachable(address)
     with _channel(address) as channel, rpc_errors("directory", address, "is `dataquay directory` running there?"):
         yield directory_pb2_grpc.DirectoryStub(channel)
+
+
+#: How long the CLI waits for one directory replica's connection before trying the next.
+REPLICA_CONNECT_SECONDS = 1.0
+
+
+def _first_reachable(addresses: str) -> str:
+    """The first of the comma-separated replicas that accepts a connection; the
+    last one when none does (its call then fails with the usual message)."""
+    replicas = [a.strip() for a in addresses.split(",") if a.strip()]
+    for replica in replicas[:-1]:
+        channel = open_channel(replica)
+        try:
+            grpc.channel_ready_future(channel).result(timeout=REPLICA_CONNECT_SECONDS)
+            return replica
+        except grpc.FutureTimeoutError:
+            continue
+        finally:
+            channel.close()
+    return replicas[-1] if replicas else addresses
 
 
 def add_addr(parser: argparse.ArgumentParser) -> None:
@@ -101,7 +123,9 @@ def add_addr(parser: argparse.ArgumentParser) -> None:
 
 
 def add_directory(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--directory", help=f"directory HOST:PORT [env {DIRECTORY_ENV}]")
+    parser.add_argument(
+        "--directory", help=f"directory HOST:PORT, or replicas' HOST:PORT,HOST:PORT [env {DIRECTORY_ENV}]"
+    )
 
 
 def add_q(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -7,17 +7,13 @@ in-flight calls within a grace period while heartbeats and the lease check go
 on (a node must not expire for the drain's sake), then background work is
 cancelled, heartbeats and HTTP stop and the state is written a last time.
 
-Persistence: ``directory.json`` under the state dir holds nodes, jobs and
-versions; the dataset registry keeps its own files beside it. Every change of
-membership, jobs or datasets is written (temporary file, fsync, then rename,
-so a crash leaves the old or the new state, never half of one) before the call
-that made it returns. One background task writes: it takes a snapshot on the
-loop (a copy of the job table and the nodes' fields) and serialises and writes
-it in a thread, so that heartbeats are answered while a large state is
-written; the calls that change the state while a write runs share the next
-one, so a thousand daemons registering at once cost tens of writes, not a
-thousand. Heartbeats are not written; a node that comes back up by
-heartbeating is written by the next lease check.
+Persistence: a store (:mod:`.store`) holds nodes, jobs and versions: the
+embedded one ``directory.json`` under the state dir, the etcd one records in
+etcd shared by several directory processes (:mod:`.etcd_store`); the dataset
+registry keeps its own files under the state dir. Every change of membership,
+jobs or datasets is stored before the call that made it returns. Only the
+process the store elects (always the only one, with the embedded store)
+drops idle jobs.
 
 Leases, job idle times and the node log's periods count on the monotonic
 clock; Unix time is only what people read and what is written (see :mod:`.state`).
@@ -33,10 +29,8 @@ prune``, whose drops the directory refuses for a job active since it was listed.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -50,6 +44,7 @@ from dataquay.protos import directory_pb2_grpc
 from dataquay.server.auth import ServerCredentials, new_server, server_tls
 from dataquay.server.config import DirectoryConfig
 from dataquay.server.directory.beats import count_refusal, open_heartbeats
+from dataquay.server.directory.etcd_store import EtcdStore
 from dataquay.server.directory.listing import NodeListing
 from dataquay.server.directory.metrics import directory_metrics
 from dataquay.server.directory.records import (
@@ -63,9 +58,10 @@ from dataquay.server.directory.records import (
 )
 from dataquay.server.directory.sd_http import HttpEndpoints
 from dataquay.server.directory.servicer import DirectoryServicer
-from dataquay.server.directory.state import DirectoryState, StateSnapshot
-from dataquay.server.dirs import ensure_private_dir, private_opener
-from dataquay.server.errors import NodeNameTakenError, StartupError
+from dataquay.server.directory.state import DirectoryState
+from dataquay.server.directory.store import DirectoryStore, EmbeddedStore
+from dataquay.server.dirs import ensure_private_dir
+from dataquay.server.errors import DirectoryUnavailableError, NodeNameTakenError, StartupError
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
 from dataquay.server.listen import bind_tcp
 from dataquay.server.manifest_build import allowed_root, build_manifest, check_sample_sizes
@@ -76,9 +72,6 @@ from dataquay.server.task_group import TaskGroup
 log = logging.getLogger("dataquay.directory")
 
 SERVICE_NAME = "dataquay.v1.Directory"
-STATE_FILE = "directory.json"
-#: How long a change waits for others to share its write.
-GROUP_WRITE_SECONDS = 0.005
 #: The longest time between two looks for jobs idle past the TTL.
 JOB_EXPIRY_CHECK_SECONDS = 60.0
 #: Ports from the OS tried for one whose UDP twin is free too.
@@ -97,8 +90,9 @@ class DirectoryServer(ServerLifecycle):
         self.config = config
         self.pid = os.getpid()
         self.state = DirectoryState(config.lease_seconds, config.heartbeat_seconds)
-        self.listing = NodeListing(config.heartbeat_seconds)
         self.registry = Registry(config.state_dir)
+        self.store: DirectoryStore = _store(config, self)
+        self.listing = NodeListing(config.heartbeat_seconds)
         self.health = HealthServicer()
         self.credentials = ServerCredentials.from_files(
             config.token_file, config.node_token_file, config.tls_ca, config.tls_cert, config.tls_key
@@ -118,17 +112,7 @@ class DirectoryServer(ServerLifecycle):
         self._versions: tuple[Versions, dpb.Versions] = (Versions(), dpb.Versions())
         self._started = False
         self._serving = False
-        #: The revision on disk; only the thread that writes moves it, under the lock.
-        self._saved_revision = 0
-        self._write_lock = threading.Lock()
-        self._dirty = asyncio.Event()
-        #: Resolved once a write that began after it was made is done.
-        self._next_write: asyncio.Future[None] | None = None
         self._builds = asyncio.Semaphore(1)
-
-    @property
-    def state_path(self) -> Path:
-        return Path(self.config.state_dir) / STATE_FILE
 
     # ------------------------------------------------------------ lifecycle
 
@@ -137,14 +121,14 @@ class DirectoryServer(ServerLifecycle):
             return
         self._started = True
         try:
-            self._load()
+            await self._load()
             self.http_port = await self.http.start(self.config.http_host, self.config.http_port)
             await self._start_server()
         except BaseException:
             await self.close()
             raise
         self.tasks.spawn(self._check_leases(), "lease-expiry")
-        self.tasks.spawn(self._write_state(), "state-writer")
+        self.store.start(self.tasks)
         if self.config.job_ttl > 0:
             self.tasks.spawn(self._expire_jobs(), "job-expiry")
         self._serving = True
@@ -163,24 +147,11 @@ class DirectoryServer(ServerLifecycle):
             }},
         )
 
-    def _load(self) -> None:
+    async def _load(self) -> None:
         ensure_private_dir(Path(self.config.state_dir), "state dir")
         self.registry.load()
         self.registry.warn_outside(self.config.dataset_roots)
-        try:
-            doc = json.loads(self.state_path.read_text())
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError) as exc:
-            raise StartupError(f"cannot read the directory's state {self.state_path}: {exc}") from exc
-        try:
-            self.state = DirectoryState.from_json(
-                doc, self.config.lease_seconds, time.monotonic(), self.config.heartbeat_seconds, wall=time.time()
-            )
-        except ValueError as exc:
-            raise StartupError(
-                f"cannot use the directory's state {self.state_path}: {exc}; move it away to start empty"
-            ) from exc
+        self.state = await self.store.open()
 
     async def _start_server(self) -> None:
         """Binds the gRPC listener and the heartbeats' UDP socket on the same port.
@@ -222,7 +193,7 @@ class DirectoryServer(ServerLifecycle):
         if self._beats is not None:
             self._beats.close()
         await self.http.close()
-        await asyncio.get_running_loop().run_in_executor(None, self._write, self.state.snapshot())
+        await self.store.close()
 
     async def _check_leases(self) -> None:
         """Marks silent nodes down and writes what heartbeats changed."""
@@ -238,69 +209,22 @@ class DirectoryServer(ServerLifecycle):
                             extra={"fields": {"seconds": round(stalled, 1)}})
             for name in self.state.expire(now):
                 log.info("node down", extra={"fields": {"node": name, "lease_seconds": self.config.lease_seconds}})
-            if self.state.revision != self._saved_revision:
-                self._dirty.set()
+            self.store.changed()
 
     async def _expire_jobs(self) -> None:
         """Drops the jobs idle for --job-ttl, as `job drop` would, and logs each;
         the first look is at start, for jobs that went idle while it was stopped."""
         ttl = self.config.job_ttl
         while True:
-            expired = self.state.expire_jobs(ttl, time.monotonic())
+            expired = self.state.expire_jobs(ttl, time.monotonic()) if self.store.leader else []
             if expired:
-                await self._persist()
+                await self.store.persist()
             for job, idle in expired:
                 log.info(
                     "job expired",
                     extra={"fields": {"job": job.spec.job_id, "idle_seconds": round(idle), "job_ttl_seconds": ttl}},
                 )
             await asyncio.sleep(min(JOB_EXPIRY_CHECK_SECONDS, ttl / 4))
-
-    async def _persist(self) -> None:
-        """Returns once the state as of now is on disk, sharing the write with
-        every call that changes the state before the write begins."""
-        if self._next_write is None:
-            self._next_write = asyncio.get_running_loop().create_future()
-        waiter = self._next_write
-        self._dirty.set()
-        await asyncio.shield(waiter)
-
-    async def _write_state(self) -> None:
-        """Writes the state whenever it changed, one write at a time, off the loop.
-
-        The snapshot is taken right after the waiters are taken, with no await
-        between, so that every waiter's change is in what is written.
-        """
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._dirty.wait()
-            await asyncio.sleep(GROUP_WRITE_SECONDS)
-            self._dirty.clear()
-            waiter, self._next_write = self._next_write, None
-            try:
-                await loop.run_in_executor(None, self._write, self.state.snapshot())
-            finally:
-                if waiter is not None:
-                    waiter.set_result(None)
-
-    def _write(self, snapshot: StateSnapshot) -> None:
-        """Writes ``snapshot`` unless a newer one is on disk; runs in a thread.
-        A failed write is logged and retried by the next lease check."""
-        with self._write_lock:
-            if snapshot.revision <= self._saved_revision:
-                return
-            tmp = self.state_path.with_suffix(".tmp")
-            try:
-                with open(tmp, "w", opener=private_opener) as out:
-                    out.write(json.dumps(snapshot.to_json()))
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.replace(tmp, self.state_path)
-            except OSError as exc:
-                log.error("cannot write the directory's state", extra={"fields": {"path": str(self.state_path),
-                                                                                   "error": str(exc)}})
-                return
-            self._saved_revision = snapshot.revision
 
     # ------------------------------------------------------------- handlers
 
@@ -318,7 +242,7 @@ class DirectoryServer(ServerLifecycle):
             }})
             raise
         _log_registration(info, identity, registration)
-        await self._persist()
+        await self.store.persist()
         return registration.session
 
     def heartbeat_reply(self, request: dpb.HeartbeatRequest) -> dpb.HeartbeatReply:
@@ -341,8 +265,11 @@ class DirectoryServer(ServerLifecycle):
         )
         if beat.refused:
             return beat.refused
+        if beat.known:
+            self.store.renewed(request.name)
         if beat.came_up:
             log.info("node up", extra={"fields": {"node": request.name}})
+            self.store.changed()
         return dpb.HeartbeatReply(known=beat.known, versions=self.versions_proto())
 
     def versions_proto(self) -> dpb.Versions:
@@ -367,15 +294,23 @@ class DirectoryServer(ServerLifecycle):
         ``name``, if ``root`` lies under the directory's --dataset-roots."""
         root = allowed_root(root, self.config.dataset_roots, "--dataset-roots / DATAQUAY_DIRECTORY_DATASET_ROOTS")
         self.registry.check_free(name, replace)
-        previous = self.registry.get(name).manifest if name in self.registry.names() else None
+        earlier = self.registry.get(name).manifest if name in self.registry.names() else None
         async with self._builds:
             writer = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: built_like(previous, build_manifest(root, fmt, tar_grouped=tar_grouped))
+                None, lambda: built_like(earlier, build_manifest(root, fmt, tar_grouped=tar_grouped))
             )
             check_sample_sizes(writer, name, self.config.max_sample_size, "the directory's --max-sample-size")
-            entry, _previous = self.registry.add(name, writer, replace)
-        self.state.datasets_changed()
-        await self._persist()
+            entry, previous = self.registry.add(name, writer, replace)
+            self.state.datasets_changed()
+            try:
+                await self.store.dataset_added(entry)
+            except DirectoryUnavailableError:
+                # The store keeps the registration it had: so does this registry.
+                if previous is None:
+                    self.registry.drop(name)
+                else:
+                    self.registry.add(name, bytes(previous.manifest.data), replace=True)
+                raise
         log.info(
             "dataset registered",
             extra={"fields": {"dataset": name, "samples": entry.manifest.num_samples, "format": entry.record.format,
@@ -384,9 +319,11 @@ class DirectoryServer(ServerLifecycle):
         return entry
 
     async def drop_dataset(self, name: str) -> None:
-        self.registry.drop(name)
+        """Drops the dataset from the store, then from the registry (kept if the store fails)."""
+        self.registry.get(name)
         self.state.datasets_changed()
-        await self._persist()
+        await self.store.dataset_dropped(name)
+        self.registry.drop(name)
         log.info("dataset dropped", extra={"fields": {"dataset": name}})
 
     async def join_job(self, request: JoinRequest) -> Job:
@@ -398,8 +335,9 @@ class DirectoryServer(ServerLifecycle):
                 extra={"fields": {"job": spec.job_id, "dataset": spec.dataset, "mode": spec.mode, "q": spec.q,
                                   "seed": spec.seed, "nodes": len(spec.nodes)}},
             )
-        await self._persist()
-        return job
+        await self.store.persist()
+        # A shared store may hold another replica's record, created at the same moment.
+        return self.state.get_job(job.spec.job_id)
 
     def _dataset_facts(self, name: str) -> DatasetFacts:
         entry = self.registry.get(name)
@@ -413,7 +351,7 @@ class DirectoryServer(ServerLifecycle):
             job = self.state.drop_idle_job(job_id, min_idle, now)
         else:
             job = self.state.drop_job(job_id)
-        await self._persist()
+        await self.store.persist()
         idle = round(time.time() - job.last_active)  # as `job ls` shows it
         log.info("job dropped", extra={"fields": {"job": job_id, "idle_seconds": idle}})
 
@@ -421,7 +359,7 @@ class DirectoryServer(ServerLifecycle):
         before = self.state.get_job(job_id).epoch
         job = self.state.report_epoch(job_id, epoch, time.monotonic(), time.time())
         if job.epoch > before:
-            await self._persist()
+            await self.store.persist()
             log.info("job epoch", extra={"fields": {"job": job_id, "epoch": job.epoch, "node": node}})
         return job
 
@@ -445,6 +383,13 @@ def _log_registration(info: NodeInfo, identity: str, registration: Registration)
     elif registration.change is Change.RENEWED and previous and previous.tcp_address != info.tcp_address:
         log.info("node registered again from another address",
                  extra={"fields": {**fields, "previous_tcp": previous.tcp_address}})
+
+
+def _store(config: DirectoryConfig, server: DirectoryServer) -> DirectoryStore:
+    """The store ``--store`` names, following ``server``'s state and registry."""
+    if config.store == "embedded":
+        return EmbeddedStore(config, lambda: server.state)
+    return EtcdStore(config, lambda: server.state, server.registry)
 
 
 async def serve_directory(config: DirectoryConfig) -> None:

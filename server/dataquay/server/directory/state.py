@@ -106,6 +106,10 @@ class DirectoryState:
         # Nodes restored up from a state file that have neither registered nor
         # heartbeated since: whoever registers such a name is no second daemon.
         self._unheard: set[str] = set()
+        #: The records this state changed that a shared store must write, as
+        #: ("node", name), ("job", id) and ("new-job", id) for a job created
+        #: here; None where nothing follows them.
+        self.changed: set[tuple[str, str]] | None = None
 
     # ---------------------------------------------------------------- nodes
 
@@ -143,6 +147,7 @@ class DirectoryState:
         self._renew(info.name, now)
         self.node_log.mark(info.name)
         self._nodes_changed(now)
+        self._record_changed("node", info.name)
         return Registration(change, previous, previous_identity, session)
 
     def _check_holder(self, node: Node, identity: str, now: float) -> None:
@@ -189,6 +194,7 @@ class DirectoryState:
         node.up = True
         self.node_log.mark(name)
         self._nodes_changed(now)
+        self._record_changed("node", name)
         return Beat(known=True, came_up=True)
 
     def expire(self, now: float) -> list[str]:
@@ -295,6 +301,7 @@ class DirectoryState:
         self._jobs[job_id] = job
         self._active[job_id] = now
         self._bump(jobs=1)
+        self._record_changed("new-job", job_id)
         return job, True
 
     def _join_existing(self, job: Job, request: JoinRequest) -> Job:
@@ -311,6 +318,7 @@ class DirectoryState:
             job = replace(job, spec=replace(job.spec, ranks_per_node=request.settings.ranks_per_node))
             self._jobs[job.spec.job_id] = job
             self._bump(jobs=1)
+            self._record_changed("job", job.spec.job_id)
         return job
 
     def _job_nodes(self, job_id: str, named: tuple[str, ...]) -> tuple[str, ...]:
@@ -349,6 +357,7 @@ class DirectoryState:
         job = self.get_job(job_id)
         del self._jobs[job_id], self._active[job_id]
         self._bump(jobs=1)
+        self._record_changed("job", job_id)
         return job
 
     def drop_idle_job(self, job_id: str, min_idle: float, now: float) -> Job:
@@ -382,6 +391,7 @@ class DirectoryState:
         expired = [(self._jobs[job_id], now - at) for job_id, at in self._active.items() if now - at >= ttl]
         for job, _ in expired:
             del self._jobs[job.spec.job_id], self._active[job.spec.job_id]
+            self._record_changed("job", job.spec.job_id)
         if expired:
             self.jobs_expired += len(expired)
             self._bump(jobs=1)
@@ -401,6 +411,7 @@ class DirectoryState:
         if epoch > job.epoch or not job.started:
             job = self._jobs[job_id] = replace(job, epoch=max(epoch, job.epoch), started=True)
             self.revision += 1
+            self._record_changed("job", job_id)
         return self._touch(job, now, wall)
 
     def _touch(self, job: Job, now: float, wall: float | None) -> Job:
@@ -412,9 +423,68 @@ class DirectoryState:
             return job
         if now // ACTIVITY_WRITE_SECONDS != last // ACTIVITY_WRITE_SECONDS:
             self.revision += 1
+            self._record_changed("job", job_id)
         self._active[job_id] = now
         job = self._jobs[job_id] = replace(job, last_active=now if wall is None else wall)
         return job
+
+    # ------------------------------------------------ a shared store's copy
+
+    def _record_changed(self, kind: str, key: str) -> None:
+        if self.changed is not None:
+            self.changed.add((kind, key))
+
+    def apply_node(self, node: Node, up: bool, now: float) -> None:
+        """Takes ``node`` as another replica wrote it (``up``: its lease runs).
+
+        What this replica heard itself is kept where the record is silent on
+        it: the cache usage and last heartbeat it was told, and the highest
+        datagram sequence, unless the record is of another registration.
+        """
+        mine = self._nodes.get(node.info.name)
+        if mine is not None and (mine.info, mine.registered, mine.identity, mine.session) == (
+            node.info, node.registered, node.identity, node.session
+        ):
+            self.apply_up(node.info.name, up, now)
+            return
+        if mine is not None and mine.session == node.session:
+            node.beat_sequence = mine.beat_sequence
+        node.up = up
+        self._nodes[node.info.name] = node
+        self._leases.pop(node.info.name, None)
+        if up:
+            self._renew(node.info.name, now)
+        self.node_log.mark(node.info.name)
+        self._nodes_changed(now)
+
+    def apply_up(self, name: str, up: bool, now: float) -> None:
+        """Marks the node up or down as the shared store says (its lease granted or ended)."""
+        node = self._nodes.get(name)
+        if node is None or (node.up == up and (name in self._leases) == up):
+            return
+        node.up = up
+        if up:
+            self._renew(name, now)
+        else:
+            self._leases.pop(name, None)
+        self.node_log.mark(name)
+        self._nodes_changed(now)
+
+    def apply_job(self, job: Job, now: float, wall: float) -> None:
+        """Takes ``job`` as another replica wrote it; its idle time counts from its
+        record's last activity (Unix time ``wall`` is ``now``)."""
+        job_id = job.spec.job_id
+        if self._jobs.get(job_id) == job:
+            return
+        self._jobs[job_id] = job
+        self._active[job_id] = now - max(0.0, wall - job.last_active)
+        self._bump(jobs=1)
+
+    def apply_job_dropped(self, job_id: str) -> None:
+        """Forgets a job another replica dropped."""
+        if self._jobs.pop(job_id, None) is not None:
+            del self._active[job_id]
+            self._bump(jobs=1)
 
     # ---------------------------------------------------------- persistence
 

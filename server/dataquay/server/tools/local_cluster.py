@@ -1,5 +1,9 @@
 """A whole dataquay cluster on one machine: a directory and N daemons on loopback.
 
+With ``store="etcd"`` it also runs a local etcd (:mod:`.etcd_cluster`) and
+``directories`` directory replicas on it; daemons and clients are given
+every replica's address.
+
 The demo, the tests and the benchmarks need several nodes without a batch
 system; ``dataquay cluster up`` gives a user the same to try jobs by hand.
 Every process binds ports the OS picks, and each node keeps its cache, state,
@@ -39,6 +43,7 @@ from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.auth import new_token_file
 from dataquay.server.errors import DataquayError
 from dataquay.server.tools.env_files import write_env_file
+from dataquay.server.tools.etcd_cluster import EtcdCluster
 from dataquay.server.tools.pids import POLL_SECONDS, ClusterPid, terminate
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess, ServerProcess
 
@@ -106,6 +111,10 @@ class LocalCluster:
         node_hosts: nodes (by index) that run elsewhere than ``host``.
         dataset_roots: the directories every server may register datasets
             from (--dataset-roots); empty leaves it to the environment.
+        directories: how many directory processes (replicas; more than one
+            needs ``store="etcd"``).
+        store: "embedded" (each directory's state file) or "etcd" (a local
+            etcd of ``etcd_members`` members, started first).
     """
 
     base_dir: Path
@@ -119,7 +128,13 @@ class LocalCluster:
     host: str = "127.0.0.1"
     node_hosts: Mapping[int, NodeHost] = field(default_factory=dict)
     dataset_roots: tuple[Path, ...] = ()
+    directories: int = 1
+    store: str = "embedded"
+    etcd_members: int = 1
     directory: DirectoryProcess | None = field(default=None, init=False)
+    #: Every directory replica; the first is :attr:`directory`.
+    replicas: list[DirectoryProcess] = field(default_factory=list, init=False)
+    etcd: EtcdCluster | None = field(default=None, init=False)
     daemons: list[DaemonProcess] = field(default_factory=list, init=False)
     #: Short directory for the sockets when base_dir is too deep for one.
     socket_dir: Path | None = field(default=None, init=False)
@@ -129,6 +144,10 @@ class LocalCluster:
         self.base_dir = Path(self.base_dir).absolute()
         if self.nodes < 1:
             raise ClusterError(f"a cluster needs at least 1 node, not {self.nodes}")
+        if self.store not in ("embedded", "etcd"):
+            raise ClusterError(f"store {self.store!r}: expected embedded or etcd")
+        if self.directories < 1 or (self.directories > 1 and self.store != "etcd"):
+            raise ClusterError(f"{self.directories} directories: one, or several with the etcd store")
 
     # ------------------------------------------------------------ lifecycle
 
@@ -148,10 +167,7 @@ class LocalCluster:
         if self.token_file is not None and self.node_token_file is None:
             self.node_token_file = new_token_file(self.base_dir / "node-token", force=True)
         try:
-            self.directory = DirectoryProcess(
-                self.base_dir / "directory", (*self.directory_args, *self._security_args),
-                start_new_session=self.detached, host=self.host, dataset_roots=self.dataset_roots,
-            ).start(timeout)
+            self._start_directories(timeout)
             self.daemons = [self._daemon(i) for i in range(self.nodes)]
             with ThreadPoolExecutor(self.nodes) as pool:
                 failures = [f.exception() for f in [pool.submit(d.start, timeout) for d in self.daemons]]
@@ -166,6 +182,25 @@ class LocalCluster:
             raise
         return self
 
+    def _start_directories(self, timeout: float) -> None:
+        store: tuple[str, ...] = ()
+        if self.store == "etcd":
+            self.etcd = EtcdCluster(self.base_dir / "etcd", self.etcd_members,
+                                    start_new_session=self.detached).start(timeout)
+            store = ("--store", self.etcd.store_url)
+        self.replicas = [
+            DirectoryProcess(
+                self.base_dir / ("directory" if i == 0 else f"directory-{i}"),
+                (*self.directory_args, *store, *self._security_args),
+                start_new_session=self.detached, host=self.host, dataset_roots=self.dataset_roots,
+            )
+            for i in range(self.directories)
+        ]
+        self.directory = self.replicas[0]
+        with ThreadPoolExecutor(self.directories) as pool:
+            for future in [pool.submit(r.start, timeout) for r in self.replicas]:
+                future.result()
+
     def down(self, timeout: float = 30.0) -> None:
         """Stops every process of the cluster (SIGTERM, then SIGKILL after
         ``timeout``) and removes the files that point at them.
@@ -178,8 +213,11 @@ class LocalCluster:
         for daemon in self.daemons:
             if daemon.process is not None:
                 daemon.process.wait()
-        if self.directory is not None and self.directory.process is not None:
-            self.directory.process.wait()
+        for replica in self.replicas:
+            if replica.process is not None:
+                replica.process.wait()
+        if self.etcd is not None:
+            self.etcd.stop()
         for name in (CLUSTER_FILE, CLUSTER_ENV, *(f"{node_name(i)}.env" for i in range(self.nodes))):
             (self.base_dir / name).unlink(missing_ok=True)
         if self.socket_dir is not None:
@@ -219,14 +257,19 @@ class LocalCluster:
                 host=record.get("host", "127.0.0.1"),
                 node_hosts={int(i): NodeHost(a, tuple(p)) for i, (a, p) in record.get("node_hosts", {}).items()},
                 dataset_roots=tuple(map(Path, record.get("dataset_roots", []))),
+                directories=len(record.get("replicas", [record["directory"]])),
+                store=record.get("store", "embedded"),
             )
             cluster.socket_dir = Path(record["socket_dir"]) if record["socket_dir"] else None
-            cluster.directory = DirectoryProcess(
-                cluster.base_dir / "directory", cluster.directory_args, host=cluster.host,
-                dataset_roots=cluster.dataset_roots,
-            )
-            cluster.directory.ready = record["directory"]
-            cluster._adopted.append(ClusterPid(record["directory"]["pid"], record["directory"]["ready_file"]))
+            for ready in record.get("replicas", [record["directory"]]):
+                replica = DirectoryProcess(Path(ready["ready_file"]).parent, cluster.directory_args,
+                                           host=cluster.host, dataset_roots=cluster.dataset_roots)
+                replica.ready = ready
+                cluster.replicas.append(replica)
+                cluster._adopted.append(ClusterPid(ready["pid"], ready["ready_file"]))
+            cluster.directory = cluster.replicas[0]
+            for pid, marker in record.get("etcd", []):
+                cluster._adopted.append(ClusterPid(pid, marker))
             for i, ready in enumerate(record["daemons"]):
                 daemon = cluster._daemon(i)
                 daemon.ready = ready
@@ -265,26 +308,28 @@ class LocalCluster:
         self._save()
         return daemon
 
-    def kill_directory(self) -> None:
-        """SIGKILLs the directory: the crash case."""
-        assert self.directory is not None, "cluster not started"
-        self._kill(self.directory)
+    def kill_directory(self, index: int = 0) -> None:
+        """SIGKILLs the directory (replica ``index``): the crash case."""
+        assert self.replicas, "cluster not started"
+        self._kill(self.replicas[index])
 
-    def restart_directory(self, timeout: float = 30.0) -> DirectoryProcess:
-        """Starts the directory again on its state and ports (after
-        :meth:`kill_directory`, or stops it first), where the daemons look for it."""
-        old = self.directory
+    def restart_directory(self, timeout: float = 30.0, index: int = 0) -> DirectoryProcess:
+        """Starts the directory (replica ``index``) again on its state and ports
+        (after :meth:`kill_directory`, or stops it first), where the daemons look for it."""
+        old = self.replicas[index] if self.replicas else None
         assert old is not None and old.ready is not None, "cluster not started"
         self._stop(old, timeout)
         port = str(old.ready["tcp"]).rpartition(":")[2]
-        self.directory = DirectoryProcess(
+        store = ("--store", self.etcd.store_url) if self.etcd is not None else ()
+        self.replicas[index] = DirectoryProcess(
             old.home,
-            (*self.directory_args, *self._security_args, "--listen", f"{old.host}:{port}",
+            (*self.directory_args, *store, *self._security_args, "--listen", f"{old.host}:{port}",
              "--http-port", str(old.ready["http_port"])),
             start_new_session=self.detached, host=old.host, dataset_roots=self.dataset_roots,
         ).start(timeout)
+        self.directory = self.replicas[0]
         self._save()
-        return self.directory
+        return self.replicas[index]
 
     def wait_for_nodes(
         self, *, up: Sequence[str] = (), down: Sequence[str] = (), timeout: float = 60.0
@@ -297,7 +342,7 @@ class LocalCluster:
         """
         deadline = time.monotonic() + timeout
         states: dict[str, int] = {}
-        with self.credentials().channel(self.directory_address, channel_options()) as channel:
+        with self.credentials().channel(self.live_directory().address, channel_options()) as channel:
             stub = directory_pb2_grpc.DirectoryStub(channel)
             while True:
                 try:
@@ -324,9 +369,16 @@ class LocalCluster:
 
     @property
     def directory_address(self) -> str:
-        """HOST:PORT of the directory's gRPC service."""
-        assert self.directory is not None, "cluster not started"
-        return self.directory.address
+        """HOST:PORT of the directory's gRPC service; of every replica, separated by commas."""
+        assert self.replicas, "cluster not started"
+        return ",".join(replica.address for replica in self.replicas)
+
+    def live_directory(self) -> DirectoryProcess:
+        """The first replica not known to be dead."""
+        for replica in self.replicas:
+            if replica.process is None or replica.process.poll() is None:
+                return replica
+        raise ClusterError(f"every directory of the cluster in {self.base_dir} is gone")
 
     @property
     def sd_url(self) -> str:
@@ -424,10 +476,11 @@ class LocalCluster:
         """Every process of the cluster: the ones this object started, and
         the ones a loaded cluster.json names."""
         pids = list(self._adopted)
-        procs = [self.directory, *self.daemons]
-        for proc in procs:
-            if proc is not None and proc.process is not None:
+        for proc in [*self.replicas, *self.daemons]:
+            if proc.process is not None:
                 pids.append(ClusterPid(proc.process.pid, str(proc.ready_file), proc.process))
+        if self.etcd is not None:
+            pids += [ClusterPid(pid, marker, popen) for pid, marker, popen in self.etcd.pids()]
         return pids
 
     def _pid_of(self, server: ServerProcess) -> ClusterPid:
@@ -461,6 +514,9 @@ class LocalCluster:
             "node_hosts": {str(i): [h.address, list(h.prefix)] for i, h in self.node_hosts.items()},
             "dataset_roots": [str(p) for p in self.dataset_roots],
             "directory": {**self.directory.ready, "ready_file": str(self.directory.ready_file)},
+            "replicas": [{**(r.ready or {}), "ready_file": str(r.ready_file)} for r in self.replicas],
+            "store": self.store,
+            "etcd": [[pid, marker] for pid, marker, _ in self.etcd.pids()] if self.etcd else [],
             "daemons": [
                 {**(d.ready or {"pid": d.process.pid if d.process else 0}), "ready_file": str(d.ready_file)}
                 for d in self.daemons

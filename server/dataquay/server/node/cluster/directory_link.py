@@ -14,6 +14,12 @@ The epochs this node's ranks enter are applied to its copy of the job at once
 (:mod:`.epoch_reports`), so a job's epochs go on while the directory is down;
 a copy the directory sends back keeps the higher epoch this node holds until
 its report has gone.
+
+Several directory replicas (``--directory a:7070,b:7070``, one cluster on a
+shared store) are one directory: the link talks to one at a time and moves
+to the next as soon as a call or a beat finds it unreachable, so that a
+replica's death costs at most a heartbeat period. After a move it fetches
+the whole node list once (replicas number node-set versions apart).
 """
 
 from __future__ import annotations
@@ -85,7 +91,7 @@ class DirectoryLink:
     """Registers this node, renews its lease and keeps the cluster view fresh.
 
     Args:
-        address: the directory's HOST:PORT.
+        address: the directory's HOST:PORT, or several replicas' separated by commas.
         node_info: this node's registration, read when (re)registering.
         usage: (cache bytes used, entries) for heartbeats.
         datasets_changed: awaited when the directory's dataset registry
@@ -109,13 +115,16 @@ class DirectoryLink:
         credentials: Credentials = Credentials(),
         refused: Callable[[NodeNameTakenError], None] = lambda exc: None,
     ) -> None:
-        self.address = address
+        self.addresses = [a.strip() for a in address.split(",") if a.strip()]
+        self.address = self.addresses[0]
         self.credentials = credentials
         self._node_info = node_info
         self._usage = usage
         self._datasets_changed = datasets_changed
-        self._channel = credentials.aio_channel(address, channel_options())
+        self._channel = credentials.aio_channel(self.address, channel_options())
         self.stub = directory_pb2_grpc.DirectoryStub(self._channel)
+        #: Replicas tried since one last answered: a whole round of them backs off.
+        self._tried = 0
         self.nodes: dict[str, jpb.NodeStatus] = {}
         self.jobs: dict[str, jpb.Job] = {}
         self.reachable = False
@@ -164,6 +173,8 @@ class DirectoryLink:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_SECONDS[1])
             except (grpc.aio.AioRpcError, OSError, DataquayError) as exc:
+                if await self._fail_over(self.stub):
+                    continue
                 if self.reachable or delay == RETRY_SECONDS[0]:
                     reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                     log.warning(
@@ -195,7 +206,7 @@ class DirectoryLink:
                 reply = await sender.beat(request, timeout=DATAGRAM_WAIT_SECONDS)
                 by_rpc = reply is None
                 if reply is None:
-                    reply = await self.stub.Heartbeat(request, timeout=CALL_TIMEOUT_SECONDS)
+                    reply = await self.stub.Heartbeat(request, timeout=self._beat_timeout())
                     if not self._beats_by_rpc:
                         log.warning("heartbeat datagrams go unanswered (UDP blocked?); renewing the lease by RPC",
                                     extra={"fields": {"directory": self.address}})
@@ -210,10 +221,37 @@ class DirectoryLink:
         finally:
             sender.close()
 
+    def _beat_timeout(self) -> float:
+        """A beat by RPC waits, with the datagram's wait, a heartbeat period where another replica could answer it."""
+        if len(self.addresses) == 1:
+            return CALL_TIMEOUT_SECONDS
+        return max(DATAGRAM_WAIT_SECONDS, self._heartbeat_seconds - DATAGRAM_WAIT_SECONDS)
+
+    async def _fail_over(self, failed: directory_pb2_grpc.DirectoryStub) -> bool:
+        """Moves to the next replica after ``failed`` (the stub a call found
+        unreachable) unless another call moved already; False once every
+        replica was tried since one last answered (then the caller backs off)."""
+        if len(self.addresses) == 1:
+            return False
+        if failed is self.stub:
+            self._tried += 1
+            if self._tried >= len(self.addresses):
+                self._tried = 0
+                return False
+            old = self._channel
+            self.address = self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)]
+            self._channel = self.credentials.aio_channel(self.address, channel_options())
+            self.stub = directory_pb2_grpc.DirectoryStub(self._channel)
+            self._nodes_version = 0
+            log.warning("directory replica unreachable; moving to the next",
+                        extra={"fields": {"directory": self.address}})
+            await old.close()
+        return True
+
     async def _register(self) -> None:
         request = dpb.RegisterNodeRequest(node=self._node_info(), identity_key=self.identity_key)
         try:
-            reply = await self._call(self.stub.RegisterNode(request, timeout=CALL_TIMEOUT_SECONDS))
+            reply = await self._call(lambda stub: stub.RegisterNode(request, timeout=CALL_TIMEOUT_SECONDS))
         finally:
             self.first_attempt.set()
         self._session = reply.session
@@ -234,6 +272,7 @@ class DirectoryLink:
     def _reached(self) -> None:
         self._answering.set()
         self._answered_at = time.monotonic()
+        self._tried = 0
         if not self.reachable:
             if self.registered.is_set():
                 log.info("directory reachable again", extra={"fields": {"directory": self.address}})
@@ -306,12 +345,12 @@ class DirectoryLink:
         kept = self.jobs.get(job_id)
         if kept is not None:
             return kept
-        job = await self._call(self.stub.GetJob(jpb.GetJobRequest(job_id=job_id), timeout=CALL_TIMEOUT_SECONDS))
+        job = await self._call(lambda stub: stub.GetJob(jpb.GetJobRequest(job_id=job_id), timeout=CALL_TIMEOUT_SECONDS))
         self.jobs[job_id] = job
         return job
 
     async def join_job(self, request: jpb.JoinJobRequest) -> jpb.Job:
-        job = self._held_epoch(await self._call(self.stub.JoinJob(request, timeout=CALL_TIMEOUT_SECONDS)))
+        job = self._held_epoch(await self._call(lambda stub: stub.JoinJob(request, timeout=CALL_TIMEOUT_SECONDS)))
         self.jobs[job.spec.job_id] = job
         return job
 
@@ -335,7 +374,7 @@ class DirectoryLink:
             if not self.reachable:
                 raise
             request = jpb.ReportEpochRequest(job_id=job_id, epoch=epoch, node=self._node_info().name)
-            job = await self._call(self.stub.ReportEpoch(request, timeout=CALL_TIMEOUT_SECONDS))
+            job = await self._call(lambda stub: stub.ReportEpoch(request, timeout=CALL_TIMEOUT_SECONDS))
         job = self.jobs[job_id] = entered(job, epoch)
         self.reports.add(job_id, epoch)
         return job
@@ -383,7 +422,7 @@ class DirectoryLink:
         """Sends one report; False when the directory does not answer (it stays queued)."""
         request = jpb.ReportEpochRequest(job_id=job_id, epoch=epoch, node=self._node_info().name)
         try:
-            job = await self._call(self.stub.ReportEpoch(request, timeout=CALL_TIMEOUT_SECONDS))
+            job = await self._call(lambda stub: stub.ReportEpoch(request, timeout=CALL_TIMEOUT_SECONDS))
         except DirectoryUnavailableError:
             return False
         except DataquayError as exc:
@@ -411,7 +450,7 @@ class DirectoryLink:
     async def dataset(self, name: str) -> tuple[pb.DatasetInfo, bytes]:
         """The dataset's record and manifest bytes, from the directory."""
         request = pb.GetDatasetRequest(name=name)
-        info = await self._call(self.stub.GetDataset(request, timeout=CALL_TIMEOUT_SECONDS))
+        info = await self._call(lambda stub: stub.GetDataset(request, timeout=CALL_TIMEOUT_SECONDS))
         chunks: list[bytes] = []
         try:
             async for chunk in self.stub.GetManifest(request, timeout=10 * CALL_TIMEOUT_SECONDS):
@@ -421,21 +460,25 @@ class DirectoryLink:
         return info, b"".join(chunks)
 
     async def datasets(self) -> list[pb.DatasetInfo]:
-        reply = await self._call(self.stub.ListDatasets(pb.ListDatasetsRequest(), timeout=CALL_TIMEOUT_SECONDS))
+        reply = await self._call(lambda stub: stub.ListDatasets(pb.ListDatasetsRequest(), timeout=CALL_TIMEOUT_SECONDS))
         return list(reply.datasets)
 
     async def add_dataset(self, request: pb.AddDatasetRequest) -> pb.DatasetInfo:
         # Building a manifest walks the whole root on the PFS: no short deadline.
-        return await self._call(self.stub.AddDataset(request))
+        return await self._call(lambda stub: stub.AddDataset(request))
 
     async def drop_dataset(self, name: str) -> None:
-        await self._call(self.stub.DropDataset(pb.DropDatasetRequest(name=name), timeout=CALL_TIMEOUT_SECONDS))
+        await self._call(lambda stub: stub.DropDataset(pb.DropDatasetRequest(name=name), timeout=CALL_TIMEOUT_SECONDS))
 
-    async def _call(self, call: Awaitable[T]) -> T:
-        try:
-            return await call
-        except grpc.aio.AioRpcError as exc:
-            raise _relayed(exc) from None
+    async def _call(self, call: Callable[[directory_pb2_grpc.DirectoryStub], Awaitable[T]]) -> T:
+        """``call(stub)`` on the current replica, then on the next ones while they are unreachable."""
+        while True:
+            stub = self.stub
+            try:
+                return await call(stub)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in UNREACHABLE or not await self._fail_over(stub):
+                    raise _relayed(exc) from None
 
     async def close(self) -> None:
         await self._channel.close()
