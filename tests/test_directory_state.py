@@ -350,12 +350,12 @@ def test_a_shared_store_is_told_which_records_changed_and_the_embedded_one_is_no
     state = cluster("a")
     assert state.changed is None
     state.changed = set()
-    state.register(info("b"), now=1.0)
+    state.register(info("b"), now=1.0, identity=KEY)
     state.join(join_request("j", dataset="imgs"), facts, now=1.0)
     assert state.changed == {("node", "b"), ("new-job", "j")}
     state.changed.clear()
     state.report_epoch("j", 1, now=2.0)
-    state.heartbeat("b", 0, 0, now=3.0)  # a beat of a live node writes nothing
+    state.heartbeat("b", 0, 0, now=3.0, session=state.node("b").session)  # type: ignore[union-attr]  # writes nothing
     assert state.changed == {("job", "j")}
     state.drop_job("j")
     assert state.changed == {("job", "j")}
@@ -366,7 +366,7 @@ def test_another_replicas_records_replace_this_ones_keeping_what_only_it_heard()
     mine.register(info("a"), now=0.0, identity="id-a", wall=100.0)
     session = mine.node("a").session  # type: ignore[union-attr]
     assert mine.heartbeat("a", 7, 1, now=1.0, sequence=50, session=session).refused == ""
-    theirs = Node(info("a"), registered=100.0, last_heartbeat=100.0, identity="id-a", session=session)
+    theirs = Node(info("a"), registered=100.0, last_heartbeat=100.0, beat_sequence=0, identity="id-a", session=session)
     version = mine.versions.nodes
     mine.apply_node(theirs, up=True, now=2.0)
     node = mine.node("a")
@@ -382,7 +382,7 @@ def test_another_replicas_records_replace_this_ones_keeping_what_only_it_heard()
 
 def test_a_job_another_replica_wrote_counts_its_idle_time_from_its_record() -> None:
     state = DirectoryState(LEASE)
-    job = Job(JobSettings("j", dataset="imgs"), "m1", 100, epoch=3, created=1000.0, last_active=1500.0)
+    job = Job(JobSettings("j", dataset="imgs"), "m1", 100, epoch=3, created=1000.0, started=True, last_active=1500.0)
     state.apply_job(job, now=50.0, wall=1600.0)
     assert state.get_job("j") == job and state.versions.jobs == 1
     assert [j.spec.job_id for j, idle in state.expire_jobs(100.0, now=50.0)] == ["j"]
