@@ -245,6 +245,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             prep_groups=state.prep_groups,
             bulk=state.bulk.proto(),
             cache_behind=state.cache_behind.proto(),
+            healing=state.healing.proto(),
         )
 
     async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:

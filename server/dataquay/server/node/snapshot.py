@@ -8,12 +8,13 @@ A snapshot is taken when asked (a call, a scrape); nothing is kept between.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.node.cache.admission import REASONS
 from dataquay.server.node.exchange.coded import CodedProgress
+from dataquay.server.node.healer import HealCounts
 from dataquay.server.node.reads.behind import BehindCounts
 from dataquay.server.node.reads.overflow import OverflowCounts
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from dataquay.server.node.client_stats import ClientStatsBook
     from dataquay.server.node.counters import FaceCounters
     from dataquay.server.node.exchange import ExchangeReceiver, ExchangeRun, Exchanges
+    from dataquay.server.node.healer import Healer
     from dataquay.server.node.peers.bulk.server import BulkServer
     from dataquay.server.node.peers.reads import PeerHealth, Peers
     from dataquay.server.node.prep.groups import PrepGroups
@@ -139,6 +141,8 @@ class LiveState:
     mcast_dropped: dict[str, int] = field(default_factory=dict)
     #: Values the admission rule kept out of the cache, by reason (node/cache/admission.py).
     values_refused: dict[str, int] = field(default_factory=dict)
+    #: What healing fetched for lost nodes and dropped for nodes back (node/healer.py).
+    healing: HealCounts = field(default_factory=HealCounts)
 
 
 class NodeState:
@@ -148,7 +152,7 @@ class NodeState:
         self, *, store: Store, pfs: PfsPool, stager: Stager, peers: Peers, reads: ReadService,
         served: Callable[[], dict[str, tuple[int, int]]], client_stats: ClientStatsBook, prep_groups: PrepGroups,
         behind: CacheBehind, counters: FaceCounters, exchanges: Exchanges | None, receiver: ExchangeReceiver | None,
-        bulk: BulkServer | None,
+        bulk: BulkServer | None, healer: Healer | None = None,
     ) -> None:
         self.store = store
         self.pfs = pfs
@@ -163,6 +167,7 @@ class NodeState:
         self.exchanges = exchanges
         self.receiver = receiver
         self.bulk = bulk
+        self.healer = healer
 
     def snapshot(self) -> LiveState:
         store, reads, exchanges, receiver = self.store, self.reads, self.exchanges, self.receiver
@@ -200,6 +205,7 @@ class NodeState:
             bulk=self._bulk(),
             cache_behind=self.behind.counts,
             mcast_dropped=dict(exchanges.mcast_dropped) if exchanges else {},
+            healing=replace(self.healer.counts) if self.healer else HealCounts(),
         )
 
     def _bulk(self) -> BulkCounts:
