@@ -27,6 +27,8 @@ from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 N = 120
 SIZE = 3000
 HEAL_AFTER = "1.5"
+#: --heal-bandwidth of the first test, bytes/s: a survivor's part of the lost share takes over a second.
+HEAL_BANDWIDTH = 40_000
 #: A node is marked down a second after its last heartbeat.
 FAST_LEASES = ("--lease-seconds", "1", "--heartbeat-seconds", "0.2")
 
@@ -39,10 +41,10 @@ class Cluster:
         self.stubs: dict[str, cache_pb2_grpc.CacheStub] = {}
         self._channels: list[grpc.Channel] = []
 
-    def start(self, name: str, home: str = "") -> cache_pb2_grpc.CacheStub:
+    def start(self, name: str, home: str = "", *extra: str) -> cache_pb2_grpc.CacheStub:
         daemon = DaemonProcess(self.tmp_path / (home or name), (
             "--directory", self.directory.address, "--node-name", name, "--peer-timeout", "2",
-            "--heal-after", HEAL_AFTER,
+            "--heal-after", HEAL_AFTER, *extra,
         )).start()
         self.daemons[name] = daemon
         self._channels.append(grpc.insecure_channel(grpc_target(daemon.address), options=channel_options()))
@@ -105,7 +107,7 @@ def wait_for(what: str, done: Callable[[], bool], timeout: float = 30.0) -> None
 def test_a_node_killed_mid_epoch_is_healed_and_its_share_read_from_the_pfs_once(cluster: Cluster) -> None:
     names = ["n0", "n1", "n2"]
     for name in names:
-        cluster.start(name)
+        cluster.start(name, "", "--heal-bandwidth", str(HEAL_BANDWIDTH))
     owner = started_job(cluster, names)
     lost_share = int((owner == 1).sum())
     survivors = [cluster.stubs["n0"], cluster.stubs["n2"]]
@@ -119,12 +121,28 @@ def test_a_node_killed_mid_epoch_is_healed_and_its_share_read_from_the_pfs_once(
     for stub, part in zip(survivors, (order[half::2], order[half + 1::2])):
         read(stub, part)
 
+    # When each survivor counts n1 lost, and when it holds its part of n1's share.
+    began: list[float | None] = [None, None]
+    ended: list[float | None] = [None, None]
+
     def healed() -> bool:
-        counts = [stats(stub).healing for stub in survivors]
-        return sum(c.pfs_samples for c in counts) == lost_share and not any(c.pending_samples for c in counts)
+        for m, stub in enumerate(survivors):
+            counts = stats(stub).healing
+            if counts.lost_nodes and began[m] is None:
+                began[m] = time.monotonic()
+            if counts.lost_nodes and counts.pfs_samples and not counts.pending_samples and ended[m] is None:
+                ended[m] = time.monotonic()
+        return None not in ended
 
     wait_for("the survivors to take n1's share", healed)
     counts = [stats(stub).healing for stub in survivors]
+    assert sum(c.pfs_samples for c in counts) == lost_share
+    for m, c in enumerate(counts):
+        start, end = began[m], ended[m]
+        assert start is not None and end is not None
+        # The bucket starts empty and lends a tenth of a second: the cap holds.
+        least = (c.pfs_bytes - HEAL_BANDWIDTH / 10) / HEAL_BANDWIDTH
+        assert end - start >= least - 0.25, f"{c.pfs_bytes} bytes healed in {end - start:.2f}s, over the cap"
     assert sum(c.pfs_bytes for c in counts) == lost_share * SIZE
     assert [c.peer_samples for c in counts] == [0, 0], "nothing held n1's share but n1"
     assert [c.lost_nodes for c in counts] == [1, 1]
