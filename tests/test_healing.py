@@ -6,6 +6,8 @@ processes, real LMDB, real files as the PFS."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -148,6 +150,15 @@ def test_a_node_killed_mid_epoch_is_healed_and_its_share_read_from_the_pfs_once(
     assert [c.lost_nodes for c in counts] == [1, 1]
     entries = [stats(stub).cache_entries for stub in survivors]
     assert sum(entries) == N
+    shown = subprocess.run(
+        [sys.executable, "-m", "dataquay.server.cli", "status", "--directory", cluster.directory.address],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    healing = shown.stdout[shown.stdout.index("FROM PFS"):].splitlines()[1:3]
+    # NODE, LOST NODES, TO FETCH, FROM PEERS, PEER BYTES (two words), FROM PFS, ...
+    assert [row.split()[:4] for row in healing] == [["n0", "1", "0", "0"], ["n2", "1", "0", "0"]], shown.stdout
+    assert sum(int(row.split()[6]) for row in healing) == lost_share, shown.stdout
 
     # Epochs 1 and 2 read every sample and nothing from the PFS.
     for epoch in (1, 2):
