@@ -91,6 +91,8 @@ class _Seen:
 
     created: float
     lost: tuple[str, ...]
+    #: The lost nodes a fetch that has not ended yet (or failed) brings it to.
+    trying: tuple[str, ...] | None = None
 
 
 class Healer:
@@ -118,6 +120,7 @@ class Healer:
         self.counts = HealCounts()
         self._seen: dict[str, _Seen] = {}
         self._drops: list[_Drop] = []
+        self._failed: dict[str, str] = {}
 
     def lost(self, job: jpb.Job) -> tuple[str, ...]:
         """The job's nodes whose share the others hold now (what reads ask by)."""
@@ -131,8 +134,8 @@ class Healer:
         while True:
             try:
                 await self._check()
-            except DataquayError as exc:
-                log.warning("healing paused", extra={"fields": {"error": str(exc)}})
+            except Exception:  # a bug here must not stop healing for good
+                log.exception("healing failed; retrying")
             await asyncio.sleep(CHECK_SECONDS)
 
     async def _check(self) -> None:
@@ -140,7 +143,16 @@ class Healer:
                 if self.node_name in job.spec.nodes and not MODES[job.spec.mode].owners_move]
         self.counts.lost_nodes = len({name for job in jobs for name in self.lost(job)})
         for job in jobs:
-            await self._follow(job)
+            try:
+                await self._follow(job)
+            except DataquayError as exc:
+                # Tried again at every check; told once per cause.
+                if self._failed.get(job.spec.job_id) != str(exc):
+                    log.warning("healing of a job paused",
+                                extra={"fields": {"job": job.spec.job_id, "error": str(exc)}})
+                self._failed[job.spec.job_id] = str(exc)
+            else:
+                self._failed.pop(job.spec.job_id, None)
         await self._drop_due()
 
     async def _follow(self, job: jpb.Job) -> None:
@@ -161,16 +173,18 @@ class Healer:
         old = await self.placements.holders(job, entry, seen.lost)
         new = await self.placements.holders(job, entry, lost)
         me = list(job.spec.nodes).index(self.node_name)
-        log.info("healing: the job's lost nodes changed",
-                 extra={"fields": {"job": job_id, "lost": list(lost), "before": list(seen.lost)}})
-        seen.lost = lost
-        gone = np.flatnonzero((old == me) & (new != me))
-        if len(gone):
-            share = int(entry.manifest.sample_length[gone].sum())
-            wait = self.heal_after + (share * len(job.spec.nodes) / self.bandwidth if self.bandwidth else 0.0)
-            self._drops.append(_Drop(time.monotonic() + wait, job, entry.record.cache_db, gone))
+        if seen.trying != lost:
+            seen.trying = lost
+            log.info("healing: the job's lost nodes changed",
+                     extra={"fields": {"job": job_id, "lost": list(lost), "before": list(seen.lost)}})
+            gone = np.flatnonzero((old == me) & (new != me))
+            if len(gone):
+                share = int(entry.manifest.sample_length[gone].sum())
+                wait = self.heal_after + (share * len(job.spec.nodes) / self.bandwidth if self.bandwidth else 0.0)
+                self._drops.append(_Drop(time.monotonic() + wait, job, entry.record.cache_db, gone))
         coming = np.flatnonzero((new == me) & (old != me))
         await self._fetch(job, entry, coming, old, base, lost)
+        seen.lost, seen.trying = lost, None
 
     async def _fetch(
         self, job: jpb.Job, entry: Registered, ids: np.ndarray, old: np.ndarray, base: np.ndarray,
@@ -183,10 +197,10 @@ class Healer:
         nodes = list(job.spec.nodes)
         lost_index = [nodes.index(name) for name in lost]
         self.counts.pending_samples += len(ids)
+        left = len(ids)
         lengths = entry.manifest.sample_length
-        for chunk in _chunks(ids, lengths):
-            left = len(chunk)
-            try:
+        try:
+            for chunk in _chunks(ids, lengths):
                 got = await self._from_peers(entry, nodes, old, chunk)
                 missing = np.array([i for i in chunk.tolist() if i not in got], dtype=np.int64)
                 from_pfs = missing[np.isin(base[missing], lost_index)]
@@ -196,13 +210,13 @@ class Healer:
                     await self._keep(db, values)
                     self.counts.pfs_samples += len(values)
                     self.counts.pfs_bytes += sum(len(v) - CHECKSUM_BYTES for v in values.values())
-            finally:
-                self.counts.pending_samples -= left
-            if self.store.full:
-                log.warning("healing stopped: the cache is full",
-                            extra={"fields": {"job": job.spec.job_id}})
-                self.counts.pending_samples = 0
-                return
+                self.counts.pending_samples -= len(chunk)
+                left -= len(chunk)
+                if self.store.full:
+                    log.warning("healing stopped: the cache is full", extra={"fields": {"job": job.spec.job_id}})
+                    return
+        finally:
+            self.counts.pending_samples -= left
 
     async def _from_peers(
         self, entry: Registered, nodes: list[str], old: np.ndarray, chunk: np.ndarray
