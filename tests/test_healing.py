@@ -71,12 +71,13 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 PAYLOADS = [sample_bytes(0, i, SIZE) for i in range(N)]
 
 
-def started_job(cluster: Cluster, nodes: list[str], gone: str = "") -> np.ndarray:
-    """Job j1 over ``nodes`` (mode global), staged on the nodes but ``gone``
+def started_job(cluster: Cluster, nodes: list[str], gone: str = "", mode: str = "global") -> np.ndarray:
+    """Job j1 over ``nodes`` in ``mode``, staged on the nodes but ``gone``
     (killed at once) and in its epoch 0; the owner index of every sample."""
     first = next(iter(cluster.stubs.values()))
     first.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(cluster.tmp_path / "pfs" / "imgs")))
-    job = first.JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id="j1", dataset="imgs", nodes=nodes)))
+    spec = jpb.JobSpec(job_id="j1", dataset="imgs", nodes=nodes, mode=mode)
+    job = first.JoinJob(jpb.JoinJobRequest(spec=spec))
     if gone:
         cluster.daemons[gone].kill()
     for name, stub in cluster.stubs.items():
@@ -169,11 +170,12 @@ def test_a_node_killed_mid_epoch_is_healed_and_its_share_read_from_the_pfs_once(
         assert [stats(stub).pfs_bytes for stub in survivors] == before, f"epoch {epoch} read the PFS"
 
 
-def test_a_node_that_joins_late_takes_its_share_from_peers_and_they_drop_it(cluster: Cluster) -> None:
+@pytest.mark.parametrize("mode", ["global", pytest.param("local", marks=pytest.mark.slow)])
+def test_a_node_that_joins_late_takes_its_share_from_peers_and_they_drop_it(cluster: Cluster, mode: str) -> None:
     names = ["n0", "n1", "n2", "n3"]
     for name in names:
         cluster.start(name)
-    owner = started_job(cluster, names, gone="n3")  # its machine fails before the job begins
+    owner = started_job(cluster, names, gone="n3", mode=mode)  # its machine fails before the job begins
     early = [cluster.stubs[name] for name in names[:3]]
     share = int((owner == 3).sum())
 
