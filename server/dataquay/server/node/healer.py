@@ -9,8 +9,8 @@ a job changes, brings this node's cache to the holders of the new set:
   fetched from that node first, and only the share of a node that is lost
   now from the PFS (nothing else holds it);
 - samples it held under the old set and no longer holds are deleted once
-  their new holder has had time to fetch them (``--heal-after``, plus the
-  time that node's share takes at ``--heal-bandwidth``).
+  their new holder has had time to fetch them (twice ``--heal-after``, plus
+  the time that node's share takes at ``--heal-bandwidth``).
 
 A daemon that starts into a job whose ranks are already reading (a node that
 comes back, or a new node under a name the job lists) treats itself as
@@ -55,6 +55,10 @@ CHECK_SECONDS = 0.5
 #: kept over short windows and one chunk never holds much memory.
 CHUNK_BYTES = 4 << 20
 CHUNK_IDS = 1024
+#: Grace periods a sample stays after its node is back, before it is deleted
+#: here: the node fetches its share as soon as it registers, and the others
+#: notice it a heartbeat later; the margin covers a loaded node.
+DROP_AFTER = 2
 
 
 @dataclass
@@ -180,7 +184,9 @@ class Healer:
             gone = np.flatnonzero((old == me) & (new != me))
             if len(gone):
                 share = int(entry.manifest.sample_length[gone].sum())
-                wait = self.heal_after + (share * len(job.spec.nodes) / self.bandwidth if self.bandwidth else 0.0)
+                wait = DROP_AFTER * self.heal_after + (
+                    share * len(job.spec.nodes) / self.bandwidth if self.bandwidth else 0.0
+                )
                 self._drops.append(_Drop(time.monotonic() + wait, job, entry.record.cache_db, gone))
         coming = np.flatnonzero((new == me) & (old != me))
         await self._fetch(job, entry, coming, old, base, lost)
