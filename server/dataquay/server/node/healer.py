@@ -164,10 +164,13 @@ class Healer:
         job_id, lost = job.spec.job_id, self.lost(job)
         seen = self._seen.get(job_id)
         if seen is None or seen.created != job.created_unix:
-            # A daemon that starts into a running job was, for the others, lost.
+            # A daemon that starts into a running job was, for the others,
+            # lost (unless no other node was left to hold its share).
             before = tuple(sorted({*lost, self.node_name})) if job.started else lost
+            if len(before) >= len(job.spec.nodes):
+                before = lost
             seen = self._seen[job_id] = _Seen(job.created_unix, before)
-        if seen.lost == lost or len(set(seen.lost) | set(lost)) >= len(job.spec.nodes):
+        if seen.lost == lost:
             return
         entry = await self.datasets.entry(job.spec.dataset)
         if entry.record.manifest_id != job.manifest_id:
