@@ -146,6 +146,8 @@ class Healer:
         jobs = [job for job in self.link.jobs.values()
                 if self.node_name in job.spec.nodes and not MODES[job.spec.mode].owners_move]
         self.counts.lost_nodes = len({name for job in jobs for name in self.lost(job)})
+        for dropped in set(self._seen) - {job.spec.job_id for job in jobs}:
+            del self._seen[dropped]
         for job in jobs:
             try:
                 await self._follow(job)
