@@ -174,8 +174,8 @@ def test_every_package_is_in_the_wheel() -> None:
 
 #: The rooms of node/ and what each may import of the others and of node/'s root
 #: (directly: a room reaches further only through the rooms it may import). The
-#: root keeps the wiring and the faces; no room imports the daemon, its servicer
-#: or the stager, which sit above them all.
+#: root keeps the wiring and the faces; no room imports the daemon, its servicer,
+#: the stager or the healer, which sit above them all.
 ROOMS: dict[str, set[str]] = {
     "cache": set(),
     "cluster": set(),
@@ -188,9 +188,11 @@ ROOMS: dict[str, set[str]] = {
     "reads": {"cache", "cluster", "peers", "handoff", "datasets", "metrics"},
     "exchange": {"cache", "cluster", "peers", "datasets"},
 }
-#: node/'s root: the daemon's wiring and faces, their counters and snapshot, and the
-#: stager, which spans cache and PFS.
-NODE_ROOT = {"daemon", "servicer", "metrics", "datasets", "client_stats", "stager", "counters", "snapshot"}
+#: node/'s root: the daemon's wiring and faces, their counters and snapshot, the
+#: stager, which spans cache and PFS, and the healer, which spans cluster, peers, cache and PFS.
+NODE_ROOT = {
+    "daemon", "servicer", "metrics", "datasets", "client_stats", "stager", "healer", "counters", "snapshot",
+}
 PLANNING = "dataquay.server.planning"
 
 

@@ -394,7 +394,7 @@ class TierCount(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients", "cache_disk_full", "prefetch", "prep_groups", "bulk", "cache_behind", "mcast_datagrams_dropped", "values_refused", "cache_holdings", "cache_charges")
+    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients", "cache_disk_full", "prefetch", "prep_groups", "bulk", "cache_behind", "mcast_datagrams_dropped", "values_refused", "cache_holdings", "cache_charges", "healing")
     class McastDatagramsDroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -438,6 +438,7 @@ class StatsReply(_message.Message):
     VALUES_REFUSED_FIELD_NUMBER: _ClassVar[int]
     CACHE_HOLDINGS_FIELD_NUMBER: _ClassVar[int]
     CACHE_CHARGES_FIELD_NUMBER: _ClassVar[int]
+    HEALING_FIELD_NUMBER: _ClassVar[int]
     node: str
     reads: _containers.RepeatedCompositeFieldContainer[TierCount]
     cache_used_bytes: int
@@ -467,7 +468,26 @@ class StatsReply(_message.Message):
     values_refused: _containers.ScalarMap[str, int]
     cache_holdings: _containers.RepeatedCompositeFieldContainer[CacheHolding]
     cache_charges: _containers.RepeatedCompositeFieldContainer[CacheCharge]
-    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ..., prefetch: _Optional[_Union[Prefetch, _Mapping]] = ..., prep_groups: _Optional[_Iterable[_Union[PrepGroupStatus, _Mapping]]] = ..., bulk: _Optional[_Union[BulkCounts, _Mapping]] = ..., cache_behind: _Optional[_Union[CacheBehindCounts, _Mapping]] = ..., mcast_datagrams_dropped: _Optional[_Mapping[str, int]] = ..., values_refused: _Optional[_Mapping[str, int]] = ..., cache_holdings: _Optional[_Iterable[_Union[CacheHolding, _Mapping]]] = ..., cache_charges: _Optional[_Iterable[_Union[CacheCharge, _Mapping]]] = ...) -> None: ...
+    healing: HealCounts
+    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ..., prefetch: _Optional[_Union[Prefetch, _Mapping]] = ..., prep_groups: _Optional[_Iterable[_Union[PrepGroupStatus, _Mapping]]] = ..., bulk: _Optional[_Union[BulkCounts, _Mapping]] = ..., cache_behind: _Optional[_Union[CacheBehindCounts, _Mapping]] = ..., mcast_datagrams_dropped: _Optional[_Mapping[str, int]] = ..., values_refused: _Optional[_Mapping[str, int]] = ..., cache_holdings: _Optional[_Iterable[_Union[CacheHolding, _Mapping]]] = ..., cache_charges: _Optional[_Iterable[_Union[CacheCharge, _Mapping]]] = ..., healing: _Optional[_Union[HealCounts, _Mapping]] = ...) -> None: ...
+
+class HealCounts(_message.Message):
+    __slots__ = ("peer_samples", "peer_bytes", "pfs_samples", "pfs_bytes", "dropped_samples", "pending_samples", "lost_nodes")
+    PEER_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PEER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PFS_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PFS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOST_NODES_FIELD_NUMBER: _ClassVar[int]
+    peer_samples: int
+    peer_bytes: int
+    pfs_samples: int
+    pfs_bytes: int
+    dropped_samples: int
+    pending_samples: int
+    lost_nodes: int
+    def __init__(self, peer_samples: _Optional[int] = ..., peer_bytes: _Optional[int] = ..., pfs_samples: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., dropped_samples: _Optional[int] = ..., pending_samples: _Optional[int] = ..., lost_nodes: _Optional[int] = ...) -> None: ...
 
 class BulkCounts(_message.Message):
     __slots__ = ("served_samples", "served_bytes", "fetched_samples", "fetched_bytes", "refused_connections", "fallbacks", "exchange_samples", "forwarded_samples", "in_place_samples", "segment_reads")

@@ -448,6 +448,19 @@ class DaemonConfig(ServerConfig):
         "keep the network; 0 = uncapped",
         lambda s: parse_size(s, "rate"),
     )
+    heal_after: float = _option(
+        300.0,
+        "time a node of a job must be listed down before the other nodes fetch its share of the job (modes "
+        "global, local, locality): from peers first, the PFS last (e.g. 5m, 30s; a bare number is seconds); "
+        "0 = never",
+        parse_duration,
+    )
+    heal_bandwidth: int = _option(
+        0,
+        "cap on what healing fetches into this node, in bytes/s (e.g. 100M), so that training reads keep "
+        "the network and the PFS; 0 = uncapped",
+        lambda s: parse_size(s, "rate"),
+    )
     exchange_multicast: str = _option(
         "",
         "GROUP:PORT of the IPv4 multicast group that carries the coded pass of exchanges of jobs created with "

@@ -99,7 +99,8 @@ def print_cluster(snapshot: ClusterSnapshot, before: ClusterSnapshot | None = No
                     ("JOB", "DATASET", "MODE", "EPOCH", "NODES", "STAGED"))
     live = [(name, reply) for name, reply in snapshot.stats.items() if reply is not None]
     print_exchanges(live)
-    print_read_ahead(live)
+    print_prefetch(live)
+    print_healing(live)
     print_prep_groups(live)
 
 
@@ -116,7 +117,7 @@ def print_exchanges(stats: list[tuple[str, pb.StatsReply]]) -> None:
               f"{previous} samples read from their owner in another epoch (exchange not done yet, or a spare copy)")
 
 
-def print_read_ahead(stats: list[tuple[str, pb.StatsReply]]) -> None:
+def print_prefetch(stats: list[tuple[str, pb.StatsReply]]) -> None:
     """What the nodes read from the PFS ahead of their ranks, and how much of
     it they threw away unread: PFS bandwidth spent for nothing, 0 in a cache
     that holds its share."""
@@ -124,6 +125,23 @@ def print_read_ahead(stats: list[tuple[str, pb.StatsReply]]) -> None:
     if read:
         wasted = sum(reply.prefetch.overflow_wasted_bytes for _, reply in stats)
         print(f"prefetched from the PFS {format_bytes(read)}; thrown away unread {format_bytes(wasted)}")
+
+
+def print_healing(stats: list[tuple[str, pb.StatsReply]]) -> None:
+    """One row per node that healed anything: the share of lost nodes it
+    fetched, by source, what it has yet to fetch, and what it dropped once
+    their node was back."""
+    rows = [
+        (name, h.lost_nodes, h.pending_samples, h.peer_samples, format_bytes(h.peer_bytes), h.pfs_samples,
+         format_bytes(h.pfs_bytes), h.dropped_samples)
+        for name, reply in stats
+        if (h := reply.healing).lost_nodes or h.pending_samples or h.peer_samples or h.pfs_samples
+        or h.dropped_samples
+    ]
+    if rows:
+        print()
+        print_table(rows, ("NODE", "LOST NODES", "TO FETCH", "FROM PEERS", "PEER BYTES", "FROM PFS", "PFS BYTES",
+                           "DROPPED"))
 
 
 def print_prep_groups(stats: list[tuple[str, pb.StatsReply]]) -> None:

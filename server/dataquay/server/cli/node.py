@@ -190,6 +190,7 @@ def _print_node_status(stats: pb.StatsReply) -> None:
             print(f"staged {run.dataset!r}: {run.done_samples}/{run.total_samples} samples, {run.held_for_others} "
                   "of them for nodes whose caches are short")
     cluster_status.print_exchanges([(stats.node, stats)])
+    cluster_status.print_healing([(stats.node, stats)])
     cluster_status.print_prep_groups([(stats.node, stats)])
     if stats.cache_holdings:
         print_table(cache.holding_rows(list(stats.cache_holdings), time.time()), cache.HOLDING_HEADER)

@@ -58,6 +58,7 @@ from dataquay.server.node.exchange.mcast import multicast_channel
 from dataquay.server.node.handoff.batch_reads import SegmentReads
 from dataquay.server.node.handoff.fd_socket import SegmentSocket
 from dataquay.server.node.handoff.segments import ShmSegments
+from dataquay.server.node.healer import Healer
 from dataquay.server.node.metrics import DaemonMetrics
 from dataquay.server.node.peers.bulk.client import BulkClient
 from dataquay.server.node.peers.bulk.server import BulkServer
@@ -117,9 +118,15 @@ class Daemon(ServerLifecycle):
         tls = BulkTls.from_files(config.tls_ca, config.tls_cert, config.tls_key)
         node = self.credentials.node
         self.peers = Peers(config.peer_timeout, node, BulkClient(node.token, tls.client))
-        self.placements = (
-            Placements(self.link, config.node_name, config.state_dir) if self.link is not None else None
-        )
+        self.placements: Placements | None = None
+        self.healer: Healer | None = None
+        if self.link is not None:
+            self.placements = Placements(self.link, config.node_name, config.state_dir)
+            self.healer = Healer(
+                config.node_name, self.link, self.placements, self.datasets, self.store, self.pfs, self.peers,
+                config.heal_after, config.heal_bandwidth,
+            )
+            self.placements.lost = self.healer.lost
         self.reads = ReadService(
             self.datasets, self.store, self.pfs, self.metrics, config.max_batch, self.peers, self.placements,
             self.tasks.spawn, config.prefetch_memory, config.max_sample_size,
@@ -166,7 +173,7 @@ class Daemon(ServerLifecycle):
             store=self.store, pfs=self.pfs, stager=self.stager, peers=self.peers, reads=self.reads,
             served=self.metrics.tier_totals, client_stats=self.client_stats, prep_groups=self.prep_groups,
             behind=self.behind, counters=self.counters, exchanges=self.exchanges, receiver=self.receiver,
-            bulk=self.bulk, cache=self.cache,
+            bulk=self.bulk, cache=self.cache, healer=self.healer,
         )
         self.metrics.export_state(self.state.snapshot)
         self.health = HealthServicer()
@@ -210,6 +217,8 @@ class Daemon(ServerLifecycle):
             self.tasks.spawn(self.link.run(), "directory-link")
             self.tasks.spawn(self.link.send_reports(), "epoch-reports")
             self.tasks.spawn(self._resume_exchanges(), "exchange-resume")
+            if self.healer is not None:
+                self.tasks.spawn(self.healer.run(), "healer")
             await self._first_registration()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)

@@ -297,6 +297,30 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
     for reason, count in state.values_refused.items():
         refused_values.add_metric([reason], count)
     yield refused_values
+    heal = state.healing
+    heal_samples = CounterMetricFamily(
+        "dataquay_heal_samples",
+        "Samples fetched into this cache for the share of nodes lost longer than --heal-after, by source",
+        labels=["source"],
+    )
+    heal_bytes = CounterMetricFamily("dataquay_heal_bytes", "Payload bytes of dataquay_heal_samples", labels=["source"])
+    for source, count, nbytes in (
+        ("peer", heal.peer_samples, heal.peer_bytes), ("pfs", heal.pfs_samples, heal.pfs_bytes)
+    ):
+        heal_samples.add_metric([source], count)
+        heal_bytes.add_metric([source], nbytes)
+    yield heal_samples
+    yield heal_bytes
+    yield CounterMetricFamily(
+        "dataquay_heal_dropped_samples", "Samples healing held for a lost node and deleted once it was back",
+        value=heal.dropped_samples,
+    )
+    yield GaugeMetricFamily(
+        "dataquay_heal_pending_samples", "Samples healing is to fetch and has not yet", value=heal.pending_samples
+    )
+    yield GaugeMetricFamily(
+        "dataquay_heal_lost_nodes", "Nodes of this node's jobs down longer than --heal-after", value=heal.lost_nodes
+    )
     for name, text in (
         ("served_samples", "Samples sent to peers over the bulk data path"),
         ("served_bytes", "Payload bytes sent to peers over the bulk data path"),

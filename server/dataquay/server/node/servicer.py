@@ -258,6 +258,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             cache_behind=state.cache_behind.proto(),
             cache_holdings=[cache_holding(row) for row in state.cache_holdings],
             cache_charges=[cache_charge(use) for use in state.cache_charges],
+            healing=state.healing.proto(),
         )
 
     async def JoinJob(self, request: jpb.JoinJobRequest, context: grpc.aio.ServicerContext) -> jpb.Job:

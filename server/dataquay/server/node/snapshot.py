@@ -8,12 +8,13 @@ A snapshot is taken when asked (a call, a scrape); nothing is kept between.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.node.cache.admission import REASONS
 from dataquay.server.node.exchange.coded import CodedProgress
+from dataquay.server.node.healer import HealCounts
 from dataquay.server.node.reads.behind import BehindCounts
 from dataquay.server.node.reads.overflow import OverflowCounts
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from dataquay.server.node.client_stats import ClientStatsBook
     from dataquay.server.node.counters import FaceCounters
     from dataquay.server.node.exchange import ExchangeReceiver, ExchangeRun, Exchanges
+    from dataquay.server.node.healer import Healer
     from dataquay.server.node.peers.bulk.server import BulkServer
     from dataquay.server.node.peers.reads import PeerHealth, Peers
     from dataquay.server.node.prep.groups import PrepGroups
@@ -146,6 +148,8 @@ class LiveState:
     cache_charges: tuple[UserUse, ...] = ()
     #: (samples, payload bytes) the cache manager evicted.
     cache_evicted: tuple[int, int] = (0, 0)
+    #: What healing fetched for lost nodes and dropped for nodes back (node/healer.py).
+    healing: HealCounts = field(default_factory=HealCounts)
 
 
 class NodeState:
@@ -155,7 +159,7 @@ class NodeState:
         self, *, store: Store, pfs: PfsPool, stager: Stager, peers: Peers, reads: ReadService,
         served: Callable[[], dict[str, tuple[int, int]]], client_stats: ClientStatsBook, prep_groups: PrepGroups,
         behind: CacheBehind, counters: FaceCounters, exchanges: Exchanges | None, receiver: ExchangeReceiver | None,
-        bulk: BulkServer | None, cache: CacheManager,
+        bulk: BulkServer | None, cache: CacheManager, healer: Healer | None = None,
     ) -> None:
         self.store = store
         self.cache = cache
@@ -171,6 +175,7 @@ class NodeState:
         self.exchanges = exchanges
         self.receiver = receiver
         self.bulk = bulk
+        self.healer = healer
 
     def snapshot(self) -> LiveState:
         store, reads, exchanges, receiver = self.store, self.reads, self.exchanges, self.receiver
@@ -211,6 +216,7 @@ class NodeState:
             cache_holdings=tuple(self.cache.holdings()),
             cache_charges=tuple(self.cache.users()),
             cache_evicted=(self.cache.evicted_samples, self.cache.evicted_bytes),
+            healing=replace(self.healer.counts) if self.healer else HealCounts(),
         )
 
     def _bulk(self) -> BulkCounts:

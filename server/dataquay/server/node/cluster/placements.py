@@ -12,7 +12,9 @@ In modes whose owners never move, a node whose cache cannot hold its share
 keeps what fits and the rest is held by nodes whose caches have room
 (:mod:`dataquay.server.planning.spill`): the holders follow from the same settings
 and from the capacities the directory lists for the job's nodes, so they are
-computed again when a node comes back with another ``--cache-size``.
+computed again when a node comes back with another ``--cache-size``. In
+those modes too, the share of a node lost for longer than ``--heal-after`` is
+held by the others (:mod:`.healing`) until it is back.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import asyncio
 import itertools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +34,7 @@ from dataquay.client.placement import MODES, JobPlan, owned_ids, owners
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.dirs import private_dir, private_opener
 from dataquay.server.node.cluster.directory_link import DirectoryLink
+from dataquay.server.node.cluster.healing import healed_holders
 from dataquay.server.planning.spill import NO_HOLDER, spill_holders
 from dataquay.server.registry import Registered
 
@@ -52,6 +56,7 @@ class Placement:
     node_index: int     # this node's index in the job, -1 when it is not in it
     holders: np.ndarray  # node whose cache holds each sample (the owner unless spilled), NO_HOLDER for none
     capacities: tuple[int, ...] = ()  # the job's nodes' capacities the holders were computed with
+    lost: tuple[str, ...] = ()  # the nodes whose share the others hold (see .healing)
     #: The node to ask for each sample: its holder, else its owner.
     sources: np.ndarray = field(init=False, repr=False)
 
@@ -98,16 +103,21 @@ class Placements:
         link: the directory, for the jobs' settings.
         node_name: this node, to find its index in a job.
         state_dir: where owner arrays of moving modes are saved (None: memory only).
+        lost: the nodes of a job whose share the others hold (none when not given).
     """
 
-    def __init__(self, link: DirectoryLink, node_name: str, state_dir: Path | None = None) -> None:
+    def __init__(
+        self, link: DirectoryLink, node_name: str, state_dir: Path | None = None,
+        lost: Callable[[jpb.Job], tuple[str, ...]] | None = None,
+    ) -> None:
         self.link = link
+        self.lost = lost or (lambda job: ())
         self.node_name = node_name
         self.saved_dir = state_dir / "placements" if state_dir is not None else None
         self._kept: dict[tuple[str, str, int], Placement] = {}
         # One computation per (job, dataset version, epoch, job creation,
-        # capacities) at a time: callers that ask meanwhile wait for it and take its result.
-        self._computing: dict[tuple[str, str, int, float, tuple[int, ...]], asyncio.Lock] = {}
+        # capacities, lost nodes) at a time: callers that ask meanwhile wait for it and take its result.
+        self._computing: dict[tuple[str, str, int, float, tuple[int, ...], tuple[str, ...]], asyncio.Lock] = {}
         self._saves = itertools.count()
         self._holders: dict[tuple[str, str, float, tuple[int, ...]], np.ndarray] = {}
 
@@ -123,22 +133,29 @@ class Placements:
         key = (job_id, entry.record.manifest_id, epoch)
         moving = MODES[job.spec.mode].owners_move
         capacities = () if moving else self._capacities(job)
+        lost = self.lost(job)
         kept = self._kept.get(key)
-        if kept is not None and kept.job.created_unix == job.created_unix and kept.capacities == capacities:
+        if kept is not None and (kept.job.created_unix, kept.capacities, kept.lost) == (
+            job.created_unix, capacities, lost
+        ):
             return kept
-        computing = (*key, job.created_unix, capacities)
+        computing = (*key, job.created_unix, capacities, lost)
         lock = self._computing.setdefault(computing, asyncio.Lock())
         try:
             async with lock:
                 kept = self._kept.get(key)
-                if kept is not None and kept.job.created_unix == job.created_unix and kept.capacities == capacities:
+                if kept is not None and (kept.job.created_unix, kept.capacities, kept.lost) == (
+                    job.created_unix, capacities, lost
+                ):
                     return kept
-                return await self._compute(job, entry, epoch, capacities)
+                return await self._compute(job, entry, epoch, capacities, lost)
         finally:
             if not lock.locked():
                 self._computing.pop(computing, None)
 
-    async def _compute(self, job: jpb.Job, entry: Registered, epoch: int, capacities: tuple[int, ...]) -> Placement:
+    async def _compute(
+        self, job: jpb.Job, entry: Registered, epoch: int, capacities: tuple[int, ...], lost: tuple[str, ...] = ()
+    ) -> Placement:
         key = (job.spec.job_id, entry.record.manifest_id, epoch)
         plan = job_plan(job, entry.manifest)
         nodes = list(job.spec.nodes)
@@ -151,10 +168,24 @@ class Placements:
         else:
             owner = await loop.run_in_executor(None, owners, plan, epoch, None)
             holders = await self._spilled(job, entry, owner, capacities)
-        kept = self._kept[key] = Placement(job, epoch, owner, index, holders, capacities)
+            if lost:
+                holders = await loop.run_in_executor(None, healed_holders, plan, holders, lost)
+        kept = self._kept[key] = Placement(job, epoch, owner, index, holders, capacities, lost)
         while len(self._kept) > KEPT_EPOCHS:
             del self._kept[next(iter(self._kept))]
         return kept
+
+    async def holders(self, job: jpb.Job, entry: Registered, lost: tuple[str, ...]) -> np.ndarray:
+        """The holders of a job whose owners never move, with the share of the
+        ``lost`` nodes held by the others; computed for the asking (the healer
+        compares node sets with it), not kept as the job's placement."""
+        plan = job_plan(job, entry.manifest)
+        loop = asyncio.get_running_loop()
+        owner = await loop.run_in_executor(None, owners, plan, 0, None)
+        holders = await self._spilled(job, entry, owner, self._capacities(job))
+        if lost:
+            holders = await loop.run_in_executor(None, healed_holders, plan, holders, lost)
+        return holders
 
     def _capacities(self, job: jpb.Job) -> tuple[int, ...]:
         """The cache capacity of each of the job's nodes as the directory lists
