@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from dataquay.client.manifest import Manifest
-from dataquay.client.pfs import tar_member_key
 from dataquay.client.wire.records import unframe_members
 
 #: ``(sample_id, data) -> sample``, as the adapters call it.
@@ -53,18 +52,25 @@ def _image(manifest: Manifest) -> SampleDecoder:
 def _tar(manifest: Manifest) -> SampleDecoder:
     if manifest.format != "tar" or not manifest.tar_grouped:
         raise ValueError("decode='tar' needs a tar dataset registered with its members grouped into samples")
-    return lambda sample_id, data: tar_sample(data)
+
+    def decode(sample_id: int, data: bytes) -> dict[str, Any]:
+        shard = manifest.path(int(manifest.sample_path[sample_id]))
+        return tar_sample(data, key=f"{sample_id:09d}", url=shard)
+
+    return decode
 
 
-def tar_sample(data: bytes | memoryview) -> dict[str, Any]:
-    """A grouped tar sample as WebDataset yields it: ``__key__`` (the members'
-    shared name) and each member's bytes under its extension (``"cls"``, ``"seg.png"``)."""
-    sample: dict[str, Any] = {}
-    for name, value in unframe_members(data).items():
-        split = tar_member_key(name)
-        if split is None:
-            continue
-        sample["__key__"], extension = split
+def tar_sample(data: bytes | memoryview, *, key: str, url: str) -> dict[str, Any]:
+    """A grouped tar sample as WebDataset yields it: each member's bytes
+    under its extension (``"cls"``, ``"seg.png"``), with ``__key__`` and
+    ``__url__`` (its shard, relative to the dataset's root).
+
+    A cached sample keeps its members' extensions, not their names, so the
+    ``__key__`` the ``tar`` decoder gives is the sample id, zero-padded to 9
+    digits: unique, and sorting as the shards' order does.
+    """
+    sample: dict[str, Any] = {"__key__": key, "__url__": url}
+    for extension, value in unframe_members(data).items():
         sample[extension] = bytes(value)
     return sample
 
