@@ -38,7 +38,7 @@ POSITION_REPORT_SECONDS = 0.25
 
 @dataclass(frozen=True)
 class ClientStats:
-    """What this process has read through its client, by tier.
+    """What this process and its forked children have read through its client, by tier.
 
     Tiers: those of :data:`dataquay.client.wire.tiers.CLIENT_TIERS`.
     """
