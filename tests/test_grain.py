@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,15 @@ def test_the_source_pickles_and_reads_in_another_process_s_copy(ds: dq.Dataset) 
     assert len(copy) == SAMPLES and copy[5] == (files_bytes(9, [5], (4096,))[0], int(ds.targets[5]))
     with pytest.raises(IndexError, match="past the 1 epochs"):
         GrainSampler(ds.sampler(rank=0, world_size=2), 1)[SAMPLES // 2]
+
+
+def test_the_sampler_answers_grain_s_reader_threads_asking_across_epochs_at_once() -> None:
+    # grain's reader threads ask for records of two epochs at once: each
+    # answer must be its own epoch's, whichever epoch another thread cached.
+    sampler = dq.Sampler(64, rank=1, world_size=2, seed=7)
+    want = {epoch: sampler.indices(epoch).tolist() for epoch in range(40)}
+    grain_sampler = GrainSampler(sampler, 40)
+    indices = [epoch * 32 + position for position in range(32) for epoch in range(40)]
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda i: grain_sampler[i].record_key, indices))
+    assert got == [want[i // 32][i % 32] for i in indices]

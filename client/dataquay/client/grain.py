@@ -14,7 +14,6 @@ The source needs no grain import; the sampler imports grain for its
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -35,12 +34,6 @@ class GrainSource:
             :class:`~dataquay.client.loading.SampleReader`; a record asked
             for by key cannot be left out, so ``on_error="skip"`` raises
             PfsReadError for it, counted as skipped.
-
-    grain reads with many threads in each worker (``ReadOptions.num_threads``);
-    the source reads one sample at a time per process: with grain 0.2.18's
-    16 threads reading it concurrently, records were seen to come back with
-    another record's bytes (tests/test_grain.py holds the order to bytes).
-    Parallel reads come from ``worker_count``.
     """
 
     def __init__(
@@ -53,21 +46,12 @@ class GrainSource:
         retries: int = 2,
     ) -> None:
         self.reader = SampleReader(dataset, decode, with_labels=with_labels, on_error=on_error, retries=retries)
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"reader": self.reader}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.reader = state["reader"]
-        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.reader.dataset)
 
     def __getitem__(self, record_key: int) -> Any:
-        with self._lock:
-            return self.reader.one(int(record_key))
+        return self.reader.one(int(record_key))
 
     def __repr__(self) -> str:
         # grain names the source in its checkpoints by this text: stable across runs.
@@ -107,10 +91,11 @@ class GrainSampler:
         epoch, position = divmod(int(index), length) if length else (0, 0)
         if index < 0 or not length or (self.epochs is not None and epoch >= self.epochs):
             raise IndexError(f"record {index} is past the {self.epochs} epochs of {length} records")
-        if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, self.sampler.indices(epoch))
+        order = self._order  # one read: grain's reader threads ask concurrently, across epochs
+        if order is None or order[0] != epoch:
+            order = self._order = (epoch, self.sampler.indices(epoch))
         rng = np.random.Generator(np.random.Philox(key=self.seed + index))
-        return self._metadata(index=index, record_key=int(self._order[1][position]), rng=rng)
+        return self._metadata(index=index, record_key=int(order[1][position]), rng=rng)
 
     def __repr__(self) -> str:
         return f"GrainSampler({self.sampler!r}, epochs={self.epochs})"
