@@ -11,6 +11,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -103,3 +104,97 @@ def _kill(pid: int) -> None:
         if state in ("Z", "X"):
             return
         time.sleep(0.01)
+
+
+def _iterable(ds: dq.Dataset, rank: int, world: int, batch_size: int, **options: Any) -> Any:
+    from dataquay.client.torch import IterableDataset
+
+    return IterableDataset(ds, batch_size, sampler=ds.sampler(rank=rank, world_size=world, seed=4),
+                           collate=None, **options)
+
+
+def iterable_epochs(address: str, dataset: str, world: int, workers: int, batch_size: int) -> list[list[list[Any]]]:
+    """Per epoch (two), per rank of ``world``: the batches an IterableDataset
+    gave a DataLoader of ``workers`` forked workers, and that rank's sampler
+    order (as the last list)."""
+    epochs: list[list[list[Any]]] = []
+    with dq.connect(address, timeout=5) as client:
+        ds = client.dataset(dataset)
+        for epoch in range(2):
+            ranks = []
+            for rank in range(world):
+                iterable = _iterable(ds, rank, world, batch_size)
+                iterable.set_epoch(epoch)
+                loader = torch.utils.data.DataLoader(
+                    iterable, batch_size=None, num_workers=workers, multiprocessing_context="fork"
+                )
+                ranks.append([list(loader), iterable.sampler.indices().tolist()])
+            epochs.append(ranks)
+    return epochs
+
+
+def iterable_resumed(address: str, dataset: str, workers: int, batch_size: int, trained: int,
+                     stateful: bool) -> tuple[list[Any], list[Any], list[Any]]:
+    """Rank 1 of 2, epoch 1: the batches trained before a checkpoint, the rest
+    of the epoch's, and the rest a restarted loader yields from the
+    checkpoint: through torchdata's StatefulDataLoader, or the dataset's own
+    state with a plain DataLoader."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader_class: Any = StatefulDataLoader if stateful else torch.utils.data.DataLoader
+    with dq.connect(address, timeout=5) as client:
+        ds = client.dataset(dataset)
+
+        def loader(iterable: Any) -> Any:
+            return loader_class(iterable, batch_size=None, num_workers=workers, multiprocessing_context="fork")
+
+        first = _iterable(ds, 1, 2, batch_size)
+        first.set_epoch(1)
+        running = loader(first)
+        batches = iter(running)
+        before = [next(batches) for _ in range(trained)]
+        state = running.state_dict() if stateful else first.state_dict(consumed=trained * batch_size)
+        rest = list(batches)
+        del batches, running
+        again = _iterable(client.dataset(dataset), 1, 2, batch_size)
+        again.set_epoch(1)
+        restarted = loader(again)
+        if stateful:
+            restarted.load_state_dict(state)
+        else:
+            again.load_state_dict(state)
+        return before, rest, list(restarted)
+
+
+def iterable_stats(
+    address: str, dataset: str, workers: int, on_error: str, restore: tuple[str, bytes, int] | None = None,
+) -> tuple[int, int, int, list[bytes], str | None]:
+    """One epoch of an IterableDataset over ``workers`` forked workers: the
+    samples, skipped and retried counts the training process's
+    ``client.stats()`` shows after it, the samples read, and the error that
+    ended it (None). ``restore``: (path, bytes, mtime_ns) written back once
+    the stats show a retry."""
+    with dq.connect(address, timeout=5) as client:
+        ds = client.dataset(dataset)
+        iterable = _iterable(ds, 0, 1, 4, on_error=on_error, retries=5)
+        loader = torch.utils.data.DataLoader(
+            iterable, batch_size=None, num_workers=workers,
+            multiprocessing_context="fork" if workers else None,
+        )
+        if restore is not None:
+            threading.Thread(target=_restore_on_retry, args=(client, *restore), daemon=True).start()
+        read: list[bytes] = []
+        error = None
+        try:
+            read = [sample for batch in loader for sample in batch]
+        except dq.DataquayError as exc:
+            error = type(exc).__name__
+        stats = client.stats()
+        return sum(stats.samples.values()), stats.skipped, stats.retried, read, error
+
+
+def _restore_on_retry(client: dq.Client, path: str, data: bytes, mtime_ns: int) -> None:
+    while not client.stats().retried:
+        time.sleep(0.005)
+    Path(path).write_bytes(data)
+    os.utime(path, ns=(mtime_ns, mtime_ns))

@@ -293,7 +293,8 @@ class Client:
             self.report_stats()
 
     def stats(self) -> ClientStats:
-        """Counters of this process since it started using the client."""
+        """Counters of this process since it started using the client, with
+        what the processes it forked (DataLoader workers) read through it."""
         return self._stats.snapshot(self._local.corrupt)
 
     def close(self) -> None:

@@ -91,6 +91,8 @@ class Dataset(Sequence[bytes]):
         self._job = job
         #: The next epoch's first batches, read on by the last call of :meth:`batches`.
         self._carried: ReadAhead | None = None
+        self._classes: list[str] | None = None
+        self._targets: np.ndarray | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -189,8 +191,30 @@ class Dataset(Sequence[bytes]):
             yield cast("list[memoryview]", found)  # no None left
 
     def label(self, index: int) -> str | None:
-        """The sample's label from the manifest (files: its class folder), or None."""
+        """The sample's label name from the manifest (files: its class folder),
+        or None; its integer class is ``targets[index]``."""
         return self._manifest.label(self._index(index))
+
+    @property
+    def classes(self) -> list[str]:
+        """The label names, sorted, as torchvision's ImageFolder has them."""
+        if self._classes is None:
+            self._classes = self._manifest.classes()
+        return self._classes
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        """Each label name's integer class, as ImageFolder's."""
+        return {name: i for i, name in enumerate(self.classes)}
+
+    @property
+    def targets(self) -> np.ndarray:
+        """Every sample's integer class, an index into :attr:`classes` (-1:
+        no label), as ImageFolder's ``targets``; read-only."""
+        if self._targets is None:
+            self._targets = self._manifest.targets()
+            self._targets.flags.writeable = False
+        return self._targets
 
     def sampler(
         self,

@@ -248,8 +248,23 @@ class Manifest:
     def label(self, sample_id: int) -> str | None:
         """The sample's label string (files: its folder), or None."""
         index = int(self.sample_label[sample_id])
-        if index < 0:
-            return None
+        return None if index < 0 else self.label_name(index)
+
+    def classes(self) -> list[str]:
+        """The label names, sorted, as torchvision's ImageFolder lists its
+        classes: a sample's target (:meth:`targets`) indexes this list."""
+        return sorted(self.label_name(index) for index in range(self.num_labels))
+
+    def targets(self) -> np.ndarray:
+        """Every sample's class as an index into :meth:`classes` (int64), -1
+        for a sample without a label."""
+        names = [self.label_name(index) for index in range(self.num_labels)]
+        rank = {name: i for i, name in enumerate(sorted(names))}
+        by_label = np.array([rank[name] for name in names] + [-1], dtype=np.int64)
+        return by_label[self.sample_label]  # -1 picks the appended -1
+
+    def label_name(self, index: int) -> str:
+        """Entry ``index`` of the label table."""
         start, end = int(self._label_offsets[index]), int(self._label_offsets[index + 1])
         return _text(self._label_blob[start:end], "label", index)
 

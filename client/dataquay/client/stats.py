@@ -1,8 +1,10 @@
 """What a trainer process read through its client, by tier, and how long it waited.
 
-The counters are this process's own: a forked DataLoader worker starts from
-zero under a client id of its own, so the daemon, which sums what every
-client reports, counts each read once. A process that counted reads reports
+The counters reported to the daemon are this process's own: a forked
+DataLoader worker starts from zero under a client id of its own, so the
+daemon, which sums what every client reports, counts each read once. What
+a trainer's :meth:`Client.stats` shows adds its forked workers' reads
+(:mod:`dataquay.client.family_stats`). A process that counted reads reports
 them as it ends, so a DataLoader worker, which neither closes its client nor
 sets an epoch, has its reads counted too.
 """
@@ -20,6 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
+from dataquay.client.family_stats import FamilyCounters
 from dataquay.client.wire.tiers import CLIENT_TIERS, LOCAL
 from dataquay.protos import cache_pb2 as pb
 
@@ -33,7 +38,7 @@ POSITION_REPORT_SECONDS = 0.25
 
 @dataclass(frozen=True)
 class ClientStats:
-    """What this process has read through its client, by tier.
+    """What this process and its forked children have read through its client, by tier.
 
     Tiers: those of :data:`dataquay.client.wire.tiers.CLIENT_TIERS`.
     """
@@ -48,6 +53,11 @@ class ClientStats:
     #: The epochs read through :meth:`Dataset.batches`, oldest first (the last
     #: EPOCHS_KEPT): how long each took and how much of it was data wait.
     epochs: tuple[EpochWait, ...] = ()
+    #: Samples a framework adapter left out because they could not be read
+    #: or decoded (``on_error="skip"``).
+    skipped: int = 0
+    #: Reads of a sample an adapter tried again after it failed (``on_error="retry"``).
+    retried: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,12 @@ class EpochWait:
         """Share of the epoch's wall time spent waiting for data."""
         return 100 * self.data_wait_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
+
+# The family counters' columns: samples then bytes by tier, then these.
+_WAIT = 2 * len(CLIENT_TIERS)
+_SKIPPED = _WAIT + 1
+_RETRIED = _WAIT + 2
+_WIDTH = _WAIT + 3
 
 # Each hook of call_at_process_end -> the process it is registered in.
 _process_end_hooks: dict[Callable[[], None], int] = {}
@@ -106,6 +122,7 @@ class ReadStats:
 
     def __init__(self, at_exit: Callable[[], None] | None = None) -> None:
         self._at_exit = at_exit
+        self._family = FamilyCounters(_WIDTH)
         self._reset()
 
     def _reset(self) -> None:
@@ -113,6 +130,8 @@ class ReadStats:
         self._samples = dict.fromkeys(CLIENT_TIERS, 0)
         self._bytes = dict.fromkeys(CLIENT_TIERS, 0)
         self._wait = 0.0
+        self._skipped = 0
+        self._retried = 0
         self._epochs: collections.deque[EpochWait] = collections.deque(maxlen=EPOCHS_KEPT)
         self._positions: dict[tuple[str, int], tuple[int, int]] = {}  # (job, rank) -> (epoch, position)
         self._thread = threading.local()
@@ -128,8 +147,32 @@ class ReadStats:
             self._bytes[tier] += nbytes
             self._wait += wait
             self._counts += 1
+        if not self._family.in_owner:
+            deltas = np.zeros(_WIDTH)
+            column = CLIENT_TIERS.index(tier)
+            deltas[[column, len(CLIENT_TIERS) + column, _WAIT]] = samples, nbytes, wait
+            self._family.add(deltas)
         if self._at_exit is not None:
             call_at_process_end(self._at_exit)
+
+    def skipped(self) -> None:
+        """Counts a sample an adapter left out (``on_error="skip"``)."""
+        self._count_error(_SKIPPED)
+
+    def retried(self) -> None:
+        """Counts a failed read an adapter tries again (``on_error="retry"``)."""
+        self._count_error(_RETRIED)
+
+    def _count_error(self, column: int) -> None:
+        with self._lock:
+            if column == _SKIPPED:
+                self._skipped += 1
+            else:
+                self._retried += 1
+        if not self._family.in_owner:
+            deltas = np.zeros(_WIDTH)
+            deltas[column] = 1
+            self._family.add(deltas)
 
     def served(self, local_hits: int, local_bytes: int, started: float) -> None:
         """Counts a call's local hits and the time since ``started`` as data
@@ -156,10 +199,23 @@ class ReadStats:
             return self._wait
 
     def snapshot(self, corrupt_local: int) -> ClientStats:
-        """The counters as they stand, with the local cache's count of corrupt values."""
+        """The counters as they stand, with the local cache's count of corrupt
+        values; in the process that made them, its forked children's added."""
         with self._lock:
             samples, nbytes, wait = dict(self._samples), dict(self._bytes), self._wait
-        return ClientStats(samples, nbytes, wait, corrupt_local, tuple(self._epochs))
+            skipped, retried = self._skipped, self._retried
+        if self._family.in_owner:
+            family = self._family.totals()
+            tiers = len(CLIENT_TIERS)
+            for column, tier in enumerate(CLIENT_TIERS):
+                samples[tier] += int(family[column])
+                nbytes[tier] += int(family[tiers + column])
+            wait += float(family[_WAIT])
+            skipped += int(family[_SKIPPED])
+            retried += int(family[_RETRIED])
+        return ClientStats(
+            samples, nbytes, wait, corrupt_local, tuple(self._epochs), skipped=skipped, retried=retried
+        )
 
     def note_position(self, job_id: str, epoch: int, rank: int, position: int) -> bool:
         """Keeps a rank's read position for the next report; True when one is

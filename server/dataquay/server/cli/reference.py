@@ -285,7 +285,11 @@ API = {
     "sampler.py": ("Sampler", "JobSampler"),
     "coordinated.py": ("CoordinatedLoader",),
     "stats.py": ("ClientStats",),
-    "torch.py": ("TorchDataset", "TorchSampler", "TorchCoordinated"),
+    "torch.py": ("TorchDataset", "TorchSampler", "IterableDataset", "TorchCoordinated"),
+    "loading.py": ("SampleReader",),
+    "decoders.py": ("sample_decoder", "tar_sample"),
+    "grain.py": ("GrainSource", "GrainSampler"),
+    "tf.py": ("sample_generator", "tf_dataset"),
 }
 
 
