@@ -147,7 +147,8 @@ def cmd_status(args: argparse.Namespace) -> None:
         else:
             with daemon_stub(args) as stub:
                 stats = stub.Stats(pb.StatsRequest())
-            shown = functools.partial(_print_node_status, stats)
+                info = stub.Info(pb.InfoRequest())
+            shown = functools.partial(_print_node_status, stats, info)
             document = functools.partial(MessageToDict, stats, preserving_proto_field_name=True)
         if args.watch and sys.stdout.isatty():
             print("\x1b[2J\x1b[H", end="")
@@ -160,13 +161,15 @@ def cmd_status(args: argparse.Namespace) -> None:
         time.sleep(args.watch)
 
 
-def _print_node_status(stats: pb.StatsReply) -> None:
+def _print_node_status(stats: pb.StatsReply, info: pb.InfoReply) -> None:
     reads = {SERVED_TIERS[t.tier]: t for t in stats.reads}
     total = sum(t.samples for t in stats.reads) or 1
     print(f"node {stats.node}: cache {format_bytes(stats.cache_used_bytes)} of "
           f"{format_bytes(stats.cache_capacity_bytes)}, {stats.cache_entries} entries"
           + (" (full: its file system has no space left)" if stats.cache_disk_full
              else " (full)" if stats.cache_full else ""))
+    # The ports are the OS's pick by default (one user's daemon beside another's): say which.
+    print(f"listening on {info.tcp_address}, metrics http://{info.metrics_address}/metrics")
     print_table(
         [(tier, t.samples, f"{100 * t.samples / total:.1f}%", format_bytes(t.bytes)) for tier, t in reads.items()],
         ("TIER", "SAMPLES", "SHARE", "BYTES"),
