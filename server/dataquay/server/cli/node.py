@@ -12,14 +12,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from google.protobuf.json_format import MessageToDict
-
 from dataquay.client.job_settings import EXCHANGE_CODINGS
 from dataquay.client.placement import MODES
-from dataquay.client.wire.tiers import SERVED_TIERS
+from dataquay.client.wire.tiers import CLIENT_TIERS, SERVED_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.cli import cluster_status
 from dataquay.server.cli.common import CliError, add_addr, add_directory, add_q, daemon_stub, print_table
+from dataquay.server.cli.plain_json import plain
 from dataquay.server.cli.stage import JOB_FLAGS, stage_job
 from dataquay.server.config import ConfigFile, DaemonConfig
 from dataquay.server.proto_maps import FORMAT_FROM_PROTO, FORMAT_TO_PROTO
@@ -149,7 +148,7 @@ def cmd_status(args: argparse.Namespace) -> None:
                 stats = stub.Stats(pb.StatsRequest())
                 info = stub.Info(pb.InfoRequest())
             shown = functools.partial(_print_node_status, stats, info)
-            document = functools.partial(MessageToDict, stats, preserving_proto_field_name=True)
+            document = functools.partial(plain, stats)
         if args.watch and sys.stdout.isatty():
             print("\x1b[2J\x1b[H", end="")
         if args.json:
@@ -174,6 +173,7 @@ def _print_node_status(stats: pb.StatsReply, info: pb.InfoReply) -> None:
         [(tier, t.samples, f"{100 * t.samples / total:.1f}%", format_bytes(t.bytes)) for tier, t in reads.items()],
         ("TIER", "SAMPLES", "SHARE", "BYTES"),
     )
+    _print_trainer_reads(stats)
     print(f"pfs read {format_bytes(stats.pfs_bytes)}, {stats.pfs_errors} errors, "
           f"{stats.corrupt_repaired} corrupt values repaired")
     for run in stats.staging:
@@ -182,6 +182,24 @@ def _print_node_status(stats: pb.StatsReply, info: pb.InfoReply) -> None:
                   "of them for nodes whose caches are short")
     cluster_status.print_exchanges([(stats.node, stats)])
     cluster_status.print_prep_groups([(stats.node, stats)])
+
+
+def _print_trainer_reads(stats: pb.StatsReply) -> None:
+    """What the trainers read, as their clients counted it: local hits and
+    their own PFS reads never reach the daemon's table above, and are most of
+    a cached job's reads. The same figures as ``client_reads`` in ``--json``
+    and ``dataquay_client_reads_total``."""
+    if not stats.client_reads:
+        return
+    reads = {r.tier: r for r in stats.client_reads}
+    total = sum(r.samples for r in stats.client_reads) or 1
+    order = [tier for tier in CLIENT_TIERS if tier in reads] + sorted(set(reads) - set(CLIENT_TIERS))
+    print(f"trainers' reads ({stats.clients} clients reported):")
+    print_table(
+        [(tier, reads[tier].samples, f"{100 * reads[tier].samples / total:.1f}%", format_bytes(reads[tier].bytes))
+         for tier in order],
+        ("TIER", "SAMPLES", "SHARE", "BYTES"),
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
