@@ -1,7 +1,8 @@
 """One node's `dataquay status` table counts what the trainers read, local
 hits included, with the same figures as `status --json` and /metrics: a
 trainer reads a staged dataset (every sample a local hit, served in-process),
-and the three places a user looks must agree, sample for sample."""
+and the three places a user looks must agree, sample for sample; once it has
+exited, none of them counts it as a client."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def test_single_node_status_counts_the_trainers_reads_as_json_and_metrics_do(
     assert ran.returncode == 0, ran.stderr
 
     table = cli("status", "--addr", daemon.address)
-    section = table.split("trainers' reads (1 clients reported):\n", 1)[1].splitlines()
+    # The trainer has exited: its reads stay in the totals, it no longer counts as a client.
+    section = table.split("trainers' reads (0 clients open):\n", 1)[1].splitlines()
     assert section[0].split() == ["TIER", "SAMPLES", "SHARE", "BYTES"]
     shown = {}
     for row in section[1:]:
@@ -71,3 +73,5 @@ def test_single_node_status_counts_the_trainers_reads_as_json_and_metrics_do(
 
     assert sum(shown.values()) == 2 * N and shown.get("local") == 2 * N
     assert shown == as_json == metrics
+    clients = re.findall(r"^dataquay_clients (\S+)$", page, re.M)
+    assert document["clients"] == 0 and clients == ["0.0"]

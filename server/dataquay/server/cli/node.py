@@ -194,7 +194,7 @@ def _print_trainer_reads(stats: pb.StatsReply) -> None:
     reads = {r.tier: r for r in stats.client_reads}
     total = sum(r.samples for r in stats.client_reads) or 1
     order = [tier for tier in CLIENT_TIERS if tier in reads] + sorted(set(reads) - set(CLIENT_TIERS))
-    print(f"trainers' reads ({stats.clients} clients reported):")
+    print(f"trainers' reads ({stats.clients} clients open):")
     print_table(
         [(tier, reads[tier].samples, f"{100 * reads[tier].samples / total:.1f}%", format_bytes(reads[tier].bytes))
          for tier in order],
