@@ -52,7 +52,7 @@ def test_every_flag_of_the_services_shows_its_default(command: str) -> None:
 def test_serve_help_shows_the_default_values() -> None:
     text = " ".join(dict(commands(build_parser()))["dataquay serve"].format_help().split())
     assert "(default: 8) [env DATAQUAY_PFS_THREADS]" in text
-    assert "(default: 127.0.0.1:7070) [env DATAQUAY_LISTEN]" in text
+    assert "(default: 127.0.0.1:0) [env DATAQUAY_LISTEN]" in text
 
 
 def test_bench_without_matplotlib_writes_no_plot_and_says_so(

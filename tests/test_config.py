@@ -68,7 +68,7 @@ def test_daemon_setting_comes_from_the_highest_layer_that_sets_it(
     config, sources = DaemonConfig.resolve({"cache_size": flag}, environment, load(path))
     assert config.cache_size == expected
     assert sources["cache_size"] == source.format(path=path)
-    assert sources["listen"] == "default" and config.listen == "127.0.0.1:7070"
+    assert sources["listen"] == "default" and config.listen == "127.0.0.1:0"
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,8 @@ def _free_port() -> int:
 class SlurmCluster:
     """slurmctld and one slurmd (node ``localhost``) under ``base``."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, scripts: bool = True) -> None:
+        """``scripts``: configure deploy/slurm's Prolog, Epilog and TaskProlog (False: a site without them)."""
         self.base = base
         for name in ("ctld", "spool", "log", "out"):
             (base / name).mkdir()
@@ -79,7 +80,7 @@ class SlurmCluster:
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/linear",
             "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none", "MpiDefault=none",
             "ReturnToService=2", "PrologFlags=Alloc",
-            f"Prolog={base}/prolog", f"Epilog={base}/epilog", f"TaskProlog={base}/task-prolog",
+            *([f"Prolog={base}/prolog", f"Epilog={base}/epilog", f"TaskProlog={base}/task-prolog"] if scripts else []),
             "NodeName=localhost CPUs=1 State=UNKNOWN",
             "PartitionName=debug Nodes=localhost Default=YES State=UP",
         ]) + "\n")
@@ -99,11 +100,11 @@ class SlurmCluster:
         result = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=30)
         return result.stdout.strip() if result.returncode == 0 else ""
 
-    def run_job(self, script: Path, comment: str) -> tuple[str, str]:
+    def run_job(self, script: Path, comment: str = "") -> tuple[str, str]:
         """Submits ``script`` and waits until it ran and its epilog is done;
         returns the job id and the job's output."""
-        job_id = self._command("sbatch", "--parsable", "--comment", comment, "-o", f"{self.base}/out/%j.txt",
-                               str(script))
+        commented = ("--comment", comment) if comment else ()
+        job_id = self._command("sbatch", "--parsable", *commented, "-o", f"{self.base}/out/%j.txt", str(script))
         assert job_id.isdigit(), "sbatch refused the job"
         wait_until(lambda: self._command("squeue", "-h", "-j", job_id, "-o", "%i") == "", f"job {job_id} over")
         return job_id, (self.base / "out" / f"{job_id}.txt").read_text()

@@ -161,6 +161,8 @@ def test_results_page_quotes_the_ratios_the_raw_results_hold() -> None:
     """Every ratio the results page's plot draws from bench/results appears on
     the page, as the plot rounds it: the text cannot drift from the data."""
     pytest.importorskip("matplotlib")
+    if not (REPO / "bench" / "results").is_dir():
+        pytest.skip("bench/results is the repository's record; a source release leaves it out")
     sys.path.insert(0, str(REPO / "bench"))
     try:
         import plots

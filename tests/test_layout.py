@@ -163,13 +163,16 @@ def test_only_the_cli_uses_the_tools_and_nothing_uses_the_cli() -> None:
 
 
 def test_every_package_is_in_the_wheel() -> None:
-    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     packages = {
         ".".join(init.parent.relative_to(REPO / root).parts)
         for root in ROOTS
         for init in (REPO / root / "dataquay").rglob("__init__.py")
     }
-    assert packages == listed
+    # Folders of data alone (the deploy files): listed, with package data, and no code.
+    data = {name for name in set(setuptools["packages"]) - packages if name in setuptools["package-data"]}
+    assert all(not list((REPO / "server" / Path(*name.split("."))).rglob("*.py")) for name in data)
+    assert packages | data == set(setuptools["packages"])
 
 
 #: The rooms of node/ and what each may import of the others and of node/'s root

@@ -4,11 +4,13 @@ with both licences, and an install that works where no C compiler is found."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import site
 import subprocess
 import sys
 import tarfile
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -53,9 +55,11 @@ def test_the_sdist_holds_the_licence_and_every_file_the_tests_read(sdist: Path) 
         shipped = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
     needed = {
         "LICENSE", "Makefile", "README.md", "mkdocs.yml", "client/third_party/xxhash/LICENSE", "tests/conftest.py",
-        *listed,
+        *(name for name in listed if not name.startswith("bench/results/")),
     }
     assert sorted(needed - shipped) == []
+    # The benchmarks' recorded runs are the repository's record, not a source release's.
+    assert [name for name in shipped if name.startswith("bench/results/")] == []
     assert (REPO / "LICENSE").read_text().split()[:4] == ["Apache", "License", "Version", "2.0,"]
 
 
@@ -96,3 +100,45 @@ def test_without_a_c_compiler_the_install_runs_the_python_loops_and_says_so_once
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip() == repr([(1).to_bytes(8, "big"), (2).to_bytes(8, "big")])
     assert ran.stderr.count("not built") == 1 and "compiled rate" in ran.stderr
+
+
+def test_the_wheel_carries_the_deploy_files_and_a_short_description_with_classifiers(
+    wheel_without_compiler: Path,
+) -> None:
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: which files are the project's is git's to say")
+    deploy = subprocess.run(["git", "ls-files", "deploy"], cwd=REPO, capture_output=True, text=True,
+                            check=True).stdout.split()
+    with zipfile.ZipFile(wheel_without_compiler) as archive:
+        names = set(archive.namelist())
+        shipped = {name: archive.read(name) for name in names if name.startswith("dataquay/server/deploy/")}
+        metadata = archive.read("dataquay-0.1.0.dist-info/METADATA").decode()
+    assert deploy and sorted("dataquay/server/" + path for path in deploy) == sorted(shipped)
+    assert all(shipped["dataquay/server/" + path] == (REPO / path).read_bytes() for path in deploy)
+    headers, _, description = metadata.partition("\n\n")
+    assert "Classifier: Operating System :: POSIX :: Linux" in headers.splitlines()
+    assert "Classifier: Programming Language :: Python :: 3.11" in headers.splitlines()
+    # Short, and no link relative to the repository, which breaks on an index's page.
+    assert 200 < len(description) < 2000 and re.findall(r"\]\((?!https?://)", description) == []
+
+
+def _floor(requirements: list[str], name: str) -> str:
+    (floor,) = [r.split(">=", 1)[1].split(";")[0].strip() for r in requirements if re.match(rf"{name}>=", r)]
+    return floor
+
+
+def test_the_runtime_floors_are_what_the_generated_code_checks_at_import() -> None:
+    """A floor below the generated files' own check installs and then fails at
+    import; one above it refuses environments the code runs in."""
+    requirements = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    generated = REPO / "protos" / "dataquay" / "protos"
+    protobuf = {
+        ".".join(m) for f in generated.glob("*_pb2.py")
+        for m in re.findall(r"Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", f.read_text())
+    }
+    grpc = {m for f in generated.glob("*_pb2_grpc.py")
+            for m in re.findall(r"GRPC_GENERATED_VERSION = '([\d.]+)'", f.read_text())}
+    assert len(protobuf) == 1 and len(grpc) == 1, (protobuf, grpc)
+    assert _floor(requirements, "protobuf") == protobuf.pop()
+    floor = grpc.pop()
+    assert _floor(requirements, "grpcio") == floor and _floor(requirements, "grpcio-health-checking") == floor

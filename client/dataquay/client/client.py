@@ -270,15 +270,16 @@ class Client:
         if self._stats.note_position(job_id, epoch, rank, position) or done:
             self.report_stats()
 
-    def report_stats(self) -> None:
+    def report_stats(self, closing: bool = False) -> None:
         """Sends this process's counters to the daemon, so the node's metrics
         count the local hits and the data wait that never reached it.
 
         Best effort, like :meth:`report_epoch`; done every
         STATS_REPORT_SECONDS while reading, at every epoch, at close and when
-        the process ends (a DataLoader worker's last reads).
+        the process ends (a DataLoader worker's last reads), those two
+        ``closing``, so the node stops counting this client.
         """
-        request = self._stats.report()
+        request = self._stats.report(closing)
         if self._connection.closed or self._remote.daemon_down:
             return
         try:
@@ -288,9 +289,8 @@ class Client:
         except DataquayError as exc:
             log.debug("counters not reported: %s", exc)
 
-    def _report_unsent(self) -> None:
-        if self._stats.unreported:
-            self.report_stats()
+    def _report_at_exit(self) -> None:
+        self.report_stats(closing=True)
 
     def stats(self) -> ClientStats:
         """Counters of this process since it started using the client, with
@@ -305,7 +305,7 @@ class Client:
         """
         if self._connection.open_here:
             self._remote.flush()
-            self.report_stats()
+            self.report_stats(closing=True)
         self._connection.close()
         self._local.release()
         self._remote.close()
@@ -335,8 +335,8 @@ class Client:
 
 
 def _report_every_client() -> None:
-    """Reports what this process's open clients counted and did not report yet."""
-    _each_client("_report_unsent")
+    """Reports what this process's open clients counted, as their last reports."""
+    _each_client("_report_at_exit")
 
 
 def _each_client(method: str) -> None:

@@ -137,8 +137,6 @@ class ReadStats:
         self._thread = threading.local()
         self._client_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._reported_at = time.monotonic()
-        self._counts = 0  # changes counted, so that a report with nothing new can be skipped
-        self._counts_reported = 0
 
     def add(self, tier: str, samples: int, nbytes: int, wait: float = 0.0) -> None:
         """Counts ``samples`` of ``nbytes`` read from ``tier`` and ``wait`` seconds of data wait."""
@@ -146,7 +144,6 @@ class ReadStats:
             self._samples[tier] += samples
             self._bytes[tier] += nbytes
             self._wait += wait
-            self._counts += 1
         if not self._family.in_owner:
             deltas = np.zeros(_WIDTH)
             column = CLIENT_TIERS.index(tier)
@@ -222,25 +219,17 @@ class ReadStats:
         due (POSITION_REPORT_SECONDS since the last)."""
         with self._lock:
             self._positions[(job_id, rank)] = (epoch, position)
-            self._counts += 1
         return time.monotonic() - self._reported_at >= POSITION_REPORT_SECONDS
-
-    @property
-    def unreported(self) -> bool:
-        """Whether anything was counted since the last :meth:`report`."""
-        with self._lock:
-            return self._counts != self._counts_reported
 
     def report_due(self) -> bool:
         """Whether STATS_REPORT_SECONDS have passed since the last report."""
         return time.monotonic() - self._reported_at >= STATS_REPORT_SECONDS
 
-    def report(self) -> pb.ClientStatsReport:
+    def report(self, closing: bool = False) -> pb.ClientStatsReport:
         """The counters as the daemon takes them; the next report is due
-        STATS_REPORT_SECONDS from now."""
+        STATS_REPORT_SECONDS from now. ``closing``: the last one of this client."""
         self._reported_at = time.monotonic()
         with self._lock:
-            self._counts_reported = self._counts
             samples, nbytes, wait = dict(self._samples), dict(self._bytes), self._wait
             positions = [
                 pb.RankPosition(job=job, epoch=epoch, rank=rank, position=position)
@@ -251,6 +240,7 @@ class ReadStats:
             reads=[pb.ClientReads(tier=t, samples=samples[t], bytes=nbytes[t]) for t in CLIENT_TIERS],
             data_wait_seconds=wait,
             read_positions=positions,
+            closing=closing,
         )
 
     def after_fork_in_child(self) -> None:

@@ -664,16 +664,18 @@ class RankPosition(_message.Message):
     def __init__(self, job: _Optional[str] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
 
 class ClientStatsReport(_message.Message):
-    __slots__ = ("client", "reads", "data_wait_seconds", "read_positions")
+    __slots__ = ("client", "reads", "data_wait_seconds", "read_positions", "closing")
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
     DATA_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     READ_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    CLOSING_FIELD_NUMBER: _ClassVar[int]
     client: str
     reads: _containers.RepeatedCompositeFieldContainer[ClientReads]
     data_wait_seconds: float
     read_positions: _containers.RepeatedCompositeFieldContainer[RankPosition]
-    def __init__(self, client: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., data_wait_seconds: _Optional[float] = ..., read_positions: _Optional[_Iterable[_Union[RankPosition, _Mapping]]] = ...) -> None: ...
+    closing: bool
+    def __init__(self, client: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., data_wait_seconds: _Optional[float] = ..., read_positions: _Optional[_Iterable[_Union[RankPosition, _Mapping]]] = ..., closing: _Optional[bool] = ...) -> None: ...
 
 class ClientStatsReply(_message.Message):
     __slots__ = ()

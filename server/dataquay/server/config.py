@@ -384,7 +384,9 @@ class DaemonConfig(ServerConfig):
         8, "with --users apart: most prep groups one user may keep on this daemon (of 64)", _positive_int
     )
     listen: str = _option(
-        "127.0.0.1:7070", "TCP HOST:PORT for peers and remote tools; port 0 picks a free port"
+        "127.0.0.1:0",
+        "TCP HOST:PORT for peers and remote tools; port 0 picks a free port, so that two users' daemons on one "
+        "host do not collide (`dataquay status` and the ready file name the port bound)",
     )
     bulk_listen: str = _option(
         "", "TCP HOST:PORT of the bulk data path that peers read payloads over (the node token, TLS as "
@@ -425,8 +427,14 @@ class DaemonConfig(ServerConfig):
         "file system that does not answer (e.g. 60s, 2m; a bare number is seconds)",
         _positive_duration,
     )
-    metrics_host: str = _option("0.0.0.0", "address of the Prometheus /metrics endpoint")
-    metrics_port: int = _option(9470, "port of the Prometheus endpoint; 0 picks a free port", _port)
+    metrics_host: str = _option(
+        "127.0.0.1",
+        "address of the Prometheus /metrics endpoint, which takes no token: this host only unless opened "
+        "(0.0.0.0, or the cluster network's address, for a Prometheus elsewhere)",
+    )
+    metrics_port: int = _option(
+        0, "port of the Prometheus endpoint; 0 picks a free port (`dataquay status` names it)", _port
+    )
     max_batch: int = _option(4096, "most sample ids one read request may carry", _positive_int)
     max_calls_per_peer: int = _option(
         256, "most calls one remote host may have in flight; more are refused (RESOURCE_EXHAUSTED)", _positive_int
@@ -506,15 +514,21 @@ class DirectoryConfig(ServerConfig):
     section: ClassVar[str] = "directory"
 
     listen: str = _option(
-        "127.0.0.1:7071", "TCP HOST:PORT daemons and tools connect to; port 0 picks a free port"
+        "127.0.0.1:0",
+        "TCP HOST:PORT daemons and tools connect to; port 0 picks a free port (printed at start and written to "
+        "--ready-file), so that two users' directories on one host do not collide",
     )
     state_dir: Path = _option(
         lambda: _home_dir("XDG_STATE_HOME", ".local/state") / "directory",
         "directory for the node list, the job records and the dataset registry",
         Path,
     )
-    http_host: str = _option("0.0.0.0", "address of the HTTP endpoints /sd, /metrics and /healthz")
-    http_port: int = _option(9471, "port of the HTTP endpoints; 0 picks a free port", _port)
+    http_host: str = _option(
+        "127.0.0.1",
+        "address of the HTTP endpoints /sd, /metrics and /healthz, which take no token: this host only unless "
+        "opened (0.0.0.0 for a Prometheus elsewhere)",
+    )
+    http_port: int = _option(0, "port of the HTTP endpoints; 0 picks a free port", _port)
     lease_seconds: float = _option(
         10.0,
         "time without a heartbeat after which a node is marked down (e.g. 10s, 1m; a bare number is seconds)",

@@ -14,11 +14,11 @@ import sys
 from collections.abc import Callable, Sequence
 
 from dataquay.server import __version__
-from dataquay.server.cli import analyze, bench, cache, cluster, config, directory, node, simulate, token
+from dataquay.server.cli import analyze, bench, cache, cluster, config, directory, node, simulate, slurm, token
 from dataquay.server.cli.common import CliError
 from dataquay.server.errors import DataquayError
 
-COMMAND_GROUPS = (node, cache, directory, cluster, config, token, simulate, analyze, bench)
+COMMAND_GROUPS = (node, cache, directory, cluster, config, token, slurm, simulate, analyze, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,14 +12,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from google.protobuf.json_format import MessageToDict
-
 from dataquay.client.job_settings import EXCHANGE_CODINGS
 from dataquay.client.placement import MODES
-from dataquay.client.wire.tiers import SERVED_TIERS
+from dataquay.client.wire.tiers import CLIENT_TIERS, SERVED_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.server.cli import cache, cluster_status
 from dataquay.server.cli.common import CliError, add_addr, add_directory, add_q, daemon_stub, print_table
+from dataquay.server.cli.plain_json import plain
 from dataquay.server.cli.stage import JOB_FLAGS, stage_job
 from dataquay.server.config import ConfigFile, DaemonConfig
 from dataquay.server.proto_maps import FORMAT_FROM_PROTO, FORMAT_TO_PROTO
@@ -159,8 +158,9 @@ def cmd_status(args: argparse.Namespace) -> None:
         else:
             with daemon_stub(args) as stub:
                 stats = stub.Stats(pb.StatsRequest())
-            shown = functools.partial(_print_node_status, stats)
-            document = functools.partial(MessageToDict, stats, preserving_proto_field_name=True)
+                info = stub.Info(pb.InfoRequest())
+            shown = functools.partial(_print_node_status, stats, info)
+            document = functools.partial(plain, stats)
         if args.watch and sys.stdout.isatty():
             print("\x1b[2J\x1b[H", end="")
         if args.json:
@@ -172,17 +172,20 @@ def cmd_status(args: argparse.Namespace) -> None:
         time.sleep(args.watch)
 
 
-def _print_node_status(stats: pb.StatsReply) -> None:
+def _print_node_status(stats: pb.StatsReply, info: pb.InfoReply) -> None:
     reads = {SERVED_TIERS[t.tier]: t for t in stats.reads}
     total = sum(t.samples for t in stats.reads) or 1
     print(f"node {stats.node}: cache {format_bytes(stats.cache_used_bytes)} of "
           f"{format_bytes(stats.cache_capacity_bytes)}, {stats.cache_entries} entries"
           + (" (full: its file system has no space left)" if stats.cache_disk_full
              else " (full)" if stats.cache_full else ""))
+    # The ports are the OS's pick by default (one user's daemon beside another's): say which.
+    print(f"listening on {info.tcp_address}, metrics http://{info.metrics_address}/metrics")
     print_table(
         [(tier, t.samples, f"{100 * t.samples / total:.1f}%", format_bytes(t.bytes)) for tier, t in reads.items()],
         ("TIER", "SAMPLES", "SHARE", "BYTES"),
     )
+    _print_trainer_reads(stats)
     print(f"pfs read {format_bytes(stats.pfs_bytes)}, {stats.pfs_errors} errors, "
           f"{stats.corrupt_repaired} corrupt values repaired")
     for run in stats.staging:
@@ -196,6 +199,24 @@ def _print_node_status(stats: pb.StatsReply) -> None:
         print_table(cache.holding_rows(list(stats.cache_holdings), time.time()), cache.HOLDING_HEADER)
     if stats.cache_charges:
         print_table(cache.charge_rows(list(stats.cache_charges)), cache.CHARGE_HEADER)
+
+
+def _print_trainer_reads(stats: pb.StatsReply) -> None:
+    """What the trainers read, as their clients counted it: local hits and
+    their own PFS reads never reach the daemon's table above, and are most of
+    a cached job's reads. The same figures as ``client_reads`` in ``--json``
+    and ``dataquay_client_reads_total``."""
+    if not stats.client_reads:
+        return
+    reads = {r.tier: r for r in stats.client_reads}
+    total = sum(r.samples for r in stats.client_reads) or 1
+    order = [tier for tier in CLIENT_TIERS if tier in reads] + sorted(set(reads) - set(CLIENT_TIERS))
+    print(f"trainers' reads ({stats.clients} clients open):")
+    print_table(
+        [(tier, reads[tier].samples, f"{100 * reads[tier].samples / total:.1f}%", format_bytes(reads[tier].bytes))
+         for tier in order],
+        ("TIER", "SAMPLES", "SHARE", "BYTES"),
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> None:

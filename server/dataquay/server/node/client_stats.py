@@ -26,6 +26,8 @@ class _Client:
     reads: Counts
     wait: float
     seen: float
+    #: Sent its last report: kept as the baseline of a late duplicate, not counted as a client.
+    closed: bool = False
 
 
 @dataclass
@@ -36,8 +38,11 @@ class ClientStatsBook:
     data_wait_seconds: float = 0.0
     _clients: dict[str, _Client] = field(default_factory=dict)
 
-    def report(self, client: str, reads: Counts, wait: float, now: float | None = None) -> None:
-        """Adds what ``client``'s cumulative counters grew by since its last report."""
+    def report(
+        self, client: str, reads: Counts, wait: float, now: float | None = None, closing: bool = False
+    ) -> None:
+        """Adds what ``client``'s cumulative counters grew by since its last
+        report; ``closing``: it has ended, and counts no more among the clients."""
         now = time.monotonic() if now is None else now
         last = self._clients.get(client)
         base_reads, base_wait = (last.reads, last.wait) if last is not None else ({}, 0.0)
@@ -47,12 +52,13 @@ class ClientStatsBook:
             total[0] = min(MAX_COUNT, total[0] + max(0, samples - old_samples))
             total[1] = min(MAX_COUNT, total[1] + max(0, nbytes - old_bytes))
         self.data_wait_seconds += max(0.0, wait - base_wait)
-        self._clients[client] = _Client(dict(reads), wait, now)
+        self._clients[client] = _Client(dict(reads), wait, now, closing)
         self._forget(now)
 
     @property
     def clients(self) -> int:
-        return len(self._clients)
+        """Clients that reported and have not closed."""
+        return sum(not c.closed for c in self._clients.values())
 
     def _forget(self, now: float) -> None:
         stale = [name for name, c in self._clients.items() if now - c.seen > FORGET_SECONDS]

@@ -237,7 +237,8 @@ class Daemon(ServerLifecycle):
             "serving",
             extra={"fields": {"node": self.config.node_name, "socket": str(self.config.socket),
                               "tcp": self.tcp_address, "metrics_port": self.metrics_port,
-                              "cache_dir": str(self.store.path), "capacity_bytes": self.store.capacity}},
+                              "metrics_address": self.metrics_address, "cache_dir": str(self.store.path),
+                              "capacity_bytes": self.store.capacity}},
         )
 
     async def _start_server(self) -> None:

@@ -205,7 +205,9 @@ def _client_metrics(state: LiveState) -> Iterator[Metric]:
         "Seconds the node's trainers spent waiting for data (inside get_batch and item reads)",
         value=state.client_data_wait_seconds,
     )
-    yield GaugeMetricFamily("dataquay_clients", "Trainer processes that reported to this daemon", value=state.clients)
+    yield GaugeMetricFamily(
+        "dataquay_clients", "Trainers' clients that reported to this daemon and have not closed", value=state.clients
+    )
 
 
 def _prep_group_metrics(state: LiveState) -> Iterator[Metric]:
