@@ -197,6 +197,8 @@ class Daemon(ServerLifecycle):
         self.store_tasks.spawn(self.store.run_syncer(), "cache-syncer")
         self.tasks.spawn(self._reap_segments(), "shm-reaper")
         self.tasks.spawn(self._reap_prep_groups(), "prep-group-reaper")
+        if self.exchanges is not None:
+            self.exchanges.check_multicast()
         if self.link is not None:
             self.tasks.spawn(self.link.run(), "directory-link")
             self.tasks.spawn(self.link.send_reports(), "epoch-reports")

@@ -72,6 +72,9 @@ class ExchangeState:
     coded_bytes_sent: int = 0
     coded_samples_decoded: int = 0
     coded_note: str = ""
+    coded_datagrams_received: int = 0
+    coded_bytes_received: int = 0
+    coded_foreign_datagrams: int = 0
 
     def proto(self) -> pb.ExchangeProgress:
         return pb.ExchangeProgress(**asdict(self))
@@ -99,6 +102,9 @@ def exchange_state(run: ExchangeRun) -> ExchangeState:
         coded_bytes_sent=coded.bytes_sent,
         coded_samples_decoded=coded.samples_decoded,
         coded_note=coded.note,
+        coded_datagrams_received=coded.datagrams_received,
+        coded_bytes_received=coded.bytes_received,
+        coded_foreign_datagrams=coded.foreign_datagrams,
     )
 
 
@@ -137,6 +143,7 @@ class LiveState:
     cache_behind: BehindCounts = field(default_factory=BehindCounts)
     #: Coded passes' multicast datagrams (and packets) dropped, by reason.
     mcast_dropped: dict[str, int] = field(default_factory=dict)
+    multicast_note: str = ""
     #: Values the admission rule kept out of the cache, by reason (node/cache/admission.py).
     values_refused: dict[str, int] = field(default_factory=dict)
 
@@ -200,6 +207,7 @@ class NodeState:
             bulk=self._bulk(),
             cache_behind=self.behind.counts,
             mcast_dropped=dict(exchanges.mcast_dropped) if exchanges else {},
+            multicast_note=exchanges.multicast_note if exchanges else "",
         )
 
     def _bulk(self) -> BulkCounts:

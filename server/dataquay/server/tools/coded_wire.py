@@ -48,6 +48,8 @@ class Setup:
     send_nodes: np.ndarray
     send_groups: np.ndarray
     members: list[frozenset[int]]
+    #: Per send, the address of the pool it travels on.
+    send_slots: np.ndarray
 
 
 def sample_bytes(seed: int, sample: int, size: int) -> bytes:
@@ -55,7 +57,7 @@ def sample_bytes(seed: int, sample: int, size: int) -> bytes:
     return np.random.default_rng([seed, sample]).bytes(size)
 
 
-def setup(nodes: int, samples: int, mean_bytes: int, spares: int, scheme: str, seed: int) -> Setup:
+def setup(nodes: int, samples: int, mean_bytes: int, spares: int, scheme: str, seed: int, pool: int = 1) -> Setup:
     rng = np.random.default_rng(seed)
     sizes = np.maximum(1, rng.lognormal(np.log(mean_bytes), 0.5, samples)).astype(np.int64)
     before = balanced_owners(samples, nodes, rng)
@@ -67,7 +69,8 @@ def setup(nodes: int, samples: int, mean_bytes: int, spares: int, scheme: str, s
     owners = balanced_owners(samples, nodes, rng)
     packets = coding.plan(coding.holder_bits(caches, samples), owners, scheme, sizes)
     sent = coded_packets.streams(packets)
-    return Setup(sizes, caches, owners, packets, sent.senders, sent.groups, sent.members)
+    return Setup(sizes, caches, owners, packets, sent.senders, sent.groups, sent.members,
+                 coded_packets.slots(sent, pool))
 
 
 @dataclass
@@ -99,11 +102,14 @@ async def run_node(node: int, s: Setup, seed: int, endpoint: MulticastEndpoint, 
     cache = {int(i): sample_bytes(seed, int(i), int(s.sizes[i])) for i in s.caches[node]}
     num_packets = len(packets)
     sends = np.flatnonzero(s.send_nodes == node)
-    for group, members in {int(s.send_groups[i]): s.members[i] for i in sends.tolist()}.items():
-        endpoint.open_group(group, members)
+    for group, (members, slot) in {int(s.send_groups[i]): (s.members[i], int(s.send_slots[i]))
+                                   for i in sends.tolist()}.items():
+        endpoint.open_group(group, members, slot)
     expected = [i for i, m in enumerate(s.members) if node in m and s.send_nodes[i] != coding.PFS]
-    for i in expected:
-        endpoint.expect(int(s.send_nodes[i]), int(s.send_groups[i]))
+    for (sender, group), slot in {(int(s.send_nodes[i]), int(s.send_groups[i])): int(s.send_slots[i])
+                                  for i in expected}.items():
+        await endpoint.join(slot)
+        endpoint.expect(sender, group)
     owned = np.flatnonzero(s.owners == node)
     lacked = [int(i) for i in np.setdiff1d(owned, s.caches[node])]
     # The manifest's checksums of what this node will receive.
@@ -178,8 +184,8 @@ async def run_node(node: int, s: Setup, seed: int, endpoint: MulticastEndpoint, 
 
 
 async def _main(args: argparse.Namespace) -> None:
-    s = setup(args.nodes, args.samples, args.mean_bytes, args.spares, args.scheme, args.seed)
-    channel = Channel(args.group, args.port)
+    s = setup(args.nodes, args.samples, args.mean_bytes, args.spares, args.scheme, args.seed, args.pool)
+    channel = Channel(args.group, args.port, pool=args.pool)
     endpoint = MulticastEndpoint(args.node, channel, token=args.token, payload_bytes=args.payload_bytes,
                                  window_bytes=args.window_bytes, rate=args.rate, pass_id=args.pass_id)
     async with endpoint:
@@ -200,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--group", default="239.255.16.1")
     parser.add_argument("--port", type=int, default=47016)
+    parser.add_argument("--pool", type=int, default=16, help="multicast addresses, --group's and those after it")
     parser.add_argument("--token", default="")
     parser.add_argument("--pass-id", type=int, default=1, help="the pass's id, the same at every node (with the "
                         "token it keys the datagrams)")

@@ -62,3 +62,21 @@ def streams(packets: Packets) -> Streams:
             counts[key[0]] = numbering[key] + 1
         groups[i] = numbering[key]
     return Streams(senders, groups, members)
+
+
+def slots(sent: Streams, pool: int) -> np.ndarray:
+    """The address of a pool of ``pool`` that each send travels on: one per member set.
+
+    Slot 0 carries what every node hears (the caches' snapshots); the member
+    sets take the others, the most used first, so that where there are more
+    sets than addresses the ones that share an address are the least used.
+    Every node derives the same slots from the same plan.
+    """
+    if pool <= 1:
+        return np.zeros(len(sent.members), dtype=np.int64)
+    counts: dict[frozenset[int], int] = {}
+    for members in sent.members:
+        counts[members] = counts.get(members, 0) + 1
+    ranked = sorted(counts, key=lambda m: (-counts[m], sorted(m)))
+    slot_of = {members: 1 + i % (pool - 1) for i, members in enumerate(ranked)}
+    return np.array([slot_of[m] for m in sent.members], dtype=np.int64)
