@@ -9,6 +9,7 @@ daemons commit or stop a pass; every such datagram is dropped and counted.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import random
 import socket
@@ -35,6 +36,7 @@ from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.auth import new_token_file
 from dataquay.server.cli import main as cli_main
+from dataquay.server.config import MULTICAST_POOL
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset
 
@@ -85,7 +87,7 @@ class SecuredNodes(Nodes):
 
 
 class Sniffer:
-    """A plain UDP socket on the job's group and port: anyone on the network."""
+    """A plain UDP socket on every address of the daemons' multicast pool: anyone on the network."""
 
     def __init__(self, group_port: str) -> None:
         group, _, port = group_port.rpartition(":")
@@ -93,9 +95,11 @@ class Sniffer:
         self.captured: list[bytes] = []
         self._listen = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listen.bind((group, self.port))
-        self._listen.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
-                                struct.pack("4s4s", socket.inet_aton(group), socket.inet_aton("127.0.0.1")))
+        self._listen.bind(("", self.port))
+        for slot in range(MULTICAST_POOL):
+            address = str(ipaddress.IPv4Address(group) + slot)
+            self._listen.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
+                                    struct.pack("4s4s", socket.inet_aton(address), socket.inet_aton("127.0.0.1")))
         self._listen.settimeout(0.05)
         self._send = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._send.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))

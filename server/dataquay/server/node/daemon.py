@@ -31,7 +31,7 @@ from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server import __version__
 from dataquay.server.auth import ServerCredentials, new_server, server_tls
-from dataquay.server.config import DaemonConfig
+from dataquay.server.config import MULTICAST_POOL, DaemonConfig
 from dataquay.server.errors import DataquayError, NodeNameTakenError, StartupError
 from dataquay.server.http_server import HttpServer, metrics_handler
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
@@ -131,7 +131,7 @@ class Daemon(ServerLifecycle):
             self.exchanges = Exchanges(
                 config.node_name, self.store, self.datasets, self.placements, self.link, self.peers,
                 self.receiver, broker, self.tasks.spawn, config.exchange_bandwidth, config.spare_copies_fill,
-                multicast_channel(config.exchange_multicast, config.exchange_multicast_interface),
+                multicast_channel(config.exchange_multicast, config.exchange_multicast_interface, MULTICAST_POOL),
                 self.credentials.node.token,
             )
         self.bulk: BulkServer | None = None

@@ -54,10 +54,6 @@ _SIOCGIFFLAGS, _SIOCGIFADDR, _SIOCGIFMTU = 0x8913, 0x8915, 0x8921
 _IFF_LOOPBACK, _IFF_MULTICAST = 0x8, 0x1000
 
 
-#: Multicast addresses of a daemon's pool: ``--exchange-multicast``'s and the ones after it.
-POOL_ADDRESSES = 16
-
-
 @dataclass(frozen=True)
 class Channel:
     """Where a job's coded packets travel.
@@ -142,12 +138,13 @@ def payload_bytes(mtu: int) -> int:
     return max(room, 512)
 
 
-def multicast_channel(group_port: str, interface: str) -> Channel | None:
-    """The :class:`Channel` of ``--exchange-multicast`` (``GROUP:PORT``, checked by the config), None if empty."""
+def multicast_channel(group_port: str, interface: str, pool: int) -> Channel | None:
+    """The :class:`Channel` of ``--exchange-multicast`` (``GROUP:PORT``, checked by the config) and a pool of
+    ``pool`` addresses from GROUP on, None if empty."""
     if not group_port:
         return None
     group, _, port = group_port.rpartition(":")
-    return Channel(group, int(port), interface, pool=POOL_ADDRESSES)
+    return Channel(group, int(port), interface, pool=pool)
 
 
 @dataclass
