@@ -77,7 +77,8 @@ class CodedProgress:
         packets_sent: packets and fetches this node multicast.
         bytes_sent: their bytes (a packet as long as its longest part).
         samples_decoded: samples this node decoded, checked and committed.
-        datagrams_received: datagrams that reached this node's multicast sockets from other nodes.
+        datagrams_received: datagrams that reached this node from other nodes of the pass
+            (its groups' data and tails, the acknowledgements of its own streams).
         bytes_received: their bytes (UDP payloads): what the fabric delivered here.
         foreign_datagrams: of those, datagrams of streams this node does not decode.
         note: why the pass ended early or did not run, if it did.

@@ -150,12 +150,12 @@ def multicast_channel(group_port: str, interface: str, pool: int) -> Channel | N
 @dataclass
 class EndpointStats:
     """Counts of what an endpoint put on the wire: ``wire_bytes_sent`` counts first transmissions,
-    ``resent_bytes`` the rest (UDP payloads, our headers and seals included); of what reached its
-    multicast sockets from other nodes (``datagrams_received``, ``bytes_received``: what the fabric
-    delivered here), of which ``foreign_datagrams`` belonged to streams this node does not decode
+    ``resent_bytes`` the rest, ``control_bytes_sent`` its tails and acknowledgements (UDP payloads,
+    our headers and seals included); of what reached it from other nodes of its pass
+    (``datagrams_received``, ``bytes_received``: what the fabric delivered here, acknowledgements
+    included), of which ``foreign_datagrams`` belonged to streams this node does not decode
     (another group on a shared address) and ``data_bytes_received`` were the first copy of each
-    data datagram of a stream it decodes; of the acknowledgements its streams drew
-    (``acks_received``); and of what it dropped, by reason (:data:`DROP_REASONS`)."""
+    data datagram of a stream it decodes; and of what it dropped, by reason (:data:`DROP_REASONS`)."""
 
     packets_sent: int = 0
     packet_bytes_sent: int = 0
@@ -164,12 +164,12 @@ class EndpointStats:
     datagrams_resent: int = 0
     resent_bytes: int = 0
     control_bytes_sent: int = 0
+    control_datagrams_sent: int = 0
     packets_received: int = 0
     datagrams_received: int = 0
     bytes_received: int = 0
     data_bytes_received: int = 0
     foreign_datagrams: int = 0
-    acks_received: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
 
 
@@ -187,12 +187,11 @@ DROP_REASONS = ("malformed", "unknown_pass", "unauthenticated", "stale_session",
 
 
 class _Protocol(asyncio.DatagramProtocol):
-    def __init__(self, endpoint: MulticastEndpoint, multicast: bool) -> None:
+    def __init__(self, endpoint: MulticastEndpoint) -> None:
         self._endpoint = endpoint
-        self._multicast = multicast
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        self._endpoint._on_datagram(data, addr, self._multicast)
+        self._endpoint._on_datagram(data, addr)
 
     def error_received(self, exc: Exception) -> None:
         log.debug("multicast socket error: %s", exc)
@@ -274,7 +273,7 @@ class MulticastEndpoint:
             return
         loop = asyncio.get_running_loop()
         try:
-            self._send, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self, False),
+            self._send, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self),
                                                                 sock=self._send_socket())
         except OSError:
             self.close()
@@ -294,7 +293,7 @@ class MulticastEndpoint:
             self._receive[slot] = (found[0], found[1] + 1)
             return
         transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
-            lambda: _Protocol(self, True), sock=self._receive_socket(self.channel.address(slot)))
+            lambda: _Protocol(self), sock=self._receive_socket(self.channel.address(slot)))
         self._receive[slot] = (transport, 1)
 
     def leave(self, slot: int) -> None:
@@ -454,6 +453,7 @@ class MulticastEndpoint:
                         wire.Tail(self.node, self._session, group, window.next_seq)))
                     self._multicast(datagram, group)
                     self.stats.control_bytes_sent += len(datagram)
+                    self.stats.control_datagrams_sent += 1
 
     def drop(self, reason: str) -> None:
         """Counts a datagram or packet dropped for ``reason`` (one of :data:`DROP_REASONS`)."""
@@ -461,7 +461,7 @@ class MulticastEndpoint:
         if self._on_drop is not None:
             self._on_drop(reason)
 
-    def _on_datagram(self, data: bytes, addr: tuple[str, int], multicast: bool = True) -> None:
+    def _on_datagram(self, data: bytes, addr: tuple[str, int]) -> None:
         try:
             found = mcast_seal.pass_of(data)
             if found != self.pass_id and found in self._others:
@@ -473,24 +473,22 @@ class MulticastEndpoint:
         except wire.WireError:
             self.drop("malformed")
             return
-        if multicast and not isinstance(message, wire.Ack):
-            self._count_received(message, len(data))
+        self._count_received(message, len(data))
         if isinstance(message, wire.Ack):
-            self.stats.acks_received += 1
             self._on_ack(message)
         elif isinstance(message, wire.Tail):
             self._on_tail(message, addr)
         else:
             self._on_fragment(message, addr, len(data))
 
-    def _count_received(self, message: wire.Fragment | wire.Tail, size: int) -> None:
+    def _count_received(self, message: wire.Fragment | wire.Tail | wire.Ack, size: int) -> None:
         """Counts a datagram the fabric brought from another node (this node's own, looped back
         by the host, never left it), and whether it belongs to a stream this node decodes."""
-        if message.sender == self.node:
+        if (message.receiver if isinstance(message, wire.Ack) else message.sender) == self.node:
             return
         self.stats.datagrams_received += 1
         self.stats.bytes_received += size
-        if (message.sender, message.group) not in self._expected:
+        if not isinstance(message, wire.Ack) and (message.sender, message.group) not in self._expected:
             self.stats.foreign_datagrams += 1
 
     def _on_ack(self, ack: wire.Ack) -> None:
@@ -586,3 +584,4 @@ class MulticastEndpoint:
             self.node, sender, stream.session, group, stream.cumulative, stream.gaps())))
         self._send.sendto(datagram, addr)
         self.stats.control_bytes_sent += len(datagram)
+        self.stats.control_datagrams_sent += 1
