@@ -224,3 +224,11 @@ def test_each_node_hears_only_the_groups_it_decodes_for(namespace: str, tmp_path
         assert s["data_bytes_received"] == _planned_datagram_bytes(node, 4, "uber")  # type: ignore[index]
     # The kernel's count: every datagram delivered went to a member of its group, or was an acknowledgement.
     assert delivered == sum(s["datagrams_received"] for s in stats)  # type: ignore[index]
+
+
+def test_the_uncoded_baseline_over_tcp_streams_delivers_every_sample_byte_exact(namespace: str,
+                                                                                tmp_path: Path) -> None:
+    results = _exchange(namespace, tmp_path / "run", 4, "--scheme", "none", "--tcp")
+    _assert_every_sample_committed(results)
+    sent = sum(r["stats"]["payload_bytes_sent"] for r in results)  # type: ignore[index]
+    assert sent == sum(r["stats"]["payload_bytes_received"] for r in results) > 0  # type: ignore[index]
