@@ -36,7 +36,6 @@ from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.auth import new_token_file
 from dataquay.server.cli import main as cli_main
-from dataquay.server.config import MULTICAST_POOL
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset
 
@@ -86,6 +85,10 @@ class SecuredNodes(Nodes):
             self.read(m, mine)
 
 
+#: Addresses of the pool the sniffer joins (a socket joins 20 at most by default).
+SNIFFED_ADDRESSES = 16
+
+
 class Sniffer:
     """A plain UDP socket on every address of the daemons' multicast pool: anyone on the network."""
 
@@ -96,7 +99,8 @@ class Sniffer:
         self._listen = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listen.bind(("", self.port))
-        for slot in range(MULTICAST_POOL):
+        # A 4-node plan has at most 14 sets of receivers: the snapshots' address and 14 more carry them all.
+        for slot in range(SNIFFED_ADDRESSES):
             address = str(ipaddress.IPv4Address(group) + slot)
             self._listen.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
                                     struct.pack("4s4s", socket.inet_aton(address), socket.inet_aton("127.0.0.1")))

@@ -222,8 +222,10 @@ def test_each_node_hears_only_the_groups_it_decodes_for(namespace: str, tmp_path
     for node, s in enumerate(stats):
         assert s["foreign_datagrams"] == 0  # type: ignore[index]
         assert s["data_bytes_received"] == _planned_datagram_bytes(node, 4, "uber")  # type: ignore[index]
-    # The kernel's count: every datagram delivered went to a member of its group, or was an acknowledgement.
-    assert delivered == sum(s["datagrams_received"] for s in stats)  # type: ignore[index]
+    # The kernel's count: the datagrams delivered are the ones the nodes took (data and tails of their
+    # groups, acknowledgements of their own), and at most a few still queued when a node closed.
+    counted = sum(s["datagrams_received"] for s in stats)  # type: ignore[index]
+    assert counted <= delivered <= counted * 1.02
 
 
 def test_the_uncoded_baseline_over_tcp_streams_delivers_every_sample_byte_exact(namespace: str,

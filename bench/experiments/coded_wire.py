@@ -19,8 +19,10 @@ checksum. Per scheme and round:
   included (``Tcp: OutSegs``);
 - ``fabric_received_bytes``: what the fabric delivered to the nodes: a
   multicast datagram once per node that joined its address (the nodes'
-  own counts, checked against the kernel's ``Udp: InDatagrams``); for TCP,
-  what was sent;
+  own counts; the kernel's ``Udp: InDatagrams`` beside them also counts a
+  sender's own datagrams looped back where its group shares an address it
+  joined, and datagrams still queued when a node closed); for TCP, what was
+  sent;
 - ``*_vs_tcp``: those against the TCP baseline's;
 
 - ``payload_vs_plan``: packet and fetch bytes the senders multicast, against
@@ -113,9 +115,6 @@ def one_run(rundir: Path, args: argparse.Namespace, scheme: str, payload_bytes: 
     resent = sum(s["resent_bytes"] + IP_UDP_BYTES * s["datagrams_resent"] for s in stats)
     control = sum(s["control_bytes_sent"] + IP_UDP_BYTES * s["control_datagrams_sent"] for s in stats)
     received = sum(s["bytes_received"] + IP_UDP_BYTES * s["datagrams_received"] for s in stats)
-    if kernel["Udp.InDatagrams"] != sum(s["datagrams_received"] for s in stats):
-        raise RuntimeError(f"the kernel delivered {kernel['Udp.InDatagrams']} datagrams, the nodes counted "
-                           f"{sum(s['datagrams_received'] for s in stats)}")
     return {
         "scheme": scheme, "payload_bytes_per_datagram": payload_bytes,
         "planned_transmissions": results[0]["planned_transmissions"], "planned_bytes": planned,
@@ -125,6 +124,7 @@ def one_run(rundir: Path, args: argparse.Namespace, scheme: str, payload_bytes: 
         "all_vs_plan": (first + resent + control) / planned,
         "fabric_sent_bytes": first + resent + control, "fabric_received_bytes": received,
         "foreign_datagrams": sum(s["foreign_datagrams"] for s in stats), "kernel": kernel,
+        "datagrams_received": sum(s["datagrams_received"] for s in stats),
         "wall_s": wall,
         "load_average": os.getloadavg(),
     }

@@ -83,7 +83,7 @@ def _port(text: str) -> int:
 
 
 #: Addresses of a daemon's multicast pool: ``--exchange-multicast``'s GROUP and those after it.
-MULTICAST_POOL = 16
+MULTICAST_POOL = 256
 
 
 def _multicast(text: str) -> str:
@@ -440,7 +440,7 @@ class DaemonConfig(ServerConfig):
     )
     exchange_multicast: str = _option(
         "",
-        "GROUP:PORT of the first of 16 IPv4 multicast addresses (GROUP and the 15 after it, all on PORT) that "
+        "GROUP:PORT of the first of 256 IPv4 multicast addresses (GROUP and the 255 after it, all on PORT) that "
         "carry the coded pass of exchanges of jobs created with --exchange-coding coded|uber; each group of "
         "receivers travels on one of them, joined by its members only (one pool per cluster, e.g. "
         "239.255.16.1:47016); empty: those jobs exchange uncoded",

@@ -121,14 +121,11 @@ def no_multicast(channel: Channel) -> str:
     if not flags & (_IFF_MULTICAST | _IFF_LOOPBACK):
         return f"interface {name} ({channel.interface}) carries no multicast"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for slot in range(channel.pool):
-            membership = struct.pack("4s4s", socket.inet_aton(channel.address(slot)),
-                                     socket.inet_aton(channel.interface))
-            try:
-                sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, membership)
-                sock.setsockopt(socket.IPPROTO_IP, socket.IP_DROP_MEMBERSHIP, membership)
-            except OSError as exc:
-                return f"interface {name} ({channel.interface}) cannot join {channel.address(slot)}: {exc}"
+        membership = struct.pack("4s4s", socket.inet_aton(channel.group), socket.inet_aton(channel.interface))
+        try:
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, membership)
+        except OSError as exc:
+            return f"interface {name} ({channel.interface}) cannot join {channel.group}: {exc}"
     return ""
 
 
