@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shar
 
 from common import RESULTS, machine, progress
 
+from dataquay.server.config import MULTICAST_POOL
 from dataquay.server.node.exchange import mcast
 
 SCHEMES = ("tcp", "coded", "uber")
@@ -87,7 +88,8 @@ def one_run(rundir: Path, args: argparse.Namespace, scheme: str, payload_bytes: 
     command = ["ip", "netns", "exec", NAMESPACE, sys.executable, "-m", "dataquay.server.tools.coded_wire",
                "--nodes", str(args.nodes), "--samples", str(args.samples), "--mean-bytes", str(args.mean_bytes),
                "--spares", str(args.spares), *how, "--seed", str(args.seed), "--token", "bench",
-               "--payload-bytes", str(payload_bytes), "--window-bytes", str(args.window_bytes), "--rundir", str(rundir)]
+               "--payload-bytes", str(payload_bytes), "--window-bytes", str(args.window_bytes), "--rundir", str(rundir),
+               "--pool", str(args.pool)]
     before = kernel_counts()
     processes = [subprocess.Popen([*command, "--node", str(n)]) for n in range(args.nodes)]
     for process in processes:
@@ -139,6 +141,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--window-bytes", type=int, default=256 << 10)
+    parser.add_argument("--pool", type=int, default=MULTICAST_POOL,
+                        help="multicast addresses the groups spread over (1: every group on one, as one per daemon)")
     parser.add_argument("--mtu", type=int, nargs="+", default=[9000, 1500],
                         help="the loopback's MTU, which sizes datagrams and TCP segments: jumbo frames, then Ethernet")
     args = parser.parse_args()

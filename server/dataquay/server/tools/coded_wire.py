@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from dataquay.server.config import MULTICAST_POOL
 from dataquay.server.node.exchange import coded_packets, coding
 from dataquay.server.node.exchange.mcast import Channel, MulticastEndpoint
 from dataquay.server.tools.spare_copies import balanced_owners
@@ -292,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--group", default="239.255.16.1")
     parser.add_argument("--port", type=int, default=47016)
-    parser.add_argument("--pool", type=int, default=16, help="multicast addresses, --group's and those after it")
+    parser.add_argument("--pool", type=int, default=MULTICAST_POOL,
+                        help="multicast addresses, --group's and those after it")
     parser.add_argument("--token", default="")
     parser.add_argument("--pass-id", type=int, default=1, help="the pass's id, the same at every node (with the "
                         "token it keys the datagrams)")
