@@ -17,8 +17,9 @@ hears the packets it decodes and not the others'. Once its own part is
 done (its packets acknowledged by every member, its own decoded), a node
 keeps answering for as long as senders still announce tails to it
 (:func:`linger`): an acknowledgement of its that was lost would otherwise
-leave its sender waiting for the pass's timeout. A whole packet that the plan does not have its sender
-send this node, or that has the wrong length, is dropped and counted.
+leave its sender waiting for the pass's timeout. A whole packet that the
+plan does not have its sender send this node, or that has the wrong
+length, is dropped and counted.
 
 The pass is an optimisation only: whatever it does not deliver (a peer
 that is down, restarted, or late beyond the timeouts; a part deleted since
