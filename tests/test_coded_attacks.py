@@ -9,6 +9,7 @@ daemons commit or stop a pass; every such datagram is dropped and counted.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import random
 import socket
@@ -84,8 +85,12 @@ class SecuredNodes(Nodes):
             self.read(m, mine)
 
 
+#: Addresses of the pool the sniffer joins (a socket joins 20 at most by default).
+SNIFFED_ADDRESSES = 16
+
+
 class Sniffer:
-    """A plain UDP socket on the job's group and port: anyone on the network."""
+    """A plain UDP socket on every address of the daemons' multicast pool: anyone on the network."""
 
     def __init__(self, group_port: str) -> None:
         group, _, port = group_port.rpartition(":")
@@ -93,9 +98,12 @@ class Sniffer:
         self.captured: list[bytes] = []
         self._listen = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listen.bind((group, self.port))
-        self._listen.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
-                                struct.pack("4s4s", socket.inet_aton(group), socket.inet_aton("127.0.0.1")))
+        self._listen.bind(("", self.port))
+        # A 4-node plan has at most 14 sets of receivers: the snapshots' address and 14 more carry them all.
+        for slot in range(SNIFFED_ADDRESSES):
+            address = str(ipaddress.IPv4Address(group) + slot)
+            self._listen.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
+                                    struct.pack("4s4s", socket.inet_aton(address), socket.inet_aton("127.0.0.1")))
         self._listen.settimeout(0.05)
         self._send = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._send.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import shutil
 import socket
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -45,7 +51,11 @@ def test_a_coded_exchange_delivers_every_moved_sample_and_the_streams_send_only_
         nodes.report(0)
         runs = nodes.wait_exchanged(1)
         assert [run.coded_note for run in runs] == [""] * NODES
+        assert [s.exchange_multicast_note for s in nodes.stats()] == [""] * NODES
         assert sum(run.coded_samples_decoded for run in runs) > 0
+        # Each node heard the snapshots and the groups it decodes for, nothing else.
+        assert [run.coded_foreign_datagrams for run in runs] == [0] * NODES
+        assert all(run.coded_bytes_received > 0 for run in runs)
         assert sum(run.coded_packets_sent for run in runs) > 0
         for m in range(NODES):
             mine = np.flatnonzero(after == m)
@@ -84,3 +94,83 @@ def test_a_daemon_down_during_the_coded_pass_gets_its_share_from_the_streams_aft
             assert nodes.holds(m, np.flatnonzero(after == m)).all()
     finally:
         nodes.close()
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def namespace() -> Iterator[str]:
+    """A network namespace of its own (loopback up, no routes): its daemons cannot disturb the host's."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to make a network namespace")
+    name = f"dqcoded{os.getpid()}"
+    made = _ip("netns", "add", name)
+    if made.returncode != 0:
+        pytest.skip(f"cannot make a network namespace: {made.stderr.strip()}")
+    try:
+        done = _ip("-n", name, "link", "set", "lo", "up")
+        assert done.returncode == 0, done.stderr
+        yield name
+    finally:
+        _ip("netns", "del", name)
+
+
+def _in_namespace(namespace: str, rundir: Path, epochs: int, *daemon_args: str) -> dict[str, Any]:
+    """Runs tests/coded_in_namespace.py in ``namespace``: ``epochs`` coded exchanges of a 4-daemon job."""
+    rundir.mkdir()
+    script = Path(__file__).with_name("coded_in_namespace.py")
+    done = subprocess.run(["ip", "netns", "exec", namespace, sys.executable, str(script), str(rundir), str(epochs),
+                           *daemon_args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result: dict[str, Any] = json.loads((rundir / "result.json").read_text())
+    return result
+
+
+def test_lost_acknowledgements_at_five_percent_loss_never_stall_a_coded_pass(namespace: str, tmp_path: Path) -> None:
+    if shutil.which("nft") is None:
+        pytest.skip("needs nftables (nft) to drop datagrams at random")
+    group = multicast_group()
+    port = group.rpartition(":")[2]
+    assert _ip("-n", namespace, "route", "add", "224.0.0.0/4", "dev", "lo").returncode == 0
+    # 5% of the pool's datagrams, and 5% of every other UDP datagram: the acknowledgements.
+    rules = (f"add table inet loss\n"
+             f"add chain inet loss in {{ type filter hook input priority 0; }}\n"
+             f"add rule inet loss in udp dport {port} numgen random mod 20 0 drop\n"
+             f"add rule inet loss in udp sport != {port} udp dport != {port} numgen random mod 20 0 drop\n")
+    added = subprocess.run(["ip", "netns", "exec", namespace, "nft", "-f", "-"], input=rules, text=True,
+                           capture_output=True, timeout=30)
+    if added.returncode != 0:
+        pytest.skip(f"nftables cannot filter in the namespace: {added.stderr.strip()}")
+    result = _in_namespace(namespace, tmp_path / "run", 4, "--exchange-multicast", group)
+    runs = [run for epoch in result["runs"] for run in epoch]
+    assert [run["coded_note"] for run in runs] == [""] * len(runs)
+    # A pass that waited out a lost acknowledgement would take PASS_SECONDS (60 s).
+    assert max(run["elapsed_seconds"] for run in runs) < 20
+    assert sum(run["coded_samples_decoded"] for run in runs) > 0
+    assert result["exact"] == 4 * SAMPLES  # every sample of every epoch read back, its checksum checked
+
+
+def test_a_fabric_without_multicast_is_told_at_start_and_exchanges_uncoded_at_once(
+    namespace: str, tmp_path: Path
+) -> None:
+    side = f"dqnm{os.getpid() % 100000}"
+    made = [_ip("-n", namespace, "link", "add", f"{side}a", "type", "veth", "peer", "name", f"{side}b"),
+            _ip("-n", namespace, "addr", "add", "10.78.0.1/24", "dev", f"{side}a"),
+            _ip("-n", namespace, "link", "set", f"{side}a", "multicast", "off"),
+            _ip("-n", namespace, "link", "set", f"{side}a", "up"),
+            _ip("-n", namespace, "link", "set", f"{side}b", "up")]
+    if made[0].returncode != 0:
+        pytest.skip(f"cannot make a veth pair: {made[0].stderr.strip()}")
+    assert all(step.returncode == 0 for step in made), [step.stderr for step in made]
+    result = _in_namespace(namespace, tmp_path / "run", 1, "--exchange-multicast", multicast_group(),
+                           "--exchange-multicast-interface", "10.78.0.1")
+    notes = result["multicast_notes"]
+    assert all(f"interface {side}a (10.78.0.1) carries no multicast" in note for note in notes), notes
+    runs = result["runs"][0]
+    assert [run["coded_note"] for run in runs] == notes
+    assert [run["coded_packets_sent"] for run in runs] == [0] * NODES
+    # At once: no wait for snapshots (SNAPSHOT_SECONDS, 20 s) that no peer could send.
+    assert max(run["elapsed_seconds"] for run in runs) < 10
+    assert result["exact"] == SAMPLES

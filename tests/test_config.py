@@ -176,7 +176,11 @@ def test_a_named_config_file_must_exist(
         ('[daemon]\nlog_level = "loud"\n', '[daemon] log_level = "loud": expected one of debug, info, warning, error'),
         ("[directory]\nhttp_port = 70000\n", "[directory] http_port = 70000: expected a port number 0-65535"),
         ('[daemon]\nexchange_multicast = "10.0.0.1:47016"\n', '[daemon] exchange_multicast = "10.0.0.1:47016": '
-         "expected GROUP:PORT with an IPv4 multicast group (224.0.0.0/4), like 239.255.16.1:47016"),
+         "expected GROUP:PORT with an IPv4 multicast group (224.0.0.0/4) that has 255 more after it, like "
+         "239.255.16.1:47016"),
+        ('[daemon]\nexchange_multicast = "239.255.255.250:47016"\n', '[daemon] exchange_multicast = '
+         '"239.255.255.250:47016": expected GROUP:PORT with an IPv4 multicast group (224.0.0.0/4) that has 255 '
+         "more after it, like 239.255.16.1:47016"),
     ],
 )
 def test_config_file_errors_name_the_file_and_the_key(tmp_path: Path, text: str, message: str) -> None:

@@ -18,11 +18,14 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from dataquay.server.node.exchange import mcast_seal
+from dataquay.server.node.exchange import coding, mcast_seal
 from dataquay.server.node.exchange import mcast_wire as wire
 from dataquay.server.node.exchange.mcast import Channel, MulticastEndpoint, payload_bytes
+from dataquay.server.tools import coded_wire
 
 PORT = 47016
+#: Multicast addresses the exchanges here spread their groups over.
+POOL = 16
 
 
 def test_a_receiver_reports_the_gaps_below_what_it_saw_and_below_the_tail() -> None:
@@ -184,3 +187,50 @@ def test_five_percent_loss_still_delivers_every_sample_byte_exact(namespace: str
     results = _exchange(namespace, tmp_path / "run", 4, "--scheme", "coded", "--token", "t0k3n")
     _assert_every_sample_committed(results)
     assert sum(r["stats"]["datagrams_resent"] for r in results) > 0  # type: ignore[index]
+
+
+def _udp_delivered(namespace: str) -> int:
+    """UDP datagrams the namespace's kernel delivered to sockets (one per socket a multicast datagram reached)."""
+    lines = [line.split() for line in _ip("netns", "exec", namespace, "cat", "/proc/net/snmp").stdout.splitlines()
+             if line.startswith("Udp:")]
+    return int(lines[1][lines[0].index("InDatagrams")])
+
+
+def _planned_datagram_bytes(node: int, nodes: int, scheme: str) -> int:
+    """Bytes of the data datagrams of every stream ``node`` decodes, as the tool's defaults plan them."""
+    s = coded_wire.setup(nodes, 400, 4096, 100, scheme, 1, POOL)
+    packets, bytes_ = s.packets, 0
+    for i, members in enumerate(s.members):
+        if node not in members or s.send_nodes[i] == coding.PFS:
+            continue
+        if i >= len(packets):
+            length = int(s.sizes[packets.fetch_samples[i - len(packets)]])
+        else:
+            length = int(s.sizes[packets.samples[packets.start[i]:packets.start[i + 1]]].max())
+        count = max(1, -(-length // 1400))
+        bytes_ += length + count * (wire.DATA_HEADER_BYTES + mcast_seal.OVERHEAD_BYTES)
+    return bytes_
+
+
+def test_each_node_hears_only_the_groups_it_decodes_for(namespace: str, tmp_path: Path) -> None:
+    delivered = _udp_delivered(namespace)
+    results = _exchange(namespace, tmp_path / "run", 4, "--scheme", "uber", "--token", "t0k3n",
+                        "--pool", str(POOL))
+    delivered = _udp_delivered(namespace) - delivered
+    _assert_every_sample_committed(results)
+    stats = [result["stats"] for result in results]
+    for node, s in enumerate(stats):
+        assert s["foreign_datagrams"] == 0  # type: ignore[index]
+        assert s["data_bytes_received"] == _planned_datagram_bytes(node, 4, "uber")  # type: ignore[index]
+    # The kernel's count: the datagrams delivered are the ones the nodes took (data and tails of their
+    # groups, acknowledgements of their own), and at most a few still queued when a node closed.
+    counted = sum(s["datagrams_received"] for s in stats)  # type: ignore[index]
+    assert counted <= delivered <= counted * 1.02
+
+
+def test_the_uncoded_baseline_over_tcp_streams_delivers_every_sample_byte_exact(namespace: str,
+                                                                                tmp_path: Path) -> None:
+    results = _exchange(namespace, tmp_path / "run", 4, "--scheme", "none", "--tcp")
+    _assert_every_sample_committed(results)
+    sent = sum(r["stats"]["payload_bytes_sent"] for r in results)  # type: ignore[index]
+    assert sent == sum(r["stats"]["payload_bytes_received"] for r in results) > 0  # type: ignore[index]

@@ -1,11 +1,29 @@
-"""Coded shuffling on the wire: a loopback cluster runs one exchange per scheme over the multicast transport.
+"""Coded shuffling on the wire: a loopback cluster runs one exchange per scheme, the coded ones over
+the multicast transport, the uncoded baseline over TCP streams as jobs run it.
 
 Each round starts one process per node (:mod:`dataquay.server.tools.coded_wire`)
-in a network namespace of its own (loopback with a multicast route; needs
-root), all computing the same synthetic dataset, caches with spare copies,
-new owners and plan, then sending and decoding over
-:class:`~dataquay.server.node.exchange.mcast.MulticastEndpoint`; every decoded
-sample is checked against its checksum. Per scheme and round:
+in a network namespace of its own (loopback with a multicast route and the
+MTU the datagrams are sized for; needs root), all computing the same
+synthetic dataset, caches with spare copies, new owners and plan, then
+sending and decoding over
+:class:`~dataquay.server.node.exchange.mcast.MulticastEndpoint` (``coded``,
+``uber``: each group of receivers on its own address of a pool of 16) or
+over one TCP stream per receiver (``tcp``: the uncoded plan, as the
+exchange's streams ship it); every decoded sample is checked against its
+checksum. Per scheme and round:
+
+- ``fabric_sent_bytes``: what IP put on the fabric: every datagram the
+  senders multicast or resent, and every tail and acknowledgement, with 28
+  bytes of IPv4 and UDP each; for TCP, the payload with 52 bytes of IPv4 and
+  TCP (timestamps on) per segment the kernel sent, pure acknowledgements
+  included (``Tcp: OutSegs``);
+- ``fabric_received_bytes``: what the fabric delivered to the nodes: a
+  multicast datagram once per node that joined its address (the nodes'
+  own counts; the kernel's ``Udp: InDatagrams`` beside them also counts a
+  sender's own datagrams looped back where its group shares an address it
+  joined, and datagrams still queued when a node closed); for TCP, what was
+  sent;
+- ``*_vs_tcp``: those against the TCP baseline's;
 
 - ``payload_vs_plan``: packet and fetch bytes the senders multicast, against
   the planner's :attr:`~dataquay.server.node.exchange.coding.Load.bytes`;
@@ -37,7 +55,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shar
 
 from common import RESULTS, machine, progress
 
-SCHEMES = ("none", "coded", "uber")
+from dataquay.server.config import MULTICAST_POOL
+from dataquay.server.node.exchange import mcast
+
+SCHEMES = ("tcp", "coded", "uber")
+#: Bytes of IPv4 and TCP headers (with timestamps) per segment.
+IP_TCP_BYTES = 52
 NAMESPACE = f"dqbench{os.getpid()}"
 IP_UDP_BYTES = 28
 
@@ -46,17 +69,34 @@ def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
 
+def kernel_counts() -> dict[str, int]:
+    """The namespace's UDP and TCP counters (``/proc/net/snmp``), as ``Udp.InDatagrams`` and so on."""
+    text = subprocess.run(["ip", "netns", "exec", NAMESPACE, "cat", "/proc/net/snmp"], check=True,
+                          capture_output=True, text=True, timeout=30).stdout.splitlines()
+    counts: dict[str, int] = {}
+    for names, values in zip(text[::2], text[1::2], strict=True):
+        kind = names.split(":")[0]
+        for name, value in zip(names.split()[1:], values.split()[1:], strict=True):
+            counts[f"{kind}.{name}"] = int(value)
+    return counts
+
+
 def one_run(rundir: Path, args: argparse.Namespace, scheme: str, payload_bytes: int) -> dict[str, object]:
     shutil.rmtree(rundir, ignore_errors=True)
     rundir.mkdir()
+    how = ["--scheme", "none", "--tcp"] if scheme == "tcp" else ["--scheme", scheme]
     command = ["ip", "netns", "exec", NAMESPACE, sys.executable, "-m", "dataquay.server.tools.coded_wire",
                "--nodes", str(args.nodes), "--samples", str(args.samples), "--mean-bytes", str(args.mean_bytes),
-               "--spares", str(args.spares), "--scheme", scheme, "--seed", str(args.seed), "--token", "bench",
-               "--payload-bytes", str(payload_bytes), "--window-bytes", str(args.window_bytes), "--rundir", str(rundir)]
+               "--spares", str(args.spares), *how, "--seed", str(args.seed), "--token", "bench",
+               "--payload-bytes", str(payload_bytes), "--window-bytes", str(args.window_bytes), "--rundir", str(rundir),
+               "--pool", str(args.pool)]
+    before = kernel_counts()
     processes = [subprocess.Popen([*command, "--node", str(n)]) for n in range(args.nodes)]
     for process in processes:
         if process.wait(timeout=600) != 0:
             raise RuntimeError(f"a node of the {scheme} exchange failed")
+    after = kernel_counts()
+    kernel = {k: after[k] - before[k] for k in ("Udp.InDatagrams", "Udp.OutDatagrams", "Tcp.OutSegs")}
     results = [json.loads((rundir / f"result.{n}.json").read_text()) for n in range(args.nodes)]
     for result in results:
         if result["checksum_failures"] or result["committed"] != result["lacked"] or (
@@ -64,10 +104,19 @@ def one_run(rundir: Path, args: argparse.Namespace, scheme: str, payload_bytes: 
             raise RuntimeError(f"node {result['node']} of the {scheme} exchange lacks samples")
     stats = [result["stats"] for result in results]
     planned = results[0]["planned_bytes"]
+    wall = max(r["received_all"] for r in results) - min(r["started"] for r in results)
+    if scheme == "tcp":
+        payload = sum(s["payload_bytes_sent"] for s in stats)
+        sent = payload + IP_TCP_BYTES * kernel["Tcp.OutSegs"]
+        return {"scheme": scheme, "payload_bytes_per_datagram": payload_bytes, "planned_bytes": planned,
+                "planned_transmissions": results[0]["planned_transmissions"], "payload_bytes": payload,
+                "fabric_sent_bytes": sent, "fabric_received_bytes": sent, "kernel": kernel, "wall_s": wall,
+                "load_average": os.getloadavg()}
     payload = sum(s["packet_bytes_sent"] for s in stats)
     first = sum(s["wire_bytes_sent"] + IP_UDP_BYTES * s["datagrams_sent"] for s in stats)
     resent = sum(s["resent_bytes"] + IP_UDP_BYTES * s["datagrams_resent"] for s in stats)
-    control = sum(s["control_bytes_sent"] for s in stats)
+    control = sum(s["control_bytes_sent"] + IP_UDP_BYTES * s["control_datagrams_sent"] for s in stats)
+    received = sum(s["bytes_received"] + IP_UDP_BYTES * s["datagrams_received"] for s in stats)
     return {
         "scheme": scheme, "payload_bytes_per_datagram": payload_bytes,
         "planned_transmissions": results[0]["planned_transmissions"], "planned_bytes": planned,
@@ -75,7 +124,10 @@ def one_run(rundir: Path, args: argparse.Namespace, scheme: str, payload_bytes: 
         "resent": sum(s["datagrams_resent"] for s in stats),
         "payload_vs_plan": payload / planned, "sent_vs_plan": first / planned,
         "all_vs_plan": (first + resent + control) / planned,
-        "wall_s": max(r["received_all"] for r in results) - min(r["started"] for r in results),
+        "fabric_sent_bytes": first + resent + control, "fabric_received_bytes": received,
+        "foreign_datagrams": sum(s["foreign_datagrams"] for s in stats), "kernel": kernel,
+        "datagrams_received": sum(s["datagrams_received"] for s in stats),
+        "wall_s": wall,
         "load_average": os.getloadavg(),
     }
 
@@ -89,8 +141,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--window-bytes", type=int, default=256 << 10)
-    parser.add_argument("--payload-bytes", type=int, nargs="+", default=[8900, 1400],
-                        help="packet bytes per datagram: jumbo frames (MTU 9000), then Ethernet's 1500")
+    parser.add_argument("--pool", type=int, default=MULTICAST_POOL,
+                        help="multicast addresses the groups spread over (1: every group on one, as one per daemon)")
+    parser.add_argument("--mtu", type=int, nargs="+", default=[9000, 1500],
+                        help="the loopback's MTU, which sizes datagrams and TCP segments: jumbo frames, then Ethernet")
     args = parser.parse_args()
     ip("netns", "add", NAMESPACE)
     rows: list[dict[str, object]] = []
@@ -98,7 +152,9 @@ def main() -> None:
         ip("netns", "exec", NAMESPACE, "ip", "link", "set", "lo", "up")
         ip("netns", "exec", NAMESPACE, "ip", "route", "add", "224.0.0.0/4", "dev", "lo")
         with tempfile.TemporaryDirectory() as scratch:
-            for payload_bytes in args.payload_bytes:
+            for mtu in args.mtu:
+                ip("netns", "exec", NAMESPACE, "ip", "link", "set", "lo", "mtu", str(mtu))
+                payload_bytes = mcast.payload_bytes(mtu)
                 for round_ in range(args.rounds):
                     order = SCHEMES[round_ % 3:] + SCHEMES[:round_ % 3]
                     for scheme in order:
@@ -107,18 +163,23 @@ def main() -> None:
     finally:
         ip("netns", "del", NAMESPACE)
     summary = []
-    for payload_bytes in args.payload_bytes:
-        runs = {s: [r for r in rows if r["scheme"] == s and r["payload_bytes_per_datagram"] == payload_bytes]
+    for mtu in args.mtu:
+        runs = {s: [r for r in rows if r["scheme"] == s and r["payload_bytes_per_datagram"] == mcast.payload_bytes(mtu)]
                 for s in SCHEMES}
-        base = statistics.median(r["wall_s"] for r in runs["none"])  # type: ignore[misc]
+
+        def median(scheme: str, key: str) -> float:
+            return float(statistics.median(float(r[key]) for r in runs[scheme]))  # type: ignore[arg-type]
+
         for scheme, mine in runs.items():
-            wall = statistics.median(r["wall_s"] for r in mine)  # type: ignore[misc]
-            line = {"scheme": scheme, "payload_bytes_per_datagram": payload_bytes,
+            line = {"scheme": scheme, "mtu": mtu, "payload_bytes_per_datagram": mcast.payload_bytes(mtu),
                     "planned_bytes": mine[0]["planned_bytes"],
                     "planned_transmissions": mine[0]["planned_transmissions"],
-                    **{k: statistics.median(r[k] for r in mine)  # type: ignore[misc]
-                       for k in ("payload_vs_plan", "sent_vs_plan", "all_vs_plan", "resent")},
-                    "wall_s": wall, "wall_vs_uncoded": wall / base}
+                    **{k: median(scheme, k) for k in ("fabric_sent_bytes", "fabric_received_bytes", "wall_s")},
+                    **{f"{k}_vs_tcp": median(scheme, k) / median("tcp", k)
+                       for k in ("fabric_sent_bytes", "fabric_received_bytes", "wall_s")}}
+            if scheme != "tcp":
+                line |= {k: median(scheme, k) for k in ("payload_vs_plan", "sent_vs_plan", "all_vs_plan", "resent",
+                                                        "foreign_datagrams")}
             summary.append(line)
             print(json.dumps(line))
     RESULTS.mkdir(exist_ok=True)

@@ -394,7 +394,7 @@ class TierCount(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients", "cache_disk_full", "prefetch", "prep_groups", "bulk", "cache_behind", "mcast_datagrams_dropped", "values_refused", "cache_holdings", "cache_charges", "healing")
+    __slots__ = ("node", "reads", "cache_used_bytes", "cache_capacity_bytes", "cache_entries", "pfs_bytes", "pfs_errors", "corrupt_repaired", "cache_full", "inserts_dropped", "staging", "peers", "exchanges", "exchange_received_samples", "exchange_received_bytes", "previous_owner_samples", "prefetched_samples", "client_reads", "client_data_wait_seconds", "clients", "cache_disk_full", "prefetch", "prep_groups", "bulk", "cache_behind", "mcast_datagrams_dropped", "values_refused", "cache_holdings", "cache_charges", "healing", "exchange_multicast_note")
     class McastDatagramsDroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -439,6 +439,7 @@ class StatsReply(_message.Message):
     CACHE_HOLDINGS_FIELD_NUMBER: _ClassVar[int]
     CACHE_CHARGES_FIELD_NUMBER: _ClassVar[int]
     HEALING_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_MULTICAST_NOTE_FIELD_NUMBER: _ClassVar[int]
     node: str
     reads: _containers.RepeatedCompositeFieldContainer[TierCount]
     cache_used_bytes: int
@@ -469,7 +470,8 @@ class StatsReply(_message.Message):
     cache_holdings: _containers.RepeatedCompositeFieldContainer[CacheHolding]
     cache_charges: _containers.RepeatedCompositeFieldContainer[CacheCharge]
     healing: HealCounts
-    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ..., prefetch: _Optional[_Union[Prefetch, _Mapping]] = ..., prep_groups: _Optional[_Iterable[_Union[PrepGroupStatus, _Mapping]]] = ..., bulk: _Optional[_Union[BulkCounts, _Mapping]] = ..., cache_behind: _Optional[_Union[CacheBehindCounts, _Mapping]] = ..., mcast_datagrams_dropped: _Optional[_Mapping[str, int]] = ..., values_refused: _Optional[_Mapping[str, int]] = ..., cache_holdings: _Optional[_Iterable[_Union[CacheHolding, _Mapping]]] = ..., cache_charges: _Optional[_Iterable[_Union[CacheCharge, _Mapping]]] = ..., healing: _Optional[_Union[HealCounts, _Mapping]] = ...) -> None: ...
+    exchange_multicast_note: str
+    def __init__(self, node: _Optional[str] = ..., reads: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ..., cache_used_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., cache_entries: _Optional[int] = ..., pfs_bytes: _Optional[int] = ..., pfs_errors: _Optional[int] = ..., corrupt_repaired: _Optional[int] = ..., cache_full: _Optional[bool] = ..., inserts_dropped: _Optional[int] = ..., staging: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerHealth, _Mapping]]] = ..., exchanges: _Optional[_Iterable[_Union[ExchangeProgress, _Mapping]]] = ..., exchange_received_samples: _Optional[int] = ..., exchange_received_bytes: _Optional[int] = ..., previous_owner_samples: _Optional[int] = ..., prefetched_samples: _Optional[int] = ..., client_reads: _Optional[_Iterable[_Union[ClientReads, _Mapping]]] = ..., client_data_wait_seconds: _Optional[float] = ..., clients: _Optional[int] = ..., cache_disk_full: _Optional[bool] = ..., prefetch: _Optional[_Union[Prefetch, _Mapping]] = ..., prep_groups: _Optional[_Iterable[_Union[PrepGroupStatus, _Mapping]]] = ..., bulk: _Optional[_Union[BulkCounts, _Mapping]] = ..., cache_behind: _Optional[_Union[CacheBehindCounts, _Mapping]] = ..., mcast_datagrams_dropped: _Optional[_Mapping[str, int]] = ..., values_refused: _Optional[_Mapping[str, int]] = ..., cache_holdings: _Optional[_Iterable[_Union[CacheHolding, _Mapping]]] = ..., cache_charges: _Optional[_Iterable[_Union[CacheCharge, _Mapping]]] = ..., healing: _Optional[_Union[HealCounts, _Mapping]] = ..., exchange_multicast_note: _Optional[str] = ...) -> None: ...
 
 class HealCounts(_message.Message):
     __slots__ = ("peer_samples", "peer_bytes", "pfs_samples", "pfs_bytes", "dropped_samples", "pending_samples", "lost_nodes")
@@ -588,7 +590,7 @@ class ExchangeReply(_message.Message):
     def __init__(self, held: _Optional[_Iterable[int]] = ..., message_bytes: _Optional[int] = ..., after_reads: _Optional[bool] = ...) -> None: ...
 
 class ExchangeProgress(_message.Message):
-    __slots__ = ("job", "epoch", "total_samples", "total_bytes", "delivered_samples", "delivered_bytes", "sent_bytes", "unavailable_samples", "refused_samples", "elapsed_seconds", "finished", "error", "coded_packets_sent", "coded_bytes_sent", "coded_samples_decoded", "coded_note", "first_delivery_seconds", "failed")
+    __slots__ = ("job", "epoch", "total_samples", "total_bytes", "delivered_samples", "delivered_bytes", "sent_bytes", "unavailable_samples", "refused_samples", "elapsed_seconds", "finished", "error", "coded_packets_sent", "coded_bytes_sent", "coded_samples_decoded", "coded_note", "first_delivery_seconds", "failed", "coded_datagrams_received", "coded_bytes_received", "coded_foreign_datagrams")
     JOB_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -607,6 +609,9 @@ class ExchangeProgress(_message.Message):
     CODED_NOTE_FIELD_NUMBER: _ClassVar[int]
     FIRST_DELIVERY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    CODED_DATAGRAMS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    CODED_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    CODED_FOREIGN_DATAGRAMS_FIELD_NUMBER: _ClassVar[int]
     job: str
     epoch: int
     total_samples: int
@@ -625,7 +630,10 @@ class ExchangeProgress(_message.Message):
     coded_note: str
     first_delivery_seconds: float
     failed: bool
-    def __init__(self, job: _Optional[str] = ..., epoch: _Optional[int] = ..., total_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., delivered_samples: _Optional[int] = ..., delivered_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., unavailable_samples: _Optional[int] = ..., refused_samples: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., coded_packets_sent: _Optional[int] = ..., coded_bytes_sent: _Optional[int] = ..., coded_samples_decoded: _Optional[int] = ..., coded_note: _Optional[str] = ..., first_delivery_seconds: _Optional[float] = ..., failed: _Optional[bool] = ...) -> None: ...
+    coded_datagrams_received: int
+    coded_bytes_received: int
+    coded_foreign_datagrams: int
+    def __init__(self, job: _Optional[str] = ..., epoch: _Optional[int] = ..., total_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., delivered_samples: _Optional[int] = ..., delivered_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ..., unavailable_samples: _Optional[int] = ..., refused_samples: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., coded_packets_sent: _Optional[int] = ..., coded_bytes_sent: _Optional[int] = ..., coded_samples_decoded: _Optional[int] = ..., coded_note: _Optional[str] = ..., first_delivery_seconds: _Optional[float] = ..., failed: _Optional[bool] = ..., coded_datagrams_received: _Optional[int] = ..., coded_bytes_received: _Optional[int] = ..., coded_foreign_datagrams: _Optional[int] = ...) -> None: ...
 
 class CodedPassRequest(_message.Message):
     __slots__ = ("job", "epoch")

@@ -83,17 +83,23 @@ def _port(text: str) -> int:
     return int(text)
 
 
+#: Addresses of a daemon's multicast pool: ``--exchange-multicast``'s GROUP and those after it.
+MULTICAST_POOL = 256
+
+
 def _multicast(text: str) -> str:
     """``GROUP:PORT`` of an IPv4 multicast group, or empty."""
     if not text:
         return text
     group, _, port = text.rpartition(":")
     try:
-        multicast = ipaddress.IPv4Address(group).is_multicast
+        first = ipaddress.IPv4Address(group)
+        multicast = first.is_multicast and (first + MULTICAST_POOL - 1).is_multicast
     except ValueError:
         multicast = False
     if not multicast or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError("expected GROUP:PORT with an IPv4 multicast group (224.0.0.0/4), like 239.255.16.1:47016")
+        raise ValueError(f"expected GROUP:PORT with an IPv4 multicast group (224.0.0.0/4) that has "
+                         f"{MULTICAST_POOL - 1} more after it, like 239.255.16.1:47016")
     return text
 
 
@@ -471,9 +477,10 @@ class DaemonConfig(ServerConfig):
     )
     exchange_multicast: str = _option(
         "",
-        "GROUP:PORT of the IPv4 multicast group that carries the coded pass of exchanges of jobs created with "
-        "--exchange-coding coded|uber (one per cluster, e.g. 239.255.16.1:47016); empty: those jobs exchange "
-        "uncoded",
+        "GROUP:PORT of the first of 256 IPv4 multicast addresses (GROUP and the 255 after it, all on PORT) that "
+        "carry the coded pass of exchanges of jobs created with --exchange-coding coded|uber; each group of "
+        "receivers travels on one of them, joined by its members only (one pool per cluster, e.g. "
+        "239.255.16.1:47016); empty: those jobs exchange uncoded",
         _multicast,
     )
     exchange_multicast_interface: str = _option(

@@ -31,7 +31,7 @@ from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server import __version__
 from dataquay.server.auth import ServerCredentials, new_server, server_tls
-from dataquay.server.config import DaemonConfig
+from dataquay.server.config import MULTICAST_POOL, DaemonConfig
 from dataquay.server.errors import DataquayError, NodeNameTakenError, StartupError
 from dataquay.server.http_server import HttpServer, metrics_handler
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
@@ -145,7 +145,7 @@ class Daemon(ServerLifecycle):
             self.exchanges = Exchanges(
                 config.node_name, self.store, self.datasets, self.placements, self.link, self.peers,
                 self.receiver, broker, self.tasks.spawn, config.exchange_bandwidth, config.spare_copies_fill,
-                multicast_channel(config.exchange_multicast, config.exchange_multicast_interface),
+                multicast_channel(config.exchange_multicast, config.exchange_multicast_interface, MULTICAST_POOL),
                 self.credentials.node.token,
             )
         self.bulk: BulkServer | None = None
@@ -213,6 +213,8 @@ class Daemon(ServerLifecycle):
         self.tasks.spawn(self._reap_segments(), "shm-reaper")
         self.tasks.spawn(self.cache.run_saver(), "cache-uses-saver")
         self.tasks.spawn(self._reap_prep_groups(), "prep-group-reaper")
+        if self.exchanges is not None:
+            self.exchanges.check_multicast()
         if self.link is not None:
             self.tasks.spawn(self.link.run(), "directory-link")
             self.tasks.spawn(self.link.send_reports(), "epoch-reports")

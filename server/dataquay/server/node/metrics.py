@@ -264,6 +264,13 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
         "coded_samples_decoded": GaugeMetricFamily(
             "dataquay_exchange_coded_samples_decoded", "Samples the coded pass decoded and committed here",
             labels=["job"]),
+
+        "coded_bytes_received": GaugeMetricFamily(
+            "dataquay_exchange_coded_bytes_received", "Bytes of multicast datagrams (UDP payloads) the fabric "
+            "delivered to this node in the coded pass, from other nodes", labels=["job"]),
+        "coded_foreign_datagrams": GaugeMetricFamily(
+            "dataquay_exchange_coded_foreign_datagrams", "Multicast datagrams delivered to this node in the coded "
+            "pass for groups it does not decode for (groups sharing an address of the pool)", labels=["job"]),
     }
     for job, run in state.exchanges.items():
         for name, family in families.items():

@@ -244,6 +244,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             exchanges=[x.proto() for x in sorted((*state.exchanges.values(), *state.exchanges_failed),
                                                  key=lambda x: x.job)],
             mcast_datagrams_dropped=state.mcast_dropped,
+            exchange_multicast_note=state.multicast_note,
             exchange_received_samples=state.exchange_received[0],
             exchange_received_bytes=state.exchange_received[1],
             values_refused=state.values_refused,

@@ -75,6 +75,9 @@ class ExchangeState:
     coded_bytes_sent: int = 0
     coded_samples_decoded: int = 0
     coded_note: str = ""
+    coded_datagrams_received: int = 0
+    coded_bytes_received: int = 0
+    coded_foreign_datagrams: int = 0
 
     def proto(self) -> pb.ExchangeProgress:
         return pb.ExchangeProgress(**asdict(self))
@@ -102,6 +105,9 @@ def exchange_state(run: ExchangeRun) -> ExchangeState:
         coded_bytes_sent=coded.bytes_sent,
         coded_samples_decoded=coded.samples_decoded,
         coded_note=coded.note,
+        coded_datagrams_received=coded.datagrams_received,
+        coded_bytes_received=coded.bytes_received,
+        coded_foreign_datagrams=coded.foreign_datagrams,
     )
 
 
@@ -140,6 +146,7 @@ class LiveState:
     cache_behind: BehindCounts = field(default_factory=BehindCounts)
     #: Coded passes' multicast datagrams (and packets) dropped, by reason.
     mcast_dropped: dict[str, int] = field(default_factory=dict)
+    multicast_note: str = ""
     #: Values the admission rule kept out of the cache, by reason (node/cache/admission.py).
     values_refused: dict[str, int] = field(default_factory=dict)
     #: Each dataset version the cache holds: bytes, last use, whom it is charged to, who pins it.
@@ -217,6 +224,7 @@ class NodeState:
             cache_charges=tuple(self.cache.users()),
             cache_evicted=(self.cache.evicted_samples, self.cache.evicted_bytes),
             healing=replace(self.healer.counts) if self.healer else HealCounts(),
+            multicast_note=exchanges.multicast_note if exchanges else "",
         )
 
     def _bulk(self) -> BulkCounts:

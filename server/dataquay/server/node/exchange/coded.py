@@ -9,8 +9,17 @@ samples it owns next and lacks. A packet is the XOR of whole cache values,
 so a decoded value carries its own xxh3 and is checked like any other
 before the store commits it, under a reservation of its room. The pass's
 datagrams are sealed under a key of its random id (:mod:`.mcast_seal`,
-:mod:`.pass_ids`); a whole packet that the plan does not have its sender
-send this node, or that has the wrong length, is dropped and counted.
+:mod:`.pass_ids`). The snapshots travel on the first address of the
+daemon's multicast pool, which every node of the pass joins; each set of
+a packet's receivers on an address of its own where the pool has room
+(:func:`.coded_packets.slots`), joined only by those receivers, so a node
+hears the packets it decodes and not the others'. Once its own part is
+done (its packets acknowledged by every member, its own decoded), a node
+keeps answering for as long as senders still announce tails to it
+(:func:`linger`): an acknowledgement of its that was lost would otherwise
+leave its sender waiting for the pass's timeout. A whole packet that the
+plan does not have its sender send this node, or that has the wrong
+length, is dropped and counted.
 
 The pass is an optimisation only: whatever it does not deliver (a peer
 that is down, restarted, or late beyond the timeouts; a part deleted since
@@ -57,6 +66,8 @@ COMMITS_IN_FLIGHT = 4
 READY_PACKETS = 2 * COMMIT_BATCH
 #: The group of the snapshots; the plan's groups follow it.
 SNAPSHOTS = 0
+#: A node done with its part keeps answering until it heard of no stream of the pass for this long.
+LINGER_IDLE_SECONDS = 1.0
 
 
 @dataclass
@@ -67,13 +78,26 @@ class CodedProgress:
         packets_sent: packets and fetches this node multicast.
         bytes_sent: their bytes (a packet as long as its longest part).
         samples_decoded: samples this node decoded, checked and committed.
+        datagrams_received: datagrams that reached this node from other nodes of the pass
+            (its groups' data and tails, the acknowledgements of its own streams).
+        bytes_received: their bytes (UDP payloads): what the fabric delivered here.
+        foreign_datagrams: of those, datagrams of streams this node does not decode.
         note: why the pass ended early or did not run, if it did.
     """
 
     packets_sent: int = 0
     bytes_sent: int = 0
     samples_decoded: int = 0
+    datagrams_received: int = 0
+    bytes_received: int = 0
+    foreign_datagrams: int = 0
     note: str = ""
+
+    def heard(self, endpoint: MulticastEndpoint) -> None:
+        """Takes the counts of what reached ``endpoint``."""
+        stats = endpoint.stats
+        self.datagrams_received, self.bytes_received = stats.datagrams_received, stats.bytes_received
+        self.foreign_datagrams = stats.foreign_datagrams
 
 
 @dataclass(frozen=True)
@@ -98,28 +122,53 @@ class PassTransport:
 
 
 async def coded_pass(transport: PassTransport, store: Store, receiver: ExchangeReceiver, broker: ExchangeBroker,
-                     entry: Registered, job: str, scheme: str, after: Placement, progress: CodedProgress) -> None:
+                     entry: Registered, job: str, scheme: str, after: Placement,
+                     progress: CodedProgress) -> MulticastEndpoint | None:
     """Runs this node's part of the coded pass into ``after``'s epoch (module docstring) on an
     endpoint of its own (its node id is this node's rank in the job); offers into that epoch
     wait for it (``broker``). Never raises but for cancellation: what it leaves, the streams
-    ship; a failure is logged and noted in ``progress``."""
+    ship; a failure is logged and noted in ``progress``. Returns the endpoint, still open, for
+    the caller to :func:`linger` on (None after a failure, its endpoint closed)."""
     channel = transport.channel
     with broker.coded_pass(job, after.epoch):
+        endpoint = MulticastEndpoint(after.node_index, channel, transport.token,
+                                     payload_bytes(interface_mtu(channel.interface)), rate=transport.rate or None,
+                                     max_ready=READY_PACKETS, pass_id=transport.pass_id, others=transport.others,
+                                     on_drop=transport.on_drop)
         try:
-            payload = payload_bytes(interface_mtu(channel.interface))
-            async with MulticastEndpoint(after.node_index, channel, transport.token, payload,
-                                         rate=transport.rate or None, max_ready=READY_PACKETS,
-                                         pass_id=transport.pass_id, others=transport.others,
-                                         on_drop=transport.on_drop) as endpoint:
-                await _coded_pass(endpoint, store, receiver, entry, job, scheme, after, progress)
-        except OSError as exc:
-            progress.note = f"multicast on {channel.group}:{channel.port} via {channel.interface} failed: {exc}"
-        except DataquayError as exc:
-            progress.note = f"stopped: {exc}"
-        except Exception as exc:  # the pass only saves traffic: its failure leaves the job to the streams
-            log.exception("coded exchange pass failed; the streams ship its samples",
-                          extra={"fields": {"job": job, "epoch": after.epoch}})
-            progress.note = f"failed: {type(exc).__name__}: {exc}"
+            await endpoint.start()
+            await _coded_pass(endpoint, store, receiver, entry, job, scheme, after, progress)
+        except BaseException as exc:
+            endpoint.close()
+            if not isinstance(exc, Exception):
+                raise
+            progress.note = _failure(exc, channel, job, after.epoch)
+            return None
+        progress.heard(endpoint)
+        return endpoint
+
+
+def _failure(exc: Exception, channel: Channel, job: str, epoch: int) -> str:
+    """The note of a pass that ``exc`` ended."""
+    if isinstance(exc, OSError):
+        return f"multicast on {channel.group}:{channel.port} via {channel.interface} failed: {exc}"
+    if isinstance(exc, DataquayError):
+        return f"stopped: {exc}"
+    # The pass only saves traffic: its failure leaves the job to the streams.
+    log.exception("coded exchange pass failed; the streams ship its samples",
+                  extra={"fields": {"job": job, "epoch": epoch}}, exc_info=exc)
+    return f"failed: {type(exc).__name__}: {exc}"
+
+
+async def linger(endpoint: MulticastEndpoint, progress: CodedProgress) -> None:
+    """Keeps ``endpoint`` answering its pass's senders until none has been heard of for
+    :data:`LINGER_IDLE_SECONDS` (:data:`PASS_SECONDS` at most), then closes it."""
+    try:
+        with contextlib.suppress(TimeoutError):
+            await endpoint.linger(LINGER_IDLE_SECONDS, PASS_SECONDS)
+    finally:
+        progress.heard(endpoint)
+        endpoint.close()
 
 
 async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeReceiver, entry: Registered,
@@ -131,12 +180,11 @@ async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: Excha
     if not peers:
         return
     opened: set[int] = set()
-    expected: list[tuple[int, int]] = []
     try:
         mine = np.packbits(store.cached_mask(db, np.arange(num_samples, dtype=np.int64))).tobytes()
+        await endpoint.join(SNAPSHOTS)
         for peer in peers:
             endpoint.expect(peer, SNAPSHOTS, inbox)
-            expected.append((peer, SNAPSHOTS))
         endpoint.open_group(SNAPSHOTS, frozenset(peers))
         opened.add(SNAPSHOTS)
         await endpoint.send(SNAPSHOTS, me, mine)
@@ -164,22 +212,25 @@ async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: Excha
             "job": job, "epoch": after.epoch, "scheme": scheme, "packets": len(packets),
             "plan_seconds": round(time.monotonic() - started, 3)}})
         sent = coded_packets.streams(packets)
+        slots = coded_packets.slots(sent, endpoint.channel.pool)
         sends = np.flatnonzero(sent.senders == me).tolist()
-        for group, members in {int(sent.groups[i]): sent.members[i] for i in sends}.items():
-            endpoint.open_group(SNAPSHOTS + 1 + group, members)
-            opened.add(SNAPSHOTS + 1 + group)
+        for i in sends:
+            group = SNAPSHOTS + 1 + int(sent.groups[i])
+            if group not in opened:
+                endpoint.open_group(group, sent.members[i], int(slots[i]))
+                opened.add(group)
         receiving = {i: (int(sent.senders[i]), SNAPSHOTS + 1 + int(sent.groups[i]))
                      for i, m in enumerate(sent.members) if me in m and sent.senders[i] != coding.PFS}
-        for key in set(receiving.values()):
+        # Joined before anything is sent here: a peer's first datagrams find this node listening.
+        for key, slot in {receiving[i]: int(slots[i]) for i in receiving}.items():
+            await endpoint.join(slot)
             endpoint.expect(*key, inbox)
-            expected.append(key)
         async with asyncio.timeout(PASS_SECONDS):
             await _run(endpoint, store, receiver, entry, packets, sent, me, sends, receiving, inbox, progress)
     except TimeoutError:
         progress.note = f"packets still missing after {PASS_SECONDS:.0f} s"
     finally:
-        for key in expected:
-            endpoint.forget(*key)
+        # Its own streams end here; those it receives stay expected, for :func:`linger` to answer.
         for group in opened:
             endpoint.close_group(group)
 
@@ -236,7 +287,8 @@ async def _run(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeRece
             await endpoint.send(SNAPSHOTS + 1 + int(sent.groups[i]), i, value)
             progress.packets_sent += 1
             progress.bytes_sent += len(value)
-        await endpoint.flush({SNAPSHOTS + 1 + int(sent.groups[i]) for i in sends})
+        # The snapshot too: a peer that lost it waits for it before it plans.
+        await endpoint.flush({SNAPSHOTS, *(SNAPSHOTS + 1 + int(sent.groups[i]) for i in sends)})
 
     def length(i: int) -> int:
         """Bytes of send ``i``: a fetch's sample, a packet's longest part."""

@@ -62,3 +62,36 @@ def streams(packets: Packets) -> Streams:
             counts[key[0]] = numbering[key] + 1
         groups[i] = numbering[key]
     return Streams(senders, groups, members)
+
+
+def slots(sent: Streams, pool: int) -> np.ndarray:
+    """The address of a pool of ``pool`` that each send travels on: one per member set where there is room.
+
+    Slot 0 carries what every node hears (the caches' snapshots); the member
+    sets take the others, the most used first. Where there are more sets than
+    addresses, each of the rest goes where it adds the fewest deliveries to
+    nodes that do not decode them: its sends to the nodes of the address that
+    are not its members, and the address's sends to its members that are not
+    of the address yet. Every node derives the same slots from the same plan.
+    """
+    if pool <= 1:
+        return np.zeros(len(sent.members), dtype=np.int64)
+    counts: dict[frozenset[int], int] = {}
+    for members in sent.members:
+        counts[members] = counts.get(members, 0) + 1
+    ranked = sorted(counts, key=lambda m: (-counts[m], sorted(m)))
+    joined: list[frozenset[int]] = []  # per slot but 0, the nodes that join it
+    carried: list[int] = []  # per slot but 0, the sends it carries
+    slot_of: dict[frozenset[int], int] = {}
+    for members in ranked:
+        if len(joined) < pool - 1:
+            slot = len(joined)
+            joined.append(members)
+            carried.append(counts[members])
+        else:
+            slot = min(range(len(joined)), key=lambda k: (counts[members] * len(joined[k] - members)
+                                                          + carried[k] * len(members - joined[k]), k))
+            joined[slot] |= members
+            carried[slot] += counts[members]
+        slot_of[members] = 1 + slot
+    return np.array([slot_of[m] for m in sent.members], dtype=np.int64)

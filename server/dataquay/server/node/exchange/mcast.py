@@ -1,8 +1,13 @@
 """Reliable multicast of coded packets over IP multicast (UDP), on the event loop.
 
-One :class:`MulticastEndpoint` per node and job: it multicasts the packets
+One :class:`MulticastEndpoint` per node and pass: it multicasts the packets
 this node sends to their groups and receives the packets of the groups it
-decodes for, on one multicast address and port per job. A datagram carries
+decodes for. The cluster's channel is a bounded pool of multicast addresses
+on one port; each group travels on one address of the pool, and a node joins
+only the addresses of the groups it decodes for, for as long as its pass
+needs them, so a datagram reaches the nodes that decode it (and, where the
+pool is smaller than the groups, those of groups that share its address)
+rather than every node of the cluster. A datagram carries
 its sender's node, its group and its place in the sender's stream to that
 group (:mod:`.mcast_wire`), sealed under its pass's key (:mod:`.mcast_seal`);
 a node drops the streams it was not told to expect. What it did not expect
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import ipaddress
 import logging
 import random
 import socket
@@ -44,7 +50,8 @@ RECEIVE_BUFFER_BYTES = 8 << 20
 ETHERNET_MTU = 1500
 #: IPv4 and UDP headers; the largest IPv4 datagram.
 IP_UDP_BYTES, MAX_DATAGRAM = 28, 65535
-_SIOCGIFADDR, _SIOCGIFMTU = 0x8915, 0x8921
+_SIOCGIFFLAGS, _SIOCGIFADDR, _SIOCGIFMTU = 0x8913, 0x8915, 0x8921
+_IFF_LOOPBACK, _IFF_MULTICAST = 0x8, 0x1000
 
 
 @dataclass(frozen=True)
@@ -52,16 +59,22 @@ class Channel:
     """Where a job's coded packets travel.
 
     Attributes:
-        group: the IPv4 multicast address (224.0.0.0/4).
-        port: its UDP port.
+        group: the first IPv4 multicast address of the pool (224.0.0.0/4).
+        port: the UDP port of every address of the pool.
         interface: the local address of the interface to send and join on.
         ttl: multicast hops (1: the local subnet, as an HPC fabric usually is).
+        pool: addresses in the pool: ``group`` and the ``pool - 1`` after it.
     """
 
     group: str
     port: int
     interface: str = "127.0.0.1"
     ttl: int = 1
+    pool: int = 1
+
+    def address(self, slot: int) -> str:
+        """The pool's address number ``slot`` (taken modulo the pool)."""
+        return str(ipaddress.IPv4Address(self.group) + slot % self.pool)
 
 
 def interface_mtu(address: str) -> int:
@@ -78,25 +91,68 @@ def interface_mtu(address: str) -> int:
     return ETHERNET_MTU
 
 
+def _interface_of(address: str) -> tuple[str, int] | None:
+    """The name and flags of the interface that has ``address`` (Linux), None if none has it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                found = socket.inet_ntoa(fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)[20:24])
+                if found == address:
+                    return name, int(struct.unpack_from("H", fcntl.ioctl(probe.fileno(), _SIOCGIFFLAGS, request),
+                                                        16)[0])
+            except OSError:
+                continue
+    return None
+
+
+def no_multicast(channel: Channel) -> str:
+    """Why ``channel``'s interface cannot carry the pool's datagrams to other hosts, or "" when it can.
+
+    A host delivers its own multicast to itself whatever the interface, so
+    only the interface's flags tell: one without ``MULTICAST`` (a point-to-point
+    or cloud fabric) sends none out, and a coded pass would only wait for
+    snapshots that never come. A loopback interface serves the nodes of its host.
+    """
+    found = _interface_of(channel.interface)
+    if found is None:
+        return f"no interface has the address {channel.interface} (--exchange-multicast-interface)"
+    name, flags = found
+    if not flags & (_IFF_MULTICAST | _IFF_LOOPBACK):
+        return f"interface {name} ({channel.interface}) carries no multicast"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        membership = struct.pack("4s4s", socket.inet_aton(channel.group), socket.inet_aton(channel.interface))
+        try:
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, membership)
+        except OSError as exc:
+            return f"interface {name} ({channel.interface}) cannot join {channel.group}: {exc}"
+    return ""
+
+
 def payload_bytes(mtu: int) -> int:
     """Packet bytes per datagram that fit ``mtu`` with IPv4, UDP, our header and seal (and UDP's limit)."""
     room = min(mtu, MAX_DATAGRAM) - IP_UDP_BYTES - wire.DATA_HEADER_BYTES - mcast_seal.OVERHEAD_BYTES
     return max(room, 512)
 
 
-def multicast_channel(group_port: str, interface: str) -> Channel | None:
-    """The :class:`Channel` of ``--exchange-multicast`` (``GROUP:PORT``, checked by the config), None if empty."""
+def multicast_channel(group_port: str, interface: str, pool: int) -> Channel | None:
+    """The :class:`Channel` of ``--exchange-multicast`` (``GROUP:PORT``, checked by the config) and a pool of
+    ``pool`` addresses from GROUP on, None if empty."""
     if not group_port:
         return None
     group, _, port = group_port.rpartition(":")
-    return Channel(group, int(port), interface)
+    return Channel(group, int(port), interface, pool=pool)
 
 
 @dataclass
 class EndpointStats:
     """Counts of what an endpoint put on the wire: ``wire_bytes_sent`` counts first transmissions,
-    ``resent_bytes`` the rest (UDP payloads, our headers and seals included); and of what it
-    dropped, by reason (:data:`DROP_REASONS`)."""
+    ``resent_bytes`` the rest, ``control_bytes_sent`` its tails and acknowledgements (UDP payloads,
+    our headers and seals included); of what reached it from other nodes of its pass
+    (``datagrams_received``, ``bytes_received``: what the fabric delivered here, acknowledgements
+    included), of which ``foreign_datagrams`` belonged to streams this node does not decode
+    (another group on a shared address) and ``data_bytes_received`` were the first copy of each
+    data datagram of a stream it decodes; and of what it dropped, by reason (:data:`DROP_REASONS`)."""
 
     packets_sent: int = 0
     packet_bytes_sent: int = 0
@@ -105,7 +161,12 @@ class EndpointStats:
     datagrams_resent: int = 0
     resent_bytes: int = 0
     control_bytes_sent: int = 0
+    control_datagrams_sent: int = 0
     packets_received: int = 0
+    datagrams_received: int = 0
+    bytes_received: int = 0
+    data_bytes_received: int = 0
+    foreign_datagrams: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
 
 
@@ -192,28 +253,61 @@ class MulticastEndpoint:
         self._assembler = wire.Assembler()
         self._room = asyncio.Event()
         self._progress = asyncio.Event()
+        self._slots: dict[int, int] = {}
         self._send: asyncio.DatagramTransport | None = None
-        self._receive: asyncio.DatagramTransport | None = None
+        #: Per joined address of the pool: its socket and the streams expected on it.
+        self._receive: dict[int, tuple[asyncio.DatagramTransport, int]] = {}
         self._tails: asyncio.Task[None] | None = None
+        self._heard_at = 0.0
 
     async def start(self) -> None:
-        """Opens the sockets and joins the channel's group; idempotent.
+        """Opens the sending socket (which also takes the acknowledgements); idempotent.
 
         Raises:
-            OSError: the interface has no multicast, or the port is taken by
-                something that does not share it.
+            OSError: the interface has no multicast.
         """
         if self._send is not None:
             return
         loop = asyncio.get_running_loop()
         try:
-            self._send, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self), sock=self._send_socket())
-            self._receive, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self),
-                                                                   sock=self._receive_socket())
+            self._send, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self),
+                                                                sock=self._send_socket())
         except OSError:
             self.close()
             raise
         self._tails = asyncio.create_task(self._announce_tails(), name=f"mcast tails {self.node}")
+
+    async def join(self, slot: int) -> None:
+        """Joins the pool's address ``slot`` (once per stream expected on it; :meth:`leave` undoes one).
+
+        Raises:
+            OSError: the interface cannot join it, or the port is taken by
+                something that does not share it.
+        """
+        slot %= self.channel.pool
+        found = self._receive.get(slot)
+        if found is not None:
+            self._receive[slot] = (found[0], found[1] + 1)
+            return
+        transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+            lambda: _Protocol(self), sock=self._receive_socket(self.channel.address(slot)))
+        self._receive[slot] = (transport, 1)
+
+    def leave(self, slot: int) -> None:
+        """Undoes one :meth:`join` of ``slot``; the last one leaves the address."""
+        slot %= self.channel.pool
+        found = self._receive.pop(slot, None)
+        if found is None:
+            return
+        if found[1] > 1:
+            self._receive[slot] = (found[0], found[1] - 1)
+        else:
+            found[0].close()
+
+    @property
+    def joined(self) -> list[str]:
+        """The pool's addresses this endpoint listens on."""
+        return [self.channel.address(slot) for slot in sorted(self._receive)]
 
     def _send_socket(self) -> socket.socket:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -230,15 +324,15 @@ class MulticastEndpoint:
             raise
         return sock
 
-    def _receive_socket(self) -> socket.socket:
+    def _receive_socket(self, address: str) -> socket.socket:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
-            # Every endpoint on a host binds the job's port; the kernel gives each a copy.
+            # Every endpoint on a host binds the pool's port; the kernel gives each a copy.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
-            sock.bind((self.channel.group, self.channel.port))
-            membership = struct.pack("4s4s", socket.inet_aton(self.channel.group),
-                                     socket.inet_aton(self.channel.interface))
+            # Bound to the address itself, the socket takes only that address's datagrams.
+            sock.bind((address, self.channel.port))
+            membership = struct.pack("4s4s", socket.inet_aton(address), socket.inet_aton(self.channel.interface))
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, membership)
             sock.setblocking(False)
         except OSError:
@@ -247,10 +341,11 @@ class MulticastEndpoint:
         return sock
 
     def close(self) -> None:
-        for transport in (self._send, self._receive):
-            if transport is not None:
-                transport.close()
-        self._send = self._receive = None
+        if self._send is not None:
+            self._send.close()
+        for transport, _ in self._receive.values():
+            transport.close()
+        self._send, self._receive = None, {}
         if self._tails is not None:
             self._tails.cancel()
             self._tails = None
@@ -275,15 +370,18 @@ class MulticastEndpoint:
         self._since_ack.pop((sender, group), None)
         self._gap_acked_at.pop((sender, group), None)
 
-    def open_group(self, group: int, members: frozenset[int]) -> None:
-        """Declares this node's stream to ``group`` and who must acknowledge it."""
+    def open_group(self, group: int, members: frozenset[int], slot: int = 0) -> None:
+        """Declares this node's stream to ``group``, who must acknowledge it, and the pool's
+        address it travels on (the one its members join)."""
         if group in self._groups:
             raise ValueError(f"group {group} is open already")
         self._groups[group] = wire.SendWindow(members)
+        self._slots[group] = slot
 
     def close_group(self, group: int) -> None:
         """Ends this node's stream to ``group``, acknowledged or not, and frees what it kept."""
         if self._groups.pop(group, None) is not None:
+            self._slots.pop(group, None)
             self._resent_at = {key: at for key, at in self._resent_at.items() if key[0] != group}
             self._sent_at.pop(group, None)
             self._kept_bytes = sum(w.kept_bytes for w in self._groups.values())
@@ -310,7 +408,7 @@ class MulticastEndpoint:
                 wait = self._bucket.reserve(len(datagram))
                 if wait > 0:
                     await asyncio.sleep(wait)
-            self._multicast(datagram)
+            self._multicast(datagram, group)
             self._sent_at[group] = time.monotonic()
             self.stats.datagrams_sent += 1
             self.stats.wire_bytes_sent += len(datagram)
@@ -328,9 +426,18 @@ class MulticastEndpoint:
         """Per open group, the members that still miss datagrams (for a caller that gives up on them)."""
         return {group: w.lagging() for group, w in self._groups.items() if not w.done}
 
-    def _multicast(self, datagram: bytes) -> None:
+    async def linger(self, idle: float, most: float) -> None:
+        """Keeps answering the streams still expected until none was heard of for ``idle``
+        seconds (``most`` at most): a sender whose last acknowledgement from this node was
+        lost announces its tail until it hears one again, and would wait in vain otherwise."""
+        self._heard_at = time.monotonic()
+        async with asyncio.timeout(most):
+            while (quiet := time.monotonic() - self._heard_at) < idle:
+                await asyncio.sleep(idle - quiet)
+
+    def _multicast(self, datagram: bytes, group: int) -> None:
         assert self._send is not None, "the endpoint is not started"
-        self._send.sendto(datagram, (self.channel.group, self.channel.port))
+        self._send.sendto(datagram, (self.channel.address(self._slots.get(group, 0)), self.channel.port))
 
     async def _announce_tails(self) -> None:
         while True:
@@ -341,8 +448,9 @@ class MulticastEndpoint:
                 if not window.done and self._sent_at.get(group, 0.0) <= idle_since:
                     datagram = self._seal.seal(wire.encode_tail(
                         wire.Tail(self.node, self._session, group, window.next_seq)))
-                    self._multicast(datagram)
+                    self._multicast(datagram, group)
                     self.stats.control_bytes_sent += len(datagram)
+                    self.stats.control_datagrams_sent += 1
 
     def drop(self, reason: str) -> None:
         """Counts a datagram or packet dropped for ``reason`` (one of :data:`DROP_REASONS`)."""
@@ -362,12 +470,23 @@ class MulticastEndpoint:
         except wire.WireError:
             self.drop("malformed")
             return
+        self._count_received(message, len(data))
         if isinstance(message, wire.Ack):
             self._on_ack(message)
         elif isinstance(message, wire.Tail):
             self._on_tail(message, addr)
         else:
-            self._on_fragment(message, addr)
+            self._on_fragment(message, addr, len(data))
+
+    def _count_received(self, message: wire.Fragment | wire.Tail | wire.Ack, size: int) -> None:
+        """Counts a datagram the fabric brought from another node (this node's own, looped back
+        by the host, never left it), and whether it belongs to a stream this node decodes."""
+        if (message.receiver if isinstance(message, wire.Ack) else message.sender) == self.node:
+            return
+        self.stats.datagrams_received += 1
+        self.stats.bytes_received += size
+        if not isinstance(message, wire.Ack) and (message.sender, message.group) not in self._expected:
+            self.stats.foreign_datagrams += 1
 
     def _on_ack(self, ack: wire.Ack) -> None:
         window = self._groups.get(ack.group)
@@ -384,7 +503,7 @@ class MulticastEndpoint:
             if now - self._resent_at.get((ack.group, seq), 0.0) >= self._tail_interval:
                 self._resent_at[(ack.group, seq)] = now
                 datagram = window.kept[seq]
-                self._multicast(datagram)
+                self._multicast(datagram, ack.group)
                 self.stats.datagrams_resent += 1
                 self.stats.resent_bytes += len(datagram)
         self._kept_bytes = sum(w.kept_bytes for w in self._groups.values())
@@ -414,13 +533,15 @@ class MulticastEndpoint:
     def _on_tail(self, tail: wire.Tail, addr: tuple[str, int]) -> None:
         stream = self._stream(tail.sender, tail.group, tail.session, addr)
         if stream is not None:
+            self._heard_at = time.monotonic()
             stream.on_tail(tail.next_seq)
             self._acknowledge(tail.sender, tail.group, stream)
 
-    def _on_fragment(self, fragment: wire.Fragment, addr: tuple[str, int]) -> None:
+    def _on_fragment(self, fragment: wire.Fragment, addr: tuple[str, int], size: int) -> None:
         stream = self._stream(fragment.sender, fragment.group, fragment.session, addr)
         if stream is None:
             return
+        self._heard_at = time.monotonic()
         into = self._expected[(fragment.sender, fragment.group)]
         if into.qsize() >= self._max_ready and fragment.index == 0:
             self.drop("backlog")
@@ -428,6 +549,7 @@ class MulticastEndpoint:
         if not stream.on_data(fragment.seq):
             self.drop("duplicate")
             return
+        self.stats.data_bytes_received += size
         # Acknowledgements go where new data came from, never where a replay did.
         self._senders[fragment.sender] = addr
         corrupt = self._assembler.corrupt
@@ -459,3 +581,4 @@ class MulticastEndpoint:
             self.node, sender, stream.session, group, stream.cumulative, stream.gaps())))
         self._send.sendto(datagram, addr)
         self.stats.control_bytes_sent += len(datagram)
+        self.stats.control_datagrams_sent += 1

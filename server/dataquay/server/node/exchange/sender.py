@@ -61,8 +61,8 @@ from dataquay.server.node.cluster.directory_link import DirectoryLink
 from dataquay.server.node.cluster.placements import Placement, Placements
 from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.exchange.broker import ExchangeBroker
-from dataquay.server.node.exchange.coded import SNAPSHOT_SECONDS, CodedProgress, PassTransport, coded_pass
-from dataquay.server.node.exchange.mcast import Channel
+from dataquay.server.node.exchange.coded import SNAPSHOT_SECONDS, CodedProgress, PassTransport, coded_pass, linger
+from dataquay.server.node.exchange.mcast import Channel, MulticastEndpoint, no_multicast
 from dataquay.server.node.exchange.outbox import UNAVAILABLE, Outbox, OutboxProgress
 from dataquay.server.node.exchange.pass_ids import PassIds
 from dataquay.server.node.exchange.positions import WHOLE_EPOCH, ReadPositions
@@ -166,6 +166,8 @@ class Exchanges:
         self.spare_copies_fill = spare_copies_fill
         self.multicast = multicast
         self.token = token
+        #: Why jobs with a coded exchange exchange uncoded here (:meth:`check_multicast`); "" when they code.
+        self.multicast_note = "" if multicast else "this daemon has no --exchange-multicast: exchanged uncoded"
         self.runs: dict[tuple[str, int], ExchangeRun] = {}
         #: Per job, the latest run that failed before it had a run record: (epoch, reason).
         self.failures: dict[str, tuple[int, str]] = {}
@@ -246,6 +248,17 @@ class Exchanges:
         latest = {run.job: run.epoch for run in self.progress()}
         return [(job, epoch, reason) for job, (epoch, reason) in sorted(self.failures.items())
                 if epoch > latest.get(job, -1)]
+
+    def check_multicast(self) -> None:
+        """Finds out once, at start, whether the interface carries multicast; where it does not,
+        says so and has coded jobs exchange uncoded at once rather than wait for snapshots."""
+        if self.multicast is None:
+            return
+        reason = no_multicast(self.multicast)
+        if reason:
+            self.multicast_note = f"{reason}: exchanged uncoded"
+            log.warning("coded exchanges run uncoded: no multicast on this fabric", extra={"fields": {
+                "multicast": f"{self.multicast.group}:{self.multicast.port}", "reason": reason}})
 
     async def pass_id(self, job_id: str, epoch: int) -> int:
         """The id of ``job_id``'s coded pass into ``epoch``, for a node of the job (``CodedPass``).
@@ -360,8 +373,8 @@ class Exchanges:
     async def _coded(self, progress: CodedProgress, entry: Registered, scheme: str, after: Placement) -> None:
         """The coded pass before the streams, under an id its job's first node gave it."""
         job_id = after.job.spec.job_id
-        if self.multicast is None:
-            progress.note = "this daemon has no --exchange-multicast: exchanged uncoded"
+        if self.multicast is None or self.multicast_note:
+            progress.note = self.multicast_note
             return
         leader = after.nodes[0]
         try:
@@ -374,10 +387,22 @@ class Exchanges:
             progress.note = f"the job's first node {leader} gave no pass id: {exc.code().name}: {exc.details()}"
             return
         self.live_passes.add(pass_id)
+        endpoint: MulticastEndpoint | None = None
         try:
             transport = PassTransport(self.multicast, self.token, pass_id, self.live_passes, self._count_drop,
                                       self.bandwidth)
-            await coded_pass(transport, self.store, self.receiver, self.broker, entry, job_id, scheme, after, progress)
+            endpoint = await coded_pass(transport, self.store, self.receiver, self.broker, entry, job_id, scheme,
+                                        after, progress)
+        finally:
+            if endpoint is None:
+                self.live_passes.discard(pass_id)
+        if endpoint is not None:
+            self.spawn(self._linger(endpoint, pass_id, progress), f"coded-linger-{job_id}-{after.epoch}")
+
+    async def _linger(self, endpoint: MulticastEndpoint, pass_id: int, progress: CodedProgress) -> None:
+        """Answers the pass's late senders while the streams ship (:func:`.coded.linger`)."""
+        try:
+            await linger(endpoint, progress)
         finally:
             self.live_passes.discard(pass_id)
 
