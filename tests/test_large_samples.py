@@ -113,10 +113,12 @@ def test_the_exchange_moves_a_sample_larger_than_a_message_in_pieces(
     try:
         stubs[0].AddDataset(pb.AddDatasetRequest(name="big", root=str(tmp_path / "big")))
         with dq.connect(local.daemons[0].address, timeout=10) as client:
-            ds = client.dataset("big")
-            # A seed under which a large sample changes owner between epochs 0 and 1.
+            # A seed under which a large sample changes owner between epochs 0 and 1
+            # (a dataset object reads for one job: each seed's job opens its own).
             for seed in range(20):
-                sampler = ds.sampler(job=f"x{seed}", mode="partial", q=1.0, seed=seed, rank=0, world_size=2)
+                sampler = client.dataset("big").sampler(
+                    job=f"x{seed}", mode="partial", q=1.0, seed=seed, rank=0, world_size=2
+                )
                 before, after = sampler.owners(0), sampler.owners(1)
                 moved = np.flatnonzero(before != after)
                 if any(i % len(SIZES) == 0 for i in moved.tolist()):

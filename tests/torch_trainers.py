@@ -139,9 +139,11 @@ def iterable_resumed(address: str, dataset: str, workers: int, batch_size: int, 
     of the epoch's, and the rest a restarted loader yields from the
     checkpoint: through torchdata's StatefulDataLoader, or the dataset's own
     state with a plain DataLoader."""
-    from torchdata.stateful_dataloader import StatefulDataLoader
+    loader_class: Any = torch.utils.data.DataLoader
+    if stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader
 
-    loader_class: Any = StatefulDataLoader if stateful else torch.utils.data.DataLoader
+        loader_class = StatefulDataLoader
     with dq.connect(address, timeout=5) as client:
         ds = client.dataset(dataset)
 

