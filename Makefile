@@ -92,6 +92,7 @@ proto: $(STAMP)
 # `ruff format` is configured there but not yet applied, so not checked here.
 lint: $(STAMP)
 	$(BIN)/ruff check client server protos tests bench
+	$(BIN)/ruff format --check client server protos tests bench
 
 typecheck: $(STAMP)
 	$(BIN)/python -m mypy client/dataquay/client client/dataquay/analyze server/dataquay/server

@@ -87,8 +87,10 @@ def bench(daemon: DaemonProcess, base: Path, size: int, label: str) -> dict[str,
                 time.sleep(0.02)
             rates[source].append(count / (time.perf_counter() - started))
             after = stub(daemon).Stats(pb.StatsRequest())
-            got = {s: getattr(after.cache_behind, f"{s}_samples") - getattr(before, f"{s}_samples")
-                   for s in ("page_cache", "handed")}
+            got = {
+                s: getattr(after.cache_behind, f"{s}_samples") - getattr(before, f"{s}_samples")
+                for s in ("page_cache", "handed")
+            }
             assert sum(got.values()) == count and got[source] >= 0.9 * count, f"{source}: {got} of {count}"
             assert after.pfs_bytes == 0, "the daemon read the PFS"
             if source == "handed":
@@ -121,8 +123,16 @@ def main() -> None:
     report(
         "cache_behind",
         rows,
-        ["size", "trainer_read_per_s", "cached_from_page_cache_per_s", "page_cache_vs_read",
-         "cached_from_handed_per_s", "handed_vs_read", "handed_share", "read_back_MiB"],
+        [
+            "size",
+            "trainer_read_per_s",
+            "cached_from_page_cache_per_s",
+            "page_cache_vs_read",
+            "cached_from_handed_per_s",
+            "handed_vs_read",
+            "handed_share",
+            "read_back_MiB",
+        ],
     )
 
 

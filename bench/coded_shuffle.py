@@ -44,9 +44,23 @@ MEDIAN_BYTES, SIGMA = 110 * 1024, 0.5
 SCHEMES = ("none", "coded", "uber")
 
 COLUMNS = [
-    "nodes", "alpha", "copies", "samples", "needed",
-    "none_packets", "coded_packets", "uber_packets", "none_tx", "coded_tx", "uber_tx",
-    "uber_tx_vs_none", "none_GiB", "coded_GiB", "uber_GiB", "coded_s", "uber_s",
+    "nodes",
+    "alpha",
+    "copies",
+    "samples",
+    "needed",
+    "none_packets",
+    "coded_packets",
+    "uber_packets",
+    "none_tx",
+    "coded_tx",
+    "uber_tx",
+    "uber_tx_vs_none",
+    "none_GiB",
+    "coded_GiB",
+    "uber_GiB",
+    "coded_s",
+    "uber_s",
 ]
 
 
@@ -69,7 +83,9 @@ def row(nodes: int, alpha: float, samples: int, seed: int = 0) -> dict[str, obje
     holders = holder_bits(caches, samples)
     repeats = REPEATS if nodes >= 256 else 1
     out: dict[str, object] = {
-        "nodes": nodes, "alpha": round(alpha, 4), "copies": round(float(np.bitwise_count(holders).sum()) / samples, 2),
+        "nodes": nodes,
+        "alpha": round(alpha, 4),
+        "copies": round(float(np.bitwise_count(holders).sum()) / samples, 2),
         "samples": samples,
     }
     for scheme in SCHEMES:

@@ -60,8 +60,9 @@ def worker(args: argparse.Namespace) -> None:
 
     with dq.connect(args.addr, timeout=30) as client:
         ds = client.dataset(args.dataset)
-        with ds.coordinated(group=args.group, jobs=args.jobs, prep=prep, batch_size=args.batch_size,
-                            timeout=60, workers=args.workers) as loader:
+        with ds.coordinated(
+            group=args.group, jobs=args.jobs, prep=prep, batch_size=args.batch_size, timeout=60, workers=args.workers
+        ) as loader:
             samples, started, before = 0, time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             for epoch in range(args.epochs):
                 loader.set_epoch(epoch)
@@ -71,10 +72,18 @@ def worker(args: argparse.Namespace) -> None:
             wall = time.perf_counter() - started
             usage = resource.getrusage(resource.RUSAGE_SELF)
             cpu = usage.ru_utime + usage.ru_stime - before.ru_utime - before.ru_stime
-            print(json.dumps({
-                "samples": samples, "wall": wall, "cpu": cpu,
-                "prepped_here": loader.prepped_here, "wait": loader.wait_seconds,
-            }), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "samples": samples,
+                        "wall": wall,
+                        "cpu": cpu,
+                        "prepped_here": loader.prepped_here,
+                        "wait": loader.wait_seconds,
+                    }
+                ),
+                flush=True,
+            )
 
 
 def cpu_seconds(pid: int) -> float:
@@ -86,13 +95,28 @@ def run_jobs(daemon: DaemonProcess, args: argparse.Namespace, k: int, coordinate
     """k jobs at once; their mean samples/s and everyone's CPU seconds."""
     assert daemon.process is not None
     groups = [f"coord-{run}"] * k if coordinated else [f"solo-{run}-{i}" for i in range(k)]
-    command = [sys.executable, __file__, "--worker", "--addr", daemon.address, "--dataset", "bench",
-               "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--step", str(args.step),
-               "--workers", str(args.workers)]
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--addr",
+        daemon.address,
+        "--dataset",
+        "bench",
+        "--epochs",
+        str(args.epochs),
+        "--batch-size",
+        str(args.batch_size),
+        "--step",
+        str(args.step),
+        "--workers",
+        str(args.workers),
+    ]
     daemon_cpu = cpu_seconds(daemon.process.pid)
     jobs = [
-        subprocess.Popen([*command, "--group", group, "--jobs", str(k if coordinated else 1)],
-                         stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [*command, "--group", group, "--jobs", str(k if coordinated else 1)], stdout=subprocess.PIPE, text=True
+        )
         for group in groups
     ]
     results = []
@@ -104,9 +128,12 @@ def run_jobs(daemon: DaemonProcess, args: argparse.Namespace, k: int, coordinate
     daemon_cpu = cpu_seconds(daemon.process.pid) - daemon_cpu
     jobs_cpu = sum(r["cpu"] for r in results)
     return {
-        "k": k, "way": "coordinated" if coordinated else "independent",
+        "k": k,
+        "way": "coordinated" if coordinated else "independent",
         "samples/s per job": float(np.mean([r["samples"] / r["wall"] for r in results])),
-        "jobs CPU s": jobs_cpu, "daemon CPU s": daemon_cpu, "total CPU s": jobs_cpu + daemon_cpu,
+        "jobs CPU s": jobs_cpu,
+        "daemon CPU s": daemon_cpu,
+        "total CPU s": jobs_cpu + daemon_cpu,
         "batches prepped": sum(r["prepped_here"] for r in results),
         "wait s per job": float(np.mean([r["wait"] for r in results])),
     }
@@ -156,8 +183,22 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             daemon.stop()
     name = "coordinated_prep-quick" if args.quick else "coordinated_prep"
-    report(name, rows, ["k", "way", "samples/s per job", "total CPU s", "jobs CPU s", "daemon CPU s",
-                        "batches prepped", "wait s per job", "CPU vs independent", "speed vs independent"])
+    report(
+        name,
+        rows,
+        [
+            "k",
+            "way",
+            "samples/s per job",
+            "total CPU s",
+            "jobs CPU s",
+            "daemon CPU s",
+            "batches prepped",
+            "wait s per job",
+            "CPU vs independent",
+            "speed vs independent",
+        ],
+    )
 
 
 if __name__ == "__main__":

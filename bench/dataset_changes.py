@@ -61,11 +61,16 @@ def run(files: int, label: str, size: int, base: Path) -> dict[str, object]:
     finally:
         daemon.stop()
     return {
-        "sample": label, "files": files, "modified": modified, "appended": appended,
+        "sample": label,
+        "files": files,
+        "modified": modified,
+        "appended": appended,
         "first_stage_pfs_bytes": first.read_bytes,
-        "restage_pfs_bytes": kept.read_bytes, "restage_seconds": round(kept_seconds, 2),
+        "restage_pfs_bytes": kept.read_bytes,
+        "restage_seconds": round(kept_seconds, 2),
         "restage_skipped": kept.skipped_samples,
-        "baseline_pfs_bytes": fresh.read_bytes, "baseline_seconds": round(fresh_seconds, 2),
+        "baseline_pfs_bytes": fresh.read_bytes,
+        "baseline_seconds": round(fresh_seconds, 2),
         "pfs_bytes_saved": fresh.read_bytes - kept.read_bytes,
         "saved_fraction": round(1 - kept.read_bytes / fresh.read_bytes, 4),
         "ideal_pfs_bytes": (modified + appended) * size,
@@ -85,9 +90,20 @@ def main() -> None:
     finally:
         shutil.rmtree(base)
     report(
-        "dataset_changes", rows,
-        ["sample", "files", "modified", "appended", "restage_pfs_bytes", "ideal_pfs_bytes", "baseline_pfs_bytes",
-         "saved_fraction", "restage_seconds", "baseline_seconds"],
+        "dataset_changes",
+        rows,
+        [
+            "sample",
+            "files",
+            "modified",
+            "appended",
+            "restage_pfs_bytes",
+            "ideal_pfs_bytes",
+            "baseline_pfs_bytes",
+            "saved_fraction",
+            "restage_seconds",
+            "baseline_seconds",
+        ],
     )
 
 

@@ -132,8 +132,12 @@ class _Node:
     def __init__(self, index: int, channel: grpc.aio.Channel, address: str, log: dict[str, Any]) -> None:
         self.name = f"sim-{index:05d}"
         self.info = jpb.NodeInfo(
-            name=self.name, tcp_address=f"127.0.0.1:{20000 + index}", metrics_address=f"127.0.0.1:{40000 + index}",
-            cache_capacity=1 << 40, pid=os.getpid(), version="bench",
+            name=self.name,
+            tcp_address=f"127.0.0.1:{20000 + index}",
+            metrics_address=f"127.0.0.1:{40000 + index}",
+            cache_capacity=1 << 40,
+            pid=os.getpid(),
+            version="bench",
         )
         self.beat = dpb.HeartbeatRequest(name=self.name, cache_used_bytes=1 << 30, cache_entries=10_000)
         self.stub = directory_pb2_grpc.DirectoryStub(channel)
@@ -348,7 +352,11 @@ def _line_by(generator: subprocess.Popen[str], deadline: float) -> str | None:
 
 
 def load(
-    pid: int, address: str, base: Path, tag: str, counted: Callable[[], float] | None,
+    pid: int,
+    address: str,
+    base: Path,
+    tag: str,
+    counted: Callable[[], float] | None,
     probe: Callable[[], dict[str, float]] | None = None,
 ) -> dict[str, object]:
     """Runs the simulated nodes against the server ``pid`` at ``address``: its CPU and their view;
@@ -359,11 +367,22 @@ def load(
     try:
         boot_cpu, boot_wall = cpu_seconds(pid), time.monotonic()
         for g in range(GENERATORS):
-            generators.append(subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--generate", str(g * per), str(per), address,
-                 str(base / f"{tag}-generator-{g}.json")],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            ))
+            generators.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(Path(__file__).resolve()),
+                        "--generate",
+                        str(g * per),
+                        str(per),
+                        address,
+                        str(base / f"{tag}-generator-{g}.json"),
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
         deadline = boot_wall + MAX_WARMUP_SECONDS
         lines = [_line_by(generator, deadline) for generator in generators]
         for line in lines:
@@ -384,12 +403,17 @@ def load(
         for window in range(REPEATS + 1):
             if window:
                 time.sleep(WINDOW_SECONDS)
-            marks.append({
-                "time": time.time(), "clock": time.monotonic(), "cpu": cpu_seconds(pid),
-                "threads": thread_seconds(pid), "generators": sum(cpu_seconds(g.pid) for g in generators),
-                "counted": counted() if counted else 0.0,
-                "probe": probe() if probe else {},
-            })
+            marks.append(
+                {
+                    "time": time.time(),
+                    "clock": time.monotonic(),
+                    "cpu": cpu_seconds(pid),
+                    "threads": thread_seconds(pid),
+                    "generators": sum(cpu_seconds(g.pid) for g in generators),
+                    "counted": counted() if counted else 0.0,
+                    "probe": probe() if probe else {},
+                }
+            )
         after = _list_nodes(address)
         for generator in generators:
             assert generator.stdin is not None
@@ -428,9 +452,9 @@ def load(
         "nodes_up_end": sum(1 for i in range(NODES) if listed.get(f"sim-{i:05d}") == jpb.NODE_UP),
         "node_changes": after.versions.nodes - before.versions.nodes if after and before else None,
         "errors": sum(1 for log in logs for t, *_ in log["errors"] if first["time"] <= t < last["time"]),
-        "boot_errors": dict(Counter(
-            f"{call} {code}" for log in logs for t, call, code in log["errors"] if t < first["time"]
-        )),
+        "boot_errors": dict(
+            Counter(f"{call} {code}" for log in logs for t, call, code in log["errors"] if t < first["time"])
+        ),
         "reregistered": sum(len(log["reregistered"]) for log in logs),
         "boot_list_nodes": sum(1 for log in logs for t, *_ in log["list_nodes"] if t < first["time"]),
         "boot_full_lists": sum(
@@ -477,8 +501,14 @@ def main() -> None:
             cpu0, wall0 = cpu_seconds(pid), time.monotonic()
             time.sleep(WINDOW_SECONDS)
             idle_pct = 100 * (cpu_seconds(pid) - cpu0) / (time.monotonic() - wall0)
-            loaded = load(pid, directory.address, base, "directory", _heartbeats_counted(directory),
-                          _etcd_probe(etcd) if etcd else None)
+            loaded = load(
+                pid,
+                directory.address,
+                base,
+                "directory",
+                _heartbeats_counted(directory),
+                _etcd_probe(etcd) if etcd else None,
+            )
         finally:
             directory.stop()
             if etcd is not None:
@@ -501,41 +531,70 @@ def main() -> None:
 
     rows: list[dict[str, object]] = []
     for server, result in (("directory", loaded), ("bare grpc.aio", floor)):
-        rows.append({
-            "server": server,
-            "nodes": NODES,
-            "heartbeat": HEARTBEAT,
-            "heartbeat_s": HEARTBEAT_SECONDS,
-            "lease_s": LEASE_SECONDS,
-            "connections": CONNECTIONS,
-            "keepalive": KEEPALIVE,
-            "windows_s": f"{REPEATS} x {WINDOW_SECONDS:.0f}",
-            "directory_source": DIRECTORY_SOURCE or None,
-            "load_average": os.getloadavg(),
-            "idle_cpu_pct": idle_pct if server == "directory" else None,
-            **result,
-            "vs_bare": result["cpu_pct"] / floor["cpu_pct"],  # type: ignore[operator]
-            "target_pct": TARGET_PERCENT,
-            "expected_per_s": NODES / HEARTBEAT_SECONDS,
-        })
+        rows.append(
+            {
+                "server": server,
+                "nodes": NODES,
+                "heartbeat": HEARTBEAT,
+                "heartbeat_s": HEARTBEAT_SECONDS,
+                "lease_s": LEASE_SECONDS,
+                "connections": CONNECTIONS,
+                "keepalive": KEEPALIVE,
+                "windows_s": f"{REPEATS} x {WINDOW_SECONDS:.0f}",
+                "directory_source": DIRECTORY_SOURCE or None,
+                "load_average": os.getloadavg(),
+                "idle_cpu_pct": idle_pct if server == "directory" else None,
+                **result,
+                "vs_bare": result["cpu_pct"] / floor["cpu_pct"],  # type: ignore[operator]
+                "target_pct": TARGET_PERCENT,
+                "expected_per_s": NODES / HEARTBEAT_SECONDS,
+            }
+        )
     variant = "".join(
         f"-{key}{value}"
         for key, value, default in (
-            ("nodes", NODES, 1024), ("hb", f"{HEARTBEAT_SECONDS:g}", "2"), ("", HEARTBEAT, "udp"),
-            ("conn-", CONNECTIONS, "node"), ("keepalive", int(KEEPALIVE), 1),
-            ("", "source" if DIRECTORY_SOURCE else "", ""), ("", STORE, "embedded"),
+            ("nodes", NODES, 1024),
+            ("hb", f"{HEARTBEAT_SECONDS:g}", "2"),
+            ("", HEARTBEAT, "udp"),
+            ("conn-", CONNECTIONS, "node"),
+            ("keepalive", int(KEEPALIVE), 1),
+            ("", "source" if DIRECTORY_SOURCE else "", ""),
+            ("", STORE, "embedded"),
         )
         if value != default
     )
     report(
         f"directory_load{variant}",
         rows,
-        ["server", "nodes", "heartbeat", "heartbeat_s", "idle_cpu_pct", "cpu_pct", "vs_bare", "target_pct",
-         "cpu_ms_per_beat", "heartbeats_per_s", "directory_counted_per_s", "expected_per_s", "beats_by_rpc",
-         "p50_ms", "p99_ms",
-         "max_ms", "nodes_up_end", "node_changes", "errors", "generators_cpu_pct", "boot_s", "settled_s",
-         "boot_cpu_s", "boot_list_nodes", "boot_full_lists", "boot_list_entries",
-         *(["etcd_writes_per_s", "etcd_cpu_pct_per_s"] if STORE == "etcd" else [])],
+        [
+            "server",
+            "nodes",
+            "heartbeat",
+            "heartbeat_s",
+            "idle_cpu_pct",
+            "cpu_pct",
+            "vs_bare",
+            "target_pct",
+            "cpu_ms_per_beat",
+            "heartbeats_per_s",
+            "directory_counted_per_s",
+            "expected_per_s",
+            "beats_by_rpc",
+            "p50_ms",
+            "p99_ms",
+            "max_ms",
+            "nodes_up_end",
+            "node_changes",
+            "errors",
+            "generators_cpu_pct",
+            "boot_s",
+            "settled_s",
+            "boot_cpu_s",
+            "boot_list_nodes",
+            "boot_full_lists",
+            "boot_list_entries",
+            *(["etcd_writes_per_s", "etcd_cpu_pct_per_s"] if STORE == "etcd" else []),
+        ],
     )
     assert loaded["settled_s"] is not None, f"the boot did not settle within {MAX_WARMUP_SECONDS:.0f} s"
     assert loaded["nodes_up_end"] == NODES, f"only {loaded['nodes_up_end']} of {NODES} nodes are UP at the end"

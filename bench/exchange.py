@@ -109,8 +109,15 @@ def throughput(base: Path) -> list[dict[str, object]]:
                 shutil.rmtree(local.daemons[1].cache_dir)
                 local.restart_node(1)
                 job_id = f"x-{label}-{round_}"
-                spec = jpb.JobSpec(job_id=job_id, dataset=label, mode="partial", q=1.0, seed=round_,
-                                   nodes=["node-0", "node-1"], ranks_per_node=1)
+                spec = jpb.JobSpec(
+                    job_id=job_id,
+                    dataset=label,
+                    mode="partial",
+                    q=1.0,
+                    seed=round_,
+                    nodes=["node-0", "node-1"],
+                    ranks_per_node=1,
+                )
                 job = n0.JoinJob(jpb.JoinJobRequest(spec=spec))
                 plan = job_plan(job, manifest)
                 before = owners(plan, 0)
@@ -139,14 +146,16 @@ def throughput(base: Path) -> list[dict[str, object]]:
                     assert [s.data for s in got] == [sample_bytes(0, i, size) for i in check]
             channel.close()
         peer, exchange = statistics.median(peer_rates), statistics.median(exchange_rates)
-        rows.append({
-            "size": label,
-            "moved_MB": statistics.median(moved) / 1e6,
-            "peer_read_GBps": peer / 1e9,
-            "exchange_GBps": exchange / 1e9,
-            "ratio": exchange / peer,
-            "target": TARGET,
-        })
+        rows.append(
+            {
+                "size": label,
+                "moved_MB": statistics.median(moved) / 1e6,
+                "peer_read_GBps": peer / 1e9,
+                "exchange_GBps": exchange / 1e9,
+                "ratio": exchange / peer,
+                "target": TARGET,
+            }
+        )
     return rows
 
 
@@ -173,8 +182,7 @@ def hidden_epochs(base: Path) -> list[dict[str, object]]:
                 progress(f"epochs: epoch {epoch + 1} of {EPOCHS}")
                 results = group.epoch(epoch)
                 stats = [stub.Stats(pb.StatsRequest()) for _, stub in stubs]
-                runs = [next((r for r in s.exchanges if r.job == "hide" and r.epoch == epoch + 1), None)
-                        for s in stats]
+                runs = [next((r for r in s.exchanges if r.job == "hide" and r.epoch == epoch + 1), None) for s in stats]
                 hidden = all(r is not None and r.finished for r in runs)
                 done = [_exchange_run(stub, "hide", epoch + 1) for _, stub in stubs]
                 changed = epoch_owners[epoch] != epoch_owners[epoch + 1]
@@ -183,20 +191,22 @@ def hidden_epochs(base: Path) -> list[dict[str, object]]:
                 expected_bytes = int(manifest.sample_length[changed].sum())
                 sent = sum(r.sent_bytes for r in done)
                 held = sum(r.delivered_bytes - r.sent_bytes for r in done)
-                rows.append({
-                    "epoch": epoch,
-                    "wall_s": max(r.wall_seconds for r in results),
-                    "exchange_s": max(r.elapsed_seconds for r in done),
-                    "hidden": hidden,
-                    "local_pct": 100 * (counts.get("local", 0) + counts.get("cache", 0)) / total,
-                    "peer": counts.get("peer", 0),
-                    "pfs": counts.get("pfs", 0) + counts.get("fallback", 0),
-                    "placement_MB": expected_bytes / 1e6,
-                    "sent_MB": sent / 1e6,
-                    "held_MB": held / 1e6,
-                    "sent_vs_placement": sent / expected_bytes,
-                    "accounted": (sent + held) / expected_bytes,
-                })
+                rows.append(
+                    {
+                        "epoch": epoch,
+                        "wall_s": max(r.wall_seconds for r in results),
+                        "exchange_s": max(r.elapsed_seconds for r in done),
+                        "hidden": hidden,
+                        "local_pct": 100 * (counts.get("local", 0) + counts.get("cache", 0)) / total,
+                        "peer": counts.get("peer", 0),
+                        "pfs": counts.get("pfs", 0) + counts.get("fallback", 0),
+                        "placement_MB": expected_bytes / 1e6,
+                        "sent_MB": sent / 1e6,
+                        "held_MB": held / 1e6,
+                        "sent_vs_placement": sent / expected_bytes,
+                        "accounted": (sent + held) / expected_bytes,
+                    }
+                )
         for channel, _ in stubs:
             channel.close()
     return rows
@@ -206,12 +216,30 @@ def main() -> None:
     tune_malloc()
     with tempfile.TemporaryDirectory(prefix="dq-bench-exchange-") as tmp:
         base = Path(tmp)
-        report("exchange_throughput", throughput(base),
-               ["size", "moved_MB", "peer_read_GBps", "exchange_GBps", "ratio", "target"])
+        report(
+            "exchange_throughput",
+            throughput(base),
+            ["size", "moved_MB", "peer_read_GBps", "exchange_GBps", "ratio", "target"],
+        )
         print()
-        report("exchange_epochs", hidden_epochs(base),
-               ["epoch", "wall_s", "exchange_s", "hidden", "local_pct", "peer", "pfs", "placement_MB", "sent_MB",
-                "held_MB", "sent_vs_placement", "accounted"])
+        report(
+            "exchange_epochs",
+            hidden_epochs(base),
+            [
+                "epoch",
+                "wall_s",
+                "exchange_s",
+                "hidden",
+                "local_pct",
+                "peer",
+                "pfs",
+                "placement_MB",
+                "sent_MB",
+                "held_MB",
+                "sent_vs_placement",
+                "accounted",
+            ],
+        )
 
 
 if __name__ == "__main__":

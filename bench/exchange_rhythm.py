@@ -71,8 +71,14 @@ class Cache(NamedTuple):
 
 
 def plan(samples: int, q: float) -> JobPlan:
-    settings = JobSettings(job_id=JOB, mode="partial", q=q, ranks_per_node=RANKS_PER_NODE, batch_size=BATCH,
-                           nodes=tuple(f"n{m}" for m in range(NODES)))
+    settings = JobSettings(
+        job_id=JOB,
+        mode="partial",
+        q=q,
+        ranks_per_node=RANKS_PER_NODE,
+        batch_size=BATCH,
+        nodes=tuple(f"n{m}" for m in range(NODES)),
+    )
     return JobPlan(settings, num_samples=samples, num_nodes=NODES)
 
 
@@ -86,17 +92,40 @@ def caches(samples: int, q: float, epochs: int) -> tuple[int, list[Cache]]:
 
 def run(base: Path, samples: int, q: float, epochs: int, cache: Cache, step: float) -> list[dict[str, object]]:
     """``epochs`` epochs on caches of ``cache.capacity``; a row per epoch."""
-    local = LocalCluster(base / f"cluster-{cache.label}-{step}", NODES, ("--cache-size", str(cache.capacity)),
-                         LEASES, dataset_roots=(base,)).start()
+    local = LocalCluster(
+        base / f"cluster-{cache.label}-{step}",
+        NODES,
+        ("--cache-size", str(cache.capacity)),
+        LEASES,
+        dataset_roots=(base,),
+    ).start()
     try:
         root = base / "pfs"
         if not root.exists():
             make_files_dataset(root, samples, sizes=(SIZE,))
         assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
-        assert cli_main([
-            "stage", "imgs", "--job", JOB, "--mode", "partial", "--q", str(q), "--seed", "5",
-            "--ranks-per-node", str(RANKS_PER_NODE), "--quiet", "--directory", local.directory_address,
-        ]) == 0
+        assert (
+            cli_main(
+                [
+                    "stage",
+                    "imgs",
+                    "--job",
+                    JOB,
+                    "--mode",
+                    "partial",
+                    "--q",
+                    str(q),
+                    "--seed",
+                    "5",
+                    "--ranks-per-node",
+                    str(RANKS_PER_NODE),
+                    "--quiet",
+                    "--directory",
+                    local.directory_address,
+                ]
+            )
+            == 0
+        )
         started = time.perf_counter()
         lines = ranks(local, base, epochs, step)
         wall = time.perf_counter() - started
@@ -106,15 +135,25 @@ def run(base: Path, samples: int, q: float, epochs: int, cache: Cache, step: flo
     rows = []
     for epoch in range(epochs):
         tiers = {t: sum(rank[epoch]["samples"][t] for rank in lines) for t in lines[0][epoch]["samples"]}
-        rows.append({
-            "cache": cache.label, "cache_MB": round(cache.capacity / 1e6, 1), "step_s": step, "epoch": epoch,
-            "local": tiers["local"] + tiers["cache"], "peer": tiers["peer"], "pfs": tiers["pfs"],
-            "read": sum(tiers.values()), "wall_s": round(wall, 1),
-            "read_ahead_MB": round(sum(a.overflow_read_bytes for a in ahead) / 1e6, 2),
-            "read_ahead_discarded_MB": round(sum(a.overflow_wasted_bytes for a in ahead) / 1e6, 2),
-        })
-    progress(f"{cache.label} step {step}: local {[r['local'] for r in rows]} peer {[r['peer'] for r in rows]} "
-             f"pfs {[r['pfs'] for r in rows]} in {wall:.0f} s")
+        rows.append(
+            {
+                "cache": cache.label,
+                "cache_MB": round(cache.capacity / 1e6, 1),
+                "step_s": step,
+                "epoch": epoch,
+                "local": tiers["local"] + tiers["cache"],
+                "peer": tiers["peer"],
+                "pfs": tiers["pfs"],
+                "read": sum(tiers.values()),
+                "wall_s": round(wall, 1),
+                "read_ahead_MB": round(sum(a.overflow_read_bytes for a in ahead) / 1e6, 2),
+                "read_ahead_discarded_MB": round(sum(a.overflow_wasted_bytes for a in ahead) / 1e6, 2),
+            }
+        )
+    progress(
+        f"{cache.label} step {step}: local {[r['local'] for r in rows]} peer {[r['peer'] for r in rows]} "
+        f"pfs {[r['pfs'] for r in rows]} in {wall:.0f} s"
+    )
     return rows
 
 
@@ -122,10 +161,15 @@ def ranks(local: LocalCluster, base: Path, epochs: int, step: float) -> list[lis
     """Every rank run to its end at its own pace; its JSON line per epoch."""
     logs = [open(base / f"rank-{r}.log", "wb") for r in range(NODES * RANKS_PER_NODE)]
     try:
-        procs = [subprocess.Popen(free_rank.command("imgs", epochs, BATCH, step, READ_AHEAD),
-                                  env={**os.environ, **local.rank_env(r, RANKS_PER_NODE, JOB)},
-                                  stdout=subprocess.PIPE, stderr=log)
-                 for r, log in enumerate(logs)]
+        procs = [
+            subprocess.Popen(
+                free_rank.command("imgs", epochs, BATCH, step, READ_AHEAD),
+                env={**os.environ, **local.rank_env(r, RANKS_PER_NODE, JOB)},
+                stdout=subprocess.PIPE,
+                stderr=log,
+            )
+            for r, log in enumerate(logs)
+        ]
         outputs = [p.communicate(timeout=600)[0] for p in procs]
     finally:
         for log in logs:
@@ -146,8 +190,9 @@ def predicted_misses(samples: int, q: float, epochs: int, capacity: int) -> list
     return [t.pfs_bytes / SIZE for t in simulate(scenario, epochs)]
 
 
-def summary(rows: list[dict[str, object]], samples: int, q: float, epochs: int,
-            sized: list[Cache]) -> list[dict[str, object]]:
+def summary(
+    rows: list[dict[str, object]], samples: int, q: float, epochs: int, sized: list[Cache]
+) -> list[dict[str, object]]:
     """One row per run: local hits' range over the epochs, against the 10x run's."""
     out = []
     for cache in sized:
@@ -159,10 +204,14 @@ def summary(rows: list[dict[str, object]], samples: int, q: float, epochs: int,
             local = [int(str(r["local"])) for r in mine]
             misses = [int(str(r["peer"])) + int(str(r["pfs"])) for r in mine]
             row: dict[str, object] = {
-                "cache": cache.label, "cache_MB": mine[0]["cache_MB"], "step_s": step,
-                "local_min": min(local), "local_max": max(local),
+                "cache": cache.label,
+                "cache_MB": mine[0]["cache_MB"],
+                "step_s": step,
+                "local_min": min(local),
+                "local_max": max(local),
                 "local_min_pct": round(100 * min(lo / int(str(r["read"])) for lo, r in zip(local, mine)), 2),
-                "peer_max": max(int(str(r["peer"])) for r in mine), "pfs_max": max(int(str(r["pfs"])) for r in mine),
+                "peer_max": max(int(str(r["peer"])) for r in mine),
+                "pfs_max": max(int(str(r["pfs"])) for r in mine),
                 "read_ahead_discarded_MB": mine[0]["read_ahead_discarded_MB"],
                 "local_vs_10x": round(sum(local) / sum(int(str(r["local"])) for r in base), 3) if base else None,
             }
@@ -193,15 +242,40 @@ def main() -> None:
         for step in steps:
             for cache in sized:
                 rows += run(Path(tmp), args.samples, args.q, args.epochs, cache, step)
-    extra = {"share_MB": round(share / 1e6, 1), "samples": args.samples, "sample_bytes": SIZE, "q": args.q,
-             "epochs": args.epochs, "batch": BATCH, "read_ahead": READ_AHEAD, "summary": summary(
-                 rows, args.samples, args.q, args.epochs, sized)}
-    report(args.name, rows, ["cache", "cache_MB", "step_s", "epoch", "local", "peer", "pfs", "read",
-                                     "read_ahead_discarded_MB"], extra)
+    extra = {
+        "share_MB": round(share / 1e6, 1),
+        "samples": args.samples,
+        "sample_bytes": SIZE,
+        "q": args.q,
+        "epochs": args.epochs,
+        "batch": BATCH,
+        "read_ahead": READ_AHEAD,
+        "summary": summary(rows, args.samples, args.q, args.epochs, sized),
+    }
+    report(
+        args.name,
+        rows,
+        ["cache", "cache_MB", "step_s", "epoch", "local", "peer", "pfs", "read", "read_ahead_discarded_MB"],
+        extra,
+    )
     print()
-    report(f"{args.name}_summary", list(extra["summary"]),  # type: ignore[call-overload]
-           ["cache", "cache_MB", "step_s", "local_min", "local_max", "local_min_pct", "peer_max", "pfs_max",
-            "read_ahead_discarded_MB", "local_vs_10x", "misses_vs_simulate"])
+    report(
+        f"{args.name}_summary",
+        list(extra["summary"]),  # type: ignore[call-overload]
+        [
+            "cache",
+            "cache_MB",
+            "step_s",
+            "local_min",
+            "local_max",
+            "local_min_pct",
+            "peer_max",
+            "pfs_max",
+            "read_ahead_discarded_MB",
+            "local_vs_10x",
+            "misses_vs_simulate",
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -271,8 +271,12 @@ def bench_size(
             return total
 
         runs: dict[str, Callable[[], int]] = {
-            "direct": direct, "baseline": baseline, "hop1": hop1, "hop2": hop2,
-            "peer_shm": peer_shm, "peer_inline": peer_inline,
+            "direct": direct,
+            "baseline": baseline,
+            "hop1": hop1,
+            "hop2": hop2,
+            "peer_shm": peer_shm,
+            "peer_inline": peer_inline,
         }
         for run in runs.values():
             run()  # warm: page cache, connections, segments
@@ -295,8 +299,10 @@ def bench_size(
         base_channel.close()
     peer_channel.close()
 
-    got = (shm_client.stats().samples["peer"] - peers_before[0], inline_client.stats().samples["peer"]
-           - peers_before[1])
+    got = (
+        shm_client.stats().samples["peer"] - peers_before[0],
+        inline_client.stats().samples["peer"] - peers_before[1],
+    )
     assert got == (REPEATS * total, REPEATS * total), f"not every read was a peer hit: {got}"
     assert shm_client.stats().samples["pfs"] == inline_client.stats().samples["pfs"] == 0
     shm_client.close()
@@ -361,14 +367,36 @@ def main() -> None:
     report(
         "peer_hits",
         rows,
-        ["size", "baseline_per_s", "baseline_GBps", "peer_shm_per_s", "peer_shm_GBps", "shm_ratio",
-         "peer_inline_per_s", "peer_inline_GBps", "inline_ratio", "direct_per_s", "direct_GBps", "target"],
+        [
+            "size",
+            "baseline_per_s",
+            "baseline_GBps",
+            "peer_shm_per_s",
+            "peer_shm_GBps",
+            "shm_ratio",
+            "peer_inline_per_s",
+            "peer_inline_GBps",
+            "inline_ratio",
+            "direct_per_s",
+            "direct_GBps",
+            "target",
+        ],
     )
     report(
         "peer_hops",
         hops,
-        ["size", "baseline_ms", "hop1_ms", "hop2_shm_ms", "peer_shm_ms", "peer_inline_ms", "n1_read_ms",
-         "n0_read_ms", "hop1_GBps", "hop2_shm_GBps"],
+        [
+            "size",
+            "baseline_ms",
+            "hop1_ms",
+            "hop2_shm_ms",
+            "peer_shm_ms",
+            "peer_inline_ms",
+            "n1_read_ms",
+            "n0_read_ms",
+            "hop1_GBps",
+            "hop2_shm_GBps",
+        ],
     )
 
 

@@ -64,8 +64,20 @@ TARGET_SECONDS = 2.0
 SIMULATED_EPOCH_SECONDS = 10.0
 
 COLUMNS = [
-    "mode", "partition", "N", "M", "g", "b", "q", "groups", "owners_s", "rank_order_s", "transfers_s",
-    "network_pct", "node_load_spread", "within_target",
+    "mode",
+    "partition",
+    "N",
+    "M",
+    "g",
+    "b",
+    "q",
+    "groups",
+    "owners_s",
+    "rank_order_s",
+    "transfers_s",
+    "network_pct",
+    "node_load_spread",
+    "within_target",
 ]
 #: Rounds of ``--locality-plan``, each a fresh process per tree; the epoch
 #: it plans and the rank whose order it computes (the last).
@@ -214,16 +226,18 @@ def locality_plan(against: Path | None) -> None:
     for name in trees:
         for stage, (seconds, cpu_seconds) in medians[name].items():
             compared = name == "this" and stage in baseline
-            rows.append({
-                "code": name if name == "this" else str(against),
-                "stage": stage,
-                "seconds": seconds,
-                "cpu_seconds": cpu_seconds,
-                "vs_against": seconds / baseline[stage][0] if compared else None,
-                "cpu_vs_against": cpu_seconds / baseline[stage][1] if compared else None,
-                "load_1min": statistics.median(loads[name]),
-                "rounds_wall_cpu": [times[stage] for times in rounds[name]],
-            })
+            rows.append(
+                {
+                    "code": name if name == "this" else str(against),
+                    "stage": stage,
+                    "seconds": seconds,
+                    "cpu_seconds": cpu_seconds,
+                    "vs_against": seconds / baseline[stage][0] if compared else None,
+                    "cpu_vs_against": cpu_seconds / baseline[stage][1] if compared else None,
+                    "load_1min": statistics.median(loads[name]),
+                    "rounds_wall_cpu": [times[stage] for times in rounds[name]],
+                }
+            )
     report("placement-locality", rows, PLAN_COLUMNS)
 
 

@@ -64,16 +64,23 @@ def trial_rows(m: int, trial: int, samples: int) -> list[dict[str, object]]:
         ideal = 1 / m if change == "leave" else 1 / (m + 1)
         moved = float(np.mean(before != stable(samples, after_names)))
         blocks = float(np.mean(blocks_before != index_blocks(samples, after_names, trial)))
-        rows.append({
-            "nodes": m, "trial": trial, "change": change,
-            "ideal_fraction": ideal, "moved_fraction": moved, "moved_over_ideal": moved / ideal,
-            "moved_bytes": round(moved * samples) * SAMPLE_BYTES,
-            "ideal_bytes": round(ideal * samples) * SAMPLE_BYTES,
-            "index_blocks_fraction": blocks, "index_blocks_over_ideal": blocks / ideal,
-            "share_max_over_mean": float(loads.max() / loads.mean()),
-            "share_min_over_mean": float(loads.min() / loads.mean()),
-            "placement_cpu_s": seconds,
-        })
+        rows.append(
+            {
+                "nodes": m,
+                "trial": trial,
+                "change": change,
+                "ideal_fraction": ideal,
+                "moved_fraction": moved,
+                "moved_over_ideal": moved / ideal,
+                "moved_bytes": round(moved * samples) * SAMPLE_BYTES,
+                "ideal_bytes": round(ideal * samples) * SAMPLE_BYTES,
+                "index_blocks_fraction": blocks,
+                "index_blocks_over_ideal": blocks / ideal,
+                "share_max_over_mean": float(loads.max() / loads.mean()),
+                "share_min_over_mean": float(loads.min() / loads.mean()),
+                "placement_cpu_s": seconds,
+            }
+        )
     return rows
 
 
@@ -88,19 +95,24 @@ def main() -> None:
     for m in args.nodes:
         for change in ("leave", "join"):
             mine = [r for r in rows if r["nodes"] == m and r["change"] == change]
-            summary.append({
-                "nodes": m, "change": change,
-                "moved_over_ideal_mean": float(np.mean([r["moved_over_ideal"] for r in mine])),
-                "moved_over_ideal_max": float(np.max([r["moved_over_ideal"] for r in mine])),
-                "index_blocks_over_ideal_mean": float(np.mean([r["index_blocks_over_ideal"] for r in mine])),
-                "moved_gib_mean": float(np.mean([r["moved_bytes"] for r in mine])) / (1 << 30),
-                "ideal_gib": float(mine[0]["ideal_bytes"]) / (1 << 30),
-                "share_max_over_mean": float(np.max([r["share_max_over_mean"] for r in mine])),
-                "share_min_over_mean": float(np.min([r["share_min_over_mean"] for r in mine])),
-                "placement_cpu_s_median": float(np.median([r["placement_cpu_s"] for r in mine])),
-            })
+            summary.append(
+                {
+                    "nodes": m,
+                    "change": change,
+                    "moved_over_ideal_mean": float(np.mean([r["moved_over_ideal"] for r in mine])),
+                    "moved_over_ideal_max": float(np.max([r["moved_over_ideal"] for r in mine])),
+                    "index_blocks_over_ideal_mean": float(np.mean([r["index_blocks_over_ideal"] for r in mine])),
+                    "moved_gib_mean": float(np.mean([r["moved_bytes"] for r in mine])) / (1 << 30),
+                    "ideal_gib": float(mine[0]["ideal_bytes"]) / (1 << 30),
+                    "share_max_over_mean": float(np.max([r["share_max_over_mean"] for r in mine])),
+                    "share_min_over_mean": float(np.min([r["share_min_over_mean"] for r in mine])),
+                    "placement_cpu_s_median": float(np.median([r["placement_cpu_s"] for r in mine])),
+                }
+            )
     report(
-        "placement_moves", summary, list(summary[0]),
+        "placement_moves",
+        summary,
+        list(summary[0]),
         {"samples": args.samples, "sample_bytes": SAMPLE_BYTES, "trials": args.trials, "raw": rows},
     )
 

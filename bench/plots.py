@@ -102,8 +102,12 @@ def per_epoch(stall: dict[str, Any], path: Path) -> None:
         rows = sorted(systems[name], key=lambda r: r["epoch"])
         offset = (k - (len(names) - 1) / 2) * 0.06
         ax.plot(
-            [r["epoch"] + offset for r in rows], [max(r["stall_pct"], 0.05) for r in rows],
-            marker=marker, color=colour, label=name, linestyle="-" if name.startswith("dataquay") else "--",
+            [r["epoch"] + offset for r in rows],
+            [max(r["stall_pct"], 0.05) for r in rows],
+            marker=marker,
+            color=colour,
+            label=name,
+            linestyle="-" if name.startswith("dataquay") else "--",
         )
     ax.set_yscale("log")
     ax.axhline(2, color="#555", linewidth=0.8, linestyle=":")
@@ -176,8 +180,13 @@ def ratios(figures: dict[str, dict[str, float]], path: Path) -> None:
         present = [s for s in sizes if s in by_size]
         for k, size in enumerate(present):
             x = g + (k - (len(present) - 1) / 2) * 0.26
-            ax.bar(x, by_size[size], width=0.24, color=colours[size], label=size if g == 0 or size not in
-                   {s for f in list(figures.values())[:g] for s in f} else None)
+            ax.bar(
+                x,
+                by_size[size],
+                width=0.24,
+                color=colours[size],
+                label=size if g == 0 or size not in {s for f in list(figures.values())[:g] for s in f} else None,
+            )
             ax.text(x, by_size[size] + 0.02, f"{by_size[size]:.2f}", ha="center", fontsize=7)
     ax.axhline(1, color="#555", linewidth=0.8, linestyle=":")
     ax.set_xticks(range(len(figures)), list(figures), fontsize=7)
@@ -191,8 +200,11 @@ def ratios(figures: dict[str, dict[str, float]], path: Path) -> None:
 
 DASHBOARD = BENCH.parent / "deploy" / "grafana" / "dataquay.json"
 #: How each kind of panel is drawn: fill colour and the word under its title.
-PANEL_KINDS = {"stat": ("#e8f4ea", "stat"), "timeseries": ("#eef3fb", "time series"),
-               "bargauge": ("#fff7e6", "bar gauge")}
+PANEL_KINDS = {
+    "stat": ("#e8f4ea", "stat"),
+    "timeseries": ("#eef3fb", "time series"),
+    "bargauge": ("#fff7e6", "bar gauge"),
+}
 
 
 def dashboard(path: Path) -> None:

@@ -79,12 +79,14 @@ def us_per_sample(parse: Callable[[list[pb.ReadChunk], np.ndarray, bool], None],
 def main() -> None:
     rows: list[dict[str, object]] = []
     for label, size in PAYLOAD_SIZES.items():
-        rows.append({
-            "size": label,
-            "trainer_us": us_per_sample(trainer, size, False),
-            "trainer_checked_us": us_per_sample(trainer, size, True),
-            "peer_checked_us": us_per_sample(peer, size, True),
-        })
+        rows.append(
+            {
+                "size": label,
+                "trainer_us": us_per_sample(trainer, size, False),
+                "trainer_checked_us": us_per_sample(trainer, size, True),
+                "peer_checked_us": us_per_sample(peer, size, True),
+            }
+        )
     report("read_stream", rows, ["size", "trainer_us", "trainer_checked_us", "peer_checked_us"])
 
 

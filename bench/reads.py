@@ -220,8 +220,13 @@ def _miss_alone(
 
 
 def _cached_behind(
-    daemon: DaemonProcess, client: Client, ds: Dataset, batches: list[np.ndarray], count: int,
-    before: pb.StatsReply, dropped_before: int,
+    daemon: DaemonProcess,
+    client: Client,
+    ds: Dataset,
+    batches: list[np.ndarray],
+    count: int,
+    before: pb.StatsReply,
+    dropped_before: int,
 ) -> tuple[float, int, int]:
     """(seconds until the daemon cached what the timed run read, samples the
     client handed over, samples whose notice was lost). Checks that each was
@@ -305,17 +310,38 @@ def main() -> None:
     report(
         "local_hits",
         local_rows,
-        ["size", "raw_get_xxh3_per_s", "client_verified_per_s", "verified_ratio",
-         "raw_get_per_s", "client_unverified_per_s", "unverified_ratio"],
+        [
+            "size",
+            "raw_get_xxh3_per_s",
+            "client_verified_per_s",
+            "verified_ratio",
+            "raw_get_per_s",
+            "client_unverified_per_s",
+            "unverified_ratio",
+        ],
     )
     report(
         "miss_path",
         miss_rows,
-        ["size", "direct_read_per_s", "miss_path_per_s", "miss_ratio",
-         "direct_read_cold_per_s", "miss_path_cold_per_s", "miss_cold_ratio",
-         "cached_behind_seconds", "cached_behind_cold_seconds", "handed_over_samples", "handed_over_cold_samples",
-         "lost_notices_samples", "lost_notices_cold_samples",
-         "direct_batch_per_s", "direct_batch_ratio", "miss_alone_per_s", "miss_alone_ratio"],
+        [
+            "size",
+            "direct_read_per_s",
+            "miss_path_per_s",
+            "miss_ratio",
+            "direct_read_cold_per_s",
+            "miss_path_cold_per_s",
+            "miss_cold_ratio",
+            "cached_behind_seconds",
+            "cached_behind_cold_seconds",
+            "handed_over_samples",
+            "handed_over_cold_samples",
+            "lost_notices_samples",
+            "lost_notices_cold_samples",
+            "direct_batch_per_s",
+            "direct_batch_ratio",
+            "miss_alone_per_s",
+            "miss_alone_ratio",
+        ],
         extra={"uptime": uptime},
     )
 

@@ -57,10 +57,14 @@ def main() -> None:
                 for name, loops in (("c", _records), ("python", _records_py))
             }
             env.close()
-        rows.append({
-            "size": label, "compiled_per_s": rates["c"], "python_per_s": rates["python"],
-            "compiled_over_python": rates["c"] / rates["python"],
-        })
+        rows.append(
+            {
+                "size": label,
+                "compiled_per_s": rates["c"],
+                "python_per_s": rates["python"],
+                "compiled_over_python": rates["c"] / rates["python"],
+            }
+        )
     report("record_loops", rows, ["size", "compiled_per_s", "python_per_s", "compiled_over_python"])
 
 

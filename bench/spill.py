@@ -53,8 +53,9 @@ def share_bytes() -> int:
 def run(base: Path, scenario: str, label: str) -> list[dict[str, object]]:
     share = share_bytes()
     capacities = [int(f * share) for f in SCENARIOS[scenario]]
-    local = LocalCluster(base / f"cluster-{scenario}", NODES, ("--cache-size", str(max(capacities))), LEASES,
-                         dataset_roots=(base,)).start()
+    local = LocalCluster(
+        base / f"cluster-{scenario}", NODES, ("--cache-size", str(max(capacities))), LEASES, dataset_roots=(base,)
+    ).start()
     try:
         for node, capacity in enumerate(capacities):
             if capacity != max(capacities):
@@ -69,23 +70,45 @@ def run(base: Path, scenario: str, label: str) -> list[dict[str, object]]:
         if not root.exists():
             make_files_dataset(root, SAMPLES, sizes=SIZES)
         assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[1].address]) == 0
-        assert cli_main([
-            "stage", "imgs", "--job", JOB, "--mode", "local", "--ranks-per-node", str(RANKS_PER_NODE), "--quiet",
-            "--directory", local.directory_address,
-        ]) == 0
+        assert (
+            cli_main(
+                [
+                    "stage",
+                    "imgs",
+                    "--job",
+                    JOB,
+                    "--mode",
+                    "local",
+                    "--ranks-per-node",
+                    str(RANKS_PER_NODE),
+                    "--quiet",
+                    "--directory",
+                    local.directory_address,
+                ]
+            )
+            == 0
+        )
         envs = [local.rank_env(r, RANKS_PER_NODE, JOB) for r in range(NODES * RANKS_PER_NODE)]
         rows: list[dict[str, object]] = []
-        with RankGroup(envs, "imgs", base / "ranks", batch=BATCH, compute_seconds=COMPUTE_SECONDS,
-                       timeout=300) as group:
+        with RankGroup(
+            envs, "imgs", base / "ranks", batch=BATCH, compute_seconds=COMPUTE_SECONDS, timeout=300
+        ) as group:
             for epoch in range(EPOCHS):
                 results = group.epoch(epoch)
                 tiers = {t: sum(r.samples[t] for r in results) for t in results[0].samples}
-                rows.append({
-                    "code": label, "scenario": scenario, "epoch": epoch,
-                    "caches_x_share": "/".join(f"{f:g}" for f in SCENARIOS[scenario]),
-                    "share_MB": round(share / 1e6, 1), "local": tiers["local"], "peer": tiers["peer"],
-                    "pfs": tiers["pfs"], "pfs_MB": round(sum(r.bytes["pfs"] for r in results) / 1e6, 1),
-                })
+                rows.append(
+                    {
+                        "code": label,
+                        "scenario": scenario,
+                        "epoch": epoch,
+                        "caches_x_share": "/".join(f"{f:g}" for f in SCENARIOS[scenario]),
+                        "share_MB": round(share / 1e6, 1),
+                        "local": tiers["local"],
+                        "peer": tiers["peer"],
+                        "pfs": tiers["pfs"],
+                        "pfs_MB": round(sum(r.bytes["pfs"] for r in results) / 1e6, 1),
+                    }
+                )
                 progress(f"{label} {scenario} epoch {epoch}: {rows[-1]}")
         return rows
     finally:
@@ -95,8 +118,11 @@ def run(base: Path, scenario: str, label: str) -> list[dict[str, object]]:
 def main(label: str) -> None:
     with tempfile.TemporaryDirectory(prefix="dq-bench-spill-") as tmp:
         rows = [row for scenario in SCENARIOS for row in run(Path(tmp), scenario, label)]
-    report(f"spill-{label}", rows,
-           ["code", "scenario", "caches_x_share", "epoch", "local", "peer", "pfs", "pfs_MB", "share_MB"])
+    report(
+        f"spill-{label}",
+        rows,
+        ["code", "scenario", "caches_x_share", "epoch", "local", "peer", "pfs", "pfs_MB", "share_MB"],
+    )
 
 
 if __name__ == "__main__":

@@ -142,8 +142,17 @@ def main() -> None:
     report(
         "staging",
         rows,
-        ["size", "raw_read_MBps", "raw_lmdb_write_MBps", "staging_MBps", "staging_vs_slower_raw",
-         "cap_MBps", "capped_MBps", "capped_vs_cap", "cache_bytes_per_payload_byte"],
+        [
+            "size",
+            "raw_read_MBps",
+            "raw_lmdb_write_MBps",
+            "staging_MBps",
+            "staging_vs_slower_raw",
+            "cap_MBps",
+            "capped_MBps",
+            "capped_vs_cap",
+            "cache_bytes_per_payload_byte",
+        ],
     )
 
 

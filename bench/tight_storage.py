@@ -59,8 +59,9 @@ LEASES = ("--lease-seconds", "2", "--heartbeat-seconds", "0.5")
 
 
 def largest_share(q: float) -> int:
-    settings = JobSettings(job_id=JOB, mode="partial", q=q, ranks_per_node=RANKS_PER_NODE,
-                           nodes=tuple(f"n{m}" for m in range(NODES)))
+    settings = JobSettings(
+        job_id=JOB, mode="partial", q=q, ranks_per_node=RANKS_PER_NODE, nodes=tuple(f"n{m}" for m in range(NODES))
+    )
     plan = JobPlan(settings, num_samples=SAMPLES, num_nodes=NODES)
     return int(node_shares(plan, sizes(), EPOCHS + 1).max())
 
@@ -71,19 +72,39 @@ def sizes() -> np.ndarray:
 
 def run(base: Path, q: float, capacity: int, compute: float = COMPUTE_SECONDS) -> list[dict[str, object]]:
     """EPOCHS epochs of the job on caches of ``capacity``; a row per epoch."""
-    local = LocalCluster(base / f"cluster-{q}-{capacity}", NODES,
-                         ("--cache-size", str(capacity), "--spare-copies-fill", "0"), LEASES,
-                         dataset_roots=(base,)).start()
+    local = LocalCluster(
+        base / f"cluster-{q}-{capacity}",
+        NODES,
+        ("--cache-size", str(capacity), "--spare-copies-fill", "0"),
+        LEASES,
+        dataset_roots=(base,),
+    ).start()
     channels = []
     try:
         root = base / "pfs"
         if not root.exists():
             make_files_dataset(root, SAMPLES, sizes=SIZES)
         assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
-        assert cli_main([
-            "stage", "imgs", "--job", JOB, "--mode", "partial", "--q", str(q),
-            "--ranks-per-node", str(RANKS_PER_NODE), "--quiet", "--directory", local.directory_address,
-        ]) == 0
+        assert (
+            cli_main(
+                [
+                    "stage",
+                    "imgs",
+                    "--job",
+                    JOB,
+                    "--mode",
+                    "partial",
+                    "--q",
+                    str(q),
+                    "--ranks-per-node",
+                    str(RANKS_PER_NODE),
+                    "--quiet",
+                    "--directory",
+                    local.directory_address,
+                ]
+            )
+            == 0
+        )
         stubs = []
         for daemon in local.daemons:
             assert daemon.ready is not None
@@ -93,8 +114,7 @@ def run(base: Path, q: float, capacity: int, compute: float = COMPUTE_SECONDS) -
         rows: list[dict[str, object]] = []
         received = [0]  # exchange bytes the nodes received during each epoch so far, after a 0 for "before"
         received_before = sum(s.Stats(pb.StatsRequest(), timeout=10).exchange_received_bytes for s in stubs)
-        with RankGroup(envs, "imgs", base / "ranks", batch=BATCH, compute_seconds=compute,
-                       timeout=300) as group:
+        with RankGroup(envs, "imgs", base / "ranks", batch=BATCH, compute_seconds=compute, timeout=300) as group:
             for epoch in range(EPOCHS):
                 started = time.perf_counter()
                 results = group.epoch(epoch)
@@ -108,15 +128,21 @@ def run(base: Path, q: float, capacity: int, compute: float = COMPUTE_SECONDS) -
                 # The exchange into this epoch ran during the one before (simulate counts it here).
                 network = received[epoch] + sum(r.bytes["peer"] for r in results)
                 read = sum(tiers.values())
-                rows.append({
-                    "q": q, "epoch": epoch, "wall_s": round(wall, 2),
-                    "local_pct": round(100 * tiers["local"] / read, 2), "peer": tiers["peer"], "pfs": tiers["pfs"],
-                    "network_MB": round(network / 1e6, 2),
-                    "exchange_hidden": all(x is not None and x.finished for x in runs),
-                    "cache_MB": round(capacity / 1e6, 1),
-                    "used_MB": round(max(st.cache_used_bytes for st in stats) / 1e6, 1),
-                    "inserts_dropped": sum(st.inserts_dropped for st in stats),
-                })
+                rows.append(
+                    {
+                        "q": q,
+                        "epoch": epoch,
+                        "wall_s": round(wall, 2),
+                        "local_pct": round(100 * tiers["local"] / read, 2),
+                        "peer": tiers["peer"],
+                        "pfs": tiers["pfs"],
+                        "network_MB": round(network / 1e6, 2),
+                        "exchange_hidden": all(x is not None and x.finished for x in runs),
+                        "cache_MB": round(capacity / 1e6, 1),
+                        "used_MB": round(max(st.cache_used_bytes for st in stats) / 1e6, 1),
+                        "inserts_dropped": sum(st.inserts_dropped for st in stats),
+                    }
+                )
                 progress(f"q={q} cache={capacity / 1e6:.1f} MB epoch {epoch}: {rows[-1]}")
         return rows
     finally:
@@ -144,8 +170,14 @@ def short_run(base: Path, fraction: float) -> list[dict[str, object]]:
     q = 0.5
     share = largest_share(q)
     capacity = int(fraction * share)
-    settings = JobSettings(job_id=JOB, mode="partial", q=q, ranks_per_node=RANKS_PER_NODE, batch_size=BATCH,
-                           nodes=tuple(f"n{m}" for m in range(NODES)))
+    settings = JobSettings(
+        job_id=JOB,
+        mode="partial",
+        q=q,
+        ranks_per_node=RANKS_PER_NODE,
+        batch_size=BATCH,
+        nodes=tuple(f"n{m}" for m in range(NODES)),
+    )
     mean = int(sizes().mean())
     scenario = Scenario(JobPlan(settings, num_samples=SAMPLES, num_nodes=NODES), mean, capacity)
     predicted = list(simulate(scenario, EPOCHS))
@@ -153,10 +185,16 @@ def short_run(base: Path, fraction: float) -> list[dict[str, object]]:
     for row, expected in zip(run(base, q, capacity, SHORT_COMPUTE_SECONDS), predicted):
         pfs = expected.pfs_bytes / mean
         network = expected.network_bytes / 1e6
-        rows.append({**row, "share_MB": round(share / 1e6, 1), "simulate_pfs": round(pfs),
-                     "pfs_vs_simulate": round(int(row["pfs"]) / pfs, 3),
-                     "simulate_network_MB": round(network, 2),
-                     "network_vs_simulate": round(float(row["network_MB"]) / network, 3) if network else None})
+        rows.append(
+            {
+                **row,
+                "share_MB": round(share / 1e6, 1),
+                "simulate_pfs": round(pfs),
+                "pfs_vs_simulate": round(int(row["pfs"]) / pfs, 3),
+                "simulate_network_MB": round(network, 2),
+                "network_vs_simulate": round(float(row["network_MB"]) / network, 3) if network else None,
+            }
+        )
     return rows
 
 
@@ -166,15 +204,45 @@ def main(parts: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="dq-bench-tight-") as tmp:
         base = Path(tmp)
         if "fits" in parts:
-            report("tight_storage_fits", fits(base),
-                   ["q", "epoch", "wall_s", "local_pct", "peer", "pfs", "exchange_hidden", "share_MB", "cache_MB",
-                    "old_need_MB", "used_MB", "inserts_dropped"])
+            report(
+                "tight_storage_fits",
+                fits(base),
+                [
+                    "q",
+                    "epoch",
+                    "wall_s",
+                    "local_pct",
+                    "peer",
+                    "pfs",
+                    "exchange_hidden",
+                    "share_MB",
+                    "cache_MB",
+                    "old_need_MB",
+                    "used_MB",
+                    "inserts_dropped",
+                ],
+            )
             print()
         if "short" in parts:
-            report("tight_storage_short", short(base),
-                   ["cache_MB", "epoch", "wall_s", "local_pct", "peer", "pfs", "simulate_pfs", "pfs_vs_simulate",
+            report(
+                "tight_storage_short",
+                short(base),
+                [
+                    "cache_MB",
+                    "epoch",
+                    "wall_s",
+                    "local_pct",
+                    "peer",
+                    "pfs",
+                    "simulate_pfs",
+                    "pfs_vs_simulate",
                     "network_MB",
-                    "simulate_network_MB", "network_vs_simulate", "share_MB", "used_MB"])
+                    "simulate_network_MB",
+                    "network_vs_simulate",
+                    "share_MB",
+                    "used_MB",
+                ],
+            )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,17 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.tools.local_cluster import LocalCluster
 
-RUN_FIELDS = ("epoch", "elapsed_seconds", "coded_note", "coded_packets_sent", "coded_samples_decoded",
-              "coded_datagrams_received", "coded_bytes_received", "coded_foreign_datagrams", "sent_bytes")
+RUN_FIELDS = (
+    "epoch",
+    "elapsed_seconds",
+    "coded_note",
+    "coded_packets_sent",
+    "coded_samples_decoded",
+    "coded_datagrams_received",
+    "coded_bytes_received",
+    "coded_foreign_datagrams",
+    "sent_bytes",
+)
 
 
 def main(rundir: Path, epochs: int, daemon_args: list[str]) -> None:
@@ -35,8 +44,7 @@ def main(rundir: Path, epochs: int, daemon_args: list[str]) -> None:
         return local.start()
 
     try:
-        local = staged(cluster, rundir, ["--mode", "partial", "--q", "1", "--exchange-coding", "coded"],
-                       *daemon_args)
+        local = staged(cluster, rundir, ["--mode", "partial", "--q", "1", "--exchange-coding", "coded"], *daemon_args)
         nodes = Nodes(local)
         manifest = Manifest(b"".join(c.data for c in nodes.stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
         job = nodes.stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=JOB), must_exist=True))

@@ -94,7 +94,12 @@ def cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
         tls: TlsFiles | None = None,
     ) -> LocalCluster:
         local = LocalCluster(
-            tmp_path / f"cluster{len(started)}", nodes, daemon_args, directory_args, token_file=token_file, tls=tls,
+            tmp_path / f"cluster{len(started)}",
+            nodes,
+            daemon_args,
+            directory_args,
+            token_file=token_file,
+            tls=tls,
             dataset_roots=(tmp_path,),
         )
         started.append(local)

@@ -46,8 +46,14 @@ def main() -> None:
     with dq.connect(args.addr, timeout=10) as client, open(args.out, "a") as out:
         ds = client.dataset(args.dataset)
         with ds.coordinated(
-            group=args.group, jobs=args.jobs, prep=prep, batch_size=args.batch_size, seed=args.seed,
-            memory_bytes=args.memory, timeout=args.timeout, workers=args.workers,
+            group=args.group,
+            jobs=args.jobs,
+            prep=prep,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            memory_bytes=args.memory,
+            timeout=args.timeout,
+            workers=args.workers,
         ) as loader:
             for epoch in range(args.epochs):
                 loader.set_epoch(epoch)

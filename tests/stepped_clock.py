@@ -9,12 +9,16 @@ from pathlib import Path
 import pytest
 
 _LIBFAKETIME = next(
-    (p for p in (
-        Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"),
-        Path("/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1"),
-        Path("/usr/lib/faketime/libfaketime.so.1"),
-        Path("/usr/local/lib/faketime/libfaketime.so.1"),
-    ) if p.exists()),
+    (
+        p
+        for p in (
+            Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"),
+            Path("/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1"),
+            Path("/usr/lib/faketime/libfaketime.so.1"),
+            Path("/usr/local/lib/faketime/libfaketime.so.1"),
+        )
+        if p.exists()
+    ),
     None,
 )
 needs_faketime = pytest.mark.skipif(
@@ -38,6 +42,9 @@ class SteppedClock:
     def prefix(self) -> tuple[str, ...]:
         """What a server's command line runs under to take this clock."""
         return (
-            "env", f"LD_PRELOAD={_LIBFAKETIME}", f"FAKETIME_TIMESTAMP_FILE={self.path}", "FAKETIME_NO_CACHE=1",
+            "env",
+            f"LD_PRELOAD={_LIBFAKETIME}",
+            f"FAKETIME_TIMESTAMP_FILE={self.path}",
+            "FAKETIME_NO_CACHE=1",
             "FAKETIME_DONT_FAKE_MONOTONIC=1",
         )

@@ -42,8 +42,12 @@ def stopped(pid: int, cache: Path) -> Iterator[None]:
             os.kill(pid, signal.SIGSTOP)
             wait_until(lambda: _all_threads_stopped(pid), f"process {pid} stopped")
             try:
-                subprocess.run([sys.executable, "-c", _BEGIN_A_READER, str(cache)], check=True,
-                               timeout=PROBE_SECONDS, capture_output=True)
+                subprocess.run(
+                    [sys.executable, "-c", _BEGIN_A_READER, str(cache)],
+                    check=True,
+                    timeout=PROBE_SECONDS,
+                    capture_output=True,
+                )
                 break
             except subprocess.TimeoutExpired:
                 os.kill(pid, signal.SIGCONT)

@@ -180,8 +180,13 @@ def test_a_sweep_stalls_on_k_times_the_prep_alone_and_once_coordinated() -> None
     with pytest.raises(ValueError, match="at least one CPU and job"):
         sweep_prep_stall(0.01, 0.01, cpus=2, jobs=0)
     report = StallReport(
-        synthetic=timing(0.010), warm=timing(0.030), cold=timing(0.030), loader_alone=timing(0.020),
-        workers=2, cpus=2, sweep_jobs=4,
+        synthetic=timing(0.010),
+        warm=timing(0.030),
+        cold=timing(0.030),
+        loader_alone=timing(0.020),
+        workers=2,
+        cpus=2,
+        sweep_jobs=4,
     )
     assert report.sweep_prep_stall_seconds == pytest.approx((0.070, 0.010))
     assert report.to_dict()["sweep"]["prep_cpu_seconds_per_step_independent"] == pytest.approx(0.160)
@@ -248,8 +253,13 @@ def under_load(check: Callable[[], None], tries: int = 3) -> None:
 @pytest.mark.usefixtures("virtual_time")
 def test_slow_reads_show_as_a_fetch_stall_larger_than_the_prep_stall() -> None:
     report = measure(
-        SerialLoader(KnownCostStorage(READ_S), PREP_S), STEPS, step, warmup=WARMUP,
-        samples_per_batch=32, sample_bytes=4096, epoch_samples=10_000,
+        SerialLoader(KnownCostStorage(READ_S), PREP_S),
+        STEPS,
+        step,
+        warmup=WARMUP,
+        samples_per_batch=32,
+        sample_bytes=4096,
+        epoch_samples=10_000,
     )
     assert report.fetch_stall_seconds == pytest.approx(READ_S), format_report(report)
     assert report.prep_stall_seconds == pytest.approx(PREP_S), format_report(report)
@@ -273,8 +283,11 @@ def test_parallel_workers_hide_prep_and_the_estimate_counts_per_worker() -> None
 
     def check() -> None:
         report = measure(
-            lambda: ThreadedLoader(KnownCostStorage(0.0), PREP_S, workers), STEPS, step,
-            warmup=WARMUP, workers=workers,
+            lambda: ThreadedLoader(KnownCostStorage(0.0), PREP_S, workers),
+            STEPS,
+            step,
+            warmup=WARMUP,
+            workers=workers,
         )
         assert report.prep_stall_seconds < 0.4 * report.step_seconds, format_report(report)
         assert 0.5 * PREP_S < report.prep_seconds_per_batch < 2.5 * PREP_S, format_report(report)
@@ -286,7 +299,10 @@ def test_parallel_workers_hide_prep_and_the_estimate_counts_per_worker() -> None
 @pytest.mark.usefixtures("virtual_time")
 def test_a_given_cold_loader_replaces_the_first_pass() -> None:
     report = measure(
-        SerialLoader(KnownCostStorage(0.0), 0.0), STEPS, step, warmup=WARMUP,
+        SerialLoader(KnownCostStorage(0.0), 0.0),
+        STEPS,
+        step,
+        warmup=WARMUP,
         cold_loader=SerialLoader(KnownCostStorage(READ_S), 0.0),
     )
     assert report.fetch_stall_seconds == pytest.approx(READ_S), format_report(report)
@@ -317,15 +333,35 @@ def test_cli_analyzes_a_dataset_cold_from_the_pfs_and_warm_through_the_daemon(
     root = make_files_dataset(tmp_path / "pfs", 64, sizes=(4096,))
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", daemon.address]) == 0
     capsys.readouterr()
-    common = ("imgs", "--addr", daemon.address, "--batch-size", "8", "--steps", "4", "--warmup", "1",
-              "--step-ms", "2", "--prep-ms", "1", "--workers", "2", "--cache-bytes", "128K")
+    common = (
+        "imgs",
+        "--addr",
+        daemon.address,
+        "--batch-size",
+        "8",
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+        "--step-ms",
+        "2",
+        "--prep-ms",
+        "1",
+        "--workers",
+        "2",
+        "--cache-bytes",
+        "128K",
+    )
 
     args = analyze_args(*common, "--json")
     args.func(args)
     document = json.loads(capsys.readouterr().out)
     assert document["inputs"]["dataset"] == "imgs"
     assert {name: run["steps"] for name, run in document["runs"].items()} == {
-        "synthetic": 4, "warm": 4, "cold": 4, "loader_alone": 4,
+        "synthetic": 4,
+        "warm": 4,
+        "cold": 4,
+        "loader_alone": 4,
     }
     assert document["samples_per_batch"] == 8
     assert document["prep"]["workers"] == 2

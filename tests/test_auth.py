@@ -79,15 +79,18 @@ def test_heartbeat_signatures_reject_changed_bytes_and_other_tokens() -> None:
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Two daemons and a directory that require a token; shared by this module's tests."""
     base = tmp_path_factory.mktemp("secured")
-    with LocalCluster(base / "cluster", 2, (), ("--lease-seconds", "3", "--heartbeat-seconds", "0.5"),
-                      token_file=new_token_file(base / "token")) as local:
+    with LocalCluster(
+        base / "cluster",
+        2,
+        (),
+        ("--lease-seconds", "3", "--heartbeat-seconds", "0.5"),
+        token_file=new_token_file(base / "token"),
+    ) as local:
         yield local
 
 
 @pytest.mark.parametrize(("service", "method"), METHODS, ids=[f"{s.rpartition('.')[2]}.{m.name}" for s, m in METHODS])
-def test_every_call_without_the_token_is_refused(
-    secured: LocalCluster, service: str, method: object
-) -> None:
+def test_every_call_without_the_token_is_refused(secured: LocalCluster, service: str, method: object) -> None:
     ready = secured.daemons[0].ready
     assert ready is not None
     address = secured.directory_address if service.endswith("Directory") else str(ready["tcp"])
@@ -99,7 +102,8 @@ def test_every_call_without_the_token_is_refused(
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
     log = (secured.daemons[0].home / "daemon.log").read_text() + (
-        secured.base_dir / "directory" / "directory.log").read_text()
+        secured.base_dir / "directory" / "directory.log"
+    ).read_text()
     assert "refused a call without the cluster token" in log
     assert read_token(secured.token_file) not in log  # type: ignore[arg-type]
 
@@ -137,18 +141,47 @@ def make_certificates(directory: Path) -> TlsFiles:
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=directory)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-        "-subj", "/CN=dataquay test CA")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr",
-        "-subj", "/CN=127.0.0.1")
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=dataquay test CA",
+    )
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=127.0.0.1")
     (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "node.pem", "-days", "2", "-extfile", "san.ext")
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "node.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "node.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+    )
     return TlsFiles(directory / "ca.pem", directory / "node.pem", directory / "node.key")
 
 
-@pytest.mark.skipif(subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
-                    reason="openssl is not installed: the test makes its certificates with it")
+@pytest.mark.skipif(
+    subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
+    reason="openssl is not installed: the test makes its certificates with it",
+)
 def test_a_cluster_with_mutual_tls_works_and_refuses_plaintext(
     cluster: Callable[..., LocalCluster], tmp_path: Path
 ) -> None:

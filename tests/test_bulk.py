@@ -52,8 +52,14 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Two daemons that require a token, the dataset staged on both; shared by this module's tests."""
     base = tmp_path_factory.mktemp("bulk")
     root = make_files_dataset(base / "pfs", N, sizes=(SIZE,))
-    with LocalCluster(base / "cluster", 2, (), ("--lease-seconds", "3", "--heartbeat-seconds", "0.5"),
-                      token_file=new_token_file(base / "token"), dataset_roots=(base,)) as local:
+    with LocalCluster(
+        base / "cluster",
+        2,
+        (),
+        ("--lease-seconds", "3", "--heartbeat-seconds", "0.5"),
+        token_file=new_token_file(base / "token"),
+        dataset_roots=(base,),
+    ) as local:
         staged(local, root)
         yield local
 
@@ -180,11 +186,11 @@ def test_hostile_input_on_the_bulk_port_is_closed_and_logged(secured: LocalClust
     half_open.close()
 
 
-@pytest.mark.skipif(subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
-                    reason="openssl is not installed: the test makes its certificates with it")
-def test_the_bulk_path_speaks_tls_when_the_cluster_does(
-    cluster: Callable[..., LocalCluster], tmp_path: Path
-) -> None:
+@pytest.mark.skipif(
+    subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
+    reason="openssl is not installed: the test makes its certificates with it",
+)
+def test_the_bulk_path_speaks_tls_when_the_cluster_does(cluster: Callable[..., LocalCluster], tmp_path: Path) -> None:
     pem = make_certificates(tmp_path / "pki")
     local = cluster(2, tls=pem, token_file=new_token_file(tmp_path / "token"))
     staged(local, make_files_dataset(tmp_path / "pfs", N, sizes=(SIZE,)))
@@ -231,8 +237,10 @@ def test_the_trainer_skips_its_check_only_of_payloads_checked_in_place_in_its_se
     pool = SegmentPool(daemon_address=secured.daemons[0].address, token=credentials.token)
     lengths = np.full(N, SIZE)
     payloads = [sample_bytes(0, i, SIZE) for i in range(N)]
-    with pool.segment(N * (SIZE + 64)) as seg, credentials.channel(secured.daemons[0].address,
-                                                                    channel_options()) as channel:
+    with (
+        pool.segment(N * (SIZE + 64)) as seg,
+        credentials.channel(secured.daemons[0].address, channel_options()) as channel,
+    ):
         assert isinstance(seg, MemfdSegment)
         request = pb.ReadRequest(dataset="imgs", ids=list(range(N)), job="j", shm_name=seg.name, shm_size=seg.size)
         chunks = list(cache_pb2_grpc.CacheStub(channel).Read(request, timeout=60))
@@ -250,9 +258,22 @@ def test_the_trainer_skips_its_check_only_of_payloads_checked_in_place_in_its_se
             return reply
 
         assert taken(chunks, seg).out == payloads and taken(chunks, seg).bad == []
-        wrong = [pb.ReadChunk(samples=[pb.Sample(id=s.id, tier=s.tier, checksum=s.checksum ^ 1, in_shm=s.in_shm,
-                                                 shm_offset=s.shm_offset, length=s.length,
-                                                 checked_in_place=s.checked_in_place)]) for s in samples]
+        wrong = [
+            pb.ReadChunk(
+                samples=[
+                    pb.Sample(
+                        id=s.id,
+                        tier=s.tier,
+                        checksum=s.checksum ^ 1,
+                        in_shm=s.in_shm,
+                        shm_offset=s.shm_offset,
+                        length=s.length,
+                        checked_in_place=s.checked_in_place,
+                    )
+                ]
+            )
+            for s in samples
+        ]
         # The mark is taken in the sealed segment: a marked payload's checksum is not looked at again.
         assert taken(wrong, seg).bad == [k for k in range(N) if not peer[k]]
         # An older daemon's reply carries no mark: every payload is checked.
@@ -302,8 +323,11 @@ def test_a_peer_payload_corrupt_on_the_wire_never_reaches_the_trainer(
     after = stats(local, 0).bulk
     assert after.in_place_samples == after.forwarded_samples == 0 and after.fetched_samples == 0
     metrics = urllib.request.urlopen(local.daemons[0].metrics_url, timeout=30).read().decode()
-    bad = sum(float(line.rpartition(" ")[2]) for line in metrics.splitlines()
-              if line.startswith("dataquay_peer_bad_checksums_total{"))
+    bad = sum(
+        float(line.rpartition(" ")[2])
+        for line in metrics.splitlines()
+        if line.startswith("dataquay_peer_bad_checksums_total{")
+    )
     assert bad == tiers["pfs"], metrics
 
 
@@ -342,9 +366,7 @@ def test_a_receive_under_the_kernels_timeout_fills_every_view_or_fails_clearly()
             recv_all(receiver, [memoryview(head)])
 
 
-def test_the_exchange_goes_over_the_bulk_path_byte_exact(
-    cluster: Callable[..., LocalCluster], tmp_path: Path
-) -> None:
+def test_the_exchange_goes_over_the_bulk_path_byte_exact(cluster: Callable[..., LocalCluster], tmp_path: Path) -> None:
     from test_exchange import NODES as EXCHANGE_NODES
     from test_exchange import SIZES as EXCHANGE_SIZES
     from test_exchange import partial_cluster
@@ -363,10 +385,14 @@ def test_the_exchange_goes_over_the_bulk_path_byte_exact(
         assert not any(s.bulk.fallbacks for s in stats)
         for m in range(EXCHANGE_NODES):
             ids = np.flatnonzero((after == m) & (before != m))
-            got = [s for chunk in nodes.stubs[m].Read(pb.ReadRequest(dataset="imgs", ids=ids.tolist(), peer=True))
-                   for s in chunk.samples]
-            assert [s.data for s in got] == [sample_bytes(0, i, EXCHANGE_SIZES[i % len(EXCHANGE_SIZES)])
-                                             for i in ids.tolist()]
+            got = [
+                s
+                for chunk in nodes.stubs[m].Read(pb.ReadRequest(dataset="imgs", ids=ids.tolist(), peer=True))
+                for s in chunk.samples
+            ]
+            assert [s.data for s in got] == [
+                sample_bytes(0, i, EXCHANGE_SIZES[i % len(EXCHANGE_SIZES)]) for i in ids.tolist()
+            ]
     finally:
         nodes.close()
 

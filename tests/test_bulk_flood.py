@@ -35,8 +35,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Two daemons that require a token, the dataset staged on both, no bulk read made yet."""
     base = tmp_path_factory.mktemp("flood")
     root = make_files_dataset(base / "pfs", N, sizes=(SIZE,))
-    with LocalCluster(base / "cluster", 2, (), ("--lease-seconds", "3", "--heartbeat-seconds", "0.5"),
-                      token_file=new_token_file(base / "token"), dataset_roots=(base,)) as local:
+    with LocalCluster(
+        base / "cluster",
+        2,
+        (),
+        ("--lease-seconds", "3", "--heartbeat-seconds", "0.5"),
+        token_file=new_token_file(base / "token"),
+        dataset_roots=(base,),
+    ) as local:
         staged(local, root)
         yield local
 
@@ -82,6 +88,7 @@ def logged_refusals(log: Path) -> Counter[str]:
         elif "closed bulk connections" in line and (summary := re.search(r" refused=(\{[^}]*\})", line)):
             counts.update(ast.literal_eval(summary[1]))
     return counts
+
 
 def test_refusals_are_logged_once_then_summed_up_by_reason(caplog: pytest.LogCaptureFixture) -> None:
     refusals = RefusalLog(seconds=0.2)

@@ -54,13 +54,15 @@ def test_a_send_out_of_the_map_lets_the_map_go_when_asked_and_the_rest_goes_as_a
     with sender, receiver:
         short_send_timeout(sender, timeout)
         asked = []
-        rest = send_all(sender, [payload[: 1 << 20], memoryview(payload)[1 << 20 :]], 5.0,
-                        lambda: asked.append(1) is None)
+        rest = send_all(
+            sender, [payload[: 1 << 20], memoryview(payload)[1 << 20 :]], 5.0, lambda: asked.append(1) is None
+        )
         # Nobody reads: the socket took what its buffers hold, the rest is a copy that outlives the views.
         assert asked and rest and all(isinstance(part, bytes) for part in rest)
         left = sum(map(len, rest))
         assert 0 < left < len(payload)
         got = bytearray(len(payload))
+
         def read_later() -> None:
             time.sleep(0.1)  # five of the socket's send timeouts go by with nothing sent
             recv_all(receiver, [memoryview(got)])
@@ -81,9 +83,20 @@ def test_a_send_out_of_the_map_to_a_peer_that_stops_reading_times_out(timeout: s
             send_all(sender, [bytes(32 << 20)], stall=0.2)
 
 
-@pytest.mark.parametrize("tls", [False, pytest.param(True, marks=pytest.mark.skipif(
-    subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
-    reason="openssl is not installed: the test makes its certificates with it"))], ids=["tcp", "tls"])
+@pytest.mark.parametrize(
+    "tls",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
+                reason="openssl is not installed: the test makes its certificates with it",
+            ),
+        ),
+    ],
+    ids=["tcp", "tls"],
+)
 def test_a_token_holder_that_stops_reading_holds_back_neither_the_map_nor_the_bytes(
     cluster: Callable[..., LocalCluster], tmp_path: Path, tls: bool
 ) -> None:
@@ -134,7 +147,10 @@ def test_a_token_holder_that_stops_reading_holds_back_neither_the_map_nor_the_by
                 assert status == OK
                 got[sample_id] = recv_bytes(stalled, length)
         assert got == {i: sample_bytes(0, i, SIZE) for i in range(100)}
-        large_samples = [s for chunk in stub.Read(pb.ReadRequest(dataset="large", ids=list(range(400)), job="large"),
-                                                  timeout=60) for s in chunk.samples]
+        large_samples = [
+            s
+            for chunk in stub.Read(pb.ReadRequest(dataset="large", ids=list(range(400)), job="large"), timeout=60)
+            for s in chunk.samples
+        ]
         assert [s.data for s in large_samples] == [sample_bytes(1, i, SIZE) for i in range(400)]
         assert {s.tier for s in large_samples} == {pb.TIER_CACHE}

@@ -34,10 +34,26 @@ def two_nodes(cluster: Callable[..., LocalCluster], tmp_path: Path) -> tuple[Nod
     local = cluster(2)
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
-    assert cli_main([
-        "stage", "imgs", "--job", JOB, "--mode", "partial", "--q", "0.5", "--ranks-per-node", "2", "--quiet",
-        "--directory", local.directory_address,
-    ]) == 0
+    assert (
+        cli_main(
+            [
+                "stage",
+                "imgs",
+                "--job",
+                JOB,
+                "--mode",
+                "partial",
+                "--q",
+                "0.5",
+                "--ranks-per-node",
+                "2",
+                "--quiet",
+                "--directory",
+                local.directory_address,
+            ]
+        )
+        == 0
+    )
     nodes = Nodes(local)
     manifest = Manifest(b"".join(c.data for c in nodes.stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
     job = nodes.stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=JOB), must_exist=True))
@@ -51,8 +67,9 @@ def forge(nodes: Nodes, to: int, sender: str, values: dict[int, bytes]) -> list[
     ``values`` (payloads, each with its own valid checksum); the held ids of each reply."""
     offer = pb.ExchangeOffer(job=JOB, dataset="imgs", epoch=1, sender=sender, ids=list(values))
     samples = [pb.Sample(id=i, value=encode_value(payload)) for i, payload in values.items()]
-    replies = nodes.stubs[to].Exchange(iter([pb.ExchangeMessage(offer=offer), pb.ExchangeMessage(samples=samples)]),
-                                       timeout=30)
+    replies = nodes.stubs[to].Exchange(
+        iter([pb.ExchangeMessage(offer=offer), pb.ExchangeMessage(samples=samples)]), timeout=30
+    )
     return [list(r.held) for r in replies]
 
 
@@ -97,17 +114,27 @@ def test_a_value_of_another_length_than_the_manifests_is_refused_from_the_right_
     try:
         before, after = epoch_owners
         longer, shorter, right, in_pieces = (int(i) for i in np.flatnonzero((before == 0) & (after == 1))[:4])
-        held = forge(nodes, 1, "node-0", {
-            longer: sample_payload(longer) + b"x", shorter: sample_payload(shorter)[:-1], right: sample_payload(right),
-        })
+        held = forge(
+            nodes,
+            1,
+            "node-0",
+            {
+                longer: sample_payload(longer) + b"x",
+                shorter: sample_payload(shorter)[:-1],
+                right: sample_payload(right),
+            },
+        )
         assert held == [[], [right]]
         assert nodes.holds(1, np.array([longer, shorter, right])).tolist() == [False, False, True]
         value = encode_value(sample_payload(in_pieces) + b"x")
         offer = pb.ExchangeOffer(job=JOB, dataset="imgs", epoch=1, sender="node-0", ids=[in_pieces])
         piece = pb.Sample(id=in_pieces, value=value[:100], offset=0, length=len(value))
         with pytest.raises(grpc.RpcError) as refused:
-            list(nodes.stubs[1].Exchange(iter([pb.ExchangeMessage(offer=offer), pb.ExchangeMessage(piece=piece)]),
-                                         timeout=30))
+            list(
+                nodes.stubs[1].Exchange(
+                    iter([pb.ExchangeMessage(offer=offer), pb.ExchangeMessage(piece=piece)]), timeout=30
+                )
+            )
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert f"the manifest says {len(sample_payload(in_pieces))} bytes" in refused.value.details()
         assert refused_counts(nodes.local, 1) == {"length": 3, "origin": 0}

@@ -197,9 +197,7 @@ def test_a_sample_whose_notice_was_lost_is_read_through_the_daemon_next_and_cach
     assert read_locally(client, ds, ids) == got
 
 
-def test_a_file_changed_under_the_reader_is_an_error(
-    daemon: DaemonProcess, client: dq.Client, tmp_path: Path
-) -> None:
+def test_a_file_changed_under_the_reader_is_an_error(daemon: DaemonProcess, client: dq.Client, tmp_path: Path) -> None:
     ds = files_dataset(daemon, client, tmp_path, 8, seed=7, sizes=(1000,))
     changed = tmp_path / "imgs" / ds.manifest.location(5).path
     changed.write_bytes(b"x" * 1000)

@@ -32,9 +32,7 @@ NOW = 100 * DAY
 
 
 def holdings(nbytes: list[int], days_unused: list[float], pinned: list[bool]) -> Holdings:
-    return Holdings(
-        np.array(nbytes, dtype=np.int64), NOW - np.array(days_unused) * DAY, np.array(pinned, dtype=bool)
-    )
+    return Holdings(np.array(nbytes, dtype=np.int64), NOW - np.array(days_unused) * DAY, np.array(pinned, dtype=bool))
 
 
 def test_the_least_recently_used_unpinned_holdings_go_first_and_the_last_in_part() -> None:
@@ -61,7 +59,8 @@ def test_admission_says_what_fits_after_what_it_evicts() -> None:
 
 @given(
     st.lists(st.tuples(st.integers(0, 10**9), st.floats(0, 60), st.booleans()), max_size=30),
-    st.integers(-10, 10**10), st.floats(0, 10),
+    st.integers(-10, 10**10),
+    st.floats(0, 10),
 )
 def test_a_plan_takes_only_evictable_bytes_and_no_more_than_asked(
     rows: list[tuple[int, float, bool]], room: int, min_age_days: float

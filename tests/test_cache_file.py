@@ -57,7 +57,6 @@ def allocated_whole(path: Path) -> bool:
     return st.st_blocks * 512 >= st.st_size
 
 
-
 async def fill(store: Store, first: int) -> np.ndarray:
     """Offers SAMPLES values from ``first`` on; returns which the cache took."""
     ids = np.arange(first, first + SAMPLES)
@@ -183,8 +182,12 @@ def test_a_thread_reading_views_of_the_map_survives_its_growth(tmp_path: Path, s
     """The bulk path's threads send values straight out of the map, and the
     syncer flushes it beside the writer; the map moves when it grows. Run
     apart: reading a moved map kills the process."""
-    done = subprocess.run([sys.executable, "-c", _READ_WHILE_GROWING, str(tmp_path / "cache"),
-                           *(["syncing"] if syncing else [])], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_WHILE_GROWING, str(tmp_path / "cache"), *(["syncing"] if syncing else [])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     grew, reads, wrong = map(int, done.stdout.split())
     assert grew >= 3 and reads > 0 and wrong == 0, done.stdout

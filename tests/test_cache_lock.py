@@ -20,10 +20,25 @@ def test_a_second_daemon_on_a_cache_dir_exits_naming_the_first(
     first = start_daemon()
     assert first.process is not None
     result = subprocess.run(
-        [sys.executable, "-m", "dataquay.server.cli", "serve", "--socket", str(tmp_path / "second.sock"),
-         "--listen", "127.0.0.1:0", "--metrics-port", "0", "--state-dir", str(tmp_path / "second-state"),
-         "--cache-dir", str(first.cache_dir)],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "dataquay.server.cli",
+            "serve",
+            "--socket",
+            str(tmp_path / "second.sock"),
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-port",
+            "0",
+            "--state-dir",
+            str(tmp_path / "second-state"),
+            "--cache-dir",
+            str(first.cache_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
@@ -46,8 +61,9 @@ def test_a_killed_daemons_cache_dir_is_free_for_its_restart(
     stage(first, "imgs")
     first.kill()
 
-    restarted = start_daemon("--cache-dir", str(first.cache_dir), "--state-dir", str(first.home / "state"),
-                             name="node1")
+    restarted = start_daemon(
+        "--cache-dir", str(first.cache_dir), "--state-dir", str(first.home / "state"), name="node1"
+    )
     assert restarted.process is not None
     assert daemon_stats(restarted).cache_entries == 20
     assert (first.cache_dir / "daemon.lock").read_text().strip() == str(restarted.process.pid)

@@ -37,7 +37,9 @@ def clock(tmp_path: Path) -> SteppedClock:
 @pytest.fixture
 def node(tmp_path: Path, clock: SteppedClock) -> Iterator[DaemonProcess]:
     daemon = DaemonProcess(
-        tmp_path / "node", ("--cache-size", CACHE, "--evict-min-age", "1d"), prefix=clock.prefix(),
+        tmp_path / "node",
+        ("--cache-size", CACHE, "--evict-min-age", "1d"),
+        prefix=clock.prefix(),
         dataset_roots=(tmp_path,),
     ).start()
     try:
@@ -123,7 +125,9 @@ def test_the_operator_pins_lists_and_evicts_with_a_dry_run_first(
     def cli(*args: str, command: str = "cache") -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "dataquay.server.cli", command, *args, "--addr", node.address],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
 
     assert cli("pin", "a").returncode == 0
@@ -157,9 +161,10 @@ def test_a_live_jobs_dataset_is_never_evicted_however_long_unused(
 ) -> None:
     directory = DirectoryProcess(tmp_path / "directory", dataset_roots=(tmp_path,)).start()
     daemon = DaemonProcess(
-        tmp_path / "node", ("--directory", directory.address, "--node-name", "n0", "--cache-size", CACHE,
-                            "--evict-min-age", "1d"),
-        prefix=clock.prefix(), dataset_roots=(tmp_path,),
+        tmp_path / "node",
+        ("--directory", directory.address, "--node-name", "n0", "--cache-size", CACHE, "--evict-min-age", "1d"),
+        prefix=clock.prefix(),
+        dataset_roots=(tmp_path,),
     )
     try:
         daemon.start()
@@ -173,9 +178,23 @@ def test_a_live_jobs_dataset_is_never_evicted_however_long_unused(
 
         clock.step(30 * DAY)  # a, staged first and never read, is the least recently used
         staged = subprocess.run(
-            [sys.executable, "-m", "dataquay.server.cli", "stage", "d", "--job", "train-d", "--nodes", "n0",
-             "--quiet", "--directory", directory.address],
-            capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "dataquay.server.cli",
+                "stage",
+                "d",
+                "--job",
+                "train-d",
+                "--nodes",
+                "n0",
+                "--quiet",
+                "--directory",
+                directory.address,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert staged.returncode == 0, staged.stderr
         row = next(line.split() for line in staged.stdout.splitlines() if line.startswith("n0 "))

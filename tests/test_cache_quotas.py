@@ -48,9 +48,22 @@ class Site:
 
     def cli(self, uid: int, *args: str, groups: str = "") -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            ["setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={groups}" if groups else "--clear-groups",
-             sys.executable, "-m", "dataquay.server.cli", *args, "--addr", self.daemon.address],
-            capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": str(self.base / "out")},
+            [
+                "setpriv",
+                f"--reuid={uid}",
+                f"--regid={uid}",
+                f"--groups={groups}" if groups else "--clear-groups",
+                sys.executable,
+                "-m",
+                "dataquay.server.cli",
+                *args,
+                "--addr",
+                self.daemon.address,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "HOME": str(self.base / "out")},
         )
 
     def add_and_stage(self, uid: int, name: str, seed: int, groups: str = "") -> subprocess.CompletedProcess[str]:
@@ -74,8 +87,10 @@ def site() -> Iterator[Site]:
         (base / directory).mkdir()
         (base / directory).chmod(mode)
     daemon = DaemonProcess(
-        base / "node", ("--users", "apart", "--cache-size", "16M", "--cache-quotas", QUOTAS),
-        dataset_roots=(base / "pfs",), socket_path=base / "run" / "dataquay.sock",
+        base / "node",
+        ("--users", "apart", "--cache-size", "16M", "--cache-quotas", QUOTAS),
+        dataset_roots=(base / "pfs",),
+        socket_path=base / "run" / "dataquay.sock",
     ).start()
     for sock in (base / "run").iterdir():  # the daemon's socket and its fd socket, for any uid of these tests
         sock.chmod(0o666)
@@ -90,9 +105,11 @@ def test_a_user_past_its_quota_is_refused_with_the_quota_named(site: Site) -> No
     assert site.add_and_stage(ALICE, "first", 1).returncode == 0
     refused = site.add_and_stage(ALICE, "second", 2)
     assert refused.returncode == 1
-    line, = refused.stderr.strip().splitlines()
-    assert line.startswith("dataquay: error: staging 'second': 1.5 MiB more of the cache is over the user quota "
-                           f"user:{ALICE}=2M (cache_quotas): it has 512.0 KiB left of 2.0 MiB"), line
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith(
+        "dataquay: error: staging 'second': 1.5 MiB more of the cache is over the user quota "
+        f"user:{ALICE}=2M (cache_quotas): it has 512.0 KiB left of 2.0 MiB"
+    ), line
     charges = {(c.kind, c.id): c for c in site.stats().cache_charges}
     assert charges["user", ALICE].bytes == DATASET_BYTES and charges["user", ALICE].quota_bytes == 2 << 20
     held = {",".join(h.datasets): h for h in site.stats().cache_holdings}

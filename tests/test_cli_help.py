@@ -55,9 +55,7 @@ def test_serve_help_shows_the_default_values() -> None:
     assert "(default: 127.0.0.1:0) [env DATAQUAY_LISTEN]" in text
 
 
-def test_bench_without_matplotlib_writes_no_plot_and_says_so(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_bench_without_matplotlib_writes_no_plot_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the extra imports
     rows = [data_stall.EpochRow("direct", 1, 1.0, 0.5, 50.0, 0.0, 0.0, 1.0, 0.0)]
     assert not data_stall.plot(rows, tmp_path / "stall.png")

@@ -197,6 +197,7 @@ def test_killed_daemon_is_replaced_by_the_pfs_and_local_hits_keep_coming(
     ds = client.dataset("imgs")
     want = expected(ds.manifest, range(48))
     ds.get_batch(range(24))  # the daemon reads and caches these
+
     def first_half_local() -> bool:
         hits = client.stats().samples["local"]
         ds.get_batch(range(24))

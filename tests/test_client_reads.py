@@ -44,7 +44,7 @@ def shm_mappings(pid: int) -> dict[str, bool]:
     """Segments of this process mapped by ``pid``: name -> whether its file is unlinked."""
     prefix = f"/dev/shm/dataquay-{os.getpid()}-"
     lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    return segment_names([line[line.find(prefix):] for line in lines if prefix in line])
+    return segment_names([line[line.find(prefix) :] for line in lines if prefix in line])
 
 
 def shm_open_files(pid: int) -> dict[str, bool]:
@@ -368,9 +368,7 @@ def test_bad_input_raises_clearly_and_the_client_keeps_serving(
 # ------------------------------------------------------ client counters
 
 
-def test_trainers_report_their_local_hits_and_data_wait_to_the_node(
-    daemon: DaemonProcess, tmp_path: Path
-) -> None:
+def test_trainers_report_their_local_hits_and_data_wait_to_the_node(daemon: DaemonProcess, tmp_path: Path) -> None:
     synthetic.make_files_dataset(tmp_path / "imgs", 30, sizes=(1000,))
     add(daemon, "imgs", tmp_path / "imgs")
     stage(daemon, "imgs")
@@ -444,8 +442,10 @@ def test_batches_read_ahead_give_the_same_bytes_keep_the_cursor_and_stop_cleanly
     assert [(e.epoch, e.batches) for e in epochs] == [(0, 4)] * 3
     assert all(0 < e.data_wait_seconds <= e.wall_seconds and 0 < e.stall_percent <= 100 for e in epochs)
 
-    wait_until(lambda: not any(t.name == "dataquay-read-ahead" for t in threading.enumerate()),
-               "the read ahead into the next epoch ended by itself")
+    wait_until(
+        lambda: not any(t.name == "dataquay-read-ahead" for t in threading.enumerate()),
+        "the read ahead into the next epoch ended by itself",
+    )
     threads = threading.active_count()
     reader = ds.batches(sampler, 16, read_ahead=2)
     next(reader)
@@ -518,16 +518,15 @@ def test_a_rank_reads_its_first_batches_once_it_joins_a_job_of_a_known_batch_siz
         # through one segment sized to a batch, not to DATAQUAY_SHM_BYTES.
         wait_until(lambda: sum(client.stats().samples.values()) == 32, "the first batches were read at join")
         assert own_memfd_sizes() == [MiB]
-        assert [s for b in ds.batches(sampler, 16) for s in b] == files_bytes(0, sampler.indices().tolist(),
-                                                                            (1500, 2500))
+        assert [s for b in ds.batches(sampler, 16) for s in b] == files_bytes(
+            0, sampler.indices().tolist(), (1500, 2500)
+        )
         # The epoch took them over: 50 samples read, and epoch 1's first 32 ahead.
         wait_until(lambda: sum(client.stats().samples.values()) >= 82, "epoch 1's first batches were read ahead")
         assert sum(client.stats().samples.values()) == 82
 
 
-def test_bad_read_settings_in_the_environment_are_named(
-    daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_bad_read_settings_in_the_environment_are_named(daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DATAQUAY_JOIN_READ_AHEAD", "two")
     with pytest.raises(ValueError, match="DATAQUAY_JOIN_READ_AHEAD='two': expected a number of batches"):
         join_read_ahead()

@@ -27,22 +27,23 @@ Stub = directory_pb2_grpc.DirectoryStub
 HOUR = 3600
 LEASE = 6.0
 
+
 @pytest.fixture
 def clock(tmp_path: Path) -> SteppedClock:
     return SteppedClock(tmp_path / "faketime")
 
 
 @pytest.fixture
-def start_stepped(
-    tmp_path: Path, clock: SteppedClock
-) -> Iterator[Callable[..., DirectoryProcess]]:
+def start_stepped(tmp_path: Path, clock: SteppedClock) -> Iterator[Callable[..., DirectoryProcess]]:
     """Starts a directory whose Unix clock :func:`clock` steps; killed after the test."""
     started: list[DirectoryProcess] = []
 
     def start(*extra_args: str) -> DirectoryProcess:
         directory = DirectoryProcess(
-            tmp_path / "directory", ("--lease-seconds", str(LEASE), "--heartbeat-seconds", "0.2", *extra_args),
-            prefix=clock.prefix(), dataset_roots=(tmp_path,),
+            tmp_path / "directory",
+            ("--lease-seconds", str(LEASE), "--heartbeat-seconds", "0.2", *extra_args),
+            prefix=clock.prefix(),
+            dataset_roots=(tmp_path,),
         ).start()
         started.append(directory)
         return directory
@@ -72,7 +73,9 @@ def assert_clock_stepped(stub: Stub, seconds: int) -> None:
 
 @needs_faketime
 def test_a_node_killed_while_the_clock_steps_back_is_listed_down_after_its_lease(
-    tmp_path: Path, start_stepped: Callable[..., DirectoryProcess], clock: SteppedClock,
+    tmp_path: Path,
+    start_stepped: Callable[..., DirectoryProcess],
+    clock: SteppedClock,
     stub_for: Callable[..., Stub],
 ) -> None:
     directory = start_stepped()
@@ -86,8 +89,9 @@ def test_a_node_killed_while_the_clock_steps_back_is_listed_down_after_its_lease
         daemons[0].kill()
         clock.step(-HOUR)
         assert_clock_stepped(stub, -HOUR)
-        took = wait_until(lambda: states(stub).get("node0") == jpb.NODE_DOWN, "the killed node listed down",
-                          timeout=4 * LEASE)
+        took = wait_until(
+            lambda: states(stub).get("node0") == jpb.NODE_DOWN, "the killed node listed down", timeout=4 * LEASE
+        )
         assert took < 4 * LEASE
         assert states(stub)["node1"] == jpb.NODE_UP  # it renews its lease by RPC when datagrams look stale
     finally:
@@ -97,7 +101,9 @@ def test_a_node_killed_while_the_clock_steps_back_is_listed_down_after_its_lease
 
 @needs_faketime
 def test_a_step_forward_lists_no_live_node_down_and_drops_no_busy_job(
-    tmp_path: Path, start_stepped: Callable[..., DirectoryProcess], clock: SteppedClock,
+    tmp_path: Path,
+    start_stepped: Callable[..., DirectoryProcess],
+    clock: SteppedClock,
     stub_for: Callable[..., Stub],
 ) -> None:
     directory = start_stepped("--job-ttl", "10s")
@@ -129,10 +135,19 @@ def test_a_step_forward_lists_no_live_node_down_and_drops_no_busy_job(
 
 def test_activity_written_in_the_future_reads_back_as_active_at_load() -> None:
     doc = {
-        "format": 1, "versions": {"nodes": 1, "datasets": 0, "jobs": 1}, "nodes": [],
+        "format": 1,
+        "versions": {"nodes": 1, "datasets": 0, "jobs": 1},
+        "nodes": [],
         "jobs": [
-            {"spec": {"job_id": job_id, "dataset": "imgs"}, "manifest_id": "m1", "num_samples": 10,
-             "epoch": 0, "created": 1.0, "started": False, "last_active": last_active}
+            {
+                "spec": {"job_id": job_id, "dataset": "imgs"},
+                "manifest_id": "m1",
+                "num_samples": 10,
+                "epoch": 0,
+                "created": 1.0,
+                "started": False,
+                "last_active": last_active,
+            }
             for job_id, last_active in (("ahead", 5000.0 + HOUR), ("idle", 5000.0 - 2 * HOUR))
         ],
     }
@@ -142,6 +157,4 @@ def test_activity_written_in_the_future_reads_back_as_active_at_load() -> None:
     assert [(j.spec.job_id, idle) for j, idle in expired] == [("idle", 2 * HOUR)]
     assert [(j.spec.job_id, j.last_active) for j in restarted.jobs()] == [("ahead", 5000.0 + HOUR)]
     assert restarted.expire_jobs(ttl=HOUR, now=100.0 + HOUR - 1) == []
-    assert [(j.spec.job_id, idle) for j, idle in restarted.expire_jobs(ttl=HOUR, now=100.0 + HOUR)] == [
-        ("ahead", HOUR)
-    ]
+    assert [(j.spec.job_id, idle) for j, idle in restarted.expire_jobs(ttl=HOUR, now=100.0 + HOUR)] == [("ahead", HOUR)]

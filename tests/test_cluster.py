@@ -71,7 +71,10 @@ def test_cluster_up_writes_env_files_and_down_stops_every_process(tmp_path: Path
         assert all(n["DATAQUAY_DIRECTORY"] == env["DATAQUAY_DIRECTORY"] for n in nodes)
         sourced = subprocess.run(
             ["sh", "-c", 'set -a; . "$1"; . "$2"; set +a; env', "sh", base / "cluster.env", base / "node-1.env"],
-            capture_output=True, text=True, check=True, env={"PATH": os.environ["PATH"]},
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PATH": os.environ["PATH"]},
         ).stdout.splitlines()
         assert {**env, **nodes[1]}.items() <= dict(line.partition("=")[::2] for line in sourced).items()
 
@@ -120,10 +123,22 @@ def staged_cluster(cluster: Callable[..., LocalCluster], tmp_path: Path) -> Loca
     local = cluster(NODES)
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
-    assert cli_main([
-        "stage", "imgs", "--job", JOB, "--ranks-per-node", str(RANKS_PER_NODE), "--quiet",
-        "--directory", local.directory_address,
-    ]) == 0
+    assert (
+        cli_main(
+            [
+                "stage",
+                "imgs",
+                "--job",
+                JOB,
+                "--ranks-per-node",
+                str(RANKS_PER_NODE),
+                "--quiet",
+                "--directory",
+                local.directory_address,
+            ]
+        )
+        == 0
+    )
     return local
 
 
@@ -187,9 +202,22 @@ def test_a_rank_whose_daemon_is_down_joins_through_the_directory_and_reads_its_e
     local = cluster(2)
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[1].address]) == 0
-    assert cli_main([
-        "stage", "imgs", "--job", JOB, "--ranks-per-node", "1", "--quiet", "--directory", local.directory_address,
-    ]) == 0
+    assert (
+        cli_main(
+            [
+                "stage",
+                "imgs",
+                "--job",
+                JOB,
+                "--ranks-per-node",
+                "1",
+                "--quiet",
+                "--directory",
+                local.directory_address,
+            ]
+        )
+        == 0
+    )
     local.kill_node(0)
     job = get_job(local)
     with grpc.insecure_channel(local.directory_address, options=channel_options()) as channel:
@@ -201,8 +229,9 @@ def test_a_rank_whose_daemon_is_down_joins_through_the_directory_and_reads_its_e
 
     # Rank 0's DATAQUAY_ADDR names the dead daemon's socket; DATAQUAY_DIRECTORY is set. It need not
     # wait out connect's whole timeout for a daemon known to be gone.
-    with RankGroup([local.rank_env(0, 1, JOB)], "imgs", tmp_path / "ranks", batch=16, timeout=90,
-                   connect_timeouts=[0.5]) as group:
+    with RankGroup(
+        [local.rank_env(0, 1, JOB)], "imgs", tmp_path / "ranks", batch=16, timeout=90, connect_timeouts=[0.5]
+    ) as group:
         (result,) = group.epoch(0)
     assert result.ids == want.tolist()
     assert result.checksums == expected_checksums()[want].tolist()

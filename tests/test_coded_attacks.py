@@ -61,8 +61,9 @@ class SecuredNodes(Nodes):
     def after(self, epoch: int) -> np.ndarray:
         """The job's owners in ``epoch``."""
         manifest = Manifest(b"".join(c.data for c in self.stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
-        job = job_plan(self.stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=self.job), must_exist=True)),
-                       manifest)
+        job = job_plan(
+            self.stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=self.job), must_exist=True)), manifest
+        )
         found = owners(job, 0)
         for e in range(1, epoch + 1):
             found = owners(job, e, found)
@@ -102,8 +103,11 @@ class Sniffer:
         # A 4-node plan has at most 14 sets of receivers: the snapshots' address and 14 more carry them all.
         for slot in range(SNIFFED_ADDRESSES):
             address = str(ipaddress.IPv4Address(group) + slot)
-            self._listen.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
-                                    struct.pack("4s4s", socket.inet_aton(address), socket.inet_aton("127.0.0.1")))
+            self._listen.setsockopt(
+                socket.IPPROTO_IP,
+                socket.IP_ADD_MEMBERSHIP,
+                struct.pack("4s4s", socket.inet_aton(address), socket.inet_aton("127.0.0.1")),
+            )
         self._listen.settimeout(0.05)
         self._send = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._send.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
@@ -141,14 +145,19 @@ class Sniffer:
 
 
 @pytest.fixture
-def secured(cluster: Callable[..., LocalCluster], tmp_path: Path,
-            monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LocalCluster, str]]:
+def secured(
+    cluster: Callable[..., LocalCluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[LocalCluster, str]]:
     """4 daemons with a token and TLS and a multicast group for coded passes; dataset "imgs" registered."""
     from test_auth import make_certificates
 
     group = multicast_group()
-    local = cluster(NODES, daemon_args=("--exchange-multicast", group),
-                    token_file=new_token_file(tmp_path / "token"), tls=make_certificates(tmp_path / "pki"))
+    local = cluster(
+        NODES,
+        daemon_args=("--exchange-multicast", group),
+        token_file=new_token_file(tmp_path / "token"),
+        tls=make_certificates(tmp_path / "pki"),
+    )
     for name, value in local.node_env(0).items():
         monkeypatch.setenv(name, value)
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
@@ -157,10 +166,30 @@ def secured(cluster: Callable[..., LocalCluster], tmp_path: Path,
 
 
 def stage(local: LocalCluster, job: str, seed: int = 0) -> None:
-    assert cli_main([
-        "stage", "imgs", "--job", job, "--mode", "partial", "--q", "1", "--exchange-coding", "uber",
-        "--ranks-per-node", "2", "--seed", str(seed), "--quiet", "--directory", local.directory_address,
-    ]) == 0
+    assert (
+        cli_main(
+            [
+                "stage",
+                "imgs",
+                "--job",
+                job,
+                "--mode",
+                "partial",
+                "--q",
+                "1",
+                "--exchange-coding",
+                "uber",
+                "--ranks-per-node",
+                "2",
+                "--seed",
+                str(seed),
+                "--quiet",
+                "--directory",
+                local.directory_address,
+            ]
+        )
+        == 0
+    )
 
 
 def assert_coded(runs: list[pb.ExchangeProgress]) -> None:

@@ -37,8 +37,13 @@ def multicast_group() -> str:
 def test_a_coded_exchange_delivers_every_moved_sample_and_the_streams_send_only_what_it_did_not(
     cluster: Callable[..., LocalCluster], tmp_path: Path
 ) -> None:
-    local = staged(cluster, tmp_path, ["--mode", "partial", "--q", "1", "--exchange-coding", "uber"],
-                   "--exchange-multicast", multicast_group())
+    local = staged(
+        cluster,
+        tmp_path,
+        ["--mode", "partial", "--q", "1", "--exchange-coding", "uber"],
+        "--exchange-multicast",
+        multicast_group(),
+    )
     nodes = Nodes(local)
     try:
         manifest = Manifest(b"".join(c.data for c in nodes.stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
@@ -73,8 +78,13 @@ def test_a_coded_exchange_delivers_every_moved_sample_and_the_streams_send_only_
 def test_a_daemon_down_during_the_coded_pass_gets_its_share_from_the_streams_after_its_restart(
     cluster: Callable[..., LocalCluster], tmp_path: Path
 ) -> None:
-    local = staged(cluster, tmp_path, ["--mode", "partial", "--q", "1", "--exchange-coding", "coded"],
-                   "--exchange-multicast", multicast_group())
+    local = staged(
+        cluster,
+        tmp_path,
+        ["--mode", "partial", "--q", "1", "--exchange-coding", "coded"],
+        "--exchange-multicast",
+        multicast_group(),
+    )
     nodes = Nodes(local)
     try:
         manifest = Manifest(b"".join(c.data for c in nodes.stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
@@ -82,8 +92,11 @@ def test_a_daemon_down_during_the_coded_pass_gets_its_share_from_the_streams_aft
         after = owners(job_plan(job, manifest), 1, owners(job_plan(job, manifest), 0))
         local.kill_node(1)
         nodes.report(0, (0, 2, 3))
-        wait_until(lambda: all((run := nodes.exchange(m, 1)) is not None and run.coded_note for m in (0, 2, 3)),
-                   "the others gave up waiting for node 1's snapshot", poll=0.2)
+        wait_until(
+            lambda: all((run := nodes.exchange(m, 1)) is not None and run.coded_note for m in (0, 2, 3)),
+            "the others gave up waiting for node 1's snapshot",
+            poll=0.2,
+        )
         local.restart_node(1)
         nodes.refresh(1)
         nodes.report(0, (1,))
@@ -121,8 +134,12 @@ def _in_namespace(namespace: str, rundir: Path, epochs: int, *daemon_args: str) 
     """Runs tests/coded_in_namespace.py in ``namespace``: ``epochs`` coded exchanges of a 4-daemon job."""
     rundir.mkdir()
     script = Path(__file__).with_name("coded_in_namespace.py")
-    done = subprocess.run(["ip", "netns", "exec", namespace, sys.executable, str(script), str(rundir), str(epochs),
-                           *daemon_args], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        ["ip", "netns", "exec", namespace, sys.executable, str(script), str(rundir), str(epochs), *daemon_args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     result: dict[str, Any] = json.loads((rundir / "result.json").read_text())
     return result
@@ -135,12 +152,15 @@ def test_lost_acknowledgements_at_five_percent_loss_never_stall_a_coded_pass(nam
     port = group.rpartition(":")[2]
     assert _ip("-n", namespace, "route", "add", "224.0.0.0/4", "dev", "lo").returncode == 0
     # 5% of the pool's datagrams, and 5% of every other UDP datagram: the acknowledgements.
-    rules = (f"add table inet loss\n"
-             f"add chain inet loss in {{ type filter hook input priority 0; }}\n"
-             f"add rule inet loss in udp dport {port} numgen random mod 20 0 drop\n"
-             f"add rule inet loss in udp sport != {port} udp dport != {port} numgen random mod 20 0 drop\n")
-    added = subprocess.run(["ip", "netns", "exec", namespace, "nft", "-f", "-"], input=rules, text=True,
-                           capture_output=True, timeout=30)
+    rules = (
+        f"add table inet loss\n"
+        f"add chain inet loss in {{ type filter hook input priority 0; }}\n"
+        f"add rule inet loss in udp dport {port} numgen random mod 20 0 drop\n"
+        f"add rule inet loss in udp sport != {port} udp dport != {port} numgen random mod 20 0 drop\n"
+    )
+    added = subprocess.run(
+        ["ip", "netns", "exec", namespace, "nft", "-f", "-"], input=rules, text=True, capture_output=True, timeout=30
+    )
     if added.returncode != 0:
         pytest.skip(f"nftables cannot filter in the namespace: {added.stderr.strip()}")
     result = _in_namespace(namespace, tmp_path / "run", 4, "--exchange-multicast", group)
@@ -156,16 +176,25 @@ def test_a_fabric_without_multicast_is_told_at_start_and_exchanges_uncoded_at_on
     namespace: str, tmp_path: Path
 ) -> None:
     side = f"dqnm{os.getpid() % 100000}"
-    made = [_ip("-n", namespace, "link", "add", f"{side}a", "type", "veth", "peer", "name", f"{side}b"),
-            _ip("-n", namespace, "addr", "add", "10.78.0.1/24", "dev", f"{side}a"),
-            _ip("-n", namespace, "link", "set", f"{side}a", "multicast", "off"),
-            _ip("-n", namespace, "link", "set", f"{side}a", "up"),
-            _ip("-n", namespace, "link", "set", f"{side}b", "up")]
+    made = [
+        _ip("-n", namespace, "link", "add", f"{side}a", "type", "veth", "peer", "name", f"{side}b"),
+        _ip("-n", namespace, "addr", "add", "10.78.0.1/24", "dev", f"{side}a"),
+        _ip("-n", namespace, "link", "set", f"{side}a", "multicast", "off"),
+        _ip("-n", namespace, "link", "set", f"{side}a", "up"),
+        _ip("-n", namespace, "link", "set", f"{side}b", "up"),
+    ]
     if made[0].returncode != 0:
         pytest.skip(f"cannot make a veth pair: {made[0].stderr.strip()}")
     assert all(step.returncode == 0 for step in made), [step.stderr for step in made]
-    result = _in_namespace(namespace, tmp_path / "run", 1, "--exchange-multicast", multicast_group(),
-                           "--exchange-multicast-interface", "10.78.0.1")
+    result = _in_namespace(
+        namespace,
+        tmp_path / "run",
+        1,
+        "--exchange-multicast",
+        multicast_group(),
+        "--exchange-multicast-interface",
+        "10.78.0.1",
+    )
     notes = result["multicast_notes"]
     assert all(f"interface {side}a (10.78.0.1) carries no multicast" in note for note in notes), notes
     runs = result["runs"][0]

@@ -44,8 +44,9 @@ def test_each_set_of_receivers_gets_an_address_of_its_own_while_the_pool_has_roo
     num_nodes, num_samples = 8, 2000
     before = balanced_owners(num_samples, num_nodes, rng)
     caches = [np.union1d(np.flatnonzero(before == m), rng.choice(num_samples, 500)) for m in range(num_nodes)]
-    sent = coded_packets.streams(plan(holder_bits(caches, num_samples), balanced_owners(num_samples, num_nodes, rng),
-                                      "uber"))
+    sent = coded_packets.streams(
+        plan(holder_bits(caches, num_samples), balanced_owners(num_samples, num_nodes, rng), "uber")
+    )
     sets = len(set(sent.members))
     for pool, foreign_at_most in ((256, 0), (16, None)):
         slots = coded_packets.slots(sent, pool)

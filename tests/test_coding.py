@@ -60,10 +60,12 @@ def toy() -> tuple[np.ndarray, np.ndarray]:
 def packet_sets(packets: Packets) -> list[tuple[frozenset[int], frozenset[int]]]:
     """Each packet as (its samples, its decoders), in the seed's numbering, in an order
     that does not depend on the packets' (sets compare as subsets, so they are sorted as lists)."""
-    return canonical([
-        (frozenset((packets.samples[lo:hi] + 1).tolist()), frozenset((packets.decoders[lo:hi] + 1).tolist()))
-        for lo, hi in zip(packets.start[:-1].tolist(), packets.start[1:].tolist(), strict=True)
-    ])
+    return canonical(
+        [
+            (frozenset((packets.samples[lo:hi] + 1).tolist()), frozenset((packets.decoders[lo:hi] + 1).tolist()))
+            for lo, hi in zip(packets.start[:-1].tolist(), packets.start[1:].tolist(), strict=True)
+        ]
+    )
 
 
 def canonical(sets: list[tuple[frozenset[int], frozenset[int]]]) -> list[tuple[frozenset[int], frozenset[int]]]:
@@ -80,12 +82,21 @@ def test_the_toy_tables_are_the_seeds() -> None:
     f = frozenset
     # Table {1,3}: d2 + d5; table {2,3}: d1 + d6 and d7; table {1,2,3}: d4 alone, which UberShuffle
     # moves into the gap of table {2,3}'s first column.
-    assert packet_sets(plan(holders, owners, "coded")) == canonical([
-        (f({2, 5}), f({1, 3})), (f({1, 6}), f({2, 3})), (f({7}), f({3})), (f({4}), f({2})),
-    ])
-    assert packet_sets(plan(holders, owners, "uber")) == canonical([
-        (f({2, 5}), f({1, 3})), (f({1, 6}), f({2, 3})), (f({4, 7}), f({2, 3})),
-    ])
+    assert packet_sets(plan(holders, owners, "coded")) == canonical(
+        [
+            (f({2, 5}), f({1, 3})),
+            (f({1, 6}), f({2, 3})),
+            (f({7}), f({3})),
+            (f({4}), f({2})),
+        ]
+    )
+    assert packet_sets(plan(holders, owners, "uber")) == canonical(
+        [
+            (f({2, 5}), f({1, 3})),
+            (f({1, 6}), f({2, 3})),
+            (f({4, 7}), f({2, 3})),
+        ]
+    )
 
 
 def test_with_no_node_holding_all_data_a_pair_costs_a_fetch_and_saves_nothing() -> None:
@@ -162,18 +173,22 @@ def assert_decodable(holders: np.ndarray, owners: np.ndarray, packets: Packets, 
             others = np.delete(ids, k)
             assert caches_sample(holders, others, np.full(len(others), decoder)).all()
             assert xor_decode(packet, [data[i] for i in others.tolist()], len(data[sample])) == data[sample]
-    for p, sample, source in zip(packets.fetch_packets.tolist(), packets.fetch_samples.tolist(),
-                                 packets.fetch_sources.tolist(), strict=True):
+    for p, sample, source in zip(
+        packets.fetch_packets.tolist(), packets.fetch_samples.tolist(), packets.fetch_sources.tolist(), strict=True
+    ):
         assert source == PFS or caches_sample(holders, np.array([sample]), np.array([source]))[0]
-        assert sample in packets.samples[packets.start[p]:packets.start[p + 1]]
+        assert sample in packets.samples[packets.start[p] : packets.start[p + 1]]
 
 
 @st.composite
 def shuffles(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
     num_nodes = draw(st.integers(2, 7))
     num_samples = draw(st.integers(1, 60))
-    cached = draw(st.lists(st.lists(st.booleans(), min_size=num_samples, max_size=num_samples),
-                           min_size=num_nodes, max_size=num_nodes))
+    cached = draw(
+        st.lists(
+            st.lists(st.booleans(), min_size=num_samples, max_size=num_samples), min_size=num_nodes, max_size=num_nodes
+        )
+    )
     owners = np.array(draw(st.lists(st.integers(0, num_nodes - 1), min_size=num_samples, max_size=num_samples)))
     data = draw(st.lists(st.binary(min_size=0, max_size=12), min_size=num_samples, max_size=num_samples))
     return holder_bits([np.flatnonzero(row) for row in cached], num_samples), owners, data
@@ -183,7 +198,8 @@ def shuffles(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
 @settings(max_examples=150, deadline=None)
 @given(shuffles())
 def test_every_scheme_delivers_exactly_what_each_node_lacks_and_uber_sends_fewest(
-    module: str, shuffle: tuple[np.ndarray, np.ndarray, list[bytes]],
+    module: str,
+    shuffle: tuple[np.ndarray, np.ndarray, list[bytes]],
 ) -> None:
     holders, owners, data = shuffle
     counts = []
@@ -199,8 +215,9 @@ def test_every_scheme_delivers_exactly_what_each_node_lacks_and_uber_sends_fewes
 def overlapping(rng: np.random.Generator, num_nodes: int, num_samples: int, extra: int) -> tuple[np.ndarray, ...]:
     """Caches of each node's old samples and ``extra`` more at random, and new owners."""
     owners = rng.integers(0, num_nodes, num_samples)
-    caches = [np.union1d(np.flatnonzero(owners == m), rng.choice(num_samples, extra, replace=False))
-              for m in range(num_nodes)]
+    caches = [
+        np.union1d(np.flatnonzero(owners == m), rng.choice(num_samples, extra, replace=False)) for m in range(num_nodes)
+    ]
     return holder_bits(caches, num_samples), rng.permutation(owners)
 
 
@@ -224,8 +241,9 @@ def crowded() -> tuple[np.ndarray, ...]:
 
 def test_the_c_loops_plan_every_packet_and_sender_as_the_python_ones_do() -> None:
     rng = np.random.default_rng(16)
-    small = [overlapping(rng, int(rng.integers(3, 8)), int(rng.integers(5, 80)), int(rng.integers(0, 5)))
-             for _ in range(300)]
+    small = [
+        overlapping(rng, int(rng.integers(3, 8)), int(rng.integers(5, 80)), int(rng.integers(0, 5))) for _ in range(300)
+    ]
     wide = overlapping(rng, 64, 20000, 1000)
     for holders, owners in [toy(), *small, wide, clustered(rng), crowded()]:
         need, num_nodes = needs(holders, owners), holders.shape[1] * 64
@@ -246,8 +264,9 @@ def test_more_nodes_than_a_bitset_word_decode_too_and_plan_alike_every_time(modu
     rng = np.random.default_rng(3)
     num_nodes, num_samples = 130, 3000
     owners = rng.permutation(np.arange(num_samples) % num_nodes)
-    caches = [np.union1d(np.flatnonzero(owners == m), rng.choice(num_samples, 90, replace=False))
-              for m in range(num_nodes)]
+    caches = [
+        np.union1d(np.flatnonzero(owners == m), rng.choice(num_samples, 90, replace=False)) for m in range(num_nodes)
+    ]
     holders = holder_bits(caches, num_samples)
     new_owners = rng.permutation(owners)
     data = [rng.bytes(int(n)) for n in rng.integers(1, 9, num_samples)]
@@ -263,8 +282,17 @@ def test_the_c_greedy_names_arrays_that_contradict_each_other() -> None:
     loops = pytest.importorskip("dataquay.server._coding", reason="installed without a C compiler")
     keys = np.array([[0b111], [0b011]], dtype=np.uint64)
     # Table 0 = {0, 1, 2} holds one sample for node 2, table 1 = {0, 1} one for node 0; 1 = 0 less 2.
-    arrays = [np.array([0, 1, 2]), np.array([2, 0]), np.array([1, 1]), np.array([0, 1]), np.array([0, 1]),
-              np.array([0]), np.array([2]), np.array([1]), np.array([0, 1])]
+    arrays = [
+        np.array([0, 1, 2]),
+        np.array([2, 0]),
+        np.array([1, 1]),
+        np.array([0, 1]),
+        np.array([0, 1]),
+        np.array([0]),
+        np.array([2]),
+        np.array([1]),
+        np.array([0, 1]),
+    ]
     loops.greedy(keys, *arrays)
     with pytest.raises(ValueError, match="parent or child is not a table"):
         loops.greedy(keys, *arrays[:7], np.array([7]), arrays[8])

@@ -142,9 +142,7 @@ def test_config_flag_beats_the_variable_which_beats_the_default_file(tmp_path: P
         ),
     ],
 )
-def test_a_named_config_file_must_exist(
-    tmp_path: Path, flag: str | None, env: dict[str, str], message: str
-) -> None:
+def test_a_named_config_file_must_exist(tmp_path: Path, flag: str | None, env: dict[str, str], message: str) -> None:
     environment = {name: value.format(tmp=tmp_path) for name, value in env.items()}
     with pytest.raises(ConfigError) as caught:
         ConfigFile.find(str(tmp_path / flag) if flag else None, environment)
@@ -165,22 +163,32 @@ def test_a_named_config_file_must_exist(
         ("[demon]\n", "unknown table [demon]; did you mean [daemon]?"),
         ("[storage]\n", "unknown table [storage]; expected [daemon] or [directory]"),
         ('cache_size = "1G"\n', 'cache_size = "1G" is outside a table; settings go under [daemon] or [directory]'),
-        ('[daemon]\nnode_name = "a"\ncache_size = "1G\n',
-         "invalid TOML: Illegal character '\\n' (at line 3, column 17)"),
-        ('[daemon]\npeer_timeout = "soon"\n',
-         '[daemon] peer_timeout = "soon": expected a duration like 2s, 500ms or 5m'),
+        (
+            '[daemon]\nnode_name = "a"\ncache_size = "1G\n',
+            "invalid TOML: Illegal character '\\n' (at line 3, column 17)",
+        ),
+        (
+            '[daemon]\npeer_timeout = "soon"\n',
+            '[daemon] peer_timeout = "soon": expected a duration like 2s, 500ms or 5m',
+        ),
         ("[daemon]\npeer_timeout = 0\n", "[daemon] peer_timeout = 0: expected a duration above 0, like 2s or 500ms"),
         ("[daemon]\nnode_name = 17\n", "[daemon] node_name = 17: expected a string"),
         ("[daemon]\npfs_threads = true\n", "[daemon] pfs_threads = true: expected a number or a string"),
         ("[daemon]\npfs_threads = 0\n", "[daemon] pfs_threads = 0: expected a whole number above 0"),
         ('[daemon]\nlog_level = "loud"\n', '[daemon] log_level = "loud": expected one of debug, info, warning, error'),
         ("[directory]\nhttp_port = 70000\n", "[directory] http_port = 70000: expected a port number 0-65535"),
-        ('[daemon]\nexchange_multicast = "10.0.0.1:47016"\n', '[daemon] exchange_multicast = "10.0.0.1:47016": '
-         "expected GROUP:PORT with an IPv4 multicast group (224.0.0.0/4) that has 255 more after it, like "
-         "239.255.16.1:47016"),
-        ('[daemon]\nexchange_multicast = "239.255.255.250:47016"\n', '[daemon] exchange_multicast = '
-         '"239.255.255.250:47016": expected GROUP:PORT with an IPv4 multicast group (224.0.0.0/4) that has 255 '
-         "more after it, like 239.255.16.1:47016"),
+        (
+            '[daemon]\nexchange_multicast = "10.0.0.1:47016"\n',
+            '[daemon] exchange_multicast = "10.0.0.1:47016": '
+            "expected GROUP:PORT with an IPv4 multicast group (224.0.0.0/4) that has 255 more after it, like "
+            "239.255.16.1:47016",
+        ),
+        (
+            '[daemon]\nexchange_multicast = "239.255.255.250:47016"\n',
+            "[daemon] exchange_multicast = "
+            '"239.255.255.250:47016": expected GROUP:PORT with an IPv4 multicast group (224.0.0.0/4) that has 255 '
+            "more after it, like 239.255.16.1:47016",
+        ),
     ],
 )
 def test_config_file_errors_name_the_file_and_the_key(tmp_path: Path, text: str, message: str) -> None:
@@ -202,10 +210,16 @@ def test_a_config_file_that_cannot_be_read_is_named(tmp_path: Path) -> None:
     ("flags", "env", "message"),
     [
         ({"cache_size": "12Q"}, {}, "--cache-size: bad size '12Q': expected a size like 200G or 512MiB"),
-        ({}, {"DATAQUAY_PEER_TIMEOUT": "soon"},
-         "DATAQUAY_PEER_TIMEOUT: bad duration 'soon': expected a duration like 2s, 500ms or 5m"),
-        ({}, {"DATAQUAY_LOG_LEVEL": "loud"},
-         "DATAQUAY_LOG_LEVEL: bad value 'loud': expected one of debug, info, warning, error"),
+        (
+            {},
+            {"DATAQUAY_PEER_TIMEOUT": "soon"},
+            "DATAQUAY_PEER_TIMEOUT: bad duration 'soon': expected a duration like 2s, 500ms or 5m",
+        ),
+        (
+            {},
+            {"DATAQUAY_LOG_LEVEL": "loud"},
+            "DATAQUAY_LOG_LEVEL: bad value 'loud': expected one of debug, info, warning, error",
+        ),
         ({"spare_copies_fill": "most"}, {}, "--spare-copies-fill: bad value 'most': expected a fraction from 0 to 1"),
     ],
 )
@@ -222,8 +236,16 @@ def test_flag_and_variable_errors_name_the_flag_or_the_variable(
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("2s", 2.0), ("5m", 300.0), ("1h", 3600.0), ("7d", 604800.0), ("500ms", 0.5), ("3", 3.0), ("0.25", 0.25),
-     (" 2 s ", 2.0)],
+    [
+        ("2s", 2.0),
+        ("5m", 300.0),
+        ("1h", 3600.0),
+        ("7d", 604800.0),
+        ("500ms", 0.5),
+        ("3", 3.0),
+        ("0.25", 0.25),
+        (" 2 s ", 2.0),
+    ],
 )
 def test_durations_accept_units_and_plain_seconds(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
@@ -237,8 +259,15 @@ def test_bad_durations_say_what_was_expected(text: str) -> None:
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("200G", 200 << 30), ("512MiB", 512 << 20), ("512Mi", 512 << 20), ("1.5TB", 1_500_000_000_000),
-     ("64KB", 64_000), ("4096", 4096), ("4096B", 4096)],
+    [
+        ("200G", 200 << 30),
+        ("512MiB", 512 << 20),
+        ("512Mi", 512 << 20),
+        ("1.5TB", 1_500_000_000_000),
+        ("64KB", 64_000),
+        ("4096", 4096),
+        ("4096B", 4096),
+    ],
 )
 def test_sizes_accept_binary_and_decimal_units(text: str, value: int) -> None:
     assert parse_size(text) == value
@@ -263,8 +292,10 @@ def test_duration_options_keep_their_flag_names_and_take_units() -> None:
 def test_config_show_prints_every_value_and_its_source(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = write(tmp_path / "dq.toml", '[daemon]\ncache_size = "200G"\nnode_name = "gpu017"\n'
-                 '[directory]\nlease_seconds = "30s"\n')
+    path = write(
+        tmp_path / "dq.toml",
+        '[daemon]\ncache_size = "200G"\nnode_name = "gpu017"\n[directory]\nlease_seconds = "30s"\n',
+    )
     monkeypatch.setenv("DATAQUAY_NODE_NAME", "from-env")
     assert main(["config", "show", "--config", str(path)]) == 0
     out = capsys.readouterr().out
@@ -278,9 +309,7 @@ def test_config_show_prints_every_value_and_its_source(
     assert all(f"\n{name} " in daemon_keys for name in names(DaemonConfig))
 
 
-def test_config_show_json_has_every_option_of_both_services(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_config_show_json_has_every_option_of_both_services(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write(tmp_path / "dq.toml", '[daemon]\npeer_timeout = "2s"\n')
     assert main(["config", "show", "--config", str(path), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
@@ -303,7 +332,10 @@ def test_config_show_error_exits_1_with_one_line_on_stderr(tmp_path: Path) -> No
     env = {name: value for name, value in os.environ.items() if not name.startswith("DATAQUAY_")}
     result = subprocess.run(
         [sys.executable, "-m", "dataquay.server.cli", "config", "show", "--config", str(path)],
-        capture_output=True, text=True, timeout=60, env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr == (

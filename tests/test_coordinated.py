@@ -46,9 +46,7 @@ def dataset(daemon: DaemonProcess, tmp_path: Path) -> str:
 def keys(tmp_path: Path, dataset: str) -> dict[int, int]:
     """Sample id by the key prep takes from its first bytes."""
     sizes = (4096, 1000)
-    return {
-        int(np.frombuffer(synthetic.sample_bytes(3, i, sizes[i % 2])[:8], "<u8")[0]): i for i in range(SAMPLES)
-    }
+    return {int(np.frombuffer(synthetic.sample_bytes(3, i, sizes[i % 2])[:8], "<u8")[0]): i for i in range(SAMPLES)}
 
 
 @dataclass
@@ -74,8 +72,21 @@ def start_member(daemon: DaemonProcess, dataset: str, tmp_path: Path) -> Iterato
 
     def start(*args: str, group: str = "sweep") -> Member:
         out = tmp_path / f"member{len(started)}.jsonl"
-        command = [sys.executable, str(MEMBER), "--addr", daemon.address, "--dataset", dataset, "--group", group,
-                   "--batch-size", str(BATCH), "--out", str(out), *args]
+        command = [
+            sys.executable,
+            str(MEMBER),
+            "--addr",
+            daemon.address,
+            "--dataset",
+            dataset,
+            "--group",
+            group,
+            "--batch-size",
+            str(BATCH),
+            "--out",
+            str(out),
+            *args,
+        ]
         member = Member(subprocess.Popen(command), out)
         started.append(member)
         return member
@@ -120,14 +131,14 @@ def test_a_group_of_one_yields_what_a_plain_loader_would(client: dq.Client, data
             collate([prep(sample) for sample in ds.get_batch(loader.batch_ids(i))]) for i in range(BATCHES)
         ]
     assert [digest(b) for b in got] == [digest(b) for b in expected]
-    assert sorted(int(k) for keys, _ in got for k in keys) == sorted(
-        int(k) for keys, _ in expected for k in keys
-    )
+    assert sorted(int(k) for keys, _ in got for k in keys) == sorted(int(k) for keys, _ in expected for k in keys)
     assert len({int(k) for keys, _ in got for k in keys}) == SAMPLES
 
 
 def test_members_get_identical_batches_every_sample_once_and_prep_each_batch_once(
-    start_member: Callable[..., Member], keys: dict[int, int], daemon: DaemonProcess,
+    start_member: Callable[..., Member],
+    keys: dict[int, int],
+    daemon: DaemonProcess,
 ) -> None:
     members = [start_member("--jobs", "3", "--epochs", "2", "--workers", str(workers)) for workers in (1, 2, 3)]
     done = [finished(m) for m in members]
@@ -141,7 +152,9 @@ def test_members_get_identical_batches_every_sample_once_and_prep_each_batch_onc
 
 
 def test_a_member_killed_mid_epoch_is_dropped_and_the_others_finish(
-    start_member: Callable[..., Member], keys: dict[int, int], daemon: DaemonProcess,
+    start_member: Callable[..., Member],
+    keys: dict[int, int],
+    daemon: DaemonProcess,
 ) -> None:
     members = [start_member("--jobs", "3", "--step", "0.05", "--timeout", "30") for _ in range(3)]
     victim = members[2]
@@ -157,7 +170,9 @@ def test_a_member_killed_mid_epoch_is_dropped_and_the_others_finish(
 
 
 def test_a_stopped_member_is_dropped_after_the_timeout_and_goes_on_alone(
-    start_member: Callable[..., Member], keys: dict[int, int], daemon: DaemonProcess,
+    start_member: Callable[..., Member],
+    keys: dict[int, int],
+    daemon: DaemonProcess,
 ) -> None:
     members = [start_member("--jobs", "3", "--step", "0.05", "--timeout", "2") for _ in range(3)]
     late = members[2]
@@ -174,7 +189,9 @@ def test_a_stopped_member_is_dropped_after_the_timeout_and_goes_on_alone(
 
 
 def test_a_member_that_comes_mid_epoch_preps_it_alone_and_joins_the_next(
-    start_member: Callable[..., Member], keys: dict[int, int], daemon: DaemonProcess,
+    start_member: Callable[..., Member],
+    keys: dict[int, int],
+    daemon: DaemonProcess,
 ) -> None:
     common = ("--jobs", "2", "--epochs", "2", "--step", "0.05", "--timeout", "30")
     first = [start_member(*common) for _ in range(2)]
@@ -190,7 +207,9 @@ def test_a_member_that_comes_mid_epoch_preps_it_alone_and_joins_the_next(
 
 
 def test_members_go_on_alone_when_the_daemon_dies_and_the_next_daemon_removes_the_batches_left(
-    start_member: Callable[..., Member], keys: dict[int, int], daemon: DaemonProcess,
+    start_member: Callable[..., Member],
+    keys: dict[int, int],
+    daemon: DaemonProcess,
     start_daemon: Callable[..., DaemonProcess],
 ) -> None:
     members = [start_member("--jobs", "2", "--step", "0.05", "--timeout", "30") for _ in range(2)]
@@ -205,7 +224,9 @@ def test_members_go_on_alone_when_the_daemon_dies_and_the_next_daemon_removes_th
 
 
 def test_a_slow_member_holds_the_group_within_its_memory_budget(
-    start_member: Callable[..., Member], keys: dict[int, int], daemon: DaemonProcess,
+    start_member: Callable[..., Member],
+    keys: dict[int, int],
+    daemon: DaemonProcess,
 ) -> None:
     budget = 3 * 4 * 1100  # about three batches of prepped floats
     common = ("--jobs", "2", "--memory", str(budget), "--timeout", "30")
@@ -225,14 +246,19 @@ def test_a_slow_member_holds_the_group_within_its_memory_budget(
 
 
 def test_status_and_metrics_show_the_group(
-    start_member: Callable[..., Member], daemon: DaemonProcess,
+    start_member: Callable[..., Member],
+    daemon: DaemonProcess,
 ) -> None:
     members = [start_member("--jobs", "2", "--step", "0.2", "--timeout", "30", group="sweep-7") for _ in range(2)]
-    wait_until(lambda: any(g.members == 2 and g.prepped_total >= 2 for g in daemon_stats(daemon).prep_groups),
-               "the group has two members and prepped batches")
+    wait_until(
+        lambda: any(g.members == 2 and g.prepped_total >= 2 for g in daemon_stats(daemon).prep_groups),
+        "the group has two members and prepped batches",
+    )
     shown = subprocess.run(
         [sys.executable, "-m", "dataquay.server.cli", "status", "--addr", daemon.address],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     row = next(line for line in shown.splitlines() if line.startswith("sweep-7"))
     assert row.split()[1:3] == ["ds", "0"] and row.split()[3] == "2"

@@ -126,10 +126,16 @@ def test_bad_requests_get_clear_status_codes_and_the_daemon_keeps_serving(
     add(stub, root)
     cases = [
         (lambda: read(stub, "nope", [0]), grpc.StatusCode.NOT_FOUND, "unknown dataset 'nope'"),
-        (lambda: read(stub, "imgs", [1, 60]), grpc.StatusCode.INVALID_ARGUMENT,
-         "sample id 60 out of range for dataset 'imgs' (N=60)"),
-        (lambda: read(stub, "imgs", list(range(17))), grpc.StatusCode.INVALID_ARGUMENT,
-         "batch of 17 ids exceeds the limit of 16"),
+        (
+            lambda: read(stub, "imgs", [1, 60]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sample id 60 out of range for dataset 'imgs' (N=60)",
+        ),
+        (
+            lambda: read(stub, "imgs", list(range(17))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "batch of 17 ids exceeds the limit of 16",
+        ),
         (lambda: stage(stub, "nope"), grpc.StatusCode.NOT_FOUND, "unknown dataset"),
         (lambda: add(stub, root), grpc.StatusCode.ALREADY_EXISTS, "already registered"),
         (lambda: add(stub, root / "missing", "other"), grpc.StatusCode.INVALID_ARGUMENT, "missing"),
@@ -253,7 +259,10 @@ def test_drop_frees_the_cache_and_unregisters(daemon: DaemonProcess, pfs: tuple[
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "dataquay.server.cli", *args],
-        capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -270,8 +279,18 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 )
 def test_serve_config_errors_exit_nonzero_with_one_line(tmp_path: Path, flags: list[str], message: str) -> None:
     result = run_cli(
-        "serve", "--socket", str(tmp_path / "s.sock"), "--listen", "127.0.0.1:0", "--metrics-port", "0",
-        "--state-dir", str(tmp_path / "state"), "--cache-dir", str(tmp_path / "cache"), *flags,
+        "serve",
+        "--socket",
+        str(tmp_path / "s.sock"),
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-port",
+        "0",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        *flags,
     )
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
@@ -288,8 +307,17 @@ def test_the_socket_is_for_its_owner_and_group_only(start_daemon: Callable[..., 
 def test_serve_refuses_a_taken_port(daemon: DaemonProcess, tmp_path: Path) -> None:
     assert daemon.ready is not None
     result = run_cli(
-        "serve", "--socket", str(tmp_path / "s.sock"), "--listen", daemon.ready["tcp"], "--metrics-port", "0",
-        "--state-dir", str(tmp_path / "state"), "--cache-dir", str(tmp_path / "cache"),
+        "serve",
+        "--socket",
+        str(tmp_path / "s.sock"),
+        "--listen",
+        daemon.ready["tcp"],
+        "--metrics-port",
+        "0",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--cache-dir",
+        str(tmp_path / "cache"),
     )
     assert result.returncode == 1
     assert "cannot listen on" in result.stderr and len(result.stderr.strip().splitlines()) == 1
@@ -297,8 +325,19 @@ def test_serve_refuses_a_taken_port(daemon: DaemonProcess, tmp_path: Path) -> No
 
 def test_serve_refuses_a_bad_bulk_listen(tmp_path: Path) -> None:
     result = run_cli(
-        "serve", "--socket", str(tmp_path / "s.sock"), "--listen", "127.0.0.1:0", "--metrics-port", "0",
-        "--state-dir", str(tmp_path / "state"), "--cache-dir", str(tmp_path / "cache"), "--bulk-listen", "nowhere",
+        "serve",
+        "--socket",
+        str(tmp_path / "s.sock"),
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-port",
+        "0",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--bulk-listen",
+        "nowhere",
     )
     assert result.returncode == 1
     assert "bad --bulk-listen nowhere" in result.stderr and len(result.stderr.strip().splitlines()) == 1
@@ -441,9 +480,7 @@ def test_staging_skips_samples_the_pfs_will_not_give_and_names_them(
     assert not progress.error and progress.finished
     assert progress.failed_samples == 2
     assert progress.done_samples == info.num_samples - 2
-    assert any(
-        f"sample {i} of 'imgs': cannot read {files[i]}" in progress.first_failure for i in (7, 40)
-    )
+    assert any(f"sample {i} of 'imgs': cannot read {files[i]}" in progress.first_failure for i in (7, 40))
 
     good = [i for i in range(len(payloads)) if i not in (7, 40)]
     assert [s.data for s in read(stub, "imgs", good)] == [payloads[i] for i in good]

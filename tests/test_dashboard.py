@@ -23,8 +23,9 @@ LABEL_VALUES = {"tier": frozenset(CLIENT_TIERS) | frozenset(DAEMON_TIERS), "stat
 
 
 _LABEL_LISTS = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
-_KEYWORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
-                       "unless", "offset"})
+_KEYWORDS = frozenset(
+    {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset"}
+)
 
 
 def metric_names(expr: str) -> set[str]:
@@ -101,9 +102,7 @@ def test_dashboard_queries_only_metrics_a_daemon_or_directory_exports(tmp_path: 
         daemon.start()
         directory.start()
         exported = exported_names(urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode())
-        exported |= exported_names(
-            urllib.request.urlopen(directory.http_url + "/metrics", timeout=10).read().decode()
-        )
+        exported |= exported_names(urllib.request.urlopen(directory.http_url + "/metrics", timeout=10).read().decode())
     finally:
         daemon.kill()
         directory.kill()
@@ -149,5 +148,8 @@ def test_grafana_import_asks_for_the_prometheus_data_source() -> None:
 
     imported = json.loads(text.replace("${DS_PROMETHEUS}", "prom-uid-1"))
     variable = next(v for v in imported["templating"]["list"] if v["name"] == "datasource")
-    assert (variable["type"], variable["query"], variable["current"]["value"]) == ("datasource", "prometheus",
-                                                                                    "prom-uid-1")
+    assert (variable["type"], variable["query"], variable["current"]["value"]) == (
+        "datasource",
+        "prometheus",
+        "prom-uid-1",
+    )

@@ -34,7 +34,8 @@ def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Ser
     kind: type[ServerProcess] = request.param
     process = kind(tmp_path / "server", dataset_roots=(allowed,)).start()
     channel = grpc.insecure_channel(
-        grpc_target(process.address), options=channel_options()  # type: ignore[attr-defined]
+        grpc_target(process.address),
+        options=channel_options(),  # type: ignore[attr-defined]
     )
     try:
         yield process, STUBS[kind](channel)

@@ -31,8 +31,12 @@ def test_targets_are_integer_classes_indexing_the_sorted_class_names(
     assert ds.classes == ["cat", "dog", "zebra"] and ds.class_to_idx == {"cat": 0, "dog": 1, "zebra": 2}
     by_name = {ds[i]: (ds.label(i), int(ds.targets[i])) for i in range(len(ds))}
     assert by_name == {
-        b"\x00": ("zebra", 2), b"\x01": ("cat", 0), b"\x02": ("dog", 1), b"\x03": ("cat", 0),
-        b"\x04": ("zebra", 2), b"s": (None, -1),
+        b"\x00": ("zebra", 2),
+        b"\x01": ("cat", 0),
+        b"\x02": ("dog", 1),
+        b"\x03": ("cat", 0),
+        b"\x04": ("zebra", 2),
+        b"s": (None, -1),
     }
     labelled = SampleReader(ds, with_labels=True).read(range(len(ds)))
     assert labelled == [(ds[i], int(ds.targets[i])) for i in range(len(ds))]

@@ -16,7 +16,10 @@ def test_demo_reports_the_stall_at_a_real_step_and_writes_its_json(tmp_path: Pat
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, "-m", "dataquay.server.cli", "demo", "--samples", "800", "--epochs", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     text = done.stdout

@@ -115,8 +115,11 @@ def test_the_daemonset_runs_the_units_command_on_the_nodes_network_with_a_host_p
 
 
 def test_each_recipe_folder_has_a_readme_that_names_its_build_command() -> None:
-    for folder, command in (("docker", "docker build"), ("apptainer", "apptainer build"),
-                            ("kubernetes", "kubectl apply")):
+    for folder, command in (
+        ("docker", "docker build"),
+        ("apptainer", "apptainer build"),
+        ("kubernetes", "kubectl apply"),
+    ):
         assert command in (DEPLOY / folder / "README.md").read_text(), folder
 
 
@@ -129,11 +132,19 @@ def _engine_answers() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _engine_answers(), reason="no container engine answers here (docker info fails)")
 def test_the_image_builds_and_its_entry_point_is_dataquay() -> None:
-    subprocess.run(["docker", "build", "-f", str(DEPLOY / "docker" / "Dockerfile"), "-t", "dataquay:test", str(REPO)],
-                   check=True, timeout=1800)
-    version = subprocess.run(["docker", "run", "--rm", "dataquay:test", "--version"], capture_output=True,
-                             text=True, timeout=120)
+    subprocess.run(
+        ["docker", "build", "-f", str(DEPLOY / "docker" / "Dockerfile"), "-t", "dataquay:test", str(REPO)],
+        check=True,
+        timeout=1800,
+    )
+    version = subprocess.run(
+        ["docker", "run", "--rm", "dataquay:test", "--version"], capture_output=True, text=True, timeout=120
+    )
     assert version.returncode == 0 and version.stdout.startswith("dataquay ")
-    user = subprocess.run(["docker", "run", "--rm", "--entrypoint", "id", "dataquay:test", "-u"],
-                          capture_output=True, text=True, timeout=120)
+    user = subprocess.run(
+        ["docker", "run", "--rm", "--entrypoint", "id", "dataquay:test", "-u"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert user.stdout.strip() == "970"

@@ -46,7 +46,10 @@ def test_alert_rules_and_scrape_config_pass_promtool(tmp_path: Path) -> None:
     assert rules.returncode == 0, rules.stdout + rules.stderr
     assert "SUCCESS: 6 rules found" in rules.stdout
     config = subprocess.run(
-        ["promtool", "check", "config", "prometheus.yml"], cwd=PROMETHEUS_DIR, capture_output=True, text=True,
+        ["promtool", "check", "config", "prometheus.yml"],
+        cwd=PROMETHEUS_DIR,
+        capture_output=True,
+        text=True,
         timeout=60,
     )
     assert config.returncode == 0, config.stdout + config.stderr
@@ -55,14 +58,21 @@ def test_alert_rules_and_scrape_config_pass_promtool(tmp_path: Path) -> None:
 @needs_promtool
 def test_each_alert_fires_on_its_condition_and_not_on_a_healthy_node() -> None:
     result = subprocess.run(
-        ["promtool", "test", "rules", RULE_TESTS.name], cwd=RULE_TESTS.parent, capture_output=True, text=True,
+        ["promtool", "test", "rules", RULE_TESTS.name],
+        cwd=RULE_TESTS.parent,
+        capture_output=True,
+        text=True,
         timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    tested = {line.split(":", 1)[1].strip() for line in RULE_TESTS.read_text().splitlines()
-              if line.strip().startswith("alertname:")}
-    named = {line.split(":", 1)[1].strip() for line in RULES.read_text().splitlines()
-             if line.strip().startswith("- alert:")}
+    tested = {
+        line.split(":", 1)[1].strip()
+        for line in RULE_TESTS.read_text().splitlines()
+        if line.strip().startswith("alertname:")
+    }
+    named = {
+        line.split(":", 1)[1].strip() for line in RULES.read_text().splitlines() if line.strip().startswith("- alert:")
+    }
     assert tested == named and len(named) == 6
 
 
@@ -93,7 +103,7 @@ def test_alert_rules_query_only_metrics_a_daemon_or_directory_exports(tmp_path: 
 def _indented_after(lines: list[str], index: int) -> Iterator[str]:
     """The lines of a YAML block scalar that starts after ``lines[index]``."""
     indent = len(lines[index]) - len(lines[index].lstrip())
-    for line in lines[index + 1:]:
+    for line in lines[index + 1 :]:
         if len(line) - len(line.lstrip()) <= indent:
             return
         yield line
@@ -122,9 +132,14 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{_free_port()}"
         self.log = open(home / "prometheus.log", "wb")
         self.process = subprocess.Popen(
-            ["prometheus", f"--config.file={home / 'prometheus.yml'}", f"--storage.tsdb.path={home / 'data'}",
-             f"--web.listen-address={self.url.removeprefix('http://')}"],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            [
+                "prometheus",
+                f"--config.file={home / 'prometheus.yml'}",
+                f"--storage.tsdb.path={home / 'data'}",
+                f"--web.listen-address={self.url.removeprefix('http://')}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
         )
         wait_until(self._ready, "prometheus serves")
 
@@ -177,24 +192,36 @@ def prometheus_for(tmp_path: Path) -> Iterator[Any]:
 def test_a_stopped_daemon_stays_a_target_with_up_0_and_its_alert_pends(tmp_path: Path, prometheus_for: Any) -> None:
     directory = DirectoryProcess(tmp_path / "directory", ("--lease-seconds", "2", "--heartbeat-seconds", "0.2"))
     directory.start()
-    daemons = [DaemonProcess(tmp_path / name, ("--node-name", name, "--directory", directory.address))
-               for name in ("n1", "n2")]
+    daemons = [
+        DaemonProcess(tmp_path / name, ("--node-name", name, "--directory", directory.address)) for name in ("n1", "n2")
+    ]
     try:
         for daemon in daemons:
             daemon.start()
-        prometheus = prometheus_for([
-            {"job_name": "dataquay",
-             "http_sd_configs": [{"url": directory.http_url + "/sd", "refresh_interval": "1s"}]},
-        ])
-        wait_until(lambda: prometheus.series('up{job="dataquay", dataquay_state="up"}') == {"n1": "1", "n2": "1"},
-                   "both daemons scraped")
+        prometheus = prometheus_for(
+            [
+                {
+                    "job_name": "dataquay",
+                    "http_sd_configs": [{"url": directory.http_url + "/sd", "refresh_interval": "1s"}],
+                },
+            ]
+        )
+        wait_until(
+            lambda: prometheus.series('up{job="dataquay", dataquay_state="up"}') == {"n1": "1", "n2": "1"},
+            "both daemons scraped",
+        )
         daemons[1].kill()
         # The directory marks n2 down once its lease runs out; it stays a
         # target, now labelled down, and its scrapes fail.
-        wait_until(lambda: prometheus.series('up{job="dataquay", dataquay_state="down"}') == {"n2": "0"},
-                   "n2 listed down with up 0", timeout=30)
-        wait_until(lambda: prometheus.series('ALERTS{alertname="DataquayNodeDown", alertstate="pending"}')
-                   == {"n2": "1"}, "DataquayNodeDown pending for n2")
+        wait_until(
+            lambda: prometheus.series('up{job="dataquay", dataquay_state="down"}') == {"n2": "0"},
+            "n2 listed down with up 0",
+            timeout=30,
+        )
+        wait_until(
+            lambda: prometheus.series('ALERTS{alertname="DataquayNodeDown", alertstate="pending"}') == {"n2": "1"},
+            "DataquayNodeDown pending for n2",
+        )
         assert prometheus.series('up{job="dataquay"} == 1') == {"n1": "1"}
     finally:
         for daemon in daemons:
@@ -204,7 +231,8 @@ def test_a_stopped_daemon_stays_a_target_with_up_0_and_its_alert_pends(tmp_path:
 
 @needs_prometheus
 def test_prometheus_finds_a_slurm_jobs_daemons_and_directory_by_the_prologs_files(
-    slurm_dir: Path, prometheus_for: Any  # noqa: F811 (the fixture)
+    slurm_dir: Path,  # noqa: F811 (the fixture)
+    prometheus_for: Any,
 ) -> None:
     sd_dir, prolog = prolog_with_target_folder(slurm_dir, 0o755)
     site = {"DATAQUAY_PROMETHEUS_SD_DIR": str(sd_dir)}
@@ -212,14 +240,25 @@ def test_prometheus_finds_a_slurm_jobs_daemons_and_directory_by_the_prologs_file
     job_dir = slurm_dir / "nodes" / "users" / getpass.getuser() / f"job-{JOB_ID}"
     directory = json.loads((job_dir / "directory.ready.json").read_text())
 
-    prometheus = prometheus_for([
-        {"job_name": "dataquay", "file_sd_configs": [{"files": [str(sd_dir / "*.daemons.json")],
-                                                       "refresh_interval": "1s"}]},
-        {"job_name": "dataquay-directory", "file_sd_configs": [{"files": [str(sd_dir / "*.directory.json")],
-                                                                 "refresh_interval": "1s"}]},
-    ])
-    wait_until(lambda: prometheus.series(f'up{{slurm_job="{JOB_ID}"}} == 1')
-               == {"localhost": "1", f"localhost:{directory['http_port']}": "1"}, "the job's servers scraped")
+    prometheus = prometheus_for(
+        [
+            {
+                "job_name": "dataquay",
+                "file_sd_configs": [{"files": [str(sd_dir / "*.daemons.json")], "refresh_interval": "1s"}],
+            },
+            {
+                "job_name": "dataquay-directory",
+                "file_sd_configs": [{"files": [str(sd_dir / "*.directory.json")], "refresh_interval": "1s"}],
+            },
+        ]
+    )
+    wait_until(
+        lambda: (
+            prometheus.series(f'up{{slurm_job="{JOB_ID}"}} == 1')
+            == {"localhost": "1", f"localhost:{directory['http_port']}": "1"}
+        ),
+        "the job's servers scraped",
+    )
     assert prometheus.series(f'dataquay_directory_nodes{{slurm_job="{JOB_ID}", state="up"}}') == {
         f"localhost:{directory['http_port']}": "1"
     }

@@ -43,7 +43,10 @@ NODE = "localhost"
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
 def test_slurm_scripts_pass_shellcheck() -> None:
     result = subprocess.run(
-        ["shellcheck", "--external-sources", *SHELL_SCRIPTS], cwd=SLURM, capture_output=True, text=True,
+        ["shellcheck", "--external-sources", *SHELL_SCRIPTS],
+        cwd=SLURM,
+        capture_output=True,
+        text=True,
         timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -53,13 +56,14 @@ def _bash(snippet: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
     """Runs ``snippet`` after sourcing the scripts' shared library."""
     return subprocess.run(
         ["bash", "-c", f'set -euo pipefail; . "$0"; {snippet}', str(SLURM / "dataquay-slurm.sh")],
-        env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True, timeout=30,
+        env={"PATH": os.environ["PATH"], **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
 
 
-@pytest.mark.parametrize(
-    ("nodelist", "nodes"), [("gpu7", ["gpu7"]), ("gpu3,gpu1,gpu2", ["gpu3", "gpu1", "gpu2"])]
-)
+@pytest.mark.parametrize(("nodelist", "nodes"), [("gpu7", ["gpu7"]), ("gpu3,gpu1,gpu2", ["gpu3", "gpu1", "gpu2"])])
 def test_nodelist_of_plain_names_expands_in_slurm_order(nodelist: str, nodes: list[str]) -> None:
     result = _bash("dq_nodes", {"SLURM_JOB_NODELIST": nodelist})
     assert result.returncode == 0, result.stderr
@@ -187,7 +191,9 @@ def test_prolog_starts_and_stages_and_epilog_stops_everything(slurm_dir: Path) -
     directory = json.loads((job_dir / "directory.ready.json").read_text())
     assert _alive(daemon["pid"]) and _alive(directory["pid"])
     assert (daemon["node"], daemon["directory"], daemon["cache_dir"]) == (
-        NODE, directory["tcp"], str(user_dir / "cache")
+        NODE,
+        directory["tcp"],
+        str(user_dir / "cache"),
     )
     assert read_env_file(job_dir / "dataquay.env") == {
         "DATAQUAY_ADDR": str(job_dir / "dataquay.sock"),
@@ -287,7 +293,10 @@ def test_two_node_allocation_stages_each_node_its_share(slurm_dir: Path) -> None
     # The token is in force: a call without it is refused.
     refused = subprocess.run(
         [str(DATAQUAY_BIN), "job", "ls", "--directory", f"127.0.0.1:{port}"],
-        env={"PATH": os.environ["PATH"], "DATAQUAY_CONFIG": "/dev/null"}, capture_output=True, text=True, timeout=30,
+        env={"PATH": os.environ["PATH"], "DATAQUAY_CONFIG": "/dev/null"},
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert refused.returncode == 1 and "needs the cluster token" in refused.stderr, refused.stderr
     assert not (job_dirs["nodeb"] / "directory.ready.json").exists()
@@ -360,12 +369,21 @@ def _slurmd_env(
     env = read_env_file(SLURMD_ENV / f"22.05-{script}.env")
     del env["SLURM_NODELIST"]
     uid, gid = str(os.getuid()), str(os.getgid())
-    env.update({
-        "SLURM_JOB_ID": job_id, "SLURM_JOBID": job_id, "SLURM_JOB_USER": getpass.getuser(),
-        "SLURM_JOB_UID": uid, "SLURM_UID": uid, "SLURM_JOB_GID": gid, "SLURMD_NODENAME": NODE,
-        "SLURM_JOB_COMMENT": comment, "SLURM_CONF": str(base / "slurm.conf"), nodelist_var: NODE,
-        "DATAQUAY_SLURM_CONF": str(base / "slurm.env"),
-    })
+    env.update(
+        {
+            "SLURM_JOB_ID": job_id,
+            "SLURM_JOBID": job_id,
+            "SLURM_JOB_USER": getpass.getuser(),
+            "SLURM_JOB_UID": uid,
+            "SLURM_UID": uid,
+            "SLURM_JOB_GID": gid,
+            "SLURMD_NODENAME": NODE,
+            "SLURM_JOB_COMMENT": comment,
+            "SLURM_CONF": str(base / "slurm.conf"),
+            nodelist_var: NODE,
+            "DATAQUAY_SLURM_CONF": str(base / "slurm.env"),
+        }
+    )
     site = {k: v for k, v in _slurm_env(base).items() if k.startswith("DATAQUAY_") and k != "DATAQUAY_SLURM_CONF"}
     site.update(site_settings)
     (base / "slurm.env").write_text("".join(f"{k}={v}\n" for k, v in site.items()))
@@ -475,13 +493,18 @@ def test_prolog_writes_prometheus_targets_for_the_job_and_the_epilog_removes_the
     daemon = json.loads((job_dir / "daemon.ready.json").read_text())
     directory = json.loads((job_dir / "directory.ready.json").read_text())
     assert sorted(p.name for p in sd_dir.iterdir()) == [f"slurm-{JOB_ID}.{k}.json" for k in ("daemons", "directory")]
-    assert json.loads((sd_dir / f"slurm-{JOB_ID}.daemons.json").read_text()) == [{
-        "targets": [f"127.0.0.1:{daemon['metrics_port']}"],
-        "labels": {"slurm_job": JOB_ID, "dataquay_node": NODE, "dataquay_state": "up"},
-    }]
-    assert json.loads((sd_dir / f"slurm-{JOB_ID}.directory.json").read_text()) == [{
-        "targets": [f"{NODE}:{directory['http_port']}"], "labels": {"slurm_job": JOB_ID},
-    }]
+    assert json.loads((sd_dir / f"slurm-{JOB_ID}.daemons.json").read_text()) == [
+        {
+            "targets": [f"127.0.0.1:{daemon['metrics_port']}"],
+            "labels": {"slurm_job": JOB_ID, "dataquay_node": NODE, "dataquay_state": "up"},
+        }
+    ]
+    assert json.loads((sd_dir / f"slurm-{JOB_ID}.directory.json").read_text()) == [
+        {
+            "targets": [f"{NODE}:{directory['http_port']}"],
+            "labels": {"slurm_job": JOB_ID},
+        }
+    ]
 
     epilog = _run_as_slurmd("epilog.sh", _slurmd_env(slurm_dir, "epilog", JOB_ID, "", "SLURM_NODELIST", **site))
     assert epilog.returncode == 0, epilog.stderr

@@ -70,20 +70,42 @@ class SlurmCluster:
                 f"DATAQUAY_SLURM_CONF={base}/slurm.env exec /bin/bash {SLURM / script}.sh\n"
             )
             wrapper.chmod(0o755)
-        (base / "slurm.conf").write_text("\n".join([
-            "ClusterName=dqtest", "SlurmctldHost=localhost", "SlurmUser=root", "SlurmdUser=root",
-            f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
-            "AuthType=auth/none", "CredType=cred/none",
-            f"StateSaveLocation={base}/ctld", f"SlurmdSpoolDir={base}/spool",
-            f"SlurmctldPidFile={base}/ctld.pid", f"SlurmdPidFile={base}/slurmd.pid",
-            f"SlurmctldLogFile={base}/log/slurmctld.log", f"SlurmdLogFile={base}/log/slurmd.log",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/linear",
-            "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none", "MpiDefault=none",
-            "ReturnToService=2", "PrologFlags=Alloc",
-            *([f"Prolog={base}/prolog", f"Epilog={base}/epilog", f"TaskProlog={base}/task-prolog"] if scripts else []),
-            "NodeName=localhost CPUs=1 State=UNKNOWN",
-            "PartitionName=debug Nodes=localhost Default=YES State=UP",
-        ]) + "\n")
+        (base / "slurm.conf").write_text(
+            "\n".join(
+                [
+                    "ClusterName=dqtest",
+                    "SlurmctldHost=localhost",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    f"SlurmctldPort={_free_port()}",
+                    f"SlurmdPort={_free_port()}",
+                    "AuthType=auth/none",
+                    "CredType=cred/none",
+                    f"StateSaveLocation={base}/ctld",
+                    f"SlurmdSpoolDir={base}/spool",
+                    f"SlurmctldPidFile={base}/ctld.pid",
+                    f"SlurmdPidFile={base}/slurmd.pid",
+                    f"SlurmctldLogFile={base}/log/slurmctld.log",
+                    f"SlurmdLogFile={base}/log/slurmd.log",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "SelectType=select/linear",
+                    "JobCompType=jobcomp/none",
+                    "AccountingStorageType=accounting_storage/none",
+                    "MpiDefault=none",
+                    "ReturnToService=2",
+                    "PrologFlags=Alloc",
+                    *(
+                        [f"Prolog={base}/prolog", f"Epilog={base}/epilog", f"TaskProlog={base}/task-prolog"]
+                        if scripts
+                        else []
+                    ),
+                    "NodeName=localhost CPUs=1 State=UNKNOWN",
+                    "PartitionName=debug Nodes=localhost Default=YES State=UP",
+                ]
+            )
+            + "\n"
+        )
         self.env = {**os.environ, "SLURM_CONF": str(base / "slurm.conf")}
         self.daemons = [
             subprocess.Popen(["slurmctld", "-D", "-i"], env=self.env, cwd=base, stderr=subprocess.DEVNULL),
@@ -131,12 +153,22 @@ def test_two_sbatch_jobs_in_a_row_the_second_reads_nothing_from_the_pfs(slurm: S
     base = slurm.base
     root = make_files_dataset(base / "pfs" / "synth", 120, sizes=(1000, 3000))
     dataset_bytes = sum(p.stat().st_size for p in root.rglob("*.bin"))
-    (base / "slurm.env").write_text("".join(f"{key}={value}\n" for key, value in {
-        "DATAQUAY_BIN": DATAQUAY_BIN, "DATAQUAY_SLURM_DIR": base / "nodes", "DATAQUAY_STAGE_REQUIRED": 1,
-        "DATAQUAY_LISTEN": "127.0.0.1:0", "DATAQUAY_METRICS_HOST": "127.0.0.1",
-        "DATAQUAY_DIRECTORY_LISTEN": "127.0.0.1:0", "DATAQUAY_DIRECTORY_HTTP_HOST": "127.0.0.1",
-        "DATAQUAY_DATASET_ROOTS": base / "pfs", "DATAQUAY_DIRECTORY_DATASET_ROOTS": base / "pfs",
-    }.items()))
+    (base / "slurm.env").write_text(
+        "".join(
+            f"{key}={value}\n"
+            for key, value in {
+                "DATAQUAY_BIN": DATAQUAY_BIN,
+                "DATAQUAY_SLURM_DIR": base / "nodes",
+                "DATAQUAY_STAGE_REQUIRED": 1,
+                "DATAQUAY_LISTEN": "127.0.0.1:0",
+                "DATAQUAY_METRICS_HOST": "127.0.0.1",
+                "DATAQUAY_DIRECTORY_LISTEN": "127.0.0.1:0",
+                "DATAQUAY_DIRECTORY_HTTP_HOST": "127.0.0.1",
+                "DATAQUAY_DATASET_ROOTS": base / "pfs",
+                "DATAQUAY_DIRECTORY_DATASET_ROOTS": base / "pfs",
+            }.items()
+        )
+    )
     job = base / "job.sh"
     job.write_text(JOB.format(python=DATAQUAY_BIN.with_name("python"), samples=120))
     job.chmod(0o755)

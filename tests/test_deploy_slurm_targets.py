@@ -56,12 +56,15 @@ def test_prolog_publishes_targets_of_the_allocations_nodes_only(slurm_dir: Path)
     daemon = json.loads((job_dir / "daemon.ready.json").read_text())
     directory = json.loads((job_dir / "directory.ready.json").read_text())
     # The intruder is there to be taken...
-    status = subprocess.run([str(DATAQUAY_BIN), "status", "--directory", directory["tcp"]],
-                            capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        [str(DATAQUAY_BIN), "status", "--directory", directory["tcp"]], capture_output=True, text=True, timeout=60
+    )
     assert INTRUDER in status.stdout
     # ... and only the allocation's node is published.
-    assert json.loads((sd_dir / f"slurm-{JOB_ID}.daemons.json").read_text()) == [{
-        "targets": [f"127.0.0.1:{daemon['metrics_port']}"],
-        "labels": {"slurm_job": JOB_ID, "dataquay_node": NODE, "dataquay_state": "up"},
-    }]
+    assert json.loads((sd_dir / f"slurm-{JOB_ID}.daemons.json").read_text()) == [
+        {
+            "targets": [f"127.0.0.1:{daemon['metrics_port']}"],
+            "labels": {"slurm_job": JOB_ID, "dataquay_node": NODE, "dataquay_state": "up"},
+        }
+    ]
     assert INTRUDER_TARGET not in "".join(p.read_text() for p in sd_dir.iterdir())

@@ -38,9 +38,7 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
         # verify checks that ExecStart's binary exists: point it at this checkout's.
         (tmp_path / unit).write_text(text.replace(INSTALLED_BIN, str(DATAQUAY_BIN)))
         copies.append(str(tmp_path / unit))
-    result = subprocess.run(
-        ["systemd-analyze", "verify", *copies], capture_output=True, text=True, timeout=60
-    )
+    result = subprocess.run(["systemd-analyze", "verify", *copies], capture_output=True, text=True, timeout=60)
     ours = [line for line in (result.stdout + result.stderr).splitlines() if "dataquay" in line]
     assert result.returncode == 0, result.stdout + result.stderr
     assert ours == []
@@ -133,6 +131,8 @@ def test_readme_hardening_table_says_what_each_unit_sets() -> None:
 
     units = [_unit_settings(unit) for unit in UNITS]
     assert {key: [cell(settings, key) for settings in units] for key in rows} == rows
-    hardening = re.compile(r"^(Protect|Private|Restrict|SystemCall|Capability|Ambient|NoNewPrivileges|"
-                           r"LockPersonality|ReadWritePaths|UMask|ProcSubset|LimitNOFILE|User$)")
+    hardening = re.compile(
+        r"^(Protect|Private|Restrict|SystemCall|Capability|Ambient|NoNewPrivileges|"
+        r"LockPersonality|ReadWritePaths|UMask|ProcSubset|LimitNOFILE|User$)"
+    )
     assert {key for settings in units for key in settings if hardening.match(key)} <= set(rows)

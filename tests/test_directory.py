@@ -64,10 +64,17 @@ def register_as(stub: Stub, node: jpb.NodeInfo) -> dpb.RegisterNodeReply:
 
 
 def register(stub: Stub, name: str, port: int = 7000) -> dpb.RegisterNodeReply:
-    return register_as(stub, jpb.NodeInfo(
-        name=name, tcp_address=f"127.0.0.1:{port}", metrics_address=f"127.0.0.1:{port + 1000}",
-        cache_capacity=1 << 30, pid=1234, version="test",
-    ))
+    return register_as(
+        stub,
+        jpb.NodeInfo(
+            name=name,
+            tcp_address=f"127.0.0.1:{port}",
+            metrics_address=f"127.0.0.1:{port + 1000}",
+            cache_capacity=1 << 30,
+            pid=1234,
+            version="test",
+        ),
+    )
 
 
 def heartbeat(stub: Stub, name: str, **fields: int) -> dpb.HeartbeatReply:
@@ -100,7 +107,10 @@ def http_get(url: str) -> tuple[int, bytes]:
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "dataquay.server.cli", *args],
-        capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -120,7 +130,10 @@ def test_nodes_register_heartbeat_and_are_listed_by_name(
     n0 = listed.nodes[0]
     assert n0.state == jpb.NODE_UP and n0.cache_used_bytes == 5000 and n0.cache_entries == 7
     assert (n0.info.tcp_address, n0.info.metrics_address, n0.info.cache_capacity, n0.info.version) == (
-        "127.0.0.1:7002", "127.0.0.1:8002", 1 << 30, "test"
+        "127.0.0.1:7002",
+        "127.0.0.1:8002",
+        1 << 30,
+        "test",
     )
     assert n0.last_heartbeat_unix >= n0.registered_unix > 0
 
@@ -170,7 +183,8 @@ def test_a_silent_node_goes_down_in_service_discovery_and_comes_back_on_heartbea
         assert beat.known and beat.versions.nodes > version
         assert nodes(stub) == {"alive": jpb.NODE_UP, "silent": jpb.NODE_UP}
         assert [g["labels"]["dataquay_state"] for g in json.loads(http_get(directory.http_url + "/sd")[1])] == [
-            "up", "up"
+            "up",
+            "up",
         ]
     finally:
         stop.set()
@@ -203,7 +217,8 @@ def test_datasets_are_registered_once_at_the_directory(
     assert timeless[0] == timeless[1]
     assert [fetched.path(i) for i in range(fetched.num_paths)] == [local.path(i) for i in range(local.num_paths)]
     assert (fetched.sample_offset.tolist(), fetched.sample_length.tolist()) == (
-        local.sample_offset.tolist(), local.sample_length.tolist()
+        local.sample_offset.tolist(),
+        local.sample_length.tolist(),
     )
 
     again = rpc_error(lambda: stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs))))
@@ -229,7 +244,10 @@ def test_jobs_are_created_by_the_first_join_and_refuse_other_settings(
     created = join(stub, dataset="imgs", seed=5)
     assert list(created.spec.nodes) == ["n0", "n1", "n2"]
     assert (created.spec.mode, created.spec.q, created.spec.partition, created.spec.ranks_per_node) == (
-        "global", 0.0, "sample", 0
+        "global",
+        0.0,
+        "sample",
+        0,
     )
     assert (created.manifest_id, created.num_samples, created.epoch) == (info.manifest_id, 40, 0)
     assert heartbeat(stub, "n0").versions.jobs == jobs_version + 1
@@ -247,16 +265,28 @@ def test_jobs_are_created_by_the_first_join_and_refuse_other_settings(
     for call, code, words in [
         (lambda: join(stub, "j2", must_exist=True), grpc.StatusCode.NOT_FOUND, "no job 'j2'"),
         (lambda: join(stub, "j2", dataset="nope"), grpc.StatusCode.NOT_FOUND, "unknown dataset 'nope'"),
-        (lambda: join(stub, "j2", dataset="imgs", mode="shuffle"), grpc.StatusCode.INVALID_ARGUMENT,
-         "mode must be one of global, local, partial, locality, not 'shuffle'"),
-        (lambda: join(stub, "j2", dataset="imgs", nodes=["n0", "n7", "n9"]), grpc.StatusCode.INVALID_ARGUMENT,
-         "n7, n9"),
+        (
+            lambda: join(stub, "j2", dataset="imgs", mode="shuffle"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "mode must be one of global, local, partial, locality, not 'shuffle'",
+        ),
+        (
+            lambda: join(stub, "j2", dataset="imgs", nodes=["n0", "n7", "n9"]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "n7, n9",
+        ),
         (lambda: join(stub, "j 2", dataset="imgs"), grpc.StatusCode.INVALID_ARGUMENT, "bad job id 'j 2'"),
         (lambda: join(stub, "j2", dataset="imgs", q=2.0), grpc.StatusCode.INVALID_ARGUMENT, "q 2.0"),
-        (lambda: join(stub, "j2", dataset="imgs", mode="partial"), grpc.StatusCode.INVALID_ARGUMENT,
-         "q must be in (0, 1] for mode partial"),
-        (lambda: join(stub, "j2", dataset="imgs", mode="locality"), grpc.StatusCode.INVALID_ARGUMENT,
-         "batch_size must be at least 1 for mode locality"),
+        (
+            lambda: join(stub, "j2", dataset="imgs", mode="partial"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "q must be in (0, 1] for mode partial",
+        ),
+        (
+            lambda: join(stub, "j2", dataset="imgs", mode="locality"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "batch_size must be at least 1 for mode locality",
+        ),
     ]:
         error = rpc_error(call)
         assert error.code() == code and words in error.details(), error.details()
@@ -308,7 +338,9 @@ def test_nodes_jobs_and_datasets_survive_a_kill_and_a_restart(
     beat = heartbeat(stub, "n1")
     assert beat.known
     assert (beat.versions.nodes, beat.versions.datasets, beat.versions.jobs) > (
-        versions.nodes, versions.datasets, versions.jobs
+        versions.nodes,
+        versions.datasets,
+        versions.jobs,
     )
     assert second.stop() == 0
     assert json.loads((second.state_dir / "directory.json").read_text())["jobs"][0]["epoch"] == 2
@@ -339,13 +371,21 @@ def test_bad_input_is_refused_and_the_directory_keeps_serving(
     directory: DirectoryProcess, stub_for: Callable[..., Stub], tmp_path: Path
 ) -> None:
     stub = stub_for(directory)
-    bad_nodes = [jpb.NodeInfo(), jpb.NodeInfo(name="n0"), jpb.NodeInfo(name="../x", tcp_address="h:1"),
-                 jpb.NodeInfo(name="n0", tcp_address="h:1", metrics_address="h"), jpb.NodeInfo(name="x" * 100_000)]
+    bad_nodes = [
+        jpb.NodeInfo(),
+        jpb.NodeInfo(name="n0"),
+        jpb.NodeInfo(name="../x", tcp_address="h:1"),
+        jpb.NodeInfo(name="n0", tcp_address="h:1", metrics_address="h"),
+        jpb.NodeInfo(name="x" * 100_000),
+    ]
     for node in bad_nodes:
         error = rpc_error(lambda: stub.RegisterNode(dpb.RegisterNodeRequest(node=node, identity_key=node_key("n0"))))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    for request in [pb.AddDatasetRequest(), pb.AddDatasetRequest(name="../up", root=str(tmp_path)),
-                    pb.AddDatasetRequest(name="x", root=str(tmp_path / "missing"))]:
+    for request in [
+        pb.AddDatasetRequest(),
+        pb.AddDatasetRequest(name="../up", root=str(tmp_path)),
+        pb.AddDatasetRequest(name="x", root=str(tmp_path / "missing")),
+    ]:
         error = rpc_error(lambda: stub.AddDataset(request))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details()
     assert not stub.Heartbeat(dpb.HeartbeatRequest(name="")).known
@@ -357,8 +397,11 @@ def test_bad_input_is_refused_and_the_directory_keeps_serving(
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
             sock.sendall(junk)
     http_port = int(directory.http_url.rpartition(":")[2])
-    for junk, status in ((b"garbage\r\n\r\n", b"400"), (b"GET /sd HTTP/1.1\r\nX: " + b"y" * 100_000, b"431"),
-                         (b"POST /sd HTTP/1.1\r\n\r\n", b"405")):
+    for junk, status in (
+        (b"garbage\r\n\r\n", b"400"),
+        (b"GET /sd HTTP/1.1\r\nX: " + b"y" * 100_000, b"431"),
+        (b"POST /sd HTTP/1.1\r\n\r\n", b"405"),
+    ):
         with socket.create_connection(("127.0.0.1", http_port), timeout=5) as sock:
             sock.sendall(junk)
             assert sock.recv(1024).split()[1] == status
@@ -420,8 +463,12 @@ def test_directory_config_errors_exit_nonzero_with_one_line(
 
 
 def test_directory_settings_come_from_their_own_environment_variables() -> None:
-    env = {"DATAQUAY_LISTEN": "10.0.0.1:7070", "DATAQUAY_DIRECTORY_LISTEN": "10.0.0.2:7071",
-           "DATAQUAY_DIRECTORY_LEASE_SECONDS": "30", "DATAQUAY_DIRECTORY": "10.0.0.2:7071"}
+    env = {
+        "DATAQUAY_LISTEN": "10.0.0.1:7070",
+        "DATAQUAY_DIRECTORY_LISTEN": "10.0.0.2:7071",
+        "DATAQUAY_DIRECTORY_LEASE_SECONDS": "30",
+        "DATAQUAY_DIRECTORY": "10.0.0.2:7071",
+    }
     directory = DirectoryConfig.from_sources({}, env)
     assert directory.listen == "10.0.0.2:7071" and directory.lease_seconds == 30.0
     assert directory.state_dir.name == "directory"
@@ -457,7 +504,12 @@ def test_heartbeat_datagrams_renew_the_lease_and_garbage_is_ignored(
     n0 = stub.ListNodes(dpb.ListNodesRequest()).nodes[0]
     assert n0.cache_used_bytes == 123 and n0.cache_entries == 4
     assert refused_beats(directory) == {
-        "signature": 0, "format": 2, "malformed": 0, "stale": 0, "replayed": 0, "holder": 0
+        "signature": 0,
+        "format": 2,
+        "malformed": 0,
+        "stale": 0,
+        "replayed": 0,
+        "holder": 0,
     }
 
 
@@ -477,12 +529,21 @@ def test_a_replayed_signed_beat_does_not_bring_a_down_node_back_up(
 ) -> None:
     node_token_file = new_token_file(tmp_path / "node-token")
     token = read_token(node_token_file)  # the capture is of a daemon's beat, signed with the node token
-    directory = start_directory("--lease-seconds", "1", "--heartbeat-seconds", "0.2", "--token-file",
-                                str(new_token_file(tmp_path / "token")), "--node-token-file", str(node_token_file))
+    directory = start_directory(
+        "--lease-seconds",
+        "1",
+        "--heartbeat-seconds",
+        "0.2",
+        "--token-file",
+        str(new_token_file(tmp_path / "token")),
+        "--node-token-file",
+        str(node_token_file),
+    )
     host, _, port = directory.address.rpartition(":")
-    with Credentials(token=token).channel(directory.address, channel_options()) as channel, socket.socket(
-        socket.AF_INET, socket.SOCK_DGRAM
-    ) as udp:
+    with (
+        Credentials(token=token).channel(directory.address, channel_options()) as channel,
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp,
+    ):
         stub = Stub(channel)
         session = register(stub, "n0").session
         udp.settimeout(10)
@@ -504,8 +565,14 @@ def test_a_replayed_signed_beat_does_not_bring_a_down_node_back_up(
         udp.send(sender.datagram(beat))
         assert dpb.HeartbeatReply.FromString(udp.recv(65536)).known
         assert nodes(stub)["n0"] == jpb.NODE_UP
-    assert refused_beats(directory) == {"signature": 0, "format": 0, "malformed": 0, "stale": 1, "replayed": 1,
-                                       "holder": 0}
+    assert refused_beats(directory) == {
+        "signature": 0,
+        "format": 0,
+        "malformed": 0,
+        "stale": 1,
+        "replayed": 1,
+        "holder": 0,
+    }
 
 
 def test_stage_passes_the_batch_size_only_with_a_job(capsys: pytest.CaptureFixture[str]) -> None:
@@ -522,9 +589,23 @@ def test_a_directory_whose_heartbeat_port_is_taken_says_so(tmp_path: Path) -> No
         taken.bind(("127.0.0.1", 0))
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "dataquay.server.cli", "directory", "--listen", f"127.0.0.1:{port}",
-             "--http-host", "127.0.0.1", "--http-port", "0", "--state-dir", str(tmp_path / "state")],
-            capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "dataquay.server.cli",
+                "directory",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--http-host",
+                "127.0.0.1",
+                "--http-port",
+                "0",
+                "--state-dir",
+                str(tmp_path / "state"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert result.returncode == 1
     assert f"cannot receive heartbeats on UDP 127.0.0.1:{port}" in result.stderr

@@ -47,8 +47,9 @@ def replicas(tmp_path: Path, etcd: EtcdCluster) -> Iterator[Callable[..., Direct
     started: list[DirectoryProcess] = []
 
     def start(*extra: str) -> DirectoryProcess:
-        replica = DirectoryProcess(tmp_path / f"replica{len(started)}",
-                                   ("--store", etcd.store_url, *LEASE, *extra)).start()
+        replica = DirectoryProcess(
+            tmp_path / f"replica{len(started)}", ("--store", etcd.store_url, *LEASE, *extra)
+        ).start()
         started.append(replica)
         return replica
 
@@ -90,7 +91,9 @@ def join(stub: Stub, job: str, dataset: str = "") -> jpb.Job:
 
 @needs_etcd
 def test_a_replica_killed_mid_job_leaves_nodes_jobs_and_failure_detection_to_the_other(
-    tmp_path: Path, replicas: Callable[..., DirectoryProcess], stub_of: Callable[[DirectoryProcess], Stub],
+    tmp_path: Path,
+    replicas: Callable[..., DirectoryProcess],
+    stub_of: Callable[[DirectoryProcess], Stub],
     etcd: EtcdCluster,
 ) -> None:
     a, b = replicas(), replicas()
@@ -130,7 +133,8 @@ def test_a_replica_killed_mid_job_leaves_nodes_jobs_and_failure_detection_to_the
 
 @needs_etcd
 def test_the_name_of_a_live_node_is_refused_at_every_replica(
-    replicas: Callable[..., DirectoryProcess], stub_of: Callable[[DirectoryProcess], Stub],
+    replicas: Callable[..., DirectoryProcess],
+    stub_of: Callable[[DirectoryProcess], Stub],
 ) -> None:
     a, b = replicas(), replicas()
     register(stub_of(a), "n0")
@@ -144,7 +148,9 @@ def test_the_name_of_a_live_node_is_refused_at_every_replica(
 
 @needs_etcd
 def test_one_replica_expires_idle_jobs_and_another_takes_over_when_it_dies(
-    replicas: Callable[..., DirectoryProcess], stub_of: Callable[[DirectoryProcess], Stub], tmp_path: Path,
+    replicas: Callable[..., DirectoryProcess],
+    stub_of: Callable[[DirectoryProcess], Stub],
+    tmp_path: Path,
 ) -> None:
     a = replicas("--job-ttl", "2")
     wait_until(lambda: "leading the directory's periodic work" in a.log_path.read_text(), "A leads", timeout=5)
@@ -163,7 +169,9 @@ def test_one_replica_expires_idle_jobs_and_another_takes_over_when_it_dies(
 
 @needs_etcd
 def test_an_etcd_outage_keeps_reads_and_beats_refuses_changes_and_recovers(
-    replicas: Callable[..., DirectoryProcess], stub_of: Callable[[DirectoryProcess], Stub], etcd: EtcdCluster,
+    replicas: Callable[..., DirectoryProcess],
+    stub_of: Callable[[DirectoryProcess], Stub],
+    etcd: EtcdCluster,
     tmp_path: Path,
 ) -> None:
     a, b = replicas(), replicas()
@@ -202,8 +210,11 @@ def test_an_etcd_outage_keeps_reads_and_beats_refuses_changes_and_recovers(
     wait_until(lambda: len(sa.ListDatasets(pb.ListDatasetsRequest()).datasets) == 2, "A has the dataset", timeout=5)
     # Leases that ended while etcd was away come back with the next beats.
     for stub in (sa, sb):
-        wait_until(lambda: all(beat(stub, n, s) for n, s in sessions.items())
-                   and set(states(stub).values()) == {jpb.NODE_UP}, "every node up again", timeout=10)
+        wait_until(
+            lambda: all(beat(stub, n, s) for n, s in sessions.items()) and set(states(stub).values()) == {jpb.NODE_UP},
+            "every node up again",
+            timeout=10,
+        )
 
 
 def _joins(stub: Stub, job: str) -> bool:
@@ -225,7 +236,9 @@ def test_a_bad_store_url_exits_with_one_line(store: str, capsys: pytest.CaptureF
 
 @needs_etcd
 def test_a_node_registering_again_keeps_its_running_lease_and_a_replaced_one_ends(
-    replicas: Callable[..., DirectoryProcess], stub_of: Callable[[DirectoryProcess], Stub], etcd: EtcdCluster,
+    replicas: Callable[..., DirectoryProcess],
+    stub_of: Callable[[DirectoryProcess], Stub],
+    etcd: EtcdCluster,
 ) -> None:
     stub = stub_of(replicas())
     with grpc.insecure_channel(etcd.nodes[0].endpoint) as channel:

@@ -67,7 +67,10 @@ def metrics(directory: DirectoryProcess) -> dict[str, float]:
 
 def run_cli(*args: str, directory: DirectoryProcess) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "dataquay.server.cli", *args], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "dataquay.server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**os.environ, "DATAQUAY_DIRECTORY": directory.address},
     )
 
@@ -118,7 +121,8 @@ def test_a_restart_expires_jobs_idle_past_the_ttl(
     jobs = {job.spec.job_id: job for job in stub.ListJobs(jpb.ListJobsRequest()).jobs}
     assert time.time() - jobs["recent"].last_active_unix >= HOUR
     assert (metrics(second)["dataquay_directory_jobs"], metrics(second)["dataquay_directory_jobs_expired_total"]) == (
-        1, 1
+        1,
+        1,
     )
     expired = [line for line in second.log_path.read_text().splitlines() if "job expired" in line]
     assert len(expired) == 1 and "job expired job=old idle_seconds=1728" in expired[0]
@@ -185,14 +189,19 @@ def test_a_drop_on_condition_of_idleness_keeps_a_job_active_since(
     [
         (("job", "prune", "--idle", "soon"), "--idle: bad duration 'soon': expected a duration like"),
         (("job", "prune", "--idle", "0"), "--idle: '0' would take every job"),
-        (("directory", "--job-ttl", "a week", "--state-dir", "{tmp}"),
-         "--job-ttl: bad duration 'a week': expected a duration like"),
+        (
+            ("directory", "--job-ttl", "a week", "--state-dir", "{tmp}"),
+            "--job-ttl: bad duration 'a week': expected a duration like",
+        ),
     ],
 )
 def test_a_bad_duration_is_one_line_and_exit_code_1(args: tuple[str, ...], message: str, tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "dataquay.server.cli", *(arg.format(tmp=tmp_path) for arg in args)],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "DATAQUAY_DIRECTORY": "127.0.0.1:1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "DATAQUAY_DIRECTORY": "127.0.0.1:1"},
     )
     assert result.returncode == 1
     lines = result.stderr.splitlines()

@@ -70,12 +70,16 @@ def test_heartbeats_are_answered_while_the_state_is_written_and_a_join_waits_for
 
     async def scenario() -> None:
         config = DirectoryConfig(
-            listen="127.0.0.1:0", state_dir=tmp_path / "directory", http_host="127.0.0.1", http_port=0,
+            listen="127.0.0.1:0",
+            state_dir=tmp_path / "directory",
+            http_host="127.0.0.1",
+            http_port=0,
             dataset_roots=(tmp_path,),
         )
-        async with DirectoryServer(config) as server, grpc.aio.insecure_channel(
-            server.tcp_address, options=channel_options()
-        ) as channel:
+        async with (
+            DirectoryServer(config) as server,
+            grpc.aio.insecure_channel(server.tcp_address, options=channel_options()) as channel,
+        ):
             stub = Stub(channel)
             registered = await stub.RegisterNode(dpb.RegisterNodeRequest(node=node_info("n0"), identity_key=bytes(32)))
             await stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))

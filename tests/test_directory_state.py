@@ -137,7 +137,13 @@ def test_a_new_job_takes_defaults_and_all_live_nodes_by_name() -> None:
     assert created and state.versions.jobs == jobs_version + 1
     spec = job.spec
     assert (spec.mode, spec.q, spec.seed, spec.drop_last, spec.partition, spec.ranks_per_node, spec.batch_size) == (
-        "global", 0.0, 0, False, "sample", 0, 0
+        "global",
+        0.0,
+        0,
+        False,
+        "sample",
+        0,
+        0,
     )
     assert spec.nodes == ("n0", "n1")
     assert (job.manifest_id, job.num_samples, job.epoch, job.created) == ("m1", 100, 0, LEASE + 1)
@@ -179,23 +185,33 @@ def test_the_first_join_that_knows_ranks_per_node_fixes_it() -> None:
         (join_request("j1"), InvalidRequestError, "name its dataset to create it"),
         (join_request("j1", dataset="imgs", must_exist=True), UnknownJobError, "no job 'j1'"),
         (join_request("j1", dataset="nope"), UnknownDatasetError, "unknown dataset 'nope'"),
-        (join_request("j1", dataset="imgs", mode="random"), InvalidRequestError,
-         "mode must be one of .*, not 'random'"),
-        (join_request("j1", dataset="imgs", partition="rows"), InvalidRequestError,
-         "partition must be one of sample, shard, not 'rows'"),
+        (
+            join_request("j1", dataset="imgs", mode="random"),
+            InvalidRequestError,
+            "mode must be one of .*, not 'random'",
+        ),
+        (
+            join_request("j1", dataset="imgs", partition="rows"),
+            InvalidRequestError,
+            "partition must be one of sample, shard, not 'rows'",
+        ),
         (join_request("j1", dataset="imgs", q=1.5), InvalidRequestError, r"q 1.5 is not in \[0, 1\]"),
         (join_request("j1", dataset="imgs", q=float("nan")), InvalidRequestError, "q nan"),
-        (join_request("j1", dataset="imgs", mode="partial"), InvalidRequestError,
-         r"job 'j1': q must be in \(0, 1\] for mode partial"),
-        (join_request("j1", dataset="imgs", mode="locality", batch_size=0), InvalidRequestError,
-         "job 'j1': batch_size must be at least 1 for mode locality"),
+        (
+            join_request("j1", dataset="imgs", mode="partial"),
+            InvalidRequestError,
+            r"job 'j1': q must be in \(0, 1\] for mode partial",
+        ),
+        (
+            join_request("j1", dataset="imgs", mode="locality", batch_size=0),
+            InvalidRequestError,
+            "job 'j1': batch_size must be at least 1 for mode locality",
+        ),
         (join_request("j1", dataset="imgs", nodes=("a", "x", "y")), InvalidRequestError, "registered: x, y"),
         (join_request("j1", dataset="imgs", nodes=("a", "a")), InvalidRequestError, "more than once: a"),
     ],
 )
-def test_bad_joins_are_refused_and_create_nothing(
-    request_: JoinRequest, error: type[Exception], message: str
-) -> None:
+def test_bad_joins_are_refused_and_create_nothing(request_: JoinRequest, error: type[Exception], message: str) -> None:
     state = cluster("a")
     revision = state.revision
     with pytest.raises(error, match=message):

@@ -62,8 +62,11 @@ def _metric_names_in_code() -> set[str]:
     names = set()
     for module in ("server/dataquay/server/node/metrics.py", "server/dataquay/server/directory/metrics.py"):
         source = (REPO / module).read_text()
-        for kind, name in re.findall(r"(Counter|Gauge|Histogram|CounterMetricFamily|GaugeMetricFamily)"
-                                     r"\(\s*\"(dataquay_[a-z0-9_]+)\"", source):
+        for kind, name in re.findall(
+            r"(Counter|Gauge|Histogram|CounterMetricFamily|GaugeMetricFamily)"
+            r"\(\s*\"(dataquay_[a-z0-9_]+)\"",
+            source,
+        ):
             names.add(name + "_total" if kind.startswith("Counter") else name)
     return names
 
@@ -190,7 +193,8 @@ def _defined_names() -> set[str]:
                     names.add(node.name)
                 if isinstance(node, ast.ClassDef):
                     names.update(
-                        f"{node.name}.{item.name}" for item in node.body
+                        f"{node.name}.{item.name}"
+                        for item in node.body
                         if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
                     )
     return names

@@ -97,7 +97,8 @@ class Nodes:
         """Waits until node ``index`` holds all of ``ids`` (or, with ``held`` False, none)."""
         wait_until(
             lambda: self.holds(index, ids).all() if held else not self.holds(index, ids).any(),
-            f"node {index} {'holds all' if held else 'holds none'} of {ids}", poll=0.1,
+            f"node {index} {'holds all' if held else 'holds none'} of {ids}",
+            poll=0.1,
         )
 
     def holds(self, index: int, ids: np.ndarray) -> np.ndarray:
@@ -114,10 +115,23 @@ def staged(
     local = cluster(NODES, daemon_args=daemon_args)
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
-    assert cli_main([
-        "stage", "imgs", "--job", JOB, *job_args, "--ranks-per-node", "2", "--quiet",
-        "--directory", local.directory_address,
-    ]) == 0
+    assert (
+        cli_main(
+            [
+                "stage",
+                "imgs",
+                "--job",
+                JOB,
+                *job_args,
+                "--ranks-per-node",
+                "2",
+                "--quiet",
+                "--directory",
+                local.directory_address,
+            ]
+        )
+        == 0
+    )
     return local
 
 
@@ -173,8 +187,19 @@ def test_the_exchange_moves_exactly_what_changes_owner_and_the_next_epoch_is_loc
             run.delivered_samples for run in runs
         ]
         watch = subprocess.Popen(
-            [sys.executable, "-m", "dataquay.server.cli", "status", "--directory", nodes.local.directory_address,
-             "--watch", "0.2", "--json"], stdout=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "dataquay.server.cli",
+                "status",
+                "--directory",
+                nodes.local.directory_address,
+                "--watch",
+                "0.2",
+                "--json",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         with watch:
             assert watch.stdout is not None
@@ -227,9 +252,7 @@ def test_a_sample_that_never_moved_comes_from_the_node_that_held_it_epochs_ago(
         staged_on_0 = epoch_owners[0] == 0
         # Owned by node 1 in epoch 3, by neither node 0 nor node 1 in epochs 1 and 2:
         # only node 0, which staged it in epoch 0, holds it.
-        wanted = np.flatnonzero(
-            staged_on_0 & (epoch_owners[3] == 1) & (epoch_owners[2] > 1) & (epoch_owners[1] > 1)
-        )
+        wanted = np.flatnonzero(staged_on_0 & (epoch_owners[3] == 1) & (epoch_owners[2] > 1) & (epoch_owners[1] > 1))
         assert len(wanted)
         pfs_before = [s.pfs_bytes for s in nodes.stats()]
         assert {s.tier for s in nodes.read(1, wanted)} == {pb.TIER_PEER}
@@ -259,9 +282,17 @@ def test_offers_the_receiver_does_not_own_are_refused_and_it_keeps_serving(
         offer = pb.ExchangeOffer(job=JOB, dataset="imgs", epoch=1, sender="node-1", ids=mine.tolist())
         bad = pb.Sample(id=int(mine[0]), value=encode_value(b"not the bytes", checksum(b"other bytes")))
         good = pb.Sample(id=int(mine[1]), value=encode_value(sample_payload(int(mine[1]))))
-        replies = list(nodes.stubs[0].Exchange(iter([
-            pb.ExchangeMessage(offer=offer), pb.ExchangeMessage(samples=[bad, good]),
-        ]), timeout=10))
+        replies = list(
+            nodes.stubs[0].Exchange(
+                iter(
+                    [
+                        pb.ExchangeMessage(offer=offer),
+                        pb.ExchangeMessage(samples=[bad, good]),
+                    ]
+                ),
+                timeout=10,
+            )
+        )
         assert [list(r.held) for r in replies] == [[], [int(mine[1])]]
         assert nodes.holds(0, mine).tolist() == [False, True, False]
         assert nodes.stats()[0].node == "node-0"
@@ -343,8 +374,7 @@ def test_eight_ranks_read_every_sample_once_per_epoch_in_each_mode(
     local = staged(cluster, tmp_path, list(MODE_ARGS[mode]))
     nodes = Nodes(local)
     manifest = Manifest(b"".join(c.data for c in nodes.stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
-    plan = job_plan(nodes.stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=JOB), must_exist=True)),
-                    manifest)
+    plan = job_plan(nodes.stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=JOB), must_exist=True)), manifest)
     epoch_owners = owners(plan, 0)
     try:
         with rank_group(local, tmp_path) as group:
@@ -409,8 +439,9 @@ def test_the_next_steps_transfers_are_fetched_before_the_ranks_ask(
         # steps' transfers as well; no step asked a peer itself.
         next_foreign = [owners(plan, 1)[step] != 0 for step in node_steps(plan, 1, 0)]
         ahead_next = sum(int(f.sum()) for f in next_foreign[:4])
-        wait_until(lambda: peer_samples() >= ahead + ahead_next, "the next epoch's first transfers were fetched",
-                   poll=0.1)
+        wait_until(
+            lambda: peer_samples() >= ahead + ahead_next, "the next epoch's first transfers were fetched", poll=0.1
+        )
         assert peer_samples() == ahead + ahead_next
         # A read that names the next epoch, before the job enters it, takes them.
         next_step = node_steps(plan, 1, 0)[0]

@@ -76,7 +76,8 @@ def ranks_running(local: LocalCluster, tmp_path: Path) -> Iterator[list[list[dic
         subprocess.Popen(
             free_rank.command("imgs", EPOCHS, BATCH, SECONDS_PER_BATCH, read_ahead=0),
             env={**os.environ, **local.rank_env(rank, RANKS_PER_NODE, JOB)},
-            stdout=subprocess.PIPE, stderr=log,
+            stdout=subprocess.PIPE,
+            stderr=log,
         )
         for rank, log in enumerate(logs)
     ]
@@ -109,8 +110,9 @@ def ranks_running(local: LocalCluster, tmp_path: Path) -> Iterator[list[list[dic
         for log in logs:
             log.close()
     assert errors.empty(), errors.get()
-    assert [p.returncode for p in procs] == [0] * RANKS, [(tmp_path / f"rank-{r}.log").read_text()
-                                                          for r in range(RANKS)]
+    assert [p.returncode for p in procs] == [0] * RANKS, [
+        (tmp_path / f"rank-{r}.log").read_text() for r in range(RANKS)
+    ]
 
 
 def epoch_tiers(records: list[list[dict]]) -> list[dict[str, int]]:
@@ -134,10 +136,26 @@ def test_a_directory_away_for_three_epoch_boundaries_costs_no_locality_and_learn
     local = cluster(NODES, daemon_args=("--cache-size", str(4 * capacity(Rhythm(q=1.0, cache=ADVISED, epochs=EPOCHS)))))
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=(SIZE,))
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
-    assert cli_main([
-        "stage", "imgs", "--job", JOB, "--mode", "partial", "--q", "1", "--seed", "5",
-        "--quiet", "--directory", local.directory_address,
-    ]) == 0
+    assert (
+        cli_main(
+            [
+                "stage",
+                "imgs",
+                "--job",
+                JOB,
+                "--mode",
+                "partial",
+                "--q",
+                "1",
+                "--seed",
+                "5",
+                "--quiet",
+                "--directory",
+                local.directory_address,
+            ]
+        )
+        == 0
+    )
     directory = local.directory
     assert directory is not None
     with ranks_running(local, tmp_path) as records:
@@ -148,8 +166,7 @@ def test_a_directory_away_for_three_epoch_boundaries_costs_no_locality_and_learn
             directory.signal(signal.SIGSTOP)
         away = time.monotonic()
         try:
-            wait_until(f"every rank enters epoch {BACK_IN}",
-                       lambda: all(len(rank) >= BACK_IN for rank in records), 90)
+            wait_until(f"every rank enters epoch {BACK_IN}", lambda: all(len(rank) >= BACK_IN for rank in records), 90)
         finally:
             if outage == "kill":
                 local.restart_directory()
@@ -158,8 +175,7 @@ def test_a_directory_away_for_three_epoch_boundaries_costs_no_locality_and_learn
         back = time.monotonic()
         # The directory restarted on its state file knew only the epoch it
         # persisted; the daemons' queued reports bring it up to the ranks'.
-        wait_until("the directory learns the epochs it missed",
-                   lambda: (directory_epoch(local) or -1) >= BACK_IN, 30)
+        wait_until("the directory learns the epochs it missed", lambda: (directory_epoch(local) or -1) >= BACK_IN, 30)
     assert back - away > 3 * SECONDS_PER_BATCH
     tiers = epoch_tiers(records)
     for epoch, counts in enumerate(tiers):

@@ -138,8 +138,7 @@ def test_a_restarted_daemon_steps_on_from_saved_owners_instead_of_replaying(tmp_
     registry.load()
     entry, _ = registry.add("imgs", build_manifest(root), replace=False)
     spec = job_spec("j", "imgs", mode="partial", q=0.3, nodes=["a", "b", "c"], seed=11, partition="sample")
-    job = jpb.Job(spec=spec, manifest_id=entry.manifest.manifest_id, num_samples=300, epoch=epoch,
-                  created_unix=1.5)
+    job = jpb.Job(spec=spec, manifest_id=entry.manifest.manifest_id, num_samples=300, epoch=epoch, created_unix=1.5)
     expected = owners(job_plan(job, entry.manifest), epoch)
 
     first = Placements(Link(job), "b", tmp_path / "state")  # type: ignore[arg-type]
@@ -182,8 +181,13 @@ def test_concurrent_asks_for_one_epoch_compute_and_save_it_once(
 
 def test_each_receivers_ids_go_in_the_order_this_nodes_ranks_read_them() -> None:
     ids = np.array([9, 3, 7, 1, 5, 2])
-    box = Outbox(ids, np.array([1, 1, 1, 1, 2, 2]), np.full(6, 10),
-                 readers=np.array([0, 1, 0, 1, -1, 0]), read_at=np.array([4, 0, 1, 2, -1, 3]))
+    box = Outbox(
+        ids,
+        np.array([1, 1, 1, 1, 2, 2]),
+        np.full(6, 10),
+        readers=np.array([0, 1, 0, 1, -1, 0]),
+        read_at=np.array([4, 0, 1, 2, -1, 3]),
+    )
     assert box.pending(1).tolist() == [3, 7, 1, 9]  # read at 0, 1, 2, 4
     assert box.pending(2).tolist() == [5, 2]  # 5 is not read here: first
     assert box.take(1, max_bytes=25, max_items=10).tolist() == [3, 7]
@@ -193,8 +197,9 @@ def test_what_a_receiver_reads_first_next_epoch_goes_by_its_due_position() -> No
     ids = np.array([9, 3, 7, 1, 5, 2])
     # This node's ranks read them at 0..5; the receiver's ranks read 1 and 2
     # first, and their read-ahead asks for them before this node reads them.
-    box = Outbox(ids, np.ones(6), np.full(6, 10), readers=np.zeros(6), read_at=np.arange(6),
-                 due=np.array([-1, 9, 9, 1, 9, 0]))
+    box = Outbox(
+        ids, np.ones(6), np.full(6, 10), readers=np.zeros(6), read_at=np.arange(6), due=np.array([-1, 9, 9, 1, 9, 0])
+    )
     assert box.pending(1).tolist() == [9, 2, 3, 1, 7, 5]  # 2 by 0, 1 by 1, the rest as read here
     assert box.take(1, max_bytes=100, max_items=2).tolist() == [9, 2]
 
@@ -239,8 +244,9 @@ def test_a_short_receiver_is_handed_only_what_this_nodes_ranks_have_read() -> No
 
 def test_room_is_made_from_read_give_aways_no_receiver_has_taken() -> None:
     ids = np.array([30, 31, 32, 33])
-    box = Outbox(ids, np.zeros(4), np.array([10, 20, 30, 40]), readers=np.array([0, 0, 0, 0]),
-                 read_at=np.array([0, 1, 2, 3]))
+    box = Outbox(
+        ids, np.zeros(4), np.array([10, 20, 30, 40]), readers=np.array([0, 0, 0, 0]), read_at=np.array([0, 1, 2, 3])
+    )
     box.delivered([30])
     # Rank 0 read 3 ids: 30 is delivered, 31 and 32 are not; 25 bytes take both.
     assert box.read_pending(np.array([3]), max_bytes=25).tolist() == [31, 32]

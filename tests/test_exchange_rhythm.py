@@ -74,8 +74,14 @@ def payload(i: int) -> bytes:
 
 
 def job(rhythm: Rhythm) -> JobPlan:
-    settings = JobSettings(job_id=JOB, mode="partial", q=rhythm.q, ranks_per_node=RANKS_PER_NODE, batch_size=BATCH,
-                           nodes=tuple(f"n{m}" for m in range(NODES)))
+    settings = JobSettings(
+        job_id=JOB,
+        mode="partial",
+        q=rhythm.q,
+        ranks_per_node=RANKS_PER_NODE,
+        batch_size=BATCH,
+        nodes=tuple(f"n{m}" for m in range(NODES)),
+    )
     return JobPlan(settings, num_samples=SAMPLES, num_nodes=NODES)
 
 
@@ -126,8 +132,9 @@ def test_a_cache_short_of_its_share_misses_what_simulate_predicts_every_epoch(
     # share that does not fit, from the PFS or from a peer that still holds
     # it, every epoch about as much: never a growing share. The exchange gives
     # some samples up on top (1.2-1.3x simulate in epochs of 4 s on 2 busy cores).
-    predicted = [t.pfs_bytes / (SAMPLES * SIZE) for t in simulate(Scenario(job(rhythm), SIZE, capacity(rhythm)),
-                                                                   rhythm.epochs)][1:]
+    predicted = [
+        t.pfs_bytes / (SAMPLES * SIZE) for t in simulate(Scenario(job(rhythm), SIZE, capacity(rhythm)), rhythm.epochs)
+    ][1:]
     missed = [(t["peer"] + t["pfs"]) / sum(t.values()) for t in tiers_by_epoch][1:]
     assert all(tiers["fallback"] == 0 for tiers in tiers_by_epoch)
     for epoch, (got, want) in enumerate(zip(missed, predicted), 1):
@@ -141,10 +148,26 @@ def run_job(
     local = cluster(NODES, daemon_args=("--cache-size", str(capacity(rhythm))))
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=(SIZE,))
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
-    assert cli_main([
-        "stage", "imgs", "--job", JOB, "--mode", "partial", "--q", str(rhythm.q), "--seed", "5",
-        "--quiet", "--directory", local.directory_address,
-    ]) == 0
+    assert (
+        cli_main(
+            [
+                "stage",
+                "imgs",
+                "--job",
+                JOB,
+                "--mode",
+                "partial",
+                "--q",
+                str(rhythm.q),
+                "--seed",
+                "5",
+                "--quiet",
+                "--directory",
+                local.directory_address,
+            ]
+        )
+        == 0
+    )
     return local, run_ranks(local, tmp_path, rhythm)
 
 
@@ -171,7 +194,8 @@ def run_ranks(local: LocalCluster, tmp_path: Path, rhythm: Rhythm) -> list[dict[
         subprocess.Popen(
             free_rank.command("imgs", rhythm.epochs, BATCH, rhythm.seconds, rhythm.read_ahead),
             env={**os.environ, **local.rank_env(rank, RANKS_PER_NODE, JOB)},
-            stdout=subprocess.PIPE, stderr=log,
+            stdout=subprocess.PIPE,
+            stderr=log,
         )
         for rank, log in enumerate(logs)
     ]
@@ -180,8 +204,9 @@ def run_ranks(local: LocalCluster, tmp_path: Path, rhythm: Rhythm) -> list[dict[
     finally:
         for log in logs:
             log.close()
-    assert [p.returncode for p in procs] == [0] * len(procs), [(tmp_path / f"rank-{r}.log").read_text()
-                                                               for r in range(len(procs))]
+    assert [p.returncode for p in procs] == [0] * len(procs), [
+        (tmp_path / f"rank-{r}.log").read_text() for r in range(len(procs))
+    ]
     lines = [[json.loads(line) for line in out.splitlines()] for out in outputs]
     by_epoch = []
     for epoch in range(rhythm.epochs):
@@ -203,12 +228,14 @@ def test_a_rank_that_entered_the_epoch_keeps_what_it_has_not_read_before_it_repo
     try:
         stub = nodes.stubs[0]
         manifest = Manifest(b"".join(c.data for c in stub.GetManifest(pb.GetDatasetRequest(name="imgs"))))
-        plan = job_plan(stub.JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=EXCHANGE_JOB), must_exist=True)),
-                        manifest)
+        plan = job_plan(
+            stub.JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=EXCHANGE_JOB), must_exist=True)), manifest
+        )
         for node in range(len(nodes.stubs)):
             for rank in (2 * node, 2 * node + 1):
-                nodes.stubs[node].ReportEpoch(jpb.ReportEpochRequest(job_id=EXCHANGE_JOB, epoch=0, rank=rank),
-                                              timeout=10)
+                nodes.stubs[node].ReportEpoch(
+                    jpb.ReportEpochRequest(job_id=EXCHANGE_JOB, epoch=0, rank=rank), timeout=10
+                )
         nodes.wait_exchanged(1)
         readers = node_reads(plan, 0, 0, epoch_owners[0]).rank
         gone = (epoch_owners[0] == 0) & (epoch_owners[1] != 0) & (epoch_owners[2] != 0)

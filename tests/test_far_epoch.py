@@ -41,10 +41,13 @@ def servers(tmp_path: Path, records: np.ndarray) -> Iterator[tuple[DirectoryProc
     daemons: list[DaemonProcess] = []
     try:
         for name in ("n0", "n1"):
-            daemons.append(DaemonProcess(
-                tmp_path / name, ("--directory", directory.address, "--node-name", name),
-                dataset_roots=(tmp_path,),
-            ).start())
+            daemons.append(
+                DaemonProcess(
+                    tmp_path / name,
+                    ("--directory", directory.address, "--node-name", name),
+                    dataset_roots=(tmp_path,),
+                ).start()
+            )
         with grpc.insecure_channel(grpc_target(daemons[0].address), options=channel_options()) as channel:
             root = str(tmp_path / "pfs" / "frames")
             cache_pb2_grpc.CacheStub(channel).AddDataset(pb.AddDatasetRequest(name="frames", root=root))

@@ -76,10 +76,35 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProce
 #: Values a user might mistype. Random text is never an absolute path (`token
 #: new` would write there) nor dots only (`dataset add` would index the working directory).
 odd_values = st.one_of(
-    st.sampled_from([
-        "", "-1", "0", "1", "nan", "inf", "-inf", "1e400", "18446744073709551616", "0x10", "1.5", "²", "٣",
-        "10Q", "5 parsecs", "-", "--", "a,b,,c", "ds", "global", "partial", "sample", "\0", "Δ€😀", "x" * 5000,
-    ]),
+    st.sampled_from(
+        [
+            "",
+            "-1",
+            "0",
+            "1",
+            "nan",
+            "inf",
+            "-inf",
+            "1e400",
+            "18446744073709551616",
+            "0x10",
+            "1.5",
+            "²",
+            "٣",
+            "10Q",
+            "5 parsecs",
+            "-",
+            "--",
+            "a,b,,c",
+            "ds",
+            "global",
+            "partial",
+            "sample",
+            "\0",
+            "Δ€😀",
+            "x" * 5000,
+        ]
+    ),
     st.text(max_size=20).filter(lambda t: not t.startswith("/") and t.strip(".") != ""),
 )
 
@@ -90,8 +115,18 @@ COMMANDS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("dataset", "ls"): (),
     ("dataset", "show"): (),
     ("dataset", "drop"): (),
-    ("stage",): ("--seed", "--quiet", "--job", "--mode", "--q", "--q-leaving", "--nodes", "--ranks-per-node",
-                 "--partition", "--batch-size"),
+    ("stage",): (
+        "--seed",
+        "--quiet",
+        "--job",
+        "--mode",
+        "--q",
+        "--q-leaving",
+        "--nodes",
+        "--ranks-per-node",
+        "--partition",
+        "--batch-size",
+    ),
     ("status",): ("--json",),
     ("job", "ls"): (),
     ("job", "show"): (),
@@ -105,8 +140,15 @@ COMMANDS: dict[tuple[str, ...], tuple[str, ...]] = {
 #: Options that take no value.
 FLAGS = frozenset({"--replace", "--tar-member-samples", "--quiet", "--json", "--force", "--dry-run", "--node"})
 #: How many positional arguments each subcommand takes.
-POSITIONAL = {("dataset", "add"): 2, ("dataset", "show"): 1, ("dataset", "drop"): 1, ("stage",): 1,
-              ("job", "show"): 1, ("job", "drop"): 1, ("token", "new"): 1}
+POSITIONAL = {
+    ("dataset", "add"): 2,
+    ("dataset", "show"): 1,
+    ("dataset", "drop"): 1,
+    ("stage",): 1,
+    ("job", "show"): 1,
+    ("job", "drop"): 1,
+    ("token", "new"): 1,
+}
 #: A last argument that makes each server command fail before it serves, whatever came before.
 STOPPER = {("serve",): ("--max-batch", "0"), ("directory",): ("--lease-seconds", "0")}
 
@@ -170,21 +212,50 @@ def test_random_command_lines_fail_with_one_clear_line(
     assert daemon.process is not None and daemon.process.poll() is None
 
 
-@pytest.mark.parametrize("argv", [
-    ["stage", "ds", "--seed", "-5"],
-    ["stage", "ds", "--seed", "18446744073709551616"],
-    ["status", "--watch", "-1", "--addr", "DAEMON"],
-    ["status", "--watch", "nan", "--addr", "DAEMON"],
-    ["token", "new", "a\0b"],
-    ["dataset", "add", "x", "", "--addr", "/nonexistent.sock"],
-    ["simulate", "--nodes", "0", "--samples", "10", "--sample-bytes", "1", "--per-rank-batch", "1",
-     "--ranks-per-node", "1", "--mode", "global"],
-    ["simulate", "--nodes", "2", "--samples", "-10", "--sample-bytes", "1", "--per-rank-batch", "1",
-     "--ranks-per-node", "1", "--mode", "nope"],
-    ["analyze", "ds", "--steps", "-1", "--addr", "/nonexistent.sock"],
-    ["cluster", "down", "--base-dir", "missing"],
-    ["demo", "--samples", "x"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["stage", "ds", "--seed", "-5"],
+        ["stage", "ds", "--seed", "18446744073709551616"],
+        ["status", "--watch", "-1", "--addr", "DAEMON"],
+        ["status", "--watch", "nan", "--addr", "DAEMON"],
+        ["token", "new", "a\0b"],
+        ["dataset", "add", "x", "", "--addr", "/nonexistent.sock"],
+        [
+            "simulate",
+            "--nodes",
+            "0",
+            "--samples",
+            "10",
+            "--sample-bytes",
+            "1",
+            "--per-rank-batch",
+            "1",
+            "--ranks-per-node",
+            "1",
+            "--mode",
+            "global",
+        ],
+        [
+            "simulate",
+            "--nodes",
+            "2",
+            "--samples",
+            "-10",
+            "--sample-bytes",
+            "1",
+            "--per-rank-batch",
+            "1",
+            "--ranks-per-node",
+            "1",
+            "--mode",
+            "nope",
+        ],
+        ["analyze", "ds", "--steps", "-1", "--addr", "/nonexistent.sock"],
+        ["cluster", "down", "--base-dir", "missing"],
+        ["demo", "--samples", "x"],
+    ],
+)
 def test_bad_arguments_to_each_command_fail_with_one_clear_line(
     argv: list[str], live: tuple[DaemonProcess, DirectoryProcess], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -193,17 +264,24 @@ def test_bad_arguments_to_each_command_fail_with_one_clear_line(
     assert_clear_failure(code, err)
 
 
-@pytest.mark.parametrize("argv", [
-    ["serve", "--max-batch", "-1"],
-    ["serve", "--config", "missing.toml"],
-    ["directory", "--heartbeat-seconds", "5", "--lease-seconds", "1"],
-    ["stage", "ds", "--seed", "-1"],
-    ["frobnicate"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--max-batch", "-1"],
+        ["serve", "--config", "missing.toml"],
+        ["directory", "--heartbeat-seconds", "5", "--lease-seconds", "1"],
+        ["stage", "ds", "--seed", "-1"],
+        ["frobnicate"],
+    ],
+)
 def test_a_bad_command_line_in_a_fresh_process_prints_no_traceback(argv: list[str], tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "dataquay.server.cli", *argv], capture_output=True, text=True, timeout=60,
-        cwd=tmp_path, env={k: v for k, v in os.environ.items() if not k.startswith("DATAQUAY_")},
+        [sys.executable, "-m", "dataquay.server.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if not k.startswith("DATAQUAY_")},
     )
     assert done.returncode in (1, 2)
     assert_clear_failure(done.returncode, done.stderr)
@@ -268,12 +346,15 @@ def test_damaged_manifests_raise_a_manifest_error(manifest_bytes: bytes) -> None
     assert peak_rss_bytes() - before < MAX_RSS_GROWTH_BYTES
 
 
-@pytest.mark.parametrize(("header", "message"), [
-    (b"[" * 100_000, "malformed manifest header"),
-    (b'{"arrays": {"sample_path": [0, -1000000000000000000000000000000]}}', "malformed manifest header"),
-    (b'{"arrays": null}', "malformed manifest header"),
-    (b"\xff\xfe", "malformed manifest header"),
-])
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (b"[" * 100_000, "malformed manifest header"),
+        (b'{"arrays": {"sample_path": [0, -1000000000000000000000000000000]}}', "malformed manifest header"),
+        (b'{"arrays": null}', "malformed manifest header"),
+        (b"\xff\xfe", "malformed manifest header"),
+    ],
+)
 def test_hostile_manifest_headers_raise_a_manifest_error(header: bytes, message: str) -> None:
     data = b"DQMANIF1" + len(header).to_bytes(4, "little") + header
     with pytest.raises(ManifestError, match=message):
@@ -304,8 +385,11 @@ def test_a_manifest_file_that_cannot_be_read_raises_a_manifest_error(tmp_path: P
 
 KEYS = sorted({f.name for service in SERVICES for f in fields(service)})
 toml_scalars = st.one_of(
-    st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
-    st.text(max_size=20), st.sampled_from(["200G", "-1", "0", "2s", "debug", "127.0.0.1:0", "x" * 3000]),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.text(max_size=20),
+    st.sampled_from(["200G", "-1", "0", "2s", "debug", "127.0.0.1:0", "x" * 3000]),
 )
 toml_values = st.recursive(toml_scalars, lambda inner: st.lists(inner, max_size=3), max_leaves=5)
 
@@ -335,8 +419,11 @@ def config_texts(draw: st.DrawFn) -> str:
     lines = []
     for table in draw(st.lists(st.sampled_from(["daemon", "directory", "deamon", "x"]), max_size=3, unique=True)):
         lines.append(f"[{table}]")
-        for key in draw(st.lists(st.one_of(st.sampled_from(KEYS), st.sampled_from(["cache-size", "bogus"])),
-                                 max_size=4, unique=True)):
+        for key in draw(
+            st.lists(
+                st.one_of(st.sampled_from(KEYS), st.sampled_from(["cache-size", "bogus"])), max_size=4, unique=True
+            )
+        ):
             lines.append(f"{key} = {toml_literal(draw(toml_values))}")
     if draw(st.booleans()):
         lines.insert(0, f"stray = {toml_literal(draw(toml_scalars))}")

@@ -38,16 +38,18 @@ MAX_DATAGRAM = 65_507
 
 #: Every status a well-formed refusal may carry; UNKNOWN, INTERNAL and
 #: DEADLINE_EXCEEDED (a hang) are not among them.
-ACCEPTED = frozenset({
-    grpc.StatusCode.OK,
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.ALREADY_EXISTS,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.OUT_OF_RANGE,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.PERMISSION_DENIED,
-})
+ACCEPTED = frozenset(
+    {
+        grpc.StatusCode.OK,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.PERMISSION_DENIED,
+    }
+)
 
 FUZZ = settings(
     max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -66,8 +68,9 @@ def methods(module: object, service: str) -> dict[str, Method]:
     """Every method of ``service`` as its descriptor declares it."""
     descriptor = module.DESCRIPTOR.services_by_name[service]  # type: ignore[attr-defined]
     return {
-        m.name: Method(f"/{descriptor.full_name}/{m.name}", m.input_type._concrete_class,
-                       m.client_streaming, m.server_streaming)
+        m.name: Method(
+            f"/{descriptor.full_name}/{m.name}", m.input_type._concrete_class, m.client_streaming, m.server_streaming
+        )
         for m in descriptor.methods
     }
 
@@ -79,8 +82,10 @@ DIRECTORY = methods(dpb, "Directory")
 def call(channel: grpc.Channel, method: Method, request: bytes | list[bytes]) -> grpc.StatusCode:
     """Sends raw request bytes, so that the server itself parses them; the status the call ends with."""
     kind = {
-        (False, False): channel.unary_unary, (False, True): channel.unary_stream,
-        (True, False): channel.stream_unary, (True, True): channel.stream_stream,
+        (False, False): channel.unary_unary,
+        (False, True): channel.unary_stream,
+        (True, False): channel.stream_unary,
+        (True, True): channel.stream_stream,
     }[method.streams_in, method.streams_out]
     stub = kind(method.path, request_serializer=None, response_deserializer=None)
     sent = iter(request) if method.streams_in else request
@@ -146,30 +151,39 @@ job_specs = st.builds(
 def roots(draw: st.DrawFn, real_root: Path) -> str:
     """Dataset roots: the real one, a file, missing and odd paths; never a
     directory a walk would take long over ("/", the working directory)."""
-    return draw(st.one_of(
-        st.just(str(real_root)),
-        st.just(str(next(real_root.rglob("*.bin")))),
-        st.sampled_from(["", "\0", f"{real_root}\0x", "relative/missing", "/nonexistent/root"]),
-        st.text(max_size=30).map(lambda t: f"/nonexistent/{t}"),
-        st.integers(1_000, 100_000).map(lambda n: "/x" * n),
-    ))
+    return draw(
+        st.one_of(
+            st.just(str(real_root)),
+            st.just(str(next(real_root.rglob("*.bin")))),
+            st.sampled_from(["", "\0", f"{real_root}\0x", "relative/missing", "/nonexistent/root"]),
+            st.text(max_size=30).map(lambda t: f"/nonexistent/{t}"),
+            st.integers(1_000, 100_000).map(lambda n: "/x" * n),
+        )
+    )
 
 
 def shared_methods(real_root: Path) -> list[st.SearchStrategy[tuple[str, Message]]]:
     """(method name, request) for the methods the daemon and the directory both have."""
     return [
-        st.tuples(st.just("AddDataset"), st.builds(
-            pb.AddDatasetRequest, name=free_names, root=roots(real_root),
-            format=st.integers(-2**31, 2**31 - 1), replace=st.booleans(), tar_member_samples=st.booleans(),
-        )),
+        st.tuples(
+            st.just("AddDataset"),
+            st.builds(
+                pb.AddDatasetRequest,
+                name=free_names,
+                root=roots(real_root),
+                format=st.integers(-(2**31), 2**31 - 1),
+                replace=st.booleans(),
+                tar_member_samples=st.booleans(),
+            ),
+        ),
         st.tuples(st.just("ListDatasets"), st.just(pb.ListDatasetsRequest())),
         st.tuples(st.just("GetDataset"), st.builds(pb.GetDatasetRequest, name=dataset_names)),
         st.tuples(st.just("GetManifest"), st.builds(pb.GetDatasetRequest, name=dataset_names)),
         st.tuples(st.just("DropDataset"), st.builds(pb.DropDatasetRequest, name=free_names)),
         st.tuples(st.just("JoinJob"), st.builds(jpb.JoinJobRequest, spec=job_specs, must_exist=st.booleans())),
-        st.tuples(st.just("ReportEpoch"), st.builds(
-            jpb.ReportEpochRequest, job_id=job_ids, epoch=uint64, node=odd_text
-        )),
+        st.tuples(
+            st.just("ReportEpoch"), st.builds(jpb.ReportEpochRequest, job_id=job_ids, epoch=uint64, node=odd_text)
+        ),
     ]
 
 
@@ -180,8 +194,12 @@ def cache_requests(real_root: Path) -> st.SearchStrategy[tuple[str, Message | li
         max_size=4,
     )
     offer = st.builds(
-        pb.ExchangeOffer, job=job_ids, dataset=st.one_of(st.just("ex"), dataset_names),
-        manifest_id=st.text(max_size=40), epoch=st.one_of(st.integers(0, 3), uint64), sender=odd_text,
+        pb.ExchangeOffer,
+        job=job_ids,
+        dataset=st.one_of(st.just("ex"), dataset_names),
+        manifest_id=st.text(max_size=40),
+        epoch=st.one_of(st.integers(0, 3), uint64),
+        sender=odd_text,
         ids=sample_ids,
     )
     exchange = st.tuples(
@@ -189,72 +207,130 @@ def cache_requests(real_root: Path) -> st.SearchStrategy[tuple[str, Message | li
     ).map(lambda first_rest: ([pb.ExchangeMessage(offer=first_rest[0])] if first_rest[0] else []) + first_rest[1])
     return st.one_of(
         st.tuples(st.just("Info"), st.just(pb.InfoRequest())),
-        st.tuples(st.just("Read"), st.builds(
-            pb.ReadRequest, dataset=dataset_names, ids=sample_ids,
-            shm_name=st.one_of(st.just(""), st.sampled_from(["dataquay-1-x", "../../etc/passwd"]), odd_text),
-            shm_size=uint64, manifest_id=st.text(max_size=40), job=job_ids, peer=st.booleans(),
-        )),
+        st.tuples(
+            st.just("Read"),
+            st.builds(
+                pb.ReadRequest,
+                dataset=dataset_names,
+                ids=sample_ids,
+                shm_name=st.one_of(st.just(""), st.sampled_from(["dataquay-1-x", "../../etc/passwd"]), odd_text),
+                shm_size=uint64,
+                manifest_id=st.text(max_size=40),
+                job=job_ids,
+                peer=st.booleans(),
+            ),
+        ),
         *shared_methods(real_root),
         st.tuples(st.just("Stage"), st.builds(pb.StageRequest, dataset=dataset_names, seed=uint64, job=job_ids)),
         st.tuples(st.just("Stats"), st.just(pb.StatsRequest())),
-        st.tuples(st.just("ReportClientStats"), st.builds(
-            pb.ClientStatsReport, client=odd_text,
-            reads=st.lists(st.builds(pb.ClientReads, tier=st.text(max_size=12), samples=uint64, bytes=uint64),
-                           max_size=4),
-            data_wait_seconds=st.floats(allow_nan=True, allow_infinity=True),
-            read_positions=st.lists(st.builds(pb.RankPosition, job=job_ids, epoch=uint32, rank=uint32, position=uint64),
-                               max_size=4),
-        )),
-        st.tuples(st.just("Exchange"), exchange),
-        st.tuples(st.just("CacheBehind"), st.builds(
-            pb.CacheBehindRequest, dataset=dataset_names, manifest_id=st.text(max_size=40), ids=sample_ids,
-            shm_name=st.one_of(st.just(""), st.sampled_from(["dataquay-1-x", "../../etc/passwd"]), odd_text),
-            shm_size=uint64,
-            handed=st.lists(st.builds(pb.Sample, id=uint64, shm_offset=uint64, length=uint64), max_size=3),
-        )),
-        st.tuples(st.just("ManageCache"), st.builds(
-            # Evictions are dry runs: the fuzz's own dataset stays cached for the calls that read it.
-            pb.ManageCacheRequest, action=st.one_of(st.sampled_from(["ls", "evict", "pin", "unpin"]), odd_text),
-            name=st.one_of(dataset_names, odd_text), dry_run=st.just(True), force=st.booleans(),
-        )),
-        st.tuples(st.just("PrepSync"), st.builds(
-            pb.PrepSyncRequest,
-            spec=st.builds(
-                pb.PrepGroupSpec, group=st.one_of(st.just("fz"), odd_text), dataset=dataset_names,
-                manifest_id=st.text(max_size=40), jobs=uint32, batch_size=uint32, seed=uint64,
-                num_batches=uint64, memory_bytes=uint64,
-                timeout_seconds=st.floats(allow_nan=True, allow_infinity=True),
+        st.tuples(
+            st.just("ReportClientStats"),
+            st.builds(
+                pb.ClientStatsReport,
+                client=odd_text,
+                reads=st.lists(
+                    st.builds(pb.ClientReads, tier=st.text(max_size=12), samples=uint64, bytes=uint64), max_size=4
+                ),
+                data_wait_seconds=st.floats(allow_nan=True, allow_infinity=True),
+                read_positions=st.lists(
+                    st.builds(pb.RankPosition, job=job_ids, epoch=uint32, rank=uint32, position=uint64), max_size=4
+                ),
             ),
-            member=odd_text, pid=uint32, epoch=uint64, consumed=uint64, claim=uint32,
-            prepped=st.lists(st.builds(pb.PreppedBatch, index=uint64, bytes=uint64, segment=st.one_of(
-                st.sampled_from(["dataquay-prep-1-1-0123456789ab", "../../etc/passwd"]), odd_text,
-            )), max_size=3),
-            # Calls wait for news at most this long; the fuzz does not wait.
-            wait_seconds=st.sampled_from([0.0, -1.0, math.nan, math.inf]), leave=st.booleans(),
-        )),
+        ),
+        st.tuples(st.just("Exchange"), exchange),
+        st.tuples(
+            st.just("CacheBehind"),
+            st.builds(
+                pb.CacheBehindRequest,
+                dataset=dataset_names,
+                manifest_id=st.text(max_size=40),
+                ids=sample_ids,
+                shm_name=st.one_of(st.just(""), st.sampled_from(["dataquay-1-x", "../../etc/passwd"]), odd_text),
+                shm_size=uint64,
+                handed=st.lists(st.builds(pb.Sample, id=uint64, shm_offset=uint64, length=uint64), max_size=3),
+            ),
+        ),
+        st.tuples(
+            st.just("ManageCache"),
+            st.builds(
+                # Evictions are dry runs: the fuzz's own dataset stays cached for the calls that read it.
+                pb.ManageCacheRequest,
+                action=st.one_of(st.sampled_from(["ls", "evict", "pin", "unpin"]), odd_text),
+                name=st.one_of(dataset_names, odd_text),
+                dry_run=st.just(True),
+                force=st.booleans(),
+            ),
+        ),
+        st.tuples(
+            st.just("PrepSync"),
+            st.builds(
+                pb.PrepSyncRequest,
+                spec=st.builds(
+                    pb.PrepGroupSpec,
+                    group=st.one_of(st.just("fz"), odd_text),
+                    dataset=dataset_names,
+                    manifest_id=st.text(max_size=40),
+                    jobs=uint32,
+                    batch_size=uint32,
+                    seed=uint64,
+                    num_batches=uint64,
+                    memory_bytes=uint64,
+                    timeout_seconds=st.floats(allow_nan=True, allow_infinity=True),
+                ),
+                member=odd_text,
+                pid=uint32,
+                epoch=uint64,
+                consumed=uint64,
+                claim=uint32,
+                prepped=st.lists(
+                    st.builds(
+                        pb.PreppedBatch,
+                        index=uint64,
+                        bytes=uint64,
+                        segment=st.one_of(
+                            st.sampled_from(["dataquay-prep-1-1-0123456789ab", "../../etc/passwd"]),
+                            odd_text,
+                        ),
+                    ),
+                    max_size=3,
+                ),
+                # Calls wait for news at most this long; the fuzz does not wait.
+                wait_seconds=st.sampled_from([0.0, -1.0, math.nan, math.inf]),
+                leave=st.booleans(),
+            ),
+        ),
     )
 
 
 def directory_requests(real_root: Path) -> st.SearchStrategy[tuple[str, Message | list[Message]]]:
     """(method name, request) for every Directory method."""
     node = st.builds(
-        jpb.NodeInfo, name=odd_text,
+        jpb.NodeInfo,
+        name=odd_text,
         tcp_address=st.one_of(st.sampled_from(["0.0.0.0:1", "[::1]:99999", "host:", ":1"]), odd_text),
-        metrics_address=odd_text, cache_capacity=uint64, pid=uint32, version=odd_text,
+        metrics_address=odd_text,
+        cache_capacity=uint64,
+        pid=uint32,
+        version=odd_text,
     )
     return st.one_of(
         st.tuples(st.just("RegisterNode"), st.builds(dpb.RegisterNodeRequest, node=node)),
-        st.tuples(st.just("Heartbeat"), st.builds(
-            dpb.HeartbeatRequest, name=odd_text, cache_used_bytes=uint64, cache_entries=uint64
-        )),
+        st.tuples(
+            st.just("Heartbeat"),
+            st.builds(dpb.HeartbeatRequest, name=odd_text, cache_used_bytes=uint64, cache_entries=uint64),
+        ),
         st.tuples(st.just("ListNodes"), st.just(dpb.ListNodesRequest())),
         *shared_methods(real_root),
         st.tuples(st.just("GetJob"), st.builds(jpb.GetJobRequest, job_id=job_ids)),
         st.tuples(st.just("ListJobs"), st.just(jpb.ListJobsRequest())),
-        st.tuples(st.just("DropJob"), st.builds(
-            jpb.DropJobRequest, job_id=job_ids.filter(lambda j: j != "fz"),
-            min_idle_seconds=st.floats(allow_nan=True, allow_infinity=True),
-        )),
+        st.tuples(
+            st.just("DropJob"),
+            st.builds(
+                jpb.DropJobRequest,
+                job_id=job_ids.filter(lambda j: j != "fz"),
+                min_idle_seconds=st.floats(allow_nan=True, allow_infinity=True),
+            ),
+        ),
     )
 
 
@@ -312,9 +388,17 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         started.append(directory)
         standalone = DaemonProcess(base / "standalone", ("--max-batch", str(MAX_BATCH))).start()
         started.append(standalone)
-        clustered = DaemonProcess(base / "clustered", (
-            "--max-batch", str(MAX_BATCH), "--node-name", "fz-node", "--directory", cluster_directory.address,
-        )).start()
+        clustered = DaemonProcess(
+            base / "clustered",
+            (
+                "--max-batch",
+                str(MAX_BATCH),
+                "--node-name",
+                "fz-node",
+                "--directory",
+                cluster_directory.address,
+            ),
+        ).start()
         started.append(clustered)
         for daemon in (standalone, clustered):
             with cache_channel(daemon) as channel:
@@ -344,8 +428,7 @@ def assert_daemon_serves(channel: grpc.Channel) -> None:
     assert stub.Info(pb.InfoRequest(), timeout=CALL_SECONDS).max_batch == MAX_BATCH
     stub.Stats(pb.StatsRequest(), timeout=CALL_SECONDS)
     ids = [0, 5, NUM_SAMPLES - 1]
-    got = [s for chunk in stub.Read(pb.ReadRequest(dataset="ds", ids=ids), timeout=CALL_SECONDS)
-           for s in chunk.samples]
+    got = [s for chunk in stub.Read(pb.ReadRequest(dataset="ds", ids=ids), timeout=CALL_SECONDS) for s in chunk.samples]
     assert [s.data for s in got] == [expected(i) for i in ids]
     assert all(s.checksum == checksum(s.data) for s in got)
 
@@ -363,9 +446,7 @@ def assert_directory_serves(channel: grpc.Channel, manifest: bytes) -> None:
 
 
 @pytest.mark.parametrize("which", ["standalone", "clustered"])
-def test_random_cache_requests_get_a_clear_status_and_the_daemon_keeps_serving(
-    servers: Servers, which: str
-) -> None:
+def test_random_cache_requests_get_a_clear_status_and_the_daemon_keeps_serving(servers: Servers, which: str) -> None:
     daemon: DaemonProcess = getattr(servers, which)
     with cache_channel(daemon) as channel:
         assert_daemon_serves(channel)
@@ -406,8 +487,10 @@ def test_bytes_that_are_no_request_get_invalid_argument_naming_the_message(serve
         for method in CACHE.values():
             request = [b"\xff"] if method.streams_in else b"\xff"
             stub = {
-                (False, False): channel.unary_unary, (False, True): channel.unary_stream,
-                (True, False): channel.stream_unary, (True, True): channel.stream_stream,
+                (False, False): channel.unary_unary,
+                (False, True): channel.unary_stream,
+                (True, False): channel.stream_unary,
+                (True, True): channel.stream_stream,
             }[method.streams_in, method.streams_out](method.path, request_serializer=None, response_deserializer=None)
             with pytest.raises(grpc.RpcError) as err:
                 answer = stub(iter(request) if method.streams_in else request, timeout=CALL_SECONDS)
@@ -443,10 +526,13 @@ def test_client_reports_at_the_counters_limits_keep_stats_answering(servers: Ser
         assert {r.tier: r.samples for r in stats.client_reads}["local"] == 2**64 - 1
 
 
-@pytest.mark.parametrize(("root", "message"), [
-    ("", "no dataset root given"),
-    ("/tmp/x\0y", "dataset root '/tmp/x\\x00y' contains a NUL character"),
-])
+@pytest.mark.parametrize(
+    ("root", "message"),
+    [
+        ("", "no dataset root given"),
+        ("/tmp/x\0y", "dataset root '/tmp/x\\x00y' contains a NUL character"),
+    ],
+)
 def test_an_empty_or_nul_dataset_root_is_refused(servers: Servers, root: str, message: str) -> None:
     with cache_channel(servers.standalone) as channel:
         stub = cache_pb2_grpc.CacheStub(channel)

@@ -44,10 +44,20 @@ class Cluster:
         self._channels: list[grpc.Channel] = []
 
     def start(self, name: str, home: str = "", *extra: str) -> cache_pb2_grpc.CacheStub:
-        daemon = DaemonProcess(self.tmp_path / (home or name), (
-            "--directory", self.directory.address, "--node-name", name, "--peer-timeout", "2",
-            "--heal-after", HEAL_AFTER, *extra,
-        )).start()
+        daemon = DaemonProcess(
+            self.tmp_path / (home or name),
+            (
+                "--directory",
+                self.directory.address,
+                "--node-name",
+                name,
+                "--peer-timeout",
+                "2",
+                "--heal-after",
+                HEAL_AFTER,
+                *extra,
+            ),
+        ).start()
         self.daemons[name] = daemon
         self._channels.append(grpc.insecure_channel(grpc_target(daemon.address), options=channel_options()))
         self.stubs[name] = cache_pb2_grpc.CacheStub(self._channels[-1])
@@ -121,7 +131,7 @@ def test_a_node_killed_mid_epoch_is_healed_and_its_share_read_from_the_pfs_once(
     for stub, part in zip(survivors, (order[:half:2], order[1:half:2])):
         read(stub, part)
     cluster.daemons["n1"].kill()
-    for stub, part in zip(survivors, (order[half::2], order[half + 1::2])):
+    for stub, part in zip(survivors, (order[half::2], order[half + 1 :: 2])):
         read(stub, part)
 
     # When each survivor counts n1 lost, and when it holds its part of n1's share.
@@ -153,10 +163,12 @@ def test_a_node_killed_mid_epoch_is_healed_and_its_share_read_from_the_pfs_once(
     assert sum(entries) == N
     shown = subprocess.run(
         [sys.executable, "-m", "dataquay.server.cli", "status", "--directory", cluster.directory.address],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert shown.returncode == 0, shown.stderr
-    healing = shown.stdout[shown.stdout.index("FROM PFS"):].splitlines()[1:3]
+    healing = shown.stdout[shown.stdout.index("FROM PFS") :].splitlines()[1:3]
     # NODE, LOST NODES, TO FETCH, FROM PEERS, PEER BYTES (two words), FROM PFS, ...
     assert [row.split()[:4] for row in healing] == [["n0", "1", "0", "0"], ["n2", "1", "0", "0"]], shown.stdout
     assert sum(int(row.split()[6]) for row in healing) == lost_share, shown.stdout

@@ -61,8 +61,9 @@ def status(name: str, state: jpb.NodeState, heartbeat: float) -> jpb.NodeStatus:
 
 
 def test_a_node_is_lost_after_the_grace_period_and_never_with_healing_off() -> None:
-    job = jpb.Job(spec=jpb.JobSpec(job_id="j", dataset="imgs", mode="global", nodes=["a", "b", "c", "d"]),
-                  created_unix=100.0)
+    job = jpb.Job(
+        spec=jpb.JobSpec(job_id="j", dataset="imgs", mode="global", nodes=["a", "b", "c", "d"]), created_unix=100.0
+    )
     listed = {
         "a": status("a", jpb.NODE_UP, 1000.0),
         "b": status("b", jpb.NODE_DOWN, 990.0),  # down 10 s

@@ -77,15 +77,23 @@ def sample(i: int, data: bytes | None = None, **shm: int) -> pb.Sample:
     """Sample ``i`` with the checksum of its true payload, carrying ``data`` (default: that payload)."""
     data = PAYLOADS[i] if data is None else data
     return pb.Sample(
-        id=i, data=data, checksum=checksum(PAYLOADS[i]), in_shm=bool(shm), shm_offset=shm.get("offset", 0),
-        length=shm.get("length", 0), checked_in_place=bool(shm.get("checked", 0)),
+        id=i,
+        data=data,
+        checksum=checksum(PAYLOADS[i]),
+        in_shm=bool(shm),
+        shm_offset=shm.get("offset", 0),
+        length=shm.get("length", 0),
+        checked_in_place=bool(shm.get("checked", 0)),
     )
 
 
 def piece(i: int, offset: int, data: bytes, length: int | None = None) -> pb.ReadChunk:
     length = len(PAYLOADS[i]) if length is None else length
-    return pb.ReadChunk(piece=pb.Sample(id=i, offset=offset, length=length, data=data,
-                                        checksum=checksum(PAYLOADS[i]) if i < len(PAYLOADS) else 0))
+    return pb.ReadChunk(
+        piece=pb.Sample(
+            id=i, offset=offset, length=length, data=data, checksum=checksum(PAYLOADS[i]) if i < len(PAYLOADS) else 0
+        )
+    )
 
 
 def test_the_parser_joins_pieces_and_flags_each_payload_whose_checksum_fails() -> None:
@@ -96,7 +104,10 @@ def test_the_parser_joins_pieces_and_flags_each_payload_whose_checksum_fails() -
     got += list(stream.take(pb.ReadChunk(samples=[pb.Sample(id=2, missing=True)])))
     stream.end()
     assert [(i, bytes(data), intact, missing) for i, data, _, _, missing, _, intact in got] == [
-        (0, b"abcde", True, False), (2, b"xyZ", False, False), (1, PAYLOADS[1], True, False), (2, b"", True, True),
+        (0, b"abcde", True, False),
+        (2, b"xyZ", False, False),
+        (1, PAYLOADS[1], True, False),
+        (2, b"", True, True),
     ]
     unverified = ReadStream("the daemon", LENGTHS, verify=False)
     assert [s[-1] for s in unverified.take(pb.ReadChunk(samples=[sample(2, data=b"xyZ")]))] == [True]

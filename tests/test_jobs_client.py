@@ -35,8 +35,17 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
 
 _OPTIONAL = ("mode", "q", "seed", "drop_last", "ranks_per_node", "partition", "batch_size")
-_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
-        "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "DATAQUAY_JOB")
+_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS_PER_NODE",
+    "DATAQUAY_JOB",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -56,10 +65,19 @@ def tar_manifest(shards: int = 4, per_shard: int = 25) -> Manifest:
 
 def job_record(manifest: Manifest, **spec: Any) -> jpb.Job:
     """A job as the directory returns it: every setting filled in."""
-    settings = {"job_id": "run-1", "dataset": "imnet", "mode": "global", "q": 0.0, "seed": 11,
-                "drop_last": False, "nodes": ["n0", "n1"], "ranks_per_node": 2, "partition": "sample", **spec}
-    return jpb.Job(spec=jpb.JobSpec(**settings), manifest_id=manifest.manifest_id,
-                   num_samples=manifest.num_samples)
+    settings = {
+        "job_id": "run-1",
+        "dataset": "imnet",
+        "mode": "global",
+        "q": 0.0,
+        "seed": 11,
+        "drop_last": False,
+        "nodes": ["n0", "n1"],
+        "ranks_per_node": 2,
+        "partition": "sample",
+        **spec,
+    }
+    return jpb.Job(spec=jpb.JobSpec(**settings), manifest_id=manifest.manifest_id, num_samples=manifest.num_samples)
 
 
 class FakeClient:
@@ -115,17 +133,36 @@ def test_job_spec_sets_only_the_settings_given_even_when_falsy() -> None:
     spec = job_spec("run-1", "imnet", seed=0, drop_last=False, q=0.0, nodes=["b", "a"])
     assert [f for f in _OPTIONAL if spec.HasField(f)] == ["q", "seed", "drop_last"]
     assert list(spec.nodes) == ["b", "a"]
-    full = job_spec("run-1", "imnet", mode="global", q=0.5, seed=3, drop_last=True, ranks_per_node=8,
-                    partition="shard", batch_size=32)
+    full = job_spec(
+        "run-1",
+        "imnet",
+        mode="global",
+        q=0.5,
+        seed=3,
+        drop_last=True,
+        ranks_per_node=8,
+        partition="shard",
+        batch_size=32,
+    )
     assert all(full.HasField(f) for f in _OPTIONAL)
     assert (full.mode, full.q, full.seed, full.drop_last, full.ranks_per_node, full.partition, full.batch_size) == (
-        "global", 0.5, 3, True, 8, "shard", 32)
+        "global",
+        0.5,
+        3,
+        True,
+        8,
+        "shard",
+        32,
+    )
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"job_id": ""}, "job id"), ({"mode": "scatter"}, "mode must be one of global"),
-     ({"partition": "file"}, "partition must be one of sample, shard")],
+    [
+        ({"job_id": ""}, "job id"),
+        ({"mode": "scatter"}, "mode must be one of global"),
+        ({"partition": "file"}, "partition must be one of sample, shard"),
+    ],
 )
 def test_job_spec_refuses_what_no_job_can_have(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -135,8 +172,9 @@ def test_job_spec_refuses_what_no_job_can_have(kwargs: dict[str, Any], message: 
 def test_job_plan_follows_the_job_record() -> None:
     manifest = tar_manifest()
     plan = job_plan(job_record(manifest, seed=5, drop_last=True), manifest)
-    assert plan == JobPlan(JobSettings("run-1", "imnet", seed=5, drop_last=True, nodes=("n0", "n1"), ranks_per_node=2),
-                           100, 2)
+    assert plan == JobPlan(
+        JobSettings("run-1", "imnet", seed=5, drop_last=True, nodes=("n0", "n1"), ranks_per_node=2), 100, 2
+    )
     assert plan.groups is None
     sharded = job_plan(job_record(manifest, partition="shard", nodes=["a", "b", "c"]), manifest)
     assert sharded.num_nodes == 3 and sharded.settings.partition == "shard"
@@ -159,8 +197,8 @@ def test_job_plan_carries_the_batch_size_that_locality_needs() -> None:
 
 
 @pytest.mark.parametrize(
-    "settings", [{"mode": "global"}, {"mode": "local"}, {"mode": "partial", "q": 0.5},
-                 {"mode": "locality", "batch_size": 3}],
+    "settings",
+    [{"mode": "global"}, {"mode": "local"}, {"mode": "partial", "q": 0.5}, {"mode": "locality", "batch_size": 3}],
 )
 def test_job_sampler_follows_every_mode_epoch_by_epoch(settings: dict[str, Any]) -> None:
     manifest = tar_manifest()
@@ -239,9 +277,11 @@ def test_job_sampler_reads_the_placement_order_and_reports_epochs() -> None:
 
 @pytest.mark.parametrize(
     ("rank", "world", "message"),
-    [(4, 4, "rank 4 is outside the world: world size 4 = 2 nodes x 2 ranks per node of job 'run-1'"),
-     (-1, 4, "rank -1 is outside the world"),
-     (0, 6, "world size 6 does not match the job's 4 = 2 nodes x 2 ranks per node")],
+    [
+        (4, 4, "rank 4 is outside the world: world size 4 = 2 nodes x 2 ranks per node of job 'run-1'"),
+        (-1, 4, "rank -1 is outside the world"),
+        (0, 6, "world size 6 does not match the job's 4 = 2 nodes x 2 ranks per node"),
+    ],
 )
 def test_job_sampler_refuses_a_rank_outside_the_jobs_world(rank: int, world: int, message: str) -> None:
     manifest = tar_manifest()
@@ -325,8 +365,14 @@ def test_a_job_that_deals_each_node_its_own_samples_refuses_a_state_of_another_w
 
 
 def dataset(client: FakeClient, manifest: Manifest) -> Dataset:
-    return Dataset(client, pb.DatasetInfo(name="imnet"), manifest,
-                   local=client.local_cache, remote=client.remote, stats=client.read_stats)
+    return Dataset(
+        client,
+        pb.DatasetInfo(name="imnet"),
+        manifest,
+        local=client.local_cache,
+        remote=client.remote,
+        stats=client.read_stats,
+    )
 
 
 def test_dataset_sampler_without_a_job_is_the_plain_sampler() -> None:
@@ -418,9 +464,11 @@ def unconnected_client(address: str = "unix:/nonexistent/dataquay.sock") -> Clie
 
 @pytest.mark.parametrize(
     ("code", "must_exist", "error"),
-    [(grpc.StatusCode.FAILED_PRECONDITION, False, JobMismatchError),
-     (grpc.StatusCode.NOT_FOUND, True, UnknownJobError),
-     (grpc.StatusCode.NOT_FOUND, False, UnknownDatasetError)],
+    [
+        (grpc.StatusCode.FAILED_PRECONDITION, False, JobMismatchError),
+        (grpc.StatusCode.NOT_FOUND, True, UnknownJobError),
+        (grpc.StatusCode.NOT_FOUND, False, UnknownDatasetError),
+    ],
 )
 def test_join_job_refusals_become_errors_a_user_can_catch(
     monkeypatch: pytest.MonkeyPatch, code: grpc.StatusCode, must_exist: bool, error: type[Exception]

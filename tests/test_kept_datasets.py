@@ -61,5 +61,7 @@ def test_a_dataset_a_fresh_directory_never_listed_is_kept_until_registered_again
 def _wait_for_sync(daemon: DaemonProcess, kept_before: int) -> None:
     """Until the daemon, synced with its directory, logged that it keeps the
     dataset (once more than ``kept_before`` times: the log outlives restarts)."""
-    wait_until(lambda: daemon.log_path.read_text().count("dataset not listed by the directory") > kept_before,
-               "the daemon synced with its directory")
+    wait_until(
+        lambda: daemon.log_path.read_text().count("dataset not listed by the directory") > kept_before,
+        "the daemon synced with its directory",
+    )

@@ -186,4 +186,3 @@ def test_a_sample_over_the_daemons_limit_is_refused_at_read_naming_it(
         with pytest.raises(SampleTooLargeError, match=r"sample 3 of 'mixed' is 5\.0 MiB .*--max-sample-size"):
             ds.get_batch([0, 2, 3])
         assert ds.get_batch([2, 0]) == [sample_bytes(0, 2, 3000), sample_bytes(0, 0, 3000)]
-

@@ -127,8 +127,9 @@ if typing.TYPE_CHECKING:
 def f():
     from e import g
 """
-    found = [alias.name if isinstance(s, ast.Import) else s.module for s in _imports(ast.parse(source))
-             for alias in s.names]
+    found = [
+        alias.name if isinstance(s, ast.Import) else s.module for s in _imports(ast.parse(source)) for alias in s.names
+    ]
     assert found == ["a", "c", "e"]
 
 
@@ -156,9 +157,9 @@ def test_only_the_cli_uses_the_tools_and_nothing_uses_the_cli() -> None:
     graph = import_graph()
     tools, cli = _inside(graph, TOOLS), _inside(graph, CLI)
     below = sorted(set(graph) - tools - cli)
-    chains = [
-        " -> ".join(chain) for name in below if (chain := shortest_path(graph, name, tools | cli))
-    ] + [f"{name} -> {target}" for name in sorted(tools) for target in sorted(graph[name] & cli)]
+    chains = [" -> ".join(chain) for name in below if (chain := shortest_path(graph, name, tools | cli))] + [
+        f"{name} -> {target}" for name in sorted(tools) for target in sorted(graph[name] & cli)
+    ]
     assert not chains, "imports that point down at tools/ or cli/:\n" + "\n".join(chains)
 
 
@@ -194,7 +195,15 @@ ROOMS: dict[str, set[str]] = {
 #: node/'s root: the daemon's wiring and faces, their counters and snapshot, the
 #: stager, which spans cache and PFS, and the healer, which spans cluster, peers, cache and PFS.
 NODE_ROOT = {
-    "daemon", "servicer", "metrics", "datasets", "client_stats", "stager", "healer", "counters", "snapshot",
+    "daemon",
+    "servicer",
+    "metrics",
+    "datasets",
+    "client_stats",
+    "stager",
+    "healer",
+    "counters",
+    "snapshot",
 }
 PLANNING = "dataquay.server.planning"
 
@@ -261,8 +270,8 @@ def test_no_part_of_the_daemon_is_handed_the_daemon() -> None:
             continue
         for statement in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(statement, ast.ImportFrom) and (
-                statement.module == daemon or (statement.module == NODE and any(a.name == "daemon"
-                                                                                 for a in statement.names))
+                statement.module == daemon
+                or (statement.module == NODE and any(a.name == "daemon" for a in statement.names))
             ):
                 naming.append(name)
     assert not naming, "these take the whole daemon: hand them its parts instead:\n" + "\n".join(sorted(naming))

@@ -86,7 +86,12 @@ def test_the_read_loops_check_and_copy_as_records_lays_values_out(module: str) -
     flipped = bytearray(encode_value(payload(2)))
     flipped[-1] ^= 0x80
     values = [
-        encode_value(payload(1)), None, bytes(flipped), b"short", encode_value(b""), memoryview(encode_value(big))
+        encode_value(payload(1)),
+        None,
+        bytes(flipped),
+        b"short",
+        encode_value(b""),
+        memoryview(encode_value(big)),
     ]
     copies, absent, corrupt = loops.payload_copies(values, True)
     assert copies == [payload(1), None, None, None, b"", big]
@@ -143,9 +148,7 @@ def test_views_share_the_map_and_are_released_when_the_block_ends(env_path: Path
             bytes(kept)
 
 
-def test_missing_sub_db_is_a_miss_until_the_daemon_creates_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_missing_sub_db_is_a_miss_until_the_daemon_creates_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The cache's clock stands still unless moved: staging may take any time.
     now = [0.0]
     monkeypatch.setattr(local, "time", SimpleNamespace(monotonic=lambda: now[0]))

@@ -264,9 +264,7 @@ def test_npy_records_follow_file_order(tmp_path: Path) -> None:
         (np.zeros((2, 5), dtype="<f4"), r"record shape \(4,\) vs \(5,\)"),
     ],
 )
-def test_inconsistent_npy_arrays_are_rejected(
-    tmp_path: Path, second: np.ndarray, difference: str
-) -> None:
+def test_inconsistent_npy_arrays_are_rejected(tmp_path: Path, second: np.ndarray, difference: str) -> None:
     np.save(tmp_path / "a.npy", np.zeros((3, 4), dtype="<f4"))
     np.save(tmp_path / "b.npy", second)
     with pytest.raises(ManifestError, match=rf"a\.npy and .*b\.npy differ: {difference}"):
@@ -282,9 +280,7 @@ def test_inconsistent_npy_arrays_are_rejected(
         (np.zeros((3, 0)), "empty records"),
     ],
 )
-def test_npy_arrays_that_are_not_records_are_rejected(
-    tmp_path: Path, array: np.ndarray, problem: str
-) -> None:
+def test_npy_arrays_that_are_not_records_are_rejected(tmp_path: Path, array: np.ndarray, problem: str) -> None:
     np.save(tmp_path / "a.npy", array, allow_pickle=True)
     with pytest.raises(ManifestError, match=problem):
         build_manifest(tmp_path)

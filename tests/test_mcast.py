@@ -62,8 +62,13 @@ def test_datagrams_round_trip_and_malformed_ones_are_refused() -> None:
     assert wire.decode(wire.encode_ack(ack)) == ack
     assert wire.decode(wire.encode_tail(wire.Tail(3, 11, 2, 44))) == wire.Tail(3, 11, 2, 44)
     assert len(wire.encode_data(fragment)) == wire.DATA_HEADER_BYTES + 100
-    for bad in (b"", b"XX\x01\x01" + bytes(60), wire.encode_data(fragment)[:30], wire.encode_ack(ack)[:-3],
-                wire.encode_data(wire.Fragment(3, 11, 2, 40, 9, 3, 3, 2900, 0, b""))):
+    for bad in (
+        b"",
+        b"XX\x01\x01" + bytes(60),
+        wire.encode_data(fragment)[:30],
+        wire.encode_ack(ack)[:-3],
+        wire.encode_data(wire.Fragment(3, 11, 2, 40, 9, 3, 3, 2900, 0, b"")),
+    ):
         with pytest.raises(wire.WireError):
             wire.decode(bad)
     assert list(wire.fragments(b"abcdefg", 3)) == [(0, 3, b"abc"), (1, 3, b"def"), (2, 3, b"g")]
@@ -98,20 +103,25 @@ def test_a_datagram_opens_only_in_its_own_pass_under_the_token_it_was_sealed_wit
 
 def test_an_endpoint_counts_what_it_drops_and_ignores_its_processes_other_passes() -> None:
     dropped: list[str] = []
-    endpoint = MulticastEndpoint(0, Channel("239.255.0.1", PORT), "t0k3n", pass_id=5, others={5, 6},
-                                 on_drop=dropped.append)
+    endpoint = MulticastEndpoint(
+        0, Channel("239.255.0.1", PORT), "t0k3n", pass_id=5, others={5, 6}, on_drop=dropped.append
+    )
     endpoint.expect(1, 0)
     here, other, earlier = (mcast_seal.PassSeal("t0k3n", p) for p in (5, 6, 4))
 
     def fragment(session: int, seq: int) -> bytes:
-        return wire.encode_data(wire.Fragment(1, session, 0, seq, 7, 0, 1, 3, xxhash.xxh3_64_intdigest(b"abc"),
-                                              b"abc"))
+        return wire.encode_data(wire.Fragment(1, session, 0, seq, 7, 0, 1, 3, xxhash.xxh3_64_intdigest(b"abc"), b"abc"))
 
     sender, replayer = ("127.0.0.1", 9), ("127.0.0.1", 666)
     endpoint._on_datagram(here.seal(fragment(100, 0)), sender)
     endpoint._on_datagram(here.seal(fragment(100, 0)), replayer)
-    for datagram in (other.seal(fragment(100, 1)), earlier.seal(fragment(100, 1)), here.seal(fragment(200, 0)),
-                     here.seal(fragment(100, 1)), b"garbage"):
+    for datagram in (
+        other.seal(fragment(100, 1)),
+        earlier.seal(fragment(100, 1)),
+        here.seal(fragment(200, 0)),
+        here.seal(fragment(100, 1)),
+        b"garbage",
+    ):
         endpoint._on_datagram(datagram, sender)
     assert dropped == ["duplicate", "unknown_pass", "stale_session", "malformed"]
     assert endpoint._senders[1] == sender  # a replay does not draw the acknowledgements
@@ -144,8 +154,22 @@ def namespace() -> Iterator[str]:
 def _exchange(namespace: str, rundir: Path, nodes: int, *args: str) -> list[dict[str, object]]:
     """Runs one coded exchange, a process per node, and returns each node's result."""
     rundir.mkdir()
-    command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "dataquay.server.tools.coded_wire",
-               "--nodes", str(nodes), "--port", str(PORT), "--rundir", str(rundir), *args]
+    command = [
+        "ip",
+        "netns",
+        "exec",
+        namespace,
+        sys.executable,
+        "-m",
+        "dataquay.server.tools.coded_wire",
+        "--nodes",
+        str(nodes),
+        "--port",
+        str(PORT),
+        "--rundir",
+        str(rundir),
+        *args,
+    ]
     processes = [subprocess.Popen([*command, "--node", str(n)]) for n in range(nodes)]
     try:
         for process in processes:
@@ -176,12 +200,15 @@ def test_a_coded_exchange_over_multicast_puts_the_planned_bytes_on_the_wire(name
 def test_five_percent_loss_still_delivers_every_sample_byte_exact(namespace: str, tmp_path: Path) -> None:
     if shutil.which("nft") is None:
         pytest.skip("needs nftables (nft) to drop datagrams at random")
-    rules = (f"add table inet loss\n"
-             f"add chain inet loss in {{ type filter hook input priority 0; }}\n"
-             f"add rule inet loss in udp dport {PORT} numgen random mod 20 0 drop\n"
-             f"add rule inet loss in udp sport != {PORT} numgen random mod 20 0 drop\n")
-    added = subprocess.run(["ip", "netns", "exec", namespace, "nft", "-f", "-"], input=rules, text=True,
-                           capture_output=True, timeout=30)
+    rules = (
+        f"add table inet loss\n"
+        f"add chain inet loss in {{ type filter hook input priority 0; }}\n"
+        f"add rule inet loss in udp dport {PORT} numgen random mod 20 0 drop\n"
+        f"add rule inet loss in udp sport != {PORT} numgen random mod 20 0 drop\n"
+    )
+    added = subprocess.run(
+        ["ip", "netns", "exec", namespace, "nft", "-f", "-"], input=rules, text=True, capture_output=True, timeout=30
+    )
     if added.returncode != 0:
         pytest.skip(f"nftables cannot filter in the namespace: {added.stderr.strip()}")
     results = _exchange(namespace, tmp_path / "run", 4, "--scheme", "coded", "--token", "t0k3n")
@@ -191,8 +218,11 @@ def test_five_percent_loss_still_delivers_every_sample_byte_exact(namespace: str
 
 def _udp_delivered(namespace: str) -> int:
     """UDP datagrams the namespace's kernel delivered to sockets (one per socket a multicast datagram reached)."""
-    lines = [line.split() for line in _ip("netns", "exec", namespace, "cat", "/proc/net/snmp").stdout.splitlines()
-             if line.startswith("Udp:")]
+    lines = [
+        line.split()
+        for line in _ip("netns", "exec", namespace, "cat", "/proc/net/snmp").stdout.splitlines()
+        if line.startswith("Udp:")
+    ]
     return int(lines[1][lines[0].index("InDatagrams")])
 
 
@@ -206,7 +236,7 @@ def _planned_datagram_bytes(node: int, nodes: int, scheme: str) -> int:
         if i >= len(packets):
             length = int(s.sizes[packets.fetch_samples[i - len(packets)]])
         else:
-            length = int(s.sizes[packets.samples[packets.start[i]:packets.start[i + 1]]].max())
+            length = int(s.sizes[packets.samples[packets.start[i] : packets.start[i + 1]]].max())
         count = max(1, -(-length // 1400))
         bytes_ += length + count * (wire.DATA_HEADER_BYTES + mcast_seal.OVERHEAD_BYTES)
     return bytes_
@@ -214,8 +244,7 @@ def _planned_datagram_bytes(node: int, nodes: int, scheme: str) -> int:
 
 def test_each_node_hears_only_the_groups_it_decodes_for(namespace: str, tmp_path: Path) -> None:
     delivered = _udp_delivered(namespace)
-    results = _exchange(namespace, tmp_path / "run", 4, "--scheme", "uber", "--token", "t0k3n",
-                        "--pool", str(POOL))
+    results = _exchange(namespace, tmp_path / "run", 4, "--scheme", "uber", "--token", "t0k3n", "--pool", str(POOL))
     delivered = _udp_delivered(namespace) - delivered
     _assert_every_sample_committed(results)
     stats = [result["stats"] for result in results]
@@ -228,8 +257,7 @@ def test_each_node_hears_only_the_groups_it_decodes_for(namespace: str, tmp_path
     assert counted <= delivered <= counted * 1.02
 
 
-def test_the_uncoded_baseline_over_tcp_streams_delivers_every_sample_byte_exact(namespace: str,
-                                                                                tmp_path: Path) -> None:
+def test_the_uncoded_baseline_over_tcp_streams_delivers_every_sample_byte_exact(namespace: str, tmp_path: Path) -> None:
     results = _exchange(namespace, tmp_path / "run", 4, "--scheme", "none", "--tcp")
     _assert_every_sample_committed(results)
     sent = sum(r["stats"]["payload_bytes_sent"] for r in results)  # type: ignore[index]

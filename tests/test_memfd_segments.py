@@ -192,10 +192,18 @@ def test_descriptors_that_are_no_sealed_memfd_of_the_size_announced_are_refused_
     memfds = [
         ("unsealed", dict(seals=0), SIZE, "not sealed against shrinking and growing"),
         ("sealed against shrinking only", dict(seals=fcntl.F_SEAL_SHRINK), SIZE, "not sealed against shrinking"),
-        ("sealed against the daemon's seals", dict(seals=CLIENT_SEALS | fcntl.F_SEAL_SEAL), SIZE,
-         "sealed against writes or further seals"),
-        ("sealed against writes", dict(seals=CLIENT_SEALS | fcntl.F_SEAL_WRITE), SIZE,
-         "sealed against writes or further seals"),
+        (
+            "sealed against the daemon's seals",
+            dict(seals=CLIENT_SEALS | fcntl.F_SEAL_SEAL),
+            SIZE,
+            "sealed against writes or further seals",
+        ),
+        (
+            "sealed against writes",
+            dict(seals=CLIENT_SEALS | fcntl.F_SEAL_WRITE),
+            SIZE,
+            "sealed against writes or further seals",
+        ),
         ("of another size than announced", {}, SIZE * 2, f"holds {SIZE} bytes, not the {SIZE * 2} announced"),
         ("announced empty", {}, 0, "a segment of 0 bytes"),
         ("announced negative", {}, -SIZE, f"a segment of {-SIZE} bytes"),
@@ -212,8 +220,12 @@ def test_descriptors_that_are_no_sealed_memfd_of_the_size_announced_are_refused_
             assert "hugetlb" in hand_over(served, announce(2 << 20), [fd])["error"]
     except OSError:
         pass  # no hugetlb memfds on this kernel
-    for message, error in [(b"{", "malformed"), (b"[1]", "malformed"), (b'{"size": "1"}', "malformed"),
-                           (b"x" * 5000, "longer than")]:
+    for message, error in [
+        (b"{", "malformed"),
+        (b"[1]", "malformed"),
+        (b'{"size": "1"}', "malformed"),
+        (b"x" * 5000, "longer than"),
+    ]:
         with memfd() as fd:
             assert error in hand_over(served, message, [fd])["error"]
     assert "exactly one descriptor, not none" in hand_over(served, announce(SIZE), [])["error"]
@@ -243,8 +255,10 @@ def test_a_flood_of_descriptors_and_segments_leaves_the_daemon_bounded_and_servi
             idle.append(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
             idle[-1].connect(fd_socket(served))  # blocking: waits while the daemon's backlog is full
             idle[-1].settimeout(10)
-        assert json.loads(idle[-1].recv(1024)) == {"error": "too many clients handing over segments at once",
-                                                   "busy": True}
+        assert json.loads(idle[-1].recv(1024)) == {
+            "error": "too many clients handing over segments at once",
+            "busy": True,
+        }
     finally:
         for conn in idle:
             conn.close()

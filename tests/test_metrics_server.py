@@ -16,8 +16,9 @@ from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 def metrics_connections(daemon: DaemonProcess, count: int) -> list[socket.socket]:
     """``count`` TCP connections to the daemon's metrics port that send nothing."""
     assert daemon.ready is not None
-    return [socket.create_connection((daemon.host, int(daemon.ready["metrics_port"])), timeout=60)
-            for _ in range(count)]
+    return [
+        socket.create_connection((daemon.host, int(daemon.ready["metrics_port"])), timeout=60) for _ in range(count)
+    ]
 
 
 def test_idle_metrics_connections_are_closed_and_scrapes_go_on_meanwhile(daemon: DaemonProcess) -> None:

@@ -54,14 +54,26 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     a partial job whose epochs nobody reports (no exchange of its own runs)."""
     base = tmp_path_factory.mktemp("node-credential")
     root = make_files_dataset(base / "pfs" / "imgs", SAMPLES, sizes=(SIZE,))
-    with LocalCluster(base / "cluster", 2, (), ("--lease-seconds", "3", "--heartbeat-seconds", "0.5"),
-                      token_file=new_token_file(base / "token"), dataset_roots=(base,)) as local:
+    with LocalCluster(
+        base / "cluster",
+        2,
+        (),
+        ("--lease-seconds", "3", "--heartbeat-seconds", "0.5"),
+        token_file=new_token_file(base / "token"),
+        dataset_roots=(base,),
+    ) as local:
         env = {**os.environ, **local.node_env(0)}
-        for args in (["dataset", "add", "imgs", str(root)],
-                     ["stage", "imgs", "--job", JOB, "--mode", "partial", "--q", "0.5", "--ranks-per-node", "1",
-                      "--quiet"]):
-            done = subprocess.run([sys.executable, "-m", "dataquay.server.cli", *args], env=env,
-                                  capture_output=True, text=True, timeout=120)
+        for args in (
+            ["dataset", "add", "imgs", str(root)],
+            ["stage", "imgs", "--job", JOB, "--mode", "partial", "--q", "0.5", "--ranks-per-node", "1", "--quiet"],
+        ):
+            done = subprocess.run(
+                [sys.executable, "-m", "dataquay.server.cli", *args],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert done.returncode == 0, done.stderr
         yield local
 
@@ -114,8 +126,11 @@ def test_a_trainer_token_cannot_push_samples_into_a_peers_cache(secured: LocalCl
     for address in (str(ready["tcp"]), secured.daemons[0].address):  # over TCP and over the unix socket
         with trainer(secured, address) as channel:
             with pytest.raises(grpc.RpcError) as refused:
-                list(cache_pb2_grpc.CacheStub(channel).Exchange(
-                    iter([pb.ExchangeMessage(offer=offer), pb.ExchangeMessage(samples=poison)]), timeout=10))
+                list(
+                    cache_pb2_grpc.CacheStub(channel).Exchange(
+                        iter([pb.ExchangeMessage(offer=offer), pb.ExchangeMessage(samples=poison)]), timeout=10
+                    )
+                )
         assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value.details()
         assert "Exchange needs the node credential" in (refused.value.details() or "")
     with trainer(secured, secured.daemons[0].address) as channel:
@@ -135,8 +150,11 @@ def test_the_node_token_still_exchanges(secured: LocalCluster) -> None:
     offer = pb.ExchangeOffer(job=JOB, dataset="imgs", epoch=1, sender="node-0", ids=target)
     samples = [pb.Sample(id=i, value=encode_value(b)) for i, b in zip(target, pfs_bytes(manifest, target))]
     with secured.node_credentials().channel(secured.daemons[1].address, channel_options()) as channel:
-        replies = list(cache_pb2_grpc.CacheStub(channel).Exchange(
-            iter([pb.ExchangeMessage(offer=offer), pb.ExchangeMessage(samples=samples)]), timeout=10))
+        replies = list(
+            cache_pb2_grpc.CacheStub(channel).Exchange(
+                iter([pb.ExchangeMessage(offer=offer), pb.ExchangeMessage(samples=samples)]), timeout=10
+            )
+        )
     assert sorted(replies[-1].held) == sorted(target)
 
 
@@ -222,8 +240,10 @@ def test_the_cluster_token_still_reads_and_the_daemons_stay_up(secured: LocalClu
 
 def test_the_node_methods_are_the_cache_writers_and_membership() -> None:
     assert set(NODE_METHODS) == {
-        "/dataquay.v1.Cache/Exchange", "/dataquay.v1.Cache/CodedPass",
-        "/dataquay.v1.Directory/RegisterNode", "/dataquay.v1.Directory/Heartbeat",
+        "/dataquay.v1.Cache/Exchange",
+        "/dataquay.v1.Cache/CodedPass",
+        "/dataquay.v1.Directory/RegisterNode",
+        "/dataquay.v1.Directory/Heartbeat",
     }
 
 
@@ -231,16 +251,22 @@ def test_the_node_methods_are_the_cache_writers_and_membership() -> None:
 def test_a_server_with_a_cluster_token_and_no_node_token_refuses_to_start(tmp_path: Path, command: str) -> None:
     token = new_token_file(tmp_path / "token")
     common = ["--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state")]
-    extra = {"serve": ["--socket", str(tmp_path / "s.sock"), "--metrics-port", "0", "--cache-dir",
-                       str(tmp_path / "cache")],
-             "directory": ["--http-port", "0"]}[command]
+    extra = {
+        "serve": ["--socket", str(tmp_path / "s.sock"), "--metrics-port", "0", "--cache-dir", str(tmp_path / "cache")],
+        "directory": ["--http-port", "0"],
+    }[command]
     env = {**os.environ, "DATAQUAY_CONFIG": "/dev/null"}
     for flags, message in [
         (["--token-file", str(token)], "--token-file needs --node-token-file"),
         (["--token-file", str(token), "--node-token-file", str(token)], "the node token must be a separate one"),
     ]:
-        done = subprocess.run([sys.executable, "-m", "dataquay.server.cli", command, *common, *extra, *flags],
-                              capture_output=True, text=True, timeout=60, env=env)
+        done = subprocess.run(
+            [sys.executable, "-m", "dataquay.server.cli", command, *common, *extra, *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 1 and len(lines) == 1 and message in lines[0], done.stderr
         assert "dataquay token new --node" in lines[0]

@@ -54,8 +54,11 @@ KEY_A, KEY_B = identity_of(b"a" * 32), identity_of(b"b" * 32)
 def test_a_live_name_is_refused_to_another_identity_and_kept_by_its_own() -> None:
     state = DirectoryState(LEASE, sessions=iter(range(1, 100)).__next__)
     first = state.register(NodeInfo("n0", "10.0.0.1:7070"), 0.0, KEY_A)
-    with pytest.raises(NodeNameTakenError, match=r"^node name n0 is held by a live node at 10.0.0.1:7070; "
-                                                 r"pick another --node-name or stop that daemon$"):
+    with pytest.raises(
+        NodeNameTakenError,
+        match=r"^node name n0 is held by a live node at 10.0.0.1:7070; "
+        r"pick another --node-name or stop that daemon$",
+    ):
         state.register(NodeInfo("n0", "10.0.0.2:7070"), 1.0, KEY_B)
     held = state.node("n0")
     assert held is not None and held.info.tcp_address == "10.0.0.1:7070" and held.session == first.session
@@ -115,7 +118,8 @@ def start_node(tmp_path: Path, directory: DirectoryProcess) -> Iterator[Callable
 
     def start(home: str, name: str, of: DirectoryProcess = directory) -> DaemonProcess:
         daemon = DaemonProcess(
-            tmp_path / home, ("--directory", of.address, "--node-name", name, "--peer-timeout", "2"),
+            tmp_path / home,
+            ("--directory", of.address, "--node-name", name, "--peer-timeout", "2"),
             dataset_roots=(tmp_path,),
         )
         started.append(daemon)
@@ -157,8 +161,9 @@ def test_a_second_daemon_cannot_take_a_live_nodes_name_but_the_node_restarts_and
     make_files_dataset(tmp_path / "pfs" / "imgs", N, sizes=(SIZE,), classes=3)
     a, c = start_node("a", "n0"), start_node("c", "n1")
     assert a.ready is not None and c.ready is not None
-    wait_until(lambda: up_at(directory, "n0", a.ready["tcp"]) and up_at(directory, "n1", c.ready["tcp"]),
-               "both nodes up")
+    wait_until(
+        lambda: up_at(directory, "n0", a.ready["tcp"]) and up_at(directory, "n1", c.ready["tcp"]), "both nodes up"
+    )
     channels = ExitStack()
     a_stub, c_stub = cache_stub(a, channels), cache_stub(c, channels)
     a_stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(tmp_path / "pfs" / "imgs")))
@@ -178,8 +183,10 @@ def test_a_second_daemon_cannot_take_a_live_nodes_name_but_the_node_restarts_and
     b = start_node("b", "n0")
     code, log = exited_with(b)
     assert code == 1
-    assert (f"dataquay: error: node name n0 is held by a live node at {a.ready['tcp']}; "
-            "pick another --node-name or stop that daemon") in log.splitlines()
+    assert (
+        f"dataquay: error: node name n0 is held by a live node at {a.ready['tcp']}; "
+        "pick another --node-name or stop that daemon"
+    ) in log.splitlines()
     assert up_at(directory, "n0", a.ready["tcp"])
     samples = read_through_c()
     assert [s.data for s in samples] == [sample_bytes(0, i, SIZE) for i in of_a]
@@ -219,8 +226,12 @@ def test_a_refusal_that_comes_after_the_daemon_reported_ready_still_stops_it(
         finally:
             slow.signal(signal.SIGCONT)
         code, log = exited_with(b)
-        assert code == 1 and f"dataquay: error: node name n0 is held by a live node at {a.ready['tcp']}; " \
-            "pick another --node-name or stop that daemon" in log.splitlines()
+        assert (
+            code == 1
+            and f"dataquay: error: node name n0 is held by a live node at {a.ready['tcp']}; "
+            "pick another --node-name or stop that daemon"
+            in log.splitlines()
+        )
         assert up_at(slow, "n0", a.ready["tcp"])
     finally:
         slow.kill()
@@ -266,9 +277,10 @@ def test_heartbeats_forged_for_a_dead_nodes_name_do_not_keep_it_up(
     host, _, port = directory.address.rpartition(":")
     sender = HeartbeatSender()
     forged = [dpb.HeartbeatRequest(name="n0", cache_used_bytes=7), dpb.HeartbeatRequest(name="n0", session=1 << 40)]
-    with grpc.insecure_channel(directory.address, options=channel_options()) as channel, socket.socket(
-        socket.AF_INET, socket.SOCK_DGRAM
-    ) as udp:
+    with (
+        grpc.insecure_channel(directory.address, options=channel_options()) as channel,
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp,
+    ):
         stub = directory_pb2_grpc.DirectoryStub(channel)
         udp.connect((host, int(port)))
         rpcs = 0

@@ -89,7 +89,9 @@ def test_a_copy_follows_the_directory_through_deltas_and_the_whole_list() -> Non
     delta = listed(1, now=5.0)
     assert delta.delta and delta.versions.nodes == 2
     assert [(n.info.name, n.info.tcp_address) for n in delta.nodes] == [
-        ("a", "10.0.0.1:7071"), ("b", "10.0.0.1:7070"), ("c", "10.0.0.1:7070"),
+        ("a", "10.0.0.1:7071"),
+        ("b", "10.0.0.1:7070"),
+        ("c", "10.0.0.1:7070"),
     ]
     copy = merged_nodes(copy, delta)
     assert state.expire(now=11.5) == ["b"]
@@ -97,7 +99,9 @@ def test_a_copy_follows_the_directory_through_deltas_and_the_whole_list() -> Non
     assert [(n.info.name, n.state) for n in down.nodes] == [("b", jpb.NODE_DOWN)]
     copy = merged_nodes(copy, down)
     assert {name: (n.info.tcp_address, n.state) for name, n in copy.items()} == {
-        "a": ("10.0.0.1:7071", jpb.NODE_UP), "b": ("10.0.0.1:7070", jpb.NODE_DOWN), "c": ("10.0.0.1:7070", jpb.NODE_UP),
+        "a": ("10.0.0.1:7071", jpb.NODE_UP),
+        "b": ("10.0.0.1:7070", jpb.NODE_DOWN),
+        "c": ("10.0.0.1:7070", jpb.NODE_UP),
     }
     assert listing.sent == {"full": 1, "delta": 3}
 

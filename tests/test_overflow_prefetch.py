@@ -113,10 +113,23 @@ def staged(
     local = cluster(NODES, daemon_args=("--cache-size", CACHE, *daemon_args))
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
-    assert cli_main([
-        "stage", "imgs", "--job", JOB, *job_args, "--ranks-per-node", str(RANKS), "--quiet",
-        "--directory", local.directory_address,
-    ]) == 0
+    assert (
+        cli_main(
+            [
+                "stage",
+                "imgs",
+                "--job",
+                JOB,
+                *job_args,
+                "--ranks-per-node",
+                str(RANKS),
+                "--quiet",
+                "--directory",
+                local.directory_address,
+            ]
+        )
+        == 0
+    )
     if restart:
         local.restart_node(0)
     return local, root
@@ -143,8 +156,11 @@ def test_the_overflow_is_prefetched_and_served_from_memory_once_each(
         foreign = foreign[~peer.holds(foreign)] if len(foreign) else foreign
         peer.close()
         # Joining the job started the prefetch: epoch 0, then epoch 1.
-        wait_until(lambda: node.stats().prefetch.overflow_read_samples == len(overflow) + len(upcoming),
-                   "the overflow of epochs 0 and 1 was prefetched", poll=0.1)
+        wait_until(
+            lambda: node.stats().prefetch.overflow_read_samples == len(overflow) + len(upcoming),
+            "the overflow of epochs 0 and 1 was prefetched",
+            poll=0.1,
+        )
         served = node.read_epoch(0)
         mine = [s for s in served if s.id in set(overflow.tolist())]
         assert len(mine) == len(overflow) and {s.tier for s in mine} == {pb.TIER_PFS}
@@ -213,8 +229,7 @@ def test_a_rank_asking_out_of_order_is_still_served_from_what_was_prefetched(
         ahead = in_order[~node.holds(in_order)]
         fits = np.cumsum(node.lengths[ahead] + CHECKSUM_BYTES) <= int(budget * 0.75)
         first = ahead[: int(fits.sum())]
-        wait_until(lambda: node.stats().prefetch.overflow_read_samples == len(first),
-                   "the budget was filled", poll=0.1)
+        wait_until(lambda: node.stats().prefetch.overflow_read_samples == len(first), "the budget was filled", poll=0.1)
         # Rank 0's second batch of 4 comes before its first, as from two loader workers.
         wanted = []
         for batch in (orders[0, 4:8], orders[0, 0:4]):
@@ -236,19 +251,26 @@ def test_the_next_epoch_leaves_what_just_moved_in_to_the_exchange_until_it_begin
     node = Node(local)
     try:
         first = len(node.overflow(0)) + len(node.overflow(1, before=0))
-        wait_until(lambda: node.stats().prefetch.overflow_read_samples == first, "epochs 0 and 1 were prefetched",
-                   poll=0.1)
+        wait_until(
+            lambda: node.stats().prefetch.overflow_read_samples == first, "epochs 0 and 1 were prefetched", poll=0.1
+        )
         node.stub.ReportEpoch(jpb.ReportEpochRequest(job_id=JOB, epoch=1), timeout=10)
         stay = node.overflow(2, before=1)
         arrived = stay[owners(node.plan, 0)[stay] != 0]  # moved in at epoch 1
         assert 0 < len(arrived) < len(stay)
         # While the ranks are on epoch 1, epoch 2's prefetch leaves them to the exchange.
-        wait_until(lambda: node.stats().prefetch.overflow_read_samples == first + len(stay) - len(arrived),
-                   "epoch 2 was prefetched, what arrived at epoch 1 left out", poll=0.1)
+        wait_until(
+            lambda: node.stats().prefetch.overflow_read_samples == first + len(stay) - len(arrived),
+            "epoch 2 was prefetched, what arrived at epoch 1 left out",
+            poll=0.1,
+        )
         node.stub.ReportEpoch(jpb.ReportEpochRequest(job_id=JOB, epoch=2), timeout=10)
         # Now they are read too (before anything of epoch 3).
-        wait_until(lambda: node.stats().prefetch.overflow_read_samples >= first + len(stay),
-                   "what arrived at epoch 1 was prefetched once epoch 2 began", poll=0.1)
+        wait_until(
+            lambda: node.stats().prefetch.overflow_read_samples >= first + len(stay),
+            "what arrived at epoch 1 was prefetched once epoch 2 began",
+            poll=0.1,
+        )
         served = node.read(stay)
         assert {s.tier for s in served} == {pb.TIER_PFS}
         assert node.stats().prefetch.overflow_served_samples == len(stay)
@@ -265,8 +287,11 @@ def test_staging_for_a_job_hands_what_did_not_fit_to_the_prefetch(
     try:
         overflow = node.overflow(0)
         # Epochs 0 and 1 (local: the same samples) are read before any rank asks.
-        wait_until(lambda: node.stats().prefetch.overflow_read_samples == 2 * len(overflow),
-                   "the overflow was prefetched once staging ended", poll=0.1)
+        wait_until(
+            lambda: node.stats().prefetch.overflow_read_samples == 2 * len(overflow),
+            "the overflow was prefetched once staging ended",
+            poll=0.1,
+        )
         node.stub.ReportEpoch(jpb.ReportEpochRequest(job_id=JOB, epoch=0), timeout=10)
         assert {s.tier for s in node.read_epoch(0)} == {pb.TIER_PFS}
         assert node.stats().prefetch.overflow_served_samples == len(overflow)
@@ -288,8 +313,11 @@ def test_a_sample_changed_on_the_pfs_since_its_manifest_is_not_served(
         path.write_bytes(bytes(len(sample_payload(changed))))  # same size, new content and mtime
         node.stub.ReportEpoch(jpb.ReportEpochRequest(job_id=JOB, epoch=0), timeout=10)  # starts reading ahead
         # Epochs 0 and 1 were prefetched (local: the same samples), the changed one refused in each.
-        wait_until(lambda: node.stats().prefetch.overflow_read_samples == 2 * (len(overflow) - 1),
-                   "the rest was prefetched", poll=0.1)
+        wait_until(
+            lambda: node.stats().prefetch.overflow_read_samples == 2 * (len(overflow) - 1),
+            "the rest was prefetched",
+            poll=0.1,
+        )
         assert node.stats().prefetch.overflow_failed_samples == 2
         others = overflow[overflow != changed]
         assert len(node.read(others)) == len(others)

@@ -23,7 +23,11 @@ BUILD = "import sys; from setuptools import build_meta as b; print(getattr(b, sy
 def build(hook: str, source: Path, out: Path, **env: str) -> Path:
     """Runs a PEP 517 hook of setuptools in ``source``: what pip runs, less the isolation."""
     done = subprocess.run(
-        [sys.executable, "-c", BUILD, hook, str(out)], cwd=source, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", BUILD, hook, str(out)],
+        cwd=source,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, **env},
     )
     assert done.returncode == 0, done.stderr
@@ -54,7 +58,12 @@ def test_the_sdist_holds_the_licence_and_every_file_the_tests_read(sdist: Path) 
     with tarfile.open(sdist) as archive:
         shipped = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
     needed = {
-        "LICENSE", "Makefile", "README.md", "mkdocs.yml", "client/third_party/xxhash/LICENSE", "tests/conftest.py",
+        "LICENSE",
+        "Makefile",
+        "README.md",
+        "mkdocs.yml",
+        "client/third_party/xxhash/LICENSE",
+        "tests/conftest.py",
         *(name for name in listed if not name.startswith("bench/results/")),
     }
     assert sorted(needed - shipped) == []
@@ -94,7 +103,10 @@ def test_without_a_c_compiler_the_install_runs_the_python_loops_and_says_so_once
     )
     ran = subprocess.run(
         [sys.executable, "-S", "-c", script, str(tmp_path / "installed"), *site.getsitepackages()],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": ""},
         start_new_session=True,  # a process group of its own, which no earlier run has told
     )
     assert ran.returncode == 0, ran.stderr
@@ -107,8 +119,9 @@ def test_the_wheel_carries_the_deploy_files_and_a_short_description_with_classif
 ) -> None:
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("not a git checkout: which files are the project's is git's to say")
-    deploy = subprocess.run(["git", "ls-files", "deploy"], cwd=REPO, capture_output=True, text=True,
-                            check=True).stdout.split()
+    deploy = subprocess.run(
+        ["git", "ls-files", "deploy"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     with zipfile.ZipFile(wheel_without_compiler) as archive:
         names = set(archive.namelist())
         shipped = {name: archive.read(name) for name in names if name.startswith("dataquay/server/deploy/")}
@@ -133,11 +146,15 @@ def test_the_runtime_floors_are_what_the_generated_code_checks_at_import() -> No
     requirements = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     generated = REPO / "protos" / "dataquay" / "protos"
     protobuf = {
-        ".".join(m) for f in generated.glob("*_pb2.py")
+        ".".join(m)
+        for f in generated.glob("*_pb2.py")
         for m in re.findall(r"Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", f.read_text())
     }
-    grpc = {m for f in generated.glob("*_pb2_grpc.py")
-            for m in re.findall(r"GRPC_GENERATED_VERSION = '([\d.]+)'", f.read_text())}
+    grpc = {
+        m
+        for f in generated.glob("*_pb2_grpc.py")
+        for m in re.findall(r"GRPC_GENERATED_VERSION = '([\d.]+)'", f.read_text())
+    }
     assert len(protobuf) == 1 and len(grpc) == 1, (protobuf, grpc)
     assert _floor(requirements, "protobuf") == protobuf.pop()
     floor = grpc.pop()

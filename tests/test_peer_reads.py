@@ -45,8 +45,9 @@ class Cluster:
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     directory = DirectoryProcess(tmp_path / "directory").start()
     daemons = [
-        DaemonProcess(tmp_path / name, ("--directory", directory.address, "--node-name", name,
-                                        "--peer-timeout", "2")).start()
+        DaemonProcess(
+            tmp_path / name, ("--directory", directory.address, "--node-name", name, "--peer-timeout", "2")
+        ).start()
         for name in NODES
     ]
     started = Cluster(directory, daemons)
@@ -160,9 +161,7 @@ def test_a_dead_owner_is_read_from_the_pfs_and_set_aside(
     assert dead.suspect and dead.failures >= 1
 
 
-def test_reads_go_on_while_the_directory_is_down(
-    cluster: Cluster, payloads: list[bytes], tmp_path: Path
-) -> None:
+def test_reads_go_on_while_the_directory_is_down(cluster: Cluster, payloads: list[bytes], tmp_path: Path) -> None:
     registered(cluster, tmp_path)
     stubs = cluster.stubs
     for stub in stubs:

@@ -149,9 +149,7 @@ def test_deleted_file_names_dataset_id_and_path(tmp_path: Path) -> None:
     gone.unlink()
     with pytest.raises(PfsReadError) as caught:
         PfsReader(m, "imnet").read([1, 4])
-    assert str(caught.value) == (
-        f"sample 4 of 'imnet': cannot read {gone}: No such file or directory"
-    )
+    assert str(caught.value) == (f"sample 4 of 'imnet': cannot read {gone}: No such file or directory")
     assert isinstance(caught.value, PfsRangeError)
     assert caught.value.sample_ids == (4,)
 
@@ -166,8 +164,7 @@ def test_truncated_file_of_an_unrecorded_size_is_an_error_naming_the_first_short
         PfsReader(m, "sim").read_range(whole)
     start = int(m.sample_offset[0])
     assert str(caught.value) == (
-        f"sample 8 of 'sim': cannot read {path}: "
-        f"truncated: expected 250 bytes at offset {start}, got 220"
+        f"sample 8 of 'sim': cannot read {path}: truncated: expected 250 bytes at offset {start}, got 220"
     )
     assert caught.value.sample_ids == tuple(range(10))
     assert PfsReader(m, "sim").read([0, 7])
@@ -271,9 +268,7 @@ limits = {"max_range_bytes": st.integers(1, 20_000), "max_gap": st.integers(0, 3
 
 @settings(max_examples=100)
 @given(
-    layout=st.lists(
-        st.tuples(st.integers(0, 2), st.integers(0, 50_000), sizes), min_size=1, max_size=60
-    ),
+    layout=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 50_000), sizes), min_size=1, max_size=60),
     picks=st.lists(st.integers(0, 10**6), max_size=80),
     max_range_bytes=limits["max_range_bytes"],
     max_gap=limits["max_gap"],
@@ -283,9 +278,7 @@ def test_plan_covers_each_id_once_within_limits_for_any_layout(
 ) -> None:
     m = manifest_from(layout, 3)
     ids = [p % len(layout) for p in picks]
-    ranges = plan_reads(
-        m, np.array(ids, dtype=np.int64), max_range_bytes=max_range_bytes, max_gap=max_gap
-    )
+    ranges = plan_reads(m, np.array(ids, dtype=np.int64), max_range_bytes=max_range_bytes, max_gap=max_gap)
     check_plan(m, ids, ranges, max_range_bytes)
 
 

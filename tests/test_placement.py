@@ -79,9 +79,7 @@ def test_with_drop_last_no_sample_repeats_and_only_the_uneven_tail_is_dropped(
 
 
 @given(sizes, worlds, seeds, epochs, st.booleans())
-def test_ranks_take_turns_along_one_epoch_order(
-    n: int, world: int, seed: int, epoch: int, drop: bool
-) -> None:
+def test_ranks_take_turns_along_one_epoch_order(n: int, world: int, seed: int, epoch: int, drop: bool) -> None:
     order = epoch_order(n, seed, epoch)
     parts = all_ranks(n, world, seed, epoch, drop)
     interleaved = np.stack(parts, axis=1).ravel()

@@ -30,8 +30,14 @@ def plan_on(
     names: list[str], mode: str = "global", partition: str = "sample", groups: np.ndarray | None = None
 ) -> JobPlan:
     settings = JobSettings(
-        dataset="imnet", mode=mode, q=0.5 if mode == "partial" else 0.0, seed=3, partition=partition,
-        batch_size=4, nodes=tuple(names), ranks_per_node=1,
+        dataset="imnet",
+        mode=mode,
+        q=0.5 if mode == "partial" else 0.0,
+        seed=3,
+        partition=partition,
+        batch_size=4,
+        nodes=tuple(names),
+        ranks_per_node=1,
     )
     return JobPlan(settings, SAMPLES, len(names), groups)
 

@@ -17,8 +17,15 @@ BATCHES = 6
 
 def spec(jobs: int = 2, memory: int = 1 << 20, timeout: float = 10.0) -> pb.PrepGroupSpec:
     return pb.PrepGroupSpec(
-        group="g", dataset="ds", manifest_id="m", jobs=jobs, batch_size=4, seed=0, num_batches=BATCHES,
-        memory_bytes=memory, timeout_seconds=timeout,
+        group="g",
+        dataset="ds",
+        manifest_id="m",
+        jobs=jobs,
+        batch_size=4,
+        seed=0,
+        num_batches=BATCHES,
+        memory_bytes=memory,
+        timeout_seconds=timeout,
     )
 
 
@@ -30,17 +37,32 @@ class Members:
         self.now = 0.0
         self.dead: set[int] = set()
 
-    def call(self, member: str, epoch: int = 0, consumed: int = 0, claim: int = 0,
-             prepped: tuple[int, ...] = (), size: int = 100, leave: bool = False) -> tuple[int, list[int], list[int]]:
+    def call(
+        self,
+        member: str,
+        epoch: int = 0,
+        consumed: int = 0,
+        claim: int = 0,
+        prepped: tuple[int, ...] = (),
+        size: int = 100,
+        leave: bool = False,
+    ) -> tuple[int, list[int], list[int]]:
         self.last = self.answer(member, epoch, consumed, claim, prepped, size, leave)
         return self.last.role, self.last.claims, [index for index, _, _ in self.last.ready]
 
-    def answer(self, member: str, epoch: int, consumed: int, claim: int,
-               prepped: tuple[int, ...], size: int, leave: bool) -> SyncAnswer:
+    def answer(
+        self, member: str, epoch: int, consumed: int, claim: int, prepped: tuple[int, ...], size: int, leave: bool
+    ) -> SyncAnswer:
         request = pb.PrepSyncRequest(
-            spec=self.group.spec, member=member, pid=int(member[1:]), epoch=epoch, consumed=consumed, claim=claim,
-            prepped=[pb.PreppedBatch(index=i, segment=f"dataquay-prep-{member}-{epoch}-{i}", bytes=size)
-                     for i in prepped],
+            spec=self.group.spec,
+            member=member,
+            pid=int(member[1:]),
+            epoch=epoch,
+            consumed=consumed,
+            claim=claim,
+            prepped=[
+                pb.PreppedBatch(index=i, segment=f"dataquay-prep-{member}-{epoch}-{i}", bytes=size) for i in prepped
+            ],
             leave=leave,
         )
         return self.group.sync(request, self.now, lambda pid: pid not in self.dead)

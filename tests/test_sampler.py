@@ -14,8 +14,14 @@ from dataquay.client.placement import epoch_order
 from dataquay.client.sampler import Sampler
 
 _VARS = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS_PER_NODE",
 )
 
 
@@ -97,8 +103,17 @@ def test_a_restarted_sampler_resumes_the_epoch_where_it_stopped_in_the_same_orde
     ids = iter(sampler)
     head = [next(ids) for _ in range(10)]
     state = json.loads(json.dumps(sampler.state_dict()))
-    assert state == {"epoch": 2, "position": 10, "consumed": 40, "num_samples": 103, "world_size": 4, "rank": 1,
-                     "seed": 7, "shuffle": 1, "drop_last": 0}
+    assert state == {
+        "epoch": 2,
+        "position": 10,
+        "consumed": 40,
+        "num_samples": 103,
+        "world_size": 4,
+        "rank": 1,
+        "seed": 7,
+        "shuffle": 1,
+        "drop_last": 0,
+    }
     restarted = Sampler(103, **settings)
     restarted.load_state_dict(state)
     restarted.set_epoch(2)
@@ -127,10 +142,12 @@ def test_a_restore_without_set_epoch_resumes_and_is_consumed_by_one_iteration() 
 
 @pytest.mark.parametrize(
     ("other", "message"),
-    [({"num_samples": 104}, "saved with num_samples=103 but this sampler has num_samples=104"),
-     ({"seed": 8}, "saved with seed=7 but this sampler has seed=8"),
-     ({"shuffle": False}, "saved with shuffle=1 but this sampler has shuffle=0"),
-     ({"drop_last": True}, "saved with drop_last=0 but this sampler has drop_last=1")],
+    [
+        ({"num_samples": 104}, "saved with num_samples=103 but this sampler has num_samples=104"),
+        ({"seed": 8}, "saved with seed=7 but this sampler has seed=8"),
+        ({"shuffle": False}, "saved with shuffle=1 but this sampler has shuffle=0"),
+        ({"drop_last": True}, "saved with drop_last=0 but this sampler has drop_last=1"),
+    ],
 )
 def test_a_state_from_a_sampler_with_another_order_is_refused_naming_the_field(
     other: dict[str, int], message: str
@@ -144,11 +161,13 @@ def test_a_state_from_a_sampler_with_another_order_is_refused_naming_the_field(
 
 @pytest.mark.parametrize(
     ("change", "message"),
-    [({"seed": None}, "sampler state has no 'seed'"),
-     ({"epoch": -1}, "non-negative int epoch, not -1"),
-     ({"position": "3"}, "non-negative int position, not '3'"),
-     ({"position": 27}, "position 27 is past the 26 ids of rank 1's epoch"),
-     ({"consumed": 200, "rank": 0}, "consumed 200 ids at position 0: not inside the 103 ids of the epoch")],
+    [
+        ({"seed": None}, "sampler state has no 'seed'"),
+        ({"epoch": -1}, "non-negative int epoch, not -1"),
+        ({"position": "3"}, "non-negative int position, not '3'"),
+        ({"position": 27}, "position 27 is past the 26 ids of rank 1's epoch"),
+        ({"consumed": 200, "rank": 0}, "consumed 200 ids at position 0: not inside the 103 ids of the epoch"),
+    ],
 )
 def test_a_malformed_state_is_refused(change: dict[str, object], message: str) -> None:
     sampler = Sampler(103, rank=1, world_size=4, seed=7)
@@ -208,8 +227,9 @@ def test_a_job_resumed_on_another_world_size_reads_the_same_order_each_sample_on
     head = read_in_lockstep(ranks, steps=10)
     states = [json.loads(json.dumps(sampler.state_dict())) for sampler in ranks]
     assert {state["consumed"] for state in states} == {40}
-    resumed = [Sampler(n, rank=r, world_size=resumed_world, seed=seed, drop_last=drop_last)
-               for r in range(resumed_world)]
+    resumed = [
+        Sampler(n, rank=r, world_size=resumed_world, seed=seed, drop_last=drop_last) for r in range(resumed_world)
+    ]
     for sampler in resumed:
         # Any rank's state: a launcher hands each new rank whichever it has.
         sampler.load_state_dict(states[sampler.rank % 4])
@@ -229,8 +249,16 @@ def test_a_job_resumed_on_another_world_size_reads_the_same_order_each_sample_on
 
 
 def test_a_state_saved_without_consumed_resumes_on_another_world_size() -> None:
-    old = {"epoch": 1, "position": 5, "num_samples": 40, "world_size": 2, "rank": 0, "seed": 3,
-           "shuffle": 1, "drop_last": 0}
+    old = {
+        "epoch": 1,
+        "position": 5,
+        "num_samples": 40,
+        "world_size": 2,
+        "rank": 0,
+        "seed": 3,
+        "shuffle": 1,
+        "drop_last": 0,
+    }
     resumed = [Sampler(40, rank=r, world_size=5, seed=3) for r in range(5)]
     for sampler in resumed:
         sampler.load_state_dict(old)

@@ -109,9 +109,7 @@ def test_garbage_and_oversized_frames_close_the_connection_and_the_daemon_serves
     assert served.process is not None and served.process.poll() is None
 
 
-def test_without_segment_reads_a_client_reads_over_grpc(
-    served: DaemonProcess, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_without_segment_reads_a_client_reads_over_grpc(served: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_reply(b'{"segment": "memfd:x"}') == ("memfd:x", 0)  # an older daemon's handshake
     monkeypatch.setenv("DATAQUAY_MISS_READS", "daemon")
     os.unlink(fd_socket_path(served.address))  # no fd socket: /dev/shm segments

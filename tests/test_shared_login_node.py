@@ -33,8 +33,16 @@ def user_env(home: Path) -> dict[str, str]:
 
 
 def as_user(uid: int, home: Path, *argv: str) -> list[str]:
-    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-m",
-            "dataquay.server.cli", *argv]
+    return [
+        "setpriv",
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        sys.executable,
+        "-m",
+        "dataquay.server.cli",
+        *argv,
+    ]
 
 
 @pytest.fixture
@@ -60,7 +68,10 @@ def test_two_users_start_daemons_with_defaults_on_one_host_without_clashing(home
         with (home / "serve.log").open("wb") as log:
             daemons[uid] = subprocess.Popen(
                 as_user(uid, home, "serve", "--cache-size", "64M", "--ready-file", str(home / "ready.json")),
-                env=user_env(home), cwd=home, stdout=subprocess.DEVNULL, stderr=log,
+                env=user_env(home),
+                cwd=home,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
             )
     try:
         deadline = time.monotonic() + 60
@@ -78,8 +89,9 @@ def test_two_users_start_daemons_with_defaults_on_one_host_without_clashing(home
             with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
                 assert reply.status == 200 and b"dataquay_" in reply.read()
         for uid, home in homes.items():
-            status = subprocess.run(as_user(uid, home, "status"), env=user_env(home), cwd=home,
-                                    capture_output=True, text=True, timeout=60)
+            status = subprocess.run(
+                as_user(uid, home, "status"), env=user_env(home), cwd=home, capture_output=True, text=True, timeout=60
+            )
             assert status.returncode == 0, status.stderr
             line = f"listening on {ready[uid]['tcp']}, metrics http://{ready[uid]['metrics_address']}/metrics"
             assert line in status.stdout.splitlines(), status.stdout

@@ -178,7 +178,11 @@ def test_local_mode_on_label_sorted_shards_trains_through_the_cluster_with_skewe
     clients = [connect(d.address) for d in local.daemons]
     try:
         result = script.run_one(
-            sq.RunSpec("shard", "local", None, seed=0), root, clients, local.directory_address, split,
+            sq.RunSpec("shard", "local", None, seed=0),
+            root,
+            clients,
+            local.directory_address,
+            split,
             sq.Settings(epochs=2, batch_size=4, lr=0.5, sync_every=5),
         )
     finally:

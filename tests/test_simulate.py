@@ -34,8 +34,19 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def cli_args(mode: str, *extra: str) -> list[str]:
     return [
-        "--nodes", str(NODES), "--samples", str(SAMPLES), "--sample-bytes", "1000",
-        "--per-rank-batch", str(BATCH), "--ranks-per-node", str(RANKS_PER_NODE), "--mode", mode, *extra,
+        "--nodes",
+        str(NODES),
+        "--samples",
+        str(SAMPLES),
+        "--sample-bytes",
+        "1000",
+        "--per-rank-batch",
+        str(BATCH),
+        "--ranks-per-node",
+        str(RANKS_PER_NODE),
+        "--mode",
+        mode,
+        *extra,
     ]
 
 
@@ -178,8 +189,11 @@ def test_q_leaving_simulates_the_job_that_draws_q_over_one_minus_one_over_m() ->
 def test_a_cache_short_of_the_share_and_the_exchange_headroom_is_warned_with_the_size_that_would() -> None:
     short = run_cli(*cli_args("partial", "--q", "0.2", "--epochs", "2", "--cache-bytes", "3M"))
     assert short.returncode == 0, short.stderr
-    advised = re.search(r"cache per node: (\S+) holds every share \(the largest takes (.+?) in LMDB, plus the "
-                        r"exchange's headroom\); --cache-bytes 3\.0 MiB is short", short.stdout)
+    advised = re.search(
+        r"cache per node: (\S+) holds every share \(the largest takes (.+?) in LMDB, plus the "
+        r"exchange's headroom\); --cache-bytes 3\.0 MiB is short",
+        short.stdout,
+    )
     assert advised is not None
     share = SAMPLES // NODES * SAMPLE_BYTES
     # 1000-byte values share leaves two or three at a time: about half a page
@@ -240,8 +254,11 @@ def test_simulate_reports_the_coded_load_and_when_coding_cannot_pay() -> None:
     spares = run_cli(*args, "--cache-bytes", "40M")
     assert spares.returncode == 0, spares.stderr
     assert "UNCODED" in spares.stdout and "SAVED %" in spares.stdout
-    summary = re.search(r"uber coding: .+ on the wire against .+ uncoded from the same caches over 3 exchanges "
-                        r"\(([0-9.]+)% saved\)", spares.stdout)
+    summary = re.search(
+        r"uber coding: .+ on the wire against .+ uncoded from the same caches over 3 exchanges "
+        r"\(([0-9.]+)% saved\)",
+        spares.stdout,
+    )
     assert summary is not None and float(summary.group(1)) > 5
     doc = json.loads(run_cli(*args, "--json").stdout)
     assert doc["inputs"]["exchange_coding"] == "uber" and "coding" not in doc["epochs"][0]

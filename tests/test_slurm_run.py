@@ -39,19 +39,30 @@ def test_the_plan_puts_every_path_under_the_node_local_scratch_the_same_on_every
     plan = plan_job(env)
     run_dir = Path(f"/local/job/dataquay-{os.getuid()}/slurm-4242")
     assert (plan.nodes, plan.host, plan.run_dir, plan.socket, plan.cache_dir, plan.bind_host, plan.job) == (
-        4, "gpu07", run_dir, run_dir / "dataquay.sock", run_dir / "cache", "0.0.0.0", "slurm-4242"
+        4,
+        "gpu07",
+        run_dir,
+        run_dir / "dataquay.sock",
+        run_dir / "cache",
+        "0.0.0.0",
+        "slurm-4242",
     )
     named = plan_job({**env, "SLURM_JOB_NUM_NODES": "1"}, scratch="/ssd", cache_dir="/ssd/cache")
     assert (named.run_dir.parent, named.cache_dir, named.bind_host) == (
-        Path(f"/ssd/dataquay-{os.getuid()}"), Path("/ssd/cache"), "127.0.0.1"
+        Path(f"/ssd/dataquay-{os.getuid()}"),
+        Path("/ssd/cache"),
+        "127.0.0.1",
     )
 
 
-@pytest.mark.parametrize(("env", "message"), [
-    ({}, r"^not inside a Slurm allocation \(no SLURM_JOB_ID\)"),
-    ({"SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": "x"}, r"^SLURM_JOB_NUM_NODES='x' is not a node count$"),
-    ({"SLURM_JOB_ID": "1", "SLURM_NNODES": "2", "TMPDIR": "rel"}, r"^scratch folder rel is not an absolute path"),
-])
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({}, r"^not inside a Slurm allocation \(no SLURM_JOB_ID\)"),
+        ({"SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": "x"}, r"^SLURM_JOB_NUM_NODES='x' is not a node count$"),
+        ({"SLURM_JOB_ID": "1", "SLURM_NNODES": "2", "TMPDIR": "rel"}, r"^scratch folder rel is not an absolute path"),
+    ],
+)
 def test_the_plan_refuses_an_environment_it_cannot_use_naming_why(env: dict[str, str], message: str) -> None:
     with pytest.raises(SlurmJobError, match=message):
         plan_job(env)
@@ -59,8 +70,13 @@ def test_the_plan_refuses_an_environment_it_cannot_use_naming_why(env: dict[str,
 
 def test_outside_an_allocation_the_command_says_so_in_one_line() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
-    result = subprocess.run([sys.executable, "-m", "dataquay.server.cli", "slurm", "run", "--", "true"],
-                            env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "dataquay.server.cli", "slurm", "run", "--", "true"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1 and result.stderr.startswith("dataquay: error: not inside a Slurm allocation")
     assert len(result.stderr.splitlines()) == 1
 

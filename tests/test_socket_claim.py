@@ -43,14 +43,30 @@ def test_a_second_serve_on_a_served_socket_leaves_the_first_daemons_sockets(
     assert daemon.socket in before  # the fd socket too, where this kernel seals memfds
 
     second = subprocess.run(
-        [sys.executable, "-m", "dataquay.server.cli", "serve", "--socket", str(daemon.socket),
-         "--listen", "127.0.0.1:0", "--metrics-port", "0",
-         "--cache-dir", str(tmp_path / "second" / "cache"), "--state-dir", str(tmp_path / "second" / "state")],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "dataquay.server.cli",
+            "serve",
+            "--socket",
+            str(daemon.socket),
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-port",
+            "0",
+            "--cache-dir",
+            str(tmp_path / "second" / "cache"),
+            "--state-dir",
+            str(tmp_path / "second" / "state"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert second.returncode == 1
     assert second.stderr.strip().splitlines() == [
-        f"dataquay: error: another daemon is serving on socket {daemon.socket}"]
+        f"dataquay: error: another daemon is serving on socket {daemon.socket}"
+    ]
 
     assert {path: os.stat(path).st_ino for path in before} == before
     assert daemon.ready is not None

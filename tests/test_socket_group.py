@@ -74,8 +74,12 @@ def daemon(request: pytest.FixtureRequest, tmp_path: Path, group: grp.struct_gro
         sock_dir.mkdir()
         sock_dir.chmod(0o755 if request.param == "open" else 0o700)
     root = make_files_dataset(tmp_path / "pfs", N, sizes=(SIZE,))
-    started = DaemonProcess(tmp_path / "node0", ("--socket-group", group.gr_name), dataset_roots=(tmp_path,),
-                            socket_path=sock_dir / "dataquay.sock")
+    started = DaemonProcess(
+        tmp_path / "node0",
+        ("--socket-group", group.gr_name),
+        dataset_roots=(tmp_path,),
+        socket_path=sock_dir / "dataquay.sock",
+    )
     old_umask = os.umask(0o022)
     try:
         started.start()
@@ -94,9 +98,21 @@ def as_client(groups: list[str], address: str) -> subprocess.CompletedProcess[by
     """Runs READER as CLIENT_UID with only ``groups`` (``--clear-groups`` when empty)."""
     drop = ["--groups", ",".join(groups)] if groups else ["--clear-groups"]
     return subprocess.run(
-        ["setpriv", f"--reuid={CLIENT_UID}", f"--regid={CLIENT_UID}", *drop,
-         sys.executable, "-c", READER, address, str(N)],
-        capture_output=True, timeout=60, cwd="/", env={**os.environ, "HOME": "/"},
+        [
+            "setpriv",
+            f"--reuid={CLIENT_UID}",
+            f"--regid={CLIENT_UID}",
+            *drop,
+            sys.executable,
+            "-c",
+            READER,
+            address,
+            str(N),
+        ],
+        capture_output=True,
+        timeout=60,
+        cwd="/",
+        env={**os.environ, "HOME": "/"},
     )
 
 

@@ -35,7 +35,9 @@ def fake_stat(uid: int, mode: int) -> os.stat_result:
 def serve(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "dataquay.server.cli", "serve", "--listen", "127.0.0.1:0", "--metrics-port", "0", *args],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -60,8 +62,12 @@ def test_serve_refuses_a_world_writable_socket_dir_with_one_line(tmp_path: Path)
     squatted.mkdir()
     squatted.chmod(0o777)
     result = serve(
-        "--socket", str(squatted / "dataquay.sock"),
-        "--cache-dir", str(tmp_path / "cache"), "--state-dir", str(tmp_path / "state"),
+        "--socket",
+        str(squatted / "dataquay.sock"),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--state-dir",
+        str(tmp_path / "state"),
     )
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
@@ -118,8 +124,9 @@ def test_a_client_trusts_only_sockets_that_no_other_user_could_have_placed(
     sock_uid: int | None, dir_uid: int, dir_mode: int, problem: str | None
 ) -> None:
     sock = None if sock_uid is None else fake_stat(sock_uid, stat.S_IFSOCK | 0o660)
-    found = socket_trust_problem("/run/dq/dataquay.sock", sock, fake_stat(dir_uid, stat.S_IFDIR | dir_mode),
-                                 frozenset({1000, 0}))
+    found = socket_trust_problem(
+        "/run/dq/dataquay.sock", sock, fake_stat(dir_uid, stat.S_IFDIR | dir_mode), frozenset({1000, 0})
+    )
     assert found is None if problem is None else problem in (found or "")
 
 

@@ -60,10 +60,24 @@ def unequal_cluster(
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[1].address]) == 0
     capsys.readouterr()
-    assert cli_main([
-        "stage", "imgs", "--job", JOB, "--mode", "local", "--ranks-per-node", str(RANKS_PER_NODE), "--quiet",
-        "--directory", local.directory_address,
-    ]) == 0
+    assert (
+        cli_main(
+            [
+                "stage",
+                "imgs",
+                "--job",
+                JOB,
+                "--mode",
+                "local",
+                "--ranks-per-node",
+                str(RANKS_PER_NODE),
+                "--quiet",
+                "--directory",
+                local.directory_address,
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr()
     return local, capacities, out.out, out.err
 
@@ -144,8 +158,15 @@ def spilled_to_node_1(stage_output: str) -> int:
 
 
 def rank_group(local: LocalCluster, tmp_path: Path, connect_timeouts: list[float] | None = None) -> RankGroup:
-    return job_ranks(local, tmp_path, JOB, NODES * RANKS_PER_NODE, RANKS_PER_NODE, compute_seconds=0.0,
-                     connect_timeouts=connect_timeouts)
+    return job_ranks(
+        local,
+        tmp_path,
+        JOB,
+        NODES * RANKS_PER_NODE,
+        RANKS_PER_NODE,
+        compute_seconds=0.0,
+        connect_timeouts=connect_timeouts,
+    )
 
 
 def read_epoch(group: RankGroup, epoch: int) -> dict[str, int]:

@@ -111,8 +111,21 @@ def test_q_leaving_stages_the_job_that_draws_q_over_one_minus_one_over_m(
     assert cli_main(["job", "show", "seed000", "--directory", local.directory_address]) == 0
     assert "q            0.25 drawn (0.1875 leave each node, Nguyen et al.'s Q)" in capsys.readouterr().out.splitlines()
 
-    code = cli_main(["stage", "imgs", "--job", "more", "--mode", "partial", "--q-leaving", "0.8", "--quiet",
-                     "--directory", local.directory_address])
+    code = cli_main(
+        [
+            "stage",
+            "imgs",
+            "--job",
+            "more",
+            "--mode",
+            "partial",
+            "--q-leaving",
+            "0.8",
+            "--quiet",
+            "--directory",
+            local.directory_address,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1 and len(err.splitlines()) == 1
     assert "--q-leaving must be in (0, 0.75] with 4 nodes" in err

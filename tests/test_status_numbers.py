@@ -33,8 +33,9 @@ with dq.connect(sys.argv[1], timeout=20) as client:
 
 
 def cli(*argv: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "dataquay.server.cli", *argv], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "dataquay.server.cli", *argv], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -45,8 +46,9 @@ def test_single_node_status_counts_the_trainers_reads_as_json_and_metrics_do(
     root = make_files_dataset(tmp_path / "pfs", N, sizes=(SIZE,))
     add(daemon, "imgs", root)
     stage(daemon, "imgs")
-    ran = subprocess.run([sys.executable, "-c", TRAINER, daemon.address, str(N), str(SIZE)], capture_output=True,
-                         text=True, timeout=120)
+    ran = subprocess.run(
+        [sys.executable, "-c", TRAINER, daemon.address, str(N), str(SIZE)], capture_output=True, text=True, timeout=120
+    )
     assert ran.returncode == 0, ran.stderr
 
     table = cli("status", "--addr", daemon.address)
@@ -68,8 +70,10 @@ def test_single_node_status_counts_the_trainers_reads_as_json_and_metrics_do(
 
     with urllib.request.urlopen(daemon.metrics_url, timeout=10) as reply:
         page = reply.read().decode()
-    metrics = {tier: int(float(value))
-               for tier, value in re.findall(r'^dataquay_client_reads_total\{tier="(\w+)"\} (\S+)$', page, re.M)}
+    metrics = {
+        tier: int(float(value))
+        for tier, value in re.findall(r'^dataquay_client_reads_total\{tier="(\w+)"\} (\S+)$', page, re.M)
+    }
 
     assert sum(shown.values()) == 2 * N and shown.get("local") == 2 * N
     assert shown == as_json == metrics

@@ -30,7 +30,6 @@ async def fill(store: Store, first: int, count: int) -> np.ndarray:
     return store.cached_mask("ds", ids)
 
 
-
 def test_space_freed_by_deletes_is_used_again(tmp_path: Path) -> None:
     async def test(store: Store) -> None:
         taken = await fill(store, 0, 200)  # 8 MB into a 4 MiB cache
@@ -96,6 +95,7 @@ def test_a_reservation_waits_for_room_and_its_writes_are_never_dropped(tmp_path:
 def test_writes_whose_dataset_is_deleted_count_as_unstored(tmp_path: Path) -> None:
     """The exchange's receiver skips looking its writes up only while nothing
     it put can have left the cache: deleting the dataset counts as leaving."""
+
     async def test(store: Store) -> None:
         await store.committed(await store.put_all(write(i, reserved=True) for i in range(3)))
         assert store.unstored_writes == 0

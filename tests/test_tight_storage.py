@@ -37,8 +37,9 @@ def payload(i: int) -> bytes:
 
 def largest_share(q: float, epochs: int) -> int:
     """The cache bytes of the largest share any node has in epochs 0..epochs."""
-    settings = JobSettings(job_id=JOB, mode="partial", q=q, ranks_per_node=RANKS_PER_NODE,
-                           nodes=tuple(f"n{m}" for m in range(NODES)))
+    settings = JobSettings(
+        job_id=JOB, mode="partial", q=q, ranks_per_node=RANKS_PER_NODE, nodes=tuple(f"n{m}" for m in range(NODES))
+    )
     plan = JobPlan(settings, num_samples=SAMPLES, num_nodes=NODES)
     sizes = np.array([SIZES[i % len(SIZES)] for i in range(SAMPLES)])
     return int(node_shares(plan, sizes, epochs + 1).max())
@@ -55,10 +56,26 @@ def tight_cluster(cluster: Callable[..., LocalCluster], tmp_path: Path, q: float
     local = cluster(NODES, daemon_args=("--cache-size", str(capacity), "--spare-copies-fill", "0"))
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
-    assert cli_main([
-        "stage", "imgs", "--job", JOB, "--mode", "partial", "--q", str(q),
-        "--ranks-per-node", str(RANKS_PER_NODE), "--quiet", "--directory", local.directory_address,
-    ]) == 0
+    assert (
+        cli_main(
+            [
+                "stage",
+                "imgs",
+                "--job",
+                JOB,
+                "--mode",
+                "partial",
+                "--q",
+                str(q),
+                "--ranks-per-node",
+                str(RANKS_PER_NODE),
+                "--quiet",
+                "--directory",
+                local.directory_address,
+            ]
+        )
+        == 0
+    )
     return local
 
 
@@ -80,8 +97,7 @@ def test_a_cache_just_above_its_share_reads_every_epoch_locally_and_drops_nothin
     local = tight_cluster(cluster, tmp_path, q, capacity_needed(q, epochs))
     nodes = Nodes(local, JOB)
     manifest = Manifest(b"".join(c.data for c in nodes.stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
-    plan = job_plan(nodes.stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=JOB), must_exist=True)),
-                    manifest)
+    plan = job_plan(nodes.stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=JOB), must_exist=True)), manifest)
     epoch_owners = owners(plan, 0)
     try:
         with rank_group(local, tmp_path) as group:
@@ -123,8 +139,14 @@ def test_a_cache_short_of_its_share_reads_a_level_deficit_from_the_pfs(
     # with 6 s epochs within a few percent (docs/results.md); in these epochs of
     # about a second the exchange falls behind the ranks and gives some
     # samples up (about 1.2x on an idle machine), with room for a loaded one.
-    settings = JobSettings(job_id=JOB, mode="partial", q=0.5, ranks_per_node=RANKS_PER_NODE, batch_size=16,
-                           nodes=tuple(f"n{m}" for m in range(NODES)))
+    settings = JobSettings(
+        job_id=JOB,
+        mode="partial",
+        q=0.5,
+        ranks_per_node=RANKS_PER_NODE,
+        batch_size=16,
+        nodes=tuple(f"n{m}" for m in range(NODES)),
+    )
     scenario = Scenario(JobPlan(settings, num_samples=SAMPLES, num_nodes=NODES), int(np.mean(SIZES)), capacity)
     predicted = [t.pfs_bytes // int(np.mean(SIZES)) for t in simulate(scenario, epochs)][1:]
     steady = np.array(pfs_reads[1:])

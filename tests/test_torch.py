@@ -89,8 +89,9 @@ def test_a_dead_daemon_is_warned_of_once_for_all_workers_and_epochs(daemon: Daem
     add(daemon, "imgs", tmp_path / "imgs")
     assert daemon.process is not None
     warnings = tmp_path / "client.log"
-    read = in_a_trainer(tmp_path, epochs_read, daemon.address, "imgs", 2, "fork", False, str(warnings),
-                        daemon.process.pid)
+    read = in_a_trainer(
+        tmp_path, epochs_read, daemon.address, "imgs", 2, "fork", False, str(warnings), daemon.process.pid
+    )
     daemon.kill()  # reaps what the trainer killed once it had its dataset
     assert read == [files_bytes(6, range(SAMPLES), (4096,))] * 2
     lines = warnings.read_text().splitlines()

@@ -62,9 +62,7 @@ def test_the_workers_reads_show_in_the_training_process_stats(
     daemon: DaemonProcess, imgs: Path, tmp_path: Path
 ) -> None:
     stage(daemon, "imgs")
-    samples, skipped, retried, read, error = in_a_trainer(
-        tmp_path, iterable_stats, daemon.address, "imgs", 2, "raise"
-    )
+    samples, skipped, retried, read, error = in_a_trainer(tmp_path, iterable_stats, daemon.address, "imgs", 2, "raise")
     assert sorted(read) == sorted(files_bytes(5, range(SAMPLES), (4096,))) and error is None
     assert (samples, skipped, retried) == (SAMPLES, 0, 0)
 
@@ -83,9 +81,7 @@ def test_on_error_skip_leaves_an_unreadable_sample_out_and_counts_it(
     daemon: DaemonProcess, imgs: Path, tmp_path: Path
 ) -> None:
     _unreadable(imgs, 7)
-    samples, skipped, retried, read, error = in_a_trainer(
-        tmp_path, iterable_stats, daemon.address, "imgs", 2, "skip"
-    )
+    samples, skipped, retried, read, error = in_a_trainer(tmp_path, iterable_stats, daemon.address, "imgs", 2, "skip")
     assert sorted(read) == sorted(files_bytes(5, [i for i in range(SAMPLES) if i != 7], (4096,)))
     assert (skipped, retried, error) == (1, 0, None) and samples >= SAMPLES - 1
 
@@ -102,9 +98,7 @@ def test_on_error_retry_reads_a_sample_again_until_it_is_readable(
     daemon: DaemonProcess, imgs: Path, tmp_path: Path
 ) -> None:
     saved = _unreadable(imgs, 7)
-    _, skipped, retried, read, error = in_a_trainer(
-        tmp_path, iterable_stats, daemon.address, "imgs", 1, "retry", saved
-    )
+    _, skipped, retried, read, error = in_a_trainer(tmp_path, iterable_stats, daemon.address, "imgs", 1, "retry", saved)
     assert sorted(read) == sorted(files_bytes(5, range(SAMPLES), (4096,)))
     assert error is None and skipped == 0 and retried >= 1
 

@@ -11,8 +11,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_client_and_server_packages_are_mypy_clean() -> None:
     stdout, stderr, status = api.run(
-        ["--config-file", str(ROOT / "pyproject.toml"), str(ROOT / "client/dataquay/client"),
-         str(ROOT / "client/dataquay/analyze"),
-         str(ROOT / "server/dataquay/server")]
+        [
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            str(ROOT / "client/dataquay/client"),
+            str(ROOT / "client/dataquay/analyze"),
+            str(ROOT / "server/dataquay/server"),
+        ]
     )
     assert status == 0, stdout + stderr

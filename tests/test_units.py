@@ -24,8 +24,15 @@ from dataquay.server.sizes import format_bytes, format_duration, parse_duration,
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("4096", 4096), ("200G", 200 << 30), ("512MiB", 512 << 20), ("1.5TB", 1_500_000_000_000),
-     ("10k", 10 << 10), ("7 KB", 7000), ("1b", 1)],
+    [
+        ("4096", 4096),
+        ("200G", 200 << 30),
+        ("512MiB", 512 << 20),
+        ("1.5TB", 1_500_000_000_000),
+        ("10k", 10 << 10),
+        ("7 KB", 7000),
+        ("1b", 1),
+    ],
 )
 def test_sizes_accept_binary_and_decimal_units(text: str, value: int) -> None:
     assert parse_size(text) == value
@@ -46,8 +53,15 @@ def test_durations_and_byte_formatting() -> None:
 
 @pytest.mark.parametrize(
     ("seconds", "text"),
-    [(0.4, "0s"), (-3, "0s"), (42, "42s"), (303, "5m3s"), (3600, "1h0m"), (8100.9, "2h15m"),
-     (3 * 86400 + 4 * 3600 + 59, "3d4h")],
+    [
+        (0.4, "0s"),
+        (-3, "0s"),
+        (42, "42s"),
+        (303, "5m3s"),
+        (3600, "1h0m"),
+        (8100.9, "2h15m"),
+        (3 * 86400 + 4 * 3600 + 59, "3d4h"),
+    ],
 )
 def test_durations_are_shown_in_their_two_largest_units(seconds: float, text: str) -> None:
     assert format_duration(seconds) == text
@@ -137,7 +151,8 @@ def test_a_reply_keeps_order_sends_a_repeat_once_per_position_and_a_large_payloa
     assert [s.id for s in chunks[0].samples] == [1]
     pieces = [c.piece for c in chunks[1:3]]
     assert [(p.id, p.offset, p.length, p.checksum) for p in pieces] == [
-        (2, 0, len(large), 22), (2, PIECE_BYTES, len(large), 22)
+        (2, 0, len(large), 22),
+        (2, PIECE_BYTES, len(large), 22),
     ]
     assert b"".join(p.data for p in pieces) == large and pieces[0].tier == pb.TIER_PFS
     third, fourth = chunks[3].samples, chunks[4].samples

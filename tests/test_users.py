@@ -77,10 +77,22 @@ class Site:
     def as_user(self, uid: int, command: str, *args: object, groups: str = "") -> Any:
         """What ``command`` of user_calls.py answers, run as ``uid`` (in supplementary ``groups``, e.g. "5,6")."""
         done = subprocess.run(
-            ["setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={groups}" if groups else "--clear-groups",
-             sys.executable, str(CALLS),
-             "--addr", self.daemon.address, command, *map(str, args)],
-            capture_output=True, text=True, timeout=60, env={**os.environ, "HOME": str(self.base / "out")},
+            [
+                "setpriv",
+                f"--reuid={uid}",
+                f"--regid={uid}",
+                f"--groups={groups}" if groups else "--clear-groups",
+                sys.executable,
+                str(CALLS),
+                "--addr",
+                self.daemon.address,
+                command,
+                *map(str, args),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "HOME": str(self.base / "out")},
         )
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout.splitlines()[-1])
@@ -106,8 +118,10 @@ def site() -> Iterator[Site]:
         directory.mkdir()
         directory.chmod(mode)
     daemon = DaemonProcess(
-        base / "node", ("--users", "apart", "--shared-datasets", "shared", "--prep-groups-per-user", str(PER_USER)),
-        dataset_roots=(pfs,), socket_path=run / "dataquay.sock",
+        base / "node",
+        ("--users", "apart", "--shared-datasets", "shared", "--prep-groups-per-user", str(PER_USER)),
+        dataset_roots=(pfs,),
+        socket_path=run / "dataquay.sock",
     )
     daemon.start()
     for sock in run.iterdir():  # the socket group's mode 0660, for any uid of these tests
@@ -138,9 +152,22 @@ def test_the_cli_registers_as_its_user(site: Site) -> None:
 
     def cli(uid: int, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-m",
-             "dataquay.server.cli", *args, "--addr", site.daemon.address],
-            capture_output=True, text=True, timeout=60, env={**os.environ, "HOME": str(site.base / "out")},
+            [
+                "setpriv",
+                f"--reuid={uid}",
+                f"--regid={uid}",
+                "--clear-groups",
+                sys.executable,
+                "-m",
+                "dataquay.server.cli",
+                *args,
+                "--addr",
+                site.daemon.address,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "HOME": str(site.base / "out")},
         )
 
     refused = cli(OTHER, "dataset", "add", "stolen", str(theirs))
@@ -189,8 +216,11 @@ def test_a_dataset_the_operator_shares_reads_for_every_user(site: Site) -> None:
     site.add("shared", make_dataset(site.pfs / "kept", 4, 0, 0o700))  # a root no user may read
     ids = [2, 3]
     want = digests(files_bytes(4, ids, SIZES))
-    assert site.as_user(OTHER, "read", "shared", *ids) == {"grpc": {"ok": want}, "segment": {"ok": want},
-                                                          "client": {"ok": want}}
+    assert site.as_user(OTHER, "read", "shared", *ids) == {
+        "grpc": {"ok": want},
+        "segment": {"ok": want},
+        "client": {"ok": want},
+    }
 
 
 def test_a_user_drops_neither_another_users_dataset_nor_a_shared_one(site: Site) -> None:
@@ -210,9 +240,28 @@ def test_another_uid_joining_a_prep_group_by_name_gets_a_group_of_its_own(site: 
     members = []
     for uid in (VICTIM, OTHER):
         out = site.base / "out" / f"member-{uid}.jsonl"
-        command = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, str(MEMBER),
-                   "--addr", site.daemon.address, "--dataset", "shared", "--group", "sweep", "--jobs", "2",
-                   "--batch-size", "4", "--timeout", "4", "--out", str(out)]
+        command = [
+            "setpriv",
+            f"--reuid={uid}",
+            f"--regid={uid}",
+            "--clear-groups",
+            sys.executable,
+            str(MEMBER),
+            "--addr",
+            site.daemon.address,
+            "--dataset",
+            "shared",
+            "--group",
+            "sweep",
+            "--jobs",
+            "2",
+            "--batch-size",
+            "4",
+            "--timeout",
+            "4",
+            "--out",
+            str(out),
+        ]
         members.append((subprocess.Popen(command, env={**os.environ, "HOME": str(site.base / "out")}), out))
     for process, _ in members:
         assert process.wait(timeout=90) == 0
@@ -237,8 +286,10 @@ def test_a_user_takes_no_more_prep_groups_than_its_share(site: Site) -> None:
     *kept, refused = site.as_user(OTHER, "prep", "shared", *groups)["results"]
     assert all("ok" in result for result in kept)
     assert refused["error"] == "InvalidRequestError"
-    assert refused["message"] == (f"uid {OTHER} already keeps {PER_USER} prep groups on this daemon, as many as one "
-                                  "user may (--prep-groups-per-user)")
+    assert refused["message"] == (
+        f"uid {OTHER} already keeps {PER_USER} prep groups on this daemon, as many as one "
+        "user may (--prep-groups-per-user)"
+    )
     # Another user still has its own share.
     assert all("ok" in result for result in site.as_user(VICTIM, "prep", "shared", "g0:4")["results"])
 
@@ -301,8 +352,13 @@ def test_the_daemons_own_user_still_hands_payloads_over(site: Site) -> None:
     try:
         seg.map[: len(want)] = want
         info = conn.call("GetDataset", lambda stub: stub.GetDataset(pb.GetDatasetRequest(name="public")))
-        request = pb.CacheBehindRequest(dataset="public", manifest_id=info.manifest_id, shm_name=seg.name,
-                                        shm_size=seg.size, handed=[pb.Sample(id=1, shm_offset=0, length=len(want))])
+        request = pb.CacheBehindRequest(
+            dataset="public",
+            manifest_id=info.manifest_id,
+            shm_name=seg.name,
+            shm_size=seg.size,
+            handed=[pb.Sample(id=1, shm_offset=0, length=len(want))],
+        )
         assert conn.call("CacheBehind", lambda stub: stub.CacheBehind(request).queued) == 1
     finally:
         seg.close()

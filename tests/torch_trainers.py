@@ -42,7 +42,10 @@ def in_a_trainer(tmp_path: Path, trainer: Callable[..., Any], *args: object) -> 
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
     done = subprocess.run(
-        [sys.executable, "-c", code, str(call), str(result)], env=env, capture_output=True, text=True,
+        [sys.executable, "-c", code, str(call), str(result)],
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=TRAINER_SECONDS,
     )
     assert done.returncode == 0, done.stderr
@@ -50,8 +53,13 @@ def in_a_trainer(tmp_path: Path, trainer: Callable[..., Any], *args: object) -> 
 
 
 def epochs_read(
-    address: str, dataset: str, epochs: int, context: str, persistent: bool = False,
-    warnings: str | None = None, kill_first: int | None = None,
+    address: str,
+    dataset: str,
+    epochs: int,
+    context: str,
+    persistent: bool = False,
+    warnings: str | None = None,
+    kill_first: int | None = None,
 ) -> list[list[bytes]]:
     """The samples each epoch of a DataLoader with two workers read, in order.
 
@@ -68,8 +76,12 @@ def epochs_read(
         if kill_first is not None:
             _kill(kill_first)
         loader = torch.utils.data.DataLoader(
-            TorchDataset(ds), batch_size=8, num_workers=2, multiprocessing_context=context,
-            persistent_workers=persistent, collate_fn=as_list,
+            TorchDataset(ds),
+            batch_size=8,
+            num_workers=2,
+            multiprocessing_context=context,
+            persistent_workers=persistent,
+            collate_fn=as_list,
         )
         read = [[sample for batch in loader for sample in batch] for _ in range(epochs)]
         del loader  # persistent workers end with their loader
@@ -82,8 +94,13 @@ def read_ahead_of_the_cursor(samples: int, trained_batches: int) -> tuple[int, l
     samples, the state saved with them as consumed, and the rest of the epoch."""
     sampler = TorchSampler(Sampler(samples, rank=0, world_size=1, seed=3))
     loader = torch.utils.data.DataLoader(
-        list(range(samples)), batch_size=4, sampler=sampler, num_workers=2, prefetch_factor=2,
-        multiprocessing_context="fork", collate_fn=as_list,
+        list(range(samples)),
+        batch_size=4,
+        sampler=sampler,
+        num_workers=2,
+        prefetch_factor=2,
+        multiprocessing_context="fork",
+        collate_fn=as_list,
     )
     batches = iter(loader)
     trained = [i for _ in range(trained_batches) for i in next(batches)]
@@ -109,8 +126,9 @@ def _kill(pid: int) -> None:
 def _iterable(ds: dq.Dataset, rank: int, world: int, batch_size: int, **options: Any) -> Any:
     from dataquay.client.torch import IterableDataset
 
-    return IterableDataset(ds, batch_size, sampler=ds.sampler(rank=rank, world_size=world, seed=4),
-                           collate=None, **options)
+    return IterableDataset(
+        ds, batch_size, sampler=ds.sampler(rank=rank, world_size=world, seed=4), collate=None, **options
+    )
 
 
 def iterable_epochs(address: str, dataset: str, world: int, workers: int, batch_size: int) -> list[list[list[Any]]]:
@@ -133,8 +151,9 @@ def iterable_epochs(address: str, dataset: str, world: int, workers: int, batch_
     return epochs
 
 
-def iterable_resumed(address: str, dataset: str, workers: int, batch_size: int, trained: int,
-                     stateful: bool) -> tuple[list[Any], list[Any], list[Any]]:
+def iterable_resumed(
+    address: str, dataset: str, workers: int, batch_size: int, trained: int, stateful: bool
+) -> tuple[list[Any], list[Any], list[Any]]:
     """Rank 1 of 2, epoch 1: the batches trained before a checkpoint, the rest
     of the epoch's, and the rest a restarted loader yields from the
     checkpoint: through torchdata's StatefulDataLoader, or the dataset's own
@@ -169,7 +188,11 @@ def iterable_resumed(address: str, dataset: str, workers: int, batch_size: int, 
 
 
 def iterable_stats(
-    address: str, dataset: str, workers: int, on_error: str, restore: tuple[str, bytes, int] | None = None,
+    address: str,
+    dataset: str,
+    workers: int,
+    on_error: str,
+    restore: tuple[str, bytes, int] | None = None,
 ) -> tuple[int, int, int, list[bytes], str | None]:
     """One epoch of an IterableDataset over ``workers`` forked workers: the
     samples, skipped and retried counts the training process's
@@ -180,7 +203,9 @@ def iterable_stats(
         ds = client.dataset(dataset)
         iterable = _iterable(ds, 0, 1, 4, on_error=on_error, retries=5)
         loader = torch.utils.data.DataLoader(
-            iterable, batch_size=None, num_workers=workers,
+            iterable,
+            batch_size=None,
+            num_workers=workers,
             multiprocessing_context="fork" if workers else None,
         )
         if restore is not None:

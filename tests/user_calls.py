@@ -51,9 +51,9 @@ def drop(conn: DaemonConnection, name: str) -> dict[str, Any]:
 def read_grpc(conn: DaemonConnection, name: str, ids: list[int]) -> dict[str, Any]:
     """A streamed Read without the manifest: what bytes come back."""
     request = pb.ReadRequest(dataset=name, ids=ids)
-    return outcome(lambda: conn.call(
-        "Read", lambda stub: digests([s.data for c in stub.Read(request) for s in c.samples])
-    ))
+    return outcome(
+        lambda: conn.call("Read", lambda stub: digests([s.data for c in stub.Read(request) for s in c.samples]))
+    )
 
 
 def read_into(conn: DaemonConnection, name: str, segment: str, ids: list[int]) -> dict[str, Any]:
@@ -72,7 +72,7 @@ def read_segment(addr: str, token: str, name: str, ids: list[int]) -> dict[str, 
         reply = parse_reply(frame, len(ids))
         if reply.code:
             return {"error": reply.error, "message": reply.message}
-        return {"ok": digests([bytes(seg.map[int(o):int(o) + int(n)]) for o, n in zip(reply.offsets, reply.lengths)])}
+        return {"ok": digests([bytes(seg.map[int(o) : int(o) + int(n)]) for o, n in zip(reply.offsets, reply.lengths)])}
     finally:
         seg.close()
 
@@ -84,8 +84,15 @@ def read_client(addr: str, name: str, ids: list[int]) -> dict[str, Any]:
 
 
 def prep_spec(group: str, dataset: str, batch_size: int) -> pb.PrepGroupSpec:
-    return pb.PrepGroupSpec(group=group, dataset=dataset, jobs=2, batch_size=batch_size, num_batches=4,
-                            memory_bytes=1 << 20, timeout_seconds=30)
+    return pb.PrepGroupSpec(
+        group=group,
+        dataset=dataset,
+        jobs=2,
+        batch_size=batch_size,
+        num_batches=4,
+        memory_bytes=1 << 20,
+        timeout_seconds=30,
+    )
 
 
 def prep_sync(conn: DaemonConnection, spec: pb.PrepGroupSpec, member: str) -> dict[str, Any]:
@@ -118,7 +125,10 @@ def hand_over(conn: DaemonConnection, name: str, segment: str, sample: int, leng
         seg.write(b"\xee" * length)
     info = conn.call("GetDataset", lambda stub: stub.GetDataset(pb.GetDatasetRequest(name=name)))
     request = pb.CacheBehindRequest(
-        dataset=name, manifest_id=info.manifest_id, shm_name=segment, shm_size=1 << 20,
+        dataset=name,
+        manifest_id=info.manifest_id,
+        shm_name=segment,
+        shm_size=1 << 20,
         handed=[pb.Sample(id=sample, shm_offset=0, length=length)],
     )
     return outcome(lambda: conn.call("CacheBehind", lambda stub: stub.CacheBehind(request).queued))
@@ -153,12 +163,18 @@ def main() -> None:
             result = drop(conn, a[0])
         elif args.command == "read":
             ids = [int(i) for i in a[1:]]
-            result = {"grpc": read_grpc(conn, a[0], ids), "segment": read_segment(args.addr, "", a[0], ids),
-                      "client": read_client(args.addr, a[0], ids)}
+            result = {
+                "grpc": read_grpc(conn, a[0], ids),
+                "segment": read_segment(args.addr, "", a[0], ids),
+                "client": read_client(args.addr, a[0], ids),
+            }
         elif args.command == "prep":
             groups = [(group, int(batch)) for group, _, batch in (arg.partition(":") for arg in a[1:])]
-            result = {"results": [prep_sync(conn, prep_spec(group, a[0], batch), f"m{i}")
-                                  for i, (group, batch) in enumerate(groups)]}
+            result = {
+                "results": [
+                    prep_sync(conn, prep_spec(group, a[0], batch), f"m{i}") for i, (group, batch) in enumerate(groups)
+                ]
+            }
         elif args.command == "steal-segment":
             result = steal_segment(conn, a[0], a[1])
         elif args.command == "read-into":

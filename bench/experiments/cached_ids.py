@@ -112,15 +112,27 @@ def main() -> None:
                 progress(f"asking {LOOKUPS} ids, {beside}")
                 with bulk_stream() if beside != "alone" else nullcontext():
                     lmdb_ns = statistics.median(
-                        ns_per_id(lambda ids: lmdb_lookups(store, ids), windows, expected) for _ in range(REPEATS))
+                        ns_per_id(lambda ids: lmdb_lookups(store, ids), windows, expected) for _ in range(REPEATS)
+                    )
                     bits_ns = statistics.median(
-                        ns_per_id(lambda ids: store.cached_mask("ds", ids), windows, expected) for _ in range(REPEATS))
-                rows.append({"asked": beside, "lmdb_ns_per_id": lmdb_ns, "bit_set_ns_per_id": bits_ns,
-                             "lmdb_over_bit_set": lmdb_ns / bits_ns})
+                        ns_per_id(lambda ids: store.cached_mask("ds", ids), windows, expected) for _ in range(REPEATS)
+                    )
+                rows.append(
+                    {
+                        "asked": beside,
+                        "lmdb_ns_per_id": lmdb_ns,
+                        "bit_set_ns_per_id": bits_ns,
+                        "lmdb_over_bit_set": lmdb_ns / bits_ns,
+                    }
+                )
         finally:
             store.close()
-    report("cached_ids", rows, ["asked", "lmdb_ns_per_id", "bit_set_ns_per_id", "lmdb_over_bit_set"],
-           {"cached_ids": CACHED, "window": WINDOW})
+    report(
+        "cached_ids",
+        rows,
+        ["asked", "lmdb_ns_per_id", "bit_set_ns_per_id", "lmdb_over_bit_set"],
+        {"cached_ids": CACHED, "window": WINDOW},
+    )
 
 
 if __name__ == "__main__":

@@ -63,9 +63,7 @@ def status(pid: int, key: str) -> int:
     raise KeyError(key)
 
 
-def measure(
-    pid: int, case: str, ids: list[int], size: int, read: Callable[[], Iterable[bytes]]
-) -> dict[str, object]:
+def measure(pid: int, case: str, ids: list[int], size: int, read: Callable[[], Iterable[bytes]]) -> dict[str, object]:
     want = {i: sample_bytes(0, i, size) for i in set(ids)}
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     before, mapped = status(pid, "VmRSS"), status(pid, "RssFile")
@@ -92,6 +90,7 @@ def measure(
 @contextmanager
 def inline(daemon: DaemonProcess, dataset: str, ids: list[int]) -> Iterator[Callable[[], Iterable[bytes]]]:
     """One Read through a plain stub: every payload inline (pieces joined), checked as it arrives."""
+
     def read() -> Iterator[bytes]:
         joiner = Joiner("the daemon")
         for chunk in stub(daemon).Read(pb.ReadRequest(dataset=dataset, ids=ids)):
@@ -103,6 +102,7 @@ def inline(daemon: DaemonProcess, dataset: str, ids: list[int]) -> Iterator[Call
                 continue
             for sample in chunk.samples:
                 yield sample.data
+
     yield read
 
 
@@ -120,8 +120,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dq-bench-callmem-") as tmp:
         base = Path(tmp)
         daemon = DaemonProcess(base / "node", dataset_roots=(base,)).start()
-        for name, count, size in (("mem", DISTINCT, SAMPLE_BYTES), ("cold", 2, SAMPLE_BYTES),
-                                  ("large", 1, LARGE_BYTES), ("large-cold", 1, LARGE_BYTES)):
+        for name, count, size in (
+            ("mem", DISTINCT, SAMPLE_BYTES),
+            ("cold", 2, SAMPLE_BYTES),
+            ("large", 1, LARGE_BYTES),
+            ("large-cold", 1, LARGE_BYTES),
+        ):
             register(daemon, name, make_files_dataset(base / name, count, sizes=(size,), classes=1))
         progress("staging")
         stage(daemon, "mem")
@@ -149,8 +153,7 @@ def main() -> None:
                 rows.append(measure(int(daemon.ready["pid"]), case, ids, size, read))
             daemon.stop()
     name = f"call_memory-{label}" if label else "call_memory"
-    report(name, rows, ["case", "ids", "sample_MiB", "requested_MiB", "peak_growth_MiB", "mapped_cache_MiB",
-                        "seconds"])
+    report(name, rows, ["case", "ids", "sample_MiB", "requested_MiB", "peak_growth_MiB", "mapped_cache_MiB", "seconds"])
 
 
 if __name__ == "__main__":

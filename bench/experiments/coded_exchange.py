@@ -55,16 +55,40 @@ def run(scheme: str, args: argparse.Namespace, scratch: Path) -> list[dict[str, 
     for attempt in range(3):
         # The directory takes the UDP port of its TCP one, which another process may hold: try again.
         try:
-            local = LocalCluster(base / f"cluster{attempt}", args.nodes, (
-                "--spare-copies-fill", "1", "--exchange-multicast", multicast_group()), dataset_roots=(base,)).start()
+            local = LocalCluster(
+                base / f"cluster{attempt}",
+                args.nodes,
+                ("--spare-copies-fill", "1", "--exchange-multicast", multicast_group()),
+                dataset_roots=(base,),
+            ).start()
             break
         except StartupError:
             if attempt == 2:
                 raise
     try:
         assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
-        assert cli_main(["stage", "imgs", "--job", JOB, "--mode", "partial", "--q", "1", "--exchange-coding", scheme,
-                         "--ranks-per-node", "1", "--quiet", "--directory", local.directory_address]) == 0
+        assert (
+            cli_main(
+                [
+                    "stage",
+                    "imgs",
+                    "--job",
+                    JOB,
+                    "--mode",
+                    "partial",
+                    "--q",
+                    "1",
+                    "--exchange-coding",
+                    scheme,
+                    "--ranks-per-node",
+                    "1",
+                    "--quiet",
+                    "--directory",
+                    local.directory_address,
+                ]
+            )
+            == 0
+        )
         channels = [grpc.insecure_channel(d.ready["tcp"], options=channel_options()) for d in local.daemons if d.ready]
         stubs = [cache_pb2_grpc.CacheStub(c) for c in channels]
         rows = []
@@ -72,22 +96,34 @@ def run(scheme: str, args: argparse.Namespace, scratch: Path) -> list[dict[str, 
             for stub in stubs:
                 stub.ReportEpoch(jpb.ReportEpochRequest(job_id=JOB, epoch=epoch), timeout=10)
             while True:
-                runs = [next((x for x in stub.Stats(pb.StatsRequest(), timeout=10).exchanges
-                              if x.job == JOB and x.epoch == epoch + 1), None) for stub in stubs]
+                runs = [
+                    next(
+                        (
+                            x
+                            for x in stub.Stats(pb.StatsRequest(), timeout=10).exchanges
+                            if x.job == JOB and x.epoch == epoch + 1
+                        ),
+                        None,
+                    )
+                    for stub in stubs
+                ]
                 if all(r is not None and r.finished for r in runs):
                     break
                 time.sleep(0.1)
             done = [r for r in runs if r is not None]
-            rows.append({
-                "scheme": scheme, "into_epoch": epoch + 1,
-                "moved_bytes": sum(r.total_bytes for r in done),
-                "coded_bytes": sum(r.coded_bytes_sent for r in done),
-                "stream_bytes": sum(r.sent_bytes for r in done),
-                "decoded": sum(r.coded_samples_decoded for r in done),
-                "notes": sorted({r.coded_note for r in done if r.coded_note}),
-                "seconds": max(r.elapsed_seconds for r in done),
-                "load_average": os.getloadavg(),
-            })
+            rows.append(
+                {
+                    "scheme": scheme,
+                    "into_epoch": epoch + 1,
+                    "moved_bytes": sum(r.total_bytes for r in done),
+                    "coded_bytes": sum(r.coded_bytes_sent for r in done),
+                    "stream_bytes": sum(r.sent_bytes for r in done),
+                    "decoded": sum(r.coded_samples_decoded for r in done),
+                    "notes": sorted({r.coded_note for r in done if r.coded_note}),
+                    "seconds": max(r.elapsed_seconds for r in done),
+                    "load_average": os.getloadavg(),
+                }
+            )
         for channel in channels:
             channel.close()
         return rows
@@ -106,7 +142,7 @@ def main() -> None:
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as scratch:
         for round_ in range(args.rounds):
-            for scheme in SCHEMES[round_ % 3:] + SCHEMES[:round_ % 3]:
+            for scheme in SCHEMES[round_ % 3 :] + SCHEMES[: round_ % 3]:
                 progress(f"round {round_ + 1}, {scheme}")
                 rows += [{"round": round_, **row} for row in run(scheme, args, Path(scratch))]
     summary = []
@@ -114,16 +150,31 @@ def main() -> None:
         base = statistics.median(r["seconds"] for r in rows if r["scheme"] == "none" and r["into_epoch"] == epoch)  # type: ignore[misc]
         for scheme in SCHEMES:
             mine = [r for r in rows if r["scheme"] == scheme and r["into_epoch"] == epoch]
-            line = {"scheme": scheme, "into_epoch": epoch,
-                    **{k: statistics.median(r[k] for r in mine)  # type: ignore[misc]
-                       for k in ("moved_bytes", "coded_bytes", "stream_bytes", "decoded", "seconds")}}
+            line = {
+                "scheme": scheme,
+                "into_epoch": epoch,
+                **{
+                    k: statistics.median(r[k] for r in mine)  # type: ignore[misc]
+                    for k in ("moved_bytes", "coded_bytes", "stream_bytes", "decoded", "seconds")
+                },
+            }
             line["seconds_vs_none"] = line["seconds"] / base
             summary.append(line)
             print(json.dumps(line), flush=True)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "coded_exchange.json").write_text(json.dumps(
-        {"benchmark": "coded_exchange", "machine": machine(), "argv": sys.argv, "settings": vars(args),
-         "summary": summary, "runs": rows}, indent=1))
+    (RESULTS / "coded_exchange.json").write_text(
+        json.dumps(
+            {
+                "benchmark": "coded_exchange",
+                "machine": machine(),
+                "argv": sys.argv,
+                "settings": vars(args),
+                "summary": summary,
+                "runs": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

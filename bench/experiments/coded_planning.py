@@ -49,8 +49,9 @@ LOOPS = ("greedy", "packet_rows", "pick_bits", "table_hashes", "set_numbers", "d
 
 def baseline(revision: str) -> types.ModuleType:
     root = Path(__file__).resolve().parents[2]
-    text = subprocess.run(["git", "-C", str(root), "show", f"{revision}:{SOURCE}"], check=True,
-                          capture_output=True, text=True).stdout
+    text = subprocess.run(
+        ["git", "-C", str(root), "show", f"{revision}:{SOURCE}"], check=True, capture_output=True, text=True
+    ).stdout
     module = types.ModuleType("coding_baseline")
     sys.modules[module.__name__] = module
     exec(compile(text, f"{revision}:{SOURCE}", "exec"), module.__dict__)
@@ -66,8 +67,9 @@ def python_loops() -> types.ModuleType:
     return module
 
 
-def timed(planner: types.ModuleType, holders: np.ndarray, owners: np.ndarray, scheme: str,
-          sizes: np.ndarray) -> tuple[coding.Packets, float, float]:
+def timed(
+    planner: types.ModuleType, holders: np.ndarray, owners: np.ndarray, scheme: str, sizes: np.ndarray
+) -> tuple[coding.Packets, float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
     packets = planner.plan(holders, owners, scheme, sizes)
     return packets, time.perf_counter() - wall, time.process_time() - cpu
@@ -91,8 +93,12 @@ def row(nodes: int, alpha: float, old: types.ModuleType | None) -> dict[str, obj
     sizes = np.maximum(1, rng.lognormal(np.log(MEDIAN_BYTES), SIGMA, SAMPLES)).astype(np.int64)
     holders = coding.holder_bits(caches, SAMPLES)
     planners = {"new": coding} if old is None else {"old": old, "new": coding}
-    out: dict[str, object] = {"nodes": nodes, "alpha": round(alpha, 4), "samples": SAMPLES,
-                              "load": [round(x, 2) for x in os.getloadavg()]}
+    out: dict[str, object] = {
+        "nodes": nodes,
+        "alpha": round(alpha, 4),
+        "samples": SAMPLES,
+        "load": [round(x, 2) for x in os.getloadavg()],
+    }
     same = identical = True
     for scheme in SCHEMES:
         walls: dict[str, list[float]] = {name: [] for name in planners}
@@ -109,8 +115,10 @@ def row(nodes: int, alpha: float, old: types.ModuleType | None) -> dict[str, obj
             out[f"{name}_{scheme}_tx"] = coding.load(plans[name], sizes).transmissions
         if old is not None:
             same &= np.array_equal(grouping(plans["old"]), grouping(plans["new"]))
-            identical &= all(np.array_equal(getattr(plans["old"], field), getattr(plans["new"], field))
-                             for field in coding.Packets.__dataclass_fields__)
+            identical &= all(
+                np.array_equal(getattr(plans["old"], field), getattr(plans["new"], field))
+                for field in coding.Packets.__dataclass_fields__
+            )
     out["same"] = same if old is not None else None
     out["identical"] = identical if old is not None else None
     out["load_end"] = [round(x, 2) for x in os.getloadavg()]

@@ -71,8 +71,13 @@ def ip(*args: str) -> None:
 
 def kernel_counts() -> dict[str, int]:
     """The namespace's UDP and TCP counters (``/proc/net/snmp``), as ``Udp.InDatagrams`` and so on."""
-    text = subprocess.run(["ip", "netns", "exec", NAMESPACE, "cat", "/proc/net/snmp"], check=True,
-                          capture_output=True, text=True, timeout=30).stdout.splitlines()
+    text = subprocess.run(
+        ["ip", "netns", "exec", NAMESPACE, "cat", "/proc/net/snmp"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout.splitlines()
     counts: dict[str, int] = {}
     for names, values in zip(text[::2], text[1::2], strict=True):
         kind = names.split(":")[0]
@@ -85,11 +90,36 @@ def one_run(rundir: Path, args: argparse.Namespace, scheme: str, payload_bytes: 
     shutil.rmtree(rundir, ignore_errors=True)
     rundir.mkdir()
     how = ["--scheme", "none", "--tcp"] if scheme == "tcp" else ["--scheme", scheme]
-    command = ["ip", "netns", "exec", NAMESPACE, sys.executable, "-m", "dataquay.server.tools.coded_wire",
-               "--nodes", str(args.nodes), "--samples", str(args.samples), "--mean-bytes", str(args.mean_bytes),
-               "--spares", str(args.spares), *how, "--seed", str(args.seed), "--token", "bench",
-               "--payload-bytes", str(payload_bytes), "--window-bytes", str(args.window_bytes), "--rundir", str(rundir),
-               "--pool", str(args.pool)]
+    command = [
+        "ip",
+        "netns",
+        "exec",
+        NAMESPACE,
+        sys.executable,
+        "-m",
+        "dataquay.server.tools.coded_wire",
+        "--nodes",
+        str(args.nodes),
+        "--samples",
+        str(args.samples),
+        "--mean-bytes",
+        str(args.mean_bytes),
+        "--spares",
+        str(args.spares),
+        *how,
+        "--seed",
+        str(args.seed),
+        "--token",
+        "bench",
+        "--payload-bytes",
+        str(payload_bytes),
+        "--window-bytes",
+        str(args.window_bytes),
+        "--rundir",
+        str(rundir),
+        "--pool",
+        str(args.pool),
+    ]
     before = kernel_counts()
     processes = [subprocess.Popen([*command, "--node", str(n)]) for n in range(args.nodes)]
     for process in processes:
@@ -99,8 +129,11 @@ def one_run(rundir: Path, args: argparse.Namespace, scheme: str, payload_bytes: 
     kernel = {k: after[k] - before[k] for k in ("Udp.InDatagrams", "Udp.OutDatagrams", "Tcp.OutSegs")}
     results = [json.loads((rundir / f"result.{n}.json").read_text()) for n in range(args.nodes)]
     for result in results:
-        if result["checksum_failures"] or result["committed"] != result["lacked"] or (
-                result["digest"] != result["expected_digest"]):
+        if (
+            result["checksum_failures"]
+            or result["committed"] != result["lacked"]
+            or (result["digest"] != result["expected_digest"])
+        ):
             raise RuntimeError(f"node {result['node']} of the {scheme} exchange lacks samples")
     stats = [result["stats"] for result in results]
     planned = results[0]["planned_bytes"]
@@ -108,24 +141,40 @@ def one_run(rundir: Path, args: argparse.Namespace, scheme: str, payload_bytes: 
     if scheme == "tcp":
         payload = sum(s["payload_bytes_sent"] for s in stats)
         sent = payload + IP_TCP_BYTES * kernel["Tcp.OutSegs"]
-        return {"scheme": scheme, "payload_bytes_per_datagram": payload_bytes, "planned_bytes": planned,
-                "planned_transmissions": results[0]["planned_transmissions"], "payload_bytes": payload,
-                "fabric_sent_bytes": sent, "fabric_received_bytes": sent, "kernel": kernel, "wall_s": wall,
-                "load_average": os.getloadavg()}
+        return {
+            "scheme": scheme,
+            "payload_bytes_per_datagram": payload_bytes,
+            "planned_bytes": planned,
+            "planned_transmissions": results[0]["planned_transmissions"],
+            "payload_bytes": payload,
+            "fabric_sent_bytes": sent,
+            "fabric_received_bytes": sent,
+            "kernel": kernel,
+            "wall_s": wall,
+            "load_average": os.getloadavg(),
+        }
     payload = sum(s["packet_bytes_sent"] for s in stats)
     first = sum(s["wire_bytes_sent"] + IP_UDP_BYTES * s["datagrams_sent"] for s in stats)
     resent = sum(s["resent_bytes"] + IP_UDP_BYTES * s["datagrams_resent"] for s in stats)
     control = sum(s["control_bytes_sent"] + IP_UDP_BYTES * s["control_datagrams_sent"] for s in stats)
     received = sum(s["bytes_received"] + IP_UDP_BYTES * s["datagrams_received"] for s in stats)
     return {
-        "scheme": scheme, "payload_bytes_per_datagram": payload_bytes,
-        "planned_transmissions": results[0]["planned_transmissions"], "planned_bytes": planned,
-        "payload_bytes": payload, "first_sent_bytes": first, "resent_bytes": resent, "control_bytes": control,
+        "scheme": scheme,
+        "payload_bytes_per_datagram": payload_bytes,
+        "planned_transmissions": results[0]["planned_transmissions"],
+        "planned_bytes": planned,
+        "payload_bytes": payload,
+        "first_sent_bytes": first,
+        "resent_bytes": resent,
+        "control_bytes": control,
         "resent": sum(s["datagrams_resent"] for s in stats),
-        "payload_vs_plan": payload / planned, "sent_vs_plan": first / planned,
+        "payload_vs_plan": payload / planned,
+        "sent_vs_plan": first / planned,
         "all_vs_plan": (first + resent + control) / planned,
-        "fabric_sent_bytes": first + resent + control, "fabric_received_bytes": received,
-        "foreign_datagrams": sum(s["foreign_datagrams"] for s in stats), "kernel": kernel,
+        "fabric_sent_bytes": first + resent + control,
+        "fabric_received_bytes": received,
+        "foreign_datagrams": sum(s["foreign_datagrams"] for s in stats),
+        "kernel": kernel,
         "datagrams_received": sum(s["datagrams_received"] for s in stats),
         "wall_s": wall,
         "load_average": os.getloadavg(),
@@ -141,10 +190,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--window-bytes", type=int, default=256 << 10)
-    parser.add_argument("--pool", type=int, default=MULTICAST_POOL,
-                        help="multicast addresses the groups spread over (1: every group on one, as one per daemon)")
-    parser.add_argument("--mtu", type=int, nargs="+", default=[9000, 1500],
-                        help="the loopback's MTU, which sizes datagrams and TCP segments: jumbo frames, then Ethernet")
+    parser.add_argument(
+        "--pool",
+        type=int,
+        default=MULTICAST_POOL,
+        help="multicast addresses the groups spread over (1: every group on one, as one per daemon)",
+    )
+    parser.add_argument(
+        "--mtu",
+        type=int,
+        nargs="+",
+        default=[9000, 1500],
+        help="the loopback's MTU, which sizes datagrams and TCP segments: jumbo frames, then Ethernet",
+    )
     args = parser.parse_args()
     ip("netns", "add", NAMESPACE)
     rows: list[dict[str, object]] = []
@@ -156,7 +214,7 @@ def main() -> None:
                 ip("netns", "exec", NAMESPACE, "ip", "link", "set", "lo", "mtu", str(mtu))
                 payload_bytes = mcast.payload_bytes(mtu)
                 for round_ in range(args.rounds):
-                    order = SCHEMES[round_ % 3:] + SCHEMES[:round_ % 3]
+                    order = SCHEMES[round_ % 3 :] + SCHEMES[: round_ % 3]
                     for scheme in order:
                         progress(f"{payload_bytes} B datagrams, round {round_ + 1}, {scheme}")
                         rows.append({"round": round_, **one_run(Path(scratch) / "run", args, scheme, payload_bytes)})
@@ -164,28 +222,48 @@ def main() -> None:
         ip("netns", "del", NAMESPACE)
     summary = []
     for mtu in args.mtu:
-        runs = {s: [r for r in rows if r["scheme"] == s and r["payload_bytes_per_datagram"] == mcast.payload_bytes(mtu)]
-                for s in SCHEMES}
+        runs = {
+            s: [r for r in rows if r["scheme"] == s and r["payload_bytes_per_datagram"] == mcast.payload_bytes(mtu)]
+            for s in SCHEMES
+        }
 
         def median(scheme: str, key: str) -> float:
             return float(statistics.median(float(r[key]) for r in runs[scheme]))  # type: ignore[arg-type]
 
         for scheme, mine in runs.items():
-            line = {"scheme": scheme, "mtu": mtu, "payload_bytes_per_datagram": mcast.payload_bytes(mtu),
-                    "planned_bytes": mine[0]["planned_bytes"],
-                    "planned_transmissions": mine[0]["planned_transmissions"],
-                    **{k: median(scheme, k) for k in ("fabric_sent_bytes", "fabric_received_bytes", "wall_s")},
-                    **{f"{k}_vs_tcp": median(scheme, k) / median("tcp", k)
-                       for k in ("fabric_sent_bytes", "fabric_received_bytes", "wall_s")}}
+            line = {
+                "scheme": scheme,
+                "mtu": mtu,
+                "payload_bytes_per_datagram": mcast.payload_bytes(mtu),
+                "planned_bytes": mine[0]["planned_bytes"],
+                "planned_transmissions": mine[0]["planned_transmissions"],
+                **{k: median(scheme, k) for k in ("fabric_sent_bytes", "fabric_received_bytes", "wall_s")},
+                **{
+                    f"{k}_vs_tcp": median(scheme, k) / median("tcp", k)
+                    for k in ("fabric_sent_bytes", "fabric_received_bytes", "wall_s")
+                },
+            }
             if scheme != "tcp":
-                line |= {k: median(scheme, k) for k in ("payload_vs_plan", "sent_vs_plan", "all_vs_plan", "resent",
-                                                        "foreign_datagrams")}
+                line |= {
+                    k: median(scheme, k)
+                    for k in ("payload_vs_plan", "sent_vs_plan", "all_vs_plan", "resent", "foreign_datagrams")
+                }
             summary.append(line)
             print(json.dumps(line))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "coded_wire.json").write_text(json.dumps(
-        {"benchmark": "coded_wire", "machine": machine(), "argv": sys.argv, "settings": vars(args),
-         "summary": summary, "runs": rows}, indent=1))
+    (RESULTS / "coded_wire.json").write_text(
+        json.dumps(
+            {
+                "benchmark": "coded_wire",
+                "machine": machine(),
+                "argv": sys.argv,
+                "settings": vars(args),
+                "summary": summary,
+                "runs": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -155,8 +155,9 @@ def _least(sock: socket.socket, env: lmdb.Environment, max_value: int) -> int:
                 taken = min(per, count - first)
                 body = np.empty(taken * frame, dtype=np.uint8).data
                 recv_exactly(sock, body)
-                good = [(sample_key(i), v) for i, v in parse_chunk(body, taken, max_value)
-                        if decode_value(v) is not None]
+                good = [
+                    (sample_key(i), v) for i, v in parse_chunk(body, taken, max_value) if decode_value(v) is not None
+                ]
                 committed += sum(len(v) for _, v in good)
                 commits.put(good)
     finally:
@@ -198,8 +199,17 @@ def _in_place(sock: socket.socket, home: Path, size: int, max_value: int) -> int
 def bound(base: Path, label: str, size: int) -> dict[str, object]:
     count = EXCHANGE_BYTES // size
     listener = socket.create_server(("127.0.0.1", 0))
-    child = subprocess.Popen([sys.executable, __file__, "--send", str(listener.getsockname()[1]),
-                              str(base / f"sender-{label}"), str(size), str(count)])
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--send",
+            str(listener.getsockname()[1]),
+            str(base / f"sender-{label}"),
+            str(size),
+            str(count),
+        ]
+    )
     rates: dict[str, list[float]] = {RAW: [], LEAST: [], IN_PLACE: []}
     cpu: dict[str, list[float]] = {
         f"{kind}_{side}": [] for kind in (LEAST, IN_PLACE) for side in ("sender", "receiver")
@@ -237,11 +247,16 @@ def bound(base: Path, label: str, size: int) -> dict[str, object]:
         listener.close()
     gbps = {name: float(statistics.median(values)) for name, values in rates.items()}
     return {
-        "size": label, "raw_tcp_GBps": gbps[RAW], "least_exchange_GBps": gbps[LEAST],
+        "size": label,
+        "raw_tcp_GBps": gbps[RAW],
+        "least_exchange_GBps": gbps[LEAST],
         "least_exchange_ratio": gbps[LEAST] / gbps[RAW],
-        "in_place_GBps": gbps[IN_PLACE], "in_place_ratio": gbps[IN_PLACE] / gbps[RAW],
+        "in_place_GBps": gbps[IN_PLACE],
+        "in_place_ratio": gbps[IN_PLACE] / gbps[RAW],
         **{f"{name}_cpu_s_per_GB": float(statistics.median(values)) for name, values in cpu.items()},
-        "rounds_GBps": rates, "rounds_cpu_s_per_GB": cpu, "exchange_bytes": count * size,
+        "rounds_GBps": rates,
+        "rounds_cpu_s_per_GB": cpu,
+        "exchange_bytes": count * size,
     }
 
 
@@ -250,9 +265,20 @@ def main() -> None:
     wanted = os.environ.get("BENCH_SIZES", ",".join(SIZES)).split(",")
     with tempfile.TemporaryDirectory(prefix="dq-bench-exchange-bound-") as tmp:
         rows = [bound(Path(tmp), label, size) for label, size in SIZES.items() if label in wanted]
-    report("exchange_bound", rows, ["size", "raw_tcp_GBps", "least_exchange_GBps", "least_exchange_ratio",
-                                    "in_place_GBps", "in_place_ratio", "least_receiver_cpu_s_per_GB",
-                                    "in_place_receiver_cpu_s_per_GB"])
+    report(
+        "exchange_bound",
+        rows,
+        [
+            "size",
+            "raw_tcp_GBps",
+            "least_exchange_GBps",
+            "least_exchange_ratio",
+            "in_place_GBps",
+            "in_place_ratio",
+            "least_receiver_cpu_s_per_GB",
+            "in_place_receiver_cpu_s_per_GB",
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -100,8 +100,12 @@ WINDOW = 4
 #: Chunks received and not yet committed, as the daemon's bulk EXCHANGE_QUEUE.
 QUEUE = 4
 DAEMON, LEAST = "daemon", "least"
-WAYS = [(s, r) for s in (DAEMON, LEAST) for r in (DAEMON, LEAST)
-        if f"{s}>{r}" in os.environ.get("BENCH_WAYS", f"{s}>{r}").split(",")]
+WAYS = [
+    (s, r)
+    for s in (DAEMON, LEAST)
+    for r in (DAEMON, LEAST)
+    if f"{s}>{r}" in os.environ.get("BENCH_WAYS", f"{s}>{r}").split(",")
+]
 
 
 def _reply(sock: socket.socket, reply: pb.ExchangeReply) -> None:
@@ -247,11 +251,21 @@ def one_way(pair: Pair, round_: int, sender: str, receiver: str) -> dict[str, fl
     local.restart_node(1)
     if receiver == DAEMON:
         # The restarted receiver loads the dataset before the clock starts, not during the exchange.
-        list(stub(local.daemons[1]).Read(pb.ReadRequest(
-            dataset=pair.label, ids=[0], manifest_id=pair.manifest.manifest_id, peer=True)))
+        list(
+            stub(local.daemons[1]).Read(
+                pb.ReadRequest(dataset=pair.label, ids=[0], manifest_id=pair.manifest.manifest_id, peer=True)
+            )
+        )
     job_id = f"crossover-{pair.label}-{round_}-{sender}-{receiver}"
-    spec = jpb.JobSpec(job_id=job_id, dataset=pair.label, mode="partial", q=1.0, seed=round_,
-                       nodes=["node-0", "node-1"], ranks_per_node=1)
+    spec = jpb.JobSpec(
+        job_id=job_id,
+        dataset=pair.label,
+        mode="partial",
+        q=1.0,
+        seed=round_,
+        nodes=["node-0", "node-1"],
+        ranks_per_node=1,
+    )
     plan = job_plan(n0.JoinJob(jpb.JoinJobRequest(spec=spec)), pair.manifest)
     before = owners(plan, 0)
     given = np.flatnonzero((before == 0) & (owners(plan, 1, before) == 1))
@@ -266,8 +280,14 @@ def one_way(pair: Pair, round_: int, sender: str, receiver: str) -> dict[str, fl
         local.kill_node(1)
         bulk_port = int(address.rpartition(":")[2])
         listener = socket.create_server(("127.0.0.1", bulk_port if sender == DAEMON else 0))
-        taking = _child("--receive", str(listener.fileno()), str(home), str(2 * DATASET_BYTES),
-                        str(pair.size + 64), keep=(listener.fileno(),))
+        taking = _child(
+            "--receive",
+            str(listener.fileno()),
+            str(home),
+            str(2 * DATASET_BYTES),
+            str(pair.size + 64),
+            keep=(listener.fileno(),),
+        )
         assert taking.stdout is not None and taking.stdout.readline() == "ready\n"
         address = f"127.0.0.1:{listener.getsockname()[1]}"
     try:
@@ -282,11 +302,18 @@ def one_way(pair: Pair, round_: int, sender: str, receiver: str) -> dict[str, fl
             sender_cpu = cpu_seconds(n0_daemon) - sender_cpu
             loop_cpu = cpu_seconds(n0_daemon, main_thread=True) - loop_cpu
         else:
-            offer = pb.ExchangeOffer(job=job_id, dataset=pair.label, manifest_id=pair.manifest.manifest_id, epoch=1,
-                                     sender="node-0", ids=given.tolist())
+            offer = pb.ExchangeOffer(
+                job=job_id,
+                dataset=pair.label,
+                manifest_id=pair.manifest.manifest_id,
+                epoch=1,
+                sender="node-0",
+                ids=given.tolist(),
+            )
             db = cache_db_name(pair.label, pair.manifest.manifest_id)
-            sent = _result(_child("--send", address, str(local.daemons[0].cache_dir), db,
-                                  offer.SerializeToString().hex()))
+            sent = _result(
+                _child("--send", address, str(local.daemons[0].cache_dir), db, offer.SerializeToString().hex())
+            )
             elapsed, sender_cpu = sent["elapsed"], sent["cpu"]
         if taking is not None:
             taken = _result(taking)
@@ -314,14 +341,16 @@ def crossover(base: Path, label: str, size: int) -> dict[str, object]:
         n0, manifest = staged_sender(local, label, root, "exchange crossover")
         pair = Pair(local, n0, label, size, manifest, base)
         for round_ in range(ROUNDS):
-            for sender, receiver in WAYS[round_ % len(WAYS):] + WAYS[: round_ % len(WAYS)]:
+            for sender, receiver in WAYS[round_ % len(WAYS) :] + WAYS[: round_ % len(WAYS)]:
                 way = f"{sender}>{receiver}"
                 got = one_way(pair, round_, sender, receiver)
                 for key, value in got.items():
                     rounds[way].setdefault(key, []).append(value)
                 loop = f" (its event loop {got['sender_loop_cpu']:.2f})" if "sender_loop_cpu" in got else ""
-                progress(f"round {round_ + 1} of {ROUNDS}, {way}: {got['GBps']:.2f} GB/s, sender "
-                         f"{got['sender_cpu']:.2f}{loop} and receiver {got['receiver_cpu']:.2f} CPU s/GB")
+                progress(
+                    f"round {round_ + 1} of {ROUNDS}, {way}: {got['GBps']:.2f} GB/s, sender "
+                    f"{got['sender_cpu']:.2f}{loop} and receiver {got['receiver_cpu']:.2f} CPU s/GB"
+                )
     finally:
         local.down()
     medians = {f"{way}_{key}": statistics.median(values) for way, row in rounds.items() for key, values in row.items()}
@@ -331,8 +360,9 @@ def crossover(base: Path, label: str, size: int) -> dict[str, object]:
 def _finished(n0, job_id: str) -> pb.ExchangeProgress:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        run = next((r for r in n0.Stats(pb.StatsRequest()).exchanges
-                    if r.job == job_id and r.epoch == 1 and r.finished), None)
+        run = next(
+            (r for r in n0.Stats(pb.StatsRequest()).exchanges if r.job == job_id and r.epoch == 1 and r.finished), None
+        )
         if run is not None:
             return run
         time.sleep(0.1)
@@ -354,7 +384,12 @@ if __name__ == "__main__":
         listening = socket.socket(fileno=int(sys.argv[2]))
         print(json.dumps(least_receiver(listening, Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))))
     elif sys.argv[1:2] == ["--send"]:
-        print(json.dumps(least_sender(sys.argv[2], Path(sys.argv[3]), sys.argv[4],
-                                      pb.ExchangeOffer.FromString(bytes.fromhex(sys.argv[5])))))
+        print(
+            json.dumps(
+                least_sender(
+                    sys.argv[2], Path(sys.argv[3]), sys.argv[4], pb.ExchangeOffer.FromString(bytes.fromhex(sys.argv[5]))
+                )
+            )
+        )
     else:
         main()

@@ -117,7 +117,12 @@ def emptied(cache_dir: Path, db: str) -> bool:
 
 
 def exchange_round(
-    local: LocalCluster, n0: cache_pb2_grpc.CacheStub, label: str, manifest: Manifest, round_: int, name: str,
+    local: LocalCluster,
+    n0: cache_pb2_grpc.CacheStub,
+    label: str,
+    manifest: Manifest,
+    round_: int,
+    name: str,
     grown: bool = False,
 ) -> ExchangeRound:
     """One round of the exchange node-0 -> node-1 on a fresh node-1 (see
@@ -132,8 +137,9 @@ def exchange_round(
         list(cache_pb2_grpc.CacheStub(c1).Read(request))
     back_free_memory()
     job_id = f"{name}-{label}-{round_}"
-    spec = jpb.JobSpec(job_id=job_id, dataset=label, mode="partial", q=1.0, seed=round_,
-                       nodes=["node-0", "node-1"], ranks_per_node=1)
+    spec = jpb.JobSpec(
+        job_id=job_id, dataset=label, mode="partial", q=1.0, seed=round_, nodes=["node-0", "node-1"], ranks_per_node=1
+    )
     plan = job_plan(n0.JoinJob(jpb.JoinJobRequest(spec=spec)), manifest)
     before = owners(plan, 0)
     given = np.flatnonzero((before == 0) & (owners(plan, 1, before) == 1))
@@ -141,8 +147,9 @@ def exchange_round(
     n0.ReportEpoch(jpb.ReportEpochRequest(job_id=job_id, epoch=0))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        run = next((r for r in n0.Stats(pb.StatsRequest()).exchanges
-                    if r.job == job_id and r.epoch == 1 and r.finished), None)
+        run = next(
+            (r for r in n0.Stats(pb.StatsRequest()).exchanges if r.job == job_id and r.epoch == 1 and r.finished), None
+        )
         if run is not None:
             break
         time.sleep(STATS_POLL_SECONDS)
@@ -152,7 +159,10 @@ def exchange_round(
     assert run.delivered_samples == run.total_samples == len(given), run
     with grpc.insecure_channel(str(local.daemons[1].ready["tcp"]), options=channel_options()) as c1:
         check = given[:: max(1, len(given) // 8)].tolist()
-        got = [s for chunk in cache_pb2_grpc.CacheStub(c1).Read(pb.ReadRequest(dataset=label, ids=check, peer=True))
-               for s in chunk.samples]
+        got = [
+            s
+            for chunk in cache_pb2_grpc.CacheStub(c1).Read(pb.ReadRequest(dataset=label, ids=check, peer=True))
+            for s in chunk.samples
+        ]
         assert [s.data for s in got] == [sample_bytes(0, i, len(s.data)) for i, s in zip(check, got)]
     return ExchangeRound(run.sent_bytes / run.elapsed_seconds, given, spent[0], spent[1], run.first_delivery_seconds)

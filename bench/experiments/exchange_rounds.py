@@ -65,16 +65,26 @@ def rounds(base: Path, label: str, size: int) -> dict[str, object]:
             sender.append(done.sender_cpu / gigabytes)
             receiver.append(done.receiver_cpu / gigabytes)
             first.append(done.first_delivery * 1e3)
-            progress(f"round {len(rates)} of {ROUNDS}: {rates[-1]:.2f} GB/s, first delivery after "
-                     f"{first[-1]:.1f} ms, sender {sender[-1]:.2f} and receiver {receiver[-1]:.2f} CPU s/GB")
+            progress(
+                f"round {len(rates)} of {ROUNDS}: {rates[-1]:.2f} GB/s, first delivery after "
+                f"{first[-1]:.1f} ms, sender {sender[-1]:.2f} and receiver {receiver[-1]:.2f} CPU s/GB"
+            )
     finally:
         local.down()
     return {
-        "size": label, "exchange_GBps": statistics.median(rates), "first_delivery_ms": statistics.median(first),
-        "sender_cpu_s_per_GB": statistics.median(sender), "receiver_cpu_s_per_GB": statistics.median(receiver),
-        "rounds_GBps": rates, "rounds_first_delivery_ms": first,
-        "rounds_sender_cpu_s_per_GB": sender, "rounds_receiver_cpu_s_per_GB": receiver,
-        "daemon_args": list(DAEMON_ARGS), "source": SOURCE, "round_bytes": moved, "grown": GROWN,
+        "size": label,
+        "exchange_GBps": statistics.median(rates),
+        "first_delivery_ms": statistics.median(first),
+        "sender_cpu_s_per_GB": statistics.median(sender),
+        "receiver_cpu_s_per_GB": statistics.median(receiver),
+        "rounds_GBps": rates,
+        "rounds_first_delivery_ms": first,
+        "rounds_sender_cpu_s_per_GB": sender,
+        "rounds_receiver_cpu_s_per_GB": receiver,
+        "daemon_args": list(DAEMON_ARGS),
+        "source": SOURCE,
+        "round_bytes": moved,
+        "grown": GROWN,
     }
 
 
@@ -83,8 +93,11 @@ def main() -> None:
     label = os.environ.get("BENCH_SIZES", "110KiB")
     with tempfile.TemporaryDirectory(prefix="dq-bench-exchange-rounds-") as tmp:
         row = rounds(Path(tmp), label, SIZES[label])
-    report("exchange_rounds", [row],
-           ["size", "exchange_GBps", "first_delivery_ms", "sender_cpu_s_per_GB", "receiver_cpu_s_per_GB"])
+    report(
+        "exchange_rounds",
+        [row],
+        ["size", "exchange_GBps", "first_delivery_ms", "sender_cpu_s_per_GB", "receiver_cpu_s_per_GB"],
+    )
 
 
 if __name__ == "__main__":

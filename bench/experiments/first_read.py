@@ -90,9 +90,14 @@ def main() -> None:
                     *_, staged = cache_pb2_grpc.CacheStub(channel).Stage(pb.StageRequest(dataset="first", job="first"))
                     assert staged.finished and not staged.error, staged
             rounds = [
-                json.loads(subprocess.run(
-                    [sys.executable, __file__, "--rank", address], check=True, capture_output=True, text=True,
-                ).stdout.splitlines()[-1])
+                json.loads(
+                    subprocess.run(
+                        [sys.executable, __file__, "--rank", address],
+                        check=True,
+                        capture_output=True,
+                        text=True,
+                    ).stdout.splitlines()[-1]
+                )
                 for _ in range(ROUNDS)
             ]
     medians = {step: round(statistics.median(r[step] for r in rounds), 1) for step in STEPS}

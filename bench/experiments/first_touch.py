@@ -78,8 +78,11 @@ def main() -> None:
     row: dict[str, object] = {**gbps, "rounds": rates}
     for name in ("mmap", "pwrite"):
         row[f"{name}_reused_over_new"] = gbps[f"{name}_reused"] / gbps[f"{name}_new"]
-    report("first_touch", [row], ["mmap_new", "mmap_reused", "mmap_reused_over_new", "pwrite_new", "pwrite_reused",
-                                  "pwrite_reused_over_new"])
+    report(
+        "first_touch",
+        [row],
+        ["mmap_new", "mmap_reused", "mmap_reused_over_new", "pwrite_new", "pwrite_reused", "pwrite_reused_over_new"],
+    )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,12 @@ def _chunks_seconds(env: lmdb.Environment, chunks: list[list[bytes]]) -> float:
     return (time.perf_counter() - started) / len(chunks)
 
 
-def _beside(env: lmdb.Environment, chunks: list[list[bytes]], neighbour: Callable[[threading.Event], None] | None,
-            interval: float) -> float:
+def _beside(
+    env: lmdb.Environment,
+    chunks: list[list[bytes]],
+    neighbour: Callable[[threading.Event], None] | None,
+    interval: float,
+) -> float:
     default = sys.getswitchinterval()
     sys.setswitchinterval(interval)
     stop = threading.Event()
@@ -90,14 +94,21 @@ def main() -> None:
         chunks = [[sample_key(i) for i in sorted(rng.sample(range(VALUES), CHUNK_VALUES))] for _ in range(CHUNKS)]
         _chunks_seconds(env, chunks)  # the map's pages in memory
         alone = _beside(env, chunks, None, 0.005)
-        rows: list[dict[str, object]] = [{"beside": "nothing", "interval": "5 ms", "us_per_chunk": alone * 1e6,
-                                          "ratio_to_alone": 1.0}]
+        rows: list[dict[str, object]] = [
+            {"beside": "nothing", "interval": "5 ms", "us_per_chunk": alone * 1e6, "ratio_to_alone": 1.0}
+        ]
         for name, neighbour in (("a thread running Python", _busy), ("a thread waking every ms", _waking)):
             for label, interval in INTERVALS.items():
                 progress(f"{CHUNK_VALUES} lookups a chunk beside {name}, switch interval {label}")
                 seconds = _beside(env, chunks, neighbour, interval)
-                rows.append({"beside": name, "interval": label, "us_per_chunk": seconds * 1e6,
-                             "ratio_to_alone": seconds / alone})
+                rows.append(
+                    {
+                        "beside": name,
+                        "interval": label,
+                        "us_per_chunk": seconds * 1e6,
+                        "ratio_to_alone": seconds / alone,
+                    }
+                )
         env.close()
     report("gil_handoff", rows, ["beside", "interval", "us_per_chunk", "ratio_to_alone"])
 

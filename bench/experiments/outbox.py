@@ -78,17 +78,25 @@ def one_size(n: int) -> dict[str, object]:
         index.append(indexed)
     per_chunk, whole = statistics.median(ledger), statistics.median(scan)
     return {
-        "ids": n, "build_ms": statistics.median(build) * 1e3, "whole_scan_index_ms": statistics.median(index) * 1e3,
+        "ids": n,
+        "build_ms": statistics.median(build) * 1e3,
+        "whole_scan_index_ms": statistics.median(index) * 1e3,
         "chunk_us": per_chunk * 1e6,
-        "whole_scan_chunk_us": whole * 1e6, "whole_scan_over_ledger": whole / per_chunk,
-        "rounds_build_s": build, "rounds_whole_scan_index_s": index, "rounds_chunk_s": ledger,
+        "whole_scan_chunk_us": whole * 1e6,
+        "whole_scan_over_ledger": whole / per_chunk,
+        "rounds_build_s": build,
+        "rounds_whole_scan_index_s": index,
+        "rounds_chunk_s": ledger,
         "rounds_whole_scan_chunk_s": scan,
     }
 
 
 def main() -> None:
-    report("outbox", [one_size(n) for n in SIZES],
-           ["ids", "build_ms", "whole_scan_index_ms", "chunk_us", "whole_scan_chunk_us", "whole_scan_over_ledger"])
+    report(
+        "outbox",
+        [one_size(n) for n in SIZES],
+        ["ids", "build_ms", "whole_scan_index_ms", "chunk_us", "whole_scan_chunk_us", "whole_scan_over_ledger"],
+    )
 
 
 if __name__ == "__main__":

@@ -74,8 +74,12 @@ def main(trials: int) -> None:
         finally:
             busy.kill()
             busy.wait()
-    report("reader_lock", [{"stops": trials, "new_readers_waited": waited, "share": round(waited / trials, 3)}],
-           ["stops", "new_readers_waited", "share"], {"waited_seconds": WAITED_SECONDS})
+    report(
+        "reader_lock",
+        [{"stops": trials, "new_readers_waited": waited, "share": round(waited / trials, 3)}],
+        ["stops", "new_readers_waited", "share"],
+        {"waited_seconds": WAITED_SECONDS},
+    )
 
 
 if __name__ == "__main__":

@@ -111,8 +111,18 @@ def run_one(
     """Registers the layout under the run's own name, stages it for the run's job, trains."""
     started = time.perf_counter()
     fmt = FORMAT_OF_PARTITION[spec.partition]
-    job_settings = ["--mode", spec.mode, "--seed", str(spec.seed), "--partition", spec.partition,
-                    "--batch-size", str(settings.batch_size), "--ranks-per-node", str(RANKS_PER_NODE)]
+    job_settings = [
+        "--mode",
+        spec.mode,
+        "--seed",
+        str(spec.seed),
+        "--partition",
+        spec.partition,
+        "--batch-size",
+        str(settings.batch_size),
+        "--ranks-per-node",
+        str(RANKS_PER_NODE),
+    ]
     if spec.q is not None:
         job_settings += ["--q", str(spec.q)]
     _cli("dataset", "add", spec.name, str(root), "--format", fmt, "--addr", clients[0].address)
@@ -121,8 +131,14 @@ def run_one(
     datasets = [clients[rank // RANKS_PER_NODE].dataset(spec.name) for rank in range(WORLD)]
     samplers: list[Sampler] = [
         ds.sampler(
-            job=spec.name, mode=spec.mode, q=spec.q, seed=spec.seed, partition=spec.partition,
-            batch_size=settings.batch_size, rank=rank, world_size=WORLD,
+            job=spec.name,
+            mode=spec.mode,
+            q=spec.q,
+            seed=spec.seed,
+            partition=spec.partition,
+            batch_size=settings.batch_size,
+            rank=rank,
+            world_size=WORLD,
         )
         for rank, ds in enumerate(datasets)
     ]

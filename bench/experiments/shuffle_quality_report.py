@@ -39,27 +39,37 @@ def summarise(results: Sequence[RunResult]) -> list[dict[str, object]]:
         sync_mean, sync_std = _mean_std([r.sync_accuracy for r in runs])
         lsgd_mean, lsgd_std = _mean_std([r.local_sgd_accuracy for r in runs])
         tiers = sorted({t for r in runs for t in r.tiers})
-        rows.append({
-            "partition": partition,
-            "mode": mode,
-            "seeds": len(runs),
-            "sync_acc_mean": sync_mean,
-            "sync_acc_std": sync_std,
-            "local_sgd_acc_mean": lsgd_mean,
-            "local_sgd_acc_std": lsgd_std,
-            "classes_per_node_epoch0": statistics.fmean(r.node_classes[0] for r in runs),
-            "classes_per_node_last": statistics.fmean(r.node_classes[-1] for r in runs),
-            "node_kl_epoch0": statistics.fmean(r.node_kl[0] for r in runs),
-            "node_kl_last": statistics.fmean(r.node_kl[-1] for r in runs),
-            "node_kl_mean": statistics.fmean(statistics.fmean(r.node_kl) for r in runs),
-            "read_share": {t: statistics.fmean(r.tiers.get(t, 0.0) for r in runs) for t in tiers},
-            "run_seconds_mean": statistics.fmean(r.seconds for r in runs),
-        })
+        rows.append(
+            {
+                "partition": partition,
+                "mode": mode,
+                "seeds": len(runs),
+                "sync_acc_mean": sync_mean,
+                "sync_acc_std": sync_std,
+                "local_sgd_acc_mean": lsgd_mean,
+                "local_sgd_acc_std": lsgd_std,
+                "classes_per_node_epoch0": statistics.fmean(r.node_classes[0] for r in runs),
+                "classes_per_node_last": statistics.fmean(r.node_classes[-1] for r in runs),
+                "node_kl_epoch0": statistics.fmean(r.node_kl[0] for r in runs),
+                "node_kl_last": statistics.fmean(r.node_kl[-1] for r in runs),
+                "node_kl_mean": statistics.fmean(statistics.fmean(r.node_kl) for r in runs),
+                "read_share": {t: statistics.fmean(r.tiers.get(t, 0.0) for r in runs) for t in tiers},
+                "run_seconds_mean": statistics.fmean(r.seconds for r in runs),
+            }
+        )
     return rows
 
 
-HEADER = ("partition", "mode", "sync acc", "local SGD acc", "classes/node e0 -> last", "KL e0 -> last",
-          "local / peer / pfs reads", "s per run")
+HEADER = (
+    "partition",
+    "mode",
+    "sync acc",
+    "local SGD acc",
+    "classes/node e0 -> last",
+    "KL e0 -> last",
+    "local / peer / pfs reads",
+    "s per run",
+)
 
 
 def table(rows: Sequence[dict[str, object]]) -> list[str]:
@@ -73,7 +83,8 @@ def table(rows: Sequence[dict[str, object]]) -> list[str]:
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for row in rows:
         cells = (
-            row["partition"], row["mode"],
+            row["partition"],
+            row["mode"],
             f"{row['sync_acc_mean']:.4f} ± {row['sync_acc_std']:.4f}",
             f"{row['local_sgd_acc_mean']:.4f} ± {row['local_sgd_acc_std']:.4f}",
             f"{row['classes_per_node_epoch0']:.1f} -> {row['classes_per_node_last']:.1f}",
@@ -122,8 +133,13 @@ def machine() -> dict[str, str]:
 
 
 def write_reports(
-    out: Path, rows: list[dict[str, object]], results: Sequence[RunResult], settings: Settings,
-    num_train: int, command: str, wall_seconds: float,
+    out: Path,
+    rows: list[dict[str, object]],
+    results: Sequence[RunResult],
+    settings: Settings,
+    num_train: int,
+    command: str,
+    wall_seconds: float,
 ) -> None:
     """The JSON (every run and the summary) and a markdown page next to it."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -135,8 +151,12 @@ def write_reports(
         "wall_seconds": wall_seconds,
         "machine": host,
         "settings": {
-            **asdict(settings), "nodes": NODES, "ranks_per_node": RANKS_PER_NODE, "hidden": HIDDEN,
-            "test_fraction": TEST_FRACTION, "shards_per_class": SHARDS_PER_CLASS,
+            **asdict(settings),
+            "nodes": NODES,
+            "ranks_per_node": RANKS_PER_NODE,
+            "hidden": HIDDEN,
+            "test_fraction": TEST_FRACTION,
+            "shards_per_class": SHARDS_PER_CLASS,
         },
         "summary": rows,
         "runs": [{**asdict(r), "spec": {**asdict(r.spec), "mode_label": r.spec.mode_label}} for r in results],

@@ -49,8 +49,7 @@ MODES: tuple[tuple[str, float | None], ...] = (
 PARTITIONS = ("sample", "shard")
 FORMAT_OF_PARTITION = {"sample": "files", "shard": "tar"}
 SKLEARN_MISSING = (
-    "shuffle_quality needs scikit-learn for its data set: pip install scikit-learn "
-    "(or pip install -e .[experiments])"
+    "shuffle_quality needs scikit-learn for its data set: pip install scikit-learn (or pip install -e .[experiments])"
 )
 
 Params = dict[str, np.ndarray]

@@ -47,8 +47,7 @@ def allocated_cache(home: Path, size: int) -> lmdb.Environment:
     ahead. It starts with the least map, so that LMDB writes its meta pages,
     then the file is allocated and the map grown over it."""
     home.mkdir(parents=True)
-    env = lmdb.open(str(home), map_size=64 << 10, writemap=True, sync=False, metasync=False, meminit=False,
-                    max_dbs=2)
+    env = lmdb.open(str(home), map_size=64 << 10, writemap=True, sync=False, metasync=False, meminit=False, max_dbs=2)
     fd = os.open(home / "data.mdb", os.O_RDWR)
     try:
         os.posix_fallocate(fd, 0, size)
@@ -64,8 +63,11 @@ def lmdb_commit(home: Path, values: Values, writemap: bool = False) -> float:
     file allocated ahead, as the store opens it where it can."""
     total = sum(len(v) for batch in values for _, v in batch)
     map_size = 2 * total + (64 << 20)
-    env = allocated_cache(home, map_size) if writemap else lmdb.open(
-        str(home), map_size=map_size, sync=False, metasync=False, meminit=False, max_dbs=2)
+    env = (
+        allocated_cache(home, map_size)
+        if writemap
+        else lmdb.open(str(home), map_size=map_size, sync=False, metasync=False, meminit=False, max_dbs=2)
+    )
     db = env.open_db(b"bench")
     started = time.perf_counter()
     for batch in values:

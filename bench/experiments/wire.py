@@ -258,7 +258,11 @@ def bench_size(bulk: list[DaemonProcess], plain: list[DaemonProcess], base: Path
         return PASSES * len(local_batches) * BATCH
 
     runs: dict[str, Callable[[], int]] = {
-        "raw_tcp": raw_tcp, "grpc_hop": grpc_hop, "bulk_hop": bulk_hop, "peer_bulk": peer_bulk, "peer_grpc": peer_grpc,
+        "raw_tcp": raw_tcp,
+        "grpc_hop": grpc_hop,
+        "bulk_hop": bulk_hop,
+        "peer_bulk": peer_bulk,
+        "peer_grpc": peer_grpc,
         "hop2": hop2,
     }
     for run in runs.values():
@@ -306,8 +310,15 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
     if BASELINE_SOURCE:
         pairs["before"] = ((), BASELINE_SOURCE)
     rates: dict[str, list[float]] = {
-        name: [] for name in ("raw_tcp", *(f"exchange_{p}" for p in pairs), "lmdb_commit", "lmdb_commit_writemap",
-                              "page_cache_mmap", "page_cache_pwrite")
+        name: []
+        for name in (
+            "raw_tcp",
+            *(f"exchange_{p}" for p in pairs),
+            "lmdb_commit",
+            "lmdb_commit_writemap",
+            "page_cache_mmap",
+            "page_cache_pwrite",
+        )
     }
     #: CPU seconds per GB moved, of the sender and the receiver daemon of each pair.
     cpu: dict[str, list[float]] = {f"{p}_{side}": [] for p in pairs for side in ("sender", "receiver")}
@@ -323,8 +334,10 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
             progress(f"exchange {label}: staging on node-0 of the {name} pair")
             *_, staged = stub.Stage(pb.StageRequest(dataset=label))
             assert staged.done_samples == staged.total_samples, staged
-        manifests = {name: Manifest(b"".join(c.data for c in stub.GetManifest(pb.GetDatasetRequest(name=label))))
-                     for name, stub in stubs.items()}
+        manifests = {
+            name: Manifest(b"".join(c.data for c in stub.GetManifest(pb.GetDatasetRequest(name=label))))
+            for name, stub in stubs.items()
+        }
         if GROWN:
             progress(f"exchange {label}: a round to grow each pair's receiving cache")
             for name, local in clusters.items():
@@ -335,15 +348,16 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
             # The pairs take turns at going first: the first follows the GBs the
             # last round's baselines wrote, and the writeback runs beside it.
             order = list(clusters.items())
-            for name, local in order[round_ % len(order):] + order[: round_ % len(order)]:
+            for name, local in order[round_ % len(order) :] + order[: round_ % len(order)]:
                 done = exchange_round(local, stubs[name], label, manifests[name], round_, name, GROWN)
                 given = done.given
                 rates[f"exchange_{name}"].append(done.rate / 1e9)
                 for side, seconds in (("sender", done.sender_cpu), ("receiver", done.receiver_cpu)):
                     cpu[f"{name}_{side}"].append(seconds / (len(given) * size / 1e9))
             batches = [given[i : i + BATCH] for i in range(0, len(given), BATCH)]
-            raw = RawStream(base / f"raw-x-{label}-{round_}", [[paths[i] for i in b.tolist()] for b in batches],
-                            BATCH * size)
+            raw = RawStream(
+                base / f"raw-x-{label}-{round_}", [[paths[i] for i in b.tolist()] for b in batches], BATCH * size
+            )
             back_free_memory()
             started = time.perf_counter()
             for k in range(len(batches)):
@@ -355,7 +369,8 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
             rates["lmdb_commit"].append(lmdb_commit(base / f"lmdb-{label}-{round_}", values) / 1e9)
             back_free_memory()
             rates["lmdb_commit_writemap"].append(
-                lmdb_commit(base / f"lmdb-wm-{label}-{round_}", values, writemap=True) / 1e9)
+                lmdb_commit(base / f"lmdb-wm-{label}-{round_}", values, writemap=True) / 1e9
+            )
             back_free_memory()
             mapped, written = page_cache(base / f"page-cache-{label}-{round_}", values)
             rates["page_cache_mmap"].append(mapped / 1e9)
@@ -380,8 +395,14 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
         row["baseline_source"] = BASELINE_SOURCE
     for name, per_gb in cpu.items():
         row[f"{name}_cpu_s_per_GB"] = float(statistics.median(per_gb))
-    row.update(rounds_GBps=rates, rounds_cpu_s_per_GB=cpu, load_before=load_before, load_after=load_after,
-               grown=GROWN, target=TARGET)
+    row.update(
+        rounds_GBps=rates,
+        rounds_cpu_s_per_GB=cpu,
+        load_before=load_before,
+        load_after=load_after,
+        grown=GROWN,
+        target=TARGET,
+    )
     return row
 
 
@@ -391,12 +412,14 @@ def _bench_peers(base: Path, sizes: list[tuple[str, int]]) -> list[dict]:
     directory = DirectoryProcess(base / "directory", dataset_roots=(base,)).start()
     processes: list[DaemonProcess] = []
     try:
-        for name, extra in (("n0", ()), ("n1", ()), ("g0", ("--bulk-listen", "off")),
-                            ("g1", ("--bulk-listen", "off"))):
-            processes.append(DaemonProcess(
-                base / name, ("--directory", directory.address, "--node-name", name, *extra),
-                dataset_roots=(base,),
-            ).start())
+        for name, extra in (("n0", ()), ("n1", ()), ("g0", ("--bulk-listen", "off")), ("g1", ("--bulk-listen", "off"))):
+            processes.append(
+                DaemonProcess(
+                    base / name,
+                    ("--directory", directory.address, "--node-name", name, *extra),
+                    dataset_roots=(base,),
+                ).start()
+            )
         for label, size in sizes:
             rows.append(bench_size(processes[:2], processes[2:], base, label, size))
     finally:
@@ -424,19 +447,49 @@ def main() -> None:
     report(
         "wire_exchange",
         exchanges,
-        ["size", "raw_tcp_GBps", "exchange_grpc_GBps", "exchange_grpc_ratio", "exchange_bulk_GBps",
-         "exchange_bulk_ratio", "bulk_over_grpc", "exchange_before_GBps", "exchange_before_ratio", "bulk_over_before",
-         "lmdb_commit_GBps", "lmdb_commit_ratio",
-         "lmdb_commit_writemap_GBps", "lmdb_commit_writemap_ratio", "page_cache_mmap_GBps", "page_cache_mmap_ratio",
-         "page_cache_pwrite_GBps", "page_cache_pwrite_ratio", "bulk_sender_cpu_s_per_GB", "bulk_receiver_cpu_s_per_GB",
-         "before_sender_cpu_s_per_GB", "before_receiver_cpu_s_per_GB"],
+        [
+            "size",
+            "raw_tcp_GBps",
+            "exchange_grpc_GBps",
+            "exchange_grpc_ratio",
+            "exchange_bulk_GBps",
+            "exchange_bulk_ratio",
+            "bulk_over_grpc",
+            "exchange_before_GBps",
+            "exchange_before_ratio",
+            "bulk_over_before",
+            "lmdb_commit_GBps",
+            "lmdb_commit_ratio",
+            "lmdb_commit_writemap_GBps",
+            "lmdb_commit_writemap_ratio",
+            "page_cache_mmap_GBps",
+            "page_cache_mmap_ratio",
+            "page_cache_pwrite_GBps",
+            "page_cache_pwrite_ratio",
+            "bulk_sender_cpu_s_per_GB",
+            "bulk_receiver_cpu_s_per_GB",
+            "before_sender_cpu_s_per_GB",
+            "before_receiver_cpu_s_per_GB",
+        ],
     )
     report(
         "wire",
         rows,
-        ["size", "raw_tcp_GBps", "grpc_hop_GBps", "grpc_hop_ratio", "bulk_hop_GBps", "bulk_hop_ratio",
-         "peer_grpc_GBps", "peer_grpc_ratio", "peer_bulk_GBps", "peer_bulk_ratio", "peer_bulk_over_grpc",
-         "hop2_GBps", "hop2_ratio"],
+        [
+            "size",
+            "raw_tcp_GBps",
+            "grpc_hop_GBps",
+            "grpc_hop_ratio",
+            "bulk_hop_GBps",
+            "bulk_hop_ratio",
+            "peer_grpc_GBps",
+            "peer_grpc_ratio",
+            "peer_bulk_GBps",
+            "peer_bulk_ratio",
+            "peer_bulk_over_grpc",
+            "hop2_GBps",
+            "hop2_ratio",
+        ],
     )
 
 

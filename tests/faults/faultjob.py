@@ -80,16 +80,34 @@ class FaultJob:
         mode_args = dict(zip(MODES[self.mode][::2], MODES[self.mode][1::2]))
         q = float(mode_args.get("--q", 0.0))
         # The job's record names its dataset and nodes, which placement hashes.
-        settings = JobSettings(dataset=DATASET, mode=self.mode, q=q, seed=SEED, ranks_per_node=RANKS_PER_NODE,
-                               nodes=tuple(node_name(i) for i in range(NODES)))
+        settings = JobSettings(
+            dataset=DATASET,
+            mode=self.mode,
+            q=q,
+            seed=SEED,
+            ranks_per_node=RANKS_PER_NODE,
+            nodes=tuple(node_name(i) for i in range(NODES)),
+        )
         return JobPlan(settings, SAMPLES, NODES)
 
     def stage_command(self) -> list[str]:
         """The CLI that creates the job and stages each node's share of it."""
         return [
-            sys.executable, "-m", "dataquay.server.cli", "stage", DATASET, "--job", JOB, *MODES[self.mode],
-            "--seed", str(SEED), "--ranks-per-node", str(RANKS_PER_NODE), "--quiet",
-            "--directory", self.local.directory_address,
+            sys.executable,
+            "-m",
+            "dataquay.server.cli",
+            "stage",
+            DATASET,
+            "--job",
+            JOB,
+            *MODES[self.mode],
+            "--seed",
+            str(SEED),
+            "--ranks-per-node",
+            str(RANKS_PER_NODE),
+            "--quiet",
+            "--directory",
+            self.local.directory_address,
         ]
 
     def stage(self) -> subprocess.CompletedProcess[str]:
@@ -112,9 +130,7 @@ class FaultJob:
         assert not problems, "\n".join(problems)
         self.tiers.append(tier_counts(results))
 
-    def run_epochs(
-        self, group: RankGroup, epochs: int = 3, mid: dict[int, Callable[[], None]] | None = None
-    ) -> None:
+    def run_epochs(self, group: RankGroup, epochs: int = 3, mid: dict[int, Callable[[], None]] | None = None) -> None:
         """Runs and checks ``epochs`` epochs; ``mid[e]`` breaks something halfway through epoch e."""
         for epoch in range(epochs):
             self.check(epoch, group.epoch(epoch, mid=(mid or {}).get(epoch)))
@@ -171,8 +187,9 @@ class FaultJob:
 
     def exchanged(self, epoch: int) -> bool:
         """Whether every node's exchange into ``epoch`` finished."""
-        runs = [next((x for x in self.stats(m).exchanges if x.job == JOB and x.epoch == epoch), None)
-                for m in range(NODES)]
+        runs = [
+            next((x for x in self.stats(m).exchanges if x.job == JOB and x.epoch == epoch), None) for m in range(NODES)
+        ]
         return all(run is not None and run.finished for run in runs)
 
     def read_tiers(self, through: int, ids: Sequence[int]) -> list[str]:
@@ -208,9 +225,12 @@ class FaultJob:
         if not path:
             return
         record = {
-            "scenario": scenario, "mode": self.mode, "outcome": outcome,
+            "scenario": scenario,
+            "mode": self.mode,
+            "outcome": outcome,
             "recovery_seconds": None if recovery_seconds is None else round(recovery_seconds, 2),
-            "tiers": self.tiers, **more,
+            "tiers": self.tiers,
+            **more,
         }
         with open(path, "a", encoding="utf-8") as out:
             out.write(json.dumps(record) + "\n")
@@ -220,9 +240,20 @@ def make_fault_job(local: LocalCluster, work_dir: Path, mode: str) -> FaultJob:
     """Writes the dataset's files, hashes them and registers them with the cluster."""
     root = make_files_dataset(work_dir / "pfs", SAMPLES, sizes=SIZES)
     added = subprocess.run(
-        [sys.executable, "-m", "dataquay.server.cli", "dataset", "add", DATASET, str(root),
-         "--addr", local.daemons[0].address],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "dataquay.server.cli",
+            "dataset",
+            "add",
+            DATASET,
+            str(root),
+            "--addr",
+            local.daemons[0].address,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert added.returncode == 0, added.stderr
     return FaultJob(local, root, mode, work_dir, pfs_digests(root))

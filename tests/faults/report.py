@@ -1,6 +1,6 @@
 """Prints the fault suite's records (DATAQUAY_FAULT_REPORT) as a Markdown table.
 
-    python tests/faults/report.py bench/results/faults.jsonl
+python tests/faults/report.py bench/results/faults.jsonl
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ def main(path: str) -> None:
     for line in Path(path).read_text().splitlines():
         record = json.loads(line)
         recovery = "-" if record["recovery_seconds"] is None else f"{record['recovery_seconds']:.2f}"
-        print(f"| {record['scenario']} | {record['mode']} | {record['outcome']} | {recovery} | "
-              f"{tiers(record['tiers'])} |")
+        print(
+            f"| {record['scenario']} | {record['mode']} | {record['outcome']} | {recovery} | {tiers(record['tiers'])} |"
+        )
 
 
 if __name__ == "__main__":

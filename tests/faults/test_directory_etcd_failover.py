@@ -22,8 +22,15 @@ LEASES = ("--lease-seconds", "2", "--heartbeat-seconds", "0.5")
 def replicated(tmp_path: Path) -> Iterator[LocalCluster]:
     if etcd_binary() is None:
         pytest.skip("no etcd binary (the etcd-server package; make tools)")
-    local = LocalCluster(tmp_path / "cluster", NODES, directory_args=LEASES, dataset_roots=(tmp_path,),
-                         directories=2, store="etcd", etcd_members=3)
+    local = LocalCluster(
+        tmp_path / "cluster",
+        NODES,
+        directory_args=LEASES,
+        dataset_roots=(tmp_path,),
+        directories=2,
+        store="etcd",
+        etcd_members=3,
+    )
     try:
         yield local.start()
     finally:
@@ -31,7 +38,8 @@ def replicated(tmp_path: Path) -> Iterator[LocalCluster]:
 
 
 def test_a_job_reads_on_through_a_killed_replica_a_killed_etcd_member_and_an_etcd_outage(
-    replicated: LocalCluster, tmp_path: Path,
+    replicated: LocalCluster,
+    tmp_path: Path,
 ) -> None:
     job: FaultJob = make_fault_job(replicated, tmp_path, "partial")
     job.stage()
@@ -60,6 +68,8 @@ def test_a_job_reads_on_through_a_killed_replica_a_killed_etcd_member_and_an_etc
     replicated.kill_node(NODES - 1)
     wait_until(lambda: node_name(NODES - 1) not in job.listed_up(), "the killed node listed down", timeout=10)
     assert time.monotonic() - killed < 6
-    job.report("directory replica SIGKILLed mid-epoch, then an etcd member, then all of etcd (2 replicas, 3 members)",
-               "epochs went on exactly with no PFS read; the other replica detected a killed node",
-               time.monotonic() - killed)
+    job.report(
+        "directory replica SIGKILLed mid-epoch, then an etcd member, then all of etcd (2 replicas, 3 members)",
+        "epochs went on exactly with no PFS read; the other replica detected a killed node",
+        time.monotonic() - killed,
+    )

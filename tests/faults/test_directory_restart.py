@@ -24,5 +24,8 @@ def test_the_job_reads_on_without_the_directory_and_after_its_restart(
         job.check(2, group.epoch(2))
     assert all(sum(tiers.values()) == SAMPLES and "pfs" not in tiers for tiers in job.tiers)
     assert sum(job.stats(m).pfs_bytes for m in range(NODES)) == pfs_after_staging
-    job.report("directory killed mid-epoch, restarted after the epoch",
-               "epochs went on from the caches; the job and its nodes were back on restart", recovery)
+    job.report(
+        "directory killed mid-epoch, restarted after the epoch",
+        "epochs went on from the caches; the job and its nodes were back on restart",
+        recovery,
+    )

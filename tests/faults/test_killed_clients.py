@@ -58,7 +58,9 @@ def add_big(local_address: str, root: Path) -> np.ndarray:
     make_files_dataset(root, BIG_SAMPLES, sizes=(BIG_SIZE,), seed=5)
     added = subprocess.run(
         [sys.executable, "-m", "dataquay.server.cli", "dataset", "add", BIG, str(root), "--addr", local_address],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert added.returncode == 0, added.stderr
     return pfs_digests(root)
@@ -69,7 +71,9 @@ def kill_mid_read(address: str, *, first: bool) -> int:
     large read of BIG, checks that the read had not finished; returns its pid."""
     client = subprocess.Popen(
         [sys.executable, "-c", CLIENT, BIG, "--first" if first else "--warm"],
-        env={**os.environ, "DATAQUAY_ADDR": address}, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "DATAQUAY_ADDR": address},
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert client.stdout is not None
     try:
@@ -93,7 +97,8 @@ def open_segments(daemon: DaemonProcess, pid: int) -> list[str]:
     memfd, or a file under /dev/shm)."""
     assert daemon.process is not None
     return [
-        target for target in open_files(daemon.process.pid)
+        target
+        for target in open_files(daemon.process.pid)
         if f"/memfd:dataquay-{pid} " in target or f"/dataquay-{pid}-" in target
     ]
 
@@ -117,15 +122,14 @@ def test_a_client_killed_mid_read_is_cleaned_up_and_the_job_reads_on(fault_job: 
     # Its segment was a sealed memfd, never a name; the daemon's mapping goes
     # with the segment's connection.
     assert segment_files(killed[0]) == []
-    closed = wait_until(
-        lambda: not open_segments(daemon, killed[0]), "the daemon closed the killed client's segment"
-    )
+    closed = wait_until(lambda: not open_segments(daemon, killed[0]), "the daemon closed the killed client's segment")
     for epoch in range(3):
         assert set(job.tiers[epoch]) == {"local", "peer"} and sum(job.tiers[epoch].values()) == SAMPLES
     job.report(
         "SIGKILL a client mid-get_batch (warm segment)",
         "the daemon kept serving; segment unmapped as its connection ended; job exact",
-        None, segment_closed_after_seconds=round(closed, 2),
+        None,
+        segment_closed_after_seconds=round(closed, 2),
     )
 
 
@@ -275,6 +279,9 @@ def test_a_killed_dataloader_worker_harms_neither_its_parent_nor_its_siblings(
     for epoch in range(3):
         assert set(job.tiers[epoch]) == {"local", "peer"} and sum(job.tiers[epoch].values()) == SAMPLES
     job.report(
-        "SIGKILL a forked DataLoader worker mid-read", "parent, siblings and a replacement worker read right bytes; "
-        "job exact", None, died_mid_read=seen.died_mid_read, parent_tiers=seen.parent_tiers,
+        "SIGKILL a forked DataLoader worker mid-read",
+        "parent, siblings and a replacement worker read right bytes; job exact",
+        None,
+        died_mid_read=seen.died_mid_read,
+        parent_tiers=seen.parent_tiers,
     )

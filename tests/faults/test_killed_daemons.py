@@ -38,7 +38,8 @@ def test_a_daemon_killed_mid_epoch_is_replaced_by_the_pfs_and_rejoins(
         # Recovered: its peers read its samples from it again, not from the PFS.
         for peer in range(3):
             wait_until(
-                lambda: "pfs" not in job.read_tiers(peer, of_node_3), f"node {peer} reads node 3's samples from it",
+                lambda: "pfs" not in job.read_tiers(peer, of_node_3),
+                f"node {peer} reads node 3's samples from it",
                 poll=0.1,
             )
         recovery.append(time.monotonic() - started)
@@ -94,8 +95,13 @@ def test_a_daemon_killed_during_staging_finishes_staging_after_a_restart(
                 wait_until(lambda: job.exchanged(epoch), f"the exchange into epoch {epoch} finished")
             job.check(epoch, group.epoch(epoch))
     assert all(tiers == {"local": SAMPLES} for tiers in job.tiers), job.tiers
-    job.report("SIGKILL a daemon during staging", "restaging resumed from what it had cached; epochs all local",
-               recovery, cached_before_restage=partly, share=owned[2])
+    job.report(
+        "SIGKILL a daemon during staging",
+        "restaging resumed from what it had cached; epochs all local",
+        recovery,
+        cached_before_restage=partly,
+        share=owned[2],
+    )
 
 
 def test_a_daemon_killed_in_the_middle_of_the_exchange_redoes_its_part(
@@ -139,5 +145,9 @@ def test_a_daemon_killed_in_the_middle_of_the_exchange_redoes_its_part(
     given = int(((owners_at(job, 0) == 1) & (owners_at(job, 1) != 1)).sum())
     assert after.delivered_samples == after.total_samples == given
     assert after.unavailable_samples == after.refused_samples == 0
-    job.report("SIGKILL a daemon mid-exchange", "the restarted daemon redid its part; nothing read twice or lost",
-               recovery[0], tiers_note="epoch 1 reads not yet delivered come from the previous owner")
+    job.report(
+        "SIGKILL a daemon mid-exchange",
+        "the restarted daemon redid its part; nothing read twice or lost",
+        recovery[0],
+        tiers_note="epoch 1 reads not yet delivered come from the previous owner",
+    )

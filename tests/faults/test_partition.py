@@ -107,8 +107,12 @@ def link() -> Iterator[Link]:
 
 def test_a_partitioned_node_is_read_around_listed_down_and_rejoins(link: Link, tmp_path: Path) -> None:
     local = LocalCluster(
-        tmp_path / "cluster", NODES, ("--peer-timeout", str(PEER_TIMEOUT_SECONDS)), LEASES,
-        host=link.host_address, node_hosts={CUT: NodeHost(link.far_address, link.prefix)},
+        tmp_path / "cluster",
+        NODES,
+        ("--peer-timeout", str(PEER_TIMEOUT_SECONDS)),
+        LEASES,
+        host=link.host_address,
+        node_hosts={CUT: NodeHost(link.far_address, link.prefix)},
     )
     try:
         local.start()
@@ -120,9 +124,7 @@ def test_a_partitioned_node_is_read_around_listed_down_and_rejoins(link: Link, t
         try:
             with job.ranks() as group:
                 assert group.nodes == [f"node-{r // RANKS_PER_NODE}" for r in range(NODES * RANKS_PER_NODE)]
-                outage = job.run_outage(
-                    group, CUT, lambda: link.set(up=False), lambda: link.set(up=True), CUT_SECONDS
-                )
+                outage = job.run_outage(group, CUT, lambda: link.set(up=False), lambda: link.set(up=True), CUT_SECONDS)
         finally:
             link.set(up=True)
     finally:
@@ -139,8 +141,11 @@ def test_a_partitioned_node_is_read_around_listed_down_and_rejoins(link: Link, t
         assert set(job.tiers[epoch]) == {"local", "peer"}, job.tiers[epoch]
         assert sum(job.tiers[epoch].values()) == SAMPLES
     job.report(
-        "network partition of one node mid-epoch (veth down 3 s)", "both sides read across the cut from the PFS "
+        "network partition of one node mid-epoch (veth down 3 s)",
+        "both sides read across the cut from the PFS "
         "through their own daemons; the node was listed down, then up; all peer hits again once it answered",
-        outage.recovery_seconds, peer_timeout_seconds=PEER_TIMEOUT_SECONDS, cut_seconds=CUT_SECONDS,
+        outage.recovery_seconds,
+        peer_timeout_seconds=PEER_TIMEOUT_SECONDS,
+        cut_seconds=CUT_SECONDS,
         listed_down_after_seconds=round(outage.listed_down_seconds, 2),
     )

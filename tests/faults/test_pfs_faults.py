@@ -46,9 +46,20 @@ def test_broken_files_fail_their_own_reads_by_name_and_nothing_else(
     copy = shutil.copytree(job.root, job.root.with_name("pfs-uncached"), copy_function=shutil.copyfile)
     copies = pfs_files(copy)
     added = subprocess.run(
-        [sys.executable, "-m", "dataquay.server.cli", "dataset", "add", "uncached", str(copy),
-         "--addr", job.local.daemons[0].address],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "dataquay.server.cli",
+            "dataset",
+            "add",
+            "uncached",
+            str(copy),
+            "--addr",
+            job.local.daemons[0].address,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert added.returncode == 0, added.stderr
     broken = break_files(files)
@@ -77,9 +88,19 @@ def test_broken_files_fail_their_own_reads_by_name_and_nothing_else(
     finally:
         client.close()
     staged_again = subprocess.run(
-        [sys.executable, "-m", "dataquay.server.cli", "stage", "uncached", "--quiet",
-         "--addr", job.local.daemons[0].address],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "dataquay.server.cli",
+            "stage",
+            "uncached",
+            "--quiet",
+            "--addr",
+            job.local.daemons[0].address,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert staged_again.returncode == 1
     assert f"{SAMPLES - len(broken)}/{SAMPLES} samples cached" in staged_again.stdout
@@ -87,5 +108,6 @@ def test_broken_files_fail_their_own_reads_by_name_and_nothing_else(
     job.report(
         "PFS file deleted / unreadable / truncated after registration",
         "staged copies served the job; uncached reads of those ids fail with PfsReadError naming dataset, id, "
-        "path and cause; every other id reads right; staging skips and names them", None,
+        "path and cause; every other id reads right; staging skips and names them",
+        None,
     )

@@ -25,7 +25,10 @@ def test_a_stopped_peer_is_read_around_then_used_again_after_sigcont(fault_job: 
     try:
         with job.ranks() as group:
             outage = job.run_outage(
-                group, STOPPED, lambda: daemon.signal(signal.SIGSTOP), lambda: daemon.signal(signal.SIGCONT),
+                group,
+                STOPPED,
+                lambda: daemon.signal(signal.SIGSTOP),
+                lambda: daemon.signal(signal.SIGCONT),
                 STOP_SECONDS,
             )
     finally:
@@ -47,9 +50,12 @@ def test_a_stopped_peer_is_read_around_then_used_again_after_sigcont(fault_job: 
         assert sum(job.tiers[epoch].values()) == SAMPLES
     assert len(job.listed_up()) == NODES
     job.report(
-        "SIGSTOP a peer daemon mid-epoch, SIGCONT after 3 s", "other nodes read its samples from the PFS; "
+        "SIGSTOP a peer daemon mid-epoch, SIGCONT after 3 s",
+        "other nodes read its samples from the PFS; "
         "its own ranks stalled until SIGCONT (no fallback); all peer hits again once it answered",
-        outage.recovery_seconds, peer_timeout_seconds=PEER_TIMEOUT_SECONDS, stop_seconds=STOP_SECONDS,
+        outage.recovery_seconds,
+        peer_timeout_seconds=PEER_TIMEOUT_SECONDS,
+        stop_seconds=STOP_SECONDS,
         listed_down_after_seconds=round(outage.listed_down_seconds, 2),
         own_ranks_stall_seconds=round(max(r.wait_seconds for r in own), 2),
     )

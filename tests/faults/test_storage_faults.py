@@ -36,8 +36,9 @@ def test_a_value_corrupted_on_disk_is_caught_served_from_the_pfs_and_repaired(
     assert job.tiers[0] == {"local": SAMPLES - 1, "pfs": 1}
     assert job.tiers[1] == job.tiers[2] == {"local": SAMPLES}
     assert job.stats(1).corrupt_repaired == 1
-    job.report("a value corrupted on disk", "checksum mismatch: read from the PFS, repaired in place", 0.0,
-               corrupt_repaired=1)
+    job.report(
+        "a value corrupted on disk", "checksum mismatch: read from the PFS, repaired in place", 0.0, corrupt_repaired=1
+    )
 
 
 def test_a_cache_too_small_for_its_share_serves_the_rest_from_the_pfs_every_epoch(
@@ -59,5 +60,9 @@ def test_a_cache_too_small_for_its_share_serves_the_rest_from_the_pfs_every_epoc
     # The PFS share stays level (before, it grew epoch after epoch).
     pfs = [tiers.get("pfs", 0) for tiers in job.tiers]
     assert max(pfs) <= 1.25 * min(pfs), pfs
-    job.report("cache disk too small for its share (--cache-size 128K)", "correct bytes; the overflow read from "
-               "the PFS every epoch", None, cached=sum(held))
+    job.report(
+        "cache disk too small for its share (--cache-size 128K)",
+        "correct bytes; the overflow read from the PFS every epoch",
+        None,
+        cached=sum(held),
+    )

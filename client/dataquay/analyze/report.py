@@ -330,14 +330,16 @@ def format_report(report: StallReport) -> str:
     rows = []
     for name, run in report.runs().items():
         samples = report.samples_per_second(run)
-        rows.append([
-            name.replace("_", " "),
-            f"{run.steps_per_second:.1f}",
-            "-" if samples is None else f"{samples:,.0f}",
-            f"{1000 * run.seconds_per_step:.1f}",
-            f"{1000 * run.wait_per_step:.1f}",
-            _RUN_MEANINGS[name] + (f" ({_workers(report.workers)})" if name == "loader_alone" else ""),
-        ])
+        rows.append(
+            [
+                name.replace("_", " "),
+                f"{run.steps_per_second:.1f}",
+                "-" if samples is None else f"{samples:,.0f}",
+                f"{1000 * run.seconds_per_step:.1f}",
+                f"{1000 * run.wait_per_step:.1f}",
+                _RUN_MEANINGS[name] + (f" ({_workers(report.workers)})" if name == "loader_alone" else ""),
+            ]
+        )
     lines = _table(rows, header)
     step, prep, fetch = report.step_seconds, report.prep_stall_seconds, report.fetch_stall_seconds
     breakdown = (

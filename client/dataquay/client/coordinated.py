@@ -102,9 +102,16 @@ class CoordinatedLoader:
         if self.num_batches < 1:
             raise ValueError(f"dataset {dataset.name!r} has fewer than one batch of {batch_size}")
         self.spec = pb.PrepGroupSpec(
-            group=group, dataset=dataset.name, manifest_id=dataset.info.manifest_id, jobs=jobs,
-            batch_size=batch_size, seed=seed, drop_last=drop_last, num_batches=self.num_batches,
-            memory_bytes=memory_bytes, timeout_seconds=timeout,
+            group=group,
+            dataset=dataset.name,
+            manifest_id=dataset.info.manifest_id,
+            jobs=jobs,
+            batch_size=batch_size,
+            seed=seed,
+            drop_last=drop_last,
+            num_batches=self.num_batches,
+            memory_bytes=memory_bytes,
+            timeout_seconds=timeout,
         )
         self.member = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.workers = workers
@@ -243,8 +250,15 @@ class CoordinatedLoader:
     ) -> pb.PrepSyncReply | None:
         """One PrepSync; None when the daemon does not answer (the member goes on alone)."""
         request = pb.PrepSyncRequest(
-            spec=self.spec, member=self.member, pid=os.getpid(), epoch=epoch, consumed=consumed,
-            prepped=handed, claim=claim, wait_seconds=wait, leave=leave,
+            spec=self.spec,
+            member=self.member,
+            pid=os.getpid(),
+            epoch=epoch,
+            consumed=consumed,
+            prepped=handed,
+            claim=claim,
+            wait_seconds=wait,
+            leave=leave,
         )
         try:
             reply = self.dataset.client.prep_sync(request)

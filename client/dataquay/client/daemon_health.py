@@ -61,7 +61,8 @@ class DaemonHealth:
             log.log(
                 logging.WARNING if told else logging.DEBUG,
                 "%s; reading misses from the PFS and trying the daemon again every %.0f s",
-                exc, RETRY_DAEMON_SECONDS,
+                exc,
+                RETRY_DAEMON_SECONDS,
             )
         self._down_reason = str(exc)
         self._down_until = time.monotonic() + RETRY_DAEMON_SECONDS

@@ -46,9 +46,7 @@ class DaemonTransport(Protocol):
     #: Short name, for tests and logs.
     name: str
 
-    def read(
-        self, dataset: Dataset, ids: np.ndarray, epoch: int | None, deadline: float, reply: DaemonReply
-    ) -> bool:
+    def read(self, dataset: Dataset, ids: np.ndarray, epoch: int | None, deadline: float, reply: DaemonReply) -> bool:
         """Reads ``ids`` into ``reply`` within ``deadline`` seconds; False where
         this transport could not carry the batch and took nothing into ``reply``
         (the next transport picked is tried).
@@ -69,12 +67,12 @@ class MemfdBatchTransport:
         self._connection = connection
         self._segment = segment
 
-    def read(
-        self, dataset: Dataset, ids: np.ndarray, epoch: int | None, deadline: float, reply: DaemonReply
-    ) -> bool:
-        frame = request_frame(BatchRequest(
-            dataset.name, dataset.manifest.manifest_id, dataset.job or "", epoch if dataset.job else None, ids
-        ))
+    def read(self, dataset: Dataset, ids: np.ndarray, epoch: int | None, deadline: float, reply: DaemonReply) -> bool:
+        frame = request_frame(
+            BatchRequest(
+                dataset.name, dataset.manifest.manifest_id, dataset.job or "", epoch if dataset.job else None, ids
+            )
+        )
         try:
             data = self._segment.read(frame, deadline)
         except OSError as exc:
@@ -116,9 +114,7 @@ class InlineGrpcTransport:
             request.epoch = epoch
         return request
 
-    def read(
-        self, dataset: Dataset, ids: np.ndarray, epoch: int | None, deadline: float, reply: DaemonReply
-    ) -> bool:
+    def read(self, dataset: Dataset, ids: np.ndarray, epoch: int | None, deadline: float, reply: DaemonReply) -> bool:
         request = self.request(dataset, ids, epoch)
 
         def read(stub: cache_pb2_grpc.CacheStub) -> None:
@@ -213,8 +209,13 @@ class DaemonReply:
         self.sizes = dict.fromkeys(CLIENT_TIERS, 0)
         self.used_segment = False
         self._stream = ReadStream(
-            "the daemon", lengths, verify=verify, segment=seg, trust_marks=isinstance(seg, MemfdSegment),
-            order=ids, dataset=dataset,
+            "the daemon",
+            lengths,
+            verify=verify,
+            segment=seg,
+            trust_marks=isinstance(seg, MemfdSegment),
+            order=ids,
+            dataset=dataset,
         )
 
     def take(self, chunk: pb.ReadChunk) -> None:
@@ -237,10 +238,15 @@ class DaemonReply:
         seg, out, bad, verify = self.seg, self.out, self.bad, self.verify
         assert seg is not None and not out
         tiers, sizes = self.tiers, self.sizes
-        for position, (offset, length, digest, tier_code, checked) in enumerate(zip(
-            answer.offsets.tolist(), answer.lengths.tolist(), answer.checksums.tolist(), answer.tiers.tolist(),
-            answer.checked.tolist(),
-        )):
+        for position, (offset, length, digest, tier_code, checked) in enumerate(
+            zip(
+                answer.offsets.tolist(),
+                answer.lengths.tolist(),
+                answer.checksums.tolist(),
+                answer.tiers.tolist(),
+                answer.checked.tolist(),
+            )
+        ):
             data = seg.map[offset : offset + length]
             if verify and not checked and checksum(data) != digest:
                 bad.append(position)

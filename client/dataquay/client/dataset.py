@@ -106,8 +106,13 @@ class Dataset(Sequence[bytes]):
         client: Client = state["client"]
         info = pb.DatasetInfo.FromString(state["info"])
         self._bind(
-            client, info, Manifest(state["manifest"]), state["job"],
-            client.local_cache, client.remote, client.read_stats,
+            client,
+            info,
+            Manifest(state["manifest"]),
+            state["job"],
+            client.local_cache,
+            client.remote,
+            client.read_stats,
         )
 
     @property
@@ -278,8 +283,14 @@ class Dataset(Sequence[bytes]):
                 dataset was replaced since the job began.
         """
         job_id = job if job is not None else env.job_id()
-        cluster = {"mode": mode, "q": q, "nodes": nodes, "partition": partition, "batch_size": batch_size,
-                   "exchange_coding": exchange_coding}
+        cluster = {
+            "mode": mode,
+            "q": q,
+            "nodes": nodes,
+            "partition": partition,
+            "batch_size": batch_size,
+            "exchange_coding": exchange_coding,
+        }
         if job_id is not None:
             if not shuffle:
                 raise ValueError(f"job {job_id!r} shuffles by its placement; shuffle=False needs no job")
@@ -328,8 +339,16 @@ class Dataset(Sequence[bytes]):
             workers: this member's prep threads; ``prep`` must then be thread-safe.
         """
         return CoordinatedLoader(
-            self, group=group, jobs=jobs, prep=prep, batch_size=batch_size, seed=seed, drop_last=drop_last,
-            memory_bytes=memory_bytes, timeout=timeout, workers=workers,
+            self,
+            group=group,
+            jobs=jobs,
+            prep=prep,
+            batch_size=batch_size,
+            seed=seed,
+            drop_last=drop_last,
+            memory_bytes=memory_bytes,
+            timeout=timeout,
+            workers=workers,
         )
 
     def batches(self, sampler: Sampler, batch_size: int, *, read_ahead: int = 2) -> Iterator[list[bytes]]:
@@ -378,9 +397,14 @@ class Dataset(Sequence[bytes]):
                 sampler.position += len(chunk)
                 yield batch
             sampler.position = 0
-            self._stats.epoch_read(EpochWait(
-                epoch, len(chunks), time.perf_counter() - started, self._stats.data_wait_seconds - waited,
-            ))
+            self._stats.epoch_read(
+                EpochWait(
+                    epoch,
+                    len(chunks),
+                    time.perf_counter() - started,
+                    self._stats.data_wait_seconds - waited,
+                )
+            )
             if ahead is not None:
                 self._carried, carrying = ahead, True
         finally:
@@ -427,7 +451,10 @@ class Dataset(Sequence[bytes]):
             # segment; this pays for it, and reads the epoch's first batches,
             # while the trainer builds its model and waits for the other ranks.
             self._carried = ReadAhead(
-                self._fetch, self._stats, [], read_ahead,
+                self._fetch,
+                self._stats,
+                [],
+                read_ahead,
                 then=Upcoming(sampler, sampler.epoch, batch_size, read_ahead, self._reader(sampler, sampler.epoch)),
             )
         placed_on, runs_on = joined.spec.nodes[sampler.node], self._client.info.node
@@ -435,7 +462,11 @@ class Dataset(Sequence[bytes]):
             log.warning(
                 "rank %d runs on node %r but job %r places it on %r (rank // %d ranks per node): its reads "
                 "are right but not local; start the ranks in the order of the job's nodes",
-                rank, runs_on, spec.job_id, placed_on, sampler.plan.settings.ranks_per_node,
+                rank,
+                runs_on,
+                spec.job_id,
+                placed_on,
+                sampler.plan.settings.ranks_per_node,
             )
         return sampler
 

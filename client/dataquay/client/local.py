@@ -320,9 +320,7 @@ class LocalCache:
 
     def _failed(self, db: str, exc: lmdb.Error) -> None:
         """A read that LMDB refused: served as misses; the handle is opened afresh."""
-        log.warning(
-            "local cache %s: reading %s failed, serving it through the daemon: %s", self.path, db, exc
-        )
+        log.warning("local cache %s: reading %s failed, serving it through the daemon: %s", self.path, db, exc)
         self._dbs.pop(db, None)
 
     def _adopt_map_size(self, env: lmdb.Environment) -> bool:
@@ -367,7 +365,9 @@ class LocalCache:
         self._disabled = reason
         log.warning(
             "local cache %s unavailable in process %d, reading through the daemon: %s",
-            self.path, os.getpid(), reason,
+            self.path,
+            os.getpid(),
+            reason,
         )
 
     # --------------------------------------------------------------- fork

@@ -132,9 +132,7 @@ class _Plan:
 
     __slots__ = ("firsts", "lengths", "paths", "starts", "stops", "wanted")
 
-    def __init__(
-        self, manifest: Manifest, ids: np.ndarray | Sequence[int], max_range_bytes: int, max_gap: int
-    ) -> None:
+    def __init__(self, manifest: Manifest, ids: np.ndarray | Sequence[int], max_range_bytes: int, max_gap: int) -> None:
         wanted = np.sort(np.asarray(ids, dtype=np.int64).ravel())
         if wanted.size:
             wanted = wanted[np.append(True, wanted[1:] != wanted[:-1])]
@@ -245,8 +243,13 @@ class PfsReader:
         fd, opened = -1, -1
         try:
             for path_index, size, mtime_ns, start, length, first, stop in zip(
-                plan.paths.tolist(), self._sizes[plan.paths].tolist(), self._mtimes[plan.paths].tolist(),
-                plan.starts.tolist(), plan.lengths.tolist(), plan.firsts.tolist(), plan.stops.tolist(),
+                plan.paths.tolist(),
+                self._sizes[plan.paths].tolist(),
+                self._mtimes[plan.paths].tolist(),
+                plan.starts.tolist(),
+                plan.lengths.tolist(),
+                plan.firsts.tolist(),
+                plan.stops.tolist(),
             ):
                 if path_index != opened:
                     if fd >= 0:
@@ -409,9 +412,7 @@ class PfsReader:
             raise self._error(r, [sample_id], path, reason) from exc
         return frame_members(members)
 
-    def _error(
-        self, r: ReadRange, affected: np.ndarray | Sequence[int], path: str, reason: str
-    ) -> PfsRangeError:
+    def _error(self, r: ReadRange, affected: np.ndarray | Sequence[int], path: str, reason: str) -> PfsRangeError:
         message = f"sample {int(affected[0])} of {self._dataset!r}: cannot read {path}: {reason}"
         return PfsRangeError(message, r.ids.tolist())
 

@@ -98,8 +98,7 @@ def write(batch: Batch, daemon_pid: int) -> tuple[str, int]:
     except OSError as exc:
         os.unlink(SHM_DIR / name)
         raise PreppedBatchError(
-            f"cannot write a prepped batch of {size} bytes under {SHM_DIR}: {exc}; "
-            "a smaller memory_bytes leaves room"
+            f"cannot write a prepped batch of {size} bytes under {SHM_DIR}: {exc}; a smaller memory_bytes leaves room"
         ) from exc
     finally:
         os.close(fd)

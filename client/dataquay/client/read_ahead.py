@@ -148,8 +148,10 @@ class ReadAhead:
             return False
         self._upcoming_known.wait()
         upcoming = self.upcoming
-        return bool(upcoming) and len(upcoming) <= len(chunks) and all(
-            np.array_equal(a, b) for a, b in zip(upcoming, chunks)
+        return (
+            bool(upcoming)
+            and len(upcoming) <= len(chunks)
+            and all(np.array_equal(a, b) for a, b in zip(upcoming, chunks))
         )
 
     def next_batch(self) -> list[bytes]:

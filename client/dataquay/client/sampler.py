@@ -312,8 +312,11 @@ class JobSampler(Sampler):
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank {rank} is outside the world: world size {world}")
         super().__init__(
-            plan.num_samples, rank=rank, world_size=world_size,
-            seed=plan.settings.seed, drop_last=plan.settings.drop_last,
+            plan.num_samples,
+            rank=rank,
+            world_size=world_size,
+            seed=plan.settings.seed,
+            drop_last=plan.settings.drop_last,
         )
         self.job = job
         self.plan = plan

@@ -210,9 +210,7 @@ class ReadStats:
             wait += float(family[_WAIT])
             skipped += int(family[_SKIPPED])
             retried += int(family[_RETRIED])
-        return ClientStats(
-            samples, nbytes, wait, corrupt_local, tuple(self._epochs), skipped=skipped, retried=retried
-        )
+        return ClientStats(samples, nbytes, wait, corrupt_local, tuple(self._epochs), skipped=skipped, retried=retried)
 
     def note_position(self, job_id: str, epoch: int, rank: int, position: int) -> bool:
         """Keeps a rank's read position for the next report; True when one is

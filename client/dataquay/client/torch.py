@@ -229,9 +229,7 @@ class TorchCoordinated(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         if torch.utils.data.get_worker_info() is not None:
-            raise RuntimeError(
-                "a coordinated loader runs in the training process: use DataLoader(..., num_workers=0)"
-            )
+            raise RuntimeError("a coordinated loader runs in the training process: use DataLoader(..., num_workers=0)")
         for batch in self.loader:
             if isinstance(batch, tuple):
                 yield tuple(torch.from_numpy(field) for field in batch)

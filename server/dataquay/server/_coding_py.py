@@ -16,9 +16,18 @@ _EVEN_BITS = np.uint64(0x5555555555555555)
 _CHUNK = 16384
 
 
-def greedy(keys: np.ndarray, table_start: np.ndarray, group_decoder: np.ndarray, group_count: np.ndarray,
-           order: np.ndarray, starts: np.ndarray, parent: np.ndarray, member: np.ndarray, child: np.ndarray,
-           out: np.ndarray) -> None:
+def greedy(
+    keys: np.ndarray,
+    table_start: np.ndarray,
+    group_decoder: np.ndarray,
+    group_count: np.ndarray,
+    order: np.ndarray,
+    starts: np.ndarray,
+    parent: np.ndarray,
+    member: np.ndarray,
+    child: np.ndarray,
+    out: np.ndarray,
+) -> None:
     """Moves rows of tables into gaps of their children, and each moved sample's table into ``out``.
 
     Args:
@@ -50,12 +59,19 @@ def greedy(keys: np.ndarray, table_start: np.ndarray, group_decoder: np.ndarray,
     src_group, dst_group = (_find(group_key, t * num_nodes + decoder) for t in (src, dst))
     pools: dict[tuple[int, int], list[int]] = {}
     lists = order.tolist(), starts.tolist(), group_count.tolist()
-    for move in zip(src.tolist(), dst.tolist(), decoder.tolist(), count.tolist(), src_group.tolist(),
-                    dst_group.tolist(), strict=True):
+    for move in zip(
+        src.tolist(),
+        dst.tolist(),
+        decoder.tolist(),
+        count.tolist(),
+        src_group.tolist(),
+        dst_group.tolist(),
+        strict=True,
+    ):
         taken = _pool(pools, move[0], move[2], move[4], *lists)
         given = _pool(pools, move[1], move[2], move[5], *lists)
-        given.extend(taken[len(taken) - move[3]:])
-        del taken[len(taken) - move[3]:]
+        given.extend(taken[len(taken) - move[3] :])
+        del taken[len(taken) - move[3] :]
     for (table, _), ids in pools.items():
         out[ids] = table
 
@@ -64,8 +80,9 @@ class _Columns:
     """The column counts of the tables the greedy touches, built on first use
     (from Python lists: the greedy reads a few at a time, where numpy's per-call cost dominates)."""
 
-    def __init__(self, group_decoder: np.ndarray, group_count: np.ndarray, table_start: np.ndarray,
-                 sizes: np.ndarray) -> None:
+    def __init__(
+        self, group_decoder: np.ndarray, group_count: np.ndarray, table_start: np.ndarray, sizes: np.ndarray
+    ) -> None:
         self._decoder, self._count = group_decoder.tolist(), group_count.tolist()
         self._start, self._sizes = table_start.tolist(), sizes.tolist()
         self._tables: dict[int, tuple[int, int, dict[int, int]]] = {}
@@ -85,13 +102,19 @@ class _Columns:
         return found
 
 
-def _pool(pools: dict[tuple[int, int], list[int]], table: int, decoder: int, group: int, order: list[int],
-          starts: list[int], counts: list[int]) -> list[int]:
+def _pool(
+    pools: dict[tuple[int, int], list[int]],
+    table: int,
+    decoder: int,
+    group: int,
+    order: list[int],
+    starts: list[int],
+    counts: list[int],
+) -> list[int]:
     """The needed samples in (table, column) now: its group's at first (none if it had no group)."""
     found = pools.get((table, decoder))
     if found is None:
-        found = pools[(table, decoder)] = order[starts[group]:starts[group] + counts[group]] if (
-            group >= 0) else []
+        found = pools[(table, decoder)] = order[starts[group] : starts[group] + counts[group]] if (group >= 0) else []
     return found
 
 
@@ -124,7 +147,8 @@ def _reduce_table(table: int, children: dict[int, int], columns: _Columns) -> li
                     continue
                 # Short of full: some other column of the child holds no more than this one.
                 short = len(child_cols) - (held is not None) < others or any(
-                    n <= (held or 0) for k, n in child_cols.items() if k != column)
+                    n <= (held or 0) for k, n in child_cols.items() if k != column
+                )
                 key = (short, gap)
                 if key > room:
                     room, best = key, (child, child_cols)
@@ -141,8 +165,9 @@ def _reduce_table(table: int, children: dict[int, int], columns: _Columns) -> li
     return [(table, column, child, count) for (column, child), count in moved.items()]
 
 
-def packet_rows(tables: np.ndarray, decoders: np.ndarray, sizes: np.ndarray, parts: np.ndarray,
-                start: np.ndarray) -> int:
+def packet_rows(
+    tables: np.ndarray, decoders: np.ndarray, sizes: np.ndarray, parts: np.ndarray, start: np.ndarray
+) -> int:
     """The packets of the needed samples' tables, one per row: row r of a table
     XORs the r-th sample of each of its columns that has one, its columns'
     samples taken largest first, then by position.
@@ -167,13 +192,12 @@ def packet_rows(tables: np.ndarray, decoders: np.ndarray, sizes: np.ndarray, par
     t, r = tables[parts], rank[np.lexsort((rank, t))]
     new[1:] = (t[1:] != t[:-1]) | (r[1:] != r[:-1])
     heads = np.flatnonzero(new)
-    start[:len(heads)] = heads
+    start[: len(heads)] = heads
     start[len(heads)] = len(parts)
     return len(heads)
 
 
-def pick_bits(holders: np.ndarray, start: np.ndarray, samples: np.ndarray, spread: np.ndarray,
-              out: np.ndarray) -> None:
+def pick_bits(holders: np.ndarray, start: np.ndarray, samples: np.ndarray, spread: np.ndarray, out: np.ndarray) -> None:
     """A node that caches every sample of each group, or -1 where none does.
 
     Group g is ``samples[start[g]:start[g + 1]]`` (never empty); of the nodes
@@ -208,23 +232,26 @@ def _select_bit(words: np.ndarray, rank: np.ndarray) -> np.ndarray:
     return position
 
 
-def table_hashes(holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray, lookup: np.ndarray,
-                 out: np.ndarray) -> None:
+def table_hashes(
+    holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray, lookup: np.ndarray, out: np.ndarray
+) -> None:
     """The set hash of each sample's table: ``holders[samples[i]]`` with bit
     ``decoders[i]`` set (none where it is negative), hashed as the XOR of
     ``lookup[byte position, byte value]`` over the bitset's bytes."""
     keys = holders[samples].copy()
     given = np.flatnonzero(decoders >= 0)
-    keys[given, decoders[given] // WORD_BITS] |= np.left_shift(np.uint64(1), (decoders[given] % WORD_BITS).astype(
-        np.uint64))
+    keys[given, decoders[given] // WORD_BITS] |= np.left_shift(
+        np.uint64(1), (decoders[given] % WORD_BITS).astype(np.uint64)
+    )
     as_bytes = keys.view(np.uint8).reshape(len(keys), -1)
     out[:] = 0
     for position in range(as_bytes.shape[1]):
         out ^= lookup[position][as_bytes[:, position]]
 
 
-def set_numbers(holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray, out: np.ndarray,
-                keys: np.ndarray, order: np.ndarray) -> int:
+def set_numbers(
+    holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray, out: np.ndarray, keys: np.ndarray, order: np.ndarray
+) -> int:
     """Each sample's table, ``holders[samples[i]]`` with bit ``decoders[i]``
     set, into ``out``: the tables numbered in the order of their bitsets'
     bytes, as numpy's unique orders rows of bytes; their bitsets into the
@@ -235,10 +262,11 @@ def set_numbers(holders: np.ndarray, samples: np.ndarray, decoders: np.ndarray, 
         the number of tables.
     """
     rows = holders[samples].copy()
-    rows[np.arange(len(rows)), decoders // WORD_BITS] |= np.left_shift(np.uint64(1),
-                                                                       (decoders % WORD_BITS).astype(np.uint64))
+    rows[np.arange(len(rows)), decoders // WORD_BITS] |= np.left_shift(
+        np.uint64(1), (decoders % WORD_BITS).astype(np.uint64)
+    )
     distinct, out[:] = _unique_rows(rows)
-    keys[:len(distinct)] = distinct
+    keys[: len(distinct)] = distinct
     order[:] = np.lexsort((decoders, out))
     return len(distinct)
 
@@ -250,9 +278,9 @@ def _unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return keys[first], inverse.astype(np.int64)
 
 
-
-def dag_edges(keys: np.ndarray, table_start: np.ndarray, group_decoder: np.ndarray,
-              group_count: np.ndarray) -> bytearray:
+def dag_edges(
+    keys: np.ndarray, table_start: np.ndarray, group_decoder: np.ndarray, group_count: np.ndarray
+) -> bytearray:
     """Every (parent, member, child) where table child is table parent less
     member, as int64 triples: by layer from the largest tables down to those
     of three members, then by parent, then by member; but those of parents
@@ -264,8 +292,9 @@ def dag_edges(keys: np.ndarray, table_start: np.ndarray, group_decoder: np.ndarr
             :func:`greedy` takes them.
     """
     sizes = _popcount(keys)
-    node_hashes = np.random.default_rng(0x5EED002).integers(1, np.iinfo(np.int64).max, size=keys.shape[1] * WORD_BITS,
-                                                            dtype=np.int64)
+    node_hashes = np.random.default_rng(0x5EED002).integers(
+        1, np.iinfo(np.int64).max, size=keys.shape[1] * WORD_BITS, dtype=np.int64
+    )
     hashes = _set_hashes(keys, node_hashes)
     half_hashes = (_set_hashes(keys & _EVEN_BITS, node_hashes), _set_hashes(keys & ~_EVEN_BITS, node_hashes))
     edges: list[tuple[np.ndarray, ...]] = [(np.zeros(0, dtype=np.int64),) * 3]
@@ -320,8 +349,14 @@ class _Initial:
     :func:`_reduce_table`, and skipping it changes nothing.
     """
 
-    def __init__(self, group_table: np.ndarray, group_key: np.ndarray, group_decoder: np.ndarray,
-                 group_count: np.ndarray, num_nodes: int) -> None:
+    def __init__(
+        self,
+        group_table: np.ndarray,
+        group_key: np.ndarray,
+        group_decoder: np.ndarray,
+        group_count: np.ndarray,
+        num_nodes: int,
+    ) -> None:
         self._key, self._decoder, self._count, self._num_nodes = group_key, group_decoder, group_count, num_nodes
         self._rows = np.maximum.reduceat(group_count, np.flatnonzero(np.diff(group_table, prepend=-1)))
         self._full = np.flatnonzero(group_count == self._rows[group_table])
@@ -372,8 +407,9 @@ def _set_hashes(keys: np.ndarray, node_hashes: np.ndarray) -> np.ndarray:
     return hashes
 
 
-def _children(keys: np.ndarray, hashes: np.ndarray, lower: np.ndarray, parents: np.ndarray,
-              node_hash: np.ndarray) -> tuple[np.ndarray, ...]:
+def _children(
+    keys: np.ndarray, hashes: np.ndarray, lower: np.ndarray, parents: np.ndarray, node_hash: np.ndarray
+) -> tuple[np.ndarray, ...]:
     """Every (parent, member, child) where table child is table parent less member
     (``lower``: the tables one member smaller than the parents, in the order of their hashes).
 
@@ -384,8 +420,8 @@ def _children(keys: np.ndarray, hashes: np.ndarray, lower: np.ndarray, parents: 
     sorted_hashes = hashes[lower]
     found: list[tuple[np.ndarray, ...]] = []
     for i in range(0, len(parents), _CHUNK):
-        rows, members = _members(keys[parents[i:i + _CHUNK]])
-        parent = parents[i:i + _CHUNK][rows]
+        rows, members = _members(keys[parents[i : i + _CHUNK]])
+        parent = parents[i : i + _CHUNK][rows]
         wanted = hashes[parent] ^ node_hash[members]
         at = np.minimum(np.searchsorted(sorted_hashes, wanted), len(lower) - 1)
         hit = np.flatnonzero(sorted_hashes[at] == wanted)
@@ -405,5 +441,3 @@ def _find(sorted_keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
     """The index of each wanted key in ``sorted_keys``, -1 where absent."""
     at = np.minimum(np.searchsorted(sorted_keys, wanted), len(sorted_keys) - 1)
     return np.where(sorted_keys[at] == wanted, at, -1)
-
-

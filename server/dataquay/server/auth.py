@@ -136,7 +136,9 @@ def server_tls(credentials: Credentials) -> grpc.ServerCredentials | None:
 
 
 def new_server(
-    credentials: ServerCredentials, calls_per_peer: int = 0, encoded_replies: frozenset[str] = frozenset(),
+    credentials: ServerCredentials,
+    calls_per_peer: int = 0,
+    encoded_replies: frozenset[str] = frozenset(),
     checks: tuple[grpc.aio.ServerInterceptor, ...] = (),
 ) -> grpc.aio.Server:
     """A gRPC server that refuses calls without a valid credential, when it
@@ -216,13 +218,18 @@ class CredentialCheck(grpc.aio.ServerInterceptor):
         name = details.method.rpartition("/")[2]
         if rule is not None and is_user:
             self._log("refused a node-only call made with the cluster token", details.method, "cluster")
-            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
-                            f"{name} needs the node credential ({rule}); the cluster token of trainers and "
-                            f"tools may not call it")
+            return _refusal(
+                handler,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{name} needs the node credential ({rule}); the cluster token of trainers and tools may not call it",
+            )
         needed = "node token" if rule is not None or not self._user else "cluster token"
         self._log(f"refused a call without the {needed}", details.method, "wrong" if raw else "missing")
-        return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
-                        f"missing or wrong {needed}" if raw else f"this call needs the {needed}")
+        return _refusal(
+            handler,
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"missing or wrong {needed}" if raw else f"this call needs the {needed}",
+        )
 
     def _log(self, message: str, method: str, token: str) -> None:
         """Logs a refusal, each kind at most once per :data:`REFUSAL_LOG_SECONDS`."""

@@ -98,8 +98,10 @@ def _multicast(text: str) -> str:
     except ValueError:
         multicast = False
     if not multicast or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"expected GROUP:PORT with an IPv4 multicast group (224.0.0.0/4) that has "
-                         f"{MULTICAST_POOL - 1} more after it, like 239.255.16.1:47016")
+        raise ValueError(
+            f"expected GROUP:PORT with an IPv4 multicast group (224.0.0.0/4) that has "
+            f"{MULTICAST_POOL - 1} more after it, like 239.255.16.1:47016"
+        )
     return text
 
 
@@ -329,18 +331,23 @@ class ServerConfig(FlagConfig):
     ready file and logging."""
 
     token_file: Path | None = _option(
-        None, "file holding the cluster token (owner-readable only): every call must carry it; needs "
-        "--node-token-file", Path
+        None,
+        "file holding the cluster token (owner-readable only): every call must carry it; needs --node-token-file",
+        Path,
     )
     node_token_file: Path | None = _option(
-        None, "file holding the node token (owner-readable only), which only daemons and the directory hold: "
-        "it alone may exchange into caches, register nodes, renew leases and use the bulk port", Path
+        None,
+        "file holding the node token (owner-readable only), which only daemons and the directory hold: "
+        "it alone may exchange into caches, register nodes, renew leases and use the bulk port",
+        Path,
     )
     tls_cert: Path | None = _option(None, "PEM certificate: TLS on the TCP port (needs --tls-key)", Path)
     tls_key: Path | None = _option(None, "PEM private key of --tls-cert", Path)
     tls_ca: Path | None = _option(
-        None, "PEM CA that signed the cluster's certificates: verifies the servers this one calls and, with "
-        "--tls-cert, requires callers to present a certificate too (mutual TLS)", Path
+        None,
+        "PEM CA that signed the cluster's certificates: verifies the servers this one calls and, with "
+        "--tls-cert, requires callers to present a certificate too (mutual TLS)",
+        Path,
     )
     dataset_roots: tuple[Path, ...] = _option(
         (),
@@ -356,9 +363,7 @@ class ServerConfig(FlagConfig):
         "is registered and when it is read; a daemon holds a sample whole while it serves it",
         _sample_size,
     )
-    ready_file: Path | None = _option(
-        None, "write a JSON file with the bound addresses once serving", Path
-    )
+    ready_file: Path | None = _option(None, "write a JSON file with the bound addresses once serving", Path)
     log_level: str = _option("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
     log_format: str = _option("text", "text or json", choices=("text", "json"))
 
@@ -371,8 +376,9 @@ class DaemonConfig(ServerConfig):
 
     socket: Path = _option(default_socket_path, "unix socket for local clients", Path)
     socket_group: str = _option(
-        "", "group of the unix socket (mode 0660): the users of this group may read through this daemon; "
-        "empty keeps the daemon's own group"
+        "",
+        "group of the unix socket (mode 0660): the users of this group may read through this daemon; "
+        "empty keeps the daemon's own group",
     )
     users: str = _option(
         "one",
@@ -383,8 +389,10 @@ class DaemonConfig(ServerConfig):
         choices=("one", "apart"),
     )
     shared_datasets: tuple[str, ...] = _option(
-        (), "with --users apart: datasets every user of the unix socket may read, separated by ':'",
-        lambda text: tuple(part for part in text.split(":") if part), many=True,
+        (),
+        "with --users apart: datasets every user of the unix socket may read, separated by ':'",
+        lambda text: tuple(part for part in text.split(":") if part),
+        many=True,
     )
     prep_groups_per_user: int = _option(
         8, "with --users apart: most prep groups one user may keep on this daemon (of 64)", _positive_int
@@ -395,17 +403,16 @@ class DaemonConfig(ServerConfig):
         "host do not collide (`dataquay status` and the ready file name the port bound)",
     )
     bulk_listen: str = _option(
-        "", "TCP HOST:PORT of the bulk data path that peers read payloads over (the node token, TLS as "
-        "--listen); empty takes a free port on --listen's host, 'off' has peers read over gRPC"
+        "",
+        "TCP HOST:PORT of the bulk data path that peers read payloads over (the node token, TLS as "
+        "--listen); empty takes a free port on --listen's host, 'off' has peers read over gRPC",
     )
     cache_dir: Path = _option(
         lambda: _home_dir("XDG_CACHE_HOME", ".cache") / "cache",
         "directory of the LMDB cache; put it on the node-local SSD",
         Path,
     )
-    cache_size: int = _option(
-        0, "cache capacity (e.g. 200G); 0 = 80%% of the cache file system's space", parse_size
-    )
+    cache_size: int = _option(0, "cache capacity (e.g. 200G); 0 = 80%% of the cache file system's space", parse_size)
     evict_min_age: float = _option(
         3600.0,
         "time a cached dataset no live job pins must go unused before a staging or an exchange that needs room "
@@ -447,8 +454,9 @@ class DaemonConfig(ServerConfig):
     )
     node_name: str = _option(gethostname, "this node's name in the cluster")
     directory: str = _option(
-        "", "HOST:PORT of the directory service, or of its replicas as HOST:PORT,HOST:PORT (one etcd store); "
-        "empty runs this node standalone"
+        "",
+        "HOST:PORT of the directory service, or of its replicas as HOST:PORT,HOST:PORT (one etcd store); "
+        "empty runs this node standalone",
     )
     peer_timeout: float = _option(
         5.0,
@@ -507,8 +515,9 @@ def _store_url(text: str) -> str:
     if text == "embedded":
         return text
     host_ports = text.partition("://")[2].strip("/").split(",")
-    if not text.startswith("etcd://") or not all(p.rpartition(":")[2].isdigit() and p.rpartition(":")[0]
-                                                 for p in host_ports):
+    if not text.startswith("etcd://") or not all(
+        p.rpartition(":")[2].isdigit() and p.rpartition(":")[0] for p in host_ports
+    ):
         raise ValueError("expected 'embedded' or etcd://HOST:PORT[,HOST:PORT...]")
     return text
 

@@ -47,8 +47,12 @@ Answer = tuple[int, str, bytes, dict[str, str]]
 Handler = Callable[[Mapping[str, str]], Answer]
 
 _REASONS = {
-    200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-    431: "Request Header Fields Too Large", 503: "Service Unavailable",
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
 }
 
 
@@ -81,9 +85,9 @@ class HttpServer:
     def __init__(self, routes: Mapping[str, Handler], what: str) -> None:
         self._routes = {path.encode(): handler for path, handler in routes.items()}
         paths = list(routes)
-        self._not_found = "not found: try " + (
-            f"{', '.join(paths[:-1])} or {paths[-1]}" if len(paths) > 1 else paths[0]
-        ) + "\n"
+        self._not_found = (
+            "not found: try " + (f"{', '.join(paths[:-1])} or {paths[-1]}" if len(paths) > 1 else paths[0]) + "\n"
+        )
         self._what = what
         self._server: asyncio.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()
@@ -161,7 +165,8 @@ async def _send(writer: asyncio.StreamWriter, answer: Answer) -> None:
     headers = "".join(f"{name}: {value}\r\n" for name, value in more.items())
     writer.write(
         f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n{headers}"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
     )
     await asyncio.wait_for(writer.drain(), IDLE_TIMEOUT_SECONDS)
 

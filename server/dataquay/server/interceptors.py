@@ -29,8 +29,10 @@ def reshaped(
     """``handler`` with its behavior passed through ``unary`` (for methods that
     answer once) or ``streaming`` (for methods that stream their answer).
     With ``raw_requests`` the new behavior gets the request bytes unparsed."""
-    codecs = {"request_deserializer": None if raw_requests else handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
+    codecs = {
+        "request_deserializer": None if raw_requests else handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **codecs)
     if handler.unary_stream is not None:
@@ -118,12 +120,14 @@ def _parsing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     def unary(behavior: Behavior) -> Behavior:
         async def call(raw: Any, context: grpc.aio.ServicerContext) -> Any:
             return await behavior(await requests(raw, context), context)
+
         return call
 
     def streaming(behavior: Behavior) -> Behavior:
         async def call(raw: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             async for item in answered(behavior(await requests(raw, context), context)):
                 yield item
+
         return call
 
     return reshaped(handler, unary, streaming, raw_requests=True)

@@ -83,6 +83,7 @@ def _counted(handler: grpc.RpcMethodHandler, limit: PeerCallLimit) -> grpc.RpcMe
                 return await behavior(request, context)
             finally:
                 limit.leave(host)
+
         return call
 
     def stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
@@ -95,6 +96,7 @@ def _counted(handler: grpc.RpcMethodHandler, limit: PeerCallLimit) -> grpc.RpcMe
                     yield item
             finally:
                 limit.leave(host)
+
         return call
 
     return reshaped(handler, unary, stream)

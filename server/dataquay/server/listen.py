@@ -131,8 +131,10 @@ def group_entry_problem(directory: Path, group: str) -> str | None:
     mode = stat.S_IMODE(st.st_mode)
     if mode & stat.S_IXOTH or (st.st_gid == gid and mode & stat.S_IXGRP):
         return None
-    return (f"socket dir {directory} (mode {mode:04o}, gid {st.st_gid}) cannot be entered by group {group}; "
-            f"chgrp {group} {directory} && chmod 0750 {directory}, or remove it for the daemon to create")
+    return (
+        f"socket dir {directory} (mode {mode:04o}, gid {st.st_gid}) cannot be entered by group {group}; "
+        f"chgrp {group} {directory} && chmod 0750 {directory}, or remove it for the daemon to create"
+    )
 
 
 #: What tells one socket file from another at the same path: (device, inode).

@@ -42,9 +42,7 @@ _EXTENSIONS = {"tar": ".tar", "npy": ".npy"}
 _FORMAT_OF_EXTENSION = {ext: fmt for fmt, ext in _EXTENSIONS.items()}
 
 
-def build_manifest(
-    root: str | os.PathLike[str], fmt: str | None = None, *, tar_grouped: bool = True
-) -> ManifestWriter:
+def build_manifest(root: str | os.PathLike[str], fmt: str | None = None, *, tar_grouped: bool = True) -> ManifestWriter:
     """Walks ``root`` and describes every sample of format ``fmt`` in it.
 
     Args:
@@ -382,11 +380,7 @@ def _build_npy(real_root: str) -> ManifestWriter:
         if first is None:
             first = (f.real, dtype, shape[1:])
         elif (dtype, shape[1:]) != first[1:]:
-            what = (
-                f"dtype {first[1]} vs {dtype}"
-                if dtype != first[1]
-                else f"record shape {first[2]} vs {shape[1:]}"
-            )
+            what = f"dtype {first[1]} vs {dtype}" if dtype != first[1] else f"record shape {first[2]} vs {shape[1:]}"
             raise ManifestError(f"{first[0]} and {f.real} differ: {what}")
         files.append((f.real_rel, st, data_offset, shape[0]))
     assert first is not None

@@ -41,8 +41,10 @@ def path_map(old: Manifest, new: Manifest, unchanged: bool) -> np.ndarray:
         same = np.zeros(len(mapped), dtype=bool)
         at = mapped[found]
         same[found] = (
-            (old.path_size[found] == new.path_size[at]) & (old.path_mtime_ns[found] == new.path_mtime_ns[at])
-            & (old.path_size[found] >= 0) & (old.path_mtime_ns[found] >= 0)
+            (old.path_size[found] == new.path_size[at])
+            & (old.path_mtime_ns[found] == new.path_mtime_ns[at])
+            & (old.path_size[found] >= 0)
+            & (old.path_mtime_ns[found] >= 0)
         )
         mapped[~same] = -1
     return mapped
@@ -89,8 +91,10 @@ def reordered(manifest: Manifest, order: np.ndarray) -> ManifestWriter:
         writer.add_path(path, int(manifest.path_size[index]), int(manifest.path_mtime_ns[index]))
     for sample_id in order.tolist():
         writer.add_sample(
-            int(manifest.sample_path[sample_id]), int(manifest.sample_offset[sample_id]),
-            int(manifest.sample_length[sample_id]), manifest.label(sample_id),
+            int(manifest.sample_path[sample_id]),
+            int(manifest.sample_offset[sample_id]),
+            int(manifest.sample_length[sample_id]),
+            manifest.label(sample_id),
         )
     return writer
 

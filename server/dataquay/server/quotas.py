@@ -80,8 +80,13 @@ def charged_to(quota: Quota, owner_uid: np.ndarray, owner_gids: Sequence[frozens
 
 
 def exceeded(
-    quotas: Sequence[Quota], uid: int, gids: frozenset[int], need: int,
-    owner_uid: np.ndarray, owner_gids: Sequence[frozenset[int]], nbytes: np.ndarray,
+    quotas: Sequence[Quota],
+    uid: int,
+    gids: frozenset[int],
+    need: int,
+    owner_uid: np.ndarray,
+    owner_gids: Sequence[frozenset[int]],
+    nbytes: np.ndarray,
 ) -> tuple[Quota, int] | None:
     """The first quota of the caller's that ``need`` more bytes would pass,
     with the bytes already charged to it; None when every one has room."""

@@ -36,8 +36,7 @@ def check_dataset_name(name: str) -> str:
     """``name`` if it can name a dataset (a file name and an LMDB key)."""
     if not _NAME.match(name):
         raise ManifestError(
-            f"bad dataset name {name!r}: use 1-128 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
+            f"bad dataset name {name!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
     return name
 

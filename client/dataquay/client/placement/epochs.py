@@ -169,8 +169,7 @@ def node_steps(plan: JobPlan, epoch: int, node: int) -> list[np.ndarray]:
         return list(balance_epoch(plan, epoch, epoch_owners).node_slots(node))
     g, b = plan.settings.ranks_per_node, plan.settings.batch_size
     orders = [rank_order(plan, epoch, rank, epoch_owners) for rank in range(node * g, (node + 1) * g)]
-    return [np.concatenate([order[start : start + b] for order in orders])
-            for start in range(0, rank_length(plan), b)]
+    return [np.concatenate([order[start : start + b] for order in orders]) for start in range(0, rank_length(plan), b)]
 
 
 def node_orders(plan: JobPlan, epoch: int, node: int, epoch_owners: np.ndarray | None = None) -> np.ndarray:

@@ -158,9 +158,7 @@ class _Locality(_StaticOwners):
 
     def check_settings(self, q: float, batch_size: int) -> None:
         if batch_size < 1:
-            raise ValueError(
-                f"batch_size must be at least 1 for mode locality (the per-rank batch), not {batch_size}"
-            )
+            raise ValueError(f"batch_size must be at least 1 for mode locality (the per-rank batch), not {batch_size}")
 
     def rank_order(self, plan: JobPlan, epoch: int, rank: int, epoch_owners: np.ndarray | None) -> np.ndarray:
         if epoch_owners is None:
@@ -218,7 +216,8 @@ def _exchange_picks(plan: JobPlan, epoch: int, previous: np.ndarray) -> tuple[np
     starts = np.cumsum(loads) - loads
     given = np.rint(plan.settings.q * loads).astype(np.int64)
     picks = [
-        starts[node] + keyed_generator(plan.settings.seed, EXCHANGE_PICKS_KEY, epoch, node).choice(
+        starts[node]
+        + keyed_generator(plan.settings.seed, EXCHANGE_PICKS_KEY, epoch, node).choice(
             int(loads[node]), int(given[node]), replace=False
         )
         for node in np.flatnonzero(given).tolist()

@@ -121,10 +121,16 @@ def reply_frame(reply: BatchReply) -> bytes:
     error, message = reply.error.encode(), reply.message.encode()[:MAX_MESSAGE_BYTES]
     count = len(reply.offsets)
     header = _REPLY.pack(_REPLY_MAGIC, count, reply.code, len(error), len(message))
-    arrays = [np.asarray(a, dtype=t).tobytes() for a, t in (
-        (reply.offsets, "<u8"), (reply.lengths, "<u8"), (reply.checksums, "<u8"), (reply.tiers, "u1"),
-        (reply.checked, "u1"),
-    )]
+    arrays = [
+        np.asarray(a, dtype=t).tobytes()
+        for a, t in (
+            (reply.offsets, "<u8"),
+            (reply.lengths, "<u8"),
+            (reply.checksums, "<u8"),
+            (reply.tiers, "u1"),
+            (reply.checked, "u1"),
+        )
+    ]
     return b"".join((header, error, message, *arrays))
 
 
@@ -151,5 +157,11 @@ def parse_reply(frame: bytes, count: int) -> BatchReply:
     lengths, at = np.frombuffer(frame, "<u8", count, at), at + 8 * count
     checksums, at = np.frombuffer(frame, "<u8", count, at), at + 8 * count
     tiers, at = np.frombuffer(frame, "u1", count, at), at + count
-    return BatchReply(OK, offsets=offsets, lengths=lengths, checksums=checksums, tiers=tiers,
-                      checked=np.frombuffer(frame, "u1", count, at))
+    return BatchReply(
+        OK,
+        offsets=offsets,
+        lengths=lengths,
+        checksums=checksums,
+        tiers=tiers,
+        checked=np.frombuffer(frame, "u1", count, at),
+    )

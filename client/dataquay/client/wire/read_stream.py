@@ -64,8 +64,15 @@ class ReadStream:
     """
 
     def __init__(
-        self, source: str, lengths: np.ndarray, *, verify: bool = True, segment: Mapped | None = None,
-        trust_marks: bool = False, order: Sequence[int] | None = None, dataset: str = "",
+        self,
+        source: str,
+        lengths: np.ndarray,
+        *,
+        verify: bool = True,
+        segment: Mapped | None = None,
+        trust_marks: bool = False,
+        order: Sequence[int] | None = None,
+        dataset: str = "",
     ) -> None:
         self.source = source
         self.lengths = lengths
@@ -109,8 +116,17 @@ class ReadStream:
             else:
                 data, checked, in_segment = sample.data, False, False
             missing = sample.missing
-            append((sample_id, data, digest, sample.tier, missing, in_segment,
-                    not verify or checked or missing or checksum(data) == digest))
+            append(
+                (
+                    sample_id,
+                    data,
+                    digest,
+                    sample.tier,
+                    missing,
+                    in_segment,
+                    not verify or checked or missing or checksum(data) == digest,
+                )
+            )
         self.taken = position
         return out
 

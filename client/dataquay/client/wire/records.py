@@ -57,9 +57,7 @@ def decode_value(value: bytes | memoryview, verify: bool = True) -> memoryview |
     """Payload of a cache value, or None when ``verify`` finds it corrupt."""
     view = memoryview(value)
     payload = view[CHECKSUM_BYTES:]
-    if verify and (
-        len(view) < CHECKSUM_BYTES or _CHECKSUM.unpack_from(view)[0] != checksum(payload)
-    ):
+    if verify and (len(view) < CHECKSUM_BYTES or _CHECKSUM.unpack_from(view)[0] != checksum(payload)):
         return None
     return payload
 

@@ -57,9 +57,7 @@ def read_token(path: str | os.PathLike[str]) -> str:
     except OSError as exc:
         raise CredentialsError(f"cannot read the token file {path}: {exc.strerror}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise CredentialsError(
-            f"the token file {path} is readable by others than its owner; chmod 600 {path}"
-        )
+        raise CredentialsError(f"the token file {path} is readable by others than its owner; chmod 600 {path}")
     if len(text) < TOKEN_BYTES or not text.isascii() or not text.isprintable() or " " in text:
         raise CredentialsError(f"the token file {path} holds no valid token (make one with `dataquay token new`)")
     return text
@@ -148,10 +146,7 @@ def _foreign(uid: int) -> str:
         name = f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
     except KeyError:
         name = f"uid {uid}"
-    return (
-        f"{name}, neither you nor root; if the node's daemon runs as that user, "
-        f"set {DAEMON_USER_ENV} to its name"
-    )
+    return f"{name}, neither you nor root; if the node's daemon runs as that user, set {DAEMON_USER_ENV} to its name"
 
 
 def _read_pem(path: str | os.PathLike[str], what: str) -> bytes:
@@ -217,7 +212,8 @@ class Credentials:
         _check_unix_target(target)
         tls = self._tls(target)
         channel = (
-            grpc.secure_channel(target, tls, options=options) if tls is not None
+            grpc.secure_channel(target, tls, options=options)
+            if tls is not None
             else grpc.insecure_channel(target, options=options)
         )
         if not self.token:
@@ -229,9 +225,7 @@ class Credentials:
         target = grpc_target(address)
         _check_unix_target(target)
         tls = self._tls(target)
-        interceptors = [
-            interceptor(self.metadata) for interceptor in _AIO_INTERCEPTORS
-        ] if self.token else None
+        interceptors = [interceptor(self.metadata) for interceptor in _AIO_INTERCEPTORS] if self.token else None
         if tls is not None:
             return grpc.aio.secure_channel(target, tls, options=options, interceptors=interceptors)
         return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)

@@ -251,8 +251,21 @@ def _analyze_loader(
 
 
 def _inputs(args: argparse.Namespace, sizes: dict[str, int | None]) -> dict[str, Any]:
-    names = ("dataset", "loader", "cold_loader", "warm_loader", "steps", "warmup", "step_ms", "step_fn",
-             "batch_size", "prep_ms", "workers", "seed", "sweep_jobs")
+    names = (
+        "dataset",
+        "loader",
+        "cold_loader",
+        "warm_loader",
+        "steps",
+        "warmup",
+        "step_ms",
+        "step_fn",
+        "batch_size",
+        "prep_ms",
+        "workers",
+        "seed",
+        "sweep_jobs",
+    )
     return {name: getattr(args, name) for name in names} | sizes
 
 
@@ -318,8 +331,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--prep-ms", type=float, default=0.0, help="dataset: stand-in prep per batch and worker (default 0)")
     p.add_argument("--workers", type=int, default=1, help="prep workers the loader runs in parallel (default 1)")
     p.add_argument("--seed", type=int, default=0, help="dataset: seed of the random sample order (default 0)")
-    p.add_argument("--sweep-jobs", type=int, default=1,
-                   help="jobs of a sweep on this node: the prep stall coordinated prep would save them (default 1)")
+    p.add_argument(
+        "--sweep-jobs",
+        type=int,
+        default=1,
+        help="jobs of a sweep on this node: the prep stall coordinated prep would save them (default 1)",
+    )
     p.add_argument("--sample-bytes", help="mean bytes per sample as stored (dataset: from the manifest)")
     p.add_argument("--epoch-samples", type=int, help="samples one epoch reads on this node (dataset: all)")
     p.add_argument("--cache-bytes", help="a cache size (e.g. 200G) to predict the fetch stall with")

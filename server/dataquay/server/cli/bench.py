@@ -19,8 +19,14 @@ def cmd_load(args: argparse.Namespace) -> None:
     from dataquay.server.tools.loadgen import bench_load
 
     result, staged = bench_load(
-        args.seconds, args.processes, args.threads, args.batch, samples=args.samples, cached=args.cached,
-        out_dir=Path(args.out), progress=not args.quiet,
+        args.seconds,
+        args.processes,
+        args.threads,
+        args.batch,
+        samples=args.samples,
+        cached=args.cached,
+        out_dir=Path(args.out),
+        progress=not args.quiet,
     )
     print(f"{staged.done_samples} of {staged.total_samples} samples cached, the rest read from the PFS")
     print(format_summary(result))
@@ -56,8 +62,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     load.add_argument("--threads", type=int, default=8, help="clients per process (default 8)")
     load.add_argument("--batch", type=int, default=32, help="ids per read (default 32)")
     load.add_argument("--samples", type=int, default=4096, help="samples of the synthetic dataset (default 4096)")
-    load.add_argument("--cached", type=float, default=0.75,
-                      help="share of the dataset the cache holds; the rest is read from the PFS (default 0.75)")
+    load.add_argument(
+        "--cached",
+        type=float,
+        default=0.75,
+        help="share of the dataset the cache holds; the rest is read from the PFS (default 0.75)",
+    )
     # SUPPRESS: `dataquay bench --out DIR load` keeps DIR.
     load.add_argument("--out", default=argparse.SUPPRESS, help="where load.json goes (default bench/results)")
     load.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -15,9 +15,13 @@ def holding_rows(holdings: list[pb.CacheHolding], now: float) -> list[tuple[obje
     """One row per cached dataset version: what `cache ls` and `status` print."""
     return [
         (
-            ",".join(h.datasets) or "(replaced)", h.cache_db, h.samples, format_bytes(h.bytes),
+            ",".join(h.datasets) or "(replaced)",
+            h.cache_db,
+            h.samples,
+            format_bytes(h.bytes),
             format_duration(now - h.last_use_unix) + " ago" if h.last_use_unix else "never",
-            h.uid if h.uid >= 0 else "-", ",".join(h.pinned_by) or "-",
+            h.uid if h.uid >= 0 else "-",
+            ",".join(h.pinned_by) or "-",
         )
         for h in sorted(holdings, key=lambda h: h.last_use_unix)
     ]
@@ -46,8 +50,10 @@ def eviction_lines(evictions: list[pb.CacheEviction], dry_run: bool) -> list[str
 
 def cmd_cache(args: argparse.Namespace) -> None:
     request = pb.ManageCacheRequest(
-        action=args.cache_action, name=getattr(args, "name", "") or "",
-        dry_run=getattr(args, "dry_run", False), force=getattr(args, "force", False),
+        action=args.cache_action,
+        name=getattr(args, "name", "") or "",
+        dry_run=getattr(args, "dry_run", False),
+        force=getattr(args, "force", False),
     )
     with daemon_stub(args) as stub:
         reply = stub.ManageCache(request)
@@ -58,8 +64,10 @@ def cmd_cache(args: argparse.Namespace) -> None:
     if args.cache_action in ("pin", "unpin"):
         print(f"{args.cache_action}ned {args.name!r}")
         return
-    print(f"cache {format_bytes(reply.used_bytes)} of {format_bytes(reply.capacity_bytes)}; datasets unused for "
-          f"{format_duration(reply.evict_min_age_seconds)} and pinned by no live job give way, oldest use first")
+    print(
+        f"cache {format_bytes(reply.used_bytes)} of {format_bytes(reply.capacity_bytes)}; datasets unused for "
+        f"{format_duration(reply.evict_min_age_seconds)} and pinned by no live job give way, oldest use first"
+    )
     print_table(holding_rows(list(reply.holdings), time.time()), HOLDING_HEADER)
     if reply.charges:
         print_table(charge_rows(list(reply.charges)), CHARGE_HEADER)

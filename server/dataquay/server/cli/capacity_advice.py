@@ -92,7 +92,6 @@ class JobRoom:
             )
         return lines
 
-
     def _overflow(self) -> str:
         """Where the samples that do not fit in their owner's cache are read from."""
         if not self.spilled:

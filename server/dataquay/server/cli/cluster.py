@@ -50,19 +50,34 @@ def cmd_up(args: argparse.Namespace) -> None:
     node_token = new_token_file(base / "node-token", force=True)
     roots = tuple(Path(root).absolute() for root in args.dataset_roots.split(os.pathsep) if root)
     cluster = LocalCluster(
-        base, args.nodes, tuple(daemon_args), tuple(directory_args), detached=True, token_file=token,
-        node_token_file=node_token, dataset_roots=roots, directories=args.directories, store=args.store,
+        base,
+        args.nodes,
+        tuple(daemon_args),
+        tuple(directory_args),
+        detached=True,
+        token_file=token,
+        node_token_file=node_token,
+        dataset_roots=roots,
+        directories=args.directories,
+        store=args.store,
     )
     cluster.start(timeout=args.timeout)
     assert cluster.directory is not None and cluster.directory.ready is not None
     rows: list[tuple[object, ...]] = [
-        ("directory" if i == 0 else f"directory-{i}", r.ready["pid"] if r.ready else "", r.address,
-         f"{r.http_url}/sd", r.home)
+        (
+            "directory" if i == 0 else f"directory-{i}",
+            r.ready["pid"] if r.ready else "",
+            r.address,
+            f"{r.http_url}/sd",
+            r.home,
+        )
         for i, r in enumerate(cluster.replicas)
     ]
     if cluster.etcd is not None:
-        rows += [(f"etcd {m.name}", pid, m.endpoint, "", m.home)
-                 for m, (pid, _, _) in zip(cluster.etcd.nodes, cluster.etcd.pids(), strict=True)]
+        rows += [
+            (f"etcd {m.name}", pid, m.endpoint, "", m.home)
+            for m, (pid, _, _) in zip(cluster.etcd.nodes, cluster.etcd.pids(), strict=True)
+        ]
     for i, daemon in enumerate(cluster.daemons):
         assert daemon.ready is not None
         rows.append((node_name(i), daemon.ready["pid"], daemon.ready["tcp"], daemon.metrics_url, daemon.home))
@@ -101,17 +116,26 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     up = csub.add_parser("up", help="start a local cluster; its processes outlive this command")
     up.add_argument("--nodes", type=int, default=4, help="daemons to start (default 4)")
-    up.add_argument("--directories", type=int, default=1,
-                    help="directory replicas to start (default 1; more than one needs --store etcd)")
-    up.add_argument("--store", choices=("embedded", "etcd"), default="embedded",
-                    help="the directories' store: each its state file, or a local etcd they share (default embedded)")
+    up.add_argument(
+        "--directories",
+        type=int,
+        default=1,
+        help="directory replicas to start (default 1; more than one needs --store etcd)",
+    )
+    up.add_argument(
+        "--store",
+        choices=("embedded", "etcd"),
+        default="embedded",
+        help="the directories' store: each its state file, or a local etcd they share (default embedded)",
+    )
     up.add_argument("--cache-size", help="cache capacity of each daemon (e.g. 2G)")
     up.add_argument("--pfs-bandwidth", help="cap on each daemon's PFS reads (e.g. 200M)")
     up.add_argument("--pfs-threads", help="PFS reader threads of each daemon")
     up.add_argument("--lease-seconds", help="seconds without a heartbeat before the directory marks a node down")
     up.add_argument("--heartbeat-seconds", help="how often daemons renew their lease")
     up.add_argument(
-        "--dataset-roots", default=".",
+        "--dataset-roots",
+        default=".",
         help="directories, separated by ':', that datasets may be registered from (default: the current directory)",
     )
     up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for every node to come up")
@@ -123,6 +147,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     for p in (up, down):
         p.add_argument(
-            "--base-dir", default=str(DEFAULT_BASE_DIR),
+            "--base-dir",
+            default=str(DEFAULT_BASE_DIR),
             help=f"the cluster's directory: node homes, env files, cluster.json (default ./{DEFAULT_BASE_DIR})",
         )

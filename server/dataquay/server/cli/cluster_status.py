@@ -66,6 +66,7 @@ def cluster_snapshot(args: argparse.Namespace) -> ClusterSnapshot:
 
 def cluster_json(snapshot: ClusterSnapshot) -> dict[str, Any]:
     """The snapshot as one JSON document (``status --json``)."""
+
     def as_dict(message: Any) -> dict[str, Any]:
         return MessageToDict(message, preserving_proto_field_name=True)
 
@@ -95,8 +96,9 @@ def print_cluster(snapshot: ClusterSnapshot, before: ClusterSnapshot | None = No
     print_table([tuple(r) for r in rows], tuple(columns))
     if snapshot.jobs:
         print()
-        print_table([_job_row(j, snapshot.stats) for j in snapshot.jobs],
-                    ("JOB", "DATASET", "MODE", "EPOCH", "NODES", "STAGED"))
+        print_table(
+            [_job_row(j, snapshot.stats) for j in snapshot.jobs], ("JOB", "DATASET", "MODE", "EPOCH", "NODES", "STAGED")
+        )
     live = [(name, reply) for name, reply in snapshot.stats.items() if reply is not None]
     print_exchanges(live)
     print_prefetch(live)
@@ -113,8 +115,10 @@ def print_exchanges(stats: list[tuple[str, pb.StatsReply]]) -> None:
     received = sum(reply.exchange_received_bytes for _, reply in stats)
     previous = sum(reply.previous_owner_samples for _, reply in stats)
     if rows or received or previous:
-        print(f"exchange received {format_bytes(received)}; "
-              f"{previous} samples read from their owner in another epoch (exchange not done yet, or a spare copy)")
+        print(
+            f"exchange received {format_bytes(received)}; "
+            f"{previous} samples read from their owner in another epoch (exchange not done yet, or a spare copy)"
+        )
 
 
 def print_prefetch(stats: list[tuple[str, pb.StatsReply]]) -> None:
@@ -132,16 +136,24 @@ def print_healing(stats: list[tuple[str, pb.StatsReply]]) -> None:
     fetched, by source, what it has yet to fetch, and what it dropped once
     their node was back."""
     rows = [
-        (name, h.lost_nodes, h.pending_samples, h.peer_samples, format_bytes(h.peer_bytes), h.pfs_samples,
-         format_bytes(h.pfs_bytes), h.dropped_samples)
+        (
+            name,
+            h.lost_nodes,
+            h.pending_samples,
+            h.peer_samples,
+            format_bytes(h.peer_bytes),
+            h.pfs_samples,
+            format_bytes(h.pfs_bytes),
+            h.dropped_samples,
+        )
         for name, reply in stats
-        if (h := reply.healing).lost_nodes or h.pending_samples or h.peer_samples or h.pfs_samples
-        or h.dropped_samples
+        if (h := reply.healing).lost_nodes or h.pending_samples or h.peer_samples or h.pfs_samples or h.dropped_samples
     ]
     if rows:
         print()
-        print_table(rows, ("NODE", "LOST NODES", "TO FETCH", "FROM PEERS", "PEER BYTES", "FROM PFS", "PFS BYTES",
-                           "DROPPED"))
+        print_table(
+            rows, ("NODE", "LOST NODES", "TO FETCH", "FROM PEERS", "PEER BYTES", "FROM PFS", "PFS BYTES", "DROPPED")
+        )
 
 
 def print_prep_groups(stats: list[tuple[str, pb.StatsReply]]) -> None:
@@ -149,16 +161,25 @@ def print_prep_groups(stats: list[tuple[str, pb.StatsReply]]) -> None:
     how far the slowest member lags the fastest, and the shared memory held."""
     rows = [
         (
-            g.group, g.dataset, g.epoch, g.members, f"{g.batches_prepped}/{g.num_batches}",
+            g.group,
+            g.dataset,
+            g.epoch,
+            g.members,
+            f"{g.batches_prepped}/{g.num_batches}",
             g.fastest_consumed - g.slowest_consumed,
-            f"{format_bytes(g.staged_bytes)}/{format_bytes(g.memory_bytes)}", g.dropped_total, g.redealt_total, name,
+            f"{format_bytes(g.staged_bytes)}/{format_bytes(g.memory_bytes)}",
+            g.dropped_total,
+            g.redealt_total,
+            name,
         )
-        for name, reply in stats for g in reply.prep_groups
+        for name, reply in stats
+        for g in reply.prep_groups
     ]
     if rows:
         print()
-        print_table(rows, ("GROUP", "DATASET", "EPOCH", "MEMBERS", "PREPPED", "LAG", "STAGED", "DROPPED",
-                           "REDEALT", "NODE"))
+        print_table(
+            rows, ("GROUP", "DATASET", "EPOCH", "MEMBERS", "PREPPED", "LAG", "STAGED", "DROPPED", "REDEALT", "NODE")
+        )
 
 
 def exchange_row(node: str, x: pb.ExchangeProgress) -> tuple[object, ...]:
@@ -176,8 +197,14 @@ def exchange_row(node: str, x: pb.ExchangeProgress) -> tuple[object, ...]:
     unsent = x.unavailable_samples + x.refused_samples
     samples = f"{x.delivered_samples}/{x.total_samples}" + (f" ({unsent} not sent)" if unsent else "")
     return (
-        node, x.job, x.epoch, samples,
-        f"{format_bytes(x.delivered_bytes)}/{format_bytes(x.total_bytes)}", f"{format_bytes(rate)}/s", eta, state,
+        node,
+        x.job,
+        x.epoch,
+        samples,
+        f"{format_bytes(x.delivered_bytes)}/{format_bytes(x.total_bytes)}",
+        f"{format_bytes(rate)}/s",
+        eta,
+        state,
     )
 
 
@@ -193,8 +220,16 @@ def _node_row(node: jpb.NodeStatus, stats: pb.StatsReply | None) -> tuple[object
     hit = f"{100 * local / (local + peer + pfs):.1f}" if local + peer + pfs else "-"
     cache = f"{format_bytes(stats.cache_used_bytes)} / {format_bytes(stats.cache_capacity_bytes)}"
     return (
-        name, "up", cache + (" (full)" if stats.cache_full else ""), stats.cache_entries, local, peer, pfs, hit,
-        format_bytes(stats.pfs_bytes), f"{stats.client_data_wait_seconds:.1f}s",
+        name,
+        "up",
+        cache + (" (full)" if stats.cache_full else ""),
+        stats.cache_entries,
+        local,
+        peer,
+        pfs,
+        hit,
+        format_bytes(stats.pfs_bytes),
+        f"{stats.client_data_wait_seconds:.1f}s",
     )
 
 

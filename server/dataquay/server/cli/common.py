@@ -67,9 +67,7 @@ def _channel(address: str) -> Iterator[grpc.Channel]:
 def daemon_stub(args: argparse.Namespace) -> Iterator[cache_pb2_grpc.CacheStub]:
     """A stub for the daemon at --addr; RPC errors become one-line messages."""
     address = args.addr or daemon_address()
-    with _channel(address) as channel, rpc_errors(
-        "daemon", address, "is `dataquay serve` running? set DATAQUAY_ADDR"
-    ):
+    with _channel(address) as channel, rpc_errors("daemon", address, "is `dataquay serve` running? set DATAQUAY_ADDR"):
         yield cache_pb2_grpc.CacheStub(channel)
 
 
@@ -132,12 +130,14 @@ def add_q(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--q`` and ``--q-leaving``, the two readings of ``partial``'s exchanged fraction."""
     q = parser.add_mutually_exclusive_group()
     q.add_argument(
-        "--q", type=float,
+        "--q",
+        type=float,
         help="partial mode: fraction of its samples a node draws into each epoch's pool (0 < q <= 1); "
         "1/M of the draws come back, so q(1 - 1/M) leave it",
     )
     q.add_argument(
-        "--q-leaving", type=float,
+        "--q-leaving",
+        type=float,
         help="partial mode: fraction of its samples that leaves a node each epoch (Nguyen et al.'s Q, "
         "0 < Q <= 1 - 1/M); sets --q to Q / (1 - 1/M)",
     )

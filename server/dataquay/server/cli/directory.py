@@ -34,8 +34,17 @@ def cmd_job_ls(args: argparse.Namespace) -> None:
         reply = stub.ListJobs(jpb.ListJobsRequest())
     now = time.time()
     rows = [
-        (j.spec.job_id, j.spec.dataset, j.spec.mode, f"{j.spec.q:g}", j.spec.seed, len(j.spec.nodes),
-         j.spec.ranks_per_node or "-", j.epoch, format_duration(now - j.last_active_unix))
+        (
+            j.spec.job_id,
+            j.spec.dataset,
+            j.spec.mode,
+            f"{j.spec.q:g}",
+            j.spec.seed,
+            len(j.spec.nodes),
+            j.spec.ranks_per_node or "-",
+            j.epoch,
+            format_duration(now - j.last_active_unix),
+        )
         for j in reply.jobs
     ]
     print_table(rows, ("JOB", "DATASET", "MODE", "Q", "SEED", "NODES", "RANKS/NODE", "EPOCH", "IDLE"))
@@ -116,8 +125,7 @@ def cmd_job_prune(args: argparse.Namespace) -> None:
                 error = error_from_rpc(exc)
                 if not isinstance(error, JobActiveError | UnknownJobError):
                     raise
-                print(f"kept: {error}" if isinstance(error, JobActiveError)
-                      else f"job {job_id!r} is gone already")
+                print(f"kept: {error}" if isinstance(error, JobActiveError) else f"job {job_id!r} is gone already")
                 continue
             dropped += 1
             print(f"dropped job {job_id!r} (idle {format_duration(seconds)})")
@@ -142,9 +150,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     drop = jsub.add_parser("drop", help="forget a job record (its daemons keep their caches)")
     drop.add_argument("job_id", metavar="ID", help="a job id, as `job ls` lists them")
     drop.set_defaults(func=cmd_job_drop)
-    prune = jsub.add_parser(
-        "prune", help="drop the jobs idle (no join, no epoch reported) for DURATION or longer"
-    )
+    prune = jsub.add_parser("prune", help="drop the jobs idle (no join, no epoch reported) for DURATION or longer")
     prune.add_argument("--idle", required=True, metavar="DURATION", help="idle time, e.g. 12h, 7d, 90m")
     prune.add_argument("--dry-run", action="store_true", help="list the jobs that would be dropped, drop none")
     prune.set_defaults(func=cmd_job_prune)

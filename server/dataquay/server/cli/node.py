@@ -44,7 +44,10 @@ def cmd_dataset_add(args: argparse.Namespace) -> None:
     with daemon_stub(args) as stub:
         info = stub.AddDataset(
             pb.AddDatasetRequest(
-                name=args.name, root=args.root, format=fmt, replace=args.replace,
+                name=args.name,
+                root=args.root,
+                format=fmt,
+                replace=args.replace,
                 tar_member_samples=args.tar_member_samples,
             )
         )
@@ -59,8 +62,12 @@ def cmd_dataset_ls(args: argparse.Namespace) -> None:
         reply = stub.ListDatasets(pb.ListDatasetsRequest())
     rows = [
         (
-            d.name, FORMAT_FROM_PROTO[d.format], d.num_samples, format_bytes(d.total_bytes),
-            f"{100 * d.cached_samples / max(d.num_samples, 1):.0f}%", d.root,
+            d.name,
+            FORMAT_FROM_PROTO[d.format],
+            d.num_samples,
+            format_bytes(d.total_bytes),
+            f"{100 * d.cached_samples / max(d.num_samples, 1):.0f}%",
+            d.root,
         )
         for d in reply.datasets
     ]
@@ -97,8 +104,11 @@ def cmd_stage(args: argparse.Namespace) -> None:
     if args.job:
         stage_job(args)
         return
-    given = [f"--{flag.replace('_', '-')}" for flag in (*JOB_FLAGS, "q_leaving", "directory")
-             if flag != "seed" and getattr(args, flag) is not None]
+    given = [
+        f"--{flag.replace('_', '-')}"
+        for flag in (*JOB_FLAGS, "q_leaving", "directory")
+        if flag != "seed" and getattr(args, flag) is not None
+    ]
     if given:
         raise CliError(f"{', '.join(given)}: only with --job JOB (cluster staging)")
     last = None
@@ -109,8 +119,13 @@ def cmd_stage(args: argparse.Namespace) -> None:
             if bar is None:
                 _print_admission(args.name, last)
                 bar = tqdm(
-                    total=last.total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-                    desc=f"staging {args.name}", disable=args.quiet, file=sys.stderr,
+                    total=last.total_bytes,
+                    unit="B",
+                    unit_scale=True,
+                    unit_divisor=1024,
+                    desc=f"staging {args.name}",
+                    disable=args.quiet,
+                    file=sys.stderr,
                     mininterval=0.5 if sys.stderr.isatty() else 10,
                 )
             bar.set_postfix_str(f"{last.done_samples}/{last.total_samples} samples", refresh=False)
@@ -142,7 +157,8 @@ def _print_admission(name: str, first: pb.StageProgress) -> None:
     if first.admission_fit_bytes < first.admission_need_bytes:
         print(
             f"staging {name!r}: {format_bytes(first.admission_fit_bytes)} of {format_bytes(first.admission_need_bytes)}"
-            " fit in the cache; the rest will be read from the PFS", file=sys.stderr,
+            " fit in the cache; the rest will be read from the PFS",
+            file=sys.stderr,
         )
 
 
@@ -175,10 +191,17 @@ def cmd_status(args: argparse.Namespace) -> None:
 def _print_node_status(stats: pb.StatsReply, info: pb.InfoReply) -> None:
     reads = {SERVED_TIERS[t.tier]: t for t in stats.reads}
     total = sum(t.samples for t in stats.reads) or 1
-    print(f"node {stats.node}: cache {format_bytes(stats.cache_used_bytes)} of "
-          f"{format_bytes(stats.cache_capacity_bytes)}, {stats.cache_entries} entries"
-          + (" (full: its file system has no space left)" if stats.cache_disk_full
-             else " (full)" if stats.cache_full else ""))
+    print(
+        f"node {stats.node}: cache {format_bytes(stats.cache_used_bytes)} of "
+        f"{format_bytes(stats.cache_capacity_bytes)}, {stats.cache_entries} entries"
+        + (
+            " (full: its file system has no space left)"
+            if stats.cache_disk_full
+            else " (full)"
+            if stats.cache_full
+            else ""
+        )
+    )
     # The ports are the OS's pick by default (one user's daemon beside another's): say which.
     print(f"listening on {info.tcp_address}, metrics http://{info.metrics_address}/metrics")
     print_table(
@@ -186,12 +209,16 @@ def _print_node_status(stats: pb.StatsReply, info: pb.InfoReply) -> None:
         ("TIER", "SAMPLES", "SHARE", "BYTES"),
     )
     _print_trainer_reads(stats)
-    print(f"pfs read {format_bytes(stats.pfs_bytes)}, {stats.pfs_errors} errors, "
-          f"{stats.corrupt_repaired} corrupt values repaired")
+    print(
+        f"pfs read {format_bytes(stats.pfs_bytes)}, {stats.pfs_errors} errors, "
+        f"{stats.corrupt_repaired} corrupt values repaired"
+    )
     for run in stats.staging:
         if run.held_for_others:
-            print(f"staged {run.dataset!r}: {run.done_samples}/{run.total_samples} samples, {run.held_for_others} "
-                  "of them for nodes whose caches are short")
+            print(
+                f"staged {run.dataset!r}: {run.done_samples}/{run.total_samples} samples, {run.held_for_others} "
+                "of them for nodes whose caches are short"
+            )
     cluster_status.print_exchanges([(stats.node, stats)])
     cluster_status.print_healing([(stats.node, stats)])
     cluster_status.print_prep_groups([(stats.node, stats)])
@@ -213,8 +240,10 @@ def _print_trainer_reads(stats: pb.StatsReply) -> None:
     order = [tier for tier in CLIENT_TIERS if tier in reads] + sorted(set(reads) - set(CLIENT_TIERS))
     print(f"trainers' reads ({stats.clients} clients open):")
     print_table(
-        [(tier, reads[tier].samples, f"{100 * reads[tier].samples / total:.1f}%", format_bytes(reads[tier].bytes))
-         for tier in order],
+        [
+            (tier, reads[tier].samples, f"{100 * reads[tier].samples / total:.1f}%", format_bytes(reads[tier].bytes))
+            for tier in order
+        ],
         ("TIER", "SAMPLES", "SHARE", "BYTES"),
     )
 
@@ -260,7 +289,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add.add_argument("--format", choices=sorted(FORMAT_TO_PROTO), help="default: detected from the files")
     add.add_argument("--replace", action="store_true", help="replace a dataset of the same name")
     add.add_argument(
-        "--tar-member-samples", action="store_true",
+        "--tar-member-samples",
+        action="store_true",
         help="tar: one sample per member instead of one per basename group",
     )
     add.set_defaults(func=cmd_dataset_add)
@@ -292,7 +322,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--batch-size", type=int, help="ids per rank per step; locality mode needs it to split global batches"
     )
     cluster.add_argument(
-        "--exchange-coding", choices=EXCHANGE_CODINGS,
+        "--exchange-coding",
+        choices=EXCHANGE_CODINGS,
         help="the exchange's coded pass: XOR packets multicast to groups where caches overlap (default none; "
         "the daemons need --exchange-multicast)",
     )
@@ -305,7 +336,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_directory(status)
     status.add_argument("--json", action="store_true", help="one JSON document (one per line with --watch)")
     status.add_argument(
-        "--watch", type=_interval, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
+        "--watch",
+        type=_interval,
+        nargs="?",
+        const=2.0,
+        default=0.0,
+        metavar="SECONDS",
         help="show it again every SECONDS (default 2) until interrupted; adds PFS throughput",
     )
     status.set_defaults(func=cmd_status)
@@ -318,7 +354,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo.add_argument("--samples", type=int, default=4000, help="samples in the synthetic dataset (default 4000)")
     demo.add_argument("--epochs", type=int, default=3, help="epochs to read (default 3)")
     demo.add_argument(
-        "--out", type=Path, default=Path("dataquay-demo"),
+        "--out",
+        type=Path,
+        default=Path("dataquay-demo"),
         help="directory for demo.json and demo.png (default ./dataquay-demo)",
     )
     demo.set_defaults(func=cmd_demo)

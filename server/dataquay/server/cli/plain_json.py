@@ -19,7 +19,7 @@ def _enum_word(enum: EnumDescriptor, number: int) -> str | int:
         return number
     prefix = re.sub(r"(?<!^)(?=[A-Z])", "_", enum.name).upper() + "_"
     name: str = value.name
-    return (name[len(prefix):] if name.startswith(prefix) else name).lower()
+    return (name[len(prefix) :] if name.startswith(prefix) else name).lower()
 
 
 def _value(field: FieldDescriptor, value: Any) -> Any:

@@ -185,11 +185,28 @@ def _daemon_registry() -> CollectorRegistry:
     from dataquay.server.node.snapshot import LiveState
 
     empty = LiveState(
-        cache_used_bytes=0, cache_capacity_bytes=0, cache_entries=0, cache_full=False, cache_disk_full=False,
-        corrupt_repaired=0, inserts_dropped=0, pfs_bytes=0, pfs_errors=0, staging={}, peers=(), exchanges={},
-        exchange_sent=(0, 0), exchange_received=(0, 0), exchange_given_up=0, previous_owner_samples=0,
-        prefetched_samples=0, prefetch_memory=(0, 0, 0), overflow=OverflowCounts(), client_reads={},
-        client_data_wait_seconds=0.0, clients=0,
+        cache_used_bytes=0,
+        cache_capacity_bytes=0,
+        cache_entries=0,
+        cache_full=False,
+        cache_disk_full=False,
+        corrupt_repaired=0,
+        inserts_dropped=0,
+        pfs_bytes=0,
+        pfs_errors=0,
+        staging={},
+        peers=(),
+        exchanges={},
+        exchange_sent=(0, 0),
+        exchange_received=(0, 0),
+        exchange_given_up=0,
+        previous_owner_samples=0,
+        prefetched_samples=0,
+        prefetch_memory=(0, 0, 0),
+        overflow=OverflowCounts(),
+        client_reads={},
+        client_data_wait_seconds=0.0,
+        clients=0,
     )
     metrics = DaemonMetrics()
     metrics.export_state(lambda: empty)

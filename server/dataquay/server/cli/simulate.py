@@ -122,7 +122,11 @@ def _epoch_json(scenario: Scenario, traffic: EpochTraffic, est: Estimate | None)
         entry["transfers_per_batch"] = {"mean": float(transfers.mean()), "max": int(transfers.max())}
     if est is not None:
         entry["estimate_s"] = {
-            "training": est.training, "pfs": est.pfs, "network": est.network, "epoch": est.epoch, "spill": est.spill,
+            "training": est.training,
+            "pfs": est.pfs,
+            "network": est.network,
+            "epoch": est.epoch,
+            "spill": est.spill,
         }
     return entry
 
@@ -134,8 +138,12 @@ def _coding_json(scenario: Scenario, coding: CodedEpoch) -> dict[str, Any]:
         "scheme": coding.scheme,
         "copies_per_sample": coding.copies,
         "uncoded": {"transmissions": uncoded.transmissions, "bytes": uncoded.bytes * size},
-        "coded": {"packets": coded.packets, "fetches": coded.fetches, "transmissions": coded.transmissions,
-                  "bytes": coded.bytes * size},
+        "coded": {
+            "packets": coded.packets,
+            "fetches": coded.fetches,
+            "transmissions": coded.transmissions,
+            "bytes": coded.bytes * size,
+        },
         "saved_percent": 100.0 * coding.saved,
     }
 
@@ -150,12 +158,16 @@ def _coding_summary(scenario: Scenario, epochs: list[dict[str, Any]]) -> str:
     coded = sum(c["coded"]["bytes"] for c in codings)
     saved = 100.0 * (1 - coded / uncoded) if uncoded else 0.0
     copies = max(c["copies_per_sample"] for c in codings)
-    line = (f"\n{scheme} coding: {format_bytes(coded)} on the wire against {format_bytes(uncoded)} uncoded from the "
-            f"same caches over {len(codings)} exchanges ({saved:.1f}% saved); caches hold up to {copies:.2f} copies "
-            "of a sample")
+    line = (
+        f"\n{scheme} coding: {format_bytes(coded)} on the wire against {format_bytes(uncoded)} uncoded from the "
+        f"same caches over {len(codings)} exchanges ({saved:.1f}% saved); caches hold up to {copies:.2f} copies "
+        "of a sample"
+    )
     if copies <= 1.0 + 1e-9:
-        line += (": no spare copies (each cache holds its share only; a --cache-bytes above the share keeps "
-                 "given-away samples), so there is nothing to code against")
+        line += (
+            ": no spare copies (each cache holds its share only; a --cache-bytes above the share keeps "
+            "given-away samples), so there is nothing to code against"
+        )
     return line
 
 
@@ -206,8 +218,11 @@ def _row(entry: dict[str, Any], coding_column: bool, change_columns: bool) -> li
     sent, received = entry["sent_bytes_per_node"], entry["received_bytes_per_node"]
     row: list[object] = [
         entry["epoch"],
-        *([entry["nodes"], format_bytes(entry["moved_bytes"]), f"{entry['moved_percent']:.2f}"]
-          if change_columns else []),
+        *(
+            [entry["nodes"], format_bytes(entry["moved_bytes"]), f"{entry['moved_percent']:.2f}"]
+            if change_columns
+            else []
+        ),
         format_bytes(entry["network_bytes"]),
         f"{entry['network_percent']:.2f}",
         format_bytes(entry["pfs_bytes"]),
@@ -223,8 +238,15 @@ def _row(entry: dict[str, Any], coding_column: bool, change_columns: bool) -> li
         row += [f"{est[k]:.2f}" for k in ("training", "pfs", "network", "epoch")]
     if coding_column:
         coding = entry.get("coding")
-        row += [format_bytes(coding["uncoded"]["bytes"]), format_bytes(coding["coded"]["bytes"]),
-                f"{coding['saved_percent']:.1f}"] if coding else ["", "", ""]
+        row += (
+            [
+                format_bytes(coding["uncoded"]["bytes"]),
+                format_bytes(coding["coded"]["bytes"]),
+                f"{coding['saved_percent']:.1f}",
+            ]
+            if coding
+            else ["", "", ""]
+        )
     return row
 
 
@@ -233,8 +255,10 @@ def _print_report(scenario: Scenario, epochs: list[dict[str, Any]], room: JobRoo
     setting = _q_text(plan) if settings.mode == "partial" else f"batch {settings.batch_size} per rank"
     largest = max(room.nodes, key=lambda n: n.need)
     headroom = ", plus the exchange's headroom" if largest.need > largest.share else ""
-    given = "" if scenario.cache_bytes is None else f"; --cache-bytes {format_bytes(scenario.cache_bytes)} " + (
-        "is short" if largest.short else "holds it"
+    given = (
+        ""
+        if scenario.cache_bytes is None
+        else f"; --cache-bytes {format_bytes(scenario.cache_bytes)} " + ("is short" if largest.short else "holds it")
     )
     print(
         f"mode {settings.mode} ({setting}): {plan.num_nodes:,} nodes x {settings.ranks_per_node} ranks, "
@@ -244,8 +268,16 @@ def _print_report(scenario: Scenario, epochs: list[dict[str, Any]], room: JobRoo
         f"{format_bytes(largest.share)} in LMDB{headroom}){given}\n"
     )
     changes = scenario.leave_at is not None or scenario.join_at is not None
-    header = ["EPOCH", *(["NODES", "MOVED", "% MOVED"] if changes else []),
-              "NETWORK", "% DATA", "PFS", "SEND/NODE min/med/max", "RECV/NODE min/med/max", "BALANCE"]
+    header = [
+        "EPOCH",
+        *(["NODES", "MOVED", "% MOVED"] if changes else []),
+        "NETWORK",
+        "% DATA",
+        "PFS",
+        "SEND/NODE min/med/max",
+        "RECV/NODE min/med/max",
+        "BALANCE",
+    ]
     if "imbalance_percent" in epochs[0]:
         header += ["IMB MED %", "IMB P90 %", "XFER MEAN", "XFER MAX"]
     if "estimate_s" in epochs[0]:
@@ -266,25 +298,42 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         epochs.append(_epoch_json(scenario, traffic, None if rates is None else estimate(scenario, traffic, rates)))
         now = time.monotonic()
         if now - started > PROGRESS_AFTER_S:
-            print(f"simulated epoch {traffic.epoch + 1}/{args.epochs} in {now - last:.1f} s", file=sys.stderr,
-                  flush=True)
+            print(
+                f"simulated epoch {traffic.epoch + 1}/{args.epochs} in {now - last:.1f} s", file=sys.stderr, flush=True
+            )
         last = now
     room = _room(scenario)
     warnings = _warnings(scenario, epochs)
     if scenario.cache_bytes is not None:
         warnings += room.warnings("--cache-bytes", per_node=False)
     if args.json:
-        inputs = {name: getattr(args, name) for name in ("nodes", "ranks_per_node", "samples", "per_rank_batch",
-                                                         "mode", "q", "q_leaving", "seed", "epochs",
-                                                         "exchange_coding", "leave_at", "join_at")}
+        inputs = {
+            name: getattr(args, name)
+            for name in (
+                "nodes",
+                "ranks_per_node",
+                "samples",
+                "per_rank_batch",
+                "mode",
+                "q",
+                "q_leaving",
+                "seed",
+                "epochs",
+                "exchange_coding",
+                "leave_at",
+                "join_at",
+            )
+        }
         inputs.update(sample_bytes=scenario.sample_bytes, cache_bytes=scenario.cache_bytes)
         inputs.update({name: getattr(rates, name) if rates else None for name in _RATE_FLAGS})
         document = {
             "inputs": inputs,
             "dataset_bytes": scenario.dataset_bytes,
             "iterations_per_epoch": scenario.iterations,
-            "q": {"drawn": scenario.plan.settings.q,
-                  "leaving": leaving_fraction(scenario.plan.settings.q, scenario.plan.num_nodes)},
+            "q": {
+                "drawn": scenario.plan.settings.q,
+                "leaving": leaving_fraction(scenario.plan.settings.q, scenario.plan.num_nodes),
+            },
             "cache": _room_json(room),
             "epochs": epochs,
             "warnings": warnings,
@@ -317,18 +366,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--pfs-bandwidth", help="PFS bytes/s for the whole job, e.g. 20G (for the estimate)")
     p.add_argument("--network-bandwidth", help="bytes/s each node sends and receives, e.g. 12G (for the estimate)")
     p.add_argument(
-        "--exchange-coding", default="none", choices=list(SCHEMES),
+        "--exchange-coding",
+        default="none",
+        choices=list(SCHEMES),
         help="code partial's exchanges: caches keep spare copies up to --cache-bytes and XOR packets are multicast "
         "(coded: Lee et al.'s tables; uber: UberShuffle); reports the coded load against the uncoded one "
         "(default none)",
     )
     p.add_argument(
-        "--leave-at", type=int, metavar="EPOCH",
+        "--leave-at",
+        type=int,
+        metavar="EPOCH",
         help="a node leaves before EPOCH: the job re-forms on the others, which read its share from the PFS "
         "(reports the bytes whose holder changed)",
     )
     p.add_argument(
-        "--join-at", type=int, metavar="EPOCH",
+        "--join-at",
+        type=int,
+        metavar="EPOCH",
         help="a spare node joins before EPOCH and takes its share from the nodes that held it",
     )
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")

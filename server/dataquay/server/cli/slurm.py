@@ -42,9 +42,18 @@ def _start_directory(plan: SlurmJobPlan) -> tuple[subprocess.Popen[bytes], str]:
     ready.unlink(missing_ok=True)
     with (plan.run_dir / "directory.log").open("ab") as log:
         process = subprocess.Popen(
-            _dataquay("directory", "--listen", f"{plan.bind_host}:0", "--state-dir", str(plan.run_dir / "directory"),
-                      "--ready-file", str(ready)),
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            _dataquay(
+                "directory",
+                "--listen",
+                f"{plan.bind_host}:0",
+                "--state-dir",
+                str(plan.run_dir / "directory"),
+                "--ready-file",
+                str(ready),
+            ),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
     port = _ready_field(process, ready, "tcp", plan.run_dir / "directory.log").rpartition(":")[2]
     host = "127.0.0.1" if plan.bind_host == "127.0.0.1" else plan.host
@@ -63,13 +72,28 @@ def _ready_field(process: subprocess.Popen[bytes], ready: Path, key: str, log: P
 
 def _start_daemons(plan: SlurmJobPlan, directory: str) -> subprocess.Popen[bytes]:
     """One ``dataquay slurm node`` per node, as one job step that shares the allocation's CPUs."""
-    env = {**os.environ, "DATAQUAY_SLURM_RUN_DIR": str(plan.run_dir), "DATAQUAY_SLURM_DIRECTORY": directory,
-           "DATAQUAY_SLURM_CACHE_DIR": str(plan.cache_dir), "DATAQUAY_SLURM_BIND_HOST": plan.bind_host}
+    env = {
+        **os.environ,
+        "DATAQUAY_SLURM_RUN_DIR": str(plan.run_dir),
+        "DATAQUAY_SLURM_DIRECTORY": directory,
+        "DATAQUAY_SLURM_CACHE_DIR": str(plan.cache_dir),
+        "DATAQUAY_SLURM_BIND_HOST": plan.bind_host,
+    }
     with (plan.run_dir / "daemons.log").open("ab") as log:
         return subprocess.Popen(
-            ["srun", "--overlap", f"--nodes={plan.nodes}", f"--ntasks={plan.nodes}", "--ntasks-per-node=1",
-             "--kill-on-bad-exit=1", *_dataquay("slurm", "node")],
-            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [
+                "srun",
+                "--overlap",
+                f"--nodes={plan.nodes}",
+                f"--ntasks={plan.nodes}",
+                "--ntasks-per-node=1",
+                "--kill-on-bad-exit=1",
+                *_dataquay("slurm", "node"),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
 
 
@@ -84,8 +108,10 @@ def _wait_for_nodes(plan: SlurmJobPlan, directory: str, step: subprocess.Popen[b
             if len(up) >= plan.nodes:
                 return
             if time.monotonic() > deadline:
-                raise CliError(f"{len(up)} of {plan.nodes} daemons registered after {timeout:.0f} s; "
-                               f"see {plan.run_dir}/daemons.log")
+                raise CliError(
+                    f"{len(up)} of {plan.nodes} daemons registered after {timeout:.0f} s; "
+                    f"see {plan.run_dir}/daemons.log"
+                )
             time.sleep(0.2)
 
 
@@ -94,8 +120,12 @@ def _stop_daemons(plan: SlurmJobPlan, step: subprocess.Popen[bytes] | None) -> N
     kills its tasks, and a killed daemon leaves its socket behind."""
     step_file = plan.run_dir / "daemons.step"
     if step is not None and step.poll() is None and step_file.exists():
-        subprocess.run(["scancel", "--signal=TERM", f"{plan.job_id}.{step_file.read_text().strip()}"],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        subprocess.run(
+            ["scancel", "--signal=TERM", f"{plan.job_id}.{step_file.read_text().strip()}"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=60,
+        )
         try:
             step.wait(timeout=STOP_TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -125,10 +155,17 @@ def cmd_run(args: argparse.Namespace) -> None:
         directory_process, directory = _start_directory(plan)
         daemons = _start_daemons(plan, directory)
         _wait_for_nodes(plan, directory, daemons, args.start_timeout)
-        env = {**os.environ, "DATAQUAY_DIRECTORY": directory, "DATAQUAY_ADDR": str(plan.socket),
-               "DATAQUAY_JOB": args.job or plan.job}
-        print(f"dataquay: {plan.nodes} daemon(s) up, directory {directory}, socket {plan.socket}", file=sys.stderr,
-              flush=True)
+        env = {
+            **os.environ,
+            "DATAQUAY_DIRECTORY": directory,
+            "DATAQUAY_ADDR": str(plan.socket),
+            "DATAQUAY_JOB": args.job or plan.job,
+        }
+        print(
+            f"dataquay: {plan.nodes} daemon(s) up, directory {directory}, socket {plan.socket}",
+            file=sys.stderr,
+            flush=True,
+        )
         code = subprocess.run(command, env=env).returncode
     finally:
         _stop_daemons(plan, daemons)
@@ -149,10 +186,19 @@ def cmd_node(args: argparse.Namespace) -> None:
     # The launcher's node holds one task of the step: the launcher reads the step id there to stop it.
     (run_dir / "daemons.step").write_text(os.environ.get("SLURM_STEP_ID", ""))
     argv = _dataquay(
-        "serve", "--socket", str(run_dir / "dataquay.sock"), "--cache-dir", str(cache_dir),
-        "--state-dir", str(run_dir / "state"), "--directory", os.environ["DATAQUAY_SLURM_DIRECTORY"],
-        "--listen", f"{os.environ.get('DATAQUAY_SLURM_BIND_HOST', '0.0.0.0')}:0",
-        "--ready-file", str(run_dir / "daemon.ready.json"),
+        "serve",
+        "--socket",
+        str(run_dir / "dataquay.sock"),
+        "--cache-dir",
+        str(cache_dir),
+        "--state-dir",
+        str(run_dir / "state"),
+        "--directory",
+        os.environ["DATAQUAY_SLURM_DIRECTORY"],
+        "--listen",
+        f"{os.environ.get('DATAQUAY_SLURM_BIND_HOST', '0.0.0.0')}:0",
+        "--ready-file",
+        str(run_dir / "daemon.ready.json"),
     )
     os.execv(argv[0], argv)
 
@@ -161,7 +207,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     slurm = sub.add_parser("slurm", help="run dataquay inside your own Slurm allocation (no root needed)")
     ssub = slurm.add_subparsers(dest="slurm_command", required=True, metavar="COMMAND")
     run = ssub.add_parser(
-        "run", help="start a directory and a daemon per node, run CMD with DATAQUAY_ADDR/DATAQUAY_DIRECTORY set, "
+        "run",
+        help="start a directory and a daemon per node, run CMD with DATAQUAY_ADDR/DATAQUAY_DIRECTORY set, "
         "stop them after",
     )
     run.add_argument("--scratch", help="node-local folder for sockets, state and cache [default $TMPDIR, else /tmp]")

@@ -166,8 +166,15 @@ class _Progress:
     @staticmethod
     def _bar(desc: str, position: int, leave: bool) -> tqdm[Any]:
         return tqdm(
-            desc=desc, total=0, position=position, leave=leave, unit="B", unit_scale=True, unit_divisor=1024,
-            file=sys.stderr, mininterval=0.5,
+            desc=desc,
+            total=0,
+            position=position,
+            leave=leave,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            file=sys.stderr,
+            mininterval=0.5,
         )
 
     def update(self, node: _NodeStaging, everyone: Sequence[_NodeStaging], ended: bool) -> None:
@@ -292,8 +299,10 @@ def _report_staging(args: argparse.Namespace, job: jpb.Job, nodes: Sequence[_Nod
     )
     spilled = sum(r.held_for_others for r in reports)
     if spilled:
-        print(f"{spilled} samples of nodes whose caches are short are held by nodes with room (FOR OTHERS): "
-              "their owners read them from there, not from the PFS")
+        print(
+            f"{spilled} samples of nodes whose caches are short are held by nodes with room (FOR OTHERS): "
+            "their owners read them from there, not from the PFS"
+        )
     failed = [n for n in nodes if n.failed]
     if failed:
         raise CliError(

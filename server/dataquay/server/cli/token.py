@@ -32,7 +32,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     new.add_argument("path", help="the token file to write (its directory must exist)")
     new.add_argument("--force", action="store_true", help="replace the token in an existing file")
     new.add_argument(
-        "--node", action="store_true",
+        "--node",
+        action="store_true",
         help="a node token (--node-token-file), for daemons and the directory only: the same kind of file",
     )
     new.set_defaults(func=cmd_new)

@@ -115,7 +115,7 @@ class HeartbeatEndpoint(asyncio.DatagramProtocol):
             return "format"
         _version, sequence, sent_unix_ns = HEADER.unpack_from(payload)
         try:
-            request = dpb.HeartbeatRequest.FromString(payload[HEADER.size:])
+            request = dpb.HeartbeatRequest.FromString(payload[HEADER.size :])
         except DecodeError:
             return "malformed"
         if abs(time.time_ns() - sent_unix_ns) > self._max_age_ns:

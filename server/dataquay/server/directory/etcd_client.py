@@ -123,8 +123,11 @@ class EtcdClient:
     async def revoke(self, lease: int) -> None:
         """Ends ``lease`` and deletes its keys; a lease already gone is no error."""
         try:
-            await self.call(lambda ch: egrpc.LeaseStub(ch).LeaseRevoke(epb.LeaseRevokeRequest(ID=lease),
-                                                                        timeout=CALL_TIMEOUT_SECONDS))
+            await self.call(
+                lambda ch: egrpc.LeaseStub(ch).LeaseRevoke(
+                    epb.LeaseRevokeRequest(ID=lease), timeout=CALL_TIMEOUT_SECONDS
+                )
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() is not grpc.StatusCode.NOT_FOUND:
                 raise
@@ -152,8 +155,9 @@ class EtcdClient:
         """The changes under ``prefix`` from ``start_revision`` on, as etcd sends them on ``channel``.
         Ends with an RpcError when the stream breaks, or a response with ``canceled``
         (its ``compact_revision`` set when the revision was compacted away)."""
-        create = epb.WatchCreateRequest(key=prefix, range_end=prefix_end(prefix), start_revision=start_revision,
-                                        progress_notify=True)
+        create = epb.WatchCreateRequest(
+            key=prefix, range_end=prefix_end(prefix), start_revision=start_revision, progress_notify=True
+        )
 
         async def requests() -> AsyncIterator[epb.WatchRequest]:
             yield epb.WatchRequest(create_request=create)
@@ -177,8 +181,9 @@ def put(key: bytes, value: bytes, lease: int = 0) -> epb.RequestOp:
 
 
 def delete(key: bytes, prefix: bool = False) -> epb.RequestOp:
-    return epb.RequestOp(request_delete_range=epb.DeleteRangeRequest(
-        key=key, range_end=prefix_end(key) if prefix else b""))
+    return epb.RequestOp(
+        request_delete_range=epb.DeleteRangeRequest(key=key, range_end=prefix_end(key) if prefix else b"")
+    )
 
 
 def absent(key: bytes) -> epb.Compare:

@@ -153,9 +153,19 @@ class EtcdStore:
             raise StartupError(f"cannot read the directory's state from {config.store}: {exc}") from exc
         state.changed = set()
         up, down = state.node_counts()
-        log.info("state read from etcd", extra={"fields": {
-            "store": config.store, "revision": self.revision, "nodes_up": up, "nodes_down": down,
-            "jobs": len(state.jobs()), "replica": self.replica}})
+        log.info(
+            "state read from etcd",
+            extra={
+                "fields": {
+                    "store": config.store,
+                    "revision": self.revision,
+                    "nodes_up": up,
+                    "nodes_down": down,
+                    "jobs": len(state.jobs()),
+                    "replica": self.replica,
+                }
+            },
+        )
         return state
 
     async def _resync(self, state: DirectoryState) -> None:
@@ -235,11 +245,16 @@ class EtcdStore:
             try:
                 await self._write_all(state, sorted(changed), written)
             except (DirectoryUnavailableError, grpc.aio.AioRpcError) as exc:
-                error = exc if isinstance(exc, DataquayError) else DirectoryUnavailableError(
-                    f"the directory's etcd store refused a write: {exc.details()}")
+                error = (
+                    exc
+                    if isinstance(exc, DataquayError)
+                    else DirectoryUnavailableError(f"the directory's etcd store refused a write: {exc.details()}")
+                )
                 state.changed = (state.changed or set()) | (changed - written)
-                log.warning("cannot write to etcd; kept to write again", extra={"fields": {
-                    "records": len(changed - written), "error": str(error)}})
+                log.warning(
+                    "cannot write to etcd; kept to write again",
+                    extra={"fields": {"records": len(changed - written), "error": str(error)}},
+                )
             if waiter is not None:
                 if error is None:
                     waiter.set_result(None)
@@ -283,8 +298,12 @@ class EtcdStore:
             return
         now = time.monotonic()
         before = [self._node_leases.get(n.info.name, 0) for n in nodes]
-        kept = [lease if n.info.name in self._up and now - self._renewed_at.get(lease, -math.inf) < self._node_ttl / 2
-                else 0 for n, lease in zip(nodes, before, strict=True)]
+        kept = [
+            lease
+            if n.info.name in self._up and now - self._renewed_at.get(lease, -math.inf) < self._node_ttl / 2
+            else 0
+            for n, lease in zip(nodes, before, strict=True)
+        ]
         try:
             leases = await self._put_nodes(nodes, kept)
         except grpc.aio.AioRpcError as exc:
@@ -309,8 +328,13 @@ class EtcdStore:
         ops, writes = [], {}
         for node, lease in zip(nodes, leases, strict=True):
             key = node.info.name.encode()
-            record = {"info": vars(node.info), "registered": node.registered, "identity": node.identity,
-                      "session": node.session, "lease": lease}
+            record = {
+                "info": vars(node.info),
+                "registered": node.registered,
+                "identity": node.identity,
+                "session": node.session,
+                "lease": lease,
+            }
             writes[NODES + key], writes[UP + key] = json.dumps(record).encode(), b""
             ops += [put(NODES + key, writes[NODES + key]), put(UP + key, b"", lease)]
         await self._own_txn(epb.TxnRequest(success=ops), writes)
@@ -327,9 +351,14 @@ class EtcdStore:
             await self._own_txn(epb.TxnRequest(success=[put(key, value)]), {key: value})
             return
         # Created here: made only if absent, else the record another replica made is taken.
-        reply = await self._own_txn(epb.TxnRequest(
-            compare=[absent(key)], success=[put(key, value)],
-            failure=[epb.RequestOp(request_range=epb.RangeRequest(key=key))]), {key: value})
+        reply = await self._own_txn(
+            epb.TxnRequest(
+                compare=[absent(key)],
+                success=[put(key, value)],
+                failure=[epb.RequestOp(request_range=epb.RangeRequest(key=key))],
+            ),
+            {key: value},
+        )
         kvs = [] if reply.succeeded else reply.responses[0].response_range.kvs
         if kvs:
             state.apply_job(_job(kvs[0].value), time.monotonic(), time.time())
@@ -382,8 +411,10 @@ class EtcdStore:
             return
         listed = await self.client.range_prefix(MANIFESTS + f"{name}/{record['manifest_id']}/".encode())
         if len(listed.kvs) != record["chunks"]:
-            log.warning("dataset manifest incomplete in etcd; not served here until it is written again",
-                        extra={"fields": {"dataset": name, "chunks": len(listed.kvs), "expected": record["chunks"]}})
+            log.warning(
+                "dataset manifest incomplete in etcd; not served here until it is written again",
+                extra={"fields": {"dataset": name, "chunks": len(listed.kvs), "expected": record["chunks"]}},
+            )
             return
         data = b"".join(item.value for item in sorted(listed.kvs, key=lambda item: item.key))
         self._registry.add(name, data, replace=True)
@@ -403,9 +434,12 @@ class EtcdStore:
             try:
                 async for reply in self.client.watch(channel, PREFIX, self.revision + 1):
                     if reply.canceled:
-                        log.warning("etcd cancelled the watch; reading everything again",
-                                    extra={"fields": {"reason": reply.cancel_reason,
-                                                      "compact_revision": reply.compact_revision}})
+                        log.warning(
+                            "etcd cancelled the watch; reading everything again",
+                            extra={
+                                "fields": {"reason": reply.cancel_reason, "compact_revision": reply.compact_revision}
+                            },
+                        )
                         await self._resync(self._state())
                         break
                     await self._apply(reply)
@@ -458,8 +492,14 @@ class EtcdStore:
         old, self._node_leases[name] = self._node_leases.get(name, 0), raw["lease"]
         if old != raw["lease"]:
             self._renewed_at.pop(old, None)
-        return Node(NodeInfo(**raw["info"]), registered=raw["registered"], last_heartbeat=raw["registered"],
-                    beat_sequence=0, identity=raw["identity"], session=raw["session"])
+        return Node(
+            NodeInfo(**raw["info"]),
+            registered=raw["registered"],
+            last_heartbeat=raw["registered"],
+            beat_sequence=0,
+            identity=raw["identity"],
+            session=raw["session"],
+        )
 
     # ------------------------------------------------------------ renewals
 
@@ -511,17 +551,23 @@ class EtcdStore:
                     self._my_lease = 0  # "lease not found": it ended while etcd was away
                 self.leader = False
             if self.leader != was:
-                log.info("leading the directory's periodic work" if self.leader else "another replica leads",
-                         extra={"fields": {"replica": self.replica}})
+                log.info(
+                    "leading the directory's periodic work" if self.leader else "another replica leads",
+                    extra={"fields": {"replica": self.replica}},
+                )
             await asyncio.sleep(self._ttl / 3)
 
     async def _campaign(self) -> bool:
         if not self._my_lease:
             self._my_lease = await self.client.grant(self._ttl)
         self._renew_lease(self._my_lease)
-        reply = await self.client.txn(epb.TxnRequest(
-            compare=[absent(LEADER)], success=[put(LEADER, self.replica.encode(), self._my_lease)],
-            failure=[epb.RequestOp(request_range=epb.RangeRequest(key=LEADER))]))
+        reply = await self.client.txn(
+            epb.TxnRequest(
+                compare=[absent(LEADER)],
+                success=[put(LEADER, self.replica.encode(), self._my_lease)],
+                failure=[epb.RequestOp(request_range=epb.RangeRequest(key=LEADER))],
+            )
+        )
         if reply.succeeded:
             return True
         held = reply.responses[0].response_range.kvs
@@ -541,7 +587,7 @@ def _split(key: bytes) -> tuple[bytes, str]:
     """(kind prefix, name) of a key: (NODES, "n1") for dataquay/nodes/n1."""
     for kind in (NODES, UP, JOBS, DATASETS, MANIFESTS):
         if key.startswith(kind):
-            return kind, key[len(kind):].decode()
+            return kind, key[len(kind) :].decode()
     return key, ""
 
 

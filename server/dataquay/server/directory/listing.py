@@ -32,8 +32,13 @@ def node_status(node: Node) -> jpb.NodeStatus:
     i = node.info
     return jpb.NodeStatus(
         info=jpb.NodeInfo(
-            name=i.name, tcp_address=i.tcp_address, metrics_address=i.metrics_address,
-            cache_capacity=i.cache_capacity, pid=i.pid, version=i.version, bulk_address=i.bulk_address,
+            name=i.name,
+            tcp_address=i.tcp_address,
+            metrics_address=i.metrics_address,
+            cache_capacity=i.cache_capacity,
+            pid=i.pid,
+            version=i.version,
+            bulk_address=i.bulk_address,
         ),
         state=jpb.NODE_UP if node.up else jpb.NODE_DOWN,
         registered_unix=node.registered,
@@ -122,7 +127,10 @@ class NodeListing:
     def _entry(self, node: Node, now: float) -> bytes:
         kept = self._entries.get(node.info.name)
         if (
-            kept is not None and kept[0] is node.info and kept[1] == node.up and kept[2] == node.registered
+            kept is not None
+            and kept[0] is node.info
+            and kept[1] == node.up
+            and kept[2] == node.registered
             and 0 <= now - kept[3] < self.max_age
         ):
             return kept[4]

@@ -19,8 +19,11 @@ from dataquay.server.directory.state import DirectoryState
 
 class _DirectoryCollector(Collector):
     def __init__(
-        self, state: Callable[[], DirectoryState], datasets: Callable[[], int],
-        beats_refused: Callable[[], Mapping[str, int]], node_lists: Callable[[], Mapping[str, int]],
+        self,
+        state: Callable[[], DirectoryState],
+        datasets: Callable[[], int],
+        beats_refused: Callable[[], Mapping[str, int]],
+        node_lists: Callable[[], Mapping[str, int]],
     ) -> None:
         self._state = state
         self._datasets = datasets
@@ -35,7 +38,8 @@ class _DirectoryCollector(Collector):
         nodes.add_metric(["down"], down)
         yield nodes
         yield CounterMetricFamily(
-            "dataquay_directory_heartbeats", "Heartbeats received, from known and unknown nodes",
+            "dataquay_directory_heartbeats",
+            "Heartbeats received, from known and unknown nodes",
             value=state.heartbeats,
         )
         refused = CounterMetricFamily(
@@ -59,14 +63,17 @@ class _DirectoryCollector(Collector):
         yield lists
         yield GaugeMetricFamily("dataquay_directory_jobs", "Job records", value=len(state.jobs()))
         yield CounterMetricFamily(
-            "dataquay_directory_jobs_expired", "Jobs dropped for being idle longer than --job-ttl",
+            "dataquay_directory_jobs_expired",
+            "Jobs dropped for being idle longer than --job-ttl",
             value=state.jobs_expired,
         )
         yield GaugeMetricFamily("dataquay_directory_datasets", "Registered datasets", value=self._datasets())
 
 
 def directory_metrics(
-    state: Callable[[], DirectoryState], datasets: Callable[[], int], beats_refused: Callable[[], Mapping[str, int]],
+    state: Callable[[], DirectoryState],
+    datasets: Callable[[], int],
+    beats_refused: Callable[[], Mapping[str, int]],
     node_lists: Callable[[], Mapping[str, int]],
 ) -> CollectorRegistry:
     """A registry of the directory's metrics, read live from ``state``, the

@@ -60,8 +60,8 @@ class Versions:
 class Change(enum.Enum):
     """What a registration did to the node's membership."""
 
-    JOINED = "joined"    # a name never seen before
-    UP = "up"            # a node that was down, or not heard from since the directory restarted, is back
+    JOINED = "joined"  # a name never seen before
+    UP = "up"  # a node that was down, or not heard from since the directory restarted, is back
     RENEWED = "renewed"  # a live node registered again (a restart)
 
 
@@ -75,7 +75,7 @@ class Registration(NamedTuple):
 
 
 class Beat(NamedTuple):
-    known: bool    # False: the name is not registered; the daemon must register
+    known: bool  # False: the name is not registered; the daemon must register
     came_up: bool  # the node was down and is up again
     #: Why the beat renewed nothing: "replayed" (a datagram's sequence already
     #: seen) or "holder" (not the session of the name's registration); "" if it did.

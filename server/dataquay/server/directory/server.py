@@ -101,7 +101,9 @@ class DirectoryServer(ServerLifecycle):
         #: Heartbeats refused, by reason (see :mod:`.beats`).
         self.beats_refused: Counter[str] = Counter()
         self.metrics = directory_metrics(
-            lambda: self.state, lambda: len(self.registry.names()), lambda: self.beats_refused,
+            lambda: self.state,
+            lambda: len(self.registry.names()),
+            lambda: self.beats_refused,
             lambda: self.listing.sent,
         )
         self.http = HttpEndpoints(lambda: self.state.nodes(), self.metrics, lambda: self._serving)
@@ -140,11 +142,18 @@ class DirectoryServer(ServerLifecycle):
         up, down = self.state.node_counts()
         log.info(
             "serving",
-            extra={"fields": {
-                "tcp": self.tcp_address, "http_port": self.http_port, "state_dir": str(self.config.state_dir),
-                "nodes_up": up, "nodes_down": down, "jobs": len(self.state.jobs()),
-                "datasets": len(self.registry.names()), "job_ttl_seconds": self.config.job_ttl,
-            }},
+            extra={
+                "fields": {
+                    "tcp": self.tcp_address,
+                    "http_port": self.http_port,
+                    "state_dir": str(self.config.state_dir),
+                    "nodes_up": up,
+                    "nodes_down": down,
+                    "jobs": len(self.state.jobs()),
+                    "datasets": len(self.registry.names()),
+                    "job_ttl_seconds": self.config.job_ttl,
+                }
+            },
         )
 
     async def _load(self) -> None:
@@ -168,7 +177,10 @@ class DirectoryServer(ServerLifecycle):
             beats_address = f"{host}:{self.tcp_address.rpartition(':')[2]}"
             try:
                 self._beats = await open_heartbeats(
-                    beats_address, self.datagram_reply, self.credentials.node.token, 2 * self.config.lease_seconds,
+                    beats_address,
+                    self.datagram_reply,
+                    self.credentials.node.token,
+                    2 * self.config.lease_seconds,
                     self.beats_refused,
                 )
             except OSError as exc:
@@ -205,8 +217,10 @@ class DirectoryServer(ServerLifecycle):
             stalled, last = now - last - interval, now
             if stalled > self.config.lease_seconds / 2:
                 self.state.hold_leases(stalled)
-                log.warning("the directory did not run for a while; leases run on from now",
-                            extra={"fields": {"seconds": round(stalled, 1)}})
+                log.warning(
+                    "the directory did not run for a while; leases run on from now",
+                    extra={"fields": {"seconds": round(stalled, 1)}},
+                )
             for name in self.state.expire(now):
                 log.info("node down", extra={"fields": {"node": name, "lease_seconds": self.config.lease_seconds}})
             self.store.changed()
@@ -235,11 +249,18 @@ class DirectoryServer(ServerLifecycle):
             registration = self.state.register(info, time.monotonic(), identity, time.time())
         except NodeNameTakenError:
             held = self.state.node(info.name)
-            log.warning("refused a live node's name to another identity", extra={"fields": {
-                "node": info.name, "tcp": info.tcp_address, "identity": identity[:IDENTITY_SHOWN],
-                "holder_tcp": held.info.tcp_address if held else "",
-                "holder_identity": held.identity[:IDENTITY_SHOWN] if held else "",
-            }})
+            log.warning(
+                "refused a live node's name to another identity",
+                extra={
+                    "fields": {
+                        "node": info.name,
+                        "tcp": info.tcp_address,
+                        "identity": identity[:IDENTITY_SHOWN],
+                        "holder_tcp": held.info.tcp_address if held else "",
+                        "holder_identity": held.identity[:IDENTITY_SHOWN] if held else "",
+                    }
+                },
+            )
             raise
         _log_registration(info, identity, registration)
         await self.store.persist()
@@ -260,7 +281,12 @@ class DirectoryServer(ServerLifecycle):
         """Renews the node's lease; the answer to a beat, or why it renewed
         nothing (:attr:`~.records.Beat.refused`)."""
         beat = self.state.heartbeat(
-            request.name, request.cache_used_bytes, request.cache_entries, time.monotonic(), sequence, time.time(),
+            request.name,
+            request.cache_used_bytes,
+            request.cache_entries,
+            time.monotonic(),
+            sequence,
+            time.time(),
             request.session,
         )
         if beat.refused:
@@ -278,7 +304,8 @@ class DirectoryServer(ServerLifecycle):
         versions = self.state.publish_nodes(time.monotonic())
         if versions is not self._versions[0]:
             self._versions = (
-                versions, dpb.Versions(nodes=versions.nodes, datasets=versions.datasets, jobs=versions.jobs)
+                versions,
+                dpb.Versions(nodes=versions.nodes, datasets=versions.datasets, jobs=versions.jobs),
             )
         return self._versions[1]
 
@@ -287,9 +314,7 @@ class DirectoryServer(ServerLifecycle):
         ListNodesReply (see :mod:`.listing`)."""
         return self.listing.reply(self.state, since_version, self.versions_proto(), time.monotonic())
 
-    async def add_dataset(
-        self, name: str, root: str, fmt: str | None, replace: bool, tar_grouped: bool
-    ) -> Registered:
+    async def add_dataset(self, name: str, root: str, fmt: str | None, replace: bool, tar_grouped: bool) -> Registered:
         """Builds the manifest of ``root`` off the loop and registers it as
         ``name``, if ``root`` lies under the directory's --dataset-roots."""
         root = allowed_root(root, self.config.dataset_roots, "--dataset-roots / DATAQUAY_DIRECTORY_DATASET_ROOTS")
@@ -313,8 +338,14 @@ class DirectoryServer(ServerLifecycle):
                 raise
         log.info(
             "dataset registered",
-            extra={"fields": {"dataset": name, "samples": entry.manifest.num_samples, "format": entry.record.format,
-                              "manifest_id": entry.record.manifest_id}},
+            extra={
+                "fields": {
+                    "dataset": name,
+                    "samples": entry.manifest.num_samples,
+                    "format": entry.record.format,
+                    "manifest_id": entry.record.manifest_id,
+                }
+            },
         )
         return entry
 
@@ -332,8 +363,16 @@ class DirectoryServer(ServerLifecycle):
             spec = job.spec
             log.info(
                 "job created",
-                extra={"fields": {"job": spec.job_id, "dataset": spec.dataset, "mode": spec.mode, "q": spec.q,
-                                  "seed": spec.seed, "nodes": len(spec.nodes)}},
+                extra={
+                    "fields": {
+                        "job": spec.job_id,
+                        "dataset": spec.dataset,
+                        "mode": spec.mode,
+                        "q": spec.q,
+                        "seed": spec.seed,
+                        "nodes": len(spec.nodes),
+                    }
+                },
             )
         await self.store.persist()
         # A shared store may hold another replica's record, created at the same moment.
@@ -364,7 +403,6 @@ class DirectoryServer(ServerLifecycle):
         return job
 
 
-
 def _log_registration(info: NodeInfo, identity: str, registration: Registration) -> None:
     """Logs what a registration changed: a node that joined or came back, a
     name that passed to a new identity, a node that moved."""
@@ -377,12 +415,20 @@ def _log_registration(info: NodeInfo, identity: str, registration: Registration)
     if previous is not None and previous_identity and previous_identity != identity:
         log.warning(
             "a node name passed to another identity after its holder's lease ended",
-            extra={"fields": {**fields, "identity": identity[:IDENTITY_SHOWN], "previous_tcp": previous.tcp_address,
-                              "previous_identity": previous_identity[:IDENTITY_SHOWN]}},
+            extra={
+                "fields": {
+                    **fields,
+                    "identity": identity[:IDENTITY_SHOWN],
+                    "previous_tcp": previous.tcp_address,
+                    "previous_identity": previous_identity[:IDENTITY_SHOWN],
+                }
+            },
         )
     elif registration.change is Change.RENEWED and previous and previous.tcp_address != info.tcp_address:
-        log.info("node registered again from another address",
-                 extra={"fields": {**fields, "previous_tcp": previous.tcp_address}})
+        log.info(
+            "node registered again from another address",
+            extra={"fields": {**fields, "previous_tcp": previous.tcp_address}},
+        )
 
 
 def _store(config: DirectoryConfig, server: DirectoryServer) -> DirectoryStore:

@@ -31,6 +31,7 @@ _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 #: Manifest bytes per streamed message.
 MANIFEST_CHUNK_BYTES = 4 << 20
 
+
 class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
     """dataquay.v1.Directory over one :class:`DirectoryServer`."""
 
@@ -56,8 +57,10 @@ class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
             session = await self.server.register_node(info, identity_of(request.identity_key))
         config = self.server.config
         return dpb.RegisterNodeReply(
-            lease_seconds=config.lease_seconds, heartbeat_seconds=config.heartbeat_seconds,
-            versions=self.server.versions_proto(), session=session,
+            lease_seconds=config.lease_seconds,
+            heartbeat_seconds=config.heartbeat_seconds,
+            versions=self.server.versions_proto(),
+            session=session,
         )
 
     async def Heartbeat(self, request: dpb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> dpb.HeartbeatReply:

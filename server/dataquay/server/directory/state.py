@@ -134,8 +134,9 @@ class DirectoryState:
         session = self._new_session()
         if node is None:
             change, previous, previous_identity = Change.JOINED, None, ""
-            self._nodes[info.name] = Node(info, registered=wall, last_heartbeat=wall, beat_sequence=0,
-                                          identity=identity, session=session)
+            self._nodes[info.name] = Node(
+                info, registered=wall, last_heartbeat=wall, beat_sequence=0, identity=identity, session=session
+            )
         else:
             self._check_holder(node, identity, now)
             live = node.up and info.name not in self._unheard
@@ -160,8 +161,14 @@ class DirectoryState:
         )
 
     def heartbeat(
-        self, name: str, cache_used_bytes: int, cache_entries: int, now: float, sequence: int | None = None,
-        wall: float | None = None, session: int = 0,
+        self,
+        name: str,
+        cache_used_bytes: int,
+        cache_entries: int,
+        now: float,
+        sequence: int | None = None,
+        wall: float | None = None,
+        session: int = 0,
     ) -> Beat:
         """Renews a lease in O(1); a node that was down comes back up. ``wall``
         is the Unix time it records as the last heartbeat (default ``now``).
@@ -279,9 +286,7 @@ class DirectoryState:
         """
         job_id = request.settings.job_id
         if not _JOB_ID.match(job_id):
-            raise InvalidRequestError(
-                f"bad job id {job_id!r}: use 1-128 letters, digits, '.', '_' or '-'"
-            )
+            raise InvalidRequestError(f"bad job id {job_id!r}: use 1-128 letters, digits, '.', '_' or '-'")
         job = self._jobs.get(job_id)
         if job is not None:
             return self._touch(self._join_existing(job, request), now, wall), False
@@ -443,7 +448,10 @@ class DirectoryState:
         """
         mine = self._nodes.get(node.info.name)
         if mine is not None and (mine.info, mine.registered, mine.identity, mine.session) == (
-            node.info, node.registered, node.identity, node.session
+            node.info,
+            node.registered,
+            node.identity,
+            node.session,
         ):
             self.apply_up(node.info.name, up, now)
             return
@@ -501,7 +509,9 @@ class DirectoryState:
         copied field by field. The snapshot is then serialised off the loop.
         """
         return StateSnapshot(
-            self.revision, self.versions, [{**vars(n), "info": vars(n.info)} for n in self._nodes.values()],
+            self.revision,
+            self.versions,
+            [{**vars(n), "info": vars(n.info)} for n in self._nodes.values()],
             dict(self._jobs),
         )
 
@@ -511,7 +521,11 @@ class DirectoryState:
 
     @classmethod
     def from_json(
-        cls, doc: dict[str, Any], lease_seconds: float, now: float, publish_seconds: float = 0.0,
+        cls,
+        doc: dict[str, Any],
+        lease_seconds: float,
+        now: float,
+        publish_seconds: float = 0.0,
         wall: float | None = None,
     ) -> DirectoryState:
         """The state a directory restarted at ``now`` resumes from.
@@ -566,8 +580,10 @@ class StateSnapshot(NamedTuple):
             "format": STATE_FORMAT,
             "versions": asdict(self.versions),
             "nodes": self.nodes,
-            "jobs": [{**asdict(job), "spec": {**asdict(job.spec), "nodes": list(job.spec.nodes)}}
-                     for _, job in sorted(self.jobs.items())],
+            "jobs": [
+                {**asdict(job), "spec": {**asdict(job.spec), "nodes": list(job.spec.nodes)}}
+                for _, job in sorted(self.jobs.items())
+            ],
         }
 
 
@@ -592,8 +608,7 @@ def _random_session() -> int:
 def _check_node(info: NodeInfo) -> None:
     if not _NODE_NAME.match(info.name):
         raise InvalidRequestError(
-            f"bad node name {info.name!r}: use 1-255 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
+            f"bad node name {info.name!r}: use 1-255 letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
     if not _ADDRESS.match(info.tcp_address):
         raise InvalidRequestError(f"node {info.name!r}: bad tcp address {info.tcp_address!r}, expected HOST:PORT")

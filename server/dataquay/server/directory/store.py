@@ -178,8 +178,10 @@ class EmbeddedStore:
                     os.fsync(out.fileno())
                 os.replace(tmp, self.state_path)
             except OSError as exc:
-                log.error("cannot write the directory's state", extra={"fields": {"path": str(self.state_path),
-                                                                                   "error": str(exc)}})
+                log.error(
+                    "cannot write the directory's state",
+                    extra={"fields": {"path": str(self.state_path), "error": str(exc)}},
+                )
                 return
             self._saved_revision = snapshot.revision
 

@@ -38,9 +38,7 @@ class ClientStatsBook:
     data_wait_seconds: float = 0.0
     _clients: dict[str, _Client] = field(default_factory=dict)
 
-    def report(
-        self, client: str, reads: Counts, wait: float, now: float | None = None, closing: bool = False
-    ) -> None:
+    def report(self, client: str, reads: Counts, wait: float, now: float | None = None, closing: bool = False) -> None:
         """Adds what ``client``'s cumulative counters grew by since its last
         report; ``closing``: it has ended, and counts no more among the clients."""
         now = time.monotonic() if now is None else now

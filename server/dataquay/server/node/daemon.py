@@ -102,7 +102,11 @@ class Daemon(ServerLifecycle):
         )
         self.link = (
             DirectoryLink(
-                config.directory, self.node_info, self._usage, self._datasets_changed, self.credentials.node,
+                config.directory,
+                self.node_info,
+                self._usage,
+                self._datasets_changed,
+                self.credentials.node,
                 refused=self._name_refused,
             )
             if config.directory
@@ -123,18 +127,38 @@ class Daemon(ServerLifecycle):
         if self.link is not None:
             self.placements = Placements(self.link, config.node_name, config.state_dir)
             self.healer = Healer(
-                config.node_name, self.link, self.placements, self.datasets, self.store, self.pfs, self.peers,
-                config.heal_after, config.heal_bandwidth,
+                config.node_name,
+                self.link,
+                self.placements,
+                self.datasets,
+                self.store,
+                self.pfs,
+                self.peers,
+                config.heal_after,
+                config.heal_bandwidth,
             )
             self.placements.lost = self.healer.lost
         self.reads = ReadService(
-            self.datasets, self.store, self.pfs, self.metrics, config.max_batch, self.peers, self.placements,
-            self.tasks.spawn, config.prefetch_memory, config.max_sample_size,
+            self.datasets,
+            self.store,
+            self.pfs,
+            self.metrics,
+            config.max_batch,
+            self.peers,
+            self.placements,
+            self.tasks.spawn,
+            config.prefetch_memory,
+            config.max_sample_size,
         )
         self.stager = Stager(self.registry, self.store, self.pfs)
         self.cache = CacheManager(
-            self.store, self.registry, config.state_dir, config.evict_min_age, parse_quotas(config.cache_quotas),
-            self._job_pins, self._staging_left,
+            self.store,
+            self.registry,
+            config.state_dir,
+            config.evict_min_age,
+            parse_quotas(config.cache_quotas),
+            self._job_pins,
+            self._staging_left,
         )
         self.reads.used = self.cache.used
         self.exchanges: Exchanges | None = None
@@ -143,17 +167,30 @@ class Daemon(ServerLifecycle):
             broker = ExchangeBroker()
             self.receiver = ExchangeReceiver(self.store, self.datasets, self.placements, broker, self.cache)
             self.exchanges = Exchanges(
-                config.node_name, self.store, self.datasets, self.placements, self.link, self.peers,
-                self.receiver, broker, self.tasks.spawn, config.exchange_bandwidth, config.spare_copies_fill,
+                config.node_name,
+                self.store,
+                self.datasets,
+                self.placements,
+                self.link,
+                self.peers,
+                self.receiver,
+                broker,
+                self.tasks.spawn,
+                config.exchange_bandwidth,
+                config.spare_copies_fill,
                 multicast_channel(config.exchange_multicast, config.exchange_multicast_interface, MULTICAST_POOL),
                 self.credentials.node.token,
             )
         self.bulk: BulkServer | None = None
         if config.bulk_listen != "off":
             self.bulk = BulkServer(
-                self.credentials.node.token, tls.server, self.reads.cache_db, self.store,
+                self.credentials.node.token,
+                tls.server,
+                self.reads.cache_db,
+                self.store,
                 self.metrics.count_peer_served,
-                self.receiver.receive if self.receiver is not None else None, config.max_sample_size + CHECKSUM_BYTES,
+                self.receiver.receive if self.receiver is not None else None,
+                config.max_sample_size + CHECKSUM_BYTES,
                 resolve_now=self.reads.cache_db_now,
             )
         self.bulk_address = ""
@@ -162,7 +199,10 @@ class Daemon(ServerLifecycle):
         self.segment_socket: SegmentSocket | None = None
         self.behind = CacheBehind(self.datasets, self.store, self.pfs, self.shm, config.max_sample_size)
         self.access = UserAccess(
-            config.users == "apart", self.datasets, config.shared_datasets, self.metrics.count_user_refusal,
+            config.users == "apart",
+            self.datasets,
+            config.shared_datasets,
+            self.metrics.count_user_refusal,
             self.credentials.node.token,
         )
         self.prep_groups = PrepGroups(self.pid, config.prep_groups_per_user)
@@ -170,10 +210,21 @@ class Daemon(ServerLifecycle):
         self.served_budgets = ByteBudgets(SERVED_BYTES_PER_PEER)
         self.client_stats = ClientStatsBook()
         self.state = NodeState(
-            store=self.store, pfs=self.pfs, stager=self.stager, peers=self.peers, reads=self.reads,
-            served=self.metrics.tier_totals, client_stats=self.client_stats, prep_groups=self.prep_groups,
-            behind=self.behind, counters=self.counters, exchanges=self.exchanges, receiver=self.receiver,
-            bulk=self.bulk, cache=self.cache, healer=self.healer,
+            store=self.store,
+            pfs=self.pfs,
+            stager=self.stager,
+            peers=self.peers,
+            reads=self.reads,
+            served=self.metrics.tier_totals,
+            client_stats=self.client_stats,
+            prep_groups=self.prep_groups,
+            behind=self.behind,
+            counters=self.counters,
+            exchanges=self.exchanges,
+            receiver=self.receiver,
+            bulk=self.bulk,
+            cache=self.cache,
+            healer=self.healer,
         )
         self.metrics.export_state(self.state.snapshot)
         self.health = HealthServicer()
@@ -224,23 +275,33 @@ class Daemon(ServerLifecycle):
             await self._first_registration()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        write_ready_file(self.config.ready_file, {
-            "pid": self.pid,
-            "node": self.config.node_name,
-            "socket": str(self.config.socket),
-            "tcp": self.tcp_address,
-            "bulk": self.bulk_address,
-            "metrics_port": self.metrics_port,
-            "metrics_address": self.metrics_address,
-            "cache_dir": str(self.store.path),
-            "directory": self.config.directory,
-        })
+        write_ready_file(
+            self.config.ready_file,
+            {
+                "pid": self.pid,
+                "node": self.config.node_name,
+                "socket": str(self.config.socket),
+                "tcp": self.tcp_address,
+                "bulk": self.bulk_address,
+                "metrics_port": self.metrics_port,
+                "metrics_address": self.metrics_address,
+                "cache_dir": str(self.store.path),
+                "directory": self.config.directory,
+            },
+        )
         log.info(
             "serving",
-            extra={"fields": {"node": self.config.node_name, "socket": str(self.config.socket),
-                              "tcp": self.tcp_address, "metrics_port": self.metrics_port,
-                              "metrics_address": self.metrics_address, "cache_dir": str(self.store.path),
-                              "capacity_bytes": self.store.capacity}},
+            extra={
+                "fields": {
+                    "node": self.config.node_name,
+                    "socket": str(self.config.socket),
+                    "tcp": self.tcp_address,
+                    "metrics_port": self.metrics_port,
+                    "metrics_address": self.metrics_address,
+                    "cache_dir": str(self.store.path),
+                    "capacity_bytes": self.store.capacity,
+                }
+            },
         )
 
     async def _start_server(self) -> None:
@@ -278,30 +339,51 @@ class Daemon(ServerLifecycle):
         for ``sock`` itself. A daemon that keeps its users apart opens it
         even where it maps no memfd: its callers' tickets come from there."""
         if self.shm.memfd_problem is not None and not self.access.apart:
-            log.info("clients hand over payloads through /dev/shm",
-                     extra={"fields": {"reason": self.shm.memfd_problem}})
+            log.info(
+                "clients hand over payloads through /dev/shm", extra={"fields": {"reason": self.shm.memfd_problem}}
+            )
             return
         segment_socket = SegmentSocket(
-            Path(fd_socket_path(str(sock))), self.shm, self.credentials.user.token,
+            Path(fd_socket_path(str(sock))),
+            self.shm,
+            self.credentials.user.token,
             SegmentReads(self.shm, self.access, self.reads, self.counters, self.metrics.request_seconds),
-            self.tasks.spawn, self.access.tickets,
+            self.tasks.spawn,
+            self.access.tickets,
         )
         try:
             segment_socket.open(self.config.socket_group)
         except OSError as exc:
-            log.warning("no fd socket; clients hand over payloads through /dev/shm",
-                        extra={"fields": {"path": str(segment_socket.path), "error": str(exc)}})
+            log.warning(
+                "no fd socket; clients hand over payloads through /dev/shm",
+                extra={"fields": {"path": str(segment_socket.path), "error": str(exc)}},
+            )
             return
         self.segment_socket = segment_socket
 
     def _servicer(self) -> CacheServicer:
         return CacheServicer(
-            node_name=self.config.node_name, info=self._info, state=self.state.snapshot,
-            latency=self.metrics.request_seconds, counters=self.counters, access=self.access, shm=self.shm,
-            reads=self.reads, served_budgets=self.served_budgets, registry=self.registry, store=self.store,
-            datasets=self.datasets, stager=self.stager, client_stats=self.client_stats,
-            prep_groups=self.prep_groups, behind=self.behind, link=self.link, placements=self.placements,
-            exchanges=self.exchanges, receiver=self.receiver, cache=self.cache,
+            node_name=self.config.node_name,
+            info=self._info,
+            state=self.state.snapshot,
+            latency=self.metrics.request_seconds,
+            counters=self.counters,
+            access=self.access,
+            shm=self.shm,
+            reads=self.reads,
+            served_budgets=self.served_budgets,
+            registry=self.registry,
+            store=self.store,
+            datasets=self.datasets,
+            stager=self.stager,
+            client_stats=self.client_stats,
+            prep_groups=self.prep_groups,
+            behind=self.behind,
+            link=self.link,
+            placements=self.placements,
+            exchanges=self.exchanges,
+            receiver=self.receiver,
+            cache=self.cache,
         )
 
     def _info(self) -> pb.InfoReply:
@@ -341,14 +423,17 @@ class Daemon(ServerLifecycle):
         for name, run in self.stager.runs.items():
             if not run.finished and name in self.registry.names():
                 pins.setdefault(self.registry.get(name).record.cache_db, []).append("staging")
-        for job in (self.link.jobs.values() if self.link is not None else ()):
+        for job in self.link.jobs.values() if self.link is not None else ():
             if job.spec.nodes and self.config.node_name not in job.spec.nodes:
                 continue
             if job.spec.dataset not in self.registry.names():
                 continue
             record = self.registry.get(job.spec.dataset).record
-            db = record.cache_db if record.manifest_id == job.manifest_id else cache_db_name(
-                job.spec.dataset, job.manifest_id)
+            db = (
+                record.cache_db
+                if record.manifest_id == job.manifest_id
+                else cache_db_name(job.spec.dataset, job.manifest_id)
+            )
             pins.setdefault(db, []).append(job.spec.job_id)
         return pins
 
@@ -401,10 +486,13 @@ class Daemon(ServerLifecycle):
         assert self.link is not None and self.exchanges is not None
         await self.link.registered.wait()
         name = self.config.node_name
-        self.exchanges.resume([
-            (job_id, int(job.epoch)) for job_id, job in self.link.jobs.items()
-            if job.started and name in job.spec.nodes
-        ])
+        self.exchanges.resume(
+            [
+                (job_id, int(job.epoch))
+                for job_id, job in self.link.jobs.items()
+                if job.started and name in job.spec.nodes
+            ]
+        )
 
     async def _reap_segments(self, interval: float = 10.0) -> None:
         while True:

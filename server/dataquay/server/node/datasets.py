@@ -91,7 +91,9 @@ class Datasets:
         return entry
 
     async def add(
-        self, request: pb.AddDatasetRequest, fmt: str | None,
+        self,
+        request: pb.AddDatasetRequest,
+        fmt: str | None,
         may_register: Callable[[str], Awaitable[None]] | None = None,
     ) -> Registered:
         """Registers a dataset: at the directory when there is one, else here.
@@ -121,8 +123,13 @@ class Datasets:
         await self._dropped(previous, entry)
         log.info(
             "dataset registered",
-            extra={"fields": {"dataset": request.name, "samples": entry.manifest.num_samples,
-                              "format": entry.record.format}},
+            extra={
+                "fields": {
+                    "dataset": request.name,
+                    "samples": entry.manifest.num_samples,
+                    "format": entry.record.format,
+                }
+            },
         )
         return entry
 
@@ -181,8 +188,10 @@ class Datasets:
     async def _drop_here(self, name: str) -> int:
         entry = self.registry.drop(name)
         if self.registry.shared(entry.record.cache_db):
-            log.info("dataset dropped; its cache stays for another name of the same files",
-                     extra={"fields": {"dataset": name}})
+            log.info(
+                "dataset dropped; its cache stays for another name of the same files",
+                extra={"fields": {"dataset": name}},
+            )
             return 0
         freed = await self.store.drop_dataset(entry.record.cache_db)
         log.info("dataset dropped", extra={"fields": {"dataset": name, "freed_samples": freed}})
@@ -200,7 +209,13 @@ class Datasets:
         await self.store.drop_dataset(previous.record.cache_db)
         log.info(
             "dataset replaced; its unchanged samples stay cached",
-            extra={"fields": {"dataset": entry.record.name, "unchanged_samples": len(new_ids),
-                              "kept_samples": kept, "kept_bytes": nbytes,
-                              "samples": entry.manifest.num_samples}},
+            extra={
+                "fields": {
+                    "dataset": entry.record.name,
+                    "unchanged_samples": len(new_ids),
+                    "kept_samples": kept,
+                    "kept_bytes": nbytes,
+                    "samples": entry.manifest.num_samples,
+                }
+            },
         )

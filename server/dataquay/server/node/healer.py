@@ -108,8 +108,16 @@ class Healer:
     """
 
     def __init__(
-        self, node_name: str, link: DirectoryLink, placements: Placements, datasets: Datasets, store: Store,
-        pfs: PfsPool, peers: Peers, heal_after: float, bandwidth: int,
+        self,
+        node_name: str,
+        link: DirectoryLink,
+        placements: Placements,
+        datasets: Datasets,
+        store: Store,
+        pfs: PfsPool,
+        peers: Peers,
+        heal_after: float,
+        bandwidth: int,
     ) -> None:
         self.node_name = node_name
         self.link = link
@@ -143,8 +151,11 @@ class Healer:
             await asyncio.sleep(CHECK_SECONDS)
 
     async def _check(self) -> None:
-        jobs = [job for job in self.link.jobs.values()
-                if self.node_name in job.spec.nodes and not MODES[job.spec.mode].owners_move]
+        jobs = [
+            job
+            for job in self.link.jobs.values()
+            if self.node_name in job.spec.nodes and not MODES[job.spec.mode].owners_move
+        ]
         self.counts.lost_nodes = len({name for job in jobs for name in self.lost(job)})
         for dropped in set(self._seen) - {job.spec.job_id for job in jobs}:
             del self._seen[dropped]
@@ -154,8 +165,9 @@ class Healer:
             except DataquayError as exc:
                 # Tried again at every check; told once per cause.
                 if self._failed.get(job.spec.job_id) != str(exc):
-                    log.warning("healing of a job paused",
-                                extra={"fields": {"job": job.spec.job_id, "error": str(exc)}})
+                    log.warning(
+                        "healing of a job paused", extra={"fields": {"job": job.spec.job_id, "error": str(exc)}}
+                    )
                 self._failed[job.spec.job_id] = str(exc)
             else:
                 self._failed.pop(job.spec.job_id, None)
@@ -184,8 +196,10 @@ class Healer:
         me = list(job.spec.nodes).index(self.node_name)
         if seen.trying != lost:
             seen.trying = lost
-            log.info("healing: the job's lost nodes changed",
-                     extra={"fields": {"job": job_id, "lost": list(lost), "before": list(seen.lost)}})
+            log.info(
+                "healing: the job's lost nodes changed",
+                extra={"fields": {"job": job_id, "lost": list(lost), "before": list(seen.lost)}},
+            )
             gone = np.flatnonzero((old == me) & (new != me))
             if len(gone):
                 share = int(entry.manifest.sample_length[gone].sum())
@@ -198,7 +212,12 @@ class Healer:
         seen.lost, seen.trying = lost, None
 
     async def _fetch(
-        self, job: jpb.Job, entry: Registered, ids: np.ndarray, old: np.ndarray, base: np.ndarray,
+        self,
+        job: jpb.Job,
+        entry: Registered,
+        ids: np.ndarray,
+        old: np.ndarray,
+        base: np.ndarray,
         lost: tuple[str, ...],
     ) -> None:
         """Fetches the ``ids`` not cached here: from their holder under the old
@@ -243,8 +262,14 @@ class Healer:
             address = await self.link.address_of(node)
             await self._pace(int(entry.manifest.sample_length[ids].sum()))
             fetched = await self.peers.fetch(
-                node, address, entry.record.name, entry.record.manifest_id, ids, entry.manifest.sample_length,
-                self.link.registered_at(node), self.link.bulk_address_of(node),
+                node,
+                address,
+                entry.record.name,
+                entry.record.manifest_id,
+                ids,
+                entry.manifest.sample_length,
+                self.link.registered_at(node),
+                self.link.bulk_address_of(node),
             )
             for sample_id, (data, digest) in fetched.items():
                 got[sample_id] = encode_value(data, digest)
@@ -278,12 +303,16 @@ class Healer:
             ids = drop.ids[current[drop.ids] != me]
             removed = await self.store.discard(drop.db, ids)
             self.counts.dropped_samples += removed
-            log.info("healing: dropped the samples their node took back",
-                     extra={"fields": {"job": drop.job.spec.job_id, "samples": removed}})
+            log.info(
+                "healing: dropped the samples their node took back",
+                extra={"fields": {"job": drop.job.spec.job_id, "samples": removed}},
+            )
 
 
 def _chunks(ids: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
     """``ids`` cut into runs of at most CHUNK_BYTES (one sample at least) and CHUNK_IDS."""
-    return [ids[at : min(at + CHUNK_IDS, stop)]
-            for start, stop in window_bounds(lengths[ids], CHUNK_BYTES)
-            for at in range(start, stop, CHUNK_IDS)]
+    return [
+        ids[at : min(at + CHUNK_IDS, stop)]
+        for start, stop in window_bounds(lengths[ids], CHUNK_BYTES)
+        for at in range(start, stop, CHUNK_IDS)
+    ]

@@ -44,8 +44,9 @@ def _cache_manager_metrics(state: LiveState) -> Iterator[Metric]:
         "dataquay_cache_dataset_bytes", "Payload bytes a dataset version holds in the cache", labels=["cache_db"]
     )
     last_use = GaugeMetricFamily(
-        "dataquay_cache_dataset_last_use_seconds", "Unix time a dataset version was last staged, read or "
-        "exchanged into", labels=["cache_db"],
+        "dataquay_cache_dataset_last_use_seconds",
+        "Unix time a dataset version was last staged, read or exchanged into",
+        labels=["cache_db"],
     )
     for row in sorted(state.cache_holdings, key=lambda row: row.cache_db):
         held.add_metric([row.cache_db], row.nbytes)
@@ -66,7 +67,8 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         state = self._snapshot()
         yield GaugeMetricFamily(
-            "dataquay_cache_bytes", "Bytes of the cache's pages in use (deletes free them)",
+            "dataquay_cache_bytes",
+            "Bytes of the cache's pages in use (deletes free them)",
             value=state.cache_used_bytes,
         )
         yield GaugeMetricFamily(
@@ -147,7 +149,8 @@ class _StateCollector(Collector):
             "dataquay_peer_failures", "Batches a peer failed to deliver in time", labels=["peer"]
         )
         bad = CounterMetricFamily(
-            "dataquay_peer_bad_checksums", "Samples from a peer whose checksum failed (read again elsewhere)",
+            "dataquay_peer_bad_checksums",
+            "Samples from a peer whose checksum failed (read again elsewhere)",
             labels=["peer"],
         )
         for peer in state.peers:
@@ -174,10 +177,13 @@ def _prefetch_metrics(state: LiveState) -> Iterator[Metric]:
     )
     counts = state.overflow
     for name, what, samples, nbytes in (
-        ("read", "read from the PFS ahead of the ranks (samples no cache holds)", counts.read_samples,
-         counts.read_bytes),
-        ("served", "prefetched from the PFS and handed to a rank's read", counts.served_samples,
-         counts.served_bytes),
+        (
+            "read",
+            "read from the PFS ahead of the ranks (samples no cache holds)",
+            counts.read_samples,
+            counts.read_bytes,
+        ),
+        ("served", "prefetched from the PFS and handed to a rank's read", counts.served_samples, counts.served_bytes),
         ("wasted", "prefetched from the PFS and dropped unread", counts.wasted_samples, counts.wasted_bytes),
     ):
         yield CounterMetricFamily(f"dataquay_overflow_{name}_samples", f"Samples {what}", value=samples)
@@ -226,15 +232,16 @@ def _prep_group_metrics(state: LiveState) -> Iterator[Metric]:
     families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
         key: GaugeMetricFamily(name, text, labels=["group"]) for key, (name, text) in gauges.items()
     }
-    families.update(
-        {key: CounterMetricFamily(name, text, labels=["group"]) for key, (name, text) in counters.items()}
-    )
+    families.update({key: CounterMetricFamily(name, text, labels=["group"]) for key, (name, text) in counters.items()})
     for group in state.prep_groups:
         values = {
-            "members": group.members, "epoch": group.epoch,
+            "members": group.members,
+            "epoch": group.epoch,
             "lag": group.fastest_consumed - group.slowest_consumed,
-            "staged_bytes": group.staged_bytes, "memory_bytes": group.memory_bytes,
-            "prepped_total": group.prepped_total, "dropped_total": group.dropped_total,
+            "staged_bytes": group.staged_bytes,
+            "memory_bytes": group.memory_bytes,
+            "prepped_total": group.prepped_total,
+            "dropped_total": group.dropped_total,
             "redealt_total": group.redealt_total,
         }
         for key, family in families.items():
@@ -245,32 +252,48 @@ def _prep_group_metrics(state: LiveState) -> Iterator[Metric]:
 def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
     families = {
         "epoch": GaugeMetricFamily(
-            "dataquay_exchange_epoch", "The epoch a job's latest exchange prepares", labels=["job"]),
+            "dataquay_exchange_epoch", "The epoch a job's latest exchange prepares", labels=["job"]
+        ),
         "total_samples": GaugeMetricFamily(
-            "dataquay_exchange_total_samples", "Samples this node gives away in the exchange", labels=["job"]),
+            "dataquay_exchange_total_samples", "Samples this node gives away in the exchange", labels=["job"]
+        ),
         "total_bytes": GaugeMetricFamily(
-            "dataquay_exchange_total_bytes", "Bytes this node gives away in the exchange", labels=["job"]),
+            "dataquay_exchange_total_bytes", "Bytes this node gives away in the exchange", labels=["job"]
+        ),
         "delivered_samples": GaugeMetricFamily(
-            "dataquay_exchange_delivered_samples", "Samples the receivers acknowledged", labels=["job"]),
+            "dataquay_exchange_delivered_samples", "Samples the receivers acknowledged", labels=["job"]
+        ),
         "delivered_bytes": GaugeMetricFamily(
-            "dataquay_exchange_delivered_bytes", "Bytes the receivers acknowledged", labels=["job"]),
+            "dataquay_exchange_delivered_bytes", "Bytes the receivers acknowledged", labels=["job"]
+        ),
         "finished": GaugeMetricFamily(
-            "dataquay_exchange_finished", "1 once the exchange has nothing left to send", labels=["job"]),
+            "dataquay_exchange_finished", "1 once the exchange has nothing left to send", labels=["job"]
+        ),
         "coded_packets_sent": GaugeMetricFamily(
-            "dataquay_exchange_coded_packets_sent", "Packets and fetches the coded pass multicast from this node",
-            labels=["job"]),
+            "dataquay_exchange_coded_packets_sent",
+            "Packets and fetches the coded pass multicast from this node",
+            labels=["job"],
+        ),
         "coded_bytes_sent": GaugeMetricFamily(
-            "dataquay_exchange_coded_bytes_sent", "Bytes of those packets and fetches", labels=["job"]),
+            "dataquay_exchange_coded_bytes_sent", "Bytes of those packets and fetches", labels=["job"]
+        ),
         "coded_samples_decoded": GaugeMetricFamily(
-            "dataquay_exchange_coded_samples_decoded", "Samples the coded pass decoded and committed here",
-            labels=["job"]),
-
+            "dataquay_exchange_coded_samples_decoded",
+            "Samples the coded pass decoded and committed here",
+            labels=["job"],
+        ),
         "coded_bytes_received": GaugeMetricFamily(
-            "dataquay_exchange_coded_bytes_received", "Bytes of multicast datagrams (UDP payloads) the fabric "
-            "delivered to this node in the coded pass, from other nodes", labels=["job"]),
+            "dataquay_exchange_coded_bytes_received",
+            "Bytes of multicast datagrams (UDP payloads) the fabric "
+            "delivered to this node in the coded pass, from other nodes",
+            labels=["job"],
+        ),
         "coded_foreign_datagrams": GaugeMetricFamily(
-            "dataquay_exchange_coded_foreign_datagrams", "Multicast datagrams delivered to this node in the coded "
-            "pass for groups it does not decode for (groups sharing an address of the pool)", labels=["job"]),
+            "dataquay_exchange_coded_foreign_datagrams",
+            "Multicast datagrams delivered to this node in the coded "
+            "pass for groups it does not decode for (groups sharing an address of the pool)",
+            labels=["job"],
+        ),
     }
     for job, run in state.exchanges.items():
         for name, family in families.items():
@@ -281,7 +304,8 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
         "dataquay_exchange_sent_samples", "Samples sent in exchanges and committed by their receivers", value=samples
     )
     yield CounterMetricFamily(
-        "dataquay_exchange_sent_bytes", "Payload bytes sent in exchanges and committed by their receivers",
+        "dataquay_exchange_sent_bytes",
+        "Payload bytes sent in exchanges and committed by their receivers",
         value=nbytes,
     )
     yield CounterMetricFamily(
@@ -314,14 +338,16 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
     )
     heal_bytes = CounterMetricFamily("dataquay_heal_bytes", "Payload bytes of dataquay_heal_samples", labels=["source"])
     for source, count, nbytes in (
-        ("peer", heal.peer_samples, heal.peer_bytes), ("pfs", heal.pfs_samples, heal.pfs_bytes)
+        ("peer", heal.peer_samples, heal.peer_bytes),
+        ("pfs", heal.pfs_samples, heal.pfs_bytes),
     ):
         heal_samples.add_metric([source], count)
         heal_bytes.add_metric([source], nbytes)
     yield heal_samples
     yield heal_bytes
     yield CounterMetricFamily(
-        "dataquay_heal_dropped_samples", "Samples healing held for a lost node and deleted once it was back",
+        "dataquay_heal_dropped_samples",
+        "Samples healing held for a lost node and deleted once it was back",
         value=heal.dropped_samples,
     )
     yield GaugeMetricFamily(
@@ -335,8 +361,10 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
         ("served_bytes", "Payload bytes sent to peers over the bulk data path"),
         ("fetched_samples", "Samples read from peers over the bulk data path"),
         ("fetched_bytes", "Payload bytes read from peers over the bulk data path"),
-        ("refused_connections",
-         "Bulk connections closed for bad input (garbage, a wrong token, oversized, stalled) or over a cap"),
+        (
+            "refused_connections",
+            "Bulk connections closed for bad input (garbage, a wrong token, oversized, stalled) or over a cap",
+        ),
         ("fallbacks", "Bulk connections to peers that failed, after which gRPC was used"),
         ("segment_reads", "Trainers' batch reads answered on their shared-memory segment's connection, not gRPC"),
     ):
@@ -367,9 +395,7 @@ class DaemonMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.reads = Counter(
-            "dataquay_reads", "Samples served, by tier", ["tier"], registry=self.registry
-        )
+        self.reads = Counter("dataquay_reads", "Samples served, by tier", ["tier"], registry=self.registry)
         self.read_bytes = Counter(
             "dataquay_read_bytes", "Payload bytes served, by tier", ["tier"], registry=self.registry
         )
@@ -384,13 +410,15 @@ class DaemonMetrics:
             "dataquay_peer_served", "Samples this daemon served to other daemons", registry=self.registry
         )
         self.peer_served_bytes = Counter(
-            "dataquay_peer_served_bytes", "Payload bytes this daemon served to other daemons",
+            "dataquay_peer_served_bytes",
+            "Payload bytes this daemon served to other daemons",
             registry=self.registry,
         )
         self.user_refusals = Counter(
             "dataquay_user_refusals",
             "Calls refused because the calling user may not make them (--users apart), by rule",
-            ["rule"], registry=self.registry,
+            ["rule"],
+            registry=self.registry,
         )
         for tier in TIERS:
             self.reads.labels(tier)

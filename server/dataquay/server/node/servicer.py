@@ -60,11 +60,28 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     """
 
     def __init__(
-        self, *, node_name: str, info: Callable[[], pb.InfoReply], state: Callable[[], LiveState],
-        latency: Histogram, counters: FaceCounters, access: UserAccess, shm: ShmSegments, reads: ReadService,
-        served_budgets: ByteBudgets, registry: Registry, store: Store, datasets: Datasets, stager: Stager,
-        client_stats: ClientStatsBook, prep_groups: PrepGroups, behind: CacheBehind, link: DirectoryLink | None,
-        placements: Placements | None, exchanges: Exchanges | None, receiver: ExchangeReceiver | None,
+        self,
+        *,
+        node_name: str,
+        info: Callable[[], pb.InfoReply],
+        state: Callable[[], LiveState],
+        latency: Histogram,
+        counters: FaceCounters,
+        access: UserAccess,
+        shm: ShmSegments,
+        reads: ReadService,
+        served_budgets: ByteBudgets,
+        registry: Registry,
+        store: Store,
+        datasets: Datasets,
+        stager: Stager,
+        client_stats: ClientStatsBook,
+        prep_groups: PrepGroups,
+        behind: CacheBehind,
+        link: DirectoryLink | None,
+        placements: Placements | None,
+        exchanges: Exchanges | None,
+        receiver: ExchangeReceiver | None,
         cache: CacheManager,
     ) -> None:
         self.node_name = node_name
@@ -103,7 +120,12 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             if forward is not None and not self.access.trusted(caller):
                 self.access.check_segment(caller, self.shm.owner(request.shm_name))
             windows = self.reads.read(
-                request.dataset, ids, request.manifest_id, request.job, request.peer, self._budget(context),
+                request.dataset,
+                ids,
+                request.manifest_id,
+                request.job,
+                request.peer,
+                self._budget(context),
                 forward,
                 epoch=request.epoch if request.HasField("epoch") else None,
             )
@@ -241,8 +263,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 pb.PeerHealth(node=p.node, suspect=p.suspect, failures=p.failures, samples=p.samples, bytes=p.bytes)
                 for p in state.peers
             ],
-            exchanges=[x.proto() for x in sorted((*state.exchanges.values(), *state.exchanges_failed),
-                                                 key=lambda x: x.job)],
+            exchanges=[
+                x.proto() for x in sorted((*state.exchanges.values(), *state.exchanges_failed), key=lambda x: x.job)
+            ],
             mcast_datagrams_dropped=state.mcast_dropped,
             exchange_multicast_note=state.multicast_note,
             exchange_received_samples=state.exchange_received[0],
@@ -250,8 +273,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             values_refused=state.values_refused,
             previous_owner_samples=state.previous_owner_samples,
             prefetched_samples=state.prefetched_samples,
-            client_reads=[pb.ClientReads(tier=tier, samples=samples, bytes=nbytes)
-                          for tier, (samples, nbytes) in sorted(state.client_reads.items())],
+            client_reads=[
+                pb.ClientReads(tier=tier, samples=samples, bytes=nbytes)
+                for tier, (samples, nbytes) in sorted(state.client_reads.items())
+            ],
             client_data_wait_seconds=state.client_data_wait_seconds,
             clients=state.clients,
             prep_groups=state.prep_groups,
@@ -287,9 +312,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         async with status_on_error(context):
             _check_stats_report(request)
         reads = {r.tier: (r.samples, r.bytes) for r in request.reads}
-        self.client_stats.report(
-            request.client, reads, max(0.0, request.data_wait_seconds), closing=request.closing
-        )
+        self.client_stats.report(request.client, reads, max(0.0, request.data_wait_seconds), closing=request.closing)
         self._ranks_read(request.read_positions)
         return pb.ClientStatsReply()
 
@@ -390,15 +413,22 @@ def admission_fields(admission: Admitted | None) -> dict[str, Any]:
 
 def cache_eviction(evicted: Evicted) -> pb.CacheEviction:
     return pb.CacheEviction(
-        cache_db=evicted.holding.cache_db, datasets=evicted.holding.datasets, bytes=evicted.nbytes,
+        cache_db=evicted.holding.cache_db,
+        datasets=evicted.holding.datasets,
+        bytes=evicted.nbytes,
         whole=evicted.whole,
     )
 
 
 def cache_holding(row: Holding) -> pb.CacheHolding:
     return pb.CacheHolding(
-        cache_db=row.cache_db, datasets=row.datasets, bytes=row.nbytes, samples=row.samples,
-        last_use_unix=row.last_use, uid=row.uid, pinned_by=row.pinned_by,
+        cache_db=row.cache_db,
+        datasets=row.datasets,
+        bytes=row.nbytes,
+        samples=row.samples,
+        last_use_unix=row.last_use,
+        uid=row.uid,
+        pinned_by=row.pinned_by,
     )
 
 

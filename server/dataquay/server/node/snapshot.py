@@ -163,10 +163,23 @@ class NodeState:
     """Takes snapshots of one daemon's parts (those a standalone daemon lacks are None)."""
 
     def __init__(
-        self, *, store: Store, pfs: PfsPool, stager: Stager, peers: Peers, reads: ReadService,
-        served: Callable[[], dict[str, tuple[int, int]]], client_stats: ClientStatsBook, prep_groups: PrepGroups,
-        behind: CacheBehind, counters: FaceCounters, exchanges: Exchanges | None, receiver: ExchangeReceiver | None,
-        bulk: BulkServer | None, cache: CacheManager, healer: Healer | None = None,
+        self,
+        *,
+        store: Store,
+        pfs: PfsPool,
+        stager: Stager,
+        peers: Peers,
+        reads: ReadService,
+        served: Callable[[], dict[str, tuple[int, int]]],
+        client_stats: ClientStatsBook,
+        prep_groups: PrepGroups,
+        behind: CacheBehind,
+        counters: FaceCounters,
+        exchanges: Exchanges | None,
+        receiver: ExchangeReceiver | None,
+        bulk: BulkServer | None,
+        cache: CacheManager,
+        healer: Healer | None = None,
     ) -> None:
         self.store = store
         self.cache = cache
@@ -203,7 +216,9 @@ class NodeState:
             exchanges_failed=tuple(
                 ExchangeState(job=job, epoch=epoch, finished=True, failed=True, error=f"failed: {reason}")
                 for job, epoch, reason in exchanges.failed_early()
-            ) if exchanges else (),
+            )
+            if exchanges
+            else (),
             exchange_sent=(exchanges.sent_samples, exchanges.sent_bytes) if exchanges else (0, 0),
             exchange_given_up=exchanges.given_up_samples if exchanges else 0,
             exchange_received=(receiver.received_samples, receiver.received_bytes) if receiver else (0, 0),

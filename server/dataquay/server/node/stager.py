@@ -158,7 +158,10 @@ class Stager:
         if ids is None:
             ids = np.arange(manifest.num_samples, dtype=np.int64)
         progress = StagingProgress(
-            dataset, len(ids), int(manifest.sample_length[ids].sum()), held_for_others=held_for_others,
+            dataset,
+            len(ids),
+            int(manifest.sample_length[ids].sum()),
+            held_for_others=held_for_others,
             admission=admission,
         )
         self.runs[dataset] = progress
@@ -190,9 +193,7 @@ class Stager:
         except TimeoutError:
             pass
 
-    async def _run(
-        self, dataset: str, seed: int, ids: np.ndarray, progress: StagingProgress, leave_room: bool
-    ) -> None:
+    async def _run(self, dataset: str, seed: int, ids: np.ndarray, progress: StagingProgress, leave_room: bool) -> None:
         entry = self.registry.get(dataset)
         manifest, db = entry.manifest, entry.record.cache_db
         log.info("staging started", extra={"fields": {"dataset": dataset, "samples": len(ids)}})
@@ -225,15 +226,26 @@ class Stager:
                 progress.end(_disk_full_error(self.store, progress) if self.store.disk_full else "")
             log.info(
                 "staging finished",
-                extra={"fields": {"dataset": dataset, "seconds": round(progress.elapsed, 2),
-                                  "read_bytes": progress.read_bytes, "cache_full": progress.cache_full,
-                                  "failed_samples": progress.failed_samples}},
+                extra={
+                    "fields": {
+                        "dataset": dataset,
+                        "seconds": round(progress.elapsed, 2),
+                        "read_bytes": progress.read_bytes,
+                        "cache_full": progress.cache_full,
+                        "failed_samples": progress.failed_samples,
+                    }
+                },
             )
             if progress.failed_samples:
                 log.warning(
                     "staging skipped samples the PFS would not give",
-                    extra={"fields": {"dataset": dataset, "failed_samples": progress.failed_samples,
-                                      "first": progress.first_failure}},
+                    extra={
+                        "fields": {
+                            "dataset": dataset,
+                            "failed_samples": progress.failed_samples,
+                            "first": progress.first_failure,
+                        }
+                    },
                 )
         except asyncio.CancelledError:
             progress.end(SHUTTING_DOWN)
@@ -251,4 +263,3 @@ class Stager:
             parts.append(self.store.cached_mask(db, ids[start : start + step]))
             await asyncio.sleep(0)
         return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
-

@@ -73,8 +73,9 @@ def setup(nodes: int, samples: int, mean_bytes: int, spares: int, scheme: str, s
     owners = balanced_owners(samples, nodes, rng)
     packets = coding.plan(coding.holder_bits(caches, samples), owners, scheme, sizes)
     sent = coded_packets.streams(packets)
-    return Setup(sizes, caches, owners, packets, sent.senders, sent.groups, sent.members,
-                 coded_packets.slots(sent, pool))
+    return Setup(
+        sizes, caches, owners, packets, sent.senders, sent.groups, sent.members, coded_packets.slots(sent, pool)
+    )
 
 
 @dataclass
@@ -100,18 +101,19 @@ def _digest(ids: list[int], value: dict[int, bytes]) -> str:
     return hasher.hexdigest()
 
 
-async def run_node(node: int, s: Setup, seed: int, endpoint: MulticastEndpoint, rundir: Path,
-                   nodes: int) -> NodeResult:
+async def run_node(node: int, s: Setup, seed: int, endpoint: MulticastEndpoint, rundir: Path, nodes: int) -> NodeResult:
     packets = s.packets
     cache = {int(i): sample_bytes(seed, int(i), int(s.sizes[i])) for i in s.caches[node]}
     num_packets = len(packets)
     sends = np.flatnonzero(s.send_nodes == node)
-    for group, (members, slot) in {int(s.send_groups[i]): (s.members[i], int(s.send_slots[i]))
-                                   for i in sends.tolist()}.items():
+    for group, (members, slot) in {
+        int(s.send_groups[i]): (s.members[i], int(s.send_slots[i])) for i in sends.tolist()
+    }.items():
         endpoint.open_group(group, members, slot)
     expected = [i for i, m in enumerate(s.members) if node in m and s.send_nodes[i] != coding.PFS]
-    for (sender, group), slot in {(int(s.send_nodes[i]), int(s.send_groups[i])): int(s.send_slots[i])
-                                  for i in expected}.items():
+    for (sender, group), slot in {
+        (int(s.send_nodes[i]), int(s.send_groups[i])): int(s.send_slots[i]) for i in expected
+    }.items():
         await endpoint.join(slot)
         endpoint.expect(sender, group)
     owned = np.flatnonzero(s.owners == node)
@@ -157,7 +159,7 @@ async def run_node(node: int, s: Setup, seed: int, endpoint: MulticastEndpoint, 
                 continue
             if i in fetched:
                 await fetched[i].wait()
-            parts = packets.samples[packets.start[i]:packets.start[i + 1]].tolist()
+            parts = packets.samples[packets.start[i] : packets.start[i + 1]].tolist()
             await endpoint.send(int(s.send_groups[i]), i, coded_packets.xor_encode([cache[p] for p in parts]))
         await endpoint.flush()
 
@@ -182,9 +184,19 @@ async def run_node(node: int, s: Setup, seed: int, endpoint: MulticastEndpoint, 
     (rundir / f"done.{node}").touch()
     while len(list(rundir.glob("done.*"))) < nodes:
         await asyncio.sleep(POLL_SECONDS)
-    return NodeResult(node, len(lacked), len(committed), failures, pfs_reads, _digest(owned.tolist(), cache),
-                      _digest(owned.tolist(), {i: sample_bytes(seed, i, int(s.sizes[i])) for i in owned.tolist()}),
-                      started, received_all, time.time(), asdict(endpoint.stats))
+    return NodeResult(
+        node,
+        len(lacked),
+        len(committed),
+        failures,
+        pfs_reads,
+        _digest(owned.tolist(), cache),
+        _digest(owned.tolist(), {i: sample_bytes(seed, i, int(s.sizes[i])) for i in owned.tolist()}),
+        started,
+        received_all,
+        time.time(),
+        asdict(endpoint.stats),
+    )
 
 
 async def run_node_tcp(node: int, s: Setup, seed: int, port: int, rundir: Path, nodes: int) -> NodeResult:
@@ -253,9 +265,19 @@ async def run_node_tcp(node: int, s: Setup, seed: int, port: int, rundir: Path, 
     while len(list(rundir.glob("done.*"))) < nodes:
         await asyncio.sleep(POLL_SECONDS)
     server.close()
-    return NodeResult(node, len(lacked), len(committed), failures, pfs_reads, _digest(owned.tolist(), cache),
-                      _digest(owned.tolist(), {i: sample_bytes(seed, i, int(s.sizes[i])) for i in owned.tolist()}),
-                      started, received_all, time.time(), stats)
+    return NodeResult(
+        node,
+        len(lacked),
+        len(committed),
+        failures,
+        pfs_reads,
+        _digest(owned.tolist(), cache),
+        _digest(owned.tolist(), {i: sample_bytes(seed, i, int(s.sizes[i])) for i in owned.tolist()}),
+        started,
+        received_all,
+        time.time(),
+        stats,
+    )
 
 
 async def _frame(reader: asyncio.StreamReader) -> tuple[int, int] | None:
@@ -273,8 +295,15 @@ async def _main(args: argparse.Namespace) -> None:
         result = await run_node_tcp(args.node, s, args.seed, args.port, args.rundir, args.nodes)
     else:
         channel = Channel(args.group, args.port, pool=args.pool)
-        endpoint = MulticastEndpoint(args.node, channel, token=args.token, payload_bytes=args.payload_bytes,
-                                     window_bytes=args.window_bytes, rate=args.rate, pass_id=args.pass_id)
+        endpoint = MulticastEndpoint(
+            args.node,
+            channel,
+            token=args.token,
+            payload_bytes=args.payload_bytes,
+            window_bytes=args.window_bytes,
+            rate=args.rate,
+            pass_id=args.pass_id,
+        )
         async with endpoint:
             result = await run_node(args.node, s, args.seed, endpoint, args.rundir, args.nodes)
     planned = coding.load(s.packets, s.sizes)
@@ -293,16 +322,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--group", default="239.255.16.1")
     parser.add_argument("--port", type=int, default=47016)
-    parser.add_argument("--pool", type=int, default=MULTICAST_POOL,
-                        help="multicast addresses, --group's and those after it")
+    parser.add_argument(
+        "--pool", type=int, default=MULTICAST_POOL, help="multicast addresses, --group's and those after it"
+    )
     parser.add_argument("--token", default="")
-    parser.add_argument("--pass-id", type=int, default=1, help="the pass's id, the same at every node (with the "
-                        "token it keys the datagrams)")
+    parser.add_argument(
+        "--pass-id",
+        type=int,
+        default=1,
+        help="the pass's id, the same at every node (with the token it keys the datagrams)",
+    )
     parser.add_argument("--payload-bytes", type=int, default=1400)
     parser.add_argument("--window-bytes", type=int, default=256 << 10)
     parser.add_argument("--rate", type=float, default=None, help="bytes/s each node multicasts at most")
-    parser.add_argument("--tcp", action="store_true", help="the uncoded plan (--scheme none) over a TCP stream per "
-                        "receiver, as jobs exchange without coding; node n listens on --port + 1 + n")
+    parser.add_argument(
+        "--tcp",
+        action="store_true",
+        help="the uncoded plan (--scheme none) over a TCP stream per "
+        "receiver, as jobs exchange without coding; node n listens on --port + 1 + n",
+    )
     parser.add_argument("--rundir", type=Path, required=True)
     asyncio.run(_main(parser.parse_args(argv)))
 

@@ -57,7 +57,7 @@ Q = 0.1
 @dataclass(frozen=True)
 class System:
     name: str
-    mode: str = ""           # a dataquay job's mode; "" reads the PFS directly
+    mode: str = ""  # a dataquay job's mode; "" reads the PFS directly
     page_cache: bool = False
     read_ahead: int = READ_AHEAD
 
@@ -103,10 +103,20 @@ def run_benchmark(samples: int, epochs: int, out_dir: Path, progress: bool = Tru
                     print(f"  .. {system.name}: {epochs} epochs", flush=True)
                 rows += _run_system(cluster, base, system, epochs, total, samples)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "stall.json").write_text(json.dumps({
-        "benchmark": "stall", "samples": samples, "dataset_mb": total / 1e6, "pfs_mb_per_s": PFS_BYTES_PER_SECOND / 1e6,
-        "compute_s_per_batch": COMPUTE_SECONDS, "batch": BATCH, "rows": [asdict(r) for r in rows],
-    }, indent=1))
+    (out_dir / "stall.json").write_text(
+        json.dumps(
+            {
+                "benchmark": "stall",
+                "samples": samples,
+                "dataset_mb": total / 1e6,
+                "pfs_mb_per_s": PFS_BYTES_PER_SECOND / 1e6,
+                "compute_s_per_batch": COMPUTE_SECONDS,
+                "batch": BATCH,
+                "rows": [asdict(r) for r in rows],
+            },
+            indent=1,
+        )
+    )
     return rows
 
 
@@ -118,19 +128,28 @@ def _run_system(
         settings = ["--mode", system.mode, "--batch-size", str(BATCH)]
         if system.mode == "partial":
             settings += ["--q", str(Q)]
-        _run("stage", "bench", "--job", job, *settings, "--ranks-per-node", str(RANKS_PER_NODE),
-             "--quiet", "--directory", cluster.directory_address)
+        _run(
+            "stage",
+            "bench",
+            "--job",
+            job,
+            *settings,
+            "--ranks-per-node",
+            str(RANKS_PER_NODE),
+            "--quiet",
+            "--directory",
+            cluster.directory_address,
+        )
     world = NODES * RANKS_PER_NODE
     envs = [cluster.rank_env(rank, RANKS_PER_NODE, job) for rank in range(world)]
     direct = Direct(PFS_BYTES_PER_SECOND / world, DIRECT_WORKERS, total // (2 * world) if system.page_cache else 0)
     rows = []
-    with RankGroup(envs, "bench", base / "ranks" / job, batch=BATCH, compute_seconds=COMPUTE_SECONDS,
-                   timeout=600) as ranks:
+    with RankGroup(
+        envs, "bench", base / "ranks" / job, batch=BATCH, compute_seconds=COMPUTE_SECONDS, timeout=600
+    ) as ranks:
         for epoch in range(epochs):
             exchanged = _exchange_bytes(cluster)
-            results = ranks.epoch(
-                epoch, direct=None if system.mode else direct, read_ahead=system.read_ahead
-            )
+            results = ranks.epoch(epoch, direct=None if system.mode else direct, read_ahead=system.read_ahead)
             rows.append(_row(system.name, epoch, results, _exchange_bytes(cluster) - exchanged))
     return rows
 
@@ -210,8 +229,20 @@ def results_line(out_dir: Path, plotted: bool) -> str:
 
 def print_table(rows: list[EpochRow]) -> None:
     header = ("system", "epoch", "wall s", "wait s", "stall %", "local MB", "peer MB", "PFS MB", "network MB")
-    cells = [(r.system, r.epoch, f"{r.wall_s:.2f}", f"{r.wait_s:.2f}", f"{r.stall_pct:.1f}", f"{r.local_mb:.0f}",
-              f"{r.peer_mb:.0f}", f"{r.pfs_mb:.0f}", f"{r.network_mb:.0f}") for r in rows]
+    cells = [
+        (
+            r.system,
+            r.epoch,
+            f"{r.wall_s:.2f}",
+            f"{r.wait_s:.2f}",
+            f"{r.stall_pct:.1f}",
+            f"{r.local_mb:.0f}",
+            f"{r.peer_mb:.0f}",
+            f"{r.pfs_mb:.0f}",
+            f"{r.network_mb:.0f}",
+        )
+        for r in rows
+    ]
     widths = [max(len(str(c)) for c in column) for column in zip(header, *cells)]
     for line in (header, *cells):
         print("  ".join(str(c).ljust(w) for c, w in zip(line, widths)))

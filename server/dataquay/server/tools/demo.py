@@ -79,8 +79,10 @@ def _expected_checksums(address: str, dataset: str) -> np.ndarray:
         manifest = client.dataset(dataset).manifest
     ids = np.arange(manifest.num_samples)
     reader = PfsReader(manifest, dataset)
-    return np.array([checksum(s) for start in range(0, len(ids), 512)
-                     for s in reader.read(ids[start : start + 512])], dtype=np.uint64)
+    return np.array(
+        [checksum(s) for start in range(0, len(ids), 512) for s in reader.read(ids[start : start + 512])],
+        dtype=np.uint64,
+    )
 
 
 def _pfs_bytes(cluster: LocalCluster) -> int:
@@ -109,10 +111,15 @@ def _measure(phase: str, label: str, results: list[RankEpoch], step_seconds: flo
     samples = sum(len(r.ids) for r in results)
     wall = max(r.wall_seconds for r in results)
     return DemoRow(
-        phase=phase, label=label, step_ms=step_seconds * 1e3, samples=samples, wall_s=wall,
+        phase=phase,
+        label=label,
+        step_ms=step_seconds * 1e3,
+        samples=samples,
+        wall_s=wall,
         wait_s=sum(r.wait_seconds for r in results) / len(results),
         stall_pct=100 * sum(r.wait_seconds for r in results) / sum(r.wall_seconds for r in results),
-        samples_per_s=samples / wall, mb_per_s=sum(r.nbytes for r in results) / wall / 1e6,
+        samples_per_s=samples / wall,
+        mb_per_s=sum(r.nbytes for r in results) / wall / 1e6,
     )
 
 
@@ -124,11 +131,18 @@ def _report(row: DemoRow, results: list[RankEpoch], tiers: Sequence[str]) -> str
     def share(*names: str) -> str:
         return f"{100 * sum(r.samples.get(n, 0) for r in results for n in names) / read:.0f}%"
 
-    return _row((
-        row.label, row.samples, *(share(*t.split("+")) if t else "" for t in tiers),
-        f"{row.wall_s:.2f}", f"{row.samples_per_s:,.0f}", f"{row.mb_per_s:,.0f}", f"{row.wait_s:.3f}",
-        f"{row.stall_pct:.1f}",
-    ))
+    return _row(
+        (
+            row.label,
+            row.samples,
+            *(share(*t.split("+")) if t else "" for t in tiers),
+            f"{row.wall_s:.2f}",
+            f"{row.samples_per_s:,.0f}",
+            f"{row.mb_per_s:,.0f}",
+            f"{row.wait_s:.3f}",
+            f"{row.stall_pct:.1f}",
+        )
+    )
 
 
 def _exchanged(cluster: LocalCluster, job: str, epoch: int, timeout: float = 60.0) -> int:
@@ -238,8 +252,22 @@ def run_demo(samples: int = 4000, epochs: int = 3, out: Path = Path("dataquay-de
             print(f"           directory {cluster.directory_address}, service discovery {cluster.sd_url}")
             print(f"           per-node env files: {cluster.env_path()}, {cluster.base_dir}/node-<i>.env\n")
             _cli("dataset", "add", "demo", str(root), "--addr", cluster.daemons[0].address)
-            _cli("stage", "demo", "--job", JOB, "--mode", "global", "--seed", str(SEED), "--batch-size", str(BATCH),
-                 "--ranks-per-node", str(RANKS_PER_NODE), "--directory", cluster.directory_address)
+            _cli(
+                "stage",
+                "demo",
+                "--job",
+                JOB,
+                "--mode",
+                "global",
+                "--seed",
+                str(SEED),
+                "--batch-size",
+                str(BATCH),
+                "--ranks-per-node",
+                str(RANKS_PER_NODE),
+                "--directory",
+                cluster.directory_address,
+            )
             expected = _expected_checksums(cluster.daemons[0].address, "demo")
             staged_pfs = _pfs_bytes(cluster)
             print(
@@ -258,15 +286,30 @@ def run_demo(samples: int = 4000, epochs: int = 3, out: Path = Path("dataquay-de
                 "the files of this small dataset sit; 'PFS' through a shared parallel file system's bandwidth\n"
                 f"as `dataquay bench` emulates it ({PFS_BYTES_PER_SECOND / 1e6:.0f} MB/s for the cluster, "
                 f"{PFS_BYTES_PER_SECOND / NODES / 1e6:.0f} MB/s per node, {DIRECT_WORKERS} readers per rank).\n\n"
-                + _cluster_view(rows) + "\n\n"
+                + _cluster_view(rows)
+                + "\n\n"
                 f"Partial shuffling: each rank reads what its node owns, and between epochs the daemons\n"
                 f"exchange samples in the background: with --q {PARTIAL_Q} each node draws {PARTIAL_Q:g} of its "
                 f"samples into\nthe epoch's pool and {PARTIAL_Q * (1 - 1 / NODES):g} of them leave it "
                 f"(q(1 - 1/M), M = {NODES} nodes).\n"
             )
-            _cli("stage", "demo", "--job", PARTIAL_JOB, "--mode", "partial", "--q", str(PARTIAL_Q),
-                 "--seed", str(SEED), "--ranks-per-node", str(RANKS_PER_NODE), "--quiet",
-                 "--directory", cluster.directory_address)
+            _cli(
+                "stage",
+                "demo",
+                "--job",
+                PARTIAL_JOB,
+                "--mode",
+                "partial",
+                "--q",
+                str(PARTIAL_Q),
+                "--seed",
+                str(SEED),
+                "--ranks-per-node",
+                str(RANKS_PER_NODE),
+                "--quiet",
+                "--directory",
+                cluster.directory_address,
+            )
             print()
             rows += _train(cluster, base, PARTIAL_JOB, epochs, expected, exchange=True)
             print(
@@ -284,10 +327,16 @@ def run_demo(samples: int = 4000, epochs: int = 3, out: Path = Path("dataquay-de
         )
     out.mkdir(parents=True, exist_ok=True)
     settings = {
-        "nodes": NODES, "ranks_per_node": RANKS_PER_NODE, "samples": samples, "batch": BATCH,
-        "partial_q": PARTIAL_Q, "pfs_bytes_per_second": PFS_BYTES_PER_SECOND,
+        "nodes": NODES,
+        "ranks_per_node": RANKS_PER_NODE,
+        "samples": samples,
+        "batch": BATCH,
+        "partial_q": PARTIAL_Q,
+        "pfs_bytes_per_second": PFS_BYTES_PER_SECOND,
     }
     write_json(out / "demo.json", settings, rows)
     plotted = plot(rows, out / "demo.png")
-    print(f"Results in {out}/demo.json" + (" and demo.png" if plotted else
-                                           "; no plot (pip install dataquay[bench] for matplotlib)"))
+    print(
+        f"Results in {out}/demo.json"
+        + (" and demo.png" if plotted else "; no plot (pip install dataquay[bench] for matplotlib)")
+    )

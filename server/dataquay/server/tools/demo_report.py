@@ -50,13 +50,15 @@ def plot(rows: Sequence[DemoRow], path: Path) -> bool:
     real = [r for r in rows if r.phase == REAL_STEP]
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     labels = [f"{r.phase} {r.label}" if r.label[:1].isdigit() else r.label for r in fast]
-    left.bar(labels, [r.samples_per_s for r in fast], color=["#1f77b4" if r.label[:1].isdigit() else "#b22222"
-                                                             for r in fast])
+    left.bar(
+        labels, [r.samples_per_s for r in fast], color=["#1f77b4" if r.label[:1].isdigit() else "#b22222" for r in fast]
+    )
     left.set_ylabel("samples/s, all ranks")
     left.set_title(f"loading rate, {fast[0].step_ms:g} ms step (data-bound)" if fast else "", fontsize=9)
     left.tick_params(axis="x", labelrotation=60, labelsize=7)
     right.bar(
-        [r.label for r in real], [r.stall_pct for r in real],
+        [r.label for r in real],
+        [r.stall_pct for r in real],
         color=["#b22222" if r.label == "PFS" else "#2ca02c" for r in real],
     )
     for x, r in enumerate(real):

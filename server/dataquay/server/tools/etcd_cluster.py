@@ -57,8 +57,13 @@ class EtcdMember:
     def launch(self) -> None:
         """Starts the member (again: a member with data keeps its cluster and ignores the initial flags)."""
         with open(self.home / "etcd.log", "ab") as log:
-            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=self.start_new_session)
+            self.process = subprocess.Popen(
+                self.args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=self.start_new_session,
+            )
 
     @property
     def endpoint(self) -> str:
@@ -96,20 +101,41 @@ class EtcdCluster:
             raise StartupError("no etcd binary: install the etcd-server package (make tools)")
         # A fresh cluster each start: members keep their peers' URLs in their data, and the ports are new.
         shutil.rmtree(self.home, ignore_errors=True)
-        self.nodes = [EtcdMember(f"m{i}", self.home / f"m{i}", _free_port(), _free_port(),
-                                 start_new_session=self.start_new_session) for i in range(self.members)]
+        self.nodes = [
+            EtcdMember(
+                f"m{i}", self.home / f"m{i}", _free_port(), _free_port(), start_new_session=self.start_new_session
+            )
+            for i in range(self.members)
+        ]
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.nodes)
         token = f"dataquay-{time.time_ns()}"
         for member in self.nodes:
             member.home.mkdir(parents=True, exist_ok=True)
             client = f"http://{member.endpoint}"
             member.args = [
-                binary, "--name", member.name, "--data-dir", str(member.data_dir),
-                "--listen-client-urls", client, "--advertise-client-urls", client,
-                "--listen-peer-urls", member.peer_url, "--initial-advertise-peer-urls", member.peer_url,
-                "--initial-cluster", initial, "--initial-cluster-state", "new",
-                "--initial-cluster-token", token,
-                "--heartbeat-interval", "50", "--election-timeout", "500",
+                binary,
+                "--name",
+                member.name,
+                "--data-dir",
+                str(member.data_dir),
+                "--listen-client-urls",
+                client,
+                "--advertise-client-urls",
+                client,
+                "--listen-peer-urls",
+                member.peer_url,
+                "--initial-advertise-peer-urls",
+                member.peer_url,
+                "--initial-cluster",
+                initial,
+                "--initial-cluster-state",
+                "new",
+                "--initial-cluster-token",
+                token,
+                "--heartbeat-interval",
+                "50",
+                "--election-timeout",
+                "500",
             ]
             member.launch()
         deadline = time.monotonic() + timeout

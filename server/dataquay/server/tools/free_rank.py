@@ -24,8 +24,16 @@ from dataquay.client.wire.records import checksum
 
 def command(dataset: str, epochs: int, batch: int, seconds: float, read_ahead: int) -> list[str]:
     """The command line that runs one such rank."""
-    return [sys.executable, "-m", "dataquay.server.tools.free_rank", dataset, str(epochs), str(batch), str(seconds),
-            str(read_ahead)]
+    return [
+        sys.executable,
+        "-m",
+        "dataquay.server.tools.free_rank",
+        dataset,
+        str(epochs),
+        str(batch),
+        str(seconds),
+        str(read_ahead),
+    ]
 
 
 def main() -> None:

@@ -88,30 +88,59 @@ def figures(counts: list[dict[str, Any]], seconds: float) -> Figures:
     samples = sum(c["samples"] for c in counts)
     nbytes = sum(c["bytes"] for c in counts)
     return Figures(
-        clients=sum(c["clients"] for c in counts), batches=sum(c["batches"] for c in counts), samples=samples,
-        verified=sum(c["verified"] for c in counts), bytes=nbytes, p50_ms=p50, p99_ms=p99, max_ms=top,
-        samples_per_s=samples / seconds if seconds else 0.0, mb_per_s=nbytes / 1e6 / seconds if seconds else 0.0,
+        clients=sum(c["clients"] for c in counts),
+        batches=sum(c["batches"] for c in counts),
+        samples=samples,
+        verified=sum(c["verified"] for c in counts),
+        bytes=nbytes,
+        p50_ms=p50,
+        p99_ms=p99,
+        max_ms=top,
+        samples_per_s=samples / seconds if seconds else 0.0,
+        mb_per_s=nbytes / 1e6 / seconds if seconds else 0.0,
     )
 
 
 def format_summary(result: LoadResult) -> str:
     """One table (a row per transport and one for all clients), then errors,
     tiers and the daemon's memory, for a terminal."""
-    header = ("transport", "clients", "batches", "samples", "verified", "p50 ms", "p99 ms", "max ms", "samples/s",
-              "MB/s")
+    header = (
+        "transport",
+        "clients",
+        "batches",
+        "samples",
+        "verified",
+        "p50 ms",
+        "p99 ms",
+        "max ms",
+        "samples/s",
+        "MB/s",
+    )
     rows = [
-        (name, f.clients, f.batches, f.samples, f.verified, f"{f.p50_ms:.1f}", f"{f.p99_ms:.1f}", f"{f.max_ms:.1f}",
-         f"{f.samples_per_s:,.0f}", f"{f.mb_per_s:,.1f}")
+        (
+            name,
+            f.clients,
+            f.batches,
+            f.samples,
+            f.verified,
+            f"{f.p50_ms:.1f}",
+            f"{f.p99_ms:.1f}",
+            f"{f.max_ms:.1f}",
+            f"{f.samples_per_s:,.0f}",
+            f"{f.mb_per_s:,.1f}",
+        )
         for name, f in [*result.by_transport.items(), ("all", result.total)]
     ]
     cells = [list(map(str, header)), *[[str(c) for c in row] for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
-    errors = ", ".join(f"{kind} x{n} (first: {result.error_examples.get(kind, '')})"
-                       for kind, n in sorted(result.errors.items()))
+    errors = ", ".join(
+        f"{kind} x{n} (first: {result.error_examples.get(kind, '')})" for kind, n in sorted(result.errors.items())
+    )
     served = sum(result.tiers.values()) or 1
-    lines.append(f"{result.processes} processes x {result.threads} threads, batches of {result.batch}, "
-                 f"{result.seconds:.1f} s")
+    lines.append(
+        f"{result.processes} processes x {result.threads} threads, batches of {result.batch}, {result.seconds:.1f} s"
+    )
     lines.append(f"errors: {errors or 'none'}")
     lines.append("served from: " + ", ".join(f"{t} {100 * n / served:.0f}%" for t, n in sorted(result.tiers.items())))
     if result.rss:

@@ -155,8 +155,13 @@ def main() -> None:
             thread.start()
         while alive := [thread for thread in threads if thread.is_alive()]:
             alive[0].join(1.0)
-            _say({"event": "tick", "samples": sum(c.samples for c in clients),
-                  "errors": sum(sum(c.errors.values()) for c in clients)})
+            _say(
+                {
+                    "event": "tick",
+                    "samples": sum(c.samples for c in clients),
+                    "errors": sum(sum(c.errors.values()) for c in clients),
+                }
+            )
         _say({"event": "done", **_report(clients, time.monotonic() - started)})
     finally:
         for client in clients:
@@ -169,8 +174,11 @@ def _report(clients: Sequence[_LoadClient], wall: float) -> dict[str, Any]:
         mine = [c for c in clients if c.transport == transport]
         latencies = np.array([x for c in mine for x in c.latencies], dtype=np.float32)
         transports[transport] = {
-            "clients": len(mine), "batches": sum(c.batches for c in mine), "samples": sum(c.samples for c in mine),
-            "verified": sum(c.verified for c in mine), "bytes": sum(c.bytes for c in mine),
+            "clients": len(mine),
+            "batches": sum(c.batches for c in mine),
+            "samples": sum(c.samples for c in mine),
+            "verified": sum(c.verified for c in mine),
+            "bytes": sum(c.bytes for c in mine),
             "latencies": base64.b64encode(latencies.tobytes()).decode(),
         }
     errors: Counter[str] = Counter()

@@ -117,9 +117,7 @@ def file_checksums(root: str | os.PathLike[str]) -> np.ndarray:
     return np.fromiter((digest(p) for p in walk(os.fsencode(root))), dtype=np.uint64)
 
 
-def run_load(
-    settings: LoadSettings, expected: np.ndarray, daemon_pid: int, *, progress: bool = True
-) -> LoadResult:
+def run_load(settings: LoadSettings, expected: np.ndarray, daemon_pid: int, *, progress: bool = True) -> LoadResult:
     """Runs ``settings.clients`` clients against the daemon for ``settings.seconds``.
 
     Args:
@@ -139,16 +137,12 @@ def run_load(
     with _open_stub(settings.socket) as stub:
         info = stub.GetDataset(pb.GetDatasetRequest(name=settings.dataset), timeout=30)
     if len(expected) != info.num_samples:
-        raise LoadError(
-            f"{len(expected)} checksums for dataset {settings.dataset!r} of {info.num_samples} samples"
-        )
+        raise LoadError(f"{len(expected)} checksums for dataset {settings.dataset!r} of {info.num_samples} samples")
     with tempfile.TemporaryDirectory(prefix="dataquay-load-") as tmp:
         checksums_path = Path(tmp) / "checksums.npy"
         np.save(checksums_path, expected.astype(np.uint64, copy=False))
         shm_bytes = _round_up(settings.batch * (info.sample_size.max + 64), LMDB_PAGE)
-        plans = [
-            _plan(settings, worker, info, str(checksums_path), shm_bytes) for worker in range(settings.processes)
-        ]
+        plans = [_plan(settings, worker, info, str(checksums_path), shm_bytes) for worker in range(settings.processes)]
         with _Workers(plans, Path(tmp)) as workers:
             return _drive(settings, info, workers, daemon_pid, progress)
 
@@ -157,10 +151,18 @@ def _plan(settings: LoadSettings, worker: int, info: pb.DatasetInfo, checksums: 
     first = worker * settings.threads
     transports = [TRANSPORTS[(first + t) % len(TRANSPORTS)] for t in range(settings.threads)]
     return {
-        "worker": worker, "dataset": settings.dataset, "manifest_id": info.manifest_id,
-        "num_samples": info.num_samples, "socket": settings.socket, "tcp": settings.tcp,
-        "transports": transports, "seconds": settings.seconds, "batch": settings.batch,
-        "seed": settings.seed, "checksums": checksums, "shm_bytes": shm_bytes,
+        "worker": worker,
+        "dataset": settings.dataset,
+        "manifest_id": info.manifest_id,
+        "num_samples": info.num_samples,
+        "socket": settings.socket,
+        "tcp": settings.tcp,
+        "transports": transports,
+        "seconds": settings.seconds,
+        "batch": settings.batch,
+        "seed": settings.seed,
+        "checksums": checksums,
+        "shm_bytes": shm_bytes,
     }
 
 
@@ -178,8 +180,12 @@ def _drive(
     examples: dict[str, str] = {}
     total = round(settings.seconds)
     bar = tqdm(
-        total=total, unit="s", desc=f"load {settings.clients} clients", disable=not progress,
-        file=sys.stderr, bar_format="{desc}: {bar} {n:.0f}/{total} s{postfix}",
+        total=total,
+        unit="s",
+        desc=f"load {settings.clients} clients",
+        disable=not progress,
+        file=sys.stderr,
+        bar_format="{desc}: {bar} {n:.0f}/{total} s{postfix}",
     )
     try:
         while True:
@@ -203,8 +209,11 @@ def _drive(
             if time.monotonic() > give_up:
                 for worker in workers.kill_running():
                     errors["worker hung"] += 1
-                    examples.setdefault("worker hung", f"worker {worker} still running {settings.seconds:.0f} s + "
-                                        f"{READ_TIMEOUT_SECONDS + 10:.0f} s after the start; killed")
+                    examples.setdefault(
+                        "worker hung",
+                        f"worker {worker} still running {settings.seconds:.0f} s + "
+                        f"{READ_TIMEOUT_SECONDS + 10:.0f} s after the start; killed",
+                    )
                 break
             time.sleep(1.0 - (time.monotonic() - started) % 1.0)
     finally:
@@ -238,10 +247,21 @@ def _result(
     total = figures([c for t in groups for c in groups[t]], seconds)
     steady = [s for s in rss if settings.warmup <= s.t <= settings.seconds]
     return LoadResult(
-        dataset=settings.dataset, num_samples=info.num_samples, processes=settings.processes,
-        threads=settings.threads, batch=settings.batch, seconds=seconds, total=total, by_transport=by_transport,
-        tiers=dict(tiers), errors=dict(errors), error_examples=examples, warmup_seconds=settings.warmup, rss=rss,
-        rss_anon_growth=growth([s.rss_anon for s in steady]), vm_rss_growth=growth([s.vm_rss for s in steady]),
+        dataset=settings.dataset,
+        num_samples=info.num_samples,
+        processes=settings.processes,
+        threads=settings.threads,
+        batch=settings.batch,
+        seconds=seconds,
+        total=total,
+        by_transport=by_transport,
+        tiers=dict(tiers),
+        errors=dict(errors),
+        error_examples=examples,
+        warmup_seconds=settings.warmup,
+        rss=rss,
+        rss_anon_growth=growth([s.rss_anon for s in steady]),
+        vm_rss_growth=growth([s.vm_rss for s in steady]),
     )
 
 
@@ -279,8 +299,11 @@ class _Workers:
             for index, plan in enumerate(self._plans):
                 with open(self._log_path(index), "w") as log:
                     proc = subprocess.Popen(
-                        [sys.executable, "-m", "dataquay.server.tools.load_worker"], stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE, stderr=log, text=True,
+                        [sys.executable, "-m", "dataquay.server.tools.load_worker"],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                        text=True,
                     )
                 self._procs.append(proc)
                 assert proc.stdin is not None and proc.stdout is not None
@@ -363,7 +386,7 @@ class _Workers:
         for line in stdout:
             if not line.startswith(EVENT_PREFIX):
                 continue
-            event = json.loads(line[len(EVENT_PREFIX):])
+            event = json.loads(line[len(EVENT_PREFIX) :])
             if event["event"] == "ready":
                 self._ready[index].set()
             elif event["event"] == "tick":
@@ -463,8 +486,12 @@ def bench_load(
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         document = {
-            "benchmark": "load", "machine": _machine(), "argv": sys.argv, "sizes": list(sizes),
-            "cached_samples": staged.done_samples, **result.to_json(),
+            "benchmark": "load",
+            "machine": _machine(),
+            "argv": sys.argv,
+            "sizes": list(sizes),
+            "cached_samples": staged.done_samples,
+            **result.to_json(),
         }
         (out_dir / "load.json").write_text(json.dumps(document, indent=1))
     return result, staged

@@ -185,14 +185,17 @@ class LocalCluster:
     def _start_directories(self, timeout: float) -> None:
         store: tuple[str, ...] = ()
         if self.store == "etcd":
-            self.etcd = EtcdCluster(self.base_dir / "etcd", self.etcd_members,
-                                    start_new_session=self.detached).start(timeout)
+            self.etcd = EtcdCluster(self.base_dir / "etcd", self.etcd_members, start_new_session=self.detached).start(
+                timeout
+            )
             store = ("--store", self.etcd.store_url)
         self.replicas = [
             DirectoryProcess(
                 self.base_dir / ("directory" if i == 0 else f"directory-{i}"),
                 (*self.directory_args, *store, *self._security_args),
-                start_new_session=self.detached, host=self.host, dataset_roots=self.dataset_roots,
+                start_new_session=self.detached,
+                host=self.host,
+                dataset_roots=self.dataset_roots,
             )
             for i in range(self.directories)
         ]
@@ -226,9 +229,7 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         return self.start()
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.down()
 
     @classmethod
@@ -249,8 +250,11 @@ class LocalCluster:
             raise ClusterError(f"cannot read {path}: {exc}") from None
         try:
             cluster = cls(
-                Path(base_dir), len(record["daemons"]), tuple(record["daemon_args"]),
-                tuple(record["directory_args"]), detached=True,
+                Path(base_dir),
+                len(record["daemons"]),
+                tuple(record["daemon_args"]),
+                tuple(record["directory_args"]),
+                detached=True,
                 token_file=Path(record["token_file"]) if record.get("token_file") else None,
                 node_token_file=Path(record["node_token_file"]) if record.get("node_token_file") else None,
                 tls=TlsFiles(*map(Path, record["tls"])) if record.get("tls") else None,
@@ -262,8 +266,12 @@ class LocalCluster:
             )
             cluster.socket_dir = Path(record["socket_dir"]) if record["socket_dir"] else None
             for ready in record.get("replicas", [record["directory"]]):
-                replica = DirectoryProcess(Path(ready["ready_file"]).parent, cluster.directory_args,
-                                           host=cluster.host, dataset_roots=cluster.dataset_roots)
+                replica = DirectoryProcess(
+                    Path(ready["ready_file"]).parent,
+                    cluster.directory_args,
+                    host=cluster.host,
+                    dataset_roots=cluster.dataset_roots,
+                )
                 replica.ready = ready
                 cluster.replicas.append(replica)
                 cluster._adopted.append(ClusterPid(ready["pid"], ready["ready_file"]))
@@ -300,7 +308,12 @@ class LocalCluster:
         port = old.ready["tcp"].rpartition(":")[2]
         bulk = ("--bulk-listen", f"{old.host}:{old.ready['bulk'].rpartition(':')[2]}") if old.ready.get("bulk") else ()
         daemon = self._daemon(
-            index, "--listen", f"{old.host}:{port}", "--metrics-port", str(old.ready["metrics_port"]), *bulk,
+            index,
+            "--listen",
+            f"{old.host}:{port}",
+            "--metrics-port",
+            str(old.ready["metrics_port"]),
+            *bulk,
             *extra_args,
         )
         self.daemons[index] = daemon
@@ -323,9 +336,18 @@ class LocalCluster:
         store = ("--store", self.etcd.store_url) if self.etcd is not None else ()
         self.replicas[index] = DirectoryProcess(
             old.home,
-            (*self.directory_args, *store, *self._security_args, "--listen", f"{old.host}:{port}",
-             "--http-port", str(old.ready["http_port"])),
-            start_new_session=self.detached, host=old.host, dataset_roots=self.dataset_roots,
+            (
+                *self.directory_args,
+                *store,
+                *self._security_args,
+                "--listen",
+                f"{old.host}:{port}",
+                "--http-port",
+                str(old.ready["http_port"]),
+            ),
+            start_new_session=self.detached,
+            host=old.host,
+            dataset_roots=self.dataset_roots,
         ).start(timeout)
         self.directory = self.replicas[0]
         self._save()
@@ -394,8 +416,15 @@ class LocalCluster:
             "DATAQUAY_CLUSTER_DIR": str(self.base_dir),
             "DATAQUAY_NODES": str(self.nodes),
             **({"DATAQUAY_TOKEN_FILE": str(self.token_file)} if self.token_file else {}),
-            **({"DATAQUAY_TLS_CA": str(self.tls.ca), "DATAQUAY_TLS_CERT": str(self.tls.cert),
-                "DATAQUAY_TLS_KEY": str(self.tls.key)} if self.tls else {}),
+            **(
+                {
+                    "DATAQUAY_TLS_CA": str(self.tls.ca),
+                    "DATAQUAY_TLS_CERT": str(self.tls.cert),
+                    "DATAQUAY_TLS_KEY": str(self.tls.key),
+                }
+                if self.tls
+                else {}
+            ),
         }
 
     def credentials(self) -> Credentials:
@@ -453,8 +482,15 @@ class LocalCluster:
         elsewhere = self.node_hosts.get(index)
         return DaemonProcess(
             home,
-            ("--directory", self.directory_address, "--node-name", node_name(index),
-             *self.daemon_args, *self._security_args, *more_args),
+            (
+                "--directory",
+                self.directory_address,
+                "--node-name",
+                node_name(index),
+                *self.daemon_args,
+                *self._security_args,
+                *more_args,
+            ),
             socket_path=socket,
             start_new_session=self.detached,
             host=elsewhere.address if elsewhere else self.host,
@@ -531,12 +567,14 @@ class LocalCluster:
             return f"\nsource with: set -a; . {shlex.quote(str(path))}; set +a"
 
         write_env_file(
-            self.env_path(), self.cluster_env(),
+            self.env_path(),
+            self.cluster_env(),
             f"dataquay local cluster of {self.nodes} nodes in {self.base_dir}" + how(self.env_path()),
         )
         for i in range(self.nodes):
             write_env_file(
-                self.env_path(i), self.node_only_env(i),
+                self.env_path(i),
+                self.node_only_env(i),
                 f"{node_name(i)} of the dataquay local cluster in {self.base_dir}" + how(self.env_path(i)),
             )
 

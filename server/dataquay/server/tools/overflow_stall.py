@@ -67,11 +67,11 @@ class EpochRow:
     wall_s: float
     wait_s: float
     stall_pct: float
-    pfs_mb: float            #: what the daemons (or the direct ranks) read from the PFS
-    read_ahead_mb: float     #: read from the PFS ahead of the ranks
-    served_ahead_mb: float   #: handed to the ranks from what was read ahead
-    wasted_mb: float         #: read ahead and dropped unread
-    bound_pct: float         #: PFS time the epoch's reads from it need, % of its compute time
+    pfs_mb: float  #: what the daemons (or the direct ranks) read from the PFS
+    read_ahead_mb: float  #: read from the PFS ahead of the ranks
+    served_ahead_mb: float  #: handed to the ranks from what was read ahead
+    wasted_mb: float  #: read ahead and dropped unread
+    bound_pct: float  #: PFS time the epoch's reads from it need, % of its compute time
 
 
 @dataclass(frozen=True)
@@ -86,22 +86,20 @@ class OverflowRun:
     steps_per_epoch: int
     compute_s_per_batch: float
     compute_s_per_epoch: float
-    cache_mb_per_node: float   #: --cache-size
-    cached_mb: float           #: what the caches hold after staging, all nodes
+    cache_mb_per_node: float  #: --cache-size
+    cached_mb: float  #: what the caches hold after staging, all nodes
     dataset_over_cached: float
     overflow_mb_per_node: list[float]
     pfs_mb_per_s_per_node: float  #: --pfs-bandwidth
-    bound_s: float             #: the largest overflow over its node's cap
-    bound_pct: float           #: bound_s, % of compute_s_per_epoch
+    bound_s: float  #: the largest overflow over its node's cap
+    bound_pct: float  #: bound_s, % of compute_s_per_epoch
     load_before: tuple[float, float, float]
     load_after: tuple[float, float, float]
     seconds: float
     rows: list[EpochRow]
 
 
-def run_benchmark(
-    samples: int, epochs: int, epoch_seconds: float, out_dir: Path, progress: bool = True
-) -> OverflowRun:
+def run_benchmark(samples: int, epochs: int, epoch_seconds: float, out_dir: Path, progress: bool = True) -> OverflowRun:
     """Runs the three systems, their epochs about ``epoch_seconds`` long;
     writes overflow.json to ``out_dir``."""
     world = NODES * RANKS_PER_NODE
@@ -121,8 +119,19 @@ def run_benchmark(
         with LocalCluster(base / "cluster", NODES, daemon_args, dataset_roots=(base,)) as cluster:
             _run("dataset", "add", "bench", str(root), "--addr", cluster.daemons[0].address)
             staging = time.perf_counter()
-            _run("stage", "bench", "--job", JOB, "--mode", "local", "--ranks-per-node", str(RANKS_PER_NODE),
-                 "--quiet", "--directory", cluster.directory_address)
+            _run(
+                "stage",
+                "bench",
+                "--job",
+                JOB,
+                "--mode",
+                "local",
+                "--ranks-per-node",
+                str(RANKS_PER_NODE),
+                "--quiet",
+                "--directory",
+                cluster.directory_address,
+            )
             staging = time.perf_counter() - staging
             shares = [_staged(cluster, i) for i in range(NODES)]
             overflows = [share - cached for share, cached in shares]
@@ -130,8 +139,10 @@ def run_benchmark(
             compute = max(overflows) / cap / BOUND / steps
             bound = max(overflows) / cap / (steps * compute)
             say = print if progress else (lambda *_: None)
-            say(f"  .. {samples} samples, {total / 1e6:.0f} MB; the caches hold {sum(c for _, c in shares) / 1e6:.0f}"
-                f" MB; PFS {cap * NODES / 1e6:.1f} MB/s; staged in {staging:.0f} s")
+            say(
+                f"  .. {samples} samples, {total / 1e6:.0f} MB; the caches hold {sum(c for _, c in shares) / 1e6:.0f}"
+                f" MB; PFS {cap * NODES / 1e6:.1f} MB/s; staged in {staging:.0f} s"
+            )
             # One job throughout: each system reads epochs of its own, whose orders differ but whose
             # overflow (under local) is the same samples.
             say(f"  .. dataquay, read ahead: {epochs} epochs")
@@ -145,12 +156,25 @@ def run_benchmark(
             rows += _direct(cluster, base, 2 * epochs, cap * NODES / world, total / world, compute, steps)
     cached = sum(c for _, c in shares)
     run = OverflowRun(
-        samples=samples, dataset_mb=total / 1e6, nodes=NODES, ranks_per_node=RANKS_PER_NODE, batch=BATCH,
-        steps_per_epoch=steps, compute_s_per_batch=compute, compute_s_per_epoch=steps * compute,
-        cache_mb_per_node=cache / 1e6, cached_mb=cached / 1e6, dataset_over_cached=total / cached,
-        overflow_mb_per_node=[o / 1e6 for o in overflows], pfs_mb_per_s_per_node=cap / 1e6,
-        bound_s=max(overflows) / cap, bound_pct=100 * bound, load_before=load_before, load_after=os.getloadavg(),
-        seconds=time.perf_counter() - started, rows=rows,
+        samples=samples,
+        dataset_mb=total / 1e6,
+        nodes=NODES,
+        ranks_per_node=RANKS_PER_NODE,
+        batch=BATCH,
+        steps_per_epoch=steps,
+        compute_s_per_batch=compute,
+        compute_s_per_epoch=steps * compute,
+        cache_mb_per_node=cache / 1e6,
+        cached_mb=cached / 1e6,
+        dataset_over_cached=total / cached,
+        overflow_mb_per_node=[o / 1e6 for o in overflows],
+        pfs_mb_per_s_per_node=cap / 1e6,
+        bound_s=max(overflows) / cap,
+        bound_pct=100 * bound,
+        load_before=load_before,
+        load_after=os.getloadavg(),
+        seconds=time.perf_counter() - started,
+        rows=rows,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "overflow.json").write_text(json.dumps({"benchmark": "overflow", **asdict(run)}, indent=1))
@@ -170,12 +194,21 @@ def _dataquay(
             after = _stats(cluster)
 
             def mb(field: str) -> float:
-                return sum(getattr(a.prefetch, field) - getattr(b.prefetch, field)
-                           for a, b in zip(after, before)) / 1e6
+                return sum(getattr(a.prefetch, field) - getattr(b.prefetch, field) for a, b in zip(after, before)) / 1e6
 
             pfs = sum(a.pfs_bytes - b.pfs_bytes for a, b in zip(after, before)) / 1e6
-            rows.append(_row(name, epoch - epochs.start, results, pfs, mb("overflow_read_bytes"),
-                             mb("overflow_served_bytes"), mb("overflow_wasted_bytes"), bound))
+            rows.append(
+                _row(
+                    name,
+                    epoch - epochs.start,
+                    results,
+                    pfs,
+                    mb("overflow_read_bytes"),
+                    mb("overflow_served_bytes"),
+                    mb("overflow_wasted_bytes"),
+                    bound,
+                )
+            )
     return rows
 
 
@@ -183,23 +216,37 @@ def _direct(
     cluster: LocalCluster, base: Path, epoch: int, rank_cap: float, rank_bytes: float, compute: float, steps: int
 ) -> list[EpochRow]:
     envs = [cluster.rank_env(rank, RANKS_PER_NODE, JOB) for rank in range(NODES * RANKS_PER_NODE)]
-    with RankGroup(envs, "bench", base / "ranks" / "direct", batch=BATCH, compute_seconds=compute,
-                   timeout=600) as ranks:
+    with RankGroup(
+        envs, "bench", base / "ranks" / "direct", batch=BATCH, compute_seconds=compute, timeout=600
+    ) as ranks:
         results = ranks.epoch(epoch, direct=Direct(rank_cap, DIRECT_WORKERS))
     pfs = sum(r.bytes.get("direct", 0) for r in results) / 1e6
     return [_row("direct", 0, results, pfs, 0.0, 0.0, 0.0, rank_bytes / rank_cap / (steps * compute))]
 
 
 def _row(
-    name: str, epoch: int, results: list[RankEpoch], pfs_mb: float, ahead: float, served: float, wasted: float,
+    name: str,
+    epoch: int,
+    results: list[RankEpoch],
+    pfs_mb: float,
+    ahead: float,
+    served: float,
+    wasted: float,
     bound: float,
 ) -> EpochRow:
     wall = sum(r.wall_seconds for r in results)
     wait = sum(r.wait_seconds for r in results)
     return EpochRow(
-        system=name, epoch=epoch, wall_s=max(r.wall_seconds for r in results), wait_s=wait / len(results),
-        stall_pct=100 * wait / wall if wall else 0.0, pfs_mb=pfs_mb, read_ahead_mb=ahead, served_ahead_mb=served,
-        wasted_mb=wasted, bound_pct=100 * bound,
+        system=name,
+        epoch=epoch,
+        wall_s=max(r.wall_seconds for r in results),
+        wait_s=wait / len(results),
+        stall_pct=100 * wait / wall if wall else 0.0,
+        pfs_mb=pfs_mb,
+        read_ahead_mb=ahead,
+        served_ahead_mb=served,
+        wasted_mb=wasted,
+        bound_pct=100 * bound,
     )
 
 
@@ -226,11 +273,33 @@ def _run(*argv: str) -> None:
 
 
 def print_table(rows: list[EpochRow]) -> None:
-    header = ("system", "epoch", "wall s", "wait s", "stall %", "PFS MB", "ahead MB", "served MB", "wasted MB",
-              "bound %")
-    cells = [(r.system, r.epoch, f"{r.wall_s:.2f}", f"{r.wait_s:.2f}", f"{r.stall_pct:.1f}", f"{r.pfs_mb:.0f}",
-              f"{r.read_ahead_mb:.0f}", f"{r.served_ahead_mb:.0f}", f"{r.wasted_mb:.0f}", f"{r.bound_pct:.0f}")
-             for r in rows]
+    header = (
+        "system",
+        "epoch",
+        "wall s",
+        "wait s",
+        "stall %",
+        "PFS MB",
+        "ahead MB",
+        "served MB",
+        "wasted MB",
+        "bound %",
+    )
+    cells = [
+        (
+            r.system,
+            r.epoch,
+            f"{r.wall_s:.2f}",
+            f"{r.wait_s:.2f}",
+            f"{r.stall_pct:.1f}",
+            f"{r.pfs_mb:.0f}",
+            f"{r.read_ahead_mb:.0f}",
+            f"{r.served_ahead_mb:.0f}",
+            f"{r.wasted_mb:.0f}",
+            f"{r.bound_pct:.0f}",
+        )
+        for r in rows
+    ]
     widths = [max(len(str(c)) for c in column) for column in zip(header, *cells)]
     for line in (header, *cells):
         print("  ".join(str(c).ljust(w) for c, w in zip(line, widths)))
@@ -239,11 +308,15 @@ def print_table(rows: list[EpochRow]) -> None:
 def main(quick: bool, out_dir: Path) -> OverflowRun:
     started = time.perf_counter()
     run = run_benchmark(768 if quick else 1536, 2, 4.0 if quick else 10.0, out_dir)
-    print(f"  dataset {run.dataset_mb:.0f} MB = {run.dataset_over_cached:.2f} x what the caches hold; "
-          f"overflow {max(run.overflow_mb_per_node):.1f} MB a node at {run.pfs_mb_per_s_per_node:.2f} MB/s = "
-          f"{run.bound_s:.1f} s of a {run.compute_s_per_epoch:.1f} s epoch ({run.bound_pct:.0f}%)\n")
+    print(
+        f"  dataset {run.dataset_mb:.0f} MB = {run.dataset_over_cached:.2f} x what the caches hold; "
+        f"overflow {max(run.overflow_mb_per_node):.1f} MB a node at {run.pfs_mb_per_s_per_node:.2f} MB/s = "
+        f"{run.bound_s:.1f} s of a {run.compute_s_per_epoch:.1f} s epoch ({run.bound_pct:.0f}%)\n"
+    )
     print_table(run.rows)
     load = ", ".join(f"{x:.2f}" for x in run.load_before), ", ".join(f"{x:.2f}" for x in run.load_after)
-    print(f"\n({time.perf_counter() - started:.0f} s; load average {load[0]} before, {load[1]} after; "
-          f"results in {out_dir}/overflow.json)")
+    print(
+        f"\n({time.perf_counter() - started:.0f} s; load average {load[0]} before, {load[1]} after; "
+        f"results in {out_dir}/overflow.json)"
+    )
     return run

@@ -66,12 +66,13 @@ class ServerProcess:
         self.home.mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
         roots = ("--dataset-roots", os.pathsep.join(map(str, self.dataset_roots))) if self.dataset_roots else ()
-        args = [
-            *self.prefix, sys.executable, "-m", "dataquay.server.cli", *self.command(), *roots, *self.extra_args
-        ]
+        args = [*self.prefix, sys.executable, "-m", "dataquay.server.cli", *self.command(), *roots, *self.extra_args]
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             start_new_session=self.start_new_session,
         )
         log.close()
@@ -148,13 +149,20 @@ class DaemonProcess(ServerProcess):
     def command(self) -> list[str]:
         return [
             "serve",
-            "--socket", str(self.socket),
-            "--listen", f"{self.host}:0",
-            "--cache-dir", str(self.cache_dir),
-            "--state-dir", str(self.home / "state"),
-            "--metrics-host", self.host,
-            "--metrics-port", "0",
-            "--ready-file", str(self.ready_file),
+            "--socket",
+            str(self.socket),
+            "--listen",
+            f"{self.host}:0",
+            "--cache-dir",
+            str(self.cache_dir),
+            "--state-dir",
+            str(self.home / "state"),
+            "--metrics-host",
+            self.host,
+            "--metrics-port",
+            "0",
+            "--ready-file",
+            str(self.ready_file),
         ]
 
 
@@ -183,11 +191,16 @@ class DirectoryProcess(ServerProcess):
     def command(self) -> list[str]:
         return [
             "directory",
-            "--listen", f"{self.host}:0",
-            "--http-host", self.host,
-            "--http-port", "0",
-            "--state-dir", str(self.state_dir),
-            "--ready-file", str(self.ready_file),
+            "--listen",
+            f"{self.host}:0",
+            "--http-host",
+            self.host,
+            "--http-port",
+            "0",
+            "--state-dir",
+            str(self.state_dir),
+            "--ready-file",
+            str(self.ready_file),
         ]
 
 

@@ -318,8 +318,13 @@ def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
             if coded is None:
                 ships = np.bincount(shipped.sources, minlength=plan.num_nodes) * held / np.maximum(loads, 1)
                 sent += np.rint(ships).astype(np.int64)
-                received += np.rint(np.bincount(shipped.targets, weights=(held / np.maximum(loads, 1))[shipped.sources],
-                                                minlength=plan.num_nodes)).astype(np.int64)
+                received += np.rint(
+                    np.bincount(
+                        shipped.targets,
+                        weights=(held / np.maximum(loads, 1))[shipped.sources],
+                        minlength=plan.num_nodes,
+                    )
+                ).astype(np.int64)
             else:
                 coding = coded.exchange(current)
                 sent += coding.sent

@@ -18,8 +18,7 @@ def balanced_owners(num_samples: int, num_nodes: int, rng: np.random.Generator) 
     return rng.permutation(np.arange(num_samples, dtype=np.int64) % num_nodes)
 
 
-def refill(previous: list[np.ndarray], owners: np.ndarray, capacity: int,
-           rng: np.random.Generator) -> list[np.ndarray]:
+def refill(previous: list[np.ndarray], owners: np.ndarray, capacity: int, rng: np.random.Generator) -> list[np.ndarray]:
     """Each node's cache after an exchange: its owned samples, then spares drawn from ``previous``.
 
     Args:
@@ -32,7 +31,7 @@ def refill(previous: list[np.ndarray], owners: np.ndarray, capacity: int,
     bounds = np.searchsorted(owners[order], np.arange(len(previous) + 1))
     caches = []
     for node, cached in enumerate(previous):
-        owned = order[bounds[node]:bounds[node + 1]]
+        owned = order[bounds[node] : bounds[node + 1]]
         spares = np.setdiff1d(cached, owned, assume_unique=True)
         keep = rng.choice(spares, min(len(spares), max(0, capacity - len(owned))), replace=False)
         caches.append(np.concatenate([owned, keep]).astype(np.int64))

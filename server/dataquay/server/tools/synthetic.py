@@ -115,9 +115,7 @@ def make_npy_dataset(
     record_bytes = max(kind.itemsize * int(np.prod(shape, dtype=np.int64)), 1)
     chunk = max(_NPY_CHUNK_BYTES // record_bytes, 1)
     for index, count in enumerate(_split(num_records, files)):
-        array = npy_format.open_memmap(
-            root / f"part_{index:05d}.npy", mode="w+", dtype=kind, shape=(count, *shape)
-        )
+        array = npy_format.open_memmap(root / f"part_{index:05d}.npy", mode="w+", dtype=kind, shape=(count, *shape))
         rng = np.random.default_rng((seed, index))
         for start in range(0, count, chunk):
             array[start : start + chunk] = _random(rng, (min(chunk, count - start), *shape), kind)

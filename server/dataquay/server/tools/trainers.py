@@ -109,15 +109,27 @@ def _rank_main(dataset: str, batch: int, compute_seconds: float, connect_timeout
                 paused = 0.0
             wall = time.perf_counter() - started - paused
             _say(
-                out, event="epoch", epoch=command["epoch"], ids=ids, checksums=sums,
-                samples=tiers, bytes=sizes, wall=wall, wait=wait,
+                out,
+                event="epoch",
+                epoch=command["epoch"],
+                ids=ids,
+                checksums=sums,
+                samples=tiers,
+                bytes=sizes,
+                wall=wall,
+                wait=wait,
             )
     finally:
         client.close()
 
 
 def _read_through_dataquay(
-    ds: Any, sampler: Any, batch: int, compute_seconds: float, read_ahead: int, pause_at: int,
+    ds: Any,
+    sampler: Any,
+    batch: int,
+    compute_seconds: float,
+    read_ahead: int,
+    pause_at: int,
     pause: Callable[[], float],
 ) -> tuple[list[int], list[int], int, float]:
     """One epoch of the sampler through the client: (ids, checksums, bytes, seconds paused)."""
@@ -277,7 +289,12 @@ class RankGroup:
         self._connect_timeouts = [CONNECT_TIMEOUT] * len(envs) if connect_timeouts is None else list(connect_timeouts)
         self._prefixes = [list(p) for p in prefixes] if prefixes is not None else [[] for _ in envs]
         self._args = [
-            sys.executable, "-m", "dataquay.server.tools.trainers", dataset, str(batch), str(compute_seconds),
+            sys.executable,
+            "-m",
+            "dataquay.server.tools.trainers",
+            dataset,
+            str(batch),
+            str(compute_seconds),
         ]
         self._log_dir = log_dir
         self._timeout = timeout
@@ -292,11 +309,15 @@ class RankGroup:
         try:
             for rank, env in enumerate(self._envs):
                 with open(self._log_path(rank), "ab") as log:
-                    self._procs.append(subprocess.Popen(
-                        [*self._prefixes[rank], *self._args, str(self._connect_timeouts[rank])],
-                        env={**os.environ, **env}, stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE, stderr=log,
-                    ))
+                    self._procs.append(
+                        subprocess.Popen(
+                            [*self._prefixes[rank], *self._args, str(self._connect_timeouts[rank])],
+                            env={**os.environ, **env},
+                            stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE,
+                            stderr=log,
+                        )
+                    )
                 self._buffers.append(b"")
             self.nodes = [event["node"] for event in self._gather("joined")]
         except BaseException:
@@ -323,8 +344,12 @@ class RankGroup:
                 ``page-cache``).
             read_ahead: batches the client reads ahead of the rank (``ds.batches``).
         """
-        command = {"epoch": epoch, "pause_mid": mid is not None, "read_ahead": read_ahead,
-                   "direct": dataclasses.asdict(direct) if direct is not None else None}
+        command = {
+            "epoch": epoch,
+            "pause_mid": mid is not None,
+            "read_ahead": read_ahead,
+            "direct": dataclasses.asdict(direct) if direct is not None else None,
+        }
         self._send(command)
         if mid is not None:
             self._gather("mid")
@@ -332,8 +357,15 @@ class RankGroup:
             self._send({})
         return [
             RankEpoch(
-                rank, self.nodes[rank], e["epoch"], e["ids"], e["checksums"], e["samples"], e["bytes"],
-                e["wall"], e["wait"],
+                rank,
+                self.nodes[rank],
+                e["epoch"],
+                e["ids"],
+                e["checksums"],
+                e["samples"],
+                e["bytes"],
+                e["wall"],
+                e["wait"],
             )
             for rank, e in enumerate(self._gather("epoch"))
         ]
@@ -359,9 +391,7 @@ class RankGroup:
     def __enter__(self) -> RankGroup:
         return self.start()
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
     # ---------------------------------------------------------- internals
@@ -400,7 +430,7 @@ class RankGroup:
                 self._buffers[rank] = rest
                 text = line.decode(errors="replace")
                 if text.startswith(_PREFIX):
-                    answer: dict[str, Any] = json.loads(text[len(_PREFIX):])
+                    answer: dict[str, Any] = json.loads(text[len(_PREFIX) :])
                     return answer
                 continue
             remaining = deadline - time.monotonic()

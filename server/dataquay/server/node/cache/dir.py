@@ -54,8 +54,7 @@ def lock_cache_dir(path: Path) -> int:
         if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
             raise StartupError(f"cannot lock {lock_path}: {exc.strerror}") from exc
         raise StartupError(
-            f"cache dir {path} is in use by another daemon (pid {holder}); "
-            "stop it or give this one its own --cache-dir"
+            f"cache dir {path} is in use by another daemon (pid {holder}); stop it or give this one its own --cache-dir"
         ) from None
     os.fchmod(fd, FILE_MODE)
     os.ftruncate(fd, 0)

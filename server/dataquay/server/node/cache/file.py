@@ -232,9 +232,11 @@ class CacheFile:
             self.close()
             raise
         if not self.writemap:
-            log.info("the cache file cannot be allocated ahead (or its file system copies on write): "
-                     "LMDB writes it without writemap",
-                     extra={"fields": {"cache_dir": str(self.path)}})
+            log.info(
+                "the cache file cannot be allocated ahead (or its file system copies on write): "
+                "LMDB writes it without writemap",
+                extra={"fields": {"cache_dir": str(self.path)}},
+            )
         return self._env
 
     def _open_env(self, map_size: int) -> lmdb.Environment:

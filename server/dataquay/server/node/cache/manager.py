@@ -110,8 +110,13 @@ class CacheManager:
     """
 
     def __init__(
-        self, store: Store, registry: Registry, state_dir: Path, min_age: float,
-        quotas: tuple[Quota, ...] = (), job_pins: Callable[[], Mapping[str, list[str]]] = dict,
+        self,
+        store: Store,
+        registry: Registry,
+        state_dir: Path,
+        min_age: float,
+        quotas: tuple[Quota, ...] = (),
+        job_pins: Callable[[], Mapping[str, list[str]]] = dict,
         staging_left: Callable[[], Mapping[str, float]] = dict,
     ) -> None:
         self.store = store
@@ -143,8 +148,10 @@ class CacheManager:
         except FileNotFoundError:
             return
         except (OSError, ValueError, TypeError) as exc:
-            log.error("cache uses unreadable; every holding counts as long unused",
-                      extra={"fields": {"path": str(self.path), "error": str(exc)}})
+            log.error(
+                "cache uses unreadable; every holding counts as long unused",
+                extra={"fields": {"path": str(self.path), "error": str(exc)}},
+            )
 
     def save(self) -> None:
         """Writes the uses to a temporary name and renames it: a crash leaves the old file or the new."""
@@ -190,10 +197,17 @@ class CacheManager:
             db = raw.decode()
             use = self._uses.get(db)
             pinned_by = tuple(pins.get(db, ())) + ((OPERATOR,) if use is not None and use.pinned else ())
-            rows.append(Holding(
-                db, tuple(names.get(db, ())), nbytes, self.store.writer.cached.count(raw),
-                use.last_use if use is not None else 0.0, use.uid if use is not None else -1, pinned_by,
-            ))
+            rows.append(
+                Holding(
+                    db,
+                    tuple(names.get(db, ())),
+                    nbytes,
+                    self.store.writer.cached.count(raw),
+                    use.last_use if use is not None else 0.0,
+                    use.uid if use is not None else -1,
+                    pinned_by,
+                )
+            )
         return rows
 
     def _arrays(self, rows: list[Holding], keep: str = "") -> Holdings:
@@ -216,8 +230,9 @@ class CacheManager:
         for row in rows:
             charged[row.uid] = charged.get(row.uid, 0) + row.nbytes
         limits = {(q.kind, q.ident): q for q in self.quotas}
-        out = [UserUse("user", uid, nbytes, *_limit(limits.get(("user", uid))))
-               for uid, nbytes in sorted(charged.items())]
+        out = [
+            UserUse("user", uid, nbytes, *_limit(limits.get(("user", uid)))) for uid, nbytes in sorted(charged.items())
+        ]
         owner_uid, owner_gids, nbytes_of = self._owners(rows)
         for quota in self.quotas:
             if quota.kind == "group":
@@ -243,7 +258,12 @@ class CacheManager:
         return room - int(promised) - (space.exchange_reserve if leave_room else 0)
 
     async def admit(
-        self, entry: Registered, ids: np.ndarray, uid: int, gids: frozenset[int], leave_room: bool = False,
+        self,
+        entry: Registered,
+        ids: np.ndarray,
+        uid: int,
+        gids: frozenset[int],
+        leave_room: bool = False,
     ) -> Admitted:
         """Checks the caller's quotas, evicts what the policy gives way and
         says what of the staging of ``ids`` will fit.
@@ -255,7 +275,12 @@ class CacheManager:
             return await self._admit(entry, ids, uid, gids, leave_room)
 
     async def _admit(
-        self, entry: Registered, ids: np.ndarray, uid: int, gids: frozenset[int], leave_room: bool,
+        self,
+        entry: Registered,
+        ids: np.ndarray,
+        uid: int,
+        gids: frozenset[int],
+        leave_room: bool,
     ) -> Admitted:
         db = entry.record.cache_db
         missing = ids[~self.store.cached_mask(db, ids)]
@@ -264,8 +289,10 @@ class CacheManager:
         owner_uid, owner_gids, nbytes = self._owners(rows)
         mine = np.array([r.cache_db == db for r in rows], dtype=bool)
         if not mine.any() or self._uses.get(db) is None:  # not yet charged: it will be, to the caller
-            owner_uid, owner_gids = np.where(mine, uid, owner_uid), [
-                gids if m else g for m, g in zip(mine.tolist(), owner_gids)]
+            owner_uid, owner_gids = (
+                np.where(mine, uid, owner_uid),
+                [gids if m else g for m, g in zip(mine.tolist(), owner_gids)],
+            )
         over = exceeded(self.quotas, uid, gids, int(lengths.sum()), owner_uid, owner_gids, nbytes)
         if over is not None:
             raise _quota_error(f"staging {entry.record.name!r}", int(lengths.sum()), *over)
@@ -364,10 +391,19 @@ class CacheManager:
             self.evicted_samples += samples
             self.evicted_bytes += freed
             log.info(
-                "evicted from the cache", extra={"fields": {
-                    "cache_db": row.cache_db, "datasets": ",".join(row.datasets), "samples": samples,
-                    "bytes": freed, "whole": eviction.whole, "for": why, "staging": staging,
-                    "unused_seconds": round(time.time() - row.last_use)}},
+                "evicted from the cache",
+                extra={
+                    "fields": {
+                        "cache_db": row.cache_db,
+                        "datasets": ",".join(row.datasets),
+                        "samples": samples,
+                        "bytes": freed,
+                        "whole": eviction.whole,
+                        "for": why,
+                        "staging": staging,
+                        "unused_seconds": round(time.time() - row.last_use),
+                    }
+                },
             )
         if plan:
             self.save()

@@ -88,8 +88,10 @@ class StoreWriter:
         self._full_logged_at = -FULL_LOG_SECONDS
         self._dirty = False
         self._thread = ThreadPoolExecutor(
-            1, thread_name_prefix="dataquay-lmdb-writer",
-            initializer=lower_thread_priority, initargs=(WRITER_NICENESS,),
+            1,
+            thread_name_prefix="dataquay-lmdb-writer",
+            initializer=lower_thread_priority,
+            initargs=(WRITER_NICENESS,),
         )
 
     def open_meta(self) -> None:
@@ -176,8 +178,11 @@ class StoreWriter:
         return removed
 
     async def move(
-        self, old: tuple[bytes, lmdb._Database], new: tuple[bytes, lmdb._Database],
-        old_ids: np.ndarray, new_ids: np.ndarray,
+        self,
+        old: tuple[bytes, lmdb._Database],
+        new: tuple[bytes, lmdb._Database],
+        old_ids: np.ndarray,
+        new_ids: np.ndarray,
     ) -> tuple[int, int]:
         """Moves the values of ``old_ids`` of one sub-database to ``new_ids``
         of another (a dataset's unchanged samples into its new version), a
@@ -206,7 +211,7 @@ class StoreWriter:
 
         samples = nbytes = 0
         for start in range(0, len(old_ids), MOVE_BATCH):
-            olds, news = old_ids[start:start + MOVE_BATCH].tolist(), new_ids[start:start + MOVE_BATCH].tolist()
+            olds, news = old_ids[start : start + MOVE_BATCH].tolist(), new_ids[start : start + MOVE_BATCH].tolist()
             async with self.lock:
                 done = await self._deleting(lambda: move(olds, news))
             samples, nbytes = samples + done[0], nbytes + done[1]
@@ -262,7 +267,8 @@ class StoreWriter:
             self._full_logged_at = now
             log.warning(
                 "cache file system is full: no more inserts until it has space, misses are served from the PFS"
-                if disk else "cache is full: no more inserts, misses are served from the PFS",
+                if disk
+                else "cache is full: no more inserts, misses are served from the PFS",
                 extra={"fields": {"capacity_bytes": self.space.capacity, "cache_dir": str(self.path)}},
             )
 
@@ -324,7 +330,8 @@ class StoreWriter:
         self.inserts_dropped += count
         log.error(
             "cache write failed: its values are dropped, misses are served from the PFS",
-            exc_info=exc, extra={"fields": {"cache_dir": str(self.path), "samples": count}},
+            exc_info=exc,
+            extra={"fields": {"cache_dir": str(self.path), "samples": count}},
         )
 
     async def run_syncer(self, interval: float = 5.0) -> None:

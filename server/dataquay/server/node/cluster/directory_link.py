@@ -168,8 +168,10 @@ class DirectoryLink:
                     self._refused(exc)
                     return
                 if delay == RETRY_SECONDS[0]:
-                    log.error("the directory gave this node's name to another node; asking for it again",
-                              extra={"fields": {"directory": self.address, "error": str(exc)}})
+                    log.error(
+                        "the directory gave this node's name to another node; asking for it again",
+                        extra={"fields": {"directory": self.address, "error": str(exc)}},
+                    )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_SECONDS[1])
             except (grpc.aio.AioRpcError, OSError, DataquayError) as exc:
@@ -208,8 +210,10 @@ class DirectoryLink:
                 if reply is None:
                     reply = await self.stub.Heartbeat(request, timeout=self._beat_timeout())
                     if not self._beats_by_rpc:
-                        log.warning("heartbeat datagrams go unanswered (UDP blocked?); renewing the lease by RPC",
-                                    extra={"fields": {"directory": self.address}})
+                        log.warning(
+                            "heartbeat datagrams go unanswered (UDP blocked?); renewing the lease by RPC",
+                            extra={"fields": {"directory": self.address}},
+                        )
                 self._beats_by_rpc = by_rpc
                 if not reply.known:
                     log.info("the directory lost this node; registering again")
@@ -243,8 +247,9 @@ class DirectoryLink:
             self._channel = self.credentials.aio_channel(self.address, channel_options())
             self.stub = directory_pb2_grpc.DirectoryStub(self._channel)
             self._nodes_version = 0
-            log.warning("directory replica unreachable; moving to the next",
-                        extra={"fields": {"directory": self.address}})
+            log.warning(
+                "directory replica unreachable; moving to the next", extra={"fields": {"directory": self.address}}
+            )
             await old.close()
         return True
 
@@ -426,8 +431,10 @@ class DirectoryLink:
         except DirectoryUnavailableError:
             return False
         except DataquayError as exc:
-            log.warning("the directory refused an epoch this node's ranks entered",
-                        extra={"fields": {"job": job_id, "epoch": epoch, "error": str(exc)}})
+            log.warning(
+                "the directory refused an epoch this node's ranks entered",
+                extra={"fields": {"job": job_id, "epoch": epoch, "error": str(exc)}},
+            )
             self.reports.answered(job_id, epoch, exc)
             return True
         job = self._held_epoch(job)

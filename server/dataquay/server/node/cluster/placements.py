@@ -53,7 +53,7 @@ class Placement:
     job: jpb.Job
     epoch: int
     owners: np.ndarray  # node index in job.spec.nodes, per sample id
-    node_index: int     # this node's index in the job, -1 when it is not in it
+    node_index: int  # this node's index in the job, -1 when it is not in it
     holders: np.ndarray  # node whose cache holds each sample (the owner unless spilled), NO_HOLDER for none
     capacities: tuple[int, ...] = ()  # the job's nodes' capacities the holders were computed with
     lost: tuple[str, ...] = ()  # the nodes whose share the others hold (see .healing)
@@ -61,8 +61,10 @@ class Placement:
     sources: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        sources = self.owners if self.holders is self.owners else np.where(
-            self.holders == NO_HOLDER, self.owners, self.holders
+        sources = (
+            self.owners
+            if self.holders is self.owners
+            else np.where(self.holders == NO_HOLDER, self.owners, self.holders)
         )
         object.__setattr__(self, "sources", sources)
 
@@ -107,7 +109,10 @@ class Placements:
     """
 
     def __init__(
-        self, link: DirectoryLink, node_name: str, state_dir: Path | None = None,
+        self,
+        link: DirectoryLink,
+        node_name: str,
+        state_dir: Path | None = None,
         lost: Callable[[jpb.Job], tuple[str, ...]] | None = None,
     ) -> None:
         self.link = link
@@ -136,7 +141,9 @@ class Placements:
         lost = self.lost(job)
         kept = self._kept.get(key)
         if kept is not None and (kept.job.created_unix, kept.capacities, kept.lost) == (
-            job.created_unix, capacities, lost
+            job.created_unix,
+            capacities,
+            lost,
         ):
             return kept
         computing = (*key, job.created_unix, capacities, lost)
@@ -145,7 +152,9 @@ class Placements:
             async with lock:
                 kept = self._kept.get(key)
                 if kept is not None and (kept.job.created_unix, kept.capacities, kept.lost) == (
-                    job.created_unix, capacities, lost
+                    job.created_unix,
+                    capacities,
+                    lost,
                 ):
                     return kept
                 return await self._compute(job, entry, epoch, capacities, lost)
@@ -210,9 +219,16 @@ class Placements:
                 del self._holders[next(iter(self._holders))]
             spilled = int(((holders != owner) & (holders != NO_HOLDER)).sum())
             if spilled or (holders == NO_HOLDER).any():
-                log.info("caches short of their share: samples spilled to nodes with room",
-                         extra={"fields": {"job": job.spec.job_id, "spilled": spilled,
-                                           "uncached": int((holders == NO_HOLDER).sum())}})
+                log.info(
+                    "caches short of their share: samples spilled to nodes with room",
+                    extra={
+                        "fields": {
+                            "job": job.spec.job_id,
+                            "spilled": spilled,
+                            "uncached": int((holders == NO_HOLDER).sum()),
+                        }
+                    },
+                )
         return holders
 
     def _stepped(self, job: jpb.Job, plan: JobPlan, epoch: int) -> np.ndarray:
@@ -250,8 +266,9 @@ class Placements:
         try:
             loaded = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as exc:
-            log.warning("ignoring an unreadable saved placement",
-                        extra={"fields": {"path": str(path), "error": str(exc)}})
+            log.warning(
+                "ignoring an unreadable saved placement", extra={"fields": {"path": str(path), "error": str(exc)}}
+            )
             return None
         return loaded if loaded.shape == (job.num_samples,) else None
 
@@ -272,5 +289,7 @@ class Placements:
             for old in saved[:-SAVED_EPOCHS]:
                 old.unlink(missing_ok=True)
         except OSError as exc:
-            log.warning("cannot save a placement; a restart will replay epochs",
-                        extra={"fields": {"path": str(path), "error": str(exc)}})
+            log.warning(
+                "cannot save a placement; a restart will replay epochs",
+                extra={"fields": {"path": str(path), "error": str(exc)}},
+            )

@@ -88,8 +88,9 @@ class GrpcExchangeCall:
         if len(samples) == 1 and len(samples[0][1]) > PIECE_BYTES:
             sample_id, value = samples[0]
             for offset, part in pieces(value):
-                await self._call.write(pb.ExchangeMessage(
-                    piece=pb.Sample(id=sample_id, value=part, offset=offset, length=len(value))))
+                await self._call.write(
+                    pb.ExchangeMessage(piece=pb.Sample(id=sample_id, value=part, offset=offset, length=len(value)))
+                )
             return
         await self._call.write(pb.ExchangeMessage(samples=[pb.Sample(id=i, value=v) for i, v in samples]))
 
@@ -136,19 +137,25 @@ class BulkExchangeCall:
         try:
             kernel_timeouts(sock, STALL_SECONDS)
             await loop.run_in_executor(
-                self._client.threads, send_all, sock, [REQUEST.pack(REQUEST_MAGIC, EXCHANGE, len(body)), body],
-                STALL_SECONDS)
+                self._client.threads,
+                send_all,
+                sock,
+                [REQUEST.pack(REQUEST_MAGIC, EXCHANGE, len(body)), body],
+                STALL_SECONDS,
+            )
         except BaseException as exc:
             sock.close()
             if isinstance(exc, OSError):
                 raise self._failed(exc) from None
             raise
         self._sock = sock
-        self._sending = threading.Thread(target=self._send_chunks, args=(sock,), daemon=True,
-                                         name=f"exchange-send-{self._address}")
+        self._sending = threading.Thread(
+            target=self._send_chunks, args=(sock,), daemon=True, name=f"exchange-send-{self._address}"
+        )
         self._sending.start()
-        threading.Thread(target=self._read_replies, args=(sock, loop), daemon=True,
-                         name=f"exchange-replies-{self._address}").start()
+        threading.Thread(
+            target=self._read_replies, args=(sock, loop), daemon=True, name=f"exchange-replies-{self._address}"
+        ).start()
 
     async def send(self, db: str, ids: np.ndarray) -> None:
         self._chunks.put((db, ids.tolist()))

@@ -121,9 +121,17 @@ class PassTransport:
     rate: int = 0
 
 
-async def coded_pass(transport: PassTransport, store: Store, receiver: ExchangeReceiver, broker: ExchangeBroker,
-                     entry: Registered, job: str, scheme: str, after: Placement,
-                     progress: CodedProgress) -> MulticastEndpoint | None:
+async def coded_pass(
+    transport: PassTransport,
+    store: Store,
+    receiver: ExchangeReceiver,
+    broker: ExchangeBroker,
+    entry: Registered,
+    job: str,
+    scheme: str,
+    after: Placement,
+    progress: CodedProgress,
+) -> MulticastEndpoint | None:
     """Runs this node's part of the coded pass into ``after``'s epoch (module docstring) on an
     endpoint of its own (its node id is this node's rank in the job); offers into that epoch
     wait for it (``broker``). Never raises but for cancellation: what it leaves, the streams
@@ -131,10 +139,17 @@ async def coded_pass(transport: PassTransport, store: Store, receiver: ExchangeR
     the caller to :func:`linger` on (None after a failure, its endpoint closed)."""
     channel = transport.channel
     with broker.coded_pass(job, after.epoch):
-        endpoint = MulticastEndpoint(after.node_index, channel, transport.token,
-                                     payload_bytes(interface_mtu(channel.interface)), rate=transport.rate or None,
-                                     max_ready=READY_PACKETS, pass_id=transport.pass_id, others=transport.others,
-                                     on_drop=transport.on_drop)
+        endpoint = MulticastEndpoint(
+            after.node_index,
+            channel,
+            transport.token,
+            payload_bytes(interface_mtu(channel.interface)),
+            rate=transport.rate or None,
+            max_ready=READY_PACKETS,
+            pass_id=transport.pass_id,
+            others=transport.others,
+            on_drop=transport.on_drop,
+        )
         try:
             await endpoint.start()
             await _coded_pass(endpoint, store, receiver, entry, job, scheme, after, progress)
@@ -155,8 +170,11 @@ def _failure(exc: Exception, channel: Channel, job: str, epoch: int) -> str:
     if isinstance(exc, DataquayError):
         return f"stopped: {exc}"
     # The pass only saves traffic: its failure leaves the job to the streams.
-    log.exception("coded exchange pass failed; the streams ship its samples",
-                  extra={"fields": {"job": job, "epoch": epoch}}, exc_info=exc)
+    log.exception(
+        "coded exchange pass failed; the streams ship its samples",
+        extra={"fields": {"job": job, "epoch": epoch}},
+        exc_info=exc,
+    )
     return f"failed: {type(exc).__name__}: {exc}"
 
 
@@ -171,8 +189,16 @@ async def linger(endpoint: MulticastEndpoint, progress: CodedProgress) -> None:
         endpoint.close()
 
 
-async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeReceiver, entry: Registered,
-                      job: str, scheme: str, after: Placement, progress: CodedProgress) -> None:
+async def _coded_pass(
+    endpoint: MulticastEndpoint,
+    store: Store,
+    receiver: ExchangeReceiver,
+    entry: Registered,
+    job: str,
+    scheme: str,
+    after: Placement,
+    progress: CodedProgress,
+) -> None:
     me, nodes = after.node_index, len(after.nodes)
     db, num_samples = entry.record.cache_db, entry.manifest.num_samples
     inbox: asyncio.Queue[tuple[int, int, int, bytes]] = asyncio.Queue()
@@ -202,15 +228,26 @@ async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: Excha
         if len(snapshots) < nodes:
             progress.note = f"{nodes - len(snapshots)} peers sent no snapshot within {SNAPSHOT_SECONDS:.0f} s"
             return
-        caches = [np.flatnonzero(np.unpackbits(np.frombuffer(snapshots[m], np.uint8))[:num_samples])
-                  for m in range(nodes)]
+        caches = [
+            np.flatnonzero(np.unpackbits(np.frombuffer(snapshots[m], np.uint8))[:num_samples]) for m in range(nodes)
+        ]
         sizes = entry.manifest.sample_length.astype(np.int64) + CHECKSUM_BYTES
         started = time.monotonic()
         packets = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: coding.plan(coding.holder_bits(caches, num_samples), after.owners, scheme, sizes))
-        log.info("coded exchange planned", extra={"fields": {
-            "job": job, "epoch": after.epoch, "scheme": scheme, "packets": len(packets),
-            "plan_seconds": round(time.monotonic() - started, 3)}})
+            None, lambda: coding.plan(coding.holder_bits(caches, num_samples), after.owners, scheme, sizes)
+        )
+        log.info(
+            "coded exchange planned",
+            extra={
+                "fields": {
+                    "job": job,
+                    "epoch": after.epoch,
+                    "scheme": scheme,
+                    "packets": len(packets),
+                    "plan_seconds": round(time.monotonic() - started, 3),
+                }
+            },
+        )
         sent = coded_packets.streams(packets)
         slots = coded_packets.slots(sent, endpoint.channel.pool)
         sends = np.flatnonzero(sent.senders == me).tolist()
@@ -219,8 +256,11 @@ async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: Excha
             if group not in opened:
                 endpoint.open_group(group, sent.members[i], int(slots[i]))
                 opened.add(group)
-        receiving = {i: (int(sent.senders[i]), SNAPSHOTS + 1 + int(sent.groups[i]))
-                     for i, m in enumerate(sent.members) if me in m and sent.senders[i] != coding.PFS}
+        receiving = {
+            i: (int(sent.senders[i]), SNAPSHOTS + 1 + int(sent.groups[i]))
+            for i, m in enumerate(sent.members)
+            if me in m and sent.senders[i] != coding.PFS
+        }
         # Joined before anything is sent here: a peer's first datagrams find this node listening.
         for key, slot in {receiving[i]: int(slots[i]) for i in receiving}.items():
             await endpoint.join(slot)
@@ -235,10 +275,19 @@ async def _coded_pass(endpoint: MulticastEndpoint, store: Store, receiver: Excha
             endpoint.close_group(group)
 
 
-async def _run(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeReceiver, entry: Registered,
-               packets: coding.Packets, sent: coded_packets.Streams, me: int, sends: list[int],
-               receiving: dict[int, tuple[int, int]], inbox: asyncio.Queue[tuple[int, int, int, bytes]],
-               progress: CodedProgress) -> None:
+async def _run(
+    endpoint: MulticastEndpoint,
+    store: Store,
+    receiver: ExchangeReceiver,
+    entry: Registered,
+    packets: coding.Packets,
+    sent: coded_packets.Streams,
+    me: int,
+    sends: list[int],
+    receiving: dict[int, tuple[int, int]],
+    inbox: asyncio.Queue[tuple[int, int, int, bytes]],
+    progress: CodedProgress,
+) -> None:
     """Sends this node's packets and fetches, and decodes the ``receiving`` ones (send -> its (sender, group))."""
     db, num_packets = entry.record.cache_db, len(packets)
     lengths = entry.manifest.sample_length.astype(np.int64) + CHECKSUM_BYTES
@@ -278,7 +327,7 @@ async def _run(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeRece
             else:
                 if i in fetched:
                     await fetched[i].wait()
-                ids = packets.samples[packets.start[i]:packets.start[i + 1]].tolist()
+                ids = packets.samples[packets.start[i] : packets.start[i + 1]].tolist()
                 held = [parts_of.get(sample, v) for sample, v in zip(ids, store.get_values(db, ids), strict=True)]
                 values = [v for v in held if v is not None]
                 value = coded_packets.xor_encode(values) if len(values) == len(held) else None
@@ -294,15 +343,16 @@ async def _run(endpoint: MulticastEndpoint, store: Store, receiver: ExchangeRece
         """Bytes of send ``i``: a fetch's sample, a packet's longest part."""
         if i >= num_packets:
             return int(lengths[packets.fetch_samples[i - num_packets]])
-        return int(lengths[packets.samples[packets.start[i]:packets.start[i + 1]]].max())
+        return int(lengths[packets.samples[packets.start[i] : packets.start[i + 1]]].max())
 
     async def receive_all() -> None:
         left = dict(receiving)
         while left:
             sender, group, i, packet = await inbox.get()
             if left.get(i) != (sender, group):
-                endpoint.drop("duplicate" if receiving.get(i) == (sender, group) or group == SNAPSHOTS
-                              else "unexpected_packet")
+                endpoint.drop(
+                    "duplicate" if receiving.get(i) == (sender, group) or group == SNAPSHOTS else "unexpected_packet"
+                )
                 continue
             del left[i]
             if len(packet) != length(i):

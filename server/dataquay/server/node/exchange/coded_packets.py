@@ -19,7 +19,7 @@ def xor_encode(parts: Sequence[bytes]) -> bytes:
     """One packet: the XOR of ``parts``, each zero-padded to the longest."""
     out = np.zeros(max((len(p) for p in parts), default=0), dtype=np.uint8)
     for part in parts:
-        out[:len(part)] ^= np.frombuffer(part, dtype=np.uint8)
+        out[: len(part)] ^= np.frombuffer(part, dtype=np.uint8)
     return out.tobytes()
 
 
@@ -89,8 +89,10 @@ def slots(sent: Streams, pool: int) -> np.ndarray:
             joined.append(members)
             carried.append(counts[members])
         else:
-            slot = min(range(len(joined)), key=lambda k: (counts[members] * len(joined[k] - members)
-                                                          + carried[k] * len(members - joined[k]), k))
+            slot = min(
+                range(len(joined)),
+                key=lambda k: (counts[members] * len(joined[k] - members) + carried[k] * len(members - joined[k]), k),
+            )
             joined[slot] |= members
             carried[slot] += counts[members]
         slot_of[members] = 1 + slot

@@ -213,8 +213,7 @@ def _set_numbers(holders: np.ndarray, need: Needs) -> tuple[np.ndarray, ...]:
     needed samples by (table, decoder)."""
     tables, order = np.empty(len(need.samples), dtype=np.int64), np.empty(len(need.samples), dtype=np.int64)
     keys = np.empty((len(need.samples), holders.shape[1]), dtype=np.uint64)
-    count = set_numbers(np.ascontiguousarray(holders), _int64(need.samples), _int64(need.decoders), tables, keys,
-                        order)
+    count = set_numbers(np.ascontiguousarray(holders), _int64(need.samples), _int64(need.decoders), tables, keys, order)
     return tables, keys[:count], order
 
 
@@ -234,8 +233,9 @@ def _sample_hashes(holders: np.ndarray, samples: np.ndarray, decoders: np.ndarra
     """A 64-bit hash of each table, ``holders[samples]`` with its decoder's bit
     set: the XOR of a random value per member (:func:`table_hashes`)."""
     hashes = np.empty(len(samples), dtype=np.int64)
-    table_hashes(np.ascontiguousarray(holders), _int64(samples), _int64(decoders),
-                 _byte_hashes(holders.shape[1] * 8), hashes)
+    table_hashes(
+        np.ascontiguousarray(holders), _int64(samples), _int64(decoders), _byte_hashes(holders.shape[1] * 8), hashes
+    )
     return hashes
 
 
@@ -262,7 +262,8 @@ def uber_tables(holders: np.ndarray, need: Needs, num_nodes: int) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     tables, keys, order = _set_numbers(holders, need)
     starts, g_decoder, g_count, table_start = (
-        _int64(column) for column in _groups(tables, need.decoders, len(keys), order))
+        _int64(column) for column in _groups(tables, need.decoders, len(keys), order)
+    )
     edges = np.frombuffer(dag_edges(keys, table_start, g_decoder, g_count), dtype=np.int64)
     parent, member, child = (np.ascontiguousarray(column) for column in edges.reshape(-1, 3).T)
     moved = tables.copy()
@@ -305,7 +306,7 @@ def plan(holders: np.ndarray, owners: np.ndarray, scheme: str, sizes: np.ndarray
     parts, start = np.empty(len(tables), dtype=np.int64), np.empty(len(tables) + 1, dtype=np.int64)
     num_packets = packet_rows(_int64(tables), _int64(need.decoders), part_sizes, parts, start)
     samples, decoders = need.samples[parts], need.decoders[parts]
-    return _senders(holders, start[:num_packets + 1], samples, decoders, sizes)
+    return _senders(holders, start[: num_packets + 1], samples, decoders, sizes)
 
 
 def _int64(values: np.ndarray) -> np.ndarray:
@@ -320,8 +321,9 @@ def _pick(holders: np.ndarray, start: np.ndarray, samples: np.ndarray, spread: n
     return picked
 
 
-def _senders(holders: np.ndarray, start: np.ndarray, samples: np.ndarray, decoders: np.ndarray,
-             sizes: np.ndarray | None) -> Packets:
+def _senders(
+    holders: np.ndarray, start: np.ndarray, samples: np.ndarray, decoders: np.ndarray, sizes: np.ndarray | None
+) -> Packets:
     """Applies the sender rule of the module docstring to the packets' parts."""
     num_packets = len(start) - 1
     spread = np.arange(num_packets, dtype=np.int64)
@@ -351,8 +353,9 @@ def load(packets: Packets, sizes: np.ndarray | None = None) -> Load:
     """What ``packets`` cost; ``sizes`` in bytes per sample id (unit samples when None)."""
     part_bytes = np.ones(len(packets.samples), dtype=np.int64) if sizes is None else sizes[packets.samples]
     packet_bytes = np.maximum.reduceat(part_bytes, packets.start[:-1]) if len(packets) else part_bytes[:0]
-    fetch_bytes = np.ones(len(packets.fetch_samples), dtype=np.int64) if sizes is None else (
-        sizes[packets.fetch_samples])
+    fetch_bytes = (
+        np.ones(len(packets.fetch_samples), dtype=np.int64) if sizes is None else (sizes[packets.fetch_samples])
+    )
     from_pfs = packets.senders == PFS
     fetched_pfs = packets.fetch_sources == PFS
     return Load(

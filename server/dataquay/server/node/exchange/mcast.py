@@ -99,8 +99,9 @@ def _interface_of(address: str) -> tuple[str, int] | None:
             try:
                 found = socket.inet_ntoa(fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)[20:24])
                 if found == address:
-                    return name, int(struct.unpack_from("H", fcntl.ioctl(probe.fileno(), _SIOCGIFFLAGS, request),
-                                                        16)[0])
+                    return name, int(
+                        struct.unpack_from("H", fcntl.ioctl(probe.fileno(), _SIOCGIFFLAGS, request), 16)[0]
+                    )
             except OSError:
                 continue
     return None
@@ -179,8 +180,16 @@ class EndpointStats:
 #: ``backlog``: the consumer's queue of whole packets is full (the sender resends it);
 #: ``corrupt``: a whole packet whose bytes do not match its header's xxh3;
 #: ``unexpected_packet``: a whole packet the plan does not have its sender send this node on that stream.
-DROP_REASONS = ("malformed", "unknown_pass", "unauthenticated", "stale_session", "duplicate", "backlog", "corrupt",
-                "unexpected_packet")
+DROP_REASONS = (
+    "malformed",
+    "unknown_pass",
+    "unauthenticated",
+    "stale_session",
+    "duplicate",
+    "backlog",
+    "corrupt",
+    "unexpected_packet",
+)
 
 
 class _Protocol(asyncio.DatagramProtocol):
@@ -219,10 +228,21 @@ class MulticastEndpoint:
         on_drop: told the reason of every drop (the daemon's metric).
     """
 
-    def __init__(self, node: int, channel: Channel, token: str = "", payload_bytes: int = 1400,
-                 window_bytes: int = 256 << 10, rate: float | None = None, tail_interval: float = 0.02,
-                 max_ready: int = 4096, *, pass_id: int, others: Collection[int] = (),
-                 on_drop: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        node: int,
+        channel: Channel,
+        token: str = "",
+        payload_bytes: int = 1400,
+        window_bytes: int = 256 << 10,
+        rate: float | None = None,
+        tail_interval: float = 0.02,
+        max_ready: int = 4096,
+        *,
+        pass_id: int,
+        others: Collection[int] = (),
+        on_drop: Callable[[str], None] | None = None,
+    ) -> None:
         self.node = node
         self.channel = channel
         self.pass_id = pass_id
@@ -270,8 +290,7 @@ class MulticastEndpoint:
             return
         loop = asyncio.get_running_loop()
         try:
-            self._send, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self),
-                                                                sock=self._send_socket())
+            self._send, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self), sock=self._send_socket())
         except OSError:
             self.close()
             raise
@@ -290,7 +309,8 @@ class MulticastEndpoint:
             self._receive[slot] = (found[0], found[1] + 1)
             return
         transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
-            lambda: _Protocol(self), sock=self._receive_socket(self.channel.address(slot)))
+            lambda: _Protocol(self), sock=self._receive_socket(self.channel.address(slot))
+        )
         self._receive[slot] = (transport, 1)
 
     def leave(self, slot: int) -> None:
@@ -400,8 +420,13 @@ class MulticastEndpoint:
                 self._room.clear()
                 await self._room.wait()
             seq = window.reserve()
-            datagram = self._seal.seal(wire.encode_data(wire.Fragment(
-                self.node, self._session, group, seq, packet_id, index, count, len(packet), digest, payload)))
+            datagram = self._seal.seal(
+                wire.encode_data(
+                    wire.Fragment(
+                        self.node, self._session, group, seq, packet_id, index, count, len(packet), digest, payload
+                    )
+                )
+            )
             window.keep(seq, datagram)
             self._kept_bytes += len(datagram)
             if self._bucket is not None:
@@ -446,8 +471,9 @@ class MulticastEndpoint:
             for group, window in self._groups.items():
                 # A stream still sending needs no tail: its next datagrams show its members their gaps.
                 if not window.done and self._sent_at.get(group, 0.0) <= idle_since:
-                    datagram = self._seal.seal(wire.encode_tail(
-                        wire.Tail(self.node, self._session, group, window.next_seq)))
+                    datagram = self._seal.seal(
+                        wire.encode_tail(wire.Tail(self.node, self._session, group, window.next_seq))
+                    )
                     self._multicast(datagram, group)
                     self.stats.control_bytes_sent += len(datagram)
                     self.stats.control_datagrams_sent += 1
@@ -577,8 +603,9 @@ class MulticastEndpoint:
         addr = self._senders.get(sender)
         if addr is None or self._send is None:
             return
-        datagram = self._seal.seal(wire.encode_ack(wire.Ack(
-            self.node, sender, stream.session, group, stream.cumulative, stream.gaps())))
+        datagram = self._seal.seal(
+            wire.encode_ack(wire.Ack(self.node, sender, stream.session, group, stream.cumulative, stream.gaps()))
+        )
         self._send.sendto(datagram, addr)
         self.stats.control_bytes_sent += len(datagram)
         self.stats.control_datagrams_sent += 1

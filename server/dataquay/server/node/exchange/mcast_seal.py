@@ -90,8 +90,8 @@ class PassSeal:
         """
         if pass_of(datagram) != self.pass_id:
             raise SealError("unknown_pass", "the datagram names another pass")
-        header = bytes(memoryview(datagram)[:_HEADER.size])
+        header = bytes(memoryview(datagram)[: _HEADER.size])
         try:
-            return self._aead.decrypt(header[-NONCE_BYTES:], bytes(memoryview(datagram)[_HEADER.size:]), header)
+            return self._aead.decrypt(header[-NONCE_BYTES:], bytes(memoryview(datagram)[_HEADER.size :]), header)
         except InvalidTag:
             raise SealError("unauthenticated", "the datagram's tag does not verify under the pass key") from None

@@ -88,14 +88,16 @@ def fragments(packet: bytes, payload_bytes: int) -> Iterator[tuple[int, int, byt
     count = max(1, -(-len(packet) // payload_bytes))
     view = memoryview(packet)
     for index in range(count):
-        yield index, count, bytes(view[index * payload_bytes:(index + 1) * payload_bytes])
+        yield index, count, bytes(view[index * payload_bytes : (index + 1) * payload_bytes])
 
 
 def encode_data(fragment: Fragment) -> bytes:
     f = fragment
-    return (_PREFIX.pack(MAGIC, VERSION, DATA)
-            + _DATA.pack(f.sender, f.session, f.group, f.seq, f.packet, f.index, f.count, f.length, f.digest)
-            + f.payload)
+    return (
+        _PREFIX.pack(MAGIC, VERSION, DATA)
+        + _DATA.pack(f.sender, f.session, f.group, f.seq, f.packet, f.index, f.count, f.length, f.digest)
+        + f.payload
+    )
 
 
 def encode_tail(tail: Tail) -> bytes:
@@ -104,9 +106,11 @@ def encode_tail(tail: Tail) -> bytes:
 
 def encode_ack(ack: Ack) -> bytes:
     gaps = ack.gaps[:MAX_NACKS]
-    return (_PREFIX.pack(MAGIC, VERSION, ACK)
-            + _ACK.pack(ack.receiver, ack.sender, ack.session, ack.group, ack.cumulative, len(gaps))
-            + b"".join(_SEQ.pack(seq) for seq in gaps))
+    return (
+        _PREFIX.pack(MAGIC, VERSION, ACK)
+        + _ACK.pack(ack.receiver, ack.sender, ack.session, ack.group, ack.cumulative, len(gaps))
+        + b"".join(_SEQ.pack(seq) for seq in gaps)
+    )
 
 
 def decode(datagram: bytes) -> Fragment | Tail | Ack:
@@ -120,13 +124,15 @@ def decode(datagram: bytes) -> Fragment | Tail | Ack:
     magic, version, kind = _PREFIX.unpack_from(datagram)
     if magic != MAGIC or version != VERSION:
         raise WireError(f"not a version {VERSION} dataquay datagram")
-    body = memoryview(datagram)[_PREFIX.size:]
+    body = memoryview(datagram)[_PREFIX.size :]
     try:
         if kind == DATA:
             sender, session, group, seq, packet, index, count, length, digest = _DATA.unpack_from(body)
             if not index < count:
                 raise WireError(f"fragment {index} of {count}")
-            return Fragment(sender, session, group, seq, packet, index, count, length, digest, bytes(body[_DATA.size:]))
+            return Fragment(
+                sender, session, group, seq, packet, index, count, length, digest, bytes(body[_DATA.size :])
+            )
         if kind == TAIL:
             return Tail(*_TAIL.unpack_from(body))
         if kind == ACK:

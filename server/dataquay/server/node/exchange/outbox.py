@@ -208,8 +208,12 @@ class Outbox:
         )
 
     def _pending_rows(
-        self, receiver: int, upto: int | None = None, read_upto: np.ndarray | None = None,
-        most_items: int | None = None, most_bytes: int | None = None,
+        self,
+        receiver: int,
+        upto: int | None = None,
+        read_upto: np.ndarray | None = None,
+        most_items: int | None = None,
+        most_bytes: int | None = None,
     ) -> np.ndarray:
         """The receiver's pending rows in sending order (up to row ``upto``;
         read ones only, given ``read_upto``): all of them, or once there are

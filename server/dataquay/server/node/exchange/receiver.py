@@ -150,13 +150,17 @@ class ExchangeReceiver:
             cached = self.store.cached_mask(db, given)
             held = given[cached]
         await self.store.grow_to_hold(stored_bytes(sizes[given[~cached]]))
-        yield pb.ExchangeReply(held=held.tolist(), message_bytes=self._message_bytes(),
-                               after_reads=self._short_of_share(offer.job, entry, placement))
+        yield pb.ExchangeReply(
+            held=held.tolist(),
+            message_bytes=self._message_bytes(),
+            after_reads=self._short_of_share(offer.job, entry, placement),
+        )
 
         # Unbounded: the reservations and the sender's window bound it.
         commits: asyncio.Queue[_Taken | None] = asyncio.Queue()
         reader = asyncio.create_task(
-            self._take_in(messages, entry, set(offered.tolist()), origin, offer.sender, commits))
+            self._take_in(messages, entry, set(offered.tolist()), origin, offer.sender, commits)
+        )
         self._readers.add(reader)
         reader.add_done_callback(self._readers.discard)
         if self._closing:
@@ -230,7 +234,11 @@ class ExchangeReceiver:
             raise
 
     def _admitted(
-        self, writes: list[PendingWrite], entry: Registered, origin: Origin | None, stream: dict[str, object],
+        self,
+        writes: list[PendingWrite],
+        entry: Registered,
+        origin: Origin | None,
+        stream: dict[str, object],
         logged: set[int],
     ) -> list[PendingWrite]:
         """Those of ``writes`` the admission rule lets in; the rest are counted,
@@ -256,9 +264,17 @@ class ExchangeReceiver:
             if code not in logged:
                 logged.add(code)
                 first = int(ids[reasons == code][0])
-                log.warning("refused values not admitted to this cache; they stay with their sender",
-                            extra={"fields": {**stream, "reason": label, "sample": first,
-                                              "manifest_length": int(entry.manifest.sample_length[first])}})
+                log.warning(
+                    "refused values not admitted to this cache; they stay with their sender",
+                    extra={
+                        "fields": {
+                            **stream,
+                            "reason": label,
+                            "sample": first,
+                            "manifest_length": int(entry.manifest.sample_length[first]),
+                        }
+                    },
+                )
 
     def _check_pieces(self, piece: pb.Sample, entry: Registered, stream: dict[str, object], logged: set[int]) -> None:
         """Refuses a value in pieces whose whole length is not the manifest's
@@ -302,9 +318,7 @@ class ExchangeReceiver:
     async def _accept(self, offer: pb.ExchangeOffer) -> tuple[Registered, np.ndarray, Placement]:
         entry = await self.datasets.entry(offer.dataset)
         if offer.manifest_id and offer.manifest_id != entry.record.manifest_id:
-            raise DatasetReplacedError(
-                f"exchange for another version of dataset {offer.dataset!r} than this node has"
-            )
+            raise DatasetReplacedError(f"exchange for another version of dataset {offer.dataset!r} than this node has")
         ids = np.fromiter(offer.ids, dtype=np.uint64, count=len(offer.ids))
         n = entry.manifest.num_samples
         if len(ids) and int(ids.max()) >= n:
@@ -358,8 +372,9 @@ class ExchangeReceiver:
                         if piece.id not in offered:
                             raise InvalidRequestError(f"sample {piece.id} was not in the exchange offer")
                         self._check_pieces(piece, entry, stream, logged)
-                        joined = joiner.add(piece.id, piece.offset, piece.length, piece.value,
-                                            int(lengths[piece.id]) + CHECKSUM_BYTES)
+                        joined = joiner.add(
+                            piece.id, piece.offset, piece.length, piece.value, int(lengths[piece.id]) + CHECKSUM_BYTES
+                        )
                         if joined is None:
                             continue
                         values = [(piece.id, joined)]

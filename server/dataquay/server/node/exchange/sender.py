@@ -246,8 +246,11 @@ class Exchanges:
     def failed_early(self) -> list[tuple[str, int, str]]:
         """(job, epoch, reason) of each job whose latest exchange failed before its run began."""
         latest = {run.job: run.epoch for run in self.progress()}
-        return [(job, epoch, reason) for job, (epoch, reason) in sorted(self.failures.items())
-                if epoch > latest.get(job, -1)]
+        return [
+            (job, epoch, reason)
+            for job, (epoch, reason) in sorted(self.failures.items())
+            if epoch > latest.get(job, -1)
+        ]
 
     def check_multicast(self) -> None:
         """Finds out once, at start, whether the interface carries multicast; where it does not,
@@ -257,8 +260,10 @@ class Exchanges:
         reason = no_multicast(self.multicast)
         if reason:
             self.multicast_note = f"{reason}: exchanged uncoded"
-            log.warning("coded exchanges run uncoded: no multicast on this fabric", extra={"fields": {
-                "multicast": f"{self.multicast.group}:{self.multicast.port}", "reason": reason}})
+            log.warning(
+                "coded exchanges run uncoded: no multicast on this fabric",
+                extra={"fields": {"multicast": f"{self.multicast.group}:{self.multicast.port}", "reason": reason}},
+            )
 
     async def pass_id(self, job_id: str, epoch: int) -> int:
         """The id of ``job_id``'s coded pass into ``epoch``, for a node of the job (``CodedPass``).
@@ -270,7 +275,8 @@ class Exchanges:
         job = await self.link.job(job_id)
         if not job.spec.nodes or job.spec.nodes[0] != self.node_name:
             raise ExchangeRefusedError(
-                f"node {self.node_name} does not lead job {job_id!r}'s coded passes: its first node does")
+                f"node {self.node_name} does not lead job {job_id!r}'s coded passes: its first node does"
+            )
         return self.pass_ids.issue(job_id, epoch)
 
     # ------------------------------------------------------------ one run
@@ -279,12 +285,16 @@ class Exchanges:
         try:
             await self._exchange(job_id, epoch)
         except DataquayError as exc:
-            log.warning("exchange failed; its samples will be read from their previous owners",
-                        extra={"fields": {"job": job_id, "epoch": epoch, "error": str(exc)}})
+            log.warning(
+                "exchange failed; its samples will be read from their previous owners",
+                extra={"fields": {"job": job_id, "epoch": epoch, "error": str(exc)}},
+            )
             self._failed(job_id, epoch, str(exc))
         except Exception as exc:  # a failure no part handled: reported, never a run that looks alive
-            log.exception("exchange failed; its samples will be read from their previous owners",
-                          extra={"fields": {"job": job_id, "epoch": epoch}})
+            log.exception(
+                "exchange failed; its samples will be read from their previous owners",
+                extra={"fields": {"job": job_id, "epoch": epoch}},
+            )
             self._failed(job_id, epoch, f"{type(exc).__name__}: {exc}")
 
     def _failed(self, job_id: str, epoch: int, reason: str) -> None:
@@ -302,8 +312,9 @@ class Exchanges:
             return
         entry = await self.datasets.entry(job.spec.dataset)
         if entry.record.manifest_id != job.manifest_id:
-            raise JobMismatchError(f"job {job_id!r} runs on another version of dataset {job.spec.dataset!r} "
-                                   "than this node holds")
+            raise JobMismatchError(
+                f"job {job_id!r} runs on another version of dataset {job.spec.dataset!r} than this node holds"
+            )
         before = await self.placements.placement(job_id, entry, epoch - 1)
         after = await self.placements.placement(job_id, entry, epoch)
         if after.node_index < 0:
@@ -314,8 +325,14 @@ class Exchanges:
         due = await self._due(job, entry, after, give)
         # Sorting a million give-aways takes a third of a second: off the event loop.
         outbox = await asyncio.get_running_loop().run_in_executor(
-            None, Outbox, give, after.owners[give], entry.manifest.sample_length[give],
-            None if readers is None else readers[give], None if read_at is None else read_at[give], due,
+            None,
+            Outbox,
+            give,
+            after.owners[give],
+            entry.manifest.sample_length[give],
+            None if readers is None else readers[give],
+            None if read_at is None else read_at[give],
+            due,
         )
         run = ExchangeRun(job_id, epoch, outbox, ranks, entry)
         self.runs[(job_id, epoch)] = run
@@ -324,20 +341,36 @@ class Exchanges:
         # metrics' job label stays bounded.
         for old in [k for k in self.runs if (k[0] == job_id and k[1] < epoch - 1) or k[0] not in self.link.jobs]:
             del self.runs[old]
-        log.info("exchange started", extra={"fields": {
-            "job": job_id, "epoch": epoch, "samples": len(give), "bytes": run.progress().total_bytes}})
+        log.info(
+            "exchange started",
+            extra={
+                "fields": {"job": job_id, "epoch": epoch, "samples": len(give), "bytes": run.progress().total_bytes}
+            },
+        )
         coding = job.spec.exchange_coding or "none"
         if coding != "none":
             run.coded = CodedProgress()
             await self._coded(run.coded, entry, coding, after)
-            log.info("coded exchange pass over", extra={"fields": {
-                "job": job_id, "epoch": epoch, "packets_sent": run.coded.packets_sent,
-                "bytes_sent": run.coded.bytes_sent, "decoded": run.coded.samples_decoded, "note": run.coded.note}})
+            log.info(
+                "coded exchange pass over",
+                extra={
+                    "fields": {
+                        "job": job_id,
+                        "epoch": epoch,
+                        "packets_sent": run.coded.packets_sent,
+                        "bytes_sent": run.coded.bytes_sent,
+                        "decoded": run.coded.samples_decoded,
+                        "note": run.coded.note,
+                    }
+                },
+            )
         limit = asyncio.Semaphore(PARALLEL_RECEIVERS)
         dropper = asyncio.get_running_loop().create_task(self._drop_as_read(entry, run))
         try:
-            streams = [asyncio.ensure_future(self.streams.ship_to(run, entry, after, receiver, limit))
-                       for receiver in run.outbox.receivers_left()]
+            streams = [
+                asyncio.ensure_future(self.streams.ship_to(run, entry, after, receiver, limit))
+                for receiver in run.outbox.receivers_left()
+            ]
             run.shipping = asyncio.gather(*streams)
             given_up = False
             try:
@@ -353,10 +386,20 @@ class Exchanges:
                 raise
             run.finished, run.ended = True, time.monotonic()
             done = run.progress()
-            log.info("exchange finished", extra={"fields": {
-                "job": job_id, "epoch": epoch, "delivered": done.delivered_samples, "sent_bytes": done.sent_bytes,
-                "unavailable": done.unavailable_samples, "refused": done.refused_samples,
-                "seconds": round(run.elapsed, 3)}})
+            log.info(
+                "exchange finished",
+                extra={
+                    "fields": {
+                        "job": job_id,
+                        "epoch": epoch,
+                        "delivered": done.delivered_samples,
+                        "sent_bytes": done.sent_bytes,
+                        "unavailable": done.unavailable_samples,
+                        "refused": done.refused_samples,
+                        "seconds": round(run.elapsed, 3),
+                    }
+                },
+            )
             await self._until_epoch(job_id, epoch)
             await self._until_read(run)
             if not self._keeps_spare_copies():
@@ -378,8 +421,11 @@ class Exchanges:
             return
         leader = after.nodes[0]
         try:
-            pass_id = (self.pass_ids.issue(job_id, after.epoch) if leader == self.node_name
-                       else await self._ask_pass_id(leader, job_id, after.epoch))
+            pass_id = (
+                self.pass_ids.issue(job_id, after.epoch)
+                if leader == self.node_name
+                else await self._ask_pass_id(leader, job_id, after.epoch)
+            )
         except TimeoutError:
             progress.note = f"the job's first node {leader} gave no pass id within {SNAPSHOT_SECONDS:.0f} s"
             return
@@ -389,10 +435,12 @@ class Exchanges:
         self.live_passes.add(pass_id)
         endpoint: MulticastEndpoint | None = None
         try:
-            transport = PassTransport(self.multicast, self.token, pass_id, self.live_passes, self._count_drop,
-                                      self.bandwidth)
-            endpoint = await coded_pass(transport, self.store, self.receiver, self.broker, entry, job_id, scheme,
-                                        after, progress)
+            transport = PassTransport(
+                self.multicast, self.token, pass_id, self.live_passes, self._count_drop, self.bandwidth
+            )
+            endpoint = await coded_pass(
+                transport, self.store, self.receiver, self.broker, entry, job_id, scheme, after, progress
+            )
         finally:
             if endpoint is None:
                 self.live_passes.discard(pass_id)
@@ -420,8 +468,7 @@ class Exchanges:
                 if address:
                     request = pb.CodedPassRequest(job=job_id, epoch=epoch)
                     try:
-                        reply = await self.peers.stub(leader, address).CodedPass(request,
-                                                                                 timeout=PASS_ID_CALL_SECONDS)
+                        reply = await self.peers.stub(leader, address).CodedPass(request, timeout=PASS_ID_CALL_SECONDS)
                         return int(reply.pass_id)
                     except grpc.aio.AioRpcError as exc:
                         if exc.code() not in UNREACHABLE:
@@ -499,8 +546,10 @@ class Exchanges:
             break
         if deleted:
             self.given_up_samples += deleted
-            log.info("deleted samples given away and not yet shipped: exchanges into this node waited for room",
-                     extra={"fields": {"samples": deleted, "bytes_wanted": nbytes}})
+            log.info(
+                "deleted samples given away and not yet shipped: exchanges into this node waited for room",
+                extra={"fields": {"samples": deleted, "bytes_wanted": nbytes}},
+            )
         return deleted
 
     async def _until_read(self, run: ExchangeRun) -> None:
@@ -533,8 +582,9 @@ class Exchanges:
             removed = await self.store.discard(entry.record.cache_db, drop)
             run.outbox.dropped(drop)
         self.dropped_samples += removed
-        log.debug("dropped samples given away", extra={"fields": {"job": run.job, "epoch": run.epoch,
-                                                                   "samples": removed}})
+        log.debug(
+            "dropped samples given away", extra={"fields": {"job": run.job, "epoch": run.epoch, "samples": removed}}
+        )
 
 
 def receivers_positions(plan: JobPlan, epoch: int, epoch_owners: np.ndarray, ids: np.ndarray) -> np.ndarray:

@@ -62,7 +62,10 @@ REACT_SECONDS = 0.05
 POLL_SECONDS = 0.25
 #: Receiver errors worth another try; any other means the receiver will not take them.
 RETRYABLE = UNREACHABLE | {
-    grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.UNKNOWN,
 }
 
 
@@ -136,9 +139,18 @@ class ExchangeStreams:
                 code, details = _status(exc)
                 if code not in RETRYABLE:
                     run.error = f"{node}: {code.name}: {details}"
-                    log.warning("receiver refused the exchange; its samples stay here",
-                                extra={"fields": {"job": run.job, "epoch": run.epoch, "peer": node,
-                                                  "code": code.name, "error": details}})
+                    log.warning(
+                        "receiver refused the exchange; its samples stay here",
+                        extra={
+                            "fields": {
+                                "job": run.job,
+                                "epoch": run.epoch,
+                                "peer": node,
+                                "code": code.name,
+                                "error": details,
+                            }
+                        },
+                    )
                     run.outbox.unsettled(run.outbox.pending(receiver), REFUSED)
                     return
                 run.error = f"{node}: {code.name}"
@@ -146,9 +158,18 @@ class ExchangeStreams:
                 run.error = f"{node}: {exc}"
             except asyncio.InvalidStateError:  # written to after the receiver ended the call
                 run.error = f"{node}: the stream ended"
-            log.info("exchange stream to a peer failed; retrying",
-                     extra={"fields": {"job": run.job, "epoch": run.epoch, "peer": node, "error": run.error,
-                                       "retry_in_s": delay}})
+            log.info(
+                "exchange stream to a peer failed; retrying",
+                extra={
+                    "fields": {
+                        "job": run.job,
+                        "epoch": run.epoch,
+                        "peer": node,
+                        "error": run.error,
+                        "retry_in_s": delay,
+                    }
+                },
+            )
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_SECONDS[1])
 
@@ -197,9 +218,16 @@ class ExchangeStreams:
 
         acks: asyncio.Task[None] | None = None
         try:
-            await call.offer(pb.ExchangeOffer(
-                job=run.job, dataset=entry.record.name, manifest_id=entry.record.manifest_id,
-                epoch=run.epoch, sender=self.node_name, ids=offered.tolist()))
+            await call.offer(
+                pb.ExchangeOffer(
+                    job=run.job,
+                    dataset=entry.record.name,
+                    manifest_id=entry.record.manifest_id,
+                    epoch=run.epoch,
+                    sender=self.node_name,
+                    ids=offered.tolist(),
+                )
+            )
             first = await call.read()
             if first is None:
                 raise DataquayError(f"node {node} ended the exchange stream without answering")
@@ -213,8 +241,13 @@ class ExchangeStreams:
                 if acks.done():
                     await acks
                     raise DataquayError(f"node {node} ended the exchange stream early")
-                ids = outbox.take(receiver, chunk_bytes, CHUNK_ITEMS, upto=offered_upto,
-                                  read_upto=run.read_upto(self.positions) if after_reads else None)
+                ids = outbox.take(
+                    receiver,
+                    chunk_bytes,
+                    CHUNK_ITEMS,
+                    upto=offered_upto,
+                    read_upto=run.read_upto(self.positions) if after_reads else None,
+                )
                 if not len(ids):
                     if not outbox.pending_upto(receiver, offered_upto):
                         break

@@ -69,7 +69,13 @@ class SegmentReads:
         try:
             await self.access.check_read(caller, request.dataset)
             windows = self.reads.read(
-                request.dataset, request.ids, request.manifest_id, request.job, False, None, forward,
+                request.dataset,
+                request.ids,
+                request.manifest_id,
+                request.job,
+                False,
+                None,
+                forward,
                 epoch=request.epoch if request.job else None,
             )
             async with aclosing(windows):
@@ -83,8 +89,9 @@ class SegmentReads:
                     lengths[at:stop] = np.array([len(s.data) for s in served], np.uint64)[window.index]
                     checksums[at:stop] = np.array([s.checksum for s in served], np.uint64)[window.index]
                     tiers[at:stop] = np.array([TIER_TO_PROTO[s.tier] for s in served], np.uint8)[window.index]
-                    checked[at:stop] = np.array([s.sample_id in forward.checked for s in served],
-                                                np.uint8)[window.index]
+                    checked[at:stop] = np.array([s.sample_id in forward.checked for s in served], np.uint8)[
+                        window.index
+                    ]
                     at = stop
                     del window, served  # not held while the next one is resolved
         except DataquayError as exc:
@@ -93,5 +100,6 @@ class SegmentReads:
         self.counters.forwarded(forward.forwarded, len(forward.checked))
         self.counters.segment_read()
         self._latency.labels("Read").observe(time.perf_counter() - started)
-        return reply_frame(BatchReply(OK, offsets=offsets, lengths=lengths, checksums=checksums, tiers=tiers,
-                                      checked=checked))
+        return reply_frame(
+            BatchReply(OK, offsets=offsets, lengths=lengths, checksums=checksums, tiers=tiers, checked=checked)
+        )

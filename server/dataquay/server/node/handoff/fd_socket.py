@@ -62,8 +62,13 @@ class SegmentSocket:
     ``spawn``; and hands out caller tickets of ``tickets``."""
 
     def __init__(
-        self, path: Path, segments: ShmSegments, token: str, reads: SegmentReads | None = None,
-        spawn: Spawn | None = None, tickets: Tickets | None = None,
+        self,
+        path: Path,
+        segments: ShmSegments,
+        token: str,
+        reads: SegmentReads | None = None,
+        spawn: Spawn | None = None,
+        tickets: Tickets | None = None,
     ) -> None:
         self.path = path
         self.segments = segments
@@ -185,19 +190,23 @@ class SegmentSocket:
             return
         assert self._loop is not None
         self._loop.add_reader(conn.fileno(), self._readable, conn, name, size, _caller(conn))
-        log.info("mapped a sealed shared memory segment",
-                 extra={"fields": {"pid": pid, "uid": uid, "mapped": self.segments.mapped}})
+        log.info(
+            "mapped a sealed shared memory segment",
+            extra={"fields": {"pid": pid, "uid": uid, "mapped": self.segments.mapped}},
+        )
 
     def _adopt(self, conn: socket.socket, data: bytes, fds: list[int], flags: int, pid: int) -> tuple[str, int]:
         if flags & socket.MSG_TRUNC:
             raise SegmentRefusedError(f"a message longer than {MESSAGE_BYTES} bytes")
         if flags & socket.MSG_CTRUNC or len(fds) != 1:
-            raise SegmentRefusedError(f"a message must carry exactly one descriptor, not {len(fds) or 'none'}"
-                                      + (" or more" if flags & socket.MSG_CTRUNC else ""))
+            raise SegmentRefusedError(
+                f"a message must carry exactly one descriptor, not {len(fds) or 'none'}"
+                + (" or more" if flags & socket.MSG_CTRUNC else "")
+            )
         try:
             size, token = parse_request(data)
         except ValueError:
-            raise SegmentRefusedError("a malformed message; expected {\"size\": N, \"token\": T}") from None
+            raise SegmentRefusedError('a malformed message; expected {"size": N, "token": T}') from None
         self._check_token(token)
         return self.segments.adopt(fds[0], size, pid, lambda: self._release(conn)), size
 
@@ -254,8 +263,10 @@ class SegmentSocket:
             self._spawn(self._answer(conn, name, size, data, caller), "segment-read")
             return
         if data:
-            log.warning("a client sent something else than a batch read on a segment's connection; unmapping it",
-                        extra={"fields": {"pid": _peer(conn)[0]}})
+            log.warning(
+                "a client sent something else than a batch read on a segment's connection; unmapping it",
+                extra={"fields": {"pid": _peer(conn)[0]}},
+            )
         self.segments.drop(name)
 
     async def _answer(self, conn: socket.socket, name: str, size: int, request: bytes, caller: Caller) -> None:
@@ -263,8 +274,10 @@ class SegmentSocket:
         try:
             reply = await self._reads.answer(name, size, request, caller)
         except ValueError as exc:
-            log.warning("a malformed batch read on a segment's connection; unmapping it",
-                        extra={"fields": {"pid": _peer(conn)[0], "error": str(exc)}})
+            log.warning(
+                "a malformed batch read on a segment's connection; unmapping it",
+                extra={"fields": {"pid": _peer(conn)[0], "error": str(exc)}},
+            )
             self.segments.drop(name)
             return
         except BaseException:
@@ -286,7 +299,11 @@ class SegmentSocket:
         conn.close()
 
     def _refuse(
-        self, conn: socket.socket, who: tuple[int, int], why: str, busy: bool = False,
+        self,
+        conn: socket.socket,
+        who: tuple[int, int],
+        why: str,
+        busy: bool = False,
         what: str = "a shared memory segment",
     ) -> None:
         """Tells the client why it is refused ``what`` (if it still listens;
@@ -300,8 +317,10 @@ class SegmentSocket:
         now = time.monotonic()
         if now - self._logged_at >= REFUSAL_LOG_SECONDS:
             self._logged_at = now
-            log.warning(f"refused {what}",
-                        extra={"fields": {"pid": who[0], "uid": who[1], "reason": why, "refused_so_far": self.refused}})
+            log.warning(
+                f"refused {what}",
+                extra={"fields": {"pid": who[0], "uid": who[1], "reason": why, "refused_so_far": self.refused}},
+            )
 
 
 def _caller(conn: socket.socket) -> Caller:

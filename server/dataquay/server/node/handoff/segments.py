@@ -238,15 +238,19 @@ class ShmSegments:
         try:
             held = os.fstat(fd).st_size
             if held < end:
-                log.warning("shared memory segment shrank; answering inline",
-                            extra={"fields": {"segment": name, "bytes": held, "needed": end}})
+                log.warning(
+                    "shared memory segment shrank; answering inline",
+                    extra={"fields": {"segment": name, "bytes": held, "needed": end}},
+                )
                 return inline, start
             for payload, offset in zip(payloads, offsets):
                 if offset is not None and os.pwrite(fd, payload, offset) != len(payload):
                     raise OSError(f"short write at offset {offset}")
         except OSError as exc:
-            log.warning("cannot write to a shared memory segment; answering inline",
-                        extra={"fields": {"segment": name, "error": str(exc)}})
+            log.warning(
+                "cannot write to a shared memory segment; answering inline",
+                extra={"fields": {"segment": name, "error": str(exc)}},
+            )
             return inline, start
         return offsets, aligned(end)
 
@@ -276,7 +280,7 @@ class ShmSegments:
         if held is not None:
             if held.uid != os.getuid() or offset + length > held.size:
                 return None
-            return held.map[offset:offset + length]
+            return held.map[offset : offset + length]
         fd = self.get(name, size) if not name.startswith(PREFIX) else None
         if fd is None:
             return None

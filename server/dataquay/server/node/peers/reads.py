@@ -110,8 +110,16 @@ class Peers:
         return [self._health[node] for node in sorted(self._health)]
 
     async def fetch(
-        self, node: str, address: str, dataset: str, manifest_id: str, ids: np.ndarray, lengths: np.ndarray,
-        registered: float = 0.0, bulk_address: str = "", landing: Landing | None = None,
+        self,
+        node: str,
+        address: str,
+        dataset: str,
+        manifest_id: str,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        registered: float = 0.0,
+        bulk_address: str = "",
+        landing: Landing | None = None,
     ) -> dict[int, tuple[bytes | memoryview, int]]:
         """The samples of ``ids`` that ``node`` holds: id -> (payload, checksum).
 
@@ -140,16 +148,18 @@ class Peers:
                 assert bulk is not None  # the bulk path is on
                 fresh = ""
                 try:
-                    return await self._read(bulk, health, bulk_address, dataset, manifest_id, ids, lengths,
-                                            deadline, landing)
+                    return await self._read(
+                        bulk, health, bulk_address, dataset, manifest_id, ids, lengths, deadline, landing
+                    )
                 except BulkError as exc:
                     fresh = await self.rediscovered(node, address, bulk_address)
                     if not fresh:
                         self.bulk_failed(bulk_address, node, exc)
                 if fresh:
                     try:
-                        return await self._read(bulk, health, fresh, dataset, manifest_id, ids, lengths,
-                                                deadline, landing)
+                        return await self._read(
+                            bulk, health, fresh, dataset, manifest_id, ids, lengths, deadline, landing
+                        )
                     except BulkError as exc:
                         self.bulk_failed(fresh, node, exc)
             return await self._read(self._grpc, health, address, dataset, manifest_id, ids, lengths, deadline, None)
@@ -157,15 +167,22 @@ class Peers:
             budget.give(nbytes)
 
     async def _read(
-        self, transport: PeerTransport, health: PeerHealth, address: str, dataset: str, manifest_id: str,
-        ids: np.ndarray, lengths: np.ndarray, deadline: float, landing: Landing | None,
+        self,
+        transport: PeerTransport,
+        health: PeerHealth,
+        address: str,
+        dataset: str,
+        manifest_id: str,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        deadline: float,
+        landing: Landing | None,
     ) -> dict[int, tuple[bytes | memoryview, int]]:
         """The samples by ``transport``, its failure counted against the peer;
         a BulkError (bulk only) is left for the caller to fall back on gRPC."""
         started = time.monotonic()
         try:
-            read = await transport.read(
-                health.node, address, dataset, manifest_id, ids, lengths, deadline, landing)
+            read = await transport.read(health.node, address, dataset, manifest_id, ids, lengths, deadline, landing)
         except PeerReadFailed as exc:
             health.bad_checksums += exc.bad_checksums
             self._failed(health, address, exc.code, exc.message, started)
@@ -189,8 +206,10 @@ class Peers:
         if not refused.any():
             return samples
         self.refused_lengths += int(refused.sum())
-        log.warning("a peer sent samples in another length than the manifest's; reading them elsewhere",
-                    extra={"fields": {"peer": node, "samples": int(refused.sum())}})
+        log.warning(
+            "a peer sent samples in another length than the manifest's; reading them elsewhere",
+            extra={"fields": {"peer": node, "samples": int(refused.sum())}},
+        )
         return {i: samples[i] for i in ids[~refused].tolist()}
 
     @staticmethod
@@ -229,9 +248,10 @@ class Peers:
         """Leaves the bulk listener at ``address`` for gRPC for BULK_RETRY_SECONDS."""
         self.bulk_fallbacks += 1
         self._bulk_off_until[address] = time.monotonic() + BULK_RETRY_SECONDS
-        log.warning("bulk connection to a peer failed; using gRPC with it for a while",
-                    extra={"fields": {"peer": node, "address": address, "error": str(error),
-                                      "retry_in_s": BULK_RETRY_SECONDS}})
+        log.warning(
+            "bulk connection to a peer failed; using gRPC with it for a while",
+            extra={"fields": {"peer": node, "address": address, "error": str(error), "retry_in_s": BULK_RETRY_SECONDS}},
+        )
 
     def _failed(self, health: PeerHealth, address: str, code: str, error: str, started: float) -> None:
         health.failures += 1
@@ -244,8 +264,9 @@ class Peers:
         health.suspect_until = time.monotonic() + backoff
         log.warning(
             "peer read failed; its samples come from the PFS for a while",
-            extra={"fields": {"peer": health.node, "address": address, "code": code, "error": error,
-                              "retry_in_s": backoff}},
+            extra={
+                "fields": {"peer": health.node, "address": address, "code": code, "error": error, "retry_in_s": backoff}
+            },
         )
 
     def stub(self, node: str, address: str) -> cache_pb2_grpc.CacheStub:

@@ -63,8 +63,15 @@ class PeerTransport(Protocol):
     name: str
 
     async def read(
-        self, node: str, address: str, dataset: str, manifest_id: str, ids: np.ndarray, lengths: np.ndarray,
-        deadline: float, landing: Landing | None,
+        self,
+        node: str,
+        address: str,
+        dataset: str,
+        manifest_id: str,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        deadline: float,
+        landing: Landing | None,
     ) -> PeerRead:
         """The samples of ``ids`` that the peer ``node`` at ``address`` holds,
         checked against their checksums, within ``deadline`` seconds.
@@ -85,8 +92,15 @@ class BulkPeerTransport:
         self.bulk = bulk
 
     async def read(
-        self, node: str, address: str, dataset: str, manifest_id: str, ids: np.ndarray, lengths: np.ndarray,
-        deadline: float, landing: Landing | None,
+        self,
+        node: str,
+        address: str,
+        dataset: str,
+        manifest_id: str,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        deadline: float,
+        landing: Landing | None,
     ) -> PeerRead:
         try:
             read = await self.bulk.read(address, dataset, manifest_id, ids, lengths, deadline, landing)
@@ -107,8 +121,15 @@ class GrpcPeerTransport:
         self._stub = stub
 
     async def read(
-        self, node: str, address: str, dataset: str, manifest_id: str, ids: np.ndarray, lengths: np.ndarray,
-        deadline: float, landing: Landing | None,
+        self,
+        node: str,
+        address: str,
+        dataset: str,
+        manifest_id: str,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        deadline: float,
+        landing: Landing | None,
     ) -> PeerRead:
         request = pb.ReadRequest(dataset=dataset, ids=ids.tolist(), manifest_id=manifest_id, peer=True)
         out = PeerRead()

@@ -131,11 +131,7 @@ class PrepGroup:
                 or (budget_full and member.consumed == slowest < fastest)
                 or any(now - dealt > timeout for dealt in member.claims.values())
             )
-            if (
-                not alive(member.pid)
-                or now - member.seen > timeout
-                or (holding_up and now - member.progress > timeout)
-            ):
+            if not alive(member.pid) or now - member.seen > timeout or (holding_up and now - member.progress > timeout):
                 self._drop(name)
         self._advance(now)
 

@@ -165,11 +165,15 @@ def check(request: pb.PrepSyncRequest, daemon_pid: int) -> None:
         (spec.batch_size < 1, "batch_size must be at least 1"),
         (not 1 <= spec.num_batches <= 1 << 31, f"num_batches must be 1 to 2**31, not {spec.num_batches}"),
         (spec.memory_bytes < 1, "memory_bytes must be at least 1"),
-        (not (math.isfinite(spec.timeout_seconds) and 0 < spec.timeout_seconds <= 86400),
-         f"timeout_seconds must be above 0 and at most a day, not {spec.timeout_seconds}"),
+        (
+            not (math.isfinite(spec.timeout_seconds) and 0 < spec.timeout_seconds <= 86400),
+            f"timeout_seconds must be above 0 and at most a day, not {spec.timeout_seconds}",
+        ),
         (request.claim > MAX_CLAIMS, f"claim must be at most {MAX_CLAIMS}, not {request.claim}"),
-        (any(prepped.daemon_pid(b.segment) != daemon_pid for b in request.prepped),
-         f"prepped batches' segments are named {prepped.PREFIX}{daemon_pid}-<pid>-<token>"),
+        (
+            any(prepped.daemon_pid(b.segment) != daemon_pid for b in request.prepped),
+            f"prepped batches' segments are named {prepped.PREFIX}{daemon_pid}-<pid>-<token>",
+        ),
     ]
     for failed, message in problems:
         if failed:
@@ -191,8 +195,7 @@ def check_owned(request: pb.PrepSyncRequest, owner: int) -> None:
             continue  # gone already: the group's readers find it missing, as for any segment lost
         if found != owner:
             raise InvalidRequestError(
-                f"a prepped batch must be in a segment of the member's own user (uid {owner}); "
-                f"{batch.segment!r} is not"
+                f"a prepped batch must be in a segment of the member's own user (uid {owner}); {batch.segment!r} is not"
             )
 
 

@@ -123,9 +123,7 @@ class CacheBehind:
             not_cached: list[int] = []
             name = db.encode()
             if len(read_back):
-                values, not_cached, refused = await self.pfs.read_cached(
-                    entry.record.name, entry.manifest, read_back
-                )
+                values, not_cached, refused = await self.pfs.read_cached(entry.record.name, entry.manifest, read_back)
                 writes, payload_bytes = await loop.run_in_executor(self.pfs.behind, _writes, name, values, repair)
                 self.counts.refused_samples += len(refused)
                 self.counts.page_cache_samples += len(values)

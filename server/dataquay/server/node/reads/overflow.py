@@ -91,10 +91,10 @@ _BEHIND = 1 / 8
 class EpochReads(NamedTuple):
     """An epoch as one node's ranks read it; a slot is position * g + rank."""
 
-    ids: np.ndarray    #: every id the ranks read, ascending (int64)
+    ids: np.ndarray  #: every id the ranks read, ascending (int64)
     slots: np.ndarray  #: the slot each of ``ids`` is first read at
     ahead: np.ndarray  #: which of ``ids`` to prefetch (indexes into it), in slot order
-    positions: int     #: ids each rank reads
+    positions: int  #: ids each rank reads
     arrived: np.ndarray  #: per entry of ``ids``, whether it moved in at the epoch before
 
 
@@ -138,13 +138,13 @@ _SCANNED = _Chunk(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), 0)
 class OverflowCounts:
     """What the overflow's prefetches did since the daemon started (payload bytes)."""
 
-    read_samples: int = 0     #: read from the PFS ahead of the ranks
+    read_samples: int = 0  #: read from the PFS ahead of the ranks
     read_bytes: int = 0
-    served_samples: int = 0   #: handed to a rank's read
+    served_samples: int = 0  #: handed to a rank's read
     served_bytes: int = 0
-    wasted_samples: int = 0   #: prefetched and dropped unread
+    wasted_samples: int = 0  #: prefetched and dropped unread
     wasted_bytes: int = 0
-    failed_samples: int = 0   #: refused by the PFS (changed, unreadable): left to the reads on demand
+    failed_samples: int = 0  #: refused by the PFS (changed, unreadable): left to the reads on demand
 
 
 @dataclass
@@ -153,10 +153,10 @@ class _Epoch:
 
     epoch: int
     reads: EpochReads
-    ranks: int            # g
-    reached: np.ndarray   # per rank, the furthest position asked for
-    asked: np.ndarray     # per entry of reads.ids, whether a rank asked for it
-    cursor: int = 0       # next entry of reads.ahead to consider
+    ranks: int  # g
+    reached: np.ndarray  # per rank, the furthest position asked for
+    asked: np.ndarray  # per entry of reads.ids, whether a rank asked for it
+    cursor: int = 0  # next entry of reads.ahead to consider
     deferring: bool = False  # leaving out what arrived at the epoch before (the ranks are not on this one yet)
     held: dict[int, tuple[bytes, int]] = field(default_factory=dict)  # id -> (cache value, index in reads.ids)
     reading: dict[int, asyncio.Future[None]] = field(default_factory=dict)  # id -> its read in flight
@@ -185,12 +185,12 @@ class _Job:
 
     entry: Registered
     job_id: str
-    owners_move: bool               # what it caches leaves the exchange's reserve free
+    owners_move: bool  # what it caches leaves the exchange's reserve free
     epochs: dict[int, _Epoch] = field(default_factory=dict)
-    latest: int = 0                 # the latest epoch its ranks read
-    walking: int = 0                # the epoch prefetched now
+    latest: int = 0  # the latest epoch its ranks read
+    walking: int = 0  # the epoch prefetched now
     last_read: float = field(default_factory=time.monotonic)
-    failed_epoch: int = -1          # an epoch that could not be planned: not tried again
+    failed_epoch: int = -1  # an epoch that could not be planned: not tried again
     task: asyncio.Task[None] | None = None
     unplanned: dict[int, list[np.ndarray]] = field(default_factory=dict)  # ids read before their epoch was planned
 
@@ -206,9 +206,7 @@ class OverflowPrefetcher:
         budget: the node's prefetch memory, shared with the transfers.
     """
 
-    def __init__(
-        self, store: Store, pfs: PfsPool, placement_of: PlacementOf, spawn: Spawn, budget: ByteBudget
-    ) -> None:
+    def __init__(self, store: Store, pfs: PfsPool, placement_of: PlacementOf, spawn: Spawn, budget: ByteBudget) -> None:
         self.store = store
         self.pfs = pfs
         self.placement_of = placement_of
@@ -265,8 +263,9 @@ class OverflowPrefetcher:
         self.counts.served_samples += 1
         self.counts.served_bytes += len(payload)
         if not self.store.full:
-            self.store.offer(PendingWrite(job.entry.record.cache_db.encode(), sample_id, value,
-                                          leaves_room=job.owners_move))
+            self.store.offer(
+                PendingWrite(job.entry.record.cache_db.encode(), sample_id, value, leaves_room=job.owners_move)
+            )
 
     def _note(self, entry: Registered, placement: Placement, ids: np.ndarray) -> _Job | None:
         """Records what the ranks asked for; starts (or restarts) the job's loop."""
@@ -365,7 +364,14 @@ class OverflowPrefetcher:
                 two_before = (await self.placement_of(job.job_id, entry, epoch - 2)).owners
             plan = job_plan(placement.job, entry.manifest)
             reads = await asyncio.get_running_loop().run_in_executor(
-                None, _plan_reads, plan, epoch, placement.node_index, placement.owners, placement.sources, before,
+                None,
+                _plan_reads,
+                plan,
+                epoch,
+                placement.node_index,
+                placement.owners,
+                placement.sources,
+                before,
                 two_before,
             )
         except (DataquayError, ValueError) as exc:
@@ -429,9 +435,10 @@ class OverflowPrefetcher:
                 done.set_result(None)
             if failures:
                 self.counts.failed_samples += len(ids) - len(values)
-                log.warning("a prefetch failed; those samples are read on demand",
-                            extra={"fields": {"job": job.job_id, "samples": len(ids) - len(values),
-                                              "first": failures[0]}})
+                log.warning(
+                    "a prefetch failed; those samples are read on demand",
+                    extra={"fields": {"job": job.job_id, "samples": len(ids) - len(values), "first": failures[0]}},
+                )
             current = self._jobs.get(job.job_id) is job and job.epochs.get(state.epoch) is state
             index_of = dict(zip(ids.tolist(), chunk.entries.tolist()))
             for sample_id, value in values.items():

@@ -133,7 +133,9 @@ class PfsPool:
                 loop.run_in_executor(self._executor, self._read_ranges, reader, g, progress)
                 for g in self._groups(ranges)
             ],
-            progress, dataset, int(ids[0]) if len(ids) else None,
+            progress,
+            dataset,
+            int(ids[0]) if len(ids) else None,
         )
         merged: dict[int, bytes] = {}
         for part in results:
@@ -159,7 +161,9 @@ class PfsPool:
                 loop.run_in_executor(self._executor, self._read_ranges_skipping, reader, manifest, g, progress)
                 for g in self._groups(ranges)
             ],
-            progress, dataset, int(ids[0]) if len(ids) else None,
+            progress,
+            dataset,
+            int(ids[0]) if len(ids) else None,
         )
         merged: dict[int, bytes] = {}
         failures: list[str] = []
@@ -186,7 +190,9 @@ class PfsPool:
         progress = _Progress()
         (result,) = await self._bounded(
             [loop.run_in_executor(self.behind, self._read_cached_ranges, reader, ranges, progress)],
-            progress, dataset, int(ids[0]) if len(ids) else None,
+            progress,
+            dataset,
+            int(ids[0]) if len(ids) else None,
         )
         return result
 

@@ -52,8 +52,8 @@ class _Epoch:
 
     placement: Placement
     incoming: list[np.ndarray]  # per step: ids this node's ranks read that other nodes own
-    step_of: np.ndarray         # per sample id: the step this node's ranks read it at, -1 if none
-    next_step: int = 1          # first step not requested yet
+    step_of: np.ndarray  # per sample id: the step this node's ranks read it at, -1 if none
+    next_step: int = 1  # first step not requested yet
     held: Fetched = field(default_factory=dict)
     fetching: dict[int, asyncio.Future[None]] = field(default_factory=dict)  # per id, its fetch under way
 

@@ -51,8 +51,15 @@ def reply_chunks(
         if s.tier == MISSING:
             chunk.samples.add(id=s.sample_id, missing=True)
         elif offset is not None:
-            chunk.samples.add(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], checksum=s.checksum, in_shm=True,
-                              shm_offset=offset, length=len(s.data), checked_in_place=s.sample_id in checked)
+            chunk.samples.add(
+                id=s.sample_id,
+                tier=TIER_TO_PROTO[s.tier],
+                checksum=s.checksum,
+                in_shm=True,
+                shm_offset=offset,
+                length=len(s.data),
+                checked_in_place=s.sample_id in checked,
+            )
         else:
             chunk.samples.add(id=s.sample_id, tier=TIER_TO_PROTO[s.tier], data=data, checksum=s.checksum)
         size += n
@@ -64,5 +71,6 @@ def _pieces(s: Served) -> Iterator[pb.ReadChunk]:
     """One message per piece of a payload larger than a chunk."""
     tier, length = TIER_TO_PROTO[s.tier], len(s.data)
     for offset, part in pieces(s.data):
-        yield pb.ReadChunk(piece=pb.Sample(
-            id=s.sample_id, tier=tier, checksum=s.checksum, data=part, offset=offset, length=length))
+        yield pb.ReadChunk(
+            piece=pb.Sample(id=s.sample_id, tier=tier, checksum=s.checksum, data=part, offset=offset, length=length)
+        )

@@ -184,9 +184,7 @@ class ReadService:
 
     def _check_batch(self, ids: np.ndarray) -> None:
         if len(ids) > self.max_batch:
-            raise BatchTooLargeError(
-                f"batch of {len(ids)} ids exceeds the limit of {self.max_batch} (--max-batch)"
-            )
+            raise BatchTooLargeError(f"batch of {len(ids)} ids exceeds the limit of {self.max_batch} (--max-batch)")
 
     @staticmethod
     def _checked(entry: Registered, dataset: str, ids: np.ndarray, manifest_id: str) -> Registered:
@@ -231,8 +229,7 @@ class ReadService:
         placement = await self._placement(job, entry, epoch) if job and not peer else None
         if placement is not None and self.prefetcher is not None and _prefetched(placement):
             self.prefetcher.ahead(entry, placement, ids)
-        plans = [np.unique(ids[start:stop], return_inverse=True)
-                 for start, stop in window_bounds(sizes, WINDOW_BYTES)]
+        plans = [np.unique(ids[start:stop], return_inverse=True) for start, stop in window_bounds(sizes, WINDOW_BYTES)]
         held = [int(lengths[distinct].sum()) for distinct, _ in plans]
 
         def resolve(k: int) -> Awaitable[Window]:
@@ -243,7 +240,12 @@ class ReadService:
             yield window
 
     async def _window(
-        self, entry: Registered, ids: np.ndarray, index: np.ndarray, placement: Placement | None, peer: bool,
+        self,
+        entry: Registered,
+        ids: np.ndarray,
+        index: np.ndarray,
+        placement: Placement | None,
+        peer: bool,
         landing: Landing | None = None,
     ) -> Window:
         """The samples of the distinct ``ids`` of one window."""
@@ -271,15 +273,27 @@ class ReadService:
             misses = _not_in(misses, fetched)
         if len(misses):
             values = await self.pfs.read(entry.record.name, entry.manifest, misses)
-            keep = misses if placement is None else misses[
-                (placement.owners[misses] == placement.node_index) | (placement.holders[misses] == placement.node_index)
-            ]
+            keep = (
+                misses
+                if placement is None
+                else misses[
+                    (placement.owners[misses] == placement.node_index)
+                    | (placement.holders[misses] == placement.node_index)
+                ]
+            )
             keep_set, repair, name = set(keep.tolist()), set(corrupt), db.encode()
             for sample_id, value in values.items():
                 fetched[sample_id] = (PFS, memoryview(value)[CHECKSUM_BYTES:], stored_checksum(value))
                 if sample_id in keep_set:
-                    self.store.offer(PendingWrite(name, sample_id, value, sample_id in repair,
-                                                  leaves_room=placement is not None and placement.owners_move))
+                    self.store.offer(
+                        PendingWrite(
+                            name,
+                            sample_id,
+                            value,
+                            sample_id in repair,
+                            leaves_room=placement is not None and placement.owners_move,
+                        )
+                    )
         return Window(self._served(ids, index, cached, fetched), index)
 
     def prefetch(self, job: jpb.Job, transfers: bool = True) -> None:
@@ -303,9 +317,7 @@ class ReadService:
             if transfers and self.prefetcher is not None and _prefetched(placement):
                 self.prefetcher.begin(entry, placement)
 
-    def _answer_peer(
-        self, ids: np.ndarray, index: np.ndarray, cached: list[tuple[bytes, int] | None]
-    ) -> list[Served]:
+    def _answer_peer(self, ids: np.ndarray, index: np.ndarray, cached: list[tuple[bytes, int] | None]) -> list[Served]:
         out = [
             Served(sample_id, MISSING, b"", 0) if hit is None else Served(sample_id, CACHE, *hit)
             for sample_id, hit in zip(ids.tolist(), cached)
@@ -339,8 +351,10 @@ class ReadService:
                 return current
             return await self.placements.placement(job, entry, epoch)
         except DirectoryUnavailableError:
-            log.warning("job unknown here and the directory is down; reading misses from the PFS",
-                        extra={"fields": {"job": job}})
+            log.warning(
+                "job unknown here and the directory is down; reading misses from the PFS",
+                extra={"fields": {"job": job}},
+            )
             return None
 
     async def _fetch_transfers(
@@ -377,7 +391,11 @@ class ReadService:
         return fetched
 
     async def _from_owners(
-        self, entry: Registered, placement: Placement, epoch_owners: np.ndarray, misses: np.ndarray,
+        self,
+        entry: Registered,
+        placement: Placement,
+        epoch_owners: np.ndarray,
+        misses: np.ndarray,
         landing: Landing | None = None,
     ) -> dict[int, tuple[str, bytes | memoryview, int]]:
         """What the owners of ``misses`` (in ``epoch_owners``) hold, fetched from all of them at once."""
@@ -391,9 +409,17 @@ class ReadService:
             address = await self.placements.link.address_of(node)
             ids = misses[owner_of == index]
             calls.append(
-                self.peers.fetch(node, address, entry.record.name, entry.record.manifest_id, ids,
-                                 entry.manifest.sample_length, self.placements.link.registered_at(node),
-                                 self.placements.link.bulk_address_of(node), landing)
+                self.peers.fetch(
+                    node,
+                    address,
+                    entry.record.name,
+                    entry.record.manifest_id,
+                    ids,
+                    entry.manifest.sample_length,
+                    self.placements.link.registered_at(node),
+                    self.placements.link.bulk_address_of(node),
+                    landing,
+                )
             )
         out: dict[int, tuple[str, bytes | memoryview, int]] = {}
         for got in await asyncio.gather(*calls):
@@ -493,4 +519,3 @@ def window_bounds(lengths: np.ndarray, limit: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
-

@@ -117,8 +117,12 @@ class UserAccess:
     """The rules above for one daemon; ``apart`` False trusts every caller."""
 
     def __init__(
-        self, apart: bool, datasets: Datasets, shared: tuple[str, ...] = (),
-        count_refusal: Callable[[str], None] = lambda rule: None, node_token: str = "",
+        self,
+        apart: bool,
+        datasets: Datasets,
+        shared: tuple[str, ...] = (),
+        count_refusal: Callable[[str], None] = lambda rule: None,
+        node_token: str = "",
     ) -> None:
         self.apart = apart
         self._node_bearer = f"Bearer {node_token}".encode() if node_token else b""
@@ -239,8 +243,7 @@ class UserAccess:
             return
         self.count_refusal("segment")
         raise UserNotAllowedError(
-            "the daemon writes a read's payloads only into a segment of the caller's own user "
-            "(--users apart)"
+            "the daemon writes a read's payloads only into a segment of the caller's own user (--users apart)"
         )
 
     def check_operator(self, caller: Caller, done: str) -> None:
@@ -320,6 +323,7 @@ class CallerCheck(grpc.aio.ServerInterceptor):
             async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 await _known(access, context)
                 return await behavior(request, context)
+
             return call
 
         def streaming(behavior: Behavior) -> Behavior:
@@ -331,6 +335,7 @@ class CallerCheck(grpc.aio.ServerInterceptor):
                         yield item
                 else:
                     await result
+
             return call
 
         return reshaped(handler, unary, streaming)

@@ -121,8 +121,14 @@ class BulkClient:
         self.threads = ThreadPoolExecutor(THREADS, thread_name_prefix="bulk")
 
     async def read(
-        self, address: str, dataset: str, manifest_id: str, ids: np.ndarray, lengths: np.ndarray,
-        deadline: float, landing: Landing | None = None,
+        self,
+        address: str,
+        dataset: str,
+        manifest_id: str,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        deadline: float,
+        landing: Landing | None = None,
     ) -> BulkRead:
         """The samples of ``ids`` that the peer at ``address`` holds.
 
@@ -151,7 +157,14 @@ class BulkClient:
             loop.call_soon_threadsafe(drain)
 
         return await loop.run_in_executor(
-            self.threads, self._read, address, request, ids, lengths, time.monotonic() + deadline, landing,
+            self.threads,
+            self._read,
+            address,
+            request,
+            ids,
+            lengths,
+            time.monotonic() + deadline,
+            landing,
             hand_over if landing is not None else None,
         )
 
@@ -164,8 +177,14 @@ class BulkClient:
         self.threads.shutdown(wait=False, cancel_futures=True)
 
     def _read(
-        self, address: str, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
-        landing: Landing | None, arrived: Callable[[int, memoryview, int], None] | None,
+        self,
+        address: str,
+        request: bytes,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        end: float,
+        landing: Landing | None,
+        arrived: Callable[[int, memoryview, int], None] | None,
     ) -> BulkRead:
         sock, reused = self._take(address, end)
         try:
@@ -178,8 +197,15 @@ class BulkClient:
             return self._read_on(address, sock, request, ids, lengths, end, landing, arrived)
 
     def _read_on(
-        self, address: str, sock: socket.socket, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
-        landing: Landing | None, arrived: Callable[[int, memoryview, int], None] | None,
+        self,
+        address: str,
+        sock: socket.socket,
+        request: bytes,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        end: float,
+        landing: Landing | None,
+        arrived: Callable[[int, memoryview, int], None] | None,
     ) -> BulkRead:
         """One read on ``sock``, which goes back to the pool after it, or is closed if it failed."""
         try:
@@ -194,8 +220,14 @@ class BulkClient:
         return out
 
     def _exchange(
-        self, sock: socket.socket, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float,
-        landing: Landing | None, arrived: Callable[[int, memoryview, int], None] | None,
+        self,
+        sock: socket.socket,
+        request: bytes,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        end: float,
+        landing: Landing | None,
+        arrived: Callable[[int, memoryview, int], None] | None,
     ) -> BulkRead:
         wanted = np.unique(ids)
         expected = dict(zip(wanted.tolist(), lengths[wanted].tolist()))
@@ -230,8 +262,9 @@ class BulkClient:
             if status == MISSING:
                 continue
             if status != OK or length != size:
-                raise BulkError(f"bad frame for sample {sample_id}: status {status}, {length} bytes "
-                                f"where the manifest says {size}")
+                raise BulkError(
+                    f"bad frame for sample {sample_id}: status {status}, {length} bytes where the manifest says {size}"
+                )
             target = landing.place(sample_id, length) if landing is not None else None
             payload = target if target is not None else memoryview(bytearray(length))
             frames.recv(payload, head)

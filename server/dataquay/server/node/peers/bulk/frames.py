@@ -105,10 +105,16 @@ def server_proof(token: str, server_nonce: bytes, client_nonce: bytes) -> bytes:
 def read_request(dataset: str, manifest_id: str, ids: np.ndarray) -> bytes:
     """A READ request, header included."""
     name, manifest = dataset.encode(), manifest_id.encode()
-    body = b"".join([
-        struct.pack("<H", len(name)), name, struct.pack("<H", len(manifest)), manifest,
-        struct.pack("<I", len(ids)), np.ascontiguousarray(ids, dtype="<u8").tobytes(),
-    ])
+    body = b"".join(
+        [
+            struct.pack("<H", len(name)),
+            name,
+            struct.pack("<H", len(manifest)),
+            manifest,
+            struct.pack("<I", len(ids)),
+            np.ascontiguousarray(ids, dtype="<u8").tobytes(),
+        ]
+    )
     return REQUEST.pack(REQUEST_MAGIC, READ, len(body)) + body
 
 
@@ -195,7 +201,9 @@ def send_now(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> list
 
 
 def send_all(
-    sock: socket.socket, buffers: Sequence[bytes | memoryview], stall: float,
+    sock: socket.socket,
+    buffers: Sequence[bytes | memoryview],
+    stall: float,
     let_go: Callable[[], bool] | None = None,
 ) -> list[bytes]:
     """Sends ``buffers`` on a socket whose sends time out shortly

@@ -58,8 +58,7 @@ class RefusalLog:
         with self._lock:
             if not self._pending:
                 return
-            fields: dict[str, object] = {
-                "refused": dict(self._pending), "refused_so_far": self.total, **self._last}
+            fields: dict[str, object] = {"refused": dict(self._pending), "refused_so_far": self.total, **self._last}
             self._pending.clear()
             self._logged_at = time.monotonic()
         log.warning("closed bulk connections", extra={"fields": fields})

@@ -133,9 +133,16 @@ class BulkServer:
     """
 
     def __init__(
-        self, token: str, tls: ssl.SSLContext | None, resolve: Resolve, store: Store,
-        served: Callable[[int, int], None], receive: Receive | None = None, max_value: int = 1 << 30,
-        max_connections: int = MAX_CONNECTIONS, resolve_now: ResolveNow | None = None,
+        self,
+        token: str,
+        tls: ssl.SSLContext | None,
+        resolve: Resolve,
+        store: Store,
+        served: Callable[[int, int], None],
+        receive: Receive | None = None,
+        max_value: int = 1 << 30,
+        max_connections: int = MAX_CONNECTIONS,
+        resolve_now: ResolveNow | None = None,
     ) -> None:
         self.resolve_now = resolve_now
         self.receive = receive
@@ -185,9 +192,14 @@ class BulkServer:
                 if not full and not host_full:
                     self._handshaking[host] += 1
             if full or host_full:
-                self._refuse(conn, peer, "full" if full else "host_full",
-                             f"more than {self.max_connections} bulk connections at once" if full else
-                             f"more than {MAX_HANDSHAKES_PER_HOST} connections from {host} in their handshake")
+                self._refuse(
+                    conn,
+                    peer,
+                    "full" if full else "host_full",
+                    f"more than {self.max_connections} bulk connections at once"
+                    if full
+                    else f"more than {MAX_HANDSHAKES_PER_HOST} connections from {host} in their handshake",
+                )
                 continue
             conn.setblocking(True)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -297,9 +309,9 @@ class BulkServer:
         try:
             db = self.resolve_now(dataset, manifest_id, ids) if self.resolve_now is not None else None
             if db is None:
-                db = asyncio.run_coroutine_threadsafe(
-                    self.resolve(dataset, manifest_id, ids), self._loop
-                ).result(STALL_SECONDS)
+                db = asyncio.run_coroutine_threadsafe(self.resolve(dataset, manifest_id, ids), self._loop).result(
+                    STALL_SECONDS
+                )
         except DataquayError as exc:
             send_buffers(sock, _error_frame(exc))
             return
@@ -337,8 +349,10 @@ class BulkServer:
                 if value is None or len(value) < CHECKSUM_BYTES:
                     buffers.append(SAMPLE.pack(MISSING, sample_id, 0, 0))
                     continue
-                buffers += [SAMPLE.pack(OK, sample_id, len(value) - CHECKSUM_BYTES, stored_checksum(value)),
-                            value[CHECKSUM_BYTES:]]
+                buffers += [
+                    SAMPLE.pack(OK, sample_id, len(value) - CHECKSUM_BYTES, stored_checksum(value)),
+                    value[CHECKSUM_BYTES:],
+                ]
                 group += len(value) - CHECKSUM_BYTES
                 samples += 1
             if isinstance(sock, ssl.SSLSocket):
@@ -354,8 +368,11 @@ class BulkServer:
         """Feeds one exchange stream's chunks to the receiver until the sender's END."""
         assert self._loop is not None
         if self.receive is None or self.tls is not None:
-            reason = "this daemon takes exchanges over gRPC only" if self.tls is not None else (
-                "this daemon runs without a directory (--directory); exchanges need one")
+            reason = (
+                "this daemon takes exchanges over gRPC only"
+                if self.tls is not None
+                else ("this daemon runs without a directory (--directory); exchanges need one")
+            )
             send_buffers(sock, _error_frame(DataquayError(reason), EXCHANGE_UNAVAILABLE))
             return
         try:
@@ -376,8 +393,11 @@ class BulkServer:
             pass
 
     def _take_chunks(
-        self, sock: socket.socket, inbox: asyncio.Queue[pb.ExchangeMessage | ExchangeChunk | None],
-        slots: threading.Semaphore, answering: concurrent.futures.Future[None],
+        self,
+        sock: socket.socket,
+        inbox: asyncio.Queue[pb.ExchangeMessage | ExchangeChunk | None],
+        slots: threading.Semaphore,
+        answering: concurrent.futures.Future[None],
     ) -> None:
         assert self._loop is not None
         header = bytearray(SAMPLE.size)
@@ -419,8 +439,11 @@ class BulkServer:
         return samples
 
     async def _answer(
-        self, sock: socket.socket, first: pb.ExchangeMessage,
-        inbox: asyncio.Queue[pb.ExchangeMessage | ExchangeChunk | None], slots: threading.Semaphore,
+        self,
+        sock: socket.socket,
+        first: pb.ExchangeMessage,
+        inbox: asyncio.Queue[pb.ExchangeMessage | ExchangeChunk | None],
+        slots: threading.Semaphore,
     ) -> None:
         """Runs the receiver over the stream's messages and sends its replies back."""
         assert self.receive is not None
