@@ -42,15 +42,7 @@ from common import REPEATS, progress, report
 
 import dataquay.client.placement as placement_api
 from dataquay.client.job_settings import JobSettings
-from dataquay.client.placement import (
-    MODES,
-    PARTITIONS,
-    JobPlan,
-    locality_balance,
-    moves,
-    owners,
-    rank_order,
-)
+from dataquay.client.placement import MODES, PARTITIONS, JobPlan, locality_balance, moves, owners, rank_order
 
 NUM_SAMPLES = 10**7
 NUM_NODES = 1024

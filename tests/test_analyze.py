@@ -283,11 +283,7 @@ def test_parallel_workers_hide_prep_and_the_estimate_counts_per_worker() -> None
 
     def check() -> None:
         report = measure(
-            lambda: ThreadedLoader(KnownCostStorage(0.0), PREP_S, workers),
-            STEPS,
-            step,
-            warmup=WARMUP,
-            workers=workers,
+            lambda: ThreadedLoader(KnownCostStorage(0.0), PREP_S, workers), STEPS, step, warmup=WARMUP, workers=workers
         )
         assert report.prep_stall_seconds < 0.4 * report.step_seconds, format_report(report)
         assert 0.5 * PREP_S < report.prep_seconds_per_batch < 2.5 * PREP_S, format_report(report)

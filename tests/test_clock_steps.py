@@ -73,10 +73,7 @@ def assert_clock_stepped(stub: Stub, seconds: int) -> None:
 
 @needs_faketime
 def test_a_node_killed_while_the_clock_steps_back_is_listed_down_after_its_lease(
-    tmp_path: Path,
-    start_stepped: Callable[..., DirectoryProcess],
-    clock: SteppedClock,
-    stub_for: Callable[..., Stub],
+    tmp_path: Path, start_stepped: Callable[..., DirectoryProcess], clock: SteppedClock, stub_for: Callable[..., Stub]
 ) -> None:
     directory = start_stepped()
     stub = stub_for(directory)
@@ -101,10 +98,7 @@ def test_a_node_killed_while_the_clock_steps_back_is_listed_down_after_its_lease
 
 @needs_faketime
 def test_a_step_forward_lists_no_live_node_down_and_drops_no_busy_job(
-    tmp_path: Path,
-    start_stepped: Callable[..., DirectoryProcess],
-    clock: SteppedClock,
-    stub_for: Callable[..., Stub],
+    tmp_path: Path, start_stepped: Callable[..., DirectoryProcess], clock: SteppedClock, stub_for: Callable[..., Stub]
 ) -> None:
     directory = start_stepped("--job-ttl", "10s")
     stub = stub_for(directory)

@@ -204,17 +204,7 @@ def test_a_rank_whose_daemon_is_down_joins_through_the_directory_and_reads_its_e
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[1].address]) == 0
     assert (
         cli_main(
-            [
-                "stage",
-                "imgs",
-                "--job",
-                JOB,
-                "--ranks-per-node",
-                "1",
-                "--quiet",
-                "--directory",
-                local.directory_address,
-            ]
+            ["stage", "imgs", "--job", JOB, "--ranks-per-node", "1", "--quiet", "--directory", local.directory_address]
         )
         == 0
     )

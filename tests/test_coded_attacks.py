@@ -216,9 +216,7 @@ def test_a_sniffer_on_the_group_sees_no_sample_bytes(secured: tuple[LocalCluster
     assert seen == []
 
 
-def test_a_datagram_captured_in_one_pass_is_refused_and_counted_in_the_next(
-    secured: tuple[LocalCluster, str],
-) -> None:
+def test_a_datagram_captured_in_one_pass_is_refused_and_counted_in_the_next(secured: tuple[LocalCluster, str]) -> None:
     local, group = secured
     stage(local, JOB_A)
     nodes = SecuredNodes(local, JOB_A)
@@ -240,9 +238,7 @@ def test_a_datagram_captured_in_one_pass_is_refused_and_counted_in_the_next(
     assert any('dataquay_mcast_datagrams_dropped_total{reason="unknown_pass"}' in text for text in scraped)
 
 
-def test_tampered_and_garbage_datagrams_are_counted_and_the_pass_goes_on(
-    secured: tuple[LocalCluster, str],
-) -> None:
+def test_tampered_and_garbage_datagrams_are_counted_and_the_pass_goes_on(secured: tuple[LocalCluster, str]) -> None:
     local, group = secured
     stage(local, JOB_A)
     nodes = SecuredNodes(local, JOB_A)
@@ -268,9 +264,7 @@ def test_tampered_and_garbage_datagrams_are_counted_and_the_pass_goes_on(
         nodes.close()
 
 
-def test_two_jobs_coded_at_once_on_the_same_daemons_both_finish_byte_exact(
-    secured: tuple[LocalCluster, str],
-) -> None:
+def test_two_jobs_coded_at_once_on_the_same_daemons_both_finish_byte_exact(secured: tuple[LocalCluster, str]) -> None:
     local, _ = secured
     stage(local, JOB_A)
     stage(local, JOB_B, seed=1)
@@ -319,9 +313,7 @@ def test_an_exchange_that_fails_shows_in_stats_and_status(
         nodes.close()
 
 
-def test_a_node_of_the_job_cannot_take_another_nodes_part_in_leading_a_pass(
-    secured: tuple[LocalCluster, str],
-) -> None:
+def test_a_node_of_the_job_cannot_take_another_nodes_part_in_leading_a_pass(secured: tuple[LocalCluster, str]) -> None:
     local, _ = secured
     stage(local, JOB_A)
     nodes = SecuredNodes(local, JOB_A)

@@ -136,9 +136,7 @@ def test_a_group_of_one_yields_what_a_plain_loader_would(client: dq.Client, data
 
 
 def test_members_get_identical_batches_every_sample_once_and_prep_each_batch_once(
-    start_member: Callable[..., Member],
-    keys: dict[int, int],
-    daemon: DaemonProcess,
+    start_member: Callable[..., Member], keys: dict[int, int], daemon: DaemonProcess
 ) -> None:
     members = [start_member("--jobs", "3", "--epochs", "2", "--workers", str(workers)) for workers in (1, 2, 3)]
     done = [finished(m) for m in members]
@@ -152,9 +150,7 @@ def test_members_get_identical_batches_every_sample_once_and_prep_each_batch_onc
 
 
 def test_a_member_killed_mid_epoch_is_dropped_and_the_others_finish(
-    start_member: Callable[..., Member],
-    keys: dict[int, int],
-    daemon: DaemonProcess,
+    start_member: Callable[..., Member], keys: dict[int, int], daemon: DaemonProcess
 ) -> None:
     members = [start_member("--jobs", "3", "--step", "0.05", "--timeout", "30") for _ in range(3)]
     victim = members[2]
@@ -170,9 +166,7 @@ def test_a_member_killed_mid_epoch_is_dropped_and_the_others_finish(
 
 
 def test_a_stopped_member_is_dropped_after_the_timeout_and_goes_on_alone(
-    start_member: Callable[..., Member],
-    keys: dict[int, int],
-    daemon: DaemonProcess,
+    start_member: Callable[..., Member], keys: dict[int, int], daemon: DaemonProcess
 ) -> None:
     members = [start_member("--jobs", "3", "--step", "0.05", "--timeout", "2") for _ in range(3)]
     late = members[2]
@@ -189,9 +183,7 @@ def test_a_stopped_member_is_dropped_after_the_timeout_and_goes_on_alone(
 
 
 def test_a_member_that_comes_mid_epoch_preps_it_alone_and_joins_the_next(
-    start_member: Callable[..., Member],
-    keys: dict[int, int],
-    daemon: DaemonProcess,
+    start_member: Callable[..., Member], keys: dict[int, int], daemon: DaemonProcess
 ) -> None:
     common = ("--jobs", "2", "--epochs", "2", "--step", "0.05", "--timeout", "30")
     first = [start_member(*common) for _ in range(2)]
@@ -224,9 +216,7 @@ def test_members_go_on_alone_when_the_daemon_dies_and_the_next_daemon_removes_th
 
 
 def test_a_slow_member_holds_the_group_within_its_memory_budget(
-    start_member: Callable[..., Member],
-    keys: dict[int, int],
-    daemon: DaemonProcess,
+    start_member: Callable[..., Member], keys: dict[int, int], daemon: DaemonProcess
 ) -> None:
     budget = 3 * 4 * 1100  # about three batches of prepped floats
     common = ("--jobs", "2", "--memory", str(budget), "--timeout", "30")
@@ -245,10 +235,7 @@ def test_a_slow_member_holds_the_group_within_its_memory_budget(
     assert staged and max(staged) <= budget + 2 * 4 * 1100  # what two members may prep past it at once
 
 
-def test_status_and_metrics_show_the_group(
-    start_member: Callable[..., Member],
-    daemon: DaemonProcess,
-) -> None:
+def test_status_and_metrics_show_the_group(start_member: Callable[..., Member], daemon: DaemonProcess) -> None:
     members = [start_member("--jobs", "2", "--step", "0.2", "--timeout", "30", group="sweep-7") for _ in range(2)]
     wait_until(
         lambda: any(g.members == 2 and g.prepped_total >= 2 for g in daemon_stats(daemon).prep_groups),

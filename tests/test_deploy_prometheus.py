@@ -22,13 +22,7 @@ from typing import Any
 import pytest
 from polling import wait_until
 from test_dashboard import exported_names, metric_names
-from test_deploy_slurm import (  # noqa: F401 (slurm_dir: a fixture)
-    JOB_ID,
-    _run_as_slurmd,
-    _slurmd_env,
-    prolog_with_target_folder,
-    slurm_dir,
-)
+from test_deploy_slurm import JOB_ID, _run_as_slurmd, _slurmd_env, prolog_with_target_folder, slurm_dir  # noqa: F401 (slurm_dir: a fixture)
 
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 
@@ -203,7 +197,7 @@ def test_a_stopped_daemon_stays_a_target_with_up_0_and_its_alert_pends(tmp_path:
                 {
                     "job_name": "dataquay",
                     "http_sd_configs": [{"url": directory.http_url + "/sd", "refresh_interval": "1s"}],
-                },
+                }
             ]
         )
         wait_until(

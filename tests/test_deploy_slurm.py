@@ -43,11 +43,7 @@ NODE = "localhost"
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
 def test_slurm_scripts_pass_shellcheck() -> None:
     result = subprocess.run(
-        ["shellcheck", "--external-sources", *SHELL_SCRIPTS],
-        cwd=SLURM,
-        capture_output=True,
-        text=True,
-        timeout=60,
+        ["shellcheck", "--external-sources", *SHELL_SCRIPTS], cwd=SLURM, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -500,10 +496,7 @@ def test_prolog_writes_prometheus_targets_for_the_job_and_the_epilog_removes_the
         }
     ]
     assert json.loads((sd_dir / f"slurm-{JOB_ID}.directory.json").read_text()) == [
-        {
-            "targets": [f"{NODE}:{directory['http_port']}"],
-            "labels": {"slurm_job": JOB_ID},
-        }
+        {"targets": [f"{NODE}:{directory['http_port']}"], "labels": {"slurm_job": JOB_ID}}
     ]
 
     epilog = _run_as_slurmd("epilog.sh", _slurmd_env(slurm_dir, "epilog", JOB_ID, "", "SLURM_NODELIST", **site))

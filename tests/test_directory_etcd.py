@@ -133,8 +133,7 @@ def test_a_replica_killed_mid_job_leaves_nodes_jobs_and_failure_detection_to_the
 
 @needs_etcd
 def test_the_name_of_a_live_node_is_refused_at_every_replica(
-    replicas: Callable[..., DirectoryProcess],
-    stub_of: Callable[[DirectoryProcess], Stub],
+    replicas: Callable[..., DirectoryProcess], stub_of: Callable[[DirectoryProcess], Stub]
 ) -> None:
     a, b = replicas(), replicas()
     register(stub_of(a), "n0")
@@ -148,9 +147,7 @@ def test_the_name_of_a_live_node_is_refused_at_every_replica(
 
 @needs_etcd
 def test_one_replica_expires_idle_jobs_and_another_takes_over_when_it_dies(
-    replicas: Callable[..., DirectoryProcess],
-    stub_of: Callable[[DirectoryProcess], Stub],
-    tmp_path: Path,
+    replicas: Callable[..., DirectoryProcess], stub_of: Callable[[DirectoryProcess], Stub], tmp_path: Path
 ) -> None:
     a = replicas("--job-ttl", "2")
     wait_until(lambda: "leading the directory's periodic work" in a.log_path.read_text(), "A leads", timeout=5)
@@ -236,9 +233,7 @@ def test_a_bad_store_url_exits_with_one_line(store: str, capsys: pytest.CaptureF
 
 @needs_etcd
 def test_a_node_registering_again_keeps_its_running_lease_and_a_replaced_one_ends(
-    replicas: Callable[..., DirectoryProcess],
-    stub_of: Callable[[DirectoryProcess], Stub],
-    etcd: EtcdCluster,
+    replicas: Callable[..., DirectoryProcess], stub_of: Callable[[DirectoryProcess], Stub], etcd: EtcdCluster
 ) -> None:
     stub = stub_of(replicas())
     with grpc.insecure_channel(etcd.nodes[0].endpoint) as channel:

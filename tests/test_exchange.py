@@ -284,13 +284,7 @@ def test_offers_the_receiver_does_not_own_are_refused_and_it_keeps_serving(
         good = pb.Sample(id=int(mine[1]), value=encode_value(sample_payload(int(mine[1]))))
         replies = list(
             nodes.stubs[0].Exchange(
-                iter(
-                    [
-                        pb.ExchangeMessage(offer=offer),
-                        pb.ExchangeMessage(samples=[bad, good]),
-                    ]
-                ),
-                timeout=10,
+                iter([pb.ExchangeMessage(offer=offer), pb.ExchangeMessage(samples=[bad, good])]), timeout=10
             )
         )
         assert [list(r.held) for r in replies] == [[], [int(mine[1])]]

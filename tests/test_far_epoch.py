@@ -43,9 +43,7 @@ def servers(tmp_path: Path, records: np.ndarray) -> Iterator[tuple[DirectoryProc
         for name in ("n0", "n1"):
             daemons.append(
                 DaemonProcess(
-                    tmp_path / name,
-                    ("--directory", directory.address, "--node-name", name),
-                    dataset_roots=(tmp_path,),
+                    tmp_path / name, ("--directory", directory.address, "--node-name", name), dataset_roots=(tmp_path,)
                 ).start()
             )
         with grpc.insecure_channel(grpc_target(daemons[0].address), options=channel_options()) as channel:

@@ -288,8 +288,7 @@ def cache_requests(real_root: Path) -> st.SearchStrategy[tuple[str, Message | li
                         index=uint64,
                         bytes=uint64,
                         segment=st.one_of(
-                            st.sampled_from(["dataquay-prep-1-1-0123456789ab", "../../etc/passwd"]),
-                            odd_text,
+                            st.sampled_from(["dataquay-prep-1-1-0123456789ab", "../../etc/passwd"]), odd_text
                         ),
                     ),
                     max_size=3,
@@ -390,14 +389,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         started.append(standalone)
         clustered = DaemonProcess(
             base / "clustered",
-            (
-                "--max-batch",
-                str(MAX_BATCH),
-                "--node-name",
-                "fz-node",
-                "--directory",
-                cluster_directory.address,
-            ),
+            ("--max-batch", str(MAX_BATCH), "--node-name", "fz-node", "--directory", cluster_directory.address),
         ).start()
         started.append(clustered)
         for daemon in (standalone, clustered):
@@ -528,10 +520,7 @@ def test_client_reports_at_the_counters_limits_keep_stats_answering(servers: Ser
 
 @pytest.mark.parametrize(
     ("root", "message"),
-    [
-        ("", "no dataset root given"),
-        ("/tmp/x\0y", "dataset root '/tmp/x\\x00y' contains a NUL character"),
-    ],
+    [("", "no dataset root given"), ("/tmp/x\0y", "dataset root '/tmp/x\\x00y' contains a NUL character")],
 )
 def test_an_empty_or_nul_dataset_root_is_refused(servers: Servers, root: str, message: str) -> None:
     with cache_channel(servers.standalone) as channel:

@@ -17,12 +17,7 @@ from dataquay.client import env
 from dataquay.client.client import Client
 from dataquay.client.connection import DaemonConnection
 from dataquay.client.dataset import Dataset
-from dataquay.client.errors import (
-    DaemonUnavailableError,
-    JobMismatchError,
-    UnknownDatasetError,
-    UnknownJobError,
-)
+from dataquay.client.errors import DaemonUnavailableError, JobMismatchError, UnknownDatasetError, UnknownJobError
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.jobs import job_plan, job_spec, join
 from dataquay.client.local import SharedLocalCache

@@ -194,17 +194,7 @@ ROOMS: dict[str, set[str]] = {
 }
 #: node/'s root: the daemon's wiring and faces, their counters and snapshot, the
 #: stager, which spans cache and PFS, and the healer, which spans cluster, peers, cache and PFS.
-NODE_ROOT = {
-    "daemon",
-    "servicer",
-    "metrics",
-    "datasets",
-    "client_stats",
-    "stager",
-    "healer",
-    "counters",
-    "snapshot",
-}
+NODE_ROOT = {"daemon", "servicer", "metrics", "datasets", "client_stats", "stager", "healer", "counters", "snapshot"}
 PLANNING = "dataquay.server.planning"
 
 

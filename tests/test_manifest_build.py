@@ -71,10 +71,7 @@ def test_labels_are_the_parent_folder_or_none_at_the_root(tmp_path: Path) -> Non
     touch(tmp_path / "top.bin")
     touch(tmp_path / "a/b/deep.bin")
     m = manifest_of(tmp_path)
-    assert {m.location(i).path: m.label(i) for i in range(2)} == {
-        "a/b/deep.bin": "a/b",
-        "top.bin": None,
-    }
+    assert {m.location(i).path: m.label(i) for i in range(2)} == {"a/b/deep.bin": "a/b", "top.bin": None}
 
 
 def test_hidden_entries_and_special_files_are_skipped(tmp_path: Path) -> None:
@@ -208,12 +205,7 @@ def test_tar_member_mode_makes_one_sample_per_regular_member(tmp_path: Path) -> 
 
 
 def test_grouped_tar_skips_members_without_a_key(tmp_path: Path) -> None:
-    members: list[tuple[str, bytes | None]] = [
-        ("README", b"hi"),
-        ("a.jpg", b"A"),
-        ("a.cls", b"1"),
-        ("b.jpg", b"B"),
-    ]
+    members: list[tuple[str, bytes | None]] = [("README", b"hi"), ("a.jpg", b"A"), ("a.cls", b"1"), ("b.jpg", b"B")]
     write_tar(tmp_path / "s.tar", members)
     assert manifest_of(tmp_path).num_samples == 2
 

@@ -20,12 +20,7 @@ from dataquay.client.manifest import Manifest, ManifestWriter
 from dataquay.client.pfs import PfsRangeError, PfsReader, ReadRange, plan_reads
 from dataquay.client.wire.records import frame_members
 from dataquay.server.manifest_build import build_manifest
-from dataquay.server.tools.synthetic import (
-    make_files_dataset,
-    make_npy_dataset,
-    make_tar_dataset,
-    sample_bytes,
-)
+from dataquay.server.tools.synthetic import make_files_dataset, make_npy_dataset, make_tar_dataset, sample_bytes
 
 WEBDATASET_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 
@@ -285,9 +280,7 @@ def test_plan_covers_each_id_once_within_limits_for_any_layout(
 @settings(max_examples=100)
 @given(
     files=st.lists(
-        st.lists(st.tuples(st.integers(0, 4000), st.integers(1, 5000)), min_size=1, max_size=30),
-        min_size=1,
-        max_size=3,
+        st.lists(st.tuples(st.integers(0, 4000), st.integers(1, 5000)), min_size=1, max_size=30), min_size=1, max_size=3
     ),
     data=st.data(),
     max_range_bytes=limits["max_range_bytes"],

@@ -195,9 +195,7 @@ def test_settings_no_group_can_have_are_refused_by_name() -> None:
 
 @settings(max_examples=200)
 @given(st.lists(st.tuples(st.integers(1, 3), st.sampled_from(["claim", "prep", "use", "die"])), max_size=120))
-def test_any_interleaving_frees_each_batch_once_after_every_live_member_used_it(
-    moves: list[tuple[int, str]],
-) -> None:
+def test_any_interleaving_frees_each_batch_once_after_every_live_member_used_it(moves: list[tuple[int, str]]) -> None:
     members = started(jobs=3, memory=300)
     claimed: dict[int, list[int]] = {1: [], 2: [], 3: []}
     used = {1: 0, 2: 0, 3: 0}

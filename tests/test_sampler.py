@@ -31,9 +31,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def test_topology_prefers_torchrun_variables_then_slurm_then_defaults(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_topology_prefers_torchrun_variables_then_slurm_then_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert topology() == Topology(rank=0, world_size=1, local_rank=0, local_world_size=1)
     monkeypatch.setenv("SLURM_PROCID", "5")
     monkeypatch.setenv("SLURM_NTASKS", "8")

@@ -94,9 +94,7 @@ def test_segment_read_errors_are_those_of_a_grpc_read(
     assert parse_batch_reply(ask(segment, "imgs", [2]), 1).code == OK  # the connection serves on
 
 
-def test_garbage_and_oversized_frames_close_the_connection_and_the_daemon_serves_on(
-    served: DaemonProcess,
-) -> None:
+def test_garbage_and_oversized_frames_close_the_connection_and_the_daemon_serves_on(served: DaemonProcess) -> None:
     truncated = request_frame(BatchRequest("imgs", "", "", None, np.array([1, 2], np.uint64)))[:-3]
     for frame in (b"garbage", os.urandom(REQUEST_BYTES + 100), truncated):
         seg = MemfdSegment(1 << 20, fd_socket_path(served.address), "")

@@ -188,11 +188,7 @@ def iterable_resumed(
 
 
 def iterable_stats(
-    address: str,
-    dataset: str,
-    workers: int,
-    on_error: str,
-    restore: tuple[str, bytes, int] | None = None,
+    address: str, dataset: str, workers: int, on_error: str, restore: tuple[str, bytes, int] | None = None
 ) -> tuple[int, int, int, list[bytes], str | None]:
     """One epoch of an IterableDataset over ``workers`` forked workers: the
     samples, skipped and retried counts the training process's
@@ -203,10 +199,7 @@ def iterable_stats(
         ds = client.dataset(dataset)
         iterable = _iterable(ds, 0, 1, 4, on_error=on_error, retries=5)
         loader = torch.utils.data.DataLoader(
-            iterable,
-            batch_size=None,
-            num_workers=workers,
-            multiprocessing_context="fork" if workers else None,
+            iterable, batch_size=None, num_workers=workers, multiprocessing_context="fork" if workers else None
         )
         if restore is not None:
             threading.Thread(target=_restore_on_retry, args=(client, *restore), daemon=True).start()

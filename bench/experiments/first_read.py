@@ -92,10 +92,7 @@ def main() -> None:
             rounds = [
                 json.loads(
                     subprocess.run(
-                        [sys.executable, __file__, "--rank", address],
-                        check=True,
-                        capture_output=True,
-                        text=True,
+                        [sys.executable, __file__, "--rank", address], check=True, capture_output=True, text=True
                     ).stdout.splitlines()[-1]
                 )
                 for _ in range(ROUNDS)

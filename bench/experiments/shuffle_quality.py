@@ -101,12 +101,7 @@ def _tier_counts(clients: Sequence[Client]) -> dict[str, int]:
 
 
 def run_one(
-    spec: RunSpec,
-    root: Path,
-    clients: Sequence[Client],
-    directory: str,
-    split: Split,
-    settings: Settings,
+    spec: RunSpec, root: Path, clients: Sequence[Client], directory: str, split: Split, settings: Settings
 ) -> RunResult:
     """Registers the layout under the run's own name, stages it for the run's job, trains."""
     started = time.perf_counter()

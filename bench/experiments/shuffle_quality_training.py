@@ -196,12 +196,7 @@ def gradients(params: Params, x: np.ndarray, y: np.ndarray) -> tuple[Params, flo
     d_scores[np.arange(n), y] -= 1.0
     d_scores /= n
     d_hidden = (d_scores @ params["w2"].T) * (pre > 0)
-    grads = {
-        "w1": x.T @ d_hidden,
-        "b1": d_hidden.sum(axis=0),
-        "w2": hidden.T @ d_scores,
-        "b2": d_scores.sum(axis=0),
-    }
+    grads = {"w1": x.T @ d_hidden, "b1": d_hidden.sum(axis=0), "w2": hidden.T @ d_scores, "b2": d_scores.sum(axis=0)}
     return grads, loss
 
 

@@ -415,9 +415,7 @@ def _bench_peers(base: Path, sizes: list[tuple[str, int]]) -> list[dict]:
         for name, extra in (("n0", ()), ("n1", ()), ("g0", ("--bulk-listen", "off")), ("g1", ("--bulk-listen", "off"))):
             processes.append(
                 DaemonProcess(
-                    base / name,
-                    ("--directory", directory.address, "--node-name", name, *extra),
-                    dataset_roots=(base,),
+                    base / name, ("--directory", directory.address, "--node-name", name, *extra), dataset_roots=(base,)
                 ).start()
             )
         for label, size in sizes:

@@ -38,8 +38,7 @@ def replicated(tmp_path: Path) -> Iterator[LocalCluster]:
 
 
 def test_a_job_reads_on_through_a_killed_replica_a_killed_etcd_member_and_an_etcd_outage(
-    replicated: LocalCluster,
-    tmp_path: Path,
+    replicated: LocalCluster, tmp_path: Path
 ) -> None:
     job: FaultJob = make_fault_job(replicated, tmp_path, "partial")
     job.stage()

@@ -8,9 +8,7 @@ from collections.abc import Callable
 from faultjob import NODES, SAMPLES, FaultJob
 
 
-def test_the_job_reads_on_without_the_directory_and_after_its_restart(
-    fault_job: Callable[..., FaultJob],
-) -> None:
+def test_the_job_reads_on_without_the_directory_and_after_its_restart(fault_job: Callable[..., FaultJob]) -> None:
     job = fault_job("partial")
     job.stage()
     pfs_after_staging = sum(job.stats(m).pfs_bytes for m in range(NODES))

@@ -66,9 +66,7 @@ def test_a_daemon_killed_mid_epoch_is_replaced_by_the_pfs_and_rejoins(
     job.report("SIGKILL a daemon mid-epoch", outcome, recovery[0])
 
 
-def test_a_daemon_killed_during_staging_finishes_staging_after_a_restart(
-    fault_job: Callable[..., FaultJob],
-) -> None:
+def test_a_daemon_killed_during_staging_finishes_staging_after_a_restart(fault_job: Callable[..., FaultJob]) -> None:
     # Each node's share is about 380 KB: at 100 KB/s staging takes a few seconds.
     job = fault_job("partial", daemon_args=("--pfs-bandwidth", "100K"))
     staging = subprocess.Popen(job.stage_command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -104,9 +102,7 @@ def test_a_daemon_killed_during_staging_finishes_staging_after_a_restart(
     )
 
 
-def test_a_daemon_killed_in_the_middle_of_the_exchange_redoes_its_part(
-    fault_job: Callable[..., FaultJob],
-) -> None:
+def test_a_daemon_killed_in_the_middle_of_the_exchange_redoes_its_part(fault_job: Callable[..., FaultJob]) -> None:
     # At 1 byte/s no exchange gets its first chunk out, however long half an
     # epoch takes: node 1's is certain to be unfinished when it is killed. It
     # comes back uncapped; the others' exchanges stay held, so epoch 1 reads

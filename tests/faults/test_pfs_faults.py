@@ -35,9 +35,7 @@ def break_files(files: list[Path]) -> dict[int, str]:
     return {11: "No such file or directory", 222: unreadable, 333: "changed since the dataset was registered"}
 
 
-def test_broken_files_fail_their_own_reads_by_name_and_nothing_else(
-    fault_job: Callable[..., FaultJob],
-) -> None:
+def test_broken_files_fail_their_own_reads_by_name_and_nothing_else(fault_job: Callable[..., FaultJob]) -> None:
     job = fault_job("partial")
     job.stage()
     files = pfs_files(job.root)

@@ -347,13 +347,7 @@ def format_report(report: StallReport) -> str:
         f" + {_ms(prep)} prep stall ({_percent(report, prep)})"
         f" + {_ms(fetch)} fetch stall ({_percent(report, fetch)})"
     )
-    lines += [
-        "",
-        breakdown,
-        "",
-        _fetch_finding(report),
-        _prep_finding(report),
-    ]
+    lines += ["", breakdown, "", _fetch_finding(report), _prep_finding(report)]
     if report.sweep_jobs > 1:
         lines.append(_sweep_finding(report))
     lines += [f"warning: {text}" for text in report.warnings]

@@ -207,10 +207,7 @@ class Client:
         return reply
 
     def _ask(
-        self,
-        what: str,
-        call: Callable[[Any], _T],
-        errors: Mapping[grpc.StatusCode, type[DataquayError]] | None = None,
+        self, what: str, call: Callable[[Any], _T], errors: Mapping[grpc.StatusCode, type[DataquayError]] | None = None
     ) -> _T:
         """Runs ``call`` on the daemon's stub, or on the directory's while the
         daemon is down and DATAQUAY_DIRECTORY names one: both serve datasets

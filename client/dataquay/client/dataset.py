@@ -398,12 +398,7 @@ class Dataset(Sequence[bytes]):
                 yield batch
             sampler.position = 0
             self._stats.epoch_read(
-                EpochWait(
-                    epoch,
-                    len(chunks),
-                    time.perf_counter() - started,
-                    self._stats.data_wait_seconds - waited,
-                )
+                EpochWait(epoch, len(chunks), time.perf_counter() - started, self._stats.data_wait_seconds - waited)
             )
             if ahead is not None:
                 self._carried, carrying = ahead, True

@@ -76,12 +76,7 @@ def tar_sample(data: bytes | memoryview, *, key: str, url: str) -> dict[str, Any
 
 
 #: The decoders by name: each, given the manifest, makes the per-sample function.
-DECODERS: dict[str, Callable[[Manifest], SampleDecoder]] = {
-    "raw": _raw,
-    "npy": _npy,
-    "image": _image,
-    "tar": _tar,
-}
+DECODERS: dict[str, Callable[[Manifest], SampleDecoder]] = {"raw": _raw, "npy": _npy, "image": _image, "tar": _tar}
 
 
 def sample_decoder(decode: str | Callable[[bytes], Any] | None, manifest: Manifest) -> SampleDecoder:

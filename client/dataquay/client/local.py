@@ -164,13 +164,7 @@ class LocalCache:
     def _open(self) -> lmdb.Environment:
         try:
             return lmdb.open(
-                str(self.path),
-                readonly=True,
-                lock=True,
-                subdir=True,
-                create=False,
-                max_dbs=MAX_DBS,
-                readahead=True,
+                str(self.path), readonly=True, lock=True, subdir=True, create=False, max_dbs=MAX_DBS, readahead=True
             )
         except lmdb.Error as exc:
             raise DataquayError(f"cannot open the local cache {self.path} read-only: {exc}") from exc
@@ -364,10 +358,7 @@ class LocalCache:
     def _disable(self, reason: str) -> None:
         self._disabled = reason
         log.warning(
-            "local cache %s unavailable in process %d, reading through the daemon: %s",
-            self.path,
-            os.getpid(),
-            reason,
+            "local cache %s unavailable in process %d, reading through the daemon: %s", self.path, os.getpid(), reason
         )
 
     # --------------------------------------------------------------- fork

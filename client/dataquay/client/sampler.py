@@ -295,13 +295,7 @@ class JobSampler(Sampler):
     """
 
     def __init__(
-        self,
-        job: jpb.Job,
-        plan: JobPlan,
-        *,
-        rank: int,
-        world_size: int,
-        reporter: EpochReporter | None = None,
+        self, job: jpb.Job, plan: JobPlan, *, rank: int, world_size: int, reporter: EpochReporter | None = None
     ) -> None:
         world = (
             f"{plan.world_size} = {plan.num_nodes} nodes x {plan.settings.ranks_per_node} ranks per node "

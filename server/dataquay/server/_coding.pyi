@@ -34,9 +34,5 @@ def set_numbers(
     /,
 ) -> int: ...
 def dag_edges(
-    keys: np.ndarray,
-    table_start: np.ndarray,
-    group_decoder: np.ndarray,
-    group_count: np.ndarray,
-    /,
+    keys: np.ndarray, table_start: np.ndarray, group_decoder: np.ndarray, group_count: np.ndarray, /
 ) -> bytearray: ...

@@ -286,10 +286,7 @@ class FlagConfig:
 
     @classmethod
     def from_sources(
-        cls,
-        flags: Mapping[str, str | None],
-        env: Mapping[str, str] = os.environ,
-        file: ConfigFile | None = None,
+        cls, flags: Mapping[str, str | None], env: Mapping[str, str] = os.environ, file: ConfigFile | None = None
     ) -> Self:
         """Builds the config from flag values, the environment and the config
         file, naming any bad value and where it came from."""
@@ -297,10 +294,7 @@ class FlagConfig:
 
     @classmethod
     def resolve(
-        cls,
-        flags: Mapping[str, str | None],
-        env: Mapping[str, str] = os.environ,
-        file: ConfigFile | None = None,
+        cls, flags: Mapping[str, str | None], env: Mapping[str, str] = os.environ, file: ConfigFile | None = None
     ) -> tuple[Self, dict[str, str]]:
         """The config and, per field, where its value came from: "flag --x",
         "env DATAQUAY_X", "file PATH" or "default"."""
@@ -426,9 +420,7 @@ class DaemonConfig(ServerConfig):
         checked_quotas,
     )
     state_dir: Path = _option(
-        lambda: _home_dir("XDG_STATE_HOME", ".local/state"),
-        "directory for the dataset registry and manifests",
-        Path,
+        lambda: _home_dir("XDG_STATE_HOME", ".local/state"), "directory for the dataset registry and manifests", Path
     )
     pfs_threads: int = _option(8, "threads reading the parallel file system", _positive_int)
     pfs_bandwidth: int = _option(

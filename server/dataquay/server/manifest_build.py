@@ -388,12 +388,7 @@ def _build_npy(real_root: str) -> ManifestWriter:
     reclen = dtype.itemsize * int(np.prod(record_shape, dtype=np.int64))
     if not reclen:
         raise ManifestError(f"{path} has empty records (dtype {dtype}, shape {record_shape})")
-    writer = ManifestWriter(
-        real_root,
-        "npy",
-        npy_dtype=npy_format.dtype_to_descr(dtype),
-        npy_shape=list(record_shape),
-    )
+    writer = ManifestWriter(real_root, "npy", npy_dtype=npy_format.dtype_to_descr(dtype), npy_shape=list(record_shape))
     add = writer.add_sample
     for rel, st, data_offset, count in files:
         path_index = writer.add_path(rel, st.st_size, st.st_mtime_ns)

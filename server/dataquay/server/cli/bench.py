@@ -54,8 +54,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench.set_defaults(func=cmd_bench)
     benchmarks = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     load = benchmarks.add_parser(
-        "load",
-        help="many clients reading random batches from one daemon: errors, latency, throughput, daemon memory",
+        "load", help="many clients reading random batches from one daemon: errors, latency, throughput, daemon memory"
     )
     load.add_argument("--seconds", type=float, default=60.0, help="how long the clients read (default 60)")
     load.add_argument("--processes", type=int, default=8, help="client processes (default 8)")

@@ -289,9 +289,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add.add_argument("--format", choices=sorted(FORMAT_TO_PROTO), help="default: detected from the files")
     add.add_argument("--replace", action="store_true", help="replace a dataset of the same name")
     add.add_argument(
-        "--tar-member-samples",
-        action="store_true",
-        help="tar: one sample per member instead of one per basename group",
+        "--tar-member-samples", action="store_true", help="tar: one sample per member instead of one per basename group"
     )
     add.set_defaults(func=cmd_dataset_add)
     ls = dsub.add_parser("ls", help="list datasets")

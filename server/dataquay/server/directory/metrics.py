@@ -38,9 +38,7 @@ class _DirectoryCollector(Collector):
         nodes.add_metric(["down"], down)
         yield nodes
         yield CounterMetricFamily(
-            "dataquay_directory_heartbeats",
-            "Heartbeats received, from known and unknown nodes",
-            value=state.heartbeats,
+            "dataquay_directory_heartbeats", "Heartbeats received, from known and unknown nodes", value=state.heartbeats
         )
         refused = CounterMetricFamily(
             "dataquay_directory_heartbeats_refused",

@@ -47,15 +47,7 @@ from dataquay.server.directory.beats import count_refusal, open_heartbeats
 from dataquay.server.directory.etcd_store import EtcdStore
 from dataquay.server.directory.listing import NodeListing
 from dataquay.server.directory.metrics import directory_metrics
-from dataquay.server.directory.records import (
-    Change,
-    DatasetFacts,
-    Job,
-    JoinRequest,
-    NodeInfo,
-    Registration,
-    Versions,
-)
+from dataquay.server.directory.records import Change, DatasetFacts, Job, JoinRequest, NodeInfo, Registration, Versions
 from dataquay.server.directory.sd_http import HttpEndpoints
 from dataquay.server.directory.servicer import DirectoryServicer
 from dataquay.server.directory.state import DirectoryState

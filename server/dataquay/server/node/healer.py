@@ -212,13 +212,7 @@ class Healer:
         seen.lost, seen.trying = lost, None
 
     async def _fetch(
-        self,
-        job: jpb.Job,
-        entry: Registered,
-        ids: np.ndarray,
-        old: np.ndarray,
-        base: np.ndarray,
-        lost: tuple[str, ...],
+        self, job: jpb.Job, entry: Registered, ids: np.ndarray, old: np.ndarray, base: np.ndarray, lost: tuple[str, ...]
     ) -> None:
         """Fetches the ``ids`` not cached here: from their holder under the old
         set when it is up, then from the PFS those whose node is lost now."""

@@ -304,9 +304,7 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
         "dataquay_exchange_sent_samples", "Samples sent in exchanges and committed by their receivers", value=samples
     )
     yield CounterMetricFamily(
-        "dataquay_exchange_sent_bytes",
-        "Payload bytes sent in exchanges and committed by their receivers",
-        value=nbytes,
+        "dataquay_exchange_sent_bytes", "Payload bytes sent in exchanges and committed by their receivers", value=nbytes
     )
     yield CounterMetricFamily(
         "dataquay_exchange_given_up_samples",
@@ -410,9 +408,7 @@ class DaemonMetrics:
             "dataquay_peer_served", "Samples this daemon served to other daemons", registry=self.registry
         )
         self.peer_served_bytes = Counter(
-            "dataquay_peer_served_bytes",
-            "Payload bytes this daemon served to other daemons",
-            registry=self.registry,
+            "dataquay_peer_served_bytes", "Payload bytes this daemon served to other daemons", registry=self.registry
         )
         self.user_refusals = Counter(
             "dataquay_user_refusals",

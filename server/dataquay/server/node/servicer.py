@@ -413,10 +413,7 @@ def admission_fields(admission: Admitted | None) -> dict[str, Any]:
 
 def cache_eviction(evicted: Evicted) -> pb.CacheEviction:
     return pb.CacheEviction(
-        cache_db=evicted.holding.cache_db,
-        datasets=evicted.holding.datasets,
-        bytes=evicted.nbytes,
-        whole=evicted.whole,
+        cache_db=evicted.holding.cache_db, datasets=evicted.holding.datasets, bytes=evicted.nbytes, whole=evicted.whole
     )
 
 

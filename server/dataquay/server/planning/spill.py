@@ -66,11 +66,7 @@ def _fitting(base: np.ndarray, candidates: np.ndarray, room: int, page_size: int
 
 
 def spill_holders(
-    owners: np.ndarray,
-    payload_sizes: np.ndarray,
-    capacities: Sequence[int],
-    seed: int,
-    page_size: int = PAGE_SIZE,
+    owners: np.ndarray, payload_sizes: np.ndarray, capacities: Sequence[int], seed: int, page_size: int = PAGE_SIZE
 ) -> np.ndarray:
     """The node holding each sample (int32; :data:`NO_HOLDER` for none).
 

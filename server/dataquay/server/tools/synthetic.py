@@ -42,12 +42,7 @@ def _class(sample_id: int, num_samples: int, classes: int) -> int:
 
 
 def make_files_dataset(
-    root: str | os.PathLike[str],
-    num_samples: int,
-    *,
-    sizes: Sequence[int] = (4096,),
-    classes: int = 10,
-    seed: int = 0,
+    root: str | os.PathLike[str], num_samples: int, *, sizes: Sequence[int] = (4096,), classes: int = 10, seed: int = 0
 ) -> Path:
     """An ImageNet-style tree: ``root/class_NNN/IIIIIIII.bin``, one file a sample."""
     root = Path(root)

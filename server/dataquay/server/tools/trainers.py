@@ -288,14 +288,7 @@ class RankGroup:
         self._envs = [dict(e) for e in envs]
         self._connect_timeouts = [CONNECT_TIMEOUT] * len(envs) if connect_timeouts is None else list(connect_timeouts)
         self._prefixes = [list(p) for p in prefixes] if prefixes is not None else [[] for _ in envs]
-        self._args = [
-            sys.executable,
-            "-m",
-            "dataquay.server.tools.trainers",
-            dataset,
-            str(batch),
-            str(compute_seconds),
-        ]
+        self._args = [sys.executable, "-m", "dataquay.server.tools.trainers", dataset, str(batch), str(compute_seconds)]
         self._log_dir = log_dir
         self._timeout = timeout
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -326,12 +319,7 @@ class RankGroup:
         return self
 
     def epoch(
-        self,
-        epoch: int,
-        *,
-        mid: Callable[[], None] | None = None,
-        direct: Direct | None = None,
-        read_ahead: int = 0,
+        self, epoch: int, *, mid: Callable[[], None] | None = None, direct: Direct | None = None, read_ahead: int = 0
     ) -> list[RankEpoch]:
         """Runs one epoch on every rank at once; returns what each read.
 

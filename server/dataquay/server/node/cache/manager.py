@@ -258,12 +258,7 @@ class CacheManager:
         return room - int(promised) - (space.exchange_reserve if leave_room else 0)
 
     async def admit(
-        self,
-        entry: Registered,
-        ids: np.ndarray,
-        uid: int,
-        gids: frozenset[int],
-        leave_room: bool = False,
+        self, entry: Registered, ids: np.ndarray, uid: int, gids: frozenset[int], leave_room: bool = False
     ) -> Admitted:
         """Checks the caller's quotas, evicts what the policy gives way and
         says what of the staging of ``ids`` will fit.
@@ -275,12 +270,7 @@ class CacheManager:
             return await self._admit(entry, ids, uid, gids, leave_room)
 
     async def _admit(
-        self,
-        entry: Registered,
-        ids: np.ndarray,
-        uid: int,
-        gids: frozenset[int],
-        leave_room: bool,
+        self, entry: Registered, ids: np.ndarray, uid: int, gids: frozenset[int], leave_room: bool
     ) -> Admitted:
         db = entry.record.cache_db
         missing = ids[~self.store.cached_mask(db, ids)]

@@ -88,10 +88,7 @@ class StoreWriter:
         self._full_logged_at = -FULL_LOG_SECONDS
         self._dirty = False
         self._thread = ThreadPoolExecutor(
-            1,
-            thread_name_prefix="dataquay-lmdb-writer",
-            initializer=lower_thread_priority,
-            initargs=(WRITER_NICENESS,),
+            1, thread_name_prefix="dataquay-lmdb-writer", initializer=lower_thread_priority, initargs=(WRITER_NICENESS,)
         )
 
     def open_meta(self) -> None:

@@ -266,11 +266,7 @@ class PfsPool:
         return out, failures
 
     async def stream(
-        self,
-        dataset: str,
-        manifest: Manifest,
-        ranges: Sequence[ReadRange],
-        backlog: Callable[[], float],
+        self, dataset: str, manifest: Manifest, ranges: Sequence[ReadRange], backlog: Callable[[], float]
     ) -> AsyncIterator[tuple[dict[int, bytes], list[str]]]:
         """Reads ``ranges`` in order for staging, only as fast as they are consumed.
 

@@ -201,10 +201,7 @@ def send_now(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> list
 
 
 def send_all(
-    sock: socket.socket,
-    buffers: Sequence[bytes | memoryview],
-    stall: float,
-    let_go: Callable[[], bool] | None = None,
+    sock: socket.socket, buffers: Sequence[bytes | memoryview], stall: float, let_go: Callable[[], bool] | None = None
 ) -> list[bytes]:
     """Sends ``buffers`` on a socket whose sends time out shortly
     (:data:`MAP_SEND_SECONDS`): a blocking one under the kernel's timeout
