@@ -208,7 +208,7 @@ def _mosaic_rank(remote: str, local: str, rank: int, epochs: int, rate: float) -
         copied[0] += size
         return copy(src, dst, *args, **kwargs)
 
-    download.shutil.copy = capped_copy  # type: ignore[attr-defined]
+    download.shutil.copy = capped_copy  # type: ignore[assignment]
     # Each rank stands for a node of its own, but they share this host's /dev/shm, where Mosaic's
     # local leaders would all pick the same free prefix: each rank takes its own.
     find_prefix = mosaic_prefix._check_and_find_retrying
@@ -269,7 +269,7 @@ def summary(rows: list[EpochRow]) -> dict[str, dict[str, float]]:
             "pfs_mb": sum(r.pfs_mb for r in mine),
             "later_stall_pct": sum(r.stall_pct for r in later) / len(later),
         }
-    for name, figures in out.items():
+    for figures in out.values():
         for baseline in ("direct", "mosaic"):
             if baseline in out:
                 figures[f"job_speedup_vs_{baseline}"] = out[baseline]["job_s"] / figures["job_s"]
