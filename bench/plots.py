@@ -15,6 +15,10 @@
 - ``docs/img/dashboard.png``: the layout of the Grafana dashboard
   (``deploy/grafana/dataquay.json``): its rows and each panel's title and kind,
   where the dashboard puts them.
+- ``docs/img/peer_loader.png``: the head-to-head, the same job read from the
+  PFS directly, through dataquay and through Mosaic StreamingDataset under one
+  PFS cap: first and later epochs, from ``peer_loader.json``
+  (``bench/peer_loader.py``).
 - ``docs/img/overflow.png``: the stall with data larger than the caches
   (``overflow.json``, ``dataquay bench overflow``).
 
@@ -140,6 +144,32 @@ def overflow(data: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def peer_loader(data: dict[str, Any], path: Path) -> None:
+    """First epoch and mean later epoch per system side by side, each later bar labelled with its stall and PFS MB."""
+    summary = data["summary"]
+    names = list(summary)
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for k, name in enumerate(names):
+        figures = summary[name]
+        ax.bar(k - 0.2, figures["first_epoch_s"], width=0.38, color="#9ecae1", label="first epoch" if k == 0 else None)
+        ax.bar(k + 0.2, figures["later_epoch_s"], width=0.38, color="#08519c",
+               label="later epochs, mean" if k == 0 else None)
+        ax.text(k - 0.2, figures["first_epoch_s"] + 0.2, f"{figures['first_epoch_s']:.1f} s", ha="center", fontsize=7)
+        ax.text(k + 0.2, figures["later_epoch_s"] + 0.2,
+                f"{figures['later_epoch_s']:.1f} s\n{figures['later_stall_pct']:.1f}% stall", ha="center", fontsize=7)
+    ax.set_xticks(range(len(names)), [f"{n}\n{summary[n]['pfs_mb']:.0f} MB from the PFS" for n in names], fontsize=7)
+    ax.set_ylabel("epoch time (s)")
+    ax.set_ylim(0, max(f["first_epoch_s"] for f in summary.values()) * 1.3)
+    ax.set_title(
+        f"{data['samples']:,} samples ({data['dataset_mb']:.0f} MB), {data['nodes']} nodes x 1 rank, "
+        f"PFS capped at {data['pfs_mb_per_s']:.0f} MB/s for every system", fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _rows(name: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = _load(name)["rows"]
     return rows
@@ -237,10 +267,12 @@ def main() -> None:
     headline(stall, IMG / "stall.png")
     per_epoch(stall, IMG / "stall_per_epoch.png")
     overflow(_load("overflow.json"), IMG / "overflow.png")
+    peer_loader(_load("peer_loader.json"), IMG / "peer_loader.png")
     ratios(ratio_figures(), IMG / "ratios.png")
     dashboard(IMG / "dashboard.png")
     shutil.copyfile(RESULTS / "cache_policy.png", IMG / "cache_policy.png")  # drawn by bench/cache_policy.py
-    print(f"wrote {IMG}/stall.png, stall_per_epoch.png, overflow.png, ratios.png, dashboard.png, cache_policy.png")
+    print(f"wrote {IMG}/stall.png, stall_per_epoch.png, overflow.png, peer_loader.png, ratios.png, dashboard.png, "
+          "cache_policy.png")
 
 
 if __name__ == "__main__":
