@@ -62,8 +62,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=SAMPLES)
     parser.add_argument("--epochs", type=int, default=EPOCHS)
-    parser.add_argument("--mosaic-rank", nargs=5, metavar=("REMOTE", "LOCAL", "RANK", "EPOCHS", "RATE"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--mosaic-rank", nargs=5, metavar=("REMOTE", "LOCAL", "RANK", "EPOCHS", "RATE"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.mosaic_rank:
         remote, local, rank, epochs, rate = args.mosaic_rank
@@ -87,10 +88,20 @@ def main() -> None:
         progress(f"mosaic: {args.epochs} epochs")
         rows += _mosaic(root, base, samples, args.epochs)
     out = {
-        "benchmark": "peer_loader", "machine": machine(), "argv": sys.argv, "nodes": NODES, "ranks_per_node": 1,
-        "samples": samples, "dataset_mb": total / 1e6, "pfs_mb_per_s": PFS_BYTES_PER_SECOND / 1e6,
-        "compute_s_per_batch": COMPUTE_SECONDS, "batch": BATCH, "direct_workers": DIRECT_WORKERS,
-        "mosaic_version": _mosaic_version(), "rows": [asdict(r) for r in rows], "summary": summary(rows),
+        "benchmark": "peer_loader",
+        "machine": machine(),
+        "argv": sys.argv,
+        "nodes": NODES,
+        "ranks_per_node": 1,
+        "samples": samples,
+        "dataset_mb": total / 1e6,
+        "pfs_mb_per_s": PFS_BYTES_PER_SECOND / 1e6,
+        "compute_s_per_batch": COMPUTE_SECONDS,
+        "batch": BATCH,
+        "direct_workers": DIRECT_WORKERS,
+        "mosaic_version": _mosaic_version(),
+        "rows": [asdict(r) for r in rows],
+        "summary": summary(rows),
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "peer_loader.json").write_text(json.dumps(out, indent=1))
@@ -105,22 +116,39 @@ def _dataquay_or_direct(cluster: LocalCluster, base: Path, name: str, mode: str,
         settings = ["--mode", mode, "--batch-size", str(BATCH)] + (["--q", str(Q)] if mode == "partial" else [])
         before = _daemon_pfs_mb(cluster)
         started = time.perf_counter()
-        _run("stage", "bench", "--job", job, *settings, "--ranks-per-node", "1", "--quiet",
-             "--directory", cluster.directory_address)
+        _run(
+            "stage",
+            "bench",
+            "--job",
+            job,
+            *settings,
+            "--ranks-per-node",
+            "1",
+            "--quiet",
+            "--directory",
+            cluster.directory_address,
+        )
         staged = time.perf_counter() - started
         staged_mb = _daemon_pfs_mb(cluster) - before
     envs = [cluster.rank_env(rank, 1, job) for rank in range(NODES)]
     direct = Direct(PFS_BYTES_PER_SECOND / NODES, DIRECT_WORKERS)
     rows = []
-    with RankGroup(envs, "bench", base / "ranks" / job, batch=BATCH, compute_seconds=COMPUTE_SECONDS,
-                   timeout=600) as ranks:
+    with RankGroup(
+        envs, "bench", base / "ranks" / job, batch=BATCH, compute_seconds=COMPUTE_SECONDS, timeout=600
+    ) as ranks:
         for epoch in range(epochs):
             results = ranks.epoch(epoch, direct=None if mode else direct, read_ahead=READ_AHEAD)
             row = _row(name, epoch, results, 0)
             if epoch == 0 and staged:
                 # Staging read the PFS bytes the first epoch then found cached: a trainer waits for both.
-                row = EpochRow(**{**asdict(row), "wall_s": row.wall_s + staged, "wait_s": row.wait_s + staged,
-                                  "pfs_mb": row.pfs_mb + staged_mb})
+                row = EpochRow(
+                    **{
+                        **asdict(row),
+                        "wall_s": row.wall_s + staged,
+                        "wait_s": row.wait_s + staged,
+                        "pfs_mb": row.pfs_mb + staged_mb,
+                    }
+                )
                 row = EpochRow(**{**asdict(row), "stall_pct": 100 * row.wait_s / row.wall_s})
             rows.append(row)
     return rows
@@ -162,11 +190,26 @@ def _mosaic(root: Path, base: Path, samples: int, epochs: int) -> list[EpochRow]
     port = _free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--mosaic-rank", str(remote), str(base / f"mosaic-cache-{rank}"), str(rank),
-             str(epochs), str(rate)],
-            stdout=subprocess.PIPE, env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(NODES),
-                                         "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+            [
+                sys.executable,
+                __file__,
+                "--mosaic-rank",
+                str(remote),
+                str(base / f"mosaic-cache-{rank}"),
+                str(rank),
+                str(epochs),
+                str(rate),
+            ],
+            stdout=subprocess.PIPE,
+            env={
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(NODES),
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            },
         )
         for rank in range(NODES)
     ]
@@ -183,8 +226,19 @@ def _mosaic(root: Path, base: Path, samples: int, epochs: int) -> list[EpochRow]
         wait = sum(e["wait"] for e in mine) / len(mine)
         pfs = sum(e["pfs_bytes"] for e in mine) / 1e6
         local = sum(e["bytes"] for e in mine) / 1e6
-        rows.append(EpochRow("mosaic", epoch, wall, wait, 100 * sum(e["wait"] for e in mine) /
-                             sum(e["wall"] for e in mine), local, 0.0, pfs, 0.0))
+        rows.append(
+            EpochRow(
+                "mosaic",
+                epoch,
+                wall,
+                wait,
+                100 * sum(e["wait"] for e in mine) / sum(e["wall"] for e in mine),
+                local,
+                0.0,
+                pfs,
+                0.0,
+            )
+        )
     return rows
 
 

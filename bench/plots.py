@@ -152,17 +152,28 @@ def peer_loader(data: dict[str, Any], path: Path) -> None:
     for k, name in enumerate(names):
         figures = summary[name]
         ax.bar(k - 0.2, figures["first_epoch_s"], width=0.38, color="#9ecae1", label="first epoch" if k == 0 else None)
-        ax.bar(k + 0.2, figures["later_epoch_s"], width=0.38, color="#08519c",
-               label="later epochs, mean" if k == 0 else None)
+        ax.bar(
+            k + 0.2,
+            figures["later_epoch_s"],
+            width=0.38,
+            color="#08519c",
+            label="later epochs, mean" if k == 0 else None,
+        )
         ax.text(k - 0.2, figures["first_epoch_s"] + 0.2, f"{figures['first_epoch_s']:.1f} s", ha="center", fontsize=7)
-        ax.text(k + 0.2, figures["later_epoch_s"] + 0.2,
-                f"{figures['later_epoch_s']:.1f} s\n{figures['later_stall_pct']:.1f}% stall", ha="center", fontsize=7)
+        ax.text(
+            k + 0.2,
+            figures["later_epoch_s"] + 0.2,
+            f"{figures['later_epoch_s']:.1f} s\n{figures['later_stall_pct']:.1f}% stall",
+            ha="center",
+            fontsize=7,
+        )
     ax.set_xticks(range(len(names)), [f"{n}\n{summary[n]['pfs_mb']:.0f} MB from the PFS" for n in names], fontsize=7)
     ax.set_ylabel("epoch time (s)")
     ax.set_ylim(0, max(f["first_epoch_s"] for f in summary.values()) * 1.3)
     ax.set_title(
         f"{data['samples']:,} samples ({data['dataset_mb']:.0f} MB), {data['nodes']} nodes x 1 rank, "
-        f"PFS capped at {data['pfs_mb_per_s']:.0f} MB/s for every system", fontsize=9,
+        f"PFS capped at {data['pfs_mb_per_s']:.0f} MB/s for every system",
+        fontsize=9,
     )
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -271,8 +282,10 @@ def main() -> None:
     ratios(ratio_figures(), IMG / "ratios.png")
     dashboard(IMG / "dashboard.png")
     shutil.copyfile(RESULTS / "cache_policy.png", IMG / "cache_policy.png")  # drawn by bench/cache_policy.py
-    print(f"wrote {IMG}/stall.png, stall_per_epoch.png, overflow.png, peer_loader.png, ratios.png, dashboard.png, "
-          "cache_policy.png")
+    print(
+        f"wrote {IMG}/stall.png, stall_per_epoch.png, overflow.png, peer_loader.png, ratios.png, dashboard.png, "
+        "cache_policy.png"
+    )
 
 
 if __name__ == "__main__":
