@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dataquay.server.tools.demo_report import REAL_STEP, DemoRow, plot, write_json
 
 
+@pytest.mark.slow  # about 75 s: `make demo` runs the same
 def test_demo_reports_the_stall_at_a_real_step_and_writes_its_json(tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = subprocess.run(

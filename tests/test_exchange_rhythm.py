@@ -90,11 +90,12 @@ def capacity(rhythm: Rhythm) -> int:
     return int(rhythm.cache * node_shares(job(rhythm), np.full(SAMPLES, SIZE), rhythm.epochs + 1).max())
 
 
+# The suite runs two; the other q and cache sizes run with the slow ones.
 QUICK = [
     Rhythm(q=1.0, cache=ADVISED),
     Rhythm(q=0.5, cache=ADVISED, read_ahead=0),
-    Rhythm(q=0.1, cache=ADVISED),
-    Rhythm(q=1.0, cache=10.0),
+    pytest.param(Rhythm(q=0.1, cache=ADVISED), marks=pytest.mark.slow),
+    pytest.param(Rhythm(q=1.0, cache=10.0), marks=pytest.mark.slow),
 ]
 LONG = [Rhythm(q, cache, epochs=10) for q in (0.1, 0.5, 1.0) for cache in (ADVISED, 2.5, 10.0)]
 
