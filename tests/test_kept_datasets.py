@@ -65,3 +65,33 @@ def _wait_for_sync(daemon: DaemonProcess, kept_before: int) -> None:
         lambda: daemon.log_path.read_text().count("dataset not listed by the directory") > kept_before,
         "the daemon synced with its directory",
     )
+
+
+def test_a_dataset_added_and_dropped_between_two_heartbeats_is_dropped_on_every_node(tmp_path: Path) -> None:
+    """A node that fetched a dataset from its directory drops it with the
+    directory, though no heartbeat's listing showed it in between."""
+    roots = (tmp_path / "pfs",)
+    root = roots[0] / "imgs"
+    make_files(root, 40, size=500)
+    directory = DirectoryProcess(
+        tmp_path / "directory", ("--heartbeat-seconds", "4", "--lease-seconds", "30"), dataset_roots=roots
+    ).start()
+    daemons = [
+        DaemonProcess(
+            tmp_path / f"node-{i}", ("--directory", directory.address, "--node-name", f"n{i}"), dataset_roots=roots
+        ).start()
+        for i in range(2)
+    ]
+    try:
+        first, second = (stub_for(daemon) for daemon in daemons)
+        add(first, root)
+        stage(second, "imgs")
+        assert stats(second).cache_entries > 0
+        assert first.DropDataset(pb.DropDatasetRequest(name="imgs")).freed_samples >= 0
+        wait_until(lambda: stats(second).cache_entries == 0, "the second node dropped imgs", timeout=30)
+        assert not second.ListDatasets(pb.ListDatasetsRequest()).datasets
+        assert "dataset not listed by the directory" not in daemons[1].log_path.read_text()
+    finally:
+        for daemon in daemons:
+            daemon.kill()
+        directory.kill()

@@ -85,6 +85,10 @@ class Datasets:
         assert self.link is not None
         info, manifest = await self.link.dataset(name)
         entry, previous = self.registry.add(name, manifest, replace=True)
+        # The directory answered for it: dropped there later, it goes here too,
+        # though no sync saw it listed (added and dropped within one heartbeat).
+        self._listed.add(name)
+        self._kept.discard(name)
         await self._dropped(previous, entry)
         await self.store.open_dataset(entry.record.cache_db)
         log.info("dataset fetched from the directory", extra={"fields": {"dataset": name, "samples": info.num_samples}})
@@ -164,10 +168,13 @@ class Datasets:
         """Follows the directory's registry: drops what it dropped, fetches
         again what it replaced, and keeps what it never listed (see above)."""
         assert self.link is not None
+        listed_before = set(self._listed)
         current = {info.name: info.manifest_id for info in await self.link.datasets()}
-        for name in self.registry.names():
+        # One fetched while the listing was on its way is judged by the next listing.
+        fetched_meanwhile = self._listed - listed_before
+        for name in set(self.registry.names()) - fetched_meanwhile:
             listed = current.get(name)
-            if listed is None and name in self._listed:
+            if listed is None and name in listed_before:
                 await self._drop_here(name)
             elif listed is None:
                 if name not in self._kept:
@@ -182,7 +189,7 @@ class Datasets:
                     await self._fetch_once(name)
                 except UnknownDatasetError:
                     await self._drop_here(name)
-        self._listed = set(current)
+        self._listed = set(current) | (self._listed - listed_before)
         self._kept &= set(self.registry.names()) - self._listed
 
     async def _drop_here(self, name: str) -> int:
