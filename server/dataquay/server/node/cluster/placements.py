@@ -187,17 +187,14 @@ class Placements:
 
     async def kept_here(self, job_id: str, entry: Registered) -> np.ndarray | None:
         """The ids a live job will read from this node's cache, sorted: what
-        its placement gives this node now and, where owners move, what the
-        exchange into the next epoch brings and what the one into this epoch
-        may still have to ship from here. None when this node is not one of
-        the job's (it does not know what the job reads here)."""
+        its placement gives this node. None when not known here: this node
+        is not one of the job's, or its owners move (the exchange decides
+        what stays, up to epochs ahead of the job's, see
+        :mod:`dataquay.server.node.exchange.sender`)."""
         now = await self.placement(job_id, entry)
-        if now.node_index < 0:
+        if now.node_index < 0 or now.owners_move:
             return None
-        if not now.owners_move:
-            return now.held()
-        epochs = range(max(0, now.epoch - 1), now.epoch + 2)
-        return np.unique(np.concatenate([(await self.placement(job_id, entry, e)).owned() for e in epochs]))
+        return now.held()
 
     async def kept_for(self, cache_db: str, registry: Registry) -> np.ndarray | None:
         """The ids of ``cache_db`` that the live jobs on this node will read
