@@ -215,7 +215,7 @@ class Placements:
                 return None
             try:
                 ids = await self.kept_here(job.spec.job_id, entry)
-            except DataquayError:
+            except (DataquayError, ValueError):  # a job this node cannot plan: keep what it may read
                 return None
             if ids is None:
                 return None
