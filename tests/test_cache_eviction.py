@@ -47,6 +47,23 @@ def test_a_holding_used_within_the_minimum_age_or_pinned_never_goes() -> None:
     assert [e.index for e in plan] == [2]
 
 
+def test_orphans_of_pinned_holdings_go_after_the_unpinned_ones_oldest_holding_first() -> None:
+    held = Holdings(
+        np.array([100, 400, 300, 200], dtype=np.int64),
+        NOW - np.array([9.0, 3, 30, 0.1]) * DAY,
+        np.array([False, True, True, True]),
+        orphans=np.array([0, 150, 100, 0], dtype=np.int64),
+    )
+    plan = plan_evictions(held, 300, NOW, min_age=DAY)
+    assert [(e.index, e.nbytes, e.whole, e.orphans) for e in plan] == [
+        (0, 100, True, False),
+        (2, 100, False, True),
+        (1, 100, False, True),
+    ]
+    # Never more than the orphans, however much is asked.
+    assert sum(e.nbytes for e in plan_evictions(held, 10_000, NOW, min_age=DAY)) == 100 + 150 + 100
+
+
 def test_admission_says_what_fits_after_what_it_evicts() -> None:
     held = holdings([100, 200], days_unused=[3, 4], pinned=[False, False])
     admitted = admit(500, 250, held, NOW, min_age=DAY)

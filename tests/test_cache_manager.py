@@ -11,11 +11,13 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from one_daemon import cache_stub, cached_samples, daemon_stats
 from polling import wait_until
 from stepped_clock import SteppedClock, needs_faketime
 
+from dataquay.client.placement import initial_owners
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
@@ -27,6 +29,7 @@ SAMPLE = 32 * 1024
 SAMPLES = 48
 #: Three datasets fit, a fourth does not.
 CACHE = "6M"
+AGED = ("--evict-min-age", "1d")
 
 
 @pytest.fixture
@@ -213,3 +216,54 @@ def test_a_live_jobs_dataset_is_never_evicted_however_long_unused(
 
 def pinned(daemon: DaemonProcess) -> dict[str, tuple[str, ...]]:
     return {",".join(h.datasets): tuple(h.pinned_by) for h in daemon_stats(daemon).cache_holdings if h.pinned_by}
+
+
+def test_what_no_live_job_holds_here_gives_way_oldest_first_and_never_what_a_job_reads(
+    tmp_path: Path, stub_for: Callable[[DirectoryProcess], directory_pb2_grpc.DirectoryStub]
+) -> None:
+    # a and b were staged whole on n0; then jobs on n0 and n1 pin them, and
+    # their placements give n0 about half of each. Every holding is used
+    # within --evict-min-age, so only those halves can make room for d.
+    directory = DirectoryProcess(tmp_path / "directory", dataset_roots=(tmp_path,)).start()
+    daemon, other = (
+        DaemonProcess(
+            tmp_path / name,
+            ("--directory", directory.address, "--node-name", name, "--cache-size", CACHE, *AGED, "--heal-after", "0"),
+            dataset_roots=(tmp_path,),
+        )
+        for name in ("n0", "n1")
+    )
+    try:
+        daemon.start()
+        other.start()
+        register(daemon, tmp_path, "a", "b", "c", "d")
+        for name in "abc":
+            stage(daemon, name)
+        jobs = stub_for(directory)
+        for name in "ab":
+            spec = jpb.JobSpec(job_id=f"train-{name}", dataset=name, nodes=["n0", "n1"])
+            jobs.JoinJob(jpb.JoinJobRequest(spec=spec))
+        wait_until(lambda: pinned(daemon) == {"a": ("train-a",), "b": ("train-b",)}, "the daemon sees the jobs")
+        mine = {name: np.flatnonzero(initial_owners(SAMPLES, ["n0", "n1"], "sample", None, name) == 0) for name in "ab"}
+        assert 0 < len(mine["a"]) < SAMPLES
+
+        first, last = stage(daemon, "d")
+        # The samples n1 holds for the jobs make the room: all of a's, the
+        # older, then what d still needs of b's.
+        assert evicted(first) == [("a", False), ("b", False)] and not last.cache_full
+        assert first.admission_fit_bytes == first.admission_need_bytes
+        assert [cached_samples(daemon, n) for n in "acd"] == [len(mine["a"]), SAMPLES, SAMPLES]
+        assert len(mine["b"]) <= cached_samples(daemon, "b") < SAMPLES
+        held = {",".join(h.datasets): h for h in daemon_stats(daemon).cache_holdings}
+        assert held["a"].bytes == len(mine["a"]) * SAMPLE
+        # What the jobs read on n0 is all there: reading it costs no PFS byte.
+        before = daemon_stats(daemon).pfs_bytes
+        with cache_stub(daemon) as stub:
+            for name in "ab":
+                ids = mine[name].tolist()
+                assert sum(len(c.samples) for c in stub.Read(pb.ReadRequest(dataset=name, ids=ids))) == len(ids)
+        assert daemon_stats(daemon).pfs_bytes == before
+    finally:
+        daemon.kill()
+        other.kill()
+        directory.kill()

@@ -302,6 +302,20 @@ def test_a_node_joined_takes_about_one_mth_from_peers_not_the_pfs(mode: str) -> 
         )
 
 
+@pytest.mark.parametrize("mode", ["global", "local", "locality"])
+def test_a_node_lost_and_back_moves_its_share_alone_as_the_daemons_heal_it(mode: str) -> None:
+    sc = changed_scenario(mode, leave_at=2, join_at=3)
+    sc = Scenario(sc.plan, sc.sample_bytes, leave_at=2, join_at=3, joiner=sc.plan.nodes[0])
+    epochs = list(simulate(sc, 5))
+    share = int((owners(sc.plan, 0) == 0).sum()) * SAMPLE_BYTES
+    # Only the lost share moves, to the others from the PFS, then back to it from them.
+    assert [e.moved_bytes for e in epochs] == [0, 0, share, share, 0]
+    assert [e.pfs_bytes for e in epochs[1:]] == [0, share, 0, 0]
+    assert [len(e.sent) for e in epochs] == [NODES, NODES, NODES - 1, NODES, NODES]
+    with pytest.raises(ValueError, match="joiner '1' is already one of the job's nodes before epoch 3"):
+        Scenario(sc.plan, SAMPLE_BYTES, join_at=3, joiner="1")
+
+
 def test_node_changes_print_the_bytes_moved_and_refuse_a_coded_exchange() -> None:
     done = run_cli(*cli_args("local", "--epochs", "3", "--leave-at", "1", "--join-at", "2", "--json"))
     assert done.returncode == 0, done.stderr

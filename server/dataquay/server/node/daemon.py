@@ -14,6 +14,7 @@ the environment synced and closed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shutil
@@ -45,7 +46,7 @@ from dataquay.server.listen import (
     remove_own_socket,
     socket_identity,
 )
-from dataquay.server.node.cache.manager import CacheManager
+from dataquay.server.node.cache.manager import STAGING, CacheManager
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.client_stats import ClientStatsBook
 from dataquay.server.node.cluster.directory_link import DirectoryLink
@@ -159,6 +160,7 @@ class Daemon(ServerLifecycle):
             parse_quotas(config.cache_quotas),
             self._job_pins,
             self._staging_left,
+            functools.partial(self.placements.kept_for, registry=self.registry) if self.placements else None,
         )
         self.reads.used = self.cache.used
         self.exchanges: Exchanges | None = None
@@ -422,7 +424,7 @@ class Daemon(ServerLifecycle):
         pins: dict[str, list[str]] = {}
         for name, run in self.stager.runs.items():
             if not run.finished and name in self.registry.names():
-                pins.setdefault(self.registry.get(name).record.cache_db, []).append("staging")
+                pins.setdefault(self.registry.get(name).record.cache_db, []).append(STAGING)
         for job in self.link.jobs.values() if self.link is not None else ():
             if job.spec.nodes and self.config.node_name not in job.spec.nodes:
                 continue

@@ -35,11 +35,15 @@ the PFS. The model:
   epoch also carries the uncoded exchange from the same caches, so the two
   compare on equal terms.
 - A node change (``leave_at``, ``join_at``) re-forms the job before that
-  epoch on the node set without its first node, or with a spare added:
+  epoch on the node set without its first node, or with a node added:
   every sample whose holder changes moves once (``moved``). One whose old
   holder is still up comes from it over the network; one whose holder left
   is read from the PFS by its new holder in that epoch and cached, so the
-  PFS reads no more of it after. Modes whose owners move (``partial``)
+  PFS reads no more of it after. Modes whose owners never move change
+  holders as the daemons heal (:mod:`dataquay.server.node.cluster.healing`):
+  the share of the node that left goes where the stable placement on the
+  others puts it, the node that joins takes its share of the stable
+  placement, and nothing else moves. Modes whose owners move (``partial``)
   keep their history (:func:`~dataquay.client.placement.reform`) and
   exchange on from it; a coded exchange is not modelled across a change.
 - The estimate (:func:`estimate`) takes per-node training, aggregate PFS and
@@ -70,6 +74,7 @@ from dataquay.client.placement import (
     rank_length,
     reform,
 )
+from dataquay.server.node.cluster.healing import healed_holders
 from dataquay.server.node.exchange.coding import SCHEMES
 from dataquay.server.planning.capacity import exchange_reserve, stored_bytes
 from dataquay.server.tools.coded_traffic import CodedEpoch, CodedExchanges
@@ -93,8 +98,10 @@ class Scenario:
             (:mod:`dataquay.server.tools.coded_traffic`).
         leave_at: the epoch before which the plan's first node leaves; None
             for none.
-        join_at: the epoch before which a spare node (:data:`SPARE`) joins;
-            None for none.
+        join_at: the epoch before which a spare node joins; None for none.
+        joiner: the name of the node that joins; the default sorts after
+            "0".."M-1". The name of the node that left models it coming back
+            (a placement hashes names, so it takes the share it had).
 
     Raises:
         ValueError: a field outside its range, named in the message.
@@ -106,6 +113,7 @@ class Scenario:
     exchange_coding: str = "none"
     leave_at: int | None = None
     join_at: int | None = None
+    joiner: str = SPARE
 
     def __post_init__(self) -> None:
         plan = self.plan
@@ -135,14 +143,16 @@ class Scenario:
                 raise ValueError(f"{name} is not modelled with exchange_coding {self.exchange_coding}: use none")
         if self.leave_at is not None and plan.num_nodes < 2:
             raise ValueError("leave_at needs at least 2 nodes: the job must keep one")
+        if self.join_at is not None and self.joiner in self.plan_at(self.join_at - 1).nodes:
+            raise ValueError(f"joiner {self.joiner!r} is already one of the job's nodes before epoch {self.join_at}")
 
     def plan_at(self, epoch: int) -> JobPlan:
-        """The plan of ``epoch``: the job's, less the node that left, plus the spare that joined."""
+        """The plan of ``epoch``: the job's, less the node that left, plus the one that joined."""
         names = list(self.plan.nodes)
         if self.leave_at is not None and epoch >= self.leave_at:
             names = names[1:]
         if self.join_at is not None and epoch >= self.join_at:
-            names.append(SPARE)
+            names.append(self.joiner)
         if tuple(names) == self.plan.nodes:
             return self.plan
         return replace(self.plan, settings=replace(self.plan.settings, nodes=tuple(names)), num_nodes=len(names))
@@ -344,9 +354,28 @@ def _reform(before: JobPlan, after: JobPlan, current: np.ndarray, epoch: int) ->
     index = {name: node for node, name in enumerate(after.nodes)}
     survivor = np.array([index.get(name, -1) for name in before.nodes], dtype=np.int32)
     old = survivor[current]
-    new = reform(before, after, epoch - 1, current)
+    if MODES[after.settings.mode].owners_move:
+        new = reform(before, after, epoch - 1, current)
+    else:
+        new = _healed(before, after, current, survivor)
     ids = np.flatnonzero(old != new).astype(np.int64)
     return new, Moves(ids, old[ids], new[ids])
+
+
+def _healed(before: JobPlan, after: JobPlan, current: np.ndarray, survivor: np.ndarray) -> np.ndarray:
+    """The holders on ``after``'s nodes as the daemons heal a job whose owners
+    never move (:mod:`dataquay.server.node.cluster.healing`): the share of a
+    node that left goes where the stable placement on the others puts it,
+    and a node that joins takes its share of the stable placement on
+    ``after`` from whoever held it; every other sample keeps its holder."""
+    left = tuple(name for name in before.nodes if name not in after.nodes)
+    new = survivor[healed_holders(before, current, left)] if left else survivor[current]
+    joined = [node for node, name in enumerate(after.nodes) if name not in before.nodes]
+    if joined:
+        stable = owners(after, 0)
+        takes = np.isin(stable, joined)
+        new[takes] = stable[takes]
+    return new.astype(current.dtype, copy=False)
 
 
 def estimate(scenario: Scenario, traffic: EpochTraffic, rates: Rates) -> Estimate:

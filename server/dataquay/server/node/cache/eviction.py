@@ -5,8 +5,12 @@ would otherwise read from the PFS what the cache was sized to hold. Between
 datasets the cache is least recently used: a dataset no live job pins, and
 that no one has used for at least the operator's minimum age, gives way to
 one being staged, oldest use first; the last one taken gives only what is
-still missing. Each holding is one cache sub-database (one version of a
-dataset), described by parallel arrays.
+still missing. A holding a live job pins may still hold samples no live job's
+placement gives this node (its share moved elsewhere when a node was lost,
+came back or joined): when the unpinned holdings are not room enough, those
+go, oldest holding first, and never a sample a live job will read here. Each
+holding is one cache sub-database (one version of a dataset), described by
+parallel arrays.
 """
 
 from __future__ import annotations
@@ -24,20 +28,25 @@ class Holdings:
         nbytes: bytes of cache pages each holds.
         last_use: Unix time each was last staged, read or exchanged into.
         pinned: whether a live job (or the operator) pins it.
+        orphans: bytes of pages of a pinned holding that no live job's
+            placement gives this node (0 where unknown or unpinned).
     """
 
     nbytes: np.ndarray
     last_use: np.ndarray
     pinned: np.ndarray
+    orphans: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
 class Eviction:
-    """Bytes to take from one holding: ``whole`` drops it, else its last samples go."""
+    """Bytes to take from one holding: ``whole`` drops it, else its last
+    samples go; ``orphans``: only samples no live job's placement gives this node."""
 
     index: int
     nbytes: int
     whole: bool
+    orphans: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,7 +77,9 @@ def evictable(holdings: Holdings, now: float, min_age: float) -> np.ndarray:
 def plan_evictions(holdings: Holdings, room: int, now: float, min_age: float) -> tuple[Eviction, ...]:
     """What to evict, least recently used first, to free ``room`` bytes (as
     much as may be, when fewer are evictable). Ties go to the larger holding,
-    so that fewer datasets lose their cache."""
+    so that fewer datasets lose their cache. Then, when that is not enough,
+    the orphans of pinned holdings, the least recently used holding first: a
+    pinned holding is in use, but no live job reads those samples here."""
     if room <= 0:
         return ()
     candidates = np.flatnonzero(evictable(holdings, now, min_age))
@@ -78,6 +89,14 @@ def plan_evictions(holdings: Holdings, room: int, now: float, min_age: float) ->
     for index in order.tolist():
         size = int(holdings.nbytes[index])
         plan.append(Eviction(index, min(size, left), whole=size <= left))
+        left -= size
+        if left <= 0:
+            return tuple(plan)
+    orphans = holdings.orphans if holdings.orphans is not None else np.zeros(len(holdings.nbytes), dtype=np.int64)
+    with_orphans = np.flatnonzero(holdings.pinned & (orphans > 0))
+    for index in with_orphans[np.argsort(holdings.last_use[with_orphans], kind="stable")].tolist():
+        size = int(orphans[index])
+        plan.append(Eviction(index, min(size, left), whole=False, orphans=True))
         left -= size
         if left <= 0:
             break

@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,6 +38,8 @@ log = logging.getLogger("dataquay.cache")
 
 #: The operator's pin, as :attr:`Holding.pinned_by` names it.
 OPERATOR = "operator"
+#: A staging run's pin, as :attr:`Holding.pinned_by` names it.
+STAGING = "staging"
 #: Seconds between saves of last uses that only reads changed.
 SAVE_SECONDS = 60.0
 
@@ -107,6 +109,8 @@ class CacheManager:
         staging_left: the fraction of its bytes each staging run under way
             has still to write, by cache sub-database: of the room it was
             admitted to, what a later admission must not count free.
+        job_holds: the ids the live jobs' placements give this node in a
+            cache sub-database, sorted; None when not known (all are kept).
     """
 
     def __init__(
@@ -118,8 +122,10 @@ class CacheManager:
         quotas: tuple[Quota, ...] = (),
         job_pins: Callable[[], Mapping[str, list[str]]] = dict,
         staging_left: Callable[[], Mapping[str, float]] = dict,
+        job_holds: Callable[[str], Awaitable[np.ndarray | None]] | None = None,
     ) -> None:
         self.store = store
+        self.job_holds = job_holds
         self.registry = registry
         self.path = Path(state_dir) / "cache_use.json"
         self.min_age = min_age
@@ -210,13 +216,40 @@ class CacheManager:
             )
         return rows
 
-    def _arrays(self, rows: list[Holding], keep: str = "") -> Holdings:
+    def _arrays(self, rows: list[Holding], keep: str = "", orphans: Mapping[str, np.ndarray] | None = None) -> Holdings:
         """The policy's view of ``rows``, in bytes of pages; ``keep`` is pinned too (what is staged)."""
+        orphans = orphans or {}
         return Holdings(
             nbytes=np.array([self._pages(r.nbytes) for r in rows], dtype=np.int64),
             last_use=np.array([r.last_use for r in rows], dtype=np.float64),
             pinned=np.array([bool(r.pinned_by) or r.cache_db == keep for r in rows], dtype=bool),
+            orphans=np.array([self._orphan_pages(r, orphans.get(r.cache_db)) for r in rows], dtype=np.int64),
         )
+
+    async def _orphans(self, rows: list[Holding], keep: str = "") -> dict[str, np.ndarray]:
+        """The cached ids of each holding pinned by live jobs alone that none
+        of their placements gives this node. A holding being staged, pinned
+        by the operator or by a job whose placement is not known keeps all."""
+        if self.job_holds is None:
+            return {}
+        found = {}
+        for row in rows:
+            if not row.pinned_by or row.cache_db == keep or {OPERATOR, STAGING} & set(row.pinned_by):
+                continue
+            holds = await self.job_holds(row.cache_db)
+            if holds is None:
+                continue
+            cached = self.store.writer.cached.ids(row.cache_db.encode())
+            orphans = cached[~np.isin(cached, holds, assume_unique=True)]
+            if len(orphans):
+                found[row.cache_db] = orphans
+        return found
+
+    def _orphan_pages(self, row: Holding, orphans: np.ndarray | None) -> int:
+        """Bytes of pages ``orphans`` of ``row`` take, at the holding's mean sample size."""
+        if orphans is None or not row.samples:
+            return 0
+        return self._pages(row.nbytes) * len(orphans) // row.samples
 
     def _pages(self, payload: int) -> int:
         """Bytes of pages ``payload`` bytes take, at the cache's own ratio."""
@@ -288,8 +321,10 @@ class CacheManager:
             raise _quota_error(f"staging {entry.record.name!r}", int(lengths.sum()), *over)
         self._charge(db, uid, gids)
         need = int(value_bytes(lengths + CHECKSUM_BYTES).sum())
-        admission = admit(need, self.free(leave_room), self._arrays(rows, keep=db), time.time(), self.min_age)
-        evicted = await self._evict(rows, admission.evictions, "staging", entry.record.name)
+        free = self.free(leave_room)
+        orphans = await self._orphans(rows, keep=db) if need > free else {}
+        admission = admit(need, free, self._arrays(rows, db, orphans), time.time(), self.min_age)
+        evicted = await self._evict(rows, admission.evictions, "staging", entry.record.name, orphans)
         self._admitted[db] = admission.fits
         return Admitted(admission.need, admission.fits, evicted)
 
@@ -316,8 +351,9 @@ class CacheManager:
         """Evicts up to ``nbytes`` of pages for an exchange's arrivals; returns what was evicted."""
         async with self._planning:
             rows = self.holdings()
-            plan = plan_evictions(self._arrays(rows), nbytes, time.time(), self.min_age)
-            return sum(e.nbytes for e in await self._evict(rows, plan, "exchange", ""))
+            orphans = await self._orphans(rows)
+            plan = plan_evictions(self._arrays(rows, orphans=orphans), nbytes, time.time(), self.min_age)
+            return sum(e.nbytes for e in await self._evict(rows, plan, "exchange", "", orphans))
 
     # ------------------------------------------------------- operators
 
@@ -368,11 +404,18 @@ class CacheManager:
     # -------------------------------------------------------- evicting
 
     async def _evict(
-        self, rows: list[Holding], plan: tuple[Eviction, ...], why: str, staging: str
+        self,
+        rows: list[Holding],
+        plan: tuple[Eviction, ...],
+        why: str,
+        staging: str,
+        orphans: Mapping[str, np.ndarray] | None = None,
     ) -> tuple[Evicted, ...]:
         for eviction in plan:
             row = rows[eviction.index]
-            if eviction.whole:
+            if eviction.orphans:
+                samples, freed = await self._evict_part(row, eviction.nbytes, (orphans or {})[row.cache_db])
+            elif eviction.whole:
                 samples = await self.store.drop_dataset(row.cache_db)
                 freed = row.nbytes
                 self._uses.pop(row.cache_db, None)
@@ -389,6 +432,7 @@ class CacheManager:
                         "samples": samples,
                         "bytes": freed,
                         "whole": eviction.whole,
+                        "orphans": eviction.orphans,
                         "for": why,
                         "staging": staging,
                         "unused_seconds": round(time.time() - row.last_use),
@@ -399,11 +443,13 @@ class CacheManager:
             self.save()
         return tuple(Evicted(rows[e.index], e.nbytes, e.whole) for e in plan)
 
-    async def _evict_part(self, row: Holding, nbytes: int) -> tuple[int, int]:
-        """Deletes a holding's highest ids up to ``nbytes`` of pages; (samples, payload bytes) freed."""
+    async def _evict_part(self, row: Holding, nbytes: int, among: np.ndarray | None = None) -> tuple[int, int]:
+        """Deletes a holding's highest ids (of ``among`` when given) up to
+        ``nbytes`` of pages; (samples, payload bytes) freed."""
         raw = row.cache_db.encode()
-        cached = self.store.writer.cached.ids(raw)
-        per_sample = self._pages(row.nbytes) / max(1, len(cached))
+        held = self.store.writer.cached.ids(raw)
+        cached = held if among is None else among
+        per_sample = self._pages(row.nbytes) / max(1, len(held))
         ids = partial_ids(cached, np.full(len(cached), per_sample), nbytes)
         before = self.store.writer.payload_bytes.get(raw, 0)
         removed = await self.store.discard(row.cache_db, ids)

@@ -33,10 +33,11 @@ from dataquay.client.jobs import job_plan
 from dataquay.client.placement import MODES, JobPlan, owned_ids, owners
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.dirs import private_dir, private_opener
+from dataquay.server.errors import DataquayError
 from dataquay.server.node.cluster.directory_link import DirectoryLink
 from dataquay.server.node.cluster.healing import healed_holders
 from dataquay.server.planning.spill import NO_HOLDER, spill_holders
-from dataquay.server.registry import Registered
+from dataquay.server.registry import Registered, Registry
 
 log = logging.getLogger("dataquay.jobs")
 
@@ -183,6 +184,43 @@ class Placements:
         while len(self._kept) > KEPT_EPOCHS:
             del self._kept[next(iter(self._kept))]
         return kept
+
+    async def kept_here(self, job_id: str, entry: Registered) -> np.ndarray | None:
+        """The ids a live job will read from this node's cache, sorted: what
+        its placement gives this node. None when not known here: this node
+        is not one of the job's, or its owners move (the exchange decides
+        what stays, up to epochs ahead of the job's, see
+        :mod:`dataquay.server.node.exchange.sender`)."""
+        now = await self.placement(job_id, entry)
+        if now.node_index < 0 or now.owners_move:
+            return None
+        return now.held()
+
+    async def kept_for(self, cache_db: str, registry: Registry) -> np.ndarray | None:
+        """The ids of ``cache_db`` that the live jobs on this node will read
+        from its cache, sorted (see :meth:`kept_here`); None when not known:
+        no job reads it, it is not the registered version, a job's placement
+        cannot be computed or this node is not one of a job's."""
+        on_db = [
+            job
+            for job in list(self.link.jobs.values())
+            if (not job.spec.nodes or self.node_name in job.spec.nodes)
+            and job.spec.dataset in registry.names()
+            and registry.get(job.spec.dataset).record.cache_db == cache_db
+        ]
+        kept = []
+        for job in on_db:
+            entry = registry.get(job.spec.dataset)
+            if job.manifest_id != entry.record.manifest_id:
+                return None
+            try:
+                ids = await self.kept_here(job.spec.job_id, entry)
+            except (DataquayError, ValueError):  # a job this node cannot plan: keep what it may read
+                return None
+            if ids is None:
+                return None
+            kept.append(ids)
+        return np.unique(np.concatenate(kept)) if kept else None
 
     async def holders(self, job: jpb.Job, entry: Registered, lost: tuple[str, ...]) -> np.ndarray:
         """The holders of a job whose owners never move, with the share of the
