@@ -8,6 +8,7 @@ cache that cannot hold a dataset is reported as holding what it holds."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -40,8 +41,13 @@ MAKERS: dict[str, Callable[[Path], Path]] = {
 
 
 def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    # A wide "terminal": tqdm cuts a bar written to a pipe at COLUMNS.
     done = subprocess.run(
-        [sys.executable, "-m", "dataquay.server.cli", *argv], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "dataquay.server.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "250"},
     )
     assert done.returncode == 0, done.stderr
     return done

@@ -39,7 +39,7 @@ def _default_cache_size(config: object) -> int | None:
     a config without a cache or with a size set."""
     if getattr(config, "cache_size", None) != 0:
         return None
-    path = Path(getattr(config, "cache_dir"))
+    path = Path(config.cache_dir)  # type: ignore[attr-defined]  # a config with cache_size has one
     while not path.exists() and path != path.parent:
         path = path.parent
     return CacheFile(path).default_capacity()

@@ -8,7 +8,6 @@ for the reference page of ``status --json``."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,11 +36,11 @@ def _enum_word(enum: EnumDescriptor, number: int) -> str | int:
     value = enum.values_by_number.get(number)
     if value is None:
         return number
-    names = [v.name for v in enum.values]
-    shared = os.path.commonprefix(names) if len(names) > 1 else ""
-    prefix = shared[: shared.rfind("_") + 1]
-    name: str = value.name
-    return name[len(prefix) :].lower()
+    words = [v.name.split("_") for v in enum.values]
+    shared = 0
+    while len(words) > 1 and all(len(w) > shared + 1 and w[shared] == words[0][shared] for w in words):
+        shared += 1
+    return "_".join(value.name.split("_")[shared:]).lower()
 
 
 def _value(field: FieldDescriptor, value: Any) -> Any:
@@ -98,7 +97,8 @@ def _type(field: FieldDescriptor) -> str:
 def _field_type(field: FieldDescriptor) -> str:
     entry = field.message_type
     if entry is not None and entry.GetOptions().map_entry:
-        return f"object: keys {_type(entry.fields_by_name['key'])} as text, values {_type(entry.fields_by_name['value'])}"
+        key, value = entry.fields_by_name["key"], entry.fields_by_name["value"]
+        return f"object: keys {_type(key)} as text, values {_type(value)}"
     if field.is_repeated:
         return f"array of {_type(field)}"
     return _type(field) + (", or null when unset" if _optional_scalar(field) else "")
