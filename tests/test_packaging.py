@@ -188,3 +188,23 @@ def test_the_runtime_floors_are_what_the_generated_code_checks_at_import() -> No
     assert _floor(requirements, "protobuf") == protobuf.pop()
     floor = grpc.pop()
     assert _floor(requirements, "grpcio") == floor and _floor(requirements, "grpcio-health-checking") == floor
+
+
+def test_test_oldest_pins_every_runtime_dependency_at_its_floor() -> None:
+    """`make test-oldest` installs what .ci/oldest-constraints prints: each
+    dependency of pyproject at the lowest version it declares, markers kept."""
+    requirements = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    printed = subprocess.run(
+        [sys.executable, str(REPO / ".ci" / "oldest-constraints"), str(REPO / "pyproject.toml")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.splitlines()
+    assert len(printed) == len(requirements)
+    for line, requirement in zip(printed, requirements):
+        name = re.match(r"[\w.-]+", requirement)
+        assert name is not None and line.split(" ;")[0] == f"{name[0]}=={_floor(requirements, name[0])}"
+        assert (";" in line) == (";" in requirement)
+    makefile = (REPO / "Makefile").read_text()
+    assert "-c $(OLDEST)/constraints.txt" in makefile and ".ci/oldest-constraints pyproject.toml" in makefile
