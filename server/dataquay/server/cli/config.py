@@ -10,7 +10,7 @@ from pathlib import Path
 
 import dataquay.server.config as server_config
 from dataquay.server.cli.common import print_table
-from dataquay.server.config import SERVICES, ConfigFile, add_config_argument
+from dataquay.server.config import SERVICES, ConfigFile, DaemonConfig, add_config_argument
 from dataquay.server.node.cache.file import CacheFile
 from dataquay.server.sizes import format_bytes
 
@@ -36,10 +36,10 @@ def _text_value(value: object) -> str:
 def _default_cache_size(config: object) -> int | None:
     """What ``cache_size = 0`` gives a daemon started now: the capacity it
     would open its cache with (see ``CacheFile.default_capacity``); None for
-    a config without a cache or with a size set."""
-    if getattr(config, "cache_size", None) != 0:
+    the directory's config or a size set."""
+    if not isinstance(config, DaemonConfig) or config.cache_size:
         return None
-    path = Path(config.cache_dir)  # type: ignore[attr-defined]  # a config with cache_size has one
+    path = Path(config.cache_dir)
     while not path.exists() and path != path.parent:
         path = path.parent
     return CacheFile(path).default_capacity()
