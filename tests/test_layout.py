@@ -156,7 +156,8 @@ def test_the_directory_imports_nothing_of_the_daemon() -> None:
 def test_only_the_cli_uses_the_tools_and_nothing_uses_the_cli() -> None:
     graph = import_graph()
     tools, cli = _inside(graph, TOOLS), _inside(graph, CLI)
-    below = sorted(set(graph) - tools - cli)
+    # `python -m dataquay` is the command itself: above the CLI, which it runs.
+    below = sorted(set(graph) - tools - cli - {"dataquay.__main__"})
     chains = [" -> ".join(chain) for name in below if (chain := shortest_path(graph, name, tools | cli))] + [
         f"{name} -> {target}" for name in sorted(tools) for target in sorted(graph[name] & cli)
     ]
@@ -173,7 +174,10 @@ def test_every_package_is_in_the_wheel() -> None:
     # Folders of data alone (the deploy files): listed, with package data, and no code.
     data = {name for name in set(setuptools["packages"]) - packages if name in setuptools["package-data"]}
     assert all(not list((REPO / "server" / Path(*name.split("."))).rglob("*.py")) for name in data)
-    assert packages | data == set(setuptools["packages"])
+    # The namespace itself, listed for its one module (`python -m dataquay`) and nothing else.
+    assert [p.name for p in (REPO / "server" / "dataquay").glob("*.py")] == ["__main__.py"]
+    assert not [p for root in ("protos", "client") for p in (REPO / root / "dataquay").glob("*.py")]
+    assert packages | data | {"dataquay"} == set(setuptools["packages"])
 
 
 #: The rooms of node/ and what each may import of the others and of node/'s root

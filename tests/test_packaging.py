@@ -135,6 +135,35 @@ def test_the_wheel_carries_the_deploy_files_and_a_short_description_with_classif
     assert 200 < len(description) < 2000 and re.findall(r"\]\((?!https?://)", description) == []
 
 
+def test_python_m_dataquay_runs_the_command_from_the_wheel_and_from_the_clone(
+    wheel_without_compiler: Path, tmp_path: Path
+) -> None:
+    with zipfile.ZipFile(wheel_without_compiler) as archive:
+        names = archive.namelist()
+        archive.extractall(tmp_path / "installed")
+    # The namespace holds one module and no __init__.py: dataquay stays a PEP 420 namespace.
+    assert "dataquay/__main__.py" in names and not [
+        n for n in names if re.fullmatch(r"dataquay/[^/]+", n) and n != "dataquay/__main__.py"
+    ]
+    # -S: the dependencies from this environment, but not its editable dataquay.
+    from_wheel = subprocess.run(
+        [sys.executable, "-S", "-m", "dataquay", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "installed"), *site.getsitepackages()])},
+    )
+    assert (from_wheel.returncode, from_wheel.stdout) == (0, "dataquay 0.1.0\n"), from_wheel.stderr
+    # The editable install of the clone (make's .venv), run away from the repository.
+    script = "import runpy, dataquay; print(dataquay.__path__[0]); runpy.run_module('dataquay', run_name='__main__')"
+    from_clone = subprocess.run(
+        [sys.executable, "-c", script, "--version"], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert from_clone.returncode == 0, from_clone.stderr
+    assert from_clone.stdout.splitlines() == [str(REPO / "server" / "dataquay"), "dataquay 0.1.0"]
+
+
 def _floor(requirements: list[str], name: str) -> str:
     (floor,) = [r.split(">=", 1)[1].split(";")[0].strip() for r in requirements if re.match(rf"{name}>=", r)]
     return floor
@@ -159,3 +188,23 @@ def test_the_runtime_floors_are_what_the_generated_code_checks_at_import() -> No
     assert _floor(requirements, "protobuf") == protobuf.pop()
     floor = grpc.pop()
     assert _floor(requirements, "grpcio") == floor and _floor(requirements, "grpcio-health-checking") == floor
+
+
+def test_test_oldest_pins_every_runtime_dependency_at_its_floor() -> None:
+    """`make test-oldest` installs what .ci/oldest-constraints prints: each
+    dependency of pyproject at the lowest version it declares, markers kept."""
+    requirements = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    printed = subprocess.run(
+        [sys.executable, str(REPO / ".ci" / "oldest-constraints"), str(REPO / "pyproject.toml")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.splitlines()
+    assert len(printed) == len(requirements)
+    for line, requirement in zip(printed, requirements):
+        name = re.match(r"[\w.-]+", requirement)
+        assert name is not None and line.split(" ;")[0] == f"{name[0]}=={_floor(requirements, name[0])}"
+        assert (";" in line) == (";" in requirement)
+    makefile = (REPO / "Makefile").read_text()
+    assert "-c $(OLDEST)/constraints.txt" in makefile and ".ci/oldest-constraints pyproject.toml" in makefile

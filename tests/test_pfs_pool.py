@@ -49,7 +49,7 @@ def test_a_staging_stream_left_early_reads_no_further(tmp_path: Path) -> None:
 
     async def run() -> int:
         stream = pool.stream("ds", manifest, ranges, backlog=lambda: 0.0)
-        first, _ = await anext(stream)
+        first = (await anext(stream)).values
         await stream.aclose()
         # The one thread takes jobs in order: once this one is read, the left one is done too.
         async for _ in pool.stream("ds", manifest, ranges[:1], backlog=lambda: 0.0):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import time
 
 import pytest
 
@@ -261,3 +262,27 @@ def test_a_state_saved_without_consumed_resumes_on_another_world_size() -> None:
     for sampler in resumed:
         sampler.load_state_dict(old)
     assert read_in_lockstep(resumed) == epoch_order(40, 3, 1).tolist()[10:]
+
+
+def test_a_loop_asking_for_its_order_every_step_computes_it_once_per_epoch() -> None:
+    # The README's cluster loop calls indices() each step: at 1.28M samples
+    # a permutation is ~100 ms, about 70 s an epoch if computed every time.
+    sampler = Sampler(1_280_000, rank=3, world_size=8, seed=5)
+    started = time.perf_counter()
+    first = sampler.indices()
+    for _ in range(100):
+        assert sampler.indices() is first
+    assert time.perf_counter() - started < 2.0
+    assert not first.flags.writeable  # shared by every call: nobody may shuffle it in place
+    fresh = Sampler(1_280_000, rank=3, world_size=8, seed=5)
+    sampler.set_epoch(1)
+    fresh.set_epoch(1)
+    assert sampler.indices() is not first and (sampler.indices() == fresh.indices()).all()
+    assert (sampler.indices(0) == first).all()
+    # A resume on another world size deals the rest of the epoch anew: not the cached order.
+    state = sampler.state_dict(consumed=1000)
+    resumed = Sampler(1_280_000, rank=3, world_size=4, seed=5)
+    resumed.indices(1)
+    resumed.load_state_dict({**state, "world_size": 4, "rank": 3})
+    resumed.set_epoch(1)
+    assert len(resumed.indices()) == len(resumed) < len(Sampler(1_280_000, rank=3, world_size=4, seed=5))

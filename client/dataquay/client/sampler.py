@@ -98,6 +98,9 @@ class Sampler:
         self._start = 0
         # A restored position that the next iteration starts from.
         self._resuming = False
+        # The last order computed, by (epoch, _start): a permutation of N ids
+        # costs ~100 ms at a million samples, and loops call indices() per step.
+        self._order: tuple[tuple[int, int], np.ndarray] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch whose order the next iteration yields, from its start.
@@ -211,8 +214,18 @@ class Sampler:
         }
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
-        """This rank's ids for ``epoch`` (default: the current one), in reading order (int64)."""
+        """This rank's ids for ``epoch`` (default: the current one), in reading
+        order (int64, read-only): computed once per epoch, however often asked."""
         epoch = self.epoch if epoch is None else epoch
+        key = (epoch, self._start if epoch == self.epoch else 0)
+        if self._order is not None and self._order[0] == key:
+            return self._order[1]
+        ids = self._compute_indices(epoch)
+        ids.flags.writeable = False
+        self._order = (key, ids)
+        return ids
+
+    def _compute_indices(self, epoch: int) -> np.ndarray:
         if self._start and epoch == self.epoch:
             rest = epoch_order(self.num_samples, self.seed, epoch, self.shuffle)[self._start :]
             return rank_split(rest, self.rank, self.world_size, self.drop_last)
@@ -381,11 +394,9 @@ class JobSampler(Sampler):
             )
         super().load_state_dict(state)
 
-    def indices(self, epoch: int | None = None) -> np.ndarray:
-        """This rank's ids for ``epoch`` (default: the current one), in reading order (int64)."""
-        epoch = self.epoch if epoch is None else epoch
+    def _compute_indices(self, epoch: int) -> np.ndarray:
         if self._start and epoch == self.epoch:
-            return super().indices(epoch)  # mode global, resumed on another world size
+            return super()._compute_indices(epoch)  # mode global, resumed on another world size
         epoch_owners = self.owners(epoch) if MODES[self.plan.settings.mode].owners_move else None
         return rank_order(self.plan, epoch, self.rank, epoch_owners)
 

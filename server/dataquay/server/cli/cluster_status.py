@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 
 from dataquay.client.wire.tiers import CACHE, LOCAL, PEER, PFS, SERVED_TIERS
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2 as dpb
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.cli.common import directory_address, directory_stub, node_stub, print_table
+from dataquay.server.cli.plain_json import plain
 from dataquay.server.sizes import format_bytes
 
 #: Deadline of one node's Stats in `status`: a node slower than this shows as unreachable.
@@ -65,18 +65,16 @@ def cluster_snapshot(args: argparse.Namespace) -> ClusterSnapshot:
 
 
 def cluster_json(snapshot: ClusterSnapshot) -> dict[str, Any]:
-    """The snapshot as one JSON document (``status --json``)."""
-
-    def as_dict(message: Any) -> dict[str, Any]:
-        return MessageToDict(message, preserving_proto_field_name=True)
-
+    """The snapshot as one plain JSON document (``status --json``; its
+    schema: docs/reference/status-json.md). A node that did not answer has
+    ``"stats": null``."""
     return {
         "directory": snapshot.directory,
         "nodes": [
-            {**as_dict(n), "stats": as_dict(s) if (s := snapshot.stats[n.info.name]) is not None else None}
+            {**plain(n), "stats": plain(s) if (s := snapshot.stats[n.info.name]) is not None else None}
             for n in snapshot.nodes
         ],
-        "jobs": [as_dict(j) for j in snapshot.jobs],
+        "jobs": [plain(j) for j in snapshot.jobs],
     }
 
 

@@ -10,10 +10,15 @@ from pathlib import Path
 
 import dataquay.server.config as server_config
 from dataquay.server.cli.common import print_table
-from dataquay.server.config import SERVICES, ConfigFile, add_config_argument
+from dataquay.server.config import SERVICES, ConfigFile, DaemonConfig, add_config_argument
+from dataquay.server.node.cache.file import CacheFile
+from dataquay.server.sizes import format_bytes
 
 
 def _json_value(value: object) -> object:
+    """A setting as JSON: paths as text, also inside a list of them (``dataset_roots``)."""
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
     return str(value) if isinstance(value, Path) else value
 
 
@@ -28,6 +33,18 @@ def _text_value(value: object) -> str:
     return str(value)
 
 
+def _default_cache_size(config: object) -> int | None:
+    """What ``cache_size = 0`` gives a daemon started now: the capacity it
+    would open its cache with (see ``CacheFile.default_capacity``); None for
+    the directory's config or a size set."""
+    if not isinstance(config, DaemonConfig) or config.cache_size:
+        return None
+    path = Path(config.cache_dir)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return CacheFile(path).default_capacity()
+
+
 def cmd_config_show(args: argparse.Namespace) -> None:
     """Resolves both services' settings as `serve` and `directory` would
     without flags, so every value here is what the environment, the file or
@@ -37,10 +54,13 @@ def cmd_config_show(args: argparse.Namespace) -> None:
     if args.json:
         document: dict[str, object] = {"config_file": str(file.path) if file is not None else None}
         for section, (config, sources) in resolved.items():
-            document[section] = {
+            settings: dict[str, dict[str, object]] = {
                 name: {"value": _json_value(getattr(config, name)), "source": source}
                 for name, source in sources.items()
             }
+            if (effective := _default_cache_size(config)) is not None:
+                settings["cache_size"]["effective"] = effective
+            document[section] = settings
         print(json.dumps(document, indent=2))
         return
     if file is not None:
@@ -50,6 +70,13 @@ def cmd_config_show(args: argparse.Namespace) -> None:
     for section, (config, sources) in resolved.items():
         print(f"\n[{section}]")
         rows = [(name, _text_value(getattr(config, name)), source) for name, source in sources.items()]
+        if (effective := _default_cache_size(config)) is not None:
+            rows = [
+                (name, f"{effective} ({format_bytes(effective)}, 80% of the cache's file system)", source)
+                if name == "cache_size"
+                else (name, value, source)
+                for name, value, source in rows
+            ]
         print_table(rows, ("KEY", "VALUE", "SOURCE"))
 
 

@@ -19,7 +19,7 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.server.cli import cache, cluster_status
 from dataquay.server.cli.common import CliError, add_addr, add_directory, add_q, daemon_stub, print_table
 from dataquay.server.cli.plain_json import plain
-from dataquay.server.cli.stage import JOB_FLAGS, stage_job
+from dataquay.server.cli.stage import BAR_FORMAT, JOB_FLAGS, bar_postfix, pfs_rate, stage_job
 from dataquay.server.config import ConfigFile, DaemonConfig
 from dataquay.server.proto_maps import FORMAT_FROM_PROTO, FORMAT_TO_PROTO
 from dataquay.server.sizes import format_bytes
@@ -83,13 +83,27 @@ def cmd_dataset_show(args: argparse.Namespace) -> None:
         ("root", d.root),
         ("format", FORMAT_FROM_PROTO[d.format]),
         ("samples", d.num_samples),
-        ("bytes", f"{d.total_bytes} ({format_bytes(d.total_bytes)})"),
-        ("sample size", f"min {s.min}  median {s.median}  mean {s.mean:.0f}  max {s.max}"),
-        ("cached", f"{d.cached_samples} samples, {format_bytes(d.cached_bytes)}"),
+        ("bytes", f"{d.total_bytes} ({format_bytes(d.total_bytes)}) on the PFS{_SPAN_NOTE.get(d.format, '')}"),
+        ("sample size", f"min {s.min}  median {s.median}  mean {s.mean:.0f}  max {s.max}  on the PFS"),
+        ("cached", _cached_text(d)),
         ("manifest", f"{d.manifest_id} ({format_bytes(d.manifest_bytes)})"),
         *([("record", f"dtype {d.record_dtype}  shape {tuple(d.record_shape)}")] if d.record_dtype else []),
     ):
         print(f"{key:<12} {value}")
+
+
+#: What a sample's bytes on the PFS hold beyond what trainers read, by format.
+_SPAN_NOTE = {pb.FORMAT_TAR: ", tar headers included"}
+
+
+def _cached_text(d: pb.DatasetInfo) -> str:
+    """The cached samples and their bytes as the cache holds them and trainers
+    read them (``dataquay_client_read_bytes_total``'s unit): for tar, a
+    sample's members without their tar headers."""
+    text = f"{d.cached_samples} samples, {format_bytes(d.cached_bytes)}"
+    if d.cached_samples:
+        text += f" ({d.cached_bytes / d.cached_samples:,.0f} B a sample as trainers read it)"
+    return text
 
 
 def cmd_dataset_drop(args: argparse.Namespace) -> None:
@@ -127,8 +141,9 @@ def cmd_stage(args: argparse.Namespace) -> None:
                     disable=args.quiet,
                     file=sys.stderr,
                     mininterval=0.5 if sys.stderr.isatty() else 10,
+                    bar_format=BAR_FORMAT,
                 )
-            bar.set_postfix_str(f"{last.done_samples}/{last.total_samples} samples", refresh=False)
+            bar.set_postfix_str(bar_postfix(last), refresh=False)
             bar.update(last.done_bytes - bar.n)
         if bar is not None:
             bar.close()
@@ -136,12 +151,11 @@ def cmd_stage(args: argparse.Namespace) -> None:
         raise CliError("staging ended without a report")
     if last.error:
         raise CliError(f"staging {args.name!r} failed: {last.error}")
-    rate = last.read_bytes / last.elapsed_seconds if last.elapsed_seconds else 0.0
     print(
         f"staged {args.name!r}: {last.done_samples}/{last.total_samples} samples cached "
-        f"({last.done_samples - last.skipped_samples} read, {last.skipped_samples} already cached), "
-        f"{format_bytes(last.read_bytes)} from the PFS in {last.elapsed_seconds:.1f} s "
-        f"({format_bytes(rate)}/s)" + ("; cache full, the rest will be read from the PFS" if last.cache_full else "")
+        f"({last.done_samples - last.skipped_samples} newly, {last.skipped_samples} already were), "
+        f"{format_bytes(last.read_bytes)} read from the PFS in {last.elapsed_seconds:.1f} s "
+        f"({pfs_rate(last)})" + ("; cache full, the rest will be read from the PFS" if last.cache_full else "")
     )
     if last.failed_samples:
         raise CliError(

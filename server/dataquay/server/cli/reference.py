@@ -33,6 +33,9 @@ from unittest import mock
 
 from prometheus_client import CollectorRegistry
 
+from dataquay.protos import cache_pb2, jobs_pb2
+from dataquay.server.cli.plain_json import schema
+
 REPO = Path(__file__).resolve().parents[4]
 DOCS = REPO / "docs"
 CLIENT = REPO / "client" / "dataquay" / "client"
@@ -354,6 +357,16 @@ def api_reference() -> str:
     return "\n".join(out)
 
 
+def status_json_reference() -> str:
+    """The objects of ``status --json``, from the messages the daemons and the directory answer with."""
+    out: list[str] = []
+    for name, rows in schema(cache_pb2.StatsReply.DESCRIPTOR, jobs_pb2.NodeStatus.DESCRIPTOR, jobs_pb2.Job.DESCRIPTOR):
+        out += [f"### {name}", "", "| key | JSON type |", "|---|---|"]
+        out += [f"| `{key}` | {_cell(kind)} |" for key, kind in rows]
+        out.append("")
+    return "\n".join(out)
+
+
 # -- pages --------------------------------------------------------------------------------------------------
 
 PARTS: dict[str, tuple[str, Callable[[], str]]] = {
@@ -362,6 +375,7 @@ PARTS: dict[str, tuple[str, Callable[[], str]]] = {
     "metrics": ("reference/metrics.md", metrics_reference),
     "errors": ("reference/errors.md", errors_reference),
     "api": ("reference/python.md", api_reference),
+    "status_json": ("reference/status-json.md", status_json_reference),
 }
 _PART = re.compile(r"(<!-- reference:(\w+) -->\n)(.*?)(<!-- /reference -->)", re.S)
 

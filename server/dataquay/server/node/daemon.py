@@ -445,9 +445,9 @@ class Daemon(ServerLifecycle):
         sub-database it fills."""
         left = {}
         for name, p in self.stager.runs.items():
-            to_read = p.total_bytes - (p.done_bytes - p.read_bytes)
+            to_read = p.total_bytes - p.skipped_bytes
             if not p.finished and to_read > 0 and name in self.registry.names():
-                left[self.registry.get(name).record.cache_db] = max(0.0, 1 - p.read_bytes / to_read)
+                left[self.registry.get(name).record.cache_db] = max(0.0, 1 - (p.done_bytes - p.skipped_bytes) / to_read)
         return left
 
     async def close(self, grace: float = 10.0) -> None:

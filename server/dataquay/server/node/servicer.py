@@ -311,8 +311,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     ) -> pb.ClientStatsReply:
         async with status_on_error(context):
             _check_stats_report(request)
+            pid = self.access.caller(context).pid
         reads = {r.tier: (r.samples, r.bytes) for r in request.reads}
-        self.client_stats.report(request.client, reads, max(0.0, request.data_wait_seconds), closing=request.closing)
+        self.client_stats.report(
+            request.client, reads, max(0.0, request.data_wait_seconds), closing=request.closing, pid=pid
+        )
         self._ranks_read(request.read_positions)
         return pb.ClientStatsReply()
 

@@ -21,7 +21,6 @@ import numpy as np
 from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import ReadRange, plan_reads
 from dataquay.client.placement import epoch_permutation
-from dataquay.client.wire.records import CHECKSUM_BYTES
 from dataquay.server.node.cache.manager import Admitted
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
@@ -46,6 +45,7 @@ class StagingProgress:
     done_samples: int = 0
     done_bytes: int = 0
     skipped_samples: int = 0
+    skipped_bytes: int = 0
     read_bytes: int = 0
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None
@@ -67,13 +67,28 @@ class StagingProgress:
 
     def found_cached(self, samples: int, nbytes: int) -> None:
         self.skipped_samples += samples
+        self.skipped_bytes += nbytes
         self.done_samples += samples
         self.done_bytes += nbytes
 
-    def staged(self, samples: int, nbytes: int) -> None:
+    def staged(self, samples: int, nbytes: int, read_bytes: int) -> None:
+        """``samples`` of ``nbytes`` (their manifest lengths, the unit of
+        ``total_bytes``) cached from ``read_bytes`` read from the PFS (tar
+        headers and the gaps read between samples included)."""
         self.done_samples += samples
         self.done_bytes += nbytes
-        self.read_bytes += nbytes
+        self.read_bytes += read_bytes
+
+    def recount(self, cached: int, nbytes: int) -> None:
+        """What the cache holds of the run's samples once its writes are in:
+        the cache may take fewer than were read (full, or evicting), and
+        ``dataset show`` counts what it holds."""
+        self.done_samples, self.done_bytes = cached, nbytes
+
+    @property
+    def short(self) -> bool:
+        """Whether samples the PFS gave are not in the cache."""
+        return self.done_samples + self.failed_samples < self.total_samples
 
     def failed(self, failures: list[str]) -> None:
         if failures and not self.failed_samples:
@@ -205,21 +220,20 @@ class Stager:
             progress.found_cached(int(cached.sum()), int(manifest.sample_length[ids[cached]].sum()))
             ranges = staging_ranges(manifest, ids[~cached], seed)
             name = db.encode()
-            async for values, failures in self.pfs.stream(dataset, manifest, ranges, self.store.backlog):
-                progress.failed(failures)
-                for sample_id, value in values.items():
+            async for read in self.pfs.stream(dataset, manifest, ranges, self.store.backlog):
+                progress.failed(read.failures)
+                for sample_id, value in read.values.items():
                     await self.store.put(PendingWrite(name, sample_id, value, leaves_room=leave_room))
-                progress.staged(len(values), sum(len(v) for v in values.values()) - CHECKSUM_BYTES * len(values))
+                staged = np.fromiter(read.values, dtype=np.int64, count=len(read.values))
+                progress.staged(len(staged), int(manifest.sample_length[staged].sum()), read.read_bytes)
                 if self._full(leave_room):
                     progress.cache_full = True
                     break
             await self.store.flush()
             write_failed = self.store.write_errors > write_errors
-            if self._full(leave_room) or write_failed:
-                cached = await self._cached_mask(db, ids)
-                progress.cache_full = self._full(leave_room)
-                progress.done_samples = int(cached.sum())
-                progress.done_bytes = int(manifest.sample_length[ids[cached]].sum())
+            cached = await self._cached_mask(db, ids)
+            progress.recount(int(cached.sum()), int(manifest.sample_length[ids[cached]].sum()))
+            progress.cache_full = self._full(leave_room) or (progress.short and not write_failed)
             if write_failed:
                 progress.end(_write_error(self.store, progress))
             else:

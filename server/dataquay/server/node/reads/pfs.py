@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -44,6 +44,17 @@ _EWMA_WEIGHT = 0.2
 BEHIND_THREADS = 2
 
 T = TypeVar("T")
+
+
+class StagedRead(NamedTuple):
+    """What one job of a staging stream read: cache values by id, the samples
+    the PFS would not give (described), and the bytes it read from the PFS,
+    headers and gaps between samples included (what the PFS served, and what
+    ``dataquay_pfs_read_bytes_total`` counts)."""
+
+    values: dict[int, bytes]
+    failures: list[str]
+    read_bytes: int
 
 
 class _Progress:
@@ -99,7 +110,14 @@ class PfsPool:
 
     def _read_ranges(self, reader: PfsReader, ranges: Sequence[ReadRange], progress: _Progress) -> dict[int, bytes]:
         """Cache values (see ``records.encode_value``) of the ranges' samples, by id."""
+        return self._read_counted(reader, ranges, progress)[0]
+
+    def _read_counted(
+        self, reader: PfsReader, ranges: Sequence[ReadRange], progress: _Progress
+    ) -> tuple[dict[int, bytes], int]:
+        """Like ``_read_ranges``, with the bytes read from the PFS."""
         out: dict[int, bytes] = {}
+        nbytes = 0
         started = time.perf_counter()
         progress.mark()
         for r in ranges:
@@ -117,10 +135,11 @@ class PfsPool:
             for sample_id, payload in payloads.items():
                 out[sample_id] = encode_value(payload)
             self.bytes_read += r.length
+            nbytes += r.length
         if ranges:
             per_range = (time.perf_counter() - started) / len(ranges)
             self.range_seconds += _EWMA_WEIGHT * (per_range - self.range_seconds)
-        return out
+        return out, nbytes
 
     async def read(self, dataset: str, manifest: Manifest, ids: np.ndarray) -> dict[int, bytes]:
         """Cache values of ``ids`` by id, read concurrently; raises PfsReadError."""
@@ -252,25 +271,39 @@ class PfsPool:
     ) -> tuple[dict[int, bytes], list[str]]:
         """Like ``_read_ranges``, but a range that fails is retried sample by
         sample and the samples that still fail are skipped: (values, failures)."""
+        read = self._read_skipping(reader, manifest, ranges, progress)
+        return read.values, read.failures
+
+    def _read_skipping(
+        self, reader: PfsReader, manifest: Manifest, ranges: Sequence[ReadRange], progress: _Progress
+    ) -> StagedRead:
+        """``_read_ranges_skipping`` with the bytes read from the PFS."""
         out: dict[int, bytes] = {}
         failures: list[str] = []
+        nbytes = 0
         for r in ranges:
             try:
-                out.update(self._read_ranges(reader, [r], progress))
+                values, n = self._read_counted(reader, [r], progress)
             except PfsRangeError:
                 for sample_id in r.ids.tolist():
                     try:
-                        out.update(self._read_ranges(reader, plan_reads(manifest, np.array([sample_id])), progress))
+                        values, n = self._read_counted(reader, plan_reads(manifest, np.array([sample_id])), progress)
                     except PfsReadError as exc:
                         failures.append(str(exc))
-        return out, failures
+                        continue
+                    out.update(values)
+                    nbytes += n
+                continue
+            out.update(values)
+            nbytes += n
+        return StagedRead(out, failures, nbytes)
 
     async def stream(
         self, dataset: str, manifest: Manifest, ranges: Sequence[ReadRange], backlog: Callable[[], float]
-    ) -> AsyncIterator[tuple[dict[int, bytes], list[str]]]:
+    ) -> AsyncIterator[StagedRead]:
         """Reads ``ranges`` in order for staging, only as fast as they are consumed.
 
-        Yields (cache values by id, failures): a sample the PFS will not give
+        Yields a :class:`StagedRead` per job: a sample the PFS will not give
         is skipped and described, so one bad file does not stop a staging run.
 
         Ranges go to the threads in jobs of several consecutive ranges (up to
@@ -290,10 +323,10 @@ class PfsPool:
         window = 2
         progress = _Progress()
         # Each job in flight with its first sample, which a timeout names.
-        pending: deque[tuple[asyncio.Future[tuple[dict[int, bytes], list[str]]], int]] = deque()
+        pending: deque[tuple[asyncio.Future[StagedRead], int]] = deque()
         per_job = max(1, min(_STREAM_JOB_RANGES, len(ranges) // (4 * self.threads)))
 
-        async def next_job() -> tuple[dict[int, bytes], list[str]]:
+        async def next_job() -> StagedRead:
             job, first = pending.popleft()
             try:
                 (result,) = await self._bounded([job], progress, dataset, first)
@@ -306,9 +339,7 @@ class PfsPool:
         try:
             for start in range(0, len(ranges), per_job):
                 job = ranges[start : start + per_job]
-                future = loop.run_in_executor(
-                    self._staging, self._read_ranges_skipping, reader, manifest, job, progress
-                )
+                future = loop.run_in_executor(self._staging, self._read_skipping, reader, manifest, job, progress)
                 pending.append((future, int(job[0].ids[0])))
                 while len(pending) >= window:
                     yield await next_job()
