@@ -510,13 +510,23 @@ class EtcdStore:
                 await self._end_node(name, lease)
 
         while True:
+            last = time.monotonic()
             await asyncio.sleep(self._scan_seconds)
+            self._hold_leases(time.monotonic() - last - self._scan_seconds)
             lease, limit = self._node_lease, time.monotonic() - self.config.lease_seconds
             expired = [name for name, at in self._beat_at.items() if at < limit]
             for name in expired:
                 if self._owner.get(name) != lease or not lease:
                     del self._beat_at[name]  # counted by another replica, or down
             await asyncio.gather(*(end(name, lease) for name in expired if name in self._beat_at))
+
+    def _hold_leases(self, stalled: float) -> None:
+        """The replica did not run for ``stalled`` seconds (stopped, its host hung):
+        its nodes' leases run on from now, since the beats they sent meanwhile wait
+        unread, as a single directory's do (the server logs the stall)."""
+        if stalled > self.config.lease_seconds / 2:
+            for name in self._beat_at:
+                self._beat_at[name] += stalled
 
     async def _end_node(self, name: str, lease: int) -> None:
         """Deletes the node's up key if it is still on ``lease``; the watch
