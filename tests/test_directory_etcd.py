@@ -8,7 +8,6 @@ SIGKILL; an etcd member killed; all of etcd gone and back.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -232,28 +231,28 @@ def test_a_bad_store_url_exits_with_one_line(store: str, capsys: pytest.CaptureF
 
 
 @needs_etcd
-def test_a_node_registering_again_keeps_its_running_lease_and_a_replaced_one_ends(
+def test_nodes_beating_at_a_replica_share_its_one_etcd_lease_and_beats_write_nothing(
     replicas: Callable[..., DirectoryProcess], stub_of: Callable[[DirectoryProcess], Stub], etcd: EtcdCluster
 ) -> None:
     stub = stub_of(replicas())
     with grpc.insecure_channel(etcd.nodes[0].endpoint) as channel:
         kv, leases = etcd_rpc_pb2_grpc.KVStub(channel), etcd_rpc_pb2_grpc.LeaseStub(channel)
 
-        def lease_of(name: str) -> int:
-            value = kv.Range(etcd_rpc_pb2.RangeRequest(key=f"dataquay/nodes/{name}".encode())).kvs[0].value
-            return int(json.loads(value)["lease"])
+        def up_lease(name: str) -> int:
+            return int(kv.Range(etcd_rpc_pb2.RangeRequest(key=f"dataquay/up/{name}".encode())).kvs[0].lease)
 
-        register(stub, "n0")
-        first = lease_of("n0")
+        sessions = {name: register(stub, name, 7000 + i).session for i, name in enumerate(("n0", "n1", "n2"))}
         for _ in range(5):  # a daemon whose registrations time out retries them
-            register(stub, "n0")
-        assert lease_of("n0") == first
-        up = kv.Range(etcd_rpc_pb2.RangeRequest(key=b"dataquay/up/n0")).kvs[0]
-        assert up.lease == first
-        # Past half its life the lease is replaced, and the one replaced ends at once.
-        time.sleep(2.0)
-        register(stub, "n0")
-        assert lease_of("n0") != first
-        gone = leases.LeaseTimeToLive(etcd_rpc_pb2.LeaseTimeToLiveRequest(ID=first))
-        assert gone.TTL == -1
-        assert states(stub) == {"n0": jpb.NODE_UP}
+            sessions["n0"] = register(stub, "n0", 7000).session
+        shared = up_lease("n0")
+        assert shared and [up_lease("n1"), up_lease("n2")] == [shared, shared]
+        # Beats for three leases renew the nodes' leases in the replica's memory: not one write to etcd.
+        revision = kv.Range(etcd_rpc_pb2.RangeRequest(key=b"dataquay/up/n0")).header.revision
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            assert all(beat(stub, name, session) for name, session in sessions.items())
+            time.sleep(0.3)
+        assert kv.Range(etcd_rpc_pb2.RangeRequest(key=b"dataquay/up/n0")).header.revision == revision
+        assert up_lease("n0") == shared
+        assert leases.LeaseTimeToLive(etcd_rpc_pb2.LeaseTimeToLiveRequest(ID=shared)).TTL > 0
+        assert states(stub) == {"n0": jpb.NODE_UP, "n1": jpb.NODE_UP, "n2": jpb.NODE_UP}

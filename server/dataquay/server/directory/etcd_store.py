@@ -8,18 +8,23 @@ call changes is written to etcd before the call returns, and every replica
 follows etcd's changes through one watch, so that any replica answers any
 call. Keys, under ``dataquay/``::
 
-    nodes/<name>       a node's registration (JSON), with the etcd lease its up key has
-    up/<name>          present while the node's lease runs (attached to that etcd lease)
+    nodes/<name>       a node's registration (JSON)
+    up/<name>          present while the node's lease runs, attached to the etcd lease
+                       of the replica the node beats at
     jobs/<id>          a job record (JSON)
     datasets/<name>    a dataset's record (JSON); its manifest in manifests/<name>/<id>/<chunk>
     leader             the replica doing the periodic work, attached to that replica's lease
 
-Leases are etcd leases: a node's registration (or its coming back up)
-grants one, heartbeats to any replica renew it (LeaseKeepAlive; not every
-beat, see :data:`RENEW_FRACTION`), and etcd ends it, deleting the node's up
-key, when the beats stop; every replica marks the node down on that
-deletion. No replica counts leases itself, so a replica killed mid-lease
-changes nothing.
+A node's lease is counted, in memory, by the replica it beats at, which
+deletes the node's up key when the beats stop for --lease-seconds; every
+replica marks the node down on that deletion. A beat costs no message to
+etcd: each replica holds one etcd lease for the up keys of the nodes
+beating at it and renews that one lease a few times a lease. When a
+replica dies its etcd lease ends, between 1.25 and 1.5 leases after its
+last renewal, and etcd deletes the up keys still attached to it: the
+nodes that beat on at another replica were moved to that replica's lease
+by their first beat there (one write per node), so only those whose beats
+stopped with it are listed down, never before a lease after their last beat.
 
 The replica holding ``leader`` (created only if absent, in a transaction,
 attached to its own lease) drops idle jobs; when it dies its lease ends
@@ -76,23 +81,19 @@ LEADER = PREFIX + b"leader"
 GROUP_WRITE_SECONDS = 0.005
 #: Records written at once: a booting cluster's registrations go in parallel, bounded.
 PARALLEL_WRITES = 64
-#: Lease renewals waiting for the stream; past it (etcd unreachable) the oldest are not sent.
+#: Lease renewals waiting for the stream; past it (etcd unreachable) the newest are not sent.
 KEEPALIVE_QUEUE = 1 << 16
 #: Wait before a broken watch or keep-alive stream is opened again.
 RECONNECT_SECONDS = 0.5
 #: The least TTL etcd grants (its election timeout bounds it).
 MIN_TTL_SECONDS = 2
-#: A node's etcd lease is renewed by its first beat this fraction of
-#: --lease-seconds after the last renewal, not by every beat (at five beats
-#: a lease, by one beat in three: each renewal costs the replica a message
-#: each way), and lasts that much longer than --lease-seconds, so that a node
-#: whose beats stop is listed down between one and 1.5 leases after its last
-#: beat, never before.
-RENEW_FRACTION = 0.5
-#: Renewals wait this long to go to etcd together: each message sent or
-#: received on its own costs the replica a wake-up of gRPC's poller, several
-#: times the message's cost in a burst.
-RENEW_BATCH_SECONDS = 0.25
+#: The etcd lease a replica's nodes' up keys share lasts this fraction of
+#: --lease-seconds longer than a lease and is renewed four times a lease: when
+#: the replica dies it ends at least a lease after a beat the replica took.
+NODE_LEASE_MARGIN = 0.5
+#: The most a node whose beats stopped waits past its lease to be listed
+#: down (the replica's scan for such nodes runs this often, or 8 times a lease).
+EXPIRY_SCAN_SECONDS = 0.5
 #: Nodes written in one transaction: two operations each, within etcd's
 #: default --max-txn-ops (128).
 NODES_PER_TXN = 64
@@ -116,13 +117,17 @@ class EtcdStore:
         self.leader = False
         self.replica = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._ttl = max(MIN_TTL_SECONDS, math.ceil(config.lease_seconds))
-        self._node_ttl = max(MIN_TTL_SECONDS, math.ceil(config.lease_seconds * (1 + RENEW_FRACTION)))
-        self._renew_seconds = config.lease_seconds * RENEW_FRACTION
+        self._node_ttl = max(MIN_TTL_SECONDS, math.ceil(config.lease_seconds * (1 + NODE_LEASE_MARGIN)))
+        self._scan_seconds = min(EXPIRY_SCAN_SECONDS, config.lease_seconds / 8)
         self._state = state
         self._registry = registry
-        #: The etcd lease each node's up key has.
-        self._node_leases: dict[str, int] = {}
-        self._up: set[str] = set()
+        #: The etcd lease each node's up key has, for the nodes up (whose up key exists).
+        self._owner: dict[str, int] = {}
+        #: When each node last beat here or was written here (monotonic clock).
+        self._beat_at: dict[str, float] = {}
+        #: This replica's etcd lease for the up keys of nodes beating at it (0: none yet).
+        self._node_lease = 0
+        self._granting = asyncio.Lock()
         #: The revision this replica has applied up to.
         self.revision = 0
         #: key -> revision of this replica's latest write of it: its echo, and older events, change nothing.
@@ -132,10 +137,6 @@ class EtcdStore:
         self._dirty = asyncio.Event()
         self._next_write: asyncio.Future[None] | None = None
         self._renewals: asyncio.Queue[int] = asyncio.Queue(KEEPALIVE_QUEUE)
-        #: When each lease was last renewed (monotonic clock).
-        self._renewed_at: dict[int, float] = {}
-        #: Leases to renew with the next batch.
-        self._pending: set[int] = set()
         self._my_lease = 0
 
     # ------------------------------------------------------------- start-up
@@ -177,19 +178,22 @@ class EtcdStore:
         nodes: dict[str, Node] = {}
         jobs: dict[str, Job] = {}
         datasets: dict[str, dict[str, Any]] = {}
-        self._up = set()
+        self._owner = {}
         for item in reply.kvs:
             kind, name = _split(item.key)
             if kind == UP:
-                self._up.add(name)
+                self._owner[name] = item.lease
             elif kind == NODES:
-                nodes[name] = self._node(item.value, name)
+                nodes[name] = _node(item.value)
             elif kind == JOBS:
                 jobs[name] = _job(item.value)
             elif kind == DATASETS:
                 datasets[name] = json.loads(item.value)
         for node in nodes.values():
-            state.apply_node(node, node.info.name in self._up, now)
+            state.apply_node(node, node.info.name in self._owner, now)
+        for name, lease in self._owner.items():
+            if lease == self._node_lease:
+                self._beat_at.setdefault(name, now)
         for node in state.nodes():
             if node.info.name not in nodes:
                 state.apply_up(node.info.name, False, now)
@@ -210,7 +214,8 @@ class EtcdStore:
         tasks.spawn(self._write_changes(), "etcd-writer")
         tasks.spawn(self._follow(), "etcd-watch")
         tasks.spawn(self._renew(), "etcd-keepalive")
-        tasks.spawn(self._send_renewals(), "etcd-renewals")
+        tasks.spawn(self._keep_node_lease(), "etcd-node-lease")
+        tasks.spawn(self._expire_nodes(), "etcd-node-expiry")
         tasks.spawn(self._elect(), "etcd-election")
 
     # ------------------------------------------------------------- writing
@@ -284,61 +289,49 @@ class EtcdStore:
             written |= set(records)
 
     async def _write_nodes(self, state: DirectoryState, names: list[str]) -> None:
-        """Nodes that registered or came back up: their records and up keys in
-        one transaction, then the leases they replace ended. A node down needs
-        no write: etcd ended its lease.
-
-        A node registering again while its lease surely runs (granted or renewed
-        here less than half its TTL ago) keeps it: a daemon's retried or
-        repeated registration costs one record, not a lease granted and one
-        revoked. Any other gets a fresh lease; so do all of them if etcd says
-        a kept lease is gone (another replica ended it)."""
+        """Nodes that registered, came back up or moved their beats here: their
+        records, and their up keys attached to this replica's etcd lease, in one
+        transaction. A node down needs no write here: its counting replica
+        deleted its up key. A fresh etcd lease is granted if etcd says this
+        replica's is gone."""
         nodes = [node for node in map(state.node, names) if node is not None and node.up]
         if not nodes:
             return
-        now = time.monotonic()
-        before = [self._node_leases.get(n.info.name, 0) for n in nodes]
-        kept = [
-            lease
-            if n.info.name in self._up and now - self._renewed_at.get(lease, -math.inf) < self._node_ttl / 2
-            else 0
-            for n, lease in zip(nodes, before, strict=True)
-        ]
+        lease = await self._lease_for_nodes()
         try:
-            leases = await self._put_nodes(nodes, kept)
+            await self._put_nodes(nodes, lease)
         except grpc.aio.AioRpcError as exc:
             if exc.code() is not grpc.StatusCode.NOT_FOUND:
                 raise
-            leases = await self._put_nodes(nodes, [0] * len(nodes))
-        ended = []
-        for node, old, lease in zip(nodes, before, leases, strict=True):
-            self._node_leases[node.info.name] = lease
-            self._up.add(node.info.name)
-            if old != lease:
-                self._renewed_at.pop(old, None)
-                self._renewed_at[lease] = now
-                if old:
-                    ended.append(old)
-        await asyncio.gather(*(self.client.revoke(old) for old in ended))
+            lease = await self._lease_for_nodes(gone=lease)
+            await self._put_nodes(nodes, lease)
+        now = time.monotonic()
+        for node in nodes:
+            self._owner[node.info.name] = lease
+            self._beat_at[node.info.name] = now
 
-    async def _put_nodes(self, nodes: list[Node], kept: list[int]) -> list[int]:
-        """Writes ``nodes`` with the leases ``kept`` (0: grants a fresh one); returns their leases."""
-        fresh = iter(await asyncio.gather(*(self.client.grant(self._node_ttl) for lease in kept if not lease)))
-        leases = [lease or next(fresh) for lease in kept]
+    async def _lease_for_nodes(self, gone: int = 0) -> int:
+        """This replica's etcd lease for its nodes' up keys, granted if it has
+        none or its lease is ``gone``; one grant for all the writes waiting."""
+        async with self._granting:
+            if not self._node_lease or self._node_lease == gone:
+                self._node_lease = await self.client.grant(self._node_ttl)
+            return self._node_lease
+
+    async def _put_nodes(self, nodes: list[Node], lease: int) -> None:
+        """Writes ``nodes``, their up keys attached to ``lease``."""
         ops, writes = [], {}
-        for node, lease in zip(nodes, leases, strict=True):
+        for node in nodes:
             key = node.info.name.encode()
             record = {
                 "info": vars(node.info),
                 "registered": node.registered,
                 "identity": node.identity,
                 "session": node.session,
-                "lease": lease,
             }
             writes[NODES + key], writes[UP + key] = json.dumps(record).encode(), b""
             ops += [put(NODES + key, writes[NODES + key]), put(UP + key, b"", lease)]
         await self._own_txn(epb.TxnRequest(success=ops), writes)
-        return leases
 
     async def _write_job(self, state: DirectoryState, job_id: str, new: bool) -> None:
         key = JOBS + job_id.encode()
@@ -467,15 +460,15 @@ class EtcdStore:
         deleted = event.type == kv.Event.DELETE
         if kind == UP:
             if deleted:
-                self._up.discard(name)
+                self._owner.pop(name, None)
                 node = state.node(name)
                 if node is not None and node.up:
                     log.info("node down", extra={"fields": {"node": name, "lease_seconds": self.config.lease_seconds}})
             else:
-                self._up.add(name)
+                self._owner[name] = event.kv.lease
             state.apply_up(name, not deleted, now)
         elif kind == NODES and not deleted:
-            state.apply_node(self._node(event.kv.value, name), name in self._up, now)
+            state.apply_node(_node(event.kv.value), name in self._owner, now)
         elif kind == JOBS:
             if deleted:
                 state.apply_job_dropped(name)
@@ -487,39 +480,72 @@ class EtcdStore:
             else:
                 await self._fetch_dataset(state, name, json.loads(event.kv.value))
 
-    def _node(self, value: bytes, name: str) -> Node:
-        raw = json.loads(value)
-        old, self._node_leases[name] = self._node_leases.get(name, 0), raw["lease"]
-        if old != raw["lease"]:
-            self._renewed_at.pop(old, None)
-        return Node(
-            NodeInfo(**raw["info"]),
-            registered=raw["registered"],
-            last_heartbeat=raw["registered"],
-            beat_sequence=0,
-            identity=raw["identity"],
-            session=raw["session"],
-        )
-
     # ------------------------------------------------------------ renewals
 
     def renewed(self, name: str) -> None:
-        """Renews the node's etcd lease (on the keep-alive stream, not waited for),
-        at most once per :data:`RENEW_FRACTION` of a lease: a renewal says only
-        that the node lives, and at thousands of nodes each costs the replica and etcd."""
-        lease = self._node_leases.get(name)
-        now = time.monotonic()
-        if lease and now - self._renewed_at.get(lease, -math.inf) >= self._renew_seconds:
-            self._renewed_at[lease] = now
-            self._pending.add(lease)
+        """Counts the node's lease from now, in memory: a beat costs etcd
+        nothing unless the node's up key is on another replica's etcd lease
+        (its beats moved here), then it is moved to this replica's, once."""
+        self._beat_at[name] = time.monotonic()
+        owner = self._owner.get(name)
+        if owner is not None and owner != self._node_lease:
+            changed = self._state().changed
+            if changed is not None:
+                changed.add(("node", name))
+                self._dirty.set()
 
-    async def _send_renewals(self) -> None:
-        """Hands the renewals gathered to the keep-alive stream, a batch at a time."""
+    async def _keep_node_lease(self) -> None:
+        """Renews this replica's etcd lease for its nodes four times a lease."""
         while True:
-            await asyncio.sleep(RENEW_BATCH_SECONDS)
-            pending, self._pending = self._pending, set()
-            for lease in pending:
-                self._renew_lease(lease)
+            await asyncio.sleep(self.config.lease_seconds / 4)
+            if self._node_lease:
+                self._renew_lease(self._node_lease)
+
+    async def _expire_nodes(self) -> None:
+        """Deletes the up keys of the nodes counted here whose beats stopped for a lease."""
+        bound = asyncio.Semaphore(PARALLEL_WRITES)
+
+        async def end(name: str, lease: int) -> None:
+            async with bound:
+                await self._end_node(name, lease)
+
+        while True:
+            last = time.monotonic()
+            await asyncio.sleep(self._scan_seconds)
+            self._hold_leases(time.monotonic() - last - self._scan_seconds)
+            lease, limit = self._node_lease, time.monotonic() - self.config.lease_seconds
+            expired = [name for name, at in self._beat_at.items() if at < limit]
+            for name in expired:
+                if self._owner.get(name) != lease or not lease:
+                    del self._beat_at[name]  # counted by another replica, or down
+            await asyncio.gather(*(end(name, lease) for name in expired if name in self._beat_at))
+
+    def _hold_leases(self, stalled: float) -> None:
+        """The replica did not run for ``stalled`` seconds (stopped, its host hung):
+        its nodes' leases run on from now, since the beats they sent meanwhile wait
+        unread, as a single directory's do (the server logs the stall)."""
+        if stalled > self.config.lease_seconds / 2:
+            for name in self._beat_at:
+                self._beat_at[name] += stalled
+
+    async def _end_node(self, name: str, lease: int) -> None:
+        """Deletes the node's up key if it is still on ``lease``; the watch
+        then marks it down at every replica. While etcd does not answer the
+        node stays up, and this is tried again at the next scan."""
+        key = UP + name.encode()
+        at = self._beat_at[name]
+        try:
+            await self.client.txn(
+                epb.TxnRequest(
+                    compare=[epb.Compare(result=epb.Compare.EQUAL, target=epb.Compare.LEASE, key=key, lease=lease)],
+                    success=[delete(key)],
+                )
+            )
+        except (DirectoryUnavailableError, grpc.aio.AioRpcError) as exc:
+            log.debug("cannot end a node's lease in etcd", extra={"fields": {"node": name, "error": str(exc)}})
+            return
+        if self._beat_at.get(name) == at:
+            del self._beat_at[name]
 
     def _renew_lease(self, lease: int) -> None:
         try:
@@ -533,8 +559,10 @@ class EtcdStore:
             channel = self.client.channel()
             try:
                 async for reply in self.client.keep_alive(channel, self._renewals):
-                    if reply.ID == self._my_lease and reply.TTL <= 0:
+                    if reply.TTL <= 0 and reply.ID == self._my_lease:
                         self._my_lease = 0
+                    if reply.TTL <= 0 and reply.ID == self._node_lease:
+                        self._node_lease = 0  # etcd deleted its up keys: the watch marks those nodes down
             except grpc.aio.AioRpcError as exc:
                 log.debug("etcd keep-alive broke", extra={"fields": {"error": exc.code().name}})
                 await self.client.reconnect(channel)
@@ -589,6 +617,18 @@ def _split(key: bytes) -> tuple[bytes, str]:
         if key.startswith(kind):
             return kind, key[len(kind) :].decode()
     return key, ""
+
+
+def _node(value: bytes) -> Node:
+    raw = json.loads(value)
+    return Node(
+        NodeInfo(**raw["info"]),
+        registered=raw["registered"],
+        last_heartbeat=raw["registered"],
+        beat_sequence=0,
+        identity=raw["identity"],
+        session=raw["session"],
+    )
 
 
 def _job_json(job: Job) -> dict[str, Any]:
