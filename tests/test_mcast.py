@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from dataquay.server.node.exchange import coding, mcast_seal
+from dataquay.server.node.exchange import mcast_seal
 from dataquay.server.node.exchange import mcast_wire as wire
+from dataquay.server.node.exchange.coding_payoff import NodeBytes, node_bytes, payoff
 from dataquay.server.node.exchange.mcast import Channel, MulticastEndpoint, payload_bytes
 from dataquay.server.tools import coded_wire
 
@@ -226,20 +227,13 @@ def _udp_delivered(namespace: str) -> int:
     return int(lines[1][lines[0].index("InDatagrams")])
 
 
-def _planned_datagram_bytes(node: int, nodes: int, scheme: str) -> int:
-    """Bytes of the data datagrams of every stream ``node`` decodes, as the tool's defaults plan them."""
+def _modelled(nodes: int, scheme: str, frame: int = 0) -> NodeBytes:
+    """Each node's bytes by the payoff model, for the plan the tool makes with its defaults: datagrams
+    of 1400 packet bytes with our header and seal, or (``frame``) TCP's stream of framed samples."""
     s = coded_wire.setup(nodes, 400, 4096, 100, scheme, 1, POOL)
-    packets, bytes_ = s.packets, 0
-    for i, members in enumerate(s.members):
-        if node not in members or s.send_nodes[i] == coding.PFS:
-            continue
-        if i >= len(packets):
-            length = int(s.sizes[packets.fetch_samples[i - len(packets)]])
-        else:
-            length = int(s.sizes[packets.samples[packets.start[i] : packets.start[i + 1]]].max())
-        count = max(1, -(-length // 1400))
-        bytes_ += length + count * (wire.DATA_HEADER_BYTES + mcast_seal.OVERHEAD_BYTES)
-    return bytes_
+    if frame:
+        return node_bytes(s.packets, nodes, s.sizes + frame)
+    return node_bytes(s.packets, nodes, s.sizes, 1400, wire.DATA_HEADER_BYTES + mcast_seal.OVERHEAD_BYTES)
 
 
 def test_each_node_hears_only_the_groups_it_decodes_for(namespace: str, tmp_path: Path) -> None:
@@ -250,7 +244,7 @@ def test_each_node_hears_only_the_groups_it_decodes_for(namespace: str, tmp_path
     stats = [result["stats"] for result in results]
     for node, s in enumerate(stats):
         assert s["foreign_datagrams"] == 0  # type: ignore[index]
-        assert s["data_bytes_received"] == _planned_datagram_bytes(node, 4, "uber")  # type: ignore[index]
+        assert s["data_bytes_received"] == _modelled(4, "uber").received[node]  # type: ignore[index]
     # The kernel's count: the datagrams delivered are the ones the nodes took (data and tails of their
     # groups, acknowledgements of their own), and at most a few still queued when a node closed.
     counted = sum(s["datagrams_received"] for s in stats)  # type: ignore[index]
@@ -262,3 +256,28 @@ def test_the_uncoded_baseline_over_tcp_streams_delivers_every_sample_byte_exact(
     _assert_every_sample_committed(results)
     sent = sum(r["stats"]["payload_bytes_sent"] for r in results)  # type: ignore[index]
     assert sent == sum(r["stats"]["payload_bytes_received"] for r in results) > 0  # type: ignore[index]
+
+
+def test_the_payoff_model_counts_each_nodes_bytes_as_a_real_exchange_puts_them_on_the_wire(
+    namespace: str, tmp_path: Path
+) -> None:
+    counted = {}
+    for scheme in ("coded", "uber"):
+        results = _exchange(namespace, tmp_path / scheme, 4, "--scheme", scheme, "--pool", str(POOL))
+        _assert_every_sample_committed(results)
+        stats = [r["stats"] for r in results]
+        model = _modelled(4, scheme)
+        # First transmissions only: resends and acknowledgements are the transport's, not the plan's.
+        assert [s["wire_bytes_sent"] for s in stats] == model.sent.tolist()  # type: ignore[index]
+        assert [s["data_bytes_received"] for s in stats] == model.received.tolist()  # type: ignore[index]
+        counted[scheme] = model
+    results = _exchange(namespace, tmp_path / "tcp", 4, "--scheme", "none", "--tcp")
+    uncoded = _modelled(4, "none", coded_wire.FRAME_BYTES)
+    assert [r["stats"]["payload_bytes_sent"] for r in results] == uncoded.sent.tolist()  # type: ignore[index]
+    assert [r["stats"]["payload_bytes_received"] for r in results] == uncoded.received.tolist()  # type: ignore[index]
+    for model in counted.values():
+        # Coding lightens the busiest sender but no receiver: on equal links it does not pay; where
+        # senders' links are a third of the receivers', it does.
+        assert model.sent.max() < uncoded.sent.max() and model.received.sum() >= uncoded.received.sum() * 0.95
+        assert not payoff(uncoded, model, copies=2.0).pays  # each cache: its 100 samples and 100 spares
+        assert payoff(uncoded, model, copies=2.0, egress=1.0, ingress=3.0).pays

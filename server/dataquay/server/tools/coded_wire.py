@@ -38,6 +38,8 @@ from dataquay.server.tools.spare_copies import balanced_owners
 POLL_SECONDS = 0.01
 #: A sample on a TCP stream: its id and length, then its bytes.
 _FRAME = struct.Struct("<QI")
+#: Bytes the frame adds to a sample.
+FRAME_BYTES = _FRAME.size
 
 
 @dataclass(frozen=True)
