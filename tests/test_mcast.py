@@ -7,9 +7,12 @@ network untouched; the tests skip where one cannot be made.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,7 +24,7 @@ import xxhash
 from dataquay.server.node.exchange import mcast_seal
 from dataquay.server.node.exchange import mcast_wire as wire
 from dataquay.server.node.exchange.coding_payoff import NodeBytes, node_bytes, payoff
-from dataquay.server.node.exchange.mcast import Channel, MulticastEndpoint, payload_bytes
+from dataquay.server.node.exchange.mcast import MAX_DATAGRAM, Channel, MulticastEndpoint, _Protocol, payload_bytes
 from dataquay.server.tools import coded_wire
 
 PORT = 47016
@@ -281,3 +284,44 @@ def test_the_payoff_model_counts_each_nodes_bytes_as_a_real_exchange_puts_them_o
         assert model.sent.max() < uncoded.sent.max() and model.received.sum() >= uncoded.received.sum() * 0.95
         assert not payoff(uncoded, model, copies=2.0).pays  # each cache: its 100 samples and 100 spares
         assert payoff(uncoded, model, copies=2.0, egress=1.0, ingress=3.0).pays
+
+
+def test_datagrams_read_in_one_wake_up_draw_one_acknowledgement_per_stream() -> None:
+    async def exchange() -> list[wire.Ack]:
+        seal = mcast_seal.PassSeal("t0k3n", 5)
+        endpoint = MulticastEndpoint(0, Channel("239.255.0.1", PORT), "t0k3n", pass_id=5)
+        endpoint.expect(1, 0)
+        with (
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as inbox,
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as peer,
+        ):
+            inbox.bind(("127.0.0.1", 0))
+            inbox.setblocking(False)  # as the event loop's sockets are
+            peer.bind(("127.0.0.1", 0))
+            peer.settimeout(0.5)
+            datagrams = [
+                seal.seal(
+                    wire.encode_data(
+                        wire.Fragment(1, 9, 0, seq, seq, 0, 1, 3, xxhash.xxh3_64_intdigest(b"abc"), b"abc")
+                    )
+                )
+                for seq in range(8)
+            ]
+            for datagram in datagrams[1:]:
+                peer.sendto(datagram, inbox.getsockname())
+            await endpoint.start()
+            try:
+                # The loop's read of the first; the seven queued behind it are read in the same call.
+                _Protocol(endpoint, inbox).datagram_received(datagrams[0], peer.getsockname())
+                await asyncio.sleep(0.1)
+                acks = []
+                with contextlib.suppress(TimeoutError):
+                    while True:
+                        acks.append(wire.decode(seal.open(peer.recv(MAX_DATAGRAM))))
+            finally:
+                endpoint.close()
+        assert endpoint.ready.qsize() == 8
+        return [ack for ack in acks if isinstance(ack, wire.Ack)]
+
+    acks = asyncio.run(exchange())
+    assert [(ack.cumulative, ack.gaps) for ack in acks] == [(8, ())]  # one per stream, not one per packet
