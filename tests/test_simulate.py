@@ -277,6 +277,10 @@ def test_simulate_says_coding_pays_only_where_the_senders_egress_bounds_the_exch
     assert "in time, coding does not pay" in equal.stdout and "receivers' ingress bounds the exchange" in equal.stdout
     slow_uplinks = json.loads(run_cli(*args, *rates, "--egress-bandwidth", "3G", "--json").stdout)
     assert slow_uplinks["inputs"]["egress_bandwidth"] == 3 << 30
+    same_links = json.loads(run_cli(*args, *rates, "--json").stdout)
+    # The estimate's exchange time follows the slower uplinks too.
+    slow, same = ([e["estimate_s"]["network"] for e in doc["epochs"][1:]] for doc in (slow_uplinks, same_links))
+    assert all(a > b for a, b in zip(slow, same, strict=True))
     last = slow_uplinks["epochs"][-1]["coding"]["payoff"]
     assert last["pays"] and last["bound"] == "egress" and last["coded_seconds"] < 0.95 * last["uncoded_seconds"]
     assert "senders' egress bounds the exchange and caches overlap" in last["reason"]

@@ -42,6 +42,7 @@ _FLAGS = {
     "train_rate": "--train-rate",
     "pfs_bandwidth": "--pfs-bandwidth",
     "network_bandwidth": "--network-bandwidth",
+    "egress_bandwidth": "--egress-bandwidth",
     "exchange_coding": "--exchange-coding",
     "leave_at": "--leave-at",
     "join_at": "--join-at",
@@ -66,6 +67,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Scenario, Rates | None]:
         raise CliError(f"the estimate needs --train-rate, --pfs-bandwidth and --network-bandwidth: missing {missing}")
     if args.epochs < 1:
         raise CliError(f"--epochs must be at least 1, not {args.epochs}")
+    if args.egress_bandwidth is not None and not given:
+        raise CliError("--egress-bandwidth is compared with --network-bandwidth: give the three rates too")
     try:
         q = args.q
         if args.q_leaving is not None:
@@ -92,6 +95,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Scenario, Rates | None]:
                 args.train_rate,
                 _bandwidth(args.pfs_bandwidth, "--pfs-bandwidth"),
                 _bandwidth(args.network_bandwidth, "--network-bandwidth"),
+                None if args.egress_bandwidth is None else _bandwidth(args.egress_bandwidth, "--egress-bandwidth"),
             )
     except ValueError as exc:
         raise _flag_error(exc) from None
@@ -310,22 +314,14 @@ def _print_report(scenario: Scenario, epochs: list[dict[str, Any]], room: JobRoo
         print(_coding_summary(scenario, epochs))
 
 
-def _links(args: argparse.Namespace, rates: Rates | None) -> tuple[float, float]:
-    """Each node's (egress, ingress) bytes/s: --egress-bandwidth, else the network's; equal when neither is given."""
-    ingress = rates.network_bandwidth if rates is not None else 1.0
-    if args.egress_bandwidth is None:
-        return ingress, ingress
-    egress = float(_bandwidth(args.egress_bandwidth, "--egress-bandwidth"))
-    if rates is None:
-        raise CliError("--egress-bandwidth is compared with --network-bandwidth: give both")
-    if not egress > 0:
-        raise CliError(f"--egress-bandwidth must be positive, not {args.egress_bandwidth}")
-    return egress, ingress
+def _links(rates: Rates | None) -> tuple[float, float]:
+    """Each node's (egress, ingress) bytes/s; equal when no rates are given (the verdict is then of bytes alone)."""
+    return (1.0, 1.0) if rates is None else (rates.egress, rates.network_bandwidth)
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
     scenario, rates = _inputs(args)
-    links = _links(args, rates)
+    links = _links(rates)
     epochs = []
     started = last = time.monotonic()
     for traffic in simulate(scenario, args.epochs):
@@ -361,7 +357,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         }
         inputs.update(sample_bytes=scenario.sample_bytes, cache_bytes=scenario.cache_bytes)
         inputs.update({name: getattr(rates, name) if rates else None for name in _RATE_FLAGS})
-        inputs["egress_bandwidth"] = links[0] if args.egress_bandwidth is not None else None
+        inputs["egress_bandwidth"] = rates.egress_bandwidth if rates else None
         document = {
             "inputs": inputs,
             "dataset_bytes": scenario.dataset_bytes,
@@ -403,8 +399,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--network-bandwidth", help="bytes/s each node sends and receives, e.g. 12G (for the estimate)")
     p.add_argument(
         "--egress-bandwidth",
-        help="bytes/s each node sends, where it is less than --network-bandwidth (an oversubscribed uplink): "
-        "coding pays only where senders' egress bounds the exchange",
+        help="bytes/s each node sends, where it is less than --network-bandwidth (an oversubscribed uplink; for "
+        "the estimate): coding pays only where senders' egress bounds the exchange",
     )
     p.add_argument(
         "--exchange-coding",
