@@ -1,8 +1,8 @@
-"""A 4-daemon job with a coded exchange, run for a few epochs by a process of its own,
+"""A job of NODES daemons with a coded exchange, run for a few epochs by a process of its own,
 so that a test can put it in a network namespace (``ip netns exec``) with loss or
 without multicast; writes what every exchange did as JSON.
 
-Run: ``python tests/coded_in_namespace.py RUNDIR EPOCHS DAEMON_ARG...``
+Run: ``python tests/coded_in_namespace.py RUNDIR EPOCHS NODES DAEMON_ARG...``
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 from conftest import FAST_LEASES
-from test_exchange import JOB, NODES, Nodes, staged
+from test_exchange import JOB, Nodes, staged
 
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
@@ -35,7 +35,7 @@ RUN_FIELDS = (
 )
 
 
-def main(rundir: Path, epochs: int, daemon_args: list[str]) -> None:
+def main(rundir: Path, epochs: int, num_nodes: int, daemon_args: list[str]) -> None:
     clusters: list[LocalCluster] = []
 
     def cluster(nodes: int, *, daemon_args: tuple[str, ...] = ()) -> LocalCluster:
@@ -44,7 +44,8 @@ def main(rundir: Path, epochs: int, daemon_args: list[str]) -> None:
         return local.start()
 
     try:
-        local = staged(cluster, rundir, ["--mode", "partial", "--q", "1", "--exchange-coding", "coded"], *daemon_args)
+        job_args = ["--mode", "partial", "--q", "1", "--exchange-coding", "coded"]
+        local = staged(cluster, rundir, job_args, *daemon_args, nodes=num_nodes)
         nodes = Nodes(local)
         manifest = Manifest(b"".join(c.data for c in nodes.stubs[0].GetManifest(pb.GetDatasetRequest(name="imgs"))))
         job = nodes.stubs[0].JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id=JOB), must_exist=True))
@@ -55,7 +56,7 @@ def main(rundir: Path, epochs: int, daemon_args: list[str]) -> None:
             placement = owners(plan, epoch + 1, placement)
             nodes.report(epoch)
             runs.append([{k: getattr(run, k) for k in RUN_FIELDS} for run in nodes.wait_exchanged(epoch + 1)])
-            for m in range(NODES):
+            for m in range(num_nodes):
                 mine = np.flatnonzero(placement == m)
                 exact += len(nodes.read(m, mine))  # each checked against its checksum
         notes = [s.exchange_multicast_note for s in nodes.stats()]
@@ -67,4 +68,4 @@ def main(rundir: Path, epochs: int, daemon_args: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])

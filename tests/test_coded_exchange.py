@@ -130,41 +130,45 @@ def namespace() -> Iterator[str]:
         _ip("netns", "del", name)
 
 
-def _in_namespace(namespace: str, rundir: Path, epochs: int, *daemon_args: str) -> dict[str, Any]:
-    """Runs tests/coded_in_namespace.py in ``namespace``: ``epochs`` coded exchanges of a 4-daemon job."""
+def _in_namespace(namespace: str, rundir: Path, epochs: int, *daemon_args: str, nodes: int = NODES) -> dict[str, Any]:
+    """Runs tests/coded_in_namespace.py in ``namespace``: ``epochs`` coded exchanges of a job of ``nodes`` daemons."""
     rundir.mkdir()
     script = Path(__file__).with_name("coded_in_namespace.py")
-    done = subprocess.run(
-        ["ip", "netns", "exec", namespace, sys.executable, str(script), str(rundir), str(epochs), *daemon_args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    command = [sys.executable, str(script), str(rundir), str(epochs), str(nodes), *daemon_args]
+    done = subprocess.run(["ip", "netns", "exec", namespace, *command], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result: dict[str, Any] = json.loads((rundir / "result.json").read_text())
     return result
 
 
-def test_lost_acknowledgements_at_five_percent_loss_never_stall_a_coded_pass(namespace: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("percent", "nodes"),
+    [(5, NODES), (1, NODES), pytest.param(1, 8, marks=pytest.mark.slow), pytest.param(5, 8, marks=pytest.mark.slow)],
+)
+def test_lost_datagrams_and_acknowledgements_never_stall_a_coded_pass(
+    namespace: str, tmp_path: Path, percent: int, nodes: int
+) -> None:
     if shutil.which("nft") is None:
         pytest.skip("needs nftables (nft) to drop datagrams at random")
     group = multicast_group()
     port = group.rpartition(":")[2]
     assert _ip("-n", namespace, "route", "add", "224.0.0.0/4", "dev", "lo").returncode == 0
-    # 5% of the pool's datagrams, and 5% of every other UDP datagram: the acknowledgements.
+    # ``percent`` of the pool's datagrams, and of every other UDP datagram: the acknowledgements.
+    one_in = 100 // percent
     rules = (
         f"add table inet loss\n"
         f"add chain inet loss in {{ type filter hook input priority 0; }}\n"
-        f"add rule inet loss in udp dport {port} numgen random mod 20 0 drop\n"
-        f"add rule inet loss in udp sport != {port} udp dport != {port} numgen random mod 20 0 drop\n"
+        f"add rule inet loss in udp dport {port} numgen random mod {one_in} 0 drop\n"
+        f"add rule inet loss in udp sport != {port} udp dport != {port} numgen random mod {one_in} 0 drop\n"
     )
     added = subprocess.run(
         ["ip", "netns", "exec", namespace, "nft", "-f", "-"], input=rules, text=True, capture_output=True, timeout=30
     )
     if added.returncode != 0:
         pytest.skip(f"nftables cannot filter in the namespace: {added.stderr.strip()}")
-    result = _in_namespace(namespace, tmp_path / "run", 4, "--exchange-multicast", group)
+    result = _in_namespace(namespace, tmp_path / "run", 4, "--exchange-multicast", group, nodes=nodes)
     runs = [run for epoch in result["runs"] for run in epoch]
+    assert len(runs) == 4 * nodes
     assert [run["coded_note"] for run in runs] == [""] * len(runs)
     # A pass that waited out a lost acknowledgement would take PASS_SECONDS (60 s).
     assert max(run["elapsed_seconds"] for run in runs) < 20

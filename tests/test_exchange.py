@@ -65,9 +65,9 @@ class Nodes:
     def stats(self) -> list[pb.StatsReply]:
         return [stub.Stats(pb.StatsRequest(), timeout=10) for stub in self.stubs]
 
-    def report(self, epoch: int, indexes: tuple[int, ...] = tuple(range(NODES))) -> None:
-        """The trainers of nodes ``indexes`` enter ``epoch``."""
-        for index in indexes:
+    def report(self, epoch: int, indexes: tuple[int, ...] | None = None) -> None:
+        """The trainers of nodes ``indexes`` (default all) enter ``epoch``."""
+        for index in range(len(self.stubs)) if indexes is None else indexes:
             self.stubs[index].ReportEpoch(jpb.ReportEpochRequest(job_id=self.job, epoch=epoch), timeout=10)
 
     def exchange(self, index: int, epoch: int) -> pb.ExchangeProgress | None:
@@ -109,10 +109,10 @@ class Nodes:
 
 
 def staged(
-    cluster: Callable[..., LocalCluster], tmp_path: Path, job_args: list[str], *daemon_args: str
+    cluster: Callable[..., LocalCluster], tmp_path: Path, job_args: list[str], *daemon_args: str, nodes: int = NODES
 ) -> LocalCluster:
-    """4 daemons with dataset "imgs" registered and staged for job JOB (2 ranks per node)."""
-    local = cluster(NODES, daemon_args=daemon_args)
+    """``nodes`` daemons with dataset "imgs" registered and staged for job JOB (2 ranks per node)."""
+    local = cluster(nodes, daemon_args=daemon_args)
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=SIZES)
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
     assert (

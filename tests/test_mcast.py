@@ -7,9 +7,12 @@ network untouched; the tests skip where one cannot be made.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,9 +21,10 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from dataquay.server.node.exchange import coding, mcast_seal
+from dataquay.server.node.exchange import mcast_seal
 from dataquay.server.node.exchange import mcast_wire as wire
-from dataquay.server.node.exchange.mcast import Channel, MulticastEndpoint, payload_bytes
+from dataquay.server.node.exchange.coding_payoff import NodeBytes, node_bytes, payoff
+from dataquay.server.node.exchange.mcast import MAX_DATAGRAM, Channel, MulticastEndpoint, _Protocol, payload_bytes
 from dataquay.server.tools import coded_wire
 
 PORT = 47016
@@ -226,20 +230,13 @@ def _udp_delivered(namespace: str) -> int:
     return int(lines[1][lines[0].index("InDatagrams")])
 
 
-def _planned_datagram_bytes(node: int, nodes: int, scheme: str) -> int:
-    """Bytes of the data datagrams of every stream ``node`` decodes, as the tool's defaults plan them."""
+def _modelled(nodes: int, scheme: str, frame: int = 0) -> NodeBytes:
+    """Each node's bytes by the payoff model, for the plan the tool makes with its defaults: datagrams
+    of 1400 packet bytes with our header and seal, or (``frame``) TCP's stream of framed samples."""
     s = coded_wire.setup(nodes, 400, 4096, 100, scheme, 1, POOL)
-    packets, bytes_ = s.packets, 0
-    for i, members in enumerate(s.members):
-        if node not in members or s.send_nodes[i] == coding.PFS:
-            continue
-        if i >= len(packets):
-            length = int(s.sizes[packets.fetch_samples[i - len(packets)]])
-        else:
-            length = int(s.sizes[packets.samples[packets.start[i] : packets.start[i + 1]]].max())
-        count = max(1, -(-length // 1400))
-        bytes_ += length + count * (wire.DATA_HEADER_BYTES + mcast_seal.OVERHEAD_BYTES)
-    return bytes_
+    if frame:
+        return node_bytes(s.packets, nodes, s.sizes + frame)
+    return node_bytes(s.packets, nodes, s.sizes, 1400, wire.DATA_HEADER_BYTES + mcast_seal.OVERHEAD_BYTES)
 
 
 def test_each_node_hears_only_the_groups_it_decodes_for(namespace: str, tmp_path: Path) -> None:
@@ -250,7 +247,7 @@ def test_each_node_hears_only_the_groups_it_decodes_for(namespace: str, tmp_path
     stats = [result["stats"] for result in results]
     for node, s in enumerate(stats):
         assert s["foreign_datagrams"] == 0  # type: ignore[index]
-        assert s["data_bytes_received"] == _planned_datagram_bytes(node, 4, "uber")  # type: ignore[index]
+        assert s["data_bytes_received"] == _modelled(4, "uber").received[node]  # type: ignore[index]
     # The kernel's count: the datagrams delivered are the ones the nodes took (data and tails of their
     # groups, acknowledgements of their own), and at most a few still queued when a node closed.
     counted = sum(s["datagrams_received"] for s in stats)  # type: ignore[index]
@@ -262,3 +259,69 @@ def test_the_uncoded_baseline_over_tcp_streams_delivers_every_sample_byte_exact(
     _assert_every_sample_committed(results)
     sent = sum(r["stats"]["payload_bytes_sent"] for r in results)  # type: ignore[index]
     assert sent == sum(r["stats"]["payload_bytes_received"] for r in results) > 0  # type: ignore[index]
+
+
+def test_the_payoff_model_counts_each_nodes_bytes_as_a_real_exchange_puts_them_on_the_wire(
+    namespace: str, tmp_path: Path
+) -> None:
+    counted = {}
+    for scheme in ("coded", "uber"):
+        results = _exchange(namespace, tmp_path / scheme, 4, "--scheme", scheme, "--pool", str(POOL))
+        _assert_every_sample_committed(results)
+        stats = [r["stats"] for r in results]
+        model = _modelled(4, scheme)
+        # First transmissions only: resends and acknowledgements are the transport's, not the plan's.
+        assert [s["wire_bytes_sent"] for s in stats] == model.sent.tolist()  # type: ignore[index]
+        assert [s["data_bytes_received"] for s in stats] == model.received.tolist()  # type: ignore[index]
+        counted[scheme] = model
+    results = _exchange(namespace, tmp_path / "tcp", 4, "--scheme", "none", "--tcp")
+    uncoded = _modelled(4, "none", coded_wire.FRAME_BYTES)
+    assert [r["stats"]["payload_bytes_sent"] for r in results] == uncoded.sent.tolist()  # type: ignore[index]
+    assert [r["stats"]["payload_bytes_received"] for r in results] == uncoded.received.tolist()  # type: ignore[index]
+    for model in counted.values():
+        # Coding lightens the busiest sender but no receiver: on equal links it does not pay; where
+        # senders' links are a third of the receivers', it does.
+        assert model.sent.max() < uncoded.sent.max() and model.received.sum() >= uncoded.received.sum() * 0.95
+        assert not payoff(uncoded, model, copies=2.0).pays  # each cache: its 100 samples and 100 spares
+        assert payoff(uncoded, model, copies=2.0, egress=1.0, ingress=3.0).pays
+
+
+def test_datagrams_read_in_one_wake_up_draw_one_acknowledgement_per_stream() -> None:
+    async def exchange() -> list[wire.Ack]:
+        seal = mcast_seal.PassSeal("t0k3n", 5)
+        endpoint = MulticastEndpoint(0, Channel("239.255.0.1", PORT), "t0k3n", pass_id=5)
+        endpoint.expect(1, 0)
+        with (
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as inbox,
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as peer,
+        ):
+            inbox.bind(("127.0.0.1", 0))
+            inbox.setblocking(False)  # as the event loop's sockets are
+            peer.bind(("127.0.0.1", 0))
+            peer.settimeout(0.5)
+            datagrams = [
+                seal.seal(
+                    wire.encode_data(
+                        wire.Fragment(1, 9, 0, seq, seq, 0, 1, 3, xxhash.xxh3_64_intdigest(b"abc"), b"abc")
+                    )
+                )
+                for seq in range(8)
+            ]
+            for datagram in datagrams[1:]:
+                peer.sendto(datagram, inbox.getsockname())
+            await endpoint.start()
+            try:
+                # The loop's read of the first; the seven queued behind it are read in the same call.
+                _Protocol(endpoint, inbox).datagram_received(datagrams[0], peer.getsockname())
+                await asyncio.sleep(0.1)
+                acks = []
+                with contextlib.suppress(TimeoutError):
+                    while True:
+                        acks.append(wire.decode(seal.open(peer.recv(MAX_DATAGRAM))))
+            finally:
+                endpoint.close()
+        assert endpoint.ready.qsize() == 8
+        return [ack for ack in acks if isinstance(ack, wire.Ack)]
+
+    acks = asyncio.run(exchange())
+    assert [(ack.cumulative, ack.gaps) for ack in acks] == [(8, ())]  # one per stream, not one per packet

@@ -269,6 +269,29 @@ def test_simulate_reports_the_coded_load_and_when_coding_cannot_pay() -> None:
     assert "so there is nothing to code against" in table.stdout
 
 
+def test_simulate_says_coding_pays_only_where_the_senders_egress_bounds_the_exchange() -> None:
+    args = cli_args("partial", "--q", "0.5", "--epochs", "4", "--exchange-coding", "uber", "--cache-bytes", "40M")
+    rates = ["--train-rate", "1000", "--pfs-bandwidth", "10G", "--network-bandwidth", "12G"]
+    equal = run_cli(*args, *rates)
+    assert equal.returncode == 0, equal.stderr
+    assert "in time, coding does not pay" in equal.stdout and "receivers' ingress bounds the exchange" in equal.stdout
+    slow_uplinks = json.loads(run_cli(*args, *rates, "--egress-bandwidth", "3G", "--json").stdout)
+    assert slow_uplinks["inputs"]["egress_bandwidth"] == 3 << 30
+    same_links = json.loads(run_cli(*args, *rates, "--json").stdout)
+    # The estimate's exchange time follows the slower uplinks too.
+    slow, same = ([e["estimate_s"]["network"] for e in doc["epochs"][1:]] for doc in (slow_uplinks, same_links))
+    assert all(a > b for a, b in zip(slow, same, strict=True))
+    last = slow_uplinks["epochs"][-1]["coding"]["payoff"]
+    assert last["pays"] and last["bound"] == "egress" and last["coded_seconds"] < 0.95 * last["uncoded_seconds"]
+    assert "senders' egress bounds the exchange and caches overlap" in last["reason"]
+    # Without spares nothing is coded, however slow the uplinks.
+    bare = json.loads(run_cli(*args[:-2], *rates, "--egress-bandwidth", "3G", "--json").stdout)
+    assert not bare["epochs"][-1]["coding"]["payoff"]["pays"]
+    assert "caches do not overlap" in bare["epochs"][-1]["coding"]["payoff"]["reason"]
+    alone = run_cli(*args, "--egress-bandwidth", "3G")
+    assert alone.returncode == 1 and "--egress-bandwidth is compared with --network-bandwidth" in alone.stderr
+
+
 def changed_scenario(mode: str, **change: int) -> Scenario:
     q = 0.1 if mode == "partial" else 0.0
     settings = JobSettings(mode=mode, q=q, seed=7, batch_size=BATCH, ranks_per_node=RANKS_PER_NODE)

@@ -7,7 +7,7 @@ MTU the datagrams are sized for; needs root), all computing the same
 synthetic dataset, caches with spare copies, new owners and plan, then
 sending and decoding over
 :class:`~dataquay.server.node.exchange.mcast.MulticastEndpoint` (``coded``,
-``uber``: each group of receivers on its own address of a pool of 16) or
+``uber``: each group of receivers on its own address of a pool of 256) or
 over one TCP stream per receiver (``tcp``: the uncoded plan, as the
 exchange's streams ship it); every decoded sample is checked against its
 checksum. Per scheme and round:
@@ -23,6 +23,15 @@ checksum. Per scheme and round:
   sender's own datagrams looped back where its group shares an address it
   joined, and datagrams still queued when a node closed); for TCP, what was
   sent;
+- ``fabric_link_bytes``: the two together, what every link of a switched
+  fabric carries in all (a byte crosses its sender's uplink once and each
+  receiver's downlink once; the switch replicates a multicast): coding
+  lowers the first term only;
+- ``busiest_sent_bytes``, ``busiest_received_bytes``: the busiest node's
+  link out and in, which bound the exchange's time on a real fabric
+  (:mod:`~dataquay.server.node.exchange.coding_payoff`'s model);
+- ``cpu_s_per_gb``: the nodes' CPU seconds (user and system, from the start
+  to each holding its samples) per GB of samples delivered;
 - ``*_vs_tcp``: those against the TCP baseline's;
 
 - ``payload_vs_plan``: packet and fetch bytes the senders multicast, against
@@ -63,6 +72,16 @@ SCHEMES = ("tcp", "coded", "uber")
 IP_TCP_BYTES = 52
 NAMESPACE = f"dqbench{os.getpid()}"
 IP_UDP_BYTES = 28
+#: What each scheme's summary puts beside the TCP baseline's.
+COMPARED = (
+    "fabric_sent_bytes",
+    "fabric_received_bytes",
+    "fabric_link_bytes",
+    "busiest_sent_bytes",
+    "busiest_received_bytes",
+    "wall_s",
+    "cpu_s_per_gb",
+)
 
 
 def ip(*args: str) -> None:
@@ -138,9 +157,14 @@ def one_run(rundir: Path, args: argparse.Namespace, scheme: str, payload_bytes: 
     stats = [result["stats"] for result in results]
     planned = results[0]["planned_bytes"]
     wall = max(r["received_all"] for r in results) - min(r["started"] for r in results)
+    cpu = {"cpu_s": sum(r["cpu_s"] for r in results), "delivered_bytes": sum(r["committed_bytes"] for r in results)}
+    cpu["cpu_s_per_gb"] = cpu["cpu_s"] / (cpu["delivered_bytes"] / 1e9)
     if scheme == "tcp":
         payload = sum(s["payload_bytes_sent"] for s in stats)
         sent = payload + IP_TCP_BYTES * kernel["Tcp.OutSegs"]
+        # Headers spread over the nodes in proportion to their payload.
+        per_node = [s["payload_bytes_sent"] * sent / payload for s in stats]
+        into = [s["payload_bytes_received"] * sent / payload for s in stats]
         return {
             "scheme": scheme,
             "payload_bytes_per_datagram": payload_bytes,
@@ -149,15 +173,27 @@ def one_run(rundir: Path, args: argparse.Namespace, scheme: str, payload_bytes: 
             "payload_bytes": payload,
             "fabric_sent_bytes": sent,
             "fabric_received_bytes": sent,
+            "fabric_link_bytes": 2 * sent,
+            "busiest_sent_bytes": max(per_node),
+            "busiest_received_bytes": max(into),
             "kernel": kernel,
             "wall_s": wall,
+            **cpu,
             "load_average": os.getloadavg(),
         }
     payload = sum(s["packet_bytes_sent"] for s in stats)
     first = sum(s["wire_bytes_sent"] + IP_UDP_BYTES * s["datagrams_sent"] for s in stats)
     resent = sum(s["resent_bytes"] + IP_UDP_BYTES * s["datagrams_resent"] for s in stats)
     control = sum(s["control_bytes_sent"] + IP_UDP_BYTES * s["control_datagrams_sent"] for s in stats)
-    received = sum(s["bytes_received"] + IP_UDP_BYTES * s["datagrams_received"] for s in stats)
+    per_node = [
+        s["wire_bytes_sent"]
+        + s["resent_bytes"]
+        + s["control_bytes_sent"]
+        + IP_UDP_BYTES * (s["datagrams_sent"] + s["datagrams_resent"] + s["control_datagrams_sent"])
+        for s in stats
+    ]
+    into = [s["bytes_received"] + IP_UDP_BYTES * s["datagrams_received"] for s in stats]
+    received = sum(into)
     return {
         "scheme": scheme,
         "payload_bytes_per_datagram": payload_bytes,
@@ -173,10 +209,14 @@ def one_run(rundir: Path, args: argparse.Namespace, scheme: str, payload_bytes: 
         "all_vs_plan": (first + resent + control) / planned,
         "fabric_sent_bytes": first + resent + control,
         "fabric_received_bytes": received,
+        "fabric_link_bytes": first + resent + control + received,
+        "busiest_sent_bytes": max(per_node),
+        "busiest_received_bytes": max(into),
         "foreign_datagrams": sum(s["foreign_datagrams"] for s in stats),
         "kernel": kernel,
         "datagrams_received": sum(s["datagrams_received"] for s in stats),
         "wall_s": wall,
+        **cpu,
         "load_average": os.getloadavg(),
     }
 
@@ -237,11 +277,8 @@ def main() -> None:
                 "payload_bytes_per_datagram": mcast.payload_bytes(mtu),
                 "planned_bytes": mine[0]["planned_bytes"],
                 "planned_transmissions": mine[0]["planned_transmissions"],
-                **{k: median(scheme, k) for k in ("fabric_sent_bytes", "fabric_received_bytes", "wall_s")},
-                **{
-                    f"{k}_vs_tcp": median(scheme, k) / median("tcp", k)
-                    for k in ("fabric_sent_bytes", "fabric_received_bytes", "wall_s")
-                },
+                **{k: median(scheme, k) for k in COMPARED},
+                **{f"{k}_vs_tcp": median(scheme, k) / median("tcp", k) for k in COMPARED},
             }
             if scheme != "tcp":
                 line |= {

@@ -19,6 +19,7 @@ from dataquay.client.placement import MODES, JobPlan, drawn_fraction, leaving_fr
 from dataquay.server.cli.capacity_advice import JobRoom, job_room
 from dataquay.server.cli.common import CliError, add_q, print_table
 from dataquay.server.node.exchange.coding import SCHEMES
+from dataquay.server.node.exchange.coding_payoff import NodeBytes, Payoff, payoff
 from dataquay.server.sizes import format_bytes, parse_size, size_flag
 from dataquay.server.tools.coded_traffic import CodedEpoch
 from dataquay.server.tools.simulate import EpochTraffic, Estimate, Rates, Scenario, Spread, estimate, simulate, spread
@@ -41,6 +42,7 @@ _FLAGS = {
     "train_rate": "--train-rate",
     "pfs_bandwidth": "--pfs-bandwidth",
     "network_bandwidth": "--network-bandwidth",
+    "egress_bandwidth": "--egress-bandwidth",
     "exchange_coding": "--exchange-coding",
     "leave_at": "--leave-at",
     "join_at": "--join-at",
@@ -65,6 +67,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Scenario, Rates | None]:
         raise CliError(f"the estimate needs --train-rate, --pfs-bandwidth and --network-bandwidth: missing {missing}")
     if args.epochs < 1:
         raise CliError(f"--epochs must be at least 1, not {args.epochs}")
+    if args.egress_bandwidth is not None and not given:
+        raise CliError("--egress-bandwidth is compared with --network-bandwidth: give the three rates too")
     try:
         q = args.q
         if args.q_leaving is not None:
@@ -91,6 +95,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Scenario, Rates | None]:
                 args.train_rate,
                 _bandwidth(args.pfs_bandwidth, "--pfs-bandwidth"),
                 _bandwidth(args.network_bandwidth, "--network-bandwidth"),
+                None if args.egress_bandwidth is None else _bandwidth(args.egress_bandwidth, "--egress-bandwidth"),
             )
     except ValueError as exc:
         raise _flag_error(exc) from None
@@ -101,7 +106,9 @@ def _spread_json(s: Spread) -> dict[str, float]:
     return {"min": s.min, "median": s.median, "max": s.max, "mean": s.mean, "balance": s.balance}
 
 
-def _epoch_json(scenario: Scenario, traffic: EpochTraffic, est: Estimate | None) -> dict[str, Any]:
+def _epoch_json(
+    scenario: Scenario, traffic: EpochTraffic, est: Estimate | None, links: tuple[float, float]
+) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "epoch": traffic.epoch,
         "nodes": len(traffic.sent),
@@ -114,7 +121,7 @@ def _epoch_json(scenario: Scenario, traffic: EpochTraffic, est: Estimate | None)
         "received_bytes_per_node": _spread_json(spread(traffic.received)),
     }
     if traffic.coding is not None:
-        entry["coding"] = _coding_json(scenario, traffic.coding)
+        entry["coding"] = _coding_json(scenario, traffic.coding, links)
     if traffic.balance is not None:
         median, p90 = np.percentile(traffic.balance.imbalance, [50, 90]).tolist()
         entry["imbalance_percent"] = {"median": median, "p90": p90}
@@ -131,9 +138,17 @@ def _epoch_json(scenario: Scenario, traffic: EpochTraffic, est: Estimate | None)
     return entry
 
 
-def _coding_json(scenario: Scenario, coding: CodedEpoch) -> dict[str, Any]:
+def _payoff(scenario: Scenario, coding: CodedEpoch, links: tuple[float, float]) -> Payoff:
+    """The exchange's :class:`Payoff` at (egress, ingress) bytes/s per node."""
+    size = scenario.sample_bytes
+    uncoded = NodeBytes(coding.uncoded_nodes.sent * size, coding.uncoded_nodes.received * size)
+    return payoff(uncoded, NodeBytes(coding.sent * size, coding.received * size), coding.copies, *links)
+
+
+def _coding_json(scenario: Scenario, coding: CodedEpoch, links: tuple[float, float]) -> dict[str, Any]:
     size = scenario.sample_bytes
     uncoded, coded = coding.uncoded, coding.coded
+    pays = _payoff(scenario, coding, links)
     return {
         "scheme": coding.scheme,
         "copies_per_sample": coding.copies,
@@ -145,6 +160,13 @@ def _coding_json(scenario: Scenario, coding: CodedEpoch) -> dict[str, Any]:
             "bytes": coded.bytes * size,
         },
         "saved_percent": 100.0 * coding.saved,
+        "payoff": {
+            "pays": pays.pays,
+            "bound": pays.bound,
+            "uncoded_seconds": pays.uncoded_seconds,
+            "coded_seconds": pays.coded_seconds,
+            "reason": pays.reason,
+        },
     }
 
 
@@ -168,7 +190,9 @@ def _coding_summary(scenario: Scenario, epochs: list[dict[str, Any]]) -> str:
             ": no spare copies (each cache holds its share only; a --cache-bytes above the share keeps "
             "given-away samples), so there is nothing to code against"
         )
-    return line
+    last = codings[-1]["payoff"]
+    verdict = "pays" if last["pays"] else "does not pay"
+    return f"{line}\nin time, coding {verdict} (the last exchange, on the nodes' links): {last['reason']}"
 
 
 def _warnings(scenario: Scenario, epochs: list[dict[str, Any]]) -> list[str]:
@@ -290,12 +314,19 @@ def _print_report(scenario: Scenario, epochs: list[dict[str, Any]], room: JobRoo
         print(_coding_summary(scenario, epochs))
 
 
+def _links(rates: Rates | None) -> tuple[float, float]:
+    """Each node's (egress, ingress) bytes/s; equal when no rates are given (the verdict is then of bytes alone)."""
+    return (1.0, 1.0) if rates is None else (rates.egress, rates.network_bandwidth)
+
+
 def cmd_simulate(args: argparse.Namespace) -> None:
     scenario, rates = _inputs(args)
+    links = _links(rates)
     epochs = []
     started = last = time.monotonic()
     for traffic in simulate(scenario, args.epochs):
-        epochs.append(_epoch_json(scenario, traffic, None if rates is None else estimate(scenario, traffic, rates)))
+        est = None if rates is None else estimate(scenario, traffic, rates)
+        epochs.append(_epoch_json(scenario, traffic, est, links))
         now = time.monotonic()
         if now - started > PROGRESS_AFTER_S:
             print(
@@ -326,6 +357,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         }
         inputs.update(sample_bytes=scenario.sample_bytes, cache_bytes=scenario.cache_bytes)
         inputs.update({name: getattr(rates, name) if rates else None for name in _RATE_FLAGS})
+        inputs["egress_bandwidth"] = rates.egress_bandwidth if rates else None
         document = {
             "inputs": inputs,
             "dataset_bytes": scenario.dataset_bytes,
@@ -365,6 +397,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--train-rate", type=float, help="samples per second one node trains on (for the estimate)")
     p.add_argument("--pfs-bandwidth", help="PFS bytes/s for the whole job, e.g. 20G (for the estimate)")
     p.add_argument("--network-bandwidth", help="bytes/s each node sends and receives, e.g. 12G (for the estimate)")
+    p.add_argument(
+        "--egress-bandwidth",
+        help="bytes/s each node sends, where it is less than --network-bandwidth (an oversubscribed uplink; for "
+        "the estimate): coding pays only where senders' egress bounds the exchange",
+    )
     p.add_argument(
         "--exchange-coding",
         default="none",

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dataquay.server.node.exchange.coding import PFS, Load, Packets, holder_bits, load, plan
+from dataquay.server.node.exchange.coding import Load, Packets, holder_bits, load, plan
+from dataquay.server.node.exchange.coding_payoff import NodeBytes, node_bytes
 from dataquay.server.tools.spare_copies import refill
 
 
@@ -32,6 +33,7 @@ class CodedEpoch:
         coded: the scheme's exchange, under the planner's sender rule.
         sent: samples' worth each node puts on the wire (a multicast once).
         received: samples' worth each node takes in (a multicast at each decoder).
+        uncoded_nodes: the same two for the uncoded exchange.
     """
 
     scheme: str
@@ -40,6 +42,7 @@ class CodedEpoch:
     coded: Load
     sent: np.ndarray
     received: np.ndarray
+    uncoded_nodes: NodeBytes
 
     @property
     def saved(self) -> float:
@@ -48,22 +51,9 @@ class CodedEpoch:
 
 
 def node_traffic(packets: Packets, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
-    """Samples' worth each node sends and receives for ``packets`` (unit samples).
-
-    A sender sends each packet once; every decoder receives it but the sender,
-    which got its own part by its fetch. A fetch is one unicast.
-    """
-    sent_packets = packets.senders[packets.senders != PFS]
-    fetched = packets.fetch_sources != PFS
-    sent = np.bincount(sent_packets, minlength=num_nodes) + np.bincount(
-        packets.fetch_sources[fetched], minlength=num_nodes
-    )
-    sender_of_part = packets.senders[packets.packet_of_part]
-    multicast = (sender_of_part != PFS) & (packets.decoders != sender_of_part)
-    received = np.bincount(packets.decoders[multicast], minlength=num_nodes) + np.bincount(
-        packets.senders[packets.fetch_packets[fetched]], minlength=num_nodes
-    )
-    return sent.astype(np.int64), received.astype(np.int64)
+    """Samples' worth each node sends and receives for ``packets`` (:func:`.coding_payoff.node_bytes`)."""
+    traffic = node_bytes(packets, num_nodes)
+    return traffic.sent, traffic.received
 
 
 class CodedExchanges:
@@ -85,15 +75,16 @@ class CodedExchanges:
     def exchange(self, owners: np.ndarray) -> CodedEpoch:
         """Plans the exchange to ``owners`` from the caches, then moves the caches on."""
         holders = holder_bits(self.caches, len(owners))
-        packets = plan(holders, owners, self.scheme)
+        packets, uncoded = plan(holders, owners, self.scheme), plan(holders, owners, "none")
         sent, received = node_traffic(packets, self.num_nodes)
         epoch = CodedEpoch(
             self.scheme,
             float(np.bitwise_count(holders).sum()) / len(owners),
-            load(plan(holders, owners, "none")),
+            load(uncoded),
             load(packets),
             sent,
             received,
+            node_bytes(uncoded, self.num_nodes),
         )
         self.caches = refill(self.caches, owners, self.capacity, self._rng)
         return epoch

@@ -38,6 +38,8 @@ from dataquay.server.tools.spare_copies import balanced_owners
 POLL_SECONDS = 0.01
 #: A sample on a TCP stream: its id and length, then its bytes.
 _FRAME = struct.Struct("<QI")
+#: Bytes the frame adds to a sample.
+FRAME_BYTES = _FRAME.size
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,10 @@ class NodeResult:
     received_all: float
     finished: float
     stats: dict[str, int]
+    #: This process's CPU seconds (user and system) from the start to ``received_all``.
+    cpu_s: float
+    #: Bytes of the samples committed: what the exchange delivered here.
+    committed_bytes: int
 
 
 def _digest(ids: list[int], value: dict[int, bytes]) -> str:
@@ -135,7 +141,7 @@ async def run_node(node: int, s: Setup, seed: int, endpoint: MulticastEndpoint, 
     (rundir / f"ready.{node}").touch()
     while len(list(rundir.glob("ready.*"))) < nodes:
         await asyncio.sleep(POLL_SECONDS)
-    started = time.time()
+    started, cpu_started = time.time(), time.process_time()
 
     for p in np.flatnonzero(packets.senders == coding.PFS).tolist():
         sample = int(packets.samples[packets.start[p]])
@@ -180,7 +186,7 @@ async def run_node(node: int, s: Setup, seed: int, endpoint: MulticastEndpoint, 
     receiving = asyncio.create_task(receive_all())
     await send_all()
     await receiving
-    received_all = time.time()
+    received_all, cpu_s = time.time(), time.process_time() - cpu_started
     (rundir / f"done.{node}").touch()
     while len(list(rundir.glob("done.*"))) < nodes:
         await asyncio.sleep(POLL_SECONDS)
@@ -196,6 +202,8 @@ async def run_node(node: int, s: Setup, seed: int, endpoint: MulticastEndpoint, 
         received_all,
         time.time(),
         asdict(endpoint.stats),
+        cpu_s,
+        sum(len(v) for v in committed.values()),
     )
 
 
@@ -238,7 +246,7 @@ async def run_node_tcp(node: int, s: Setup, seed: int, port: int, rundir: Path, 
     (rundir / f"ready.{node}").touch()
     while len(list(rundir.glob("ready.*"))) < nodes:
         await asyncio.sleep(POLL_SECONDS)
-    started = time.time()
+    started, cpu_started = time.time(), time.process_time()
     if expected == 0:
         arrived.set()
     by_receiver: dict[int, list[int]] = {}
@@ -260,7 +268,7 @@ async def run_node_tcp(node: int, s: Setup, seed: int, port: int, rundir: Path, 
         await writer.wait_closed()
 
     await asyncio.gather(*(ship(r, samples) for r, samples in by_receiver.items()), arrived.wait())
-    received_all = time.time()
+    received_all, cpu_s = time.time(), time.process_time() - cpu_started
     (rundir / f"done.{node}").touch()
     while len(list(rundir.glob("done.*"))) < nodes:
         await asyncio.sleep(POLL_SECONDS)
@@ -277,6 +285,8 @@ async def run_node_tcp(node: int, s: Setup, seed: int, port: int, rundir: Path, 
         received_all,
         time.time(),
         stats,
+        cpu_s,
+        sum(len(v) for v in committed.values()),
     )
 
 

@@ -187,6 +187,8 @@ class Rates:
         train_rate: samples per second one node's GPUs consume.
         pfs_bandwidth: bytes per second the PFS delivers to the whole job.
         network_bandwidth: bytes per second one node sends, and receives.
+        egress_bandwidth: bytes per second one node sends, where less than it
+            receives (an oversubscribed uplink); None: ``network_bandwidth``.
 
     Raises:
         ValueError: a rate that is not positive, named in the message.
@@ -195,11 +197,18 @@ class Rates:
     train_rate: float
     pfs_bandwidth: float
     network_bandwidth: float
+    egress_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("train_rate", "pfs_bandwidth", "network_bandwidth"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
+        for name in ("train_rate", "pfs_bandwidth", "network_bandwidth", "egress_bandwidth"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive, not {value}")
+
+    @property
+    def egress(self) -> float:
+        """Bytes per second one node sends."""
+        return self.network_bandwidth if self.egress_bandwidth is None else self.egress_bandwidth
 
 
 @dataclass(frozen=True)
@@ -382,7 +391,7 @@ def estimate(scenario: Scenario, traffic: EpochTraffic, rates: Rates) -> Estimat
     """The time of ``traffic``'s epoch at ``rates`` (see the module docstring)."""
     training = scenario.node_samples / rates.train_rate
     pfs = traffic.pfs_bytes / rates.pfs_bandwidth
-    network = max(int(traffic.sent.max()), int(traffic.received.max())) / rates.network_bandwidth
+    network = max(int(traffic.sent.max()) / rates.egress, int(traffic.received.max()) / rates.network_bandwidth)
     if MODES[scenario.plan.settings.mode].owners_move:
         spill = max(0.0, network - training)
         return Estimate(training, pfs, network, max(training, pfs) + spill, spill)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import functools
 import ipaddress
 import logging
 import random
@@ -74,7 +75,13 @@ class Channel:
 
     def address(self, slot: int) -> str:
         """The pool's address number ``slot`` (taken modulo the pool)."""
-        return str(ipaddress.IPv4Address(self.group) + slot % self.pool)
+        return _pool_address(self.group, slot % self.pool)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pool_address(group: str, slot: int) -> str:
+    # Asked once per datagram sent: parsing the address each time costs more than sealing it.
+    return str(ipaddress.IPv4Address(group) + slot)
 
 
 def interface_mtu(address: str) -> int:
@@ -192,12 +199,30 @@ DROP_REASONS = (
 )
 
 
+#: Datagrams read from a socket per wake-up of the event loop, at most (the first included).
+READ_BATCH = 64
+
+
 class _Protocol(asyncio.DatagramProtocol):
-    def __init__(self, endpoint: MulticastEndpoint) -> None:
+    def __init__(self, endpoint: MulticastEndpoint, sock: socket.socket) -> None:
         self._endpoint = endpoint
+        self._sock = sock
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        self._endpoint._on_datagram(data, addr)
+        # The loop hands over one datagram per wake-up; what queued behind it is read here,
+        # and the acknowledgements the batch earned leave once, after it.
+        endpoint = self._endpoint
+        endpoint._on_datagram(data, addr)
+        for _ in range(READ_BATCH - 1):
+            try:
+                data, addr = self._sock.recvfrom(MAX_DATAGRAM)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self.error_received(exc)
+                break
+            endpoint._on_datagram(data, addr)
+        endpoint._send_acks()
 
     def error_received(self, exc: Exception) -> None:
         log.debug("multicast socket error: %s", exc)
@@ -269,6 +294,8 @@ class MulticastEndpoint:
         self._retired_sessions: dict[tuple[int, int], set[int]] = {}
         self._since_ack: dict[tuple[int, int], int] = {}
         self._gap_acked_at: dict[tuple[int, int], float] = {}
+        #: Streams owed an acknowledgement, sent once the datagrams read together are handled.
+        self._acks_due: dict[tuple[int, int], wire.ReceiveLog] = {}
         self._senders: dict[int, tuple[str, int]] = {}
         self._assembler = wire.Assembler()
         self._room = asyncio.Event()
@@ -290,7 +317,8 @@ class MulticastEndpoint:
             return
         loop = asyncio.get_running_loop()
         try:
-            self._send, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self), sock=self._send_socket())
+            sock = self._send_socket()
+            self._send, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self, sock), sock=sock)
         except OSError:
             self.close()
             raise
@@ -308,8 +336,9 @@ class MulticastEndpoint:
         if found is not None:
             self._receive[slot] = (found[0], found[1] + 1)
             return
+        sock = self._receive_socket(self.channel.address(slot))
         transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
-            lambda: _Protocol(self), sock=self._receive_socket(self.channel.address(slot))
+            lambda: _Protocol(self, sock), sock=sock
         )
         self._receive[slot] = (transport, 1)
 
@@ -561,7 +590,7 @@ class MulticastEndpoint:
         if stream is not None:
             self._heard_at = time.monotonic()
             stream.on_tail(tail.next_seq)
-            self._acknowledge(tail.sender, tail.group, stream)
+            self._acks_due[(tail.sender, tail.group)] = stream
 
     def _on_fragment(self, fragment: wire.Fragment, addr: tuple[str, int], size: int) -> None:
         stream = self._stream(fragment.sender, fragment.group, fragment.session, addr)
@@ -596,7 +625,14 @@ class MulticastEndpoint:
         if self._since_ack[key] >= ACK_EVERY or gap_due or caught_up:
             if gap_due:
                 self._gap_acked_at[key] = now
-            self._acknowledge(fragment.sender, fragment.group, stream)
+            self._acks_due[key] = stream
+
+    def _send_acks(self) -> None:
+        """Sends the acknowledgements the datagrams handled since the last call earned, one per stream."""
+        due, self._acks_due = self._acks_due, {}
+        for (sender, group), stream in due.items():
+            if self._logs.get((sender, group)) is stream:
+                self._acknowledge(sender, group, stream)
 
     def _acknowledge(self, sender: int, group: int, stream: wire.ReceiveLog) -> None:
         self._since_ack[(sender, group)] = 0
