@@ -122,3 +122,33 @@ def test_batches_held_at_once_each_keep_their_own_segment_and_released_ones_serv
                 3, [k, k + 1, k + 2], SIZES
             )
         assert segment_mappings() <= mapped
+
+
+def test_the_torch_iterable_dataset_decodes_npy_records_from_views_without_a_copy(
+    daemon: DaemonProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from dataquay.client.torch import IterableDataset
+
+    monkeypatch.setenv("DATAQUAY_MISS_READS", "daemon")
+    root = synthetic.make_npy_dataset(tmp_path / "frames", 48, record_shape=(8, 500), files=2, seed=5)
+    add(daemon, "frames", root)
+    records = np.concatenate([np.load(part) for part in sorted(root.glob("*.npy"))])
+    with dq.connect(daemon.address, timeout=5) as client:
+        ds = client.dataset("frames")
+        sampler = ds.sampler(rank=0, world_size=1, seed=1)
+        order = sampler.indices().tolist()
+        lists = IterableDataset(ds, 16, sampler=sampler, decode="npy", copy=False, collate=None)
+        arrays = [array for batch in lists for array in batch]
+        assert all(
+            np.array_equal(a, records[i]) and "memfd:dataquay-" in mapping_of(a.data) for a, i in zip(arrays, order)
+        )
+        del arrays
+        # In worker processes, a collate that stacks each batch: the one copy of the bytes served.
+        stacked = IterableDataset(
+            ds, 16, sampler=sampler, decode="npy", copy=False, collate=lambda s: torch.from_numpy(np.stack(s))
+        )
+        batches = list(DataLoader(stacked, batch_size=None, num_workers=2))
+        assert torch.equal(torch.cat(batches), torch.from_numpy(records[order]))
