@@ -15,6 +15,7 @@ from one_daemon import add, files_bytes, stage
 
 import dataquay.client as dq
 from dataquay.client.wire.memfd import fd_socket_path
+from dataquay.client.wire.shm import MAX_LENT_SEGMENTS
 from dataquay.server.tools import synthetic
 from dataquay.server.tools.processes import DaemonProcess
 
@@ -107,21 +108,24 @@ def test_local_hits_come_as_views_of_the_bytes_read_from_the_cache(
     assert client.stats().samples["local"] - before == len(ids)
 
 
-def test_batches_held_at_once_each_keep_their_own_segment_and_released_ones_serve_again(served: DaemonProcess) -> None:
+def test_batches_held_at_once_keep_a_segment_each_up_to_the_limit_then_come_as_copies(served: DaemonProcess) -> None:
     with dq.connect(served.address, timeout=5) as client:
         ds = client.dataset("imgs")
-        starts = range(0, 30, 3)
-        held = [ds.get_batch([k, k + 1, k + 2], copy=False) for k in starts]  # a DataLoader's prefetch, say
-        for k, views in zip(starts, held):
+        starts = range(0, 3 * (MAX_LENT_SEGMENTS + 2), 3)
+        held = [ds.get_batch([k, k + 1, k + 2], copy=False) for k in starts]  # kept for an epoch, say
+        for n, (k, views) in enumerate(zip(starts, held)):
             assert [bytes(v) for v in views] == files_bytes(3, [k, k + 1, k + 2], SIZES)
+            in_segment = ["dataquay-" in mapping_of(v) for v in views]
+            assert in_segment == [n < MAX_LENT_SEGMENTS] * 3 and all(v.readonly for v in views)
         mapped = segment_mappings()
+        assert mapped <= MAX_LENT_SEGMENTS + 1
         del held, views
         gc.collect()
         for k in starts:
-            assert [bytes(v) for v in ds.get_batch([k, k + 1, k + 2], copy=False)] == files_bytes(
-                3, [k, k + 1, k + 2], SIZES
-            )
-        assert segment_mappings() <= mapped
+            views = ds.get_batch([k, k + 1, k + 2], copy=False)
+            assert [bytes(v) for v in views] == files_bytes(3, [k, k + 1, k + 2], SIZES)
+            assert all("memfd:dataquay-" in mapping_of(v) for v in views)
+        assert segment_mappings() <= mapped  # the released segments serve again
 
 
 def test_the_torch_iterable_dataset_decodes_npy_records_from_views_without_a_copy(

@@ -177,10 +177,10 @@ class Dataset(Sequence[bytes]):
         daemon served through shared memory is then a view into that
         segment, not a copy of it: the segment is used for no other read
         until every view of the batch, and every array made over one, is
-        released. So hold them for a step, not an epoch (each batch held
-        keeps its segment, up to DATAQUAY_SHM_BYTES, and the next read maps
-        another), and copy what must live longer (``bytes(view)``). Local
-        hits and samples that came another way are views of their bytes.
+        released. Hold them for a step and a loader's read-ahead: each batch
+        held keeps its segment (up to DATAQUAY_SHM_BYTES), and while 8 are
+        held, further reads copy (views of fresh bytes). Local hits and
+        samples that came another way are views of their bytes.
 
         Raises:
             SampleIdError: an id is outside 0..N-1.

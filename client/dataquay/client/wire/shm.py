@@ -21,7 +21,8 @@ with a larger one.
 
 A call may hand its payloads over without a copy (:meth:`SegmentPool.lend`):
 they are then views into its segment, which stays out of the pool, so that
-no later read writes over them, until the last view cut from it is released.
+no later read writes over them, until the last view cut from it is released;
+at most MAX_LENT_SEGMENTS at once.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ _NAME = re.compile(r"^dataquay-(\d{1,10})-[A-Za-z0-9_]{1,32}$")
 DEFAULT_SEGMENT_BYTES = 64 << 20
 #: The smallest segment made, so that small reads do not each grow it a little.
 MIN_SEGMENT_BYTES = 1 << 20
+#: Segments a process keeps lent at once: a step's batch and a loader's
+#: read-ahead. A read past them copies its payloads, so views held for long
+#: cost copies, not a segment (and the daemon's mapping of it) each.
+MAX_LENT_SEGMENTS = 8
 
 
 def segment_pid(name: str) -> int | None:
@@ -157,16 +162,19 @@ class SegmentPool:
                     if self._pid == os.getpid() and id(seg) not in self._lent:
                         self._free.append(seg)
 
-    def lend(self, seg: Segment | MemfdSegment) -> memoryview:
+    def lend(self, seg: Segment | MemfdSegment) -> memoryview | None:
         """A read-only view of the whole of ``seg`` to cut payloads from
-        without a copy. ``seg`` leaves the pool: it comes back (or is
-        closed, if discarded or the pool closed meanwhile) once this view
-        and every view cut from it are released, so no read writes over a
-        payload while anything still refers to it."""
+        without a copy, or None where MAX_LENT_SEGMENTS are lent already
+        (the payloads are then copied). ``seg`` leaves the pool: it comes
+        back (or is closed, if discarded or the pool closed meanwhile) once
+        this view and every view cut from it are released, so no read
+        writes over a payload while anything still refers to it."""
+        with self._lock:
+            if len(self._lent) >= MAX_LENT_SEGMENTS:
+                return None
+            self._lent[id(seg)] = False
         owner = np.frombuffer(seg.map, np.uint8)
         owner.flags.writeable = False  # a /dev/shm segment is mapped writable here
-        with self._lock:
-            self._lent[id(seg)] = False
         # Every view cut from the memoryview holds ``owner``, and ``owner`` numpy's own
         # memoryview of the map: collected after the last view, with the map's export released.
         weakref.finalize(owner.base, self._returned, seg, os.getpid()).atexit = False
