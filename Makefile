@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-oldest test-repeat test-all faults tools torch bench results docs proto lint typecheck dist clean
+.PHONY: demo test test-oldest test-repeat test-all faults tools torch frameworks bench results docs proto lint typecheck dist clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,13 +23,13 @@ demo: $(STAMP)
 WORKERS ?= 2
 XDIST = -n $(WORKERS) --dist worksteal
 
-test: lint docs tools torch
+test: lint docs tools torch frameworks
 	$(BIN)/python -m pytest -q $(XDIST)
 
 # The suite N times over, each run in a fresh temp dir and without pytest's
 # cache, to show it does not flake; stops at the first run that fails.
 N ?= 5
-test-repeat: $(STAMP) tools torch
+test-repeat: $(STAMP) tools torch frameworks
 	@for i in $$(seq 1 $(N)); do \
 	  base=$$(mktemp -d) && echo "== run $$i of $(N) (temp dir $$base)" && \
 	  $(BIN)/python -m pytest -q $(XDIST) -p no:cacheprovider --basetemp="$$base" || \
@@ -99,14 +99,25 @@ torch: $(STAMP)
 	  { $(BIN)/python -m pip uninstall --quiet --yes torch >/dev/null 2>&1; \
 	    echo "no $(TORCH) on this machine without a download: the PyTorch adapter tests will skip"; }
 
+# The JAX, grain, TensorFlow and torchdata tests and the examples they run:
+# on CI's machines pip takes these from the disk (about 25 s, 1.9 GB in
+# .venv); elsewhere a download that does not finish in FRAMEWORKS_SECONDS
+# leaves them out and their tests skip, each saying which package it lacks.
+FRAMEWORKS ?= torchdata grain jax jaxlib tensorflow-cpu
+FRAMEWORKS_SECONDS ?= 300
+frameworks: torch
+	@$(BIN)/python -c 'import torchdata, grain, jax, tensorflow' 2>/dev/null || \
+	  timeout $(FRAMEWORKS_SECONDS) $(BIN)/python -m pip install --quiet $(FRAMEWORKS) >/dev/null 2>&1 || \
+	  echo "$(FRAMEWORKS) not installed in $(FRAMEWORKS_SECONDS) s: their tests will skip"
+
 proto: $(STAMP)
 	$(BIN)/python protos/generate.py
 
 # ruff's rules and exclusions (the generated *_pb2*.py) are in pyproject.toml.
 # `ruff format` is configured there but not yet applied, so not checked here.
 lint: $(STAMP)
-	$(BIN)/ruff check client server protos tests bench
-	$(BIN)/ruff format --check client server protos tests bench
+	$(BIN)/ruff check client server protos tests bench examples
+	$(BIN)/ruff format --check client server protos tests bench examples
 
 typecheck: $(STAMP)
 	$(BIN)/python -m mypy client/dataquay/client client/dataquay/analyze server/dataquay/server

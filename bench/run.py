@@ -29,6 +29,7 @@ import record_loops
 import spill
 import staging
 import tight_storage
+import zero_copy
 from common import RESULTS, machine
 
 from dataquay.server.tools import data_stall, overflow_stall
@@ -42,6 +43,7 @@ def main() -> None:
         ("cache_behind", cache_behind.main),
         ("record_loops", record_loops.main),
         ("read_stream", read_stream.main),
+        ("zero_copy", zero_copy.main),
         ("staging", staging.main),
         ("memory", memory.main),
         ("placement", lambda: placement.main([])),

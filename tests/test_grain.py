@@ -20,8 +20,13 @@ if importlib.util.find_spec("grain") is None:
     pytest.skip("grain is not installed: pip install grain", allow_module_level=True)
 
 import grain.python as gp
+from absl import flags
 
 from dataquay.client.grain import GrainSampler, GrainSource
+
+# With JAX installed, grain's DataLoader reads absl flags, which a program
+# run by absl.app has parsed (examples/jax_grain.py) and pytest has not.
+flags.FLAGS.mark_as_parsed()
 
 SAMPLES = 24
 

@@ -27,7 +27,7 @@ import numpy as np
 from dataquay.client.errors import DaemonUnavailableError, DataquayError
 from dataquay.client.wire.batch_reads import NOT_PLACED, OK, BatchReply, BatchRequest, parse_reply, request_frame
 from dataquay.client.wire.memfd import MemfdSegment
-from dataquay.client.wire.read_stream import ReadStream
+from dataquay.client.wire.read_stream import Mapped, ReadStream
 from dataquay.client.wire.records import checksum
 from dataquay.client.wire.shm import Segment
 from dataquay.client.wire.status_codes import code_of_number, error_from_status
@@ -170,6 +170,13 @@ def pick_transports(
     return [grpc_read]
 
 
+class _Lent:
+    """A lent segment's view, where a reply cuts its payloads from."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.map = view
+
+
 class DaemonReply:
     """A batch's reply from the daemon, whichever transport carried it.
 
@@ -194,15 +201,27 @@ class DaemonReply:
     linked, and the daemon writes it without a check in place), a payload
     that came inline or was written into the segment by a copy, and any
     payload without the mark, are checked here.
+
+    With ``lent`` (the segment's view from :meth:`SegmentPool.lend`), the
+    payloads in the segment are cut from it as read-only memoryviews, not
+    copied out: the pool keeps the segment out of use while any is held.
     """
 
     def __init__(
-        self, dataset: str, ids: list[int], lengths: np.ndarray, seg: Segment | MemfdSegment | None, verify: bool
+        self,
+        dataset: str,
+        ids: list[int],
+        lengths: np.ndarray,
+        seg: Segment | MemfdSegment | None,
+        verify: bool,
+        lent: memoryview | None = None,
     ) -> None:
         self.dataset = dataset
         self.ids = ids
         self.seg = seg
         self.verify = verify
+        #: Where payloads in the segment are cut from.
+        self._source: Mapped | None = seg if lent is None else _Lent(lent)
         self.out: list[bytes] = []
         self.bad: list[int] = []
         self.tiers = dict.fromkeys(CLIENT_TIERS, 0)
@@ -212,7 +231,7 @@ class DaemonReply:
             "the daemon",
             lengths,
             verify=verify,
-            segment=seg,
+            segment=self._source,
             trust_marks=isinstance(seg, MemfdSegment),
             order=ids,
             dataset=dataset,
@@ -235,8 +254,9 @@ class DaemonReply:
     def take_placed(self, answer: BatchReply) -> None:
         """Takes a whole batch from a reply framed on a sealed segment's
         connection: every payload lies in the segment."""
-        seg, out, bad, verify = self.seg, self.out, self.bad, self.verify
-        assert seg is not None and not out
+        source, out, bad, verify = self._source, self.out, self.bad, self.verify
+        assert source is not None and not out
+        payloads = source.map
         tiers, sizes = self.tiers, self.sizes
         for position, (offset, length, digest, tier_code, checked) in enumerate(
             zip(
@@ -247,13 +267,13 @@ class DaemonReply:
                 answer.checked.tolist(),
             )
         ):
-            data = seg.map[offset : offset + length]
+            data = payloads[offset : offset + length]
             if verify and not checked and checksum(data) != digest:
                 bad.append(position)
             tier = SERVED_TIERS.get(tier_code, CACHE)
             tiers[tier] += 1
             sizes[tier] += length
-            out.append(data)
+            out.append(data)  # type: ignore[arg-type]
         self.used_segment = bool(out)
 
     def check_complete(self) -> None:

@@ -17,7 +17,7 @@ import operator
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import numpy as np
 
@@ -157,17 +157,39 @@ class Dataset(Sequence[bytes]):
             return self.get_batch(np.arange(*index.indices(self._len)))
         return self._fetch([self._index(index)])[0]
 
-    def get_batch(self, ids: Sequence[int] | np.ndarray) -> list[bytes]:
+    @overload
+    def get_batch(self, ids: Sequence[int] | np.ndarray, *, copy: Literal[True] = True) -> list[bytes]: ...
+
+    @overload
+    def get_batch(self, ids: Sequence[int] | np.ndarray, *, copy: Literal[False]) -> list[memoryview]: ...
+
+    @overload
+    def get_batch(self, ids: Sequence[int] | np.ndarray, *, copy: bool) -> list[bytes] | list[memoryview]: ...
+
+    def get_batch(self, ids: Sequence[int] | np.ndarray, *, copy: bool = True) -> list[bytes] | list[memoryview]:
         """The samples of ``ids`` (sample ids 0..N-1, repeats allowed), in that order.
 
         Local hits cost no RPC; every miss goes to the daemon in one Read.
+
+        ``copy=False`` gives read-only memoryviews over the memory each
+        sample was read into, for decoders that take a buffer
+        (``np.frombuffer``, ``torch.frombuffer``, image libraries). What the
+        daemon served through shared memory is then a view into that
+        segment, not a copy of it: the segment is used for no other read
+        until every view of the batch, and every array made over one, is
+        released. Hold them for a step and a loader's read-ahead: each batch
+        held keeps its segment (up to DATAQUAY_SHM_BYTES), and while 8 are
+        held, further reads copy (views of fresh bytes). Local hits and
+        samples that came another way are views of their bytes.
 
         Raises:
             SampleIdError: an id is outside 0..N-1.
             TypeError: the ids are not integers.
             PfsReadError: a sample could not be read from the PFS.
         """
-        return self._fetch(ids)
+        if copy:
+            return self._fetch(ids)
+        return [value if isinstance(value, memoryview) else memoryview(value) for value in self._fetch(ids, copy=False)]
 
     @contextmanager
     def views(self, ids: Sequence[int] | np.ndarray) -> Iterator[list[memoryview]]:
@@ -492,32 +514,33 @@ class Dataset(Sequence[bytes]):
             self._check_ids(ids)  # the same error, worded for this dataset
             raise
 
-    def _fetch(self, ids: Sequence[int] | np.ndarray, epoch: int | None = None) -> list[bytes]:
+    def _fetch(self, ids: Sequence[int] | np.ndarray, epoch: int | None = None, *, copy: bool = True) -> list[bytes]:
         """Local lookups, then one remote read of the misses (for the job's
-        ``epoch``, default its current one).
+        ``epoch``, default its current one); ``copy=False`` leaves the
+        daemon's payloads as views into their segment.
 
         Ids are range-checked only on the miss path: an id outside 0..N-1 can
         never be a local hit, so every batch that holds one gets there.
         """
         with self._remote.notices.trainer_reading():
-            return self._fetch_marked(ids, epoch)
+            return self._fetch_marked(ids, epoch, copy)
 
-    def _fetch_marked(self, ids: Sequence[int] | np.ndarray, epoch: int | None) -> list[bytes]:
+    def _fetch_marked(self, ids: Sequence[int] | np.ndarray, epoch: int | None, copy: bool = True) -> list[bytes]:
         started = time.perf_counter()
         local = self._local.get()
         if local is None:
-            out = self._read_remote(self._check_ids(ids), epoch)
+            out = self._read_remote(self._check_ids(ids), epoch, copy)
             self._served(0, 0, started)
             return out
         found = local.get_many(self._db, self._keys(ids), self._client.verify)
         if found.misses == len(found):
             # All misses: the batch goes to the miss path whole, nothing to merge.
-            out = self._read_remote(self._check_ids(ids), epoch)
+            out = self._read_remote(self._check_ids(ids), epoch, copy)
             self._served(0, 0, started)
             return out
         hits, nbytes = self._hits(found)
         if found.misses:
-            for i, value in self._missing(found, ids, epoch):
+            for i, value in self._missing(found, ids, epoch, copy):
                 found[i] = value
         self._served(hits, nbytes, started)
         return cast("list[bytes]", found)  # no None left
@@ -531,14 +554,14 @@ class Dataset(Sequence[bytes]):
         return hits, sum(map(len, payloads))
 
     def _missing(
-        self, found: list[Any], ids: Sequence[int] | np.ndarray, epoch: int | None = None
+        self, found: list[Any], ids: Sequence[int] | np.ndarray, epoch: int | None = None, copy: bool = True
     ) -> Iterator[tuple[int, bytes]]:
         """(position, bytes) for each None in ``found``, read remotely in one go."""
         positions = [i for i, value in enumerate(found) if value is None]
-        return zip(positions, self._read_remote(self._check_ids(ids)[positions], epoch))
+        return zip(positions, self._read_remote(self._check_ids(ids)[positions], epoch, copy))
 
-    def _read_remote(self, ids: np.ndarray, epoch: int | None = None) -> list[bytes]:
-        return self._remote.read(self, ids, epoch) if len(ids) else []
+    def _read_remote(self, ids: np.ndarray, epoch: int | None = None, copy: bool = True) -> list[bytes]:
+        return self._remote.read(self, ids, epoch, copy=copy) if len(ids) else []
 
     def _served(self, local_hits: int, local_bytes: int, started: float) -> None:
         """Counts a call's local hits and data wait; reports the counters when a report is due."""

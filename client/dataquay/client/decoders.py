@@ -20,8 +20,9 @@ import numpy as np
 from dataquay.client.manifest import Manifest
 from dataquay.client.wire.records import unframe_members
 
-#: ``(sample_id, data) -> sample``, as the adapters call it.
-SampleDecoder = Callable[[int, bytes], Any]
+#: ``(sample_id, data) -> sample``, as the adapters call it (``data`` a
+#: memoryview where the adapter was made with ``copy=False``).
+SampleDecoder = Callable[[int, bytes | memoryview], Any]
 
 
 def _raw(manifest: Manifest) -> SampleDecoder:
@@ -41,7 +42,7 @@ def _image(manifest: Manifest) -> SampleDecoder:
     except ImportError as exc:
         raise ImportError("decode='image' needs Pillow: pip install pillow") from exc
 
-    def decode(sample_id: int, data: bytes) -> Any:
+    def decode(sample_id: int, data: bytes | memoryview) -> Any:
         image = Image.open(io.BytesIO(data))
         image.load()  # decode now: the buffer is not kept, and a bad file fails here, in its sample
         return image
@@ -53,7 +54,7 @@ def _tar(manifest: Manifest) -> SampleDecoder:
     if manifest.format != "tar" or not manifest.tar_grouped:
         raise ValueError("decode='tar' needs a tar dataset registered with its members grouped into samples")
 
-    def decode(sample_id: int, data: bytes) -> dict[str, Any]:
+    def decode(sample_id: int, data: bytes | memoryview) -> dict[str, Any]:
         shard = manifest.path(int(manifest.sample_path[sample_id]))
         return tar_sample(data, key=f"{sample_id:09d}", url=shard)
 
@@ -91,7 +92,8 @@ def sample_decoder(decode: str | Callable[[bytes], Any] | None, manifest: Manife
         return _raw(manifest)
     if callable(decode):
         user = decode
-        return lambda sample_id, data: user(data)
+        # A memoryview with copy=False: documented there; a callable of bytes reads it alike.
+        return lambda sample_id, data: user(data)  # type: ignore[arg-type]
     if decode not in DECODERS:
         raise ValueError(f"unknown decoder {decode!r}; expected a callable or one of {', '.join(DECODERS)}")
     return DECODERS[decode](manifest)

@@ -62,6 +62,12 @@ class SampleReader:
             :meth:`Client.stats`); ``retry`` reads it again up to
             ``retries`` times (each counted as ``retried``), then raises.
         retries: reads after the first, for ``on_error="retry"``.
+        copy: False hands the decoder read-only memoryviews over the memory
+            each batch was read into, not bytes (see ``Dataset.get_batch``):
+            one copy less of what the daemon served, for decoders that take
+            a buffer (``npy``, ``image``, ``np.frombuffer``). A decoded
+            sample that keeps its view (``raw``, an array over it) keeps the
+            batch's shared memory segment from other reads while it lives.
 
     Raises:
         ValueError: ``on_error`` is not one of ON_ERROR, or ``decode`` does
@@ -76,6 +82,7 @@ class SampleReader:
         with_labels: bool = False,
         on_error: str = "raise",
         retries: int = 2,
+        copy: bool = True,
     ) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
@@ -86,6 +93,7 @@ class SampleReader:
         self.with_labels = with_labels
         self.on_error = on_error
         self.retries = retries
+        self.copy = copy
         sample_decoder(decode, dataset.manifest)  # a name that does not fit fails here, not in a worker
         self._decoder: SampleDecoder | None = None
 
@@ -96,7 +104,7 @@ class SampleReader:
         """The samples of ``ids`` in order, read in one batch; with
         ``on_error="skip"``, those that failed are left out."""
         try:
-            batch = self.dataset.get_batch(ids)
+            batch: Sequence[bytes | memoryview] = self.dataset.get_batch(ids, copy=self.copy)
         except _READ_ERRORS:
             if self.on_error == "raise":
                 raise
@@ -129,7 +137,7 @@ class SampleReader:
                 time.sleep(RETRY_BACKOFF_SECONDS * 2**attempt)
         return self._decoded(sample_id, data)
 
-    def _decoded(self, sample_id: int, data: bytes) -> list[Any]:
+    def _decoded(self, sample_id: int, data: bytes | memoryview) -> list[Any]:
         if self._decoder is None:
             self._decoder = sample_decoder(self.decode, self.dataset.manifest)
         try:

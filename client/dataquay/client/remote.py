@@ -98,19 +98,23 @@ class RemoteReader:
         """Whether the daemon was found unreachable and its retry time has not come."""
         return self._health.down
 
-    def read(self, dataset: Dataset, ids: np.ndarray, epoch: int | None = None) -> list[bytes]:
+    def read(self, dataset: Dataset, ids: np.ndarray, epoch: int | None = None, *, copy: bool = True) -> list[bytes]:
         """Samples the local cache lacks, in order: read here from the PFS (a
         read for no job), from the daemon, or from the PFS while the daemon is
         unreachable. ``epoch`` names the job's epoch they are read for
-        (default: the job's current one)."""
+        (default: the job's current one). ``copy=False``: the daemon's
+        payloads are read-only memoryviews into the shared memory segment
+        they arrived in (see :meth:`SegmentPool.lend`), not copies."""
         if self._reads_own(dataset):
             try:
                 return self._read_own(dataset, ids)
             except PfsReadError as exc:
-                return self._read_after_failure(dataset, ids, exc)
-        return self._read_through_daemon(dataset, ids, epoch)
+                return self._read_after_failure(dataset, ids, exc, copy)
+        return self._read_through_daemon(dataset, ids, epoch, copy)
 
-    def _read_through_daemon(self, dataset: Dataset, ids: np.ndarray, epoch: int | None = None) -> list[bytes]:
+    def _read_through_daemon(
+        self, dataset: Dataset, ids: np.ndarray, epoch: int | None = None, copy: bool = True
+    ) -> list[bytes]:
         """Samples from the daemon, or from the PFS while it is unreachable."""
         out: list[bytes] = []
         step = self.info.max_batch or len(ids)
@@ -119,7 +123,7 @@ class RemoteReader:
                 out += self._read_pfs(dataset, ids[start:])
                 break
             try:
-                out += self._read_daemon(dataset, ids[start : start + step], epoch)
+                out += self._read_daemon(dataset, ids[start : start + step], epoch, copy)
             except DaemonUnavailableError as exc:
                 self.mark_down(exc)
                 out += self._read_pfs(dataset, ids[start:])
@@ -164,14 +168,16 @@ class RemoteReader:
         self.notices.note(dataset.name, dataset.manifest.manifest_id, ids, out, nbytes)
         return out
 
-    def _read_after_failure(self, dataset: Dataset, ids: np.ndarray, failure: PfsReadError) -> list[bytes]:
+    def _read_after_failure(
+        self, dataset: Dataset, ids: np.ndarray, failure: PfsReadError, copy: bool = True
+    ) -> list[bytes]:
         """The misses through the daemon, after this process failed to read
         them; the daemon's error if it fails too (a file that changed)."""
         out: list[bytes] = []
         step = self.info.max_batch or len(ids)
         try:
             for start in range(0, len(ids), step):
-                out += self._read_daemon(dataset, ids[start : start + step], None)
+                out += self._read_daemon(dataset, ids[start : start + step], None, copy)
         except DaemonUnavailableError as exc:
             self.mark_down(exc)
             raise failure from None
@@ -181,8 +187,9 @@ class RemoteReader:
         self._daemon_reads_until[key] = time.monotonic() + OWN_READS_RETRY_SECONDS
         return out
 
-    def _read_daemon(self, dataset: Dataset, ids: np.ndarray, epoch: int | None) -> list[bytes]:
-        """Samples from the daemon, payloads through shared memory where it can.
+    def _read_daemon(self, dataset: Dataset, ids: np.ndarray, epoch: int | None, copy: bool = True) -> list[bytes]:
+        """Samples from the daemon, payloads through shared memory where it can
+        (with ``copy=False`` left there, as views).
 
         A payload whose checksum fails is asked for once more inline before
         the read fails: a segment is never trusted over the bytes themselves.
@@ -190,8 +197,9 @@ class RemoteReader:
         # The daemon places each payload at a 64-byte boundary.
         nbytes = int(dataset.manifest.sample_length[ids].sum()) + 64 * len(ids)
         with self._segments.segment(nbytes) as seg:
+            lent = None if copy or seg is None else self._segments.lend(seg)
             try:
-                out, bad = self._read_daemon_once(dataset, ids, seg, epoch)
+                out, bad = self._read_daemon_once(dataset, ids, seg, epoch, lent)
             except DaemonUnavailableError:
                 # A hung daemon may still write into it once it resumes.
                 if seg is not None:
@@ -207,15 +215,21 @@ class RemoteReader:
         return out
 
     def _read_daemon_once(
-        self, dataset: Dataset, ids: np.ndarray, seg: Segment | MemfdSegment | None, epoch: int | None
+        self,
+        dataset: Dataset,
+        ids: np.ndarray,
+        seg: Segment | MemfdSegment | None,
+        epoch: int | None,
+        lent: memoryview | None = None,
     ) -> tuple[list[bytes], list[int]]:
         """(samples in order, positions whose checksum failed), by the first
         transport :func:`~dataquay.client.daemon_transports.pick_transports`
-        names that carries the batch."""
+        names that carries the batch; payloads in ``seg`` are cut from
+        ``lent`` (views) where given, else copied out."""
         lengths = dataset.manifest.sample_length
         nbytes = int(lengths[ids].sum())
         deadline = batch_deadline(READ_FLOOR_SECONDS, nbytes)
-        reply = _Reply(dataset.name, ids.tolist(), lengths, seg, self._verify)
+        reply = _Reply(dataset.name, ids.tolist(), lengths, seg, self._verify, lent)
         for transport in pick_transports(self._connection, seg, len(ids), nbytes):
             if transport.read(dataset, ids, epoch, deadline, reply):
                 break

@@ -121,7 +121,9 @@ class IterableDataset(torch.utils.data.IterableDataset):
         batch_size: samples per batch (per rank).
         sampler: this rank's ids (:meth:`Dataset.sampler`); default one over
             the whole dataset with ``seed`` and the launcher's rank and world size.
-        decode, with_labels, on_error, retries: as :class:`SampleReader`.
+        decode, with_labels, on_error, retries, copy: as :class:`SampleReader`
+            (``copy=False``: the decoder gets views, and the collate's
+            stacking is the one copy of what the daemon served).
         collate: turns a batch's list of samples into what a step takes;
             default torch's ``default_collate``, None for the list.
         seed: the shuffle seed of the default sampler.
@@ -137,12 +139,15 @@ class IterableDataset(torch.utils.data.IterableDataset):
         with_labels: bool = False,
         on_error: str = "raise",
         retries: int = 2,
+        copy: bool = True,
         collate: Callable[[list[Any]], Any] | None = torch.utils.data.default_collate,
         seed: int = 0,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
-        self.reader = SampleReader(dataset, decode, with_labels=with_labels, on_error=on_error, retries=retries)
+        self.reader = SampleReader(
+            dataset, decode, with_labels=with_labels, on_error=on_error, retries=retries, copy=copy
+        )
         self.batch_size = batch_size
         self.sampler = dataset.sampler(seed=seed) if sampler is None else sampler
         self.collate = collate

@@ -40,7 +40,7 @@ class Mapped(Protocol):
     """Where payloads that a reply says lie in shared memory are read from."""
 
     @property
-    def map(self) -> mmap.mmap: ...
+    def map(self) -> mmap.mmap | memoryview: ...
 
 
 class ReadStream:

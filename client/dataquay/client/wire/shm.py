@@ -18,6 +18,11 @@ sealed segment's pages are all allocated when it is made (20-180 ms for 64
 MiB on a 2-core VM), so a process's first read does not pay for 64 MiB it
 may never use. A call that needs more than a free segment holds replaces it
 with a larger one.
+
+A call may hand its payloads over without a copy (:meth:`SegmentPool.lend`):
+they are then views into its segment, which stays out of the pool, so that
+no later read writes over them, until the last view cut from it is released;
+at most MAX_LENT_SEGMENTS at once.
 """
 
 from __future__ import annotations
@@ -28,9 +33,12 @@ import os
 import re
 import secrets
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import numpy as np
 
 from dataquay.client.errors import SegmentRefusedError
 from dataquay.client.wire.memfd import MemfdSegment, daemon_socket_of, fd_socket_path
@@ -44,6 +52,10 @@ _NAME = re.compile(r"^dataquay-(\d{1,10})-[A-Za-z0-9_]{1,32}$")
 DEFAULT_SEGMENT_BYTES = 64 << 20
 #: The smallest segment made, so that small reads do not each grow it a little.
 MIN_SEGMENT_BYTES = 1 << 20
+#: Segments a process keeps lent at once: a step's batch and a loader's
+#: read-ahead. A read past them copies its payloads, so views held for long
+#: cost copies, not a segment (and the daemon's mapping of it) each.
+MAX_LENT_SEGMENTS = 8
 
 
 def segment_pid(name: str) -> int | None:
@@ -122,8 +134,13 @@ class SegmentPool:
         daemon_socket = daemon_socket_of(daemon_address) if daemon_address else None
         self._fd_socket = fd_socket_path(daemon_socket) if daemon_socket else None
         self._token = token
-        self._lock = threading.Lock()
+        # Reentrant: a lent segment comes back when its views are collected,
+        # which the garbage collector may do inside any allocation, this lock held.
+        self._lock = threading.RLock()
         self._free: list[Segment | MemfdSegment] = []
+        #: Segments whose payloads were handed over as views, by id; True: close it on return.
+        self._lent: dict[int, bool] = {}
+        self._closed = False
         self._pid = os.getpid()
         self._broken = self.size <= 0 or not SHM_DIR.is_dir()
         if not self._broken:
@@ -142,15 +159,51 @@ class SegmentPool:
         finally:
             if seg is not None and not seg.closed:
                 with self._lock:
-                    if self._pid == os.getpid():
+                    if self._pid == os.getpid() and id(seg) not in self._lent:
                         self._free.append(seg)
 
+    def lend(self, seg: Segment | MemfdSegment) -> memoryview | None:
+        """A read-only view of the whole of ``seg`` to cut payloads from
+        without a copy, or None where MAX_LENT_SEGMENTS are lent already
+        (the payloads are then copied). ``seg`` leaves the pool: it comes
+        back (or is closed, if discarded or the pool closed meanwhile) once
+        this view and every view cut from it are released, so no read
+        writes over a payload while anything still refers to it."""
+        with self._lock:
+            if len(self._lent) >= MAX_LENT_SEGMENTS:
+                return None
+            self._lent[id(seg)] = False
+        owner = np.frombuffer(seg.map, np.uint8)
+        owner.flags.writeable = False  # a /dev/shm segment is mapped writable here
+        # Every view cut from the memoryview holds ``owner``, and ``owner`` numpy's own
+        # memoryview of the map: collected after the last view, with the map's export released.
+        weakref.finalize(owner.base, self._returned, seg, os.getpid()).atexit = False
+        return owner.data
+
+    def _returned(self, seg: Segment | MemfdSegment, pid: int) -> None:
+        if os.getpid() != pid:
+            return  # a forked child's copy of the parent's views
+        with self._lock:
+            discarded = self._lent.pop(id(seg), True)
+            keep = not (discarded or self._closed or seg.closed) and self._pid == pid
+            if keep:
+                self._free.append(seg)
+        if not keep and not seg.closed:
+            seg.close()
+
     def discard(self, seg: Segment | MemfdSegment) -> None:
-        """Drops a segment the daemon could not use (it answered inline)."""
+        """Drops a segment the daemon could not use (it answered inline);
+        a lent one as its views are released."""
+        with self._lock:
+            if id(seg) in self._lent:
+                self._lent[id(seg)] = True
+                return
         seg.close()
 
     def close(self) -> None:
+        """Closes the free segments; lent ones close as their views are released."""
         with self._lock:
+            self._closed = True
             segments, self._free = self._free, []
         if self._pid == os.getpid():
             for seg in segments:
@@ -163,7 +216,7 @@ class SegmentPool:
         with self._lock:
             if self._pid != os.getpid():
                 # A forked child: the parent's segments are the parent's.
-                self._pid, self._free = os.getpid(), []
+                self._pid, self._free, self._lent = os.getpid(), [], {}
             if self._broken:
                 return None
             for i, seg in enumerate(self._free):
