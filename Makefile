@@ -99,22 +99,22 @@ torch: $(STAMP)
 	  { $(BIN)/python -m pip uninstall --quiet --yes torch >/dev/null 2>&1; \
 	    echo "no $(TORCH) on this machine without a download: the PyTorch adapter tests will skip"; }
 
-# The JAX, grain, TensorFlow and torchdata tests and the examples they run:
-# on CI's machines pip takes these from the disk (about 25 s, 1.9 GB in
-# .venv); elsewhere a download that does not finish in FRAMEWORKS_SECONDS
-# leaves them out and their tests skip, each saying which package it lacks.
+# The JAX, grain, TensorFlow and torchdata tests and the examples they run
+# (1.9 GB in .venv; about 25 s where pip has them cached). A download that
+# does not finish in FRAMEWORKS_SECONDS leaves them out and their tests
+# skip, each saying which package it lacks. The protobuf and grpcio floors keep pip
+# from downgrading what the committed generated code checks at import.
 FRAMEWORKS ?= torchdata grain jax jaxlib tensorflow-cpu
 FRAMEWORKS_SECONDS ?= 300
 frameworks: torch
 	@$(BIN)/python -c 'import torchdata, grain, jax, tensorflow' 2>/dev/null || \
-	  timeout $(FRAMEWORKS_SECONDS) $(BIN)/python -m pip install --quiet $(FRAMEWORKS) >/dev/null 2>&1 || \
+	  timeout $(FRAMEWORKS_SECONDS) $(BIN)/python -m pip install --quiet $(FRAMEWORKS) 'protobuf>=7.35.1' 'grpcio>=1.85.1' >/dev/null 2>&1 || \
 	  echo "$(FRAMEWORKS) not installed in $(FRAMEWORKS_SECONDS) s: their tests will skip"
 
 proto: $(STAMP)
 	$(BIN)/python protos/generate.py
 
 # ruff's rules and exclusions (the generated *_pb2*.py) are in pyproject.toml.
-# `ruff format` is configured there but not yet applied, so not checked here.
 lint: $(STAMP)
 	$(BIN)/ruff check client server protos tests bench examples
 	$(BIN)/ruff format --check client server protos tests bench examples
