@@ -306,5 +306,5 @@ def test_fork_while_other_threads_are_calling_the_daemon(registered: dq.Client) 
 def test_torch_adapters_need_torch() -> None:
     if importlib.util.find_spec("torch") is not None:
         pytest.skip("torch is installed")
-    with pytest.raises(ImportError, match=re.escape("pip install dataquay[torch]")):
+    with pytest.raises(ImportError, match=re.escape("pip install torch")):
         importlib.import_module("dataquay.client.torch")

@@ -224,7 +224,7 @@ def results_line(out_dir: Path, plotted: bool) -> str:
     """Where the results went, naming only files that were written."""
     if plotted:
         return f"results in {out_dir}/stall.json and stall.png"
-    return f"results in {out_dir}/stall.json; no plot (pip install dataquay[bench] for matplotlib)"
+    return f"results in {out_dir}/stall.json; no plot (pip install matplotlib for one)"
 
 
 def print_table(rows: list[EpochRow]) -> None:

@@ -338,5 +338,5 @@ def run_demo(samples: int = 4000, epochs: int = 3, out: Path = Path("dataquay-de
     plotted = plot(rows, out / "demo.png")
     print(
         f"Results in {out}/demo.json"
-        + (" and demo.png" if plotted else "; no plot (pip install dataquay[bench] for matplotlib)")
+        + (" and demo.png" if plotted else "; no plot (pip install matplotlib for one)")
     )
