@@ -167,25 +167,31 @@ def run(base: Path, samples: int, q: float, epochs: int, cache: Cache, step: flo
 
 
 def ranks(local: LocalCluster, base: Path, epochs: int, step: float) -> list[list[dict[str, object]]]:
-    """Every rank run to its end at its own pace; its JSON line per epoch."""
-    logs = [open(base / f"rank-{r}.log", "wb") for r in range(NODES * RANKS_PER_NODE)]
+    """Every rank run to its end at its own pace; its JSON line per epoch.
+
+    Each rank writes to a file, not a pipe: a pipe read only once the ranks
+    before it ended fills (64 KiB, six epochs of ids) and stops its rank."""
+    count = NODES * RANKS_PER_NODE
+    logs = [open(base / f"rank-{r}.log", "wb") for r in range(count)]
+    outs = [open(base / f"rank-{r}.out", "wb") for r in range(count)]
     try:
         procs = [
             subprocess.Popen(
                 free_rank.command("imgs", epochs, BATCH, step, READ_AHEAD),
                 env={**os.environ, **local.rank_env(r, RANKS_PER_NODE, JOB)},
-                stdout=subprocess.PIPE,
+                stdout=out,
                 stderr=log,
             )
-            for r, log in enumerate(logs)
+            for r, (log, out) in enumerate(zip(logs, outs))
         ]
-        outputs = [p.communicate(timeout=600)[0] for p in procs]
+        for proc in procs:
+            proc.wait(timeout=600)
     finally:
-        for log in logs:
-            log.close()
+        for file in logs + outs:
+            file.close()
     if any(p.returncode for p in procs):
         raise RuntimeError(f"a rank failed: {(base / 'rank-0.log').read_text()[-2000:]}")
-    return [[json.loads(line) for line in out.splitlines()] for out in outputs]
+    return [[json.loads(line) for line in (base / f"rank-{r}.out").read_text().splitlines()] for r in range(count)]
 
 
 def nodes_marked_down(local: LocalCluster) -> int:
