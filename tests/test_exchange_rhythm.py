@@ -193,25 +193,29 @@ def daemon_stats(local: LocalCluster, node: int) -> pb.StatsReply:
 def run_ranks(local: LocalCluster, tmp_path: Path, rhythm: Rhythm) -> list[dict[str, int]]:
     """Every rank run to its end, each at its own pace; each epoch read once
     whole with its bytes, and its samples by tier."""
-    logs = [open(tmp_path / f"rank-{rank}.log", "wb") for rank in range(NODES * RANKS_PER_NODE)]
-    procs = [
-        subprocess.Popen(
-            free_rank.command("imgs", rhythm.epochs, BATCH, rhythm.seconds, rhythm.read_ahead),
-            env={**os.environ, **local.rank_env(rank, RANKS_PER_NODE, JOB)},
-            stdout=subprocess.PIPE,
-            stderr=log,
-        )
-        for rank, log in enumerate(logs)
-    ]
+    # Files, not pipes: a pipe read only once the ranks before it ended fills and stops its rank.
+    count = NODES * RANKS_PER_NODE
+    logs = [open(tmp_path / f"rank-{rank}.log", "wb") for rank in range(count)]
+    outs = [open(tmp_path / f"rank-{rank}.out", "wb") for rank in range(count)]
     try:
-        outputs = [p.communicate(timeout=60 + 30 * rhythm.epochs)[0] for p in procs]
+        procs = [
+            subprocess.Popen(
+                free_rank.command("imgs", rhythm.epochs, BATCH, rhythm.seconds, rhythm.read_ahead),
+                env={**os.environ, **local.rank_env(rank, RANKS_PER_NODE, JOB)},
+                stdout=out,
+                stderr=log,
+            )
+            for rank, (log, out) in enumerate(zip(logs, outs))
+        ]
+        for proc in procs:
+            proc.wait(timeout=60 + 30 * rhythm.epochs)
     finally:
-        for log in logs:
-            log.close()
+        for file in logs + outs:
+            file.close()
     assert [p.returncode for p in procs] == [0] * len(procs), [
         (tmp_path / f"rank-{r}.log").read_text() for r in range(len(procs))
     ]
-    lines = [[json.loads(line) for line in out.splitlines()] for out in outputs]
+    lines = [[json.loads(line) for line in (tmp_path / f"rank-{r}.out").read_text().splitlines()] for r in range(count)]
     by_epoch = []
     for epoch in range(rhythm.epochs):
         reads = [rank[epoch] for rank in lines]
