@@ -24,6 +24,9 @@ them (an epoch counts the next one's first two batches, read ahead while
 its own last ones train); per run, the PFS bytes the daemons read ahead of
 the ranks and threw away unread (``dataquay_overflow_wasted_bytes``).
 ``local_vs_10x`` is the run's local hits over the 10x run's with the same step.
+``nodes_marked_down`` counts the times the directory marked a node down
+during the run (a run with any measured a lease, not the exchange);
+``load_avg_1min`` is the machine's load average as the run ended.
 
 Usage: python bench/exchange_rhythm.py [--samples N] [--epochs E] [--q Q] [--parts step,nostep]
 [--caches below,advice,1.2x,1.6x,2.5x,10x] [--step SECONDS] [--name RESULTS_NAME]
@@ -62,7 +65,10 @@ BATCH = 64
 READ_AHEAD = 2
 STEP_SECONDS = 0.4
 JOB = "rhythm"
-LEASES = ("--lease-seconds", "2", "--heartbeat-seconds", "0.5")
+#: Leases long enough that a daemon starved of CPU for a few seconds on a
+#: loaded machine is not marked down: a node marked down changes the job's
+#: holders, and its reads leave their caches for the rest of the run.
+LEASES = ("--lease-seconds", "30", "--heartbeat-seconds", "1")
 
 
 class Cache(NamedTuple):
@@ -132,6 +138,7 @@ def run(base: Path, samples: int, q: float, epochs: int, cache: Cache, step: flo
         ahead = [daemon_stats(local, m).prefetch for m in range(NODES)]
     finally:
         local.down()
+    down = nodes_marked_down(local)
     rows = []
     for epoch in range(epochs):
         tiers = {t: sum(rank[epoch]["samples"][t] for rank in lines) for t in lines[0][epoch]["samples"]}
@@ -148,6 +155,8 @@ def run(base: Path, samples: int, q: float, epochs: int, cache: Cache, step: flo
                 "wall_s": round(wall, 1),
                 "read_ahead_MB": round(sum(a.overflow_read_bytes for a in ahead) / 1e6, 2),
                 "read_ahead_discarded_MB": round(sum(a.overflow_wasted_bytes for a in ahead) / 1e6, 2),
+                "nodes_marked_down": down,
+                "load_avg_1min": round(os.getloadavg()[0], 1),
             }
         )
     progress(
@@ -158,25 +167,37 @@ def run(base: Path, samples: int, q: float, epochs: int, cache: Cache, step: flo
 
 
 def ranks(local: LocalCluster, base: Path, epochs: int, step: float) -> list[list[dict[str, object]]]:
-    """Every rank run to its end at its own pace; its JSON line per epoch."""
-    logs = [open(base / f"rank-{r}.log", "wb") for r in range(NODES * RANKS_PER_NODE)]
+    """Every rank run to its end at its own pace; its JSON line per epoch.
+
+    Each rank writes to a file, not a pipe: a pipe read only once the ranks
+    before it ended fills (64 KiB, six epochs of ids) and stops its rank."""
+    count = NODES * RANKS_PER_NODE
+    logs = [open(base / f"rank-{r}.log", "wb") for r in range(count)]
+    outs = [open(base / f"rank-{r}.out", "wb") for r in range(count)]
     try:
         procs = [
             subprocess.Popen(
                 free_rank.command("imgs", epochs, BATCH, step, READ_AHEAD),
                 env={**os.environ, **local.rank_env(r, RANKS_PER_NODE, JOB)},
-                stdout=subprocess.PIPE,
+                stdout=out,
                 stderr=log,
             )
-            for r, log in enumerate(logs)
+            for r, (log, out) in enumerate(zip(logs, outs))
         ]
-        outputs = [p.communicate(timeout=600)[0] for p in procs]
+        for proc in procs:
+            proc.wait(timeout=600)
     finally:
-        for log in logs:
-            log.close()
+        for file in logs + outs:
+            file.close()
     if any(p.returncode for p in procs):
         raise RuntimeError(f"a rank failed: {(base / 'rank-0.log').read_text()[-2000:]}")
-    return [[json.loads(line) for line in out.splitlines()] for out in outputs]
+    return [[json.loads(line) for line in (base / f"rank-{r}.out").read_text().splitlines()] for r in range(count)]
+
+
+def nodes_marked_down(local: LocalCluster) -> int:
+    """Times the directory marked a node down in the run (its log): a run with
+    any measured a lease, not the exchange."""
+    return sum(log.read_text().count("node down") for log in local.base_dir.glob("directory*/*.log"))
 
 
 def daemon_stats(local: LocalCluster, node: int) -> pb.StatsReply:
@@ -213,6 +234,8 @@ def summary(
                 "peer_max": max(int(str(r["peer"])) for r in mine),
                 "pfs_max": max(int(str(r["pfs"])) for r in mine),
                 "read_ahead_discarded_MB": mine[0]["read_ahead_discarded_MB"],
+                "nodes_marked_down": mine[0]["nodes_marked_down"],
+                "load_avg_1min": mine[-1]["load_avg_1min"],
                 "local_vs_10x": round(sum(local) / sum(int(str(r["local"])) for r in base), 3) if base else None,
             }
             if cache.label == "below":
@@ -272,6 +295,8 @@ def main() -> None:
             "peer_max",
             "pfs_max",
             "read_ahead_discarded_MB",
+            "nodes_marked_down",
+            "load_avg_1min",
             "local_vs_10x",
             "misses_vs_simulate",
         ],

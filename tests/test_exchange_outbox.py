@@ -16,7 +16,7 @@ from dataquay.server.manifest_build import build_manifest
 from dataquay.server.node.cluster.placements import Placement, Placements
 from dataquay.server.node.exchange.outbox import PENDING, REFUSED, SCAN_ROWS, UNAVAILABLE, Outbox, acknowledged
 from dataquay.server.node.exchange.positions import WHOLE_EPOCH, ReadPositions
-from dataquay.server.node.exchange.sender import receivers_positions
+from dataquay.server.node.exchange.sender import due_positions, receivers_positions
 from dataquay.server.registry import Registry
 from dataquay.server.tools.synthetic import make_files_dataset
 
@@ -263,3 +263,21 @@ def test_read_positions_keep_each_ranks_furthest_and_a_later_epoch_means_all_rea
     assert positions.read_upto("j", 3, np.array([0, 1])).tolist() == [0, 0]
     positions.forget({"k"})
     assert positions.read_upto("j", 2, np.array([0])).tolist() == [0]
+
+
+def test_what_a_receiver_reads_in_the_first_third_of_its_epoch_goes_first_in_its_order() -> None:
+    # 300 ids per rank: positions 0..99 are the receiver's first third, whose
+    # first batches its read-ahead asks for while this node still reads.
+    at = np.array([0, 50, 99, 100, 200, 299, -1])
+    assert due_positions(at, 300).tolist() == [0, 50, 99, 200, 300, 399, -1]
+    ids = np.array([1, 2, 3])
+    # This node reads 1, 2, 3 at 0, 40, 80; the receiver reads 3 first in the next epoch.
+    box = Outbox(
+        ids,
+        np.ones(3),
+        np.full(3, 10),
+        readers=np.zeros(3),
+        read_at=np.array([0, 40, 80]),
+        due=due_positions(np.array([250, 150, 0]), 300),
+    )
+    assert box.pending(1).tolist() == [1, 3, 2]

@@ -54,6 +54,9 @@ JOB = "rhythm"
 #: small files the 16 MiB alone would hold the dataset, and nothing given
 #: away would ever be deleted.
 ADVISED = 1.3
+#: Leases no loaded test machine outlasts: a daemon starved of CPU for a
+#: second is not marked down, which would move its holders and measure that.
+LEASES = ("--lease-seconds", "30", "--heartbeat-seconds", "1")
 
 
 class Rhythm(NamedTuple):
@@ -146,7 +149,7 @@ def run_job(
     cluster: Callable[..., LocalCluster], tmp_path: Path, rhythm: Rhythm
 ) -> tuple[LocalCluster, list[dict[str, int]]]:
     """The job staged on caches of ``capacity(rhythm)`` and read to its end; its samples by tier, per epoch."""
-    local = cluster(NODES, daemon_args=("--cache-size", str(capacity(rhythm))))
+    local = cluster(NODES, daemon_args=("--cache-size", str(capacity(rhythm))), directory_args=LEASES)
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=(SIZE,))
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
     assert (
@@ -190,25 +193,29 @@ def daemon_stats(local: LocalCluster, node: int) -> pb.StatsReply:
 def run_ranks(local: LocalCluster, tmp_path: Path, rhythm: Rhythm) -> list[dict[str, int]]:
     """Every rank run to its end, each at its own pace; each epoch read once
     whole with its bytes, and its samples by tier."""
-    logs = [open(tmp_path / f"rank-{rank}.log", "wb") for rank in range(NODES * RANKS_PER_NODE)]
-    procs = [
-        subprocess.Popen(
-            free_rank.command("imgs", rhythm.epochs, BATCH, rhythm.seconds, rhythm.read_ahead),
-            env={**os.environ, **local.rank_env(rank, RANKS_PER_NODE, JOB)},
-            stdout=subprocess.PIPE,
-            stderr=log,
-        )
-        for rank, log in enumerate(logs)
-    ]
+    # Files, not pipes: a pipe read only once the ranks before it ended fills and stops its rank.
+    count = NODES * RANKS_PER_NODE
+    logs = [open(tmp_path / f"rank-{rank}.log", "wb") for rank in range(count)]
+    outs = [open(tmp_path / f"rank-{rank}.out", "wb") for rank in range(count)]
     try:
-        outputs = [p.communicate(timeout=60 + 30 * rhythm.epochs)[0] for p in procs]
+        procs = [
+            subprocess.Popen(
+                free_rank.command("imgs", rhythm.epochs, BATCH, rhythm.seconds, rhythm.read_ahead),
+                env={**os.environ, **local.rank_env(rank, RANKS_PER_NODE, JOB)},
+                stdout=out,
+                stderr=log,
+            )
+            for rank, (log, out) in enumerate(zip(logs, outs))
+        ]
+        for proc in procs:
+            proc.wait(timeout=60 + 30 * rhythm.epochs)
     finally:
-        for log in logs:
-            log.close()
+        for file in logs + outs:
+            file.close()
     assert [p.returncode for p in procs] == [0] * len(procs), [
         (tmp_path / f"rank-{r}.log").read_text() for r in range(len(procs))
     ]
-    lines = [[json.loads(line) for line in out.splitlines()] for out in outputs]
+    lines = [[json.loads(line) for line in (tmp_path / f"rank-{r}.out").read_text().splitlines()] for r in range(count)]
     by_epoch = []
     for epoch in range(rhythm.epochs):
         reads = [rank[epoch] for rank in lines]

@@ -6,9 +6,10 @@ background, the samples it gives away in epoch e+1 to their new owners: one
 bidirectional stream per receiver (a few receivers at a time), a window of
 chunks in flight, payloads with their checksums, the whole capped by
 ``--exchange-bandwidth``, each receiver's samples in the order this node's
-ranks read them in epoch e, but those its ranks read first in epoch e+1
-sooner (their read-ahead asks for them while this node still reads epoch e;
-:mod:`.outbox`, :mod:`.streams`). A chunk holds at least one
+ranks read them in epoch e, but what the receiver's ranks read in the first
+third of epoch e+1 first, in their order, and the rest a third of an epoch
+ahead of their reads (their read-ahead asks for them while this node still
+reads epoch e; :mod:`.outbox`, :mod:`.streams`). A chunk holds at least one
 sample; a sample larger than a message is a chunk of its own and goes as
 pieces (:mod:`dataquay.client.wire.pieces`). The receiver reserves room before it
 takes a chunk and acknowledges it once its cache has committed it.
@@ -80,11 +81,15 @@ PARALLEL_RECEIVERS = 4
 PASS_ID_CALL_SECONDS = 5.0
 #: Share of an epoch a receiver's ranks may begin reading the next one
 #: ahead of this node's ranks (the read-ahead of its batches, and a rank
-#: faster than this node's slowest), so that what they read there first is
-#: shipped that much ahead of this node's reads. Shipped before it is read
-#: here, a sample takes room in both caches for a while: about DUE_AHEAD
-#: squared over two of what a node gives away, at the most.
-DUE_AHEAD = 2 / 3
+#: faster than this node's slowest). What they read in that first share of
+#: the next epoch goes first, in their order: in a cache with little more
+#: room than its share the exchange moves at the pace of the ranks' reads,
+#: and the first batches of the next epoch would otherwise wait for room
+#: behind samples read later. The rest goes that share of an epoch ahead of
+#: where they read it. Shipped before it is read here, a sample takes room
+#: in both caches for a while, which this bounds to about a third of what
+#: a node gives away.
+LEAD = 1 / 3
 
 
 @dataclass
@@ -497,19 +502,17 @@ class Exchanges:
 
     async def _due(self, job: jpb.Job, entry: Registered, after: Placement, give: np.ndarray) -> np.ndarray | None:
         """Where in this node's read order each of ``give`` goes at the
-        latest: an id its receiver's ranks read at position p of
-        ``after``'s epoch goes by position p + L - L x DUE_AHEAD of this one
-        (L ids per rank), so that it is there when their read-ahead asks for
-        it, though they enter the epoch ahead of this node's slowest rank.
-        None when the job does not say its ranks per node."""
+        latest (:func:`due_positions`), so that it is there when its
+        receiver's ranks' read-ahead asks for it, though they enter the epoch
+        ahead of this node's slowest rank. None when the job does not say
+        its ranks per node."""
         if job.spec.ranks_per_node < 1 or not len(give):
             return None
         plan = job_plan(job, entry.manifest)
         at = await asyncio.get_running_loop().run_in_executor(
             None, receivers_positions, plan, after.epoch, after.owners, give
         )
-        length = rank_length(plan)
-        return np.where(at >= 0, at + length - int(length * DUE_AHEAD), -1)
+        return due_positions(at, rank_length(plan))
 
     def _keeps_spare_copies(self) -> bool:
         """Whether given-away samples stay: the cache is emptier than ``--spare-copies-fill``."""
@@ -596,3 +599,12 @@ def receivers_positions(plan: JobPlan, epoch: int, epoch_owners: np.ndarray, ids
         theirs = receivers == node
         at[theirs] = node_reads(plan, epoch, node, epoch_owners).position[ids[theirs]]
     return at
+
+
+def due_positions(at: np.ndarray, length: int) -> np.ndarray:
+    """Where in this node's read order (``length`` ids per rank) an id its
+    receiver's ranks read at position ``at`` of the next epoch goes at the
+    latest: the first LEAD of their epoch at its own position, the rest
+    LEAD of an epoch ahead of it (-1 stays -1: no rank there reads it)."""
+    lead = int(length * LEAD)
+    return np.where(at < 0, -1, np.where(at < lead, at, at + lead))
