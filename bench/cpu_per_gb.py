@@ -25,13 +25,23 @@ datasets of samples of ``SIZE`` bytes as the PFS.
 Baselines, each in processes of its own, on the same bytes:
 
 - raw stream: one process sends the peer-hit payloads over a loopback TCP
-  socket to another, which receives each into a buffer of its own
+  socket to another, which receives each into a buffer of its own and holds
+  a batch's 64 until the next, as a trainer holds what ``get_batch`` returns
   (the target for peer hits and the exchange: <= 1.5x).
+- raw stream + put: the same, once over, the receiver putting each batch
+  into an LMDB of its own (what an exchange must do besides moving bytes;
+  for context, not a target).
 - raw LMDB: a plain Python process reads the local-hit values from node-0's
   cache with py-lmdb, in the same batches, and computes each xxh3 as the
   client checks it (the target for local hits: <= 1.2x).
 
-    .venv/bin/python bench/cpu_per_gb.py [--mib 400] [--size-kib 110]   # a few minutes
+Every process, baselines included, runs with the allocator settings the
+daemon and the client use (``tune_malloc``).
+
+Each figure is the median of ``--runs`` whole runs, each on a fresh cluster:
+a loaded machine moves even CPU time (caches, page faults) by tens of percent.
+
+    .venv/bin/python bench/cpu_per_gb.py [--mib 400] [--size-kib 110] [--runs 3]   # about 2 minutes
 """
 
 from __future__ import annotations
@@ -91,39 +101,50 @@ def _stat(pid: int) -> tuple[int, float]:
     return int(fields[1]), sum(int(v) for v in fields[11:15]) / TICKS
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system seconds of ``pid`` and every process below it, live or reaped."""
-    parents: dict[int, int] = {}
-    seconds: dict[int, float] = {}
+def processes() -> dict[int, tuple[int, float]]:
+    """(parent pid, CPU seconds) of every process, by pid: one pass over /proc."""
+    found = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                parents[int(entry)], seconds[int(entry)] = _stat(int(entry))
+                found[int(entry)] = _stat(int(entry))
             except (FileNotFoundError, ProcessLookupError):
                 continue
-    tree, total = {pid}, 0.0
-    grew = True
+    return found
+
+
+def cpu_seconds(pid: int, snapshot: dict[int, tuple[int, float]] | None = None) -> float:
+    """User + system seconds of ``pid`` and every process below it, live or
+    reaped, in ``snapshot`` (default: /proc now)."""
+    snapshot = processes() if snapshot is None else snapshot
+    tree, grew = {pid}, True
     while grew:
-        below = {p for p, parent in parents.items() if parent in tree} - tree
+        below = {p for p, (parent, _) in snapshot.items() if parent in tree} - tree
         grew = bool(below)
         tree |= below
-    for p in tree:
-        total += seconds.get(p, 0.0)
-    return total
+    return sum(snapshot[p][1] for p in tree if p in snapshot)
 
 
 class Meter:
-    """CPU seconds spent by a set of processes (this one included) while it is open."""
+    """CPU seconds spent by a set of processes, and this one as the client, while it is open.
+
+    This process's own time is its CPU clock, read inside the passes over
+    /proc, so that the meter's own work is not counted as the client's.
+    """
 
     def __init__(self, pids: dict[str, int]) -> None:
-        self.pids = {**pids, "client": os.getpid()}
+        self.pids = pids
         self.spent: dict[str, float] = {}
 
     @contextmanager
     def measure(self) -> Iterator[Meter]:
-        before = {role: cpu_seconds(pid) for role, pid in self.pids.items()}
+        before = processes()
+        client = time.process_time()
         yield self
-        self.spent = {role: cpu_seconds(pid) - before[role] for role, pid in self.pids.items()}
+        client = time.process_time() - client
+        after = processes()
+        self.spent = {role: cpu_seconds(pid, after) - cpu_seconds(pid, before) for role, pid in self.pids.items()}
+        self.spent["client"] = client
 
 
 def row(path: str, nbytes: int, spent: dict[str, float], wall: float) -> dict[str, object]:
@@ -148,30 +169,39 @@ def _answer(process: subprocess.Popen[str]) -> dict[str, float]:
     return dict(json.loads(out.splitlines()[-1]))
 
 
-def raw_stream(paths: list[str], home: Path) -> dict[str, object]:
+def raw_stream(paths: list[str], home: Path, store: bool = False) -> dict[str, object]:
     """The files' bytes sent from one process to another over loopback TCP;
-    each side times its own CPU around the transfer alone."""
+    each side times its own CPU around the transfer alone. With ``store`` the
+    receiver also puts them into an LMDB of its own, a transaction per batch,
+    as a daemon commits what an exchange brings it."""
     listing = home / "stream.json"
     listing.write_text(json.dumps(paths))
-    receiver = _child("--stream-receive", str(listing))
+    into = ["--into", str(home / "stream-lmdb")] if store else []
+    receiver = _child("--stream-receive", str(listing), *into)
     assert receiver.stdout is not None
     port = receiver.stdout.readline().strip()
     sender = _child("--stream-send", str(listing), port)
     sent, got = _answer(sender), _answer(receiver)
     assert got["bytes"] == sent["bytes"], (got, sent)
     nbytes = int(sent["bytes"])
-    return row("raw_stream", nbytes, {"sender": sent["cpu_s"], "receiver": got["cpu_s"]}, got["wall_s"])
+    return row(
+        "raw_stream_put" if store else "raw_stream",
+        nbytes,
+        {"sender": sent["cpu_s"], "receiver": got["cpu_s"]},
+        got["wall_s"],
+    )
 
 
-def _stream_receive(listing: str) -> None:
+def _stream_receive(listing: str, into: str | None) -> None:
     lengths = [os.path.getsize(p) for p in json.loads(Path(listing).read_text())]
+    env = lmdb.open(into, map_size=2 * sum(lengths) + 64 * MiB) if into else None
     with socket.create_server(("127.0.0.1", 0)) as server:
         print(server.getsockname()[1], flush=True)
         conn, _ = server.accept()
         with conn:
             started, wall = time.process_time(), time.perf_counter()
-            received = 0
-            for length in lengths:
+            received, batch = 0, []
+            for index, length in enumerate(lengths):
                 buffer = bytearray(length)
                 view, got = memoryview(buffer), 0
                 while got < length:
@@ -180,6 +210,12 @@ def _stream_receive(listing: str) -> None:
                         raise RuntimeError("the sender closed early")
                     got += n
                 received += got
+                batch.append((sample_key(index), buffer))
+                if env is not None and (len(batch) == BATCH or index == len(lengths) - 1):
+                    with env.begin(write=True) as txn:
+                        txn.cursor().putmulti(batch, overwrite=False)
+                if len(batch) == BATCH:
+                    batch = []
             spent, wall = time.process_time() - started, time.perf_counter() - wall
     print(json.dumps({"bytes": received, "cpu_s": spent, "wall_s": wall}))
 
@@ -308,7 +344,9 @@ def hits(rig: Rig, root: Path, count: int, size: int, home: Path) -> list[dict[s
     info = n0.GetDataset(pb.GetDatasetRequest(name="hits"))
     rows.append(raw_lmdb(rig.local.daemons[0].cache_dir, info.cache_db, mine, home))
     paths = sorted(str(p) for p in root.rglob("*.bin"))
-    rows.append(raw_stream([paths[i] for batch in theirs for i in batch], home))
+    streamed = [paths[i] for batch in theirs for i in batch]
+    rows.append(raw_stream(streamed, home))
+    rows.append(raw_stream(streamed[: len(streamed) // PASSES], home, store=True))
     return rows
 
 
@@ -361,6 +399,16 @@ def exchange(rig: Rig, root: Path, count: int) -> dict[str, object]:
     return out
 
 
+def medians(runs: list[list[dict[str, object]]]) -> list[dict[str, object]]:
+    """Per path, the row of the run with the median CPU per GB (its split
+    between processes kept whole), with every run's figure beside it."""
+    out = []
+    for rows in zip(*runs):
+        ranked = sorted(rows, key=lambda r: float(r["cpu_s_per_GB"]))  # type: ignore[arg-type]
+        out.append({**ranked[len(ranked) // 2], "runs_cpu_s_per_GB": [r["cpu_s_per_GB"] for r in rows]})
+    return out
+
+
 def ratios(rows: list[dict[str, object]]) -> list[dict[str, object]]:
     """Each path's CPU per GB over its baseline's, against the target."""
     per_gb = {str(r["path"]): float(r["cpu_s_per_GB"]) for r in rows}  # type: ignore[arg-type]
@@ -400,20 +448,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=400, help="MiB of datasets in all")
     parser.add_argument("--size-kib", type=int, default=110, help="bytes of every sample, in KiB")
+    parser.add_argument("--runs", type=int, default=3, help="whole runs, each on a fresh cluster; medians reported")
     parser.add_argument("--stream-receive", nargs=1, help=argparse.SUPPRESS)
+    parser.add_argument("--into", help=argparse.SUPPRESS)
     parser.add_argument("--stream-send", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--lmdb-read", nargs=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    tune_malloc()  # the baselines' processes too: the daemons and the client run so
     if args.stream_receive:
-        return _stream_receive(*args.stream_receive)
+        return _stream_receive(*args.stream_receive, args.into)
     if args.stream_send:
         return _stream_send(*args.stream_send)
     if args.lmdb_read:
         return _lmdb_read(*args.lmdb_read)
-    tune_malloc()
     load = [os.getloadavg()]
-    with tempfile.TemporaryDirectory(prefix="dq-bench-cpu-") as tmp:
-        rows = run(Path(tmp), args.mib * MiB, args.size_kib * 1024)
+    runs = []
+    for index in range(args.runs):
+        progress(f"run {index + 1} of {args.runs}")
+        with tempfile.TemporaryDirectory(prefix="dq-bench-cpu-") as tmp:
+            runs.append(run(Path(tmp), args.mib * MiB, args.size_kib * 1024))
+    rows = medians(runs)
     load.append(os.getloadavg())
     compared = ratios(rows)
     extra = {"load_average_start_end": load, "ratios": compared}

@@ -57,6 +57,7 @@ def test_a_toy_run_measures_every_path_and_its_baseline_on_the_same_bytes(bench:
         "peer_hit",
         "raw_lmdb",
         "raw_stream",
+        "raw_stream_put",
         "miss",
         "exchange",
     }
@@ -68,3 +69,5 @@ def test_a_toy_run_measures_every_path_and_its_baseline_on_the_same_bytes(bench:
     ratios = bench.ratios(rows)
     assert [r["path"] for r in ratios] == ["peer_hit", "exchange", "local_hit", "local_hit_shm"]
     assert all(r["ratio"] > 0 for r in ratios)
+    median = bench.medians([rows, rows, rows])
+    assert [r["path"] for r in median] == [r["path"] for r in rows]
