@@ -1,0 +1,73 @@
+"""The CPU-per-GB benchmark's own parts: its CPU count must include the
+processes a daemon starts, and a toy run must measure every path and its
+baseline on the same bytes, or its ratios say nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SIZE = 110 * 1024
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import cpu_per_gb
+
+        yield cpu_per_gb
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+
+
+def test_cpu_seconds_counts_what_a_child_spends_while_its_parent_sleeps(bench: ModuleType) -> None:
+    burn = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass"
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time\nsubprocess.run([sys.executable, '-c', {burn!r}])\ntime.sleep(30)",
+        ]
+    )
+    try:
+        before = bench.cpu_seconds(parent.pid)
+        time.sleep(2.5)  # the child has burnt its half second and been reaped by now, even on a loaded machine
+        spent = bench.cpu_seconds(parent.pid) - before
+    finally:
+        parent.kill()
+        parent.wait()
+    assert spent >= 0.4
+
+
+def test_a_toy_run_measures_every_path_and_its_baseline_on_the_same_bytes(bench: ModuleType, tmp_path: Path) -> None:
+    rows = bench.run(tmp_path, 24 << 20, SIZE)
+    by = {r["path"]: r for r in rows}
+    assert set(by) == {
+        "staging",
+        "local_hit",
+        "local_hit_shm",
+        "peer_hit",
+        "raw_lmdb",
+        "raw_stream",
+        "raw_stream_put",
+        "miss",
+        "exchange",
+    }
+    assert by["local_hit"]["MB"] == by["raw_lmdb"]["MB"]
+    assert by["peer_hit"]["MB"] == by["raw_stream"]["MB"]
+    assert by["local_hit"]["MB"] + by["peer_hit"]["MB"] == pytest.approx(bench.PASSES * by["staging"]["MB"])
+    assert all(float(r["cpu_s"]) >= 0 for r in rows)
+    assert "client_s" not in by["exchange"] and "client_s" in by["peer_hit"]
+    ratios = bench.ratios(rows)
+    assert [r["path"] for r in ratios] == ["peer_hit", "exchange", "local_hit", "local_hit_shm"]
+    assert all(r["ratio"] > 0 for r in ratios)
+    median = bench.medians([rows, rows, rows])
+    assert [r["path"] for r in median] == [r["path"] for r in rows]
