@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import PfsRangeError, PfsReader, ReadRange, plan_reads
 from dataquay.client.wire.records import encode_value
 from dataquay.server.daemon_threads import DaemonThreadPool
+from dataquay.server.node.reads.claims import PfsClaims
 from dataquay.server.ratelimit import TokenBucket
 from dataquay.server.task_group import STAGING_NICENESS, idle_thread_priority, lower_thread_priority
 
@@ -44,6 +45,22 @@ _EWMA_WEIGHT = 0.2
 BEHIND_THREADS = 2
 
 T = TypeVar("T")
+
+
+class RangeClaims(Protocol):
+    """A staging run's claims on what it reads (:mod:`.claims`), as its reads see them."""
+
+    def take(self, ranges: Sequence[ReadRange]) -> list[ReadRange]:
+        """On the loop, before a job is queued: the part of ``ranges`` the run claimed."""
+        ...
+
+    def narrow(self, read_range: ReadRange) -> list[ReadRange]:
+        """In the reading thread, just before the read: what of ``read_range`` is still the run's."""
+        ...
+
+    def done(self, values: dict[int, bytes]) -> None:
+        """In the reading thread: ``values`` are read (their waiters need not wait for the job)."""
+        ...
 
 
 class _Progress:
@@ -80,6 +97,8 @@ class PfsPool:
         self._readers: dict[str, PfsReader] = {}
         self.bytes_read = 0
         self.errors = 0
+        #: Who reads which sample now: each is read once however many want it.
+        self.claims = PfsClaims()
         # Seconds one planned range takes to read; starts pessimistic (a
         # network PFS) so that the first requests spread over the pool.
         self.range_seconds = 0.001
@@ -248,25 +267,42 @@ class PfsPool:
         return [f.result() for f in futures]
 
     def _read_ranges_skipping(
-        self, reader: PfsReader, manifest: Manifest, ranges: Sequence[ReadRange], progress: _Progress
+        self,
+        reader: PfsReader,
+        manifest: Manifest,
+        ranges: Sequence[ReadRange],
+        progress: _Progress,
+        claims: RangeClaims | None = None,
     ) -> tuple[dict[int, bytes], list[str]]:
         """Like ``_read_ranges``, but a range that fails is retried sample by
-        sample and the samples that still fail are skipped: (values, failures)."""
+        sample and the samples that still fail are skipped: (values, failures).
+        With ``claims``, only what is still claimed is read, and each range's
+        values are handed to their waiters as soon as it is read."""
         out: dict[int, bytes] = {}
         failures: list[str] = []
-        for r in ranges:
-            try:
-                out.update(self._read_ranges(reader, [r], progress))
-            except PfsRangeError:
-                for sample_id in r.ids.tolist():
-                    try:
-                        out.update(self._read_ranges(reader, plan_reads(manifest, np.array([sample_id])), progress))
-                    except PfsReadError as exc:
-                        failures.append(str(exc))
+        for claimed in ranges:
+            for r in claims.narrow(claimed) if claims is not None else [claimed]:
+                got: dict[int, bytes] = {}
+                try:
+                    got = self._read_ranges(reader, [r], progress)
+                except PfsRangeError:
+                    for sample_id in r.ids.tolist():
+                        try:
+                            got.update(self._read_ranges(reader, plan_reads(manifest, np.array([sample_id])), progress))
+                        except PfsReadError as exc:
+                            failures.append(str(exc))
+                if claims is not None:
+                    claims.done(got)
+                out.update(got)
         return out, failures
 
     async def stream(
-        self, dataset: str, manifest: Manifest, ranges: Sequence[ReadRange], backlog: Callable[[], float]
+        self,
+        dataset: str,
+        manifest: Manifest,
+        ranges: Sequence[ReadRange],
+        backlog: Callable[[], float],
+        claims: RangeClaims | None = None,
     ) -> AsyncIterator[tuple[dict[int, bytes], list[str]]]:
         """Reads ``ranges`` in order for staging, only as fast as they are consumed.
 
@@ -283,6 +319,10 @@ class PfsPool:
         the CPU (and the GIL) from the writer they feed. Once the consumer
         stops iterating, the jobs still queued are dropped and those running
         stop after their current range.
+
+        With ``claims`` (:class:`RangeClaims`), a job reads only what the run
+        claimed when it was queued and still holds when its thread gets to
+        it; a job left with nothing to read is not queued, nor yielded.
         """
         reader = self.reader(dataset, manifest)
         loop = asyncio.get_running_loop()
@@ -306,8 +346,12 @@ class PfsPool:
         try:
             for start in range(0, len(ranges), per_job):
                 job = ranges[start : start + per_job]
+                if claims is not None:
+                    job = claims.take(job)
+                    if not job:
+                        continue
                 future = loop.run_in_executor(
-                    self._staging, self._read_ranges_skipping, reader, manifest, job, progress
+                    self._staging, self._read_ranges_skipping, reader, manifest, job, progress, claims
                 )
                 pending.append((future, int(job[0].ids[0])))
                 while len(pending) >= window:
