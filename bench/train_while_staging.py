@@ -52,6 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=SAMPLES)
     parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--prefetch-memory", help="the daemons' --prefetch-memory (default theirs)")
     args = parser.parse_args()
     samples = args.samples - args.samples % (NODES * BATCH)
     rows: list[EpochRow] = []
@@ -62,6 +63,8 @@ def main() -> None:
             (("direct", ""), ("stage first", "first"), ("train while staging", "background"))
         ):
             cap = ("--pfs-bandwidth", str(PFS_BYTES_PER_NODE))
+            if args.prefetch_memory is not None:
+                cap += ("--prefetch-memory", args.prefetch_memory)
             with LocalCluster(base / f"cluster-{k}", NODES, cap, dataset_roots=(base,)) as cluster:
                 _run("dataset", "add", "bench", str(root), "--addr", cluster.daemons[0].address)
                 progress(f"{name}: {args.epochs} epochs")
@@ -81,6 +84,7 @@ def main() -> None:
         "samples": samples,
         "dataset_mb": samples * SIZE / 1e6,
         "pfs_mb_per_s_per_node": PFS_BYTES_PER_NODE / 1e6,
+        "prefetch_memory": args.prefetch_memory,
         "rows": [asdict(r) for r in rows],
         "summary": summary,
     }
