@@ -13,9 +13,10 @@ not fit is the overflow) or its ranks join, so that the first batches do not
 wait either; once an epoch's overflow is read, the next epoch's follows, so
 that a new epoch does not begin by waiting for the PFS.
 
-While the job's staging runs here, what staging reserved is left to it, and
-a rank's read or staging that needs a sample being prefetched waits for it
-(:mod:`.claims`).
+While the dataset's staging runs here nothing is prefetched: staging reads
+in the ranks' order itself, and a rank's read takes over what it needs now
+(:mod:`.claims`). What staging reserved is left to it, and a read or staging
+that needs a sample being prefetched waits for it.
 
 Every sample is read from the PFS once an epoch: what a rank asked for is
 not prefetched any more (a rank that got ahead of the reads had it read on
@@ -395,6 +396,8 @@ class OverflowPrefetcher:
         lengths = job.entry.manifest.sample_length
         db = job.entry.record.cache_db
         most = int(self.budget.limit * BUDGET_SHARE)
+        if self.pfs.claims.staging(db):
+            return _NO_ROOM  # staging reads in the ranks' order itself; what it cannot fit comes after
         for _ in range(_WINDOWS_PER_TURN):
             if state.cursor >= len(ahead):
                 return None
