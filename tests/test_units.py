@@ -124,7 +124,7 @@ def test_reply_windows_cover_every_position_once_and_put_an_oversized_one_alone(
     assert window_bounds(np.array([], dtype=np.uint64), 100) == []
 
 
-def test_a_queued_write_is_found_by_key_until_the_writer_takes_it_or_its_dataset_goes() -> None:
+def test_a_queued_write_is_found_by_key_until_the_writer_commits_it_or_its_dataset_goes() -> None:
     async def scenario() -> None:
         queue = WriteQueue()
         first, second = PendingWrite(b"a", 1, b"old"), PendingWrite(b"a", 1, b"new")
@@ -135,6 +135,9 @@ def test_a_queued_write_is_found_by_key_until_the_writer_takes_it_or_its_dataset
         queue.drop(b"b")
         assert queue.waiting(b"b", 1) is None and queue.waiting(b"a", 1) is second
         assert queue.take_batch() == [first, second]
+        # While the batch commits the sample is neither cached nor gone: a read finds it here.
+        assert queue.waiting(b"a", 1) is second
+        queue.resolve(2)
         assert queue.waiting(b"a", 1) is None
 
     asyncio.run(scenario())

@@ -112,6 +112,19 @@ def cmd_dataset_drop(args: argparse.Namespace) -> None:
     print(f"dropped {args.name!r}: freed {reply.freed_samples} cached samples")
 
 
+def _started_in_background(name: str, first: pb.StageProgress | None) -> None:
+    """Says that a run started, or raises why it did not."""
+    if first is None:
+        raise CliError("staging ended without a report")
+    if first.error:
+        raise CliError(f"staging {name!r} failed: {first.error}")
+    _print_admission(name, first)
+    print(
+        f"staging {name!r} in the background: {first.done_samples}/{first.total_samples} samples cached so far; "
+        "reads may start now; `dataquay status` shows its progress"
+    )
+
+
 def cmd_stage(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
@@ -128,6 +141,10 @@ def cmd_stage(args: argparse.Namespace) -> None:
     last = None
     with daemon_stub(args) as stub:
         progress = stub.Stage(pb.StageRequest(dataset=args.name, seed=args.seed or 0))
+        if args.background:
+            _started_in_background(args.name, next(iter(progress), None))
+            progress.cancel()  # the run is the daemon's: it goes on without this stream
+            return
         bar = None
         for last in progress:
             if bar is None:
@@ -323,6 +340,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     stage.add_argument("name", help="a registered dataset")
     stage.add_argument("--seed", type=_seed, help="the job's shuffle seed (sets the staging order; default 0)")
     stage.add_argument("--quiet", action="store_true", help="no progress bar")
+    stage.add_argument(
+        "--background",
+        action="store_true",
+        help="return once staging has started (on every node of the job); it goes on in the daemons, "
+        "and a job may read at once: what is not cached yet is read from the PFS once, by the node that keeps it",
+    )
     cluster = stage.add_argument_group("cluster staging: create or join a job, stage on all its nodes")
     cluster.add_argument("--job", help="job id; stages on every node of the job at once")
     cluster.add_argument("--mode", choices=sorted(MODES), help="shuffle mode (default global)")

@@ -7,6 +7,10 @@ serialises nor stops the others. Before staging starts, each node's share is
 set against its cache's capacity, and a node that cannot hold it is named with
 the capacity that would (a warning: staging goes on), along with where what
 does not fit is read from: caches with room, where they hold it (spill), or the PFS.
+
+With ``--background`` it returns once every node's run has started: the runs
+are the daemons', not this command's, and a job may read while they go on
+(each sample is read from the PFS once, by the node that keeps it).
 """
 
 from __future__ import annotations
@@ -283,13 +287,35 @@ def stage_job(args: argparse.Namespace) -> None:
             node, ended = events.get()
             bars.update(node, nodes, ended)
             running -= ended
+            if args.background and all(n.last is not None or n.ended for n in nodes):
+                break  # every run started: they go on in the daemons
     finally:
         bars.close()
         for node in nodes:
             if node.call is not None and not node.ended:
                 node.call.cancel()
     wall = time.perf_counter() - started
-    _report_staging(args, job, nodes, wall)
+    if args.background:
+        _report_started(args, job, nodes)
+    else:
+        _report_staging(args, job, nodes, wall)
+
+
+def _report_started(args: argparse.Namespace, job: jpb.Job, nodes: Sequence[_NodeStaging]) -> None:
+    """``--background``: what each node had cached when its run started; raises
+    for the nodes whose run did not start or already failed."""
+    failed = [n for n in nodes if n.failed and (n.last is None or n.last.finished)]
+    started = [n for n in nodes if n not in failed]
+    print(
+        f"staging {args.name!r} for job {job.spec.job_id!r} ({job.spec.mode}) in the background on "
+        f"{len(started)} nodes: {sum(n.last.done_samples for n in started if n.last)}/{job.num_samples} samples "
+        "cached so far; the job's ranks may start reading now; `dataquay status` shows the progress"
+    )
+    if failed:
+        raise CliError(
+            f"staging {args.name!r} did not start on {len(failed)} of {len(nodes)} nodes: "
+            + "; ".join(f"{n.name} ({n.failed})" for n in failed)
+        )
 
 
 def _report_staging(args: argparse.Namespace, job: jpb.Job, nodes: Sequence[_NodeStaging], wall: float) -> None:

@@ -21,6 +21,7 @@ from dataquay.server.errors import DataquayError, InvalidRequestError, Standalon
 from dataquay.server.node.cache.manager import Admitted, CacheManager, Evicted, Holding, UserUse
 from dataquay.server.node.handoff.forward import ShmForward
 from dataquay.server.node.reads.replies import reply_chunks
+from dataquay.server.node.stager import staging_order
 from dataquay.server.node.users.callers import Caller
 from dataquay.server.proto_maps import FORMAT_FROM_PROTO, TIER_TO_PROTO, dataset_info
 from dataquay.server.servicer_errors import status_on_error
@@ -205,10 +206,12 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 seed, ids, leave_room = placement.job.spec.seed, placement.held(), placement.owners_move
                 for_others = placement.held_for_others
             admission = None
+            position = np.empty(0, dtype=np.int64)  # a run going keeps its own order
             if not self.stager.running(request.dataset):
                 staged = ids if ids is not None else np.arange(entry.manifest.num_samples, dtype=np.int64)
                 admission = await self.cache.admit(entry, staged, *charged(caller), leave_room)
-            progress = self.stager.start(request.dataset, seed, ids, leave_room, for_others, admission)
+                position = await staging_order(entry, placement if request.job else None, seed)
+            progress = self.stager.start(request.dataset, position, ids, leave_room, for_others, admission)
         while True:
             await self.stager.wait(request.dataset, timeout=0.5)
             reply = self._progress(progress)

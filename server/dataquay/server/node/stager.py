@@ -1,10 +1,20 @@
 """Staging: copying a dataset's samples from the PFS into the node's cache.
 
-Staging reads in the order the job's first epoch will consume the samples, so
-a job that starts before staging ends finds its first steps cached. For tar and
-npy datasets it keeps reads large: contiguous ranges are read whole, ordered by
-the earliest first-epoch position of any sample they hold. Already cached
-samples are skipped, so staging again, or after a crash, resumes.
+Staging reads in the order the job's first epoch will consume the samples
+(:func:`first_epoch_positions`: the step at which any rank of the job reads
+each one), so a job that starts before staging ends finds its first steps
+cached, and the stager stays ahead of the ranks rather than racing them.
+For tar and npy datasets it keeps reads large: contiguous ranges are read
+whole, ordered by the earliest first-epoch position of any sample they hold.
+Already cached samples are skipped, so staging again, or after a crash, resumes.
+
+A job may read while its staging runs. Every sample is then read from the
+PFS once over staging and the first epoch: the run reserves what it will
+read, a rank's read that needs a sample the run has not started takes it
+over and reads it itself, and one the run is reading is waited for, not
+read again (:mod:`dataquay.server.node.reads.claims`). What others read
+meanwhile (a rank's miss, caching behind a trainer) the run finds queued or
+cached when it gets there, and skips.
 
 One run per dataset at a time; a second request joins the running one.
 """
@@ -14,18 +24,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import ReadRange, plan_reads
-from dataquay.client.placement import epoch_permutation
+from dataquay.client.placement import JobPlan, epoch_permutation, node_orders
 from dataquay.server.node.cache.manager import Admitted
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
+from dataquay.server.node.cluster.placements import Placement
+from dataquay.server.node.reads.claims import PfsClaims
 from dataquay.server.node.reads.pfs import PfsPool
-from dataquay.server.registry import Registry
+from dataquay.server.registry import Registered, Registry
 from dataquay.server.sizes import format_bytes
 from dataquay.server.task_group import TaskGroup
 
@@ -119,20 +134,122 @@ def _write_error(store: Store, progress: StagingProgress) -> str:
     )
 
 
-def staging_ranges(manifest: Manifest, ids: np.ndarray, seed: int) -> list[ReadRange]:
-    """The PFS ranges holding ``ids``, ordered by first-epoch position.
+def first_epoch_positions(plan: JobPlan, epoch_owners: np.ndarray) -> np.ndarray:
+    """When each sample of ``plan`` is first read in epoch 0, as a sort key
+    (int64, one per sample): the p-th read of rank r is ``p * W + r``, as
+    every rank reads its p-th sample at about the same time; a sample no
+    rank reads sorts last. A pure function of the job's settings, so the
+    stager follows the order the sampler will deal (in mode ``global`` the
+    job-wide permutation; in the node-local modes each node's own)."""
+    n, world = plan.num_samples, plan.world_size
+    if plan.settings.mode == "global" or not plan.settings.ranks_per_node:
+        return permutation_positions(n, plan.settings.seed)
+    position = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+    g = plan.settings.ranks_per_node
+    for node in range(plan.num_nodes):
+        orders = node_orders(plan, 0, node, epoch_owners)
+        steps = np.arange(orders.shape[1], dtype=np.int64) * world
+        for local, order in enumerate(orders):
+            np.minimum.at(position, order, steps + node * g + local)
+    return position
 
-    A range's position is that of its earliest sample in epoch 0 of a job with
-    ``seed``; for the files format every range is one sample, so the order is
-    exactly the epoch's.
+
+async def staging_order(entry: Registered, placement: Placement | None, seed: int) -> np.ndarray:
+    """The first-epoch positions a run stages in: those of ``placement``'s
+    job, else of a job-less run shuffled with ``seed``; computed off the loop."""
+    loop = asyncio.get_running_loop()
+    if placement is None:
+        return await loop.run_in_executor(None, permutation_positions, entry.manifest.num_samples, seed)
+    plan = job_plan(placement.job, entry.manifest)
+    return await loop.run_in_executor(None, first_epoch_positions, plan, placement.owners)
+
+
+def permutation_positions(num_samples: int, seed: int) -> np.ndarray:
+    """Each sample's place in epoch 0's job-wide permutation with ``seed``."""
+    position = np.empty(num_samples, dtype=np.int64)
+    position[epoch_permutation(num_samples, seed, 0)] = np.arange(num_samples)
+    return position
+
+
+def staging_ranges(manifest: Manifest, ids: np.ndarray, position: np.ndarray) -> list[ReadRange]:
+    """The PFS ranges holding ``ids``, ordered by first-epoch ``position``
+    (one per sample, :func:`first_epoch_positions`).
+
+    A range's position is that of its earliest sample; for the files format
+    every range is one sample, so the order is exactly the epoch's.
     """
     if not len(ids):
         return []
-    position = np.empty(manifest.num_samples, dtype=np.int64)
-    position[epoch_permutation(manifest.num_samples, seed, 0)] = np.arange(manifest.num_samples)
     ranges = plan_reads(manifest, ids)
     first = np.array([position[r.ids].min() for r in ranges])
     return [ranges[i] for i in np.argsort(first, kind="stable")]
+
+
+class _RunClaims:
+    """One run's claims (:class:`~dataquay.server.node.reads.pfs.RangeClaims`):
+    a job reads only what the run still reserved when it was queued, and of
+    that, what no rank took over before its thread got to it."""
+
+    def __init__(self, claims: PfsClaims, db: str, manifest: Manifest, store: Store) -> None:
+        self.claims = claims
+        self.db = db
+        self.manifest = manifest
+        self.store = store
+        #: The ids each queued job claimed, in the order the jobs are yielded.
+        self.jobs: deque[list[int]] = deque()
+        #: Ids of this run found cached or queued, or taken over by a rank's
+        #: read, since :meth:`found_elsewhere` last took them (the threads append).
+        self.elsewhere: list[int] = []
+
+    def take(self, ranges: Sequence[ReadRange]) -> list[ReadRange]:
+        ids = np.concatenate([r.ids for r in ranges])
+        # The queue before the cache: the writer's thread commits a value
+        # before it leaves the queue, so one of the two sees it.
+        queued = self.store.queued_values(self.db, ids.tolist())
+        done = np.fromiter((i in queued for i in ids.tolist()), dtype=bool, count=len(ids))
+        done |= self.store.cached_mask(self.db, ids)
+        mine, _ = self.claims.claim(self.db, ids[~done].tolist(), self, started=False, reserved_only=True)
+        self.elsewhere.extend(set(ids.tolist()) - set(mine))
+        if not mine:
+            return []
+        self.jobs.append(mine)
+        return self._narrowed(ranges, set(mine))
+
+    def narrow(self, read_range: ReadRange) -> list[ReadRange]:
+        kept = self.claims.start(self.db, read_range.ids.tolist(), self)
+        if len(kept) < len(read_range.ids):
+            self.elsewhere.extend(set(read_range.ids.tolist()) - set(kept))
+        return self._narrowed([read_range], set(kept))
+
+    def found_elsewhere(self) -> list[int]:
+        """The ids :attr:`elsewhere` gathered since the last call."""
+        count = len(self.elsewhere)
+        taken = self.elsewhere[:count]
+        del self.elsewhere[:count]
+        return taken
+
+    def done(self, values: dict[int, bytes]) -> None:
+        self.claims.resolve(self.db, values, self)
+
+    def release(self, ids: list[int]) -> None:
+        self.claims.release(self.db, ids, self)
+
+    def close(self) -> None:
+        """Ends every claim and reservation of the run (its jobs left are dropped)."""
+        while self.jobs:
+            self.release(self.jobs.popleft())
+        self.claims.unreserve(self.db, self)
+
+    def _narrowed(self, ranges: Sequence[ReadRange], kept: set[int]) -> list[ReadRange]:
+        """``ranges`` cut down to ``kept``, in their order; a range partly kept is planned again."""
+        out: list[ReadRange] = []
+        for r in ranges:
+            ids = r.ids.tolist()
+            if all(i in kept for i in ids):
+                out.append(r)
+            elif any(i in kept for i in ids):
+                out += plan_reads(self.manifest, np.array([i for i in ids if i in kept], dtype=np.int64))
+        return out
 
 
 class Stager:
@@ -155,13 +272,14 @@ class Stager:
     def start(
         self,
         dataset: str,
-        seed: int,
+        position: np.ndarray,
         ids: np.ndarray | None = None,
         leave_room: bool = False,
         held_for_others: int = 0,
         admission: Admitted | None = None,
     ) -> StagingProgress:
-        """Starts staging ``ids`` of ``dataset`` (default: all) unless a run is
+        """Starts staging ``ids`` of ``dataset`` (default: all), in the order of
+        their first-epoch ``position`` (:func:`first_epoch_positions`), unless a run is
         going; returns its progress, already ended once the stager is closed.
         ``leave_room`` stops short of the exchange's reserve (a job whose owners
         move); ``held_for_others`` of ``ids`` are other nodes' overflow, as reported;
@@ -185,7 +303,7 @@ class Stager:
             progress.end(SHUTTING_DOWN)
             self._done[dataset].set()
         else:
-            self._tasks.spawn(self._run(dataset, seed, ids, progress, leave_room), f"stage-{dataset}")
+            self._tasks.spawn(self._run(dataset, position, ids, progress, leave_room), f"stage-{dataset}")
         return progress
 
     def running(self, dataset: str) -> bool:
@@ -208,27 +326,35 @@ class Stager:
         except TimeoutError:
             pass
 
-    async def _run(self, dataset: str, seed: int, ids: np.ndarray, progress: StagingProgress, leave_room: bool) -> None:
+    async def _run(
+        self, dataset: str, position: np.ndarray, ids: np.ndarray, progress: StagingProgress, leave_room: bool
+    ) -> None:
         entry = self.registry.get(dataset)
         manifest, db = entry.manifest, entry.record.cache_db
         log.info("staging started", extra={"fields": {"dataset": dataset, "samples": len(ids)}})
         write_errors = self.store.write_errors
+        claims = _RunClaims(self.pfs.claims, db, manifest, self.store)
         try:
             self.store.recheck_space()
             await self.store.open_dataset(db)
             cached = await self._cached_mask(db, ids)
             progress.found_cached(int(cached.sum()), int(manifest.sample_length[ids[cached]].sum()))
-            ranges = staging_ranges(manifest, ids[~cached], seed)
+            self.pfs.claims.reserve(db, claims, ids[~cached], manifest.num_samples)
+            ranges = staging_ranges(manifest, ids[~cached], position)
             name = db.encode()
-            async for read in self.pfs.stream(dataset, manifest, ranges, self.store.backlog):
+            async for read in self.pfs.stream(dataset, manifest, ranges, self.store.backlog, claims):
                 progress.failed(read.failures)
-                for sample_id, value in read.values.items():
-                    await self.store.put(PendingWrite(name, sample_id, value, leaves_room=leave_room))
+                await self.store.put_many(
+                    [PendingWrite(name, i, v, leaves_room=leave_room) for i, v in read.values.items()]
+                )
+                claims.release(claims.jobs.popleft())
                 staged = np.fromiter(read.values, dtype=np.int64, count=len(read.values))
                 progress.staged(len(staged), int(manifest.sample_length[staged].sum()), read.read_bytes)
+                self._found_elsewhere(progress, manifest, claims)
                 if self._full(leave_room):
                     progress.cache_full = True
                     break
+            self._found_elsewhere(progress, manifest, claims)
             await self.store.flush()
             write_failed = self.store.write_errors > write_errors
             cached = await self._cached_mask(db, ids)
@@ -268,7 +394,16 @@ class Stager:
             progress.end(str(exc))
             log.error("staging failed", extra={"fields": {"dataset": dataset, "error": str(exc)}})
         finally:
+            claims.close()
             self._done[dataset].set()
+
+    @staticmethod
+    def _found_elsewhere(progress: StagingProgress, manifest: Manifest, claims: _RunClaims) -> None:
+        """Counts as done what the run skipped because others read it (a rank's
+        miss, caching behind a trainer) or it was cached meanwhile."""
+        ids = np.fromiter(set(claims.found_elsewhere()), dtype=np.int64)
+        if len(ids):
+            progress.found_cached(len(ids), int(manifest.sample_length[ids].sum()))
 
     async def _cached_mask(self, db: str, ids: np.ndarray, step: int = 65536) -> np.ndarray:
         """Which ids are cached, checked in slices so the loop keeps serving."""

@@ -221,7 +221,7 @@ class Store:
             yield lambda sample_id: get(sample_key(sample_id))
 
     def queued_values(self, db: str, ids: Iterable[int]) -> dict[int, bytes | memoryview]:
-        """The values of ``ids`` queued for the writer and not taken by it yet
+        """The values of ``ids`` queued for the writer and not committed yet
         (read from the PFS or a peer moments ago), by id."""
         name = db.encode()
         waiting = self.writer.queue.waiting
@@ -289,12 +289,14 @@ class Store:
         """How full the write queue is, 0 to 1."""
         return self.writer.queue.backlog()
 
-    def offer(self, write: PendingWrite) -> bool:
+    def offer(self, write: PendingWrite, past_bound: bool = False) -> bool:
         """Queues a write without waiting; False (and counted) when it cannot be taken.
 
         Reads use this: a request is never slowed down to wait for the cache.
+        ``past_bound`` queues it even when the queue is full (a read of a sample
+        staging left to it: dropped, staging would read it again).
         """
-        if self.writer.stopped or self._refuses(write) or self.writer.queue.is_full:
+        if self.writer.stopped or self._refuses(write) or (self.writer.queue.is_full and not past_bound):
             self.writer.inserts_dropped += 1
             return False
         self.writer.queue.push(write)

@@ -6,6 +6,7 @@ reading it again."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
 
 MiB = 1 << 20
@@ -50,6 +51,10 @@ class WriteQueue:
     def __init__(self) -> None:
         self._items: list[PendingWrite] = []
         self._by_key: dict[tuple[bytes, int], PendingWrite] = {}
+        # Writes taken by the writer and not resolved yet: still found by
+        # :meth:`waiting` while their transaction commits, so that a sample is
+        # always either waiting here or cached, never neither.
+        self._taken: deque[PendingWrite] = deque()
         self.queued_bytes = 0
         #: The ticket of the last write queued.
         self.queued_count = 0
@@ -97,10 +102,7 @@ class WriteQueue:
             size += len(write.value)
             count += 1
         batch, self._items = self._items[:count], self._items[count:]
-        for write in batch:
-            key = (write.db, write.sample_id)
-            if self._by_key.get(key) is write:
-                del self._by_key[key]
+        self._taken.extend(batch)
         self.queued_bytes -= size
         if not self._items:
             self._has_work.clear()
@@ -110,6 +112,11 @@ class WriteQueue:
 
     def resolve(self, count: int) -> None:
         """Marks the next ``count`` writes as done (committed or dropped)."""
+        for _ in range(min(count, len(self._taken))):
+            write = self._taken.popleft()
+            key = (write.db, write.sample_id)
+            if self._by_key.get(key) is write:
+                del self._by_key[key]
         self._resolved += count
         self._resolved_moved.set()
         if not self._items:
@@ -127,7 +134,7 @@ class WriteQueue:
             self._has_room.set()
 
     def waiting(self, db: bytes, sample_id: int) -> PendingWrite | None:
-        """The latest write of ``sample_id`` to ``db`` still in the queue, if any."""
+        """The latest write of ``sample_id`` to ``db`` not committed yet (in the queue, or being committed), if any."""
         return self._by_key.get((db, sample_id))
 
     async def wait_for_work(self) -> None:

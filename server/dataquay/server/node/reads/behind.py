@@ -17,7 +17,10 @@ apart, only from a caller of its own user or root as well (the segment's
 owner is not always who wrote into it), :mod:`dataquay.server.node.users`.
 
 Insert-once as every read: ids already cached or queued are skipped, and a
-cached value that fails its checksum is rewritten (repaired). Bounded: a
+cached value that fails its checksum is rewritten (repaired). So are ids that
+staging or a read is fetching from the PFS (:mod:`.claims`); one that staging
+has reserved but not started is taken over, and staging skips it: a sample
+is never fetched both ways. Bounded: a
 notice carries at most :data:`MAX_NOTICE_IDS` ids and
 :data:`MAX_NOTICE_BYTES` of payload (or one sample of up to the daemon's
 largest, ``--max-sample-size``), all notices in progress hold at most
@@ -117,6 +120,9 @@ class CacheBehind:
             self.counts.refused_samples += int(too_large.sum())
             wanted = wanted[~too_large]
         await self._budget.take(nbytes)
+        claims, me = self.pfs.claims, object()
+        mine, _ = claims.claim(db, wanted.tolist(), me, started=True, steal=True)
+        wanted = np.array(mine, dtype=np.int64)
         try:
             read_back = wanted[np.isin(wanted, ids.astype(np.int64))]
             writes: list[PendingWrite] = []
@@ -142,6 +148,7 @@ class CacheBehind:
                 writes += handed_writes
             await self.store.put_many(writes)
         finally:
+            claims.release(db, mine, me)
             self._budget.give(nbytes)
         return pb.CacheBehindReply(queued=len(writes), not_in_page_cache=not_cached)
 

@@ -13,6 +13,11 @@ not fit is the overflow) or its ranks join, so that the first batches do not
 wait either; once an epoch's overflow is read, the next epoch's follows, so
 that a new epoch does not begin by waiting for the PFS.
 
+While the dataset's staging runs here nothing is prefetched: staging reads
+in the ranks' order itself, and a rank's read takes over what it needs now
+(:mod:`.claims`). What staging reserved is left to it, and a read or staging
+that needs a sample being prefetched waits for it.
+
 Every sample is read from the PFS once an epoch: what a rank asked for is
 not prefetched any more (a rank that got ahead of the reads had it read on
 demand), and a read of a sample still being prefetched waits for that read.
@@ -340,6 +345,7 @@ class OverflowPrefetcher:
                     self.budget.reserve(chunk.reserved, BUDGET_SHARE)
                     done = asyncio.get_running_loop().create_future()
                     state.reading.update(dict.fromkeys(chunk.ids.tolist(), done))
+                    self.pfs.claims.claim(job.entry.record.cache_db, chunk.ids.tolist(), chunk, started=True)
                     self.spawn(self._read(job, state, chunk, done), f"overflow-read-{job.job_id}-{epoch}")
         finally:
             if job.failed_epoch < 0:
@@ -390,6 +396,8 @@ class OverflowPrefetcher:
         lengths = job.entry.manifest.sample_length
         db = job.entry.record.cache_db
         most = int(self.budget.limit * BUDGET_SHARE)
+        if self.pfs.claims.staging(db):
+            return _NO_ROOM  # staging reads in the ranks' order itself; what it cannot fit comes after
         for _ in range(_WINDOWS_PER_TURN):
             if state.cursor >= len(ahead):
                 return None
@@ -401,6 +409,7 @@ class OverflowPrefetcher:
             ids = state.reads.ids[index]
             sizes = lengths[ids].astype(np.int64) + CHECKSUM_BYTES
             keep = ~state.asked[index] & ~self.store.cached_mask(db, ids) & (sizes <= most)
+            keep &= ~self.pfs.claims.reserved_mask(db, ids)  # staging reads those
             if state.deferring:
                 keep &= ~state.reads.arrived[index]
             if state.held or state.reading:
@@ -423,12 +432,15 @@ class OverflowPrefetcher:
         """Reads one chunk ahead into ``state``; what was read on demand meanwhile is dropped."""
         ids = chunk.ids
         kept = 0
+        values: dict[int, bytes] = {}
         try:
             try:
                 values, failures = await self.pfs.read_available(job.entry.record.name, job.entry.manifest, ids)
             except (DataquayError, OSError) as exc:
                 values, failures = {}, [str(exc)]
             finally:
+                self.pfs.claims.resolve(job.entry.record.cache_db, values, chunk)
+                self.pfs.claims.release(job.entry.record.cache_db, ids.tolist(), chunk)
                 self._in_flight.release()
                 for sample_id in ids.tolist():
                     state.reading.pop(sample_id, None)

@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import PfsRangeError, PfsReader, ReadRange, plan_reads
 from dataquay.client.wire.records import encode_value
 from dataquay.server.daemon_threads import DaemonThreadPool
+from dataquay.server.node.reads.claims import PfsClaims
 from dataquay.server.ratelimit import TokenBucket
 from dataquay.server.task_group import STAGING_NICENESS, idle_thread_priority, lower_thread_priority
 
@@ -55,6 +56,22 @@ class StagedRead(NamedTuple):
     values: dict[int, bytes]
     failures: list[str]
     read_bytes: int
+
+
+class RangeClaims(Protocol):
+    """A staging run's claims on what it reads (:mod:`.claims`), as its reads see them."""
+
+    def take(self, ranges: Sequence[ReadRange]) -> list[ReadRange]:
+        """On the loop, before a job is queued: the part of ``ranges`` the run claimed."""
+        ...
+
+    def narrow(self, read_range: ReadRange) -> list[ReadRange]:
+        """In the reading thread, just before the read: what of ``read_range`` is still the run's."""
+        ...
+
+    def done(self, values: dict[int, bytes]) -> None:
+        """In the reading thread: ``values`` are read (their waiters need not wait for the job)."""
+        ...
 
 
 class _Progress:
@@ -91,6 +108,8 @@ class PfsPool:
         self._readers: dict[str, PfsReader] = {}
         self.bytes_read = 0
         self.errors = 0
+        #: Who reads which sample now: each is read once however many want it.
+        self.claims = PfsClaims()
         # Seconds one planned range takes to read; starts pessimistic (a
         # network PFS) so that the first requests spread over the pool.
         self.range_seconds = 0.001
@@ -275,31 +294,47 @@ class PfsPool:
         return read.values, read.failures
 
     def _read_skipping(
-        self, reader: PfsReader, manifest: Manifest, ranges: Sequence[ReadRange], progress: _Progress
+        self,
+        reader: PfsReader,
+        manifest: Manifest,
+        ranges: Sequence[ReadRange],
+        progress: _Progress,
+        claims: RangeClaims | None = None,
     ) -> StagedRead:
-        """``_read_ranges_skipping`` with the bytes read from the PFS."""
+        """``_read_ranges_skipping`` with the bytes read from the PFS. With
+        ``claims``, only what is still claimed is read, and each range's
+        values are handed to their waiters as soon as it is read."""
         out: dict[int, bytes] = {}
         failures: list[str] = []
         nbytes = 0
-        for r in ranges:
-            try:
-                values, n = self._read_counted(reader, [r], progress)
-            except PfsRangeError:
-                for sample_id in r.ids.tolist():
-                    try:
-                        values, n = self._read_counted(reader, plan_reads(manifest, np.array([sample_id])), progress)
-                    except PfsReadError as exc:
-                        failures.append(str(exc))
-                        continue
-                    out.update(values)
+        for claimed in ranges:
+            for r in claims.narrow(claimed) if claims is not None else [claimed]:
+                got: dict[int, bytes] = {}
+                try:
+                    got, n = self._read_counted(reader, [r], progress)
                     nbytes += n
-                continue
-            out.update(values)
-            nbytes += n
+                except PfsRangeError:
+                    for sample_id in r.ids.tolist():
+                        one = plan_reads(manifest, np.array([sample_id]))
+                        try:
+                            values, n = self._read_counted(reader, one, progress)
+                        except PfsReadError as exc:
+                            failures.append(str(exc))
+                            continue
+                        got.update(values)
+                        nbytes += n
+                if claims is not None:
+                    claims.done(got)
+                out.update(got)
         return StagedRead(out, failures, nbytes)
 
     async def stream(
-        self, dataset: str, manifest: Manifest, ranges: Sequence[ReadRange], backlog: Callable[[], float]
+        self,
+        dataset: str,
+        manifest: Manifest,
+        ranges: Sequence[ReadRange],
+        backlog: Callable[[], float],
+        claims: RangeClaims | None = None,
     ) -> AsyncIterator[StagedRead]:
         """Reads ``ranges`` in order for staging, only as fast as they are consumed.
 
@@ -316,6 +351,10 @@ class PfsPool:
         the CPU (and the GIL) from the writer they feed. Once the consumer
         stops iterating, the jobs still queued are dropped and those running
         stop after their current range.
+
+        With ``claims`` (:class:`RangeClaims`), a job reads only what the run
+        claimed when it was queued and still holds when its thread gets to
+        it; a job left with nothing to read is not queued, nor yielded.
         """
         reader = self.reader(dataset, manifest)
         loop = asyncio.get_running_loop()
@@ -339,7 +378,13 @@ class PfsPool:
         try:
             for start in range(0, len(ranges), per_job):
                 job = ranges[start : start + per_job]
-                future = loop.run_in_executor(self._staging, self._read_skipping, reader, manifest, job, progress)
+                if claims is not None:
+                    job = claims.take(job)
+                    if not job:
+                        continue
+                future = loop.run_in_executor(
+                    self._staging, self._read_skipping, reader, manifest, job, progress, claims
+                )
                 pending.append((future, int(job[0].ids[0])))
                 while len(pending) >= window:
                     yield await next_job()

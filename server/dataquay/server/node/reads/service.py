@@ -24,7 +24,11 @@ they keep it, everyone else asks them. It is
 handed to the store's writer without waiting, so the reply never waits for an
 LMDB commit; a read meanwhile takes it from the writer's queue instead of
 the PFS. A cached value whose checksum fails is served from the PFS and
-rewritten (repaired) the same way.
+rewritten (repaired) the same way. A sample is read from the PFS once on a
+node however many want it at once (:mod:`.claims`): a read waits for one
+that staging or another read started, and takes over one staging has not
+started yet, so a job that reads while its staging runs costs the PFS each
+sample once.
 
 A reply is resolved a window at a time (:data:`WINDOW_BYTES` of payload
 asked for), the next window while the current one is sent, so that one call
@@ -66,6 +70,7 @@ from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.metrics import DaemonMetrics
 from dataquay.server.node.peers.bulk.client import Landing
 from dataquay.server.node.peers.reads import Peers
+from dataquay.server.node.reads.claims import wait_for
 from dataquay.server.node.reads.overflow import OverflowPrefetcher
 from dataquay.server.node.reads.pfs import PfsPool
 from dataquay.server.node.reads.prefetch import PREFETCHED_MODES, TransferPrefetcher
@@ -272,29 +277,67 @@ class ReadService:
                 fetched[sample_id] = (CACHE, memoryview(value)[CHECKSUM_BYTES:], stored_checksum(value))
             misses = _not_in(misses, fetched)
         if len(misses):
-            values = await self.pfs.read(entry.record.name, entry.manifest, misses)
-            keep = (
-                misses
-                if placement is None
-                else misses[
-                    (placement.owners[misses] == placement.node_index)
-                    | (placement.holders[misses] == placement.node_index)
-                ]
-            )
-            keep_set, repair, name = set(keep.tolist()), set(corrupt), db.encode()
-            for sample_id, value in values.items():
-                fetched[sample_id] = (PFS, memoryview(value)[CHECKSUM_BYTES:], stored_checksum(value))
-                if sample_id in keep_set:
-                    self.store.offer(
-                        PendingWrite(
-                            name,
-                            sample_id,
-                            value,
-                            sample_id in repair,
-                            leaves_room=placement is not None and placement.owners_move,
-                        )
-                    )
+            fetched.update(await self._from_pfs(entry, placement, misses, set(corrupt)))
         return Window(self._served(ids, index, cached, fetched), index)
+
+    async def _from_pfs(
+        self, entry: Registered, placement: Placement | None, misses: np.ndarray, repair: set[int]
+    ) -> dict[int, tuple[str, bytes | memoryview, int]]:
+        """``misses`` from the PFS, each read once on this node
+        (:mod:`.claims`): one that staging or another read is reading is
+        waited for, one staging has not started is read here and staging
+        skips it. What this node keeps for the job (every sample when the read
+        is for no job) is queued for the cache, before the claim ends, so
+        that whoever comes next finds it queued."""
+        db, claims, me = entry.record.cache_db, self.pfs.claims, object()
+        # Committed since the window looked (the caller looked at the queue last):
+        # the writer's thread commits a value before it leaves the queue.
+        committed, _ = self.store.get_many(db, misses.tolist())
+        out: dict[int, tuple[str, bytes | memoryview, int]] = {
+            i: (CACHE, *hit) for i, hit in zip(misses.tolist(), committed) if hit is not None
+        }
+        misses = _not_in(misses, out)
+        mine, theirs = claims.claim(db, misses.tolist(), me, started=True, steal=True)
+        try:
+            values = (
+                await self.pfs.read(entry.record.name, entry.manifest, np.array(mine, dtype=np.int64)) if mine else {}
+            )
+            claims.resolve(db, values, me)
+            got = await wait_for(theirs)
+            left = np.array([i for i in theirs if i not in got], dtype=np.int64)
+            if len(left):  # their reads failed: read, and report, here
+                values.update(await self.pfs.read(entry.record.name, entry.manifest, left))
+            self._offer(entry, placement, values, repair)
+        finally:
+            claims.release(db, mine, me)
+        values.update(got)
+        out.update({i: (PFS, memoryview(v)[CHECKSUM_BYTES:], stored_checksum(v)) for i, v in values.items()})
+        return out
+
+    def _offer(
+        self, entry: Registered, placement: Placement | None, values: dict[int, bytes], repair: set[int]
+    ) -> None:
+        """Queues for the cache the ``values`` read from the PFS that this node
+        keeps: in a job those it owns or holds, every one for no job."""
+        ids = np.fromiter(values, dtype=np.int64, count=len(values))
+        keep = (
+            ids
+            if placement is None
+            else ids[(placement.owners[ids] == placement.node_index) | (placement.holders[ids] == placement.node_index)]
+        )
+        name = entry.record.cache_db.encode()
+        staging = self.pfs.claims.staging(entry.record.cache_db)  # it skips what was read here
+        for sample_id in keep.tolist():
+            self.store.offer(
+                PendingWrite(
+                    name,
+                    sample_id,
+                    values[sample_id],
+                    sample_id in repair,
+                    leaves_room=placement is not None and placement.owners_move,
+                ),
+                past_bound=staging,
+            )
 
     def prefetch(self, job: jpb.Job, transfers: bool = True) -> None:
         """Starts prefetching for this node's ranks the overflow of ``job``
