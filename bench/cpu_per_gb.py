@@ -81,7 +81,7 @@ BATCH = 64
 PASSES = 4
 GB = 1e9
 TICKS = os.sysconf("SC_CLK_TCK")
-#: CPU seconds per GB of a path over its baseline: the issue's targets.
+#: CPU seconds per GB of a path over its baseline: the targets on the results page.
 TARGETS = {
     "peer_hit": ("raw_stream", 1.5),
     "exchange": ("raw_stream", 1.5),

@@ -25,7 +25,7 @@ windows as the generators saw them, and beats the directory counted (its
 /metrics); beat latency: send to answer, p50 and p99 over the windows. At
 the end ListNodes must show every simulated node UP, the node-set version
 must not have moved during the windows (no node went down and came back),
-and no call may have failed in them. The issue's target: under 10% of one
+and no call may have failed in them. The target: under 10% of one
 core.
 
 Baseline, same run, same load: a bare server in a process of its own (this

@@ -6,7 +6,7 @@ ranks of a node taking turns at being half as slow again, each reading two
 batches ahead as ``Dataset.batches`` does by default), a files dataset of
 ``--samples`` samples of 120 KiB, a ``partial`` job at ``--q`` staged with
 ``stage --job``, batches of 64. Each rank trains ``STEP_SECONDS`` per batch
-(the issue's rhythm: an epoch lasts several times the exchange) or not at all
+(a job's rhythm: an epoch lasts several times the exchange) or not at all
 (``step 0``). Caches per node, against the largest share S of any node (in
 cache bytes, :func:`~dataquay.server.planning.capacity.node_shares`):
 

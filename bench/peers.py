@@ -31,7 +31,7 @@ Measured in one run, on the same ids and batches:
 
 Rates are samples/s and payload GB/s (10^9 bytes); each is the median of REPEATS timed
 runs, the variants interleaved round by round. The ratios put the two peer
-variants against the baseline; the issue's target is >= 0.5. The daemons'
+variants against the baseline; the target is >= 0.5. The daemons'
 own Read latency (their /metrics histograms) over the peer-shm runs splits a
 batch's time between n1 (serving hop 1) and n0 (the whole batch, hop 1
 included); see docs/results.md.

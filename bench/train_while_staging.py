@@ -1,6 +1,6 @@
 """The first epoch against reading the PFS directly: staging first, or training while staging.
 
-    .venv/bin/python bench/train_while_staging.py             # the issue's scenario, 8,192 samples
+    .venv/bin/python bench/train_while_staging.py             # the results page's scenario, 8,192 samples
     .venv/bin/python bench/train_while_staging.py --samples 2048
 
 A loopback cluster of ``NODES`` nodes, one trainer rank each, mode ``local``,
