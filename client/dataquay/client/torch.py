@@ -16,7 +16,7 @@ from typing import Any
 try:
     import torch.utils.data
 except ImportError as exc:
-    raise ImportError("dataquay.client.torch needs PyTorch: pip install torch (or install dataquay with its [torch] extra)") from exc
+    raise ImportError("dataquay.client.torch needs PyTorch: pip install torch, or the [torch] extra") from exc
 
 from dataquay.client.coordinated import CoordinatedLoader
 from dataquay.client.dataset import Dataset

@@ -337,6 +337,5 @@ def run_demo(samples: int = 4000, epochs: int = 3, out: Path = Path("dataquay-de
     write_json(out / "demo.json", settings, rows)
     plotted = plot(rows, out / "demo.png")
     print(
-        f"Results in {out}/demo.json"
-        + (" and demo.png" if plotted else "; no plot (pip install matplotlib for one)")
+        f"Results in {out}/demo.json" + (" and demo.png" if plotted else "; no plot (pip install matplotlib for one)")
     )
