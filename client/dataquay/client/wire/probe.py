@@ -15,6 +15,8 @@ import time
 from dataquay.client.errors import DaemonUnavailableError
 from dataquay.client.wire.memfd import daemon_socket_of
 
+_HINT = "; is `dataquay serve` running there, and does DATAQUAY_ADDR name its socket?"
+
 #: Seconds a missing socket is given to appear (a daemon that is starting).
 SOCKET_APPEAR_S = 1.0
 
@@ -32,7 +34,7 @@ def probe_daemon_socket(address: str, timeout: float) -> None:
     end = time.monotonic() + min(SOCKET_APPEAR_S, timeout)
     while not os.path.exists(path):
         if time.monotonic() >= end:
-            raise DaemonUnavailableError(f"no dataquay daemon: no socket at {path}")
+            raise DaemonUnavailableError(f"no dataquay daemon: no socket at {path}" + _HINT)
         time.sleep(0.05)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(min(SOCKET_APPEAR_S, timeout))
@@ -40,4 +42,4 @@ def probe_daemon_socket(address: str, timeout: float) -> None:
             probe.connect(path)
         except OSError as exc:
             if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
-                raise DaemonUnavailableError(f"no dataquay daemon: connection refused at {path}") from None
+                raise DaemonUnavailableError(f"no dataquay daemon: connection refused at {path}" + _HINT) from None
