@@ -36,6 +36,7 @@ from dataquay.client.manifest import Manifest
 from dataquay.client.remote import RemoteReader
 from dataquay.client.stats import ClientStats, ReadStats
 from dataquay.client.wire.channels import batch_deadline, channel_options, daemon_address, directory_address
+from dataquay.client.wire.probe import probe_daemon_socket
 from dataquay.client.wire.status_codes import UNREACHABLE, error_from_rpc
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2_grpc
@@ -83,6 +84,7 @@ class Client:
     def __init__(self, address: str, *, timeout: float = CONNECT_TIMEOUT, verify: bool = True) -> None:
         self._setup(address, timeout, verify)
         try:
+            probe_daemon_socket(address, timeout)
             self._remote.info = self._connection.call(
                 "Info", lambda stub: stub.Info(pb.InfoRequest(), timeout=timeout, wait_for_ready=True)
             )
