@@ -16,13 +16,14 @@ from collections.abc import Callable, Sequence
 from dataquay.server import __version__
 from dataquay.server.cli import analyze, bench, cache, cluster, config, directory, node, simulate, slurm, token
 from dataquay.server.cli.common import CliError
+from dataquay.server.cli.parser import Parser
 from dataquay.server.errors import DataquayError
 
 COMMAND_GROUPS = (node, cache, directory, cluster, config, token, slurm, simulate, analyze, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dataquay", description="Stage training data next to the GPUs.")
+    parser = Parser(prog="dataquay", description="Stage training data next to the GPUs.")
     parser.add_argument("--version", action="version", version=f"dataquay {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in COMMAND_GROUPS:

@@ -1,0 +1,47 @@
+"""Usage errors name the command they belong to and what was probably meant."""
+
+from __future__ import annotations
+
+import pytest
+
+from dataquay.server.cli import main
+
+
+def usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as exited:
+        main(list(argv))
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return captured.err
+
+
+def test_a_mistyped_option_of_a_command_gets_that_commands_usage_and_the_option_meant(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    err = usage_error(capsys, "stage", "imgs", "--jbo", "run17")
+    assert err.startswith("usage: dataquay stage ")
+    assert err.rstrip().endswith("dataquay stage: error: unrecognized arguments: --jbo run17; did you mean --job?")
+
+
+def test_a_mistyped_option_two_commands_deep(capsys: pytest.CaptureFixture[str]) -> None:
+    err = usage_error(capsys, "cache", "evict", "--dry-rn")
+    assert err.startswith("usage: dataquay cache evict ")
+    assert "did you mean --dry-run?" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "meant"),
+    [(("stgae", "imgs"), "stage"), (("cache", "evcit"), "evict"), (("stage", "imgs", "--mode", "globl"), "global")],
+)
+def test_a_mistyped_command_or_choice_keeps_the_choices_and_names_the_closest(
+    capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], meant: str
+) -> None:
+    err = usage_error(capsys, *argv)
+    assert "invalid choice" in err and "(choose from" in err
+    assert err.rstrip().endswith(f"did you mean {meant}?")
+
+
+def test_nothing_close_suggests_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    err = usage_error(capsys, "stage", "imgs", "--zzzzzz")
+    assert "unrecognized arguments: --zzzzzz" in err and "did you mean" not in err
