@@ -125,7 +125,7 @@ def _default_text(f: Field[Any]) -> str:
     return text.replace("%", "%%")
 
 
-def _closest(word: str, known: Iterable[str]) -> str | None:
+def closest_name(word: str, known: Iterable[str]) -> str | None:
     """The known name a mistyped one most likely meant (``cache-size`` is
     ``cache_size``), or None when none is close."""
     known = list(known)
@@ -247,13 +247,13 @@ class ConfigFile:
                     f"{path}: {name} = {_toml_literal(table)} is outside a table; settings go under {tables}"
                 )
             if name not in sections:
-                meant = _closest(name, sections)
+                meant = closest_name(name, sections)
                 hint = f"; did you mean [{meant}]?" if meant else f"; expected {tables}"
                 raise ConfigError(f"{path}: unknown table [{name}]{hint}")
             known = [f.name for f in fields(sections[name])]
             for key in table:
                 if key not in known:
-                    meant = _closest(key, known)
+                    meant = closest_name(key, known)
                     hint = f"; did you mean {meant}?" if meant else ""
                     raise ConfigError(f"{path}: unknown key {key} in [{name}]{hint}")
         return cls(path, origin, document)

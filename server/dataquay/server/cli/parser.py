@@ -11,9 +11,10 @@ its own usage line and the closest option, command or choice.
 from __future__ import annotations
 
 import argparse
-import difflib
 from collections.abc import Sequence
 from typing import NoReturn
+
+from dataquay.server.config import closest_name
 
 
 class Parser(argparse.ArgumentParser):
@@ -44,5 +45,5 @@ class Parser(argparse.ArgumentParser):
                 known.extend(str(choice) for choice in action.choices or ())
             else:
                 known.extend(action.option_strings)
-        match = difflib.get_close_matches(typed.split("=", 1)[0], known, n=1, cutoff=0.6)
-        return f"; did you mean {match[0]}?" if match else ""
+        meant = closest_name(typed.split("=", 1)[0], known)
+        return f"; did you mean {meant}?" if meant else ""
