@@ -45,3 +45,32 @@ def test_a_mistyped_command_or_choice_keeps_the_choices_and_names_the_closest(
 def test_nothing_close_suggests_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     err = usage_error(capsys, "stage", "imgs", "--zzzzzz")
     assert "unrecognized arguments: --zzzzzz" in err and "did you mean" not in err
+
+
+def test_every_setting_of_serve_and_directory_is_under_a_heading_of_its_help() -> None:
+    from dataclasses import fields
+
+    from dataquay.server.config import OPTION_GROUPS, DaemonConfig, DirectoryConfig
+
+    grouped = [name for _, names in OPTION_GROUPS for name in names]
+    assert len(grouped) == len(set(grouped))
+    for service in (DaemonConfig, DirectoryConfig):
+        assert {f.name for f in fields(service)} <= set(grouped), service.__name__
+
+
+def test_serve_help_shows_its_headings(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    headings = [line for line in help_text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert headings[1:] == [
+        "where it listens:",
+        "the cache:",
+        "the PFS:",
+        "users of the node:",
+        "the cluster:",
+        "jobs and the exchange:",
+        "healing and spare copies:",
+        "security:",
+        "metrics and logs:",
+    ]

@@ -259,6 +259,23 @@ class ConfigFile:
         return cls(path, origin, document)
 
 
+#: The headings of a service's ``--help``, each over the settings it names.
+OPTION_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("where it listens", ("socket", "socket_group", "listen", "bulk_listen", "http_host", "http_port", "ready_file")),
+    ("the cache", ("cache_dir", "cache_size", "evict_min_age", "cache_quotas", "state_dir", "prefetch_memory")),
+    ("the PFS", ("dataset_roots", "max_sample_size", "pfs_threads", "pfs_bandwidth", "pfs_read_timeout")),
+    ("users of the node", ("users", "shared_datasets", "prep_groups_per_user", "max_batch")),
+    (
+        "the cluster",
+        ("node_name", "directory", "peer_timeout", "max_calls_per_peer", "store", "lease_seconds", "heartbeat_seconds"),
+    ),
+    ("jobs and the exchange", ("job_ttl", "exchange_bandwidth", "exchange_multicast", "exchange_multicast_interface")),
+    ("healing and spare copies", ("heal_after", "heal_bandwidth", "spare_copies_fill")),
+    ("security", ("token_file", "node_token_file", "tls_cert", "tls_key", "tls_ca")),
+    ("metrics and logs", ("metrics_host", "metrics_port", "log_level", "log_format")),
+)
+
+
 @dataclass(frozen=True)
 class FlagConfig:
     """Flags, environment variables and a config file table for the fields of
@@ -270,12 +287,18 @@ class FlagConfig:
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Adds one flag per field and --config; unset flags stay None so the
-        environment and the file can fill them."""
+        """Adds one flag per field, under its heading in ``--help``, and
+        --config; unset flags stay None so the environment and the file can
+        fill them."""
+        headings = {name: heading for heading, names in OPTION_GROUPS for name in names}
+        groups: dict[str, argparse._ArgumentGroup] = {}
+        for heading, _ in OPTION_GROUPS:
+            if any(headings.get(f.name) == heading for f in fields(cls)):
+                groups[heading] = parser.add_argument_group(heading)
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
             env = cls.env_prefix + f.name.upper()
-            parser.add_argument(
+            groups.get(headings.get(f.name, ""), parser).add_argument(
                 flag,
                 dest=f.name,
                 default=None,
