@@ -342,6 +342,7 @@ class Stager:
             self.pfs.claims.reserve(db, claims, ids[~cached], manifest.num_samples)
             ranges = staging_ranges(manifest, ids[~cached], position)
             name = db.encode()
+            taken: list[int] = []
             async for read in self.pfs.stream(dataset, manifest, ranges, self.store.backlog, claims):
                 progress.failed(read.failures)
                 await self.store.put_many(
@@ -350,12 +351,16 @@ class Stager:
                 claims.release(claims.jobs.popleft())
                 staged = np.fromiter(read.values, dtype=np.int64, count=len(read.values))
                 progress.staged(len(staged), int(manifest.sample_length[staged].sum()), read.read_bytes)
-                self._found_elsewhere(progress, manifest, claims)
+                taken += self._found_elsewhere(progress, manifest, claims)
                 if self._full(leave_room):
                     progress.cache_full = True
                     break
-            self._found_elsewhere(progress, manifest, claims)
+            taken += self._found_elsewhere(progress, manifest, claims)
             await self.store.flush()
+            if taken and not self._full(leave_room):
+                await self._read_what_others_left(
+                    dataset, db, np.array(taken, dtype=np.int64), position, progress, leave_room
+                )
             write_failed = self.store.write_errors > write_errors
             cached = await self._cached_mask(db, ids)
             progress.recount(int(cached.sum()), int(manifest.sample_length[ids[cached]].sum()))
@@ -398,12 +403,38 @@ class Stager:
             self._done[dataset].set()
 
     @staticmethod
-    def _found_elsewhere(progress: StagingProgress, manifest: Manifest, claims: _RunClaims) -> None:
+    def _found_elsewhere(progress: StagingProgress, manifest: Manifest, claims: _RunClaims) -> list[int]:
         """Counts as done what the run skipped because others read it (a rank's
-        miss, caching behind a trainer) or it was cached meanwhile."""
+        miss, caching behind a trainer) or it was cached meanwhile; returns their ids."""
         ids = np.fromiter(set(claims.found_elsewhere()), dtype=np.int64)
         if len(ids):
             progress.found_cached(len(ids), int(manifest.sample_length[ids].sum()))
+        return ids.tolist()
+
+    async def _read_what_others_left(
+        self,
+        dataset: str,
+        db: str,
+        taken: np.ndarray,
+        position: np.ndarray,
+        progress: StagingProgress,
+        leave_room: bool,
+    ) -> None:
+        """Reads the samples another reader took over from the run but did not
+        cache (its read failed, or the cache refused its write), so that a run
+        that ends well leaves every sample cached."""
+        manifest = self.registry.get(dataset).manifest
+        left = taken[~(await self._cached_mask(db, taken))]
+        if not len(left):
+            return
+        name = db.encode()
+        async for read in self.pfs.stream(
+            dataset, manifest, staging_ranges(manifest, left, position), self.store.backlog
+        ):
+            progress.failed(read.failures)
+            await self.store.put_many([PendingWrite(name, i, v) for i, v in read.values.items()])
+            progress.staged(0, 0, read.read_bytes)  # done counts come from the recount
+        await self.store.flush()
 
     async def _cached_mask(self, db: str, ids: np.ndarray, step: int = 65536) -> np.ndarray:
         """Which ids are cached, checked in slices so the loop keeps serving."""
