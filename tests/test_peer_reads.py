@@ -232,5 +232,8 @@ def test_a_partial_job_serves_the_right_bytes_after_owners_move(
     stubs[0].ReportEpoch(jpb.ReportEpochRequest(job_id="p1", epoch=1))
     samples = read(stubs[0], list(range(N)), job="p1")
     assert [s.data for s in samples] == payloads
-    kept = (owners(plan, 0) == 0) & (owners(plan, 1) == 0)
-    assert all(s.tier == pb.TIER_CACHE for s in samples if kept[s.id])
+    # No rank reports read positions here, so the exchange into epoch 2, which
+    # starts as the node enters epoch 1, may already have given away what
+    # leaves in epoch 2: only what stays through epoch 2 is sure to be cached.
+    kept = (owners(plan, 0) == 0) & (owners(plan, 1) == 0) & (owners(plan, 2) == 0)
+    assert kept.any() and all(s.tier == pb.TIER_CACHE for s in samples if kept[s.id])
