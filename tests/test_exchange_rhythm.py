@@ -71,7 +71,8 @@ class Rhythm(NamedTuple):
     wait: float = 0.0  #: seconds set_epoch may wait for the exchange (Dataset.sampler(wait_for_exchange=...))
 
     def __str__(self) -> str:
-        return f"q{self.q}-cache{self.cache}x-step{self.seconds}-ahead{self.read_ahead}-epochs{self.epochs}-wait{self.wait}"
+        pace = f"step{self.seconds}-ahead{self.read_ahead}"
+        return f"q{self.q}-cache{self.cache}x-{pace}-epochs{self.epochs}-wait{self.wait}"
 
 
 def payload(i: int) -> bytes:
