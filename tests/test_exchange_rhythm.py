@@ -16,6 +16,7 @@ import json
 import os
 import re
 import subprocess
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -67,9 +68,11 @@ class Rhythm(NamedTuple):
     seconds: float = SECONDS_PER_BATCH  #: the training step per batch
     read_ahead: int = 2  #: batches each rank reads ahead
     epochs: int = 4
+    wait: float = 0.0  #: seconds set_epoch may wait for the exchange (Dataset.sampler(wait_for_exchange=...))
 
     def __str__(self) -> str:
-        return f"q{self.q}-cache{self.cache}x-step{self.seconds}-ahead{self.read_ahead}-epochs{self.epochs}"
+        pace = f"step{self.seconds}-ahead{self.read_ahead}"
+        return f"q{self.q}-cache{self.cache}x-{pace}-epochs{self.epochs}-wait{self.wait}"
 
 
 def payload(i: int) -> bytes:
@@ -116,6 +119,52 @@ def test_ten_epochs_read_locally_at_every_q_cache_and_pace(
     cluster: Callable[..., LocalCluster], tmp_path: Path, rhythm: Rhythm
 ) -> None:
     check_locality(cluster, tmp_path, rhythm)
+
+
+#: A job with no training step: its ranks read their share faster than the exchange brings it.
+NO_STEP = Rhythm(q=1.0, cache=ADVISED, seconds=0.0)
+
+
+def test_ranks_with_no_step_that_wait_for_the_exchange_read_every_epoch_from_their_own_node(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    local, tiers_by_epoch = run_job(cluster, tmp_path, NO_STEP._replace(wait=60.0))
+    for epoch, tiers in enumerate(tiers_by_epoch):
+        assert tiers["local"] + tiers["cache"] >= 0.99 * sum(tiers.values()), (epoch, tiers_by_epoch)
+        assert tiers["fallback"] == 0, (epoch, tiers_by_epoch)
+    # The cost shows: the ranks' own count and their daemons' both.
+    waits = exchange_waits(tmp_path)
+    assert sum(map(sum, waits)) > 0, waits
+    held = [metric(local, node, "dataquay_exchange_wait_seconds_total") for node in range(NODES)]
+    assert sum(held) > 0, held
+    assert [metric(local, node, "dataquay_exchange_wait_timeouts_total") for node in range(NODES)] == [0] * NODES
+
+
+def test_ranks_with_no_step_that_do_not_wait_read_part_of_an_epoch_from_peers(
+    cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    local, tiers_by_epoch = run_job(cluster, tmp_path, NO_STEP)
+    own = [(t["local"] + t["cache"]) / sum(t.values()) for t in tiers_by_epoch]
+    assert min(own[1:]) < 0.99, (own, tiers_by_epoch)
+    assert sum(map(sum, exchange_waits(tmp_path))) == 0
+    assert sum(metric(local, node, "dataquay_exchange_wait_seconds_total") for node in range(NODES)) == 0
+
+
+def exchange_waits(tmp_path: Path) -> list[list[float]]:
+    """Per epoch, the seconds each rank's set_epoch waited for the exchange."""
+    lines = [
+        [json.loads(line)["exchange_wait"] for line in (tmp_path / f"rank-{r}.out").read_text().splitlines()]
+        for r in range(NODES * RANKS_PER_NODE)
+    ]
+    return [list(epoch) for epoch in zip(*lines)]
+
+
+def metric(local: LocalCluster, node: int, name: str) -> float:
+    """One unlabelled metric of a daemon, as its metrics endpoint exports it."""
+    text = urllib.request.urlopen(local.daemons[node].metrics_url, timeout=30).read().decode()
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert found is not None, name
+    return float(found[1])
 
 
 def test_a_cache_short_of_its_share_misses_what_simulate_predicts_every_epoch(
@@ -200,7 +249,7 @@ def run_ranks(local: LocalCluster, tmp_path: Path, rhythm: Rhythm) -> list[dict[
     try:
         procs = [
             subprocess.Popen(
-                free_rank.command("imgs", rhythm.epochs, BATCH, rhythm.seconds, rhythm.read_ahead),
+                free_rank.command("imgs", rhythm.epochs, BATCH, rhythm.seconds, rhythm.read_ahead, rhythm.wait),
                 env={**os.environ, **local.rank_env(rank, RANKS_PER_NODE, JOB)},
                 stdout=out,
                 stderr=log,

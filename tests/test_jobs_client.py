@@ -99,7 +99,7 @@ class FakeClient:
         out.CopyFrom(self.job)
         return out
 
-    def report_epoch(self, job_id: str, epoch: int, rank: int | None = None) -> None:
+    def report_epoch(self, job_id: str, epoch: int, rank: int | None = None, wait_seconds: float = 0.0) -> None:
         self.reported.append((job_id, epoch))
         self.reported_ranks.append(rank)
 

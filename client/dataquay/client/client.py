@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -238,7 +239,7 @@ class Client:
                 channel.close()
         raise AssertionError("no directory replica was asked")
 
-    def report_epoch(self, job_id: str, epoch: int, rank: int | None = None) -> None:
+    def report_epoch(self, job_id: str, epoch: int, rank: int | None = None, wait_seconds: float = 0.0) -> None:
         """Tells the job, through the daemon, that this rank entered ``epoch``
         (and the daemon which ``rank`` it is, when given: what the node gives
         away then stays until that rank has read it).
@@ -247,6 +248,9 @@ class Client:
         but training must not stop because the directory is unreachable, so
         a failure is logged at debug level and otherwise ignored; all but an
         epoch the job refuses as too far ahead, which is this rank's mistake.
+        With ``wait_seconds`` the daemon holds the call, at most that long,
+        until the exchange into ``epoch`` has brought its node every sample
+        it takes in; the time held counts in ``stats().exchange_wait_seconds``.
 
         Raises:
             EpochTooFarError: see :func:`~dataquay.client.jobs.check_epoch_ahead`.
@@ -254,13 +258,19 @@ class Client:
         if self._remote.daemon_down:
             return
         self.report_stats()
-        request = jpb.ReportEpochRequest(job_id=job_id, epoch=epoch, rank=rank)
+        request = jpb.ReportEpochRequest(job_id=job_id, epoch=epoch, rank=rank, wait_exchange_seconds=wait_seconds)
+        started = time.monotonic()
         try:
-            self._connection.call("ReportEpoch", lambda stub: stub.ReportEpoch(request, timeout=self.timeout))
+            self._connection.call(
+                "ReportEpoch", lambda stub: stub.ReportEpoch(request, timeout=self.timeout + wait_seconds)
+            )
         except EpochTooFarError:
             raise
         except DataquayError as exc:
             log.debug("epoch %d of job %r not reported: %s", epoch, job_id, exc)
+        finally:
+            if wait_seconds > 0:
+                self._stats.exchange_waited(time.monotonic() - started)
 
     def report_position(self, job_id: str, epoch: int, rank: int, position: int, done: bool) -> None:
         """Notes how far rank ``rank`` read ``epoch``; sent with the next

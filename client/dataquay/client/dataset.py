@@ -258,6 +258,7 @@ class Dataset(Sequence[bytes]):
         rank: int | None = None,
         world_size: int | None = None,
         shuffle: bool = True,
+        wait_for_exchange: float = 0.0,
     ) -> Sampler:
         """The ids this rank reads, epoch by epoch.
 
@@ -296,6 +297,10 @@ class Dataset(Sequence[bytes]):
             rank: this process's rank; default from the environment (RANK, ...).
             world_size: ranks in the job; default from the environment.
             shuffle: False reads ids in order (evaluation; no job).
+            wait_for_exchange: seconds each ``set_epoch`` may wait for the
+                exchange into its epoch (:class:`JobSampler`; 0: never).
+                For jobs that train little or not at all between batches;
+                :meth:`batches` then reads no batch of the next epoch ahead.
 
         Raises:
             ValueError: job settings without a job, ``shuffle=False`` with one,
@@ -319,8 +324,9 @@ class Dataset(Sequence[bytes]):
             spec = job_spec(
                 job_id, self._name, seed=seed, drop_last=drop_last, ranks_per_node=env.local_world_size(), **cluster
             )
-            return self._join(spec, rank, world_size)
+            return self._join(spec, rank, world_size, wait_for_exchange)
         named = [name for name, value in cluster.items() if value is not None]
+        named += ["wait_for_exchange"] if wait_for_exchange else []
         if named:
             raise ValueError(f"{', '.join(named)} apply to cluster jobs: pass job= or set DATAQUAY_JOB")
         return Sampler(
@@ -410,7 +416,10 @@ class Dataset(Sequence[bytes]):
         ahead = None
         if read_ahead:
             upcoming = Upcoming(sampler, epoch + 1, batch_size, read_ahead, self._reader(sampler, epoch + 1))
-            ahead = ReadAhead(read, self._stats, chunks, read_ahead, carried=carried, then=upcoming)
+            # A sampler that waits for the exchange at set_epoch would read
+            # the next epoch's first batches before their arrivals otherwise.
+            waits = isinstance(sampler, JobSampler) and sampler.wait_for_exchange > 0
+            ahead = ReadAhead(read, self._stats, chunks, read_ahead, carried=carried, then=None if waits else upcoming)
         started, waited = time.perf_counter(), self._stats.data_wait_seconds
         carrying = False
         try:
@@ -443,7 +452,9 @@ class Dataset(Sequence[bytes]):
             return lambda ids: self._fetch(ids, epoch)
         return self._fetch
 
-    def _join(self, spec: jpb.JobSpec, rank: int | None, world_size: int | None) -> JobSampler:
+    def _join(
+        self, spec: jpb.JobSpec, rank: int | None, world_size: int | None, wait_for_exchange: float = 0.0
+    ) -> JobSampler:
         """Joins the job of ``spec`` as this rank and binds the dataset's reads to it."""
         if self._job not in (None, spec.job_id):
             raise ValueError(
@@ -455,7 +466,12 @@ class Dataset(Sequence[bytes]):
         world_size = where.world_size if world_size is None else world_size
         joined = join(self._client, spec, world_size)
         sampler = JobSampler(
-            joined, job_plan(joined, self._manifest), rank=rank, world_size=world_size, reporter=self._client
+            joined,
+            job_plan(joined, self._manifest),
+            rank=rank,
+            world_size=world_size,
+            reporter=self._client,
+            wait_for_exchange=wait_for_exchange,
         )
         self._job = spec.job_id
         batch_size = sampler.plan.settings.batch_size

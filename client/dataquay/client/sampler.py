@@ -278,7 +278,7 @@ class EpochReporter(Protocol):
     """Whoever tells a job which epoch its ranks are in, and how far they read
     (a :class:`~dataquay.client.Client`)."""
 
-    def report_epoch(self, job_id: str, epoch: int, rank: int | None = None) -> None: ...
+    def report_epoch(self, job_id: str, epoch: int, rank: int | None = None, wait_seconds: float = 0.0) -> None: ...
 
     def report_position(self, job_id: str, epoch: int, rank: int, position: int, done: bool) -> None: ...
 
@@ -301,14 +301,37 @@ class JobSampler(Sampler):
         rank: this process's rank in the job.
         world_size: ranks this process was started with; must be the job's.
         reporter: reports each epoch (best effort); None reports nothing.
+        wait_for_exchange: seconds :meth:`set_epoch` may wait, in a job whose
+            owners move, until the exchange into the epoch has brought this
+            rank's node every sample it takes in (0: never waits). By
+            default nothing waits on the exchange, and a rank that gets to
+            an epoch first reads what has not arrived from its previous
+            owner. A job that trains little or not at all between batches
+            (I/O-bound, a loading benchmark) outruns the exchange and reads
+            much of each epoch from peers; with a wait it reads each epoch
+            from its own node, and pays for it in the time the exchange
+            still needed at each epoch boundary
+            (``Client.stats().exchange_wait_seconds``; the daemon's
+            ``dataquay_exchange_wait_seconds``). A wait that runs out
+            (a sender down, a failed exchange) is logged by the daemon and
+            the rank reads on as without one. A job with a training step
+            longer than its exchange gains nothing from it.
 
     Raises:
         ValueError: ``world_size`` is not the job's nodes times ranks per
-            node, or ``rank`` is outside the job's world.
+            node, ``rank`` is outside the job's world, or
+            ``wait_for_exchange`` is negative.
     """
 
     def __init__(
-        self, job: jpb.Job, plan: JobPlan, *, rank: int, world_size: int, reporter: EpochReporter | None = None
+        self,
+        job: jpb.Job,
+        plan: JobPlan,
+        *,
+        rank: int,
+        world_size: int,
+        reporter: EpochReporter | None = None,
+        wait_for_exchange: float = 0.0,
     ) -> None:
         world = (
             f"{plan.world_size} = {plan.num_nodes} nodes x {plan.settings.ranks_per_node} ranks per node "
@@ -318,6 +341,8 @@ class JobSampler(Sampler):
             raise ValueError(f"world size {world_size} does not match the job's {world}; start that many ranks")
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank {rank} is outside the world: world size {world}")
+        if not wait_for_exchange >= 0:
+            raise ValueError(f"wait_for_exchange must be 0 or more seconds, not {wait_for_exchange!r}")
         super().__init__(
             plan.num_samples,
             rank=rank,
@@ -330,6 +355,7 @@ class JobSampler(Sampler):
         #: The node (0..M-1) this rank runs on, as the job places it.
         self.node = node_of_rank(plan, rank)
         self._reporter = reporter
+        self.wait_for_exchange = float(wait_for_exchange)
         self._position_reported = 0
         # The last (epoch, owners) computed, where owners move: the next
         # epoch's then take one exchange step instead of a replay from epoch 0.
@@ -369,7 +395,7 @@ class JobSampler(Sampler):
         settings = self.plan.settings
         check_epoch_ahead(self.job_id, settings.mode, epoch, max(self.job.epoch, self.epoch))
         if self._reporter is not None:
-            self._reporter.report_epoch(self.job_id, epoch, self.rank)
+            self._reporter.report_epoch(self.job_id, epoch, self.rank, self.wait_for_exchange)
         super().set_epoch(epoch)
 
     def _identity(self) -> dict[str, int | str]:

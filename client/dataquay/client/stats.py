@@ -58,6 +58,9 @@ class ClientStats:
     skipped: int = 0
     #: Reads of a sample an adapter tried again after it failed (``on_error="retry"``).
     retried: int = 0
+    #: Seconds ``set_epoch`` waited for the exchange into its epoch
+    #: (``Dataset.sampler(wait_for_exchange=...)``).
+    exchange_wait_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ class ReadStats:
         self._wait = 0.0
         self._skipped = 0
         self._retried = 0
+        self._exchange_wait = 0.0
         self._epochs: collections.deque[EpochWait] = collections.deque(maxlen=EPOCHS_KEPT)
         self._positions: dict[tuple[str, int], tuple[int, int]] = {}  # (job, rank) -> (epoch, position)
         self._thread = threading.local()
@@ -185,6 +189,11 @@ class ReadStats:
         """Counts time a reader of batches read ahead waited for one."""
         self.add(LOCAL, 0, 0, seconds)
 
+    def exchange_waited(self, seconds: float) -> None:
+        """Counts time ``set_epoch`` waited for the exchange into its epoch."""
+        with self._lock:
+            self._exchange_wait += seconds
+
     def epoch_read(self, record: EpochWait) -> None:
         """Remembers one pass of ``Dataset.batches`` (the last EPOCHS_KEPT)."""
         self._epochs.append(record)
@@ -200,7 +209,7 @@ class ReadStats:
         values; in the process that made them, its forked children's added."""
         with self._lock:
             samples, nbytes, wait = dict(self._samples), dict(self._bytes), self._wait
-            skipped, retried = self._skipped, self._retried
+            skipped, retried, exchange_wait = self._skipped, self._retried, self._exchange_wait
         if self._family.in_owner:
             family = self._family.totals()
             tiers = len(CLIENT_TIERS)
@@ -210,7 +219,16 @@ class ReadStats:
             wait += float(family[_WAIT])
             skipped += int(family[_SKIPPED])
             retried += int(family[_RETRIED])
-        return ClientStats(samples, nbytes, wait, corrupt_local, tuple(self._epochs), skipped=skipped, retried=retried)
+        return ClientStats(
+            samples,
+            nbytes,
+            wait,
+            corrupt_local,
+            tuple(self._epochs),
+            skipped=skipped,
+            retried=retried,
+            exchange_wait_seconds=exchange_wait,
+        )
 
     def note_position(self, job_id: str, epoch: int, rank: int, position: int) -> bool:
         """Keeps a rank's read position for the next report; True when one is

@@ -131,13 +131,15 @@ class DropJobReply(_message.Message):
     def __init__(self) -> None: ...
 
 class ReportEpochRequest(_message.Message):
-    __slots__ = ("job_id", "epoch", "node", "rank")
+    __slots__ = ("job_id", "epoch", "node", "rank", "wait_exchange_seconds")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    WAIT_EXCHANGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     node: str
     rank: int
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+    wait_exchange_seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., wait_exchange_seconds: _Optional[float] = ...) -> None: ...

@@ -312,6 +312,15 @@ def _exchange_metrics(state: LiveState) -> Iterator[Metric]:
         "(their new owners read them from the PFS)",
         value=state.exchange_given_up,
     )
+    waited, timed_out = state.exchange_waits
+    yield CounterMetricFamily(
+        "dataquay_exchange_wait_seconds",
+        "Seconds ranks that asked to were held at their epoch boundary until the exchange into it was in",
+        value=waited,
+    )
+    yield CounterMetricFamily(
+        "dataquay_exchange_wait_timeouts", "Such waits whose deadline passed first (the rank read on)", value=timed_out
+    )
     samples, nbytes = state.exchange_received
     yield CounterMetricFamily(
         "dataquay_exchange_received_samples", "Samples committed from other nodes' exchanges", value=samples

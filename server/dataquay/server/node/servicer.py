@@ -303,6 +303,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         # The exchange starts from this node's copy of the job: the directory
         # may be down, and is told when it answers.
         async with status_on_error(context):
+            if self.exchanges is not None and request.wait_exchange_seconds > 0:
+                # Before the exchange into the next epoch starts: it would take
+                # the room this one's arrivals need.
+                await self.exchanges.arrivals.wait(request.job_id, request.epoch, request.wait_exchange_seconds)
             job = await self._link().enter_epoch(request.job_id, request.epoch)
             if self.exchanges is not None:
                 self.exchanges.epoch_started(request.job_id, request.epoch)

@@ -147,6 +147,8 @@ class LiveState:
     #: Coded passes' multicast datagrams (and packets) dropped, by reason.
     mcast_dropped: dict[str, int] = field(default_factory=dict)
     multicast_note: str = ""
+    #: Ranks held at their epoch boundary for the exchange: (seconds, waits that ran out).
+    exchange_waits: tuple[float, int] = (0.0, 0)
     #: Values the admission rule kept out of the cache, by reason (node/cache/admission.py).
     values_refused: dict[str, int] = field(default_factory=dict)
     #: Each dataset version the cache holds: bytes, last use, whom it is charged to, who pins it.
@@ -221,6 +223,7 @@ class NodeState:
             else (),
             exchange_sent=(exchanges.sent_samples, exchanges.sent_bytes) if exchanges else (0, 0),
             exchange_given_up=exchanges.given_up_samples if exchanges else 0,
+            exchange_waits=(exchanges.arrivals.waited_seconds, exchanges.arrivals.timed_out) if exchanges else (0.0, 0),
             exchange_received=(receiver.received_samples, receiver.received_bytes) if receiver else (0, 0),
             values_refused=refused_values(receiver.refused if receiver else {}, self.peers.refused_lengths),
             previous_owner_samples=reads.previous_owner_samples,

@@ -2,8 +2,10 @@
 
 The receiver must never acknowledge a sample as held while the sender deletes
 it, the sender must keep what was offered to this node for an epoch to come,
-a full receiver asks the sender to give up samples to make room, and an offer
-waits for the coded pass into its epoch. Both sides get this broker when they
+a full receiver asks the sender to give up samples to make room, an offer
+waits for the coded pass into its epoch, and an offer into a later epoch
+waits while this node's ranks wait for the exchange into an earlier one (it
+would take the room their arrivals need). Both sides get this broker when they
 are built; neither reaches into the other.
 """
 
@@ -27,6 +29,9 @@ class ExchangeBroker:
         self._offered: dict[str, int] = {}
         self._room_makers: list[MakeRoom] = []
         self._coded: dict[tuple[str, int], asyncio.Event] = {}
+        #: (job, epoch) of each rank here waiting for the exchange into that epoch.
+        self._ranks_wait: list[tuple[str, int]] = []
+        self._wait_ended = asyncio.Event()
 
     def offered(self, job: str, epoch: int) -> None:
         """An offer for ``epoch`` of ``job`` came in; call under :attr:`holding`."""
@@ -65,3 +70,19 @@ class ExchangeBroker:
         over = self._coded.get((job, epoch))
         if over is not None:
             await over.wait()
+
+    @contextmanager
+    def ranks_wait(self, job: str, epoch: int) -> Iterator[None]:
+        """Marks a rank here waiting for the exchange into ``epoch`` of ``job`` while the block runs."""
+        self._ranks_wait.append((job, epoch))
+        try:
+            yield
+        finally:
+            self._ranks_wait.remove((job, epoch))
+            ended, self._wait_ended = self._wait_ended, asyncio.Event()
+            ended.set()
+
+    async def ranks_waits_before(self, job: str, epoch: int) -> None:
+        """Waits while a rank here waits for the exchange into an epoch of ``job`` before ``epoch``."""
+        while any(j == job and e < epoch for j, e in self._ranks_wait):
+            await self._wait_ended.wait()

@@ -142,6 +142,7 @@ class ExchangeReceiver:
         db, sizes = entry.record.cache_db, entry.manifest.sample_length
         # What the pass decodes would otherwise be sent again, uncommitted when this offer asks.
         await self.broker.coded_pass_over(offer.job, int(offer.epoch))
+        await self.broker.ranks_waits_before(offer.job, int(offer.epoch))
         # Ids the sender does not give are refused as their values come, and count for nothing here.
         given = offered[gives(offered, origin)]
         async with self.broker.holding:

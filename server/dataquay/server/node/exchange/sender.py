@@ -61,6 +61,7 @@ from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cluster.directory_link import DirectoryLink
 from dataquay.server.node.cluster.placements import Placement, Placements
 from dataquay.server.node.datasets import Datasets
+from dataquay.server.node.exchange.arrivals import ArrivalWaits
 from dataquay.server.node.exchange.broker import ExchangeBroker
 from dataquay.server.node.exchange.coded import SNAPSHOT_SECONDS, CodedProgress, PassTransport, coded_pass, linger
 from dataquay.server.node.exchange.mcast import Channel, MulticastEndpoint, no_multicast
@@ -189,6 +190,8 @@ class Exchanges:
         self.streams = ExchangeStreams(node_name, store, link, peers, self.positions, self.news, bandwidth)
         #: Samples deleted before they were shipped, to break a wait for room (see make_room).
         self.given_up_samples = 0
+        #: Ranks that asked to wait for the exchange into their epoch (``ReportEpoch``).
+        self.arrivals = ArrivalWaits(store, datasets, placements, link, broker)
         #: Given-away samples deleted here, and their count at the last call of make_room.
         self.dropped_samples = 0
         self._dropped_seen = -1
