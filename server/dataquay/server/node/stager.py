@@ -420,21 +420,29 @@ class Stager:
         progress: StagingProgress,
         leave_room: bool,
     ) -> None:
-        """Reads the samples another reader took over from the run but did not
-        cache (its read failed, or the cache refused its write), so that a run
-        that ends well leaves every sample cached."""
+        """Reads the samples another reader took over from the run and then
+        left uncached (its read failed, or the cache refused its write), so
+        that a run that ends well leaves every sample cached. One still being
+        read or queued by its taker is its taker's to cache."""
         manifest = self.registry.get(dataset).manifest
         left = taken[~(await self._cached_mask(db, taken))]
-        if not len(left):
+        queued = self.store.queued_values(db, left.tolist())
+        claims, me = self.pfs.claims, object()
+        mine, _ = claims.claim(db, [i for i in left.tolist() if i not in queued], me, started=True)
+        if not mine:
             return
         name = db.encode()
-        async for read in self.pfs.stream(
-            dataset, manifest, staging_ranges(manifest, left, position), self.store.backlog
-        ):
-            progress.failed(read.failures)
-            await self.store.put_many([PendingWrite(name, i, v) for i, v in read.values.items()])
-            progress.staged(0, 0, read.read_bytes)  # done counts come from the recount
-        await self.store.flush()
+        try:
+            ranges = staging_ranges(manifest, np.array(mine, dtype=np.int64), position)
+            async for read in self.pfs.stream(dataset, manifest, ranges, self.store.backlog):
+                progress.failed(read.failures)
+                await self.store.put_many(
+                    [PendingWrite(name, i, v, leaves_room=leave_room) for i, v in read.values.items()]
+                )
+                progress.staged(0, 0, read.read_bytes)  # done counts come from the recount
+            await self.store.flush()
+        finally:
+            claims.release(db, mine, me)
 
     async def _cached_mask(self, db: str, ids: np.ndarray, step: int = 65536) -> np.ndarray:
         """Which ids are cached, checked in slices so the loop keeps serving."""
