@@ -13,7 +13,7 @@ import pytest
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import JobPlan, locality_balance, moves, owners
 from dataquay.server.cli import main
-from dataquay.server.planning.capacity import EXCHANGE_HEADROOM_BYTES, exchange_reserve, stored_bytes
+from dataquay.server.planning.capacity import EXCHANGE_HEADROOM_BYTES, exchange_staging_limit, stored_bytes
 from dataquay.server.sizes import format_bytes, parse_size
 from dataquay.server.tools.simulate import Rates, Scenario, estimate, simulate, spread
 
@@ -94,9 +94,9 @@ def test_capacity_below_a_node_share_reads_the_excess_from_the_pfs_every_epoch(m
     share = SAMPLES // NODES
     cache_bytes = (share - 100) * SAMPLE_BYTES
     epochs = list(simulate(scenario(mode, q=0.2 if mode == "partial" else 0.0, cache_bytes=cache_bytes), 3))
-    # Where owners move, half the exchange's reserve holds samples in transit;
-    # each sample takes the LMDB pages its value needs.
-    usable = cache_bytes - (exchange_reserve(cache_bytes) // 2 if mode == "partial" else 0)
+    # Where owners move, staging leaves the exchange's reserve and the refill
+    # margin free; each sample takes the LMDB pages its value needs.
+    usable = exchange_staging_limit(cache_bytes) if mode == "partial" else cache_bytes
     kept = int(usable // (stored_bytes(np.full(share, SAMPLE_BYTES)) / share))
     assert 0 < kept < share
     assert [e.pfs_bytes for e in epochs] == [SAMPLES * SAMPLE_BYTES] + [NODES * (share - kept) * SAMPLE_BYTES] * 2

@@ -148,6 +148,14 @@ def exchange_reserve(capacity: int) -> int:
     return min(EXCHANGE_HEADROOM_BYTES, capacity // 16)
 
 
+def exchange_staging_limit(capacity: int) -> int:
+    """Bytes of pages a cache fills before inserts that leave room for the
+    exchange stop: its capacity less the exchange's reserve and the refill
+    margin. What a short cache holds when owners move, for the daemon and for
+    the simulator alike."""
+    return capacity - exchange_reserve(capacity) - refill_margin(capacity)
+
+
 def cache_need(share_bytes: int, mode: str, q: float) -> int:
     """The capacity a node needs to keep its share of ``share_bytes`` (as
     :func:`cached_bytes` counts them) cached in every epoch.

@@ -7,11 +7,10 @@ the PFS. The model:
 - Every sample is ``sample_bytes`` long and takes the LMDB pages
   :func:`dataquay.server.planning.capacity.stored_bytes` counts; a node's cache holds
   as many as fit in ``cache_bytes`` (all it owns when no capacity is given),
-  less half the exchange's reserve where owners move
-  (:func:`dataquay.server.planning.capacity.exchange_reserve`): other inserts leave
-  the reserve free, and the exchange's arrivals land there as fast as what
-  leaves is deleted, so about half of it holds samples at any time
-  (measured by bench/tight_storage.py). What is in transit when an epoch
+  less what the daemons' staging leaves free where owners move
+  (:func:`dataquay.server.planning.capacity.exchange_staging_limit`: the
+  exchange's reserve and the refill margin), as its own inserts stop there.
+  What is in transit when an epoch
   begins is ignored.
 - Epoch 0 stages: each node reads its initial owned set from the PFS once
   (N * S bytes in all). Later epochs read from the PFS only what a node owns
@@ -76,7 +75,7 @@ from dataquay.client.placement import (
 )
 from dataquay.server.node.cluster.healing import healed_holders
 from dataquay.server.node.exchange.coding import SCHEMES
-from dataquay.server.planning.capacity import exchange_reserve, stored_bytes
+from dataquay.server.planning.capacity import exchange_staging_limit, stored_bytes
 from dataquay.server.tools.coded_traffic import CodedEpoch, CodedExchanges
 
 #: The name of the node that ``Scenario.join_at`` adds: it sorts after
@@ -403,14 +402,14 @@ def _cache_samples(scenario: Scenario, loads: np.ndarray) -> np.ndarray:
     PFS every epoch.
 
     Node loads never change (``partial`` trades as many as it takes), so the
-    initial partition's loads hold for every epoch. Where owners move, half
-    the exchange's reserve holds samples in transit (see the module docstring).
+    initial partition's loads hold for every epoch. Where owners move, staging
+    stops where the daemon's does (:func:`exchange_staging_limit`).
     """
     if scenario.cache_bytes is None:
         return loads
     usable = scenario.cache_bytes
     if MODES[scenario.plan.settings.mode].owners_move:
-        usable -= exchange_reserve(scenario.cache_bytes) // 2
+        usable = exchange_staging_limit(scenario.cache_bytes)
     # Pages per sample barely depend on the count: a bounded sample of the typical load.
     count = int(min(max(loads.max(), 1), _PAGES_SAMPLE))
     per_sample = stored_bytes(np.full(count, scenario.sample_bytes, dtype=np.int64)) / count

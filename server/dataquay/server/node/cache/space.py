@@ -16,7 +16,7 @@ import asyncio
 import numpy as np
 
 from dataquay.server.node.cache.write_queue import PendingWrite
-from dataquay.server.planning.capacity import exchange_reserve, refill_margin, value_bytes
+from dataquay.server.planning.capacity import exchange_reserve, exchange_staging_limit, refill_margin, value_bytes
 
 #: Room never reserved (at most; a 32nd of a smaller cache): pages a commit
 #: copies on write, and pages freed by the last commit, which LMDB reuses only
@@ -76,7 +76,7 @@ class CacheSpace:
     def reserve_reached(self) -> bool:
         """Whether inserts that leave room for the exchange stop (or nearly: a
         sample more would not fit)."""
-        return self.full or self.live_bytes + self.exchange_reserve + self._refill >= self.capacity
+        return self.full or self.live_bytes >= exchange_staging_limit(self.capacity)
 
     @property
     def free(self) -> int:
