@@ -32,10 +32,16 @@ def probe_daemon_socket(address: str, timeout: float) -> None:
     if path is None:
         return
     end = time.monotonic() + min(SOCKET_APPEAR_S, timeout)
-    while not os.path.exists(path):
-        if time.monotonic() >= end:
-            raise DaemonUnavailableError(f"no dataquay daemon: no socket at {path}" + _HINT)
-        time.sleep(0.05)
+    while True:
+        try:
+            os.stat(path)
+            break
+        except FileNotFoundError:
+            if time.monotonic() >= end:
+                raise DaemonUnavailableError(f"no dataquay daemon: no socket at {path}" + _HINT) from None
+            time.sleep(0.05)
+        except OSError:
+            return  # not ours to look at (a folder we may not enter): the call itself says why
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(min(SOCKET_APPEAR_S, timeout))
         try:

@@ -38,7 +38,7 @@ from dataquay.server.node.cache.manager import Admitted
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.cluster.placements import Placement
-from dataquay.server.node.reads.claims import PfsClaims
+from dataquay.server.node.reads.claims import PfsClaims, wait_for
 from dataquay.server.node.reads.pfs import PfsPool
 from dataquay.server.registry import Registered, Registry
 from dataquay.server.sizes import format_bytes
@@ -428,11 +428,12 @@ class Stager:
         left = taken[~(await self._cached_mask(db, taken))]
         queued = self.store.queued_values(db, left.tolist())
         claims, me = self.pfs.claims, object()
-        mine, _ = claims.claim(db, [i for i in left.tolist() if i not in queued], me, started=True)
-        if not mine:
-            return
+        mine, theirs = claims.claim(db, [i for i in left.tolist() if i not in queued], me, started=True)
         name = db.encode()
         try:
+            if theirs:  # their readers cache them: the recount that follows waits for their writes
+                await wait_for(theirs)
+                await self.store.flush()
             ranges = staging_ranges(manifest, np.array(mine, dtype=np.int64), position)
             async for read in self.pfs.stream(dataset, manifest, ranges, self.store.backlog):
                 progress.failed(read.failures)
