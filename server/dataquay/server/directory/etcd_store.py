@@ -255,6 +255,10 @@ class EtcdStore:
                     if isinstance(exc, DataquayError)
                     else DirectoryUnavailableError(f"the directory's etcd store refused a write: {exc.details()}")
                 )
+            except Exception as exc:  # the writer must outlive it: its waiters would wait forever
+                log.exception("writing to etcd failed")
+                error = DirectoryUnavailableError(f"the directory's etcd store could not be written: {exc}")
+            if error is not None:
                 state.changed = (state.changed or set()) | (changed - written)
                 log.warning(
                     "cannot write to etcd; kept to write again",
