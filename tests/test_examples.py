@@ -51,8 +51,19 @@ def run_ranks(local: LocalCluster, commands: list[list[str]], envs: list[dict[st
     for proc in procs:
         out, err = proc.communicate(timeout=240)
         assert proc.returncode == 0, err[-3000:]
-        lines += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        lines += json_objects(out)
     return lines
+
+
+def json_objects(out: str) -> list[dict]:
+    """Every JSON object printed in ``out``: ranks that share a pipe (torchrun)
+    may write one object before another's newline."""
+    decoder, found, at = json.JSONDecoder(), [], out.find("{")
+    while at >= 0:
+        obj, end = decoder.raw_decode(out, at)
+        found.append(obj)
+        at = out.find("{", end)
+    return found
 
 
 def script_ranks(local: LocalCluster, script: str, *dataset: str) -> list[dict]:
