@@ -39,7 +39,7 @@ from typing import Any
 
 from common import RESULTS, machine, progress
 
-from dataquay.server.tools.data_stall import EpochRow, _row, _run
+from dataquay.server.tools.data_stall import EpochRow, epoch_row, run_or_exit
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset
 from dataquay.server.tools.trainers import Direct, RankGroup
@@ -82,7 +82,7 @@ def main() -> None:
         ):
             # A fresh cluster each: no system starts with another's cache.
             with LocalCluster(base / f"cluster-{k}", NODES, ("--pfs-bandwidth", cap), dataset_roots=(base,)) as cluster:
-                _run("dataset", "add", "bench", str(root), "--addr", cluster.daemons[0].address)
+                run_or_exit("dataset", "add", "bench", str(root), "--addr", cluster.daemons[0].address)
                 progress(f"{name}: {args.epochs} epochs")
                 rows += _dataquay_or_direct(cluster, base, name, mode, args.epochs)
         progress(f"mosaic: {args.epochs} epochs")
@@ -116,7 +116,7 @@ def _dataquay_or_direct(cluster: LocalCluster, base: Path, name: str, mode: str,
         settings = ["--mode", mode, "--batch-size", str(BATCH)] + (["--q", str(Q)] if mode == "partial" else [])
         before = _daemon_pfs_mb(cluster)
         started = time.perf_counter()
-        _run(
+        run_or_exit(
             "stage",
             "bench",
             "--job",
@@ -138,7 +138,7 @@ def _dataquay_or_direct(cluster: LocalCluster, base: Path, name: str, mode: str,
     ) as ranks:
         for epoch in range(epochs):
             results = ranks.epoch(epoch, direct=None if mode else direct, read_ahead=READ_AHEAD)
-            row = _row(name, epoch, results, 0)
+            row = epoch_row(name, epoch, results, 0)
             if epoch == 0 and staged:
                 # Staging read the PFS bytes the first epoch then found cached: a trainer waits for both.
                 row = EpochRow(

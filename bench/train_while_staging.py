@@ -33,7 +33,7 @@ from pathlib import Path
 from common import RESULTS, machine, progress
 from peer_loader import _daemon_pfs_mb
 
-from dataquay.server.tools.data_stall import EpochRow, _row, _run
+from dataquay.server.tools.data_stall import EpochRow, epoch_row, run_or_exit
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset
 from dataquay.server.tools.trainers import Direct, RankGroup
@@ -66,7 +66,7 @@ def main() -> None:
             if args.prefetch_memory is not None:
                 cap += ("--prefetch-memory", args.prefetch_memory)
             with LocalCluster(base / f"cluster-{k}", NODES, cap, dataset_roots=(base,)) as cluster:
-                _run("dataset", "add", "bench", str(root), "--addr", cluster.daemons[0].address)
+                run_or_exit("dataset", "add", "bench", str(root), "--addr", cluster.daemons[0].address)
                 progress(f"{name}: {args.epochs} epochs")
                 rows += _system(cluster, base, name, how, args.epochs)
     direct0 = next(r.wall_s for r in rows if r.system == "direct" and r.epoch == 0)
@@ -102,7 +102,7 @@ def _system(cluster: LocalCluster, base: Path, name: str, how: str, epochs: int)
     if how:
         stage = ["stage", "bench", "--job", job, "--mode", "local", "--batch-size", str(BATCH)]
         stage += ["--ranks-per-node", "1", "--quiet", "--directory", cluster.directory_address]
-        _run(*stage, *(["--background"] if how == "background" else []))
+        run_or_exit(*stage, *(["--background"] if how == "background" else []))
         staged = time.perf_counter() - started
     envs = [cluster.rank_env(rank, 1, job) for rank in range(NODES)]
     direct = Direct(PFS_BYTES_PER_NODE, DIRECT_WORKERS)
@@ -110,7 +110,7 @@ def _system(cluster: LocalCluster, base: Path, name: str, how: str, epochs: int)
     with RankGroup(envs, "bench", base / "ranks" / job, batch=BATCH, compute_seconds=0.0, timeout=900) as ranks:
         for epoch in range(epochs):
             results = ranks.epoch(epoch, direct=None if how else direct, read_ahead=READ_AHEAD)
-            row = _row(name, epoch, results, 0)
+            row = epoch_row(name, epoch, results, 0)
             if how:
                 pfs = _daemon_pfs_mb(cluster) - sum(r.pfs_mb for r in rows)
                 row = EpochRow(**{**asdict(row), "pfs_mb": pfs})

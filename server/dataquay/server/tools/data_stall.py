@@ -97,7 +97,7 @@ def run_benchmark(samples: int, epochs: int, out_dir: Path, progress: bool = Tru
         root = make_files_dataset(base / "pfs", samples, sizes=SIZES)
         cap = f"{int(PFS_BYTES_PER_SECOND / NODES)}"
         with LocalCluster(base / "cluster", NODES, ("--pfs-bandwidth", cap), dataset_roots=(base,)) as cluster:
-            _run("dataset", "add", "bench", str(root), "--addr", cluster.daemons[0].address)
+            run_or_exit("dataset", "add", "bench", str(root), "--addr", cluster.daemons[0].address)
             for system in SYSTEMS:
                 if progress:
                     print(f"  .. {system.name}: {epochs} epochs", flush=True)
@@ -128,7 +128,7 @@ def _run_system(
         settings = ["--mode", system.mode, "--batch-size", str(BATCH)]
         if system.mode == "partial":
             settings += ["--q", str(Q)]
-        _run(
+        run_or_exit(
             "stage",
             "bench",
             "--job",
@@ -150,11 +150,11 @@ def _run_system(
         for epoch in range(epochs):
             exchanged = _exchange_bytes(cluster)
             results = ranks.epoch(epoch, direct=None if system.mode else direct, read_ahead=system.read_ahead)
-            rows.append(_row(system.name, epoch, results, _exchange_bytes(cluster) - exchanged))
+            rows.append(epoch_row(system.name, epoch, results, _exchange_bytes(cluster) - exchanged))
     return rows
 
 
-def _row(name: str, epoch: int, results: list[RankEpoch], exchanged: int) -> EpochRow:
+def epoch_row(name: str, epoch: int, results: list[RankEpoch], exchanged: int) -> EpochRow:
     def mb(*tiers: str) -> float:
         return sum(r.bytes.get(t, 0) for r in results for t in tiers) / 1e6
 
@@ -185,7 +185,8 @@ def _exchange_bytes(cluster: LocalCluster) -> int:
     return total
 
 
-def _run(*argv: str) -> None:
+def run_or_exit(*argv: str) -> None:
+    """Runs ``dataquay ARGV``; a failure ends the benchmark, naming the command."""
     if run_command(*argv):
         raise SystemExit(f"dataquay {' '.join(argv)} failed")
 
