@@ -133,6 +133,22 @@ def test_an_endpoint_counts_what_it_drops_and_ignores_its_processes_other_passes
     assert endpoint.ready.qsize() == 2  # session 100's packet, then the restarted session 200's
 
 
+def test_a_datagram_of_a_stream_expected_later_came_early_and_is_not_foreign() -> None:
+    endpoint = MulticastEndpoint(0, Channel("239.255.0.1", PORT), "t0k3n", pass_id=5)
+    seal = mcast_seal.PassSeal("t0k3n", 5)
+
+    def fragment(sender: int, group: int) -> bytes:
+        payload = wire.Fragment(sender, 100, group, 0, 7, 0, 1, 3, xxhash.xxh3_64_intdigest(b"abc"), b"abc")
+        return seal.seal(wire.encode_data(payload))
+
+    # Its sender planned first: group 3's stream reaches this node before the node's own plan expects it.
+    endpoint._on_datagram(fragment(1, 3), ("127.0.0.1", 9))
+    endpoint._on_datagram(fragment(2, 4), ("127.0.0.1", 9))
+    assert endpoint.stats.foreign_datagrams == 2
+    endpoint.expect(1, 3)
+    assert (endpoint.stats.foreign_datagrams, endpoint.stats.datagrams_received) == (1, 2)
+
+
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
 

@@ -420,10 +420,11 @@ class Stager:
         progress: StagingProgress,
         leave_room: bool,
     ) -> None:
-        """Reads the samples another reader took over from the run and then
-        left uncached (its read failed, or the cache refused its write), so
-        that a run that ends well leaves every sample cached. One still being
-        read or queued by its taker is its taker's to cache."""
+        """Caches the samples another reader took over from the run: the value
+        its read ended with (a read ahead of the ranks hands its values to them,
+        not to the cache), else, when its read failed, one read here; so that a
+        run that ends well leaves every sample cached. One queued for the cache
+        is its taker's to write."""
         manifest = self.registry.get(dataset).manifest
         left = taken[~(await self._cached_mask(db, taken))]
         queued = self.store.queued_values(db, left.tolist())
@@ -431,9 +432,10 @@ class Stager:
         mine, theirs = claims.claim(db, [i for i in left.tolist() if i not in queued], me, started=True)
         name = db.encode()
         try:
-            if theirs:  # their readers cache them: the recount that follows waits for their writes
-                await wait_for(theirs)
-                await self.store.flush()
+            got = await wait_for(theirs)
+            await self.store.put_many([PendingWrite(name, i, v, leaves_room=leave_room) for i, v in got.items()])
+            failed = [i for i in theirs if i not in got]
+            mine += claims.claim(db, failed, me, started=True, steal=True)[0]
             ranges = staging_ranges(manifest, np.array(mine, dtype=np.int64), position)
             async for read in self.pfs.stream(dataset, manifest, ranges, self.store.backlog):
                 progress.failed(read.failures)

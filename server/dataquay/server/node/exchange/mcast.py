@@ -33,6 +33,7 @@ import random
 import socket
 import struct
 import time
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -290,6 +291,9 @@ class MulticastEndpoint:
         self._groups: dict[int, wire.SendWindow] = {}
         self._resent_at: dict[tuple[int, int], float] = {}
         self._expected: dict[tuple[int, int], asyncio.Queue[tuple[int, int, int, bytes]]] = {}
+        #: Datagrams counted foreign, by stream: one this node later expects came
+        #: early (its sender planned first), not from another group.
+        self._unexpected: Counter[tuple[int, int]] = Counter()
         self._logs: dict[tuple[int, int], wire.ReceiveLog] = {}
         self._retired_sessions: dict[tuple[int, int], set[int]] = {}
         self._since_ack: dict[tuple[int, int], int] = {}
@@ -410,6 +414,7 @@ class MulticastEndpoint:
         """Accept ``sender``'s stream to ``group``, of which this node is a member;
         its packets go to ``into`` (default :attr:`ready`)."""
         self._expected[(sender, group)] = self.ready if into is None else into
+        self.stats.foreign_datagrams -= self._unexpected.pop((sender, group), 0)
 
     def forget(self, sender: int, group: int) -> None:
         """Stops accepting ``sender``'s stream to ``group``."""
@@ -542,6 +547,7 @@ class MulticastEndpoint:
         self.stats.bytes_received += size
         if not isinstance(message, wire.Ack) and (message.sender, message.group) not in self._expected:
             self.stats.foreign_datagrams += 1
+            self._unexpected[(message.sender, message.group)] += 1
 
     def _on_ack(self, ack: wire.Ack) -> None:
         window = self._groups.get(ack.group)
