@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+
 from dataquay.server.node.exchange.broker import ExchangeBroker
 
 
@@ -64,10 +66,22 @@ def test_a_pass_that_fails_still_lets_its_offers_on() -> None:
     asyncio.run(main())
 
 
-def test_the_offered_epoch_the_sender_keeps_samples_for_only_grows() -> None:
+def test_the_sender_keeps_what_the_receiver_answered_held_for_a_later_epoch_until_that_epoch_is_next() -> None:
     broker = ExchangeBroker()
-    assert broker.offered_upto("job") == 0
-    broker.offered("job", 3)
-    broker.offered("job", 2)  # a late offer for an earlier epoch
-    assert broker.offered_upto("job") == 3
-    assert broker.offered_upto("other") == 0
+    broker.answered_held("job", 3, np.array([5, 9]))
+    broker.answered_held("job", 2, np.array([1]))  # a late offer for an earlier epoch
+    broker.answered_held("job", 3, np.array([9, 11]))
+    broker.answered_held("other", 3, np.array([7]))
+    assert broker.held_beyond("job", 1).tolist() == [1, 5, 9, 11]
+    # Epoch 2 is next: what it owns there the sender keeps anyway.
+    assert broker.held_beyond("job", 2).tolist() == [5, 9, 11]
+    assert broker.held_beyond("job", 3).tolist() == []
+    assert broker.held_beyond("other", 1).tolist() == [7]
+
+
+def test_the_receiver_knows_the_latest_epoch_its_ranks_entered() -> None:
+    broker = ExchangeBroker()
+    assert broker.entered_epoch("job") == -1
+    broker.entered("job", 2)
+    broker.entered("job", 1)
+    assert broker.entered_epoch("job") == 2

@@ -142,3 +142,19 @@ def test_only_a_refused_reserved_write_stops_reservations() -> None:
         assert not space.full and space.free > 0
 
     asyncio.run(test())
+
+
+def test_a_reservation_leaves_the_room_kept_free_for_others_until_they_need_less() -> None:
+    async def test() -> None:
+        space = CacheSpace(64 * MiB)
+        space.live_bytes = 40 * MiB
+        earlier = [space.free - MiB]  # what earlier arrivals still need
+        assert not await space.reserve(2 * MiB, 0.05, lambda: earlier[0])
+        waiting = asyncio.create_task(space.reserve(2 * MiB, 5, lambda: earlier[0]))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and space.reserved_bytes == 0
+        earlier[0] -= MiB  # one came in
+        await space.changed()
+        assert await waiting and space.reserved_bytes == 2 * MiB
+
+    asyncio.run(test())

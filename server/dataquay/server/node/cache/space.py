@@ -12,6 +12,7 @@ the exchange's reserve free.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import numpy as np
 
@@ -115,17 +116,18 @@ class CacheSpace:
             kept.append(write)
         return kept
 
-    async def reserve(self, nbytes: int, timeout: float) -> bool:
+    async def reserve(self, nbytes: int, timeout: float, keep_free: Callable[[], int] = lambda: 0) -> bool:
         """Waits until the cache has ``nbytes`` of room no one else reserved,
-        and holds it for the caller's writes; False if none came in ``timeout``
-        seconds. The caller queues its writes with ``reserved=True`` and
-        calls :meth:`release` once they are committed."""
-        if self.free >= nbytes:  # without the timer and task of a wait, as every exchange chunk would pay
+        beyond the ``keep_free()`` bytes the caller leaves to others, and holds
+        it for the caller's writes; False if none came in ``timeout`` seconds.
+        The caller queues its writes with ``reserved=True`` and calls
+        :meth:`release` once they are committed."""
+        if self.free - keep_free() >= nbytes:  # without the timer and task of a wait, as every exchange chunk would pay
             self.reserved_bytes += nbytes
             return True
         async with self._changed:
             try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: self.free >= nbytes), timeout)
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.free - keep_free() >= nbytes), timeout)
             except TimeoutError:
                 return False
             self.reserved_bytes += nbytes

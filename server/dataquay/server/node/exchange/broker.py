@@ -1,11 +1,12 @@
 """What the exchange's sending and receiving sides of one node tell each other.
 
 The receiver must never acknowledge a sample as held while the sender deletes
-it, the sender must keep what was offered to this node for an epoch to come,
+it, the sender must keep what the receiver answered as held for an epoch to come,
 a full receiver asks the sender to give up samples to make room, an offer
 waits for the coded pass into its epoch, and an offer into a later epoch
 waits while this node's ranks wait for the exchange into an earlier one (it
-would take the room their arrivals need). Both sides get this broker when they
+would take the room their arrivals need), and the receiver knows which epoch
+this node's ranks entered. Both sides get this broker when they
 are built; neither reaches into the other.
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+
+import numpy as np
 
 #: Deletes samples given away and not yet shipped, about the bytes asked; returns how many.
 MakeRoom = Callable[[int], Awaitable[int]]
@@ -26,21 +29,36 @@ class ExchangeBroker:
         #: Held while the receiver answers "already held" and while the sender
         #: deletes given-away samples, so a sample is never acknowledged and then deleted.
         self.holding = asyncio.Lock()
-        self._offered: dict[str, int] = {}
+        self._held: dict[tuple[str, int], np.ndarray] = {}
         self._room_makers: list[MakeRoom] = []
         self._coded: dict[tuple[str, int], asyncio.Event] = {}
         #: (job, epoch) of each rank here waiting for the exchange into that epoch.
         self._ranks_wait: list[tuple[str, int]] = []
         self._wait_ended = asyncio.Event()
+        self._entered: dict[str, int] = {}
 
-    def offered(self, job: str, epoch: int) -> None:
-        """An offer for ``epoch`` of ``job`` came in; call under :attr:`holding`."""
-        self._offered[job] = max(self._offered.get(job, 0), epoch)
+    def answered_held(self, job: str, epoch: int, ids: np.ndarray) -> None:
+        """An offer for ``epoch`` of ``job`` was answered: ``ids`` are held here,
+        and will not be sent; call under :attr:`holding`."""
+        if len(ids):
+            known = self._held.get((job, epoch))
+            self._held[(job, epoch)] = ids if known is None else np.union1d(known, ids)
 
-    def offered_upto(self, job: str) -> int:
-        """The highest epoch of ``job`` offered to this node (0: none): the
-        sender drops nothing this node owns up to it."""
-        return self._offered.get(job, 0)
+    def held_beyond(self, job: str, epoch: int) -> np.ndarray:
+        """The ids answered as held to offers for epochs of ``job`` after
+        ``epoch``, which the sender must keep; forgets those up to it."""
+        for key in [k for k in self._held if k[0] == job and k[1] <= epoch]:
+            del self._held[key]
+        kept = [ids for (j, _), ids in self._held.items() if j == job]
+        return np.unique(np.concatenate(kept)) if kept else np.empty(0, np.int64)
+
+    def entered(self, job: str, epoch: int) -> None:
+        """This node's ranks entered ``epoch`` of ``job`` (the sender's news)."""
+        self._entered[job] = max(self._entered.get(job, -1), epoch)
+
+    def entered_epoch(self, job: str) -> int:
+        """The latest epoch of ``job`` this node's ranks entered; -1 before any."""
+        return self._entered.get(job, -1)
 
     def makes_room(self, make_room: MakeRoom) -> None:
         """The sender's way to give up samples when the receiver waits for room."""

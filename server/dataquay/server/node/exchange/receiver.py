@@ -18,6 +18,8 @@ the cache before it is taken (:meth:`CacheSpace.reserve`), waiting while the cac
 is full, which holds the sender back until this node has given away enough of
 its own samples. A message that finds no room in ROOM_WAIT_SECONDS ends the
 stream with RESOURCE_EXHAUSTED, and the sender offers its samples again later.
+A message into a later epoch than this node's next takes only the room the
+arrivals still to come before it leave (:class:`~.arrivals.Expected`).
 
 Every node full at once can hold every exchange still: each waits for room
 that only a delivery elsewhere frees. A receiver that waited BREAK_SECONDS
@@ -39,13 +41,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from dataquay.client.errors import PieceError
-from dataquay.client.placement import MAX_EPOCH
+from dataquay.client.placement import MAX_EPOCH, MODES
 from dataquay.client.wire.pieces import Joiner
 from dataquay.client.wire.records import CHECKSUM_BYTES, decode_value
 from dataquay.protos import cache_pb2 as pb
@@ -62,6 +64,7 @@ from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.cluster.placements import Placement, Placements
 from dataquay.server.node.datasets import Datasets
+from dataquay.server.node.exchange.arrivals import Expected
 from dataquay.server.node.exchange.broker import ExchangeBroker
 from dataquay.server.node.peers.bulk.frames import ExchangeChunk
 from dataquay.server.planning.capacity import exchange_reserve, stored_bytes
@@ -105,6 +108,7 @@ class ExchangeReceiver:
         self.datasets = datasets
         self.placements = placements
         self.broker = broker
+        self.expected = Expected(store, placements, broker)
         self.received_samples = 0
         self.received_bytes = 0
         self.bad_checksums = 0
@@ -143,13 +147,14 @@ class ExchangeReceiver:
         # What the pass decodes would otherwise be sent again, uncommitted when this offer asks.
         await self.broker.coded_pass_over(offer.job, int(offer.epoch))
         await self.broker.ranks_waits_before(offer.job, int(offer.epoch))
+        if MODES[placement.job.spec.mode].owners_move:
+            await self.expected.track(offer.job, entry, int(offer.epoch))
         # Ids the sender does not give are refused as their values come, and count for nothing here.
         given = offered[gives(offered, origin)]
         async with self.broker.holding:
-            if len(given):
-                self.broker.offered(offer.job, int(offer.epoch))
-            cached = self.store.cached_mask(db, given)
-            held = given[cached]
+            held = given[self.store.cached_mask(db, given)]
+            self.broker.answered_held(offer.job, int(offer.epoch), held)
+        cached = np.isin(given, held)
         await self.store.grow_to_hold(stored_bytes(sizes[given[~cached]]))
         yield pb.ExchangeReply(
             held=held.tolist(),
@@ -159,9 +164,7 @@ class ExchangeReceiver:
 
         # Unbounded: the reservations and the sender's window bound it.
         commits: asyncio.Queue[_Taken | None] = asyncio.Queue()
-        reader = asyncio.create_task(
-            self._take_in(messages, entry, set(offered.tolist()), origin, offer.sender, commits)
-        )
+        reader = asyncio.create_task(self._take_in(messages, entry, set(offered.tolist()), origin, offer, commits))
         self._readers.add(reader)
         reader.add_done_callback(self._readers.discard)
         if self._closing:
@@ -210,15 +213,16 @@ class ExchangeReceiver:
                 return ids
             taken = await self._reserved([w for w, ok in zip(taken.writes, held.tolist()) if not ok])
 
-    async def _reserved(self, writes: list[PendingWrite]) -> _Taken:
-        """Queues ``writes`` under a reservation of their room, once the cache has it."""
+    async def _reserved(self, writes: list[PendingWrite], keep_free: Callable[[], int] = lambda: 0) -> _Taken:
+        """Queues ``writes`` under a reservation of their room, once the cache
+        has it beyond the ``keep_free()`` bytes left to earlier arrivals."""
         need = stored_bytes(np.fromiter((len(w.value) - CHECKSUM_BYTES for w in writes), np.int64, len(writes)))
         for db in {w.db for w in writes}:
             self.cache.check_arrivals(db.decode(), sum(len(w.value) - CHECKSUM_BYTES for w in writes if w.db == db))
         space, waited = self.store.space, 0.0
-        if space.free < need:
-            await self.cache.make_room(need - space.free)
-        while not await space.reserve(need, BREAK_SECONDS):
+        if (short := need + keep_free() - space.free) > 0:
+            await self.cache.make_room(short)
+        while not await space.reserve(need, BREAK_SECONDS, keep_free):
             waited += BREAK_SECONDS
             await self.broker.make_room(need)
             if waited < ROOM_WAIT_SECONDS:
@@ -347,7 +351,7 @@ class ExchangeReceiver:
         entry: Registered,
         offered: set[int],
         origin: Origin,
-        sender: str,
+        offer: pb.ExchangeOffer,
         commits: asyncio.Queue[_Taken | None],
     ) -> None:
         """Checks each message's samples, reserves their room and queues them
@@ -356,7 +360,8 @@ class ExchangeReceiver:
         name = entry.record.cache_db.encode()
         lengths = entry.manifest.sample_length
         joiner = Joiner("the exchange's sender")
-        stream: dict[str, object] = {"stream": "exchange", "sender": sender, "dataset": entry.record.name}
+        stream: dict[str, object] = {"stream": "exchange", "sender": offer.sender, "dataset": entry.record.name}
+        job, epoch = offer.job, int(offer.epoch)
         logged: set[int] = set()
         try:
             async for message in messages:
@@ -393,6 +398,6 @@ class ExchangeReceiver:
                         continue
                     writes.append(PendingWrite(name, sample_id, value, reserved=True))
                 writes = self._admitted(writes, entry, origin, stream, logged)
-                commits.put_nowait(await self._reserved(writes))
+                commits.put_nowait(await self._reserved(writes, lambda: self.expected.room_before(job, epoch)))
         finally:
             commits.put_nowait(None)

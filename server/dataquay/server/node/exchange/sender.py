@@ -218,6 +218,7 @@ class Exchanges:
         if epoch <= self._epochs.get(job_id, -1):
             return
         self._epochs[job_id] = epoch
+        self.broker.entered(job_id, epoch)
         self._epoch_moved.set()
         self.news.tell()
         for (job, target), run in self.runs.items():
@@ -577,11 +578,11 @@ class Exchanges:
 
     async def _drop_given_away(self, entry: Registered, run: ExchangeRun, ids: np.ndarray) -> None:
         """Deletes ``ids``, delivered by ``run``; never a sample this node owns
-        again in an epoch already started or offered to it (a sample handed
-        back is acknowledged as held)."""
+        again in an epoch started or next, nor one it answered an offer for a
+        later epoch that it holds (the offer's sender does not send it then)."""
         async with self.broker.holding:
-            horizon = max(self._epochs.get(run.job, 0) + 1, self.broker.offered_upto(run.job))
-            drop = ids
+            horizon = self._epochs.get(run.job, 0) + 1
+            drop = ids[~np.isin(ids, self.broker.held_beyond(run.job, horizon))]
             for epoch in range(run.epoch, horizon + 1):
                 placement = await self.placements.placement(run.job, entry, epoch)
                 drop = drop[placement.owners[drop] != placement.node_index]
