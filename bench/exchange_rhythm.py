@@ -7,11 +7,14 @@ batches ahead as ``Dataset.batches`` does by default), a files dataset of
 ``--samples`` samples of 120 KiB, a ``partial`` job at ``--q`` staged with
 ``stage --job``, batches of 64. Each rank trains ``STEP_SECONDS`` per batch
 (a job's rhythm: an epoch lasts several times the exchange) or not at all
-(``step 0``). Caches per node, against the largest share S of any node (in
+(``step 0``). With ``--wait-for-exchange SECONDS`` each rank's sampler waits
+up to that long at each epoch boundary for the exchange into the epoch
+(``Dataset.sampler(wait_for_exchange=...)``); rows then say how long the
+ranks waited. Caches per node, against the largest share S of any node (in
 cache bytes, :func:`~dataquay.server.planning.capacity.node_shares`):
 
-- ``below``: 0.75 x S, short of its share; its PFS and peer reads per epoch
-  against ``dataquay simulate``'s PFS reads for the same job and cache;
+- 0.5, 0.75 and 0.9 x S, short of the share; their PFS and peer reads per
+  epoch against ``dataquay simulate``'s PFS reads for the same job and cache;
 - ``advice``: the sizing guide's advice, 1.05 x S + 16 MiB
   (:func:`~dataquay.server.planning.capacity.cache_need`);
 - 1.2, 1.6 and 2.5 x S (those under the advice are short of it as well);
@@ -29,7 +32,8 @@ during the run (a run with any measured a lease, not the exchange);
 ``load_avg_1min`` is the machine's load average as the run ended.
 
 Usage: python bench/exchange_rhythm.py [--samples N] [--epochs E] [--q Q] [--parts step,nostep]
-[--caches below,advice,1.2x,1.6x,2.5x,10x] [--step SECONDS] [--name RESULTS_NAME]
+[--caches 0.5x,0.75x,0.9x,advice,1.2x,1.6x,2.5x,10x] [--step SECONDS] [--wait-for-exchange SECONDS]
+[--name RESULTS_NAME]
 """
 
 from __future__ import annotations
@@ -91,13 +95,16 @@ def plan(samples: int, q: float) -> JobPlan:
 def caches(samples: int, q: float, epochs: int) -> tuple[int, list[Cache]]:
     """The largest share, and the caches to run, smallest first."""
     share = int(node_shares(plan(samples, q), np.full(samples, SIZE), epochs + 1).max())
-    sized = [Cache("below", int(0.75 * share)), Cache("advice", cache_need(share, "partial", q))]
-    sized += [Cache(f"{x}x", int(x * share)) for x in (1.2, 1.6, 2.5, 10)]
+    sized = [Cache("advice", cache_need(share, "partial", q))]
+    sized += [Cache(f"{x}x", int(x * share)) for x in (0.5, 0.75, 0.9, 1.2, 1.6, 2.5, 10)]
     return share, sorted(sized, key=lambda c: c.capacity)
 
 
-def run(base: Path, samples: int, q: float, epochs: int, cache: Cache, step: float) -> list[dict[str, object]]:
-    """``epochs`` epochs on caches of ``cache.capacity``; a row per epoch."""
+def run(
+    base: Path, samples: int, q: float, epochs: int, cache: Cache, step: float, wait: float
+) -> list[dict[str, object]]:
+    """``epochs`` epochs on caches of ``cache.capacity``, ranks waiting up to
+    ``wait`` seconds for each epoch's exchange; a row per epoch."""
     local = LocalCluster(
         base / f"cluster-{cache.label}-{step}",
         NODES,
@@ -133,7 +140,7 @@ def run(base: Path, samples: int, q: float, epochs: int, cache: Cache, step: flo
             == 0
         )
         started = time.perf_counter()
-        lines = ranks(local, base, epochs, step)
+        lines = ranks(local, base, epochs, step, wait)
         wall = time.perf_counter() - started
         ahead = [daemon_stats(local, m).prefetch for m in range(NODES)]
     finally:
@@ -153,6 +160,8 @@ def run(base: Path, samples: int, q: float, epochs: int, cache: Cache, step: flo
                 "pfs": tiers["pfs"],
                 "read": sum(tiers.values()),
                 "wall_s": round(wall, 1),
+                "wait_for_exchange_s": wait,
+                "exchange_wait_s_max": round(max(float(str(rank[epoch]["exchange_wait"])) for rank in lines), 2),
                 "read_ahead_MB": round(sum(a.overflow_read_bytes for a in ahead) / 1e6, 2),
                 "read_ahead_discarded_MB": round(sum(a.overflow_wasted_bytes for a in ahead) / 1e6, 2),
                 "nodes_marked_down": down,
@@ -166,7 +175,7 @@ def run(base: Path, samples: int, q: float, epochs: int, cache: Cache, step: flo
     return rows
 
 
-def ranks(local: LocalCluster, base: Path, epochs: int, step: float) -> list[list[dict[str, object]]]:
+def ranks(local: LocalCluster, base: Path, epochs: int, step: float, wait: float) -> list[list[dict[str, object]]]:
     """Every rank run to its end at its own pace; its JSON line per epoch.
 
     Each rank writes to a file, not a pipe: a pipe read only once the ranks
@@ -177,7 +186,7 @@ def ranks(local: LocalCluster, base: Path, epochs: int, step: float) -> list[lis
     try:
         procs = [
             subprocess.Popen(
-                free_rank.command("imgs", epochs, BATCH, step, READ_AHEAD),
+                free_rank.command("imgs", epochs, BATCH, step, READ_AHEAD, wait),
                 env={**os.environ, **local.rank_env(r, RANKS_PER_NODE, JOB)},
                 stdout=out,
                 stderr=log,
@@ -212,9 +221,10 @@ def predicted_misses(samples: int, q: float, epochs: int, capacity: int) -> list
 
 
 def summary(
-    rows: list[dict[str, object]], samples: int, q: float, epochs: int, sized: list[Cache]
+    rows: list[dict[str, object]], samples: int, q: float, epochs: int, share: int, sized: list[Cache]
 ) -> list[dict[str, object]]:
-    """One row per run: local hits' range over the epochs, against the 10x run's."""
+    """One row per run: local hits' range over the epochs, against the 10x
+    run's; for a cache short of the ``share``, its misses against simulate's."""
     out = []
     for cache in sized:
         for step in sorted({float(str(r["step_s"])) for r in rows}, reverse=True):
@@ -237,8 +247,10 @@ def summary(
                 "nodes_marked_down": mine[0]["nodes_marked_down"],
                 "load_avg_1min": mine[-1]["load_avg_1min"],
                 "local_vs_10x": round(sum(local) / sum(int(str(r["local"])) for r in base), 3) if base else None,
+                "wall_s": mine[0]["wall_s"],
+                "exchange_wait_s_max": max(float(str(r["exchange_wait_s_max"])) for r in mine),
             }
-            if cache.label == "below":
+            if cache.capacity < share:
                 predicted = predicted_misses(samples, q, epochs, cache.capacity)[1:]
                 row["misses_vs_simulate"] = round(float(np.mean(misses[1:])) / float(np.mean(predicted)), 3)
             out.append(row)
@@ -253,6 +265,9 @@ def main() -> None:
     parser.add_argument("--parts", default="step,nostep", help="step, nostep or both")
     parser.add_argument("--caches", default="", help="the caches to run, by label (default: all)")
     parser.add_argument("--step", type=float, default=STEP_SECONDS, help="seconds of training per batch")
+    parser.add_argument(
+        "--wait-for-exchange", type=float, default=0.0, help="seconds a rank may wait for each epoch's exchange"
+    )
     parser.add_argument("--name", default="exchange_rhythm", help="results file name under bench/results/")
     args = parser.parse_args()
     steps = [args.step] * ("step" in args.parts.split(",")) + [0.0] * ("nostep" in args.parts.split(","))
@@ -264,7 +279,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dq-bench-rhythm-") as tmp:
         for step in steps:
             for cache in sized:
-                rows += run(Path(tmp), args.samples, args.q, args.epochs, cache, step)
+                rows += run(Path(tmp), args.samples, args.q, args.epochs, cache, step, args.wait_for_exchange)
     extra = {
         "share_MB": round(share / 1e6, 1),
         "samples": args.samples,
@@ -273,7 +288,8 @@ def main() -> None:
         "epochs": args.epochs,
         "batch": BATCH,
         "read_ahead": READ_AHEAD,
-        "summary": summary(rows, args.samples, args.q, args.epochs, sized),
+        "wait_for_exchange_s": args.wait_for_exchange,
+        "summary": summary(rows, args.samples, args.q, args.epochs, share, sized),
     }
     report(
         args.name,
@@ -298,6 +314,8 @@ def main() -> None:
             "nodes_marked_down",
             "load_avg_1min",
             "local_vs_10x",
+            "wall_s",
+            "exchange_wait_s_max",
             "misses_vs_simulate",
         ],
     )
