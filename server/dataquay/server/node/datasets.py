@@ -167,10 +167,16 @@ class Datasets:
     async def sync(self) -> None:
         """Follows the directory's registry: drops what it dropped, fetches
         again what it replaced, and keeps what it never listed (see above)."""
+        while await self._sync_once():
+            pass
+
+    async def _sync_once(self) -> bool:
+        """One listing followed; whether a dataset fetched while it was on its
+        way is missing from it, to be judged by a listing taken after the fetch
+        (the directory's registry may not change again to trigger one)."""
         assert self.link is not None
         listed_before = set(self._listed)
         current = {info.name: info.manifest_id for info in await self.link.datasets()}
-        # One fetched while the listing was on its way is judged by the next listing.
         fetched_meanwhile = self._listed - listed_before
         for name in set(self.registry.names()) - fetched_meanwhile:
             listed = current.get(name)
@@ -191,6 +197,7 @@ class Datasets:
                     await self._drop_here(name)
         self._listed = set(current) | (self._listed - listed_before)
         self._kept &= set(self.registry.names()) - self._listed
+        return bool(fetched_meanwhile - set(current))
 
     async def _drop_here(self, name: str) -> int:
         entry = self.registry.drop(name)
