@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,23 +13,24 @@ import pytest
 from dataquay.client import DaemonUnavailableError, connect
 
 
-def test_missing_socket_fails_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("DATAQUAY_DIRECTORY", raising=False)
-    path = tmp_path / "missing.sock"
-    start = time.monotonic()
-    with pytest.raises(DaemonUnavailableError, match=f"no socket at {path}"):
-        connect(str(path), timeout=10.0)
-    assert time.monotonic() - start < 3.0
-
-
-def test_refused_socket_fails_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("DATAQUAY_DIRECTORY", raising=False)
-    path = tmp_path / "stale.sock"
+def stale_socket(path: Path) -> None:
+    """A dead daemon's socket: the file stays, nothing listens."""
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(path))
-    stale.close()  # the file stays, nothing listens: a dead daemon's socket
+    stale.close()
+
+
+@pytest.mark.parametrize(
+    ("leave", "cause"), [(lambda path: None, "no socket at"), (stale_socket, "connection refused at")]
+)
+def test_a_socket_nothing_answers_on_fails_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, leave: Callable[[Path], None], cause: str
+) -> None:
+    monkeypatch.delenv("DATAQUAY_DIRECTORY", raising=False)
+    path = tmp_path / "dataquay.sock"
+    leave(path)
     start = time.monotonic()
-    with pytest.raises(DaemonUnavailableError, match=f"connection refused at {path}"):
+    with pytest.raises(DaemonUnavailableError, match=f"{cause} {path}"):
         connect(str(path), timeout=10.0)
     assert time.monotonic() - start < 3.0
 
