@@ -14,7 +14,9 @@ ranks waited. Caches per node, against the largest share S of any node (in
 cache bytes, :func:`~dataquay.server.planning.capacity.node_shares`):
 
 - 0.5, 0.75 and 0.9 x S, short of the share; their PFS and peer reads per
-  epoch against ``dataquay simulate``'s PFS reads for the same job and cache;
+  epoch against ``dataquay simulate``'s for the same job and cache (its PFS
+  reads, and the peer reads of samples the ranks read ahead before their
+  sender had read, and so shipped, them);
 - ``advice``: the sizing guide's advice, 1.05 x S + 16 MiB
   (:func:`~dataquay.server.planning.capacity.cache_need`);
 - 1.2, 1.6 and 2.5 x S (those under the advice are short of it as well);
@@ -214,10 +216,12 @@ def daemon_stats(local: LocalCluster, node: int) -> pb.StatsReply:
         return cache_pb2_grpc.CacheStub(channel).Stats(pb.StatsRequest(), timeout=30)
 
 
-def predicted_misses(samples: int, q: float, epochs: int, capacity: int) -> list[float]:
-    """simulate's PFS reads per epoch (in samples) for this job on caches of ``capacity``."""
-    scenario = Scenario(plan(samples, q), SIZE, capacity)
-    return [t.pfs_bytes / SIZE for t in simulate(scenario, epochs)]
+def predicted_misses(samples: int, q: float, epochs: int, capacity: int) -> tuple[list[float], list[float]]:
+    """simulate's PFS reads, and peer reads ahead of the exchange, per epoch
+    (in samples) for this job on caches of ``capacity``."""
+    scenario = Scenario(plan(samples, q), SIZE, capacity, read_ahead=READ_AHEAD)
+    traffic = list(simulate(scenario, epochs))
+    return [t.pfs_bytes / SIZE for t in traffic], [t.early_read_bytes / SIZE for t in traffic]
 
 
 def summary(
@@ -251,8 +255,9 @@ def summary(
                 "exchange_wait_s_max": max(float(str(r["exchange_wait_s_max"])) for r in mine),
             }
             if cache.capacity < share:
-                predicted = predicted_misses(samples, q, epochs, cache.capacity)[1:]
-                row["misses_vs_simulate"] = round(float(np.mean(misses[1:])) / float(np.mean(predicted)), 3)
+                pfs, early = (np.mean(each[1:]) for each in predicted_misses(samples, q, epochs, cache.capacity))
+                row["simulate_pfs"], row["simulate_peer"] = round(float(pfs)), round(float(early))
+                row["misses_vs_simulate"] = round(float(np.mean(misses[1:])) / float(pfs + early), 3)
             out.append(row)
     return out
 
@@ -316,6 +321,8 @@ def main() -> None:
             "local_vs_10x",
             "wall_s",
             "exchange_wait_s_max",
+            "simulate_pfs",
+            "simulate_peer",
             "misses_vs_simulate",
         ],
     )

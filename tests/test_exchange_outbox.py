@@ -10,13 +10,13 @@ import pytest
 
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.jobs import job_plan, job_spec
-from dataquay.client.placement import JobPlan, node_orders, owners
+from dataquay.client.placement import JobPlan, node_orders, owner_read_positions, owners
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.manifest_build import build_manifest
 from dataquay.server.node.cluster.placements import Placement, Placements
 from dataquay.server.node.exchange.outbox import PENDING, REFUSED, SCAN_ROWS, UNAVAILABLE, Outbox, acknowledged
 from dataquay.server.node.exchange.positions import WHOLE_EPOCH, ReadPositions
-from dataquay.server.node.exchange.sender import due_positions, receivers_positions
+from dataquay.server.node.exchange.sender import due_positions
 from dataquay.server.registry import Registry
 from dataquay.server.tools.synthetic import make_files_dataset
 
@@ -209,7 +209,7 @@ def test_due_positions_are_where_the_receivers_ranks_read_each_id_in_the_next_ep
     plan = JobPlan(settings, num_samples=90, num_nodes=3)
     before, after = owners(plan, 0), owners(plan, 1)
     give = np.flatnonzero((before == 0) & (after != 0))
-    at = receivers_positions(plan, 1, after, give)
+    at = owner_read_positions(plan, 1, after, give)
     for node in (1, 2):
         orders = node_orders(plan, 1, node, after)
         theirs = after[give] == node

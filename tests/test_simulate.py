@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dataquay.client.job_settings import JobSettings
-from dataquay.client.placement import JobPlan, locality_balance, moves, owners
+from dataquay.client.placement import JobPlan, locality_balance, moves, node_orders, owners
 from dataquay.server.cli import main
 from dataquay.server.planning.capacity import EXCHANGE_HEADROOM_BYTES, exchange_staging_limit, stored_bytes
 from dataquay.server.sizes import format_bytes, parse_size
@@ -20,10 +20,12 @@ from dataquay.server.tools.simulate import Rates, Scenario, estimate, simulate, 
 NODES, RANKS_PER_NODE, SAMPLES, SAMPLE_BYTES, BATCH = 16, 4, 20_000, 1000, 8
 
 
-def scenario(mode: str, q: float = 0.0, cache_bytes: int | None = None, coding: str = "none") -> Scenario:
+def scenario(
+    mode: str, q: float = 0.0, cache_bytes: int | None = None, coding: str = "none", read_ahead: int = 2
+) -> Scenario:
     settings = JobSettings(mode=mode, q=q, seed=7, batch_size=BATCH, ranks_per_node=RANKS_PER_NODE)
     plan = JobPlan(settings, SAMPLES, NODES)
-    return Scenario(plan, SAMPLE_BYTES, cache_bytes, coding)
+    return Scenario(plan, SAMPLE_BYTES, cache_bytes, coding, read_ahead=read_ahead)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -93,7 +95,9 @@ def test_locality_moves_each_batch_imbalance_within_bounds() -> None:
 def test_capacity_below_a_node_share_reads_the_excess_from_the_pfs_every_epoch(mode: str) -> None:
     share = SAMPLES // NODES
     cache_bytes = (share - 100) * SAMPLE_BYTES
-    epochs = list(simulate(scenario(mode, q=0.2 if mode == "partial" else 0.0, cache_bytes=cache_bytes), 3))
+    # No read-ahead: the exchange's bytes alone (the next test counts the reads ahead of it).
+    sc = scenario(mode, q=0.2 if mode == "partial" else 0.0, cache_bytes=cache_bytes, read_ahead=0)
+    epochs = list(simulate(sc, 3))
     # Where owners move, staging leaves the exchange's reserve and the refill
     # margin free; each sample takes the LMDB pages its value needs.
     usable = exchange_staging_limit(cache_bytes) if mode == "partial" else cache_bytes
@@ -104,6 +108,44 @@ def test_capacity_below_a_node_share_reads_the_excess_from_the_pfs_every_epoch(m
         # A sender ships only what its cache holds; the rest is read from the PFS by its new owner.
         moved = np.bincount(moves(scenario(mode, q=0.2).plan, 1).sources, minlength=NODES)
         assert (epochs[1].sent // SAMPLE_BYTES).tolist() == np.rint(moved * kept / share).astype(np.int64).tolist()
+
+
+def test_a_short_cache_reads_from_the_sender_what_its_read_ahead_asks_before_the_sender_read_it() -> None:
+    """Counted over the ranks' own orders, in lockstep: a sample moves to a
+    short cache once its sender's rank has read it at p in epoch e-1; the
+    receiver's rank, W ids ahead, asks for it at L + p' - W."""
+    share = SAMPLES // NODES
+    cache_bytes = (share - 100) * SAMPLE_BYTES
+    sc = scenario("partial", q=0.5, cache_bytes=cache_bytes)
+    traffic = list(simulate(sc, 3))
+    plan, length, window = sc.plan, sc.ids_per_rank, 2 * BATCH
+    before = owners(plan, 0)
+    shipped = moves(plan, 1, before)
+    after = before.copy()
+    after[shipped.ids] = shipped.targets
+    read = np.full(SAMPLES, -1, dtype=np.int64)
+    asked = np.full(SAMPLES, -1, dtype=np.int64)
+    for node in range(NODES):
+        for order in node_orders(plan, 0, node, before):
+            ids, first = np.unique(order, return_index=True)
+            read[ids] = first
+        for order in node_orders(plan, 1, node, after):
+            ids, first = np.unique(order, return_index=True)
+            asked[ids] = length + first - window
+    # Every node holds the same count; a sender ships that fraction of what it owns.
+    loads = np.bincount(before, minlength=NODES)
+    held = (SAMPLES - traffic[1].pfs_bytes // SAMPLE_BYTES) / NODES
+    late = read[shipped.ids] >= asked[shipped.ids]
+    expected = (held / loads[shipped.sources[late]]).sum()
+    assert traffic[1].early_read_bytes > 0
+    assert abs(traffic[1].early_read_bytes / SAMPLE_BYTES - expected) <= NODES  # one rounding per node
+    # None without read-ahead, or in a cache that holds the share and the reserve.
+    no_read_ahead = scenario("partial", q=0.5, cache_bytes=cache_bytes, read_ahead=0)
+    assert [t.early_read_bytes for t in simulate(no_read_ahead, 3)] == [0] * 3
+    assert [t.early_read_bytes for t in simulate(scenario("partial", q=0.5), 3)] == [0] * 3
+    # More read-ahead, more of them.
+    wider = list(simulate(scenario("partial", q=0.5, cache_bytes=cache_bytes, read_ahead=4), 2))[1]
+    assert wider.early_read_bytes > traffic[1].early_read_bytes
 
 
 def test_an_exchange_slower_than_training_spills_into_the_next_epoch() -> None:

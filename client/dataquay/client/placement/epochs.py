@@ -225,6 +225,18 @@ def node_reads(plan: JobPlan, epoch: int, node: int, epoch_owners: np.ndarray | 
     return NodeReads(rank_of, position)
 
 
+def owner_read_positions(plan: JobPlan, epoch: int, epoch_owners: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Each of ``ids``'s position in the order of the rank of its owner in
+    ``epoch`` that reads it then (-1 where none of them does): where a sample
+    stands in its reader's epoch, for the exchange that brings it there."""
+    at = np.full(len(ids), -1, dtype=np.int64)
+    holders = epoch_owners[ids]
+    for node in np.unique(holders).tolist():
+        theirs = holders == node
+        at[theirs] = node_reads(plan, epoch, node, epoch_owners).position[ids[theirs]]
+    return at
+
+
 def locality_epoch(plan: JobPlan, epoch: int, epoch_owners: np.ndarray | None = None) -> LocalityEpoch:
     """Mode ``locality``'s plan of ``epoch``, computed once for every rank's
     order (:meth:`~LocalityEpoch.rank_order`), node's share

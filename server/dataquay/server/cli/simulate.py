@@ -46,6 +46,7 @@ _FLAGS = {
     "exchange_coding": "--exchange-coding",
     "leave_at": "--leave-at",
     "join_at": "--join-at",
+    "read_ahead": "--read-ahead",
 }
 _RATE_FLAGS = ("train_rate", "pfs_bandwidth", "network_bandwidth")
 
@@ -88,6 +89,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Scenario, Rates | None]:
             args.exchange_coding,
             args.leave_at,
             args.join_at,
+            read_ahead=args.read_ahead,
         )
         rates = None
         if given:
@@ -117,6 +119,7 @@ def _epoch_json(
         "network_bytes": traffic.network_bytes,
         "network_percent": 100.0 * traffic.network_bytes / scenario.dataset_bytes,
         "pfs_bytes": traffic.pfs_bytes,
+        "early_read_bytes": traffic.early_read_bytes,
         "sent_bytes_per_node": _spread_json(spread(traffic.sent)),
         "received_bytes_per_node": _spread_json(spread(traffic.received)),
     }
@@ -238,7 +241,7 @@ def _q_text(plan: JobPlan) -> str:
     )
 
 
-def _row(entry: dict[str, Any], coding_column: bool, change_columns: bool) -> list[object]:
+def _row(entry: dict[str, Any], coding_column: bool, change_columns: bool, early_column: bool) -> list[object]:
     sent, received = entry["sent_bytes_per_node"], entry["received_bytes_per_node"]
     row: list[object] = [
         entry["epoch"],
@@ -250,6 +253,7 @@ def _row(entry: dict[str, Any], coding_column: bool, change_columns: bool) -> li
         format_bytes(entry["network_bytes"]),
         f"{entry['network_percent']:.2f}",
         format_bytes(entry["pfs_bytes"]),
+        *([format_bytes(entry["early_read_bytes"])] if early_column else []),
         " / ".join(format_bytes(sent[k]) for k in ("min", "median", "max")),
         " / ".join(format_bytes(received[k]) for k in ("min", "median", "max")),
         f"{max(sent['balance'], received['balance']):.2f}",
@@ -292,12 +296,14 @@ def _print_report(scenario: Scenario, epochs: list[dict[str, Any]], room: JobRoo
         f"{format_bytes(largest.share)} in LMDB{headroom}){given}\n"
     )
     changes = scenario.leave_at is not None or scenario.join_at is not None
+    early = any(entry["early_read_bytes"] for entry in epochs)
     header = [
         "EPOCH",
         *(["NODES", "MOVED", "% MOVED"] if changes else []),
         "NETWORK",
         "% DATA",
         "PFS",
+        *(["READ EARLY"] if early else []),
         "SEND/NODE min/med/max",
         "RECV/NODE min/med/max",
         "BALANCE",
@@ -309,7 +315,12 @@ def _print_report(scenario: Scenario, epochs: list[dict[str, Any]], room: JobRoo
     coding = scenario.exchange_coding != "none"
     if coding:
         header += ["UNCODED", "CODED", "SAVED %"]
-    print_table([_row(entry, coding, changes) for entry in epochs], header)
+    print_table([_row(entry, coding, changes, early) for entry in epochs], header)
+    if early:
+        print(
+            "\nREAD EARLY: what ranks read from a peer before the exchange brought it: a cache short of its share "
+            "takes a sample once its sender's ranks have read it, and the next epoch's read-ahead asks sooner"
+        )
     if coding:
         print(_coding_summary(scenario, epochs))
 
@@ -353,6 +364,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
                 "exchange_coding",
                 "leave_at",
                 "join_at",
+                "read_ahead",
             )
         }
         inputs.update(sample_bytes=scenario.sample_bytes, cache_bytes=scenario.cache_bytes)
@@ -422,6 +434,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=int,
         metavar="EPOCH",
         help="a spare node joins before EPOCH and takes its share from the nodes that held it",
+    )
+    p.add_argument(
+        "--read-ahead",
+        type=int,
+        default=2,
+        metavar="BATCHES",
+        help="batches each rank reads ahead of the one it trains on (default 2, as Dataset.batches): with caches "
+        "short of the share, the next epoch's first reads come before the exchange brings them",
     )
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.set_defaults(func=cmd_simulate)

@@ -25,7 +25,12 @@ the PFS. The model:
   slice of the epoch's permutation, and every id their node does not own comes
   from its owner; ``locality`` moves each global batch's imbalance (a node
   sends its surplus and receives its deficit); ``local`` and ``partial`` read
-  only what their node owns.
+  only what their node owns. A cache short of its share (less the
+  exchange's reserve) takes a sample only once its sender's ranks have read
+  it, so no sample takes room in two short caches; its ranks, reading
+  ``read_ahead`` batches ahead, ask for the first of the next epoch while the
+  senders still read this one, and read from its previous owner each one
+  their sender had not read yet (``early_read_bytes``, with ranks in lockstep).
 - With ``exchange_coding`` (``coded``, ``uber``), the exchange before epoch e
   is the coded one (:mod:`dataquay.server.tools.coded_traffic`): caches keep
   spare copies up to their capacity, a sample already cached at its new owner
@@ -69,13 +74,14 @@ from dataquay.client.placement import (
     epoch_permutation,
     locality_epoch,
     moves,
+    owner_read_positions,
     owners,
     rank_length,
     reform,
 )
 from dataquay.server.node.cluster.healing import healed_holders
 from dataquay.server.node.exchange.coding import SCHEMES
-from dataquay.server.planning.capacity import exchange_staging_limit, stored_bytes
+from dataquay.server.planning.capacity import exchange_reserve, exchange_staging_limit, stored_bytes
 from dataquay.server.tools.coded_traffic import CodedEpoch, CodedExchanges
 
 #: The name of the node that ``Scenario.join_at`` adds: it sorts after
@@ -101,6 +107,8 @@ class Scenario:
         joiner: the name of the node that joins; the default sorts after
             "0".."M-1". The name of the node that left models it coming back
             (a placement hashes names, so it takes the share it had).
+        read_ahead: batches each rank reads ahead of the one it trains on
+            (``Dataset.batches``' default is 2).
 
     Raises:
         ValueError: a field outside its range, named in the message.
@@ -113,6 +121,7 @@ class Scenario:
     leave_at: int | None = None
     join_at: int | None = None
     joiner: str = SPARE
+    read_ahead: int = 2
 
     def __post_init__(self) -> None:
         plan = self.plan
@@ -126,6 +135,8 @@ class Scenario:
             raise ValueError(f"sample_bytes must be at least 1, not {self.sample_bytes}")
         if self.cache_bytes is not None and self.cache_bytes < 0:
             raise ValueError(f"cache_bytes must not be negative, not {self.cache_bytes}")
+        if self.read_ahead < 0:
+            raise ValueError(f"read_ahead must not be negative, not {self.read_ahead}")
         if self.exchange_coding not in SCHEMES:
             raise ValueError(f"exchange_coding must be one of {', '.join(SCHEMES)}, not {self.exchange_coding!r}")
         if self.exchange_coding != "none" and not MODES[plan.settings.mode].owners_move:
@@ -226,6 +237,9 @@ class EpochTraffic:
         moved_bytes: bytes of the samples whose holder a node change before
             this epoch moved, from peers (counted in ``sent``) or the PFS
             (in ``pfs_bytes``); 0 without a change.
+        early_read_bytes: bytes ranks read from a sample's previous owner before
+            the exchange into this epoch delivered it to their short cache
+            (counted in ``sent`` and ``received`` too).
     """
 
     epoch: int
@@ -235,6 +249,7 @@ class EpochTraffic:
     balance: BatchBalance | None
     coding: CodedEpoch | None = None
     moved_bytes: int = 0
+    early_read_bytes: int = 0
 
     @property
     def network_bytes(self) -> int:
@@ -309,6 +324,7 @@ def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
     current = owners(plan, 0)
     loads = np.bincount(current, minlength=plan.num_nodes)
     held = np.minimum(loads, _cache_samples(scenario, loads))
+    short = _short_of_share(scenario, loads)
     reads = _PEER_READS[plan.settings.mode]
     coded = None
     if scenario.exchange_coding != "none":
@@ -322,6 +338,7 @@ def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
             moved, restaged = len(change.ids), int((change.sources < 0).sum())
             loads = np.bincount(current, minlength=plan.num_nodes)
             held = np.minimum(loads, _cache_samples(scenario, loads))
+            short = _short_of_share(scenario, loads)
         sent = np.zeros(plan.num_nodes, dtype=np.int64)
         received = np.zeros(plan.num_nodes, dtype=np.int64)
         if moved:
@@ -329,11 +346,19 @@ def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
             sent += np.bincount(change.sources[peers], minlength=plan.num_nodes)
             received += np.bincount(change.targets[peers], minlength=plan.num_nodes)
         coding = None
+        early = 0
         if epoch and MODES[plan.settings.mode].owners_move:
             shipped = moves(plan, epoch, current)
-            current = current.copy()
+            previous, current = current, current.copy()
             current[shipped.ids] = shipped.targets
             if coded is None:
+                kept = held / np.maximum(loads, 1)
+                early_sent, early_received = _read_before_delivery(
+                    scenario, plan, epoch, (previous, current), shipped, kept, short
+                )
+                sent += early_sent
+                received += early_received
+                early = int(early_received.sum())
                 ships = np.bincount(shipped.sources, minlength=plan.num_nodes) * held / np.maximum(loads, 1)
                 sent += np.rint(ships).astype(np.int64)
                 received += np.rint(
@@ -352,7 +377,7 @@ def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
         received += read_received
         pfs = plan.num_samples if epoch == 0 else int((loads - held).sum()) + restaged
         pfs += coding.coded.pfs_bytes if coding else 0
-        yield EpochTraffic(epoch, sent * size, received * size, pfs * size, balance, coding, moved * size)
+        yield EpochTraffic(epoch, sent * size, received * size, pfs * size, balance, coding, moved * size, early * size)
 
 
 def _reform(before: JobPlan, after: JobPlan, current: np.ndarray, epoch: int) -> tuple[np.ndarray, Moves]:
@@ -414,6 +439,53 @@ def _cache_samples(scenario: Scenario, loads: np.ndarray) -> np.ndarray:
     count = int(min(max(loads.max(), 1), _PAGES_SAMPLE))
     per_sample = stored_bytes(np.full(count, scenario.sample_bytes, dtype=np.int64)) / count
     return np.full(len(loads), max(usable, 0) // per_sample, dtype=np.int64)
+
+
+def _short_of_share(scenario: Scenario, loads: np.ndarray) -> np.ndarray:
+    """Which nodes' caches, less the exchange's reserve, cannot hold what they
+    own: their exchange takes a sample only once its sender's ranks read it
+    (as the receiving daemon tells its senders)."""
+    if scenario.cache_bytes is None:
+        return np.zeros(len(loads), dtype=bool)
+    count = int(min(max(loads.max(), 1), _PAGES_SAMPLE))
+    per_sample = stored_bytes(np.full(count, scenario.sample_bytes, dtype=np.int64)) / count
+    return loads * per_sample > scenario.cache_bytes - exchange_reserve(scenario.cache_bytes)
+
+
+def _read_before_delivery(
+    scenario: Scenario,
+    plan: JobPlan,
+    epoch: int,
+    epoch_owners: tuple[np.ndarray, np.ndarray],
+    shipped: Moves,
+    kept: np.ndarray,
+    short: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Samples per node sent, and received, by peer reads of ``epoch``'s first
+    ids before the exchange delivered them to a short cache.
+
+    With ranks in lockstep, the sender's rank reads a sample at position p of
+    epoch - 1, and the receiver's read-ahead asks for it at its position p'
+    of ``epoch`` less the window, from the start of epoch - 1: L + p' - W. It
+    is read from the sender when p >= L + p' - W, for the ``kept`` fraction of
+    the sender's samples that it ships at all (the rest its new owner reads
+    from the PFS, counted as its excess).
+    """
+    none = np.zeros(plan.num_nodes, dtype=np.int64)
+    window = scenario.read_ahead * plan.settings.batch_size
+    to_short = short[shipped.targets]
+    if not window or not to_short.any():
+        return none, none
+    ids, sources, targets = shipped.ids[to_short], shipped.sources[to_short], shipped.targets[to_short]
+    before, after = epoch_owners
+    read_here = owner_read_positions(plan, epoch - 1, before, ids)
+    read_there = owner_read_positions(plan, epoch, after, ids)
+    late = (read_here >= 0) & (read_there >= 0) & (read_here >= rank_length(plan) + read_there - window)
+    weights = kept[sources] * late
+    return (
+        np.rint(np.bincount(sources, weights=weights, minlength=plan.num_nodes)).astype(np.int64),
+        np.rint(np.bincount(targets, weights=weights, minlength=plan.num_nodes)).astype(np.int64),
+    )
 
 
 _PAGES_SAMPLE = 100_000

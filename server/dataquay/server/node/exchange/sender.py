@@ -52,7 +52,7 @@ import grpc
 import numpy as np
 
 from dataquay.client.jobs import job_plan
-from dataquay.client.placement import MODES, JobPlan, node_reads, rank_length
+from dataquay.client.placement import MODES, node_reads, owner_read_positions, rank_length
 from dataquay.client.wire.status_codes import UNREACHABLE
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import jobs_pb2 as jpb
@@ -514,7 +514,7 @@ class Exchanges:
             return None
         plan = job_plan(job, entry.manifest)
         at = await asyncio.get_running_loop().run_in_executor(
-            None, receivers_positions, plan, after.epoch, after.owners, give
+            None, owner_read_positions, plan, after.epoch, after.owners, give
         )
         return due_positions(at, rank_length(plan))
 
@@ -592,17 +592,6 @@ class Exchanges:
         log.debug(
             "dropped samples given away", extra={"fields": {"job": run.job, "epoch": run.epoch, "samples": removed}}
         )
-
-
-def receivers_positions(plan: JobPlan, epoch: int, epoch_owners: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Each of ``ids``'s position in the order of its owner's rank that reads
-    it in ``epoch`` (-1 where none of them does)."""
-    at = np.full(len(ids), -1, dtype=np.int64)
-    receivers = epoch_owners[ids]
-    for node in np.unique(receivers).tolist():
-        theirs = receivers == node
-        at[theirs] = node_reads(plan, epoch, node, epoch_owners).position[ids[theirs]]
-    return at
 
 
 def due_positions(at: np.ndarray, length: int) -> np.ndarray:
