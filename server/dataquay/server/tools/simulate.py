@@ -435,10 +435,14 @@ def _cache_samples(scenario: Scenario, loads: np.ndarray) -> np.ndarray:
     usable = scenario.cache_bytes
     if MODES[scenario.plan.settings.mode].owners_move:
         usable = exchange_staging_limit(scenario.cache_bytes)
-    # Pages per sample barely depend on the count: a bounded sample of the typical load.
+    return np.full(len(loads), max(usable, 0) // _stored_per_sample(scenario, loads), dtype=np.int64)
+
+
+def _stored_per_sample(scenario: Scenario, loads: np.ndarray) -> float:
+    """The LMDB bytes a sample takes in a node's cache. Pages per sample
+    barely depend on the count: a bounded sample of the typical load."""
     count = int(min(max(loads.max(), 1), _PAGES_SAMPLE))
-    per_sample = stored_bytes(np.full(count, scenario.sample_bytes, dtype=np.int64)) / count
-    return np.full(len(loads), max(usable, 0) // per_sample, dtype=np.int64)
+    return stored_bytes(np.full(count, scenario.sample_bytes, dtype=np.int64)) / count
 
 
 def _short_of_share(scenario: Scenario, loads: np.ndarray) -> np.ndarray:
@@ -447,9 +451,7 @@ def _short_of_share(scenario: Scenario, loads: np.ndarray) -> np.ndarray:
     (as the receiving daemon tells its senders)."""
     if scenario.cache_bytes is None:
         return np.zeros(len(loads), dtype=bool)
-    count = int(min(max(loads.max(), 1), _PAGES_SAMPLE))
-    per_sample = stored_bytes(np.full(count, scenario.sample_bytes, dtype=np.int64)) / count
-    return loads * per_sample > scenario.cache_bytes - exchange_reserve(scenario.cache_bytes)
+    return loads * _stored_per_sample(scenario, loads) > scenario.cache_bytes - exchange_reserve(scenario.cache_bytes)
 
 
 def _read_before_delivery(
