@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -122,10 +123,14 @@ def test_takes_match_a_whole_scan_through_broken_streams_and_read_limits() -> No
 
 
 class Link:
-    """The directory's record of one job, as :class:`Placements` reads it."""
+    """The directory's record of one job, and the capacities it lists, as :class:`Placements` reads them."""
 
-    def __init__(self, job: jpb.Job) -> None:
+    def __init__(self, job: jpb.Job, capacities: dict[str, int] | None = None) -> None:
         self.record = job
+        self.nodes = {
+            name: SimpleNamespace(info=SimpleNamespace(cache_capacity=capacity))
+            for name, capacity in (capacities or {}).items()
+        }
 
     async def job(self, job_id: str) -> jpb.Job:
         return self.record
@@ -155,6 +160,27 @@ def test_a_restarted_daemon_steps_on_from_saved_owners_instead_of_replaying(tmp_
     assert np.array_equal(asyncio.run(restarted.placement("j", entry)).owners, tampered)
     following = asyncio.run(restarted.placement("j", entry, epoch + 1)).owners
     assert np.array_equal(following, owners(job_plan(job, entry.manifest), epoch + 1, tampered))
+
+
+@pytest.mark.parametrize(
+    ("mode", "capacity", "caches"),
+    [("partial", 20_000, False), ("partial", 10_000_000, True), ("partial", 0, True), ("local", 20_000, True)],
+)
+def test_a_cache_short_of_its_share_where_owners_move_caches_no_read_from_the_pfs(
+    tmp_path: Path, mode: str, capacity: int, caches: bool
+) -> None:
+    """Its exchange passes on what it holds: reads cached would grow the short
+    caches' holdings, epoch after epoch, up to where the exchange has no room to move."""
+    root = make_files_dataset(tmp_path / "pfs", 300, sizes=(100,))
+    registry = Registry(tmp_path / "state")
+    registry.load()
+    entry, _ = registry.add("imgs", build_manifest(root), replace=False)
+    spec = job_spec("j", "imgs", mode=mode, q=0.3, nodes=["a", "b", "c"], seed=11, partition="sample")
+    job = jpb.Job(spec=spec, manifest_id=entry.manifest.manifest_id, num_samples=300, epoch=4, created_unix=1.5)
+    placements = Placements(Link(job, {"b": capacity}), "b")  # type: ignore[arg-type]
+    for epoch in (4, 5):
+        placement = asyncio.run(placements.placement("j", entry, epoch))
+        assert placements.caches_pfs_reads(placement, entry) is caches
 
 
 def test_concurrent_asks_for_one_epoch_compute_and_save_it_once(

@@ -148,6 +148,15 @@ def exchange_reserve(capacity: int) -> int:
     return min(EXCHANGE_HEADROOM_BYTES, capacity // 16)
 
 
+def short_of_share(capacity: int, owned_lengths: np.ndarray) -> bool:
+    """Whether a cache of ``capacity`` bytes (0: unbounded), less the
+    exchange's reserve, cannot hold samples of ``owned_lengths``: a node's
+    share of an epoch whose owners move. Such a cache takes in a sample only
+    once its sender's ranks have read it, and keeps no read that the exchange
+    would pass on."""
+    return bool(capacity) and stored_bytes(owned_lengths) > capacity - exchange_reserve(capacity)
+
+
 def exchange_staging_limit(capacity: int) -> int:
     """Bytes of pages a cache fills before inserts that leave room for the
     exchange stop: its capacity less the exchange's reserve and the refill

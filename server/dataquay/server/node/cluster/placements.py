@@ -36,6 +36,7 @@ from dataquay.server.dirs import private_dir, private_opener
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.cluster.directory_link import DirectoryLink
 from dataquay.server.node.cluster.healing import healed_holders
+from dataquay.server.planning.capacity import short_of_share
 from dataquay.server.planning.spill import NO_HOLDER, spill_holders
 from dataquay.server.registry import Registered, Registry
 
@@ -126,6 +127,7 @@ class Placements:
         self._computing: dict[tuple[str, str, int, float, tuple[int, ...], tuple[str, ...]], asyncio.Lock] = {}
         self._saves = itertools.count()
         self._holders: dict[tuple[str, str, float, tuple[int, ...]], np.ndarray] = {}
+        self._short: dict[str, tuple[int, bool]] = {}  # per job: an epoch, and whether this node is short in it
 
     async def placement(self, job_id: str, entry: Registered, epoch: int | None = None) -> Placement:
         """The job's placement for ``epoch`` (default: the job's current epoch).
@@ -221,6 +223,28 @@ class Placements:
                 return None
             kept.append(ids)
         return np.unique(np.concatenate(kept)) if kept else None
+
+    def caches_pfs_reads(self, placement: Placement, entry: Registered) -> bool:
+        """Whether what this node reads from the PFS in ``placement``'s epoch
+        may go into its cache: not where the cache is short of its share (as
+        the directory lists its capacity) in a job whose owners move.
+
+        Such a cache holds what staging filled. The exchange passes on what a
+        cache holds, so every read cached would add to the short caches'
+        holdings, epoch after epoch, up to their capacity, where no exchange
+        has room left to move a sample: it stalls, and ranks read from peers.
+        """
+        if not placement.owners_move or placement.node_index < 0:
+            return True
+        job_id = placement.job.spec.job_id
+        known = self._short.get(job_id)
+        if known is None or known[0] != placement.epoch:
+            capacity = self._capacities(placement.job)[placement.node_index]
+            known = self._short[job_id] = (
+                placement.epoch,
+                short_of_share(capacity, entry.manifest.sample_length[placement.owned()]),
+            )
+        return not known[1]
 
     async def holders(self, job: jpb.Job, entry: Registered, lost: tuple[str, ...]) -> np.ndarray:
         """The holders of a job whose owners never move, with the share of the

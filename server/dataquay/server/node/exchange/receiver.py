@@ -67,7 +67,7 @@ from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.exchange.arrivals import Expected
 from dataquay.server.node.exchange.broker import ExchangeBroker
 from dataquay.server.node.peers.bulk.frames import ExchangeChunk
-from dataquay.server.planning.capacity import exchange_reserve, stored_bytes
+from dataquay.server.planning.capacity import short_of_share, stored_bytes
 from dataquay.server.registry import Registered
 
 log = logging.getLogger("dataquay.exchange")
@@ -310,9 +310,8 @@ class ExchangeReceiver:
         if key not in self._short:
             for old in [k for k in self._short if k[0] == job and k[1] < placement.epoch]:
                 del self._short[old]
-            capacity = self.store.capacity
             owned = entry.manifest.sample_length[placement.owners == placement.node_index]
-            self._short[key] = bool(capacity) and stored_bytes(owned) > capacity - exchange_reserve(capacity)
+            self._short[key] = short_of_share(self.store.capacity, owned)
         return self._short[key]
 
     def _message_bytes(self) -> int:

@@ -70,6 +70,8 @@ log = logging.getLogger("dataquay.overflow")
 Fetched = dict[int, tuple[str, bytes | memoryview, int]]
 #: The placement of a job (by id) over a dataset in a given epoch.
 PlacementOf = Callable[[str, Registered, int], Awaitable[Placement]]
+#: Whether a placement's reads from the PFS may be cached (:meth:`Placements.caches_pfs_reads`).
+CachesReads = Callable[[Placement, Registered], bool]
 
 #: Share of the prefetch budget the overflow may fill; the rest is the transfers'.
 BUDGET_SHARE = 0.75
@@ -164,6 +166,7 @@ class _Epoch:
     cursor: int = 0  # next entry of reads.ahead to consider
     deferring: bool = False  # leaving out what arrived at the epoch before (the ranks are not on this one yet)
     held: dict[int, tuple[bytes, int]] = field(default_factory=dict)  # id -> (cache value, index in reads.ids)
+    caches_reads: bool = True  # whether what it reads may go into the cache
     reading: dict[int, asyncio.Future[None]] = field(default_factory=dict)  # id -> its read in flight
 
     def note(self, ids: np.ndarray) -> None:
@@ -207,14 +210,25 @@ class OverflowPrefetcher:
         store: the node's cache: what it holds is not prefetched.
         pfs: the node's PFS readers.
         placement_of: a job's placement in an epoch.
+        caches_reads: whether an epoch's reads may go into the cache (not
+            in a short cache where owners move).
         spawn: runs a background task owned by the daemon.
         budget: the node's prefetch memory, shared with the transfers.
     """
 
-    def __init__(self, store: Store, pfs: PfsPool, placement_of: PlacementOf, spawn: Spawn, budget: ByteBudget) -> None:
+    def __init__(
+        self,
+        store: Store,
+        pfs: PfsPool,
+        placement_of: PlacementOf,
+        caches_reads: CachesReads,
+        spawn: Spawn,
+        budget: ByteBudget,
+    ) -> None:
         self.store = store
         self.pfs = pfs
         self.placement_of = placement_of
+        self.caches_reads = caches_reads
         self.spawn = spawn
         self.budget = budget
         self.counts = OverflowCounts()
@@ -267,7 +281,7 @@ class OverflowPrefetcher:
         self.budget.give(len(value))
         self.counts.served_samples += 1
         self.counts.served_bytes += len(payload)
-        if not self.store.full:
+        if state.caches_reads and not self.store.full:
             self.store.offer(
                 PendingWrite(job.entry.record.cache_db.encode(), sample_id, value, leaves_room=job.owners_move)
             )
@@ -386,7 +400,8 @@ class OverflowPrefetcher:
             return None
         g = plan.settings.ranks_per_node
         reached, asked = np.full(g, -1, dtype=np.int64), np.zeros(len(reads.ids), dtype=bool)
-        return _Epoch(epoch, reads, g, reached, asked, deferring=epoch > job.latest)
+        caches = self.caches_reads(placement, entry)
+        return _Epoch(epoch, reads, g, reached, asked, deferring=epoch > job.latest, caches_reads=caches)
 
     def _next_chunk(self, job: _Job, state: _Epoch) -> _Chunk | None:
         """The next ids to prefetch: as many as fit in :data:`CHUNK_BYTES`

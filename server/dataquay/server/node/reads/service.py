@@ -147,7 +147,9 @@ class ReadService:
         self.overflow: OverflowPrefetcher | None = None
         if spawn is not None and placements is not None and prefetch_memory > 0:
             self.prefetcher = TransferPrefetcher(self._fetch_transfers, placements.placement, spawn, self.budget)
-            self.overflow = OverflowPrefetcher(store, pfs, placements.placement, spawn, self.budget)
+            self.overflow = OverflowPrefetcher(
+                store, pfs, placements.placement, placements.caches_pfs_reads, spawn, self.budget
+            )
         self._spawn = spawn
         #: Told the cache sub-database of every read (the cache manager's last use).
         self.used: Callable[[str], None] = lambda cache_db: None
@@ -318,13 +320,18 @@ class ReadService:
         self, entry: Registered, placement: Placement | None, values: dict[int, bytes], repair: set[int]
     ) -> None:
         """Queues for the cache the ``values`` read from the PFS that this node
-        keeps: in a job those it owns or holds, every one for no job."""
+        keeps: in a job those it owns or holds, none in a cache short of its
+        share where owners move (:meth:`Placements.caches_pfs_reads`); every
+        one for no job."""
         ids = np.fromiter(values, dtype=np.int64, count=len(values))
         keep = (
             ids
             if placement is None
             else ids[(placement.owners[ids] == placement.node_index) | (placement.holders[ids] == placement.node_index)]
         )
+        if placement is not None and self.placements is not None:
+            if not self.placements.caches_pfs_reads(placement, entry):
+                keep = keep[:0]
         name = entry.record.cache_db.encode()
         staging = self.pfs.claims.staging(entry.record.cache_db)  # it skips what was read here
         for sample_id in keep.tolist():
