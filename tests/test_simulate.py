@@ -112,13 +112,14 @@ def test_capacity_below_a_node_share_reads_the_excess_from_the_pfs_every_epoch(m
 
 def test_a_short_cache_reads_from_the_sender_what_its_read_ahead_asks_before_the_sender_read_it() -> None:
     """Counted over the ranks' own orders, in lockstep: a sample moves to a
-    short cache once its sender's rank has read it at p in epoch e-1; the
-    receiver's rank, W ids ahead, asks for it at L + p' - W."""
+    short cache once its sender's rank has reported it read at p in epoch
+    e-1; the receiver's rank, W ids ahead (two batches read ahead, and the
+    half batch a report trails the reads), asks for it at L + p' - W."""
     share = SAMPLES // NODES
     cache_bytes = (share - 100) * SAMPLE_BYTES
     sc = scenario("partial", q=0.5, cache_bytes=cache_bytes)
     traffic = list(simulate(sc, 3))
-    plan, length, window = sc.plan, sc.ids_per_rank, 2 * BATCH
+    plan, length, window = sc.plan, sc.ids_per_rank, 2 * BATCH + BATCH // 2
     before = owners(plan, 0)
     shipped = moves(plan, 1, before)
     after = before.copy()
@@ -139,13 +140,13 @@ def test_a_short_cache_reads_from_the_sender_what_its_read_ahead_asks_before_the
     expected = (held / loads[shipped.sources[late]]).sum()
     assert traffic[1].early_read_bytes > 0
     assert abs(traffic[1].early_read_bytes / SAMPLE_BYTES - expected) <= NODES  # one rounding per node
-    # None without read-ahead, or in a cache that holds the share and the reserve.
-    no_read_ahead = scenario("partial", q=0.5, cache_bytes=cache_bytes, read_ahead=0)
-    assert [t.early_read_bytes for t in simulate(no_read_ahead, 3)] == [0] * 3
+    # None in a cache that holds the share and the reserve; more read-ahead, more of them.
     assert [t.early_read_bytes for t in simulate(scenario("partial", q=0.5), 3)] == [0] * 3
-    # More read-ahead, more of them.
-    wider = list(simulate(scenario("partial", q=0.5, cache_bytes=cache_bytes, read_ahead=4), 2))[1]
-    assert wider.early_read_bytes > traffic[1].early_read_bytes
+    reads_ahead = [
+        list(simulate(scenario("partial", q=0.5, cache_bytes=cache_bytes, read_ahead=ahead), 2))[1].early_read_bytes
+        for ahead in (0, 2, 4)
+    ]
+    assert reads_ahead[0] < reads_ahead[1] == traffic[1].early_read_bytes < reads_ahead[2]
 
 
 def test_an_exchange_slower_than_training_spills_into_the_next_epoch() -> None:

@@ -18,6 +18,7 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.cli import main as cli_main
+from dataquay.server.node.stager import within_room
 from dataquay.server.planning.capacity import EXCHANGE_HEADROOM_BYTES, node_shares
 from dataquay.server.sizes import format_bytes, parse_size
 from dataquay.server.tools.local_cluster import LocalCluster
@@ -129,3 +130,31 @@ def test_q_leaving_stages_the_job_that_draws_q_over_one_minus_one_over_m(
     err = capsys.readouterr().err
     assert code == 1 and len(err.splitlines()) == 1
     assert "--q-leaving must be in (0, 0.75] with 4 nodes" in err
+
+
+def test_a_short_cache_stages_reading_from_the_pfs_little_more_than_it_caches(
+    cluster: Callable[..., LocalCluster], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Staging reads in the ranks' order only what the room left takes: what
+    it read past a full cache would be read from the PFS for nothing. (The
+    static modes spill what does not fit to other nodes' caches instead.)"""
+    local = cluster(NODES, daemon_args=("--cache-size", "2M"))
+    root = make_files_dataset(tmp_path / "pfs", 128, sizes=(120 << 10,))  # a share of 3.8 MB a node
+    assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
+    out, _ = stage(local, capsys, "tight", "--mode", "partial", "--q", "1")
+    rows = re.findall(r"^(node-\d+)\s+(\d+)/(\d+)\s+(\S+ \S+)\s+(\S+ \S+)\s", out, re.M)
+    assert len(rows) == NODES and out.count("ok, cache full") == NODES
+    for _node, cached, share, cached_bytes, read_bytes in rows:
+        assert 0 < int(cached) < int(share)
+        # Pages take more than the values: what fits by bytes is a few samples more than what fits.
+        assert readable_bytes(cached_bytes) <= readable_bytes(read_bytes) <= 1.1 * readable_bytes(cached_bytes)
+
+
+def test_staging_takes_the_first_samples_by_position_that_the_room_holds() -> None:
+    position = np.array([5, 0, 3, 1, 4, 2], dtype=np.int64)
+    charges = np.array([10, 10, 30, 10, 10, 20], dtype=np.int64)
+    ids = np.array([0, 2, 3, 5], dtype=np.int64)  # by position: 3 (1), 5 (2), 2 (3), 0 (5)
+    assert within_room(ids, position, charges, 30).tolist() == [3, 5]
+    assert within_room(ids, position, charges, 59).tolist() == [3, 5]
+    assert within_room(ids, position, charges, 70).tolist() == [0, 2, 3, 5]
+    assert within_room(ids, position, charges, -5).tolist() == []

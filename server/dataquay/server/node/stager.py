@@ -34,12 +34,14 @@ from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import ReadRange, plan_reads
 from dataquay.client.placement import JobPlan, epoch_permutation, node_orders
+from dataquay.client.wire.records import CHECKSUM_BYTES
 from dataquay.server.node.cache.manager import Admitted
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.cluster.placements import Placement
 from dataquay.server.node.reads.claims import PfsClaims, wait_for
 from dataquay.server.node.reads.pfs import PfsPool
+from dataquay.server.planning.capacity import exchange_staging_limit, refill_margin, stored_bytes
 from dataquay.server.registry import Registered, Registry
 from dataquay.server.sizes import format_bytes
 from dataquay.server.task_group import TaskGroup
@@ -48,6 +50,8 @@ log = logging.getLogger("dataquay.stager")
 
 #: What a run stopped by the daemon's shutdown reports.
 SHUTTING_DOWN = "the daemon is shutting down; stage again to resume"
+#: How far below :func:`stored_bytes` a staging run counts the pages of what it reads.
+CHARGE_MARGIN = 0.03
 
 
 @dataclass
@@ -169,6 +173,27 @@ def permutation_positions(num_samples: int, seed: int) -> np.ndarray:
     position = np.empty(num_samples, dtype=np.int64)
     position[epoch_permutation(num_samples, seed, 0)] = np.arange(num_samples)
     return position
+
+
+def within_room(ids: np.ndarray, position: np.ndarray, charges: np.ndarray, room: int) -> np.ndarray:
+    """The first of ``ids`` by ``position`` whose ``charges`` add up to no
+    more than ``room`` (``charges`` is indexed by sample id): what a staging
+    run reads, so that it reads from the PFS few samples it will find no
+    room for."""
+    order = ids[np.argsort(position[ids], kind="stable")]
+    fits = int(np.searchsorted(np.cumsum(charges[order]), max(room, 0), side="right"))
+    return np.sort(order[:fits])
+
+
+def _charges(manifest: Manifest, ids: np.ndarray) -> np.ndarray:
+    """Per sample id, the cache bytes it takes as staging of ``ids`` counts
+    them: its value's share of the pages :func:`stored_bytes` counts for them
+    all, less :data:`CHARGE_MARGIN`, so that a run reads no less than fits
+    (the count is within a few percent of LMDB's) and stops where the cache
+    says full."""
+    values = manifest.sample_length + CHECKSUM_BYTES
+    pages_per_byte = stored_bytes(manifest.sample_length[ids]) / int(values[ids].sum())
+    return values * (pages_per_byte * (1 - CHARGE_MARGIN))
 
 
 def staging_ranges(manifest: Manifest, ids: np.ndarray, position: np.ndarray) -> list[ReadRange]:
@@ -314,6 +339,15 @@ class Stager:
     def _full(self, leave_room: bool) -> bool:
         return self.store.space.reserve_reached if leave_room else self.store.full
 
+    def _room(self, leave_room: bool) -> int | None:
+        """Bytes staging may still fill: up to the exchange's reserve with
+        ``leave_room``, else up to the refill margin; None for a cache with no capacity."""
+        space = self.store.space
+        if not space.capacity:
+            return None
+        limit = exchange_staging_limit(space.capacity) if leave_room else space.capacity - refill_margin(space.capacity)
+        return limit - space.live_bytes - space.reserved_bytes
+
     async def close(self) -> None:
         """Ends the runs (staging resumes where it stopped when asked again) and starts no more."""
         self._closed = True
@@ -339,8 +373,11 @@ class Stager:
             await self.store.open_dataset(db)
             cached = await self._cached_mask(db, ids)
             progress.found_cached(int(cached.sum()), int(manifest.sample_length[ids[cached]].sum()))
-            self.pfs.claims.reserve(db, claims, ids[~cached], manifest.num_samples)
-            ranges = staging_ranges(manifest, ids[~cached], position)
+            missing = ids[~cached]
+            if (room := self._room(leave_room)) is not None and len(missing):
+                missing = within_room(missing, position, _charges(manifest, missing), room)
+            self.pfs.claims.reserve(db, claims, missing, manifest.num_samples)
+            ranges = staging_ranges(manifest, missing, position)
             name = db.encode()
             taken: list[int] = []
             async for read in self.pfs.stream(dataset, manifest, ranges, self.store.backlog, claims):

@@ -30,7 +30,8 @@ the PFS. The model:
   it, so no sample takes room in two short caches; its ranks, reading
   ``read_ahead`` batches ahead, ask for the first of the next epoch while the
   senders still read this one, and read from its previous owner each one
-  their sender had not read yet (``early_read_bytes``, with ranks in lockstep).
+  their sender had not reported read yet (``early_read_bytes``, with ranks in
+  lockstep; a rank's reported position trails its reads by half a batch).
 - With ``exchange_coding`` (``coded``, ``uber``), the exchange before epoch e
   is the coded one (:mod:`dataquay.server.tools.coded_traffic`): caches keep
   spare copies up to their capacity, a sample already cached at its new owner
@@ -471,12 +472,17 @@ def _read_before_delivery(
     of ``epoch`` less the window, from the start of epoch - 1: L + p' - W. It
     is read from the sender when p >= L + p' - W, for the ``kept`` fraction of
     the sender's samples that it ships at all (the rest its new owner reads
-    from the PFS, counted as its excess).
+    from the PFS, counted as its excess). W is the read-ahead and half a
+    batch: the sender ships what its rank reported read, and a rank reports
+    its position at most every :data:`~dataquay.client.stats.POSITION_REPORT_SECONDS`
+    while it takes a batch's ids at once, so the report trails its reads by
+    half a batch on average.
     """
     none = np.zeros(plan.num_nodes, dtype=np.int64)
-    window = scenario.read_ahead * plan.settings.batch_size
+    batch = plan.settings.batch_size
+    window = scenario.read_ahead * batch + batch // 2
     to_short = short[shipped.targets]
-    if not window or not to_short.any():
+    if not to_short.any():
         return none, none
     ids, sources, targets = shipped.ids[to_short], shipped.sources[to_short], shipped.targets[to_short]
     before, after = epoch_owners
