@@ -177,12 +177,13 @@ def permutation_positions(num_samples: int, seed: int) -> np.ndarray:
 
 def within_room(ids: np.ndarray, position: np.ndarray, charges: np.ndarray, room: int) -> np.ndarray:
     """The first of ``ids`` by ``position`` whose ``charges`` add up to no
-    more than ``room`` (``charges`` is indexed by sample id): what a staging
-    run reads, so that it reads from the PFS few samples it will find no
-    room for."""
+    more than ``room`` (``charges`` is indexed by sample id), and the one
+    after them: what a staging run reads, so that it reads from the PFS few
+    samples it will find no room for, and the cache finds the one it has no
+    room for (it says full from then on, as status shows)."""
     order = ids[np.argsort(position[ids], kind="stable")]
     fits = int(np.searchsorted(np.cumsum(charges[order]), max(room, 0), side="right"))
-    return np.sort(order[:fits])
+    return np.sort(order[: fits + 1])
 
 
 def _charges(manifest: Manifest, ids: np.ndarray) -> np.ndarray:
