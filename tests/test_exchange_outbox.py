@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -123,14 +122,11 @@ def test_takes_match_a_whole_scan_through_broken_streams_and_read_limits() -> No
 
 
 class Link:
-    """The directory's record of one job, and the capacities it lists, as :class:`Placements` reads them."""
+    """The directory's record of one job, and no node listing, as :class:`Placements` reads them."""
 
-    def __init__(self, job: jpb.Job, capacities: dict[str, int] | None = None) -> None:
+    def __init__(self, job: jpb.Job) -> None:
         self.record = job
-        self.nodes = {
-            name: SimpleNamespace(info=SimpleNamespace(cache_capacity=capacity))
-            for name, capacity in (capacities or {}).items()
-        }
+        self.nodes: dict[str, object] = {}
 
     async def job(self, job_id: str) -> jpb.Job:
         return self.record
@@ -177,10 +173,10 @@ def test_a_cache_short_of_its_share_where_owners_move_caches_no_read_from_the_pf
     entry, _ = registry.add("imgs", build_manifest(root), replace=False)
     spec = job_spec("j", "imgs", mode=mode, q=0.3, nodes=["a", "b", "c"], seed=11, partition="sample")
     job = jpb.Job(spec=spec, manifest_id=entry.manifest.manifest_id, num_samples=300, epoch=4, created_unix=1.5)
-    placements = Placements(Link(job, {"b": capacity}), "b")  # type: ignore[arg-type]
+    placements = Placements(Link(job), "b")  # type: ignore[arg-type]
     for epoch in (4, 5):
         placement = asyncio.run(placements.placement("j", entry, epoch))
-        assert placements.caches_pfs_reads(placement, entry) is caches
+        assert placements.caches_pfs_reads(placement, entry, capacity) is caches
 
 
 def test_concurrent_asks_for_one_epoch_compute_and_save_it_once(

@@ -127,7 +127,7 @@ class Placements:
         self._computing: dict[tuple[str, str, int, float, tuple[int, ...], tuple[str, ...]], asyncio.Lock] = {}
         self._saves = itertools.count()
         self._holders: dict[tuple[str, str, float, tuple[int, ...]], np.ndarray] = {}
-        self._short: dict[str, tuple[int, bool]] = {}  # per job: an epoch, and whether this node is short in it
+        self._short: dict[tuple[str, int], bool] = {}  # (job, epoch): whether this node's cache is short of its share
 
     async def placement(self, job_id: str, entry: Registered, epoch: int | None = None) -> Placement:
         """The job's placement for ``epoch`` (default: the job's current epoch).
@@ -224,27 +224,29 @@ class Placements:
             kept.append(ids)
         return np.unique(np.concatenate(kept)) if kept else None
 
-    def caches_pfs_reads(self, placement: Placement, entry: Registered) -> bool:
+    def short_of_share(self, placement: Placement, entry: Registered, capacity: int) -> bool:
+        """Whether this node's cache of ``capacity`` bytes, less the exchange's
+        reserve, cannot hold what it owns in ``placement``'s epoch (worked out
+        once per job and epoch; :func:`~dataquay.server.planning.capacity.short_of_share`)."""
+        key = (placement.job.spec.job_id, placement.epoch)
+        if key not in self._short:
+            for old in [k for k in self._short if k[0] == key[0] and k[1] < placement.epoch - 1]:
+                del self._short[old]
+            owned = entry.manifest.sample_length[placement.owned()]
+            self._short[key] = placement.node_index >= 0 and short_of_share(capacity, owned)
+        return self._short[key]
+
+    def caches_pfs_reads(self, placement: Placement, entry: Registered, capacity: int) -> bool:
         """Whether what this node reads from the PFS in ``placement``'s epoch
-        may go into its cache: not where the cache is short of its share (as
-        the directory lists its capacity) in a job whose owners move.
+        may go into its cache of ``capacity`` bytes: not where the cache is
+        short of its share in a job whose owners move.
 
         Such a cache holds what staging filled. The exchange passes on what a
         cache holds, so every read cached would add to the short caches'
         holdings, epoch after epoch, up to their capacity, where no exchange
         has room left to move a sample: it stalls, and ranks read from peers.
         """
-        if not placement.owners_move or placement.node_index < 0:
-            return True
-        job_id = placement.job.spec.job_id
-        known = self._short.get(job_id)
-        if known is None or known[0] != placement.epoch:
-            capacity = self._capacities(placement.job)[placement.node_index]
-            known = self._short[job_id] = (
-                placement.epoch,
-                short_of_share(capacity, entry.manifest.sample_length[placement.owned()]),
-            )
-        return not known[1]
+        return not (placement.owners_move and self.short_of_share(placement, entry, capacity))
 
     async def holders(self, job: jpb.Job, entry: Registered, lost: tuple[str, ...]) -> np.ndarray:
         """The holders of a job whose owners never move, with the share of the

@@ -67,7 +67,7 @@ from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.exchange.arrivals import Expected
 from dataquay.server.node.exchange.broker import ExchangeBroker
 from dataquay.server.node.peers.bulk.frames import ExchangeChunk
-from dataquay.server.planning.capacity import short_of_share, stored_bytes
+from dataquay.server.planning.capacity import stored_bytes
 from dataquay.server.registry import Registered
 
 log = logging.getLogger("dataquay.exchange")
@@ -114,7 +114,6 @@ class ExchangeReceiver:
         self.bad_checksums = 0
         #: Values refused by the admission rule, by reason (see :mod:`dataquay.server.node.cache.admission`).
         self.refused = dict.fromkeys(REASONS.values(), 0)
-        self._short: dict[tuple[str, int], bool] = {}
         self._readers: set[asyncio.Task[None]] = set()
         self._closing = False
 
@@ -159,7 +158,7 @@ class ExchangeReceiver:
         yield pb.ExchangeReply(
             held=held.tolist(),
             message_bytes=self._message_bytes(),
-            after_reads=self._short_of_share(offer.job, entry, placement),
+            after_reads=self.placements.short_of_share(placement, entry, self.store.capacity),
         )
 
         # Unbounded: the reservations and the sender's window bound it.
@@ -302,17 +301,6 @@ class ExchangeReceiver:
         if placement.epoch > 0:
             before = (await self.placements.placement(offer.job, entry, placement.epoch - 1)).owners
         return Origin(sender, placement.node_index, before, placement.owners)
-
-    def _short_of_share(self, job: str, entry: Registered, placement: Placement) -> bool:
-        """Whether this cache, less the exchange's reserve, cannot hold what this
-        node owns in ``placement``'s epoch (worked out once per job and epoch)."""
-        key = (job, placement.epoch)
-        if key not in self._short:
-            for old in [k for k in self._short if k[0] == job and k[1] < placement.epoch]:
-                del self._short[old]
-            owned = entry.manifest.sample_length[placement.owners == placement.node_index]
-            self._short[key] = short_of_share(self.store.capacity, owned)
-        return self._short[key]
 
     def _message_bytes(self) -> int:
         """A message size that fits this cache's room a few times over: the

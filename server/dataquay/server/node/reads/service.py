@@ -148,7 +148,7 @@ class ReadService:
         if spawn is not None and placements is not None and prefetch_memory > 0:
             self.prefetcher = TransferPrefetcher(self._fetch_transfers, placements.placement, spawn, self.budget)
             self.overflow = OverflowPrefetcher(
-                store, pfs, placements.placement, placements.caches_pfs_reads, spawn, self.budget
+                store, pfs, placements.placement, self._caches_pfs_reads, spawn, self.budget
             )
         self._spawn = spawn
         #: Told the cache sub-database of every read (the cache manager's last use).
@@ -329,9 +329,8 @@ class ReadService:
             if placement is None
             else ids[(placement.owners[ids] == placement.node_index) | (placement.holders[ids] == placement.node_index)]
         )
-        if placement is not None and self.placements is not None:
-            if not self.placements.caches_pfs_reads(placement, entry):
-                keep = keep[:0]
+        if placement is not None and not self._caches_pfs_reads(placement, entry):
+            keep = keep[:0]
         name = entry.record.cache_db.encode()
         staging = self.pfs.claims.staging(entry.record.cache_db)  # it skips what was read here
         for sample_id in keep.tolist():
@@ -345,6 +344,11 @@ class ReadService:
                 ),
                 past_bound=staging,
             )
+
+    def _caches_pfs_reads(self, placement: Placement, entry: Registered) -> bool:
+        """Whether this node's reads from the PFS for ``placement`` may go into
+        its cache (:meth:`Placements.caches_pfs_reads`)."""
+        return self.placements is None or self.placements.caches_pfs_reads(placement, entry, self.store.capacity)
 
     def prefetch(self, job: jpb.Job, transfers: bool = True) -> None:
         """Starts prefetching for this node's ranks the overflow of ``job``
