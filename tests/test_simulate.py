@@ -191,6 +191,7 @@ def test_table_warns_when_the_exchange_cannot_hide_inside_an_epoch() -> None:
         (("--sample-bytes", "big"), "--sample-bytes"),
         (("--train-rate", "100"), "--pfs-bandwidth"),
         (("--exchange-coding", "uber"), "--exchange-coding"),
+        (("--read-ahead", "-1"), "--read-ahead"),
     ],
 )
 def test_bad_settings_exit_1_with_one_line_naming_the_flag(
