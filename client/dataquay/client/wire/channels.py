@@ -5,6 +5,7 @@ Defaults are gRPC's unless a comment says why not.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -51,6 +52,20 @@ def channel_options() -> list[tuple[str, int | str]]:
         ("grpc.max_reconnect_backoff_ms", 2_000),
         ("grpc.enable_retries", 0),
     ]
+
+
+def closed_under_the_call() -> bool:
+    """Whether the ``asyncio.CancelledError`` being handled says the call's
+    channel was closed, not that the task making the call was cancelled.
+
+    Closing a grpc.aio channel ends every call still on it with
+    ``CancelledError``, as if its task had been cancelled. A client that moves
+    to another replica or endpoint and closes the old channel would otherwise
+    end, silently and for good, every background loop whose call was in
+    flight there: such a call is made again on the new channel instead.
+    """
+    task = asyncio.current_task()
+    return task is not None and not task.cancelling()
 
 
 def server_options() -> list[tuple[str, int | str]]:

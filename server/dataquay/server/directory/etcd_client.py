@@ -11,6 +11,13 @@ made again on the next one, once round all of them, then fails with
 cause. A call that reached etcd and was refused (a bad request) is not
 repeated. Every call has a deadline, so an etcd that hangs is an outage, not
 a hung directory.
+
+The calls and streams of all the store's tasks share one channel, closed
+when one of them moves to the next endpoint: a call cut off by that is made
+again on the new endpoint, and a stream ends with
+:class:`~dataquay.server.errors.DirectoryUnavailableError` for its loop to
+open again (see :func:`~dataquay.client.wire.channels.closed_under_the_call`);
+otherwise the store's watch, keep-alive or writer task would end for good.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import TypeVar
 
 import grpc
 
+from dataquay.client.wire.channels import closed_under_the_call
 from dataquay.protos import etcd_rpc_pb2 as epb
 from dataquay.protos import etcd_rpc_pb2_grpc as egrpc
 from dataquay.server.errors import DirectoryUnavailableError
@@ -29,6 +37,7 @@ from dataquay.server.errors import DirectoryUnavailableError
 log = logging.getLogger("dataquay.directory")
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 #: Deadline of one unary call to etcd: a loaded etcd (or replica) answers a
 #: transaction of 64 nodes in well under it; a partitioned one costs a change this long per endpoint.
@@ -88,20 +97,22 @@ class EtcdClient:
         Raises:
             DirectoryUnavailableError: no endpoint answered.
         """
-        last: grpc.aio.AioRpcError | None = None
+        cause = ""
         for _ in range(len(self.endpoints)):
             channel = self.channel()
             try:
                 return await make(channel)
+            except asyncio.CancelledError:
+                if not closed_under_the_call():
+                    raise
+                cause = "its channel was closed as another call moved to the next endpoint"  # follow it
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _RETRIED:
                     raise
-                last = exc
+                cause = f"{exc.code().name} {exc.details() or ''}".rstrip()
                 await self.reconnect(channel)
-        assert last is not None
         raise DirectoryUnavailableError(
-            f"the directory's etcd store ({', '.join(self.endpoints)}) does not answer: "
-            f"{last.code().name} {last.details() or ''}".rstrip()
+            f"the directory's etcd store ({', '.join(self.endpoints)}) does not answer: {cause}"
         )
 
     async def range_prefix(self, prefix: bytes, revision: int = 0) -> epb.RangeResponse:
@@ -136,24 +147,24 @@ class EtcdClient:
         self, channel: grpc.aio.Channel, leases: asyncio.Queue[int]
     ) -> AsyncIterator[epb.LeaseKeepAliveResponse]:
         """Renews each lease put on ``leases`` through one stream on ``channel``, yielding
-        etcd's answers (TTL 0 or below: the lease is gone). Ends with an RpcError when it breaks."""
+        etcd's answers (TTL 0 or below: the lease is gone). Ends with an RpcError when it
+        breaks, or DirectoryUnavailableError when its channel is closed."""
 
         async def requests() -> AsyncIterator[epb.LeaseKeepAliveRequest]:
             while True:
                 yield epb.LeaseKeepAliveRequest(ID=await leases.get())
 
         call = egrpc.LeaseStub(channel).LeaseKeepAlive(requests())
-        try:
-            async for reply in call:
-                yield reply
-        finally:
-            call.cancel()
+        reply: epb.LeaseKeepAliveResponse
+        async for reply in _stream(call):
+            yield reply
 
     async def watch(
         self, channel: grpc.aio.Channel, prefix: bytes, start_revision: int
     ) -> AsyncIterator[epb.WatchResponse]:
         """The changes under ``prefix`` from ``start_revision`` on, as etcd sends them on ``channel``.
-        Ends with an RpcError when the stream breaks, or a response with ``canceled``
+        Ends with an RpcError when the stream breaks, DirectoryUnavailableError when its
+        channel is closed, or a response with ``canceled``
         (its ``compact_revision`` set when the revision was compacted away)."""
         create = epb.WatchCreateRequest(
             key=prefix, range_end=prefix_end(prefix), start_revision=start_revision, progress_notify=True
@@ -164,16 +175,29 @@ class EtcdClient:
             await asyncio.Event().wait()  # the stream stays open until cancelled
 
         call = egrpc.WatchStub(channel).Watch(requests())
-        try:
-            async for reply in call:
-                yield reply
-        finally:
-            call.cancel()
+        reply: epb.WatchResponse
+        async for reply in _stream(call):
+            yield reply
 
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
+
+
+async def _stream(call: grpc.aio.StreamStreamCall[T, U]) -> AsyncIterator[U]:
+    """The replies of a stream, which is cancelled when its reader stops."""
+    try:
+        async for reply in call:
+            yield reply
+    except asyncio.CancelledError:
+        if not closed_under_the_call():
+            raise
+        raise DirectoryUnavailableError(
+            "the etcd stream's channel was closed: another call moved to the next endpoint"
+        ) from None
+    finally:
+        call.cancel()
 
 
 def put(key: bytes, value: bytes, lease: int = 0) -> epb.RequestOp:

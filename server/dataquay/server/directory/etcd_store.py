@@ -567,8 +567,8 @@ class EtcdStore:
                         self._my_lease = 0
                     if reply.TTL <= 0 and reply.ID == self._node_lease:
                         self._node_lease = 0  # etcd deleted its up keys: the watch marks those nodes down
-            except grpc.aio.AioRpcError as exc:
-                log.debug("etcd keep-alive broke", extra={"fields": {"error": exc.code().name}})
+            except (grpc.aio.AioRpcError, DirectoryUnavailableError) as exc:
+                log.debug("etcd keep-alive broke", extra={"fields": {"error": str(exc)}})
                 await self.client.reconnect(channel)
             await asyncio.sleep(RECONNECT_SECONDS)
 

@@ -33,7 +33,7 @@ from typing import TypeVar
 import grpc
 
 from dataquay.client.jobs import check_epoch_ahead
-from dataquay.client.wire.channels import channel_options
+from dataquay.client.wire.channels import channel_options, closed_under_the_call
 from dataquay.client.wire.security import Credentials
 from dataquay.client.wire.status_codes import UNREACHABLE, error_from_rpc
 from dataquay.protos import cache_pb2 as pb
@@ -174,6 +174,10 @@ class DirectoryLink:
                     )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_SECONDS[1])
+            except asyncio.CancelledError:
+                if not closed_under_the_call():
+                    raise
+                # A call elsewhere moved to the next replica: beat there.
             except (grpc.aio.AioRpcError, OSError, DataquayError) as exc:
                 if await self._fail_over(self.stub):
                     continue
@@ -337,6 +341,9 @@ class DirectoryLink:
             await self._list_nodes(whole=True)
         except grpc.aio.AioRpcError:
             pass
+        except asyncio.CancelledError:
+            if not closed_under_the_call():
+                raise
 
     async def _list_nodes(self, whole: bool = False) -> None:
         """Brings :attr:`nodes` up to date: by the changes since its version, or ``whole``."""
@@ -458,13 +465,12 @@ class DirectoryLink:
         """The dataset's record and manifest bytes, from the directory."""
         request = pb.GetDatasetRequest(name=name)
         info = await self._call(lambda stub: stub.GetDataset(request, timeout=CALL_TIMEOUT_SECONDS))
-        chunks: list[bytes] = []
-        try:
-            async for chunk in self.stub.GetManifest(request, timeout=10 * CALL_TIMEOUT_SECONDS):
-                chunks.append(chunk.data)
-        except grpc.aio.AioRpcError as exc:
-            raise _relayed(exc) from None
-        return info, b"".join(chunks)
+
+        async def manifest(stub: directory_pb2_grpc.DirectoryStub) -> bytes:
+            chunks = stub.GetManifest(request, timeout=10 * CALL_TIMEOUT_SECONDS)
+            return b"".join([chunk.data async for chunk in chunks])
+
+        return info, await self._call(manifest)
 
     async def datasets(self) -> list[pb.DatasetInfo]:
         reply = await self._call(lambda stub: stub.ListDatasets(pb.ListDatasetsRequest(), timeout=CALL_TIMEOUT_SECONDS))
@@ -483,6 +489,9 @@ class DirectoryLink:
             stub = self.stub
             try:
                 return await call(stub)
+            except asyncio.CancelledError:
+                if not closed_under_the_call():
+                    raise
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in UNREACHABLE or not await self._fail_over(stub):
                     raise _relayed(exc) from None
