@@ -135,15 +135,15 @@ def test_the_wheel_carries_the_deploy_files_and_a_short_description_with_classif
     assert 200 < len(description) < 2000 and re.findall(r"\]\((?!https?://)", description) == []
 
 
-def test_python_m_dataquay_runs_the_command_from_the_wheel_and_from_the_clone(
+def test_python_m_dataquay_and_its_version_from_the_wheel_and_from_the_clone(
     wheel_without_compiler: Path, tmp_path: Path
 ) -> None:
     with zipfile.ZipFile(wheel_without_compiler) as archive:
         names = archive.namelist()
         archive.extractall(tmp_path / "installed")
-    # The namespace holds one module and no __init__.py: dataquay stays a PEP 420 namespace.
-    assert "dataquay/__main__.py" in names and not [
-        n for n in names if re.fullmatch(r"dataquay/[^/]+", n) and n != "dataquay/__main__.py"
+    assert sorted(n for n in names if re.fullmatch(r"dataquay/[^/]+", n)) == [
+        "dataquay/__init__.py",
+        "dataquay/__main__.py",
     ]
     # -S: the dependencies from this environment, but not its editable dataquay.
     from_wheel = subprocess.run(
@@ -155,13 +155,18 @@ def test_python_m_dataquay_runs_the_command_from_the_wheel_and_from_the_clone(
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "installed"), *site.getsitepackages()])},
     )
     assert (from_wheel.returncode, from_wheel.stdout) == (0, "dataquay 0.1.0\n"), from_wheel.stderr
-    # The editable install of the clone (make's .venv), run away from the repository.
-    script = "import runpy, dataquay; print(dataquay.__path__[0]); runpy.run_module('dataquay', run_name='__main__')"
+    # The editable install of the clone (make's .venv), run away from the repository:
+    # the package is server/'s folder, and the protos' and client's folders are its too.
+    script = (
+        "import runpy, dataquay, dataquay.client, dataquay.protos\n"
+        "print(dataquay.__path__[0], dataquay.__version__)\n"
+        "runpy.run_module('dataquay', run_name='__main__')"
+    )
     from_clone = subprocess.run(
         [sys.executable, "-c", script, "--version"], capture_output=True, text=True, timeout=60, cwd=tmp_path
     )
     assert from_clone.returncode == 0, from_clone.stderr
-    assert from_clone.stdout.splitlines() == [str(REPO / "server" / "dataquay"), "dataquay 0.1.0"]
+    assert from_clone.stdout.splitlines() == [f"{REPO / 'server' / 'dataquay'} 0.1.0", "dataquay 0.1.0"]
 
 
 def _floor(requirements: list[str], name: str) -> str:
