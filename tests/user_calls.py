@@ -83,6 +83,13 @@ def read_client(addr: str, name: str, ids: list[int]) -> dict[str, Any]:
         return outcome(lambda: digests(client.dataset(name).get_batch(ids)))
 
 
+def trainer(addr: str, name: str, ids: list[int]) -> dict[str, Any]:
+    """A trainer's read, with the tiers its client read from."""
+    with dq.connect(addr, timeout=10) as client:
+        read = outcome(lambda: digests(client.dataset(name).get_batch(ids)))
+        return {**read, "samples": client.stats().samples}
+
+
 def prep_spec(group: str, dataset: str, batch_size: int) -> pb.PrepGroupSpec:
     return pb.PrepGroupSpec(
         group=group,
@@ -168,6 +175,8 @@ def main() -> None:
                 "segment": read_segment(args.addr, "", a[0], ids),
                 "client": read_client(args.addr, a[0], ids),
             }
+        elif args.command == "trainer":
+            result = trainer(args.addr, a[0], [int(i) for i in a[1:]])
         elif args.command == "prep":
             groups = [(group, int(batch)) for group, _, batch in (arg.partition(":") for arg in a[1:])]
             result = {

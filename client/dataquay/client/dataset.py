@@ -204,7 +204,7 @@ class Dataset(Sequence[bytes]):
         local = self._local.get()
         if local is None:
             with self._remote.notices.trainer_reading():
-                fetched = self._read_remote(self._check_ids(ids))
+                fetched = self._read_remote(self._check_ids(ids), looked_up=False)
             self._served(0, 0, started)
             yield [memoryview(value) for value in fetched]
             return
@@ -545,7 +545,7 @@ class Dataset(Sequence[bytes]):
         started = time.perf_counter()
         local = self._local.get()
         if local is None:
-            out = self._read_remote(self._check_ids(ids), epoch, copy)
+            out = self._read_remote(self._check_ids(ids), epoch, copy, looked_up=False)
             self._served(0, 0, started)
             return out
         found = local.get_many(self._db, self._keys(ids), self._client.verify)
@@ -576,8 +576,12 @@ class Dataset(Sequence[bytes]):
         positions = [i for i, value in enumerate(found) if value is None]
         return zip(positions, self._read_remote(self._check_ids(ids)[positions], epoch, copy))
 
-    def _read_remote(self, ids: np.ndarray, epoch: int | None = None, copy: bool = True) -> list[bytes]:
-        return self._remote.read(self, ids, epoch, copy=copy) if len(ids) else []
+    def _read_remote(
+        self, ids: np.ndarray, epoch: int | None = None, copy: bool = True, looked_up: bool = True
+    ) -> list[bytes]:
+        """``ids`` through the miss path; ``looked_up`` False: the local cache
+        could not be read here, so they are not known to be misses."""
+        return self._remote.read(self, ids, epoch, copy=copy, looked_up=looked_up) if len(ids) else []
 
     def _served(self, local_hits: int, local_bytes: int, started: float) -> None:
         """Counts a call's local hits and data wait; reports the counters when a report is due."""

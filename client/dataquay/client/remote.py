@@ -98,14 +98,20 @@ class RemoteReader:
         """Whether the daemon was found unreachable and its retry time has not come."""
         return self._health.down
 
-    def read(self, dataset: Dataset, ids: np.ndarray, epoch: int | None = None, *, copy: bool = True) -> list[bytes]:
+    def read(
+        self, dataset: Dataset, ids: np.ndarray, epoch: int | None = None, *, copy: bool = True, looked_up: bool = True
+    ) -> list[bytes]:
         """Samples the local cache lacks, in order: read here from the PFS (a
         read for no job), from the daemon, or from the PFS while the daemon is
         unreachable. ``epoch`` names the job's epoch they are read for
         (default: the job's current one). ``copy=False``: the daemon's
         payloads are read-only memoryviews into the shared memory segment
-        they arrived in (see :meth:`SegmentPool.lend`), not copies."""
-        if self._reads_own(dataset):
+        they arrived in (see :meth:`SegmentPool.lend`), not copies.
+        ``looked_up`` False: this process cannot read the local cache (another
+        user's daemon, a daemon across the network), so the samples may well
+        be cached there: they go to the daemon, which reads the PFS only for
+        what it lacks."""
+        if looked_up and self._reads_own(dataset):
             try:
                 return self._read_own(dataset, ids)
             except PfsReadError as exc:

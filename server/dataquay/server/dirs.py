@@ -8,6 +8,7 @@ open to others by a umask of 022.
 
 from __future__ import annotations
 
+import grp
 import os
 import stat
 from pathlib import Path
@@ -58,3 +59,34 @@ def private_opener(path: str, flags: int) -> int:
     fd = os.open(path, flags, FILE_MODE)
     os.fchmod(fd, FILE_MODE)
     return fd
+
+
+def enterable_by_group(st: os.stat_result, gid: int) -> bool:
+    """Whether the members of ``gid`` may enter a directory of this stat (as
+    members, not as its owner)."""
+    mode = stat.S_IMODE(st.st_mode)
+    return bool(mode & stat.S_IXOTH or (st.st_gid == gid and mode & stat.S_IXGRP))
+
+
+def share_with_group(directory: Path, files: tuple[str, ...], writable: tuple[str, ...], group: str) -> str | None:
+    """Gives ``directory`` and its ``files`` to ``group`` ("": the process's own
+    group): the directory 0750, the files 0640, those of ``writable`` 0660.
+    Returns why the group still cannot reach them (a directory above it that
+    its members cannot enter), or None.
+
+    Raises:
+        OSError: the group cannot be given (this process is not a member).
+        KeyError: no such group.
+    """
+    gid = grp.getgrnam(group).gr_gid if group else os.getegid()
+    os.chown(directory, -1, gid)
+    directory.chmod(DIR_MODE)
+    for name in files:
+        os.chown(directory / name, -1, gid)
+        (directory / name).chmod(FILE_MODE | (stat.S_IWGRP if name in writable else 0))
+    for above in directory.resolve().parents:
+        st = above.stat()
+        if not enterable_by_group(st, gid):
+            mode = stat.S_IMODE(st.st_mode)
+            return f"{above} (mode {mode:04o}, gid {st.st_gid}) cannot be entered by gid {gid}"
+    return None

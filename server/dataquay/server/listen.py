@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 
+from dataquay.server.dirs import enterable_by_group
 from dataquay.server.errors import StartupError
 
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
@@ -128,9 +129,9 @@ def group_entry_problem(directory: Path, group: str) -> str | None:
     except KeyError:
         return None  # giving the socket to it fails the start, naming the group
     st = directory.stat()
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & stat.S_IXOTH or (st.st_gid == gid and mode & stat.S_IXGRP):
+    if enterable_by_group(st, gid):
         return None
+    mode = stat.S_IMODE(st.st_mode)
     return (
         f"socket dir {directory} (mode {mode:04o}, gid {st.st_gid}) cannot be entered by group {group}; "
         f"chgrp {group} {directory} && chmod 0750 {directory}, or remove it for the daemon to create"

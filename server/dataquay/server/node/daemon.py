@@ -33,6 +33,7 @@ from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server import __version__
 from dataquay.server.auth import ServerCredentials, new_server, server_tls
 from dataquay.server.config import MULTICAST_POOL, DaemonConfig
+from dataquay.server.dirs import share_with_group
 from dataquay.server.errors import DataquayError, NodeNameTakenError, StartupError
 from dataquay.server.http_server import HttpServer, metrics_handler
 from dataquay.server.lifecycle import ServerLifecycle, write_ready_file
@@ -46,6 +47,7 @@ from dataquay.server.listen import (
     remove_own_socket,
     socket_identity,
 )
+from dataquay.server.node.cache.file import DATA_FILE, LMDB_LOCK_FILE
 from dataquay.server.node.cache.manager import STAGING, CacheManager
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.client_stats import ClientStatsBook
@@ -332,6 +334,26 @@ class Daemon(ServerLifecycle):
                 shutil.chown(sock, group=self.config.socket_group)
             except (LookupError, OSError) as exc:
                 raise StartupError(f"cannot give socket {sock} to group {self.config.socket_group!r}: {exc}") from exc
+        self._share_cache()
+
+    def _share_cache(self) -> None:
+        """Gives the cache to the socket's group when every caller is trusted as
+        the daemon's own user: its trainers then read local hits from the map
+        in their own processes, as the daemon's user does (an LMDB reader takes
+        a slot in the lock file, which the group may therefore write). Callers
+        told apart keep out of the map: it holds every user's samples."""
+        apart = self.access.apart
+        group = "" if apart else self.config.socket_group
+        try:
+            writable = () if apart else (LMDB_LOCK_FILE,)
+            problem = share_with_group(self.store.path, (DATA_FILE, LMDB_LOCK_FILE), writable, group)
+        except (LookupError, OSError) as exc:
+            problem = f"cannot give the cache to group {group!r}: {exc}"
+        if problem and group:
+            log.warning(
+                "the socket's group reads every sample through the daemon",
+                extra={"fields": {"cache_dir": str(self.store.path), "reason": problem}},
+            )
 
     def _open_segment_socket(self, sock: Path) -> None:
         """Takes sealed memfd segments next to ``sock`` where this kernel can

@@ -41,6 +41,8 @@ log = logging.getLogger("dataquay.store")
 
 MiB = 1 << 20
 DATA_FILE = "data.mdb"
+#: LMDB's lock file: a reader takes a slot in it, so a reader must be able to write it.
+LMDB_LOCK_FILE = "lock.mdb"
 #: Named sub-databases: one per registered dataset (replaced ones are dropped), and the meta data.
 MAX_DBS = 1024 + 1
 #: Reader slots shared by the daemon and every client process on the node.
@@ -221,7 +223,7 @@ class CacheFile:
                 self._env.close()
                 self.writemap = False
                 self._env = self._open_env(max(existing, min(capacity, INITIAL_MAP)))
-            for name in (DATA_FILE, "lock.mdb"):
+            for name in (DATA_FILE, LMDB_LOCK_FILE):
                 if existing:
                     close_to_others(self.path / name)
                 else:
