@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+
 import pytest
 
 from dataquay.server.cli import main
@@ -74,3 +78,17 @@ def test_serve_help_shows_its_headings(capsys: pytest.CaptureFixture[str]) -> No
         "security:",
         "metrics and logs:",
     ]
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly() -> None:
+    """`dataquay ... | head`: no traceback, the status a tool killed by SIGPIPE has."""
+    command = [sys.executable, "-m", "dataquay", "simulate", "--nodes", "4", "--samples", "10000"]
+    command += ["--sample-bytes", "1K", "--per-rank-batch", "4", "--ranks-per-node", "1", "--mode", "global"]
+    command += ["--epochs", "1500"]  # a table far larger than a pipe's buffer
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        assert process.stdout is not None and process.stderr is not None
+        process.stdout.readline()
+        process.stdout.close()
+        stderr = process.stderr.read().decode()
+        assert process.wait(timeout=60) == 128 + signal.SIGPIPE
+    assert stderr == ""

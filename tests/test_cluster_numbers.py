@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from dataquay.client.connection import DaemonConnection
 from dataquay.protos import cache_pb2, jobs_pb2
 from dataquay.server.cli import main as cli_main
 from dataquay.server.sizes import format_bytes
@@ -65,6 +66,16 @@ def conforms(value: Any, message: Descriptor, where: str) -> None:
                     assert one == one.lower() and "_" not in one.split("_")[0], f"{where}.{f.name}: {one}"
 
 
+def dataset_info(address: str) -> cache_pb2.DatasetInfo:
+    connection = DaemonConnection(address)
+    try:
+        request = cache_pb2.GetDatasetRequest(name="shards")
+        info: cache_pb2.DatasetInfo = connection.call("GetDataset", lambda stub: stub.GetDataset(request))
+        return info
+    finally:
+        connection.close()
+
+
 def pfs_read_bytes(url: str) -> int:
     with urllib.request.urlopen(url, timeout=10) as reply:
         (value,) = re.findall(r"^dataquay_pfs_read_bytes_total (\S+)$", reply.read().decode(), re.M)
@@ -84,13 +95,25 @@ def test_stage_job_names_each_nodes_pfs_bytes_as_its_metrics_and_status_json_is_
     out = capsys.readouterr().out
     assert code == 0, out
 
-    rows = dict(re.findall(r"^(node-\d+)\s+\d+/\d+\s+\S+ \S+\s+(\S+ \S+)\s", out, re.M))
+    rows = {
+        name: (cached, read)
+        for name, cached, read in re.findall(r"^(node-\d+)\s+\d+/\d+\s+(\S+ \S+)\s+(\S+ \S+)\s", out, re.M)
+    }
     assert len(rows) == NODES, out
     for index, daemon in enumerate(local.daemons):
         read = pfs_read_bytes(daemon.metrics_url)
-        assert read > 0 and rows[node_name(index)] == format_bytes(read), (index, out)
+        assert read > 0 and rows[node_name(index)][1] == format_bytes(read), (index, out)
     total = sum(pfs_read_bytes(d.metrics_url) for d in local.daemons)
     assert f"; {format_bytes(total)} read from the PFS" in out
+    # CACHED is what `dataset show` says each node holds: samples as trainers
+    # read them, not their spans in the tar files (headers included).
+    held = 0
+    for index, daemon in enumerate(local.daemons):
+        assert cli_main(["dataset", "show", "shards", "--addr", daemon.address]) == 0
+        shown = re.search(r"^cached\s+\d+ samples, (\S+ \S+) \(", capsys.readouterr().out, re.M)
+        assert shown and rows[node_name(index)][0] == shown[1], (index, out)
+        held += dataset_info(daemon.address).cached_bytes
+    assert f"/{SAMPLES} samples cached, {format_bytes(held)};" in out
 
     assert cli_main(["status", "--json", "--directory", local.directory_address]) == 0
     document = json.loads(capsys.readouterr().out)

@@ -64,9 +64,9 @@ def node(request: pytest.FixtureRequest) -> Iterator[tuple[str, DaemonProcess, P
 
 
 def trainer_reads(daemon: DaemonProcess, gid: int, name: str, ids: list[int]) -> dict[str, object]:
+    as_trainer = ["setpriv", f"--reuid={TRAINER}", f"--regid={TRAINER}", f"--groups={gid}"]
     done = subprocess.run(
-        ["setpriv", f"--reuid={TRAINER}", f"--regid={TRAINER}", f"--groups={gid}", sys.executable, str(CALLS)]
-        + ["--addr", daemon.address, "trainer", name, *map(str, ids)],
+        [*as_trainer, sys.executable, str(CALLS), "--addr", daemon.address, "trainer", name, *map(str, ids)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -125,3 +125,8 @@ def test_a_stage_the_cache_cannot_hold_reports_what_the_cache_holds(
     assert 0 < held < 400
     assert int(cached[1]) == int(cached[2]) == held
     assert "cache full, the rest will be read from the PFS" in staged
+    # The cache that staging found full is full in status, --json and metrics too.
+    status = cli("status", "--addr", daemon.address).stdout
+    assert re.search(r"^node \S+: cache .* entries \(full\)$", status, re.M), status
+    assert json.loads(cli("status", "--json", "--addr", daemon.address).stdout)["cache_full"] is True
+    assert metric(daemon, "dataquay_cache_full") == {"": 1.0}

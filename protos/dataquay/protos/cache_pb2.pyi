@@ -228,7 +228,7 @@ class StageRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., seed: _Optional[int] = ..., job: _Optional[str] = ...) -> None: ...
 
 class StageProgress(_message.Message):
-    __slots__ = ("dataset", "total_samples", "done_samples", "skipped_samples", "total_bytes", "done_bytes", "read_bytes", "elapsed_seconds", "finished", "cache_full", "error", "failed_samples", "first_failure", "node", "held_for_others", "admission_need_bytes", "admission_fit_bytes", "evictions")
+    __slots__ = ("dataset", "total_samples", "done_samples", "skipped_samples", "total_bytes", "done_bytes", "read_bytes", "elapsed_seconds", "finished", "cache_full", "error", "failed_samples", "first_failure", "node", "held_for_others", "admission_need_bytes", "admission_fit_bytes", "evictions", "cached_bytes")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     DONE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,7 @@ class StageProgress(_message.Message):
     ADMISSION_NEED_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_FIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     total_samples: int
     done_samples: int
@@ -265,7 +266,8 @@ class StageProgress(_message.Message):
     admission_need_bytes: int
     admission_fit_bytes: int
     evictions: _containers.RepeatedCompositeFieldContainer[CacheEviction]
-    def __init__(self, dataset: _Optional[str] = ..., total_samples: _Optional[int] = ..., done_samples: _Optional[int] = ..., skipped_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., done_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., cache_full: _Optional[bool] = ..., error: _Optional[str] = ..., failed_samples: _Optional[int] = ..., first_failure: _Optional[str] = ..., node: _Optional[str] = ..., held_for_others: _Optional[int] = ..., admission_need_bytes: _Optional[int] = ..., admission_fit_bytes: _Optional[int] = ..., evictions: _Optional[_Iterable[_Union[CacheEviction, _Mapping]]] = ...) -> None: ...
+    cached_bytes: int
+    def __init__(self, dataset: _Optional[str] = ..., total_samples: _Optional[int] = ..., done_samples: _Optional[int] = ..., skipped_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., done_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., elapsed_seconds: _Optional[float] = ..., finished: _Optional[bool] = ..., cache_full: _Optional[bool] = ..., error: _Optional[str] = ..., failed_samples: _Optional[int] = ..., first_failure: _Optional[str] = ..., node: _Optional[str] = ..., held_for_others: _Optional[int] = ..., admission_need_bytes: _Optional[int] = ..., admission_fit_bytes: _Optional[int] = ..., evictions: _Optional[_Iterable[_Union[CacheEviction, _Mapping]]] = ..., cached_bytes: _Optional[int] = ...) -> None: ...
 
 class CacheHolding(_message.Message):
     __slots__ = ("cache_db", "datasets", "bytes", "samples", "last_use_unix", "uid", "pinned_by")

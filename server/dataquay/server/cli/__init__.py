@@ -10,6 +10,8 @@ Exit codes: 0 success, 1 the operation failed (one line on stderr says why),
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -42,4 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`dataquay status | head`): end as a tool killed by
+        # SIGPIPE would, quietly, with nothing left to flush into the closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     return 0

@@ -235,6 +235,7 @@ def _print_node_status(stats: pb.StatsReply, info: pb.InfoReply) -> None:
     )
     # The ports are the OS's pick by default (one user's daemon beside another's): say which.
     print(f"listening on {info.tcp_address}, metrics http://{info.metrics_address}/metrics")
+    print("reads this daemon served (to trainers' misses and to other daemons):")
     print_table(
         [(tier, t.samples, f"{100 * t.samples / total:.1f}%", format_bytes(t.bytes)) for tier, t in reads.items()],
         ("TIER", "SAMPLES", "SHARE", "BYTES"),
@@ -261,8 +262,8 @@ def _print_node_status(stats: pb.StatsReply, info: pb.InfoReply) -> None:
 
 def _print_trainer_reads(stats: pb.StatsReply) -> None:
     """What the trainers read, as their clients counted it: local hits and
-    their own PFS reads never reach the daemon's table above, and are most of
-    a cached job's reads. The same figures as ``client_reads`` in ``--json``
+    their own PFS reads never reach the daemon's served reads above, and are
+    most of a cached job's reads. The same figures as ``client_reads`` in ``--json``
     and ``dataquay_client_reads_total``."""
     if not stats.client_reads:
         return

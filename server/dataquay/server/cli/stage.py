@@ -324,7 +324,7 @@ def _report_staging(args: argparse.Namespace, job: jpb.Job, nodes: Sequence[_Nod
         (
             n.name,
             f"{n.last.done_samples}/{n.last.total_samples}" if n.last else "-",
-            format_bytes(n.last.done_bytes) if n.last else "-",
+            format_bytes(n.last.cached_bytes) if n.last else "-",
             format_bytes(n.last.read_bytes) if n.last else "-",
             f"{n.last.elapsed_seconds:.1f}" if n.last else "-",
             _evicted(n.last) if n.last else "-",
@@ -338,7 +338,7 @@ def _report_staging(args: argparse.Namespace, job: jpb.Job, nodes: Sequence[_Nod
     print(
         f"staged {args.name!r} for job {job.spec.job_id!r} ({job.spec.mode}) on {len(nodes)} nodes in {wall:.1f} s: "
         f"{sum(r.done_samples for r in reports)}/{job.num_samples} samples cached, "
-        f"{format_bytes(sum(r.done_bytes for r in reports))}; {format_bytes(read)} read from the PFS "
+        f"{format_bytes(sum(r.cached_bytes for r in reports))}; {format_bytes(read)} read from the PFS "
         f"({format_bytes(read / wall if wall else 0.0)}/s over the nodes)"
     )
     spilled = sum(r.held_for_others for r in reports)

@@ -240,6 +240,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             first_failure=progress.first_failure,
             node=self.node_name,
             held_for_others=progress.held_for_others,
+            cached_bytes=progress.cached_bytes,
             **admission_fields(progress.admission),
         )
 

@@ -206,7 +206,8 @@ class NodeState:
             cache_used_bytes=used,
             cache_capacity_bytes=store.capacity,
             cache_entries=entries,
-            cache_full=store.full,
+            # Full as staging sees it too: at capacity less the refill margin, where it stops.
+            cache_full=store.full or store.space.at_capacity,
             cache_disk_full=store.disk_full,
             corrupt_repaired=store.corrupt_repaired,
             inserts_dropped=store.inserts_dropped,

@@ -73,6 +73,8 @@ class StagingProgress:
     failed_samples: int = 0
     first_failure: str = ""
     held_for_others: int = 0  #: of the samples staged, those other nodes own (spilled here)
+    #: Payload bytes of the dataset the cache holds once the run ended (``dataset show``'s number).
+    cached_bytes: int = 0
     #: What the cache manager said would fit, and evicted, before the run read anything.
     admission: Admitted | None = None
 
@@ -98,11 +100,12 @@ class StagingProgress:
         self.done_bytes += nbytes
         self.read_bytes += read_bytes
 
-    def recount(self, cached: int, nbytes: int) -> None:
+    def recount(self, cached: int, nbytes: int, cached_bytes: int) -> None:
         """What the cache holds of the run's samples once its writes are in:
         the cache may take fewer than were read (full, or evicting), and
-        ``dataset show`` counts what it holds."""
-        self.done_samples, self.done_bytes = cached, nbytes
+        ``dataset show`` counts what it holds (``cached_bytes``, the payload
+        bytes of the whole dataset here)."""
+        self.done_samples, self.done_bytes, self.cached_bytes = cached, nbytes, cached_bytes
 
     @property
     def short(self) -> bool:
@@ -401,7 +404,9 @@ class Stager:
                 )
             write_failed = self.store.write_errors > write_errors
             cached = await self._cached_mask(db, ids)
-            progress.recount(int(cached.sum()), int(manifest.sample_length[ids[cached]].sum()))
+            progress.recount(
+                int(cached.sum()), int(manifest.sample_length[ids[cached]].sum()), self.store.dataset_usage(db)[1]
+            )
             progress.cache_full = self._full(leave_room) or (progress.short and not write_failed)
             if write_failed:
                 progress.end(_write_error(self.store, progress))
