@@ -76,3 +76,31 @@ def test_samples_cached_behind_are_read_back_in_threads_at_idle_priority(tmp_pat
     assert policy == os.SCHED_IDLE
     assert not refused and sorted([*values, *not_cached]) == [0, 1, 2, 3]
     assert all(decode_value(values[i]) == sample_bytes(0, i, SIZE) for i in values)
+
+
+def test_two_readers_of_the_same_samples_read_each_once_and_each_keeps_what_it_read(tmp_path: Path) -> None:
+    """A trainer's read and the healer's fetch of one lost share: whoever
+    claims a sample reads it, the other waits for its bytes."""
+    manifest = files(tmp_path, 64)
+    pool = PfsPool(threads=2, bandwidth=64 * SIZE)  # about a second: the two overlap
+    kept: list[set[int]] = [set(), set()]
+
+    async def run() -> list[tuple[dict[int, bytes], dict[int, bytes]]]:
+        async def reader(which: int, ids: np.ndarray) -> tuple[dict[int, bytes], dict[int, bytes]]:
+            async def keep(values: dict[int, bytes]) -> None:
+                kept[which] |= set(values)
+
+            return await pool.read_once("ds", "db", manifest, ids, keep)
+
+        return await asyncio.gather(reader(0, np.arange(0, 48)), reader(1, np.arange(16, 64)))
+
+    try:
+        (mine_a, theirs_a), (mine_b, theirs_b) = asyncio.run(run())
+        read = pool.bytes_read
+    finally:
+        pool.close()
+    assert read == 64 * SIZE  # each sample once, though 32 were asked for twice
+    assert set(mine_a) | set(theirs_a) == set(range(48)) and set(mine_b) | set(theirs_b) == set(range(16, 64))
+    assert not set(mine_a) & set(mine_b) and kept == [set(mine_a), set(mine_b)]
+    for got in (mine_a, theirs_a, mine_b, theirs_b):
+        assert all(decode_value(got[i]) == sample_bytes(0, i, SIZE) for i in got)

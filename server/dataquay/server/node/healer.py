@@ -24,6 +24,7 @@ which samples the ranks read: only which node a miss is asked of.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -215,7 +216,8 @@ class Healer:
         self, job: jpb.Job, entry: Registered, ids: np.ndarray, old: np.ndarray, base: np.ndarray, lost: tuple[str, ...]
     ) -> None:
         """Fetches the ``ids`` not cached here: from their holder under the old
-        set when it is up, then from the PFS those whose node is lost now."""
+        set when it is up, then from the PFS those whose node is lost now,
+        each read once on this node with the trainers' reads of it."""
         db = entry.record.cache_db
         ids = ids[~self.store.cached_mask(db, ids)] if len(ids) else ids
         nodes = list(job.spec.nodes)
@@ -225,13 +227,16 @@ class Healer:
         lengths = entry.manifest.sample_length
         try:
             for chunk in _chunks(ids, lengths):
-                got = await self._from_peers(entry, nodes, old, chunk)
-                missing = np.array([i for i in chunk.tolist() if i not in got], dtype=np.int64)
+                wanted = chunk[~self.store.cached_mask(db, chunk)]  # the trainers' reads cache some meanwhile
+                got = await self._from_peers(entry, nodes, old, wanted)
+                missing = np.array([i for i in wanted.tolist() if i not in got], dtype=np.int64)
                 from_pfs = missing[np.isin(base[missing], lost_index)]
                 if len(from_pfs):
                     await self._pace(int(lengths[from_pfs].sum()))
-                    values = await self.pfs.read(entry.record.name, entry.manifest, from_pfs)
-                    await self._keep(db, values)
+                    values, theirs = await self.pfs.read_once(
+                        entry.record.name, db, entry.manifest, from_pfs, functools.partial(self._keep, db)
+                    )
+                    await self._keep(db, theirs)
                     self.counts.pfs_samples += len(values)
                     self.counts.pfs_bytes += sum(len(v) - CHECKSUM_BYTES for v in values.values())
                 self.counts.pending_samples -= len(chunk)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import NamedTuple, Protocol, TypeVar
 
 import numpy as np
@@ -29,7 +29,7 @@ from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import PfsRangeError, PfsReader, ReadRange, plan_reads
 from dataquay.client.wire.records import encode_value
 from dataquay.server.daemon_threads import DaemonThreadPool
-from dataquay.server.node.reads.claims import PfsClaims
+from dataquay.server.node.reads.claims import PfsClaims, wait_for
 from dataquay.server.ratelimit import TokenBucket
 from dataquay.server.task_group import STAGING_NICENESS, idle_thread_priority, lower_thread_priority
 
@@ -179,6 +179,38 @@ class PfsPool:
         for part in results:
             merged.update(part)
         return merged
+
+    async def read_once(
+        self,
+        dataset: str,
+        db: str,
+        manifest: Manifest,
+        ids: np.ndarray,
+        keep: Callable[[dict[int, bytes]], Awaitable[None]],
+    ) -> tuple[dict[int, bytes], dict[int, bytes]]:
+        """``ids`` from the PFS, each read once on this node however many want
+        it (:attr:`claims`): one another read is reading is waited for, one
+        staging has not started is read here and staging skips it, one whose
+        other read failed is read here. ``keep`` gets what this call read
+        before its claims end, so that whoever comes next finds it queued
+        for the cache. Returns (what this call read, what others read).
+
+        Raises:
+            PfsReadError: as :meth:`read`.
+        """
+        me = object()
+        mine, theirs = self.claims.claim(db, ids.tolist(), me, started=True, steal=True)
+        try:
+            values = await self.read(dataset, manifest, np.array(mine, dtype=np.int64)) if mine else {}
+            self.claims.resolve(db, values, me)
+            got = await wait_for(theirs)
+            left = np.array([i for i in theirs if i not in got], dtype=np.int64)
+            if len(left):
+                values.update(await self.read(dataset, manifest, left))
+            await keep(values)
+        finally:
+            self.claims.release(db, mine, me)
+        return values, got
 
     async def read_available(
         self, dataset: str, manifest: Manifest, ids: np.ndarray

@@ -70,7 +70,6 @@ from dataquay.server.node.datasets import Datasets
 from dataquay.server.node.metrics import DaemonMetrics
 from dataquay.server.node.peers.bulk.client import Landing
 from dataquay.server.node.peers.reads import Peers
-from dataquay.server.node.reads.claims import wait_for
 from dataquay.server.node.reads.overflow import OverflowPrefetcher
 from dataquay.server.node.reads.pfs import PfsPool
 from dataquay.server.node.reads.prefetch import PREFETCHED_MODES, TransferPrefetcher
@@ -291,27 +290,18 @@ class ReadService:
         skips it. What this node keeps for the job (every sample when the read
         is for no job) is queued for the cache, before the claim ends, so
         that whoever comes next finds it queued."""
-        db, claims, me = entry.record.cache_db, self.pfs.claims, object()
+        db = entry.record.cache_db
         # Committed since the window looked (the caller looked at the queue last):
         # the writer's thread commits a value before it leaves the queue.
         committed, _ = self.store.get_many(db, misses.tolist())
         out: dict[int, tuple[str, bytes | memoryview, int]] = {
             i: (CACHE, *hit) for i, hit in zip(misses.tolist(), committed) if hit is not None
         }
-        misses = _not_in(misses, out)
-        mine, theirs = claims.claim(db, misses.tolist(), me, started=True, steal=True)
-        try:
-            values = (
-                await self.pfs.read(entry.record.name, entry.manifest, np.array(mine, dtype=np.int64)) if mine else {}
-            )
-            claims.resolve(db, values, me)
-            got = await wait_for(theirs)
-            left = np.array([i for i in theirs if i not in got], dtype=np.int64)
-            if len(left):  # their reads failed: read, and report, here
-                values.update(await self.pfs.read(entry.record.name, entry.manifest, left))
+
+        async def keep(values: dict[int, bytes]) -> None:
             self._offer(entry, placement, values, repair)
-        finally:
-            claims.release(db, mine, me)
+
+        values, got = await self.pfs.read_once(entry.record.name, db, entry.manifest, _not_in(misses, out), keep)
         values.update(got)
         out.update({i: (PFS, memoryview(v)[CHECKSUM_BYTES:], stored_checksum(v)) for i, v in values.items()})
         return out
