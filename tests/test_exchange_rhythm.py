@@ -235,7 +235,12 @@ def check_locality(cluster: Callable[..., LocalCluster], tmp_path: Path, rhythm:
         assert tiers["fallback"] == 0, (epoch, tiers_by_epoch)
     for node in range(NODES):
         ahead = daemon_stats(local, node).prefetch
-        assert (ahead.overflow_read_bytes, ahead.overflow_wasted_bytes) == (0, 0), (node, ahead)
+        # Nothing read ahead is thrown away. A roomy cache holds every sample it
+        # owns; an exchange that a loaded machine delays past a rank's read-ahead
+        # leaves the overflow prefetcher the odd sample to read from the PFS in
+        # time, within the 1% the locality above allows.
+        assert ahead.overflow_wasted_bytes == 0, (node, ahead)
+        assert ahead.overflow_read_samples <= 0.01 * rhythm.epochs * SAMPLES / NODES, (node, ahead)
 
 
 def daemon_stats(local: LocalCluster, node: int) -> pb.StatsReply:

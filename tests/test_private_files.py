@@ -27,15 +27,24 @@ def umask_022() -> Iterator[None]:
 
 #: Files for the daemon's user alone: the node's identity key.
 DAEMON_ONLY = frozenset({"node.key"})
+#: Files the group writes: LMDB's lock file, where the socket group's trainers
+#: take reader slots when every caller is trusted (the default, --users one).
+GROUP_WRITES = frozenset({"lock.mdb"})
+
+
+def expected_mode(path: Path) -> int:
+    if path.is_dir():
+        return 0o750
+    return 0o600 if path.name in DAEMON_ONLY else 0o660 if path.name in GROUP_WRITES else 0o640
 
 
 def open_to_others(*roots: Path) -> dict[str, str]:
-    """Every directory not 0750 and file not 0640 (0600 for :data:`DAEMON_ONLY`) under ``roots``, with its mode."""
+    """Every directory and file under ``roots`` whose mode is not the one it is made with, with its mode."""
     found: dict[str, str] = {}
     for root in roots:
         for path in [root, *root.rglob("*")]:
             mode = stat.S_IMODE(path.lstat().st_mode)
-            if mode != (0o750 if path.is_dir() else 0o600 if path.name in DAEMON_ONLY else 0o640):
+            if mode != expected_mode(path):
                 found[str(path)] = f"{mode:04o}"
     return found
 
