@@ -158,4 +158,5 @@ def test_staging_takes_the_first_samples_by_position_that_the_room_holds() -> No
     assert within_room(ids, position, charges, 30).tolist() == [2, 3, 5]
     assert within_room(ids, position, charges, 59).tolist() == [2, 3, 5]
     assert within_room(ids, position, charges, 70).tolist() == [0, 2, 3, 5]
-    assert within_room(ids, position, charges, -5).tolist() == [3]
+    assert within_room(ids, position, charges, 5).tolist() == [3]
+    assert within_room(ids, position, charges, 0).tolist() == within_room(ids, position, charges, -5).tolist() == []

@@ -130,3 +130,10 @@ def test_a_stage_the_cache_cannot_hold_reports_what_the_cache_holds(
     assert re.search(r"^node \S+: cache .* entries \(full\)$", status, re.M), status
     assert json.loads(cli("status", "--json", "--addr", daemon.address).stdout)["cache_full"] is True
     assert metric(daemon, "dataquay_cache_full") == {"": 1.0}
+    # Staging into the full cache reads nothing, as it says up front.
+    add(daemon, "third", make_files_dataset(tmp_path / "third", 40, sizes=(100_000,), seed=2))
+    read_before = metric(daemon, "dataquay_pfs_read_bytes_total")
+    third = cli("stage", "third", "--addr", daemon.address)
+    assert third.stdout.startswith("staged 'third': 0/40 samples cached"), third.stdout
+    assert "staging 'third': 0 B of " in third.stderr, third.stderr
+    assert metric(daemon, "dataquay_pfs_read_bytes_total") == read_before

@@ -183,9 +183,12 @@ def within_room(ids: np.ndarray, position: np.ndarray, charges: np.ndarray, room
     more than ``room`` (``charges`` is indexed by sample id), and the one
     after them: what a staging run reads, so that it reads from the PFS few
     samples it will find no room for, and the cache finds the one it has no
-    room for (it says full from then on, as status shows)."""
+    room for (it says full from then on, as status shows). None of them
+    when there is no room at all: the cache is full already."""
+    if room <= 0:
+        return ids[:0]
     order = ids[np.argsort(position[ids], kind="stable")]
-    fits = int(np.searchsorted(np.cumsum(charges[order]), max(room, 0), side="right"))
+    fits = int(np.searchsorted(np.cumsum(charges[order]), room, side="right"))
     return np.sort(order[: fits + 1])
 
 
