@@ -179,7 +179,8 @@ class DirectoryLink:
                     raise
                 # A call elsewhere moved to the next replica: beat there.
             except (grpc.aio.AioRpcError, OSError, DataquayError) as exc:
-                if await self._fail_over(self.stub):
+                # A DataquayError comes from _call, which went round the replicas already.
+                if not isinstance(exc, DataquayError) and await self._fail_over(self.stub):
                     continue
                 if self.reachable or delay == RETRY_SECONDS[0]:
                     reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
@@ -251,7 +252,8 @@ class DirectoryLink:
             self._channel = self.credentials.aio_channel(self.address, channel_options())
             self.stub = directory_pb2_grpc.DirectoryStub(self._channel)
             self._nodes_version = 0
-            log.warning(
+            # Said once an outage: while no replica answers, each round of them is tried quietly.
+            (log.warning if self.reachable else log.debug)(
                 "directory replica unreachable; moving to the next", extra={"fields": {"directory": self.address}}
             )
             await old.close()
