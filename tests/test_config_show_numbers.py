@@ -37,4 +37,4 @@ def test_config_show_gives_the_default_cache_size_the_daemon_opens_with(
     assert abs(setting["effective"] - opened) <= 0.1 * opened
     row = next(line for line in table.splitlines() if line.startswith("cache_size "))
     shown = int(row.split()[1])
-    assert abs(shown - opened) <= 0.1 * opened and "80% of the cache's file system" in row
+    assert abs(shown - opened) <= 0.1 * opened and "80% of the cache file system's free space" in row

@@ -72,7 +72,7 @@ def cmd_config_show(args: argparse.Namespace) -> None:
         rows = [(name, _text_value(getattr(config, name)), source) for name, source in sources.items()]
         if (effective := _default_cache_size(config)) is not None:
             rows = [
-                (name, f"{effective} ({format_bytes(effective)}, 80% of the cache's file system)", source)
+                (name, f"{effective} ({format_bytes(effective)}, 80% of the cache file system's free space)", source)
                 if name == "cache_size"
                 else (name, value, source)
                 for name, value, source in rows
