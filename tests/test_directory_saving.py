@@ -135,3 +135,39 @@ def test_thousands_of_jobs_created_at_once_leave_heartbeats_answered_and_survive
     with grpc.insecure_channel(second.address, options=channel_options()) as channel:
         listed = Stub(channel).ListJobs(jpb.ListJobsRequest()).jobs
     assert {j.spec.job_id for j in listed} == created
+
+
+def test_a_beat_that_carries_a_drops_version_is_followed_by_a_listing_without_the_dataset(
+    tmp_path: Path, imgs: Path, held_writes: tuple[threading.Event, threading.Event]
+) -> None:
+    """Daemons follow the registry by its version: one that takes the new version
+    while the listing still holds the dataset would keep its copy for good."""
+    held, release = held_writes
+
+    async def scenario() -> None:
+        config = DirectoryConfig(
+            listen="127.0.0.1:0",
+            state_dir=tmp_path / "directory",
+            http_host="127.0.0.1",
+            http_port=0,
+            dataset_roots=(tmp_path,),
+        )
+        async with (
+            DirectoryServer(config) as server,
+            grpc.aio.insecure_channel(server.tcp_address, options=channel_options()) as channel,
+        ):
+            stub = Stub(channel)
+            registered = await stub.RegisterNode(dpb.RegisterNodeRequest(node=node_info("n0"), identity_key=bytes(32)))
+            await stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))
+            beat = dpb.HeartbeatRequest(name="n0", session=registered.session)
+            before = (await stub.Heartbeat(beat)).versions.datasets
+            release.clear()
+            drop = asyncio.ensure_future(stub.DropDataset(pb.DropDatasetRequest(name="imgs")))
+            assert await asyncio.to_thread(held.wait, HOLD_SECONDS), "the drop was never written"
+            during = (await stub.Heartbeat(beat)).versions.datasets
+            listed = [d.name for d in (await stub.ListDatasets(pb.ListDatasetsRequest())).datasets]
+            release.set()
+            await drop
+            assert during != before and listed == []
+
+    asyncio.run(scenario())

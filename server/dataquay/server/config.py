@@ -429,7 +429,9 @@ class DaemonConfig(ServerConfig):
         "directory of the LMDB cache; put it on the node-local SSD",
         Path,
     )
-    cache_size: int = _option(0, "cache capacity (e.g. 200G); 0 = 80%% of the cache file system's free space", parse_size)
+    cache_size: int = _option(
+        0, "cache capacity (e.g. 200G); 0 = 80%% of the cache file system's free space", parse_size
+    )
     evict_min_age: float = _option(
         3600.0,
         "time a cached dataset no live job pins must go unused before a staging or an exchange that needs room "

@@ -342,11 +342,20 @@ class DirectoryServer(ServerLifecycle):
         return entry
 
     async def drop_dataset(self, name: str) -> None:
-        """Drops the dataset from the store, then from the registry (kept if the store fails)."""
-        self.registry.get(name)
-        self.state.datasets_changed()
-        await self.store.dataset_dropped(name)
+        """Drops the dataset from the registry, then from the store (put back
+        if the store fails). The version daemons follow moves with the
+        registry, never ahead of it: a beat that carries the new version while
+        the store writes would otherwise send a daemon to a listing that still
+        holds the dataset, and it would keep its copy for good."""
+        entry = self.registry.get(name)
         self.registry.drop(name)
+        self.state.datasets_changed()
+        try:
+            await self.store.dataset_dropped(name)
+        except DirectoryUnavailableError:
+            self.registry.add(name, bytes(entry.manifest.data), replace=False)
+            self.state.datasets_changed()
+            raise
         log.info("dataset dropped", extra={"fields": {"dataset": name}})
 
     async def join_job(self, request: JoinRequest) -> Job:
