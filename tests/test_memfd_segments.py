@@ -96,14 +96,14 @@ def assert_reads_through_a_segment(daemon: DaemonProcess) -> None:
 
 def segment_when_free(daemon: DaemonProcess) -> MemfdSegment:
     """A segment, once the daemon has seen the connections that flooded it end
-    (until then it answers "busy", or resets the connection with the message
-    unread, which a client takes as "not this time")."""
+    (until then it answers "busy" and closes the connection, before or after
+    the request arrives, which a client takes as "not this time")."""
     made: list[MemfdSegment] = []
 
     def attempt() -> bool:
         try:
             made.append(MemfdSegment(SIZE, fd_socket(daemon), ""))
-        except (BlockingIOError, ConnectionResetError):
+        except (BlockingIOError, ConnectionError):  # refused, reset, or a broken pipe
             return False
         return True
 
