@@ -5,9 +5,10 @@ change is on disk."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -63,26 +64,33 @@ def held_writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Eve
     release.set()
 
 
+@contextlib.asynccontextmanager
+async def serving(tmp_path: Path, imgs: Path) -> AsyncIterator[tuple[Stub, dpb.RegisterNodeReply]]:
+    """A directory in this process, node n0 registered and dataset imgs added."""
+    config = DirectoryConfig(
+        listen="127.0.0.1:0",
+        state_dir=tmp_path / "directory",
+        http_host="127.0.0.1",
+        http_port=0,
+        dataset_roots=(tmp_path,),
+    )
+    async with (
+        DirectoryServer(config) as server,
+        grpc.aio.insecure_channel(server.tcp_address, options=channel_options()) as channel,
+    ):
+        stub = Stub(channel)
+        registered = await stub.RegisterNode(dpb.RegisterNodeRequest(node=node_info("n0"), identity_key=bytes(32)))
+        await stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))
+        yield stub, registered
+
+
 def test_heartbeats_are_answered_while_the_state_is_written_and_a_join_waits_for_its_write(
     tmp_path: Path, imgs: Path, held_writes: tuple[threading.Event, threading.Event]
 ) -> None:
     held, release = held_writes
 
     async def scenario() -> None:
-        config = DirectoryConfig(
-            listen="127.0.0.1:0",
-            state_dir=tmp_path / "directory",
-            http_host="127.0.0.1",
-            http_port=0,
-            dataset_roots=(tmp_path,),
-        )
-        async with (
-            DirectoryServer(config) as server,
-            grpc.aio.insecure_channel(server.tcp_address, options=channel_options()) as channel,
-        ):
-            stub = Stub(channel)
-            registered = await stub.RegisterNode(dpb.RegisterNodeRequest(node=node_info("n0"), identity_key=bytes(32)))
-            await stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))
+        async with serving(tmp_path, imgs) as (stub, registered):
             release.clear()
             join = asyncio.ensure_future(stub.JoinJob(create("j1")))
             assert await asyncio.to_thread(held.wait, HOLD_SECONDS), "the job's creation was never written"
@@ -145,20 +153,7 @@ def test_a_beat_that_carries_a_drops_version_is_followed_by_a_listing_without_th
     held, release = held_writes
 
     async def scenario() -> None:
-        config = DirectoryConfig(
-            listen="127.0.0.1:0",
-            state_dir=tmp_path / "directory",
-            http_host="127.0.0.1",
-            http_port=0,
-            dataset_roots=(tmp_path,),
-        )
-        async with (
-            DirectoryServer(config) as server,
-            grpc.aio.insecure_channel(server.tcp_address, options=channel_options()) as channel,
-        ):
-            stub = Stub(channel)
-            registered = await stub.RegisterNode(dpb.RegisterNodeRequest(node=node_info("n0"), identity_key=bytes(32)))
-            await stub.AddDataset(pb.AddDatasetRequest(name="imgs", root=str(imgs)))
+        async with serving(tmp_path, imgs) as (stub, registered):
             beat = dpb.HeartbeatRequest(name="n0", session=registered.session)
             before = (await stub.Heartbeat(beat)).versions.datasets
             release.clear()
