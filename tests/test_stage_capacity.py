@@ -18,8 +18,7 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import directory_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.cli import main as cli_main
-from dataquay.server.node.stager import within_room
-from dataquay.server.planning.capacity import EXCHANGE_HEADROOM_BYTES, node_shares
+from dataquay.server.planning.capacity import EXCHANGE_HEADROOM_BYTES, node_shares, within_room
 from dataquay.server.sizes import format_bytes, parse_size
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset

@@ -34,14 +34,13 @@ from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
 from dataquay.client.pfs import ReadRange, plan_reads
 from dataquay.client.placement import JobPlan, epoch_permutation, node_orders
-from dataquay.client.wire.records import CHECKSUM_BYTES
 from dataquay.server.node.cache.manager import Admitted
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.cluster.placements import Placement
 from dataquay.server.node.reads.claims import PfsClaims, wait_for
 from dataquay.server.node.reads.pfs import PfsPool
-from dataquay.server.planning.capacity import exchange_staging_limit, refill_margin, stored_bytes
+from dataquay.server.planning.capacity import exchange_staging_limit, refill_margin, staging_charges, within_room
 from dataquay.server.registry import Registered, Registry
 from dataquay.server.sizes import format_bytes
 from dataquay.server.task_group import TaskGroup
@@ -50,8 +49,6 @@ log = logging.getLogger("dataquay.stager")
 
 #: What a run stopped by the daemon's shutdown reports.
 SHUTTING_DOWN = "the daemon is shutting down; stage again to resume"
-#: How far below :func:`stored_bytes` a staging run counts the pages of what it reads.
-CHARGE_MARGIN = 0.03
 
 
 @dataclass
@@ -176,31 +173,6 @@ def permutation_positions(num_samples: int, seed: int) -> np.ndarray:
     position = np.empty(num_samples, dtype=np.int64)
     position[epoch_permutation(num_samples, seed, 0)] = np.arange(num_samples)
     return position
-
-
-def within_room(ids: np.ndarray, position: np.ndarray, charges: np.ndarray, room: int) -> np.ndarray:
-    """The first of ``ids`` by ``position`` whose ``charges`` add up to no
-    more than ``room`` (``charges`` is indexed by sample id), and the one
-    after them: what a staging run reads, so that it reads from the PFS few
-    samples it will find no room for, and the cache finds the one it has no
-    room for (it says full from then on, as status shows). None of them
-    when there is no room at all: the cache is full already."""
-    if room <= 0:
-        return ids[:0]
-    order = ids[np.argsort(position[ids], kind="stable")]
-    fits = int(np.searchsorted(np.cumsum(charges[order]), room, side="right"))
-    return np.sort(order[: fits + 1])
-
-
-def _charges(manifest: Manifest, ids: np.ndarray) -> np.ndarray:
-    """Per sample id, the cache bytes it takes as staging of ``ids`` counts
-    them: its value's share of the pages :func:`stored_bytes` counts for them
-    all, less :data:`CHARGE_MARGIN`, so that a run reads no less than fits
-    (the count is within a few percent of LMDB's) and stops where the cache
-    says full."""
-    values = manifest.sample_length + CHECKSUM_BYTES
-    pages_per_byte = stored_bytes(manifest.sample_length[ids]) / int(values[ids].sum())
-    return values * (pages_per_byte * (1 - CHARGE_MARGIN))
 
 
 def staging_ranges(manifest: Manifest, ids: np.ndarray, position: np.ndarray) -> list[ReadRange]:
@@ -382,7 +354,7 @@ class Stager:
             progress.found_cached(int(cached.sum()), int(manifest.sample_length[ids[cached]].sum()))
             missing = ids[~cached]
             if (room := self._room(leave_room)) is not None and len(missing):
-                missing = within_room(missing, position, _charges(manifest, missing), room)
+                missing = within_room(missing, position, staging_charges(manifest.sample_length, missing), room)
             self.pfs.claims.reserve(db, claims, missing, manifest.num_samples)
             ranges = staging_ranges(manifest, missing, position)
             name = db.encode()

@@ -38,6 +38,8 @@ PAGE_SIZE = 4096
 #: what arrives for the next epoch before what leaves is deleted, and the
 #: writer's pages while both churn.
 EXCHANGE_HEADROOM_FRACTION = 0.05
+#: How far below :func:`stored_bytes` a staging run counts the pages of what it reads.
+CHARGE_MARGIN = 0.03
 EXCHANGE_HEADROOM_BYTES = 16 * MiB
 #: See :func:`refill_margin`.
 REFILL_BYTES = 256 * 1024
@@ -163,6 +165,31 @@ def exchange_staging_limit(capacity: int) -> int:
     margin. What a short cache holds when owners move, for the daemon and for
     the simulator alike."""
     return capacity - exchange_reserve(capacity) - refill_margin(capacity)
+
+
+def within_room(ids: np.ndarray, position: np.ndarray, charges: np.ndarray, room: int) -> np.ndarray:
+    """The first of ``ids`` by ``position`` whose ``charges`` add up to no
+    more than ``room`` (``charges`` is indexed by sample id), and the one
+    after them: what a staging run reads, so that it reads from the PFS few
+    samples it will find no room for, and the cache finds the one it has no
+    room for (it says full from then on, as status shows). None of them
+    when there is no room at all: the cache is full already."""
+    if room <= 0:
+        return ids[:0]
+    order = ids[np.argsort(position[ids], kind="stable")]
+    fits = int(np.searchsorted(np.cumsum(charges[order]), room, side="right"))
+    return np.sort(order[: fits + 1])
+
+
+def staging_charges(sample_length: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Per sample id, the cache bytes it takes as staging of ``ids`` counts
+    them: its value's share of the pages :func:`stored_bytes` counts for them
+    all, less :data:`CHARGE_MARGIN`, so that a run reads no less than fits
+    (the count is within a few percent of LMDB's) and stops where the cache
+    says full."""
+    values = sample_length + CHECKSUM_BYTES
+    pages_per_byte = stored_bytes(sample_length[ids]) / int(values[ids].sum())
+    return values * (pages_per_byte * (1 - CHARGE_MARGIN))
 
 
 def cache_need(share_bytes: int, mode: str, q: float) -> int:
