@@ -272,7 +272,7 @@ def test_offers_the_receiver_does_not_own_are_refused_and_it_keeps_serving(
         with pytest.raises(grpc.RpcError) as refused:
             list(nodes.stubs[0].Exchange(iter([pb.ExchangeMessage(offer=offer)]), timeout=10))
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "5 of 5 offered ids are not owned by this node in epoch 1" in refused.value.details()
+        assert "5 of 5 offered ids are not held by this node in epoch 1" in refused.value.details()
 
         with pytest.raises(grpc.RpcError) as no_offer:
             list(nodes.stubs[0].Exchange(iter([pb.ExchangeMessage()]), timeout=10))

@@ -75,4 +75,4 @@ def test_a_node_is_lost_after_the_grace_period_and_never_with_healing_off() -> N
     every = {name: status(name, jpb.NODE_DOWN, 0.0) for name in "abcd"}
     assert lost_nodes(job, every, 5.0, 1000.0) == (), "a job with no node left has no one to heal it"
     job.spec.mode = "partial"
-    assert lost_nodes(job, listed, 5.0, 1000.0) == (), "the exchange moves a partial job's samples"
+    assert lost_nodes(job, listed, 5.0, 1000.0) == ("b", "d"), "what a node of a partial job reports"

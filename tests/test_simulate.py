@@ -346,7 +346,7 @@ def changed_scenario(mode: str, **change: int) -> Scenario:
 def test_a_node_lost_moves_its_share_once_from_the_pfs_and_little_else(mode: str) -> None:
     sc = changed_scenario(mode, leave_at=2)
     epochs = list(simulate(sc, 4))
-    assert [len(e.sent) for e in epochs] == [NODES, NODES, NODES - 1, NODES - 1]
+    assert [e.nodes for e in epochs] == [NODES, NODES, NODES - 1, NODES - 1]
     share = int((owners(sc.plan, 1) == 0).sum()) * SAMPLE_BYTES
     lost = epochs[2]
     assert lost.pfs_bytes == share  # the lost node's share, read once by its new holders
@@ -381,6 +381,27 @@ def test_a_node_lost_and_back_moves_its_share_alone_as_the_daemons_heal_it(mode:
     assert [len(e.sent) for e in epochs] == [NODES, NODES, NODES - 1, NODES, NODES]
     with pytest.raises(ValueError, match="joiner '1' is already one of the job's nodes before epoch 3"):
         Scenario(sc.plan, SAMPLE_BYTES, join_at=3, joiner="1")
+
+
+def test_a_node_absent_from_a_partial_job_and_back_moves_its_share_alone() -> None:
+    plan = changed_scenario("partial").plan
+    sc = Scenario(plan, SAMPLE_BYTES, leave_at=2, join_at=4, joiner=plan.nodes[0])
+    epochs = list(simulate(sc, 6))
+    steps = [owners(sc.plan, 0)]
+    for epoch in range(1, 6):
+        steps.append(owners(sc.plan, epoch, steps[-1]))
+    share = [int((step == 0).sum()) * SAMPLE_BYTES for step in steps]
+    # The ranks' owners never change: the absent node's share of epoch 1 is
+    # read from the PFS by the others once, and it takes its share of epoch 4
+    # back from them; every other epoch only exchanges.
+    assert [e.moved_bytes for e in epochs] == [0, 0, share[1], 0, share[4], 0]
+    assert [e.pfs_bytes for e in epochs[1:]] == [0, share[1], 0, 0, 0]
+    assert [e.nodes for e in epochs] == [NODES, NODES, NODES - 1, NODES - 1, NODES, NODES]
+    assert int(epochs[3].sent[0]) == int(epochs[3].received[0]) == 0, "an absent node exchanges nothing"
+    with pytest.raises(ValueError, match="a node that joins after one left is the one that left"):
+        Scenario(sc.plan, SAMPLE_BYTES, leave_at=2, join_at=3)
+    with pytest.raises(ValueError, match=r"join_at \(2\) must come after leave_at \(2\)"):
+        Scenario(sc.plan, SAMPLE_BYTES, leave_at=2, join_at=2, joiner=sc.plan.nodes[0])
 
 
 def test_node_changes_print_the_bytes_moved_and_refuse_a_coded_exchange() -> None:

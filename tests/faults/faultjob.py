@@ -207,6 +207,13 @@ class FaultJob:
             reply = directory_pb2_grpc.DirectoryStub(channel).ListNodes(dpb.ListNodesRequest(), timeout=10)
         return {n.info.name for n in reply.nodes if n.state == jpb.NODE_UP}
 
+    def record(self) -> jpb.Job:
+        """The job as the directory keeps it."""
+        local = self.local
+        with local.credentials().channel(local.live_directory().address, channel_options()) as channel:
+            job: jpb.Job = directory_pb2_grpc.DirectoryStub(channel).GetJob(jpb.GetJobRequest(job_id=JOB), timeout=10)
+            return job
+
     def rejoined(self, node: int, epoch: int = 0) -> bool:
         """Whether the cluster is whole again after a fault of ``node``: the
         directory lists every node up, ``node`` reads a sample of every other

@@ -24,35 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x61taquay/protos/jobs.proto\x12\x0b\x64\x61taquay.v1\"\x92\x01\n\x08NodeInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0btcp_address\x18\x02 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x16\n\x0e\x63\x61\x63he_capacity\x18\x04 \x01(\x04\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x14\n\x0c\x62ulk_address\x18\x07 \x01(\t\"\xbf\x01\n\nNodeStatus\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.dataquay.v1.NodeInfo\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.dataquay.v1.NodeState\x12\x17\n\x0fregistered_unix\x18\x03 \x01(\x01\x12\x1b\n\x13last_heartbeat_unix\x18\x04 \x01(\x01\x12\x18\n\x10\x63\x61\x63he_used_bytes\x18\x05 \x01(\x04\x12\x15\n\rcache_entries\x18\x06 \x01(\x04\"\xdd\x02\n\x07JobSpec\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x11\n\x04mode\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x0e\n\x01q\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\tdrop_last\x18\x06 \x01(\x08H\x03\x88\x01\x01\x12\r\n\x05nodes\x18\x07 \x03(\t\x12\x1b\n\x0eranks_per_node\x18\x08 \x01(\rH\x04\x88\x01\x01\x12\x16\n\tpartition\x18\t \x01(\tH\x05\x88\x01\x01\x12\x17\n\nbatch_size\x18\n \x01(\rH\x06\x88\x01\x01\x12\x1c\n\x0f\x65xchange_coding\x18\x0b \x01(\tH\x07\x88\x01\x01\x42\x07\n\x05_modeB\x04\n\x02_qB\x07\n\x05_seedB\x0c\n\n_drop_lastB\x11\n\x0f_ranks_per_nodeB\x0c\n\n_partitionB\r\n\x0b_batch_sizeB\x12\n\x10_exchange_coding\"\xa3\x01\n\x03Job\x12\"\n\x04spec\x18\x01 \x01(\x0b\x32\x14.dataquay.v1.JobSpec\x12\x13\n\x0bmanifest_id\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x14\n\x0c\x63reated_unix\x18\x05 \x01(\x01\x12\x0f\n\x07started\x18\x06 \x01(\x08\x12\x18\n\x10last_active_unix\x18\x07 \x01(\x01\"H\n\x0eJoinJobRequest\x12\"\n\x04spec\x18\x01 \x01(\x0b\x32\x14.dataquay.v1.JobSpec\x12\x12\n\nmust_exist\x18\x02 \x01(\x08\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x11\n\x0fListJobsRequest\"/\n\rListJobsReply\x12\x1e\n\x04jobs\x18\x01 \x03(\x0b\x32\x10.dataquay.v1.Job\":\n\x0e\x44ropJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x18\n\x10min_idle_seconds\x18\x02 \x01(\x01\"\x0e\n\x0c\x44ropJobReply\"|\n\x12ReportEpochRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x11\n\x04rank\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1d\n\x15wait_exchange_seconds\x18\x05 \x01(\x01\x42\x07\n\x05_rank*C\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07NODE_UP\x10\x01\x12\r\n\tNODE_DOWN\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x61taquay/protos/jobs.proto\x12\x0b\x64\x61taquay.v1\"\x92\x01\n\x08NodeInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0btcp_address\x18\x02 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x16\n\x0e\x63\x61\x63he_capacity\x18\x04 \x01(\x04\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x14\n\x0c\x62ulk_address\x18\x07 \x01(\t\"\xbf\x01\n\nNodeStatus\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.dataquay.v1.NodeInfo\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.dataquay.v1.NodeState\x12\x17\n\x0fregistered_unix\x18\x03 \x01(\x01\x12\x1b\n\x13last_heartbeat_unix\x18\x04 \x01(\x01\x12\x18\n\x10\x63\x61\x63he_used_bytes\x18\x05 \x01(\x04\x12\x15\n\rcache_entries\x18\x06 \x01(\x04\"\xdd\x02\n\x07JobSpec\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x11\n\x04mode\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x0e\n\x01q\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\tdrop_last\x18\x06 \x01(\x08H\x03\x88\x01\x01\x12\r\n\x05nodes\x18\x07 \x03(\t\x12\x1b\n\x0eranks_per_node\x18\x08 \x01(\rH\x04\x88\x01\x01\x12\x16\n\tpartition\x18\t \x01(\tH\x05\x88\x01\x01\x12\x17\n\nbatch_size\x18\n \x01(\rH\x06\x88\x01\x01\x12\x1c\n\x0f\x65xchange_coding\x18\x0b \x01(\tH\x07\x88\x01\x01\x42\x07\n\x05_modeB\x04\n\x02_qB\x07\n\x05_seedB\x0c\n\n_drop_lastB\x11\n\x0f_ranks_per_nodeB\x0c\n\n_partitionB\r\n\x0b_batch_sizeB\x12\n\x10_exchange_coding\"D\n\x0bNodeAbsence\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x12\n\nfrom_epoch\x18\x02 \x01(\x04\x12\x13\n\x0buntil_epoch\x18\x03 \x01(\x04\"\xcf\x01\n\x03Job\x12\"\n\x04spec\x18\x01 \x01(\x0b\x32\x14.dataquay.v1.JobSpec\x12\x13\n\x0bmanifest_id\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x14\n\x0c\x63reated_unix\x18\x05 \x01(\x01\x12\x0f\n\x07started\x18\x06 \x01(\x08\x12\x18\n\x10last_active_unix\x18\x07 \x01(\x01\x12*\n\x08\x61\x62sences\x18\x08 \x03(\x0b\x32\x18.dataquay.v1.NodeAbsence\"H\n\x0eJoinJobRequest\x12\"\n\x04spec\x18\x01 \x01(\x0b\x32\x14.dataquay.v1.JobSpec\x12\x12\n\nmust_exist\x18\x02 \x01(\x08\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x11\n\x0fListJobsRequest\"/\n\rListJobsReply\x12\x1e\n\x04jobs\x18\x01 \x03(\x0b\x32\x10.dataquay.v1.Job\":\n\x0e\x44ropJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x18\n\x10min_idle_seconds\x18\x02 \x01(\x01\"\x0e\n\x0c\x44ropJobReply\"\x90\x01\n\x12ReportEpochRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x11\n\x04rank\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1d\n\x15wait_exchange_seconds\x18\x05 \x01(\x01\x12\x12\n\nlost_nodes\x18\x06 \x03(\tB\x07\n\x05_rank*C\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07NODE_UP\x10\x01\x12\r\n\tNODE_DOWN\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dataquay.protos.jobs_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODESTATE']._serialized_start=1281
-  _globals['_NODESTATE']._serialized_end=1348
+  _globals['_NODESTATE']._serialized_start=1416
+  _globals['_NODESTATE']._serialized_end=1483
   _globals['_NODEINFO']._serialized_start=44
   _globals['_NODEINFO']._serialized_end=190
   _globals['_NODESTATUS']._serialized_start=193
   _globals['_NODESTATUS']._serialized_end=384
   _globals['_JOBSPEC']._serialized_start=387
   _globals['_JOBSPEC']._serialized_end=736
-  _globals['_JOB']._serialized_start=739
-  _globals['_JOB']._serialized_end=902
-  _globals['_JOINJOBREQUEST']._serialized_start=904
-  _globals['_JOINJOBREQUEST']._serialized_end=976
-  _globals['_GETJOBREQUEST']._serialized_start=978
-  _globals['_GETJOBREQUEST']._serialized_end=1009
-  _globals['_LISTJOBSREQUEST']._serialized_start=1011
-  _globals['_LISTJOBSREQUEST']._serialized_end=1028
-  _globals['_LISTJOBSREPLY']._serialized_start=1030
-  _globals['_LISTJOBSREPLY']._serialized_end=1077
-  _globals['_DROPJOBREQUEST']._serialized_start=1079
-  _globals['_DROPJOBREQUEST']._serialized_end=1137
-  _globals['_DROPJOBREPLY']._serialized_start=1139
-  _globals['_DROPJOBREPLY']._serialized_end=1153
-  _globals['_REPORTEPOCHREQUEST']._serialized_start=1155
-  _globals['_REPORTEPOCHREQUEST']._serialized_end=1279
+  _globals['_NODEABSENCE']._serialized_start=738
+  _globals['_NODEABSENCE']._serialized_end=806
+  _globals['_JOB']._serialized_start=809
+  _globals['_JOB']._serialized_end=1016
+  _globals['_JOINJOBREQUEST']._serialized_start=1018
+  _globals['_JOINJOBREQUEST']._serialized_end=1090
+  _globals['_GETJOBREQUEST']._serialized_start=1092
+  _globals['_GETJOBREQUEST']._serialized_end=1123
+  _globals['_LISTJOBSREQUEST']._serialized_start=1125
+  _globals['_LISTJOBSREQUEST']._serialized_end=1142
+  _globals['_LISTJOBSREPLY']._serialized_start=1144
+  _globals['_LISTJOBSREPLY']._serialized_end=1191
+  _globals['_DROPJOBREQUEST']._serialized_start=1193
+  _globals['_DROPJOBREQUEST']._serialized_end=1251
+  _globals['_DROPJOBREPLY']._serialized_start=1253
+  _globals['_DROPJOBREPLY']._serialized_end=1267
+  _globals['_REPORTEPOCHREQUEST']._serialized_start=1270
+  _globals['_REPORTEPOCHREQUEST']._serialized_end=1414
 # @@protoc_insertion_point(module_scope)

@@ -76,8 +76,18 @@ class JobSpec(_message.Message):
     exchange_coding: str
     def __init__(self, job_id: _Optional[str] = ..., dataset: _Optional[str] = ..., mode: _Optional[str] = ..., q: _Optional[float] = ..., seed: _Optional[int] = ..., drop_last: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ..., ranks_per_node: _Optional[int] = ..., partition: _Optional[str] = ..., batch_size: _Optional[int] = ..., exchange_coding: _Optional[str] = ...) -> None: ...
 
+class NodeAbsence(_message.Message):
+    __slots__ = ("node", "from_epoch", "until_epoch")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    FROM_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    from_epoch: int
+    until_epoch: int
+    def __init__(self, node: _Optional[str] = ..., from_epoch: _Optional[int] = ..., until_epoch: _Optional[int] = ...) -> None: ...
+
 class Job(_message.Message):
-    __slots__ = ("spec", "manifest_id", "num_samples", "epoch", "created_unix", "started", "last_active_unix")
+    __slots__ = ("spec", "manifest_id", "num_samples", "epoch", "created_unix", "started", "last_active_unix", "absences")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +95,7 @@ class Job(_message.Message):
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     LAST_ACTIVE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ABSENCES_FIELD_NUMBER: _ClassVar[int]
     spec: JobSpec
     manifest_id: str
     num_samples: int
@@ -92,7 +103,8 @@ class Job(_message.Message):
     created_unix: float
     started: bool
     last_active_unix: float
-    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., manifest_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., epoch: _Optional[int] = ..., created_unix: _Optional[float] = ..., started: _Optional[bool] = ..., last_active_unix: _Optional[float] = ...) -> None: ...
+    absences: _containers.RepeatedCompositeFieldContainer[NodeAbsence]
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., manifest_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., epoch: _Optional[int] = ..., created_unix: _Optional[float] = ..., started: _Optional[bool] = ..., last_active_unix: _Optional[float] = ..., absences: _Optional[_Iterable[_Union[NodeAbsence, _Mapping]]] = ...) -> None: ...
 
 class JoinJobRequest(_message.Message):
     __slots__ = ("spec", "must_exist")
@@ -131,15 +143,17 @@ class DropJobReply(_message.Message):
     def __init__(self) -> None: ...
 
 class ReportEpochRequest(_message.Message):
-    __slots__ = ("job_id", "epoch", "node", "rank", "wait_exchange_seconds")
+    __slots__ = ("job_id", "epoch", "node", "rank", "wait_exchange_seconds", "lost_nodes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WAIT_EXCHANGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOST_NODES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     node: str
     rank: int
     wait_exchange_seconds: float
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., wait_exchange_seconds: _Optional[float] = ...) -> None: ...
+    lost_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., wait_exchange_seconds: _Optional[float] = ..., lost_nodes: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -489,9 +489,9 @@ class DaemonConfig(ServerConfig):
     )
     heal_after: float = _option(
         300.0,
-        "time a node of a job must be listed down before the other nodes fetch its share of the job (modes "
-        "global, local, locality): from peers first, the PFS last (e.g. 5m, 30s; a bare number is seconds); "
-        "0 = never",
+        "time a node of a job must be listed down before the other nodes fetch its share of the job (in mode "
+        "partial, from the epoch the directory then records it absent): from peers first, the PFS last "
+        "(e.g. 5m, 30s; a bare number is seconds); 0 = never",
         parse_duration,
     )
     heal_bandwidth: int = _option(

@@ -75,8 +75,19 @@ def cmd_job_show(args: argparse.Namespace) -> None:
         ("nodes", f"{len(s.nodes)}, in node-rank order:"),
     ):
         print(f"{key:<12} {value}")
+    absences = {a.node: a for a in job.absences}  # by from_epoch: a node's latest absence
     for index, node in enumerate(s.nodes):
-        print(f"  {index:>5}  {node}")
+        print(f"  {index:>5}  {node}{_absence_text(absences.get(node))}")
+
+
+def _absence_text(absence: jpb.NodeAbsence | None) -> str:
+    """When the node's share is held by the others, in a job whose owners move."""
+    if absence is None:
+        return ""
+    if absence.until_epoch:
+        last = absence.until_epoch - 1
+        return f"  (absent epochs {absence.from_epoch}-{last}; holds its share again from {absence.until_epoch})"
+    return f"  (absent from epoch {absence.from_epoch}: the others hold its share)"
 
 
 def _q_text(spec: jpb.JobSpec) -> str:

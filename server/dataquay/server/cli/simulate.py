@@ -22,7 +22,17 @@ from dataquay.server.node.exchange.coding import SCHEMES
 from dataquay.server.node.exchange.coding_payoff import NodeBytes, Payoff, payoff
 from dataquay.server.sizes import format_bytes, parse_size, size_flag
 from dataquay.server.tools.coded_traffic import CodedEpoch
-from dataquay.server.tools.simulate import EpochTraffic, Estimate, Rates, Scenario, Spread, estimate, simulate, spread
+from dataquay.server.tools.simulate import (
+    SPARE,
+    EpochTraffic,
+    Estimate,
+    Rates,
+    Scenario,
+    Spread,
+    estimate,
+    simulate,
+    spread,
+)
 
 #: Simulations that run longer than this report each epoch on stderr.
 PROGRESS_AFTER_S = 2.0
@@ -82,6 +92,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Scenario, Rates | None]:
             ranks_per_node=args.ranks_per_node,
         )
         plan = JobPlan(settings, num_samples=args.samples, num_nodes=args.nodes)
+        # A job whose owners move keeps its nodes: the one that joins is the one that left.
+        back = MODES[args.mode].owners_move and args.leave_at is not None
         scenario = Scenario(
             plan,
             parse_size(args.sample_bytes, "--sample-bytes"),
@@ -89,6 +101,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Scenario, Rates | None]:
             args.exchange_coding,
             args.leave_at,
             args.join_at,
+            joiner=plan.nodes[0] if back else SPARE,
             read_ahead=args.read_ahead,
         )
         rates = None
@@ -113,7 +126,7 @@ def _epoch_json(
 ) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "epoch": traffic.epoch,
-        "nodes": len(traffic.sent),
+        "nodes": traffic.nodes,
         "moved_bytes": traffic.moved_bytes,
         "moved_percent": 100.0 * traffic.moved_bytes / scenario.dataset_bytes,
         "network_bytes": traffic.network_bytes,
@@ -426,14 +439,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--leave-at",
         type=int,
         metavar="EPOCH",
-        help="a node leaves before EPOCH: the job re-forms on the others, which read its share from the PFS "
-        "(reports the bytes whose holder changed)",
+        help="a node is lost before EPOCH: the others hold its share, read once from the PFS, and nothing else "
+        "moves; in mode partial every rank reads on as before (reports the bytes whose holder changed)",
     )
     p.add_argument(
         "--join-at",
         type=int,
         metavar="EPOCH",
-        help="a spare node joins before EPOCH and takes its share from the nodes that held it",
+        help="a spare node joins before EPOCH and takes its share from the nodes that held it; in mode partial "
+        "after --leave-at, the node that was lost comes back and takes its share",
     )
     p.add_argument(
         "--read-ahead",

@@ -60,7 +60,6 @@ from typing import Any
 
 import grpc
 
-from dataquay.client.job_settings import JobSettings
 from dataquay.protos import etcd_kv_pb2 as kv
 from dataquay.protos import etcd_rpc_pb2 as epb
 from dataquay.server.config import DirectoryConfig
@@ -343,7 +342,7 @@ class EtcdStore:
         if job is None:
             await self._own_txn(epb.TxnRequest(success=[delete(key)]), {key: b""})
             return
-        value = json.dumps(_job_json(job)).encode()
+        value = json.dumps(job.to_json()).encode()
         if not new:
             await self._own_txn(epb.TxnRequest(success=[put(key, value)]), {key: value})
             return
@@ -635,13 +634,8 @@ def _node(value: bytes) -> Node:
     )
 
 
-def _job_json(job: Job) -> dict[str, Any]:
-    return {**asdict(job), "spec": {**asdict(job.spec), "nodes": list(job.spec.nodes)}}
-
-
 def _job(value: bytes) -> Job:
-    raw = json.loads(value)
-    return Job(**{**raw, "spec": JobSettings(**raw["spec"])})
+    return Job.from_json(json.loads(value))
 
 
 def _find_job(state: DirectoryState, job_id: str) -> Job | None:

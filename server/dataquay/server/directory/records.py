@@ -10,10 +10,11 @@ state machine.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
 
 from dataquay.client.job_settings import JobSettings
+from dataquay.server.planning.absences import Absence
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ class Job:
     ``started`` says whether one did (so that epoch 0 has begun);
     ``last_active`` is when it was created, joined or last had an epoch
     reported, as Unix time (the directory counts its idle time on the
-    monotonic clock)."""
+    monotonic clock); ``absences`` are its nodes lost for a while, in modes
+    whose owners move (:mod:`~dataquay.server.planning.absences`)."""
 
     spec: JobSettings
     manifest_id: str
@@ -119,3 +121,14 @@ class Job:
     created: float
     started: bool
     last_active: float
+    absences: tuple[Absence, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as the state file and the etcd store write it."""
+        return {**asdict(self), "spec": {**asdict(self.spec), "nodes": list(self.spec.nodes)}}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Job:
+        """The record :meth:`to_json` wrote (a record without ``absences`` has none)."""
+        absences = tuple(Absence(**a) for a in raw.get("absences", ()))
+        return cls(**{**raw, "spec": JobSettings(**raw["spec"]), "absences": absences})

@@ -33,6 +33,8 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import grpc
@@ -395,12 +397,18 @@ class DirectoryServer(ServerLifecycle):
         idle = round(time.time() - job.last_active)  # as `job ls` shows it
         log.info("job dropped", extra={"fields": {"job": job_id, "idle_seconds": idle}})
 
-    async def report_epoch(self, job_id: str, epoch: int, node: str) -> Job:
-        before = self.state.get_job(job_id).epoch
-        job = self.state.report_epoch(job_id, epoch, time.monotonic(), time.time())
-        if job.epoch > before:
+    async def report_epoch(self, job_id: str, epoch: int, node: str, lost: Sequence[str] = ()) -> Job:
+        before = self.state.get_job(job_id)
+        job = self.state.report_epoch(job_id, epoch, time.monotonic(), time.time(), lost)
+        if job.epoch > before.epoch or job.absences != before.absences:
             await self.store.persist()
+        if job.epoch > before.epoch:
             log.info("job epoch", extra={"fields": {"job": job_id, "epoch": job.epoch, "node": node}})
+        if job.absences != before.absences:
+            log.info(
+                "the nodes absent from a job's holders changed",
+                extra={"fields": {"job": job_id, "absences": [asdict(a) for a in job.absences], "reported_by": node}},
+            )
         return job
 
 

@@ -7,6 +7,7 @@ the state machine speak in dataclasses.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
@@ -128,7 +129,7 @@ class DirectoryServicer(directory_pb2_grpc.DirectoryServicer):
 
     async def ReportEpoch(self, request: jpb.ReportEpochRequest, context: grpc.aio.ServicerContext) -> jpb.Job:
         async with status_on_error(context):
-            job = await self.server.report_epoch(request.job_id, request.epoch, request.node)
+            job = await self.server.report_epoch(request.job_id, request.epoch, request.node, request.lost_nodes)
         return job_proto(job)
 
 
@@ -161,4 +162,5 @@ def job_proto(job: Job) -> jpb.Job:
         created_unix=job.created,
         started=job.started,
         last_active_unix=job.last_active,
+        absences=[jpb.NodeAbsence(**asdict(a)) for a in job.absences],
     )

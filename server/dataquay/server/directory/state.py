@@ -36,13 +36,13 @@ import hashlib
 import re
 import secrets
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, replace
 from typing import Any, NamedTuple
 
-from dataquay.client.job_settings import SETTINGS, JobSettings
+from dataquay.client.job_settings import SETTINGS
 from dataquay.client.jobs import check_epoch_ahead
-from dataquay.client.placement import MAX_EPOCH
+from dataquay.client.placement import MAX_EPOCH, MODES
 from dataquay.server.directory.node_log import NodeLog, first_version
 from dataquay.server.directory.records import (
     Beat,
@@ -64,6 +64,7 @@ from dataquay.server.errors import (
     NoLiveNodesError,
     UnknownJobError,
 )
+from dataquay.server.planning.absences import follow_absences
 
 #: Version of the persisted document; a directory refuses any other.
 STATE_FORMAT = 1
@@ -402,9 +403,14 @@ class DirectoryState:
             self._bump(jobs=1)
         return expired
 
-    def report_epoch(self, job_id: str, epoch: int, now: float, wall: float | None = None) -> Job:
+    def report_epoch(
+        self, job_id: str, epoch: int, now: float, wall: float | None = None, lost: Iterable[str] = ()
+    ) -> Job:
         """Raises the job's epoch to ``epoch`` and marks it active at ``now``
-        (Unix time ``wall``); an older report changes only the activity.
+        (Unix time ``wall``); an older report changes only the activity. In
+        a mode whose owners move, the nodes the reporter counts ``lost`` that
+        are listed down here become absent, and absent nodes listed up again
+        come back (:func:`~dataquay.server.planning.absences.follow_absences`).
 
         Raises:
             EpochTooFarError: see :func:`~dataquay.client.jobs.check_epoch_ahead`.
@@ -413,8 +419,15 @@ class DirectoryState:
             raise InvalidRequestError(f"epoch {epoch} is beyond the last one a job may reach ({MAX_EPOCH})")
         job = self.get_job(job_id)
         check_epoch_ahead(job_id, job.spec.mode, epoch, job.epoch)
-        if epoch > job.epoch or not job.started:
-            job = self._jobs[job_id] = replace(job, epoch=max(epoch, job.epoch), started=True)
+        changed = replace(job, epoch=max(epoch, job.epoch), started=True)
+        if MODES[job.spec.mode].owners_move:
+            up = {name for name, node in self._nodes.items() if node.up}
+            absences = follow_absences(job.absences, job.spec.nodes, lost, up, changed.epoch)
+            changed = replace(changed, absences=absences)
+        if changed != job:
+            if changed.absences != job.absences:
+                self._bump(jobs=1)  # every node steps its holders by them: its copy must follow
+            job = self._jobs[job_id] = changed
             self.revision += 1
             self._record_changed("job", job_id)
         return self._touch(job, now, wall)
@@ -554,9 +567,9 @@ class DirectoryState:
                     state._renew(node.info.name, now)
                     state._unheard.add(node.info.name)
             for raw in doc["jobs"]:
-                spec = JobSettings(**raw["spec"])
-                job = state._jobs[spec.job_id] = Job(**{**raw, "spec": spec})
-                state._active[spec.job_id] = now - max(0.0, wall - job.last_active)
+                job = Job.from_json(raw)
+                state._jobs[job.spec.job_id] = job
+                state._active[job.spec.job_id] = now - max(0.0, wall - job.last_active)
             v = Versions(**doc["versions"])
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed state: {exc!r}") from None
@@ -580,10 +593,7 @@ class StateSnapshot(NamedTuple):
             "format": STATE_FORMAT,
             "versions": asdict(self.versions),
             "nodes": self.nodes,
-            "jobs": [
-                {**asdict(job), "spec": {**asdict(job.spec), "nodes": list(job.spec.nodes)}}
-                for _, job in sorted(self.jobs.items())
-            ],
+            "jobs": [job.to_json() for _, job in sorted(self.jobs.items())],
         }
 
 

@@ -93,7 +93,15 @@ def _value(value: object, expected: Any, path: str) -> None:
     elif expected is str:
         _expect(isinstance(value, str), value, "a string", path)
     elif typing.get_origin(expected) is tuple:
-        _expect(isinstance(value, list) and all(isinstance(v, str) for v in value), value, "a list of strings", path)
+        item = typing.get_args(expected)[0]
+        if isinstance(item, type) and is_dataclass(item):
+            _expect(isinstance(value, list), value, "a list", path)
+            for index, record in enumerate(typing.cast(list[object], value)):
+                _record(record, item, f"{path}[{index}]")
+        else:
+            _expect(
+                isinstance(value, list) and all(isinstance(v, str) for v in value), value, "a list of strings", path
+            )
 
 
 def _expect(ok: bool, value: object, what: str, path: str) -> None:

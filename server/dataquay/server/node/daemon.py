@@ -140,7 +140,7 @@ class Daemon(ServerLifecycle):
                 config.heal_after,
                 config.heal_bandwidth,
             )
-            self.placements.lost = self.healer.lost
+            self.placements.lost = self.link.lost = self.healer.lost
         self.reads = ReadService(
             self.datasets,
             self.store,

@@ -16,7 +16,17 @@ A daemon that starts into a job whose ranks are already reading (a node that
 comes back, or a new node under a name the job lists) treats itself as
 having been lost: it fetches its share from the nodes that held it
 meanwhile, never from the PFS; what they no longer hold its ranks read as
-any miss. Fetches go a chunk at a time under the ``--heal-bandwidth`` cap, so
+any miss.
+
+In modes whose owners move, the job record says from which epoch a lost
+node is absent (:mod:`dataquay.server.planning.absences`), and the exchange
+moves samples between the holders of each epoch. What no exchange brings is
+what the absent node held the epoch before its absence: once the job
+reaches that epoch, each node fetches its part of it, from the node that
+held a sample before the absent one (a spare copy) when it is up, else
+from the PFS. A node back takes its share through the exchange.
+
+Fetches go a chunk at a time under the ``--heal-bandwidth`` cap, so
 that the ranks' reads keep the network and the PFS. Nothing here changes
 which samples the ranks read: only which node a miss is asked of.
 """
@@ -24,6 +34,7 @@ which samples the ranks read: only which node a miss is asked of.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -134,6 +145,8 @@ class Healer:
         self._seen: dict[str, _Seen] = {}
         self._drops: list[_Drop] = []
         self._failed: dict[str, str] = {}
+        #: Per job whose owners move: (job creation, the epochs whose newly absent nodes' share was fetched here).
+        self._healed_from: dict[str, tuple[float, set[int]]] = {}
 
     def lost(self, job: jpb.Job) -> tuple[str, ...]:
         """The job's nodes whose share the others hold now (what reads ask by)."""
@@ -149,20 +162,25 @@ class Healer:
                 await self._check()
             except Exception:  # a bug here must not stop healing for good
                 log.exception("healing failed; retrying")
-            await asyncio.sleep(CHECK_SECONDS)
+            # An epoch entered may start a job's absence: its share is fetched
+            # while the exchange into that epoch runs, not a check later.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.link.epoch_entered.wait(), CHECK_SECONDS)
+            self.link.epoch_entered.clear()
 
     async def _check(self) -> None:
-        jobs = [
-            job
-            for job in self.link.jobs.values()
-            if self.node_name in job.spec.nodes and not MODES[job.spec.mode].owners_move
-        ]
+        jobs = [job for job in self.link.jobs.values() if self.node_name in job.spec.nodes]
         self.counts.lost_nodes = len({name for job in jobs for name in self.lost(job)})
         for dropped in set(self._seen) - {job.spec.job_id for job in jobs}:
             del self._seen[dropped]
+        for dropped in set(self._healed_from) - {job.spec.job_id for job in jobs}:
+            del self._healed_from[dropped]
         for job in jobs:
             try:
-                await self._follow(job)
+                if MODES[job.spec.mode].owners_move:
+                    await self._follow_absences(job)
+                else:
+                    await self._follow(job)
             except DataquayError as exc:
                 # Tried again at every check; told once per cause.
                 if self._failed.get(job.spec.job_id) != str(exc):
@@ -211,6 +229,42 @@ class Healer:
         coming = np.flatnonzero((new == me) & (old != me))
         await self._fetch(job, entry, coming, old, base, lost)
         seen.lost, seen.trying = lost, None
+
+    async def _follow_absences(self, job: jpb.Job) -> None:
+        """Fetches, in a job whose owners move, the samples this node holds
+        from an epoch whose holders leave a node out: those that node held
+        the epoch before, which no exchange will bring. Each such epoch is
+        healed once the job has reached the epoch before it (its exchange is
+        then under way), from spare copies on the nodes that held them before
+        the absent node, then from the PFS."""
+        job_id = job.spec.job_id
+        created, healed = self._healed_from.setdefault(job_id, (job.created_unix, set()))
+        if created != job.created_unix:
+            created, healed = self._healed_from[job_id] = (job.created_unix, set())
+        starts = {a.from_epoch for a in job.absences} - healed
+        for start in sorted(starts):
+            if start > job.epoch + 1:
+                continue
+            if start < job.epoch - 1:  # the job moved on: its exchanges carry what is held now
+                healed.add(start)
+                continue
+            entry = await self.datasets.entry(job.spec.dataset)
+            if entry.record.manifest_id != job.manifest_id:
+                return
+            await self.store.open_dataset(entry.record.cache_db)
+            at = await self.placements.placement(job_id, entry, start)
+            before = await self.placements.placement(job_id, entry, start - 1)
+            spares = await self.placements.placement(job_id, entry, max(start - 2, 0))
+            left = tuple(name for name in at.lost if name not in before.lost)
+            nodes = list(job.spec.nodes)
+            left_index = [nodes.index(name) for name in left]
+            coming = np.flatnonzero((at.holders == at.node_index) & np.isin(before.holders, left_index))
+            log.info(
+                "healing: taking over the share of nodes absent from an epoch on",
+                extra={"fields": {"job": job_id, "epoch": start, "absent": left, "samples": len(coming)}},
+            )
+            await self._fetch(job, entry, coming, spares.holders, before.holders, left)
+            healed.add(start)
 
     async def _fetch(
         self, job: jpb.Job, entry: Registered, ids: np.ndarray, old: np.ndarray, base: np.ndarray, lost: tuple[str, ...]

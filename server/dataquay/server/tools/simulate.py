@@ -39,18 +39,17 @@ the PFS. The model:
   parts; a node sends each packet once and every decoder receives it. The
   epoch also carries the uncoded exchange from the same caches, so the two
   compare on equal terms.
-- A node change (``leave_at``, ``join_at``) re-forms the job before that
-  epoch on the node set without its first node, or with a node added:
-  every sample whose holder changes moves once (``moved``). One whose old
-  holder is still up comes from it over the network; one whose holder left
-  is read from the PFS by its new holder in that epoch and cached, so the
-  PFS reads no more of it after. Modes whose owners never move change
-  holders as the daemons heal (:mod:`dataquay.server.node.cluster.healing`):
-  the share of the node that left goes where the stable placement on the
-  others puts it, the node that joins takes its share of the stable
-  placement, and nothing else moves. Modes whose owners move (``partial``)
-  keep their history (:func:`~dataquay.client.placement.reform`) and
-  exchange on from it; a coded exchange is not modelled across a change.
+- A node change (``leave_at``, ``join_at``) before an epoch moves every
+  sample whose holder changes once (``moved``), as the daemons handle it
+  (:mod:`.node_changes`): one whose old holder is still up comes from it
+  over the network; one whose holder left is read from the PFS by its new
+  holder in that epoch and cached, so the PFS reads no more of it after.
+  In modes whose owners never move, the share of the node that left goes
+  where the stable placement on the others puts it and a node that joins
+  takes its share of the stable placement. In ``partial`` the node that
+  left is absent from the holders and the one that comes back is it; a
+  node new to the job re-forms it. A coded exchange is not modelled
+  across a change.
 - The estimate (:func:`estimate`) takes per-node training, aggregate PFS and
   per-node network rates. Reads of ``global`` and ``locality`` sit on the
   critical path, so an epoch lasts as long as its slowest term. The exchange
@@ -78,12 +77,11 @@ from dataquay.client.placement import (
     owner_read_positions,
     owners,
     rank_length,
-    reform,
 )
-from dataquay.server.node.cluster.healing import healed_holders
 from dataquay.server.node.exchange.coding import SCHEMES
 from dataquay.server.planning.capacity import exchange_reserve, exchange_staging_limit, stored_bytes
 from dataquay.server.tools.coded_traffic import CodedEpoch, CodedExchanges
+from dataquay.server.tools.node_changes import absent_holders, holder_moves, static_change
 
 #: The name of the node that ``Scenario.join_at`` adds: it sorts after
 #: "0".."M-1", the case that shifted every block of a placement by index.
@@ -154,11 +152,36 @@ class Scenario:
                 raise ValueError(f"{name} is not modelled with exchange_coding {self.exchange_coding}: use none")
         if self.leave_at is not None and plan.num_nodes < 2:
             raise ValueError("leave_at needs at least 2 nodes: the job must keep one")
-        if self.join_at is not None and self.joiner in self.plan_at(self.join_at - 1).nodes:
+        if self.join_at is not None and self._absences:
+            if self.joiner != plan.nodes[0]:
+                raise ValueError(
+                    f"in mode {plan.settings.mode} a node that joins after one left is the one that left "
+                    f"({plan.nodes[0]!r}): a job whose owners move keeps its nodes; a new one re-forms it"
+                )
+            if self.leave_at is not None and self.join_at <= self.leave_at:
+                raise ValueError(f"join_at ({self.join_at}) must come after leave_at ({self.leave_at})")
+        elif self.join_at is not None and self.joiner in self.plan_at(self.join_at - 1).nodes:
             raise ValueError(f"joiner {self.joiner!r} is already one of the job's nodes before epoch {self.join_at}")
 
+    @property
+    def _absences(self) -> bool:
+        """Whether the node that leaves is absent from the job's holders (its
+        owners move) rather than gone from its node set (see :mod:`.node_changes`)."""
+        return MODES[self.plan.settings.mode].owners_move and self.leave_at is not None
+
+    def absent_at(self, epoch: int) -> tuple[str, ...]:
+        """The nodes absent from the holders of ``epoch`` in a job whose owners move."""
+        if not self._absences or self.leave_at is None or epoch < self.leave_at:
+            return ()
+        if self.join_at is not None and epoch >= self.join_at:
+            return ()
+        return (self.plan.nodes[0],)
+
     def plan_at(self, epoch: int) -> JobPlan:
-        """The plan of ``epoch``: the job's, less the node that left, plus the one that joined."""
+        """The plan of ``epoch``: the job's, less the node that left (unless
+        it is absent instead), plus the one that joined."""
+        if self._absences:
+            return self.plan
         names = list(self.plan.nodes)
         if self.leave_at is not None and epoch >= self.leave_at:
             names = names[1:]
@@ -241,6 +264,9 @@ class EpochTraffic:
         early_read_bytes: bytes ranks read from a sample's previous owner before
             the exchange into this epoch delivered it to their short cache
             (counted in ``sent`` and ``received`` too).
+        absent_nodes: nodes of a job whose owners move that hold nothing in
+            this epoch (they left; :mod:`.node_changes`); ``sent`` and
+            ``received`` still have their entries.
     """
 
     epoch: int
@@ -251,6 +277,12 @@ class EpochTraffic:
     coding: CodedEpoch | None = None
     moved_bytes: int = 0
     early_read_bytes: int = 0
+    absent_nodes: int = 0
+
+    @property
+    def nodes(self) -> int:
+        """Nodes that hold samples in this epoch."""
+        return len(self.sent) - self.absent_nodes
 
     @property
     def network_bytes(self) -> int:
@@ -331,31 +363,45 @@ def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
     if scenario.exchange_coding != "none":
         capacity = int(_cache_samples(scenario, loads).min())
         coded = CodedExchanges(current, plan.num_nodes, capacity, scenario.exchange_coding, plan.settings.seed)
+    absent: tuple[str, ...] = ()
+    holders = current
     for epoch in range(epochs):
         restaged = moved = 0
+        sent = np.zeros(plan.num_nodes, dtype=np.int64)
+        received = np.zeros(plan.num_nodes, dtype=np.int64)
         if scenario.plan_at(epoch) != plan:
             before, plan = plan, scenario.plan_at(epoch)
-            current, change = _reform(before, plan, current, epoch)
+            current, change = static_change(before, plan, current, epoch)
+            holders = current
             moved, restaged = len(change.ids), int((change.sources < 0).sum())
             loads = np.bincount(current, minlength=plan.num_nodes)
             held = np.minimum(loads, _cache_samples(scenario, loads))
             short = _short_of_share(scenario, loads)
-        sent = np.zeros(plan.num_nodes, dtype=np.int64)
-        received = np.zeros(plan.num_nodes, dtype=np.int64)
-        if moved:
             peers = change.sources >= 0
-            sent += np.bincount(change.sources[peers], minlength=plan.num_nodes)
-            received += np.bincount(change.targets[peers], minlength=plan.num_nodes)
+            sent = np.bincount(change.sources[peers], minlength=plan.num_nodes)
+            received = np.bincount(change.targets[peers], minlength=plan.num_nodes)
         coding = None
         early = 0
         if epoch and MODES[plan.settings.mode].owners_move:
             shipped = moves(plan, epoch, current)
-            previous, current = current, current.copy()
+            current = current.copy()
             current[shipped.ids] = shipped.targets
+            previous, now_absent = holders, scenario.absent_at(epoch)
+            holders = absent_holders(plan, current, now_absent)
+            if now_absent or absent:
+                left, back = (tuple(sorted(set(a) - set(b))) for a, b in ((now_absent, absent), (absent, now_absent)))
+                shipped, change = holder_moves(plan, previous, holders, left, back)
+                moved, restaged = len(change.ids), int((change.sources < 0).sum())
+                shipped = Moves(*(column[shipped.sources >= 0] for column in shipped))
+            if now_absent != absent:
+                loads = np.bincount(holders, minlength=plan.num_nodes)
+                held = np.minimum(loads, _cache_samples(scenario, loads))
+                short = _short_of_share(scenario, loads)
+            absent = now_absent
             if coded is None:
                 kept = held / np.maximum(loads, 1)
                 early_sent, early_received = _read_before_delivery(
-                    scenario, plan, epoch, (previous, current), shipped, kept, short
+                    scenario, plan, epoch, (previous, holders), shipped, kept, short
                 )
                 sent += early_sent
                 received += early_received
@@ -378,38 +424,9 @@ def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
         received += read_received
         pfs = plan.num_samples if epoch == 0 else int((loads - held).sum()) + restaged
         pfs += coding.coded.pfs_bytes if coding else 0
-        yield EpochTraffic(epoch, sent * size, received * size, pfs * size, balance, coding, moved * size, early * size)
-
-
-def _reform(before: JobPlan, after: JobPlan, current: np.ndarray, epoch: int) -> tuple[np.ndarray, Moves]:
-    """The owners on ``after``'s nodes of the epoch before ``epoch`` (which ``current``
-    holds), and the samples whose holder changed: their source indexes
-    ``after``'s nodes (-1 where the holder left), their target too."""
-    index = {name: node for node, name in enumerate(after.nodes)}
-    survivor = np.array([index.get(name, -1) for name in before.nodes], dtype=np.int32)
-    old = survivor[current]
-    if MODES[after.settings.mode].owners_move:
-        new = reform(before, after, epoch - 1, current)
-    else:
-        new = _healed(before, after, current, survivor)
-    ids = np.flatnonzero(old != new).astype(np.int64)
-    return new, Moves(ids, old[ids], new[ids])
-
-
-def _healed(before: JobPlan, after: JobPlan, current: np.ndarray, survivor: np.ndarray) -> np.ndarray:
-    """The holders on ``after``'s nodes as the daemons heal a job whose owners
-    never move (:mod:`dataquay.server.node.cluster.healing`): the share of a
-    node that left goes where the stable placement on the others puts it,
-    and a node that joins takes its share of the stable placement on
-    ``after`` from whoever held it; every other sample keeps its holder."""
-    left = tuple(name for name in before.nodes if name not in after.nodes)
-    new = survivor[healed_holders(before, current, left)] if left else survivor[current]
-    joined = [node for node, name in enumerate(after.nodes) if name not in before.nodes]
-    if joined:
-        stable = owners(after, 0)
-        takes = np.isin(stable, joined)
-        new[takes] = stable[takes]
-    return new.astype(current.dtype, copy=False)
+        yield EpochTraffic(
+            epoch, sent * size, received * size, pfs * size, balance, coding, moved * size, early * size, len(absent)
+        )
 
 
 def estimate(scenario: Scenario, traffic: EpochTraffic, rates: Rates) -> Estimate:

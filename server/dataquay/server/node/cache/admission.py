@@ -26,14 +26,14 @@ REASONS = {LENGTH: "length", ORIGIN: "origin"}
 @dataclass(frozen=True)
 class Origin:
     """Who may hand this node which ids in one exchange: a stream's sender
-    gives an id only if it owned it the epoch before and this node owns it
-    in the offer's epoch.
+    gives an id only if it held it the epoch before and this node holds it
+    in the offer's epoch (the owner, unless the job lists it absent then).
 
     Attributes:
         sender: the sender's index in the job's nodes, -1 when it is not one of them.
         receiver: this node's index in the job's nodes.
-        before: owner index per sample id in the epoch before the offer's (None: no such epoch).
-        after: owner index per sample id in the offer's epoch.
+        before: holder index per sample id in the epoch before the offer's (None: no such epoch).
+        after: holder index per sample id in the offer's epoch.
     """
 
     sender: int

@@ -58,6 +58,9 @@ DATAGRAM_WAIT_SECONDS = 0.5
 #: How long an epoch report waits for the directory's answer, when the
 #: directory was answering, before it returns this node's copy of the job.
 REPORT_WAIT_SECONDS = 1.0
+#: How often a job's record may be asked for again out of turn (see
+#: :meth:`DirectoryLink.refresh_job`): peers' offers cannot drive the calls.
+REFRESH_SECONDS = 1.0
 
 
 def _relayed(exc: grpc.aio.AioRpcError) -> DataquayError:
@@ -151,6 +154,13 @@ class DirectoryLink:
         self._answering = asyncio.Event()
         #: When the directory last answered a heartbeat (monotonic; 0: never).
         self._answered_at = 0.0
+        #: The nodes of a job this node counts lost, told with its epoch reports
+        #: (:mod:`dataquay.server.planning.absences`); none unless the healer says.
+        self.lost: Callable[[jpb.Job], tuple[str, ...]] = lambda job: ()
+        #: Set when this node's ranks enter an epoch (the healer clears it).
+        self.epoch_entered = asyncio.Event()
+        self._refreshed: dict[str, float] = {}
+        self._refreshing: dict[str, asyncio.Future[jpb.Job]] = {}
 
     # ------------------------------------------------------------ background
 
@@ -363,6 +373,31 @@ class DirectoryLink:
         self.jobs[job_id] = job
         return job
 
+    async def refresh_job(self, job_id: str) -> jpb.Job:
+        """The directory's record of the job, asked again unless it was less
+        than REFRESH_SECONDS ago: a peer whose offer this node's copy refuses
+        may have a later one (the job's absent nodes change between heartbeats).
+
+        Raises:
+            UnknownJobError: the directory does not know the job.
+            DirectoryUnavailableError: the directory does not answer.
+        """
+        asking = self._refreshing.get(job_id)
+        if asking is None:
+            if time.monotonic() - self._refreshed.get(job_id, -REFRESH_SECONDS) < REFRESH_SECONDS:
+                return await self.job(job_id)
+            self._refreshed[job_id] = time.monotonic()
+            asking = self._refreshing[job_id] = asyncio.ensure_future(self._get_job(job_id))
+            asking.add_done_callback(lambda _: self._refreshing.pop(job_id, None))
+        # Callers that ask meanwhile wait for the same answer.
+        return await asyncio.shield(asking)
+
+    async def _get_job(self, job_id: str) -> jpb.Job:
+        request = jpb.GetJobRequest(job_id=job_id)
+        job = self._held_epoch(await self._call(lambda stub: stub.GetJob(request, timeout=CALL_TIMEOUT_SECONDS)))
+        self.jobs[job_id] = job
+        return job
+
     async def join_job(self, request: jpb.JoinJobRequest) -> jpb.Job:
         job = self._held_epoch(await self._call(lambda stub: stub.JoinJob(request, timeout=CALL_TIMEOUT_SECONDS)))
         self.jobs[job.spec.job_id] = job
@@ -387,10 +422,11 @@ class DirectoryLink:
         except EpochTooFarError:
             if not self.reachable:
                 raise
-            request = jpb.ReportEpochRequest(job_id=job_id, epoch=epoch, node=self._node_info().name)
+            request = self._report_request(job_id, epoch)
             job = await self._call(lambda stub: stub.ReportEpoch(request, timeout=CALL_TIMEOUT_SECONDS))
         job = self.jobs[job_id] = entered(job, epoch)
         self.reports.add(job_id, epoch)
+        self.epoch_entered.set()
         return job
 
     async def told(self, job: jpb.Job, epoch: int) -> jpb.Job:
@@ -434,7 +470,7 @@ class DirectoryLink:
 
     async def _report(self, job_id: str, epoch: int) -> bool:
         """Sends one report; False when the directory does not answer (it stays queued)."""
-        request = jpb.ReportEpochRequest(job_id=job_id, epoch=epoch, node=self._node_info().name)
+        request = self._report_request(job_id, epoch)
         try:
             job = await self._call(lambda stub: stub.ReportEpoch(request, timeout=CALL_TIMEOUT_SECONDS))
         except DirectoryUnavailableError:
@@ -451,6 +487,15 @@ class DirectoryLink:
             self.jobs[job_id] = job
         self.reports.answered(job_id, epoch, job)
         return True
+
+    def _report_request(self, job_id: str, epoch: int) -> jpb.ReportEpochRequest:
+        held = self.jobs.get(job_id)
+        return jpb.ReportEpochRequest(
+            job_id=job_id,
+            epoch=epoch,
+            node=self._node_info().name,
+            lost_nodes=self.lost(held) if held is not None else (),
+        )
 
     def _held_epoch(self, job: jpb.Job) -> jpb.Job:
         """The directory's copy of a job, at the epoch this node holds when

@@ -1,5 +1,9 @@
 """Which nodes of a job count as lost, and who holds their share meanwhile.
 
+(In modes whose owners move, the job record says which nodes are absent in
+which epoch, :mod:`dataquay.server.planning.absences`; the holders follow
+from them by :func:`healed_holders` as below.)
+
 A node the directory has listed as down for longer than the grace period
 (``--heal-after``) is lost: its share of a job's samples is held by the
 others until it is back. Who takes what is a pure function of the job's
@@ -23,7 +27,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from dataquay.client.placement import MODES, JobPlan, initial_owners
+from dataquay.client.placement import JobPlan, initial_owners
 from dataquay.protos import jobs_pb2 as jpb
 
 
@@ -31,8 +35,10 @@ def lost_nodes(job: jpb.Job, listed: Mapping[str, jpb.NodeStatus], heal_after: f
     """The job's nodes listed as down for at least ``heal_after`` seconds at
     ``now`` (unix time), and those it names that never registered, ``heal_after``
     after the job was created; sorted. None when ``heal_after`` is 0 (healing
-    off) or in modes whose owners move (their exchange moves the samples)."""
-    if heal_after <= 0 or MODES[job.spec.mode].owners_move:
+    off). In modes whose owners move, these are what this node reports to
+    the directory, which records the job's absent nodes
+    (:mod:`dataquay.server.planning.absences`)."""
+    if heal_after <= 0:
         return ()
     lost = []
     for name in job.spec.nodes:

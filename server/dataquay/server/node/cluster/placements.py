@@ -14,7 +14,10 @@ keeps what fits and the rest is held by nodes whose caches have room
 and from the capacities the directory lists for the job's nodes, so they are
 computed again when a node comes back with another ``--cache-size``. In
 those modes too, the share of a node lost for longer than ``--heal-after`` is
-held by the others (:mod:`.healing`) until it is back.
+held by the others (:mod:`.healing`) until it is back. In modes whose owners
+move, the share of a node the job record lists absent in an epoch
+(:mod:`dataquay.server.planning.absences`) is held by the others in that
+epoch, and the exchange moves samples between holders.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dataquay.server.dirs import private_dir, private_opener
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.cluster.directory_link import DirectoryLink
 from dataquay.server.node.cluster.healing import healed_holders
+from dataquay.server.planning.absences import absent_at
 from dataquay.server.planning.capacity import short_of_share
 from dataquay.server.planning.spill import NO_HOLDER, spill_holders
 from dataquay.server.registry import Registered, Registry
@@ -141,7 +145,7 @@ class Placements:
         key = (job_id, entry.record.manifest_id, epoch)
         moving = MODES[job.spec.mode].owners_move
         capacities = () if moving else self._capacities(job)
-        lost = self.lost(job)
+        lost = absent_at(job.absences, epoch) if moving else self.lost(job)
         kept = self._kept.get(key)
         if kept is not None and (kept.job.created_unix, kept.capacities, kept.lost) == (
             job.created_unix,
@@ -180,8 +184,8 @@ class Placements:
         else:
             owner = await loop.run_in_executor(None, owners, plan, epoch, None)
             holders = await self._spilled(job, entry, owner, capacities)
-            if lost:
-                holders = await loop.run_in_executor(None, healed_holders, plan, holders, lost)
+        if lost:
+            holders = await loop.run_in_executor(None, healed_holders, plan, holders, lost)
         kept = self._kept[key] = Placement(job, epoch, owner, index, holders, capacities, lost)
         while len(self._kept) > KEPT_EPOCHS:
             del self._kept[next(iter(self._kept))]

@@ -104,7 +104,7 @@ class ArrivalWaits:
 
 async def arrival_ids(placements: Placements, job_id: str, entry: Registered, epoch: int) -> np.ndarray:
     """The ids the exchange brings this node for ``epoch`` of a job whose
-    owners move: those it owns then and did not own the epoch before."""
+    owners move: those it holds then and did not hold the epoch before."""
     if epoch < 1:
         return np.empty(0, np.int64)
     before = await placements.placement(job_id, entry, epoch - 1)
@@ -112,7 +112,7 @@ async def arrival_ids(placements: Placements, job_id: str, entry: Registered, ep
     me = after.node_index
     if me < 0:
         return np.empty(0, np.int64)
-    return np.flatnonzero((after.owners == me) & (before.owners != me))
+    return np.flatnonzero((after.holders == me) & (before.holders != me))
 
 
 class Expected:

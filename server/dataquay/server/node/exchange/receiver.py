@@ -40,6 +40,7 @@ as many distinct samples as they have room for.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import (
     CacheFullError,
     DatasetReplacedError,
+    DirectoryUnavailableError,
     ExchangeRefusedError,
     InvalidRequestError,
     SampleIdError,
@@ -294,13 +296,13 @@ class ExchangeReceiver:
 
     async def _origin(self, offer: pb.ExchangeOffer, entry: Registered, placement: Placement) -> Origin:
         """Who the plan says may send this offer's ids: its named sender, if
-        that node owned them the epoch before."""
+        that node held them the epoch before."""
         nodes = placement.nodes
         sender = nodes.index(offer.sender) if offer.sender in nodes else -1
         before = None
         if placement.epoch > 0:
-            before = (await self.placements.placement(offer.job, entry, placement.epoch - 1)).owners
-        return Origin(sender, placement.node_index, before, placement.owners)
+            before = (await self.placements.placement(offer.job, entry, placement.epoch - 1)).holders
+        return Origin(sender, placement.node_index, before, placement.holders)
 
     def _message_bytes(self) -> int:
         """A message size that fits this cache's room a few times over: the
@@ -323,10 +325,16 @@ class ExchangeReceiver:
                 f"offered epoch {offer.epoch} is beyond the last one a job may reach ({MAX_EPOCH})"
             )
         placement = await self.placements.placement(offer.job, entry, int(offer.epoch))
-        foreign = int((placement.owners[ids] != placement.node_index).sum())
+        foreign = int((placement.holders[ids] != placement.node_index).sum())
+        if foreign:
+            # The sender may have the directory's later word on the job's absent nodes.
+            with contextlib.suppress(DirectoryUnavailableError):
+                await self.placements.link.refresh_job(offer.job)
+            placement = await self.placements.placement(offer.job, entry, int(offer.epoch))
+            foreign = int((placement.holders[ids] != placement.node_index).sum())
         if foreign:
             raise ExchangeRefusedError(
-                f"{foreign} of {len(ids)} offered ids are not owned by this node in epoch {offer.epoch} "
+                f"{foreign} of {len(ids)} offered ids are not held by this node in epoch {offer.epoch} "
                 f"of job {offer.job!r}"
             )
         await self.store.open_dataset(entry.record.cache_db)

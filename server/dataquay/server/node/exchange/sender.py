@@ -329,7 +329,7 @@ class Exchanges:
         if after.node_index < 0:
             return
         me = after.node_index
-        give = np.flatnonzero((before.owners == me) & (after.owners != me))
+        give = np.flatnonzero((before.holders == me) & (after.holders != me))
         ranks, readers, read_at = await self._reads(job, entry, before)
         due = await self._due(job, entry, after, give)
         # Sorting a million give-aways takes a third of a second: off the event loop.
@@ -337,7 +337,7 @@ class Exchanges:
             None,
             Outbox,
             give,
-            after.owners[give],
+            after.holders[give],
             entry.manifest.sample_length[give],
             None if readers is None else readers[give],
             None if read_at is None else read_at[give],
@@ -357,7 +357,8 @@ class Exchanges:
             },
         )
         coding = job.spec.exchange_coding or "none"
-        if coding != "none":
+        # A coded pass needs every node's cache snapshot: not with a node absent.
+        if coding != "none" and not (before.lost or after.lost):
             run.coded = CodedProgress()
             await self._coded(run.coded, entry, coding, after)
             log.info(
@@ -585,7 +586,7 @@ class Exchanges:
             drop = ids[~np.isin(ids, self.broker.held_beyond(run.job, horizon))]
             for epoch in range(run.epoch, horizon + 1):
                 placement = await self.placements.placement(run.job, entry, epoch)
-                drop = drop[placement.owners[drop] != placement.node_index]
+                drop = drop[placement.holders[drop] != placement.node_index]
             removed = await self.store.discard(entry.record.cache_db, drop)
             run.outbox.dropped(drop)
         self.dropped_samples += removed

@@ -114,7 +114,7 @@ def epoch_reads(
 ) -> EpochReads:
     """What ``node``'s ranks read, from their orders (g x L, :func:`node_orders`),
     and which of it the node prefetches: what it owns per ``epoch_owners``
-    and, where ``before`` (the previous epoch's owners) is given, owned then
+    and, where ``before`` (the previous epoch's holders) is given, held then
     too. With ``two_before`` as well, it marks what moved in at the epoch before."""
     ids, first = np.unique(orders.T.ravel(), return_index=True)
     mine = epoch_owners[ids] == node
@@ -379,9 +379,9 @@ class OverflowPrefetcher:
             placement = await self.placement_of(job.job_id, entry, epoch)
             before = two_before = None
             if placement.owners_move and epoch > 0:
-                before = (await self.placement_of(job.job_id, entry, epoch - 1)).owners
+                before = (await self.placement_of(job.job_id, entry, epoch - 1)).sources
             if placement.owners_move and epoch > 1:
-                two_before = (await self.placement_of(job.job_id, entry, epoch - 2)).owners
+                two_before = (await self.placement_of(job.job_id, entry, epoch - 2)).sources
             plan = job_plan(placement.job, entry.manifest)
             reads = await asyncio.get_running_loop().run_in_executor(
                 None,

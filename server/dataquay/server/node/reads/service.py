@@ -409,28 +409,28 @@ class ReadService:
     async def _from_other_holders(
         self, entry: Registered, placement: Placement, misses: np.ndarray
     ) -> dict[int, tuple[str, bytes | memoryview, int]]:
-        """What the owners of ``misses`` in nearby epochs hold (see the module
-        notes); those this node owns now are cached, which completes their transfer."""
+        """What the holders of ``misses`` in nearby epochs hold (see the module
+        notes); those this node holds now are cached, which completes their transfer."""
         assert self.placements is not None
         job_id, epoch = placement.job.spec.job_id, placement.epoch
-        asked = [placement.owners[misses]]
+        asked = [placement.sources[misses]]
         fetched: dict[int, tuple[str, bytes | memoryview, int]] = {}
         for other in (epoch - 1, epoch + 1, *range(epoch - 2, epoch - 2 - HOLDER_EPOCHS, -1)):
             left = ~np.isin(misses, np.fromiter(fetched, np.int64, len(fetched)))
             if other < 0 or other > MAX_EPOCH or not left.any():
                 continue
-            epoch_owners = (await self.placements.placement(job_id, entry, other)).owners
-            holders = epoch_owners[misses]
+            epoch_sources = (await self.placements.placement(job_id, entry, other)).sources
+            holders = epoch_sources[misses]
             ask = left & (holders != placement.node_index)
             for before in asked:
                 ask &= holders != before
             if ask.any():
-                fetched.update(await self._from_owners(entry, placement, epoch_owners, misses[ask]))
+                fetched.update(await self._from_owners(entry, placement, epoch_sources, misses[ask]))
             asked.append(holders)
         self.previous_owner_samples += len(fetched)
         name = entry.record.cache_db.encode()
         for sample_id, (_tier, data, digest) in fetched.items():
-            if placement.owners[sample_id] == placement.node_index:
+            if placement.holders[sample_id] == placement.node_index:
                 self.store.offer(PendingWrite(name, sample_id, encode_value(data, digest), leaves_room=True))
         return fetched
 
