@@ -105,6 +105,10 @@ def test_stage_job_names_each_nodes_pfs_bytes_as_its_metrics_and_status_json_is_
         assert read > 0 and rows[node_name(index)][1] == format_bytes(read), (index, out)
     total = sum(pfs_read_bytes(d.metrics_url) for d in local.daemons)
     assert f"; {format_bytes(total)} read from the PFS" in out
+    # Each node reads its own samples, not the holes between them: the
+    # cluster reads the dataset about once, not once per node.
+    shards = sum(path.stat().st_size for path in root.rglob("*.tar"))
+    assert total <= 1.1 * shards, (total, shards)
     # CACHED is what `dataset show` says each node holds: samples as trainers
     # read them, not their spans in the tar files (headers included).
     held = 0

@@ -231,9 +231,13 @@ def test_adjacent_records_merge_and_large_requests_split(tmp_path: Path) -> None
     assert len(plan_reads(m, np.arange(2500))) == 1
     ranges = plan_reads(m, np.arange(5000), max_range_bytes=100_000)
     assert [len(r.ids) for r in ranges] == [390, 390, 390, 390, 390, 390, 160] * 2
-    sparse = plan_reads(m, np.arange(0, 2500, 10), max_gap=10 * 256 - 1)
-    assert len(sparse) == 1
-    assert len(plan_reads(m, np.arange(0, 2500, 10), max_gap=9 * 256 - 1)) == 250
+    # Every other record: each hole is one record, no larger than the record after it.
+    assert len(plan_reads(m, np.arange(0, 2500, 2))) == 1
+    assert len(plan_reads(m, np.arange(0, 2500, 2), max_gap=255)) == 1250
+    # Every tenth (a node's share of a shard in mode global on 10 nodes): a
+    # hole of 9 records is not read, however large max_gap.
+    sparse = plan_reads(m, np.arange(0, 2500, 10), max_gap=10 * 256)
+    assert len(sparse) == 250 and sum(r.length for r in sparse) == 250 * 256
 
 
 def manifest_from(layout: list[tuple[int, int, int]], num_paths: int) -> Manifest:
@@ -303,14 +307,15 @@ def test_plan_merges_every_neighbour_it_may(
     for r in ranges:
         starts = m.sample_offset[r.ids].astype(np.int64)
         ends = starts + m.sample_length[r.ids].astype(np.int64)
-        assert np.all(starts[1:] - ends[:-1] <= max_gap)
+        assert np.all(starts[1:] - ends[:-1] <= np.minimum(max_gap, m.sample_length[r.ids[1:]]))
+        assert r.length <= 2 * int(m.sample_length[r.ids].sum())
     for a, b in itertools.pairwise(ranges):
         if a.path_index != b.path_index:
             continue
         gap = b.offset - (a.offset + a.length)
         first_of_b = int(m.sample_length[b.ids[0]])
         assert gap >= 0
-        assert gap > max_gap or b.offset + first_of_b - a.offset > max_range_bytes
+        assert gap > min(max_gap, first_of_b) or b.offset + first_of_b - a.offset > max_range_bytes
 
 
 def test_a_file_changed_since_registration_is_refused_naming_the_change(tmp_path: Path) -> None:

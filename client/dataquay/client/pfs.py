@@ -104,11 +104,13 @@ def plan_reads(
     """Groups the samples ``ids`` into as few ranges as the limits allow.
 
     Samples of one file are sorted by offset; the next sample joins the current
-    range when it starts at most ``max_gap`` bytes after the previous one ends
-    (reading a small hole is cheaper than another request) and the range stays
-    within ``max_range_bytes`` (bounding memory per read and keeping work
-    shareable between threads). A sample larger than that limit is a range of
-    its own. Repeated ids are planned once.
+    range when the hole before it is at most ``max_gap`` bytes and no larger
+    than the sample itself (reading a small hole is cheaper than another
+    request, but a range never reads more than twice the bytes it covers: a
+    node that caches every M-th sample of a tar shard must not read the
+    whole shard) and the range stays within ``max_range_bytes`` (bounding
+    memory per read and keeping work shareable between threads). A sample
+    larger than that limit is a range of its own. Repeated ids are planned once.
 
     Raises:
         SampleIdError: an id outside 0..N-1.
@@ -144,10 +146,11 @@ class _Plan:
         starts = manifest.sample_offset[wanted].astype(np.int64)
         order = np.lexsort((starts, paths))
         wanted, paths, starts = wanted[order], paths[order], starts[order]
-        ends = starts + manifest.sample_length[wanted].astype(np.int64)
+        lengths = manifest.sample_length[wanted].astype(np.int64)
+        ends = starts + lengths
 
         breaks = np.ones(wanted.size, dtype=bool)
-        breaks[1:] = (paths[1:] != paths[:-1]) | (starts[1:] - ends[:-1] > max_gap)
+        breaks[1:] = (paths[1:] != paths[:-1]) | (starts[1:] - ends[:-1] > np.minimum(max_gap, lengths[1:]))
         firsts = np.flatnonzero(breaks)
         stops = np.append(firsts[1:], wanted.size)[: firsts.size]
         seg_start = starts[firsts]
