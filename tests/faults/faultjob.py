@@ -46,6 +46,8 @@ MODES: dict[str, tuple[str, ...]] = {
     "global": ("--mode", "global"),
     "partial": ("--mode", "partial", "--q", "0.25"),
     "local": ("--mode", "local"),
+    # b = 15: 8 ranks x 15 divides 480, so no step is padded.
+    "locality": ("--mode", "locality", "--batch-size", "15"),
 }
 
 
@@ -79,6 +81,7 @@ class FaultJob:
     def plan(self) -> JobPlan:
         mode_args = dict(zip(MODES[self.mode][::2], MODES[self.mode][1::2]))
         q = float(mode_args.get("--q", 0.0))
+        batch_size = int(mode_args.get("--batch-size", 0))
         # The job's record names its dataset and nodes, which placement hashes.
         settings = JobSettings(
             dataset=DATASET,
@@ -86,6 +89,7 @@ class FaultJob:
             q=q,
             seed=SEED,
             ranks_per_node=RANKS_PER_NODE,
+            batch_size=batch_size,
             nodes=tuple(node_name(i) for i in range(NODES)),
         )
         return JobPlan(settings, SAMPLES, NODES)

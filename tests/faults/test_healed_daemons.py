@@ -41,7 +41,7 @@ def owners_at(job: FaultJob, epoch: int) -> np.ndarray:
     return current
 
 
-@pytest.mark.parametrize("mode", ["global", "local"])
+@pytest.mark.parametrize("mode", ["global", "local", "locality"])
 def test_a_daemon_killed_mid_epoch_is_healed_by_the_others(fault_job: Callable[..., FaultJob], mode: str) -> None:
     job = fault_job(mode, daemon_args=("--heal-after", "1", "--peer-timeout", "2"))
     job.stage()
