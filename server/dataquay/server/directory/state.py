@@ -421,7 +421,10 @@ class DirectoryState:
         check_epoch_ahead(job_id, job.spec.mode, epoch, job.epoch)
         changed = replace(job, epoch=max(epoch, job.epoch), started=True)
         if MODES[job.spec.mode].owners_move:
-            up = {name for name, node in self._nodes.items() if node.up}
+            lost = set(lost)
+            # Only the names in question: a report of a job on 4,096 nodes must not walk them all.
+            named = lost | {a.node for a in job.absences}
+            up = {name for name in named if (node := self._nodes.get(name)) is not None and node.up}
             absences = follow_absences(job.absences, job.spec.nodes, lost, up, changed.epoch)
             changed = replace(changed, absences=absences)
         if changed != job:

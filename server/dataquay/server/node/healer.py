@@ -238,9 +238,10 @@ class Healer:
         then under way), from spare copies on the nodes that held them before
         the absent node, then from the PFS."""
         job_id = job.spec.job_id
-        created, healed = self._healed_from.setdefault(job_id, (job.created_unix, set()))
-        if created != job.created_unix:
-            created, healed = self._healed_from[job_id] = (job.created_unix, set())
+        kept = self._healed_from.get(job_id)
+        if kept is None or kept[0] != job.created_unix:
+            kept = self._healed_from[job_id] = (job.created_unix, set())
+        healed = kept[1]
         starts = {a.from_epoch for a in job.absences} - healed
         for start in sorted(starts):
             if start > job.epoch + 1:
@@ -259,11 +260,12 @@ class Healer:
             nodes = list(job.spec.nodes)
             left_index = [nodes.index(name) for name in left]
             coming = np.flatnonzero((at.holders == at.node_index) & np.isin(before.holders, left_index))
-            log.info(
-                "healing: taking over the share of nodes absent from an epoch on",
-                extra={"fields": {"job": job_id, "epoch": start, "absent": left, "samples": len(coming)}},
-            )
-            await self._fetch(job, entry, coming, spares.holders, before.holders, left)
+            if len(coming):
+                log.info(
+                    "healing: taking over the share of nodes absent from an epoch on",
+                    extra={"fields": {"job": job_id, "epoch": start, "absent": left, "samples": len(coming)}},
+                )
+                await self._fetch(job, entry, coming, spares.holders, before.holders, left)
             healed.add(start)
 
     async def _fetch(

@@ -60,7 +60,7 @@ the PFS. The model:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -71,8 +71,6 @@ from dataquay.client.placement import (
     BatchBalance,
     JobPlan,
     Moves,
-    epoch_permutation,
-    locality_epoch,
     moves,
     owner_read_positions,
     owners,
@@ -82,6 +80,7 @@ from dataquay.server.node.exchange.coding import SCHEMES
 from dataquay.server.planning.capacity import exchange_reserve, exchange_staging_limit, stored_bytes
 from dataquay.server.tools.coded_traffic import CodedEpoch, CodedExchanges
 from dataquay.server.tools.node_changes import absent_holders, holder_moves, static_change
+from dataquay.server.tools.peer_reads import PEER_READS
 
 #: The name of the node that ``Scenario.join_at`` adds: it sorts after
 #: "0".."M-1", the case that shifted every block of a placement by index.
@@ -358,7 +357,7 @@ def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
     loads = np.bincount(current, minlength=plan.num_nodes)
     held = np.minimum(loads, _cache_samples(scenario, loads))
     short = _short_of_share(scenario, loads)
-    reads = _PEER_READS[plan.settings.mode]
+    reads = PEER_READS[plan.settings.mode]
     coded = None
     if scenario.exchange_coding != "none":
         capacity = int(_cache_samples(scenario, loads).min())
@@ -514,53 +513,3 @@ def _read_before_delivery(
 
 
 _PAGES_SAMPLE = 100_000
-
-_Reads = tuple[np.ndarray, np.ndarray, BatchBalance | None]
-
-
-def _no_peer_reads(plan: JobPlan, epoch: int, epoch_owners: np.ndarray) -> _Reads:
-    """``local`` and ``partial`` ranks read only their node's owned set."""
-    none = np.zeros(plan.num_nodes, dtype=np.int64)
-    return none, none, None
-
-
-def _global_reads(plan: JobPlan, epoch: int, epoch_owners: np.ndarray) -> _Reads:
-    """Samples per node that ``global`` ranks read from, and serve to, peers.
-
-    Rank r reads positions r, r + W, ... of the (padded) epoch permutation, so
-    position i is read on node (i % W) // g: no per-rank orders needed.
-    """
-    world = plan.world_size
-    order = np.resize(epoch_permutation(plan.num_samples, plan.settings.seed, epoch), rank_length(plan) * world)
-    reader = (np.arange(len(order), dtype=np.int64) % world) // plan.settings.ranks_per_node
-    holder = epoch_owners[order]
-    remote = holder != reader
-    return (
-        np.bincount(holder[remote], minlength=plan.num_nodes).astype(np.int64),
-        np.bincount(reader[remote], minlength=plan.num_nodes).astype(np.int64),
-        None,
-    )
-
-
-def _locality_reads(plan: JobPlan, epoch: int, epoch_owners: np.ndarray) -> _Reads:
-    """Samples per node that ``locality``'s balancer moves, and its per-batch figures.
-
-    The balancer only pairs a node that has a surplus with one that has a
-    deficit, so each node sends its surplus and receives its deficit in every
-    global batch.
-    """
-    split = locality_epoch(plan, epoch, epoch_owners)
-    surplus = split.counts - plan.settings.ranks_per_node * plan.settings.batch_size
-    return (
-        np.maximum(surplus, 0).sum(axis=0).astype(np.int64),
-        np.maximum(-surplus, 0).sum(axis=0).astype(np.int64),
-        split.balance(),
-    )
-
-
-_PEER_READS: dict[str, Callable[[JobPlan, int, np.ndarray], _Reads]] = {
-    "global": _global_reads,
-    "local": _no_peer_reads,
-    "partial": _no_peer_reads,
-    "locality": _locality_reads,
-}
