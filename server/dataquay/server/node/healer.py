@@ -67,6 +67,9 @@ CHECK_SECONDS = 0.5
 #: kept over short windows and one chunk never holds much memory.
 CHUNK_BYTES = 4 << 20
 CHUNK_IDS = 1024
+#: Epochs back the healer of a job whose owners move looks for the node that
+#: held a sample before an absent node did (a spare copy to fetch it from).
+SPARE_EPOCHS = 4
 #: Grace periods a sample stays after its node is back, before it is deleted
 #: here: the node fetches its share as soon as it registers, and the others
 #: notice it a heartbeat later; the margin covers a loaded node.
@@ -255,7 +258,6 @@ class Healer:
             await self.store.open_dataset(entry.record.cache_db)
             at = await self.placements.placement(job_id, entry, start)
             before = await self.placements.placement(job_id, entry, start - 1)
-            spares = await self.placements.placement(job_id, entry, max(start - 2, 0))
             left = tuple(name for name in at.lost if name not in before.lost)
             nodes = list(job.spec.nodes)
             left_index = [nodes.index(name) for name in left]
@@ -265,8 +267,25 @@ class Healer:
                     "healing: taking over the share of nodes absent from an epoch on",
                     extra={"fields": {"job": job_id, "epoch": start, "absent": left, "samples": len(coming)}},
                 )
-                await self._fetch(job, entry, coming, spares.holders, before.holders, left)
+                spares = await self._spare_holders(job_id, entry, start, before.holders, left_index)
+                await self._fetch(job, entry, coming, spares, before.holders, left)
             healed.add(start)
+
+    async def _spare_holders(
+        self, job_id: str, entry: Registered, start: int, before: np.ndarray, left: list[int]
+    ) -> np.ndarray:
+        """Per sample, the node that held it last before the ``left`` nodes
+        did, up to SPARE_EPOCHS before ``start`` (``before``: the holders of
+        the epoch before it): a node that gave a sample away may keep it as a
+        spare copy. A ``left`` node where none is found."""
+        spares = before.copy()
+        for back in range(2, SPARE_EPOCHS + 1):
+            still = np.isin(spares, left)
+            if start - back < 0 or not still.any():
+                break
+            earlier = await self.placements.placement(job_id, entry, start - back)
+            spares[still] = earlier.holders[still]
+        return spares
 
     async def _fetch(
         self, job: jpb.Job, entry: Registered, ids: np.ndarray, old: np.ndarray, base: np.ndarray, lost: tuple[str, ...]
