@@ -131,7 +131,8 @@ class Placements:
         self._computing: dict[tuple[str, str, int, float, tuple[int, ...], tuple[str, ...]], asyncio.Lock] = {}
         self._saves = itertools.count()
         self._holders: dict[tuple[str, str, float, tuple[int, ...]], np.ndarray] = {}
-        self._short: dict[tuple[str, int], bool] = {}  # (job, epoch): whether this node's cache is short of its share
+        #: (job, epoch, absent nodes): whether this node's cache is short of what it holds.
+        self._short: dict[tuple[str, int, tuple[str, ...]], bool] = {}
 
     async def placement(self, job_id: str, entry: Registered, epoch: int | None = None) -> Placement:
         """The job's placement for ``epoch`` (default: the job's current epoch).
@@ -230,14 +231,15 @@ class Placements:
 
     def short_of_share(self, placement: Placement, entry: Registered, capacity: int) -> bool:
         """Whether this node's cache of ``capacity`` bytes, less the exchange's
-        reserve, cannot hold what it owns in ``placement``'s epoch (worked out
-        once per job and epoch; :func:`~dataquay.server.planning.capacity.short_of_share`)."""
-        key = (placement.job.spec.job_id, placement.epoch)
+        reserve, cannot hold what it holds in ``placement``'s epoch: its share,
+        and an absent node's part (worked out once per job, epoch and absent
+        nodes; :func:`~dataquay.server.planning.capacity.short_of_share`)."""
+        key = (placement.job.spec.job_id, placement.epoch, placement.lost)
         if key not in self._short:
             for old in [k for k in self._short if k[0] == key[0] and k[1] < placement.epoch - 1]:
                 del self._short[old]
-            owned = entry.manifest.sample_length[placement.owned()]
-            self._short[key] = placement.node_index >= 0 and short_of_share(capacity, owned)
+            held = entry.manifest.sample_length[placement.held()]
+            self._short[key] = placement.node_index >= 0 and short_of_share(capacity, held)
         return self._short[key]
 
     def caches_pfs_reads(self, placement: Placement, entry: Registered, capacity: int) -> bool:
