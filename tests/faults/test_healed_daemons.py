@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 from faultjob import JOB, NODES, SIZES, FaultJob
 from polling import wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from dataquay.client.placement import owners
 from dataquay.server.tools.local_cluster import node_name
@@ -24,6 +26,15 @@ def healed(job: FaultJob, survivors: range) -> bool:
     fetched some, and none has any left to fetch."""
     counts = [job.stats(m).healing for m in survivors]
     return all(c.pfs_samples + c.peer_samples > 0 and not c.pending_samples for c in counts)
+
+
+def absent_nodes(job: FaultJob) -> dict[str, float]:
+    """The directory's ``dataquay_directory_absent_nodes``, by job."""
+    with urllib.request.urlopen(job.local.live_directory().http_url + "/metrics", timeout=10) as reply:
+        families = text_string_to_metric_families(reply.read().decode())
+        return {
+            s.labels["job"]: s.value for f in families if f.name == "dataquay_directory_absent_nodes" for s in f.samples
+        }
 
 
 def sent_to(job: FaultJob, node: int, epoch: int) -> bool:
@@ -102,6 +113,7 @@ def test_a_daemon_killed_mid_epoch_in_partial_mode_is_healed_by_the_others(fault
             # The dead node's ranks read on from the PFS themselves; the
             # survivors' exchange now moves its share among them.
             assert (after - before).tolist() == [0] * (NODES - 1), f"epoch {epoch}: survivors read the PFS"
+        assert absent_nodes(job) == {JOB: 1.0}
 
         # Back on its old cache: it holds its share again two epochs after
         # the report that finds it up, and takes it from the others.
@@ -121,3 +133,4 @@ def test_a_daemon_killed_mid_epoch_in_partial_mode_is_healed_by_the_others(fault
             after = np.array([job.stats(m).pfs_bytes for m in range(NODES)])
             assert (after - before).tolist() == [0] * NODES, f"epoch {epoch}: a node read the PFS"
             assert job.tiers[epoch].get("pfs", 0) == 0, job.tiers[epoch]
+        assert absent_nodes(job) == {}

@@ -232,7 +232,9 @@ def metric_families() -> dict[str, list[tuple[str, str, str, tuple[str, ...]]]]:
         for family in registry.collect():
             name = family.name + ("_total" if family.type == "counter" else "")
             labels = tuple(sorted({k for s in family.samples for k in s.labels if k not in ("le", "quantile")}))
-            rows.append((name, family.type, family.documentation, labels or _declared_labels(registry, family.name)))
+            # A family a collector yields empty still names its labels (``_labelnames``).
+            labels = labels or tuple(getattr(family, "_labelnames", ())) or _declared_labels(registry, family.name)
+            rows.append((name, family.type, family.documentation, labels))
         out[server] = sorted(rows)
     return out
 

@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from dataquay.server.directory.beats import REFUSALS
 from dataquay.server.directory.state import DirectoryState
+from dataquay.server.planning.absences import absent_at
 
 
 class _DirectoryCollector(Collector):
@@ -60,6 +61,16 @@ class _DirectoryCollector(Collector):
             lists.add_metric([kind], sent.get(kind, 0))
         yield lists
         yield GaugeMetricFamily("dataquay_directory_jobs", "Job records", value=len(state.jobs()))
+        absent = GaugeMetricFamily(
+            "dataquay_directory_absent_nodes",
+            "Nodes a job whose owners move leaves out of its holders at its current epoch (lost longer than "
+            "--heal-after; the others hold their share), by job; jobs with none are not listed",
+            labels=["job"],
+        )
+        for job in state.jobs():
+            if count := len(absent_at(job.absences, job.epoch)):
+                absent.add_metric([job.spec.job_id], count)
+        yield absent
         yield CounterMetricFamily(
             "dataquay_directory_jobs_expired",
             "Jobs dropped for being idle longer than --job-ttl",
