@@ -27,11 +27,12 @@ from dataquay.server.tools.local_cluster import LocalCluster
 
 
 def multicast_group() -> str:
-    """A group and a free port of this host, so that runs beside this one do not hear it."""
+    """A group and a free port of this host, so that runs beside this one do
+    not hear it; the group's pool of 256 addresses stays below 240.0.0.0."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    return f"239.255.{random.randrange(256)}.{random.randrange(1, 255)}:{port}"
+    return f"239.255.{random.randrange(255)}.{random.randrange(1, 255)}:{port}"
 
 
 def test_a_coded_exchange_delivers_every_moved_sample_and_the_streams_send_only_what_it_did_not(

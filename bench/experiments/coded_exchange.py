@@ -46,7 +46,7 @@ def multicast_group() -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    return f"239.255.{random.randrange(256)}.{random.randrange(1, 255)}:{port}"
+    return f"239.255.{random.randrange(255)}.{random.randrange(1, 255)}:{port}"  # its pool of 256 stays multicast
 
 
 def run(scheme: str, args: argparse.Namespace, scratch: Path) -> list[dict[str, object]]:
