@@ -38,11 +38,11 @@ PAGE_SIZE = 4096
 #: what arrives for the next epoch before what leaves is deleted, and the
 #: writer's pages while both churn.
 EXCHANGE_HEADROOM_FRACTION = 0.05
-#: How far below :func:`stored_bytes` a staging run counts the pages of what it reads.
-CHARGE_MARGIN = 0.03
 EXCHANGE_HEADROOM_BYTES = 16 * MiB
 #: See :func:`refill_margin`.
 REFILL_BYTES = 256 * 1024
+#: How far below :func:`stored_bytes` a staging run counts the pages of what it reads.
+CHARGE_MARGIN = 0.03
 #: Epochs that ``stage --job`` looks ahead for a node's largest share.
 LOOKAHEAD_EPOCHS = 8
 

@@ -354,9 +354,7 @@ def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
         raise ValueError(f"epochs must be at least 1, not {epochs}")
     plan, size = scenario.plan, scenario.sample_bytes
     current = owners(plan, 0)
-    loads = np.bincount(current, minlength=plan.num_nodes)
-    held = np.minimum(loads, _cache_samples(scenario, loads))
-    short = _short_of_share(scenario, loads)
+    loads, held, short = _holdings(scenario, current, plan.num_nodes)
     reads = PEER_READS[plan.settings.mode]
     coded = None
     if scenario.exchange_coding != "none":
@@ -373,9 +371,7 @@ def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
             current, change = static_change(before, plan, current, epoch)
             holders = current
             moved, restaged = len(change.ids), int((change.sources < 0).sum())
-            loads = np.bincount(current, minlength=plan.num_nodes)
-            held = np.minimum(loads, _cache_samples(scenario, loads))
-            short = _short_of_share(scenario, loads)
+            loads, held, short = _holdings(scenario, current, plan.num_nodes)
             peers = change.sources >= 0
             sent = np.bincount(change.sources[peers], minlength=plan.num_nodes)
             received = np.bincount(change.targets[peers], minlength=plan.num_nodes)
@@ -388,14 +384,13 @@ def simulate(scenario: Scenario, epochs: int) -> Iterator[EpochTraffic]:
             previous, now_absent = holders, scenario.absent_at(epoch)
             holders = absent_holders(plan, current, now_absent)
             if now_absent or absent:
-                left, back = (tuple(sorted(set(a) - set(b))) for a, b in ((now_absent, absent), (absent, now_absent)))
+                left = tuple(sorted(set(now_absent) - set(absent)))
+                back = tuple(sorted(set(absent) - set(now_absent)))
                 shipped, change = holder_moves(plan, previous, holders, left, back)
                 moved, restaged = len(change.ids), int((change.sources < 0).sum())
                 shipped = Moves(*(column[shipped.sources >= 0] for column in shipped))
             if now_absent != absent:
-                loads = np.bincount(holders, minlength=plan.num_nodes)
-                held = np.minimum(loads, _cache_samples(scenario, loads))
-                short = _short_of_share(scenario, loads)
+                loads, held, short = _holdings(scenario, holders, plan.num_nodes)
             absent = now_absent
             if coded is None:
                 kept = held / np.maximum(loads, 1)
@@ -437,6 +432,13 @@ def estimate(scenario: Scenario, traffic: EpochTraffic, rates: Rates) -> Estimat
         spill = max(0.0, network - training)
         return Estimate(training, pfs, network, max(training, pfs) + spill, spill)
     return Estimate(training, pfs, network, max(training, pfs, network), 0.0)
+
+
+def _holdings(scenario: Scenario, holders: np.ndarray, num_nodes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per node: the samples it holds, those of them its cache keeps, and
+    whether its cache is short of what it holds."""
+    loads = np.bincount(holders, minlength=num_nodes)
+    return loads, np.minimum(loads, _cache_samples(scenario, loads)), _short_of_share(scenario, loads)
 
 
 def _cache_samples(scenario: Scenario, loads: np.ndarray) -> np.ndarray:
