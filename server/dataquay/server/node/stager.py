@@ -291,7 +291,8 @@ class Stager:
         current = self.runs.get(dataset)
         if current is not None and not current.finished:
             return current
-        manifest = self.registry.get(dataset).manifest
+        entry = self.registry.get(dataset)
+        manifest = entry.manifest
         if ids is None:
             ids = np.arange(manifest.num_samples, dtype=np.int64)
         progress = StagingProgress(
@@ -307,7 +308,11 @@ class Stager:
             progress.end(SHUTTING_DOWN)
             self._done[dataset].set()
         else:
-            self._tasks.spawn(self._run(dataset, position, ids, progress, leave_room), f"stage-{dataset}")
+            claims = _RunClaims(self.pfs.claims, entry.record.cache_db, manifest, self.store)
+            # All at once, before the run looks at what is cached: a peer's read
+            # meanwhile finds its samples coming (ReadService.read_coming), not missing.
+            self.pfs.claims.reserve(entry.record.cache_db, claims, ids, manifest.num_samples)
+            self._tasks.spawn(self._run(entry, position, ids, progress, leave_room, claims), f"stage-{dataset}")
         return progress
 
     def running(self, dataset: str) -> bool:
@@ -340,13 +345,17 @@ class Stager:
             pass
 
     async def _run(
-        self, dataset: str, position: np.ndarray, ids: np.ndarray, progress: StagingProgress, leave_room: bool
+        self,
+        entry: Registered,
+        position: np.ndarray,
+        ids: np.ndarray,
+        progress: StagingProgress,
+        leave_room: bool,
+        claims: _RunClaims,
     ) -> None:
-        entry = self.registry.get(dataset)
-        manifest, db = entry.manifest, entry.record.cache_db
+        dataset, manifest, db = entry.record.name, entry.manifest, entry.record.cache_db
         log.info("staging started", extra={"fields": {"dataset": dataset, "samples": len(ids)}})
         write_errors = self.store.write_errors
-        claims = _RunClaims(self.pfs.claims, db, manifest, self.store)
         try:
             self.store.recheck_space()
             await self.store.open_dataset(db)
@@ -355,7 +364,7 @@ class Stager:
             missing = ids[~cached]
             if (room := self._room(leave_room)) is not None and len(missing):
                 missing = within_room(missing, position, staging_charges(manifest.sample_length, missing), room)
-            self.pfs.claims.reserve(db, claims, missing, manifest.num_samples)
+            self.pfs.claims.narrow(db, claims, missing)
             ranges = staging_ranges(manifest, missing, position)
             name = db.encode()
             taken: list[int] = []

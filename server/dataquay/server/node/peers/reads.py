@@ -1,7 +1,8 @@
 """Batched reads from the daemons that own samples: one stream per peer per batch.
 
-A peer is asked only for what its own cache holds (``ReadRequest.peer``); it
-flags the rest as missing, and the asking daemon reads those from the PFS.
+A peer is asked only for what its own cache holds (``ReadRequest.peer``), or
+its staging is about to bring (it reads those at once); it flags the rest as
+missing, and the asking daemon reads those from the PFS.
 Every payload's checksum is checked on arrival. A peer that fails or misses
 its deadline is set aside (suspect) and its samples come from the PFS until a
 back-off passes; the back-off doubles with each failure in a row, so a dead

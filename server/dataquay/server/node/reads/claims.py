@@ -63,6 +63,17 @@ class PfsClaims:
             mask[claimed] = False  # being read: queued once read
             self._reserved[db] = (owner, mask)
 
+    def narrow(self, db: str, owner: object, ids: np.ndarray) -> None:
+        """Keeps of ``owner``'s reservation only ``ids``: a run reserves all it
+        is asked for at once, so that no read meanwhile finds a gap, then
+        only what it finds missing."""
+        with self._lock:
+            held = self._reserved.get(db)
+            if held is not None and held[0] is owner:
+                kept = np.zeros(len(held[1]), dtype=bool)
+                kept[ids] = True
+                held[1][:] &= kept
+
     def unreserve(self, db: str, owner: object) -> None:
         """Drops what ``owner`` reserved and has not claimed."""
         with self._lock:
@@ -120,6 +131,16 @@ class PfsClaims:
         with self._lock:
             held = self._reserved.get(db)
             return np.zeros(len(ids), dtype=bool) if held is None else held[1][ids]
+
+    def coming_mask(self, db: str, ids: np.ndarray) -> np.ndarray:
+        """Which of ``ids`` this node's PFS reads will bring: reserved by a
+        staging run, or claimed by a read."""
+        with self._lock:
+            held = self._reserved.get(db)
+            mask = np.zeros(len(ids), dtype=bool) if held is None else held[1][ids]
+            if self._claims:
+                mask |= np.fromiter(((db, i) in self._claims for i in ids.tolist()), dtype=bool, count=len(ids))
+            return mask
 
     def staging(self, db: str) -> bool:
         """Whether a staging run of ``db`` holds a reservation."""

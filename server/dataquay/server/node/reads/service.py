@@ -16,7 +16,11 @@ and could not cache is read from the PFS ahead of its ranks
 (:mod:`dataquay.server.node.reads.overflow`). What no daemon delivers in time comes from
 the PFS. A read from a peer
 (``peer`` set) is answered from this cache alone, its misses flagged, so that
-two daemons never bounce a request between them.
+two daemons never bounce a request between them; but for what this node's
+staging or reads are about to bring from the PFS, which is read (or waited
+for) at once (:meth:`ReadService.read_coming`). A job whose ranks read while
+its staging runs then costs the PFS each sample once in every mode, not
+only where ranks read their own node's samples.
 
 A sample read from the PFS or from its previous owner is cached only by its
 owner or the node it spilled to (every PFS read when the read is for no job):
@@ -77,6 +81,9 @@ from dataquay.server.registry import Registered
 from dataquay.server.task_group import Spawn
 
 log = logging.getLogger("dataquay.reads")
+
+#: A sample found elsewhere than in this node's cache: (tier, payload, checksum).
+Found = tuple[str, bytes | memoryview, int]
 
 #: Tier of a sample a peer was asked for and does not hold.
 MISSING = "missing"
@@ -258,8 +265,10 @@ class ReadService:
         db = entry.record.cache_db
         cached, corrupt = self.store.get_many(db, ids.tolist())
         if peer:
-            return Window(self._answer_peer(ids, index, cached), index)
-        fetched: dict[int, tuple[str, bytes | memoryview, int]] = {}
+            misses = ids[[i for i, hit in enumerate(cached) if hit is None]]
+            coming = await self._coming(entry, misses) if len(misses) and self.may_bring(db, misses) else {}
+            return Window(self._answer_peer(ids, index, cached, coming), index)
+        fetched: dict[int, Found] = {}
         misses = ids[[i for i, hit in enumerate(cached) if hit is None]]
         if placement is not None and self.prefetcher is not None and _prefetched(placement):
             fetched = await self.prefetcher.take(placement.job.spec.job_id, placement.epoch, misses)
@@ -283,7 +292,7 @@ class ReadService:
 
     async def _from_pfs(
         self, entry: Registered, placement: Placement | None, misses: np.ndarray, repair: set[int]
-    ) -> dict[int, tuple[str, bytes | memoryview, int]]:
+    ) -> dict[int, Found]:
         """``misses`` from the PFS, each read once on this node
         (:mod:`.claims`): one that staging or another read is reading is
         waited for, one staging has not started is read here and staging
@@ -294,9 +303,7 @@ class ReadService:
         # Committed since the window looked (the caller looked at the queue last):
         # the writer's thread commits a value before it leaves the queue.
         committed, _ = self.store.get_many(db, misses.tolist())
-        out: dict[int, tuple[str, bytes | memoryview, int]] = {
-            i: (CACHE, *hit) for i, hit in zip(misses.tolist(), committed) if hit is not None
-        }
+        out: dict[int, Found] = {i: (CACHE, *hit) for i, hit in zip(misses.tolist(), committed) if hit is not None}
 
         async def keep(values: dict[int, bytes]) -> None:
             self._offer(entry, placement, values, repair)
@@ -361,11 +368,58 @@ class ReadService:
             if transfers and self.prefetcher is not None and _prefetched(placement):
                 self.prefetcher.begin(entry, placement)
 
-    def _answer_peer(self, ids: np.ndarray, index: np.ndarray, cached: list[tuple[bytes, int] | None]) -> list[Served]:
-        out = [
-            Served(sample_id, MISSING, b"", 0) if hit is None else Served(sample_id, CACHE, *hit)
-            for sample_id, hit in zip(ids.tolist(), cached)
-        ]
+    async def read_coming(self, dataset: str, manifest_id: str, ids: np.ndarray) -> dict[int, Found]:
+        """For a peer: those of ``ids``, found missing here a moment ago, that
+        this node has or is about to have: to be read by its staging or reads
+        (:meth:`PfsClaims.coming_mask`), read now or waited for, each once;
+        or queued for the cache or committed since. What it reads here (it
+        takes over what staging has not started) is queued for the cache, as
+        staging would have, and staging skips it: the peer's read moves it
+        ahead in staging's queue and costs the PFS nothing more, where the
+        peer reading the PFS itself would read it a second time."""
+        return await self._coming(await self.entry(dataset, ids, manifest_id), ids)
+
+    def may_bring(self, db: str, ids: np.ndarray) -> bool:
+        """Whether :meth:`read_coming` may find any of ``ids``: a staging run
+        of ``db`` is on, or one is claimed or queued; thread-safe."""
+        queued = self.store.writer.queue.waiting
+        name = db.encode()
+        return (
+            self.pfs.claims.staging(db)
+            or bool(self.pfs.claims.coming_mask(db, ids).any())
+            or any(queued(name, i) is not None for i in ids.tolist())
+        )
+
+    async def _coming(self, entry: Registered, ids: np.ndarray) -> dict[int, Found]:
+        db = entry.record.cache_db
+        # In this order: a claim's value is queued before the claim ends, and
+        # committed before it leaves the queue.
+        coming = self.pfs.claims.coming_mask(db, ids)
+        rest = ids[~coming].tolist()
+        out: dict[int, Found] = {
+            i: (CACHE, memoryview(v)[CHECKSUM_BYTES:], stored_checksum(v))
+            for i, v in self.store.queued_values(db, rest).items()
+        }
+        committed, _ = self.store.get_many(db, rest)
+        out.update({i: (CACHE, *hit) for i, hit in zip(rest, committed) if hit is not None})
+        if coming.any():
+            try:
+                out.update(await self._from_pfs(entry, None, ids[coming], set()))
+            except DataquayError:
+                pass  # left missing: the asker reads them itself, and meets the error there
+        return out
+
+    def _answer_peer(
+        self, ids: np.ndarray, index: np.ndarray, cached: list[tuple[bytes, int] | None], coming: dict[int, Found]
+    ) -> list[Served]:
+        out = []
+        for sample_id, hit in zip(ids.tolist(), cached):
+            if hit is not None:
+                out.append(Served(sample_id, CACHE, *hit))
+            elif (fetched := coming.get(sample_id)) is not None:
+                out.append(Served(sample_id, *fetched))
+            else:
+                out.append(Served(sample_id, MISSING, b"", 0))
         samples = nbytes = 0
         for served, times in zip(out, np.bincount(index, minlength=len(out)).tolist()):
             if served.tier != MISSING:
@@ -401,20 +455,18 @@ class ReadService:
             )
             return None
 
-    async def _fetch_transfers(
-        self, entry: Registered, placement: Placement, ids: np.ndarray
-    ) -> dict[int, tuple[str, bytes | memoryview, int]]:
+    async def _fetch_transfers(self, entry: Registered, placement: Placement, ids: np.ndarray) -> dict[int, Found]:
         return await self._from_owners(entry, placement, placement.sources, ids)
 
     async def _from_other_holders(
         self, entry: Registered, placement: Placement, misses: np.ndarray
-    ) -> dict[int, tuple[str, bytes | memoryview, int]]:
+    ) -> dict[int, Found]:
         """What the holders of ``misses`` in nearby epochs hold (see the module
         notes); those this node holds now are cached, which completes their transfer."""
         assert self.placements is not None
         job_id, epoch = placement.job.spec.job_id, placement.epoch
         asked = [placement.sources[misses]]
-        fetched: dict[int, tuple[str, bytes | memoryview, int]] = {}
+        fetched: dict[int, Found] = {}
         for other in (epoch - 1, epoch + 1, *range(epoch - 2, epoch - 2 - HOLDER_EPOCHS, -1)):
             left = ~np.isin(misses, np.fromiter(fetched, np.int64, len(fetched)))
             if other < 0 or other > MAX_EPOCH or not left.any():
@@ -441,7 +493,7 @@ class ReadService:
         epoch_owners: np.ndarray,
         misses: np.ndarray,
         landing: Landing | None = None,
-    ) -> dict[int, tuple[str, bytes | memoryview, int]]:
+    ) -> dict[int, Found]:
         """What the owners of ``misses`` (in ``epoch_owners``) hold, fetched from all of them at once."""
         assert self.peers is not None and self.placements is not None
         owner_of = epoch_owners[misses]
@@ -465,18 +517,14 @@ class ReadService:
                     landing,
                 )
             )
-        out: dict[int, tuple[str, bytes | memoryview, int]] = {}
+        out: dict[int, Found] = {}
         for got in await asyncio.gather(*calls):
             for sample_id, (data, digest) in got.items():
                 out[sample_id] = (PEER, data, digest)
         return out
 
     def _served(
-        self,
-        ids: np.ndarray,
-        index: np.ndarray,
-        cached: list[tuple[bytes, int] | None],
-        fetched: dict[int, tuple[str, bytes | memoryview, int]],
+        self, ids: np.ndarray, index: np.ndarray, cached: list[tuple[bytes, int] | None], fetched: dict[int, Found]
     ) -> list[Served]:
         """The distinct ``ids`` as served, counted in the metrics once per position."""
         out = [
@@ -498,7 +546,7 @@ def _prefetched(placement: Placement) -> bool:
     return spec.mode in PREFETCHED_MODES and spec.batch_size > 0 and spec.ranks_per_node > 0
 
 
-def _not_in(ids: np.ndarray, fetched: dict[int, tuple[str, bytes | memoryview, int]]) -> np.ndarray:
+def _not_in(ids: np.ndarray, fetched: dict[int, Found]) -> np.ndarray:
     """The ``ids`` not in ``fetched``, each looked up in it: for a batch of 64
     a tenth of what ``np.isin`` costs."""
     if not fetched:

@@ -37,7 +37,7 @@ import socket
 import ssl
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
@@ -112,6 +112,10 @@ EXCHANGE_QUEUE = 4
 Resolve = Callable[[str, str, np.ndarray], Coroutine[Any, Any, str]]
 #: The same check without waiting: the cache database, or None where it would have to wait.
 ResolveNow = Callable[[str, str, np.ndarray], str | None]
+#: Whether this node may yet bring some of a cache database's ids (ReadService.may_bring); thread-safe.
+MayBring = Callable[[str, np.ndarray], bool]
+#: Those it has or brings, as (tier, payload, checksum) by id (ReadService.read_coming): (dataset, manifest id, ids).
+ReadComing = Callable[[str, str, np.ndarray], Coroutine[Any, Any, dict[int, tuple[str, bytes | memoryview, int]]]]
 #: Answers one exchange stream (ExchangeReceiver.receive).
 Receive = Callable[[AsyncIterator[pb.ExchangeMessage | ExchangeChunk]], AsyncIterator[pb.ExchangeReply]]
 
@@ -130,6 +134,9 @@ class BulkServer:
         resolve_now: the same check in the connection's thread, None where
             it would have to wait (then ``resolve`` runs on the event loop):
             two thread hand-offs fewer per read.
+        coming: with ``read_coming``, what a read finds missing here but this
+            node's staging or reads are about to bring from the PFS is
+            answered once they have (the gRPC Read's rule, :mod:`..reads.service`).
     """
 
     def __init__(
@@ -143,8 +150,10 @@ class BulkServer:
         max_value: int = 1 << 30,
         max_connections: int = MAX_CONNECTIONS,
         resolve_now: ResolveNow | None = None,
+        coming: tuple[MayBring, ReadComing] | None = None,
     ) -> None:
         self.resolve_now = resolve_now
+        self.coming = coming
         self.receive = receive
         self.max_value = max_value
         self.exchange_samples = 0
@@ -320,18 +329,44 @@ class BulkServer:
             sock.settimeout(MAP_SEND_SECONDS)
         samples = nbytes = 0
         at = 0
+        missing: list[int] = []
         while at < len(distinct):
-            at, sent = self._send_group(sock, db, distinct, at)
+            at, sent = self._send_group(sock, db, distinct, at, missing)
             samples, nbytes = samples + sent[0], nbytes + sent[1]
-        _send(sock, [SAMPLE.pack(END, samples, 0, 0)])
+        found = self._coming(dataset, manifest_id, db, missing)
+        frames: list[bytes | memoryview] = []
+        for sample_id in missing:
+            if sample_id in found:
+                _, payload, digest = found[sample_id]
+                frames += [SAMPLE.pack(OK, sample_id, len(payload), digest), payload]
+                samples, nbytes = samples + 1, nbytes + len(payload)
+            else:
+                frames.append(SAMPLE.pack(MISSING, sample_id, 0, 0))
+        _send(sock, [*frames, SAMPLE.pack(END, samples, 0, 0)])
         with self._lock:
             self.served_samples += samples
             self.served_bytes += nbytes
         self._loop.call_soon_threadsafe(self.served, samples, nbytes)
 
-    def _send_group(self, sock: socket.socket, db: str, ids: list[int], at: int) -> tuple[int, tuple[int, int]]:
+    def _coming(
+        self, dataset: str, manifest_id: str, db: str, missing: list[int]
+    ) -> dict[int, tuple[str, bytes | memoryview, int]]:
+        """Those of ``missing`` this node has or brings since it looked (see ``coming``)."""
+        if self.coming is None or not missing:
+            return {}
+        may_bring, read_coming = self.coming
+        ids = np.array(missing, dtype=np.int64)
+        if not may_bring(db, ids):
+            return {}
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(read_coming(dataset, manifest_id, ids), self._loop).result()
+
+    def _send_group(
+        self, sock: socket.socket, db: str, ids: list[int], at: int, missing: list[int]
+    ) -> tuple[int, tuple[int, int]]:
         """Sends the frames of ``ids[at:]`` up to SEND_BYTES of payload under one
-        read transaction; returns where the next group starts and (samples, bytes) sent.
+        read transaction, adding to ``missing`` those this cache does not hold;
+        returns where the next group starts and (samples, bytes) sent.
 
         A client that stops reading must not hold the map's growth (and with
         it every commit) back: what the socket has not taken when a growth
@@ -347,7 +382,7 @@ class BulkServer:
                 at += 1
                 value = get(sample_id)
                 if value is None or len(value) < CHECKSUM_BYTES:
-                    buffers.append(SAMPLE.pack(MISSING, sample_id, 0, 0))
+                    missing.append(sample_id)
                     continue
                 buffers += [
                     SAMPLE.pack(OK, sample_id, len(value) - CHECKSUM_BYTES, stored_checksum(value)),
@@ -469,7 +504,7 @@ class BulkServer:
             pass  # the sender is gone; its thread here sees it too
 
 
-def _send(sock: socket.socket, buffers: list[bytes]) -> None:
+def _send(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
     """Sends a read's frames that hold no view into the map, on a plain
     socket (its sends timing out every :data:`MAP_SEND_SECONDS`) or a TLS one."""
     if isinstance(sock, ssl.SSLSocket):
