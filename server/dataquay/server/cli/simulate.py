@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from typing import Any
@@ -62,9 +63,12 @@ _RATE_FLAGS = ("train_rate", "pfs_bandwidth", "network_bandwidth")
 
 
 def _flag_error(exc: ValueError) -> CliError:
-    """The model's message with the field it names replaced by its flag."""
-    field, _, rest = str(exc).partition(" ")
-    return CliError(f"{_FLAGS[field]} {rest}" if field in _FLAGS else str(exc))
+    """The model's message with the fields it names replaced by their flags:
+    the one it starts with, and any other field with an underscore in its
+    name (a plain word such as "mode" is the word as often as the field)."""
+    field, space, rest = str(exc).partition(" ")
+    rest = re.sub(r"\b[a-z]+_[a-z_]+\b", lambda m: _FLAGS.get(m.group(), m.group()), rest)
+    return CliError(f"{_FLAGS.get(field, field)}{space}{rest}")
 
 
 def _bandwidth(text: str, flag: str) -> int:
