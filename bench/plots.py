@@ -160,20 +160,20 @@ def peer_loader(data: dict[str, Any], path: Path) -> None:
             label="later epochs, mean" if k == 0 else None,
         )
         ax.text(k - 0.2, figures["first_epoch_s"] + 0.2, f"{figures['first_epoch_s']:.1f} s", ha="center", fontsize=7)
-        ax.text(
-            k + 0.2,
-            figures["later_epoch_s"] + 0.2,
-            f"{figures['later_epoch_s']:.1f} s\n{figures['later_stall_pct']:.1f}% stall",
-            ha="center",
-            fontsize=7,
-        )
-    ax.set_xticks(range(len(names)), [f"{n}\n{summary[n]['pfs_mb']:.0f} MB from the PFS" for n in names], fontsize=7)
+        ax.text(k + 0.2, figures["later_epoch_s"] + 0.2, f"{figures['later_epoch_s']:.2f} s", ha="center", fontsize=7)
+    ax.set_xticks(
+        range(len(names)),
+        [f"{n}\njob {summary[n]['job_s']:.1f} s\n{summary[n]['pfs_mb']:.0f} MB from the PFS" for n in names],
+        fontsize=7,
+    )
     ax.set_ylabel("epoch time (s)")
     ax.set_ylim(0, max(f["first_epoch_s"] for f in summary.values()) * 1.3)
     ax.set_title(
-        f"{data['samples']:,} samples ({data['dataset_mb']:.0f} MB), {data['nodes']} nodes x 1 rank, "
-        f"PFS capped at {data['pfs_mb_per_s']:.0f} MB/s for every system",
-        fontsize=9,
+        f"{data['samples']:,} samples ({data['dataset_mb']:.0f} MB), {data['nodes']} nodes x 1 rank, caches "
+        f"{data['cache_share']:g}x a node's share, no compute;\nthe PFS capped at "
+        f"{data['pfs_mb_per_s_per_node'] * 1e6 / (1 << 20):.0f} MiB/s per node for every system; "
+        f"medians of {1 + max(r['run'] for r in data['rows'])} runs",
+        fontsize=8,
     )
     ax.legend(fontsize=8)
     fig.tight_layout()
