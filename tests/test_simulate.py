@@ -412,7 +412,8 @@ def test_node_changes_print_the_bytes_moved_and_refuse_a_coded_exchange() -> Non
     assert epochs[0]["moved_bytes"] == 0 and all(0 < e["moved_percent"] < 130 / NODES for e in epochs[1:])
     refused = run_cli(*cli_args("partial", "--q", "0.1", "--leave-at", "1", "--exchange-coding", "coded"))
     assert refused.returncode == 1
-    assert refused.stderr.strip() == "dataquay: error: --leave-at is not modelled with --exchange-coding coded: use none"
+    said = refused.stderr.strip()
+    assert said == "dataquay: error: --leave-at is not modelled with --exchange-coding coded: use none"
     early = run_cli(*cli_args("partial", "--q", "0.1", "--leave-at", "2", "--join-at", "2"))
     assert early.returncode == 1
     assert early.stderr.strip() == "dataquay: error: --join-at (2) must come after --leave-at (2)"
