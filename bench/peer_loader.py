@@ -1,8 +1,8 @@
 """The same job read three ways on one machine: the PFS directly, dataquay, and
 Mosaic StreamingDataset, every one through the same PFS cap.
 
-    .venv/bin/python bench/peer_loader.py                     # about 10 minutes on 2 cores
-    .venv/bin/python bench/peer_loader.py --cache-share 0.6   # caches short of a node's share
+    .venv/bin/python bench/peer_loader.py                     # about 8 minutes on 2 cores
+    .venv/bin/python bench/peer_loader.py --cache-share 0.6   # caches short of a node's share: 14 minutes
 
 Mosaic runs in a virtual environment of its own, ``bench/.venv-mosaic``, which
 this script makes (``MOSAIC_PACKAGES``) the first time: Mosaic pins numpy and
@@ -138,14 +138,17 @@ def main() -> None:
 
 
 def mosaic_python() -> Path:
-    """Mosaic's interpreter, making its virtual environment first if there is none."""
-    python = MOSAIC_VENV / "bin" / "python"
-    if not python.exists():
-        progress(f"making {MOSAIC_VENV} with {', '.join(MOSAIC_PACKAGES)} (a few minutes, once)")
+    """Mosaic's interpreter, installing ``MOSAIC_PACKAGES`` into its virtual
+    environment first unless an install of exactly these completed there."""
+    python, installed = MOSAIC_VENV / "bin" / "python", MOSAIC_VENV / "installed.txt"
+    wanted = "\n".join(MOSAIC_PACKAGES) + "\n"
+    if not installed.exists() or installed.read_text() != wanted:
+        progress(f"installing {', '.join(MOSAIC_PACKAGES)} into {MOSAIC_VENV} (a few minutes, once)")
         subprocess.run([sys.executable, "-m", "venv", str(MOSAIC_VENV)], check=True)
         pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
         if subprocess.run([*pip, *MOSAIC_PACKAGES]).returncode:
             raise SystemExit(f"installing {' '.join(MOSAIC_PACKAGES)} into {MOSAIC_VENV} failed (see above)")
+        installed.write_text(wanted)
     return python
 
 

@@ -201,6 +201,10 @@ def test_an_etcd_outage_keeps_reads_and_beats_refuses_changes_and_recovers(
         path.unlink() if path.is_file() else path.rmdir()
     etcd.restart(0, 1, 2)
     wait_until(lambda: _joins(sb, "other"), "a join once etcd is back", timeout=20)
+    # A learns of it through its watch on etcd, a moment after B wrote it.
+    wait_until(
+        lambda: "other" in {j.spec.job_id for j in sa.ListJobs(jpb.ListJobsRequest()).jobs}, "A has the job", timeout=5
+    )
     assert sa.GetJob(jpb.GetJobRequest(job_id="other")).spec.dataset == "imgs"
     assert sb.AddDataset(pb.AddDatasetRequest(name="more", root=str(more))).num_samples == 4
     wait_until(lambda: len(sa.ListDatasets(pb.ListDatasetsRequest()).datasets) == 2, "A has the dataset", timeout=5)

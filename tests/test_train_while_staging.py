@@ -64,21 +64,23 @@ def read_epoch(ds: dq.Dataset, sampler: dq.Sampler, epoch: int, failures: list[s
 
 
 @pytest.mark.parametrize(
-    ("mode", "background"),
-    [("local", False), ("local", True), ("global", True)],
-    ids=["stage-running", "stage-background", "global-background"],
+    ("mode", "background", "bulk"),
+    [("local", False, "on"), ("local", True, "on"), ("global", True, "on"), ("global", True, "off")],
+    ids=["stage-running", "stage-background", "global-background", "global-background-grpc"],
 )
 def test_ranks_reading_while_staging_runs_read_each_sample_from_the_pfs_once(
-    cluster: Callable[..., LocalCluster], tmp_path: Path, mode: str, background: bool
+    cluster: Callable[..., LocalCluster], tmp_path: Path, mode: str, background: bool, bulk: str
 ) -> None:
     """The ranks start with `dataquay stage` (racing it), or once `stage
     --background` returned, its runs still going; every byte exact, the PFS
     read once per sample over staging and epoch 0, epoch 1 all cache hits
     (local ones in ``local``). In ``global`` most of a rank's samples are
-    another node's, which that node reads for it ahead of its staging."""
+    another node's, which that node reads for it ahead of its staging, on
+    the bulk path or (``--bulk-listen off``) a gRPC Read."""
     # The overflow prefetch off: with room in the cache it reads the next
     # epoch's copy of what it is still reading for this one (see the notes).
-    local = cluster(NODES, daemon_args=("--pfs-bandwidth", PFS_BANDWIDTH, "--prefetch-memory", "0"))
+    daemon_args = ("--pfs-bandwidth", PFS_BANDWIDTH, "--prefetch-memory", "0")
+    local = cluster(NODES, daemon_args=daemon_args + (("--bulk-listen", "off") if bulk == "off" else ()))
     root = make_files_dataset(tmp_path / "pfs", SAMPLES, sizes=(SIZE,))
     assert cli_main(["dataset", "add", "imgs", str(root), "--addr", local.daemons[0].address]) == 0
     clients = [dq.Client(local.daemons[i].address) for i in range(NODES)]
@@ -165,14 +167,18 @@ def test_a_read_takes_over_what_staging_has_not_started_and_waits_for_what_it_ha
 
 
 def test_what_a_run_reserves_or_a_read_claims_is_coming_until_it_ends() -> None:
-    """What a peer's read may wait for (ReadService.read_coming): a run
-    reserves all it is asked for at once, then narrows to what it finds missing."""
+    """What a peer's read may wait for (ReadService.read_coming): what a run
+    reserved (all it is asked for at once, then narrowed to what it finds
+    missing), and what is being read from its reservation, but not another
+    read's claim."""
     claims = PfsClaims()
     run, reader = object(), object()
     claims.reserve("db", run, np.arange(6), 8)
     claims.narrow("db", run, np.array([1, 2, 3, 4]))  # 0 and 5 were cached
-    claims.claim("db", [7], reader, started=True)
-    assert claims.coming_mask("db", np.arange(8)).tolist() == [False, True, True, True, True, False, False, True]
-    claims.release("db", [7], reader)
+    claims.claim("db", [3], run, started=False, reserved_only=True)  # queued by the run
+    claims.claim("db", [4, 7], reader, started=True, steal=True)  # 4 taken over; 7 staging never wanted
+    assert claims.coming_mask("db", np.arange(8)).tolist() == [False, True, True, True, True, False, False, False]
+    claims.release("db", [3], run)
+    claims.release("db", [4, 7], reader)
     claims.unreserve("db", run)
     assert not claims.coming_mask("db", np.arange(8)).any()

@@ -42,6 +42,8 @@ Value = bytes | None
 class _Claim:
     owner: object
     started: bool
+    #: Taken from a staging run's reservation: its value goes into the cache.
+    staged: bool = False
     future: Future[Value] = field(default_factory=Future)
 
 
@@ -105,10 +107,10 @@ class PfsClaims:
                 if held is None and reserved is not None and reserved[sample_id]:
                     if reserver is owner or steal:
                         reserved[sample_id] = False
-                        self._claims[key] = _Claim(owner, started)
+                        self._claims[key] = _Claim(owner, started, staged=True)
                         mine.append(sample_id)
                     else:
-                        held = self._claims[key] = _Claim(reserver, False)
+                        held = self._claims[key] = _Claim(reserver, False, staged=True)
                         reserved[sample_id] = False
                         theirs[sample_id] = held.future
                 elif held is not None and held.owner is owner:
@@ -133,13 +135,17 @@ class PfsClaims:
             return np.zeros(len(ids), dtype=bool) if held is None else held[1][ids]
 
     def coming_mask(self, db: str, ids: np.ndarray) -> np.ndarray:
-        """Which of ``ids`` this node's PFS reads will bring: reserved by a
-        staging run, or claimed by a read."""
+        """Which of ``ids`` this node's staging will bring into its cache:
+        reserved by a run, or being read from its reservation (by the run,
+        or by a read that took it over). Other reads (reads ahead of the
+        ranks, say) need not keep what they read, and are not counted."""
         with self._lock:
             held = self._reserved.get(db)
             mask = np.zeros(len(ids), dtype=bool) if held is None else held[1][ids]
             if self._claims:
-                mask |= np.fromiter(((db, i) in self._claims for i in ids.tolist()), dtype=bool, count=len(ids))
+                claims = self._claims
+                staged = ((claim := claims.get((db, i))) is not None and claim.staged for i in ids.tolist())
+                mask |= np.fromiter(staged, dtype=bool, count=len(ids))
             return mask
 
     def staging(self, db: str) -> bool:

@@ -17,8 +17,8 @@ and could not cache is read from the PFS ahead of its ranks
 the PFS. A read from a peer
 (``peer`` set) is answered from this cache alone, its misses flagged, so that
 two daemons never bounce a request between them; but for what this node's
-staging or reads are about to bring from the PFS, which is read (or waited
-for) at once (:meth:`ReadService.read_coming`). A job whose ranks read while
+staging is about to bring from the PFS, which is read (or waited for) at
+once (:meth:`ReadService.read_coming`). A job whose ranks read while
 its staging runs then costs the PFS each sample once in every mode, not
 only where ranks read their own node's samples.
 
@@ -370,7 +370,7 @@ class ReadService:
 
     async def read_coming(self, dataset: str, manifest_id: str, ids: np.ndarray) -> dict[int, Found]:
         """For a peer: those of ``ids``, found missing here a moment ago, that
-        this node has or is about to have: to be read by its staging or reads
+        this node has or is about to have: to be read by its staging
         (:meth:`PfsClaims.coming_mask`), read now or waited for, each once;
         or queued for the cache or committed since. What it reads here (it
         takes over what staging has not started) is queued for the cache, as
@@ -381,7 +381,7 @@ class ReadService:
 
     def may_bring(self, db: str, ids: np.ndarray) -> bool:
         """Whether :meth:`read_coming` may find any of ``ids``: a staging run
-        of ``db`` is on, or one is claimed or queued; thread-safe."""
+        of ``db`` is on, or one is being staged or queued; thread-safe."""
         queued = self.store.writer.queue.waiting
         name = db.encode()
         return (

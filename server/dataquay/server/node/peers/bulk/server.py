@@ -135,7 +135,7 @@ class BulkServer:
             it would have to wait (then ``resolve`` runs on the event loop):
             two thread hand-offs fewer per read.
         coming: with ``read_coming``, what a read finds missing here but this
-            node's staging or reads are about to bring from the PFS is
+            node's staging is about to bring from the PFS is
             answered once they have (the gRPC Read's rule, :mod:`..reads.service`).
     """
 
