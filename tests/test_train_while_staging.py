@@ -167,7 +167,7 @@ def test_a_read_takes_over_what_staging_has_not_started_and_waits_for_what_it_ha
 
 
 def test_what_a_run_reserves_or_a_read_claims_is_coming_until_it_ends() -> None:
-    """What a peer's read may wait for (ReadService.read_coming): what a run
+    """What a peer's read may wait for (PeerAnswers.coming): what a run
     reserved (all it is asked for at once, then narrowed to what it finds
     missing), and what is being read from its reservation, but not another
     read's claim."""

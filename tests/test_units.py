@@ -17,7 +17,8 @@ from dataquay.server.limits import ByteBudget, ByteBudgets
 from dataquay.server.node.cache.write_queue import PendingWrite, WriteQueue
 from dataquay.server.node.handoff.segments import ALIGN, place
 from dataquay.server.node.reads.replies import reply_chunks
-from dataquay.server.node.reads.service import Served, Window, window_bounds
+from dataquay.server.node.reads.served import Served, Window
+from dataquay.server.node.reads.service import window_bounds
 from dataquay.server.ratelimit import TokenBucket
 from dataquay.server.sizes import format_bytes, format_duration, parse_duration, parse_size
 

@@ -281,8 +281,8 @@ class Dataset(Sequence[bytes]):
             mode: placement mode of a new job (``global``).
             q: fraction of its samples a node draws into each epoch's pool
                 (``partial``); 1/M of the draws come back, so about
-                q(1 - 1/M) leave it. For the fraction that leaves (seed
-                000's Q), pass ``placement.drawn_fraction(Q, M)``.
+                q(1 - 1/M) leave it. For the fraction that leaves (the Q
+                of Nguyen et al., IPDPS 2022), pass ``placement.drawn_fraction(Q, M)``.
             seed: the shuffle seed (default 0).
             drop_last: drop the tail that does not divide evenly instead of
                 padding it with repeated ids (default False).

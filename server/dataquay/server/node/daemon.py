@@ -196,7 +196,7 @@ class Daemon(ServerLifecycle):
                 self.receiver.receive if self.receiver is not None else None,
                 config.max_sample_size + CHECKSUM_BYTES,
                 resolve_now=self.reads.cache_db_now,
-                coming=(self.reads.may_bring, self.reads.read_coming),
+                coming=(self.reads.peer_answers.may_bring, self.reads.read_coming),
             )
         self.bulk_address = ""
         self.counters = FaceCounters()

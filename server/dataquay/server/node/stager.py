@@ -310,7 +310,7 @@ class Stager:
         else:
             claims = _RunClaims(self.pfs.claims, entry.record.cache_db, manifest, self.store)
             # All at once, before the run looks at what is cached: a peer's read
-            # meanwhile finds its samples coming (ReadService.read_coming), not missing.
+            # meanwhile finds its samples coming (PeerAnswers.coming), not missing.
             self.pfs.claims.reserve(entry.record.cache_db, claims, ids, manifest.num_samples)
             self._tasks.spawn(self._run(entry, position, ids, progress, leave_room, claims), f"stage-{dataset}")
         return progress

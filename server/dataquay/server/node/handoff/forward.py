@@ -26,7 +26,7 @@ import threading
 from collections.abc import Sequence
 
 from dataquay.server.node.handoff.segments import ShmSegments, aligned, place
-from dataquay.server.node.reads.service import Served
+from dataquay.server.node.reads.served import Served
 
 
 class ShmForward:

@@ -16,7 +16,7 @@ from collections.abc import Container, Iterator, Sequence
 from dataquay.client.wire.channels import READ_CHUNK_BYTES
 from dataquay.client.wire.pieces import PIECE_BYTES, pieces
 from dataquay.protos import cache_pb2 as pb
-from dataquay.server.node.reads.service import MISSING, Served, Window
+from dataquay.server.node.reads.served import MISSING, Served, Window
 from dataquay.server.proto_maps import TIER_TO_PROTO
 
 

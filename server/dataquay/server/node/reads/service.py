@@ -18,7 +18,7 @@ the PFS. A read from a peer
 (``peer`` set) is answered from this cache alone, its misses flagged, so that
 two daemons never bounce a request between them; but for what this node's
 staging is about to bring from the PFS, which is read (or waited for) at
-once (:meth:`ReadService.read_coming`). A job whose ranks read while
+once (:mod:`.peer_answers`). A job whose ranks read while
 its staging runs then costs the PFS each sample once in every mode, not
 only where ranks read their own node's samples.
 
@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -75,18 +74,15 @@ from dataquay.server.node.metrics import DaemonMetrics
 from dataquay.server.node.peers.bulk.client import Landing
 from dataquay.server.node.peers.reads import Peers
 from dataquay.server.node.reads.overflow import OverflowPrefetcher
+from dataquay.server.node.reads.peer_answers import PeerAnswers
 from dataquay.server.node.reads.pfs import PfsPool
 from dataquay.server.node.reads.prefetch import PREFETCHED_MODES, TransferPrefetcher
+from dataquay.server.node.reads.served import Found, Served, Window
 from dataquay.server.registry import Registered
 from dataquay.server.task_group import Spawn
 
 log = logging.getLogger("dataquay.reads")
 
-#: A sample found elsewhere than in this node's cache: (tier, payload, checksum).
-Found = tuple[str, bytes | memoryview, int]
-
-#: Tier of a sample a peer was asked for and does not hold.
-MISSING = "missing"
 #: Epochs before the previous one whose owners are asked for a spare copy.
 HOLDER_EPOCHS = 2
 MiB = 1 << 20
@@ -96,25 +92,6 @@ WINDOW_BYTES = 64 * MiB
 #: Payload bytes one call may hold at once: the window being sent and the
 #: next, resolved meanwhile when both fit.
 CALL_BYTES = 2 * WINDOW_BYTES
-
-
-@dataclass(frozen=True)
-class Served:
-    """One distinct sample of a reply."""
-
-    sample_id: int
-    tier: str
-    data: bytes | memoryview
-    checksum: int
-
-
-@dataclass(frozen=True)
-class Window:
-    """Consecutive positions of a reply, resolved together: ``served`` holds
-    each distinct id once, ``index`` the entry of ``served`` at each position."""
-
-    served: list[Served]
-    index: np.ndarray
 
 
 class ReadService:
@@ -157,6 +134,9 @@ class ReadService:
                 store, pfs, placements.placement, self._caches_pfs_reads, spawn, self.budget
             )
         self._spawn = spawn
+        self.peer_answers = PeerAnswers(
+            store, pfs.claims, metrics, lambda entry, ids: self._from_pfs(entry, None, ids, set())
+        )
         #: Told the cache sub-database of every read (the cache manager's last use).
         self.used: Callable[[str], None] = lambda cache_db: None
 
@@ -265,9 +245,7 @@ class ReadService:
         db = entry.record.cache_db
         cached, corrupt = self.store.get_many(db, ids.tolist())
         if peer:
-            misses = ids[[i for i, hit in enumerate(cached) if hit is None]]
-            coming = await self._coming(entry, misses) if len(misses) and self.may_bring(db, misses) else {}
-            return Window(self._answer_peer(ids, index, cached, coming), index)
+            return await self.peer_answers.window(entry, ids, index, cached)
         fetched: dict[int, Found] = {}
         misses = ids[[i for i, hit in enumerate(cached) if hit is None]]
         if placement is not None and self.prefetcher is not None and _prefetched(placement):
@@ -369,64 +347,8 @@ class ReadService:
                 self.prefetcher.begin(entry, placement)
 
     async def read_coming(self, dataset: str, manifest_id: str, ids: np.ndarray) -> dict[int, Found]:
-        """For a peer: those of ``ids``, found missing here a moment ago, that
-        this node has or is about to have: to be read by its staging
-        (:meth:`PfsClaims.coming_mask`), read now or waited for, each once;
-        or queued for the cache or committed since. What it reads here (it
-        takes over what staging has not started) is queued for the cache, as
-        staging would have, and staging skips it: the peer's read moves it
-        ahead in staging's queue and costs the PFS nothing more, where the
-        peer reading the PFS itself would read it a second time."""
-        return await self._coming(await self.entry(dataset, ids, manifest_id), ids)
-
-    def may_bring(self, db: str, ids: np.ndarray) -> bool:
-        """Whether :meth:`read_coming` may find any of ``ids``: a staging run
-        of ``db`` is on, or one is being staged or queued; thread-safe."""
-        queued = self.store.writer.queue.waiting
-        name = db.encode()
-        return (
-            self.pfs.claims.staging(db)
-            or bool(self.pfs.claims.coming_mask(db, ids).any())
-            or any(queued(name, i) is not None for i in ids.tolist())
-        )
-
-    async def _coming(self, entry: Registered, ids: np.ndarray) -> dict[int, Found]:
-        db = entry.record.cache_db
-        # In this order: a claim's value is queued before the claim ends, and
-        # committed before it leaves the queue.
-        coming = self.pfs.claims.coming_mask(db, ids)
-        rest = ids[~coming].tolist()
-        out: dict[int, Found] = {
-            i: (CACHE, memoryview(v)[CHECKSUM_BYTES:], stored_checksum(v))
-            for i, v in self.store.queued_values(db, rest).items()
-        }
-        committed, _ = self.store.get_many(db, rest)
-        out.update({i: (CACHE, *hit) for i, hit in zip(rest, committed) if hit is not None})
-        if coming.any():
-            try:
-                out.update(await self._from_pfs(entry, None, ids[coming], set()))
-            except DataquayError:
-                pass  # left missing: the asker reads them itself, and meets the error there
-        return out
-
-    def _answer_peer(
-        self, ids: np.ndarray, index: np.ndarray, cached: list[tuple[bytes, int] | None], coming: dict[int, Found]
-    ) -> list[Served]:
-        out = []
-        for sample_id, hit in zip(ids.tolist(), cached):
-            if hit is not None:
-                out.append(Served(sample_id, CACHE, *hit))
-            elif (fetched := coming.get(sample_id)) is not None:
-                out.append(Served(sample_id, *fetched))
-            else:
-                out.append(Served(sample_id, MISSING, b"", 0))
-        samples = nbytes = 0
-        for served, times in zip(out, np.bincount(index, minlength=len(out)).tolist()):
-            if served.tier != MISSING:
-                samples += times
-                nbytes += times * len(served.data)
-        self.metrics.count_peer_served(samples, nbytes)
-        return out
+        """For the bulk listener: :meth:`PeerAnswers.coming` of ``dataset``."""
+        return await self.peer_answers.coming(await self.entry(dataset, ids, manifest_id), ids)
 
     async def _placement(self, job: str, entry: Registered, epoch: int | None = None) -> Placement | None:
         """The job's placement in ``epoch``, or in the job's current epoch when

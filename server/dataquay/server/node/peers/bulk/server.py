@@ -112,7 +112,7 @@ EXCHANGE_QUEUE = 4
 Resolve = Callable[[str, str, np.ndarray], Coroutine[Any, Any, str]]
 #: The same check without waiting: the cache database, or None where it would have to wait.
 ResolveNow = Callable[[str, str, np.ndarray], str | None]
-#: Whether this node may yet bring some of a cache database's ids (ReadService.may_bring); thread-safe.
+#: Whether this node may yet bring some of a cache database's ids (PeerAnswers.may_bring); thread-safe.
 MayBring = Callable[[str, np.ndarray], bool]
 #: Those it has or brings, as (tier, payload, checksum) by id (ReadService.read_coming): (dataset, manifest id, ids).
 ReadComing = Callable[[str, str, np.ndarray], Coroutine[Any, Any, dict[int, tuple[str, bytes | memoryview, int]]]]
