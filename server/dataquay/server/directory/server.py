@@ -225,13 +225,15 @@ class DirectoryServer(ServerLifecycle):
         ttl = self.config.job_ttl
         while True:
             expired = self.state.expire_jobs(ttl, time.monotonic()) if self.store.leader else []
-            if expired:
-                await self.store.persist()
+            # Logged as soon as it is so (a listing shows it from here), not
+            # after the write: a stop during a slow write must not lose the line.
             for job, idle in expired:
                 log.info(
                     "job expired",
                     extra={"fields": {"job": job.spec.job_id, "idle_seconds": round(idle), "job_ttl_seconds": ttl}},
                 )
+            if expired:
+                await self.store.persist()
             await asyncio.sleep(min(JOB_EXPIRY_CHECK_SECONDS, ttl / 4))
 
     # ------------------------------------------------------------- handlers
