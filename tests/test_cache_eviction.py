@@ -24,7 +24,7 @@ from dataquay.server.node.cache.manager import Admitted, CacheManager
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.quotas import Quota, exceeded, parse_quotas
-from dataquay.server.registry import Registry
+from dataquay.server.registry import Registered, Registry
 from dataquay.server.tools.synthetic import make_files_dataset
 
 DAY = 86400.0
@@ -192,3 +192,51 @@ def test_two_stagings_admitted_at_once_each_get_the_room_they_were_told(tmp_path
         assert [e.holding.datasets for e in (*first.evicted, *second.evicted)] == [("old",)]
 
     with_store(tmp_path / "cache", 8 << 20, scenario)
+
+
+def test_a_cache_evicted_in_part_and_restaged_round_after_round_holds_every_sample_it_admits(tmp_path: Path) -> None:
+    """Four datasets of 32 KiB samples take turns in a cache with room for
+    three, beside a pinned one of small samples (whose leaves take more pages
+    per byte): each staging evicts part of the least recently used. A partial
+    eviction frees the pages it planned, as the evicted tree counts them, and
+    free pages scattered by the rounds before never refuse a sample admitted."""
+    registry = Registry(tmp_path / "state")
+    registry.load()
+    rng = np.random.default_rng(7)
+
+    def add(name: str, samples: int, size: int, seed: int) -> Registered:
+        root = make_files_dataset(tmp_path / name, samples, sizes=(size,), seed=seed)
+        return registry.add(name, build_manifest(root), False)[0]
+
+    async def stage(store: Store, manager: CacheManager, entry: Registered) -> Admitted:
+        db, ids, sizes = entry.record.cache_db, np.arange(len(entry.manifest)), entry.manifest.sample_length
+        admitted = await manager.admit(entry, ids, 0, frozenset())
+        await store.open_dataset(db)
+        missing = rng.permutation(ids[~store.cached_mask(db, ids)])
+        for start in range(0, len(missing), 8):  # as staging commits: a few at a time, in a shuffled order
+            chunk = missing[start : start + 8].tolist()
+            await store.put_many([PendingWrite(db.encode(), i, encode_value(bytes(int(sizes[i])))) for i in chunk])
+            await store.flush()
+        assert store.cached_mask(db, ids).all() and not store.full and store.inserts_dropped == 0
+        return admitted
+
+    small = add("small", 4000, 100, 0)
+    turns = [add(name, 48, 32 * 1024, seed) for seed, name in enumerate("abcd", start=1)]
+
+    async def scenario(store: Store) -> None:
+        manager = CacheManager(store, registry, tmp_path / "state", 0.0)
+        await stage(store, manager, small)
+        manager.pin("small", True)
+        partial = 0
+        for turn in range(12):
+            trees = {e.record.cache_db: store.tree_bytes(e.record.cache_db) for e in turns}
+            admitted = await stage(store, manager, turns[turn % len(turns)])
+            assert admitted.fits == admitted.need, f"turn {turn}"
+            for evicted in admitted.evicted:
+                if not evicted.whole:
+                    partial += 1
+                    freed = trees[evicted.holding.cache_db] - store.tree_bytes(evicted.holding.cache_db)
+                    assert freed >= evicted.nbytes, f"turn {turn}"
+        assert partial >= 6
+
+    with_store(tmp_path / "cache", 7 << 20, scenario)

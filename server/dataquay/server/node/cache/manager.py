@@ -444,16 +444,27 @@ class CacheManager:
         return tuple(Evicted(rows[e.index], e.nbytes, e.whole) for e in plan)
 
     async def _evict_part(self, row: Holding, nbytes: int, among: np.ndarray | None = None) -> tuple[int, int]:
-        """Deletes a holding's highest ids (of ``among`` when given) up to
-        ``nbytes`` of pages; (samples, payload bytes) freed."""
+        """Deletes a holding's highest ids (of ``among`` when given) until its
+        tree has freed ``nbytes`` of pages; (samples, payload bytes) freed.
+
+        The ids are first counted at the cache's mean pages per sample, which
+        counts other trees' pages too: a second round deletes what the first
+        left short, as the tree's own pages measure it."""
         raw = row.cache_db.encode()
         held = self.store.writer.cached.ids(raw)
-        cached = held if among is None else among
-        per_sample = self._pages(row.nbytes) / max(1, len(held))
-        ids = partial_ids(cached, np.full(len(cached), per_sample), nbytes)
-        before = self.store.writer.payload_bytes.get(raw, 0)
-        removed = await self.store.discard(row.cache_db, ids)
-        return removed, before - self.store.writer.payload_bytes.get(raw, 0)
+        left = held if among is None else among
+        per_sample = np.full(len(left), self._pages(row.nbytes) / max(1, len(held)))
+        payload_before = self.store.writer.payload_bytes.get(raw, 0)
+        tree_before = self.store.tree_bytes(row.cache_db)
+        removed = 0
+        while len(left):
+            short = nbytes - (tree_before - self.store.tree_bytes(row.cache_db))
+            if short <= 0:
+                break
+            ids = partial_ids(left, per_sample[: len(left)], short)
+            removed += await self.store.discard(row.cache_db, ids)
+            left = left[: len(left) - len(ids)]
+        return removed, payload_before - self.store.writer.payload_bytes.get(raw, 0)
 
 
 def _limit(quota: Quota | None) -> tuple[int, str]:

@@ -98,23 +98,25 @@ class CacheSpace:
         if reserved:
             self._filled_reserved_at = self.live_bytes
 
-    def within_limits(self, batch: list[PendingWrite]) -> list[PendingWrite]:
+    def within_limits(self, batch: list[PendingWrite]) -> tuple[list[PendingWrite], bool]:
         """``batch`` without the inserts that would reach into room reserved,
-        or beyond the capacity. A reserved write has its room; one that leaves
-        room for the exchange stops at its reserve."""
+        or beyond the capacity, and whether one was left out for the capacity
+        itself (the cache is full). A reserved write has its room; one that
+        leaves room for the exchange stops at its reserve."""
         room = self.capacity - self.live_bytes - self.reserved_bytes
         reserve = self.exchange_reserve
         cost = value_bytes(np.fromiter((len(w.value) for w in batch), np.int64, len(batch)))
         if int(cost.sum()) <= room - reserve:
-            return batch  # far from every limit: the common case while staging
-        kept = []
+            return batch, False  # far from every limit: the common case while staging
+        kept, at_capacity = [], False
         for write, charge in zip(batch, cost.tolist()):
             if not write.kept_when_full:
                 if charge > room - (reserve if write.leaves_room else 0):
+                    at_capacity = at_capacity or charge > room
                     continue
                 room -= charge
             kept.append(write)
-        return kept
+        return kept, at_capacity
 
     async def reserve(self, nbytes: int, timeout: float, keep_free: Callable[[], int] = lambda: 0) -> bool:
         """Waits until the cache has ``nbytes`` of room no one else reserved,

@@ -240,6 +240,15 @@ class Store:
             entries = int(txn.stat(handle)["entries"])
         return entries, self.writer.payload_bytes.get(db.encode(), 0)
 
+    def tree_bytes(self, db: str) -> int:
+        """Bytes of the pages a dataset's tree uses: what deleting from it frees."""
+        handle = self._dbs.get(db.encode())
+        if handle is None:
+            return 0
+        with self.env.begin() as txn:
+            stat = txn.stat(handle)
+        return (stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]) * stat["psize"]
+
     def usage(self) -> tuple[int, int]:
         """(bytes of the pages the cache uses, entries over all datasets)."""
         with self.env.begin() as txn:

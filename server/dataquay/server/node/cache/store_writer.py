@@ -30,6 +30,7 @@ from dataquay.server.node.cache.cached_ids import CachedIds, ids_of_keys
 from dataquay.server.node.cache.file import CacheFile, Growth
 from dataquay.server.node.cache.space import CacheSpace
 from dataquay.server.node.cache.write_queue import PendingWrite, WriteQueue
+from dataquay.server.planning.capacity import refill_margin
 from dataquay.server.task_group import WRITER_NICENESS, lower_thread_priority
 
 log = logging.getLogger("dataquay.store")
@@ -39,10 +40,10 @@ T = TypeVar("T")
 MiB = 1 << 20
 #: The sub-database of per-dataset meta data (payload bytes), beside the datasets' own.
 META_DB = b"__meta__"
-#: How far the map may grow beyond the capacity (at most; a 16th of a smaller
-#: cache) so that a delete in a full map finds the pages it needs, and a write
-#: whose room was reserved finds the pages LMDB keeps aside (those the last
-#: transactions freed, which it reuses only later).
+#: How far the map may grow beyond the room for scattered free pages (at
+#: most; a 16th of a smaller cache) so that a delete in a full map finds the
+#: pages it needs, and a write whose room was reserved finds the pages LMDB
+#: keeps aside (those the last transactions freed, which it reuses only later).
 HOUSEKEEPING_BYTES = 1 * MiB
 #: A cache that keeps filling is said to be full at most this often.
 FULL_LOG_SECONDS = 60.0
@@ -228,8 +229,18 @@ class StoreWriter:
             return await self.run(delete)
 
     @property
+    def _scattered_limit(self) -> int:
+        """How far the map grows for any write that the capacity has room for
+        (:meth:`.space.CacheSpace.within_limits`): LMDB puts a large value on
+        a run of free pages next to each other, and the free pages that copies
+        on write leave scattered may hold no such run. The refill margin: the
+        room staging leaves below the capacity, so as far as staging fills the
+        map, scattered pages can cost it."""
+        return self.space.capacity + refill_margin(self.space.capacity)
+
+    @property
     def _housekeeping_limit(self) -> int:
-        return self.space.capacity + min(HOUSEKEEPING_BYTES, self.space.capacity // 16)
+        return self._scattered_limit + min(HOUSEKEEPING_BYTES, self.space.capacity // 16)
 
     # ---------------------------------------------------------------- room
 
@@ -361,8 +372,10 @@ class StoreWriter:
             kept = [w for w in batch if w.kept_when_full]
             self.inserts_dropped += len(batch) - len(kept)
             batch = kept
-        within = self.space.within_limits(batch)
+        within, at_capacity = self.space.within_limits(batch)
         self.inserts_dropped += len(batch) - len(within)
+        if at_capacity:
+            self.mark_full()
         batch = within
         stored = 0
         while batch:
@@ -371,8 +384,9 @@ class StoreWriter:
                 return stored + len(batch)
             except lmdb.MapFullError:
                 grown = await self._file.grow(self.space.capacity)
-                if grown is Growth.AT_LIMIT and all(w.reserved for w in batch):
-                    grown = await self._file.grow(self._housekeeping_limit)
+                if grown is Growth.AT_LIMIT:  # within the capacity, but no run of free pages holds a value
+                    reserved = all(w.reserved for w in batch)
+                    grown = await self._file.grow(self._housekeeping_limit if reserved else self._scattered_limit)
                 if grown is Growth.GREW:
                     continue
                 # The map is at its limit, or its file could not be allocated further.
