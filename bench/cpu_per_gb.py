@@ -11,16 +11,24 @@ datasets of samples of ``SIZE`` bytes as the PFS.
 
 - staging: a ``global`` job on [node-0, node-1]; each node stages what it owns.
 - local hit: a client on node-0 reads, in batches of 64, every sample node-0
-  owns, checksums checked, ``PASSES`` times: as shipped (``get_batch``, which
-  reads the node's LMDB in this process where it may), and again through the
-  daemon's batch path (the payloads in this process's shared-memory
-  segment; what a client gets that may not open the LMDB itself).
+  owns, checksums checked, ``PASSES`` times after one pass untimed (a job's
+  steady state: the client's segments and connections made): as shipped
+  (``get_batch``, which reads the node's LMDB in this process where it may),
+  and again through the daemon's batch path (the payloads in this process's
+  shared-memory segment; what a client gets that may not open the LMDB
+  itself), copied out as bytes and as views (``copy=False``).
 - peer hit: the same client reads every sample node-1 owns: node-0 fetches
-  each batch from node-1 over the bulk path and hands it on.
+  each batch from node-1 over the bulk path and hands it on; and again with
+  ``get_batch(copy=False)``, the client holding views of its shared-memory
+  segment, as the raw stream's receiver holds its buffers.
 - miss: a dataset no node caches, read through the client from the PFS; the
   daemon's caching behind the reads is waited for and counted.
-- exchange: a dataset staged whole on node-0, a ``partial`` job with Q = 1 on
-  both nodes; node-0 ships node-1 what it owns in epoch 1.
+- exchange: a ``partial`` job with Q = 1 on both nodes, each staged with its
+  share; the exchange into epoch 1, whose arrivals take pages new to each
+  cache; then, measured together, the exchanges into epochs 2-4, whose
+  arrivals take the pages that what each node gave away freed (a job's
+  steady state). The daemons keep no spare copies (``--spare-copies-fill
+  0``), so that every sample that moves is sent.
 
 Baselines, each in processes of its own, on the same bytes:
 
@@ -32,8 +40,9 @@ Baselines, each in processes of its own, on the same bytes:
   into an LMDB of its own (what an exchange must do besides moving bytes;
   for context, not a target).
 - raw LMDB: a plain Python process reads the local-hit values from node-0's
-  cache with py-lmdb, in the same batches, and computes each xxh3 as the
-  client checks it (the target for local hits: <= 1.2x).
+  cache with py-lmdb (``get``, a copy of each), in the same batches, and
+  computes each xxh3 as the client checks it (the target for local hits:
+  <= 1.2x).
 
 Every process, baselines included, runs with the allocator settings the
 daemon and the client use (``tune_malloc``).
@@ -78,15 +87,20 @@ from dataquay.server.tools.synthetic import make_files_dataset
 
 BATCH = 64
 #: Reads of every cached sample per timed run of the hit paths and their baselines.
-PASSES = 4
+PASSES = 16
+#: Exchanges measured together once both nodes send and receive (see :func:`exchange`).
+STEADY_EPOCHS = 3
 GB = 1e9
 TICKS = os.sysconf("SC_CLK_TCK")
 #: CPU seconds per GB of a path over its baseline: the targets on the results page.
 TARGETS = {
     "peer_hit": ("raw_stream", 1.5),
+    "peer_hit_views": ("raw_stream", 1.5),
     "exchange": ("raw_stream", 1.5),
+    "exchange_steady": ("raw_stream", 1.5),
     "local_hit": ("raw_lmdb", 1.2),
     "local_hit_shm": ("raw_lmdb", 1.2),
+    "local_hit_shm_views": ("raw_lmdb", 1.2),
 }
 
 
@@ -235,7 +249,8 @@ def _stream_send(listing: str, port: str) -> None:
 
 
 def raw_lmdb(cache_dir: Path, db: str, batches: list[list[int]], home: Path) -> dict[str, object]:
-    """The values read in ``batches`` from a daemon's LMDB by a plain process, xxh3 of each."""
+    """The values read in ``batches`` from a daemon's LMDB by a plain process
+    (each copied out of the map, as py-lmdb's ``get`` does), xxh3 of each."""
     listing = home / "lmdb.json"
     listing.write_text(json.dumps({"path": str(cache_dir), "db": db, "batches": batches}))
     got = _answer(_child("--lmdb-read", str(listing)))
@@ -282,32 +297,37 @@ class Rig:
         for channel in self.channels:
             channel.close()
 
-    def timed(self, path: str, nbytes: int, run: Callable[[], object], client: bool = True) -> dict[str, object]:
-        """Runs ``run`` and counts the CPU of every process; this process's
-        only where it is the client (not where it merely drives the daemons)."""
+    def timed(
+        self, path: str, nbytes: int | Callable[[], int], run: Callable[[], object], client: bool = True
+    ) -> dict[str, object]:
+        """Runs ``run`` and counts the CPU of every process over ``nbytes``
+        (a function: the bytes known once it ran); this process's only where
+        it is the client (not where it merely drives the daemons)."""
         started = time.perf_counter()
         with self.meter.measure() as meter:
             run()
         spent = meter.spent if client else {k: v for k, v in meter.spent.items() if k != "client"}
-        return row(path, nbytes, spent, time.perf_counter() - started)
+        return row(path, nbytes if isinstance(nbytes, int) else nbytes(), spent, time.perf_counter() - started)
 
 
 def _batches(ids: np.ndarray) -> list[list[int]]:
     return [ids[i : i + BATCH].tolist() for i in range(0, len(ids), BATCH)]
 
 
-def _read_all(ds: Dataset, batches: list[list[int]], size: int) -> None:
+def _read_all(ds: Dataset, batches: list[list[int]], size: int, copy: bool = True) -> None:
+    held: list[memoryview] | list[bytes] = []
     for batch in batches:
-        got = ds.get_batch(batch)
-        assert len(got) == len(batch) and all(len(v) == size for v in got)
+        held = ds.get_batch(batch, copy=copy)  # held for a step, as a trainer holds it
+        assert len(held) == len(batch) and all(len(v) == size for v in held)
 
 
-def _read_shm(client: Client, ds: Dataset, batches: list[list[int]], size: int) -> None:
+def _read_shm(client: Client, ds: Dataset, batches: list[list[int]], size: int, copy: bool = True) -> None:
     """The batches through the daemon (its reply's payloads in this process's
     shared-memory segment), not the client's own view of the node's LMDB."""
+    held: list[bytes] = []
     for batch in batches:
-        got = client.remote._read_daemon(ds, np.asarray(batch), None)
-        assert len(got) == len(batch) and all(len(v) == size for v in got)
+        held = client.remote._read_daemon(ds, np.asarray(batch), None, copy)
+        assert len(held) == len(batch) and all(len(v) == size for v in held)
 
 
 def hits(rig: Rig, root: Path, count: int, size: int, home: Path) -> list[dict[str, object]]:
@@ -330,16 +350,24 @@ def hits(rig: Rig, root: Path, count: int, size: int, home: Path) -> list[dict[s
     mine = _batches(rng.permutation(np.flatnonzero(owner == 0))) * PASSES
     theirs = _batches(rng.permutation(np.flatnonzero(owner == 1))) * PASSES
     before = rig.client.stats().samples
-    progress("local hits")
-    rows.append(rig.timed("local_hit", sum(map(len, mine)) * size, lambda: _read_all(ds, mine, size)))
-    progress("local hits through the daemon's shared-memory batch path")
-    rows.append(rig.timed("local_hit_shm", sum(map(len, mine)) * size, lambda: _read_shm(rig.client, ds, mine, size)))
-    progress("peer hits")
-    rows.append(rig.timed("peer_hit", sum(map(len, theirs)) * size, lambda: _read_all(ds, theirs, size)))
+    read = {
+        "local_hit": lambda batches: _read_all(ds, batches, size),
+        "local_hit_shm": lambda batches: _read_shm(rig.client, ds, batches, size),
+        "local_hit_shm_views": lambda batches: _read_shm(rig.client, ds, batches, size, copy=False),
+        "peer_hit": lambda batches: _read_all(ds, batches, size),
+        "peer_hit_views": lambda batches: _read_all(ds, batches, size, copy=False),
+    }
+    for path, reader in read.items():
+        batches = theirs if path.startswith("peer") else mine
+        progress(path.replace("_", " "))
+        # One pass untimed first: a job's reads find the client's segments and the connections made.
+        reader(batches[: len(batches) // PASSES])
+        rows.append(rig.timed(path, sum(map(len, batches)) * size, lambda: reader(batches)))
     after = rig.client.stats().samples
     tiers = {tier: after[tier] - before.get(tier, 0) for tier in after if after[tier] != before.get(tier, 0)}
-    assert tiers.get("local", 0) == tiers.get("cache", 0) == sum(map(len, mine)), tiers
-    assert tiers.get("peer", 0) == sum(map(len, theirs)), tiers
+    passes = (PASSES + 1) / PASSES
+    assert tiers.get("local", 0) * 2 == tiers.get("cache", 0) == 2 * sum(map(len, mine)) * passes, tiers
+    assert tiers.get("peer", 0) == 2 * sum(map(len, theirs)) * passes, tiers
     progress("raw LMDB and raw stream baselines")
     info = n0.GetDataset(pb.GetDatasetRequest(name="hits"))
     rows.append(raw_lmdb(rig.local.daemons[0].cache_dir, info.cache_db, mine, home))
@@ -367,36 +395,59 @@ def miss(rig: Rig, root: Path, count: int, size: int) -> dict[str, object]:
     return rig.timed("miss", count * size, run)
 
 
-def exchange(rig: Rig, root: Path, count: int) -> dict[str, object]:
-    """node-0 ships node-1 what it owns in epoch 1 of a partial job with Q = 1."""
+def exchange(rig: Rig, root: Path, count: int) -> list[dict[str, object]]:
+    """A ``partial`` job with Q = 1 on both nodes, each staged with its
+    share: the exchange into epoch 1, whose arrivals take pages new to each
+    cache, then those into epochs 2 to 1 + STEADY_EPOCHS together, where
+    each receiver writes into the pages that the samples it gave away freed."""
     n0 = rig.stubs[0]
     n0.AddDataset(pb.AddDatasetRequest(name="xch", root=str(root)))
-    *_, staged = n0.Stage(pb.StageRequest(dataset="xch"))
-    assert staged.done_samples == count, staged
     spec = jpb.JobSpec(job_id="xch", dataset="xch", mode="partial", q=1.0, nodes=["node-0", "node-1"], ranks_per_node=1)
     job = n0.JoinJob(jpb.JoinJobRequest(spec=spec))
+    for stub in rig.stubs:
+        *_, staged = stub.Stage(pb.StageRequest(dataset="xch", job="xch"))
+        assert not staged.error and staged.done_samples == staged.total_samples, staged
     manifest = Manifest(b"".join(c.data for c in n0.GetManifest(pb.GetDatasetRequest(name="xch"))))
     plan = job_plan(job, manifest)
-    first = owners(plan, 0)
-    given = np.flatnonzero((first == 0) & (owners(plan, 1, first) == 1))
-    nbytes = int(manifest.sample_length[given].sum())
+    holders = [owners(plan, 0)]
+    for epoch in range(1, 2 + STEADY_EPOCHS):
+        holders.append(owners(plan, epoch, holders[-1]))
+
+    def moved(epoch: int) -> np.ndarray:
+        return np.flatnonzero(holders[epoch - 1] != holders[epoch])
+
     finished: list[pb.ExchangeProgress] = []
 
-    def run() -> None:
-        n0.ReportEpoch(jpb.ReportEpochRequest(job_id="xch", epoch=0))
-        deadline = time.monotonic() + 300
-        while not finished:
-            finished.extend(
-                r for r in n0.Stats(pb.StatsRequest()).exchanges if r.job == "xch" and r.epoch == 1 and r.finished
-            )
-            if time.monotonic() > deadline:
-                raise RuntimeError("the exchange into epoch 1 did not finish in 300 s")
-            time.sleep(0.05)
+    def run(epochs: range) -> None:
+        finished.clear()
+        for epoch in epochs:
+            for stub in rig.stubs:  # as each node's rank reports the epoch it starts
+                stub.ReportEpoch(jpb.ReportEpochRequest(job_id="xch", epoch=epoch - 1))
+            deadline = time.monotonic() + 300
+            done: list[pb.ExchangeProgress] = []
+            while len(done) < len(rig.stubs):  # each node's sending side, finished
+                done = [
+                    r
+                    for stub in rig.stubs
+                    for r in stub.Stats(pb.StatsRequest()).exchanges
+                    if r.job == "xch" and r.epoch == epoch and r.finished
+                ]
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the exchange into epoch {epoch} did not finish in 300 s")
+                time.sleep(0.2)  # the daemons' CPU for Stats is counted: ask seldom
+            finished.extend(done)
 
-    progress(f"exchange of {len(given)} samples")
-    out = rig.timed("exchange", nbytes, run, client=False)
-    assert finished[0].sent_bytes == nbytes and finished[0].delivered_samples == len(given), finished[0]
-    return out
+    rows = []
+    for path, epochs in (("exchange", range(1, 2)), ("exchange_steady", range(2, 2 + STEADY_EPOCHS))):
+        ids = np.concatenate([moved(epoch) for epoch in epochs])
+        progress(f"exchange of {len(ids)} samples into epochs {epochs.start}-{epochs.stop - 1}")
+        # Over what was sent: a receiver that still holds a sample (given away
+        # an epoch before, its delete not due yet) takes it without its bytes.
+        sent = rig.timed(path, lambda: sum(r.sent_bytes for r in finished), lambda: run(epochs), client=False)
+        planned = int(manifest.sample_length[ids].sum())
+        assert 0 < float(sent["MB"]) * 1e6 <= planned, (planned, finished)  # type: ignore[arg-type]
+        rows.append(sent)
+    return rows
 
 
 def medians(runs: list[list[dict[str, object]]]) -> list[dict[str, object]]:
@@ -404,7 +455,7 @@ def medians(runs: list[list[dict[str, object]]]) -> list[dict[str, object]]:
     between processes kept whole), with every run's figure beside it."""
     out = []
     for rows in zip(*runs):
-        ranked = sorted(rows, key=lambda r: float(r["cpu_s_per_GB"]))  # type: ignore[arg-type]
+        ranked = sorted(rows, key=lambda r: float(r["cpu_s_per_GB"]))
         out.append({**ranked[len(ranked) // 2], "runs_cpu_s_per_GB": [r["cpu_s_per_GB"] for r in rows]})
     return out
 
@@ -433,12 +484,13 @@ def run(base: Path, total_bytes: int, size: int) -> list[dict[str, object]]:
         name: make_files_dataset(base / "pfs" / name, n, sizes=(size,))
         for name, n in (("hits", count), ("miss", miss_count), ("xch", exchange_count))
     }
-    with LocalCluster(base / "cluster", 2, dataset_roots=(base,)) as local:
+    # Given-away samples deleted at once: every sample that moves is sent, into pages that others freed.
+    with LocalCluster(base / "cluster", 2, dataset_roots=(base,), daemon_args=("--spare-copies-fill", "0")) as local:
         rig = Rig(local)
         try:
             rows = hits(rig, roots["hits"], count, size, home)
             rows.append(miss(rig, roots["miss"], miss_count, size))
-            rows.append(exchange(rig, roots["xch"], exchange_count))
+            rows.extend(exchange(rig, roots["xch"], exchange_count))
         finally:
             rig.close()
     return rows
