@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 from one_daemon import add, daemon_stats, files_bytes, tiers_read
+from polling import wait_until
 
 import dataquay.client as dq
 from dataquay.client.errors import BatchTooLargeError, SampleIdError, UnknownDatasetError
@@ -22,6 +23,7 @@ from dataquay.client.wire.batch_reads import parse_reply as parse_batch_reply
 from dataquay.client.wire.memfd import MemfdSegment, fd_socket_path, parse_reply
 from dataquay.client.wire.records import checksum
 from dataquay.client.wire.status_codes import CODES_BY_VALUE, error_from_status
+from dataquay.protos import cache_pb2 as pb
 from dataquay.server.tools import synthetic
 from dataquay.server.tools.processes import DaemonProcess
 
@@ -74,6 +76,26 @@ def test_a_segment_read_answers_offsets_of_exact_bytes(segment: MemfdSegment) ->
     got = [segment.map[o : o + n] for o, n in zip(answer.offsets.tolist(), answer.lengths.tolist())]
     assert got == files_bytes(3, ids, SIZES)
     assert answer.checksums.tolist() == [checksum(v) for v in got]
+
+
+def test_a_segment_read_marks_checked_what_the_daemon_checked_from_its_cache_not_what_it_read_from_the_pfs(
+    segment: MemfdSegment,
+) -> None:
+    ids = [4, 9]
+    first = parse_batch_reply(ask(segment, "imgs", ids), len(ids))
+    assert first.tiers.tolist() == [pb.TIER_PFS] * 2 and first.checked.tolist() == [0, 0]
+    # Cached behind the read: later reads come from the cache, each value checked as it is read.
+    answers = []
+
+    def from_cache() -> bool:
+        answers.append(parse_batch_reply(ask(segment, "imgs", ids), len(ids)))
+        return answers[-1].tiers.tolist() == [pb.TIER_CACHE] * 2
+
+    wait_until(from_cache, "the samples read from the cache")
+    again = answers[-1]
+    assert again.checked.tolist() == [1, 1]
+    got = [segment.map[o : o + n] for o, n in zip(again.offsets.tolist(), again.lengths.tolist())]
+    assert got == files_bytes(3, ids, SIZES)
 
 
 @pytest.mark.parametrize(

@@ -186,9 +186,11 @@ class DaemonReply:
 
     A payload in a sealed memfd segment that the reply marks
     ``checked_in_place`` is not checked again: checksums are checked once per
-    hop, and its hop was the network. The daemon received it from a peer
-    straight into this segment and checked its xxh3 there, where it lies.
-    From there to this process there is no hop that could change a byte: the
+    hop, and the daemon checked its payload on the hop it came by. One from a
+    peer it received straight into this segment and checked there, where it
+    lies; one from its cache it checked against the checksum stored with it
+    as it read it from the map, and copied in. From there to this process
+    there is no hop that could change a byte: the
     segment is sealed against writes other than through the mappings that
     existed when the daemon sealed it (the daemon's and this process's own,
     which is read only), against shrinking and against punched holes, so no
@@ -199,8 +201,8 @@ class DaemonReply:
     leaves it the checksums that every payload is checked against. A
     /dev/shm segment (any process of the user may open it while it is
     linked, and the daemon writes it without a check in place), a payload
-    that came inline or was written into the segment by a copy, and any
-    payload without the mark, are checked here.
+    that came inline, one read from the PFS, and any payload without the
+    mark, are checked here.
 
     With ``lent`` (the segment's view from :meth:`SegmentPool.lend`), the
     payloads in the segment are cut from it as read-only memoryviews, not

@@ -135,7 +135,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                     offsets: list[int | None] = [None] * len(window.served)
                     if forward is not None:
                         offsets = forward.window(window.served)
-                    for chunk in reply_chunks(window, offsets, forward.checked if forward is not None else ()):
+                    for chunk in reply_chunks(window, offsets, forward.trusted(window.served) if forward else ()):
                         yield chunk
                     del window  # not held while the next one is resolved
         if forward is not None:

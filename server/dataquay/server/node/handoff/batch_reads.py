@@ -89,9 +89,8 @@ class SegmentReads:
                     lengths[at:stop] = np.array([len(s.data) for s in served], np.uint64)[window.index]
                     checksums[at:stop] = np.array([s.checksum for s in served], np.uint64)[window.index]
                     tiers[at:stop] = np.array([TIER_TO_PROTO[s.tier] for s in served], np.uint8)[window.index]
-                    checked[at:stop] = np.array([s.sample_id in forward.checked for s in served], np.uint8)[
-                        window.index
-                    ]
+                    trusted = forward.trusted(served)
+                    checked[at:stop] = np.array([s.sample_id in trusted for s in served], np.uint8)[window.index]
                     at = stop
                     del window, served  # not held while the next one is resolved
         except DataquayError as exc:

@@ -15,7 +15,9 @@ kernel's copy out of the socket is the only copy of the peer's bytes on this
 node; its xxh3 is checked there, and a payload that fails it is never named
 in a reply (the bytes left in the segment are the trainer's to overwrite).
 The reply marks the payloads checked in place (``Sample.checked_in_place``),
-which the trainer then need not check again (:mod:`dataquay.client.remote`).
+which the trainer then need not check again (:mod:`dataquay.client.remote`):
+those, and those copied into a memfd segment from this node's cache, whose
+values the read checked against the checksums stored with them.
 Into a /dev/shm segment, which is written with ``pwrite`` only, each payload
 is received into a buffer and written on the event loop as it lands.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from dataquay.client.wire.tiers import CACHE
 from dataquay.server.node.handoff.segments import ShmSegments, aligned, place
 from dataquay.server.node.reads.served import Served
 
@@ -108,3 +111,14 @@ class ShmForward:
                 for k, offset in zip(rest, written):
                     offsets[k] = offset
             return offsets
+
+    def trusted(self, served: Sequence[Served]) -> set[int]:
+        """The ids of ``served`` whose payloads the trainer need not check in
+        a memfd segment: received there and checked there, or copied there
+        from this node's cache (checked against its stored checksum as it was
+        read: a check per hop, and the segment adds none); none in a /dev/shm
+        segment."""
+        if self._mapping is None:
+            return set()
+        with self._lock:
+            return {s.sample_id for s in served if s.sample_id in self.checked or s.tier == CACHE}

@@ -25,7 +25,8 @@ def reply_chunks(
 ) -> Iterator[pb.ReadChunk]:
     """The messages of ``window``; ``offsets[k]`` is where ``window.served[k]``
     lies in the caller's segment, None for a payload that goes inline;
-    ``checked`` holds the ids whose payloads were checked where they lie there."""
+    ``checked`` holds the ids whose payloads the caller need not check there
+    (:meth:`~dataquay.server.node.handoff.forward.ShmForward.trusted`)."""
     served = window.served
     inline: list[bytes | None] = [None] * len(served)
     chunk, size = pb.ReadChunk(), 0
