@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from dataquay.client.wire.status_codes import code_number
+from dataquay.client.wire.status_codes import code_number, status_of
 from dataquay.server.errors import DataquayError
 
 HELLO_MAGIC = b"DQB1"
@@ -292,3 +292,9 @@ def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> 
     at = 0
     while at < len(views):
         at = _past(views, at, sock.sendmsg(views[at : at + IOV_BATCH]))
+
+
+def error_frame(exc: DataquayError, code: int | None = None) -> list[bytes]:
+    """An ERROR frame: the gRPC status code the error maps to (or ``code``) and its message."""
+    message = str(exc).encode()[:MAX_ERROR_BYTES]
+    return [SAMPLE.pack(ERROR, code_number(status_of(exc)[0]) if code is None else code, len(message), 0), message]

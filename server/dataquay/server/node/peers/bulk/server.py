@@ -13,12 +13,9 @@ stops reading gets the rest as a copy once the map must grow.
 What the request names is checked as a gRPC Read is (dataset, manifest
 version, batch size, id range): in the connection's thread where the dataset
 is registered here and its database open, else on the event loop. An exchange stream takes
-a connection for itself: its thread reads the sender's chunks into a short
-queue (a few chunks: a sender that outruns the cache's commits waits on its
-socket), each chunk's body in one buffer and its checksums checked there,
-off the event loop; the exchange's receiver takes them from the loop, and the
-receiver's replies go back from the loop. Under TLS exchanges stay on gRPC:
-a TLS socket cannot be read and written from two threads at once. Nothing is buffered here:
+a connection for itself (:mod:`.exchange_stream`). Under TLS exchanges stay
+on gRPC: a TLS socket cannot be read and written from two threads at once.
+Nothing is buffered here:
 the socket's own buffers bound what one connection holds. Bad input
 (garbage, a wrong token, an oversized request, a connection that stalls in
 its handshake or mid-request) closes the connection, counted by reason and
@@ -31,60 +28,45 @@ the token: connections that never speak cannot take the slots peers need.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import secrets
 import socket
 import ssl
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
-from google.protobuf.message import DecodeError
 
-from dataquay.client.wire.record_loops import values_intact
 from dataquay.client.wire.records import CHECKSUM_BYTES, stored_checksum
-from dataquay.client.wire.status_codes import code_number, status_of
-from dataquay.protos import cache_pb2 as pb
 from dataquay.server.errors import DataquayError
 from dataquay.server.node.cache.store import Store
 from dataquay.server.node.peers.bulk.client import THREADS
+from dataquay.server.node.peers.bulk.exchange_stream import ExchangeStream, Receive
 from dataquay.server.node.peers.bulk.frames import (
-    CHUNK,
     END,
-    ERROR,
     EXCHANGE,
     EXCHANGE_UNAVAILABLE,
     HELLO,
     HELLO_MAGIC,
     MAC_BYTES,
     MAP_SEND_SECONDS,
-    MAX_CHUNK_BYTES,
-    MAX_CHUNK_SAMPLES,
-    MAX_ERROR_BYTES,
     MAX_REQUEST_BYTES,
     MISSING,
     NONCE_BYTES,
     OK,
     READ,
-    REPLY,
     REQUEST,
     REQUEST_MAGIC,
     SAMPLE,
     BulkError,
-    ExchangeChunk,
     client_proof,
-    kernel_timeouts,
-    parse_chunk,
+    error_frame,
     parse_read,
-    receive_timeout,
-    recv_all,
     recv_bytes,
     recv_exactly,
     send_all,
     send_buffers,
-    send_now,
     server_proof,
 )
 from dataquay.server.node.peers.bulk.refusals import RefusalLog
@@ -105,9 +87,6 @@ MAX_HANDSHAKES_PER_HOST = THREADS
 #: Payload bytes sent under one LMDB read transaction.
 SEND_BYTES = 16 << 20
 
-#: Exchange chunks a connection's thread may have queued for the receiver at once.
-EXCHANGE_QUEUE = 4
-
 #: Checks a read request and returns the cache database to read: (dataset, manifest id, ids).
 Resolve = Callable[[str, str, np.ndarray], Coroutine[Any, Any, str]]
 #: The same check without waiting: the cache database, or None where it would have to wait.
@@ -116,8 +95,6 @@ ResolveNow = Callable[[str, str, np.ndarray], str | None]
 MayBring = Callable[[str, np.ndarray], bool]
 #: Those it has or brings, as (tier, payload, checksum) by id (ReadService.read_coming): (dataset, manifest id, ids).
 ReadComing = Callable[[str, str, np.ndarray], Coroutine[Any, Any, dict[int, tuple[str, bytes | memoryview, int]]]]
-#: Answers one exchange stream (ExchangeReceiver.receive).
-Receive = Callable[[AsyncIterator[pb.ExchangeMessage | ExchangeChunk]], AsyncIterator[pb.ExchangeReply]]
 
 
 class BulkServer:
@@ -322,7 +299,7 @@ class BulkServer:
                     STALL_SECONDS
                 )
         except DataquayError as exc:
-            send_buffers(sock, _error_frame(exc))
+            send_buffers(sock, error_frame(exc))
             return
         distinct = list(dict.fromkeys(ids.tolist()))
         if not isinstance(sock, ssl.SSLSocket):
@@ -400,7 +377,7 @@ class BulkServer:
     # ------------------------------------------------------------ exchange
 
     def _exchange(self, sock: socket.socket, body: bytes) -> None:
-        """Feeds one exchange stream's chunks to the receiver until the sender's END."""
+        """Hands one exchange stream to the receiver until the sender's END."""
         assert self._loop is not None
         if self.receive is None or self.tls is not None:
             reason = (
@@ -408,100 +385,14 @@ class BulkServer:
                 if self.tls is not None
                 else ("this daemon runs without a directory (--directory); exchanges need one")
             )
-            send_buffers(sock, _error_frame(DataquayError(reason), EXCHANGE_UNAVAILABLE))
+            send_buffers(sock, error_frame(DataquayError(reason), EXCHANGE_UNAVAILABLE))
             return
-        try:
-            first = pb.ExchangeMessage.FromString(body)
-        except DecodeError:
-            raise BulkError("the exchange offer is not a valid message") from None
-        kernel_timeouts(sock, IDLE_SECONDS, STALL_SECONDS)
-        inbox: asyncio.Queue[pb.ExchangeMessage | ExchangeChunk | None] = asyncio.Queue()
-        slots = threading.Semaphore(EXCHANGE_QUEUE)
-        answering = asyncio.run_coroutine_threadsafe(self._answer(sock, first, inbox, slots), self._loop)
-        try:
-            self._take_chunks(sock, inbox, slots, answering)
-        finally:
-            self._loop.call_soon_threadsafe(inbox.put_nowait, None)
-        try:
-            answering.result()
-        except concurrent.futures.CancelledError:
-            pass
+        stream = ExchangeStream(self._loop, self.receive, self.max_value, self._taken_in, IDLE_SECONDS, STALL_SECONDS)
+        stream.run(sock, body)
 
-    def _take_chunks(
-        self,
-        sock: socket.socket,
-        inbox: asyncio.Queue[pb.ExchangeMessage | ExchangeChunk | None],
-        slots: threading.Semaphore,
-        answering: concurrent.futures.Future[None],
-    ) -> None:
-        assert self._loop is not None
-        header = bytearray(SAMPLE.size)
-        largest = max(MAX_CHUNK_BYTES, SAMPLE.size + self.max_value)
-        while True:
-            receive_timeout(sock, IDLE_SECONDS)  # a sender may wait long for its ranks to read on
-            recv_all(sock, [memoryview(header)])
-            status, count, body_bytes, _ = SAMPLE.unpack(header)
-            if status == END:
-                return
-            most = min(largest, count * (SAMPLE.size + self.max_value))
-            if status != CHUNK or count > MAX_CHUNK_SAMPLES or body_bytes > most:
-                raise BulkError(f"bad exchange frame: status {status}, {count} samples, {body_bytes} bytes")
-            receive_timeout(sock, STALL_SECONDS)
-            samples: list[tuple[int, bytes | memoryview]]
-            if body_bytes:
-                body = np.empty(body_bytes, dtype=np.uint8).data  # not zeroed first, as a bytearray is
-                recv_all(sock, [body])
-                samples = parse_chunk(body, count, self.max_value)
-            else:
-                samples = self._frames_one_by_one(sock, count)
-            intact = values_intact([value for _, value in samples])
-            good = [sample for sample, ok in zip(samples, intact) if ok]
-            while not slots.acquire(timeout=1.0):
-                if answering.done():
-                    raise BulkError("the receiver ended the exchange stream")
-            self._loop.call_soon_threadsafe(inbox.put_nowait, ExchangeChunk(good, len(samples) - len(good)))
-
-    def _frames_one_by_one(self, sock: socket.socket, count: int) -> list[tuple[int, bytes | memoryview]]:
-        """A chunk's sample frames, from a sender that sends no body length."""
-        header = bytearray(SAMPLE.size)
-        samples: list[tuple[int, bytes | memoryview]] = []
-        for _ in range(count):
-            recv_exactly(sock, memoryview(header))
-            status, sample_id, length, _ = SAMPLE.unpack(header)
-            if status != OK or length > self.max_value:
-                raise BulkError(f"bad exchange sample frame: status {status}, {length} bytes")
-            samples.append((sample_id, recv_bytes(sock, length)))
-        return samples
-
-    async def _answer(
-        self,
-        sock: socket.socket,
-        first: pb.ExchangeMessage,
-        inbox: asyncio.Queue[pb.ExchangeMessage | ExchangeChunk | None],
-        slots: threading.Semaphore,
-    ) -> None:
-        """Runs the receiver over the stream's messages and sends its replies back."""
-        assert self.receive is not None
-        loop = asyncio.get_running_loop()
-
-        async def messages() -> AsyncIterator[pb.ExchangeMessage | ExchangeChunk]:
-            yield first
-            while (item := await inbox.get()) is not None:
-                slots.release()
-                if isinstance(item, ExchangeChunk):
-                    with self._lock:
-                        self.exchange_samples += len(item.samples)
-                yield item
-
-        try:
-            async for reply in self.receive(messages()):
-                data = reply.SerializeToString()
-                await _send_from_loop(loop, sock, [SAMPLE.pack(REPLY, 0, len(data), 0), data])
-            await _send_from_loop(loop, sock, [SAMPLE.pack(END, 0, 0, 0)])
-        except DataquayError as exc:
-            await _send_from_loop(loop, sock, _error_frame(exc))
-        except OSError:
-            pass  # the sender is gone; its thread here sees it too
+    def _taken_in(self, samples: int) -> None:
+        with self._lock:
+            self.exchange_samples += samples
 
 
 def _send(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
@@ -511,18 +402,3 @@ def _send(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
         send_buffers(sock, buffers)
     else:
         send_all(sock, buffers, STALL_SECONDS)
-
-
-async def _send_from_loop(loop: asyncio.AbstractEventLoop, sock: socket.socket, frames: list[bytes]) -> None:
-    """Sends small frames from the event loop as far as the socket takes them
-    at once (a reply nearly always goes whole), the rest from a thread: a
-    thread hand-off per reply costs more than the reply's bytes."""
-    rest = send_now(sock, frames)
-    if rest:
-        await loop.run_in_executor(None, send_buffers, sock, rest)
-
-
-def _error_frame(exc: DataquayError, code: int | None = None) -> list[bytes]:
-    """An ERROR frame: the gRPC status code the error maps to and its message."""
-    message = str(exc).encode()[:MAX_ERROR_BYTES]
-    return [SAMPLE.pack(ERROR, code_number(status_of(exc)[0]) if code is None else code, len(message), 0), message]
