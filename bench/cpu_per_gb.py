@@ -50,7 +50,7 @@ daemon and the client use (``tune_malloc``).
 Each figure is the median of ``--runs`` whole runs, each on a fresh cluster:
 a loaded machine moves even CPU time (caches, page faults) by tens of percent.
 
-    .venv/bin/python bench/cpu_per_gb.py [--mib 400] [--size-kib 110] [--runs 3]   # about 2 minutes
+    .venv/bin/python bench/cpu_per_gb.py [--mib 400] [--size-kib 110] [--runs 3]   # about 5 minutes
 """
 
 from __future__ import annotations
