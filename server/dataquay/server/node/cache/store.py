@@ -184,12 +184,16 @@ class Store:
                 out.append(None if value is None or decode_value(value) is None else bytes(value))
         return out
 
-    def get_many(self, db: str, ids: Sequence[int]) -> tuple[list[tuple[bytes, int] | None], list[int]]:
-        """(payload, checksum) of each id, None for misses; and the ids found corrupt."""
+    def get_many(
+        self, db: str, ids: Sequence[int], into: Callable[[int, memoryview], memoryview | None] | None = None
+    ) -> tuple[list[tuple[bytes | memoryview, int] | None], list[int]]:
+        """(payload, checksum) of each id, None for misses; and the ids found
+        corrupt. Each payload is checked, then copied out of the map: by
+        ``into(id, view)`` where it gives back where it copied it, else into bytes."""
         handle = self._dbs.get(db.encode())
         if handle is None:
             return [None] * len(ids), []
-        out: list[tuple[bytes, int] | None] = []
+        out: list[tuple[bytes | memoryview, int] | None] = []
         corrupt: list[int] = []
         with self.env.begin(db=handle, buffers=True) as txn:
             get = txn.get
@@ -203,7 +207,8 @@ class Store:
                     corrupt.append(sample_id)
                     out.append(None)
                 else:
-                    out.append((bytes(payload), stored_checksum(value)))
+                    copied = into(sample_id, payload) if into is not None else None
+                    out.append((bytes(payload) if copied is None else copied, stored_checksum(value)))
         return out, corrupt
 
     @contextmanager

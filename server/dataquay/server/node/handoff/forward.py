@@ -87,6 +87,18 @@ class ShmForward:
             self.forwarded += 1
             self.checked.add(sample_id)
 
+    def copy_in(self, sample_id: int, payload: memoryview) -> memoryview | None:
+        """Copies a payload read from this node's cache straight into a memfd
+        segment (the one copy it needs on its way to the trainer); None for a
+        /dev/shm segment, or one placed already or out of room."""
+        target = self.place(sample_id, len(payload))
+        if target is None:
+            return None
+        target[:] = payload
+        with self._lock:
+            self.placed[sample_id] = self._receiving.pop(sample_id)[0]
+        return target
+
     def arrived(self, landed: list[tuple[int, memoryview, int]]) -> None:
         """Writes payloads received into buffers of their own as they land
         (their checksums were checked on arrival)."""

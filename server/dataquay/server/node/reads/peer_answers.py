@@ -48,7 +48,7 @@ class PeerAnswers:
         self.from_pfs = from_pfs
 
     async def window(
-        self, entry: Registered, ids: np.ndarray, index: np.ndarray, cached: list[tuple[bytes, int] | None]
+        self, entry: Registered, ids: np.ndarray, index: np.ndarray, cached: list[tuple[bytes | memoryview, int] | None]
     ) -> Window:
         """The window of the distinct ``ids`` (``cached`` their lookups in
         this cache): what this node has or brings, the rest flagged missing."""

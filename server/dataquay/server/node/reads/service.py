@@ -243,7 +243,8 @@ class ReadService:
     ) -> Window:
         """The samples of the distinct ``ids`` of one window."""
         db = entry.record.cache_db
-        cached, corrupt = self.store.get_many(db, ids.tolist())
+        into = landing.copy_in if landing is not None and not peer else None
+        cached, corrupt = self.store.get_many(db, ids.tolist(), into)
         if peer:
             return await self.peer_answers.window(entry, ids, index, cached)
         fetched: dict[int, Found] = {}
@@ -446,7 +447,11 @@ class ReadService:
         return out
 
     def _served(
-        self, ids: np.ndarray, index: np.ndarray, cached: list[tuple[bytes, int] | None], fetched: dict[int, Found]
+        self,
+        ids: np.ndarray,
+        index: np.ndarray,
+        cached: list[tuple[bytes | memoryview, int] | None],
+        fetched: dict[int, Found],
     ) -> list[Served]:
         """The distinct ``ids`` as served, counted in the metrics once per position."""
         out = [

@@ -82,6 +82,12 @@ class Landing(Protocol):
         their own that arrived intact: [(id, payload, checksum)]. One that
         failed its checksum is never handed over."""
 
+    def copy_in(self, sample_id: int, payload: memoryview) -> memoryview | None:
+        """Copies a payload this node read from its own cache (a view into
+        the map, checked) to where it goes: the view it lies in there, or None
+        where it is to be copied into bytes of its own. Called on the event
+        loop, inside the read transaction."""
+
 
 class BulkRefusedError(BulkError):
     """The peer answered the request with an error status (unknown dataset, bad id)."""
