@@ -63,14 +63,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import lmdb
 import numpy as np
 from common import MiB, progress, report
+from cpu_meter import Meter
 
 from dataquay.client import Client, Dataset, connect
 from dataquay.client.jobs import job_plan
@@ -91,7 +91,6 @@ PASSES = 16
 #: Exchanges measured together once both nodes send and receive (see :func:`exchange`).
 STEADY_EPOCHS = 3
 GB = 1e9
-TICKS = os.sysconf("SC_CLK_TCK")
 #: CPU seconds per GB of a path over its baseline: the targets on the results page.
 TARGETS = {
     "peer_hit": ("raw_stream", 1.5),
@@ -102,63 +101,6 @@ TARGETS = {
     "local_hit_shm": ("raw_lmdb", 1.2),
     "local_hit_shm_views": ("raw_lmdb", 1.2),
 }
-
-
-# ------------------------------------------------------------------ CPU time
-
-
-def _stat(pid: int) -> tuple[int, float]:
-    """(parent pid, CPU seconds of the process and its reaped children) from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    # Fields after the command: state ppid ... utime(14) stime(15) cutime(16) cstime(17).
-    return int(fields[1]), sum(int(v) for v in fields[11:15]) / TICKS
-
-
-def processes() -> dict[int, tuple[int, float]]:
-    """(parent pid, CPU seconds) of every process, by pid: one pass over /proc."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                found[int(entry)] = _stat(int(entry))
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-    return found
-
-
-def cpu_seconds(pid: int, snapshot: dict[int, tuple[int, float]] | None = None) -> float:
-    """User + system seconds of ``pid`` and every process below it, live or
-    reaped, in ``snapshot`` (default: /proc now)."""
-    snapshot = processes() if snapshot is None else snapshot
-    tree, grew = {pid}, True
-    while grew:
-        below = {p for p, (parent, _) in snapshot.items() if parent in tree} - tree
-        grew = bool(below)
-        tree |= below
-    return sum(snapshot[p][1] for p in tree if p in snapshot)
-
-
-class Meter:
-    """CPU seconds spent by a set of processes, and this one as the client, while it is open.
-
-    This process's own time is its CPU clock, read inside the passes over
-    /proc, so that the meter's own work is not counted as the client's.
-    """
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.pids = pids
-        self.spent: dict[str, float] = {}
-
-    @contextmanager
-    def measure(self) -> Iterator[Meter]:
-        before = processes()
-        client = time.process_time()
-        yield self
-        client = time.process_time() - client
-        after = processes()
-        self.spent = {role: cpu_seconds(pid, after) - cpu_seconds(pid, before) for role, pid in self.pids.items()}
-        self.spent["client"] = client
 
 
 def row(path: str, nbytes: int, spent: dict[str, float], wall: float) -> dict[str, object]:

@@ -1,5 +1,5 @@
-"""The CPU-per-GB benchmark's own parts: its CPU count must include the
-processes a daemon starts, and a toy run must measure every path and its
+"""The CPU-per-GB benchmark's own parts: its CPU count (bench/cpu_meter.py)
+must include the processes a daemon starts, and a toy run must measure every path and its
 baseline on the same bytes, or its ratios say nothing."""
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def bench() -> Iterator[ModuleType]:
 
 
 def test_cpu_seconds_counts_what_a_child_spends_while_its_parent_sleeps(bench: ModuleType) -> None:
+    import cpu_meter  # beside the bench, on the path the fixture set
+
     burn = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass"
     parent = subprocess.Popen(
         [
@@ -38,9 +40,9 @@ def test_cpu_seconds_counts_what_a_child_spends_while_its_parent_sleeps(bench: M
         ]
     )
     try:
-        before = bench.cpu_seconds(parent.pid)
+        before = cpu_meter.cpu_seconds(parent.pid)
         time.sleep(2.5)  # the child has burnt its half second and been reaped by now, even on a loaded machine
-        spent = bench.cpu_seconds(parent.pid) - before
+        spent = cpu_meter.cpu_seconds(parent.pid) - before
     finally:
         parent.kill()
         parent.wait()

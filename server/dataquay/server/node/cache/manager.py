@@ -453,7 +453,7 @@ class CacheManager:
         raw = row.cache_db.encode()
         held = self.store.writer.cached.ids(raw)
         left = held if among is None else among
-        per_sample = np.full(len(left), self._pages(row.nbytes) / max(1, len(held)))
+        per_sample = self._pages(row.nbytes) / max(1, len(held))
         payload_before = self.store.writer.payload_bytes.get(raw, 0)
         tree_before = self.store.tree_bytes(row.cache_db)
         removed = 0
@@ -461,7 +461,7 @@ class CacheManager:
             short = nbytes - (tree_before - self.store.tree_bytes(row.cache_db))
             if short <= 0:
                 break
-            ids = partial_ids(left, per_sample[: len(left)], short)
+            ids = partial_ids(left, np.full(len(left), per_sample), short)
             removed += await self.store.discard(row.cache_db, ids)
             left = left[: len(left) - len(ids)]
         return removed, payload_before - self.store.writer.payload_bytes.get(raw, 0)

@@ -39,8 +39,11 @@ from dataquay.server.errors import StartupError
 from dataquay.server.node.cache.dir import lock_cache_dir
 from dataquay.server.node.cache.file import CacheFile, MapReaders
 from dataquay.server.node.cache.space import CacheSpace
-from dataquay.server.node.cache.store_writer import StoreWriter
+from dataquay.server.node.cache.store_writer import StoreWriter, stat_bytes
 from dataquay.server.node.cache.write_queue import PendingWrite
+
+#: A sample found in the cache: its payload (checked) and checksum.
+Hit = tuple[bytes | memoryview, int]
 
 
 class Store:
@@ -186,14 +189,14 @@ class Store:
 
     def get_many(
         self, db: str, ids: Sequence[int], into: Callable[[int, memoryview], memoryview | None] | None = None
-    ) -> tuple[list[tuple[bytes | memoryview, int] | None], list[int]]:
+    ) -> tuple[list[Hit | None], list[int]]:
         """(payload, checksum) of each id, None for misses; and the ids found
         corrupt. Each payload is checked, then copied out of the map: by
         ``into(id, view)`` where it gives back where it copied it, else into bytes."""
         handle = self._dbs.get(db.encode())
         if handle is None:
             return [None] * len(ids), []
-        out: list[tuple[bytes | memoryview, int] | None] = []
+        out: list[Hit | None] = []
         corrupt: list[int] = []
         with self.env.begin(db=handle, buffers=True) as txn:
             get = txn.get
@@ -251,8 +254,7 @@ class Store:
         if handle is None:
             return 0
         with self.env.begin() as txn:
-            stat = txn.stat(handle)
-        return (stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]) * stat["psize"]
+            return stat_bytes(txn.stat(handle))
 
     def usage(self) -> tuple[int, int]:
         """(bytes of the pages the cache uses, entries over all datasets)."""

@@ -16,10 +16,10 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import lmdb
 import numpy as np
@@ -121,8 +121,7 @@ class StoreWriter:
         with env.begin() as txn:
             # A copy: the loop thread may add a dataset meanwhile.
             stats = [env.stat(), txn.stat(self.meta), *(txn.stat(h) for h in tuple(self._dbs.values()))]
-        pages = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats) + 2
-        return pages * stats[0]["psize"]
+        return sum(stat_bytes(s) for s in stats) + 2 * stats[0]["psize"]
 
     # ------------------------------------------------------------- deletes
 
@@ -384,7 +383,7 @@ class StoreWriter:
                 return stored + len(batch)
             except lmdb.MapFullError:
                 grown = await self._file.grow(self.space.capacity)
-                if grown is Growth.AT_LIMIT:  # within the capacity, but no run of free pages holds a value
+                if grown is Growth.AT_LIMIT:  # live pages within the capacity: free ones scattered, or copies
                     reserved = all(w.reserved for w in batch)
                     grown = await self._file.grow(self._housekeeping_limit if reserved else self._scattered_limit)
                 if grown is Growth.GREW:
@@ -440,3 +439,8 @@ class StoreWriter:
         self.corrupt_repaired += repaired
         self.space.live_bytes = self.count_live_bytes()
         self._dirty = True
+
+
+def stat_bytes(stat: Mapping[str, Any]) -> int:
+    """Bytes of the pages a tree uses, from its LMDB stat: what deleting all of it frees."""
+    return (stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]) * stat["psize"]

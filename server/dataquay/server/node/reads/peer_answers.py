@@ -20,7 +20,7 @@ import numpy as np
 from dataquay.client.wire.records import CHECKSUM_BYTES, stored_checksum
 from dataquay.client.wire.tiers import CACHE
 from dataquay.server.errors import DataquayError
-from dataquay.server.node.cache.store import Store
+from dataquay.server.node.cache.store import Hit, Store
 from dataquay.server.node.metrics import DaemonMetrics
 from dataquay.server.node.reads.claims import PfsClaims
 from dataquay.server.node.reads.served import MISSING, Found, Served, Window
@@ -47,9 +47,7 @@ class PeerAnswers:
         self.metrics = metrics
         self.from_pfs = from_pfs
 
-    async def window(
-        self, entry: Registered, ids: np.ndarray, index: np.ndarray, cached: list[tuple[bytes | memoryview, int] | None]
-    ) -> Window:
+    async def window(self, entry: Registered, ids: np.ndarray, index: np.ndarray, cached: list[Hit | None]) -> Window:
         """The window of the distinct ``ids`` (``cached`` their lookups in
         this cache): what this node has or brings, the rest flagged missing."""
         misses = ids[[i for i, hit in enumerate(cached) if hit is None]]

@@ -66,7 +66,7 @@ from dataquay.server.errors import (
 )
 from dataquay.server.limits import ByteBudget
 from dataquay.server.manifest_build import too_large
-from dataquay.server.node.cache.store import Store
+from dataquay.server.node.cache.store import Hit, Store
 from dataquay.server.node.cache.write_queue import PendingWrite
 from dataquay.server.node.cluster.placements import Placement, Placements
 from dataquay.server.node.datasets import Datasets
@@ -447,11 +447,7 @@ class ReadService:
         return out
 
     def _served(
-        self,
-        ids: np.ndarray,
-        index: np.ndarray,
-        cached: list[tuple[bytes | memoryview, int] | None],
-        fetched: dict[int, Found],
+        self, ids: np.ndarray, index: np.ndarray, cached: list[Hit | None], fetched: dict[int, Found]
     ) -> list[Served]:
         """The distinct ``ids`` as served, counted in the metrics once per position."""
         out = [

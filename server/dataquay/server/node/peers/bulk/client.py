@@ -62,7 +62,8 @@ CONNECT_SECONDS = 5.0
 
 
 class Landing(Protocol):
-    """Where a read's payloads go as they come off the wire."""
+    """Where a read's payloads go as they come off the wire, or out of this
+    node's cache (:meth:`copy_in`)."""
 
     def place(self, sample_id: int, length: int) -> memoryview | None:
         """A writable view of ``length`` bytes to receive ``sample_id`` into,
