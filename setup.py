@@ -1,8 +1,10 @@
 """The compiled parts: dataquay.client.wire._records, the per-sample loops of
-local hits and the framing of cache values, and dataquay.server._coding, the
-coded-shuffling planner's loops. Optional: where they cannot be built (no C
-compiler, no Python headers) the install goes on without them and the same
-loops run in Python (dataquay.client.wire.record_loops, dataquay.server._coding_py).
+local hits and the framing of cache values; dataquay.server._replies, the
+receiving end of a peer read on the bulk path; and dataquay.server._coding,
+the coded-shuffling planner's loops. Optional: where they cannot be built
+(no C compiler, no Python headers) the install goes on without them and the
+same loops run in Python (dataquay.client.wire.record_loops,
+dataquay.server.node.peers.bulk.replies, dataquay.server._coding_py).
 
 Everything else is declared in pyproject.toml; setuptools reads extension
 modules from here (its pyproject.toml form is still experimental). xxHash is
@@ -18,17 +20,26 @@ from setuptools import Extension, setup
 
 XXHASH = "client/third_party/xxhash"
 CODING = "server/dataquay/server/coding-c"
-sources = ["client/dataquay/client/wire/_records.c"]
+# Each extension that hashes compiles xxHash's run-time dispatch in: extensions share no objects.
+hashing = []
 macros = []
 if re.search(r"x86_64|amd64|i[3-6]86", sysconfig.get_platform().lower()):
-    sources.append(f"{XXHASH}/xxh_x86dispatch.c")
+    hashing.append(f"{XXHASH}/xxh_x86dispatch.c")
     macros.append(("DATAQUAY_XXH_X86_DISPATCH", "1"))
 
 setup(
     ext_modules=[
         Extension(
             "dataquay.client.wire._records",
-            sources=sources,
+            sources=["client/dataquay/client/wire/_records.c", *hashing],
+            include_dirs=[XXHASH],
+            define_macros=macros,
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
+            "dataquay.server._replies",
+            sources=["server/dataquay/server/node/peers/bulk/replies.c", *hashing],
             include_dirs=[XXHASH],
             define_macros=macros,
             extra_compile_args=["-O3"],

@@ -26,6 +26,7 @@ import placement
 import read_stream
 import reads
 import record_loops
+import reply_loop
 import spill
 import staging
 import tight_storage
@@ -42,6 +43,7 @@ def main() -> None:
         ("miss_bound", miss_bound.main),
         ("cache_behind", cache_behind.main),
         ("record_loops", record_loops.main),
+        ("reply_loop", lambda: reply_loop.main([])),
         ("read_stream", read_stream.main),
         ("zero_copy", zero_copy.main),
         ("staging", staging.main),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 class FaceCounters:
     """Counts since the daemon started."""
 
-    #: Peer payloads written into trainers' segments as they arrived (see node/handoff/forward.py).
+    #: Peer payloads in trainers' segments before their windows were answered (see node/handoff/forward.py).
     forwarded_samples: int = 0
     #: Of those, received from the peer straight into a sealed memfd segment.
     in_place_samples: int = 0

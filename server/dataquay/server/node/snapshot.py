@@ -45,7 +45,7 @@ class BulkCounts:
     refused_connections: int = 0  # closed for bad input or over a cap
     fallbacks: int = 0  # fetches that failed over bulk and went over gRPC
     exchange_samples: int = 0  # exchange payloads taken in over bulk
-    forwarded_samples: int = 0  # peer payloads written into trainers' segments as they arrived
+    forwarded_samples: int = 0  # peer payloads in trainers' segments before their windows were answered
     in_place_samples: int = 0  # of those, received straight into a sealed memfd segment
     segment_reads: int = 0  # trainers' batch reads answered on their segments' connections
 

@@ -2,30 +2,33 @@
 
 A peer hit has two hops: the owner to this daemon, this daemon to its
 trainer. Gathering the whole batch before writing any of it into the
-trainer's segment makes a peer hit cost their sum. Instead each payload that
-lands from a peer goes into the segment at once, and the window's reply
-later names it by offset; only what was not forwarded is written when the
-window is answered. One position moves through the segment for the whole
-reply.
+trainer's segment makes a peer hit cost their sum and copy it twice.
+Instead, into a sealed memfd segment, which the daemon has mapped and a
+store into which cannot fault (:mod:`.segments`), a bulk read receives each
+payload straight at its place (:meth:`ShmForward.reserve`, from the bulk
+thread), so that the kernel's copy out of the socket is the only copy of
+the peer's bytes on this node; its xxh3 is checked there, and a payload
+that fails it is never named in a reply (the bytes left in the segment are
+the trainer's to overwrite). A sample's room stays its own until it is
+written: one a peer did not send after all is written there once it comes
+from elsewhere. The window's reply names each by offset; only what was not
+forwarded is written when the window is answered. One position moves
+through the segment for the whole reply.
 
-Into a sealed memfd segment, which the daemon has mapped and a store into
-which cannot fault (:mod:`.segments`), a bulk read receives each payload straight
-at its place (:meth:`ShmForward.place`, from the bulk thread), so that the
-kernel's copy out of the socket is the only copy of the peer's bytes on this
-node; its xxh3 is checked there, and a payload that fails it is never named
-in a reply (the bytes left in the segment are the trainer's to overwrite).
 The reply marks the payloads checked in place (``Sample.checked_in_place``),
 which the trainer then need not check again (:mod:`dataquay.client.remote`):
 those, and those copied into a memfd segment from this node's cache, whose
 values the read checked against the checksums stored with them.
-Into a /dev/shm segment, which is written with ``pwrite`` only, each payload
-is received into a buffer and written on the event loop as it lands.
+A /dev/shm segment is written with ``pwrite`` only, when the window is
+answered.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+
+import numpy as np
 
 from dataquay.client.wire.tiers import CACHE
 from dataquay.server.node.handoff.segments import ShmSegments, aligned, place
@@ -46,78 +49,68 @@ class ShmForward:
         #: Of those, the ones received straight into the segment and checked there.
         self.checked: set[int] = set()
         self._mapping = shm.mapping(name)
-        #: Where each sample being received in place goes: (offset, end of its room).
-        self._receiving: dict[int, tuple[int, int]] = {}
+        #: Room given to a sample not written there yet (a peer read's, in
+        #: flight or come back without it): kept for that sample alone.
+        self._rooms: dict[int, int] = {}
         self._lock = threading.Lock()
 
-    def place(self, sample_id: int, length: int) -> memoryview | None:
-        """Room in a memfd segment for ``sample_id``'s payload to be received
-        into; None (a buffer of its own) for a /dev/shm segment, a sample
-        placed or being received already, or one that does not fit."""
+    def reserve(self, ids: np.ndarray, lengths: np.ndarray) -> list[memoryview | None]:
+        """Room in a memfd segment for each of a peer read's payloads to be
+        received into; None (a buffer of its own) for each in a /dev/shm
+        segment, placed already, or past the segment's end."""
+        out: list[memoryview | None] = [None] * len(ids)
         mapping = self._mapping
         if mapping is None:
-            return None
+            return out
         with self._lock:
-            if sample_id in self.placed or sample_id in self._receiving:
-                return None
             try:
-                offset = next(place([length], min(self.size, len(mapping)), self.at))
-                if offset is None:
-                    return None
-                view = memoryview(mapping)[offset : offset + length]
+                view = memoryview(mapping)
             except ValueError:  # unmapped: the client let go of the segment
-                return None
-            self.at = aligned(offset + length)
-            self._receiving[sample_id] = (offset, self.at)
-            return view
+                return out
+            for k, (sample_id, length) in enumerate(zip(ids.tolist(), lengths.tolist())):
+                offset = self._room(sample_id, length, len(view))
+                if offset is not None:
+                    out[k] = view[offset : offset + length]
+            return out
 
-    def failed(self, sample_id: int) -> None:
-        """``sample_id``'s payload failed its checksum where :meth:`place` put
-        it: its room is given out again if nothing was placed after it (so
-        that what replaces it still fits a segment sized to the batch)."""
+    def received(self, ids: list[int]) -> None:
+        """The payloads of ``ids`` were received where :meth:`reserve` put them and passed their checksums there."""
         with self._lock:
-            offset, end = self._receiving.pop(sample_id)
-            if self.at == end:
-                self.at = offset
-
-    def received(self, sample_id: int) -> None:
-        """``sample_id`` was received where :meth:`place` put it and passed its checksum there."""
-        with self._lock:
-            self.placed[sample_id] = self._receiving.pop(sample_id)[0]
-            self.forwarded += 1
-            self.checked.add(sample_id)
+            for sample_id in ids:
+                self.placed[sample_id] = self._rooms.pop(sample_id)
+            self.forwarded += len(ids)
+            self.checked.update(ids)
 
     def copy_in(self, sample_id: int, payload: memoryview) -> memoryview | None:
         """Copies a payload read from this node's cache straight into a memfd
         segment (the one copy it needs on its way to the trainer); None for a
         /dev/shm segment, or one placed already or out of room."""
-        target = self.place(sample_id, len(payload))
-        if target is None:
+        mapping = self._mapping
+        if mapping is None:
             return None
-        target[:] = payload
         with self._lock:
-            self.placed[sample_id] = self._receiving.pop(sample_id)[0]
-        return target
-
-    def arrived(self, landed: list[tuple[int, memoryview, int]]) -> None:
-        """Writes payloads received into buffers of their own as they land
-        (their checksums were checked on arrival)."""
-        with self._lock:
-            new = [(sample_id, payload) for sample_id, payload, _digest in landed if sample_id not in self.placed]
-            if not new:
-                return
-            offsets, self.at = self.shm.write(self.name, self.size, [payload for _, payload in new], self.at)
-            for (sample_id, _), offset in zip(new, offsets):
-                if offset is not None:
-                    self.placed[sample_id] = offset
-                    self.forwarded += 1
+            try:
+                view = memoryview(mapping)
+            except ValueError:
+                return None
+            offset = self._room(sample_id, len(payload), len(view))
+            if offset is None:
+                return None
+            target = view[offset : offset + len(payload)]
+            target[:] = payload
+            self.placed[sample_id] = self._rooms.pop(sample_id)
+            return target
 
     def window(self, served: Sequence[Served]) -> list[int | None]:
         """The offset of each of a window's samples, writing those not forwarded
-        yet; None for one that goes inline."""
+        yet (into the room a peer read left them, where it did); None for one
+        that goes inline."""
         with self._lock:
             offsets: list[int | None] = [self.placed.get(s.sample_id) for s in served]
             rest = [k for k, offset in enumerate(offsets) if offset is None]
+            for k in [k for k in rest if served[k].sample_id in self._rooms]:
+                offsets[k] = self._fill_room(served[k].sample_id, served[k].data)
+            rest = [k for k in rest if offsets[k] is None]
             if rest:
                 written, self.at = self.shm.write(self.name, self.size, [served[k].data for k in rest], self.at)
                 for k, offset in zip(rest, written):
@@ -134,3 +127,31 @@ class ShmForward:
             return set()
         with self._lock:
             return {s.sample_id for s in served if s.sample_id in self.checked or s.tier == CACHE}
+
+    def _fill_room(self, sample_id: int, payload: bytes | memoryview) -> int | None:
+        """Writes ``sample_id``'s payload into the room it was given: its
+        offset, or None where the segment is gone. Under the lock."""
+        assert self._mapping is not None  # rooms are given in a memfd segment only
+        offset = self._rooms.pop(sample_id)
+        try:
+            self._mapping[offset : offset + len(payload)] = payload
+        except ValueError:  # unmapped: the client let go of the segment
+            return None
+        self.placed[sample_id] = offset
+        return offset
+
+    def _room(self, sample_id: int, length: int, mapped: int) -> int | None:
+        """Where ``sample_id`` goes: the room it was given, else new room at
+        the end of what was given out; None for one placed already or one
+        that does not fit. Under the lock."""
+        if sample_id in self.placed:
+            return None
+        offset = self._rooms.get(sample_id)
+        if offset is not None:
+            return offset
+        offset = next(place([length], min(self.size, mapped), self.at))
+        if offset is None:
+            return None
+        self.at = aligned(offset + length)
+        self._rooms[sample_id] = offset
+        return offset

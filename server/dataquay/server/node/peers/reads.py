@@ -16,7 +16,7 @@ fetch waits for its bytes before it asks, so that however many calls need
 the same peer, what they have asked for and not yet received stays bounded.
 
 A peer that advertises a bulk address is read over the bulk data path,
-each payload handed to a ``landing`` as it lands; a peer without one (its
+each payload received where a ``landing`` places it; a peer without one (its
 bulk path off), or one whose bulk connection fails for any reason but its
 deadline, is read over gRPC, and its bulk address is left alone for
 BULK_RETRY_SECONDS, unless the peer itself (its InfoReply) names another: a
@@ -127,8 +127,8 @@ class Peers:
         ``lengths`` are the payload lengths of the dataset's samples (by id),
         as the manifest has them. ``registered`` is when the directory says
         the peer's daemon registered; ``bulk_address`` where its bulk listener
-        is ("" for none). ``landing`` places and is handed each payload as it lands
-        over the bulk path (the result holds them too). Never raises for a
+        is ("" for none). ``landing`` places each payload that comes over the bulk
+        path (the result holds them too). Never raises for a
         peer's failure: what did not arrive intact is simply absent from the
         result, for the caller to read elsewhere.
         """

@@ -203,8 +203,8 @@ class ReadService:
     ) -> AsyncGenerator[Window, None]:
         """The samples of ``ids`` in request order, a window at a time, for
         ``job``'s ``epoch`` where it is within one of the job's (see :meth:`_placement`);
-        ``landing`` places and is handed each payload from a peer as it lands, before
-        its window is complete.
+        ``landing`` places each payload from a peer's bulk path,
+        which is received there before its window is complete.
 
         Raises before the first window for a bad request (SampleTooLargeError
         for a sample over ``max_sample`` bytes among others); PfsReadError,

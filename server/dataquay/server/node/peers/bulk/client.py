@@ -1,57 +1,50 @@
 """Reads from peers' bulk listeners (:mod:`.server`), a few connections kept per peer.
 
-A read runs in a thread of its own pool: it sends the request and receives
-each payload with ``recv_into`` straight into where its caller wants it (the
-:class:`Landing`'s place: a trainer's sealed segment, so that the kernel's
-copy out of the socket is the only one) or else into a buffer of the length
-the manifest gives (one per sample: a buffer for a whole batch of large
-samples would be past glibc's mmap threshold, :mod:`dataquay.client.malloc`,
-and page-fault afresh every batch), checks its xxh3 once, there. A payload
-received where it goes is then only marked so from the bulk thread
-(``received``); one in a buffer of its own is handed to the landing's
-``arrived`` on the event loop, so that the caller can pass it on while the
-rest of the batch is still on the wire: what landed while the loop was busy
-goes in one call, so a busy loop is woken once, not once per payload. A frame that names an id
-not asked for, or a length other than the manifest's, ends the connection:
-a peer that garbles one frame cannot be trusted with the next. A
-connection that answered cleanly goes back to its peer's pool.
+A read runs in a thread of its own pool. Before it asks, every payload it
+asks for has its place: room the :class:`Landing` gives (a trainer's sealed
+segment, so that the kernel's copy out of the socket is the only copy), or
+else a buffer of the length the manifest gives (one per sample: a buffer for
+a whole batch of large samples would be past glibc's mmap threshold,
+:mod:`dataquay.client.malloc`, and page-fault afresh every batch). The reply
+is then received into those places, each xxh3 checked there, by the
+compiled loop of :mod:`.replies` where it was built, without the GIL. What
+was received where it goes is marked so from the bulk thread (``received``),
+so the event loop is not woken for it. A frame that names an id not asked
+for, or a length other than the manifest's, ends the connection: a peer that
+garbles one frame cannot be trusted with the next. A connection that
+answered cleanly goes back to its peer's pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import os
 import secrets
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from dataquay.client.wire.records import checksum
 from dataquay.server.node.peers.bulk.frames import (
-    END,
-    ERROR,
     HELLO,
     HELLO_MAGIC,
     MAC_BYTES,
     MAX_ERROR_BYTES,
-    MISSING,
     NONCE_BYTES,
-    OK,
     SAMPLE,
     BulkError,
     client_proof,
     read_request,
-    receive_timeout,
-    recv_all,
     recv_bytes,
     server_proof,
 )
+from dataquay.server.node.peers.bulk.replies import Got, Outcome, Reply, receive_reply
 
 #: Idle connections kept per peer.
 POOL_SIZE = 4
@@ -65,23 +58,15 @@ class Landing(Protocol):
     """Where a read's payloads go as they come off the wire, or out of this
     node's cache (:meth:`copy_in`)."""
 
-    def place(self, sample_id: int, length: int) -> memoryview | None:
-        """A writable view of ``length`` bytes to receive ``sample_id`` into,
-        or None for a buffer of its own. Called from a bulk thread."""
+    def reserve(self, ids: np.ndarray, lengths: np.ndarray) -> list[memoryview | None]:
+        """A writable view of ``lengths[k]`` bytes to receive ``ids[k]`` into,
+        or None for a buffer of its own, for each of a read's ids. Called from
+        a bulk thread before the read."""
 
-    def received(self, sample_id: int) -> None:
-        """Called from the bulk thread once the payload received into the
-        view ``place`` gave passed its checksum there: it is where it goes,
-        so the event loop is not woken for it."""
-
-    def failed(self, sample_id: int) -> None:
-        """Called from the bulk thread when the payload received into the view
-        ``place`` gave failed its checksum: that room may be given out again."""
-
-    def arrived(self, landed: list[tuple[int, memoryview, int]]) -> None:
-        """Called on the event loop with payloads received into buffers of
-        their own that arrived intact: [(id, payload, checksum)]. One that
-        failed its checksum is never handed over."""
+    def received(self, ids: list[int]) -> None:
+        """Called from the bulk thread once the payloads of ``ids``, received
+        into the views ``reserve`` gave, passed their checksums there: they
+        are where they go, so the event loop is not woken for them."""
 
     def copy_in(self, sample_id: int, payload: memoryview) -> memoryview | None:
         """Copies a payload this node read from its own cache (a view into
@@ -145,34 +130,8 @@ class BulkClient:
         """
         loop = asyncio.get_running_loop()
         request = read_request(dataset, manifest_id, ids)
-
-        landed: list[tuple[int, memoryview, int]] = []
-        lock = threading.Lock()
-
-        def drain() -> None:
-            assert landing is not None
-            with lock:
-                batch = landed[:]
-                landed.clear()
-            landing.arrived(batch)
-
-        def hand_over(sample_id: int, payload: memoryview, digest: int) -> None:
-            with lock:
-                landed.append((sample_id, payload, digest))
-                if len(landed) > 1:
-                    return  # a drain is scheduled and not run yet
-            loop.call_soon_threadsafe(drain)
-
         return await loop.run_in_executor(
-            self.threads,
-            self._read,
-            address,
-            request,
-            ids,
-            lengths,
-            time.monotonic() + deadline,
-            landing,
-            hand_over if landing is not None else None,
+            self.threads, self._read, address, request, ids, lengths, time.monotonic() + deadline, landing
         )
 
     def close(self) -> None:
@@ -184,39 +143,52 @@ class BulkClient:
         self.threads.shutdown(wait=False, cancel_futures=True)
 
     def _read(
-        self,
-        address: str,
-        request: bytes,
-        ids: np.ndarray,
-        lengths: np.ndarray,
-        end: float,
-        landing: Landing | None,
-        arrived: Callable[[int, memoryview, int], None] | None,
+        self, address: str, request: bytes, ids: np.ndarray, lengths: np.ndarray, end: float, landing: Landing | None
     ) -> BulkRead:
+        wanted = np.unique(ids)
+        sizes = lengths[wanted]
+        places = landing.reserve(wanted, sizes) if landing is not None else [None] * len(wanted)
+        # A buffer of its own for each payload, not one for the batch: past glibc's mmap threshold
+        # (dataquay.client.malloc) a batch's buffer would page-fault afresh every batch.
+        targets = [
+            memoryview(bytearray(size)) if place is None else place for place, size in zip(places, sizes.tolist())
+        ]
         sock, reused = self._take(address, end)
         try:
-            return self._read_on(address, sock, request, ids, lengths, end, landing, arrived)
+            reply = self._read_on(address, sock, request, wanted, targets, end)
         except _StaleError:
             if not reused:
                 raise
             # The peer closed an idle connection (restarted, or it idled out): once more, on a new one.
             sock = self._connect(address, end)
-            return self._read_on(address, sock, request, ids, lengths, end, landing, arrived)
+            reply = self._read_on(address, sock, request, wanted, targets, end)
+        out = BulkRead(frames=reply.frames, bad_checksums=int(np.count_nonzero(reply.got == Got.CORRUPT)))
+        intact = np.flatnonzero(reply.got == Got.INTACT)
+        in_place = []
+        for k, sample_id, digest in zip(intact.tolist(), wanted[intact].tolist(), reply.digests[intact].tolist()):
+            out.samples[sample_id] = (targets[k], digest)
+            out.bytes += len(targets[k])
+            if places[k] is not None:
+                in_place.append(sample_id)
+        if landing is not None and in_place:
+            landing.received(in_place)
+        return out
 
     def _read_on(
         self,
         address: str,
         sock: socket.socket,
         request: bytes,
-        ids: np.ndarray,
-        lengths: np.ndarray,
+        wanted: np.ndarray,
+        targets: list[memoryview],
         end: float,
-        landing: Landing | None,
-        arrived: Callable[[int, memoryview, int], None] | None,
-    ) -> BulkRead:
+    ) -> Reply:
         """One read on ``sock``, which goes back to the pool after it, or is closed if it failed."""
         try:
-            out = self._exchange(sock, request, ids, lengths, end, landing, arrived)
+            reply = self._exchange(sock, request, wanted, targets, end)
+            if reply.outcome != Outcome.ENDED:
+                at = bisect.bisect_left(wanted.tolist(), reply.sample_id)
+                raise _failure(address, sock, reply, len(targets[at]) if at < len(targets) else 0)
         except TimeoutError:
             sock.close()
             raise BulkTimeoutError(f"bulk read from {address} missed its deadline") from None
@@ -224,69 +196,19 @@ class BulkClient:
             sock.close()
             raise
         self._give(address, sock)
-        return out
+        return reply
 
     def _exchange(
-        self,
-        sock: socket.socket,
-        request: bytes,
-        ids: np.ndarray,
-        lengths: np.ndarray,
-        end: float,
-        landing: Landing | None,
-        arrived: Callable[[int, memoryview, int], None] | None,
-    ) -> BulkRead:
-        wanted = np.unique(ids)
-        expected = dict(zip(wanted.tolist(), lengths[wanted].tolist()))
+        self, sock: socket.socket, request: bytes, wanted: np.ndarray, targets: list[memoryview], end: float
+    ) -> Reply:
         header = bytearray(SAMPLE.size)
-        out = BulkRead()
         try:
             _timeout(sock, end)
             sock.sendall(request)
             _recv(sock, memoryview(header), end)
         except (BulkError, ConnectionError) as exc:
             raise _StaleError(f"the bulk connection was closed before it answered: {exc}") from None
-        frames = _Frames(sock, end)
-        head = memoryview(header)
-        ahead = True  # the header holds the next frame's
-        while True:
-            if not ahead:
-                frames.recv(head)
-            ahead = False
-            out.frames += 1
-            status, sample_id, length, digest = SAMPLE.unpack(header)
-            if status == END:
-                return out
-            if status == ERROR:
-                if length > MAX_ERROR_BYTES:
-                    raise BulkError(f"error message of {length} bytes")
-                message = bytearray(length)
-                frames.recv(memoryview(message))
-                raise BulkRefusedError(sample_id, message.decode(errors="replace"))
-            size = expected.pop(sample_id, None)
-            if size is None:
-                raise BulkError(f"the peer sent sample {sample_id}, which was not asked for (or twice)")
-            if status == MISSING:
-                continue
-            if status != OK or length != size:
-                raise BulkError(
-                    f"bad frame for sample {sample_id}: status {status}, {length} bytes where the manifest says {size}"
-                )
-            target = landing.place(sample_id, length) if landing is not None else None
-            payload = target if target is not None else memoryview(bytearray(length))
-            frames.recv(payload, head)
-            ahead = True
-            if checksum(payload) != digest:
-                out.bad_checksums += 1
-                if landing is not None and target is not None:
-                    landing.failed(sample_id)
-                continue
-            out.samples[sample_id] = (payload, digest)
-            out.bytes += length
-            if landing is not None and target is not None:
-                landing.received(sample_id)
-            elif arrived is not None:
-                arrived(sample_id, payload, digest)
+        return receive_reply(sock, header, wanted, targets, end)
 
     def _take(self, address: str, end: float) -> tuple[socket.socket, bool]:
         """A connection to ``address``, and whether it was used before."""
@@ -342,36 +264,6 @@ class BulkClient:
         return sock
 
 
-class _Frames:
-    """Receives a reply's frames on ``sock`` until ``end``.
-
-    A payload and the header after it come in one ``recvmsg_into`` with
-    MSG_WAITALL on a blocking socket whose own receive timeout bounds each
-    call: one system call per sample, where a Python timeout costs a
-    ``poll`` and an ``ioctl`` around each receive. A TLS socket has no
-    ``recvmsg_into`` and takes its views one by one.
-    """
-
-    def __init__(self, sock: socket.socket, end: float) -> None:
-        self.sock = sock
-        self.end = end
-        self.plain = not isinstance(sock, ssl.SSLSocket)
-        if self.plain:
-            left = end - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            sock.settimeout(None)
-            receive_timeout(sock, left)
-
-    def recv(self, *views: memoryview) -> None:
-        """Fills ``views`` in order."""
-        if not self.plain:
-            for view in views:
-                _recv(self.sock, view, self.end)
-            return
-        recv_all(self.sock, views, self.end)
-
-
 def _timeout(sock: socket.socket, end: float) -> None:
     left = end - time.monotonic()
     if left <= 0:
@@ -387,3 +279,29 @@ def _recv(sock: socket.socket, view: memoryview, end: float) -> None:
         if not got:
             raise BulkError("the peer closed the bulk connection")
         view = view[got:]
+
+
+def _failure(address: str, sock: socket.socket, reply: Reply, expected: int) -> BulkError:
+    """The error a reply that did not end cleanly raises: for a refusal,
+    with the peer's message (read off ``sock``, which is closed after);
+    ``expected`` is the manifest's length of the sample it ended on."""
+    sample_id, status, length = reply.sample_id, reply.status, reply.length
+    if reply.outcome == Outcome.TIMED_OUT:
+        return BulkTimeoutError(f"bulk read from {address} missed its deadline")
+    if reply.outcome == Outcome.REFUSED:
+        if length > MAX_ERROR_BYTES:
+            return BulkError(f"error message of {length} bytes")
+        try:
+            message = recv_bytes(sock, length)
+        except (OSError, BulkError) as exc:
+            return BulkError(f"the peer refused the read, and its message was cut short: {exc}")
+        return BulkRefusedError(sample_id, message.decode(errors="replace"))
+    if reply.outcome == Outcome.UNASKED:
+        return BulkError(f"the peer sent sample {sample_id}, which was not asked for (or twice)")
+    if reply.outcome == Outcome.BAD_FRAME:
+        return BulkError(
+            f"bad frame for sample {sample_id}: status {status}, {length} bytes where the manifest says {expected}"
+        )
+    if reply.outcome == Outcome.CLOSED:
+        return BulkError("the peer closed the bulk connection")
+    return BulkError(f"bulk read from {address} failed: {os.strerror(length)}")
