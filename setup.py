@@ -27,24 +27,23 @@ if re.search(r"x86_64|amd64|i[3-6]86", sysconfig.get_platform().lower()):
     hashing.append(f"{XXHASH}/xxh_x86dispatch.c")
     macros.append(("DATAQUAY_XXH_X86_DISPATCH", "1"))
 
+
+def hashed(name: str, source: str) -> Extension:
+    """An optional extension of one C file that hashes with the vendored xxHash."""
+    return Extension(
+        name,
+        sources=[source, *hashing],
+        include_dirs=[XXHASH],
+        define_macros=macros,
+        extra_compile_args=["-O3"],
+        optional=True,
+    )
+
+
 setup(
     ext_modules=[
-        Extension(
-            "dataquay.client.wire._records",
-            sources=["client/dataquay/client/wire/_records.c", *hashing],
-            include_dirs=[XXHASH],
-            define_macros=macros,
-            extra_compile_args=["-O3"],
-            optional=True,
-        ),
-        Extension(
-            "dataquay.server._replies",
-            sources=["server/dataquay/server/node/peers/bulk/replies.c", *hashing],
-            include_dirs=[XXHASH],
-            define_macros=macros,
-            extra_compile_args=["-O3"],
-            optional=True,
-        ),
+        hashed("dataquay.client.wire._records", "client/dataquay/client/wire/_records.c"),
+        hashed("dataquay.server._replies", "server/dataquay/server/node/peers/bulk/replies.c"),
         Extension(
             "dataquay.server._coding",
             sources=[f"{CODING}/{name}.c" for name in ("module", "shared", "greedy", "packets", "tables", "dag")],
