@@ -59,13 +59,9 @@ class ShmForward:
         received into; None (a buffer of its own) for each in a /dev/shm
         segment, placed already, or past the segment's end."""
         out: list[memoryview | None] = [None] * len(ids)
-        mapping = self._mapping
-        if mapping is None:
-            return out
         with self._lock:
-            try:
-                view = memoryview(mapping)
-            except ValueError:  # unmapped: the client let go of the segment
+            view = self._view()
+            if view is None:
                 return out
             for k, (sample_id, length) in enumerate(zip(ids.tolist(), lengths.tolist())):
                 offset = self._room(sample_id, length, len(view))
@@ -85,21 +81,12 @@ class ShmForward:
         """Copies a payload read from this node's cache straight into a memfd
         segment (the one copy it needs on its way to the trainer); None for a
         /dev/shm segment, or one placed already or out of room."""
-        mapping = self._mapping
-        if mapping is None:
-            return None
         with self._lock:
-            try:
-                view = memoryview(mapping)
-            except ValueError:
+            view = self._view()
+            if view is None or self._room(sample_id, len(payload), len(view)) is None:
                 return None
-            offset = self._room(sample_id, len(payload), len(view))
-            if offset is None:
-                return None
-            target = view[offset : offset + len(payload)]
-            target[:] = payload
-            self.placed[sample_id] = self._rooms.pop(sample_id)
-            return target
+            offset = self._fill_room(sample_id, payload)
+            return None if offset is None else view[offset : offset + len(payload)]
 
     def window(self, served: Sequence[Served]) -> list[int | None]:
         """The offset of each of a window's samples, writing those not forwarded
@@ -127,6 +114,16 @@ class ShmForward:
             return set()
         with self._lock:
             return {s.sample_id for s in served if s.sample_id in self.checked or s.tier == CACHE}
+
+    def _view(self) -> memoryview | None:
+        """The memfd segment's mapping; None for a /dev/shm segment or one
+        the client let go of (unmapped)."""
+        if self._mapping is None:
+            return None
+        try:
+            return memoryview(self._mapping)
+        except ValueError:
+            return None
 
     def _fill_room(self, sample_id: int, payload: bytes | memoryview) -> int | None:
         """Writes ``sample_id``'s payload into the room it was given: its

@@ -41,8 +41,10 @@ from dataquay.server.node.peers.bulk.frames import (
     BulkError,
     client_proof,
     read_request,
+    recv_before,
     recv_bytes,
     server_proof,
+    timeout_until,
 )
 from dataquay.server.node.peers.bulk.replies import Got, Outcome, Reply, receive_reply
 
@@ -203,9 +205,9 @@ class BulkClient:
     ) -> Reply:
         header = bytearray(SAMPLE.size)
         try:
-            _timeout(sock, end)
+            timeout_until(sock, end)
             sock.sendall(request)
-            _recv(sock, memoryview(header), end)
+            recv_before(sock, memoryview(header), end)
         except (BulkError, ConnectionError) as exc:
             raise _StaleError(f"the bulk connection was closed before it answered: {exc}") from None
         return receive_reply(sock, header, wanted, targets, end)
@@ -262,23 +264,6 @@ class BulkClient:
                 raise
             raise BulkError(f"handshake with the bulk listener {address} failed: {exc}") from None
         return sock
-
-
-def _timeout(sock: socket.socket, end: float) -> None:
-    left = end - time.monotonic()
-    if left <= 0:
-        raise TimeoutError
-    sock.settimeout(left)
-
-
-def _recv(sock: socket.socket, view: memoryview, end: float) -> None:
-    """Fills ``view`` before ``end`` (TimeoutError past it)."""
-    while view:
-        _timeout(sock, end)
-        got = sock.recv_into(view)
-        if not got:
-            raise BulkError("the peer closed the bulk connection")
-        view = view[got:]
 
 
 def _failure(address: str, sock: socket.socket, reply: Reply, expected: int) -> BulkError:

@@ -176,6 +176,26 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> None:
         view = view[got:]
 
 
+def timeout_until(sock: socket.socket, end: float) -> None:
+    """Sets ``sock``'s Python timeout to what is left until ``end``
+    (``time.monotonic()``); TimeoutError when nothing is."""
+    left = end - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    sock.settimeout(left)
+
+
+def recv_before(sock: socket.socket, view: memoryview, end: float) -> None:
+    """Fills ``view`` from ``sock`` (plain or TLS) before ``end``: TimeoutError
+    past it, BulkError when the peer closes first."""
+    while view:
+        timeout_until(sock, end)
+        got = sock.recv_into(view)
+        if not got:
+            raise BulkError("the peer closed the bulk connection")
+        view = view[got:]
+
+
 def recv_bytes(sock: socket.socket, size: int) -> bytes:
     out = bytearray(size)
     recv_exactly(sock, memoryview(out))

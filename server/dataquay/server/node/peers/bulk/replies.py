@@ -28,7 +28,17 @@ from enum import IntEnum
 import numpy as np
 
 from dataquay.client.wire.records import checksum
-from dataquay.server.node.peers.bulk.frames import END, ERROR, MISSING, OK, SAMPLE, BulkError, receive_timeout, recv_all
+from dataquay.server.node.peers.bulk.frames import (
+    END,
+    ERROR,
+    MISSING,
+    OK,
+    SAMPLE,
+    BulkError,
+    receive_timeout,
+    recv_all,
+    recv_before,
+)
 
 try:
     from dataquay.server import _replies
@@ -159,12 +169,4 @@ def _fill(sock: socket.socket, plain: bool, views: tuple[memoryview, ...], end: 
         recv_all(sock, views, end)
         return
     for view in views:
-        while view:
-            left = end - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            sock.settimeout(left)
-            received = sock.recv_into(view)
-            if not received:
-                raise BulkError("the peer closed the bulk connection")
-            view = view[received:]
+        recv_before(sock, view, end)
