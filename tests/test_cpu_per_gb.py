@@ -76,7 +76,7 @@ def test_a_toy_run_measures_every_path_and_its_baseline_on_the_same_bytes(bench:
     assert 0 < by["exchange"]["MB"] < by["exchange_steady"]["MB"]
     assert "client_s" not in by["exchange"] and "client_s" in by["peer_hit"]
     ratios = bench.ratios(rows)
-    assert [r["path"] for r in ratios] == list(bench.TARGETS)
+    assert [r["path"] for r in ratios] == [*bench.TARGETS, *bench.CONTEXT]
     assert all(r["ratio"] > 0 for r in ratios)
     median = bench.medians([rows, rows, rows])
     assert [r["path"] for r in median] == [r["path"] for r in rows]

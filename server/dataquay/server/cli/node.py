@@ -31,9 +31,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from dataquay.server.loops import loop_factory, share_gil
     from dataquay.server.node.daemon import serve
 
+    tune_malloc(arenas=1)  # before any thread starts: why one, in dataquay.client.malloc
     config = DaemonConfig.from_sources(vars(args), file=ConfigFile.find(args.config))
     setup_logging(config.log_level, config.log_format)
-    tune_malloc()
     share_gil()
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(serve(config))
