@@ -30,6 +30,7 @@ import reply_loop
 import spill
 import staging
 import tight_storage
+import wide_job
 import zero_copy
 from common import RESULTS, machine
 
@@ -49,6 +50,7 @@ def main() -> None:
         ("staging", staging.main),
         ("memory", memory.main),
         ("placement", lambda: placement.main([])),
+        ("wide_job", lambda: wide_job.main([])),
         ("peers", peers.main),
         ("exchange", exchange.main),
         ("tight_storage", tight_storage.main),

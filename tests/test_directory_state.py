@@ -219,6 +219,19 @@ def test_bad_joins_are_refused_and_create_nothing(request_: JoinRequest, error: 
     assert state.jobs() == [] and state.revision == revision
 
 
+def test_a_job_naming_thousands_of_unknown_nodes_gets_a_short_answer() -> None:
+    state = cluster("a")
+    ghosts = tuple(f"ghost-{i}" for i in range(4096))
+    with pytest.raises(InvalidRequestError) as refused:
+        state.join(join_request("j1", dataset="imgs", nodes=("a", *ghosts)), facts, 0.0)
+    message = str(refused.value)
+    assert message.startswith("job 'j1' names 4096 node(s) no daemon registered: ghost-0, ghost-1,")
+    assert "ghost-6" not in message and message.endswith("... (1 registered)") and len(message) < 200
+    with pytest.raises(InvalidRequestError, match=r"names 4096 node\(s\) more than once: ghost-0, .*, \.\.\.$"):
+        state.join(join_request("j1", dataset="imgs", nodes=ghosts + ghosts), facts, 0.0)
+    assert state.jobs() == []
+
+
 def test_a_job_on_all_live_nodes_needs_one_up() -> None:
     state = cluster("a")
     state.expire(now=LEASE)

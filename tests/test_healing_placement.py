@@ -3,13 +3,15 @@ share moves, balanced over the survivors; and which nodes count as lost."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import JobPlan, owners
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.node.cluster.healing import healed_holders, lost_nodes
+from dataquay.server.node.cluster.healing import healed_holders, lost_nodes, lost_nodes_until
 from dataquay.server.planning.spill import NO_HOLDER
 
 NAMES = tuple(f"node-{i:02d}" for i in range(16))
@@ -76,3 +78,20 @@ def test_a_node_is_lost_after_the_grace_period_and_never_with_healing_off() -> N
     assert lost_nodes(job, every, 5.0, 1000.0) == (), "a job with no node left has no one to heal it"
     job.spec.mode = "partial"
     assert lost_nodes(job, listed, 5.0, 1000.0) == ("b", "d"), "what a node of a partial job reports"
+
+
+def test_the_lost_nodes_stand_until_the_next_down_node_passes_its_grace_period() -> None:
+    job = jpb.Job(spec=jpb.JobSpec(job_id="j", dataset="imgs", nodes=["a", "b", "c", "d"]), created_unix=100.0)
+    listed = {
+        "a": status("a", jpb.NODE_UP, 1000.0),
+        "b": status("b", jpb.NODE_DOWN, 990.0),
+        "c": status("c", jpb.NODE_DOWN, 999.0),
+        "d": status("d", jpb.NODE_DOWN, 998.0),
+    }
+    # c and d are down but within their grace; d's ends first, at 1003.
+    assert lost_nodes_until(job, listed, 5.0, 1000.0) == (("b",), 1003.0)
+    assert lost_nodes_until(job, listed, 5.0, 1003.0) == (("b", "d"), 1004.0)
+    assert lost_nodes_until(job, listed, 5.0, 1004.0) == (("b", "c", "d"), math.inf)
+    assert lost_nodes_until(job, listed, 0.0, 1000.0) == ((), math.inf), "healing off: nothing ever is"
+    unregistered = jpb.Job(spec=jpb.JobSpec(job_id="k", dataset="imgs", nodes=["a", "e"]), created_unix=999.0)
+    assert lost_nodes_until(unregistered, listed, 5.0, 1000.0) == ((), 1004.0), "from the job's creation"

@@ -35,8 +35,8 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, replace
 from typing import Any, NamedTuple
 
@@ -336,13 +336,15 @@ class DirectoryState:
                     "start the daemons or name the job's nodes"
                 )
             return live
-        repeated = sorted({n for n in named if named.count(n) > 1})
+        repeated = sorted(n for n, times in Counter(named).items() if times > 1)
         if repeated:
-            raise InvalidRequestError(f"job {job_id!r} names node(s) more than once: {', '.join(repeated)}")
+            raise InvalidRequestError(
+                f"job {job_id!r} names {len(repeated)} node(s) more than once: {_named(repeated)}"
+            )
         unknown = [n for n in named if n not in self._nodes]
         if unknown:
             raise InvalidRequestError(
-                f"job {job_id!r} names node(s) no daemon registered: {', '.join(unknown)} "
+                f"job {job_id!r} names {len(unknown)} node(s) no daemon registered: {_named(unknown)} "
                 f"({len(self._nodes)} registered)"
             )
         return tuple(named)
@@ -636,6 +638,11 @@ def _check_node(info: NodeInfo) -> None:
 def _show(value: object) -> str:
     """A setting as a mismatch message shows it; long node lists are cut."""
     if isinstance(value, tuple):
-        head = ", ".join(value[:6])
-        return f"[{head}{', ...' if len(value) > 6 else ''}] ({len(value)} nodes)"
+        return f"[{_named(value)}] ({len(value)} nodes)"
     return repr(value)
+
+
+def _named(names: Sequence[str], most: int = 6) -> str:
+    """Node names as a message lists them: the first ``most``, then "..." (a
+    job may name thousands)."""
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")

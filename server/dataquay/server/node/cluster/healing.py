@@ -23,6 +23,7 @@ time; nodes that disagree for a moment only ask a peer that answers
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -38,9 +39,20 @@ def lost_nodes(job: jpb.Job, listed: Mapping[str, jpb.NodeStatus], heal_after: f
     off). In modes whose owners move, these are what this node reports to
     the directory, which records the job's absent nodes
     (:mod:`dataquay.server.planning.absences`)."""
+    return lost_nodes_until(job, listed, heal_after, now)[0]
+
+
+def lost_nodes_until(
+    job: jpb.Job, listed: Mapping[str, jpb.NodeStatus], heal_after: float, now: float
+) -> tuple[tuple[str, ...], float]:
+    """:func:`lost_nodes`, and until when (unix time) it stands while ``job``
+    and ``listed`` do: when the next of the job's down or unregistered nodes
+    will have been so for ``heal_after``. Every read asks which nodes are lost,
+    and the answer takes a pass over the job's nodes."""
     if heal_after <= 0:
-        return ()
+        return (), math.inf
     lost = []
+    until = math.inf
     for name in job.spec.nodes:
         status = listed.get(name)
         if status is None:
@@ -51,8 +63,10 @@ def lost_nodes(job: jpb.Job, listed: Mapping[str, jpb.NodeStatus], heal_after: f
             continue
         if now - since >= heal_after:
             lost.append(name)
+        else:
+            until = min(until, since + heal_after)
     # A job that lost every node has no one to heal it.
-    return tuple(sorted(lost)) if len(lost) < len(job.spec.nodes) else ()
+    return (tuple(sorted(lost)) if len(lost) < len(job.spec.nodes) else ()), until
 
 
 def healed_holders(plan: JobPlan, holders: np.ndarray, lost: tuple[str, ...]) -> np.ndarray:

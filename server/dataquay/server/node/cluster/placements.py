@@ -26,7 +26,7 @@ import asyncio
 import itertools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +48,8 @@ log = logging.getLogger("dataquay.jobs")
 
 #: Owner arrays kept in memory; a daemon serves few jobs at a time.
 KEPT_EPOCHS = 8
+#: Jobs whose listed capacities are kept (see :meth:`Placements._capacities`).
+KEPT_JOBS = 16
 #: Owner arrays kept on disk per job (moving modes only).
 SAVED_EPOCHS = 3
 
@@ -65,6 +67,8 @@ class Placement:
     lost: tuple[str, ...] = ()  # the nodes whose share the others hold (see .healing)
     #: The node to ask for each sample: its holder, else its owner.
     sources: np.ndarray = field(init=False, repr=False)
+    #: The job's nodes, by index (copied once: every read indexes them).
+    nodes: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         sources = (
@@ -73,10 +77,7 @@ class Placement:
             else np.where(self.holders == NO_HOLDER, self.owners, self.holders)
         )
         object.__setattr__(self, "sources", sources)
-
-    @property
-    def nodes(self) -> list[str]:
-        return list(self.job.spec.nodes)
+        object.__setattr__(self, "nodes", tuple(self.job.spec.nodes))
 
     @property
     def owners_move(self) -> bool:
@@ -131,6 +132,8 @@ class Placements:
         self._computing: dict[tuple[str, str, int, float, tuple[int, ...], tuple[str, ...]], asyncio.Lock] = {}
         self._saves = itertools.count()
         self._holders: dict[tuple[str, str, float, tuple[int, ...]], np.ndarray] = {}
+        #: Per job: (its record, the listing, the capacities listed there); see :meth:`_capacities`.
+        self._listed_capacities: dict[str, tuple[jpb.Job, Mapping[str, jpb.NodeStatus], tuple[int, ...]]] = {}
         #: (job, epoch, absent nodes): whether this node's cache is short of what it holds.
         self._short: dict[tuple[str, int, tuple[str, ...]], bool] = {}
 
@@ -268,9 +271,17 @@ class Placements:
 
     def _capacities(self, job: jpb.Job) -> tuple[int, ...]:
         """The cache capacity of each of the job's nodes as the directory lists
-        them (0: not listed, not known)."""
+        them (0: not listed, not known). Every read asks: kept until the job's
+        record or the listing is replaced (each is a new object when it changes)."""
         listed = self.link.nodes
-        return tuple(listed[name].info.cache_capacity if name in listed else 0 for name in job.spec.nodes)
+        kept = self._listed_capacities.get(job.spec.job_id)
+        if kept is not None and kept[0] is job and kept[1] is listed:
+            return kept[2]
+        capacities = tuple(listed[name].info.cache_capacity if name in listed else 0 for name in job.spec.nodes)
+        self._listed_capacities[job.spec.job_id] = (job, listed, capacities)
+        while len(self._listed_capacities) > KEPT_JOBS:
+            del self._listed_capacities[next(iter(self._listed_capacities))]
+        return capacities
 
     async def _spilled(
         self, job: jpb.Job, entry: Registered, owner: np.ndarray, capacities: tuple[int, ...]

@@ -1,0 +1,33 @@
+"""The wide-job benchmark's own run, small: a job over many nodes, all but
+the daemon's lost, is read whole from that daemon's cache, each call
+measured beside a one-node job's."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import wide_job
+
+    monkeypatch.setattr(wide_job, "ROUNDS", 1)
+    monkeypatch.setattr(wide_job, "PASSES", 8)  # enough calls to span CPU clock ticks
+    yield wide_job
+    sys.modules.pop("wide_job", None)
+
+
+def test_a_job_whose_other_nodes_are_lost_reads_every_sample_from_the_cache(bench: ModuleType, tmp_path: Path) -> None:
+    rows = bench.run(tmp_path, 16)  # it asserts that every read was a cache hit
+    by = {r["job"]: r for r in rows}
+    assert (by["alone"]["nodes"], by["wide"]["nodes"]) == (1, 16)
+    assert by["alone"]["calls"] == by["wide"]["calls"] == 8 * bench.SAMPLES // bench.BATCH
+    assert by["alone"]["ratio"] == 1.0
