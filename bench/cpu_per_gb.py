@@ -57,7 +57,7 @@ Before the paths that fill pages for the first time (staging, the misses,
 the first exchange) the memory the VM will hand out is backed already
 (``back_free_memory``), or they would measure the hypervisor.
 
-    .venv/bin/python bench/cpu_per_gb.py [--mib 600] [--size-kib 110] [--runs 3]   # about 5 minutes
+    .venv/bin/python bench/cpu_per_gb.py [--mib 600] [--size-kib 110] [--runs 3]   # about 7 minutes
 """
 
 from __future__ import annotations

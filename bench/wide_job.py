@@ -11,8 +11,8 @@ on it, each staged on the daemon: ``alone``, on the daemon's node only,
 and ``wide``, on that node and ``--nodes - 1`` others registered with the
 directory (real RegisterNode calls) that never beat, so that their leases
 end and, a grace period later, they are lost and the daemon holds their
-share (healing reads it from the PFS before the timing starts). Timed: ``ROUNDS``
-rounds of ``PASSES`` passes over the dataset in batches of ``BATCH``
+share (staged, or fetched by healing, before the timing starts). Timed:
+``ROUNDS`` rounds of ``PASSES`` passes over the dataset in batches of ``BATCH``
 through the daemon (the memfd batch path, as a client that may not open
 the cache reads), the two jobs taking turns; the daemon's CPU (user +
 system, /proc) per call, the median of the rounds; the ratio is the median
