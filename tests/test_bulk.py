@@ -108,6 +108,8 @@ def test_peer_hits_go_over_the_bulk_path_byte_exact(secured: LocalCluster) -> No
     assert stats(secured, 1).bulk.served_samples - served_before == len(peer)
     metrics = urllib.request.urlopen(secured.daemons[0].metrics_url, timeout=30).read().decode()
     assert f"dataquay_bulk_fetched_samples_total {float(after.bulk.fetched_samples)}" in metrics
+    # A peer that answered every read has no series of its own.
+    assert "dataquay_peer_failures_total{" not in metrics and "dataquay_peer_suspect{" not in metrics
 
 
 def test_the_bulk_port_refuses_a_wrong_token_and_answers_errors_in_band(secured: LocalCluster) -> None:

@@ -153,10 +153,14 @@ class _StateCollector(Collector):
             "Samples from a peer whose checksum failed (read again elsewhere)",
             labels=["peer"],
         )
+        # Only peers that failed or sent a bad checksum have series: a node of a
+        # job over thousands talks to every other, and a series for each
+        # (times every node) would swamp the site's Prometheus.
         for peer in state.peers:
-            suspect.add_metric([peer.node], int(peer.suspect))
-            failures.add_metric([peer.node], peer.failures)
-            bad.add_metric([peer.node], peer.bad_checksums)
+            if peer.suspect or peer.failures or peer.bad_checksums:
+                suspect.add_metric([peer.node], int(peer.suspect))
+                failures.add_metric([peer.node], peer.failures)
+                bad.add_metric([peer.node], peer.bad_checksums)
         yield from (suspect, failures, bad)
         yield from _exchange_metrics(state)
         yield from _prefetch_metrics(state)
