@@ -157,7 +157,7 @@ class _StateCollector(Collector):
         # job over thousands talks to every other, and a series for each
         # (times every node) would swamp the site's Prometheus.
         for peer in state.peers:
-            if peer.suspect or peer.failures or peer.bad_checksums:
+            if peer.troubled:
                 suspect.add_metric([peer.node], int(peer.suspect))
                 failures.add_metric([peer.node], peer.failures)
                 bad.add_metric([peer.node], peer.bad_checksums)

@@ -20,6 +20,7 @@ from dataquay.protos import jobs_pb2 as jpb
 from dataquay.server.errors import DataquayError, InvalidRequestError, StandaloneError
 from dataquay.server.node.cache.manager import Admitted, CacheManager, Evicted, Holding, UserUse
 from dataquay.server.node.handoff.forward import ShmForward
+from dataquay.server.node.peers.reads import listed_peers
 from dataquay.server.node.reads.replies import reply_chunks
 from dataquay.server.node.stager import staging_order
 from dataquay.server.node.users.callers import Caller
@@ -45,6 +46,9 @@ if TYPE_CHECKING:
     from dataquay.server.node.stager import Stager, StagingProgress
     from dataquay.server.node.users.access import UserAccess
     from dataquay.server.registry import Registry
+
+#: Peers a Stats reply names (every troubled one besides): see :func:`listed_peers`.
+LISTED_PEERS = 32
 
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
@@ -265,7 +269,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             staging=[self._progress(p) for p in state.staging.values()],
             peers=[
                 pb.PeerHealth(node=p.node, suspect=p.suspect, failures=p.failures, samples=p.samples, bytes=p.bytes)
-                for p in state.peers
+                for p in listed_peers(state.peers, LISTED_PEERS)
             ],
             exchanges=[
                 x.proto() for x in sorted((*state.exchanges.values(), *state.exchanges_failed), key=lambda x: x.job)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -78,6 +79,24 @@ class PeerHealth:
     @property
     def suspect(self) -> bool:
         return time.monotonic() < self.suspect_until
+
+    @property
+    def troubled(self) -> bool:
+        """Whether it ever failed a read or sent a bad checksum."""
+        return self.suspect or bool(self.failures or self.bad_checksums)
+
+
+def listed_peers(peers: Iterable[PeerHealth], most: int) -> list[PeerHealth]:
+    """The peers a status names, by node: every troubled one, then the
+    busiest others, ``most`` in all (more where more are troubled). A node
+    of a job over thousands reads from every other, and a cluster's status
+    asks every node."""
+    troubled: list[PeerHealth] = []
+    healthy: list[PeerHealth] = []
+    for peer in peers:
+        (troubled if peer.troubled else healthy).append(peer)
+    healthy.sort(key=lambda peer: peer.samples, reverse=True)
+    return sorted(troubled + healthy[: max(0, most - len(troubled))], key=lambda peer: peer.node)
 
 
 class Peers:
