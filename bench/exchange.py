@@ -4,7 +4,7 @@ and whether it moves what the placement says.
 1. Throughput (per sample size, 110 KiB and 1 MiB): a directory and two
    daemons on loopback; a files dataset of ``DATASET_BYTES`` staged whole on
    node-0; per round a fresh ``partial`` job with Q = 1 on [node-0, node-1]
-   (node-1's cache wiped and the daemon restarted before each round). Two
+   (node-1's cache wiped, its identity key kept, and the daemon restarted before each round). Two
    runs over the same ids, the ones node-0 gives node-1 for epoch 1:
 
    - peer-read streaming (the baseline): this process reads them from node-0
@@ -49,6 +49,7 @@ from dataquay.client.wire.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
+from dataquay.server.node.cluster.identity import IDENTITY_FILE
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 from dataquay.server.tools.trainers import RankGroup
@@ -90,6 +91,18 @@ def _exchange_run(stub: cache_pb2_grpc.CacheStub, job: str, epoch: int, timeout:
     raise RuntimeError(f"exchange of {job} into epoch {epoch} did not finish")
 
 
+def _wipe_cache(cache_dir: Path) -> None:
+    """Empties a node's cache dir but for its identity key: the node comes
+    back as itself, which the directory lets take its name at once."""
+    for entry in cache_dir.iterdir():
+        if entry.name == IDENTITY_FILE:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
 def throughput(base: Path) -> list[dict[str, object]]:
     rows = []
     for label, size in SIZES.items():
@@ -106,7 +119,7 @@ def throughput(base: Path) -> list[dict[str, object]]:
             for round_ in range(REPEATS):
                 progress(f"throughput {label}: round {round_ + 1} of {REPEATS}")
                 local.kill_node(1)
-                shutil.rmtree(local.daemons[1].cache_dir)
+                _wipe_cache(local.daemons[1].cache_dir)
                 local.restart_node(1)
                 job_id = f"x-{label}-{round_}"
                 spec = jpb.JobSpec(
