@@ -49,7 +49,8 @@ Baselines, each in processes of its own, on the same bytes:
   <= 1.2x).
 
 Every process, baselines included, runs with the allocator settings the
-daemon and the client use (``tune_malloc``).
+client uses (``tune_malloc``; the daemons also keep to one malloc arena).
+The baselines are in bench/cpu_baselines.py.
 
 Each figure is the median of ``--runs`` whole runs, each on a fresh cluster:
 a loaded machine moves even CPU time (caches, page faults) by tens of percent.
@@ -63,22 +64,17 @@ the first exchange) the memory the VM will hand out is backed already
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
-import lmdb
 import numpy as np
 from common import MiB, back_free_memory, progress, report
+from cpu_baselines import BATCH, PUT_PASSES, raw_lmdb, raw_stream, row
 from cpu_meter import Meter
 
 from dataquay.client import Client, Dataset, connect
@@ -87,24 +83,18 @@ from dataquay.client.malloc import tune_malloc
 from dataquay.client.manifest import Manifest
 from dataquay.client.placement import owners
 from dataquay.client.wire.channels import channel_options
-from dataquay.client.wire.records import checksum, sample_key
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.node.cache.file import CacheFile
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset
 
-BATCH = 64
 #: A batch a trainer that asks for more per call reads: what the daemon spends per call, spread wider.
 LARGE_BATCH = 256
 #: Reads of every cached sample per timed run of the hit paths and their baselines.
 PASSES = 16
-#: Passes the raw stream + put baseline sends: about what the measured exchanges move, each sample a key of its own.
-PUT_PASSES = 4
 #: Exchanges measured together once both nodes send and receive (see :func:`exchange`).
 STEADY_EPOCHS = 3
-GB = 1e9
 #: CPU seconds per GB of a path over its baseline: the targets on the results page.
 TARGETS = {
     "peer_hit": ("raw_stream", 1.5),
@@ -118,140 +108,6 @@ TARGETS = {
 }
 #: Ratios with no target: the steady exchange over the bound storing sets under it.
 CONTEXT = {"exchange_steady": "raw_stream_put"}
-
-
-def row(path: str, nbytes: int, spent: dict[str, float], wall: float) -> dict[str, object]:
-    total = sum(spent.values())
-    out: dict[str, object] = {"path": path, "MB": nbytes / 1e6, "cpu_s": total, "cpu_s_per_GB": total / (nbytes / GB)}
-    out |= {f"{role}_s": seconds for role, seconds in spent.items()}
-    out["wall_s"] = wall
-    return out
-
-
-# ----------------------------------------------------------------- baselines
-
-
-def _child(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], stdout=subprocess.PIPE, text=True)
-
-
-def _answer(process: subprocess.Popen[str]) -> dict[str, float]:
-    out, _ = process.communicate(timeout=600)
-    if process.returncode:
-        raise RuntimeError(f"baseline process failed ({process.returncode})")
-    return dict(json.loads(out.splitlines()[-1]))
-
-
-def raw_stream(paths: list[str], home: Path, store: bool = False) -> dict[str, object]:
-    """The files' bytes sent from one process to another over loopback TCP;
-    each side times its own CPU around the transfer alone. With ``store`` the
-    receiver also puts them into an LMDB of its own, a transaction per batch,
-    as a daemon commits what an exchange brings it."""
-    listing = home / "stream.json"
-    listing.write_text(json.dumps(paths))
-    into = ["--into", str(home / "stream-lmdb")] if store else []
-    receiver = _child("--stream-receive", str(listing), *into)
-    assert receiver.stdout is not None
-    port = receiver.stdout.readline().strip()
-    sender = _child("--stream-send", str(listing), port)
-    sent, got = _answer(sender), _answer(receiver)
-    assert got["bytes"] == sent["bytes"], (got, sent)
-    nbytes = int(sent["bytes"])
-    return row(
-        "raw_stream_put" if store else "raw_stream",
-        nbytes,
-        {"sender": sent["cpu_s"], "receiver": got["cpu_s"]},
-        got["wall_s"],
-    )
-
-
-def _stream_receive(listing: str, into: str | None) -> None:
-    lengths = [os.path.getsize(p) for p in json.loads(Path(listing).read_text())]
-    per_pass = len(lengths) // PUT_PASSES
-    cache = _baseline_cache(Path(into), 2 * sum(lengths[:per_pass]) + 64 * MiB) if into else None
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        print(server.getsockname()[1], flush=True)
-        conn, _ = server.accept()
-        with conn:
-            started, wall = time.process_time(), time.perf_counter()
-            received, batch = 0, []
-            for index, length in enumerate(lengths):
-                buffer = bytearray(length)
-                view, got = memoryview(buffer), 0
-                while got < length:
-                    n = conn.recv_into(view[got:])
-                    if not n:
-                        raise RuntimeError("the sender closed early")
-                    got += n
-                received += got
-                batch.append((sample_key(index), buffer))
-                if cache is not None and (len(batch) == BATCH or index == len(lengths) - 1):
-                    with cache.env.begin(write=True) as txn:
-                        txn.cursor().putmulti(batch, overwrite=False)
-                        # A pass on, what the pass before put goes: later passes write into freed pages.
-                        for before in range(index + 1 - len(batch) - per_pass, index + 1 - per_pass):
-                            if before >= 0:
-                                txn.delete(sample_key(before))
-                if len(batch) == BATCH:
-                    batch = []
-            spent, wall = time.process_time() - started, time.perf_counter() - wall
-    if cache is not None:
-        cache.close()
-    print(json.dumps({"bytes": received, "cpu_s": spent, "wall_s": wall}))
-
-
-def _baseline_cache(path: Path, capacity: int) -> CacheFile:
-    """An LMDB opened as a daemon opens its cache (writemap over a file
-    allocated ahead where the file system can; no fsync per commit), its map
-    grown to ``capacity`` at once, as a cache that has filled once."""
-    path.mkdir()
-    cache = CacheFile(path)
-    cache.open(capacity)
-    asyncio.run(cache.grow(capacity, slack=0, wanted=capacity))
-    return cache
-
-
-def _stream_send(listing: str, port: str) -> None:
-    files: dict[str, bytes] = {}
-    for path in json.loads(Path(listing).read_text()):
-        if path not in files:
-            files[path] = Path(path).read_bytes()
-    payloads = [files[path] for path in json.loads(Path(listing).read_text())]
-    with socket.create_connection(("127.0.0.1", int(port))) as conn:
-        started = time.process_time()
-        for payload in payloads:
-            conn.sendall(payload)
-        spent = time.process_time() - started
-    print(json.dumps({"bytes": sum(len(p) for p in payloads), "cpu_s": spent}))
-
-
-def raw_lmdb(cache_dir: Path, db: str, batches: list[list[int]], home: Path) -> dict[str, object]:
-    """The values read in ``batches`` from a daemon's LMDB by a plain process
-    (each copied out of the map, as py-lmdb's ``get`` does), xxh3 of each."""
-    listing = home / "lmdb.json"
-    listing.write_text(json.dumps({"path": str(cache_dir), "db": db, "batches": batches}))
-    got = _answer(_child("--lmdb-read", str(listing)))
-    return row("raw_lmdb", int(got["bytes"]), {"reader": got["cpu_s"]}, got["wall_s"])
-
-
-def _lmdb_read(listing: str) -> None:
-    spec = json.loads(Path(listing).read_text())
-    env = lmdb.open(spec["path"], readonly=True, lock=True, max_dbs=8)
-    db = env.open_db(spec["db"].encode(), create=False)
-    keys = [[sample_key(i) for i in batch] for batch in spec["batches"]]
-    started, wall, nbytes = time.process_time(), time.perf_counter(), 0
-    for batch in keys:
-        with env.begin(db=db) as txn:
-            values = [txn.get(k) for k in batch]
-        for value in values:
-            if value is None:
-                raise RuntimeError("a local-hit sample is not in the daemon's LMDB")
-            payload = memoryview(value)[8:]  # past the record's header, as the client checks it
-            checksum(payload)
-            nbytes += len(payload)
-    spent, wall = time.process_time() - started, time.perf_counter() - wall
-    env.close()
-    print(json.dumps({"bytes": nbytes, "cpu_s": spent, "wall_s": wall}))
 
 
 # ------------------------------------------------------------------- cluster
@@ -493,18 +349,8 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=600, help="MiB of datasets in all")
     parser.add_argument("--size-kib", type=int, default=110, help="bytes of every sample, in KiB")
     parser.add_argument("--runs", type=int, default=3, help="whole runs, each on a fresh cluster; medians reported")
-    parser.add_argument("--stream-receive", nargs=1, help=argparse.SUPPRESS)
-    parser.add_argument("--into", help=argparse.SUPPRESS)
-    parser.add_argument("--stream-send", nargs=2, help=argparse.SUPPRESS)
-    parser.add_argument("--lmdb-read", nargs=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    tune_malloc()  # the baselines' processes too: the daemons and the client run so
-    if args.stream_receive:
-        return _stream_receive(*args.stream_receive, args.into)
-    if args.stream_send:
-        return _stream_send(*args.stream_send)
-    if args.lmdb_read:
-        return _lmdb_read(*args.lmdb_read)
+    tune_malloc()  # as the daemons and the client run
     load = [os.getloadavg()]
     runs = []
     for index in range(args.runs):
