@@ -151,7 +151,7 @@ def _read_all(ds: Dataset, batches: list[list[int]], size: int, copy: bool = Tru
     held: list[memoryview] | list[bytes] = []
     for batch in batches:
         held = ds.get_batch(batch, copy=copy)  # held for a step, as a trainer holds it
-        assert len(held) == len(batch) and all(len(v) == size for v in held)
+        assert len(held) == len(batch) and sum(map(len, held)) == len(batch) * size
 
 
 def _read_shm(client: Client, ds: Dataset, batches: list[list[int]], size: int, copy: bool = True) -> None:
@@ -160,7 +160,7 @@ def _read_shm(client: Client, ds: Dataset, batches: list[list[int]], size: int, 
     held: list[bytes] = []
     for batch in batches:
         held = client.remote._read_daemon(ds, np.asarray(batch), None, copy)
-        assert len(held) == len(batch) and all(len(v) == size for v in held)
+        assert len(held) == len(batch) and sum(map(len, held)) == len(batch) * size
 
 
 def hits(rig: Rig, root: Path, count: int, size: int, home: Path) -> list[dict[str, object]]:

@@ -3,6 +3,8 @@ in another process (as the daemon is), real forks."""
 
 from __future__ import annotations
 
+import mmap
+
 import multiprocessing
 import os
 import pickle
@@ -111,6 +113,30 @@ def test_the_read_loops_check_and_copy_as_records_lays_values_out(module: str) -
     with pytest.raises(TypeError):
         loops.sample_keys([1.5])
 
+
+@pytest.mark.parametrize("module", ["_records", "_records_py"], ids=["c", "python"])
+def test_payloads_into_copies_each_payload_to_its_offset_and_checks_it_there(module: str) -> None:
+    loops = pytest.importorskip(f"dataquay.client.wire.{module}", reason="installed without a C compiler")
+    big = payload(3, 300_000)  # the batch is large enough to be copied without the GIL
+    flipped = bytearray(encode_value(payload(2)))
+    flipped[-1] ^= 0x80
+    values = [encode_value(payload(1)), bytes(flipped), b"short", encode_value(b""), memoryview(encode_value(big))]
+    target = mmap.mmap(-1, 400_000)
+    offsets = [0, 4096, 8192, 8192, 12288]
+    assert loops.payloads_into(values, target, offsets) == [True, False, False, True, True]
+    assert target[: len(payload(1))] == payload(1)
+    assert target[12288 : 12288 + len(big)] == big
+    assert target[4096 : 4096 + len(payload(2))] == bytes(flipped)[8:]  # copied, and found corrupt there
+    assert loops.payloads_into([], target, []) == []
+    with pytest.raises(ValueError, match="ends past the target"):
+        loops.payloads_into([encode_value(big)], target, [200_000])
+    with pytest.raises(ValueError, match="2 values but 1 offsets"):
+        loops.payloads_into(values[:2], target, [0])
+    with pytest.raises(BufferError):
+        loops.payloads_into(values[:1], b"read-only", [0])
+    target.close()
+    with pytest.raises(ValueError):
+        loops.payloads_into(values[:1], target, [0])
 
 def test_get_many_returns_payloads_in_request_order_with_none_for_misses(env_path: Path) -> None:
     with LocalCache(env_path) as cache:

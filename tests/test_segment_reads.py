@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from one_daemon import add, daemon_stats, files_bytes, tiers_read
+from one_daemon import add, daemon_stats, files_bytes, stage, tiers_read
 from polling import wait_until
 
 import dataquay.client as dq
@@ -97,6 +97,36 @@ def test_a_segment_read_marks_checked_what_the_daemon_checked_from_its_cache_not
     got = [segment.map[o : o + n] for o, n in zip(again.offsets.tolist(), again.lengths.tolist())]
     assert got == files_bytes(3, ids, SIZES)
 
+
+def test_a_cached_value_found_corrupt_in_the_segment_is_served_from_the_pfs_in_its_place(
+    served: DaemonProcess, tmp_path: Path
+) -> None:
+    ids = [6, 5, 7]  # 5 is flipped in the cache; those either side of it are not
+    stage(served, "imgs")
+    assert served.stop() == 0
+    data_file = served.cache_dir / "data.mdb"
+    raw = bytearray(data_file.read_bytes())
+    (flipped,) = files_bytes(3, [5], SIZES)
+    at = raw.find(flipped[:16])
+    assert at > 0
+    while at >= 0:  # every copy, stale pages included
+        raw[at + 10] ^= 0xFF
+        at = raw.find(flipped[:16], at + 1)
+    data_file.write_bytes(raw)
+    served.start()
+    seg = MemfdSegment(4 << 20, fd_socket_path(served.address), "")
+    try:
+        answer = parse_batch_reply(ask(seg, "imgs", ids), len(ids))
+        assert answer.code == OK
+        assert answer.tiers.tolist() == [pb.TIER_CACHE, pb.TIER_PFS, pb.TIER_CACHE]
+        assert answer.checked.tolist() == [1, 0, 1]
+        got = [seg.map[o : o + n] for o, n in zip(answer.offsets.tolist(), answer.lengths.tolist())]
+        assert got == files_bytes(3, ids, SIZES)
+        assert len(set(answer.offsets.tolist())) == len(ids)
+    finally:
+        seg.close()
+    stage(served, "imgs")  # waits for the queued repair to commit
+    assert daemon_stats(served).corrupt_repaired == 1
 
 @pytest.mark.parametrize(
     ("dataset", "ids", "error", "code"),

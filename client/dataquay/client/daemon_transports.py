@@ -256,26 +256,20 @@ class DaemonReply:
     def take_placed(self, answer: BatchReply) -> None:
         """Takes a whole batch from a reply framed on a sealed segment's
         connection: every payload lies in the segment."""
-        source, out, bad, verify = self._source, self.out, self.bad, self.verify
+        source, out = self._source, self.out
         assert source is not None and not out
         payloads = source.map
-        tiers, sizes = self.tiers, self.sizes
-        for position, (offset, length, digest, tier_code, checked) in enumerate(
-            zip(
-                answer.offsets.tolist(),
-                answer.lengths.tolist(),
-                answer.checksums.tolist(),
-                answer.tiers.tolist(),
-                answer.checked.tolist(),
-            )
-        ):
-            data = payloads[offset : offset + length]
-            if verify and not checked and checksum(data) != digest:
-                bad.append(position)
+        offsets, lengths = answer.offsets.tolist(), answer.lengths.tolist()
+        out.extend([payloads[offset : offset + length] for offset, length in zip(offsets, lengths)])  # type: ignore[misc]
+        if self.verify:
+            digests = answer.checksums.tolist()
+            unchecked = np.flatnonzero(answer.checked == 0).tolist()
+            self.bad.extend(k for k in unchecked if checksum(out[k]) != digests[k])
+        for tier_code in set(answer.tiers.tolist()):  # most batches come from one tier
+            served = answer.tiers == tier_code
             tier = SERVED_TIERS.get(tier_code, CACHE)
-            tiers[tier] += 1
-            sizes[tier] += length
-            out.append(data)  # type: ignore[arg-type]
+            self.tiers[tier] += int(served.sum())
+            self.sizes[tier] += int(answer.lengths[served].sum())
         self.used_segment = bool(out)
 
     def check_complete(self) -> None:

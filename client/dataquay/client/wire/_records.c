@@ -272,11 +272,119 @@ done:
     return out;
 }
 
+PyDoc_STRVAR(payloads_into_doc,
+"payloads_into(values, target, offsets, /) -> list[bool]\n\n"
+"Copies each cache value's payload into the writable buffer target at\n"
+"offsets[i] and checks it against the xxh3 in the value's header: whether\n"
+"each is intact there. A value shorter than its header is not copied and is\n"
+"not intact. The values of a call are copied and hashed together without\n"
+"the GIL, so a daemon's event loop makes one call for a read's local hits.\n\n"
+"Raises ValueError when a payload would end past the target, before\n"
+"anything is copied.");
+
+typedef struct {
+    const unsigned char *value;
+    Py_ssize_t length;
+    Py_ssize_t offset;
+} placed_value;
+
+static void
+copy_all_intact(char *target, const placed_value *values, Py_ssize_t count, char *intact)
+{
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const unsigned char *value = values[i].value;
+        if (values[i].length < CHECKSUM_BYTES) {
+            intact[i] = 0;
+            continue;
+        }
+        uint64_t stored = 0;
+        for (int b = CHECKSUM_BYTES - 1; b >= 0; b--)
+            stored = (stored << 8) | value[b];
+        intact[i] = (char)copy_intact(target + values[i].offset, value + CHECKSUM_BYTES,
+                                      (size_t)(values[i].length - CHECKSUM_BYTES), 1, stored);
+    }
+}
+
+static PyObject *
+payloads_into(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "payloads_into() takes 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    /* Tuples, as in payload_copies: the GIL is released while copying. */
+    PyObject *seq = PySequence_Tuple(args[0]);
+    if (seq == NULL)
+        return NULL;
+    PyObject *where = PySequence_Tuple(args[2]);
+    if (where == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_ssize_t count = PyTuple_GET_SIZE(seq), held = 0, total = 0;
+    PyObject *out = NULL;
+    Py_buffer target = {0};
+    int target_held = 0;
+    Py_buffer *views = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
+    placed_value *values = PyMem_Calloc(count ? (size_t)count : 1, sizeof(placed_value));
+    char *intact = PyMem_Malloc(count ? (size_t)count : 1);
+    if (views == NULL || values == NULL || intact == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (PyTuple_GET_SIZE(where) != count) {
+        PyErr_Format(PyExc_ValueError, "payloads_into(): %zd values but %zd offsets", count, PyTuple_GET_SIZE(where));
+        goto done;
+    }
+    if (PyObject_GetBuffer(args[1], &target, PyBUF_WRITABLE) < 0)
+        goto done;
+    target_held = 1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t offset = PyNumber_AsSsize_t(PyTuple_GET_ITEM(where, i), PyExc_OverflowError);
+        if (offset == -1 && PyErr_Occurred())
+            goto done;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(seq, i), &views[i], PyBUF_SIMPLE) < 0)
+            goto done;
+        held++;
+        Py_ssize_t size = views[i].len > CHECKSUM_BYTES ? views[i].len - CHECKSUM_BYTES : 0;
+        if (offset < 0 || offset > target.len || size > target.len - offset) {
+            PyErr_Format(PyExc_ValueError, "payloads_into(): payload %zd of %zd bytes at offset %zd ends past the "
+                         "target's %zd bytes", i, size, offset, target.len);
+            goto done;
+        }
+        values[i] = (placed_value){views[i].buf, views[i].len, offset};
+        total += size;
+    }
+    if (total >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        copy_all_intact(target.buf, values, count, intact);
+        Py_END_ALLOW_THREADS
+    } else {
+        copy_all_intact(target.buf, values, count, intact);
+    }
+    out = PyList_New(count);
+    if (out != NULL)
+        for (Py_ssize_t i = 0; i < count; i++)
+            PyList_SET_ITEM(out, i, PyBool_FromLong(intact[i]));
+done:
+    for (Py_ssize_t i = 0; i < held; i++)
+        PyBuffer_Release(&views[i]);
+    if (target_held)
+        PyBuffer_Release(&target);
+    PyMem_Free(views);
+    PyMem_Free(values);
+    PyMem_Free(intact);
+    Py_DECREF(seq);
+    Py_DECREF(where);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"values_intact", values_intact, METH_O, values_intact_doc},
     {"sample_keys", sample_keys, METH_O, sample_keys_doc},
     {"payload_copies", (PyCFunction)(void (*)(void))payload_copies, METH_FASTCALL, payload_copies_doc},
     {"encode_value", (PyCFunction)(void (*)(void))encode_value, METH_FASTCALL, encode_value_doc},
+    {"payloads_into", (PyCFunction)(void (*)(void))payloads_into, METH_FASTCALL, payloads_into_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -69,3 +69,34 @@ def values_intact(values: Sequence[Buffer], /) -> list[bool]:
     value shorter than its header does not)."""
     views = [memoryview(value) for value in values]
     return [len(v) >= _HEADER and _CHECKSUM.unpack_from(v)[0] == _digest(v[_HEADER:]) for v in views]
+
+
+def payloads_into(values: Sequence[Buffer], target: Buffer, offsets: Sequence[int], /) -> list[bool]:
+    """Copies each cache value's payload into ``target`` at ``offsets[i]``:
+    whether each is intact there (a value shorter than its header is not
+    copied and is not).
+
+    Raises:
+        ValueError: a payload would end past ``target`` (nothing is copied).
+        BufferError: ``target`` is read-only.
+    """
+    views = [memoryview(value) for value in values]
+    into = memoryview(target).cast("B")
+    if into.readonly:
+        raise BufferError("Object is not writable.")
+    if len(views) != len(offsets):
+        raise ValueError(f"payloads_into(): {len(views)} values but {len(offsets)} offsets")
+    for k, (view, offset) in enumerate(zip(views, offsets)):
+        size = max(len(view) - _HEADER, 0)
+        if not 0 <= offset <= len(into) - size:
+            ends = f"payload {k} of {size} bytes at offset {offset} ends past the target's {len(into)} bytes"
+            raise ValueError(f"payloads_into(): {ends}")
+    intact = []
+    for view, offset in zip(views, offsets):
+        if len(view) < _HEADER:
+            intact.append(False)
+            continue
+        copy = into[offset : offset + len(view) - _HEADER]
+        copy[:] = view[_HEADER:]
+        intact.append(_CHECKSUM.unpack_from(view)[0] == _digest(copy))
+    return intact

@@ -15,11 +15,11 @@ from dataquay.client.wire.notices import first_to_tell
 log = logging.getLogger("dataquay.client")
 
 try:
-    from dataquay.client.wire._records import encode_value, payload_copies, sample_keys, values_intact
+    from dataquay.client.wire._records import encode_value, payload_copies, payloads_into, sample_keys, values_intact
 
     COMPILED = True
 except ImportError:
-    from dataquay.client.wire._records_py import encode_value, payload_copies, sample_keys, values_intact
+    from dataquay.client.wire._records_py import encode_value, payload_copies, payloads_into, sample_keys, values_intact
 
     COMPILED = False
     if first_to_tell("records not compiled"):
@@ -29,4 +29,4 @@ except ImportError:
             "reinstall with a C compiler and the Python headers."
         )
 
-__all__ = ["COMPILED", "encode_value", "payload_copies", "sample_keys", "values_intact"]
+__all__ = ["COMPILED", "encode_value", "payload_copies", "payloads_into", "sample_keys", "values_intact"]

@@ -429,17 +429,18 @@ class DaemonMetrics:
             ["rule"],
             registry=self.registry,
         )
-        for tier in TIERS:
-            self.reads.labels(tier)
-            self.read_bytes.labels(tier)
+        # Every tier's series exists from the start; a read looks its pair up once, not per call.
+        self._reads_by_tier = {tier: (self.reads.labels(tier), self.read_bytes.labels(tier)) for tier in TIERS}
 
     def export_state(self, snapshot: Callable[[], LiveState]) -> None:
         """Exports what ``snapshot`` reads at each scrape (the daemon's :class:`NodeState`)."""
         self.registry.register(_StateCollector(snapshot))
 
     def count_read(self, tier: str, samples: int, nbytes: int) -> None:
-        self.reads.labels(tier).inc(samples)
-        self.read_bytes.labels(tier).inc(nbytes)
+        if samples:
+            reads, read_bytes = self._reads_by_tier[tier]
+            reads.inc(samples)
+            read_bytes.inc(nbytes)
 
     def count_user_refusal(self, rule: str) -> None:
         self.user_refusals.labels(rule).inc()

@@ -33,6 +33,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
+from dataquay.client.wire.record_loops import sample_keys
 from dataquay.client.wire.records import decode_value, sample_key, stored_checksum
 from dataquay.server.dirs import ensure_private_dir
 from dataquay.server.errors import StartupError
@@ -188,11 +189,15 @@ class Store:
         return out
 
     def get_many(
-        self, db: str, ids: Sequence[int], into: Callable[[int, memoryview], memoryview | None] | None = None
+        self,
+        db: str,
+        ids: Sequence[int],
+        into: Callable[[Sequence[int], list[memoryview | None]], list[memoryview | None]] | None = None,
     ) -> tuple[list[Hit | None], list[int]]:
         """(payload, checksum) of each id, None for misses; and the ids found
         corrupt. Each payload is checked, then copied out of the map: by
-        ``into(id, view)`` where it gives back where it copied it, else into bytes."""
+        ``into(ids, values)``, which copies and checks them where they go and
+        gives back the view of each intact copy, else into bytes."""
         handle = self._dbs.get(db.encode())
         if handle is None:
             return [None] * len(ids), []
@@ -200,18 +205,18 @@ class Store:
         corrupt: list[int] = []
         with self.env.begin(db=handle, buffers=True) as txn:
             get = txn.get
-            for sample_id in ids:
-                value = get(sample_key(sample_id))
+            values = [get(key) for key in sample_keys(ids)]
+            copies = into(ids, values) if into is not None else [None] * len(values)
+            for sample_id, value, copy in zip(ids, values, copies):
                 if value is None:
                     out.append(None)
-                    continue
-                payload = decode_value(value)
-                if payload is None:
+                elif copy is not None:
+                    out.append((copy, stored_checksum(value)))
+                elif (payload := decode_value(value)) is None:
                     corrupt.append(sample_id)
                     out.append(None)
                 else:
-                    copied = into(sample_id, payload) if into is not None else None
-                    out.append((bytes(payload) if copied is None else copied, stored_checksum(value)))
+                    out.append((bytes(payload), stored_checksum(value)))
         return out, corrupt
 
     @contextmanager

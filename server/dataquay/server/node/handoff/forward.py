@@ -30,8 +30,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dataquay.client.wire.record_loops import payloads_into
+from dataquay.client.wire.records import CHECKSUM_BYTES
 from dataquay.client.wire.tiers import CACHE
-from dataquay.server.node.handoff.segments import ShmSegments, aligned, place
+from dataquay.server.node.handoff.segments import ShmSegments, aligned
 from dataquay.server.node.reads.served import Served
 
 
@@ -77,16 +79,32 @@ class ShmForward:
             self.forwarded += len(ids)
             self.checked.update(ids)
 
-    def copy_in(self, sample_id: int, payload: memoryview) -> memoryview | None:
-        """Copies a payload read from this node's cache straight into a memfd
-        segment (the one copy it needs on its way to the trainer); None for a
-        /dev/shm segment, or one placed already or out of room."""
+    def copy_in(self, ids: Sequence[int], values: list[memoryview | None]) -> list[memoryview | None]:
+        """Copies the payloads of cache values read from this node's cache
+        straight into a memfd segment (the one copy each needs on its way to
+        the trainer), each checked there against its stored checksum, in one
+        call without the GIL: the view of each intact copy; None for each in
+        a /dev/shm segment, absent, placed already, out of room or corrupt
+        (whose room stays its own, for its bytes from elsewhere)."""
+        out: list[memoryview | None] = [None] * len(ids)
         with self._lock:
             view = self._view()
-            if view is None or self._room(sample_id, len(payload), len(view)) is None:
-                return None
-            offset = self._fill_room(sample_id, payload)
-            return None if offset is None else view[offset : offset + len(payload)]
+            if view is None:
+                return out
+            picked: list[tuple[int, int, memoryview]] = []
+            for k, (sample_id, value) in enumerate(zip(ids, values)):
+                if value is None or len(value) < CHECKSUM_BYTES:
+                    continue
+                offset = self._room(sample_id, len(value) - CHECKSUM_BYTES, len(view))
+                if offset is not None:
+                    picked.append((k, offset, value))
+            # The view is held meanwhile, so the client's letting go cannot unmap the segment under the copy.
+            intact = payloads_into([value for *_, value in picked], view, [offset for _, offset, _ in picked])
+            for (k, offset, value), ok in zip(picked, intact):
+                if ok:
+                    self.placed[ids[k]] = self._rooms.pop(ids[k])
+                    out[k] = view[offset : offset + len(value) - CHECKSUM_BYTES]
+        return out
 
     def window(self, served: Sequence[Served]) -> list[int | None]:
         """The offset of each of a window's samples, writing those not forwarded
@@ -146,8 +164,8 @@ class ShmForward:
         offset = self._rooms.get(sample_id)
         if offset is not None:
             return offset
-        offset = next(place([length], min(self.size, mapped), self.at))
-        if offset is None:
+        offset = self.at
+        if offset + length > min(self.size, mapped):
             return None
         self.at = aligned(offset + length)
         self._rooms[sample_id] = offset

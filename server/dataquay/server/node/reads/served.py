@@ -5,6 +5,7 @@ reply's framing."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -15,9 +16,8 @@ Found = tuple[str, bytes | memoryview, int]
 MISSING = "missing"
 
 
-@dataclass(frozen=True)
-class Served:
-    """One distinct sample of a reply."""
+class Served(NamedTuple):
+    """One distinct sample of a reply (a tuple: a read makes one per sample)."""
 
     sample_id: int
     tier: str

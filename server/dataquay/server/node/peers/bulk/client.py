@@ -25,6 +25,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -70,11 +71,12 @@ class Landing(Protocol):
         into the views ``reserve`` gave, passed their checksums there: they
         are where they go, so the event loop is not woken for them."""
 
-    def copy_in(self, sample_id: int, payload: memoryview) -> memoryview | None:
-        """Copies a payload this node read from its own cache (a view into
-        the map, checked) to where it goes: the view it lies in there, or None
-        where it is to be copied into bytes of its own. Called on the event
-        loop, inside the read transaction."""
+    def copy_in(self, ids: Sequence[int], values: list[memoryview | None]) -> list[memoryview | None]:
+        """Copies the payloads of cache values this node read from its own
+        cache (views into the map, each with its checksum) to where they go,
+        checking each there: the view of each intact copy there, or None
+        for one to be checked and copied into bytes of its own (or absent).
+        Called on the event loop, inside the read transaction."""
 
 
 class BulkRefusedError(BulkError):
