@@ -1,7 +1,8 @@
 """The raw baselines of bench/cpu_per_gb.py, each run in processes of its own
 (this file, as a child): a raw TCP stream between two processes, the same
 stream whose receiver also stores into an LMDB opened as a daemon opens its
-cache, and raw LMDB reads with the client's checksum. Each process times
+cache, raw LMDB reads with the client's checksum, and the PFS's files read
+and stored into a fresh such LMDB. Each process times
 its own CPU around the transfer alone and prints it as JSON.
 """
 
@@ -21,7 +22,7 @@ import lmdb
 from common import MiB
 
 from dataquay.client.malloc import tune_malloc
-from dataquay.client.wire.records import checksum, sample_key
+from dataquay.client.wire.records import checksum, encode_value, sample_key
 from dataquay.server.node.cache.file import CacheFile
 
 BATCH = 64
@@ -161,12 +162,41 @@ def _lmdb_read(listing: str) -> None:
     print(json.dumps({"bytes": nbytes, "cpu_s": spent, "wall_s": wall}))
 
 
+def raw_pfs_put(paths: list[str], home: Path) -> dict[str, object]:
+    """The files of ``paths`` read by a plain process, each framed with its
+    xxh3 and put, a batch at a time, into a fresh LMDB opened as a daemon
+    opens its cache: what caching a dataset from the PFS must do (its pages
+    new to the cache, as staging's and the misses' are)."""
+    listing = home / "pfs.json"
+    listing.write_text(json.dumps(paths))
+    got = _answer(_child("--pfs-put", str(listing), "--into", str(home / "pfs-put")))
+    return row("raw_pfs_put", int(got["bytes"]), {"reader": got["cpu_s"]}, got["wall_s"])
+
+
+def _pfs_put(listing: str, into: str) -> None:
+    paths = json.loads(Path(listing).read_text())
+    cache = _baseline_cache(Path(into), 2 * sum(os.path.getsize(p) for p in paths) + 64 * MiB)
+    started, wall, nbytes = time.process_time(), time.perf_counter(), 0
+    for start in range(0, len(paths), BATCH):
+        batch = []
+        for index in range(start, min(start + BATCH, len(paths))):
+            payload = Path(paths[index]).read_bytes()
+            nbytes += len(payload)
+            batch.append((sample_key(index), encode_value(payload)))
+        with cache.env.begin(write=True) as txn:
+            txn.cursor().putmulti(batch, overwrite=False)
+    spent, wall = time.process_time() - started, time.perf_counter() - wall
+    cache.close()
+    print(json.dumps({"bytes": nbytes, "cpu_s": spent, "wall_s": wall}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stream-receive", nargs=1)
     parser.add_argument("--into")
     parser.add_argument("--stream-send", nargs=2)
     parser.add_argument("--lmdb-read", nargs=1)
+    parser.add_argument("--pfs-put", nargs=1)
     args = parser.parse_args()
     tune_malloc()  # as the daemons and the client run
     if args.stream_receive:
@@ -175,6 +205,8 @@ def main() -> None:
         _stream_send(*args.stream_send)
     elif args.lmdb_read:
         _lmdb_read(*args.lmdb_read)
+    elif args.pfs_put:
+        _pfs_put(*args.pfs_put, args.into)
     else:
         parser.error("name a baseline to run")
 

@@ -47,6 +47,10 @@ Baselines, each in processes of its own, on the same bytes:
   cache with py-lmdb (``get``, a copy of each), in the same batches, and
   computes each xxh3 as the client checks it (the target for local hits:
   <= 1.2x).
+- raw PFS + put: a plain process reads the staged dataset's files, frames
+  each with its xxh3 and puts them, a batch at a time, into a fresh LMDB
+  opened as a daemon opens its cache: what caching from the PFS must do
+  (the bound under staging and the misses; for context, not a target).
 
 Every process, baselines included, runs with the allocator settings the
 client uses (``tune_malloc``; the daemons also keep to one malloc arena).
@@ -74,7 +78,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 from common import MiB, back_free_memory, progress, report
-from cpu_baselines import BATCH, PUT_PASSES, raw_lmdb, raw_stream, row
+from cpu_baselines import BATCH, PUT_PASSES, raw_lmdb, raw_pfs_put, raw_stream, row
 from cpu_meter import Meter
 
 from dataquay.client import Client, Dataset, connect
@@ -106,8 +110,8 @@ TARGETS = {
     "local_hit_shm": ("raw_lmdb", 1.2),
     "local_hit_shm_views": ("raw_lmdb", 1.2),
 }
-#: Ratios with no target: the steady exchange over the bound storing sets under it.
-CONTEXT = {"exchange_steady": "raw_stream_put"}
+#: Ratios with no target: each path over the bound storing sets under it.
+CONTEXT = {"exchange_steady": "raw_stream_put", "staging": "raw_pfs_put", "miss": "raw_pfs_put"}
 
 
 # ------------------------------------------------------------------- cluster
@@ -204,13 +208,14 @@ def hits(rig: Rig, root: Path, count: int, size: int, home: Path) -> list[dict[s
     passes = (PASSES + 1) / PASSES
     assert tiers.get("local", 0) * 2 == tiers.get("cache", 0) == 2 * sum(map(len, mine)) * passes, tiers
     assert tiers.get("peer", 0) == 3 * sum(map(len, theirs)) * passes, tiers
-    progress("raw LMDB and raw stream baselines")
+    progress("raw LMDB, raw stream and raw PFS baselines")
     info = n0.GetDataset(pb.GetDatasetRequest(name="hits"))
     rows.append(raw_lmdb(rig.local.daemons[0].cache_dir, info.cache_db, mine, home))
     paths = sorted(str(p) for p in root.rglob("*.bin"))
     streamed = [paths[i] for batch in theirs for i in batch]
     rows.append(raw_stream(streamed, home))
     rows.append(raw_stream(streamed[: len(streamed) * PUT_PASSES // PASSES], home, store=True))
+    rows.append(raw_pfs_put(paths, home))
     return rows
 
 

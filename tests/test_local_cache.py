@@ -138,6 +138,7 @@ def test_payloads_into_copies_each_payload_to_its_offset_and_checks_it_there(mod
     with pytest.raises(ValueError):
         loops.payloads_into(values[:1], target, [0])
 
+
 def test_get_many_returns_payloads_in_request_order_with_none_for_misses(env_path: Path) -> None:
     with LocalCache(env_path) as cache:
         ids = np.array([5, 99, 100, 5, 0, 12345])

@@ -128,6 +128,7 @@ def test_a_cached_value_found_corrupt_in_the_segment_is_served_from_the_pfs_in_i
     stage(served, "imgs")  # waits for the queued repair to commit
     assert daemon_stats(served).corrupt_repaired == 1
 
+
 @pytest.mark.parametrize(
     ("dataset", "ids", "error", "code"),
     [

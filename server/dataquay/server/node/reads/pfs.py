@@ -30,6 +30,7 @@ from dataquay.client.pfs import PfsRangeError, PfsReader, ReadRange, plan_reads
 from dataquay.client.wire.records import encode_value
 from dataquay.server.daemon_threads import DaemonThreadPool
 from dataquay.server.node.reads.claims import PfsClaims, wait_for
+from dataquay.server.node.reads.read_window import ReadWindow
 from dataquay.server.ratelimit import TokenBucket
 from dataquay.server.task_group import STAGING_NICENESS, idle_thread_priority, lower_thread_priority
 
@@ -375,14 +376,14 @@ class PfsPool:
 
         Ranges go to the threads in jobs of several consecutive ranges (up to
         ``_STREAM_JOB_RANGES``), so thread hops stay a small part of the work
-        even for small files. How many jobs are in flight follows
-        ``backlog()``, the fill (0 to 1) of the queue the results go to: it
-        doubles while the queue is nearly empty (the writer waits for reads)
-        and halves once the reads run ahead. From a slow PFS that means every
-        thread; from a fast one, a thread or two, since more would only take
-        the CPU (and the GIL) from the writer they feed. Once the consumer
-        stops iterating, the jobs still queued are dropped and those running
-        stop after their current range.
+        even for small files. How many jobs are in flight is a
+        :class:`ReadWindow`'s: it follows ``backlog()``, the fill (0 to 1)
+        of the queue the results go to, and the rate the reads reach at each
+        size. From a slow PFS that means every thread; from a fast one, a
+        thread or two, since more would only take the CPU (and the GIL) from
+        the writer they feed. Once the consumer stops iterating, the jobs
+        still queued are dropped and those running stop after their current
+        range.
 
         With ``claims`` (:class:`RangeClaims`), a job reads only what the run
         claimed when it was queued and still holds when its thread gets to
@@ -390,8 +391,7 @@ class PfsPool:
         """
         reader = self.reader(dataset, manifest)
         loop = asyncio.get_running_loop()
-        most = 2 * self.threads
-        window = 2
+        window = ReadWindow(most=2 * self.threads)
         progress = _Progress()
         # Each job in flight with its first sample, which a timeout names.
         pending: deque[tuple[asyncio.Future[StagedRead], int]] = deque()
@@ -418,13 +418,10 @@ class PfsPool:
                     self._staging, self._read_skipping, reader, manifest, job, progress, claims
                 )
                 pending.append((future, int(job[0].ids[0])))
-                while len(pending) >= window:
-                    yield await next_job()
-                    fill = backlog()
-                    if fill < 0.05:
-                        window = min(most, window * 2)
-                    elif fill > 0.15:
-                        window = max(1, window // 2)
+                while len(pending) >= window.size:
+                    read = await next_job()
+                    yield read
+                    window.completed(time.monotonic(), read.read_bytes, backlog())
             while pending:
                 yield await next_job()
         finally:
