@@ -4,7 +4,6 @@ in another process (as the daemon is), real forks."""
 from __future__ import annotations
 
 import mmap
-
 import multiprocessing
 import os
 import pickle
