@@ -96,7 +96,11 @@ from dataquay.server.tools.synthetic import make_files_dataset
 #: A batch a trainer that asks for more per call reads: what the daemon spends per call, spread wider.
 LARGE_BATCH = 256
 #: Reads of every cached sample per timed run of the hit paths and their baselines.
-PASSES = 16
+PASSES = 48
+#: Rounds each hit path is measured in, each followed by its baseline on the
+#: same samples: a ratio per round, so that a machine whose load drifts over
+#: minutes moves both sides of each ratio alike.
+ROUNDS = 4
 #: Exchanges measured together once both nodes send and receive (see :func:`exchange`).
 STEADY_EPOCHS = 3
 #: CPU seconds per GB of a path over its baseline: the targets on the results page.
@@ -167,8 +171,9 @@ def _read_shm(client: Client, ds: Dataset, batches: list[list[int]], size: int, 
         assert len(held) == len(batch) and sum(map(len, held)) == len(batch) * size
 
 
-def hits(rig: Rig, root: Path, count: int, size: int, home: Path) -> list[dict[str, object]]:
-    """Staging, local hits, peer hits and both baselines, on one dataset."""
+def hits(rig: Rig, root: Path, count: int, size: int, home: Path, fills: Callable[[], None]) -> list[dict[str, object]]:
+    """Staging and its baseline (``fills`` run before it), local hits, peer
+    hits and their baselines, on one dataset."""
     n0 = rig.stubs[0]
     n0.AddDataset(pb.AddDatasetRequest(name="hits", root=str(root)))
     n0.JoinJob(jpb.JoinJobRequest(spec=jpb.JobSpec(job_id="hits", dataset="hits", nodes=["node-0", "node-1"])))
@@ -180,6 +185,9 @@ def hits(rig: Rig, root: Path, count: int, size: int, home: Path) -> list[dict[s
 
     progress(f"staging {count} samples over two nodes")
     rows = [rig.timed("staging", count * size, stage, client=False)]
+    paths = sorted(str(p) for p in root.rglob("*.bin"))
+    fills()  # as before staging: its pages are new to the LMDB too
+    rows.append(raw_pfs_put(paths, home))
     ds = rig.client.dataset("hits")
     owner = ds.sampler(job="hits", rank=0, world_size=2).owners(0)
     rng = np.random.default_rng(0)
@@ -197,26 +205,44 @@ def hits(rig: Rig, root: Path, count: int, size: int, home: Path) -> list[dict[s
         "peer_hit_views": lambda batches: _read_all(ds, batches, size, copy=False),
         "peer_hit_views_large": lambda batches: _read_all(ds, batches, size, copy=False),
     }
+    info = n0.GetDataset(pb.GetDatasetRequest(name="hits"))
+    baselines: dict[str, Callable[[list[list[int]]], dict[str, object]]] = {
+        "raw_lmdb": lambda batches: raw_lmdb(rig.local.daemons[0].cache_dir, info.cache_db, batches, home),
+        "raw_stream": lambda batches: raw_stream([paths[i] for batch in batches for i in batch], home),
+    }
+    baseline_rounds: dict[str, list[dict[str, object]]] = {name: [] for name in baselines}
     for path, reader in read.items():
         batches = (theirs_large if path.endswith("large") else theirs) if path.startswith("peer") else mine
-        progress(path.replace("_", " "))
+        baseline = TARGETS[path][0]
+        progress(f"{path.replace('_', ' ')}, in {ROUNDS} rounds each followed by {baseline.replace('_', ' ')}")
         # One pass untimed first: a job's reads find the client's segments and the connections made.
         reader(batches[: len(batches) // PASSES])
-        rows.append(rig.timed(path, sum(map(len, batches)) * size, lambda: reader(batches)))
+        rounds, paired = [], []
+        step = len(batches) // ROUNDS
+        for chunk in (batches[k * step : (k + 1) * step] for k in range(ROUNDS)):
+            rounds.append(rig.timed(path, sum(map(len, chunk)) * size, lambda: reader(chunk)))
+            baseline_rounds[baseline].append(baselines[baseline](chunk))
+            paired.append(float(rounds[-1]["cpu_s_per_GB"]) / float(baseline_rounds[baseline][-1]["cpu_s_per_GB"]))  # type: ignore[arg-type]
+        rows.append({**summed(path, rounds), "paired_ratios": paired})
     after = rig.client.stats().samples
     tiers = {tier: after[tier] - before.get(tier, 0) for tier in after if after[tier] != before.get(tier, 0)}
-    passes = (PASSES + 1) / PASSES
-    assert tiers.get("local", 0) * 2 == tiers.get("cache", 0) == 2 * sum(map(len, mine)) * passes, tiers
-    assert tiers.get("peer", 0) == 3 * sum(map(len, theirs)) * passes, tiers
-    progress("raw LMDB, raw stream and raw PFS baselines")
-    info = n0.GetDataset(pb.GetDatasetRequest(name="hits"))
-    rows.append(raw_lmdb(rig.local.daemons[0].cache_dir, info.cache_db, mine, home))
-    paths = sorted(str(p) for p in root.rglob("*.bin"))
+    # Every id read PASSES times timed and once untimed.
+    assert tiers.get("local", 0) * 2 == tiers.get("cache", 0) == 2 * sum(map(len, mine)) // PASSES * (PASSES + 1), tiers
+    assert tiers.get("peer", 0) == 3 * sum(map(len, theirs)) // PASSES * (PASSES + 1), tiers
+    rows.extend(summed(name, parts) for name, parts in baseline_rounds.items())
+    progress("raw stream + put baseline")
     streamed = [paths[i] for batch in theirs for i in batch]
-    rows.append(raw_stream(streamed, home))
     rows.append(raw_stream(streamed[: len(streamed) * PUT_PASSES // PASSES], home, store=True))
-    rows.append(raw_pfs_put(paths, home))
     return rows
+
+
+def summed(path: str, parts: list[dict[str, object]]) -> dict[str, object]:
+    """One row for the rounds ``parts`` of one path: their bytes, wall time and each process's seconds added."""
+    totals = ("cpu_s", "wall_s")
+    roles = {key[: -len("_s")] for part in parts for key in part if key.endswith("_s") and key not in totals}
+    spent = {role: sum(float(part.get(f"{role}_s", 0.0)) for part in parts) for role in sorted(roles)}  # type: ignore[arg-type]
+    nbytes = round(sum(float(part["MB"]) for part in parts) * 1e6)  # type: ignore[arg-type]
+    return row(path, nbytes, spent, sum(float(part["wall_s"]) for part in parts))  # type: ignore[arg-type]
 
 
 def miss(rig: Rig, root: Path, count: int, size: int) -> dict[str, object]:
@@ -298,25 +324,34 @@ def medians(runs: list[list[dict[str, object]]]) -> list[dict[str, object]]:
     out = []
     for rows in zip(*runs):
         ranked = sorted(rows, key=lambda r: float(r["cpu_s_per_GB"]))
-        out.append({**ranked[len(ranked) // 2], "runs_cpu_s_per_GB": [r["cpu_s_per_GB"] for r in rows]})
+        median = {**ranked[len(ranked) // 2], "runs_cpu_s_per_GB": [r["cpu_s_per_GB"] for r in rows]}
+        if "paired_ratios" in median:
+            median["paired_ratios"] = [ratio for r in rows for ratio in r["paired_ratios"]]  # type: ignore[attr-defined]
+        out.append(median)
     return out
 
 
 def ratios(rows: list[dict[str, object]]) -> list[dict[str, object]]:
-    """Each path's CPU per GB over its baseline's in the same run, the
-    median over runs (a loaded machine moves a path and its baseline
-    together), against the target; each run's ratio beside it. Then the
-    ratios kept for context (target None)."""
+    """Each path's CPU per GB over its baseline's, the median against the
+    target, every ratio it is the median of beside it: for the hit paths one
+    per round of every run (each round followed by its baseline on the same
+    samples), for the others one per run (a loaded machine moves a path and
+    its baseline together). Then the ratios kept for context (target None)."""
     per_gb = {str(r["path"]): r.get("runs_cpu_s_per_GB", [r["cpu_s_per_GB"]]) for r in rows}
+    paired = {str(r["path"]): r["paired_ratios"] for r in rows if "paired_ratios" in r}
     compared: list[tuple[str, str, float | None]] = [(p, b, t) for p, (b, t) in TARGETS.items()]
     compared += [(p, b, None) for p, b in CONTEXT.items()]
     out = []
     for path, baseline, target in compared:
-        if path in per_gb and baseline in per_gb:
+        if path in paired and target is not None:
+            runs = [float(ratio) for ratio in paired[path]]  # type: ignore[attr-defined]
+        elif path in per_gb and baseline in per_gb:
             runs = [float(a) / float(b) for a, b in zip(per_gb[path], per_gb[baseline], strict=True)]  # type: ignore[call-overload]
-            ratio = statistics.median(runs)
-            met = None if target is None else ratio <= target
-            out.append({"path": path, "baseline": baseline, "ratio": ratio, "runs": runs, "target": target, "met": met})
+        else:
+            continue
+        ratio = statistics.median(runs)
+        met = None if target is None else ratio <= target
+        out.append({"path": path, "baseline": baseline, "ratio": ratio, "runs": runs, "target": target, "met": met})
     return out
 
 
@@ -340,7 +375,7 @@ def run(base: Path, total_bytes: int, size: int, backed: bool = False) -> list[d
         try:
             fills = back_free_memory if backed else lambda: None
             fills()
-            rows = hits(rig, roots["hits"], count, size, home)
+            rows = hits(rig, roots["hits"], count, size, home, fills)
             fills()
             rows.append(miss(rig, roots["miss"], miss_count, size))
             rows.extend(exchange(rig, roots["xch"], exchange_count, fills))

@@ -49,7 +49,11 @@ def test_cpu_seconds_counts_what_a_child_spends_while_its_parent_sleeps(bench: M
     assert spent >= 0.4
 
 
-def test_a_toy_run_measures_every_path_and_its_baseline_on_the_same_bytes(bench: ModuleType, tmp_path: Path) -> None:
+def test_a_toy_run_measures_every_path_and_its_baseline_on_the_same_bytes(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench, "PASSES", 8)
+    monkeypatch.setattr(bench, "ROUNDS", 2)
     rows = bench.run(tmp_path, 24 << 20, SIZE)
     by = {r["path"]: r for r in rows}
     assert set(by) == {
@@ -63,13 +67,17 @@ def test_a_toy_run_measures_every_path_and_its_baseline_on_the_same_bytes(bench:
         "raw_lmdb",
         "raw_stream",
         "raw_stream_put",
+        "raw_pfs_put",
         "miss",
         "exchange",
         "exchange_steady",
     }
-    assert by["local_hit"]["MB"] == by["local_hit_shm_views"]["MB"] == by["raw_lmdb"]["MB"]
+    # Each hit path's rounds are each followed by its baseline's, on the same samples.
+    assert by["local_hit"]["MB"] == by["local_hit_shm_views"]["MB"] == pytest.approx(by["raw_lmdb"]["MB"] / 3)
     assert by["peer_hit"]["MB"] == by["peer_hit_views"]["MB"] == by["peer_hit_views_large"]["MB"]
-    assert by["peer_hit"]["MB"] == by["raw_stream"]["MB"]
+    assert by["peer_hit"]["MB"] == pytest.approx(by["raw_stream"]["MB"] / 3)
+    assert by["raw_pfs_put"]["MB"] == pytest.approx(by["staging"]["MB"])
+    assert all(len(by[path]["paired_ratios"]) == bench.ROUNDS for path in bench.TARGETS if path in by and "hit" in path)
     assert by["local_hit"]["MB"] + by["peer_hit"]["MB"] == pytest.approx(bench.PASSES * by["staging"]["MB"])
     assert all(float(r["cpu_s"]) >= 0 for r in rows)
     # Over the bytes sent: three exchanges move more than the first alone.

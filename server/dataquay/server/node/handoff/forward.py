@@ -17,8 +17,8 @@ through the segment for the whole reply.
 
 The reply marks the payloads checked in place (``Sample.checked_in_place``),
 which the trainer then need not check again (:mod:`dataquay.client.remote`):
-those, and those copied into a memfd segment from this node's cache, whose
-values the read checked against the checksums stored with them.
+those, and those copied into a memfd segment from this node's cache, each
+checked there against the checksum stored with it.
 A /dev/shm segment is written with ``pwrite`` only, when the window is
 answered.
 """
@@ -125,9 +125,8 @@ class ShmForward:
     def trusted(self, served: Sequence[Served]) -> set[int]:
         """The ids of ``served`` whose payloads the trainer need not check in
         a memfd segment: received there and checked there, or copied there
-        from this node's cache (checked against its stored checksum as it was
-        read: a check per hop, and the segment adds none); none in a /dev/shm
-        segment."""
+        from this node's cache (checked against its stored checksum: a check
+        per hop, and the segment adds none); none in a /dev/shm segment."""
         if self._mapping is None:
             return set()
         with self._lock:
