@@ -29,6 +29,29 @@
  * other reader threads (DataLoader threads, a prefetcher) run meanwhile. */
 #define RELEASE_GIL_BYTES (64 * 1024)
 
+/* Runs stmt, without the GIL where size is at least RELEASE_GIL_BYTES. */
+#define RUN_SIZED(size, stmt)                   \
+    do {                                        \
+        if ((size) >= RELEASE_GIL_BYTES) {      \
+            Py_BEGIN_ALLOW_THREADS              \
+            stmt;                               \
+            Py_END_ALLOW_THREADS                \
+        } else {                                \
+            stmt;                               \
+        }                                       \
+    } while (0)
+
+/* A list of bools from count flags; NULL with an exception set. */
+static PyObject *
+bool_list(const char *flags, Py_ssize_t count)
+{
+    PyObject *out = PyList_New(count);
+    if (out != NULL)
+        for (Py_ssize_t i = 0; i < count; i++)
+            PyList_SET_ITEM(out, i, PyBool_FromLong(flags[i]));
+    return out;
+}
+
 PyDoc_STRVAR(sample_keys_doc,
 "sample_keys(ids, /) -> list[bytes]\n\n"
 "LMDB keys of a sequence of int ids.\n\n"
@@ -96,13 +119,7 @@ payload_copy(const unsigned char *value, Py_ssize_t length, int verify)
     for (int b = CHECKSUM_BYTES - 1; b >= 0; b--)
         stored = (stored << 8) | value[b];
     int intact;
-    if (size >= RELEASE_GIL_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        intact = copy_intact(target, value + CHECKSUM_BYTES, (size_t)size, verify, stored);
-        Py_END_ALLOW_THREADS
-    } else {
-        intact = copy_intact(target, value + CHECKSUM_BYTES, (size_t)size, verify, stored);
-    }
+    RUN_SIZED(size, intact = copy_intact(target, value + CHECKSUM_BYTES, (size_t)size, verify, stored));
     if (!intact) {
         Py_DECREF(payload);
         Py_RETURN_NONE;
@@ -164,6 +181,14 @@ fail:
     return NULL;
 }
 
+/* Copies size bytes to target; their xxh3 when hash, else digest. */
+static uint64_t
+copy_hashed(unsigned char *target, const void *source, size_t size, int hash, uint64_t digest)
+{
+    memcpy(target, source, size);
+    return hash ? XXH3_64bits(target, size) : digest;
+}
+
 PyDoc_STRVAR(encode_value_doc,
 "encode_value(payload, digest=None, /) -> bytes\n\n"
 "The cache value of a payload: its xxh3-64 (digest, when the caller has it)\n"
@@ -190,17 +215,7 @@ encode_value(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (value != NULL) {
         unsigned char *target = (unsigned char *)PyBytes_AS_STRING(value);
         size_t size = (size_t)payload.len;
-        if (size >= RELEASE_GIL_BYTES) {
-            Py_BEGIN_ALLOW_THREADS
-            memcpy(target + CHECKSUM_BYTES, payload.buf, size);
-            if (hash)
-                digest = XXH3_64bits(target + CHECKSUM_BYTES, size);
-            Py_END_ALLOW_THREADS
-        } else {
-            memcpy(target + CHECKSUM_BYTES, payload.buf, size);
-            if (hash)
-                digest = XXH3_64bits(target + CHECKSUM_BYTES, size);
-        }
+        RUN_SIZED(size, digest = copy_hashed(target + CHECKSUM_BYTES, payload.buf, size, hash, digest));
         for (int b = 0; b < CHECKSUM_BYTES; b++, digest >>= 8)
             target[b] = (unsigned char)digest;
     }
@@ -252,17 +267,8 @@ values_intact(PyObject *module, PyObject *values)
             goto done;
         total += views[held].len;
     }
-    if (total >= RELEASE_GIL_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        check_all(views, count, intact);
-        Py_END_ALLOW_THREADS
-    } else {
-        check_all(views, count, intact);
-    }
-    out = PyList_New(count);
-    if (out != NULL)
-        for (Py_ssize_t i = 0; i < count; i++)
-            PyList_SET_ITEM(out, i, PyBool_FromLong(intact[i]));
+    RUN_SIZED(total, check_all(views, count, intact));
+    out = bool_list(intact, count);
 done:
     for (Py_ssize_t i = 0; i < held; i++)
         PyBuffer_Release(&views[i]);
@@ -355,17 +361,8 @@ payloads_into(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         values[i] = (placed_value){views[i].buf, views[i].len, offset};
         total += size;
     }
-    if (total >= RELEASE_GIL_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        copy_all_intact(target.buf, values, count, intact);
-        Py_END_ALLOW_THREADS
-    } else {
-        copy_all_intact(target.buf, values, count, intact);
-    }
-    out = PyList_New(count);
-    if (out != NULL)
-        for (Py_ssize_t i = 0; i < count; i++)
-            PyList_SET_ITEM(out, i, PyBool_FromLong(intact[i]));
+    RUN_SIZED(total, copy_all_intact(target.buf, values, count, intact));
+    out = bool_list(intact, count);
 done:
     for (Py_ssize_t i = 0; i < held; i++)
         PyBuffer_Release(&views[i]);
