@@ -4,9 +4,8 @@ Reads that wait on the PFS (a network file system's open and read latency)
 need many in flight to keep the cache writer fed. Reads the page cache or a
 fast disk answers wait for nothing: there every extra thread only contends
 for the GIL and the cores, and the reads get slower in wall time and cost
-more CPU per byte (on a 2-core node, staging from the page cache took 1.7x
-the CPU per GB with 8 threads than with 2, and 1.8x the time). Which of the
-two a PFS is, and how loaded it is, only the reads themselves can tell.
+more CPU per byte. Which of the two a PFS is, and how loaded it is, only
+the reads themselves can tell.
 
 So the window follows two signals. The writer's queue: while it is nearly
 empty the reads are what it waits for, and the window may grow; once reads
