@@ -33,7 +33,7 @@ import numpy as np
 from dataquay.client.wire.record_loops import payloads_into
 from dataquay.client.wire.records import CHECKSUM_BYTES
 from dataquay.client.wire.tiers import CACHE
-from dataquay.server.node.handoff.segments import ShmSegments, aligned
+from dataquay.server.node.handoff.segments import ShmSegments, aligned, fit
 from dataquay.server.node.reads.served import Served
 
 
@@ -163,8 +163,8 @@ class ShmForward:
         offset = self._rooms.get(sample_id)
         if offset is not None:
             return offset
-        offset = self.at
-        if offset + length > min(self.size, mapped):
+        offset = fit(self.at, length, min(self.size, mapped))
+        if offset is None:
             return None
         self.at = aligned(offset + length)
         self._rooms[sample_id] = offset

@@ -317,11 +317,15 @@ def place(payload_sizes: Iterable[int], capacity: int, start: int = 0) -> Iterat
     """Offsets for payloads laid out one after another from ``start``; None for one that does not fit."""
     pos = start
     for size in payload_sizes:
-        if pos + size > capacity:
-            yield None
-            continue
-        yield pos
-        pos = aligned(pos + size)
+        offset = fit(pos, size, capacity)
+        if offset is not None:
+            pos = aligned(offset + size)
+        yield offset
+
+
+def fit(pos: int, size: int, capacity: int) -> int | None:
+    """``pos``, where a payload of ``size`` bytes placed there ends within ``capacity``; else None."""
+    return pos if pos + size <= capacity else None
 
 
 def aligned(offset: int) -> int:
