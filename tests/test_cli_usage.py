@@ -91,4 +91,5 @@ def test_a_reader_that_stops_early_ends_the_command_quietly() -> None:
         process.stdout.close()
         stderr = process.stderr.read().decode()
         assert process.wait(timeout=60) == 128 + signal.SIGPIPE
-    assert stderr == ""
+    # A slow machine may see the simulation's progress lines; nothing else.
+    assert all(line.startswith("simulated ") for line in stderr.splitlines()), stderr

@@ -13,6 +13,7 @@ import pytest
 from dataquay.client.job_settings import JobSettings
 from dataquay.client.placement import JobPlan, locality_balance, moves, node_orders, owners
 from dataquay.server.cli import main
+from dataquay.server.cli import simulate as simulate_cli
 from dataquay.server.planning.capacity import EXCHANGE_HEADROOM_BYTES, exchange_staging_limit, stored_bytes
 from dataquay.server.sizes import format_bytes, parse_size
 from dataquay.server.tools.simulate import Rates, Scenario, estimate, simulate, spread
@@ -167,6 +168,17 @@ def test_json_has_the_inputs_and_one_entry_per_epoch() -> None:
     assert doc["epochs"][0]["pfs_bytes"] == SAMPLES * 1000
     assert all(0 <= e["imbalance_percent"]["median"] <= e["imbalance_percent"]["p90"] <= 100 for e in doc["epochs"])
     assert all(e["transfers_per_batch"]["max"] <= NODES - 1 for e in doc["epochs"])
+
+
+@pytest.mark.parametrize(("every_s", "lines"), [(0.0, 3), (3600.0, 1)])
+def test_a_long_simulation_reports_progress_on_stderr_at_most_every_interval(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], every_s: float, lines: int
+) -> None:
+    monkeypatch.setattr(simulate_cli, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(simulate_cli, "PROGRESS_EVERY_S", every_s)
+    assert main(["simulate", *cli_args("local", "--epochs", "3")]) == 0
+    progress = capsys.readouterr().err.splitlines()
+    assert len(progress) == lines and progress[0].startswith("simulated 1/3 epochs in ")
 
 
 def test_table_warns_when_the_exchange_cannot_hide_inside_an_epoch() -> None:

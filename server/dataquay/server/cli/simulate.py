@@ -35,8 +35,10 @@ from dataquay.server.tools.simulate import (
     spread,
 )
 
-#: Simulations that run longer than this report each epoch on stderr.
+#: Simulations that run longer than this report their progress on stderr,
+#: a line at most every PROGRESS_EVERY_S.
 PROGRESS_AFTER_S = 2.0
+PROGRESS_EVERY_S = 1.0
 
 # The fields that the model's ValueErrors name, and the flags that set them.
 _FLAGS = {
@@ -351,16 +353,16 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     scenario, rates = _inputs(args)
     links = _links(rates)
     epochs = []
-    started = last = time.monotonic()
+    started = time.monotonic()
+    next_report = started + PROGRESS_AFTER_S
     for traffic in simulate(scenario, args.epochs):
         est = None if rates is None else estimate(scenario, traffic, rates)
         epochs.append(_epoch_json(scenario, traffic, est, links))
         now = time.monotonic()
-        if now - started > PROGRESS_AFTER_S:
-            print(
-                f"simulated epoch {traffic.epoch + 1}/{args.epochs} in {now - last:.1f} s", file=sys.stderr, flush=True
-            )
-        last = now
+        if now >= next_report:
+            done = traffic.epoch + 1
+            print(f"simulated {done}/{args.epochs} epochs in {now - started:.0f} s", file=sys.stderr, flush=True)
+            next_report = now + PROGRESS_EVERY_S
     room = _room(scenario)
     warnings = _warnings(scenario, epochs)
     if scenario.cache_bytes is not None:
