@@ -1,8 +1,4 @@
 """The dataquay node daemon, its CLI and its operational pieces."""
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("dataquay")
-except PackageNotFoundError:
-    __version__ = "0+unknown"
+#: The package's version; pyproject.toml reads it from here.
+__version__ = "0.1.0"
