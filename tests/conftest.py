@@ -26,6 +26,17 @@ settings.load_profile("dataquay")
 
 
 @pytest.fixture(autouse=True, scope="session")
+def one_blas_thread() -> Iterator[None]:
+    """Every process the tests start (trainers, examples, tools) loads numpy
+    with one OpenBLAS thread, as dataquay's own commands do: on a small test
+    machine a thread per core at each of a thousand processes' start is a
+    tenth of the suite's CPU, spent on nothing it tests."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OPENBLAS_NUM_THREADS", "1")
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
 def dataset_roots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Allows every test's temp dirs as dataset roots to the servers that
     tests start themselves (they inherit the environment); the fixtures

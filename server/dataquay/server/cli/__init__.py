@@ -7,6 +7,7 @@ Exit codes: 0 success, 1 the operation failed (one line on stderr says why),
 2 bad usage.
 """
 
+# ruff: noqa: E402 (numpy is loaded first, on dataquay's terms: see one_blas_thread)
 from __future__ import annotations
 
 import argparse
@@ -14,6 +15,10 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+
+from dataquay.server.cli.one_blas_thread import import_numpy
+
+import_numpy()  # before any command's module loads it
 
 from dataquay.server import __version__
 from dataquay.server.cli import analyze, bench, cache, cluster, config, directory, node, simulate, slurm, token
