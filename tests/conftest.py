@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import forked_servers
 import grpc
 import pytest
 from hypothesis import settings
@@ -13,6 +14,7 @@ from hypothesis import settings
 import dataquay.client as dq
 from dataquay.client.wire.channels import channel_options
 from dataquay.protos import directory_pb2_grpc
+from dataquay.server.tools import processes
 from dataquay.server.tools.local_cluster import LocalCluster, TlsFiles
 from dataquay.server.tools.processes import DaemonProcess, DirectoryProcess
 
@@ -33,6 +35,14 @@ def one_blas_thread() -> Iterator[None]:
     tenth of the suite's CPU, spent on nothing it tests."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OPENBLAS_NUM_THREADS", "1")
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def forked_server_starts() -> Iterator[None]:
+    """Servers start forked from one that loaded dataquay once: see forked_servers."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(processes, "launch", forked_servers.launch)
         yield
 
 

@@ -17,9 +17,17 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import Any, BinaryIO, ClassVar, Self
 
 from dataquay.server.errors import StartupError
+
+
+def launch(args: list[str], log: BinaryIO, start_new_session: bool) -> subprocess.Popen[bytes]:
+    """Runs a server's command line, its output into ``log``. A module
+    function, so that a test harness may start servers its own way."""
+    return subprocess.Popen(
+        args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=start_new_session
+    )
 
 
 @dataclass
@@ -67,15 +75,8 @@ class ServerProcess:
         self.ready_file.unlink(missing_ok=True)
         roots = ("--dataset-roots", os.pathsep.join(map(str, self.dataset_roots))) if self.dataset_roots else ()
         args = [*self.prefix, sys.executable, "-m", "dataquay.server.cli", *self.command(), *roots, *self.extra_args]
-        log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
-            args,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=self.start_new_session,
-        )
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.process = launch(args, log, self.start_new_session)
         deadline = time.monotonic() + timeout
         while not self.ready_file.exists():
             if self.process.poll() is not None:
