@@ -27,6 +27,12 @@ settings.register_profile("dataquay", deadline=None)
 settings.load_profile("dataquay")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked long go first, so that a run in several workers does not
+    end on one of them while the other workers wait."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_blas_thread() -> Iterator[None]:
     """Every process the tests start (trainers, examples, tools) loads numpy

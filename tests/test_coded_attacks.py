@@ -229,7 +229,7 @@ def test_a_datagram_captured_in_one_pass_is_refused_and_counted_in_the_next(secu
         nodes.report(0)
         assert_coded(nodes.wait_exchanged(1))
         wait_until(lambda: len(sniffer.captured) > 0, "the sniffer captured pass 1", poll=0.05)
-        # A sample of it is enough, and a flood of a whole pass would cost the test's CPU, not the daemons' logic.
+        # A sample of the pass is enough: replaying all of it over and over only costs CPU.
         first_pass = sniffer.captured[:REPLAYED]
         sniffer.inject(lambda: first_pass)
         nodes.report(1)

@@ -49,6 +49,7 @@ def test_cpu_seconds_counts_what_a_child_spends_while_its_parent_sleeps(bench: M
     assert spent >= 0.4
 
 
+@pytest.mark.long
 def test_a_toy_run_measures_every_path_and_its_baseline_on_the_same_bytes(
     bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -129,6 +129,7 @@ def epoch_tiers(records: list[list[dict]]) -> list[dict[str, int]]:
     return by_epoch
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("outage", ["kill", pytest.param("stop", marks=pytest.mark.slow)])
 def test_a_directory_away_for_three_epoch_boundaries_costs_no_locality_and_learns_the_epochs_after(
     cluster: Callable[..., LocalCluster], tmp_path: Path, outage: str

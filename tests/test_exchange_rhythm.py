@@ -106,6 +106,7 @@ QUICK = [
 LONG = [Rhythm(q, cache, epochs=10) for q in (0.1, 0.5, 1.0) for cache in (ADVISED, 2.5, 10.0)]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("rhythm", QUICK, ids=str)
 def test_ranks_that_train_between_batches_read_every_epoch_from_their_own_node(
     cluster: Callable[..., LocalCluster], tmp_path: Path, rhythm: Rhythm
@@ -167,6 +168,7 @@ def metric(local: LocalCluster, node: int, name: str) -> float:
     return float(found[1])
 
 
+@pytest.mark.long
 def test_a_cache_short_of_its_share_misses_what_simulate_predicts_every_epoch(
     cluster: Callable[..., LocalCluster], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

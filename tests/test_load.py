@@ -50,6 +50,7 @@ def _assert_served_right_with_flat_memory(result: LoadResult, seconds: float) ->
     assert result.vm_rss_growth < RSS_GROWTH_BOUND, result.rss
 
 
+@pytest.mark.long
 def test_64_clients_for_10_s_get_every_byte_right_and_the_daemon_memory_stays_flat(
     start_daemon: Callable[..., DaemonProcess], tmp_path: Path
 ) -> None:

@@ -25,6 +25,7 @@ def bench(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     sys.modules.pop("wide_job", None)
 
 
+@pytest.mark.long
 def test_a_job_whose_other_nodes_are_lost_reads_every_sample_from_the_two_caches(
     bench: ModuleType, tmp_path: Path
 ) -> None:

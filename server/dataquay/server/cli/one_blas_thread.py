@@ -17,12 +17,11 @@ SETTING = "OPENBLAS_NUM_THREADS"
 
 def import_numpy() -> None:
     """Loads numpy with one BLAS thread, unless the environment chose a number."""
-    if SETTING in os.environ:
-        import numpy
-
-        return
-    os.environ[SETTING] = "1"
+    chosen = SETTING in os.environ
+    if not chosen:
+        os.environ[SETTING] = "1"
     try:
         import numpy  # noqa: F401
     finally:
-        del os.environ[SETTING]
+        if not chosen:
+            del os.environ[SETTING]
