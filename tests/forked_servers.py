@@ -24,10 +24,10 @@ import sys
 from typing import BinaryIO
 
 from dataquay.server.tools import processes
+from dataquay.server.tools.processes import DATAQUAY_COMMAND
 
 #: How servers start as programs, kept before the fixture puts :func:`launch` in its place.
 start_as_program = processes.launch
-SERVER_COMMAND = [sys.executable, "-m", "dataquay.server.cli"]
 PRELOAD = ["dataquay.server.cli", "dataquay.server.node.daemon", "dataquay.server.directory.server"]
 
 _context = multiprocessing.get_context("forkserver")
@@ -45,7 +45,7 @@ def _serve(argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> Non
         os.dup2(fd, target)
     os.close(log)
     os.close(null)
-    sys.argv = [SERVER_COMMAND[-1], *argv]
+    sys.argv = [DATAQUAY_COMMAND[-1], *argv]
     from dataquay.server.cli import main
 
     sys.exit(main(argv))
@@ -89,9 +89,10 @@ class ForkedServer:
 
 def launch(args: list[str], log: BinaryIO, start_new_session: bool) -> subprocess.Popen[bytes] | ForkedServer:
     """`processes.launch`, forking the servers it can."""
-    if start_new_session or args[: len(SERVER_COMMAND)] != SERVER_COMMAND:
+    # A prefix (netns, setpriv, faketime) comes before the command.
+    if start_new_session or tuple(args[: len(DATAQUAY_COMMAND)]) != DATAQUAY_COMMAND:
         return start_as_program(args, log, start_new_session)
-    argv = args[len(SERVER_COMMAND) :]
+    argv = args[len(DATAQUAY_COMMAND) :]
     # Daemonic: a server a failed test left running is ended when its worker exits.
     process = _context.Process(target=_serve, args=(argv, dict(os.environ), os.getcwd(), log.name), daemon=True)
     process.start()

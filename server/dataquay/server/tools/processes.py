@@ -21,6 +21,9 @@ from typing import Any, BinaryIO, ClassVar, Self
 
 from dataquay.server.errors import StartupError
 
+#: The ``dataquay`` command, as this interpreter runs it.
+DATAQUAY_COMMAND = (sys.executable, "-m", "dataquay.server.cli")
+
 
 def launch(args: list[str], log: BinaryIO, start_new_session: bool) -> subprocess.Popen[bytes]:
     """Runs a server's command line, its output into ``log``. A module
@@ -74,7 +77,7 @@ class ServerProcess:
         self.home.mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
         roots = ("--dataset-roots", os.pathsep.join(map(str, self.dataset_roots))) if self.dataset_roots else ()
-        args = [*self.prefix, sys.executable, "-m", "dataquay.server.cli", *self.command(), *roots, *self.extra_args]
+        args = [*self.prefix, *DATAQUAY_COMMAND, *self.command(), *roots, *self.extra_args]
         with open(self.log_path, "ab") as log:
             self.process = launch(args, log, self.start_new_session)
         deadline = time.monotonic() + timeout
@@ -214,4 +217,4 @@ def run_command(*argv: str) -> int:
     """
     sys.stdout.flush()
     sys.stderr.flush()
-    return subprocess.run([sys.executable, "-m", "dataquay.server.cli", *argv]).returncode
+    return subprocess.run([*DATAQUAY_COMMAND, *argv]).returncode
