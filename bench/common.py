@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,13 +20,15 @@ import grpc
 from dataquay.client.wire.channels import channel_options, grpc_target
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
+from dataquay.server.node.cluster.identity import IDENTITY_FILE
 from dataquay.server.tools.processes import DaemonProcess
 
 REPEATS = 3
 KiB = 1 << 10
 MiB = 1 << 20
 SIZES = {"4KiB": 4 * KiB, "110KiB": 110 * KiB, "1MiB": MiB}
-RESULTS = Path(__file__).resolve().parent / "results"
+#: Where results go: bench/results/, or BENCH_RESULTS (a run on another machine).
+RESULTS = Path(os.environ.get("BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
 
 def stub(daemon: DaemonProcess) -> cache_pb2_grpc.CacheStub:
@@ -44,9 +47,40 @@ def stage(daemon: DaemonProcess, name: str) -> pb.StageProgress:
     return last
 
 
+def wipe_cache(cache_dir: Path) -> None:
+    """Empties a stopped node's cache dir but for its identity key: the node
+    comes back as itself, which the directory lets take its name at once
+    (a new key would wait out the old one's lease)."""
+    for entry in cache_dir.iterdir():
+        if entry.name == IDENTITY_FILE:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    return f"{os.cpu_count()} cores {cpu}, Python {platform.python_version()}, {platform.system()} {platform.release()}"
+    """The machine a result was measured on: cores, processor model, Python, kernel."""
+    return (
+        f"{os.cpu_count()} cores {_processor()}, Python {platform.python_version()}, "
+        f"{platform.system()} {platform.release()}"
+    )
+
+
+def load_average() -> str:
+    """The machine's load averages over 1, 5 and 15 minutes, recorded when a
+    run starts and ends: a shared machine's other work moves wall-time ratios."""
+    return "load average: " + ", ".join(f"{load:.2f}" for load in os.getloadavg())
+
+
+def _processor() -> str:
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    model = next((line.partition(":")[2].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
+    return model or platform.processor() or platform.machine()
 
 
 def report(

@@ -31,7 +31,6 @@ and whether it moves what the placement says.
 
 from __future__ import annotations
 
-import shutil
 import statistics
 import tempfile
 import time
@@ -39,7 +38,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from common import REPEATS, MiB, progress, report
+from common import REPEATS, MiB, progress, report, wipe_cache
 
 from dataquay.client.jobs import job_plan
 from dataquay.client.malloc import tune_malloc
@@ -49,7 +48,6 @@ from dataquay.client.wire.channels import channel_options
 from dataquay.protos import cache_pb2 as pb
 from dataquay.protos import cache_pb2_grpc
 from dataquay.protos import jobs_pb2 as jpb
-from dataquay.server.node.cluster.identity import IDENTITY_FILE
 from dataquay.server.tools.local_cluster import LocalCluster
 from dataquay.server.tools.synthetic import make_files_dataset, sample_bytes
 from dataquay.server.tools.trainers import RankGroup
@@ -91,18 +89,6 @@ def _exchange_run(stub: cache_pb2_grpc.CacheStub, job: str, epoch: int, timeout:
     raise RuntimeError(f"exchange of {job} into epoch {epoch} did not finish")
 
 
-def _wipe_cache(cache_dir: Path) -> None:
-    """Empties a node's cache dir but for its identity key: the node comes
-    back as itself, which the directory lets take its name at once."""
-    for entry in cache_dir.iterdir():
-        if entry.name == IDENTITY_FILE:
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-
-
 def throughput(base: Path) -> list[dict[str, object]]:
     rows = []
     for label, size in SIZES.items():
@@ -119,7 +105,7 @@ def throughput(base: Path) -> list[dict[str, object]]:
             for round_ in range(REPEATS):
                 progress(f"throughput {label}: round {round_ + 1} of {REPEATS}")
                 local.kill_node(1)
-                _wipe_cache(local.daemons[1].cache_dir)
+                wipe_cache(local.daemons[1].cache_dir)
                 local.restart_node(1)
                 job_id = f"x-{label}-{round_}"
                 spec = jpb.JobSpec(

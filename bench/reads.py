@@ -23,13 +23,12 @@ alone, nothing cached behind).
 from __future__ import annotations
 
 import os
-import subprocess
 import tempfile
 from pathlib import Path
 
 import lmdb
 import numpy as np
-from common import REPEATS, SIZES, MiB, back_free_memory, progress, register, report, stage, stub
+from common import REPEATS, SIZES, MiB, back_free_memory, load_average, progress, register, report, stage, stub
 
 from dataquay.client import Client, Dataset, connect
 from dataquay.client.malloc import tune_malloc
@@ -264,11 +263,6 @@ def _cached(daemon: DaemonProcess) -> int:
     return int(stub(daemon).GetDataset(pb.GetDatasetRequest(name="miss")).cached_samples)
 
 
-def _uptime() -> str:
-    """``uptime``'s line: the machine's load average when a run starts and ends."""
-    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-
-
 def prepare(paths: list[str], cold: bool) -> None:
     """Backs free memory, then takes the files out of the page cache (``cold``,
     as a PFS serves them: from its servers) or reads them into it."""
@@ -290,7 +284,7 @@ def main() -> None:
     wanted = os.environ.get("BENCH_SIZES", ",".join(SIZES)).split(",")
     parts = os.environ.get("BENCH_PARTS", "local,miss").split(",")
     local_rows, miss_rows = [], []
-    uptime = [_uptime()]
+    loads = [load_average()]
     with tempfile.TemporaryDirectory(prefix="dq-bench-reads-") as tmp:
         base = Path(tmp)
         for label, size in SIZES.items():
@@ -306,7 +300,7 @@ def main() -> None:
                 progress(f"{label}: misses")
                 miss_rows.append(bench_miss(daemon, base, size, label))
             daemon.stop()
-    uptime.append(_uptime())
+    loads.append(load_average())
     report(
         "local_hits",
         local_rows,
@@ -342,7 +336,7 @@ def main() -> None:
             "miss_alone_per_s",
             "miss_alone_ratio",
         ],
-        extra={"uptime": uptime},
+        extra={"load_average": loads},
     )
 
 

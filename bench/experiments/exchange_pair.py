@@ -14,7 +14,6 @@ as much as it takes.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared modules
 
-from common import back_free_memory, progress, stub
+from common import back_free_memory, progress, stub, wipe_cache
 
 from dataquay.client.jobs import job_plan
 from dataquay.client.manifest import Manifest
@@ -129,7 +128,7 @@ def exchange_round(
     the module's docstring for ``grown``)."""
     local.kill_node(1)
     if not (grown and emptied(local.daemons[1].cache_dir, cache_db_name(label, manifest.manifest_id))):
-        shutil.rmtree(local.daemons[1].cache_dir)
+        wipe_cache(local.daemons[1].cache_dir)
     local.restart_node(1)
     with grpc.insecure_channel(str(local.daemons[1].ready["tcp"]), options=channel_options()) as c1:
         # The restarted receiver loads the dataset before the clock starts, not during the exchange.

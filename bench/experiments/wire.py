@@ -58,7 +58,7 @@ untimed round that grows it: the exchange of a later epoch.
 default, as the peer part's): a quarter of it moves per round.
 
 Rates are payload GB/s (10^9 bytes), each the median of ``REPEATS`` runs; the
-ratios are against the raw TCP stream of the same run. ``uptime``'s load
+ratios are against the raw TCP stream of the same run. The load
 average before and after is recorded with the results (the machine is shared).
 ``BENCH_SIZES=110KiB`` runs one size; ``BENCH_PARTS=peer`` the peer hits
 without the exchange (which needs them: they make the dataset);
@@ -86,7 +86,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared modules
 
-from common import REPEATS, MiB, back_free_memory, progress, report
+from common import REPEATS, MiB, back_free_memory, load_average, progress, report
 from exchange_pair import exchange_round, started_pair
 from store_bounds import lmdb_commit, page_cache, stored_values
 
@@ -190,10 +190,6 @@ def _staged(daemons: list[DaemonProcess], label: str, root: Path | None, job_id:
             channel.close()
 
 
-def _uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
 def bench_size(bulk: list[DaemonProcess], plain: list[DaemonProcess], base: Path, label: str, size: int) -> dict:
     count = DATASET_BYTES // size
     progress(f"{label}: {count} samples, staged on two pairs of nodes")
@@ -273,7 +269,7 @@ def bench_size(bulk: list[DaemonProcess], plain: list[DaemonProcess], base: Path
     for run in runs.values():
         run()  # warm: page cache, connections, segments
     peers_before = (bulk_client.stats().samples["peer"], grpc_client.stats().samples["peer"])
-    load_before = _uptime()
+    load_before = load_average()
     rates: dict[str, list[float]] = {name: [] for name in runs}
     for round_ in range(REPEATS):
         progress(f"{label}: round {round_ + 1} of {REPEATS}")
@@ -281,7 +277,7 @@ def bench_size(bulk: list[DaemonProcess], plain: list[DaemonProcess], base: Path
             started = time.perf_counter()
             samples = run()
             rates[name].append(samples * size / (time.perf_counter() - started) / 1e9)
-    load_after = _uptime()
+    load_after = load_average()
     got = (bulk_client.stats().samples["peer"] - peers_before[0], grpc_client.stats().samples["peer"] - peers_before[1])
     assert got == (REPEATS * total, REPEATS * total), f"not every read was a peer hit: {got}"
     with _stub(bulk[0].address)[0] as ch0:
@@ -347,7 +343,7 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
             progress(f"exchange {label}: a round to grow each pair's receiving cache")
             for name, local in clusters.items():
                 exchange_round(local, stubs[name], label, manifests[name], REPEATS, name)
-        load_before = _uptime()
+        load_before = load_average()
         for round_ in range(REPEATS):
             progress(f"exchange {label}: round {round_ + 1} of {REPEATS}")
             # The pairs take turns at going first: the first follows the GBs the
@@ -381,7 +377,7 @@ def bench_exchange(base: Path, label: str, size: int) -> dict:
             rates["page_cache_mmap"].append(mapped / 1e9)
             rates["page_cache_pwrite"].append(written / 1e9)
             del values
-        load_after = _uptime()
+        load_after = load_average()
         bulk_stats = [s.Stats(pb.StatsRequest()).bulk for s in (stubs["bulk"],)]
         assert not bulk_stats[0].fallbacks, "the bulk pair fell back to gRPC"
     finally:
