@@ -6,9 +6,8 @@
 #
 #   bench/offline_run.sh WHEELS OUT [SECONDS]
 #
-# WHEELS holds wheels of every dependency the machine lacks (for its Python;
-# `pip download --only-binary=:all: --python-version 3.12 ...`), setuptools
-# among them if the machine's is older than pyproject.toml needs. The tree is
+# WHEELS holds wheels of dataquay's dependencies for that machine's Python
+# (bench/offline_wheels.sh downloads them), setuptools among them. The tree is
 # built there, its C loops included, into a temporary folder; nothing is
 # installed system-wide. Results (JSON) and logs land in OUT as each
 # benchmark ends; each gets at most SECONDS (default 150), so that a slow

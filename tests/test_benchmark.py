@@ -1,9 +1,12 @@
-"""The data-stall benchmarks' own parts: the page-cache stand-in, and (slow)
-whole quick runs whose figures must show what the benchmarks claim."""
+"""The benchmarks' own parts: the page-cache stand-in, the shell scripts that
+run them on another machine (shellcheck; skipped where it is missing), and
+(slow) whole quick runs whose figures must show what the benchmarks claim."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,8 @@ import pytest
 from dataquay.server.tools import overflow_stall
 from dataquay.server.tools.data_stall import run_benchmark
 from dataquay.server.tools.trainers import PageCache
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 def test_the_page_cache_stand_in_keeps_the_most_recent_samples_within_its_budget() -> None:
@@ -22,6 +27,14 @@ def test_the_page_cache_stand_in_keeps_the_most_recent_samples_within_its_budget
     cache.put({4: b"x" * 11})  # larger than the budget: never held, evicts nothing
     assert cache.get([1, 3, 4]) == ({1: b"aaaa", 3: b"cccc"}, [4])
     assert PageCache(budget=0).get([1]) == ({}, [1])
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_the_benchmarks_shell_scripts_pass_shellcheck() -> None:
+    scripts = sorted(path.name for path in BENCH.glob("*.sh"))
+    assert scripts
+    result = subprocess.run(["shellcheck", *scripts], cwd=BENCH, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.slow
