@@ -17,6 +17,7 @@
 set -euo pipefail
 
 wheels=$(realpath "$1")
+mkdir -p "$2"
 out=$(realpath "$2")
 budget=${3:-150}
 cd "$(dirname "$0")/.."
