@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import lmdb
@@ -39,8 +40,9 @@ def row(path: str, nbytes: int, spent: dict[str, float], wall: float) -> dict[st
     return out
 
 
-def _child(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], stdout=subprocess.PIPE, text=True)
+def _child(*args: str, prefix: Sequence[str] = ()) -> subprocess.Popen[str]:
+    command = [*prefix, sys.executable, str(Path(__file__).resolve()), *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
 
 
 def _answer(process: subprocess.Popen[str]) -> dict[str, float]:
@@ -50,18 +52,19 @@ def _answer(process: subprocess.Popen[str]) -> dict[str, float]:
     return dict(json.loads(out.splitlines()[-1]))
 
 
-def raw_stream(paths: list[str], home: Path, store: bool = False) -> dict[str, object]:
+def raw_stream(paths: list[str], home: Path, store: bool = False, prefix: Sequence[str] = ()) -> dict[str, object]:
     """The files' bytes sent from one process to another over loopback TCP;
     each side times its own CPU around the transfer alone. With ``store`` the
     receiver also puts them into an LMDB of its own, a transaction per batch,
-    as a daemon commits what an exchange brings it."""
+    as a daemon commits what an exchange brings it. Both processes start
+    under ``prefix`` (``ip netns exec NAME``: the loopback of a namespace)."""
     listing = home / "stream.json"
     listing.write_text(json.dumps(paths))
     into = ["--into", str(home / "stream-lmdb")] if store else []
-    receiver = _child("--stream-receive", str(listing), *into)
+    receiver = _child("--stream-receive", str(listing), *into, prefix=prefix)
     assert receiver.stdout is not None
     port = receiver.stdout.readline().strip()
-    sender = _child("--stream-send", str(listing), port)
+    sender = _child("--stream-send", str(listing), port, prefix=prefix)
     sent, got = _answer(sender), _answer(receiver)
     assert got["bytes"] == sent["bytes"], (got, sent)
     nbytes = int(sent["bytes"])

@@ -33,6 +33,12 @@ checksum. Per scheme and round:
 - ``cpu_s_per_gb``: the nodes' CPU seconds (user and system, from the start
   to each holding its samples) per GB of samples delivered;
 - ``*_vs_tcp``: those against the TCP baseline's;
+- ``cpu_s_per_gb_vs_raw_stream``: the CPU per GB against a raw TCP stream
+  (bench/cpu_baselines.py: one process sends the bytes the TCP exchange
+  delivered, as files of the mean sample size, to another, which receives
+  each into a buffer of its own and checks nothing) over the same loopback
+  at the same MTU, run once a round after the schemes: the cost of moving
+  the bytes at all;
 
 - ``payload_vs_plan``: packet and fetch bytes the senders multicast, against
   the planner's :attr:`~dataquay.server.node.exchange.coding.Load.bytes`;
@@ -63,6 +69,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared modules
 
 from common import RESULTS, machine, progress
+from cpu_baselines import raw_stream
 
 from dataquay.server.config import MULTICAST_POOL
 from dataquay.server.node.exchange import mcast
@@ -221,6 +228,30 @@ def one_run(rundir: Path, args: argparse.Namespace, scheme: str, payload_bytes: 
     }
 
 
+def raw_stream_run(scratch: Path, delivered_bytes: int, mean_bytes: int, payload_bytes: int) -> dict[str, object]:
+    """The raw TCP stream of ``delivered_bytes`` in the namespace (see the docstring)."""
+    files = scratch / "raw-stream-files"
+    count = max(1, round(delivered_bytes / mean_bytes))
+    if not files.is_dir() or len(list(files.iterdir())) != count:
+        shutil.rmtree(files, ignore_errors=True)
+        files.mkdir()
+        for index in range(count):
+            (files / f"{index}.bin").write_bytes(os.urandom(mean_bytes))
+    home = scratch / "raw-stream"
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir()
+    paths = [str(files / f"{index}.bin") for index in range(count)]
+    measured = raw_stream(paths, home, prefix=("ip", "netns", "exec", NAMESPACE))
+    return {
+        "scheme": "raw_stream",
+        "payload_bytes_per_datagram": payload_bytes,
+        "delivered_bytes": count * mean_bytes,
+        "cpu_s_per_gb": measured["cpu_s_per_GB"],
+        "wall_s": measured["wall_s"],
+        "load_average": os.getloadavg(),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=8)
@@ -258,6 +289,11 @@ def main() -> None:
                     for scheme in order:
                         progress(f"{payload_bytes} B datagrams, round {round_ + 1}, {scheme}")
                         rows.append({"round": round_, **one_run(Path(scratch) / "run", args, scheme, payload_bytes)})
+                    progress(f"{payload_bytes} B datagrams, round {round_ + 1}, raw stream")
+                    delivered = int(rows[-len(order) :][order.index("tcp")]["delivered_bytes"])  # type: ignore[call-overload]
+                    rows.append(
+                        {"round": round_, **raw_stream_run(Path(scratch), delivered, args.mean_bytes, payload_bytes)}
+                    )
     finally:
         ip("netns", "del", NAMESPACE)
     summary = []
@@ -266,6 +302,13 @@ def main() -> None:
             s: [r for r in rows if r["scheme"] == s and r["payload_bytes_per_datagram"] == mcast.payload_bytes(mtu)]
             for s in SCHEMES
         }
+
+        raw = [
+            r
+            for r in rows
+            if r["scheme"] == "raw_stream" and r["payload_bytes_per_datagram"] == mcast.payload_bytes(mtu)
+        ]
+        raw_cpu = statistics.median(float(r["cpu_s_per_gb"]) for r in raw)  # type: ignore[arg-type]
 
         def median(scheme: str, key: str) -> float:
             return float(statistics.median(float(r[key]) for r in runs[scheme]))  # type: ignore[arg-type]
@@ -279,6 +322,8 @@ def main() -> None:
                 "planned_transmissions": mine[0]["planned_transmissions"],
                 **{k: median(scheme, k) for k in COMPARED},
                 **{f"{k}_vs_tcp": median(scheme, k) / median("tcp", k) for k in COMPARED},
+                "raw_stream_cpu_s_per_gb": raw_cpu,
+                "cpu_s_per_gb_vs_raw_stream": median(scheme, "cpu_s_per_gb") / raw_cpu,
             }
             if scheme != "tcp":
                 line |= {
