@@ -16,6 +16,14 @@
 # default's 32 MiB take a few tens of milliseconds.
 set -euo pipefail
 
+if [ $# -lt 2 ] || [ $# -gt 3 ]; then
+    echo "usage: bench/offline_run.sh WHEELS OUT [SECONDS]" >&2
+    exit 2
+fi
+if ! compgen -G "$1/*.whl" >/dev/null; then
+    echo "offline_run.sh: no wheels in $1 (bench/offline_wheels.sh downloads them)" >&2
+    exit 2
+fi
 wheels=$(realpath "$1")
 mkdir -p "$2"
 out=$(realpath "$2")

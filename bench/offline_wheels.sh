@@ -9,6 +9,10 @@
 # has is installed again from DIR, into a temporary folder only.
 set -euo pipefail
 
+if [ $# -lt 1 ] || [ $# -gt 2 ]; then
+    echo "usage: bench/offline_wheels.sh DIR [PYTHON_VERSION]" >&2
+    exit 2
+fi
 dir=$1
 version=${2:-$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')}
 cd "$(dirname "$0")/.."

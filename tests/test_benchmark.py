@@ -37,6 +37,23 @@ def test_the_benchmarks_shell_scripts_pass_shellcheck() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ([], "usage: bench/offline_run.sh WHEELS OUT [SECONDS]"),
+        (
+            ["{tmp}/no-wheels", "{tmp}/out"],
+            "offline_run.sh: no wheels in {tmp}/no-wheels (bench/offline_wheels.sh downloads them)",
+        ),
+    ],
+)
+def test_the_offline_run_refuses_bad_arguments_with_one_line(tmp_path: Path, args: list[str], error: str) -> None:
+    argv = [arg.format(tmp=tmp_path) for arg in args]
+    result = subprocess.run(["bash", str(BENCH / "offline_run.sh"), *argv], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (2, error.format(tmp=tmp_path) + "\n")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_a_quick_run_shows_dataquay_without_stalls_and_the_pfs_bound_baseline_with_them(tmp_path: Path) -> None:
     rows = run_benchmark(samples=768, epochs=2, out_dir=tmp_path, progress=False)

@@ -11,8 +11,12 @@ import sys
 PROBE = "import os; {}; print(len(os.listdir('/proc/self/task')), os.environ.get('OPENBLAS_NUM_THREADS'))"
 
 
-def threads_and_setting(statement: str) -> list[str]:
+def threads_and_setting(statement: str, chosen: str | None = None) -> list[str]:
+    """Threads and the setting after ``statement``, in a process started with
+    ``OPENBLAS_NUM_THREADS`` set to ``chosen`` (unset where None)."""
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if chosen is not None:
+        env["OPENBLAS_NUM_THREADS"] = chosen
     out = subprocess.run([sys.executable, "-c", PROBE.format(statement)], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
@@ -26,7 +30,4 @@ def test_the_command_line_loads_numpy_with_one_blas_thread_and_takes_the_setting
 
 
 def test_a_number_the_environment_chose_is_kept() -> None:
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "2"}
-    statement = "import dataquay.server.cli"
-    out = subprocess.run([sys.executable, "-c", PROBE.format(statement)], env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.split()[-1] == "2", out.stderr
+    assert threads_and_setting("import dataquay.server.cli", chosen="2")[-1] == "2"

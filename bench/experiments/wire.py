@@ -28,24 +28,24 @@ Measured in one run, the variants interleaved round by round:
 
 The exchange, per size, in two more clusters of two daemons, one as shipped
 and one with ``--bulk-listen off``: the dataset staged whole on node-0; per
-round node-1's cache is wiped and it restarts, a fresh ``partial`` job with
-Q = 1 starts, node-0 is told its trainers entered epoch 0 and ships node-1
-what it owns in epoch 1 (checked, committed to LMDB, acknowledged). The rate
-is the bytes sent over the daemon's own elapsed time; the CPU seconds per GB
-are what each daemon's process used (all threads, 10 ms ticks) from the
-report of epoch 0 to the exchange's end, over the payload bytes moved. The
-raw TCP stream of the same round moves those bytes in batches of 64, as
-above. Rounds of the three take turns; node-1 loads the dataset before each
-round's clock starts. Before each timed run (an exchange, the raw stream,
-each bound below) the free memory is backed (common.back_free_memory): the
-receiver writes every byte it stores through LMDB's map into new pages, and
-on this virtual machine a write through a map into memory the host has not
+round node-1's cache is wiped (its identity key kept) and it restarts, a fresh
+``partial`` job with Q = 1 starts, node-0 is told its trainers entered epoch 0
+and ships node-1 what it owns in epoch 1 (checked, committed to LMDB,
+acknowledged). The rate is the bytes sent over the daemon's own elapsed time;
+the CPU seconds per GB are what each daemon's process used (all threads, 10 ms
+ticks) from the report of epoch 0 to the exchange's end, over the payload
+bytes moved. The raw TCP stream of the same round moves those bytes in batches
+of 64, as above. Rounds of the three take turns; node-1 loads the dataset
+before each round's clock starts. Before each timed run (an exchange, the raw
+stream, each bound below) the free memory is backed (common.back_free_memory):
+the receiver writes every byte it stores through LMDB's map into new pages,
+and on this virtual machine a write through a map into memory the host has not
 backed runs at about 0.5 GB/s against 5 GB/s into memory just freed
-(bench/experiments/first_touch.py), which the raw stream, reusing one buffer, never
-meets; a bare-metal node does not either.
-Its bounds, since the receiver acknowledges only what its cache committed,
-are those of ``bench/experiments/store_bounds.py``: the same values committed to LMDB
-(with and without ``writemap``), and put into a file's page cache.
+(bench/experiments/first_touch.py), which the raw stream, reusing one buffer,
+never meets; a bare-metal node does not either. Its bounds, since the receiver
+acknowledges only what its cache committed, are those of
+``bench/experiments/store_bounds.py``: the same values committed to LMDB (with
+and without ``writemap``), and put into a file's page cache.
 
 ``BENCH_PARTS`` (``peer``, ``exchange``; both by default) runs a part alone.
 ``BENCH_BASELINE_SOURCE=DIR`` adds a third exchange pair whose daemons run
