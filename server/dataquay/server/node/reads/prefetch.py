@@ -87,6 +87,8 @@ class TransferPrefetcher:
         self._planning: set[tuple[str, int]] = set()
         # Epochs being planned whose ranks read meanwhile: their first step is read on demand.
         self._read_early: set[tuple[str, int]] = set()
+        # Next epochs asked for before they were planned: the most steps any read wanted of each.
+        self._next_wanted: dict[tuple[str, int], int] = {}
 
     async def take(self, job_id: str, epoch: int, ids: np.ndarray) -> Fetched:
         """The prefetched samples among ``ids``, handed over (they leave the
@@ -121,8 +123,12 @@ class TransferPrefetcher:
             upcoming = self._epochs.get(job_id, {}).get(epoch + 1)
             if upcoming is not None:
                 self._fetch_steps(entry, upcoming, 0, beyond - 1)
-            elif (job_id, epoch + 1) not in self._planning:
-                self.spawn(self._plan_next(entry, placement, beyond), f"prefetch-next-{job_id}-{epoch + 1}")
+                return
+            # Planned once; the steps fetched when it is are those of the last read before.
+            key = (job_id, epoch + 1)
+            if key not in self._next_wanted and key not in self._planning:
+                self.spawn(self._plan_next(entry, placement), f"prefetch-next-{job_id}-{epoch + 1}")
+            self._next_wanted[key] = max(self._next_wanted.get(key, 0), beyond)
 
     def begin(self, entry: Registered, placement: Placement) -> None:
         """Fetches the first steps of ``placement``'s epoch before its ranks
@@ -153,13 +159,16 @@ class TransferPrefetcher:
                 self.spawn(self._get(entry, state, wanted, reserved, done), f"prefetch-{job_id}-{epoch}-{step}")
         return state.next_step - 1
 
-    async def _plan_next(self, entry: Registered, current: Placement, steps: int) -> None:
-        job_id = current.job.spec.job_id
+    async def _plan_next(self, entry: Registered, current: Placement) -> None:
+        key = (current.job.spec.job_id, current.epoch + 1)
         try:
-            upcoming = await self.placement_of(job_id, entry, current.epoch + 1)
+            upcoming = await self.placement_of(key[0], entry, key[1])
         except DataquayError:
+            self._next_wanted.pop(key, None)
             return  # the next epoch is read on demand
-        self._plan_soon(entry, upcoming, steps)
+        self._plan_soon(entry, upcoming, self._next_wanted.get(key, 0))
+        if key not in self._planning:  # planned already: later reads fetch from it
+            self._next_wanted.pop(key, None)
 
     async def _plan(self, entry: Registered, placement: Placement, then_steps: int) -> None:
         job_id, epoch = placement.job.spec.job_id, placement.epoch
@@ -172,6 +181,8 @@ class TransferPrefetcher:
             self._planning.discard((job_id, epoch))
             began = (job_id, epoch) in self._read_early
             self._read_early.discard((job_id, epoch))
+            # Reads of the epoch before may have asked for more steps while it was planned.
+            then_steps = max(then_steps, self._next_wanted.pop((job_id, epoch), 0))
         step_of = np.full(plan.num_samples, -1, dtype=np.int64)
         step_of[np.concatenate(steps)] = np.repeat(np.arange(len(steps)), [len(step) for step in steps])
         sources = placement.sources
